@@ -1,0 +1,54 @@
+// Scaled dot-product attention, forward and backward, on the CPU and (when built) on CUDA.
+//
+// Shapes (any element strides, last stride 1, so BSHD, BHSD and sliced views all work):
+//   q, o, dq       [batch, seq_q, heads_q, head_dim]
+//   k, v, dk, dv   [batch, seq_k, heads_k, head_dim]     heads_q must be a multiple of heads_k (GQA/MQA)
+//   lse            [batch, heads_q, seq_q]  fp32 (fp64 allowed for fp64 inputs), natural log
+// All of q, k, v, o, do, dq, dk, dv share one dtype and one device.
+//
+// Masking: with causal, query i sees key j when j <= i (top-left, PyTorch's is_causal) or
+// j <= i + seq_k - seq_q (bottom-right, FlashAttention >= 2.1). A query that sees no key gets
+// o = 0, lse = -inf and zero gradients.
+#pragma once
+#include <optional>
+#include <string_view>
+
+#include "flashlm/error.h"
+#include "flashlm/tensor.h"
+
+namespace flashlm {
+
+enum class CausalAlign : uint8_t { top_left, bottom_right };
+CausalAlign parse_causal_align(std::string_view name);  // "top-left" | "bottom-right"
+
+enum class AttentionImpl : uint8_t {
+  naive,  // materialised scores and probabilities (fp64 accumulation on the CPU): the reference
+  flash,  // FlashAttention-2: tiles, online softmax, O(seq) extra memory
+};
+std::string_view attention_impl_name(AttentionImpl impl);
+AttentionImpl parse_attention_impl(std::string_view name);
+
+struct AttentionOptions {
+  AttentionImpl impl = AttentionImpl::flash;
+  bool causal = false;
+  CausalAlign align = CausalAlign::top_left;
+  std::optional<double> scale;   // default 1/sqrt(head_dim)
+  bool deterministic = false;    // backward without atomics (bit-reproducible); the CPU is always so
+  void* stream = nullptr;        // cudaStream_t for CUDA tensors; ignored on the CPU
+};
+
+// o and lse are written; everything else is read.
+void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                       const TensorView& lse, const AttentionOptions& options = {});
+
+// Given the forward's o and lse and the incoming gradient dout, writes dq, dk, dv.
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                        const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                        const TensorView& dv, const AttentionOptions& options = {});
+
+// FLOPs as the FlashAttention papers count them: forward 4·B·H·Nq·Nk·D, halved when causal with
+// Nq = Nk; backward is 2.5× the forward.
+double attention_forward_flops(int64_t batch, int64_t heads, int64_t seq_q, int64_t seq_k, int64_t head_dim,
+                               bool causal);
+
+}  // namespace flashlm

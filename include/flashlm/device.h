@@ -1,0 +1,11 @@
+// What compute devices this process can use.
+#pragma once
+
+namespace flashlm {
+
+bool cuda_built();      // the library was built with CUDA kernels
+int cuda_device_count();  // 0 when not built with CUDA or no GPU/driver is present
+int cpu_threads();      // threads the CPU kernels use (OpenMP)
+void set_cpu_threads(int n);
+
+}  // namespace flashlm

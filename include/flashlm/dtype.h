@@ -1,0 +1,105 @@
+// Element types and the two 16-bit floating-point formats as plain value types.
+#pragma once
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace flashlm {
+
+enum class DType : uint8_t { f64, f32, f16, bf16 };
+
+size_t dtype_size(DType t);
+std::string_view dtype_name(DType t);            // "fp64", "fp32", "fp16", "bf16"
+DType parse_dtype(std::string_view name);        // accepts the names above and float64/float32/float16/bfloat16
+
+// IEEE binary16, stored as bits. Same layout as CUDA's __half.
+struct fp16_t {
+  uint16_t bits = 0;
+  fp16_t() = default;
+  explicit fp16_t(float f) : bits(from_float(f)) {}
+  explicit operator float() const { return to_float(bits); }
+
+  static uint16_t from_float(float f) {
+    // Round to nearest even, with subnormals, overflow to inf and NaN kept quiet.
+    const uint32_t x = std::bit_cast<uint32_t>(f);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    const uint32_t abs = x & 0x7fffffffu;
+    if (abs >= 0x7f800000u) return static_cast<uint16_t>(sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+    if (abs < 0x38800000u) {                                                // below the smallest normal
+      if (abs < 0x33000000u) return static_cast<uint16_t>(sign);           // below half the smallest subnormal
+      const uint32_t exp = abs >> 23;
+      const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+      const uint32_t shift = 126 - exp;                                     // 14 + (112 - exp)
+      uint32_t h = mant >> shift;
+      const uint32_t rem = mant & ((1u << shift) - 1);
+      const uint32_t halfway = 1u << (shift - 1);
+      if (rem > halfway || (rem == halfway && (h & 1u))) ++h;
+      return static_cast<uint16_t>(sign | h);
+    }
+    uint32_t h = ((abs - 0x38000000u) >> 13);
+    const uint32_t rem = abs & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+    return static_cast<uint16_t>(sign | h);
+  }
+  static float to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    const uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    if (exp == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mant << 13));
+    if (exp == 0) {
+      if (mant == 0) return std::bit_cast<float>(sign);
+      int e = -1;
+      do { mant <<= 1; ++e; } while (!(mant & 0x400u));
+      return std::bit_cast<float>(sign | static_cast<uint32_t>(112 - e) << 23 | (mant & 0x3ffu) << 13);
+    }
+    return std::bit_cast<float>(sign | (exp + 112) << 23 | mant << 13);
+  }
+};
+
+// bfloat16: the upper half of an IEEE binary32. Same layout as CUDA's __nv_bfloat16.
+struct bf16_t {
+  uint16_t bits = 0;
+  bf16_t() = default;
+  explicit bf16_t(float f) : bits(from_float(f)) {}
+  explicit operator float() const { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+
+  static uint16_t from_float(float f) {
+    const uint32_t x = std::bit_cast<uint32_t>(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
+    return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);                 // nearest even
+  }
+};
+
+// Conversion used by every CPU kernel: load any element type as the accumulation type and back.
+template <class To, class From>
+inline To convert(From x) {
+  if constexpr (std::is_same_v<From, fp16_t> || std::is_same_v<From, bf16_t>) {
+    return static_cast<To>(static_cast<float>(x));
+  } else if constexpr (std::is_same_v<To, fp16_t> || std::is_same_v<To, bf16_t>) {
+    return To(static_cast<float>(x));
+  } else {
+    return static_cast<To>(x);
+  }
+}
+
+template <class T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<double>() { return DType::f64; }
+template <> constexpr DType dtype_of<float>() { return DType::f32; }
+template <> constexpr DType dtype_of<fp16_t>() { return DType::f16; }
+template <> constexpr DType dtype_of<bf16_t>() { return DType::bf16; }
+
+// Calls fn(T{}) with the C++ type of `t`: the one switch from a runtime dtype to a template.
+template <class Fn>
+decltype(auto) dispatch_dtype(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::f64: return fn(double{});
+    case DType::f32: return fn(float{});
+    case DType::f16: return fn(fp16_t{});
+    case DType::bf16: return fn(bf16_t{});
+  }
+  return fn(float{});
+}
+
+}  // namespace flashlm

@@ -1,0 +1,20 @@
+// flashlm::Error: the one exception type every public entry point throws on bad input or a failed
+// runtime call. Its message names the function, the argument and what was expected.
+#pragma once
+#include <stdexcept>
+#include <string>
+
+namespace flashlm {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A request for more memory than the device (or host) can give. Benchmarks record it as `oom` and go on.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace flashlm

@@ -1,0 +1,290 @@
+// FlashAttention-2 on the CPU.
+//
+// Forward: one task per (batch, query head, tile of kBlockQ queries). The task keeps its query tile, a
+// running row maximum m, a running sum l and an unnormalised output accumulator, and streams key/value
+// tiles of kBlockK keys through them (online softmax). Key tiles that the causal mask hides completely are
+// never visited. Extra memory: a few tiles per thread, independent of the sequence length.
+//
+// Backward (deterministic, no atomics): Delta_i = rowsum(dO_i ∘ O_i) first; then one task per
+// (batch, key head, key tile) recomputes P = exp(S - lse) tile by tile and accumulates dK and dV for its
+// keys over every query head of its GQA group; then one task per (batch, query head, query tile) does the
+// same to accumulate dQ. Recomputing S twice costs two extra tile products but needs no dQ reduction.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <span>
+
+#include "attention/backends.h"
+#include "attention/cpu_rows.h"
+
+namespace flashlm {
+
+namespace {
+
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 64;
+
+// Per-thread scratch: one tracked allocation carved into named tiles.
+template <class A>
+class Scratch {
+ public:
+  Scratch(int64_t elements, std::string_view tag)
+      : buffer_(Buffer::allocate(static_cast<size_t>(elements) * sizeof(A), Device::cpu, tag)) {}
+  std::span<A> take(int64_t n) {
+    std::span<A> s(static_cast<A*>(buffer_.data()) + used_, static_cast<size_t>(n));
+    used_ += n;
+    return s;
+  }
+
+ private:
+  Buffer buffer_;
+  int64_t used_ = 0;
+};
+
+template <class A>
+constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+
+template <class T, class A>
+void load_tile(const TensorView& t, int64_t b, int64_t h, int64_t s0, int64_t rows, int64_t D, A* dst) {
+  for (int64_t r = 0; r < rows; ++r) load_row(attention_row<const T>(t, b, s0 + r, h), dst + r * D, D);
+}
+
+template <class A>
+A load_lse(const TensorView& lse, int64_t b, int64_t h, int64_t i) {
+  return lse.dtype == DType::f64 ? static_cast<A>(lse_at<double>(lse, b, h, i))
+                                 : static_cast<A>(lse_at<float>(lse, b, h, i));
+}
+
+// S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones.
+template <class A>
+void tile_scores(const AttentionProblem& p, const A* Q, const A* K, int64_t i0, int64_t rows, int64_t j0,
+                 int64_t cols, A* S) {
+  const A scale = static_cast<A>(p.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = p.visible_keys(i0 + r) - j0;  // columns [0, visible) are unmasked
+    for (int64_t c = 0; c < cols; ++c) {
+      S[r * kBlockK + c] = c < visible ? scale * dot(Q + r * p.head_dim, K + c * p.head_dim, p.head_dim) : kNegInf<A>;
+    }
+  }
+}
+
+template <class T, class A>
+void forward_task(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                  const TensorView& o, const TensorView& lse, int64_t b, int64_t h, int64_t i0, A* Q, A* K, A* V,
+                  A* S, A* acc, A* m, A* l) {
+  const int64_t D = p.head_dim, hk = h / p.group();
+  const int64_t rows = std::min(kBlockQ, p.seq_q - i0);
+  load_tile<T>(q, b, h, i0, rows, D, Q);
+  std::fill(acc, acc + rows * D, A(0));
+  std::fill(m, m + rows, kNegInf<A>);
+  std::fill(l, l + rows, A(0));
+
+  const int64_t key_end = p.visible_keys(i0 + rows - 1);  // the tile's last query sees the most keys
+  for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, key_end - j0);
+    load_tile<T>(k, b, hk, j0, cols, D, K);
+    load_tile<T>(v, b, hk, j0, cols, D, V);
+    tile_scores(p, Q, K, i0, rows, j0, cols, S);
+    for (int64_t r = 0; r < rows; ++r) {
+      A* s = S + r * kBlockK;
+      A m_new = m[r];
+      for (int64_t c = 0; c < cols; ++c) m_new = std::max(m_new, s[c]);
+      if (m_new == kNegInf<A>) continue;  // nothing visible in this row yet
+      const A alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
+      A* a = acc + r * D;
+      if (alpha != A(1)) {
+        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+      }
+      A sum = 0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const A pc = std::exp(s[c] - m_new);
+        sum += pc;
+        if (pc != A(0)) axpy(pc, V + c * D, a, D);
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+    }
+  }
+
+  for (int64_t r = 0; r < rows; ++r) {
+    A* a = acc + r * D;
+    const A inv = l[r] > 0 ? A(1) / l[r] : A(0);
+    for (int64_t d = 0; d < D; ++d) a[d] *= inv;
+    store_row(a, attention_row<T>(o, b, i0 + r, h), D);
+    const A lse_r = l[r] > 0 ? m[r] + std::log(l[r]) : kNegInf<A>;
+    if (lse.dtype == DType::f64) lse_at<double>(lse, b, h, i0 + r) = static_cast<double>(lse_r);
+    else lse_at<float>(lse, b, h, i0 + r) = static_cast<float>(lse_r);
+  }
+}
+
+template <class T, class A>
+void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+             const TensorView& o, const TensorView& lse) {
+  const int64_t D = p.head_dim;
+  const int64_t q_tiles = (p.seq_q + kBlockQ - 1) / kBlockQ;
+  const int64_t tasks = p.batch * p.heads_q * q_tiles;
+#pragma omp parallel
+  {
+    Scratch<A> w(kBlockQ * D * 2 + kBlockK * D * 2 + kBlockQ * kBlockK + kBlockQ * 2, "flash forward tiles");
+    A *Q = w.take(kBlockQ * D).data(), *acc = w.take(kBlockQ * D).data();
+    A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A *S = w.take(kBlockQ * kBlockK).data(), *m = w.take(kBlockQ).data(), *l = w.take(kBlockQ).data();
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t tile = t % q_tiles, bh = t / q_tiles;
+      forward_task<T, A>(p, q, k, v, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kBlockQ, Q, K, V, S, acc, m, l);
+    }
+  }
+}
+
+// The tiles both backward passes recompute for one (query tile, key tile) pair: P = exp(S - lse) into S,
+// and dS = P ∘ (dO Vᵀ - Delta) into dS.
+template <class A>
+void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* K, const A* V, const A* dO,
+                            const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
+                            A* dS) {
+  const int64_t D = p.head_dim;
+  tile_scores(p, Q, K, i0, rows, j0, cols, S);
+  for (int64_t r = 0; r < rows; ++r) {
+    A* s = S + r * kBlockK;
+    A* ds = dS + r * kBlockK;
+    const bool row_empty = lse[r] == kNegInf<A>;
+    for (int64_t c = 0; c < cols; ++c) {
+      s[c] = row_empty || s[c] == kNegInf<A> ? A(0) : std::exp(s[c] - lse[r]);
+      ds[c] = s[c] == A(0) ? A(0) : s[c] * (dot(dO + r * D, V + c * D, D) - delta[r]);
+    }
+  }
+}
+
+template <class T, class A>
+void backward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+              const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+              const TensorView& dk, const TensorView& dv) {
+  const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_k;
+  const A scale = static_cast<A>(p.scale);
+
+  // Delta_i = rowsum(dO_i ∘ O_i): one number per query row, O(seq) memory.
+  Buffer delta_buffer = Buffer::allocate(static_cast<size_t>(p.batch * p.heads_q * Nq) * sizeof(A), Device::cpu,
+                                         "flash backward Delta");
+  A* delta_all = static_cast<A*>(delta_buffer.data());
+#pragma omp parallel
+  {
+    Scratch<A> w(2 * D, "flash backward Delta rows");
+    A *orow = w.take(D).data(), *dorow = w.take(D).data();
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < p.batch * p.heads_q * Nq; ++row) {
+      const int64_t i = row % Nq, bh = row / Nq;
+      load_row(attention_row<const T>(o, bh / p.heads_q, i, bh % p.heads_q), orow, D);
+      load_row(attention_row<const T>(dout, bh / p.heads_q, i, bh % p.heads_q), dorow, D);
+      delta_all[row] = dot(orow, dorow, D);
+    }
+  }
+  auto delta_of = [&](int64_t b, int64_t h) { return delta_all + (b * p.heads_q + h) * Nq; };
+
+  const int64_t q_tiles = (Nq + kBlockQ - 1) / kBlockQ;
+  const int64_t k_tiles = (Nk + kBlockK - 1) / kBlockK;
+  const int64_t tile_elems = kBlockQ * D * 3 + kBlockK * D * 4 + kBlockQ * kBlockK * 2 + kBlockQ;
+
+  // dK, dV: one task per (batch, key head, key tile).
+#pragma omp parallel
+  {
+    Scratch<A> w(tile_elems, "flash backward dK/dV tiles");
+    A *Q = w.take(kBlockQ * D).data(), *dO = w.take(kBlockQ * D).data();
+    A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * D).data();
+    A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
+    A* lse_rows = w.take(kBlockQ).data();
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < p.batch * p.heads_k * k_tiles; ++t) {
+      const int64_t j0 = (t % k_tiles) * kBlockK, bhk = t / k_tiles;
+      const int64_t b = bhk / p.heads_k, hk = bhk % p.heads_k;
+      const int64_t cols = std::min(kBlockK, Nk - j0);
+      load_tile<T>(k, b, hk, j0, cols, D, K);
+      load_tile<T>(v, b, hk, j0, cols, D, V);
+      std::fill(dK, dK + cols * D, A(0));
+      std::fill(dV, dV + cols * D, A(0));
+      const int64_t first_q = p.first_query_seeing(j0) / kBlockQ * kBlockQ;
+      for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+        for (int64_t i0 = first_q; i0 < Nq; i0 += kBlockQ) {
+          const int64_t rows = std::min(kBlockQ, Nq - i0);
+          load_tile<T>(q, b, h, i0, rows, D, Q);
+          load_tile<T>(dout, b, h, i0, rows, D, dO);
+          for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
+          tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < cols; ++c) {
+              const A pc = S[r * kBlockK + c], dsc = dS[r * kBlockK + c];
+              if (pc != A(0)) axpy(pc, dO + r * D, dV + c * D, D);
+              if (dsc != A(0)) axpy(scale * dsc, Q + r * D, dK + c * D, D);
+            }
+          }
+        }
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        store_row(dK + c * D, attention_row<T>(dk, b, j0 + c, hk), D);
+        store_row(dV + c * D, attention_row<T>(dv, b, j0 + c, hk), D);
+      }
+    }
+  }
+
+  // dQ: one task per (batch, query head, query tile).
+#pragma omp parallel
+  {
+    Scratch<A> w(tile_elems, "flash backward dQ tiles");
+    A *Q = w.take(kBlockQ * D).data(), *dO = w.take(kBlockQ * D).data();
+    A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A* dQ = w.take(kBlockQ * D).data();
+    A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
+    A* lse_rows = w.take(kBlockQ).data();
+#pragma omp for schedule(dynamic)
+    for (int64_t t = 0; t < p.batch * p.heads_q * q_tiles; ++t) {
+      const int64_t i0 = (t % q_tiles) * kBlockQ, bh = t / q_tiles;
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group();
+      const int64_t rows = std::min(kBlockQ, Nq - i0);
+      load_tile<T>(q, b, h, i0, rows, D, Q);
+      load_tile<T>(dout, b, h, i0, rows, D, dO);
+      for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
+      std::fill(dQ, dQ + rows * D, A(0));
+      const int64_t key_end = p.visible_keys(i0 + rows - 1);
+      for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, key_end - j0);
+        load_tile<T>(k, b, hk, j0, cols, D, K);
+        load_tile<T>(v, b, hk, j0, cols, D, V);
+        tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            const A dsc = dS[r * kBlockK + c];
+            if (dsc != A(0)) axpy(scale * dsc, K + c * D, dQ + r * D, D);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) store_row(dQ + r * D, attention_row<T>(dq, b, i0 + r, h), D);
+    }
+  }
+}
+
+// fp64 inputs accumulate in fp64 (for gradient checks); every other dtype in fp32.
+template <class T>
+using Accum = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+}  // namespace
+
+void flash_attention_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                 const TensorView& v, const TensorView& o, const TensorView& lse) {
+  dispatch_dtype(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    forward<T, Accum<T>>(p, q, k, v, o, lse);
+  });
+}
+
+void flash_attention_backward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& o, const TensorView& lse,
+                                  const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                  const TensorView& dv) {
+  dispatch_dtype(p.dtype, [&](auto t) {
+    using T = decltype(t);
+    backward<T, Accum<T>>(p, q, k, v, o, lse, dout, dq, dk, dv);
+  });
+}
+
+}  // namespace flashlm

@@ -1,0 +1,157 @@
+// The naive attention: materialised scores S and probabilities P for every (batch, head), everything
+// accumulated in fp64. It is the oracle for every test and the O(seq²)-memory baseline of the benchmark.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention/backends.h"
+#include "attention/cpu_rows.h"
+
+namespace flashlm {
+
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+struct ReferenceScratch {
+  Buffer scores, probs;
+  double* s(int64_t bh, const AttentionProblem& p) const { return static_cast<double*>(scores.data()) + bh * p.seq_q * p.seq_k; }
+  double* pr(int64_t bh, const AttentionProblem& p) const { return static_cast<double*>(probs.data()) + bh * p.seq_q * p.seq_k; }
+};
+
+ReferenceScratch allocate_scores(const AttentionProblem& p) {
+  const size_t n = static_cast<size_t>(p.batch * p.heads_q * p.seq_q * p.seq_k) * sizeof(double);
+  return {Buffer::allocate(n, Device::cpu, "naive attention scores S"),
+          Buffer::allocate(n, Device::cpu, "naive attention probabilities P")};
+}
+
+// S = scale·QKᵀ (masked to -inf), P = softmax(S) row by row; returns nothing, fills scratch for (b, h).
+// All seq rows of head h of a [batch, seq, heads, head_dim] view, as one fp64 matrix.
+template <class T>
+void load_head(const TensorView& t, int64_t b, int64_t h, std::vector<double>& out) {
+  const int64_t n = t.size(1), D = t.size(3);
+  out.resize(static_cast<size_t>(n * D));
+  for (int64_t s = 0; s < n; ++s) load_row(attention_row<const T>(t, b, s, h), &out[static_cast<size_t>(s * D)], D);
+}
+
+template <class T>
+void scores_and_probs(const AttentionProblem& p, const TensorView& q, const std::vector<double>& kmat, int64_t b,
+                      int64_t h, double* s, double* pr, std::vector<double>& qrow, double* lse_row) {
+  const int64_t D = p.head_dim;
+  for (int64_t i = 0; i < p.seq_q; ++i) {
+    load_row(attention_row<const T>(q, b, i, h), qrow.data(), D);
+    const int64_t visible = p.visible_keys(i);
+    double m = kNegInf;
+    for (int64_t j = 0; j < p.seq_k; ++j) {
+      double sij = kNegInf;
+      if (j < visible) sij = p.scale * dot(qrow.data(), &kmat[static_cast<size_t>(j * D)], D);
+      s[i * p.seq_k + j] = sij;
+      m = std::max(m, sij);
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < p.seq_k; ++j) {
+      const double e = m == kNegInf ? 0.0 : std::exp(s[i * p.seq_k + j] - m);
+      pr[i * p.seq_k + j] = e;
+      sum += e;
+    }
+    for (int64_t j = 0; j < p.seq_k; ++j) pr[i * p.seq_k + j] = sum > 0 ? pr[i * p.seq_k + j] / sum : 0.0;
+    if (lse_row) lse_row[i] = sum > 0 ? m + std::log(sum) : kNegInf;
+  }
+}
+
+template <class T>
+void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+             const TensorView& o, const TensorView& lse) {
+  ReferenceScratch scratch = allocate_scores(p);
+  const int64_t D = p.head_dim;
+#pragma omp parallel
+  {
+    std::vector<double> qrow(D), orow(D), lse_row(p.seq_q), kmat, vmat;
+#pragma omp for schedule(dynamic)
+    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) {
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group();
+      double* s = scratch.s(bh, p);
+      double* pr = scratch.pr(bh, p);
+      load_head<T>(k, b, hk, kmat);
+      load_head<T>(v, b, hk, vmat);
+      scores_and_probs<T>(p, q, kmat, b, h, s, pr, qrow, lse_row.data());
+      for (int64_t i = 0; i < p.seq_q; ++i) {
+        std::fill(orow.begin(), orow.end(), 0.0);
+        for (int64_t j = 0; j < p.seq_k; ++j) {
+          const double pij = pr[i * p.seq_k + j];
+          if (pij != 0) axpy(pij, &vmat[static_cast<size_t>(j * D)], orow.data(), D);
+        }
+        store_row(orow.data(), attention_row<T>(o, b, i, h), D);
+        if (lse.dtype == DType::f64) lse_at<double>(lse, b, h, i) = lse_row[i];
+        else lse_at<float>(lse, b, h, i) = static_cast<float>(lse_row[i]);
+      }
+    }
+  }
+}
+
+template <class T>
+void backward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+              const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv) {
+  ReferenceScratch scratch = allocate_scores(p);  // S is reused for dP, P for dS
+  const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_k;
+#pragma omp parallel
+  {
+    std::vector<double> qrow(D), dorow(D), acc(D), kmat, vmat;
+    std::vector<double> dk_acc, dv_acc;
+#pragma omp for schedule(dynamic)
+    for (int64_t bhk = 0; bhk < p.batch * p.heads_k; ++bhk) {
+      const int64_t b = bhk / p.heads_k, hk = bhk % p.heads_k;
+      load_head<T>(k, b, hk, kmat);
+      load_head<T>(v, b, hk, vmat);
+      dk_acc.assign(static_cast<size_t>(Nk * D), 0.0);
+      dv_acc.assign(static_cast<size_t>(Nk * D), 0.0);
+      for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+        const int64_t bh = b * p.heads_q + h;
+        double* s = scratch.s(bh, p);
+        double* pr = scratch.pr(bh, p);
+        scores_and_probs<T>(p, q, kmat, b, h, s, pr, qrow, nullptr);
+        for (int64_t i = 0; i < Nq; ++i) {
+          load_row(attention_row<const T>(dout, b, i, h), dorow.data(), D);
+          // dP_ij = dO_i · V_j into s; Delta_i = Σ_j P_ij dP_ij; dS_ij = P_ij (dP_ij - Delta_i) into pr.
+          double delta = 0;
+          for (int64_t j = 0; j < Nk; ++j) {
+            s[i * Nk + j] = dot(dorow.data(), &vmat[static_cast<size_t>(j * D)], D);
+            delta += pr[i * Nk + j] * s[i * Nk + j];
+            axpy(pr[i * Nk + j], dorow.data(), &dv_acc[static_cast<size_t>(j * D)], D);
+          }
+          for (int64_t j = 0; j < Nk; ++j) pr[i * Nk + j] *= s[i * Nk + j] - delta;
+        }
+        for (int64_t i = 0; i < Nq; ++i) {
+          load_row(attention_row<const T>(q, b, i, h), qrow.data(), D);
+          std::fill(acc.begin(), acc.end(), 0.0);
+          for (int64_t j = 0; j < Nk; ++j) {
+            const double ds = pr[i * Nk + j];
+            if (ds == 0) continue;
+            axpy(p.scale * ds, &kmat[static_cast<size_t>(j * D)], acc.data(), D);
+            axpy(p.scale * ds, qrow.data(), &dk_acc[static_cast<size_t>(j * D)], D);
+          }
+          store_row(acc.data(), attention_row<T>(dq, b, i, h), D);
+        }
+      }
+      for (int64_t j = 0; j < Nk; ++j) {
+        store_row(&dk_acc[static_cast<size_t>(j * D)], attention_row<T>(dk, b, j, hk), D);
+        store_row(&dv_acc[static_cast<size_t>(j * D)], attention_row<T>(dv, b, j, hk), D);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void reference_attention_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                     const TensorView& v, const TensorView& o, const TensorView& lse) {
+  dispatch_dtype(p.dtype, [&](auto t) { forward<decltype(t)>(p, q, k, v, o, lse); });
+}
+
+void reference_attention_backward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                      const TensorView& v, const TensorView& dout, const TensorView& dq,
+                                      const TensorView& dk, const TensorView& dv) {
+  dispatch_dtype(p.dtype, [&](auto t) { backward<decltype(t)>(p, q, k, v, dout, dq, dk, dv); });
+}
+
+}  // namespace flashlm

@@ -1,0 +1,106 @@
+#include "bench/report.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <thread>
+
+#include "core/check.h"
+#include "core/cuda_runtime.h"
+
+namespace flashlm {
+
+ReportFormat parse_report_format(std::string_view name) {
+  if (name == "md" || name == "markdown") return ReportFormat::md;
+  if (name == "csv") return ReportFormat::csv;
+  if (name == "json") return ReportFormat::json;
+  fail("unknown format '{}': expected md, csv or json", name);
+}
+
+namespace {
+
+std::string cell(const nlohmann::json& v, int decimals) {
+  if (v.is_null()) return "-";
+  if (v.is_boolean()) return v.get<bool>() ? "1" : "0";
+  if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
+  if (v.is_number_float()) return fmt::format("{:.{}f}", v.get<double>(), decimals);
+  if (v.is_string()) return v.get<std::string>();
+  return v.dump();
+}
+
+std::string csv_escape(const std::string& s) {
+  if (s.find_first_of(",\"\n") == std::string::npos) return s;
+  std::string out = "\"";
+  for (char c : s) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+}  // namespace
+
+std::string render_report(const std::vector<nlohmann::json>& records, const std::vector<ReportColumn>& columns,
+                          ReportFormat format, const nlohmann::json& meta) {
+  std::string out;
+  switch (format) {
+    case ReportFormat::json: {
+      nlohmann::json doc = meta;
+      doc["records"] = records;
+      return doc.dump(1) + "\n";
+    }
+    case ReportFormat::csv: {
+      for (size_t c = 0; c < columns.size(); ++c) out += (c ? "," : "") + columns[c].key;
+      out += "\n";
+      for (const auto& r : records) {
+        for (size_t c = 0; c < columns.size(); ++c) {
+          const auto& v = r.contains(columns[c].key) ? r[columns[c].key] : nlohmann::json();
+          out += (c ? "," : "") + csv_escape(v.is_null() ? "" : v.is_number_float() ? fmt::format("{}", v.get<double>())
+                                                                                     : cell(v, 0));
+        }
+        out += "\n";
+      }
+      return out;
+    }
+    case ReportFormat::md: {
+      std::vector<std::vector<std::string>> rows;
+      std::vector<size_t> width(columns.size());
+      for (size_t c = 0; c < columns.size(); ++c) width[c] = columns[c].header.size();
+      for (const auto& r : records) {
+        std::vector<std::string> row;
+        for (size_t c = 0; c < columns.size(); ++c) {
+          row.push_back(cell(r.contains(columns[c].key) ? r[columns[c].key] : nlohmann::json(), columns[c].decimals));
+          width[c] = std::max(width[c], row.back().size());
+        }
+        rows.push_back(std::move(row));
+      }
+      auto line = [&](const std::vector<std::string>& cells) {
+        std::string s = "|";
+        for (size_t c = 0; c < cells.size(); ++c) s += fmt::format(" {:>{}} |", cells[c], width[c]);
+        return s + "\n";
+      };
+      std::vector<std::string> headers;
+      for (const auto& col : columns) headers.push_back(col.header);
+      out += line(headers);
+      out += "|";
+      for (size_t c = 0; c < columns.size(); ++c) out += std::string(width[c] + 1, '-') + ":|";
+      out += "\n";
+      for (const auto& row : rows) out += line(row);
+      return out;
+    }
+  }
+  return out;
+}
+
+std::string describe_device(Device device) {
+  if (device == Device::cuda) return cuda_device_description();
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line, model = "unknown CPU";
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) == 0) {
+      model = line.substr(line.find(':') + 2);
+      break;
+    }
+  }
+  return fmt::format("{} ({} hardware threads)", model, std::thread::hardware_concurrency());
+}
+
+}  // namespace flashlm

@@ -1,0 +1,17 @@
+// The library's narrow door to the CUDA runtime, so that host-only files need no CUDA headers.
+// Built from device_cuda.cu with CUDA, from device.cpp's fallbacks without.
+#pragma once
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace flashlm {
+
+void* cuda_malloc_or_throw(size_t bytes, std::string_view tag);  // OutOfMemory when the GPU is full
+void cuda_free_noexcept(void* p);
+int cuda_device_count_or_zero();
+int cuda_current_device();
+int cuda_pointer_device(const void* p);  // -1 for a host pointer or an unknown one
+std::string cuda_device_description();   // "NVIDIA H200 (sm_90, 132 SMs, 140 GiB), CUDA 13.0, driver 580"
+
+}  // namespace flashlm

@@ -1,0 +1,38 @@
+#include "flashlm/device.h"
+
+#include <omp.h>
+
+#include "core/check.h"
+#include "core/cuda_runtime.h"
+
+namespace flashlm {
+
+bool cuda_built() {
+#ifdef FLASHLM_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() { return cuda_device_count_or_zero(); }
+
+int cpu_threads() { return omp_get_max_threads(); }
+
+void set_cpu_threads(int n) {
+  FLASHLM_CHECK(n >= 1, "set_cpu_threads: n = {}, expected >= 1", n);
+  omp_set_num_threads(n);
+}
+
+#ifndef FLASHLM_WITH_CUDA
+void* cuda_malloc_or_throw(size_t, std::string_view tag) {
+  fail("cannot allocate '{}' on cuda: flashlm was built without CUDA", tag);
+}
+void cuda_free_noexcept(void*) {}
+int cuda_device_count_or_zero() { return 0; }
+int cuda_current_device() { return -1; }
+int cuda_pointer_device(const void*) { return -1; }
+std::string cuda_device_description() { return "no CUDA (built without it)"; }
+#endif
+
+}  // namespace flashlm

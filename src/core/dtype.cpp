@@ -1,0 +1,35 @@
+#include "flashlm/dtype.h"
+
+#include "core/check.h"
+
+namespace flashlm {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::f64: return 8;
+    case DType::f32: return 4;
+    case DType::f16:
+    case DType::bf16: return 2;
+  }
+  fail("dtype_size: unknown dtype {}", static_cast<int>(t));
+}
+
+std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::f64: return "fp64";
+    case DType::f32: return "fp32";
+    case DType::f16: return "fp16";
+    case DType::bf16: return "bf16";
+  }
+  return "unknown";
+}
+
+DType parse_dtype(std::string_view name) {
+  if (name == "fp64" || name == "float64" || name == "f64") return DType::f64;
+  if (name == "fp32" || name == "float32" || name == "f32") return DType::f32;
+  if (name == "fp16" || name == "float16" || name == "f16" || name == "half") return DType::f16;
+  if (name == "bf16" || name == "bfloat16") return DType::bf16;
+  fail("unknown dtype '{}': expected one of fp64, fp32, fp16, bf16", name);
+}
+
+}  // namespace flashlm

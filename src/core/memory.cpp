@@ -1,0 +1,113 @@
+#include "flashlm/memory.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <new>
+#include <string>
+
+#include "core/check.h"
+#include "core/cuda_runtime.h"
+
+namespace flashlm {
+
+namespace {
+
+struct Counters {
+  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> peak{0};
+};
+Counters g_counters[2];  // indexed by Device
+
+Counters& counters(Device d) { return g_counters[static_cast<int>(d)]; }
+
+void count_alloc(Device d, int64_t bytes) {
+  Counters& c = counters(d);
+  const int64_t now = c.current.fetch_add(bytes) + bytes;
+  int64_t peak = c.peak.load();
+  while (now > peak && !c.peak.compare_exchange_weak(peak, now)) {
+  }
+}
+
+// Bytes the kernel says can still be allocated without swapping (MemAvailable). Asking Linux for more
+// than this does not fail at malloc time: the process is killed later when the pages are touched.
+int64_t host_bytes_available() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return INT64_MAX;
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) { b /= 1024; ++u; }
+  return fmt::format("{:.1f} {}", b, units[u]);
+}
+
+}  // namespace
+
+std::string_view device_name(Device d) { return d == Device::cpu ? "cpu" : "cuda"; }
+
+Device parse_device(std::string_view name) {
+  if (name == "cpu") return Device::cpu;
+  if (name == "cuda" || name == "gpu") return Device::cuda;
+  fail("unknown device '{}': expected cpu or cuda", name);
+}
+
+MemoryStats memory_stats(Device d) { return {counters(d).current.load(), counters(d).peak.load()}; }
+
+void memory_reset_peak(Device d) { counters(d).peak.store(counters(d).current.load()); }
+
+Buffer Buffer::allocate(size_t bytes, Device device, std::string_view tag) {
+  Buffer b;
+  b.device_ = device;
+  b.bytes_ = bytes;
+  if (bytes == 0) return b;
+  if (device == Device::cpu) {
+    constexpr size_t kLargeRequest = size_t{256} << 20;
+    if (bytes >= kLargeRequest && static_cast<int64_t>(bytes) > host_bytes_available()) {
+      throw OutOfMemory(fmt::format("out of host memory: {} for '{}' but {} available", human_bytes(double(bytes)), tag,
+                                    human_bytes(double(host_bytes_available()))));
+    }
+    const size_t rounded = (bytes + 63) / 64 * 64;
+    b.data_ = std::aligned_alloc(64, rounded);
+    if (!b.data_) {
+      throw OutOfMemory(fmt::format("out of host memory: {} for '{}'", human_bytes(double(bytes)), tag));
+    }
+  } else {
+    b.data_ = cuda_malloc_or_throw(bytes, tag);
+  }
+  count_alloc(device, static_cast<int64_t>(bytes));
+  return b;
+}
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    release();
+    data_ = o.data_;
+    bytes_ = o.bytes_;
+    device_ = o.device_;
+    o.data_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void Buffer::release() {
+  if (!data_) return;
+  if (device_ == Device::cpu) {
+    std::free(data_);
+  } else {
+    cuda_free_noexcept(data_);
+  }
+  counters(device_).current.fetch_sub(static_cast<int64_t>(bytes_));
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+}  // namespace flashlm

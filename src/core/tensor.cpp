@@ -1,0 +1,154 @@
+#include "flashlm/tensor.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "core/check.h"
+
+namespace flashlm {
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= size(d);
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (size(d) != 1 && stride(d) != expected) return false;
+    expected *= size(d);
+  }
+  return true;
+}
+
+std::string TensorView::shape_string() const {
+  std::vector<int64_t> s(sizes.begin(), sizes.begin() + ndim);
+  return fmt::format("[{}] {} {}", fmt::join(s, ", "), dtype_name(dtype), device_name(device));
+}
+
+TensorView TensorView::permute(std::initializer_list<int> order) const {
+  FLASHLM_CHECK(static_cast<int>(order.size()) == ndim, "TensorView::permute: {} indices for a {}-dim view",
+                order.size(), ndim);
+  TensorView out = *this;
+  int i = 0;
+  unsigned seen = 0;
+  for (int d : order) {
+    FLASHLM_CHECK(d >= 0 && d < ndim && !(seen & (1u << d)), "TensorView::permute: bad dimension {}", d);
+    seen |= 1u << d;
+    out.sizes[static_cast<size_t>(i)] = size(d);
+    out.strides[static_cast<size_t>(i)] = stride(d);
+    ++i;
+  }
+  return out;
+}
+
+TensorView TensorView::slice(int dim, int64_t begin, int64_t end) const {
+  FLASHLM_CHECK(dim >= 0 && dim < ndim, "TensorView::slice: dimension {} of a {}-dim view", dim, ndim);
+  FLASHLM_CHECK(0 <= begin && begin <= end && end <= size(dim), "TensorView::slice: range [{}, {}) outside [0, {})",
+                begin, end, size(dim));
+  TensorView out = *this;
+  out.data = static_cast<char*>(data) + begin * stride(dim) * static_cast<int64_t>(dtype_size(dtype));
+  out.sizes[static_cast<size_t>(dim)] = end - begin;
+  return out;
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::span<const int64_t> sizes, Device device) {
+  FLASHLM_CHECK(sizes.size() <= static_cast<size_t>(kMaxDims), "TensorView: {} dimensions, at most {} supported",
+                sizes.size(), kMaxDims);
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.device = device;
+  v.ndim = static_cast<int>(sizes.size());
+  int64_t stride = 1;
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    FLASHLM_CHECK(sizes[static_cast<size_t>(d)] >= 0, "TensorView: negative size {} in dimension {}",
+                  sizes[static_cast<size_t>(d)], d);
+    v.sizes[static_cast<size_t>(d)] = sizes[static_cast<size_t>(d)];
+    v.strides[static_cast<size_t>(d)] = stride;
+    stride *= sizes[static_cast<size_t>(d)];
+  }
+  return v;
+}
+
+Tensor Tensor::empty(std::initializer_list<int64_t> sizes, DType dtype, Device device, std::string_view tag) {
+  return empty(std::span<const int64_t>(sizes.begin(), sizes.size()), dtype, device, tag);
+}
+
+Tensor Tensor::empty(std::span<const int64_t> sizes, DType dtype, Device device, std::string_view tag) {
+  Tensor t;
+  t.view_ = TensorView::contiguous(nullptr, dtype, sizes, device);
+  t.buffer_ = Buffer::allocate(static_cast<size_t>(t.view_.numel()) * dtype_size(dtype), device, tag);
+  t.view_.data = t.buffer_.data();
+  return t;
+}
+
+namespace {
+
+// splitmix64: a counter-based generator, so element n's value depends only on (seed, n).
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53; }
+
+void require_cpu(const TensorView& t, std::string_view fn) {
+  FLASHLM_CHECK(t.device == Device::cpu, "{}: expected a cpu tensor, got {}", fn, t.shape_string());
+  FLASHLM_CHECK(t.data != nullptr || t.numel() == 0, "{}: null data pointer for {}", fn, t.shape_string());
+}
+
+}  // namespace
+
+void fill_normal(const TensorView& t, uint64_t seed, double stddev) {
+  require_cpu(t, "fill_normal");
+  dispatch_dtype(t.dtype, [&](auto zero) {
+    using T = decltype(zero);
+    T* base = t.ptr<T>();
+    for_each_offset(t, [&](int64_t offset, int64_t n) {
+      const uint64_t key = mix(seed ^ mix(static_cast<uint64_t>(n)));
+      const double u1 = uniform01(key), u2 = uniform01(mix(key));
+      const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);  // Box-Muller
+      base[offset] = convert<T>(z * stddev);
+    });
+  });
+}
+
+void fill_value(const TensorView& t, double value) {
+  require_cpu(t, "fill_value");
+  dispatch_dtype(t.dtype, [&](auto zero) {
+    using T = decltype(zero);
+    const T x = convert<T>(value);
+    T* base = t.ptr<T>();
+    for_each_offset(t, [&](int64_t offset, int64_t) { base[offset] = x; });
+  });
+}
+
+void copy_into(const TensorView& dst, const TensorView& src) {
+  require_cpu(dst, "copy_into: dst");
+  require_cpu(src, "copy_into: src");
+  bool same = dst.ndim == src.ndim;
+  for (int d = 0; same && d < dst.ndim; ++d) same = dst.size(d) == src.size(d);
+  FLASHLM_CHECK(same, "copy_into: dst {} and src {} differ in shape", dst.shape_string(), src.shape_string());
+  // Gather the source in row-major order as fp64, then scatter: simple, and exact for every dtype here.
+  std::vector<double> values(static_cast<size_t>(src.numel()));
+  dispatch_dtype(src.dtype, [&](auto zero) {
+    using T = decltype(zero);
+    const T* base = src.ptr<T>();
+    for_each_offset(src, [&](int64_t offset, int64_t n) { values[static_cast<size_t>(n)] = convert<double>(base[offset]); });
+  });
+  dispatch_dtype(dst.dtype, [&](auto zero) {
+    using T = decltype(zero);
+    T* base = dst.ptr<T>();
+    for_each_offset(dst, [&](int64_t offset, int64_t n) { base[offset] = convert<T>(values[static_cast<size_t>(n)]); });
+  });
+}
+
+}  // namespace flashlm

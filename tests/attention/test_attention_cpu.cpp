@@ -1,0 +1,272 @@
+// CPU FlashAttention-2 against the fp64 naive reference over ragged shapes, layouts, GQA, masks, head
+// dims and dtypes; gradients against central finite differences; fully-masked rows; O(seq) memory.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention/attention_testing.h"
+#include "flashlm/attention.h"
+
+using namespace flashlm;
+using namespace flashlm::testing;
+
+namespace {
+
+enum class Mask { none, top_left, bottom_right };
+
+struct Case {
+  int64_t B, Nq, Nk, Hq, Hk, D;
+  Layout layout;
+  Mask mask;
+  DType dtype;
+};
+
+std::string case_name(const Case& c) {
+  const char* mask = c.mask == Mask::none ? "full" : c.mask == Mask::top_left ? "causalTL" : "causalBR";
+  return fmt::format("b{}_q{}_k{}_h{}x{}_d{}_{}_{}_{}", c.B, c.Nq, c.Nk, c.Hq, c.Hk, c.D, layout_name(c.layout), mask,
+                     dtype_name(c.dtype));
+}
+
+AttentionOptions options_for(Mask mask, AttentionImpl impl) {
+  AttentionOptions o;
+  o.impl = impl;
+  o.causal = mask != Mask::none;
+  o.align = mask == Mask::bottom_right ? CausalAlign::bottom_right : CausalAlign::top_left;
+  return o;
+}
+
+// Everything one attention call reads and writes, in one layout and dtype.
+struct Problem {
+  LaidOut q, k, v, o, dout, dq, dk, dv;
+  Tensor lse;
+  Problem(const Case& c, Layout layout, DType dtype, uint64_t seed)
+      : q(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        k(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
+        v(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
+        o(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        dout(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        dq(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        dk(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
+        dv(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
+        lse(Tensor::empty({c.B, c.Hq, c.Nq}, dtype == DType::f64 ? DType::f64 : DType::f32)) {
+    fill_normal(q.view, seed);
+    fill_normal(k.view, seed + 1);
+    fill_normal(v.view, seed + 2);
+    fill_normal(dout.view, seed + 3);
+    poison();
+  }
+  // NaN in every output: an element the kernel forgets to write fails the comparison.
+  void poison() {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    for (auto* t : {&o, &dq, &dk, &dv}) fill_value(t->view, nan);
+    fill_value(lse, nan);
+  }
+  // The same inputs (already rounded to their dtype) as fp64 BSHD tensors.
+  Problem(const Problem& src, const Case& c)
+      : Problem(c, Layout::bshd, DType::f64, 0) {
+    copy_into(q.view, src.q.view);
+    copy_into(k.view, src.k.view);
+    copy_into(v.view, src.v.view);
+    copy_into(dout.view, src.dout.view);
+  }
+  void forward(const AttentionOptions& opt) { attention_forward(q.view, k.view, v.view, o.view, lse, opt); }
+  void backward(const AttentionOptions& opt) {
+    attention_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, opt);
+  }
+  void run(const AttentionOptions& opt) {
+    forward(opt);
+    backward(opt);
+  }
+};
+
+// Allowed max-abs error of a result against the fp64 oracle. fp16/bf16 follow FlashAttention's rule:
+// at most twice the error of the naive attention computed with the same low-precision storage, plus 1e-3.
+double tolerance(DType dtype, double naive_lowp_error, double ref_scale) {
+  switch (dtype) {
+    case DType::f64: return 1e-10 * std::max(1.0, ref_scale);
+    case DType::f32: return 2e-5 * std::max(1.0, ref_scale);
+    default: return 2 * naive_lowp_error + 1e-3;
+  }
+}
+
+class FlashCpuVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FlashCpuVsReference, ForwardAndBackwardMatchFp64Oracle) {
+  const Case c = GetParam();
+  const AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
+  const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
+
+  Problem ours(c, c.layout, c.dtype, 1000 + static_cast<uint64_t>(c.Nq * 7 + c.Nk));
+  ours.run(flash);
+  Problem ref(ours, c);  // fp64 oracle on the very same (rounded) inputs
+  ref.run(naive);
+  Problem naive_lowp(c, c.layout, c.dtype, 0);  // naive attention with the same low-precision storage
+  copy_into(naive_lowp.q.view, ours.q.view);
+  copy_into(naive_lowp.k.view, ours.k.view);
+  copy_into(naive_lowp.v.view, ours.v.view);
+  copy_into(naive_lowp.dout.view, ours.dout.view);
+  naive_lowp.run(naive);
+
+  struct Pair {
+    const char* name;
+    const TensorView &got, &want, &lowp;
+  };
+  for (const Pair& t : {Pair{"o", ours.o.view, ref.o.view, naive_lowp.o.view},
+                        Pair{"dq", ours.dq.view, ref.dq.view, naive_lowp.dq.view},
+                        Pair{"dk", ours.dk.view, ref.dk.view, naive_lowp.dk.view},
+                        Pair{"dv", ours.dv.view, ref.dv.view, naive_lowp.dv.view}}) {
+    const double err = max_abs_diff(t.got, t.want);
+    const double tol = tolerance(c.dtype, max_abs_diff(t.lowp, t.want), max_abs(t.want));
+    EXPECT_LE(err, tol) << t.name << " of " << case_name(c) << " (max |ref| " << max_abs(t.want) << ")";
+  }
+  // logsumexp: finite where a key is visible, -inf where none is, never NaN.
+  Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);
+  for (int64_t i = 0; i < lse_ref.numel(); ++i) {
+    const double a = lse_ours.view().ptr<double>()[i], b = lse_ref.view().ptr<double>()[i];
+    if (std::isinf(b)) {
+      EXPECT_EQ(a, b) << "lse[" << i << "] of " << case_name(c);
+    } else {
+      EXPECT_NEAR(a, b, c.dtype == DType::f64 ? 1e-10 : 1e-4) << "lse[" << i << "] of " << case_name(c);
+    }
+  }
+}
+
+std::vector<Case> grid() {
+  std::vector<Case> cases;
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::sliced};
+  const Mask masks[] = {Mask::none, Mask::top_left, Mask::bottom_right};
+  int n = 0;
+  // Ragged lengths with Nk != Nq, every mask and layout.
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 1}, {1, 77}, {17, 17}, {17, 130}, {127, 64}, {127, 127},
+                        {1000, 1000}, {1000, 333}, {65, 1000}}) {
+    for (Mask m : masks) {
+      cases.push_back({2, nq, nk, 2, 2, 64, layouts[n % 3], m, DType::f32});
+      ++n;
+    }
+  }
+  // Every head dim (with GQA and MQA along the way).
+  for (int64_t d : {16, 32, 64, 128, 256}) {
+    cases.push_back({1, 129, 97, 4, 2, d, layouts[d % 3], Mask::top_left, DType::f32});
+    cases.push_back({2, 64, 200, 6, 1, d, layouts[(d + 1) % 3], Mask::bottom_right, DType::f32});
+  }
+  // Odd head dims are accepted on the CPU.
+  cases.push_back({1, 33, 45, 3, 3, 40, Layout::sliced, Mask::none, DType::f32});
+  // Every dtype.
+  for (DType t : {DType::f64, DType::f16, DType::bf16}) {
+    for (Mask m : masks) cases.push_back({2, 150, 131, 4, 2, 64, layouts[static_cast<int>(m)], m, t});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, FlashCpuVsReference, ::testing::ValuesIn(grid()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+
+// Central finite differences of L = Σ O ∘ W (so dO = W) in fp64, for both implementations.
+class FiniteDifferences : public ::testing::TestWithParam<std::tuple<AttentionImpl, Mask>> {};
+
+TEST_P(FiniteDifferences, GradientsMatchCentralDifferences) {
+  const auto [impl, mask] = GetParam();
+  const Case c{1, 7, 9, 4, 2, 8, Layout::bhsd, mask, DType::f64};
+  AttentionOptions opt = options_for(mask, impl);
+  opt.scale = 0.7;  // a custom scale, so the scale's use in the gradients is checked too
+  Problem p(c, c.layout, DType::f64, 42);
+  p.run(opt);
+
+  auto loss = [&] {
+    p.forward(opt);
+    Tensor o = to_f64(p.o.view), w = to_f64(p.dout.view);
+    double s = 0;
+    for (int64_t i = 0; i < o.numel(); ++i) s += o.view().ptr<double>()[i] * w.view().ptr<double>()[i];
+    return s;
+  };
+  const double eps = 1e-6;
+  for (auto [name, x, g] : {std::tuple{"q", &p.q, &p.dq}, {"k", &p.k, &p.dk}, {"v", &p.v, &p.dv}}) {
+    Tensor analytic = to_f64(g->view);
+    Tensor xs = to_f64(x->view);
+    for (int64_t i = 0; i < xs.numel(); ++i) {
+      double* xi = xs.view().ptr<double>() + i;
+      const double saved = *xi;
+      *xi = saved + eps;
+      copy_into(x->view, xs);
+      const double up = loss();
+      *xi = saved - eps;
+      copy_into(x->view, xs);
+      const double down = loss();
+      *xi = saved;
+      copy_into(x->view, xs);
+      EXPECT_NEAR(analytic.view().ptr<double>()[i], (up - down) / (2 * eps), 1e-6) << "d" << name << "[" << i << "]";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Impls, FiniteDifferences,
+    ::testing::Combine(::testing::Values(AttentionImpl::flash, AttentionImpl::naive),
+                       ::testing::Values(Mask::none, Mask::top_left, Mask::bottom_right)),
+    [](const auto& info) {
+      const Mask m = std::get<1>(info.param);
+      return std::string(attention_impl_name(std::get<0>(info.param))) +
+             (m == Mask::none ? "_full" : m == Mask::top_left ? "_causalTL" : "_causalBR");
+    });
+
+TEST(FlashCpu, FullyMaskedRowsGiveZeroOutputNegInfLseAndZeroGradients) {
+  // Bottom-right alignment with more queries than keys: queries 0..5 see no key.
+  const Case c{1, 10, 4, 2, 1, 32, Layout::bshd, Mask::bottom_right, DType::f32};
+  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+    Problem p(c, c.layout, c.dtype, 5);
+    p.run(options_for(c.mask, impl));
+    const TensorView& o = p.o.view;
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t i = 0; i < 10; ++i) {
+        const float lse = p.lse.view().ptr<float>()[h * 10 + i];
+        const float* orow = o.ptr<float>() + i * o.stride(1) + h * o.stride(2);
+        const float* dqrow = p.dq.view.ptr<float>() + i * o.stride(1) + h * o.stride(2);
+        if (i < 6) {
+          EXPECT_EQ(lse, -std::numeric_limits<float>::infinity()) << attention_impl_name(impl) << " row " << i;
+          for (int d = 0; d < 32; ++d) {
+            EXPECT_EQ(orow[d], 0.0f);
+            EXPECT_EQ(dqrow[d], 0.0f);
+          }
+        } else {
+          EXPECT_TRUE(std::isfinite(lse));
+        }
+      }
+    }
+    EXPECT_TRUE(all_finite_or_neg_inf(p.dk.view));
+    EXPECT_TRUE(all_finite_or_neg_inf(p.dv.view));
+  }
+}
+
+TEST(FlashCpu, BackwardIsBitwiseDeterministic) {
+  const Case c{2, 300, 257, 4, 2, 64, Layout::bhsd, Mask::top_left, DType::f32};
+  Problem a(c, c.layout, c.dtype, 9), b(c, c.layout, c.dtype, 9);
+  a.run(options_for(c.mask, AttentionImpl::flash));
+  b.run(options_for(c.mask, AttentionImpl::flash));
+  EXPECT_EQ(max_abs_diff(a.dq.view, b.dq.view), 0.0);
+  EXPECT_EQ(max_abs_diff(a.dk.view, b.dk.view), 0.0);
+  EXPECT_EQ(max_abs_diff(a.dv.view, b.dv.view), 0.0);
+}
+
+// Extra memory of one forward + backward (everything the call allocates beyond its arguments).
+int64_t extra_bytes(AttentionImpl impl, int64_t n) {
+  const Case c{1, n, n, 2, 2, 64, Layout::bshd, Mask::none, DType::f32};
+  Problem p(c, c.layout, c.dtype, 3);
+  const int64_t base = memory_stats(Device::cpu).current_bytes;
+  memory_reset_peak(Device::cpu);
+  p.run(options_for(c.mask, impl));
+  return memory_stats(Device::cpu).peak_bytes - base;
+}
+
+TEST(FlashCpu, ExtraMemoryGrowsLinearlyWhileNaiveGrowsQuadratically) {
+  const int64_t flash_1k = extra_bytes(AttentionImpl::flash, 1024), flash_2k = extra_bytes(AttentionImpl::flash, 2048);
+  const int64_t naive_1k = extra_bytes(AttentionImpl::naive, 1024), naive_2k = extra_bytes(AttentionImpl::naive, 2048);
+  // flash: the only sequence-sized buffer is Delta (one fp32 per query row and head).
+  EXPECT_LE(flash_2k - flash_1k, 1024 * 2 * 4) << flash_1k << " -> " << flash_2k;
+  // naive: S and P are seq² per head: doubling seq quadruples them.
+  EXPECT_GE(naive_2k, 3.9 * double(naive_1k)) << naive_1k << " -> " << naive_2k;
+}
+
+}  // namespace

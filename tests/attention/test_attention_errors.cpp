@@ -1,0 +1,144 @@
+// Every bad argument to attention_forward / attention_backward is a flashlm::Error naming the argument.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "flashlm/attention.h"
+
+using namespace flashlm;
+
+namespace {
+
+struct Args {
+  Tensor q = Tensor::empty({2, 8, 4, 16}, DType::f32);
+  Tensor k = Tensor::empty({2, 6, 2, 16}, DType::f32);
+  Tensor v = Tensor::empty({2, 6, 2, 16}, DType::f32);
+  Tensor o = Tensor::empty({2, 8, 4, 16}, DType::f32);
+  Tensor lse = Tensor::empty({2, 4, 8}, DType::f32);
+  Tensor dout = Tensor::empty({2, 8, 4, 16}, DType::f32);
+  Tensor dq = Tensor::empty({2, 8, 4, 16}, DType::f32);
+  Tensor dk = Tensor::empty({2, 6, 2, 16}, DType::f32);
+  Tensor dv = Tensor::empty({2, 6, 2, 16}, DType::f32);
+  TensorView Q = q, K = k, V = v, O = o, L = lse, dO = dout, dQ = dq, dK = dk, dV = dv;
+  Args() {
+    for (const Tensor* t : {&q, &k, &v, &dout}) fill_normal(*t, 1);
+  }
+  void forward() { attention_forward(Q, K, V, O, L); }
+  void backward() { attention_backward(Q, K, V, O, L, dO, dQ, dK, dV); }
+};
+
+// Runs `call` and checks that it throws flashlm::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& call, std::initializer_list<std::string> fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected flashlm::Error";
+  } catch (const Error& e) {
+    for (const auto& f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+  }
+}
+
+TEST(AttentionErrors, ValidArgumentsRun) {
+  Args a;
+  EXPECT_NO_THROW(a.forward());
+  EXPECT_NO_THROW(a.backward());
+}
+
+TEST(AttentionErrors, WrongRank) {
+  Args a;
+  a.K = TensorView::contiguous(a.k.data(), DType::f32, {2, 6, 32});
+  expect_error([&] { a.forward(); }, {"attention_forward", "k:", "expected 4 dimensions"});
+}
+
+TEST(AttentionErrors, HeadDimMismatch) {
+  Args a;
+  a.K = TensorView::contiguous(a.k.data(), DType::f32, {2, 6, 4, 8});
+  a.V = a.K;
+  expect_error([&] { a.forward(); }, {"k:", "head_dim 8 differs from q's head_dim 16"});
+}
+
+TEST(AttentionErrors, BatchMismatch) {
+  Args a;
+  a.K = a.k.view().slice(0, 0, 1);
+  a.V = a.v.view().slice(0, 0, 1);
+  expect_error([&] { a.forward(); }, {"k:", "batch 1 differs from q's batch 2"});
+}
+
+TEST(AttentionErrors, ValueShapeDiffersFromKey) {
+  Args a;
+  a.V = a.v.view().slice(1, 0, 5);
+  expect_error([&] { a.forward(); }, {"v:", "expected the shape of k"});
+}
+
+TEST(AttentionErrors, HeadsNotAMultiple) {
+  Args a;
+  a.Q = a.q.view().slice(2, 0, 3);
+  a.O = a.o.view().slice(2, 0, 3);
+  a.L = a.lse.view().slice(1, 0, 3);
+  expect_error([&] { a.forward(); }, {"heads_q = 3 is not a multiple of k's heads_k = 2"});
+}
+
+TEST(AttentionErrors, NonUnitLastStride) {
+  Args a;
+  a.Q = a.q.view().permute({0, 1, 3, 2});  // [2, 8, 16, 4]: head_dim stride 16... and heads 16
+  a.Q = TensorView::contiguous(a.q.data(), DType::f32, {2, 8, 4, 16});
+  a.Q.strides = {512, 64, 1, 4};  // head_dim strided
+  expect_error([&] { a.forward(); }, {"q:", "stride 1"});
+}
+
+TEST(AttentionErrors, DtypeMismatch) {
+  Args a;
+  Tensor k16 = Tensor::empty({2, 6, 2, 16}, DType::bf16);
+  a.K = k16;
+  expect_error([&] { a.forward(); }, {"k:", "dtype bf16 differs from q's fp32"});
+}
+
+TEST(AttentionErrors, LseWrongDtypeOrShape) {
+  Args a;
+  Tensor lse64 = Tensor::empty({2, 4, 8}, DType::f64);
+  a.L = lse64;
+  expect_error([&] { a.forward(); }, {"lse:", "expected dtype fp32"});
+  Args b;
+  b.L = b.lse.view().slice(2, 0, 7);
+  expect_error([&] { b.forward(); }, {"lse:", "expected shape [2, 4, 8]"});
+}
+
+TEST(AttentionErrors, NullPointers) {
+  Args a;
+  a.Q.data = nullptr;
+  expect_error([&] { a.forward(); }, {"q:", "null data pointer"});
+  Args b;
+  b.dK.data = nullptr;
+  expect_error([&] { b.backward(); }, {"attention_backward", "dk:", "null data pointer"});
+}
+
+TEST(AttentionErrors, GradientShapes) {
+  Args a;
+  a.dV = a.dv.view().slice(1, 0, 3);
+  expect_error([&] { a.backward(); }, {"dv:", "expected the shape of v"});
+  Args b;
+  b.dO = b.dout.view().slice(3, 0, 8);
+  expect_error([&] { b.backward(); }, {"dout:", "expected the shape of q"});
+}
+
+TEST(AttentionErrors, NonFiniteScale) {
+  Args a;
+  AttentionOptions opt;
+  opt.scale = std::numeric_limits<double>::infinity();
+  expect_error([&] { attention_forward(a.Q, a.K, a.V, a.O, a.L, opt); }, {"scale:", "finite"});
+}
+
+TEST(AttentionErrors, BadNamesAreErrors) {
+  expect_error([] { parse_attention_impl("fast"); }, {"unknown attention implementation 'fast'"});
+  expect_error([] { parse_causal_align("middle"); }, {"unknown causal alignment 'middle'"});
+}
+
+TEST(AttentionErrors, FailedCallLeavesOutputsUntouched) {
+  Args a;
+  fill_value(a.o, 7.0);
+  a.L = a.lse.view().slice(2, 0, 7);  // invalid: nothing may be written
+  EXPECT_THROW(a.forward(), Error);
+  for (int64_t i = 0; i < a.o.numel(); ++i) ASSERT_EQ(a.o.view().ptr<float>()[i], 7.0f);
+}
+
+}  // namespace
