@@ -77,22 +77,32 @@ void write_output(const std::string& text, const std::string& path) {
 
 struct AttentionBenchArgs {
   std::string impl = "naive,flash", dtype = "fp32", d = "64", seq = "1024,2048,4096", batch = "1", heads = "1";
-  std::string causal = "0", align = "top-left", device = "cpu", format = "md", out;
+  std::string causal = "0", align = "top-left", device = "cpu", format = "md", out, grid;
   int warmup = 1, reps = 3, threads = 0;
-  bool forward_only = false, quiet = false;
+  bool forward_only = false, quiet = false, deterministic = false;
 };
 
 void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
   CLI::App* cmd = app.add_subcommand("attention-bench", "Time attention forward and backward over a grid of shapes");
   cmd->add_option("--impl", a.impl, "Implementations, comma list of naive,flash")->capture_default_str();
   cmd->add_option("--dtype", a.dtype, "Element types, comma list of fp32,fp64,fp16,bf16")->capture_default_str();
-  cmd->add_option("--d", a.d, "Head dimensions, comma list")->capture_default_str();
-  cmd->add_option("--seq", a.seq, "Sequence lengths (queries = keys), comma list")->capture_default_str();
-  cmd->add_option("--batch", a.batch, "Batch sizes, comma list")->capture_default_str();
-  cmd->add_option("--heads", a.heads, "Head counts, comma list")->capture_default_str();
-  cmd->add_flag("--causal{1}", a.causal,
-                "Causal mask: bare --causal means causal only; --causal=0,1 runs both")
-      ->capture_default_str();
+  auto* d = cmd->add_option("--d", a.d, "Head dimensions, comma list")->capture_default_str();
+  auto* seq = cmd->add_option("--seq", a.seq, "Sequence lengths (queries = keys), comma list")->capture_default_str();
+  auto* batch = cmd->add_option("--batch", a.batch, "Batch sizes, comma list")->capture_default_str();
+  auto* heads = cmd->add_option("--heads", a.heads, "Head counts, comma list")->capture_default_str();
+  auto* causal = cmd->add_flag("--causal{1}", a.causal,
+                               "Causal mask: bare --causal means causal only; --causal=0,1 runs both")
+                     ->capture_default_str();
+  cmd->add_option("--grid", a.grid,
+                  "A named set of shapes instead of --d/--seq/--batch/--heads/--causal: 'fa' (16k tokens per batch, "
+                  "heads*d = 2048, d 64,128, seq 512..16384, causal and not) or 'seed' (batch 8, one head, "
+                  "d 16..128, seq 256..32768, causal)")
+      ->excludes(d)
+      ->excludes(seq)
+      ->excludes(batch)
+      ->excludes(heads)
+      ->excludes(causal);
+  cmd->add_flag("--deterministic", a.deterministic, "CUDA backward without atomics (bit-reproducible dQ)");
   cmd->add_option("--causal-align", a.align, "top-left (PyTorch is_causal) or bottom-right")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--warmup", a.warmup, "Untimed runs before timing")->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -111,11 +121,15 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
   try {
     cfg.impls = parse_list<AttentionImpl>("--impl", a.impl, [](const std::string& s) { return parse_attention_impl(s); });
     cfg.dtypes = parse_list<DType>("--dtype", a.dtype, [](const std::string& s) { return parse_dtype(s); });
-    cfg.head_dims = parse_list<int64_t>("--d", a.d, parse_positive);
-    cfg.seqs = parse_list<int64_t>("--seq", a.seq, parse_positive);
-    cfg.batches = parse_list<int64_t>("--batch", a.batch, parse_positive);
-    cfg.heads = parse_list<int64_t>("--heads", a.heads, parse_positive);
-    cfg.causal = parse_list<bool>("--causal", a.causal, parse_bool);
+    if (!a.grid.empty()) {
+      cfg.shapes = attention_named_grid(a.grid);
+    } else {
+      cfg.shapes = attention_shape_grid(parse_list<int64_t>("--d", a.d, parse_positive),
+                                        parse_list<int64_t>("--seq", a.seq, parse_positive),
+                                        parse_list<int64_t>("--batch", a.batch, parse_positive),
+                                        parse_list<int64_t>("--heads", a.heads, parse_positive),
+                                        parse_list<bool>("--causal", a.causal, parse_bool));
+    }
     cfg.align = parse_causal_align(a.align);
     cfg.device = parse_device(a.device);
     format = parse_report_format(a.format);
@@ -127,6 +141,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
                                   : "--device cuda: flashlm was built without CUDA");
   }
   if (a.threads > 0) set_cpu_threads(a.threads);
+  cfg.deterministic = a.deterministic;
   cfg.warmup = a.warmup;
   cfg.reps = a.reps;
   cfg.backward = !a.forward_only;

@@ -13,15 +13,25 @@ namespace flashlm {
 enum class ReportFormat : uint8_t { md, csv, json };
 ReportFormat parse_report_format(std::string_view name);  // "md" | "csv" | "json"
 
+struct AttentionShape {
+  int64_t batch = 1, heads = 1, seq = 1024, head_dim = 64;
+  bool causal = false;
+};
+
+// Every combination of the lists, in the order head_dim, seq, batch, heads, causal.
+std::vector<AttentionShape> attention_shape_grid(const std::vector<int64_t>& head_dims, const std::vector<int64_t>& seqs,
+                                                 const std::vector<int64_t>& batches, const std::vector<int64_t>& heads,
+                                                 const std::vector<bool>& causal);
+// Named grids: "fa" (FlashAttention papers: 16k tokens per batch, heads·head_dim = 2048, d 64 and 128,
+// seq 512..16384, causal and not) and "seed" (batch 8, one head, d 16..128, seq 256..32768, causal).
+std::vector<AttentionShape> attention_named_grid(std::string_view name);
+
 struct AttentionBenchConfig {
   std::vector<AttentionImpl> impls{AttentionImpl::flash};
   std::vector<DType> dtypes{DType::f32};
-  std::vector<int64_t> head_dims{64};
-  std::vector<int64_t> seqs{1024};
-  std::vector<int64_t> batches{1};
-  std::vector<int64_t> heads{1};
-  std::vector<bool> causal{false};
+  std::vector<AttentionShape> shapes{AttentionShape{}};
   CausalAlign align = CausalAlign::top_left;
+  bool deterministic = false;  // the backward's deterministic dQ mode (CUDA)
   Device device = Device::cpu;
   int warmup = 1;
   int reps = 3;
@@ -38,8 +48,8 @@ struct AttentionBenchRecord {
   std::string message;        // why, when status is not ok
 };
 
-// Runs the grid (impl × dtype × head_dim × seq × batch × heads × causal). A row that runs out of memory
-// or fails records its status and the sweep goes on.
+// Runs impl × dtype × shape. A row that runs out of memory or fails records its status and the sweep
+// goes on.
 std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig& config);
 
 // md (a table), csv, or json ({"meta": {...}, "records": [...]}, the schema shared/bench/compare.py reads).

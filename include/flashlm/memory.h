@@ -25,6 +25,9 @@ class Buffer {
  public:
   Buffer() = default;
   static Buffer allocate(size_t bytes, Device device, std::string_view tag);
+  // Stream-ordered CUDA allocation (cudaMallocAsync): usable by work queued on `stream` and freed on it,
+  // without synchronising. For per-call kernel workspaces.
+  static Buffer allocate_on_stream(size_t bytes, std::string_view tag, void* stream);
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept;
   Buffer(const Buffer&) = delete;
@@ -40,6 +43,8 @@ class Buffer {
   void* data_ = nullptr;
   size_t bytes_ = 0;
   Device device_ = Device::cpu;
+  void* stream_ = nullptr;  // set for stream-ordered allocations
+  bool stream_ordered_ = false;
 };
 
 }  // namespace flashlm

@@ -18,4 +18,31 @@ void flash_attention_backward_cpu(const AttentionProblem& p, const TensorView& q
                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                   const TensorView& dv);
 
+#ifdef FLASHLM_WITH_CUDA
+// CUDA backends: tensors are on the current device, validated for alignment and head dim by
+// attention.cpp; `stream` is a cudaStream_t. They launch asynchronously and check each launch.
+
+// flash: fp16/bf16 on tensor cores (attention/cuda/flash_*.cu); fp32 on CUDA cores (flash_f32.cu).
+void flash_attention_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
+void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& o, const TensorView& lse,
+                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                   const TensorView& dv, bool deterministic, void* stream);
+void flash_attention_forward_cuda_f32(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                      const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
+void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                       const TensorView& v, const TensorView& o, const TensorView& lse,
+                                       const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                       const TensorView& dv, void* stream);
+
+// naive: materialised S and P through cuBLAS plus softmax kernels (attention/cuda/naive.cu).
+void naive_attention_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
+void naive_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& o, const TensorView& lse,
+                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                   const TensorView& dv, void* stream);
+#endif
+
 }  // namespace flashlm

@@ -4,10 +4,12 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <functional>
 #include <vector>
 
 #include "bench/report.h"
 #include "core/check.h"
+#include "core/cuda_runtime.h"
 #include "flashlm/device.h"
 
 namespace flashlm {
@@ -20,10 +22,14 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Median wall time of `reps` calls after `warmup` untimed ones. CPU calls are synchronous.
-template <class Fn>
-double median_ms(int warmup, int reps, Fn&& fn) {
+// Median time of `reps` calls after `warmup` untimed ones: wall time on the CPU (calls are synchronous),
+// CUDA events around each call on the GPU.
+double median_ms(Device device, int warmup, int reps, const std::function<void()>& fn) {
   for (int i = 0; i < warmup; ++i) fn();
+  if (device == Device::cuda) {
+    cuda_synchronize();
+    return median(cuda_time_each_ms(fn, reps));
+  }
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -37,7 +43,6 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, AttentionImpl impl, DType dtype) {
   const Device dev = cfg.device;
-  FLASHLM_CHECK(dev == Device::cpu, "attention-bench: --device cuda needs a CUDA build");
   // Inputs first; everything allocated after `base` is the pass's extra memory (outputs, gradients and
   // workspace), the same convention as the PyTorch peers' torch.cuda.max_memory_allocated().
   Tensor q = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "q");
@@ -53,16 +58,18 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   opt.impl = impl;
   opt.causal = rec.causal;
   opt.align = cfg.align;
+  opt.deterministic = cfg.deterministic;
 
   const int64_t base = memory_stats(dev).current_bytes;
   memory_reset_peak(dev);
   Tensor o = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "o");
   Tensor lse = Tensor::empty({rec.batch, rec.heads, rec.seq_q}, DType::f32, dev, "lse");
   attention_forward(q, k, v, o, lse, opt);
+  if (dev == Device::cuda) cuda_synchronize();
   rec.peak_fwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
 
   const double flops = attention_forward_flops(rec.batch, rec.heads, rec.seq_q, rec.seq_k, rec.head_dim, rec.causal);
-  rec.fwd_ms = median_ms(cfg.warmup, cfg.reps, [&] { attention_forward(q, k, v, o, lse, opt); });
+  rec.fwd_ms = median_ms(dev, cfg.warmup, cfg.reps, [&] { attention_forward(q, k, v, o, lse, opt); });
   rec.fwd_tflops = flops / *rec.fwd_ms / 1e9;
   if (!cfg.backward) return;
 
@@ -71,8 +78,9 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   Tensor dk = Tensor::empty({rec.batch, rec.seq_k, rec.heads, rec.head_dim}, dtype, dev, "dk");
   Tensor dv = Tensor::empty({rec.batch, rec.seq_k, rec.heads, rec.head_dim}, dtype, dev, "dv");
   attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt);
+  if (dev == Device::cuda) cuda_synchronize();
   rec.peak_bwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
-  rec.bwd_ms = median_ms(cfg.warmup, cfg.reps, [&] { attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt); });
+  rec.bwd_ms = median_ms(dev, cfg.warmup, cfg.reps, [&] { attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt); });
   rec.bwd_tflops = 2.5 * flops / *rec.bwd_ms / 1e9;
 }
 
@@ -84,46 +92,67 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
   FLASHLM_CHECK(cfg.reps >= 1, "attention-bench: reps must be at least 1, got {}", cfg.reps);
   FLASHLM_CHECK(cfg.warmup >= 0, "attention-bench: warmup must be >= 0, got {}", cfg.warmup);
   std::vector<AttentionBenchRecord> records;
-  for (AttentionImpl impl : cfg.impls)
+  const size_t total = cfg.impls.size() * cfg.dtypes.size() * cfg.shapes.size();
+  for (const AttentionShape& shape : cfg.shapes)
     for (DType dtype : cfg.dtypes)
-      for (int64_t d : cfg.head_dims)
-        for (int64_t n : cfg.seqs)
-          for (int64_t b : cfg.batches)
-            for (int64_t h : cfg.heads)
-              for (bool causal : cfg.causal) {
-                AttentionBenchRecord rec;
-                rec.impl = std::string(attention_impl_name(impl));
-                rec.dtype = std::string(dtype_name(dtype));
-                rec.device = std::string(device_name(cfg.device));
-                rec.batch = b;
-                rec.heads = h;
-                rec.seq_q = rec.seq_k = n;
-                rec.head_dim = d;
-                rec.causal = causal;
-                try {
-                  measure_row(cfg, rec, impl, dtype);
-                } catch (const OutOfMemory& e) {
-                  rec.status = "oom";
-                  rec.message = e.what();
-                } catch (const std::bad_alloc&) {
-                  rec.status = "oom";
-                  rec.message = "std::bad_alloc";
-                } catch (const Error& e) {
-                  rec.status = "error";
-                  rec.message = e.what();
-                }
-                if (cfg.progress) {
-                  cfg.progress(fmt::format("[{}/{}] {} {} b={} h={} n={} d={} causal={}: fwd {} ms, bwd {} ms, {}",
-                                           records.size() + 1,
-                                           cfg.impls.size() * cfg.dtypes.size() * cfg.head_dims.size() *
-                                               cfg.seqs.size() * cfg.batches.size() * cfg.heads.size() *
-                                               cfg.causal.size(),
-                                           rec.impl, rec.dtype, b, h, n, d, int(causal), opt_ms(rec.fwd_ms),
-                                           opt_ms(rec.bwd_ms), rec.status));
-                }
-                records.push_back(std::move(rec));
-              }
+      for (AttentionImpl impl : cfg.impls) {
+        AttentionBenchRecord rec;
+        rec.impl = std::string(attention_impl_name(impl));
+        rec.dtype = std::string(dtype_name(dtype));
+        rec.device = std::string(device_name(cfg.device));
+        rec.batch = shape.batch;
+        rec.heads = shape.heads;
+        rec.seq_q = rec.seq_k = shape.seq;
+        rec.head_dim = shape.head_dim;
+        rec.causal = shape.causal;
+        try {
+          measure_row(cfg, rec, impl, dtype);
+        } catch (const OutOfMemory& e) {
+          rec.status = "oom";
+          rec.message = e.what();
+        } catch (const std::bad_alloc&) {
+          rec.status = "oom";
+          rec.message = "std::bad_alloc";
+        } catch (const Error& e) {
+          rec.status = "error";
+          rec.message = e.what();
+        }
+        if (cfg.progress) {
+          cfg.progress(fmt::format("[{}/{}] {} {} b={} h={} n={} d={} causal={}: fwd {} ms, bwd {} ms, {}{}",
+                                   records.size() + 1, total, rec.impl, rec.dtype, rec.batch, rec.heads, rec.seq_q,
+                                   rec.head_dim, int(rec.causal), opt_ms(rec.fwd_ms), opt_ms(rec.bwd_ms), rec.status,
+                                   rec.message.empty() ? "" : " (" + rec.message + ")"));
+        }
+        records.push_back(std::move(rec));
+      }
   return records;
+}
+
+std::vector<AttentionShape> attention_shape_grid(const std::vector<int64_t>& head_dims, const std::vector<int64_t>& seqs,
+                                                 const std::vector<int64_t>& batches, const std::vector<int64_t>& heads,
+                                                 const std::vector<bool>& causal) {
+  std::vector<AttentionShape> shapes;
+  for (int64_t d : head_dims)
+    for (int64_t n : seqs)
+      for (int64_t b : batches)
+        for (int64_t h : heads)
+          for (bool c : causal) shapes.push_back({b, h, n, d, c});
+  return shapes;
+}
+
+std::vector<AttentionShape> attention_named_grid(std::string_view name) {
+  std::vector<AttentionShape> shapes;
+  if (name == "fa") {
+    for (int64_t d : {64, 128})
+      for (int64_t n : {512, 1024, 2048, 4096, 8192, 16384})
+        for (bool c : {false, true}) shapes.push_back({std::max<int64_t>(1, 16384 / n), 2048 / d, n, d, c});
+  } else if (name == "seed") {
+    for (int64_t d : {16, 32, 64, 128})
+      for (int64_t n : {256, 1024, 4096, 8192, 16384, 32768}) shapes.push_back({8, 1, n, d, true});
+  } else {
+    fail("unknown grid '{}': expected fa or seed", name);
+  }
+  return shapes;
 }
 
 std::string format_attention_bench(const std::vector<AttentionBenchRecord>& records, ReportFormat format,

@@ -1,22 +1,52 @@
-// Internal helpers to throw flashlm::Error with a formatted message.
+// Internal helpers to throw flashlm::Error with a formatted message: fail("k: got {}", n) and
+// FLASHLM_CHECK(cond, "...", args...).
 #pragma once
-#include <fmt/format.h>
-
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "flashlm/error.h"
 
-namespace flashlm {
+namespace flashlm::detail {
+// Replaces each "{}" of format with the next argument (no format specs). Used by .cu files, for
+// nvcc cannot compile fmt 9 in C++20 mode.
+std::string format_braces(std::string_view format, std::initializer_list<std::string> args);
+}  // namespace flashlm::detail
 
+#ifdef __CUDACC__
+namespace flashlm {
+namespace detail {
+inline std::string arg_string(std::string_view s) { return std::string(s); }
+inline std::string arg_string(const char* s) { return s; }
+inline std::string arg_string(const std::string& s) { return s; }
+template <class T>
+  requires std::is_arithmetic_v<T>
+std::string arg_string(T v) {
+  if constexpr (std::is_same_v<T, bool>) return v ? "true" : "false";
+  else return std::to_string(v);
+}
+}  // namespace detail
+
+template <class... Args>
+[[noreturn]] void fail(std::string_view format, const Args&... args) {
+  throw Error(detail::format_braces(format, {detail::arg_string(args)...}));
+}
+}  // namespace flashlm
+#else
+#include <fmt/format.h>
+
+namespace flashlm {
 template <class... Args>
 [[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
   throw Error(fmt::format(format, std::forward<Args>(args)...));
 }
-
 }  // namespace flashlm
+#endif
 
 // FLASHLM_CHECK(cond, "fmt", args...): throw flashlm::Error with the message unless cond holds.
-#define FLASHLM_CHECK(cond, ...)                     \
-  do {                                               \
-    if (!(cond)) ::flashlm::fail(__VA_ARGS__);       \
+#define FLASHLM_CHECK(cond, ...)               \
+  do {                                         \
+    if (!(cond)) ::flashlm::fail(__VA_ARGS__); \
   } while (0)

@@ -2,16 +2,24 @@
 // Built from device_cuda.cu with CUDA, from device.cpp's fallbacks without.
 #pragma once
 #include <cstddef>
+#include <functional>
 #include <string>
+#include <vector>
 #include <string_view>
 
 namespace flashlm {
 
 void* cuda_malloc_or_throw(size_t bytes, std::string_view tag);  // OutOfMemory when the GPU is full
 void cuda_free_noexcept(void* p);
+void* cuda_malloc_async_or_throw(size_t bytes, std::string_view tag, void* stream);  // stream-ordered
+void cuda_free_async_noexcept(void* p, void* stream);
 int cuda_device_count_or_zero();
 int cuda_current_device();
 int cuda_pointer_device(const void* p);  // -1 for a host pointer or an unknown one
-std::string cuda_device_description();   // "NVIDIA H200 (sm_90, 132 SMs, 140 GiB), CUDA 13.0, driver 580"
+std::string cuda_device_description();
+void cuda_copy(void* dst, const void* src, size_t bytes);  // any direction, synchronous
+void cuda_synchronize();
+// Runs fn once per repetition between two CUDA events on the default stream and returns each time in ms.
+std::vector<double> cuda_time_each_ms(const std::function<void()>& fn, int reps);   // "NVIDIA H200 (sm_90, 132 SMs, 140 GiB), CUDA 13.0, driver 580"
 
 }  // namespace flashlm

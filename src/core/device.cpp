@@ -29,10 +29,19 @@ void* cuda_malloc_or_throw(size_t, std::string_view tag) {
   fail("cannot allocate '{}' on cuda: flashlm was built without CUDA", tag);
 }
 void cuda_free_noexcept(void*) {}
+void* cuda_malloc_async_or_throw(size_t, std::string_view tag, void*) {
+  fail("cannot allocate '{}' on cuda: flashlm was built without CUDA", tag);
+}
+void cuda_free_async_noexcept(void*, void*) {}
 int cuda_device_count_or_zero() { return 0; }
 int cuda_current_device() { return -1; }
 int cuda_pointer_device(const void*) { return -1; }
 std::string cuda_device_description() { return "no CUDA (built without it)"; }
+void cuda_copy(void*, const void*, size_t) { fail("cuda_copy: flashlm was built without CUDA"); }
+void cuda_synchronize() {}
+std::vector<double> cuda_time_each_ms(const std::function<void()>&, int) {
+  fail("cuda_time_each_ms: flashlm was built without CUDA");
+}
 #endif
 
 }  // namespace flashlm

@@ -2,20 +2,52 @@
 #include <fmt/format.h>
 
 #include "core/check.h"
+#include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
 
 namespace flashlm {
 
+namespace {
+
+[[noreturn]] void throw_out_of_memory(size_t bytes, std::string_view tag) {
+  cudaGetLastError();  // clear the error so that later calls are not blamed for it
+  size_t free_bytes = 0, total = 0;
+  cudaMemGetInfo(&free_bytes, &total);
+  throw OutOfMemory(fmt::format("out of GPU memory: {:.1f} MiB for '{}' with {:.1f} MiB free", bytes / 1048576.0, tag,
+                                free_bytes / 1048576.0));
+}
+
+// Keep freed stream-ordered memory in the device's pool instead of returning it to the driver at every
+// synchronisation: per-call workspaces then cost no driver round trip.
+void keep_pool_memory(int device) {
+  static bool done[64] = {};
+  if (device < 0 || device >= 64 || done[device]) return;
+  cudaMemPool_t pool;
+  if (cudaDeviceGetDefaultMemPool(&pool, device) == cudaSuccess) {
+    uint64_t threshold = UINT64_MAX;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+  }
+  done[device] = true;
+}
+
+}  // namespace
+
+void* cuda_malloc_async_or_throw(size_t bytes, std::string_view tag, void* stream) {
+  keep_pool_memory(cuda_current_device());
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream));
+  if (err == cudaErrorMemoryAllocation) throw_out_of_memory(bytes, tag);
+  FLASHLM_CHECK(err == cudaSuccess, "cudaMallocAsync of {} bytes for '{}' failed: {}", bytes, tag,
+                cudaGetErrorString(err));
+  return p;
+}
+
+void cuda_free_async_noexcept(void* p, void* stream) { cudaFreeAsync(p, static_cast<cudaStream_t>(stream)); }
+
 void* cuda_malloc_or_throw(size_t bytes, std::string_view tag) {
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, bytes);
-  if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();  // clear the sticky-free error so later calls are not blamed for it
-    size_t free_bytes = 0, total = 0;
-    cudaMemGetInfo(&free_bytes, &total);
-    throw OutOfMemory(fmt::format("out of GPU memory: {:.1f} MiB for '{}' with {:.1f} MiB free", bytes / 1048576.0,
-                                  tag, free_bytes / 1048576.0));
-  }
+  if (err == cudaErrorMemoryAllocation) throw_out_of_memory(bytes, tag);
   FLASHLM_CHECK(err == cudaSuccess, "cudaMalloc of {} bytes for '{}' failed: {}", bytes, tag, cudaGetErrorString(err));
   return p;
 }
@@ -58,6 +90,31 @@ std::string cuda_device_description() {
   return fmt::format("{} (sm_{}{}, {} SMs, {:.0f} GiB), CUDA runtime {}.{}, driver API {}.{}", prop.name, prop.major,
                      prop.minor, prop.multiProcessorCount, prop.totalGlobalMem / 1073741824.0, runtime / 1000,
                      runtime % 1000 / 10, driver / 1000, driver % 1000 / 10);
+}
+
+void cuda_copy(void* dst, const void* src, size_t bytes) {
+  FLASHLM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
+}
+
+void cuda_synchronize() { FLASHLM_CUDA_CHECK(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
+
+std::vector<double> cuda_time_each_ms(const std::function<void()>& fn, int reps) {
+  cudaEvent_t start, stop;
+  FLASHLM_CUDA_CHECK(cudaEventCreate(&start), "cudaEventCreate");
+  FLASHLM_CUDA_CHECK(cudaEventCreate(&stop), "cudaEventCreate");
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    cudaEventRecord(start);
+    fn();
+    cudaEventRecord(stop);
+    FLASHLM_CUDA_CHECK(cudaEventSynchronize(stop), "timed region");
+    float t = 0;
+    cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms;
 }
 
 }  // namespace flashlm

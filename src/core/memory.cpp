@@ -86,12 +86,26 @@ Buffer Buffer::allocate(size_t bytes, Device device, std::string_view tag) {
   return b;
 }
 
+Buffer Buffer::allocate_on_stream(size_t bytes, std::string_view tag, void* stream) {
+  Buffer b;
+  b.device_ = Device::cuda;
+  b.bytes_ = bytes;
+  b.stream_ = stream;
+  b.stream_ordered_ = true;
+  if (bytes == 0) return b;
+  b.data_ = cuda_malloc_async_or_throw(bytes, tag, stream);
+  count_alloc(Device::cuda, static_cast<int64_t>(bytes));
+  return b;
+}
+
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
     release();
     data_ = o.data_;
     bytes_ = o.bytes_;
     device_ = o.device_;
+    stream_ = o.stream_;
+    stream_ordered_ = o.stream_ordered_;
     o.data_ = nullptr;
     o.bytes_ = 0;
   }
@@ -102,6 +116,8 @@ void Buffer::release() {
   if (!data_) return;
   if (device_ == Device::cpu) {
     std::free(data_);
+  } else if (stream_ordered_) {
+    cuda_free_async_noexcept(data_, stream_);
   } else {
     cuda_free_noexcept(data_);
   }

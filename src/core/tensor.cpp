@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/cuda_runtime.h"
 
 namespace flashlm {
 
@@ -105,9 +106,21 @@ void require_cpu(const TensorView& t, std::string_view fn) {
   FLASHLM_CHECK(t.data != nullptr || t.numel() == 0, "{}: null data pointer for {}", fn, t.shape_string());
 }
 
+// CUDA views are filled through a host copy (tests and benchmarks only: not a hot path).
+template <class Fill>
+bool fill_through_host(const TensorView& t, std::string_view fn, Fill&& fill) {
+  if (t.device != Device::cuda) return false;
+  FLASHLM_CHECK(t.is_contiguous(), "{}: a cuda view must be contiguous, got strides of {}", fn, t.shape_string());
+  Tensor host = Tensor::empty(std::span<const int64_t>(t.sizes.data(), static_cast<size_t>(t.ndim)), t.dtype);
+  fill(host.view());
+  cuda_copy(t.data, host.data(), host.bytes());
+  return true;
+}
+
 }  // namespace
 
 void fill_normal(const TensorView& t, uint64_t seed, double stddev) {
+  if (fill_through_host(t, "fill_normal", [&](const TensorView& h) { fill_normal(h, seed, stddev); })) return;
   require_cpu(t, "fill_normal");
   dispatch_dtype(t.dtype, [&](auto zero) {
     using T = decltype(zero);
@@ -122,6 +135,7 @@ void fill_normal(const TensorView& t, uint64_t seed, double stddev) {
 }
 
 void fill_value(const TensorView& t, double value) {
+  if (fill_through_host(t, "fill_value", [&](const TensorView& h) { fill_value(h, value); })) return;
   require_cpu(t, "fill_value");
   dispatch_dtype(t.dtype, [&](auto zero) {
     using T = decltype(zero);
@@ -132,6 +146,14 @@ void fill_value(const TensorView& t, double value) {
 }
 
 void copy_into(const TensorView& dst, const TensorView& src) {
+  if (dst.device == Device::cuda || src.device == Device::cuda) {
+    // Between devices: a byte copy of the same dtype and shape, both contiguous.
+    FLASHLM_CHECK(dst.dtype == src.dtype && dst.is_contiguous() && src.is_contiguous() && dst.numel() == src.numel(),
+                  "copy_into: across devices both views must be contiguous with one dtype and size: dst {}, src {}",
+                  dst.shape_string(), src.shape_string());
+    cuda_copy(dst.data, src.data, static_cast<size_t>(src.numel()) * dtype_size(src.dtype));
+    return;
+  }
   require_cpu(dst, "copy_into: dst");
   require_cpu(src, "copy_into: src");
   bool same = dst.ndim == src.ndim;

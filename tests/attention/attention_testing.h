@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fmt/format.h>
+
+#include <limits>
 #include <string>
 
 #include "flashlm/attention.h"
@@ -75,6 +78,121 @@ inline bool all_finite_or_neg_inf(const TensorView& a) {
     if (std::isnan(v) || v == INFINITY) return false;
   }
   return true;
+}
+
+enum class Mask { none, top_left, bottom_right };
+
+struct Case {
+  int64_t B, Nq, Nk, Hq, Hk, D;
+  Layout layout;
+  Mask mask;
+  DType dtype;
+};
+
+inline std::string case_name(const Case& c) {
+  const char* mask = c.mask == Mask::none ? "full" : c.mask == Mask::top_left ? "causalTL" : "causalBR";
+  return fmt::format("b{}_q{}_k{}_h{}x{}_d{}_{}_{}_{}", c.B, c.Nq, c.Nk, c.Hq, c.Hk, c.D, layout_name(c.layout), mask,
+                     dtype_name(c.dtype));
+}
+
+inline void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
+
+inline AttentionOptions options_for(Mask mask, AttentionImpl impl) {
+  AttentionOptions o;
+  o.impl = impl;
+  o.causal = mask != Mask::none;
+  o.align = mask == Mask::bottom_right ? CausalAlign::bottom_right : CausalAlign::top_left;
+  return o;
+}
+
+// Everything one attention call reads and writes, in one layout and dtype, on the host.
+struct Problem {
+  LaidOut q, k, v, o, dout, dq, dk, dv;
+  Tensor lse;
+  Problem(const Case& c, Layout layout, DType dtype, uint64_t seed)
+      : q(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        k(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
+        v(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
+        o(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        dout(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        dq(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        dk(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
+        dv(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
+        lse(Tensor::empty({c.B, c.Hq, c.Nq}, dtype == DType::f64 ? DType::f64 : DType::f32)) {
+    fill_normal(q.view, seed);
+    fill_normal(k.view, seed + 1);
+    fill_normal(v.view, seed + 2);
+    fill_normal(dout.view, seed + 3);
+    poison();
+  }
+  // NaN in every output: an element the kernel forgets to write fails the comparison.
+  void poison() {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    for (auto* t : {&o, &dq, &dk, &dv}) fill_value(t->view, nan);
+    fill_value(lse, nan);
+  }
+  // The same inputs (already rounded to their dtype) as fp64 BSHD tensors.
+  Problem(const Problem& src, const Case& c)
+      : Problem(c, Layout::bshd, DType::f64, 0) {
+    copy_into(q.view, src.q.view);
+    copy_into(k.view, src.k.view);
+    copy_into(v.view, src.v.view);
+    copy_into(dout.view, src.dout.view);
+  }
+  void forward(const AttentionOptions& opt) { attention_forward(q.view, k.view, v.view, o.view, lse, opt); }
+  void backward(const AttentionOptions& opt) {
+    attention_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, opt);
+  }
+  void run(const AttentionOptions& opt) {
+    forward(opt);
+    backward(opt);
+  }
+  // The same calls on the current GPU, on device copies that keep every layout, stride and offset (and
+  // the NaN poison of the outputs); the results are copied back into this host problem.
+  void run_on_device(const AttentionOptions& opt, bool with_backward = true);
+};
+
+// Allowed max-abs error of a result against the fp64 oracle. fp16/bf16 follow FlashAttention's rule:
+// at most twice the error of the naive attention computed with the same low-precision storage, plus 1e-3.
+inline double tolerance(DType dtype, double naive_lowp_error, double ref_scale) {
+  switch (dtype) {
+    case DType::f64: return 1e-10 * std::max(1.0, ref_scale);
+    case DType::f32: return 2e-5 * std::max(1.0, ref_scale);
+    default: return 2 * naive_lowp_error + 1e-3;
+  }
+}
+
+
+// A device copy of a host LaidOut: same storage shape, same strides, same offset of the view.
+inline LaidOut to_device(const LaidOut& host) {
+  LaidOut d;
+  const TensorView& s = host.storage.view();
+  d.storage = Tensor::empty(std::span<const int64_t>(s.sizes.data(), static_cast<size_t>(s.ndim)), s.dtype, Device::cuda);
+  copy_into(d.storage.view(), s);
+  d.view = host.view;
+  d.view.device = Device::cuda;
+  d.view.data = static_cast<char*>(d.storage.data()) +
+                (static_cast<char*>(host.view.data) - static_cast<char*>(host.storage.data()));
+  return d;
+}
+
+inline void copy_back(LaidOut& host, const LaidOut& device) { copy_into(host.storage.view(), device.storage.view()); }
+
+inline void Problem::run_on_device(const AttentionOptions& opt, bool with_backward) {
+  LaidOut dq_ = to_device(q), dk_ = to_device(k), dv_ = to_device(v), do_ = to_device(o), ddout = to_device(dout);
+  LaidOut ddq = to_device(dq), ddk = to_device(dk), ddv = to_device(dv);
+  const TensorView& l = lse.view();
+  Tensor dlse = Tensor::empty(std::span<const int64_t>(l.sizes.data(), 3), l.dtype, Device::cuda);
+  copy_into(dlse.view(), l);
+  attention_forward(dq_.view, dk_.view, dv_.view, do_.view, dlse, opt);
+  if (with_backward) {
+    attention_backward(dq_.view, dk_.view, dv_.view, do_.view, dlse, ddout.view, ddq.view, ddk.view, ddv.view, opt);
+  }
+  copy_back(o, do_);
+  copy_back(dq, ddq);
+  copy_back(dk, ddk);
+  copy_back(dv, ddv);
+  copy_into(l, dlse.view());
 }
 
 }  // namespace flashlm::testing

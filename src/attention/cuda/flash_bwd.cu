@@ -1,0 +1,485 @@
+// FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, fp16/bf16, fp32 accumulation).
+//
+//  1. preprocess: Delta_i = rowsum(dO_i ∘ O_i) and lse_i·log2(e) per query row, into padded fp32
+//     arrays (rows past seq_q get lse = +inf, so that their P = exp2(S - lse) is exactly 0).
+//  2. dK/dV kernel, one block per (key tile, key head, batch); each warp owns 16 keys and keeps their
+//     dK and dV in registers while it walks every query tile of every query head in the GQA group.
+//     It computes the transposed products Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, so that Pᵀ and dSᵀ come out of
+//     the accumulators already in the A-operand layout of dV += Pᵀ dO and dK += dSᵀ Q: no transposes
+//     through shared memory for dK and dV.
+//  3. dQ, one of two ways:
+//     - atomic (default): the dK/dV kernel also writes dS to shared memory, multiplies it by K and adds
+//       the block's dQ contribution to an fp32 buffer with atomics; a last kernel converts it.
+//     - deterministic: a separate kernel per (query tile, head, batch) recomputes P and dS over the
+//       visible key tiles and accumulates dQ += dS K in registers. Bit-reproducible, no atomics.
+#include "attention/backends.h"
+#include "attention/cuda/flash_common.cuh"
+#include "core/cuda_check.h"
+
+namespace flashlm {
+namespace flash_cuda {
+namespace {
+
+constexpr int kRowPad = 128;  // per-row arrays are padded to a multiple of every kBlockM
+
+template <int D>
+struct BwdTraits {
+  static constexpr int kWarps = D <= 32 ? 4 : 8;
+  static constexpr int kBlockN = 16 * kWarps;        // keys per block, 16 per warp
+  static constexpr int kBlockM = D <= 64 ? 64 : 32;  // queries per step
+  static constexpr int kThreads = 32 * kWarps;
+  // dQ = dS·K split over warps: kBlockM/16 row tiles times kColGroups column groups.
+  static constexpr int kRowTiles = kBlockM / 16;
+  static constexpr int kColGroups = kWarps / kRowTiles;
+  static constexpr int kColsPerWarp = D / kColGroups;
+  static_assert(kColsPerWarp % 16 == 0, "each warp's dQ columns must be whole pairs of n8 tiles");
+  // sK, sV; two stages of sQ, sdO; sdS; two stages of lse and Delta (fp32).
+  static constexpr size_t kSmemBytes =
+      size_t(2 * kBlockN * D + 4 * kBlockM * D + kBlockM * kBlockN) * 2 + 4 * kBlockM * sizeof(float);
+};
+
+// Deterministic dQ kernel: each warp owns 16 query rows, as in the forward.
+template <int D>
+struct DqTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockN = 64;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr size_t kSmemBytes = size_t(2 * kBlockM * D + 4 * kBlockN * D) * 2;  // Q, dO, 2 stages K, V
+};
+
+template <class T, int D>
+__global__ void flash_bwd_preprocess_kernel(const FlashParams p) {
+  // D/8 threads per row, each reading 8 elements of O and dO with one 16-byte load.
+  constexpr int kThreadsPerRow = D / 8;
+  constexpr int kRowsPerBlock = 256 / kThreadsPerRow;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int row = blockIdx.x * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
+  const int part = threadIdx.x % kThreadsPerRow;
+  float dot = 0.f;
+  if (row < p.seq_q) {
+    const uint4 o8 = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + b * p.o_st.b + row * p.o_st.s +
+                                                      h * p.o_st.h + part * 8);
+    const uint4 d8 = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + b * p.do_st.b +
+                                                      row * p.do_st.s + h * p.do_st.h + part * 8);
+    const T* o = reinterpret_cast<const T*>(&o8);
+    const T* d = reinterpret_cast<const T*>(&d8);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot += to_float(o[i]) * to_float(d[i]);
+  }
+#pragma unroll
+  for (int off = kThreadsPerRow / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+  if (part == 0 && row < p.seq_q_padded) {
+    const int64_t i = (int64_t(b) * p.heads_q + h) * p.seq_q_padded + row;
+    float lse2 = INFINITY;
+    if (row < p.seq_q) {
+      const float lse = p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s];
+      lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // a row that saw no key: P = 0 everywhere
+    }
+    p.delta[i] = dot;
+    p.lse_log2[i] = lse2;
+  }
+}
+
+template <class T, int D, bool kAtomicDq>
+__global__ void __launch_bounds__(BwdTraits<D>::kThreads) flash_bwd_dkdv_kernel(const FlashParams p) {
+  using Tr = BwdTraits<D>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
+  using Mma = MmaOp<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + kBlockN * D;
+  T* sQ = sV + kBlockN * D;       // 2 stages
+  T* sdO = sQ + 2 * kBlockM * D;  // 2 stages
+  T* sdS = sdO + 2 * kBlockM * D;
+  float* sLse = reinterpret_cast<float*>(sdS + kBlockM * kBlockN);  // 2 stages
+  float* sDelta = sLse + 2 * kBlockM;                                // 2 stages
+
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int n0 = n_block * kBlockN;
+
+  const T* k_head = static_cast<const T*>(p.k) + b * p.k_st.b + hk * p.k_st.h;
+  const T* v_head = static_cast<const T*>(p.v) + b * p.v_st.b + hk * p.v_st.h;
+  load_tile_async<kBlockN, D, kThreads>(sK, k_head, p.k_st.s, n0, p.seq_k, tid);
+  load_tile_async<kBlockN, D, kThreads>(sV, v_head, p.v_st.s, n0, p.seq_k, tid);
+
+  // Query tiles that can see this key tile: from the first query seeing key n0 to the end.
+  const int m_first = p.causal ? max(0, n0 - p.causal_offset) / kBlockM : 0;
+  const int m_blocks = p.seq_q > m_first * kBlockM ? (p.seq_q - m_first * kBlockM + kBlockM - 1) / kBlockM : 0;
+  const int steps = (n0 < p.seq_k) ? m_blocks * p.group : 0;
+
+  auto load_step = [&](int step, int stage) {
+    const int h = hk * p.group + step / m_blocks;
+    const int m0 = (m_first + step % m_blocks) * kBlockM;
+    const T* q_head = static_cast<const T*>(p.q) + b * p.q_st.b + h * p.q_st.h;
+    const T* do_head = static_cast<const T*>(p.dout) + b * p.do_st.b + h * p.do_st.h;
+    load_tile_async<kBlockM, D, kThreads>(sQ + stage * kBlockM * D, q_head, p.q_st.s, m0, p.seq_q, tid);
+    load_tile_async<kBlockM, D, kThreads>(sdO + stage * kBlockM * D, do_head, p.do_st.s, m0, p.seq_q, tid);
+    const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0;  // padded: always in bounds
+    for (int c = tid; c < kBlockM / 4; c += kThreads) {
+      cp_async_16(smem_addr(sLse + stage * kBlockM + 4 * c), p.lse_log2 + row_base + 4 * c, 16);
+      cp_async_16(smem_addr(sDelta + stage * kBlockM + 4 * c), p.delta + row_base + 4 * c, 16);
+    }
+  };
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  float dk[D / 8][4] = {};
+  float dv[D / 8][4] = {};
+  const int warp_key0 = n0 + warp * 16;
+
+  for (int step = 0; step < steps; ++step) {
+    const int stage = step & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // this step's tiles are visible; all warps are done with the previous step
+    if (step + 1 < steps) load_step(step + 1, stage ^ 1);
+    cp_async_commit();
+    const int h = hk * p.group + step / m_blocks;
+    const int m0 = (m_first + step % m_blocks) * kBlockM;
+    const T* q_tile = sQ + stage * kBlockM * D;
+    const T* do_tile = sdO + stage * kBlockM * D;
+    const float* lse2 = sLse + stage * kBlockM;
+    const float* delta = sDelta + stage * kBlockM;
+
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for this warp's 16 keys (rows) and the tile's kBlockM queries (columns).
+    float st[kBlockM / 8][4] = {};
+    float dpt[kBlockM / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t ak[4], av[4];
+      ldmatrix_x4(ak, smem_addr(sK + Swizzle<D>::offset(warp * 16 + (lane % 16), 2 * kk + lane / 16)));
+      ldmatrix_x4(av, smem_addr(sV + Swizzle<D>::offset(warp * 16 + (lane % 16), 2 * kk + lane / 16)));
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 16; ++nt) {
+        const int qrow = nt * 16 + (lane % 8) + (lane / 16) * 8, chunk = 2 * kk + (lane / 8) % 2;
+        uint32_t bq[4], bdo[4];
+        ldmatrix_x4(bq, smem_addr(q_tile + Swizzle<D>::offset(qrow, chunk)));
+        ldmatrix_x4(bdo, smem_addr(do_tile + Swizzle<D>::offset(qrow, chunk)));
+        Mma::run(st[2 * nt], ak, bq);
+        Mma::run(st[2 * nt + 1], ak, bq + 2);
+        Mma::run(dpt[2 * nt], av, bdo);
+        Mma::run(dpt[2 * nt + 1], av, bdo + 2);
+      }
+    }
+
+    // Pᵀ = exp2(S·scale·log2e - lse·log2e), zero where masked; dSᵀ = Pᵀ ∘ (dPᵀ - Delta) into dpt.
+    const bool needs_mask =
+        n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0 + p.causal_offset);
+#pragma unroll
+    for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = warp_key0 + g + (e / 2) * 8;
+        const int col = nt * 8 + 2 * t + (e % 2);
+        float pr = exp2f(fmaf(st[nt][e], p.scale_log2, -lse2[col]));
+        if (needs_mask && (key >= p.seq_k || (p.causal && key > m0 + col + p.causal_offset))) pr = 0.f;
+        st[nt][e] = pr;
+        dpt[nt][e] = pr * (dpt[nt][e] - delta[col]);
+      }
+    }
+
+    // dV += Pᵀ dO and dK += dSᵀ Q, the A operands straight from the accumulators.
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint32_t ap[4] = {Mma::pack(st[2 * kk][0], st[2 * kk][1]), Mma::pack(st[2 * kk][2], st[2 * kk][3]),
+                              Mma::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
+                              Mma::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
+      const uint32_t ads[4] = {Mma::pack(dpt[2 * kk][0], dpt[2 * kk][1]), Mma::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
+                               Mma::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
+                               Mma::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 16; ++dt) {
+        const int qrow = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, chunk = 2 * dt + lane / 16;
+        uint32_t bdo[4], bq[4];
+        ldmatrix_x4_trans(bdo, smem_addr(do_tile + Swizzle<D>::offset(qrow, chunk)));
+        ldmatrix_x4_trans(bq, smem_addr(q_tile + Swizzle<D>::offset(qrow, chunk)));
+        Mma::run(dv[2 * dt], ap, bdo);
+        Mma::run(dv[2 * dt + 1], ap, bdo + 2);
+        Mma::run(dk[2 * dt], ads, bq);
+        Mma::run(dk[2 * dt + 1], ads, bq + 2);
+      }
+    }
+
+    if constexpr (kAtomicDq) {
+      // dS (queries x keys) to shared memory, then this block's dQ contribution dS·K, added atomically.
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = warp * 16 + g + (e / 2) * 8;  // column of dS
+          const int q = nt * 8 + 2 * t + (e % 2);       // row of dS
+          sdS[Swizzle<kBlockN>::offset(q, key / 8) + key % 8] = from_float<T>(dpt[nt][e]);
+        }
+      }
+      __syncthreads();
+      const int row_tile = warp % Tr::kRowTiles, col_group = warp / Tr::kRowTiles;
+      float dq[Tr::kColsPerWarp / 8][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, smem_addr(sdS + Swizzle<kBlockN>::offset(row_tile * 16 + (lane % 16), 2 * kk + lane / 16)));
+#pragma unroll
+        for (int ct = 0; ct < Tr::kColsPerWarp / 16; ++ct) {
+          uint32_t bk[4];
+          ldmatrix_x4_trans(bk, smem_addr(sK + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                                  col_group * Tr::kColsPerWarp / 8 + 2 * ct +
+                                                                      lane / 16)));
+          Mma::run(dq[2 * ct], a, bk);
+          Mma::run(dq[2 * ct + 1], a, bk + 2);
+        }
+      }
+      float* dq_rows = p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0 + row_tile * 16) * D +
+                       col_group * Tr::kColsPerWarp;
+#pragma unroll
+      for (int ct = 0; ct < Tr::kColsPerWarp / 8; ++ct) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          atomicAdd(dq_rows + (g + (e / 2) * 8) * D + ct * 8 + 2 * t + (e % 2), dq[ct][e] * p.scale);
+        }
+      }
+    }
+  }
+
+  // dK carries the softmax scale (S = scale·QKᵀ); rows past seq_k are not written.
+  T* dk_head = static_cast<T*>(p.dk) + b * p.dk_st.b + hk * p.dk_st.h;
+  T* dv_head = static_cast<T*>(p.dv) + b * p.dv_st.b + hk * p.dv_st.h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = warp_key0 + g + 8 * r;
+    if (key >= p.seq_k) continue;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      store_pair(dk_head + key * p.dk_st.s + dt * 8 + 2 * t, dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
+      store_pair(dv_head + key * p.dv_st.s + dt * 8 + 2 * t, dv[dt][2 * r], dv[dt][2 * r + 1]);
+    }
+  }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(const FlashParams p) {
+  using Tr = DqTraits<D>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
+  using Mma = MmaOp<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sdO = sQ + kBlockM * D;
+  T* sK = sdO + kBlockM * D;    // 2 stages
+  T* sV = sK + 2 * kBlockN * D;  // 2 stages
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest tiles first under a causal mask
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int m0 = m_block * kBlockM;
+  const int warp_row0 = m0 + warp * 16;
+
+  const T* q_head = static_cast<const T*>(p.q) + b * p.q_st.b + h * p.q_st.h;
+  const T* do_head = static_cast<const T*>(p.dout) + b * p.do_st.b + h * p.do_st.h;
+  const T* k_head = static_cast<const T*>(p.k) + b * p.k_st.b + hk * p.k_st.h;
+  const T* v_head = static_cast<const T*>(p.v) + b * p.v_st.b + hk * p.v_st.h;
+
+  const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
+  const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
+  const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
+
+  load_tile_async<kBlockM, D, kThreads>(sQ, q_head, p.q_st.s, m0, p.seq_q, tid);
+  load_tile_async<kBlockM, D, kThreads>(sdO, do_head, p.do_st.s, m0, p.seq_q, tid);
+  if (n_blocks > 0) {
+    load_tile_async<kBlockN, D, kThreads>(sK, k_head, p.k_st.s, 0, p.seq_k, tid);
+    load_tile_async<kBlockN, D, kThreads>(sV, v_head, p.v_st.s, 0, p.seq_k, tid);
+  }
+  cp_async_commit();
+
+  const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seq_q_padded;
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lse2[r] = p.lse_log2[row_base + warp_row0 + g + 8 * r];
+    delta[r] = p.delta[row_base + warp_row0 + g + 8 * r];
+  }
+
+  float dq[D / 8][4] = {};
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int stage = nb & 1;
+    cp_async_wait<0>();
+    __syncthreads();
+    if (nb + 1 < n_blocks) {
+      load_tile_async<kBlockN, D, kThreads>(sK + (stage ^ 1) * kBlockN * D, k_head, p.k_st.s, (nb + 1) * kBlockN,
+                                            p.seq_k, tid);
+      load_tile_async<kBlockN, D, kThreads>(sV + (stage ^ 1) * kBlockN * D, v_head, p.v_st.s, (nb + 1) * kBlockN,
+                                            p.seq_k, tid);
+    }
+    cp_async_commit();
+    const T* k_tile = sK + stage * kBlockN * D;
+    const T* v_tile = sV + stage * kBlockN * D;
+
+    // S = Q Kᵀ and dP = dO Vᵀ for this warp's 16 rows.
+    float s[kBlockN / 8][4] = {};
+    float dp[kBlockN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t aq[4], ado[4];
+      ldmatrix_x4(aq, smem_addr(sQ + Swizzle<D>::offset(warp * 16 + (lane % 16), 2 * kk + lane / 16)));
+      ldmatrix_x4(ado, smem_addr(sdO + Swizzle<D>::offset(warp * 16 + (lane % 16), 2 * kk + lane / 16)));
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 16; ++nt) {
+        const int key = nt * 16 + (lane % 8) + (lane / 16) * 8, chunk = 2 * kk + (lane / 8) % 2;
+        uint32_t bk[4], bv[4];
+        ldmatrix_x4(bk, smem_addr(k_tile + Swizzle<D>::offset(key, chunk)));
+        ldmatrix_x4(bv, smem_addr(v_tile + Swizzle<D>::offset(key, chunk)));
+        Mma::run(s[2 * nt], aq, bk);
+        Mma::run(s[2 * nt + 1], aq, bk + 2);
+        Mma::run(dp[2 * nt], ado, bv);
+        Mma::run(dp[2 * nt + 1], ado, bv + 2);
+      }
+    }
+
+    const int n0 = nb * kBlockN;
+    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > warp_row0 + p.causal_offset);
+#pragma unroll
+    for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = warp_row0 + g + (e / 2) * 8;
+        const int col = n0 + nt * 8 + 2 * t + (e % 2);
+        float pr = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
+        if (needs_mask && (col >= p.seq_k || (p.causal && col > row + p.causal_offset))) pr = 0.f;
+        dp[nt][e] = pr * (dp[nt][e] - delta[e / 2]);  // dS
+      }
+    }
+
+    // dQ += dS K.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint32_t a[4] = {Mma::pack(dp[2 * kk][0], dp[2 * kk][1]), Mma::pack(dp[2 * kk][2], dp[2 * kk][3]),
+                             Mma::pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                             Mma::pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 16; ++dt) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, smem_addr(k_tile + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                                    2 * dt + lane / 16)));
+        Mma::run(dq[2 * dt], a, bk);
+        Mma::run(dq[2 * dt + 1], a, bk + 2);
+      }
+    }
+  }
+
+  T* dq_head = static_cast<T*>(p.dq) + b * p.dq_st.b + h * p.dq_st.h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp_row0 + g + 8 * r;
+    if (row >= p.seq_q) continue;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      store_pair(dq_head + row * p.dq_st.s + dt * 8 + 2 * t, dq[dt][2 * r] * p.scale, dq[dt][2 * r + 1] * p.scale);
+    }
+  }
+}
+
+// dq (strided, T) = dq_accum (padded fp32), 8 elements per thread.
+template <class T, int D>
+__global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  const int row = idx / (D / 8), part = idx % (D / 8);
+  if (row >= p.seq_q) return;
+  const float* src = p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + row) * D + part * 8;
+  const float4 lo = *reinterpret_cast<const float4*>(src);
+  const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+  uint4 out;
+  out.x = MmaOp<T>::pack(lo.x, lo.y);
+  out.y = MmaOp<T>::pack(lo.z, lo.w);
+  out.z = MmaOp<T>::pack(hi.x, hi.y);
+  out.w = MmaOp<T>::pack(hi.z, hi.w);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_st.b + row * p.dq_st.s + h * p.dq_st.h + part * 8) = out;
+}
+
+template <class Kernel>
+void allow_smem(Kernel kernel, size_t bytes, const char* name) {
+  FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), name);
+}
+
+template <class T, int D>
+void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stream) {
+  {
+    constexpr int rows_per_block = 256 / (D / 8);
+    const dim3 grid((f.seq_q_padded + rows_per_block - 1) / rows_per_block, f.heads_q, f.batch);
+    flash_bwd_preprocess_kernel<T, D><<<grid, 256, 0, stream>>>(f);
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
+  }
+  {
+    using Tr = BwdTraits<D>;
+    auto kernel = deterministic ? flash_bwd_dkdv_kernel<T, D, false> : flash_bwd_dkdv_kernel<T, D, true>;
+    allow_smem(kernel, Tr::kSmemBytes, "flash_bwd_dkdv_kernel: shared-memory opt-in");
+    const dim3 grid((f.seq_k + Tr::kBlockN - 1) / Tr::kBlockN, f.heads_k, f.batch);
+    kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dkdv_kernel launch");
+  }
+  if (deterministic) {
+    using Tr = DqTraits<D>;
+    allow_smem(flash_bwd_dq_kernel<T, D>, Tr::kSmemBytes, "flash_bwd_dq_kernel: shared-memory opt-in");
+    const dim3 grid((f.seq_q + Tr::kBlockM - 1) / Tr::kBlockM, f.heads_q, f.batch);
+    flash_bwd_dq_kernel<T, D><<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_kernel launch");
+  } else {
+    const dim3 grid((f.seq_q * (D / 8) + 255) / 256, f.heads_q, f.batch);
+    flash_bwd_dq_convert_kernel<T, D><<<grid, 256, 0, stream>>>(f);
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_convert_kernel launch");
+  }
+}
+
+template <class T>
+void dispatch_head_dim(int d, const FlashParams& f, bool deterministic, cudaStream_t stream) {
+  switch (d) {
+    case 16: return launch_backward<T, 16>(f, deterministic, stream);
+    case 32: return launch_backward<T, 32>(f, deterministic, stream);
+    case 64: return launch_backward<T, 64>(f, deterministic, stream);
+    case 128: return launch_backward<T, 128>(f, deterministic, stream);
+  }
+  fail("attention_backward: q: head_dim {} has no cuda backward kernel (16, 32, 64 or 128); the forward also "
+       "supports 256",
+       d);
+}
+
+}  // namespace
+}  // namespace flash_cuda
+
+void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& o, const TensorView& lse,
+                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                   const TensorView& dv, bool deterministic, void* stream) {
+  FLASHLM_CHECK(p.head_dim <= 128,
+                "attention_backward: q: head_dim {} has no cuda backward kernel (16, 32, 64 or 128); the forward "
+                "also supports 256",
+                p.head_dim);
+  if (p.batch == 0 || p.heads_q == 0 || (p.seq_q == 0 && p.seq_k == 0)) return;
+  auto f = flash_cuda::make_params(p, q, k, v, o, lse);
+  f.dout = dout.data;
+  f.dq = dq.data;
+  f.dk = dk.data;
+  f.dv = dv.data;
+  f.do_st = flash_cuda::row_strides(dout);
+  f.dq_st = flash_cuda::row_strides(dq);
+  f.dk_st = flash_cuda::row_strides(dk);
+  f.dv_st = flash_cuda::row_strides(dv);
+  f.seq_q_padded = static_cast<int>((p.seq_q + flash_cuda::kRowPad - 1) / flash_cuda::kRowPad * flash_cuda::kRowPad);
+
+  const auto s = static_cast<cudaStream_t>(stream);
+  const size_t rows = static_cast<size_t>(p.batch * p.heads_q) * static_cast<size_t>(f.seq_q_padded);
+  Buffer delta = Buffer::allocate_on_stream(rows * sizeof(float), "flash backward Delta", stream);
+  Buffer lse_log2 = Buffer::allocate_on_stream(rows * sizeof(float), "flash backward lse·log2e", stream);
+  Buffer dq_accum;
+  f.delta = static_cast<float*>(delta.data());
+  f.lse_log2 = static_cast<float*>(lse_log2.data());
+  if (!deterministic) {
+    dq_accum = Buffer::allocate_on_stream(rows * static_cast<size_t>(p.head_dim) * sizeof(float),
+                                          "flash backward dQ accumulator", stream);
+    FLASHLM_CUDA_CHECK(cudaMemsetAsync(dq_accum.data(), 0, dq_accum.bytes(), s), "flash backward dQ clear");
+    f.dq_accum = static_cast<float*>(dq_accum.data());
+  }
+  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(static_cast<int>(p.head_dim), f, deterministic, s);
+  else flash_cuda::dispatch_head_dim<__half>(static_cast<int>(p.head_dim), f, deterministic, s);
+}
+
+}  // namespace flashlm

@@ -1,0 +1,163 @@
+// Building blocks shared by the tensor-core FlashAttention-2 kernels (flash_fwd.cu, flash_bwd.cu):
+// the element types, mma.sync / ldmatrix / cp.async wrappers, the shared-memory swizzle and the
+// parameter block the kernels receive. Fragment layouts are those of PTX's mma.m16n8k16 (row.col):
+//   A 16x16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+//   B 16x8:  b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
+//   C 16x8:  c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1)          with g = lane / 4, t = lane % 4.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/problem.h"
+
+namespace flashlm::flash_cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Strides, in elements, of a [batch, seq, heads, head_dim] view (head_dim stride is 1).
+struct RowStrides {
+  int64_t b, s, h;
+};
+
+inline RowStrides row_strides(const TensorView& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+struct FlashParams {
+  const void *q, *k, *v;
+  void* o;
+  float* lse;  // [batch, heads_q, seq_q] with lse_strides
+  RowStrides q_st, k_st, v_st, o_st;
+  int64_t lse_b, lse_h, lse_s;
+  int batch, seq_q, seq_k, heads_q, heads_k, group;
+  float scale, scale_log2;  // softmax scale, and scale·log2(e) for exp2
+  bool causal;
+  int causal_offset;  // key j visible to query i iff j <= i + causal_offset
+
+  // Backward only.
+  const void* dout;
+  void *dq, *dk, *dv;
+  RowStrides do_st, dq_st, dk_st, dv_st;
+  float* delta;      // [batch, heads_q, seq_q_padded]: rowsum(dO∘O)
+  float* lse_log2;   // same shape: lse·log2(e), +inf for rows that see no key or lie past seq_q
+  float* dq_accum;   // [batch, heads_q, seq_q_padded, head_dim] fp32, for the atomic dQ path
+  int seq_q_padded;
+};
+
+FlashParams make_params(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& o, const TensorView& lse);
+
+template <class T> struct MmaOp;
+template <> struct MmaOp<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+template <> struct MmaOp<__half> {
+  static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte asynchronous copy; src_bytes = 0 writes zeros (rows past the end of a sequence).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Shared-memory tile of ROWS x D 16-bit elements, stored row-major with the 16-byte chunks of each row
+// permuted (XOR swizzle) so that the 8 row addresses of one ldmatrix hit 8 different bank groups.
+template <int D>
+struct Swizzle {
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  __device__ __forceinline__ static int offset(int row, int chunk) {
+    if constexpr (kChunks >= 8) {
+      return row * D + ((chunk ^ (row & 7)) << 3);
+    } else {
+      constexpr int kRowsPerLine = 8 / kChunks;  // rows sharing one 128-byte line
+      return row * D + ((chunk ^ ((row / kRowsPerLine) & (kChunks - 1))) << 3);
+    }
+  }
+};
+
+// Copies rows [row0, row0 + ROWS) of one head of a [batch, seq, heads, D] tensor into a swizzled tile;
+// rows at or past `rows_valid` are zero-filled. All threads of the block take part.
+template <int ROWS, int D, int THREADS, class T>
+__device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, int64_t row_stride, int row0,
+                                                int rows_valid, int tid) {
+  constexpr int kChunks = D / 8;
+  for (int c = tid; c < ROWS * kChunks; c += THREADS) {
+    const int r = c / kChunks, ch = c % kChunks;
+    const bool valid = row0 + r < rows_valid;
+    const T* src = valid ? head_base + (row0 + r) * row_stride + ch * 8 : head_base;
+    cp_async_16(smem_addr(tile + Swizzle<D>::offset(r, ch)), src, valid ? 16 : 0);
+  }
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+template <class T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+
+// Stores two adjacent fp32 values as one 32-bit pair of T.
+template <class T>
+__device__ __forceinline__ void store_pair(T* dst, float a, float b) {
+  *reinterpret_cast<uint32_t*>(dst) = MmaOp<T>::pack(a, b);
+}
+
+}  // namespace flashlm::flash_cuda

@@ -1,0 +1,241 @@
+// FlashAttention-2 forward on tensor cores (mma.sync m16n8k16, fp16/bf16, fp32 accumulation).
+//
+// One block per (query tile of kBlockM rows, query head, batch); each warp owns 16 query rows. K and V
+// tiles stream through two shared-memory stages with cp.async, so the next tile loads while this one is
+// multiplied. S = Q·Kᵀ stays in registers, the online softmax works on it in place (exp2 with log2(e)
+// folded into the scale), and its accumulator fragments are re-packed directly as the A operand of
+// O += P·V — P never touches shared memory. Key tiles that the causal mask hides are never loaded; only
+// tiles that cross the diagonal or the end of the keys are masked.
+#include "attention/backends.h"
+#include "attention/cuda/flash_common.cuh"
+#include "core/cuda_check.h"
+
+namespace flashlm {
+namespace flash_cuda {
+
+FlashParams make_params(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& o, const TensorView& lse) {
+  FlashParams f{};
+  f.q = q.data;
+  f.k = k.data;
+  f.v = v.data;
+  f.o = o.data;
+  f.lse = lse.ptr<float>();
+  f.q_st = row_strides(q);
+  f.k_st = row_strides(k);
+  f.v_st = row_strides(v);
+  f.o_st = row_strides(o);
+  f.lse_b = lse.stride(0);
+  f.lse_h = lse.stride(1);
+  f.lse_s = lse.stride(2);
+  f.batch = static_cast<int>(p.batch);
+  f.seq_q = static_cast<int>(p.seq_q);
+  f.seq_k = static_cast<int>(p.seq_k);
+  f.heads_q = static_cast<int>(p.heads_q);
+  f.heads_k = static_cast<int>(p.heads_k);
+  f.group = static_cast<int>(p.group());
+  f.scale = static_cast<float>(p.scale);
+  f.scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  f.causal = p.causal;
+  f.causal_offset = static_cast<int>(p.causal_offset);
+  return f;
+}
+
+namespace {
+
+template <int D>
+struct FwdTraits {
+  static constexpr int kWarps = D <= 128 ? 8 : 4;
+  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockN = D <= 128 ? 64 : 32;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr size_t kSmemBytes = size_t(kBlockM + 4 * kBlockN) * D * 2;  // Q, 2 stages of K and V
+};
+
+template <class T, int D>
+__global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const FlashParams p) {
+  using Tr = FwdTraits<D>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
+  using Mma = MmaOp<T>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBlockM * D;
+  T* sV = sK + 2 * kBlockN * D;
+
+  // Heaviest (last, under a causal mask) query tiles first, so the tail of the grid is short.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int m0 = m_block * kBlockM;
+
+  const T* q_head = static_cast<const T*>(p.q) + b * p.q_st.b + h * p.q_st.h;
+  const T* k_head = static_cast<const T*>(p.k) + b * p.k_st.b + hk * p.k_st.h;
+  const T* v_head = static_cast<const T*>(p.v) + b * p.v_st.b + hk * p.v_st.h;
+
+  const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
+  const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
+  const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
+
+  load_tile_async<kBlockM, D, kThreads>(sQ, q_head, p.q_st.s, m0, p.seq_q, tid);
+  if (n_blocks > 0) {
+    load_tile_async<kBlockN, D, kThreads>(sK, k_head, p.k_st.s, 0, p.seq_k, tid);
+    load_tile_async<kBlockN, D, kThreads>(sV, v_head, p.v_st.s, 0, p.seq_k, tid);
+  }
+  cp_async_commit();
+
+  float acc[D / 8][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+  const int warp_row0 = m0 + warp * 16;
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int stage = nb & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // tile nb is visible to all; every warp is done with the stage about to be refilled
+    if (nb + 1 < n_blocks) {
+      load_tile_async<kBlockN, D, kThreads>(sK + (stage ^ 1) * kBlockN * D, k_head, p.k_st.s, (nb + 1) * kBlockN,
+                                            p.seq_k, tid);
+      load_tile_async<kBlockN, D, kThreads>(sV + (stage ^ 1) * kBlockN * D, v_head, p.v_st.s, (nb + 1) * kBlockN,
+                                            p.seq_k, tid);
+    }
+    cp_async_commit();
+    const T* k_tile = sK + stage * kBlockN * D;
+    const T* v_tile = sV + stage * kBlockN * D;
+
+    // S = Q Kᵀ for this warp's 16 rows.
+    float s[kBlockN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, smem_addr(sQ + Swizzle<D>::offset(warp * 16 + (lane % 16), 2 * kk + lane / 16)));
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 16; ++nt) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, smem_addr(k_tile + Swizzle<D>::offset(nt * 16 + (lane % 8) + (lane / 16) * 8,
+                                                              2 * kk + (lane / 8) % 2)));
+        Mma::run(s[2 * nt], a, bk);
+        Mma::run(s[2 * nt + 1], a, bk + 2);
+      }
+    }
+
+    const int n0 = nb * kBlockN;
+    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > warp_row0 + p.causal_offset);
+    if (needs_mask) {
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = warp_row0 + g + (e / 2) * 8;
+          const int col = n0 + nt * 8 + 2 * t + (e % 2);
+          if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[nt][e] = -INFINITY;
+        }
+      }
+    }
+
+    // Online softmax: rescale the running state by exp(m_old - m_new), P = exp(S - m_new).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = quad_max(mx);
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
+      const float alpha = exp2f(row_max[r] * p.scale_log2 - m_scaled);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+        s[nt][2 * r] = exp2f(fmaf(s[nt][2 * r], p.scale_log2, -m_scaled));
+        s[nt][2 * r + 1] = exp2f(fmaf(s[nt][2 * r + 1], p.scale_log2, -m_scaled));
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        acc[dt][2 * r] *= alpha;
+        acc[dt][2 * r + 1] *= alpha;
+      }
+    }
+
+    // O += P V, with P's accumulator fragments re-packed as the A operand.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint32_t a[4] = {Mma::pack(s[2 * kk][0], s[2 * kk][1]), Mma::pack(s[2 * kk][2], s[2 * kk][3]),
+                             Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                             Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 16; ++dt) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, smem_addr(v_tile + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                                    2 * dt + lane / 16)));
+        Mma::run(acc[2 * dt], a, bv);
+        Mma::run(acc[2 * dt + 1], a, bv + 2);
+      }
+    }
+  }
+
+  // Normalise, write logsumexp, and stage O through this warp's own Q rows for 16-byte stores.
+  cp_async_wait<0>();
+  __syncwarp();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(row_sum[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = warp_row0 + g + 8 * r;
+    if (t == 0 && row < p.seq_q) {
+      p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l > 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      store_pair(sQ + Swizzle<D>::offset(warp * 16 + g + 8 * r, dt) + 2 * t, acc[dt][2 * r] * inv,
+                 acc[dt][2 * r + 1] * inv);
+    }
+  }
+  __syncwarp();
+  T* o_head = static_cast<T*>(p.o) + b * p.o_st.b + h * p.o_st.h;
+  for (int c = lane; c < 16 * (D / 8); c += 32) {
+    const int r = c / (D / 8), ch = c % (D / 8);
+    const int row = warp_row0 + r;
+    if (row < p.seq_q) {
+      *reinterpret_cast<uint4*>(o_head + row * p.o_st.s + ch * 8) =
+          *reinterpret_cast<const uint4*>(sQ + Swizzle<D>::offset(warp * 16 + r, ch));
+    }
+  }
+}
+
+template <class T, int D>
+void launch_forward(const FlashParams& f, cudaStream_t stream) {
+  using Tr = FwdTraits<D>;
+  auto kernel = flash_fwd_kernel<T, D>;
+  FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes)),
+                     "flash_fwd_kernel: shared-memory opt-in");
+  const dim3 grid((f.seq_q + Tr::kBlockM - 1) / Tr::kBlockM, f.heads_q, f.batch);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_kernel launch");
+}
+
+template <class T>
+void dispatch_head_dim(int d, const FlashParams& f, cudaStream_t stream) {
+  switch (d) {
+    case 16: return launch_forward<T, 16>(f, stream);
+    case 32: return launch_forward<T, 32>(f, stream);
+    case 64: return launch_forward<T, 64>(f, stream);
+    case 128: return launch_forward<T, 128>(f, stream);
+    case 256: return launch_forward<T, 256>(f, stream);
+  }
+  fail("flash_attention_forward_cuda: head_dim {} has no kernel", d);
+}
+
+}  // namespace
+}  // namespace flash_cuda
+
+void flash_attention_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
+  if (p.batch == 0 || p.seq_q == 0 || p.heads_q == 0) return;
+  const auto f = flash_cuda::make_params(p, q, k, v, o, lse);
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(static_cast<int>(p.head_dim), f, s);
+  else flash_cuda::dispatch_head_dim<__half>(static_cast<int>(p.head_dim), f, s);
+}
+
+}  // namespace flashlm

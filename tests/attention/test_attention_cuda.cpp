@@ -1,0 +1,198 @@
+// CUDA attention (flash on tensor cores / CUDA cores, and the naive cuBLAS baseline) against the fp64
+// reference over the same grid as the CPU tests. Every test skips when no GPU is visible.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "attention/attention_testing.h"
+#include "flashlm/attention.h"
+#include "flashlm/device.h"
+
+using namespace flashlm;
+using namespace flashlm::testing;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                  \
+  do {                                                                      \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+struct GpuCase {
+  Case c;
+  bool deterministic;
+};
+
+std::string gpu_case_name(const GpuCase& g) { return case_name(g.c) + (g.deterministic ? "_det" : "_atomic"); }
+void PrintTo(const GpuCase& g, std::ostream* os) { *os << gpu_case_name(g); }
+
+struct Errors {
+  double o, dq, dk, dv, lse;
+};
+
+// Max-abs errors of every output of `got` against the fp64 oracle `ref`.
+Errors errors_of(const Problem& got, const Problem& ref, bool with_backward) {
+  Errors e{};
+  e.o = max_abs_diff(got.o.view, ref.o.view);
+  if (with_backward) {
+    e.dq = max_abs_diff(got.dq.view, ref.dq.view);
+    e.dk = max_abs_diff(got.dk.view, ref.dk.view);
+    e.dv = max_abs_diff(got.dv.view, ref.dv.view);
+  }
+  Tensor a = to_f64(got.lse), b = to_f64(ref.lse);
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double x = a.view().ptr<double>()[i], y = b.view().ptr<double>()[i];
+    const double d = std::isinf(y) ? (x == y ? 0.0 : INFINITY) : std::fabs(x - y);
+    e.lse = std::isnan(d) ? INFINITY : std::max(e.lse, d);
+  }
+  return e;
+}
+
+class CudaVsReference : public ::testing::TestWithParam<GpuCase> {};
+
+TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
+  SKIP_WITHOUT_GPU();
+  const Case c = GetParam().c;
+  const bool backward = c.D <= 128;  // the cuda backward covers head dims up to 128
+  AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
+  flash.deterministic = GetParam().deterministic;
+  const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
+
+  Problem ours(c, c.layout, c.dtype, 7000 + static_cast<uint64_t>(c.Nq * 3 + c.Nk));
+  Problem baseline(c, c.layout, c.dtype, 7000 + static_cast<uint64_t>(c.Nq * 3 + c.Nk));  // same inputs
+  ours.run_on_device(flash, backward);
+  baseline.run_on_device(naive, backward);
+  Problem ref(ours, c);
+  ref.run(naive);  // fp64 on the CPU, from the same rounded inputs
+
+  const Errors e = errors_of(ours, ref, backward), n = errors_of(baseline, ref, backward);
+  auto check = [&](const char* name, double err, double naive_err, const TensorView& want) {
+    const double scale = std::max(1.0, max_abs(want));
+    // The naive GPU path must itself be sane, or it would loosen the bar for flash.
+    EXPECT_LE(naive_err, (c.dtype == DType::f32 ? 1e-4 : 3e-2) * scale) << "naive " << name << " of " << case_name(c);
+    const double tol = c.dtype == DType::f32 ? 1e-4 * scale : 2 * naive_err + 1e-3;
+    EXPECT_LE(err, tol) << "flash " << name << " of " << gpu_case_name(GetParam()) << " (naive error " << naive_err
+                        << ", max |ref| " << max_abs(want) << ")";
+  };
+  check("o", e.o, n.o, ref.o.view);
+  EXPECT_LE(e.lse, 1e-3) << "flash lse of " << case_name(c);
+  EXPECT_LE(n.lse, 1e-3) << "naive lse of " << case_name(c);
+  if (backward) {
+    check("dq", e.dq, n.dq, ref.dq.view);
+    check("dk", e.dk, n.dk, ref.dk.view);
+    check("dv", e.dv, n.dv, ref.dv.view);
+  }
+}
+
+std::vector<GpuCase> gpu_grid() {
+  std::vector<GpuCase> cases;
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::sliced};
+  const Mask masks[] = {Mask::none, Mask::top_left, Mask::bottom_right};
+  int n = 0;
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 1}, {1, 77}, {17, 17}, {17, 130}, {127, 64}, {127, 127},
+                        {1000, 1000}, {1000, 333}, {65, 1000}}) {
+    for (Mask m : masks) {
+      const DType dt = n % 2 ? DType::bf16 : DType::f16;
+      cases.push_back({{2, nq, nk, 2, 2, 64, layouts[n % 3], m, dt}, n % 4 == 3});
+      ++n;
+    }
+  }
+  for (int64_t d : {16, 32, 64, 128, 256}) {
+    for (DType dt : {DType::bf16, DType::f16}) {
+      cases.push_back({{1, 129, 97, 4, 2, d, layouts[d % 3], Mask::top_left, dt}, false});
+      cases.push_back({{2, 200, 300, 6, 1, d, layouts[(d + 1) % 3], Mask::bottom_right, dt}, true});
+      cases.push_back({{1, 257, 257, 2, 2, d, layouts[(d + 2) % 3], Mask::none, dt}, d % 64 == 0});
+    }
+  }
+  for (Mask m : masks) {
+    cases.push_back({{2, 150, 131, 4, 2, 64, layouts[static_cast<int>(m)], m, DType::f32}, false});
+    cases.push_back({{1, 300, 300, 2, 1, 128, layouts[static_cast<int>(m)], m, DType::f32}, false});
+  }
+  // Long enough for several key and query tiles in every kernel, and many thread blocks.
+  cases.push_back({{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, false});
+  cases.push_back({{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, true});
+  cases.push_back({{1, 1531, 2100, 4, 4, 64, Layout::sliced, Mask::bottom_right, DType::f16}, false});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaVsReference, ::testing::ValuesIn(gpu_grid()),
+                         [](const ::testing::TestParamInfo<GpuCase>& info) { return gpu_case_name(info.param); });
+
+TEST(CudaAttention, FullyMaskedRowsGiveZerosAndNegInfNeverNaN) {
+  SKIP_WITHOUT_GPU();
+  const Case c{1, 40, 16, 2, 1, 64, Layout::bshd, Mask::bottom_right, DType::bf16};  // queries 0..23 see no key
+  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+    for (bool det : {false, true}) {
+      Problem p(c, c.layout, c.dtype, 11);
+      AttentionOptions opt = options_for(c.mask, impl);
+      opt.deterministic = det;
+      p.run_on_device(opt);
+      Tensor o = to_f64(p.o.view), dq = to_f64(p.dq.view), lse = to_f64(p.lse);
+      for (int64_t h = 0; h < 2; ++h) {
+        for (int64_t i = 0; i < 24; ++i) {
+          EXPECT_EQ(lse.view().ptr<double>()[h * 40 + i], -INFINITY) << attention_impl_name(impl) << " row " << i;
+          for (int64_t d = 0; d < 64; ++d) {
+            EXPECT_EQ(o.view().ptr<double>()[(i * 2 + h) * 64 + d], 0.0);
+            EXPECT_EQ(dq.view().ptr<double>()[(i * 2 + h) * 64 + d], 0.0);
+          }
+        }
+      }
+      EXPECT_TRUE(all_finite_or_neg_inf(p.dk.view));
+      EXPECT_TRUE(all_finite_or_neg_inf(p.dv.view));
+    }
+  }
+}
+
+TEST(CudaAttention, DeterministicBackwardIsBitwiseReproducible) {
+  SKIP_WITHOUT_GPU();
+  const Case c{2, 1000, 1000, 8, 2, 64, Layout::bhsd, Mask::top_left, DType::bf16};
+  AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
+  opt.deterministic = true;
+  Problem a(c, c.layout, c.dtype, 3), b(c, c.layout, c.dtype, 3);
+  a.run_on_device(opt);
+  b.run_on_device(opt);
+  EXPECT_EQ(max_abs_diff(a.dq.view, b.dq.view), 0.0);
+  EXPECT_EQ(max_abs_diff(a.dk.view, b.dk.view), 0.0);
+  EXPECT_EQ(max_abs_diff(a.dv.view, b.dv.view), 0.0);
+}
+
+TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {
+  SKIP_WITHOUT_GPU();
+  auto expect_error = [](auto&& call, const std::string& fragment) {
+    try {
+      call();
+      ADD_FAILURE() << "expected flashlm::Error containing " << fragment;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  Tensor q = Tensor::empty({1, 64, 2, 64}, DType::bf16, Device::cuda);
+  Tensor k = Tensor::empty({1, 64, 2, 64}, DType::bf16, Device::cuda);
+  Tensor o = Tensor::empty({1, 64, 2, 64}, DType::bf16, Device::cuda);
+  Tensor lse = Tensor::empty({1, 2, 64}, DType::f32, Device::cuda);
+  Tensor host_k = Tensor::empty({1, 64, 2, 64}, DType::bf16);
+  TensorView host_as_cuda = host_k.view();
+  host_as_cuda.device = Device::cuda;  // a host pointer claiming to be on the GPU
+  expect_error([&] { attention_forward(q, host_as_cuda, k, o, lse); }, "k: data is not device memory");
+  TensorView misaligned = k.view().slice(3, 1, 64);  // head_dim 63 and a pointer off by 2 bytes
+  expect_error([&] { attention_forward(q.view().slice(3, 0, 63), misaligned, misaligned, o.view().slice(3, 0, 63), lse); },
+               "head_dim 63 is not supported on cuda");
+  Tensor q48 = Tensor::empty({1, 64, 2, 48}, DType::bf16, Device::cuda);
+  expect_error([&] { attention_forward(q48, q48, q48, q48, lse); }, "head_dim 48 is not supported");
+  TensorView odd_stride = TensorView::contiguous(k.data(), DType::bf16, {1, 60, 2, 64}, Device::cuda);
+  odd_stride.strides[1] = 130;  // 260 bytes between rows: not a multiple of 16
+  Tensor q60 = Tensor::empty({1, 60, 2, 64}, DType::bf16, Device::cuda);
+  Tensor lse60 = Tensor::empty({1, 2, 60}, DType::f32, Device::cuda);
+  expect_error([&] { attention_forward(q60, odd_stride, odd_stride, q60, lse60); }, "k: stride 130 of dimension 1");
+  Tensor host_lse = Tensor::empty({1, 2, 64}, DType::f32);
+  expect_error([&] { attention_forward(q, k, k, o, host_lse); }, "lse: on cpu but q is on cuda");
+  Tensor q64 = Tensor::empty({1, 64, 2, 64}, DType::f64, Device::cuda);
+  Tensor lse64 = Tensor::empty({1, 2, 64}, DType::f64, Device::cuda);
+  expect_error([&] { attention_forward(q64, q64, q64, q64, lse64); }, "dtype fp64 is not supported on cuda");
+  Tensor q256 = Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda);
+  expect_error([&] { attention_backward(q256, q256, q256, q256, lse, q256, q256, q256, q256); },
+               "no cuda backward kernel");
+}
+
+}  // namespace
