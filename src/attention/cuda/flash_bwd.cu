@@ -2,11 +2,12 @@
 //
 //  1. preprocess: Delta_i = rowsum(dO_i ∘ O_i) and lse_i·log2(e) per query row, into padded fp32
 //     arrays (rows past seq_q get lse = +inf, so that their P = exp2(S - lse) is exactly 0).
-//  2. dK/dV kernel, one block per (key tile, key head, batch); each warp owns 16 keys and keeps their
-//     dK and dV in registers while it walks every query tile of every query head in the GQA group.
-//     It computes the transposed products Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, so that Pᵀ and dSᵀ come out of
-//     the accumulators already in the A-operand layout of dV += Pᵀ dO and dK += dSᵀ Q: no transposes
-//     through shared memory for dK and dV.
+//  2. dK/dV kernel, one block per (128-key tile, key head, batch) that keeps dK and dV in registers while
+//     it walks every query tile of every query head in the GQA group. Per query tile it computes S and
+//     dP, writes P and dS to shared memory, and reads them back transposed (ldmatrix.trans) as the A
+//     operands of dV += Pᵀ dO and dK += dSᵀ Q. Each phase has its own warp layout (BwdTraits) chosen
+//     so that every shared-memory fragment feeds two or more MMAs: with one 16-row tile per warp the
+//     kernel is bound by shared-memory bandwidth.
 //  3. dQ, one of two ways:
 //     - atomic (default): the dK/dV kernel also writes dS to shared memory, multiplies it by K and adds
 //       the block's dQ contribution to an fp32 buffer with atomics; a last kernel converts it.
@@ -24,18 +25,28 @@ constexpr int kRowPad = 128;  // per-row arrays are padded to a multiple of ever
 
 template <int D>
 struct BwdTraits {
-  static constexpr int kWarps = D <= 32 ? 4 : 8;
-  static constexpr int kBlockN = 16 * kWarps;        // keys per block, 16 per warp
-  static constexpr int kBlockM = D <= 64 ? 64 : 32;  // queries per step
+  // One block per 128 keys, 8 warps. Each of the three phases of a step lays the warps out on its own
+  // output so that every fragment read from shared memory feeds at least two MMAs:
+  //   A: S = Q Kᵀ and dP = dO Vᵀ (kBlockM x 128): 2 warps along queries x 4 along keys.
+  //   B: dV += Pᵀ dO and dK += dSᵀ Q (128 x D): kBWarpsN along keys x kBWarpsD along head_dim,
+  //      with Pᵀ and dSᵀ read transposed from the P and dS tiles phase A wrote to shared memory.
+  //   C: dQ += dS K (kBlockM x D), atomic path only: kCRowTiles along queries x kCWarpsD along head_dim.
+  static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
-  // dQ = dS·K split over warps: kBlockM/16 row tiles times kColGroups column groups.
-  static constexpr int kRowTiles = kBlockM / 16;
-  static constexpr int kColGroups = kWarps / kRowTiles;
-  static constexpr int kColsPerWarp = D / kColGroups;
-  static_assert(kColsPerWarp % 16 == 0, "each warp's dQ columns must be whole pairs of n8 tiles");
-  // sK, sV; two stages of sQ, sdO; sdS; two stages of lse and Delta (fp32).
+  static constexpr int kBlockN = 128;
+  static constexpr int kBlockM = D == 16 ? 128 : 64;
+  static constexpr int kAMTiles = kBlockM / 32;            // 16-row tiles per warp in phase A
+  static constexpr int kBWarpsD = D == 16 ? 1 : 2;
+  static constexpr int kBWarpsN = kWarps / kBWarpsD;
+  static constexpr int kBMTiles = kBlockN / kBWarpsN / 16;  // 16-key tiles per warp in phase B
+  static constexpr int kBCols = D / kBWarpsD;
+  static constexpr int kCRowTiles = kBlockM / 16;
+  static constexpr int kCWarpsD = kWarps / kCRowTiles;
+  static constexpr int kCCols = D / kCWarpsD;
+  static_assert(kBCols % 16 == 0 && kCCols % 16 == 0, "warp column slices must be whole pairs of n8 tiles");
+  // sK, sV; two stages of sQ and sdO; sP and sdS; two stages of lse and Delta (fp32).
   static constexpr size_t kSmemBytes =
-      size_t(2 * kBlockN * D + 4 * kBlockM * D + kBlockM * kBlockN) * 2 + 4 * kBlockM * sizeof(float);
+      size_t(2 * kBlockN * D + 4 * kBlockM * D + 2 * kBlockM * kBlockN) * 2 + 4 * kBlockM * sizeof(float);
 };
 
 // Deterministic dQ kernel: each warp owns 16 query rows, as in the forward.
@@ -82,16 +93,18 @@ __global__ void flash_bwd_preprocess_kernel(const FlashParams p) {
 }
 
 template <class T, int D, bool kAtomicDq>
-__global__ void __launch_bounds__(BwdTraits<D>::kThreads) flash_bwd_dkdv_kernel(const FlashParams p) {
+__global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kernel(const FlashParams p) {
   using Tr = BwdTraits<D>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
   using Mma = MmaOp<T>;
+  using SwzP = Swizzle<kBlockN>;  // the [kBlockM][kBlockN] P and dS tiles
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlockN * D;
   T* sQ = sV + kBlockN * D;       // 2 stages
   T* sdO = sQ + 2 * kBlockM * D;  // 2 stages
-  T* sdS = sdO + 2 * kBlockM * D;
+  T* sP = sdO + 2 * kBlockM * D;
+  T* sdS = sP + kBlockM * kBlockN;
   float* sLse = reinterpret_cast<float*>(sdS + kBlockM * kBlockN);  // 2 stages
   float* sDelta = sLse + 2 * kBlockM;                                // 2 stages
 
@@ -104,10 +117,11 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads) flash_bwd_dkdv_kernel(
   load_tile_async<kBlockN, D, kThreads>(sK, k_head, p.k_st.s, n0, p.seq_k, tid);
   load_tile_async<kBlockN, D, kThreads>(sV, v_head, p.v_st.s, n0, p.seq_k, tid);
 
-  // Query tiles that can see this key tile: from the first query seeing key n0 to the end.
+  // Query tiles that can see this key tile: from the first query seeing key n0 to the end, for every
+  // query head of the GQA group.
   const int m_first = p.causal ? max(0, n0 - p.causal_offset) / kBlockM : 0;
   const int m_blocks = p.seq_q > m_first * kBlockM ? (p.seq_q - m_first * kBlockM + kBlockM - 1) / kBlockM : 0;
-  const int steps = (n0 < p.seq_k) ? m_blocks * p.group : 0;
+  const int steps = m_blocks * p.group;
 
   auto load_step = [&](int step, int stage) {
     const int h = hk * p.group + step / m_blocks;
@@ -125,14 +139,20 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads) flash_bwd_dkdv_kernel(
   if (steps > 0) load_step(0, 0);
   cp_async_commit();
 
-  float dk[D / 8][4] = {};
-  float dv[D / 8][4] = {};
-  const int warp_key0 = n0 + warp * 16;
+  // Phase A layout: rows a_row0 + [0, 16·kAMTiles), keys a_key0 + [0, 32).
+  const int a_row0 = (warp % 2) * 16 * Tr::kAMTiles, a_key0 = (warp / 2) * 32;
+  // Phase B layout: keys b_key0 + [0, 16·kBMTiles), head_dim columns b_col0 + [0, kBCols).
+  const int b_key0 = (warp % Tr::kBWarpsN) * 16 * Tr::kBMTiles, b_col0 = (warp / Tr::kBWarpsN) * Tr::kBCols;
+  // Phase C layout: rows c_row0 + [0, 16), columns c_col0 + [0, kCCols).
+  const int c_row0 = (warp % Tr::kCRowTiles) * 16, c_col0 = (warp / Tr::kCRowTiles) * Tr::kCCols;
+
+  float dk[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
+  float dv[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
 
   for (int step = 0; step < steps; ++step) {
     const int stage = step & 1;
     cp_async_wait<0>();
-    __syncthreads();  // this step's tiles are visible; all warps are done with the previous step
+    __syncthreads();  // this step's tiles are visible; all warps are done with the previous step's tiles
     if (step + 1 < steps) load_step(step + 1, stage ^ 1);
     cp_async_commit();
     const int h = hk * p.group + step / m_blocks;
@@ -142,97 +162,107 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads) flash_bwd_dkdv_kernel(
     const float* lse2 = sLse + stage * kBlockM;
     const float* delta = sDelta + stage * kBlockM;
 
-    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for this warp's 16 keys (rows) and the tile's kBlockM queries (columns).
-    float st[kBlockM / 8][4] = {};
-    float dpt[kBlockM / 8][4] = {};
+    {  // Phase A: S and dP, then P and dS into shared memory.
+      float s[Tr::kAMTiles][4][4] = {};
+      float dp[Tr::kAMTiles][4][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t ak[4], av[4];
-      ldmatrix_x4(ak, smem_addr(sK + Swizzle<D>::offset(warp * 16 + (lane % 16), 2 * kk + lane / 16)));
-      ldmatrix_x4(av, smem_addr(sV + Swizzle<D>::offset(warp * 16 + (lane % 16), 2 * kk + lane / 16)));
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t aq[Tr::kAMTiles][4], ado[Tr::kAMTiles][4];
 #pragma unroll
-      for (int nt = 0; nt < kBlockM / 16; ++nt) {
-        const int qrow = nt * 16 + (lane % 8) + (lane / 16) * 8, chunk = 2 * kk + (lane / 8) % 2;
-        uint32_t bq[4], bdo[4];
-        ldmatrix_x4(bq, smem_addr(q_tile + Swizzle<D>::offset(qrow, chunk)));
-        ldmatrix_x4(bdo, smem_addr(do_tile + Swizzle<D>::offset(qrow, chunk)));
-        Mma::run(st[2 * nt], ak, bq);
-        Mma::run(st[2 * nt + 1], ak, bq + 2);
-        Mma::run(dpt[2 * nt], av, bdo);
-        Mma::run(dpt[2 * nt + 1], av, bdo + 2);
+        for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
+          const int row = a_row0 + mt * 16 + (lane % 16), chunk = 2 * kk + lane / 16;
+          ldmatrix_x4(aq[mt], smem_addr(q_tile + Swizzle<D>::offset(row, chunk)));
+          ldmatrix_x4(ado[mt], smem_addr(do_tile + Swizzle<D>::offset(row, chunk)));
+        }
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          const int key = a_key0 + np * 16 + (lane % 8) + (lane / 16) * 8, chunk = 2 * kk + (lane / 8) % 2;
+          uint32_t bk[4], bv[4];
+          ldmatrix_x4(bk, smem_addr(sK + Swizzle<D>::offset(key, chunk)));
+          ldmatrix_x4(bv, smem_addr(sV + Swizzle<D>::offset(key, chunk)));
+#pragma unroll
+          for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
+            Mma::run(s[mt][2 * np], aq[mt], bk);
+            Mma::run(s[mt][2 * np + 1], aq[mt], bk + 2);
+            Mma::run(dp[mt][2 * np], ado[mt], bv);
+            Mma::run(dp[mt][2 * np + 1], ado[mt], bv + 2);
+          }
+        }
+      }
+      const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0 + p.causal_offset);
+#pragma unroll
+      for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = a_row0 + mt * 16 + g + 8 * r;  // within the tile
+          const float l2 = lse2[row], dl = delta[row];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const int key = a_key0 + nt * 8 + 2 * t;  // within the tile; this thread holds key and key + 1
+            float pr[2], ds[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              pr[e] = exp2f(fmaf(s[mt][nt][2 * r + e], p.scale_log2, -l2));  // rows past seq_q: lse = +inf, P = 0
+              const int kg = n0 + key + e;
+              if (needs_mask && (kg >= p.seq_k || (p.causal && kg > m0 + row + p.causal_offset))) pr[e] = 0.f;
+              ds[e] = pr[e] * (dp[mt][nt][2 * r + e] - dl);
+            }
+            store_pair(sP + SwzP::offset(row, key / 8) + key % 8, pr[0], pr[1]);
+            store_pair(sdS + SwzP::offset(row, key / 8) + key % 8, ds[0], ds[1]);
+          }
+        }
       }
     }
+    __syncthreads();  // P and dS complete
 
-    // Pᵀ = exp2(S·scale·log2e - lse·log2e), zero where masked; dSᵀ = Pᵀ ∘ (dPᵀ - Delta) into dpt.
-    const bool needs_mask =
-        n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0 + p.causal_offset);
-#pragma unroll
-    for (int nt = 0; nt < kBlockM / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = warp_key0 + g + (e / 2) * 8;
-        const int col = nt * 8 + 2 * t + (e % 2);
-        float pr = exp2f(fmaf(st[nt][e], p.scale_log2, -lse2[col]));
-        if (needs_mask && (key >= p.seq_k || (p.causal && key > m0 + col + p.causal_offset))) pr = 0.f;
-        st[nt][e] = pr;
-        dpt[nt][e] = pr * (dpt[nt][e] - delta[col]);
-      }
-    }
-
-    // dV += Pᵀ dO and dK += dSᵀ Q, the A operands straight from the accumulators.
-#pragma unroll
+    // Phase B: dV += Pᵀ dO, dK += dSᵀ Q, the transposes done by ldmatrix.trans. Not unrolled over kk:
+    // hoisting the next fragments would spill the dK/dV accumulators at d128.
+#pragma unroll 1
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint32_t ap[4] = {Mma::pack(st[2 * kk][0], st[2 * kk][1]), Mma::pack(st[2 * kk][2], st[2 * kk][3]),
-                              Mma::pack(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                              Mma::pack(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-      const uint32_t ads[4] = {Mma::pack(dpt[2 * kk][0], dpt[2 * kk][1]), Mma::pack(dpt[2 * kk][2], dpt[2 * kk][3]),
-                               Mma::pack(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]),
-                               Mma::pack(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3])};
+      uint32_t ap[Tr::kBMTiles][4], ads[Tr::kBMTiles][4];
 #pragma unroll
-      for (int dt = 0; dt < D / 16; ++dt) {
-        const int qrow = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, chunk = 2 * dt + lane / 16;
+      for (int mt = 0; mt < Tr::kBMTiles; ++mt) {
+        const int qrow = kk * 16 + (lane % 8) + (lane / 16) * 8;
+        const int chunk = (b_key0 + mt * 16) / 8 + (lane / 8) % 2;
+        ldmatrix_x4_trans(ap[mt], smem_addr(sP + SwzP::offset(qrow, chunk)));
+        ldmatrix_x4_trans(ads[mt], smem_addr(sdS + SwzP::offset(qrow, chunk)));
+      }
+#pragma unroll
+      for (int dt = 0; dt < Tr::kBCols / 16; ++dt) {
+        const int qrow = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, chunk = b_col0 / 8 + 2 * dt + lane / 16;
         uint32_t bdo[4], bq[4];
         ldmatrix_x4_trans(bdo, smem_addr(do_tile + Swizzle<D>::offset(qrow, chunk)));
         ldmatrix_x4_trans(bq, smem_addr(q_tile + Swizzle<D>::offset(qrow, chunk)));
-        Mma::run(dv[2 * dt], ap, bdo);
-        Mma::run(dv[2 * dt + 1], ap, bdo + 2);
-        Mma::run(dk[2 * dt], ads, bq);
-        Mma::run(dk[2 * dt + 1], ads, bq + 2);
+#pragma unroll
+        for (int mt = 0; mt < Tr::kBMTiles; ++mt) {
+          Mma::run(dv[mt][2 * dt], ap[mt], bdo);
+          Mma::run(dv[mt][2 * dt + 1], ap[mt], bdo + 2);
+          Mma::run(dk[mt][2 * dt], ads[mt], bq);
+          Mma::run(dk[mt][2 * dt + 1], ads[mt], bq + 2);
+        }
       }
     }
 
     if constexpr (kAtomicDq) {
-      // dS (queries x keys) to shared memory, then this block's dQ contribution dS·K, added atomically.
-#pragma unroll
-      for (int nt = 0; nt < kBlockM / 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = warp * 16 + g + (e / 2) * 8;  // column of dS
-          const int q = nt * 8 + 2 * t + (e % 2);       // row of dS
-          sdS[Swizzle<kBlockN>::offset(q, key / 8) + key % 8] = from_float<T>(dpt[nt][e]);
-        }
-      }
-      __syncthreads();
-      const int row_tile = warp % Tr::kRowTiles, col_group = warp / Tr::kRowTiles;
-      float dq[Tr::kColsPerWarp / 8][4] = {};
-#pragma unroll
+      // Phase C: this key tile's contribution dS K to dQ, added to the fp32 accumulator atomically.
+      float dq[Tr::kCCols / 8][4] = {};
+#pragma unroll 2
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         uint32_t a[4];
-        ldmatrix_x4(a, smem_addr(sdS + Swizzle<kBlockN>::offset(row_tile * 16 + (lane % 16), 2 * kk + lane / 16)));
+        ldmatrix_x4(a, smem_addr(sdS + SwzP::offset(c_row0 + (lane % 16), 2 * kk + lane / 16)));
 #pragma unroll
-        for (int ct = 0; ct < Tr::kColsPerWarp / 16; ++ct) {
+        for (int ct = 0; ct < Tr::kCCols / 16; ++ct) {
           uint32_t bk[4];
           ldmatrix_x4_trans(bk, smem_addr(sK + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                                  col_group * Tr::kColsPerWarp / 8 + 2 * ct +
-                                                                      lane / 16)));
+                                                                  c_col0 / 8 + 2 * ct + lane / 16)));
           Mma::run(dq[2 * ct], a, bk);
           Mma::run(dq[2 * ct + 1], a, bk + 2);
         }
       }
-      float* dq_rows = p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0 + row_tile * 16) * D +
-                       col_group * Tr::kColsPerWarp;
+      float* dq_rows =
+          p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0 + c_row0) * D + c_col0;
 #pragma unroll
-      for (int ct = 0; ct < Tr::kColsPerWarp / 8; ++ct) {
+      for (int ct = 0; ct < Tr::kCCols / 8; ++ct) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           atomicAdd(dq_rows + (g + (e / 2) * 8) * D + ct * 8 + 2 * t + (e % 2), dq[ct][e] * p.scale);
@@ -241,17 +271,21 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads) flash_bwd_dkdv_kernel(
     }
   }
 
-  // dK carries the softmax scale (S = scale·QKᵀ); rows past seq_k are not written.
+  // dK carries the softmax scale (S = scale·QKᵀ); keys past seq_k are not written.
   T* dk_head = static_cast<T*>(p.dk) + b * p.dk_st.b + hk * p.dk_st.h;
   T* dv_head = static_cast<T*>(p.dv) + b * p.dv_st.b + hk * p.dv_st.h;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = warp_key0 + g + 8 * r;
-    if (key >= p.seq_k) continue;
+  for (int mt = 0; mt < Tr::kBMTiles; ++mt) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      store_pair(dk_head + key * p.dk_st.s + dt * 8 + 2 * t, dk[dt][2 * r] * p.scale, dk[dt][2 * r + 1] * p.scale);
-      store_pair(dv_head + key * p.dv_st.s + dt * 8 + 2 * t, dv[dt][2 * r], dv[dt][2 * r + 1]);
+    for (int r = 0; r < 2; ++r) {
+      const int key = n0 + b_key0 + mt * 16 + g + 8 * r;
+      if (key >= p.seq_k) continue;
+#pragma unroll
+      for (int dt = 0; dt < Tr::kBCols / 8; ++dt) {
+        const int col = b_col0 + dt * 8 + 2 * t;
+        store_pair(dk_head + key * p.dk_st.s + col, dk[mt][dt][2 * r] * p.scale, dk[mt][dt][2 * r + 1] * p.scale);
+        store_pair(dv_head + key * p.dv_st.s + col, dv[mt][dt][2 * r], dv[mt][dt][2 * r + 1]);
+      }
     }
   }
 }

@@ -1,6 +1,6 @@
 // FlashAttention-2 forward on tensor cores (mma.sync m16n8k16, fp16/bf16, fp32 accumulation).
 //
-// One block per (query tile of kBlockM rows, query head, batch); each warp owns 16 query rows. K and V
+// One block per (query tile of kBlockM rows, query head, batch); each warp owns 16·kMTiles query rows. K and V
 // tiles stream through two shared-memory stages with cp.async, so the next tile loads while this one is
 // multiplied. S = Q·Kᵀ stays in registers, the online softmax works on it in place (exp2 with log2(e)
 // folded into the scale), and its accumulator fragments are re-packed directly as the A operand of
@@ -45,17 +45,22 @@ namespace {
 
 template <int D>
 struct FwdTraits {
-  static constexpr int kWarps = D <= 128 ? 8 : 4;
-  static constexpr int kBlockM = 16 * kWarps;
-  static constexpr int kBlockN = D <= 128 ? 64 : 32;
+  // Each warp owns kMTiles x 16 query rows, so every K and V fragment read from shared memory feeds
+  // kMTiles MMAs: with one 16-row tile per warp the kernel is bound by shared-memory bandwidth.
+  static constexpr int kWarps = 4;
+  static constexpr int kMTiles = D <= 128 ? 2 : 1;
+  static constexpr int kBlockM = 16 * kMTiles * kWarps;
+  static constexpr int kBlockN = D <= 64 ? 64 : 32;  // d128 with 64-key tiles spills registers
   static constexpr int kThreads = 32 * kWarps;
+  // Q fragments stay in registers where they fit; larger head dims re-read Q from shared memory.
+  static constexpr bool kQInRegisters = D <= 64;
   static constexpr size_t kSmemBytes = size_t(kBlockM + 4 * kBlockN) * D * 2;  // Q, 2 stages of K and V
 };
 
 template <class T, int D>
 __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const FlashParams p) {
   using Tr = FwdTraits<D>;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads, kM = Tr::kMTiles;
   using Mma = MmaOp<T>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -67,6 +72,8 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int m0 = m_block * kBlockM;
+  const int warp_tile0 = warp * 16 * kM;  // this warp's first row within the block
+  const int warp_row0 = m0 + warp_tile0;
 
   const T* q_head = static_cast<const T*>(p.q) + b * p.q_st.b + h * p.q_st.h;
   const T* k_head = static_cast<const T*>(p.k) + b * p.k_st.b + hk * p.k_st.h;
@@ -83,10 +90,19 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
   }
   cp_async_commit();
 
-  float acc[D / 8][4] = {};
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};
-  const int warp_row0 = m0 + warp * 16;
+  // A-operand fragments of this warp's Q rows (used only when they stay in registers).
+  uint32_t qf[Tr::kQInRegisters ? kM : 1][Tr::kQInRegisters ? D / 16 : 1][4];
+  auto load_q = [&](uint32_t* frag, int mt, int kk) {
+    ldmatrix_x4(frag, smem_addr(sQ + Swizzle<D>::offset(warp_tile0 + mt * 16 + (lane % 16), 2 * kk + lane / 16)));
+  };
+
+  float acc[kM][D / 8][4] = {};
+  float row_max[kM][2], row_sum[kM][2];
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt) {
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
 
   for (int nb = 0; nb < n_blocks; ++nb) {
     const int stage = nb & 1;
@@ -99,22 +115,39 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
                                             p.seq_k, tid);
     }
     cp_async_commit();
+    if constexpr (Tr::kQInRegisters) {
+      if (nb == 0) {
+#pragma unroll
+        for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) load_q(qf[mt][kk], mt, kk);
+      }
+    }
     const T* k_tile = sK + stage * kBlockN * D;
     const T* v_tile = sV + stage * kBlockN * D;
 
-    // S = Q Kᵀ for this warp's 16 rows.
-    float s[kBlockN / 8][4] = {};
+    // S = Q Kᵀ for this warp's rows; each K fragment serves all kM row tiles.
+    float s[kM][kBlockN / 8][4] = {};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, smem_addr(sQ + Swizzle<D>::offset(warp * 16 + (lane % 16), 2 * kk + lane / 16)));
+      uint32_t a_smem[kM][4];
+      if constexpr (!Tr::kQInRegisters) {
+#pragma unroll
+        for (int mt = 0; mt < kM; ++mt) load_q(a_smem[mt], mt, kk);
+      }
 #pragma unroll
       for (int nt = 0; nt < kBlockN / 16; ++nt) {
         uint32_t bk[4];
         ldmatrix_x4(bk, smem_addr(k_tile + Swizzle<D>::offset(nt * 16 + (lane % 8) + (lane / 16) * 8,
                                                               2 * kk + (lane / 8) % 2)));
-        Mma::run(s[2 * nt], a, bk);
-        Mma::run(s[2 * nt + 1], a, bk + 2);
+#pragma unroll
+        for (int mt = 0; mt < kM; ++mt) {
+          const uint32_t* a;
+          if constexpr (Tr::kQInRegisters) a = qf[mt][kk];
+          else a = a_smem[mt];
+          Mma::run(s[mt][2 * nt], a, bk);
+          Mma::run(s[mt][2 * nt + 1], a, bk + 2);
+        }
       }
     }
 
@@ -122,54 +155,67 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > warp_row0 + p.causal_offset);
     if (needs_mask) {
 #pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
+      for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = warp_row0 + g + (e / 2) * 8;
-          const int col = n0 + nt * 8 + 2 * t + (e % 2);
-          if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[nt][e] = -INFINITY;
-        }
-      }
+        for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = warp_row0 + mt * 16 + g + (e / 2) * 8;
+            const int col = n0 + nt * 8 + 2 * t + (e % 2);
+            if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[mt][nt][e] = -INFINITY;
+          }
     }
 
     // Online softmax: rescale the running state by exp(m_old - m_new), P = exp(S - m_new).
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+    for (int mt = 0; mt < kM; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = quad_max(mx);
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
-      const float alpha = exp2f(row_max[r] * p.scale_log2 - m_scaled);
-      row_max[r] = mx;
-      float sum = 0.f;
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
 #pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) {
-        s[nt][2 * r] = exp2f(fmaf(s[nt][2 * r], p.scale_log2, -m_scaled));
-        s[nt][2 * r + 1] = exp2f(fmaf(s[nt][2 * r + 1], p.scale_log2, -m_scaled));
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha + sum;
+        for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = quad_max(mx);
+        const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
+        const float alpha = exp2f(row_max[mt][r] * p.scale_log2 - m_scaled);
+        row_max[mt][r] = mx;
+        float sum = 0.f;
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        acc[dt][2 * r] *= alpha;
-        acc[dt][2 * r + 1] *= alpha;
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+          s[mt][nt][2 * r] = exp2f(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_scaled));
+          s[mt][nt][2 * r + 1] = exp2f(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_scaled));
+          sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+        }
+        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          acc[mt][dt][2 * r] *= alpha;
+          acc[mt][dt][2 * r + 1] *= alpha;
+        }
       }
     }
 
-    // O += P V, with P's accumulator fragments re-packed as the A operand.
+    // O += P V, with P's accumulator fragments re-packed as the A operand; each V fragment serves all
+    // kM row tiles.
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint32_t a[4] = {Mma::pack(s[2 * kk][0], s[2 * kk][1]), Mma::pack(s[2 * kk][2], s[2 * kk][3]),
-                             Mma::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             Mma::pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      uint32_t a[kM][4];
+#pragma unroll
+      for (int mt = 0; mt < kM; ++mt) {
+        a[mt][0] = Mma::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = Mma::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = Mma::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = Mma::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dt = 0; dt < D / 16; ++dt) {
         uint32_t bv[4];
         ldmatrix_x4_trans(bv, smem_addr(v_tile + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
                                                                     2 * dt + lane / 16)));
-        Mma::run(acc[2 * dt], a, bv);
-        Mma::run(acc[2 * dt + 1], a, bv + 2);
+#pragma unroll
+        for (int mt = 0; mt < kM; ++mt) {
+          Mma::run(acc[mt][2 * dt], a[mt], bv);
+          Mma::run(acc[mt][2 * dt + 1], a[mt], bv + 2);
+        }
       }
     }
   }
@@ -178,27 +224,30 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
   cp_async_wait<0>();
   __syncwarp();
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(row_sum[r]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const int row = warp_row0 + g + 8 * r;
-    if (t == 0 && row < p.seq_q) {
-      p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l > 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
-    }
+  for (int mt = 0; mt < kM; ++mt) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      store_pair(sQ + Swizzle<D>::offset(warp * 16 + g + 8 * r, dt) + 2 * t, acc[dt][2 * r] * inv,
-                 acc[dt][2 * r + 1] * inv);
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(row_sum[mt][r]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = warp_row0 + mt * 16 + g + 8 * r;
+      if (t == 0 && row < p.seq_q) {
+        p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l > 0.f ? row_max[mt][r] * p.scale + logf(l) : -INFINITY;
+      }
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        store_pair(sQ + Swizzle<D>::offset(warp_tile0 + mt * 16 + g + 8 * r, dt) + 2 * t, acc[mt][dt][2 * r] * inv,
+                   acc[mt][dt][2 * r + 1] * inv);
+      }
     }
   }
   __syncwarp();
   T* o_head = static_cast<T*>(p.o) + b * p.o_st.b + h * p.o_st.h;
-  for (int c = lane; c < 16 * (D / 8); c += 32) {
+  for (int c = lane; c < 16 * kM * (D / 8); c += 32) {
     const int r = c / (D / 8), ch = c % (D / 8);
     const int row = warp_row0 + r;
     if (row < p.seq_q) {
       *reinterpret_cast<uint4*>(o_head + row * p.o_st.s + ch * 8) =
-          *reinterpret_cast<const uint4*>(sQ + Swizzle<D>::offset(warp * 16 + r, ch));
+          *reinterpret_cast<const uint4*>(sQ + Swizzle<D>::offset(warp_tile0 + r, ch));
     }
   }
 }
