@@ -17,4 +17,10 @@ class OutOfMemory : public Error {
   using Error::Error;
 };
 
+// A CUDA runtime call or kernel launch failed (not the caller's arguments).
+class CudaError : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace flashlm

@@ -32,6 +32,11 @@ void keep_pool_memory(int device) {
 
 }  // namespace
 
+void throw_cuda_error(cudaError_t err, std::string_view what, const char* file, int line) {
+  throw CudaError(fmt::format("{} failed: {} ({}) at {}:{}", what, cudaGetErrorString(err), cudaGetErrorName(err), file,
+                              line));
+}
+
 void* cuda_malloc_async_or_throw(size_t bytes, std::string_view tag, void* stream) {
   keep_pool_memory(cuda_current_device());
   void* p = nullptr;

@@ -1,0 +1,92 @@
+/* flashlm C ABI: attention forward and backward on raw pointers, for bindings (Python ctypes, Rust, …).
+ *
+ * Every function returns a flashlm_status; on failure flashlm_last_error() returns the message of the
+ * last failed call on the calling thread (valid until that thread's next call). Nothing is written when
+ * a call fails its argument checks.
+ *
+ * A tensor is a pointer plus sizes and element strides, a dtype and a device. Attention shapes:
+ *   q, o, dout, dq      [batch, seq_q, heads_q, head_dim]
+ *   k, v, dk, dv        [batch, seq_k, heads_k, head_dim]   heads_q a multiple of heads_k (GQA/MQA)
+ *   lse                 [batch, heads_q, seq_q], fp32 (fp64 allowed for fp64 inputs on the CPU)
+ * Any strides with a unit stride on head_dim (BSHD, BHSD, sliced views). CUDA tensors must be memory
+ * of the calling thread's current device; `stream` is a cudaStream_t (NULL: the legacy default stream).
+ * Causal masks: query i sees key j when j <= i (top-left, PyTorch's is_causal) or
+ * j <= i + seq_k - seq_q (bottom-right). A query that sees no key gets o = 0, lse = -inf and zero
+ * gradients.
+ */
+#ifndef FLASHLM_FLASHLM_H
+#define FLASHLM_FLASHLM_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FLASHLM_ABI_VERSION 1
+#define FLASHLM_MAX_DIMS 6
+
+typedef enum flashlm_status {
+  FLASHLM_OK = 0,
+  FLASHLM_INVALID_ARGUMENT = 1, /* a shape, dtype, device, stride or option the call cannot take */
+  FLASHLM_OUT_OF_MEMORY = 2,    /* host or device memory for the call's workspace */
+  FLASHLM_RUNTIME_ERROR = 3     /* a CUDA failure or another error not caused by the arguments */
+} flashlm_status;
+
+typedef enum flashlm_dtype { FLASHLM_FP64 = 0, FLASHLM_FP32 = 1, FLASHLM_FP16 = 2, FLASHLM_BF16 = 3 } flashlm_dtype;
+
+typedef enum flashlm_device { FLASHLM_CPU = 0, FLASHLM_CUDA = 1 } flashlm_device;
+
+typedef enum flashlm_causal_align { FLASHLM_TOP_LEFT = 0, FLASHLM_BOTTOM_RIGHT = 1 } flashlm_causal_align;
+
+typedef enum flashlm_attention_impl { FLASHLM_FLASH = 0, FLASHLM_NAIVE = 1 } flashlm_attention_impl;
+
+typedef struct flashlm_tensor {
+  void* data;
+  int32_t ndim;
+  int32_t dtype;  /* flashlm_dtype */
+  int32_t device; /* flashlm_device */
+  int64_t sizes[FLASHLM_MAX_DIMS];
+  int64_t strides[FLASHLM_MAX_DIMS]; /* in elements */
+} flashlm_tensor;
+
+typedef struct flashlm_attention_options {
+  int32_t impl;          /* flashlm_attention_impl */
+  int32_t causal;        /* 0 or 1 */
+  int32_t causal_align;  /* flashlm_causal_align */
+  int32_t deterministic; /* CUDA backward without atomics */
+  int32_t has_scale;     /* 0: scale = 1/sqrt(head_dim) */
+  double scale;
+  void* stream; /* cudaStream_t */
+} flashlm_attention_options;
+
+/* Defaults: flash, not causal, top-left, atomic dQ, scale 1/sqrt(head_dim), default stream. */
+flashlm_attention_options flashlm_attention_options_default(void);
+
+flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,
+                                         const flashlm_tensor* o, const flashlm_tensor* lse,
+                                         const flashlm_attention_options* options);
+
+flashlm_status flashlm_attention_backward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,
+                                          const flashlm_tensor* o, const flashlm_tensor* lse,
+                                          const flashlm_tensor* dout, const flashlm_tensor* dq,
+                                          const flashlm_tensor* dk, const flashlm_tensor* dv,
+                                          const flashlm_attention_options* options);
+
+/* Message of the calling thread's last failed call ("" if none). */
+const char* flashlm_last_error(void);
+
+/* "0.1.0" */
+const char* flashlm_version(void);
+/* FLASHLM_ABI_VERSION of the library (check it against the header's). */
+int32_t flashlm_abi_version(void);
+/* 1 when the library was built with CUDA kernels. */
+int32_t flashlm_cuda_built(void);
+/* CUDA devices visible (0 without CUDA). */
+int32_t flashlm_cuda_device_count(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHLM_FLASHLM_H */

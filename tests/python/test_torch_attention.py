@@ -1,0 +1,162 @@
+"""flashlm.attention / flashlm.FlashAttention against a float64 PyTorch reference, forward and backward,
+on CPU (always) and CUDA (when a GPU is visible)."""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import flashlm  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and flashlm.cuda_device_count() > 0 else [])
+
+
+def reference(q, k, v, causal, align, scale):
+    """Naive attention on [B, N, H, D] tensors, in their dtype; fully masked rows give 0."""
+    b, nq, hq, d = q.shape
+    nk, hk = k.shape[1], k.shape[2]
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    kh = kh.repeat_interleave(hq // hk, dim=1)
+    vh = vh.repeat_interleave(hq // hk, dim=1)
+    s = (qh @ kh.transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(d))
+    if causal:
+        offset = nk - nq if align == "bottom_right" else 0
+        i = torch.arange(nq, device=q.device)[:, None]
+        j = torch.arange(nk, device=q.device)[None, :]
+        visible = j <= i + offset
+        has_key = visible.any(-1, keepdim=True)
+        s = s.masked_fill(~visible, float("-inf")).masked_fill(~has_key, 0.0)
+        p = torch.softmax(s, dim=-1) * has_key
+    else:
+        p = torch.softmax(s, dim=-1)
+    return (p @ vh).transpose(1, 2)
+
+
+def make(shape, dtype, device, layout, seed, sliced=False):
+    """A [B, N, H, D] tensor of fresh random values, stored in `layout` (optionally a sliced view)."""
+    g = torch.Generator().manual_seed(seed)
+    b, n, h, d = shape
+    if layout == "bhsd":
+        base = torch.randn(b, h, n, d + (8 if sliced else 0), generator=g, dtype=torch.float64)
+        t = base[..., :d]
+    else:
+        base = torch.randn(b, n, h, d + (8 if sliced else 0), generator=g, dtype=torch.float64)
+        t = base[..., :d]
+    return t.to(dtype=dtype, device=device).requires_grad_(True) if not sliced else \
+        base.to(dtype=dtype, device=device)[..., :d].detach().requires_grad_(True)
+
+
+def to_layout(t, layout):
+    return t.transpose(1, 2) if layout == "bhsd" else t
+
+
+def tolerance(dtype, ref_lowp_err, scale):
+    if dtype == torch.float64:
+        return 1e-10 * max(1.0, scale)
+    if dtype == torch.float32:
+        return 3e-5 * max(1.0, scale)
+    return 2 * ref_lowp_err + 1e-3
+
+
+SHAPES = [(2, 17, 17, 2, 2, 32), (1, 1, 77, 4, 2, 64), (2, 127, 64, 4, 1, 16), (1, 65, 200, 2, 2, 128),
+          (2, 40, 16, 2, 1, 64)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}_d{}".format(*s))
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("mask", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_float64_reference(device, shape, layout, mask, dtype):
+    b, nq, nk, hq, hk, d = shape
+    causal, align = mask != "none", ("bottom_right" if mask == "bottom_right" else "top_left")
+    seed = nq * 31 + nk
+    # Inputs in the storage layout under test (the bshd case also uses a sliced, non-contiguous view).
+    q = make((b, nq, hq, d), dtype, device, layout, seed, sliced=(layout == "bshd"))
+    k = make((b, nk, hk, d), dtype, device, layout, seed + 1)
+    v = make((b, nk, hk, d), dtype, device, layout, seed + 2)
+    qb, kb, vb = (to_layout(t, layout) for t in (q, k, v))  # [B, N, H, D] views
+
+    o = flashlm.attention(q, k, v, causal=causal, causal_align=align, layout=layout)
+    assert o.shape == q.shape and o.dtype == dtype and o.device == q.device
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 3), dtype=torch.float64).to(dtype).to(device)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+
+    # float64 oracle on the same (rounded) inputs, on the CPU.
+    q64, k64, v64 = (t.detach().double().cpu().requires_grad_(True) for t in (qb, kb, vb))
+    o64 = reference(q64, k64, v64, causal, align, None)
+    g64 = torch.autograd.grad(o64, (q64, k64, v64), to_layout(do.double().cpu(), layout))
+    for name, got, want in (("o", to_layout(o, layout), o64), ("dq", to_layout(dq, layout), g64[0]),
+                            ("dk", to_layout(dk, layout), g64[1]), ("dv", to_layout(dv, layout), g64[2])):
+        err = (got.double().cpu() - want).abs().max().item()
+        lowp = (want.to(dtype).double() - want).abs().max().item()
+        assert err <= tolerance(dtype, lowp, want.abs().max().item()), f"{name}: error {err}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_custom_scale_and_deterministic_backward(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = (make((2, 50, 4, 64), dtype, device, "bshd", s) for s in (1, 2, 3))
+    runs = []
+    for _ in range(2):
+        o = flashlm.attention(q, k, v, causal=True, scale=0.3, deterministic=True)
+        runs.append(torch.autograd.grad(o.sum(), (q, k, v)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    o64 = reference(*(t.detach().double().cpu() for t in (q, k, v)), True, "top_left", 0.3)
+    assert (o.detach().double().cpu() - o64).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_gradcheck_float64_cpu():
+    q, k, v = (make((1, 5, 2, 8), torch.float64, "cpu", "bshd", s) for s in (7, 8, 9))
+    for causal, align in ((False, "top_left"), (True, "top_left"), (True, "bottom_right")):
+        assert torch.autograd.gradcheck(
+            lambda a, b_, c: flashlm.attention(a, b_, c, causal=causal, causal_align=align), (q, k, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cs336_flash_attention_apply(device, is_causal):
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(4, 33, 64, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+               for _ in range(3))
+    o = flashlm.FlashAttention.apply(q, k, v, is_causal)
+    saved = o.grad_fn.saved_tensors
+    assert any(t.shape == (4, 33) and t.dtype == torch.float32 for t in saved), "logsumexp (batch, seq) saved"
+    assert max(t.numel() for t in saved) <= q.numel(), "nothing larger than the inputs is saved"
+    o.backward(torch.ones_like(o))
+    ref = reference(*(t.detach().double().cpu().unsqueeze(2).requires_grad_(True) for t in (q, k, v)),
+                    is_causal, "top_left", None)
+    assert (o.detach().double().cpu() - ref.squeeze(2)).abs().max().item() < 1e-4
+    qq, kk, vv = (t.detach().double().cpu().unsqueeze(2).requires_grad_(True) for t in (q, k, v))
+    r = reference(qq, kk, vv, is_causal, "top_left", None)
+    r.backward(torch.ones_like(r))
+    for got, want in ((q.grad, qq.grad), (k.grad, kk.grad), (v.grad, vv.grad)):
+        assert (got.double().cpu() - want.squeeze(2)).abs().max().item() < 1e-4
+
+
+def test_bad_arguments_raise_value_errors_with_the_library_message():
+    q = torch.randn(1, 8, 3, 16)
+    k = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="heads_q = 3 is not a multiple of k's heads_k = 2"):
+        flashlm.attention(q, k, k)
+    with pytest.raises(ValueError, match="dtype torch.int32 is not supported"):
+        flashlm.attention(q.int(), q.int(), q.int())
+    with pytest.raises(ValueError, match="k: dtype fp64 differs from q's fp32"):
+        flashlm.attention(q, q.double(), q)
+    with pytest.raises(ValueError, match="k: head_dim 8 differs"):
+        flashlm.attention(q, q[..., :8], q[..., :8])
+    with pytest.raises(ValueError, match="expected 4 dimensions"):
+        flashlm.attention(q[0], q[0], q[0])
+    with pytest.raises(ValueError, match="layout: 'sbhd'"):
+        flashlm.attention(q, q, q, layout="sbhd")
+    with pytest.raises(ValueError, match="the head_dim dimension must have stride 1"):
+        t = torch.randn(1, 8, 3, 32)[..., ::2]
+        flashlm.attention(t, t, t)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device")
+def test_device_mismatch_is_a_value_error():
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="k: on cpu but q is on cuda"):
+        flashlm.attention(q, q.cpu(), q)
