@@ -4,7 +4,8 @@
 set -euo pipefail
 
 # python3-torch (CPU) and python3-pytest run the PyTorch binding tests.
-packages=(cmake g++ make libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev python3-torch python3-pytest)
+packages=(cmake g++ make libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev libopenblas-dev python3-torch
+          python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,109 @@
+// The CS336 Transformer LM: token embedding, pre-norm blocks (RMSNorm, causal multi-head attention with
+// RoPE, SwiGLU feed-forward), final RMSNorm, untied LM head, no biases. Linear weights are stored
+// [d_out, d_in] and applied as y = x Wᵀ, as torch.nn.Linear does.
+//
+// Parameters, gradients and activations each live in one allocation with named views, so the memory a
+// model needs is known when it is built and stays constant while it trains.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "flashlm/attention.h"
+#include "flashlm/tensor.h"
+
+namespace flashlm {
+
+struct ModelConfig {
+  int64_t vocab = 10000;
+  int64_t context = 256;  // longest sequence the model accepts (RoPE table size)
+  int64_t d_model = 512;
+  int64_t d_ff = 1344;
+  int64_t layers = 4;
+  int64_t heads = 16;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+
+  int64_t head_dim() const { return d_model / heads; }
+  int64_t parameter_count() const;                // all parameters
+  int64_t non_embedding_parameter_count() const;  // without the token embedding (for MFU)
+  void validate() const;                          // flashlm::Error naming the first bad field
+
+  // SPEC sizes ("small", "medium", "large", "xl", "2.7B") and test sizes ("tiny": 2 layers, d_model 32).
+  static ModelConfig named(std::string_view name, int64_t context = 256, int64_t vocab = 10000);
+};
+
+// One named parameter: its place in the flat parameter buffer and its shape.
+struct ParameterInfo {
+  std::string name;  // "layers.0.attn.q_proj.weight", as in the CS336 PyTorch model's state_dict
+  int64_t offset = 0;
+  std::vector<int64_t> shape;
+  int64_t numel() const;
+};
+
+// The order and shapes of every parameter; the same layout serves parameters, gradients and optimizer
+// moments.
+std::vector<ParameterInfo> parameter_layout(const ModelConfig& config);
+
+struct AdamWConfig {
+  double lr_max = 1e-3, lr_min = 1e-4;
+  int64_t warmup_steps = 10, cosine_steps = 1000;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  double max_grad_norm = 1.0;  // 0: no clipping
+};
+
+// Cosine learning rate with linear warm-up (CS336's schedule): lr at step t (0-based).
+double cosine_lr(const AdamWConfig& c, int64_t step);
+
+// The LM on the CPU in fp32: forward, backward, AdamW.
+class CpuModel {
+ public:
+  CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, AttentionImpl attention = AttentionImpl::flash);
+
+  const ModelConfig& config() const { return config_; }
+  const std::vector<ParameterInfo>& layout() const { return layout_; }
+  float* parameters() const { return static_cast<float*>(params_.data()); }
+  float* gradients() const { return static_cast<float*>(grads_.data()); }
+  int64_t parameter_count() const { return n_params_; }
+  size_t activation_bytes() const { return acts_.bytes(); }
+
+  // Normal(0, 0.02) weights (truncated at 3 sigma), unit RMSNorm gains; reproducible per seed.
+  void init_parameters(uint64_t seed);
+
+  // tokens and targets: [batch, seq] int32, every id in [0, vocab). Returns the mean cross-entropy.
+  // The logits stay readable through logits() until the next backward().
+  double forward(const int32_t* tokens, const int32_t* targets);
+  const float* logits() const;  // [batch, seq, vocab]
+
+  // Adds d(loss)/d(parameters) to gradients() (call zero_grad() first, or accumulate micro-batches).
+  void backward();
+  void zero_grad();
+
+  // Global L2 norm of gradients(); clip_gradients scales them to at most max_norm and returns the norm
+  // before clipping.
+  double gradient_norm() const;
+  double clip_gradients(double max_norm);
+
+  // One AdamW step (decoupled weight decay, bias-corrected) with learning rate lr.
+  void adamw_step(const AdamWConfig& c, double lr);
+  int64_t optimizer_steps() const { return adam_step_; }
+
+ private:
+  struct LayerActs;
+  ModelConfig config_;
+  int64_t batch_, seq_;
+  AttentionImpl attention_;
+  std::vector<ParameterInfo> layout_;
+  int64_t n_params_ = 0;
+  Buffer params_, grads_, adam_m_, adam_v_, acts_, scratch_, rope_;
+  int64_t adam_step_ = 0;
+  const int32_t* tokens_ = nullptr;
+  const int32_t* targets_ = nullptr;
+
+  float* param(const std::string& name) const;
+  float* grad(const std::string& name) const;
+  float* act(int64_t offset) const { return static_cast<float*>(acts_.data()) + offset; }
+};
+
+}  // namespace flashlm

@@ -1,0 +1,94 @@
+// Model sizes, parameter layout and the learning-rate schedule.
+#include <cmath>
+#include <numbers>
+
+#include "core/check.h"
+#include "flashlm/model.h"
+
+namespace flashlm {
+
+int64_t ParameterInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+void ModelConfig::validate() const {
+  FLASHLM_CHECK(vocab >= 2, "model: vocab = {}, expected at least 2", vocab);
+  FLASHLM_CHECK(context >= 1, "model: context = {}, expected at least 1", context);
+  FLASHLM_CHECK(layers >= 1, "model: layers = {}, expected at least 1", layers);
+  FLASHLM_CHECK(heads >= 1 && d_model % heads == 0, "model: d_model = {} is not a multiple of heads = {}", d_model,
+                heads);
+  FLASHLM_CHECK(head_dim() % 2 == 0, "model: head_dim = d_model / heads = {} must be even for RoPE", head_dim());
+  FLASHLM_CHECK(d_ff >= 1, "model: d_ff = {}, expected at least 1", d_ff);
+  FLASHLM_CHECK(vocab < (int64_t{1} << 31), "model: vocab = {} does not fit int32 token ids", vocab);
+}
+
+ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t vocab) {
+  struct Size {
+    std::string_view name;
+    int64_t d_model, d_ff, layers, heads;
+  };
+  static constexpr Size sizes[] = {{"tiny", 32, 64, 2, 4},          {"small", 768, 3072, 12, 12},
+                                   {"medium", 1024, 4096, 24, 16},  {"large", 1280, 5120, 36, 20},
+                                   {"xl", 1600, 6400, 48, 25},      {"2.7B", 2560, 10240, 32, 32}};
+  for (const Size& s : sizes) {
+    if (s.name == name) {
+      ModelConfig c;
+      c.vocab = vocab;
+      c.context = context;
+      c.d_model = s.d_model;
+      c.d_ff = s.d_ff;
+      c.layers = s.layers;
+      c.heads = s.heads;
+      return c;
+    }
+  }
+  fail("unknown model size '{}': expected tiny, small, medium, large, xl or 2.7B", name);
+}
+
+std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
+  c.validate();
+  std::vector<ParameterInfo> out;
+  int64_t offset = 0;
+  auto add = [&](std::string name, std::vector<int64_t> shape) {
+    ParameterInfo p{std::move(name), offset, std::move(shape)};
+    offset += p.numel();
+    out.push_back(std::move(p));
+  };
+  const int64_t d = c.d_model;
+  add("token_embeddings.weight", {c.vocab, d});
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const std::string p = fmt::format("layers.{}.", l);
+    add(p + "ln1.weight", {d});
+    add(p + "attn.q_proj.weight", {d, d});
+    add(p + "attn.k_proj.weight", {d, d});
+    add(p + "attn.v_proj.weight", {d, d});
+    add(p + "attn.output_proj.weight", {d, d});
+    add(p + "ln2.weight", {d});
+    add(p + "ffn.w1.weight", {c.d_ff, d});
+    add(p + "ffn.w2.weight", {d, c.d_ff});
+    add(p + "ffn.w3.weight", {c.d_ff, d});
+  }
+  add("ln_final.weight", {d});
+  add("lm_head.weight", {c.vocab, d});
+  return out;
+}
+
+int64_t ModelConfig::parameter_count() const {
+  const auto layout = parameter_layout(*this);
+  return layout.back().offset + layout.back().numel();
+}
+
+int64_t ModelConfig::non_embedding_parameter_count() const { return parameter_count() - vocab * d_model; }
+
+double cosine_lr(const AdamWConfig& c, int64_t step) {
+  if (step < c.warmup_steps) return c.lr_max * double(step) / double(c.warmup_steps);
+  if (step <= c.cosine_steps) {
+    const double progress = double(step - c.warmup_steps) / double(std::max<int64_t>(1, c.cosine_steps - c.warmup_steps));
+    return c.lr_min + 0.5 * (1.0 + std::cos(progress * std::numbers::pi)) * (c.lr_max - c.lr_min);
+  }
+  return c.lr_min;
+}
+
+}  // namespace flashlm

@@ -1,0 +1,284 @@
+// The LM on the CPU: the whole training step reads top to bottom — forward, backward, AdamW.
+#include <cmath>
+#include <random>
+
+#include "core/check.h"
+#include "flashlm/model.h"
+#include "model/ops_cpu.h"
+
+namespace flashlm {
+
+// Offsets (in floats) of one layer's saved activations inside the activation buffer.
+struct CpuModel::LayerActs {
+  int64_t x_in, rstd1, h1, q, k, v, attn, lse, x_mid, rstd2, h2, u, g, s;
+};
+
+namespace {
+
+struct ActivationPlan {
+  std::vector<int64_t> layer_base;  // start of each layer's block
+  int64_t per_layer = 0;
+  int64_t x_out = 0, rstd_f = 0, h_f = 0, logits = 0, total = 0;
+};
+
+ActivationPlan plan_activations(const ModelConfig& c, int64_t batch, int64_t seq) {
+  const int64_t n = batch * seq, d = c.d_model, f = c.d_ff;
+  ActivationPlan p;
+  p.per_layer = 9 * n * d + 3 * n * f + 2 * n + batch * c.heads * seq;
+  for (int64_t l = 0; l < c.layers; ++l) p.layer_base.push_back(l * p.per_layer);
+  p.x_out = c.layers * p.per_layer;
+  p.rstd_f = p.x_out + n * d;
+  p.h_f = p.rstd_f + n;
+  p.logits = p.h_f + n * d;
+  p.total = p.logits + n * c.vocab;
+  return p;
+}
+
+}  // namespace
+
+CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, AttentionImpl attention)
+    : config_(config), batch_(batch), seq_(seq), attention_(attention), layout_(parameter_layout(config)) {
+  FLASHLM_CHECK(batch >= 1, "CpuModel: batch = {}, expected at least 1", batch);
+  FLASHLM_CHECK(seq >= 1 && seq <= config.context, "CpuModel: seq = {} outside [1, context = {}]", seq,
+                config.context);
+  n_params_ = layout_.back().offset + layout_.back().numel();
+  const size_t pbytes = size_t(n_params_) * sizeof(float);
+  params_ = Buffer::allocate(pbytes, Device::cpu, "parameters");
+  grads_ = Buffer::allocate(pbytes, Device::cpu, "gradients");
+  adam_m_ = Buffer::allocate(pbytes, Device::cpu, "AdamW first moment");
+  adam_v_ = Buffer::allocate(pbytes, Device::cpu, "AdamW second moment");
+  const ActivationPlan plan = plan_activations(config, batch, seq);
+  acts_ = Buffer::allocate(size_t(plan.total) * sizeof(float), Device::cpu, "activations");
+  const int64_t n = batch * seq;
+  // Backward scratch: residual gradient, four [n, d] and three [n, d_ff] arrays.
+  scratch_ = Buffer::allocate(size_t(6 * n * config.d_model + 3 * n * config.d_ff) * sizeof(float), Device::cpu,
+                              "backward scratch");
+  const int64_t half = config.head_dim() / 2;
+  rope_ = Buffer::allocate(size_t(2 * config.context * half) * sizeof(float), Device::cpu, "RoPE tables");
+  float* rope = static_cast<float*>(rope_.data());
+  cpu::rope_tables(rope, rope + config.context * half, config.context, config.head_dim(), config.rope_theta);
+  std::fill(parameters(), parameters() + n_params_, 0.0f);
+  zero_grad();
+  std::fill(static_cast<float*>(adam_m_.data()), static_cast<float*>(adam_m_.data()) + n_params_, 0.0f);
+  std::fill(static_cast<float*>(adam_v_.data()), static_cast<float*>(adam_v_.data()) + n_params_, 0.0f);
+}
+
+float* CpuModel::param(const std::string& name) const {
+  for (const auto& p : layout_) {
+    if (p.name == name) return parameters() + p.offset;
+  }
+  fail("CpuModel: no parameter named '{}'", name);
+}
+
+float* CpuModel::grad(const std::string& name) const {
+  for (const auto& p : layout_) {
+    if (p.name == name) return gradients() + p.offset;
+  }
+  fail("CpuModel: no parameter named '{}'", name);
+}
+
+void CpuModel::init_parameters(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  for (const auto& p : layout_) {
+    float* w = parameters() + p.offset;
+    const bool gain = p.shape.size() == 1;  // RMSNorm gains start at 1
+    for (int64_t i = 0; i < p.numel(); ++i) {
+      if (gain) {
+        w[i] = 1.0f;
+        continue;
+      }
+      float x;
+      do x = normal(rng);
+      while (std::fabs(x) > 0.06f);  // truncated at 3 sigma
+      w[i] = x;
+    }
+  }
+}
+
+const float* CpuModel::logits() const { return act(plan_activations(config_, batch_, seq_).logits); }
+
+namespace {
+
+// [batch, seq, heads, head_dim] view of a contiguous [batch * seq, d_model] array.
+TensorView heads_view(float* data, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim) {
+  return TensorView::contiguous(data, DType::f32, {batch, seq, heads, head_dim});
+}
+
+}  // namespace
+
+double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
+  const ModelConfig& c = config_;
+  const int64_t n = batch_ * seq_, d = c.d_model, f = c.d_ff, hd = c.head_dim();
+  for (int64_t i = 0; i < n; ++i) {
+    FLASHLM_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab, "forward: tokens[{}] = {} outside [0, vocab = {})", i,
+                  tokens[i], c.vocab);
+    FLASHLM_CHECK(targets[i] >= 0 && targets[i] < c.vocab, "forward: targets[{}] = {} outside [0, vocab = {})", i,
+                  targets[i], c.vocab);
+  }
+  tokens_ = tokens;
+  targets_ = targets;
+  const ActivationPlan plan = plan_activations(c, batch_, seq_);
+  const float* rope_cos = static_cast<const float*>(rope_.data());
+  const float* rope_sin = rope_cos + c.context * (hd / 2);
+  AttentionOptions attn;
+  attn.impl = attention_;
+  attn.causal = true;
+
+  float* x = act(plan.layer_base.empty() ? plan.x_out : plan.layer_base[0]);
+  cpu::embedding_forward(param("token_embeddings.weight"), tokens, x, n, d);
+  for (int64_t l = 0; l < c.layers; ++l) {
+    const std::string p = fmt::format("layers.{}.", l);
+    const int64_t base = plan.layer_base[size_t(l)];
+    const LayerActs a{base,
+                      base + n * d,
+                      base + n * d + n,
+                      base + 2 * n * d + n,
+                      base + 3 * n * d + n,
+                      base + 4 * n * d + n,
+                      base + 5 * n * d + n,
+                      base + 6 * n * d + n,
+                      base + 6 * n * d + n + batch_ * c.heads * seq_,
+                      base + 7 * n * d + n + batch_ * c.heads * seq_,
+                      base + 7 * n * d + 2 * n + batch_ * c.heads * seq_,
+                      base + 8 * n * d + 2 * n + batch_ * c.heads * seq_,
+                      base + 8 * n * d + 2 * n + batch_ * c.heads * seq_ + n * f,
+                      base + 8 * n * d + 2 * n + batch_ * c.heads * seq_ + 2 * n * f};
+    // a.x_in is where the residual stream enters; the next layer's x_in (or x_out) is where it leaves.
+    const int64_t x_next = l + 1 < c.layers ? plan.layer_base[size_t(l + 1)] : plan.x_out;
+    cpu::rmsnorm_forward(act(a.x_in), param(p + "ln1.weight"), act(a.h1), act(a.rstd1), n, d, float(c.norm_eps));
+    cpu::linear_forward(act(a.h1), param(p + "attn.q_proj.weight"), act(a.q), n, d, d);
+    cpu::linear_forward(act(a.h1), param(p + "attn.k_proj.weight"), act(a.k), n, d, d);
+    cpu::linear_forward(act(a.h1), param(p + "attn.v_proj.weight"), act(a.v), n, d, d);
+    cpu::rope_forward(act(a.q), rope_cos, rope_sin, batch_, seq_, c.heads, hd);
+    cpu::rope_forward(act(a.k), rope_cos, rope_sin, batch_, seq_, c.heads, hd);
+    attention_forward(heads_view(act(a.q), batch_, seq_, c.heads, hd), heads_view(act(a.k), batch_, seq_, c.heads, hd),
+                      heads_view(act(a.v), batch_, seq_, c.heads, hd),
+                      heads_view(act(a.attn), batch_, seq_, c.heads, hd),
+                      TensorView::contiguous(act(a.lse), DType::f32, {batch_, c.heads, seq_}), attn);
+    float* x_mid = act(a.x_mid);
+    cpu::linear_forward(act(a.attn), param(p + "attn.output_proj.weight"), x_mid, n, d, d);
+    for (int64_t i = 0; i < n * d; ++i) x_mid[i] += act(a.x_in)[i];
+    cpu::rmsnorm_forward(x_mid, param(p + "ln2.weight"), act(a.h2), act(a.rstd2), n, d, float(c.norm_eps));
+    cpu::linear_forward(act(a.h2), param(p + "ffn.w1.weight"), act(a.u), n, d, f);
+    cpu::linear_forward(act(a.h2), param(p + "ffn.w3.weight"), act(a.g), n, d, f);
+    cpu::swiglu_forward(act(a.u), act(a.g), act(a.s), n * f);
+    float* x_out = act(x_next);
+    cpu::linear_forward(act(a.s), param(p + "ffn.w2.weight"), x_out, n, f, d);
+    for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
+  }
+  cpu::rmsnorm_forward(act(plan.x_out), param("ln_final.weight"), act(plan.h_f), act(plan.rstd_f), n, d,
+                       float(c.norm_eps));
+  cpu::linear_forward(act(plan.h_f), param("lm_head.weight"), act(plan.logits), n, d, c.vocab);
+  return cpu::cross_entropy_forward(act(plan.logits), targets, n, c.vocab);
+}
+
+void CpuModel::backward() {
+  FLASHLM_CHECK(tokens_ != nullptr, "backward: call forward() first");
+  const ModelConfig& c = config_;
+  const int64_t n = batch_ * seq_, d = c.d_model, f = c.d_ff, hd = c.head_dim();
+  const ActivationPlan plan = plan_activations(c, batch_, seq_);
+  const float* rope_cos = static_cast<const float*>(rope_.data());
+  const float* rope_sin = rope_cos + c.context * (hd / 2);
+  AttentionOptions attn;
+  attn.impl = attention_;
+  attn.causal = true;
+
+  float* s0 = static_cast<float*>(scratch_.data());
+  float *dx = s0, *dh = s0 + n * d, *dq = s0 + 2 * n * d, *dk = s0 + 3 * n * d, *dv = s0 + 4 * n * d,
+        *dattn = s0 + 5 * n * d;
+  float *du = s0 + 6 * n * d, *dg = du + n * f, *ds = dg + n * f;
+
+  float* dlogits = act(plan.logits);
+  cpu::cross_entropy_backward(dlogits, targets_, n, c.vocab);
+  cpu::linear_backward(dlogits, act(plan.h_f), param("lm_head.weight"), dh, grad("lm_head.weight"), n, d, c.vocab,
+                       false);
+  std::fill(dx, dx + n * d, 0.0f);
+  cpu::rmsnorm_backward(dh, act(plan.x_out), param("ln_final.weight"), act(plan.rstd_f), dx, grad("ln_final.weight"),
+                        n, d);
+
+  for (int64_t l = c.layers - 1; l >= 0; --l) {
+    const std::string p = fmt::format("layers.{}.", l);
+    const int64_t base = plan.layer_base[size_t(l)];
+    const int64_t bhs = batch_ * c.heads * seq_;
+    const LayerActs a{base,
+                      base + n * d,
+                      base + n * d + n,
+                      base + 2 * n * d + n,
+                      base + 3 * n * d + n,
+                      base + 4 * n * d + n,
+                      base + 5 * n * d + n,
+                      base + 6 * n * d + n,
+                      base + 6 * n * d + n + bhs,
+                      base + 7 * n * d + n + bhs,
+                      base + 7 * n * d + 2 * n + bhs,
+                      base + 8 * n * d + 2 * n + bhs,
+                      base + 8 * n * d + 2 * n + bhs + n * f,
+                      base + 8 * n * d + 2 * n + bhs + 2 * n * f};
+    // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
+    cpu::linear_backward(dx, act(a.s), param(p + "ffn.w2.weight"), ds, grad(p + "ffn.w2.weight"), n, f, d, false);
+    cpu::swiglu_backward(ds, act(a.u), act(a.g), du, dg, n * f);
+    cpu::linear_backward(du, act(a.h2), param(p + "ffn.w1.weight"), dh, grad(p + "ffn.w1.weight"), n, d, f, false);
+    cpu::linear_backward(dg, act(a.h2), param(p + "ffn.w3.weight"), dh, grad(p + "ffn.w3.weight"), n, d, f, true);
+    cpu::rmsnorm_backward(dh, act(a.x_mid), param(p + "ln2.weight"), act(a.rstd2), dx, grad(p + "ln2.weight"), n, d);
+    // dx is now ∂L/∂x_mid; the attention branch adds to ∂L/∂x_in, which is dx plus the branch.
+    cpu::linear_backward(dx, act(a.attn), param(p + "attn.output_proj.weight"), dattn,
+                         grad(p + "attn.output_proj.weight"), n, d, d, false);
+    attention_backward(heads_view(act(a.q), batch_, seq_, c.heads, hd), heads_view(act(a.k), batch_, seq_, c.heads, hd),
+                       heads_view(act(a.v), batch_, seq_, c.heads, hd),
+                       heads_view(act(a.attn), batch_, seq_, c.heads, hd),
+                       TensorView::contiguous(act(a.lse), DType::f32, {batch_, c.heads, seq_}),
+                       heads_view(dattn, batch_, seq_, c.heads, hd), heads_view(dq, batch_, seq_, c.heads, hd),
+                       heads_view(dk, batch_, seq_, c.heads, hd), heads_view(dv, batch_, seq_, c.heads, hd), attn);
+    cpu::rope_backward(dq, rope_cos, rope_sin, batch_, seq_, c.heads, hd);
+    cpu::rope_backward(dk, rope_cos, rope_sin, batch_, seq_, c.heads, hd);
+    cpu::linear_backward(dq, act(a.h1), param(p + "attn.q_proj.weight"), dh, grad(p + "attn.q_proj.weight"), n, d, d,
+                         false);
+    cpu::linear_backward(dk, act(a.h1), param(p + "attn.k_proj.weight"), dh, grad(p + "attn.k_proj.weight"), n, d, d,
+                         true);
+    cpu::linear_backward(dv, act(a.h1), param(p + "attn.v_proj.weight"), dh, grad(p + "attn.v_proj.weight"), n, d, d,
+                         true);
+    cpu::rmsnorm_backward(dh, act(a.x_in), param(p + "ln1.weight"), act(a.rstd1), dx, grad(p + "ln1.weight"), n, d);
+  }
+  cpu::embedding_backward(dx, tokens_, grad("token_embeddings.weight"), n, d);
+  tokens_ = nullptr;  // the logits were overwritten by their gradient
+}
+
+void CpuModel::zero_grad() { std::fill(gradients(), gradients() + n_params_, 0.0f); }
+
+double CpuModel::gradient_norm() const {
+  double ss = 0;
+  const float* g = gradients();
+#pragma omp parallel for reduction(+ : ss) schedule(static)
+  for (int64_t i = 0; i < n_params_; ++i) ss += double(g[i]) * g[i];
+  return std::sqrt(ss);
+}
+
+double CpuModel::clip_gradients(double max_norm) {
+  const double norm = gradient_norm();
+  if (max_norm > 0 && norm > max_norm) {
+    const float scale = float(max_norm / (norm + 1e-6));
+    float* g = gradients();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n_params_; ++i) g[i] *= scale;
+  }
+  return norm;
+}
+
+void CpuModel::adamw_step(const AdamWConfig& c, double lr) {
+  ++adam_step_;
+  const double t = double(adam_step_);
+  const float alpha = float(lr * std::sqrt(1.0 - std::pow(c.beta2, t)) / (1.0 - std::pow(c.beta1, t)));
+  const float b1 = float(c.beta1), b2 = float(c.beta2), eps = float(c.eps), decay = float(lr * c.weight_decay);
+  float *w = parameters(), *g = gradients();
+  float *m = static_cast<float*>(adam_m_.data()), *v = static_cast<float*>(adam_v_.data());
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n_params_; ++i) {
+    m[i] = b1 * m[i] + (1 - b1) * g[i];
+    v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+    w[i] -= alpha * m[i] / (std::sqrt(v[i]) + eps);
+    w[i] -= decay * w[i];
+  }
+}
+
+}  // namespace flashlm

@@ -1,0 +1,99 @@
+// CPU LM: sizes, layout, and the properties that need no PyTorch (the PyTorch comparison is
+// tests/python/test_lm_vs_torch.py).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "flashlm/model.h"
+
+using namespace flashlm;
+
+TEST(ModelConfig, NamedSizesHaveTheSpecParameterCounts) {
+  // SPEC §1's table (vocab 10000), in millions.
+  const std::pair<const char*, double> sizes[] = {{"small", 128.6}, {"medium", 423.2}, {"large", 969.4},
+                                                  {"xl", 1998.2},  {"2.7B", 3406.8}};
+  for (auto [name, millions] : sizes) {
+    EXPECT_NEAR(double(ModelConfig::named(name).parameter_count()) / 1e6, millions, 0.05) << name;
+  }
+  EXPECT_THROW(ModelConfig::named("huge"), Error);
+}
+
+TEST(ModelConfig, BadConfigsAreErrors) {
+  ModelConfig c = ModelConfig::named("tiny");
+  c.heads = 3;
+  EXPECT_THROW(c.validate(), Error);
+  c = ModelConfig::named("tiny");
+  c.d_model = 36;
+  c.heads = 12;  // head_dim 3: odd, no RoPE pairs
+  EXPECT_THROW(c.validate(), Error);
+  EXPECT_THROW(CpuModel(ModelConfig::named("tiny", 16), 2, 17), Error);  // seq > context
+}
+
+TEST(ModelConfig, CosineScheduleWarmsUpThenDecays) {
+  AdamWConfig c;
+  c.lr_max = 1.0;
+  c.lr_min = 0.1;
+  c.warmup_steps = 10;
+  c.cosine_steps = 110;
+  EXPECT_DOUBLE_EQ(cosine_lr(c, 0), 0.0);
+  EXPECT_DOUBLE_EQ(cosine_lr(c, 5), 0.5);
+  EXPECT_DOUBLE_EQ(cosine_lr(c, 10), 1.0);
+  EXPECT_NEAR(cosine_lr(c, 60), 0.55, 1e-12);
+  EXPECT_DOUBLE_EQ(cosine_lr(c, 110), 0.1);
+  EXPECT_DOUBLE_EQ(cosine_lr(c, 500), 0.1);
+}
+
+TEST(CpuModel, InitialLossIsNearLogVocabAndTrainingLowersIt) {
+  const ModelConfig c = ModelConfig::named("tiny", 32, 64);
+  CpuModel model(c, 4, 32);
+  model.init_parameters(1);
+  std::vector<int32_t> tokens(4 * 32), targets(4 * 32);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = int32_t((i * 7) % 64);
+    targets[i] = int32_t((i * 7 + 7) % 64);  // a learnable successor rule
+  }
+  const double first = model.forward(tokens.data(), targets.data());
+  EXPECT_NEAR(first, std::log(64.0), 0.1);
+  AdamWConfig opt;
+  double loss = first;
+  for (int step = 0; step < 30; ++step) {
+    model.zero_grad();
+    loss = model.forward(tokens.data(), targets.data());
+    model.backward();
+    EXPECT_TRUE(std::isfinite(model.clip_gradients(1.0)));
+    model.adamw_step(opt, 3e-3);
+  }
+  EXPECT_LT(loss, 0.5 * first);
+}
+
+TEST(CpuModel, OutOfRangeTokensAreErrors) {
+  CpuModel model(ModelConfig::named("tiny", 8, 16), 1, 8);
+  std::vector<int32_t> tokens(8, 3), targets(8, 3);
+  tokens[5] = 16;
+  try {
+    model.forward(tokens.data(), targets.data());
+    FAIL() << "expected flashlm::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tokens[5] = 16 outside [0, vocab = 16)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(model.backward(), Error);  // no forward yet
+}
+
+TEST(CpuModel, FlashAndNaiveAttentionGiveTheSameLossAndGradients) {
+  const ModelConfig c = ModelConfig::named("tiny", 24, 50);
+  CpuModel a(c, 2, 24, AttentionImpl::flash), b(c, 2, 24, AttentionImpl::naive);
+  a.init_parameters(3);
+  b.init_parameters(3);
+  std::vector<int32_t> tokens(48), targets(48);
+  for (size_t i = 0; i < 48; ++i) tokens[i] = int32_t((i * 13) % 50), targets[i] = int32_t((i * 5 + 1) % 50);
+  EXPECT_NEAR(a.forward(tokens.data(), targets.data()), b.forward(tokens.data(), targets.data()), 1e-6);
+  a.backward();
+  b.backward();
+  double max_diff = 0, max_ref = 0;
+  for (int64_t i = 0; i < a.parameter_count(); ++i) {
+    max_diff = std::max(max_diff, double(std::fabs(a.gradients()[i] - b.gradients()[i])));
+    max_ref = std::max(max_ref, double(std::fabs(b.gradients()[i])));
+  }
+  EXPECT_LE(max_diff, 1e-5 * max_ref);
+}
