@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job: build flashlm, then benchmark attention (naive vs FlashAttention-2) and print the table:
-# on the GPU when one is visible, else on the CPU.
+# The main job: build flashlm, benchmark attention (naive vs FlashAttention-2; on the GPU when one is
+# visible, else on the CPU) and train a tiny LM on synthetic data on the CPU for a few seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/build.sh
@@ -13,3 +13,6 @@ else
   $flashlm attention-bench --device cpu --impl naive,flash --dtype fp32 --d 64 --seq 512,1024,2048,4096 \
     --causal=0,1 --reps 3 --warmup 1
 fi
+echo
+echo "== a short training run (tiny LM, synthetic data whose best possible loss is ln 4 = 1.386)"
+$flashlm train --model tiny --steps 200 --log-every 25 --eval-every 100

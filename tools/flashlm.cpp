@@ -13,6 +13,7 @@
 #include "flashlm/bench.h"
 #include "flashlm/device.h"
 #include "flashlm/error.h"
+#include "flashlm/train.h"
 
 namespace {
 
@@ -157,6 +158,99 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
   return 0;
 }
 
+struct TrainArgs {
+  std::string model = "tiny", data = "synthetic", val_data, checkpoint, device = "cpu", attention = "flash";
+  int64_t d_model = 0, d_ff = 0, layers = 0, heads = 0, vocab = 256, context = 64;
+  int64_t batch = 16, steps = 200, warmup = 20, cosine_steps = 0, eval_every = 50, eval_batches = 8, log_every = 10;
+  int64_t checkpoint_every = 0, threads = 0;
+  double lr = 3e-3, lr_min = 3e-4, weight_decay = 0.1, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
+  uint64_t seed = 1234;
+  bool resume = false;
+};
+
+void add_train(CLI::App& app, TrainArgs& a) {
+  CLI::App* cmd = app.add_subcommand("train", "Train the Transformer LM (CPU, fp32) on token files or synthetic data");
+  cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B (overridden by the options below)")
+      ->capture_default_str();
+  cmd->add_option("--d-model", a.d_model, "Model width");
+  cmd->add_option("--d-ff", a.d_ff, "Feed-forward width");
+  cmd->add_option("--layers", a.layers, "Transformer blocks");
+  cmd->add_option("--heads", a.heads, "Attention heads");
+  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str();
+  cmd->add_option("--context", a.context, "Tokens per sequence")->capture_default_str();
+  cmd->add_option("--batch", a.batch, "Sequences per step")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--steps", a.steps, "Optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--data", a.data, "'synthetic' or a token file (.bin: nanoGPT uint16 or llm.c headered)")
+      ->capture_default_str();
+  cmd->add_option("--val-data", a.val_data, "Validation token file (default: the last 10% of --data)");
+  cmd->add_option("--lr", a.lr, "Peak learning rate")->capture_default_str();
+  cmd->add_option("--lr-min", a.lr_min, "Final learning rate of the cosine schedule")->capture_default_str();
+  cmd->add_option("--warmup", a.warmup, "Linear warm-up steps")->capture_default_str();
+  cmd->add_option("--cosine-steps", a.cosine_steps, "Step where the cosine reaches --lr-min (default: --steps)");
+  cmd->add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay")->capture_default_str();
+  cmd->add_option("--beta1", a.beta1, "AdamW beta1")->capture_default_str();
+  cmd->add_option("--beta2", a.beta2, "AdamW beta2")->capture_default_str();
+  cmd->add_option("--clip", a.clip, "Global gradient-norm clip (0: none)")->capture_default_str();
+  cmd->add_option("--eval-every", a.eval_every, "Validation every N steps (0: only at the end)")->capture_default_str();
+  cmd->add_option("--eval-batches", a.eval_batches, "Batches per validation")->capture_default_str();
+  cmd->add_option("--log-every", a.log_every, "Progress line every N steps")->capture_default_str();
+  cmd->add_option("--checkpoint", a.checkpoint, "Checkpoint file (written atomically)");
+  cmd->add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end)");
+  cmd->add_flag("--resume", a.resume, "Continue from --checkpoint, bit-exactly");
+  cmd->add_option("--seed", a.seed, "Seed of weights, data order and synthetic data")->capture_default_str();
+  cmd->add_option("--attention", a.attention, "flash or naive")->capture_default_str();
+  cmd->add_option("--device", a.device, "cpu (the CUDA engine is not built yet)")->capture_default_str();
+  cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
+}
+
+int run_train_command(const TrainArgs& a) {
+  using namespace flashlm;
+  TrainConfig cfg;
+  try {
+    cfg.model = ModelConfig::named(a.model, a.context, a.vocab);
+    cfg.attention = parse_attention_impl(a.attention);
+    if (parse_device(a.device) != Device::cpu) {
+      throw UsageError("--device cuda: the CUDA LM engine is not built yet; flashlm train runs on the CPU for now");
+    }
+  } catch (const flashlm::Error& e) {
+    throw UsageError(e.what());
+  }
+  if (a.d_model) cfg.model.d_model = a.d_model;
+  if (a.d_ff) cfg.model.d_ff = a.d_ff;
+  if (a.layers) cfg.model.layers = a.layers;
+  if (a.heads) cfg.model.heads = a.heads;
+  try {
+    cfg.model.validate();
+  } catch (const flashlm::Error& e) {
+    throw UsageError(e.what());
+  }
+  cfg.batch = a.batch;
+  cfg.seq = a.context;
+  cfg.steps = a.steps;
+  cfg.train_data = a.data;
+  cfg.val_data = a.val_data;
+  cfg.optimizer.lr_max = a.lr;
+  cfg.optimizer.lr_min = a.lr_min;
+  cfg.optimizer.warmup_steps = a.warmup;
+  cfg.optimizer.cosine_steps = a.cosine_steps > 0 ? a.cosine_steps : a.steps;
+  cfg.optimizer.weight_decay = a.weight_decay;
+  cfg.optimizer.beta1 = a.beta1;
+  cfg.optimizer.beta2 = a.beta2;
+  cfg.optimizer.max_grad_norm = a.clip;
+  cfg.eval_every = a.eval_every;
+  cfg.eval_batches = a.eval_batches;
+  cfg.log_every = a.log_every;
+  cfg.checkpoint = a.checkpoint;
+  cfg.checkpoint_every = a.checkpoint_every;
+  cfg.resume = a.resume;
+  cfg.seed = a.seed;
+  if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
+  cfg.progress = [](const std::string& line) { fmt::print("{}\n", line), std::fflush(stdout); };
+  const TrainResult r = train(cfg);
+  if (!r.val_loss.empty()) fmt::print("final val loss {:.4f}\n", r.val_loss.back().second);
+  return 0;
+}
+
 void add_info(CLI::App& app) {
   app.add_subcommand("info", "Print the build and the devices flashlm sees")->callback([] {
     fmt::print("flashlm {}\n", FLASHLM_VERSION);
@@ -176,11 +270,14 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", FLASHLM_VERSION);
   AttentionBenchArgs bench_args;
   add_attention_bench(app, bench_args);
+  TrainArgs train_args;
+  add_train(app, train_args);
   add_info(app);
 
   try {
     app.parse(argc, argv);
     if (app.got_subcommand("attention-bench")) return run_attention_bench_command(bench_args);
+    if (app.got_subcommand("train")) return run_train_command(train_args);
     return 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);

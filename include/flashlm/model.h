@@ -88,6 +88,10 @@ class CpuModel {
   // One AdamW step (decoupled weight decay, bias-corrected) with learning rate lr.
   void adamw_step(const AdamWConfig& c, double lr);
   int64_t optimizer_steps() const { return adam_step_; }
+  // AdamW's moments (same layout as the parameters) and step count, for checkpoints.
+  float* adam_first_moment() const { return static_cast<float*>(adam_m_.data()); }
+  float* adam_second_moment() const { return static_cast<float*>(adam_v_.data()); }
+  void set_optimizer_steps(int64_t steps) { adam_step_ = steps; }
 
  private:
   struct LayerActs;

@@ -9,6 +9,7 @@
 
 #include "core/check.h"
 #include "core/cuda_runtime.h"
+#include "core/random.h"
 
 namespace flashlm {
 
@@ -91,14 +92,6 @@ Tensor Tensor::empty(std::span<const int64_t> sizes, DType dtype, Device device,
 
 namespace {
 
-// splitmix64: a counter-based generator, so element n's value depends only on (seed, n).
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 double uniform01(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * 0x1.0p-53; }
 
 void require_cpu(const TensorView& t, std::string_view fn) {
@@ -126,8 +119,8 @@ void fill_normal(const TensorView& t, uint64_t seed, double stddev) {
     using T = decltype(zero);
     T* base = t.ptr<T>();
     for_each_offset(t, [&](int64_t offset, int64_t n) {
-      const uint64_t key = mix(seed ^ mix(static_cast<uint64_t>(n)));
-      const double u1 = uniform01(key), u2 = uniform01(mix(key));
+      const uint64_t key = counter_draw(seed, static_cast<uint64_t>(n));  // element n depends only on (seed, n)
+      const double u1 = uniform01(key), u2 = uniform01(splitmix64(key));
       const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);  // Box-Muller
       base[offset] = convert<T>(z * stddev);
     });

@@ -1,6 +1,8 @@
 // The LM on the CPU: the whole training step reads top to bottom — forward, backward, AdamW.
 #include <cmath>
+#include <algorithm>
 #include <random>
+#include <vector>
 
 #include "core/check.h"
 #include "flashlm/model.h"
@@ -247,10 +249,20 @@ void CpuModel::backward() {
 void CpuModel::zero_grad() { std::fill(gradients(), gradients() + n_params_, 0.0f); }
 
 double CpuModel::gradient_norm() const {
-  double ss = 0;
+  // Fixed chunks summed in a fixed order: the norm (and so the clipping) is bit-identical from run to
+  // run whatever the thread count, which resuming from a checkpoint relies on.
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t chunks = (n_params_ + kChunk - 1) / kChunk;
+  std::vector<double> partial(size_t(chunks), 0.0);
   const float* g = gradients();
-#pragma omp parallel for reduction(+ : ss) schedule(static)
-  for (int64_t i = 0; i < n_params_; ++i) ss += double(g[i]) * g[i];
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    double ss = 0;
+    for (int64_t i = c * kChunk; i < std::min(n_params_, (c + 1) * kChunk); ++i) ss += double(g[i]) * g[i];
+    partial[size_t(c)] = ss;
+  }
+  double ss = 0;
+  for (double x : partial) ss += x;
   return std::sqrt(ss);
 }
 

@@ -1,0 +1,128 @@
+// Training data: token files (nanoGPT's raw .bin and llm.c's headered .bin), a synthetic Markov-chain
+// task with a known optimal loss, and TokenBatcher, whose whole state is (seed, step) so that a resumed
+// run draws exactly the batches the uninterrupted run would have drawn.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "flashlm/memory.h"
+
+namespace flashlm {
+
+enum class TokenFormat : uint8_t {
+  nanogpt,  // a flat array of little-endian uint16 tokens (np.array(ids, dtype=np.uint16).tofile(f))
+  llmc,     // 256 int32 header (magic 20240520, version 1, token count), then the uint16 tokens
+};
+
+// A read-only token file, memory-mapped. The format is detected from the first int32 (the llm.c magic;
+// read as two raw tokens it is 56824, 308, and 56824 is beyond GPT-2's 50257-token vocabulary). Every
+// inconsistency between the file's size and its header is a flashlm::Error naming the path, so tokens()
+// never reaches past the end of the file. The file must not be truncated by another process while open.
+class TokenFile {
+ public:
+  // vocab_size > 0 also runs validate_tokens(vocab_size); 0 skips the check.
+  explicit TokenFile(std::string path, int64_t vocab_size = 0);
+  TokenFile(TokenFile&& o) noexcept { *this = std::move(o); }
+  TokenFile& operator=(TokenFile&& o) noexcept;
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
+  ~TokenFile() { unmap(); }
+
+  std::span<const uint16_t> tokens() const { return tokens_; }
+  TokenFormat format() const { return format_; }
+  const std::string& path() const { return path_; }
+
+  // Throws, naming the first position whose token is >= vocab_size. O(number of tokens).
+  void validate_tokens(int64_t vocab_size) const;
+
+ private:
+  void parse(size_t size);  // sets format_ and tokens_ from the mapped bytes, or throws
+  void unmap();
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  std::span<const uint16_t> tokens_;
+  TokenFormat format_ = TokenFormat::nanogpt;
+};
+
+// A learnable stand-in for a corpus (`--data synthetic`): a random walk on a fixed, seeded "successor"
+// table in which every token has `branching` distinct successors, each followed with probability
+// 1/branching. Given the current token, the next one has entropy ln(branching) whatever came before, so
+// optimal_cross_entropy() = ln(branching) nats is the best loss any model can reach, against ln(vocab_size)
+// for a uniform guess (ln 4 = 1.386 vs ln 256 = 5.545 for the defaults a tiny model trains on).
+class SyntheticTokens {
+ public:
+  static constexpr int kMaxBranching = 256;  // keeps the successor table (vocab x branching) small
+
+  // vocab_size in [branching, 65536] (tokens are uint16), num_tokens >= 2, branching in [1, 256].
+  SyntheticTokens(int64_t vocab_size, int64_t num_tokens, uint64_t seed, int branching = 4);
+
+  std::span<const uint16_t> tokens() const {
+    return {static_cast<const uint16_t*>(buffer_.data()), static_cast<size_t>(num_tokens_)};
+  }
+  int64_t vocab_size() const { return vocab_size_; }
+  int branching() const { return branching_; }
+  double optimal_cross_entropy() const;  // nats per token: ln(branching)
+
+ private:
+  Buffer buffer_;  // num_tokens uint16, through the tracked allocator
+  int64_t vocab_size_ = 0;
+  int64_t num_tokens_ = 0;
+  int branching_ = 0;
+};
+
+enum class BatchOrder : uint8_t {
+  // Windows at token offsets 0, T, 2T, ... in order, B per batch, wrapping to the first window after
+  // the last: for validation, where every run must score the same tokens.
+  sequential,
+  // Each row starts at an independent uniform offset in [0, n - T - 1]: for training.
+  random,
+};
+
+// Everything a checkpoint needs to resume a batcher: restore(state()) makes the following next() calls
+// produce exactly what they would have. Trivially copyable, so it can be written as raw bytes.
+struct BatcherState {
+  uint64_t seed = 0;  // used only by BatchOrder::random
+  int64_t step = 0;   // batches drawn so far
+};
+static_assert(std::is_trivially_copyable_v<BatcherState>);
+
+// Cuts next-token-prediction batches out of a token sequence: inputs[b][t] = tokens[s_b + t] and
+// targets[b][t] = tokens[s_b + t + 1], for t < T. Batch `step` is a pure function of (seed, step) — a
+// counter-based hash gives the random offsets — so there is no generator state to save besides the step.
+// The batcher does not own the tokens: the TokenFile or SyntheticTokens must outlive it.
+class TokenBatcher {
+ public:
+  // `name` (the file's path, or "synthetic") is what errors report. The sequence must hold at least
+  // context + 1 tokens, so that one window has its targets.
+  TokenBatcher(std::span<const uint16_t> tokens, std::string_view name, int64_t batch, int64_t context,
+               BatchOrder order, uint64_t seed = 0);
+
+  // Fills inputs and targets, each batch * context int32 in row-major [batch][context] order (int32:
+  // token ids are < 65536, and it is the index type embedding and loss kernels take), and advances.
+  void next(std::span<int32_t> inputs, std::span<int32_t> targets);
+
+  BatcherState state() const { return {seed_, step_}; }
+  void restore(const BatcherState& state);
+
+  int64_t batch() const { return batch_; }
+  int64_t context() const { return context_; }
+  // The number of distinct sequential windows, floor((n - 1) / T): ceil(windows() / batch()) sequential
+  // batches cover every window once (the last batch wraps to the first windows).
+  int64_t windows() const { return windows_; }
+
+ private:
+  std::span<const uint16_t> tokens_;
+  int64_t batch_ = 0;
+  int64_t context_ = 0;
+  int64_t windows_ = 0;
+  BatchOrder order_ = BatchOrder::random;
+  uint64_t seed_ = 0;
+  int64_t step_ = 0;
+};
+
+}  // namespace flashlm

@@ -1,0 +1,46 @@
+// `flashlm train`: the training run — data, the train step, evaluation, checkpoints and resume.
+#pragma once
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flashlm/model.h"
+
+namespace flashlm {
+
+struct TrainConfig {
+  ModelConfig model = ModelConfig::named("tiny", 64, 256);
+  int64_t batch = 16;
+  int64_t seq = 64;  // tokens per sequence (<= model.context)
+  int64_t steps = 200;
+  AdamWConfig optimizer;
+  // "synthetic" (a learnable Markov chain, see data.h) or a token file (.bin, nanoGPT or llm.c format).
+  std::string train_data = "synthetic";
+  // A token file for validation; empty: the last 10% of the training tokens are held out instead.
+  std::string val_data;
+  int64_t eval_every = 50;   // 0: never
+  int64_t eval_batches = 8;
+  int64_t log_every = 10;
+  std::string checkpoint;        // path; empty: no checkpoints
+  int64_t checkpoint_every = 0;  // 0: only at the end (when checkpoint is set)
+  bool resume = false;           // continue from `checkpoint`
+  uint64_t seed = 1234;          // weights, data order and synthetic data
+  AttentionImpl attention = AttentionImpl::flash;
+  std::function<void(const std::string&)> progress;  // one line per log / eval / checkpoint event
+};
+
+struct TrainResult {
+  std::vector<std::pair<int64_t, double>> train_loss;  // (step, loss) of every step run
+  std::vector<std::pair<int64_t, double>> val_loss;    // (step, loss) of every evaluation
+  int64_t first_step = 0, last_step = 0;               // steps run: [first_step, last_step)
+  double best_possible_loss = 0;                       // synthetic data: ln(branching); else 0
+};
+
+// Runs (or, with resume, continues) training on the CPU. Bad configuration is a flashlm::Error.
+TrainResult train(const TrainConfig& config);
+
+// The final parameters of a checkpoint file (for tests and tools).
+std::vector<float> checkpoint_parameters(const std::string& path);
+
+}  // namespace flashlm

@@ -1,0 +1,367 @@
+// Token files (both formats, every malformed case), the batcher's contract (shifted targets, wrapping,
+// bounds, bit-exact resume) and the synthetic task's determinism and entropy.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flashlm/data.h"
+#include "flashlm/error.h"
+
+using namespace flashlm;
+
+namespace {
+
+// A path under GoogleTest's temporary directory, unique per test.
+std::string temp_path(const std::string& name) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return ::testing::TempDir() + "flashlm_data_" + info->test_suite_name() + "_" + info->name() + "_" + name;
+}
+
+// A file written for one test and removed when it ends.
+struct TempFile {
+  std::string path;
+  explicit TempFile(std::string p) : path(std::move(p)) {}
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  ~TempFile() { std::remove(path.c_str()); }
+};
+
+TempFile write_file(const std::string& name, const std::vector<unsigned char>& bytes) {
+  const std::string path = temp_path(name);
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  EXPECT_TRUE(f.good()) << path;
+  return TempFile{path};
+}
+
+template <class T>
+void append(std::vector<unsigned char>& out, const T* data, size_t count) {
+  const auto* p = reinterpret_cast<const unsigned char*>(data);
+  out.insert(out.end(), p, p + count * sizeof(T));
+}
+
+// What np.array(tokens, dtype=np.uint16).tofile(f) writes.
+std::vector<unsigned char> nanogpt_bytes(const std::vector<uint16_t>& tokens) {
+  std::vector<unsigned char> out;
+  append(out, tokens.data(), tokens.size());
+  return out;
+}
+
+// What llm.c's write_datafile writes, with the header fields overridable to make bad files.
+std::vector<unsigned char> llmc_bytes(const std::vector<uint16_t>& tokens, int32_t version = 1,
+                                      int64_t count = -1) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240520;
+  header[1] = version;
+  header[2] = static_cast<int32_t>(count >= 0 ? count : static_cast<int64_t>(tokens.size()));
+  std::vector<unsigned char> out;
+  append(out, header.data(), header.size());
+  append(out, tokens.data(), tokens.size());
+  return out;
+}
+
+std::vector<uint16_t> ramp(size_t n) {
+  std::vector<uint16_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(i);
+  return t;
+}
+
+// Runs `call` and checks that it throws flashlm::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& call, std::initializer_list<std::string> fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected flashlm::Error";
+  } catch (const Error& e) {
+    for (const auto& f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+  }
+}
+
+struct Batch {
+  std::vector<int32_t> x, y;
+  bool operator==(const Batch&) const = default;
+};
+
+Batch next_batch(TokenBatcher& b) {
+  Batch out{std::vector<int32_t>(static_cast<size_t>(b.batch() * b.context())),
+            std::vector<int32_t>(static_cast<size_t>(b.batch() * b.context()))};
+  b.next(out.x, out.y);
+  return out;
+}
+
+}  // namespace
+
+TEST(TokenFile, LoadsNanoGptRawFile) {
+  std::vector<uint16_t> tokens = ramp(1000);
+  tokens[3] = 65535;  // the whole uint16 range survives
+  const TempFile file = write_file("raw.bin", nanogpt_bytes(tokens));
+  const std::string& path = file.path;
+  const TokenFile f(path);
+  EXPECT_EQ(f.format(), TokenFormat::nanogpt);
+  EXPECT_EQ(f.path(), path);
+  ASSERT_EQ(f.tokens().size(), tokens.size());
+  EXPECT_TRUE(std::equal(tokens.begin(), tokens.end(), f.tokens().begin()));
+}
+
+TEST(TokenFile, LoadsLlmcFile) {
+  std::vector<uint16_t> tokens = ramp(777);
+  tokens[0] = 50256;  // GPT-2's <|endoftext|>, with which llm.c's files begin
+  const TempFile file = write_file("llmc.bin", llmc_bytes(tokens));
+  const TokenFile f(file.path);
+  EXPECT_EQ(f.format(), TokenFormat::llmc);
+  ASSERT_EQ(f.tokens().size(), tokens.size());
+  EXPECT_TRUE(std::equal(tokens.begin(), tokens.end(), f.tokens().begin()));
+}
+
+TEST(TokenFile, MoveTransfersTheMapping) {
+  const std::vector<uint16_t> tokens = ramp(64);
+  const TempFile file = write_file("move.bin", nanogpt_bytes(tokens));
+  TokenFile a(file.path);
+  TokenFile b(std::move(a));
+  EXPECT_TRUE(a.tokens().empty());  // NOLINT(bugprone-use-after-move): the moved-from state is specified
+  ASSERT_EQ(b.tokens().size(), 64u);
+  EXPECT_EQ(b.tokens()[63], 63);
+  a = std::move(b);
+  EXPECT_EQ(a.tokens()[10], 10);
+}
+
+TEST(TokenFile, MalformedFilesNameTheFileAndTheReason) {
+  const std::vector<uint16_t> tokens = ramp(100);
+  struct Case {
+    std::string name;
+    std::vector<unsigned char> bytes;
+    std::string reason;
+  };
+  std::vector<unsigned char> odd = nanogpt_bytes(tokens);
+  odd.push_back(7);
+  std::vector<unsigned char> short_header = llmc_bytes(tokens);
+  short_header.resize(600);
+  std::vector<unsigned char> truncated = llmc_bytes(tokens);
+  truncated.resize(truncated.size() - 2);  // one token short
+  std::vector<unsigned char> too_long = llmc_bytes(tokens);
+  too_long.push_back(0);
+  too_long.push_back(0);
+  const std::vector<Case> cases = {
+      {"empty.bin", {}, "the file is empty"},
+      {"odd.bin", odd, "is odd"},
+      {"three_bytes.bin", {1, 2, 3}, "is odd"},
+      {"short_header.bin", short_header, "truncated llm.c header"},
+      {"truncated.bin", truncated,
+       "truncated llm.c file: the header's token count 100 needs 1224 bytes, the file has 1222"},
+      {"too_long.bin", too_long, "token count 100 needs 1224 bytes, but the file has 1226 (2 bytes too many)"},
+      {"version2.bin", llmc_bytes(tokens, 2), "unsupported llm.c version 2"},
+      {"version0.bin", llmc_bytes(tokens, 0), "unsupported llm.c version 0"},
+      {"count_more.bin", llmc_bytes(tokens, 1, 150), "truncated llm.c file: the header's token count 150"},
+      {"count_less.bin", llmc_bytes(tokens, 1, 40), "token count 40 needs 1104 bytes"},
+      {"count_negative.bin", llmc_bytes(tokens, 1, 0x80000000LL), "token count is negative (-2147483648)"},
+      {"count_zero.bin", llmc_bytes({}, 1, 0), "token count is 0"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const TempFile file = write_file(c.name, c.bytes);
+    const std::string& path = file.path;
+    expect_error([&] { TokenFile f(path); }, {path, c.reason});
+  }
+  const std::string missing = temp_path("missing.bin");
+  expect_error([&] { TokenFile f(missing); }, {missing, "cannot open", "No such file"});
+  expect_error([&] { TokenFile f(::testing::TempDir()); }, {"not a regular file"});
+}
+
+TEST(TokenFile, TooFewTokensForOneSequenceNamesTheFile) {
+  const TempFile file = write_file("short.bin", nanogpt_bytes(ramp(8)));
+  const std::string& path = file.path;
+  const TokenFile f(path);
+  // 8 tokens hold a context of 7 (inputs 0..6, targets 1..7) but not of 8.
+  EXPECT_NO_THROW(TokenBatcher(f.tokens(), f.path(), 4, 7, BatchOrder::sequential));
+  for (BatchOrder order : {BatchOrder::sequential, BatchOrder::random})
+    expect_error([&] { TokenBatcher(f.tokens(), f.path(), 1, 8, order); },
+                 {path, "8 tokens are too few for one sequence: context 8 needs at least 9"});
+}
+
+TEST(TokenFile, VocabCheckNamesTheFirstBadPosition) {
+  std::vector<uint16_t> tokens(50, 3);
+  tokens[7] = 150;
+  tokens[20] = 200;
+  for (const auto& [name, bytes] :
+       {std::pair{"raw.bin", nanogpt_bytes(tokens)}, std::pair{"llmc.bin", llmc_bytes(tokens)}}) {
+    const TempFile file = write_file(name, bytes);
+    const std::string& path = file.path;
+    expect_error([&] { TokenFile f(path, 100); },
+                 {path, "token 150 at position 7 is outside the vocabulary (vocab_size = 100)"});
+    expect_error([&] { TokenFile f(path, 150); }, {"token 150 at position 7"});
+    expect_error([&] { TokenFile f(path, 151); }, {"token 200 at position 20"});
+    const TokenFile f(path, 201);
+    EXPECT_NO_THROW(f.validate_tokens(65536));
+    expect_error([&] { f.validate_tokens(4); }, {path, "token 150 at position 7"});
+    expect_error([&] { f.validate_tokens(0); }, {"vocab_size must be positive, got 0"});
+  }
+}
+
+TEST(TokenBatcher, TargetsAreInputsShiftedByOne) {
+  const std::vector<uint16_t> tokens = ramp(5000);  // token i is i, so a row's first input is its offset
+  for (BatchOrder order : {BatchOrder::sequential, BatchOrder::random}) {
+    TokenBatcher batcher(tokens, "ramp", 4, 33, order, 1);
+    for (int step = 0; step < 20; ++step) {
+      const Batch b = next_batch(batcher);
+      for (int r = 0; r < 4; ++r) {
+        const int32_t start = b.x[static_cast<size_t>(r * 33)];
+        for (int t = 0; t < 33; ++t) {
+          EXPECT_EQ(b.x[static_cast<size_t>(r * 33 + t)], start + t);
+          EXPECT_EQ(b.y[static_cast<size_t>(r * 33 + t)], start + t + 1);
+        }
+      }
+    }
+  }
+}
+
+TEST(TokenBatcher, SequentialAdvancesByBTAndWraps) {
+  constexpr int64_t T = 16, B = 3;
+  const std::vector<uint16_t> tokens = ramp(10 * T + 5);  // 10 windows; the 4 tokens after the last are unused
+  TokenBatcher batcher(tokens, "ramp", B, T, BatchOrder::sequential);
+  EXPECT_EQ(batcher.windows(), 10);
+  for (int64_t step = 0; step < 9; ++step) {
+    const Batch b = next_batch(batcher);
+    for (int64_t r = 0; r < B; ++r) {
+      const int64_t window = (step * B + r) % 10;  // step 3 ends with window 0 again
+      EXPECT_EQ(b.x[static_cast<size_t>(r * T)], window * T) << "step " << step << " row " << r;
+    }
+  }
+  // A file of exactly T + 1 tokens is one window, repeated in every row.
+  TokenBatcher one(std::span<const uint16_t>(tokens.data(), T + 1), "ramp", B, T, BatchOrder::sequential);
+  EXPECT_EQ(one.windows(), 1);
+  const Batch b = next_batch(one);
+  for (int64_t r = 0; r < B; ++r) EXPECT_EQ(b.y[static_cast<size_t>(r * T + T - 1)], T);
+}
+
+TEST(TokenBatcher, RandomOffsetsStayInBoundsAndCoverEveryStart) {
+  constexpr int64_t T = 32, B = 8;
+  for (size_t n : {size_t{T + 1}, size_t{T + 7}, size_t{4096}}) {
+    const std::vector<uint16_t> tokens = ramp(n);
+    TokenBatcher batcher(tokens, "ramp", B, T, BatchOrder::random, 42);
+    std::set<int32_t> starts;
+    for (int step = 0; step < 2000; ++step) {
+      const Batch b = next_batch(batcher);
+      for (int64_t r = 0; r < B; ++r) {
+        const int32_t start = b.x[static_cast<size_t>(r * T)];
+        ASSERT_GE(start, 0);
+        ASSERT_LE(start + T, static_cast<int64_t>(n) - 1) << "the last target must exist";
+        starts.insert(start);
+      }
+    }
+    // 16000 uniform draws reach every start of the small files and about 98% (1 - e^-3.9) of the 4064
+    // starts of the large one.
+    if (n < 100) EXPECT_EQ(starts.size(), n - T);
+    else EXPECT_GT(starts.size(), (n - T) * 9 / 10);
+  }
+}
+
+TEST(TokenBatcher, RestoreReproducesTheStreamExactly) {
+  const std::vector<uint16_t> tokens = ramp(3000);
+  for (BatchOrder order : {BatchOrder::sequential, BatchOrder::random}) {
+    TokenBatcher a(tokens, "ramp", 5, 17, order, 1234);
+    std::vector<Batch> stream;
+    BatcherState saved;
+    for (int step = 0; step < 50; ++step) {
+      if (step == 20) saved = a.state();
+      stream.push_back(next_batch(a));
+    }
+    EXPECT_EQ(saved.step, 20);
+    EXPECT_EQ(a.state().step, 50);
+
+    // A fresh batcher built with another seed, as a resumed trainer would before loading its checkpoint.
+    TokenBatcher b(tokens, "ramp", 5, 17, order, 999);
+    b.restore(saved);
+    for (int step = 20; step < 50; ++step) ASSERT_EQ(next_batch(b), stream[static_cast<size_t>(step)]) << step;
+
+    a.restore({1234, 0});  // rewinding the original replays from the start
+    for (int step = 0; step < 50; ++step) ASSERT_EQ(next_batch(a), stream[static_cast<size_t>(step)]) << step;
+  }
+}
+
+TEST(TokenBatcher, SeedsGiveDifferentRandomStreams) {
+  const std::vector<uint16_t> tokens = ramp(60000);
+  TokenBatcher a(tokens, "ramp", 4, 64, BatchOrder::random, 1);
+  TokenBatcher b(tokens, "ramp", 4, 64, BatchOrder::random, 2);
+  EXPECT_NE(next_batch(a), next_batch(b));
+  EXPECT_NE(next_batch(a), next_batch(a)) << "consecutive batches differ";
+}
+
+TEST(TokenBatcher, BadArgumentsAreErrors) {
+  const std::vector<uint16_t> tokens = ramp(100);
+  expect_error([&] { TokenBatcher(tokens, "data.bin", 0, 8, BatchOrder::random); },
+               {"data.bin", "batch must be in [1, 2^31), got 0"});
+  expect_error([&] { TokenBatcher(tokens, "data.bin", 2, -1, BatchOrder::random); },
+               {"data.bin", "context must be in [1, 2^31), got -1"});
+  TokenBatcher batcher(tokens, "data.bin", 2, 8, BatchOrder::random);
+  std::vector<int32_t> x(16), y(15);
+  expect_error([&] { batcher.next(x, y); }, {"targets: expected batch * context = 2 * 8 = 16 ints, got 15"});
+  expect_error([&] { batcher.next(y, x); }, {"inputs: expected batch * context = 2 * 8 = 16 ints, got 15"});
+  EXPECT_EQ(batcher.state().step, 0) << "a failed call draws nothing";
+  expect_error([&] { batcher.restore({0, -3}); }, {"state.step must be non-negative, got -3"});
+}
+
+TEST(SyntheticTokens, DeterministicPerSeed) {
+  const SyntheticTokens a(256, 10000, 7), b(256, 10000, 7), c(256, 10000, 8);
+  EXPECT_TRUE(std::ranges::equal(a.tokens(), b.tokens()));
+  EXPECT_FALSE(std::ranges::equal(a.tokens(), c.tokens()));
+  const SyntheticTokens longer(256, 20000, 7);  // a longer walk extends the shorter one
+  EXPECT_TRUE(std::ranges::equal(a.tokens(), longer.tokens().first(10000)));
+}
+
+TEST(SyntheticTokens, EmpiricalConditionalEntropyMatchesTheOptimum) {
+  for (int branching : {1, 3, 4}) {
+    SCOPED_TRACE(branching);
+    constexpr int64_t V = 64, N = 2'000'000;
+    const SyntheticTokens data(V, N, 11, branching);
+    EXPECT_DOUBLE_EQ(data.optimal_cross_entropy(), std::log(branching));
+    std::map<std::pair<int, int>, int64_t> pairs;
+    std::vector<int64_t> from(V, 0);
+    const auto t = data.tokens();
+    for (size_t i = 0; i + 1 < t.size(); ++i) {
+      ASSERT_LT(t[i + 1], V);
+      ++pairs[{t[i], t[i + 1]}];
+      ++from[t[i]];
+    }
+    std::vector<int> successors(V, 0);
+    double h = 0;  // -sum p(a, b) ln p(b | a), in nats
+    for (const auto& [ab, count] : pairs) {
+      ++successors[static_cast<size_t>(ab.first)];
+      h -= static_cast<double>(count) / static_cast<double>(N - 1) *
+           std::log(static_cast<double>(count) / static_cast<double>(from[static_cast<size_t>(ab.first)]));
+    }
+    for (int s : successors) EXPECT_LE(s, branching);
+    EXPECT_NEAR(h, data.optimal_cross_entropy(), 0.01);
+  }
+}
+
+TEST(SyntheticTokens, FeedsTheBatcher) {
+  const SyntheticTokens data(256, 100000, 3);
+  TokenBatcher batcher(data.tokens(), "synthetic", 8, 64, BatchOrder::random, 5);
+  const Batch b = next_batch(batcher);
+  for (size_t i = 0; i < b.x.size(); ++i) {
+    EXPECT_LT(b.x[i], 256);
+    if (i % 64 != 63) {
+      EXPECT_EQ(b.y[i], b.x[i + 1]);
+    }
+  }
+}
+
+TEST(SyntheticTokens, BadArgumentsAreErrors) {
+  expect_error([] { SyntheticTokens(256, 1000, 1, 0); }, {"branching must be in [1, 256], got 0"});
+  expect_error([] { SyntheticTokens(256, 1000, 1, 257); }, {"branching must be in [1, 256], got 257"});
+  expect_error([] { SyntheticTokens(3, 1000, 1, 4); }, {"vocab_size must be in [branching = 4, 65536]", "got 3"});
+  expect_error([] { SyntheticTokens(65537, 1000, 1); }, {"vocab_size", "got 65537"});
+  expect_error([] { SyntheticTokens(256, 1, 1); }, {"num_tokens must be at least 2, got 1"});
+  const SyntheticTokens full(65536, 1000, 1, 256);  // the largest table: every uint16 id is a token
+  EXPECT_EQ(full.tokens().size(), 1000u);
+}
