@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace flashlm {
 
@@ -19,6 +20,19 @@ struct MemoryStats {
 };
 MemoryStats memory_stats(Device d);
 void memory_reset_peak(Device d);  // peak := current
+
+// The allocation timeline: while recording, every tracked allocation and release is logged with its time,
+// size, tag (which tensor or op) and the current phase (set by the code being profiled).
+struct MemoryEvent {
+  double time_ms = 0;          // since memory_timeline_start()
+  int64_t delta_bytes = 0;     // + allocation, - release
+  int64_t current_bytes = 0;   // on that device, after the event
+  std::string tag, phase;
+  Device device = Device::cpu;
+};
+void memory_timeline_start();                    // clears the log and starts recording
+std::vector<MemoryEvent> memory_timeline_stop();  // stops and returns the log
+void memory_set_phase(std::string_view phase);    // e.g. "forward", "backward", "optimizer"
 
 // Move-only owner of one tracked allocation (64-byte aligned on the host).
 class Buffer {
@@ -45,6 +59,7 @@ class Buffer {
   Device device_ = Device::cpu;
   void* stream_ = nullptr;  // set for stream-ordered allocations
   bool stream_ordered_ = false;
+  std::string tag_;         // for the allocation timeline
 };
 
 }  // namespace flashlm

@@ -108,6 +108,7 @@ class CpuModel {
   float* param(const std::string& name) const;
   float* grad(const std::string& name) const;
   float* act(int64_t offset) const { return static_cast<float*>(acts_.data()) + offset; }
+  LayerActs layer_acts(int64_t layer) const;
 };
 
 }  // namespace flashlm

@@ -1,6 +1,8 @@
 #include "flashlm/memory.h"
 
 #include <atomic>
+#include <chrono>
+#include <mutex>
 #include <cstdlib>
 #include <fstream>
 #include <new>
@@ -21,12 +23,29 @@ Counters g_counters[2];  // indexed by Device
 
 Counters& counters(Device d) { return g_counters[static_cast<int>(d)]; }
 
-void count_alloc(Device d, int64_t bytes) {
+struct Timeline {
+  std::atomic<bool> recording{false};
+  std::mutex mutex;  // allocations also happen inside OpenMP regions
+  std::chrono::steady_clock::time_point start;
+  std::string phase;
+  std::vector<MemoryEvent> events;
+};
+Timeline g_timeline;
+
+void record(Device d, int64_t delta, int64_t current, const std::string& tag) {
+  if (!g_timeline.recording.load(std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> lock(g_timeline.mutex);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - g_timeline.start).count();
+  g_timeline.events.push_back({ms, delta, current, tag, g_timeline.phase, d});
+}
+
+void count_alloc(Device d, int64_t bytes, const std::string& tag) {
   Counters& c = counters(d);
   const int64_t now = c.current.fetch_add(bytes) + bytes;
   int64_t peak = c.peak.load();
   while (now > peak && !c.peak.compare_exchange_weak(peak, now)) {
   }
+  record(d, bytes, now, tag);
 }
 
 // Bytes the kernel says can still be allocated without swapping (MemAvailable). Asking Linux for more
@@ -59,6 +78,24 @@ Device parse_device(std::string_view name) {
   fail("unknown device '{}': expected cpu or cuda", name);
 }
 
+void memory_timeline_start() {
+  std::lock_guard<std::mutex> lock(g_timeline.mutex);
+  g_timeline.events.clear();
+  g_timeline.start = std::chrono::steady_clock::now();
+  g_timeline.recording = true;
+}
+
+std::vector<MemoryEvent> memory_timeline_stop() {
+  std::lock_guard<std::mutex> lock(g_timeline.mutex);
+  g_timeline.recording = false;
+  return std::move(g_timeline.events);
+}
+
+void memory_set_phase(std::string_view phase) {
+  std::lock_guard<std::mutex> lock(g_timeline.mutex);
+  g_timeline.phase = std::string(phase);
+}
+
 MemoryStats memory_stats(Device d) { return {counters(d).current.load(), counters(d).peak.load()}; }
 
 void memory_reset_peak(Device d) { counters(d).peak.store(counters(d).current.load()); }
@@ -67,6 +104,7 @@ Buffer Buffer::allocate(size_t bytes, Device device, std::string_view tag) {
   Buffer b;
   b.device_ = device;
   b.bytes_ = bytes;
+  b.tag_ = std::string(tag);
   if (bytes == 0) return b;
   if (device == Device::cpu) {
     constexpr size_t kLargeRequest = size_t{256} << 20;
@@ -82,7 +120,7 @@ Buffer Buffer::allocate(size_t bytes, Device device, std::string_view tag) {
   } else {
     b.data_ = cuda_malloc_or_throw(bytes, tag);
   }
-  count_alloc(device, static_cast<int64_t>(bytes));
+  count_alloc(device, static_cast<int64_t>(bytes), b.tag_);
   return b;
 }
 
@@ -92,9 +130,10 @@ Buffer Buffer::allocate_on_stream(size_t bytes, std::string_view tag, void* stre
   b.bytes_ = bytes;
   b.stream_ = stream;
   b.stream_ordered_ = true;
+  b.tag_ = std::string(tag);
   if (bytes == 0) return b;
   b.data_ = cuda_malloc_async_or_throw(bytes, tag, stream);
-  count_alloc(Device::cuda, static_cast<int64_t>(bytes));
+  count_alloc(Device::cuda, static_cast<int64_t>(bytes), b.tag_);
   return b;
 }
 
@@ -106,6 +145,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     device_ = o.device_;
     stream_ = o.stream_;
     stream_ordered_ = o.stream_ordered_;
+    tag_ = std::move(o.tag_);
     o.data_ = nullptr;
     o.bytes_ = 0;
   }
@@ -121,7 +161,8 @@ void Buffer::release() {
   } else {
     cuda_free_noexcept(data_);
   }
-  counters(device_).current.fetch_sub(static_cast<int64_t>(bytes_));
+  const int64_t now = counters(device_).current.fetch_sub(static_cast<int64_t>(bytes_)) - static_cast<int64_t>(bytes_);
+  record(device_, -static_cast<int64_t>(bytes_), now, tag_);
   data_ = nullptr;
   bytes_ = 0;
 }

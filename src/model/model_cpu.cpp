@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "flashlm/model.h"
+#include "flashlm/profile.h"
 #include "model/ops_cpu.h"
 
 namespace flashlm {
@@ -98,6 +99,27 @@ void CpuModel::init_parameters(uint64_t seed) {
   }
 }
 
+CpuModel::LayerActs CpuModel::layer_acts(int64_t l) const {
+  const int64_t n = batch_ * seq_, d = config_.d_model, f = config_.d_ff, bhs = batch_ * config_.heads * seq_;
+  const int64_t base = plan_activations(config_, batch_, seq_).layer_base[size_t(l)];
+  LayerActs a{};
+  a.x_in = base;
+  a.rstd1 = a.x_in + n * d;
+  a.h1 = a.rstd1 + n;
+  a.q = a.h1 + n * d;
+  a.k = a.q + n * d;
+  a.v = a.k + n * d;
+  a.attn = a.v + n * d;
+  a.lse = a.attn + n * d;
+  a.x_mid = a.lse + bhs;
+  a.rstd2 = a.x_mid + n * d;
+  a.h2 = a.rstd2 + n;
+  a.u = a.h2 + n * d;
+  a.g = a.u + n * f;
+  a.s = a.g + n * f;  // ends at base + 9 n d + 3 n f + 2 n + bhs = the next layer's base
+  return a;
+}
+
 const float* CpuModel::logits() const { return act(plan_activations(config_, batch_, seq_).logits); }
 
 namespace {
@@ -120,6 +142,8 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   }
   tokens_ = tokens;
   targets_ = targets;
+  memory_set_phase("forward");
+  ScopedRange range("forward");
   const ActivationPlan plan = plan_activations(c, batch_, seq_);
   const float* rope_cos = static_cast<const float*>(rope_.data());
   const float* rope_sin = rope_cos + c.context * (hd / 2);
@@ -131,21 +155,8 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   cpu::embedding_forward(param("token_embeddings.weight"), tokens, x, n, d);
   for (int64_t l = 0; l < c.layers; ++l) {
     const std::string p = fmt::format("layers.{}.", l);
-    const int64_t base = plan.layer_base[size_t(l)];
-    const LayerActs a{base,
-                      base + n * d,
-                      base + n * d + n,
-                      base + 2 * n * d + n,
-                      base + 3 * n * d + n,
-                      base + 4 * n * d + n,
-                      base + 5 * n * d + n,
-                      base + 6 * n * d + n,
-                      base + 6 * n * d + n + batch_ * c.heads * seq_,
-                      base + 7 * n * d + n + batch_ * c.heads * seq_,
-                      base + 7 * n * d + 2 * n + batch_ * c.heads * seq_,
-                      base + 8 * n * d + 2 * n + batch_ * c.heads * seq_,
-                      base + 8 * n * d + 2 * n + batch_ * c.heads * seq_ + n * f,
-                      base + 8 * n * d + 2 * n + batch_ * c.heads * seq_ + 2 * n * f};
+    const LayerActs a = layer_acts(l);
+    ScopedRange layer_range("layer.forward");
     // a.x_in is where the residual stream enters; the next layer's x_in (or x_out) is where it leaves.
     const int64_t x_next = l + 1 < c.layers ? plan.layer_base[size_t(l + 1)] : plan.x_out;
     cpu::rmsnorm_forward(act(a.x_in), param(p + "ln1.weight"), act(a.h1), act(a.rstd1), n, d, float(c.norm_eps));
@@ -154,10 +165,13 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
     cpu::linear_forward(act(a.h1), param(p + "attn.v_proj.weight"), act(a.v), n, d, d);
     cpu::rope_forward(act(a.q), rope_cos, rope_sin, batch_, seq_, c.heads, hd);
     cpu::rope_forward(act(a.k), rope_cos, rope_sin, batch_, seq_, c.heads, hd);
-    attention_forward(heads_view(act(a.q), batch_, seq_, c.heads, hd), heads_view(act(a.k), batch_, seq_, c.heads, hd),
-                      heads_view(act(a.v), batch_, seq_, c.heads, hd),
-                      heads_view(act(a.attn), batch_, seq_, c.heads, hd),
-                      TensorView::contiguous(act(a.lse), DType::f32, {batch_, c.heads, seq_}), attn);
+    {
+      ScopedRange attention_range("attention.forward");
+      attention_forward(heads_view(act(a.q), batch_, seq_, c.heads, hd), heads_view(act(a.k), batch_, seq_, c.heads, hd),
+                        heads_view(act(a.v), batch_, seq_, c.heads, hd),
+                        heads_view(act(a.attn), batch_, seq_, c.heads, hd),
+                        TensorView::contiguous(act(a.lse), DType::f32, {batch_, c.heads, seq_}), attn);
+    }
     float* x_mid = act(a.x_mid);
     cpu::linear_forward(act(a.attn), param(p + "attn.output_proj.weight"), x_mid, n, d, d);
     for (int64_t i = 0; i < n * d; ++i) x_mid[i] += act(a.x_in)[i];
@@ -186,6 +200,8 @@ void CpuModel::backward() {
   attn.impl = attention_;
   attn.causal = true;
 
+  memory_set_phase("backward");
+  ScopedRange range("backward");
   float* s0 = static_cast<float*>(scratch_.data());
   float *dx = s0, *dh = s0 + n * d, *dq = s0 + 2 * n * d, *dk = s0 + 3 * n * d, *dv = s0 + 4 * n * d,
         *dattn = s0 + 5 * n * d;
@@ -201,22 +217,8 @@ void CpuModel::backward() {
 
   for (int64_t l = c.layers - 1; l >= 0; --l) {
     const std::string p = fmt::format("layers.{}.", l);
-    const int64_t base = plan.layer_base[size_t(l)];
-    const int64_t bhs = batch_ * c.heads * seq_;
-    const LayerActs a{base,
-                      base + n * d,
-                      base + n * d + n,
-                      base + 2 * n * d + n,
-                      base + 3 * n * d + n,
-                      base + 4 * n * d + n,
-                      base + 5 * n * d + n,
-                      base + 6 * n * d + n,
-                      base + 6 * n * d + n + bhs,
-                      base + 7 * n * d + n + bhs,
-                      base + 7 * n * d + 2 * n + bhs,
-                      base + 8 * n * d + 2 * n + bhs,
-                      base + 8 * n * d + 2 * n + bhs + n * f,
-                      base + 8 * n * d + 2 * n + bhs + 2 * n * f};
+    const LayerActs a = layer_acts(l);
+    ScopedRange layer_range("layer.backward");
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
     cpu::linear_backward(dx, act(a.s), param(p + "ffn.w2.weight"), ds, grad(p + "ffn.w2.weight"), n, f, d, false);
     cpu::swiglu_backward(ds, act(a.u), act(a.g), du, dg, n * f);
@@ -226,12 +228,15 @@ void CpuModel::backward() {
     // dx is now ∂L/∂x_mid; the attention branch adds to ∂L/∂x_in, which is dx plus the branch.
     cpu::linear_backward(dx, act(a.attn), param(p + "attn.output_proj.weight"), dattn,
                          grad(p + "attn.output_proj.weight"), n, d, d, false);
-    attention_backward(heads_view(act(a.q), batch_, seq_, c.heads, hd), heads_view(act(a.k), batch_, seq_, c.heads, hd),
-                       heads_view(act(a.v), batch_, seq_, c.heads, hd),
-                       heads_view(act(a.attn), batch_, seq_, c.heads, hd),
-                       TensorView::contiguous(act(a.lse), DType::f32, {batch_, c.heads, seq_}),
-                       heads_view(dattn, batch_, seq_, c.heads, hd), heads_view(dq, batch_, seq_, c.heads, hd),
-                       heads_view(dk, batch_, seq_, c.heads, hd), heads_view(dv, batch_, seq_, c.heads, hd), attn);
+    {
+      ScopedRange attention_range("attention.backward");
+      attention_backward(heads_view(act(a.q), batch_, seq_, c.heads, hd),
+                         heads_view(act(a.k), batch_, seq_, c.heads, hd), heads_view(act(a.v), batch_, seq_, c.heads, hd),
+                         heads_view(act(a.attn), batch_, seq_, c.heads, hd),
+                         TensorView::contiguous(act(a.lse), DType::f32, {batch_, c.heads, seq_}),
+                         heads_view(dattn, batch_, seq_, c.heads, hd), heads_view(dq, batch_, seq_, c.heads, hd),
+                         heads_view(dk, batch_, seq_, c.heads, hd), heads_view(dv, batch_, seq_, c.heads, hd), attn);
+    }
     cpu::rope_backward(dq, rope_cos, rope_sin, batch_, seq_, c.heads, hd);
     cpu::rope_backward(dk, rope_cos, rope_sin, batch_, seq_, c.heads, hd);
     cpu::linear_backward(dq, act(a.h1), param(p + "attn.q_proj.weight"), dh, grad(p + "attn.q_proj.weight"), n, d, d,
@@ -278,6 +283,8 @@ double CpuModel::clip_gradients(double max_norm) {
 }
 
 void CpuModel::adamw_step(const AdamWConfig& c, double lr) {
+  memory_set_phase("optimizer");
+  ScopedRange range("optimizer_step");
   ++adam_step_;
   const double t = double(adam_step_);
   const float alpha = float(lr * std::sqrt(1.0 - std::pow(c.beta2, t)) / (1.0 - std::pow(c.beta1, t)));

@@ -1,0 +1,103 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "core/check.h"
+#include "flashlm/profile.h"
+
+#ifdef FLASHLM_WITH_NVTX
+#include <nvtx3/nvToolsExt.h>
+#endif
+
+namespace flashlm {
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+RangeProfiler& RangeProfiler::instance() {
+  static RangeProfiler profiler;
+  return profiler;
+}
+
+void RangeProfiler::enable(bool on) { enabled_ = on; }
+
+void RangeProfiler::reset() {
+  open_.clear();
+  samples_.clear();
+}
+
+void RangeProfiler::push(std::string_view name) {
+#ifdef FLASHLM_WITH_NVTX
+  nvtxRangePushA(std::string(name).c_str());
+#endif
+  if (enabled_) open_.push_back({std::string(name), now_ns()});
+}
+
+void RangeProfiler::pop() {
+#ifdef FLASHLM_WITH_NVTX
+  nvtxRangePop();
+#endif
+  if (!enabled_ || open_.empty()) return;
+  const Open o = std::move(open_.back());
+  open_.pop_back();
+  const double ns = double(now_ns() - o.start_ns);
+  auto it = std::find_if(samples_.begin(), samples_.end(), [&](const auto& s) { return s.first == o.name; });
+  if (it == samples_.end()) {
+    samples_.emplace_back(o.name, std::vector<double>{});
+    it = samples_.end() - 1;
+  }
+  it->second.push_back(ns);
+}
+
+std::vector<RangeStats> RangeProfiler::summary() const {
+  std::vector<RangeStats> out;
+  for (const auto& [name, v] : samples_) {
+    RangeStats s;
+    s.name = name;
+    s.instances = int64_t(v.size());
+    std::vector<double> sorted = v;
+    std::sort(sorted.begin(), sorted.end());
+    for (double x : v) s.total_ns += x;
+    s.avg_ns = s.total_ns / double(v.size());
+    const size_t n = sorted.size();
+    s.med_ns = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    s.min_ns = sorted.front();
+    s.max_ns = sorted.back();
+    double var = 0;
+    for (double x : v) var += (x - s.avg_ns) * (x - s.avg_ns);
+    s.stddev_ns = n > 1 ? std::sqrt(var / double(n - 1)) : 0.0;  // sample standard deviation, as nsys
+    out.push_back(std::move(s));
+  }
+  std::sort(out.begin(), out.end(), [](const RangeStats& a, const RangeStats& b) { return a.total_ns > b.total_ns; });
+  return out;
+}
+
+std::string RangeProfiler::nvtx_sum_table() const {
+  const auto stats = summary();
+  double all = 0;
+  for (const auto& s : stats) all += s.total_ns;
+  std::string out = fmt::format(" {:>8}  {:>15}  {:>9}  {:>15}  {:>15}  {:>13}  {:>13}  {:>13}  {:>7}  {}\n",
+                                "Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)",
+                                "Max (ns)", "StdDev (ns)", "Style", "Range");
+  out += fmt::format(" {:->8}  {:->15}  {:->9}  {:->15}  {:->15}  {:->13}  {:->13}  {:->13}  {:->7}  {:->20}\n", "",
+                     "", "", "", "", "", "", "", "", "");
+  for (const auto& s : stats) {
+    out += fmt::format(" {:>8.1f}  {:>15.0f}  {:>9}  {:>15.1f}  {:>15.1f}  {:>13.0f}  {:>13.0f}  {:>13.1f}  {:>7}  {}\n",
+                       all > 0 ? 100.0 * s.total_ns / all : 0.0, s.total_ns, s.instances, s.avg_ns, s.med_ns,
+                       s.min_ns, s.max_ns, s.stddev_ns, "PushPop", s.name);
+  }
+  return out;
+}
+
+ScopedRange::ScopedRange(std::string_view name) { RangeProfiler::instance().push(name); }
+ScopedRange::~ScopedRange() { RangeProfiler::instance().pop(); }
+
+}  // namespace flashlm
