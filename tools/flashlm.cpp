@@ -3,6 +3,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -74,6 +76,19 @@ void write_output(const std::string& text, const std::string& path) {
   if (!f) throw flashlm::Error(fmt::format("cannot open '{}' for writing", path));
   f << text;
   if (!f) throw flashlm::Error(fmt::format("failed writing '{}'", path));
+}
+
+// The allocation timeline as JSON: {"events": [{"t_ms", "delta_bytes", "current_bytes", "tag", "phase",
+// "device"}, ...]}.
+void write_memory_timeline(const std::vector<flashlm::MemoryEvent>& events, const std::string& path) {
+  nlohmann::json doc;
+  doc["tool"] = "flashlm memory timeline";
+  doc["events"] = nlohmann::json::array();
+  for (const auto& e : events) {
+    doc["events"].push_back({{"t_ms", e.time_ms}, {"delta_bytes", e.delta_bytes}, {"current_bytes", e.current_bytes},
+                             {"tag", e.tag}, {"phase", e.phase}, {"device", flashlm::device_name(e.device)}});
+  }
+  write_output(doc.dump(1) + "\n", path);
 }
 
 struct AttentionBenchArgs {
@@ -154,6 +169,82 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
     write_output(format_attention_bench(records, ReportFormat::md, cfg), "");
   } else {
     write_output(format_attention_bench(records, format, cfg), "");
+  }
+  return 0;
+}
+
+struct BenchArgs {
+  std::string model = "small", context = "512", precision = "fp32", attention = "flash", pass = "fwd,fwd-bwd,step";
+  std::string device = "cpu", format = "md", out, memory_timeline;
+  int64_t batch = 4, vocab = 10000, threads = 0;
+  int warmup = 5, steps = 10;
+  bool profile_ranges = false, quiet = false;
+};
+
+void add_bench(CLI::App& app, BenchArgs& a) {
+  CLI::App* cmd = app.add_subcommand("bench", "Time the LM's forward, forward+backward and full train step");
+  cmd->add_option("--model", a.model, "Sizes, comma list of tiny,small,medium,large,xl,2.7B")->capture_default_str();
+  cmd->add_option("--context", a.context, "Context lengths, comma list")->capture_default_str();
+  cmd->add_option("--batch", a.batch, "Sequences per step")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--precision", a.precision, "Comma list of fp32,bf16,fp16")->capture_default_str();
+  cmd->add_option("--attention", a.attention, "Comma list of flash,naive")->capture_default_str();
+  cmd->add_option("--pass", a.pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
+  cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--device", a.device, "cpu (the CUDA engine is not built yet)")->capture_default_str();
+  cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
+  cmd->add_flag("--profile-ranges", a.profile_ranges,
+                "After the table, the nvtx_sum table (nsys stats format) of each configuration's timed steps");
+  cmd->add_option("--memory-timeline", a.memory_timeline,
+                  "Write every allocation and release (time, bytes, tag, phase) as JSON; draw it with "
+                  "scripts/plot_memory_timeline.py");
+  cmd->add_option("--format", a.format, "md, csv or json")->capture_default_str();
+  cmd->add_option("--out", a.out, "Write the report here (stdout then shows the markdown table)");
+  cmd->add_flag("--quiet", a.quiet, "No progress lines on stderr");
+}
+
+int run_bench_command(const BenchArgs& a) {
+  using namespace flashlm;
+  LmBenchConfig cfg;
+  ReportFormat format;
+  try {
+    cfg.models = split_list(a.model);
+    for (const auto& m : cfg.models) ModelConfig::named(m);  // an unknown size is a usage error
+    cfg.contexts = parse_list<int64_t>("--context", a.context, parse_positive);
+    cfg.precisions = parse_list<DType>("--precision", a.precision, [](const std::string& s) { return parse_dtype(s); });
+    cfg.attention = parse_list<AttentionImpl>("--attention", a.attention,
+                                              [](const std::string& s) { return parse_attention_impl(s); });
+    cfg.passes = split_list(a.pass);
+    for (const auto& p : cfg.passes) {
+      if (p != "fwd" && p != "fwd-bwd" && p != "step") throw UsageError(fmt::format("--pass: unknown pass '{}'", p));
+    }
+    cfg.device = parse_device(a.device);
+    format = parse_report_format(a.format);
+  } catch (const flashlm::Error& e) {
+    throw UsageError(e.what());
+  }
+  cfg.batch = a.batch;
+  cfg.vocab = a.vocab;
+  cfg.warmup = a.warmup;
+  cfg.steps = a.steps;
+  cfg.profile_ranges = a.profile_ranges;
+  if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
+  if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
+  if (!a.memory_timeline.empty()) memory_timeline_start();
+  const auto records = run_lm_bench(cfg);
+  if (!a.memory_timeline.empty()) write_memory_timeline(memory_timeline_stop(), a.memory_timeline);
+  if (!a.out.empty()) {
+    write_output(format_lm_bench(records, format, cfg), a.out);
+    write_output(format_lm_bench(records, ReportFormat::md, cfg), "");
+  } else {
+    write_output(format_lm_bench(records, format, cfg), "");
+  }
+  for (const auto& r : records) {
+    if (!r.range_table.empty()) {
+      fmt::print("\n** NVTX range summary (nvtx_sum): {} ctx {} {} {}, {} timed '{}' steps\n{}", r.model, r.context,
+                 r.precision, r.attention, cfg.steps, r.pass, r.range_table);
+    }
   }
   return 0;
 }
@@ -272,12 +363,15 @@ int main(int argc, char** argv) {
   add_attention_bench(app, bench_args);
   TrainArgs train_args;
   add_train(app, train_args);
+  BenchArgs lm_bench_args;
+  add_bench(app, lm_bench_args);
   add_info(app);
 
   try {
     app.parse(argc, argv);
     if (app.got_subcommand("attention-bench")) return run_attention_bench_command(bench_args);
     if (app.got_subcommand("train")) return run_train_command(train_args);
+    if (app.got_subcommand("bench")) return run_bench_command(lm_bench_args);
     return 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "flashlm/attention.h"
+#include "flashlm/model.h"
 
 namespace flashlm {
 
@@ -55,6 +56,39 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
 // md (a table), csv, or json ({"meta": {...}, "records": [...]}, the schema shared/bench/compare.py reads).
 std::string format_attention_bench(const std::vector<AttentionBenchRecord>& records, ReportFormat format,
                                    const AttentionBenchConfig& config);
+
+// `flashlm bench`: end-to-end LM timing per pass ("fwd", "fwd-bwd", "step") over model sizes, contexts,
+// precisions and attention implementations.
+struct LmBenchConfig {
+  std::vector<std::string> models{"small"};
+  std::vector<int64_t> contexts{512};
+  int64_t batch = 4;
+  int64_t vocab = 10000;
+  std::vector<DType> precisions{DType::f32};
+  std::vector<AttentionImpl> attention{AttentionImpl::flash};
+  std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
+  int warmup = 5, steps = 10;
+  Device device = Device::cpu;
+  bool profile_ranges = false;  // print the nvtx_sum table of each configuration's timed steps
+  std::function<void(const std::string&)> progress;
+};
+
+struct LmBenchRecord {
+  std::string model, precision, attention, pass, device;
+  int64_t context = 0, batch = 0;
+  std::optional<double> mean_ms, std_ms, median_ms, tokens_per_s, mfu, peak_mib;
+  std::string status = "ok";  // ok | oom | unsupported | error
+  std::string message;
+  std::string range_table;  // nvtx_sum table of the timed steps (profile_ranges)
+};
+
+std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& config);
+std::string format_lm_bench(const std::vector<LmBenchRecord>& records, ReportFormat format, const LmBenchConfig& config);
+
+// Model FLOPs per token of a train step as SPEC §2 counts them: 6·(non-embedding parameters) +
+// 12·layers·context·d_model; MFU divides the achieved rate by the 989 TFLOP/s dense bf16 peak of H100/H200.
+double train_flops_per_token(const ModelConfig& config, int64_t context);
+constexpr double kHopperBf16PeakFlops = 989e12;
 
 // A one-line description of the machine, for reports: CPU model and threads, or the GPU's name.
 std::string describe_device(Device device);

@@ -92,8 +92,15 @@ std::vector<MemoryEvent> memory_timeline_stop() {
 }
 
 void memory_set_phase(std::string_view phase) {
-  std::lock_guard<std::mutex> lock(g_timeline.mutex);
-  g_timeline.phase = std::string(phase);
+  {
+    std::lock_guard<std::mutex> lock(g_timeline.mutex);
+    if (g_timeline.phase == phase) return;
+    g_timeline.phase = std::string(phase);
+  }
+  // A zero-byte event marks where the phase starts, also when the phase allocates nothing.
+  for (Device d : {Device::cpu, Device::cuda}) {
+    if (memory_stats(d).current_bytes > 0) record(d, 0, memory_stats(d).current_bytes, "phase start");
+  }
 }
 
 MemoryStats memory_stats(Device d) { return {counters(d).current.load(), counters(d).peak.load()}; }

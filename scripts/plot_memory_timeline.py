@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Draws a flashlm allocation timeline (flashlm bench --memory-timeline FILE.json) as a PNG: bytes in use
+over time per device, phases (forward / backward / optimizer) shaded, the peak marked and labelled with
+the allocation that reached it.
+
+    python3 scripts/plot_memory_timeline.py timeline.json timeline.png [--device cuda] [--title "..."]
+"""
+import argparse
+import json
+import subprocess
+import sys
+
+
+def need(module, package):
+    """Imports a module, installing its package with pip first if it is missing."""
+    try:
+        return __import__(module)
+    except ImportError:
+        print(f"installing {package} ...", file=sys.stderr)
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", package])
+        return __import__(module)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("timeline")
+    ap.add_argument("png")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: the one with the most events)")
+    ap.add_argument("--title", default=None)
+    a = ap.parse_args()
+    need("matplotlib", "matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = json.load(open(a.timeline))["events"]
+    if not events:
+        sys.exit(f"{a.timeline}: no events")
+    devices = [e["device"] for e in events]
+    device = a.device or max(set(devices), key=devices.count)
+    ev = [e for e in events if e["device"] == device]
+    t = [e["t_ms"] for e in ev]
+    mib = [e["current_bytes"] / 2**20 for e in ev]
+
+    fig, ax = plt.subplots(figsize=(11, 5))
+    ax.step(t, mib, where="post", color="black", linewidth=1.2, label=f"{device} memory in use")
+    colors = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868"}
+    start = 0
+    for i in range(1, len(ev) + 1):  # shade each run of events that share a phase
+        if i == len(ev) or ev[i]["phase"] != ev[start]["phase"]:
+            phase = ev[start]["phase"] or "setup"
+            end_t = t[i] if i < len(ev) else t[-1]
+            ax.axvspan(t[start], end_t, color=colors.get(phase, "#cccccc"), alpha=0.25, linewidth=0)
+            start = i
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.25) for c in colors.values()]
+    peak = max(range(len(ev)), key=lambda i: ev[i]["current_bytes"])
+    ax.plot(t[peak], mib[peak], "rv", markersize=9)
+    ax.annotate(f"peak {mib[peak]:.1f} MiB\n({ev[peak]['phase'] or 'setup'}: {ev[peak]['tag']})",
+                (t[peak], mib[peak]), textcoords="offset points", xytext=(10, -30), fontsize=9, color="red")
+    ax.set_xlabel("time (ms)")
+    ax.set_ylabel("MiB allocated")
+    ax.set_title(a.title or f"flashlm allocation timeline ({device})")
+    ax.legend([ax.lines[0]] + handles, [f"{device} memory in use"] + list(colors), loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(a.png, dpi=120)
+    print(f"wrote {a.png}: {len(ev)} events, peak {mib[peak]:.1f} MiB at {t[peak]:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

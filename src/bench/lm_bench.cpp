@@ -1,0 +1,195 @@
+// flashlm bench: warm-up, then timed forward / forward+backward / full train steps of the LM, with
+// mean ± std and median, tokens/s, MFU and peak memory per pass.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <random>
+
+#include "bench/report.h"
+#include "core/check.h"
+#include "flashlm/device.h"
+#include "flashlm/profile.h"
+
+namespace flashlm {
+
+double train_flops_per_token(const ModelConfig& c, int64_t context) {
+  return 6.0 * double(c.non_embedding_parameter_count()) + 12.0 * double(c.layers * context * c.d_model);
+}
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+struct Moments {
+  double mean, stddev, median;
+};
+
+Moments moments(std::vector<double> v) {
+  Moments m{};
+  for (double x : v) m.mean += x;
+  m.mean /= double(v.size());
+  for (double x : v) m.stddev += (x - m.mean) * (x - m.mean);
+  m.stddev = v.size() > 1 ? std::sqrt(m.stddev / double(v.size() - 1)) : 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  m.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return m;
+}
+
+// Times every requested pass of one (model, context, precision, attention) configuration on the CPU.
+void measure_cpu(const LmBenchConfig& cfg, const ModelConfig& mc, AttentionImpl impl,
+                 std::vector<LmBenchRecord*>& rows) {
+  const int64_t base = memory_stats(Device::cpu).current_bytes;
+  memory_reset_peak(Device::cpu);
+  CpuModel model(mc, cfg.batch, mc.context, impl);
+  model.init_parameters(1);
+  std::vector<int32_t> tokens(size_t(cfg.batch * mc.context)), targets(tokens.size());
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = token(rng), targets[i] = token(rng);
+  AdamWConfig opt;
+
+  for (LmBenchRecord* rec : rows) {
+    std::function<void()> run;
+    if (rec->pass == "fwd") {
+      run = [&] { model.forward(tokens.data(), targets.data()); };
+    } else if (rec->pass == "fwd-bwd") {
+      run = [&] {
+        model.zero_grad();
+        model.forward(tokens.data(), targets.data());
+        model.backward();
+      };
+    } else {
+      run = [&] {
+        model.zero_grad();
+        model.forward(tokens.data(), targets.data());
+        model.backward();
+        model.clip_gradients(opt.max_grad_norm);
+        model.adamw_step(opt, 1e-4);
+      };
+    }
+    memory_reset_peak(Device::cpu);
+    for (int i = 0; i < cfg.warmup; ++i) run();
+    RangeProfiler& prof = RangeProfiler::instance();
+    if (cfg.profile_ranges) {
+      prof.reset();
+      prof.enable(true);
+    }
+    std::vector<double> ms;
+    for (int i = 0; i < cfg.steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      {
+        ScopedRange r(rec->pass);
+        run();
+      }
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    if (cfg.profile_ranges) {
+      prof.enable(false);
+      rec->range_table = prof.nvtx_sum_table();
+    }
+    const Moments m = moments(ms);
+    rec->mean_ms = m.mean;
+    rec->std_ms = m.stddev;
+    rec->median_ms = m.median;
+    rec->tokens_per_s = double(cfg.batch * mc.context) / (m.mean / 1e3);
+    rec->peak_mib = double(memory_stats(Device::cpu).peak_bytes - base) / kMiB;
+  }
+}
+
+}  // namespace
+
+std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
+  FLASHLM_CHECK(cfg.steps >= 1, "bench: steps must be at least 1, got {}", cfg.steps);
+  FLASHLM_CHECK(cfg.warmup >= 0, "bench: warmup must be >= 0, got {}", cfg.warmup);
+  FLASHLM_CHECK(cfg.batch >= 1, "bench: batch must be at least 1, got {}", cfg.batch);
+  for (const auto& p : cfg.passes) {
+    FLASHLM_CHECK(p == "fwd" || p == "fwd-bwd" || p == "step", "bench: unknown pass '{}': expected fwd, fwd-bwd or step",
+                  p);
+  }
+  std::vector<LmBenchRecord> records;
+  const size_t total = cfg.models.size() * cfg.contexts.size() * cfg.precisions.size() * cfg.attention.size();
+  size_t done = 0;
+  for (const auto& name : cfg.models) {
+    for (int64_t ctx : cfg.contexts) {
+      const ModelConfig mc = ModelConfig::named(name, ctx, cfg.vocab);
+      for (DType precision : cfg.precisions) {
+        for (AttentionImpl impl : cfg.attention) {
+          const size_t first = records.size();
+          for (const auto& pass : cfg.passes) {
+            LmBenchRecord r;
+            r.model = name;
+            r.context = ctx;
+            r.batch = cfg.batch;
+            r.precision = std::string(dtype_name(precision));
+            r.attention = std::string(attention_impl_name(impl));
+            r.pass = pass;
+            r.device = std::string(device_name(cfg.device));
+            records.push_back(std::move(r));
+          }
+          std::vector<LmBenchRecord*> rows;
+          for (size_t i = first; i < records.size(); ++i) rows.push_back(&records[i]);
+          auto mark = [&](const std::string& status, const std::string& message) {
+            for (LmBenchRecord* r : rows) r->status = status, r->message = message;
+          };
+          if (cfg.device == Device::cuda) {
+            mark("unsupported", "the CUDA LM engine is not built yet");
+          } else if (precision != DType::f32) {
+            mark("unsupported", "the CPU engine runs fp32; bf16/fp16 are CUDA precisions");
+          } else {
+            try {
+              measure_cpu(cfg, mc, impl, rows);
+            } catch (const OutOfMemory& e) {
+              mark("oom", e.what());
+            } catch (const std::bad_alloc&) {
+              mark("oom", "std::bad_alloc");
+            } catch (const Error& e) {
+              mark("error", e.what());
+            }
+          }
+          ++done;
+          if (cfg.progress) {
+            std::string line = fmt::format("[{}/{}] {} ctx {} {} {}:", done, total, name, ctx, dtype_name(precision),
+                                           attention_impl_name(impl));
+            for (LmBenchRecord* r : rows) {
+              line += r->mean_ms ? fmt::format(" {} {:.1f} ms", r->pass, *r->mean_ms) : fmt::format(" {} {}", r->pass, r->status);
+            }
+            cfg.progress(line);
+          }
+        }
+      }
+    }
+  }
+  return records;
+}
+
+std::string format_lm_bench(const std::vector<LmBenchRecord>& records, ReportFormat format, const LmBenchConfig& cfg) {
+  std::vector<nlohmann::json> rows;
+  auto opt = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(); };
+  for (const auto& r : records) {
+    nlohmann::json j = {{"model", r.model},          {"context", r.context},          {"batch", r.batch},
+                        {"precision", r.precision},  {"attention", r.attention},      {"pass", r.pass},
+                        {"device", r.device},        {"mean_ms", opt(r.mean_ms)},     {"std_ms", opt(r.std_ms)},
+                        {"median_ms", opt(r.median_ms)}, {"tokens_per_s", opt(r.tokens_per_s)}, {"mfu", opt(r.mfu)},
+                        {"peak_mib", opt(r.peak_mib)}, {"status", r.status}};
+    if (!r.message.empty()) j["message"] = r.message;
+    rows.push_back(std::move(j));
+  }
+  const std::vector<ReportColumn> columns = {
+      {"model", "model"},         {"context", "ctx"},       {"batch", "batch"},         {"precision", "precision"},
+      {"attention", "attention"}, {"pass", "pass"},         {"mean_ms", "mean ms", 2},  {"std_ms", "± ms", 2},
+      {"median_ms", "median ms", 2}, {"tokens_per_s", "tokens/s", 0}, {"mfu", "MFU", 3}, {"peak_mib", "peak MiB", 1},
+      {"status", "status"}};
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  const nlohmann::json meta = {{"tool", "flashlm bench"}, {"device", describe_device(cfg.device)},
+                               {"threads", cfg.device == Device::cpu ? cpu_threads() : 0}, {"date", date},
+                               {"warmup", cfg.warmup}, {"steps", cfg.steps}, {"vocab", cfg.vocab}};
+  return render_report(rows, columns, format, meta);
+}
+
+}  // namespace flashlm

@@ -1,0 +1,67 @@
+// The range profiler's bookkeeping and the allocation timeline (no timing assertions: only counts,
+// names, order and consistency).
+#include <gtest/gtest.h>
+
+#include "flashlm/profile.h"
+#include "flashlm/tensor.h"
+
+using namespace flashlm;
+
+TEST(RangeProfiler, CountsNestedRangesAndPrintsTheNvtxSumTable) {
+  RangeProfiler& p = RangeProfiler::instance();
+  p.reset();
+  p.enable(true);
+  for (int i = 0; i < 3; ++i) {
+    ScopedRange outer("step");
+    for (int j = 0; j < 2; ++j) ScopedRange inner("layer");
+  }
+  p.enable(false);
+  { ScopedRange ignored("not recorded"); }
+  const auto stats = p.summary();
+  ASSERT_EQ(stats.size(), 2u);
+  EXPECT_EQ(stats[0].name, "step");  // the outer range contains the inner ones: largest total first
+  EXPECT_EQ(stats[0].instances, 3);
+  EXPECT_EQ(stats[1].name, "layer");
+  EXPECT_EQ(stats[1].instances, 6);
+  for (const auto& s : stats) {
+    EXPECT_LE(s.min_ns, s.med_ns);
+    EXPECT_LE(s.med_ns, s.max_ns);
+    EXPECT_NEAR(s.avg_ns * double(s.instances), s.total_ns, 1e-6 * s.total_ns + 1);
+  }
+  const std::string table = p.nvtx_sum_table();
+  for (const char* column : {"Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)",
+                             "Max (ns)", "StdDev (ns)", "Style", "Range", "PushPop"}) {
+    EXPECT_NE(table.find(column), std::string::npos) << column;
+  }
+  p.reset();
+  EXPECT_TRUE(p.summary().empty());
+}
+
+TEST(MemoryTimeline, RecordsAllocationsReleasesTagsAndPhases) {
+  memory_timeline_start();
+  memory_set_phase("forward");
+  {
+    Tensor a = Tensor::empty({256}, DType::f32, Device::cpu, "activations");
+    memory_set_phase("backward");
+    Tensor g = Tensor::empty({128}, DType::f64, Device::cpu, "gradients");
+  }
+  const auto events = memory_timeline_stop();
+  std::vector<MemoryEvent> sized;
+  for (const auto& e : events) {
+    if (e.delta_bytes != 0) sized.push_back(e);
+  }
+  ASSERT_EQ(sized.size(), 4u);
+  EXPECT_EQ(sized[0].tag, "activations");
+  EXPECT_EQ(sized[0].phase, "forward");
+  EXPECT_EQ(sized[0].delta_bytes, 1024);
+  EXPECT_EQ(sized[1].tag, "gradients");
+  EXPECT_EQ(sized[1].phase, "backward");
+  EXPECT_EQ(sized[1].current_bytes, sized[0].current_bytes + 1024);
+  EXPECT_EQ(sized[2].delta_bytes + sized[3].delta_bytes, -2048);  // both released, in reverse order
+  EXPECT_EQ(sized[3].current_bytes, sized[0].current_bytes - 1024);
+  for (size_t i = 1; i < events.size(); ++i) EXPECT_GE(events[i].time_ms, events[i - 1].time_ms);
+  memory_set_phase("");
+  // Not recording any more: nothing is logged.
+  Tensor after = Tensor::empty({16}, DType::f32);
+  EXPECT_TRUE(memory_timeline_stop().empty());
+}
