@@ -7,17 +7,12 @@ Several files may be given (e.g. ours and the PyTorch peers' from shared/bench/a
 """
 import argparse
 import json
-import subprocess
+import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plotlib import pyplot  # noqa: E402
 
-def need(module, package):
-    try:
-        return __import__(module)
-    except ImportError:
-        print(f"installing {package} ...", file=sys.stderr)
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", package])
-        return __import__(module)
 
 
 def plot_attention(ax_f, ax_b, records):
@@ -72,10 +67,7 @@ def main():
     ap.add_argument("json", nargs="+")
     ap.add_argument("-o", "--out", required=True)
     a = ap.parse_args()
-    need("matplotlib", "matplotlib")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     records = []
     for path in a.json:

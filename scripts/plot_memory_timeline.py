@@ -7,18 +7,12 @@ the allocation that reached it.
 """
 import argparse
 import json
-import subprocess
+import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from plotlib import pyplot  # noqa: E402
 
-def need(module, package):
-    """Imports a module, installing its package with pip first if it is missing."""
-    try:
-        return __import__(module)
-    except ImportError:
-        print(f"installing {package} ...", file=sys.stderr)
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", package])
-        return __import__(module)
 
 
 def main():
@@ -28,10 +22,7 @@ def main():
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the one with the most events)")
     ap.add_argument("--title", default=None)
     a = ap.parse_args()
-    need("matplotlib", "matplotlib")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     events = json.load(open(a.timeline))["events"]
     if not events:

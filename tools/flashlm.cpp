@@ -78,6 +78,24 @@ void write_output(const std::string& text, const std::string& path) {
   if (!f) throw flashlm::Error(fmt::format("failed writing '{}'", path));
 }
 
+// --format, --out and --quiet, the same for every benchmark command.
+void add_report_options(CLI::App* cmd, std::string& format, std::string& out, bool& quiet) {
+  cmd->add_option("--format", format, "md, csv or json")->capture_default_str();
+  cmd->add_option("--out", out, "Write the report here (stdout then shows the markdown table)");
+  cmd->add_flag("--quiet", quiet, "No progress lines on stderr");
+}
+
+// The report in `format` to --out, with the markdown table on stdout; or the report on stdout.
+template <class Render>
+void emit_report(Render&& render, flashlm::ReportFormat format, const std::string& out) {
+  if (!out.empty()) {
+    write_output(render(format), out);
+    write_output(render(flashlm::ReportFormat::md), "");
+  } else {
+    write_output(render(format), "");
+  }
+}
+
 // The allocation timeline as JSON: {"events": [{"t_ms", "delta_bytes", "current_bytes", "tag", "phase",
 // "device"}, ...]}.
 void write_memory_timeline(const std::vector<flashlm::MemoryEvent>& events, const std::string& path) {
@@ -125,9 +143,7 @@ void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
   cmd->add_option("--reps", a.reps, "Timed runs; the median is reported")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   cmd->add_flag("--forward-only", a.forward_only, "Skip the backward pass");
-  cmd->add_option("--format", a.format, "md, csv or json")->capture_default_str();
-  cmd->add_option("--out", a.out, "Write the report here (stdout then shows the markdown table)");
-  cmd->add_flag("--quiet", a.quiet, "No progress lines on stderr");
+  add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
 int run_attention_bench_command(const AttentionBenchArgs& a) {
@@ -164,12 +180,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
   if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
 
   const auto records = run_attention_bench(cfg);
-  if (!a.out.empty()) {
-    write_output(format_attention_bench(records, format, cfg), a.out);
-    write_output(format_attention_bench(records, ReportFormat::md, cfg), "");
-  } else {
-    write_output(format_attention_bench(records, format, cfg), "");
-  }
+  emit_report([&](flashlm::ReportFormat f) { return format_attention_bench(records, f, cfg); }, format, a.out);
   return 0;
 }
 
@@ -199,9 +210,7 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--memory-timeline", a.memory_timeline,
                   "Write every allocation and release (time, bytes, tag, phase) as JSON; draw it with "
                   "scripts/plot_memory_timeline.py");
-  cmd->add_option("--format", a.format, "md, csv or json")->capture_default_str();
-  cmd->add_option("--out", a.out, "Write the report here (stdout then shows the markdown table)");
-  cmd->add_flag("--quiet", a.quiet, "No progress lines on stderr");
+  add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
 int run_bench_command(const BenchArgs& a) {
@@ -234,12 +243,7 @@ int run_bench_command(const BenchArgs& a) {
   if (!a.memory_timeline.empty()) memory_timeline_start();
   const auto records = run_lm_bench(cfg);
   if (!a.memory_timeline.empty()) write_memory_timeline(memory_timeline_stop(), a.memory_timeline);
-  if (!a.out.empty()) {
-    write_output(format_lm_bench(records, format, cfg), a.out);
-    write_output(format_lm_bench(records, ReportFormat::md, cfg), "");
-  } else {
-    write_output(format_lm_bench(records, format, cfg), "");
-  }
+  emit_report([&](flashlm::ReportFormat f) { return format_lm_bench(records, f, cfg); }, format, a.out);
   for (const auto& r : records) {
     if (!r.range_table.empty()) {
       fmt::print("\n** NVTX range summary (nvtx_sum): {} ctx {} {} {}, {} timed '{}' steps\n{}", r.model, r.context,
