@@ -1,0 +1,437 @@
+// cuBLASLt behind linear_forward_cuda / linear_backward_cuda (gemm_cuda.h). Host code only: compiled by
+// the C++ compiler, no kernels.
+//
+// Row-major data, column-major cuBLASLt. A row-major [r, c] array with row pitch c, read column-major,
+// is the [c, r] matrix Mᵀ with leading dimension c, and (A·B)ᵀ = Bᵀ·Aᵀ. So every product is handed to
+// cuBLASLt transposed: each row-major array is passed as its own transpose (no copy), the operands swap
+// places, and cuBLASLt writes Dᵀ column-major, which is D row-major. Every layout stays in cuBLASLt's
+// default column order (CUBLASLT_ORDER_COL), the best-covered path, rather than CUBLASLT_ORDER_ROW.
+// With X = xᵀ [in, n], W = wᵀ [in, out], DY = dyᵀ [out, n] (the arrays as cuBLASLt reads them):
+//
+//   product      cuBLASLt computes        ops    m    n    k    A stored, lda   B stored, ldb   D, ldd
+//   forward      yᵀ [out, n]   = Wᵀ · X    T, N   out  n    in   [in, out], in   [in, n], in     [out, n], out
+//   grad_input   dxᵀ [in, n]   = W · DY    N, N   in   n    out  [in, out], in   [out, n], out   [in, n], in
+//   grad_weight  dwᵀ [in, out] = X · DYᵀ   N, T   in   out  n    [in, n], in     [out, n], out   [in, out], in
+//
+// (cuBLASLt layouts describe matrices as stored, before op: rows = m or k for A, k or n for B.)
+// The forward is the "TN" case that tensor-core kernels like best, as in cuBLAS-based frameworks.
+#include "model/gemm_cuda.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <compare>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "core/check.h"
+#include "core/cuda_check.h"
+#include "flashlm/error.h"
+#include "flashlm/memory.h"
+
+namespace flashlm {
+
+namespace {
+
+// cuBLAS's recommendation for Hopper (4 MiB suffices before it); the heuristic may pick split-K or
+// stream-K algorithms that use it.
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+std::atomic<int64_t> g_heuristic_queries{0};
+
+const char* status_name(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED (library not initialised)";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED (resource allocation failed)";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE (unsupported value or parameter)";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH (not supported by this GPU)";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR (access to GPU memory failed)";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED (the GPU program failed to run)";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED (functionality not supported)";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+  }
+  return "unknown cuBLAS status";
+}
+
+// ---------------------------------------------------------------------------------------------------
+// One call, as the caller sees it (for checks and messages).
+
+enum class Product : uint8_t { forward, grad_input, grad_weight };
+
+struct Call {
+  const char* fn;
+  int64_t n, in, out;
+  DType act;
+  bool allow_tf32;
+  bool accumulate_dx;
+};
+
+std::string describe(const Call& c, Product p) {
+  const std::string_view t = dtype_name(c.act);
+  const char* tf32 = c.act == DType::f32 && c.allow_tf32 ? ", TF32 allowed" : "";
+  switch (p) {
+    case Product::forward:
+      return fmt::format("y[{}, {}] = x[{}, {}] · w[{}, {}]ᵀ ({}{})", c.n, c.out, c.n, c.in, c.out, c.in, t, tf32);
+    case Product::grad_input:
+      return fmt::format("dx[{}, {}] {} dy[{}, {}] · w[{}, {}] ({}{})", c.n, c.in, c.accumulate_dx ? "+=" : "=", c.n,
+                         c.out, c.out, c.in, t, tf32);
+    case Product::grad_weight:
+      return fmt::format("dw[{}, {}] (fp32) += dy[{}, {}]ᵀ · x[{}, {}] ({}{})", c.out, c.in, c.n, c.out, c.n, c.in, t,
+                         tf32);
+  }
+  return "?";
+}
+
+[[noreturn]] void throw_blas(const Call& c, Product p, const char* call, cublasStatus_t s) {
+  throw CudaError(
+      fmt::format("{}: {} failed: {} [status {}] for {}", c.fn, call, status_name(s), int(s), describe(c, p)));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Argument checks (flashlm::Error naming the argument). Shapes and dtypes first, without touching CUDA.
+
+void check_shapes(const Call& c) {
+  FLASHLM_CHECK(c.act == DType::f32 || c.act == DType::bf16 || c.act == DType::f16,
+                "{}: act = {}, expected fp32, bf16 or fp16", c.fn, dtype_name(c.act));
+  FLASHLM_CHECK(c.n >= 0, "{}: n = {}, expected >= 0", c.fn, c.n);
+  FLASHLM_CHECK(c.in >= 1, "{}: in = {}, expected >= 1", c.fn, c.in);
+  FLASHLM_CHECK(c.out >= 1, "{}: out = {}, expected >= 1", c.fn, c.out);
+  if (c.act != DType::f32) {
+    // in and out are the row pitches of every operand: multiples of 8 keep each 16-bit row 16-byte aligned.
+    FLASHLM_CHECK(c.in % 8 == 0,
+                  "{}: in = {} must be a multiple of 8 for {} (cuBLASLt wants 16-byte aligned rows); pad the features",
+                  c.fn, c.in, dtype_name(c.act));
+    FLASHLM_CHECK(c.out % 8 == 0,
+                  "{}: out = {} must be a multiple of 8 for {} (cuBLASLt wants 16-byte aligned rows); pad the features",
+                  c.fn, c.out, dtype_name(c.act));
+  }
+  // cuBLASLt takes 64-bit sizes; keep element counts (and byte sizes) far from overflowing.
+  constexpr int64_t kMax = int64_t{1} << 40;
+  FLASHLM_CHECK(c.n <= kMax / c.in && c.n <= kMax / c.out && c.in <= kMax / c.out,
+                "{}: n = {}, in = {}, out = {}: arrays too large", c.fn, c.n, c.in, c.out);
+}
+
+// One array argument: its name, pointer and size, for the null/device/alignment/overlap checks.
+struct Arg {
+  const char* name;
+  const void* ptr;
+  int64_t elems;
+  size_t elem_size;
+  size_t bytes() const { return static_cast<size_t>(elems) * elem_size; }
+};
+
+void check_not_null(const Call& c, const Arg& a) {
+  FLASHLM_CHECK(a.ptr != nullptr, "{}: {} is null", c.fn, a.name);
+}
+
+uint32_t alignment_of(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t lowest_bit = v & (~v + 1);
+  return static_cast<uint32_t>(lowest_bit == 0 || lowest_bit > 256 ? 256 : lowest_bit);  // cuBLASLt's default is 256
+}
+
+void check_alignment(const Call& c, const Arg& a) {
+  const size_t need = c.act == DType::f32 || a.elem_size == 4 ? 4 : 16;
+  FLASHLM_CHECK(alignment_of(a.ptr) >= need, "{}: {} = {} is not {}-byte aligned{}", c.fn, a.name, a.ptr, need,
+                need == 16 ? " (16-bit operands need 16-byte aligned pointers)" : "");
+}
+
+void check_on_device(const Call& c, const Arg& a, int device) {
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, a.ptr);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    fail("{}: {} = {} is not a pointer CUDA knows ({}); expected device memory on cuda:{}", c.fn, a.name, a.ptr,
+         cudaGetErrorString(err), device);
+  }
+  const bool device_memory = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  FLASHLM_CHECK(device_memory, "{}: {} = {} is host memory; expected device memory on cuda:{}", c.fn, a.name, a.ptr,
+                device);
+  FLASHLM_CHECK(attr.type == cudaMemoryTypeManaged || attr.device == device,
+                "{}: {} is on cuda:{}, but the current device is cuda:{}", c.fn, a.name, attr.device, device);
+}
+
+void check_disjoint(const Call& c, const Arg& a, const Arg& b) {
+  if (a.ptr == nullptr || b.ptr == nullptr || a.elems == 0 || b.elems == 0) return;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.ptr), b0 = reinterpret_cast<uintptr_t>(b.ptr);
+  const bool overlap = a0 < b0 + b.bytes() && b0 < a0 + a.bytes();
+  FLASHLM_CHECK(!overlap, "{}: {} and {} overlap in memory", c.fn, a.name, b.name);
+}
+
+int current_device(const Call& c) {
+  int device = -1;
+  FLASHLM_CUDA_CHECK(cudaGetDevice(&device), fmt::format("{}: cudaGetDevice", c.fn));
+  return device;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Plans: everything cuBLASLt needs for one (product, shapes, dtypes, alignments), built once.
+
+cudaDataType cuda_type(DType t) {
+  switch (t) {
+    case DType::f16: return CUDA_R_16F;
+    case DType::bf16: return CUDA_R_16BF;
+    default: return CUDA_R_32F;
+  }
+}
+
+// A column-major GEMM D[m, n] = op(A) · op(B) + beta · D (C is D), as cuBLASLt sees it.
+struct PlanKey {
+  int32_t op_a, op_b;  // cublasOperation_t
+  int64_t m, n, k;
+  int64_t lda, ldb, ldd;
+  int32_t ab_type, d_type;  // cudaDataType
+  int32_t compute;          // cublasComputeType_t
+  uint32_t align_a, align_b, align_d;  // pointer alignments in bytes (<= 256), part of the heuristic's query
+  auto operator<=>(const PlanKey&) const = default;
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // C uses d's layout (C and D are one array)
+  cublasLtMatmulAlgo_t algo{};
+};
+
+// Destroys a half-built plan when building it throws.
+struct PlanGuard {
+  Plan* plan;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~PlanGuard() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (!plan) return;
+    if (plan->d) cublasLtMatrixLayoutDestroy(plan->d);
+    if (plan->b) cublasLtMatrixLayoutDestroy(plan->b);
+    if (plan->a) cublasLtMatrixLayoutDestroy(plan->a);
+    if (plan->desc) cublasLtMatmulDescDestroy(plan->desc);
+  }
+};
+
+Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Product p) {
+  Plan plan;
+  PlanGuard guard{&plan};
+  auto check = [&](cublasStatus_t s, const char* call) {
+    if (s != CUBLAS_STATUS_SUCCESS) throw_blas(c, p, call, s);
+  };
+  const auto op_a = static_cast<cublasOperation_t>(key.op_a), op_b = static_cast<cublasOperation_t>(key.op_b);
+  const auto ab_type = static_cast<cudaDataType>(key.ab_type), d_type = static_cast<cudaDataType>(key.d_type);
+
+  check(cublasLtMatmulDescCreate(&plan.desc, static_cast<cublasComputeType_t>(key.compute), CUDA_R_32F),
+        "cublasLtMatmulDescCreate");
+  const int32_t ta = op_a, tb = op_b;
+  check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
+        "cublasLtMatmulDescSetAttribute(TRANSA)");
+  check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
+        "cublasLtMatmulDescSetAttribute(TRANSB)");
+
+  // Layouts of the matrices as stored (before op), column-major.
+  const bool na = op_a == CUBLAS_OP_N, nb = op_b == CUBLAS_OP_N;
+  const auto rows_a = uint64_t(na ? key.m : key.k), cols_a = uint64_t(na ? key.k : key.m);
+  const auto rows_b = uint64_t(nb ? key.k : key.n), cols_b = uint64_t(nb ? key.n : key.k);
+  check(cublasLtMatrixLayoutCreate(&plan.a, ab_type, rows_a, cols_a, key.lda), "cublasLtMatrixLayoutCreate(A)");
+  check(cublasLtMatrixLayoutCreate(&plan.b, ab_type, rows_b, cols_b, key.ldb), "cublasLtMatrixLayoutCreate(B)");
+  check(cublasLtMatrixLayoutCreate(&plan.d, d_type, uint64_t(key.m), uint64_t(key.n), key.ldd),
+        "cublasLtMatrixLayoutCreate(C/D)");
+
+  check(cublasLtMatmulPreferenceCreate(&guard.pref), "cublasLtMatmulPreferenceCreate");
+  const uint64_t workspace = kWorkspaceBytes;
+  check(cublasLtMatmulPreferenceSetAttribute(guard.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                             sizeof(workspace)),
+        "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)");
+  // The heuristic assumes 256-byte aligned pointers unless told otherwise; views into larger buffers are
+  // often less aligned, and an algorithm chosen for 256 could then fail or read misaligned.
+  const struct {
+    cublasLtMatmulPreferenceAttributes_t attr;
+    uint32_t bytes;
+    const char* what;
+  } alignments[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_A)"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_B)"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_d, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_C)"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_d, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_D)"},
+  };
+  for (const auto& a : alignments) {
+    check(cublasLtMatmulPreferenceSetAttribute(guard.pref, a.attr, &a.bytes, sizeof(a.bytes)), a.what);
+  }
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  g_heuristic_queries.fetch_add(1, std::memory_order_relaxed);
+  check(cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, guard.pref, 1, &result,
+                                       &found),
+        "cublasLtMatmulAlgoGetHeuristic");
+  if (found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
+    throw CudaError(fmt::format(
+        "{}: cublasLtMatmulAlgoGetHeuristic found no algorithm for {} (column-major m = {}, n = {}, k = {}, op {}{}, "
+        "ld {}/{}/{}, pointer alignment {}/{}/{} bytes, workspace {} MiB){}",
+        c.fn, describe(c, p), key.m, key.n, key.k, op_a == CUBLAS_OP_N ? 'N' : 'T', op_b == CUBLAS_OP_N ? 'N' : 'T',
+        key.lda, key.ldb, key.ldd, key.align_a, key.align_b, key.align_d, kWorkspaceBytes >> 20,
+        found < 1 ? "" : fmt::format(": {}", status_name(result.state))));
+  }
+  if (result.workspaceSize > kWorkspaceBytes) {
+    throw CudaError(fmt::format("{}: cuBLASLt's algorithm for {} wants {} bytes of workspace, more than the {} given",
+                                c.fn, describe(c, p), result.workspaceSize, kWorkspaceBytes));
+  }
+  plan.algo = result.algo;
+  guard.plan = nullptr;  // keep the descriptors: the plan lives for the process
+  return plan;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Per-device state, created on first use and never destroyed (static destructors may run after the
+// CUDA context is gone). Calls on one device take turns through `mutex` while they look up their plan
+// and workspace and queue the matmul; the GPU work itself runs asynchronously.
+
+struct DeviceLt {
+  std::mutex mutex;
+  cublasLtHandle_t handle = nullptr;
+  // One workspace per stream: two streams running at once must not share one (and per-stream
+  // workspaces keep results reproducible). Keyed by the cudaStream_t value and never freed (32 MiB per
+  // stream ever used). A stream created at the address of a destroyed one inherits its workspace, so a
+  // stream must not be destroyed while a matmul on it is still running if another may take its place.
+  std::map<void*, Buffer> workspaces;
+  std::map<PlanKey, Plan> plans;
+};
+
+DeviceLt& lt_for_device(int device, const Call& c) {
+  static std::mutex registry_mutex;
+  static auto* registry = new std::map<int, DeviceLt*>();  // leaked on purpose, see above
+  const std::lock_guard lock(registry_mutex);
+  DeviceLt*& slot = (*registry)[device];
+  if (!slot) {
+    auto fresh = std::make_unique<DeviceLt>();
+    const cublasStatus_t s = cublasLtCreate(&fresh->handle);
+    if (s != CUBLAS_STATUS_SUCCESS) {
+      throw CudaError(fmt::format("{}: cublasLtCreate failed on cuda:{}: {}", c.fn, device, status_name(s)));
+    }
+    slot = fresh.release();
+  }
+  return *slot;
+}
+
+// D = op(A)·op(B) + beta·D on `stream` through the cached plan.
+void run_gemm(const Call& c, Product p, int device, const PlanKey& key, const void* a, const void* b, void* d,
+              float beta, void* stream) {
+  DeviceLt& lt = lt_for_device(device, c);
+  const std::lock_guard lock(lt.mutex);
+
+  auto ws = lt.workspaces.find(stream);
+  if (ws == lt.workspaces.end()) {
+    ws = lt.workspaces.emplace(stream, Buffer::allocate(kWorkspaceBytes, Device::cuda, "cublasLt workspace")).first;
+  }
+  auto plan = lt.plans.find(key);
+  if (plan == lt.plans.end()) plan = lt.plans.emplace(key, build_plan(lt.handle, key, c, p)).first;
+
+  const float alpha = 1.0f;
+  const Plan& pl = plan->second;
+  const cublasStatus_t s =
+      cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, d, pl.d, d, pl.d, &pl.algo,
+                     ws->second.data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
+  if (s != CUBLAS_STATUS_SUCCESS) throw_blas(c, p, "cublasLtMatmul", s);
+}
+
+cublasComputeType_t compute_type(const Call& c) {
+  return c.act == DType::f32 && c.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+}
+
+PlanKey make_key(cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k, int64_t lda,
+                 int64_t ldb, int64_t ldd, cudaDataType ab_type, cudaDataType d_type, cublasComputeType_t compute,
+                 const void* a, const void* b, const void* d) {
+  return PlanKey{static_cast<int32_t>(op_a),    static_cast<int32_t>(op_b),   m, n, k, lda, ldb, ldd,
+                 static_cast<int32_t>(ab_type), static_cast<int32_t>(d_type), static_cast<int32_t>(compute),
+                 alignment_of(a),               alignment_of(b),              alignment_of(d)};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+
+void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64_t in, int64_t out, DType act,
+                         void* stream, bool allow_tf32) {
+  const Call c{"linear_forward_cuda", n, in, out, act, allow_tf32, false};
+  check_shapes(c);
+  const size_t e = dtype_size(act);
+  const Arg ax{"x", x, n * in, e}, aw{"w", w, out * in, e}, ay{"y", y, n * out, e};
+  for (const Arg* a : {&ax, &aw, &ay}) check_not_null(c, *a);
+  for (const Arg* a : {&ax, &aw, &ay}) check_alignment(c, *a);
+  check_disjoint(c, ay, ax);
+  check_disjoint(c, ay, aw);
+  if (n == 0) return;
+
+  const int device = current_device(c);
+  for (const Arg* a : {&ax, &aw, &ay}) check_on_device(c, *a, device);
+
+  // yᵀ [out, n] = Wᵀ · X with W = wᵀ [in, out] and X = xᵀ [in, n] (see the table at the top).
+  const PlanKey key = make_key(CUBLAS_OP_T, CUBLAS_OP_N, /*m*/ out, /*n*/ n, /*k*/ in, /*lda*/ in, /*ldb*/ in,
+                               /*ldd*/ out, cuda_type(act), cuda_type(act), compute_type(c), /*A*/ w, /*B*/ x, /*D*/ y);
+  run_gemm(c, Product::forward, device, key, /*A*/ w, /*B*/ x, /*D*/ y, 0.0f, stream);
+}
+
+void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, float* dw, int64_t n, int64_t in,
+                          int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32) {
+  const Call c{"linear_backward_cuda", n, in, out, act, allow_tf32, accumulate_dx};
+  check_shapes(c);
+  const size_t e = dtype_size(act);
+  const Arg ady{"dy", dy, n * out, e}, ax{"x", x, n * in, e}, aw{"w", w, out * in, e}, adx{"dx", dx, n * in, e},
+      adw{"dw", dw, out * in, sizeof(float)};
+  FLASHLM_CHECK(dx != nullptr || dw != nullptr, "{}: dx and dw are both null: nothing to compute", c.fn);
+  check_not_null(c, ady);
+  if (dx) check_not_null(c, aw);
+  if (dw) check_not_null(c, ax);
+  // The arrays this call reads or writes.
+  const Arg* used[5];
+  int count = 0;
+  used[count++] = &ady;
+  if (dx) {
+    used[count++] = &aw;
+    used[count++] = &adx;
+  }
+  if (dw) {
+    used[count++] = &ax;
+    used[count++] = &adw;
+  }
+  for (int i = 0; i < count; ++i) check_alignment(c, *used[i]);
+  // dx is written before dw's product reads x and dy, so dx must not overlap them either.
+  if (dx) {
+    check_disjoint(c, adx, ady);
+    check_disjoint(c, adx, aw);
+    if (dw) {
+      check_disjoint(c, adx, ax);
+      check_disjoint(c, adx, adw);
+    }
+  }
+  if (dw) {
+    check_disjoint(c, adw, ady);
+    check_disjoint(c, adw, ax);
+    if (dx) check_disjoint(c, adw, aw);
+  }
+  if (n == 0) return;
+
+  const int device = current_device(c);
+  for (int i = 0; i < count; ++i) check_on_device(c, *used[i], device);
+
+  if (dx) {
+    // dxᵀ [in, n] = W · DY with W = wᵀ [in, out], DY = dyᵀ [out, n]; beta = 1 adds to dx.
+    const PlanKey key = make_key(CUBLAS_OP_N, CUBLAS_OP_N, /*m*/ in, /*n*/ n, /*k*/ out, /*lda*/ in, /*ldb*/ out,
+                                 /*ldd*/ in, cuda_type(act), cuda_type(act), compute_type(c), /*A*/ w, /*B*/ dy,
+                                 /*D*/ dx);
+    run_gemm(c, Product::grad_input, device, key, /*A*/ w, /*B*/ dy, /*D*/ dx, accumulate_dx ? 1.0f : 0.0f, stream);
+  }
+  if (dw) {
+    // dwᵀ [in, out] += X · DYᵀ with X = xᵀ [in, n], DY = dyᵀ [out, n]: 16-bit A/B, fp32 C/D.
+    const PlanKey key = make_key(CUBLAS_OP_N, CUBLAS_OP_T, /*m*/ in, /*n*/ out, /*k*/ n, /*lda*/ in, /*ldb*/ out,
+                                 /*ldd*/ in, cuda_type(act), CUDA_R_32F, compute_type(c), /*A*/ x, /*B*/ dy, /*D*/ dw);
+    run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy, /*D*/ dw, 1.0f, stream);
+  }
+}
+
+int64_t gemm_cuda_heuristic_queries() { return g_heuristic_queries.load(std::memory_order_relaxed); }
+
+}  // namespace flashlm

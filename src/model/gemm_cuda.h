@@ -1,0 +1,54 @@
+// The LM's linear layers on the GPU through cuBLASLt: the same products as cpu::linear_forward and
+// cpu::linear_backward (ops_cpu.h), on row-major device arrays, with fp32 accumulation.
+//
+//   forward   y [n, out]  = x [n, in] · w [out, in]ᵀ               (act dtype in, act dtype out)
+//   backward  dx [n, in]  = dy [n, out] · w [out, in]   (or +=)     (act dtype)
+//             dw [out, in] += dy [n, out]ᵀ · x [n, in]              (act dtype in, fp32 out: the master gradient)
+//
+// act ∈ {fp32, bf16, fp16}. Products accumulate in fp32 (CUBLAS_COMPUTE_32F); fp32 data gets true fp32
+// products unless allow_tf32 asks for TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32). 16-bit data
+// needs in and out to be multiples of 8 and 16-byte aligned pointers (every row then starts on a
+// 16-byte boundary, which cuBLASLt's tensor-core kernels want); fp32 data takes any sizes and any
+// 4-byte aligned pointers.
+//
+// Work is queued on `stream` (a cudaStream_t; nullptr = the legacy default stream) of the current
+// device, and the call returns without synchronising. Pointers must be device (or managed) memory of
+// the current device. Outputs must not overlap inputs or each other.
+//
+// Resources, created on first use and kept for the life of the process: one cuBLASLt handle per
+// device, one 32 MiB workspace per (device, stream) pair (so that concurrent streams never share
+// one), and one plan (descriptors + the heuristic's algorithm) per (device, product, shapes, dtypes,
+// pointer alignments). The first call for a new stream or shape therefore allocates or queries: run
+// each shape once before capturing a CUDA graph. Repeated calls with the same arguments run the same
+// algorithm and are bitwise reproducible on one GPU model and cuBLAS version.
+//
+// Bad arguments throw flashlm::Error naming the argument: dtype, sizes, null, alignment and overlap are
+// checked before any CUDA call, then that every pointer is device memory of the current device
+// (cudaPointerGetAttributes). A failing cuBLASLt or CUDA call throws flashlm::CudaError naming the call
+// and the shapes. Only in builds with
+// CUDA (FLASHLM_WITH_CUDA); this header itself needs no CUDA headers.
+#pragma once
+#include <cstdint>
+
+#include "flashlm/dtype.h"
+
+namespace flashlm {
+
+// y[n, out] = x[n, in] · w[out, in]ᵀ; x, w and y have dtype `act`. n >= 0 (n = 0 does nothing),
+// in, out >= 1. y is overwritten (never read).
+void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64_t in, int64_t out, DType act,
+                         void* stream, bool allow_tf32 = false);
+
+// dx[n, in] = dy[n, out] · w[out, in], or dx += when accumulate_dx (dtype act; when not accumulating,
+// dx is never read); dw[out, in] += dy[n, out]ᵀ · x[n, in] with dw in fp32 whatever act is. dx may be
+// null to skip the input gradient (w is then unused and may be null), dw may be null to skip the
+// weight gradient (x is then unused and may be null). n = 0 leaves dw unchanged and, unless
+// accumulate_dx, does nothing to dx either (it has no rows).
+void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, float* dw, int64_t n, int64_t in,
+                          int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32 = false);
+
+// How many times this process asked cuBLASLt's heuristic for an algorithm (once per new plan): lets
+// tests check that repeated calls reuse the cached plan.
+int64_t gemm_cuda_heuristic_queries();
+
+}  // namespace flashlm

@@ -1,0 +1,659 @@
+// The CUDA layer kernels (model/ops_cuda.h) against the CPU ones (model/ops_cpu.h), for fp32, bf16 and
+// fp16 activations: random inputs rounded to the activation type (so both sides see the same values),
+// outputs poisoned with NaN (0xFF bytes) before each run, odd sizes, tolerances set by the storage type.
+// Reductions that feed the update (RMSNorm gains, embedding rows, squared norm) must also be
+// bit-identical from run to run. Every GPU test skips when no GPU is visible; without CUDA there is only
+// a skipped placeholder.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "flashlm/device.h"
+
+#ifdef FLASHLM_WITH_CUDA
+
+#include "core/cuda_runtime.h"
+#include "flashlm/dtype.h"
+#include "flashlm/error.h"
+#include "flashlm/memory.h"
+#include "model/ops_cpu.h"
+#include "model/ops_cuda.h"
+
+using namespace flashlm;
+
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                  \
+  do {                                                                      \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------------------
+// Host helpers.
+
+template <class T>
+float to_f(T x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return static_cast<float>(x);
+}
+
+template <class T>
+T from_f(float x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return T(x);
+}
+
+template <class T>
+std::vector<float> to_floats(const std::vector<T>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = to_f(v[i]);
+  return out;
+}
+
+template <class T>
+std::vector<T> from_floats(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f<T>(v[i]);
+  return out;
+}
+
+// Normal(mean, stddev) values rounded to T (returned as floats): never zeros, never a constant.
+template <class T = float>
+std::vector<float> random_values(int64_t n, uint64_t seed, float stddev = 1.0f, float mean = 0.0f) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(mean, stddev);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) {
+    do x = to_f(from_f<T>(normal(rng)));
+    while (x == 0.0f);
+  }
+  return v;
+}
+
+std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> dist(0, int32_t(vocab - 1));
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& x : t) x = dist(rng);
+  return t;
+}
+
+// n values of T in device memory.
+template <class T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(int64_t n) : n_(n), buf_(Buffer::allocate(bytes(), Device::cuda, "test_ops_cuda")) {}
+  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(int64_t(host.size())) { upload(host); }
+
+  T* data() const { return static_cast<T*>(buf_.data()); }
+  size_t bytes() const { return size_t(n_) * sizeof(T); }
+  void upload(const std::vector<T>& host) {
+    ASSERT_EQ(int64_t(host.size()), n_);
+    cuda_copy(data(), host.data(), bytes());
+  }
+  // Waits for the default stream, then copies back.
+  std::vector<T> download() const {
+    gpu::stream_synchronize(nullptr);
+    std::vector<T> host(static_cast<size_t>(n_));
+    cuda_copy(host.data(), data(), bytes());
+    return host;
+  }
+  void poison() { gpu::memset_async(data(), 0xFF, bytes(), nullptr); }  // NaN in fp32, bf16 and fp16
+
+ private:
+  int64_t n_;
+  Buffer buf_;
+};
+
+template <class T>
+DeviceArray<T> device_copy(const std::vector<float>& values) {
+  return DeviceArray<T>(from_floats<T>(values));
+}
+
+template <class T>
+std::vector<float> download_floats(const DeviceArray<T>& a) {
+  return to_floats(a.download());
+}
+
+// |got - ref| <= rtol·|ref| + atol·max|ref| + floor for every element (NaN fails).
+struct Tol {
+  double rtol, atol, floor = 0;
+};
+
+// Outputs stored in T: its rounding (half an ulp, relative) with a 4x margin; fp16 also flushes below
+// its smallest subnormal. fp32 outputs differ from the CPU's by fp32 rounding (and exp/log ulps) only.
+template <class T>
+Tol storage_tol() {
+  if constexpr (std::is_same_v<T, float>) return {2e-5, 2e-6};
+  else if constexpr (std::is_same_v<T, bf16_t>) return {1.0 / 128, 1e-5};
+  else return {1.0 / 512, 1e-5, std::ldexp(1.0, -24)};
+}
+
+::testing::AssertionResult close_to(const std::vector<float>& got, const std::vector<float>& ref, Tol tol) {
+  if (got.size() != ref.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << ref.size();
+  double scale = 0;
+  for (float r : ref) scale = std::max(scale, std::fabs(double(r)));
+  int64_t bad = 0, worst = -1;
+  double worst_excess = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(double(got[i]) - double(ref[i]));
+    const double allowed = tol.rtol * std::fabs(double(ref[i])) + tol.atol * scale + tol.floor;
+    if (!(err <= allowed)) {
+      ++bad;
+      const double excess = std::isnan(err) ? INFINITY : err / allowed;
+      if (worst < 0 || excess > worst_excess) {
+        worst = int64_t(i);
+        worst_excess = excess;
+      }
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  const size_t w = size_t(worst);
+  return ::testing::AssertionFailure() << bad << " of " << got.size() << " values off; worst [" << worst << "]: got "
+                                       << got[w] << ", want " << ref[w] << " (allowed "
+                                       << tol.rtol * std::fabs(double(ref[w])) + tol.atol * scale + tol.floor
+                                       << ", max |ref| " << scale << ")";
+}
+
+template <class T>
+::testing::AssertionResult bitwise_equal(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << "size " << a.size() << " vs " << b.size();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) {
+      return ::testing::AssertionFailure() << "first difference at [" << i << "]: " << double(to_f(a[i])) << " vs "
+                                           << double(to_f(b[i]));
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+std::string dims(std::initializer_list<std::pair<const char*, int64_t>> d) {
+  std::string s;
+  for (auto [name, v] : d) s += std::string(s.empty() ? "" : ", ") + name + " = " + std::to_string(v);
+  return s;
+}
+
+template <class T>
+class OpsCuda : public ::testing::Test {};
+
+struct TypeName {
+  template <class T>
+  static std::string GetName(int) {
+    if constexpr (std::is_same_v<T, float>) return "f32";
+    else if constexpr (std::is_same_v<T, bf16_t>) return "bf16";
+    else return "f16";
+  }
+};
+
+using ActivationTypes = ::testing::Types<float, bf16_t, fp16_t>;
+TYPED_TEST_SUITE(OpsCuda, ActivationTypes, TypeName);
+
+const int64_t kRows[] = {1, 7, 1000};
+const int64_t kWidths[] = {32, 48, 1600};
+
+// ---------------------------------------------------------------------------------------------------
+// RMSNorm.
+
+TYPED_TEST(OpsCuda, RmsNormForwardMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  const float eps = 1e-5f;
+  for (int64_t n : kRows) {
+    for (int64_t d : kWidths) {
+      SCOPED_TRACE(dims({{"n", n}, {"d", d}}));
+      const std::vector<float> x = random_values<T>(n * d, 100 + n + d, 1.5f);
+      const std::vector<float> gain = random_values(d, 200 + d, 0.2f, 1.0f);
+      std::vector<float> y_ref(static_cast<size_t>(n * d)), rstd_ref(static_cast<size_t>(n));
+      cpu::rmsnorm_forward(x.data(), gain.data(), y_ref.data(), rstd_ref.data(), n, d, eps);
+
+      DeviceArray<T> dx = device_copy<T>(x), dy(n * d);
+      DeviceArray<float> dgain(gain), drstd(n);
+      dy.poison();
+      drstd.poison();
+      gpu::rmsnorm_forward<T>(dx.data(), dgain.data(), dy.data(), drstd.data(), n, d, eps, nullptr);
+      EXPECT_TRUE(close_to(download_floats(dy), y_ref, storage_tol<T>())) << "y";
+      EXPECT_TRUE(close_to(drstd.download(), rstd_ref, {1e-5, 0})) << "rstd";
+    }
+  }
+}
+
+TYPED_TEST(OpsCuda, RmsNormBackwardMatchesCpuAndIsReproducible) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for (int64_t n : kRows) {
+    for (int64_t d : kWidths) shapes.push_back({n, d});
+  }
+  shapes.push_back({70001, 48});  // past 64 Ki rows the gain chunks grow beyond 64 rows
+  for (auto [n, d] : shapes) {
+    {
+      SCOPED_TRACE(dims({{"n", n}, {"d", d}}));
+      const std::vector<float> x = random_values<T>(n * d, 300 + n + d, 1.5f);
+      const std::vector<float> dy = random_values<T>(n * d, 400 + n + d);
+      const std::vector<float> gain = random_values(d, 500 + d, 0.2f, 1.0f);
+      const std::vector<float> dx0 = random_values<T>(n * d, 600 + n + d);  // dx accumulates
+      const std::vector<float> dgain0 = random_values(d, 700 + d);           // and so does dgain
+      std::vector<float> y(static_cast<size_t>(n * d)), rstd(static_cast<size_t>(n));
+      cpu::rmsnorm_forward(x.data(), gain.data(), y.data(), rstd.data(), n, d, 1e-5f);
+      std::vector<float> dx_ref = dx0, dgain_ref = dgain0;
+      cpu::rmsnorm_backward(dy.data(), x.data(), gain.data(), rstd.data(), dx_ref.data(), dgain_ref.data(), n, d);
+
+      DeviceArray<T> d_x = device_copy<T>(x), d_dy = device_copy<T>(dy);
+      DeviceArray<float> d_gain(gain), d_rstd(rstd);
+      std::vector<T> first_dx;
+      std::vector<float> first_dgain;
+      for (int run = 0; run < 2; ++run) {
+        DeviceArray<T> d_dx = device_copy<T>(dx0);
+        DeviceArray<float> d_dgain(dgain0);
+        gpu::rmsnorm_backward<T>(d_dy.data(), d_x.data(), d_gain.data(), d_rstd.data(), d_dx.data(), d_dgain.data(), n,
+                                 d, nullptr);
+        const std::vector<T> got_dx = d_dx.download();
+        const std::vector<float> got_dgain = d_dgain.download();
+        if (run == 0) {
+          EXPECT_TRUE(close_to(to_floats(got_dx), dx_ref, storage_tol<T>())) << "dx";
+          EXPECT_TRUE(close_to(got_dgain, dgain_ref, {1e-5, 1e-5})) << "dgain";
+          first_dx = got_dx;
+          first_dgain = got_dgain;
+        } else {
+          EXPECT_TRUE(bitwise_equal(got_dx, first_dx)) << "dx differs between two runs";
+          EXPECT_TRUE(bitwise_equal(got_dgain, first_dgain)) << "dgain differs between two runs";
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// RoPE.
+
+TYPED_TEST(OpsCuda, RopeForwardAndBackwardMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  struct Shape {
+    int64_t batch, seq, heads, head_dim;
+  };
+  const Shape shapes[] = {{1, 1, 1, 32}, {2, 7, 3, 48}, {1, 1000, 2, 32}, {3, 17, 5, 128}, {2, 5, 1, 2}};
+  for (const Shape& s : shapes) {
+    SCOPED_TRACE(dims({{"batch", s.batch}, {"seq", s.seq}, {"heads", s.heads}, {"head_dim", s.head_dim}}));
+    const int64_t context = s.seq + 3, half = s.head_dim / 2, numel = s.batch * s.seq * s.heads * s.head_dim;
+    std::vector<float> cos(size_t(context * half)), sin(size_t(context * half));
+    cpu::rope_tables(cos.data(), sin.data(), context, s.head_dim, 10000.0);
+    DeviceArray<float> dcos(cos), dsin(sin);
+
+    const std::vector<float> x = random_values<T>(numel, 800 + numel);
+    std::vector<float> x_ref = x;
+    cpu::rope_forward(x_ref.data(), cos.data(), sin.data(), s.batch, s.seq, s.heads, s.head_dim);
+    DeviceArray<T> dx = device_copy<T>(x);
+    gpu::rope_forward<T>(dx.data(), dcos.data(), dsin.data(), s.batch, s.seq, s.heads, s.head_dim, nullptr);
+    EXPECT_TRUE(close_to(download_floats(dx), x_ref, storage_tol<T>())) << "forward";
+
+    const std::vector<float> g = random_values<T>(numel, 900 + numel);
+    std::vector<float> g_ref = g;
+    cpu::rope_backward(g_ref.data(), cos.data(), sin.data(), s.batch, s.seq, s.heads, s.head_dim);
+    DeviceArray<T> dg = device_copy<T>(g);
+    gpu::rope_backward<T>(dg.data(), dcos.data(), dsin.data(), s.batch, s.seq, s.heads, s.head_dim, nullptr);
+    EXPECT_TRUE(close_to(download_floats(dg), g_ref, storage_tol<T>())) << "backward";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// SwiGLU.
+
+TYPED_TEST(OpsCuda, SwiGluForwardAndBackwardMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{100003}}) {
+    SCOPED_TRACE(dims({{"n", n}}));
+    const std::vector<float> u = random_values<T>(n, 1000 + n, 3.0f);
+    const std::vector<float> g = random_values<T>(n, 1100 + n);
+    const std::vector<float> ds = random_values<T>(n, 1200 + n);
+    std::vector<float> s_ref(static_cast<size_t>(n)), du_ref(static_cast<size_t>(n)), dg_ref(static_cast<size_t>(n));
+    cpu::swiglu_forward(u.data(), g.data(), s_ref.data(), n);
+    cpu::swiglu_backward(ds.data(), u.data(), g.data(), du_ref.data(), dg_ref.data(), n);
+
+    DeviceArray<T> d_u = device_copy<T>(u), d_g = device_copy<T>(g), d_ds = device_copy<T>(ds);
+    DeviceArray<T> d_s(n), d_du(n), d_dg(n);
+    d_s.poison();
+    d_du.poison();
+    d_dg.poison();
+    gpu::swiglu_forward<T>(d_u.data(), d_g.data(), d_s.data(), n, nullptr);
+    gpu::swiglu_backward<T>(d_ds.data(), d_u.data(), d_g.data(), d_du.data(), d_dg.data(), n, nullptr);
+    EXPECT_TRUE(close_to(download_floats(d_s), s_ref, storage_tol<T>())) << "s";
+    EXPECT_TRUE(close_to(download_floats(d_du), du_ref, storage_tol<T>())) << "du";
+    EXPECT_TRUE(close_to(download_floats(d_dg), dg_ref, storage_tol<T>())) << "dg";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Cross-entropy.
+
+TYPED_TEST(OpsCuda, CrossEntropyMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  struct Shape {
+    int64_t n, vocab;
+  };
+  std::vector<Shape> shapes;
+  for (int64_t n : kRows) {
+    for (int64_t vocab : {int64_t{10}, int64_t{10000}}) shapes.push_back({n, vocab});
+  }
+  shapes.push_back({3, 100000});
+  for (const Shape& s : shapes) {
+    const int64_t n = s.n, vocab = s.vocab;
+    SCOPED_TRACE(dims({{"n", n}, {"vocab", vocab}}));
+    const std::vector<float> logits = random_values<T>(n * vocab, 1300 + n + vocab, 2.0f);
+    const std::vector<int32_t> targets = random_tokens(n, vocab, 1400 + n);
+
+    // Forward: the loss of each row (the CPU kernel's mean over one row) and the mean.
+    std::vector<float> loss_ref(static_cast<size_t>(n));
+    for (int64_t r = 0; r < n; ++r) {
+      loss_ref[size_t(r)] = float(cpu::cross_entropy_forward(logits.data() + r * vocab, &targets[size_t(r)], 1, vocab));
+    }
+    const double mean_ref = cpu::cross_entropy_forward(logits.data(), targets.data(), n, vocab);
+    DeviceArray<T> d_logits = device_copy<T>(logits);
+    DeviceArray<int32_t> d_targets(targets);
+    DeviceArray<float> d_loss(n);
+    d_loss.poison();
+    gpu::cross_entropy_forward<T>(d_logits.data(), d_targets.data(), d_loss.data(), n, vocab, nullptr);
+    const std::vector<float> loss = d_loss.download();
+    EXPECT_TRUE(close_to(loss, loss_ref, {1e-5, 1e-5})) << "row_loss";
+    double mean = 0;
+    for (float l : loss) mean += l;
+    EXPECT_NEAR(mean / double(n), mean_ref, 1e-5 * std::max(1.0, std::fabs(mean_ref)));
+
+    // Backward with a scale that is not 1/n (fp16: times a loss scale of 1024, as training would use).
+    const float scale = (std::is_same_v<T, fp16_t> ? 1024.0f : 0.5f) / float(n);
+    std::vector<float> grad_ref = logits;
+    cpu::cross_entropy_backward(grad_ref.data(), targets.data(), n, vocab);  // (softmax - onehot) / n
+    for (float& g : grad_ref) g = float(double(g) * double(n) * double(scale));
+    gpu::cross_entropy_backward<T>(d_logits.data(), d_targets.data(), n, vocab, scale, nullptr);
+    Tol tol = storage_tol<T>();
+    if constexpr (std::is_same_v<T, float>) tol = {2e-5, 1e-5};  // exp(z - lse) with lse rounded to fp32
+    EXPECT_TRUE(close_to(download_floats(d_logits), grad_ref, tol)) << "dlogits";
+  }
+}
+
+TYPED_TEST(OpsCuda, CrossEntropyRowsWithInvalidTargetsAreNaN) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  const int64_t n = 4, vocab = 10;
+  const std::vector<float> logits = random_values<T>(n * vocab, 1500);
+  const std::vector<int32_t> targets = {3, -1, 10, 9};
+  DeviceArray<T> d_logits = device_copy<T>(logits);
+  DeviceArray<int32_t> d_targets(targets);
+  DeviceArray<float> d_loss(n);
+  d_loss.poison();
+  gpu::cross_entropy_forward<T>(d_logits.data(), d_targets.data(), d_loss.data(), n, vocab, nullptr);
+  const std::vector<float> loss = d_loss.download();
+  EXPECT_FALSE(std::isnan(loss[0]));
+  EXPECT_TRUE(std::isnan(loss[1]));
+  EXPECT_TRUE(std::isnan(loss[2]));
+  EXPECT_FALSE(std::isnan(loss[3]));
+  gpu::cross_entropy_backward<T>(d_logits.data(), d_targets.data(), n, vocab, 1.0f, nullptr);
+  const std::vector<float> grad = download_floats(d_logits);
+  for (int64_t j = 0; j < vocab; ++j) {
+    EXPECT_FALSE(std::isnan(grad[size_t(j)]));
+    EXPECT_TRUE(std::isnan(grad[size_t(vocab + j)]));
+    EXPECT_TRUE(std::isnan(grad[size_t(2 * vocab + j)]));
+    EXPECT_FALSE(std::isnan(grad[size_t(3 * vocab + j)]));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Embedding.
+
+TYPED_TEST(OpsCuda, EmbeddingMatchesCpuBitwiseAndIsReproducible) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  struct Case {
+    int64_t n, d, vocab;
+    bool one_token;  // every row the same token: one run of n rows
+  };
+  std::vector<Case> cases;
+  for (int64_t n : kRows) {
+    for (int64_t d : kWidths) {
+      for (int64_t vocab : {int64_t{10}, int64_t{10000}}) cases.push_back({n, d, vocab, false});
+    }
+  }
+  cases.push_back({1000, 48, 10000, true});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(dims({{"n", c.n}, {"d", c.d}, {"vocab", c.vocab}, {"one_token", c.one_token}}));
+    const std::vector<float> table = random_values(c.vocab * c.d, 1600 + c.vocab + c.d);
+    std::vector<int32_t> tokens = random_tokens(c.n, c.vocab, 1700 + c.n + c.d);
+    if (c.one_token) std::fill(tokens.begin(), tokens.end(), int32_t(c.vocab / 3));
+    DeviceArray<float> d_table(table);
+    DeviceArray<int32_t> d_tokens(tokens);
+
+    // Forward: table rows rounded to T, exactly.
+    std::vector<float> x_ref(size_t(c.n * c.d));
+    cpu::embedding_forward(table.data(), tokens.data(), x_ref.data(), c.n, c.d);
+    DeviceArray<T> d_x(c.n * c.d);
+    d_x.poison();
+    gpu::embedding_forward<T>(d_table.data(), d_tokens.data(), d_x.data(), c.n, c.d, c.vocab, nullptr);
+    EXPECT_TRUE(bitwise_equal(d_x.download(), from_floats<T>(x_ref))) << "forward";
+
+    // Backward: the same additions in the same order as the CPU loop, so the same bits; twice.
+    const std::vector<float> dx = random_values<T>(c.n * c.d, 1800 + c.n + c.d);
+    std::vector<float> dtable_ref = table;  // accumulates into a non-zero table
+    cpu::embedding_backward(dx.data(), tokens.data(), dtable_ref.data(), c.n, c.d);
+    DeviceArray<T> d_dx = device_copy<T>(dx);
+    for (int run = 0; run < 2; ++run) {
+      d_table.upload(table);
+      gpu::embedding_backward<T>(d_dx.data(), d_tokens.data(), d_table.data(), c.n, c.d, c.vocab, nullptr);
+      EXPECT_TRUE(bitwise_equal(d_table.download(), dtable_ref)) << "backward, run " << run;
+    }
+  }
+}
+
+TYPED_TEST(OpsCuda, EmbeddingSkipsInvalidTokens) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  const int64_t n = 5, d = 33, vocab = 7;
+  const std::vector<int32_t> tokens = {2, -1, 7, 2, 6};
+  const std::vector<float> table = random_values(vocab * d, 1900);
+  DeviceArray<float> d_table(table);
+  DeviceArray<int32_t> d_tokens(tokens);
+  DeviceArray<T> d_x(n * d);
+  d_x.poison();
+  gpu::embedding_forward<T>(d_table.data(), d_tokens.data(), d_x.data(), n, d, vocab, nullptr);
+  const std::vector<float> x = download_floats(d_x);
+  for (int64_t j = 0; j < d; ++j) {
+    EXPECT_EQ(x[size_t(j)], to_f(from_f<T>(table[size_t(2 * d + j)])));
+    EXPECT_TRUE(std::isnan(x[size_t(d + j)]));
+    EXPECT_TRUE(std::isnan(x[size_t(2 * d + j)]));
+    EXPECT_EQ(x[size_t(4 * d + j)], to_f(from_f<T>(table[size_t(6 * d + j)])));
+  }
+
+  const std::vector<float> dx = random_values<T>(n * d, 2000);
+  DeviceArray<T> d_dx = device_copy<T>(dx);
+  gpu::embedding_backward<T>(d_dx.data(), d_tokens.data(), d_table.data(), n, d, vocab, nullptr);
+  std::vector<float> want = table;
+  for (int64_t j = 0; j < d; ++j) {
+    want[size_t(2 * d + j)] = (table[size_t(2 * d + j)] + dx[size_t(j)]) + dx[size_t(3 * d + j)];
+    want[size_t(6 * d + j)] = table[size_t(6 * d + j)] + dx[size_t(4 * d + j)];
+  }
+  EXPECT_TRUE(bitwise_equal(d_table.download(), want));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// AdamW.
+
+// CpuModel::adamw_step's arithmetic on plain arrays.
+void adamw_cpu(std::vector<float>& w, const std::vector<float>& g, std::vector<float>& m, std::vector<float>& v,
+               double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+  const double t = double(step);
+  const float alpha = float(lr * std::sqrt(1.0 - std::pow(beta2, t)) / (1.0 - std::pow(beta1, t)));
+  const float b1 = float(beta1), b2 = float(beta2), e = float(eps), decay = float(lr * weight_decay);
+  for (size_t i = 0; i < w.size(); ++i) {
+    m[i] = b1 * m[i] + (1 - b1) * g[i];
+    v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+    w[i] -= alpha * m[i] / (std::sqrt(v[i]) + e);
+    w[i] -= decay * w[i];
+  }
+}
+
+TYPED_TEST(OpsCuda, AdamWMatchesCpuFormula) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  const double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{100003}}) {
+    SCOPED_TRACE(dims({{"n", n}}));
+    std::vector<float> w = random_values(n, 2100 + n, 0.05f), m = random_values(n, 2200 + n, 1e-3f),
+                       v = random_values(n, 2300 + n, 1e-3f);
+    for (float& x : v) x = x * x;  // second moments are non-negative
+    DeviceArray<float> d_w(w), d_m(m), d_v(v), d_g(n);
+    DeviceArray<T> d_copy(n);
+    for (int64_t step = 1; step <= 3; ++step) {
+      const std::vector<float> g = random_values(n, 2400 + n + step, 1e-2f);
+      d_g.upload(g);
+      d_copy.poison();
+      adamw_cpu(w, g, m, v, lr, beta1, beta2, eps, wd, step);
+      gpu::adamw_step<T>(d_w.data(), d_g.data(), d_m.data(), d_v.data(), n, lr, beta1, beta2, eps, wd, step,
+                         d_copy.data(), nullptr);
+      const std::vector<float> got_w = d_w.download();
+      EXPECT_TRUE(close_to(got_w, w, {1e-6, 1e-7})) << "w, step " << step;
+      EXPECT_TRUE(close_to(d_m.download(), m, {1e-6, 1e-7})) << "m, step " << step;
+      EXPECT_TRUE(close_to(d_v.download(), v, {1e-6, 1e-7})) << "v, step " << step;
+      EXPECT_TRUE(bitwise_equal(d_copy.download(), from_floats<T>(got_w))) << "copy, step " << step;
+    }
+  }
+}
+
+TEST(OpsCudaF32, AdamWWithoutCopy) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 777;
+  std::vector<float> w = random_values(n, 2500, 0.05f), g = random_values(n, 2501, 1e-2f), m(size_t(n), 0.0f),
+                     v(size_t(n), 0.0f);
+  DeviceArray<float> d_w(w), d_g(g), d_m(m), d_v(v);
+  adamw_cpu(w, g, m, v, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1);
+  gpu::adamw_step<float>(d_w.data(), d_g.data(), d_m.data(), d_v.data(), n, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1, nullptr,
+                         nullptr);
+  EXPECT_TRUE(close_to(d_w.download(), w, {1e-6, 1e-7}));
+  EXPECT_TRUE(close_to(d_m.download(), m, {1e-6, 1e-7}));
+  EXPECT_TRUE(close_to(d_v.download(), v, {1e-6, 1e-7}));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Reductions and utilities.
+
+TEST(OpsCudaF32, SquaredNormIsExactEnoughAndReproducible) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{8192}, int64_t{(1 << 20) + 3}}) {
+    SCOPED_TRACE(dims({{"n", n}}));
+    const std::vector<float> x = random_values(n, 2600 + n);
+    double want = 0;
+    for (float v : x) want += double(v) * double(v);
+    DeviceArray<float> d_x(x);
+    DeviceArray<double> d_out(1);
+    std::vector<double> first;
+    for (int run = 0; run < 2; ++run) {
+      d_out.poison();
+      gpu::squared_norm(d_x.data(), n, d_out.data(), nullptr);
+      const std::vector<double> got = d_out.download();
+      EXPECT_NEAR(got[0], want, 1e-12 * want);
+      if (run == 0) first = got;
+      else EXPECT_TRUE(bitwise_equal(got, first)) << "two runs differ";
+    }
+  }
+  DeviceArray<double> d_out(1);
+  d_out.poison();
+  gpu::squared_norm(nullptr, 0, d_out.data(), nullptr);
+  EXPECT_EQ(d_out.download()[0], 0.0);
+}
+
+TYPED_TEST(OpsCuda, CountNonfinite) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{100003}}) {
+    SCOPED_TRACE(dims({{"n", n}}));
+    std::vector<float> x = random_values<T>(n, 2700 + n);
+    DeviceArray<T> d_x = device_copy<T>(x);
+    DeviceArray<int> d_count(1);
+    d_count.poison();
+    gpu::count_nonfinite<T>(d_x.data(), n, d_count.data(), nullptr);
+    EXPECT_EQ(d_count.download()[0], 0);
+
+    x[0] = std::numeric_limits<float>::quiet_NaN();
+    x[size_t(n / 2)] = std::numeric_limits<float>::infinity();
+    x[size_t(n - 1)] = -std::numeric_limits<float>::infinity();
+    int want = 0;
+    for (float v : x) want += std::isfinite(to_f(from_f<T>(v))) ? 0 : 1;
+    d_x.upload(from_floats<T>(x));
+    d_count.poison();
+    gpu::count_nonfinite<T>(d_x.data(), n, d_count.data(), nullptr);
+    EXPECT_EQ(d_count.download()[0], want);
+  }
+}
+
+TYPED_TEST(OpsCuda, CastsAndResidualAdd) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+    SCOPED_TRACE(dims({{"n", n}}));
+    const std::vector<float> src = random_values(n, 2800 + n, 3.0f);  // not representable in T: rounding
+    DeviceArray<float> d_src(src), d_back(n);
+    DeviceArray<T> d_dst(n);
+    d_dst.poison();
+    d_back.poison();
+    gpu::cast_from_f32<T>(d_src.data(), d_dst.data(), n, nullptr);
+    gpu::cast_to_f32<T>(d_dst.data(), d_back.data(), n, nullptr);
+    const std::vector<T> rounded = from_floats<T>(src);
+    EXPECT_TRUE(bitwise_equal(d_dst.download(), rounded)) << "cast_from_f32 (round to nearest even)";
+    EXPECT_TRUE(bitwise_equal(d_back.download(), to_floats(rounded))) << "cast_to_f32";
+
+    const std::vector<float> y = random_values<T>(n, 2900 + n), x = random_values<T>(n, 3000 + n);
+    DeviceArray<T> d_y = device_copy<T>(y), d_x = device_copy<T>(x);
+    gpu::add_inplace<T>(d_y.data(), d_x.data(), n, nullptr);
+    std::vector<float> sum(static_cast<size_t>(n));
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] = y[i] + x[i];
+    EXPECT_TRUE(bitwise_equal(d_y.download(), from_floats<T>(sum))) << "add_inplace";
+  }
+}
+
+TEST(OpsCudaF32, ScaleInplace) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+    std::vector<float> x = random_values(n, 3100 + n);
+    DeviceArray<float> d_x(x);
+    gpu::scale_inplace(d_x.data(), n, 0.37f, nullptr);
+    for (float& v : x) v *= 0.37f;
+    EXPECT_TRUE(bitwise_equal(d_x.download(), x)) << "n = " << n;
+  }
+}
+
+// Argument checks run on the host before anything touches the GPU, so they need none.
+TEST(OpsCudaErrors, BadSizesAreErrors) {
+  float* f = nullptr;
+  int32_t* i = nullptr;
+  EXPECT_THROW(gpu::rmsnorm_forward<float>(f, f, f, f, -1, 32, 1e-5f, nullptr), Error);
+  EXPECT_THROW(gpu::rmsnorm_forward<float>(f, f, f, f, 4, 0, 1e-5f, nullptr), Error);
+  EXPECT_THROW(gpu::rmsnorm_backward<bf16_t>(nullptr, nullptr, f, f, nullptr, f, 4, 0, nullptr), Error);
+  EXPECT_THROW(gpu::rope_forward<float>(f, f, f, 1, 1, 1, 31, nullptr), Error);
+  EXPECT_THROW(gpu::rope_backward<fp16_t>(nullptr, f, f, 1, 1, 1, 0, nullptr), Error);
+  EXPECT_THROW(gpu::swiglu_forward<float>(f, f, f, -2, nullptr), Error);
+  EXPECT_THROW(gpu::cross_entropy_forward<float>(f, i, f, 3, 0, nullptr), Error);
+  EXPECT_THROW(gpu::cross_entropy_backward<float>(f, i, 3, 0, 1.0f, nullptr), Error);
+  EXPECT_THROW(gpu::embedding_forward<float>(f, i, f, 3, 0, 10, nullptr), Error);
+  EXPECT_THROW(gpu::embedding_backward<float>(f, i, f, 3, 8, 0, nullptr), Error);
+  EXPECT_THROW(gpu::adamw_step<float>(f, f, f, f, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0, nullptr, nullptr), Error);
+  EXPECT_THROW(gpu::squared_norm(f, -1, nullptr, nullptr), Error);
+  // Empty inputs queue nothing.
+  EXPECT_NO_THROW(gpu::swiglu_forward<float>(f, f, f, 0, nullptr));
+  EXPECT_NO_THROW(gpu::rmsnorm_forward<float>(f, f, f, f, 0, 32, 1e-5f, nullptr));
+}
+
+}  // namespace
+
+#else  // !FLASHLM_WITH_CUDA
+
+TEST(OpsCuda, NeedsCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
+
+#endif
