@@ -6,6 +6,7 @@
 // model needs is known when it is built and stays constant while it trains.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -45,6 +46,10 @@ struct ParameterInfo {
 // The order and shapes of every parameter; the same layout serves parameters, gradients and optimizer
 // moments.
 std::vector<ParameterInfo> parameter_layout(const ModelConfig& config);
+
+// Normal(0, 0.02) weights truncated at 3 sigma, unit RMSNorm gains: the one initialisation every model
+// (CPU or CUDA) uses, so that equal seeds give equal weights.
+void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed);
 
 struct AdamWConfig {
   double lr_max = 1e-3, lr_min = 1e-4;
@@ -109,6 +114,45 @@ class CpuModel {
   float* grad(const std::string& name) const;
   float* act(int64_t offset) const { return static_cast<float*>(acts_.data()) + offset; }
   LayerActs layer_acts(int64_t layer) const;
+};
+
+// The LM on one GPU. Activations and their gradients in `precision` (fp32, bf16 or fp16); master weights,
+// gradients and AdamW moments in fp32, with a low-precision copy of the weights for the GEMMs. fp16 uses
+// dynamic loss scaling: the loss gradient is multiplied by loss_scale(); unscale_gradients() divides it
+// out, or reports an overflow (inf/nan), halves the scale and the caller skips the step; the scale
+// doubles after 2000 good steps in a row. Every call is asynchronous on the model's stream except those
+// that return host values (forward's loss, norms, copies). Built only with CUDA.
+class CudaModel {
+ public:
+  CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision,
+            AttentionImpl attention = AttentionImpl::flash, void* stream = nullptr);
+  ~CudaModel();
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const ModelConfig& config() const;
+  const std::vector<ParameterInfo>& layout() const;
+  int64_t parameter_count() const;
+  DType precision() const;
+
+  void init_parameters(uint64_t seed);  // the same values as CpuModel::init_parameters(seed)
+  void load_parameters(const float* host);
+  void copy_parameters_to(float* host) const;
+  void copy_gradients_to(float* host) const;  // as stored: multiplied by loss_scale() until unscaled
+  void copy_logits_to(float* host) const;     // [batch, seq, vocab] after forward(), before backward()
+
+  double forward(const int32_t* host_tokens, const int32_t* host_targets);  // mean cross-entropy
+  void backward();
+  void zero_grad();
+  bool unscale_gradients();  // false: fp16 overflow, the step must be skipped
+  double gradient_norm() const;
+  double clip_gradients(double max_norm);
+  void adamw_step(const AdamWConfig& c, double lr);
+  double loss_scale() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace flashlm

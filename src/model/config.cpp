@@ -1,6 +1,7 @@
 // Model sizes, parameter layout and the learning-rate schedule.
 #include <cmath>
 #include <numbers>
+#include <random>
 
 #include "core/check.h"
 #include "flashlm/model.h"
@@ -81,6 +82,25 @@ int64_t ModelConfig::parameter_count() const {
 }
 
 int64_t ModelConfig::non_embedding_parameter_count() const { return parameter_count() - vocab * d_model; }
+
+void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  for (const auto& p : layout) {
+    float* w = params + p.offset;
+    const bool gain = p.shape.size() == 1;  // RMSNorm gains start at 1
+    for (int64_t i = 0; i < p.numel(); ++i) {
+      if (gain) {
+        w[i] = 1.0f;
+        continue;
+      }
+      float x;
+      do x = normal(rng);
+      while (std::fabs(x) > 0.06f);  // truncated at 3 sigma
+      w[i] = x;
+    }
+  }
+}
 
 double cosine_lr(const AdamWConfig& c, int64_t step) {
   if (step < c.warmup_steps) return c.lr_max * double(step) / double(c.warmup_steps);

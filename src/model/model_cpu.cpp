@@ -80,24 +80,7 @@ float* CpuModel::grad(const std::string& name) const {
   fail("CpuModel: no parameter named '{}'", name);
 }
 
-void CpuModel::init_parameters(uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 0.02f);
-  for (const auto& p : layout_) {
-    float* w = parameters() + p.offset;
-    const bool gain = p.shape.size() == 1;  // RMSNorm gains start at 1
-    for (int64_t i = 0; i < p.numel(); ++i) {
-      if (gain) {
-        w[i] = 1.0f;
-        continue;
-      }
-      float x;
-      do x = normal(rng);
-      while (std::fabs(x) > 0.06f);  // truncated at 3 sigma
-      w[i] = x;
-    }
-  }
-}
+void CpuModel::init_parameters(uint64_t seed) { init_parameters_host(layout_, parameters(), seed); }
 
 CpuModel::LayerActs CpuModel::layer_acts(int64_t l) const {
   const int64_t n = batch_ * seq_, d = config_.d_model, f = config_.d_ff, bhs = batch_ * config_.heads * seq_;

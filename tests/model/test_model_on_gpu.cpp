@@ -1,0 +1,138 @@
+// The CUDA LM against the CPU LM (fp32 reference): logits, loss and gradients per precision, loss
+// scaling, reproducibility and a short training run. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "flashlm/device.h"
+#include "flashlm/model.h"
+
+using namespace flashlm;
+
+#ifndef FLASHLM_WITH_CUDA
+TEST(CudaModel, NeedsACudaBuild) { GTEST_SKIP() << "flashlm was built without CUDA: CudaModel does not exist"; }
+#else
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                  \
+  do {                                                                      \
+    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+ModelConfig small_config() {
+  ModelConfig c = ModelConfig::named("tiny", 64, 128);  // d_model 32, d_ff 64, 2 layers, 4 heads of 8
+  c.d_model = 64;  // head_dim 16: the smallest the tensor-core attention takes
+  c.d_ff = 128;
+  return c;
+}
+
+struct Batch {
+  std::vector<int32_t> tokens, targets;
+};
+
+Batch make_batch(int64_t n, int64_t vocab, int seed) {
+  Batch b;
+  for (int64_t i = 0; i < n; ++i) {
+    b.tokens.push_back(int32_t((i * 37 + seed * 11) % vocab));
+    b.targets.push_back(int32_t((i * 53 + seed * 7 + 1) % vocab));
+  }
+  return b;
+}
+
+// max |a - b| / max |b|.
+double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::isnan(a[i]) ? INFINITY : std::max(num, double(std::fabs(a[i] - b[i])));
+    den = std::max(den, double(std::fabs(b[i])));
+  }
+  return num / den;
+}
+
+class CudaModelVsCpu : public ::testing::TestWithParam<DType> {};
+
+TEST_P(CudaModelVsCpu, LossLogitsAndGradientsMatchTheCpuModel) {
+  SKIP_WITHOUT_GPU();
+  const DType precision = GetParam();
+  const ModelConfig c = small_config();
+  const int64_t batch = 2, seq = 64, n = batch * seq;
+  CpuModel cpu(c, batch, seq);
+  CudaModel gpu(c, batch, seq, precision);
+  cpu.init_parameters(5);
+  gpu.init_parameters(5);
+  const Batch b = make_batch(n, c.vocab, 1);
+
+  const double cpu_loss = cpu.forward(b.tokens.data(), b.targets.data());
+  const double gpu_loss = gpu.forward(b.tokens.data(), b.targets.data());
+  std::vector<float> cpu_logits(cpu.logits(), cpu.logits() + n * c.vocab), gpu_logits(size_t(n * c.vocab));
+  gpu.copy_logits_to(gpu_logits.data());
+  cpu.zero_grad();
+  cpu.backward();
+  gpu.zero_grad();
+  gpu.backward();
+  ASSERT_TRUE(gpu.unscale_gradients());
+  std::vector<float> cpu_grads(cpu.gradients(), cpu.gradients() + cpu.parameter_count());
+  std::vector<float> gpu_grads(size_t(gpu.parameter_count()));
+  gpu.copy_gradients_to(gpu_grads.data());
+
+  // fp32: GEMMs without TF32 and fp32 attention, so only summation order differs. bf16/fp16: activations
+  // rounded to 8 or 11 bits at every layer.
+  const double tol = precision == DType::f32 ? 1e-4 : precision == DType::f16 ? 2e-2 : 5e-2;
+  EXPECT_NEAR(gpu_loss, cpu_loss, tol * cpu_loss);
+  EXPECT_LE(rel_error(gpu_logits, cpu_logits), tol);
+  for (const auto& p : cpu.layout()) {
+    const std::vector<float> a(gpu_grads.begin() + p.offset, gpu_grads.begin() + p.offset + p.numel());
+    const std::vector<float> e(cpu_grads.begin() + p.offset, cpu_grads.begin() + p.offset + p.numel());
+    EXPECT_LE(rel_error(a, e), 2 * tol) << p.name << " in " << dtype_name(precision);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, CudaModelVsCpu, ::testing::Values(DType::f32, DType::bf16, DType::f16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+TEST(CudaModel, TrainingIsReproducibleAndLowersTheLossInEveryPrecision) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  const Batch b = make_batch(2 * 64, c.vocab, 2);
+  AdamWConfig opt;
+  for (DType precision : {DType::f32, DType::bf16, DType::f16}) {
+    std::vector<float> final_params[2];
+    double first = 0, last = 0;
+    for (int run = 0; run < 2; ++run) {
+      CudaModel m(c, 2, 64, precision);
+      m.init_parameters(3);
+      for (int step = 0; step < 25; ++step) {
+        m.zero_grad();
+        const double loss = m.forward(b.tokens.data(), b.targets.data());
+        if (step == 0) first = loss;
+        last = loss;
+        m.backward();
+        if (!m.unscale_gradients()) continue;  // fp16 overflow: skipped, scale halved
+        m.clip_gradients(1.0);
+        m.adamw_step(opt, 3e-3);
+      }
+      final_params[run].resize(size_t(m.parameter_count()));
+      m.copy_parameters_to(final_params[run].data());
+    }
+    EXPECT_EQ(final_params[0], final_params[1]) << dtype_name(precision) << ": two runs differ";
+    EXPECT_LT(last, 0.8 * first) << dtype_name(precision);
+  }
+}
+
+TEST(CudaModel, Fp16LossScaleStartsHighAndOtherPrecisionsUseOne) {
+  SKIP_WITHOUT_GPU();
+  EXPECT_EQ(CudaModel(small_config(), 1, 16, DType::f16).loss_scale(), 65536.0);
+  EXPECT_EQ(CudaModel(small_config(), 1, 16, DType::bf16).loss_scale(), 1.0);
+}
+
+TEST(CudaModel, BadConfigurationsAreErrors) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig c = small_config();
+  EXPECT_THROW(CudaModel(c, 1, 16, DType::f64), Error);
+  c.vocab = 100;  // not a multiple of 8
+  EXPECT_THROW(CudaModel(c, 1, 16, DType::bf16), Error);
+}
+
+}  // namespace
+#endif  // FLASHLM_WITH_CUDA
