@@ -15,4 +15,4 @@ else
 fi
 echo
 echo "== a short training run (tiny LM, synthetic data whose best possible loss is ln 4 = 1.386)"
-$flashlm train --model tiny --steps 200 --log-every 25 --eval-every 100
+$flashlm train --device cpu --model tiny --steps 200 --log-every 25 --eval-every 100

@@ -203,7 +203,7 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--pass", a.pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--device", a.device, "cpu (the CUDA engine is not built yet)")->capture_default_str();
+  cmd->add_option("--device", a.device, "cpu or cuda")->capture_default_str();
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
   cmd->add_flag("--profile-ranges", a.profile_ranges,
                 "After the table, the nvtx_sum table (nsys stats format) of each configuration's timed steps");
@@ -233,6 +233,10 @@ int run_bench_command(const BenchArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
+  if (cfg.device == Device::cuda && cuda_device_count() == 0) {
+    throw UsageError(cuda_built() ? "--device cuda: no CUDA device is visible"
+                                  : "--device cuda: flashlm was built without CUDA");
+  }
   cfg.batch = a.batch;
   cfg.vocab = a.vocab;
   cfg.warmup = a.warmup;
@@ -254,7 +258,7 @@ int run_bench_command(const BenchArgs& a) {
 }
 
 struct TrainArgs {
-  std::string model = "tiny", data = "synthetic", val_data, checkpoint, device = "cpu", attention = "flash";
+  std::string model = "tiny", data = "synthetic", val_data, checkpoint, device, attention = "flash", precision;
   int64_t d_model = 0, d_ff = 0, layers = 0, heads = 0, vocab = 256, context = 64;
   int64_t batch = 16, steps = 200, warmup = 20, cosine_steps = 0, eval_every = 50, eval_batches = 8, log_every = 10;
   int64_t checkpoint_every = 0, threads = 0;
@@ -294,7 +298,8 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_flag("--resume", a.resume, "Continue from --checkpoint, bit-exactly");
   cmd->add_option("--seed", a.seed, "Seed of weights, data order and synthetic data")->capture_default_str();
   cmd->add_option("--attention", a.attention, "flash or naive")->capture_default_str();
-  cmd->add_option("--device", a.device, "cpu (the CUDA engine is not built yet)")->capture_default_str();
+  cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
+  cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
 }
 
@@ -304,8 +309,15 @@ int run_train_command(const TrainArgs& a) {
   try {
     cfg.model = ModelConfig::named(a.model, a.context, a.vocab);
     cfg.attention = parse_attention_impl(a.attention);
-    if (parse_device(a.device) != Device::cpu) {
-      throw UsageError("--device cuda: the CUDA LM engine is not built yet; flashlm train runs on the CPU for now");
+    cfg.device = a.device.empty() ? (cuda_device_count() > 0 ? Device::cuda : Device::cpu) : parse_device(a.device);
+    cfg.precision = a.precision.empty() ? (cfg.device == Device::cuda ? DType::bf16 : DType::f32)
+                                        : parse_dtype(a.precision);
+    if (cfg.device == Device::cuda && cuda_device_count() == 0) {
+      throw UsageError(cuda_built() ? "--device cuda: no CUDA device is visible"
+                                    : "--device cuda: flashlm was built without CUDA");
+    }
+    if (cfg.device == Device::cpu && cfg.precision != DType::f32) {
+      throw UsageError(fmt::format("--precision {}: the CPU engine runs fp32", dtype_name(cfg.precision)));
     }
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());

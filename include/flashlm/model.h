@@ -61,42 +61,74 @@ struct AdamWConfig {
 // Cosine learning rate with linear warm-up (CS336's schedule): lr at step t (0-based).
 double cosine_lr(const AdamWConfig& c, int64_t step);
 
+// What the training loop and the benchmark need from a model, whatever device it runs on.
+class LanguageModel {
+ public:
+  virtual ~LanguageModel() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual int64_t parameter_count() const = 0;
+  virtual Device device() const = 0;
+  virtual DType precision() const = 0;
+  virtual void init_parameters(uint64_t seed) = 0;
+  // tokens, targets: host arrays [batch, seq]; returns the mean cross-entropy.
+  virtual double forward(const int32_t* tokens, const int32_t* targets) = 0;
+  virtual void backward() = 0;
+  virtual void zero_grad() = 0;
+  // fp16 loss scaling: divides the scale out of the gradients, or returns false on an overflow (skip the
+  // step). Always true for the other precisions.
+  virtual bool unscale_gradients() = 0;
+  virtual double loss_scale() const = 0;
+  virtual double clip_gradients(double max_norm) = 0;  // returns the norm before clipping
+  virtual void adamw_step(const AdamWConfig& c, double lr) = 0;
+  virtual int64_t optimizer_steps() const = 0;
+  // Checkpoints: fp32 master parameters and AdamW moments, host arrays of parameter_count() floats.
+  virtual void save_state(float* params, float* m, float* v) const = 0;
+  virtual void load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) = 0;
+  virtual void synchronize() const {}  // waits for queued device work (for timing)
+};
+
+// A model on `device`: CpuModel (fp32) or CudaModel (fp32, bf16, fp16).
+std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
+                                          DType precision, AttentionImpl attention = AttentionImpl::flash);
+
 // The LM on the CPU in fp32: forward, backward, AdamW.
-class CpuModel {
+class CpuModel final : public LanguageModel {
  public:
   CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, AttentionImpl attention = AttentionImpl::flash);
 
-  const ModelConfig& config() const { return config_; }
+  const ModelConfig& config() const override { return config_; }
   const std::vector<ParameterInfo>& layout() const { return layout_; }
   float* parameters() const { return static_cast<float*>(params_.data()); }
   float* gradients() const { return static_cast<float*>(grads_.data()); }
-  int64_t parameter_count() const { return n_params_; }
+  int64_t parameter_count() const override { return n_params_; }
+  Device device() const override { return Device::cpu; }
+  DType precision() const override { return DType::f32; }
   size_t activation_bytes() const { return acts_.bytes(); }
 
   // Normal(0, 0.02) weights (truncated at 3 sigma), unit RMSNorm gains; reproducible per seed.
-  void init_parameters(uint64_t seed);
+  void init_parameters(uint64_t seed) override;
 
   // tokens and targets: [batch, seq] int32, every id in [0, vocab). Returns the mean cross-entropy.
   // The logits stay readable through logits() until the next backward().
-  double forward(const int32_t* tokens, const int32_t* targets);
+  double forward(const int32_t* tokens, const int32_t* targets) override;
   const float* logits() const;  // [batch, seq, vocab]
 
   // Adds d(loss)/d(parameters) to gradients() (call zero_grad() first, or accumulate micro-batches).
-  void backward();
-  void zero_grad();
+  void backward() override;
+  void zero_grad() override;
+  bool unscale_gradients() override { return true; }
+  double loss_scale() const override { return 1.0; }
 
   // Global L2 norm of gradients(); clip_gradients scales them to at most max_norm and returns the norm
   // before clipping.
   double gradient_norm() const;
-  double clip_gradients(double max_norm);
+  double clip_gradients(double max_norm) override;
 
   // One AdamW step (decoupled weight decay, bias-corrected) with learning rate lr.
-  void adamw_step(const AdamWConfig& c, double lr);
-  int64_t optimizer_steps() const { return adam_step_; }
-  // AdamW's moments (same layout as the parameters) and step count, for checkpoints.
-  float* adam_first_moment() const { return static_cast<float*>(adam_m_.data()); }
-  float* adam_second_moment() const { return static_cast<float*>(adam_v_.data()); }
-  void set_optimizer_steps(int64_t steps) { adam_step_ = steps; }
+  void adamw_step(const AdamWConfig& c, double lr) override;
+  int64_t optimizer_steps() const override { return adam_step_; }
+  void save_state(float* params, float* m, float* v) const override;
+  void load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) override;
 
  private:
   struct LayerActs;
@@ -122,7 +154,7 @@ class CpuModel {
 // out, or reports an overflow (inf/nan), halves the scale and the caller skips the step; the scale
 // doubles after 2000 good steps in a row. Every call is asynchronous on the model's stream except those
 // that return host values (forward's loss, norms, copies). Built only with CUDA.
-class CudaModel {
+class CudaModel final : public LanguageModel {
  public:
   CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision,
             AttentionImpl attention = AttentionImpl::flash, void* stream = nullptr);
@@ -130,25 +162,30 @@ class CudaModel {
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
 
-  const ModelConfig& config() const;
+  const ModelConfig& config() const override;
   const std::vector<ParameterInfo>& layout() const;
-  int64_t parameter_count() const;
-  DType precision() const;
+  int64_t parameter_count() const override;
+  Device device() const override { return Device::cuda; }
+  DType precision() const override;
 
-  void init_parameters(uint64_t seed);  // the same values as CpuModel::init_parameters(seed)
+  void init_parameters(uint64_t seed) override;  // the same values as CpuModel::init_parameters(seed)
   void load_parameters(const float* host);
   void copy_parameters_to(float* host) const;
   void copy_gradients_to(float* host) const;  // as stored: multiplied by loss_scale() until unscaled
   void copy_logits_to(float* host) const;     // [batch, seq, vocab] after forward(), before backward()
 
-  double forward(const int32_t* host_tokens, const int32_t* host_targets);  // mean cross-entropy
-  void backward();
-  void zero_grad();
-  bool unscale_gradients();  // false: fp16 overflow, the step must be skipped
+  double forward(const int32_t* host_tokens, const int32_t* host_targets) override;  // mean cross-entropy
+  void backward() override;
+  void zero_grad() override;
+  bool unscale_gradients() override;  // false: fp16 overflow, the step must be skipped
   double gradient_norm() const;
-  double clip_gradients(double max_norm);
-  void adamw_step(const AdamWConfig& c, double lr);
-  double loss_scale() const;
+  double clip_gradients(double max_norm) override;
+  void adamw_step(const AdamWConfig& c, double lr) override;
+  double loss_scale() const override;
+  int64_t optimizer_steps() const override;
+  void save_state(float* params, float* m, float* v) const override;
+  void load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) override;
+  void synchronize() const override;
 
  private:
   struct Impl;

@@ -27,6 +27,8 @@ struct TrainConfig {
   bool resume = false;           // continue from `checkpoint`
   uint64_t seed = 1234;          // weights, data order and synthetic data
   AttentionImpl attention = AttentionImpl::flash;
+  Device device = Device::cpu;
+  DType precision = DType::f32;  // fp32 on the CPU; fp32, bf16 or fp16 on CUDA
   std::function<void(const std::string&)> progress;  // one line per log / eval / checkpoint event
 };
 
@@ -37,7 +39,7 @@ struct TrainResult {
   double best_possible_loss = 0;                       // synthetic data: ln(branching); else 0
 };
 
-// Runs (or, with resume, continues) training on the CPU. Bad configuration is a flashlm::Error.
+// Runs (or, with resume, continues) training. Bad configuration is a flashlm::Error.
 TrainResult train(const TrainConfig& config);
 
 // The final parameters of a checkpoint file (for tests and tools).

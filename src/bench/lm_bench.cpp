@@ -39,12 +39,15 @@ Moments moments(std::vector<double> v) {
   return m;
 }
 
-// Times every requested pass of one (model, context, precision, attention) configuration on the CPU.
-void measure_cpu(const LmBenchConfig& cfg, const ModelConfig& mc, AttentionImpl impl,
-                 std::vector<LmBenchRecord*>& rows) {
-  const int64_t base = memory_stats(Device::cpu).current_bytes;
-  memory_reset_peak(Device::cpu);
-  CpuModel model(mc, cfg.batch, mc.context, impl);
+// Times every requested pass of one (model, context, precision, attention) configuration. Each timed
+// step ends with a device synchronisation, so host time is the step's time on either device.
+void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, AttentionImpl impl,
+             std::vector<LmBenchRecord*>& rows) {
+  const Device dev = cfg.device;
+  const int64_t base = memory_stats(dev).current_bytes;
+  memory_reset_peak(dev);
+  const std::unique_ptr<LanguageModel> model_ptr = make_model(mc, cfg.batch, mc.context, dev, precision, impl);
+  LanguageModel& model = *model_ptr;
   model.init_parameters(1);
   std::vector<int32_t> tokens(size_t(cfg.batch * mc.context)), targets(tokens.size());
   std::mt19937 rng(7);
@@ -67,11 +70,13 @@ void measure_cpu(const LmBenchConfig& cfg, const ModelConfig& mc, AttentionImpl 
         model.zero_grad();
         model.forward(tokens.data(), targets.data());
         model.backward();
-        model.clip_gradients(opt.max_grad_norm);
-        model.adamw_step(opt, 1e-4);
+        if (model.unscale_gradients()) {
+          model.clip_gradients(opt.max_grad_norm);
+          model.adamw_step(opt, 1e-4);
+        }
       };
     }
-    memory_reset_peak(Device::cpu);
+    memory_reset_peak(dev);
     for (int i = 0; i < cfg.warmup; ++i) run();
     RangeProfiler& prof = RangeProfiler::instance();
     if (cfg.profile_ranges) {
@@ -84,6 +89,7 @@ void measure_cpu(const LmBenchConfig& cfg, const ModelConfig& mc, AttentionImpl 
       {
         ScopedRange r(rec->pass);
         run();
+        model.synchronize();
       }
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
@@ -96,7 +102,12 @@ void measure_cpu(const LmBenchConfig& cfg, const ModelConfig& mc, AttentionImpl 
     rec->std_ms = m.stddev;
     rec->median_ms = m.median;
     rec->tokens_per_s = double(cfg.batch * mc.context) / (m.mean / 1e3);
-    rec->peak_mib = double(memory_stats(Device::cpu).peak_bytes - base) / kMiB;
+    if (dev == Device::cuda) {
+      // MFU counts a train step's FLOPs (forward 1/3, backward 2/3 of them) for the passes it covers.
+      const double share = rec->pass == "fwd" ? 1.0 / 3.0 : 1.0;
+      rec->mfu = *rec->tokens_per_s * share * train_flops_per_token(mc, mc.context) / kHopperBf16PeakFlops;
+    }
+    rec->peak_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
   }
 }
 
@@ -135,13 +146,11 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
           auto mark = [&](const std::string& status, const std::string& message) {
             for (LmBenchRecord* r : rows) r->status = status, r->message = message;
           };
-          if (cfg.device == Device::cuda) {
-            mark("unsupported", "the CUDA LM engine is not built yet");
-          } else if (precision != DType::f32) {
+          if (cfg.device == Device::cpu && precision != DType::f32) {
             mark("unsupported", "the CPU engine runs fp32; bf16/fp16 are CUDA precisions");
           } else {
             try {
-              measure_cpu(cfg, mc, impl, rows);
+              measure(cfg, mc, precision, impl, rows);
             } catch (const OutOfMemory& e) {
               mark("oom", e.what());
             } catch (const std::bad_alloc&) {

@@ -102,6 +102,19 @@ void init_parameters_host(const std::vector<ParameterInfo>& layout, float* param
   }
 }
 
+std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
+                                          DType precision, AttentionImpl attention) {
+  if (device == Device::cpu) {
+    FLASHLM_CHECK(precision == DType::f32, "model: the CPU engine runs fp32, not {}", dtype_name(precision));
+    return std::make_unique<CpuModel>(config, batch, seq, attention);
+  }
+#ifdef FLASHLM_WITH_CUDA
+  return std::make_unique<CudaModel>(config, batch, seq, precision, attention);
+#else
+  fail("model: --device cuda needs a CUDA build of flashlm");
+#endif
+}
+
 double cosine_lr(const AdamWConfig& c, int64_t step) {
   if (step < c.warmup_steps) return c.lr_max * double(step) / double(c.warmup_steps);
   if (step <= c.cosine_steps) {

@@ -265,6 +265,19 @@ double CpuModel::clip_gradients(double max_norm) {
   return norm;
 }
 
+void CpuModel::save_state(float* params, float* m, float* v) const {
+  std::copy(parameters(), parameters() + n_params_, params);
+  std::copy(static_cast<const float*>(adam_m_.data()), static_cast<const float*>(adam_m_.data()) + n_params_, m);
+  std::copy(static_cast<const float*>(adam_v_.data()), static_cast<const float*>(adam_v_.data()) + n_params_, v);
+}
+
+void CpuModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+  std::copy(params, params + n_params_, parameters());
+  std::copy(m, m + n_params_, static_cast<float*>(adam_m_.data()));
+  std::copy(v, v + n_params_, static_cast<float*>(adam_v_.data()));
+  adam_step_ = optimizer_steps;
+}
+
 void CpuModel::adamw_step(const AdamWConfig& c, double lr) {
   memory_set_phase("optimizer");
   ScopedRange range("optimizer_step");

@@ -415,6 +415,26 @@ double CudaModel::clip_gradients(double max_norm) {
   return norm;
 }
 
+int64_t CudaModel::optimizer_steps() const { return impl_->adam_step; }
+
+void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
+
+void CudaModel::save_state(float* params, float* m, float* v) const {
+  const size_t bytes = size_t(impl_->n_params) * sizeof(float);
+  synchronize();
+  cuda_copy(params, impl_->params.data(), bytes);
+  cuda_copy(m, impl_->adam_m.data(), bytes);
+  cuda_copy(v, impl_->adam_v.data(), bytes);
+}
+
+void CudaModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+  const size_t bytes = size_t(impl_->n_params) * sizeof(float);
+  load_parameters(params);  // also refreshes the low-precision copy
+  cuda_copy(impl_->adam_m.data(), m, bytes);
+  cuda_copy(impl_->adam_v.data(), v, bytes);
+  impl_->adam_step = optimizer_steps;
+}
+
 void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
   Impl& m = *impl_;
   memory_set_phase("optimizer");

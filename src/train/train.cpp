@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "core/check.h"
+#include "flashlm/bench.h"
 #include "flashlm/data.h"
 
 namespace flashlm {
@@ -31,7 +32,7 @@ struct Checkpoint {
   std::vector<float> params, m, v;
 };
 
-void write_checkpoint(const std::string& path, const CpuModel& model, const TrainConfig& cfg, int64_t next_step,
+void write_checkpoint(const std::string& path, const LanguageModel& model, const TrainConfig& cfg, int64_t next_step,
                       const BatcherState& batcher) {
   const nlohmann::json meta = {{"model", model_json(model.config())},
                                {"batch", cfg.batch},
@@ -42,7 +43,12 @@ void write_checkpoint(const std::string& path, const CpuModel& model, const Trai
                                {"train_data", cfg.train_data},
                                {"batcher_seed", batcher.seed},
                                {"batcher_step", batcher.step},
-                               {"parameter_count", model.parameter_count()}};
+                               {"parameter_count", model.parameter_count()},
+                               {"precision", std::string(dtype_name(model.precision()))},
+                               {"loss_scale", model.loss_scale()}};
+  const size_t n = size_t(model.parameter_count());
+  std::vector<float> params(n), m(n), v(n);
+  model.save_state(params.data(), m.data(), v.data());
   const std::string text = meta.dump();
   // Written beside the target and renamed over it: a run killed mid-write leaves the previous checkpoint.
   const std::string tmp = path + ".tmp";
@@ -53,10 +59,10 @@ void write_checkpoint(const std::string& path, const CpuModel& model, const Trai
     out.write(kCheckpointMagic, sizeof kCheckpointMagic);
     out.write(reinterpret_cast<const char*>(&len), sizeof len);
     out.write(text.data(), std::streamsize(len));
-    const auto bytes = std::streamsize(model.parameter_count() * int64_t(sizeof(float)));
-    out.write(reinterpret_cast<const char*>(model.parameters()), bytes);
-    out.write(reinterpret_cast<const char*>(model.adam_first_moment()), bytes);
-    out.write(reinterpret_cast<const char*>(model.adam_second_moment()), bytes);
+    const auto bytes = std::streamsize(n * sizeof(float));
+    out.write(reinterpret_cast<const char*>(params.data()), bytes);
+    out.write(reinterpret_cast<const char*>(m.data()), bytes);
+    out.write(reinterpret_cast<const char*>(v.data()), bytes);
     FLASHLM_CHECK(bool(out), "checkpoint: failed writing '{}'", tmp);
   }
   FLASHLM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '{}' to '{}'", tmp, path);
@@ -123,7 +129,7 @@ DataSources open_data(const TrainConfig& cfg) {
   return d;
 }
 
-double evaluate(CpuModel& model, TokenBatcher& val, int64_t batches, std::vector<int32_t>& x, std::vector<int32_t>& y) {
+double evaluate(LanguageModel& model, TokenBatcher& val, int64_t batches, std::vector<int32_t>& x, std::vector<int32_t>& y) {
   val.restore({0, 0});  // every evaluation scores the same tokens
   double total = 0;
   for (int64_t i = 0; i < batches; ++i) {
@@ -144,7 +150,9 @@ TrainResult train(const TrainConfig& cfg) {
   TokenBatcher train_batches(data.train, data.train_name, cfg.batch, cfg.seq, BatchOrder::random, cfg.seed);
   TokenBatcher val_batches(data.val, data.val_name, cfg.batch, cfg.seq, BatchOrder::sequential);
 
-  CpuModel model(cfg.model, cfg.batch, cfg.seq, cfg.attention);
+  const std::unique_ptr<LanguageModel> model_ptr =
+      make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, cfg.attention);
+  LanguageModel& model = *model_ptr;
   model.init_parameters(cfg.seed);
   TrainResult result;
   result.best_possible_loss = data.best_possible_loss;
@@ -161,42 +169,57 @@ TrainResult train(const TrainConfig& cfg) {
     FLASHLM_CHECK(ck.meta.at("batch") == cfg.batch && ck.meta.at("seq") == cfg.seq,
                   "train: checkpoint '{}' was written with batch {} and seq {}, not {} and {}", cfg.checkpoint,
                   ck.meta.at("batch").dump(), ck.meta.at("seq").dump(), cfg.batch, cfg.seq);
-    std::copy(ck.params.begin(), ck.params.end(), model.parameters());
-    std::copy(ck.m.begin(), ck.m.end(), model.adam_first_moment());
-    std::copy(ck.v.begin(), ck.v.end(), model.adam_second_moment());
-    model.set_optimizer_steps(ck.meta.at("optimizer_steps").get<int64_t>());
+    FLASHLM_CHECK(ck.meta.value("precision", "fp32") == dtype_name(cfg.precision),
+                  "train: checkpoint '{}' was trained in {}, not {}", cfg.checkpoint, ck.meta.value("precision", "fp32"),
+                  dtype_name(cfg.precision));
+    model.load_state(ck.params.data(), ck.m.data(), ck.v.data(), ck.meta.at("optimizer_steps").get<int64_t>());
     train_batches.restore({ck.meta.at("batcher_seed").get<uint64_t>(), ck.meta.at("batcher_step").get<int64_t>()});
     step = ck.meta.at("next_step").get<int64_t>();
     say(fmt::format("resumed from {} at step {}", cfg.checkpoint, step));
   }
   result.first_step = step;
-  say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}); data: {} ({} train tokens); "
+  say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
-                  model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads, data.train_name,
+                  model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
+                  device_name(cfg.device), dtype_name(cfg.precision), data.train_name,
                   data.train.size(), cfg.batch, cfg.seq,
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)
                                               : std::string()));
 
   std::vector<int32_t> x(size_t(cfg.batch * cfg.seq)), y(x.size());
   auto t_log = std::chrono::steady_clock::now();
-  int64_t tokens_since_log = 0;
+  int64_t tokens_since_log = 0, skipped = 0;
+  const double flops_per_token = train_flops_per_token(cfg.model, cfg.seq);
   for (; step < cfg.steps; ++step) {
     train_batches.next(x, y);
     model.zero_grad();
     const double loss = model.forward(x.data(), y.data());
     model.backward();
-    const double norm = model.clip_gradients(cfg.optimizer.max_grad_norm);
     const double lr = cosine_lr(cfg.optimizer, step);
-    model.adamw_step(cfg.optimizer, lr);
+    double norm = 0;
+    if (model.unscale_gradients()) {
+      norm = model.clip_gradients(cfg.optimizer.max_grad_norm);
+      model.adamw_step(cfg.optimizer, lr);
+    } else {
+      ++skipped;  // fp16 overflow: no update, the loss scale was halved
+    }
     result.train_loss.emplace_back(step, loss);
     tokens_since_log += cfg.batch * cfg.seq;
 
     const bool last = step + 1 == cfg.steps;
     if ((cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last || step == result.first_step) {
-      const double secs =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t_log).count();
-      say(fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s", step + 1,
-                      cfg.steps, loss, lr, norm, double(tokens_since_log) / std::max(secs, 1e-9)));
+      model.synchronize();
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_log).count();
+      const double tok_s = double(tokens_since_log) / std::max(secs, 1e-9);
+      std::string line = fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s",
+                                     step + 1, cfg.steps, loss, lr, norm, tok_s);
+      if (cfg.device == Device::cuda) {
+        line += fmt::format(" | MFU {:.1f}%", 100.0 * tok_s * flops_per_token / kHopperBf16PeakFlops);
+      }
+      if (cfg.precision == DType::f16) {
+        line += fmt::format(" | loss scale {:.0f}, {} skipped", model.loss_scale(), skipped);
+      }
+      say(line);
       t_log = std::chrono::steady_clock::now();
       tokens_since_log = 0;
     }
