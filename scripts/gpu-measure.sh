@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: run the GPU tests, compute-sanitizer on a small grid, then our attention sweep and the
 # PyTorch peers' in the same session, and compare them.
-#   scripts/gpu-measure.sh BIN_DIR LIB_DIR PEERS_DIR OUT_DIR [tests|bench|all]
+#   scripts/gpu-measure.sh BIN_DIR LIB_DIR PEERS_DIR OUT_DIR [tests|bench|profile|lm|all]
+# (lm: the LM engine's GPU tests, then flashlm bench and the PyTorch LM peers, side by side)
 # BIN_DIR holds flashlm and the test binaries, LIB_DIR libflashlm.so, PEERS_DIR shared/bench's scripts.
 set -uo pipefail
 bin=$1 lib=$2 peers=$3 out=$4 what=${5:-all}
@@ -55,4 +56,20 @@ if [[ $what == profile || $what == all ]]; then
       "$bin/flashlm" attention-bench --device cuda --impl flash --dtype bf16 --seq 4096 --batch 4 --heads 16 --d 128 \
       --warmup 0 --reps 1 --quiet > "$out/ncu.txt" 2>&1  # launches: fwd (memory pass), fwd (timed), bwd_dkdv
   grep -E "flash_|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|L1/TEX Cache|DRAM Throughput" "$out/ncu.txt" | head -40
+fi
+
+if [[ $what == lm ]]; then
+  echo "== LM engine GPU tests"
+  for t in test_gemm_cuda test_model_cuda; do
+    "$bin/$t" --gtest_brief=1 2>&1 | tee "$out/$t.log" | tail -6
+  done
+  echo "== flashlm bench (context 512, batch 4) and the PyTorch peers"
+  "$bin/flashlm" bench --device cuda --model small,medium,large,xl,2.7B --context 512 --batch 4 \
+    --precision fp32,bf16 --warmup 3 --steps 10 --format json --out "$out/ours-lm.json" | tee "$out/ours-lm.md"
+  python3 "$peers/lm_peers.py" --models small,xl --modes bf16,bf16-compile --out "$out/peers-lm.json" \
+    > "$out/peers-lm.log" 2>&1 || tail -5 "$out/peers-lm.log"
+  "$bin/flashlm" bench --device cuda --model small --context 512 --batch 4 --precision bf16 --pass step \
+    --warmup 3 --steps 5 --profile-ranges --quiet | tail -25
+  "$bin/flashlm" bench --device cuda --model large --context 256 --batch 4 --precision bf16 --pass fwd,step \
+    --warmup 1 --steps 1 --memory-timeline "$out/timeline-large.json" --quiet > /dev/null
 fi
