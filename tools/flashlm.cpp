@@ -14,6 +14,7 @@
 
 #include "flashlm/bench.h"
 #include "flashlm/device.h"
+#include "flashlm/dist.h"
 #include "flashlm/error.h"
 #include "flashlm/train.h"
 
@@ -358,6 +359,84 @@ int run_train_command(const TrainArgs& a) {
   return 0;
 }
 
+struct AllReduceBenchArgs {
+  std::string sizes = "1MB,10MB,100MB,1GB", dtype = "fp32", device = "cpu", format = "md", out;
+  int warmup = 5, iters = 20;
+  bool quiet = false;
+};
+
+void add_allreduce_bench(CLI::App& app, AllReduceBenchArgs& a) {
+  CLI::App* cmd = app.add_subcommand(
+      "allreduce-bench",
+      "Time all-reduce across the ranks of a job (mpirun -np N flashlm allreduce-bench): MPI on CPU buffers, NCCL "
+      "on GPUs; algbw and busbw as nccl-tests");
+  cmd->add_option("--sizes", a.sizes,
+                  "Bytes per rank, comma list; KB, MB, GB are powers of 1000, KiB, MiB, GiB powers of 1024")
+      ->capture_default_str();
+  cmd->add_option("--dtype", a.dtype, "Comma list: fp32, fp64 on cpu; fp32, bf16, fp16, fp64 on cuda")
+      ->capture_default_str();
+  cmd->add_option("--device", a.device, "cpu (MPI) or cuda (NCCL, one GPU per rank)")->capture_default_str();
+  cmd->add_option("--warmup", a.warmup, "Untimed all-reduces per size")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--iters", a.iters, "Timed all-reduces per size")->capture_default_str()->check(CLI::PositiveNumber);
+  add_report_options(cmd, a.format, a.out, a.quiet);
+}
+
+int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
+  using namespace flashlm;
+  AllReduceBenchConfig cfg;
+  ReportFormat format;
+  try {
+    cfg.sizes = parse_list<int64_t>("--sizes", a.sizes, [](const std::string& s) { return parse_byte_size(s); });
+    cfg.dtypes = parse_list<DType>("--dtype", a.dtype, [](const std::string& s) { return parse_dtype(s); });
+    cfg.device = parse_device(a.device);
+    format = parse_report_format(a.format);
+  } catch (const flashlm::Error& e) {
+    throw UsageError(e.what());
+  }
+  for (DType t : cfg.dtypes) {
+    if (cfg.device == Device::cpu && t != DType::f32 && t != DType::f64) {
+      throw UsageError(fmt::format("--dtype {}: needs --device cuda (MPI on the CPU carries fp32 and fp64)",
+                                   dtype_name(t)));
+    }
+  }
+  if (cfg.device == Device::cuda && !Communicator::nccl_built()) {
+    throw UsageError(cuda_built() ? "--device cuda: flashlm was built without NCCL"
+                                  : "--device cuda: flashlm was built without CUDA");
+  }
+  if (cfg.device == Device::cuda && cuda_device_count() == 0) {
+    throw UsageError("--device cuda: no CUDA device is visible");
+  }
+  cfg.warmup = a.warmup;
+  cfg.iters = a.iters;
+
+  {
+    Communicator comm;  // MPI_Init; a world of one without mpirun
+    try {
+      if (!a.quiet && comm.is_root()) {
+        cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
+        fmt::print(stderr, "allreduce-bench: {} rank(s), {} on this node, {}\n", comm.world_size(), comm.local_size(),
+                   cfg.device == Device::cuda ? "NCCL on GPUs" : "MPI on CPU buffers");
+      }
+      const auto records = run_allreduce_bench(comm, cfg);
+      if (comm.is_root()) {
+        emit_report([&](ReportFormat f) { return format_allreduce_bench(records, f, cfg, comm); }, format, a.out);
+      }
+    } catch (const std::exception& e) {
+      // With peers, end the whole job (MPI_Abort) rather than leave them waiting in a collective.
+      if (comm.world_size() > 1) {
+        fmt::print(stderr, "error: rank {}: {}\n", comm.rank(), e.what());
+        std::fflush(stderr);
+        Communicator::abort(1);
+      }
+      throw;
+    }
+  }
+  Communicator::finalize();
+  return 0;
+}
+
 void add_info(CLI::App& app) {
   app.add_subcommand("info", "Print the build and the devices flashlm sees")->callback([] {
     fmt::print("flashlm {}\n", FLASHLM_VERSION);
@@ -381,6 +460,8 @@ int main(int argc, char** argv) {
   add_train(app, train_args);
   BenchArgs lm_bench_args;
   add_bench(app, lm_bench_args);
+  AllReduceBenchArgs allreduce_args;
+  add_allreduce_bench(app, allreduce_args);
   add_info(app);
 
   try {
@@ -388,6 +469,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("attention-bench")) return run_attention_bench_command(bench_args);
     if (app.got_subcommand("train")) return run_train_command(train_args);
     if (app.got_subcommand("bench")) return run_bench_command(lm_bench_args);
+    if (app.got_subcommand("allreduce-bench")) return run_allreduce_bench_command(allreduce_args);
     return 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);

@@ -93,4 +93,38 @@ constexpr double kHopperBf16PeakFlops = 989e12;
 // A one-line description of the machine, for reports: CPU model and threads, or the GPU's name.
 std::string describe_device(Device device);
 
+// `flashlm allreduce-bench`: in-place all-reduce (sum) of one buffer per rank over message sizes, through
+// MPI (CPU buffers) or NCCL (GPU buffers), with nccl-tests' algorithm and bus bandwidths.
+class Communicator;
+
+// "1048576", "64KB", "1MB", "1GB" (decimal: powers of 1000, as nccl-tests and the seed's 1MB..1GB
+// sweep count) or "64KiB", "1MiB", "1GiB" (powers of 1024); the unit is case-insensitive and the B
+// optional ("4k", "1m"). Throws flashlm::Error for anything else or for zero.
+int64_t parse_byte_size(std::string_view text);
+std::string format_byte_size(int64_t bytes);  // "1 MB", "64 KiB", "1000 B"
+
+struct AllReduceBenchConfig {
+  std::vector<int64_t> sizes{1000000, 10000000, 100000000, 1000000000};  // bytes per rank
+  std::vector<DType> dtypes{DType::f32};  // CPU: fp32, fp64; CUDA: fp32, fp64, fp16, bf16
+  Device device = Device::cpu;
+  int warmup = 5, iters = 20;
+  std::function<void(const std::string&)> progress;  // rank 0 only
+};
+
+struct AllReduceBenchRecord {
+  std::string backend, dtype, device, size;
+  int world_size = 1;
+  int64_t bytes = 0, elements = 0;
+  // Per iteration the slowest rank's time (as nccl-tests), then median / mean / min over iterations.
+  std::optional<double> median_ms, mean_ms, min_ms, algbw_gbps, busbw_gbps;
+  std::string status = "ok";  // ok | oom | error (the same on every rank)
+  std::string message;
+};
+
+// Collective: every rank calls it with the same config. A size that some rank cannot allocate is `oom`
+// on every rank and the sweep goes on; a failed collective throws.
+std::vector<AllReduceBenchRecord> run_allreduce_bench(Communicator& comm, const AllReduceBenchConfig& config);
+std::string format_allreduce_bench(const std::vector<AllReduceBenchRecord>& records, ReportFormat format,
+                                   const AllReduceBenchConfig& config, const Communicator& comm);
+
 }  // namespace flashlm

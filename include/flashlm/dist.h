@@ -1,0 +1,137 @@
+// Communicator: the processes of a data-parallel job and the collectives between them. MPI starts the
+// processes' world and carries the CPU collectives; NCCL (CUDA builds) carries the GPU collectives.
+//
+// Launching: `mpirun -np N flashlm ...` (OpenMPI), `srun --mpi=pmix flashlm ...` (Slurm), or a plain
+// `flashlm ...`, which is a world of one (OpenMPI's singleton MPI_Init). Every rank must call the same
+// collectives in the same order with the same sizes (agree() checks a size).
+//
+// Failures: MPI errors come back as flashlm::Error (the communicator uses MPI_ERRORS_RETURN), naming the
+// call and the rank. A rank that fails must not leave the others waiting in a collective forever:
+//   - exit non-zero *without* finalize() (or call Communicator::abort()). OpenMPI's mpirun then kills the
+//     remaining ranks and exits non-zero itself. A rank that called MPI_Finalize would instead block in
+//     it (OpenMPI's finalize waits for every peer) while its peers wait in their collective: a deadlock.
+//     Under srun, abort() (MPI_Abort) ends the whole step; a plain non-zero exit does so only with
+//     `srun --kill-on-bad-exit=1`.
+//   - GPU collectives are waited for by polling the stream and ncclCommGetAsyncError with a timeout
+//     (set_timeout, default 600 s or $FLASHLM_DIST_TIMEOUT_S); on an NCCL error or the timeout the NCCL
+//     communicator is aborted (ncclCommAbort) and the wait throws. Limitation: creating the NCCL
+//     communicator and NCCL's lazy connection set-up at the first collective block the host without a
+//     timeout; a peer that dies there is handled by the launcher (mpirun kills the job).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "flashlm/tensor.h"
+
+namespace flashlm {
+
+// avg: the sum divided by the world size (NCCL's ncclAvg; sum then scale on the CPU).
+enum class ReduceOp : uint8_t { sum, avg, max, min };
+std::string_view reduce_op_name(ReduceOp op);
+
+class Communicator {
+ public:
+  // Collective over all processes. Initialises MPI once per process on first use (MPI_Init_thread,
+  // MPI_THREAD_SERIALIZED: any thread may call, one at a time) unless the host program already did.
+  Communicator();
+  ~Communicator();
+  Communicator(Communicator&&) noexcept;
+  Communicator& operator=(Communicator&&) noexcept;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const;
+  int world_size() const;
+  // This process's index among the ranks of its node, and how many they are: from
+  // OMPI_COMM_WORLD_LOCAL_RANK (mpirun), else SLURM_LOCALID (srun), else the rank within
+  // MPI_Comm_split_type(MPI_COMM_TYPE_SHARED); local_size() always from the latter.
+  int local_rank() const;
+  int local_size() const;
+  bool is_root() const { return rank() == 0; }
+
+  // Collectives on contiguous views; every rank passes views of the same dtype and size.
+  // CPU views (MPI): fp32 or fp64. CUDA views (NCCL): fp32, fp64, fp16, bf16, on this rank's device
+  // (setup_cuda()). GPU collectives are queued on the communicator's own stream after the work already
+  // queued on `stream` (nullptr: the legacy default stream) and do not block the host: call wait(stream)
+  // before using the result on a stream, or synchronize() before using it on the host.
+  //
+  // x := op over ranks of x (in place).
+  void all_reduce(const TensorView& x, ReduceOp op = ReduceOp::sum, void* stream = nullptr);
+  // x := root's x.
+  void broadcast(const TensorView& x, int root = 0, void* stream = nullptr);
+  // out (world_size · in.numel elements) := every rank's `in`, in rank order. `in` may be this rank's
+  // chunk of `out` (in place).
+  void all_gather(const TensorView& in, const TensorView& out, void* stream = nullptr);
+  // out (in.numel / world_size elements) := op over ranks of this rank's chunk of `in`. `out` may be this
+  // rank's chunk of `in` (in place).
+  void reduce_scatter(const TensorView& in, const TensorView& out, ReduceOp op = ReduceOp::sum,
+                      void* stream = nullptr);
+  void barrier();  // MPI_Barrier (host)
+
+  // Checks that every rank has the same `value` (a size, a step count, a checksum) and returns it;
+  // otherwise every rank throws "ranks disagree on <what>: rank 0 has X, rank 2 has Y".
+  int64_t agree(int64_t value, std::string_view what);
+
+  // Collective: "" when `local_error` is empty on every rank; otherwise, on every rank, "rank R: <its
+  // error>" of the lowest rank that has one. For decisions all ranks must take together (skip a step,
+  // give up), so that no rank is left alone in a later collective.
+  std::string first_error(std::string_view local_error);
+
+  // Host-buffer conveniences (float or double): comm.all_reduce(std::span(vec)).
+  template <class T>
+  void all_reduce(std::span<T> x, ReduceOp op = ReduceOp::sum) {
+    all_reduce(host_view(x), op);
+  }
+  template <class T>
+  void broadcast(std::span<T> x, int root = 0) {
+    broadcast(host_view(x), root);
+  }
+  template <class T>
+  void all_gather(std::span<T> in, std::span<T> out) {
+    all_gather(host_view(in), host_view(out));
+  }
+  template <class T>
+  void reduce_scatter(std::span<T> in, std::span<T> out, ReduceOp op = ReduceOp::sum) {
+    reduce_scatter(host_view(in), host_view(out), op);
+  }
+
+  // GPU side (CUDA builds with NCCL: nccl_built()). setup_cuda() is collective: it picks this rank's GPU
+  // (local rank modulo the visible GPUs; an error on every rank when two ranks of a node would share one,
+  // i.e. more local ranks than GPUs, or when a rank has none), makes it current (cudaSetDevice), and
+  // creates the NCCL communicator (unique id broadcast with MPI). The first GPU collective calls it
+  // implicitly; call it first to allocate buffers on the right device. Returns the device index.
+  int setup_cuda();
+  int cuda_device() const;     // -1 before setup_cuda()
+  void* cuda_stream() const;   // the communicator's stream (cudaStream_t); nullptr before setup_cuda()
+  void wait(void* stream);     // `stream` waits (on the GPU) for every GPU collective queued so far
+  // Blocks the host until every GPU collective queued so far has finished, polling NCCL's asynchronous
+  // error state; throws (and aborts the NCCL communicator) on an NCCL error or after the timeout.
+  void synchronize();
+  void set_timeout(double seconds);
+  double timeout() const;
+
+  // Process-wide. finalize(): MPI_Finalize, after the job's last collective, on success only (see the top
+  // of this file); Communicators must be destroyed before. A process that never calls it finalizes MPI
+  // at exit when it is a world of one, and otherwise exits without finalizing (so that a failed rank
+  // never blocks in MPI_Finalize).
+  static void finalize();
+  // MPI_Abort: ends every rank of the job with `code` (mpirun and srun both kill the job).
+  [[noreturn]] static void abort(int code);
+  // Whether the GPU collectives were built (CUDA and NCCL found at configure time).
+  static bool nccl_built();
+  // Whether this process has started MPI (through a Communicator or its host program).
+  static bool mpi_started();
+
+ private:
+  template <class T>
+  static TensorView host_view(std::span<T> x) {
+    return TensorView::contiguous(x.data(), dtype_of<T>(), {static_cast<int64_t>(x.size())});
+  }
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flashlm

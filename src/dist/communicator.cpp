@@ -1,0 +1,496 @@
+// Communicator: MPI for the world, the CPU collectives and the bootstrap of NCCL (dist/nccl.cpp), which
+// carries the GPU collectives. See include/flashlm/dist.h for the failure model.
+#include "flashlm/dist.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "core/check.h"
+#include "flashlm/device.h"
+#ifdef FLASHLM_WITH_NCCL
+#include "dist/nccl.h"
+#endif
+
+namespace flashlm {
+
+std::string_view reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::avg: return "avg";
+    case ReduceOp::max: return "max";
+    case ReduceOp::min: return "min";
+  }
+  return "?";
+}
+
+namespace {
+
+// The process's MPI, started once. At exit (this object's destructor) MPI is finalized only for a world
+// of one: with peers, a process that reaches exit without Communicator::finalize() may be a failed rank,
+// and MPI_Finalize would block it until every peer finalizes too, while they wait for it in a collective.
+// Exiting without finalizing makes mpirun kill the job instead.
+struct MpiProcess {
+  bool started_by_us = false;
+  bool finalized_by_us = false;
+  int world_size = 1;
+  ~MpiProcess() {
+    if (!started_by_us || finalized_by_us || world_size != 1) return;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+};
+
+MpiProcess& mpi_process() {
+  static MpiProcess process;
+  return process;
+}
+
+std::mutex& mpi_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+void start_mpi() {
+  std::lock_guard lock(mpi_mutex());
+  MpiProcess& p = mpi_process();
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized) fail("Communicator: MPI was already finalized in this process (Communicator::finalize())");
+  if (initialized) return;  // the host program (or an earlier Communicator) started it
+  int provided = 0;
+  // SERIALIZED: MPI may be called from any thread, one at a time (the OpenMP workers never call it).
+  const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  if (rc != MPI_SUCCESS) fail("MPI_Init_thread failed (MPI error {})", rc);
+  p.started_by_us = true;
+  MPI_Comm_size(MPI_COMM_WORLD, &p.world_size);
+}
+
+std::string mpi_error_string(int rc) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", rc);
+  return std::string(msg, static_cast<size_t>(len));
+}
+
+// The communicator returns MPI errors (MPI_ERRORS_RETURN) instead of aborting: they become flashlm::Error.
+void check_mpi(int rc, const char* call, int rank) {
+  if (rc != MPI_SUCCESS) throw Error(fmt::format("{} failed on rank {}: {}", call, rank, mpi_error_string(rc)));
+}
+
+// An environment variable as a non-negative int, or -1.
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return -1;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  return (*end == '\0' && x >= 0 && x <= INT_MAX) ? static_cast<int>(x) : -1;
+}
+
+double default_timeout_s() {
+  if (const char* v = std::getenv("FLASHLM_DIST_TIMEOUT_S")) {
+    char* end = nullptr;
+    const double s = std::strtod(v, &end);
+    if (end != v && *end == '\0' && s > 0) return s;
+  }
+  return 600.0;
+}
+
+MPI_Datatype mpi_type(DType t, const char* fn, const char* arg) {
+  if (t == DType::f32) return MPI_FLOAT;
+  if (t == DType::f64) return MPI_DOUBLE;
+  fail("Communicator::{}: {}: dtype {} is not supported for CPU views (MPI carries fp32 and fp64; fp16 and bf16 "
+       "need CUDA views)",
+       fn, arg, dtype_name(t));
+}
+
+MPI_Op mpi_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum:
+    case ReduceOp::avg: return MPI_SUM;  // avg: the sum, then divided by the world size
+    case ReduceOp::max: return MPI_MAX;
+    case ReduceOp::min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
+
+void check_view(const TensorView& x, const char* fn, const char* arg) {
+  FLASHLM_CHECK(x.data != nullptr || x.numel() == 0, "Communicator::{}: {}: null data pointer for {}", fn, arg,
+                x.shape_string());
+  FLASHLM_CHECK(x.is_contiguous(), "Communicator::{}: {}: the view must be contiguous, got {} with strides [{}]", fn,
+                arg, x.shape_string(), fmt::join(x.strides.begin(), x.strides.begin() + x.ndim, ", "));
+}
+
+void check_pair(const TensorView& in, const TensorView& out, const char* fn) {
+  check_view(in, fn, "in");
+  check_view(out, fn, "out");
+  FLASHLM_CHECK(in.dtype == out.dtype, "Communicator::{}: in is {} but out is {}", fn, dtype_name(in.dtype),
+                dtype_name(out.dtype));
+  FLASHLM_CHECK(in.device == out.device, "Communicator::{}: in is on {} but out is on {}", fn, device_name(in.device),
+                device_name(out.device));
+}
+
+size_t nbytes(const TensorView& x) { return static_cast<size_t>(x.numel()) * dtype_size(x.dtype); }
+
+bool overlap(const TensorView& a, const TensorView& b) {
+  const auto* pa = static_cast<const char*>(a.data);
+  const auto* pb = static_cast<const char*>(b.data);
+  return nbytes(a) && nbytes(b) && pa < pb + nbytes(b) && pb < pa + nbytes(a);
+}
+
+template <class T>
+void divide(void* data, int64_t n, int by) {
+  T* x = static_cast<T*>(data);
+  for (int64_t i = 0; i < n; ++i) x[i] /= static_cast<T>(by);
+}
+
+void divide(const TensorView& x, int by) {
+  if (x.dtype == DType::f32) divide<float>(x.data, x.numel(), by);
+  else divide<double>(x.data, x.numel(), by);
+}
+
+constexpr int64_t kMpiChunk = int64_t{1} << 30;  // elements per MPI call (counts are int)
+
+}  // namespace
+
+struct Communicator::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;   // a duplicate of MPI_COMM_WORLD with MPI_ERRORS_RETURN
+  MPI_Comm local = MPI_COMM_NULL;  // the ranks of this node (shared memory)
+  int rank = 0, size = 1, local_rank = 0, local_size = 1;
+  int local_index = 0;  // rank within `local` (the order of its collectives)
+  double timeout_s = default_timeout_s();
+#ifdef FLASHLM_WITH_NCCL
+  std::unique_ptr<dist::NcclComm> nccl;
+#endif
+
+  ~Impl() {
+#ifdef FLASHLM_WITH_NCCL
+    nccl.reset();
+#endif
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    if (local != MPI_COMM_NULL) MPI_Comm_free(&local);
+    if (comm != MPI_COMM_NULL) MPI_Comm_free(&comm);
+  }
+
+  void check(int rc, const char* call) const { check_mpi(rc, call, rank); }
+
+  [[noreturn]] void no_cuda(const char* fn) const {
+    fail("Communicator::{}: a CUDA view, but flashlm was built without NCCL{}", fn,
+         cuda_built() ? " (CMake did not find nccl.h and libnccl next to the CUDA toolkit)" : " (and without CUDA)");
+  }
+};
+
+Communicator::Communicator() : impl_(std::make_unique<Impl>()) {
+  start_mpi();
+  Impl& m = *impl_;
+  check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &m.comm), "MPI_Comm_dup", -1);
+  m.check(MPI_Comm_set_errhandler(m.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+  m.check(MPI_Comm_rank(m.comm, &m.rank), "MPI_Comm_rank");
+  m.check(MPI_Comm_size(m.comm, &m.size), "MPI_Comm_size");
+  m.check(MPI_Comm_split_type(m.comm, MPI_COMM_TYPE_SHARED, m.rank, MPI_INFO_NULL, &m.local), "MPI_Comm_split_type");
+  m.check(MPI_Comm_rank(m.local, &m.local_index), "MPI_Comm_rank");
+  m.check(MPI_Comm_size(m.local, &m.local_size), "MPI_Comm_size");
+  // What the launcher says first (mpirun, then srun), the shared-memory split otherwise or when the
+  // launcher's number does not fit this node's ranks (a stale variable of an enclosing job).
+  m.local_rank = m.local_index;
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    const int v = env_int(var);
+    if (v >= 0) {
+      if (v < m.local_size) m.local_rank = v;
+      break;
+    }
+  }
+  // srun without PMI support in MPI starts N singletons, each a world of one that would train alone.
+  const int srun_tasks = env_int("SLURM_STEP_NUM_TASKS");
+  FLASHLM_CHECK(!(m.size == 1 && srun_tasks > 1 && std::getenv("SLURM_PROCID") && !std::getenv("OMPI_COMM_WORLD_SIZE")),
+                "Communicator: srun started {} tasks but MPI sees a world of one: launch with `srun --mpi=pmix` "
+                "(or pmi2, whichever this OpenMPI supports) or with mpirun",
+                srun_tasks);
+}
+
+Communicator::~Communicator() = default;
+Communicator::Communicator(Communicator&&) noexcept = default;
+Communicator& Communicator::operator=(Communicator&&) noexcept = default;
+
+int Communicator::rank() const { return impl_->rank; }
+int Communicator::world_size() const { return impl_->size; }
+int Communicator::local_rank() const { return impl_->local_rank; }
+int Communicator::local_size() const { return impl_->local_size; }
+
+void Communicator::all_reduce(const TensorView& x, ReduceOp op, void* stream) {
+  Impl& m = *impl_;
+  check_view(x, "all_reduce", "x");
+  if (x.device == Device::cuda) {
+#ifdef FLASHLM_WITH_NCCL
+    setup_cuda();
+    FLASHLM_CHECK(x.numel() == 0 || m.nccl->pointer_on_device(x.data),
+                  "Communicator::all_reduce: x is not memory of this rank's device cuda:{}", m.nccl->device());
+    m.nccl->all_reduce(x.data, x.data, static_cast<size_t>(x.numel()), x.dtype, op, stream);
+    return;
+#else
+    m.no_cuda("all_reduce");
+#endif
+  }
+  const MPI_Datatype type = mpi_type(x.dtype, "all_reduce", "x");
+  const size_t esize = dtype_size(x.dtype);
+  for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
+    const int count = static_cast<int>(std::min(kMpiChunk, x.numel() - begin));
+    m.check(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x.data) + begin * esize, count, type, mpi_op(op), m.comm),
+            "MPI_Allreduce");
+  }
+  if (op == ReduceOp::avg) divide(x, m.size);
+}
+
+void Communicator::broadcast(const TensorView& x, int root, void* stream) {
+  Impl& m = *impl_;
+  check_view(x, "broadcast", "x");
+  FLASHLM_CHECK(root >= 0 && root < m.size, "Communicator::broadcast: root {} is not a rank of a world of {}", root,
+                m.size);
+  if (x.device == Device::cuda) {
+#ifdef FLASHLM_WITH_NCCL
+    setup_cuda();
+    FLASHLM_CHECK(x.numel() == 0 || m.nccl->pointer_on_device(x.data),
+                  "Communicator::broadcast: x is not memory of this rank's device cuda:{}", m.nccl->device());
+    m.nccl->broadcast(x.data, static_cast<size_t>(x.numel()), x.dtype, root, stream);
+    return;
+#else
+    m.no_cuda("broadcast");
+#endif
+  }
+  const MPI_Datatype type = mpi_type(x.dtype, "broadcast", "x");
+  const size_t esize = dtype_size(x.dtype);
+  for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
+    const int count = static_cast<int>(std::min(kMpiChunk, x.numel() - begin));
+    m.check(MPI_Bcast(static_cast<char*>(x.data) + begin * esize, count, type, root, m.comm), "MPI_Bcast");
+  }
+}
+
+void Communicator::all_gather(const TensorView& in, const TensorView& out, void* stream) {
+  Impl& m = *impl_;
+  check_pair(in, out, "all_gather");
+  FLASHLM_CHECK(out.numel() == in.numel() * m.size,
+                "Communicator::all_gather: out has {} elements, expected world size {} x in's {} = {}", out.numel(),
+                m.size, in.numel(), in.numel() * m.size);
+  // In place: `in` is this rank's chunk of `out` (NCCL's convention); any other overlap is an error.
+  const bool in_place = in.data == static_cast<char*>(out.data) + static_cast<size_t>(m.rank) * nbytes(in);
+  FLASHLM_CHECK(in_place || !overlap(in, out),
+                "Communicator::all_gather: in overlaps out without being rank {}'s chunk of it", m.rank);
+  if (in.device == Device::cuda) {
+#ifdef FLASHLM_WITH_NCCL
+    setup_cuda();
+    FLASHLM_CHECK(out.numel() == 0 || (m.nccl->pointer_on_device(in.data) && m.nccl->pointer_on_device(out.data)),
+                  "Communicator::all_gather: in and out must be memory of this rank's device cuda:{}",
+                  m.nccl->device());
+    m.nccl->all_gather(in.data, out.data, static_cast<size_t>(in.numel()), in.dtype, stream);
+    return;
+#else
+    m.no_cuda("all_gather");
+#endif
+  }
+  const MPI_Datatype type = mpi_type(in.dtype, "all_gather", "in");
+  FLASHLM_CHECK(in.numel() <= INT_MAX, "Communicator::all_gather: {} elements per rank, MPI takes at most {}",
+                in.numel(), INT_MAX);
+  const int count = static_cast<int>(in.numel());
+  m.check(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data, count, type, out.data, count, type, m.comm),
+          "MPI_Allgather");
+}
+
+void Communicator::reduce_scatter(const TensorView& in, const TensorView& out, ReduceOp op, void* stream) {
+  Impl& m = *impl_;
+  check_pair(in, out, "reduce_scatter");
+  FLASHLM_CHECK(in.numel() == out.numel() * m.size,
+                "Communicator::reduce_scatter: in has {} elements, expected world size {} x out's {} = {}",
+                in.numel(), m.size, out.numel(), out.numel() * m.size);
+  // In place: `out` is this rank's chunk of `in` (NCCL's convention); any other overlap is an error.
+  const bool in_place = out.data == static_cast<char*>(in.data) + static_cast<size_t>(m.rank) * nbytes(out);
+  FLASHLM_CHECK(in_place || !overlap(in, out),
+                "Communicator::reduce_scatter: out overlaps in without being rank {}'s chunk of it", m.rank);
+  if (in.device == Device::cuda) {
+#ifdef FLASHLM_WITH_NCCL
+    setup_cuda();
+    FLASHLM_CHECK(in.numel() == 0 || (m.nccl->pointer_on_device(in.data) && m.nccl->pointer_on_device(out.data)),
+                  "Communicator::reduce_scatter: in and out must be memory of this rank's device cuda:{}",
+                  m.nccl->device());
+    m.nccl->reduce_scatter(in.data, out.data, static_cast<size_t>(out.numel()), in.dtype, op, stream);
+    return;
+#else
+    m.no_cuda("reduce_scatter");
+#endif
+  }
+  const MPI_Datatype type = mpi_type(in.dtype, "reduce_scatter", "in");
+  FLASHLM_CHECK(out.numel() <= INT_MAX, "Communicator::reduce_scatter: {} elements per rank, MPI takes at most {}",
+                out.numel(), INT_MAX);
+  const int count = static_cast<int>(out.numel());
+  if (in_place) {
+    // MPI's in-place form reads the whole input from the receive buffer and leaves the result at its start.
+    m.check(MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data, count, type, mpi_op(op), m.comm),
+            "MPI_Reduce_scatter_block");
+    if (out.data != in.data) std::memmove(out.data, in.data, nbytes(out));
+  } else {
+    m.check(MPI_Reduce_scatter_block(in.data, out.data, count, type, mpi_op(op), m.comm), "MPI_Reduce_scatter_block");
+  }
+  if (op == ReduceOp::avg) divide(out, m.size);
+}
+
+void Communicator::barrier() { impl_->check(MPI_Barrier(impl_->comm), "MPI_Barrier"); }
+
+int64_t Communicator::agree(int64_t value, std::string_view what) {
+  Impl& m = *impl_;
+  std::vector<int64_t> all(static_cast<size_t>(m.size));
+  m.check(MPI_Allgather(&value, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, m.comm), "MPI_Allgather");
+  for (int r = 1; r < m.size; ++r) {
+    if (all[r] != all[0]) fail("ranks disagree on {}: rank 0 has {}, rank {} has {}", what, all[0], r, all[r]);
+  }
+  return value;
+}
+
+std::string Communicator::first_error(std::string_view local_error) {
+  Impl& m = *impl_;
+  const int mine = local_error.empty() ? INT_MAX : m.rank;
+  int first = INT_MAX;
+  m.check(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m.comm), "MPI_Allreduce");
+  if (first == INT_MAX) return {};
+  std::string msg;
+  if (first == m.rank) msg = local_error.substr(0, 16384);
+  int len = static_cast<int>(msg.size());
+  m.check(MPI_Bcast(&len, 1, MPI_INT, first, m.comm), "MPI_Bcast");
+  msg.resize(static_cast<size_t>(len));
+  m.check(MPI_Bcast(msg.data(), len, MPI_CHAR, first, m.comm), "MPI_Bcast");
+  return fmt::format("rank {}: {}", first, msg);
+}
+
+int Communicator::setup_cuda() {
+#ifdef FLASHLM_WITH_NCCL
+  Impl& m = *impl_;
+  if (m.nccl) return m.nccl->device();
+  // Every rank picks its device and learns whether any rank cannot, before anyone enters NCCL's init
+  // (which would wait forever for a rank that gave up).
+  std::string error, uuid;
+  const int visible = dist::cuda_visible_devices();
+  const int device = visible > 0 ? m.local_rank % visible : -1;
+  if (visible == 0) {
+    error = "setup_cuda: no CUDA device is visible";
+  } else {
+    try {
+      uuid = dist::cuda_device_uuid(device);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  // Two ranks of one node on the same GPU (more local ranks than GPUs, or CUDA_VISIBLE_DEVICES giving
+  // them the same one): compare the devices' UUIDs across the node.
+  constexpr int kUuid = 64;
+  std::vector<char> mine(kUuid, '\0'), all(static_cast<size_t>(kUuid) * m.local_size, '\0');
+  std::memcpy(mine.data(), uuid.data(), std::min<size_t>(uuid.size(), kUuid - 1));
+  m.check(MPI_Allgather(mine.data(), kUuid, MPI_CHAR, all.data(), kUuid, MPI_CHAR, m.local), "MPI_Allgather");
+  for (int r = 0; r < m.local_size && error.empty() && !uuid.empty(); ++r) {
+    if (r != m.local_index && uuid == std::string(all.data() + static_cast<size_t>(r) * kUuid)) {
+      const char* cvd = std::getenv("CUDA_VISIBLE_DEVICES");
+      error = fmt::format(
+          "setup_cuda: {} ranks on this node but {} GPU(s) visible to rank {} (CUDA_VISIBLE_DEVICES={}): local ranks "
+          "{} and {} would share cuda:{} ({}); start at most one rank per GPU",
+          m.local_size, visible, m.rank, cvd ? cvd : "unset", std::min(r, m.local_index), std::max(r, m.local_index),
+          device, uuid);
+    }
+  }
+  // The device, stream and events, and rank 0's NCCL unique id: failures that only some ranks see.
+  std::unique_ptr<dist::NcclComm> nccl;
+  dist::NcclId id{};
+  if (error.empty()) {
+    try {
+      nccl = std::make_unique<dist::NcclComm>(m.rank, device);
+      if (m.rank == 0) id = dist::nccl_unique_id();
+    } catch (const Error& e) {
+      error = e.what();
+    }
+  }
+  if (const std::string first = first_error(error); !first.empty()) fail("{}", first);
+  m.check(MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_CHAR, 0, m.comm), "MPI_Bcast");
+  nccl->connect(id, m.size);  // ncclCommInitRank: blocks until every rank has joined
+  m.nccl = std::move(nccl);
+  return device;
+#else
+  fail("Communicator::setup_cuda: flashlm was built without NCCL{}",
+       cuda_built() ? " (CMake did not find nccl.h and libnccl next to the CUDA toolkit)" : " (and without CUDA)");
+#endif
+}
+
+int Communicator::cuda_device() const {
+#ifdef FLASHLM_WITH_NCCL
+  return impl_->nccl ? impl_->nccl->device() : -1;
+#else
+  return -1;
+#endif
+}
+
+void* Communicator::cuda_stream() const {
+#ifdef FLASHLM_WITH_NCCL
+  return impl_->nccl ? impl_->nccl->stream() : nullptr;
+#else
+  return nullptr;
+#endif
+}
+
+void Communicator::wait(void* stream) {
+#ifdef FLASHLM_WITH_NCCL
+  if (impl_->nccl) impl_->nccl->wait(stream);
+#endif
+}
+
+void Communicator::synchronize() {
+#ifdef FLASHLM_WITH_NCCL
+  if (impl_->nccl) impl_->nccl->synchronize(impl_->timeout_s);
+#endif
+}
+
+void Communicator::set_timeout(double seconds) {
+  FLASHLM_CHECK(seconds > 0, "Communicator::set_timeout: {} s, expected > 0", seconds);
+  impl_->timeout_s = seconds;
+}
+
+double Communicator::timeout() const { return impl_->timeout_s; }
+
+void Communicator::finalize() {
+  std::lock_guard lock(mpi_mutex());
+  MpiProcess& p = mpi_process();
+  if (!p.started_by_us || p.finalized_by_us) return;  // a host program that started MPI finalizes it
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+  p.finalized_by_us = true;
+}
+
+void Communicator::abort(int code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);
+}
+
+bool Communicator::nccl_built() {
+#ifdef FLASHLM_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool Communicator::mpi_started() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  return initialized != 0;
+}
+
+}  // namespace flashlm

@@ -1,0 +1,49 @@
+// The NCCL side of Communicator (nccl.cpp, compiled only with CUDA). No MPI here: the caller broadcasts
+// the unique id and gathers the device identities with MPI.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "flashlm/dist.h"
+#include "flashlm/dtype.h"
+
+namespace flashlm::dist {
+
+using NcclId = std::array<char, 128>;  // ncclUniqueId (NCCL_UNIQUE_ID_BYTES)
+
+NcclId nccl_unique_id();
+int cuda_visible_devices();                // cudaGetDeviceCount, 0 when none
+std::string cuda_device_uuid(int device);  // "GPU-xxxxxxxx-...", as nvidia-smi -L prints it
+std::string cuda_device_name(int device);  // "NVIDIA H200 (bus 0000:19:00.0)"
+
+class NcclComm {
+ public:
+  // Makes `device` current and creates the communicator's stream and events (local work only).
+  NcclComm(int rank, int device);
+  // Creates the NCCL communicator (ncclCommInitRank), blocking until every rank has joined.
+  void connect(const NcclId& id, int world_size);
+  ~NcclComm();
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int device() const;
+  void* stream() const;
+
+  // Queued on the communicator's stream after the work queued so far on `stream`.
+  void all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, void* stream);
+  void broadcast(void* buf, size_t count, DType dtype, int root, void* stream);
+  void all_gather(const void* send, void* recv, size_t send_count, DType dtype, void* stream);
+  void reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op, void* stream);
+
+  void wait(void* stream);
+  void synchronize(double timeout_s);
+  bool pointer_on_device(const void* p) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flashlm::dist

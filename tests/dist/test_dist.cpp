@@ -1,0 +1,524 @@
+// Communicator's collectives, run by CTest three ways: without mpirun (a world of one) and under
+// `mpirun -np 2` and `-np 4`. Every rank runs every test; the data depend on the rank, so that each
+// rank can check what it received from the others. Tests call the same collectives on every rank
+// whatever their checks find (EXPECT, not ASSERT, after the first collective), so that a failure on one
+// rank never leaves the others waiting. Rank 0 prints gtest's usual output; the other ranks print only
+// their failures, prefixed with "[rank R]". The exit status is non-zero on every rank when any rank
+// failed, so mpirun's is too.
+//
+// FLASHLM_TEST_WORLD_SIZE (set by CTest) is the world size the launch should give.
+// FLASHLM_TEST_FAIL_ON_RANK=R makes InjectedFailure fail on rank R only (tests/dist/failing_rank.cmake).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "flashlm/bench.h"
+#include "flashlm/device.h"
+#include "flashlm/dist.h"
+#include "flashlm/error.h"
+#include "flashlm/tensor.h"
+
+#ifdef FLASHLM_WITH_CUDA
+#include "core/cuda_runtime.h"
+#endif
+
+using namespace flashlm;
+
+namespace {
+
+Communicator* g_comm = nullptr;
+
+Communicator& comm() { return *g_comm; }
+
+int env_or(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The world.
+
+TEST(Communicator, WorldHasTheLaunchedSize) {
+  const int n = comm().world_size();
+  EXPECT_EQ(n, env_or("FLASHLM_TEST_WORLD_SIZE", n));
+  if (const char* ompi = std::getenv("OMPI_COMM_WORLD_SIZE")) {
+    EXPECT_EQ(n, std::atoi(ompi));
+  } else if (!std::getenv("SLURM_PROCID")) {
+    EXPECT_EQ(n, 1) << "no launcher";
+  }
+  EXPECT_GE(comm().rank(), 0);
+  EXPECT_LT(comm().rank(), n);
+  EXPECT_EQ(comm().is_root(), comm().rank() == 0);
+  EXPECT_GE(comm().local_size(), 1);
+  EXPECT_LE(comm().local_size(), n);
+  EXPECT_GE(comm().local_rank(), 0);
+  EXPECT_LT(comm().local_rank(), comm().local_size());
+  if (const char* lr = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) {
+    EXPECT_EQ(comm().local_rank(), std::atoi(lr));
+  }
+  EXPECT_EQ(comm().agree(n, "the world size"), n);
+  EXPECT_TRUE(Communicator::mpi_started());
+}
+
+TEST(Communicator, LocalRanksAreDistinct) {
+  // One node in CI: the local ranks are a permutation of 0..local_size-1.
+  std::vector<double> seen(static_cast<size_t>(comm().world_size()), 0.0);
+  std::vector<double> mine{static_cast<double>(comm().local_rank())};
+  comm().all_gather(std::span<double>(mine), std::span<double>(seen));
+  std::vector<int> count(static_cast<size_t>(comm().local_size()), 0);
+  for (double r : seen) {
+    ASSERT_GE(r, 0);
+    ASSERT_LT(r, comm().local_size());
+    ++count[static_cast<size_t>(r)];
+  }
+  if (comm().local_size() == comm().world_size()) {
+    for (int c : count) EXPECT_EQ(c, 1);
+  }
+}
+
+TEST(Communicator, SecondCommunicatorIsIndependent) {
+  Communicator other;
+  EXPECT_EQ(other.rank(), comm().rank());
+  EXPECT_EQ(other.world_size(), comm().world_size());
+  std::vector<float> x{1.0f};
+  other.all_reduce(std::span<float>(x));
+  EXPECT_EQ(x[0], static_cast<float>(comm().world_size()));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// CPU collectives (MPI).
+
+template <class T>
+class CpuCollectives : public ::testing::Test {};
+using FloatTypes = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(CpuCollectives, FloatTypes);
+
+TYPED_TEST(CpuCollectives, AllReduceSumAndAverage) {
+  using T = TypeParam;
+  const int n = comm().world_size(), r = comm().rank();
+  const size_t count = 1001;
+  auto fill = [&](std::vector<T>& x) {
+    for (size_t i = 0; i < count; ++i) x[i] = static_cast<T>(r + 1) + static_cast<T>(0.5) * static_cast<T>(i % 64);
+  };
+  std::vector<T> x(count);
+  fill(x);
+  comm().all_reduce(std::span<T>(x), ReduceOp::sum);
+  for (size_t i = 0; i < count; ++i) {
+    // sum over ranks of (rank + 1 + i/2) = n(n+1)/2 + n·i/2: exact in fp32 for these sizes.
+    const T want = static_cast<T>(n * (n + 1) / 2) + static_cast<T>(n) * static_cast<T>(0.5) * static_cast<T>(i % 64);
+    if (x[i] != want) {
+      ADD_FAILURE() << "sum: x[" << i << "] = " << x[i] << ", expected " << want;
+      break;
+    }
+  }
+  fill(x);
+  comm().all_reduce(std::span<T>(x), ReduceOp::avg);
+  for (size_t i = 0; i < count; ++i) {
+    const double want = (n + 1) / 2.0 + 0.5 * static_cast<double>(i % 64);
+    if (std::abs(static_cast<double>(x[i]) - want) > 1e-6 * want) {
+      ADD_FAILURE() << "avg: x[" << i << "] = " << x[i] << ", expected " << want;
+      break;
+    }
+  }
+}
+
+TYPED_TEST(CpuCollectives, AllReduceMaxAndMin) {
+  using T = TypeParam;
+  const int n = comm().world_size(), r = comm().rank();
+  std::vector<T> hi{static_cast<T>(r), static_cast<T>(-r)}, lo = hi;
+  comm().all_reduce(std::span<T>(hi), ReduceOp::max);
+  comm().all_reduce(std::span<T>(lo), ReduceOp::min);
+  EXPECT_EQ(hi[0], static_cast<T>(n - 1));
+  EXPECT_EQ(hi[1], static_cast<T>(0));
+  EXPECT_EQ(lo[0], static_cast<T>(0));
+  EXPECT_EQ(lo[1], static_cast<T>(-(n - 1)));
+}
+
+TYPED_TEST(CpuCollectives, BroadcastFromFirstAndLastRank) {
+  using T = TypeParam;
+  const int n = comm().world_size(), r = comm().rank();
+  for (int root : {0, n - 1}) {
+    std::vector<T> x(37);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<T>(100 * r + static_cast<int>(i));
+    comm().broadcast(std::span<T>(x), root);
+    for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(x[i], static_cast<T>(100 * root + static_cast<int>(i))) << i;
+  }
+}
+
+TYPED_TEST(CpuCollectives, AllGather) {
+  using T = TypeParam;
+  const int n = comm().world_size(), r = comm().rank();
+  const size_t chunk = 7;
+  std::vector<T> in(chunk), out(chunk * n, static_cast<T>(-1));
+  for (size_t j = 0; j < chunk; ++j) in[j] = static_cast<T>(100 * r + static_cast<int>(j));
+  comm().all_gather(std::span<T>(in), std::span<T>(out));
+  for (int q = 0; q < n; ++q)
+    for (size_t j = 0; j < chunk; ++j) EXPECT_EQ(out[q * chunk + j], static_cast<T>(100 * q + static_cast<int>(j)));
+
+  // In place: this rank's input is its own chunk of the output.
+  std::vector<T> buf(chunk * n, static_cast<T>(-1));
+  for (size_t j = 0; j < chunk; ++j) buf[r * chunk + j] = static_cast<T>(100 * r + static_cast<int>(j));
+  comm().all_gather(std::span<T>(buf.data() + r * chunk, chunk), std::span<T>(buf));
+  EXPECT_EQ(buf, out);
+}
+
+TYPED_TEST(CpuCollectives, ReduceScatter) {
+  using T = TypeParam;
+  const int n = comm().world_size(), r = comm().rank();
+  const size_t chunk = 5;
+  auto input = [&] {
+    std::vector<T> in(chunk * n);
+    for (size_t k = 0; k < in.size(); ++k) in[k] = static_cast<T>(r + static_cast<int>(k));
+    return in;
+  };
+  // Rank r's chunk: sum over ranks q of (q + r·chunk + j) = n(n-1)/2 + n·(r·chunk + j).
+  auto want = [&](size_t j) { return static_cast<T>(n * (n - 1) / 2 + n * static_cast<int>(r * chunk + j)); };
+  std::vector<T> in = input(), out(chunk, static_cast<T>(-1));
+  comm().reduce_scatter(std::span<T>(in), std::span<T>(out), ReduceOp::sum);
+  for (size_t j = 0; j < chunk; ++j) EXPECT_EQ(out[j], want(j)) << j;
+
+  in = input();
+  comm().reduce_scatter(std::span<T>(in), std::span<T>(out), ReduceOp::avg);
+  for (size_t j = 0; j < chunk; ++j) EXPECT_NEAR(out[j], want(j) / static_cast<T>(n), 1e-5) << j;
+
+  // In place: the output is this rank's chunk of the input.
+  in = input();
+  comm().reduce_scatter(std::span<T>(in), std::span<T>(in.data() + r * chunk, chunk), ReduceOp::sum);
+  for (size_t j = 0; j < chunk; ++j) EXPECT_EQ(in[r * chunk + j], want(j)) << j;
+}
+
+TEST(CpuCollectivesViews, TensorViewsAndEmptyBuffers) {
+  const int n = comm().world_size();
+  Tensor t = Tensor::empty({3, 4}, DType::f32, Device::cpu, "test");
+  fill_value(t, 2.0);
+  comm().all_reduce(t, ReduceOp::sum);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(t.view().ptr<float>()[i], 2.0f * n);
+  std::vector<float> none;
+  comm().all_reduce(std::span<float>(none));  // zero elements: a valid no-op collective
+  comm().barrier();
+}
+
+// Argument errors are found before any communication, identically on every rank.
+TEST(CpuCollectivesViews, BadArgumentsThrowNamingTheProblem) {
+  const int n = comm().world_size();
+  std::vector<uint16_t> half(8);
+  const TensorView bf16 = TensorView::contiguous(half.data(), DType::bf16, {8});
+  try {
+    comm().all_reduce(bf16);
+    ADD_FAILURE() << "no error for a bf16 CPU view";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dtype bf16 is not supported for CPU views"), std::string::npos) << e.what();
+  }
+  std::vector<float> a(6), b(6 * n + 1);
+  EXPECT_THROW(comm().all_gather(std::span<float>(a), std::span<float>(b)), Error);
+  EXPECT_THROW(comm().reduce_scatter(std::span<float>(b), std::span<float>(a)), Error);
+  EXPECT_THROW(comm().broadcast(std::span<float>(a), n), Error);
+  EXPECT_THROW(comm().broadcast(std::span<float>(a), -1), Error);
+  // Not contiguous: every other element.
+  const TensorView strided = TensorView::contiguous(a.data(), DType::f32, {3, 2}).slice(1, 0, 1);
+  try {
+    comm().all_reduce(strided);
+    ADD_FAILURE() << "no error for a strided view";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("contiguous"), std::string::npos) << e.what();
+  }
+  // Overlapping in and out that are not the in-place form.
+  std::vector<float> c(4 * n + 4);
+  if (n > 1) {
+    EXPECT_THROW(comm().all_gather(std::span<float>(c.data() + 1, 4), std::span<float>(c.data(), 4 * n)), Error);
+  }
+  std::vector<double> mixed(6 * n);
+  EXPECT_THROW(comm().all_gather(TensorView::contiguous(a.data(), DType::f32, {6}),
+                                 TensorView::contiguous(mixed.data(), DType::f64, {6 * n})),
+               Error);
+}
+
+#ifndef FLASHLM_WITH_CUDA
+TEST(CpuCollectivesViews, CudaViewWithoutCudaIsAnError) {
+  std::vector<float> a(4);
+  TensorView v = TensorView::contiguous(a.data(), DType::f32, {4});
+  v.device = Device::cuda;
+  try {
+    comm().all_reduce(v);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("built without NCCL"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(comm().setup_cuda(), Error);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// agree() and first_error().
+
+TEST(Agree, SameValueIsReturned) { EXPECT_EQ(comm().agree(123456789012345, "a big number"), 123456789012345); }
+
+TEST(Agree, DifferentValuesNameTheRanks) {
+  const int n = comm().world_size(), r = comm().rank();
+  if (n == 1) {
+    EXPECT_EQ(comm().agree(r, "the batch size"), 0);
+    return;
+  }
+  try {
+    comm().agree(r == 0 ? 8 : 16, "the batch size");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "ranks disagree on the batch size: rank 0 has 8, rank 1 has 16");
+  }
+  // Only the last rank differs: that rank is named.
+  try {
+    comm().agree(r == n - 1 ? -1 : 7, "the step");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "ranks disagree on the step: rank 0 has 7, rank " + std::to_string(n - 1) + " has -1");
+  }
+}
+
+TEST(FirstError, EveryRankLearnsTheLowestFailingRank) {
+  const int n = comm().world_size(), r = comm().rank();
+  EXPECT_EQ(comm().first_error(""), "");
+  const std::string got = comm().first_error(r == n - 1 ? "out of memory" : "");
+  EXPECT_EQ(got, "rank " + std::to_string(n - 1) + ": out of memory");
+  const std::string both = comm().first_error("failed on " + std::to_string(r));
+  EXPECT_EQ(both, "rank 0: failed on 0");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// allreduce-bench as a library function.
+
+TEST(AllReduceBench, ParsesSizes) {
+  EXPECT_EQ(parse_byte_size("1048576"), 1048576);
+  EXPECT_EQ(parse_byte_size("1MB"), 1000000);
+  EXPECT_EQ(parse_byte_size("10mb"), 10000000);
+  EXPECT_EQ(parse_byte_size("1GB"), 1000000000);
+  EXPECT_EQ(parse_byte_size("64KB"), 64000);
+  EXPECT_EQ(parse_byte_size("4k"), 4000);
+  EXPECT_EQ(parse_byte_size("1MiB"), 1 << 20);
+  EXPECT_EQ(parse_byte_size("64KiB"), 65536);
+  EXPECT_EQ(parse_byte_size("2gib"), int64_t{2} << 30);
+  EXPECT_EQ(parse_byte_size("512B"), 512);
+  for (const char* bad : {"12XB", "", "MB", "0", "0MB", "-1MB", "1.5MB", "1 MB", "1MBB", "99999999999999GB"}) {
+    EXPECT_THROW(parse_byte_size(bad), Error) << bad;
+  }
+  EXPECT_EQ(format_byte_size(1000000), "1 MB");
+  EXPECT_EQ(format_byte_size(1 << 20), "1 MiB");
+  EXPECT_EQ(format_byte_size(65536), "64 KiB");
+  EXPECT_EQ(format_byte_size(1000000000), "1 GB");
+  EXPECT_EQ(format_byte_size(1001), "1001 B");
+}
+
+TEST(AllReduceBench, SmallSweepOnTheCpu) {
+  AllReduceBenchConfig cfg;
+  // 2 bytes: less than one fp32 element; 1 PiB: more than any host has (oom on every rank, and the sweep
+  // goes on).
+  cfg.sizes = {4000, 1 << 20, 2, int64_t{1} << 50};
+  cfg.dtypes = {DType::f32, DType::f64};
+  cfg.warmup = 1;
+  cfg.iters = 3;
+  const auto records = run_allreduce_bench(comm(), cfg);
+  ASSERT_EQ(records.size(), 8u);
+  const int n = comm().world_size();
+  for (const auto& rec : records) {
+    EXPECT_EQ(rec.world_size, n);
+    EXPECT_EQ(rec.backend, "mpi");
+    if (rec.elements == 0) {
+      EXPECT_EQ(rec.status, "error");
+      continue;
+    }
+    if (rec.bytes == int64_t{1} << 50) {
+      EXPECT_EQ(rec.status, "oom") << rec.message;
+      EXPECT_EQ(rec.message.rfind("rank 0: ", 0), 0u) << rec.message;
+      EXPECT_FALSE(rec.median_ms.has_value());
+      continue;
+    }
+    EXPECT_EQ(rec.status, "ok") << rec.message;
+    ASSERT_TRUE(rec.median_ms && rec.mean_ms && rec.min_ms && rec.algbw_gbps && rec.busbw_gbps);
+    EXPECT_GE(*rec.median_ms, *rec.min_ms);
+    EXPECT_NEAR(*rec.algbw_gbps, rec.bytes / (*rec.median_ms * 1e-3) / 1e9, 1e-9 * *rec.algbw_gbps);
+    EXPECT_NEAR(*rec.busbw_gbps, *rec.algbw_gbps * 2.0 * (n - 1) / n, 1e-9 * *rec.algbw_gbps);
+  }
+  EXPECT_EQ(records[0].bytes, 4000);
+  EXPECT_EQ(records[4].elements, 500);  // 4000 bytes of fp64
+  const std::string md = format_allreduce_bench(records, ReportFormat::md, cfg, comm());
+  EXPECT_NE(md.find("busbw GB/s"), std::string::npos) << md;
+  const std::string csv = format_allreduce_bench(records, ReportFormat::csv, cfg, comm());
+  EXPECT_EQ(csv.rfind("backend,world_size,dtype,size,bytes,median_ms", 0), 0u) << csv;
+}
+
+TEST(AllReduceBench, RanksMustRunTheSameSweep) {
+  const int n = comm().world_size(), r = comm().rank();
+  if (n == 1) GTEST_SKIP() << "needs two ranks";
+  AllReduceBenchConfig cfg;
+  cfg.sizes = {r == 0 ? int64_t{1000} : int64_t{2000}};
+  cfg.iters = 1;
+  try {
+    run_allreduce_bench(comm(), cfg);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks disagree on the message sizes"), std::string::npos) << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// GPU collectives (NCCL): skipped without NCCL or without a GPU per local rank.
+
+#ifdef FLASHLM_WITH_CUDA
+// Every rank's `local` flag, or-ed: for decisions all ranks must take together.
+bool any_rank(bool local) {
+  double v = local ? 1.0 : 0.0;
+  comm().all_reduce(std::span<double>(&v, 1), ReduceOp::max);
+  return v > 0;
+}
+
+bool gpus_for_every_rank() {
+  const bool ok = Communicator::nccl_built() && cuda_device_count() >= comm().local_size();
+  return !any_rank(!ok);
+}
+
+template <class T>
+std::vector<T> to_host(const Tensor& t) {
+  std::vector<T> out(static_cast<size_t>(t.numel()));
+  cuda_copy(out.data(), t.data(), t.bytes());
+  return out;
+}
+
+template <class T>
+Tensor to_device(const std::vector<T>& v) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, dtype_of<T>(), Device::cuda, "test");
+  cuda_copy(t.data(), v.data(), t.bytes());
+  return t;
+}
+
+template <class T>
+class GpuCollectives : public ::testing::Test {};
+using GpuTypes = ::testing::Types<float, bf16_t, fp16_t>;
+TYPED_TEST_SUITE(GpuCollectives, GpuTypes);
+
+TYPED_TEST(GpuCollectives, AllReduceBroadcastAllGatherReduceScatter) {
+  using T = TypeParam;
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  const int n = comm().world_size(), r = comm().rank();
+  const int device = comm().setup_cuda();
+  EXPECT_EQ(device, comm().local_rank() % cuda_device_count());
+  EXPECT_NE(comm().cuda_stream(), nullptr);
+  auto v = [](int x) { return T(static_cast<float>(x)); };
+  auto f = [](T x) { return static_cast<float>(x); };
+  // Small integers: exact in bf16 and fp16 whatever the order of the sums.
+  const size_t count = 1000;
+  std::vector<T> x(count);
+  for (size_t i = 0; i < count; ++i) x[i] = v(r + 1 + static_cast<int>(i % 4));
+  Tensor dx = to_device(x);
+  comm().all_reduce(dx, ReduceOp::sum);
+  comm().synchronize();
+  auto got = to_host<T>(dx);
+  for (size_t i = 0; i < count; ++i) {
+    if (f(got[i]) != static_cast<float>(n * (n + 1) / 2 + n * static_cast<int>(i % 4))) {
+      ADD_FAILURE() << "all_reduce: [" << i << "] = " << f(got[i]);
+      break;
+    }
+  }
+  dx = to_device(x);
+  comm().all_reduce(dx, ReduceOp::max);
+  comm().wait(nullptr);  // the legacy default stream (cuda_copy) waits for the collective
+  got = to_host<T>(dx);
+  EXPECT_EQ(f(got[0]), static_cast<float>(n + 0));
+
+  std::vector<T> b(64, v(r));
+  Tensor db = to_device(b);
+  comm().broadcast(db, n - 1);
+  comm().synchronize();
+  for (T e : to_host<T>(db)) EXPECT_EQ(f(e), static_cast<float>(n - 1));
+
+  const size_t chunk = 32;
+  std::vector<T> in(chunk, v(r + 1));
+  Tensor din = to_device(in);
+  Tensor dout = Tensor::empty({static_cast<int64_t>(chunk * n)}, dtype_of<T>(), Device::cuda, "test");
+  comm().all_gather(din, dout);
+  comm().synchronize();
+  got = to_host<T>(dout);
+  for (int q = 0; q < n; ++q) EXPECT_EQ(f(got[q * chunk]), static_cast<float>(q + 1));
+
+  std::vector<T> rs(chunk * n, v(1));
+  Tensor drs = to_device(rs);
+  Tensor dpart = Tensor::empty({static_cast<int64_t>(chunk)}, dtype_of<T>(), Device::cuda, "test");
+  comm().reduce_scatter(drs, dpart, ReduceOp::sum);
+  comm().synchronize();
+  for (T e : to_host<T>(dpart)) EXPECT_EQ(f(e), static_cast<float>(n));
+}
+
+TEST(GpuCollectivesSetup, MoreLocalRanksThanGpusIsAClearError) {
+  const int visible = Communicator::nccl_built() ? cuda_device_count() : 0;
+  if (any_rank(!(visible > 0 && visible < comm().local_size()))) {
+    GTEST_SKIP() << "needs NCCL and fewer GPUs than local ranks";
+  }
+  Communicator c;  // a fresh one: setup_cuda() fails before NCCL is created
+  try {
+    c.setup_cuda();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks on this node but"), std::string::npos) << e.what();
+  }
+}
+#else
+TEST(GpuCollectives, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+
+TEST(FailurePropagation, InjectedFailure) {
+  const int target = env_or("FLASHLM_TEST_FAIL_ON_RANK", -1);
+  if (target < 0) GTEST_SKIP() << "set FLASHLM_TEST_FAIL_ON_RANK to make this test fail on one rank";
+  comm().barrier();
+  if (comm().rank() == target) ADD_FAILURE() << "injected failure on rank " << target;
+}
+
+// Rank > 0: only failures, prefixed with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, result.file_name() ? result.file_name() : "?",
+                 result.line_number(), result.message());
+  }
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (info.result()->Failed()) {
+      std::fprintf(stderr, "[rank %d] FAILED %s.%s\n", rank_, info.test_suite_name(), info.name());
+    }
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  bool failed = false;
+  {
+    Communicator world;
+    g_comm = &world;
+    if (world.rank() > 0) {
+      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+      delete listeners.Release(listeners.default_result_printer());
+      listeners.Append(new RankFailurePrinter(world.rank()));
+    }
+    const int local = RUN_ALL_TESTS();
+    // Every rank exits non-zero when any rank failed.
+    double f = local != 0 ? 1.0 : 0.0;
+    world.all_reduce(std::span<double>(&f, 1), ReduceOp::max);
+    failed = f > 0;
+    if (failed && world.rank() == 0 && local == 0) std::fprintf(stderr, "rank 0 passed, but another rank failed\n");
+    g_comm = nullptr;
+  }
+  Communicator::finalize();
+  return failed ? 1 : 0;
+}
