@@ -62,6 +62,15 @@ struct CudaModel::Impl {
   }
   float* master(const std::string& name) const { return static_cast<float*>(params.data()) + info(name).offset; }
   float* grad(const std::string& name) const { return static_cast<float*>(grads.data()) + info(name).offset; }
+  const float* rope_cos() const { return static_cast<const float*>(rope.data()); }
+  const float* rope_sin() const { return rope_cos() + c.context * (c.head_dim() / 2); }
+  AttentionOptions attention_options() const {
+    AttentionOptions o;
+    o.impl = attention;
+    o.causal = true;
+    o.stream = stream;
+    return o;
+  }
   // The weight the GEMMs read: the low-precision copy, or the fp32 master itself.
   const void* weight(const std::string& name) const {
     if (precision == DType::f32) return master(name);
@@ -239,12 +248,9 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
   cuda_copy(m.targets.data(), host_targets, size_t(n) * sizeof(int32_t));
   const auto* tokens = static_cast<const int32_t*>(m.tokens.data());
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
-  const float* rope_cos = static_cast<const float*>(m.rope.data());
-  const float* rope_sin = rope_cos + c.context * (hd / 2);
-  AttentionOptions attn;
-  attn.impl = m.attention;
-  attn.causal = true;
-  attn.stream = m.stream;
+  const float* rope_cos = m.rope_cos();
+  const float* rope_sin = m.rope_sin();
+  const AttentionOptions attn = m.attention_options();
   const DType dt = m.precision;
   const float eps = float(c.norm_eps);
 
@@ -305,12 +311,9 @@ void CudaModel::backward() {
   const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim();
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
   const auto* tokens = static_cast<const int32_t*>(m.tokens.data());
-  const float* rope_cos = static_cast<const float*>(m.rope.data());
-  const float* rope_sin = rope_cos + c.context * (hd / 2);
-  AttentionOptions attn;
-  attn.impl = m.attention;
-  attn.causal = true;
-  attn.stream = m.stream;
+  const float* rope_cos = m.rope_cos();
+  const float* rope_sin = m.rope_sin();
+  const AttentionOptions attn = m.attention_options();
   const DType dt = m.precision;
   memory_set_phase("backward");
   ScopedRange range("backward");

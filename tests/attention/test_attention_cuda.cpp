@@ -2,6 +2,8 @@
 // reference over the same grid as the CPU tests. Every test skips when no GPU is visible.
 #include <gtest/gtest.h>
 
+#include "gpu_testing.h"
+
 #include <cmath>
 #include <vector>
 
@@ -13,11 +15,6 @@ using namespace flashlm;
 using namespace flashlm::testing;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                      \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
-  } while (0)
 
 struct GpuCase {
   Case c;

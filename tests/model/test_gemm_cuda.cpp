@@ -12,6 +12,8 @@
 // far above these.
 #include <gtest/gtest.h>
 
+#include "gpu_testing.h"
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -43,11 +45,6 @@ TEST(GemmCuda, NeedsCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
 #else
 
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                      \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
-  } while (0)
 
 constexpr double kFp32Rel = 1e-5;
 

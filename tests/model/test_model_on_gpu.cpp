@@ -2,6 +2,8 @@
 // scaling, reproducibility and a short training run. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include "gpu_testing.h"
+
 #include <cmath>
 #include <vector>
 
@@ -14,11 +16,6 @@ using namespace flashlm;
 TEST(CudaModel, NeedsACudaBuild) { GTEST_SKIP() << "flashlm was built without CUDA: CudaModel does not exist"; }
 #else
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                      \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
-  } while (0)
 
 ModelConfig small_config() {
   ModelConfig c = ModelConfig::named("tiny", 64, 128);  // d_model 32, d_ff 64, 2 layers, 4 heads of 8

@@ -6,6 +6,8 @@
 // a skipped placeholder.
 #include <gtest/gtest.h>
 
+#include "gpu_testing.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -30,11 +32,6 @@
 using namespace flashlm;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                      \
-    if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
-  } while (0)
 
 // ---------------------------------------------------------------------------------------------------
 // Host helpers.
