@@ -79,6 +79,15 @@ void write_output(const std::string& text, const std::string& path) {
   if (!f) throw flashlm::Error(fmt::format("failed writing '{}'", path));
 }
 
+// --device cuda without a CUDA build or without a visible GPU is a usage error, said the same way by
+// every command.
+void require_usable_device(flashlm::Device device) {
+  if (device == flashlm::Device::cuda && flashlm::cuda_device_count() == 0) {
+    throw UsageError(flashlm::cuda_built() ? "--device cuda: no CUDA device is visible"
+                                           : "--device cuda: flashlm was built without CUDA");
+  }
+}
+
 // --format, --out and --quiet, the same for every benchmark command.
 void add_report_options(CLI::App* cmd, std::string& format, std::string& out, bool& quiet) {
   cmd->add_option("--format", format, "md, csv or json")->capture_default_str();
@@ -169,10 +178,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
-  if (cfg.device == Device::cuda && cuda_device_count() == 0) {
-    throw UsageError(cuda_built() ? "--device cuda: no CUDA device is visible"
-                                  : "--device cuda: flashlm was built without CUDA");
-  }
+  require_usable_device(cfg.device);
   if (a.threads > 0) set_cpu_threads(a.threads);
   cfg.deterministic = a.deterministic;
   cfg.warmup = a.warmup;
@@ -234,10 +240,7 @@ int run_bench_command(const BenchArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
-  if (cfg.device == Device::cuda && cuda_device_count() == 0) {
-    throw UsageError(cuda_built() ? "--device cuda: no CUDA device is visible"
-                                  : "--device cuda: flashlm was built without CUDA");
-  }
+  require_usable_device(cfg.device);
   cfg.batch = a.batch;
   cfg.vocab = a.vocab;
   cfg.warmup = a.warmup;
@@ -313,10 +316,7 @@ int run_train_command(const TrainArgs& a) {
     cfg.device = a.device.empty() ? (cuda_device_count() > 0 ? Device::cuda : Device::cpu) : parse_device(a.device);
     cfg.precision = a.precision.empty() ? (cfg.device == Device::cuda ? DType::bf16 : DType::f32)
                                         : parse_dtype(a.precision);
-    if (cfg.device == Device::cuda && cuda_device_count() == 0) {
-      throw UsageError(cuda_built() ? "--device cuda: no CUDA device is visible"
-                                    : "--device cuda: flashlm was built without CUDA");
-    }
+    require_usable_device(cfg.device);
     if (cfg.device == Device::cpu && cfg.precision != DType::f32) {
       throw UsageError(fmt::format("--precision {}: the CPU engine runs fp32", dtype_name(cfg.precision)));
     }
@@ -405,9 +405,7 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
     throw UsageError(cuda_built() ? "--device cuda: flashlm was built without NCCL"
                                   : "--device cuda: flashlm was built without CUDA");
   }
-  if (cfg.device == Device::cuda && cuda_device_count() == 0) {
-    throw UsageError("--device cuda: no CUDA device is visible");
-  }
+  require_usable_device(cfg.device);
   cfg.warmup = a.warmup;
   cfg.iters = a.iters;
 
