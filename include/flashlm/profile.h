@@ -15,28 +15,45 @@ struct RangeStats {
 };
 
 // Process-wide recorder. Disabled by default: a disabled range costs one branch (plus the NVTX push/pop,
-// which is a no-op unless a tool is attached). Ranges nest; each is timed from push to pop on the host
-// clock — on the CPU that is the work itself; GPU work must be synchronised by the code being timed.
+// which is a no-op unless a tool is attached). Ranges nest. Timing:
+//   - enable(true): each range is timed from push to pop on the host clock (the CPU's work itself);
+//   - enable(true, cuda_stream) (CUDA builds): each range is timed by two CUDA events recorded on that
+//     stream at push and pop, i.e. the GPU time of the work queued inside the range, without synchronising
+//     anything while the ranges run; the events are read when the profiler is disabled or summarised.
+//     Pass the stream the timed work runs on (a model's stream); nullptr is the legacy default stream.
 class RangeProfiler {
  public:
   static RangeProfiler& instance();
   void enable(bool on);
+  void enable(bool on, void* cuda_stream);
   bool enabled() const { return enabled_; }
   void reset();
   void push(std::string_view name);
   void pop();
-  std::vector<RangeStats> summary() const;  // sorted by total time, largest first
+  std::vector<RangeStats> summary();  // sorted by total time, largest first
   // The table `nsys stats --report nvtx_sum` prints: Time (%), Total Time (ns), Instances, Avg (ns),
   // Med (ns), Min (ns), Max (ns), StdDev (ns), Style, Range. Time (%) is relative to the sum over ranges.
-  std::string nvtx_sum_table() const;
+  std::string nvtx_sum_table();
 
  private:
   struct Open {
     std::string name;
     int64_t start_ns;
+    void* start_event;  // cudaEvent_t when timing on the GPU
   };
+  struct Pending {  // a GPU range whose events have not been read yet
+    std::string name;
+    void *start_event, *end_event;
+  };
+  void add_sample(const std::string& name, double ns);
+  void read_pending();  // waits for the recorded events and turns them into samples
+  void* take_event();
   bool enabled_ = false;
+  bool on_gpu_ = false;
+  void* stream_ = nullptr;
   std::vector<Open> open_;
+  std::vector<Pending> pending_;
+  std::vector<void*> free_events_;
   std::vector<std::pair<std::string, std::vector<double>>> samples_;  // per range name, in first-seen order
 };
 

@@ -34,6 +34,7 @@
 #include "core/cuda_check.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
+#include "flashlm/profile.h"
 
 namespace flashlm {
 
@@ -356,6 +357,7 @@ PlanKey make_key(cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int6
 void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64_t in, int64_t out, DType act,
                          void* stream, bool allow_tf32) {
   const Call c{"linear_forward_cuda", n, in, out, act, allow_tf32, false};
+  ScopedRange range("linear.forward");
   check_shapes(c);
   const size_t e = dtype_size(act);
   const Arg ax{"x", x, n * in, e}, aw{"w", w, out * in, e}, ay{"y", y, n * out, e};
@@ -377,6 +379,7 @@ void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64
 void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, float* dw, int64_t n, int64_t in,
                           int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32) {
   const Call c{"linear_backward_cuda", n, in, out, act, allow_tf32, accumulate_dx};
+  ScopedRange range("linear.backward");
   check_shapes(c);
   const size_t e = dtype_size(act);
   const Arg ady{"dy", dy, n * out, e}, ax{"x", x, n * in, e}, aw{"w", w, out * in, e}, adx{"dx", dx, n * in, e},

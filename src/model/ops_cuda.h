@@ -82,10 +82,11 @@ void embedding_backward(const T* dx, const int32_t* tokens, float* dtable, int64
 // `step` 1-based: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g²; w -= alpha m / (sqrt(v) + eps) with
 // alpha = lr sqrt(1 - b2^step) / (1 - b1^step); then w -= lr · weight_decay · w. When param_copy is not
 // null, it receives the updated weights rounded to T (the copy the forward reads); with T = float and
-// no copy, call adamw_step<float>(..., nullptr, stream).
+// no copy, call adamw_step<float>(..., nullptr, stream). grad_scale multiplies each gradient first (once,
+// rounded: the result of scale_inplace(grad, n, grad_scale) followed by the step, without that pass).
 template <class T>
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
-                double eps, double weight_decay, int64_t step, T* param_copy, void* stream);
+                double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale = 1.0f);
 
 // ---------------------------------------------------------------------------------------------------
 // Reductions and elementwise utilities.

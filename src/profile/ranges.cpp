@@ -10,6 +10,11 @@
 #ifdef FLASHLM_WITH_NVTX
 #include <nvtx3/nvToolsExt.h>
 #endif
+#ifdef FLASHLM_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#endif
 
 namespace flashlm {
 
@@ -27,18 +32,60 @@ RangeProfiler& RangeProfiler::instance() {
   return profiler;
 }
 
-void RangeProfiler::enable(bool on) { enabled_ = on; }
+void RangeProfiler::enable(bool on) {
+  if (!on) read_pending();
+  enabled_ = on;
+  on_gpu_ = false;
+}
+
+void RangeProfiler::enable(bool on, void* cuda_stream) {
+#ifdef FLASHLM_WITH_CUDA
+  if (!on) read_pending();
+  enabled_ = on;
+  on_gpu_ = on;
+  stream_ = cuda_stream;
+#else
+  (void)cuda_stream;
+  FLASHLM_CHECK(!on, "RangeProfiler: GPU timing needs a CUDA build");
+  enable(false);
+#endif
+}
 
 void RangeProfiler::reset() {
+  read_pending();
   open_.clear();
   samples_.clear();
+}
+
+void* RangeProfiler::take_event() {
+#ifdef FLASHLM_WITH_CUDA
+  if (!free_events_.empty()) {
+    void* e = free_events_.back();
+    free_events_.pop_back();
+    return e;
+  }
+  cudaEvent_t e = nullptr;
+  FLASHLM_CUDA_CHECK(cudaEventCreate(&e), "cudaEventCreate (range profiler)");
+  return e;
+#else
+  return nullptr;
+#endif
 }
 
 void RangeProfiler::push(std::string_view name) {
 #ifdef FLASHLM_WITH_NVTX
   nvtxRangePushA(std::string(name).c_str());
 #endif
-  if (enabled_) open_.push_back({std::string(name), now_ns()});
+  if (!enabled_) return;
+  void* start_event = nullptr;
+#ifdef FLASHLM_WITH_CUDA
+  if (on_gpu_) {
+    start_event = take_event();
+    FLASHLM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(start_event), static_cast<cudaStream_t>(stream_)),
+                       "cudaEventRecord (range profiler)");
+  }
+#endif
+  open_.push_back({std::string(name), now_ns(), start_event});
 }
 
 void RangeProfiler::pop() {
@@ -46,18 +93,47 @@ void RangeProfiler::pop() {
   nvtxRangePop();
 #endif
   if (!enabled_ || open_.empty()) return;
-  const Open o = std::move(open_.back());
+  Open o = std::move(open_.back());
   open_.pop_back();
-  const double ns = double(now_ns() - o.start_ns);
-  auto it = std::find_if(samples_.begin(), samples_.end(), [&](const auto& s) { return s.first == o.name; });
+#ifdef FLASHLM_WITH_CUDA
+  if (o.start_event != nullptr) {
+    void* end_event = take_event();
+    FLASHLM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(end_event), static_cast<cudaStream_t>(stream_)),
+                       "cudaEventRecord (range profiler)");
+    pending_.push_back({std::move(o.name), o.start_event, end_event});
+    if (pending_.size() >= 4096) read_pending();  // bounded: events are reused once read
+    return;
+  }
+#endif
+  add_sample(o.name, double(now_ns() - o.start_ns));
+}
+
+void RangeProfiler::read_pending() {
+#ifdef FLASHLM_WITH_CUDA
+  for (Pending& p : pending_) {
+    auto start = static_cast<cudaEvent_t>(p.start_event), end = static_cast<cudaEvent_t>(p.end_event);
+    FLASHLM_CUDA_CHECK(cudaEventSynchronize(end), "cudaEventSynchronize (range profiler)");
+    float ms = 0;
+    FLASHLM_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end), "cudaEventElapsedTime (range profiler)");
+    add_sample(p.name, double(ms) * 1e6);
+    free_events_.push_back(p.start_event);
+    free_events_.push_back(p.end_event);
+  }
+#endif
+  pending_.clear();
+}
+
+void RangeProfiler::add_sample(const std::string& name, double ns) {
+  auto it = std::find_if(samples_.begin(), samples_.end(), [&](const auto& s) { return s.first == name; });
   if (it == samples_.end()) {
-    samples_.emplace_back(o.name, std::vector<double>{});
+    samples_.emplace_back(name, std::vector<double>{});
     it = samples_.end() - 1;
   }
   it->second.push_back(ns);
 }
 
-std::vector<RangeStats> RangeProfiler::summary() const {
+std::vector<RangeStats> RangeProfiler::summary() {
+  read_pending();
   std::vector<RangeStats> out;
   for (const auto& [name, v] : samples_) {
     RangeStats s;
@@ -80,7 +156,7 @@ std::vector<RangeStats> RangeProfiler::summary() const {
   return out;
 }
 
-std::string RangeProfiler::nvtx_sum_table() const {
+std::string RangeProfiler::nvtx_sum_table() {
   const auto stats = summary();
   double all = 0;
   for (const auto& s : stats) all += s.total_ns;

@@ -1,5 +1,6 @@
 // CUDA attention (flash on tensor cores / CUDA cores, and the naive cuBLAS baseline) against the fp64
 // reference over the same grid as the CPU tests. Every test skips when no GPU is visible.
+#include <tuple>
 #include <gtest/gtest.h>
 
 #include "gpu_testing.h"
@@ -152,6 +153,29 @@ TEST(CudaAttention, DeterministicBackwardIsBitwiseReproducible) {
   EXPECT_EQ(max_abs_diff(a.dq.view, b.dq.view), 0.0);
   EXPECT_EQ(max_abs_diff(a.dk.view, b.dk.view), 0.0);
   EXPECT_EQ(max_abs_diff(a.dv.view, b.dv.view), 0.0);
+}
+
+// Long enough that the atomic mode's fp32 dQ accumulator (4·B·Hq·Nq·D bytes = 143 MiB here) exceeds the
+// 128 MiB above which the backward runs one group of key/value heads at a time (one kv head and its two
+// query heads per launch here): every gradient must match the deterministic mode's, which never splits.
+TEST(CudaAttention, AtomicBackwardSplitOverHeadsMatchesDeterministic) {
+  SKIP_WITHOUT_GPU();
+  const Case c{1, 70000, 70000, 4, 2, 128, Layout::bshd, Mask::top_left, DType::bf16};
+  AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
+  Problem split(c, c.layout, c.dtype, 5), whole(c, c.layout, c.dtype, 5);
+  opt.deterministic = false;
+  split.run_on_device(opt);
+  opt.deterministic = true;
+  whole.run_on_device(opt);
+  for (auto [name, a, b] : {std::tuple{"dq", split.dq.view, whole.dq.view}, std::tuple{"dk", split.dk.view, whole.dk.view},
+                            std::tuple{"dv", split.dv.view, whole.dv.view}}) {
+    Tensor ref = to_f64(b);
+    double scale = 0;
+    for (int64_t i = 0; i < ref.view().numel(); ++i) scale = std::max(scale, std::fabs(ref.view().ptr<double>()[i]));
+    EXPECT_GT(scale, 0.0) << name;
+    // Both are bf16 results of fp32 sums in different orders: a few bf16 ulps apart, never O(1).
+    EXPECT_LE(max_abs_diff(a, b), 0.02 * scale) << name;
+  }
 }
 
 TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {

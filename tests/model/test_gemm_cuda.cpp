@@ -263,8 +263,12 @@ TEST_P(GemmVsCpu, ForwardAndBackwardMatchOpenBlas) {
   for (int rep = 0; rep < 2; ++rep) {
     linear_backward_cuda(d_dy.ptr(), d_x.ptr(), d_w.ptr(), d_dx.ptr(), d_dw.fptr(), n, in, out, t, true, nullptr);
   }
-  expect_close(d_dx.download(), dx2_ref, dxa_scale, plus(abs_of(dx1_ref), abs_of(dx2_ref)), u,
-               "dx (+= twice) of " + case_name(c));
+  // Rounding budget: dx rounded to t after each call, and the product dy·w rounded to t before beta·dx is
+  // added (cuBLASLt's epilogue does that for bf16/fp16 outputs: seen on the H200 with cuBLAS 13.0, errors up
+  // to a full ulp of dx that single rounding cannot explain).
+  std::vector<float> product = dx_ref, rounding = plus(abs_of(dx1_ref), abs_of(dx2_ref));
+  for (size_t i = 0; i < rounding.size(); ++i) rounding[i] += 2.0f * std::fabs(product[i]);
+  expect_close(d_dx.download(), dx2_ref, dxa_scale, rounding, u, "dx (+= twice) of " + case_name(c));
   expect_close(d_dw.download(), dw2_ref, dwa_scale, zeros_like_dw, 0.0, "dw (+= twice) of " + case_name(c));
 }
 

@@ -13,6 +13,7 @@
 //       the block's dQ contribution to an fp32 buffer with atomics; a last kernel converts it.
 //     - deterministic: a separate kernel per (query tile, head, batch) recomputes P and dS over the
 //       visible key tiles and accumulates dQ += dS K in registers. Bit-reproducible, no atomics.
+#include <algorithm>
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
@@ -479,15 +480,19 @@ void dispatch_head_dim(int d, const FlashParams& f, bool deterministic, cudaStre
 }  // namespace
 }  // namespace flash_cuda
 
-void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                   const TensorView& v, const TensorView& o, const TensorView& lse,
-                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                   const TensorView& dv, bool deterministic, void* stream) {
-  FLASHLM_CHECK(p.head_dim <= 128,
-                "attention_backward: q: head_dim {} has no cuda backward kernel (16, 32, 64 or 128); the forward "
-                "also supports 256",
-                p.head_dim);
-  if (p.batch == 0 || p.heads_q == 0 || (p.seq_q == 0 && p.seq_k == 0)) return;
+namespace {
+
+// The atomic mode's fp32 dQ accumulator is 4·B·Hq·Nq·D bytes, a quarter of the bf16 inputs, outputs and
+// gradients together. Above kAccumulatorChunkAbove, the backward runs over groups of key/value heads (with
+// their query heads) so that each group's accumulator is at most kAccumulatorChunkBytes: peak memory stays
+// near inputs + outputs + gradients at long sequences, while typical shapes run in one launch.
+constexpr size_t kAccumulatorChunkAbove = size_t{128} << 20;
+constexpr size_t kAccumulatorChunkBytes = size_t{64} << 20;
+
+void backward_heads(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                    const TensorView& dk, const TensorView& dv, bool deterministic, float* dq_accum,
+                    void* stream) {
   auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   f.dout = dout.data;
   f.dq = dq.data;
@@ -503,17 +508,58 @@ void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& 
   const size_t rows = static_cast<size_t>(p.batch * p.heads_q) * static_cast<size_t>(f.seq_q_padded);
   Buffer delta = Buffer::allocate_on_stream(rows * sizeof(float), "flash backward Delta", stream);
   Buffer lse_log2 = Buffer::allocate_on_stream(rows * sizeof(float), "flash backward lse·log2e", stream);
-  Buffer dq_accum;
   f.delta = static_cast<float*>(delta.data());
   f.lse_log2 = static_cast<float*>(lse_log2.data());
   if (!deterministic) {
-    dq_accum = Buffer::allocate_on_stream(rows * static_cast<size_t>(p.head_dim) * sizeof(float),
-                                          "flash backward dQ accumulator", stream);
-    FLASHLM_CUDA_CHECK(cudaMemsetAsync(dq_accum.data(), 0, dq_accum.bytes(), s), "flash backward dQ clear");
-    f.dq_accum = static_cast<float*>(dq_accum.data());
+    FLASHLM_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, rows * static_cast<size_t>(p.head_dim) * sizeof(float), s),
+                       "flash backward dQ clear");
+    f.dq_accum = dq_accum;
   }
   if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(static_cast<int>(p.head_dim), f, deterministic, s);
   else flash_cuda::dispatch_head_dim<__half>(static_cast<int>(p.head_dim), f, deterministic, s);
+}
+
+}  // namespace
+
+void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& o, const TensorView& lse,
+                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                   const TensorView& dv, bool deterministic, void* stream) {
+  FLASHLM_CHECK(p.head_dim <= 128,
+                "attention_backward: q: head_dim {} has no cuda backward kernel (16, 32, 64 or 128); the forward "
+                "also supports 256",
+                p.head_dim);
+  if (p.batch == 0 || p.heads_q == 0 || (p.seq_q == 0 && p.seq_k == 0)) return;
+  const int64_t seq_q_padded = (p.seq_q + flash_cuda::kRowPad - 1) / flash_cuda::kRowPad * flash_cuda::kRowPad;
+  // Accumulator bytes per key/value head (with its group of query heads, over the batch).
+  const size_t per_kv_head = static_cast<size_t>(p.batch * p.group() * seq_q_padded * p.head_dim) * sizeof(float);
+  int64_t kv_per_launch = p.heads_k;
+  if (!deterministic && per_kv_head * static_cast<size_t>(p.heads_k) > kAccumulatorChunkAbove) {
+    kv_per_launch = std::max<int64_t>(1, static_cast<int64_t>(kAccumulatorChunkBytes / per_kv_head));
+  }
+  Buffer dq_accum;
+  if (!deterministic) {
+    dq_accum = Buffer::allocate_on_stream(per_kv_head * static_cast<size_t>(std::min(kv_per_launch, p.heads_k)),
+                                          "flash backward dQ accumulator", stream);
+  }
+  auto* accum = static_cast<float*>(dq_accum.data());
+  if (kv_per_launch >= p.heads_k) {
+    backward_heads(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, accum, stream);
+    return;
+  }
+  // Views are [batch, seq, heads, head_dim] (lse [batch, heads_q, seq_q]); a group of key/value heads
+  // [h0, h1) goes with query heads [h0·group, h1·group).
+  const int64_t g = p.group();
+  for (int64_t h0 = 0; h0 < p.heads_k; h0 += kv_per_launch) {
+    const int64_t h1 = std::min(p.heads_k, h0 + kv_per_launch);
+    AttentionProblem part = p;
+    part.heads_k = h1 - h0;
+    part.heads_q = (h1 - h0) * g;
+    const auto qh = [&](const TensorView& t) { return t.slice(2, h0 * g, h1 * g); };
+    const auto kh = [&](const TensorView& t) { return t.slice(2, h0, h1); };
+    backward_heads(part, qh(q), kh(k), kh(v), qh(o), lse.slice(1, h0 * g, h1 * g), qh(dout), qh(dq), kh(dk), kh(dv),
+                   deterministic, accum, stream);
+  }
 }
 
 }  // namespace flashlm

@@ -255,8 +255,10 @@ Dims dims_of(const AttentionProblem& p) {
   return d;
 }
 
-Buffer allocate(int64_t elems, size_t elem_size, const char* tag) {
-  return Buffer::allocate(static_cast<size_t>(elems) * elem_size, Device::cuda, tag);
+// Scratch from the stream-ordered pool: no cudaMalloc/cudaFree (and no device-wide synchronisation) per
+// call, and freed in stream order once the call's work is done.
+Buffer allocate(int64_t elems, size_t elem_size, const char* tag, cudaStream_t stream) {
+  return Buffer::allocate_on_stream(static_cast<size_t>(elems) * elem_size, tag, stream);
 }
 
 RowStrides strides_of(const TensorView& t, size_t elem) {
@@ -344,11 +346,11 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   const Gemms gemms{blas.handle, stream, d, blas_type<T>()};
 
   // q_c is reused for O once S is computed.
-  Buffer q_c = allocate(d.rows * d.head_dim, e, "naive attention packed Q, then O");
-  Buffer k_c = allocate(d.entries * d.seq_k * d.head_dim, e, "naive attention packed K");
-  Buffer v_c = allocate(d.entries * d.seq_k * d.head_dim, e, "naive attention packed V");
-  Buffer s = allocate(d.rows * d.ld, sizeof(float), "naive attention scores S");
-  Buffer pr = allocate(d.rows * d.ld, e, "naive attention probabilities P");
+  Buffer q_c = allocate(d.rows * d.head_dim, e, "naive attention packed Q, then O", stream);
+  Buffer k_c = allocate(d.entries * d.seq_k * d.head_dim, e, "naive attention packed K", stream);
+  Buffer v_c = allocate(d.entries * d.seq_k * d.head_dim, e, "naive attention packed V", stream);
+  Buffer s = allocate(d.rows * d.ld, sizeof(float), "naive attention scores S", stream);
+  Buffer pr = allocate(d.rows * d.ld, e, "naive attention probabilities P", stream);
 
   gather(q, q_c.data(), e, stream, "naive_attention: copy_rows (gather q)");
   gather(k, k_c.data(), e, stream, "naive_attention: copy_rows (gather k)");
@@ -375,14 +377,14 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
 
   // Packed inputs take the gradients once consumed (V -> dV, dO -> dQ, K -> dK) and P's buffer takes
   // dS; S stays alive next to dP because dS is computed from fp32 P = exp(S - lse).
-  Buffer q_c = allocate(d.rows * d.head_dim, e, "naive attention packed Q");
-  Buffer do_c = allocate(d.rows * d.head_dim, e, "naive attention packed dO, then dQ");
-  Buffer k_c = allocate(d.entries * d.seq_k * d.head_dim, e, "naive attention packed K, then dK");
-  Buffer v_c = allocate(d.entries * d.seq_k * d.head_dim, e, "naive attention packed V, then dV");
-  Buffer s = allocate(d.rows * d.ld, sizeof(float), "naive attention scores S");
-  Buffer dp = allocate(d.rows * d.ld, sizeof(float), "naive attention dP");
-  Buffer pr = allocate(d.rows * d.ld, e, "naive attention probabilities P, then dS");
-  Buffer row_lse = allocate(d.rows, sizeof(float), "naive attention row logsumexp");
+  Buffer q_c = allocate(d.rows * d.head_dim, e, "naive attention packed Q", stream);
+  Buffer do_c = allocate(d.rows * d.head_dim, e, "naive attention packed dO, then dQ", stream);
+  Buffer k_c = allocate(d.entries * d.seq_k * d.head_dim, e, "naive attention packed K, then dK", stream);
+  Buffer v_c = allocate(d.entries * d.seq_k * d.head_dim, e, "naive attention packed V, then dV", stream);
+  Buffer s = allocate(d.rows * d.ld, sizeof(float), "naive attention scores S", stream);
+  Buffer dp = allocate(d.rows * d.ld, sizeof(float), "naive attention dP", stream);
+  Buffer pr = allocate(d.rows * d.ld, e, "naive attention probabilities P, then dS", stream);
+  Buffer row_lse = allocate(d.rows, sizeof(float), "naive attention row logsumexp", stream);
   auto* s_f = static_cast<float*>(s.data());
   auto* dp_f = static_cast<float*>(dp.data());
   auto* p_t = static_cast<T*>(pr.data());

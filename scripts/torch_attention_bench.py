@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""flashlm's attention from PyTorch, side by side with F.scaled_dot_product_attention, on one GPU.
+
+1. Attention alone: flashlm.attention(layout="bhsd") against SDPA's flash and cuDNN backends, forward and
+   forward+backward, bf16, causal and not (median of triton's do_bench).
+2. The CS336 LM train step (shared/bench/lm_peers.py's run()) with every F.scaled_dot_product_attention
+   call of the model replaced by flashlm.attention, against the unmodified model.
+
+  FLASHLM_LIBRARY=.../libflashlm.so PYTHONPATH=python python3 scripts/torch_attention_bench.py \
+      --peers /path/to/shared/bench --out torch-swap.json
+"""
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+import flashlm
+
+BACKENDS = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def attention_flops(b, h, n, d, causal, backward):
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+    return flops * (3.5 if backward else 1.0)  # backward = 2.5x forward, as SPEC §2 counts
+
+
+def attention_fn(impl, causal):
+    if impl == "flashlm":
+        return lambda q, k, v: flashlm.attention(q, k, v, causal=causal, layout="bhsd")
+
+    def sdpa(q, k, v):
+        with sdpa_kernel([BACKENDS[impl]]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return sdpa
+
+
+def attention_alone(shapes, impls):
+    rows = []
+    for (b, h, n, d) in shapes:
+        for causal in (False, True):
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            dout = torch.randn_like(q)
+            for impl in impls:
+                f = attention_fn(impl, causal)
+                try:
+                    fwd = do_bench(lambda: f(q, k, v), warmup=25, rep=100, return_mode="median")
+                    fb = do_bench(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout), warmup=25, rep=100,
+                                  return_mode="median")
+                except Exception as e:  # an unsupported shape for a backend is a row, not the end
+                    print(f"| {b} | {h} | {n} | {d} | {int(causal)} | {impl} | failed: {repr(e)[:80]} |")
+                    continue
+                r = dict(batch=b, heads=h, seq=n, head_dim=d, causal=causal, impl=impl, fwd_ms=fwd, fwd_bwd_ms=fb,
+                         fwd_tflops=attention_flops(b, h, n, d, causal, False) / fwd / 1e9,
+                         fwd_bwd_tflops=attention_flops(b, h, n, d, causal, True) / fb / 1e9)
+                rows.append(r)
+                print(f"| {b} | {h} | {n} | {d} | {int(causal)} | {impl} | {fwd:.3f} | {fb:.3f} | "
+                      f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_tflops']:.0f} |", flush=True)
+    return rows
+
+
+class _SwappedFunctional(types.ModuleType):
+    """torch.nn.functional with scaled_dot_product_attention routed to flashlm (the model's (B, H, S, D))."""
+
+    def __init__(self):
+        super().__init__("flashlm_swapped_functional")
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    @staticmethod
+    def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        assert attn_mask is None and dropout_p == 0.0, "the swap covers what the CS336 model calls"
+        if torch.is_autocast_enabled():  # SDPA is on autocast's lower-precision list: do as it does
+            dtype = torch.get_autocast_gpu_dtype()
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+        return flashlm.attention(q, k, v, causal=is_causal, scale=scale, layout="bhsd")
+
+
+def lm_step(peers, models, mode, context, batch):
+    sys.path.insert(0, peers)
+    lm_peers = importlib.import_module("lm_peers")
+    cs336_model = importlib.import_module("cs336_model")
+    rows = []
+    for size in models:
+        for attn in ("sdpa", "flashlm"):
+            cs336_model.F = _SwappedFunctional() if attn == "flashlm" else F
+            t0 = time.time()
+            try:
+                r = lm_peers.run(size, mode, context, batch)
+            except Exception as e:
+                print(f"| {size} | {mode} | {attn} | failed: {repr(e)[:100]} |")
+                continue
+            r["attention"] = attn
+            rows.append(r)
+            print(f"| {size} | {mode} | {attn} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['step_ms']:.2f} | "
+                  f"{r['tokens_per_s']:.0f} | {r['peak_step_mib']:.0f} | ({time.time() - t0:.0f}s)", flush=True)
+            torch.cuda.empty_cache()
+    cs336_model.F = F
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peers", required=True, help="directory with lm_peers.py and cs336_model.py")
+    ap.add_argument("--models", default="small")
+    ap.add_argument("--mode", default="bf16", help="lm_peers mode (fp32 or bf16; compile graph-breaks on ctypes)")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--shapes", default="4x16x1024x64,4x16x4096x64,4x16x1024x128,4x16x4096x128,1x16x16384x128",
+                    help="attention shapes BxHxSxD, comma separated")
+    ap.add_argument("--out", default="torch-swap.json")
+    a = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
+    print(f"flashlm {flashlm.__version__} from {flashlm._lib.lib._name}; torch {torch.__version__}; "
+          f"{torch.cuda.get_device_name()}")
+    print("\n| batch | heads | seq | d | causal | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    alone = attention_alone(shapes, ["flashlm", "sdpa-flash", "sdpa-cudnn"])
+    print(f"\n| model | mode | attention | fwd ms | fwd+bwd ms | step ms | tok/s | peak step MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    lm = lm_step(a.peers, a.models.split(","), a.mode, a.context, a.batch)
+    json.dump(dict(tool="torch_attention_bench", device=torch.cuda.get_device_name(), torch=torch.__version__,
+                   flashlm=flashlm.__version__, attention=alone, lm=lm), open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
