@@ -6,13 +6,16 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "flashlm/bench.h"
+#include "flashlm/ddp.h"
 #include "flashlm/device.h"
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
@@ -50,15 +53,21 @@ std::vector<T> parse_list(const std::string& option, const std::string& s, Parse
   return out;
 }
 
-int64_t parse_positive(const std::string& s) {
+// A positive integer (T = int64_t) or number (T = double): the whole string.
+template <class T>
+T parse_positive(const std::string& s) {
   size_t used = 0;
-  long long v = 0;
+  T v = 0;
   try {
-    v = std::stoll(s, &used);
+    if constexpr (std::is_integral_v<T>) v = std::stoll(s, &used);
+    else v = std::stod(s, &used);
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != s.size() || v < 1) throw std::invalid_argument(fmt::format("'{}' is not a positive integer", s));
+  if (used != s.size() || !(v > 0)) {
+    throw std::invalid_argument(
+        fmt::format("'{}' is not a positive {}", s, std::is_integral_v<T> ? "integer" : "number"));
+  }
   return v;
 }
 
@@ -103,6 +112,53 @@ void emit_report(Render&& render, flashlm::ReportFormat format, const std::strin
     write_output(render(flashlm::ReportFormat::md), "");
   } else {
     write_output(render(format), "");
+  }
+}
+
+// Runs fn(comm) on every rank of the job (a world of one without mpirun). A failure on one rank ends the
+// whole job (MPI_Abort) instead of leaving its peers waiting in a collective; MPI is finalized on success.
+template <class Fn>
+int run_on_every_rank(Fn&& fn) {
+  {
+    flashlm::Communicator comm;  // MPI_Init
+    try {
+      fn(comm);
+    } catch (const std::exception& e) {
+      if (comm.world_size() > 1) {
+        fmt::print(stderr, "error: rank {}: {}\n", comm.rank(), e.what());
+        std::fflush(stderr);
+        flashlm::Communicator::abort(1);
+      }
+      throw;
+    }
+  }
+  flashlm::Communicator::finalize();
+  return 0;
+}
+
+// Whether a launcher started this process as one of several ranks (mpirun, srun), before MPI is started.
+bool launched_with_peers() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+    const char* v = std::getenv(var);
+    if (v && std::atoi(v) > 1) return true;
+  }
+  return false;
+}
+
+// --device default: cuda when a GPU is visible; --precision default: bf16 on cuda, fp32 on the CPU. The CPU
+// runs fp32 only; a device that cannot be used is a usage error.
+void resolve_device_and_precision(const std::string& device, const std::string& precision, flashlm::Device& dev,
+                                  flashlm::DType& dtype) {
+  using namespace flashlm;
+  try {
+    dev = device.empty() ? (cuda_device_count() > 0 ? Device::cuda : Device::cpu) : parse_device(device);
+    dtype = precision.empty() ? (dev == Device::cuda ? DType::bf16 : DType::f32) : parse_dtype(precision);
+  } catch (const flashlm::Error& e) {
+    throw UsageError(e.what());
+  }
+  require_usable_device(dev);
+  if (dev == Device::cpu && dtype != DType::f32) {
+    throw UsageError(fmt::format("--precision {}: the CPU engine runs fp32", dtype_name(dtype)));
   }
 }
 
@@ -166,10 +222,10 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
     if (!a.grid.empty()) {
       cfg.shapes = attention_named_grid(a.grid);
     } else {
-      cfg.shapes = attention_shape_grid(parse_list<int64_t>("--d", a.d, parse_positive),
-                                        parse_list<int64_t>("--seq", a.seq, parse_positive),
-                                        parse_list<int64_t>("--batch", a.batch, parse_positive),
-                                        parse_list<int64_t>("--heads", a.heads, parse_positive),
+      cfg.shapes = attention_shape_grid(parse_list<int64_t>("--d", a.d, parse_positive<int64_t>),
+                                        parse_list<int64_t>("--seq", a.seq, parse_positive<int64_t>),
+                                        parse_list<int64_t>("--batch", a.batch, parse_positive<int64_t>),
+                                        parse_list<int64_t>("--heads", a.heads, parse_positive<int64_t>),
                                         parse_list<bool>("--causal", a.causal, parse_bool));
     }
     cfg.align = parse_causal_align(a.align);
@@ -227,7 +283,7 @@ int run_bench_command(const BenchArgs& a) {
   try {
     cfg.models = split_list(a.model);
     for (const auto& m : cfg.models) ModelConfig::named(m);  // an unknown size is a usage error
-    cfg.contexts = parse_list<int64_t>("--context", a.context, parse_positive);
+    cfg.contexts = parse_list<int64_t>("--context", a.context, parse_positive<int64_t>);
     cfg.precisions = parse_list<DType>("--precision", a.precision, [](const std::string& s) { return parse_dtype(s); });
     cfg.attention = parse_list<AttentionImpl>("--attention", a.attention,
                                               [](const std::string& s) { return parse_attention_impl(s); });
@@ -269,10 +325,15 @@ struct TrainArgs {
   double lr = 3e-3, lr_min = 3e-4, weight_decay = 0.1, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
   bool resume = false;
+  std::string ddp;
+  double bucket_mb = 25;
+  int64_t grad_accum = 1;
+  int zero = 0;
 };
 
 void add_train(CLI::App& app, TrainArgs& a) {
-  CLI::App* cmd = app.add_subcommand("train", "Train the Transformer LM (CPU, fp32) on token files or synthetic data");
+  CLI::App* cmd = app.add_subcommand(
+      "train", "Train the Transformer LM on token files or synthetic data; data-parallel under mpirun");
   cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B (overridden by the options below)")
       ->capture_default_str();
   cmd->add_option("--d-model", a.d_model, "Model width");
@@ -305,24 +366,35 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
+  cmd->add_option("--ddp", a.ddp,
+                  "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async or "
+                  "bucketed (the default when launched with several ranks)");
+  cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket size of --ddp bucketed, MB of fp32 gradients")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--grad-accum", a.grad_accum, "Micro-batches per optimizer step, gradients synchronised on the last")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--zero", a.zero, "1: ZeRO-1, the AdamW moments sharded across ranks")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1));
 }
 
 int run_train_command(const TrainArgs& a) {
   using namespace flashlm;
   TrainConfig cfg;
+  resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision);
   try {
     cfg.model = ModelConfig::named(a.model, a.context, a.vocab);
     cfg.attention = parse_attention_impl(a.attention);
-    cfg.device = a.device.empty() ? (cuda_device_count() > 0 ? Device::cuda : Device::cpu) : parse_device(a.device);
-    cfg.precision = a.precision.empty() ? (cfg.device == Device::cuda ? DType::bf16 : DType::f32)
-                                        : parse_dtype(a.precision);
-    require_usable_device(cfg.device);
-    if (cfg.device == Device::cpu && cfg.precision != DType::f32) {
-      throw UsageError(fmt::format("--precision {}: the CPU engine runs fp32", dtype_name(cfg.precision)));
-    }
+    if (!a.ddp.empty()) cfg.ddp.variant = parse_ddp_variant(a.ddp);
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
+  cfg.ddp.bucket_mb = a.bucket_mb;
+  cfg.ddp.grad_accum = a.grad_accum;
+  cfg.zero1 = a.zero == 1;
+  const bool data_parallel = !a.ddp.empty() || cfg.zero1 || a.grad_accum > 1 || launched_with_peers();
   if (a.d_model) cfg.model.d_model = a.d_model;
   if (a.d_ff) cfg.model.d_ff = a.d_ff;
   if (a.layers) cfg.model.layers = a.layers;
@@ -354,9 +426,18 @@ int run_train_command(const TrainArgs& a) {
   cfg.seed = a.seed;
   if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
   cfg.progress = [](const std::string& line) { fmt::print("{}\n", line), std::fflush(stdout); };
-  const TrainResult r = train(cfg);
-  if (!r.val_loss.empty()) fmt::print("final val loss {:.4f}\n", r.val_loss.back().second);
-  return 0;
+  const auto run = [&cfg] {
+    const TrainResult r = train(cfg);  // under data parallelism, rank 0 alone evaluates and reports
+    if (!r.val_loss.empty()) fmt::print("final val loss {:.4f}\n", r.val_loss.back().second);
+  };
+  if (!data_parallel) {
+    run();
+    return 0;
+  }
+  return run_on_every_rank([&](Communicator& comm) {
+    cfg.comm = &comm;
+    run();
+  });
 }
 
 struct AllReduceBenchArgs {
@@ -409,30 +490,83 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
   cfg.warmup = a.warmup;
   cfg.iters = a.iters;
 
-  {
-    Communicator comm;  // MPI_Init; a world of one without mpirun
-    try {
-      if (!a.quiet && comm.is_root()) {
-        cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
-        fmt::print(stderr, "allreduce-bench: {} rank(s), {} on this node, {}\n", comm.world_size(), comm.local_size(),
-                   cfg.device == Device::cuda ? "NCCL on GPUs" : "MPI on CPU buffers");
-      }
-      const auto records = run_allreduce_bench(comm, cfg);
-      if (comm.is_root()) {
-        emit_report([&](ReportFormat f) { return format_allreduce_bench(records, f, cfg, comm); }, format, a.out);
-      }
-    } catch (const std::exception& e) {
-      // With peers, end the whole job (MPI_Abort) rather than leave them waiting in a collective.
-      if (comm.world_size() > 1) {
-        fmt::print(stderr, "error: rank {}: {}\n", comm.rank(), e.what());
-        std::fflush(stderr);
-        Communicator::abort(1);
-      }
-      throw;
+  return run_on_every_rank([&](Communicator& comm) {
+    if (!a.quiet && comm.is_root()) {
+      cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
+      fmt::print(stderr, "allreduce-bench: {} rank(s), {} on this node, {}\n", comm.world_size(), comm.local_size(),
+                 cfg.device == Device::cuda ? "NCCL on GPUs" : "MPI on CPU buffers");
     }
+    const auto records = run_allreduce_bench(comm, cfg);
+    if (comm.is_root()) {
+      emit_report([&](ReportFormat f) { return format_allreduce_bench(records, f, cfg, comm); }, format, a.out);
+    }
+  });
+}
+
+struct DdpBenchArgs {
+  std::string model = "xl", ddp = "per-param,flat,async,bucketed", bucket_mb = "1,10,100,1000", zero = "0";
+  std::string device, precision, format = "md", out;
+  int64_t context = 512, batch = 4, vocab = 10000, threads = 0;
+  int warmup = 3, steps = 10;
+  bool quiet = false;
+};
+
+void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
+  CLI::App* cmd = app.add_subcommand(
+      "ddp-bench",
+      "Time the LM's train step data-parallel across the ranks of a job (mpirun -np N flashlm ddp-bench) for "
+      "every DDP variant and bucket size, against the step without communication");
+  cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B")->capture_default_str();
+  cmd->add_option("--context", a.context, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--batch", a.batch, "Sequences per rank")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed")->capture_default_str();
+  cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket sizes of the bucketed variant, MB, comma list")
+      ->capture_default_str();
+  cmd->add_option("--zero", a.zero, "ZeRO-1 off and/or on: comma list of 0,1")->capture_default_str();
+  cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
+  cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
+  cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
+  add_report_options(cmd, a.format, a.out, a.quiet);
+}
+
+int run_ddp_bench_command(const DdpBenchArgs& a) {
+  using namespace flashlm;
+  DdpBenchConfig cfg;
+  ReportFormat format;
+  resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision);
+  try {
+    ModelConfig::named(a.model);  // an unknown size is a usage error
+    cfg.variants = parse_list<DdpVariant>("--ddp", a.ddp, [](const std::string& s) { return parse_ddp_variant(s); });
+    cfg.bucket_mb = parse_list<double>("--bucket-mb", a.bucket_mb, parse_positive<double>);
+    cfg.zero1 = parse_list<bool>("--zero", a.zero, parse_bool);
+    format = parse_report_format(a.format);
+  } catch (const flashlm::Error& e) {
+    throw UsageError(e.what());
   }
-  Communicator::finalize();
-  return 0;
+  if (cfg.device == Device::cuda && !Communicator::nccl_built()) {
+    throw UsageError("--device cuda: flashlm was built without NCCL");
+  }
+  cfg.model = a.model;
+  cfg.context = a.context;
+  cfg.batch = a.batch;
+  cfg.vocab = a.vocab;
+  cfg.warmup = a.warmup;
+  cfg.steps = a.steps;
+  if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
+  return run_on_every_rank([&](Communicator& comm) {
+    if (!a.quiet && comm.is_root()) {
+      cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
+      fmt::print(stderr, "ddp-bench: {} rank(s), {} ctx {} x {} sequences per rank, {} on {}\n", comm.world_size(),
+                 cfg.model, cfg.context, cfg.batch, dtype_name(cfg.precision), device_name(cfg.device));
+    }
+    const auto records = run_ddp_bench(comm, cfg);
+    if (comm.is_root()) {
+      emit_report([&](ReportFormat f) { return format_ddp_bench(records, f, cfg, comm); }, format, a.out);
+    }
+  });
 }
 
 void add_info(CLI::App& app) {
@@ -460,6 +594,8 @@ int main(int argc, char** argv) {
   add_bench(app, lm_bench_args);
   AllReduceBenchArgs allreduce_args;
   add_allreduce_bench(app, allreduce_args);
+  DdpBenchArgs ddp_bench_args;
+  add_ddp_bench(app, ddp_bench_args);
   add_info(app);
 
   try {
@@ -468,6 +604,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("train")) return run_train_command(train_args);
     if (app.got_subcommand("bench")) return run_bench_command(lm_bench_args);
     if (app.got_subcommand("allreduce-bench")) return run_allreduce_bench_command(allreduce_args);
+    if (app.got_subcommand("ddp-bench")) return run_ddp_bench_command(ddp_bench_args);
     return 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "flashlm/attention.h"
+#include "flashlm/ddp.h"
 #include "flashlm/model.h"
 
 namespace flashlm {
@@ -126,5 +127,41 @@ struct AllReduceBenchRecord {
 std::vector<AllReduceBenchRecord> run_allreduce_bench(Communicator& comm, const AllReduceBenchConfig& config);
 std::string format_allreduce_bench(const std::vector<AllReduceBenchRecord>& records, ReportFormat format,
                                    const AllReduceBenchConfig& config, const Communicator& comm);
+
+// `flashlm ddp-bench`: the LM's train step data-parallel across the ranks of a job, for every DDP variant
+// (and bucket size, and with or without ZeRO-1), against the same step without communication measured in
+// the same run (the one-GPU number that scaling efficiency divides by).
+struct DdpBenchConfig {
+  std::string model = "xl";
+  int64_t context = 512, batch = 4, vocab = 10000;  // batch: sequences per rank
+  Device device = Device::cpu;
+  DType precision = DType::f32;
+  std::vector<DdpVariant> variants{DdpVariant::per_param, DdpVariant::flat, DdpVariant::async, DdpVariant::bucketed};
+  std::vector<double> bucket_mb{1, 10, 100, 1000};  // bucketed only
+  std::vector<bool> zero1{false};
+  int warmup = 3, steps = 10;
+  std::function<void(const std::string&)> progress;  // rank 0 only
+};
+
+struct DdpBenchRecord {
+  std::string variant;  // "none": the step without communication (world 1); otherwise a DDP variant
+  std::optional<double> bucket_mb;
+  bool zero1 = false;
+  int world_size = 1;
+  int64_t buckets = 0;  // all-reduces per step
+  // Per step the slowest rank's time, then mean and median over steps; the communication not hidden by
+  // the backward (DdpStats::exposed_ms), mean over steps of the slowest rank.
+  std::optional<double> mean_ms, median_ms, exposed_comm_ms;
+  // tokens/s of the whole job; scaling efficiency = tokens/s / (world size · tokens/s of "none").
+  std::optional<double> tokens_per_s, scaling_efficiency;
+  std::optional<double> optimizer_state_mib;  // AdamW moments per rank
+  std::string status = "ok";                  // ok | oom | error (the same on every rank)
+  std::string message;
+};
+
+// Collective: every rank calls it with the same config.
+std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConfig& config);
+std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportFormat format,
+                             const DdpBenchConfig& config, const Communicator& comm);
 
 }  // namespace flashlm

@@ -109,6 +109,11 @@ class TokenBatcher {
   BatcherState state() const { return {seed_, step_}; }
   void restore(const BatcherState& state);
 
+  // Data parallelism: rank `index` of `count` takes rows [index · batch, (index + 1) · batch) of the batches
+  // that a batcher of batch · count rows would cut, so the ranks together read what one process reads with
+  // the global batch.
+  void select_shard(int64_t index, int64_t count);
+
   int64_t batch() const { return batch_; }
   int64_t context() const { return context_; }
   // The number of distinct sequential windows, floor((n - 1) / T): ceil(windows() / batch()) sequential
@@ -123,6 +128,7 @@ class TokenBatcher {
   BatchOrder order_ = BatchOrder::random;
   uint64_t seed_ = 0;
   int64_t step_ = 0;
+  int64_t shard_ = 0, shards_ = 1;
 };
 
 }  // namespace flashlm

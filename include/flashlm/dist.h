@@ -32,6 +32,24 @@ namespace flashlm {
 enum class ReduceOp : uint8_t { sum, avg, max, min };
 std::string_view reduce_op_name(ReduceOp op);
 
+// A collective in flight (Communicator::all_reduce_async): finished by Communicator::wait(request).
+// Move-only; an empty (default) request is finished.
+class CommRequest {
+ public:
+  CommRequest();
+  ~CommRequest();
+  CommRequest(CommRequest&&) noexcept;
+  CommRequest& operator=(CommRequest&&) noexcept;
+  CommRequest(const CommRequest&) = delete;
+  CommRequest& operator=(const CommRequest&) = delete;
+  bool pending() const;  // started and not yet waited for
+
+ private:
+  friend class Communicator;
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
 class Communicator {
  public:
   // Collective over all processes. Initialises MPI once per process on first use (MPI_Init_thread,
@@ -69,7 +87,21 @@ class Communicator {
   // rank's chunk of `in` (in place).
   void reduce_scatter(const TensorView& in, const TensorView& out, ReduceOp op = ReduceOp::sum,
                       void* stream = nullptr);
+  // In place, chunks of any sizes: x holds every rank's chunk in rank order (counts[r] elements for rank r,
+  // Σ counts = x.numel); afterwards every chunk holds its owner's values on every rank. MPI_Allgatherv on
+  // the CPU; on GPUs one NCCL broadcast per rank in a group (NCCL's all-gather needs equal chunks).
+  void all_gather_v(const TensorView& x, std::span<const int64_t> counts, void* stream = nullptr);
   void barrier();  // MPI_Barrier (host)
+
+  // all_reduce that returns before the reduction is done, for overlapping it with computation. CPU views:
+  // a non-blocking MPI_Iallreduce; x must not be touched until wait(request), and MPI progresses it inside
+  // MPI calls (test() is one). CUDA views: all_reduce(x, op, stream), already asynchronous to the host; the
+  // request is finished at once (order later GPU work after it with wait(stream)).
+  CommRequest all_reduce_async(const TensorView& x, ReduceOp op = ReduceOp::sum, void* stream = nullptr);
+  // Blocks until `request` is finished (then applies avg's division on the CPU); an empty request returns.
+  void wait(CommRequest& request);
+  // Progresses MPI and says whether `request` is finished (wait() must still be called to complete it).
+  bool test(CommRequest& request);
 
   // Checks that every rank has the same `value` (a size, a step count, a checksum) and returns it;
   // otherwise every rank throws "ranks disagree on <what>: rank 0 has X, rank 2 has Y".

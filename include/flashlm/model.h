@@ -6,6 +6,7 @@
 // model needs is known when it is built and stays constant while it trains.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -61,6 +62,15 @@ struct AdamWConfig {
 // Cosine learning rate with linear warm-up (CS336's schedule): lr at step t (0-based).
 double cosine_lr(const AdamWConfig& c, int64_t step);
 
+// The global gradient norm adds fp64 sums of squares over fixed chunks of this many elements of the flat
+// gradient, in chunk order: the same bits whatever the thread count, and for ZeRO-1, whose shards are whole
+// chunks, whatever the world size.
+constexpr int64_t kGradientNormChunk = int64_t{1} << 16;
+
+// Called by backward() when the gradients of parameters [first, last] (indices into the layout) are final:
+// data parallelism starts reducing them while the rest of the backward runs (flashlm/ddp.h).
+using GradientReadyHook = std::function<void(int64_t first, int64_t last)>;
+
 // What the training loop and the benchmark need from a model, whatever device it runs on.
 class LanguageModel {
  public:
@@ -85,7 +95,31 @@ class LanguageModel {
   virtual void save_state(float* params, float* m, float* v) const = 0;
   virtual void load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) = 0;
   virtual void synchronize() const {}  // waits for queued device work (for timing)
+
+  // For data parallelism (flashlm/ddp.h), which reduces the gradients and may update the parameters in
+  // place: the layout, the flat fp32 master parameters and gradients in device() memory, and the stream the
+  // model queues its work on (CUDA; nullptr on the CPU).
+  virtual const std::vector<ParameterInfo>& layout() const = 0;
+  virtual float* parameters() const = 0;
+  virtual float* gradients() const = 0;
+  virtual void* stream() const { return nullptr; }
+  // After parameters() changed in place (a broadcast, ZeRO-1's update): refreshes what is derived from them
+  // (CudaModel's low-precision weights), queued on stream().
+  virtual void parameters_changed() {}
+  // backward() calls `hook` as each parameter's gradient becomes final — on CUDA when the kernels that
+  // produce it are queued on stream(), not when they have run. An empty hook removes it.
+  void set_gradient_ready_hook(GradientReadyHook hook) { gradient_ready_hook_ = std::move(hook); }
+
+ protected:
+  void gradient_ready(std::string_view parameter_name) const;  // for backward(): calls the hook, if any
+
+ private:
+  GradientReadyHook gradient_ready_hook_;
 };
+
+// The update after a backward: fp16 unscaling (an overflow skips the update and returns false), clipping to
+// c.max_grad_norm and AdamW at lr. *norm (if given): the gradient norm before clipping.
+bool optimizer_step(LanguageModel& model, const AdamWConfig& c, double lr, double* norm = nullptr);
 
 // A model on `device`: CpuModel (fp32) or CudaModel (fp32, bf16, fp16).
 std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
@@ -97,9 +131,9 @@ class CpuModel final : public LanguageModel {
   CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, AttentionImpl attention = AttentionImpl::flash);
 
   const ModelConfig& config() const override { return config_; }
-  const std::vector<ParameterInfo>& layout() const { return layout_; }
-  float* parameters() const { return static_cast<float*>(params_.data()); }
-  float* gradients() const { return static_cast<float*>(grads_.data()); }
+  const std::vector<ParameterInfo>& layout() const override { return layout_; }
+  float* parameters() const override { return static_cast<float*>(params_.data()); }
+  float* gradients() const override { return static_cast<float*>(grads_.data()); }
   int64_t parameter_count() const override { return n_params_; }
   Device device() const override { return Device::cpu; }
   DType precision() const override { return DType::f32; }
@@ -146,6 +180,7 @@ class CpuModel final : public LanguageModel {
   float* grad(const std::string& name) const;
   float* act(int64_t offset) const { return static_cast<float*>(acts_.data()) + offset; }
   LayerActs layer_acts(int64_t layer) const;
+  void allocate_moments();
 };
 
 // The LM on one GPU. Activations and their gradients in `precision` (fp32, bf16 or fp16); master weights,
@@ -163,7 +198,11 @@ class CudaModel final : public LanguageModel {
   CudaModel& operator=(const CudaModel&) = delete;
 
   const ModelConfig& config() const override;
-  const std::vector<ParameterInfo>& layout() const;
+  const std::vector<ParameterInfo>& layout() const override;
+  float* parameters() const override;  // device memory
+  float* gradients() const override;   // device memory
+  void* stream() const override;
+  void parameters_changed() override;
   int64_t parameter_count() const override;
   Device device() const override { return Device::cuda; }
   DType precision() const override;

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "flashlm/ddp.h"
 #include "flashlm/model.h"
 
 namespace flashlm {
@@ -29,6 +30,13 @@ struct TrainConfig {
   AttentionImpl attention = AttentionImpl::flash;
   Device device = Device::cpu;
   DType precision = DType::f32;  // fp32 on the CPU; fp32, bf16 or fp16 on CUDA
+  // Data parallelism: with a communicator (the ranks of an mpirun job; a world of one works too) every rank
+  // trains on its own `batch` rows of each step's global batch of batch · world size · grad_accum rows, the
+  // gradients are synchronised as `ddp` says (and the AdamW moments sharded with zero1), and rank 0 alone
+  // reports progress and writes checkpoints. ddp.grad_accum and zero1 need a communicator.
+  Communicator* comm = nullptr;
+  DdpOptions ddp;
+  bool zero1 = false;
   std::function<void(const std::string&)> progress;  // one line per log / eval / checkpoint event
 };
 

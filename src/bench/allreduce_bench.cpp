@@ -6,8 +6,6 @@
 #include <cctype>
 #include <chrono>
 #include <cstring>
-#include <ctime>
-#include <numeric>
 #include <span>
 #include <vector>
 
@@ -63,12 +61,6 @@ std::string format_byte_size(int64_t bytes) {
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // The rank's buffer, zeroed (sums of zeros stay zeros: no overflow, no subnormals, whatever the
 // number of iterations and ranks).
 Tensor zeroed_buffer(int64_t elements, DType dtype, Device device) {
@@ -119,8 +111,9 @@ void measure(Communicator& comm, const AllReduceBenchConfig& cfg, AllReduceBench
   }
   // An iteration lasts until its slowest rank is done (nccl-tests reports the maximum over ranks).
   comm.all_reduce(std::span<double>(ms), ReduceOp::max);
-  rec.median_ms = median(ms);
-  rec.mean_ms = std::accumulate(ms.begin(), ms.end(), 0.0) / static_cast<double>(ms.size());
+  const Moments stats = moments(ms);
+  rec.median_ms = stats.median;
+  rec.mean_ms = stats.mean;
   rec.min_ms = *std::min_element(ms.begin(), ms.end());
   // nccl-tests' definitions (doc/PERFORMANCE.md of github.com/NVIDIA/nccl-tests): algbw = bytes / time;
   // busbw = algbw * 2(n-1)/n for all-reduce, the bandwidth each link carries in a ring all-reduce (each
@@ -202,15 +195,12 @@ std::string format_allreduce_bench(const std::vector<AllReduceBenchRecord>& reco
       {"size", "size"},               {"bytes", "bytes"},                {"median_ms", "median ms", 3},
       {"mean_ms", "mean ms", 3},      {"algbw_gbps", "algbw GB/s", 2},   {"busbw_gbps", "busbw GB/s", 2},
       {"status", "status"}};
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   const nlohmann::json meta = {
       {"tool", "flashlm allreduce-bench"},
       {"device", describe_device(cfg.device)},
       {"world_size", comm.world_size()},
       {"ranks_per_node", comm.local_size()},
-      {"date", date},
+      {"date", utc_date()},
       {"warmup", cfg.warmup},
       {"iters", cfg.iters},
       {"in_place", true},

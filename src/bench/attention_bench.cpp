@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <functional>
 #include <vector>
 
@@ -16,19 +15,13 @@ namespace flashlm {
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Median time of `reps` calls after `warmup` untimed ones: wall time on the CPU (calls are synchronous),
 // CUDA events around each call on the GPU.
 double median_ms(Device device, int warmup, int reps, const std::function<void()>& fn) {
   for (int i = 0; i < warmup; ++i) fn();
   if (device == Device::cuda) {
     cuda_synchronize();
-    return median(cuda_time_each_ms(fn, reps));
+    return moments(cuda_time_each_ms(fn, reps)).median;
   }
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
@@ -36,7 +29,7 @@ double median_ms(Device device, int warmup, int reps, const std::function<void()
     fn();
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
-  return median(ms);
+  return moments(ms).median;
 }
 
 constexpr double kMiB = 1024.0 * 1024.0;
@@ -175,13 +168,10 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
       {"causal", "causal"},       {"fwd_ms", "fwd ms", 3},     {"bwd_ms", "bwd ms", 3},
       {"fwd_tflops", "fwd TFLOP/s", 3}, {"bwd_tflops", "bwd TFLOP/s", 3}, {"peak_fwd_mib", "peak fwd MiB", 1},
       {"peak_bwd_mib", "peak bwd MiB", 1}, {"status", "status"}};
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   const nlohmann::json meta = {{"tool", "flashlm attention-bench"},
                                {"device", describe_device(cfg.device)},
                                {"threads", cfg.device == Device::cpu ? cpu_threads() : 0},
-                               {"date", date},
+                               {"date", utc_date()},
                                {"warmup", cfg.warmup},
                                {"reps", cfg.reps},
                                {"causal_align", cfg.align == CausalAlign::top_left ? "top-left" : "bottom-right"}};

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <ctime>
 #include <random>
 
 #include "bench/report.h"
@@ -22,22 +21,6 @@ double train_flops_per_token(const ModelConfig& c, int64_t context) {
 namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
-
-struct Moments {
-  double mean, stddev, median;
-};
-
-Moments moments(std::vector<double> v) {
-  Moments m{};
-  for (double x : v) m.mean += x;
-  m.mean /= double(v.size());
-  for (double x : v) m.stddev += (x - m.mean) * (x - m.mean);
-  m.stddev = v.size() > 1 ? std::sqrt(m.stddev / double(v.size() - 1)) : 0.0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  m.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  return m;
-}
 
 // Times every requested pass of one (model, context, precision, attention) configuration. Each timed
 // step ends with a device synchronisation, so host time is the step's time on either device.
@@ -70,10 +53,7 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, A
         model.zero_grad();
         model.forward(tokens.data(), targets.data());
         model.backward();
-        if (model.unscale_gradients()) {
-          model.clip_gradients(opt.max_grad_norm);
-          model.adamw_step(opt, 1e-4);
-        }
+        optimizer_step(model, opt, 1e-4);
       };
     }
     memory_reset_peak(dev);
@@ -192,11 +172,8 @@ std::string format_lm_bench(const std::vector<LmBenchRecord>& records, ReportFor
       {"attention", "attention"}, {"pass", "pass"},         {"mean_ms", "mean ms", 2},  {"std_ms", "± ms", 2},
       {"median_ms", "median ms", 2}, {"tokens_per_s", "tokens/s", 0}, {"mfu", "MFU", 3}, {"peak_mib", "peak MiB", 1},
       {"status", "status"}};
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   const nlohmann::json meta = {{"tool", "flashlm bench"}, {"device", describe_device(cfg.device)},
-                               {"threads", cfg.device == Device::cpu ? cpu_threads() : 0}, {"date", date},
+                               {"threads", cfg.device == Device::cpu ? cpu_threads() : 0}, {"date", utc_date()},
                                {"warmup", cfg.warmup}, {"steps", cfg.steps}, {"vocab", cfg.vocab}};
   return render_report(rows, columns, format, meta);
 }

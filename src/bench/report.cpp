@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <ctime>
 #include <fstream>
 #include <thread>
 
@@ -88,6 +90,26 @@ std::string render_report(const std::vector<nlohmann::json>& records, const std:
     }
   }
   return out;
+}
+
+Moments moments(std::vector<double> v) {
+  FLASHLM_CHECK(!v.empty(), "moments: no samples");
+  Moments m;
+  for (double x : v) m.mean += x;
+  m.mean /= double(v.size());
+  for (double x : v) m.stddev += (x - m.mean) * (x - m.mean);
+  m.stddev = v.size() > 1 ? std::sqrt(m.stddev / double(v.size() - 1)) : 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  m.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return m;
+}
+
+std::string utc_date() {
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  return date;
 }
 
 std::string describe_device(Device device) {

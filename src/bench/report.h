@@ -18,4 +18,12 @@ struct ReportColumn {
 std::string render_report(const std::vector<nlohmann::json>& records, const std::vector<ReportColumn>& columns,
                           ReportFormat format, const nlohmann::json& meta);
 
+// Mean, sample standard deviation and median of timings (at least one).
+struct Moments {
+  double mean = 0, stddev = 0, median = 0;
+};
+Moments moments(std::vector<double> samples);
+
+std::string utc_date();  // "2026-11-30", for the reports' meta
+
 }  // namespace flashlm

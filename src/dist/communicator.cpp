@@ -162,6 +162,23 @@ constexpr int64_t kMpiChunk = int64_t{1} << 30;  // elements per MPI call (count
 
 }  // namespace
 
+// A CPU all-reduce in flight: its MPI requests (one per kMpiChunk elements), and what avg divides after.
+struct CommRequest::State {
+  std::vector<MPI_Request> requests;
+  TensorView x;
+  ReduceOp op = ReduceOp::sum;
+  int world_size = 1;
+  int rank = 0;
+};
+
+CommRequest::CommRequest() = default;
+// A request dropped while pending (an exception on its way) is left to MPI: the standard forbids freeing or
+// cancelling a non-blocking collective, and waiting here could hang on a failed peer.
+CommRequest::~CommRequest() = default;
+CommRequest::CommRequest(CommRequest&&) noexcept = default;
+CommRequest& CommRequest::operator=(CommRequest&&) noexcept = default;
+bool CommRequest::pending() const { return state_ != nullptr; }
+
 struct Communicator::Impl {
   MPI_Comm comm = MPI_COMM_NULL;   // a duplicate of MPI_COMM_WORLD with MPI_ERRORS_RETURN
   MPI_Comm local = MPI_COMM_NULL;  // the ranks of this node (shared memory)
@@ -250,6 +267,51 @@ void Communicator::all_reduce(const TensorView& x, ReduceOp op, void* stream) {
             "MPI_Allreduce");
   }
   if (op == ReduceOp::avg) divide(x, m.size);
+}
+
+CommRequest Communicator::all_reduce_async(const TensorView& x, ReduceOp op, void* stream) {
+  Impl& m = *impl_;
+  check_view(x, "all_reduce_async", "x");
+  CommRequest request;
+  if (x.device == Device::cuda) {
+    all_reduce(x, op, stream);
+    return request;
+  }
+  const MPI_Datatype type = mpi_type(x.dtype, "all_reduce_async", "x");
+  const size_t esize = dtype_size(x.dtype);
+  auto state = std::make_unique<CommRequest::State>();
+  state->x = x;
+  state->op = op;
+  state->world_size = m.size;
+  state->rank = m.rank;
+  for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
+    const int count = static_cast<int>(std::min(kMpiChunk, x.numel() - begin));
+    MPI_Request r = MPI_REQUEST_NULL;
+    m.check(MPI_Iallreduce(MPI_IN_PLACE, static_cast<char*>(x.data) + begin * esize, count, type, mpi_op(op), m.comm,
+                           &r),
+            "MPI_Iallreduce");
+    state->requests.push_back(r);
+  }
+  request.state_ = std::move(state);
+  return request;
+}
+
+void Communicator::wait(CommRequest& request) {
+  if (!request.state_) return;
+  CommRequest::State& st = *request.state_;
+  check_mpi(MPI_Waitall(static_cast<int>(st.requests.size()), st.requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall",
+            st.rank);
+  if (st.op == ReduceOp::avg) divide(st.x, st.world_size);
+  request.state_.reset();
+}
+
+bool Communicator::test(CommRequest& request) {
+  if (!request.state_) return true;
+  CommRequest::State& st = *request.state_;
+  int done = 0;
+  check_mpi(MPI_Testall(static_cast<int>(st.requests.size()), st.requests.data(), &done, MPI_STATUSES_IGNORE),
+            "MPI_Testall", st.rank);
+  return done != 0;
 }
 
 void Communicator::broadcast(const TensorView& x, int root, void* stream) {
@@ -341,6 +403,42 @@ void Communicator::reduce_scatter(const TensorView& in, const TensorView& out, R
     m.check(MPI_Reduce_scatter_block(in.data, out.data, count, type, mpi_op(op), m.comm), "MPI_Reduce_scatter_block");
   }
   if (op == ReduceOp::avg) divide(out, m.size);
+}
+
+void Communicator::all_gather_v(const TensorView& x, std::span<const int64_t> counts, void* stream) {
+  Impl& m = *impl_;
+  check_view(x, "all_gather_v", "x");
+  FLASHLM_CHECK(static_cast<int>(counts.size()) == m.size,
+                "Communicator::all_gather_v: {} counts for a world of {} ranks", counts.size(), m.size);
+  int64_t total = 0;
+  for (int64_t c : counts) {
+    FLASHLM_CHECK(c >= 0, "Communicator::all_gather_v: negative count {}", c);
+    total += c;
+  }
+  FLASHLM_CHECK(total == x.numel(), "Communicator::all_gather_v: the counts add up to {} elements, x has {}", total,
+                x.numel());
+  if (x.device == Device::cuda) {
+#ifdef FLASHLM_WITH_NCCL
+    setup_cuda();
+    FLASHLM_CHECK(x.numel() == 0 || m.nccl->pointer_on_device(x.data),
+                  "Communicator::all_gather_v: x is not memory of this rank's device cuda:{}", m.nccl->device());
+    std::vector<size_t> sizes(counts.begin(), counts.end());
+    m.nccl->all_gather_v(x.data, sizes, x.dtype, stream);
+    return;
+#else
+    m.no_cuda("all_gather_v");
+#endif
+  }
+  const MPI_Datatype type = mpi_type(x.dtype, "all_gather_v", "x");
+  FLASHLM_CHECK(total <= INT_MAX, "Communicator::all_gather_v: {} elements, MPI_Allgatherv addresses at most {}", total,
+                INT_MAX);
+  std::vector<int> sizes(counts.size()), displs(counts.size());
+  for (size_t r = 0, at = 0; r < counts.size(); at += static_cast<size_t>(counts[r]), ++r) {
+    sizes[r] = static_cast<int>(counts[r]);
+    displs[r] = static_cast<int>(at);
+  }
+  m.check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x.data, sizes.data(), displs.data(), type, m.comm),
+          "MPI_Allgatherv");
 }
 
 void Communicator::barrier() { impl_->check(MPI_Barrier(impl_->comm), "MPI_Barrier"); }

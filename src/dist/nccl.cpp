@@ -196,6 +196,24 @@ void NcclComm::reduce_scatter(const void* send, void* recv, size_t recv_count, D
              "ncclReduceScatter", m.rank, m.comm);
 }
 
+void NcclComm::all_gather_v(void* buf, const std::vector<size_t>& counts, DType dtype, void* stream) {
+  Impl& m = *impl_;
+  m.order_after(stream);
+  char* at = static_cast<char*>(buf);
+  check_nccl(ncclGroupStart(), "ncclGroupStart", m.rank, m.comm);
+  for (size_t r = 0; r < counts.size(); ++r) {
+    if (counts[r] > 0) {
+      const ncclResult_t res = ncclBroadcast(at, at, counts[r], nccl_type(dtype), static_cast<int>(r), m.comm, m.stream);
+      if (res != ncclSuccess) {
+        ncclGroupEnd();
+        check_nccl(res, "ncclBroadcast", m.rank, m.comm);
+      }
+    }
+    at += counts[r] * dtype_size(dtype);
+  }
+  check_nccl(ncclGroupEnd(), "ncclGroupEnd", m.rank, m.comm);
+}
+
 void NcclComm::wait(void* stream) {
   Impl& m = *impl_;
   m.check_usable();

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "flashlm/dist.h"
 #include "flashlm/dtype.h"
@@ -36,6 +37,8 @@ class NcclComm {
   void broadcast(void* buf, size_t count, DType dtype, int root, void* stream);
   void all_gather(const void* send, void* recv, size_t send_count, DType dtype, void* stream);
   void reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op, void* stream);
+  // In place: rank r's chunk (counts[r] elements, chunks back to back in rank order) broadcast from r.
+  void all_gather_v(void* buf, const std::vector<size_t>& counts, DType dtype, void* stream);
 
   void wait(void* stream);
   void synchronize(double timeout_s);

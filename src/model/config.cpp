@@ -115,6 +115,23 @@ std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t bat
 #endif
 }
 
+void LanguageModel::gradient_ready(std::string_view parameter_name) const {
+  if (!gradient_ready_hook_) return;
+  const auto& params = layout();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].name == parameter_name) return gradient_ready_hook_(int64_t(i), int64_t(i));
+  }
+  fail("gradient_ready: no parameter named '{}'", parameter_name);
+}
+
+bool optimizer_step(LanguageModel& model, const AdamWConfig& c, double lr, double* norm) {
+  if (!model.unscale_gradients()) return false;
+  const double before = model.clip_gradients(c.max_grad_norm);
+  model.adamw_step(c, lr);
+  if (norm) *norm = before;
+  return true;
+}
+
 double cosine_lr(const AdamWConfig& c, int64_t step) {
   if (step < c.warmup_steps) return c.lr_max * double(step) / double(c.warmup_steps);
   if (step <= c.cosine_steps) {

@@ -48,8 +48,6 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, Attent
   const size_t pbytes = size_t(n_params_) * sizeof(float);
   params_ = Buffer::allocate(pbytes, Device::cpu, "parameters");
   grads_ = Buffer::allocate(pbytes, Device::cpu, "gradients");
-  adam_m_ = Buffer::allocate(pbytes, Device::cpu, "AdamW first moment");
-  adam_v_ = Buffer::allocate(pbytes, Device::cpu, "AdamW second moment");
   const ActivationPlan plan = plan_activations(config, batch, seq);
   acts_ = Buffer::allocate(size_t(plan.total) * sizeof(float), Device::cpu, "activations");
   const int64_t n = batch * seq;
@@ -62,6 +60,15 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, Attent
   cpu::rope_tables(rope, rope + config.context * half, config.context, config.head_dim(), config.rope_theta);
   std::fill(parameters(), parameters() + n_params_, 0.0f);
   zero_grad();
+}
+
+// The AdamW moments are allocated by the first step (or load_state): a model whose optimizer state lives
+// elsewhere (ZeRO-1's shards) never holds them.
+void CpuModel::allocate_moments() {
+  if (adam_m_.data()) return;
+  const size_t pbytes = size_t(n_params_) * sizeof(float);
+  adam_m_ = Buffer::allocate(pbytes, Device::cpu, "AdamW first moment");
+  adam_v_ = Buffer::allocate(pbytes, Device::cpu, "AdamW second moment");
   std::fill(static_cast<float*>(adam_m_.data()), static_cast<float*>(adam_m_.data()) + n_params_, 0.0f);
   std::fill(static_cast<float*>(adam_v_.data()), static_cast<float*>(adam_v_.data()) + n_params_, 0.0f);
 }
@@ -194,9 +201,11 @@ void CpuModel::backward() {
   cpu::cross_entropy_backward(dlogits, targets_, n, c.vocab);
   cpu::linear_backward(dlogits, act(plan.h_f), param("lm_head.weight"), dh, grad("lm_head.weight"), n, d, c.vocab,
                        false);
+  gradient_ready("lm_head.weight");
   std::fill(dx, dx + n * d, 0.0f);
   cpu::rmsnorm_backward(dh, act(plan.x_out), param("ln_final.weight"), act(plan.rstd_f), dx, grad("ln_final.weight"),
                         n, d);
+  gradient_ready("ln_final.weight");
 
   for (int64_t l = c.layers - 1; l >= 0; --l) {
     const std::string p = fmt::format("layers.{}.", l);
@@ -204,13 +213,18 @@ void CpuModel::backward() {
     ScopedRange layer_range("layer.backward");
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
     cpu::linear_backward(dx, act(a.s), param(p + "ffn.w2.weight"), ds, grad(p + "ffn.w2.weight"), n, f, d, false);
+    gradient_ready(p + "ffn.w2.weight");
     cpu::swiglu_backward(ds, act(a.u), act(a.g), du, dg, n * f);
     cpu::linear_backward(du, act(a.h2), param(p + "ffn.w1.weight"), dh, grad(p + "ffn.w1.weight"), n, d, f, false);
+    gradient_ready(p + "ffn.w1.weight");
     cpu::linear_backward(dg, act(a.h2), param(p + "ffn.w3.weight"), dh, grad(p + "ffn.w3.weight"), n, d, f, true);
+    gradient_ready(p + "ffn.w3.weight");
     cpu::rmsnorm_backward(dh, act(a.x_mid), param(p + "ln2.weight"), act(a.rstd2), dx, grad(p + "ln2.weight"), n, d);
+    gradient_ready(p + "ln2.weight");
     // dx is now ∂L/∂x_mid; the attention branch adds to ∂L/∂x_in, which is dx plus the branch.
     cpu::linear_backward(dx, act(a.attn), param(p + "attn.output_proj.weight"), dattn,
                          grad(p + "attn.output_proj.weight"), n, d, d, false);
+    gradient_ready(p + "attn.output_proj.weight");
     {
       ScopedRange attention_range("attention.backward");
       attention_backward(heads_view(act(a.q), batch_, seq_, c.heads, hd),
@@ -224,13 +238,18 @@ void CpuModel::backward() {
     cpu::rope_backward(dk, rope_cos, rope_sin, batch_, seq_, c.heads, hd);
     cpu::linear_backward(dq, act(a.h1), param(p + "attn.q_proj.weight"), dh, grad(p + "attn.q_proj.weight"), n, d, d,
                          false);
+    gradient_ready(p + "attn.q_proj.weight");
     cpu::linear_backward(dk, act(a.h1), param(p + "attn.k_proj.weight"), dh, grad(p + "attn.k_proj.weight"), n, d, d,
                          true);
+    gradient_ready(p + "attn.k_proj.weight");
     cpu::linear_backward(dv, act(a.h1), param(p + "attn.v_proj.weight"), dh, grad(p + "attn.v_proj.weight"), n, d, d,
                          true);
+    gradient_ready(p + "attn.v_proj.weight");
     cpu::rmsnorm_backward(dh, act(a.x_in), param(p + "ln1.weight"), act(a.rstd1), dx, grad(p + "ln1.weight"), n, d);
+    gradient_ready(p + "ln1.weight");
   }
   cpu::embedding_backward(dx, tokens_, grad("token_embeddings.weight"), n, d);
+  gradient_ready("token_embeddings.weight");
   tokens_ = nullptr;  // the logits were overwritten by their gradient
 }
 
@@ -238,16 +257,15 @@ void CpuModel::zero_grad() { std::fill(gradients(), gradients() + n_params_, 0.0
 
 double CpuModel::gradient_norm() const {
   // Fixed chunks summed in a fixed order: the norm (and so the clipping) is bit-identical from run to
-  // run whatever the thread count, which resuming from a checkpoint relies on.
-  constexpr int64_t kChunk = 1 << 16;
+  // run whatever the thread count, which resuming from a checkpoint relies on (and ZeRO-1's sharded norm,
+  // whose shards are whole chunks).
+  constexpr int64_t kChunk = kGradientNormChunk;
   const int64_t chunks = (n_params_ + kChunk - 1) / kChunk;
   std::vector<double> partial(size_t(chunks), 0.0);
   const float* g = gradients();
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
-    double ss = 0;
-    for (int64_t i = c * kChunk; i < std::min(n_params_, (c + 1) * kChunk); ++i) ss += double(g[i]) * g[i];
-    partial[size_t(c)] = ss;
+    partial[size_t(c)] = cpu::sum_squares(g + c * kChunk, std::min(n_params_, (c + 1) * kChunk) - c * kChunk);
   }
   double ss = 0;
   for (double x : partial) ss += x;
@@ -257,7 +275,7 @@ double CpuModel::gradient_norm() const {
 double CpuModel::clip_gradients(double max_norm) {
   const double norm = gradient_norm();
   if (max_norm > 0 && norm > max_norm) {
-    const float scale = float(max_norm / (norm + 1e-6));
+    const float scale = cpu::clip_scale(norm, max_norm);
     float* g = gradients();
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n_params_; ++i) g[i] *= scale;
@@ -267,11 +285,17 @@ double CpuModel::clip_gradients(double max_norm) {
 
 void CpuModel::save_state(float* params, float* m, float* v) const {
   std::copy(parameters(), parameters() + n_params_, params);
+  if (!adam_m_.data()) {  // no step taken yet: zero moments
+    std::fill(m, m + n_params_, 0.0f);
+    std::fill(v, v + n_params_, 0.0f);
+    return;
+  }
   std::copy(static_cast<const float*>(adam_m_.data()), static_cast<const float*>(adam_m_.data()) + n_params_, m);
   std::copy(static_cast<const float*>(adam_v_.data()), static_cast<const float*>(adam_v_.data()) + n_params_, v);
 }
 
 void CpuModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+  allocate_moments();
   std::copy(params, params + n_params_, parameters());
   std::copy(m, m + n_params_, static_cast<float*>(adam_m_.data()));
   std::copy(v, v + n_params_, static_cast<float*>(adam_v_.data()));
@@ -281,19 +305,10 @@ void CpuModel::load_state(const float* params, const float* m, const float* v, i
 void CpuModel::adamw_step(const AdamWConfig& c, double lr) {
   memory_set_phase("optimizer");
   ScopedRange range("optimizer_step");
+  allocate_moments();
   ++adam_step_;
-  const double t = double(adam_step_);
-  const float alpha = float(lr * std::sqrt(1.0 - std::pow(c.beta2, t)) / (1.0 - std::pow(c.beta1, t)));
-  const float b1 = float(c.beta1), b2 = float(c.beta2), eps = float(c.eps), decay = float(lr * c.weight_decay);
-  float *w = parameters(), *g = gradients();
-  float *m = static_cast<float*>(adam_m_.data()), *v = static_cast<float*>(adam_v_.data());
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n_params_; ++i) {
-    m[i] = b1 * m[i] + (1 - b1) * g[i];
-    v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
-    w[i] -= alpha * m[i] / (std::sqrt(v[i]) + eps);
-    w[i] -= decay * w[i];
-  }
+  cpu::adamw_step(parameters(), gradients(), static_cast<float*>(adam_m_.data()), static_cast<float*>(adam_v_.data()),
+                  n_params_, lr, c.beta1, c.beta2, c.eps, c.weight_decay, adam_step_);
 }
 
 }  // namespace flashlm

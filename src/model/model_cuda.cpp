@@ -165,6 +165,9 @@ CudaModel::~CudaModel() = default;
 
 const ModelConfig& CudaModel::config() const { return impl_->c; }
 const std::vector<ParameterInfo>& CudaModel::layout() const { return impl_->layout; }
+float* CudaModel::parameters() const { return static_cast<float*>(impl_->params.data()); }
+float* CudaModel::gradients() const { return static_cast<float*>(impl_->grads.data()); }
+void* CudaModel::stream() const { return impl_->stream; }
 int64_t CudaModel::parameter_count() const { return impl_->n_params; }
 DType CudaModel::precision() const { return impl_->precision; }
 double CudaModel::loss_scale() const { return impl_->loss_scale; }
@@ -190,8 +193,13 @@ TensorView heads_view(void* data, DType dtype, int64_t batch, int64_t seq, int64
 }  // namespace
 
 void CudaModel::load_parameters(const float* host) {
+  cuda_copy(impl_->params.data(), host, size_t(impl_->n_params) * sizeof(float));
+  parameters_changed();
+  gpu::stream_synchronize(impl_->stream);
+}
+
+void CudaModel::parameters_changed() {
   Impl& m = *impl_;
-  cuda_copy(m.params.data(), host, size_t(m.n_params) * sizeof(float));
   with_precision(m.precision, [&](auto zero) {
     using T = decltype(zero);
     if constexpr (!std::is_same_v<T, float>) {
@@ -199,7 +207,6 @@ void CudaModel::load_parameters(const float* host) {
                             m.stream);
     }
   });
-  gpu::stream_synchronize(m.stream);
 }
 
 void CudaModel::init_parameters(uint64_t seed) {
@@ -329,24 +336,31 @@ void CudaModel::backward() {
     gpu::cross_entropy_backward<T>(m.a<T>(m.logits), targets, n, c.vocab, float(m.loss_scale / double(n)), m.stream);
     linear_backward_cuda(m.a<T>(m.logits), m.a<T>(m.h_f), m.weight("lm_head.weight"), dh, m.grad("lm_head.weight"), n,
                          d, c.vocab, dt, false, m.stream);
+    gradient_ready("lm_head.weight");
     gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
     gpu::rmsnorm_backward<T>(dh, m.a<T>(m.x_out), m.master("ln_final.weight"), m.f(m.rstd_f), dx,
                              m.grad("ln_final.weight"), n, d, m.stream);
+    gradient_ready("ln_final.weight");
     for (int64_t l = c.layers - 1; l >= 0; --l) {
       ScopedRange layer_range("layer.backward");
       const std::string p = fmt::format("layers.{}.", l);
       const Impl::Layer& L = m.layers[size_t(l)];
       linear_backward_cuda(dx, m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), ds, m.grad(p + "ffn.w2.weight"), n, f, d,
                            dt, false, m.stream);
+      gradient_ready(p + "ffn.w2.weight");
       gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream);
       linear_backward_cuda(du, m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), dh, m.grad(p + "ffn.w1.weight"), n, d, f,
                            dt, false, m.stream);
+      gradient_ready(p + "ffn.w1.weight");
       linear_backward_cuda(dg, m.a<T>(L.h2), m.weight(p + "ffn.w3.weight"), dh, m.grad(p + "ffn.w3.weight"), n, d, f,
                            dt, true, m.stream);
+      gradient_ready(p + "ffn.w3.weight");
       gpu::rmsnorm_backward<T>(dh, m.a<T>(L.x_mid), m.master(p + "ln2.weight"), m.f(L.rstd2), dx,
                                m.grad(p + "ln2.weight"), n, d, m.stream);
+      gradient_ready(p + "ln2.weight");
       linear_backward_cuda(dx, m.a<T>(L.attn), m.weight(p + "attn.output_proj.weight"), dattn,
                            m.grad(p + "attn.output_proj.weight"), n, d, d, dt, false, m.stream);
+      gradient_ready(p + "attn.output_proj.weight");
       {
         ScopedRange attention_range("attention.backward");
         attention_backward(heads_view(m.a<T>(L.q), dt, m.batch, m.seq, c.heads, hd),
@@ -362,14 +376,19 @@ void CudaModel::backward() {
       gpu::rope_backward<T>(dk, rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
       linear_backward_cuda(dq, m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), dh, m.grad(p + "attn.q_proj.weight"), n,
                            d, d, dt, false, m.stream);
+      gradient_ready(p + "attn.q_proj.weight");
       linear_backward_cuda(dk, m.a<T>(L.h1), m.weight(p + "attn.k_proj.weight"), dh, m.grad(p + "attn.k_proj.weight"), n,
                            d, d, dt, true, m.stream);
+      gradient_ready(p + "attn.k_proj.weight");
       linear_backward_cuda(dv, m.a<T>(L.h1), m.weight(p + "attn.v_proj.weight"), dh, m.grad(p + "attn.v_proj.weight"), n,
                            d, d, dt, true, m.stream);
+      gradient_ready(p + "attn.v_proj.weight");
       gpu::rmsnorm_backward<T>(dh, m.a<T>(L.x_in), m.master(p + "ln1.weight"), m.f(L.rstd1), dx,
                                m.grad(p + "ln1.weight"), n, d, m.stream);
+      gradient_ready(p + "ln1.weight");
     }
     gpu::embedding_backward<T>(dx, tokens, m.grad("token_embeddings.weight"), n, d, c.vocab, m.stream);
+    gradient_ready("token_embeddings.weight");
   });
   m.have_forward = false;  // the logits now hold their gradient
 }

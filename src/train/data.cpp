@@ -217,15 +217,17 @@ void TokenBatcher::next(std::span<int32_t> inputs, std::span<int32_t> targets) {
   // Random starts lie in [0, n - T - 1], so start + T, the last target, is at most n - 1.
   const uint64_t starts = tokens_.size() - T;
   const uint64_t step_key = counter_draw(splitmix64(seed_ ^ kBatchStream), step);  // row b of this step: counter_draw(step_key, b)
+  const auto shards = static_cast<uint64_t>(shards_);
   for (uint64_t b = 0; b < B; ++b) {
+    const uint64_t row = static_cast<uint64_t>(shard_) * B + b;  // within the global batch of B · shards rows
     uint64_t start = 0;
     if (order_ == BatchOrder::sequential) {
       // 128-bit product: step * B outgrows 64 bits long before the step counter does.
-      const auto window = static_cast<uint64_t>((static_cast<unsigned __int128>(step) * B + b) %
+      const auto window = static_cast<uint64_t>((static_cast<unsigned __int128>(step) * B * shards + row) %
                                                 static_cast<uint64_t>(windows_));
       start = window * T;
     } else {
-      start = below(counter_draw(step_key, b), starts);
+      start = below(counter_draw(step_key, row), starts);
     }
     const uint16_t* src = tokens_.data() + start;
     int32_t* x = inputs.data() + b * T;
@@ -236,6 +238,13 @@ void TokenBatcher::next(std::span<int32_t> inputs, std::span<int32_t> targets) {
     }
   }
   ++step_;
+}
+
+void TokenBatcher::select_shard(int64_t index, int64_t count) {
+  FLASHLM_CHECK(count >= 1 && index >= 0 && index < count,
+                "TokenBatcher::select_shard: shard {} of {}, expected 0 <= index < count", index, count);
+  shard_ = index;
+  shards_ = count;
 }
 
 void TokenBatcher::restore(const BatcherState& state) {

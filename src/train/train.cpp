@@ -7,14 +7,17 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 
 #include "core/check.h"
+#include "core/cuda_runtime.h"
 #include "flashlm/bench.h"
 #include "flashlm/data.h"
+#include "flashlm/dist.h"
 
 namespace flashlm {
 
@@ -32,23 +35,28 @@ struct Checkpoint {
   std::vector<float> params, m, v;
 };
 
-void write_checkpoint(const std::string& path, const LanguageModel& model, const TrainConfig& cfg, int64_t next_step,
-                      const BatcherState& batcher) {
+// Collective under data parallelism (ZeRO-1 gathers the moments); rank 0 writes.
+void write_checkpoint(const std::string& path, const LanguageModel& model, DdpModel* dp, const TrainConfig& cfg,
+                      int64_t next_step, const BatcherState& batcher) {
+  const size_t n = size_t(model.parameter_count());
+  std::vector<float> params(n), m(n), v(n);
+  model.save_state(params.data(), m.data(), v.data());
+  if (dp && dp->zero()) dp->zero()->gather_state(m.data(), v.data());
+  if (cfg.comm && !cfg.comm->is_root()) return;
   const nlohmann::json meta = {{"model", model_json(model.config())},
                                {"batch", cfg.batch},
                                {"seq", cfg.seq},
                                {"next_step", next_step},
-                               {"optimizer_steps", model.optimizer_steps()},
+                               {"optimizer_steps", dp ? dp->optimizer_steps() : model.optimizer_steps()},
                                {"seed", cfg.seed},
                                {"train_data", cfg.train_data},
                                {"batcher_seed", batcher.seed},
                                {"batcher_step", batcher.step},
                                {"parameter_count", model.parameter_count()},
                                {"precision", std::string(dtype_name(model.precision()))},
-                               {"loss_scale", model.loss_scale()}};
-  const size_t n = size_t(model.parameter_count());
-  std::vector<float> params(n), m(n), v(n);
-  model.save_state(params.data(), m.data(), v.data());
+                               {"loss_scale", model.loss_scale()},
+                               {"world_size", cfg.comm ? cfg.comm->world_size() : 1},
+                               {"grad_accum", cfg.ddp.grad_accum}};
   const std::string text = meta.dump();
   // Written beside the target and renamed over it: a run killed mid-write leaves the previous checkpoint.
   const std::string tmp = path + ".tmp";
@@ -129,7 +137,17 @@ DataSources open_data(const TrainConfig& cfg) {
   return d;
 }
 
-double evaluate(LanguageModel& model, TokenBatcher& val, int64_t batches, std::vector<int32_t>& x, std::vector<int32_t>& y) {
+// Parameters from the host into the model, leaving its optimizer state alone (ZeRO-1 keeps its own).
+void load_parameters(LanguageModel& model, const float* host) {
+  const size_t bytes = size_t(model.parameter_count()) * sizeof(float);
+  model.synchronize();
+  if (model.device() == Device::cpu) std::memcpy(model.parameters(), host, bytes);
+  else cuda_copy(model.parameters(), host, bytes);
+  model.parameters_changed();
+  model.synchronize();
+}
+
+double evaluate(LanguageModel& model, TokenBatcher& val, int64_t batches, std::span<int32_t> x, std::span<int32_t> y) {
   val.restore({0, 0});  // every evaluation scores the same tokens
   double total = 0;
   for (int64_t i = 0; i < batches; ++i) {
@@ -146,18 +164,29 @@ TrainResult train(const TrainConfig& cfg) {
   FLASHLM_CHECK(cfg.steps >= 1, "train: steps = {}, expected at least 1", cfg.steps);
   FLASHLM_CHECK(!cfg.resume || !cfg.checkpoint.empty(), "train: --resume needs --checkpoint PATH");
   FLASHLM_CHECK(cfg.eval_batches >= 1, "train: eval_batches = {}, expected at least 1", cfg.eval_batches);
+  FLASHLM_CHECK(cfg.comm || (cfg.ddp.grad_accum == 1 && !cfg.zero1),
+                "train: gradient accumulation and ZeRO-1 run through the data-parallel layer: they need a communicator");
+  FLASHLM_CHECK(cfg.ddp.grad_accum >= 1, "train: grad_accum = {}, expected at least 1", cfg.ddp.grad_accum);
+  const bool root = !cfg.comm || cfg.comm->is_root();
+  const int world = cfg.comm ? cfg.comm->world_size() : 1;
+  const int64_t accum = cfg.ddp.grad_accum;
   DataSources data = open_data(cfg);
   TokenBatcher train_batches(data.train, data.train_name, cfg.batch, cfg.seq, BatchOrder::random, cfg.seed);
   TokenBatcher val_batches(data.val, data.val_name, cfg.batch, cfg.seq, BatchOrder::sequential);
+  if (cfg.comm) train_batches.select_shard(cfg.comm->rank(), world);
+  // Under mpirun each rank takes its own GPU before the model is placed on it.
+  if (cfg.comm && cfg.device == Device::cuda) cfg.comm->setup_cuda();
 
   const std::unique_ptr<LanguageModel> model_ptr =
       make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, cfg.attention);
   LanguageModel& model = *model_ptr;
   model.init_parameters(cfg.seed);
+  std::unique_ptr<DdpModel> dp;
+  if (cfg.comm) dp = std::make_unique<DdpModel>(*cfg.comm, model, cfg.batch * cfg.seq, cfg.ddp, cfg.zero1);
   TrainResult result;
   result.best_possible_loss = data.best_possible_loss;
   auto say = [&](const std::string& line) {
-    if (cfg.progress) cfg.progress(line);
+    if (cfg.progress && root) cfg.progress(line);
   };
 
   int64_t step = 0;
@@ -172,7 +201,17 @@ TrainResult train(const TrainConfig& cfg) {
     FLASHLM_CHECK(ck.meta.value("precision", "fp32") == dtype_name(cfg.precision),
                   "train: checkpoint '{}' was trained in {}, not {}", cfg.checkpoint, ck.meta.value("precision", "fp32"),
                   dtype_name(cfg.precision));
-    model.load_state(ck.params.data(), ck.m.data(), ck.v.data(), ck.meta.at("optimizer_steps").get<int64_t>());
+    // The data each rank reads depends on both: continuing bit-exactly needs the same.
+    FLASHLM_CHECK(ck.meta.value("world_size", 1) == world && ck.meta.value("grad_accum", int64_t{1}) == accum,
+                  "train: checkpoint '{}' was written by {} rank(s) with grad_accum {}, not {} with {}", cfg.checkpoint,
+                  ck.meta.value("world_size", 1), ck.meta.value("grad_accum", int64_t{1}), world, accum);
+    const int64_t optimizer_steps = ck.meta.at("optimizer_steps").get<int64_t>();
+    if (dp && dp->zero()) {
+      load_parameters(model, ck.params.data());
+      dp->zero()->load_state(ck.m.data(), ck.v.data(), optimizer_steps);
+    } else {
+      model.load_state(ck.params.data(), ck.m.data(), ck.v.data(), optimizer_steps);
+    }
     train_batches.restore({ck.meta.at("batcher_seed").get<uint64_t>(), ck.meta.at("batcher_step").get<int64_t>()});
     step = ck.meta.at("next_step").get<int64_t>();
     say(fmt::format("resumed from {} at step {}", cfg.checkpoint, step));
@@ -185,26 +224,43 @@ TrainResult train(const TrainConfig& cfg) {
                   data.train.size(), cfg.batch, cfg.seq,
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)
                                               : std::string()));
+  if (dp) {
+    dp->broadcast_parameters();
+    const DataParallel& ddp = dp->data_parallel();
+    say(fmt::format("data parallel: {} rank(s) x {} sequences x grad_accum {}; DDP {} ({} all-reduce(s) per step{}){}",
+                    world, cfg.batch, accum, ddp_variant_name(cfg.ddp.variant), ddp.buckets().size(),
+                    cfg.ddp.variant == DdpVariant::bucketed ? fmt::format(", buckets of {} MB", cfg.ddp.bucket_mb) : "",
+                    dp->zero() ? fmt::format("; ZeRO-1: {:.1f} MiB of AdamW state per rank",
+                                             double(dp->zero()->state_bytes()) / (1024.0 * 1024.0))
+                               : ""));
+  }
 
-  std::vector<int32_t> x(size_t(cfg.batch * cfg.seq)), y(x.size());
+  // accum micro-batches of batch rows; evaluation reads the first.
+  std::vector<int32_t> x(size_t(accum * cfg.batch * cfg.seq)), y(x.size());
+  const size_t micro = size_t(cfg.batch * cfg.seq);
   auto t_log = std::chrono::steady_clock::now();
   int64_t tokens_since_log = 0, skipped = 0;
   const double flops_per_token = train_flops_per_token(cfg.model, cfg.seq);
   for (; step < cfg.steps; ++step) {
-    train_batches.next(x, y);
-    model.zero_grad();
-    const double loss = model.forward(x.data(), y.data());
-    model.backward();
-    const double lr = cosine_lr(cfg.optimizer, step);
-    double norm = 0;
-    if (model.unscale_gradients()) {
-      norm = model.clip_gradients(cfg.optimizer.max_grad_norm);
-      model.adamw_step(cfg.optimizer, lr);
-    } else {
-      ++skipped;  // fp16 overflow: no update, the loss scale was halved
+    for (int64_t k = 0; k < accum; ++k) {
+      train_batches.next(std::span(x).subspan(k * micro, micro), std::span(y).subspan(k * micro, micro));
     }
+    const double lr = cosine_lr(cfg.optimizer, step);
+    double loss = 0, norm = 0;
+    bool stepped = true;
+    if (dp) {
+      loss = dp->forward_backward(x, y);
+      cfg.comm->all_reduce(std::span<double>(&loss, 1), ReduceOp::avg);  // the global batch's loss
+      stepped = dp->optimizer_step(cfg.optimizer, lr, &norm);
+    } else {
+      model.zero_grad();
+      loss = model.forward(x.data(), y.data());
+      model.backward();
+      stepped = optimizer_step(model, cfg.optimizer, lr, &norm);
+    }
+    if (!stepped) ++skipped;  // fp16 overflow: no update, the loss scale was halved
     result.train_loss.emplace_back(step, loss);
-    tokens_since_log += cfg.batch * cfg.seq;
+    tokens_since_log += int64_t(world) * accum * cfg.batch * cfg.seq;
 
     const bool last = step + 1 == cfg.steps;
     if ((cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last || step == result.first_step) {
@@ -223,13 +279,15 @@ TrainResult train(const TrainConfig& cfg) {
       t_log = std::chrono::steady_clock::now();
       tokens_since_log = 0;
     }
-    if ((cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last) {
-      const double val = evaluate(model, val_batches, cfg.eval_batches, x, y);
+    // The ranks hold the same parameters: rank 0 evaluates for all.
+    if (root && ((cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last)) {
+      std::span<int32_t> vx(x.data(), micro), vy(y.data(), micro);
+      const double val = evaluate(model, val_batches, cfg.eval_batches, vx, vy);
       result.val_loss.emplace_back(step + 1, val);
       say(fmt::format("step {:>6}/{} | val loss {:.4f}", step + 1, cfg.steps, val));
     }
     if (!cfg.checkpoint.empty() && ((cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) || last)) {
-      write_checkpoint(cfg.checkpoint, model, cfg, step + 1, train_batches.state());
+      write_checkpoint(cfg.checkpoint, model, dp.get(), cfg, step + 1, train_batches.state());
       say(fmt::format("step {:>6}/{} | checkpoint {}", step + 1, cfg.steps, cfg.checkpoint));
     }
   }

@@ -1,10 +1,6 @@
 // Communicator's collectives, run by CTest three ways: without mpirun (a world of one) and under
-// `mpirun -np 2` and `-np 4`. Every rank runs every test; the data depend on the rank, so that each
-// rank can check what it received from the others. Tests call the same collectives on every rank
-// whatever their checks find (EXPECT, not ASSERT, after the first collective), so that a failure on one
-// rank never leaves the others waiting. Rank 0 prints gtest's usual output; the other ranks print only
-// their failures, prefixed with "[rank R]". The exit status is non-zero on every rank when any rank
-// failed, so mpirun's is too.
+// `mpirun -np 2` and `-np 4`, with the main of mpi_test_main.cpp (see mpi_testing.h). Every rank runs every
+// test; the data depend on the rank, so that each rank can check what it received from the others.
 //
 // FLASHLM_TEST_WORLD_SIZE (set by CTest) is the world size the launch should give.
 // FLASHLM_TEST_FAIL_ON_RANK=R makes InjectedFailure fail on rank R only (tests/dist/failing_rank.cmake).
@@ -23,6 +19,7 @@
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
 #include "flashlm/tensor.h"
+#include "dist/mpi_testing.h"
 
 #ifdef FLASHLM_WITH_CUDA
 #include "core/cuda_runtime.h"
@@ -32,9 +29,7 @@ using namespace flashlm;
 
 namespace {
 
-Communicator* g_comm = nullptr;
-
-Communicator& comm() { return *g_comm; }
+Communicator& comm() { return test_world(); }
 
 int env_or(const char* name, int fallback) {
   const char* v = std::getenv(name);
@@ -191,6 +186,46 @@ TYPED_TEST(CpuCollectives, ReduceScatter) {
   in = input();
   comm().reduce_scatter(std::span<T>(in), std::span<T>(in.data() + r * chunk, chunk), ReduceOp::sum);
   for (size_t j = 0; j < chunk; ++j) EXPECT_EQ(in[r * chunk + j], want(j)) << j;
+}
+
+// Non-blocking all-reduces complete in any order of waits, with avg's division, and overlap each other.
+TEST(CpuCollectivesViews, AsyncAllReduce) {
+  const int n = comm().world_size(), r = comm().rank();
+  std::vector<float> a(100, float(r + 1)), b(7, float(2 * r));
+  CommRequest ra = comm().all_reduce_async(TensorView::contiguous(a.data(), DType::f32, {100}), ReduceOp::sum);
+  CommRequest rb = comm().all_reduce_async(TensorView::contiguous(b.data(), DType::f32, {7}), ReduceOp::avg);
+  EXPECT_TRUE(ra.pending());
+  comm().test(ra);  // progresses; done or not
+  comm().wait(rb);
+  comm().wait(ra);
+  EXPECT_FALSE(ra.pending());
+  for (float x : a) EXPECT_EQ(x, float(n * (n + 1) / 2));
+  for (float x : b) EXPECT_FLOAT_EQ(x, float(n - 1));  // the mean of 0, 2, ..., 2(n-1)
+  CommRequest empty;
+  comm().wait(empty);
+  EXPECT_TRUE(comm().test(empty));
+}
+
+// Chunks of different sizes (an empty one too) gathered in place.
+TEST(CpuCollectivesViews, AllGatherV) {
+  const int n = comm().world_size(), r = comm().rank();
+  std::vector<int64_t> counts;
+  for (int q = 0; q < n; ++q) counts.push_back(q == 1 ? 0 : q + 2);
+  std::vector<double> x;
+  for (int q = 0; q < n; ++q) {
+    for (int64_t k = 0; k < counts[size_t(q)]; ++k) x.push_back(q == r ? 100.0 * q + double(k) : -1.0);
+  }
+  comm().all_gather_v(TensorView::contiguous(x.data(), DType::f64, {int64_t(x.size())}), counts);
+  size_t at = 0;
+  for (int q = 0; q < n; ++q) {
+    for (int64_t k = 0; k < counts[size_t(q)]; ++k, ++at) EXPECT_EQ(x[at], 100.0 * q + double(k)) << q << " " << k;
+  }
+  std::vector<int64_t> wrong(counts);
+  wrong[0] += 1;
+  EXPECT_THROW(comm().all_gather_v(TensorView::contiguous(x.data(), DType::f64, {int64_t(x.size())}), wrong), Error);
+  EXPECT_THROW(comm().all_gather_v(TensorView::contiguous(x.data(), DType::f64, {int64_t(x.size())}),
+                                   std::span<const int64_t>(counts.data(), counts.size() - 1)),
+               Error);
 }
 
 TEST(CpuCollectivesViews, TensorViewsAndEmptyBuffers) {
@@ -453,6 +488,32 @@ TYPED_TEST(GpuCollectives, AllReduceBroadcastAllGatherReduceScatter) {
   for (T e : to_host<T>(dpart)) EXPECT_EQ(f(e), static_cast<float>(n));
 }
 
+// The asynchronous all-reduce of a CUDA view is queued like all_reduce; all_gather_v broadcasts each chunk.
+TEST(GpuCollectivesExtra, AsyncAllReduceAndAllGatherV) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  const int n = comm().world_size(), r = comm().rank();
+  comm().setup_cuda();
+  Tensor dx = to_device(std::vector<float>(100, float(r + 1)));
+  CommRequest request = comm().all_reduce_async(dx, ReduceOp::avg);
+  EXPECT_FALSE(request.pending());  // GPU work is asynchronous to the host anyway
+  comm().synchronize();
+  for (float e : to_host<float>(dx)) EXPECT_FLOAT_EQ(e, float(n + 1) / 2);
+  std::vector<int64_t> counts;
+  std::vector<float> x;
+  for (int q = 0; q < n; ++q) {
+    counts.push_back(q == 1 ? 0 : q + 3);
+    for (int64_t k = 0; k < counts.back(); ++k) x.push_back(q == r ? float(10 * q + k) : -1.0f);
+  }
+  Tensor dv = to_device(x);
+  comm().all_gather_v(dv, counts);
+  comm().synchronize();
+  const std::vector<float> got = to_host<float>(dv);
+  size_t at = 0;
+  for (int q = 0; q < n; ++q) {
+    for (int64_t k = 0; k < counts[size_t(q)]; ++k, ++at) EXPECT_EQ(got[at], float(10 * q + k)) << q << " " << k;
+  }
+}
+
 TEST(GpuCollectivesSetup, MoreLocalRanksThanGpusIsAClearError) {
   const int visible = Communicator::nccl_built() ? cuda_device_count() : 0;
   if (any_rank(!(visible > 0 && visible < comm().local_size()))) {
@@ -479,46 +540,4 @@ TEST(FailurePropagation, InjectedFailure) {
   if (comm().rank() == target) ADD_FAILURE() << "injected failure on rank " << target;
 }
 
-// Rank > 0: only failures, prefixed with the rank.
-class RankFailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit RankFailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (!result.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, result.file_name() ? result.file_name() : "?",
-                 result.line_number(), result.message());
-  }
-  void OnTestEnd(const ::testing::TestInfo& info) override {
-    if (info.result()->Failed()) {
-      std::fprintf(stderr, "[rank %d] FAILED %s.%s\n", rank_, info.test_suite_name(), info.name());
-    }
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  bool failed = false;
-  {
-    Communicator world;
-    g_comm = &world;
-    if (world.rank() > 0) {
-      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-      delete listeners.Release(listeners.default_result_printer());
-      listeners.Append(new RankFailurePrinter(world.rank()));
-    }
-    const int local = RUN_ALL_TESTS();
-    // Every rank exits non-zero when any rank failed.
-    double f = local != 0 ? 1.0 : 0.0;
-    world.all_reduce(std::span<double>(&f, 1), ReduceOp::max);
-    failed = f > 0;
-    if (failed && world.rank() == 0 && local == 0) std::fprintf(stderr, "rank 0 passed, but another rank failed\n");
-    g_comm = nullptr;
-  }
-  Communicator::finalize();
-  return failed ? 1 : 0;
-}

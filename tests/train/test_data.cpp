@@ -296,6 +296,31 @@ TEST(TokenBatcher, SeedsGiveDifferentRandomStreams) {
   EXPECT_NE(next_batch(a), next_batch(a)) << "consecutive batches differ";
 }
 
+// Data parallelism: the ranks' batches, concatenated in rank order, are the global batch of one process.
+TEST(TokenBatcher, ShardsTogetherReadTheGlobalBatch) {
+  const std::vector<uint16_t> tokens = ramp(5000);
+  for (BatchOrder order : {BatchOrder::sequential, BatchOrder::random}) {
+    TokenBatcher global(tokens, "ramp", 6, 9, order, 42);
+    std::vector<TokenBatcher> ranks;
+    for (int r = 0; r < 3; ++r) {
+      ranks.emplace_back(tokens, "ramp", 2, 9, order, 42);
+      ranks.back().select_shard(r, 3);
+    }
+    for (int step = 0; step < 4; ++step) {
+      Batch joined;
+      for (TokenBatcher& r : ranks) {
+        const Batch b = next_batch(r);
+        joined.x.insert(joined.x.end(), b.x.begin(), b.x.end());
+        joined.y.insert(joined.y.end(), b.y.begin(), b.y.end());
+      }
+      EXPECT_EQ(joined, next_batch(global)) << step;
+    }
+  }
+  TokenBatcher b(tokens, "ramp", 2, 9, BatchOrder::random);
+  expect_error([&] { b.select_shard(3, 3); }, {"select_shard: shard 3 of 3"});
+  expect_error([&] { b.select_shard(0, 0); }, {"select_shard: shard 0 of 0"});
+}
+
 TEST(TokenBatcher, BadArgumentsAreErrors) {
   const std::vector<uint16_t> tokens = ramp(100);
   expect_error([&] { TokenBatcher(tokens, "data.bin", 0, 8, BatchOrder::random); },

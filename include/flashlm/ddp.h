@@ -1,0 +1,193 @@
+// Data parallelism: every rank holds the whole model, trains on its slice of each batch, and the gradients
+// are averaged across ranks before each optimizer step (DDP); ZeRO-1 also shards the AdamW moments, so that
+// each rank updates only its shard of the parameters and then gathers the rest. Both work on a model's flat
+// fp32 parameter and gradient buffers (a layout of named parameters in CPU or CUDA memory), not on a
+// particular model; DdpModel wires them to a LanguageModel.
+//
+// Ordering on CUDA: a model reports a gradient ready (GradientReadyHook) once the kernels producing it are
+// queued on its stream. The all-reduce is then queued on the communicator's stream behind a CUDA event of
+// the model's stream (Communicator::all_reduce(x, op, stream)), and finish_backward() makes the model's
+// stream wait for the communicator's (Communicator::wait(stream)). The host never waits for the GPU here.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "flashlm/model.h"
+
+namespace flashlm {
+
+class Communicator;
+
+// How gradients are averaged across ranks.
+enum class DdpVariant : uint8_t {
+  per_param,  // "per-param": one all-reduce per parameter, after the backward
+  flat,       // "flat": one all-reduce over all gradients (packed together), after the backward
+  async,      // "async": one all-reduce per parameter, started as its gradient becomes ready in the backward
+  bucketed,   // "bucketed": buckets of parameters in reverse order, each all-reduced as soon as it is complete
+};
+std::string_view ddp_variant_name(DdpVariant variant);
+DdpVariant parse_ddp_variant(std::string_view name);  // flashlm::Error listing the names otherwise
+
+// A contiguous run of elements of the flat buffers.
+struct DdpRange {
+  int64_t offset = 0, count = 0;
+};
+
+// The parameters as data parallelism sees them.
+struct DdpParameters {
+  std::vector<ParameterInfo> layout;  // offsets into the flat fp32 parameter and gradient buffers
+  // false: frozen — its gradient is never communicated and it is never updated. Empty: all trainable.
+  std::vector<bool> trainable;
+  // tied_to[i] = j: parameter i shares parameter j's storage (same offset and shape), so their gradients are
+  // one, accumulated by the model from both uses; it is reduced once, as j, after both uses reported it
+  // ready. -1 or an empty vector: not tied.
+  std::vector<int64_t> tied_to;
+  Device device = Device::cpu;
+
+  static DdpParameters of(const LanguageModel& model);  // every parameter trainable, none tied
+
+  void validate() const;  // flashlm::Error naming the first inconsistency
+  int64_t flat_size() const;  // elements of the flat buffers: the end of the last parameter
+  int64_t owner(int64_t param) const { return tied_to.empty() || tied_to[size_t(param)] < 0 ? param : tied_to[size_t(param)]; }
+  bool is_trainable(int64_t param) const { return trainable.empty() || trainable[size_t(owner(param))]; }
+  // The elements of trainable parameters, merged into ascending maximal runs.
+  std::vector<DdpRange> trainable_ranges() const;
+};
+
+// Parameters whose gradients one collective reduces.
+struct DdpBucket {
+  std::vector<int64_t> params;  // indices into the layout, in the order given (the order gradients arrive)
+  std::vector<DdpRange> ranges;  // their elements as ascending maximal runs of the flat buffer
+  int64_t elements = 0;
+};
+
+// Groups `params` (indices into `layout`) in the given order into buckets: a bucket takes the next parameter
+// while its fp32 gradients stay within bucket_bytes, and a parameter larger than bucket_bytes gets a bucket
+// of its own. bucket_bytes = 0 puts every parameter alone; INT64_MAX puts them all in one bucket.
+std::vector<DdpBucket> ddp_buckets(const std::vector<ParameterInfo>& layout, std::span<const int64_t> params,
+                                   int64_t bucket_bytes);
+
+struct DdpOptions {
+  DdpVariant variant = DdpVariant::bucketed;
+  double bucket_mb = 25;   // bucketed: MB (10^6 bytes) of fp32 gradients per bucket, > 0
+  int64_t grad_accum = 1;  // micro-steps per optimizer step; only the last one synchronises
+};
+
+// What the last synchronisation did.
+struct DdpStats {
+  int64_t collectives = 0;  // all-reduces
+  int64_t elements = 0;     // gradient elements they reduced
+  // Communication not hidden by the backward: from the end of the backward's computation until the
+  // gradients are synchronised (CPU: host time in finish_backward(); CUDA: between two events of the
+  // model's stream).
+  double exposed_ms = 0;
+};
+
+// Gradient synchronisation. Collective: every rank builds it with the same parameters and options and calls
+// the same methods in the same order. Averages over ranks (ReduceOp::avg) and over the grad_accum
+// micro-steps.
+class DataParallel {
+ public:
+  DataParallel(Communicator& comm, DdpParameters params, const DdpOptions& options);
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  const DdpParameters& parameters() const;
+  const DdpOptions& options() const;
+  // In launch order: reverse parameter order for every variant (the order a backward produces gradients).
+  const std::vector<DdpBucket>& buckets() const;
+
+  // Every rank's parameters := rank 0's, all of them (frozen ones too), so that the ranks start equal.
+  // params: the flat buffer; CUDA: queued after the work on `stream`, which waits for it.
+  void broadcast_parameters(float* params, void* stream = nullptr);
+
+  // Brackets one micro-step's backward. sync: the last micro-step of grad_accum, whose gradients (the
+  // accumulated ones) are synchronised; the others communicate nothing. grads: the flat gradient buffer;
+  // stream: the model's (CUDA).
+  void begin_backward(float* grads, bool sync, void* stream = nullptr);
+  // The model's GradientReadyHook: the gradients of parameters [first, last] are final. async and bucketed
+  // start a bucket's all-reduce when its last gradient (both uses of a tied one) has arrived; buckets start
+  // in order.
+  void gradients_ready(int64_t first, int64_t last);
+  GradientReadyHook hook();  // calls gradients_ready
+  // Starts the buckets not started yet and completes the synchronisation: then the trainable gradients are
+  // averaged over ranks and micro-steps (CPU: in memory; CUDA: for work queued on the stream afterwards).
+  void finish_backward();
+  // The last synchronisation's numbers (CUDA: waits for its events).
+  DdpStats last_stats();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// ZeRO-1: the AdamW moments sharded across ranks. The flat parameter vector is cut into equal shards of
+// shard_elements() (a multiple of `grain`; the last ranks' shards are padding past the end); each rank keeps
+// the moments of its shard, clips and updates it with CpuModel's / CudaModel's AdamW arithmetic, and the
+// ranks then gather each other's updated shards. Frozen parameters are not updated. Collective, as
+// DataParallel.
+class ZeroOptimizer {
+ public:
+  // grain: kGradientNormChunk makes the sharded gradient norm add the same partial sums in the same order as
+  // the unsharded one, so that on the CPU the result is bit-identical to CpuModel::adamw_step.
+  ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t grain = kGradientNormChunk);
+  ~ZeroOptimizer();
+  ZeroOptimizer(const ZeroOptimizer&) = delete;
+  ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
+
+  int64_t shard_elements() const;  // the same on every rank
+  DdpRange shard() const;          // this rank's elements of the flat buffers, clipped to the parameters
+  int64_t state_bytes() const;     // this rank's optimizer state: two fp32 moments of shard_elements()
+  int64_t steps() const;           // AdamW steps taken
+
+  // grads: the averaged gradients (DataParallel's), equal on every rank. Clips the trainable ones to
+  // c.max_grad_norm by their global norm (summed across ranks), takes an AdamW step (bias correction from
+  // steps()) on this rank's shard, and gathers the updated parameters from every rank. Returns the norm
+  // before clipping. CUDA: queued on `stream`; the host waits only to read the norm.
+  double step(float* params, float* grads, const AdamWConfig& c, double lr, void* stream = nullptr);
+
+  // Checkpoints. gather_state: every rank receives the full moments (host arrays of flat_size() floats).
+  // load_state: every rank passes the full moments and keeps its shard.
+  void gather_state(float* m, float* v);
+  void load_state(const float* m, const float* v, int64_t steps);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// DataParallel, and ZeroOptimizer when zero1, wired to a LanguageModel: its buffers, stream and gradient-ready
+// hook. The train step of `flashlm train` under mpirun and of `flashlm ddp-bench`.
+class DdpModel {
+ public:
+  // micro_batch_tokens: batch · seq of the model (the tokens one forward reads).
+  DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch_tokens, const DdpOptions& options,
+           bool zero1);
+  ~DdpModel();  // removes the model's hook
+  DdpModel(const DdpModel&) = delete;
+  DdpModel& operator=(const DdpModel&) = delete;
+
+  DataParallel& data_parallel();
+  ZeroOptimizer* zero();  // nullptr without zero1
+
+  void broadcast_parameters();  // rank 0's to every rank
+  // zero_grad, then grad_accum micro-steps of forward and backward (micro-step k reads tokens and targets
+  // [k · micro_batch_tokens, (k + 1) · micro_batch_tokens)), the last one synchronised. Returns the mean loss.
+  double forward_backward(std::span<const int32_t> tokens, std::span<const int32_t> targets);
+  // fp16 unscaling, clipping to c.max_grad_norm and AdamW (ZeRO-1's with zero1). false: an fp16 overflow,
+  // the step is skipped on every rank. *norm (if given): the gradient norm before clipping.
+  bool optimizer_step(const AdamWConfig& c, double lr, double* norm = nullptr);
+  int64_t optimizer_steps() const;
+
+ private:
+  LanguageModel& model_;
+  int64_t micro_tokens_;
+  std::unique_ptr<DataParallel> ddp_;
+  std::unique_ptr<ZeroOptimizer> zero_;
+};
+
+}  // namespace flashlm

@@ -1,0 +1,206 @@
+// ddp-bench: the LM's train step under each DDP variant across the ranks of a job, against the same step
+// without communication, timed in one run.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <span>
+
+#include "bench/report.h"
+#include "core/check.h"
+#include "flashlm/dist.h"
+
+namespace flashlm {
+
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+// Times `steps` calls of step() after `warmup` untimed ones; per step the slowest rank's time (ms).
+std::vector<double> time_steps(Communicator& comm, const DdpBenchConfig& cfg, const std::function<void()>& step) {
+  for (int i = 0; i < cfg.warmup; ++i) step();
+  std::vector<double> ms;
+  for (int i = 0; i < cfg.steps; ++i) {
+    comm.barrier();  // start together; the barrier is not timed
+    const auto t0 = std::chrono::steady_clock::now();
+    step();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  comm.all_reduce(std::span<double>(ms), ReduceOp::max);
+  return ms;
+}
+
+// One row: a DdpModel with the row's variant over the shared model, warm-up, then timed steps. Errors that
+// some ranks see while setting up (out of memory for ZeRO-1's moments) become the row's status on every rank.
+void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model, std::span<const int32_t> tokens,
+             std::span<const int32_t> targets, double local_tokens_per_s, DdpBenchRecord& rec) {
+  DdpOptions opt;
+  opt.variant = parse_ddp_variant(rec.variant);
+  if (rec.bucket_mb) opt.bucket_mb = *rec.bucket_mb;
+  std::unique_ptr<DdpModel> dp;
+  std::string error;
+  bool oom = false;
+  try {
+    dp = std::make_unique<DdpModel>(comm, model, int64_t(tokens.size()), opt, rec.zero1);
+  } catch (const OutOfMemory& e) {
+    error = e.what(), oom = true;
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  double any_oom = oom ? 1 : 0;
+  comm.all_reduce(std::span<double>(&any_oom, 1), ReduceOp::max);
+  if (const std::string first = comm.first_error(error); !first.empty()) {
+    rec.status = any_oom > 0 ? "oom" : "error";
+    rec.message = first;
+    return;
+  }
+  dp->broadcast_parameters();
+  AdamWConfig adamw;
+  std::vector<double> exposed;
+  const std::vector<double> ms = time_steps(comm, cfg, [&] {
+    dp->forward_backward(tokens, targets);
+    dp->optimizer_step(adamw, 1e-4);
+    model.synchronize();
+    exposed.push_back(dp->data_parallel().last_stats().exposed_ms);
+  });
+  exposed.erase(exposed.begin(), exposed.begin() + cfg.warmup);
+  double exposed_mean = moments(exposed).mean;
+  comm.all_reduce(std::span<double>(&exposed_mean, 1), ReduceOp::max);
+  const Moments m = moments(ms);
+  rec.buckets = int64_t(dp->data_parallel().buckets().size());
+  rec.mean_ms = m.mean;
+  rec.median_ms = m.median;
+  rec.exposed_comm_ms = exposed_mean;
+  rec.tokens_per_s = double(rec.world_size) * double(tokens.size()) / (m.median / 1e3);
+  rec.scaling_efficiency = *rec.tokens_per_s / (double(rec.world_size) * local_tokens_per_s);
+  rec.optimizer_state_mib = double(rec.zero1 ? dp->zero()->state_bytes()
+                                             : 2 * model.parameter_count() * int64_t(sizeof(float))) / kMiB;
+}
+
+}  // namespace
+
+std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConfig& cfg) {
+  FLASHLM_CHECK(cfg.steps >= 1, "ddp-bench: steps must be at least 1, got {}", cfg.steps);
+  FLASHLM_CHECK(cfg.warmup >= 0, "ddp-bench: warmup must be >= 0, got {}", cfg.warmup);
+  FLASHLM_CHECK(cfg.batch >= 1, "ddp-bench: batch must be at least 1, got {}", cfg.batch);
+  FLASHLM_CHECK(!cfg.variants.empty() && !cfg.zero1.empty(), "ddp-bench: no variant to measure");
+  for (double mb : cfg.bucket_mb) FLASHLM_CHECK(mb > 0, "ddp-bench: bucket size {} MB, expected > 0", mb);
+  comm.agree(static_cast<int64_t>(cfg.variants.size()), "the number of DDP variants");
+  for (DdpVariant v : cfg.variants) comm.agree(static_cast<int64_t>(v), "the DDP variants");
+  comm.agree(static_cast<int64_t>(cfg.bucket_mb.size()), "the number of bucket sizes");
+  comm.agree(static_cast<int64_t>(cfg.zero1.size()), "the ZeRO-1 settings");
+  comm.agree(cfg.warmup, "the warm-up steps");
+  comm.agree(cfg.steps, "the timed steps");
+  comm.agree(static_cast<int64_t>(cfg.device), "the device");
+  if (cfg.device == Device::cuda) comm.setup_cuda();  // this rank's GPU, before the model is placed
+
+  const ModelConfig mc = ModelConfig::named(cfg.model, cfg.context, cfg.vocab);
+  const std::unique_ptr<LanguageModel> model_ptr =
+      make_model(mc, cfg.batch, cfg.context, cfg.device, cfg.precision, AttentionImpl::flash);
+  LanguageModel& model = *model_ptr;
+  model.init_parameters(1);
+  // Each rank its own tokens, as each would read its own slice of the data.
+  std::vector<int32_t> tokens(size_t(cfg.batch * cfg.context)), targets(tokens.size());
+  std::mt19937 rng(7 + uint32_t(comm.rank()));
+  std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = token(rng), targets[i] = token(rng);
+
+  std::vector<DdpBenchRecord> records;
+  auto row = [&](std::string variant, std::optional<double> bucket_mb, bool zero1, int world) {
+    DdpBenchRecord r;
+    r.variant = std::move(variant);
+    r.bucket_mb = bucket_mb;
+    r.zero1 = zero1;
+    r.world_size = world;
+    records.push_back(std::move(r));
+  };
+  row("none", std::nullopt, false, 1);
+  for (bool zero1 : cfg.zero1) {
+    for (DdpVariant v : cfg.variants) {
+      if (v != DdpVariant::bucketed) row(std::string(ddp_variant_name(v)), std::nullopt, zero1, comm.world_size());
+      else for (double mb : cfg.bucket_mb) row(std::string(ddp_variant_name(v)), mb, zero1, comm.world_size());
+    }
+  }
+  auto report = [&](size_t i) {
+    if (!cfg.progress || !comm.is_root()) return;
+    const DdpBenchRecord& r = records[i];
+    const std::string what = fmt::format("{}{}{}", r.variant, r.bucket_mb ? fmt::format(" {} MB", *r.bucket_mb) : "",
+                                         r.zero1 ? " + ZeRO-1" : "");
+    const std::string result =
+        r.status != "ok" ? r.status + " (" + r.message + ")"
+        : r.scaling_efficiency
+            ? fmt::format("median {:.2f} ms, comm not hidden {:.2f} ms, scaling efficiency {:.3f}", *r.median_ms,
+                          *r.exposed_comm_ms, *r.scaling_efficiency)
+            : fmt::format("median {:.2f} ms", *r.median_ms);
+    cfg.progress(fmt::format("[{}/{}] {} x {} rank(s): {}", i + 1, records.size(), what, r.world_size, result));
+  };
+
+  // The step without communication: what one GPU (or one CPU process) does alone.
+  AdamWConfig adamw;
+  const Moments local = moments(time_steps(comm, cfg, [&] {
+    model.zero_grad();
+    model.forward(tokens.data(), targets.data());
+    model.backward();
+    optimizer_step(model, adamw, 1e-4);
+    model.synchronize();
+  }));
+  const double local_tokens_per_s = double(tokens.size()) / (local.median / 1e3);
+  records[0].mean_ms = local.mean;
+  records[0].median_ms = local.median;
+  records[0].tokens_per_s = local_tokens_per_s;
+  records[0].optimizer_state_mib = double(2 * model.parameter_count() * int64_t(sizeof(float))) / kMiB;
+  report(0);
+  for (size_t i = 1; i < records.size(); ++i) {
+    measure(comm, cfg, model, tokens, targets, local_tokens_per_s, records[i]);
+    report(i);
+  }
+  return records;
+}
+
+std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportFormat format,
+                             const DdpBenchConfig& cfg, const Communicator& comm) {
+  std::vector<nlohmann::json> rows;
+  auto opt = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(); };
+  for (const auto& r : records) {
+    nlohmann::json j = {{"variant", r.variant},
+                        {"bucket_mb", opt(r.bucket_mb)},
+                        {"zero1", r.zero1},
+                        {"world_size", r.world_size},
+                        {"buckets", r.buckets},
+                        {"mean_ms", opt(r.mean_ms)},
+                        {"median_ms", opt(r.median_ms)},
+                        {"exposed_comm_ms", opt(r.exposed_comm_ms)},
+                        {"tokens_per_s", opt(r.tokens_per_s)},
+                        {"scaling_efficiency", opt(r.scaling_efficiency)},
+                        {"optimizer_state_mib", opt(r.optimizer_state_mib)},
+                        {"status", r.status}};
+    if (!r.message.empty()) j["message"] = r.message;
+    rows.push_back(std::move(j));
+  }
+  const std::vector<ReportColumn> columns = {
+      {"variant", "variant"},          {"bucket_mb", "bucket MB", 2},           {"zero1", "ZeRO-1"},
+      {"world_size", "ranks"},         {"buckets", "all-reduces"},              {"mean_ms", "step mean ms", 2},
+      {"median_ms", "step median ms", 2}, {"exposed_comm_ms", "comm not hidden ms", 2},
+      {"tokens_per_s", "tokens/s", 0}, {"scaling_efficiency", "scaling eff.", 3},
+      {"optimizer_state_mib", "AdamW state MiB/rank", 1}, {"status", "status"}};
+  const nlohmann::json meta = {
+      {"tool", "flashlm ddp-bench"},
+      {"device", describe_device(cfg.device)},
+      {"world_size", comm.world_size()},
+      {"ranks_per_node", comm.local_size()},
+      {"date", utc_date()},
+      {"model", cfg.model},
+      {"context", cfg.context},
+      {"batch_per_rank", cfg.batch},
+      {"precision", std::string(dtype_name(cfg.precision))},
+      {"warmup", cfg.warmup},
+      {"steps", cfg.steps},
+      {"timing", "per step the slowest rank's time (forward, backward, gradient sync, optimizer); mean and median "
+                 "over steps"},
+      {"scaling_efficiency", "tokens/s at world N / (N x tokens/s of the step without communication, 'none')"},
+      {"comm_not_hidden", "from the end of the backward's computation until the gradients are synchronised"}};
+  return render_report(rows, columns, format, meta);
+}
+
+}  // namespace flashlm

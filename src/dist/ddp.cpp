@@ -1,0 +1,450 @@
+// Data-parallel gradient synchronisation (include/flashlm/ddp.h): the parameters' description, the buckets,
+// DataParallel's four variants as one mechanism (a bucket plan, launched after the backward or as buckets
+// complete), and DdpModel, which wires them to a LanguageModel.
+#include "flashlm/ddp.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstring>
+
+#include "core/check.h"
+#include "flashlm/dist.h"
+
+#ifdef FLASHLM_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#include "core/cuda_runtime.h"
+#include "model/ops_cuda.h"
+#endif
+
+namespace flashlm {
+
+std::string_view ddp_variant_name(DdpVariant variant) {
+  switch (variant) {
+    case DdpVariant::per_param: return "per-param";
+    case DdpVariant::flat: return "flat";
+    case DdpVariant::async: return "async";
+    case DdpVariant::bucketed: return "bucketed";
+  }
+  return "?";
+}
+
+DdpVariant parse_ddp_variant(std::string_view name) {
+  for (DdpVariant v : {DdpVariant::per_param, DdpVariant::flat, DdpVariant::async, DdpVariant::bucketed}) {
+    if (name == ddp_variant_name(v)) return v;
+  }
+  fail("unknown DDP variant '{}': expected per-param, flat, async or bucketed", name);
+}
+
+namespace {
+
+// Ascending runs of [offset, offset + count) ranges, adjacent ones merged.
+std::vector<DdpRange> merge_ranges(std::vector<DdpRange> ranges) {
+  std::sort(ranges.begin(), ranges.end(), [](const DdpRange& a, const DdpRange& b) { return a.offset < b.offset; });
+  std::vector<DdpRange> out;
+  for (const DdpRange& r : ranges) {
+    if (!out.empty() && out.back().offset + out.back().count == r.offset) out.back().count += r.count;
+    else out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace
+
+DdpParameters DdpParameters::of(const LanguageModel& model) {
+  DdpParameters p;
+  p.layout = model.layout();
+  p.device = model.device();
+  return p;
+}
+
+int64_t DdpParameters::flat_size() const {
+  int64_t end = 0;
+  for (const auto& p : layout) end = std::max(end, p.offset + p.numel());
+  return end;
+}
+
+void DdpParameters::validate() const {
+  const auto n = static_cast<int64_t>(layout.size());
+  FLASHLM_CHECK(n > 0, "DdpParameters: the layout is empty");
+  FLASHLM_CHECK(trainable.empty() || static_cast<int64_t>(trainable.size()) == n,
+                "DdpParameters: trainable has {} entries for {} parameters", trainable.size(), n);
+  FLASHLM_CHECK(tied_to.empty() || static_cast<int64_t>(tied_to.size()) == n,
+                "DdpParameters: tied_to has {} entries for {} parameters", tied_to.size(), n);
+  std::vector<DdpRange> owned;
+  for (int64_t i = 0; i < n; ++i) {
+    const ParameterInfo& p = layout[size_t(i)];
+    FLASHLM_CHECK(p.offset >= 0 && p.numel() > 0, "DdpParameters: parameter '{}' has offset {} and {} elements",
+                  p.name, p.offset, p.numel());
+    const int64_t j = tied_to.empty() ? -1 : tied_to[size_t(i)];
+    if (j < 0) {
+      owned.push_back({p.offset, p.numel()});
+      continue;
+    }
+    FLASHLM_CHECK(j < n && j != i, "DdpParameters: '{}' is tied to parameter {}, expected another of 0..{}", p.name,
+                  j, n - 1);
+    const ParameterInfo& q = layout[size_t(j)];
+    FLASHLM_CHECK(tied_to[size_t(j)] < 0, "DdpParameters: '{}' is tied to '{}', which is itself tied", p.name, q.name);
+    FLASHLM_CHECK(p.offset == q.offset && p.shape == q.shape,
+                  "DdpParameters: '{}' is tied to '{}' but does not share its storage (offsets {} and {}, {} and {} "
+                  "elements)",
+                  p.name, q.name, p.offset, q.offset, p.numel(), q.numel());
+    FLASHLM_CHECK(trainable.empty() || trainable[size_t(i)] == trainable[size_t(j)],
+                  "DdpParameters: '{}' and '{}' are tied, so both are trainable or both frozen", p.name, q.name);
+  }
+  std::sort(owned.begin(), owned.end(), [](const DdpRange& a, const DdpRange& b) { return a.offset < b.offset; });
+  for (size_t k = 1; k < owned.size(); ++k) {
+    FLASHLM_CHECK(owned[k - 1].offset + owned[k - 1].count <= owned[k].offset,
+                  "DdpParameters: parameters overlap at element {} without being tied", owned[k].offset);
+  }
+}
+
+std::vector<DdpRange> DdpParameters::trainable_ranges() const {
+  std::vector<DdpRange> ranges;
+  for (int64_t i = 0; i < static_cast<int64_t>(layout.size()); ++i) {
+    if (owner(i) == i && is_trainable(i)) ranges.push_back({layout[size_t(i)].offset, layout[size_t(i)].numel()});
+  }
+  return merge_ranges(std::move(ranges));
+}
+
+std::vector<DdpBucket> ddp_buckets(const std::vector<ParameterInfo>& layout, std::span<const int64_t> params,
+                                   int64_t bucket_bytes) {
+  FLASHLM_CHECK(bucket_bytes >= 0, "ddp_buckets: bucket_bytes = {}, expected >= 0", bucket_bytes);
+  std::vector<DdpBucket> buckets;
+  int64_t bytes = 0;
+  for (int64_t p : params) {
+    FLASHLM_CHECK(p >= 0 && p < static_cast<int64_t>(layout.size()), "ddp_buckets: parameter index {} outside [0, {})",
+                  p, layout.size());
+    const int64_t size = layout[size_t(p)].numel() * int64_t(sizeof(float));
+    if (buckets.empty() || (!buckets.back().params.empty() && bytes + size > bucket_bytes)) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().params.push_back(p);
+    bytes += size;
+  }
+  for (DdpBucket& b : buckets) {
+    for (int64_t p : b.params) {
+      b.ranges.push_back({layout[size_t(p)].offset, layout[size_t(p)].numel()});
+      b.elements += layout[size_t(p)].numel();
+    }
+    b.ranges = merge_ranges(std::move(b.ranges));
+  }
+  return buckets;
+}
+
+struct DataParallel::Impl {
+  Communicator& comm;
+  DdpParameters params;
+  DdpOptions options;
+  bool overlap = false;  // async, bucketed: buckets start during the backward
+  std::vector<DdpBucket> buckets;
+  std::vector<int64_t> bucket_of;  // per parameter: its owner's bucket, -1 when not communicated
+  std::vector<int> expected;       // per bucket: gradient-ready reports that complete it
+  std::vector<int64_t> staging_at;  // per bucket with several ranges: where it is packed (-1: in place)
+  Buffer staging;
+
+  // The current backward.
+  float* grads = nullptr;
+  void* stream = nullptr;
+  bool in_backward = false, sync = false;
+  int64_t micro_steps = 0;  // backwards since the last synchronisation
+  std::vector<int> ready;   // per bucket
+  std::vector<uint8_t> reported;  // per parameter
+  size_t next_launch = 0;
+  std::vector<CommRequest> requests;  // CPU, overlapped variants: in launch order
+  size_t first_pending = 0;
+  DdpStats stats;
+#ifdef FLASHLM_WITH_CUDA
+  cudaEvent_t backward_done = nullptr, synced = nullptr;
+  bool events_pending = false;
+#endif
+
+  Impl(Communicator& c, DdpParameters p, const DdpOptions& o) : comm(c), params(std::move(p)), options(o) {}
+
+  ~Impl() {
+#ifdef FLASHLM_WITH_CUDA
+    if (backward_done) cudaEventDestroy(backward_done);
+    if (synced) cudaEventDestroy(synced);
+#endif
+  }
+
+  float* bucket_data(size_t b) const {
+    const DdpBucket& bucket = buckets[b];
+    if (staging_at[b] >= 0) return static_cast<float*>(staging.data()) + staging_at[b];
+    return grads + bucket.ranges.front().offset;
+  }
+
+  // Copies a bucket's ranges between the gradients and its staging area (to_staging: before the reduction).
+  void pack(size_t b, bool to_staging) {
+    float* at = static_cast<float*>(staging.data()) + staging_at[b];
+    for (const DdpRange& r : buckets[b].ranges) {
+      float* g = grads + r.offset;
+      const size_t bytes = size_t(r.count) * sizeof(float);
+      if (params.device == Device::cpu) {
+        std::memcpy(to_staging ? at : g, to_staging ? g : at, bytes);
+      } else {
+#ifdef FLASHLM_WITH_CUDA
+        FLASHLM_CUDA_CHECK(cudaMemcpyAsync(to_staging ? at : g, to_staging ? g : at, bytes, cudaMemcpyDeviceToDevice,
+                                           static_cast<cudaStream_t>(stream)),
+                           "cudaMemcpyAsync (DDP bucket staging)");
+#endif
+      }
+      at += r.count;
+    }
+  }
+
+  void launch(size_t b) {
+    if (staging_at[b] >= 0) pack(b, true);
+    const TensorView view =
+        TensorView::contiguous(bucket_data(b), DType::f32, {buckets[b].elements}, params.device);
+    if (overlap && params.device == Device::cpu) {
+      requests.push_back(comm.all_reduce_async(view, ReduceOp::avg));
+    } else {
+      comm.all_reduce(view, ReduceOp::avg, stream);  // CUDA: queued behind `stream`; CPU: blocking
+    }
+    ++stats.collectives;
+    stats.elements += buckets[b].elements;
+  }
+
+  // Starts the complete buckets that are next in order (every rank starts them in the same order).
+  void launch_ready() {
+    while (next_launch < buckets.size() && ready[next_launch] == expected[next_launch]) launch(next_launch++);
+    // MPI moves non-blocking collectives along only inside MPI calls: poke the oldest one.
+    while (first_pending < requests.size() && comm.test(requests[first_pending])) ++first_pending;
+  }
+};
+
+DataParallel::DataParallel(Communicator& comm, DdpParameters params, const DdpOptions& options)
+    : impl_(std::make_unique<Impl>(comm, std::move(params), options)) {
+  Impl& m = *impl_;
+  m.params.validate();
+  FLASHLM_CHECK(options.grad_accum >= 1, "DataParallel: grad_accum = {}, expected >= 1", options.grad_accum);
+  FLASHLM_CHECK(options.variant != DdpVariant::bucketed || (options.bucket_mb > 0 && std::isfinite(options.bucket_mb)),
+                "DataParallel: bucket_mb = {}, expected a positive size in MB", options.bucket_mb);
+  FLASHLM_CHECK(m.params.device == Device::cpu || Communicator::nccl_built(),
+                "DataParallel: CUDA parameters need flashlm built with NCCL");
+  // bucketed: bytes per bucket (MB = 10^6 bytes), from 1 (every parameter alone) to "all in one".
+  const int64_t bucket_limit = options.variant != DdpVariant::bucketed
+                                   ? 0
+                                   : std::max<int64_t>(1, std::llround(std::min(options.bucket_mb * 1e6, 1e18)));
+  // Every rank must plan the same buckets and run the same variant, or collectives would pair up wrongly.
+  comm.agree(static_cast<int64_t>(options.variant), "the DDP variant");
+  comm.agree(bucket_limit, "the DDP bucket size");
+  comm.agree(options.grad_accum, "the gradient accumulation steps");
+  comm.agree(m.params.flat_size(), "the number of parameter elements");
+  comm.agree(static_cast<int64_t>(m.params.layout.size()), "the number of parameters");
+  if (m.params.device == Device::cuda) comm.setup_cuda();
+
+  m.overlap = options.variant == DdpVariant::async || options.variant == DdpVariant::bucketed;
+  int64_t bucket_bytes = 0;  // per-param, async: one parameter per bucket
+  if (options.variant == DdpVariant::flat) bucket_bytes = INT64_MAX;
+  if (options.variant == DdpVariant::bucketed) bucket_bytes = bucket_limit;
+  const auto n = static_cast<int64_t>(m.params.layout.size());
+  std::vector<int64_t> order;  // trainable owners, last parameter first: the order a backward finishes them
+  for (int64_t i = n - 1; i >= 0; --i) {
+    if (m.params.owner(i) == i && m.params.is_trainable(i)) order.push_back(i);
+  }
+  m.buckets = ddp_buckets(m.params.layout, order, bucket_bytes);
+  m.bucket_of.assign(size_t(n), -1);
+  m.expected.assign(m.buckets.size(), 0);
+  for (size_t b = 0; b < m.buckets.size(); ++b) {
+    for (int64_t p : m.buckets[b].params) m.bucket_of[size_t(p)] = int64_t(b);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (m.params.is_trainable(i)) ++m.expected[size_t(m.bucket_of[size_t(m.params.owner(i))])];
+  }
+  // A bucket of several separate ranges (frozen or tied parameters between them) is packed for its
+  // all-reduce; every such bucket has its own staging area, since several may be in flight at once.
+  int64_t staged = 0;
+  for (const DdpBucket& b : m.buckets) {
+    m.staging_at.push_back(b.ranges.size() > 1 ? staged : -1);
+    if (b.ranges.size() > 1) staged += b.elements;
+  }
+  if (staged > 0) m.staging = Buffer::allocate(size_t(staged) * sizeof(float), m.params.device, "DDP bucket staging");
+  m.ready.assign(m.buckets.size(), 0);
+  m.reported.assign(size_t(n), 0);
+}
+
+DataParallel::~DataParallel() = default;
+
+const DdpParameters& DataParallel::parameters() const { return impl_->params; }
+const DdpOptions& DataParallel::options() const { return impl_->options; }
+const std::vector<DdpBucket>& DataParallel::buckets() const { return impl_->buckets; }
+
+void DataParallel::broadcast_parameters(float* params, void* stream) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(params != nullptr, "DataParallel::broadcast_parameters: params is null");
+  m.comm.broadcast(TensorView::contiguous(params, DType::f32, {m.params.flat_size()}, m.params.device), 0, stream);
+  m.comm.wait(stream);
+}
+
+void DataParallel::begin_backward(float* grads, bool sync, void* stream) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(!m.in_backward, "DataParallel::begin_backward: the previous backward was not finished");
+  FLASHLM_CHECK(grads != nullptr, "DataParallel::begin_backward: grads is null");
+  FLASHLM_CHECK(!sync || m.micro_steps + 1 == m.options.grad_accum,
+                "DataParallel::begin_backward: synchronising micro-step {} of an accumulation of grad_accum = {}",
+                m.micro_steps + 1, m.options.grad_accum);
+  FLASHLM_CHECK(sync || m.micro_steps + 1 < m.options.grad_accum,
+                "DataParallel::begin_backward: micro-step {} of grad_accum = {} must synchronise", m.micro_steps + 1,
+                m.options.grad_accum);
+#ifdef FLASHLM_WITH_CUDA
+  if (m.params.device == Device::cuda) {
+    FLASHLM_CHECK(cuda_pointer_device(grads) == m.comm.cuda_device(),
+                  "DataParallel::begin_backward: grads is not memory of this rank's GPU cuda:{}", m.comm.cuda_device());
+  }
+#endif
+  m.grads = grads;
+  m.stream = stream;
+  m.sync = sync;
+  m.in_backward = true;
+  if (!sync) return;
+  std::fill(m.ready.begin(), m.ready.end(), 0);
+  std::fill(m.reported.begin(), m.reported.end(), uint8_t{0});
+  m.next_launch = 0;
+  m.requests.clear();
+  m.first_pending = 0;
+  m.stats = {};
+}
+
+void DataParallel::gradients_ready(int64_t first, int64_t last) {
+  Impl& m = *impl_;
+  const auto n = static_cast<int64_t>(m.params.layout.size());
+  FLASHLM_CHECK(0 <= first && first <= last && last < n, "DataParallel::gradients_ready: [{}, {}] is not within [0, {})",
+                first, last, n);
+  if (!m.in_backward || !m.sync) return;  // outside a synchronised backward: nothing to do
+  for (int64_t i = first; i <= last; ++i) {
+    FLASHLM_CHECK(!m.reported[size_t(i)], "DataParallel::gradients_ready: '{}' was reported twice in one backward",
+                  m.params.layout[size_t(i)].name);
+    m.reported[size_t(i)] = 1;
+    const int64_t b = m.bucket_of[size_t(m.params.owner(i))];
+    if (b >= 0 && m.params.is_trainable(i)) ++m.ready[size_t(b)];
+  }
+  if (m.overlap) m.launch_ready();
+}
+
+GradientReadyHook DataParallel::hook() {
+  return [this](int64_t first, int64_t last) { gradients_ready(first, last); };
+}
+
+void DataParallel::finish_backward() {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(m.in_backward, "DataParallel::finish_backward: no begin_backward()");
+  m.in_backward = false;
+  if (!m.sync) {
+    ++m.micro_steps;
+    return;
+  }
+  m.micro_steps = 0;
+  const bool cuda = m.params.device == Device::cuda;
+  const auto t0 = std::chrono::steady_clock::now();
+#ifdef FLASHLM_WITH_CUDA
+  if (cuda) {
+    if (!m.backward_done) {
+      FLASHLM_CUDA_CHECK(cudaEventCreate(&m.backward_done), "cudaEventCreate");
+      FLASHLM_CUDA_CHECK(cudaEventCreate(&m.synced), "cudaEventCreate");
+    }
+    FLASHLM_CUDA_CHECK(cudaEventRecord(m.backward_done, static_cast<cudaStream_t>(m.stream)), "cudaEventRecord");
+  }
+#endif
+  // What the hooks did not start (every bucket for per-param and flat; for the others, buckets of a model
+  // that reports no gradients), in order.
+  while (m.next_launch < m.buckets.size()) m.launch(m.next_launch++);
+  for (CommRequest& r : m.requests) m.comm.wait(r);
+  if (cuda) m.comm.wait(m.stream);
+  for (size_t b = 0; b < m.buckets.size(); ++b) {
+    if (m.staging_at[b] >= 0) m.pack(b, false);
+  }
+  if (m.options.grad_accum > 1) {
+    const float scale = 1.0f / float(m.options.grad_accum);
+    for (const DdpBucket& b : m.buckets) {
+      for (const DdpRange& r : b.ranges) {
+        float* g = m.grads + r.offset;
+        if (!cuda) {
+          for (int64_t i = 0; i < r.count; ++i) g[i] *= scale;
+        } else {
+#ifdef FLASHLM_WITH_CUDA
+          gpu::scale_inplace(g, r.count, scale, m.stream);
+#endif
+        }
+      }
+    }
+  }
+#ifdef FLASHLM_WITH_CUDA
+  if (cuda) {
+    FLASHLM_CUDA_CHECK(cudaEventRecord(m.synced, static_cast<cudaStream_t>(m.stream)), "cudaEventRecord");
+    m.events_pending = true;
+    return;
+  }
+#endif
+  m.stats.exposed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+DdpStats DataParallel::last_stats() {
+  Impl& m = *impl_;
+#ifdef FLASHLM_WITH_CUDA
+  if (m.events_pending) {
+    float ms = 0;
+    FLASHLM_CUDA_CHECK(cudaEventSynchronize(m.synced), "cudaEventSynchronize (DDP)");
+    FLASHLM_CUDA_CHECK(cudaEventElapsedTime(&ms, m.backward_done, m.synced), "cudaEventElapsedTime (DDP)");
+    m.stats.exposed_ms = ms;
+    m.events_pending = false;
+  }
+#endif
+  return m.stats;
+}
+
+DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch_tokens, const DdpOptions& options,
+                   bool zero1)
+    : model_(model), micro_tokens_(micro_batch_tokens) {
+  FLASHLM_CHECK(micro_batch_tokens >= 1, "DdpModel: micro_batch_tokens = {}, expected >= 1", micro_batch_tokens);
+  ddp_ = std::make_unique<DataParallel>(comm, DdpParameters::of(model), options);
+  if (zero1) zero_ = std::make_unique<ZeroOptimizer>(comm, DdpParameters::of(model));
+  model_.set_gradient_ready_hook(ddp_->hook());
+}
+
+DdpModel::~DdpModel() { model_.set_gradient_ready_hook({}); }
+
+DataParallel& DdpModel::data_parallel() { return *ddp_; }
+ZeroOptimizer* DdpModel::zero() { return zero_.get(); }
+
+void DdpModel::broadcast_parameters() {
+  ddp_->broadcast_parameters(model_.parameters(), model_.stream());
+  model_.parameters_changed();
+}
+
+double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<const int32_t> targets) {
+  const int64_t accum = ddp_->options().grad_accum;
+  FLASHLM_CHECK(static_cast<int64_t>(tokens.size()) == accum * micro_tokens_ && targets.size() == tokens.size(),
+                "DdpModel::forward_backward: {} tokens and {} targets, expected grad_accum {} x {} of each",
+                tokens.size(), targets.size(), accum, micro_tokens_);
+  model_.zero_grad();
+  double loss = 0;
+  for (int64_t k = 0; k < accum; ++k) {
+    loss += model_.forward(tokens.data() + k * micro_tokens_, targets.data() + k * micro_tokens_);
+    ddp_->begin_backward(model_.gradients(), k + 1 == accum, model_.stream());
+    model_.backward();
+    ddp_->finish_backward();
+  }
+  return loss / double(accum);
+}
+
+bool DdpModel::optimizer_step(const AdamWConfig& c, double lr, double* norm) {
+  // The gradients are equal on every rank, and so is an fp16 overflow and its skipped step.
+  if (!zero_) return flashlm::optimizer_step(model_, c, lr, norm);
+  if (!model_.unscale_gradients()) return false;
+  const double before = zero_->step(model_.parameters(), model_.gradients(), c, lr, model_.stream());
+  model_.parameters_changed();
+  if (norm) *norm = before;
+  return true;
+}
+
+int64_t DdpModel::optimizer_steps() const { return zero_ ? zero_->steps() : model_.optimizer_steps(); }
+
+}  // namespace flashlm

@@ -1,0 +1,199 @@
+// ZeRO-1 (include/flashlm/ddp.h): AdamW moments sharded across ranks. Each rank clips and updates its shard
+// of the flat parameters with the model's own AdamW arithmetic (cpu::adamw_step, gpu::adamw_step), then the
+// ranks gather each other's shards.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <span>
+
+#include "core/check.h"
+#include "flashlm/ddp.h"
+#include "flashlm/dist.h"
+#include "model/ops_cpu.h"
+
+#ifdef FLASHLM_WITH_CUDA
+#include "core/cuda_runtime.h"
+#include "model/ops_cuda.h"
+#endif
+
+namespace flashlm {
+
+struct ZeroOptimizer::Impl {
+  Communicator& comm;
+  DdpParameters params;
+  int64_t grain = 0, n = 0, shard_elements = 0;
+  DdpRange shard;                     // this rank's elements, within [0, n)
+  std::vector<DdpRange> updated;      // the trainable runs within the shard
+  std::vector<int64_t> counts;        // every rank's elements within [0, n), for the gather
+  Buffer m, v;                        // shard_elements floats each, on the parameters' device
+  int64_t steps = 0;
+#ifdef FLASHLM_WITH_CUDA
+  Buffer norm_parts;  // one fp64 sum of squares per trainable run (device)
+#endif
+
+  Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
+
+  bool cuda() const { return params.device == Device::cuda; }
+  float* moment(const Buffer& b, const DdpRange& r) const {
+    return static_cast<float*>(b.data()) + (r.offset - shard.offset);
+  }
+
+  // Σ of squares of the trainable gradients, summed across ranks. CPU: per grain-sized chunk of the flat
+  // buffer (whole chunks per shard), the chunks' sums added in chunk order, as CpuModel::gradient_norm.
+  double squared_norm(const float* grads, void* stream) {
+    std::vector<double> mine;
+    if (!cuda()) {
+      const int64_t chunks = shard_elements / grain;
+      const std::vector<DdpRange> trainable = params.trainable_ranges();
+      mine.assign(size_t(chunks), 0.0);
+#pragma omp parallel for schedule(static)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t lo = shard.offset + c * grain, hi = std::min(lo + grain, shard.offset + shard.count);
+        double ss = 0;
+        for (const DdpRange& r : trainable) {
+          const int64_t a = std::max(lo, r.offset), b = std::min(hi, r.offset + r.count);
+          if (a < b) ss += cpu::sum_squares(grads + a, b - a);
+        }
+        mine[size_t(c)] = ss;
+      }
+    } else {
+#ifdef FLASHLM_WITH_CUDA
+      std::vector<double> parts(updated.size());
+      auto* out = static_cast<double*>(norm_parts.data());
+      for (size_t k = 0; k < updated.size(); ++k) gpu::squared_norm(grads + updated[k].offset, updated[k].count, out + k, stream);
+      gpu::stream_synchronize(stream);
+      if (!parts.empty()) cuda_copy(parts.data(), out, parts.size() * sizeof(double));
+      double ss = 0;
+      for (double p : parts) ss += p;
+      mine.assign(1, ss);
+#endif
+    }
+    std::vector<double> all(mine.size() * size_t(comm.world_size()));
+    comm.all_gather(std::span<double>(mine), std::span<double>(all));
+    double total = 0;
+    for (double x : all) total += x;
+    return total;
+  }
+};
+
+ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t grain)
+    : impl_(std::make_unique<Impl>(comm, std::move(params))) {
+  Impl& m = *impl_;
+  m.params.validate();
+  FLASHLM_CHECK(grain >= 1, "ZeroOptimizer: grain = {}, expected >= 1", grain);
+  FLASHLM_CHECK(m.params.device == Device::cpu || Communicator::nccl_built(),
+                "ZeroOptimizer: CUDA parameters need flashlm built with NCCL");
+  m.grain = grain;
+  m.n = m.params.flat_size();
+  comm.agree(m.n, "the number of parameter elements");
+  comm.agree(grain, "the ZeRO-1 shard grain");
+  if (m.cuda()) comm.setup_cuda();
+  const int64_t world = comm.world_size();
+  const int64_t granules = (m.n + grain - 1) / grain;
+  m.shard_elements = (granules + world - 1) / world * grain;
+  for (int64_t r = 0; r < world; ++r) {
+    m.counts.push_back(std::clamp(m.n - r * m.shard_elements, int64_t{0}, m.shard_elements));
+  }
+  const int64_t begin = std::min(m.n, comm.rank() * m.shard_elements);
+  m.shard = {begin, m.counts[size_t(comm.rank())]};
+  for (const DdpRange& r : m.params.trainable_ranges()) {
+    const int64_t a = std::max(r.offset, m.shard.offset), b = std::min(r.offset + r.count, m.shard.offset + m.shard.count);
+    if (a < b) m.updated.push_back({a, b - a});
+  }
+  const size_t bytes = size_t(m.shard_elements) * sizeof(float);
+  m.m = Buffer::allocate(bytes, m.params.device, "ZeRO-1 AdamW first moment (shard)");
+  m.v = Buffer::allocate(bytes, m.params.device, "ZeRO-1 AdamW second moment (shard)");
+  if (!m.cuda()) {
+    std::memset(m.m.data(), 0, bytes);
+    std::memset(m.v.data(), 0, bytes);
+  } else {
+#ifdef FLASHLM_WITH_CUDA
+    gpu::memset_async(m.m.data(), 0, bytes, nullptr);
+    gpu::memset_async(m.v.data(), 0, bytes, nullptr);
+    gpu::stream_synchronize(nullptr);
+    if (!m.updated.empty()) {
+      m.norm_parts = Buffer::allocate(m.updated.size() * sizeof(double), Device::cuda, "ZeRO-1 norm partial sums");
+    }
+#endif
+  }
+}
+
+ZeroOptimizer::~ZeroOptimizer() = default;
+
+int64_t ZeroOptimizer::shard_elements() const { return impl_->shard_elements; }
+DdpRange ZeroOptimizer::shard() const { return impl_->shard; }
+int64_t ZeroOptimizer::state_bytes() const { return 2 * impl_->shard_elements * int64_t(sizeof(float)); }
+int64_t ZeroOptimizer::steps() const { return impl_->steps; }
+
+double ZeroOptimizer::step(float* params, float* grads, const AdamWConfig& c, double lr, void* stream) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(params != nullptr && grads != nullptr, "ZeroOptimizer::step: null params or grads");
+  const double norm = std::sqrt(m.squared_norm(grads, stream));
+  const bool clip = c.max_grad_norm > 0 && norm > c.max_grad_norm;
+  const float scale = cpu::clip_scale(norm, c.max_grad_norm);
+  ++m.steps;
+  for (const DdpRange& r : m.updated) {
+    float* w = params + r.offset;
+    float* g = grads + r.offset;
+    if (!m.cuda()) {
+      if (clip) {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < r.count; ++i) g[i] *= scale;
+      }
+      cpu::adamw_step(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay,
+                      m.steps);
+    } else {
+#ifdef FLASHLM_WITH_CUDA
+      if (clip) gpu::scale_inplace(g, r.count, scale, stream);
+      gpu::adamw_step<float>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
+                             c.weight_decay, m.steps, nullptr, stream);
+#endif
+    }
+  }
+  m.comm.all_gather_v(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), m.counts, stream);
+  m.comm.wait(stream);
+  return norm;
+}
+
+namespace {
+
+// Host copy of `count` floats of a CPU or CUDA buffer, and back.
+void copy_floats(float* dst, const float* src, int64_t count, Device device_of_src_or_dst) {
+  if (count == 0) return;
+  if (device_of_src_or_dst == Device::cpu) {
+    std::memcpy(dst, src, size_t(count) * sizeof(float));
+    return;
+  }
+#ifdef FLASHLM_WITH_CUDA
+  cuda_copy(dst, src, size_t(count) * sizeof(float));
+#endif
+}
+
+}  // namespace
+
+void ZeroOptimizer::gather_state(float* m_out, float* v_out) {
+  Impl& m = *impl_;
+  const auto s = size_t(m.shard_elements);
+  std::vector<float> mine(s), all(s * size_t(m.comm.world_size()));
+  for (auto [moment, out] : {std::pair{&m.m, m_out}, std::pair{&m.v, v_out}}) {
+#ifdef FLASHLM_WITH_CUDA
+    if (m.cuda()) cuda_synchronize();
+#endif
+    copy_floats(mine.data(), static_cast<const float*>(moment->data()), int64_t(s), m.params.device);
+    m.comm.all_gather(std::span<float>(mine), std::span<float>(all));
+    std::copy(all.begin(), all.begin() + m.n, out);
+  }
+}
+
+void ZeroOptimizer::load_state(const float* m_in, const float* v_in, int64_t steps) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(steps >= 0, "ZeroOptimizer::load_state: steps = {}, expected >= 0", steps);
+  std::vector<float> mine(size_t(m.shard_elements), 0.0f);
+  for (auto [moment, in] : {std::pair{&m.m, m_in}, std::pair{&m.v, v_in}}) {
+    std::copy(in + m.shard.offset, in + m.shard.offset + m.shard.count, mine.begin());
+    copy_floats(static_cast<float*>(moment->data()), mine.data(), m.shard_elements, m.params.device);
+  }
+  m.steps = steps;
+}
+
+}  // namespace flashlm

@@ -1,0 +1,87 @@
+# flashlm train and ddp-bench under mpirun -np 2 on the CPU: data-parallel training reports once (rank 0)
+# and resumes bit-exactly with ZeRO-1's sharded moments; ddp-bench gives one table and every JSON field;
+# bad arguments are usage errors. Arguments: FLASHLM, MPIRUN, MPIRUN_FLAGS (a list), WORKDIR.
+set(mpi2 ${MPIRUN} ${MPIRUN_FLAGS} -np 2)
+set(tiny --device cpu --model tiny --vocab 64 --context 16 --batch 2 --eval-every 0 --eval-batches 1
+         --ddp bucketed --bucket-mb 0.01 --grad-accum 2 --zero 1)
+
+function(run_ok what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${what}: exit ${rc}\nstdout: ${out}\nstderr: ${err}")
+  endif()
+  set(out "${out}" PARENT_SCOPE)
+  set(err "${err}" PARENT_SCOPE)
+endfunction()
+
+# 6 steps in one go, and 3 steps then a resumed 3: the same checkpoint, byte for byte.
+set(full ${WORKDIR}/ddp_full.ckpt)
+set(half ${WORKDIR}/ddp_half.ckpt)
+file(REMOVE ${full} ${half})
+run_ok("train 6 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 6 --cosine-steps 6 --log-every 1 --checkpoint ${full})
+string(REGEX MATCHALL "step +6/6 \\| loss" last_lines "${out}")
+list(LENGTH last_lines n_last)
+if(NOT n_last EQUAL 1 OR NOT out MATCHES "data parallel: 2 rank\\(s\\) x 2 sequences x grad_accum 2; DDP bucketed"
+   OR NOT out MATCHES "ZeRO-1: [0-9.]+ MiB of AdamW state per rank")
+  message(FATAL_ERROR "expected rank 0's progress once, with the data-parallel line:\n${out}")
+endif()
+run_ok("train 3 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 3 --cosine-steps 6 --checkpoint ${half})
+run_ok("resume to 6 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 6 --cosine-steps 6 --checkpoint ${half} --resume)
+file(SHA256 ${full} full_hash)
+file(SHA256 ${half} half_hash)
+if(NOT full_hash STREQUAL half_hash)
+  message(FATAL_ERROR "6 steps and 3 + resume + 3 under DDP + ZeRO-1 wrote different checkpoints")
+endif()
+# Resuming with another world size would read other data: refused.
+execute_process(COMMAND ${FLASHLM} train ${tiny} --steps 7 --checkpoint ${half} --resume
+                RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+if(NOT rc EQUAL 1 OR NOT err MATCHES "written by 2 rank\\(s\\) with grad_accum 2, not 1 with 2")
+  message(FATAL_ERROR "resume at another world size: exit ${rc}\nstderr: ${err}")
+endif()
+
+set(json_file ${WORKDIR}/ddp_bench.json)
+file(REMOVE ${json_file})
+run_ok("ddp-bench" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64 --context 16 --batch 2
+       --bucket-mb 0.01,1 --zero 0,1 --warmup 1 --steps 2 --format json --out ${json_file})
+string(REGEX MATCHALL "\\| *variant *\\| *bucket MB *\\|" headers "${out}")
+list(LENGTH headers n_headers)
+if(NOT n_headers EQUAL 1 OR NOT err MATCHES "ddp-bench: 2 rank\\(s\\)" OR NOT err MATCHES "\\[11/11\\] bucketed 1 MB \\+ ZeRO-1")
+  message(FATAL_ERROR "expected one table (rank 0) and progress lines:\nstdout: ${out}\nstderr: ${err}")
+endif()
+file(READ ${json_file} json)
+string(JSON n LENGTH "${json}" records)
+string(JSON world GET "${json}" world_size)
+if(NOT n EQUAL 11 OR NOT world EQUAL 2)  # none + (per-param, flat, async, bucketed x 2) x ZeRO-1 off/on
+  message(FATAL_ERROR "json: ${n} records (expected 11), world_size ${world}:\n${json}")
+endif()
+foreach(i 0 5 10)
+  foreach(field variant bucket_mb zero1 world_size buckets mean_ms median_ms exposed_comm_ms tokens_per_s
+                scaling_efficiency optimizer_state_mib status)
+    string(JSON value ERROR_VARIABLE missing GET "${json}" records ${i} ${field})
+    if(missing)
+      message(FATAL_ERROR "json record ${i} lacks '${field}': ${missing}")
+    endif()
+  endforeach()
+  string(JSON status GET "${json}" records ${i} status)
+  if(NOT status STREQUAL "ok")
+    message(FATAL_ERROR "json record ${i}: status ${status}:\n${json}")
+  endif()
+endforeach()
+string(JSON eff TYPE "${json}" records 5 scaling_efficiency)
+string(JSON zero GET "${json}" records 10 zero1)
+if(NOT eff STREQUAL "NUMBER" OR NOT zero)
+  message(FATAL_ERROR "json: scaling efficiency ${eff}, ZeRO-1 ${zero}:\n${json}")
+endif()
+
+# Usage errors: exit 2 with "error: ..." without mpirun; under mpirun every rank fails and so does mpirun.
+foreach(bad "train;--ddp;ring" "train;--zero;2" "train;--grad-accum;0" "ddp-bench;--ddp;ring"
+            "ddp-bench;--bucket-mb;0" "ddp-bench;--zero;3" "ddp-bench;--device;cpu;--precision;bf16")
+  execute_process(COMMAND ${FLASHLM} ${bad} RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+  if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: ")
+    message(FATAL_ERROR "flashlm ${bad}: exit ${rc}, expected 2 with 'error: '\nstderr: ${err}")
+  endif()
+endforeach()
+execute_process(COMMAND ${mpi2} ${FLASHLM} ddp-bench --ddp ring RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+if(rc EQUAL 0 OR NOT err MATCHES "error: ")
+  message(FATAL_ERROR "mpirun ddp-bench --ddp ring: exit ${rc}, expected non-zero\nstderr: ${err}")
+endif()

@@ -1,0 +1,534 @@
+// Data parallelism (flashlm/ddp.h) on the CPU, run by CTest as one process and under `mpirun -np 2` and
+// `-np 4` (main: mpi_test_main.cpp, see mpi_testing.h). Every DDP variant, gradient accumulation and ZeRO-1
+// reproduce single-process full-batch training of a toy model with a frozen and a tied parameter (each rank
+// trains on its slice of the global batch; every rank also trains the single-process reference locally);
+// the frozen parameter is never communicated, the tied one is reduced once; ZeRO-1 is bit-identical to
+// CpuModel's AdamW; the bucket plan; the real LM with bucketed DDP against one process.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dist/mpi_testing.h"
+#include "dist/toy_model.h"
+#include "flashlm/ddp.h"
+#include "flashlm/device.h"
+#include "flashlm/dist.h"
+#include "flashlm/error.h"
+#include "model/ops_cpu.h"
+
+using namespace flashlm;
+
+namespace {
+
+Communicator& comm() { return test_world(); }
+
+constexpr int64_t kGlobalRows = 8;  // divisible by every world size (1, 2, 4) times grad_accum 2
+constexpr int kSteps = 5;
+constexpr double kLr = 1e-2;
+
+AdamWConfig toy_adamw() {
+  AdamWConfig c;
+  c.max_grad_norm = 0.5;  // small enough to clip some steps
+  return c;
+}
+
+// Step s's global batch, the same on every rank.
+void global_batch(int64_t step, std::vector<int32_t>& tokens, std::vector<int32_t>& targets) {
+  std::mt19937 rng(uint32_t(100 + step));
+  std::uniform_int_distribution<int32_t> token(0, int32_t(toy::V - 1));
+  tokens.resize(kGlobalRows);
+  targets.resize(kGlobalRows);
+  for (int64_t i = 0; i < kGlobalRows; ++i) tokens[size_t(i)] = token(rng), targets[size_t(i)] = token(rng);
+}
+
+// Unsharded AdamW over the trainable parameters, with global-norm clipping: the single-process optimizer.
+struct ToyAdamW {
+  std::vector<float> m, v;
+  int64_t steps = 0;
+
+  void step(toy::Model& model, const AdamWConfig& c, double lr) {
+    if (m.empty()) m.assign(model.w.size(), 0.0f), v.assign(model.w.size(), 0.0f);
+    const std::vector<DdpRange> ranges = model.params.trainable_ranges();
+    double ss = 0;
+    for (const DdpRange& r : ranges) ss += cpu::sum_squares(model.g.data() + r.offset, r.count);
+    const double norm = std::sqrt(ss);
+    ++steps;
+    for (const DdpRange& r : ranges) {
+      float* g = model.g.data() + r.offset;
+      if (norm > c.max_grad_norm) {
+        for (int64_t i = 0; i < r.count; ++i) g[i] *= cpu::clip_scale(norm, c.max_grad_norm);
+      }
+      cpu::adamw_step(model.w.data() + r.offset, g, m.data() + r.offset, v.data() + r.offset, r.count, lr, c.beta1,
+                      c.beta2, c.eps, c.weight_decay, steps);
+    }
+  }
+};
+
+// kSteps of full-batch training in this process alone, from rank 0's initial weights.
+std::vector<float> train_single_process() {
+  toy::Model model(1);
+  ToyAdamW adam;
+  std::vector<int32_t> x, y;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    global_batch(s, x, y);
+    std::fill(model.g.begin(), model.g.end(), 0.0f);
+    model.forward_backward(x, y);
+    adam.step(model, toy_adamw(), kLr);
+  }
+  return model.w;
+}
+
+struct ToyRun {
+  std::vector<float> initial, final;     // rank 0's weights after the broadcast; this rank's at the end
+  std::vector<DdpStats> stats;           // every step's synchronisation
+  std::vector<int64_t> started_after;    // collectives started after each gradient-ready report (last step)
+  bool frozen_gradient_kept = true;      // the frozen gradient, set to a rank-dependent value, survived
+};
+
+// kSteps on this rank's slice of each global batch, in grad_accum micro-batches, synchronised by DDP and
+// updated by ToyAdamW or ZeRO-1 (grain 16: several shards even for this small model).
+ToyRun train_data_parallel(const DdpOptions& opt, bool zero1) {
+  const int n = comm().world_size(), r = comm().rank();
+  toy::Model model(1 + uint64_t(r));  // the ranks start different: the broadcast makes them equal
+  DataParallel ddp(comm(), model.params, opt);
+  std::unique_ptr<ZeroOptimizer> zero;
+  if (zero1) zero = std::make_unique<ZeroOptimizer>(comm(), model.params, 16);
+  ToyRun run;
+  model.hook = [&](int64_t first, int64_t last) {
+    ddp.gradients_ready(first, last);
+    run.started_after.push_back(ddp.last_stats().collectives);
+  };
+  ddp.broadcast_parameters(model.w.data());
+  run.initial = model.w;
+  ToyAdamW adam;
+  const int64_t rows = kGlobalRows / n, micro = rows / opt.grad_accum;
+  const DdpRange frozen{model.params.layout[toy::kFrozen].offset, model.params.layout[toy::kFrozen].numel()};
+  std::vector<int32_t> x, y;
+  for (int64_t s = 0; s < kSteps; ++s) {
+    global_batch(s, x, y);
+    std::fill(model.g.begin(), model.g.end(), 0.0f);
+    std::fill_n(model.g.begin() + frozen.offset, frozen.count, float(r + 1));
+    run.started_after.clear();
+    for (int64_t k = 0; k < opt.grad_accum; ++k) {
+      const auto at = size_t(r * rows + k * micro);
+      ddp.begin_backward(model.g.data(), k + 1 == opt.grad_accum);
+      model.forward_backward(std::span(x).subspan(at, size_t(micro)), std::span(y).subspan(at, size_t(micro)));
+      ddp.finish_backward();
+    }
+    for (int64_t i = 0; i < frozen.count; ++i) run.frozen_gradient_kept &= model.g[size_t(frozen.offset + i)] == float(r + 1);
+    std::fill_n(model.g.begin() + frozen.offset, frozen.count, 0.0f);
+    run.stats.push_back(ddp.last_stats());
+    if (zero) zero->step(model.w.data(), model.g.data(), toy_adamw(), kLr);
+    else adam.step(model, toy_adamw(), kLr);
+  }
+  run.final = model.w;
+  return run;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::abs(double(a[i]) - double(b[i])));
+  return d;
+}
+
+DdpOptions options(DdpVariant v, double bucket_mb = 25, int64_t grad_accum = 1) {
+  DdpOptions o;
+  o.variant = v;
+  o.bucket_mb = bucket_mb;
+  o.grad_accum = grad_accum;
+  return o;
+}
+
+std::string describe(const DdpOptions& o) {
+  return std::string(ddp_variant_name(o.variant)) + " bucket_mb " + std::to_string(o.bucket_mb) + " grad_accum " +
+         std::to_string(o.grad_accum);
+}
+
+// The toy's trainable gradient elements: E (once, although it has two uses), W1, W2 — not F.
+constexpr int64_t kCommunicated = toy::V * toy::D + 2 * toy::H * toy::D;
+
+// 800 bytes: W2 and W1 (384 bytes each) share a bucket, E (512 bytes) gets the next; 1 MB: one bucket of
+// two ranges (F lies between E and W1), reduced through the staging area.
+const std::vector<DdpOptions> kEveryVariant = {
+    options(DdpVariant::per_param), options(DdpVariant::flat),           options(DdpVariant::async),
+    options(DdpVariant::bucketed, 0.0008), options(DdpVariant::bucketed, 1.0),
+};
+
+// ---------------------------------------------------------------------------------------------------
+// The bucket plan (a pure function).
+
+TEST(DdpBuckets, SizesGiveOneTwoAndThreeBuckets) {
+  // Four contiguous parameters of 400, 800, 200 and 1200 bytes, offered last first as a backward ends them.
+  std::vector<ParameterInfo> layout = {{"a", 0, {100}}, {"b", 100, {200}}, {"c", 300, {50}}, {"d", 350, {300}}};
+  const std::vector<int64_t> reverse = {3, 2, 1, 0};
+  auto params_of = [](const std::vector<DdpBucket>& buckets) {
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& b : buckets) out.push_back(b.params);
+    return out;
+  };
+  const auto one = ddp_buckets(layout, reverse, 2600);
+  EXPECT_EQ(params_of(one), (std::vector<std::vector<int64_t>>{{3, 2, 1, 0}}));
+  ASSERT_EQ(one[0].ranges.size(), 1u);
+  EXPECT_EQ(one[0].ranges[0].offset, 0);
+  EXPECT_EQ(one[0].ranges[0].count, 650);
+  EXPECT_EQ(one[0].elements, 650);
+  EXPECT_EQ(params_of(ddp_buckets(layout, reverse, 1400)), (std::vector<std::vector<int64_t>>{{3, 2}, {1, 0}}));
+  // d (1200 bytes) is larger than a bucket: alone; c + b fill one exactly; a starts the third.
+  const auto three = ddp_buckets(layout, reverse, 1000);
+  EXPECT_EQ(params_of(three), (std::vector<std::vector<int64_t>>{{3}, {2, 1}, {0}}));
+  ASSERT_EQ(three[1].ranges.size(), 1u);  // b and c are adjacent: one range
+  EXPECT_EQ(three[1].ranges[0].offset, 100);
+  EXPECT_EQ(three[1].ranges[0].count, 250);
+  EXPECT_EQ(ddp_buckets(layout, reverse, 0).size(), 4u);
+  EXPECT_EQ(ddp_buckets(layout, reverse, INT64_MAX).size(), 1u);
+  // Without b (frozen): one bucket of two separate ranges.
+  const auto gap = ddp_buckets(layout, std::vector<int64_t>{3, 2, 0}, INT64_MAX);
+  ASSERT_EQ(gap.size(), 1u);
+  ASSERT_EQ(gap[0].ranges.size(), 2u);
+  EXPECT_EQ(gap[0].ranges[0].offset, 0);
+  EXPECT_EQ(gap[0].ranges[0].count, 100);
+  EXPECT_EQ(gap[0].ranges[1].offset, 300);
+  EXPECT_EQ(gap[0].ranges[1].count, 350);
+  EXPECT_EQ(gap[0].elements, 450);
+  EXPECT_THROW(ddp_buckets(layout, reverse, -1), Error);
+  EXPECT_THROW(ddp_buckets(layout, std::vector<int64_t>{4}, 100), Error);
+}
+
+TEST(DdpBuckets, DataParallelPlansTheToyInReverseWithoutFrozenOrTiedEntries) {
+  toy::Model model(1);
+  const auto buckets_of = [&](const DdpOptions& o) {
+    DataParallel ddp(comm(), model.params, o);
+    std::vector<std::vector<int64_t>> out;
+    for (const auto& b : ddp.buckets()) out.push_back(b.params);
+    return out;
+  };
+  using Plan = std::vector<std::vector<int64_t>>;
+  EXPECT_EQ(buckets_of(options(DdpVariant::per_param)), (Plan{{toy::kFc2}, {toy::kFc1}, {toy::kEmbed}}));
+  EXPECT_EQ(buckets_of(options(DdpVariant::async)), (Plan{{toy::kFc2}, {toy::kFc1}, {toy::kEmbed}}));
+  EXPECT_EQ(buckets_of(options(DdpVariant::flat)), (Plan{{toy::kFc2, toy::kFc1, toy::kEmbed}}));
+  EXPECT_EQ(buckets_of(options(DdpVariant::bucketed, 0.0008)), (Plan{{toy::kFc2, toy::kFc1}, {toy::kEmbed}}));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The toy model: DDP and ZeRO-1 against single-process full-batch training.
+
+TEST(Ddp, EveryVariantReproducesFullBatchTraining) {
+  const std::vector<float> reference = train_single_process();
+  for (const DdpOptions& o : kEveryVariant) {
+    const ToyRun run = train_data_parallel(o, false);
+    EXPECT_LE(max_abs_diff(run.final, reference), 1e-6) << describe(o);
+  }
+}
+
+TEST(Ddp, GradientAccumulationReproducesFullBatchTraining) {
+  const std::vector<float> reference = train_single_process();
+  for (DdpVariant v : {DdpVariant::bucketed, DdpVariant::async, DdpVariant::flat}) {
+    const DdpOptions o = options(v, 0.0008, 2);
+    const ToyRun run = train_data_parallel(o, false);
+    EXPECT_LE(max_abs_diff(run.final, reference), 1e-6) << describe(o);
+    for (const DdpStats& s : run.stats) EXPECT_EQ(s.elements, kCommunicated) << describe(o);  // once per step
+  }
+}
+
+TEST(Ddp, FrozenParameterIsNeverCommunicatedNorUpdated) {
+  for (const DdpOptions& o : kEveryVariant) {
+    const ToyRun run = train_data_parallel(o, false);
+    EXPECT_TRUE(run.frozen_gradient_kept) << describe(o);
+    const int64_t f = toy::Model(1).params.layout[toy::kFrozen].offset;
+    for (int64_t i = 0; i < toy::D * toy::D; ++i) {
+      EXPECT_EQ(run.final[size_t(f + i)], run.initial[size_t(f + i)]) << describe(o) << " element " << i;
+    }
+  }
+}
+
+// E has two uses: its bucket starts only after the second (the embedding, last in the backward), and its
+// elements are reduced once.
+TEST(Ddp, TiedWeightIsReducedOnceAfterBothUses) {
+  struct Expect {
+    DdpOptions o;
+    int64_t collectives;
+    std::vector<int64_t> started_after;  // reports: head, fc2, fc1, embed
+  };
+  const std::vector<Expect> cases = {
+      {options(DdpVariant::per_param), 3, {0, 0, 0, 0}},  // everything after the backward
+      {options(DdpVariant::flat), 1, {0, 0, 0, 0}},
+      {options(DdpVariant::async), 3, {0, 1, 2, 3}},      // each as soon as it is final; E last
+      {options(DdpVariant::bucketed, 0.0008), 2, {0, 0, 1, 2}},
+  };
+  for (const Expect& e : cases) {
+    const ToyRun run = train_data_parallel(e.o, false);
+    EXPECT_EQ(run.started_after, e.started_after) << describe(e.o);
+    for (const DdpStats& s : run.stats) {
+      EXPECT_EQ(s.collectives, e.collectives) << describe(e.o);
+      EXPECT_EQ(s.elements, kCommunicated) << describe(e.o);
+      EXPECT_GE(s.exposed_ms, 0.0);
+    }
+  }
+}
+
+TEST(Zero1, ReproducesFullBatchTraining) {
+  const std::vector<float> reference = train_single_process();
+  for (const DdpOptions& o : {options(DdpVariant::bucketed, 0.0008), options(DdpVariant::flat, 25, 2)}) {
+    const ToyRun run = train_data_parallel(o, true);
+    EXPECT_LE(max_abs_diff(run.final, reference), 1e-6) << describe(o);
+    EXPECT_TRUE(run.frozen_gradient_kept);
+    const int64_t f = toy::Model(1).params.layout[toy::kFrozen].offset;
+    for (int64_t i = 0; i < toy::D * toy::D; ++i) EXPECT_EQ(run.final[size_t(f + i)], run.initial[size_t(f + i)]);
+  }
+}
+
+TEST(Zero1, ShardsAreEqualAndCoverTheParameters) {
+  toy::Model model(1);
+  const int64_t n = model.params.flat_size();  // 384
+  const int world = comm().world_size();
+  ZeroOptimizer zero(comm(), model.params, 16);
+  const int64_t s = zero.shard_elements();
+  EXPECT_EQ(s % 16, 0);
+  EXPECT_GE(s * world, n);
+  EXPECT_LT(s * world, n + 16 * world);  // padding below one grain per rank
+  EXPECT_EQ(comm().agree(s, "the shard size"), s);
+  EXPECT_EQ(zero.state_bytes(), 2 * s * int64_t(sizeof(float)));
+  const DdpRange mine = zero.shard();
+  EXPECT_EQ(mine.offset, std::min(n, comm().rank() * s));
+  std::vector<double> owned(size_t(n), 0.0);
+  for (int64_t i = 0; i < mine.count; ++i) owned[size_t(mine.offset + i)] = 1.0;
+  comm().all_reduce(std::span<double>(owned), ReduceOp::sum);
+  for (double o : owned) EXPECT_EQ(o, 1.0);  // every element has exactly one owner
+  // The moments round-trip through a checkpoint.
+  const auto count = static_cast<size_t>(n);
+  std::vector<float> m(count), v(count), m2(count), v2(count);
+  for (int64_t i = 0; i < n; ++i) m[size_t(i)] = float(i), v[size_t(i)] = float(2 * i);
+  zero.load_state(m.data(), v.data(), 7);
+  zero.gather_state(m2.data(), v2.data());
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
+  EXPECT_EQ(zero.steps(), 7);
+}
+
+// The real LM: ZeRO-1's sharded step gives the bits of CpuModel's own clipping and AdamW, given the same
+// (DDP-averaged) gradients. vocab 10000 makes 11 norm chunks, so the shards are several at 2 and 4 ranks.
+TEST(Zero1, BitIdenticalToCpuModelAdamW) {
+  const ModelConfig mc = ModelConfig::named("tiny", 16, 10000);
+  const int64_t batch = 2, seq = 16;
+  CpuModel plain(mc, batch, seq), sharded(mc, batch, seq);
+  plain.init_parameters(3);
+  sharded.init_parameters(3);
+  const DdpOptions o = options(DdpVariant::bucketed, 0.5);
+  DdpModel a(comm(), plain, batch * seq, o, false), b(comm(), sharded, batch * seq, o, true);
+  ASSERT_NE(b.zero(), nullptr);
+  EXPECT_LT(b.zero()->state_bytes(), 2 * plain.parameter_count() * int64_t(sizeof(float)) / comm().world_size() +
+                                         2 * kGradientNormChunk * int64_t(sizeof(float)));
+  a.broadcast_parameters();
+  b.broadcast_parameters();
+  AdamWConfig c;
+  c.max_grad_norm = 0.05;  // clips
+  std::vector<int32_t> x(size_t(batch * seq)), y(x.size());
+  for (int s = 0; s < kSteps; ++s) {
+    std::mt19937 rng(uint32_t(1000 * s + comm().rank()));
+    std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
+    a.forward_backward(x, y);
+    b.forward_backward(x, y);
+    const size_t bytes = size_t(plain.parameter_count()) * sizeof(float);
+    EXPECT_EQ(std::memcmp(plain.gradients(), sharded.gradients(), bytes), 0) << "step " << s;
+    double na = 0, nb = 0;
+    a.optimizer_step(c, 1e-3, &na);
+    b.optimizer_step(c, 1e-3, &nb);
+    EXPECT_EQ(na, nb) << "step " << s;
+    EXPECT_GT(na, c.max_grad_norm) << "step " << s;
+    EXPECT_EQ(std::memcmp(plain.parameters(), sharded.parameters(), bytes), 0) << "step " << s;
+  }
+  EXPECT_EQ(b.optimizer_steps(), kSteps);
+}
+
+// The real LM, bucketed, against one process training on the whole batch.
+TEST(Ddp, CpuModelBucketedMatchesOneProcess) {
+  const ModelConfig mc = ModelConfig::named("tiny", 16, 256);
+  const int64_t global = 4, seq = 16, steps = 3;
+  const int n = comm().world_size(), r = comm().rank();
+  const int64_t local = global / n;
+  std::vector<int32_t> x(size_t(global * seq)), y(x.size());
+  auto batch = [&](int64_t s) {
+    std::mt19937 rng(uint32_t(77 + s));
+    std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
+  };
+  AdamWConfig c;
+  CpuModel one(mc, global, seq);
+  one.init_parameters(5);
+  for (int64_t s = 0; s < steps; ++s) {
+    batch(s);
+    one.zero_grad();
+    one.forward(x.data(), y.data());
+    one.backward();
+    one.clip_gradients(c.max_grad_norm);
+    one.adamw_step(c, 1e-3);
+  }
+  CpuModel part(mc, local, seq);
+  part.init_parameters(5 + uint64_t(r));
+  DdpModel dp(comm(), part, local * seq, options(DdpVariant::bucketed, 0.02), false);
+  EXPECT_GT(dp.data_parallel().buckets().size(), 2u);
+  dp.broadcast_parameters();
+  for (int64_t s = 0; s < steps; ++s) {
+    batch(s);
+    const auto at = size_t(r * local * seq), count = size_t(local * seq);
+    dp.forward_backward(std::span(x).subspan(at, count), std::span(y).subspan(at, count));
+    dp.optimizer_step(c, 1e-3);
+  }
+  double diff = 0, norm = 0;
+  for (int64_t i = 0; i < one.parameter_count(); ++i) {
+    const double d = double(part.parameters()[i]) - double(one.parameters()[i]);
+    diff += d * d;
+    norm += double(one.parameters()[i]) * one.parameters()[i];
+  }
+  EXPECT_LE(std::sqrt(diff / norm), 1e-5);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// CUDA (NCCL): skipped without NCCL or without a GPU per local rank. Not yet run on a GPU.
+
+#ifdef FLASHLM_WITH_CUDA
+bool gpus_for_every_rank() {
+  double missing = Communicator::nccl_built() && cuda_device_count() >= comm().local_size() ? 0.0 : 1.0;
+  comm().all_reduce(std::span<double>(&missing, 1), ReduceOp::max);
+  return missing == 0;
+}
+
+ModelConfig gpu_config() {
+  ModelConfig c = ModelConfig::named("tiny", 16, 256);
+  c.d_model = 64;  // head_dim 16: the smallest the tensor-core attention takes
+  c.d_ff = 128;
+  return c;
+}
+
+std::vector<float> host_parameters(CudaModel& m) {
+  std::vector<float> out(size_t(m.parameter_count()));
+  m.copy_parameters_to(out.data());
+  return out;
+}
+
+// Each variant (and ZeRO-1) on CudaModel against the same GPU training the whole batch alone: the NCCL
+// ordering (events, the model's stream waiting for the communicator's) gives the single-GPU result.
+TEST(DdpGpu, EveryVariantMatchesOneGpuOnTheWholeBatch) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  const ModelConfig mc = gpu_config();
+  const int n = comm().world_size(), r = comm().rank();
+  const int64_t global = 8, seq = 16, local = global / n, steps = 3;
+  std::vector<int32_t> x(size_t(global * seq)), y(x.size());
+  auto batch = [&](int64_t s) {
+    std::mt19937 rng(uint32_t(11 + s));
+    std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
+  };
+  AdamWConfig c;
+  CudaModel one(mc, global, seq, DType::f32);
+  one.init_parameters(5);
+  for (int64_t s = 0; s < steps; ++s) {
+    batch(s);
+    one.zero_grad();
+    one.forward(x.data(), y.data());
+    one.backward();
+    optimizer_step(one, c, 1e-3);
+  }
+  const std::vector<float> reference = host_parameters(one);
+  for (const DdpOptions& o : {options(DdpVariant::per_param), options(DdpVariant::flat), options(DdpVariant::async),
+                              options(DdpVariant::bucketed, 0.02), options(DdpVariant::bucketed, 0.02, 2)}) {
+    for (bool zero1 : {false, true}) {
+      CudaModel part(mc, local / o.grad_accum, seq, DType::f32);
+      part.init_parameters(5 + uint64_t(r));
+      DdpModel dp(comm(), part, local / o.grad_accum * seq, o, zero1);
+      dp.broadcast_parameters();
+      for (int64_t s = 0; s < steps; ++s) {
+        batch(s);
+        const auto at = size_t(r * local * seq), count = size_t(local * seq);
+        dp.forward_backward(std::span(x).subspan(at, count), std::span(y).subspan(at, count));
+        dp.optimizer_step(c, 1e-3);
+      }
+      const std::vector<float> got = host_parameters(part);
+      double diff = 0, norm = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        diff += (double(got[i]) - reference[i]) * (double(got[i]) - reference[i]);
+        norm += double(reference[i]) * reference[i];
+      }
+      EXPECT_LE(std::sqrt(diff / norm), 1e-5) << describe(o) << (zero1 ? " ZeRO-1" : "");
+      const DdpStats st = dp.data_parallel().last_stats();
+      EXPECT_EQ(st.elements, part.parameter_count()) << describe(o);
+      EXPECT_GE(st.exposed_ms, 0.0) << describe(o);
+    }
+  }
+}
+#else
+TEST(DdpGpu, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// Bad input: errors naming the problem, raised identically on every rank before any communication.
+
+TEST(DdpErrors, VariantNames) {
+  for (DdpVariant v : {DdpVariant::per_param, DdpVariant::flat, DdpVariant::async, DdpVariant::bucketed}) {
+    EXPECT_EQ(parse_ddp_variant(ddp_variant_name(v)), v);
+  }
+  try {
+    parse_ddp_variant("ring");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unknown DDP variant 'ring'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(DdpErrors, InconsistentParameters) {
+  auto message = [](const DdpParameters& p) {
+    try {
+      p.validate();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  toy::Model model(1);
+  DdpParameters p = model.params;
+  p.tied_to[toy::kHead] = toy::kFc1;  // another shape
+  EXPECT_NE(message(p).find("does not share its storage"), std::string::npos) << message(p);
+  p = model.params;
+  p.tied_to[toy::kHead] = -1;  // E's storage twice, untied
+  EXPECT_NE(message(p).find("overlap"), std::string::npos) << message(p);
+  p = model.params;
+  p.trainable[toy::kHead] = false;
+  EXPECT_NE(message(p).find("both are trainable or both frozen"), std::string::npos) << message(p);
+  p = model.params;
+  p.trainable.pop_back();
+  EXPECT_NE(message(p).find("trainable has 4 entries for 5 parameters"), std::string::npos) << message(p);
+  EXPECT_THROW(DataParallel(comm(), model.params, options(DdpVariant::bucketed, 0)), Error);
+  EXPECT_THROW(DataParallel(comm(), model.params, options(DdpVariant::flat, 25, 0)), Error);
+  EXPECT_THROW(ZeroOptimizer(comm(), model.params, 0), Error);
+}
+
+TEST(DdpErrors, MisusedBackwardBrackets) {
+  toy::Model model(1);
+  DataParallel ddp(comm(), model.params, options(DdpVariant::async, 25, 2));
+  EXPECT_THROW(ddp.finish_backward(), Error);                      // no begin
+  EXPECT_THROW(ddp.begin_backward(model.g.data(), true), Error);   // micro-step 1 of 2 must not sync
+  ddp.begin_backward(model.g.data(), false);
+  EXPECT_THROW(ddp.begin_backward(model.g.data(), false), Error);  // not finished
+  ddp.finish_backward();
+  EXPECT_THROW(ddp.begin_backward(model.g.data(), false), Error);  // micro-step 2 of 2 must sync
+  ddp.begin_backward(model.g.data(), true);
+  EXPECT_THROW(ddp.gradients_ready(0, 5), Error);  // 5 parameters: 0..4
+  ddp.gradients_ready(toy::kFc2, toy::kFc2);
+  try {
+    ddp.gradients_ready(toy::kFc2, toy::kFc2);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'fc2.weight' was reported twice"), std::string::npos) << e.what();
+  }
+  ddp.finish_backward();  // completes what was started, on every rank
+}
+
+}  // namespace
