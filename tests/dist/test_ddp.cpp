@@ -347,47 +347,63 @@ TEST(Zero1, BitIdenticalToCpuModelAdamW) {
   EXPECT_EQ(b.optimizer_steps(), kSteps);
 }
 
+// The LM trained for kLmSteps on global batches of `global` sequences of kLmSeq tokens (the same on every
+// rank): by one process on the whole batch, or data-parallel, each rank on its slice.
+constexpr int64_t kLmSeq = 16, kLmSteps = 3;
+
+struct LmBatches {
+  std::vector<int32_t> x, y;
+  LmBatches(int64_t vocab, int64_t global, int64_t step) : x(size_t(global * kLmSeq)), y(x.size()) {
+    std::mt19937 rng(uint32_t(77 + step));
+    std::uniform_int_distribution<int32_t> token(0, int32_t(vocab - 1));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
+  }
+};
+
+void train_whole_batch(LanguageModel& model, int64_t global) {
+  for (int64_t s = 0; s < kLmSteps; ++s) {
+    const LmBatches b(model.config().vocab, global, s);
+    model.zero_grad();
+    model.forward(b.x.data(), b.y.data());
+    model.backward();
+    optimizer_step(model, AdamWConfig{}, 1e-3);
+  }
+}
+
+void train_rank_slices(DdpModel& dp, const ModelConfig& mc, int64_t global) {
+  const int64_t local = global / comm().world_size();
+  const auto at = size_t(comm().rank() * local * kLmSeq), count = size_t(local * kLmSeq);
+  dp.broadcast_parameters();
+  for (int64_t s = 0; s < kLmSteps; ++s) {
+    const LmBatches b(mc.vocab, global, s);
+    dp.forward_backward(std::span(b.x).subspan(at, count), std::span(b.y).subspan(at, count));
+    dp.optimizer_step(AdamWConfig{}, 1e-3);
+  }
+}
+
+double relative_l2(std::span<const float> got, std::span<const float> want) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
 // The real LM, bucketed, against one process training on the whole batch.
 TEST(Ddp, CpuModelBucketedMatchesOneProcess) {
-  const ModelConfig mc = ModelConfig::named("tiny", 16, 256);
-  const int64_t global = 4, seq = 16, steps = 3;
-  const int n = comm().world_size(), r = comm().rank();
-  const int64_t local = global / n;
-  std::vector<int32_t> x(size_t(global * seq)), y(x.size());
-  auto batch = [&](int64_t s) {
-    std::mt19937 rng(uint32_t(77 + s));
-    std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
-    for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
-  };
-  AdamWConfig c;
-  CpuModel one(mc, global, seq);
+  const ModelConfig mc = ModelConfig::named("tiny", kLmSeq, 256);
+  const int64_t global = 4, local = global / comm().world_size();
+  CpuModel one(mc, global, kLmSeq);
   one.init_parameters(5);
-  for (int64_t s = 0; s < steps; ++s) {
-    batch(s);
-    one.zero_grad();
-    one.forward(x.data(), y.data());
-    one.backward();
-    one.clip_gradients(c.max_grad_norm);
-    one.adamw_step(c, 1e-3);
-  }
-  CpuModel part(mc, local, seq);
-  part.init_parameters(5 + uint64_t(r));
-  DdpModel dp(comm(), part, local * seq, options(DdpVariant::bucketed, 0.02), false);
+  train_whole_batch(one, global);
+  CpuModel part(mc, local, kLmSeq);
+  part.init_parameters(5 + uint64_t(comm().rank()));
+  DdpModel dp(comm(), part, local * kLmSeq, options(DdpVariant::bucketed, 0.02), false);
   EXPECT_GT(dp.data_parallel().buckets().size(), 2u);
-  dp.broadcast_parameters();
-  for (int64_t s = 0; s < steps; ++s) {
-    batch(s);
-    const auto at = size_t(r * local * seq), count = size_t(local * seq);
-    dp.forward_backward(std::span(x).subspan(at, count), std::span(y).subspan(at, count));
-    dp.optimizer_step(c, 1e-3);
-  }
-  double diff = 0, norm = 0;
-  for (int64_t i = 0; i < one.parameter_count(); ++i) {
-    const double d = double(part.parameters()[i]) - double(one.parameters()[i]);
-    diff += d * d;
-    norm += double(one.parameters()[i]) * one.parameters()[i];
-  }
-  EXPECT_LE(std::sqrt(diff / norm), 1e-5);
+  train_rank_slices(dp, mc, global);
+  const auto count = size_t(one.parameter_count());
+  EXPECT_LE(relative_l2({part.parameters(), count}, {one.parameters(), count}), 1e-5);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -401,7 +417,7 @@ bool gpus_for_every_rank() {
 }
 
 ModelConfig gpu_config() {
-  ModelConfig c = ModelConfig::named("tiny", 16, 256);
+  ModelConfig c = ModelConfig::named("tiny", kLmSeq, 256);
   c.d_model = 64;  // head_dim 16: the smallest the tensor-core attention takes
   c.d_ff = 128;
   return c;
@@ -419,45 +435,19 @@ TEST(DdpGpu, EveryVariantMatchesOneGpuOnTheWholeBatch) {
   if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
   comm().setup_cuda();
   const ModelConfig mc = gpu_config();
-  const int n = comm().world_size(), r = comm().rank();
-  const int64_t global = 8, seq = 16, local = global / n, steps = 3;
-  std::vector<int32_t> x(size_t(global * seq)), y(x.size());
-  auto batch = [&](int64_t s) {
-    std::mt19937 rng(uint32_t(11 + s));
-    std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
-    for (size_t i = 0; i < x.size(); ++i) x[i] = token(rng), y[i] = token(rng);
-  };
-  AdamWConfig c;
-  CudaModel one(mc, global, seq, DType::f32);
+  const int64_t global = 8, local = global / comm().world_size();
+  CudaModel one(mc, global, kLmSeq, DType::f32);
   one.init_parameters(5);
-  for (int64_t s = 0; s < steps; ++s) {
-    batch(s);
-    one.zero_grad();
-    one.forward(x.data(), y.data());
-    one.backward();
-    optimizer_step(one, c, 1e-3);
-  }
+  train_whole_batch(one, global);
   const std::vector<float> reference = host_parameters(one);
   for (const DdpOptions& o : {options(DdpVariant::per_param), options(DdpVariant::flat), options(DdpVariant::async),
                               options(DdpVariant::bucketed, 0.02), options(DdpVariant::bucketed, 0.02, 2)}) {
     for (bool zero1 : {false, true}) {
-      CudaModel part(mc, local / o.grad_accum, seq, DType::f32);
-      part.init_parameters(5 + uint64_t(r));
-      DdpModel dp(comm(), part, local / o.grad_accum * seq, o, zero1);
-      dp.broadcast_parameters();
-      for (int64_t s = 0; s < steps; ++s) {
-        batch(s);
-        const auto at = size_t(r * local * seq), count = size_t(local * seq);
-        dp.forward_backward(std::span(x).subspan(at, count), std::span(y).subspan(at, count));
-        dp.optimizer_step(c, 1e-3);
-      }
-      const std::vector<float> got = host_parameters(part);
-      double diff = 0, norm = 0;
-      for (size_t i = 0; i < got.size(); ++i) {
-        diff += (double(got[i]) - reference[i]) * (double(got[i]) - reference[i]);
-        norm += double(reference[i]) * reference[i];
-      }
-      EXPECT_LE(std::sqrt(diff / norm), 1e-5) << describe(o) << (zero1 ? " ZeRO-1" : "");
+      CudaModel part(mc, local / o.grad_accum, kLmSeq, DType::f32);
+      part.init_parameters(5 + uint64_t(comm().rank()));
+      DdpModel dp(comm(), part, local / o.grad_accum * kLmSeq, o, zero1);
+      train_rank_slices(dp, mc, global);
+      EXPECT_LE(relative_l2(host_parameters(part), reference), 1e-5) << describe(o) << (zero1 ? " ZeRO-1" : "");
       const DdpStats st = dp.data_parallel().last_stats();
       EXPECT_EQ(st.elements, part.parameter_count()) << describe(o);
       EXPECT_GE(st.exposed_ms, 0.0) << describe(o);
