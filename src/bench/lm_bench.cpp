@@ -61,7 +61,13 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, A
     RangeProfiler& prof = RangeProfiler::instance();
     if (cfg.profile_ranges) {
       prof.reset();
-      prof.enable(true);
+      // On the GPU the ranges time the queued work with CUDA events. The models built here run on the
+      // legacy default stream (nullptr), which orders them with every event recorded on it.
+      if (dev == Device::cuda) {
+        prof.enable(true, nullptr);
+      } else {
+        prof.enable(true);
+      }
     }
     std::vector<double> ms;
     for (int i = 0; i < cfg.steps; ++i) {

@@ -144,9 +144,10 @@ double ZeroOptimizer::step(float* params, float* grads, const AdamWConfig& c, do
                       m.steps);
     } else {
 #ifdef FLASHLM_WITH_CUDA
-      if (clip) gpu::scale_inplace(g, r.count, scale, stream);
+      // The clip factor is applied inside the AdamW kernel (same product, one rounding), not by a pass of
+      // its own; the stored gradients stay unclipped.
       gpu::adamw_step<float>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
-                             c.weight_decay, m.steps, nullptr, stream);
+                             c.weight_decay, m.steps, nullptr, stream, clip ? scale : 1.0f);
 #endif
     }
   }

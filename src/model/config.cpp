@@ -1,4 +1,5 @@
 // Model sizes, parameter layout and the learning-rate schedule.
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <random>
@@ -83,22 +84,43 @@ int64_t ModelConfig::parameter_count() const {
 
 int64_t ModelConfig::non_embedding_parameter_count() const { return parameter_count() - vocab * d_model; }
 
+namespace {
+
+// SplitMix64's finaliser: a bijective 64-bit mix, good enough to turn counters into independent uniforms.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// Normal(0, 0.02) truncated at 3 sigma for element `index`: Box-Muller on counter-based uniforms, redrawn
+// (next counter) until inside the truncation. A function of (seed, index) alone, so that any thread
+// count, and any device, gives the same weights.
+float truncated_normal(uint64_t seed, uint64_t index) {
+  const uint64_t key = mix64(seed ^ 0x5851f42d4c957f2dull);
+  for (uint64_t draw = 0;; ++draw) {
+    const uint64_t r = mix64(key ^ mix64(index * 16 + draw));
+    const double u1 = (double(r >> 40) + 0.5) / double(1 << 24);          // (0, 1)
+    const double u2 = (double(r & 0xffffffu) + 0.5) / double(1 << 24);   // (0, 1)
+    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+    if (std::fabs(z) <= 3.0) return float(0.02 * z);
+  }
+}
+
+}  // namespace
+
 void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 0.02f);
   for (const auto& p : layout) {
     float* w = params + p.offset;
-    const bool gain = p.shape.size() == 1;  // RMSNorm gains start at 1
-    for (int64_t i = 0; i < p.numel(); ++i) {
-      if (gain) {
-        w[i] = 1.0f;
-        continue;
-      }
-      float x;
-      do x = normal(rng);
-      while (std::fabs(x) > 0.06f);  // truncated at 3 sigma
-      w[i] = x;
+    const int64_t count = p.numel();
+    if (p.shape.size() == 1) {  // RMSNorm gains start at 1
+      std::fill(w, w + count, 1.0f);
+      continue;
     }
+    // Billions of draws for the large models: in parallel (each value depends on its index only).
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; ++i) w[i] = truncated_normal(seed, uint64_t(p.offset + i));
   }
 }
 

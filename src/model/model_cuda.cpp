@@ -1,6 +1,7 @@
 // The LM on one GPU, step by step as model_cpu.cpp, with mixed precision: activations in T (fp32, bf16,
 // fp16), everything that accumulates across steps in fp32. Host code: the kernels are in ops_cuda.cu,
 // the GEMMs in gemm_cuda.cpp, attention in attention/cuda/.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -38,6 +39,26 @@ struct CudaModel::Impl {
   int64_t adam_step = 0;
   double loss_scale = 1.0;
   int64_t good_steps = 0;
+  // The clipping factor clip_gradients() chose and has not applied yet: adamw_step() applies it inside its
+  // kernel (saving a read and a write of every gradient); any other reader of the gradients applies it
+  // first (apply_pending_clip). Mutable: const readers (copies, norms) materialise it too.
+  mutable float pending_clip = 1.0f;
+  // The AdamW moments are allocated (zeroed) by the first adamw_step() or load_state(), as PyTorch's
+  // optimizers do: a model that only runs forward, or whose optimizer state lives elsewhere (ZeRO-1's
+  // shards), never holds them.
+  void allocate_moments() {
+    if (adam_m.data()) return;
+    const size_t pbytes = size_t(n_params) * sizeof(float);
+    adam_m = Buffer::allocate(pbytes, Device::cuda, "AdamW first moment");
+    adam_v = Buffer::allocate(pbytes, Device::cuda, "AdamW second moment");
+    gpu::memset_async(adam_m.data(), 0, pbytes, stream);
+    gpu::memset_async(adam_v.data(), 0, pbytes, stream);
+  }
+  void apply_pending_clip() const {
+    if (pending_clip == 1.0f) return;
+    gpu::scale_inplace(static_cast<float*>(grads.data()), n_params, pending_clip, stream);
+    pending_clip = 1.0f;
+  }
   bool have_forward = false;
 
   // Offsets (in elements of T, or of float for the *_f32 ones) of one layer's saved activations.
@@ -105,8 +126,6 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   const size_t pbytes = size_t(m.n_params) * sizeof(float);
   m.params = Buffer::allocate(pbytes, Device::cuda, "parameters (fp32 master)");
   m.grads = Buffer::allocate(pbytes, Device::cuda, "gradients (fp32)");
-  m.adam_m = Buffer::allocate(pbytes, Device::cuda, "AdamW first moment");
-  m.adam_v = Buffer::allocate(pbytes, Device::cuda, "AdamW second moment");
   if (precision != DType::f32) {
     m.params_lp = Buffer::allocate(size_t(m.n_params) * m.elem(), Device::cuda, "parameters (low precision)");
   }
@@ -156,8 +175,6 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.rope = Buffer::allocate(table.size() * sizeof(float), Device::cuda, "RoPE tables");
   cuda_copy(m.rope.data(), table.data(), table.size() * sizeof(float));
   gpu::memset_async(m.params.data(), 0, pbytes, stream);
-  gpu::memset_async(m.adam_m.data(), 0, pbytes, stream);
-  gpu::memset_async(m.adam_v.data(), 0, pbytes, stream);
   zero_grad();
 }
 
@@ -166,7 +183,10 @@ CudaModel::~CudaModel() = default;
 const ModelConfig& CudaModel::config() const { return impl_->c; }
 const std::vector<ParameterInfo>& CudaModel::layout() const { return impl_->layout; }
 float* CudaModel::parameters() const { return static_cast<float*>(impl_->params.data()); }
-float* CudaModel::gradients() const { return static_cast<float*>(impl_->grads.data()); }
+float* CudaModel::gradients() const {
+  impl_->apply_pending_clip();
+  return static_cast<float*>(impl_->grads.data());
+}
 void* CudaModel::stream() const { return impl_->stream; }
 int64_t CudaModel::parameter_count() const { return impl_->n_params; }
 DType CudaModel::precision() const { return impl_->precision; }
@@ -221,6 +241,7 @@ void CudaModel::copy_parameters_to(float* host) const {
 }
 
 void CudaModel::copy_gradients_to(float* host) const {
+  impl_->apply_pending_clip();
   gpu::stream_synchronize(impl_->stream);
   cuda_copy(host, impl_->grads.data(), size_t(impl_->n_params) * sizeof(float));
 }
@@ -297,6 +318,7 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
       linear_forward_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), x_next, n, f, d, dt, m.stream);
       gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
     }
+    ScopedRange head_range("head.forward");  // final norm, LM head and loss
     gpu::rmsnorm_forward<T>(m.a<T>(m.x_out), m.master("ln_final.weight"), m.a<T>(m.h_f), m.f(m.rstd_f), n, d, eps,
                             m.stream);
     linear_forward_cuda(m.a<T>(m.h_f), m.weight("lm_head.weight"), m.a<T>(m.logits), n, d, c.vocab, dt, m.stream);
@@ -314,6 +336,7 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
 void CudaModel::backward() {
   Impl& m = *impl_;
   FLASHLM_CHECK(m.have_forward, "backward: call forward() first");
+  m.apply_pending_clip();  // accumulating onto clipped gradients
   const ModelConfig& c = m.c;
   const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim();
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
@@ -332,15 +355,19 @@ void CudaModel::backward() {
     T *dx = s0, *dh = s0 + nd, *dq = s0 + 2 * nd, *dk = s0 + 3 * nd, *dv = s0 + 4 * nd, *dattn = s0 + 5 * nd;
     T *du = s0 + 6 * nd, *dg = du + nf, *ds = dg + nf;
 
-    // d(loss)/d(logits), multiplied by the loss scale (1 except for fp16).
-    gpu::cross_entropy_backward<T>(m.a<T>(m.logits), targets, n, c.vocab, float(m.loss_scale / double(n)), m.stream);
-    linear_backward_cuda(m.a<T>(m.logits), m.a<T>(m.h_f), m.weight("lm_head.weight"), dh, m.grad("lm_head.weight"), n,
-                         d, c.vocab, dt, false, m.stream);
-    gradient_ready("lm_head.weight");
-    gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
-    gpu::rmsnorm_backward<T>(dh, m.a<T>(m.x_out), m.master("ln_final.weight"), m.f(m.rstd_f), dx,
-                             m.grad("ln_final.weight"), n, d, m.stream);
-    gradient_ready("ln_final.weight");
+    {
+      ScopedRange head_range("head.backward");  // loss, LM head and final norm
+      // d(loss)/d(logits), multiplied by the loss scale (1 except for fp16).
+      gpu::cross_entropy_backward<T>(m.a<T>(m.logits), targets, n, c.vocab, float(m.loss_scale / double(n)),
+                                     m.stream);
+      linear_backward_cuda(m.a<T>(m.logits), m.a<T>(m.h_f), m.weight("lm_head.weight"), dh, m.grad("lm_head.weight"),
+                           n, d, c.vocab, dt, false, m.stream);
+      gradient_ready("lm_head.weight");
+      gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
+      gpu::rmsnorm_backward<T>(dh, m.a<T>(m.x_out), m.master("ln_final.weight"), m.f(m.rstd_f), dx,
+                               m.grad("ln_final.weight"), n, d, m.stream);
+      gradient_ready("ln_final.weight");
+    }
     for (int64_t l = c.layers - 1; l >= 0; --l) {
       ScopedRange layer_range("layer.backward");
       const std::string p = fmt::format("layers.{}.", l);
@@ -394,12 +421,15 @@ void CudaModel::backward() {
 }
 
 void CudaModel::zero_grad() {
+  ScopedRange range("zero_grad");
+  impl_->pending_clip = 1.0f;
   gpu::memset_async(impl_->grads.data(), 0, size_t(impl_->n_params) * sizeof(float), impl_->stream);
 }
 
 bool CudaModel::unscale_gradients() {
   Impl& m = *impl_;
   if (m.precision != DType::f16) return true;
+  m.apply_pending_clip();
   auto* count = reinterpret_cast<int*>(static_cast<char*>(m.reduce_out.data()) + sizeof(double));
   gpu::count_nonfinite<float>(static_cast<float*>(m.grads.data()), m.n_params, count, m.stream);
   int bad = 0;
@@ -420,6 +450,7 @@ bool CudaModel::unscale_gradients() {
 
 double CudaModel::gradient_norm() const {
   const Impl& m = *impl_;
+  m.apply_pending_clip();
   auto* out = static_cast<double*>(m.reduce_out.data());
   gpu::squared_norm(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
   double ss = 0;
@@ -429,11 +460,10 @@ double CudaModel::gradient_norm() const {
 }
 
 double CudaModel::clip_gradients(double max_norm) {
+  ScopedRange range("clip_gradients");
   const double norm = gradient_norm();
-  if (max_norm > 0 && norm > max_norm) {
-    gpu::scale_inplace(static_cast<float*>(impl_->grads.data()), impl_->n_params, float(max_norm / (norm + 1e-6)),
-                       impl_->stream);
-  }
+  // Deferred to adamw_step's kernel (or to the next reader of the gradients): the same product, rounded once.
+  if (max_norm > 0 && norm > max_norm) impl_->pending_clip = float(max_norm / (norm + 1e-6));
   return norm;
 }
 
@@ -445,6 +475,11 @@ void CudaModel::save_state(float* params, float* m, float* v) const {
   const size_t bytes = size_t(impl_->n_params) * sizeof(float);
   synchronize();
   cuda_copy(params, impl_->params.data(), bytes);
+  if (!impl_->adam_m.data()) {  // no step taken yet: zero moments
+    std::fill(m, m + impl_->n_params, 0.0f);
+    std::fill(v, v + impl_->n_params, 0.0f);
+    return;
+  }
   cuda_copy(m, impl_->adam_m.data(), bytes);
   cuda_copy(v, impl_->adam_v.data(), bytes);
 }
@@ -452,6 +487,8 @@ void CudaModel::save_state(float* params, float* m, float* v) const {
 void CudaModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
   const size_t bytes = size_t(impl_->n_params) * sizeof(float);
   load_parameters(params);  // also refreshes the low-precision copy
+  impl_->allocate_moments();
+  gpu::stream_synchronize(impl_->stream);  // the zeroing above is queued on the model's stream
   cuda_copy(impl_->adam_m.data(), m, bytes);
   cuda_copy(impl_->adam_v.data(), v, bytes);
   impl_->adam_step = optimizer_steps;
@@ -461,6 +498,7 @@ void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
   Impl& m = *impl_;
   memory_set_phase("optimizer");
   ScopedRange range("optimizer_step");
+  m.allocate_moments();
   ++m.adam_step;
   with_precision(m.precision, [&](auto zero) {
     using T = decltype(zero);
@@ -468,8 +506,9 @@ void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
     if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(m.params_lp.data());
     gpu::adamw_step<T>(static_cast<float*>(m.params.data()), static_cast<const float*>(m.grads.data()),
                        static_cast<float*>(m.adam_m.data()), static_cast<float*>(m.adam_v.data()), m.n_params, lr,
-                       cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step, copy, m.stream);
+                       cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step, copy, m.stream, m.pending_clip);
   });
+  // pending_clip stays: the stored gradients are still unclipped for any later reader.
 }
 
 }  // namespace flashlm
