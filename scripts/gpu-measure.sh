@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine: run the GPU tests, compute-sanitizer on a small grid, then our attention sweep and the
 # PyTorch peers' in the same session, and compare them.
-#   scripts/gpu-measure.sh BIN_DIR LIB_DIR PEERS_DIR OUT_DIR [tests|bench|profile|lm|all]
-# (lm: the LM engine's GPU tests, then flashlm bench and the PyTorch LM peers, side by side)
+#   scripts/gpu-measure.sh BIN_DIR LIB_DIR PEERS_DIR OUT_DIR [tests|bench|profile|lm|all|ddp]
+# (lm: the LM engine's GPU tests, flashlm bench beside the PyTorch LM peers, range summaries, memory
+# timelines; ddp: on a machine with several GPUs, the distributed tests and benchmarks beside PyTorch DDP)
 # BIN_DIR holds flashlm and the test binaries, LIB_DIR libflashlm.so, PEERS_DIR shared/bench's scripts.
 set -uo pipefail
 bin=$1 lib=$2 peers=$3 out=$4 what=${5:-all}
@@ -16,6 +17,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,no
 if [[ $what == tests || $what == all ]]; then
   echo "== GPU tests"
   "$bin/test_attention" --gtest_filter='*Cuda*' --gtest_brief=1 2>&1 | tee "$out/gpu-tests.log" | tail -40
+  # A result that changes between runs is a race: the grid three more times, failures only.
+  "$bin/test_attention" --gtest_filter='Grid/CudaVsReference.*' --gtest_repeat=3 --gtest_brief=1 \
+    > "$out/gpu-tests-repeat.log" 2>&1
+  echo "repeat x3: exit $?"; grep -A6 "Failure" "$out/gpu-tests-repeat.log" | head -30
   echo "== compute-sanitizer (memcheck, racecheck) on a small grid"
   small='Grid/CudaVsReference.*q127_k64*:Grid/CudaVsReference.*q17_k130*:Grid/CudaVsReference.*d64_bhsd_causalTL_bf16*'
   for tool in memcheck racecheck; do
@@ -58,18 +63,43 @@ if [[ $what == profile || $what == all ]]; then
   grep -E "flash_|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|L1/TEX Cache|DRAM Throughput" "$out/ncu.txt" | head -40
 fi
 
-if [[ $what == lm ]]; then
+if [[ $what == lm || $what == all ]]; then
   echo "== LM engine GPU tests"
   for t in test_gemm_cuda test_model_cuda; do
-    "$bin/$t" --gtest_brief=1 2>&1 | tee "$out/$t.log" | tail -6
+    timeout 300 "$bin/$t" --gtest_brief=1 > "$out/$t.log" 2>&1; echo "$t: exit $? ($(tail -1 "$out/$t.log"))"
   done
-  echo "== flashlm bench (context 512, batch 4) and the PyTorch peers"
-  "$bin/flashlm" bench --device cuda --model small,medium,large,xl,2.7B --context 512 --batch 4 \
-    --precision fp32,bf16 --warmup 3 --steps 10 --format json --out "$out/ours-lm.json" | tee "$out/ours-lm.md"
-  python3 "$peers/lm_peers.py" --models small,xl --modes bf16,bf16-compile --out "$out/peers-lm.json" \
-    > "$out/peers-lm.log" 2>&1 || tail -5 "$out/peers-lm.log"
-  "$bin/flashlm" bench --device cuda --model small --context 512 --batch 4 --precision bf16 --pass step \
-    --warmup 3 --steps 5 --profile-ranges --quiet | tail -25
-  "$bin/flashlm" bench --device cuda --model large --context 256 --batch 4 --precision bf16 --pass fwd,step \
-    --warmup 1 --steps 1 --memory-timeline "$out/timeline-large.json" --quiet > /dev/null
+  echo "== flashlm bench (the seed's table: context 512, batch 4) and the PyTorch LM peers"
+  timeout 400 "$bin/flashlm" bench --device cuda --model small,medium,large,xl,2.7B --context 512 --batch 4 \
+    --precision fp32,bf16 --warmup 3 --steps 10 --format json --out "$out/ours-lm.json" > "$out/ours-lm.md"
+  tail -32 "$out/ours-lm.md"
+  timeout 400 python3 "$peers/lm_peers.py" --models small,medium,large,xl,2.7B --modes fp32,bf16 \
+    --out "$out/peers-lm.json" > "$out/peers-lm.log" 2>&1; tail -11 "$out/peers-lm.log"
+  timeout 300 python3 "$peers/lm_peers.py" --models small,xl --modes bf16-compile --out "$out/peers-lm-compile.json" \
+    > "$out/peers-lm-compile.log" 2>&1; tail -3 "$out/peers-lm-compile.log"
+  echo "== range summaries (GPU time by CUDA events), bf16 train step"
+  for m in small xl; do
+    timeout 120 "$bin/flashlm" bench --device cuda --model $m --context 512 --batch 4 --precision bf16 --pass step \
+      --warmup 3 --steps 5 --profile-ranges --quiet > "$out/ranges-$m.txt" 2>&1; tail -16 "$out/ranges-$m.txt"
+  done
+  echo "== memory timelines: large, context 256 (forward, then a train step)"
+  for p in bf16 fp32; do
+    timeout 120 "$bin/flashlm" bench --device cuda --model large --context 256 --batch 4 --precision $p --pass fwd,step \
+      --warmup 1 --steps 1 --memory-timeline "$out/timeline-large-$p.json" --quiet > /dev/null
+  done
+fi
+
+# Two GPUs or more: the communicator's and DDP's GPU tests, all-reduce, ddp-bench (every variant, ZeRO-1
+# off and on) and the PyTorch DDP peers.
+if [[ $what == ddp ]]; then
+  export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+  n=$(nvidia-smi -L | wc -l)
+  mr="mpirun --allow-run-as-root -np $n -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH"
+  for t in test_dist test_ddp; do
+    timeout 300 $mr "$bin/$t" --gtest_brief=1 > "$out/$t-np$n.log" 2>&1; echo "$t under mpirun -np $n: exit $?"
+  done
+  timeout 120 $mr "$bin/flashlm" allreduce-bench --device cuda --sizes 1MB,10MB,100MB,1GB --format json \
+    --out "$out/allreduce-nccl-np$n.json" | tail -6
+  timeout 400 $mr "$bin/flashlm" ddp-bench --zero 0,1 --format json --out "$out/ddp-np$n.json" | tail -12
+  timeout 400 python3 "$peers/ddp_peers.py" --model xl --out "$out/ddp-peers.json" > "$out/ddp-peers.log" 2>&1
+  tail -16 "$out/ddp-peers.log"
 fi

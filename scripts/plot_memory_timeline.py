@@ -21,6 +21,8 @@ def main():
     ap.add_argument("png")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: the one with the most events)")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--full", action="store_true",
+                    help="show the whole log; by default a long set-up before the first phase is cut off")
     a = ap.parse_args()
     plt = pyplot()
 
@@ -48,6 +50,15 @@ def main():
     ax.plot(t[peak], mib[peak], "rv", markersize=9)
     ax.annotate(f"peak {mib[peak]:.1f} MiB\n({ev[peak]['phase'] or 'setup'}: {ev[peak]['tag']})",
                 (t[peak], mib[peak]), textcoords="offset points", xytext=(10, -30), fontsize=9, color="red")
+    # Building a large model (weights initialised on the host) can take seconds before the first phase;
+    # start the axis shortly before the first forward so that the passes are readable.
+    first = next((i for i, e in enumerate(ev) if e["phase"]), None)
+    if not a.full and first is not None and t[first] - t[0] > 0.2 * (t[-1] - t[0]):
+        span = t[-1] - t[first]
+        ax.set_xlim(t[first] - 0.15 * span, t[-1] + 0.05 * span)
+        ax.text(0.01, 0.02, f"set-up (model construction) from {t[0]:.0f} ms to {t[first]:.0f} ms not shown "
+                f"(--full shows it); {mib[first]:.0f} MiB allocated when the first pass starts",
+                transform=ax.transAxes, fontsize=8, color="#555555")
     ax.set_xlabel("time (ms)")
     ax.set_ylabel("MiB allocated")
     ax.set_title(a.title or f"flashlm allocation timeline ({device})")

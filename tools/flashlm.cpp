@@ -441,7 +441,7 @@ int run_train_command(const TrainArgs& a) {
 }
 
 struct AllReduceBenchArgs {
-  std::string sizes = "1MB,10MB,100MB,1GB", dtype = "fp32", device = "cpu", format = "md", out;
+  std::string sizes = "1MB,10MB,100MB,1GB", dtype = "fp32", device, format = "md", out;
   int warmup = 5, iters = 20;
   bool quiet = false;
 };
@@ -456,7 +456,8 @@ void add_allreduce_bench(CLI::App& app, AllReduceBenchArgs& a) {
       ->capture_default_str();
   cmd->add_option("--dtype", a.dtype, "Comma list: fp32, fp64 on cpu; fp32, bf16, fp16, fp64 on cuda")
       ->capture_default_str();
-  cmd->add_option("--device", a.device, "cpu (MPI) or cuda (NCCL, one GPU per rank)")->capture_default_str();
+  cmd->add_option("--device", a.device,
+                  "cpu (MPI) or cuda (NCCL, one GPU per rank); default: cuda if a GPU is visible and NCCL was built");
   cmd->add_option("--warmup", a.warmup, "Untimed all-reduces per size")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -471,7 +472,10 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
   try {
     cfg.sizes = parse_list<int64_t>("--sizes", a.sizes, [](const std::string& s) { return parse_byte_size(s); });
     cfg.dtypes = parse_list<DType>("--dtype", a.dtype, [](const std::string& s) { return parse_dtype(s); });
-    cfg.device = parse_device(a.device);
+    // Default: the GPUs when there are any (NCCL), else the CPU (MPI).
+    cfg.device = !a.device.empty()                                          ? parse_device(a.device)
+                 : cuda_device_count() > 0 && Communicator::nccl_built() ? Device::cuda
+                                                                          : Device::cpu;
     format = parse_report_format(a.format);
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
