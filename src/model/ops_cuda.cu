@@ -1,9 +1,16 @@
 // The LM's layer kernels on CUDA (declarations and conventions in ops_cuda.h). Memory-bound kernels, fp32
-// arithmetic on T ∈ {float, __nv_bfloat16, __half} storage. Shapes:
+// arithmetic on T ∈ {float, __nv_bfloat16, __half} storage. They move data in packs of 8 elements, as
+// 16-byte accesses (one for a 2-byte type, two for fp32), wherever the host finds every pointer 16-byte
+// aligned and the shape splits into whole packs, and element by element otherwise (tails, odd widths,
+// misaligned views); the arithmetic per element and every summation order are the same on both paths,
+// so they give the same bits. Shapes:
 //   - RMSNorm: one warp per row, 8 rows per 256-thread block (lanes stride over the row, so any d works);
-//     the gain gradient is summed in two deterministic passes: chunks of 64 rows (more past 64 Ki rows,
-//     at most 1024 chunks; one thread per column, rows in order) into a scratch [chunks, d], then 8
-//     interleaved chunk sums per column added in a fixed order.
+//     with d % 8 == 0 the rows are read in packs, and the row sums still add each lane's elements in the
+//     lane-strided order (through a shared-memory stage, see the RMSNorm section); the gain gradient is
+//     summed in two deterministic passes: chunks of 64 rows (more past 64 Ki rows, at most 1024 chunks;
+//     one thread per column, rows in order) into a scratch [chunks, d], then 8 interleaved chunk sums per
+//     column added in a fixed order.
+//   - RoPE: one thread per 4 interleaved pairs (one pack) when head_dim % 8 == 0, else per pair.
 //   - cross-entropy: one 256-thread block per row, online (max, sum of exp) per thread, merged by warp
 //     shuffles and then across warps in a fixed order.
 //   - embedding backward: (token, row) pairs radix-sorted (stable, so the rows of one token stay in
@@ -11,7 +18,7 @@
 //     row, one thread per column, exactly as the CPU loop does. No two blocks write one table row.
 //   - squared norm / non-finite count: 8192-element chunks reduced by one block each, then one block
 //     over the chunk partials.
-//   - everything elementwise: grid-stride loops.
+//   - everything elementwise: grid-stride loops over the whole packs, then over the elements past them.
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -22,6 +29,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "core/check.h"
@@ -76,8 +84,11 @@ cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream);
 
 constexpr int kThreads = 256;                     // elementwise kernels
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // elementwise grids are capped; the loops stride over the rest
+constexpr int kPack = 8;                          // elements per packed access (16 bytes of a 2-byte type)
+constexpr int kRopePairs = kPack / 2;             // RoPE: pairs per thread on the packed path
 constexpr int kNormRows = 8;                      // RMSNorm: rows (warps) per block
 constexpr int kNormThreads = 32 * kNormRows;
+constexpr int kStageWords = 128;                  // RMSNorm: 16-byte words of a row span staged per warp (2 KiB)
 constexpr int64_t kGainRows = 64;                 // RMSNorm gain gradient: rows per partial sum (at least)
 constexpr int64_t kGainMaxChunks = 1024;          // and at most this many partial sums (bounds the scratch)
 constexpr int kGainThreads = 256;                 // columns per block of the partial sums
@@ -100,6 +111,75 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x,             \
                i##_step = int64_t{gridDim.x} * blockDim.x;                     \
        i < (n); i += i##_step)
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// How many whole packs of n elements for_each_pack may take as 16-byte accesses: n / kPack when every
+// pointer is 16-byte aligned, else none.
+template <class... P>
+int64_t pack_count(int64_t n, const P*... p) {
+  return (aligned16(p) && ...) ? n / kPack : 0;
+}
+
+// Blocks for for_each_pack: one thread per pack or per element past the packs, whichever is more.
+unsigned packed_blocks(int64_t n, int64_t packs) { return elementwise_blocks(std::max(packs, n - packs * kPack)); }
+
+// ---------------------------------------------------------------------------------------------------
+// Packed accesses: N consecutive elements in registers. load and store move them as 16-byte words when
+// N·sizeof(D) is a multiple of 16 (p must then be 16-byte aligned; the host checks before it picks a
+// packed path) and element by element otherwise.
+
+template <class D, int N>
+struct Vec {
+  D v[N];
+  __device__ D& operator[](int k) { return v[k]; }
+  __device__ const D& operator[](int k) const { return v[k]; }
+};
+
+template <int N, class D>
+__device__ __forceinline__ Vec<D, N> load(const D* p) {
+  Vec<D, N> r;
+  if constexpr (N * sizeof(D) % 16 == 0) {
+#pragma unroll
+    for (int w = 0; w < int(N * sizeof(D) / 16); ++w) {
+      const uint4 bits = reinterpret_cast<const uint4*>(p)[w];
+      memcpy(&r.v[w * (16 / sizeof(D))], &bits, 16);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) r.v[k] = p[k];
+  }
+  return r;
+}
+
+template <int N, class D>
+__device__ __forceinline__ void store(D* p, const Vec<D, N>& r) {
+  if constexpr (N * sizeof(D) % 16 == 0) {
+#pragma unroll
+    for (int w = 0; w < int(N * sizeof(D) / 16); ++w) {
+      uint4 bits;
+      memcpy(&bits, &r.v[w * (16 / sizeof(D))], 16);
+      reinterpret_cast<uint4*>(p)[w] = bits;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = r.v[k];
+  }
+}
+
+template <int W>
+using Width = std::integral_constant<int, W>;
+
+// Elements [0, n) of an elementwise kernel: body(Width<kPack>{}, i) for each of the first `packs` whole
+// packs [i, i + kPack), then body(Width<1>{}, i) for each element past them; grid-stride loops. The body
+// is written once for both widths, so both do the same arithmetic per element.
+template <class Body>
+__device__ __forceinline__ void for_each_pack(int64_t n, int64_t packs, Body body) {
+  FLASHLM_GRID_STRIDE(q, packs) body(Width<kPack>{}, q * kPack);
+  const int64_t first = packs * kPack;
+#pragma unroll 1  // under kPack elements, or a misaligned call: unrolling would only cost registers
+  FLASHLM_GRID_STRIDE(i, n - first) body(Width<1>{}, first + i);
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Reductions inside a warp or a block, in a fixed order.
@@ -124,9 +204,43 @@ __device__ __forceinline__ A block_sum(A x) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// RMSNorm.
+// RMSNorm, one warp per row. PACKED (the host's choice: d % kPack == 0 and every pointer 16-byte aligned)
+// only changes how the row is read. A row sum keeps the plain lane-strided order either way (lane l adds
+// elements l, l + 32, l + 64, ... in turn, then warp_sum): the packed path copies the row, one span of at
+// most 2 KiB at a time, into the warp's shared-memory stage with coalesced 16-byte loads, and each lane
+// then reads its strided elements back from the stage. The elementwise writes have no order to keep:
+// lane l takes the packs [8l + 256m, +8).
 
 template <class D>
+constexpr int kStageElements = kStageWords * 16 / int(sizeof(D));  // elements per staged span
+
+// Copies elements [begin, begin + count) of each of the A rows (count · sizeof(D) a multiple of 16, at
+// most 2 KiB; rows + begin 16-byte aligned) into this warp's stage[a], all loads issued before the first
+// store, and waits until the whole warp has written them.
+template <int A, class D>
+__device__ __forceinline__ void stage_span(const D* const (&rows)[A], int begin, int count,
+                                           uint4 (*stage)[kStageWords]) {
+  constexpr int kPerLane = kStageWords / 32;
+  const int lane = threadIdx.x % 32, words = count * int(sizeof(D)) / 16;
+  uint4 w[A][kPerLane];
+#pragma unroll
+  for (int a = 0; a < A; ++a) {
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      if (lane + 32 * k < words) w[a][k] = reinterpret_cast<const uint4*>(rows[a] + begin)[lane + 32 * k];
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < A; ++a) {
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      if (lane + 32 * k < words) stage[a][lane + 32 * k] = w[a][k];
+    }
+  }
+  __syncwarp();
+}
+
+template <bool PACKED, class D>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_forward_kernel(const D* __restrict__ x, const float* __restrict__ gain, D* __restrict__ y,
                            float* __restrict__ rstd, int64_t n, int d, float eps) {
@@ -135,19 +249,40 @@ __global__ void __launch_bounds__(kNormThreads)
   const int lane = threadIdx.x % 32;
   const D* xr = x + row * d;
   float ss = 0.f;
-  for (int j = lane; j < d; j += 32) {
-    const float v = f32(xr[j]);
+  const auto add_square = [&](D xj) {
+    const float v = f32(xj);
     ss += v * v;
+  };
+  if constexpr (PACKED) {
+    __shared__ uint4 stage[kNormRows][1][kStageWords];
+    uint4 (*own)[kStageWords] = stage[threadIdx.x / 32];
+    const D* xs = reinterpret_cast<const D*>(own[0]);
+    for (int begin = 0; begin < d; begin += kStageElements<D>) {
+      const int count = min(d - begin, kStageElements<D>);
+      stage_span({xr}, begin, count, own);
+      for (int j = lane; j < count; j += 32) add_square(xs[j]);
+      __syncwarp();  // the next span overwrites the stage
+    }
+  } else {
+    for (int j = lane; j < d; j += 32) add_square(xr[j]);
   }
   ss = warp_sum(ss);
   const float s = 1.0f / sqrtf(ss / float(d) + eps);
   if (lane == 0) rstd[row] = s;
   D* yr = y + row * d;
-  for (int j = lane; j < d; j += 32) yr[j] = from_f32<D>(f32(xr[j]) * s * gain[j]);
+  constexpr int W = PACKED ? kPack : 1;
+  for (int j = W * lane; j < d; j += 32 * W) {
+    const Vec<D, W> xv = load<W>(xr + j);
+    const Vec<float, W> gv = load<W>(gain + j);
+    Vec<D, W> yv;
+#pragma unroll
+    for (int k = 0; k < W; ++k) yv[k] = from_f32<D>(f32(xv[k]) * s * gv[k]);
+    store(yr + j, yv);
+  }
 }
 
 // dx_j += s g_j dy_j - x_j s³ (Σ_k dy_k g_k x_k) / d, one warp per row.
-template <class D>
+template <bool PACKED, class D>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_backward_dx_kernel(const D* __restrict__ dy, const D* __restrict__ x, const float* __restrict__ gain,
                                const float* __restrict__ rstd, D* __restrict__ dx, int64_t n, int d) {
@@ -158,11 +293,33 @@ __global__ void __launch_bounds__(kNormThreads)
   const D* xr = x + row * d;
   D* dxr = dx + row * d;
   float dot = 0.f;
-  for (int j = lane; j < d; j += 32) dot += f32(dyr[j]) * gain[j] * f32(xr[j]);
+  const auto add_product = [&](int j, D dyj, D xj) { dot += f32(dyj) * gain[j] * f32(xj); };
+  if constexpr (PACKED) {
+    __shared__ uint4 stage[kNormRows][2][kStageWords];
+    uint4 (*own)[kStageWords] = stage[threadIdx.x / 32];
+    const D* dys = reinterpret_cast<const D*>(own[0]);
+    const D* xs = reinterpret_cast<const D*>(own[1]);
+    for (int begin = 0; begin < d; begin += kStageElements<D>) {
+      const int count = min(d - begin, kStageElements<D>);
+      stage_span({dyr, xr}, begin, count, own);
+      for (int j = lane; j < count; j += 32) add_product(begin + j, dys[j], xs[j]);
+      __syncwarp();  // the next span overwrites the stage
+    }
+  } else {
+    for (int j = lane; j < d; j += 32) add_product(j, dyr[j], xr[j]);
+  }
   dot = warp_sum(dot);
   const float s = rstd[row];
   const float c = dot * s * s * s / float(d);
-  for (int j = lane; j < d; j += 32) dxr[j] = from_f32<D>(f32(dxr[j]) + (s * gain[j] * f32(dyr[j]) - f32(xr[j]) * c));
+  constexpr int W = PACKED ? kPack : 1;
+  for (int j = W * lane; j < d; j += 32 * W) {
+    Vec<D, W> dxv = load<W>(dxr + j);
+    const Vec<D, W> dyv = load<W>(dyr + j), xv = load<W>(xr + j);
+    const Vec<float, W> gv = load<W>(gain + j);
+#pragma unroll
+    for (int k = 0; k < W; ++k) dxv[k] = from_f32<D>(f32(dxv[k]) + (s * gv[k] * f32(dyv[k]) - f32(xv[k]) * c));
+    store(dxr + j, dxv);
+  }
 }
 
 // partial[c, j] = Σ over the rows r of chunk c (chunk_rows rows, in order) of dy[r, j] x[r, j] rstd[r].
@@ -202,22 +359,30 @@ __global__ void __launch_bounds__(kColumnThreads)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// RoPE: one thread per interleaved pair; rotation by +angle (sign 1) or -angle (sign -1).
+// RoPE: one thread per PAIRS consecutive interleaved pairs of a row (kRopePairs, a pack of x and 16 bytes
+// of each table, when half % kRopePairs == 0 and x, cos and sin are 16-byte aligned; else 1); rotation by
+// +angle (sign 1) or -angle (sign -1).
 
-template <class D>
+template <int PAIRS, class D>
 __global__ void __launch_bounds__(kThreads)
     rope_kernel(D* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin, int64_t rows,
                 int64_t seq, int64_t heads, int half, float sign) {
-  const int64_t total = rows * half;
-  FLASHLM_GRID_STRIDE(p, total) {
-    const int i = int(p % half);
-    const int64_t row = p / half;  // (b, t, h) row of head_dim = 2 half values
+  const int groups = half / PAIRS;  // per row
+  FLASHLM_GRID_STRIDE(p, rows * groups) {
+    const int i = int(p % groups) * PAIRS;
+    const int64_t row = p / groups;  // (b, t, h) row of head_dim = 2 half values
     const int64_t t = (row / heads) % seq;
-    const float c = cos[t * half + i], s = sign * sin[t * half + i];
     D* xp = x + row * (2 * int64_t{half}) + 2 * i;
-    const float x0 = f32(xp[0]), x1 = f32(xp[1]);
-    xp[0] = from_f32<D>(x0 * c - x1 * s);
-    xp[1] = from_f32<D>(x0 * s + x1 * c);
+    Vec<D, 2 * PAIRS> xv = load<2 * PAIRS>(xp);
+    const Vec<float, PAIRS> cv = load<PAIRS>(cos + t * half + i), sv = load<PAIRS>(sin + t * half + i);
+#pragma unroll
+    for (int k = 0; k < PAIRS; ++k) {
+      const float c = cv[k], s = sign * sv[k];
+      const float x0 = f32(xv[2 * k]), x1 = f32(xv[2 * k + 1]);
+      xv[2 * k] = from_f32<D>(x0 * c - x1 * s);
+      xv[2 * k + 1] = from_f32<D>(x0 * s + x1 * c);
+    }
+    store(xp, xv);
   }
 }
 
@@ -228,24 +393,40 @@ __device__ __forceinline__ float sigmoid(float u) { return 1.0f / (1.0f + expf(-
 
 template <class D>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_forward_kernel(const D* __restrict__ u, const D* __restrict__ g, D* __restrict__ s, int64_t n) {
-  FLASHLM_GRID_STRIDE(i, n) {
-    const float ui = f32(u[i]);
-    s[i] = from_f32<D>(ui * sigmoid(ui) * f32(g[i]));
-  }
+    swiglu_forward_kernel(const D* __restrict__ u, const D* __restrict__ g, D* __restrict__ s, int64_t n,
+                          int64_t packs) {
+  for_each_pack(n, packs, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    const Vec<D, W> uv = load<W>(u + i), gv = load<W>(g + i);
+    Vec<D, W> sv;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float ui = f32(uv[k]);
+      sv[k] = from_f32<D>(ui * sigmoid(ui) * f32(gv[k]));
+    }
+    store(s + i, sv);
+  });
 }
 
 template <class D>
 __global__ void __launch_bounds__(kThreads)
     swiglu_backward_kernel(const D* __restrict__ ds, const D* __restrict__ u, const D* __restrict__ g,
-                           D* __restrict__ du, D* __restrict__ dg, int64_t n) {
-  FLASHLM_GRID_STRIDE(i, n) {
-    const float ui = f32(u[i]), gi = f32(g[i]), dsi = f32(ds[i]);
-    const float sg = sigmoid(ui);
-    const float silu = ui * sg;
-    du[i] = from_f32<D>(dsi * gi * sg * (1.0f + ui * (1.0f - sg)));  // d silu / du = σ(u)(1 + u(1 - σ(u)))
-    dg[i] = from_f32<D>(dsi * silu);
-  }
+                           D* __restrict__ du, D* __restrict__ dg, int64_t n, int64_t packs) {
+  for_each_pack(n, packs, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    const Vec<D, W> dsv = load<W>(ds + i), uv = load<W>(u + i), gv = load<W>(g + i);
+    Vec<D, W> duv, dgv;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const float ui = f32(uv[k]), gi = f32(gv[k]), dsi = f32(dsv[k]);
+      const float sg = sigmoid(ui);
+      const float silu = ui * sg;
+      duv[k] = from_f32<D>(dsi * gi * sg * (1.0f + ui * (1.0f - sg)));  // d silu / du = σ(u)(1 + u(1 - σ(u)))
+      dgv[k] = from_f32<D>(dsi * silu);
+    }
+    store(du + i, duv);
+    store(dg + i, dgv);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -325,15 +506,26 @@ __global__ void __launch_bounds__(kCeThreads)
 // ---------------------------------------------------------------------------------------------------
 // Embedding.
 
+// Packs only when d % kPack == 0, so that no pack straddles two rows.
 template <class D>
 __global__ void __launch_bounds__(kThreads)
     embedding_forward_kernel(const float* __restrict__ table, const int32_t* __restrict__ tokens, D* __restrict__ x,
-                             int64_t n, int64_t d, int64_t vocab) {
-  FLASHLM_GRID_STRIDE(i, n * d) {
+                             int64_t n, int64_t d, int64_t vocab, int64_t packs) {
+  for_each_pack(n * d, packs, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
     const int64_t r = i / d, j = i - r * d;
     const int32_t tok = tokens[r];
-    x[i] = from_f32<D>(tok >= 0 && tok < vocab ? table[int64_t{tok} * d + j] : __int_as_float(0x7fc00000));
-  }
+    Vec<D, W> xv;
+    if (tok >= 0 && tok < vocab) {
+      const Vec<float, W> tv = load<W>(table + int64_t{tok} * d + j);
+#pragma unroll
+      for (int k = 0; k < W; ++k) xv[k] = from_f32<D>(tv[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < W; ++k) xv[k] = from_f32<D>(__int_as_float(0x7fc00000));
+    }
+    store(x + i, xv);
+  });
 }
 
 // Sort keys: the token, or `vocab` (sorted after every valid token) for a token outside [0, vocab);
@@ -509,25 +701,41 @@ void reduce(const D* x, int64_t n, Out* out, cudaStream_t stream, const char* wh
 // ---------------------------------------------------------------------------------------------------
 // Elementwise utilities.
 
-__global__ void __launch_bounds__(kThreads) scale_kernel(float* __restrict__ x, int64_t n, float s) {
-  FLASHLM_GRID_STRIDE(i, n) x[i] *= s;
+__global__ void __launch_bounds__(kThreads) scale_kernel(float* __restrict__ x, int64_t n, int64_t packs, float s) {
+  for_each_pack(n, packs, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    Vec<float, W> xv = load<W>(x + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) xv[k] *= s;
+    store(x + i, xv);
+  });
+}
+
+// One of S and D is float: rounds fp32 to D (cast_from_f32) or widens S to fp32 (cast_to_f32, exact).
+template <class S, class D>
+__global__ void __launch_bounds__(kThreads)
+    cast_kernel(const S* __restrict__ src, D* __restrict__ dst, int64_t n, int64_t packs) {
+  for_each_pack(n, packs, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    const Vec<S, W> sv = load<W>(src + i);
+    Vec<D, W> dv;
+#pragma unroll
+    for (int k = 0; k < W; ++k) dv[k] = from_f32<D>(f32(sv[k]));
+    store(dst + i, dv);
+  });
 }
 
 template <class D>
 __global__ void __launch_bounds__(kThreads)
-    cast_from_f32_kernel(const float* __restrict__ src, D* __restrict__ dst, int64_t n) {
-  FLASHLM_GRID_STRIDE(i, n) dst[i] = from_f32<D>(src[i]);
-}
-
-template <class D>
-__global__ void __launch_bounds__(kThreads)
-    cast_to_f32_kernel(const D* __restrict__ src, float* __restrict__ dst, int64_t n) {
-  FLASHLM_GRID_STRIDE(i, n) dst[i] = f32(src[i]);
-}
-
-template <class D>
-__global__ void __launch_bounds__(kThreads) add_kernel(D* __restrict__ y, const D* __restrict__ x, int64_t n) {
-  FLASHLM_GRID_STRIDE(i, n) y[i] = from_f32<D>(f32(y[i]) + f32(x[i]));
+    add_kernel(D* __restrict__ y, const D* __restrict__ x, int64_t n, int64_t packs) {
+  for_each_pack(n, packs, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    Vec<D, W> yv = load<W>(y + i);
+    const Vec<D, W> xv = load<W>(x + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) yv[k] = from_f32<D>(f32(yv[k]) + f32(xv[k]));
+    store(y + i, yv);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -553,8 +761,12 @@ void rmsnorm_forward(const T* x, const float* gain, T* y, float* rstd, int64_t n
   if (n == 0) return;
   const int64_t blocks = ceil_div(n, kNormRows);
   FLASHLM_CHECK(blocks <= INT_MAX, "rmsnorm_forward: n = {} is too large", n);
-  rmsnorm_forward_kernel<<<unsigned(blocks), kNormThreads, 0, as_stream(stream)>>>(dev(x), gain, dev(y), rstd, n,
-                                                                                    int(d), eps);
+  const cudaStream_t s = as_stream(stream);
+  if (d % kPack == 0 && aligned16(x) && aligned16(gain) && aligned16(y)) {
+    rmsnorm_forward_kernel<true><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(x), gain, dev(y), rstd, n, int(d), eps);
+  } else {
+    rmsnorm_forward_kernel<false><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(x), gain, dev(y), rstd, n, int(d), eps);
+  }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "rmsnorm_forward_kernel");
 }
 
@@ -582,8 +794,13 @@ void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* r
   add_column_sums_kernel<<<unsigned(ceil_div(d, 32)), kColumnThreads, 0, s>>>(partial, chunks, int(d), dgain);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "add_column_sums_kernel");
 
-  rmsnorm_backward_dx_kernel<<<unsigned(blocks), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx), n,
-                                                                        int(d));
+  if (d % kPack == 0 && aligned16(dy) && aligned16(x) && aligned16(gain) && aligned16(dx)) {
+    rmsnorm_backward_dx_kernel<true><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx),
+                                                                               n, int(d));
+  } else {
+    rmsnorm_backward_dx_kernel<false><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx),
+                                                                                n, int(d));
+  }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "rmsnorm_backward_dx_kernel");
 }
 
@@ -600,8 +817,15 @@ void rope(const char* fn, T* x, const float* cos, const float* sin, int64_t batc
   const int64_t rows = batch * seq * heads;
   if (rows == 0) return;
   const int64_t half = head_dim / 2;
-  rope_kernel<<<elementwise_blocks(rows * half), kThreads, 0, as_stream(stream)>>>(dev(x), cos, sin, rows, seq,
-                                                                                    heads, int(half), sign);
+  const cudaStream_t s = as_stream(stream);
+  if (half % kRopePairs == 0 && aligned16(x) && aligned16(cos) && aligned16(sin)) {
+    rope_kernel<kRopePairs><<<elementwise_blocks(rows * half / kRopePairs), kThreads, 0, s>>>(dev(x), cos, sin, rows,
+                                                                                              seq, heads, int(half),
+                                                                                              sign);
+  } else {
+    rope_kernel<1><<<elementwise_blocks(rows * half), kThreads, 0, s>>>(dev(x), cos, sin, rows, seq, heads, int(half),
+                                                                         sign);
+  }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "rope_kernel");
 }
 
@@ -623,7 +847,9 @@ template <class T>
 void swiglu_forward(const T* u, const T* g, T* s, int64_t n, void* stream) {
   check_count("swiglu_forward", "n", n);
   if (n == 0) return;
-  swiglu_forward_kernel<<<elementwise_blocks(n), kThreads, 0, as_stream(stream)>>>(dev(u), dev(g), dev(s), n);
+  const int64_t packs = pack_count(n, u, g, s);
+  swiglu_forward_kernel<<<packed_blocks(n, packs), kThreads, 0, as_stream(stream)>>>(dev(u), dev(g), dev(s), n,
+                                                                                      packs);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "swiglu_forward_kernel");
 }
 
@@ -631,8 +857,9 @@ template <class T>
 void swiglu_backward(const T* ds, const T* u, const T* g, T* du, T* dg, int64_t n, void* stream) {
   check_count("swiglu_backward", "n", n);
   if (n == 0) return;
-  swiglu_backward_kernel<<<elementwise_blocks(n), kThreads, 0, as_stream(stream)>>>(dev(ds), dev(u), dev(g),
-                                                                                     dev(du), dev(dg), n);
+  const int64_t packs = pack_count(n, ds, u, g, du, dg);
+  swiglu_backward_kernel<<<packed_blocks(n, packs), kThreads, 0, as_stream(stream)>>>(dev(ds), dev(u), dev(g),
+                                                                                       dev(du), dev(dg), n, packs);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "swiglu_backward_kernel");
 }
 
@@ -666,8 +893,9 @@ void embedding_forward(const float* table, const int32_t* tokens, T* x, int64_t 
   check_width("embedding_forward", "d", d);
   check_width("embedding_forward", "vocab", vocab);
   if (n == 0) return;
-  embedding_forward_kernel<<<elementwise_blocks(n * d), kThreads, 0, as_stream(stream)>>>(table, tokens, dev(x), n,
-                                                                                           d, vocab);
+  const int64_t packs = d % kPack == 0 ? pack_count(n * d, table, x) : 0;
+  embedding_forward_kernel<<<packed_blocks(n * d, packs), kThreads, 0, as_stream(stream)>>>(table, tokens, dev(x), n,
+                                                                                             d, vocab, packs);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "embedding_forward_kernel");
 }
 
@@ -721,7 +949,6 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
   const float b1 = float(beta1), b2 = float(beta2), e = float(eps), decay = float(lr * weight_decay);
   const AdamWScalars a{alpha, b1, 1 - b1, b2, 1 - b2, e, decay, grad_scale};
   const cudaStream_t s = as_stream(stream);
-  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v);
   const int64_t n4 = vector ? n / 4 : 0;
   if (n4 > 0) {
@@ -750,7 +977,8 @@ void count_nonfinite(const T* x, int64_t n, int* out, void* stream) {
 void scale_inplace(float* x, int64_t n, float s, void* stream) {
   check_count("scale_inplace", "n", n);
   if (n == 0) return;
-  scale_kernel<<<elementwise_blocks(n), kThreads, 0, as_stream(stream)>>>(x, n, s);
+  const int64_t packs = pack_count(n, x);
+  scale_kernel<<<packed_blocks(n, packs), kThreads, 0, as_stream(stream)>>>(x, n, packs, s);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "scale_kernel");
 }
 
@@ -758,23 +986,26 @@ template <class T>
 void cast_from_f32(const float* src, T* dst, int64_t n, void* stream) {
   check_count("cast_from_f32", "n", n);
   if (n == 0) return;
-  cast_from_f32_kernel<<<elementwise_blocks(n), kThreads, 0, as_stream(stream)>>>(src, dev(dst), n);
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "cast_from_f32_kernel");
+  const int64_t packs = pack_count(n, src, dst);
+  cast_kernel<<<packed_blocks(n, packs), kThreads, 0, as_stream(stream)>>>(src, dev(dst), n, packs);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "cast_from_f32: cast_kernel");
 }
 
 template <class T>
 void cast_to_f32(const T* src, float* dst, int64_t n, void* stream) {
   check_count("cast_to_f32", "n", n);
   if (n == 0) return;
-  cast_to_f32_kernel<<<elementwise_blocks(n), kThreads, 0, as_stream(stream)>>>(dev(src), dst, n);
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "cast_to_f32_kernel");
+  const int64_t packs = pack_count(n, src, dst);
+  cast_kernel<<<packed_blocks(n, packs), kThreads, 0, as_stream(stream)>>>(dev(src), dst, n, packs);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "cast_to_f32: cast_kernel");
 }
 
 template <class T>
 void add_inplace(T* y, const T* x, int64_t n, void* stream) {
   check_count("add_inplace", "n", n);
   if (n == 0) return;
-  add_kernel<<<elementwise_blocks(n), kThreads, 0, as_stream(stream)>>>(dev(y), dev(x), n);
+  const int64_t packs = pack_count(n, y, x);
+  add_kernel<<<packed_blocks(n, packs), kThreads, 0, as_stream(stream)>>>(dev(y), dev(x), n, packs);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "add_kernel");
 }
 
