@@ -162,6 +162,25 @@ void resolve_device_and_precision(const std::string& device, const std::string& 
   }
 }
 
+// --reduce-dtype (a comma list) and --nccl-max-ctas. Both concern NCCL: a 16-bit gradient all-reduce or a
+// CTA limit asked for on the CPU (MPI reduces fp32) is a usage error.
+std::vector<flashlm::DType> parse_reduce_dtypes(const std::string& list, flashlm::Device device, int nccl_max_ctas) {
+  using namespace flashlm;
+  const auto dtypes =
+      parse_list<DType>("--reduce-dtype", list, [](const std::string& s) { return parse_reduce_dtype(s); });
+  if (device == Device::cpu) {
+    for (DType t : dtypes) {
+      if (t != DType::f32) {
+        throw UsageError(fmt::format("--reduce-dtype {}: {} gradient reduction needs --device cuda (NCCL); MPI "
+                                     "reduces fp32 on the CPU",
+                                     dtype_name(t), dtype_name(t)));
+      }
+    }
+    if (nccl_max_ctas > 0) throw UsageError("--nccl-max-ctas: needs --device cuda (NCCL)");
+  }
+  return dtypes;
+}
+
 // The allocation timeline as JSON: {"events": [{"t_ms", "delta_bytes", "current_bytes", "tag", "phase",
 // "device"}, ...]}.
 void write_memory_timeline(const std::vector<flashlm::MemoryEvent>& events, const std::string& path) {
@@ -325,11 +344,25 @@ struct TrainArgs {
   double lr = 3e-3, lr_min = 3e-4, weight_decay = 0.1, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
   bool resume = false;
-  std::string ddp;
+  std::string ddp, reduce_dtype = "fp32";
   double bucket_mb = 25;
   int64_t grad_accum = 1;
-  int zero = 0;
+  int zero = 0, nccl_max_ctas = 0;
 };
+
+// --reduce-dtype and --nccl-max-ctas, the same for train and ddp-bench (a comma list there).
+void add_gradient_sync_options(CLI::App* cmd, std::string& reduce_dtype, int& nccl_max_ctas, const char* dtype_help) {
+  cmd->add_option("--reduce-dtype", reduce_dtype,
+                  fmt::format("{}: fp32, or on cuda bf16 or fp16, which halve the bytes NCCL moves (each bucket's fp32 "
+                              "gradients rounded to 16 bits, averaged by NCCL in that type, widened back)",
+                              dtype_help))
+      ->capture_default_str();
+  cmd->add_option("--nccl-max-ctas", nccl_max_ctas,
+                  "The most CTAs (one SM each) an NCCL collective may use (ncclConfig_t maxCTAs), leaving SMs to the "
+                  "backward the all-reduces overlap; default: NCCL's choice; NCCL_MAX_CTAS in the environment "
+                  "overrides it")
+      ->check(CLI::PositiveNumber);
+}
 
 void add_train(CLI::App& app, TrainArgs& a) {
   CLI::App* cmd = app.add_subcommand(
@@ -378,6 +411,7 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--zero", a.zero, "1: ZeRO-1, the AdamW moments sharded across ranks")
       ->capture_default_str()
       ->check(CLI::Range(0, 1));
+  add_gradient_sync_options(cmd, a.reduce_dtype, a.nccl_max_ctas, "Element type of the DDP gradient all-reduce");
 }
 
 int run_train_command(const TrainArgs& a) {
@@ -391,10 +425,14 @@ int run_train_command(const TrainArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
+  const std::vector<DType> reduce = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas);
+  if (reduce.size() != 1) throw UsageError(fmt::format("--reduce-dtype {}: train takes one type", a.reduce_dtype));
+  cfg.ddp.reduce_dtype = reduce.front();
   cfg.ddp.bucket_mb = a.bucket_mb;
   cfg.ddp.grad_accum = a.grad_accum;
   cfg.zero1 = a.zero == 1;
-  const bool data_parallel = !a.ddp.empty() || cfg.zero1 || a.grad_accum > 1 || launched_with_peers();
+  const bool data_parallel = !a.ddp.empty() || cfg.zero1 || a.grad_accum > 1 || cfg.ddp.reduce_dtype != DType::f32 ||
+                             a.nccl_max_ctas > 0 || launched_with_peers();
   if (a.d_model) cfg.model.d_model = a.d_model;
   if (a.d_ff) cfg.model.d_ff = a.d_ff;
   if (a.layers) cfg.model.layers = a.layers;
@@ -435,6 +473,7 @@ int run_train_command(const TrainArgs& a) {
     return 0;
   }
   return run_on_every_rank([&](Communicator& comm) {
+    comm.set_nccl_max_ctas(a.nccl_max_ctas);
     cfg.comm = &comm;
     run();
   });
@@ -509,9 +548,9 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
 
 struct DdpBenchArgs {
   std::string model = "xl", ddp = "per-param,flat,async,bucketed", bucket_mb = "1,10,100,1000", zero = "0";
-  std::string device, precision, format = "md", out;
+  std::string reduce_dtype = "fp32", device, precision, format = "md", out;
   int64_t context = 512, batch = 4, vocab = 10000, threads = 0;
-  int warmup = 3, steps = 10;
+  int warmup = 3, steps = 10, nccl_max_ctas = 0;
   bool quiet = false;
 };
 
@@ -519,7 +558,7 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
   CLI::App* cmd = app.add_subcommand(
       "ddp-bench",
       "Time the LM's train step data-parallel across the ranks of a job (mpirun -np N flashlm ddp-bench) for "
-      "every DDP variant and bucket size, against the step without communication");
+      "every DDP variant, bucket size and gradient reduction type, against the step without communication");
   cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B")->capture_default_str();
   cmd->add_option("--context", a.context, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--batch", a.batch, "Sequences per rank")->capture_default_str()->check(CLI::PositiveNumber);
@@ -528,6 +567,8 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket sizes of the bucketed variant, MB, comma list")
       ->capture_default_str();
   cmd->add_option("--zero", a.zero, "ZeRO-1 off and/or on: comma list of 0,1")->capture_default_str();
+  add_gradient_sync_options(cmd, a.reduce_dtype, a.nccl_max_ctas,
+                            "Element types of the gradient all-reduce, comma list (a row each)");
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -550,6 +591,8 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
+  cfg.reduce_dtypes = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas);
+  cfg.nccl_max_ctas = a.nccl_max_ctas;
   if (cfg.device == Device::cuda && !Communicator::nccl_built()) {
     throw UsageError("--device cuda: flashlm was built without NCCL");
   }

@@ -129,8 +129,8 @@ std::string format_allreduce_bench(const std::vector<AllReduceBenchRecord>& reco
                                    const AllReduceBenchConfig& config, const Communicator& comm);
 
 // `flashlm ddp-bench`: the LM's train step data-parallel across the ranks of a job, for every DDP variant
-// (and bucket size, and with or without ZeRO-1), against the same step without communication measured in
-// the same run (the one-GPU number that scaling efficiency divides by).
+// (and bucket size, gradient reduction type, and with or without ZeRO-1), against the same step without
+// communication measured in the same run (the one-GPU number that scaling efficiency divides by).
 struct DdpBenchConfig {
   std::string model = "xl";
   int64_t context = 512, batch = 4, vocab = 10000;  // batch: sequences per rank
@@ -138,7 +138,9 @@ struct DdpBenchConfig {
   DType precision = DType::f32;
   std::vector<DdpVariant> variants{DdpVariant::per_param, DdpVariant::flat, DdpVariant::async, DdpVariant::bucketed};
   std::vector<double> bucket_mb{1, 10, 100, 1000};  // bucketed only
+  std::vector<DType> reduce_dtypes{DType::f32};     // DdpOptions::reduce_dtype; 16-bit ones need CUDA
   std::vector<bool> zero1{false};
+  int nccl_max_ctas = 0;  // Communicator::set_nccl_max_ctas; 0: NCCL's choice
   int warmup = 3, steps = 10;
   std::function<void(const std::string&)> progress;  // rank 0 only
 };
@@ -146,6 +148,7 @@ struct DdpBenchConfig {
 struct DdpBenchRecord {
   std::string variant;  // "none": the step without communication (world 1); otherwise a DDP variant
   std::optional<double> bucket_mb;
+  std::string reduce_dtype;  // element type of the all-reduce ("fp32", "bf16", "fp16"); empty for "none"
   bool zero1 = false;
   int world_size = 1;
   int64_t buckets = 0;  // all-reduces per step
@@ -155,6 +158,7 @@ struct DdpBenchRecord {
   // tokens/s of the whole job; scaling efficiency = tokens/s / (world size · tokens/s of "none").
   std::optional<double> tokens_per_s, scaling_efficiency;
   std::optional<double> optimizer_state_mib;  // AdamW moments per rank
+  std::optional<double> staging_mib;          // DataParallel::staging_bytes() per rank
   std::string status = "ok";                  // ok | oom | error (the same on every rank)
   std::string message;
 };

@@ -8,6 +8,11 @@
 // queued on its stream. The all-reduce is then queued on the communicator's stream behind a CUDA event of
 // the model's stream (Communicator::all_reduce(x, op, stream)), and finish_backward() makes the model's
 // stream wait for the communicator's (Communicator::wait(stream)). The host never waits for the GPU here.
+//
+// Reduced-precision gradients (DdpOptions::reduce_dtype bf16 or fp16, CUDA only): each bucket's fp32
+// gradients are rounded into its 16-bit staging area on the model's stream, averaged in that type by NCCL
+// on the communicator's stream (ordered as above), and widened back into the fp32 gradients on the
+// communicator's stream right behind the all-reduce; finish_backward() orders the optimizer after all of it.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -15,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "flashlm/dtype.h"
 #include "flashlm/model.h"
 
 namespace flashlm {
@@ -30,6 +36,8 @@ enum class DdpVariant : uint8_t {
 };
 std::string_view ddp_variant_name(DdpVariant variant);
 DdpVariant parse_ddp_variant(std::string_view name);  // flashlm::Error listing the names otherwise
+// The element type of the gradient all-reduce: "fp32", "bf16" or "fp16" (dtype names); flashlm::Error otherwise.
+DType parse_reduce_dtype(std::string_view name);
 
 // A contiguous run of elements of the flat buffers.
 struct DdpRange {
@@ -74,6 +82,10 @@ struct DdpOptions {
   DdpVariant variant = DdpVariant::bucketed;
   double bucket_mb = 25;   // bucketed: MB (10^6 bytes) of fp32 gradients per bucket, > 0
   int64_t grad_accum = 1;  // micro-steps per optimizer step; only the last one synchronises
+  // Element type of the all-reduce. fp32: the gradients themselves. bf16, fp16 (CUDA only: MPI carries fp32
+  // and fp64): half the bytes on the wire, at the precision of the 16-bit type (the gradients are rounded to
+  // it and NCCL sums in it); fp16 also has fp16's range (above 65504 is inf, below 6e-8 is 0).
+  DType reduce_dtype = DType::f32;
 };
 
 // What the last synchronisation did.
@@ -100,6 +112,11 @@ class DataParallel {
   const DdpOptions& options() const;
   // In launch order: reverse parameter order for every variant (the order a backward produces gradients).
   const std::vector<DdpBucket>& buckets() const;
+  // Memory of the staging areas, allocated once at construction on the parameters' device: a bucket of
+  // several separate ranges is packed there for its all-reduce; with a 16-bit reduce_dtype every bucket is
+  // rounded into its own area (2 bytes per communicated element). Several buckets may be in flight at once,
+  // so the areas are not shared.
+  int64_t staging_bytes() const;
 
   // Every rank's parameters := rank 0's, all of them (frozen ones too), so that the ranks start equal.
   // params: the flat buffer; CUDA: queued after the work on `stream`, which waits for it.

@@ -136,6 +136,12 @@ class Communicator {
   // creates the NCCL communicator (unique id broadcast with MPI). The first GPU collective calls it
   // implicitly; call it first to allocate buffers on the right device. Returns the device index.
   int setup_cuda();
+  // The most CTAs (thread blocks, one SM each) an NCCL collective may use: NCCL's communicator config
+  // maxCTAs, for leaving SMs to computation that runs beside the collectives (the backward under DDP).
+  // 0: NCCL's choice. Set before setup_cuda(), to the same value on every rank (setup_cuda() checks);
+  // the environment variable NCCL_MAX_CTAS, when set, overrides it (NCCL reads it at init).
+  void set_nccl_max_ctas(int ctas);
+  int nccl_max_ctas() const;
   int cuda_device() const;     // -1 before setup_cuda()
   void* cuda_stream() const;   // the communicator's stream (cudaStream_t); nullptr before setup_cuda()
   void wait(void* stream);     // `stream` waits (on the GPU) for every GPU collective queued so far

@@ -38,6 +38,7 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   DdpOptions opt;
   opt.variant = parse_ddp_variant(rec.variant);
   if (rec.bucket_mb) opt.bucket_mb = *rec.bucket_mb;
+  opt.reduce_dtype = parse_reduce_dtype(rec.reduce_dtype);
   std::unique_ptr<DdpModel> dp;
   std::string error;
   bool oom = false;
@@ -76,6 +77,7 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   rec.scaling_efficiency = *rec.tokens_per_s / (double(rec.world_size) * local_tokens_per_s);
   rec.optimizer_state_mib = double(rec.zero1 ? dp->zero()->state_bytes()
                                              : 2 * model.parameter_count() * int64_t(sizeof(float))) / kMiB;
+  rec.staging_mib = double(dp->data_parallel().staging_bytes()) / kMiB;
 }
 
 }  // namespace
@@ -86,14 +88,21 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   FLASHLM_CHECK(cfg.batch >= 1, "ddp-bench: batch must be at least 1, got {}", cfg.batch);
   FLASHLM_CHECK(!cfg.variants.empty() && !cfg.zero1.empty(), "ddp-bench: no variant to measure");
   for (double mb : cfg.bucket_mb) FLASHLM_CHECK(mb > 0, "ddp-bench: bucket size {} MB, expected > 0", mb);
+  FLASHLM_CHECK(!cfg.reduce_dtypes.empty(), "ddp-bench: no gradient reduction type to measure");
+  FLASHLM_CHECK(cfg.nccl_max_ctas >= 0, "ddp-bench: nccl_max_ctas = {}, expected >= 0", cfg.nccl_max_ctas);
   comm.agree(static_cast<int64_t>(cfg.variants.size()), "the number of DDP variants");
   for (DdpVariant v : cfg.variants) comm.agree(static_cast<int64_t>(v), "the DDP variants");
   comm.agree(static_cast<int64_t>(cfg.bucket_mb.size()), "the number of bucket sizes");
+  comm.agree(static_cast<int64_t>(cfg.reduce_dtypes.size()), "the number of gradient reduction types");
+  for (DType t : cfg.reduce_dtypes) comm.agree(static_cast<int64_t>(t), "the gradient reduction types");
   comm.agree(static_cast<int64_t>(cfg.zero1.size()), "the ZeRO-1 settings");
   comm.agree(cfg.warmup, "the warm-up steps");
   comm.agree(cfg.steps, "the timed steps");
   comm.agree(static_cast<int64_t>(cfg.device), "the device");
-  if (cfg.device == Device::cuda) comm.setup_cuda();  // this rank's GPU, before the model is placed
+  if (cfg.device == Device::cuda) {
+    comm.set_nccl_max_ctas(cfg.nccl_max_ctas);
+    comm.setup_cuda();  // this rank's GPU, before the model is placed
+  }
 
   const ModelConfig mc = ModelConfig::named(cfg.model, cfg.context, cfg.vocab);
   const std::unique_ptr<LanguageModel> model_ptr =
@@ -107,26 +116,35 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = token(rng), targets[i] = token(rng);
 
   std::vector<DdpBenchRecord> records;
-  auto row = [&](std::string variant, std::optional<double> bucket_mb, bool zero1, int world) {
+  auto row = [&](std::string variant, std::optional<double> bucket_mb, std::string reduce_dtype, bool zero1,
+                 int world) {
     DdpBenchRecord r;
     r.variant = std::move(variant);
     r.bucket_mb = bucket_mb;
+    r.reduce_dtype = std::move(reduce_dtype);
     r.zero1 = zero1;
     r.world_size = world;
     records.push_back(std::move(r));
   };
-  row("none", std::nullopt, false, 1);
+  row("none", std::nullopt, "", false, 1);
   for (bool zero1 : cfg.zero1) {
     for (DdpVariant v : cfg.variants) {
-      if (v != DdpVariant::bucketed) row(std::string(ddp_variant_name(v)), std::nullopt, zero1, comm.world_size());
-      else for (double mb : cfg.bucket_mb) row(std::string(ddp_variant_name(v)), mb, zero1, comm.world_size());
+      std::vector<std::optional<double>> sizes{std::nullopt};
+      if (v == DdpVariant::bucketed) sizes.assign(cfg.bucket_mb.begin(), cfg.bucket_mb.end());
+      for (const std::optional<double>& mb : sizes) {
+        for (DType t : cfg.reduce_dtypes) {
+          row(std::string(ddp_variant_name(v)), mb, std::string(dtype_name(t)), zero1, comm.world_size());
+        }
+      }
     }
   }
   auto report = [&](size_t i) {
     if (!cfg.progress || !comm.is_root()) return;
     const DdpBenchRecord& r = records[i];
-    const std::string what = fmt::format("{}{}{}", r.variant, r.bucket_mb ? fmt::format(" {} MB", *r.bucket_mb) : "",
-                                         r.zero1 ? " + ZeRO-1" : "");
+    const std::string what =
+        fmt::format("{}{}{}{}", r.variant, r.bucket_mb ? fmt::format(" {} MB", *r.bucket_mb) : "",
+                    r.reduce_dtype.empty() || r.reduce_dtype == "fp32" ? "" : ", " + r.reduce_dtype + " all-reduce",
+                    r.zero1 ? " + ZeRO-1" : "");
     const std::string result =
         r.status != "ok" ? r.status + " (" + r.message + ")"
         : r.scaling_efficiency
@@ -165,6 +183,7 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
   for (const auto& r : records) {
     nlohmann::json j = {{"variant", r.variant},
                         {"bucket_mb", opt(r.bucket_mb)},
+                        {"reduce_dtype", r.reduce_dtype.empty() ? nlohmann::json() : nlohmann::json(r.reduce_dtype)},
                         {"zero1", r.zero1},
                         {"world_size", r.world_size},
                         {"buckets", r.buckets},
@@ -174,16 +193,18 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
                         {"tokens_per_s", opt(r.tokens_per_s)},
                         {"scaling_efficiency", opt(r.scaling_efficiency)},
                         {"optimizer_state_mib", opt(r.optimizer_state_mib)},
+                        {"staging_mib", opt(r.staging_mib)},
                         {"status", r.status}};
     if (!r.message.empty()) j["message"] = r.message;
     rows.push_back(std::move(j));
   }
   const std::vector<ReportColumn> columns = {
-      {"variant", "variant"},          {"bucket_mb", "bucket MB", 2},           {"zero1", "ZeRO-1"},
-      {"world_size", "ranks"},         {"buckets", "all-reduces"},              {"mean_ms", "step mean ms", 2},
-      {"median_ms", "step median ms", 2}, {"exposed_comm_ms", "comm not hidden ms", 2},
+      {"variant", "variant"},          {"bucket_mb", "bucket MB", 2},      {"reduce_dtype", "all-reduce in"},
+      {"zero1", "ZeRO-1"},             {"world_size", "ranks"},            {"buckets", "all-reduces"},
+      {"mean_ms", "step mean ms", 2},  {"median_ms", "step median ms", 2}, {"exposed_comm_ms", "comm not hidden ms", 2},
       {"tokens_per_s", "tokens/s", 0}, {"scaling_efficiency", "scaling eff.", 3},
-      {"optimizer_state_mib", "AdamW state MiB/rank", 1}, {"status", "status"}};
+      {"optimizer_state_mib", "AdamW state MiB/rank", 1}, {"staging_mib", "DDP staging MiB/rank", 1},
+      {"status", "status"}};
   const nlohmann::json meta = {
       {"tool", "flashlm ddp-bench"},
       {"device", describe_device(cfg.device)},
@@ -196,10 +217,13 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
       {"precision", std::string(dtype_name(cfg.precision))},
       {"warmup", cfg.warmup},
       {"steps", cfg.steps},
+      {"nccl_max_ctas", cfg.nccl_max_ctas > 0 ? nlohmann::json(cfg.nccl_max_ctas) : nlohmann::json()},
       {"timing", "per step the slowest rank's time (forward, backward, gradient sync, optimizer); mean and median "
                  "over steps"},
       {"scaling_efficiency", "tokens/s at world N / (N x tokens/s of the step without communication, 'none')"},
-      {"comm_not_hidden", "from the end of the backward's computation until the gradients are synchronised"}};
+      {"comm_not_hidden", "from the end of the backward's computation until the gradients are synchronised"},
+      {"reduce_dtype", "the element type of the gradient all-reduce: fp32, or bf16/fp16 (each bucket rounded "
+                       "from the fp32 gradients into a staging area, averaged by NCCL in that type, widened back)"}};
   return render_report(rows, columns, format, meta);
 }
 

@@ -185,6 +185,7 @@ struct Communicator::Impl {
   int rank = 0, size = 1, local_rank = 0, local_size = 1;
   int local_index = 0;  // rank within `local` (the order of its collectives)
   double timeout_s = default_timeout_s();
+  int nccl_max_ctas = 0;  // 0: NCCL's choice
 #ifdef FLASHLM_WITH_NCCL
   std::unique_ptr<dist::NcclComm> nccl;
 #endif
@@ -472,6 +473,7 @@ int Communicator::setup_cuda() {
 #ifdef FLASHLM_WITH_NCCL
   Impl& m = *impl_;
   if (m.nccl) return m.nccl->device();
+  agree(m.nccl_max_ctas, "the NCCL max CTAs");
   // Every rank picks its device and learns whether any rank cannot, before anyone enters NCCL's init
   // (which would wait forever for a rank that gave up).
   std::string error, uuid;
@@ -515,7 +517,7 @@ int Communicator::setup_cuda() {
   }
   if (const std::string first = first_error(error); !first.empty()) fail("{}", first);
   m.check(MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_CHAR, 0, m.comm), "MPI_Bcast");
-  nccl->connect(id, m.size);  // ncclCommInitRank: blocks until every rank has joined
+  nccl->connect(id, m.size, m.nccl_max_ctas);  // blocks until every rank has joined
   m.nccl = std::move(nccl);
   return device;
 #else
@@ -523,6 +525,17 @@ int Communicator::setup_cuda() {
        cuda_built() ? " (CMake did not find nccl.h and libnccl next to the CUDA toolkit)" : " (and without CUDA)");
 #endif
 }
+
+void Communicator::set_nccl_max_ctas(int ctas) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(ctas >= 0, "Communicator::set_nccl_max_ctas: {} CTAs, expected >= 1 (or 0: NCCL's choice)", ctas);
+  FLASHLM_CHECK(cuda_device() < 0 || ctas == m.nccl_max_ctas,
+                "Communicator::set_nccl_max_ctas: the NCCL communicator exists already (setup_cuda() or a GPU "
+                "collective ran); set its CTAs before");
+  m.nccl_max_ctas = ctas;
+}
+
+int Communicator::nccl_max_ctas() const { return impl_->nccl_max_ctas; }
 
 int Communicator::cuda_device() const {
 #ifdef FLASHLM_WITH_NCCL

@@ -41,6 +41,13 @@ DdpVariant parse_ddp_variant(std::string_view name) {
   fail("unknown DDP variant '{}': expected per-param, flat, async or bucketed", name);
 }
 
+DType parse_reduce_dtype(std::string_view name) {
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+    if (name == dtype_name(t)) return t;
+  }
+  fail("unknown gradient reduction type '{}': expected fp32, bf16 or fp16", name);
+}
+
 namespace {
 
 // Ascending runs of [offset, offset + count) ranges, adjacent ones merged.
@@ -53,6 +60,24 @@ std::vector<DdpRange> merge_ranges(std::vector<DdpRange> ranges) {
   }
   return out;
 }
+
+#ifdef FLASHLM_WITH_CUDA
+// n gradients between the fp32 buffer and a staging area of T, on `stream`: rounded to T on the way in
+// (to_staging), widened back (exactly) on the way out. T = float copies.
+template <class T>
+void convert_staged(float* grads, void* staged, int64_t n, bool to_staging, void* stream) {
+  if (to_staging) gpu::cast_from_f32<T>(grads, static_cast<T*>(staged), n, stream);
+  else gpu::cast_to_f32<T>(static_cast<const T*>(staged), grads, n, stream);
+}
+
+void convert_staged(DType type, float* grads, void* staged, int64_t n, bool to_staging, void* stream) {
+  switch (type) {
+    case DType::bf16: return convert_staged<bf16_t>(grads, staged, n, to_staging, stream);
+    case DType::f16: return convert_staged<fp16_t>(grads, staged, n, to_staging, stream);
+    default: return convert_staged<float>(grads, staged, n, to_staging, stream);
+  }
+}
+#endif
 
 }  // namespace
 
@@ -146,8 +171,9 @@ struct DataParallel::Impl {
   std::vector<DdpBucket> buckets;
   std::vector<int64_t> bucket_of;  // per parameter: its owner's bucket, -1 when not communicated
   std::vector<int> expected;       // per bucket: gradient-ready reports that complete it
-  std::vector<int64_t> staging_at;  // per bucket with several ranges: where it is packed (-1: in place)
-  Buffer staging;
+  // Per bucket: the element of `staging` where it is packed (-1: reduced in place in the gradients).
+  std::vector<int64_t> staging_at;
+  Buffer staging;  // elements of options.reduce_dtype
 
   // The current backward.
   float* grads = nullptr;
@@ -174,39 +200,47 @@ struct DataParallel::Impl {
 #endif
   }
 
-  float* bucket_data(size_t b) const {
-    const DdpBucket& bucket = buckets[b];
-    if (staging_at[b] >= 0) return static_cast<float*>(staging.data()) + staging_at[b];
-    return grads + bucket.ranges.front().offset;
+  char* staging_of(size_t b) const {
+    return static_cast<char*>(staging.data()) + size_t(staging_at[b]) * dtype_size(options.reduce_dtype);
   }
 
-  // Copies a bucket's ranges between the gradients and its staging area (to_staging: before the reduction).
-  void pack(size_t b, bool to_staging) {
-    float* at = static_cast<float*>(staging.data()) + staging_at[b];
+  // What the all-reduce of bucket b reads and writes: its staging area, or its run of the gradients.
+  TensorView bucket_view(size_t b) const {
+    void* data = staging_at[b] >= 0 ? static_cast<void*>(staging_of(b)) : grads + buckets[b].ranges.front().offset;
+    return TensorView::contiguous(data, options.reduce_dtype, {buckets[b].elements}, params.device);
+  }
+
+  // Moves a bucket's ranges between the fp32 gradients and its staging area (to_staging: before the
+  // reduction), rounding to reduce_dtype on the way in and widening back on the way out. CUDA: queued on
+  // `on`; the CPU reduces fp32 only, so it copies.
+  void pack(size_t b, bool to_staging, void* on) {
+    char* at = staging_of(b);
     for (const DdpRange& r : buckets[b].ranges) {
       float* g = grads + r.offset;
-      const size_t bytes = size_t(r.count) * sizeof(float);
       if (params.device == Device::cpu) {
-        std::memcpy(to_staging ? at : g, to_staging ? g : at, bytes);
+        const size_t bytes = size_t(r.count) * sizeof(float);
+        if (to_staging) std::memcpy(at, g, bytes);
+        else std::memcpy(g, at, bytes);
       } else {
 #ifdef FLASHLM_WITH_CUDA
-        FLASHLM_CUDA_CHECK(cudaMemcpyAsync(to_staging ? at : g, to_staging ? g : at, bytes, cudaMemcpyDeviceToDevice,
-                                           static_cast<cudaStream_t>(stream)),
-                           "cudaMemcpyAsync (DDP bucket staging)");
+        convert_staged(options.reduce_dtype, g, at, r.count, to_staging, on);
 #endif
       }
-      at += r.count;
+      at += size_t(r.count) * dtype_size(options.reduce_dtype);
     }
   }
 
   void launch(size_t b) {
-    if (staging_at[b] >= 0) pack(b, true);
-    const TensorView view =
-        TensorView::contiguous(bucket_data(b), DType::f32, {buckets[b].elements}, params.device);
+    const bool staged = staging_at[b] >= 0;
+    if (staged) pack(b, true, stream);  // CUDA: on the model's stream, which the all-reduce is queued behind
+    const TensorView view = bucket_view(b);
     if (overlap && params.device == Device::cpu) {
       requests.push_back(comm.all_reduce_async(view, ReduceOp::avg));
     } else {
       comm.all_reduce(view, ReduceOp::avg, stream);  // CUDA: queued behind `stream`; CPU: blocking
+      // CUDA: unpacked on the communicator's stream right behind its all-reduce, while the backward goes on
+      // (it no longer touches these gradients); finish_backward() makes the model's stream wait for it.
+      if (staged && params.device == Device::cuda) pack(b, false, comm.cuda_stream());
     }
     ++stats.collectives;
     stats.elements += buckets[b].elements;
@@ -229,6 +263,12 @@ DataParallel::DataParallel(Communicator& comm, DdpParameters params, const DdpOp
                 "DataParallel: bucket_mb = {}, expected a positive size in MB", options.bucket_mb);
   FLASHLM_CHECK(m.params.device == Device::cpu || Communicator::nccl_built(),
                 "DataParallel: CUDA parameters need flashlm built with NCCL");
+  const DType reduce = options.reduce_dtype;
+  FLASHLM_CHECK(reduce == DType::f32 || reduce == DType::bf16 || reduce == DType::f16,
+                "DataParallel: reduce_dtype {}, expected fp32, bf16 or fp16", dtype_name(reduce));
+  FLASHLM_CHECK(reduce == DType::f32 || m.params.device == Device::cuda,
+                "DataParallel: {} gradient reduction needs --device cuda (NCCL); MPI reduces fp32 on the CPU",
+                dtype_name(reduce));
   // bucketed: bytes per bucket (MB = 10^6 bytes), from 1 (every parameter alone) to "all in one".
   const int64_t bucket_limit = options.variant != DdpVariant::bucketed
                                    ? 0
@@ -237,6 +277,7 @@ DataParallel::DataParallel(Communicator& comm, DdpParameters params, const DdpOp
   comm.agree(static_cast<int64_t>(options.variant), "the DDP variant");
   comm.agree(bucket_limit, "the DDP bucket size");
   comm.agree(options.grad_accum, "the gradient accumulation steps");
+  comm.agree(static_cast<int64_t>(reduce), "the DDP gradient reduction type");
   comm.agree(m.params.flat_size(), "the number of parameter elements");
   comm.agree(static_cast<int64_t>(m.params.layout.size()), "the number of parameters");
   if (m.params.device == Device::cuda) comm.setup_cuda();
@@ -260,13 +301,18 @@ DataParallel::DataParallel(Communicator& comm, DdpParameters params, const DdpOp
     if (m.params.is_trainable(i)) ++m.expected[size_t(m.bucket_of[size_t(m.params.owner(i))])];
   }
   // A bucket of several separate ranges (frozen or tied parameters between them) is packed for its
-  // all-reduce; every such bucket has its own staging area, since several may be in flight at once.
+  // all-reduce, and with a 16-bit reduce_dtype every bucket is rounded into its staging area; each such
+  // bucket has its own area, since several may be in flight at once.
   int64_t staged = 0;
   for (const DdpBucket& b : m.buckets) {
-    m.staging_at.push_back(b.ranges.size() > 1 ? staged : -1);
-    if (b.ranges.size() > 1) staged += b.elements;
+    const bool packed = reduce != DType::f32 || b.ranges.size() > 1;
+    m.staging_at.push_back(packed ? staged : -1);
+    if (packed) staged += b.elements;
   }
-  if (staged > 0) m.staging = Buffer::allocate(size_t(staged) * sizeof(float), m.params.device, "DDP bucket staging");
+  if (staged > 0) {
+    m.staging = Buffer::allocate(size_t(staged) * dtype_size(reduce), m.params.device,
+                                 fmt::format("DDP {} gradient staging", dtype_name(reduce)));
+  }
   m.ready.assign(m.buckets.size(), 0);
   m.reported.assign(size_t(n), 0);
 }
@@ -276,6 +322,7 @@ DataParallel::~DataParallel() = default;
 const DdpParameters& DataParallel::parameters() const { return impl_->params; }
 const DdpOptions& DataParallel::options() const { return impl_->options; }
 const std::vector<DdpBucket>& DataParallel::buckets() const { return impl_->buckets; }
+int64_t DataParallel::staging_bytes() const { return static_cast<int64_t>(impl_->staging.bytes()); }
 
 void DataParallel::broadcast_parameters(float* params, void* stream) {
   Impl& m = *impl_;
@@ -357,9 +404,12 @@ void DataParallel::finish_backward() {
   // that reports no gradients), in order.
   while (m.next_launch < m.buckets.size()) m.launch(m.next_launch++);
   for (CommRequest& r : m.requests) m.comm.wait(r);
-  if (cuda) m.comm.wait(m.stream);
-  for (size_t b = 0; b < m.buckets.size(); ++b) {
-    if (m.staging_at[b] >= 0) m.pack(b, false);
+  if (cuda) {
+    m.comm.wait(m.stream);  // after the all-reduces and the unpacking queued behind them (launch())
+  } else {
+    for (size_t b = 0; b < m.buckets.size(); ++b) {
+      if (m.staging_at[b] >= 0) m.pack(b, false, nullptr);
+    }
   }
   if (m.options.grad_accum > 1) {
     const float scale = 1.0f / float(m.options.grad_accum);

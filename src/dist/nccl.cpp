@@ -19,6 +19,9 @@
 namespace flashlm::dist {
 
 static_assert(sizeof(ncclUniqueId) == std::tuple_size_v<NcclId>, "NcclId must hold an ncclUniqueId");
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 17, 0)
+#error "flashlm needs NCCL 2.17 or newer (ncclConfig_t.maxCTAs)"
+#endif
 
 namespace {
 
@@ -138,15 +141,17 @@ NcclComm::NcclComm(int rank, int device) : impl_(std::make_unique<Impl>()) {
   FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.out, cudaEventDisableTiming), "cudaEventCreate");
 }
 
-void NcclComm::connect(const NcclId& id, int world_size) {
+void NcclComm::connect(const NcclId& id, int world_size, int max_ctas) {
   Impl& m = *impl_;
   FLASHLM_CHECK(m.comm == nullptr, "NcclComm::connect: rank {} is already connected", m.rank);
   m.use_device();
   m.world_size = world_size;
-  keep_nvls_off();  // before ncclCommInitRank (ranks other than 0 make no earlier NCCL call)
+  keep_nvls_off();  // before the communicator's init (ranks other than 0 make no earlier NCCL call)
   ncclUniqueId uid;
   std::memcpy(&uid, id.data(), sizeof uid);
-  check_nccl(ncclCommInitRank(&m.comm, world_size, uid, m.rank), "ncclCommInitRank", m.rank);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;  // blocking, every field NCCL's default
+  if (max_ctas > 0) config.maxCTAs = max_ctas;
+  check_nccl(ncclCommInitRankConfig(&m.comm, world_size, uid, m.rank, &config), "ncclCommInitRankConfig", m.rank);
 }
 
 NcclComm::~NcclComm() {

@@ -23,8 +23,9 @@ class NcclComm {
  public:
   // Makes `device` current and creates the communicator's stream and events (local work only).
   NcclComm(int rank, int device);
-  // Creates the NCCL communicator (ncclCommInitRank), blocking until every rank has joined.
-  void connect(const NcclId& id, int world_size);
+  // Creates the NCCL communicator (ncclCommInitRankConfig), blocking until every rank has joined.
+  // max_ctas > 0: the config's maxCTAs (the most thread blocks a collective uses); 0: NCCL's choice.
+  void connect(const NcclId& id, int world_size, int max_ctas);
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;

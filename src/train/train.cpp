@@ -227,11 +227,17 @@ TrainResult train(const TrainConfig& cfg) {
   if (dp) {
     dp->broadcast_parameters();
     const DataParallel& ddp = dp->data_parallel();
-    say(fmt::format("data parallel: {} rank(s) x {} sequences x grad_accum {}; DDP {} ({} all-reduce(s) per step{}){}",
+    constexpr double kMiB = 1024.0 * 1024.0;
+    say(fmt::format("data parallel: {} rank(s) x {} sequences x grad_accum {}; DDP {} ({} {} all-reduce(s) per "
+                    "step{}{}{}){}",
                     world, cfg.batch, accum, ddp_variant_name(cfg.ddp.variant), ddp.buckets().size(),
+                    dtype_name(cfg.ddp.reduce_dtype),
                     cfg.ddp.variant == DdpVariant::bucketed ? fmt::format(", buckets of {} MB", cfg.ddp.bucket_mb) : "",
+                    ddp.staging_bytes() > 0 ? fmt::format(", {:.1f} MiB of staging", double(ddp.staging_bytes()) / kMiB)
+                                            : "",
+                    cfg.comm->nccl_max_ctas() > 0 ? fmt::format(", NCCL max CTAs {}", cfg.comm->nccl_max_ctas()) : "",
                     dp->zero() ? fmt::format("; ZeRO-1: {:.1f} MiB of AdamW state per rank",
-                                             double(dp->zero()->state_bytes()) / (1024.0 * 1024.0))
+                                             double(dp->zero()->state_bytes()) / kMiB)
                                : ""));
   }
 

@@ -42,8 +42,8 @@ endif()
 set(json_file ${WORKDIR}/ddp_bench.json)
 file(REMOVE ${json_file})
 run_ok("ddp-bench" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64 --context 16 --batch 2
-       --bucket-mb 0.01,1 --zero 0,1 --warmup 1 --steps 2 --format json --out ${json_file})
-string(REGEX MATCHALL "\\| *variant *\\| *bucket MB *\\|" headers "${out}")
+       --bucket-mb 0.01,1 --reduce-dtype fp32 --zero 0,1 --warmup 1 --steps 2 --format json --out ${json_file})
+string(REGEX MATCHALL "\\| *variant *\\| *bucket MB *\\| *all-reduce in *\\|" headers "${out}")
 list(LENGTH headers n_headers)
 if(NOT n_headers EQUAL 1 OR NOT err MATCHES "ddp-bench: 2 rank\\(s\\)" OR NOT err MATCHES "\\[11/11\\] bucketed 1 MB \\+ ZeRO-1")
   message(FATAL_ERROR "expected one table (rank 0) and progress lines:\nstdout: ${out}\nstderr: ${err}")
@@ -55,8 +55,8 @@ if(NOT n EQUAL 11 OR NOT world EQUAL 2)  # none + (per-param, flat, async, bucke
   message(FATAL_ERROR "json: ${n} records (expected 11), world_size ${world}:\n${json}")
 endif()
 foreach(i 0 5 10)
-  foreach(field variant bucket_mb zero1 world_size buckets mean_ms median_ms exposed_comm_ms tokens_per_s
-                scaling_efficiency optimizer_state_mib status)
+  foreach(field variant bucket_mb reduce_dtype zero1 world_size buckets mean_ms median_ms exposed_comm_ms
+                tokens_per_s scaling_efficiency optimizer_state_mib staging_mib status)
     string(JSON value ERROR_VARIABLE missing GET "${json}" records ${i} ${field})
     if(missing)
       message(FATAL_ERROR "json record ${i} lacks '${field}': ${missing}")
@@ -69,18 +69,29 @@ foreach(i 0 5 10)
 endforeach()
 string(JSON eff TYPE "${json}" records 5 scaling_efficiency)
 string(JSON zero GET "${json}" records 10 zero1)
-if(NOT eff STREQUAL "NUMBER" OR NOT zero)
-  message(FATAL_ERROR "json: scaling efficiency ${eff}, ZeRO-1 ${zero}:\n${json}")
+string(JSON none_dtype TYPE "${json}" records 0 reduce_dtype)  # the step without communication
+string(JSON dtype GET "${json}" records 5 reduce_dtype)
+if(NOT eff STREQUAL "NUMBER" OR NOT zero OR NOT none_dtype STREQUAL "NULL" OR NOT dtype STREQUAL "fp32")
+  message(FATAL_ERROR "json: scaling efficiency ${eff}, ZeRO-1 ${zero}, reduce_dtype ${none_dtype}, ${dtype}:\n${json}")
 endif()
 
 # Usage errors: exit 2 with "error: ..." without mpirun; under mpirun every rank fails and so does mpirun.
 foreach(bad "train;--ddp;ring" "train;--zero;2" "train;--grad-accum;0" "ddp-bench;--ddp;ring"
-            "ddp-bench;--bucket-mb;0" "ddp-bench;--zero;3" "ddp-bench;--device;cpu;--precision;bf16")
+            "ddp-bench;--bucket-mb;0" "ddp-bench;--zero;3" "ddp-bench;--device;cpu;--precision;bf16"
+            "train;--device;cpu;--reduce-dtype;fp64" "train;--device;cpu;--nccl-max-ctas;4"
+            "ddp-bench;--reduce-dtype;fp8" "ddp-bench;--device;cpu;--reduce-dtype;fp32,fp16"
+            "ddp-bench;--nccl-max-ctas;0")
   execute_process(COMMAND ${FLASHLM} ${bad} RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
   if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: ")
     message(FATAL_ERROR "flashlm ${bad}: exit ${rc}, expected 2 with 'error: '\nstderr: ${err}")
   endif()
 endforeach()
+# A 16-bit all-reduce is NCCL's: on the CPU the error says what to do.
+execute_process(COMMAND ${FLASHLM} train --device cpu --reduce-dtype bf16
+                RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "bf16 gradient reduction needs --device cuda \\(NCCL\\)")
+  message(FATAL_ERROR "train --device cpu --reduce-dtype bf16: exit ${rc}\nstderr: ${err}")
+endif()
 execute_process(COMMAND ${mpi2} ${FLASHLM} ddp-bench --ddp ring RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
 if(rc EQUAL 0 OR NOT err MATCHES "error: ")
   message(FATAL_ERROR "mpirun ddp-bench --ddp ring: exit ${rc}, expected non-zero\nstderr: ${err}")

@@ -6,6 +6,7 @@
 // FLASHLM_TEST_FAIL_ON_RANK=R makes InjectedFailure fail on rank R only (tests/dist/failing_rank.cmake).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -84,6 +85,15 @@ TEST(Communicator, SecondCommunicatorIsIndependent) {
   std::vector<float> x{1.0f};
   other.all_reduce(std::span<float>(x));
   EXPECT_EQ(x[0], static_cast<float>(comm().world_size()));
+}
+
+// The NCCL CTA limit is kept for setup_cuda(); a negative one is refused.
+TEST(Communicator, NcclMaxCtasIsChecked) {
+  Communicator other;
+  EXPECT_EQ(other.nccl_max_ctas(), 0);  // NCCL's choice
+  other.set_nccl_max_ctas(4);
+  EXPECT_EQ(other.nccl_max_ctas(), 4);
+  EXPECT_THROW(other.set_nccl_max_ctas(-1), Error);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -512,6 +522,23 @@ TEST(GpuCollectivesExtra, AsyncAllReduceAndAllGatherV) {
   for (int q = 0; q < n; ++q) {
     for (int64_t k = 0; k < counts[size_t(q)]; ++k, ++at) EXPECT_EQ(got[at], float(10 * q + k)) << q << " " << k;
   }
+}
+
+// An NCCL communicator limited to 2 CTAs (ncclConfig_t maxCTAs) reduces correctly; once it exists, its limit
+// cannot change.
+TEST(GpuCollectivesSetup, MaxCtasConfig) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  const int n = comm().world_size(), r = comm().rank();
+  Communicator c;
+  c.set_nccl_max_ctas(2);
+  c.setup_cuda();
+  Tensor dx = to_device(std::vector<float>(1 << 20, float(r + 1)));
+  c.all_reduce(dx, ReduceOp::sum);
+  c.synchronize();
+  const std::vector<float> got = to_host<float>(dx);
+  EXPECT_EQ(std::count(got.begin(), got.end(), float(n * (n + 1) / 2)), int64_t(got.size()));
+  EXPECT_THROW(c.set_nccl_max_ctas(3), Error);
+  c.set_nccl_max_ctas(2);  // unchanged: fine
 }
 
 TEST(GpuCollectivesSetup, MoreLocalRanksThanGpusIsAClearError) {
