@@ -81,6 +81,9 @@ if [[ $what == lm || $what == all ]]; then
     timeout 120 "$bin/flashlm" bench --device cuda --model $m --context 512 --batch 4 --precision bf16 --pass step \
       --warmup 3 --steps 5 --profile-ranges --quiet > "$out/ranges-$m.txt" 2>&1; tail -16 "$out/ranges-$m.txt"
   done
+  echo "== per-kernel summary (CUPTI), xl bf16 train step"
+  timeout 120 "$bin/flashlm" bench --device cuda --model xl --context 512 --batch 4 --precision bf16 --pass step \
+    --warmup 3 --steps 5 --profile-kernels --quiet > "$out/kernels-xl.txt" 2>&1; head -40 "$out/kernels-xl.txt"
   echo "== memory timelines: large, context 256 (forward, then a train step)"
   for p in bf16 fp32; do
     timeout 120 "$bin/flashlm" bench --device cuda --model large --context 256 --batch 4 --precision $p --pass fwd,step \

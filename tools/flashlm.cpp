@@ -271,7 +271,7 @@ struct BenchArgs {
   std::string device = "cpu", format = "md", out, memory_timeline;
   int64_t batch = 4, vocab = 10000, threads = 0;
   int warmup = 5, steps = 10;
-  bool profile_ranges = false, quiet = false;
+  bool profile_ranges = false, profile_kernels = false, quiet = false;
 };
 
 void add_bench(CLI::App& app, BenchArgs& a) {
@@ -289,6 +289,9 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
   cmd->add_flag("--profile-ranges", a.profile_ranges,
                 "After the table, the nvtx_sum table (nsys stats format) of each configuration's timed steps");
+  cmd->add_flag("--profile-kernels", a.profile_kernels,
+                "After the table, the cuda_gpu_kern_sum table (nsys stats format, from CUPTI) of each "
+                "configuration's timed steps (--device cuda)");
   cmd->add_option("--memory-timeline", a.memory_timeline,
                   "Write every allocation and release (time, bytes, tag, phase) as JSON; draw it with "
                   "scripts/plot_memory_timeline.py");
@@ -321,6 +324,8 @@ int run_bench_command(const BenchArgs& a) {
   cfg.warmup = a.warmup;
   cfg.steps = a.steps;
   cfg.profile_ranges = a.profile_ranges;
+  cfg.profile_kernels = a.profile_kernels;
+  if (cfg.profile_kernels && cfg.device != Device::cuda) throw UsageError("--profile-kernels needs --device cuda");
   if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
   if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
   if (!a.memory_timeline.empty()) memory_timeline_start();
@@ -331,6 +336,10 @@ int run_bench_command(const BenchArgs& a) {
     if (!r.range_table.empty()) {
       fmt::print("\n** NVTX range summary (nvtx_sum): {} ctx {} {} {}, {} timed '{}' steps\n{}", r.model, r.context,
                  r.precision, r.attention, cfg.steps, r.pass, r.range_table);
+    }
+    if (!r.kernel_table.empty()) {
+      fmt::print("\n** CUDA GPU kernel summary (cuda_gpu_kern_sum): {} ctx {} {} {}, {} timed '{}' steps\n{}", r.model,
+                 r.context, r.precision, r.attention, cfg.steps, r.pass, r.kernel_table);
     }
   }
   return 0;

@@ -70,7 +70,8 @@ struct LmBenchConfig {
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;
   Device device = Device::cpu;
-  bool profile_ranges = false;  // print the nvtx_sum table of each configuration's timed steps
+  bool profile_ranges = false;   // print the nvtx_sum table of each configuration's timed steps
+  bool profile_kernels = false;  // print the cuda_gpu_kern_sum table (CUPTI) of each configuration's timed steps
   std::function<void(const std::string&)> progress;
 };
 
@@ -80,7 +81,8 @@ struct LmBenchRecord {
   std::optional<double> mean_ms, std_ms, median_ms, tokens_per_s, mfu, peak_mib;
   std::string status = "ok";  // ok | oom | unsupported | error
   std::string message;
-  std::string range_table;  // nvtx_sum table of the timed steps (profile_ranges)
+  std::string range_table;   // nvtx_sum table of the timed steps (profile_ranges)
+  std::string kernel_table;  // cuda_gpu_kern_sum table of the timed steps (profile_kernels)
 };
 
 std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& config);

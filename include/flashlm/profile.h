@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace flashlm {
@@ -55,6 +56,36 @@ class RangeProfiler {
   std::vector<Pending> pending_;
   std::vector<void*> free_events_;
   std::vector<std::pair<std::string, std::vector<double>>> samples_;  // per range name, in first-seen order
+};
+
+// The statistics of named samples (ns) and the table nsys's stats reports print for them, sorted by total
+// time: "Time (%)  Total Time (ns)  Instances  Avg (ns)  Med (ns)  Min (ns)  Max (ns)  StdDev (ns)", then
+// `style` (when not empty: nvtx_sum's Style column) and the name under `name_header`.
+std::vector<RangeStats> summarize_samples(const std::vector<std::pair<std::string, std::vector<double>>>& samples);
+std::string format_stats_table(const std::vector<RangeStats>& stats, std::string_view style,
+                               std::string_view name_header);
+
+// Per-kernel GPU time from CUPTI's activity records (concurrent-kernel kind), as `nsys stats --report
+// cuda_gpu_kern_sum` prints it — for machines without nsys. libcupti (in the CUDA toolkit) is loaded with
+// dlopen when start() is first called ($FLASHLM_CUPTI_LIBRARY, else libcupti.so.<CUDA major>, else
+// libcupti.so), so libflashlm does not depend on it. Kernels are named as demangled by the C++ runtime.
+class KernelProfiler {
+ public:
+  static KernelProfiler& instance();
+  // Starts recording kernel activity in this process; a flashlm::Error says why when CUPTI cannot be used
+  // (not a CUDA build, library not found, CUPTI error).
+  void start();
+  // Stops recording; waits for every record of the kernels launched so far (synchronises the device).
+  void stop();
+  void reset();
+  std::vector<RangeStats> summary() const;  // per kernel name, sorted by total time
+  std::string kern_sum_table() const;        // the cuda_gpu_kern_sum layout
+  // Called from CUPTI's buffer callback.
+  void add(std::string name, double ns);
+
+ private:
+  std::vector<std::pair<std::string, std::vector<double>>> samples_;
+  bool running_ = false;
 };
 
 // RAII range: `ScopedRange r("forward");`

@@ -69,6 +69,11 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, A
         prof.enable(true);
       }
     }
+    KernelProfiler& kernels = KernelProfiler::instance();
+    if (cfg.profile_kernels) {
+      kernels.reset();
+      kernels.start();
+    }
     std::vector<double> ms;
     for (int i = 0; i < cfg.steps; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -82,6 +87,10 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, A
     if (cfg.profile_ranges) {
       prof.enable(false);
       rec->range_table = prof.nvtx_sum_table();
+    }
+    if (cfg.profile_kernels) {
+      kernels.stop();
+      rec->kernel_table = kernels.kern_sum_table();
     }
     const Moments m = moments(ms);
     rec->mean_ms = m.mean;
@@ -103,6 +112,12 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
   FLASHLM_CHECK(cfg.steps >= 1, "bench: steps must be at least 1, got {}", cfg.steps);
   FLASHLM_CHECK(cfg.warmup >= 0, "bench: warmup must be >= 0, got {}", cfg.warmup);
   FLASHLM_CHECK(cfg.batch >= 1, "bench: batch must be at least 1, got {}", cfg.batch);
+  FLASHLM_CHECK(!cfg.profile_kernels || cfg.device == Device::cuda,
+                "bench: the kernel summary (CUPTI) needs --device cuda");
+  if (cfg.profile_kernels) {  // fail before any model is built when CUPTI cannot be used
+    KernelProfiler::instance().start();
+    KernelProfiler::instance().stop();
+  }
   for (const auto& p : cfg.passes) {
     FLASHLM_CHECK(p == "fwd" || p == "fwd-bwd" || p == "step", "bench: unknown pass '{}': expected fwd, fwd-bwd or step",
                   p);

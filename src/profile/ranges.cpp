@@ -132,10 +132,10 @@ void RangeProfiler::add_sample(const std::string& name, double ns) {
   it->second.push_back(ns);
 }
 
-std::vector<RangeStats> RangeProfiler::summary() {
-  read_pending();
+std::vector<RangeStats> summarize_samples(const std::vector<std::pair<std::string, std::vector<double>>>& samples) {
   std::vector<RangeStats> out;
-  for (const auto& [name, v] : samples_) {
+  for (const auto& [name, v] : samples) {
+    if (v.empty()) continue;
     RangeStats s;
     s.name = name;
     s.instances = int64_t(v.size());
@@ -156,22 +156,32 @@ std::vector<RangeStats> RangeProfiler::summary() {
   return out;
 }
 
-std::string RangeProfiler::nvtx_sum_table() {
-  const auto stats = summary();
+std::string format_stats_table(const std::vector<RangeStats>& stats, std::string_view style,
+                               std::string_view name_header) {
   double all = 0;
   for (const auto& s : stats) all += s.total_ns;
-  std::string out = fmt::format(" {:>8}  {:>15}  {:>9}  {:>15}  {:>15}  {:>13}  {:>13}  {:>13}  {:>7}  {}\n",
-                                "Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)",
-                                "Max (ns)", "StdDev (ns)", "Style", "Range");
-  out += fmt::format(" {:->8}  {:->15}  {:->9}  {:->15}  {:->15}  {:->13}  {:->13}  {:->13}  {:->7}  {:->20}\n", "",
-                     "", "", "", "", "", "", "", "", "");
+  const std::string style_head = style.empty() ? "" : fmt::format("  {:>7}", "Style");
+  const std::string style_rule = style.empty() ? "" : fmt::format("  {:->7}", "");
+  const std::string style_cell = style.empty() ? "" : fmt::format("  {:>7}", style);
+  std::string out = fmt::format(" {:>8}  {:>15}  {:>9}  {:>15}  {:>15}  {:>13}  {:>13}  {:>13}{}  {}\n", "Time (%)",
+                                "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)", "Max (ns)",
+                                "StdDev (ns)", style_head, name_header);
+  out += fmt::format(" {:->8}  {:->15}  {:->9}  {:->15}  {:->15}  {:->13}  {:->13}  {:->13}{}  {:->20}\n", "", "", "",
+                     "", "", "", "", "", style_rule, "");
   for (const auto& s : stats) {
-    out += fmt::format(" {:>8.1f}  {:>15.0f}  {:>9}  {:>15.1f}  {:>15.1f}  {:>13.0f}  {:>13.0f}  {:>13.1f}  {:>7}  {}\n",
+    out += fmt::format(" {:>8.1f}  {:>15.0f}  {:>9}  {:>15.1f}  {:>15.1f}  {:>13.0f}  {:>13.0f}  {:>13.1f}{}  {}\n",
                        all > 0 ? 100.0 * s.total_ns / all : 0.0, s.total_ns, s.instances, s.avg_ns, s.med_ns,
-                       s.min_ns, s.max_ns, s.stddev_ns, "PushPop", s.name);
+                       s.min_ns, s.max_ns, s.stddev_ns, style_cell, s.name);
   }
   return out;
 }
+
+std::vector<RangeStats> RangeProfiler::summary() {
+  read_pending();
+  return summarize_samples(samples_);
+}
+
+std::string RangeProfiler::nvtx_sum_table() { return format_stats_table(summary(), "PushPop", "Range"); }
 
 ScopedRange::ScopedRange(std::string_view name) { RangeProfiler::instance().push(name); }
 ScopedRange::~ScopedRange() { RangeProfiler::instance().pop(); }

@@ -37,6 +37,34 @@ TEST(RangeProfiler, CountsNestedRangesAndPrintsTheNvtxSumTable) {
   EXPECT_TRUE(p.summary().empty());
 }
 
+// The kernel summary's statistics and its cuda_gpu_kern_sum layout, from samples given directly (CUPTI
+// delivers them the same way; it needs a GPU, so the recording itself is exercised by the GPU benchmark).
+TEST(KernelProfiler, SummarisesKernelsAsCudaGpuKernSum) {
+  KernelProfiler& k = KernelProfiler::instance();
+  k.reset();
+  for (double ns : {300.0, 100.0, 200.0}) k.add("void gemm_kernel<128>(Params)", ns);
+  k.add("rmsnorm_forward_kernel", 1000.0);
+  const auto stats = k.summary();
+  ASSERT_EQ(stats.size(), 2u);
+  EXPECT_EQ(stats[0].name, "rmsnorm_forward_kernel");  // largest total first
+  EXPECT_EQ(stats[1].name, "void gemm_kernel<128>(Params)");
+  EXPECT_EQ(stats[1].instances, 3);
+  EXPECT_DOUBLE_EQ(stats[1].total_ns, 600.0);
+  EXPECT_DOUBLE_EQ(stats[1].avg_ns, 200.0);
+  EXPECT_DOUBLE_EQ(stats[1].med_ns, 200.0);
+  EXPECT_DOUBLE_EQ(stats[1].min_ns, 100.0);
+  EXPECT_DOUBLE_EQ(stats[1].max_ns, 300.0);
+  EXPECT_DOUBLE_EQ(stats[1].stddev_ns, 100.0);  // sample standard deviation, as nsys
+  const std::string table = k.kern_sum_table();
+  for (const char* column : {"Time (%)", "Total Time (ns)", "Instances", "Avg (ns)", "Med (ns)", "Min (ns)",
+                             "Max (ns)", "StdDev (ns)", "Name", "62.5", "37.5"}) {
+    EXPECT_NE(table.find(column), std::string::npos) << column << "\n" << table;
+  }
+  EXPECT_EQ(table.find("Style"), std::string::npos) << "cuda_gpu_kern_sum has no Style column";
+  k.reset();
+  EXPECT_TRUE(k.summary().empty());
+}
+
 TEST(MemoryTimeline, RecordsAllocationsReleasesTagsAndPhases) {
   memory_timeline_start();
   memory_set_phase("forward");
