@@ -2,6 +2,7 @@
 // and implementation asked for.
 #include "flashlm/attention.h"
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
@@ -10,6 +11,7 @@
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/device.h"
+#include "flashlm/memory.h"
 
 namespace flashlm {
 
@@ -44,10 +46,12 @@ void check_cuda_arguments(std::string_view fn, const AttentionProblem& p, std::i
   FLASHLM_CHECK(cuda_built(), "{}: q: tensors on cuda but flashlm was built without CUDA", fn);
   FLASHLM_CHECK(p.dtype == DType::f16 || p.dtype == DType::bf16 || p.dtype == DType::f32,
                 "{}: q: dtype {} is not supported on cuda (fp16, bf16 or fp32)", fn, dtype_name(p.dtype));
-  FLASHLM_CHECK(p.head_dim == 16 || p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256,
-                "{}: q: head_dim {} is not supported on cuda (16, 32, 64, 128 or 256)", fn, p.head_dim);
-  const int device = cuda_current_device();
   const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  FLASHLM_CHECK(p.head_dim <= 256 && p.head_dim * elem % 16 == 0,
+                "{}: q: head_dim {} is not supported on cuda (at most 256, and rows of a multiple of 16 bytes: a "
+                "multiple of {} for {})",
+                fn, p.head_dim, 16 / elem, dtype_name(p.dtype));
+  const int device = cuda_current_device();
   for (const auto& [name, t] : views) {
     if (t->numel() == 0) continue;
     FLASHLM_CHECK(cuda_pointer_device(t->data) == device,
@@ -67,6 +71,86 @@ void check_cuda_arguments(std::string_view fn, const AttentionProblem& p, std::i
   }
 }
 
+#ifdef FLASHLM_WITH_CUDA
+// The flash kernels are compiled for head dims 16, 32, 64, 128 and 256. Other head dims (80 for the 2.7B
+// model: 2560 / 32 heads) run the next larger kernel on zero-padded copies: the padded columns add 0 to
+// every Q·K product and give 0 in O, dQ, dK and dV, which are dropped when copying back. The scale stays
+// the one of the real head dim (p.scale). Correct, not optimised: the copies and the padded work cost
+// (padded / real) of the kernel time and one copy of the tensors.
+bool has_flash_kernel(int64_t head_dim) {
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+int64_t flash_kernel_head_dim(int64_t head_dim) {
+  for (int64_t d : {16, 32, 64, 128, 256}) {
+    if (head_dim <= d) return d;
+  }
+  fail("attention: head_dim {} exceeds the largest cuda kernel (256)", head_dim);
+}
+
+// A zeroed contiguous [batch, seq, heads, head_dim] tensor from the stream-ordered pool, holding `t`'s
+// values in its first columns when `copy`.
+struct PaddedCopy {
+  Buffer buffer;
+  TensorView view;
+  PaddedCopy(const TensorView& t, int64_t head_dim, bool copy, const char* tag, void* stream) {
+    const std::array<int64_t, 4> sizes{t.size(0), t.size(1), t.size(2), head_dim};
+    const size_t bytes = static_cast<size_t>(sizes[0] * sizes[1] * sizes[2] * head_dim) * dtype_size(t.dtype);
+    buffer = Buffer::allocate_on_stream(bytes, tag, stream);
+    view = TensorView::contiguous(buffer.data(), t.dtype, sizes, Device::cuda);
+    cuda_memset_async(buffer.data(), 0, bytes, stream);
+    if (copy && t.numel() > 0) copy_head_rows_cuda(t, view, t.size(3), stream);
+  }
+};
+
+void flash_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& o, const TensorView& lse, void* stream) {
+  if (p.dtype == DType::f32) return flash_attention_forward_cuda_f32(p, q, k, v, o, lse, stream);
+  flash_attention_forward_cuda(p, q, k, v, o, lse, stream);
+}
+
+void flash_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                         const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv, bool deterministic, void* stream) {
+  if (p.dtype == DType::f32) return flash_attention_backward_cuda_f32(p, q, k, v, o, lse, dout, dq, dk, dv, stream);
+  flash_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
+}
+
+void padded_flash_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
+  AttentionProblem padded = p;
+  padded.head_dim = flash_kernel_head_dim(p.head_dim);
+  const PaddedCopy qp(q, padded.head_dim, true, "attention: q padded to the kernel head dim", stream);
+  const PaddedCopy kp(k, padded.head_dim, true, "attention: k padded to the kernel head dim", stream);
+  const PaddedCopy vp(v, padded.head_dim, true, "attention: v padded to the kernel head dim", stream);
+  const PaddedCopy op(o, padded.head_dim, false, "attention: o padded to the kernel head dim", stream);
+  flash_forward_cuda(padded, qp.view, kp.view, vp.view, op.view, lse, stream);
+  if (o.numel() > 0) copy_head_rows_cuda(op.view, o, p.head_dim, stream);
+}
+
+void padded_flash_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                const TensorView& v, const TensorView& o, const TensorView& lse,
+                                const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                const TensorView& dv, bool deterministic, void* stream) {
+  AttentionProblem padded = p;
+  padded.head_dim = flash_kernel_head_dim(p.head_dim);
+  const int64_t d = padded.head_dim;
+  const PaddedCopy qp(q, d, true, "attention: q padded to the kernel head dim", stream);
+  const PaddedCopy kp(k, d, true, "attention: k padded to the kernel head dim", stream);
+  const PaddedCopy vp(v, d, true, "attention: v padded to the kernel head dim", stream);
+  const PaddedCopy op(o, d, true, "attention: o padded to the kernel head dim", stream);
+  const PaddedCopy dop(dout, d, true, "attention: dout padded to the kernel head dim", stream);
+  const PaddedCopy dqp(dq, d, false, "attention: dq padded to the kernel head dim", stream);
+  const PaddedCopy dkp(dk, d, false, "attention: dk padded to the kernel head dim", stream);
+  const PaddedCopy dvp(dv, d, false, "attention: dv padded to the kernel head dim", stream);
+  flash_backward_cuda(padded, qp.view, kp.view, vp.view, op.view, lse, dop.view, dqp.view, dkp.view, dvp.view,
+                      deterministic, stream);
+  if (dq.numel() > 0) copy_head_rows_cuda(dqp.view, dq, p.head_dim, stream);
+  if (dk.numel() > 0) copy_head_rows_cuda(dkp.view, dk, p.head_dim, stream);
+  if (dv.numel() > 0) copy_head_rows_cuda(dvp.view, dv, p.head_dim, stream);
+}
+#endif
+
 }  // namespace
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
@@ -81,8 +165,8 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   check_cuda_arguments("attention_forward", p, {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}, lse);
 #ifdef FLASHLM_WITH_CUDA
   if (naive) naive_attention_forward_cuda(p, q, k, v, o, lse, options.stream);
-  else if (p.dtype == DType::f32) flash_attention_forward_cuda_f32(p, q, k, v, o, lse, options.stream);
-  else flash_attention_forward_cuda(p, q, k, v, o, lse, options.stream);
+  else if (!has_flash_kernel(p.head_dim)) padded_flash_forward_cuda(p, q, k, v, o, lse, options.stream);
+  else flash_forward_cuda(p, q, k, v, o, lse, options.stream);
 #endif
 }
 
@@ -101,9 +185,13 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         {"dv", &dv}},
                        lse);
 #ifdef FLASHLM_WITH_CUDA
-  if (naive) naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
-  else if (p.dtype == DType::f32) flash_attention_backward_cuda_f32(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
-  else flash_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.deterministic, options.stream);
+  if (naive) {
+    naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
+  } else if (!has_flash_kernel(p.head_dim)) {
+    padded_flash_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.deterministic, options.stream);
+  } else {
+    flash_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.deterministic, options.stream);
+  }
 #endif
 }
 

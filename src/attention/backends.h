@@ -36,6 +36,11 @@ void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorVi
                                        const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                        const TensorView& dv, void* stream);
 
+// Copies the first `cols` elements of every [b, s, h] row of `src` into `dst` (both [batch, seq, heads, *]
+// views of one dtype on the current device, any 16-byte strides; cols · element size a multiple of 16
+// bytes), queued on `stream` (attention/cuda/naive.cu).
+void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t cols, void* stream);
+
 // naive: materialised S and P through cuBLAS plus softmax kernels (attention/cuda/naive.cu).
 void naive_attention_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);

@@ -97,6 +97,10 @@ std::string cuda_device_description() {
                      runtime % 1000 / 10, driver / 1000, driver % 1000 / 10);
 }
 
+void cuda_memset_async(void* dst, int value, size_t bytes, void* stream) {
+  FLASHLM_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(stream)), "cudaMemsetAsync");
+}
+
 void cuda_copy(void* dst, const void* src, size_t bytes) {
   FLASHLM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
 }

@@ -103,6 +103,14 @@ std::vector<GpuCase> gpu_grid() {
       cases.push_back({{1, 257, 257, 2, 2, d, layouts[(d + 2) % 3], Mask::none, dt}, d % 64 == 0});
     }
   }
+  // Head dims without a kernel of their own run the next larger one on zero-padded copies (80: the 2.7B
+  // model's), in every dtype.
+  for (int64_t d : {40, 80, 96}) {
+    for (DType dt : {DType::bf16, DType::f16, DType::f32}) {
+      cases.push_back({{2, 130, 97, 4, 2, d, layouts[d % 3], Mask::bottom_right, dt}, dt == DType::f16});
+      cases.push_back({{1, 65, 200, 2, 2, d, layouts[(d + 1) % 3], Mask::none, dt}, false});
+    }
+  }
   for (Mask m : masks) {
     cases.push_back({{2, 150, 131, 4, 2, 64, layouts[static_cast<int>(m)], m, DType::f32}, false});
     cases.push_back({{1, 300, 300, 2, 1, 128, layouts[static_cast<int>(m)], m, DType::f32}, false});
@@ -199,8 +207,8 @@ TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {
   TensorView misaligned = k.view().slice(3, 1, 64);  // head_dim 63 and a pointer off by 2 bytes
   expect_error([&] { attention_forward(q.view().slice(3, 0, 63), misaligned, misaligned, o.view().slice(3, 0, 63), lse); },
                "head_dim 63 is not supported on cuda");
-  Tensor q48 = Tensor::empty({1, 64, 2, 48}, DType::bf16, Device::cuda);
-  expect_error([&] { attention_forward(q48, q48, q48, q48, lse); }, "head_dim 48 is not supported");
+  Tensor q36 = Tensor::empty({1, 64, 2, 36}, DType::bf16, Device::cuda);  // 72-byte rows
+  expect_error([&] { attention_forward(q36, q36, q36, q36, lse); }, "head_dim 36 is not supported");
   TensorView odd_stride = TensorView::contiguous(k.data(), DType::bf16, {1, 60, 2, 64}, Device::cuda);
   odd_stride.strides[1] = 130;  // 260 bytes between rows: not a multiple of 16
   Tensor q60 = Tensor::empty({1, 60, 2, 64}, DType::bf16, Device::cuda);

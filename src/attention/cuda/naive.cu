@@ -284,6 +284,22 @@ void copy_heads(const void* src, RowStrides src_st, void* dst, RowStrides dst_st
   FLASHLM_CUDA_CHECK(cudaGetLastError(), what);
 }
 
+}  // namespace
+
+void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t cols, void* stream) {
+  const size_t elem = dtype_size(src.dtype);
+  FLASHLM_CHECK(src.dtype == dst.dtype && cols <= src.size(3) && cols <= dst.size(3) &&
+                    cols * static_cast<int64_t>(elem) % 16 == 0,
+                "copy_head_rows_cuda: src {} and dst {}: {} columns cannot be copied in 16-byte vectors",
+                src.shape_string(), dst.shape_string(), cols);
+  TensorView shape = src;
+  shape.sizes[3] = cols;
+  copy_heads(src.data, strides_of(src, elem), dst.data, strides_of(dst, elem), shape, elem,
+             static_cast<cudaStream_t>(stream), "copy_head_rows_cuda: copy_rows");
+}
+
+namespace {
+
 // View -> packed [batch, heads, seq, head_dim] buffer.
 void gather(const TensorView& t, void* packed, size_t elem, cudaStream_t stream, const char* what) {
   copy_heads(t.data, strides_of(t, elem), packed, packed_strides(t.size(1), t.size(2), t.size(3), elem), t, elem,
