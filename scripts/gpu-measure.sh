@@ -81,6 +81,10 @@ if [[ $what == lm || $what == all ]]; then
     timeout 120 "$bin/flashlm" bench --device cuda --model $m --context 512 --batch 4 --precision bf16 --pass step \
       --warmup 3 --steps 5 --profile-ranges --quiet > "$out/ranges-$m.txt" 2>&1; tail -16 "$out/ranges-$m.txt"
   done
+  echo "== flashlm.attention from PyTorch: attention alone, and swapped into the CS336 small model"
+  PYTHONPATH="$(dirname "$0")/../python" FLASHLM_LIBRARY="$lib/libflashlm.so" timeout 400 \
+    python3 "$(dirname "$0")/torch_attention_bench.py" --peers "$peers" --out "$out/torch-swap.json" \
+    > "$out/torch-swap.log" 2>&1; tail -24 "$out/torch-swap.log"
   echo "== per-kernel summary (CUPTI), xl bf16 train step"
   timeout 120 "$bin/flashlm" bench --device cuda --model xl --context 512 --batch 4 --precision bf16 --pass step \
     --warmup 3 --steps 5 --profile-kernels --quiet > "$out/kernels-xl.txt" 2>&1; head -40 "$out/kernels-xl.txt"

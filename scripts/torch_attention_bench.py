@@ -14,8 +14,8 @@ import importlib
 import json
 import math
 import os
+import statistics
 import sys
-import time
 import types
 
 import torch
@@ -86,25 +86,33 @@ class _SwappedFunctional(types.ModuleType):
         return flashlm.attention(q, k, v, causal=is_causal, scale=scale, layout="bhsd")
 
 
-def lm_step(peers, models, mode, context, batch):
+def lm_step(peers, models, mode, context, batch, repeats):
+    """lm_peers.run() with and without the swap, alternating `repeats` times (the eager model is host-bound
+    and each run times only a short window): every run is recorded, the table shows the median."""
     sys.path.insert(0, peers)
     lm_peers = importlib.import_module("lm_peers")
     cs336_model = importlib.import_module("cs336_model")
     rows = []
     for size in models:
-        for attn in ("sdpa", "flashlm"):
-            cs336_model.F = _SwappedFunctional() if attn == "flashlm" else F
-            t0 = time.time()
-            try:
-                r = lm_peers.run(size, mode, context, batch)
-            except Exception as e:
-                print(f"| {size} | {mode} | {attn} | failed: {repr(e)[:100]} |")
+        runs = {"sdpa": [], "flashlm": []}
+        for rep in range(repeats):
+            for attn in ("sdpa", "flashlm") if rep % 2 == 0 else ("flashlm", "sdpa"):
+                cs336_model.F = _SwappedFunctional() if attn == "flashlm" else F
+                try:
+                    r = lm_peers.run(size, mode, context, batch)
+                except Exception as e:
+                    print(f"| {size} | {mode} | {attn} | failed: {repr(e)[:100]} |")
+                    continue
+                r.update(attention=attn, repeat=rep)
+                rows.append(r)
+                runs[attn].append(r)
+                torch.cuda.empty_cache()
+        for attn, rs in runs.items():
+            if not rs:
                 continue
-            r["attention"] = attn
-            rows.append(r)
-            print(f"| {size} | {mode} | {attn} | {r['fwd_ms']:.2f} | {r['fwd_bwd_ms']:.2f} | {r['step_ms']:.2f} | "
-                  f"{r['tokens_per_s']:.0f} | {r['peak_step_mib']:.0f} | ({time.time() - t0:.0f}s)", flush=True)
-            torch.cuda.empty_cache()
+            med = {k: statistics.median(r[k] for r in rs) for k in ("fwd_ms", "fwd_bwd_ms", "step_ms", "peak_step_mib")}
+            print(f"| {size} | {mode} | {attn} | {med['fwd_ms']:.2f} | {med['fwd_bwd_ms']:.2f} | {med['step_ms']:.2f} | "
+                  f"{len(rs)} | {med['peak_step_mib']:.0f} |", flush=True)
     cs336_model.F = F
     return rows
 
@@ -116,6 +124,7 @@ def main():
     ap.add_argument("--mode", default="bf16", help="lm_peers mode (fp32 or bf16; compile graph-breaks on ctypes)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5, help="alternating runs of each variant of the LM step")
     ap.add_argument("--shapes", default="4x16x1024x64,4x16x4096x64,4x16x1024x128,4x16x4096x128,1x16x16384x128",
                     help="attention shapes BxHxSxD, comma separated")
     ap.add_argument("--out", default="torch-swap.json")
@@ -126,9 +135,9 @@ def main():
     print("\n| batch | heads | seq | d | causal | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     alone = attention_alone(shapes, ["flashlm", "sdpa-flash", "sdpa-cudnn"])
-    print(f"\n| model | mode | attention | fwd ms | fwd+bwd ms | step ms | tok/s | peak step MiB |")
+    print(f"\n| model | mode | attention | fwd ms | fwd+bwd ms | step ms | runs (median shown) | peak step MiB |")
     print("|---|---|---|---|---|---|---|---|")
-    lm = lm_step(a.peers, a.models.split(","), a.mode, a.context, a.batch)
+    lm = lm_step(a.peers, a.models.split(","), a.mode, a.context, a.batch, a.repeats)
     json.dump(dict(tool="torch_attention_bench", device=torch.cuda.get_device_name(), torch=torch.__version__,
                    flashlm=flashlm.__version__, attention=alone, lm=lm), open(a.out, "w"), indent=1)
 
