@@ -98,7 +98,8 @@ struct PaddedCopy {
     const size_t bytes = static_cast<size_t>(sizes[0] * sizes[1] * sizes[2] * head_dim) * dtype_size(t.dtype);
     buffer = Buffer::allocate_on_stream(bytes, tag, stream);
     view = TensorView::contiguous(buffer.data(), t.dtype, sizes, Device::cuda);
-    cuda_memset_async(buffer.data(), 0, bytes, stream);
+    // An empty tensor (seq_k = 0 is a valid problem) gets no allocation: no memset of a null pointer.
+    if (bytes > 0) cuda_memset_async(buffer.data(), 0, bytes, stream);
     if (copy && t.numel() > 0) copy_head_rows_cuda(t, view, t.size(3), stream);
   }
 };
@@ -135,6 +136,14 @@ void padded_flash_backward_cuda(const AttentionProblem& p, const TensorView& q, 
   AttentionProblem padded = p;
   padded.head_dim = flash_kernel_head_dim(p.head_dim);
   const int64_t d = padded.head_dim;
+  // The fp16/bf16 backward kernels stop at head dim 128 (256 is forward-only), so a 16-bit head dim in
+  // (128, 256) has no backward. Say so with the caller's head dim and before any padded copy is queued;
+  // otherwise flash_attention_backward_cuda fails after the copies, naming head_dim 256, which the caller
+  // never passed.
+  FLASHLM_CHECK(p.dtype == DType::f32 || d <= 128,
+                "attention_backward: q: head_dim {} has no cuda backward kernel for {} (it would pad to 256; the "
+                "fp16/bf16 backward goes up to 128, fp32 up to 256)",
+                p.head_dim, dtype_name(p.dtype));
   const PaddedCopy qp(q, d, true, "attention: q padded to the kernel head dim", stream);
   const PaddedCopy kp(k, d, true, "attention: k padded to the kernel head dim", stream);
   const PaddedCopy vp(v, d, true, "attention: v padded to the kernel head dim", stream);

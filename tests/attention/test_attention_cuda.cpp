@@ -222,6 +222,10 @@ TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {
   Tensor q256 = Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda);
   expect_error([&] { attention_backward(q256, q256, q256, q256, lse, q256, q256, q256, q256); },
                "no cuda backward kernel");
+  // A 16-bit head dim above 128 pads to 256, which has no backward: the error names the caller's head dim.
+  Tensor q160 = Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda);
+  expect_error([&] { attention_backward(q160, q160, q160, q160, lse, q160, q160, q160, q160); },
+               "head_dim 160 has no cuda backward kernel");
 }
 
 }  // namespace
