@@ -82,9 +82,12 @@ class KernelProfiler {
   std::string kern_sum_table() const;        // the cuda_gpu_kern_sum layout
   // Called from CUPTI's buffer callback.
   void add(std::string name, double ns);
+  void count_dropped(int64_t records);
+  int64_t dropped() const;  // records CUPTI could not deliver since reset()
 
  private:
   std::vector<std::pair<std::string, std::vector<double>>> samples_;
+  int64_t dropped_ = 0;
   bool running_ = false;
 };
 

@@ -88,8 +88,8 @@ int64_t flash_kernel_head_dim(int64_t head_dim) {
   fail("attention: head_dim {} exceeds the largest cuda kernel (256)", head_dim);
 }
 
-// A zeroed contiguous [batch, seq, heads, head_dim] tensor from the stream-ordered pool, holding `t`'s
-// values in its first columns when `copy`.
+// A contiguous [batch, seq, heads, head_dim] tensor from the stream-ordered pool: for an input (`copy`),
+// `t`'s values in its first columns and zeros after them; for an output, the kernel's to write.
 struct PaddedCopy {
   Buffer buffer;
   TensorView view;
@@ -98,8 +98,9 @@ struct PaddedCopy {
     const size_t bytes = static_cast<size_t>(sizes[0] * sizes[1] * sizes[2] * head_dim) * dtype_size(t.dtype);
     buffer = Buffer::allocate_on_stream(bytes, tag, stream);
     view = TensorView::contiguous(buffer.data(), t.dtype, sizes, Device::cuda);
-    // An empty tensor (seq_k = 0 is a valid problem) gets no allocation: no memset of a null pointer.
-    if (bytes > 0) cuda_memset_async(buffer.data(), 0, bytes, stream);
+    // Outputs (copy = false) are left as allocated: the kernels write every element, padded columns
+    // included. An empty tensor (seq_k = 0 is a valid problem) gets no allocation: no memset of a null.
+    if (copy && bytes > 0) cuda_memset_async(buffer.data(), 0, bytes, stream);
     if (copy && t.numel() > 0) copy_head_rows_cuda(t, view, t.size(3), stream);
   }
 };

@@ -38,6 +38,7 @@ struct Cupti {
   decltype(&cuptiActivityFlushAll) flush_all = nullptr;
   decltype(&cuptiActivityGetNextRecord) next_record = nullptr;
   decltype(&cuptiGetResultString) result_string = nullptr;
+  decltype(&cuptiActivityGetNumDroppedRecords) dropped_records = nullptr;
   std::string path;
 };
 
@@ -74,6 +75,8 @@ Cupti& cupti() {
     r.flush_all = symbol<decltype(r.flush_all)>(r.handle, "cuptiActivityFlushAll", r.path);
     r.next_record = symbol<decltype(r.next_record)>(r.handle, "cuptiActivityGetNextRecord", r.path);
     r.result_string = symbol<decltype(r.result_string)>(r.handle, "cuptiGetResultString", r.path);
+    r.dropped_records =
+        symbol<decltype(r.dropped_records)>(r.handle, "cuptiActivityGetNumDroppedRecords", r.path);
     return r;
   }();
   return c;
@@ -105,12 +108,22 @@ void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_recor
 }
 
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  // Runs on CUPTI's thread: nothing may throw out of it (an exception would end the process); a failure
+  // to record costs the summary a record, which the dropped count below makes visible.
   CUpti_Activity* record = nullptr;
   while (valid > 0 && cupti().next_record(buffer, valid, &record) == CUPTI_SUCCESS) {
     if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL || record->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
       const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
-      KernelProfiler::instance().add(demangle(k->name), double(k->end - k->start));
+      try {
+        KernelProfiler::instance().add(demangle(k->name), double(k->end - k->start));
+      } catch (...) {
+        KernelProfiler::instance().count_dropped(1);
+      }
     }
+  }
+  size_t dropped = 0;
+  if (cupti().dropped_records && cupti().dropped_records(nullptr, 0, &dropped) == CUPTI_SUCCESS && dropped > 0) {
+    KernelProfiler::instance().count_dropped(int64_t(dropped));
   }
   std::free(buffer);
 }
@@ -152,6 +165,17 @@ void KernelProfiler::stop() {
 void KernelProfiler::reset() {
   const std::lock_guard lock(samples_mutex());
   samples_.clear();
+  dropped_ = 0;
+}
+
+void KernelProfiler::count_dropped(int64_t records) {
+  const std::lock_guard lock(samples_mutex());
+  dropped_ += records;
+}
+
+int64_t KernelProfiler::dropped() const {
+  const std::lock_guard lock(samples_mutex());
+  return dropped_;
 }
 
 void KernelProfiler::add(std::string name, double ns) {
@@ -169,6 +193,12 @@ std::vector<RangeStats> KernelProfiler::summary() const {
   return summarize_samples(samples_);
 }
 
-std::string KernelProfiler::kern_sum_table() const { return format_stats_table(summary(), "", "Name"); }
+std::string KernelProfiler::kern_sum_table() const {
+  std::string table = format_stats_table(summary(), "", "Name");
+  if (const int64_t n = dropped(); n > 0) {
+    table += fmt::format(" ({} kernel records dropped by CUPTI: the totals above are incomplete)\n", n);
+  }
+  return table;
+}
 
 }  // namespace flashlm

@@ -61,8 +61,12 @@ TEST(KernelProfiler, SummarisesKernelsAsCudaGpuKernSum) {
     EXPECT_NE(table.find(column), std::string::npos) << column << "\n" << table;
   }
   EXPECT_EQ(table.find("Style"), std::string::npos) << "cuda_gpu_kern_sum has no Style column";
+  EXPECT_EQ(table.find("dropped"), std::string::npos);
+  k.count_dropped(3);  // records CUPTI could not deliver make the table say it is incomplete
+  EXPECT_NE(k.kern_sum_table().find("3 kernel records dropped"), std::string::npos);
   k.reset();
   EXPECT_TRUE(k.summary().empty());
+  EXPECT_EQ(k.dropped(), 0);
 }
 
 TEST(MemoryTimeline, RecordsAllocationsReleasesTagsAndPhases) {
