@@ -68,6 +68,15 @@ if [[ $what == lm || $what == all ]]; then
   for t in test_gemm_cuda test_model_cuda; do
     timeout 300 "$bin/$t" --gtest_brief=1 > "$out/$t.log" 2>&1; echo "$t: exit $? ($(tail -1 "$out/$t.log"))"
   done
+  echo "== flashlm train on the GPU: small, synthetic data, bf16; 20 steps = 10 + resume + 10 (same checkpoint)"
+  tr="$bin/flashlm train --device cuda --model small --context 256 --batch 8 --data synthetic --log-every 10"
+  tr="$tr --eval-every 0 --cosine-steps 20"
+  timeout 300 $tr --steps 20 --checkpoint "$out/ckpt-full.bin" > "$out/train-full.log" 2>&1; echo "20 steps: exit $?"
+  tail -2 "$out/train-full.log"
+  timeout 300 $tr --steps 10 --checkpoint "$out/ckpt-half.bin" > "$out/train-half.log" 2>&1 &&
+    timeout 300 $tr --steps 20 --checkpoint "$out/ckpt-half.bin" --resume >> "$out/train-half.log" 2>&1
+  echo "10 + resume + 10: exit $?"
+  cmp "$out/ckpt-full.bin" "$out/ckpt-half.bin" && echo "checkpoints identical" || echo "CHECKPOINTS DIFFER"
   echo "== flashlm bench (the seed's table: context 512, batch 4) and the PyTorch LM peers"
   timeout 400 "$bin/flashlm" bench --device cuda --model small,medium,large,xl,2.7B --context 512 --batch 4 \
     --precision fp32,bf16 --warmup 3 --steps 10 --format json --out "$out/ours-lm.json" > "$out/ours-lm.md"
