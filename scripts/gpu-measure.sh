@@ -113,9 +113,13 @@ if [[ $what == ddp ]]; then
   for t in test_dist test_ddp; do
     timeout 300 $mr "$bin/$t" --gtest_brief=1 > "$out/$t-np$n.log" 2>&1; echo "$t under mpirun -np $n: exit $?"
   done
+  echo "== flashlm train --ddp bucketed --zero 1 on $n GPUs (small, synthetic data)"
+  timeout 300 $mr "$bin/flashlm" train --device cuda --model small --context 256 --batch 8 --data synthetic \
+    --steps 30 --log-every 10 --eval-every 0 --ddp bucketed --bucket-mb 25 --zero 1 2>&1 | tail -5
   timeout 120 $mr "$bin/flashlm" allreduce-bench --device cuda --sizes 1MB,10MB,100MB,1GB --format json \
     --out "$out/allreduce-nccl-np$n.json" | tail -6
-  timeout 400 $mr "$bin/flashlm" ddp-bench --zero 0,1 --format json --out "$out/ddp-np$n.json" | tail -12
+  timeout 500 $mr "$bin/flashlm" ddp-bench --zero 0,1 --reduce-dtype fp32,bf16 --format json \
+    --out "$out/ddp-np$n.json" | tail -40
   timeout 400 python3 "$peers/ddp_peers.py" --model xl --out "$out/ddp-peers.json" > "$out/ddp-peers.log" 2>&1
   tail -16 "$out/ddp-peers.log"
 fi
