@@ -145,13 +145,19 @@ bool launched_with_peers() {
   return false;
 }
 
-// --device default: cuda when a GPU is visible; --precision default: bf16 on cuda, fp32 on the CPU. The CPU
-// runs fp32 only; a device that cannot be used is a usage error.
+// --device: cpu or cuda; left out, cuda when a GPU is visible (every command that runs on either).
+flashlm::Device device_or_default(const std::string& device) {
+  using namespace flashlm;
+  return device.empty() ? (cuda_device_count() > 0 ? Device::cuda : Device::cpu) : parse_device(device);
+}
+
+// --device as above; --precision default: bf16 on cuda, fp32 on the CPU. The CPU runs fp32 only; a device
+// that cannot be used is a usage error.
 void resolve_device_and_precision(const std::string& device, const std::string& precision, flashlm::Device& dev,
                                   flashlm::DType& dtype) {
   using namespace flashlm;
   try {
-    dev = device.empty() ? (cuda_device_count() > 0 ? Device::cuda : Device::cpu) : parse_device(device);
+    dev = device_or_default(device);
     dtype = precision.empty() ? (dev == Device::cuda ? DType::bf16 : DType::f32) : parse_dtype(precision);
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
@@ -196,7 +202,7 @@ void write_memory_timeline(const std::vector<flashlm::MemoryEvent>& events, cons
 
 struct AttentionBenchArgs {
   std::string impl = "naive,flash", dtype = "fp32", d = "64", seq = "1024,2048,4096", batch = "1", heads = "1";
-  std::string causal = "0", align = "top-left", device = "cpu", format = "md", out, grid;
+  std::string causal = "0", align = "top-left", device, format = "md", out, grid;
   int warmup = 1, reps = 3, threads = 0;
   bool forward_only = false, quiet = false, deterministic = false;
 };
@@ -223,7 +229,7 @@ void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
       ->excludes(causal);
   cmd->add_flag("--deterministic", a.deterministic, "CUDA backward without atomics (bit-reproducible dQ)");
   cmd->add_option("--causal-align", a.align, "top-left (PyTorch is_causal) or bottom-right")->capture_default_str();
-  cmd->add_option("--device", a.device, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--warmup", a.warmup, "Untimed runs before timing")->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--reps", a.reps, "Timed runs; the median is reported")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
@@ -248,7 +254,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
                                         parse_list<bool>("--causal", a.causal, parse_bool));
     }
     cfg.align = parse_causal_align(a.align);
-    cfg.device = parse_device(a.device);
+    cfg.device = device_or_default(a.device);
     format = parse_report_format(a.format);
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
@@ -268,7 +274,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
 
 struct BenchArgs {
   std::string model = "small", context = "512", precision = "fp32", attention = "flash", pass = "fwd,fwd-bwd,step";
-  std::string device = "cpu", format = "md", out, memory_timeline;
+  std::string device, format = "md", out, memory_timeline;
   int64_t batch = 4, vocab = 10000, threads = 0;
   int warmup = 5, steps = 10;
   bool profile_ranges = false, profile_kernels = false, quiet = false;
@@ -285,7 +291,7 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--pass", a.pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--device", a.device, "cpu or cuda")->capture_default_str();
+  cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
   cmd->add_flag("--profile-ranges", a.profile_ranges,
                 "After the table, the nvtx_sum table (nsys stats format) of each configuration's timed steps");
@@ -313,7 +319,7 @@ int run_bench_command(const BenchArgs& a) {
     for (const auto& p : cfg.passes) {
       if (p != "fwd" && p != "fwd-bwd" && p != "step") throw UsageError(fmt::format("--pass: unknown pass '{}'", p));
     }
-    cfg.device = parse_device(a.device);
+    cfg.device = device_or_default(a.device);
     format = parse_report_format(a.format);
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
