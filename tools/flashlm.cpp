@@ -526,10 +526,8 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
   try {
     cfg.sizes = parse_list<int64_t>("--sizes", a.sizes, [](const std::string& s) { return parse_byte_size(s); });
     cfg.dtypes = parse_list<DType>("--dtype", a.dtype, [](const std::string& s) { return parse_dtype(s); });
-    // Default: the GPUs when there are any (NCCL), else the CPU (MPI).
-    cfg.device = !a.device.empty()                                          ? parse_device(a.device)
-                 : cuda_device_count() > 0 && Communicator::nccl_built() ? Device::cuda
-                                                                          : Device::cpu;
+    // Default: the GPUs when there are any and NCCL was built, else the CPU (MPI).
+    cfg.device = a.device.empty() && !Communicator::nccl_built() ? Device::cpu : device_or_default(a.device);
     format = parse_report_format(a.format);
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());

@@ -180,6 +180,10 @@ class CpuModel final : public LanguageModel {
   float* grad(const std::string& name) const;
   float* act(int64_t offset) const { return static_cast<float*>(acts_.data()) + offset; }
   LayerActs layer_acts(int64_t layer) const;
+  // RoPE tables [context, head_dim / 2] (cos, then sin) and the attention call of every layer (causal).
+  const float* rope_cos() const { return static_cast<const float*>(rope_.data()); }
+  const float* rope_sin() const { return rope_cos() + config_.context * (config_.head_dim() / 2); }
+  AttentionOptions attention_options() const;
   void allocate_moments();
 };
 

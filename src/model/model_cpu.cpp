@@ -135,11 +135,9 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   memory_set_phase("forward");
   ScopedRange range("forward");
   const ActivationPlan plan = plan_activations(c, batch_, seq_);
-  const float* rope_cos = static_cast<const float*>(rope_.data());
-  const float* rope_sin = rope_cos + c.context * (hd / 2);
-  AttentionOptions attn;
-  attn.impl = attention_;
-  attn.causal = true;
+  const float* rope_cos = this->rope_cos();
+  const float* rope_sin = this->rope_sin();
+  const AttentionOptions attn = attention_options();
 
   float* x = act(plan.layer_base.empty() ? plan.x_out : plan.layer_base[0]);
   cpu::embedding_forward(param("token_embeddings.weight"), tokens, x, n, d);
@@ -179,16 +177,21 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   return cpu::cross_entropy_forward(act(plan.logits), targets, n, c.vocab);
 }
 
+AttentionOptions CpuModel::attention_options() const {
+  AttentionOptions attn;
+  attn.impl = attention_;
+  attn.causal = true;
+  return attn;
+}
+
 void CpuModel::backward() {
   FLASHLM_CHECK(tokens_ != nullptr, "backward: call forward() first");
   const ModelConfig& c = config_;
   const int64_t n = batch_ * seq_, d = c.d_model, f = c.d_ff, hd = c.head_dim();
   const ActivationPlan plan = plan_activations(c, batch_, seq_);
-  const float* rope_cos = static_cast<const float*>(rope_.data());
-  const float* rope_sin = rope_cos + c.context * (hd / 2);
-  AttentionOptions attn;
-  attn.impl = attention_;
-  attn.causal = true;
+  const float* rope_cos = this->rope_cos();
+  const float* rope_sin = this->rope_sin();
+  const AttentionOptions attn = attention_options();
 
   memory_set_phase("backward");
   ScopedRange range("backward");

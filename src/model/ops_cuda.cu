@@ -34,6 +34,7 @@
 
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "core/softmax_stats.cuh"
 #include "flashlm/memory.h"
 #include "model/ops_cuda.h"
 
@@ -432,19 +433,10 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------------------------------------------
 // Cross-entropy: one block per row.
 
-// Merges two (running max m, sum l of exp(x - m)) statistics; (-inf, 0) is empty.
-__device__ __forceinline__ void merge_stats(float& m, float& l, float m2, float l2) {
-  const float mx = fmaxf(m, m2);
-  if (mx == -INFINITY) return;  // both empty: exp(-inf - -inf) would be NaN
-  l = l * expf(m - mx) + l2 * expf(m2 - mx);
-  m = mx;
-}
-
 // Max and sum of exp(z - max) over one row of `vocab` logits; every thread of the block gets the same
 // values. NaN logits make the sum NaN.
 template <class D>
 __device__ __forceinline__ void row_stats(const D* __restrict__ z, int64_t vocab, float& m_out, float& l_out) {
-  constexpr int kWarps = kCeThreads / 32;
   float m = -INFINITY, l = 0.f;
   for (int64_t j = threadIdx.x; j < vocab; j += kCeThreads) {
     const float v = f32(z[j]);
@@ -455,18 +447,7 @@ __device__ __forceinline__ void row_stats(const D* __restrict__ z, int64_t vocab
       l += expf(v - m);
     }
   }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    merge_stats(m, l, __shfl_xor_sync(0xffffffffu, m, offset), __shfl_xor_sync(0xffffffffu, l, offset));
-  }
-  __shared__ float warp_m[kWarps], warp_l[kWarps];
-  if (threadIdx.x % 32 == 0) {
-    warp_m[threadIdx.x / 32] = m;
-    warp_l[threadIdx.x / 32] = l;
-  }
-  __syncthreads();
-  m = -INFINITY;
-  l = 0.f;
-  for (int w = 0; w < kWarps; ++w) merge_stats(m, l, warp_m[w], warp_l[w]);
+  block_merge_stats<kCeThreads>(m, l);
   m_out = m;
   l_out = l;
 }

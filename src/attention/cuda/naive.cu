@@ -28,6 +28,7 @@
 #include "attention/backends.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "core/softmax_stats.cuh"
 
 namespace flashlm {
 
@@ -76,14 +77,6 @@ __global__ void copy_rows(const char* __restrict__ src, RowStrides src_st, char*
   }
 }
 
-// Merges two partial softmax statistics (running max m, sum l of exp(x - m)); (-inf, 0) is empty.
-__device__ __forceinline__ void merge_stats(float& m, float& l, float m2, float l2) {
-  const float mx = fmaxf(m, m2);
-  if (mx == -INFINITY) return;  // both empty: exp(-inf - -inf) would be NaN
-  l = l * expf(m - mx) + l2 * expf(m2 - mx);
-  m = mx;
-}
-
 // AttentionProblem::visible_keys on the device: query i sees keys [0, visible_keys).
 __device__ __forceinline__ int64_t visible_keys(int64_t i, int64_t seq_k, bool causal, int64_t causal_offset) {
   if (!causal) return seq_k;
@@ -120,18 +113,7 @@ __global__ void __launch_bounds__(kThreads)
       l += expf(x - m);
     }
   }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    merge_stats(m, l, __shfl_xor_sync(0xffffffffu, m, offset), __shfl_xor_sync(0xffffffffu, l, offset));
-  }
-  __shared__ float warp_m[kWarps], warp_l[kWarps];
-  if (threadIdx.x % 32 == 0) {
-    warp_m[threadIdx.x / 32] = m;
-    warp_l[threadIdx.x / 32] = l;
-  }
-  __syncthreads();
-  m = -INFINITY;
-  l = 0.f;
-  for (int w = 0; w < kWarps; ++w) merge_stats(m, l, warp_m[w], warp_l[w]);
+  block_merge_stats<kThreads>(m, l);
 
   for (int64_t j = threadIdx.x; j < seq_k; j += kThreads) {
     prow[j] = from_float<T>(j < visible ? expf(srow[j] - m) / l : 0.f);
