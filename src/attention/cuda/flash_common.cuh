@@ -118,13 +118,28 @@ struct Swizzle {
 };
 
 // Copies rows [row0, row0 + ROWS) of one head of a [batch, seq, heads, D] tensor into a swizzled tile;
-// rows at or past `rows_valid` are zero-filled. All threads of the block take part.
+// rows at or past `rows_valid` are zero-filled. All THREADS threads of the block take part (tid in
+// [0, THREADS)). The trip count is a compile-time constant and, when THREADS is a multiple of the chunks
+// per row, each thread copies the same chunk column of rows tid / kChunks + i·(THREADS / kChunks): no
+// loop-invariant per-iteration addresses for the caller's main loop to keep live (they were spilled).
 template <int ROWS, int D, int THREADS, class T>
 __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, int64_t row_stride, int row0,
                                                 int rows_valid, int tid) {
   constexpr int kChunks = D / 8;
-  for (int c = tid; c < ROWS * kChunks; c += THREADS) {
-    const int r = c / kChunks, ch = c % kChunks;
+  constexpr int kTotal = ROWS * kChunks;
+  constexpr int kIters = (kTotal + THREADS - 1) / THREADS;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int c = tid + i * THREADS;
+    if (kTotal % THREADS != 0 && c >= kTotal) break;
+    int r, ch;
+    if constexpr (THREADS % kChunks == 0) {
+      r = tid / kChunks + i * (THREADS / kChunks);
+      ch = tid % kChunks;
+    } else {
+      r = c / kChunks;
+      ch = c % kChunks;
+    }
     const bool valid = row0 + r < rows_valid;
     const T* src = valid ? head_base + (row0 + r) * row_stride + ch * 8 : head_base;
     cp_async_16(smem_addr(tile + Swizzle<D>::offset(r, ch)), src, valid ? 16 : 0);
