@@ -161,7 +161,7 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, int
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       const bool valid = i * kRowStep < rows_left;
-      cp_async_16(dst + 2 * Swizzle<D>::offset(r0 + i * kRowStep, ch), valid ? src + i * step : head_base,
+      cp_async_16(dst + sizeof(T) * Swizzle<D>::offset(r0 + i * kRowStep, ch), valid ? src + i * step : head_base,
                   valid ? 16 : 0);
     }
   } else {
