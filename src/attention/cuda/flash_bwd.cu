@@ -129,8 +129,11 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
     const int m0 = (m_first + step % m_blocks) * kBlockM;
     const T* q_head = static_cast<const T*>(p.q) + b * p.q_st.b + h * p.q_st.h;
     const T* do_head = static_cast<const T*>(p.dout) + b * p.do_st.b + h * p.do_st.h;
-    load_tile_async<kBlockM, D, kThreads>(sQ + stage * kBlockM * D, q_head, p.q_st.s, m0, p.seq_q, tid);
-    load_tile_async<kBlockM, D, kThreads>(sdO + stage * kBlockM * D, do_head, p.do_st.s, m0, p.seq_q, tid);
+    // The per-thread chunk offsets are recomputed from the thread index on every call rather than kept
+    // live (spilled) across the step loop.
+    const int tid_s = static_cast<int>(opaque(threadIdx.x));
+    load_tile_async<kBlockM, D, kThreads>(sQ + stage * kBlockM * D, q_head, p.q_st.s, m0, p.seq_q, tid_s);
+    load_tile_async<kBlockM, D, kThreads>(sdO + stage * kBlockM * D, do_head, p.do_st.s, m0, p.seq_q, tid_s);
     const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0;  // padded: always in bounds
     static_assert(kBlockM / 4 <= kThreads, "one 16-byte lse/Delta chunk per thread at most");
     if (tid < kBlockM / 4) {  // a plain branch: the strided loop it replaces was kept as an unbounded loop
