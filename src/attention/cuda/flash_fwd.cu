@@ -55,6 +55,9 @@ struct FwdTraits {
   static constexpr int kThreads = 32 * kWarps;
   // Q fragments stay in registers where they fit; larger head dims re-read Q from shared memory.
   static constexpr bool kQInRegisters = D <= 64;
+  // Q·Kᵀ k-steps unrolled per loop iteration: at d128 a full unroll lets the compiler load K/Q fragments of
+  // later k-steps early, which pushed the live set past 255 registers (spills).
+  static constexpr int kQKUnroll = D == 128 ? 4 : D / 16;
   static constexpr size_t kSmemBytes = size_t(kBlockM + 4 * kBlockN) * D * 2;  // Q, 2 stages of K and V
 };
 
@@ -136,10 +139,15 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     cp_async_wait<0>();
     __syncthreads();  // tile nb is visible to all; every warp is done with the stage about to be refilled
     if (nb + 1 < n_blocks) {
-      load_tile_async<kBlockN, D, kThreads>(sK + (stage ^ 1) * kBlockN * D, k_head, p.k_st.s, (nb + 1) * kBlockN,
-                                            p.seq_k, tid);
-      load_tile_async<kBlockN, D, kThreads>(sV + (stage ^ 1) * kBlockN * D, v_head, p.v_st.s, (nb + 1) * kBlockN,
-                                            p.seq_k, tid);
+      // The K/V head offsets are recomputed here from opaque copies of b and hk: held across the key loop
+      // as 64-bit values they were spilled (d128). (An opaque tid as well measured worse: 68/72 bytes.)
+      const int b_nb = static_cast<int>(opaque(b)), hk_nb = static_cast<int>(opaque(hk));
+      const T* k_head_nb = static_cast<const T*>(p.k) + b_nb * p.k_st.b + hk_nb * p.k_st.h;
+      const T* v_head_nb = static_cast<const T*>(p.v) + b_nb * p.v_st.b + hk_nb * p.v_st.h;
+      load_tile_async<kBlockN, D, kThreads>(sK + (stage ^ 1) * kBlockN * D, k_head_nb, p.k_st.s,
+                                            (nb + 1) * kBlockN, p.seq_k, tid);
+      load_tile_async<kBlockN, D, kThreads>(sV + (stage ^ 1) * kBlockN * D, v_head_nb, p.v_st.s,
+                                            (nb + 1) * kBlockN, p.seq_k, tid);
     }
     cp_async_commit();
     if constexpr (Tr::kQInRegisters) {
@@ -158,7 +166,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     // The fragment addresses within a tile are loop-invariant; recomputing them here (one XOR each) is
     // cheaper than the registers the compiler would otherwise hold them in (and spill) across the key loop.
     const uint32_t q_off_nb = opaque(q_off), k_off_nb = opaque(k_off), v_off_nb = opaque(v_off);
-#pragma unroll
+#pragma unroll Tr::kQKUnroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t a_smem[kM][4];
       if constexpr (!Tr::kQInRegisters) {
