@@ -129,12 +129,16 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
     const int m0 = (m_first + step % m_blocks) * kBlockM;
     const T* q_head = static_cast<const T*>(p.q) + b * p.q_st.b + h * p.q_st.h;
     const T* do_head = static_cast<const T*>(p.dout) + b * p.do_st.b + h * p.do_st.h;
-    load_tile_async<kBlockM, D, kThreads>(sQ + stage * kBlockM * D, q_head, p.q_st.s, m0, p.seq_q, tid);
-    load_tile_async<kBlockM, D, kThreads>(sdO + stage * kBlockM * D, do_head, p.do_st.s, m0, p.seq_q, tid);
+    // The per-thread chunk offsets are recomputed from the thread index on every call rather than kept
+    // live (spilled) across the step loop.
+    const int tid_s = static_cast<int>(opaque(threadIdx.x));
+    load_tile_async<kBlockM, D, kThreads>(sQ + stage * kBlockM * D, q_head, p.q_st.s, m0, p.seq_q, tid_s);
+    load_tile_async<kBlockM, D, kThreads>(sdO + stage * kBlockM * D, do_head, p.do_st.s, m0, p.seq_q, tid_s);
     const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0;  // padded: always in bounds
-    for (int c = tid; c < kBlockM / 4; c += kThreads) {
-      cp_async_16(smem_addr(sLse + stage * kBlockM + 4 * c), p.lse_log2 + row_base + 4 * c, 16);
-      cp_async_16(smem_addr(sDelta + stage * kBlockM + 4 * c), p.delta + row_base + 4 * c, 16);
+    static_assert(kBlockM / 4 <= kThreads, "one 16-byte lse/Delta chunk per thread at most");
+    if (tid < kBlockM / 4) {  // a plain branch: the strided loop it replaces was kept as an unbounded loop
+      cp_async_16(smem_addr(sLse + stage * kBlockM + 4 * tid), p.lse_log2 + row_base + 4 * tid, 16);
+      cp_async_16(smem_addr(sDelta + stage * kBlockM + 4 * tid), p.delta + row_base + 4 * tid, 16);
     }
   };
   if (steps > 0) load_step(0, 0);
@@ -146,6 +150,28 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   const int b_key0 = (warp % Tr::kBWarpsN) * 16 * Tr::kBMTiles, b_col0 = (warp / Tr::kBWarpsN) * Tr::kBCols;
   // Phase C layout: rows c_row0 + [0, 16), columns c_col0 + [0, kCCols).
   const int c_row0 = (warp % Tr::kCRowTiles) * 16, c_col0 = (warp / Tr::kCRowTiles) * Tr::kCCols;
+
+  // Fragment addressing. Every ldmatrix address is this lane's byte offset for chunk pair 0 (XorSwizzle)
+  // XOR a constant plus a constant, so a handful of lane offsets are recomputed per step from `lane`
+  // (opaque() keeps the compiler from hoisting one precomputed address per fragment out of the step loop
+  // and spilling them). Head dims below 64 keep the generic Swizzle<D>::offset form for Q, dO, K, V;
+  // the P and dS tiles are always 128 wide (row-XOR form).
+  constexpr bool kXor = D >= 64;
+  using Xs = XorSwizzle<D>;
+  using XsP = XorSwizzle<kBlockN>;
+  static_assert(kBlockN / 8 >= 8, "P/dS tiles must use the row-XOR swizzle");
+  const uint32_t sK_addr = smem_addr(sK), sV_addr = smem_addr(sV), sQ_addr = smem_addr(sQ),
+                 sdO_addr = smem_addr(sdO), sP_addr = smem_addr(sP), sdS_addr = smem_addr(sdS);
+  // Rows (within a 16-row group) and chunk parities read by the three ldmatrix operand shapes:
+  //   A operand (non-trans):  row lane % 16,                     chunk 2·pair + lane / 16
+  //   B operand (non-trans):  row lane % 8 + (lane / 16)·8,       chunk 2·pair + (lane / 8) % 2
+  //   B operand (trans):      row lane % 8 + ((lane / 8) % 2)·8,  chunk 2·pair + lane / 16
+  auto a_row = [&] { return lane % 16; };
+  auto a_b = [&] { return lane / 16; };
+  auto bn_row = [&] { return (lane % 8) + (lane / 16) * 8; };
+  auto bn_b = [&] { return (lane / 8) % 2; };
+  auto bt_row = [&] { return (lane % 8) + ((lane / 8) % 2) * 8; };
+  auto bt_b = [&] { return lane / 16; };
 
   float dk[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
   float dv[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
@@ -163,7 +189,11 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
     const float* lse2 = sLse + stage * kBlockM;
     const float* delta = sDelta + stage * kBlockM;
 
+    const uint32_t q_addr = sQ_addr + stage * (kBlockM * D * 2), do_addr = sdO_addr + stage * (kBlockM * D * 2);
+
     {  // Phase A: S and dP, then P and dS into shared memory.
+      const uint32_t qa_off = opaque(kXor ? Xs::lane_offset(a_row0 + a_row(), a_b()) : 0u);
+      const uint32_t kb_off = opaque(kXor ? Xs::lane_offset(a_key0 + bn_row(), bn_b()) : 0u);
       float s[Tr::kAMTiles][4][4] = {};
       float dp[Tr::kAMTiles][4][4] = {};
 #pragma unroll
@@ -171,16 +201,26 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
         uint32_t aq[Tr::kAMTiles][4], ado[Tr::kAMTiles][4];
 #pragma unroll
         for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
-          const int row = a_row0 + mt * 16 + (lane % 16), chunk = 2 * kk + lane / 16;
-          ldmatrix_x4(aq[mt], smem_addr(q_tile + Swizzle<D>::offset(row, chunk)));
-          ldmatrix_x4(ado[mt], smem_addr(do_tile + Swizzle<D>::offset(row, chunk)));
+          if constexpr (kXor) {
+            ldmatrix_x4(aq[mt], q_addr + Xs::at(qa_off, mt * 16, kk));
+            ldmatrix_x4(ado[mt], do_addr + Xs::at(qa_off, mt * 16, kk));
+          } else {
+            const int row = a_row0 + mt * 16 + (lane % 16), chunk = 2 * kk + lane / 16;
+            ldmatrix_x4(aq[mt], smem_addr(q_tile + Swizzle<D>::offset(row, chunk)));
+            ldmatrix_x4(ado[mt], smem_addr(do_tile + Swizzle<D>::offset(row, chunk)));
+          }
         }
 #pragma unroll
         for (int np = 0; np < 2; ++np) {
-          const int key = a_key0 + np * 16 + (lane % 8) + (lane / 16) * 8, chunk = 2 * kk + (lane / 8) % 2;
           uint32_t bk[4], bv[4];
-          ldmatrix_x4(bk, smem_addr(sK + Swizzle<D>::offset(key, chunk)));
-          ldmatrix_x4(bv, smem_addr(sV + Swizzle<D>::offset(key, chunk)));
+          if constexpr (kXor) {
+            ldmatrix_x4(bk, sK_addr + Xs::at(kb_off, np * 16, kk));
+            ldmatrix_x4(bv, sV_addr + Xs::at(kb_off, np * 16, kk));
+          } else {
+            const int key = a_key0 + np * 16 + (lane % 8) + (lane / 16) * 8, chunk = 2 * kk + (lane / 8) % 2;
+            ldmatrix_x4(bk, smem_addr(sK + Swizzle<D>::offset(key, chunk)));
+            ldmatrix_x4(bv, smem_addr(sV + Swizzle<D>::offset(key, chunk)));
+          }
 #pragma unroll
           for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
             Mma::run(s[mt][2 * np], aq[mt], bk);
@@ -218,22 +258,29 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
     // Phase B: dV += Pᵀ dO, dK += dSᵀ Q, the transposes done by ldmatrix.trans. Not unrolled over kk:
     // hoisting the next fragments would spill the dK/dV accumulators at d128.
+    // P/dS fragment: query rows kk·16 + bn_row, key chunk pair b_key0 / 16 + mt (b_key0 is a multiple of 16).
+    // dO/Q fragment: query rows kk·16 + bt_row, head_dim chunk pair b_col0 / 16 + dt.
+    const uint32_t pb_off = opaque(XsP::lane_offset(bn_row(), bn_b()));
+    const uint32_t qb_off = opaque(kXor ? Xs::lane_offset(bt_row(), bt_b()) : 0u);
 #pragma unroll 1
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
       uint32_t ap[Tr::kBMTiles][4], ads[Tr::kBMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < Tr::kBMTiles; ++mt) {
-        const int qrow = kk * 16 + (lane % 8) + (lane / 16) * 8;
-        const int chunk = (b_key0 + mt * 16) / 8 + (lane / 8) % 2;
-        ldmatrix_x4_trans(ap[mt], smem_addr(sP + SwzP::offset(qrow, chunk)));
-        ldmatrix_x4_trans(ads[mt], smem_addr(sdS + SwzP::offset(qrow, chunk)));
+        ldmatrix_x4_trans(ap[mt], sP_addr + XsP::at(pb_off, kk * 16, b_key0 / 16 + mt));
+        ldmatrix_x4_trans(ads[mt], sdS_addr + XsP::at(pb_off, kk * 16, b_key0 / 16 + mt));
       }
 #pragma unroll
       for (int dt = 0; dt < Tr::kBCols / 16; ++dt) {
-        const int qrow = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, chunk = b_col0 / 8 + 2 * dt + lane / 16;
         uint32_t bdo[4], bq[4];
-        ldmatrix_x4_trans(bdo, smem_addr(do_tile + Swizzle<D>::offset(qrow, chunk)));
-        ldmatrix_x4_trans(bq, smem_addr(q_tile + Swizzle<D>::offset(qrow, chunk)));
+        if constexpr (kXor) {
+          ldmatrix_x4_trans(bdo, do_addr + Xs::at(qb_off, kk * 16, b_col0 / 16 + dt));
+          ldmatrix_x4_trans(bq, q_addr + Xs::at(qb_off, kk * 16, b_col0 / 16 + dt));
+        } else {
+          const int qrow = kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8, chunk = b_col0 / 8 + 2 * dt + lane / 16;
+          ldmatrix_x4_trans(bdo, smem_addr(do_tile + Swizzle<D>::offset(qrow, chunk)));
+          ldmatrix_x4_trans(bq, smem_addr(q_tile + Swizzle<D>::offset(qrow, chunk)));
+        }
 #pragma unroll
         for (int mt = 0; mt < Tr::kBMTiles; ++mt) {
           Mma::run(dv[mt][2 * dt], ap[mt], bdo);
@@ -247,15 +294,22 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
     if constexpr (kAtomicDq) {
       // Phase C: this key tile's contribution dS K to dQ, added to the fp32 accumulator atomically.
       float dq[Tr::kCCols / 8][4] = {};
+      // dS fragment: rows c_row0 + a_row, key chunk pair kk; K fragment: key rows kk·16 + bt_row, head_dim
+      // chunk pair c_col0 / 16 + ct.
+      const uint32_t sc_off = opaque(XsP::lane_offset(c_row0 + a_row(), a_b()));
+      const uint32_t kc_off = opaque(kXor ? Xs::lane_offset(bt_row(), bt_b()) : 0u);
 #pragma unroll 2
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         uint32_t a[4];
-        ldmatrix_x4(a, smem_addr(sdS + SwzP::offset(c_row0 + (lane % 16), 2 * kk + lane / 16)));
+        ldmatrix_x4(a, sdS_addr + XsP::at(sc_off, 0, kk));
 #pragma unroll
         for (int ct = 0; ct < Tr::kCCols / 16; ++ct) {
           uint32_t bk[4];
-          ldmatrix_x4_trans(bk, smem_addr(sK + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                                  c_col0 / 8 + 2 * ct + lane / 16)));
+          if constexpr (kXor)
+            ldmatrix_x4_trans(bk, sK_addr + Xs::at(kc_off, kk * 16, c_col0 / 16 + ct));
+          else
+            ldmatrix_x4_trans(bk, smem_addr(sK + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                                    c_col0 / 8 + 2 * ct + lane / 16)));
           Mma::run(dq[2 * ct], a, bk);
           Mma::run(dq[2 * ct + 1], a, bk + 2);
         }

@@ -80,6 +80,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Returns x unchanged, but opaque to the optimiser: inside a loop it stops values derived from a
+// loop-invariant x from being hoisted out of the loop and kept live (or spilled) across it.
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -117,17 +124,53 @@ struct Swizzle {
   }
 };
 
+// The same swizzle for D >= 64 written as byte offsets for ldmatrix addressing. A lane reading row r
+// (r & 7 = x) at chunk 2·kk + b (b in {0, 1}) lands on chunk (2·kk + b) ^ x = 2·kk ^ (b ^ x), so its byte
+// offset is lane_offset(r, b) ^ (32·kk): the row part (a multiple of 2·D bytes) has no bits in the chunk
+// field, and adding whole rows (multiples of 8, so x is unchanged) never touches the chunk field either.
+template <int D>
+struct XorSwizzle {
+  // Valid only where Swizzle<D> is the row-XOR form (D / 8 >= 8 chunks per row).
+  __device__ __forceinline__ static uint32_t lane_offset(int row, int b) {
+    return static_cast<uint32_t>(row * (2 * D) + ((b ^ (row & 7)) << 4));
+  }
+  // Byte offset of chunk pair kk at `rows` (a multiple of 8) rows further down.
+  __device__ __forceinline__ static uint32_t at(uint32_t lane_off, int rows, int kk) {
+    return (lane_off ^ static_cast<uint32_t>(32 * kk)) + static_cast<uint32_t>(rows * (2 * D));
+  }
+};
+
 // Copies rows [row0, row0 + ROWS) of one head of a [batch, seq, heads, D] tensor into a swizzled tile;
-// rows at or past `rows_valid` are zero-filled. All threads of the block take part.
+// rows at or past `rows_valid` are zero-filled. All THREADS threads of the block take part (tid in
+// [0, THREADS)). Where the tile divides evenly among the threads the copy is fully unrolled with
+// incremental addresses, so a caller's main loop keeps no per-copy addresses live (they were spilled).
 template <int ROWS, int D, int THREADS, class T>
 __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, int64_t row_stride, int row0,
                                                 int rows_valid, int tid) {
   constexpr int kChunks = D / 8;
-  for (int c = tid; c < ROWS * kChunks; c += THREADS) {
-    const int r = c / kChunks, ch = c % kChunks;
-    const bool valid = row0 + r < rows_valid;
-    const T* src = valid ? head_base + (row0 + r) * row_stride + ch * 8 : head_base;
-    cp_async_16(smem_addr(tile + Swizzle<D>::offset(r, ch)), src, valid ? 16 : 0);
+  constexpr int kTotal = ROWS * kChunks;
+  if constexpr (THREADS % kChunks == 0 && kTotal % THREADS == 0) {
+    // Thread tid copies chunk column tid % kChunks of rows r0 + i·kRowStep: one source pointer that
+    // steps by whole rows, one shared address plus constants, one bound to compare against.
+    constexpr int kRowStep = THREADS / kChunks, kIters = kTotal / THREADS;
+    const int r0 = tid / kChunks, ch = tid % kChunks;
+    const int rows_left = rows_valid - row0 - r0;  // rows r0 + i·kRowStep with i·kRowStep < rows_left exist
+    const T* src = head_base + (row0 + r0) * row_stride + ch * 8;
+    const int64_t step = kRowStep * row_stride;
+    const uint32_t dst = smem_addr(tile);
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const bool valid = i * kRowStep < rows_left;
+      cp_async_16(dst + sizeof(T) * Swizzle<D>::offset(r0 + i * kRowStep, ch), valid ? src + i * step : head_base,
+                  valid ? 16 : 0);
+    }
+  } else {
+    for (int c = tid; c < kTotal; c += THREADS) {
+      const int r = c / kChunks, ch = c % kChunks;
+      const bool valid = row0 + r < rows_valid;
+      const T* src = valid ? head_base + (row0 + r) * row_stride + ch * 8 : head_base;
+      cp_async_16(smem_addr(tile + Swizzle<D>::offset(r, ch)), src, valid ? 16 : 0);
+    }
   }
 }
 

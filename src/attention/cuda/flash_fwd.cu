@@ -55,6 +55,9 @@ struct FwdTraits {
   static constexpr int kThreads = 32 * kWarps;
   // Q fragments stay in registers where they fit; larger head dims re-read Q from shared memory.
   static constexpr bool kQInRegisters = D <= 64;
+  // Q·Kᵀ k-steps unrolled per loop iteration: at d128 a full unroll lets the compiler load K/Q fragments of
+  // later k-steps early, which pushed the live set past 255 registers (spills).
+  static constexpr int kQKUnroll = D == 128 ? 4 : D / 16;
   static constexpr size_t kSmemBytes = size_t(kBlockM + 4 * kBlockN) * D * 2;  // Q, 2 stages of K and V
 };
 
@@ -97,6 +100,32 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     ldmatrix_x4(frag, smem_addr(sQ + Swizzle<D>::offset(warp_tile0 + mt * 16 + (lane % 16), 2 * kk + lane / 16)));
   };
 
+  // Byte offsets of this lane's ldmatrix rows within a tile, for chunk pair 0 (see XorSwizzle): every
+  // other fragment address is one of these XOR a constant plus a constant, so only three offsets stay live
+  // across the key loop instead of one precomputed address per (fragment, k-step).
+  // (Head dims below 64 use a different swizzle and keep the generic Swizzle<D>::offset addressing.)
+  constexpr bool kXor = D >= 64;
+  using Xs = XorSwizzle<D>;
+  const int k_row = (lane % 8) + (lane / 16) * 8, k_b = (lane / 8) % 2;
+  const int v_row = (lane % 8) + ((lane / 8) % 2) * 8, v_b = lane / 16;
+  const uint32_t q_off = kXor ? Xs::lane_offset(warp_tile0 + (lane % 16), lane / 16) : 0;
+  const uint32_t k_off = kXor ? Xs::lane_offset(k_row, k_b) : 0;
+  const uint32_t v_off = kXor ? Xs::lane_offset(v_row, v_b) : 0;
+  const uint32_t sQ_addr = smem_addr(sQ), sK_addr = smem_addr(sK), sV_addr = smem_addr(sV);
+  auto q_frag = [&](uint32_t q_lane_off, int mt, int kk) -> uint32_t {
+    if constexpr (kXor) return sQ_addr + Xs::at(q_lane_off, mt * 16, kk);
+    else return smem_addr(sQ + Swizzle<D>::offset(warp_tile0 + mt * 16 + (lane % 16), 2 * kk + lane / 16));
+  };
+  // K fragment (key rows nt·16.., d chunk pair kk) and V fragment (key rows kk·16.., d chunk pair dt) of a stage.
+  auto k_frag = [&](uint32_t tile, uint32_t k_lane_off, int nt, int kk) -> uint32_t {
+    if constexpr (kXor) return tile + Xs::at(k_lane_off, nt * 16, kk);
+    else return tile + 2 * Swizzle<D>::offset(nt * 16 + k_row, 2 * kk + k_b);
+  };
+  auto v_frag = [&](uint32_t tile, uint32_t v_lane_off, int kk, int dt) -> uint32_t {
+    if constexpr (kXor) return tile + Xs::at(v_lane_off, kk * 16, dt);
+    else return tile + 2 * Swizzle<D>::offset(kk * 16 + v_row, 2 * dt + v_b);
+  };
+
   float acc[kM][D / 8][4] = {};
   float row_max[kM][2], row_sum[kM][2];
 #pragma unroll
@@ -110,10 +139,15 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     cp_async_wait<0>();
     __syncthreads();  // tile nb is visible to all; every warp is done with the stage about to be refilled
     if (nb + 1 < n_blocks) {
-      load_tile_async<kBlockN, D, kThreads>(sK + (stage ^ 1) * kBlockN * D, k_head, p.k_st.s, (nb + 1) * kBlockN,
-                                            p.seq_k, tid);
-      load_tile_async<kBlockN, D, kThreads>(sV + (stage ^ 1) * kBlockN * D, v_head, p.v_st.s, (nb + 1) * kBlockN,
-                                            p.seq_k, tid);
+      // The K/V head offsets are recomputed here from opaque copies of b and hk: held across the key loop
+      // as 64-bit values they were spilled (d128). (An opaque tid as well measured worse: 68/72 bytes.)
+      const int b_nb = static_cast<int>(opaque(b)), hk_nb = static_cast<int>(opaque(hk));
+      const T* k_head_nb = static_cast<const T*>(p.k) + b_nb * p.k_st.b + hk_nb * p.k_st.h;
+      const T* v_head_nb = static_cast<const T*>(p.v) + b_nb * p.v_st.b + hk_nb * p.v_st.h;
+      load_tile_async<kBlockN, D, kThreads>(sK + (stage ^ 1) * kBlockN * D, k_head_nb, p.k_st.s,
+                                            (nb + 1) * kBlockN, p.seq_k, tid);
+      load_tile_async<kBlockN, D, kThreads>(sV + (stage ^ 1) * kBlockN * D, v_head_nb, p.v_st.s,
+                                            (nb + 1) * kBlockN, p.seq_k, tid);
     }
     cp_async_commit();
     if constexpr (Tr::kQInRegisters) {
@@ -124,23 +158,25 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
           for (int kk = 0; kk < D / 16; ++kk) load_q(qf[mt][kk], mt, kk);
       }
     }
-    const T* k_tile = sK + stage * kBlockN * D;
-    const T* v_tile = sV + stage * kBlockN * D;
+    const uint32_t k_addr = sK_addr + stage * (kBlockN * D * 2);
+    const uint32_t v_addr = sV_addr + stage * (kBlockN * D * 2);
 
     // S = Q Kᵀ for this warp's rows; each K fragment serves all kM row tiles.
     float s[kM][kBlockN / 8][4] = {};
-#pragma unroll
+    // The fragment addresses within a tile are loop-invariant; recomputing them here (one XOR each) is
+    // cheaper than the registers the compiler would otherwise hold them in (and spill) across the key loop.
+    const uint32_t q_off_nb = opaque(q_off), k_off_nb = opaque(k_off), v_off_nb = opaque(v_off);
+#pragma unroll Tr::kQKUnroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t a_smem[kM][4];
       if constexpr (!Tr::kQInRegisters) {
 #pragma unroll
-        for (int mt = 0; mt < kM; ++mt) load_q(a_smem[mt], mt, kk);
+        for (int mt = 0; mt < kM; ++mt) ldmatrix_x4(a_smem[mt], q_frag(q_off_nb, mt, kk));
       }
 #pragma unroll
       for (int nt = 0; nt < kBlockN / 16; ++nt) {
         uint32_t bk[4];
-        ldmatrix_x4(bk, smem_addr(k_tile + Swizzle<D>::offset(nt * 16 + (lane % 8) + (lane / 16) * 8,
-                                                              2 * kk + (lane / 8) % 2)));
+        ldmatrix_x4(bk, k_frag(k_addr, k_off_nb, nt, kk));
 #pragma unroll
         for (int mt = 0; mt < kM; ++mt) {
           const uint32_t* a;
@@ -210,8 +246,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
 #pragma unroll
       for (int dt = 0; dt < D / 16; ++dt) {
         uint32_t bv[4];
-        ldmatrix_x4_trans(bv, smem_addr(v_tile + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
-                                                                    2 * dt + lane / 16)));
+        ldmatrix_x4_trans(bv, v_frag(v_addr, v_off_nb, kk, dt));
 #pragma unroll
         for (int mt = 0; mt < kM; ++mt) {
           Mma::run(acc[mt][2 * dt], a[mt], bv);
