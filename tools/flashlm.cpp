@@ -204,7 +204,7 @@ struct AttentionBenchArgs {
   std::string impl = "naive,flash", dtype = "fp32", d = "64", seq = "1024,2048,4096", batch = "1", heads = "1";
   std::string causal = "0", align = "top-left", device, format = "md", out, grid;
   int warmup = 1, reps = 3, threads = 0;
-  bool forward_only = false, quiet = false, deterministic = false;
+  bool forward_only = false, quiet = false, deterministic = false, atomic_dq = false;
 };
 
 void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
@@ -227,7 +227,10 @@ void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
       ->excludes(batch)
       ->excludes(heads)
       ->excludes(causal);
-  cmd->add_flag("--deterministic", a.deterministic, "CUDA backward without atomics (bit-reproducible dQ)");
+  cmd->add_flag("--deterministic", a.deterministic, "Backward without atomics, bit-reproducible (the CUDA default path)");
+  cmd->add_flag("--atomic-dq", a.atomic_dq,
+                "CUDA backward: dQ by fp32 atomics in the dK/dV kernel instead of a separate pass (to compare)")
+      ->excludes("--deterministic");
   cmd->add_option("--causal-align", a.align, "top-left (PyTorch is_causal) or bottom-right")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--warmup", a.warmup, "Untimed runs before timing")->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -262,6 +265,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
   require_usable_device(cfg.device);
   if (a.threads > 0) set_cpu_threads(a.threads);
   cfg.deterministic = a.deterministic;
+  cfg.atomic_dq = a.atomic_dq;
   cfg.warmup = a.warmup;
   cfg.reps = a.reps;
   cfg.backward = !a.forward_only;
@@ -362,11 +366,12 @@ struct TrainArgs {
   std::string ddp, reduce_dtype = "fp32";
   double bucket_mb = 25;
   int64_t grad_accum = 1;
-  int zero = 0, nccl_max_ctas = 0;
+  int zero = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1;
 };
 
 // --reduce-dtype and --nccl-max-ctas, the same for train and ddp-bench (a comma list there).
-void add_gradient_sync_options(CLI::App* cmd, std::string& reduce_dtype, int& nccl_max_ctas, const char* dtype_help) {
+void add_gradient_sync_options(CLI::App* cmd, std::string& reduce_dtype, int& nccl_max_ctas, int& gemm_sm_reserve,
+                               const char* dtype_help) {
   cmd->add_option("--reduce-dtype", reduce_dtype,
                   fmt::format("{}: fp32, or on cuda bf16 or fp16, which halve the bytes NCCL moves (each bucket's fp32 "
                               "gradients rounded to 16 bits, averaged by NCCL in that type, widened back)",
@@ -377,6 +382,10 @@ void add_gradient_sync_options(CLI::App* cmd, std::string& reduce_dtype, int& nc
                   "backward the all-reduces overlap; default: NCCL's choice; NCCL_MAX_CTAS in the environment "
                   "overrides it")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--gemm-sm-reserve", gemm_sm_reserve,
+                  "SMs the backward's cuBLASLt GEMMs leave to the all-reduces they overlap (cuBLASLt's SM count target; "
+                  "async and bucketed on cuda); default: --nccl-max-ctas if given, else 0")
+      ->check(CLI::Range(0, 4096));
 }
 
 void add_train(CLI::App& app, TrainArgs& a) {
@@ -426,7 +435,7 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--zero", a.zero, "1: ZeRO-1, the AdamW moments sharded across ranks")
       ->capture_default_str()
       ->check(CLI::Range(0, 1));
-  add_gradient_sync_options(cmd, a.reduce_dtype, a.nccl_max_ctas, "Element type of the DDP gradient all-reduce");
+  add_gradient_sync_options(cmd, a.reduce_dtype, a.nccl_max_ctas, a.gemm_sm_reserve, "Element type of the DDP gradient all-reduce");
 }
 
 int run_train_command(const TrainArgs& a) {
@@ -443,6 +452,7 @@ int run_train_command(const TrainArgs& a) {
   const std::vector<DType> reduce = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas);
   if (reduce.size() != 1) throw UsageError(fmt::format("--reduce-dtype {}: train takes one type", a.reduce_dtype));
   cfg.ddp.reduce_dtype = reduce.front();
+  cfg.ddp.gemm_sm_reserve = a.gemm_sm_reserve;
   cfg.ddp.bucket_mb = a.bucket_mb;
   cfg.ddp.grad_accum = a.grad_accum;
   cfg.zero1 = a.zero == 1;
@@ -563,7 +573,7 @@ struct DdpBenchArgs {
   std::string model = "xl", ddp = "per-param,flat,async,bucketed", bucket_mb = "1,10,100,1000", zero = "0";
   std::string reduce_dtype = "fp32", device, precision, format = "md", out;
   int64_t context = 512, batch = 4, vocab = 10000, threads = 0;
-  int warmup = 3, steps = 10, nccl_max_ctas = 0;
+  int warmup = 3, steps = 10, nccl_max_ctas = 0, gemm_sm_reserve = -1;
   bool quiet = false;
 };
 
@@ -580,7 +590,7 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket sizes of the bucketed variant, MB, comma list")
       ->capture_default_str();
   cmd->add_option("--zero", a.zero, "ZeRO-1 off and/or on: comma list of 0,1")->capture_default_str();
-  add_gradient_sync_options(cmd, a.reduce_dtype, a.nccl_max_ctas,
+  add_gradient_sync_options(cmd, a.reduce_dtype, a.nccl_max_ctas, a.gemm_sm_reserve,
                             "Element types of the gradient all-reduce, comma list (a row each)");
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
@@ -606,6 +616,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   }
   cfg.reduce_dtypes = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas);
   cfg.nccl_max_ctas = a.nccl_max_ctas;
+  cfg.gemm_sm_reserve = a.gemm_sm_reserve;
   if (cfg.device == Device::cuda && !Communicator::nccl_built()) {
     throw UsageError("--device cuda: flashlm was built without NCCL");
   }

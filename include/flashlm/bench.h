@@ -33,7 +33,8 @@ struct AttentionBenchConfig {
   std::vector<DType> dtypes{DType::f32};
   std::vector<AttentionShape> shapes{AttentionShape{}};
   CausalAlign align = CausalAlign::top_left;
-  bool deterministic = false;  // the backward's deterministic dQ mode (CUDA)
+  bool deterministic = false;  // AttentionOptions::deterministic
+  bool atomic_dq = false;      // AttentionOptions::atomic_dq (CUDA)
   Device device = Device::cpu;
   int warmup = 1;
   int reps = 3;
@@ -142,7 +143,8 @@ struct DdpBenchConfig {
   std::vector<double> bucket_mb{1, 10, 100, 1000};  // bucketed only
   std::vector<DType> reduce_dtypes{DType::f32};     // DdpOptions::reduce_dtype; 16-bit ones need CUDA
   std::vector<bool> zero1{false};
-  int nccl_max_ctas = 0;  // Communicator::set_nccl_max_ctas; 0: NCCL's choice
+  int nccl_max_ctas = 0;     // Communicator::set_nccl_max_ctas; 0: NCCL's choice
+  int gemm_sm_reserve = -1;  // DdpOptions::gemm_sm_reserve; -1: automatic
   int warmup = 3, steps = 10;
   std::function<void(const std::string&)> progress;  // rank 0 only
 };

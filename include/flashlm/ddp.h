@@ -86,6 +86,10 @@ struct DdpOptions {
   // and fp64): half the bytes on the wire, at the precision of the 16-bit type (the gradients are rounded to
   // it and NCCL sums in it); fp16 also has fp16's range (above 65504 is inf, below 6e-8 is 0).
   DType reduce_dtype = DType::f32;
+  // CUDA, overlapping variants (async, bucketed): SMs the backward's GEMMs leave to NCCL's all-reduce kernels
+  // (set_gemm_sm_reserve in model/gemm_cuda.h) on the micro-step that synchronises. -1: the communicator's
+  // NCCL max CTAs when set (Communicator::set_nccl_max_ctas; one SM each), else 0. 0: plan for every SM.
+  int gemm_sm_reserve = -1;
 };
 
 // What the last synchronisation did.
@@ -203,6 +207,7 @@ class DdpModel {
  private:
   LanguageModel& model_;
   int64_t micro_tokens_;
+  int gemm_sm_reserve_;  // DdpOptions::gemm_sm_reserve resolved
   std::unique_ptr<DataParallel> ddp_;
   std::unique_ptr<ZeroOptimizer> zero_;
 };

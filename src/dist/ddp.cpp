@@ -19,6 +19,7 @@
 
 #include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
+#include "model/gemm_cuda.h"
 #include "model/ops_cuda.h"
 #endif
 
@@ -452,8 +453,12 @@ DdpStats DataParallel::last_stats() {
 
 DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch_tokens, const DdpOptions& options,
                    bool zero1)
-    : model_(model), micro_tokens_(micro_batch_tokens) {
+    : model_(model),
+      micro_tokens_(micro_batch_tokens),
+      gemm_sm_reserve_(options.gemm_sm_reserve >= 0 ? options.gemm_sm_reserve : comm.nccl_max_ctas()) {
   FLASHLM_CHECK(micro_batch_tokens >= 1, "DdpModel: micro_batch_tokens = {}, expected >= 1", micro_batch_tokens);
+  FLASHLM_CHECK(options.gemm_sm_reserve >= -1, "DdpModel: gemm_sm_reserve = {}, expected >= 0 (or -1: automatic)",
+                options.gemm_sm_reserve);
   ddp_ = std::make_unique<DataParallel>(comm, DdpParameters::of(model), options);
   if (zero1) zero_ = std::make_unique<ZeroOptimizer>(comm, DdpParameters::of(model));
   model_.set_gradient_ready_hook(ddp_->hook());
@@ -478,8 +483,18 @@ double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<con
   double loss = 0;
   for (int64_t k = 0; k < accum; ++k) {
     loss += model_.forward(tokens.data() + k * micro_tokens_, targets.data() + k * micro_tokens_);
-    ddp_->begin_backward(model_.gradients(), k + 1 == accum, model_.stream());
-    model_.backward();
+    const bool sync = k + 1 == accum;
+    ddp_->begin_backward(model_.gradients(), sync, model_.stream());
+    {
+#ifdef FLASHLM_WITH_CUDA
+      // While the all-reduces overlap the backward they hold SMs: plan the GEMMs for the rest.
+      const bool overlapped = sync && model_.device() == Device::cuda &&
+                              (ddp_->options().variant == DdpVariant::async ||
+                               ddp_->options().variant == DdpVariant::bucketed);
+      const ScopedGemmSmReserve reserve(overlapped ? gemm_sm_reserve_ : gemm_sm_reserve());
+#endif
+      model_.backward();
+    }
     ddp_->finish_backward();
   }
   return loss / double(accum);

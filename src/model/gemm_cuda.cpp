@@ -45,6 +45,7 @@ namespace {
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 std::atomic<int64_t> g_heuristic_queries{0};
+std::atomic<int> g_sm_reserve{0};
 
 const char* status_name(cublasStatus_t s) {
   switch (s) {
@@ -192,6 +193,7 @@ struct PlanKey {
   int32_t ab_type, d_type;  // cudaDataType
   int32_t compute;          // cublasComputeType_t
   uint32_t align_a, align_b, align_d;  // pointer alignments in bytes (<= 256), part of the heuristic's query
+  int32_t sm_target = 0;               // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET; 0: the whole device
   auto operator<=>(const PlanKey&) const = default;
 };
 
@@ -231,6 +233,11 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
         "cublasLtMatmulDescSetAttribute(TRANSA)");
   check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
         "cublasLtMatmulDescSetAttribute(TRANSB)");
+  if (key.sm_target > 0) {
+    check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &key.sm_target,
+                                         sizeof(key.sm_target)),
+          "cublasLtMatmulDescSetAttribute(SM_COUNT_TARGET)");
+  }
 
   // Layouts of the matrices as stored (before op), column-major.
   const bool na = op_a == CUBLAS_OP_N, nb = op_b == CUBLAS_OP_N;
@@ -299,6 +306,7 @@ struct DeviceLt {
   // stream must not be destroyed while a matmul on it is still running if another may take its place.
   std::map<void*, Buffer> workspaces;
   std::map<PlanKey, Plan> plans;
+  int sm_count = 0;  // the device's multiprocessors
 };
 
 DeviceLt& lt_for_device(int device, const Call& c) {
@@ -312,16 +320,20 @@ DeviceLt& lt_for_device(int device, const Call& c) {
     if (s != CUBLAS_STATUS_SUCCESS) {
       throw CudaError(fmt::format("{}: cublasLtCreate failed on cuda:{}: {}", c.fn, device, status_name(s)));
     }
+    FLASHLM_CUDA_CHECK(cudaDeviceGetAttribute(&fresh->sm_count, cudaDevAttrMultiProcessorCount, device),
+                       "cudaDeviceGetAttribute(MultiProcessorCount)");
     slot = fresh.release();
   }
   return *slot;
 }
 
 // D = op(A)·op(B) + beta·D on `stream` through the cached plan.
-void run_gemm(const Call& c, Product p, int device, const PlanKey& key, const void* a, const void* b, void* d,
+void run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, const void* b, void* d,
               float beta, void* stream) {
   DeviceLt& lt = lt_for_device(device, c);
   const std::lock_guard lock(lt.mutex);
+  const int reserve = g_sm_reserve.load(std::memory_order_relaxed);
+  if (reserve > 0) key.sm_target = std::max(1, lt.sm_count - reserve);
 
   auto ws = lt.workspaces.find(stream);
   if (ws == lt.workspaces.end()) {
@@ -434,6 +446,13 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
     run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy, /*D*/ dw, 1.0f, stream);
   }
 }
+
+void set_gemm_sm_reserve(int sms) {
+  FLASHLM_CHECK(sms >= 0, "set_gemm_sm_reserve: {} SMs, expected >= 0", sms);
+  g_sm_reserve.store(sms, std::memory_order_relaxed);
+}
+
+int gemm_sm_reserve() { return g_sm_reserve.load(std::memory_order_relaxed); }
 
 int64_t gemm_cuda_heuristic_queries() { return g_heuristic_queries.load(std::memory_order_relaxed); }
 

@@ -399,6 +399,33 @@ TEST(GemmCuda, RepeatedCallsReuseThePlan) {
   EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2);
 }
 
+TEST(GemmCuda, SmReserveHasItsOwnPlanAndTheSameProduct) {
+  SKIP_WITHOUT_GPU();
+  // A shape no other test uses: the reserve must query the heuristic once more (its own plan), give the
+  // same product up to the accumulation order of another algorithm, and restore the previous setting.
+  const int64_t n = 96, in = 136, out = 200;
+  DeviceArray x(n * in, DType::bf16), w(out * in, DType::bf16), y(n * out, DType::bf16), y2(n * out, DType::bf16);
+  x.upload(random_values(n * in, DType::bf16, 41));
+  w.upload(random_values(out * in, DType::bf16, 42));
+  ASSERT_EQ(gemm_sm_reserve(), 0);
+  const int64_t before = gemm_cuda_heuristic_queries();
+  linear_forward_cuda(x.ptr(), w.ptr(), y.ptr(), n, in, out, DType::bf16, nullptr);
+  {
+    const ScopedGemmSmReserve reserve(16);
+    EXPECT_EQ(gemm_sm_reserve(), 16);
+    linear_forward_cuda(x.ptr(), w.ptr(), y2.ptr(), n, in, out, DType::bf16, nullptr);
+    EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2) << "the reserve must have a plan of its own";
+  }
+  EXPECT_EQ(gemm_sm_reserve(), 0);
+  linear_forward_cuda(x.ptr(), w.ptr(), y.ptr(), n, in, out, DType::bf16, nullptr);
+  EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2) << "back to the cached full-device plan";
+  const std::vector<float> a = y.download(), b = y2.download();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_NEAR(a[i], b[i], 1e-2 * (1 + std::abs(a[i]))) << "element " << i;  // one bf16 rounding apart at most
+  }
+}
+
 TEST(GemmCuda, HostPointersAreErrors) {
   SKIP_WITHOUT_GPU();
   alignas(256) static float host[64 * 64];
@@ -437,6 +464,11 @@ void expect_error(const std::function<void()>& fn, std::initializer_list<const c
       EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << what << ": '" << p << "' not in: " << e.what();
     }
   }
+}
+
+TEST(GemmCudaArgs, NegativeSmReserveIsAnError) {
+  expect_error([] { set_gemm_sm_reserve(-1); }, {"set_gemm_sm_reserve", "-1", ">= 0"}, "reserve -1");
+  EXPECT_EQ(gemm_sm_reserve(), 0);
 }
 
 TEST(GemmCudaArgs, BadShapesDtypesAndPointersNameTheArgument) {
