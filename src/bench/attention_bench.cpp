@@ -52,6 +52,7 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   opt.causal = rec.causal;
   opt.align = cfg.align;
   opt.deterministic = cfg.deterministic;
+  opt.atomic_dq = cfg.atomic_dq;
 
   const int64_t base = memory_stats(dev).current_bytes;
   memory_reset_peak(dev);
@@ -174,7 +175,8 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
                                {"date", utc_date()},
                                {"warmup", cfg.warmup},
                                {"reps", cfg.reps},
-                               {"causal_align", cfg.align == CausalAlign::top_left ? "top-left" : "bottom-right"}};
+                               {"causal_align", cfg.align == CausalAlign::top_left ? "top-left" : "bottom-right"},
+                               {"flash_dq", cfg.atomic_dq ? "fp32 atomics in the dK/dV kernel" : "separate pass"}};
   return render_report(rows, columns, format, meta);
 }
 

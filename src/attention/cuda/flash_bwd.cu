@@ -9,10 +9,12 @@
 //     so that every shared-memory fragment feeds two or more MMAs: with one 16-row tile per warp the
 //     kernel is bound by shared-memory bandwidth.
 //  3. dQ, one of two ways:
-//     - atomic (default): the dK/dV kernel also writes dS to shared memory, multiplies it by K and adds
-//       the block's dQ contribution to an fp32 buffer with atomics; a last kernel converts it.
-//     - deterministic: a separate kernel per (query tile, head, batch) recomputes P and dS over the
-//       visible key tiles and accumulates dQ += dS K in registers. Bit-reproducible, no atomics.
+//     - separate pass (default): a kernel per (query tile, head, batch) recomputes P and dS over the
+//       visible key tiles and accumulates dQ += dS K in registers. Bit-reproducible, no atomics, no fp32
+//       buffer, and since the instruction cuts of 2026-11-30 also the faster (docs/perf.md).
+//     - atomic (AttentionOptions::atomic_dq): the dK/dV kernel multiplies the dS it wrote to shared
+//       memory by K and adds the block's dQ contribution to an fp32 buffer with atomics; a last kernel
+//       scales and converts it.
 #include <algorithm>
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
@@ -35,7 +37,7 @@ struct BwdTraits {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = 128;
-  static constexpr int kBlockM = D == 16 ? 128 : 64;
+  static constexpr int kBlockM = D <= 64 ? 128 : 64;  // d32, d64: 128 x 128 tiles (measured 6.60 vs 7.01 ms at d64)
   static constexpr int kAMTiles = kBlockM / 32;            // 16-row tiles per warp in phase A
   static constexpr int kBWarpsD = D == 16 ? 1 : 2;
   static constexpr int kBWarpsN = kWarps / kBWarpsD;
@@ -124,9 +126,11 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   const int m_blocks = p.seq_q > m_first * kBlockM ? (p.seq_q - m_first * kBlockM + kBlockM - 1) / kBlockM : 0;
   const int steps = m_blocks * p.group;
 
-  auto load_step = [&](int step, int stage) {
-    const int h = hk * p.group + step / m_blocks;
-    const int m0 = (m_first + step % m_blocks) * kBlockM;
+  // Step (head_in_group, m_idx): query tile m_first + m_idx of query head hk·group + head_in_group. The
+  // loop below walks them in order with counters (an integer division per step cost ~20 instructions).
+  auto load_step = [&](int head_in_group, int m_idx, int stage) {
+    const int h = hk * p.group + head_in_group;
+    const int m0 = (m_first + m_idx) * kBlockM;
     const T* q_head = static_cast<const T*>(p.q) + b * p.q_st.b + h * p.q_st.h;
     const T* do_head = static_cast<const T*>(p.dout) + b * p.do_st.b + h * p.do_st.h;
     // The per-thread chunk offsets are recomputed from the thread index on every call rather than kept
@@ -141,7 +145,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
       cp_async_16(smem_addr(sDelta + stage * kBlockM + 4 * tid), p.delta + row_base + 4 * tid, 16);
     }
   };
-  if (steps > 0) load_step(0, 0);
+  if (steps > 0) load_step(0, 0, 0);
   cp_async_commit();
 
   // Phase A layout: rows a_row0 + [0, 16·kAMTiles), keys a_key0 + [0, 32).
@@ -176,14 +180,19 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   float dk[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
   float dv[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
 
+  int cur_head = 0, cur_m = 0;  // this step's (head_in_group, m_idx)
   for (int step = 0; step < steps; ++step) {
     const int stage = step & 1;
+    const bool wrap = cur_m + 1 == m_blocks;
+    const int next_head = wrap ? cur_head + 1 : cur_head, next_m = wrap ? 0 : cur_m + 1;
     cp_async_wait<0>();
     __syncthreads();  // this step's tiles are visible; all warps are done with the previous step's tiles
-    if (step + 1 < steps) load_step(step + 1, stage ^ 1);
+    if (step + 1 < steps) load_step(next_head, next_m, stage ^ 1);
     cp_async_commit();
-    const int h = hk * p.group + step / m_blocks;
-    const int m0 = (m_first + step % m_blocks) * kBlockM;
+    const int h = hk * p.group + cur_head;
+    const int m0 = (m_first + cur_m) * kBlockM;
+    cur_head = next_head;
+    cur_m = next_m;
     const T* q_tile = sQ + stage * kBlockM * D;
     const T* do_tile = sdO + stage * kBlockM * D;
     const float* lse2 = sLse + stage * kBlockM;
@@ -230,7 +239,22 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           }
         }
       }
+      // Masking is a separate pass over S, taken only by the tiles that cross the diagonal or the end of
+      // the keys (a warp-uniform branch): folded into the exponentials it cost every step ~100 compare and
+      // select instructions. A masked score of -inf gives P = exp2(-inf) = 0.
       const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0 + p.causal_offset);
+      if (needs_mask) {
+#pragma unroll
+        for (int mt = 0; mt < Tr::kAMTiles; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int row = m0 + a_row0 + mt * 16 + g + 8 * (e / 2);
+              const int kg = n0 + a_key0 + nt * 8 + 2 * t + (e % 2);
+              if (kg >= p.seq_k || (p.causal && kg > row + p.causal_offset)) s[mt][nt][e] = -INFINITY;
+            }
+      }
 #pragma unroll
       for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
 #pragma unroll
@@ -243,9 +267,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
             float pr[2], ds[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              pr[e] = exp2f(fmaf(s[mt][nt][2 * r + e], p.scale_log2, -l2));  // rows past seq_q: lse = +inf, P = 0
-              const int kg = n0 + key + e;
-              if (needs_mask && (kg >= p.seq_k || (p.causal && kg > m0 + row + p.causal_offset))) pr[e] = 0.f;
+              pr[e] = fast_exp2(fmaf(s[mt][nt][2 * r + e], p.scale_log2, -l2));  // rows past seq_q: lse = +inf, P = 0
               ds[e] = pr[e] * (dp[mt][nt][2 * r + e] - dl);
             }
             store_pair(sP + SwzP::offset(row, key / 8) + key % 8, pr[0], pr[1]);
@@ -320,7 +342,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
       for (int ct = 0; ct < Tr::kCCols / 8; ++ct) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          atomicAdd(dq_rows + (g + (e / 2) * 8) * D + ct * 8 + 2 * t + (e % 2), dq[ct][e] * p.scale);
+          atomicAdd(dq_rows + (g + (e / 2) * 8) * D + ct * 8 + 2 * t + (e % 2), dq[ct][e]);  // scaled in convert
         }
       }
     }
@@ -431,7 +453,7 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
       for (int e = 0; e < 4; ++e) {
         const int row = warp_row0 + g + (e / 2) * 8;
         const int col = n0 + nt * 8 + 2 * t + (e % 2);
-        float pr = exp2f(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
+        float pr = fast_exp2(fmaf(s[nt][e], p.scale_log2, -lse2[e / 2]));
         if (needs_mask && (col >= p.seq_k || (p.causal && col > row + p.causal_offset))) pr = 0.f;
         dp[nt][e] = pr * (dp[nt][e] - delta[e / 2]);  // dS
       }
@@ -466,7 +488,7 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
   }
 }
 
-// dq (strided, T) = dq_accum (padded fp32), 8 elements per thread.
+// dq (strided, T) = scale · dq_accum (padded fp32), 8 elements per thread.
 template <class T, int D>
 __global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
   const int h = blockIdx.y, b = blockIdx.z;
@@ -476,11 +498,12 @@ __global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
   const float* src = p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + row) * D + part * 8;
   const float4 lo = *reinterpret_cast<const float4*>(src);
   const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+  const float c = p.scale;  // the accumulator holds dS·K without the softmax scale (one multiply here, not per atomic)
   uint4 out;
-  out.x = MmaOp<T>::pack(lo.x, lo.y);
-  out.y = MmaOp<T>::pack(lo.z, lo.w);
-  out.z = MmaOp<T>::pack(hi.x, hi.y);
-  out.w = MmaOp<T>::pack(hi.z, hi.w);
+  out.x = MmaOp<T>::pack(lo.x * c, lo.y * c);
+  out.y = MmaOp<T>::pack(lo.z * c, lo.w * c);
+  out.z = MmaOp<T>::pack(hi.x * c, hi.y * c);
+  out.w = MmaOp<T>::pack(hi.z * c, hi.w * c);
   *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_st.b + row * p.dq_st.s + h * p.dq_st.h + part * 8) = out;
 }
 

@@ -213,13 +213,13 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
         for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
         mx = quad_max(mx);
         const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
-        const float alpha = exp2f(row_max[mt][r] * p.scale_log2 - m_scaled);
+        const float alpha = fast_exp2(row_max[mt][r] * p.scale_log2 - m_scaled);
         row_max[mt][r] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kBlockN / 8; ++nt) {
-          s[mt][nt][2 * r] = exp2f(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_scaled));
-          s[mt][nt][2 * r + 1] = exp2f(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_scaled));
+          s[mt][nt][2 * r] = fast_exp2(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_scaled));
+          s[mt][nt][2 * r + 1] = fast_exp2(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_scaled));
           sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
         }
         row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
