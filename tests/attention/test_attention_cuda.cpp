@@ -152,6 +152,27 @@ TEST(CudaAttention, FullyMaskedRowsGiveZerosAndNegInfNeverNaN) {
   }
 }
 
+// Bottom-right causal with Nq >> Nk: most query tiles see no key at all, so their forward blocks skip the
+// key loop and go straight to the epilogue while the block's Q copies may still be landing. Run it
+// repeatedly (a race shows up as a run with nonzero rows): every row that sees no key must be exactly 0.
+TEST(CudaAttention, QueryTilesThatSeeNoKeyAreZeroEveryRun) {
+  SKIP_WITHOUT_GPU();
+  const Case c{2, 4096, 64, 4, 4, 64, Layout::bshd, Mask::bottom_right, DType::bf16};  // rows < 4032 see nothing
+  AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
+  for (int run = 0; run < 10; ++run) {
+    Problem p(c, c.layout, c.dtype, 100 + static_cast<uint64_t>(run));
+    p.run_on_device(opt);
+    Tensor o = to_f64(p.o.view);
+    const double* od = o.view().ptr<double>();
+    int64_t nonzero = 0;
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t i = 0; i < c.Nq - c.Nk; ++i)
+        for (int64_t h = 0; h < c.Hq; ++h)
+          for (int64_t d = 0; d < c.D; ++d) nonzero += od[((b * c.Nq + i) * c.Hq + h) * c.D + d] != 0.0;
+    ASSERT_EQ(nonzero, 0) << "run " << run << ": elements of rows that see no key are not 0";
+  }
+}
+
 TEST(CudaAttention, DeterministicBackwardIsBitwiseReproducible) {
   SKIP_WITHOUT_GPU();
   const Case c{2, 1000, 1000, 8, 2, 64, Layout::bhsd, Mask::top_left, DType::bf16};

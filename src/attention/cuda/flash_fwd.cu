@@ -256,9 +256,13 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     }
   }
 
-  // Normalise, write logsumexp, and stage O through this warp's own Q rows for 16-byte stores.
+  // Normalise, write logsumexp, and stage O through this warp's own Q rows for 16-byte stores. A block
+  // whose rows see no key (n_blocks = 0) never passed the loop's barrier: other threads' cp.async of Q
+  // rows into this warp's staging area may still be in flight, so every thread waits for its copies
+  // and then the block synchronises (with __syncwarp only, such a late Q chunk overwrote the zeros of
+  // a fully masked row — seen as a rare O error of ~|q| in the bottom-right causal Nq > Nk case).
   cp_async_wait<0>();
-  __syncwarp();
+  __syncthreads();
 #pragma unroll
   for (int mt = 0; mt < kM; ++mt) {
 #pragma unroll
