@@ -31,21 +31,21 @@ if [[ $what == tests || $what == all ]]; then
 fi
 
 if [[ $what == bench || $what == all ]]; then
-  echo "== attention sweep, fa grid: flash (atomic dQ and deterministic) and naive; then the PyTorch peers"
+  echo "== attention sweep, fa grid: flash (default separate dQ pass, and dQ by atomics) and naive; then the PyTorch peers"
   fb="$bin/flashlm attention-bench --device cuda --quiet"
   $fb --grid fa --dtype bf16 --warmup 10 --reps 30 --impl flash --format json --out "$out/ours-fa.json" > /dev/null
-  $fb --grid fa --dtype bf16 --warmup 10 --reps 30 --impl flash --deterministic --format json --out "$out/ours-fa-det.json" > /dev/null
+  $fb --grid fa --dtype bf16 --warmup 10 --reps 30 --impl flash --atomic-dq --format json --out "$out/ours-fa-atomic.json" > /dev/null
   $fb --grid fa --dtype bf16 --warmup 3 --reps 5 --impl naive --format json --out "$out/ours-fa-naive.json" > /dev/null
   python3 "$peers/attention_peers.py" --grid fa --peers flash,cudnn --out "$out/peers-fa.json" > "$out/peers-fa.log" 2>&1 \
     || tail -5 "$out/peers-fa.log"
-  for mode in "" -det; do
+  for mode in "" -atomic; do
     echo "-- flash$mode vs peers"
     python3 "$peers/compare.py" "$out/ours-fa$mode.json" "$out/peers-fa.json" --ours flash --peer flash --peer cudnn \
       > "$out/compare-fa$mode.md"
     tail -1 "$out/compare-fa$mode.md"
   done
-  echo "== memory at seq 32k (b1 h16 d128): flash atomic, flash deterministic, naive"
-  for extra in "--impl flash" "--impl flash --deterministic" "--impl naive"; do
+  echo "== memory at seq 32k (b1 h16 d128): flash (separate dQ pass), flash with atomic dQ, naive"
+  for extra in "--impl flash" "--impl flash --atomic-dq" "--impl naive"; do
     $fb --seq 32768 --batch 1 --heads 16 --d 128 --causal=0,1 --dtype bf16 --warmup 1 --reps 3 $extra --format csv \
       | cut -d, -f1,5,7,8,9,12,13,14
   done
@@ -109,7 +109,8 @@ fi
 if [[ $what == ddp ]]; then
   export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
   n=$(nvidia-smi -L | wc -l)
-  mr="mpirun --allow-run-as-root -np $n -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH"
+  # --bind-to none: mpirun's default core binding would leave each rank one core for the xl model's set-up.
+  mr="mpirun --allow-run-as-root --bind-to none -np $n -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x PATH"
   for t in test_dist test_ddp; do
     timeout 300 $mr "$bin/$t" --gtest_brief=1 > "$out/$t-np$n.log" 2>&1; echo "$t under mpirun -np $n: exit $?"
   done
@@ -118,7 +119,7 @@ if [[ $what == ddp ]]; then
     --steps 30 --log-every 10 --eval-every 0 --ddp bucketed --bucket-mb 25 --zero 1 2>&1 | tail -5
   timeout 120 $mr "$bin/flashlm" allreduce-bench --device cuda --sizes 1MB,10MB,100MB,1GB --format json \
     --out "$out/allreduce-nccl-np$n.json" | tail -6
-  timeout 500 $mr "$bin/flashlm" ddp-bench --zero 0,1 --reduce-dtype fp32,bf16 --format json \
+  timeout 500 $mr "$bin/flashlm" ddp-bench --zero 0,1 --reduce-dtype fp32,bf16 --nccl-max-ctas 16 --format json \
     --out "$out/ddp-np$n.json" | tail -40
   timeout 400 python3 "$peers/ddp_peers.py" --model xl --out "$out/ddp-peers.json" > "$out/ddp-peers.log" 2>&1
   tail -16 "$out/ddp-peers.log"
