@@ -45,7 +45,9 @@ def plot_attention(ax_f, ax_b, records):
 
 def plot_lm(ax, records):
     ok = [r for r in records if r.get("status") == "ok"]
-    groups = sorted({(r["model"], r["context"], r["precision"], r["attention"]) for r in ok})
+    sizes = ["tiny", "small", "medium", "large", "xl", "2.7B"]  # by parameter count; other names after them
+    groups = sorted({(r["model"], r["context"], r["precision"], r["attention"]) for r in ok},
+                    key=lambda g: (sizes.index(g[0]) if g[0] in sizes else len(sizes), g))
     passes = [p for p in ("fwd", "fwd-bwd", "step") if any(r["pass"] == p for r in ok)]
     width = 0.8 / max(1, len(passes))
     for i, p in enumerate(passes):
