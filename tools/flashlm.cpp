@@ -168,9 +168,10 @@ void resolve_device_and_precision(const std::string& device, const std::string& 
   }
 }
 
-// --reduce-dtype (a comma list) and --nccl-max-ctas. Both concern NCCL: a 16-bit gradient all-reduce or a
-// CTA limit asked for on the CPU (MPI reduces fp32) is a usage error.
-std::vector<flashlm::DType> parse_reduce_dtypes(const std::string& list, flashlm::Device device, int nccl_max_ctas) {
+// --reduce-dtype (a comma list), --nccl-max-ctas and --gemm-sm-reserve. All concern NCCL on GPUs: a 16-bit
+// gradient all-reduce, a CTA limit or an SM reserve asked for on the CPU (MPI reduces fp32) is a usage error.
+std::vector<flashlm::DType> parse_reduce_dtypes(const std::string& list, flashlm::Device device, int nccl_max_ctas,
+                                                int gemm_sm_reserve) {
   using namespace flashlm;
   const auto dtypes =
       parse_list<DType>("--reduce-dtype", list, [](const std::string& s) { return parse_reduce_dtype(s); });
@@ -183,6 +184,7 @@ std::vector<flashlm::DType> parse_reduce_dtypes(const std::string& list, flashlm
       }
     }
     if (nccl_max_ctas > 0) throw UsageError("--nccl-max-ctas: needs --device cuda (NCCL)");
+    if (gemm_sm_reserve >= 0) throw UsageError("--gemm-sm-reserve: needs --device cuda (cuBLASLt beside NCCL)");
   }
   return dtypes;
 }
@@ -449,7 +451,7 @@ int run_train_command(const TrainArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
-  const std::vector<DType> reduce = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas);
+  const std::vector<DType> reduce = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, a.gemm_sm_reserve);
   if (reduce.size() != 1) throw UsageError(fmt::format("--reduce-dtype {}: train takes one type", a.reduce_dtype));
   cfg.ddp.reduce_dtype = reduce.front();
   cfg.ddp.gemm_sm_reserve = a.gemm_sm_reserve;
@@ -457,7 +459,7 @@ int run_train_command(const TrainArgs& a) {
   cfg.ddp.grad_accum = a.grad_accum;
   cfg.zero1 = a.zero == 1;
   const bool data_parallel = !a.ddp.empty() || cfg.zero1 || a.grad_accum > 1 || cfg.ddp.reduce_dtype != DType::f32 ||
-                             a.nccl_max_ctas > 0 || launched_with_peers();
+                             a.nccl_max_ctas > 0 || a.gemm_sm_reserve >= 0 || launched_with_peers();
   if (a.d_model) cfg.model.d_model = a.d_model;
   if (a.d_ff) cfg.model.d_ff = a.d_ff;
   if (a.layers) cfg.model.layers = a.layers;
@@ -614,7 +616,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
-  cfg.reduce_dtypes = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas);
+  cfg.reduce_dtypes = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, a.gemm_sm_reserve);
   cfg.nccl_max_ctas = a.nccl_max_ctas;
   cfg.gemm_sm_reserve = a.gemm_sm_reserve;
   if (cfg.device == Device::cuda && !Communicator::nccl_built()) {

@@ -45,7 +45,7 @@ namespace {
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 std::atomic<int64_t> g_heuristic_queries{0};
-std::atomic<int> g_sm_reserve{0};
+thread_local int t_sm_reserve = 0;  // set_gemm_sm_reserve: per host thread, like the stream a caller uses
 
 const char* status_name(cublasStatus_t s) {
   switch (s) {
@@ -332,8 +332,14 @@ void run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
               float beta, void* stream) {
   DeviceLt& lt = lt_for_device(device, c);
   const std::lock_guard lock(lt.mutex);
-  const int reserve = g_sm_reserve.load(std::memory_order_relaxed);
-  if (reserve > 0) key.sm_target = std::max(1, lt.sm_count - reserve);
+  const int reserve = t_sm_reserve;
+  if (reserve > 0) {
+    FLASHLM_CHECK(reserve < lt.sm_count,
+                  "{}: set_gemm_sm_reserve({}) leaves no SM of cuda:{}'s {} for the GEMMs (--gemm-sm-reserve must be "
+                  "below the SM count)",
+                  c.fn, reserve, device, lt.sm_count);
+    key.sm_target = lt.sm_count - reserve;
+  }
 
   auto ws = lt.workspaces.find(stream);
   if (ws == lt.workspaces.end()) {
@@ -449,10 +455,10 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
 
 void set_gemm_sm_reserve(int sms) {
   FLASHLM_CHECK(sms >= 0, "set_gemm_sm_reserve: {} SMs, expected >= 0", sms);
-  g_sm_reserve.store(sms, std::memory_order_relaxed);
+  t_sm_reserve = sms;
 }
 
-int gemm_sm_reserve() { return g_sm_reserve.load(std::memory_order_relaxed); }
+int gemm_sm_reserve() { return t_sm_reserve; }
 
 int64_t gemm_cuda_heuristic_queries() { return g_heuristic_queries.load(std::memory_order_relaxed); }
 

@@ -50,8 +50,9 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
 // SMs the GEMMs leave to work running beside them — NCCL's all-reduce kernels, which DDP overlaps with
 // the backward and which hold their SMs for the whole collective. cuBLASLt then plans each product for
 // (SM count − reserve) SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) instead of queueing the tail of a
-// full-device grid behind SMs that stay busy. 0 (the default) plans for the whole device. Process-wide;
-// applies to the calls that follow (each setting has its own cached plans).
+// full-device grid behind SMs that stay busy. 0 (the default) plans for the whole device. Per host thread
+// (the thread that queues the backward); applies to its calls that follow, each setting with its own
+// cached plans. A reserve of at least the device's SM count makes those calls throw flashlm::Error.
 void set_gemm_sm_reserve(int sms);
 int gemm_sm_reserve();
 

@@ -17,12 +17,14 @@ using namespace flashlm::testing;
 
 namespace {
 
+// atomic_dq: the backward's dQ by fp32 atomics (a minority of the cases); the others take the default,
+// deterministic separate dQ pass.
 struct GpuCase {
   Case c;
-  bool deterministic;
+  bool atomic_dq;
 };
 
-std::string gpu_case_name(const GpuCase& g) { return case_name(g.c) + (g.deterministic ? "_det" : "_atomic"); }
+std::string gpu_case_name(const GpuCase& g) { return case_name(g.c) + (g.atomic_dq ? "_atomic" : "_det"); }
 void PrintTo(const GpuCase& g, std::ostream* os) { *os << gpu_case_name(g); }
 
 struct Errors {
@@ -54,8 +56,8 @@ TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
   const Case c = GetParam().c;
   const bool backward = c.D <= 128;  // the cuda backward covers head dims up to 128
   AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
-  flash.deterministic = GetParam().deterministic;
-  flash.atomic_dq = !GetParam().deterministic;
+  flash.atomic_dq = GetParam().atomic_dq;
+  flash.deterministic = !GetParam().atomic_dq;
   const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
 
   Problem ours(c, c.layout, c.dtype, 7000 + static_cast<uint64_t>(c.Nq * 3 + c.Nk));
@@ -170,6 +172,33 @@ TEST(CudaAttention, QueryTilesThatSeeNoKeyAreZeroEveryRun) {
         for (int64_t h = 0; h < c.Hq; ++h)
           for (int64_t d = 0; d < c.D; ++d) nonzero += od[((b * c.Nq + i) * c.Hq + h) * c.D + d] != 0.0;
     ASSERT_EQ(nonzero, 0) << "run " << run << ": elements of rows that see no key are not 0";
+  }
+}
+
+// No queries: dK and dV are zero. No keys: O and dQ are zero, logsumexp -inf. Gradients start poisoned.
+TEST(CudaAttention, EmptySequencesGiveZeroGradients) {
+  SKIP_WITHOUT_GPU();
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{0, 70}, std::pair<int64_t, int64_t>{70, 0}}) {
+    for (bool atomic : {false, true}) {
+      Tensor q = Tensor::empty({2, nq, 4, 64}, DType::bf16, Device::cuda), o = Tensor::empty({2, nq, 4, 64}, DType::bf16, Device::cuda);
+      Tensor dout = Tensor::empty({2, nq, 4, 64}, DType::bf16, Device::cuda), dq = Tensor::empty({2, nq, 4, 64}, DType::bf16, Device::cuda);
+      Tensor k = Tensor::empty({2, nk, 2, 64}, DType::bf16, Device::cuda), v = Tensor::empty({2, nk, 2, 64}, DType::bf16, Device::cuda);
+      Tensor dk = Tensor::empty({2, nk, 2, 64}, DType::bf16, Device::cuda), dv = Tensor::empty({2, nk, 2, 64}, DType::bf16, Device::cuda);
+      Tensor lse = Tensor::empty({2, 4, nq}, DType::f32, Device::cuda);
+      for (const Tensor* t : {&q, &k, &v, &dout}) fill_normal(*t, 5);
+      for (const Tensor* t : {&o, &dq, &dk, &dv}) fill_value(*t, 7.0);  // poison: must be overwritten with 0
+      AttentionOptions opt;
+      opt.atomic_dq = atomic;
+      attention_forward(q, k, v, o, lse, opt);
+      attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt);
+      const std::string what = fmt::format("nq {} nk {} atomic {}", nq, nk, atomic);
+      for (const Tensor* t : {&o, &dq, &dk, &dv}) {
+        Tensor h = to_f64(t->view());
+        for (int64_t i = 0; i < h.view().numel(); ++i) ASSERT_EQ(h.view().ptr<double>()[i], 0.0) << what;
+      }
+      Tensor l = to_f64(lse.view());
+      for (int64_t i = 0; i < l.view().numel(); ++i) ASSERT_EQ(l.view().ptr<double>()[i], -INFINITY) << what;
+    }
   }
 }
 

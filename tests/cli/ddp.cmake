@@ -80,7 +80,8 @@ foreach(bad "train;--ddp;ring" "train;--zero;2" "train;--grad-accum;0" "ddp-benc
             "ddp-bench;--bucket-mb;0" "ddp-bench;--zero;3" "ddp-bench;--device;cpu;--precision;bf16"
             "train;--device;cpu;--reduce-dtype;fp64" "train;--device;cpu;--nccl-max-ctas;4"
             "ddp-bench;--reduce-dtype;fp8" "ddp-bench;--device;cpu;--reduce-dtype;fp32,fp16"
-            "ddp-bench;--nccl-max-ctas;0" "ddp-bench;--gemm-sm-reserve;-1" "train;--gemm-sm-reserve;x")
+            "ddp-bench;--nccl-max-ctas;0" "ddp-bench;--gemm-sm-reserve;-1" "train;--gemm-sm-reserve;x"
+            "train;--device;cpu;--gemm-sm-reserve;8")
   execute_process(COMMAND ${FLASHLM} ${bad} RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
   if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: ")
     message(FATAL_ERROR "flashlm ${bad}: exit ${rc}, expected 2 with 'error: '\nstderr: ${err}")

@@ -408,17 +408,29 @@ TEST(GemmCuda, SmReserveHasItsOwnPlanAndTheSameProduct) {
   x.upload(random_values(n * in, DType::bf16, 41));
   w.upload(random_values(out * in, DType::bf16, 42));
   ASSERT_EQ(gemm_sm_reserve(), 0);
+  linear_forward_cuda(x.ptr(), w.ptr(), y.ptr(), n, in, out, DType::bf16, nullptr);  // the full-device plan exists
   const int64_t before = gemm_cuda_heuristic_queries();
-  linear_forward_cuda(x.ptr(), w.ptr(), y.ptr(), n, in, out, DType::bf16, nullptr);
   {
     const ScopedGemmSmReserve reserve(16);
     EXPECT_EQ(gemm_sm_reserve(), 16);
     linear_forward_cuda(x.ptr(), w.ptr(), y2.ptr(), n, in, out, DType::bf16, nullptr);
-    EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2) << "the reserve must have a plan of its own";
+    linear_forward_cuda(x.ptr(), w.ptr(), y2.ptr(), n, in, out, DType::bf16, nullptr);
+    // One more query the first time this process uses the reserve for this shape, none after.
+    EXPECT_LE(gemm_cuda_heuristic_queries(), before + 1) << "the reserved plan must be cached";
   }
   EXPECT_EQ(gemm_sm_reserve(), 0);
+  const int64_t with_reserve = gemm_cuda_heuristic_queries();
   linear_forward_cuda(x.ptr(), w.ptr(), y.ptr(), n, in, out, DType::bf16, nullptr);
-  EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2) << "back to the cached full-device plan";
+  EXPECT_EQ(gemm_cuda_heuristic_queries(), with_reserve) << "back to the cached full-device plan";
+  {
+    const ScopedGemmSmReserve all(100000);  // more SMs than any GPU has: a clear error, not a 1-SM plan
+    try {
+      linear_forward_cuda(x.ptr(), w.ptr(), y2.ptr(), n, in, out, DType::bf16, nullptr);
+      ADD_FAILURE() << "a reserve of every SM was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("leaves no SM"), std::string::npos) << e.what();
+    }
+  }
   const std::vector<float> a = y.download(), b = y2.download();
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {

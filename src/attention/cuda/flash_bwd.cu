@@ -577,13 +577,15 @@ void allow_smem(Kernel kernel, size_t bytes, const char* name) {
 
 template <class T, int D>
 void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stream) {
-  {
+  // An empty side launches nothing over it (a grid of 0 blocks is a launch error): with no queries the
+  // dK/dV kernel alone writes zeros, with no keys the dQ pass (or the cleared accumulator) does.
+  if (f.seq_q > 0) {
     constexpr int rows_per_block = 256 / (D / 8);
     const dim3 grid((f.seq_q_padded + rows_per_block - 1) / rows_per_block, f.heads_q, f.batch);
     flash_bwd_preprocess_kernel<T, D><<<grid, 256, 0, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
   }
-  {
+  if (f.seq_k > 0) {
     using Tr = BwdTraits<D>;
     auto kernel = deterministic ? flash_bwd_dkdv_kernel<T, D, false> : flash_bwd_dkdv_kernel<T, D, true>;
     allow_smem(kernel, Tr::kSmemBytes, "flash_bwd_dkdv_kernel: shared-memory opt-in");
@@ -591,6 +593,7 @@ void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stre
     kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dkdv_kernel launch");
   }
+  if (f.seq_q == 0) return;
   if (deterministic) {
     using Tr = DqTraits<D>;
     allow_smem(flash_bwd_dq_kernel<T, D>, Tr::kSmemBytes, "flash_bwd_dq_kernel: shared-memory opt-in");
