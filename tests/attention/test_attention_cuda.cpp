@@ -11,6 +11,7 @@
 #include "attention/attention_testing.h"
 #include "flashlm/attention.h"
 #include "flashlm/device.h"
+#include "flashlm/profile.h"
 
 using namespace flashlm;
 using namespace flashlm::testing;
@@ -172,6 +173,27 @@ TEST(CudaAttention, QueryTilesThatSeeNoKeyAreZeroEveryRun) {
         for (int64_t h = 0; h < c.Hq; ++h)
           for (int64_t d = 0; d < c.D; ++d) nonzero += od[((b * c.Nq + i) * c.Hq + h) * c.D + d] != 0.0;
     ASSERT_EQ(nonzero, 0) << "run " << run << ": elements of rows that see no key are not 0";
+  }
+}
+
+// The unfused path's sub-ops are NVTX ranges, timed by --profile-ranges: QK matmul, softmax, AV matmul in
+// the forward; the recomputation and each gradient product in the backward.
+TEST(CudaAttention, NaivePathNamesItsSubOpRanges) {
+  SKIP_WITHOUT_GPU();
+  const Case c{1, 100, 90, 2, 1, 64, Layout::bshd, Mask::top_left, DType::bf16};
+  Problem p(c, c.layout, c.dtype, 21);
+  RangeProfiler& prof = RangeProfiler::instance();
+  prof.reset();
+  prof.enable(true);  // host clock: enough to see which ranges ran
+  p.run_on_device(options_for(c.mask, AttentionImpl::naive));
+  prof.enable(false);
+  std::vector<std::string> names;
+  for (const RangeStats& s : prof.summary()) names.push_back(s.name);
+  prof.reset();
+  for (const char* want : {"attention.qk_matmul", "attention.softmax", "attention.av_matmul", "attention.dp_matmul",
+                           "attention.dv_matmul", "attention.softmax_backward", "attention.dq_matmul",
+                           "attention.dk_matmul"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want << " was not recorded";
   }
 }
 

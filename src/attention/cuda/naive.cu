@@ -29,6 +29,7 @@
 #include "core/check.h"
 #include "core/cuda_check.h"
 #include "core/softmax_stats.cuh"
+#include "flashlm/profile.h"
 
 namespace flashlm {
 
@@ -353,10 +354,21 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   gather(q, q_c.data(), e, stream, "naive_attention: copy_rows (gather q)");
   gather(k, k_c.data(), e, stream, "naive_attention: copy_rows (gather k)");
   gather(v, v_c.data(), e, stream, "naive_attention: copy_rows (gather v)");
-  gemms.scores(q_c.data(), k_c.data(), static_cast<float>(p.scale), static_cast<float*>(s.data()), "S = scale Q K^T");
-  launch_softmax<T>(p, d, static_cast<const float*>(s.data()), static_cast<T*>(pr.data()),
-                    {lse.ptr<float>(), lse.stride(0), lse.stride(1), lse.stride(2)}, stream);
-  gemms.apply(pr.data(), v_c.data(), 1.f, q_c.data(), "O = P V");
+  // NVTX ranges (and --profile-ranges) around each sub-op, as the seed profiled its unfused attention.
+  {
+    ScopedRange range("attention.qk_matmul");
+    gemms.scores(q_c.data(), k_c.data(), static_cast<float>(p.scale), static_cast<float*>(s.data()),
+                 "S = scale Q K^T");
+  }
+  {
+    ScopedRange range("attention.softmax");
+    launch_softmax<T>(p, d, static_cast<const float*>(s.data()), static_cast<T*>(pr.data()),
+                      {lse.ptr<float>(), lse.stride(0), lse.stride(1), lse.stride(2)}, stream);
+  }
+  {
+    ScopedRange range("attention.av_matmul");
+    gemms.apply(pr.data(), v_c.data(), 1.f, q_c.data(), "O = P V");
+  }
   scatter(q_c.data(), o, e, stream, "naive_attention: copy_rows (scatter o)");
   FLASHLM_CUDA_CHECK(cudaStreamSynchronize(stream), "naive_attention_forward: cudaStreamSynchronize");
 }
@@ -394,17 +406,36 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   gather(dout, do_c.data(), e, stream, "naive_attention: copy_rows (gather dout)");
   // P and its logsumexp are recomputed from S rather than taken from the forward, as the CPU
   // reference does; the packed lse is [batch, heads_q, seq_q] contiguous.
-  gemms.scores(q_c.data(), k_c.data(), scale, s_f, "S = scale Q K^T");
-  launch_softmax<T>(p, d, s_f, p_t, {lse_f, d.heads_q * d.seq_q, d.seq_q, 1}, stream);
-  gemms.scores(do_c.data(), v_c.data(), 1.f, dp_f, "dP = dO V^T");
-  gemms.reduce(p_t, do_c.data(), 1.f, v_c.data(), "dV = P^T dO");
+  {
+    ScopedRange range("attention.qk_matmul");
+    gemms.scores(q_c.data(), k_c.data(), scale, s_f, "S = scale Q K^T");
+  }
+  {
+    ScopedRange range("attention.softmax");
+    launch_softmax<T>(p, d, s_f, p_t, {lse_f, d.heads_q * d.seq_q, d.seq_q, 1}, stream);
+  }
+  {
+    ScopedRange range("attention.dp_matmul");
+    gemms.scores(do_c.data(), v_c.data(), 1.f, dp_f, "dP = dO V^T");
+  }
+  {
+    ScopedRange range("attention.dv_matmul");
+    gemms.reduce(p_t, do_c.data(), 1.f, v_c.data(), "dV = P^T dO");
+  }
   if (d.rows > 0) {
+    ScopedRange range("attention.softmax_backward");
     softmax_grad_rows<T><<<static_cast<unsigned>(d.rows), kThreads, 0, stream>>>(
         s_f, dp_f, lse_f, p_t, d.ld, d.seq_q, d.seq_k, p.causal, p.causal_offset);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "naive_attention: softmax_grad_rows");
   }
-  gemms.apply(p_t, k_c.data(), scale, do_c.data(), "dQ = scale dS K");
-  gemms.reduce(p_t, q_c.data(), scale, k_c.data(), "dK = scale dS^T Q");
+  {
+    ScopedRange range("attention.dq_matmul");
+    gemms.apply(p_t, k_c.data(), scale, do_c.data(), "dQ = scale dS K");
+  }
+  {
+    ScopedRange range("attention.dk_matmul");
+    gemms.reduce(p_t, q_c.data(), scale, k_c.data(), "dK = scale dS^T Q");
+  }
   scatter(do_c.data(), dq, e, stream, "naive_attention: copy_rows (scatter dq)");
   scatter(k_c.data(), dk, e, stream, "naive_attention: copy_rows (scatter dk)");
   scatter(v_c.data(), dv, e, stream, "naive_attention: copy_rows (scatter dv)");
