@@ -92,6 +92,9 @@ struct DdpOptions {
   int gemm_sm_reserve = -1;
 };
 
+// DdpOptions::gemm_sm_reserve with -1 resolved against `comm` (its NCCL max CTAs, 0 when NCCL chooses).
+int resolve_gemm_sm_reserve(int requested, const Communicator& comm);
+
 // What the last synchronisation did.
 struct DdpStats {
   int64_t collectives = 0;  // all-reduces

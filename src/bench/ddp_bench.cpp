@@ -97,8 +97,7 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   comm.agree(static_cast<int64_t>(cfg.reduce_dtypes.size()), "the number of gradient reduction types");
   for (DType t : cfg.reduce_dtypes) comm.agree(static_cast<int64_t>(t), "the gradient reduction types");
   comm.agree(static_cast<int64_t>(cfg.zero1.size()), "the ZeRO-1 settings");
-  FLASHLM_CHECK(cfg.gemm_sm_reserve >= -1, "ddp-bench: gemm_sm_reserve = {}, expected >= 0 (or -1: automatic)",
-                cfg.gemm_sm_reserve);
+  resolve_gemm_sm_reserve(cfg.gemm_sm_reserve, comm);  // checks it before any rank builds a model
   comm.agree(cfg.gemm_sm_reserve, "the GEMM SM reserve");
   comm.agree(cfg.warmup, "the warm-up steps");
   comm.agree(cfg.steps, "the timed steps");
@@ -222,7 +221,7 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
       {"warmup", cfg.warmup},
       {"steps", cfg.steps},
       {"nccl_max_ctas", cfg.nccl_max_ctas > 0 ? nlohmann::json(cfg.nccl_max_ctas) : nlohmann::json()},
-      {"gemm_sm_reserve", cfg.gemm_sm_reserve >= 0 ? cfg.gemm_sm_reserve : std::max(cfg.nccl_max_ctas, 0)},
+      {"gemm_sm_reserve", resolve_gemm_sm_reserve(cfg.gemm_sm_reserve, comm)},
       {"timing", "per step the slowest rank's time (forward, backward, gradient sync, optimizer); mean and median "
                  "over steps"},
       {"scaling_efficiency", "tokens/s at world N / (N x tokens/s of the step without communication, 'none')"},

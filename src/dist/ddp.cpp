@@ -451,14 +451,17 @@ DdpStats DataParallel::last_stats() {
   return m.stats;
 }
 
+int resolve_gemm_sm_reserve(int requested, const Communicator& comm) {
+  FLASHLM_CHECK(requested >= -1, "gemm_sm_reserve = {}, expected >= 0 (or -1: automatic)", requested);
+  return requested >= 0 ? requested : std::max(comm.nccl_max_ctas(), 0);
+}
+
 DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch_tokens, const DdpOptions& options,
                    bool zero1)
     : model_(model),
       micro_tokens_(micro_batch_tokens),
-      gemm_sm_reserve_(options.gemm_sm_reserve >= 0 ? options.gemm_sm_reserve : comm.nccl_max_ctas()) {
+      gemm_sm_reserve_(resolve_gemm_sm_reserve(options.gemm_sm_reserve, comm)) {
   FLASHLM_CHECK(micro_batch_tokens >= 1, "DdpModel: micro_batch_tokens = {}, expected >= 1", micro_batch_tokens);
-  FLASHLM_CHECK(options.gemm_sm_reserve >= -1, "DdpModel: gemm_sm_reserve = {}, expected >= 0 (or -1: automatic)",
-                options.gemm_sm_reserve);
   ddp_ = std::make_unique<DataParallel>(comm, DdpParameters::of(model), options);
   if (zero1) zero_ = std::make_unique<ZeroOptimizer>(comm, DdpParameters::of(model));
   model_.set_gradient_ready_hook(ddp_->hook());
