@@ -68,6 +68,19 @@ struct DqTraits {
   static constexpr size_t kSmemBytes = size_t(2 * kBlockM * D + 4 * kBlockN * D) * 2;  // Q, dO, 2 stages K, V
 };
 
+// The atomic path's fp32 dQ accumulator of one (batch, head), [seq_q_padded, D] floats, stored in the
+// order of the mma.sync C fragments rather than row-major: the 16 x 8 tile at (row0, col0) (row0 a
+// multiple of 16, col0 of 8) is 128 consecutive floats, element (lane, e) of the fragment at e·32 + lane
+// (lane = 4g + t holds rows g, g + 8 and columns 2t, 2t + 1; e = 2·(row ≥ 8) + column parity). Row-major,
+// each atomic instruction of a warp touched 8 rows; in this order it covers one 128-byte line.
+template <int D>
+struct DqAccumLayout {
+  static constexpr int kBlockFloats = 16 * 8;
+  __host__ __device__ static constexpr int64_t block(int row0, int col0) {
+    return (int64_t(row0 / 16) * (D / 8) + col0 / 8) * kBlockFloats;
+  }
+};
+
 template <class T, int D>
 __global__ void flash_bwd_preprocess_kernel(const FlashParams p) {
   // D/8 threads per row, each reading 8 elements of O and dO with one 16-byte load.
@@ -342,13 +355,15 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           Mma::run(dq[2 * ct + 1], a, bk + 2);
         }
       }
-      float* dq_rows =
-          p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0 + c_row0) * D + c_col0;
+      // The accumulator is kept in fragment order (DqAccumLayout): for each (ct, e) the warp's 32 lanes
+      // add to 32 consecutive floats, one 128-byte line per atomic instruction.
+      float* dq_frag = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D +
+                       DqAccumLayout<D>::block(m0 + c_row0, c_col0) + lane;
 #pragma unroll
       for (int ct = 0; ct < Tr::kCCols / 8; ++ct) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          atomicAdd(dq_rows + (g + (e / 2) * 8) * D + ct * 8 + 2 * t + (e % 2), dq[ct][e]);  // scaled in convert
+          atomicAdd(dq_frag + ct * DqAccumLayout<D>::kBlockFloats + e * 32, dq[ct][e]);  // scaled in convert
         }
       }
     }
@@ -558,15 +573,20 @@ __global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   const int row = idx / (D / 8), part = idx % (D / 8);
   if (row >= p.seq_q) return;
-  const float* src = p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + row) * D + part * 8;
-  const float4 lo = *reinterpret_cast<const float4*>(src);
-  const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+  // Row `row`, columns part·8 .. part·8 + 7 of the fragment-ordered accumulator (DqAccumLayout): with
+  // r = row % 16, the even columns 0, 2, 4, 6 are the 4 floats at e = 2·(r / 8), lanes 4·(r % 8) + 0..3,
+  // and the odd ones the 4 floats at e + 1.
+  const int r = row % 16;
+  const float* src = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D +
+                     DqAccumLayout<D>::block(row, part * 8) + (r / 8) * 64 + (r % 8) * 4;
+  const float4 even = *reinterpret_cast<const float4*>(src);
+  const float4 odd = *reinterpret_cast<const float4*>(src + 32);
   const float c = p.scale;  // the accumulator holds dS·K without the softmax scale (one multiply here, not per atomic)
   uint4 out;
-  out.x = MmaOp<T>::pack(lo.x * c, lo.y * c);
-  out.y = MmaOp<T>::pack(lo.z * c, lo.w * c);
-  out.z = MmaOp<T>::pack(hi.x * c, hi.y * c);
-  out.w = MmaOp<T>::pack(hi.z * c, hi.w * c);
+  out.x = MmaOp<T>::pack(even.x * c, odd.x * c);
+  out.y = MmaOp<T>::pack(even.y * c, odd.y * c);
+  out.z = MmaOp<T>::pack(even.z * c, odd.z * c);
+  out.w = MmaOp<T>::pack(even.w * c, odd.w * c);
   *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_st.b + row * p.dq_st.s + h * p.dq_st.h + part * 8) = out;
 }
 
