@@ -33,7 +33,8 @@ struct BwdTraits {
   //   A: S = Q Kᵀ and dP = dO Vᵀ (kBlockM x 128): 2 warps along queries x 4 along keys.
   //   B: dV += Pᵀ dO and dK += dSᵀ Q (128 x D): kBWarpsN along keys x kBWarpsD along head_dim,
   //      with Pᵀ and dSᵀ read transposed from the P and dS tiles phase A wrote to shared memory.
-  //   C: dQ += dS K (kBlockM x D), atomic path only: kCRowTiles along queries x kCWarpsD along head_dim.
+  //   C: dQ += dS K (kBlockM x D), atomic path only: kCRowGroups of kCMTiles 16-row tiles along queries x
+  //      kCWarpsD along head_dim, so that each K fragment feeds kCMTiles MMAs.
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = 128;
@@ -43,8 +44,9 @@ struct BwdTraits {
   static constexpr int kBWarpsN = kWarps / kBWarpsD;
   static constexpr int kBMTiles = kBlockN / kBWarpsN / 16;  // 16-key tiles per warp in phase B
   static constexpr int kBCols = D / kBWarpsD;
-  static constexpr int kCRowTiles = kBlockM / 16;
-  static constexpr int kCWarpsD = kWarps / kCRowTiles;
+  static constexpr int kCMTiles = D >= 32 ? 2 : 1;
+  static constexpr int kCRowGroups = kBlockM / (16 * kCMTiles);
+  static constexpr int kCWarpsD = kWarps / kCRowGroups;
   static constexpr int kCCols = D / kCWarpsD;
   static_assert(kBCols % 16 == 0 && kCCols % 16 == 0, "warp column slices must be whole pairs of n8 tiles");
   // sK, sV; two stages of sQ and sdO; sP and sdS; two stages of lse and Delta (fp32).
@@ -66,6 +68,19 @@ struct DqTraits {
   static constexpr int kThreads = 32 * kWarps;
   static_assert(kBlockM <= kRowPad, "per-row arrays are padded to kRowPad rows");
   static constexpr size_t kSmemBytes = size_t(2 * kBlockM * D + 4 * kBlockN * D) * 2;  // Q, dO, 2 stages K, V
+};
+
+// The atomic path's fp32 dQ accumulator of one (batch, head), [seq_q_padded, D] floats, stored in the
+// order of the mma.sync C fragments rather than row-major: the 16 x 8 tile at (row0, col0) (row0 a
+// multiple of 16, col0 of 8) is 128 consecutive floats, element (lane, e) of the fragment at e·32 + lane
+// (lane = 4g + t holds rows g, g + 8 and columns 2t, 2t + 1; e = 2·(row ≥ 8) + column parity). Row-major,
+// each atomic instruction of a warp touched 8 rows; in this order it covers one 128-byte line.
+template <int D>
+struct DqAccumLayout {
+  static constexpr int kBlockFloats = 16 * 8;
+  __host__ __device__ static constexpr int64_t block(int row0, int col0) {
+    return (int64_t(row0 / 16) * (D / 8) + col0 / 8) * kBlockFloats;
+  }
 };
 
 template <class T, int D>
@@ -158,8 +173,8 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   const int a_row0 = (warp % 2) * 16 * Tr::kAMTiles, a_key0 = (warp / 2) * 32;
   // Phase B layout: keys b_key0 + [0, 16·kBMTiles), head_dim columns b_col0 + [0, kBCols).
   const int b_key0 = (warp % Tr::kBWarpsN) * 16 * Tr::kBMTiles, b_col0 = (warp / Tr::kBWarpsN) * Tr::kBCols;
-  // Phase C layout: rows c_row0 + [0, 16), columns c_col0 + [0, kCCols).
-  const int c_row0 = (warp % Tr::kCRowTiles) * 16, c_col0 = (warp / Tr::kCRowTiles) * Tr::kCCols;
+  // Phase C layout: rows c_row0 + [0, 16·kCMTiles), columns c_col0 + [0, kCCols).
+  const int c_row0 = (warp % Tr::kCRowGroups) * 16 * Tr::kCMTiles, c_col0 = (warp / Tr::kCRowGroups) * Tr::kCCols;
 
   // Fragment addressing. Every ldmatrix address is this lane's byte offset for chunk pair 0 (XorSwizzle)
   // XOR a constant plus a constant, so a handful of lane offsets are recomputed per step from `lane`
@@ -321,15 +336,17 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
     if constexpr (kAtomicDq) {
       // Phase C: this key tile's contribution dS K to dQ, added to the fp32 accumulator atomically.
-      float dq[Tr::kCCols / 8][4] = {};
-      // dS fragment: rows c_row0 + a_row, key chunk pair kk; K fragment: key rows kk·16 + bt_row, head_dim
-      // chunk pair c_col0 / 16 + ct.
+      constexpr int kCM = Tr::kCMTiles;
+      float dq[kCM][Tr::kCCols / 8][4] = {};
+      // dS fragment: rows c_row0 + mt·16 + a_row, key chunk pair kk; K fragment: key rows kk·16 + bt_row,
+      // head_dim chunk pair c_col0 / 16 + ct.
       const uint32_t sc_off = opaque(XsP::lane_offset(c_row0 + a_row(), a_b()));
       const uint32_t kc_off = opaque(kXor ? Xs::lane_offset(bt_row(), bt_b()) : 0u);
 #pragma unroll 2
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4(a, sdS_addr + XsP::at(sc_off, 0, kk));
+        uint32_t a[kCM][4];
+#pragma unroll
+        for (int mt = 0; mt < kCM; ++mt) ldmatrix_x4(a[mt], sdS_addr + XsP::at(sc_off, mt * 16, kk));
 #pragma unroll
         for (int ct = 0; ct < Tr::kCCols / 16; ++ct) {
           uint32_t bk[4];
@@ -338,17 +355,25 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           else
             ldmatrix_x4_trans(bk, smem_addr(sK + Swizzle<D>::offset(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
                                                                     c_col0 / 8 + 2 * ct + lane / 16)));
-          Mma::run(dq[2 * ct], a, bk);
-          Mma::run(dq[2 * ct + 1], a, bk + 2);
+#pragma unroll
+          for (int mt = 0; mt < kCM; ++mt) {
+            Mma::run(dq[mt][2 * ct], a[mt], bk);
+            Mma::run(dq[mt][2 * ct + 1], a[mt], bk + 2);
+          }
         }
       }
-      float* dq_rows =
-          p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0 + c_row0) * D + c_col0;
+      // The accumulator is kept in fragment order (DqAccumLayout): for each (ct, e) the warp's 32 lanes
+      // add to 32 consecutive floats, one 128-byte line per atomic instruction.
+      float* dq_head = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D + lane;
 #pragma unroll
-      for (int ct = 0; ct < Tr::kCCols / 8; ++ct) {
+      for (int mt = 0; mt < kCM; ++mt) {
+        float* dq_frag = dq_head + DqAccumLayout<D>::block(m0 + c_row0 + mt * 16, c_col0);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          atomicAdd(dq_rows + (g + (e / 2) * 8) * D + ct * 8 + 2 * t + (e % 2), dq[ct][e]);  // scaled in convert
+        for (int ct = 0; ct < Tr::kCCols / 8; ++ct) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            atomicAdd(dq_frag + ct * DqAccumLayout<D>::kBlockFloats + e * 32, dq[mt][ct][e]);  // scaled in convert
+          }
         }
       }
     }
@@ -558,15 +583,20 @@ __global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   const int row = idx / (D / 8), part = idx % (D / 8);
   if (row >= p.seq_q) return;
-  const float* src = p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.seq_q_padded + row) * D + part * 8;
-  const float4 lo = *reinterpret_cast<const float4*>(src);
-  const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+  // Row `row`, columns part·8 .. part·8 + 7 of the fragment-ordered accumulator (DqAccumLayout): with
+  // r = row % 16, the even columns 0, 2, 4, 6 are the 4 floats at e = 2·(r / 8), lanes 4·(r % 8) + 0..3,
+  // and the odd ones the 4 floats at e + 1.
+  const int r = row % 16;
+  const float* src = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D +
+                     DqAccumLayout<D>::block(row, part * 8) + (r / 8) * 64 + (r % 8) * 4;
+  const float4 even = *reinterpret_cast<const float4*>(src);
+  const float4 odd = *reinterpret_cast<const float4*>(src + 32);
   const float c = p.scale;  // the accumulator holds dS·K without the softmax scale (one multiply here, not per atomic)
   uint4 out;
-  out.x = MmaOp<T>::pack(lo.x * c, lo.y * c);
-  out.y = MmaOp<T>::pack(lo.z * c, lo.w * c);
-  out.z = MmaOp<T>::pack(hi.x * c, hi.y * c);
-  out.w = MmaOp<T>::pack(hi.z * c, hi.w * c);
+  out.x = MmaOp<T>::pack(even.x * c, odd.x * c);
+  out.y = MmaOp<T>::pack(even.y * c, odd.y * c);
+  out.z = MmaOp<T>::pack(even.z * c, odd.z * c);
+  out.w = MmaOp<T>::pack(even.w * c, odd.w * c);
   *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_st.b + row * p.dq_st.s + h * p.dq_st.h + part * 8) = out;
 }
 
