@@ -173,6 +173,16 @@ class ZeroOptimizer {
   // steps()) on this rank's shard, and gathers the updated parameters from every rank. Returns the norm
   // before clipping. CUDA: queued on `stream`; the host waits only to read the norm.
   double step(float* params, float* grads, const AdamWConfig& c, double lr, void* stream = nullptr);
+  // The same step for a model whose forward reads a low-precision copy `working` (CUDA, bf16 or fp16, the
+  // flat layout of params): the update writes this rank's shard of both, and only the copy is gathered —
+  // half (bf16) the bytes of the fp32 masters, and no recast of the whole model afterwards. The other
+  // ranks' shards of `params` are then stale until gather_masters() (checkpoints); the AdamW arithmetic
+  // and the copy the model computes with are the same as with step().
+  double step(float* params, float* grads, void* working, DType working_dtype, const AdamWConfig& c, double lr,
+              void* stream);
+  bool masters_stale() const;
+  // Gathers every rank's shard of the fp32 masters (after step(..., working, ...)); collective.
+  void gather_masters(float* params, void* stream = nullptr);
 
   // Checkpoints. gather_state: every rank receives the full moments (host arrays of flat_size() floats).
   // load_state: every rank passes the full moments and keeps its shard.
@@ -199,6 +209,10 @@ class DdpModel {
   ZeroOptimizer* zero();  // nullptr without zero1
 
   void broadcast_parameters();  // rank 0's to every rank
+  // ZeRO-1 on a low-precision CUDA model gathers only the working copy after each step; this gathers the
+  // fp32 masters too (collective; a no-op when they are current). Call before reading model.parameters(),
+  // e.g. for a checkpoint.
+  void gather_master_parameters();
   // zero_grad, then grad_accum micro-steps of forward and backward (micro-step k reads tokens and targets
   // [k · micro_batch_tokens, (k + 1) · micro_batch_tokens)), the last one synchronised. Returns the mean loss.
   double forward_backward(std::span<const int32_t> tokens, std::span<const int32_t> targets);

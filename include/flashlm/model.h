@@ -106,6 +106,10 @@ class LanguageModel {
   // After parameters() changed in place (a broadcast, ZeRO-1's update): refreshes what is derived from them
   // (CudaModel's low-precision weights), queued on stream().
   virtual void parameters_changed() {}
+  // The low-precision copy of parameters() that forward and backward read (CudaModel in bf16 or fp16; the
+  // same flat layout, precision() elements), or nullptr where they read parameters() itself. ZeRO-1
+  // gathers this copy instead of the fp32 masters (flashlm/ddp.h).
+  virtual void* working_parameters() const { return nullptr; }
   // backward() calls `hook` as each parameter's gradient becomes final — on CUDA when the kernels that
   // produce it are queued on stream(), not when they have run. An empty hook removes it.
   void set_gradient_ready_hook(GradientReadyHook hook) { gradient_ready_hook_ = std::move(hook); }
@@ -207,6 +211,7 @@ class CudaModel final : public LanguageModel {
   float* gradients() const override;   // device memory
   void* stream() const override;
   void parameters_changed() override;
+  void* working_parameters() const override;
   int64_t parameter_count() const override;
   Device device() const override { return Device::cuda; }
   DType precision() const override;

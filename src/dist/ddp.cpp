@@ -472,6 +472,10 @@ DdpModel::~DdpModel() { model_.set_gradient_ready_hook({}); }
 DataParallel& DdpModel::data_parallel() { return *ddp_; }
 ZeroOptimizer* DdpModel::zero() { return zero_.get(); }
 
+void DdpModel::gather_master_parameters() {
+  if (zero_ && zero_->masters_stale()) zero_->gather_masters(model_.parameters(), model_.stream());
+}
+
 void DdpModel::broadcast_parameters() {
   ddp_->broadcast_parameters(model_.parameters(), model_.stream());
   model_.parameters_changed();
@@ -507,8 +511,13 @@ bool DdpModel::optimizer_step(const AdamWConfig& c, double lr, double* norm) {
   // The gradients are equal on every rank, and so is an fp16 overflow and its skipped step.
   if (!zero_) return flashlm::optimizer_step(model_, c, lr, norm);
   if (!model_.unscale_gradients()) return false;
-  const double before = zero_->step(model_.parameters(), model_.gradients(), c, lr, model_.stream());
-  model_.parameters_changed();
+  // A low-precision CUDA model: the update writes this rank's shard of the working copy too, and the ranks
+  // gather only that copy (half the bytes of the fp32 masters, no recast of the whole model).
+  void* working = model_.working_parameters();
+  const double before = working ? zero_->step(model_.parameters(), model_.gradients(), working,
+                                              model_.precision(), c, lr, model_.stream())
+                                 : zero_->step(model_.parameters(), model_.gradients(), c, lr, model_.stream());
+  if (!working) model_.parameters_changed();
   if (norm) *norm = before;
   return true;
 }

@@ -27,6 +27,7 @@ struct ZeroOptimizer::Impl {
   std::vector<int64_t> counts;        // every rank's elements within [0, n), for the gather
   Buffer m, v;                        // shard_elements floats each, on the parameters' device
   int64_t steps = 0;
+  bool masters_stale = false;         // other ranks' shards of the fp32 masters not gathered since a step
 #ifdef FLASHLM_WITH_CUDA
   Buffer norm_parts;  // one fp64 sum of squares per trainable run (device)
 #endif
@@ -126,8 +127,16 @@ int64_t ZeroOptimizer::state_bytes() const { return 2 * impl_->shard_elements * 
 int64_t ZeroOptimizer::steps() const { return impl_->steps; }
 
 double ZeroOptimizer::step(float* params, float* grads, const AdamWConfig& c, double lr, void* stream) {
+  return step(params, grads, nullptr, DType::f32, c, lr, stream);
+}
+
+double ZeroOptimizer::step(float* params, float* grads, void* working, DType working_dtype, const AdamWConfig& c,
+                           double lr, void* stream) {
   Impl& m = *impl_;
   FLASHLM_CHECK(params != nullptr && grads != nullptr, "ZeroOptimizer::step: null params or grads");
+  FLASHLM_CHECK(working == nullptr || (m.cuda() && (working_dtype == DType::bf16 || working_dtype == DType::f16)),
+                "ZeroOptimizer::step: a working copy must be bf16 or fp16 on cuda, got {} on {}",
+                dtype_name(working_dtype), device_name(m.params.device));
   const double norm = std::sqrt(m.squared_norm(grads, stream));
   const bool clip = c.max_grad_norm > 0 && norm > c.max_grad_norm;
   const float scale = cpu::clip_scale(norm, c.max_grad_norm);
@@ -145,15 +154,43 @@ double ZeroOptimizer::step(float* params, float* grads, const AdamWConfig& c, do
     } else {
 #ifdef FLASHLM_WITH_CUDA
       // The clip factor is applied inside the AdamW kernel (same product, one rounding), not by a pass of
-      // its own; the stored gradients stay unclipped.
-      gpu::adamw_step<float>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
-                             c.weight_decay, m.steps, nullptr, stream, clip ? scale : 1.0f);
+      // its own; the stored gradients stay unclipped. With a working copy the kernel also writes this
+      // shard of it, rounded as CudaModel::parameters_changed() would.
+      const float gs = clip ? scale : 1.0f;
+      if (working_dtype == DType::bf16 && working) {
+        gpu::adamw_step<bf16_t>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
+                                       c.weight_decay, m.steps, static_cast<bf16_t*>(working) + r.offset,
+                                       stream, gs);
+      } else if (working_dtype == DType::f16 && working) {
+        gpu::adamw_step<fp16_t>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
+                                c.weight_decay, m.steps, static_cast<fp16_t*>(working) + r.offset, stream, gs);
+      } else {
+        gpu::adamw_step<float>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
+                               c.weight_decay, m.steps, nullptr, stream, gs);
+      }
 #endif
     }
   }
-  m.comm.all_gather_v(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), m.counts, stream);
+  if (working) {
+    // Frozen elements of the shard were not updated, and their copy is already right on every rank.
+    m.comm.all_gather_v(TensorView::contiguous(working, working_dtype, {m.n}, m.params.device), m.counts, stream);
+    m.masters_stale = m.comm.world_size() > 1;
+  } else {
+    m.comm.all_gather_v(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), m.counts, stream);
+    m.masters_stale = false;
+  }
   m.comm.wait(stream);
   return norm;
+}
+
+bool ZeroOptimizer::masters_stale() const { return impl_->masters_stale; }
+
+void ZeroOptimizer::gather_masters(float* params, void* stream) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(params != nullptr, "ZeroOptimizer::gather_masters: null params");
+  m.comm.all_gather_v(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), m.counts, stream);
+  m.comm.wait(stream);
+  m.masters_stale = false;
 }
 
 namespace {

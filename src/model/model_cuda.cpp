@@ -218,6 +218,10 @@ void CudaModel::load_parameters(const float* host) {
   gpu::stream_synchronize(impl_->stream);
 }
 
+void* CudaModel::working_parameters() const {
+  return impl_->precision == DType::f32 ? nullptr : impl_->params_lp.data();
+}
+
 void CudaModel::parameters_changed() {
   Impl& m = *impl_;
   with_precision(m.precision, [&](auto zero) {

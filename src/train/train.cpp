@@ -40,6 +40,7 @@ void write_checkpoint(const std::string& path, const LanguageModel& model, DdpMo
                       int64_t next_step, const BatcherState& batcher) {
   const size_t n = size_t(model.parameter_count());
   std::vector<float> params(n), m(n), v(n);
+  if (dp) dp->gather_master_parameters();  // ZeRO-1 in bf16/fp16 gathers only the working weights per step
   model.save_state(params.data(), m.data(), v.data());
   if (dp && dp->zero()) dp->zero()->gather_state(m.data(), v.data());
   if (cfg.comm && !cfg.comm->is_root()) return;

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -552,6 +553,43 @@ TEST(DdpGpu, SixteenBitAllReduceOfTheToyGradients) {
 // magnitude, so a relative error in it moves the update by about as much; this training on the CPU, with
 // each gradient rounded to bf16 and then perturbed by up to 5u, moves the updates by 3.6e-3), but are not
 // bit-identical (the bf16 path did round).
+// ZeRO-1 on a bf16 model gathers the working weights, not the fp32 masters: the weights the model computes
+// with match plain DDP's after the same steps (the same AdamW kernel per element, one bf16 rounding), and
+// gather_master_parameters() brings back the full fp32 masters.
+TEST(DdpGpu, ZeroOneInBf16GathersTheWorkingWeightsAndTheMastersOnDemand) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  const ModelConfig mc = gpu_config();
+  const int64_t global = 8, local = global / comm().world_size();
+  CudaModel plain(mc, local, kLmSeq, DType::bf16), sharded(mc, local, kLmSeq, DType::bf16);
+  plain.init_parameters(5);
+  sharded.init_parameters(5);
+  DdpModel a(comm(), plain, local * kLmSeq, options(DdpVariant::bucketed, 0.02), false);
+  DdpModel b(comm(), sharded, local * kLmSeq, options(DdpVariant::bucketed, 0.02), true);
+  train_rank_slices(a, mc, global);
+  train_rank_slices(b, mc, global);
+  const auto n = size_t(plain.parameter_count());
+  std::vector<uint16_t> wa(n), wb(n);
+  ASSERT_NE(plain.working_parameters(), nullptr);
+  cuda_copy(wa.data(), plain.working_parameters(), n * sizeof(uint16_t));
+  cuda_copy(wb.data(), sharded.working_parameters(), n * sizeof(uint16_t));
+  std::vector<float> fa(n), fb(n);
+  for (size_t i = 0; i < n; ++i) {
+    fa[i] = std::bit_cast<float>(uint32_t(wa[i]) << 16);
+    fb[i] = std::bit_cast<float>(uint32_t(wb[i]) << 16);
+  }
+  // The clip factor comes from norms summed in another order: a few elements may round the other way. A
+  // shard that was not gathered would still hold the initial weights, ~10% away after these steps.
+  size_t differ = 0;
+  for (size_t i = 0; i < n; ++i) differ += wa[i] != wb[i];
+  EXPECT_LE(double(differ), 0.01 * double(n));
+  EXPECT_LE(relative_l2(fb, fa), 1e-3);
+  EXPECT_EQ(b.zero()->masters_stale(), comm().world_size() > 1);
+  b.gather_master_parameters();
+  EXPECT_FALSE(b.zero()->masters_stale());
+  EXPECT_LE(relative_l2(host_parameters(sharded), host_parameters(plain)), 1e-5);
+}
+
 TEST(DdpGpu, Bf16AllReduceTrainsLikeFp32) {
   if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
   comm().setup_cuda();
