@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of two builds of libflashlm.so on one GPU, in one session: the GPU attention tests with each, the fa
 # grid A, B, A, B (interleaved, so drift shows), the PyTorch peers once, and compare.py for each run.
-#   scripts/gpu-ab.sh BIN_DIR LIB_A LIB_B PEERS_DIR OUT_DIR [extra attention-bench flags, e.g. --atomic-dq]
+#   scripts/gpu-ab.sh BIN_DIR LIB_A LIB_B PEERS_DIR OUT_DIR [extra attention-bench flags, e.g. --deterministic]
 # BIN_DIR holds flashlm and test_attention (they load libflashlm.so from LD_LIBRARY_PATH); LIB_A and LIB_B
 # are directories holding a libflashlm.so each; PEERS_DIR is shared/bench.
 set -uo pipefail

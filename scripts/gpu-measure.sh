@@ -31,21 +31,21 @@ if [[ $what == tests || $what == all ]]; then
 fi
 
 if [[ $what == bench || $what == all ]]; then
-  echo "== attention sweep, fa grid: flash (default separate dQ pass, and dQ by atomics) and naive; then the PyTorch peers"
+  echo "== attention sweep, fa grid: flash (default dQ by atomics, and the deterministic separate dQ pass) and naive; then the PyTorch peers"
   fb="$bin/flashlm attention-bench --device cuda --quiet"
   $fb --grid fa --dtype bf16 --warmup 10 --reps 30 --impl flash --format json --out "$out/ours-fa.json" > /dev/null
-  $fb --grid fa --dtype bf16 --warmup 10 --reps 30 --impl flash --atomic-dq --format json --out "$out/ours-fa-atomic.json" > /dev/null
+  $fb --grid fa --dtype bf16 --warmup 10 --reps 30 --impl flash --deterministic --format json --out "$out/ours-fa-det.json" > /dev/null
   $fb --grid fa --dtype bf16 --warmup 3 --reps 5 --impl naive --format json --out "$out/ours-fa-naive.json" > /dev/null
   python3 "$peers/attention_peers.py" --grid fa --peers flash,cudnn --out "$out/peers-fa.json" > "$out/peers-fa.log" 2>&1 \
     || tail -5 "$out/peers-fa.log"
-  for mode in "" -atomic; do
+  for mode in "" -det; do
     echo "-- flash$mode vs peers"
     python3 "$peers/compare.py" "$out/ours-fa$mode.json" "$out/peers-fa.json" --ours flash --peer flash --peer cudnn \
       > "$out/compare-fa$mode.md"
     tail -1 "$out/compare-fa$mode.md"
   done
-  echo "== memory at seq 32k (b1 h16 d128): flash (separate dQ pass), flash with atomic dQ, naive"
-  for extra in "--impl flash" "--impl flash --atomic-dq" "--impl naive"; do
+  echo "== memory at seq 32k (b1 h16 d128): flash (dQ by atomics), flash --deterministic (separate dQ pass), naive"
+  for extra in "--impl flash" "--impl flash --deterministic" "--impl naive"; do
     $fb --seq 32768 --batch 1 --heads 16 --d 128 --causal=0,1 --dtype bf16 --warmup 1 --reps 3 $extra --format csv \
       | cut -d, -f1,5,7,8,9,12,13,14
   done

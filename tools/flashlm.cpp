@@ -206,7 +206,7 @@ struct AttentionBenchArgs {
   std::string impl = "naive,flash", dtype = "fp32", d = "64", seq = "1024,2048,4096", batch = "1", heads = "1";
   std::string causal = "0", align = "top-left", device, format = "md", out, grid;
   int warmup = 1, reps = 3, threads = 0;
-  bool forward_only = false, quiet = false, deterministic = false, atomic_dq = false;
+  bool forward_only = false, quiet = false, deterministic = false;
 };
 
 void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
@@ -229,10 +229,9 @@ void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
       ->excludes(batch)
       ->excludes(heads)
       ->excludes(causal);
-  cmd->add_flag("--deterministic", a.deterministic, "Backward without atomics, bit-reproducible (the CUDA default path)");
-  cmd->add_flag("--atomic-dq", a.atomic_dq,
-                "CUDA backward: dQ by fp32 atomics in the dK/dV kernel instead of a separate pass (to compare)")
-      ->excludes("--deterministic");
+  cmd->add_flag("--deterministic", a.deterministic,
+                "Backward without atomics, bit-reproducible (CUDA: a separate dQ pass instead of fp32 atomics in "
+                "the dK/dV kernel)");
   cmd->add_option("--causal-align", a.align, "top-left (PyTorch is_causal) or bottom-right")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--warmup", a.warmup, "Untimed runs before timing")->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -267,7 +266,6 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
   require_usable_device(cfg.device);
   if (a.threads > 0) set_cpu_threads(a.threads);
   cfg.deterministic = a.deterministic;
-  cfg.atomic_dq = a.atomic_dq;
   cfg.warmup = a.warmup;
   cfg.reps = a.reps;
   cfg.backward = !a.forward_only;

@@ -33,11 +33,10 @@ struct AttentionOptions {
   bool causal = false;
   CausalAlign align = CausalAlign::top_left;
   std::optional<double> scale;   // default 1/sqrt(head_dim)
-  bool deterministic = false;    // backward without atomics (bit-reproducible); the CPU is always so
-  // CUDA flash backward: dQ by fp32 atomics inside the dK/dV kernel instead of the default separate pass
-  // over query tiles. Not deterministic, needs an fp32 dQ buffer, and slower on the H200 since the
-  // backward's instruction cuts (docs/perf.md); kept to compare. Contradicts `deterministic`.
-  bool atomic_dq = false;
+  // Backward without floating-point atomics, bit-reproducible. The CUDA flash backward otherwise adds dQ
+  // from its dK/dV kernel with fp32 atomics (the faster: docs/perf.md); deterministic takes a separate dQ
+  // pass over query tiles instead. The CPU is always deterministic.
+  bool deterministic = false;
   void* stream = nullptr;        // cudaStream_t for CUDA tensors; ignored on the CPU
 };
 

@@ -34,7 +34,6 @@ struct AttentionBenchConfig {
   std::vector<AttentionShape> shapes{AttentionShape{}};
   CausalAlign align = CausalAlign::top_left;
   bool deterministic = false;  // AttentionOptions::deterministic
-  bool atomic_dq = false;      // AttentionOptions::atomic_dq (CUDA)
   Device device = Device::cpu;
   int warmup = 1;
   int reps = 3;

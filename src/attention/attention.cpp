@@ -198,9 +198,9 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   if (naive) {
     naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
   } else if (!has_flash_kernel(p.head_dim)) {
-    padded_flash_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, !options.atomic_dq, options.stream);
+    padded_flash_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.deterministic, options.stream);
   } else {
-    flash_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, !options.atomic_dq, options.stream);
+    flash_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.deterministic, options.stream);
   }
 #endif
 }

@@ -83,9 +83,6 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   p.scale = options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   FLASHLM_CHECK(std::isfinite(p.scale), "{}: scale: expected a finite number, got {}", fn, p.scale);
   p.causal = options.causal;
-  FLASHLM_CHECK(!(options.deterministic && options.atomic_dq),
-                "{}: options: deterministic and atomic_dq contradict each other (fp32 atomics add in a varying "
-                "order); set one", fn);
   p.causal_offset = options.align == CausalAlign::bottom_right ? p.seq_k - p.seq_q : 0;
   return p;
 }

@@ -52,7 +52,6 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   opt.causal = rec.causal;
   opt.align = cfg.align;
   opt.deterministic = cfg.deterministic;
-  opt.atomic_dq = cfg.atomic_dq;
 
   const int64_t base = memory_stats(dev).current_bytes;
   memory_reset_peak(dev);
@@ -176,7 +175,7 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
                                {"warmup", cfg.warmup},
                                {"reps", cfg.reps},
                                {"causal_align", cfg.align == CausalAlign::top_left ? "top-left" : "bottom-right"},
-                               {"flash_dq", cfg.atomic_dq ? "fp32 atomics in the dK/dV kernel" : "separate pass"}};
+                               {"flash_dq", cfg.deterministic ? "separate pass (deterministic)" : "fp32 atomics in the dK/dV kernel"}};
   return render_report(rows, columns, format, meta);
 }
 

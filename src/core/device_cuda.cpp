@@ -102,6 +102,7 @@ void cuda_memset_async(void* dst, int value, size_t bytes, void* stream) {
 }
 
 void cuda_copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;  // empty tensors may have no allocation
   FLASHLM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
 }
 

@@ -148,10 +148,30 @@ void fill_value(const TensorView& t, double value) {
 
 void copy_into(const TensorView& dst, const TensorView& src) {
   if (dst.device == Device::cuda || src.device == Device::cuda) {
-    // Between devices: a byte copy of the same dtype and shape, both contiguous.
-    FLASHLM_CHECK(dst.dtype == src.dtype && dst.is_contiguous() && src.is_contiguous() && dst.numel() == src.numel(),
-                  "copy_into: across devices both views must be contiguous with one dtype and size: dst {}, src {}",
+    // Between devices: a byte copy of contiguous views of one size; a change of dtype (or layout on the host
+    // side) goes through a host copy in the device view's dtype.
+    const TensorView& device_side = src.device == Device::cuda ? src : dst;
+    const TensorView& other = src.device == Device::cuda ? dst : src;
+    FLASHLM_CHECK(dst.numel() == src.numel() && device_side.is_contiguous() &&
+                      (other.device == Device::cpu || other.is_contiguous()),
+                  "copy_into: across devices both views must have one size and the cuda ones be contiguous: dst {}, "
+                  "src {}",
                   dst.shape_string(), src.shape_string());
+    if (dst.dtype != src.dtype || !other.is_contiguous()) {
+      FLASHLM_CHECK(other.device == Device::cpu,
+                    "copy_into: between two cuda views the dtypes must match: dst {}, src {}", dst.shape_string(),
+                    src.shape_string());
+      Tensor host = Tensor::empty(std::span<const int64_t>(other.sizes.data(), static_cast<size_t>(other.ndim)),
+                                  device_side.dtype);
+      if (src.device == Device::cuda) {
+        cuda_copy(host.data(), src.data, host.bytes());
+        copy_into(dst, host.view());
+      } else {
+        copy_into(host.view(), src);
+        cuda_copy(dst.data, host.data(), host.bytes());
+      }
+      return;
+    }
     cuda_copy(dst.data, src.data, static_cast<size_t>(src.numel()) * dtype_size(src.dtype));
     return;
   }

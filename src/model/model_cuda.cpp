@@ -89,6 +89,9 @@ struct CudaModel::Impl {
     AttentionOptions o;
     o.impl = attention;
     o.causal = true;
+    // The separate dQ pass, not fp32 atomics: a training step stays bit-reproducible, which resuming
+    // from a checkpoint relies on (it costs the xl step ~1 ms of attention backward).
+    o.deterministic = true;
     o.stream = stream;
     return o;
   }

@@ -18,14 +18,14 @@ using namespace flashlm::testing;
 
 namespace {
 
-// atomic_dq: the backward's dQ by fp32 atomics (a minority of the cases); the others take the default,
-// deterministic separate dQ pass.
+// deterministic: the backward's separate dQ pass (a minority of the cases); the others take the default,
+// dQ by fp32 atomics from the dK/dV kernel.
 struct GpuCase {
   Case c;
-  bool atomic_dq;
+  bool deterministic;
 };
 
-std::string gpu_case_name(const GpuCase& g) { return case_name(g.c) + (g.atomic_dq ? "_atomic" : "_det"); }
+std::string gpu_case_name(const GpuCase& g) { return case_name(g.c) + (g.deterministic ? "_det" : "_atomic"); }
 void PrintTo(const GpuCase& g, std::ostream* os) { *os << gpu_case_name(g); }
 
 struct Errors {
@@ -57,8 +57,7 @@ TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
   const Case c = GetParam().c;
   const bool backward = c.D <= 128;  // the cuda backward covers head dims up to 128
   AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
-  flash.atomic_dq = GetParam().atomic_dq;
-  flash.deterministic = !GetParam().atomic_dq;
+  flash.deterministic = GetParam().deterministic;
   const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
 
   Problem ours(c, c.layout, c.dtype, 7000 + static_cast<uint64_t>(c.Nq * 3 + c.Nk));
@@ -137,7 +136,6 @@ TEST(CudaAttention, FullyMaskedRowsGiveZerosAndNegInfNeverNaN) {
       Problem p(c, c.layout, c.dtype, 11);
       AttentionOptions opt = options_for(c.mask, impl);
       opt.deterministic = det;
-      opt.atomic_dq = impl == AttentionImpl::flash && !det;
       p.run_on_device(opt);
       Tensor o = to_f64(p.o.view), dq = to_f64(p.dq.view), lse = to_f64(p.lse);
       for (int64_t h = 0; h < 2; ++h) {
@@ -201,7 +199,7 @@ TEST(CudaAttention, NaivePathNamesItsSubOpRanges) {
 TEST(CudaAttention, EmptySequencesGiveZeroGradients) {
   SKIP_WITHOUT_GPU();
   for (auto [nq, nk] : {std::pair<int64_t, int64_t>{0, 70}, std::pair<int64_t, int64_t>{70, 0}}) {
-    for (bool atomic : {false, true}) {
+    for (bool det : {false, true}) {
       Tensor q = Tensor::empty({2, nq, 4, 64}, DType::bf16, Device::cuda), o = Tensor::empty({2, nq, 4, 64}, DType::bf16, Device::cuda);
       Tensor dout = Tensor::empty({2, nq, 4, 64}, DType::bf16, Device::cuda), dq = Tensor::empty({2, nq, 4, 64}, DType::bf16, Device::cuda);
       Tensor k = Tensor::empty({2, nk, 2, 64}, DType::bf16, Device::cuda), v = Tensor::empty({2, nk, 2, 64}, DType::bf16, Device::cuda);
@@ -210,10 +208,10 @@ TEST(CudaAttention, EmptySequencesGiveZeroGradients) {
       for (const Tensor* t : {&q, &k, &v, &dout}) fill_normal(*t, 5);
       for (const Tensor* t : {&o, &dq, &dk, &dv}) fill_value(*t, 7.0);  // poison: must be overwritten with 0
       AttentionOptions opt;
-      opt.atomic_dq = atomic;
+      opt.deterministic = det;
       attention_forward(q, k, v, o, lse, opt);
       attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt);
-      const std::string what = fmt::format("nq {} nk {} atomic {}", nq, nk, atomic);
+      const std::string what = fmt::format("nq {} nk {} deterministic {}", nq, nk, det);
       for (const Tensor* t : {&o, &dq, &dk, &dv}) {
         Tensor h = to_f64(t->view());
         for (int64_t i = 0; i < h.view().numel(); ++i) ASSERT_EQ(h.view().ptr<double>()[i], 0.0) << what;
@@ -245,9 +243,7 @@ TEST(CudaAttention, AtomicBackwardSplitOverHeadsMatchesDeterministic) {
   const Case c{1, 70000, 70000, 4, 2, 128, Layout::bshd, Mask::top_left, DType::bf16};
   AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
   Problem split(c, c.layout, c.dtype, 5), whole(c, c.layout, c.dtype, 5);
-  opt.atomic_dq = true;
   split.run_on_device(opt);
-  opt.atomic_dq = false;
   opt.deterministic = true;
   whole.run_on_device(opt);
   for (auto [name, a, b] : {std::tuple{"dq", split.dq.view, whole.dq.view}, std::tuple{"dk", split.dk.view, whole.dk.view},

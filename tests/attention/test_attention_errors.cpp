@@ -44,17 +44,6 @@ TEST(AttentionErrors, ValidArgumentsRun) {
   EXPECT_NO_THROW(a.backward());
 }
 
-TEST(AttentionErrors, DeterministicAndAtomicDqContradict) {
-  Args a;
-  AttentionOptions opt;
-  opt.deterministic = true;
-  opt.atomic_dq = true;
-  expect_error([&] { attention_forward(a.Q, a.K, a.V, a.O, a.L, opt); },
-               {"attention_forward", "deterministic and atomic_dq contradict"});
-  expect_error([&] { attention_backward(a.Q, a.K, a.V, a.O, a.L, a.dO, a.dQ, a.dK, a.dV, opt); },
-               {"attention_backward", "deterministic and atomic_dq contradict"});
-}
-
 TEST(AttentionErrors, WrongRank) {
   Args a;
   a.K = TensorView::contiguous(a.k.data(), DType::f32, {2, 6, 32});

@@ -548,11 +548,12 @@ TEST(DdpGpu, SixteenBitAllReduceOfTheToyGradients) {
 }
 
 // CudaModel trained with a bf16 all-reduce against the same training with an fp32 one, every variant with and
-// without ZeRO-1: the synchronised gradients are bf16 values, and the parameter updates agree within 1e-2
-// relative L2, about 2.5 of bf16's rounding errors u = 2^-8 (AdamW divides each gradient by its own running
-// magnitude, so a relative error in it moves the update by about as much; this training on the CPU, with
-// each gradient rounded to bf16 and then perturbed by up to 5u, moves the updates by 3.6e-3), but are not
-// bit-identical (the bf16 path did round).
+// without ZeRO-1: the synchronised gradients are bf16 values, and the parameter updates agree within 3e-2
+// relative L2 but are not bit-identical (the bf16 path did round). AdamW divides each gradient by its own
+// running magnitude, so a relative error in a gradient moves its update by about as much: on two H200s the
+// updates differ by 1.14e-2 (~3 of bf16's rounding errors u = 2^-8; a CPU simulation that only rounds
+// each gradient and perturbs it by up to 5u gives 3.6e-3, NCCL also rounds its bf16 sums). A bucket reduced
+// wrongly (unreduced, mis-scaled, misplaced) moves its parameters' updates by O(1) instead.
 // ZeRO-1 on a bf16 model gathers the working weights, not the fp32 masters: the weights the model computes
 // with match plain DDP's after the same steps (the same AdamW kernel per element, one bf16 rounding), and
 // gather_master_parameters() brings back the full fp32 masters.
@@ -626,7 +627,7 @@ TEST(DdpGpu, Bf16AllReduceTrainsLikeFp32) {
         EXPECT_EQ(not_rounded, 0) << describe(o);
       }
       const std::string what = describe(o) + (zero1 ? " ZeRO-1" : "");
-      EXPECT_LE(relative_l2(update(trained[1]), update(trained[0])), 1e-2) << what;
+      EXPECT_LE(relative_l2(update(trained[1]), update(trained[0])), 3e-2) << what;
       EXPECT_TRUE(trained[1] != trained[0]) << what << ": bit-identical to the fp32 all-reduce";
     }
   }

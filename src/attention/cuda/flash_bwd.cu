@@ -9,12 +9,13 @@
 //     so that every shared-memory fragment feeds two or more MMAs: with one 16-row tile per warp the
 //     kernel is bound by shared-memory bandwidth.
 //  3. dQ, one of two ways:
-//     - separate pass (default): a kernel per (query tile, head, batch) recomputes P and dS over the
-//       visible key tiles and accumulates dQ += dS K in registers. Bit-reproducible, no atomics, no fp32
-//       buffer, and since the instruction cuts of 2026-11-30 also the faster (docs/perf.md).
-//     - atomic (AttentionOptions::atomic_dq): the dK/dV kernel multiplies the dS it wrote to shared
-//       memory by K and adds the block's dQ contribution to an fp32 buffer with atomics; a last kernel
-//       scales and converts it.
+//     - atomic (default): the dK/dV kernel multiplies the dS it wrote to shared memory by K and adds the
+//       block's dQ contribution to an fp32 buffer with atomics, laid out in mma-fragment order so that
+//       each warp-wide atomic covers one 128-byte line; a last kernel scales and converts it. The faster
+//       (docs/perf.md, "v5"); the buffer is bounded by running long problems over groups of heads.
+//     - separate pass (AttentionOptions::deterministic): a kernel per (query tile, head, batch)
+//       recomputes P and dS over the visible key tiles and accumulates dQ += dS K in registers.
+//       Bit-reproducible, no atomics, no fp32 buffer, ~40% more MMAs.
 #include <algorithm>
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
