@@ -152,9 +152,10 @@ struct DdpBenchRecord {
   std::string variant;  // "none": the step without communication (world 1); otherwise a DDP variant
   std::optional<double> bucket_mb;
   std::string reduce_dtype;  // element type of the all-reduce ("fp32", "bf16", "fp16"); empty for "none"
+  std::string gradient_sync;  // DdpModel::gradient_sync(): "all-reduce" or "reduce-scatter"; empty for "none"
   bool zero1 = false;
   int world_size = 1;
-  int64_t buckets = 0;  // all-reduces per step
+  int64_t buckets = 0;  // DDP buckets: all-reduces (or reduce-scatters) per step
   // Per step the slowest rank's time, then mean and median over steps; the communication not hidden by
   // the backward (DdpStats::exposed_ms), mean over steps of the slowest rank.
   std::optional<double> mean_ms, median_ms, exposed_comm_ms;

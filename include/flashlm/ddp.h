@@ -13,10 +13,18 @@
 // gradients are rounded into its 16-bit staging area on the model's stream, averaged in that type by NCCL
 // on the communicator's stream (ordered as above), and widened back into the fp32 gradients on the
 // communicator's stream right behind the all-reduce; finish_backward() orders the optimizer after all of it.
+//
+// Reduce-scatter (DdpOptions::reduce_scatter, chosen by DdpModel for ZeRO-1 on CUDA): each bucket is
+// reduce-scattered in place instead of all-reduced, straight into the per-bucket ZeRO-1 layout
+// (zero_bucket_layout), so that NCCL moves half the bytes of an all-reduce while the backward runs; the
+// optimizer then all-gathers the updated parameters. Ordered as the all-reduce above. Afterwards only this
+// rank's parts and the replicated tails hold averaged gradients (DataParallel::averaged_ranges()); the
+// other elements of the buckets hold unspecified values that nothing may read.
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -78,6 +86,24 @@ struct DdpBucket {
 std::vector<DdpBucket> ddp_buckets(const std::vector<ParameterInfo>& layout, std::span<const int64_t> params,
                                    int64_t bucket_bytes);
 
+// ZeRO-1's per-bucket shard layout, for a reduce-scatter whose output is the shard itself. A bucket that is
+// one contiguous run of E elements at `offset` is cut into world parts of part = E / world elements: rank r
+// owns [offset + r·part, offset + (r + 1)·part), exactly what an in-place reduce-scatter of the bucket's
+// first world·part elements leaves averaged on rank r. The tail, the last E % world (< world) elements, is
+// owned by every rank: all-reduced, and updated identically everywhere.
+struct ZeroBucketShard {
+  int64_t offset = 0;  // the bucket's first element of the flat buffers
+  int64_t part = 0;    // elements each rank owns
+  DdpRange owned;      // this rank's part: {offset + rank · part, part}
+  DdpRange tail;       // replicated on every rank: {offset + world · part, E % world}
+};
+struct ZeroBucketLayout {
+  std::vector<ZeroBucketShard> buckets;  // in the order of the buckets given
+  int64_t shard_elements = 0;            // Σ part + tail: the elements whose AdamW moments this rank keeps
+};
+// flashlm::Error when a bucket is not one contiguous range, or rank is not within [0, world).
+ZeroBucketLayout zero_bucket_layout(std::span<const DdpBucket> buckets, int world, int rank);
+
 struct DdpOptions {
   DdpVariant variant = DdpVariant::bucketed;
   double bucket_mb = 25;   // bucketed: MB (10^6 bytes) of fp32 gradients per bucket, > 0
@@ -90,15 +116,29 @@ struct DdpOptions {
   // (set_gemm_sm_reserve in model/gemm_cuda.h) on the micro-step that synchronises. -1: the communicator's
   // NCCL max CTAs when set (Communicator::set_nccl_max_ctas; one SM each), else 0. 0: plan for every SM.
   int gemm_sm_reserve = -1;
+  // Each bucket reduce-scattered in place into zero_bucket_layout's shards (plus an all-reduce of its tail),
+  // for a ZeroOptimizer built on buckets(): half the bytes of the all-reduce during the backward. Needs what
+  // reduce_scatter_obstacle() checks. DdpModel sets it for ZeRO-1 on CUDA; on the CPU it works (tests) but
+  // MPI's reduce-scatter blocks, so the bucketed variant then no longer overlaps the backward.
+  bool reduce_scatter = false;
 };
+
+// The buckets DataParallel launches for `params` under `options`, in launch order (reverse parameter order,
+// trainable owners only; per-param and async: one parameter per bucket; flat: one bucket).
+std::vector<DdpBucket> ddp_bucket_plan(const DdpParameters& params, const DdpOptions& options);
+// Why DataParallel cannot reduce-scatter with these parameters and options (DdpOptions::reduce_scatter), or
+// "" when it can: the bucketed variant, fp32 reduction, and every bucket one contiguous range (a frozen or
+// tied parameter inside a bucket splits it; the bucket would need packing, and the shard would not be a
+// run of the flat buffers).
+std::string reduce_scatter_obstacle(const DdpParameters& params, const DdpOptions& options);
 
 // DdpOptions::gemm_sm_reserve with -1 resolved against `comm` (its NCCL max CTAs, 0 when NCCL chooses).
 int resolve_gemm_sm_reserve(int requested, const Communicator& comm);
 
 // What the last synchronisation did.
 struct DdpStats {
-  int64_t collectives = 0;  // all-reduces
-  int64_t elements = 0;     // gradient elements they reduced
+  int64_t collectives = 0;  // all-reduces (reduce_scatter: reduce-scatters, and all-reduces of the tails)
+  int64_t elements = 0;     // gradient elements they reduced (a bucket's all, also when reduce-scattered)
   // Communication not hidden by the backward: from the end of the backward's computation until the
   // gradients are synchronised (CPU: host time in finish_backward(); CUDA: between two events of the
   // model's stream).
@@ -119,6 +159,9 @@ class DataParallel {
   const DdpOptions& options() const;
   // In launch order: reverse parameter order for every variant (the order a backward produces gradients).
   const std::vector<DdpBucket>& buckets() const;
+  // The elements that hold averaged gradients after finish_backward(), ascending: every bucket's ranges;
+  // with reduce_scatter only this rank's parts and the tails (zero_bucket_layout).
+  const std::vector<DdpRange>& averaged_ranges() const;
   // Memory of the staging areas, allocated once at construction on the parameters' device: a bucket of
   // several separate ranges is packed there for its all-reduce; with a 16-bit reduce_dtype every bucket is
   // rounded into its own area (2 bytes per communicated element). Several buckets may be in flight at once,
@@ -139,7 +182,8 @@ class DataParallel {
   void gradients_ready(int64_t first, int64_t last);
   GradientReadyHook hook();  // calls gradients_ready
   // Starts the buckets not started yet and completes the synchronisation: then the trainable gradients are
-  // averaged over ranks and micro-steps (CPU: in memory; CUDA: for work queued on the stream afterwards).
+  // averaged over ranks and micro-steps (CPU: in memory; CUDA: for work queued on the stream afterwards);
+  // with reduce_scatter only averaged_ranges() are.
   void finish_backward();
   // The last synchronisation's numbers (CUDA: waits for its events).
   DdpStats last_stats();
@@ -149,26 +193,39 @@ class DataParallel {
   std::unique_ptr<Impl> impl_;
 };
 
-// ZeRO-1: the AdamW moments sharded across ranks. The flat parameter vector is cut into equal shards of
-// shard_elements() (a multiple of `grain`; the last ranks' shards are padding past the end); each rank keeps
-// the moments of its shard, clips and updates it with CpuModel's / CudaModel's AdamW arithmetic, and the
-// ranks then gather each other's updated shards. Frozen parameters are not updated. Collective, as
-// DataParallel.
+// ZeRO-1: the AdamW moments sharded across ranks. Each rank keeps the moments of its shard, clips and
+// updates it with CpuModel's / CudaModel's AdamW arithmetic, and the ranks then gather each other's updated
+// shards. Frozen parameters are not updated. Collective, as DataParallel. Two layouts:
+//   contiguous: the flat parameter vector cut into equal shards of shard_elements() (a multiple of
+//     `grain`; the last ranks' shards are padding past the end); reads all-reduced gradients.
+//   per bucket (zero_bucket_layout of DataParallel's buckets): rank r owns part r of every bucket and the
+//     tails; reads only those gradients, which DataParallel's reduce_scatter leaves averaged, and gathers
+//     with one batch of in-place all-gathers, one per bucket.
 class ZeroOptimizer {
  public:
-  // grain: kGradientNormChunk makes the sharded gradient norm add the same partial sums in the same order as
-  // the unsharded one, so that on the CPU the result is bit-identical to CpuModel::adamw_step.
+  // The contiguous layout. grain: kGradientNormChunk makes the sharded gradient norm add the same partial
+  // sums in the same order as the unsharded one, so that on the CPU the result is bit-identical to
+  // CpuModel::adamw_step.
   ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t grain = kGradientNormChunk);
+  // The per-bucket layout over `buckets` (DataParallel::buckets() with DdpOptions::reduce_scatter): each one
+  // contiguous range of trainable elements. The norm adds the ranks' partial sums, so it is not bit-identical
+  // to the unsharded one.
+  ZeroOptimizer(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets);
   ~ZeroOptimizer();
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
 
-  int64_t shard_elements() const;  // the same on every rank
-  DdpRange shard() const;          // this rank's elements of the flat buffers, clipped to the parameters
+  bool per_bucket() const;         // the per-bucket layout
+  int64_t shard_elements() const;  // contiguous: the same on every rank; per bucket: this rank's owned + tails
+  // Contiguous layout: this rank's elements of the flat buffers, clipped to the parameters. flashlm::Error
+  // in the per-bucket layout, whose shard is one run per bucket (updated_ranges()).
+  DdpRange shard() const;
+  std::vector<DdpRange> updated_ranges() const;  // the elements this rank updates, ascending
   int64_t state_bytes() const;     // this rank's optimizer state: two fp32 moments of shard_elements()
   int64_t steps() const;           // AdamW steps taken
 
-  // grads: the averaged gradients (DataParallel's), equal on every rank. Clips the trainable ones to
+  // grads: the averaged gradients (DataParallel's), equal on every rank (per bucket: in the elements this
+  // rank updates; no other element is read). Clips the trainable ones to
   // c.max_grad_norm by their global norm (summed across ranks), takes an AdamW step (bias correction from
   // steps()) on this rank's shard, and gathers the updated parameters from every rank. Returns the norm
   // before clipping. CUDA: queued on `stream`; the host waits only to read the norm.
@@ -184,8 +241,9 @@ class ZeroOptimizer {
   // Gathers every rank's shard of the fp32 masters (after step(..., working, ...)); collective.
   void gather_masters(float* params, void* stream = nullptr);
 
-  // Checkpoints. gather_state: every rank receives the full moments (host arrays of flat_size() floats).
-  // load_state: every rank passes the full moments and keeps its shard.
+  // Checkpoints. gather_state: every rank receives the full moments (host arrays of flat_size() floats;
+  // per bucket: 0 for elements of no bucket, the frozen ones). load_state: every rank passes the full
+  // moments and keeps its shard.
   void gather_state(float* m, float* v);
   void load_state(const float* m, const float* v, int64_t steps);
 
@@ -195,7 +253,9 @@ class ZeroOptimizer {
 };
 
 // DataParallel, and ZeroOptimizer when zero1, wired to a LanguageModel: its buffers, stream and gradient-ready
-// hook. The train step of `flashlm train` under mpirun and of `flashlm ddp-bench`.
+// hook. The train step of `flashlm train` under mpirun and of `flashlm ddp-bench`. With zero1 on CUDA, when
+// reduce_scatter_obstacle() finds none and the model is not fp16 (whose overflow check reads every
+// gradient), the buckets are reduce-scattered into ZeRO-1's per-bucket layout; otherwise all-reduced.
 class DdpModel {
  public:
   // micro_batch_tokens: batch · seq of the model (the tokens one forward reads).
@@ -207,6 +267,9 @@ class DdpModel {
 
   DataParallel& data_parallel();
   ZeroOptimizer* zero();  // nullptr without zero1
+  // How the gradients are synchronised: "reduce-scatter" (ZeRO-1 per bucket, see DdpOptions::reduce_scatter)
+  // or "all-reduce".
+  std::string_view gradient_sync() const;
 
   void broadcast_parameters();  // rank 0's to every rank
   // ZeRO-1 on a low-precision CUDA model gathers only the working copy after each step; this gathers the

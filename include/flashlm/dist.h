@@ -91,6 +91,15 @@ class Communicator {
   // Σ counts = x.numel); afterwards every chunk holds its owner's values on every rank. MPI_Allgatherv on
   // the CPU; on GPUs one NCCL broadcast per rank in a group (NCCL's all-gather needs equal chunks).
   void all_gather_v(const TensorView& x, std::span<const int64_t> counts, void* stream = nullptr);
+  // In place, several segments at once: for each segment, rank r's chunk x[offset + r·part, +part) goes to
+  // every rank, so that afterwards x[offset, offset + world·part) holds every rank's chunk in rank order on
+  // every rank (all_gather with `in` = this rank's chunk of `out`, per segment). Segments must not overlap.
+  // GPUs: one NCCL group of all-gathers (one launch, no host round trip between segments); CPU: one
+  // MPI_Allgather per segment.
+  struct Segment {
+    int64_t offset = 0, part = 0;  // elements of x
+  };
+  void all_gather_segments(const TensorView& x, std::span<const Segment> segments, void* stream = nullptr);
   void barrier();  // MPI_Barrier (host)
 
   // all_reduce that returns before the reduction is done, for overlapping it with computation. CPU views:

@@ -71,6 +71,7 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   comm.all_reduce(std::span<double>(&exposed_mean, 1), ReduceOp::max);
   const Moments m = moments(ms);
   rec.buckets = int64_t(dp->data_parallel().buckets().size());
+  rec.gradient_sync = std::string(dp->gradient_sync());
   rec.mean_ms = m.mean;
   rec.median_ms = m.median;
   rec.exposed_comm_ms = exposed_mean;
@@ -145,9 +146,9 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
     if (!cfg.progress || !comm.is_root()) return;
     const DdpBenchRecord& r = records[i];
     const std::string what =
-        fmt::format("{}{}{}{}", r.variant, r.bucket_mb ? fmt::format(" {} MB", *r.bucket_mb) : "",
+        fmt::format("{}{}{}{}{}", r.variant, r.bucket_mb ? fmt::format(" {} MB", *r.bucket_mb) : "",
                     r.reduce_dtype.empty() || r.reduce_dtype == "fp32" ? "" : ", " + r.reduce_dtype + " all-reduce",
-                    r.zero1 ? " + ZeRO-1" : "");
+                    r.zero1 ? " + ZeRO-1" : "", r.gradient_sync == "reduce-scatter" ? " (reduce-scatter)" : "");
     const std::string result =
         r.status != "ok" ? r.status + " (" + r.message + ")"
         : r.scaling_efficiency
@@ -187,6 +188,7 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
     nlohmann::json j = {{"variant", r.variant},
                         {"bucket_mb", opt(r.bucket_mb)},
                         {"reduce_dtype", r.reduce_dtype.empty() ? nlohmann::json() : nlohmann::json(r.reduce_dtype)},
+                        {"gradient_sync", r.gradient_sync.empty() ? nlohmann::json() : nlohmann::json(r.gradient_sync)},
                         {"zero1", r.zero1},
                         {"world_size", r.world_size},
                         {"buckets", r.buckets},
@@ -203,7 +205,8 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
   }
   const std::vector<ReportColumn> columns = {
       {"variant", "variant"},          {"bucket_mb", "bucket MB", 2},      {"reduce_dtype", "all-reduce in"},
-      {"zero1", "ZeRO-1"},             {"world_size", "ranks"},            {"buckets", "all-reduces"},
+      {"gradient_sync", "grad sync"},  {"zero1", "ZeRO-1"},                {"world_size", "ranks"},
+      {"buckets", "buckets"},
       {"mean_ms", "step mean ms", 2},  {"median_ms", "step median ms", 2}, {"exposed_comm_ms", "comm not hidden ms", 2},
       {"tokens_per_s", "tokens/s", 0}, {"scaling_efficiency", "scaling eff.", 3},
       {"optimizer_state_mib", "AdamW state MiB/rank", 1}, {"staging_mib", "DDP staging MiB/rank", 1},
@@ -226,6 +229,9 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
                  "over steps"},
       {"scaling_efficiency", "tokens/s at world N / (N x tokens/s of the step without communication, 'none')"},
       {"comm_not_hidden", "from the end of the backward's computation until the gradients are synchronised"},
+      {"gradient_sync", "all-reduce: every rank gets every averaged gradient; reduce-scatter (ZeRO-1 on CUDA, fp32, "
+                        "bucketed): each bucket reduce-scattered into the ranks' ZeRO-1 shards, half the bytes during "
+                        "the backward, the updated parameters all-gathered after the optimizer"},
       {"reduce_dtype", "the element type of the gradient all-reduce: fp32, or bf16/fp16 (each bucket rounded "
                        "from the fp32 gradients into a staging area, averaged by NCCL in that type, widened back)"}};
   return render_report(rows, columns, format, meta);

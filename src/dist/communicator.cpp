@@ -442,6 +442,43 @@ void Communicator::all_gather_v(const TensorView& x, std::span<const int64_t> co
           "MPI_Allgatherv");
 }
 
+void Communicator::all_gather_segments(const TensorView& x, std::span<const Segment> segments, void* stream) {
+  Impl& m = *impl_;
+  check_view(x, "all_gather_segments", "x");
+  std::vector<Segment> sorted(segments.begin(), segments.end());
+  std::sort(sorted.begin(), sorted.end(), [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
+  int64_t end = 0;  // of the previous segment
+  for (const Segment& s : sorted) {
+    FLASHLM_CHECK(s.offset >= end && s.part >= 0 && s.offset + s.part * m.size <= x.numel(),
+                  "Communicator::all_gather_segments: segment at {} of {} elements per rank overlaps another or "
+                  "ends past x's {} elements",
+                  s.offset, s.part, x.numel());
+    end = s.offset + s.part * m.size;
+  }
+  if (x.device == Device::cuda) {
+#ifdef FLASHLM_WITH_NCCL
+    setup_cuda();
+    FLASHLM_CHECK(x.numel() == 0 || m.nccl->pointer_on_device(x.data),
+                  "Communicator::all_gather_segments: x is not memory of this rank's device cuda:{}", m.nccl->device());
+    std::vector<std::pair<size_t, size_t>> pairs;
+    for (const Segment& s : segments) pairs.emplace_back(size_t(s.offset), size_t(s.part));
+    m.nccl->all_gather_segments(x.data, pairs, x.dtype, stream);
+    return;
+#else
+    m.no_cuda("all_gather_segments");
+#endif
+  }
+  const MPI_Datatype type = mpi_type(x.dtype, "all_gather_segments", "x");
+  for (const Segment& s : segments) {
+    if (s.part == 0) continue;
+    FLASHLM_CHECK(s.part <= INT_MAX, "Communicator::all_gather_segments: {} elements per rank, MPI takes at most {}",
+                  s.part, INT_MAX);
+    void* at = static_cast<char*>(x.data) + size_t(s.offset) * dtype_size(x.dtype);
+    m.check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, at, static_cast<int>(s.part), type, m.comm),
+            "MPI_Allgather");
+  }
+}
+
 void Communicator::barrier() { impl_->check(MPI_Barrier(impl_->comm), "MPI_Barrier"); }
 
 int64_t Communicator::agree(int64_t value, std::string_view what) {

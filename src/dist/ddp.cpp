@@ -164,6 +164,62 @@ std::vector<DdpBucket> ddp_buckets(const std::vector<ParameterInfo>& layout, std
   return buckets;
 }
 
+namespace {
+
+// bucketed: bytes per bucket (MB = 10^6 bytes), from 1 (every parameter alone) to "all in one"; other
+// variants: 0.
+int64_t bucket_limit(const DdpOptions& options) {
+  if (options.variant != DdpVariant::bucketed) return 0;
+  return std::max<int64_t>(1, std::llround(std::min(options.bucket_mb * 1e6, 1e18)));
+}
+
+}  // namespace
+
+std::vector<DdpBucket> ddp_bucket_plan(const DdpParameters& params, const DdpOptions& options) {
+  int64_t bucket_bytes = 0;  // per-param, async: one parameter per bucket
+  if (options.variant == DdpVariant::flat) bucket_bytes = INT64_MAX;
+  if (options.variant == DdpVariant::bucketed) bucket_bytes = bucket_limit(options);
+  std::vector<int64_t> order;  // trainable owners, last parameter first: the order a backward finishes them
+  for (int64_t i = static_cast<int64_t>(params.layout.size()) - 1; i >= 0; --i) {
+    if (params.owner(i) == i && params.is_trainable(i)) order.push_back(i);
+  }
+  return ddp_buckets(params.layout, order, bucket_bytes);
+}
+
+std::string reduce_scatter_obstacle(const DdpParameters& params, const DdpOptions& options) {
+  if (options.variant != DdpVariant::bucketed) {
+    return fmt::format("the {} variant (reduce-scatter needs bucketed)", ddp_variant_name(options.variant));
+  }
+  if (options.reduce_dtype != DType::f32) {
+    return fmt::format("{} gradient reduction (reduce-scatter reduces fp32)", dtype_name(options.reduce_dtype));
+  }
+  for (const DdpBucket& b : ddp_bucket_plan(params, options)) {
+    if (b.ranges.size() != 1) {
+      return fmt::format("a bucket of {} separate ranges (a frozen or tied parameter between its parameters)",
+                         b.ranges.size());
+    }
+  }
+  return "";
+}
+
+ZeroBucketLayout zero_bucket_layout(std::span<const DdpBucket> buckets, int world, int rank) {
+  FLASHLM_CHECK(world >= 1 && 0 <= rank && rank < world, "zero_bucket_layout: rank {} of a world of {}", rank, world);
+  ZeroBucketLayout layout;
+  for (const DdpBucket& b : buckets) {
+    FLASHLM_CHECK(b.ranges.size() == 1, "zero_bucket_layout: a bucket of {} ranges, expected one contiguous range",
+                  b.ranges.size());
+    const DdpRange& r = b.ranges.front();
+    ZeroBucketShard shard;
+    shard.offset = r.offset;
+    shard.part = r.count / world;
+    shard.owned = {r.offset + rank * shard.part, shard.part};
+    shard.tail = {r.offset + world * shard.part, r.count - world * shard.part};
+    layout.shard_elements += shard.part + shard.tail.count;
+    layout.buckets.push_back(shard);
+  }
+  return layout;
+}
+
 struct DataParallel::Impl {
   Communicator& comm;
   DdpParameters params;
@@ -175,6 +231,8 @@ struct DataParallel::Impl {
   // Per bucket: the element of `staging` where it is packed (-1: reduced in place in the gradients).
   std::vector<int64_t> staging_at;
   Buffer staging;  // elements of options.reduce_dtype
+  ZeroBucketLayout shards;               // options.reduce_scatter: where each bucket is scattered to
+  std::vector<DdpRange> averaged;        // averaged_ranges()
 
   // The current backward.
   float* grads = nullptr;
@@ -231,7 +289,30 @@ struct DataParallel::Impl {
     }
   }
 
+  TensorView grads_view(int64_t offset, int64_t count) const {
+    return TensorView::contiguous(grads + offset, DType::f32, {count}, params.device);
+  }
+
+  // Bucket b reduce-scattered in place into its shards (rank r's part averaged at grads + owned.offset:
+  // NCCL's in-place form, recv = send + rank · part), and its tail all-reduced. Ordered like the all-reduce
+  // (queued behind `stream` on the communicator's stream; the CPU blocks).
+  void scatter(size_t b) {
+    const ZeroBucketShard& s = shards.buckets[b];
+    const int64_t world = comm.world_size();
+    if (s.part > 0) {
+      comm.reduce_scatter(grads_view(s.offset, world * s.part), grads_view(s.owned.offset, s.part), ReduceOp::avg,
+                          stream);
+      ++stats.collectives;
+    }
+    if (s.tail.count > 0) {
+      comm.all_reduce(grads_view(s.tail.offset, s.tail.count), ReduceOp::avg, stream);
+      ++stats.collectives;
+    }
+    stats.elements += buckets[b].elements;
+  }
+
   void launch(size_t b) {
+    if (options.reduce_scatter) return scatter(b);
     const bool staged = staging_at[b] >= 0;
     if (staged) pack(b, true, stream);  // CUDA: on the model's stream, which the all-reduce is queued behind
     const TensorView view = bucket_view(b);
@@ -270,29 +351,34 @@ DataParallel::DataParallel(Communicator& comm, DdpParameters params, const DdpOp
   FLASHLM_CHECK(reduce == DType::f32 || m.params.device == Device::cuda,
                 "DataParallel: {} gradient reduction needs --device cuda (NCCL); MPI reduces fp32 on the CPU",
                 dtype_name(reduce));
-  // bucketed: bytes per bucket (MB = 10^6 bytes), from 1 (every parameter alone) to "all in one".
-  const int64_t bucket_limit = options.variant != DdpVariant::bucketed
-                                   ? 0
-                                   : std::max<int64_t>(1, std::llround(std::min(options.bucket_mb * 1e6, 1e18)));
   // Every rank must plan the same buckets and run the same variant, or collectives would pair up wrongly.
   comm.agree(static_cast<int64_t>(options.variant), "the DDP variant");
-  comm.agree(bucket_limit, "the DDP bucket size");
+  comm.agree(bucket_limit(options), "the DDP bucket size");
   comm.agree(options.grad_accum, "the gradient accumulation steps");
   comm.agree(static_cast<int64_t>(reduce), "the DDP gradient reduction type");
+  comm.agree(options.reduce_scatter ? 1 : 0, "whether DDP reduce-scatters the gradients");
   comm.agree(m.params.flat_size(), "the number of parameter elements");
   comm.agree(static_cast<int64_t>(m.params.layout.size()), "the number of parameters");
+  if (options.reduce_scatter) {
+    const std::string obstacle = reduce_scatter_obstacle(m.params, options);
+    FLASHLM_CHECK(obstacle.empty(), "DataParallel: cannot reduce-scatter the gradients: {}", obstacle);
+  }
   if (m.params.device == Device::cuda) comm.setup_cuda();
 
   m.overlap = options.variant == DdpVariant::async || options.variant == DdpVariant::bucketed;
-  int64_t bucket_bytes = 0;  // per-param, async: one parameter per bucket
-  if (options.variant == DdpVariant::flat) bucket_bytes = INT64_MAX;
-  if (options.variant == DdpVariant::bucketed) bucket_bytes = bucket_limit;
   const auto n = static_cast<int64_t>(m.params.layout.size());
-  std::vector<int64_t> order;  // trainable owners, last parameter first: the order a backward finishes them
-  for (int64_t i = n - 1; i >= 0; --i) {
-    if (m.params.owner(i) == i && m.params.is_trainable(i)) order.push_back(i);
+  m.buckets = ddp_bucket_plan(m.params, options);
+  if (options.reduce_scatter) {
+    m.shards = zero_bucket_layout(m.buckets, comm.world_size(), comm.rank());
+    for (const ZeroBucketShard& s : m.shards.buckets) {
+      for (const DdpRange& r : {s.owned, s.tail}) {
+        if (r.count > 0) m.averaged.push_back(r);
+      }
+    }
+  } else {
+    for (const DdpBucket& b : m.buckets) m.averaged.insert(m.averaged.end(), b.ranges.begin(), b.ranges.end());
   }
-  m.buckets = ddp_buckets(m.params.layout, order, bucket_bytes);
+  m.averaged = merge_ranges(std::move(m.averaged));
   m.bucket_of.assign(size_t(n), -1);
   m.expected.assign(m.buckets.size(), 0);
   for (size_t b = 0; b < m.buckets.size(); ++b) {
@@ -323,6 +409,7 @@ DataParallel::~DataParallel() = default;
 const DdpParameters& DataParallel::parameters() const { return impl_->params; }
 const DdpOptions& DataParallel::options() const { return impl_->options; }
 const std::vector<DdpBucket>& DataParallel::buckets() const { return impl_->buckets; }
+const std::vector<DdpRange>& DataParallel::averaged_ranges() const { return impl_->averaged; }
 int64_t DataParallel::staging_bytes() const { return static_cast<int64_t>(impl_->staging.bytes()); }
 
 void DataParallel::broadcast_parameters(float* params, void* stream) {
@@ -406,24 +493,23 @@ void DataParallel::finish_backward() {
   while (m.next_launch < m.buckets.size()) m.launch(m.next_launch++);
   for (CommRequest& r : m.requests) m.comm.wait(r);
   if (cuda) {
-    m.comm.wait(m.stream);  // after the all-reduces and the unpacking queued behind them (launch())
+    m.comm.wait(m.stream);  // after the collectives and the unpacking queued behind them (launch())
   } else {
     for (size_t b = 0; b < m.buckets.size(); ++b) {
       if (m.staging_at[b] >= 0) m.pack(b, false, nullptr);
     }
   }
   if (m.options.grad_accum > 1) {
+    // Only the averaged elements: with reduce_scatter the rest of a bucket is not this rank's to read.
     const float scale = 1.0f / float(m.options.grad_accum);
-    for (const DdpBucket& b : m.buckets) {
-      for (const DdpRange& r : b.ranges) {
-        float* g = m.grads + r.offset;
-        if (!cuda) {
-          for (int64_t i = 0; i < r.count; ++i) g[i] *= scale;
-        } else {
+    for (const DdpRange& r : m.averaged) {
+      float* g = m.grads + r.offset;
+      if (!cuda) {
+        for (int64_t i = 0; i < r.count; ++i) g[i] *= scale;
+      } else {
 #ifdef FLASHLM_WITH_CUDA
-          gpu::scale_inplace(g, r.count, scale, m.stream);
+        gpu::scale_inplace(g, r.count, scale, m.stream);
 #endif
-        }
       }
     }
   }
@@ -462,8 +548,16 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
       micro_tokens_(micro_batch_tokens),
       gemm_sm_reserve_(resolve_gemm_sm_reserve(options.gemm_sm_reserve, comm)) {
   FLASHLM_CHECK(micro_batch_tokens >= 1, "DdpModel: micro_batch_tokens = {}, expected >= 1", micro_batch_tokens);
-  ddp_ = std::make_unique<DataParallel>(comm, DdpParameters::of(model), options);
-  if (zero1) zero_ = std::make_unique<ZeroOptimizer>(comm, DdpParameters::of(model));
+  const DdpParameters params = DdpParameters::of(model);
+  // ZeRO-1 on CUDA: reduce-scatter each bucket into this rank's shard rather than all-reduce it (half the
+  // bytes during the backward). Not for fp16 models, whose overflow check (unscale_gradients) reads every
+  // gradient; not on the CPU, where MPI's reduce-scatter would block the backward's overlap.
+  DdpOptions sync = options;
+  sync.reduce_scatter = zero1 && model.device() == Device::cuda && model.precision() != DType::f16 &&
+                        reduce_scatter_obstacle(params, options).empty();
+  ddp_ = std::make_unique<DataParallel>(comm, params, sync);
+  if (zero1 && sync.reduce_scatter) zero_ = std::make_unique<ZeroOptimizer>(comm, params, ddp_->buckets());
+  else if (zero1) zero_ = std::make_unique<ZeroOptimizer>(comm, params);
   model_.set_gradient_ready_hook(ddp_->hook());
 }
 
@@ -471,6 +565,9 @@ DdpModel::~DdpModel() { model_.set_gradient_ready_hook({}); }
 
 DataParallel& DdpModel::data_parallel() { return *ddp_; }
 ZeroOptimizer* DdpModel::zero() { return zero_.get(); }
+std::string_view DdpModel::gradient_sync() const {
+  return ddp_->options().reduce_scatter ? "reduce-scatter" : "all-reduce";
+}
 
 void DdpModel::gather_master_parameters() {
   if (zero_ && zero_->masters_stale()) zero_->gather_masters(model_.parameters(), model_.stream());

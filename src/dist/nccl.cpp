@@ -219,6 +219,27 @@ void NcclComm::all_gather_v(void* buf, const std::vector<size_t>& counts, DType 
   check_nccl(ncclGroupEnd(), "ncclGroupEnd", m.rank, m.comm);
 }
 
+void NcclComm::all_gather_segments(void* buf, const std::vector<std::pair<size_t, size_t>>& segments, DType dtype,
+                                   void* stream) {
+  Impl& m = *impl_;
+  m.order_after(stream);
+  const size_t size = dtype_size(dtype);
+  char* base = static_cast<char*>(buf);
+  check_nccl(ncclGroupStart(), "ncclGroupStart", m.rank, m.comm);
+  for (const auto& [offset, part] : segments) {
+    if (part == 0) continue;
+    // In place, NCCL's convention: the send buffer is this rank's chunk of the receive buffer.
+    char* recv = base + offset * size;
+    const char* send = recv + size_t(m.rank) * part * size;
+    const ncclResult_t res = ncclAllGather(send, recv, part, nccl_type(dtype), m.comm, m.stream);
+    if (res != ncclSuccess) {
+      ncclGroupEnd();
+      check_nccl(res, "ncclAllGather", m.rank, m.comm);
+    }
+  }
+  check_nccl(ncclGroupEnd(), "ncclGroupEnd", m.rank, m.comm);
+}
+
 void NcclComm::wait(void* stream) {
   Impl& m = *impl_;
   m.check_usable();

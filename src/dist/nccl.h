@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashlm/dist.h"
@@ -40,6 +41,10 @@ class NcclComm {
   void reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op, void* stream);
   // In place: rank r's chunk (counts[r] elements, chunks back to back in rank order) broadcast from r.
   void all_gather_v(void* buf, const std::vector<size_t>& counts, DType dtype, void* stream);
+  // In place, one group: per segment {offset, part} (elements of buf), every rank's chunk
+  // buf[offset + r·part, +part) gathered into buf[offset, offset + world·part).
+  void all_gather_segments(void* buf, const std::vector<std::pair<size_t, size_t>>& segments, DType dtype,
+                           void* stream);
 
   void wait(void* stream);
   void synchronize(double timeout_s);

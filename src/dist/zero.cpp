@@ -1,10 +1,13 @@
 // ZeRO-1 (include/flashlm/ddp.h): AdamW moments sharded across ranks. Each rank clips and updates its shard
 // of the flat parameters with the model's own AdamW arithmetic (cpu::adamw_step, gpu::adamw_step), then the
-// ranks gather each other's shards.
+// ranks gather each other's shards. The shard is one contiguous run of the flat buffers, or (per bucket)
+// one run per DDP bucket plus the buckets' replicated tails; either way a list of updated runs whose
+// moments are packed one after the other.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <span>
+#include <string>
 
 #include "core/check.h"
 #include "flashlm/ddp.h"
@@ -18,32 +21,84 @@
 
 namespace flashlm {
 
+// A run of trainable elements this rank updates.
+struct ZeroRun {
+  DdpRange range;          // elements of the flat buffers
+  int64_t moment_at = 0;   // its first element in the packed moments
+  bool in_norm = true;     // its squares count in this rank's part of the norm (a replicated tail: rank 0's)
+};
+
 struct ZeroOptimizer::Impl {
   Communicator& comm;
   DdpParameters params;
   int64_t grain = 0, n = 0, shard_elements = 0;
-  DdpRange shard;                     // this rank's elements, within [0, n)
-  std::vector<DdpRange> updated;      // the trainable runs within the shard
-  std::vector<int64_t> counts;        // every rank's elements within [0, n), for the gather
+  bool per_bucket = false;
+  DdpRange shard;                     // contiguous: this rank's elements, within [0, n)
+  std::vector<int64_t> counts;        // contiguous: every rank's elements within [0, n), for the gather
+  std::vector<Communicator::Segment> segments;  // per bucket: each bucket's parts, for the gather
+  std::vector<ZeroRun> updated;       // ascending
   Buffer m, v;                        // shard_elements floats each, on the parameters' device
   int64_t steps = 0;
   bool masters_stale = false;         // other ranks' shards of the fp32 masters not gathered since a step
 #ifdef FLASHLM_WITH_CUDA
-  Buffer norm_parts;  // one fp64 sum of squares per trainable run (device)
+  Buffer norm_parts;  // one fp64 sum of squares per updated run (device)
 #endif
 
   Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
 
   bool cuda() const { return params.device == Device::cuda; }
-  float* moment(const Buffer& b, const DdpRange& r) const {
-    return static_cast<float*>(b.data()) + (r.offset - shard.offset);
+  float* moment(const Buffer& b, const ZeroRun& r) const { return static_cast<float*>(b.data()) + r.moment_at; }
+
+  // Both layouts: checks, agreement, the CUDA set-up.
+  void validate(const char* layout) {
+    params.validate();
+    FLASHLM_CHECK(params.device == Device::cpu || Communicator::nccl_built(),
+                  "ZeroOptimizer: CUDA parameters need flashlm built with NCCL");
+    n = params.flat_size();
+    comm.agree(n, "the number of parameter elements");
+    comm.agree(per_bucket ? 1 : 0, std::string("the ZeRO-1 layout (") + layout + ")");
+    if (cuda()) comm.setup_cuda();
   }
 
-  // Σ of squares of the trainable gradients, summed across ranks. CPU: per grain-sized chunk of the flat
-  // buffer (whole chunks per shard), the chunks' sums added in chunk order, as CpuModel::gradient_norm.
+  // The moments (zero) and the norm's partial sums, once `updated` and shard_elements are known.
+  void allocate() {
+    const size_t bytes = size_t(shard_elements) * sizeof(float);
+    m = Buffer::allocate(bytes, params.device, "ZeRO-1 AdamW first moment (shard)");
+    v = Buffer::allocate(bytes, params.device, "ZeRO-1 AdamW second moment (shard)");
+    if (!cuda()) {
+      std::memset(m.data(), 0, bytes);
+      std::memset(v.data(), 0, bytes);
+      return;
+    }
+#ifdef FLASHLM_WITH_CUDA
+    gpu::memset_async(m.data(), 0, bytes, nullptr);
+    gpu::memset_async(v.data(), 0, bytes, nullptr);
+    gpu::stream_synchronize(nullptr);
+    if (!updated.empty()) {
+      norm_parts = Buffer::allocate(updated.size() * sizeof(double), Device::cuda, "ZeRO-1 norm partial sums");
+    }
+#endif
+  }
+
+  // Every rank's updated parameters (or working copy) gathered into `x` on every rank.
+  void gather(const TensorView& x, void* stream) {
+    if (per_bucket) comm.all_gather_segments(x, segments, stream);
+    else comm.all_gather_v(x, counts, stream);
+  }
+
+  // Σ of squares of the trainable gradients, summed across ranks. CPU, contiguous: per grain-sized chunk of
+  // the flat buffer (whole chunks per shard), the chunks' sums added in chunk order, as
+  // CpuModel::gradient_norm. Otherwise one partial sum per rank over its runs in the norm (each replicated
+  // tail counted once, by rank 0), so that no rank reads a gradient outside the elements it updates.
   double squared_norm(const float* grads, void* stream) {
     std::vector<double> mine;
-    if (!cuda()) {
+    if (!cuda() && per_bucket) {
+      double ss = 0;
+      for (const ZeroRun& r : updated) {
+        if (r.in_norm) ss += cpu::sum_squares(grads + r.range.offset, r.range.count);
+      }
+      mine.assign(1, ss);
+    } else if (!cuda()) {
       const int64_t chunks = shard_elements / grain;
       const std::vector<DdpRange> trainable = params.trainable_ranges();
       mine.assign(size_t(chunks), 0.0);
@@ -61,11 +116,15 @@ struct ZeroOptimizer::Impl {
 #ifdef FLASHLM_WITH_CUDA
       std::vector<double> parts(updated.size());
       auto* out = static_cast<double*>(norm_parts.data());
-      for (size_t k = 0; k < updated.size(); ++k) gpu::squared_norm(grads + updated[k].offset, updated[k].count, out + k, stream);
+      for (size_t k = 0; k < updated.size(); ++k) {
+        if (updated[k].in_norm) gpu::squared_norm(grads + updated[k].range.offset, updated[k].range.count, out + k, stream);
+      }
       gpu::stream_synchronize(stream);
       if (!parts.empty()) cuda_copy(parts.data(), out, parts.size() * sizeof(double));
       double ss = 0;
-      for (double p : parts) ss += p;
+      for (size_t k = 0; k < parts.size(); ++k) {
+        if (updated[k].in_norm) ss += parts[k];
+      }
       mine.assign(1, ss);
 #endif
     }
@@ -80,15 +139,10 @@ struct ZeroOptimizer::Impl {
 ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t grain)
     : impl_(std::make_unique<Impl>(comm, std::move(params))) {
   Impl& m = *impl_;
-  m.params.validate();
   FLASHLM_CHECK(grain >= 1, "ZeroOptimizer: grain = {}, expected >= 1", grain);
-  FLASHLM_CHECK(m.params.device == Device::cpu || Communicator::nccl_built(),
-                "ZeroOptimizer: CUDA parameters need flashlm built with NCCL");
+  m.validate("contiguous");
   m.grain = grain;
-  m.n = m.params.flat_size();
-  comm.agree(m.n, "the number of parameter elements");
   comm.agree(grain, "the ZeRO-1 shard grain");
-  if (m.cuda()) comm.setup_cuda();
   const int64_t world = comm.world_size();
   const int64_t granules = (m.n + grain - 1) / grain;
   m.shard_elements = (granules + world - 1) / world * grain;
@@ -99,30 +153,63 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t g
   m.shard = {begin, m.counts[size_t(comm.rank())]};
   for (const DdpRange& r : m.params.trainable_ranges()) {
     const int64_t a = std::max(r.offset, m.shard.offset), b = std::min(r.offset + r.count, m.shard.offset + m.shard.count);
-    if (a < b) m.updated.push_back({a, b - a});
+    if (a < b) m.updated.push_back({{a, b - a}, a - m.shard.offset, true});
   }
-  const size_t bytes = size_t(m.shard_elements) * sizeof(float);
-  m.m = Buffer::allocate(bytes, m.params.device, "ZeRO-1 AdamW first moment (shard)");
-  m.v = Buffer::allocate(bytes, m.params.device, "ZeRO-1 AdamW second moment (shard)");
-  if (!m.cuda()) {
-    std::memset(m.m.data(), 0, bytes);
-    std::memset(m.v.data(), 0, bytes);
-  } else {
-#ifdef FLASHLM_WITH_CUDA
-    gpu::memset_async(m.m.data(), 0, bytes, nullptr);
-    gpu::memset_async(m.v.data(), 0, bytes, nullptr);
-    gpu::stream_synchronize(nullptr);
-    if (!m.updated.empty()) {
-      m.norm_parts = Buffer::allocate(m.updated.size() * sizeof(double), Device::cuda, "ZeRO-1 norm partial sums");
-    }
-#endif
+  m.allocate();
+}
+
+ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets)
+    : impl_(std::make_unique<Impl>(comm, std::move(params))) {
+  Impl& m = *impl_;
+  m.per_bucket = true;
+  m.validate("per bucket");
+  comm.agree(static_cast<int64_t>(buckets.size()), "the number of ZeRO-1 buckets");
+  // Only trainable elements may be updated: a bucket is DataParallel's (trainable owners), checked here
+  // because a frozen element inside one would silently train.
+  const std::vector<DdpRange> trainable = m.params.trainable_ranges();
+  const ZeroBucketLayout layout = zero_bucket_layout(buckets, comm.world_size(), comm.rank());
+  int64_t at = 0;
+  for (const ZeroBucketShard& s : layout.buckets) {
+    const DdpRange whole{s.offset, s.part * comm.world_size() + s.tail.count};
+    FLASHLM_CHECK(whole.offset + whole.count <= m.n &&
+                      std::any_of(trainable.begin(), trainable.end(),
+                                  [&](const DdpRange& t) {
+                                    return t.offset <= whole.offset && whole.offset + whole.count <= t.offset + t.count;
+                                  }),
+                  "ZeroOptimizer: bucket [{}, {}) is not a run of trainable parameter elements", whole.offset,
+                  whole.offset + whole.count);
+    m.segments.push_back({s.offset, s.part});
+    if (s.owned.count > 0) m.updated.push_back({s.owned, at, true}), at += s.owned.count;
+    if (s.tail.count > 0) m.updated.push_back({s.tail, at, comm.rank() == 0}), at += s.tail.count;
   }
+  m.shard_elements = layout.shard_elements;
+  std::sort(m.updated.begin(), m.updated.end(),
+            [](const ZeroRun& a, const ZeroRun& b) { return a.range.offset < b.range.offset; });
+  for (size_t k = 1; k < m.updated.size(); ++k) {
+    const DdpRange& prev = m.updated[k - 1].range;
+    FLASHLM_CHECK(prev.offset + prev.count <= m.updated[k].range.offset, "ZeroOptimizer: buckets overlap at element {}",
+                  m.updated[k].range.offset);
+  }
+  m.allocate();
 }
 
 ZeroOptimizer::~ZeroOptimizer() = default;
 
+bool ZeroOptimizer::per_bucket() const { return impl_->per_bucket; }
 int64_t ZeroOptimizer::shard_elements() const { return impl_->shard_elements; }
-DdpRange ZeroOptimizer::shard() const { return impl_->shard; }
+
+DdpRange ZeroOptimizer::shard() const {
+  FLASHLM_CHECK(!impl_->per_bucket, "ZeroOptimizer::shard: the per-bucket layout has one run per bucket; use "
+                                    "updated_ranges()");
+  return impl_->shard;
+}
+
+std::vector<DdpRange> ZeroOptimizer::updated_ranges() const {
+  std::vector<DdpRange> out;
+  for (const ZeroRun& r : impl_->updated) out.push_back(r.range);
+  return out;
+}
+
 int64_t ZeroOptimizer::state_bytes() const { return 2 * impl_->shard_elements * int64_t(sizeof(float)); }
 int64_t ZeroOptimizer::steps() const { return impl_->steps; }
 
@@ -141,16 +228,17 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
   const bool clip = c.max_grad_norm > 0 && norm > c.max_grad_norm;
   const float scale = cpu::clip_scale(norm, c.max_grad_norm);
   ++m.steps;
-  for (const DdpRange& r : m.updated) {
+  for (const ZeroRun& run : m.updated) {
+    const DdpRange& r = run.range;
     float* w = params + r.offset;
     float* g = grads + r.offset;
+    float *mo = m.moment(m.m, run), *vo = m.moment(m.v, run);
     if (!m.cuda()) {
       if (clip) {
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < r.count; ++i) g[i] *= scale;
       }
-      cpu::adamw_step(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay,
-                      m.steps);
+      cpu::adamw_step(w, g, mo, vo, r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, m.steps);
     } else {
 #ifdef FLASHLM_WITH_CUDA
       // The clip factor is applied inside the AdamW kernel (same product, one rounding), not by a pass of
@@ -158,25 +246,24 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
       // shard of it, rounded as CudaModel::parameters_changed() would.
       const float gs = clip ? scale : 1.0f;
       if (working_dtype == DType::bf16 && working) {
-        gpu::adamw_step<bf16_t>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
-                                       c.weight_decay, m.steps, static_cast<bf16_t*>(working) + r.offset,
-                                       stream, gs);
+        gpu::adamw_step<bf16_t>(w, g, mo, vo, r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, m.steps,
+                                static_cast<bf16_t*>(working) + r.offset, stream, gs);
       } else if (working_dtype == DType::f16 && working) {
-        gpu::adamw_step<fp16_t>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
-                                c.weight_decay, m.steps, static_cast<fp16_t*>(working) + r.offset, stream, gs);
+        gpu::adamw_step<fp16_t>(w, g, mo, vo, r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, m.steps,
+                                static_cast<fp16_t*>(working) + r.offset, stream, gs);
       } else {
-        gpu::adamw_step<float>(w, g, m.moment(m.m, r), m.moment(m.v, r), r.count, lr, c.beta1, c.beta2, c.eps,
-                               c.weight_decay, m.steps, nullptr, stream, gs);
+        gpu::adamw_step<float>(w, g, mo, vo, r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, m.steps, nullptr,
+                               stream, gs);
       }
 #endif
     }
   }
   if (working) {
     // Frozen elements of the shard were not updated, and their copy is already right on every rank.
-    m.comm.all_gather_v(TensorView::contiguous(working, working_dtype, {m.n}, m.params.device), m.counts, stream);
+    m.gather(TensorView::contiguous(working, working_dtype, {m.n}, m.params.device), stream);
     m.masters_stale = m.comm.world_size() > 1;
   } else {
-    m.comm.all_gather_v(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), m.counts, stream);
+    m.gather(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), stream);
     m.masters_stale = false;
   }
   m.comm.wait(stream);
@@ -188,7 +275,7 @@ bool ZeroOptimizer::masters_stale() const { return impl_->masters_stale; }
 void ZeroOptimizer::gather_masters(float* params, void* stream) {
   Impl& m = *impl_;
   FLASHLM_CHECK(params != nullptr, "ZeroOptimizer::gather_masters: null params");
-  m.comm.all_gather_v(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), m.counts, stream);
+  m.gather(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), stream);
   m.comm.wait(stream);
   m.masters_stale = false;
 }
@@ -211,12 +298,26 @@ void copy_floats(float* dst, const float* src, int64_t count, Device device_of_s
 
 void ZeroOptimizer::gather_state(float* m_out, float* v_out) {
   Impl& m = *impl_;
-  const auto s = size_t(m.shard_elements);
-  std::vector<float> mine(s), all(s * size_t(m.comm.world_size()));
-  for (auto [moment, out] : {std::pair{&m.m, m_out}, std::pair{&m.v, v_out}}) {
 #ifdef FLASHLM_WITH_CUDA
-    if (m.cuda()) cuda_synchronize();
+  if (m.cuda()) cuda_synchronize();
 #endif
+  const auto s = size_t(m.shard_elements);
+  std::vector<float> mine(s);
+  if (m.per_bucket) {
+    // Each rank places its parts (and the tails, equal everywhere) in a full host array; the host gather of
+    // the parts then completes it on every rank.
+    for (auto [moment, out] : {std::pair{&m.m, m_out}, std::pair{&m.v, v_out}}) {
+      copy_floats(mine.data(), static_cast<const float*>(moment->data()), int64_t(s), m.params.device);
+      std::fill(out, out + m.n, 0.0f);
+      for (const ZeroRun& r : m.updated) {
+        std::copy_n(mine.begin() + r.moment_at, r.range.count, out + r.range.offset);
+      }
+      m.comm.all_gather_segments(TensorView::contiguous(out, DType::f32, {m.n}), m.segments);
+    }
+    return;
+  }
+  std::vector<float> all(s * size_t(m.comm.world_size()));
+  for (auto [moment, out] : {std::pair{&m.m, m_out}, std::pair{&m.v, v_out}}) {
     copy_floats(mine.data(), static_cast<const float*>(moment->data()), int64_t(s), m.params.device);
     m.comm.all_gather(std::span<float>(mine), std::span<float>(all));
     std::copy(all.begin(), all.begin() + m.n, out);
@@ -228,7 +329,11 @@ void ZeroOptimizer::load_state(const float* m_in, const float* v_in, int64_t ste
   FLASHLM_CHECK(steps >= 0, "ZeroOptimizer::load_state: steps = {}, expected >= 0", steps);
   std::vector<float> mine(size_t(m.shard_elements), 0.0f);
   for (auto [moment, in] : {std::pair{&m.m, m_in}, std::pair{&m.v, v_in}}) {
-    std::copy(in + m.shard.offset, in + m.shard.offset + m.shard.count, mine.begin());
+    if (m.per_bucket) {
+      for (const ZeroRun& r : m.updated) std::copy_n(in + r.range.offset, r.range.count, mine.begin() + r.moment_at);
+    } else {
+      std::copy(in + m.shard.offset, in + m.shard.offset + m.shard.count, mine.begin());
+    }
     copy_floats(static_cast<float*>(moment->data()), mine.data(), m.shard_elements, m.params.device);
   }
   m.steps = steps;

@@ -104,7 +104,8 @@ ToyRun train_data_parallel(const DdpOptions& opt, bool zero1) {
   toy::Model model(1 + uint64_t(r));  // the ranks start different: the broadcast makes them equal
   DataParallel ddp(comm(), model.params, opt);
   std::unique_ptr<ZeroOptimizer> zero;
-  if (zero1) zero = std::make_unique<ZeroOptimizer>(comm(), model.params, 16);
+  if (zero1 && opt.reduce_scatter) zero = std::make_unique<ZeroOptimizer>(comm(), model.params, ddp.buckets());
+  else if (zero1) zero = std::make_unique<ZeroOptimizer>(comm(), model.params, 16);
   ToyRun run;
   model.hook = [&](int64_t first, int64_t last) {
     ddp.gradients_ready(first, last);
@@ -326,6 +327,167 @@ TEST(Zero1, ShardsAreEqualAndCoverTheParameters) {
   EXPECT_EQ(m2, m);
   EXPECT_EQ(v2, v);
   EXPECT_EQ(zero.steps(), 7);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// ZeRO-1's per-bucket layout with DataParallel's reduce-scatter. DdpModel picks it on CUDA only; on the CPU
+// DataParallel and ZeroOptimizer run it too (MPI's blocking reduce-scatter), which tests its arithmetic here.
+
+// Buckets whose sizes divide by the world size and do not (a tail), one smaller than the world (all tail),
+// for every world size 1..5 and every rank: each element of a bucket is owned by exactly one rank or is in
+// the tail, which every rank owns; the parts are what an in-place reduce-scatter leaves on each rank.
+TEST(Zero1PerBucket, LayoutOfBucketsThatDoAndDoNotDivide) {
+  std::vector<DdpBucket> buckets(3);
+  buckets[0].ranges = {{100, 12}};  // 12: divides by 1, 2, 3, 4
+  buckets[1].ranges = {{30, 7}};    // 7: a tail at 2..5
+  buckets[2].ranges = {{50, 2}};    // 2: all tail at 3..5
+  for (DdpBucket& b : buckets) b.elements = b.ranges.front().count;
+  for (int world = 1; world <= 5; ++world) {
+    std::vector<int> owners(112, 0), tails(112, 0);
+    for (int rank = 0; rank < world; ++rank) {
+      const ZeroBucketLayout layout = zero_bucket_layout(buckets, world, rank);
+      ASSERT_EQ(layout.buckets.size(), buckets.size());
+      int64_t elements = 0;
+      for (size_t b = 0; b < buckets.size(); ++b) {
+        const ZeroBucketShard& s = layout.buckets[b];
+        const DdpRange whole = buckets[b].ranges.front();
+        EXPECT_EQ(s.offset, whole.offset);
+        EXPECT_EQ(s.part, whole.count / world);
+        EXPECT_EQ(s.owned.offset, whole.offset + rank * s.part);
+        EXPECT_EQ(s.owned.count, s.part);
+        EXPECT_EQ(s.tail.offset, whole.offset + world * s.part);
+        EXPECT_EQ(s.tail.count, whole.count % world);
+        EXPECT_LT(s.tail.count, world);
+        for (int64_t i = 0; i < s.owned.count; ++i) ++owners[size_t(s.owned.offset + i)];
+        for (int64_t i = 0; i < s.tail.count; ++i) ++tails[size_t(s.tail.offset + i)];
+        elements += s.part + s.tail.count;
+      }
+      EXPECT_EQ(layout.shard_elements, elements);
+    }
+    for (const DdpBucket& b : buckets) {
+      for (int64_t i = b.ranges.front().offset; i < b.ranges.front().offset + b.ranges.front().count; ++i) {
+        const bool owned_once = owners[size_t(i)] == 1 && tails[size_t(i)] == 0;
+        const bool tail_everywhere = owners[size_t(i)] == 0 && tails[size_t(i)] == world;
+        EXPECT_TRUE(owned_once || tail_everywhere) << "world " << world << " element " << i;
+      }
+    }
+  }
+  // world 4: 12 -> 3 each; 7 -> 1 each + 3; 2 -> 0 each + 2. Per rank 3 + 1 + 3 + 0 + 2 = 9 of 21.
+  EXPECT_EQ(zero_bucket_layout(buckets, 4, 3).shard_elements, 9);
+  buckets[1].ranges = {{30, 3}, {40, 4}};  // a frozen parameter inside the bucket
+  EXPECT_THROW(zero_bucket_layout(buckets, 2, 0), Error);
+  EXPECT_THROW(zero_bucket_layout(buckets, 2, 2), Error);
+}
+
+// When DataParallel can reduce-scatter: the bucketed variant in fp32 with every bucket one run.
+TEST(Zero1PerBucket, ReduceScatterNeedsBucketedFp32ContiguousBuckets) {
+  const toy::Model model(1);
+  EXPECT_EQ(reduce_scatter_obstacle(model.params, options(DdpVariant::bucketed, 0.0008)), "");
+  // 1 MB: one bucket of two ranges (F lies between E and W1).
+  EXPECT_NE(reduce_scatter_obstacle(model.params, options(DdpVariant::bucketed, 1.0)).find("2 separate ranges"),
+            std::string::npos);
+  EXPECT_NE(reduce_scatter_obstacle(model.params, options(DdpVariant::flat)).find("flat"), std::string::npos);
+  EXPECT_NE(reduce_scatter_obstacle(model.params, options(DdpVariant::bucketed, 0.0008, 1, DType::bf16)).find("bf16"),
+            std::string::npos);
+  DdpOptions o = options(DdpVariant::bucketed, 1.0);
+  o.reduce_scatter = true;
+  EXPECT_THROW(DataParallel(comm(), model.params, o), Error);
+}
+
+// The toy trained with every bucket reduce-scattered into ZeRO-1's per-bucket shards reproduces full-batch
+// training (also with gradient accumulation); the frozen gradient is never touched; every rank keeps the
+// moments of 1/world of the parameters.
+TEST(Zero1PerBucket, ReduceScatterReproducesFullBatchTraining) {
+  const std::vector<float> reference = train_single_process();
+  for (DdpOptions o : {options(DdpVariant::bucketed, 0.0008), options(DdpVariant::bucketed, 0.0008, 2)}) {
+    o.reduce_scatter = true;
+    const ToyRun run = train_data_parallel(o, true);
+    EXPECT_LE(max_abs_diff(run.final, reference), 1e-6) << describe(o);
+    EXPECT_TRUE(run.frozen_gradient_kept);
+    for (const DdpStats& st : run.stats) {
+      EXPECT_EQ(st.elements, kCommunicated) << describe(o);
+      EXPECT_EQ(st.collectives, 2) << describe(o);  // two buckets, sizes 192 and 128: no tails at 1, 2, 4
+    }
+  }
+  toy::Model model(1);
+  DdpOptions o = options(DdpVariant::bucketed, 0.0008);
+  o.reduce_scatter = true;
+  DataParallel ddp(comm(), model.params, o);
+  const ZeroOptimizer zero(comm(), model.params, ddp.buckets());
+  EXPECT_TRUE(zero.per_bucket());
+  EXPECT_EQ(zero.shard_elements(), kCommunicated / comm().world_size());
+  EXPECT_EQ(zero.state_bytes(), 2 * kCommunicated / comm().world_size() * int64_t(sizeof(float)));
+  // DataParallel averages exactly the elements ZeRO-1 updates.
+  auto elements = [](const std::vector<DdpRange>& ranges) {
+    std::vector<int64_t> out;
+    for (const DdpRange& r : ranges) {
+      for (int64_t i = r.offset; i < r.offset + r.count; ++i) out.push_back(i);
+    }
+    return out;
+  };
+  EXPECT_EQ(elements(ddp.averaged_ranges()), elements(zero.updated_ranges()));
+  EXPECT_THROW(zero.shard(), Error);
+}
+
+// Parameters of 13, 7 and 2 elements, each its own bucket, so that the world sizes 2 and 4 leave tails (and
+// 2 < 4 is all tail): DataParallel's reduce-scatter leaves this rank's parts and the tails averaged, and
+// ZeroOptimizer's steps on them match unsharded AdamW on the averaged gradients; the moments round-trip
+// through a checkpoint.
+TEST(Zero1PerBucket, TailsAreReplicatedAndTrainedLikeTheRest) {
+  DdpParameters params;
+  params.layout = {{"a", 0, {13}}, {"b", 13, {7}}, {"c", 20, {2}}};
+  const int64_t n = params.flat_size();
+  const int world = comm().world_size(), rank = comm().rank();
+  DdpOptions o = options(DdpVariant::bucketed, 1e-6);  // one parameter per bucket
+  o.reduce_scatter = true;
+  DataParallel ddp(comm(), params, o);
+  ZeroOptimizer zero(comm(), params, ddp.buckets());
+  ASSERT_EQ(ddp.buckets().size(), 3u);
+  // Rank r's gradient of element i. Their mean over 1, 2 or 4 ranks is a multiple of 0.025 minus 0.43, never
+  // near 0, where AdamW's update (g / sqrt(g²)) would turn rounding noise into a full step.
+  auto grad = [](int64_t i, int r, int step) { return 0.1f * float((i * 7 + 3 * r + step) % 11) - 0.43f; };
+  const auto count = static_cast<size_t>(n);
+  std::vector<float> w(count), ref_w(count), ref_m(count, 0.0f), ref_v(count, 0.0f), g(count);
+  for (int64_t i = 0; i < n; ++i) w[size_t(i)] = ref_w[size_t(i)] = 0.05f * float(i % 5) - 0.1f;
+  AdamWConfig c;
+  c.max_grad_norm = 0.8;  // clips at 1 and 2 ranks, not at 4 (the mean of more ranks is smaller)
+  for (int step = 0; step < 3; ++step) {
+    std::vector<float> mean(count, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      g[size_t(i)] = grad(i, rank, step);
+      for (int r = 0; r < world; ++r) mean[size_t(i)] += grad(i, r, step) / float(world);
+    }
+    ddp.begin_backward(g.data(), true);
+    ddp.gradients_ready(0, 2);
+    ddp.finish_backward();
+    double averaged_error = 0;
+    for (const DdpRange& r : ddp.averaged_ranges()) {
+      for (int64_t i = r.offset; i < r.offset + r.count; ++i) {
+        averaged_error = std::max(averaged_error, double(std::abs(g[size_t(i)] - mean[size_t(i)])));
+      }
+    }
+    EXPECT_LE(averaged_error, 1e-6) << "step " << step;
+    const double norm = zero.step(w.data(), g.data(), c, kLr);
+    // The unsharded reference on the mean gradients.
+    const double want = std::sqrt(cpu::sum_squares(mean.data(), n));
+    EXPECT_NEAR(norm, want, 1e-6 * want) << "step " << step;
+    if (want > c.max_grad_norm) {
+      for (float& x : mean) x *= cpu::clip_scale(want, c.max_grad_norm);
+    }
+    cpu::adamw_step(ref_w.data(), mean.data(), ref_m.data(), ref_v.data(), n, kLr, c.beta1, c.beta2, c.eps,
+                    c.weight_decay, step + 1);
+    EXPECT_LE(max_abs_diff(w, ref_w), 1e-6) << "step " << step;
+  }
+  std::vector<float> m(count), v(count), m2(count), v2(count);
+  zero.gather_state(m.data(), v.data());
+  EXPECT_LE(max_abs_diff(m, ref_m), 1e-6);
+  EXPECT_LE(max_abs_diff(v, ref_v), 1e-6);
+  for (int64_t i = 0; i < n; ++i) m[size_t(i)] = float(i), v[size_t(i)] = float(2 * i);
+  zero.load_state(m.data(), v.data(), 9);
+  zero.gather_state(m2.data(), v2.data());
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
+  EXPECT_EQ(zero.steps(), 9);
 }
 
 // The real LM: ZeRO-1's sharded step gives the bits of CpuModel's own clipping and AdamW, given the same
