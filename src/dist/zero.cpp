@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstring>
 #include <span>
-#include <string>
 
 #include "core/check.h"
 #include "flashlm/ddp.h"
@@ -50,13 +49,13 @@ struct ZeroOptimizer::Impl {
   float* moment(const Buffer& b, const ZeroRun& r) const { return static_cast<float*>(b.data()) + r.moment_at; }
 
   // Both layouts: checks, agreement, the CUDA set-up.
-  void validate(const char* layout) {
+  void validate() {
     params.validate();
     FLASHLM_CHECK(params.device == Device::cpu || Communicator::nccl_built(),
                   "ZeroOptimizer: CUDA parameters need flashlm built with NCCL");
     n = params.flat_size();
     comm.agree(n, "the number of parameter elements");
-    comm.agree(per_bucket ? 1 : 0, std::string("the ZeRO-1 layout (") + layout + ")");
+    comm.agree(per_bucket ? 1 : 0, "the ZeRO-1 layout (0: contiguous, 1: per bucket)");
     if (cuda()) comm.setup_cuda();
   }
 
@@ -140,7 +139,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t g
     : impl_(std::make_unique<Impl>(comm, std::move(params))) {
   Impl& m = *impl_;
   FLASHLM_CHECK(grain >= 1, "ZeroOptimizer: grain = {}, expected >= 1", grain);
-  m.validate("contiguous");
+  m.validate();
   m.grain = grain;
   comm.agree(grain, "the ZeRO-1 shard grain");
   const int64_t world = comm.world_size();
@@ -162,7 +161,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
     : impl_(std::make_unique<Impl>(comm, std::move(params))) {
   Impl& m = *impl_;
   m.per_bucket = true;
-  m.validate("per bucket");
+  m.validate();
   comm.agree(static_cast<int64_t>(buckets.size()), "the number of ZeRO-1 buckets");
   // Only trainable elements may be updated: a bucket is DataParallel's (trainable owners), checked here
   // because a frozen element inside one would silently train.

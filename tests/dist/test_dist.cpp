@@ -238,6 +238,50 @@ TEST(CpuCollectivesViews, AllGatherV) {
                Error);
 }
 
+// all_gather_segments' case, the same on the CPU and on GPUs: three segments (one of 0 elements per rank)
+// with gaps between them. x: this rank's chunks filled, the others' -1, the gaps -7 (never touched).
+struct SegmentsCase {
+  std::vector<Communicator::Segment> segments;
+  std::vector<float> x;
+  static float value(size_t segment, int rank, int64_t k) { return float(100 * segment + 10 * rank + k); }
+
+  SegmentsCase(int n, int r) {
+    segments = {{3, 2}, {3 + 2 * n + 1, 0}, {3 + 2 * n + 4, 5}};
+    x.assign(size_t(3 + 2 * n + 4 + 5 * n + 2), -7.0f);
+    for (size_t s = 0; s < segments.size(); ++s) {
+      for (int q = 0; q < n; ++q) {
+        for (int64_t k = 0; k < segments[s].part; ++k) {
+          x[size_t(segments[s].offset + q * segments[s].part + k)] = q == r ? value(s, q, k) : -1.0f;
+        }
+      }
+    }
+  }
+
+  void check(const std::vector<float>& got, int n) const {
+    std::vector<float> want(got.size(), -7.0f);
+    for (size_t s = 0; s < segments.size(); ++s) {
+      for (int q = 0; q < n; ++q) {
+        for (int64_t k = 0; k < segments[s].part; ++k) {
+          want[size_t(segments[s].offset + q * segments[s].part + k)] = value(s, q, k);
+        }
+      }
+    }
+    EXPECT_EQ(got, want);
+  }
+};
+
+TEST(CpuCollectivesViews, AllGatherSegments) {
+  const int n = comm().world_size(), r = comm().rank();
+  SegmentsCase c(n, r);
+  const TensorView x = TensorView::contiguous(c.x.data(), DType::f32, {int64_t(c.x.size())});
+  comm().all_gather_segments(x, c.segments);
+  c.check(c.x, n);
+  const std::vector<Communicator::Segment> overlapping = {{0, 2}, {1, 1}};
+  EXPECT_THROW(comm().all_gather_segments(x, overlapping), Error);
+  const std::vector<Communicator::Segment> past_the_end = {{int64_t(c.x.size()) - 1, 2}};
+  EXPECT_THROW(comm().all_gather_segments(x, past_the_end), Error);
+}
+
 TEST(CpuCollectivesViews, TensorViewsAndEmptyBuffers) {
   const int n = comm().world_size();
   Tensor t = Tensor::empty({3, 4}, DType::f32, Device::cpu, "test");
@@ -522,6 +566,18 @@ TEST(GpuCollectivesExtra, AsyncAllReduceAndAllGatherV) {
   for (int q = 0; q < n; ++q) {
     for (int64_t k = 0; k < counts[size_t(q)]; ++k, ++at) EXPECT_EQ(got[at], float(10 * q + k)) << q << " " << k;
   }
+}
+
+// One NCCL group of in-place all-gathers, one per segment.
+TEST(GpuCollectivesExtra, AllGatherSegments) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  const int n = comm().world_size(), r = comm().rank();
+  comm().setup_cuda();
+  SegmentsCase c(n, r);
+  Tensor dx = to_device(c.x);
+  comm().all_gather_segments(dx, c.segments);
+  comm().synchronize();
+  c.check(to_host<float>(dx), n);
 }
 
 // An NCCL communicator limited to 2 CTAs (ncclConfig_t maxCTAs) reduces correctly; once it exists, its limit
