@@ -28,6 +28,12 @@ struct ZeroOptimizer::Impl {
   Buffer m, v;                        // shard_elements floats each, on the parameters' device
   int64_t steps = 0;
   bool masters_stale = false;         // other ranks' shards of the fp32 masters not gathered since a step
+  // The masters the model reads in fp32 (DdpParameters::read_as_master), gathered with the working copy:
+  // packed in flat order into one buffer, so one all-gather moves them (rank r's pieces are then at the
+  // packed position of its shard, as all_gather_v expects).
+  std::vector<DdpRange> read_ranges;  // ascending
+  std::vector<int64_t> read_counts;   // every rank's packed elements
+  Buffer read_packed;                 // sum(read_counts) floats (device)
 #ifdef FLASHLM_WITH_CUDA
   Buffer norm_parts;  // one fp64 sum of squares per trainable run (device)
 #endif
@@ -35,6 +41,34 @@ struct ZeroOptimizer::Impl {
   Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
 
   bool cuda() const { return params.device == Device::cuda; }
+
+  // Every rank's shard of the read_ranges masters: pack this rank's pieces, all-gather, unpack all (CUDA).
+  void gather_read_masters(float* params_flat, void* stream) {
+#ifdef FLASHLM_WITH_CUDA
+    if (read_packed.data() == nullptr) return;
+    auto* packed = static_cast<float*>(read_packed.data());
+    const auto copy_pieces = [&](bool pack) {
+      int64_t at = 0;
+      for (const DdpRange& x : read_ranges) {
+        const int64_t a = std::max(x.offset, shard.offset), b = std::min(x.offset + x.count, shard.offset + shard.count);
+        if (pack && a < b) {  // this rank's piece, at its packed position
+          cuda_copy_async(packed + at + (a - x.offset), params_flat + a, size_t(b - a) * sizeof(float), stream);
+        }
+        if (!pack) cuda_copy_async(params_flat + x.offset, packed + at, size_t(x.count) * sizeof(float), stream);
+        at += x.count;
+      }
+    };
+    copy_pieces(true);
+    int64_t total = 0;
+    for (int64_t c : read_counts) total += c;
+    comm.all_gather_v(TensorView::contiguous(packed, DType::f32, {total}, Device::cuda), read_counts, stream);
+    comm.wait(stream);
+    copy_pieces(false);
+#else
+    (void)params_flat;
+    (void)stream;
+#endif
+  }
   float* moment(const Buffer& b, const DdpRange& r) const {
     return static_cast<float*>(b.data()) + (r.offset - shard.offset);
   }
@@ -104,6 +138,18 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t g
   const size_t bytes = size_t(m.shard_elements) * sizeof(float);
   m.m = Buffer::allocate(bytes, m.params.device, "ZeRO-1 AdamW first moment (shard)");
   m.v = Buffer::allocate(bytes, m.params.device, "ZeRO-1 AdamW second moment (shard)");
+  m.read_ranges = m.params.read_as_master_ranges();
+  for (int64_t r = 0; r < world; ++r) {
+    const int64_t lo = r * m.shard_elements, hi = lo + m.shard_elements;
+    int64_t count = 0;
+    for (const DdpRange& x : m.read_ranges) count += std::max<int64_t>(0, std::min(hi, x.offset + x.count) - std::max(lo, x.offset));
+    m.read_counts.push_back(count);
+  }
+  int64_t read_total = 0;
+  for (int64_t c : m.read_counts) read_total += c;
+  if (m.cuda() && read_total > 0) {
+    m.read_packed = Buffer::allocate(size_t(read_total) * sizeof(float), Device::cuda, "ZeRO-1 fp32-read masters (packed)");
+  }
   if (!m.cuda()) {
     std::memset(m.m.data(), 0, bytes);
     std::memset(m.v.data(), 0, bytes);
@@ -174,6 +220,7 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
   if (working) {
     // Frozen elements of the shard were not updated, and their copy is already right on every rank.
     m.comm.all_gather_v(TensorView::contiguous(working, working_dtype, {m.n}, m.params.device), m.counts, stream);
+    m.gather_read_masters(params, stream);
     m.masters_stale = m.comm.world_size() > 1;
   } else {
     m.comm.all_gather_v(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), m.counts, stream);
