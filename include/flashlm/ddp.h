@@ -61,6 +61,9 @@ struct DdpParameters {
   // one, accumulated by the model from both uses; it is reduced once, as j, after both uses reported it
   // ready. -1 or an empty vector: not tied.
   std::vector<int64_t> tied_to;
+  // Parameters the model reads from the fp32 masters although it computes with a low-precision working
+  // copy (LanguageModel::master_read_parameters): ZeRO-1 gathers their masters with the copy.
+  std::vector<int64_t> read_as_master;
   Device device = Device::cpu;
 
   static DdpParameters of(const LanguageModel& model);  // every parameter trainable, none tied
@@ -71,6 +74,8 @@ struct DdpParameters {
   bool is_trainable(int64_t param) const { return trainable.empty() || trainable[size_t(owner(param))]; }
   // The elements of trainable parameters, merged into ascending maximal runs.
   std::vector<DdpRange> trainable_ranges() const;
+  // The elements of read_as_master, likewise.
+  std::vector<DdpRange> read_as_master_ranges() const;
 };
 
 // Parameters whose gradients one collective reduces.
@@ -231,10 +236,11 @@ class ZeroOptimizer {
   // before clipping. CUDA: queued on `stream`; the host waits only to read the norm.
   double step(float* params, float* grads, const AdamWConfig& c, double lr, void* stream = nullptr);
   // The same step for a model whose forward reads a low-precision copy `working` (CUDA, bf16 or fp16, the
-  // flat layout of params): the update writes this rank's shard of both, and only the copy is gathered —
-  // half (bf16) the bytes of the fp32 masters, and no recast of the whole model afterwards. The other
-  // ranks' shards of `params` are then stale until gather_masters() (checkpoints); the AdamW arithmetic
-  // and the copy the model computes with are the same as with step().
+  // flat layout of params): the update writes this rank's shard of both, and the copy is gathered — half
+  // (bf16) the bytes of the fp32 masters, and no recast of the whole model afterwards — with the masters
+  // of DdpParameters::read_as_master (packed into one all-gather). The other ranks' shards of the other
+  // masters are then stale until gather_masters() (checkpoints); the AdamW arithmetic and the weights the
+  // model computes with are the same as with step().
   double step(float* params, float* grads, void* working, DType working_dtype, const AdamWConfig& c, double lr,
               void* stream);
   bool masters_stale() const;

@@ -110,6 +110,10 @@ class LanguageModel {
   // same flat layout, precision() elements), or nullptr where they read parameters() itself. ZeRO-1
   // gathers this copy instead of the fp32 masters (flashlm/ddp.h).
   virtual void* working_parameters() const { return nullptr; }
+  // Indices into layout() of the parameters that forward and backward read from parameters() in fp32 even
+  // though working_parameters() exists (CudaModel: the token embeddings and the RMSNorm gains). ZeRO-1,
+  // which gathers only the working copy after a step, gathers these masters too.
+  virtual std::vector<int64_t> master_read_parameters() const { return {}; }
   // backward() calls `hook` as each parameter's gradient becomes final — on CUDA when the kernels that
   // produce it are queued on stream(), not when they have run. An empty hook removes it.
   void set_gradient_ready_hook(GradientReadyHook hook) { gradient_ready_hook_ = std::move(hook); }
@@ -212,6 +216,7 @@ class CudaModel final : public LanguageModel {
   void* stream() const override;
   void parameters_changed() override;
   void* working_parameters() const override;
+  std::vector<int64_t> master_read_parameters() const override;
   int64_t parameter_count() const override;
   Device device() const override { return Device::cuda; }
   DType precision() const override;

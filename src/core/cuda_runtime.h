@@ -18,6 +18,7 @@ int cuda_current_device();
 int cuda_pointer_device(const void* p);  // -1 for a host pointer or an unknown one
 std::string cuda_device_description();
 void cuda_copy(void* dst, const void* src, size_t bytes);  // any direction, synchronous
+void cuda_copy_async(void* dst, const void* src, size_t bytes, void* stream);  // any direction, queued on `stream`
 void cuda_memset_async(void* dst, int value, size_t bytes, void* stream);  // queued on `stream`
 void cuda_synchronize();
 // Runs fn once per repetition between two CUDA events on the default stream and returns each time in ms.

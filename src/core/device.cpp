@@ -38,6 +38,7 @@ int cuda_current_device() { return -1; }
 int cuda_pointer_device(const void*) { return -1; }
 std::string cuda_device_description() { return "no CUDA (built without it)"; }
 void cuda_copy(void*, const void*, size_t) { fail("cuda_copy: flashlm was built without CUDA"); }
+void cuda_copy_async(void*, const void*, size_t, void*) { fail("cuda_copy_async: flashlm was built without CUDA"); }
 void cuda_memset_async(void*, int, size_t, void*) { fail("cuda_memset_async: flashlm was built without CUDA"); }
 void cuda_synchronize() {}
 std::vector<double> cuda_time_each_ms(const std::function<void()>&, int) {

@@ -101,6 +101,12 @@ void cuda_memset_async(void* dst, int value, size_t bytes, void* stream) {
   FLASHLM_CUDA_CHECK(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(stream)), "cudaMemsetAsync");
 }
 
+void cuda_copy_async(void* dst, const void* src, size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  FLASHLM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)),
+                     "cudaMemcpyAsync");
+}
+
 void cuda_copy(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;  // empty tensors may have no allocation
   FLASHLM_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");

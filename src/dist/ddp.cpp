@@ -86,6 +86,7 @@ DdpParameters DdpParameters::of(const LanguageModel& model) {
   DdpParameters p;
   p.layout = model.layout();
   p.device = model.device();
+  p.read_as_master = model.master_read_parameters();
   return p;
 }
 
@@ -123,11 +124,25 @@ void DdpParameters::validate() const {
     FLASHLM_CHECK(trainable.empty() || trainable[size_t(i)] == trainable[size_t(j)],
                   "DdpParameters: '{}' and '{}' are tied, so both are trainable or both frozen", p.name, q.name);
   }
+  for (int64_t i : read_as_master) {
+    FLASHLM_CHECK(i >= 0 && i < n, "DdpParameters: read_as_master names parameter {}, expected one of 0..{}", i,
+                  n - 1);
+  }
   std::sort(owned.begin(), owned.end(), [](const DdpRange& a, const DdpRange& b) { return a.offset < b.offset; });
   for (size_t k = 1; k < owned.size(); ++k) {
     FLASHLM_CHECK(owned[k - 1].offset + owned[k - 1].count <= owned[k].offset,
                   "DdpParameters: parameters overlap at element {} without being tied", owned[k].offset);
   }
+}
+
+std::vector<DdpRange> DdpParameters::read_as_master_ranges() const {
+  std::vector<int64_t> owners;
+  for (int64_t i : read_as_master) owners.push_back(owner(i));  // a tied parameter's storage, once
+  std::sort(owners.begin(), owners.end());
+  owners.erase(std::unique(owners.begin(), owners.end()), owners.end());
+  std::vector<DdpRange> ranges;
+  for (int64_t i : owners) ranges.push_back({layout[size_t(i)].offset, layout[size_t(i)].numel()});
+  return merge_ranges(std::move(ranges));
 }
 
 std::vector<DdpRange> DdpParameters::trainable_ranges() const {

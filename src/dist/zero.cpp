@@ -39,6 +39,10 @@ struct ZeroOptimizer::Impl {
   Buffer m, v;                        // shard_elements floats each, on the parameters' device
   int64_t steps = 0;
   bool masters_stale = false;         // other ranks' shards of the fp32 masters not gathered since a step
+  // The masters the model reads in fp32 (DdpParameters::read_as_master), gathered with the working copy.
+  std::vector<std::vector<DdpRange>> read_pieces;  // every rank's pieces of them, ascending
+  std::vector<int64_t> read_counts;                // every rank's elements of them
+  Buffer read_packed;                              // the pieces packed rank after rank (device)
 #ifdef FLASHLM_WITH_CUDA
   Buffer norm_parts;  // one fp64 sum of squares per updated run (device)
 #endif
@@ -46,6 +50,73 @@ struct ZeroOptimizer::Impl {
   Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
 
   bool cuda() const { return params.device == Device::cuda; }
+  // The elements rank r updates and no other rank does: its contiguous shard, or its part of every bucket
+  // (the replicated tails are updated everywhere and need no gather).
+  std::vector<DdpRange> owned_by(int64_t r) const {
+    if (!per_bucket) {
+      const int64_t lo = std::min(n, r * shard_elements);
+      return {{lo, std::min(n, lo + shard_elements) - lo}};
+    }
+    std::vector<DdpRange> owned;
+    for (const Communicator::Segment& s : segments) {
+      if (s.part > 0) owned.push_back({s.offset + r * s.part, s.part});
+    }
+    return owned;
+  }
+
+  // After the layout is set: every rank's pieces of the read_as_master masters, packed rank after rank, so
+  // that one all_gather_v moves them (CUDA with a working copy only; the fp32 path gathers every master).
+  void plan_read_gather() {
+    if (!cuda()) return;
+    const std::vector<DdpRange> reads = params.read_as_master_ranges();
+    int64_t total = 0;
+    for (int64_t r = 0; r < comm.world_size(); ++r) {
+      std::vector<DdpRange> pieces;
+      int64_t count = 0;
+      for (const DdpRange& o : owned_by(r)) {
+        for (const DdpRange& x : reads) {
+          const int64_t a = std::max(o.offset, x.offset), b = std::min(o.offset + o.count, x.offset + x.count);
+          if (a < b) pieces.push_back({a, b - a}), count += b - a;
+        }
+      }
+      read_pieces.push_back(std::move(pieces));
+      read_counts.push_back(count);
+      total += count;
+    }
+    if (total > 0) {
+      read_packed = Buffer::allocate(size_t(total) * sizeof(float), Device::cuda, "ZeRO-1 fp32-read masters (packed)");
+    }
+  }
+
+  // Every rank's pieces of the read_as_master masters: pack this rank's, all-gather, unpack the others'.
+  void gather_read_masters(float* params_flat, void* stream) {
+#ifdef FLASHLM_WITH_CUDA
+    if (read_packed.data() == nullptr) return;
+    auto* packed = static_cast<float*>(read_packed.data());
+    int64_t total = 0;
+    for (int64_t c : read_counts) total += c;
+    const auto copy_pieces = [&](int64_t rank, bool pack) {
+      int64_t at = 0;
+      for (int64_t r = 0; r < rank; ++r) at += read_counts[size_t(r)];
+      for (const DdpRange& x : read_pieces[size_t(rank)]) {
+        const size_t bytes = size_t(x.count) * sizeof(float);
+        if (pack) cuda_copy_async(packed + at, params_flat + x.offset, bytes, stream);
+        else cuda_copy_async(params_flat + x.offset, packed + at, bytes, stream);
+        at += x.count;
+      }
+    };
+    copy_pieces(comm.rank(), true);
+    comm.all_gather_v(TensorView::contiguous(packed, DType::f32, {total}, Device::cuda), read_counts, stream);
+    comm.wait(stream);
+    for (int64_t r = 0; r < comm.world_size(); ++r) {
+      if (r != comm.rank()) copy_pieces(r, false);
+    }
+#else
+    (void)params_flat;
+    (void)stream;
+#endif
+  }
+
   float* moment(const Buffer& b, const ZeroRun& r) const { return static_cast<float*>(b.data()) + r.moment_at; }
 
   // Both layouts: checks, agreement, the CUDA set-up.
@@ -155,6 +226,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t g
     if (a < b) m.updated.push_back({{a, b - a}, a - m.shard.offset, true});
   }
   m.allocate();
+  m.plan_read_gather();
 }
 
 ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets)
@@ -190,6 +262,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
                   m.updated[k].range.offset);
   }
   m.allocate();
+  m.plan_read_gather();
 }
 
 ZeroOptimizer::~ZeroOptimizer() = default;
@@ -260,6 +333,7 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
   if (working) {
     // Frozen elements of the shard were not updated, and their copy is already right on every rank.
     m.gather(TensorView::contiguous(working, working_dtype, {m.n}, m.params.device), stream);
+    m.gather_read_masters(params, stream);
     m.masters_stale = m.comm.world_size() > 1;
   } else {
     m.gather(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), stream);

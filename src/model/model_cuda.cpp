@@ -221,6 +221,23 @@ void CudaModel::load_parameters(const float* host) {
   gpu::stream_synchronize(impl_->stream);
 }
 
+std::vector<int64_t> CudaModel::master_read_parameters() const {
+  std::vector<int64_t> read;
+  if (impl_->precision == DType::f32) return read;
+  // The parameters forward() and backward() pass as m.master(...): the embedding lookup and the RMSNorm gains.
+  const auto ends_with = [](const std::string& s, std::string_view tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  for (size_t i = 0; i < impl_->layout.size(); ++i) {
+    const std::string& name = impl_->layout[i].name;
+    if (name == "token_embeddings.weight" || ends_with(name, "ln1.weight") || ends_with(name, "ln2.weight") ||
+        name == "ln_final.weight") {
+      read.push_back(int64_t(i));
+    }
+  }
+  return read;
+}
+
 void* CudaModel::working_parameters() const {
   return impl_->precision == DType::f32 ? nullptr : impl_->params_lp.data();
 }
