@@ -303,6 +303,19 @@ TEST(Zero1, ReproducesFullBatchTraining) {
   }
 }
 
+// Full moments loaded into the shards and gathered back (a checkpoint's round trip) are the same values, and
+// load_state sets the step count.
+void expect_state_round_trip(ZeroOptimizer& zero, int64_t n, int64_t steps) {
+  const auto count = static_cast<size_t>(n);
+  std::vector<float> m(count), v(count), m2(count), v2(count);
+  for (int64_t i = 0; i < n; ++i) m[size_t(i)] = float(i), v[size_t(i)] = float(2 * i);
+  zero.load_state(m.data(), v.data(), steps);
+  zero.gather_state(m2.data(), v2.data());
+  EXPECT_EQ(m2, m);
+  EXPECT_EQ(v2, v);
+  EXPECT_EQ(zero.steps(), steps);
+}
+
 TEST(Zero1, ShardsAreEqualAndCoverTheParameters) {
   toy::Model model(1);
   const int64_t n = model.params.flat_size();  // 384
@@ -320,15 +333,7 @@ TEST(Zero1, ShardsAreEqualAndCoverTheParameters) {
   for (int64_t i = 0; i < mine.count; ++i) owned[size_t(mine.offset + i)] = 1.0;
   comm().all_reduce(std::span<double>(owned), ReduceOp::sum);
   for (double o : owned) EXPECT_EQ(o, 1.0);  // every element has exactly one owner
-  // The moments round-trip through a checkpoint.
-  const auto count = static_cast<size_t>(n);
-  std::vector<float> m(count), v(count), m2(count), v2(count);
-  for (int64_t i = 0; i < n; ++i) m[size_t(i)] = float(i), v[size_t(i)] = float(2 * i);
-  zero.load_state(m.data(), v.data(), 7);
-  zero.gather_state(m2.data(), v2.data());
-  EXPECT_EQ(m2, m);
-  EXPECT_EQ(v2, v);
-  EXPECT_EQ(zero.steps(), 7);
+  expect_state_round_trip(zero, n, 7);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -480,16 +485,11 @@ TEST(Zero1PerBucket, TailsAreReplicatedAndTrainedLikeTheRest) {
                     c.weight_decay, step + 1);
     EXPECT_LE(max_abs_diff(w, ref_w), 1e-6) << "step " << step;
   }
-  std::vector<float> m(count), v(count), m2(count), v2(count);
+  std::vector<float> m(count), v(count);
   zero.gather_state(m.data(), v.data());
   EXPECT_LE(max_abs_diff(m, ref_m), 1e-6);
   EXPECT_LE(max_abs_diff(v, ref_v), 1e-6);
-  for (int64_t i = 0; i < n; ++i) m[size_t(i)] = float(i), v[size_t(i)] = float(2 * i);
-  zero.load_state(m.data(), v.data(), 9);
-  zero.gather_state(m2.data(), v2.data());
-  EXPECT_EQ(m2, m);
-  EXPECT_EQ(v2, v);
-  EXPECT_EQ(zero.steps(), 9);
+  expect_state_round_trip(zero, n, 9);
 }
 
 // The real LM: ZeRO-1's sharded step gives the bits of CpuModel's own clipping and AdamW, given the same
