@@ -229,10 +229,10 @@ TrainResult train(const TrainConfig& cfg) {
     dp->broadcast_parameters();
     const DataParallel& ddp = dp->data_parallel();
     constexpr double kMiB = 1024.0 * 1024.0;
-    say(fmt::format("data parallel: {} rank(s) x {} sequences x grad_accum {}; DDP {} ({} {} all-reduce(s) per "
+    say(fmt::format("data parallel: {} rank(s) x {} sequences x grad_accum {}; DDP {} ({} {} {}(s) per "
                     "step{}{}{}){}",
                     world, cfg.batch, accum, ddp_variant_name(cfg.ddp.variant), ddp.buckets().size(),
-                    dtype_name(cfg.ddp.reduce_dtype),
+                    dtype_name(cfg.ddp.reduce_dtype), dp->gradient_sync(),
                     cfg.ddp.variant == DdpVariant::bucketed ? fmt::format(", buckets of {} MB", cfg.ddp.bucket_mb) : "",
                     ddp.staging_bytes() > 0 ? fmt::format(", {:.1f} MiB of staging", double(ddp.staging_bytes()) / kMiB)
                                             : "",
