@@ -244,6 +244,13 @@ class ZeroOptimizer {
   double step(float* params, float* grads, void* working, DType working_dtype, const AdamWConfig& c, double lr,
               void* stream);
   bool masters_stale() const;
+  // Per-bucket layout on CUDA: step() returns with the gather of the updated parameters (or working copy)
+  // still in flight, in chunks of buckets in ascending order; `stream` must wait for the chunks holding
+  // [offset, offset + count) before reading those elements (DdpModel does it from the model's
+  // ParametersNeededHook, so the next forward overlaps the gather). The second form waits for all of it.
+  // Both return at once when nothing is in flight.
+  void await_parameters(int64_t offset, int64_t count, void* stream);
+  void await_parameters(void* stream);
   // Gathers every rank's shard of the fp32 masters (after step(..., working, ...)); collective.
   void gather_masters(float* params, void* stream = nullptr);
 
@@ -278,6 +285,9 @@ class DdpModel {
   std::string_view gradient_sync() const;
 
   void broadcast_parameters();  // rank 0's to every rank
+  // Makes the model's stream wait for a ZeRO-1 gather still in flight after optimizer_step() (the next
+  // forward waits for it part by part on its own). Call before reading the parameters otherwise.
+  void await_parameters();
   // ZeRO-1 on a low-precision CUDA model gathers only the working copy after each step; this gathers the
   // fp32 masters too (collective; a no-op when they are current). Call before reading model.parameters(),
   // e.g. for a checkpoint.

@@ -574,9 +574,25 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
   if (zero1 && sync.reduce_scatter) zero_ = std::make_unique<ZeroOptimizer>(comm, params, ddp_->buckets());
   else if (zero1) zero_ = std::make_unique<ZeroOptimizer>(comm, params);
   model_.set_gradient_ready_hook(ddp_->hook());
+  // The forward waits for each part of ZeRO-1's gather only as it reaches it.
+  if (zero_) {
+    model_.set_parameters_needed_hook(
+        [this](int64_t offset, int64_t count) { zero_->await_parameters(offset, count, model_.stream()); });
+  }
 }
 
-DdpModel::~DdpModel() { model_.set_gradient_ready_hook({}); }
+DdpModel::~DdpModel() {
+  model_.set_gradient_ready_hook({});
+  model_.set_parameters_needed_hook({});
+  try {
+    await_parameters();  // the model outlives this: no gather may still be writing its parameters
+  } catch (...) {
+  }
+}
+
+void DdpModel::await_parameters() {
+  if (zero_) zero_->await_parameters(model_.stream());
+}
 
 DataParallel& DdpModel::data_parallel() { return *ddp_; }
 ZeroOptimizer* DdpModel::zero() { return zero_.get(); }
@@ -585,10 +601,12 @@ std::string_view DdpModel::gradient_sync() const {
 }
 
 void DdpModel::gather_master_parameters() {
+  await_parameters();
   if (zero_ && zero_->masters_stale()) zero_->gather_masters(model_.parameters(), model_.stream());
 }
 
 void DdpModel::broadcast_parameters() {
+  await_parameters();
   ddp_->broadcast_parameters(model_.parameters(), model_.stream());
   model_.parameters_changed();
 }
@@ -602,6 +620,7 @@ double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<con
   double loss = 0;
   for (int64_t k = 0; k < accum; ++k) {
     loss += model_.forward(tokens.data() + k * micro_tokens_, targets.data() + k * micro_tokens_);
+    await_parameters();  // every part was waited for by the forward already; the backward reads them too
     const bool sync = k + 1 == accum;
     ddp_->begin_backward(model_.gradients(), sync, model_.stream());
     {

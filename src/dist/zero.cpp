@@ -14,6 +14,9 @@
 #include "model/ops_cpu.h"
 
 #ifdef FLASHLM_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
 #include "model/ops_cuda.h"
 #endif
@@ -47,7 +50,91 @@ struct ZeroOptimizer::Impl {
   Buffer norm_parts;  // one fp64 sum of squares per updated run (device)
 #endif
 
+  // Per bucket on CUDA, the gather after a step is not waited for: it is queued in chunks of buckets in
+  // ascending order (the order the forward reads them), an event after each, and the model's stream waits
+  // for a chunk only when the forward is about to read it (await; LanguageModel's ParametersNeededHook), so
+  // that the next forward overlaps the rest of the gather.
+  struct GatherChunk {
+    int64_t begin = 0, end = 0;                   // the elements its buckets cover
+    std::vector<Communicator::Segment> segments;  // its buckets' parts
+#ifdef FLASHLM_WITH_CUDA
+    cudaEvent_t gathered = nullptr;  // recorded on the communicator's stream after its gather
+#endif
+    bool awaited = true;  // the model's stream has waited for its last gather
+  };
+  std::vector<GatherChunk> chunks;
+  bool gather_pending = false;
+
   Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
+  ~Impl() {
+#ifdef FLASHLM_WITH_CUDA
+    for (GatherChunk& c : chunks) {
+      if (c.gathered) cudaEventDestroy(c.gathered);
+    }
+#endif
+  }
+
+  // Chunks of whole buckets, ascending, of at least kChunkElements each (fewer, larger NCCL groups: one
+  // group per bucket measured slower), with their events (CUDA only).
+  void plan_gather_chunks(const std::vector<DdpRange>& bucket_extents) {
+#ifdef FLASHLM_WITH_CUDA
+    if (!cuda()) return;
+    constexpr int64_t kChunkElements = int64_t{32} << 20;
+    std::vector<size_t> order(segments.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](size_t a, size_t b) { return bucket_extents[a].offset < bucket_extents[b].offset; });
+    for (size_t i : order) {
+      if (chunks.empty() || chunks.back().end - chunks.back().begin >= kChunkElements) {
+        chunks.emplace_back();
+        chunks.back().begin = bucket_extents[i].offset;
+        FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&chunks.back().gathered, cudaEventDisableTiming),
+                           "cudaEventCreateWithFlags (ZeRO-1 gather)");
+      }
+      chunks.back().end = bucket_extents[i].offset + bucket_extents[i].count;
+      chunks.back().segments.push_back(segments[i]);
+    }
+#else
+    (void)bucket_extents;
+#endif
+  }
+
+  // Queues every chunk's all-gather of `x` after the work on `stream`, without making `stream` wait.
+  void queue_chunked_gather(const TensorView& x, void* stream) {
+#ifdef FLASHLM_WITH_CUDA
+    for (GatherChunk& c : chunks) {
+      comm.all_gather_segments(x, c.segments, stream);
+      FLASHLM_CUDA_CHECK(cudaEventRecord(c.gathered, static_cast<cudaStream_t>(comm.cuda_stream())),
+                         "cudaEventRecord (ZeRO-1 gather)");
+      c.awaited = false;
+    }
+    gather_pending = !chunks.empty();
+#else
+    (void)x;
+    (void)stream;
+#endif
+  }
+
+  // `stream` waits for the pending gather of the chunks that hold any of [offset, offset + count).
+  void await(int64_t offset, int64_t count, void* stream) {
+#ifdef FLASHLM_WITH_CUDA
+    if (!gather_pending) return;
+    bool all = true;
+    for (GatherChunk& c : chunks) {
+      if (!c.awaited && c.begin < offset + count && offset < c.end) {
+        FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), c.gathered, 0),
+                           "cudaStreamWaitEvent (ZeRO-1 gather)");
+        c.awaited = true;
+      }
+      all = all && c.awaited;
+    }
+    gather_pending = !all;
+#else
+    (void)offset;
+    (void)count;
+    (void)stream;
+#endif
+  }
 
   bool cuda() const { return params.device == Device::cuda; }
   // The elements rank r updates and no other rank does: its contiguous shard, or its part of every bucket
@@ -239,6 +326,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
   // because a frozen element inside one would silently train.
   const std::vector<DdpRange> trainable = m.params.trainable_ranges();
   const ZeroBucketLayout layout = zero_bucket_layout(buckets, comm.world_size(), comm.rank());
+  std::vector<DdpRange> extents;  // each bucket's elements: its parts and its tail
   int64_t at = 0;
   for (const ZeroBucketShard& s : layout.buckets) {
     const DdpRange whole{s.offset, s.part * comm.world_size() + s.tail.count};
@@ -250,6 +338,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
                   "ZeroOptimizer: bucket [{}, {}) is not a run of trainable parameter elements", whole.offset,
                   whole.offset + whole.count);
     m.segments.push_back({s.offset, s.part});
+    extents.push_back(whole);
     if (s.owned.count > 0) m.updated.push_back({s.owned, at, true}), at += s.owned.count;
     if (s.tail.count > 0) m.updated.push_back({s.tail, at, comm.rank() == 0}), at += s.tail.count;
   }
@@ -263,6 +352,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
   }
   m.allocate();
   m.plan_read_gather();
+  m.plan_gather_chunks(extents);
 }
 
 ZeroOptimizer::~ZeroOptimizer() = default;
@@ -296,6 +386,7 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
   FLASHLM_CHECK(working == nullptr || (m.cuda() && (working_dtype == DType::bf16 || working_dtype == DType::f16)),
                 "ZeroOptimizer::step: a working copy must be bf16 or fp16 on cuda, got {} on {}",
                 dtype_name(working_dtype), device_name(m.params.device));
+  await_parameters(stream);  // the last step's gather reads the parts this step rewrites
   const double norm = std::sqrt(m.squared_norm(grads, stream));
   const bool clip = c.max_grad_norm > 0 && norm > c.max_grad_norm;
   const float scale = cpu::clip_scale(norm, c.max_grad_norm);
@@ -330,6 +421,16 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
 #endif
     }
   }
+  if (!m.chunks.empty()) {
+    // Per bucket on CUDA: the fp32-read masters now (small, and the embedding is read first), the rest in
+    // chunks that the next forward waits for as it reaches them.
+    if (working) m.gather_read_masters(params, stream);
+    m.queue_chunked_gather(working ? TensorView::contiguous(working, working_dtype, {m.n}, m.params.device)
+                                   : TensorView::contiguous(params, DType::f32, {m.n}, m.params.device),
+                           stream);
+    m.masters_stale = working != nullptr && m.comm.world_size() > 1;
+    return norm;
+  }
   if (working) {
     // Frozen elements of the shard were not updated, and their copy is already right on every rank.
     m.gather(TensorView::contiguous(working, working_dtype, {m.n}, m.params.device), stream);
@@ -345,8 +446,21 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
 
 bool ZeroOptimizer::masters_stale() const { return impl_->masters_stale; }
 
+void ZeroOptimizer::await_parameters(int64_t offset, int64_t count, void* stream) {
+  impl_->await(offset, count, stream);
+}
+
+void ZeroOptimizer::await_parameters(void* stream) {
+  Impl& m = *impl_;
+  if (!m.gather_pending) return;
+  m.comm.wait(stream);  // every collective queued so far, the whole gather among them
+  for (Impl::GatherChunk& c : m.chunks) c.awaited = true;
+  m.gather_pending = false;
+}
+
 void ZeroOptimizer::gather_masters(float* params, void* stream) {
   Impl& m = *impl_;
+  await_parameters(stream);
   FLASHLM_CHECK(params != nullptr, "ZeroOptimizer::gather_masters: null params");
   m.gather(TensorView::contiguous(params, DType::f32, {m.n}, m.params.device), stream);
   m.comm.wait(stream);

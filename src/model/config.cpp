@@ -145,6 +145,18 @@ void LanguageModel::gradient_ready(std::string_view parameter_name) const {
   fail("gradient_ready: no parameter named '{}'", parameter_name);
 }
 
+void LanguageModel::parameters_needed(std::string_view name_prefix) const {
+  if (!parameters_needed_hook_) return;
+  int64_t begin = INT64_MAX, end = 0;
+  for (const ParameterInfo& p : layout()) {
+    if (std::string_view(p.name).substr(0, name_prefix.size()) != name_prefix) continue;
+    begin = std::min(begin, p.offset);
+    end = std::max(end, p.offset + p.numel());
+  }
+  FLASHLM_CHECK(begin < end, "parameters_needed: no parameter named '{}...'", name_prefix);
+  parameters_needed_hook_(begin, end - begin);
+}
+
 bool optimizer_step(LanguageModel& model, const AdamWConfig& c, double lr, double* norm) {
   if (!model.unscale_gradients()) return false;
   const double before = model.clip_gradients(c.max_grad_norm);

@@ -309,11 +309,13 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
   double loss = 0;
   with_precision(dt, [&](auto zero) {
     using T = decltype(zero);
+    parameters_needed("token_embeddings.");
     gpu::embedding_forward<T>(m.master("token_embeddings.weight"), tokens, m.a<T>(m.layers[0].x_in), n, d, c.vocab,
                               m.stream);
     for (int64_t l = 0; l < c.layers; ++l) {
       ScopedRange layer_range("layer.forward");
       const std::string p = fmt::format("layers.{}.", l);
+      parameters_needed(p);
       const Impl::Layer& L = m.layers[size_t(l)];
       T* x_next = m.a<T>(l + 1 < c.layers ? m.layers[size_t(l + 1)].x_in : m.x_out);
       gpu::rmsnorm_forward<T>(m.a<T>(L.x_in), m.master(p + "ln1.weight"), m.a<T>(L.h1), m.f(L.rstd1), n, d, eps,
@@ -343,6 +345,8 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
       gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
     }
     ScopedRange head_range("head.forward");  // final norm, LM head and loss
+    parameters_needed("ln_final.");
+    parameters_needed("lm_head.");
     gpu::rmsnorm_forward<T>(m.a<T>(m.x_out), m.master("ln_final.weight"), m.a<T>(m.h_f), m.f(m.rstd_f), n, d, eps,
                             m.stream);
     linear_forward_cuda(m.a<T>(m.h_f), m.weight("lm_head.weight"), m.a<T>(m.logits), n, d, c.vocab, dt, m.stream);

@@ -560,6 +560,7 @@ void train_rank_slices(DdpModel& dp, const ModelConfig& mc, int64_t global, cons
     dp.forward_backward(std::span(b.x).subspan(at, count), std::span(b.y).subspan(at, count));
     dp.optimizer_step(adamw, 1e-3);
   }
+  dp.await_parameters();  // ZeRO-1's last gather may still be in flight; the callers read the parameters
 }
 
 double relative_l2(std::span<const float> got, std::span<const float> want) {
