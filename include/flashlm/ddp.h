@@ -232,7 +232,8 @@ class ZeroOptimizer {
   // grads: the averaged gradients (DataParallel's), equal on every rank (per bucket: in the elements this
   // rank updates; no other element is read). Clips the trainable ones to
   // c.max_grad_norm by their global norm (summed across ranks), takes an AdamW step (bias correction from
-  // steps()) on this rank's shard, and gathers the updated parameters from every rank. Returns the norm
+  // steps()) on this rank's shard, and gathers the updated parameters from every rank (per bucket on CUDA:
+  // queues the gather and returns; see await_parameters). Returns the norm
   // before clipping. CUDA: queued on `stream`; the host waits only to read the norm.
   double step(float* params, float* grads, const AdamWConfig& c, double lr, void* stream = nullptr);
   // The same step for a model whose forward reads a low-precision copy `working` (CUDA, bf16 or fp16, the
