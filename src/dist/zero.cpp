@@ -63,7 +63,9 @@ struct ZeroOptimizer::Impl {
     bool awaited = true;  // the model's stream has waited for its last gather
   };
   std::vector<GatherChunk> chunks;
-  bool gather_pending = false;
+  bool gather_pending() const {
+    return std::any_of(chunks.begin(), chunks.end(), [](const GatherChunk& c) { return !c.awaited; });
+  }
 
   Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
   ~Impl() {
@@ -108,7 +110,6 @@ struct ZeroOptimizer::Impl {
                          "cudaEventRecord (ZeRO-1 gather)");
       c.awaited = false;
     }
-    gather_pending = !chunks.empty();
 #else
     (void)x;
     (void)stream;
@@ -118,17 +119,13 @@ struct ZeroOptimizer::Impl {
   // `stream` waits for the pending gather of the chunks that hold any of [offset, offset + count).
   void await(int64_t offset, int64_t count, void* stream) {
 #ifdef FLASHLM_WITH_CUDA
-    if (!gather_pending) return;
-    bool all = true;
     for (GatherChunk& c : chunks) {
       if (!c.awaited && c.begin < offset + count && offset < c.end) {
         FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), c.gathered, 0),
                            "cudaStreamWaitEvent (ZeRO-1 gather)");
         c.awaited = true;
       }
-      all = all && c.awaited;
     }
-    gather_pending = !all;
 #else
     (void)offset;
     (void)count;
@@ -452,10 +449,9 @@ void ZeroOptimizer::await_parameters(int64_t offset, int64_t count, void* stream
 
 void ZeroOptimizer::await_parameters(void* stream) {
   Impl& m = *impl_;
-  if (!m.gather_pending) return;
+  if (!m.gather_pending()) return;
   m.comm.wait(stream);  // every collective queued so far, the whole gather among them
   for (Impl::GatherChunk& c : m.chunks) c.awaited = true;
-  m.gather_pending = false;
 }
 
 void ZeroOptimizer::gather_masters(float* params, void* stream) {
