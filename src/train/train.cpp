@@ -54,7 +54,7 @@ void write_checkpoint(const std::string& path, const LanguageModel& model, DdpMo
                                {"batcher_seed", batcher.seed},
                                {"batcher_step", batcher.step},
                                {"parameter_count", model.parameter_count()},
-                               {"precision", std::string(dtype_name(model.precision()))},
+                               {"precision", precision_name(model.precision(), model.bf16_pure())},
                                {"loss_scale", model.loss_scale()},
                                {"world_size", cfg.comm ? cfg.comm->world_size() : 1},
                                {"grad_accum", cfg.ddp.grad_accum}};
@@ -178,17 +178,30 @@ TrainResult train(const TrainConfig& cfg) {
   // Under mpirun each rank takes its own GPU before the model is placed on it.
   if (cfg.comm && cfg.device == Device::cuda) cfg.comm->setup_cuda();
 
+  auto say = [&](const std::string& line) {
+    if (cfg.progress && root) cfg.progress(line);
+  };
+  ModelOptions options;
+  options.attention = cfg.attention;
+  options.recompute = cfg.recompute;
+  options.bf16_pure = cfg.bf16_pure;
+  options.head_chunk = cfg.head_chunk;
+  FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm, "train: bf16-pure keeps no fp32 masters for data parallelism to reduce "
+                                             "and gather; use --precision bf16");
+  // The memory plan, printed before anything is allocated and refused when it cannot fit.
+  const int64_t available = cfg.device == Device::cuda ? cuda_free_memory_bytes() : -1;
+  const MemoryPlan plan = plan_model_memory(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options, available);
+  options.recompute = plan.recompute;
+  say(fmt::format("memory plan (recompute {}):\n{}", plan.recompute.name(), plan.format()));
+  check_memory_plan(plan, available, "the GPU");
   const std::unique_ptr<LanguageModel> model_ptr =
-      make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, cfg.attention);
+      make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options);
   LanguageModel& model = *model_ptr;
   model.init_parameters(cfg.seed);
   std::unique_ptr<DdpModel> dp;
   if (cfg.comm) dp = std::make_unique<DdpModel>(*cfg.comm, model, cfg.batch * cfg.seq, cfg.ddp, cfg.zero1);
   TrainResult result;
   result.best_possible_loss = data.best_possible_loss;
-  auto say = [&](const std::string& line) {
-    if (cfg.progress && root) cfg.progress(line);
-  };
 
   int64_t step = 0;
   if (cfg.resume) {
@@ -199,9 +212,9 @@ TrainResult train(const TrainConfig& cfg) {
     FLASHLM_CHECK(ck.meta.at("batch") == cfg.batch && ck.meta.at("seq") == cfg.seq,
                   "train: checkpoint '{}' was written with batch {} and seq {}, not {} and {}", cfg.checkpoint,
                   ck.meta.at("batch").dump(), ck.meta.at("seq").dump(), cfg.batch, cfg.seq);
-    FLASHLM_CHECK(ck.meta.value("precision", "fp32") == dtype_name(cfg.precision),
+    FLASHLM_CHECK(ck.meta.value("precision", "fp32") == precision_name(cfg.precision, cfg.bf16_pure),
                   "train: checkpoint '{}' was trained in {}, not {}", cfg.checkpoint, ck.meta.value("precision", "fp32"),
-                  dtype_name(cfg.precision));
+                  precision_name(cfg.precision, cfg.bf16_pure));
     // The data each rank reads depends on both: continuing bit-exactly needs the same.
     FLASHLM_CHECK(ck.meta.value("world_size", 1) == world && ck.meta.value("grad_accum", int64_t{1}) == accum,
                   "train: checkpoint '{}' was written by {} rank(s) with grad_accum {}, not {} with {}", cfg.checkpoint,
@@ -221,7 +234,7 @@ TrainResult train(const TrainConfig& cfg) {
   say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
                   model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
-                  device_name(cfg.device), dtype_name(cfg.precision), data.train_name,
+                  device_name(cfg.device), precision_name(cfg.precision, cfg.bf16_pure), data.train_name,
                   data.train.size(), cfg.batch, cfg.seq,
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)
                                               : std::string()));
