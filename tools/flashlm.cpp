@@ -182,7 +182,10 @@ flashlm::RecomputePlan parse_recompute_option(const std::string& text) {
 }
 
 // The options every LM command shares: the recomputation plan and the LM head's chunk.
-void add_model_memory_options(CLI::App* cmd, std::string& recompute, int64_t& head_chunk) {
+void add_model_memory_options(CLI::App* cmd, std::string& recompute, int64_t& head_chunk, bool& atomic_backward) {
+  cmd->add_flag("--atomic-attention-backward", atomic_backward,
+                "cuda: the attention backward's dQ by fp32 atomics (faster at long contexts) instead of the "
+                "deterministic separate pass; steps are then no longer bit-reproducible");
   cmd->add_option("--recompute", recompute,
                   "Activation recomputation: none, blocks[:K] (keep every K-th block's input, recompute the rest in "
                   "the backward), selective (keep attention output and logsumexp, recompute the rest) or auto (the "
@@ -307,7 +310,7 @@ struct BenchArgs {
   std::string device, format = "md", out, memory_timeline, model_config, recompute = "none";
   int64_t batch = 4, vocab = 0, threads = 0, head_chunk = 0;
   int warmup = 5, steps = 10;
-  bool profile_ranges = false, profile_kernels = false, quiet = false;
+  bool profile_ranges = false, profile_kernels = false, quiet = false, atomic_backward = false;
 };
 
 void add_bench(CLI::App& app, BenchArgs& a) {
@@ -325,7 +328,7 @@ void add_bench(CLI::App& app, BenchArgs& a) {
                   "Comma list of fp32, bf16 (fp32 masters), fp16, bf16-pure (parameters, gradients and AdamW moments "
                   "in bf16)")
       ->capture_default_str();
-  add_model_memory_options(cmd, a.recompute, a.head_chunk);
+  add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
   cmd->add_option("--attention", a.attention, "Comma list of flash,naive")->capture_default_str();
   cmd->add_option("--pass", a.pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
@@ -366,6 +369,7 @@ int run_bench_command(const BenchArgs& a) {
     }
     cfg.recompute = RecomputePlan::parse(a.recompute);
     cfg.head_chunk = a.head_chunk;
+    cfg.deterministic = !a.atomic_backward;
     cfg.attention = parse_list<AttentionImpl>("--attention", a.attention,
                                               [](const std::string& s) { return parse_attention_impl(s); });
     cfg.passes = split_list(a.pass);
@@ -408,6 +412,7 @@ struct TrainArgs {
   std::string model = "tiny", data = "synthetic", val_data, checkpoint, device, attention = "flash", precision;
   std::string model_config, recompute = "none";
   int64_t d_model = 0, d_ff = 0, layers = 0, heads = 0, vocab = 256, context = 64, head_chunk = 0;
+  bool atomic_backward = false;
   int64_t batch = 16, steps = 200, warmup = 20, cosine_steps = 0, eval_every = 50, eval_batches = 8, log_every = 10;
   int64_t checkpoint_every = 0, threads = 0;
   double lr = 3e-3, lr_min = 3e-4, weight_decay = 0.1, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
@@ -480,7 +485,7 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--precision", a.precision,
                   "fp32, bf16 (fp32 masters), fp16 or bf16-pure (parameters, gradients and AdamW moments in bf16) "
                   "(default: bf16 on cuda, fp32 on cpu)");
-  add_model_memory_options(cmd, a.recompute, a.head_chunk);
+  add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
   cmd->add_option("--ddp", a.ddp,
                   "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async or "
@@ -503,6 +508,7 @@ int run_train_command(const TrainArgs& a) {
   resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.bf16_pure);
   cfg.recompute = parse_recompute_option(a.recompute);
   cfg.head_chunk = a.head_chunk;
+  cfg.deterministic = !a.atomic_backward;
   try {
     if (a.model_config.empty()) {
       cfg.model = ModelConfig::named(a.model, a.context, a.vocab);

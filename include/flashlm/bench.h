@@ -72,6 +72,7 @@ struct LmBenchConfig {
   std::vector<AttentionImpl> attention{AttentionImpl::flash};
   RecomputePlan recompute;  // automatic: resolved per configuration against the free memory
   int64_t head_chunk = 0;   // ModelOptions::head_chunk
+  bool deterministic = true;  // ModelOptions::deterministic
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;
   Device device = Device::cpu;

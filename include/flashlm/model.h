@@ -72,6 +72,9 @@ struct ModelOptions {
   // Tokens per chunk of the LM head + cross-entropy (the [chunk, vocab] logits are all that exists of
   // them at once). 0: automatic (about 1 GiB of logits, or every token when that is fewer).
   int64_t head_chunk = 0;
+  // CUDA: the attention backward's separate dQ pass, so that a step is bit-reproducible (checkpoint resume
+  // relies on it); false: dQ by fp32 atomics, faster at long contexts, the last bits vary from run to run.
+  bool deterministic = true;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
@@ -122,6 +125,9 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& config);
 // Normal(0, 0.02) weights truncated at 3 sigma, unit RMSNorm gains: the one initialisation every model
 // (CPU or CUDA) uses, so that equal seeds give equal weights.
 void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed);
+// One parameter's values of that initialisation into w[0, p.numel()) (for models that upload parameter by
+// parameter instead of holding every value on the host at once).
+void init_parameter_host(const ParameterInfo& p, float* w, uint64_t seed);
 
 struct AdamWConfig {
   double lr_max = 1e-3, lr_min = 1e-4;
@@ -232,7 +238,8 @@ enum class BlockPass { full, without_output, without_attention };
 class CpuModel final : public LanguageModel {
  public:
   CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, AttentionImpl attention = AttentionImpl::flash);
-  // options.bf16_pure must be false (the CPU runs fp32); options.recompute must be resolved.
+  // options.bf16_pure must be false (the CPU runs fp32); options.recompute must be resolved;
+  // options.deterministic is ignored (the CPU attention backward is always deterministic).
   CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const ModelOptions& options);
   ~CpuModel() override;
 

@@ -37,6 +37,7 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
   options.recompute = cfg.recompute;
   options.bf16_pure = bf16_pure;
   options.head_chunk = cfg.head_chunk;
+  options.deterministic = cfg.deterministic;
   // The plan before anything is allocated: printed, and refused (an "oom" row) when it cannot fit.
   const int64_t available = dev == Device::cuda ? cuda_free_memory_bytes() : -1;
   const MemoryPlan plan = plan_model_memory(mc, cfg.batch, mc.context, dev, precision, options, available);

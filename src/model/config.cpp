@@ -175,18 +175,19 @@ float truncated_normal(uint64_t seed, uint64_t index) {
 
 }  // namespace
 
-void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed) {
-  for (const auto& p : layout) {
-    float* w = params + p.offset;
-    const int64_t count = p.numel();
-    if (p.shape.size() == 1) {  // RMSNorm gains start at 1
-      std::fill(w, w + count, 1.0f);
-      continue;
-    }
-    // Billions of draws for the large models: in parallel (each value depends on its index only).
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < count; ++i) w[i] = truncated_normal(seed, uint64_t(p.offset + i));
+void init_parameter_host(const ParameterInfo& p, float* w, uint64_t seed) {
+  const int64_t count = p.numel();
+  if (p.shape.size() == 1) {  // RMSNorm gains start at 1
+    std::fill(w, w + count, 1.0f);
+    return;
   }
+  // Billions of draws for the large models: in parallel (each value depends on its index only).
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) w[i] = truncated_normal(seed, uint64_t(p.offset + i));
+}
+
+void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed) {
+  for (const auto& p : layout) init_parameter_host(p, params + p.offset, seed);
 }
 
 std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,

@@ -84,9 +84,9 @@ struct CudaModel::Impl {
     AttentionOptions o;
     o.impl = options.attention;
     o.causal = true;
-    // The separate dQ pass, not fp32 atomics: a training step stays bit-reproducible, which resuming
-    // from a checkpoint relies on (it costs the xl step ~1 ms of attention backward).
-    o.deterministic = true;
+    // By default the separate dQ pass, not fp32 atomics: a training step stays bit-reproducible, which
+    // resuming from a checkpoint relies on (it costs the xl step ~1 ms of attention backward).
+    o.deterministic = options.deterministic;
     o.stream = stream;
     return o;
   }
@@ -318,9 +318,20 @@ void CudaModel::parameters_changed() {
 }
 
 void CudaModel::init_parameters(uint64_t seed) {
-  std::vector<float> host(size_t(impl_->n_params));
-  init_parameters_host(impl_->layout, host.data(), seed);
-  load_parameters(host.data());
+  // Parameter by parameter through one host buffer: an 8B model's values never exist on the host at once.
+  Impl& m = *impl_;
+  std::vector<float> host(size_t(m.largest_parameter));
+  for (const ParameterInfo& p : m.layout) {
+    init_parameter_host(p, host.data(), seed);
+    if (m.pure) {
+      m.narrow_from_host(host.data(), static_cast<bf16_t*>(m.params.data()) + p.offset, p.numel());
+    } else {
+      gpu::stream_synchronize(m.stream);
+      cuda_copy(m.master(p.name), host.data(), size_t(p.numel()) * sizeof(float));
+    }
+  }
+  parameters_changed();
+  gpu::stream_synchronize(m.stream);
 }
 
 void CudaModel::copy_parameters_to(float* host) const {

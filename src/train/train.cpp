@@ -186,6 +186,7 @@ TrainResult train(const TrainConfig& cfg) {
   options.recompute = cfg.recompute;
   options.bf16_pure = cfg.bf16_pure;
   options.head_chunk = cfg.head_chunk;
+  options.deterministic = cfg.deterministic;
   FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm, "train: bf16-pure keeps no fp32 masters for data parallelism to reduce "
                                              "and gather; use --precision bf16");
   // The memory plan, printed before anything is allocated and refused when it cannot fit.
