@@ -1,0 +1,311 @@
+// FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier ring, wgmma on tensor cores,
+// warp specialisation.
+//
+// One block per (128 query rows, query head, batch), three warpgroups. Warpgroup 0 is the producer: one
+// thread loads the block's Q tile once and then streams K and V tiles of 128 keys through a ring of kStages
+// shared-memory slots with TMA, each slot guarded by a "full" mbarrier (the copy engine completes it) and an
+// "empty" one (every consumer thread arrives once it has read the slot). Warpgroups 1 and 2 are consumers,
+// each owning 64 query rows: S = Q·Kᵀ by wgmma with both operands in shared memory, the online softmax in
+// registers on S's accumulators (exp2 with the scale folded in), P converted to 16 bits in registers and
+// O += P·V by wgmma with A from registers and V read N-major from its slot. The producer gives up registers
+// (setmaxnreg) so that the consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by
+// TMA; key columns at or past seq_k and above the causal diagonal are masked in S.
+#include <cstdlib>
+#include <optional>
+
+#include "attention/backends.h"
+#include "attention/cuda/flash_common.cuh"
+#include "attention/cuda/hopper/sm90.cuh"
+#include "attention/cuda/hopper/tma.h"
+#include "core/cuda_check.h"
+
+namespace flashlm {
+namespace flash_cuda {
+namespace {
+
+template <int D>
+struct Sm90FwdTraits {
+  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = (1 + kConsumers) * sm90::kWarpgroupThreads;
+  static constexpr int kConsumerThreads = kConsumers * sm90::kWarpgroupThreads;
+  // 24 + 2·240 registers per thread-slot triple fit the 64K of an SM at 384 threads.
+  static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+  static constexpr uint32_t kQBytes = kBlockM * D * 2, kKVBytes = kBlockN * D * 2;
+  static constexpr int kPanels = D / sm90::kPanelCols;
+};
+
+template <int D>
+struct Sm90FwdShared {
+  using Tr = Sm90FwdTraits<D>;
+  alignas(1024) uint16_t q[Tr::kBlockM * D];
+  alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * D];
+  alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * D];
+  sm90::Mbarrier q_full, k_full[Tr::kStages], k_empty[Tr::kStages], v_full[Tr::kStages], v_empty[Tr::kStages];
+};
+
+template <int D>
+constexpr size_t sm90_fwd_smem_bytes() {
+  return sizeof(Sm90FwdShared<D>) + 1024;  // + room to align the dynamic shared-memory base to 1024
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
+    flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const FlashParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Tr = Sm90FwdTraits<D>;
+  using Ring = sm90::RingSlot<Tr::kStages>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  extern __shared__ unsigned char smem_raw[];
+  auto& s = *reinterpret_cast<Sm90FwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+
+  // Heaviest (last, under a causal mask) query tiles first, so the tail of the grid is short.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int m0 = m_block * kBlockM;
+  const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
+  const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
+  const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
+  const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
+
+  if (threadIdx.x == 0) {
+    s.q_full.init(1);
+#pragma unroll
+    for (int st = 0; st < Tr::kStages; ++st) {
+      s.k_full[st].init(1);
+      s.v_full[st].init(1);
+      s.k_empty[st].init(Tr::kConsumerThreads);
+      s.v_empty[st].init(Tr::kConsumerThreads);
+    }
+    sm90::Mbarrier::fence_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- Producer: one thread issues every copy.
+    sm90::registers_decrease<Tr::kProducerRegisters>();
+    if (threadIdx.x == 0 && n_blocks > 0) {
+      sm90::tma_prefetch_descriptor(&tm_q);
+      sm90::tma_prefetch_descriptor(&tm_k);
+      sm90::tma_prefetch_descriptor(&tm_v);
+      s.q_full.arrive_expect_tx(Tr::kQBytes);
+#pragma unroll
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        sm90::tma_load_4d(s.q + panel * kBlockM * sm90::kPanelCols, &tm_q, s.q_full, panel * sm90::kPanelCols, m0, h, b);
+      }
+      for (int nb = 0; nb < n_blocks; ++nb) {
+        const Ring slot{nb};
+        const int st = slot.stage();
+        s.k_empty[st].wait(slot.parity() ^ 1);
+        s.k_full[st].arrive_expect_tx(Tr::kKVBytes);
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          sm90::tma_load_4d(s.k[st] + panel * kBlockN * sm90::kPanelCols, &tm_k, s.k_full[st],
+                            panel * sm90::kPanelCols, nb * kBlockN, hk, b);
+        }
+        s.v_empty[st].wait(slot.parity() ^ 1);
+        s.v_full[st].arrive_expect_tx(Tr::kKVBytes);
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          sm90::tma_load_4d(s.v[st] + panel * kBlockN * sm90::kPanelCols, &tm_v, s.v_full[st],
+                            panel * sm90::kPanelCols, nb * kBlockN, hk, b);
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- Consumers: warpgroup wg owns query rows [m0 + 64·wg, m0 + 64·wg + 64).
+  sm90::registers_increase<Tr::kConsumerRegisters>();
+  using GemmS = sm90::WgmmaM64<T, kBlockN>;
+  using GemmO = sm90::WgmmaM64<T, D>;
+  const int wg = warpgroup - 1;
+  const int ctid = threadIdx.x % sm90::kWarpgroupThreads, warp = ctid / 32, lane = ctid % 32, g = lane / 4, t = lane % 4;
+  const int row0 = m0 + 64 * wg + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  float sacc[kBlockN / 2];
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  if (n_blocks > 0) s.q_full.wait(0);
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const Ring slot{nb};
+    const int st = slot.stage();
+
+    // S = Q·Kᵀ for this warpgroup's 64 rows and the slot's 128 keys.
+    s.k_full[st].wait(slot.parity());
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      GemmS::template ss<0>(sacc, sm90::k_major_descriptor(s.q, kBlockM, 64 * wg, kk),
+                            sm90::k_major_descriptor(s.k[st], kBlockN, 0, kk), kk > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_accumulators(sacc);
+    s.k_empty[st].arrive();
+
+    const int n0 = nb * kBlockN;
+    const int wg_row0 = m0 + 64 * wg;
+    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > wg_row0 + p.causal_offset);
+    if (needs_mask) {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) {
+        const int row = row0 + 8 * ((i / 2) % 2);
+        const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
+        if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) sacc[i] = -INFINITY;
+      }
+    }
+
+    // Online softmax on rows row0 + 8r: rescale the running state by exp(m_old - m_new), P = exp(S - m_new).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+      mx = quad_max(mx);
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
+      const float alpha = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        sacc[4 * j + 2 * r] = fast_exp2(fmaf(sacc[4 * j + 2 * r], p.scale_log2, -m_scaled));
+        sacc[4 * j + 2 * r + 1] = fast_exp2(fmaf(sacc[4 * j + 2 * r + 1], p.scale_log2, -m_scaled));
+        sum += sacc[4 * j + 2 * r] + sacc[4 * j + 2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[4 * j + 2 * r] *= alpha;
+        o[4 * j + 2 * r + 1] *= alpha;
+      }
+    }
+
+    // P as wgmma A fragments: keys [16·kk, 16·kk + 16) are S's column blocks 2·kk and 2·kk + 1.
+    uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = MmaOp<T>::pack(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+    }
+
+    // O += P·V.
+    s.v_full[st].wait(slot.parity());
+    sm90::fence_accumulators(o);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      GemmO::template rs<1>(o, pa[kk], sm90::mn_major_descriptor(s.v[st], kBlockN, kk), 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_accumulators(o);
+    s.v_empty[st].arrive();
+  }
+
+  // Normalise and write O and logsumexp for the rows that exist. Rows that saw no key have l = 0: O = 0,
+  // logsumexp -inf.
+  T* o_head = static_cast<T*>(p.o) + b * p.o_st.b + h * p.o_st.h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(row_sum[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int row = row0 + 8 * r;
+    if (row >= p.seq_q) continue;
+    if (t == 0) {
+      p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l > 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
+    }
+    T* out = o_head + row * p.o_st.s + 2 * t;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) store_pair(out + 8 * j, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+  }
+#endif
+}
+
+template <class T, int D>
+void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
+                         cudaStream_t stream) {
+  using Tr = Sm90FwdTraits<D>;
+  auto kernel = flash_fwd_sm90_kernel<T, D>;
+  constexpr int kSmem = static_cast<int>(sm90_fwd_smem_bytes<D>());
+  FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+                     "flash_fwd_sm90_kernel: shared-memory opt-in");
+  const dim3 grid((f.seq_q + Tr::kBlockM - 1) / Tr::kBlockM, f.heads_q, f.batch);
+  kernel<<<grid, Tr::kThreads, kSmem, stream>>>(q, k, v, f);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
+}
+
+// Whether the current device runs this file's kernels: compute capability 9.0 exactly (sm_90a code runs on
+// nothing else) and a loadable image of them. Asked once per device.
+bool device_runs_sm90_kernels() {
+  static int cached[64] = {};  // 0 unknown, 1 yes, 2 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    cudaGetLastError();
+    return false;
+  }
+  if (cached[device] == 0) {
+    int major = 0, minor = 0;
+    cudaFuncAttributes attr{};
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+                    major == 9 && minor == 0 &&
+                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, 128>) == cudaSuccess &&
+                    attr.binaryVersion == 90;
+    cudaGetLastError();  // a failed query must not surface at the next launch check
+    cached[device] = ok ? 1 : 2;
+  }
+  return cached[device] == 1;
+}
+
+struct Sm90ForwardPlan {
+  CUtensorMap q, k, v;
+};
+
+// The tensor maps for `p`, or nothing where this kernel does not cover the problem.
+std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                                 const TensorView& v) {
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
+  if (p.head_dim != 64 && p.head_dim != 128) return std::nullopt;
+  if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
+  if (!device_runs_sm90_kernels()) return std::nullopt;
+  constexpr int kRows = Sm90FwdTraits<128>::kBlockM;
+  static_assert(Sm90FwdTraits<64>::kBlockM == kRows && Sm90FwdTraits<128>::kBlockN == kRows &&
+                Sm90FwdTraits<64>::kBlockN == kRows);
+  auto tq = sm90::rows_tensor_map(q, kRows), tk = sm90::rows_tensor_map(k, kRows), tv = sm90::rows_tensor_map(v, kRows);
+  if (!tq || !tk || !tv) return std::nullopt;
+  return Sm90ForwardPlan{*tq, *tk, *tv};
+}
+
+}  // namespace
+}  // namespace flash_cuda
+
+bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                               const TensorView& v) {
+  return flash_cuda::plan_forward_sm90(p, q, k, v).has_value();
+}
+
+bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
+  const auto plan = flash_cuda::plan_forward_sm90(p, q, k, v);
+  if (!plan) return false;
+  const auto f = flash_cuda::make_params(p, q, k, v, o, lse);
+  const auto s = static_cast<cudaStream_t>(stream);
+  using flash_cuda::launch_forward_sm90;
+  if (p.dtype == DType::bf16) {
+    if (p.head_dim == 64) launch_forward_sm90<__nv_bfloat16, 64>(f, plan->q, plan->k, plan->v, s);
+    else launch_forward_sm90<__nv_bfloat16, 128>(f, plan->q, plan->k, plan->v, s);
+  } else {
+    if (p.head_dim == 64) launch_forward_sm90<__half, 64>(f, plan->q, plan->k, plan->v, s);
+    else launch_forward_sm90<__half, 128>(f, plan->q, plan->k, plan->v, s);
+  }
+  return true;
+}
+
+}  // namespace flashlm
