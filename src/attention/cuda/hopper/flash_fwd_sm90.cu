@@ -130,15 +130,25 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float sacc[kBlockN / 2];
+  uint32_t pa[kBlockN / 16][4];  // P of the previous key block as wgmma A fragments
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  const int wg_row0 = m0 + 64 * wg;
 
-  if (n_blocks > 0) s.q_full.wait(0);
-  for (int nb = 0; nb < n_blocks; ++nb) {
-    const Ring slot{nb};
-    const int st = slot.stage();
+  // Ping-pong: the two consumer warpgroups take turns to issue their GEMMs, so that one's softmax runs
+  // while the other's GEMMs occupy the tensor cores. Warpgroup w waits for its turn on barrier
+  // kWarpgroupTurn0 + w and, having issued, hands the turn to the other; warpgroup 1 hands warpgroup 0 the
+  // first turn, and skips its last hand-over (nobody would wait for it).
+  constexpr uint32_t kTurnThreads = 2 * sm90::kWarpgroupThreads;
+  const auto my_turn = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + wg);
+  const auto other_turn =
+      static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + (wg ^ 1));
+  int turns_left = n_blocks + 1;  // issue points: S of block 0, then (S of nb, P·V of nb - 1), then the last P·V
+  auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };
+  auto pass_turn = [&] {
+    if (--turns_left > 0 || wg == 0) sm90::named_barrier_arrive(other_turn, kTurnThreads);
+  };
 
-    // S = Q·Kᵀ for this warpgroup's 64 rows and the slot's 128 keys.
-    s.k_full[st].wait(slot.parity());
+  auto issue_s = [&](int st) {
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -146,12 +156,20 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
                             sm90::k_major_descriptor(s.k[st], kBlockN, 0, kk), kk > 0);
     }
     sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_accumulators(sacc);
-    s.k_empty[st].arrive();
-
+  };
+  auto issue_pv = [&](int st) {
+    sm90::fence_accumulators(o);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      GemmO::template rs<1>(o, pa[kk], sm90::mn_major_descriptor(s.v[st], kBlockN, kk), 1);
+    }
+    sm90::wgmma_commit();
+  };
+  // Masks S of key block nb, updates the running max and sum, turns S into P in place and returns the
+  // factor by which O must be rescaled (per row r).
+  auto softmax = [&](int nb, float (&alpha)[2]) {
     const int n0 = nb * kBlockN;
-    const int wg_row0 = m0 + 64 * wg;
     const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > wg_row0 + p.causal_offset);
     if (needs_mask) {
 #pragma unroll
@@ -161,8 +179,6 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
         if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) sacc[i] = -INFINITY;
       }
     }
-
-    // Online softmax on rows row0 + 8r: rescale the running state by exp(m_old - m_new), P = exp(S - m_new).
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = row_max[r];
@@ -170,7 +186,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
       for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
       mx = quad_max(mx);
       const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
-      const float alpha = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
+      alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
       row_max[r] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -179,34 +195,69 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
         sacc[4 * j + 2 * r + 1] = fast_exp2(fmaf(sacc[4 * j + 2 * r + 1], p.scale_log2, -m_scaled));
         sum += sacc[4 * j + 2 * r] + sacc[4 * j + 2 * r + 1];
       }
-      row_sum[r] = row_sum[r] * alpha + sum;
+      row_sum[r] = row_sum[r] * alpha[r] + sum;
+    }
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        o[4 * j + 2 * r] *= alpha;
-        o[4 * j + 2 * r + 1] *= alpha;
+    for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        o[4 * j + 2 * r] *= alpha[r];
+        o[4 * j + 2 * r + 1] *= alpha[r];
       }
     }
-
-    // P as wgmma A fragments: keys [16·kk, 16·kk + 16) are S's column blocks 2·kk and 2·kk + 1.
-    uint32_t pa[kBlockN / 16][4];
+  };
+  // P as wgmma A fragments: keys [16·kk, 16·kk + 16) are S's column blocks 2·kk and 2·kk + 1.
+  auto pack_p = [&] {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) pa[kk][e] = MmaOp<T>::pack(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
     }
+  };
 
-    // O += P·V.
-    s.v_full[st].wait(slot.parity());
-    sm90::fence_accumulators(o);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      GemmO::template rs<1>(o, pa[kk], sm90::mn_major_descriptor(s.v[st], kBlockN, kk), 1);
+  if (n_blocks > 0) {
+    if (wg == 1) sm90::named_barrier_arrive(other_turn, kTurnThreads);
+    s.q_full.wait(0);
+    // Block 0: S, softmax, P (O is still 0: no rescale).
+    s.k_full[0].wait(0);
+    wait_turn();
+    issue_s(0);
+    pass_turn();
+    sm90::wgmma_wait<0>();
+    sm90::fence_accumulators(sacc);
+    s.k_empty[0].arrive();
+    float alpha[2];
+    softmax(0, alpha);
+    pack_p();
+    // Block nb: S of nb and P·V of nb - 1 are issued together; the softmax of nb runs while P·V does.
+    for (int nb = 1; nb < n_blocks; ++nb) {
+      const Ring slot{nb}, prev{nb - 1};
+      s.k_full[slot.stage()].wait(slot.parity());
+      s.v_full[prev.stage()].wait(prev.parity());
+      wait_turn();
+      issue_s(slot.stage());
+      issue_pv(prev.stage());
+      pass_turn();
+      sm90::wgmma_wait<1>();  // S done, P·V may still run
+      sm90::fence_accumulators(sacc);
+      s.k_empty[slot.stage()].arrive();
+      softmax(nb, alpha);
+      sm90::wgmma_wait<0>();
+      sm90::fence_accumulators(o);
+      s.v_empty[prev.stage()].arrive();
+      rescale_o(alpha);
+      pack_p();
     }
-    sm90::wgmma_commit();
+    const Ring last{n_blocks - 1};
+    s.v_full[last.stage()].wait(last.parity());
+    wait_turn();
+    issue_pv(last.stage());
+    pass_turn();
     sm90::wgmma_wait<0>();
     sm90::fence_accumulators(o);
-    s.v_empty[st].arrive();
+    s.v_empty[last.stage()].arrive();
   }
 
   // Normalise and write O and logsumexp for the rows that exist. Rows that saw no key have l = 0: O = 0,
