@@ -38,7 +38,7 @@ void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorVi
 
 // flash on Hopper (attention/cuda/hopper/flash_fwd_sm90.cu, built where CMAKE_CUDA_ARCHITECTURES has 90):
 // TMA + wgmma, warp-specialised. Launches and returns true when it covers the problem (an sm_90 device,
-// fp16/bf16, head dim 64 or 128, views TMA can describe); returns false, launching nothing, otherwise.
+// fp16/bf16, head dim 64, 128 or 256, views TMA can describe); returns false, launching nothing, otherwise.
 bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
 // Whether flash_attention_forward_sm90 would run these arguments (for the tests of the dispatch).

@@ -26,7 +26,9 @@ namespace {
 template <int D>
 struct Sm90FwdTraits {
   static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
-  static constexpr int kBlockN = 128;
+  // Keys per block: at head dim 256 the O accumulators take 128 registers a thread and Q alone 64 KB of
+  // shared memory, so key blocks are 80 (40 S registers; two stages of K and V fit in the remaining 160 KB).
+  static constexpr int kBlockN = D == 256 ? 80 : 128;
   static constexpr int kStages = 2;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * sm90::kWarpgroupThreads;
@@ -323,13 +325,16 @@ struct Sm90ForwardPlan {
 std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                                  const TensorView& v) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
-  if (p.head_dim != 64 && p.head_dim != 128) return std::nullopt;
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return std::nullopt;
   if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
   if (!device_runs_sm90_kernels()) return std::nullopt;
-  constexpr int kRows = Sm90FwdTraits<128>::kBlockM;
-  static_assert(Sm90FwdTraits<64>::kBlockM == kRows && Sm90FwdTraits<128>::kBlockN == kRows &&
-                Sm90FwdTraits<64>::kBlockN == kRows);
-  auto tq = sm90::rows_tensor_map(q, kRows), tk = sm90::rows_tensor_map(k, kRows), tv = sm90::rows_tensor_map(v, kRows);
+  const int key_rows = p.head_dim == 64    ? Sm90FwdTraits<64>::kBlockN
+                       : p.head_dim == 128 ? Sm90FwdTraits<128>::kBlockN
+                                           : Sm90FwdTraits<256>::kBlockN;
+  static_assert(Sm90FwdTraits<64>::kBlockM == Sm90FwdTraits<128>::kBlockM &&
+                Sm90FwdTraits<128>::kBlockM == Sm90FwdTraits<256>::kBlockM);
+  auto tq = sm90::rows_tensor_map(q, Sm90FwdTraits<128>::kBlockM);
+  auto tk = sm90::rows_tensor_map(k, key_rows), tv = sm90::rows_tensor_map(v, key_rows);
   if (!tq || !tk || !tv) return std::nullopt;
   return Sm90ForwardPlan{*tq, *tk, *tv};
 }
@@ -349,13 +354,13 @@ bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q
   const auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   const auto s = static_cast<cudaStream_t>(stream);
   using flash_cuda::launch_forward_sm90;
-  if (p.dtype == DType::bf16) {
-    if (p.head_dim == 64) launch_forward_sm90<__nv_bfloat16, 64>(f, plan->q, plan->k, plan->v, s);
-    else launch_forward_sm90<__nv_bfloat16, 128>(f, plan->q, plan->k, plan->v, s);
-  } else {
-    if (p.head_dim == 64) launch_forward_sm90<__half, 64>(f, plan->q, plan->k, plan->v, s);
-    else launch_forward_sm90<__half, 128>(f, plan->q, plan->k, plan->v, s);
-  }
+  auto launch = [&]<class T>(T) {
+    if (p.head_dim == 64) launch_forward_sm90<T, 64>(f, plan->q, plan->k, plan->v, s);
+    else if (p.head_dim == 128) launch_forward_sm90<T, 128>(f, plan->q, plan->k, plan->v, s);
+    else launch_forward_sm90<T, 256>(f, plan->q, plan->k, plan->v, s);
+  };
+  if (p.dtype == DType::bf16) launch(__nv_bfloat16{});
+  else launch(__half{});
   return true;
 }
 
