@@ -331,6 +331,12 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
 #endif
 }
 
+// TileSchedule's item count, on the host.
+int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch) {
+  const int64_t m_tiles = (seq_q + Sm90FwdTraits<128>::kBlockM - 1) / Sm90FwdTraits<128>::kBlockM;
+  return (m_tiles + 1) / 2 * heads_q * batch;
+}
+
 // One block per multiprocessor (or per work item, where there are fewer): see TileSchedule.
 template <class T, int D>
 void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
@@ -340,8 +346,7 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
   constexpr int kSmem = static_cast<int>(sm90_fwd_smem_bytes<D>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_sm90_kernel: shared-memory opt-in");
-  const int64_t m_tiles = (f.seq_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const int64_t items = (m_tiles + 1) / 2 * f.heads_q * f.batch;
+  const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch);
   kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, v, f);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
 }
@@ -381,6 +386,8 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return std::nullopt;
   if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
+  // The kernel counts work items in 32-bit integers.
+  if (sm90_work_items(p.seq_q, p.heads_q, p.batch) > INT32_MAX) return std::nullopt;
   const int sm_count = sm90_multiprocessors();
   if (sm_count == 0) return std::nullopt;
   const int key_rows = p.head_dim == 64    ? Sm90FwdTraits<64>::kBlockN
