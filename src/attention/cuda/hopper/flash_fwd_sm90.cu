@@ -1,15 +1,18 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier ring, wgmma on tensor cores,
-// warp specialisation.
+// warp specialisation, persistent blocks.
 //
-// One block per (128 query rows, query head, batch), three warpgroups. Warpgroup 0 is the producer: one
-// thread loads the block's Q tile once and then streams K and V tiles of 128 keys through a ring of kStages
-// shared-memory slots with TMA, each slot guarded by a "full" mbarrier (the copy engine completes it) and an
-// "empty" one (every consumer thread arrives once it has read the slot). Warpgroups 1 and 2 are consumers,
-// each owning 64 query rows: S = Q·Kᵀ by wgmma with both operands in shared memory, the online softmax in
-// registers on S's accumulators (exp2 with the scale folded in), P converted to 16 bits in registers and
-// O += P·V by wgmma with A from registers and V read N-major from its slot. The producer gives up registers
-// (setmaxnreg) so that the consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by
-// TMA; key columns at or past seq_k and above the causal diagonal are masked in S.
+// One block per SM, three warpgroups, walking the tiles of 128 query rows in the order TileSchedule gives.
+// Warpgroup 0 is the producer: one thread loads each tile's Q once the consumers have released the last
+// one, and streams K and V blocks through a ring of kStages shared-memory slots with TMA, each slot guarded
+// by a "full" mbarrier (the copy engine completes it) and an "empty" one (every consumer thread arrives
+// once it has read the slot); the ring runs on from one tile into the next. Warpgroups 1 and 2 are
+// consumers, each owning 64 query rows of the tile: S = Q·Kᵀ by wgmma with both operands in shared memory,
+// the online softmax in registers on S's accumulators (exp2 with the scale folded in), P converted to 16
+// bits in registers and O += P·V by wgmma with A from registers and V read N-major from its slot. They take
+// turns issuing GEMMs (ping-pong on named barriers), and each issues S of block n with P·V of block n - 1
+// so that its softmax of n runs under that GEMM. The producer gives up registers (setmaxnreg) so that the
+// consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by TMA; key columns at or
+// past seq_k and above the causal diagonal are masked in S.
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -34,7 +37,7 @@ struct Sm90FwdTraits {
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * sm90::kWarpgroupThreads;
   static constexpr int kConsumerThreads = kConsumers * sm90::kWarpgroupThreads;
-  // 24 + 2·240 registers per thread-slot triple fit the 64K of an SM at 384 threads.
+  // 128 · (24 + 2 · 240) = 64512 of the SM's 65536 registers.
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
   static constexpr uint32_t kQBytes = kBlockM * D * 2, kKVBytes = kBlockN * D * 2;
   static constexpr int kPanels = D / sm90::kPanelCols;
