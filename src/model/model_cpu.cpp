@@ -9,6 +9,7 @@
 #include "flashlm/profile.h"
 #include "model/activations.h"
 #include "model/ops_cpu.h"
+#include "optim/optimizer.h"
 
 namespace flashlm {
 

@@ -1,12 +1,14 @@
 // The LM on one GPU, step by step as model_cpu.cpp, with mixed precision: activations in T (fp32, bf16,
 // fp16), everything that accumulates across steps in fp32 — or, bf16-pure, everything in bf16 with each
-// backward's weight gradient accumulated in an fp32 buffer and rounded once. Host code: the kernels are in
-// ops_cuda.cu and cuda/, the GEMMs in gemm_cuda.cpp, attention in attention/cuda/.
+// backward's weight gradient accumulated in an fp32 buffer and rounded once. Host code: the layer kernels
+// are in model/cuda/ (ops_cuda.h; bf16_pure.h for the pure-bf16 ones), AdamW in optim/, the GEMMs in
+// gemm_cuda.cpp, attention in attention/cuda/.
 #include <algorithm>
 #include <cmath>
 #include <unordered_map>
 #include <vector>
 
+#include "core/array_ops.h"
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/model.h"
@@ -16,6 +18,7 @@
 #include "model/gemm_cuda.h"
 #include "model/ops_cpu.h"
 #include "model/ops_cuda.h"
+#include "optim/optimizer.h"
 
 namespace flashlm {
 
