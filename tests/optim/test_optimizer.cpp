@@ -97,7 +97,7 @@ TEST(AdamWBf16Cpu, AnySplitIntoRangesGivesTheSameBits) {
 // Minimising Σ c_i (w_i - t_i)² / 2 from the same start: bf16-pure AdamW converges as fp32 AdamW does, to
 // within bf16's resolution of the parameters.
 TEST(AdamWBf16Cpu, TrainsAQuadraticLikeFp32Masters) {
-  const int64_t n = 256, steps = 400;
+  const int64_t n = 64, steps = 250;
   const double lr = 2e-2;
   std::mt19937_64 rng(61);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -125,11 +125,11 @@ TEST(AdamWBf16Cpu, TrainsAQuadraticLikeFp32Masters) {
     cpu::adamw_step_bf16(wb.data(), gb.data(), mb.data(), vb.data(), n, lr, 0.9, 0.95, 1e-8, 0.0, step);
   }
   const double fp32 = distance(w), bf16 = distance(widen(wb));
-  EXPECT_LT(fp32, start / 20);
-  EXPECT_LT(bf16, start / 20);
+  EXPECT_LT(fp32, start / 100);
+  EXPECT_LT(bf16, start / 100);
   double apart = 0;
   for (int64_t i = 0; i < n; ++i) apart = std::max(apart, std::fabs(double(float(wb[i])) - w[i]));
-  EXPECT_LT(apart, 0.1) << "bf16-pure and fp32 AdamW ended " << apart << " apart";
+  EXPECT_LT(apart, 0.03) << "bf16-pure and fp32 AdamW ended " << apart << " apart";
 }
 
 TEST(SumSquaresCpu, Bf16IsTheFp32SumOfTheWidenedValues) {
