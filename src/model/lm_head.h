@@ -10,8 +10,7 @@
 //
 // The per-row arithmetic is the unfused path's (cpu::cross_entropy_*, gpu::cross_entropy_*), and the GEMMs
 // are the same products on fewer rows, so loss and gradients match the unfused head within the rounding of
-// the GEMMs (bit-identical where the GEMM library's result for a row does not depend on how many rows it
-// multiplies at once). A backward that recomputes the logits (the forward kept none) costs one extra head
+// the GEMMs (whose algorithm may change with the row count) and of the loss's sum (here in row order). A backward that recomputes the logits (the forward kept none) costs one extra head
 // GEMM over the unfused path; that is the price of never holding [n, vocab].
 #pragma once
 #include <cstdint>
