@@ -16,6 +16,7 @@
 #include "model/activations.h"
 #include "model/cuda/bf16_pure.h"
 #include "model/gemm_cuda.h"
+#include "model/lm_head.h"
 #include "model/ops_cpu.h"
 #include "model/ops_cuda.h"
 #include "optim/optimizer.h"
@@ -459,13 +460,9 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
     parameters_needed("lm_head.");
     gpu::rmsnorm_forward<T>(m.a<T>(m.A.x_out), m.gain("ln_final.weight"), m.a<T>(m.A.h_f), m.f(m.A.rstd_f), n, d,
                             float(c.norm_eps), m.stream);
-    for (int64_t r0 = 0; r0 < n; r0 += m.head_chunk) {
-      const int64_t rows = std::min(m.head_chunk, n - r0);
-      linear_forward_cuda(m.a<T>(m.A.h_f) + r0 * d, m.weight("lm_head.weight"), m.logits.data(), rows, d, V, dt,
-                          m.stream);
-      gpu::cross_entropy_forward<T>(static_cast<const T*>(m.logits.data()), targets + r0, row_loss + r0, rows, V,
-                                    m.stream);
-    }
+    gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")), targets, n,
+                                          d, V, m.head_chunk, 1.0f, row_loss, nullptr, nullptr,
+                                          static_cast<T*>(m.logits.data()), m.stream);
   });
   // The mean loss, summed on the host in a fixed order.
   std::vector<float> rows(static_cast<size_t>(n));
@@ -528,17 +525,12 @@ void CudaModel::backward() {
 
     {
       ScopedRange head_range("head.backward");  // loss and LM head chunk by chunk, then the final norm
-      // Each chunk's logits again (the forward kept none), turned into d(loss)/d(logits) · loss scale, then
-      // its rows of dh and its share of the head's gradient.
+      // The fused head again, now with gradients (the forward kept no logits): each chunk's logits, their
+      // gradient times the loss scale, the chunk's rows of dh and its share of the head's weight gradient.
       add_to_gradient("lm_head.weight", [&](float* dw) {
-        for (int64_t r0 = 0; r0 < n; r0 += m.head_chunk) {
-          const int64_t rows = std::min(m.head_chunk, n - r0);
-          T* logits = static_cast<T*>(m.logits.data());
-          linear_forward_cuda(m.a<T>(m.A.h_f) + r0 * d, m.weight("lm_head.weight"), logits, rows, d, V, dt, m.stream);
-          gpu::cross_entropy_backward<T>(logits, targets + r0, rows, V, float(m.loss_scale / double(n)), m.stream);
-          linear_backward_cuda(logits, m.a<T>(m.A.h_f) + r0 * d, m.weight("lm_head.weight"), dh + r0 * d, dw, rows, d,
-                               V, dt, false, m.stream);
-        }
+        gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")),
+                                              targets, n, d, V, m.head_chunk, float(m.loss_scale / double(n)),
+                                              nullptr, dh, dw, static_cast<T*>(m.logits.data()), m.stream);
       });
       gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
       rmsnorm_backward(dh, m.a<T>(m.A.x_out), "ln_final.weight", m.f(m.A.rstd_f), dx);
@@ -617,24 +609,14 @@ double CudaModel::gradient_norm() const {
   const Impl& m = *impl_;
   m.apply_pending_clip();
   auto* out = static_cast<double*>(m.reduce_out.data());
-  if (!m.pure) {
-    gpu::squared_norm(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
-    double ss = 0;
-    gpu::stream_synchronize(m.stream);
-    cuda_copy(&ss, out, sizeof ss);
-    return std::sqrt(ss);
+  if (m.pure) {
+    gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);
+  } else {
+    gpu::squared_norm<float>(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
   }
-  // bf16-pure: widened piece by piece into the staging buffer; the pieces' fp64 sums added in order.
   double ss = 0;
-  auto* staging = static_cast<float*>(m.staging.data());
-  m.in_staging_pieces(m.n_params, [&](int64_t at, int64_t count) {
-    gpu::cast_to_f32<bf16_t>(static_cast<const bf16_t*>(m.grads.data()) + at, staging, count, m.stream);
-    gpu::squared_norm(staging, count, out, m.stream);
-    double piece = 0;
-    gpu::stream_synchronize(m.stream);
-    cuda_copy(&piece, out, sizeof piece);
-    ss += piece;
-  });
+  gpu::stream_synchronize(m.stream);
+  cuda_copy(&ss, out, sizeof ss);
   return std::sqrt(ss);
 }
 
