@@ -229,12 +229,14 @@ TrainResult train(const TrainConfig& cfg) {
       stepped = optimizer_step(model, cfg.optimizer, lr, &norm);
     }
     if (!stepped) ++skipped;  // fp16 overflow: no update, the loss scale was halved
-    // fp16 skips such a step and backs off its loss scale (above); in fp32 and bf16 a loss that is not finite
-    // means the parameters now are not either, and a checkpoint of them would overwrite the last good one.
-    // Under data parallelism every rank holds the same, all-reduced loss, so all stop here together.
-    if (cfg.precision != DType::f16 && !std::isfinite(loss)) {
-      fail("train: the loss is {} at step {} ({}): stopping before it reaches a checkpoint; {}", loss, step + 1,
-           dtype_name(cfg.precision),
+    // fp16 skips such a step and backs off its loss scale (above); in fp32 and bf16 a loss or gradient norm
+    // that is not finite means the parameters just updated are not either (a finite loss can come with an
+    // overflowing gradient), and a checkpoint of them would overwrite the last good one. Under data
+    // parallelism every rank holds the same all-reduced loss and the same global norm, so all stop together.
+    if (cfg.precision != DType::f16 && !(std::isfinite(loss) && std::isfinite(norm))) {
+      fail("train: the loss is {} and the gradient norm {} at step {} ({}): stopping before it reaches a "
+           "checkpoint; {}",
+           loss, norm, step + 1, dtype_name(cfg.precision),
            cfg.checkpoint.empty() ? std::string("no checkpoint was configured")
            : last_checkpoint < 0  ? fmt::format("no checkpoint had been written to '{}' yet", cfg.checkpoint)
                                   : fmt::format("'{}' keeps the parameters after step {}", cfg.checkpoint, last_checkpoint));
