@@ -1,14 +1,19 @@
 // Token files (both formats, every malformed case), the batcher's contract (shifted targets, wrapping,
 // bounds, bit-exact resume) and the synthetic task's determinism and entropy.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <set>
 #include <string>
@@ -396,4 +401,60 @@ TEST(SyntheticTokens, BadArgumentsAreErrors) {
   expect_error([] { SyntheticTokens(256, 1, 1); }, {"num_tokens must be at least 2, got 1"});
   const SyntheticTokens full(65536, 1000, 1, 256);  // the largest table: every uint16 id is a token
   EXPECT_EQ(full.tokens().size(), 1000u);
+}
+
+TEST(TokenFile, TruncatedWhileInUseIsAnErrorNotSigbus) {
+  const TempFile file = write_file("shrinks.bin", nanogpt_bytes(ramp(10000)));
+  const TokenFile f(file.path);
+  TokenBatcher batcher(f, f.path(), 4, 64, BatchOrder::random, 3);
+  EXPECT_NO_THROW(next_batch(batcher));
+  // Another process cuts the file to 50 tokens: no row of 65 fits any more. A memory mapping would
+  // raise SIGBUS on the first page beyond the new end.
+  ASSERT_EQ(::truncate(file.path.c_str(), 100), 0);
+  expect_error([&] { next_batch(batcher); },
+               {file.path, "it has 100 bytes now, 20000 when it was opened (was it truncated"});
+  expect_error([&] { f.validate_tokens(65536); }, {file.path, "truncated"});
+}
+
+TEST(TokenFile, FifoIsRefusedWithoutBlocking) {
+  const std::string fifo = temp_path("fifo");
+  ::unlink(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  auto opened = std::async(std::launch::async, [&] {
+    try {
+      TokenFile f(fifo);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  });
+  if (opened.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+    ADD_FAILURE() << "TokenFile blocked on a FIFO";
+    const int fd = ::open(fifo.c_str(), O_WRONLY);  // releases the blocked open()
+    if (fd >= 0) ::close(fd);
+  }
+  const std::string what = opened.get();
+  EXPECT_NE(what.find(fifo), std::string::npos) << what;
+  EXPECT_NE(what.find("not a regular file (a FIFO)"), std::string::npos) << what;
+  ::unlink(fifo.c_str());
+}
+
+TEST(TokenView, SubviewsReadTheirRangeAndCheckBounds) {
+  const TempFile file = write_file("view.bin", llmc_bytes(ramp(300)));
+  const TokenFile f(file.path);
+  const std::vector<uint16_t> memory = ramp(300);
+  for (const TokenView whole : {TokenView(f), TokenView(memory)}) {
+    const TokenView mid = whole.subview(100, 50);
+    EXPECT_EQ(mid.size(), 50);
+    std::vector<uint16_t> out(10);
+    mid.read(40, out);
+    EXPECT_EQ(out.front(), 140);
+    EXPECT_EQ(out.back(), 149);
+    expect_error([&] { mid.read(41, out); }, {"tokens [41, 51) are outside the view's 50 tokens"});
+    expect_error([&] { mid.read(-1, out); }, {"outside the view's 50 tokens"});
+    expect_error([&] { whole.subview(290, 11); }, {"[290, 301) is outside the view's 300 tokens"});
+    expect_error([&] { whole.subview(-1, 1); }, {"outside the view's 300 tokens"});
+  }
+  std::vector<uint16_t> out(2);
+  expect_error([&] { f.read(299, out); }, {file.path, "tokens [299, 301) are outside the file's 300 tokens"});
 }
