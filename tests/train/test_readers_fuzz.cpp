@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -113,6 +114,29 @@ CheckpointBytes mutate_header(CheckpointBytes c, std::mt19937_64& rng) {
   return c;
 }
 
+// Writes `iterations` files from make(iteration) to `path` and reads each with accept(bytes), which
+// asserts what an accepted file must satisfy. A rejection must be a flashlm::Error naming the file, and
+// both outcomes must occur: the mutations reach past the first check.
+void fuzz_reader(const std::string& path, uint64_t iterations, const std::function<std::string(uint64_t)>& make,
+                 const std::function<void(const std::string&)>& accept) {
+  uint64_t errors = 0, accepted = 0;
+  for (uint64_t it = 0; it < iterations && !::testing::Test::HasFatalFailure(); ++it) {
+    const std::string bytes = make(it);
+    write_bytes(path, bytes);
+    SCOPED_TRACE("iteration " + std::to_string(it));
+    try {
+      accept(bytes);
+      ++accepted;
+    } catch (const Error& e) {
+      ASSERT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      ++errors;
+    }
+  }
+  EXPECT_GT(errors, 0u);
+  EXPECT_GT(accepted, 0u);
+  std::filesystem::remove(path);
+}
+
 }  // namespace
 
 TEST(ReaderFuzz, TokenFilesGiveAnErrorOrConsistentTokens) {
@@ -127,34 +151,22 @@ TEST(ReaderFuzz, TokenFilesGiveAnErrorOrConsistentTokens) {
   put(llmc, 8, int32_t(tokens.size()));
   llmc += raw;
   const std::string path = temp_path("tokens.bin");
-  uint64_t errors = 0, accepted = 0;
-  for (uint64_t it = 0; it < iterations; ++it) {
-    const std::string bytes = mutate_bytes(it % 2 ? llmc : raw, rng);
-    write_bytes(path, bytes);
-    SCOPED_TRACE("iteration " + std::to_string(it));
-    try {
-      const TokenFile f(path, 300);
-      // Accepted: the tokens lie inside the file and the vocabulary, and a batcher reads every one.
-      const int64_t header = f.format() == TokenFormat::llmc ? 1024 : 0;
-      ASSERT_EQ(header + 2 * f.size(), int64_t(bytes.size()));
-      std::vector<uint16_t> all(size_t(f.size()));
-      f.read(0, all);
-      for (uint16_t t : all) ASSERT_LT(t, 300);
-      if (f.size() >= 9) {
-        TokenBatcher b(f, f.path(), 2, 8, BatchOrder::sequential);
-        std::vector<int32_t> x(16), y(16);
-        for (int64_t i = 0; i < b.windows(); i += 2) b.next(x, y);
-      }
-      ++accepted;
-    } catch (const Error& e) {
-      ASSERT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
-      ++errors;
-    }
-  }
-  // Both outcomes were exercised: the mutations reach past the first check.
-  EXPECT_GT(errors, 0u);
-  EXPECT_GT(accepted, 0u);
-  std::filesystem::remove(path);
+  fuzz_reader(
+      path, iterations, [&](uint64_t it) { return mutate_bytes(it % 2 ? llmc : raw, rng); },
+      [&](const std::string& bytes) {
+        const TokenFile f(path, 300);
+        // Accepted: the tokens lie inside the file and the vocabulary, and a batcher reads every one.
+        const int64_t header = f.format() == TokenFormat::llmc ? 1024 : 0;
+        ASSERT_EQ(header + 2 * f.size(), int64_t(bytes.size()));
+        std::vector<uint16_t> all(size_t(f.size()));
+        f.read(0, all);
+        for (uint16_t t : all) ASSERT_LT(t, 300);
+        if (f.size() >= 9) {
+          TokenBatcher b(f, f.path(), 2, 8, BatchOrder::sequential);
+          std::vector<int32_t> x(16), y(16);
+          for (int64_t i = 0; i < b.windows(); i += 2) b.next(x, y);
+        }
+      });
 }
 
 TEST(ReaderFuzz, CheckpointsGiveAnErrorOrAConsistentState) {
@@ -179,36 +191,26 @@ TEST(ReaderFuzz, CheckpointsGiveAnErrorOrAConsistentState) {
   std::ifstream in(path, std::ios::binary);
   const std::string good_bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 
-  uint64_t errors = 0, accepted = 0;
-  for (uint64_t it = 0; it < iterations; ++it) {
-    // Half the files have a valid checksum around a wrong field; half are damaged anywhere.
-    const std::string bytes = it % 2 ? mutate_header(good, rng).bytes() : mutate_bytes(good_bytes, rng);
-    write_bytes(path, bytes);
-    SCOPED_TRACE("iteration " + std::to_string(it));
-    try {
-      const CheckpointReader reader(path);
-      const CheckpointHeader& r = reader.header();
-      const auto n = size_t(r.parameter_count);
-      // Accepted: the sizes agree with the file, the ranges hold, and the payload reads back.
-      ASSERT_LE(3 * n * sizeof(float), bytes.size());
-      ASSERT_GE(r.next_step, r.optimizer_steps);
-      ASSERT_GE(r.optimizer_steps, 0);
-      ASSERT_EQ(r.batcher.step, r.next_step * r.grad_accum);
-      std::vector<float> p(n), m(n), v(n);
-      reader.read_payload(p, m, v);
-      ++accepted;
-      // Against the run that wrote the original, any header that differs in what resume needs is refused.
-      try {
-        check_resumable(path, r, h);
-      } catch (const Error& e) {
-        ASSERT_NE(std::string(e.what()).find("differs from this run"), std::string::npos) << e.what();
-      }
-    } catch (const Error& e) {
-      ASSERT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
-      ++errors;
-    }
-  }
-  EXPECT_GT(errors, 0u);
-  EXPECT_GT(accepted, 0u);
-  std::filesystem::remove(path);
+  // Half the files have a valid checksum around a wrong field; half are damaged anywhere.
+  fuzz_reader(
+      path, iterations,
+      [&](uint64_t it) { return it % 2 ? mutate_header(good, rng).bytes() : mutate_bytes(good_bytes, rng); },
+      [&](const std::string& bytes) {
+        const CheckpointReader reader(path);
+        const CheckpointHeader& r = reader.header();
+        const auto n = size_t(r.parameter_count);
+        // Accepted: the sizes agree with the file, the ranges hold, and the payload reads back.
+        ASSERT_LE(3 * n * sizeof(float), bytes.size());
+        ASSERT_GE(r.next_step, r.optimizer_steps);
+        ASSERT_GE(r.optimizer_steps, 0);
+        ASSERT_EQ(r.batcher.step, r.next_step * r.grad_accum);
+        std::vector<float> p(n), m(n), v(n);
+        reader.read_payload(p, m, v);
+        // Against the run that wrote the original, a header that differs in what resume needs is refused.
+        try {
+          check_resumable(path, r, h);
+        } catch (const Error& e) {
+          ASSERT_NE(std::string(e.what()).find("differs from this run"), std::string::npos) << e.what();
+        }
+      });
 }
