@@ -63,9 +63,9 @@ void ReadOnlyFile::read_at(uint64_t offset, std::span<std::byte> out) const {
     if (got == 0) {
       struct stat st {};
       const long long now = ::fstat(fd_, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
-      fail("{}: '{}': the file ends at byte {} but bytes [{}, {}) were needed: it has {} bytes now, {} when it was "
-           "opened (was it truncated or rewritten while in use?)",
-           owner_, path_, offset + done, offset, offset + out.size(), now, size_);
+      fail("{}: '{}': bytes [{}, {}) are past its end: it has {} bytes now, {} when it was opened (was it truncated "
+           "or rewritten while in use?)",
+           owner_, path_, offset, offset + out.size(), now, size_);
     }
     done += static_cast<size_t>(got);
   }

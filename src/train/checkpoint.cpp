@@ -297,7 +297,7 @@ CheckpointReader::CheckpointReader(const std::string& path)
                 "checkpoint: '{}': header field 'parameter_count' is {}, which needs {} payload bytes (3 x {} "
                 "floats), but the file has {}{}",
                 path, n, n <= payload ? fmt::format("{}", n * 3 * sizeof(float)) : std::string("more"), n, payload,
-                n * 3 * sizeof(float) > payload ? " (truncated?)" : "");
+                n > payload / (3 * sizeof(float)) ? " (truncated?)" : "");
 }
 
 CheckpointReader::~CheckpointReader() = default;
