@@ -118,7 +118,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.c = config;
   m.batch = batch;
   m.seq = seq;
-  m.n = batch * seq;
+  m.n = checked_mul(batch, seq, "CudaModel: tokens per step");
   m.precision = precision;
   m.attention = attention;
   m.stream = stream;
