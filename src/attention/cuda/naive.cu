@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
   float m = -INFINITY, l = 0.f;
   for (int64_t j = threadIdx.x; j < visible; j += kThreads) {
     const float x = srow[j];
-    if (x > m) {
+    if (x > m || x != x) {  // a NaN becomes the max: the row's statistics, and so its P and lse, turn NaN
       l = l * expf(m - x) + 1.f;
       m = x;
     } else {
