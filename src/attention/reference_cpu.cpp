@@ -6,6 +6,7 @@
 
 #include "attention/backends.h"
 #include "attention/cpu_rows.h"
+#include "core/check.h"
 
 namespace flashlm {
 
@@ -20,7 +21,8 @@ struct ReferenceScratch {
 };
 
 ReferenceScratch allocate_scores(const AttentionProblem& p) {
-  const size_t n = static_cast<size_t>(p.batch * p.heads_q * p.seq_q * p.seq_k) * sizeof(double);
+  const auto n = static_cast<size_t>(checked_product({p.batch, p.heads_q, p.seq_q, p.seq_k, int64_t{sizeof(double)}},
+                                                     "naive attention: bytes of the scores S"));
   return {Buffer::allocate(n, Device::cpu, "naive attention scores S"),
           Buffer::allocate(n, Device::cpu, "naive attention probabilities P")};
 }

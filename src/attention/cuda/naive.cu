@@ -235,6 +235,7 @@ Dims dims_of(const AttentionProblem& p) {
   d.ld = (p.seq_k + 7) / 8 * 8;
   FLASHLM_CHECK(d.rows <= INT_MAX, "naive_attention: {} query rows (batch · heads · seq_q) exceed one CUDA grid",
                 d.rows);
+  checked_product({d.rows, d.ld, int64_t{sizeof(float)}}, "naive_attention: bytes of the scores S");  // O(N²)
   return d;
 }
 
