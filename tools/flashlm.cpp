@@ -62,7 +62,7 @@ constexpr int64_t kMaxSeq = int64_t{1} << 24;      // attention-bench sequence l
 constexpr int64_t kMaxContext = int64_t{1} << 20;  // LM contexts
 constexpr int64_t kMaxHeadDim = 4096;
 constexpr int64_t kMaxHeads = int64_t{1} << 16;
-constexpr int64_t kMaxWidth = int64_t{1} << 20;  // d_model, d_ff
+constexpr int64_t kMaxWidth = int64_t{1} << 20;        // d_model, d_ff
 constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1;  // token ids are int32
 constexpr int64_t kMaxSteps = int64_t{1} << 40;
 constexpr int kMaxReps = 1'000'000;
@@ -87,7 +87,8 @@ CLI::Validator in_range(T lo, T hi) {
 
 // --threads for every command that runs on the CPU (default: all; -1 or 0 is an error, not the default).
 CLI::Option* add_threads_option(CLI::App* cmd, int& threads) {
-  return cmd->add_option("--threads", threads, "CPU threads (default: all)")->check(in_range(1, flashlm::kMaxCpuThreads));
+  return cmd->add_option("--threads", threads, "CPU threads (default: all)")
+      ->check(in_range(1, flashlm::kMaxCpuThreads));
 }
 
 // A positive integer (T = int64_t) or number (T = double) up to max: the whole string.
@@ -273,8 +274,12 @@ void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
                 "the dK/dV kernel)");
   cmd->add_option("--causal-align", a.align, "top-left (PyTorch is_causal) or bottom-right")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
-  cmd->add_option("--warmup", a.warmup, "Untimed runs before timing")->capture_default_str()->check(in_range(0, kMaxReps));
-  cmd->add_option("--reps", a.reps, "Timed runs; the median is reported")->capture_default_str()->check(in_range(1, kMaxReps));
+  cmd->add_option("--warmup", a.warmup, "Untimed runs before timing")
+      ->capture_default_str()
+      ->check(in_range(0, kMaxReps));
+  cmd->add_option("--reps", a.reps, "Timed runs; the median is reported")
+      ->capture_default_str()
+      ->check(in_range(1, kMaxReps));
   add_threads_option(cmd, a.threads);
   cmd->add_option("--cpu-max-flops", a.cpu_max_flops,
                   "On the CPU, skip (status 'skipped') a row whose runs would compute more FLOPs than this")
@@ -337,7 +342,9 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   CLI::App* cmd = app.add_subcommand("bench", "Time the LM's forward, forward+backward and full train step");
   cmd->add_option("--model", a.model, "Sizes, comma list of tiny,small,medium,large,xl,2.7B")->capture_default_str();
   cmd->add_option("--context", a.context, "Context lengths, comma list")->capture_default_str();
-  cmd->add_option("--batch", a.batch, "Sequences per step")->capture_default_str()->check(in_range(int64_t{1}, kMaxBatch));
+  cmd->add_option("--batch", a.batch, "Sequences per step")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, kMaxBatch));
   cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
   cmd->add_option("--precision", a.precision, "Comma list of fp32,bf16,fp16")->capture_default_str();
   cmd->add_option("--attention", a.attention, "Comma list of flash,naive")->capture_default_str();
@@ -445,13 +452,16 @@ void add_train(CLI::App& app, TrainArgs& a) {
       ->capture_default_str();
   cmd->add_option("--d-model", a.d_model, "Model width")->check(in_range(int64_t{1}, kMaxWidth));
   cmd->add_option("--d-ff", a.d_ff, "Feed-forward width")->check(in_range(int64_t{1}, kMaxWidth));
-  cmd->add_option("--layers", a.layers, "Transformer blocks")->check(in_range(int64_t{1}, flashlm::ModelConfig::kMaxLayers));
+  cmd->add_option("--layers", a.layers, "Transformer blocks")
+      ->check(in_range(int64_t{1}, flashlm::ModelConfig::kMaxLayers));
   cmd->add_option("--heads", a.heads, "Attention heads")->check(in_range(int64_t{1}, kMaxHeads));
   cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
   cmd->add_option("--context", a.context, "Tokens per sequence")
       ->capture_default_str()
       ->check(in_range(int64_t{1}, kMaxContext));
-  cmd->add_option("--batch", a.batch, "Sequences per step")->capture_default_str()->check(in_range(int64_t{1}, kMaxBatch));
+  cmd->add_option("--batch", a.batch, "Sequences per step")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, kMaxBatch));
   cmd->add_option("--steps", a.steps, "Optimizer steps")->capture_default_str()->check(in_range(int64_t{1}, kMaxSteps));
   cmd->add_option("--data", a.data, "'synthetic' or a token file (.bin: nanoGPT uint16 or llm.c headered)")
       ->capture_default_str();
@@ -468,9 +478,15 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay")
       ->capture_default_str()
       ->check(in_range(0.0, 1.0));
-  cmd->add_option("--beta1", a.beta1, "AdamW beta1")->capture_default_str()->check(in_range(0.0, std::nextafter(1.0, 0.0)));
-  cmd->add_option("--beta2", a.beta2, "AdamW beta2")->capture_default_str()->check(in_range(0.0, std::nextafter(1.0, 0.0)));
-  cmd->add_option("--clip", a.clip, "Global gradient-norm clip (0: none)")->capture_default_str()->check(in_range(0.0, 1e9));
+  cmd->add_option("--beta1", a.beta1, "AdamW beta1")
+      ->capture_default_str()
+      ->check(in_range(0.0, std::nextafter(1.0, 0.0)));
+  cmd->add_option("--beta2", a.beta2, "AdamW beta2")
+      ->capture_default_str()
+      ->check(in_range(0.0, std::nextafter(1.0, 0.0)));
+  cmd->add_option("--clip", a.clip, "Global gradient-norm clip (0: none)")
+      ->capture_default_str()
+      ->check(in_range(0.0, 1e9));
   cmd->add_option("--eval-every", a.eval_every, "Validation every N steps (0: only at the end)")
       ->capture_default_str()
       ->check(steps);
@@ -587,8 +603,12 @@ void add_allreduce_bench(CLI::App& app, AllReduceBenchArgs& a) {
       ->capture_default_str();
   cmd->add_option("--device", a.device,
                   "cpu (MPI) or cuda (NCCL, one GPU per rank); default: cuda if a GPU is visible and NCCL was built");
-  cmd->add_option("--warmup", a.warmup, "Untimed all-reduces per size")->capture_default_str()->check(in_range(0, kMaxReps));
-  cmd->add_option("--iters", a.iters, "Timed all-reduces per size")->capture_default_str()->check(in_range(1, kMaxReps));
+  cmd->add_option("--warmup", a.warmup, "Untimed all-reduces per size")
+      ->capture_default_str()
+      ->check(in_range(0, kMaxReps));
+  cmd->add_option("--iters", a.iters, "Timed all-reduces per size")
+      ->capture_default_str()
+      ->check(in_range(1, kMaxReps));
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
@@ -649,7 +669,9 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
   cmd->add_option("--context", a.context, "Tokens per sequence")
       ->capture_default_str()
       ->check(in_range(int64_t{1}, kMaxContext));
-  cmd->add_option("--batch", a.batch, "Sequences per rank")->capture_default_str()->check(in_range(int64_t{1}, kMaxBatch));
+  cmd->add_option("--batch", a.batch, "Sequences per rank")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, kMaxBatch));
   cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
   cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed")->capture_default_str();
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket sizes of the bucketed variant, MB, comma list")

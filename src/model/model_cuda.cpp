@@ -173,8 +173,8 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.acts = Buffer::allocate(bytes(t, m.elem()), Device::cuda, "activations");
   m.acts_f32 = Buffer::allocate(bytes(t32, sizeof(float)), Device::cuda, "activations (fp32 statistics)");
   // Within t's sum of the same aligned terms, so unchecked.
-  m.scratch = Buffer::allocate(bytes(6 * aligned(n * d) + 3 * aligned(n * f), m.elem()), Device::cuda,
-                               "backward scratch");
+  m.scratch =
+      Buffer::allocate(bytes(6 * aligned(n * d) + 3 * aligned(n * f), m.elem()), Device::cuda, "backward scratch");
   m.tokens = Buffer::allocate(size_t(n) * sizeof(int32_t), Device::cuda, "tokens");
   m.targets = Buffer::allocate(size_t(n) * sizeof(int32_t), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");

@@ -177,11 +177,11 @@ void check(Device device, AttentionImpl impl, DType dtype, bool masked_may_leak)
       const int64_t row = query_side ? shape.nq - 30 : 20;
       const Problem p = problem_of(shape);
       const NanRows want = predict(p, where, row), got = observe(shape, where, row, impl, device, dtype);
-      const std::string what = std::string(attention_impl_name(impl)) + " " + std::string(dtype_name(dtype)) + " on " +
-                               std::string(device_name(device)) + ", NaN in " + where_name(where) + " row " + std::to_string(row) +
-                               ", nq " + std::to_string(shape.nq) + " nk " + std::to_string(shape.nk) +
-                               (shape.causal ? shape.align == CausalAlign::top_left ? " causal" : " causal bottom-right"
-                                             : "");
+      const std::string what =
+          std::string(attention_impl_name(impl)) + " " + std::string(dtype_name(dtype)) + " on " +
+          std::string(device_name(device)) + ", NaN in " + where_name(where) + " row " + std::to_string(row) + ", nq " +
+          std::to_string(shape.nq) + " nk " + std::to_string(shape.nk) +
+          (shape.causal ? shape.align == CausalAlign::top_left ? " causal" : " causal bottom-right" : "");
       // On the GPU a NaN under a causal mask also reaches masked pairs that share a matrix product with the
       // pairs that see it (0 · NaN in P·V, dS·K, dSᵀ·Q: tensor-core tiles and cuBLAS, as in PyTorch's own
       // kernels): there the predicted rows must be NaN, and more may be.
