@@ -1,10 +1,12 @@
 // NaN in the inputs propagates as in PyTorch's SDPA (SPEC §2): to exactly the outputs whose math touches it
 // through a key a query sees, never through a masked key, and a row that sees no key stays O = 0,
 // lse = -inf. Each case puts one NaN into one row of q, k, v or dO and compares, row by row, which outputs
-// are NaN with what that rule predicts, for every impl (and on the GPU when there is one).
+// are NaN with what that rule predicts, for every impl (and on the GPU when there is one). An inf is
+// checked the same way against the fp64 reference: every impl has non-finite values in the same rows.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
@@ -90,14 +92,15 @@ NanRows predict(const Problem& p, Where where, int64_t row) {
   return r;
 }
 
-std::vector<bool> nan_rows(const TensorView& t, int64_t heads, int64_t seq, bool bshd) {
+// The rows of t with a NaN (non_finite: a NaN or an inf).
+std::vector<bool> nan_rows(const TensorView& t, int64_t heads, int64_t seq, bool bshd, bool non_finite) {
   Tensor h = Tensor::empty(std::span<const int64_t>(t.sizes.data(), size_t(t.ndim)), DType::f64);
   copy_into(h, t);
   std::vector<bool> rows(size_t(B * heads * seq), false);
   const double* x = h.view().ptr<double>();
   const int64_t width = bshd ? D : 1;
   for (int64_t n = 0; n < h.numel(); ++n) {
-    if (x[n] == x[n]) continue;
+    if (non_finite ? std::isfinite(x[n]) || (!bshd && x[n] == -HUGE_VAL) : x[n] == x[n]) continue;  // lse -inf: empty
     const int64_t e = n / width;  // bshd: [b][s][h]; lse: [b][h][s]
     const int64_t b = bshd ? e / (seq * heads) : e / (heads * seq);
     const int64_t s = bshd ? e / heads % seq : e % seq;
@@ -107,8 +110,10 @@ std::vector<bool> nan_rows(const TensorView& t, int64_t heads, int64_t seq, bool
   return rows;
 }
 
-// Runs forward and backward with one NaN in `where`'s row `row` (element 5) and reports the NaN rows.
-NanRows observe(const Shape& shape, Where where, int64_t row, AttentionImpl impl, Device device, DType dtype) {
+// Runs forward and backward with `poison` (NaN or inf) in element 5 of `where`'s row `row` and reports the
+// rows holding NaN (poison NaN) or any non-finite value (poison inf).
+NanRows observe(const Shape& shape, Where where, int64_t row, AttentionImpl impl, Device device, DType dtype,
+                double poison = kNaN) {
   const int64_t nq = shape.nq, nk = shape.nk;
   auto make = [&](std::initializer_list<int64_t> sizes, uint64_t seed) {
     Tensor t = Tensor::empty(sizes, DType::f64);
@@ -120,7 +125,7 @@ NanRows observe(const Shape& shape, Where where, int64_t row, AttentionImpl impl
   Tensor& poisoned = where == Where::q ? q : where == Where::k ? k : where == Where::v ? v : dout;
   const int64_t heads = where == Where::q || where == Where::dout ? kQueryHead : kKeyHead;
   const TensorView& pv = poisoned.view();
-  pv.ptr<double>()[kBatch * pv.stride(0) + row * pv.stride(1) + heads * pv.stride(2) + 5] = kNaN;
+  pv.ptr<double>()[kBatch * pv.stride(0) + row * pv.stride(1) + heads * pv.stride(2) + 5] = poison;
 
   auto on_device = [&](const Tensor& host, DType t) {
     Tensor d = Tensor::empty(std::span<const int64_t>(host.view().sizes.data(), 4), t, device);
@@ -146,11 +151,12 @@ NanRows observe(const Shape& shape, Where where, int64_t row, AttentionImpl impl
     return h;
   };
   NanRows r;
-  r.o = nan_rows(host(o), Hq, nq, true);
-  r.lse = nan_rows(host(lse), Hq, nq, false);
-  r.dq = nan_rows(host(gq), Hq, nq, true);
-  r.dk = nan_rows(host(gk), Hk, nk, true);
-  r.dv = nan_rows(host(gv), Hk, nk, true);
+  const bool inf = std::isinf(poison);
+  r.o = nan_rows(host(o), Hq, nq, true, inf);
+  r.lse = nan_rows(host(lse), Hq, nq, false, inf);
+  r.dq = nan_rows(host(gq), Hq, nq, true, inf);
+  r.dk = nan_rows(host(gk), Hk, nk, true, inf);
+  r.dv = nan_rows(host(gv), Hk, nk, true, inf);
   // Rows that see no key stay O = 0, lse = -inf, whatever the NaN.
   Tensor lse_h = host(lse);
   for (int64_t b = 0; b < B; ++b)
@@ -170,16 +176,20 @@ const Shape kShapes[] = {{70, 90, false, CausalAlign::top_left},
                          {70, 90, true, CausalAlign::top_left},
                          {90, 45, true, CausalAlign::bottom_right}};  // rows 0..44 see no key
 
-void check(Device device, AttentionImpl impl, DType dtype, bool masked_may_leak) {
+// poison NaN: the rows predict() gives; inf: the non-finite rows of the fp64 reference on the CPU.
+void check(Device device, AttentionImpl impl, DType dtype, bool masked_may_leak, double poison = kNaN) {
   for (const Shape& shape : kShapes)
     for (Where where : {Where::q, Where::k, Where::v, Where::dout}) {
       const bool query_side = where == Where::q || where == Where::dout;
       const int64_t row = query_side ? shape.nq - 30 : 20;
       const Problem p = problem_of(shape);
-      const NanRows want = predict(p, where, row), got = observe(shape, where, row, impl, device, dtype);
+      const NanRows want = std::isnan(poison)
+                               ? predict(p, where, row)
+                               : observe(shape, where, row, AttentionImpl::naive, Device::cpu, DType::f64, poison);
+      const NanRows got = observe(shape, where, row, impl, device, dtype, poison);
       const std::string what =
           std::string(attention_impl_name(impl)) + " " + std::string(dtype_name(dtype)) + " on " +
-          std::string(device_name(device)) + ", NaN in " + where_name(where) + " row " + std::to_string(row) + ", nq " +
+          std::string(device_name(device)) + (std::isnan(poison) ? ", NaN" : ", inf") + " in " + where_name(where) + " row " + std::to_string(row) + ", nq " +
           std::to_string(shape.nq) + " nk " + std::to_string(shape.nk) +
           (shape.causal ? shape.align == CausalAlign::top_left ? " causal" : " causal bottom-right" : "");
       // On the GPU a NaN under a causal mask also reaches masked pairs that share a matrix product with the
@@ -210,6 +220,19 @@ TEST(AttentionNaN, PropagatesAsSdpaOnTheGpu) {
   SKIP_WITHOUT_GPU();
   for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash})
     for (DType dtype : {DType::f32, DType::bf16, DType::f16}) check(Device::cuda, impl, dtype, true);
+}
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+TEST(AttentionNaN, InfReachesTheSameRowsInEveryImplOnTheCpu) {
+  for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash})
+    for (DType dtype : {DType::f32, DType::bf16}) check(Device::cpu, impl, dtype, false, kInf);
+}
+
+TEST(AttentionNaN, InfReachesTheSameRowsInEveryImplOnTheGpu) {
+  SKIP_WITHOUT_GPU();
+  for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash})
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) check(Device::cuda, impl, dtype, true, kInf);
 }
 
 }  // namespace
