@@ -18,7 +18,7 @@ using namespace flashlm;
 
 namespace {
 
-constexpr int64_t B = 2, Hq = 4, Hk = 2, D = 32;
+constexpr int64_t B = 2, Hq = 4, Hk = 2;
 constexpr int64_t kBatch = 1, kQueryHead = 3, kKeyHead = kQueryHead / (Hq / Hk);
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -94,6 +94,7 @@ NanRows predict(const Problem& p, Where where, int64_t row) {
 
 // The rows of t with a NaN (non_finite: a NaN or an inf).
 std::vector<bool> nan_rows(const TensorView& t, int64_t heads, int64_t seq, bool bshd, bool non_finite) {
+  const int64_t D = t.size(t.ndim - 1);
   Tensor h = Tensor::empty(std::span<const int64_t>(t.sizes.data(), size_t(t.ndim)), DType::f64);
   copy_into(h, t);
   std::vector<bool> rows(size_t(B * heads * seq), false);
@@ -112,8 +113,8 @@ std::vector<bool> nan_rows(const TensorView& t, int64_t heads, int64_t seq, bool
 
 // Runs forward and backward with `poison` (NaN or inf) in element 5 of `where`'s row `row` and reports the
 // rows holding NaN (poison NaN) or any non-finite value (poison inf).
-NanRows observe(const Shape& shape, Where where, int64_t row, AttentionImpl impl, Device device, DType dtype,
-                double poison = kNaN) {
+NanRows observe(const Shape& shape, int64_t D, Where where, int64_t row, AttentionImpl impl, Device device,
+                DType dtype, double poison = kNaN) {
   const int64_t nq = shape.nq, nk = shape.nk;
   auto make = [&](std::initializer_list<int64_t> sizes, uint64_t seed) {
     Tensor t = Tensor::empty(sizes, DType::f64);
@@ -176,8 +177,10 @@ const Shape kShapes[] = {{70, 90, false, CausalAlign::top_left},
                          {70, 90, true, CausalAlign::top_left},
                          {90, 45, true, CausalAlign::bottom_right}};  // rows 0..44 see no key
 
-// poison NaN: the rows predict() gives; inf: the non-finite rows of the fp64 reference on the CPU.
-void check(Device device, AttentionImpl impl, DType dtype, bool masked_may_leak, double poison = kNaN) {
+// poison NaN: the rows predict() gives; inf: the non-finite rows of the fp64 reference on the CPU. Head dim
+// 32 runs the mma.sync kernels on every GPU; 64 the Hopper forward on sm_90.
+void check(Device device, AttentionImpl impl, DType dtype, bool masked_may_leak, double poison = kNaN,
+           int64_t D = 32) {
   for (const Shape& shape : kShapes)
     for (Where where : {Where::q, Where::k, Where::v, Where::dout}) {
       const bool query_side = where == Where::q || where == Where::dout;
@@ -185,11 +188,12 @@ void check(Device device, AttentionImpl impl, DType dtype, bool masked_may_leak,
       const Problem p = problem_of(shape);
       const NanRows want = std::isnan(poison)
                                ? predict(p, where, row)
-                               : observe(shape, where, row, AttentionImpl::naive, Device::cpu, DType::f64, poison);
-      const NanRows got = observe(shape, where, row, impl, device, dtype, poison);
+                               : observe(shape, D, where, row, AttentionImpl::naive, Device::cpu, DType::f64, poison);
+      const NanRows got = observe(shape, D, where, row, impl, device, dtype, poison);
       const std::string what =
           std::string(attention_impl_name(impl)) + " " + std::string(dtype_name(dtype)) + " on " +
-          std::string(device_name(device)) + (std::isnan(poison) ? ", NaN" : ", inf") + " in " + where_name(where) + " row " + std::to_string(row) + ", nq " +
+          std::string(device_name(device)) + (std::isnan(poison) ? ", NaN" : ", inf") + " in " + where_name(where) + " row " + std::to_string(row) + ", d " +
+          std::to_string(D) + ", nq " +
           std::to_string(shape.nq) + " nk " + std::to_string(shape.nk) +
           (shape.causal ? shape.align == CausalAlign::top_left ? " causal" : " causal bottom-right" : "");
       // On the GPU a NaN under a causal mask also reaches masked pairs that share a matrix product with the
@@ -219,7 +223,8 @@ TEST(AttentionNaN, PropagatesAsSdpaOnTheCpu) {
 TEST(AttentionNaN, PropagatesAsSdpaOnTheGpu) {
   SKIP_WITHOUT_GPU();
   for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash})
-    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) check(Device::cuda, impl, dtype, true);
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16})
+      for (int64_t d : {32, 64}) check(Device::cuda, impl, dtype, true, kNaN, d);
 }
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
@@ -232,7 +237,8 @@ TEST(AttentionNaN, InfReachesTheSameRowsInEveryImplOnTheCpu) {
 TEST(AttentionNaN, InfReachesTheSameRowsInEveryImplOnTheGpu) {
   SKIP_WITHOUT_GPU();
   for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash})
-    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) check(Device::cuda, impl, dtype, true, kInf);
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16})
+      for (int64_t d : {32, 64}) check(Device::cuda, impl, dtype, true, kInf, d);
 }
 
 }  // namespace
