@@ -27,6 +27,7 @@ struct ModelConfig {
   int64_t heads = 16;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
+  static constexpr int64_t kMaxLayers = int64_t{1} << 16;  // validate() bounds layers before looping over them
 
   int64_t head_dim() const { return d_model / heads; }
   int64_t parameter_count() const;                // all parameters

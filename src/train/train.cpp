@@ -205,7 +205,7 @@ TrainResult train(const TrainConfig& cfg) {
   }
 
   // accum micro-batches of batch rows; evaluation reads the first.
-  std::vector<int32_t> x(size_t(accum * cfg.batch * cfg.seq)), y(x.size());
+  std::vector<int32_t> x(size_t(checked_product({accum, cfg.batch, cfg.seq}, "train: tokens per step"))), y(x.size());
   const size_t micro = size_t(cfg.batch * cfg.seq);
   auto t_log = std::chrono::steady_clock::now();
   int64_t tokens_since_log = 0, skipped = 0;
