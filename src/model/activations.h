@@ -51,7 +51,4 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
 // 1 GiB of `elem_bytes` elements, a multiple of 128, and never more than `tokens`.
 int64_t head_chunk_tokens(const ModelConfig& c, int64_t tokens, int64_t requested, int64_t elem_bytes);
 
-// a · b, or flashlm::Error naming `what` when the product overflows int64.
-int64_t checked_product(int64_t a, int64_t b, const char* what);
-
 }  // namespace flashlm

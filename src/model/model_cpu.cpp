@@ -27,15 +27,19 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   params_ = Buffer::allocate(pbytes, Device::cpu, "parameters");
   grads_ = Buffer::allocate(pbytes, Device::cpu, "gradients");
   acts_layout_ = std::make_unique<ActivationLayout>(layout_activations(config, batch, seq, options.recompute));
-  const int64_t n = batch * seq;
+  const int64_t n = batch * seq;  // checked by layout_activations
+  constexpr std::string_view bytes = "CpuModel: activation bytes";
+  constexpr int64_t kFloat = sizeof(float);
   logits_offset_ = acts_layout_->values;
-  const int64_t logits = checked_product(n, config.vocab, "CpuModel: tokens x vocab");
-  acts_ = Buffer::allocate(size_t(logits_offset_ + logits) * sizeof(float), Device::cpu, "activations and logits");
-  stats_ = Buffer::allocate(size_t(acts_layout_->stats) * sizeof(float), Device::cpu, "activations (statistics)");
-  scratch_ = Buffer::allocate(size_t(backward_scratch_elements(config, n)) * sizeof(float), Device::cpu,
+  const int64_t values = checked_add(logits_offset_, checked_mul(n, config.vocab, "CpuModel: tokens x vocab"), bytes);
+  acts_ = Buffer::allocate(size_t(checked_mul(values, kFloat, bytes)), Device::cpu, "activations and logits");
+  stats_ = Buffer::allocate(size_t(checked_mul(acts_layout_->stats, kFloat, bytes)), Device::cpu,
+                            "activations (statistics)");
+  scratch_ = Buffer::allocate(size_t(checked_mul(backward_scratch_elements(config, n), kFloat, bytes)), Device::cpu,
                               "backward scratch");
   const int64_t half = config.head_dim() / 2;
-  rope_ = Buffer::allocate(size_t(2 * config.context * half) * sizeof(float), Device::cpu, "RoPE tables");
+  rope_ = Buffer::allocate(size_t(checked_product({2, config.context, half, kFloat}, "CpuModel: RoPE table bytes")),
+                           Device::cpu, "RoPE tables");
   float* rope = static_cast<float*>(rope_.data());
   cpu::rope_tables(rope, rope + config.context * half, config.context, config.head_dim(), config.rope_theta);
   std::fill(parameters(), parameters() + n_params_, 0.0f);
@@ -257,22 +261,25 @@ double CpuModel::clip_gradients(double max_norm) {
   return norm;
 }
 
-void CpuModel::save_state(float* params, float* m, float* v) const {
-  std::copy(parameters(), parameters() + n_params_, params);
+void CpuModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  check_state_arrays("CpuModel::save_state", params.size(), m.size(), v.size(), 0);
+  std::copy(parameters(), parameters() + n_params_, params.begin());
   if (!adam_m_.data()) {  // no step taken yet: zero moments
-    std::fill(m, m + n_params_, 0.0f);
-    std::fill(v, v + n_params_, 0.0f);
+    std::fill(m.begin(), m.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
     return;
   }
-  std::copy(static_cast<const float*>(adam_m_.data()), static_cast<const float*>(adam_m_.data()) + n_params_, m);
-  std::copy(static_cast<const float*>(adam_v_.data()), static_cast<const float*>(adam_v_.data()) + n_params_, v);
+  std::copy_n(static_cast<const float*>(adam_m_.data()), n_params_, m.begin());
+  std::copy_n(static_cast<const float*>(adam_v_.data()), n_params_, v.begin());
 }
 
-void CpuModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+void CpuModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                          int64_t optimizer_steps) {
+  check_state_arrays("CpuModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   allocate_moments();
-  std::copy(params, params + n_params_, parameters());
-  std::copy(m, m + n_params_, static_cast<float*>(adam_m_.data()));
-  std::copy(v, v + n_params_, static_cast<float*>(adam_v_.data()));
+  std::copy(params.begin(), params.end(), parameters());
+  std::copy(m.begin(), m.end(), static_cast<float*>(adam_m_.data()));
+  std::copy(v.begin(), v.end(), static_cast<float*>(adam_v_.data()));
   adam_step_ = optimizer_steps;
 }
 

@@ -185,7 +185,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.c = config;
   m.batch = batch;
   m.seq = seq;
-  m.n = batch * seq;
+  m.n = checked_mul(batch, seq, "CudaModel: tokens per step");
   m.precision = precision;
   m.options = options;
   m.pure = options.bf16_pure;
@@ -211,21 +211,24 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
     m.params_lp = Buffer::allocate(size_t(m.n_params) * m.elem(), Device::cuda, "parameters (low precision)");
   }
 
+  // Every size is checked: batch, seq and the widths come from the user.
+  constexpr std::string_view bytes = "CudaModel: activation bytes";
+  const auto elem_bytes = [&](int64_t count, size_t size) { return size_t(checked_mul(count, int64_t(size), bytes)); };
   m.A = layout_activations(config, batch, seq, options.recompute);
-  m.acts = Buffer::allocate(size_t(m.A.values) * m.elem(), Device::cuda, "activations");
-  m.acts_f32 = Buffer::allocate(size_t(m.A.stats) * sizeof(float), Device::cuda, "activations (fp32 statistics)");
+  m.acts = Buffer::allocate(elem_bytes(m.A.values, m.elem()), Device::cuda, "activations");
+  m.acts_f32 = Buffer::allocate(elem_bytes(m.A.stats, sizeof(float)), Device::cuda, "activations (fp32 statistics)");
   m.head_chunk = head_chunk_tokens(config, m.n, options.head_chunk, int64_t(m.elem()));
-  m.logits = Buffer::allocate(size_t(aligned_elements(m.head_chunk * config.vocab)) * m.elem(), Device::cuda,
-                              "logits of one LM-head chunk");
-  m.row_loss = Buffer::allocate(size_t(m.n) * sizeof(float), Device::cuda, "per-token losses");
-  m.scratch = Buffer::allocate(size_t(backward_scratch_elements(config, m.n)) * m.elem(), Device::cuda,
+  m.logits = Buffer::allocate(elem_bytes(aligned_elements(checked_mul(m.head_chunk, config.vocab, bytes)), m.elem()),
+                              Device::cuda, "logits of one LM-head chunk");
+  m.row_loss = Buffer::allocate(elem_bytes(m.n, sizeof(float)), Device::cuda, "per-token losses");
+  m.scratch = Buffer::allocate(elem_bytes(backward_scratch_elements(config, m.n), m.elem()), Device::cuda,
                                "backward scratch");
-  m.tokens = Buffer::allocate(size_t(m.n) * sizeof(int32_t), Device::cuda, "tokens");
-  m.targets = Buffer::allocate(size_t(m.n) * sizeof(int32_t), Device::cuda, "targets");
+  m.tokens = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "tokens");
+  m.targets = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
 
   const int64_t half = config.head_dim() / 2;
-  std::vector<float> table(size_t(2 * config.context * half));
+  std::vector<float> table(size_t(checked_product({2, config.context, half}, "CudaModel: RoPE table size")));
   cpu::rope_tables(table.data(), table.data() + config.context * half, config.context, config.head_dim(),
                    config.rope_theta);
   m.rope = Buffer::allocate(table.size() * sizeof(float), Device::cuda, "RoPE tables");
@@ -632,36 +635,39 @@ int64_t CudaModel::optimizer_steps() const { return impl_->adam_step; }
 
 void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
 
-void CudaModel::save_state(float* params, float* m, float* v) const {
+void CudaModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  check_state_arrays("CudaModel::save_state", params.size(), m.size(), v.size(), 0);
   const Impl& s = *impl_;
-  copy_parameters_to(params);
+  copy_parameters_to(params.data());
   if (!s.adam_m.data()) {  // no step taken yet: zero moments
-    std::fill(m, m + s.n_params, 0.0f);
-    std::fill(v, v + s.n_params, 0.0f);
+    std::fill(m.begin(), m.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
     return;
   }
   if (s.pure) {  // widened to fp32: the checkpoint format is the same for every precision
-    s.widen_to_host(static_cast<const bf16_t*>(s.adam_m.data()), m, s.n_params);
-    s.widen_to_host(static_cast<const bf16_t*>(s.adam_v.data()), v, s.n_params);
+    s.widen_to_host(static_cast<const bf16_t*>(s.adam_m.data()), m.data(), s.n_params);
+    s.widen_to_host(static_cast<const bf16_t*>(s.adam_v.data()), v.data(), s.n_params);
     return;
   }
   const size_t bytes = size_t(s.n_params) * sizeof(float);
-  cuda_copy(m, s.adam_m.data(), bytes);
-  cuda_copy(v, s.adam_v.data(), bytes);
+  cuda_copy(m.data(), s.adam_m.data(), bytes);
+  cuda_copy(v.data(), s.adam_v.data(), bytes);
 }
 
-void CudaModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+void CudaModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                           int64_t optimizer_steps) {
+  check_state_arrays("CudaModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   Impl& s = *impl_;
-  load_parameters(params);  // also refreshes what is derived from the parameters
+  load_parameters(params.data());  // also refreshes what is derived from the parameters
   s.allocate_moments();
   gpu::stream_synchronize(s.stream);  // the zeroing above is queued on the model's stream
   if (s.pure) {
-    s.narrow_from_host(m, static_cast<bf16_t*>(s.adam_m.data()), s.n_params);
-    s.narrow_from_host(v, static_cast<bf16_t*>(s.adam_v.data()), s.n_params);
+    s.narrow_from_host(m.data(), static_cast<bf16_t*>(s.adam_m.data()), s.n_params);
+    s.narrow_from_host(v.data(), static_cast<bf16_t*>(s.adam_v.data()), s.n_params);
   } else {
     const size_t bytes = size_t(s.n_params) * sizeof(float);
-    cuda_copy(s.adam_m.data(), m, bytes);
-    cuda_copy(s.adam_v.data(), v, bytes);
+    cuda_copy(s.adam_m.data(), m.data(), bytes);
+    cuda_copy(s.adam_v.data(), v.data(), bytes);
   }
   s.adam_step = optimizer_steps;
 }

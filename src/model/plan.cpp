@@ -12,13 +12,6 @@
 
 namespace flashlm {
 
-int64_t checked_product(int64_t a, int64_t b, const char* what) {
-  int64_t out = 0;
-  FLASHLM_CHECK(a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, &out), "{}: {} x {} overflows 64-bit sizes", what, a,
-                b);
-  return out;
-}
-
 RecomputePlan RecomputePlan::parse(std::string_view text) {
   RecomputePlan p;
   if (text == "none") return p;
@@ -73,10 +66,11 @@ ActivationLayout layout_activations(const ModelConfig& c, int64_t batch, int64_t
   using Kind = RecomputePlan::Kind;
   FLASHLM_CHECK(plan.kind != Kind::automatic, "layout_activations: resolve --recompute auto first");
   FLASHLM_CHECK(plan.every >= 1, "recompute: blocks:{} needs K >= 1", plan.every);
-  const int64_t n = checked_product(batch, seq, "activations: batch x seq");
-  const int64_t nd = checked_product(n, c.d_model, "activations: tokens x d_model");
-  const int64_t nf = checked_product(n, c.d_ff, "activations: tokens x d_ff");
-  const int64_t bhs = checked_product(checked_product(batch, c.heads, "activations: batch x heads"), seq,
+  FLASHLM_CHECK(batch >= 1 && seq >= 1, "activations: batch {} and seq {}, expected at least 1", batch, seq);
+  const int64_t n = checked_mul(batch, seq, "activations: batch x seq");
+  const int64_t nd = checked_mul(n, c.d_model, "activations: tokens x d_model");
+  const int64_t nf = checked_mul(n, c.d_ff, "activations: tokens x d_ff");
+  const int64_t bhs = checked_mul(checked_mul(batch, c.heads, "activations: batch x heads"), seq,
                                       "activations: batch x heads x seq");
   ActivationLayout out;
   out.recompute = plan;
@@ -142,8 +136,8 @@ ActivationLayout layout_activations(const ModelConfig& c, int64_t batch, int64_t
 }
 
 int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens) {
-  const int64_t nd = aligned_elements(checked_product(tokens, c.d_model, "scratch: tokens x d_model"));
-  const int64_t nf = aligned_elements(checked_product(tokens, c.d_ff, "scratch: tokens x d_ff"));
+  const int64_t nd = aligned_elements(checked_mul(tokens, c.d_model, "scratch: tokens x d_model"));
+  const int64_t nf = aligned_elements(checked_mul(tokens, c.d_ff, "scratch: tokens x d_ff"));
   return 6 * nd + 3 * nf;
 }
 
@@ -151,7 +145,7 @@ int64_t head_chunk_tokens(const ModelConfig& c, int64_t tokens, int64_t requeste
   FLASHLM_CHECK(requested >= 0, "head chunk: {} tokens, expected >= 0 (0: automatic)", requested);
   if (requested > 0) return std::min(requested, tokens);
   constexpr int64_t kLogitBytes = int64_t{1} << 30;
-  int64_t rows = kLogitBytes / checked_product(c.vocab, elem_bytes, "head chunk: vocab x element size");
+  int64_t rows = kLogitBytes / checked_mul(c.vocab, elem_bytes, "head chunk: vocab x element size");
   rows = std::max<int64_t>(128, rows / 128 * 128);
   return std::min(rows, tokens);
 }
@@ -172,10 +166,10 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
   MemoryPlan p;
   p.recompute = recompute;
   const int64_t n_params = c.parameter_count();
-  const int64_t n = checked_product(batch, seq, "memory plan: batch x seq");
+  const int64_t n = checked_mul(batch, seq, "memory plan: batch x seq");
   const bool cuda = device == Device::cuda;
   const int64_t elem = cuda ? int64_t(dtype_size(precision)) : 4;
-  auto bytes = [](int64_t count, int64_t size) { return checked_product(count, size, "memory plan: bytes"); };
+  auto bytes = [](int64_t count, int64_t size) { return checked_mul(count, size, "memory plan: bytes"); };
   if (o.bf16_pure) {
     p.items.push_back({"parameters (bf16)", bytes(n_params, 2)});
     p.items.push_back({"gradients (bf16)", bytes(n_params, 2)});
@@ -199,7 +193,7 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
   if (cuda) {
     const int64_t chunk = head_chunk_tokens(c, n, o.head_chunk, elem);
     p.items.push_back({fmt::format("LM head + loss: logits of {} tokens at a time, per-token losses", chunk),
-                       bytes(aligned_elements(checked_product(chunk, c.vocab, "head chunk")), elem) + bytes(n, 4)});
+                       bytes(aligned_elements(checked_mul(chunk, c.vocab, "head chunk")), elem) + bytes(n, 4)});
     if (o.bf16_pure) {
       int64_t largest = 0;
       for (const ParameterInfo& info : parameter_layout(c)) largest = std::max(largest, info.numel());
@@ -208,13 +202,13 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     // cuBLASLt's 32 MiB, the embedding backward's sort (~32 bytes a token), the RMSNorm gain partial sums
     // (1024 rows of d floats) and the attention backward's two fp32 rows per query.
     const int64_t workspaces = (int64_t{32} << 20) + bytes(n, 32) + bytes(1024 * c.d_model, 4) +
-                               bytes(checked_product(n, c.heads, "workspaces"), 8);
+                               bytes(checked_mul(n, c.heads, "workspaces"), 8);
     p.items.push_back({"workspaces (estimated)", workspaces});
   } else {
-    p.items.push_back({"logits [tokens, vocab]", bytes(checked_product(n, c.vocab, "logits"), 4)});
+    p.items.push_back({"logits [tokens, vocab]", bytes(checked_mul(n, c.vocab, "logits"), 4)});
   }
   p.items.push_back({"tokens, targets, RoPE tables",
-                     bytes(n, 8) + bytes(checked_product(c.context, c.head_dim(), "RoPE tables"), 4)});
+                     bytes(n, 8) + bytes(checked_mul(c.context, c.head_dim(), "RoPE tables"), 4)});
   return p;
 }
 
@@ -223,6 +217,8 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
 MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, Device device, DType precision,
                              const ModelOptions& o, int64_t available_bytes) {
   c.validate();
+  FLASHLM_CHECK(batch >= 1 && seq >= 1 && seq <= c.context, "memory plan: batch {} and seq {} (context {})", batch, seq,
+                c.context);
   FLASHLM_CHECK(!o.bf16_pure || (device == Device::cuda && precision == DType::bf16),
                 "precision: bf16-pure is a CUDA precision (bf16 parameters, gradients and moments)");
   using Kind = RecomputePlan::Kind;
