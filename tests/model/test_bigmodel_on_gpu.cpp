@@ -168,11 +168,11 @@ TEST(CudaBf16Pure, CheckpointStateRoundTripsAndTrainingContinuesIdentically) {
   step(a);
   const size_t count = size_t(a.parameter_count());
   std::vector<float> p(count), m1(count), v1(count);
-  a.save_state(p.data(), m1.data(), v1.data());
+  a.save_state(p, m1, v1);
   CudaModel b(c, batch, seq, DType::bf16, with("none", true));
-  b.load_state(p.data(), m1.data(), v1.data(), a.optimizer_steps());
+  b.load_state(p, m1, v1, a.optimizer_steps());
   std::vector<float> p2(count), m2(count), v2(count);
-  b.save_state(p2.data(), m2.data(), v2.data());
+  b.save_state(p2, m2, v2);
   EXPECT_TRUE(same_bits(p, p2) && same_bits(m1, m2) && same_bits(v1, v2));
   EXPECT_EQ(step(a), step(b));
   a.copy_parameters_to(p.data());
