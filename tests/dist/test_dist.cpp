@@ -714,6 +714,26 @@ TEST(GpuCollectivesSetup, MoreLocalRanksThanGpusIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("ranks on this node but"), std::string::npos) << e.what();
   }
 }
+
+// The watchdog's GPU side (run by hand on a node with two GPUs, see stalled_rank.cmake): rank R sleeps
+// while its peers' NCCL all-reduce waits for it and they block in cudaDeviceSynchronize, outside any
+// flashlm call; their watchdog's probe event must end the job ("the NCCL collectives on cuda:D up to ...").
+TEST(CollectiveTimeout, StalledRankOnGpus) {
+  const int target = env_or("FLASHLM_TEST_STALL_RANK", -1);
+  if (target < 0) GTEST_SKIP() << "set FLASHLM_TEST_STALL_RANK to make one rank stall (ends the job)";
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  Tensor x = to_device(std::vector<float>(1024, 1.0f));
+  comm().all_reduce(x, ReduceOp::sum);  // connects NCCL's peers (the first collective) while all are here
+  comm().synchronize();
+  comm().set_timeout(1.0);
+  comm().barrier();
+  if (comm().rank() == target) std::this_thread::sleep_for(std::chrono::seconds(120));
+  comm().all_reduce(x, ReduceOp::sum);
+  cuda_synchronize();
+  ADD_FAILURE() << "rank " << comm().rank() << ": the GPU all-reduce finished although rank " << target
+                << " stalled";
+}
 #else
 TEST(GpuCollectives, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
 #endif
