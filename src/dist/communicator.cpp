@@ -223,21 +223,17 @@ class Watched {
   Watchdog* watchdog_;
 };
 
-// 64-bit FNV-1a of the settings, each name and value followed by a NUL (so that no two lists serialise alike).
-uint64_t settings_hash(std::span<const RunSetting> settings) {
-  uint64_t h = 14695981039346656037ull;
-  auto add = [&h](std::string_view text) {
-    for (char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-    h *= 1099511628211ull;  // the NUL
-  };
-  for (const RunSetting& s : settings) add(s.name), add(s.value);
-  return h;
-}
-
+// The settings as one text: each name and value followed by a NUL (so that no two lists serialise alike).
 std::string serialise_settings(std::span<const RunSetting> settings) {
   std::string text;
   for (const RunSetting& s : settings) (text += s.name) += '\0', (text += s.value) += '\0';
   return text;
+}
+
+uint64_t fnv1a_64(std::string_view text) {
+  uint64_t h = 14695981039346656037ull;
+  for (char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
 }
 
 std::vector<RunSetting> parse_settings(const std::string& text) {
@@ -685,7 +681,8 @@ int64_t Communicator::agree(int64_t value, std::string_view what) {
 
 void Communicator::agree_settings(std::span<const RunSetting> settings) {
   Impl& m = *impl_;
-  const uint64_t mine = settings_hash(settings);
+  const std::string text = serialise_settings(settings);
+  const uint64_t mine = fnv1a_64(text);
   std::vector<uint64_t> all(static_cast<size_t>(m.size));
   m.blocking("MPI_Allgather",
              [&] { return MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, m.comm); });
@@ -693,11 +690,11 @@ void Communicator::agree_settings(std::span<const RunSetting> settings) {
   if (differs == all.end()) return;
   const int rank = static_cast<int>(differs - all.begin());
   // Rank 0's settings to every rank; the first rank that differs says how, to every rank.
-  const std::string root = m.broadcast_text(m.rank == 0 ? serialise_settings(settings) : std::string(), 0);
+  const std::string root = m.broadcast_text(m.rank == 0 ? text : std::string(), 0);
   std::string difference;
   if (m.rank == rank) {
     difference = settings_difference(parse_settings(root), settings, rank);
-    if (difference.empty()) difference = "its hash only";  // equal settings hash alike: unreachable
+    if (difference.empty()) difference = "the serialised settings";  // a NUL inside a name or value
   }
   difference = m.broadcast_text(std::move(difference), rank);
   throw SettingsMismatch(fmt::format("rank {}'s run configuration differs from rank 0's in {}", rank, difference));
