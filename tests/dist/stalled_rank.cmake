@@ -39,7 +39,7 @@ message(STATUS "train, rank 0 evaluating past the timeout: mpirun exit ${rc}")
 foreach(bad -1 nan inf 1e9 x)
   execute_process(COMMAND ${FLASHLM} train --collective-timeout-s ${bad} RESULT_VARIABLE rc ERROR_VARIABLE err
                   TIMEOUT 60)
-  if(NOT rc EQUAL 2 OR NOT err MATCHES "error: --collective-timeout-s: '${bad}' is not a number of seconds")
+  if(NOT rc EQUAL 2 OR NOT err MATCHES "error: --collective-timeout-s: '${bad}' is not a number in \\[0, 604800\\]")
     message(FATAL_ERROR "train --collective-timeout-s ${bad}: exit ${rc}\nstderr: ${err}")
   endif()
 endforeach()
