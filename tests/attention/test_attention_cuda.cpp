@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "attention/capabilities.h"
 #include "flashlm/attention.h"
 #include "flashlm/device.h"
 #include "flashlm/profile.h"
@@ -50,12 +51,25 @@ Errors errors_of(const Problem& got, const Problem& ref, bool with_backward) {
   return e;
 }
 
+// Whether the capability table has a CUDA flash backward for the case (padded or not).
+bool has_cuda_backward(const Case& c) {
+  AttentionProblem p;
+  p.dtype = c.dtype;
+  p.head_dim = c.D;
+  try {
+    plan_cuda_attention("attention_backward", p, AttentionImpl::flash, AttentionPass::backward);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 class CudaVsReference : public ::testing::TestWithParam<GpuCase> {};
 
 TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
   SKIP_WITHOUT_GPU();
   const Case c = GetParam().c;
-  const bool backward = c.D <= 128;  // the cuda backward covers head dims up to 128
+  const bool backward = has_cuda_backward(c);
   AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
   flash.deterministic = GetParam().deterministic;
   const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
@@ -297,6 +311,52 @@ TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {
   Tensor q160 = Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda);
   expect_error([&] { attention_backward(q160, q160, q160, q160, lse, q160, q160, q160, q160); },
                "head_dim 160 has no cuda backward kernel");
+}
+
+// The library does what the capability table says: for every dtype and a spread of head dims (compiled,
+// padded, unaligned, too large), each pass on the GPU either runs or fails with the table's own message.
+TEST(CudaAttention, CapabilityTableAndBehaviourAgree) {
+  SKIP_WITHOUT_GPU();
+  for (DType dt : {DType::f16, DType::bf16, DType::f32}) {
+    for (int64_t d : {4, 8, 12, 16, 24, 36, 48, 64, 80, 128, 136, 160, 200, 256, 264}) {
+      for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+        for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+          const bool forward = pass == AttentionPass::forward;
+          const Case c{1, 33, 40, 2, 1, d, Layout::bshd, Mask::bottom_right, dt};
+          const AttentionOptions opt = options_for(c.mask, impl);
+          AttentionProblem p;
+          p.dtype = dt;
+          p.head_dim = d;
+          // The table's error, empty where it has a kernel. A backward runs the forward first, so a head
+          // dim without a forward fails with the forward's message.
+          auto table_error = [&](AttentionPass pa) -> std::string {
+            try {
+              plan_cuda_attention(pa == AttentionPass::forward ? "attention_forward" : "attention_backward", p, impl,
+                                  pa);
+              return "";
+            } catch (const Error& e) {
+              return e.what();
+            }
+          };
+          std::string expected = table_error(AttentionPass::forward);
+          if (!forward && expected.empty()) expected = table_error(AttentionPass::backward);
+          const std::string what = std::string(dtype_name(dt)) + " d" + std::to_string(d) + " " +
+                                   std::string(attention_impl_name(impl)) + (forward ? " forward" : " backward");
+          Problem prob(c, c.layout, dt, 11 + static_cast<uint64_t>(d));
+          try {
+            prob.run_on_device(opt, !forward);
+            EXPECT_EQ(expected, "") << what << ": ran, but the table says no";
+            EXPECT_TRUE(all_finite_or_neg_inf(prob.o.view)) << what;
+            if (!forward) {
+              EXPECT_GT(max_abs(prob.dq.view), 0.0) << what;
+            }
+          } catch (const Error& e) {
+            EXPECT_EQ(std::string(e.what()), expected) << what;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 //       Bit-reproducible, no atomics, no fp32 buffer, ~40% more MMAs.
 #include <algorithm>
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
 
@@ -639,16 +640,11 @@ void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stre
 }
 
 template <class T>
-void dispatch_head_dim(int d, const FlashParams& f, bool deterministic, cudaStream_t stream) {
-  switch (d) {
-    case 16: return launch_backward<T, 16>(f, deterministic, stream);
-    case 32: return launch_backward<T, 32>(f, deterministic, stream);
-    case 64: return launch_backward<T, 64>(f, deterministic, stream);
-    case 128: return launch_backward<T, 128>(f, deterministic, stream);
-  }
-  fail("attention_backward: q: head_dim {} has no cuda backward kernel (16, 32, 64 or 128); the forward also "
-       "supports 256",
-       d);
+void dispatch_head_dim(int64_t d, const FlashParams& f, bool deterministic, cudaStream_t stream) {
+  const bool launched = with_head_dim<kMmaSyncBackwardHeadDims>(
+      d, [&](auto dim) { launch_backward<T, decltype(dim)::value>(f, deterministic, stream); });
+  FLASHLM_CHECK(launched, "flash_attention_backward_cuda: head_dim {} has no kernel (the capability table lists it)",
+                d);
 }
 
 }  // namespace
@@ -689,8 +685,8 @@ void backward_heads(const AttentionProblem& p, const TensorView& q, const Tensor
                        "flash backward dQ clear");
     f.dq_accum = dq_accum;
   }
-  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(static_cast<int>(p.head_dim), f, deterministic, s);
-  else flash_cuda::dispatch_head_dim<__half>(static_cast<int>(p.head_dim), f, deterministic, s);
+  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, deterministic, s);
+  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, deterministic, s);
 }
 
 }  // namespace
@@ -699,10 +695,6 @@ void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& 
                                    const TensorView& v, const TensorView& o, const TensorView& lse,
                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                    const TensorView& dv, bool deterministic, void* stream) {
-  FLASHLM_CHECK(p.head_dim <= 128,
-                "attention_backward: q: head_dim {} has no cuda backward kernel (16, 32, 64 or 128); the forward "
-                "also supports 256",
-                p.head_dim);
   if (p.batch == 0 || p.heads_q == 0 || (p.seq_q == 0 && p.seq_k == 0)) return;
   const int64_t seq_q_padded = (p.seq_q + flash_cuda::kRowPad - 1) / flash_cuda::kRowPad * flash_cuda::kRowPad;
   // Accumulator bytes per key/value head (with its group of query heads, over the batch).

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
 #include "flashlm/memory.h"
@@ -636,14 +637,8 @@ void launch(void (*kernel)(Args), int64_t blocks, int threads, size_t smem, cuda
 
 template <class Fn>
 void dispatch_head_dim(int64_t head_dim, Fn&& fn) {
-  switch (head_dim) {
-    case 16: fn(std::integral_constant<int, 16>{}); break;
-    case 32: fn(std::integral_constant<int, 32>{}); break;
-    case 64: fn(std::integral_constant<int, 64>{}); break;
-    case 128: fn(std::integral_constant<int, 128>{}); break;
-    case 256: fn(std::integral_constant<int, 256>{}); break;
-    default: fail("flash_f32: head_dim {} is not supported (16, 32, 64, 128 or 256)", head_dim);
-  }
+  FLASHLM_CHECK(with_head_dim<kF32HeadDims>(head_dim, fn),
+                "flash_f32: head_dim {} has no kernel (the capability table lists it)", head_dim);
 }
 
 }  // namespace

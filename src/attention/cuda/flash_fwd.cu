@@ -7,6 +7,7 @@
 // O += P·V — P never touches shared memory. Key tiles that the causal mask hides are never loaded; only
 // tiles that cross the diagonal or the end of the keys are masked.
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
 
@@ -304,15 +305,10 @@ void launch_forward(const FlashParams& f, cudaStream_t stream) {
 }
 
 template <class T>
-void dispatch_head_dim(int d, const FlashParams& f, cudaStream_t stream) {
-  switch (d) {
-    case 16: return launch_forward<T, 16>(f, stream);
-    case 32: return launch_forward<T, 32>(f, stream);
-    case 64: return launch_forward<T, 64>(f, stream);
-    case 128: return launch_forward<T, 128>(f, stream);
-    case 256: return launch_forward<T, 256>(f, stream);
-  }
-  fail("flash_attention_forward_cuda: head_dim {} has no kernel", d);
+void dispatch_head_dim(int64_t d, const FlashParams& f, cudaStream_t stream) {
+  const bool launched =
+      with_head_dim<kMmaSyncForwardHeadDims>(d, [&](auto dim) { launch_forward<T, decltype(dim)::value>(f, stream); });
+  FLASHLM_CHECK(launched, "flash_attention_forward_cuda: head_dim {} has no kernel (the capability table lists it)", d);
 }
 
 }  // namespace
@@ -323,8 +319,8 @@ void flash_attention_forward_cuda(const AttentionProblem& p, const TensorView& q
   if (p.batch == 0 || p.seq_q == 0 || p.heads_q == 0) return;
   const auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   const auto s = static_cast<cudaStream_t>(stream);
-  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(static_cast<int>(p.head_dim), f, s);
-  else flash_cuda::dispatch_head_dim<__half>(static_cast<int>(p.head_dim), f, s);
+  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, s);
+  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, s);
 }
 
 }  // namespace flashlm
