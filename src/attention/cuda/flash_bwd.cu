@@ -262,22 +262,8 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           }
         }
       }
-      // Masking is a separate pass over S, taken only by the tiles that cross the diagonal or the end of
-      // the keys (a warp-uniform branch): folded into the exponentials it cost every step ~100 compare and
-      // select instructions. A masked score of -inf gives P = exp2(-inf) = 0.
-      const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0 + p.causal_offset);
-      if (needs_mask) {
-#pragma unroll
-        for (int mt = 0; mt < Tr::kAMTiles; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int row = m0 + a_row0 + mt * 16 + g + 8 * (e / 2);
-              const int kg = n0 + a_key0 + nt * 8 + 2 * t + (e % 2);
-              if (kg >= p.seq_k || (p.causal && kg > row + p.causal_offset)) s[mt][nt][e] = -INFINITY;
-            }
-      }
+      // Block-uniform: the test is on the whole 128-key tile and the block's first query row.
+      if (scores_need_mask(p, m0, n0, kBlockN)) mask_scores(s, p, m0 + a_row0, n0 + a_key0, g, t);
 #pragma unroll
       for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
 #pragma unroll
@@ -508,21 +494,8 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
       }
     }
 
-    // Masking as a separate warp-uniform pass, only on tiles that cross the diagonal or the end of the keys.
     const int n0 = nb * kBlockN;
-    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > warp_row0 + p.causal_offset);
-    if (needs_mask) {
-#pragma unroll
-      for (int mt = 0; mt < kM; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = warp_row0 + mt * 16 + g + (e / 2) * 8;
-            const int col = n0 + nt * 8 + 2 * t + (e % 2);
-            if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[mt][nt][e] = -INFINITY;
-          }
-    }
+    if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
 #pragma unroll
     for (int mt = 0; mt < kM; ++mt)
 #pragma unroll

@@ -190,19 +190,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     }
 
     const int n0 = nb * kBlockN;
-    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > warp_row0 + p.causal_offset);
-    if (needs_mask) {
-#pragma unroll
-      for (int mt = 0; mt < kM; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = warp_row0 + mt * 16 + g + (e / 2) * 8;
-            const int col = n0 + nt * 8 + 2 * t + (e % 2);
-            if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[mt][nt][e] = -INFINITY;
-          }
-    }
+    if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
 
     // Online softmax: rescale the running state by exp(m_old - m_new), P = exp(S - m_new).
 #pragma unroll
