@@ -206,6 +206,7 @@ struct AttentionBenchArgs {
   std::string impl = "naive,flash", dtype = "fp32", d = "64", seq = "1024,2048,4096", batch = "1", heads = "1";
   std::string causal = "0", align = "top-left", device, format = "md", out, grid;
   int warmup = 1, reps = 3, threads = 0;
+  int64_t kv_heads = 0;
   bool forward_only = false, quiet = false, deterministic = false;
 };
 
@@ -229,6 +230,9 @@ void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
       ->excludes(batch)
       ->excludes(heads)
       ->excludes(causal);
+  cmd->add_option("--kv-heads", a.kv_heads,
+                  "Key/value heads for GQA/MQA, dividing every head count (default: the head count)")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--deterministic", a.deterministic,
                 "Backward without atomics, bit-reproducible (CUDA: a separate dQ pass instead of fp32 atomics in "
                 "the dK/dV kernel)");
@@ -256,6 +260,12 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
                                         parse_list<int64_t>("--batch", a.batch, parse_positive<int64_t>),
                                         parse_list<int64_t>("--heads", a.heads, parse_positive<int64_t>),
                                         parse_list<bool>("--causal", a.causal, parse_bool));
+    }
+    for (AttentionShape& shape : cfg.shapes) {
+      if (a.kv_heads != 0 && shape.heads % a.kv_heads != 0) {
+        throw UsageError(fmt::format("--kv-heads: {} does not divide the head count {}", a.kv_heads, shape.heads));
+      }
+      shape.kv_heads = a.kv_heads;
     }
     cfg.align = parse_causal_align(a.align);
     cfg.device = device_or_default(a.device);

@@ -18,6 +18,7 @@ ReportFormat parse_report_format(std::string_view name);  // "md" | "csv" | "jso
 struct AttentionShape {
   int64_t batch = 1, heads = 1, seq = 1024, head_dim = 64;
   bool causal = false;
+  int64_t kv_heads = 0;  // key/value heads (GQA/MQA: divides heads); 0 means heads
 };
 
 // Every combination of the lists, in the order head_dim, seq, batch, heads, causal.
@@ -43,7 +44,7 @@ struct AttentionBenchConfig {
 
 struct AttentionBenchRecord {
   std::string impl, dtype, device;
-  int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
+  int64_t batch = 0, heads = 0, kv_heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
   bool causal = false;
   std::optional<double> fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, peak_fwd_mib, peak_bwd_mib;
   std::string status = "ok";  // ok | oom | error
