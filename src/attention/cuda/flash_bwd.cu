@@ -168,7 +168,7 @@ __device__ __forceinline__ void convert_dq_chunk(const FlashParams& p, float* ac
 }
 
 // The block's (key tile, kv head, batch): from the grid, or in bounded mode from the next ticket (unit
-// b·heads_k + hk, key tile), once the unit's slot is free.
+// b·heads_k + hk, key tile).
 struct DkDvWork {
   int n_block, hk, b;
 };
@@ -220,12 +220,13 @@ __device__ __forceinline__ int key_tiles_adding_to(const FlashParams& p, int m_t
   return bound <= 0 ? 0 : min(key_tiles, (bound + kBlockN - 1) / kBlockN);
 }
 
-// Bounded mode, after the block's atomics into query tile m_tile of head h (head_in_group of `unit`):
-// counts them, and if they were the tile's last, converts the tile to dQ, clears it and hands it to the
-// slot's next unit.
+// Bounded mode, some time after the block's atomics into query tile m_tile of head h (head_in_group of
+// `unit`): counts them, and if they were the tile's last, converts the tile to dQ, clears it and hands it
+// to the slot's next unit. The dK/dV kernel calls it one step late, so that the fence below finds the
+// atomics long done instead of waiting for them.
 template <class T, int D, int kBlockM, int kBlockN, int kThreads>
-__device__ __forceinline__ void bounded_dq_tile_added(const FlashParams& p, float* accum_head, int unit, int b,
-                                                      int h, int head_in_group, int m_tile) {
+__device__ __forceinline__ void bounded_dq_tile_added(const FlashParams& p, int unit, int b, int h,
+                                                      int head_in_group, int m_tile) {
   __shared__ int s_last;
   __threadfence();  // this thread's atomics are visible device-wide before the count below
   __syncthreads();
@@ -236,6 +237,7 @@ __device__ __forceinline__ void bounded_dq_tile_added(const FlashParams& p, floa
   __syncthreads();
   if (!s_last) return;  // block-uniform
   __threadfence();
+  float* accum_head = p.dq_accum + (int64_t(unit % p.dq_slots) * p.group + head_in_group) * p.seq_q_padded * D;
   T* dq_head = static_cast<T*>(p.dq) + b * p.dq_st.b + h * p.dq_st.h;
   for (int c = threadIdx.x; c < kBlockM * (D / 8); c += kThreads) {
     convert_dq_chunk<T, D, true>(p, accum_head, dq_head, m_tile * kBlockM + c / (D / 8), c % (D / 8));
@@ -345,6 +347,11 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
   float dk[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
   float dv[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
+  // Bounded mode: the query tile of the previous step, whose atomics are counted during this step.
+  struct PendingTile {
+    int h, head_in_group, m_tile;
+  };
+  __shared__ PendingTile s_pending;
 
   int cur_head = 0, cur_m = 0;  // this step's (head_in_group, m_idx)
   for (int step = 0; step < steps; ++step) {
@@ -467,6 +474,12 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
     if constexpr (kDq != DqMode::none) {
       // Phase C: this key tile's contribution dS K to dQ, added to the fp32 accumulator atomically.
+      if constexpr (kDq == DqMode::bounded) {
+        if (step > 0) {
+          bounded_dq_tile_added<T, D, kBlockM, kBlockN, kThreads>(p, b * p.heads_k + hk, b, s_pending.h,
+                                                                  s_pending.head_in_group, s_pending.m_tile);
+        }
+      }
       constexpr int kCM = Tr::kCMTiles;
       float dq[kCM][Tr::kCCols / 8][4] = {};
       // dS fragment: rows c_row0 + mt·16 + a_row, key chunk pair kk; K fragment: key rows kk·16 + bt_row,
@@ -517,9 +530,15 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
         }
       }
       if constexpr (kDq == DqMode::bounded) {
-        bounded_dq_tile_added<T, D, kBlockM, kBlockN, kThreads>(p, accum_head, unit, b, h, head_in_group,
-                                                                m0 / kBlockM);
+        if (tid == 0) s_pending = {h, head_in_group, m0 / kBlockM};  // read after the next barrier
       }
+    }
+  }
+  if constexpr (kDq == DqMode::bounded) {
+    if (steps > 0) {
+      __syncthreads();  // s_pending is written
+      bounded_dq_tile_added<T, D, kBlockM, kBlockN, kThreads>(p, b * p.heads_k + hk, b, s_pending.h,
+                                                              s_pending.head_in_group, s_pending.m_tile);
     }
   }
 
