@@ -36,15 +36,24 @@ std::optional<CudaAttentionPlan> plan_of(DType dtype, int64_t head_dim, Attentio
   }
 }
 
-TEST(AttentionCapabilities, CompiledHeadDimsRunTheirOwnKernel) {
+// Expects the plan for (dtype, head_dim, pass, impl) to run `family` at `kernel_head_dim`.
+void expect_plan(DType dtype, int64_t head_dim, AttentionPass pass, AttentionImpl impl, CudaKernelFamily family,
+                 int64_t kernel_head_dim) {
   std::string message;
+  const auto plan = plan_of(dtype, head_dim, pass, &message, impl);
+  const std::string what = std::string(dtype_name(dtype)) + " d" + std::to_string(head_dim) +
+                           (pass == AttentionPass::forward ? " forward" : " backward");
+  ASSERT_TRUE(plan) << what << ": " << message;
+  EXPECT_EQ(plan->family, family) << what;
+  EXPECT_EQ(plan->kernel_head_dim, kernel_head_dim) << what;
+  EXPECT_EQ(plan->padded, kernel_head_dim != head_dim) << what;
+}
+
+TEST(AttentionCapabilities, CompiledHeadDimsRunTheirOwnKernel) {
   for (int d : {16, 32, 64, 128, 256}) {
     for (DType dt : {DType::f16, DType::bf16, DType::f32}) {
-      const auto plan = plan_of(dt, d, AttentionPass::forward, &message);
-      ASSERT_TRUE(plan) << message;
-      EXPECT_EQ(plan->family, dt == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync);
-      EXPECT_EQ(plan->kernel_head_dim, d);
-      EXPECT_FALSE(plan->padded);
+      expect_plan(dt, d, AttentionPass::forward, AttentionImpl::flash,
+                  dt == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync, d);
     }
   }
 }
@@ -62,12 +71,9 @@ TEST(AttentionCapabilities, OtherHeadDimsPadToTheNextKernelOfThePass) {
       {DType::f32, 4, AttentionPass::backward, 16},    {DType::f32, 80, AttentionPass::backward, 128},
       {DType::f32, 160, AttentionPass::backward, 256}, {DType::bf16, 40, AttentionPass::backward, 64},
   };
-  std::string message;
   for (const Want& w : wants) {
-    const auto plan = plan_of(w.dtype, w.head_dim, w.pass, &message);
-    ASSERT_TRUE(plan) << message;
-    EXPECT_EQ(plan->kernel_head_dim, w.kernel) << dtype_name(w.dtype) << " d" << w.head_dim;
-    EXPECT_TRUE(plan->padded);
+    expect_plan(w.dtype, w.head_dim, w.pass, AttentionImpl::flash,
+                w.dtype == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync, w.kernel);
   }
 }
 
@@ -86,14 +92,9 @@ TEST(AttentionCapabilities, SixteenBitBackwardStopsAt128) {
 }
 
 TEST(AttentionCapabilities, NaiveTakesEveryAlignedHeadDimUnpadded) {
-  std::string message;
   for (int64_t d : {8, 24, 80, 200, 256}) {
     for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
-      const auto plan = plan_of(DType::bf16, d, pass, &message, AttentionImpl::naive);
-      ASSERT_TRUE(plan) << message;
-      EXPECT_EQ(plan->family, CudaKernelFamily::naive);
-      EXPECT_EQ(plan->kernel_head_dim, d);
-      EXPECT_FALSE(plan->padded);
+      expect_plan(DType::bf16, d, pass, AttentionImpl::naive, CudaKernelFamily::naive, d);
     }
   }
 }
