@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <utility>
 
@@ -71,6 +72,18 @@ CudaAttentionPlan check_cuda_arguments(std::string_view fn, const AttentionProbl
 }
 
 #ifdef FLASHLM_WITH_CUDA
+}  // namespace
+
+FlashKernelChoice flash_kernel_choice() {
+  const char* env = std::getenv("FLASHLM_ATTENTION_KERNEL");
+  const std::string_view value = env == nullptr ? "auto" : env;
+  if (value == "auto" || value.empty()) return FlashKernelChoice::automatic;
+  if (value == "mma") return FlashKernelChoice::mma;
+  fail("FLASHLM_ATTENTION_KERNEL: unknown value '{}': expected auto or mma", value);
+}
+
+namespace {
+
 // A contiguous [batch, seq, heads, head_dim] tensor from the stream-ordered pool: for an input (`copy`),
 // `t`'s values in its first columns and zeros after them; for an output, the kernel's to write.
 struct PaddedCopy {
@@ -92,6 +105,13 @@ void flash_forward_cuda(CudaKernelFamily family, const AttentionProblem& p, cons
                         const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
                         void* stream) {
   if (family == CudaKernelFamily::f32) return flash_attention_forward_cuda_f32(p, q, k, v, o, lse, stream);
+  // Read on every build, so that a bad value is an error wherever it is set.
+  [[maybe_unused]] const FlashKernelChoice choice = flash_kernel_choice();
+#ifdef FLASHLM_WITH_SM90
+  // The Hopper family's predicate (capabilities.h) needs the views (a TMA descriptor for each), so it is
+  // asked here: the mma.sync forward is its fallback.
+  if (choice == FlashKernelChoice::automatic && flash_attention_forward_sm90(p, q, k, v, o, lse, stream)) return;
+#endif
   flash_attention_forward_cuda(p, q, k, v, o, lse, stream);
 }
 

@@ -12,12 +12,12 @@ constexpr std::array kSixteenBit{DType::f16, DType::bf16};
 constexpr std::array kF32{DType::f32};
 constexpr std::array kCudaDTypes{DType::f16, DType::bf16, DType::f32};
 
-// One row per family. The Hopper row lists no head dims: what it covers is its predicate's to say.
+// One row per family.
 const std::array<CudaKernelCapability, 4> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false},
     {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false},
     {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true},
-    {CudaKernelFamily::hopper, kSixteenBit, {}, {}, false, false},
+    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, {}, false, false},
 }};
 
 bool has_dtype(const CudaKernelCapability& c, DType dtype) {
@@ -55,8 +55,6 @@ const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family) {
   fail("cuda_kernel_capability: no row for kernel family {}", static_cast<int>(family));
 }
 
-bool hopper_attention_supports(const AttentionProblem&, AttentionPass) { return false; }
-
 CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
                                       AttentionPass pass) {
   FLASHLM_CHECK(p.dtype == DType::f16 || p.dtype == DType::bf16 || p.dtype == DType::f32,
@@ -69,11 +67,10 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
 
   CudaKernelFamily family = p.dtype == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync;
   if (impl == AttentionImpl::naive) family = CudaKernelFamily::naive;
-  else if (hopper_attention_supports(p, pass)) family = CudaKernelFamily::hopper;
   const CudaKernelCapability& caps = cuda_kernel_capability(family);
   FLASHLM_CHECK(has_dtype(caps, p.dtype), "{}: q: the {} attention kernels do not take dtype {}", fn,
                 cuda_kernel_family_name(family), dtype_name(p.dtype));
-  if (caps.any_head_dim || family == CudaKernelFamily::hopper) return {family, p.head_dim, false};
+  if (caps.any_head_dim) return {family, p.head_dim, false};
 
   const bool forward = pass == AttentionPass::forward;
   const std::span<const int> dims = forward ? caps.forward_head_dims : caps.backward_head_dims;

@@ -21,7 +21,7 @@ enum class CudaKernelFamily {
   mma_sync,  // fp16/bf16 FlashAttention-2 on tensor cores (mma.sync, cuda/flash_fwd.cu, flash_bwd.cu)
   f32,       // fp32 FlashAttention-2 on CUDA cores (cuda/flash_f32.cu)
   naive,     // materialised S and P through cuBLAS (cuda/naive.cu)
-  hopper,    // sm_90a wgmma/TMA kernels: chosen only where hopper_attention_supports() says so
+  hopper,    // sm_90a wgmma/TMA forward (cuda/hopper/flash_fwd_sm90.cu): see below
 };
 
 std::string_view cuda_kernel_family_name(CudaKernelFamily family);
@@ -31,6 +31,11 @@ std::string_view cuda_kernel_family_name(CudaKernelFamily family);
 inline constexpr std::array<int, 5> kMmaSyncForwardHeadDims{16, 32, 64, 128, 256};
 inline constexpr std::array<int, 4> kMmaSyncBackwardHeadDims{16, 32, 64, 128};
 inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
+// The Hopper forward's head dims (no Hopper backward yet). Its predicate needs the views as well as the
+// problem (a TMA descriptor per view, an sm_90 device): flash_forward_sm90_covers (backends.h), asked by
+// the mma.sync family's forward before it falls back to mma.sync (attention.cpp). So plans never name
+// the Hopper family; its row records what it covers.
+inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
 
 // Every CUDA kernel moves rows in 16-byte vectors: head_dim · element size must be a multiple of this.
 inline constexpr int64_t kCudaRowAlignBytes = 16;
@@ -63,11 +68,6 @@ struct CudaAttentionPlan {
 // or flashlm::Error naming `fn`, the argument (q) and what the table supports.
 CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
                                       AttentionPass pass);
-
-// The Hopper family's own predicate (its kernels cover a subset of problems: sm_90a device, head dims,
-// views a TMA descriptor can describe). No Hopper kernel is in the library yet, so it says no: the
-// Hopper forward fills it in beside its kernels.
-bool hopper_attention_supports(const AttentionProblem& p, AttentionPass pass);
 
 // Calls fn(std::integral_constant<int, D>{}) for the D of `kDims` equal to head_dim and returns true, or
 // returns false when kDims has no such D: the launchers' switch from a runtime head dim to a template

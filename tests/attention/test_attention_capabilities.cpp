@@ -121,10 +121,15 @@ TEST(AttentionCapabilities, UnalignedOrTooLargeHeadDimsAndOtherDtypesAreErrors) 
   }
 }
 
-TEST(AttentionCapabilities, NoHopperKernelIsChosenYet) {
-  for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
-    EXPECT_FALSE(hopper_attention_supports(problem(DType::bf16, 128), pass));
+// The Hopper forward is asked inside the mma.sync family (its predicate needs the views): plans name
+// mma.sync, its fallback, and the Hopper row has no backward.
+TEST(AttentionCapabilities, HopperIsTheMmaSyncForwardsFirstChoiceWithoutABackward) {
+  for (int d : kHopperForwardHeadDims) {
+    expect_plan(DType::bf16, d, AttentionPass::forward, AttentionImpl::flash, CudaKernelFamily::mma_sync, d);
   }
+  const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
+  EXPECT_TRUE(hopper.backward_head_dims.empty());
+  EXPECT_EQ(hopper.forward_head_dims.size(), 3u);
 }
 
 TEST(AttentionCapabilities, WithHeadDimInstantiatesExactlyTheListedDims) {
