@@ -43,7 +43,7 @@ struct BwdTraits {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = 128;
-  static constexpr int kBlockM = D <= 64 ? 128 : 64;  // d32, d64: 128 x 128 tiles (measured 6.60 vs 7.01 ms at d64)
+  static constexpr int kBlockM = D <= 64 ? 128 : 64;  // d32, d64: 128 x 128 tiles (docs/perf.md, tuning notes)
   static constexpr int kAMTiles = kBlockM / 32;            // 16-row tiles per warp in phase A
   static constexpr int kBWarpsD = D == 16 ? 1 : 2;
   static constexpr int kBWarpsN = kWarps / kBWarpsD;
@@ -60,8 +60,8 @@ struct BwdTraits {
 };
 
 // dQ pass: each warp owns kMTiles x 16 query rows, as in the forward, so that every K and V fragment read
-// from shared memory feeds kMTiles MMAs (with one 16-row tile per warp this kernel took 2.76 ms beside the
-// dK/dV kernel's 3.22 ms at b4 h16 n4096 d128 for 60% of its FLOPs: bound by shared-memory traffic).
+// from shared memory feeds kMTiles MMAs (with one 16-row tile per warp it was bound by shared-memory
+// traffic: docs/perf.md, "Kernel tuning notes").
 // At d128 the key tiles are 32 wide so that S and dP (2 x 32 floats per row tile) fit beside the
 // 128-float dQ accumulator.
 template <int D>
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   const int steps = m_blocks * p.group;
 
   // Step (head_in_group, m_idx): query tile m_first + m_idx of query head hk·group + head_in_group. The
-  // loop below walks them in order with counters (an integer division per step cost ~20 instructions).
+  // loop below walks them in order with counters (an integer division per step costs ~20 instructions).
   auto load_step = [&](int head_in_group, int m_idx, int stage) {
     const int h = hk * p.group + head_in_group;
     const int m0 = (m_first + m_idx) * kBlockM;

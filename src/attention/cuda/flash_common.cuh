@@ -227,10 +227,9 @@ __device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], const FlashPa
 }
 
 // 2^x as one SFU instruction (ex2.approx.ftz). exp2f without fast-math compiles to the subnormal-safe
-// form, which wraps the same instruction in a compare and two multiplies: at 64 exponentials per thread
-// and key tile the forward at b4 h16 n4096 d128 executed 731M instructions with exp2f and 620M with
-// this (ncu; FlashAttention-2: 646M), and ran 1.64 -> 1.56 ms. Results below 2^-126 flush to 0, far
-// below what fp32 accumulation of P keeps; exp2(-inf) = 0 as the masking relies on.
+// form, which wraps the same instruction in a compare and two multiplies (docs/perf.md, "Kernel tuning
+// notes"). Results below 2^-126 flush to 0, far below what fp32 accumulation of P keeps; exp2(-inf) = 0
+// as the masking relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

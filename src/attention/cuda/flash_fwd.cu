@@ -51,7 +51,7 @@ struct FwdTraits {
   static constexpr int kWarps = 4;
   static constexpr int kMTiles = D <= 128 ? 2 : 1;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
-  // 64-key tiles up to d128 (measured 5-6% faster at d128 than 32-key tiles, despite a 24-byte spill).
+  // 64-key tiles up to d128 (faster at d128 than 32-key tiles: docs/perf.md, "Kernel tuning notes").
   static constexpr int kBlockN = D <= 128 ? 64 : 32;
   static constexpr int kThreads = 32 * kWarps;
   // Q fragments stay in registers where they fit; larger head dims re-read Q from shared memory.
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     __syncthreads();  // tile nb is visible to all; every warp is done with the stage about to be refilled
     if (nb + 1 < n_blocks) {
       // The K/V head offsets are recomputed here from opaque copies of b and hk: held across the key loop
-      // as 64-bit values they were spilled (d128). (An opaque tid as well measured worse: 68/72 bytes.)
+      // as 64-bit values they were spilled (d128).
       const int b_nb = static_cast<int>(opaque(b)), hk_nb = static_cast<int>(opaque(hk));
       const T* k_head_nb = static_cast<const T*>(p.k) + b_nb * p.k_st.b + hk_nb * p.k_st.h;
       const T* v_head_nb = static_cast<const T*>(p.v) + b_nb * p.v_st.b + hk_nb * p.v_st.h;
