@@ -26,15 +26,14 @@ enum class CudaKernelFamily {
 
 std::string_view cuda_kernel_family_name(CudaKernelFamily family);
 
-// Head dims with a compiled kernel, ascending. The mma.sync backward stops at 128: at 256 its dK/dV
-// accumulators do not fit in registers beside the tiles.
+// Head dims with a compiled kernel, ascending. The mma.sync backward has no instantiation above 128.
 inline constexpr std::array<int, 5> kMmaSyncForwardHeadDims{16, 32, 64, 128, 256};
 inline constexpr std::array<int, 4> kMmaSyncBackwardHeadDims{16, 32, 64, 128};
 inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
 // The Hopper forward's head dims (no Hopper backward yet). Its predicate needs the views as well as the
 // problem (a TMA descriptor per view, an sm_90 device): flash_forward_sm90_covers (backends.h), asked by
 // the mma.sync family's forward before it falls back to mma.sync (attention.cpp). So plans never name
-// the Hopper family; its row records what it covers.
+// the Hopper family; its row records what it covers (plan_forward_sm90 checks the same head dims).
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
 
 // Every CUDA kernel moves rows in 16-byte vectors: head_dim · element size must be a multiple of this.
