@@ -366,7 +366,7 @@ struct TrainArgs {
   std::string ddp, reduce_dtype = "fp32";
   double bucket_mb = 25;
   int64_t grad_accum = 1;
-  int zero = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1;
+  int zero = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
 };
 
 // --reduce-dtype and --nccl-max-ctas, the same for train and ddp-bench (a comma list there).
@@ -424,8 +424,12 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
   cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
   cmd->add_option("--ddp", a.ddp,
-                  "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async or "
-                  "bucketed (the default when launched with several ranks)");
+                  "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async, "
+                  "bucketed (the default when launched with several ranks) or fsdp (ZeRO-3: weights, gradients and "
+                  "AdamW state sharded, each model part gathered when it is read)");
+  cmd->add_option("--fsdp-prefetch", a.fsdp_prefetch, "--ddp fsdp: model parts ahead whose gather starts early")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 2));
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket size of --ddp bucketed, MB of fp32 gradients")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -455,6 +459,7 @@ int run_train_command(const TrainArgs& a) {
   cfg.ddp.gemm_sm_reserve = a.gemm_sm_reserve;
   cfg.ddp.bucket_mb = a.bucket_mb;
   cfg.ddp.grad_accum = a.grad_accum;
+  cfg.ddp.fsdp_prefetch = a.fsdp_prefetch;
   cfg.zero1 = a.zero == 1;
   const bool data_parallel = !a.ddp.empty() || cfg.zero1 || a.grad_accum > 1 || cfg.ddp.reduce_dtype != DType::f32 ||
                              a.nccl_max_ctas > 0 || a.gemm_sm_reserve >= 0 || launched_with_peers();
@@ -573,7 +578,7 @@ struct DdpBenchArgs {
   std::string model = "xl", ddp = "per-param,flat,async,bucketed", bucket_mb = "1,10,100,1000", zero = "0";
   std::string reduce_dtype = "fp32", device, precision, format = "md", out;
   int64_t context = 512, batch = 4, vocab = 10000, threads = 0;
-  int warmup = 3, steps = 10, nccl_max_ctas = 0, gemm_sm_reserve = -1;
+  int warmup = 3, steps = 10, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
   bool quiet = false;
 };
 
@@ -586,7 +591,11 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
   cmd->add_option("--context", a.context, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--batch", a.batch, "Sequences per rank")->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed")->capture_default_str();
+  cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed,fsdp")
+      ->capture_default_str();
+  cmd->add_option("--fsdp-prefetch", a.fsdp_prefetch, "fsdp: model parts ahead whose gather starts early")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 2));
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket sizes of the bucketed variant, MB, comma list")
       ->capture_default_str();
   cmd->add_option("--zero", a.zero, "ZeRO-1 off and/or on: comma list of 0,1")->capture_default_str();
@@ -617,6 +626,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   cfg.reduce_dtypes = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, a.gemm_sm_reserve);
   cfg.nccl_max_ctas = a.nccl_max_ctas;
   cfg.gemm_sm_reserve = a.gemm_sm_reserve;
+  cfg.fsdp_prefetch = a.fsdp_prefetch;
   if (cfg.device == Device::cuda && !Communicator::nccl_built()) {
     throw UsageError("--device cuda: flashlm was built without NCCL");
   }

@@ -196,16 +196,21 @@ TrainResult train(const TrainConfig& cfg) {
     FLASHLM_CHECK(ck.meta.at("model") == model_json(cfg.model),
                   "train: checkpoint '{}' holds a different model ({}) than configured ({})", cfg.checkpoint,
                   ck.meta.at("model").dump(), model_json(cfg.model).dump());
-    FLASHLM_CHECK(ck.meta.at("batch") == cfg.batch && ck.meta.at("seq") == cfg.seq,
-                  "train: checkpoint '{}' was written with batch {} and seq {}, not {} and {}", cfg.checkpoint,
-                  ck.meta.at("batch").dump(), ck.meta.at("seq").dump(), cfg.batch, cfg.seq);
+    FLASHLM_CHECK(ck.meta.at("seq") == cfg.seq, "train: checkpoint '{}' was written with seq {}, not {}",
+                  cfg.checkpoint, ck.meta.at("seq").dump(), cfg.seq);
     FLASHLM_CHECK(ck.meta.value("precision", "fp32") == dtype_name(cfg.precision),
                   "train: checkpoint '{}' was trained in {}, not {}", cfg.checkpoint, ck.meta.value("precision", "fp32"),
                   dtype_name(cfg.precision));
-    // The data each rank reads depends on both: continuing bit-exactly needs the same.
-    FLASHLM_CHECK(ck.meta.value("world_size", 1) == world && ck.meta.value("grad_accum", int64_t{1}) == accum,
-                  "train: checkpoint '{}' was written by {} rank(s) with grad_accum {}, not {} with {}", cfg.checkpoint,
-                  ck.meta.value("world_size", 1), ck.meta.value("grad_accum", int64_t{1}), world, accum);
+    // The checkpoint holds the whole state (gathered from ZeRO's and FSDP's shards), so any world size may
+    // continue it, as long as the ranks together read the same data: the same global batch (batch x ranks)
+    // in the same micro-batches. The same world size and batch continue bit-exactly.
+    const int64_t ck_world = ck.meta.value("world_size", int64_t{1}), ck_batch = ck.meta.at("batch").get<int64_t>();
+    const int64_t ck_accum = ck.meta.value("grad_accum", int64_t{1});
+    FLASHLM_CHECK(ck_world * ck_batch == int64_t(world) * cfg.batch && ck_accum == accum,
+                  "train: checkpoint '{}' was written by {} rank(s) with grad_accum {}, not {} with {}, and a global "
+                  "batch of {} x {} sequences, not {} x {}: another world size must keep the global batch and "
+                  "grad_accum",
+                  cfg.checkpoint, ck_world, ck_accum, world, accum, ck_world, ck_batch, world, cfg.batch);
     const int64_t optimizer_steps = ck.meta.at("optimizer_steps").get<int64_t>();
     if (dp && dp->zero()) {
       load_parameters(model, ck.params.data());
@@ -233,7 +238,10 @@ TrainResult train(const TrainConfig& cfg) {
                     "step{}{}{}){}",
                     world, cfg.batch, accum, ddp_variant_name(cfg.ddp.variant), ddp.buckets().size(),
                     dtype_name(cfg.ddp.reduce_dtype), dp->gradient_sync(),
-                    cfg.ddp.variant == DdpVariant::bucketed ? fmt::format(", buckets of {} MB", cfg.ddp.bucket_mb) : "",
+                    cfg.ddp.variant == DdpVariant::bucketed ? fmt::format(", buckets of {} MB", cfg.ddp.bucket_mb)
+                    : dp->fsdp() ? fmt::format(", {} parts gathered, prefetch {}", dp->fsdp()->units(),
+                                               cfg.ddp.fsdp_prefetch)
+                                 : "",
                     ddp.staging_bytes() > 0 ? fmt::format(", {:.1f} MiB of staging", double(ddp.staging_bytes()) / kMiB)
                                             : "",
                     cfg.comm->nccl_max_ctas() > 0 ? fmt::format(", NCCL max CTAs {}", cfg.comm->nccl_max_ctas()) : "",
@@ -286,8 +294,10 @@ TrainResult train(const TrainConfig& cfg) {
       t_log = std::chrono::steady_clock::now();
       tokens_since_log = 0;
     }
-    // The ranks hold the same parameters: rank 0 evaluates for all.
-    if (root && ((cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last)) {
+    // The ranks hold the same parameters (FSDP gathers them for it): rank 0 evaluates for all.
+    const bool evaluate_now = (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last;
+    if (evaluate_now && dp) dp->gather_parameters();
+    if (root && evaluate_now) {
       std::span<int32_t> vx(x.data(), micro), vy(y.data(), micro);
       const double val = evaluate(model, val_batches, cfg.eval_batches, vx, vy);
       result.val_loss.emplace_back(step + 1, val);
