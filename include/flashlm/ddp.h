@@ -330,8 +330,9 @@ class FsdpParameters {
   void hold(bool keep);
   void await_all();  // CUDA: the model's stream waits for every gather in flight; CPU: waits for them
   int64_t units() const;  // model parts (fsdp_unit_name) with sharded buckets
-  // The most bytes of other ranks' parts whole (or arriving) at once since the last release_all(), in the
-  // type they are gathered in: the gathered buffers a model reading from a pool would need.
+  // The most bytes of other ranks' parts whole (or arriving) at once when a gather started, in the type they
+  // are gathered in: the gathered buffers a model reading its weights from a pool would need. (The whole
+  // model that every rank holds after a broadcast, before the first step, is not counted.)
   int64_t peak_gathered_bytes() const;
 
  private:

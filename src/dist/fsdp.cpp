@@ -88,7 +88,7 @@ struct FsdpParameters::Impl {
     }
     s.state = State::arriving;
     live_bytes += foreign_bytes(s);
-    peak_bytes = std::max(peak_bytes, live_bytes);
+    peak_bytes = std::max(peak_bytes, live_bytes);  // counted where gathers happen, not for a whole model
   }
 
   void finish(Shard& s) {
@@ -210,7 +210,7 @@ void FsdpParameters::set_storage(float* masters, void* working, DType working_dt
   for (const Impl::Shard& s : m.shards) {
     if (s.state != Impl::State::released) m.live_bytes += m.foreign_bytes(s);
   }
-  m.peak_bytes = m.live_bytes;
+  m.peak_bytes = 0;
 }
 
 void FsdpParameters::begin_pass(bool backward) { impl_->backward = backward; }
@@ -244,8 +244,6 @@ void FsdpParameters::release_all() {
   Impl& m = *impl_;
   m.held = false;
   for (Impl::Shard& s : m.shards) m.release(s);
-  m.live_bytes = 0;
-  m.peak_bytes = 0;
 }
 
 void FsdpParameters::mark_whole() {
@@ -255,7 +253,6 @@ void FsdpParameters::mark_whole() {
     if (s.state == Impl::State::released) m.live_bytes += m.foreign_bytes(s);
     s.state = Impl::State::whole;
   }
-  m.peak_bytes = std::max(m.peak_bytes, m.live_bytes);
 }
 
 void FsdpParameters::gather_all() {
