@@ -362,7 +362,7 @@ struct TrainArgs {
   int64_t checkpoint_every = 0, threads = 0;
   double lr = 3e-3, lr_min = 3e-4, weight_decay = 0.1, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
-  bool resume = false;
+  bool resume = false, sharded_checkpoint = false;
   std::string ddp, reduce_dtype = "fp32";
   double bucket_mb = 25;
   int64_t grad_accum = 1;
@@ -418,6 +418,9 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--checkpoint", a.checkpoint, "Checkpoint file (written atomically)");
   cmd->add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end)");
   cmd->add_flag("--resume", a.resume, "Continue from --checkpoint, bit-exactly");
+  cmd->add_flag("--sharded-checkpoint", a.sharded_checkpoint,
+                "--ddp fsdp: every rank writes and resumes from its own shard, CHECKPOINT.rank<R>-of-<N>, nothing "
+                "gathered (resume at the same world size)");
   cmd->add_option("--seed", a.seed, "Seed of weights, data order and synthetic data")->capture_default_str();
   cmd->add_option("--attention", a.attention, "flash or naive")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
@@ -452,6 +455,9 @@ int run_train_command(const TrainArgs& a) {
     if (!a.ddp.empty()) cfg.ddp.variant = parse_ddp_variant(a.ddp);
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
+  }
+  if (a.sharded_checkpoint && (cfg.ddp.variant != DdpVariant::fsdp || a.ddp.empty() || a.checkpoint.empty())) {
+    throw UsageError("--sharded-checkpoint: sharded checkpoints are FSDP's, they need --ddp fsdp and --checkpoint");
   }
   const std::vector<DType> reduce = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, a.gemm_sm_reserve);
   if (reduce.size() != 1) throw UsageError(fmt::format("--reduce-dtype {}: train takes one type", a.reduce_dtype));
@@ -490,6 +496,7 @@ int run_train_command(const TrainArgs& a) {
   cfg.log_every = a.log_every;
   cfg.checkpoint = a.checkpoint;
   cfg.checkpoint_every = a.checkpoint_every;
+  cfg.sharded_checkpoint = a.sharded_checkpoint;
   cfg.resume = a.resume;
   cfg.seed = a.seed;
   if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));

@@ -290,6 +290,10 @@ class ZeroOptimizer {
   // moments and keeps its shard.
   void gather_state(float* m, float* v);
   void load_state(const float* m, const float* v, int64_t steps);
+  // Sharded checkpoints, without communication: this rank's moments as kept, packed in updated_ranges()
+  // order (host arrays of shard_elements() floats), and back.
+  void save_shard(float* m, float* v) const;
+  void load_shard(const float* m, const float* v, int64_t steps);
 
  private:
   struct Impl;
@@ -382,6 +386,12 @@ class DdpModel {
   // FSDP: every part gathered and kept whole until the next forward_backward() (collective), so that one
   // rank alone may run forwards (evaluation). A no-op otherwise.
   void gather_parameters();
+  // FSDP's sharded checkpoints, without communication: this rank's elements of the fp32 masters and their
+  // AdamW moments (host arrays of zero()->shard_elements() floats, packed in updated_ranges() order), and
+  // back: load_shard() leaves every other rank's parts to the gathers of the next forward, so it replaces
+  // broadcast_parameters() at the start. flashlm::Error unless fsdp.
+  void save_shard(float* params, float* m, float* v);
+  void load_shard(const float* params, const float* m, const float* v, int64_t steps);
   // zero_grad, then grad_accum micro-steps of forward and backward (micro-step k reads tokens and targets
   // [k · micro_batch_tokens, (k + 1) · micro_batch_tokens)), the last one synchronised. Returns the mean loss.
   double forward_backward(std::span<const int32_t> tokens, std::span<const int32_t> targets);

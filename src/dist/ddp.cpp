@@ -692,6 +692,34 @@ void DdpModel::gather_parameters() {
   if (fsdp_) fsdp_->gather_all();
 }
 
+void DdpModel::save_shard(float* params, float* m, float* v) {
+  FLASHLM_CHECK(fsdp_ != nullptr, "DdpModel::save_shard: sharded checkpoints are FSDP's (--ddp fsdp)");
+  await_parameters();
+  model_.synchronize();
+  int64_t at = 0;
+  for (const DdpRange& r : zero_->updated_ranges()) {
+    copy_into(TensorView::contiguous(params + at, DType::f32, {r.count}),
+              TensorView::contiguous(model_.parameters() + r.offset, DType::f32, {r.count}, model_.device()));
+    at += r.count;
+  }
+  zero_->save_shard(m, v);
+}
+
+void DdpModel::load_shard(const float* params, const float* m, const float* v, int64_t steps) {
+  FLASHLM_CHECK(fsdp_ != nullptr, "DdpModel::load_shard: sharded checkpoints are FSDP's (--ddp fsdp)");
+  await_parameters();
+  model_.synchronize();
+  int64_t at = 0;
+  for (const DdpRange& r : zero_->updated_ranges()) {
+    copy_into(TensorView::contiguous(model_.parameters() + r.offset, DType::f32, {r.count}, model_.device()),
+              TensorView::contiguous(const_cast<float*>(params) + at, DType::f32, {r.count}));
+    at += r.count;
+  }
+  zero_->load_shard(m, v, steps);
+  model_.parameters_changed();  // the working copy of this rank's parts (the others are gathered)
+  fsdp_->release_all();
+}
+
 void DdpModel::broadcast_parameters() {
   await_parameters();
   ddp_->broadcast_parameters(model_.parameters(), model_.stream());

@@ -220,12 +220,14 @@ void FsdpParameters::needed(int64_t offset, int64_t count) {
   for (Impl::Shard& s : m.shards) {
     if (m.overlaps(s, offset, count)) m.start(s);
   }
-  // The next parts in the pass's order start arriving while this one computes.
+  // The next `prefetch` parts with shards, in the pass's order, start arriving while this one computes.
   const int64_t u = m.unit_of(offset, count);
-  for (int64_t k = 1; u >= 0 && k <= m.prefetch; ++k) {
-    const int64_t next = m.backward ? u - k : u + k;
+  for (int64_t next = u, ahead = 0; u >= 0 && ahead < m.prefetch;) {
+    next += m.backward ? -1 : 1;
     if (next < 0 || next >= int64_t(m.units.size())) break;
+    if (m.units[size_t(next)].shards.empty()) continue;
     for (size_t s : m.units[size_t(next)].shards) m.start(m.shards[s]);
+    ++ahead;
   }
   for (Impl::Shard& s : m.shards) {
     if (m.overlaps(s, offset, count)) m.finish(s);

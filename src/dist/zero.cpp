@@ -515,6 +515,23 @@ void ZeroOptimizer::gather_state(float* m_out, float* v_out) {
   }
 }
 
+void ZeroOptimizer::save_shard(float* m_out, float* v_out) const {
+  const Impl& m = *impl_;
+#ifdef FLASHLM_WITH_CUDA
+  if (m.cuda()) cuda_synchronize();
+#endif
+  copy_floats(m_out, static_cast<const float*>(m.m.data()), m.shard_elements, m.params.device);
+  copy_floats(v_out, static_cast<const float*>(m.v.data()), m.shard_elements, m.params.device);
+}
+
+void ZeroOptimizer::load_shard(const float* m_in, const float* v_in, int64_t steps) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(steps >= 0, "ZeroOptimizer::load_shard: steps = {}, expected >= 0", steps);
+  copy_floats(static_cast<float*>(m.m.data()), m_in, m.shard_elements, m.params.device);
+  copy_floats(static_cast<float*>(m.v.data()), v_in, m.shard_elements, m.params.device);
+  m.steps = steps;
+}
+
 void ZeroOptimizer::load_state(const float* m_in, const float* v_in, int64_t steps) {
   Impl& m = *impl_;
   FLASHLM_CHECK(steps >= 0, "ZeroOptimizer::load_state: steps = {}, expected >= 0", steps);

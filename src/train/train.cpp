@@ -35,16 +35,47 @@ struct Checkpoint {
   std::vector<float> params, m, v;
 };
 
-// Collective under data parallelism (ZeRO-1 gathers the moments); rank 0 writes.
+// The header and the three arrays (parameters, first and second moments), written beside `path` and renamed
+// over it: a run killed mid-write leaves the previous checkpoint.
+void write_checkpoint_file(const std::string& path, const nlohmann::json& meta, const std::vector<float>& params,
+                           const std::vector<float>& m, const std::vector<float>& v) {
+  const std::string text = meta.dump();
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    FLASHLM_CHECK(bool(out), "checkpoint: cannot open '{}' for writing", tmp);
+    const uint64_t len = text.size();
+    out.write(kCheckpointMagic, sizeof kCheckpointMagic);
+    out.write(reinterpret_cast<const char*>(&len), sizeof len);
+    out.write(text.data(), std::streamsize(len));
+    for (const std::vector<float>* a : {&params, &m, &v}) {
+      out.write(reinterpret_cast<const char*>(a->data()), std::streamsize(a->size() * sizeof(float)));
+    }
+    FLASHLM_CHECK(bool(out), "checkpoint: failed writing '{}'", tmp);
+  }
+  FLASHLM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '{}' to '{}'", tmp, path);
+}
+
+// Rank r's file of a sharded checkpoint at `path` written by `world` ranks.
+std::string shard_path(const std::string& path, int rank, int world) {
+  return fmt::format("{}.rank{}-of-{}", path, rank, world);
+}
+
+// Collective under data parallelism (ZeRO-1 gathers the moments); rank 0 writes. Sharded (FSDP): every rank
+// writes its own shard file, nothing is gathered.
 void write_checkpoint(const std::string& path, const LanguageModel& model, DdpModel* dp, const TrainConfig& cfg,
                       int64_t next_step, const BatcherState& batcher) {
-  const size_t n = size_t(model.parameter_count());
+  const auto n = size_t(cfg.sharded_checkpoint ? dp->zero()->shard_elements() : model.parameter_count());
   std::vector<float> params(n), m(n), v(n);
-  if (dp) dp->gather_master_parameters();  // ZeRO-1 in bf16/fp16 gathers only the working weights per step
-  model.save_state(params.data(), m.data(), v.data());
-  if (dp && dp->zero()) dp->zero()->gather_state(m.data(), v.data());
-  if (cfg.comm && !cfg.comm->is_root()) return;
-  const nlohmann::json meta = {{"model", model_json(model.config())},
+  if (cfg.sharded_checkpoint) {
+    dp->save_shard(params.data(), m.data(), v.data());
+  } else {
+    if (dp) dp->gather_master_parameters();  // ZeRO-1 in bf16/fp16 gathers only the working weights per step
+    model.save_state(params.data(), m.data(), v.data());
+    if (dp && dp->zero()) dp->zero()->gather_state(m.data(), v.data());
+    if (cfg.comm && !cfg.comm->is_root()) return;
+  }
+  nlohmann::json meta = {{"model", model_json(model.config())},
                                {"batch", cfg.batch},
                                {"seq", cfg.seq},
                                {"next_step", next_step},
@@ -58,23 +89,11 @@ void write_checkpoint(const std::string& path, const LanguageModel& model, DdpMo
                                {"loss_scale", model.loss_scale()},
                                {"world_size", cfg.comm ? cfg.comm->world_size() : 1},
                                {"grad_accum", cfg.ddp.grad_accum}};
-  const std::string text = meta.dump();
-  // Written beside the target and renamed over it: a run killed mid-write leaves the previous checkpoint.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    FLASHLM_CHECK(bool(out), "checkpoint: cannot open '{}' for writing", tmp);
-    const uint64_t len = text.size();
-    out.write(kCheckpointMagic, sizeof kCheckpointMagic);
-    out.write(reinterpret_cast<const char*>(&len), sizeof len);
-    out.write(text.data(), std::streamsize(len));
-    const auto bytes = std::streamsize(n * sizeof(float));
-    out.write(reinterpret_cast<const char*>(params.data()), bytes);
-    out.write(reinterpret_cast<const char*>(m.data()), bytes);
-    out.write(reinterpret_cast<const char*>(v.data()), bytes);
-    FLASHLM_CHECK(bool(out), "checkpoint: failed writing '{}'", tmp);
-  }
-  FLASHLM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '{}' to '{}'", tmp, path);
+  if (!cfg.sharded_checkpoint) return write_checkpoint_file(path, meta, params, m, v);
+  // This rank's parts of the masters and moments, packed in the order of ZeroOptimizer::updated_ranges().
+  meta["shard_rank"] = cfg.comm->rank();
+  meta["shard_elements"] = int64_t(n);
+  write_checkpoint_file(shard_path(path, cfg.comm->rank(), cfg.comm->world_size()), meta, params, m, v);
 }
 
 Checkpoint read_checkpoint(const std::string& path) {
@@ -94,7 +113,10 @@ Checkpoint read_checkpoint(const std::string& path) {
   } catch (const nlohmann::json::exception& e) {
     fail("checkpoint: '{}' has a corrupt header: {}", path, e.what());
   }
-  const int64_t n = ck.meta.at("parameter_count").get<int64_t>();
+  // A shard file holds this rank's elements only.
+  const int64_t n = ck.meta.value("shard_elements", ck.meta.at("parameter_count").get<int64_t>());
+  FLASHLM_CHECK(n >= 0 && n <= ck.meta.at("parameter_count").get<int64_t>(), "checkpoint: '{}' has a corrupt header",
+                path);
   for (auto* v : {&ck.params, &ck.m, &ck.v}) {
     v->resize(size_t(n));
     in.read(reinterpret_cast<char*>(v->data()), std::streamsize(n * int64_t(sizeof(float))));
@@ -168,6 +190,9 @@ TrainResult train(const TrainConfig& cfg) {
   FLASHLM_CHECK(cfg.comm || (cfg.ddp.grad_accum == 1 && !cfg.zero1),
                 "train: gradient accumulation and ZeRO-1 run through the data-parallel layer: they need a communicator");
   FLASHLM_CHECK(cfg.ddp.grad_accum >= 1, "train: grad_accum = {}, expected at least 1", cfg.ddp.grad_accum);
+  FLASHLM_CHECK(!cfg.sharded_checkpoint || (cfg.comm && cfg.ddp.variant == DdpVariant::fsdp),
+                "train: sharded checkpoints are FSDP's: they need --ddp fsdp");
+  FLASHLM_CHECK(!cfg.sharded_checkpoint || !cfg.checkpoint.empty(), "train: a sharded checkpoint needs --checkpoint PATH");
   const bool root = !cfg.comm || cfg.comm->is_root();
   const int world = cfg.comm ? cfg.comm->world_size() : 1;
   const int64_t accum = cfg.ddp.grad_accum;
@@ -191,8 +216,10 @@ TrainResult train(const TrainConfig& cfg) {
   };
 
   int64_t step = 0;
+  bool resumed_from_shards = false;
   if (cfg.resume) {
-    const Checkpoint ck = read_checkpoint(cfg.checkpoint);
+    const Checkpoint ck =
+        read_checkpoint(cfg.sharded_checkpoint ? shard_path(cfg.checkpoint, cfg.comm->rank(), world) : cfg.checkpoint);
     FLASHLM_CHECK(ck.meta.at("model") == model_json(cfg.model),
                   "train: checkpoint '{}' holds a different model ({}) than configured ({})", cfg.checkpoint,
                   ck.meta.at("model").dump(), model_json(cfg.model).dump());
@@ -212,7 +239,16 @@ TrainResult train(const TrainConfig& cfg) {
                   "grad_accum",
                   cfg.checkpoint, ck_world, ck_accum, world, accum, ck_world, ck_batch, world, cfg.batch);
     const int64_t optimizer_steps = ck.meta.at("optimizer_steps").get<int64_t>();
-    if (dp && dp->zero()) {
+    if (cfg.sharded_checkpoint) {
+      // Every rank its own file, of the same step, written by as many ranks with this rank's shard layout.
+      FLASHLM_CHECK(ck.meta.value("shard_rank", -1) == cfg.comm->rank() && ck_world == world &&
+                        ck.meta.at("shard_elements").get<int64_t>() == dp->zero()->shard_elements(),
+                    "train: '{}' is not rank {}'s shard of {} ranks with {} elements", cfg.checkpoint,
+                    cfg.comm->rank(), world, dp->zero()->shard_elements());
+      cfg.comm->agree(ck.meta.at("next_step").get<int64_t>(), "the step of the sharded checkpoint's files");
+      dp->load_shard(ck.params.data(), ck.m.data(), ck.v.data(), optimizer_steps);
+      resumed_from_shards = true;
+    } else if (dp && dp->zero()) {
       load_parameters(model, ck.params.data());
       dp->zero()->load_state(ck.m.data(), ck.v.data(), optimizer_steps);
     } else {
@@ -231,7 +267,7 @@ TrainResult train(const TrainConfig& cfg) {
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)
                                               : std::string()));
   if (dp) {
-    dp->broadcast_parameters();
+    if (!resumed_from_shards) dp->broadcast_parameters();
     const DataParallel& ddp = dp->data_parallel();
     constexpr double kMiB = 1024.0 * 1024.0;
     say(fmt::format("data parallel: {} rank(s) x {} sequences x grad_accum {}; DDP {} ({} {} {}(s) per "

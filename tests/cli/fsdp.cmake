@@ -59,6 +59,36 @@ if(NOT rc EQUAL 1 OR NOT err MATCHES "another world size must keep the global ba
   message(FATAL_ERROR "resume with another global batch: exit ${rc}\nstderr: ${err}")
 endif()
 
+# Sharded checkpoints: every rank writes its own file, and 3 + resume + 3 steps write the same files as 6.
+set(sfull ${WORKDIR}/fsdp_sharded_full.ckpt)
+set(shalf ${WORKDIR}/fsdp_sharded_half.ckpt)
+file(REMOVE ${sfull}.rank0-of-2 ${sfull}.rank1-of-2 ${shalf}.rank0-of-2 ${shalf}.rank1-of-2)
+run_ok("fsdp sharded 6 steps" ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 6 --checkpoint ${sfull} --sharded-checkpoint)
+last_loss(loss_sharded "${out}")
+if(NOT loss_sharded EQUAL loss_full)
+  message(FATAL_ERROR "step 6's loss with sharded checkpoints ${loss_sharded}, without ${loss_full} (x 1e-4)")
+endif()
+run_ok("fsdp sharded 3 steps" ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 3 --checkpoint ${shalf} --sharded-checkpoint)
+run_ok("fsdp sharded resume" ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 6 --checkpoint ${shalf} --sharded-checkpoint
+       --resume)
+foreach(rank 0 1)
+  file(SHA256 ${sfull}.rank${rank}-of-2 full_hash)
+  file(SHA256 ${shalf}.rank${rank}-of-2 half_hash)
+  if(NOT full_hash STREQUAL half_hash)
+    message(FATAL_ERROR "rank ${rank}'s shard: 6 steps and 3 + resume + 3 differ")
+  endif()
+endforeach()
+if(EXISTS ${sfull} OR EXISTS ${sfull}.rank2-of-2)
+  message(FATAL_ERROR "a sharded checkpoint wrote files other than the ranks' shards")
+endif()
+# Shards are of one world size: another is refused (the gathered checkpoint is the portable one).
+execute_process(COMMAND ${FLASHLM} train ${common} --batch 4 --ddp fsdp --steps 7 --checkpoint ${shalf}
+                        --sharded-checkpoint --resume
+                RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+if(NOT rc EQUAL 1 OR NOT err MATCHES "cannot open '.*fsdp_sharded_half.ckpt.rank0-of-1'")
+  message(FATAL_ERROR "sharded resume at another world size: exit ${rc}\nstderr: ${err}")
+endif()
+
 set(json_file ${WORKDIR}/fsdp_bench.json)
 file(REMOVE ${json_file})
 run_ok("ddp-bench fsdp" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64 --context 16 --batch 2
@@ -83,7 +113,8 @@ if(NOT fsdp_params LESS ddp_params)  # about half at two ranks (test_fsdp checks
   message(FATAL_ERROR "json: FSDP keeps ${fsdp_params} MiB of parameters per rank, DDP ${ddp_params}:\n${json}")
 endif()
 
-foreach(bad "train;--fsdp-prefetch;3" "ddp-bench;--fsdp-prefetch;-1" "train;--ddp;zero3")
+foreach(bad "train;--fsdp-prefetch;3" "ddp-bench;--fsdp-prefetch;-1" "train;--ddp;zero3"
+            "train;--ddp;bucketed;--checkpoint;x;--sharded-checkpoint" "train;--ddp;fsdp;--sharded-checkpoint")
   execute_process(COMMAND ${FLASHLM} ${bad} RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
   if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: ")
     message(FATAL_ERROR "flashlm ${bad}: exit ${rc}, expected 2 with 'error: '\nstderr: ${err}")
