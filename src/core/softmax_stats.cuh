@@ -1,6 +1,6 @@
 // Online softmax statistics on the GPU: a running max m and sum l of exp(x - m), merged across threads in a
 // fixed order. One home for the unfused attention's softmax rows (attention/cuda/naive.cu) and the LM's
-// cross-entropy rows (model/ops_cuda.cu).
+// cross-entropy rows (model/cuda/cross_entropy.cu).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -19,8 +19,8 @@
 
 #include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
-#include "model/gemm_cuda.h"
-#include "model/ops_cuda.h"
+#include "core/array_ops.h"
+#include "core/gemm_sm_reserve.h"
 #endif
 
 namespace flashlm {

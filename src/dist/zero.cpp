@@ -11,14 +11,14 @@
 #include "core/check.h"
 #include "flashlm/ddp.h"
 #include "flashlm/dist.h"
-#include "model/ops_cpu.h"
+#include "optim/optimizer.h"
 
 #ifdef FLASHLM_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "core/array_ops.h"
 #include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
-#include "model/ops_cuda.h"
 #endif
 
 namespace flashlm {

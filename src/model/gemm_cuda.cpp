@@ -45,7 +45,6 @@ namespace {
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 std::atomic<int64_t> g_heuristic_queries{0};
-thread_local int t_sm_reserve = 0;  // set_gemm_sm_reserve: per host thread, like the stream a caller uses
 
 const char* status_name(cublasStatus_t s) {
   switch (s) {
@@ -332,7 +331,7 @@ void run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
               float beta, void* stream) {
   DeviceLt& lt = lt_for_device(device, c);
   const std::lock_guard lock(lt.mutex);
-  const int reserve = t_sm_reserve;
+  const int reserve = gemm_sm_reserve();
   if (reserve > 0) {
     FLASHLM_CHECK(reserve < lt.sm_count,
                   "{}: set_gemm_sm_reserve({}) leaves no SM of cuda:{}'s {} for the GEMMs (--gemm-sm-reserve must be "
@@ -452,13 +451,6 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
     run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy, /*D*/ dw, 1.0f, stream);
   }
 }
-
-void set_gemm_sm_reserve(int sms) {
-  FLASHLM_CHECK(sms >= 0, "set_gemm_sm_reserve: {} SMs, expected >= 0", sms);
-  t_sm_reserve = sms;
-}
-
-int gemm_sm_reserve() { return t_sm_reserve; }
 
 int64_t gemm_cuda_heuristic_queries() { return g_heuristic_queries.load(std::memory_order_relaxed); }
 

@@ -30,6 +30,7 @@
 #pragma once
 #include <cstdint>
 
+#include "core/gemm_sm_reserve.h"  // the SM reserve the plans honour
 #include "flashlm/dtype.h"
 
 namespace flashlm {
@@ -46,27 +47,6 @@ void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64
 // accumulate_dx, does nothing to dx either (it has no rows).
 void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, float* dw, int64_t n, int64_t in,
                           int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32 = false);
-
-// SMs the GEMMs leave to work running beside them — NCCL's all-reduce kernels, which DDP overlaps with
-// the backward and which hold their SMs for the whole collective. cuBLASLt then plans each product for
-// (SM count − reserve) SMs (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET) instead of queueing the tail of a
-// full-device grid behind SMs that stay busy. 0 (the default) plans for the whole device. Per host thread
-// (the thread that queues the backward); applies to its calls that follow, each setting with its own
-// cached plans. A reserve of at least the device's SM count makes those calls throw flashlm::Error.
-void set_gemm_sm_reserve(int sms);
-int gemm_sm_reserve();
-
-// Sets the reserve for the lifetime of the object and restores the previous one.
-class ScopedGemmSmReserve {
- public:
-  explicit ScopedGemmSmReserve(int sms) : previous_(gemm_sm_reserve()) { set_gemm_sm_reserve(sms); }
-  ~ScopedGemmSmReserve() { set_gemm_sm_reserve(previous_); }
-  ScopedGemmSmReserve(const ScopedGemmSmReserve&) = delete;
-  ScopedGemmSmReserve& operator=(const ScopedGemmSmReserve&) = delete;
-
- private:
-  int previous_;
-};
 
 // How many times this process asked cuBLASLt's heuristic for an algorithm (once per new plan): lets
 // tests check that repeated calls reuse the cached plan.

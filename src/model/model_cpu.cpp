@@ -8,6 +8,7 @@
 #include "flashlm/model.h"
 #include "flashlm/profile.h"
 #include "model/ops_cpu.h"
+#include "optim/optimizer.h"
 
 namespace flashlm {
 

@@ -1,10 +1,11 @@
 // The LM on one GPU, step by step as model_cpu.cpp, with mixed precision: activations in T (fp32, bf16,
-// fp16), everything that accumulates across steps in fp32. Host code: the kernels are in ops_cuda.cu,
-// the GEMMs in gemm_cuda.cpp, attention in attention/cuda/.
+// fp16), everything that accumulates across steps in fp32. Host code: the layer kernels are in model/cuda/
+// (ops_cuda.h), AdamW in optim/, the GEMMs in gemm_cuda.cpp, attention in attention/cuda/.
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "core/array_ops.h"
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/model.h"
@@ -12,6 +13,7 @@
 #include "model/gemm_cuda.h"
 #include "model/ops_cpu.h"
 #include "model/ops_cuda.h"
+#include "optim/optimizer.h"
 
 namespace flashlm {
 

@@ -41,18 +41,4 @@ void cross_entropy_backward(float* logits, const int32_t* targets, int64_t n, in
 void embedding_forward(const float* table, const int32_t* tokens, float* x, int64_t n, int64_t d);
 void embedding_backward(const float* dx, const int32_t* tokens, float* dtable, int64_t n, int64_t d);
 
-// Optimizer arithmetic shared by every CPU optimizer (CpuModel's AdamW and ZeRO-1's sharded one), so that
-// the same gradients give the same bits whichever of them updates a parameter.
-
-// Σ x[i]² over n values, accumulated in fp64 in index order.
-double sum_squares(const float* x, int64_t n);
-// The factor that scales gradients of global norm `norm` down to max_norm (used when norm > max_norm).
-inline float clip_scale(double norm, double max_norm) { return float(max_norm / (norm + 1e-6)); }
-// One AdamW step (CS336; gpu::adamw_step's arithmetic) over n fp32 values, `step` 1-based:
-// m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g²; w -= alpha m / (sqrt(v) + eps) with
-// alpha = lr sqrt(1 - b2^step) / (1 - b1^step); then w -= lr · weight_decay · w. Element-wise: any split of
-// a buffer into ranges gives the same bits as one call over all of it.
-void adamw_step(float* w, const float* g, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
-                double eps, double weight_decay, int64_t step);
-
 }  // namespace flashlm::cpu

@@ -1,22 +1,24 @@
-// The LM's layers on CUDA, mirroring ops_cpu.h (same math, same row-major [rows, features] arrays, and
-// backward functions that ACCUMULATE (+=) into parameter gradients), for mixed-precision training:
+// The LM's layers on CUDA, one file per layer in model/cuda/ (forward, backward and launcher together),
+// mirroring ops_cpu.h (same math, same row-major [rows, features] arrays, and backward functions that
+// ACCUMULATE (+=) into parameter gradients), for mixed-precision training:
 //   - activations and activation gradients are T ∈ {float, bf16_t, fp16_t} (the same bits as float,
 //     __nv_bfloat16 and __half, so .cu callers may reinterpret_cast their pointers);
 //   - every computation runs in fp32, values are rounded to T once, when stored (round to nearest even);
-//   - parameters (master copies), parameter gradients and AdamW moments are fp32.
+//   - parameters (master copies) and parameter gradients are fp32.
+// The optimizer (AdamW, the gradients' norm) is in optim/optimizer.h, casts and the other array utilities
+// in core/array_ops.h.
 //
 // All pointers are device pointers. Every function is asynchronous on `stream` (a cudaStream_t; nullptr is
 // the legacy default stream) and checks its launches (flashlm::CudaError on failure); bad sizes raise
 // flashlm::Error before anything is queued. Functions marked [scratch] take a stream-ordered workspace
 // (Buffer::allocate_on_stream) that is freed on the same stream, so they never block the host either.
 //
-// Determinism: nothing here uses floating-point atomics. Every reduction (RMSNorm gains, embedding rows,
-// squared norm) adds in an order fixed by the sizes alone (not by the GPU or by scheduling), so results are
-// bit-identical from run to run, which bit-exact checkpoint resume relies on.
+// Determinism: nothing here uses floating-point atomics. Every reduction (RMSNorm gains, embedding rows)
+// adds in an order fixed by the sizes alone (not by the GPU or by scheduling), so results are bit-identical
+// from run to run, which bit-exact checkpoint resume relies on.
 //
 // Array arguments must not overlap unless stated otherwise.
 #pragma once
-#include <cstddef>
 #include <cstdint>
 
 #include "flashlm/dtype.h"
@@ -24,7 +26,7 @@
 namespace flashlm::gpu {
 
 // ---------------------------------------------------------------------------------------------------
-// Layers. T ∈ {float, bf16_t, fp16_t} (explicitly instantiated in ops_cuda.cu).
+// Layers. T ∈ {float, bf16_t, fp16_t} (explicitly instantiated in each layer's file).
 
 // y = x / rms(x) · gain with rms = sqrt(mean(x²) + eps); rstd[n] (fp32) keeps 1/rms for the backward.
 // x, y: [n, d]; gain: [d].
@@ -76,43 +78,10 @@ void embedding_backward(const T* dx, const int32_t* tokens, float* dtable, int64
                         void* stream);
 
 // ---------------------------------------------------------------------------------------------------
-// Optimizer.
+// The residual stream.
 
-// One AdamW step (CS336; CpuModel::adamw_step's arithmetic, operation by operation) over n fp32 values,
-// `step` 1-based: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g²; w -= alpha m / (sqrt(v) + eps) with
-// alpha = lr sqrt(1 - b2^step) / (1 - b1^step); then w -= lr · weight_decay · w. When param_copy is not
-// null, it receives the updated weights rounded to T (the copy the forward reads); with T = float and
-// no copy, call adamw_step<float>(..., nullptr, stream). grad_scale multiplies each gradient first (once,
-// rounded: the result of scale_inplace(grad, n, grad_scale) followed by the step, without that pass).
-template <class T>
-void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
-                double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale = 1.0f);
-
-// ---------------------------------------------------------------------------------------------------
-// Reductions and elementwise utilities.
-
-// *out = Σ x[i]² accumulated in fp64 (device scalar), in a fixed order: 8192-element chunks, then the
-// chunk sums by one block. [scratch: ceil(n / 8192) doubles]
-void squared_norm(const float* x, int64_t n, double* out, void* stream);
-// *out = number of NaN/±inf values among x[0, n) (device scalar, saturated at INT_MAX).
-// [scratch: ceil(n / 8192) int64]
-template <class T>
-void count_nonfinite(const T* x, int64_t n, int* out, void* stream);
-
-// x *= s over n fp32 values.
-void scale_inplace(float* x, int64_t n, float s, void* stream);
-// dst = src rounded to T (float -> float is a copy); and back to fp32 (exact).
-template <class T>
-void cast_from_f32(const float* src, T* dst, int64_t n, void* stream);
-template <class T>
-void cast_to_f32(const T* src, float* dst, int64_t n, void* stream);
-// y += x (the residual stream), computed in fp32 and rounded to T.
+// y += x, computed in fp32 and rounded to T.
 template <class T>
 void add_inplace(T* y, const T* x, int64_t n, void* stream);
-
-// cudaMemsetAsync(dst, value, bytes, stream) (e.g. 0 to clear gradients, 0xFF to poison with NaN), and
-// cudaStreamSynchronize(stream), for callers without the CUDA headers.
-void memset_async(void* dst, int value, size_t bytes, void* stream);
-void stream_synchronize(void* stream);
 
 }  // namespace flashlm::gpu

@@ -25,7 +25,7 @@
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
-#include "model/ops_cpu.h"
+#include "optim/optimizer.h"
 #ifdef FLASHLM_WITH_CUDA
 #include "core/cuda_runtime.h"
 #endif

@@ -22,12 +22,14 @@
 
 #ifdef FLASHLM_WITH_CUDA
 
+#include "core/array_ops.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
 #include "model/ops_cpu.h"
 #include "model/ops_cuda.h"
+#include "optim/optimizer.h"
 
 using namespace flashlm;
 
