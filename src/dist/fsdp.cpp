@@ -12,8 +12,8 @@
 #ifdef FLASHLM_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "core/array_ops.h"
 #include "core/cuda_check.h"
-#include "model/ops_cuda.h"
 #endif
 
 namespace flashlm {
