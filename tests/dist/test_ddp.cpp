@@ -20,6 +20,7 @@
 
 #include "dist/mpi_testing.h"
 #include "dist/toy_model.h"
+#include "dist/train_testing.h"
 #include "flashlm/ddp.h"
 #include "flashlm/device.h"
 #include "flashlm/dist.h"
@@ -138,12 +139,6 @@ ToyRun train_data_parallel(const DdpOptions& opt, bool zero1) {
   }
   run.final = model.w;
   return run;
-}
-
-double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0;
-  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::abs(double(a[i]) - double(b[i])));
-  return d;
 }
 
 DdpOptions options(DdpVariant v, double bucket_mb = 25, int64_t grad_accum = 1, DType reduce_dtype = DType::f32) {
@@ -563,15 +558,6 @@ void train_rank_slices(DdpModel& dp, const ModelConfig& mc, int64_t global, cons
   dp.await_parameters();  // ZeRO-1's last gather may still be in flight; the callers read the parameters
 }
 
-double relative_l2(std::span<const float> got, std::span<const float> want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    norm += double(want[i]) * want[i];
-  }
-  return std::sqrt(diff / norm);
-}
-
 // The real LM, bucketed, against one process training on the whole batch.
 TEST(Ddp, CpuModelBucketedMatchesOneProcess) {
   const ModelConfig mc = ModelConfig::named("tiny", kLmSeq, 256);
@@ -592,12 +578,6 @@ TEST(Ddp, CpuModelBucketedMatchesOneProcess) {
 // CUDA (NCCL): skipped without NCCL or without a GPU per local rank.
 
 #ifdef FLASHLM_WITH_CUDA
-bool gpus_for_every_rank() {
-  double missing = Communicator::nccl_built() && cuda_device_count() >= comm().local_size() ? 0.0 : 1.0;
-  comm().all_reduce(std::span<double>(&missing, 1), ReduceOp::max);
-  return missing == 0;
-}
-
 ModelConfig gpu_config() {
   ModelConfig c = ModelConfig::named("tiny", kLmSeq, 256);
   c.d_model = 64;  // head_dim 16: the smallest the tensor-core attention takes
@@ -605,18 +585,7 @@ ModelConfig gpu_config() {
   return c;
 }
 
-std::vector<float> host_parameters(CudaModel& m) {
-  std::vector<float> out(size_t(m.parameter_count()));
-  m.copy_parameters_to(out.data());
-  return out;
-}
-
-// A bf16 model's working copy: its bits, and their values.
-std::vector<uint16_t> working_bits(const CudaModel& m) {
-  std::vector<uint16_t> bits(size_t(m.parameter_count()));
-  cuda_copy(bits.data(), m.working_parameters(), bits.size() * sizeof(uint16_t));
-  return bits;
-}
+// A bf16 model's working copy's values.
 std::vector<float> bf16_values(const std::vector<uint16_t>& bits) {
   std::vector<float> values(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) values[i] = std::bit_cast<float>(uint32_t(bits[i]) << 16);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "dist/mpi_testing.h"
+#include "dist/train_testing.h"
 #include "flashlm/ddp.h"
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
@@ -127,21 +128,6 @@ State gathered_state(DdpModel& dp, const LanguageModel& model) {
   model.save_state(st.params.data(), st.m.data(), st.v.data());
   dp.zero()->gather_state(st.m.data(), st.v.data());
   return st;
-}
-
-double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0;
-  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::abs(double(a[i]) - double(b[i])));
-  return d;
-}
-
-double relative_l2(const std::vector<float>& got, const std::vector<float>& want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    norm += double(want[i]) * want[i];
-  }
-  return std::sqrt(diff / norm);
 }
 
 // FSDP's gathered state against one process on the whole batch and against DDP on the same slices.
@@ -333,24 +319,6 @@ TEST(FsdpErrors, PrefetchAndPrecisionAreChecked) {
 // CUDA (NCCL): skipped without NCCL or without a GPU per local rank.
 
 #ifdef FLASHLM_WITH_CUDA
-bool gpus_for_every_rank() {
-  double missing = Communicator::nccl_built() && cuda_device_count() >= comm().local_size() ? 0.0 : 1.0;
-  comm().all_reduce(std::span<double>(&missing, 1), ReduceOp::max);
-  return missing == 0;
-}
-
-std::vector<float> host_parameters(CudaModel& m) {
-  std::vector<float> out(size_t(m.parameter_count()));
-  m.copy_parameters_to(out.data());
-  return out;
-}
-
-std::vector<uint16_t> working_bits(const CudaModel& m) {
-  std::vector<uint16_t> bits(size_t(m.parameter_count()));
-  cuda_copy(bits.data(), m.working_parameters(), bits.size() * sizeof(uint16_t));
-  return bits;
-}
-
 // kSteps of DDP (a) and FSDP (b) side by side on this rank's slices; FSDP's losses must be finite (its freed
 // weights are poisoned).
 void train_side_by_side(DdpModel& a, DdpModel& b, const ModelConfig& mc, const AdamWConfig& adamw) {
