@@ -303,9 +303,10 @@ class ZeroOptimizer {
 // FSDP's parameter lifetime over the flat buffers of a model: which parts' weights are whole on this rank.
 // After an optimizer step (release_all) each rank holds only its parts of the sharded buckets (and every
 // replicated or frozen element). needed(offset, count) — the model's ParametersNeededHook — gathers the
-// sharded buckets in those elements unless they are whole or on their way, starts the gathers of the next
-// `prefetch` parts in the pass's order (begin_pass), and waits for those it needs; done() — the
-// ParametersDoneHook — frees them again. A bucket is gathered in the copy the model reads: the working copy
+// sharded buckets in those elements unless they are whole or on their way, starts the gathers of the
+// `prefetch` parts with shards that followed this one in the last pass of the same kind (begin_pass: a
+// forward, or a backward, which reads no embedding; before the first, the layout's neighbours in the
+// pass's direction), and waits for those it needs; done() — the ParametersDoneHook — frees them again. A bucket is gathered in the copy the model reads: the working copy
 // (bf16/fp16 CUDA model), or the fp32 masters (fp32 models, and DdpParameters::read_as_master: the token
 // embedding). CUDA: each gather is queued on the communicator's stream behind an event of the model's stream
 // and followed by an event of its own, which the model's stream waits for; the host waits for neither.
@@ -334,6 +335,8 @@ class FsdpParameters {
   void hold(bool keep);
   void await_all();  // CUDA: the model's stream waits for every gather in flight; CPU: waits for them
   int64_t units() const;  // model parts (fsdp_unit_name) with sharded buckets
+  // Whether every sharded bucket within these elements holds only this rank's part (for checks and tests).
+  bool released(int64_t offset, int64_t count) const;
   // The most bytes of other ranks' parts whole (or arriving) at once when a gather started, in the type they
   // are gathered in: the gathered buffers a model reading its weights from a pool would need. (The whole
   // model that every rank holds after a broadcast, before the first step, is not counted.)

@@ -47,6 +47,12 @@ struct FsdpParameters::Impl {
   DType working_dtype = DType::f32;
   void* stream = nullptr;
   bool backward = false, held = false;
+  // The parts the last forward ([0]) and backward ([1]) read, in the order they read them (a backward reads
+  // no embedding; a recomputing one reads each layer twice in a row, recorded once): what the prefetch
+  // follows. Every rank records the same calls, so every rank prefetches the same parts.
+  std::vector<int64_t> pass_order[2];
+  std::vector<int64_t> recording;  // the current pass's
+  size_t cursor = 0;               // where in pass_order[backward] the last needed() part was found
   int64_t live_bytes = 0, peak_bytes = 0;
 
   Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
@@ -131,6 +137,31 @@ struct FsdpParameters::Impl {
     if (poison) poison_foreign(s);
   }
 
+  void finish_overlapping(int64_t offset, int64_t count) {
+    for (Shard& s : shards) {
+      if (overlaps(s, offset, count)) finish(s);
+    }
+  }
+
+  // The parts expected after part u in this pass: those that followed it in the last pass of this kind, or,
+  // before there was one, its neighbours in the layout in the pass's direction.
+  std::vector<int64_t> parts_after(int64_t u) {
+    const std::vector<int64_t>& last = pass_order[backward];
+    if (last.empty()) {
+      std::vector<int64_t> after;
+      for (int64_t next = backward ? u - 1 : u + 1; 0 <= next && next < int64_t(units.size());
+           next += backward ? -1 : 1) {
+        after.push_back(next);
+      }
+      return after;
+    }
+    auto at = std::find(last.begin() + std::ptrdiff_t(std::min(cursor, last.size())), last.end(), u);
+    if (at == last.end()) at = std::find(last.begin(), last.end(), u);
+    if (at == last.end()) return {};
+    cursor = size_t(at - last.begin());
+    return {at + 1, last.end()};
+  }
+
   // The unit whose elements are exactly these (a model part's needed/done call), or -1.
   int64_t unit_of(int64_t offset, int64_t count) const {
     for (size_t u = 0; u < units.size(); ++u) {
@@ -213,25 +244,34 @@ void FsdpParameters::set_storage(float* masters, void* working, DType working_dt
   m.peak_bytes = 0;
 }
 
-void FsdpParameters::begin_pass(bool backward) { impl_->backward = backward; }
+void FsdpParameters::begin_pass(bool backward) {
+  Impl& m = *impl_;
+  if (!m.recording.empty()) m.pass_order[m.backward] = std::move(m.recording);
+  m.recording.clear();
+  m.backward = backward;
+  m.cursor = 0;
+}
 
 void FsdpParameters::needed(int64_t offset, int64_t count) {
   Impl& m = *impl_;
+  // Held whole (evaluation, which runs on one rank alone): nothing to gather, and nothing to record, since
+  // the other ranks do not see these calls.
+  if (m.held) return;
   for (Impl::Shard& s : m.shards) {
     if (m.overlaps(s, offset, count)) m.start(s);
   }
-  // The next `prefetch` parts with shards, in the pass's order, start arriving while this one computes.
+  // The next `prefetch` parts with shards start arriving while this one computes.
   const int64_t u = m.unit_of(offset, count);
-  for (int64_t next = u, ahead = 0; u >= 0 && ahead < m.prefetch;) {
-    next += m.backward ? -1 : 1;
-    if (next < 0 || next >= int64_t(m.units.size())) break;
+  if (u < 0) return m.finish_overlapping(offset, count);
+  if (m.recording.empty() || m.recording.back() != u) m.recording.push_back(u);
+  int64_t ahead = 0;
+  for (int64_t next : m.parts_after(u)) {
+    if (ahead == m.prefetch) break;
     if (m.units[size_t(next)].shards.empty()) continue;
-    for (size_t s : m.units[size_t(next)].shards) m.start(m.shards[s]);
+    for (size_t k : m.units[size_t(next)].shards) m.start(m.shards[k]);
     ++ahead;
   }
-  for (Impl::Shard& s : m.shards) {
-    if (m.overlaps(s, offset, count)) m.finish(s);
-  }
+  m.finish_overlapping(offset, count);
 }
 
 void FsdpParameters::done(int64_t offset, int64_t count) {
@@ -273,6 +313,13 @@ void FsdpParameters::await_all() {
 
 int64_t FsdpParameters::units() const {
   return std::count_if(impl_->units.begin(), impl_->units.end(), [](const Impl::Unit& u) { return !u.shards.empty(); });
+}
+
+bool FsdpParameters::released(int64_t offset, int64_t count) const {
+  const Impl& m = *impl_;
+  return std::all_of(m.shards.begin(), m.shards.end(), [&](const Impl::Shard& s) {
+    return !m.overlaps(s, offset, count) || s.state == Impl::State::released;
+  });
 }
 
 int64_t FsdpParameters::peak_gathered_bytes() const { return impl_->peak_bytes; }

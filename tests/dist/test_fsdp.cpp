@@ -255,6 +255,27 @@ TEST(Fsdp, ShardsAndGatheredBytesPerRank) {
   }
 }
 
+// After a step every part is released; so is it after a forward and backward, since each part is freed
+// after use and the backward's prefetch follows the parts the last backward read, which ends at layer 0 (no
+// gather of the embedding, which the backward does not read, is left in flight).
+TEST(Fsdp, EveryPartIsReleasedAfterUse) {
+  const ModelConfig mc = lm_config();
+  const int64_t local = kGlobal / comm().world_size();
+  CpuModel part(mc, local, kSeq);
+  part.init_parameters(11);
+  DdpModel dp(comm(), part, local * kSeq, fsdp_options(2), false);
+  train_fsdp(dp, mc);
+  const int64_t n = part.parameter_count();
+  EXPECT_TRUE(dp.fsdp()->released(0, n));
+  const Batches b(mc.vocab, kSteps);
+  dp.forward_backward(std::span(b.x).first(size_t(local * kSeq)), std::span(b.y).first(size_t(local * kSeq)));
+  EXPECT_TRUE(dp.fsdp()->released(0, n));
+  dp.gather_parameters();
+  EXPECT_EQ(dp.fsdp()->released(0, n), comm().world_size() == 1);  // nothing to gather at one rank
+  dp.optimizer_step(clipping_adamw(), kLr);
+  EXPECT_TRUE(dp.fsdp()->released(0, n));
+}
+
 // After gather_parameters() one rank alone may evaluate (no collective), and training then goes on.
 TEST(Fsdp, GatheredParametersLetOneRankEvaluate) {
   const ModelConfig mc = lm_config();
