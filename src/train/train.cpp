@@ -281,9 +281,14 @@ TrainResult train(const TrainConfig& cfg) {
                     ddp.staging_bytes() > 0 ? fmt::format(", {:.1f} MiB of staging", double(ddp.staging_bytes()) / kMiB)
                                             : "",
                     cfg.comm->nccl_max_ctas() > 0 ? fmt::format(", NCCL max CTAs {}", cfg.comm->nccl_max_ctas()) : "",
-                    dp->zero() ? fmt::format("; ZeRO-1: {:.1f} MiB of AdamW state per rank",
-                                             double(dp->zero()->state_bytes()) / kMiB)
-                               : ""));
+                    dp->fsdp() ? fmt::format("; FSDP keeps {:.1f} MiB of parameters, {:.1f} of gradients and {:.1f} "
+                                             "of AdamW state per rank",
+                                             double(dp->memory().parameters) / kMiB,
+                                             double(dp->memory().gradients) / kMiB,
+                                             double(dp->memory().optimizer_state) / kMiB)
+                    : dp->zero() ? fmt::format("; ZeRO-1: {:.1f} MiB of AdamW state per rank",
+                                               double(dp->zero()->state_bytes()) / kMiB)
+                                 : ""));
   }
 
   // accum micro-batches of batch rows; evaluation reads the first.

@@ -31,7 +31,7 @@ set(half ${WORKDIR}/fsdp_half.ckpt)
 set(moved ${WORKDIR}/fsdp_moved.ckpt)
 file(REMOVE ${full} ${half} ${moved})
 run_ok("fsdp 6 steps" ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 6 --checkpoint ${full})
-if(NOT out MATCHES "DDP fsdp \\([0-9]+ fp32 reduce-scatter\\(s\\) per step, 4 parts gathered, prefetch 2\\)"
+if(NOT out MATCHES "DDP fsdp \\([0-9]+ fp32 reduce-scatter\\(s\\) per step, 4 parts gathered, prefetch 2\\); FSDP keeps [0-9.]+ MiB of parameters, [0-9.]+ of gradients and [0-9.]+ of AdamW state per rank"
    OR NOT out MATCHES "step +6/6 \\| val loss [0-9]")
   message(FATAL_ERROR "expected the FSDP data-parallel line and rank 0's evaluation:\n${out}")
 endif()
