@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <utility>
 
@@ -72,6 +73,18 @@ void check_cuda_arguments(std::string_view fn, const AttentionProblem& p, std::i
 }
 
 #ifdef FLASHLM_WITH_CUDA
+}  // namespace
+
+FlashKernelChoice flash_kernel_choice() {
+  const char* env = std::getenv("FLASHLM_ATTENTION_KERNEL");
+  const std::string_view value = env == nullptr ? "auto" : env;
+  if (value == "auto" || value.empty()) return FlashKernelChoice::automatic;
+  if (value == "mma") return FlashKernelChoice::mma;
+  fail("FLASHLM_ATTENTION_KERNEL: unknown value '{}': expected auto or mma", value);
+}
+
+namespace {
+
 // The flash kernels are compiled for head dims 16, 32, 64, 128 and 256. Other head dims (80 for the 2.7B
 // model: 2560 / 32 heads) run the next larger kernel on zero-padded copies: the padded columns add 0 to
 // every Q·K product and give 0 in O, dQ, dK and dV, which are dropped when copying back. The scale stays
@@ -108,6 +121,11 @@ struct PaddedCopy {
 void flash_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& o, const TensorView& lse, void* stream) {
   if (p.dtype == DType::f32) return flash_attention_forward_cuda_f32(p, q, k, v, o, lse, stream);
+  // Read on every build, so that a bad value is an error wherever it is set.
+  [[maybe_unused]] const FlashKernelChoice choice = flash_kernel_choice();
+#ifdef FLASHLM_WITH_SM90
+  if (choice == FlashKernelChoice::automatic && flash_attention_forward_sm90(p, q, k, v, o, lse, stream)) return;
+#endif
   flash_attention_forward_cuda(p, q, k, v, o, lse, stream);
 }
 

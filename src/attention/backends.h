@@ -36,6 +36,21 @@ void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorVi
                                        const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                        const TensorView& dv, void* stream);
 
+// flash on Hopper (attention/cuda/hopper/flash_fwd_sm90.cu, built where CMAKE_CUDA_ARCHITECTURES has 90):
+// TMA + wgmma, warp-specialised. Launches and returns true when it covers the problem (an sm_90 device,
+// fp16/bf16, head dim 64, 128 or 256, views TMA can describe); returns false, launching nothing, otherwise.
+bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
+// Whether flash_attention_forward_sm90 would run these arguments (for the tests of the dispatch).
+bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                               const TensorView& v);
+
+// Which tensor-core forward attention_forward may take, from FLASHLM_ATTENTION_KERNEL: "auto" (or unset)
+// takes the Hopper kernel where it covers the problem, "mma" forces the mma.sync kernels (to test and time
+// the fallback on sm_90). Any other value is an error naming the variable.
+enum class FlashKernelChoice { automatic, mma };
+FlashKernelChoice flash_kernel_choice();
+
 // Copies the first `cols` elements of every [b, s, h] row of `src` into `dst` (both [batch, seq, heads, *]
 // views of one dtype on the current device, any 16-byte strides; cols · element size a multiple of 16
 // bytes), queued on `stream` (attention/cuda/naive.cu).

@@ -6,9 +6,13 @@
 #include "gpu_testing.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "attention/backends.h"
+#include "attention/problem.h"
+#include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
 #include "flashlm/device.h"
 #include "flashlm/profile.h"
@@ -99,6 +103,14 @@ std::vector<GpuCase> gpu_grid() {
       ++n;
     }
   }
+  // The same shapes at head dim 128 (the Hopper kernel's other head dim on sm_90), in the other dtype.
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 77}, {17, 130}, {127, 64}, {1000, 333}, {65, 1000}, {300, 129}}) {
+    for (Mask m : masks) {
+      const DType dt = n % 2 ? DType::f16 : DType::bf16;
+      cases.push_back({{2, nq, nk, 4, 2, 128, layouts[n % 3], m, dt}, false});
+      ++n;
+    }
+  }
   for (int64_t d : {16, 32, 64, 128, 256}) {
     for (DType dt : {DType::bf16, DType::f16}) {
       cases.push_back({{1, 129, 97, 4, 2, d, layouts[d % 3], Mask::top_left, dt}, false});
@@ -172,6 +184,51 @@ TEST(CudaAttention, QueryTilesThatSeeNoKeyAreZeroEveryRun) {
           for (int64_t d = 0; d < c.D; ++d) nonzero += od[((b * c.Nq + i) * c.Hq + h) * c.D + d] != 0.0;
     ASSERT_EQ(nonzero, 0) << "run " << run << ": elements of rows that see no key are not 0";
   }
+}
+
+// On an sm_90 GPU with the Hopper kernels built, the forward of a covered problem takes them; a view TMA
+// cannot describe (a zero stride), a head dim they lack and FLASHLM_ATTENTION_KERNEL=mma take the mma.sync
+// kernels; any other value of the variable is an error.
+TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (cuda_device_description().find("(sm_90,") == std::string::npos) GTEST_SKIP() << "not an sm_90 GPU";
+  auto problem_of = [](const TensorView& q, const TensorView& k, const TensorView& o, const TensorView& lse) {
+    return validate_attention_forward(q, k, k, o, lse, AttentionOptions{});
+  };
+  for (int64_t d : {64, 128}) {
+    Tensor q = Tensor::empty({2, 300, 4, d}, DType::bf16, Device::cuda), k = Tensor::empty({2, 200, 2, d}, DType::bf16, Device::cuda);
+    Tensor lse = Tensor::empty({2, 4, 300}, DType::f32, Device::cuda);
+    EXPECT_TRUE(flash_forward_sm90_covers(problem_of(q, k, q, lse), q, k, k)) << "d" << d;
+    TensorView broadcast = k.view();
+    broadcast.strides[0] = 0;  // both batches read the first one's keys
+    EXPECT_FALSE(flash_forward_sm90_covers(problem_of(q, broadcast, q, lse), q, broadcast, broadcast)) << "d" << d;
+  }
+  Tensor q32 = Tensor::empty({1, 300, 2, 32}, DType::bf16, Device::cuda);
+  Tensor lse32 = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda);
+  EXPECT_FALSE(flash_forward_sm90_covers(problem_of(q32, q32, q32, lse32), q32, q32, q32));
+
+  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // the fallback run of this binary sets it
+  const std::string saved = was == nullptr ? "" : was;
+  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
+  EXPECT_EQ(flash_kernel_choice(), FlashKernelChoice::automatic);
+  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "mma", 1), 0);
+  EXPECT_EQ(flash_kernel_choice(), FlashKernelChoice::mma);
+  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "wgmma", 1), 0);
+  Tensor lse = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda);
+  Tensor q = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
+  fill_normal(q, 1);
+  try {
+    attention_forward(q, q, q, q, lse);
+    ADD_FAILURE() << "expected an error for FLASHLM_ATTENTION_KERNEL=wgmma";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FLASHLM_ATTENTION_KERNEL: unknown value 'wgmma'"), std::string::npos) << e.what();
+  }
+  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
+  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
+#endif
 }
 
 // The unfused path's sub-ops are NVTX ranges, timed by --profile-ranges: QK matmul, softmax, AV matmul in

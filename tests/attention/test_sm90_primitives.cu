@@ -1,0 +1,203 @@
+// The Hopper wrappers of attention/cuda/hopper/ one at a time, on random data against the host: a TMA tile
+// round trip through an mbarrier (strided view, zero-filled rows past the end), and single-warpgroup wgmma
+// products with both operands in shared memory and with A in registers and B read N-major. Skips without
+// an sm_90 GPU.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "attention/cuda/hopper/sm90.cuh"
+#include "attention/cuda/hopper/tma.h"
+
+namespace {
+
+using flashlm::sm90::swizzled_offset;
+
+bool have_sm90() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+}
+
+#define SKIP_WITHOUT_SM90()                                                      \
+  do {                                                                           \
+    if (!have_sm90()) GTEST_SKIP() << "no compute capability 9.0 GPU visible";   \
+  } while (0)
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+std::vector<__nv_bfloat16> random_bf16(size_t n, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::normal_distribution<float> dist;
+  std::vector<__nv_bfloat16> v(n);
+  for (auto& x : v) x = __float2bfloat16(dist(gen));
+  return v;
+}
+
+template <class T>
+T* device_copy(const std::vector<T>& h) {
+  T* d = nullptr;
+  if (cudaMalloc(&d, h.size() * sizeof(T)) != cudaSuccess) return nullptr;
+  cudaMemcpy(d, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  return d;
+}
+
+constexpr int kRows = 128, kCols = 128;  // one tile: 2 panels of 128 rows
+
+// Loads the tile at (row0, head, batch) with TMA and copies shared memory out byte for byte.
+__global__ void tma_round_trip_kernel(const __grid_constant__ CUtensorMap map, int row0, int head, int batch,
+                                      uint16_t* out) {
+  __shared__ alignas(1024) uint16_t tile[kRows * kCols];
+  __shared__ flashlm::sm90::Mbarrier bar;
+  if (threadIdx.x == 0) {
+    bar.init(1);
+    flashlm::sm90::Mbarrier::fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bar.arrive_expect_tx(kRows * kCols * 2);
+    for (int panel = 0; panel < kCols / 64; ++panel) {
+      flashlm::sm90::tma_load_4d(tile + panel * kRows * 64, &map, bar, panel * 64, row0, head, batch);
+    }
+  }
+  bar.wait(0);
+  for (int i = threadIdx.x; i < kRows * kCols; i += blockDim.x) out[i] = tile[i];
+}
+
+TEST(Sm90Primitives, TmaTileRoundTripThroughMbarrier) {
+  SKIP_WITHOUT_SM90();
+  // A [2, 100, 3, 128] view sliced out of [2, 103, 3, 136] storage: padded rows and head dim.
+  const int B = 2, S = 100, H = 3, D = 128, Sp = 103, Dp = 136;
+  auto host = random_bf16(size_t(B) * Sp * H * Dp, 1);
+  __nv_bfloat16* storage = device_copy(host);
+  ASSERT_NE(storage, nullptr);
+  flashlm::TensorView view = flashlm::TensorView::contiguous(storage, flashlm::DType::bf16, {B, Sp, H, Dp},
+                                                             flashlm::Device::cuda);
+  view = view.slice(1, 2, 2 + S).slice(3, 0, D);
+  const auto map = flashlm::sm90::rows_tensor_map(view, kRows);
+  ASSERT_TRUE(map.has_value());
+  uint16_t* out = nullptr;
+  CUDA_OK(cudaMalloc(&out, kRows * kCols * 2));
+  for (auto [row0, head, batch] : {std::tuple{0, 0, 0}, std::tuple{37, 2, 1}}) {  // the second runs past row 100
+    CUDA_OK(cudaMemset(out, 0xff, kRows * kCols * 2));
+    tma_round_trip_kernel<<<1, 128>>>(*map, row0, head, batch, out);
+    CUDA_OK(cudaGetLastError());
+    std::vector<uint16_t> got(kRows * kCols);
+    CUDA_OK(cudaMemcpy(got.data(), out, got.size() * 2, cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int r = 0; r < kRows; ++r) {
+      for (int c = 0; c < kCols; ++c) {
+        const int s = row0 + r;
+        uint16_t want = 0;
+        if (s < S) {
+          const __nv_bfloat16 x = host[((size_t(batch) * Sp + 2 + s) * H + head) * Dp + c];
+          want = *reinterpret_cast<const uint16_t*>(&x);
+        }
+        bad += got[swizzled_offset(kRows, r, c) / 2] != want;
+      }
+    }
+    EXPECT_EQ(bad, 0) << "tile at row " << row0 << " head " << head << " batch " << batch;
+  }
+  cudaFree(out);
+  cudaFree(storage);
+}
+
+// C[64 x 128] = A[64 x 128] · B[128 x 128]ᵀ with A and B both K-major in shared memory (S = Q·Kᵀ's form);
+// or, with kRegistersA, C = A · V where A comes from registers and V[128 keys x 128] is read N-major
+// (O += P·V's form). Inputs are row-major in global memory and written into the swizzled layout here.
+template <bool kRegistersA>
+__global__ void wgmma_tile_kernel(const __nv_bfloat16* a, const __nv_bfloat16* bm, float* c) {
+  __shared__ alignas(1024) uint16_t sa[64 * 128];
+  __shared__ alignas(1024) uint16_t sb[128 * 128];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < 64 * 128; i += 128) {
+    sa[swizzled_offset(64, i / 128, i % 128) / 2] = reinterpret_cast<const uint16_t*>(a)[i];
+  }
+  for (int i = tid; i < 128 * 128; i += 128) {
+    sb[swizzled_offset(128, i / 128, i % 128) / 2] = reinterpret_cast<const uint16_t*>(bm)[i];
+  }
+  flashlm::sm90::fence_proxy_async_shared();
+  __syncthreads();
+  float d[64];
+  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+  using Gemm = flashlm::sm90::WgmmaM64<__nv_bfloat16, 128>;
+  const int warp = tid / 32, g = (tid % 32) / 4, t = tid % 4;
+  flashlm::sm90::fence_accumulators(d);
+  flashlm::sm90::wgmma_fence();
+  if constexpr (kRegistersA) {
+    for (int kk = 0; kk < 8; ++kk) {
+      uint32_t frag[4];
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * warp + g + 8 * (e % 2), col = 16 * kk + 8 * (e / 2) + 2 * t;
+        const uint16_t lo = reinterpret_cast<const uint16_t*>(a)[row * 128 + col];
+        const uint16_t hi = reinterpret_cast<const uint16_t*>(a)[row * 128 + col + 1];
+        frag[e] = uint32_t(lo) | (uint32_t(hi) << 16);
+      }
+      Gemm::rs<1>(d, frag, flashlm::sm90::mn_major_descriptor(sb, 128, kk), 1);
+    }
+  } else {
+    for (int kk = 0; kk < 8; ++kk) {
+      Gemm::ss<0>(d, flashlm::sm90::k_major_descriptor(sa, 64, 0, kk), flashlm::sm90::k_major_descriptor(sb, 128, 0, kk),
+                  kk > 0);
+    }
+  }
+  flashlm::sm90::wgmma_commit();
+  flashlm::sm90::wgmma_wait<0>();
+  flashlm::sm90::fence_accumulators(d);
+  for (int i = 0; i < 64; ++i) {
+    const int row = 16 * warp + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * t + i % 2;
+    c[row * 128 + col] = d[i];
+  }
+}
+
+template <bool kRegistersA>
+void check_wgmma_tile() {
+  auto a = random_bf16(64 * 128, 2), bm = random_bf16(128 * 128, 3);
+  __nv_bfloat16 *da = device_copy(a), *db = device_copy(bm);
+  float* dc = nullptr;
+  ASSERT_EQ(cudaMalloc(&dc, 64 * 128 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dc, 0xff, 64 * 128 * 4), cudaSuccess);  // NaN poison
+  wgmma_tile_kernel<kRegistersA><<<1, 128>>>(da, db, dc);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> c(64 * 128);
+  ASSERT_EQ(cudaMemcpy(c.data(), dc, c.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  double worst = 0;
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 128; ++j) {
+      double want = 0;
+      for (int k = 0; k < 128; ++k) {
+        const double x = __bfloat162float(a[i * 128 + k]);
+        // K-major B holds B[n][k] (the product is A·Bᵀ); N-major holds B[k][n].
+        const double y = kRegistersA ? __bfloat162float(bm[k * 128 + j]) : __bfloat162float(bm[j * 128 + k]);
+        want += x * y;
+      }
+      const double err = std::fabs(c[i * 128 + j] - want);
+      worst = std::isnan(err) ? INFINITY : std::max(worst, err);
+    }
+  }
+  EXPECT_LE(worst, 1e-3) << (kRegistersA ? "A in registers, B N-major" : "A and B K-major in shared memory");
+  cudaFree(da);
+  cudaFree(db);
+  cudaFree(dc);
+}
+
+TEST(Sm90Primitives, WgmmaBothOperandsInSharedMemoryMatchHostProduct) {
+  SKIP_WITHOUT_SM90();
+  check_wgmma_tile<false>();
+}
+
+TEST(Sm90Primitives, WgmmaRegisterAAndNMajorBMatchHostProduct) {
+  SKIP_WITHOUT_SM90();
+  check_wgmma_tile<true>();
+}
+
+}  // namespace
