@@ -20,6 +20,7 @@
 
 #include "dist/mpi_testing.h"
 #include "dist/toy_model.h"
+#include "dist/toy_training.h"
 #include "dist/train_testing.h"
 #include "flashlm/ddp.h"
 #include "flashlm/device.h"
@@ -32,66 +33,11 @@
 #endif
 
 using namespace flashlm;
+using namespace toy;  // the toy's training: its batches, AdamW and the single-process run
 
 namespace {
 
 Communicator& comm() { return test_world(); }
-
-constexpr int64_t kGlobalRows = 8;  // divisible by every world size (1, 2, 4) times grad_accum 2
-constexpr int kSteps = 5;
-constexpr double kLr = 1e-2;
-
-AdamWConfig toy_adamw() {
-  AdamWConfig c;
-  c.max_grad_norm = 0.5;  // small enough to clip some steps
-  return c;
-}
-
-// Step s's global batch, the same on every rank.
-void global_batch(int64_t step, std::vector<int32_t>& tokens, std::vector<int32_t>& targets) {
-  std::mt19937 rng(uint32_t(100 + step));
-  std::uniform_int_distribution<int32_t> token(0, int32_t(toy::V - 1));
-  tokens.resize(kGlobalRows);
-  targets.resize(kGlobalRows);
-  for (int64_t i = 0; i < kGlobalRows; ++i) tokens[size_t(i)] = token(rng), targets[size_t(i)] = token(rng);
-}
-
-// Unsharded AdamW over the trainable parameters, with global-norm clipping: the single-process optimizer.
-struct ToyAdamW {
-  std::vector<float> m, v;
-  int64_t steps = 0;
-
-  void step(toy::Model& model, const AdamWConfig& c, double lr) {
-    if (m.empty()) m.assign(model.w.size(), 0.0f), v.assign(model.w.size(), 0.0f);
-    const std::vector<DdpRange> ranges = model.params.trainable_ranges();
-    double ss = 0;
-    for (const DdpRange& r : ranges) ss += cpu::sum_squares(model.g.data() + r.offset, r.count);
-    const double norm = std::sqrt(ss);
-    ++steps;
-    for (const DdpRange& r : ranges) {
-      float* g = model.g.data() + r.offset;
-      if (norm > c.max_grad_norm) {
-        for (int64_t i = 0; i < r.count; ++i) g[i] *= cpu::clip_scale(norm, c.max_grad_norm);
-      }
-      cpu::adamw_step(model.w.data() + r.offset, g, m.data() + r.offset, v.data() + r.offset, r.count, lr, c.beta1,
-                      c.beta2, c.eps, c.weight_decay, steps);
-    }
-  }
-};
-
-// kSteps of full-batch training in this process alone, from rank 0's initial weights.
-std::vector<float> train_single_process() {
-  toy::Model model(1);
-  ToyAdamW adam;
-  std::vector<int32_t> x, y;
-  for (int64_t s = 0; s < kSteps; ++s) {
-    global_batch(s, x, y);
-    std::fill(model.g.begin(), model.g.end(), 0.0f);
-    model.forward_backward(x, y);
-    adam.step(model, toy_adamw(), kLr);
-  }
-  return model.w;
-}
 
 struct ToyRun {
   std::vector<float> initial, final;     // rank 0's weights after the broadcast; this rank's at the end

@@ -22,6 +22,8 @@
 #include <vector>
 
 #include "dist/mpi_testing.h"
+#include "dist/toy_model.h"
+#include "dist/toy_training.h"
 #include "dist/train_testing.h"
 #include "flashlm/ddp.h"
 #include "flashlm/dist.h"
@@ -274,6 +276,49 @@ TEST(Fsdp, EveryPartIsReleasedAfterUse) {
   EXPECT_EQ(dp.fsdp()->released(0, n), comm().world_size() == 1);  // nothing to gather at one rank
   dp.optimizer_step(clipping_adamw(), kLr);
   EXPECT_TRUE(dp.fsdp()->released(0, n));
+}
+
+// The toy (toy_model.h: a frozen F, and the head tied to the embedding E) through FSDP's pieces driven by
+// hand: its whole model one part, needed before each forward-backward and done after. Frozen: in no bucket,
+// so never sharded, freed or updated, and whole everywhere; tied: E's gradient (both uses) reduce-scattered
+// once, E sharded like any weight. Trains like the toy's single process on the whole batch.
+TEST(Fsdp, ToyWithFrozenAndTiedParameters) {
+  const int rank = comm().rank(), world = comm().world_size();
+  toy::Model model(1 + uint64_t(rank));
+  DdpOptions o = fsdp_options(1);
+  o.reduce_scatter = true;
+  DataParallel ddp(comm(), model.params, o);
+  for (const DdpBucket& b : ddp.buckets()) {
+    for (int64_t p : b.params) EXPECT_TRUE(p != toy::kFrozen && p != toy::kHead) << "parameter " << p;
+  }
+  ZeroOptimizer zero(comm(), model.params, ddp.buckets(), false);
+  FsdpParameters fsdp(comm(), model.params, ddp.buckets(), 1, true);
+  fsdp.set_storage(model.w.data(), nullptr, DType::f32, nullptr);
+  model.hook = ddp.hook();
+  ddp.broadcast_parameters(model.w.data());
+  fsdp.mark_whole();
+  const DdpRange frozen{model.params.layout[toy::kFrozen].offset, model.params.layout[toy::kFrozen].numel()};
+  const std::vector<float> frozen_before(model.w.begin() + frozen.offset, model.w.begin() + frozen.offset + frozen.count);
+  const int64_t n = model.params.flat_size(), rows = toy::kGlobalRows / world;
+  std::vector<int32_t> x, y;
+  for (int64_t s = 0; s < toy::kSteps; ++s) {
+    toy::global_batch(s, x, y);
+    std::fill(model.g.begin(), model.g.end(), 0.0f);
+    fsdp.begin_pass(false);
+    fsdp.needed(0, n);
+    ddp.begin_backward(model.g.data(), true);
+    const double loss = model.forward_backward(std::span(x).subspan(size_t(rank * rows), size_t(rows)),
+                                               std::span(y).subspan(size_t(rank * rows), size_t(rows)));
+    EXPECT_TRUE(std::isfinite(loss)) << "step " << s << ": a freed weight was read";
+    ddp.finish_backward();
+    fsdp.done(0, n);
+    zero.step(model.w.data(), model.g.data(), toy::toy_adamw(), toy::kLr);
+    fsdp.release_all();
+    const std::vector<float> frozen_now(model.w.begin() + frozen.offset, model.w.begin() + frozen.offset + frozen.count);
+    EXPECT_EQ(frozen_now, frozen_before) << "step " << s << ": the frozen weight changed or was freed";
+  }
+  fsdp.gather_all();
+  EXPECT_LE(max_abs_diff(model.w, toy::train_single_process()), 1e-6);
 }
 
 // After gather_parameters() one rank alone may evaluate (no collective), and training then goes on.
