@@ -105,6 +105,22 @@ void train_fsdp(DdpModel& dp, const ModelConfig& mc, std::vector<double>* losses
   }
 }
 
+// The tiny LM on this rank's rows of the global batch under FSDP with `prefetch`, freed weights poisoned.
+struct FsdpLm {
+  ModelConfig mc = lm_config();
+  int64_t local = kGlobal / comm().world_size();
+  CpuModel model{mc, local, kSeq};
+  DdpModel dp;
+  explicit FsdpLm(int prefetch) : dp(comm(), model, local * kSeq, fsdp_options(prefetch), false) {
+    model.init_parameters(11);
+  }
+  // One more forward and backward, on the first rows of step `step`'s batch; returns the loss.
+  double forward_backward(int64_t step) {
+    const Batches b(mc.vocab, step);
+    return dp.forward_backward(std::span(b.x).first(size_t(local * kSeq)), std::span(b.y).first(size_t(local * kSeq)));
+  }
+};
+
 // kSteps of bucketed DDP on the same slices and micro-batches: the data-parallel arithmetic without FSDP.
 State train_ddp(const ModelConfig& mc, int64_t grad_accum) {
   const int64_t local = kGlobal / comm().world_size();
@@ -226,7 +242,7 @@ TEST(Fsdp, GradientAccumulationReproducesFullBatchTraining) {
 // stay within the prefetch bound: the part being read and `prefetch` more, plus the one being freed.
 TEST(Fsdp, ShardsAndGatheredBytesPerRank) {
   const ModelConfig mc = lm_config();
-  const int64_t local = kGlobal / comm().world_size(), world = comm().world_size();
+  const int64_t world = comm().world_size();
   const std::vector<ParameterInfo> layout = parameter_layout(mc);
   int64_t largest_part = 0;  // elements of the largest model part
   for (const ParameterInfo& p : layout) {
@@ -235,14 +251,11 @@ TEST(Fsdp, ShardsAndGatheredBytesPerRank) {
     largest_part = std::max(largest_part, part);
   }
   for (int prefetch : {0, 2}) {
-    CpuModel part(mc, local, kSeq);
-    part.init_parameters(11);
-    DdpModel dp(comm(), part, local * kSeq, fsdp_options(prefetch), false);
-    train_fsdp(dp, mc);
-    const Batches b(mc.vocab, kSteps);
-    dp.forward_backward(std::span(b.x).first(size_t(local * kSeq)), std::span(b.y).first(size_t(local * kSeq)));
-    const DdpMemory mem = dp.memory();
-    const int64_t n = part.parameter_count(), f32 = 4;
+    FsdpLm lm(prefetch);
+    train_fsdp(lm.dp, mc);
+    lm.forward_backward(kSteps);
+    const DdpMemory mem = lm.dp.memory();
+    const int64_t n = lm.model.parameter_count(), f32 = 4;
     // The replicated gains and the tails (< world elements per bucket) on top of 1/world.
     const int64_t slack = (2 * mc.layers + 1) * mc.d_model + (2 * mc.layers + 2) * world;
     EXPECT_LE(mem.parameters, (n / world + slack) * f32) << "prefetch " << prefetch;
@@ -261,21 +274,16 @@ TEST(Fsdp, ShardsAndGatheredBytesPerRank) {
 // after use and the backward's prefetch follows the parts the last backward read, which ends at layer 0 (no
 // gather of the embedding, which the backward does not read, is left in flight).
 TEST(Fsdp, EveryPartIsReleasedAfterUse) {
-  const ModelConfig mc = lm_config();
-  const int64_t local = kGlobal / comm().world_size();
-  CpuModel part(mc, local, kSeq);
-  part.init_parameters(11);
-  DdpModel dp(comm(), part, local * kSeq, fsdp_options(2), false);
-  train_fsdp(dp, mc);
-  const int64_t n = part.parameter_count();
-  EXPECT_TRUE(dp.fsdp()->released(0, n));
-  const Batches b(mc.vocab, kSteps);
-  dp.forward_backward(std::span(b.x).first(size_t(local * kSeq)), std::span(b.y).first(size_t(local * kSeq)));
-  EXPECT_TRUE(dp.fsdp()->released(0, n));
-  dp.gather_parameters();
-  EXPECT_EQ(dp.fsdp()->released(0, n), comm().world_size() == 1);  // nothing to gather at one rank
-  dp.optimizer_step(clipping_adamw(), kLr);
-  EXPECT_TRUE(dp.fsdp()->released(0, n));
+  FsdpLm lm(2);
+  train_fsdp(lm.dp, lm.mc);
+  const int64_t n = lm.model.parameter_count();
+  EXPECT_TRUE(lm.dp.fsdp()->released(0, n));
+  lm.forward_backward(kSteps);
+  EXPECT_TRUE(lm.dp.fsdp()->released(0, n));
+  lm.dp.gather_parameters();
+  EXPECT_EQ(lm.dp.fsdp()->released(0, n), comm().world_size() == 1);  // nothing to gather at one rank
+  lm.dp.optimizer_step(clipping_adamw(), kLr);
+  EXPECT_TRUE(lm.dp.fsdp()->released(0, n));
 }
 
 // The toy (toy_model.h: a frozen F, and the head tied to the embedding E) through FSDP's pieces driven by
@@ -323,24 +331,18 @@ TEST(Fsdp, ToyWithFrozenAndTiedParameters) {
 
 // After gather_parameters() one rank alone may evaluate (no collective), and training then goes on.
 TEST(Fsdp, GatheredParametersLetOneRankEvaluate) {
-  const ModelConfig mc = lm_config();
-  const int64_t local = kGlobal / comm().world_size();
-  CpuModel part(mc, local, kSeq);
-  part.init_parameters(11);
-  DdpModel dp(comm(), part, local * kSeq, fsdp_options(1), false);
-  train_fsdp(dp, mc);
-  dp.gather_parameters();
-  const Batches b(mc.vocab, 100);
+  FsdpLm lm(1);
+  train_fsdp(lm.dp, lm.mc);
+  lm.dp.gather_parameters();
+  const Batches b(lm.mc.vocab, 100);
   double loss = 0;
   if (comm().is_root()) {
-    for (int k = 0; k < 2; ++k) loss = part.forward(b.x.data(), b.y.data());
+    for (int k = 0; k < 2; ++k) loss = lm.model.forward(b.x.data(), b.y.data());
   }
   comm().broadcast(std::span<double>(&loss, 1));
   EXPECT_TRUE(std::isfinite(loss));
-  const double after = dp.forward_backward(std::span(b.x).first(size_t(local * kSeq)),
-                                           std::span(b.y).first(size_t(local * kSeq)));
-  EXPECT_TRUE(std::isfinite(after));
-  dp.optimizer_step(clipping_adamw(), kLr);
+  EXPECT_TRUE(std::isfinite(lm.forward_backward(100)));
+  lm.dp.optimizer_step(clipping_adamw(), kLr);
 }
 
 // A job whose rank FLASHLM_TEST_DIE_ON_RANK exits in the middle of a step (after its backward, before the
@@ -348,17 +350,12 @@ TEST(Fsdp, GatheredParametersLetOneRankEvaluate) {
 TEST(FsdpFailure, RankDiesMidStep) {
   const char* env = std::getenv("FLASHLM_TEST_DIE_ON_RANK");
   if (env == nullptr) GTEST_SKIP() << "run by dying_rank.cmake with FLASHLM_TEST_DIE_ON_RANK set";
-  const ModelConfig mc = lm_config();
-  const int64_t local = kGlobal / comm().world_size();
-  CpuModel part(mc, local, kSeq);
-  part.init_parameters(11);
-  DdpModel dp(comm(), part, local * kSeq, fsdp_options(1), false);
-  dp.broadcast_parameters();
-  const Batches b(mc.vocab, 0);
-  dp.forward_backward(std::span(b.x).first(size_t(local * kSeq)), std::span(b.y).first(size_t(local * kSeq)));
+  FsdpLm lm(1);
+  lm.dp.broadcast_parameters();
+  lm.forward_backward(0);
   if (comm().rank() == std::atoi(env)) std::_Exit(3);
-  dp.optimizer_step(clipping_adamw(), kLr);
-  dp.forward_backward(std::span(b.x).first(size_t(local * kSeq)), std::span(b.y).first(size_t(local * kSeq)));
+  lm.dp.optimizer_step(clipping_adamw(), kLr);
+  lm.forward_backward(1);
   ADD_FAILURE() << "rank " << comm().rank() << " finished a step its peer died in";
 }
 
