@@ -144,8 +144,8 @@ struct DdpOptions {
   int gemm_sm_reserve = -1;
   // Each bucket reduce-scattered in place into zero_bucket_layout's shards (plus an all-reduce of its tail),
   // for a ZeroOptimizer built on buckets(): half the bytes of the all-reduce during the backward. Needs what
-  // reduce_scatter_obstacle() checks. DdpModel sets it for ZeRO-1 on CUDA; on the CPU it works (tests) but
-  // MPI's reduce-scatter blocks, so the bucketed variant then no longer overlaps the backward.
+  // reduce_scatter_obstacle() checks. DdpModel sets it for ZeRO-1 on CUDA and for FSDP; on the CPU the
+  // overlapping variants reduce-scatter with MPI's non-blocking MPI_Ireduce_scatter_block.
   bool reduce_scatter = false;
   // fsdp: how many model parts ahead of the one being read (in the pass's order: forward, then backward) have
   // their gather started, 0..2. 1: part l+1's gather starts when part l starts.

@@ -618,7 +618,8 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
                 "DdpModel: fsdp_prefetch = {}, expected 0, 1 or 2 parts ahead", options.fsdp_prefetch);
   // ZeRO-1 on CUDA: reduce-scatter each bucket into this rank's shard rather than all-reduce it (half the
   // bytes during the backward). Not for fp16 models, whose overflow check (unscale_gradients) reads every
-  // gradient; not on the CPU, where MPI's reduce-scatter would block the backward's overlap. FSDP always.
+  // gradient; not on the CPU, where ZeRO-1's contiguous layout keeps it bit-identical to CpuModel's AdamW
+  // (whose norm chunks the shards follow). FSDP always.
   DdpOptions sync = options;
   sync.reduce_scatter = fsdp || (zero1 && model.device() == Device::cuda && model.precision() != DType::f16 &&
                                  reduce_scatter_obstacle(params, options).empty());
