@@ -77,7 +77,7 @@ State train_one_process(const ModelConfig& mc) {
   }
   const auto n = size_t(one.parameter_count());
   State st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
-  one.save_state(st.params.data(), st.m.data(), st.v.data());
+  one.save_state(st.params, st.m, st.v);
   return st;
 }
 
@@ -134,7 +134,7 @@ State train_ddp(const ModelConfig& mc, int64_t grad_accum) {
   train_fsdp(dp, mc);
   const auto n = size_t(part.parameter_count());
   State st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
-  part.save_state(st.params.data(), st.m.data(), st.v.data());
+  part.save_state(st.params, st.m, st.v);
   return st;
 }
 
@@ -143,7 +143,7 @@ State gathered_state(DdpModel& dp, const LanguageModel& model) {
   const auto n = size_t(model.parameter_count());
   State st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
   dp.gather_master_parameters();
-  model.save_state(st.params.data(), st.m.data(), st.v.data());
+  model.save_state(st.params, st.m, st.v);
   dp.zero()->gather_state(st.m.data(), st.v.data());
   return st;
 }
