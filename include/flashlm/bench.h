@@ -149,6 +149,7 @@ struct DdpBenchConfig {
   std::vector<bool> zero1{false};
   int nccl_max_ctas = 0;     // Communicator::set_nccl_max_ctas; 0: NCCL's choice
   int gemm_sm_reserve = -1;  // DdpOptions::gemm_sm_reserve; -1: automatic
+  int fsdp_prefetch = 1;     // DdpOptions::fsdp_prefetch of the fsdp rows
   int warmup = 3, steps = 10;
   std::function<void(const std::string&)> progress;  // rank 0 only
 };
@@ -168,6 +169,9 @@ struct DdpBenchRecord {
   std::optional<double> tokens_per_s, scaling_efficiency;
   std::optional<double> optimizer_state_mib;  // AdamW moments per rank
   std::optional<double> staging_mib;          // DataParallel::staging_bytes() per rank
+  // DdpModel::memory() per rank: parameters and gradients kept current, FSDP's peak of gathered parts; and
+  // the peak of every tracked allocation on the device over the timed steps (the largest rank's).
+  std::optional<double> parameters_mib, gradients_mib, gathered_mib, peak_mib;
   std::string status = "ok";                  // ok | oom | error (the same on every rank)
   std::string message;
 };
