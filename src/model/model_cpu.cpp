@@ -100,12 +100,18 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   memory_set_phase("forward");
   ScopedRange range("forward");
   const ActivationLayout& A = *acts_layout_;
+  parameters_needed("token_embeddings.");
   cpu::embedding_forward(param("token_embeddings.weight"), tokens, act(A.blocks[0].x_in), n, d);
+  parameters_done("token_embeddings.");
   for (int64_t l = 0; l < c.layers; ++l) forward_block(l, BlockPass::full);
   // The working set now holds the last segment's blocks: the backward starts without recomputing them.
   materialized_segment_ = A.blocks.back().segment;
+  parameters_needed("ln_final.");
   cpu::rmsnorm_forward(act(A.x_out), param("ln_final.weight"), act(A.h_f), stat(A.rstd_f), n, d, float(c.norm_eps));
+  parameters_done("ln_final.");
+  parameters_needed("lm_head.");
   cpu::linear_forward(act(A.h_f), param("lm_head.weight"), act(logits_offset_), n, d, c.vocab);
+  parameters_done("lm_head.");
   return cpu::cross_entropy_forward(act(logits_offset_), targets, n, c.vocab);
 }
 
@@ -138,11 +144,13 @@ void CpuModel::forward_block(int64_t l, BlockPass pass) {
   cpu::linear_forward(act(a.h2), param(p + "ffn.w1.weight"), act(a.u), n, d, f);
   cpu::linear_forward(act(a.h2), param(p + "ffn.w3.weight"), act(a.g), n, d, f);
   cpu::swiglu_forward(act(a.u), act(a.g), act(a.s), n * f);
-  if (pass != BlockPass::full) return;  // the backward needs only what the block computed inside
-  // The residual stream leaves into the next block's input (or x_out).
-  float* x_out = act(l + 1 < c.layers ? A.blocks[size_t(l + 1)].x_in : A.x_out);
-  cpu::linear_forward(act(a.s), param(p + "ffn.w2.weight"), x_out, n, f, d);
-  for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
+  if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
+    // The residual stream leaves into the next block's input (or x_out).
+    float* x_out = act(l + 1 < c.layers ? A.blocks[size_t(l + 1)].x_in : A.x_out);
+    cpu::linear_forward(act(a.s), param(p + "ffn.w2.weight"), x_out, n, f, d);
+    for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
+  }
+  parameters_done(p);
 }
 
 AttentionOptions CpuModel::attention_options() const {
@@ -170,12 +178,16 @@ void CpuModel::backward() {
 
   float* dlogits = act(logits_offset_);
   cpu::cross_entropy_backward(dlogits, targets_, n, c.vocab);
+  parameters_needed("lm_head.");
   cpu::linear_backward(dlogits, act(A.h_f), param("lm_head.weight"), dh, grad("lm_head.weight"), n, d, c.vocab,
                        false);
+  parameters_done("lm_head.");
   gradient_ready("lm_head.weight");
   std::fill(dx, dx + n * d, 0.0f);
+  parameters_needed("ln_final.");
   cpu::rmsnorm_backward(dh, act(A.x_out), param("ln_final.weight"), stat(A.rstd_f), dx, grad("ln_final.weight"), n,
                         d);
+  parameters_done("ln_final.");
   gradient_ready("ln_final.weight");
 
   for (int64_t l = c.layers - 1; l >= 0; --l) {
@@ -189,6 +201,7 @@ void CpuModel::backward() {
     }
     const std::string p = fmt::format("layers.{}.", l);
     ScopedRange layer_range("layer.backward");
+    parameters_needed(p);
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
     cpu::linear_backward(dx, act(a.s), param(p + "ffn.w2.weight"), ds, grad(p + "ffn.w2.weight"), n, f, d, false);
     gradient_ready(p + "ffn.w2.weight");
@@ -224,6 +237,7 @@ void CpuModel::backward() {
                          true);
     gradient_ready(p + "attn.v_proj.weight");
     cpu::rmsnorm_backward(dh, act(a.x_in), param(p + "ln1.weight"), stat(a.rstd1), dx, grad(p + "ln1.weight"), n, d);
+    parameters_done(p);
     gradient_ready(p + "ln1.weight");
   }
   cpu::embedding_backward(dx, tokens_, grad("token_embeddings.weight"), n, d);

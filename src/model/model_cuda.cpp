@@ -411,12 +411,14 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
     linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.a<T>(L.u), n, d, f, dt, m.stream);
     linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w3.weight"), m.a<T>(L.g), n, d, f, dt, m.stream);
     gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
-    if (pass != BlockPass::full) return;  // the backward needs only what the block computed inside
-    // The residual stream leaves into the next block's input (or x_out).
-    T* x_next = m.a<T>(l + 1 < c.layers ? m.A.blocks[size_t(l + 1)].x_in : m.A.x_out);
-    linear_forward_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), x_next, n, f, d, dt, m.stream);
-    gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
+    if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
+      // The residual stream leaves into the next block's input (or x_out).
+      T* x_next = m.a<T>(l + 1 < c.layers ? m.A.blocks[size_t(l + 1)].x_in : m.A.x_out);
+      linear_forward_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), x_next, n, f, d, dt, m.stream);
+      gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
+    }
   });
+  parameters_done(p);
 }
 
 double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_targets) {
@@ -452,6 +454,7 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
     } else {
       gpu::embedding_forward<T>(m.master("token_embeddings.weight"), tokens, x0, n, d, V, m.stream);
     }
+    parameters_done("token_embeddings.");
   });
   for (int64_t l = 0; l < c.layers; ++l) forward_block(l, BlockPass::full);
   // The working set now holds the last segment's blocks: the backward starts without recomputing them.
@@ -460,12 +463,14 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
     using T = decltype(zero);
     ScopedRange head_range("head.forward");  // final norm, then the LM head and the loss chunk by chunk
     parameters_needed("ln_final.");
-    parameters_needed("lm_head.");
     gpu::rmsnorm_forward<T>(m.a<T>(m.A.x_out), m.gain("ln_final.weight"), m.a<T>(m.A.h_f), m.f(m.A.rstd_f), n, d,
                             float(c.norm_eps), m.stream);
+    parameters_done("ln_final.");
+    parameters_needed("lm_head.");
     gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")), targets, n,
                                           d, V, m.head_chunk, 1.0f, row_loss, nullptr, nullptr,
                                           static_cast<T*>(m.logits.data()), m.stream);
+    parameters_done("lm_head.");
   });
   // The mean loss, summed on the host in a fixed order.
   std::vector<float> rows(static_cast<size_t>(n));
@@ -530,13 +535,17 @@ void CudaModel::backward() {
       ScopedRange head_range("head.backward");  // loss and LM head chunk by chunk, then the final norm
       // The fused head again, now with gradients (the forward kept no logits): each chunk's logits, their
       // gradient times the loss scale, the chunk's rows of dh and its share of the head's weight gradient.
+      parameters_needed("lm_head.");
       add_to_gradient("lm_head.weight", [&](float* dw) {
         gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")),
                                               targets, n, d, V, m.head_chunk, float(m.loss_scale / double(n)),
                                               nullptr, dh, dw, static_cast<T*>(m.logits.data()), m.stream);
       });
+      parameters_done("lm_head.");
       gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
+      parameters_needed("ln_final.");
       rmsnorm_backward(dh, m.a<T>(m.A.x_out), "ln_final.weight", m.f(m.A.rstd_f), dx);
+      parameters_done("ln_final.");
     }
     for (int64_t l = c.layers - 1; l >= 0; --l) {
       const BlockActivations& L = m.A.blocks[size_t(l)];
@@ -549,6 +558,7 @@ void CudaModel::backward() {
       }
       ScopedRange layer_range("layer.backward");
       const std::string p = fmt::format("layers.{}.", l);
+      parameters_needed(p);
       linear_backward(dx, m.a<T>(L.s), p + "ffn.w2.weight", ds, f, d, false);
       gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream);
       linear_backward(du, m.a<T>(L.h2), p + "ffn.w1.weight", dh, d, f, false);
@@ -572,6 +582,7 @@ void CudaModel::backward() {
       linear_backward(dk, m.a<T>(L.h1), p + "attn.k_proj.weight", dh, d, d, true);
       linear_backward(dv, m.a<T>(L.h1), p + "attn.v_proj.weight", dh, d, d, true);
       rmsnorm_backward(dh, m.a<T>(L.x_in), p + "ln1.weight", m.f(L.rstd1), dx);
+      parameters_done(p);
     }
     add_to_gradient("token_embeddings.weight", [&](float* dtable) {
       gpu::embedding_backward<T>(dx, tokens, dtable, n, d, V, m.stream);
