@@ -139,7 +139,10 @@ if HAS_CUSTOM_OPS:
 
     def _fwd_backward(ctx, dout, dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _BWD_OP(dout, q, k, v, o, lse, *ctx.args)
+        if torch.is_grad_enabled():  # create_graph=True, or under a torch.func transform
+            dq, dk, dv = _AttentionBackwardOps.apply(dout, q, k, v, o, lse, *ctx.args)
+        else:
+            dq, dk, dv = _BWD_OP(dout, q, k, v, o, lse, *ctx.args)
         return dq, dk, dv, None, None, None, None, None
 
     def _refuse_double_backward(ctx, *grads):
@@ -149,6 +152,32 @@ if HAS_CUSTOM_OPS:
     attention_bwd.register_autograd(_refuse_double_backward)
     _FWD_OP = torch.ops.flashlm.attention_fwd.default
     _BWD_OP = torch.ops.flashlm.attention_bwd.default
+
+    class _AttentionOps(torch.autograd.Function):
+        """The operators' autograd formula as an autograd.Function with setup_context, which torch.func
+        transforms (grad, vjp) accept; the op's own registered autograd (the same formula, for callers of
+        torch.ops.flashlm directly) is not usable under them in torch <= 2.15."""
+
+        @staticmethod
+        def forward(q, k, v, causal, bottom_right, scale, deterministic, impl):
+            return _FWD_OP(q, k, v, causal, bottom_right, scale, deterministic, impl)
+
+        setup_context = staticmethod(_fwd_setup_context)
+        backward = staticmethod(_fwd_backward)
+
+    class _AttentionBackwardOps(torch.autograd.Function):
+        """The backward operator where its result could be differentiated again: that raises the clear
+        error (the op's registered refusal is not reachable under torch.func transforms)."""
+
+        @staticmethod
+        def forward(dout, q, k, v, o, lse, causal, bottom_right, scale, deterministic, impl):
+            return _BWD_OP(dout, q, k, v, o, lse, causal, bottom_right, scale, deterministic, impl)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        backward = staticmethod(_refuse_double_backward)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -191,7 +220,7 @@ class _Attention(torch.autograd.Function):
 
 def _attention_bshd(q, k, v, causal, bottom_right, scale, deterministic, impl):
     if HAS_CUSTOM_OPS:
-        return _FWD_OP(q, k, v, causal, bottom_right, scale, deterministic, impl)[0]
+        return _AttentionOps.apply(q, k, v, causal, bottom_right, scale, deterministic, impl)[0]
     return _Attention.apply(q, k, v, causal, bottom_right, scale, deterministic, impl)
 
 
