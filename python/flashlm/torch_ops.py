@@ -1,14 +1,18 @@
 """PyTorch front end: flashlm's attention as torch.library custom operators (torch >= 2.4), or as a plain
 autograd.Function on older torch, through the C ABI (no compiled extension).
 
-    torch.ops.flashlm.attention_fwd(q, k, v, causal, bottom_right, scale, deterministic, impl) -> (o, lse)
-    torch.ops.flashlm.attention_bwd(dout, q, k, v, o, lse, causal, bottom_right, scale, deterministic, impl)
-        -> (dq, dk, dv)
+    torch.ops.flashlm.attention_fwd(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+        -> (o, lse)
+    torch.ops.flashlm.attention_bwd(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic,
+                                    impl) -> (dq, dk, dv)
 
-The operators take [batch, seq, heads, head_dim] tensors (any strides with a unit last stride: a
-transposed [batch, heads, seq, head_dim] tensor is such a view). o is allocated like q (same strides when q
-is dense), lse is [batch, heads_q, seq_q] float32 (float64 for float64 CPU inputs). The C side checks every
-argument; Python only describes the tensors to it.
+layout is "bshd" ([batch, seq, heads, head_dim]) or "bhsd" ([batch, heads, seq, head_dim]); any strides
+with a unit last stride. o is allocated like q (same strides when q is dense), lse is [batch, heads_q,
+seq_q] float32 (float64 for float64 CPU inputs), dq, dk, dv like q, k, v. The C side checks every
+argument; Python only describes the tensors to it (one struct.pack_into, _lib.py).
+
+Plain eager calls skip the operators' dispatcher round trip (_Attention below); under torch.compile,
+export, fake tensors and torch.func the operators are what gets traced.
 """
 import struct
 from typing import Optional, Tuple
@@ -31,77 +35,110 @@ else:
         return torch.cuda.current_stream(index).cuda_stream
 
 
-def _describe(t, name):
-    """The packed flashlm_tensor fields of t (data, ndim, dtype, device, sizes, strides)."""
-    try:
-        dtype = _DTYPES[t.dtype]
-    except KeyError:
-        raise L.FlashlmValueError(f"{name}: dtype {t.dtype} is not supported (float64, float32, float16, "
-                                  "bfloat16)") from None
-    return (t.data_ptr(), t.dim(), dtype, L.CUDA if t.is_cuda else L.CPU, *t.shape, *t.stride())
+def _describe(t, bhsd):
+    """The packed flashlm_tensor fields of a 4-D t (data, ndim, dtype, device, sizes, strides), a [batch,
+    heads, seq, head_dim] tensor described as its [batch, seq, heads, head_dim] view when bhsd. (is_cuda
+    is the device code: CPU = 0, CUDA = 1.) Kept to attribute reads: it runs five or nine times a call."""
+    s, st = t.shape, t.stride()
+    if bhsd:
+        return (t.data_ptr(), 4, _DTYPES[t.dtype], t.is_cuda, s[0], s[2], s[1], s[3], st[0], st[2], st[1], st[3])
+    return (t.data_ptr(), 4, _DTYPES[t.dtype], t.is_cuda, *s, *st)
+
+
+def _describe_lse(t):
+    return (t.data_ptr(), 3, _DTYPES[t.dtype], t.is_cuda, *t.shape, *t.stride())
 
 
 def _options(causal, bottom_right, scale, deterministic, impl):
     """The packed flashlm_attention_options fields, less the stream."""
-    try:
-        code = _IMPL[impl]
-    except KeyError:
-        raise L.FlashlmValueError(f"impl: '{impl}' is not flash or naive") from None
-    return (code, int(causal), int(bottom_right), int(deterministic), int(scale is not None),
-            0.0 if scale is None else float(scale))
+    return (_IMPL[impl], causal, bottom_right, deterministic, scale is not None, 0.0 if scale is None else scale)
 
 
-def _call(c_function, q, named_tensors, options):
-    """Packs the tensors and options (plus q's current CUDA stream) and calls the C function on q's device."""
-    fields = [field for t, name in named_tensors for field in _describe(t, name)]
+def _why_not_packable(named_tensors, impl):
+    """The error for arguments _describe/_options could not pack (the C side checks everything else)."""
+    for t, name in named_tensors:
+        if not isinstance(t, torch.Tensor):
+            return L.FlashlmValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        want = 3 if name == "lse" else 4
+        if t.dim() != want:
+            return L.FlashlmValueError(f"{name}: expected {want} dimensions, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            return L.FlashlmValueError(f"{name}: dtype {t.dtype} is not supported (float64, float32, float16, "
+                                       "bfloat16)")
+    if impl not in _IMPL:
+        return L.FlashlmValueError(f"impl: '{impl}' is not flash or naive")
+    return None
+
+
+def _is_bhsd(layout):
+    if layout == "bshd":
+        return False
+    if layout == "bhsd":
+        return True
+    raise L.FlashlmValueError(f"layout: '{layout}' is not bshd or bhsd")
+
+
+def _call(c_function, q, fields):
+    """Calls the C function on the packed fields with q's current CUDA stream appended, on q's device."""
     if not q.is_cuda:
-        return _pack_and_call(c_function, named_tensors, fields, options, 0)
+        return c_function(*fields, 0)
     index = q.get_device()
     if torch.cuda.current_device() == index:
-        return _pack_and_call(c_function, named_tensors, fields, options, _raw_stream(index))
+        return c_function(*fields, _raw_stream(index))
     with torch.cuda.device(index):  # the C ABI works on the calling thread's current device
-        return _pack_and_call(c_function, named_tensors, fields, options, _raw_stream(index))
-
-
-def _pack_and_call(c_function, named_tensors, fields, options, stream):
-    try:
-        c_function(*fields, *options, stream)
-    except struct.error:
-        # The packed layout has room for 4-dimensional tensors (3 for lse): name the one that is not.
-        for t, name in named_tensors:
-            want = 3 if name == "lse" else 4
-            if t.dim() != want:
-                raise L.FlashlmValueError(f"{name}: expected {want} dimensions, got shape {tuple(t.shape)}") from None
-        raise
+        return c_function(*fields, _raw_stream(index))
 
 
 def _lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 and not q.is_cuda else torch.float32
 
 
-def _forward_outputs(q):
-    """o (like q) and lse [batch, heads_q, seq_q], allocated as the operator's real and fake kernels both do."""
+def _forward_outputs(q, layout):
+    """o (like q: same strides when q is dense) and lse [batch, heads_q, seq_q], allocated as the
+    operator's real and fake kernels both do."""
+    bhsd = _is_bhsd(layout)
     if q.dim() != 4:
-        raise L.FlashlmValueError(f"q: expected 4 dimensions [batch, seq, heads, head_dim], got shape {tuple(q.shape)}")
-    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q))
+        raise L.FlashlmValueError(f"q: expected 4 dimensions ({layout}), got shape {tuple(q.shape)}")
+    s = q.shape
+    lse_shape = (s[0], s[1], s[2]) if bhsd else (s[0], s[2], s[1])
+    return torch.empty_like(q), torch.empty(lse_shape, dtype=_lse_dtype(q), device=q.device)
 
 
-def _forward(q, k, v, causal, bottom_right, scale, deterministic, impl):
-    o, lse = _forward_outputs(q)
-    _call(L.forward, q, ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse")),
-          _options(causal, bottom_right, scale, deterministic, impl))
+def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+    """Runs the forward on tensors in `layout`: (o, lse)."""
+    o, lse = _forward_outputs(q, layout)
+    bhsd = layout == "bhsd"
+    try:
+        fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
+                  + _options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
+    try:
+        _call(L.forward, q, fields)
+    except struct.error:
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
     return o, lse
 
 
-def _backward(dout, q, k, v, o, lse, causal, bottom_right, scale, deterministic, impl):
+def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
+    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v."""
     if dout.stride(-1) != 1 or dout.numel() == 0:
         # .sum().backward() hands an expanded (stride 0) gradient; an empty one keeps its zero strides
         # through .contiguous(), so it gets fresh ones.
         dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _call(L.backward, q, ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"), (dq, "dq"),
-                          (dk, "dk"), (dv, "dv")),
-          _options(causal, bottom_right, scale, deterministic, impl))
+    bhsd = _is_bhsd(layout)
+    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"))
+    try:
+        fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
+                  + _describe(dout, bhsd) + _describe(dq, bhsd) + _describe(dk, bhsd) + _describe(dv, bhsd)
+                  + _options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(named, impl) from None
+    try:
+        _call(L.backward, q, fields)
+    except struct.error:
+        raise _why_not_packable(named, impl) from None
     return dq, dk, dv
 
 
@@ -109,32 +146,33 @@ HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, 
 
 if HAS_CUSTOM_OPS:
     @torch.library.custom_op("flashlm::attention_fwd", mutates_args=())
-    def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bottom_right: bool,
-                      scale: Optional[float], deterministic: bool, impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Attention forward on [batch, seq, heads, head_dim] views: (o, lse). `deterministic` is the
-        backward's (it is an input so that the registered autograd formula sees it)."""
-        return _forward(q, k, v, causal, bottom_right, scale, deterministic, impl)
+    def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool,
+                      bottom_right: bool, scale: Optional[float], deterministic: bool,
+                      impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Attention forward: (o, lse). `deterministic` is the backward's (an input so that the autograd
+        formula sees it)."""
+        return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
 
     @attention_fwd.register_fake
-    def _attention_fwd_fake(q, k, v, causal, bottom_right, scale, deterministic, impl):
-        return _forward_outputs(q)
+    def _attention_fwd_fake(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+        return _forward_outputs(q, layout)
 
     @torch.library.custom_op("flashlm::attention_bwd", mutates_args=())
     def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, causal: bool, bottom_right: bool, scale: Optional[float], deterministic: bool,
-                      impl: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      lse: torch.Tensor, layout: str, causal: bool, bottom_right: bool, scale: Optional[float],
+                      deterministic: bool, impl: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention backward on the forward's tensors and dO: (dq, dk, dv), allocated like q, k, v."""
-        return _backward(dout, q, k, v, o, lse, causal, bottom_right, scale, deterministic, impl)
+        return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
 
     @attention_bwd.register_fake
-    def _attention_bwd_fake(dout, q, k, v, o, lse, causal, bottom_right, scale, deterministic, impl):
+    def _attention_bwd_fake(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def _fwd_setup_context(ctx, inputs, output):
-        q, k, v, causal, bottom_right, scale, deterministic, impl = inputs
+        q, k, v = inputs[:3]
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, bottom_right, scale, deterministic, impl)
+        ctx.args = inputs[3:]  # layout, causal, bottom_right, scale, deterministic, impl
         ctx.mark_non_differentiable(lse)
 
     def _fwd_backward(ctx, dout, dlse):
@@ -143,7 +181,7 @@ if HAS_CUSTOM_OPS:
             dq, dk, dv = _AttentionBackwardOps.apply(dout, q, k, v, o, lse, *ctx.args)
         else:
             dq, dk, dv = _BWD_OP(dout, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
     def _refuse_double_backward(ctx, *grads):
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
@@ -159,8 +197,8 @@ if HAS_CUSTOM_OPS:
         torch.ops.flashlm directly) is not usable under them in torch <= 2.15."""
 
         @staticmethod
-        def forward(q, k, v, causal, bottom_right, scale, deterministic, impl):
-            return _FWD_OP(q, k, v, causal, bottom_right, scale, deterministic, impl)
+        def forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+            return _FWD_OP(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
 
         setup_context = staticmethod(_fwd_setup_context)
         backward = staticmethod(_fwd_backward)
@@ -170,8 +208,8 @@ if HAS_CUSTOM_OPS:
         error (the op's registered refusal is not reachable under torch.func transforms)."""
 
         @staticmethod
-        def forward(dout, q, k, v, o, lse, causal, bottom_right, scale, deterministic, impl):
-            return _BWD_OP(dout, q, k, v, o, lse, causal, bottom_right, scale, deterministic, impl)
+        def forward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
+            return _BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -202,37 +240,43 @@ def _once_differentiable(grads, inputs):
 
 
 class _Attention(torch.autograd.Function):
-    """The autograd path for torch without torch.library.custom_op (Debian's 1.13, say)."""
+    """The eager autograd path: the C calls straight from an autograd.Function, without the dispatcher's
+    trip through the custom operators (tens of µs per call in eager mode). The only path on torch
+    without torch.library.custom_op (Debian's 1.13, say)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, bottom_right, scale, deterministic, impl):
-        o, lse = _forward(q, k, v, causal, bottom_right, scale, deterministic, impl)
+    def forward(ctx, q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+        o, lse = _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (causal, bottom_right, scale, deterministic, impl)
+        ctx.args = (layout, causal, bottom_right, scale, deterministic, impl)
         return o
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
         grads = _once_differentiable(_backward(dout, q, k, v, o, lse, *ctx.args), (q, k, v, dout))
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
-def _attention_bshd(q, k, v, causal, bottom_right, scale, deterministic, impl):
-    if HAS_CUSTOM_OPS:
-        return _AttentionOps.apply(q, k, v, causal, bottom_right, scale, deterministic, impl)[0]
-    return _Attention.apply(q, k, v, causal, bottom_right, scale, deterministic, impl)
+def _traced(q):
+    """Whether the call is being traced or transformed (torch.compile, export, FakeTensorMode, torch.func,
+    a tensor subclass), where the custom operators must be called; plain eager calls take _Attention."""
+    return HAS_CUSTOM_OPS and (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+                               or torch._C._len_torch_dispatch_stack() > 0 or type(q) is not torch.Tensor)
 
 
-def _bshd(t, layout, name):
-    """The [batch, seq, heads, head_dim] view of a tensor given in `layout` (no copy)."""
-    if t.dim() != 4:
-        raise L.FlashlmValueError(f"{name}: expected 4 dimensions ({layout}), got shape {tuple(t.shape)}")
-    if layout == "bshd":
-        return t
-    if layout == "bhsd":
-        return t.transpose(1, 2)
-    raise L.FlashlmValueError(f"layout: '{layout}' is not bshd or bhsd")
+def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+    if _traced(q):
+        return _AttentionOps.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+    return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)[0]  # no graph to record
+
+
+def _check_4d(tensors, layout):
+    for t, name in tensors:
+        if t.dim() != 4:
+            raise L.FlashlmValueError(f"{name}: expected 4 dimensions ({layout}), got shape {tuple(t.shape)}")
 
 
 def _bottom_right(causal, causal_align, seq_q, seq_k):
@@ -250,6 +294,10 @@ def _bottom_right(causal, causal_align, seq_q, seq_k):
         raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right") from None
 
 
+def _seq_dim(layout):
+    return 2 if _is_bhsd(layout) else 1
+
+
 def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, deterministic=False, impl="flash"):
     """Scaled dot-product attention with flashlm's kernels, differentiable (first order).
 
@@ -260,10 +308,10 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     is_causal, "bottom_right" flash-attn's; it must be given for a causal mask with seq_q != seq_k.
     flash_attn_func and scaled_dot_product_attention take those libraries' signatures.
     """
-    qb, kb, vb = _bshd(q, layout, "q"), _bshd(k, layout, "k"), _bshd(v, layout, "v")
-    bottom_right = _bottom_right(causal, causal_align, qb.shape[1], kb.shape[1])
-    o = _attention_bshd(qb, kb, vb, bool(causal), bottom_right, scale, bool(deterministic), impl)
-    return o if layout == "bshd" else o.transpose(1, 2)
+    seq = _seq_dim(layout)
+    _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
+    bottom_right = _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq])
+    return _attention(q, k, v, layout, bool(causal), bottom_right, scale, bool(deterministic), impl)
 
 
 def _no_dropout(dropout_p):
@@ -287,11 +335,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise L.FlashlmValueError("alibi_slopes: flashlm attention has no ALiBi (pass None)")
     if return_attn_probs:
         raise L.FlashlmValueError("return_attn_probs: flashlm attention does not return probabilities (pass False)")
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if t.dim() != 4:
-            raise L.FlashlmValueError(f"{name}: expected 4 dimensions [batch, seq, heads, head_dim], got shape "
-                                      f"{tuple(t.shape)}")
-    return _attention_bshd(q, k, v, bool(causal), True, softmax_scale, bool(deterministic), "flash")
+    _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
+    return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash")
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -303,30 +348,28 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise L.FlashlmValueError("attn_mask: flashlm attention takes no mask tensor (pass None; is_causal=True for "
                                   "a causal mask)")
     _no_dropout(dropout_p)
-    qb, kb, vb = _bshd(query, "bhsd", "query"), _bshd(key, "bhsd", "key"), _bshd(value, "bhsd", "value")
-    if not enable_gqa and (qb.shape[2] != kb.shape[2] or qb.shape[2] != vb.shape[2]):
-        raise L.FlashlmValueError(f"enable_gqa: query has {qb.shape[2]} heads and key/value {kb.shape[2]}/"
-                                  f"{vb.shape[2]}; pass enable_gqa=True for grouped-query attention")
-    return _attention_bshd(qb, kb, vb, bool(is_causal), False, scale, False, "flash").transpose(1, 2)
+    _check_4d(((query, "query"), (key, "key"), (value, "value")), "bhsd")
+    if not enable_gqa and (query.shape[1] != key.shape[1] or query.shape[1] != value.shape[1]):
+        raise L.FlashlmValueError(f"enable_gqa: query has {query.shape[1]} heads and key/value {key.shape[1]}/"
+                                  f"{value.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    return _attention(query, key, value, "bhsd", bool(is_causal), False, scale, False, "flash")
 
 
 def attention_forward(q, k, v, *, layout, causal=False, scale=None, causal_align=None, impl="flash"):
     """Forward only, no autograd: returns (o, lse) with o in q's layout and lse [batch, heads_q, seq_q]."""
-    qb, kb, vb = _bshd(q, layout, "q"), _bshd(k, layout, "k"), _bshd(v, layout, "v")
-    o, lse = _forward(qb, kb, vb, bool(causal), _bottom_right(causal, causal_align, qb.shape[1], kb.shape[1]), scale,
-                      False, impl)
-    return (o if layout == "bshd" else o.transpose(1, 2)), lse
+    seq = _seq_dim(layout)
+    _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
+    return _forward(q, k, v, layout, bool(causal), _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq]),
+                    scale, False, impl)
 
 
 def attention_backward(q, k, v, o, lse, dout, *, layout, causal=False, scale=None, causal_align=None,
                        deterministic=False, impl="flash"):
     """Backward only, no autograd: returns (dq, dk, dv) in the inputs' layout."""
-    views = [_bshd(t, layout, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"))]
-    qb, kb, vb, ob, db = views
-    grads = _backward(db, qb, kb, vb, ob, lse, bool(causal), _bottom_right(causal, causal_align, qb.shape[1],
-                                                                           kb.shape[1]), scale, bool(deterministic),
-                      impl)
-    return grads if layout == "bshd" else tuple(g.transpose(1, 2) for g in grads)
+    seq = _seq_dim(layout)
+    _check_4d(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout")), layout)
+    return _backward(dout, q, k, v, o, lse, layout, bool(causal),
+                     _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq]), scale, bool(deterministic), impl)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -338,7 +381,8 @@ class FlashAttention(torch.autograd.Function):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 3:
                 raise L.FlashlmValueError(f"{name}: expected 3 dimensions (batch, seq, head_dim), got {tuple(t.shape)}")
-        o, lse = _forward(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), bool(is_causal), False, None, False, "flash")
+        o, lse = _forward(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), "bshd", bool(is_causal), False, None, False,
+                          "flash")
         ctx.save_for_backward(q, k, v, o.squeeze(2), lse.squeeze(1))  # lse (batch, seq_q)
         ctx.is_causal = bool(is_causal)
         return o.squeeze(2)
@@ -347,5 +391,5 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward(dout.unsqueeze(2), q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), o.unsqueeze(2),
-                               lse.unsqueeze(1), ctx.is_causal, False, None, False, "flash")
+                               lse.unsqueeze(1), "bshd", ctx.is_causal, False, None, False, "flash")
         return (*_once_differentiable((dq.squeeze(2), dk.squeeze(2), dv.squeeze(2)), (q, k, v, dout)), None)

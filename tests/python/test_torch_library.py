@@ -37,10 +37,12 @@ def test_opcheck_forward_and_backward(device, causal, bottom_right):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q = rand((2, 13, 4, 32), dtype, device, 1)
     k, v = rand((2, 21, 2, 32), dtype, device, 2), rand((2, 21, 2, 32), dtype, device, 3)
-    torch.library.opcheck(torch.ops.flashlm.attention_fwd.default, (q, k, v, causal, bottom_right, None, False, "flash"))
-    o, lse = torch.ops.flashlm.attention_fwd(q, k, v, causal, bottom_right, 0.2, False, "flash")
+    torch.library.opcheck(torch.ops.flashlm.attention_fwd.default, (q, k, v, "bshd", causal, bottom_right, None, False, "flash"))
+    qh, kh, vh = (t.detach().transpose(1, 2).requires_grad_(True) for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flashlm.attention_fwd.default, (qh, kh, vh, "bhsd", causal, bottom_right, None, False, "flash"))
+    o, lse = torch.ops.flashlm.attention_fwd(q, k, v, "bshd", causal, bottom_right, 0.2, False, "flash")
     dout = torch.randn_like(o)
-    args = (dout, q.detach(), k.detach(), v.detach(), o.detach(), lse, causal, bottom_right, 0.2, False, "flash")
+    args = (dout, q.detach(), k.detach(), v.detach(), o.detach(), lse, "bshd", causal, bottom_right, 0.2, False, "flash")
     torch.library.opcheck(torch.ops.flashlm.attention_bwd.default, args)
 
 
@@ -49,22 +51,25 @@ def test_fake_tensor_shapes():
     with FakeTensorMode():
         q = torch.empty(3, 17, 8, 64, dtype=torch.bfloat16)
         k = torch.empty(3, 40, 2, 64, dtype=torch.bfloat16)
-        o, lse = torch.ops.flashlm.attention_fwd(q, k, k, True, True, None, False, "flash")
+        o, lse = torch.ops.flashlm.attention_fwd(q, k, k, "bshd", True, True, None, False, "flash")
         assert o.shape == q.shape and o.dtype == q.dtype and o.stride() == q.stride()
         assert lse.shape == (3, 8, 17) and lse.dtype == torch.float32
-        # A bhsd tensor seen as bshd: o keeps its strides, so o.transpose(1, 2) is contiguous again.
-        qt = torch.empty(3, 8, 17, 64, dtype=torch.bfloat16).transpose(1, 2)
-        ot, _ = torch.ops.flashlm.attention_fwd(qt, k, k, False, False, None, False, "flash")
-        assert ot.stride() == qt.stride()
-        dq, dk, dv = torch.ops.flashlm.attention_bwd(o, q, k, k, o, lse, True, True, None, False, "flash")
+        qh = torch.empty(3, 8, 17, 64, dtype=torch.bfloat16)  # bhsd
+        kh = torch.empty(3, 2, 40, 64, dtype=torch.bfloat16)
+        oh, lseh = torch.ops.flashlm.attention_fwd(qh, kh, kh, "bhsd", False, False, None, False, "flash")
+        assert oh.shape == qh.shape and oh.stride() == qh.stride() and lseh.shape == (3, 8, 17)
+        dq, dk, dv = torch.ops.flashlm.attention_bwd(o, q, k, k, o, lse, "bshd", True, True, None, False, "flash")
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
 def test_real_outputs_match_the_fake_strides():
-    q = rand((2, 4, 9, 16)).detach().transpose(1, 2)  # bhsd storage
+    q = rand((2, 4, 9, 16)).detach().transpose(1, 2)  # bhsd storage seen as bshd
     k = rand((2, 4, 9, 16), seed=1).detach().transpose(1, 2)
-    o, lse = torch.ops.flashlm.attention_fwd(q, k, k, False, False, None, False, "flash")
+    o, lse = torch.ops.flashlm.attention_fwd(q, k, k, "bshd", False, False, None, False, "flash")
     assert o.stride() == q.stride() and lse.shape == (2, 4, 9) and lse.is_contiguous()
+    oh, lseh = torch.ops.flashlm.attention_fwd(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2), "bhsd", False,
+                                               False, None, False, "flash")
+    assert torch.equal(oh, o.transpose(1, 2)) and torch.equal(lseh, lse)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -143,7 +148,7 @@ def test_double_backward_is_refused_clearly_through_the_ops(device):
 
 def test_lse_is_not_differentiable():
     q, k, v = (rand((1, 5, 2, 8), seed=s) for s in (1, 2, 3))
-    o, lse = torch.ops.flashlm.attention_fwd(q, k, v, False, False, None, False, "flash")
+    o, lse = torch.ops.flashlm.attention_fwd(q, k, v, "bshd", False, False, None, False, "flash")
     assert o.requires_grad and not lse.requires_grad
 
 
