@@ -116,15 +116,24 @@ void swiglu_backward(const float* ds, const float* u, const float* g, float* du,
   }
 }
 
+double row_log_sum_exp(const float* z, int64_t vocab) {
+  const float m = *std::max_element(z, z + vocab);
+  double sum = 0;
+  for (int64_t j = 0; j < vocab; ++j) sum += std::exp(double(z[j]) - m);
+  return std::log(sum) + m;
+}
+
+void row_softmax_gradient(float* z, int32_t target, int64_t vocab, double log_sum_exp, float scale) {
+  for (int64_t j = 0; j < vocab; ++j) z[j] = float(std::exp(double(z[j]) - log_sum_exp)) * scale;
+  z[target] -= scale;
+}
+
 double cross_entropy_forward(const float* logits, const int32_t* targets, int64_t n, int64_t vocab) {
   double total = 0;
 #pragma omp parallel for reduction(+ : total) schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     const float* z = logits + r * vocab;
-    const float m = *std::max_element(z, z + vocab);
-    double sum = 0;
-    for (int64_t j = 0; j < vocab; ++j) sum += std::exp(double(z[j]) - m);
-    total += double(m) + std::log(sum) - double(z[targets[r]]);
+    total += row_log_sum_exp(z, vocab) - double(z[targets[r]]);
   }
   return total / double(n);
 }
@@ -134,12 +143,7 @@ void cross_entropy_backward(float* logits, const int32_t* targets, int64_t n, in
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     float* z = logits + r * vocab;
-    const float m = *std::max_element(z, z + vocab);
-    double sum = 0;
-    for (int64_t j = 0; j < vocab; ++j) sum += std::exp(double(z[j]) - m);
-    const double log_sum = std::log(sum) + m;
-    for (int64_t j = 0; j < vocab; ++j) z[j] = float(std::exp(double(z[j]) - log_sum)) * inv_n;
-    z[targets[r]] -= inv_n;
+    row_softmax_gradient(z, targets[r], vocab, row_log_sum_exp(z, vocab), inv_n);
   }
 }
 

@@ -36,6 +36,10 @@ void swiglu_backward(const float* ds, const float* u, const float* g, float* du,
 double cross_entropy_forward(const float* logits, const int32_t* targets, int64_t n, int64_t vocab);
 // Overwrites logits with ∂(mean loss)/∂logits = (softmax - onehot) / n.
 void cross_entropy_backward(float* logits, const int32_t* targets, int64_t n, int64_t vocab);
+// The two of them row by row (also for the fused LM head, model/lm_head.h): logsumexp of one row in fp64
+// around its max; and the row overwritten with (softmax - onehot(target)) · scale given that logsumexp.
+double row_log_sum_exp(const float* z, int64_t vocab);
+void row_softmax_gradient(float* z, int32_t target, int64_t vocab, double log_sum_exp, float scale);
 
 // x[i] = table[tokens[i]]; backward: dtable[tokens[i]] += dx[i].
 void embedding_forward(const float* table, const int32_t* tokens, float* x, int64_t n, int64_t d);

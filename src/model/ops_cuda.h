@@ -61,9 +61,11 @@ template <class T>
 void cross_entropy_forward(const T* logits, const int32_t* targets, float* row_loss, int64_t n, int64_t vocab,
                            void* stream);
 // Overwrites logits with (softmax(logits) - onehot(target)) · scale (scale = 1/n for the mean loss, times
-// the loss scale with fp16). Rows with a target outside [0, vocab) become NaN.
+// the loss scale with fp16). Rows with a target outside [0, vocab) become NaN. row_loss, when given,
+// receives what cross_entropy_forward would have (the same bits), from the same pass over the logits.
 template <class T>
-void cross_entropy_backward(T* logits, const int32_t* targets, int64_t n, int64_t vocab, float scale, void* stream);
+void cross_entropy_backward(T* logits, const int32_t* targets, int64_t n, int64_t vocab, float scale, void* stream,
+                            float* row_loss = nullptr);
 
 // x[r] = table[tokens[r]] rounded to T; table: fp32 [vocab, d]. Rows whose token lies outside
 // [0, vocab) become NaN.

@@ -1,45 +1,87 @@
 // Optimizer arithmetic shared by every optimizer of the library (the models' AdamW, ZeRO-1's sharded one in
 // src/dist/), on the CPU and on CUDA side by side, so that the same gradients give the same bits whichever
-// of them updates a parameter. Flat fp32 arrays: parameters (master copies), gradients, AdamW moments.
+// of them updates a parameter.
+//
+// AdamW (CS336's formulation), `step` 1-based, per element in fp32, in this order, each operation rounded
+// once (no fused multiply-adds):
+//   g  = grad                      (times grad_scale, the clipping factor, when it is not 1)
+//   m' = b1 · m + (1 - b1) · g
+//   v' = b2 · v + ((1 - b2) · g) · g
+//   w' = w - (alpha · m') / (sqrt(v') + eps)      alpha = lr · sqrt(1 - b2^step) / (1 - b1^step)
+//   w''= w' - (lr · weight_decay) · w'
+// with alpha, b1, b2, 1 - b1, 1 - b2, eps and lr · weight_decay rounded to fp32 once (AdamWScalars). Where
+// torch.optim.AdamW differs: it decays w before the update, and adds eps to sqrt(v') / sqrt(1 - b2^step)
+// (here eps meets sqrt(v') before the bias correction, which alpha carries). The bf16 variant's storage
+// scheme — every value widened to fp32 in registers, the results rounded to bf16 once — is torch's fused
+// AdamW's for bf16 parameters. Element-wise: any split of a buffer into ranges gives the same bits as one
+// call over it.
 //
 // GPU functions: device pointers, asynchronous on `stream` (a cudaStream_t; nullptr is the legacy default
 // stream), launches checked (flashlm::CudaError), bad sizes raise flashlm::Error before anything is queued;
 // only in builds with CUDA (FLASHLM_WITH_CUDA). This header itself needs no CUDA headers.
 #pragma once
+#include <cmath>
 #include <cstdint>
 
 #include "flashlm/dtype.h"
 
+namespace flashlm {
+
+// The step's scalars in fp32, computed once per call from the fp64 hyper-parameters (the one place they
+// are computed, so that every variant rounds them alike).
+struct AdamWScalars {
+  float alpha, b1, one_minus_b1, b2, one_minus_b2, eps, decay, grad_scale;
+};
+
+inline AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                  int64_t step, float grad_scale = 1.0f) {
+  const double t = double(step);
+  const float alpha = float(lr * std::sqrt(1.0 - std::pow(beta2, t)) / (1.0 - std::pow(beta1, t)));
+  const float b1 = float(beta1), b2 = float(beta2);
+  return {alpha, b1, 1 - b1, b2, 1 - b2, float(eps), float(lr * weight_decay), grad_scale};
+}
+
+}  // namespace flashlm
+
 namespace flashlm::cpu {
 
-// Σ x[i]² over n values, accumulated in fp64 in index order.
+// Σ x[i]² over n values, accumulated in fp64 in index order (bf16 values widened exactly).
 double sum_squares(const float* x, int64_t n);
+double sum_squares(const bf16_t* x, int64_t n);
 // The factor that scales gradients of global norm `norm` down to max_norm (used when norm > max_norm).
 inline float clip_scale(double norm, double max_norm) { return float(max_norm / (norm + 1e-6)); }
-// One AdamW step (CS336; gpu::adamw_step's arithmetic) over n fp32 values, `step` 1-based:
-// m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g²; w -= alpha m / (sqrt(v) + eps) with
-// alpha = lr sqrt(1 - b2^step) / (1 - b1^step); then w -= lr · weight_decay · w. Element-wise: any split of
-// a buffer into ranges gives the same bits as one call over all of it.
+// One AdamW step (above; gpu::adamw_step's bits) over n fp32 values.
 void adamw_step(float* w, const float* g, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t step);
+// Pure bf16 (gpu::adamw_step_bf16's bits): parameters, gradients and moments stored in bf16, each widened
+// to fp32, stepped as above, and w'', m', v' rounded to bf16 (nearest even). grad_scale: the clipping
+// factor, applied to the widened gradient.
+void adamw_step_bf16(bf16_t* w, const bf16_t* g, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step, float grad_scale = 1.0f);
 
 }  // namespace flashlm::cpu
 
 namespace flashlm::gpu {
 
-// One AdamW step (CS336; cpu::adamw_step's arithmetic, operation by operation) over n fp32 values,
-// `step` 1-based: m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g²; w -= alpha m / (sqrt(v) + eps) with
-// alpha = lr sqrt(1 - b2^step) / (1 - b1^step); then w -= lr · weight_decay · w. When param_copy is not
-// null, it receives the updated weights rounded to T ∈ {float, bf16_t, fp16_t} (the copy the forward
-// reads); with T = float and no copy, call adamw_step<float>(..., nullptr, stream). grad_scale multiplies
-// each gradient first (once, rounded: the result of scale_inplace(grad, n, grad_scale) followed by the
-// step, without that pass).
+// One AdamW step (above; cpu::adamw_step's bits) over n fp32 values. When param_copy is not null, it
+// receives the updated weights rounded to T ∈ {float, bf16_t, fp16_t} (the copy the forward reads); with
+// T = float and no copy, call adamw_step<float>(..., nullptr, stream). grad_scale multiplies each gradient
+// first (once, rounded: the result of scale_inplace(grad, n, grad_scale) followed by the step, without that
+// pass).
 template <class T>
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale = 1.0f);
 
-// *out = Σ x[i]² accumulated in fp64 (device scalar), in a fixed order: 8192-element chunks, then the
-// chunk sums by one block. [scratch: ceil(n / 8192) doubles, stream-ordered]
-void squared_norm(const float* x, int64_t n, double* out, void* stream);
+// Pure bf16 (cpu::adamw_step_bf16's bits): param, grad, m and v all bf16 [n], updated in place, 16-byte
+// accesses where all four are aligned. The moments must start at zero (the first step's m' = (1 - b1) g).
+void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step, void* stream,
+                     float grad_scale = 1.0f);
+
+// *out = Σ x[i]² accumulated in fp64 (device scalar), T ∈ {float, bf16_t}, in a fixed order: 8192-element
+// chunks, then the chunk sums by one block (the gradient norm for clipping; with bf16 gradients the factor
+// then goes to adamw_step_bf16's grad_scale). [scratch: ceil(n / 8192) doubles, stream-ordered]
+template <class T>
+void squared_norm(const T* x, int64_t n, double* out, void* stream);
 
 }  // namespace flashlm::gpu

@@ -1,12 +1,14 @@
 // The CUDA layer kernels (model/ops_cuda.h) against the CPU ones (model/ops_cpu.h), for fp32, bf16 and
 // fp16 activations: random inputs rounded to the activation type (so both sides see the same values),
 // outputs poisoned with NaN (0xFF bytes) before each run, odd sizes, tolerances set by the storage type.
-// Reductions that feed the update (RMSNorm gains, embedding rows, squared norm) must also be
+// The fused LM head against the unfused GPU head and the CPU's fused head; pure-bf16 AdamW against its CPU
+// twin bit for bit. Reductions that feed the update (RMSNorm gains, embedding rows, squared norm) must also be
 // bit-identical from run to run. Every GPU test skips when no GPU is visible; without CUDA there is only
 // a skipped placeholder.
 #include <gtest/gtest.h>
 
 #include "gpu_testing.h"
+#include "model/random_tokens.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +29,8 @@
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
+#include "model/gemm_cuda.h"
+#include "model/lm_head.h"
 #include "model/ops_cpu.h"
 #include "model/ops_cuda.h"
 #include "optim/optimizer.h"
@@ -75,14 +79,6 @@ std::vector<float> random_values(int64_t n, uint64_t seed, float stddev = 1.0f, 
     while (x == 0.0f);
   }
   return v;
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> dist(0, int32_t(vocab - 1));
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int32_t& x : t) x = dist(rng);
-  return t;
 }
 
 // n values of T in device memory.
@@ -409,6 +405,108 @@ TYPED_TEST(OpsCuda, CrossEntropyRowsWithInvalidTargetsAreNaN) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The fused LM head + cross-entropy (model/lm_head.h).
+
+// The unfused head on the GPU, as the models ran it: all n rows of logits at once.
+template <class T>
+void unfused_head_cuda(const DeviceArray<T>& h, const DeviceArray<T>& w, const DeviceArray<int32_t>& targets, int64_t n,
+                       int64_t d, int64_t vocab, float grad_scale, DeviceArray<float>& row_loss, DeviceArray<T>& dh,
+                       DeviceArray<float>& dw) {
+  const DType dt = dtype_of<T>();
+  DeviceArray<T> logits(n * vocab);
+  linear_forward_cuda(h.data(), w.data(), logits.data(), n, d, vocab, dt, nullptr);
+  gpu::cross_entropy_forward<T>(logits.data(), targets.data(), row_loss.data(), n, vocab, nullptr);
+  gpu::cross_entropy_backward<T>(logits.data(), targets.data(), n, vocab, grad_scale, nullptr);
+  linear_backward_cuda(logits.data(), h.data(), w.data(), dh.data(), dw.data(), n, d, vocab, dt, false, nullptr);
+}
+
+TYPED_TEST(OpsCuda, LmHeadFusedMatchesUnfusedAndCpu) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  struct Case {
+    int64_t n, d, vocab, chunk;
+  };
+  // Chunks of one row, chunks that do and do not divide n, one chunk of every row, and the CS336 leaderboard
+  // vocabulary (151936).
+  std::vector<Case> cases = {{1, 64, 1000, 1}, {37, 64, 1000, 16}, {300, 32, 5008, 128}, {129, 128, 10000, 129},
+                             {37, 64, 151936, 16}};
+  if constexpr (std::is_same_v<T, float>) cases.push_back({17, 36, 1001, 5});  // fp32 GEMMs take any sizes
+  for (const Case& c : cases) {
+    const int64_t n = c.n, d = c.d, vocab = c.vocab, chunk = c.chunk;
+    SCOPED_TRACE(dims({{"n", n}, {"d", d}, {"vocab", vocab}, {"chunk", chunk}}));
+    const uint64_t seed = uint64_t(n * 7919 + d * 31 + vocab + chunk);
+    const std::vector<float> h = random_values<T>(n * d, seed, 1.0f), w = random_values<T>(vocab * d, seed + 1, 0.1f);
+    const std::vector<int32_t> targets = random_tokens(n, vocab, seed + 2);
+    const std::vector<float> dw0 = random_values(vocab * d, seed + 3, 1e-3f);  // the head's gradient accumulates
+    const float grad_scale = (std::is_same_v<T, fp16_t> ? 1024.0f : 1.0f) / float(n);
+
+    // The CPU's fused head in fp32 on the same (rounded) values.
+    std::vector<float> dh_ref(size_t(n * d)), dw_ref = dw0, ws(size_t(std::min(chunk, n) * vocab));
+    const double loss_ref = cpu::lm_head_loss_forward_backward(h.data(), w.data(), targets.data(), n, d, vocab, chunk,
+                                                               grad_scale, dh_ref.data(), dw_ref.data(), ws.data());
+
+    DeviceArray<T> d_h = device_copy<T>(h), d_w = device_copy<T>(w);
+    DeviceArray<int32_t> d_targets(targets);
+    DeviceArray<T> d_dh(n * d), d_ws(std::min(chunk, n) * vocab), u_dh(n * d);
+    DeviceArray<float> d_loss(n), d_dw(dw0), u_loss(n), u_dw(dw0);
+    d_loss.poison();
+    d_dh.poison();
+    d_ws.poison();
+    gpu::lm_head_loss_forward_backward<T>(d_h.data(), d_w.data(), d_targets.data(), n, d, vocab, chunk, grad_scale,
+                                          d_loss.data(), d_dh.data(), d_dw.data(), d_ws.data(), nullptr);
+    const std::vector<float> loss = d_loss.download(), dh = download_floats(d_dh), dw = d_dw.download();
+    u_loss.poison();
+    u_dh.poison();
+    unfused_head_cuda<T>(d_h, d_w, d_targets, n, d, vocab, grad_scale, u_loss, u_dh, u_dw);
+
+    // Against the unfused GPU head: the same kernels on fewer rows at a time.
+    // (cuBLASLt may pick another algorithm for fewer rows: fp32 rounding, or a 16-bit logit one ulp apart.)
+    const Tol same_path = std::is_same_v<T, float> ? Tol{1e-5, 1e-5} : Tol{1.0 / 64, 2e-3};
+    EXPECT_TRUE(close_to(loss, u_loss.download(), same_path)) << "row_loss vs unfused";
+    EXPECT_TRUE(close_to(dh, download_floats(u_dh), same_path)) << "dh vs unfused";
+    EXPECT_TRUE(close_to(dw, u_dw.download(), same_path)) << "dw vs unfused";
+
+    // Against the CPU in fp32: the GPU rounds logits and their gradient to T.
+    double mean = 0;
+    for (float l : loss) mean += l;
+    mean /= double(n);
+    const double loss_tol = std::is_same_v<T, float> ? 1e-5 : std::is_same_v<T, bf16_t> ? 2e-2 : 4e-3;
+    EXPECT_NEAR(mean, loss_ref, loss_tol * std::max(1.0, loss_ref));
+    const Tol vs_cpu = std::is_same_v<T, float>    ? Tol{1e-4, 1e-5}
+                       : std::is_same_v<T, bf16_t> ? Tol{0, 2e-2}
+                                                   : Tol{0, 5e-3};
+    EXPECT_TRUE(close_to(dh, dh_ref, vs_cpu)) << "dh vs CPU";
+    EXPECT_TRUE(close_to(dw, dw_ref, vs_cpu)) << "dw vs CPU";
+
+    // The loss alone (the forward): the forward kernel's row losses, which the backward kernel reproduces
+    // bit for bit from the same logits.
+    DeviceArray<float> f_loss(n);
+    f_loss.poison();
+    gpu::lm_head_loss_forward_backward<T>(d_h.data(), d_w.data(), d_targets.data(), n, d, vocab, chunk, grad_scale,
+                                          f_loss.data(), static_cast<T*>(nullptr), nullptr, d_ws.data(), nullptr);
+    EXPECT_TRUE(bitwise_equal(f_loss.download(), loss)) << "forward-only loss";
+  }
+}
+
+TEST(OpsCudaF32, CrossEntropyBackwardWritesTheForwardLoss) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 9, vocab = 3001;
+  const std::vector<float> logits = random_values(n * vocab, 3100, 3.0f);
+  std::vector<int32_t> targets = random_tokens(n, vocab, 3101);
+  targets[4] = int32_t(vocab);  // invalid: NaN on both paths
+  DeviceArray<float> d_logits(logits), d_loss(n), b_loss(n);
+  DeviceArray<int32_t> d_targets(targets);
+  d_loss.poison();
+  b_loss.poison();
+  gpu::cross_entropy_forward<float>(d_logits.data(), d_targets.data(), d_loss.data(), n, vocab, nullptr);
+  gpu::cross_entropy_backward<float>(d_logits.data(), d_targets.data(), n, vocab, 1.0f / float(n), nullptr,
+                                     b_loss.data());
+  const std::vector<float> want = d_loss.download(), got = b_loss.download();
+  EXPECT_TRUE(std::isnan(got[4]));
+  EXPECT_TRUE(bitwise_equal(got, want));
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Embedding.
 
 TYPED_TEST(OpsCuda, EmbeddingMatchesCpuBitwiseAndIsReproducible) {
@@ -542,8 +640,53 @@ TEST(OpsCudaF32, AdamWWithoutCopy) {
   EXPECT_TRUE(close_to(d_v.download(), v, {1e-6, 1e-7}));
 }
 
+// Pure bf16 against its CPU twin, bit for bit (both do the header's fp32 operations on the widened values,
+// each rounded once), on aligned arrays (the packed path) and on arrays one element off (element by element).
+TEST(OpsCudaBf16, AdamWBf16MatchesCpuBitwise) {
+  SKIP_WITHOUT_GPU();
+  const double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{100003}}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      SCOPED_TRACE(dims({{"n", n}, {"offset", offset}}));
+      std::vector<bf16_t> w = from_floats<bf16_t>(random_values<bf16_t>(n + offset, 3200 + n, 0.05f));
+      std::vector<bf16_t> m = from_floats<bf16_t>(random_values<bf16_t>(n + offset, 3300 + n, 1e-3f));
+      std::vector<bf16_t> v = from_floats<bf16_t>(random_values<bf16_t>(n + offset, 3400 + n, 1e-3f));
+      for (bf16_t& x : v) x = bf16_t(float(x) * float(x));  // second moments are non-negative
+      DeviceArray<bf16_t> d_w(w), d_m(m), d_v(v), d_g(n + offset);
+      for (int64_t step = 1; step <= 3; ++step) {
+        const std::vector<bf16_t> g = from_floats<bf16_t>(random_values<bf16_t>(n + offset, 3500 + n + step, 1e-2f));
+        const float grad_scale = step == 2 ? 0.37f : 1.0f;
+        d_g.upload(g);
+        cpu::adamw_step_bf16(w.data() + offset, g.data() + offset, m.data() + offset, v.data() + offset, n, lr, beta1,
+                             beta2, eps, wd, step, grad_scale);
+        gpu::adamw_step_bf16(d_w.data() + offset, d_g.data() + offset, d_m.data() + offset, d_v.data() + offset, n, lr,
+                             beta1, beta2, eps, wd, step, nullptr, grad_scale);
+        EXPECT_TRUE(bitwise_equal(d_w.download(), w)) << "w, step " << step;
+        EXPECT_TRUE(bitwise_equal(d_m.download(), m)) << "m, step " << step;
+        EXPECT_TRUE(bitwise_equal(d_v.download(), v)) << "v, step " << step;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Reductions and utilities.
+
+// gpu::squared_norm of x is within 1e-12 of `want` (an fp64 sum in index order) and the same bits twice.
+template <class T>
+void expect_squared_norm(const std::vector<T>& x, double want) {
+  DeviceArray<T> d_x(x);
+  DeviceArray<double> d_out(1);
+  std::vector<double> first;
+  for (int run = 0; run < 2; ++run) {
+    d_out.poison();
+    gpu::squared_norm(d_x.data(), int64_t(x.size()), d_out.data(), nullptr);
+    const std::vector<double> got = d_out.download();
+    EXPECT_NEAR(got[0], want, 1e-12 * want);
+    if (run == 0) first = got;
+    else EXPECT_TRUE(bitwise_equal(got, first)) << "two runs differ";
+  }
+}
 
 TEST(OpsCudaF32, SquaredNormIsExactEnoughAndReproducible) {
   SKIP_WITHOUT_GPU();
@@ -552,22 +695,21 @@ TEST(OpsCudaF32, SquaredNormIsExactEnoughAndReproducible) {
     const std::vector<float> x = random_values(n, 2600 + n);
     double want = 0;
     for (float v : x) want += double(v) * double(v);
-    DeviceArray<float> d_x(x);
-    DeviceArray<double> d_out(1);
-    std::vector<double> first;
-    for (int run = 0; run < 2; ++run) {
-      d_out.poison();
-      gpu::squared_norm(d_x.data(), n, d_out.data(), nullptr);
-      const std::vector<double> got = d_out.download();
-      EXPECT_NEAR(got[0], want, 1e-12 * want);
-      if (run == 0) first = got;
-      else EXPECT_TRUE(bitwise_equal(got, first)) << "two runs differ";
-    }
+    expect_squared_norm(x, want);
   }
   DeviceArray<double> d_out(1);
   d_out.poison();
-  gpu::squared_norm(nullptr, 0, d_out.data(), nullptr);
+  gpu::squared_norm<float>(nullptr, 0, d_out.data(), nullptr);
   EXPECT_EQ(d_out.download()[0], 0.0);
+}
+
+TEST(OpsCudaBf16, SquaredNormOfBf16GradientsMatchesCpuAndIsReproducible) {
+  SKIP_WITHOUT_GPU();
+  for (int64_t n : {int64_t{1}, int64_t{8193}, int64_t{(1 << 20) + 3}}) {
+    SCOPED_TRACE(dims({{"n", n}}));
+    const std::vector<bf16_t> x = from_floats<bf16_t>(random_values<bf16_t>(n, 3600 + n));
+    expect_squared_norm(x, cpu::sum_squares(x.data(), n));
+  }
 }
 
 TYPED_TEST(OpsCuda, CountNonfinite) {
@@ -646,6 +788,14 @@ TEST(OpsCudaErrors, BadSizesAreErrors) {
   EXPECT_THROW(gpu::embedding_backward<float>(f, i, f, 3, 8, 0, nullptr), Error);
   EXPECT_THROW(gpu::adamw_step<float>(f, f, f, f, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0, nullptr, nullptr), Error);
   EXPECT_THROW(gpu::squared_norm(f, -1, nullptr, nullptr), Error);
+  bf16_t* b = nullptr;
+  EXPECT_THROW(gpu::squared_norm(b, -1, nullptr, nullptr), Error);
+  EXPECT_THROW(gpu::adamw_step_bf16(b, b, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0, nullptr), Error);
+  EXPECT_THROW(gpu::adamw_step_bf16(b, b, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, nullptr), Error);  // null arrays
+  EXPECT_THROW(gpu::lm_head_loss_forward_backward<bf16_t>(b, b, i, 4, 8, 16, 0, 1.0f, f, b, f, b, nullptr), Error);
+  EXPECT_THROW(gpu::lm_head_loss_forward_backward<bf16_t>(b, b, i, 4, 8, 16, 2, 1.0f, nullptr, nullptr, nullptr, b,
+                                                          nullptr),
+               Error);  // neither a loss nor gradients asked for
   // Empty inputs queue nothing.
   EXPECT_NO_THROW(gpu::swiglu_forward<float>(f, f, f, 0, nullptr));
   EXPECT_NO_THROW(gpu::rmsnorm_forward<float>(f, f, f, f, 0, 32, 1e-5f, nullptr));

@@ -47,14 +47,18 @@ __global__ void __launch_bounds__(kCeThreads)
 template <class D>
 __global__ void __launch_bounds__(kCeThreads)
     cross_entropy_backward_kernel(D* __restrict__ logits, const int32_t* __restrict__ targets, int64_t vocab,
-                                  float scale) {
+                                  float scale, float* __restrict__ row_loss) {
   const int64_t row = blockIdx.x;
   D* z = logits + row * vocab;
+  const int32_t t = targets[row];
+  const bool valid = t >= 0 && t < vocab;
+  // The target's logit for the loss, read before row_stats' __syncthreads (after it the row is overwritten).
+  const float target_logit = row_loss && threadIdx.x == 0 && valid ? f32(z[t]) : 0.f;
   float m, l;
   row_stats(z, vocab, m, l);  // ends with a __syncthreads: every read of the row precedes every write
   const float lse = m + logf(l);
-  const int32_t t = targets[row];
-  const bool valid = t >= 0 && t < vocab;
+  // The forward kernel's loss, bit for bit (the same statistics, the same expression).
+  if (row_loss && threadIdx.x == 0) row_loss[row] = valid ? lse - target_logit : __int_as_float(0x7fc00000);
   for (int64_t j = threadIdx.x; j < vocab; j += kCeThreads) {
     float g = expf(f32(z[j]) - lse) * scale;
     if (j == t) g -= scale;
@@ -77,19 +81,20 @@ void cross_entropy_forward(const T* logits, const int32_t* targets, float* row_l
 }
 
 template <class T>
-void cross_entropy_backward(T* logits, const int32_t* targets, int64_t n, int64_t vocab, float scale, void* stream) {
+void cross_entropy_backward(T* logits, const int32_t* targets, int64_t n, int64_t vocab, float scale, void* stream,
+                            float* row_loss) {
   check_count("cross_entropy_backward", "n", n);
   check_width("cross_entropy_backward", "vocab", vocab);
   FLASHLM_CHECK(n <= INT_MAX, "cross_entropy_backward: n = {} is too large", n);
   if (n == 0) return;
   cross_entropy_backward_kernel<<<unsigned(n), kCeThreads, 0, as_stream(stream)>>>(dev(logits), targets, vocab,
-                                                                                    scale);
+                                                                                    scale, row_loss);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "cross_entropy_backward_kernel");
 }
 
 #define FLASHLM_CROSS_ENTROPY_INSTANTIATE(T) \
   template void cross_entropy_forward<T>(const T*, const int32_t*, float*, int64_t, int64_t, void*); \
-  template void cross_entropy_backward<T>(T*, const int32_t*, int64_t, int64_t, float, void*);
+  template void cross_entropy_backward<T>(T*, const int32_t*, int64_t, int64_t, float, void*, float*);
 
 FLASHLM_CROSS_ENTROPY_INSTANTIATE(float)
 FLASHLM_CROSS_ENTROPY_INSTANTIATE(bf16_t)

@@ -1,7 +1,7 @@
-// AdamW on CUDA (optim/optimizer.h): cpu::adamw_step's operations in its order, each rounded once (no fused
-// multiply-adds), one element per thread, or four with 16-byte accesses where every array is aligned.
-#include <cmath>
-
+// AdamW on CUDA (optim/optimizer.h): the header's operations in its order, each rounded once (no fused
+// multiply-adds, hence the __f*_rn intrinsics). fp32 masters: one element per thread, or four with 16-byte
+// accesses where every array is aligned; pure bf16: a pack of eight per thread (16-byte accesses of each
+// array) where all four arrays are aligned, else one by one.
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
 #include "optim/optimizer.h"
@@ -9,10 +9,6 @@
 namespace flashlm::gpu {
 
 namespace {
-
-struct AdamWScalars {
-  float alpha, b1, one_minus_b1, b2, one_minus_b2, eps, decay, grad_scale;
-};
 
 // One element. grad_scale: the clipping factor, applied here instead of by a pass of its own over the
 // gradients (the same single rounding as scale_inplace's g * s).
@@ -69,6 +65,29 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Pure bf16: every value widened to fp32, stepped by adamw_element, rounded back to bf16 (nearest even).
+__global__ void __launch_bounds__(kThreads)
+    adamw_bf16_kernel(__nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ grad,
+                      __nv_bfloat16* __restrict__ m, __nv_bfloat16* __restrict__ v, int64_t n, int64_t packs,
+                      AdamWScalars a) {
+  for_each_pack(n, packs, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    Vec<__nv_bfloat16, W> wv = load<W>(w + i), mv = load<W>(m + i), vv = load<W>(v + i);
+    const Vec<__nv_bfloat16, W> gv = load<W>(grad + i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      float wk = f32(wv[k]), mk = f32(mv[k]), vk = f32(vv[k]);
+      adamw_element(wk, f32(gv[k]), mk, vk, a);
+      wv[k] = from_f32<__nv_bfloat16>(wk);
+      mv[k] = from_f32<__nv_bfloat16>(mk);
+      vv[k] = from_f32<__nv_bfloat16>(vk);
+    }
+    store(w + i, wv);
+    store(m + i, mv);
+    store(v + i, vv);
+  });
+}
+
 }  // namespace
 
 template <class T>
@@ -77,11 +96,7 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
   check_count("adamw_step", "n", n);
   FLASHLM_CHECK(step >= 1, "adamw_step: step = {}, expected >= 1 (1-based)", step);
   if (n == 0) return;
-  // cpu::adamw_step's scalars, computed the same way.
-  const double t = double(step);
-  const float alpha = float(lr * std::sqrt(1.0 - std::pow(beta2, t)) / (1.0 - std::pow(beta1, t)));
-  const float b1 = float(beta1), b2 = float(beta2), e = float(eps), decay = float(lr * weight_decay);
-  const AdamWScalars a{alpha, b1, 1 - b1, b2, 1 - b2, e, decay, grad_scale};
+  const AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
   const cudaStream_t s = as_stream(stream);
   const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v);
   const int64_t n4 = vector ? n / 4 : 0;
@@ -95,6 +110,19 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
     adamw_kernel<<<elementwise_blocks(n - 4 * n4), kThreads, 0, s>>>(param, grad, m, v, 4 * n4, n, a, dev(param_copy));
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel");
   }
+}
+
+void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
+                     double beta2, double eps, double weight_decay, int64_t step, void* stream, float grad_scale) {
+  check_count("adamw_step_bf16", "n", n);
+  FLASHLM_CHECK(step >= 1, "adamw_step_bf16: step = {}, expected >= 1 (1-based)", step);
+  if (n == 0) return;
+  FLASHLM_CHECK(param && grad && m && v, "adamw_step_bf16: param, grad, m and v must not be null");
+  const AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+  const int64_t packs = pack_count(n, param, grad, m, v);
+  adamw_bf16_kernel<<<packed_blocks(n, packs), kThreads, 0, as_stream(stream)>>>(dev(param), dev(grad), dev(m), dev(v),
+                                                                                  n, packs, a);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_bf16_kernel");
 }
 
 #define FLASHLM_ADAMW_INSTANTIATE(T)                                                                             \

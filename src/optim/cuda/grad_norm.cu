@@ -19,9 +19,13 @@ struct SquareOp {
 
 }  // namespace
 
-void squared_norm(const float* x, int64_t n, double* out, void* stream) {
+template <class T>
+void squared_norm(const T* x, int64_t n, double* out, void* stream) {
   check_count("squared_norm", "n", n);
-  reduce<SquareOp>(x, n, out, as_stream(stream), "squared_norm");
+  reduce<SquareOp>(dev(x), n, out, as_stream(stream), "squared_norm");
 }
+
+template void squared_norm<float>(const float*, int64_t, double*, void*);
+template void squared_norm<bf16_t>(const bf16_t*, int64_t, double*, void*);
 
 }  // namespace flashlm::gpu
