@@ -38,6 +38,10 @@ struct AttentionBenchConfig {
   int warmup = 1;
   int reps = 3;
   bool backward = true;
+  // On the CPU a row whose passes (warm-up and timed, forward and backward) would compute more than this
+  // many FLOPs is not run but recorded as "skipped", with its count: 1e14 is hours at the CPU attention's
+  // measured 5-20 GFLOP/s (docs/measurements/2026-11-30-cpu-attention.json, two threads).
+  double cpu_max_flops = 1e14;
   std::function<void(const std::string&)> progress;  // one line per finished row (for stderr)
 };
 
@@ -46,7 +50,7 @@ struct AttentionBenchRecord {
   int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
   bool causal = false;
   std::optional<double> fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, peak_fwd_mib, peak_bwd_mib;
-  std::string status = "ok";  // ok | oom | error
+  std::string status = "ok";  // ok | oom | error | skipped
   std::string message;        // why, when status is not ok
 };
 

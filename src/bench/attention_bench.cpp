@@ -34,6 +34,12 @@ double median_ms(Device device, int warmup, int reps, const std::function<void()
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
+// The FLOPs every pass of a row computes (warm-up and timed runs), as the FlashAttention papers count them.
+double row_flops(const AttentionBenchConfig& cfg, const AttentionBenchRecord& rec) {
+  const double fwd = attention_forward_flops(rec.batch, rec.heads, rec.seq_q, rec.seq_k, rec.head_dim, rec.causal);
+  return fwd * (cfg.backward ? 3.5 : 1.0) * (1 + cfg.warmup + cfg.reps);
+}
+
 void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, AttentionImpl impl, DType dtype) {
   const Device dev = cfg.device;
   // Inputs first; everything allocated after `base` is the pass's extra memory (outputs, gradients and
@@ -99,7 +105,13 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
         rec.head_dim = shape.head_dim;
         rec.causal = shape.causal;
         try {
-          measure_row(cfg, rec, impl, dtype);
+          if (cfg.device == Device::cpu && !(row_flops(cfg, rec) <= cfg.cpu_max_flops)) {
+            rec.status = "skipped";
+            rec.message = fmt::format("{:.2g} FLOPs on the CPU, above the limit of {:.2g} (--cpu-max-flops)",
+                                      row_flops(cfg, rec), cfg.cpu_max_flops);
+          } else {
+            measure_row(cfg, rec, impl, dtype);
+          }
         } catch (const OutOfMemory& e) {
           rec.status = "oom";
           rec.message = e.what();

@@ -114,7 +114,8 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   LanguageModel& model = *model_ptr;
   model.init_parameters(1);
   // Each rank its own tokens, as each would read its own slice of the data.
-  std::vector<int32_t> tokens(size_t(cfg.batch * cfg.context)), targets(tokens.size());
+  std::vector<int32_t> tokens(size_t(checked_mul(cfg.batch, cfg.context, "ddp-bench: tokens per step"))),
+      targets(tokens.size());
   std::mt19937 rng(7 + uint32_t(comm.rank()));
   std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = token(rng), targets[i] = token(rng);

@@ -10,19 +10,30 @@ namespace flashlm {
 
 int64_t ParameterInfo::numel() const {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) n = checked_mul(n, s, "model: parameter size");
   return n;
 }
 
 void ModelConfig::validate() const {
   FLASHLM_CHECK(vocab >= 2, "model: vocab = {}, expected at least 2", vocab);
   FLASHLM_CHECK(context >= 1, "model: context = {}, expected at least 1", context);
-  FLASHLM_CHECK(layers >= 1, "model: layers = {}, expected at least 1", layers);
+  // The layout holds an entry per layer's weight: a layer count is bounded before it is looped over.
+  FLASHLM_CHECK(layers >= 1 && layers <= kMaxLayers, "model: layers = {}, expected 1..{}", layers, kMaxLayers);
+  FLASHLM_CHECK(d_model >= 1, "model: d_model = {}, expected at least 1", d_model);
   FLASHLM_CHECK(heads >= 1 && d_model % heads == 0, "model: d_model = {} is not a multiple of heads = {}", d_model,
                 heads);
   FLASHLM_CHECK(head_dim() % 2 == 0, "model: head_dim = d_model / heads = {} must be even for RoPE", head_dim());
   FLASHLM_CHECK(d_ff >= 1, "model: d_ff = {}, expected at least 1", d_ff);
   FLASHLM_CHECK(vocab < (int64_t{1} << 31), "model: vocab = {} does not fit int32 token ids", vocab);
+  // The parameter count, and its size in fp32 bytes, fit int64 (embedding, head, and per layer
+  // 4 d² + 3 d·d_ff + 2 d): the models size their buffers from it unchecked.
+  constexpr std::string_view what = "model: parameter count";
+  const int64_t per_layer = checked_add(
+      checked_add(checked_product({4, d_model, d_model}, what), checked_product({3, d_model, d_ff}, what), what),
+      2 * d_model, what);
+  const int64_t total =
+      checked_add(checked_product({2, vocab, d_model}, what), checked_mul(layers, per_layer, what), what);
+  checked_mul(total, int64_t{sizeof(float)}, "model: parameter bytes");
 }
 
 ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t vocab) {
@@ -54,7 +65,7 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
   int64_t offset = 0;
   auto add = [&](std::string name, std::vector<int64_t> shape) {
     ParameterInfo p{std::move(name), offset, std::move(shape)};
-    offset += p.numel();
+    offset = checked_add(offset, p.numel(), "model: parameter count");
     out.push_back(std::move(p));
   };
   const int64_t d = c.d_model;
@@ -134,6 +145,15 @@ std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t bat
 #else
   fail("model: --device cuda needs a CUDA build of flashlm");
 #endif
+}
+
+void LanguageModel::check_state_arrays(std::string_view caller, size_t params, size_t m, size_t v,
+                                       int64_t optimizer_steps) const {
+  const auto n = size_t(parameter_count());
+  for (const auto& [name, size] : {std::pair{"params", params}, std::pair{"m", m}, std::pair{"v", v}}) {
+    FLASHLM_CHECK(size == n, "{}: {} holds {} floats, expected parameter_count() = {}", caller, name, size, n);
+  }
+  FLASHLM_CHECK(optimizer_steps >= 0, "{}: optimizer_steps = {}, expected >= 0", caller, optimizer_steps);
 }
 
 void LanguageModel::gradient_ready(std::string_view parameter_name) const {

@@ -25,16 +25,20 @@ struct ActivationPlan {
   int64_t x_out = 0, rstd_f = 0, h_f = 0, logits = 0, total = 0;
 };
 
+// Every offset is checked: batch, seq and the widths come from the user.
 ActivationPlan plan_activations(const ModelConfig& c, int64_t batch, int64_t seq) {
-  const int64_t n = batch * seq, d = c.d_model, f = c.d_ff;
+  constexpr std::string_view what = "CpuModel: activation size";
+  const auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
+  const auto add = [&](int64_t a, int64_t b) { return checked_add(a, b, what); };
+  const int64_t n = mul({batch, seq}), d = c.d_model, f = c.d_ff;
   ActivationPlan p;
-  p.per_layer = 9 * n * d + 3 * n * f + 2 * n + batch * c.heads * seq;
+  p.per_layer = add(add(mul({9, n, d}), mul({3, n, f})), add(mul({2, n}), mul({n, c.heads})));
+  p.x_out = mul({c.layers, p.per_layer});
   for (int64_t l = 0; l < c.layers; ++l) p.layer_base.push_back(l * p.per_layer);
-  p.x_out = c.layers * p.per_layer;
-  p.rstd_f = p.x_out + n * d;
-  p.h_f = p.rstd_f + n;
-  p.logits = p.h_f + n * d;
-  p.total = p.logits + n * c.vocab;
+  p.rstd_f = add(p.x_out, mul({n, d}));
+  p.h_f = add(p.rstd_f, n);
+  p.logits = add(p.h_f, mul({n, d}));
+  p.total = add(p.logits, mul({n, c.vocab}));
   return p;
 }
 
@@ -50,13 +54,17 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, Attent
   params_ = Buffer::allocate(pbytes, Device::cpu, "parameters");
   grads_ = Buffer::allocate(pbytes, Device::cpu, "gradients");
   const ActivationPlan plan = plan_activations(config, batch, seq);
-  acts_ = Buffer::allocate(size_t(plan.total) * sizeof(float), Device::cpu, "activations");
-  const int64_t n = batch * seq;
+  constexpr std::string_view bytes = "CpuModel: activation bytes";
+  constexpr int64_t kFloat = sizeof(float);
+  acts_ = Buffer::allocate(size_t(checked_mul(plan.total, kFloat, bytes)), Device::cpu, "activations");
+  const int64_t n = batch * seq;  // checked by plan_activations
   // Backward scratch: residual gradient, four [n, d] and three [n, d_ff] arrays.
-  scratch_ = Buffer::allocate(size_t(6 * n * config.d_model + 3 * n * config.d_ff) * sizeof(float), Device::cpu,
-                              "backward scratch");
+  scratch_ = Buffer::allocate(size_t(checked_add(checked_product({6, n, config.d_model, kFloat}, bytes),
+                                                 checked_product({3, n, config.d_ff, kFloat}, bytes), bytes)),
+                              Device::cpu, "backward scratch");
   const int64_t half = config.head_dim() / 2;
-  rope_ = Buffer::allocate(size_t(2 * config.context * half) * sizeof(float), Device::cpu, "RoPE tables");
+  rope_ = Buffer::allocate(size_t(checked_product({2, config.context, half, kFloat}, "CpuModel: RoPE table bytes")),
+                           Device::cpu, "RoPE tables");
   float* rope = static_cast<float*>(rope_.data());
   cpu::rope_tables(rope, rope + config.context * half, config.context, config.head_dim(), config.rope_theta);
   std::fill(parameters(), parameters() + n_params_, 0.0f);
@@ -287,22 +295,25 @@ double CpuModel::clip_gradients(double max_norm) {
   return norm;
 }
 
-void CpuModel::save_state(float* params, float* m, float* v) const {
-  std::copy(parameters(), parameters() + n_params_, params);
+void CpuModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  check_state_arrays("CpuModel::save_state", params.size(), m.size(), v.size(), 0);
+  std::copy(parameters(), parameters() + n_params_, params.begin());
   if (!adam_m_.data()) {  // no step taken yet: zero moments
-    std::fill(m, m + n_params_, 0.0f);
-    std::fill(v, v + n_params_, 0.0f);
+    std::fill(m.begin(), m.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
     return;
   }
-  std::copy(static_cast<const float*>(adam_m_.data()), static_cast<const float*>(adam_m_.data()) + n_params_, m);
-  std::copy(static_cast<const float*>(adam_v_.data()), static_cast<const float*>(adam_v_.data()) + n_params_, v);
+  std::copy_n(static_cast<const float*>(adam_m_.data()), n_params_, m.begin());
+  std::copy_n(static_cast<const float*>(adam_v_.data()), n_params_, v.begin());
 }
 
-void CpuModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+void CpuModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                          int64_t optimizer_steps) {
+  check_state_arrays("CpuModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   allocate_moments();
-  std::copy(params, params + n_params_, parameters());
-  std::copy(m, m + n_params_, static_cast<float*>(adam_m_.data()));
-  std::copy(v, v + n_params_, static_cast<float*>(adam_v_.data()));
+  std::copy(params.begin(), params.end(), parameters());
+  std::copy(m.begin(), m.end(), static_cast<float*>(adam_m_.data()));
+  std::copy(v.begin(), v.end(), static_cast<float*>(adam_v_.data()));
   adam_step_ = optimizer_steps;
 }
 

@@ -120,7 +120,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.c = config;
   m.batch = batch;
   m.seq = seq;
-  m.n = batch * seq;
+  m.n = checked_mul(batch, seq, "CudaModel: tokens per step");
   m.precision = precision;
   m.attention = attention;
   m.stream = stream;
@@ -135,46 +135,52 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
     m.params_lp = Buffer::allocate(size_t(m.n_params) * m.elem(), Device::cuda, "parameters (low precision)");
   }
 
-  const int64_t n = m.n, d = config.d_model, f = config.d_ff, bhs = batch * config.heads * seq;
+  // Every offset is checked: batch, seq and the widths come from the user.
+  constexpr std::string_view what = "CudaModel: activation size";
+  const int64_t n = m.n, d = config.d_model, f = config.d_ff, bhs = checked_mul(n, config.heads, what);
   int64_t t = 0, t32 = 0;
-  auto take = [](int64_t& cursor, int64_t count) {
+  auto take = [&](int64_t& cursor, int64_t rows, int64_t width) {
     const int64_t at = cursor;
-    cursor += aligned(count);
+    cursor = checked_add(cursor, aligned(checked_mul(rows, width, what)), what);
     return at;
   };
   for (int64_t l = 0; l < config.layers; ++l) {
     Impl::Layer L{};
-    L.x_in = take(t, n * d);
-    L.h1 = take(t, n * d);
-    L.q = take(t, n * d);
-    L.k = take(t, n * d);
-    L.v = take(t, n * d);
-    L.attn = take(t, n * d);
-    L.x_mid = take(t, n * d);
-    L.h2 = take(t, n * d);
-    L.u = take(t, n * f);
-    L.g = take(t, n * f);
-    L.s = take(t, n * f);
-    L.rstd1 = take(t32, n);
-    L.rstd2 = take(t32, n);
-    L.lse = take(t32, bhs);
+    L.x_in = take(t, n, d);
+    L.h1 = take(t, n, d);
+    L.q = take(t, n, d);
+    L.k = take(t, n, d);
+    L.v = take(t, n, d);
+    L.attn = take(t, n, d);
+    L.x_mid = take(t, n, d);
+    L.h2 = take(t, n, d);
+    L.u = take(t, n, f);
+    L.g = take(t, n, f);
+    L.s = take(t, n, f);
+    L.rstd1 = take(t32, n, 1);
+    L.rstd2 = take(t32, n, 1);
+    L.lse = take(t32, bhs, 1);
     m.layers.push_back(L);
   }
-  m.x_out = take(t, n * d);
-  m.h_f = take(t, n * d);
-  m.logits = take(t, n * config.vocab);
-  m.rstd_f = take(t32, n);
-  m.row_loss = take(t32, n);
-  m.acts = Buffer::allocate(size_t(t) * m.elem(), Device::cuda, "activations");
-  m.acts_f32 = Buffer::allocate(size_t(t32) * sizeof(float), Device::cuda, "activations (fp32 statistics)");
-  m.scratch = Buffer::allocate(size_t(6 * aligned(n * d) + 3 * aligned(n * f)) * m.elem(), Device::cuda,
-                               "backward scratch");
+  m.x_out = take(t, n, d);
+  m.h_f = take(t, n, d);
+  m.logits = take(t, n, config.vocab);
+  m.rstd_f = take(t32, n, 1);
+  m.row_loss = take(t32, n, 1);
+  const auto bytes = [&](int64_t elements, size_t elem) {
+    return size_t(checked_mul(elements, int64_t(elem), "CudaModel: activation bytes"));
+  };
+  m.acts = Buffer::allocate(bytes(t, m.elem()), Device::cuda, "activations");
+  m.acts_f32 = Buffer::allocate(bytes(t32, sizeof(float)), Device::cuda, "activations (fp32 statistics)");
+  // Within t's sum of the same aligned terms, so unchecked.
+  m.scratch =
+      Buffer::allocate(bytes(6 * aligned(n * d) + 3 * aligned(n * f), m.elem()), Device::cuda, "backward scratch");
   m.tokens = Buffer::allocate(size_t(n) * sizeof(int32_t), Device::cuda, "tokens");
   m.targets = Buffer::allocate(size_t(n) * sizeof(int32_t), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
 
   const int64_t half = config.head_dim() / 2;
-  std::vector<float> table(size_t(2 * config.context * half));
+  std::vector<float> table(size_t(checked_product({2, config.context, half}, "CudaModel: RoPE table size")));
   cpu::rope_tables(table.data(), table.data() + config.context * half, config.context, config.head_dim(),
                    config.rope_theta);
   m.rope = Buffer::allocate(table.size() * sizeof(float), Device::cuda, "RoPE tables");
@@ -501,26 +507,29 @@ int64_t CudaModel::optimizer_steps() const { return impl_->adam_step; }
 
 void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
 
-void CudaModel::save_state(float* params, float* m, float* v) const {
+void CudaModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  check_state_arrays("CudaModel::save_state", params.size(), m.size(), v.size(), 0);
   const size_t bytes = size_t(impl_->n_params) * sizeof(float);
   synchronize();
-  cuda_copy(params, impl_->params.data(), bytes);
+  cuda_copy(params.data(), impl_->params.data(), bytes);
   if (!impl_->adam_m.data()) {  // no step taken yet: zero moments
-    std::fill(m, m + impl_->n_params, 0.0f);
-    std::fill(v, v + impl_->n_params, 0.0f);
+    std::fill(m.begin(), m.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
     return;
   }
-  cuda_copy(m, impl_->adam_m.data(), bytes);
-  cuda_copy(v, impl_->adam_v.data(), bytes);
+  cuda_copy(m.data(), impl_->adam_m.data(), bytes);
+  cuda_copy(v.data(), impl_->adam_v.data(), bytes);
 }
 
-void CudaModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+void CudaModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                           int64_t optimizer_steps) {
+  check_state_arrays("CudaModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   const size_t bytes = size_t(impl_->n_params) * sizeof(float);
-  load_parameters(params);  // also refreshes the low-precision copy
+  load_parameters(params.data());  // also refreshes the low-precision copy
   impl_->allocate_moments();
   gpu::stream_synchronize(impl_->stream);  // the zeroing above is queued on the model's stream
-  cuda_copy(impl_->adam_m.data(), m, bytes);
-  cuda_copy(impl_->adam_v.data(), v, bytes);
+  cuda_copy(impl_->adam_m.data(), m.data(), bytes);
+  cuda_copy(impl_->adam_v.data(), v.data(), bytes);
   impl_->adam_step = optimizer_steps;
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "attention/problem.h"
+#include "core/softmax_stats.cuh"
 
 namespace flashlm::flash_cuda {
 
@@ -193,8 +194,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 __device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = max_propagating_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return max_propagating_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

@@ -28,6 +28,7 @@
 #include "attention/backends.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "core/softmax_stats.cuh"
 #include "flashlm/memory.h"
 
 namespace flashlm {
@@ -120,7 +121,7 @@ __device__ __forceinline__ void load_tile_async(float* dst, const float* src, lo
 // The 16 threads of a row are lanes 0-15 or 16-31 of a warp.
 __device__ __forceinline__ float row_max(float x) {
 #pragma unroll
-  for (int o = kTX / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = kTX / 2; o > 0; o /= 2) x = max_propagating_nan(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
 
@@ -304,7 +305,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(con
 #pragma unroll
       for (int j = 0; j < C; ++j) {
         sc[i][j] = j0 + tx + kTX * j >= visible ? kNegInf : sc[i][j] * s.scale_log2;
-        mx = fmaxf(mx, sc[i][j]);
+        mx = max_propagating_nan(mx, sc[i][j]);
       }
       mx = row_max(mx);
       // A row that has seen no key yet keeps m = -inf; subtracting 0 then keeps every exp2f at 0, not NaN.
@@ -335,9 +336,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(con
     const float sum = row_sum(l[i]);
     const int r = r0 + i;
     if (r < rows) {
-      store_row<D>(a.o + b * a.os.b + (i0 + r) * a.os.s + h * a.os.h, tx, acc[i], sum > 0.f ? 1.f / sum : 0.f);
+      // sum = 0: no key seen; NaN: a NaN reached the row (O and lse NaN, as in the fp16/bf16 kernel).
+      store_row<D>(a.o + b * a.os.b + (i0 + r) * a.os.s + h * a.os.h, tx, acc[i], sum != 0.f ? 1.f / sum : 0.f);
       if (tx == 0) {
-        a.lse[b * a.ls.b + h * a.ls.h + (i0 + r) * a.ls.s] = sum > 0.f ? m[i] * kLn2 + logf(sum) : kNegInf;
+        a.lse[b * a.ls.b + h * a.ls.h + (i0 + r) * a.ls.s] = sum != 0.f ? m[i] * kLn2 + logf(sum) : kNegInf;
       }
     }
   }

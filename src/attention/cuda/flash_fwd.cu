@@ -210,7 +210,9 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
       for (int r = 0; r < 2; ++r) {
         float mx = row_max[mt][r];
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+          mx = max_propagating_nan(mx, max_propagating_nan(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        }
         mx = quad_max(mx);
         const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
         const float alpha = fast_exp2(row_max[mt][r] * p.scale_log2 - m_scaled);
@@ -268,10 +270,11 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(row_sum[mt][r]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      // l = 0: no key seen (O = 0, lse = -inf); l NaN: a NaN reached the row, and O and lse are NaN.
+      const float inv = l != 0.f ? 1.f / l : 0.f;
       const int row = warp_row0 + mt * 16 + g + 8 * r;
       if (t == 0 && row < p.seq_q) {
-        p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l > 0.f ? row_max[mt][r] * p.scale + logf(l) : -INFINITY;
+        p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? row_max[mt][r] * p.scale + logf(l) : -INFINITY;
       }
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads)
   float m = -INFINITY, l = 0.f;
   for (int64_t j = threadIdx.x; j < visible; j += kThreads) {
     const float x = srow[j];
-    if (x > m) {
+    if (x > m || x != x) {  // a NaN becomes the max: the row's statistics, and so its P and lse, turn NaN
       l = l * expf(m - x) + 1.f;
       m = x;
     } else {
@@ -235,6 +235,7 @@ Dims dims_of(const AttentionProblem& p) {
   d.ld = (p.seq_k + 7) / 8 * 8;
   FLASHLM_CHECK(d.rows <= INT_MAX, "naive_attention: {} query rows (batch · heads · seq_q) exceed one CUDA grid",
                 d.rows);
+  checked_product({d.rows, d.ld, int64_t{sizeof(float)}}, "naive_attention: bytes of the scores S");  // O(N²)
   return d;
 }
 
