@@ -24,7 +24,7 @@ echo "== host time per call above the C call (tiny shape, bf16)"
 timeout 300 python3 "$root/scripts/torch_op_overhead.py" --device cuda --out "$out/overhead.json" 2>&1 | tee "$out/overhead.md"
 
 echo "== attention alone through PyTorch: the small LM's shape, the fa grid, beside SDPA flash and cuDNN"
-timeout 900 python3 "$root/scripts/torch_attention_bench.py" --peers "$peers" --grid fa --skip-lm \
+timeout 900 python3 "$root/scripts/torch_attention_bench.py" --peers "$peers" --grid fa --models "" \
   --out "$out/torch-attention.json" > "$out/torch-attention.log" 2>&1
 echo "exit $?"; cat "$out/torch-attention.log"
 

@@ -245,6 +245,7 @@ struct AttentionBenchArgs {
   std::string impl = "naive,flash", dtype = "fp32", d = "64", seq = "1024,2048,4096", batch = "1", heads = "1";
   std::string causal = "0", align = "top-left", device, format = "md", out, grid;
   int warmup = 1, reps = 3, threads = 0;
+  int64_t kv_heads = 0;
   double cpu_max_flops = flashlm::AttentionBenchConfig{}.cpu_max_flops;
   bool forward_only = false, quiet = false, deterministic = false;
 };
@@ -269,6 +270,9 @@ void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
       ->excludes(batch)
       ->excludes(heads)
       ->excludes(causal);
+  cmd->add_option("--kv-heads", a.kv_heads,
+                  "Key/value heads for GQA/MQA, dividing every head count (default: the head count)")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--deterministic", a.deterministic,
                 "Backward without atomics, bit-reproducible (CUDA: a separate dQ pass instead of fp32 atomics in "
                 "the dK/dV kernel)");
@@ -309,6 +313,12 @@ int run_attention_bench_command(const AttentionBenchArgs& a, bool grid_given) {
                                         parse_list<int64_t>("--batch", a.batch, positive_up_to(kMaxBatch)),
                                         parse_list<int64_t>("--heads", a.heads, positive_up_to(kMaxHeads)),
                                         parse_list<bool>("--causal", a.causal, parse_bool));
+    }
+    for (AttentionShape& shape : cfg.shapes) {
+      if (a.kv_heads != 0 && shape.heads % a.kv_heads != 0) {
+        throw UsageError(fmt::format("--kv-heads: {} does not divide the head count {}", a.kv_heads, shape.heads));
+      }
+      shape.kv_heads = a.kv_heads;
     }
     cfg.align = parse_causal_align(a.align);
     cfg.device = device_or_default(a.device);
@@ -419,11 +429,11 @@ struct TrainArgs {
   int threads = 0;
   double lr = 3e-3, lr_min = 3e-4, weight_decay = 0.1, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
-  bool resume = false;
+  bool resume = false, sharded_checkpoint = false;
   std::string ddp, reduce_dtype = "fp32";
   double bucket_mb = 25;
   int64_t grad_accum = 1;
-  int zero = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1;
+  int zero = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
 };
 
 // --reduce-dtype and --nccl-max-ctas, the same for train and ddp-bench (a comma list there).
@@ -497,6 +507,9 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--checkpoint", a.checkpoint, "Checkpoint file (written atomically)");
   cmd->add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end)")->check(steps);
   cmd->add_flag("--resume", a.resume, "Continue from --checkpoint, bit-exactly");
+  cmd->add_flag("--sharded-checkpoint", a.sharded_checkpoint,
+                "--ddp fsdp: every rank writes and resumes from its own shard, CHECKPOINT.rank<R>-of-<N>, nothing "
+                "gathered (resume at the same world size)");
   cmd->add_option("--seed", a.seed, "Seed of weights, data order and synthetic data")
       ->capture_default_str()
       ->check(in_range(uint64_t{0}, uint64_t{INT64_MAX}));
@@ -505,8 +518,12 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
   add_threads_option(cmd, a.threads);
   cmd->add_option("--ddp", a.ddp,
-                  "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async or "
-                  "bucketed (the default when launched with several ranks)");
+                  "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async, "
+                  "bucketed (the default when launched with several ranks) or fsdp (ZeRO-3: weights, gradients and "
+                  "AdamW state sharded, each model part gathered when it is read)");
+  cmd->add_option("--fsdp-prefetch", a.fsdp_prefetch, "--ddp fsdp: model parts ahead whose gather starts early")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 2));
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket size of --ddp bucketed, MB of fp32 gradients")
       ->capture_default_str()
       ->check(in_range(1e-6, kMaxBucketMb));
@@ -530,12 +547,16 @@ int run_train_command(const TrainArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
+  if (a.sharded_checkpoint && (cfg.ddp.variant != DdpVariant::fsdp || a.ddp.empty() || a.checkpoint.empty())) {
+    throw UsageError("--sharded-checkpoint: sharded checkpoints are FSDP's, they need --ddp fsdp and --checkpoint");
+  }
   const std::vector<DType> reduce = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, a.gemm_sm_reserve);
   if (reduce.size() != 1) throw UsageError(fmt::format("--reduce-dtype {}: train takes one type", a.reduce_dtype));
   cfg.ddp.reduce_dtype = reduce.front();
   cfg.ddp.gemm_sm_reserve = a.gemm_sm_reserve;
   cfg.ddp.bucket_mb = a.bucket_mb;
   cfg.ddp.grad_accum = a.grad_accum;
+  cfg.ddp.fsdp_prefetch = a.fsdp_prefetch;
   cfg.zero1 = a.zero == 1;
   const bool data_parallel = !a.ddp.empty() || cfg.zero1 || a.grad_accum > 1 || cfg.ddp.reduce_dtype != DType::f32 ||
                              a.nccl_max_ctas > 0 || a.gemm_sm_reserve >= 0 || launched_with_peers();
@@ -566,6 +587,7 @@ int run_train_command(const TrainArgs& a) {
   cfg.log_every = a.log_every;
   cfg.checkpoint = a.checkpoint;
   cfg.checkpoint_every = a.checkpoint_every;
+  cfg.sharded_checkpoint = a.sharded_checkpoint;
   cfg.resume = a.resume;
   cfg.seed = a.seed;
   if (a.threads > 0) set_cpu_threads(a.threads);
@@ -656,7 +678,7 @@ struct DdpBenchArgs {
   std::string model = "xl", ddp = "per-param,flat,async,bucketed", bucket_mb = "1,10,100,1000", zero = "0";
   std::string reduce_dtype = "fp32", device, precision, format = "md", out;
   int64_t context = 512, batch = 4, vocab = 10000;
-  int warmup = 3, steps = 10, threads = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1;
+  int warmup = 3, steps = 10, threads = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
   bool quiet = false;
 };
 
@@ -673,7 +695,11 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
       ->capture_default_str()
       ->check(in_range(int64_t{1}, kMaxBatch));
   cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
-  cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed")->capture_default_str();
+  cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed,fsdp")
+      ->capture_default_str();
+  cmd->add_option("--fsdp-prefetch", a.fsdp_prefetch, "fsdp: model parts ahead whose gather starts early")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 2));
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket sizes of the bucketed variant, MB, comma list")
       ->capture_default_str();
   cmd->add_option("--zero", a.zero, "ZeRO-1 off and/or on: comma list of 0,1")->capture_default_str();
@@ -705,6 +731,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   cfg.reduce_dtypes = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, a.gemm_sm_reserve);
   cfg.nccl_max_ctas = a.nccl_max_ctas;
   cfg.gemm_sm_reserve = a.gemm_sm_reserve;
+  cfg.fsdp_prefetch = a.fsdp_prefetch;
   if (cfg.device == Device::cuda && !Communicator::nccl_built()) {
     throw UsageError("--device cuda: flashlm was built without NCCL");
   }

@@ -26,6 +26,9 @@ struct TrainConfig {
   std::string checkpoint;        // path; empty: no checkpoints
   int64_t checkpoint_every = 0;  // 0: only at the end (when checkpoint is set)
   bool resume = false;           // continue from `checkpoint`
+  // FSDP: every rank writes (and resumes from) its own shard file, `checkpoint`.rank<R>-of-<N>, instead of
+  // one gathered file written by rank 0; resuming needs the same world size.
+  bool sharded_checkpoint = false;
   uint64_t seed = 1234;          // weights, data order and synthetic data
   AttentionImpl attention = AttentionImpl::flash;
   Device device = Device::cpu;

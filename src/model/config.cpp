@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <utility>
 
 #include "core/check.h"
 #include "flashlm/model.h"
@@ -165,16 +166,34 @@ void LanguageModel::gradient_ready(std::string_view parameter_name) const {
   fail("gradient_ready: no parameter named '{}'", parameter_name);
 }
 
-void LanguageModel::parameters_needed(std::string_view name_prefix) const {
-  if (!parameters_needed_hook_) return;
+namespace {
+
+// The elements of every parameter whose name starts with `name_prefix`: one run, since a model part's
+// parameters are contiguous in the layout.
+std::pair<int64_t, int64_t> prefix_run(const std::vector<ParameterInfo>& layout, std::string_view name_prefix,
+                                       std::string_view caller) {
   int64_t begin = INT64_MAX, end = 0;
-  for (const ParameterInfo& p : layout()) {
+  for (const ParameterInfo& p : layout) {
     if (std::string_view(p.name).substr(0, name_prefix.size()) != name_prefix) continue;
     begin = std::min(begin, p.offset);
     end = std::max(end, p.offset + p.numel());
   }
-  FLASHLM_CHECK(begin < end, "parameters_needed: no parameter named '{}...'", name_prefix);
-  parameters_needed_hook_(begin, end - begin);
+  FLASHLM_CHECK(begin < end, "{}: no parameter named '{}...'", caller, name_prefix);
+  return {begin, end - begin};
+}
+
+}  // namespace
+
+void LanguageModel::parameters_needed(std::string_view name_prefix) const {
+  if (!parameters_needed_hook_) return;
+  const auto [offset, count] = prefix_run(layout(), name_prefix, "parameters_needed");
+  parameters_needed_hook_(offset, count);
+}
+
+void LanguageModel::parameters_done(std::string_view name_prefix) const {
+  if (!parameters_done_hook_) return;
+  const auto [offset, count] = prefix_run(layout(), name_prefix, "parameters_done");
+  parameters_done_hook_(offset, count);
 }
 
 bool optimizer_step(LanguageModel& model, const AdamWConfig& c, double lr, double* norm) {

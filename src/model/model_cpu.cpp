@@ -149,11 +149,14 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   const AttentionOptions attn = attention_options();
 
   float* x = act(plan.layer_base.empty() ? plan.x_out : plan.layer_base[0]);
+  parameters_needed("token_embeddings.");
   cpu::embedding_forward(param("token_embeddings.weight"), tokens, x, n, d);
+  parameters_done("token_embeddings.");
   for (int64_t l = 0; l < c.layers; ++l) {
     const std::string p = fmt::format("layers.{}.", l);
     const LayerActs a = layer_acts(l);
     ScopedRange layer_range("layer.forward");
+    parameters_needed(p);
     // a.x_in is where the residual stream enters; the next layer's x_in (or x_out) is where it leaves.
     const int64_t x_next = l + 1 < c.layers ? plan.layer_base[size_t(l + 1)] : plan.x_out;
     cpu::rmsnorm_forward(act(a.x_in), param(p + "ln1.weight"), act(a.h1), act(a.rstd1), n, d, float(c.norm_eps));
@@ -179,10 +182,15 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
     float* x_out = act(x_next);
     cpu::linear_forward(act(a.s), param(p + "ffn.w2.weight"), x_out, n, f, d);
     for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
+    parameters_done(p);
   }
+  parameters_needed("ln_final.");
   cpu::rmsnorm_forward(act(plan.x_out), param("ln_final.weight"), act(plan.h_f), act(plan.rstd_f), n, d,
                        float(c.norm_eps));
+  parameters_done("ln_final.");
+  parameters_needed("lm_head.");
   cpu::linear_forward(act(plan.h_f), param("lm_head.weight"), act(plan.logits), n, d, c.vocab);
+  parameters_done("lm_head.");
   return cpu::cross_entropy_forward(act(plan.logits), targets, n, c.vocab);
 }
 
@@ -211,18 +219,23 @@ void CpuModel::backward() {
 
   float* dlogits = act(plan.logits);
   cpu::cross_entropy_backward(dlogits, targets_, n, c.vocab);
+  parameters_needed("lm_head.");
   cpu::linear_backward(dlogits, act(plan.h_f), param("lm_head.weight"), dh, grad("lm_head.weight"), n, d, c.vocab,
                        false);
+  parameters_done("lm_head.");
   gradient_ready("lm_head.weight");
   std::fill(dx, dx + n * d, 0.0f);
+  parameters_needed("ln_final.");
   cpu::rmsnorm_backward(dh, act(plan.x_out), param("ln_final.weight"), act(plan.rstd_f), dx, grad("ln_final.weight"),
                         n, d);
+  parameters_done("ln_final.");
   gradient_ready("ln_final.weight");
 
   for (int64_t l = c.layers - 1; l >= 0; --l) {
     const std::string p = fmt::format("layers.{}.", l);
     const LayerActs a = layer_acts(l);
     ScopedRange layer_range("layer.backward");
+    parameters_needed(p);
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
     cpu::linear_backward(dx, act(a.s), param(p + "ffn.w2.weight"), ds, grad(p + "ffn.w2.weight"), n, f, d, false);
     gradient_ready(p + "ffn.w2.weight");
@@ -258,6 +271,7 @@ void CpuModel::backward() {
                          true);
     gradient_ready(p + "attn.v_proj.weight");
     cpu::rmsnorm_backward(dh, act(a.x_in), param(p + "ln1.weight"), act(a.rstd1), dx, grad(p + "ln1.weight"), n, d);
+    parameters_done(p);
     gradient_ready(p + "ln1.weight");
   }
   cpu::embedding_backward(dx, tokens_, grad("token_embeddings.weight"), n, d);

@@ -320,6 +320,7 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
     parameters_needed("token_embeddings.");
     gpu::embedding_forward<T>(m.master("token_embeddings.weight"), tokens, m.a<T>(m.layers[0].x_in), n, d, c.vocab,
                               m.stream);
+    parameters_done("token_embeddings.");
     for (int64_t l = 0; l < c.layers; ++l) {
       ScopedRange layer_range("layer.forward");
       const std::string p = fmt::format("layers.{}.", l);
@@ -351,13 +352,16 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
       gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
       linear_forward_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), x_next, n, f, d, dt, m.stream);
       gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
+      parameters_done(p);
     }
     ScopedRange head_range("head.forward");  // final norm, LM head and loss
     parameters_needed("ln_final.");
     parameters_needed("lm_head.");
     gpu::rmsnorm_forward<T>(m.a<T>(m.x_out), m.master("ln_final.weight"), m.a<T>(m.h_f), m.f(m.rstd_f), n, d, eps,
                             m.stream);
+    parameters_done("ln_final.");
     linear_forward_cuda(m.a<T>(m.h_f), m.weight("lm_head.weight"), m.a<T>(m.logits), n, d, c.vocab, dt, m.stream);
+    parameters_done("lm_head.");
     gpu::cross_entropy_forward<T>(m.a<T>(m.logits), targets, m.f(m.row_loss), n, c.vocab, m.stream);
   });
   // The mean loss, summed on the host in a fixed order.
@@ -396,18 +400,23 @@ void CudaModel::backward() {
       // d(loss)/d(logits), multiplied by the loss scale (1 except for fp16).
       gpu::cross_entropy_backward<T>(m.a<T>(m.logits), targets, n, c.vocab, float(m.loss_scale / double(n)),
                                      m.stream);
+      parameters_needed("lm_head.");
       linear_backward_cuda(m.a<T>(m.logits), m.a<T>(m.h_f), m.weight("lm_head.weight"), dh, m.grad("lm_head.weight"),
                            n, d, c.vocab, dt, false, m.stream);
+      parameters_done("lm_head.");
       gradient_ready("lm_head.weight");
       gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
+      parameters_needed("ln_final.");
       gpu::rmsnorm_backward<T>(dh, m.a<T>(m.x_out), m.master("ln_final.weight"), m.f(m.rstd_f), dx,
                                m.grad("ln_final.weight"), n, d, m.stream);
+      parameters_done("ln_final.");
       gradient_ready("ln_final.weight");
     }
     for (int64_t l = c.layers - 1; l >= 0; --l) {
       ScopedRange layer_range("layer.backward");
       const std::string p = fmt::format("layers.{}.", l);
       const Impl::Layer& L = m.layers[size_t(l)];
+      parameters_needed(p);
       linear_backward_cuda(dx, m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), ds, m.grad(p + "ffn.w2.weight"), n, f, d,
                            dt, false, m.stream);
       gradient_ready(p + "ffn.w2.weight");
@@ -448,6 +457,7 @@ void CudaModel::backward() {
       gradient_ready(p + "attn.v_proj.weight");
       gpu::rmsnorm_backward<T>(dh, m.a<T>(L.x_in), m.master(p + "ln1.weight"), m.f(L.rstd1), dx,
                                m.grad(p + "ln1.weight"), n, d, m.stream);
+      parameters_done(p);
       gradient_ready(p + "ln1.weight");
     }
     gpu::embedding_backward<T>(dx, tokens, m.grad("token_embeddings.weight"), n, d, c.vocab, m.stream);
