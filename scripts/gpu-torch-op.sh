@@ -4,14 +4,16 @@
 # host time per call, the small LM's attention (4x12x512x64 causal bf16), the fa grid, and the CS336 small
 # model's step with its attention swapped (eager bf16 and bf16-compile).
 #   scripts/gpu-torch-op.sh LIB_DIR PEERS_DIR OUT_DIR
-# LIB_DIR holds libflashlm.so (built with -DFLASHLM_NATIVE=OFF), PEERS_DIR shared/bench's scripts.
+# LIB_DIR holds libflashlm_attention.so (or libflashlm.so; built with -DFLASHLM_NATIVE=OFF), PEERS_DIR
+# shared/bench's scripts.
 set -uo pipefail
 lib=$(cd "$1" && pwd) peers=$(cd "$2" && pwd) out=$3
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 nccl=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null || true)
 export LD_LIBRARY_PATH=$lib:${nccl}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export FLASHLM_LIBRARY=$lib/libflashlm.so PYTHONPATH=$root/python PYTHONUNBUFFERED=1
+library=$lib/libflashlm_attention.so; [[ -f $library ]] || library=$lib/libflashlm.so
+export FLASHLM_LIBRARY=$library PYTHONPATH=$root/python PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 python3 -c "import torch, flashlm; print('torch', torch.__version__, '| flashlm', flashlm.__version__, flashlm._lib.path)"
 
