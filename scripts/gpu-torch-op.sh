@@ -21,17 +21,17 @@ python3 -c "import torch, flashlm; print('torch', torch.__version__, '| flashlm'
 
 if [[ $what == tests || $what == all ]]; then
 echo "== Python package tests (CPU and CUDA)"
-timeout 900 python3 -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_torch_library.py" \
+timeout 420 python3 -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_torch_library.py" \
   "$root/tests/python/test_signatures.py" "$root/tests/python/test_torch_attention.py" > "$out/pytest.log" 2>&1
 echo "pytest exit $?"; tail -25 "$out/pytest.log"
 
 echo "== host time per call above the C call (tiny shape, bf16)"
-timeout 300 python3 "$root/scripts/torch_op_overhead.py" --device cuda --out "$out/overhead.json" 2>&1 | tee "$out/overhead.md"
+timeout 150 python3 "$root/scripts/torch_op_overhead.py" --device cuda --out "$out/overhead.json" 2>&1 | tee "$out/overhead.md"
 fi
 
 if [[ $what == attention || $what == all ]]; then
 echo "== attention alone through PyTorch: the small LM's shape, the fa grid, beside SDPA flash and cuDNN"
-timeout 900 python3 "$root/scripts/torch_attention_bench.py" --peers "$peers" --grid fa --models "" \
+timeout 540 python3 "$root/scripts/torch_attention_bench.py" --peers "$peers" --grid fa --models "" \
   --out "$out/torch-attention.json" > "$out/torch-attention.log" 2>&1
 echo "exit $?"; cat "$out/torch-attention.log"
 fi
@@ -39,7 +39,7 @@ fi
 if [[ $what == lm || $what == all ]]; then
 echo "== the CS336 small model's step with its attention swapped (eager bf16, then bf16-compile)"
 for mode in bf16 bf16-compile; do
-  timeout 600 python3 "$root/scripts/torch_attention_bench.py" --peers "$peers" --shapes "" --models small \
+  timeout 270 python3 "$root/scripts/torch_attention_bench.py" --peers "$peers" --shapes "" --models small \
     --mode $mode --repeats 3 --out "$out/torch-lm-$mode.json" > "$out/torch-lm-$mode.log" 2>&1
   echo "$mode: exit $?"; tail -6 "$out/torch-lm-$mode.log"
 done
