@@ -9,6 +9,15 @@
 // (batch, key head, key tile) recomputes P = exp(S - lse) tile by tile and accumulates dK and dV for its
 // keys over every query head of its GQA group; then one task per (batch, query head, query tile) does the
 // same to accumulate dQ. Recomputing S twice costs two extra tile products but needs no dQ reduction.
+//
+// Every tile product goes through OpenBLAS's GEMM on packed tiles (fp32 accumulation for fp16, bf16 and fp32
+// inputs; fp64 stays fp64). Products whose outputs are per (query, key) pair (S = Q Kᵀ, dP = dO Vᵀ) run over
+// the whole tile and the masked entries are overwritten. Products that sum over keys or queries (P V, dS K,
+// Pᵀ dO, dSᵀ Q) multiply masked entries' zero weights by real inputs: that is exact while the summed tile is
+// finite, and where it is not (a NaN or inf in a row some query must not see) the tile pair falls back to
+// sums over the visible pairs only, so non-finite inputs reach exactly the rows that see them (SPEC §2).
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -23,6 +32,32 @@ namespace {
 
 constexpr int64_t kBlockQ = 64;
 constexpr int64_t kBlockK = 64;
+
+// C = alpha · op(A) · op(B) + beta · C on row-major tiles.
+inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                 int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m), int(n),
+              int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
+}
+inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
+                 int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
+  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m), int(n),
+              int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
+}
+
+// The kernels thread over tiles with OpenMP and call GEMM on one tile per thread: OpenBLAS's own threads
+// would oversubscribe the cores (its pthread build does not see OpenMP's region), so it runs on one thread
+// while an attention call is in flight and gets its setting back afterwards.
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas() : saved_(openblas_get_num_threads()) { openblas_set_num_threads(1); }
+  ~SingleThreadedBlas() { openblas_set_num_threads(saved_); }
+  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
+  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+
+ private:
+  int saved_;
+};
 
 // Per-thread scratch: one tracked allocation carved into named tiles.
 template <class A>
@@ -44,9 +79,11 @@ class Scratch {
 template <class A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
+// Loads rows [s0, s0 + rows) of head h into a packed tile; returns whether every element is finite.
 template <class T, class A>
-void load_tile(const TensorView& t, int64_t b, int64_t h, int64_t s0, int64_t rows, int64_t D, A* dst) {
+bool load_tile(const TensorView& t, int64_t b, int64_t h, int64_t s0, int64_t rows, int64_t D, A* dst) {
   for (int64_t r = 0; r < rows; ++r) load_row(attention_row<const T>(t, b, s0 + r, h), dst + r * D, D);
+  return all_finite(dst, rows * D);
 }
 
 template <class A>
@@ -72,12 +109,10 @@ int64_t contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j
 template <class A>
 void tile_scores(const AttentionProblem& p, const A* Q, const A* K, int64_t i0, int64_t rows, int64_t j0,
                  int64_t cols, A* S) {
-  const A scale = static_cast<A>(p.scale);
+  gemm(false, true, rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, K, p.head_dim, A(0), S, kBlockK);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = p.visible_keys(i0 + r) - j0;  // columns [0, visible) are unmasked
-    for (int64_t c = 0; c < cols; ++c) {
-      S[r * kBlockK + c] = c < visible ? scale * dot(Q + r * p.head_dim, K + c * p.head_dim, p.head_dim) : kNegInf<A>;
-    }
+    const int64_t visible = visible_cols(p, i0 + r, j0, cols);  // columns [0, visible) are unmasked
+    std::fill(S + r * kBlockK + visible, S + r * kBlockK + cols, kNegInf<A>);
   }
 }
 
@@ -96,27 +131,36 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const TensorVi
   for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, key_end - j0);
     load_tile<T>(k, b, hk, j0, cols, D, K);
-    load_tile<T>(v, b, hk, j0, cols, D, V);
+    const bool v_finite = load_tile<T>(v, b, hk, j0, cols, D, V);
     tile_scores(p, Q, K, i0, rows, j0, cols, S);
+    // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kBlockK;
       const int64_t visible = visible_cols(p, i0 + r, j0, cols);
       A m_new = m[r];
       for (int64_t c = 0; c < visible; ++c) m_new = max_propagating_nan(m_new, s[c]);  // NaN stays NaN
-      if (m_new == kNegInf<A>) continue;  // nothing visible in this row yet
+      if (m_new == kNegInf<A>) {  // nothing visible in this row yet: acc, m and l stay
+        std::fill(s, s + cols, A(0));
+        continue;
+      }
       const A alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
       A* a = acc + r * D;
       if (alpha != A(1)) {
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       }
+      exp_shifted(s, visible, m_new);
+      std::fill(s + visible, s + cols, A(0));
       A sum = 0;
-      for (int64_t c = 0; c < visible; ++c) {
-        const A pc = std::exp(s[c] - m_new);
-        sum += pc;
-        axpy(pc, V + c * D, a, D);
-      }
+      for (int64_t c = 0; c < visible; ++c) sum += s[c];
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
+    }
+    if (v_finite) {
+      gemm(false, false, rows, D, cols, A(1), S, kBlockK, V, D, A(1), acc, D);  // acc += P V
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kBlockK + c], V + c * D, acc + r * D, D);
+      }
     }
   }
 
@@ -160,14 +204,13 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* K, c
                             A* dS) {
   const int64_t D = p.head_dim;
   tile_scores(p, Q, K, i0, rows, j0, cols, S);
+  gemm(false, true, rows, cols, D, A(1), dO, D, V, D, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
     A* ds = dS + r * kBlockK;
     const int64_t visible = contributing_cols(p, lse[r], i0 + r, j0, cols);
-    for (int64_t c = 0; c < visible; ++c) {
-      s[c] = std::exp(s[c] - lse[r]);
-      ds[c] = s[c] * (dot(dO + r * D, V + c * D, D) - delta[r]);
-    }
+    exp_shifted(s, visible, lse[r]);
+    for (int64_t c = 0; c < visible; ++c) ds[c] = s[c] * (ds[c] - delta[r]);
     for (int64_t c = visible; c < cols; ++c) s[c] = ds[c] = A(0);
   }
 }
@@ -223,14 +266,19 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
       for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
         for (int64_t i0 = first_q; i0 < Nq; i0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, Nq - i0);
-          load_tile<T>(q, b, h, i0, rows, D, Q);
-          load_tile<T>(dout, b, h, i0, rows, D, dO);
+          const bool q_finite = load_tile<T>(q, b, h, i0, rows, D, Q);
+          const bool do_finite = load_tile<T>(dout, b, h, i0, rows, D, dO);
           for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
           tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
-              axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
-              axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
+          if (q_finite && do_finite) {
+            gemm(true, false, cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);      // dV += Pᵀ dO
+            gemm(true, false, cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);     // dK += scale dSᵀ Q
+          } else {
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
+                axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
+                axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
+              }
             }
           }
         }
@@ -263,12 +311,16 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
       const int64_t key_end = p.visible_keys(i0 + rows - 1);
       for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - j0);
-        load_tile<T>(k, b, hk, j0, cols, D, K);
+        const bool k_finite = load_tile<T>(k, b, hk, j0, cols, D, K);
         load_tile<T>(v, b, hk, j0, cols, D, V);
         tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
-            axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + r * D, D);
+        if (k_finite) {
+          gemm(false, false, rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ, D);  // dQ += scale dS K
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
+              axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + r * D, D);
+            }
           }
         }
       }
@@ -285,6 +337,7 @@ using Accum = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 void flash_attention_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                  const TensorView& v, const TensorView& o, const TensorView& lse) {
+  SingleThreadedBlas blas_guard;
   dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     forward<T, Accum<T>>(p, q, k, v, o, lse);
@@ -295,6 +348,7 @@ void flash_attention_backward_cpu(const AttentionProblem& p, const TensorView& q
                                   const TensorView& v, const TensorView& o, const TensorView& lse,
                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                   const TensorView& dv) {
+  SingleThreadedBlas blas_guard;
   dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     backward<T, Accum<T>>(p, q, k, v, o, lse, dout, dq, dk, dv);
