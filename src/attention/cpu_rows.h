@@ -34,6 +34,19 @@ inline A max_propagating_nan(A a, A b) {
   return (a > b || a != a) ? a : b;
 }
 
+// The largest of x[0..n), NaN if any is, -inf for n = 0; vectorised (a max_propagating_nan fold is not).
+template <class A>
+inline A row_max(const A* x, int64_t n) {
+  A largest = -std::numeric_limits<A>::infinity();
+  int any_nan = 0;
+#pragma omp simd reduction(max : largest) reduction(| : any_nan)
+  for (int64_t i = 0; i < n; ++i) {
+    largest = x[i] > largest ? x[i] : largest;
+    any_nan |= x[i] != x[i];
+  }
+  return any_nan ? std::numeric_limits<A>::quiet_NaN() : largest;
+}
+
 // y += alpha * x
 template <class A>
 inline void axpy(A alpha, const A* x, A* y, int64_t n) {
@@ -76,10 +89,10 @@ inline void exp_shifted(double* x, int64_t n, double shift) {
 // (their zero weights contribute exact zeros) instead of only the visible ones.
 template <class A>
 inline bool all_finite(const A* x, int64_t n) {
-  bool ok = true;
-#pragma omp simd reduction(&& : ok)
-  for (int64_t i = 0; i < n; ++i) ok = ok && (x[i] - x[i] == A(0));  // inf - inf and NaN - NaN are NaN
-  return ok;
+  A zero = 0;  // x · 0 is ±0 for finite x and NaN for inf or NaN; a sum vectorises where a branch would not
+#pragma omp simd reduction(+ : zero)
+  for (int64_t i = 0; i < n; ++i) zero += x[i] * A(0);
+  return zero == A(0);
 }
 
 }  // namespace flashlm

@@ -10,14 +10,12 @@
 // keys over every query head of its GQA group; then one task per (batch, query head, query tile) does the
 // same to accumulate dQ. Recomputing S twice costs two extra tile products but needs no dQ reduction.
 //
-// Every tile product goes through OpenBLAS's GEMM on packed tiles (fp32 accumulation for fp16, bf16 and fp32
+// Every tile product goes through a register-blocked GEMM on packed tiles (fp32 accumulation for fp16, bf16 and fp32
 // inputs; fp64 stays fp64). Products whose outputs are per (query, key) pair (S = Q Kᵀ, dP = dO Vᵀ) run over
 // the whole tile and the masked entries are overwritten. Products that sum over keys or queries (P V, dS K,
 // Pᵀ dO, dSᵀ Q) multiply masked entries' zero weights by real inputs: that is exact while the summed tile is
 // finite, and where it is not (a NaN or inf in a row some query must not see) the tile pair falls back to
 // sums over the visible pairs only, so non-finite inputs reach exactly the rows that see them (SPEC §2).
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -33,31 +31,61 @@ namespace {
 constexpr int64_t kBlockQ = 64;
 constexpr int64_t kBlockK = 64;
 
-// C = alpha · op(A) · op(B) + beta · C on row-major tiles.
-inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-                 int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m), int(n),
-              int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
-}
-inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha, const double* a,
-                 int64_t lda, const double* b, int64_t ldb, double beta, double* c, int64_t ldc) {
-  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m), int(n),
-              int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
+// C = alpha · A · B + beta · C on row-major tiles (A m×k, B k×n; beta = 0 never reads C). Blocks of
+// kGemmRows × kGemmCols outputs stay in registers while k runs; the compiler vectorises the columns for the
+// target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles are small
+// (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this
+// project's 2-core machines among them), where it ran 2.5× slower than on the right kernel.
+// The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
+// AVX-512 gives 32 registers, 8 of 8 where AVX2 gives 16 (enough independent FMA chains to hide latency).
+#if defined(__AVX512F__)
+constexpr int64_t kGemmRows = 8;
+constexpr int64_t kGemmCols = 32;
+#else
+constexpr int64_t kGemmRows = 4;
+constexpr int64_t kGemmCols = 16;
+#endif
+
+template <class A>
+void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
+               A* c, int64_t ldc) {
+  for (int64_t i0 = 0; i0 < m; i0 += kGemmRows) {
+    const int64_t rows = std::min(kGemmRows, m - i0);
+    for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
+      const int64_t cols = std::min(kGemmCols, n - j0);
+      A acc[kGemmRows][kGemmCols] = {};
+      if (rows == kGemmRows && cols == kGemmCols) {
+        for (int64_t p = 0; p < k; ++p) {
+          const A* brow = b + p * ldb + j0;
+#pragma GCC unroll 8
+          for (int64_t r = 0; r < kGemmRows; ++r) {
+            const A ar = a[(i0 + r) * lda + p];
+#pragma omp simd
+            for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
+          }
+        }
+      } else {  // a ragged edge block
+        for (int64_t p = 0; p < k; ++p) {
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t j = 0; j < cols; ++j) acc[r][j] += a[(i0 + r) * lda + p] * b[p * ldb + j0 + j];
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        A* crow = c + (i0 + r) * ldc + j0;
+        for (int64_t j = 0; j < cols; ++j) crow[j] = beta == A(0) ? alpha * acc[r][j] : alpha * acc[r][j] + beta * crow[j];
+      }
+    }
+  }
 }
 
-// The kernels thread over tiles with OpenMP and call GEMM on one tile per thread: OpenBLAS's own threads
-// would oversubscribe the cores (its pthread build does not see OpenMP's region), so it runs on one thread
-// while an attention call is in flight and gets its setting back afterwards.
-class SingleThreadedBlas {
- public:
-  SingleThreadedBlas() : saved_(openblas_get_num_threads()) { openblas_set_num_threads(1); }
-  ~SingleThreadedBlas() { openblas_set_num_threads(saved_); }
-  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
-  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
-
- private:
-  int saved_;
-};
+// dst[c][r] = src[r][c] for a rows × cols tile.
+template <class A>
+void transpose(const A* src, int64_t rows, int64_t cols, int64_t ld_src, A* dst, int64_t ld_dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+}
 
 // Per-thread scratch: one tracked allocation carved into named tiles.
 template <class A>
@@ -105,11 +133,12 @@ int64_t contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j
   return lse == kNegInf<A> ? 0 : visible_cols(p, i, j0, cols);
 }
 
-// S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones.
+// S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
+// key tile transposed (head_dim × kBlockK).
 template <class A>
-void tile_scores(const AttentionProblem& p, const A* Q, const A* K, int64_t i0, int64_t rows, int64_t j0,
+void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t i0, int64_t rows, int64_t j0,
                  int64_t cols, A* S) {
-  gemm(false, true, rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, K, p.head_dim, A(0), S, kBlockK);
+  tile_gemm(rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, KT, kBlockK, A(0), S, kBlockK);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = visible_cols(p, i0 + r, j0, cols);  // columns [0, visible) are unmasked
     std::fill(S + r * kBlockK + visible, S + r * kBlockK + cols, kNegInf<A>);
@@ -118,8 +147,8 @@ void tile_scores(const AttentionProblem& p, const A* Q, const A* K, int64_t i0, 
 
 template <class T, class A>
 void forward_task(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                  const TensorView& o, const TensorView& lse, int64_t b, int64_t h, int64_t i0, A* Q, A* K, A* V,
-                  A* S, A* acc, A* m, A* l) {
+                  const TensorView& o, const TensorView& lse, int64_t b, int64_t h, int64_t i0, A* Q, A* K, A* KT,
+                  A* V, A* S, A* acc, A* m, A* l) {
   const int64_t D = p.head_dim, hk = h / p.group();
   const int64_t rows = std::min(kBlockQ, p.seq_q - i0);
   load_tile<T>(q, b, h, i0, rows, D, Q);
@@ -131,14 +160,14 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const TensorVi
   for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, key_end - j0);
     load_tile<T>(k, b, hk, j0, cols, D, K);
+    transpose(K, cols, D, D, KT, kBlockK);
     const bool v_finite = load_tile<T>(v, b, hk, j0, cols, D, V);
-    tile_scores(p, Q, K, i0, rows, j0, cols, S);
+    tile_scores(p, Q, KT, i0, rows, j0, cols, S);
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kBlockK;
       const int64_t visible = visible_cols(p, i0 + r, j0, cols);
-      A m_new = m[r];
-      for (int64_t c = 0; c < visible; ++c) m_new = max_propagating_nan(m_new, s[c]);  // NaN stays NaN
+      const A m_new = max_propagating_nan(m[r], row_max(s, visible));  // NaN stays NaN
       if (m_new == kNegInf<A>) {  // nothing visible in this row yet: acc, m and l stay
         std::fill(s, s + cols, A(0));
         continue;
@@ -151,12 +180,13 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const TensorVi
       exp_shifted(s, visible, m_new);
       std::fill(s + visible, s + cols, A(0));
       A sum = 0;
+#pragma omp simd reduction(+ : sum)
       for (int64_t c = 0; c < visible; ++c) sum += s[c];
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
     }
     if (v_finite) {
-      gemm(false, false, rows, D, cols, A(1), S, kBlockK, V, D, A(1), acc, D);  // acc += P V
+      tile_gemm(rows, D, cols, A(1), S, kBlockK, V, D, A(1), acc, D);  // acc += P V
     } else {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kBlockK + c], V + c * D, acc + r * D, D);
@@ -184,27 +214,27 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
 #pragma omp parallel
   {
-    Scratch<A> w(kBlockQ * D * 2 + kBlockK * D * 2 + kBlockQ * kBlockK + kBlockQ * 2, "flash forward tiles");
+    Scratch<A> w(kBlockQ * D * 2 + kBlockK * D * 3 + kBlockQ * kBlockK + kBlockQ * 2, "flash forward tiles");
     A *Q = w.take(kBlockQ * D).data(), *acc = w.take(kBlockQ * D).data();
-    A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A *K = w.take(kBlockK * D).data(), *KT = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *m = w.take(kBlockQ).data(), *l = w.take(kBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t tile = t % q_tiles, bh = t / q_tiles;
-      forward_task<T, A>(p, q, k, v, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kBlockQ, Q, K, V, S, acc, m, l);
+      forward_task<T, A>(p, q, k, v, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kBlockQ, Q, K, KT, V, S, acc, m, l);
     }
   }
 }
 
 // The tiles both backward passes recompute for one (query tile, key tile) pair: P = exp(S - lse) into S,
-// and dS = P ∘ (dO Vᵀ - Delta) into dS.
+// and dS = P ∘ (dO Vᵀ - Delta) into dS. KT and VT: the key and value tiles transposed.
 template <class A>
-void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* K, const A* V, const A* dO,
+void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, const A* VT, const A* dO,
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
                             A* dS) {
   const int64_t D = p.head_dim;
-  tile_scores(p, Q, K, i0, rows, j0, cols, S);
-  gemm(false, true, rows, cols, D, A(1), dO, D, V, D, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
+  tile_scores(p, Q, KT, i0, rows, j0, cols, S);
+  tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
     A* ds = dS + r * kBlockK;
@@ -242,7 +272,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
 
   const int64_t q_tiles = (Nq + kBlockQ - 1) / kBlockQ;
   const int64_t k_tiles = (Nk + kBlockK - 1) / kBlockK;
-  const int64_t tile_elems = kBlockQ * D * 3 + kBlockK * D * 4 + kBlockQ * kBlockK * 2 + kBlockQ;
+  const int64_t tile_elems = kBlockQ * D * 3 + kBlockK * D * 6 + kBlockQ * kBlockK * 3 + kBlockQ;
 
   // dK, dV: one task per (batch, key head, key tile).
 #pragma omp parallel
@@ -250,8 +280,10 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
     Scratch<A> w(tile_elems, "flash backward dK/dV tiles");
     A *Q = w.take(kBlockQ * D).data(), *dO = w.take(kBlockQ * D).data();
     A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A *KT = w.take(kBlockK * D).data(), *VT = w.take(kBlockK * D).data();
     A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
+    A* ST = w.take(kBlockQ * kBlockK).data();  // P or dS transposed
     A* lse_rows = w.take(kBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < p.batch * p.heads_k * k_tiles; ++t) {
@@ -260,6 +292,8 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
       const int64_t cols = std::min(kBlockK, Nk - j0);
       load_tile<T>(k, b, hk, j0, cols, D, K);
       load_tile<T>(v, b, hk, j0, cols, D, V);
+      transpose(K, cols, D, D, KT, kBlockK);
+      transpose(V, cols, D, D, VT, kBlockK);
       std::fill(dK, dK + cols * D, A(0));
       std::fill(dV, dV + cols * D, A(0));
       const int64_t first_q = p.first_query_seeing(j0) / kBlockQ * kBlockQ;
@@ -269,10 +303,12 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
           const bool q_finite = load_tile<T>(q, b, h, i0, rows, D, Q);
           const bool do_finite = load_tile<T>(dout, b, h, i0, rows, D, dO);
           for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
-          tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
+          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
           if (q_finite && do_finite) {
-            gemm(true, false, cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);      // dV += Pᵀ dO
-            gemm(true, false, cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);     // dK += scale dSᵀ Q
+            transpose(S, rows, cols, kBlockK, ST, kBlockQ);
+            tile_gemm(cols, D, rows, A(1), ST, kBlockQ, dO, D, A(1), dV, D);  // dV += Pᵀ dO
+            transpose(dS, rows, cols, kBlockK, ST, kBlockQ);
+            tile_gemm(cols, D, rows, scale, ST, kBlockQ, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
           } else {
             for (int64_t r = 0; r < rows; ++r) {
               for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
@@ -296,6 +332,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
     Scratch<A> w(tile_elems, "flash backward dQ tiles");
     A *Q = w.take(kBlockQ * D).data(), *dO = w.take(kBlockQ * D).data();
     A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A *KT = w.take(kBlockK * D).data(), *VT = w.take(kBlockK * D).data();
     A* dQ = w.take(kBlockQ * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
     A* lse_rows = w.take(kBlockQ).data();
@@ -313,9 +350,11 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
         const int64_t cols = std::min(kBlockK, key_end - j0);
         const bool k_finite = load_tile<T>(k, b, hk, j0, cols, D, K);
         load_tile<T>(v, b, hk, j0, cols, D, V);
-        tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
+        transpose(K, cols, D, D, KT, kBlockK);
+        transpose(V, cols, D, D, VT, kBlockK);
+        tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
         if (k_finite) {
-          gemm(false, false, rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ, D);  // dQ += scale dS K
+          tile_gemm(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ, D);  // dQ += scale dS K
         } else {
           for (int64_t r = 0; r < rows; ++r) {
             for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
@@ -337,7 +376,6 @@ using Accum = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 void flash_attention_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                  const TensorView& v, const TensorView& o, const TensorView& lse) {
-  SingleThreadedBlas blas_guard;
   dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     forward<T, Accum<T>>(p, q, k, v, o, lse);
@@ -348,7 +386,6 @@ void flash_attention_backward_cpu(const AttentionProblem& p, const TensorView& q
                                   const TensorView& v, const TensorView& o, const TensorView& lse,
                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                   const TensorView& dv) {
-  SingleThreadedBlas blas_guard;
   dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     backward<T, Accum<T>>(p, q, k, v, o, lse, dout, dq, dk, dv);
