@@ -35,7 +35,7 @@ constexpr int64_t kBlockK = 64;
 // kGemmRows × kGemmCols outputs stay in registers while k runs; the compiler vectorises the columns for the
 // target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles are small
 // (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this
-// project's 2-core machines among them), where it ran 2.5× slower than on the right kernel.
+// project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
 // The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
 // AVX-512 gives 32 registers, 8 of 8 where AVX2 gives 16 (enough independent FMA chains to hide latency).
 #if defined(__AVX512F__)
