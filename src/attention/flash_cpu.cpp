@@ -31,7 +31,8 @@ namespace {
 constexpr int64_t kBlockQ = 64;
 constexpr int64_t kBlockK = 64;
 
-// C = alpha · A · B + beta · C on row-major tiles (A m×k, B k×n; beta = 0 never reads C). Blocks of
+// C = alpha · op(A) · B + beta · C on row-major tiles (op(A) m×k: A, or Aᵀ stored k×m when TransA; B k×n;
+// beta = 0 never reads C). A transposed costs nothing here (the kernel broadcasts single elements of A). Blocks of
 // kGemmRows × kGemmCols outputs stay in registers while k runs; the compiler vectorises the columns for the
 // target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles are small
 // (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this
@@ -46,9 +47,10 @@ constexpr int64_t kGemmRows = 4;
 constexpr int64_t kGemmCols = 16;
 #endif
 
-template <class A>
+template <bool TransA = false, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {
+  auto a_at = [&](int64_t r, int64_t p) { return TransA ? a[p * lda + r] : a[r * lda + p]; };
   for (int64_t i0 = 0; i0 < m; i0 += kGemmRows) {
     const int64_t rows = std::min(kGemmRows, m - i0);
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
@@ -59,7 +61,7 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
           const A* brow = b + p * ldb + j0;
 #pragma GCC unroll 8
           for (int64_t r = 0; r < kGemmRows; ++r) {
-            const A ar = a[(i0 + r) * lda + p];
+            const A ar = a_at(i0 + r, p);
 #pragma omp simd
             for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
           }
@@ -67,7 +69,7 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
       } else {  // a ragged edge block
         for (int64_t p = 0; p < k; ++p) {
           for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t j = 0; j < cols; ++j) acc[r][j] += a[(i0 + r) * lda + p] * b[p * ldb + j0 + j];
+            for (int64_t j = 0; j < cols; ++j) acc[r][j] += a_at(i0 + r, p) * b[p * ldb + j0 + j];
           }
         }
       }
@@ -272,7 +274,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
 
   const int64_t q_tiles = (Nq + kBlockQ - 1) / kBlockQ;
   const int64_t k_tiles = (Nk + kBlockK - 1) / kBlockK;
-  const int64_t tile_elems = kBlockQ * D * 3 + kBlockK * D * 6 + kBlockQ * kBlockK * 3 + kBlockQ;
+  const int64_t tile_elems = kBlockQ * D * 3 + kBlockK * D * 6 + kBlockQ * kBlockK * 2 + kBlockQ;
 
   // dK, dV: one task per (batch, key head, key tile).
 #pragma omp parallel
@@ -283,7 +285,6 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
     A *KT = w.take(kBlockK * D).data(), *VT = w.take(kBlockK * D).data();
     A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
-    A* ST = w.take(kBlockQ * kBlockK).data();  // P or dS transposed
     A* lse_rows = w.take(kBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < p.batch * p.heads_k * k_tiles; ++t) {
@@ -305,10 +306,8 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
           for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
           tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
           if (q_finite && do_finite) {
-            transpose(S, rows, cols, kBlockK, ST, kBlockQ);
-            tile_gemm(cols, D, rows, A(1), ST, kBlockQ, dO, D, A(1), dV, D);  // dV += Pᵀ dO
-            transpose(dS, rows, cols, kBlockK, ST, kBlockQ);
-            tile_gemm(cols, D, rows, scale, ST, kBlockQ, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
+            tile_gemm<true>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
+            tile_gemm<true>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
           } else {
             for (int64_t r = 0; r < rows; ++r) {
               for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
