@@ -48,14 +48,6 @@ struct FlashParams {
   float* lse_log2;   // same shape: lse·log2(e), +inf for rows that see no key or lie past seq_q
   float* dq_accum;   // [batch, heads_q, seq_q_padded, head_dim] fp32, for the atomic dQ path
   int seq_q_padded;
-
-  // Bounded atomic dQ (flash_bwd.cu, DqMode::bounded): dq_accum holds dq_slots units of [group,
-  // seq_q_padded, head_dim], unit u = b·heads_k + hk in slot u % dq_slots.
-  int dq_slots;
-  int dq_m_tiles;           // query tiles per head (seq_q_padded / kBlockM) in the arrays below
-  int* dq_tile_count;       // [batch, heads_q, dq_m_tiles]: key tiles that have added to each query tile
-  int* dq_tile_generation;  // [dq_slots, group, dq_m_tiles]: units that have converted each tile of a slot
-  int* dq_ticket;           // the next (unit, key tile) to hand out
 };
 
 FlashParams make_params(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
