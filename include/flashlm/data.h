@@ -3,50 +3,85 @@
 // run draws exactly the batches the uninterrupted run would have drawn.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "flashlm/memory.h"
 
+
 namespace flashlm {
+
+class ReadOnlyFile;  // src/core/file.h
 
 enum class TokenFormat : uint8_t {
   nanogpt,  // a flat array of little-endian uint16 tokens (np.array(ids, dtype=np.uint16).tofile(f))
   llmc,     // 256 int32 header (magic 20240520, version 1, token count), then the uint16 tokens
 };
 
-// A read-only token file, memory-mapped. The format is detected from the first int32 (the llm.c magic;
-// read as two raw tokens it is 56824, 308, and 56824 is beyond GPT-2's 50257-token vocabulary). Every
-// inconsistency between the file's size and its header is a flashlm::Error naming the path, so tokens()
-// never reaches past the end of the file. The file must not be truncated by another process while open.
+// A read-only token file. The format is detected from the first int32 (the llm.c magic; read as two raw
+// tokens it is 56824, 308, and 56824 is beyond GPT-2's 50257-token vocabulary). Every inconsistency between
+// the file's size and its header is a flashlm::Error naming the path. Anything but a regular file (a FIFO,
+// a directory, a device) is refused before it is read.
+//
+// Tokens are read with pread() when asked for, not memory-mapped: corpora run to tens of GB, reading a
+// batch's rows costs a few system calls per train step, and a file truncated by another process while a run
+// reads it then gives a short read, an Error naming the file, where a mapping would kill the process with
+// SIGBUS (catching that signal would need a process-wide handler that MPI and CUDA also claim).
 class TokenFile {
  public:
   // vocab_size > 0 also runs validate_tokens(vocab_size); 0 skips the check.
   explicit TokenFile(std::string path, int64_t vocab_size = 0);
-  TokenFile(TokenFile&& o) noexcept { *this = std::move(o); }
-  TokenFile& operator=(TokenFile&& o) noexcept;
-  TokenFile(const TokenFile&) = delete;
-  TokenFile& operator=(const TokenFile&) = delete;
-  ~TokenFile() { unmap(); }
+  TokenFile(TokenFile&&) noexcept;
+  TokenFile& operator=(TokenFile&&) noexcept;
+  ~TokenFile();
 
-  std::span<const uint16_t> tokens() const { return tokens_; }
+  int64_t size() const { return count_; }  // tokens
   TokenFormat format() const { return format_; }
   const std::string& path() const { return path_; }
 
-  // Throws, naming the first position whose token is >= vocab_size. O(number of tokens).
+  // Tokens [first, first + out.size()) into out. A range beyond size() is an Error, and so is a file
+  // that has shrunk since it was opened.
+  void read(int64_t first, std::span<uint16_t> out) const;
+
+  // Throws, naming the first position whose token is >= vocab_size. Reads the whole file, in chunks.
   void validate_tokens(int64_t vocab_size) const;
 
  private:
-  void parse(size_t size);  // sets format_ and tokens_ from the mapped bytes, or throws
-  void unmap();
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
-  std::span<const uint16_t> tokens_;
+  std::unique_ptr<const ReadOnlyFile> file_;
+  uint64_t first_byte_ = 0;  // where the tokens start: after llm.c's header
+  int64_t count_ = 0;
   TokenFormat format_ = TokenFormat::nanogpt;
+};
+
+// A contiguous run of tokens that a batcher cuts sequences from: in memory (synthetic data) or a range of
+// a TokenFile. Neither is owned: the memory or the file must outlive the view.
+class TokenView {
+ public:
+  TokenView() = default;
+  TokenView(std::span<const uint16_t> memory)  // NOLINT(google-explicit-constructor): a span is a view
+      : memory_(memory), size_(static_cast<int64_t>(memory.size())) {}
+  TokenView(const std::vector<uint16_t>& memory)  // NOLINT(google-explicit-constructor): as its span
+      : TokenView(std::span<const uint16_t>(memory)) {}
+  // The view refers to the TokenFile object itself: it must not be moved while the view is in use.
+  TokenView(const TokenFile& file)  // NOLINT(google-explicit-constructor): so is a whole file
+      : file_(&file), size_(file.size()) {}
+
+  int64_t size() const { return size_; }
+  // Tokens [offset, offset + count) of this view; the range must lie inside it.
+  TokenView subview(int64_t offset, int64_t count) const;
+  // Tokens [first, first + out.size()) of this view into out.
+  void read(int64_t first, std::span<uint16_t> out) const;
+
+ private:
+  const TokenFile* file_ = nullptr;
+  std::span<const uint16_t> memory_;
+  int64_t offset_ = 0, size_ = 0;
 };
 
 // A learnable stand-in for a corpus (`--data synthetic`): a random walk on a fixed, seeded "successor"
@@ -99,7 +134,7 @@ class TokenBatcher {
  public:
   // `name` (the file's path, or "synthetic") is what errors report. The sequence must hold at least
   // context + 1 tokens, so that one window has its targets.
-  TokenBatcher(std::span<const uint16_t> tokens, std::string_view name, int64_t batch, int64_t context,
+  TokenBatcher(TokenView tokens, std::string_view name, int64_t batch, int64_t context,
                BatchOrder order, uint64_t seed = 0);
 
   // Fills inputs and targets, each batch * context int32 in row-major [batch][context] order (int32:
@@ -121,7 +156,8 @@ class TokenBatcher {
   int64_t windows() const { return windows_; }
 
  private:
-  std::span<const uint16_t> tokens_;
+  TokenView tokens_;
+  std::vector<uint16_t> row_;  // the context + 1 tokens of one row, as read
   int64_t batch_ = 0;
   int64_t context_ = 0;
   int64_t windows_ = 0;

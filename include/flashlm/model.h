@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -96,9 +97,11 @@ class LanguageModel {
   virtual double clip_gradients(double max_norm) = 0;  // returns the norm before clipping
   virtual void adamw_step(const AdamWConfig& c, double lr) = 0;
   virtual int64_t optimizer_steps() const = 0;
-  // Checkpoints: fp32 master parameters and AdamW moments, host arrays of parameter_count() floats.
-  virtual void save_state(float* params, float* m, float* v) const = 0;
-  virtual void load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) = 0;
+  // Checkpoints: fp32 master parameters and AdamW moments, host arrays of parameter_count() floats each
+  // (another size is an Error naming the argument), and the AdamW step count (>= 0).
+  virtual void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const = 0;
+  virtual void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                          int64_t optimizer_steps) = 0;
   virtual void synchronize() const {}  // waits for queued device work (for timing)
 
   // For data parallelism (flashlm/ddp.h), which reduces the gradients and may update the parameters in
@@ -127,6 +130,9 @@ class LanguageModel {
   void set_parameters_needed_hook(ParametersNeededHook hook) { parameters_needed_hook_ = std::move(hook); }
 
  protected:
+  // For save_state and load_state (`caller` names it in errors): each array holds parameter_count() floats,
+  // and the step count is not negative.
+  void check_state_arrays(std::string_view caller, size_t params, size_t m, size_t v, int64_t optimizer_steps) const;
   void gradient_ready(std::string_view parameter_name) const;  // for backward(): calls the hook, if any
   // For forward(): calls the hook, if any, with the elements of every parameter whose name starts with
   // `name_prefix` (one run: a layer's parameters are contiguous in the layout).
@@ -181,8 +187,9 @@ class CpuModel final : public LanguageModel {
   // One AdamW step (decoupled weight decay, bias-corrected) with learning rate lr.
   void adamw_step(const AdamWConfig& c, double lr) override;
   int64_t optimizer_steps() const override { return adam_step_; }
-  void save_state(float* params, float* m, float* v) const override;
-  void load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) override;
+  void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
+  void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                  int64_t optimizer_steps) override;
 
  private:
   struct LayerActs;
@@ -248,8 +255,9 @@ class CudaModel final : public LanguageModel {
   void adamw_step(const AdamWConfig& c, double lr) override;
   double loss_scale() const override;
   int64_t optimizer_steps() const override;
-  void save_state(float* params, float* m, float* v) const override;
-  void load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) override;
+  void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
+  void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                  int64_t optimizer_steps) override;
   void synchronize() const override;
 
  private:

@@ -136,6 +136,15 @@ std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t bat
 #endif
 }
 
+void LanguageModel::check_state_arrays(std::string_view caller, size_t params, size_t m, size_t v,
+                                       int64_t optimizer_steps) const {
+  const auto n = size_t(parameter_count());
+  for (const auto& [name, size] : {std::pair{"params", params}, std::pair{"m", m}, std::pair{"v", v}}) {
+    FLASHLM_CHECK(size == n, "{}: {} holds {} floats, expected parameter_count() = {}", caller, name, size, n);
+  }
+  FLASHLM_CHECK(optimizer_steps >= 0, "{}: optimizer_steps = {}, expected >= 0", caller, optimizer_steps);
+}
+
 void LanguageModel::gradient_ready(std::string_view parameter_name) const {
   if (!gradient_ready_hook_) return;
   const auto& params = layout();

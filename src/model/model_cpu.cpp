@@ -287,22 +287,25 @@ double CpuModel::clip_gradients(double max_norm) {
   return norm;
 }
 
-void CpuModel::save_state(float* params, float* m, float* v) const {
-  std::copy(parameters(), parameters() + n_params_, params);
+void CpuModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  check_state_arrays("CpuModel::save_state", params.size(), m.size(), v.size(), 0);
+  std::copy(parameters(), parameters() + n_params_, params.begin());
   if (!adam_m_.data()) {  // no step taken yet: zero moments
-    std::fill(m, m + n_params_, 0.0f);
-    std::fill(v, v + n_params_, 0.0f);
+    std::fill(m.begin(), m.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
     return;
   }
-  std::copy(static_cast<const float*>(adam_m_.data()), static_cast<const float*>(adam_m_.data()) + n_params_, m);
-  std::copy(static_cast<const float*>(adam_v_.data()), static_cast<const float*>(adam_v_.data()) + n_params_, v);
+  std::copy_n(static_cast<const float*>(adam_m_.data()), n_params_, m.begin());
+  std::copy_n(static_cast<const float*>(adam_v_.data()), n_params_, v.begin());
 }
 
-void CpuModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+void CpuModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                          int64_t optimizer_steps) {
+  check_state_arrays("CpuModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   allocate_moments();
-  std::copy(params, params + n_params_, parameters());
-  std::copy(m, m + n_params_, static_cast<float*>(adam_m_.data()));
-  std::copy(v, v + n_params_, static_cast<float*>(adam_v_.data()));
+  std::copy(params.begin(), params.end(), parameters());
+  std::copy(m.begin(), m.end(), static_cast<float*>(adam_m_.data()));
+  std::copy(v.begin(), v.end(), static_cast<float*>(adam_v_.data()));
   adam_step_ = optimizer_steps;
 }
 

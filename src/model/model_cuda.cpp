@@ -501,26 +501,29 @@ int64_t CudaModel::optimizer_steps() const { return impl_->adam_step; }
 
 void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
 
-void CudaModel::save_state(float* params, float* m, float* v) const {
+void CudaModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  check_state_arrays("CudaModel::save_state", params.size(), m.size(), v.size(), 0);
   const size_t bytes = size_t(impl_->n_params) * sizeof(float);
   synchronize();
-  cuda_copy(params, impl_->params.data(), bytes);
+  cuda_copy(params.data(), impl_->params.data(), bytes);
   if (!impl_->adam_m.data()) {  // no step taken yet: zero moments
-    std::fill(m, m + impl_->n_params, 0.0f);
-    std::fill(v, v + impl_->n_params, 0.0f);
+    std::fill(m.begin(), m.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
     return;
   }
-  cuda_copy(m, impl_->adam_m.data(), bytes);
-  cuda_copy(v, impl_->adam_v.data(), bytes);
+  cuda_copy(m.data(), impl_->adam_m.data(), bytes);
+  cuda_copy(v.data(), impl_->adam_v.data(), bytes);
 }
 
-void CudaModel::load_state(const float* params, const float* m, const float* v, int64_t optimizer_steps) {
+void CudaModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
+                           int64_t optimizer_steps) {
+  check_state_arrays("CudaModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   const size_t bytes = size_t(impl_->n_params) * sizeof(float);
-  load_parameters(params);  // also refreshes the low-precision copy
+  load_parameters(params.data());  // also refreshes the low-precision copy
   impl_->allocate_moments();
   gpu::stream_synchronize(impl_->stream);  // the zeroing above is queued on the model's stream
-  cuda_copy(impl_->adam_m.data(), m, bytes);
-  cuda_copy(impl_->adam_v.data(), v, bytes);
+  cuda_copy(impl_->adam_m.data(), m.data(), bytes);
+  cuda_copy(impl_->adam_v.data(), v.data(), bytes);
   impl_->adam_step = optimizer_steps;
 }
 

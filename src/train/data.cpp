@@ -1,25 +1,19 @@
 #include "flashlm/data.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
+#include <algorithm>
 #include <bit>
-#include <cerrno>
 #include <cmath>
-#include <cstring>
 #include <numeric>
 #include <utility>
 #include <vector>
 
 #include "core/check.h"
+#include "core/file.h"
 #include "core/random.h"
 
 namespace flashlm {
 
-// Both formats store tokens (and llm.c its header) little-endian, and tokens() hands out the mapped bytes
-// without conversion.
+// Both formats store tokens (and llm.c its header) little-endian, and they are read without conversion.
 static_assert(std::endian::native == std::endian::little, "token files are read as little-endian");
 
 namespace {
@@ -29,6 +23,8 @@ constexpr int32_t kLlmcVersion = 1;  // uint16 tokens; version 2 (llama 3's uint
 constexpr size_t kLlmcHeaderInts = 256;
 constexpr size_t kLlmcHeaderBytes = kLlmcHeaderInts * sizeof(int32_t);
 
+// validate_tokens reads this many tokens per pread: 1 MiB, big enough that the system calls cost nothing.
+constexpr size_t kValidateChunkTokens = size_t{1} << 19;
 
 // A draw mapped to [0, range) by a 64x64 -> 128-bit multiply (Lemire): no division, and the bias,
 // range / 2^64, is far below anything a training run could notice.
@@ -42,65 +38,28 @@ constexpr uint64_t kTableStream = 0x7461626c65ull;  // "table"
 constexpr uint64_t kWalkStream = 0x77616c6bull;     // "walk"
 constexpr uint64_t kBatchStream = 0x6261746368ull;  // "batch"
 
-std::string errno_text(int err) { return std::strerror(err); }
-
 }  // namespace
 
-// The file is memory-mapped rather than read: corpora run to tens of GB (FineWeb-10B is 20 GB of
-// tokens), a mapping costs no RAM beyond the page cache the kernel can evict, and opening is instant.
-// Random batches touch a few pages per row, which the kernel pages in on demand.
-TokenFile::TokenFile(std::string path, int64_t vocab_size) : path_(std::move(path)) {
-  const int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  FLASHLM_CHECK(fd >= 0, "TokenFile: '{}': cannot open: {}", path_, errno_text(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    fail("TokenFile: '{}': cannot stat: {}", path_, errno_text(err));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail("TokenFile: '{}': not a regular file", path_);
-  }
-  const size_t size = static_cast<size_t>(st.st_size);
-  if (size == 0) {
-    ::close(fd);
-    fail("TokenFile: '{}': the file is empty", path_);
-  }
-  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);  // the mapping keeps the file open
-  FLASHLM_CHECK(map != MAP_FAILED, "TokenFile: '{}': cannot map {} bytes: {}", path_, size, errno_text(map_err));
-  map_ = map;
-  map_bytes_ = size;
-  // A constructor that throws runs no destructor, so the mapping is released here on the way out.
-  try {
-    parse(size);
-    if (vocab_size != 0) validate_tokens(vocab_size);
-  } catch (...) {
-    unmap();
-    throw;
-  }
-}
-
-void TokenFile::parse(size_t size) {
-  const auto* bytes = static_cast<const unsigned char*>(map_);
+TokenFile::TokenFile(std::string path, int64_t vocab_size)
+    : path_(path), file_(std::make_unique<const ReadOnlyFile>(std::move(path), "TokenFile")) {
+  const uint64_t size = file_->size();
+  FLASHLM_CHECK(size > 0, "TokenFile: '{}': the file is empty", path_);
   int32_t magic = 0;
-  if (size >= sizeof(magic)) std::memcpy(&magic, bytes, sizeof(magic));
+  if (size >= sizeof(magic)) file_->read_at(0, std::as_writable_bytes(std::span(&magic, 1)));
   if (magic == kLlmcMagic) {
     format_ = TokenFormat::llmc;
     FLASHLM_CHECK(size >= kLlmcHeaderBytes,
                   "TokenFile: '{}': truncated llm.c header: the file has {} bytes, the header alone needs {}",
                   path_, size, kLlmcHeaderBytes);
     int32_t header[kLlmcHeaderInts];
-    std::memcpy(header, bytes, kLlmcHeaderBytes);
+    file_->read_at(0, std::as_writable_bytes(std::span(header)));
     FLASHLM_CHECK(header[1] == kLlmcVersion,
                   "TokenFile: '{}': unsupported llm.c version {} (expected {}: uint16 tokens)", path_, header[1],
                   kLlmcVersion);
     const int64_t ntok = header[2];
     FLASHLM_CHECK(ntok >= 0, "TokenFile: '{}': the llm.c header's token count is negative ({})", path_, ntok);
     FLASHLM_CHECK(ntok > 0, "TokenFile: '{}': the llm.c header's token count is 0: no tokens", path_);
-    const size_t expected = kLlmcHeaderBytes + static_cast<size_t>(ntok) * sizeof(uint16_t);
+    const uint64_t expected = kLlmcHeaderBytes + static_cast<uint64_t>(ntok) * sizeof(uint16_t);
     FLASHLM_CHECK(size >= expected,
                   "TokenFile: '{}': truncated llm.c file: the header's token count {} needs {} bytes, the file "
                   "has {}",
@@ -109,43 +68,74 @@ void TokenFile::parse(size_t size) {
                   "TokenFile: '{}': the llm.c header's token count {} needs {} bytes, but the file has {} "
                   "({} bytes too many)",
                   path_, ntok, expected, size, size - expected);
-    tokens_ = {reinterpret_cast<const uint16_t*>(bytes + kLlmcHeaderBytes), static_cast<size_t>(ntok)};
+    first_byte_ = kLlmcHeaderBytes;
+    count_ = ntok;
   } else {
     format_ = TokenFormat::nanogpt;
     FLASHLM_CHECK(size % sizeof(uint16_t) == 0,
                   "TokenFile: '{}': the size, {} bytes, is odd: a raw nanoGPT file holds uint16 tokens "
                   "(and its first int32 is not llm.c's magic {})",
                   path_, size, kLlmcMagic);
-    tokens_ = {reinterpret_cast<const uint16_t*>(bytes), size / sizeof(uint16_t)};
+    first_byte_ = 0;
+    count_ = static_cast<int64_t>(size / sizeof(uint16_t));
   }
+  if (vocab_size != 0) validate_tokens(vocab_size);
 }
 
+// A moved-from file holds no tokens.
+TokenFile::TokenFile(TokenFile&& o) noexcept { *this = std::move(o); }
+
 TokenFile& TokenFile::operator=(TokenFile&& o) noexcept {
-  if (this != &o) {
-    unmap();
-    path_ = std::move(o.path_);
-    map_ = std::exchange(o.map_, nullptr);
-    map_bytes_ = std::exchange(o.map_bytes_, 0);
-    tokens_ = std::exchange(o.tokens_, {});
-    format_ = o.format_;
-  }
+  path_ = std::move(o.path_);
+  file_ = std::move(o.file_);
+  first_byte_ = o.first_byte_;
+  count_ = std::exchange(o.count_, 0);
+  format_ = o.format_;
   return *this;
 }
 
-void TokenFile::unmap() {
-  if (map_ != nullptr) ::munmap(map_, map_bytes_);
-  map_ = nullptr;
-  map_bytes_ = 0;
-  tokens_ = {};
+TokenFile::~TokenFile() = default;
+
+void TokenFile::read(int64_t first, std::span<uint16_t> out) const {
+  const auto count = static_cast<int64_t>(out.size());
+  FLASHLM_CHECK(first >= 0 && first <= count_ && count <= count_ - first,
+                "TokenFile::read: '{}': tokens [{}, {}) are outside the file's {} tokens", path_, first,
+                first + count, count_);
+  file_->read_at(first_byte_ + static_cast<uint64_t>(first) * sizeof(uint16_t), std::as_writable_bytes(out));
 }
 
 void TokenFile::validate_tokens(int64_t vocab_size) const {
   FLASHLM_CHECK(vocab_size > 0, "TokenFile::validate_tokens: '{}': vocab_size must be positive, got {}", path_,
                 vocab_size);
-  for (size_t i = 0; i < tokens_.size(); ++i) {
-    FLASHLM_CHECK(tokens_[i] < vocab_size,
-                  "TokenFile: '{}': token {} at position {} is outside the vocabulary (vocab_size = {})", path_,
-                  tokens_[i], i, vocab_size);
+  std::vector<uint16_t> chunk(static_cast<size_t>(std::min<int64_t>(count_, kValidateChunkTokens)));
+  for (int64_t at = 0; at < count_; at += static_cast<int64_t>(chunk.size())) {
+    const std::span<uint16_t> part(chunk.data(), static_cast<size_t>(std::min<int64_t>(count_ - at, chunk.size())));
+    read(at, part);
+    for (size_t i = 0; i < part.size(); ++i) {
+      FLASHLM_CHECK(part[i] < vocab_size,
+                    "TokenFile: '{}': token {} at position {} is outside the vocabulary (vocab_size = {})", path_,
+                    part[i], at + static_cast<int64_t>(i), vocab_size);
+    }
+  }
+}
+
+TokenView TokenView::subview(int64_t offset, int64_t count) const {
+  FLASHLM_CHECK(offset >= 0 && count >= 0 && offset <= size_ && count <= size_ - offset,
+                "TokenView::subview: [{}, {}) is outside the view's {} tokens", offset, offset + count, size_);
+  TokenView v = *this;
+  v.offset_ = offset_ + offset;
+  v.size_ = count;
+  return v;
+}
+
+void TokenView::read(int64_t first, std::span<uint16_t> out) const {
+  const auto count = static_cast<int64_t>(out.size());
+  FLASHLM_CHECK(first >= 0 && first <= size_ && count <= size_ - first,
+                "TokenView::read: tokens [{}, {}) are outside the view's {} tokens", first, first + count, size_);
+  if (file_ != nullptr) {
+    file_->read(offset_ + first, out);
+  } else {
+    std::copy_n(memory_.begin() + offset_ + first, out.size(), out.begin());
   }
 }
 
@@ -187,20 +177,21 @@ SyntheticTokens::SyntheticTokens(int64_t vocab_size, int64_t num_tokens, uint64_
 
 double SyntheticTokens::optimal_cross_entropy() const { return std::log(static_cast<double>(branching_)); }
 
-TokenBatcher::TokenBatcher(std::span<const uint16_t> tokens, std::string_view name, int64_t batch, int64_t context,
-                           BatchOrder order, uint64_t seed)
+TokenBatcher::TokenBatcher(TokenView tokens, std::string_view name, int64_t batch, int64_t context, BatchOrder order,
+                           uint64_t seed)
     : tokens_(tokens), batch_(batch), context_(context), order_(order), seed_(seed) {
   // The bounds keep batch * context and every offset comfortably inside int64.
   FLASHLM_CHECK(batch >= 1 && batch <= INT32_MAX, "TokenBatcher: '{}': batch must be in [1, 2^31), got {}", name,
                 batch);
   FLASHLM_CHECK(context >= 1 && context <= INT32_MAX, "TokenBatcher: '{}': context must be in [1, 2^31), got {}",
                 name, context);
-  const auto n = static_cast<int64_t>(tokens.size());
+  const int64_t n = tokens.size();
   FLASHLM_CHECK(n >= context + 1,
                 "TokenBatcher: '{}': {} tokens are too few for one sequence: context {} needs at least {} (the "
                 "inputs plus the target of the last one)",
                 name, n, context, context + 1);
   windows_ = (n - 1) / context;
+  row_.resize(static_cast<size_t>(context + 1));
 }
 
 void TokenBatcher::next(std::span<int32_t> inputs, std::span<int32_t> targets) {
@@ -215,7 +206,7 @@ void TokenBatcher::next(std::span<int32_t> inputs, std::span<int32_t> targets) {
   const auto B = static_cast<uint64_t>(batch_);
   const auto T = static_cast<size_t>(context_);
   // Random starts lie in [0, n - T - 1], so start + T, the last target, is at most n - 1.
-  const uint64_t starts = tokens_.size() - T;
+  const uint64_t starts = static_cast<uint64_t>(tokens_.size()) - T;
   const uint64_t step_key = counter_draw(splitmix64(seed_ ^ kBatchStream), step);  // row b of this step: counter_draw(step_key, b)
   const auto shards = static_cast<uint64_t>(shards_);
   for (uint64_t b = 0; b < B; ++b) {
@@ -229,7 +220,8 @@ void TokenBatcher::next(std::span<int32_t> inputs, std::span<int32_t> targets) {
     } else {
       start = below(counter_draw(step_key, row), starts);
     }
-    const uint16_t* src = tokens_.data() + start;
+    tokens_.read(static_cast<int64_t>(start), row_);
+    const uint16_t* src = row_.data();
     int32_t* x = inputs.data() + b * T;
     int32_t* y = targets.data() + b * T;
     for (size_t t = 0; t < T; ++t) {

@@ -6,108 +6,77 @@
 #include <fmt/format.h>
 
 #include <chrono>
-#include <cstdio>
+#include <cmath>
 #include <cstring>
-#include <fstream>
 #include <memory>
-#include <nlohmann/json.hpp>
-#include <optional>
 
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/bench.h"
 #include "flashlm/data.h"
 #include "flashlm/dist.h"
+#include "train/checkpoint.h"
 
 namespace flashlm {
 
 namespace {
 
-constexpr char kCheckpointMagic[8] = {'F', 'L', 'M', 'C', 'K', 'P', 'T', '1'};
-
-nlohmann::json model_json(const ModelConfig& c) {
-  return {{"vocab", c.vocab},   {"context", c.context}, {"d_model", c.d_model},         {"d_ff", c.d_ff},
-          {"layers", c.layers}, {"heads", c.heads},     {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps}};
+// The fields of a checkpoint this run would write, but for the progress ones (next_step, optimizer_steps,
+// the batcher's position, the loss scale), which write_run_checkpoint fills in.
+CheckpointHeader run_header(const TrainConfig& cfg, const LanguageModel& model, DataIdentity train_data) {
+  CheckpointHeader h;
+  h.model = model.config();
+  h.batch = cfg.batch;
+  h.seq = cfg.seq;
+  h.seed = cfg.seed;
+  h.train_data = std::move(train_data);
+  h.batcher.seed = cfg.seed;
+  h.parameter_count = model.parameter_count();
+  h.precision = model.precision();
+  h.world_size = cfg.comm ? cfg.comm->world_size() : 1;
+  h.grad_accum = cfg.ddp.grad_accum;
+  return h;
 }
 
-struct Checkpoint {
-  nlohmann::json meta;
-  std::vector<float> params, m, v;
-};
-
 // Collective under data parallelism (ZeRO-1 gathers the moments); rank 0 writes.
-void write_checkpoint(const std::string& path, const LanguageModel& model, DdpModel* dp, const TrainConfig& cfg,
-                      int64_t next_step, const BatcherState& batcher) {
+void write_run_checkpoint(const std::string& path, const LanguageModel& model, DdpModel* dp, const TrainConfig& cfg,
+                          CheckpointHeader header, int64_t next_step, const BatcherState& batcher) {
   const size_t n = size_t(model.parameter_count());
   std::vector<float> params(n), m(n), v(n);
   if (dp) dp->gather_master_parameters();  // ZeRO-1 in bf16/fp16 gathers only the working weights per step
-  model.save_state(params.data(), m.data(), v.data());
+  model.save_state(params, m, v);
   if (dp && dp->zero()) dp->zero()->gather_state(m.data(), v.data());
   if (cfg.comm && !cfg.comm->is_root()) return;
-  const nlohmann::json meta = {{"model", model_json(model.config())},
-                               {"batch", cfg.batch},
-                               {"seq", cfg.seq},
-                               {"next_step", next_step},
-                               {"optimizer_steps", dp ? dp->optimizer_steps() : model.optimizer_steps()},
-                               {"seed", cfg.seed},
-                               {"train_data", cfg.train_data},
-                               {"batcher_seed", batcher.seed},
-                               {"batcher_step", batcher.step},
-                               {"parameter_count", model.parameter_count()},
-                               {"precision", std::string(dtype_name(model.precision()))},
-                               {"loss_scale", model.loss_scale()},
-                               {"world_size", cfg.comm ? cfg.comm->world_size() : 1},
-                               {"grad_accum", cfg.ddp.grad_accum}};
-  const std::string text = meta.dump();
-  // Written beside the target and renamed over it: a run killed mid-write leaves the previous checkpoint.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary);
-    FLASHLM_CHECK(bool(out), "checkpoint: cannot open '{}' for writing", tmp);
-    const uint64_t len = text.size();
-    out.write(kCheckpointMagic, sizeof kCheckpointMagic);
-    out.write(reinterpret_cast<const char*>(&len), sizeof len);
-    out.write(text.data(), std::streamsize(len));
-    const auto bytes = std::streamsize(n * sizeof(float));
-    out.write(reinterpret_cast<const char*>(params.data()), bytes);
-    out.write(reinterpret_cast<const char*>(m.data()), bytes);
-    out.write(reinterpret_cast<const char*>(v.data()), bytes);
-    FLASHLM_CHECK(bool(out), "checkpoint: failed writing '{}'", tmp);
-  }
-  FLASHLM_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "checkpoint: cannot rename '{}' to '{}'", tmp, path);
+  header.next_step = next_step;
+  header.optimizer_steps = dp ? dp->optimizer_steps() : model.optimizer_steps();
+  header.batcher = batcher;
+  header.loss_scale = model.loss_scale();
+  write_checkpoint(path, header, params, m, v);
 }
 
-Checkpoint read_checkpoint(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  FLASHLM_CHECK(bool(in), "checkpoint: cannot open '{}'", path);
-  char magic[8] = {};
-  uint64_t len = 0;
-  in.read(magic, sizeof magic);
-  in.read(reinterpret_cast<char*>(&len), sizeof len);
-  FLASHLM_CHECK(in && std::equal(magic, magic + 8, kCheckpointMagic) && len < (1u << 20),
-                "checkpoint: '{}' is not a flashlm checkpoint", path);
-  std::string text(len, '\0');
-  in.read(text.data(), std::streamsize(len));
-  Checkpoint ck;
-  try {
-    ck.meta = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    fail("checkpoint: '{}' has a corrupt header: {}", path, e.what());
+// Before step 1, so that a path that cannot be written fails now rather than when the first checkpoint is due.
+// Rank 0 alone writes checkpoints; the others learn its verdict, so that every rank stops together.
+void check_run_checkpoint_writable(const TrainConfig& cfg) {
+  std::string error;
+  if (!cfg.comm || cfg.comm->is_root()) {
+    try {
+      check_checkpoint_writable(cfg.checkpoint);
+    } catch (const Error& e) {
+      error = e.what();
+    }
   }
-  const int64_t n = ck.meta.at("parameter_count").get<int64_t>();
-  for (auto* v : {&ck.params, &ck.m, &ck.v}) {
-    v->resize(size_t(n));
-    in.read(reinterpret_cast<char*>(v->data()), std::streamsize(n * int64_t(sizeof(float))));
-  }
-  FLASHLM_CHECK(bool(in), "checkpoint: '{}' is truncated", path);
-  return ck;
+  double failed = error.empty() ? 0 : 1;
+  if (cfg.comm) cfg.comm->all_reduce(std::span<double>(&failed, 1), ReduceOp::max);
+  if (!error.empty()) throw Error(error);
+  FLASHLM_CHECK(failed == 0, "train: rank 0 cannot write the checkpoint '{}' (its error is in rank 0's output)",
+                cfg.checkpoint);
 }
 
 // The token sources of a run: the training sequence and the validation sequence.
 struct DataSources {
   std::unique_ptr<SyntheticTokens> synthetic;
-  std::optional<TokenFile> train_file, val_file;
-  std::span<const uint16_t> train, val;
+  std::unique_ptr<TokenFile> train_file, val_file;  // on the heap: the views refer to them, and DataSources moves
+  TokenView train, val;
   std::string train_name, val_name;
   double best_possible_loss = 0;
 };
@@ -120,19 +89,19 @@ DataSources open_data(const TrainConfig& cfg) {
     d.train_name = "synthetic";
     d.best_possible_loss = d.synthetic->optimal_cross_entropy();
   } else {
-    d.train_file.emplace(cfg.train_data, cfg.model.vocab);
-    d.train = d.train_file->tokens();
+    d.train_file = std::make_unique<TokenFile>(cfg.train_data, cfg.model.vocab);
+    d.train = *d.train_file;
     d.train_name = cfg.train_data;
   }
   if (!cfg.val_data.empty()) {
-    d.val_file.emplace(cfg.val_data, cfg.model.vocab);
-    d.val = d.val_file->tokens();
+    d.val_file = std::make_unique<TokenFile>(cfg.val_data, cfg.model.vocab);
+    d.val = *d.val_file;
     d.val_name = cfg.val_data;
   } else {
     // Hold out the last 10% of the training tokens.
-    const size_t split = d.train.size() - d.train.size() / 10;
-    d.val = d.train.subspan(split);
-    d.train = d.train.subspan(0, split);
+    const int64_t split = d.train.size() - d.train.size() / 10;
+    d.val = d.train.subview(split, d.train.size() - split);
+    d.train = d.train.subview(0, split);
     d.val_name = d.train_name + " (last 10%)";
   }
   return d;
@@ -190,33 +159,26 @@ TrainResult train(const TrainConfig& cfg) {
     if (cfg.progress && root) cfg.progress(line);
   };
 
+  const CheckpointHeader header = run_header(cfg, model, data_identity(cfg.train_data, data.train));
   int64_t step = 0;
   if (cfg.resume) {
-    const Checkpoint ck = read_checkpoint(cfg.checkpoint);
-    FLASHLM_CHECK(ck.meta.at("model") == model_json(cfg.model),
-                  "train: checkpoint '{}' holds a different model ({}) than configured ({})", cfg.checkpoint,
-                  ck.meta.at("model").dump(), model_json(cfg.model).dump());
-    FLASHLM_CHECK(ck.meta.at("batch") == cfg.batch && ck.meta.at("seq") == cfg.seq,
-                  "train: checkpoint '{}' was written with batch {} and seq {}, not {} and {}", cfg.checkpoint,
-                  ck.meta.at("batch").dump(), ck.meta.at("seq").dump(), cfg.batch, cfg.seq);
-    FLASHLM_CHECK(ck.meta.value("precision", "fp32") == dtype_name(cfg.precision),
-                  "train: checkpoint '{}' was trained in {}, not {}", cfg.checkpoint, ck.meta.value("precision", "fp32"),
-                  dtype_name(cfg.precision));
-    // The data each rank reads depends on both: continuing bit-exactly needs the same.
-    FLASHLM_CHECK(ck.meta.value("world_size", 1) == world && ck.meta.value("grad_accum", int64_t{1}) == accum,
-                  "train: checkpoint '{}' was written by {} rank(s) with grad_accum {}, not {} with {}", cfg.checkpoint,
-                  ck.meta.value("world_size", 1), ck.meta.value("grad_accum", int64_t{1}), world, accum);
-    const int64_t optimizer_steps = ck.meta.at("optimizer_steps").get<int64_t>();
+    const CheckpointReader ck(cfg.checkpoint);
+    check_resumable(cfg.checkpoint, ck.header(), header);
+    const size_t n = size_t(ck.header().parameter_count);
+    std::vector<float> params(n), m(n), v(n);
+    ck.read_payload(params, m, v);
+    const int64_t optimizer_steps = ck.header().optimizer_steps;
     if (dp && dp->zero()) {
-      load_parameters(model, ck.params.data());
-      dp->zero()->load_state(ck.m.data(), ck.v.data(), optimizer_steps);
+      load_parameters(model, params.data());
+      dp->zero()->load_state(m.data(), v.data(), optimizer_steps);
     } else {
-      model.load_state(ck.params.data(), ck.m.data(), ck.v.data(), optimizer_steps);
+      model.load_state(params, m, v, optimizer_steps);
     }
-    train_batches.restore({ck.meta.at("batcher_seed").get<uint64_t>(), ck.meta.at("batcher_step").get<int64_t>()});
-    step = ck.meta.at("next_step").get<int64_t>();
+    train_batches.restore(ck.header().batcher);
+    step = ck.header().next_step;
     say(fmt::format("resumed from {} at step {}", cfg.checkpoint, step));
   }
+  if (!cfg.checkpoint.empty()) check_run_checkpoint_writable(cfg);
   result.first_step = step;
   say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
@@ -247,6 +209,7 @@ TrainResult train(const TrainConfig& cfg) {
   const size_t micro = size_t(cfg.batch * cfg.seq);
   auto t_log = std::chrono::steady_clock::now();
   int64_t tokens_since_log = 0, skipped = 0;
+  int64_t last_checkpoint = cfg.resume ? step : -1;  // the step the checkpoint file holds
   const double flops_per_token = train_flops_per_token(cfg.model, cfg.seq);
   for (; step < cfg.steps; ++step) {
     for (int64_t k = 0; k < accum; ++k) {
@@ -266,6 +229,18 @@ TrainResult train(const TrainConfig& cfg) {
       stepped = optimizer_step(model, cfg.optimizer, lr, &norm);
     }
     if (!stepped) ++skipped;  // fp16 overflow: no update, the loss scale was halved
+    // fp16 skips such a step and backs off its loss scale (above); in fp32 and bf16 a loss or gradient norm
+    // that is not finite means the parameters just updated are not either (a finite loss can come with an
+    // overflowing gradient), and a checkpoint of them would overwrite the last good one. Under data
+    // parallelism every rank holds the same all-reduced loss and the same global norm, so all stop together.
+    if (cfg.precision != DType::f16 && !(std::isfinite(loss) && std::isfinite(norm))) {
+      fail("train: the loss is {} and the gradient norm {} at step {} ({}): stopping before it reaches a "
+           "checkpoint; {}",
+           loss, norm, step + 1, dtype_name(cfg.precision),
+           cfg.checkpoint.empty() ? std::string("no checkpoint was configured")
+           : last_checkpoint < 0  ? fmt::format("no checkpoint had been written to '{}' yet", cfg.checkpoint)
+                                  : fmt::format("'{}' keeps the parameters after step {}", cfg.checkpoint, last_checkpoint));
+    }
     result.train_loss.emplace_back(step, loss);
     tokens_since_log += int64_t(world) * accum * cfg.batch * cfg.seq;
 
@@ -294,7 +269,8 @@ TrainResult train(const TrainConfig& cfg) {
       say(fmt::format("step {:>6}/{} | val loss {:.4f}", step + 1, cfg.steps, val));
     }
     if (!cfg.checkpoint.empty() && ((cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) || last)) {
-      write_checkpoint(cfg.checkpoint, model, dp.get(), cfg, step + 1, train_batches.state());
+      write_run_checkpoint(cfg.checkpoint, model, dp.get(), cfg, header, step + 1, train_batches.state());
+      last_checkpoint = step + 1;
       say(fmt::format("step {:>6}/{} | checkpoint {}", step + 1, cfg.steps, cfg.checkpoint));
     }
   }
@@ -302,6 +278,12 @@ TrainResult train(const TrainConfig& cfg) {
   return result;
 }
 
-std::vector<float> checkpoint_parameters(const std::string& path) { return read_checkpoint(path).params; }
+std::vector<float> checkpoint_parameters(const std::string& path) {
+  const CheckpointReader ck(path);
+  const size_t n = size_t(ck.header().parameter_count);
+  std::vector<float> params(n), m(n), v(n);
+  ck.read_payload(params, m, v);
+  return params;
+}
 
 }  // namespace flashlm

@@ -797,7 +797,7 @@ TEST(DdpGpu, ZeroOneReduceScatterTrainsLikeAllReduce) {
     const auto n = size_t(sharded.parameter_count());
     std::vector<float> m(n), v(n), m2(n), v2(n), w_plain(n), m_plain(n), v_plain(n);
     b.zero()->gather_state(m.data(), v.data());
-    plain.save_state(w_plain.data(), m_plain.data(), v_plain.data());  // unsharded AdamW's moments
+    plain.save_state(w_plain, m_plain, v_plain);  // unsharded AdamW's moments
     EXPECT_LE(relative_l2(m, m_plain), 1e-5) << describe(o);
     EXPECT_LE(relative_l2(v, v_plain), 1e-5) << describe(o);
     ZeroOptimizer fresh(comm(), DdpParameters::of(sharded), b.data_parallel().buckets());

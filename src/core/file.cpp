@@ -1,0 +1,74 @@
+#include "core/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "core/check.h"
+
+namespace flashlm {
+
+std::string errno_text(int err) { return std::strerror(err); }
+
+ReadOnlyFile::ReadOnlyFile(std::string path, std::string_view owner) : path_(std::move(path)), owner_(owner) {
+  // O_NONBLOCK makes open() return at once on a FIFO with no writer; fstat then tells what was opened, on the
+  // descriptor itself, so nothing can be swapped in between the check and the reads.
+  fd_ = ::open(path_.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  FLASHLM_CHECK(fd_ >= 0, "{}: '{}': cannot open: {}", owner_, path_, errno_text(errno));
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fail("{}: '{}': cannot stat: {}", owner_, path_, errno_text(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fail("{}: '{}': not a regular file ({})", owner_, path_,
+         S_ISDIR(st.st_mode)    ? "a directory"
+         : S_ISFIFO(st.st_mode) ? "a FIFO"
+         : S_ISSOCK(st.st_mode) ? "a socket"
+                                : "a device");
+  }
+  size_ = static_cast<uint64_t>(st.st_size);
+}
+
+ReadOnlyFile::ReadOnlyFile(ReadOnlyFile&& o) noexcept
+    : path_(std::move(o.path_)), owner_(std::move(o.owner_)), fd_(std::exchange(o.fd_, -1)), size_(o.size_) {}
+
+ReadOnlyFile& ReadOnlyFile::operator=(ReadOnlyFile&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(o.path_);
+    owner_ = std::move(o.owner_);
+    fd_ = std::exchange(o.fd_, -1);
+    size_ = o.size_;
+  }
+  return *this;
+}
+
+ReadOnlyFile::~ReadOnlyFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void ReadOnlyFile::read_at(uint64_t offset, std::span<std::byte> out) const {
+  size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t got = ::pread(fd_, out.data() + done, out.size() - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) fail("{}: '{}': cannot read {} bytes at offset {}: {}", owner_, path_, out.size(), offset, errno_text(errno));
+    if (got == 0) {
+      struct stat st {};
+      const long long now = ::fstat(fd_, &st) == 0 ? static_cast<long long>(st.st_size) : -1;
+      fail("{}: '{}': bytes [{}, {}) are past its end: it has {} bytes now, {} when it was opened (was it truncated "
+           "or rewritten while in use?)",
+           owner_, path_, offset, offset + out.size(), now, size_);
+    }
+    done += static_cast<size_t>(got);
+  }
+}
+
+}  // namespace flashlm

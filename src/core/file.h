@@ -1,0 +1,40 @@
+// Reading files that other processes may change: a file opened here is never a FIFO or a device (open()
+// on a FIFO blocks until a writer comes, forever when none does), and it is read with pread() at explicit
+// offsets, so a file that shrinks while it is open gives a short read, which is an error naming the file,
+// instead of the SIGBUS that touching a truncated memory mapping raises.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace flashlm {
+
+std::string errno_text(int err);  // strerror(err)
+
+class ReadOnlyFile {
+ public:
+  // Opens `path` for reading, without blocking, and refuses anything but a regular file. `owner` starts
+  // every error message ("TokenFile", "checkpoint"), followed by the quoted path.
+  ReadOnlyFile(std::string path, std::string_view owner);
+  ReadOnlyFile(ReadOnlyFile&& o) noexcept;
+  ReadOnlyFile& operator=(ReadOnlyFile&& o) noexcept;
+  ReadOnlyFile(const ReadOnlyFile&) = delete;
+  ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
+  ~ReadOnlyFile();
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_; }  // when it was opened
+
+  // Reads exactly out.size() bytes from `offset`; a file that ends sooner (truncated since it was opened,
+  // or a size the caller did not check) is a flashlm::Error naming the file, the range and the size now.
+  void read_at(uint64_t offset, std::span<std::byte> out) const;
+
+ private:
+  std::string path_, owner_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
+}  // namespace flashlm

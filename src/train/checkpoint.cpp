@@ -1,0 +1,345 @@
+#include "train/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "core/check.h"
+#include "core/file.h"
+
+namespace flashlm {
+
+// The payload is written as the host holds it.
+static_assert(std::endian::native == std::endian::little, "checkpoints are little-endian");
+
+namespace {
+
+constexpr char kMagic[8] = {'F', 'L', 'M', 'C', 'K', 'P', 'T', '2'};
+constexpr char kMagicFormat1[8] = {'F', 'L', 'M', 'C', 'K', 'P', 'T', '1'};
+constexpr int64_t kFormat = 2;
+constexpr uint64_t kPreludeBytes = 20;              // magic, header length, header CRC
+constexpr uint64_t kMaxHeaderBytes = uint64_t{1} << 20;  // a header is a few hundred bytes
+constexpr int64_t kFingerprintTokens = int64_t{1} << 19;
+constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+
+// zlib's crc32_z takes size_t lengths, so any buffer goes in one call.
+uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes) {
+  return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(data), bytes));
+}
+
+uint32_t header_crc(const unsigned char (&prelude)[16], const std::string& text) {
+  return crc32_update(crc32_update(0, prelude, sizeof prelude), text.data(), text.size());
+}
+
+uint32_t payload_crc(std::span<const float> params, std::span<const float> m, std::span<const float> v) {
+  uint32_t crc = 0;
+  for (std::span<const float> part : {params, m, v}) crc = crc32_update(crc, part.data(), part.size_bytes());
+  return crc;
+}
+
+nlohmann::json model_json(const ModelConfig& c) {
+  return {{"vocab", c.vocab},   {"context", c.context}, {"d_model", c.d_model},       {"d_ff", c.d_ff},
+          {"layers", c.layers}, {"heads", c.heads},     {"rope_theta", c.rope_theta}, {"norm_eps", c.norm_eps}};
+}
+
+// Reads the fields of one JSON object of a checkpoint's header, each checked for presence, type and
+// range, every error naming the file and the field (`prefix` + key: "model.d_model").
+class Fields {
+ public:
+  Fields(const std::string& path, const nlohmann::json& object, std::string prefix)
+      : path_(path), object_(object), prefix_(std::move(prefix)) {}
+
+  const nlohmann::json& at(const char* key) const {
+    const auto it = object_.find(key);
+    if (it == object_.end()) fail("checkpoint: '{}': the header has no field '{}{}'", path_, prefix_, key);
+    return *it;
+  }
+  [[noreturn]] void bad(const char* key, const std::string& expected) const {
+    fail("checkpoint: '{}': header field '{}{}' is {}, expected {}", path_, prefix_, key, at(key).dump(), expected);
+  }
+  int64_t integer(const char* key, int64_t lo, int64_t hi) const {
+    const nlohmann::json& j = at(key);
+    const std::string range = fmt::format("an integer in [{}, {}]", lo, hi);
+    if (!j.is_number_integer()) bad(key, range);
+    // nlohmann keeps non-negative integers unsigned: one beyond INT64_MAX must not wrap to a negative one.
+    if (j.is_number_unsigned() && j.get<uint64_t>() > static_cast<uint64_t>(hi)) bad(key, range);
+    const auto value = j.get<int64_t>();
+    if (value < lo || value > hi) bad(key, range);
+    return value;
+  }
+  uint64_t unsigned_integer(const char* key, uint64_t hi = std::numeric_limits<uint64_t>::max()) const {
+    const nlohmann::json& j = at(key);
+    if (!j.is_number_unsigned() || j.get<uint64_t>() > hi) bad(key, fmt::format("an integer in [0, {}]", hi));
+    return j.get<uint64_t>();
+  }
+  double positive_number(const char* key) const {
+    const nlohmann::json& j = at(key);
+    if (!j.is_number() || !std::isfinite(j.get<double>()) || j.get<double>() <= 0) bad(key, "a finite positive number");
+    return j.get<double>();
+  }
+  std::string string(const char* key) const {
+    if (!at(key).is_string()) bad(key, "a string");
+    return at(key).get<std::string>();
+  }
+  Fields object(const char* key) const {
+    if (!at(key).is_object()) bad(key, "an object");
+    return Fields(path_, at(key), prefix_ + key + ".");
+  }
+
+ private:
+  const std::string& path_;
+  const nlohmann::json& object_;
+  std::string prefix_;
+};
+
+CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, uint32_t* payload_crc_out) {
+  FLASHLM_CHECK(j.is_object(), "checkpoint: '{}': the header is {}, expected a JSON object", path,
+                std::string(j.type_name()));
+  const Fields f(path, j, "");
+  const int64_t format = f.integer("format", 0, std::numeric_limits<int64_t>::max());
+  FLASHLM_CHECK(format == kFormat, "checkpoint: '{}': header field 'format' is {}, this flashlm reads format {}", path,
+                format, kFormat);
+  CheckpointHeader h;
+  const Fields model = f.object("model");
+  h.model.vocab = model.integer("vocab", 2, kMaxInt32);
+  h.model.context = model.integer("context", 1, kMaxInt32);
+  h.model.d_model = model.integer("d_model", 1, kMaxInt32);
+  h.model.d_ff = model.integer("d_ff", 1, kMaxInt32);
+  h.model.layers = model.integer("layers", 1, kMaxInt32);
+  h.model.heads = model.integer("heads", 1, kMaxInt32);
+  h.model.rope_theta = model.positive_number("rope_theta");
+  h.model.norm_eps = model.positive_number("norm_eps");
+  h.batch = f.integer("batch", 1, kMaxInt32);
+  h.seq = f.integer("seq", 1, kMaxInt32);
+  h.next_step = f.integer("next_step", 0, std::numeric_limits<int64_t>::max());
+  h.optimizer_steps = f.integer("optimizer_steps", 0, h.next_step);
+  h.seed = f.unsigned_integer("seed");
+  const Fields data = f.object("train_data");
+  h.train_data.name = data.string("name");
+  h.train_data.tokens = data.integer("tokens", 2, std::numeric_limits<int64_t>::max());
+  h.train_data.fingerprint = static_cast<uint32_t>(data.unsigned_integer("fingerprint", UINT32_MAX));
+  h.world_size = f.integer("world_size", 1, kMaxInt32);
+  h.grad_accum = f.integer("grad_accum", 1, kMaxInt32);
+  // The batcher draws grad_accum batches a step from the run's seed: any other position is not one a run left.
+  h.batcher.seed = f.unsigned_integer("batcher_seed");
+  if (h.batcher.seed != h.seed) f.bad("batcher_seed", fmt::format("the run's seed {}", h.seed));
+  const int64_t batcher_step = f.integer("batcher_step", 0, std::numeric_limits<int64_t>::max());
+  if (h.next_step > std::numeric_limits<int64_t>::max() / h.grad_accum || batcher_step != h.next_step * h.grad_accum)
+    f.bad("batcher_step", fmt::format("next_step * grad_accum = {} * {}", h.next_step, h.grad_accum));
+  h.batcher.step = batcher_step;
+  h.parameter_count = f.integer("parameter_count", 1, std::numeric_limits<int64_t>::max());
+  const std::string precision = f.string("precision");
+  if (precision == dtype_name(DType::f32)) h.precision = DType::f32;
+  else if (precision == dtype_name(DType::bf16)) h.precision = DType::bf16;
+  else if (precision == dtype_name(DType::f16)) h.precision = DType::f16;
+  else f.bad("precision", "\"fp32\", \"bf16\" or \"fp16\"");
+  h.loss_scale = f.positive_number("loss_scale");
+  *payload_crc_out = static_cast<uint32_t>(f.unsigned_integer("payload_crc32", UINT32_MAX));
+  return h;
+}
+
+nlohmann::json header_json(const CheckpointHeader& h, uint32_t payload_crc32) {
+  return {{"format", kFormat},
+          {"model", model_json(h.model)},
+          {"batch", h.batch},
+          {"seq", h.seq},
+          {"next_step", h.next_step},
+          {"optimizer_steps", h.optimizer_steps},
+          {"seed", h.seed},
+          {"train_data",
+           {{"name", h.train_data.name}, {"tokens", h.train_data.tokens}, {"fingerprint", h.train_data.fingerprint}}},
+          {"batcher_seed", h.batcher.seed},
+          {"batcher_step", h.batcher.step},
+          {"parameter_count", h.parameter_count},
+          {"precision", std::string(dtype_name(h.precision))},
+          {"loss_scale", h.loss_scale},
+          {"world_size", h.world_size},
+          {"grad_accum", h.grad_accum},
+          {"payload_crc32", payload_crc32}};
+}
+
+void write_all(int fd, const std::string& path, const void* data, size_t bytes) {
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t put = ::write(fd, p, bytes);
+    if (put < 0 && errno == EINTR) continue;
+    FLASHLM_CHECK(put > 0, "checkpoint: failed writing '{}': {}", path, errno_text(errno));
+    p += put;
+    bytes -= static_cast<size_t>(put);
+  }
+}
+
+std::string directory_of(const std::string& path) {
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  return parent.empty() ? std::string(".") : parent.string();
+}
+
+}  // namespace
+
+DataIdentity data_identity(std::string name, TokenView tokens) {
+  DataIdentity id{std::move(name), tokens.size(), 0};
+  id.fingerprint = crc32_update(0, &id.tokens, sizeof id.tokens);
+  const int64_t head = std::min(tokens.size(), kFingerprintTokens);
+  const int64_t tail_at = std::max(head, tokens.size() - kFingerprintTokens);
+  std::vector<uint16_t> buf(static_cast<size_t>(head));
+  for (const auto& [first, count] : {std::pair{int64_t{0}, head}, std::pair{tail_at, tokens.size() - tail_at}}) {
+    const std::span<uint16_t> part(buf.data(), static_cast<size_t>(count));
+    tokens.read(first, part);
+    id.fingerprint = crc32_update(id.fingerprint, part.data(), part.size_bytes());
+  }
+  return id;
+}
+
+void check_checkpoint_writable(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    FLASHLM_CHECK(!S_ISDIR(st.st_mode), "checkpoint: '{}' is a directory: give a file path such as '{}/run.ckpt'",
+                  path, path);
+    FLASHLM_CHECK(S_ISREG(st.st_mode), "checkpoint: '{}' exists and is not a regular file", path);
+  }
+  const std::string dir = directory_of(path);
+  FLASHLM_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
+                "checkpoint: '{}': the directory '{}' does not exist", path, dir);
+  // Creating the temporary the checkpoint is written to is the one test of permission that cannot be wrong.
+  const std::string tmp = path + ".tmp";
+  const bool existed = ::lstat(tmp.c_str(), &st) == 0;
+  FLASHLM_CHECK(!existed || S_ISREG(st.st_mode), "checkpoint: '{}' exists and is not a regular file", tmp);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0644);
+  FLASHLM_CHECK(fd >= 0, "checkpoint: cannot create '{}': {}", tmp, errno_text(errno));
+  ::close(fd);
+  if (!existed) ::unlink(tmp.c_str());
+}
+
+void write_checkpoint(const std::string& path, const CheckpointHeader& header, std::span<const float> params,
+                      std::span<const float> m, std::span<const float> v) {
+  const auto n = static_cast<size_t>(header.parameter_count);
+  FLASHLM_CHECK(params.size() == n && m.size() == n && v.size() == n,
+                "write_checkpoint: params, m and v hold {}, {} and {} floats, expected parameter_count = {} each",
+                params.size(), m.size(), v.size(), n);
+  const std::string text = header_json(header, payload_crc(params, m, v)).dump();
+  unsigned char prelude[16];
+  const uint64_t len = text.size();
+  std::memcpy(prelude, kMagic, sizeof kMagic);
+  std::memcpy(prelude + 8, &len, sizeof len);
+  const uint32_t crc = header_crc(prelude, text);
+
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
+  FLASHLM_CHECK(fd >= 0, "checkpoint: cannot open '{}' for writing: {}", tmp, errno_text(errno));
+  try {
+    write_all(fd, tmp, prelude, sizeof prelude);
+    write_all(fd, tmp, &crc, sizeof crc);
+    write_all(fd, tmp, text.data(), text.size());
+    for (std::span<const float> part : {params, m, v}) write_all(fd, tmp, part.data(), part.size_bytes());
+    // On the disk before the rename, or a crash could leave the new name pointing at missing data.
+    FLASHLM_CHECK(::fsync(fd) == 0, "checkpoint: cannot flush '{}': {}", tmp, errno_text(errno));
+    FLASHLM_CHECK(::close(fd) == 0, "checkpoint: failed writing '{}': {}", tmp, errno_text(errno));
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    fail("checkpoint: cannot rename '{}' to '{}': {}", tmp, path, errno_text(err));
+  }
+}
+
+CheckpointReader::CheckpointReader(const std::string& path)
+    : file_(std::make_unique<ReadOnlyFile>(path, "checkpoint")) {
+  const uint64_t size = file_->size();
+  unsigned char prelude[16] = {};
+  uint32_t crc = 0;
+  FLASHLM_CHECK(size >= kPreludeBytes, "checkpoint: '{}' is not a flashlm checkpoint: {} bytes", path, size);
+  file_->read_at(0, std::as_writable_bytes(std::span(prelude)));
+  file_->read_at(16, std::as_writable_bytes(std::span(&crc, 1)));
+  FLASHLM_CHECK(std::memcmp(prelude, kMagicFormat1, 8) != 0,
+                "checkpoint: '{}' is in the old format 1, which has no checksums and is not read any more: "
+                "resume it with the flashlm that wrote it, or start the run again",
+                path);
+  FLASHLM_CHECK(std::memcmp(prelude, kMagic, 8) == 0, "checkpoint: '{}' is not a flashlm checkpoint", path);
+  uint64_t len = 0;
+  std::memcpy(&len, prelude + 8, sizeof len);
+  FLASHLM_CHECK(len <= kMaxHeaderBytes && len <= size - kPreludeBytes,
+                "checkpoint: '{}' has a corrupt header: it claims {} bytes, the file has {} after the first {}", path,
+                len, size - kPreludeBytes, kPreludeBytes);
+  std::string text(len, '\0');
+  file_->read_at(kPreludeBytes, std::as_writable_bytes(std::span(text.data(), text.size())));
+  FLASHLM_CHECK(header_crc(prelude, text) == crc,
+                "checkpoint: '{}' has a corrupt header: its CRC-32 is {:08x}, the header stored {:08x}", path,
+                header_crc(prelude, text), crc);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception&) {
+    fail("checkpoint: '{}' has a corrupt header: not valid JSON", path);
+  }
+  header_ = parse_header(path, j, &payload_crc_);
+  payload_at_ = kPreludeBytes + len;
+  // Exactly three arrays of parameter_count floats follow the header; checked by division so that no
+  // product can overflow, and before anything is allocated for them.
+  const uint64_t payload = size - payload_at_;
+  const auto n = static_cast<uint64_t>(header_.parameter_count);
+  FLASHLM_CHECK(payload % (3 * sizeof(float)) == 0 && payload / (3 * sizeof(float)) == n,
+                "checkpoint: '{}': header field 'parameter_count' is {}, which needs {} payload bytes (3 x {} "
+                "floats), but the file has {}{}",
+                path, n, n <= payload ? fmt::format("{}", n * 3 * sizeof(float)) : std::string("more"), n, payload,
+                n > payload / (3 * sizeof(float)) ? " (truncated?)" : "");
+}
+
+CheckpointReader::~CheckpointReader() = default;
+
+void CheckpointReader::read_payload(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  const auto n = static_cast<size_t>(header_.parameter_count);
+  FLASHLM_CHECK(params.size() == n && m.size() == n && v.size() == n,
+                "CheckpointReader::read_payload: params, m and v hold {}, {} and {} floats, expected "
+                "parameter_count = {} each",
+                params.size(), m.size(), v.size(), n);
+  uint64_t at = payload_at_;
+  for (std::span<float> part : {params, m, v}) {
+    file_->read_at(at, std::as_writable_bytes(part));
+    at += part.size_bytes();
+  }
+  const uint32_t crc = payload_crc(params, m, v);
+  FLASHLM_CHECK(crc == payload_crc_,
+                "checkpoint: '{}' is corrupt: the parameters and moments have CRC-32 {:08x}, the header stored {:08x}",
+                file_->path(), crc, payload_crc_);
+}
+
+void check_resumable(const std::string& path, const CheckpointHeader& saved, const CheckpointHeader& run) {
+  auto differs = [&](std::string_view field, const auto& in_file, const auto& in_run) {
+    if (in_file != in_run)
+      fail("train: checkpoint '{}' differs from this run in {}: the checkpoint has {}, this run {}", path, field,
+           in_file, in_run);
+  };
+  const nlohmann::json a = model_json(saved.model), b = model_json(run.model);
+  for (const auto& [key, value] : b.items()) differs("model." + key, a.at(key).dump(), value.dump());
+  differs("batch", saved.batch, run.batch);
+  differs("seq (the context of a batch)", saved.seq, run.seq);
+  differs("precision", dtype_name(saved.precision), dtype_name(run.precision));
+  // The data each rank reads depends on both: continuing bit-exactly needs the same.
+  differs("world_size", saved.world_size, run.world_size);
+  differs("grad_accum", saved.grad_accum, run.grad_accum);
+  differs("seed", saved.seed, run.seed);
+  const DataIdentity &d0 = saved.train_data, &d1 = run.train_data;
+  if (d0.tokens != d1.tokens || d0.fingerprint != d1.fingerprint)
+    fail("train: checkpoint '{}' differs from this run in train_data: the checkpoint was trained on '{}' ({} tokens, "
+         "fingerprint {:08x}), this run reads '{}' ({} tokens, fingerprint {:08x})",
+         path, d0.name, d0.tokens, d0.fingerprint, d1.name, d1.tokens, d1.fingerprint);
+  differs("parameter_count", saved.parameter_count, run.parameter_count);
+}
+
+}  // namespace flashlm

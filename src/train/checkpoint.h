@@ -1,0 +1,82 @@
+// Checkpoint files: what a training run needs to continue bit-exactly (parameters, AdamW's moments and step,
+// the data position), in a format whose every byte is checked before it is trusted. The layout (format 2)
+// is described in docs/design.md ("Checkpoints"):
+//
+//   "FLMCKPT2" | uint64 header bytes h | uint32 CRC-32 of the 16 bytes before it and the header | header
+//   (JSON, h bytes) | parameters, first moments, second moments (fp32, parameter_count each)
+//
+// with the payload's CRC-32 inside the header. A reader checks the header's checksum, then every field's
+// type and range and the file's size against parameter_count, before it allocates anything, and the
+// payload's checksum after reading it.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "flashlm/data.h"
+#include "flashlm/dtype.h"
+#include "flashlm/model.h"
+
+namespace flashlm {
+
+// Which token sequence a run trains on, so that a resume can tell whether it reads the same one. The
+// name (the path, or "synthetic") is for messages only: a file moved elsewhere holds the same data. The
+// fingerprint is a CRC-32 of the token count and the first and last 512 Ki tokens, cheap for a corpus of
+// tens of GB and different for any file that is not a copy.
+struct DataIdentity {
+  std::string name;
+  int64_t tokens = 0;
+  uint32_t fingerprint = 0;
+};
+DataIdentity data_identity(std::string name, TokenView tokens);
+
+struct CheckpointHeader {
+  ModelConfig model;
+  int64_t batch = 0, seq = 0;
+  int64_t next_step = 0;        // the first step a resumed run takes
+  int64_t optimizer_steps = 0;  // AdamW updates so far: at most next_step (fp16 skips overflowing steps)
+  uint64_t seed = 0;            // weights, data order and synthetic data
+  DataIdentity train_data;
+  BatcherState batcher;  // its step is next_step * grad_accum; its seed is `seed`
+  int64_t parameter_count = 0;
+  DType precision = DType::f32;
+  double loss_scale = 1;
+  int64_t world_size = 1, grad_accum = 1;
+};
+
+// Writes path + ".tmp", flushes it to the disk and renames it over `path`, so that a run killed mid-write
+// leaves the previous checkpoint; on failure no ".tmp" is left behind. params, m and v hold
+// header.parameter_count floats each.
+void write_checkpoint(const std::string& path, const CheckpointHeader& header, std::span<const float> params,
+                      std::span<const float> m, std::span<const float> v);
+
+// Throws unless a checkpoint could be written to `path` now: its directory exists, `path` is not a directory
+// or anything else but a regular file, and path + ".tmp" can be created. A run checks this before its first
+// step rather than losing the whole run to a typo when the first checkpoint is due.
+void check_checkpoint_writable(const std::string& path);
+
+// A checkpoint file opened for reading: the constructor reads and checks the header (its checksum, every
+// field's type and range, and the file's size against parameter_count), read_payload the rest.
+class CheckpointReader {
+ public:
+  explicit CheckpointReader(const std::string& path);
+  ~CheckpointReader();
+
+  const CheckpointHeader& header() const { return header_; }
+  // params, m and v: header().parameter_count floats each. Verifies the payload's checksum.
+  void read_payload(std::span<float> params, std::span<float> m, std::span<float> v) const;
+
+ private:
+  std::unique_ptr<ReadOnlyFile> file_;
+  CheckpointHeader header_;
+  uint64_t payload_at_ = 0;
+  uint32_t payload_crc_ = 0;
+};
+
+// Throws, naming the checkpoint's path and the first field that differs, unless a run configured as `run`
+// can continue from `saved` bit-exactly: the same model, batch, context, precision, world size,
+// grad_accum, seed, training data and parameter count.
+void check_resumable(const std::string& path, const CheckpointHeader& saved, const CheckpointHeader& run);
+
+}  // namespace flashlm
