@@ -20,6 +20,7 @@
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
 #include "flashlm/train.h"
+#include "text_commands.h"
 
 namespace {
 
@@ -357,6 +358,7 @@ int run_bench_command(const BenchArgs& a) {
 
 struct TrainArgs {
   std::string model = "tiny", data = "synthetic", val_data, checkpoint, device, attention = "flash", precision;
+  std::string init, metrics_log;
   int64_t d_model = 0, d_ff = 0, layers = 0, heads = 0, vocab = 256, context = 64;
   int64_t batch = 16, steps = 200, warmup = 20, cosine_steps = 0, eval_every = 50, eval_batches = 8, log_every = 10;
   int64_t checkpoint_every = 0, threads = 0;
@@ -418,6 +420,9 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--checkpoint", a.checkpoint, "Checkpoint file (written atomically)");
   cmd->add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end)");
   cmd->add_flag("--resume", a.resume, "Continue from --checkpoint, bit-exactly");
+  cmd->add_option("--init", a.init,
+                  "Start from these weights (.safetensors: flashlm export's, or PyTorch's with the CS336 names)");
+  cmd->add_option("--log", a.metrics_log, "Write metrics as JSON lines (one per step and per evaluation)");
   cmd->add_option("--seed", a.seed, "Seed of weights, data order and synthetic data")->capture_default_str();
   cmd->add_option("--attention", a.attention, "flash or naive")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
@@ -486,6 +491,8 @@ int run_train_command(const TrainArgs& a) {
   cfg.checkpoint = a.checkpoint;
   cfg.checkpoint_every = a.checkpoint_every;
   cfg.resume = a.resume;
+  cfg.init = a.init;
+  cfg.metrics_log = a.metrics_log;
   cfg.seed = a.seed;
   if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
   cfg.progress = [](const std::string& line) { fmt::print("{}\n", line), std::fflush(stdout); };
@@ -668,6 +675,8 @@ int main(int argc, char** argv) {
   DdpBenchArgs ddp_bench_args;
   add_ddp_bench(app, ddp_bench_args);
   add_info(app);
+  TextCommandArgs text_args;
+  add_text_commands(app, text_args);
 
   try {
     app.parse(argc, argv);
@@ -676,6 +685,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench")) return run_bench_command(lm_bench_args);
     if (app.got_subcommand("allreduce-bench")) return run_allreduce_bench_command(allreduce_args);
     if (app.got_subcommand("ddp-bench")) return run_ddp_bench_command(ddp_bench_args);
+    if (const int rc = run_text_command(app, text_args); rc >= 0) return rc;
     return 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
