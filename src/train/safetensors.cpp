@@ -154,18 +154,20 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
                       t.begin, t.end, t.end - t.begin));
     tensors_.push_back(std::move(t));
   }
-  // The tensors tile the data exactly: in offset order each starts where the one before ends.
+  // The tensors tile the data exactly: in offset order none starts before the one before it ends (checked
+  // first, for an overlap is the worse fault) and each starts where that one ends.
   std::sort(tensors_.begin(), tensors_.end(),
             [](const Tensor& a, const Tensor& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
+  for (size_t i = 1; i < tensors_.size(); ++i) {
+    const Tensor &a = tensors_[i - 1], &b = tensors_[i];
+    FLASHLM_CHECK(b.begin >= a.end, "safetensors: '{}': tensors '{}' and '{}' overlap (bytes [{}, {}) and [{}, {}))",
+                  path, a.name, b.name, a.begin, a.end, b.begin, b.end);
+  }
   uint64_t at = 0;
-  const Tensor* previous = nullptr;
   for (const Tensor& t : tensors_) {
-    FLASHLM_CHECK(t.begin >= at, "safetensors: '{}': tensors '{}' and '{}' overlap (bytes [{}, {}) and [{}, {}))", path,
-                  previous ? previous->name : "", t.name, previous ? previous->begin : 0, at, t.begin, t.end);
     FLASHLM_CHECK(t.begin == at, "safetensors: '{}': bytes [{}, {}) of the data belong to no tensor (before '{}')", path,
                   at, t.begin, t.name);
     at = t.end;
-    previous = &t;
   }
   FLASHLM_CHECK(at == data_bytes, "safetensors: '{}': bytes [{}, {}) at the end of the data belong to no tensor", path,
                 at, data_bytes);
