@@ -678,6 +678,7 @@ int main(int argc, char** argv) {
   TextCommandArgs text_args;
   add_text_commands(app, text_args);
 
+  flashlm::set_report_command_line(argc, argv);
   try {
     app.parse(argc, argv);
     if (app.got_subcommand("attention-bench")) return run_attention_bench_command(bench_args);

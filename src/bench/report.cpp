@@ -38,7 +38,24 @@ std::string csv_escape(const std::string& s) {
   return out + "\"";
 }
 
+std::vector<std::string>& report_command_line() {
+  static std::vector<std::string> words;
+  return words;
+}
+
+// "2026-12-01T10:42:23Z"
+std::string utc_time() {
+  char text[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return text;
+}
+
 }  // namespace
+
+void set_report_command_line(int argc, const char* const* argv) {
+  report_command_line().assign(argv, argv + argc);
+}
 
 std::string render_report(const std::vector<nlohmann::json>& records, const std::vector<ReportColumn>& columns,
                           ReportFormat format, const nlohmann::json& meta) {
@@ -46,6 +63,10 @@ std::string render_report(const std::vector<nlohmann::json>& records, const std:
   switch (format) {
     case ReportFormat::json: {
       nlohmann::json doc = meta;
+      doc["flashlm"] = {{"version", FLASHLM_VERSION},
+                        {"git_commit", FLASHLM_GIT_COMMIT},
+                        {"command", report_command_line()},
+                        {"time_utc", utc_time()}};
       doc["records"] = records;
       return doc.dump(1) + "\n";
     }

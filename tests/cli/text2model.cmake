@@ -78,3 +78,15 @@ expect_exit(1 "cannot open" export ${dir}/run.ckpt ${dir}/missing/model.safetens
 expect_exit(1 "has shape \\[64, 32\\], this model.s is \\[48, 32\\]" train ${train_args} --steps 1 --init ${dir}/model.safetensors --d-ff 48)
 expect_exit(1 "--init and --resume" train ${train_args} --steps 1 --init ${dir}/model.safetensors --checkpoint ${dir}/run.ckpt --resume)
 expect_exit(1 "cannot open the metrics log" train ${train_args} --steps 1 --log ${dir}/missing/m.jsonl)
+
+# Every JSON report says which flashlm, commit and command line made it, and when.
+run_ok("attention-bench json" attention-bench --device cpu --seq 16 --d 8 --reps 1 --warmup 0 --quiet --format json)
+string(JSON version GET "${out}" flashlm version)
+string(JSON commit GET "${out}" flashlm git_commit)
+string(JSON word GET "${out}" flashlm command 1)
+string(JSON time GET "${out}" flashlm time_utc)
+string(JSON device GET "${out}" device)
+if(NOT version MATCHES "^[0-9]+\\.[0-9]+" OR commit STREQUAL "" OR NOT word STREQUAL "attention-bench"
+   OR NOT time MATCHES "^20[0-9][0-9]-[0-9][0-9]-[0-9][0-9]T" OR device STREQUAL "")
+  message(FATAL_ERROR "the report's provenance is incomplete:\n${out}")
+endif()
