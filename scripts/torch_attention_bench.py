@@ -8,6 +8,8 @@
 
   FLASHLM_LIBRARY=.../libflashlm.so PYTHONPATH=python python3 scripts/torch_attention_bench.py \
       --peers /path/to/shared/bench --out torch-swap.json
+  # attention alone, a GQA shape (64 query heads, 8 key/value heads):
+  ... scripts/torch_attention_bench.py --peers /path/to/shared/bench --models "" --shapes 1x64x16384x128x8
 """
 import argparse
 import importlib
@@ -33,37 +35,38 @@ def attention_flops(b, h, n, d, causal, backward):
     return flops * (3.5 if backward else 1.0)  # backward = 2.5x forward, as SPEC §2 counts
 
 
-def attention_fn(impl, causal):
+def attention_fn(impl, causal, gqa):
     if impl == "flashlm":
         return lambda q, k, v: flashlm.attention(q, k, v, causal=causal, layout="bhsd")
 
     def sdpa(q, k, v):
         with sdpa_kernel([BACKENDS[impl]]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     return sdpa
 
 
 def attention_alone(shapes, impls):
     rows = []
-    for (b, h, n, d) in shapes:
+    for (b, h, n, d, hk) in shapes:
         for causal in (False, True):
-            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                       for _ in range(3))
+            q, k, v = (torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for heads in (h, hk, hk))
             dout = torch.randn_like(q)
             for impl in impls:
-                f = attention_fn(impl, causal)
+                f = attention_fn(impl, causal, hk != h)
                 try:
                     fwd = do_bench(lambda: f(q, k, v), warmup=25, rep=100, return_mode="median")
                     fb = do_bench(lambda: torch.autograd.grad(f(q, k, v), (q, k, v), dout), warmup=25, rep=100,
                                   return_mode="median")
                 except Exception as e:  # an unsupported shape for a backend is a row, not the end
-                    print(f"| {b} | {h} | {n} | {d} | {int(causal)} | {impl} | failed: {repr(e)[:80]} |")
+                    print(f"| {b} | {h}/{hk} | {n} | {d} | {int(causal)} | {impl} | failed: {repr(e)[:80]} |")
                     continue
-                r = dict(batch=b, heads=h, seq=n, head_dim=d, causal=causal, impl=impl, fwd_ms=fwd, fwd_bwd_ms=fb,
+                r = dict(batch=b, heads=h, kv_heads=hk, seq=n, head_dim=d, causal=causal, impl=impl, fwd_ms=fwd,
+                         fwd_bwd_ms=fb,
                          fwd_tflops=attention_flops(b, h, n, d, causal, False) / fwd / 1e9,
                          fwd_bwd_tflops=attention_flops(b, h, n, d, causal, True) / fb / 1e9)
                 rows.append(r)
-                print(f"| {b} | {h} | {n} | {d} | {int(causal)} | {impl} | {fwd:.3f} | {fb:.3f} | "
+                print(f"| {b} | {h}/{hk} | {n} | {d} | {int(causal)} | {impl} | {fwd:.3f} | {fb:.3f} | "
                       f"{r['fwd_tflops']:.0f} | {r['fwd_bwd_tflops']:.0f} |", flush=True)
     return rows
 
@@ -120,24 +123,30 @@ def lm_step(peers, models, mode, context, batch, repeats):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", required=True, help="directory with lm_peers.py and cs336_model.py")
-    ap.add_argument("--models", default="small")
+    ap.add_argument("--models", default="small", help="LM sizes for part 2, comma separated; empty skips it")
     ap.add_argument("--mode", default="bf16", help="lm_peers mode (fp32 or bf16; compile graph-breaks on ctypes)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5, help="alternating runs of each variant of the LM step")
     ap.add_argument("--shapes", default="4x16x1024x64,4x16x4096x64,4x16x1024x128,4x16x4096x128,1x16x16384x128",
-                    help="attention shapes BxHxSxD, comma separated")
+                    help="attention shapes BxHxSxD or BxHxSxDxHkv (GQA: Hkv key/value heads), comma separated")
     ap.add_argument("--out", default="torch-swap.json")
     a = ap.parse_args()
-    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",") if s]
+    shapes = []
+    for s in a.shapes.split(","):
+        dims = [int(x) for x in s.split("x")] if s else []
+        if len(dims) not in (4, 5) or dims[1] % dims[-1]:
+            ap.error(f"--shapes: '{s}' is not BxHxSxD or BxHxSxDxHkv with Hkv dividing H")
+        shapes.append(tuple(dims) if len(dims) == 5 else (*dims, dims[1]))
     print(f"flashlm {flashlm.__version__} from {flashlm._lib.lib._name}; torch {torch.__version__}; "
           f"{torch.cuda.get_device_name()}")
-    print("\n| batch | heads | seq | d | causal | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
+    print("\n| batch | heads (q/kv) | seq | d | causal | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     alone = attention_alone(shapes, ["flashlm", "sdpa-flash", "sdpa-cudnn"])
-    print(f"\n| model | mode | attention | fwd ms | fwd+bwd ms | step ms | runs (median shown) | peak step MiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    lm = lm_step(a.peers, a.models.split(","), a.mode, a.context, a.batch, a.repeats)
+    if a.models:
+        print(f"\n| model | mode | attention | fwd ms | fwd+bwd ms | step ms | runs (median shown) | peak step MiB |")
+        print("|---|---|---|---|---|---|---|---|")
+    lm = lm_step(a.peers, a.models.split(","), a.mode, a.context, a.batch, a.repeats) if a.models else []
     json.dump(dict(tool="torch_attention_bench", device=torch.cuda.get_device_name(), torch=torch.__version__,
                    flashlm=flashlm.__version__, attention=alone, lm=lm), open(a.out, "w"), indent=1)
 

@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -20,6 +22,7 @@
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
 #include "flashlm/train.h"
+#include "cli_options.h"
 #include "text_commands.h"
 
 namespace {
@@ -54,9 +57,22 @@ std::vector<T> parse_list(const std::string& option, const std::string& s, Parse
   return out;
 }
 
-// A positive integer (T = int64_t) or number (T = double): the whole string.
+// Upper bounds of the sizes the commands take. Generous (far past what fits in memory) yet far from
+// int64's end, so that a product of a few of them cannot overflow before the library checks it.
+constexpr int64_t kMaxBatch = int64_t{1} << 20;
+constexpr int64_t kMaxSeq = int64_t{1} << 24;      // attention-bench sequence lengths
+constexpr int64_t kMaxContext = int64_t{1} << 20;  // LM contexts
+constexpr int64_t kMaxHeadDim = 4096;
+constexpr int64_t kMaxHeads = int64_t{1} << 16;
+constexpr int64_t kMaxWidth = int64_t{1} << 20;        // d_model, d_ff
+constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1;  // token ids are int32
+constexpr int64_t kMaxSteps = int64_t{1} << 40;
+constexpr int kMaxReps = 1'000'000;
+constexpr double kMaxBucketMb = 1e6;
+
+// A positive integer (T = int64_t) or number (T = double) up to max: the whole string.
 template <class T>
-T parse_positive(const std::string& s) {
+T parse_positive(const std::string& s, T max) {
   size_t used = 0;
   T v = 0;
   try {
@@ -69,6 +85,7 @@ T parse_positive(const std::string& s) {
     throw std::invalid_argument(
         fmt::format("'{}' is not a positive {}", s, std::is_integral_v<T> ? "integer" : "number"));
   }
+  if (!(v <= max)) throw std::invalid_argument(fmt::format("'{}' is above the largest accepted, {}", s, max));
   return v;
 }
 
@@ -207,6 +224,8 @@ struct AttentionBenchArgs {
   std::string impl = "naive,flash", dtype = "fp32", d = "64", seq = "1024,2048,4096", batch = "1", heads = "1";
   std::string causal = "0", align = "top-left", device, format = "md", out, grid;
   int warmup = 1, reps = 3, threads = 0;
+  int64_t kv_heads = 0;
+  double cpu_max_flops = flashlm::AttentionBenchConfig{}.cpu_max_flops;
   bool forward_only = false, quiet = false, deterministic = false;
 };
 
@@ -230,33 +249,55 @@ void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
       ->excludes(batch)
       ->excludes(heads)
       ->excludes(causal);
+  cmd->add_option("--kv-heads", a.kv_heads,
+                  "Key/value heads for GQA/MQA, dividing every head count (default: the head count)")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--deterministic", a.deterministic,
                 "Backward without atomics, bit-reproducible (CUDA: a separate dQ pass instead of fp32 atomics in "
                 "the dK/dV kernel)");
   cmd->add_option("--causal-align", a.align, "top-left (PyTorch is_causal) or bottom-right")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
-  cmd->add_option("--warmup", a.warmup, "Untimed runs before timing")->capture_default_str()->check(CLI::NonNegativeNumber);
-  cmd->add_option("--reps", a.reps, "Timed runs; the median is reported")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--threads", a.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--warmup", a.warmup, "Untimed runs before timing")
+      ->capture_default_str()
+      ->check(in_range(0, kMaxReps));
+  cmd->add_option("--reps", a.reps, "Timed runs; the median is reported")
+      ->capture_default_str()
+      ->check(in_range(1, kMaxReps));
+  add_threads_option(cmd, a.threads);
+  cmd->add_option("--cpu-max-flops", a.cpu_max_flops,
+                  "On the CPU, skip (status 'skipped') a row whose runs would compute more FLOPs than this")
+      ->capture_default_str()
+      ->check(in_range(1.0, 1e30));
   cmd->add_flag("--forward-only", a.forward_only, "Skip the backward pass");
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
-int run_attention_bench_command(const AttentionBenchArgs& a) {
+// A positive integer up to max, for a comma-list option.
+auto positive_up_to(int64_t max) {
+  return [max](const std::string& s) { return parse_positive<int64_t>(s, max); };
+}
+
+int run_attention_bench_command(const AttentionBenchArgs& a, bool grid_given) {
   using namespace flashlm;
   AttentionBenchConfig cfg;
   ReportFormat format;
   try {
     cfg.impls = parse_list<AttentionImpl>("--impl", a.impl, [](const std::string& s) { return parse_attention_impl(s); });
     cfg.dtypes = parse_list<DType>("--dtype", a.dtype, [](const std::string& s) { return parse_dtype(s); });
-    if (!a.grid.empty()) {
+    if (grid_given) {
       cfg.shapes = attention_named_grid(a.grid);
     } else {
-      cfg.shapes = attention_shape_grid(parse_list<int64_t>("--d", a.d, parse_positive<int64_t>),
-                                        parse_list<int64_t>("--seq", a.seq, parse_positive<int64_t>),
-                                        parse_list<int64_t>("--batch", a.batch, parse_positive<int64_t>),
-                                        parse_list<int64_t>("--heads", a.heads, parse_positive<int64_t>),
+      cfg.shapes = attention_shape_grid(parse_list<int64_t>("--d", a.d, positive_up_to(kMaxHeadDim)),
+                                        parse_list<int64_t>("--seq", a.seq, positive_up_to(kMaxSeq)),
+                                        parse_list<int64_t>("--batch", a.batch, positive_up_to(kMaxBatch)),
+                                        parse_list<int64_t>("--heads", a.heads, positive_up_to(kMaxHeads)),
                                         parse_list<bool>("--causal", a.causal, parse_bool));
+    }
+    for (AttentionShape& shape : cfg.shapes) {
+      if (a.kv_heads != 0 && shape.heads % a.kv_heads != 0) {
+        throw UsageError(fmt::format("--kv-heads: {} does not divide the head count {}", a.kv_heads, shape.heads));
+      }
+      shape.kv_heads = a.kv_heads;
     }
     cfg.align = parse_causal_align(a.align);
     cfg.device = device_or_default(a.device);
@@ -267,6 +308,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
   require_usable_device(cfg.device);
   if (a.threads > 0) set_cpu_threads(a.threads);
   cfg.deterministic = a.deterministic;
+  cfg.cpu_max_flops = a.cpu_max_flops;
   cfg.warmup = a.warmup;
   cfg.reps = a.reps;
   cfg.backward = !a.forward_only;
@@ -280,8 +322,8 @@ int run_attention_bench_command(const AttentionBenchArgs& a) {
 struct BenchArgs {
   std::string model = "small", context = "512", precision = "fp32", attention = "flash", pass = "fwd,fwd-bwd,step";
   std::string device, format = "md", out, memory_timeline;
-  int64_t batch = 4, vocab = 10000, threads = 0;
-  int warmup = 5, steps = 10;
+  int64_t batch = 4, vocab = 10000;
+  int warmup = 5, steps = 10, threads = 0;
   bool profile_ranges = false, profile_kernels = false, quiet = false;
 };
 
@@ -289,15 +331,17 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   CLI::App* cmd = app.add_subcommand("bench", "Time the LM's forward, forward+backward and full train step");
   cmd->add_option("--model", a.model, "Sizes, comma list of tiny,small,medium,large,xl,2.7B")->capture_default_str();
   cmd->add_option("--context", a.context, "Context lengths, comma list")->capture_default_str();
-  cmd->add_option("--batch", a.batch, "Sequences per step")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--batch", a.batch, "Sequences per step")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, kMaxBatch));
+  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
   cmd->add_option("--precision", a.precision, "Comma list of fp32,bf16,fp16")->capture_default_str();
   cmd->add_option("--attention", a.attention, "Comma list of flash,naive")->capture_default_str();
   cmd->add_option("--pass", a.pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
-  cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
-  cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));
+  cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(in_range(1, kMaxReps));
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
-  cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
+  add_threads_option(cmd, a.threads);
   cmd->add_flag("--profile-ranges", a.profile_ranges,
                 "After the table, the nvtx_sum table (nsys stats format) of each configuration's timed steps");
   cmd->add_flag("--profile-kernels", a.profile_kernels,
@@ -316,7 +360,7 @@ int run_bench_command(const BenchArgs& a) {
   try {
     cfg.models = split_list(a.model);
     for (const auto& m : cfg.models) ModelConfig::named(m);  // an unknown size is a usage error
-    cfg.contexts = parse_list<int64_t>("--context", a.context, parse_positive<int64_t>);
+    cfg.contexts = parse_list<int64_t>("--context", a.context, positive_up_to(kMaxContext));
     cfg.precisions = parse_list<DType>("--precision", a.precision, [](const std::string& s) { return parse_dtype(s); });
     cfg.attention = parse_list<AttentionImpl>("--attention", a.attention,
                                               [](const std::string& s) { return parse_attention_impl(s); });
@@ -337,7 +381,7 @@ int run_bench_command(const BenchArgs& a) {
   cfg.profile_ranges = a.profile_ranges;
   cfg.profile_kernels = a.profile_kernels;
   if (cfg.profile_kernels && cfg.device != Device::cuda) throw UsageError("--profile-kernels needs --device cuda");
-  if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
+  if (a.threads > 0) set_cpu_threads(a.threads);
   if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
   if (!a.memory_timeline.empty()) memory_timeline_start();
   const auto records = run_lm_bench(cfg);
@@ -361,14 +405,15 @@ struct TrainArgs {
   std::string init, metrics_log;
   int64_t d_model = 0, d_ff = 0, layers = 0, heads = 0, vocab = 256, context = 64;
   int64_t batch = 16, steps = 200, warmup = 20, cosine_steps = 0, eval_every = 50, eval_batches = 8, log_every = 10;
-  int64_t checkpoint_every = 0, threads = 0;
+  int64_t checkpoint_every = 0;
+  int threads = 0;
   double lr = 3e-3, lr_min = 3e-4, weight_decay = 0.1, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
-  bool resume = false;
+  bool resume = false, sharded_checkpoint = false;
   std::string ddp, reduce_dtype = "fp32";
   double bucket_mb = 25;
   int64_t grad_accum = 1;
-  int zero = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1;
+  int zero = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
 };
 
 // --reduce-dtype and --nccl-max-ctas, the same for train and ddp-bench (a comma list there).
@@ -383,7 +428,7 @@ void add_gradient_sync_options(CLI::App* cmd, std::string& reduce_dtype, int& nc
                   "The most CTAs (one SM each) an NCCL collective may use (ncclConfig_t maxCTAs), leaving SMs to the "
                   "backward the all-reduces overlap; default: NCCL's choice; NCCL_MAX_CTAS in the environment "
                   "overrides it")
-      ->check(CLI::PositiveNumber);
+      ->check(in_range(1, 4096));
   cmd->add_option("--gemm-sm-reserve", gemm_sm_reserve,
                   "SMs the backward's cuBLASLt GEMMs leave to the all-reduces they overlap (cuBLASLt's SM count target; "
                   "async and bucketed on cuda); default: --nccl-max-ctas if given, else 0")
@@ -395,48 +440,79 @@ void add_train(CLI::App& app, TrainArgs& a) {
       "train", "Train the Transformer LM on token files or synthetic data; data-parallel under mpirun");
   cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B (overridden by the options below)")
       ->capture_default_str();
-  cmd->add_option("--d-model", a.d_model, "Model width");
-  cmd->add_option("--d-ff", a.d_ff, "Feed-forward width");
-  cmd->add_option("--layers", a.layers, "Transformer blocks");
-  cmd->add_option("--heads", a.heads, "Attention heads");
-  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str();
-  cmd->add_option("--context", a.context, "Tokens per sequence")->capture_default_str();
-  cmd->add_option("--batch", a.batch, "Sequences per step")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--steps", a.steps, "Optimizer steps")->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--d-model", a.d_model, "Model width")->check(in_range(int64_t{1}, kMaxWidth));
+  cmd->add_option("--d-ff", a.d_ff, "Feed-forward width")->check(in_range(int64_t{1}, kMaxWidth));
+  cmd->add_option("--layers", a.layers, "Transformer blocks")
+      ->check(in_range(int64_t{1}, flashlm::ModelConfig::kMaxLayers));
+  cmd->add_option("--heads", a.heads, "Attention heads")->check(in_range(int64_t{1}, kMaxHeads));
+  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
+  cmd->add_option("--context", a.context, "Tokens per sequence")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, kMaxContext));
+  cmd->add_option("--batch", a.batch, "Sequences per step")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, kMaxBatch));
+  cmd->add_option("--steps", a.steps, "Optimizer steps")->capture_default_str()->check(in_range(int64_t{1}, kMaxSteps));
   cmd->add_option("--data", a.data, "'synthetic' or a token file (.bin: nanoGPT uint16 or llm.c headered)")
       ->capture_default_str();
   cmd->add_option("--val-data", a.val_data, "Validation token file (default: the last 10% of --data)");
-  cmd->add_option("--lr", a.lr, "Peak learning rate")->capture_default_str();
-  cmd->add_option("--lr-min", a.lr_min, "Final learning rate of the cosine schedule")->capture_default_str();
-  cmd->add_option("--warmup", a.warmup, "Linear warm-up steps")->capture_default_str();
-  cmd->add_option("--cosine-steps", a.cosine_steps, "Step where the cosine reaches --lr-min (default: --steps)");
-  cmd->add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay")->capture_default_str();
-  cmd->add_option("--beta1", a.beta1, "AdamW beta1")->capture_default_str();
-  cmd->add_option("--beta2", a.beta2, "AdamW beta2")->capture_default_str();
-  cmd->add_option("--clip", a.clip, "Global gradient-norm clip (0: none)")->capture_default_str();
-  cmd->add_option("--eval-every", a.eval_every, "Validation every N steps (0: only at the end)")->capture_default_str();
-  cmd->add_option("--eval-batches", a.eval_batches, "Batches per validation")->capture_default_str();
-  cmd->add_option("--log-every", a.log_every, "Progress line every N steps")->capture_default_str();
+  // Learning rates, decay and clip: finite, and where the update stays an AdamW step.
+  cmd->add_option("--lr", a.lr, "Peak learning rate")->capture_default_str()->check(in_range(0.0, 10.0));
+  cmd->add_option("--lr-min", a.lr_min, "Final learning rate of the cosine schedule")
+      ->capture_default_str()
+      ->check(in_range(0.0, 10.0));
+  const auto steps = in_range(int64_t{0}, kMaxSteps);
+  cmd->add_option("--warmup", a.warmup, "Linear warm-up steps")->capture_default_str()->check(steps);
+  cmd->add_option("--cosine-steps", a.cosine_steps, "Step where the cosine reaches --lr-min (default: --steps)")
+      ->check(steps);
+  cmd->add_option("--weight-decay", a.weight_decay, "AdamW decoupled weight decay")
+      ->capture_default_str()
+      ->check(in_range(0.0, 1.0));
+  cmd->add_option("--beta1", a.beta1, "AdamW beta1")
+      ->capture_default_str()
+      ->check(in_range(0.0, std::nextafter(1.0, 0.0)));
+  cmd->add_option("--beta2", a.beta2, "AdamW beta2")
+      ->capture_default_str()
+      ->check(in_range(0.0, std::nextafter(1.0, 0.0)));
+  cmd->add_option("--clip", a.clip, "Global gradient-norm clip (0: none)")
+      ->capture_default_str()
+      ->check(in_range(0.0, 1e9));
+  cmd->add_option("--eval-every", a.eval_every, "Validation every N steps (0: only at the end)")
+      ->capture_default_str()
+      ->check(steps);
+  cmd->add_option("--eval-batches", a.eval_batches, "Batches per validation")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, int64_t{kMaxReps}));
+  cmd->add_option("--log-every", a.log_every, "Progress line every N steps")->capture_default_str()->check(steps);
   cmd->add_option("--checkpoint", a.checkpoint, "Checkpoint file (written atomically)");
-  cmd->add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end)");
+  cmd->add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end)")->check(steps);
   cmd->add_flag("--resume", a.resume, "Continue from --checkpoint, bit-exactly");
   cmd->add_option("--init", a.init,
                   "Start from these weights (.safetensors: flashlm export's, or PyTorch's with the CS336 names)");
   cmd->add_option("--log", a.metrics_log, "Write metrics as JSON lines (one per step and per evaluation)");
-  cmd->add_option("--seed", a.seed, "Seed of weights, data order and synthetic data")->capture_default_str();
+  cmd->add_flag("--sharded-checkpoint", a.sharded_checkpoint,
+                "--ddp fsdp: every rank writes and resumes from its own shard, CHECKPOINT.rank<R>-of-<N>, nothing "
+                "gathered (resume at the same world size)");
+  cmd->add_option("--seed", a.seed, "Seed of weights, data order and synthetic data")
+      ->capture_default_str()
+      ->check(in_range(uint64_t{0}, uint64_t{INT64_MAX}));
   cmd->add_option("--attention", a.attention, "flash or naive")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
-  cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
+  add_threads_option(cmd, a.threads);
   cmd->add_option("--ddp", a.ddp,
-                  "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async or "
-                  "bucketed (the default when launched with several ranks)");
+                  "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async, "
+                  "bucketed (the default when launched with several ranks) or fsdp (ZeRO-3: weights, gradients and "
+                  "AdamW state sharded, each model part gathered when it is read)");
+  cmd->add_option("--fsdp-prefetch", a.fsdp_prefetch, "--ddp fsdp: model parts ahead whose gather starts early")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 2));
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket size of --ddp bucketed, MB of fp32 gradients")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(in_range(1e-6, kMaxBucketMb));
   cmd->add_option("--grad-accum", a.grad_accum, "Micro-batches per optimizer step, gradients synchronised on the last")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(in_range(int64_t{1}, int64_t{kMaxReps}));
   cmd->add_option("--zero", a.zero, "1: ZeRO-1, the AdamW moments sharded across ranks")
       ->capture_default_str()
       ->check(CLI::Range(0, 1));
@@ -454,12 +530,16 @@ int run_train_command(const TrainArgs& a) {
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
+  if (a.sharded_checkpoint && (cfg.ddp.variant != DdpVariant::fsdp || a.ddp.empty() || a.checkpoint.empty())) {
+    throw UsageError("--sharded-checkpoint: sharded checkpoints are FSDP's, they need --ddp fsdp and --checkpoint");
+  }
   const std::vector<DType> reduce = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, a.gemm_sm_reserve);
   if (reduce.size() != 1) throw UsageError(fmt::format("--reduce-dtype {}: train takes one type", a.reduce_dtype));
   cfg.ddp.reduce_dtype = reduce.front();
   cfg.ddp.gemm_sm_reserve = a.gemm_sm_reserve;
   cfg.ddp.bucket_mb = a.bucket_mb;
   cfg.ddp.grad_accum = a.grad_accum;
+  cfg.ddp.fsdp_prefetch = a.fsdp_prefetch;
   cfg.zero1 = a.zero == 1;
   const bool data_parallel = !a.ddp.empty() || cfg.zero1 || a.grad_accum > 1 || cfg.ddp.reduce_dtype != DType::f32 ||
                              a.nccl_max_ctas > 0 || a.gemm_sm_reserve >= 0 || launched_with_peers();
@@ -490,11 +570,12 @@ int run_train_command(const TrainArgs& a) {
   cfg.log_every = a.log_every;
   cfg.checkpoint = a.checkpoint;
   cfg.checkpoint_every = a.checkpoint_every;
+  cfg.sharded_checkpoint = a.sharded_checkpoint;
   cfg.resume = a.resume;
   cfg.init = a.init;
   cfg.metrics_log = a.metrics_log;
   cfg.seed = a.seed;
-  if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
+  if (a.threads > 0) set_cpu_threads(a.threads);
   cfg.progress = [](const std::string& line) { fmt::print("{}\n", line), std::fflush(stdout); };
   const auto run = [&cfg] {
     const TrainResult r = train(cfg);  // under data parallelism, rank 0 alone evaluates and reports
@@ -531,8 +612,10 @@ void add_allreduce_bench(CLI::App& app, AllReduceBenchArgs& a) {
                   "cpu (MPI) or cuda (NCCL, one GPU per rank); default: cuda if a GPU is visible and NCCL was built");
   cmd->add_option("--warmup", a.warmup, "Untimed all-reduces per size")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--iters", a.iters, "Timed all-reduces per size")->capture_default_str()->check(CLI::PositiveNumber);
+      ->check(in_range(0, kMaxReps));
+  cmd->add_option("--iters", a.iters, "Timed all-reduces per size")
+      ->capture_default_str()
+      ->check(in_range(1, kMaxReps));
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
@@ -579,8 +662,8 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
 struct DdpBenchArgs {
   std::string model = "xl", ddp = "per-param,flat,async,bucketed", bucket_mb = "1,10,100,1000", zero = "0";
   std::string reduce_dtype = "fp32", device, precision, format = "md", out;
-  int64_t context = 512, batch = 4, vocab = 10000, threads = 0;
-  int warmup = 3, steps = 10, nccl_max_ctas = 0, gemm_sm_reserve = -1;
+  int64_t context = 512, batch = 4, vocab = 10000;
+  int warmup = 3, steps = 10, threads = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
   bool quiet = false;
 };
 
@@ -590,10 +673,18 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
       "Time the LM's train step data-parallel across the ranks of a job (mpirun -np N flashlm ddp-bench) for "
       "every DDP variant, bucket size and gradient reduction type, against the step without communication");
   cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B")->capture_default_str();
-  cmd->add_option("--context", a.context, "Tokens per sequence")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--batch", a.batch, "Sequences per rank")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed")->capture_default_str();
+  cmd->add_option("--context", a.context, "Tokens per sequence")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, kMaxContext));
+  cmd->add_option("--batch", a.batch, "Sequences per rank")
+      ->capture_default_str()
+      ->check(in_range(int64_t{1}, kMaxBatch));
+  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
+  cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed,fsdp")
+      ->capture_default_str();
+  cmd->add_option("--fsdp-prefetch", a.fsdp_prefetch, "fsdp: model parts ahead whose gather starts early")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 2));
   cmd->add_option("--bucket-mb", a.bucket_mb, "Bucket sizes of the bucketed variant, MB, comma list")
       ->capture_default_str();
   cmd->add_option("--zero", a.zero, "ZeRO-1 off and/or on: comma list of 0,1")->capture_default_str();
@@ -601,9 +692,9 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
                             "Element types of the gradient all-reduce, comma list (a row each)");
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
-  cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(CLI::NonNegativeNumber);
-  cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--threads", a.threads, "CPU threads (default: all)");
+  cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));
+  cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(in_range(1, kMaxReps));
+  add_threads_option(cmd, a.threads);
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
@@ -615,7 +706,8 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   try {
     ModelConfig::named(a.model);  // an unknown size is a usage error
     cfg.variants = parse_list<DdpVariant>("--ddp", a.ddp, [](const std::string& s) { return parse_ddp_variant(s); });
-    cfg.bucket_mb = parse_list<double>("--bucket-mb", a.bucket_mb, parse_positive<double>);
+    cfg.bucket_mb = parse_list<double>("--bucket-mb", a.bucket_mb,
+                                       [](const std::string& s) { return parse_positive<double>(s, kMaxBucketMb); });
     cfg.zero1 = parse_list<bool>("--zero", a.zero, parse_bool);
     format = parse_report_format(a.format);
   } catch (const flashlm::Error& e) {
@@ -624,6 +716,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   cfg.reduce_dtypes = parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, a.gemm_sm_reserve);
   cfg.nccl_max_ctas = a.nccl_max_ctas;
   cfg.gemm_sm_reserve = a.gemm_sm_reserve;
+  cfg.fsdp_prefetch = a.fsdp_prefetch;
   if (cfg.device == Device::cuda && !Communicator::nccl_built()) {
     throw UsageError("--device cuda: flashlm was built without NCCL");
   }
@@ -633,7 +726,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   cfg.vocab = a.vocab;
   cfg.warmup = a.warmup;
   cfg.steps = a.steps;
-  if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
+  if (a.threads > 0) set_cpu_threads(a.threads);
   return run_on_every_rank([&](Communicator& comm) {
     if (!a.quiet && comm.is_root()) {
       cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
@@ -681,7 +774,9 @@ int main(int argc, char** argv) {
   flashlm::set_report_command_line(argc, argv);
   try {
     app.parse(argc, argv);
-    if (app.got_subcommand("attention-bench")) return run_attention_bench_command(bench_args);
+    if (app.got_subcommand("attention-bench")) {
+      return run_attention_bench_command(bench_args, app.get_subcommand("attention-bench")->count("--grid") > 0);
+    }
     if (app.got_subcommand("train")) return run_train_command(train_args);
     if (app.got_subcommand("bench")) return run_bench_command(lm_bench_args);
     if (app.got_subcommand("allreduce-bench")) return run_allreduce_bench_command(allreduce_args);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <span>
 
+#include "cli_options.h"
 #include "flashlm/device.h"
 #include "flashlm/error.h"
 #include "flashlm/generate.h"
@@ -23,7 +24,7 @@ void add_prepare(CLI::App& app, TextCommandArgs& a) {
   cmd->add_option("--out", a.out_dir, "Output directory (must exist)")->required();
   cmd->add_option("--val-fraction", a.val_fraction, "The last part of the tokens held out for validation, in (0, 0.5]")
       ->capture_default_str()
-      ->check(CLI::Range(1e-9, 0.5));
+      ->check(in_range(1e-9, 0.5));
 }
 
 void add_generate(CLI::App& app, TextCommandArgs& a) {
@@ -32,18 +33,20 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
                   "with a KV cache");
   cmd->add_option("--checkpoint", a.weights, "train --checkpoint file or flashlm export's .safetensors")->required();
   cmd->add_option("--prompt", a.prompt, "Text the sample continues (at least one token)")->required();
-  cmd->add_option("--max-tokens", a.max_tokens, "Tokens to generate")->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 24));
+  cmd->add_option("--max-tokens", a.max_tokens, "Tokens to generate")->capture_default_str()->check(in_range(int64_t{0}, int64_t{1} << 24));
   cmd->add_option("--temperature", a.temperature, "Softmax temperature; 0: greedy")
       ->capture_default_str()
-      ->check(CLI::Range(0.0, 100.0));
+      ->check(in_range(0.0, 100.0));
   cmd->add_option("--top-k", a.top_k, "Sample among the K most likely tokens; 0: all")
       ->capture_default_str()
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 31));
-  cmd->add_option("--seed", a.seed, "Seed of the draws: the same seed gives the same text")->capture_default_str();
+      ->check(in_range(int64_t{0}, int64_t{1} << 31));
+  cmd->add_option("--seed", a.seed, "Seed of the draws: the same seed gives the same text")
+      ->capture_default_str()
+      ->check(in_range(uint64_t{0}, uint64_t{INT64_MAX}));
   cmd->add_option("--tokenizer", a.tokenizer,
                   "tokenizer.json that prepare wrote beside the data (default: byte-level, for a vocabulary of 256)");
   cmd->add_option("--device", a.device, "cpu (the decoder runs on the CPU)");
-  cmd->add_option("--threads", a.threads, "CPU threads (default: all)")->check(CLI::Range(int64_t{0}, int64_t{4096}));
+  add_threads_option(cmd, a.threads);
   cmd->add_option("--logits-out", a.logits_out,
                   "Also write the logits each new token was drawn from: max-tokens x vocab fp32, little-endian");
 }
@@ -82,7 +85,7 @@ int run_generate(const TextCommandArgs& a) {
                                                        "no CUDA kernels yet); use --device cpu",
                                                        a.device));
   }
-  if (a.threads > 0) set_cpu_threads(static_cast<int>(a.threads));
+  if (a.threads > 0) set_cpu_threads(a.threads);
   const Tokenizer tokenizer = a.tokenizer.empty() ? Tokenizer::bytes() : Tokenizer::load(a.tokenizer);
   const ModelWeights weights = load_model_weights(a.weights);
   if (weights.config.vocab != tokenizer.vocab_size()) {

@@ -14,7 +14,8 @@ struct TextCommandArgs {
   double val_fraction = 0.1;
   // generate
   std::string weights, prompt, tokenizer, device, logits_out;
-  int64_t max_tokens = 200, top_k = 0, threads = 0;
+  int64_t max_tokens = 200, top_k = 0;
+  int threads = 0;
   double temperature = 0.8;
   uint64_t seed = 0;
   // export

@@ -21,6 +21,7 @@ void set_report_command_line(int argc, const char* const* argv);
 struct AttentionShape {
   int64_t batch = 1, heads = 1, seq = 1024, head_dim = 64;
   bool causal = false;
+  int64_t kv_heads = 0;  // key/value heads (GQA/MQA: divides heads); 0 means heads
 };
 
 // Every combination of the lists, in the order head_dim, seq, batch, heads, causal.
@@ -41,15 +42,19 @@ struct AttentionBenchConfig {
   int warmup = 1;
   int reps = 3;
   bool backward = true;
+  // On the CPU a row whose passes (warm-up and timed, forward and backward) would compute more than this
+  // many FLOPs is not run but recorded as "skipped", with its count: 1e14 is hours at the CPU attention's
+  // measured 5-20 GFLOP/s (docs/measurements/2026-11-30-cpu-attention.json, two threads).
+  double cpu_max_flops = 1e14;
   std::function<void(const std::string&)> progress;  // one line per finished row (for stderr)
 };
 
 struct AttentionBenchRecord {
   std::string impl, dtype, device;
-  int64_t batch = 0, heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
+  int64_t batch = 0, heads = 0, kv_heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
   bool causal = false;
   std::optional<double> fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, peak_fwd_mib, peak_bwd_mib;
-  std::string status = "ok";  // ok | oom | error
+  std::string status = "ok";  // ok | oom | error | skipped
   std::string message;        // why, when status is not ok
 };
 
@@ -147,6 +152,7 @@ struct DdpBenchConfig {
   std::vector<bool> zero1{false};
   int nccl_max_ctas = 0;     // Communicator::set_nccl_max_ctas; 0: NCCL's choice
   int gemm_sm_reserve = -1;  // DdpOptions::gemm_sm_reserve; -1: automatic
+  int fsdp_prefetch = 1;     // DdpOptions::fsdp_prefetch of the fsdp rows
   int warmup = 3, steps = 10;
   std::function<void(const std::string&)> progress;  // rank 0 only
 };
@@ -166,6 +172,9 @@ struct DdpBenchRecord {
   std::optional<double> tokens_per_s, scaling_efficiency;
   std::optional<double> optimizer_state_mib;  // AdamW moments per rank
   std::optional<double> staging_mib;          // DataParallel::staging_bytes() per rank
+  // DdpModel::memory() per rank: parameters and gradients kept current, FSDP's peak of gathered parts; and
+  // the peak of every tracked allocation on the device over the timed steps (the largest rank's).
+  std::optional<double> parameters_mib, gradients_mib, gathered_mib, peak_mib;
   std::string status = "ok";                  // ok | oom | error (the same on every rank)
   std::string message;
 };

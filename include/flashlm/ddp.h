@@ -20,6 +20,11 @@
 // optimizer then all-gathers the updated parameters. Ordered as the all-reduce above. Afterwards only this
 // rank's parts and the replicated tails hold averaged gradients (DataParallel::averaged_ranges()); the
 // other elements of the buckets hold unspecified values that nothing may read.
+//
+// FSDP (ZeRO-3, DdpVariant::fsdp): the same reduce-scatter, over buckets that follow the model's parts
+// (fsdp_bucket_plan), the same per-bucket ZeRO optimizer without its gather after the step, and
+// FsdpParameters, which gathers each part's shards when the model is about to read them
+// (ParametersNeededHook, a prefetch ahead) and frees them after (ParametersDoneHook).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -41,6 +46,10 @@ enum class DdpVariant : uint8_t {
   flat,       // "flat": one all-reduce over all gradients (packed together), after the backward
   async,      // "async": one all-reduce per parameter, started as its gradient becomes ready in the backward
   bucketed,   // "bucketed": buckets of parameters in reverse order, each all-reduced as soon as it is complete
+  // "fsdp": ZeRO-3. Each rank keeps a shard of every linear and embedding weight (and of their gradients and
+  // moments); a model part's weights are gathered before it reads them and freed after; each part's
+  // gradients are reduce-scattered as soon as they are complete. RMSNorm gains stay whole on every rank.
+  fsdp,
 };
 std::string_view ddp_variant_name(DdpVariant variant);
 DdpVariant parse_ddp_variant(std::string_view name);  // flashlm::Error listing the names otherwise
@@ -83,6 +92,9 @@ struct DdpBucket {
   std::vector<int64_t> params;  // indices into the layout, in the order given (the order gradients arrive)
   std::vector<DdpRange> ranges;  // their elements as ascending maximal runs of the flat buffer
   int64_t elements = 0;
+  // FSDP: parameters kept whole on every rank (one-dimensional ones, the RMSNorm gains): all-reduced and
+  // updated everywhere, never sharded (zero_bucket_layout gives them no parts, only a tail).
+  bool replicated = false;
 };
 
 // Groups `params` (indices into `layout`) in the given order into buckets: a bucket takes the next parameter
@@ -91,11 +103,20 @@ struct DdpBucket {
 std::vector<DdpBucket> ddp_buckets(const std::vector<ParameterInfo>& layout, std::span<const int64_t> params,
                                    int64_t bucket_bytes);
 
+// The model part a parameter belongs to, the unit FSDP gathers and frees: its name up to the layer index
+// ("layers.3." for "layers.3.attn.q_proj.weight"), else up to its first dot ("lm_head."). The models call
+// their ParametersNeededHook with exactly these parts' elements.
+std::string fsdp_unit_name(std::string_view parameter_name);
+// FSDP's buckets: the trainable owners in reverse order (as ddp_bucket_plan), a bucket taking the next
+// parameter while it belongs to the same part, is of the same kind (sharded: two or more dimensions;
+// replicated: one) and is adjacent in memory, so that every bucket is one contiguous run within one part.
+std::vector<DdpBucket> fsdp_bucket_plan(const DdpParameters& params);
+
 // ZeRO-1's per-bucket shard layout, for a reduce-scatter whose output is the shard itself. A bucket that is
 // one contiguous run of E elements at `offset` is cut into world parts of part = E / world elements: rank r
 // owns [offset + r·part, offset + (r + 1)·part), exactly what an in-place reduce-scatter of the bucket's
 // first world·part elements leaves averaged on rank r. The tail, the last E % world (< world) elements, is
-// owned by every rank: all-reduced, and updated identically everywhere.
+// owned by every rank: all-reduced, and updated identically everywhere. A replicated bucket is all tail.
 struct ZeroBucketShard {
   int64_t offset = 0;  // the bucket's first element of the flat buffers
   int64_t part = 0;    // elements each rank owns
@@ -123,16 +144,22 @@ struct DdpOptions {
   int gemm_sm_reserve = -1;
   // Each bucket reduce-scattered in place into zero_bucket_layout's shards (plus an all-reduce of its tail),
   // for a ZeroOptimizer built on buckets(): half the bytes of the all-reduce during the backward. Needs what
-  // reduce_scatter_obstacle() checks. DdpModel sets it for ZeRO-1 on CUDA; on the CPU it works (tests) but
-  // MPI's reduce-scatter blocks, so the bucketed variant then no longer overlaps the backward.
+  // reduce_scatter_obstacle() checks. DdpModel sets it for ZeRO-1 on CUDA and for FSDP; on the CPU the
+  // overlapping variants reduce-scatter with MPI's non-blocking MPI_Ireduce_scatter_block.
   bool reduce_scatter = false;
+  // fsdp: how many model parts ahead of the one being read (in the pass's order: forward, then backward) have
+  // their gather started, 0..2. 1: part l+1's gather starts when part l starts.
+  int fsdp_prefetch = 1;
+  // fsdp, for tests: a freed part's elements this rank does not own are overwritten with NaN, so that a read
+  // of a freed weight shows in the loss.
+  bool fsdp_poison_freed = false;
 };
 
 // The buckets DataParallel launches for `params` under `options`, in launch order (reverse parameter order,
 // trainable owners only; per-param and async: one parameter per bucket; flat: one bucket).
 std::vector<DdpBucket> ddp_bucket_plan(const DdpParameters& params, const DdpOptions& options);
 // Why DataParallel cannot reduce-scatter with these parameters and options (DdpOptions::reduce_scatter), or
-// "" when it can: the bucketed variant, fp32 reduction, and every bucket one contiguous range (a frozen or
+// "" when it can: the bucketed or fsdp variant, fp32 reduction, and every bucket one contiguous range (a frozen or
 // tied parameter inside a bucket splits it; the bucket would need packing, and the shard would not be a
 // run of the flat buffers).
 std::string reduce_scatter_obstacle(const DdpParameters& params, const DdpOptions& options);
@@ -215,7 +242,10 @@ class ZeroOptimizer {
   // The per-bucket layout over `buckets` (DataParallel::buckets() with DdpOptions::reduce_scatter): each one
   // contiguous range of trainable elements. The norm adds the ranks' partial sums, so it is not bit-identical
   // to the unsharded one.
-  ZeroOptimizer(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets);
+  // gather_after_step false (FSDP): step() leaves the other ranks' parts stale; FsdpParameters gathers
+  // them when the model reads them, gather_masters() for checkpoints.
+  ZeroOptimizer(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets,
+                bool gather_after_step = true);
   ~ZeroOptimizer();
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
@@ -260,10 +290,70 @@ class ZeroOptimizer {
   // moments and keeps its shard.
   void gather_state(float* m, float* v);
   void load_state(const float* m, const float* v, int64_t steps);
+  // Sharded checkpoints, without communication: this rank's moments as kept, packed in updated_ranges()
+  // order (host arrays of shard_elements() floats), and back.
+  void save_shard(float* m, float* v) const;
+  void load_shard(const float* m, const float* v, int64_t steps);
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+};
+
+// FSDP's parameter lifetime over the flat buffers of a model: which parts' weights are whole on this rank.
+// After an optimizer step (release_all) each rank holds only its parts of the sharded buckets (and every
+// replicated or frozen element). needed(offset, count) — the model's ParametersNeededHook — gathers the
+// sharded buckets in those elements unless they are whole or on their way, starts the gathers of the
+// `prefetch` parts with shards that followed this one in the last pass of the same kind (begin_pass: a
+// forward, or a backward, which reads no embedding; before the first, the layout's neighbours in the
+// pass's direction), and waits for those it needs; done() — the ParametersDoneHook — frees them again. A bucket is gathered in the copy the model reads: the working copy
+// (bf16/fp16 CUDA model), or the fp32 masters (fp32 models, and DdpParameters::read_as_master: the token
+// embedding). CUDA: each gather is queued on the communicator's stream behind an event of the model's stream
+// and followed by an event of its own, which the model's stream waits for; the host waits for neither.
+// CPU: MPI non-blocking all-gathers, waited for in needed(). Collective: every rank makes the same calls.
+// Memory: the model still allocates its flat buffers in full, so "freeing" bounds what a rank may read,
+// not what it allocates; peak_gathered_bytes() is what a rank needs for the parts whole at once.
+class FsdpParameters {
+ public:
+  FsdpParameters(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets, int prefetch,
+                 bool poison_freed);
+  ~FsdpParameters();
+  FsdpParameters(const FsdpParameters&) = delete;
+  FsdpParameters& operator=(const FsdpParameters&) = delete;
+
+  // The buffers gathered into: the fp32 masters and the model's working copy (nullptr: none); `stream` the
+  // model's (CUDA).
+  void set_storage(float* masters, void* working, DType working_dtype, void* stream);
+  void begin_pass(bool backward);  // the order of the prefetch: the parts ascending, or descending
+  void needed(int64_t offset, int64_t count);
+  void done(int64_t offset, int64_t count);
+  void release_all();   // after an optimizer step: only this rank's parts are current
+  void mark_whole();    // after a broadcast or a gather of everything: every part is whole everywhere
+  // Collective: gathers every part and keeps them whole until release_all() or hold(false) (evaluation on
+  // rank 0 alone must not call a collective).
+  void gather_all();
+  void hold(bool keep);
+  void await_all();  // CUDA: the model's stream waits for every gather in flight; CPU: waits for them
+  int64_t units() const;  // model parts (fsdp_unit_name) with sharded buckets
+  // Whether every sharded bucket within these elements holds only this rank's part (for checks and tests).
+  bool released(int64_t offset, int64_t count) const;
+  // The most bytes of other ranks' parts whole (or arriving) at once when a gather started, in the type they
+  // are gathered in: the gathered buffers a model reading its weights from a pool would need. (The whole
+  // model that every rank holds after a broadcast, before the first step, is not counted.)
+  int64_t peak_gathered_bytes() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// What one rank holds for data-parallel training, bytes (DdpModel::memory()).
+struct DdpMemory {
+  int64_t parameters = 0;       // fp32 masters (and the working copy) this rank keeps current
+  int64_t gradients = 0;        // fp32 gradients this rank keeps averaged
+  int64_t optimizer_state = 0;  // AdamW moments
+  int64_t gathered = 0;         // FSDP: peak of the other ranks' parts whole at once (peak_gathered_bytes)
+  int64_t model_buffers = 0;    // what the model allocates for parameters and gradients (in full, today)
 };
 
 // DataParallel, and ZeroOptimizer when zero1, wired to a LanguageModel: its buffers, stream and gradient-ready
@@ -273,6 +363,7 @@ class ZeroOptimizer {
 class DdpModel {
  public:
   // micro_batch_tokens: batch · seq of the model (the tokens one forward reads).
+  // options.variant fsdp: FSDP (implies the sharded optimizer whatever zero1 says; not for fp16 models).
   DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch_tokens, const DdpOptions& options,
            bool zero1);
   ~DdpModel();  // removes the model's hook
@@ -280,7 +371,9 @@ class DdpModel {
   DdpModel& operator=(const DdpModel&) = delete;
 
   DataParallel& data_parallel();
-  ZeroOptimizer* zero();  // nullptr without zero1
+  ZeroOptimizer* zero();  // nullptr without zero1 (and fsdp)
+  FsdpParameters* fsdp();  // nullptr unless fsdp
+  DdpMemory memory() const;
   // How the gradients are synchronised: "reduce-scatter" (ZeRO-1 per bucket, see DdpOptions::reduce_scatter)
   // or "all-reduce".
   std::string_view gradient_sync() const;
@@ -293,6 +386,15 @@ class DdpModel {
   // fp32 masters too (collective; a no-op when they are current). Call before reading model.parameters(),
   // e.g. for a checkpoint.
   void gather_master_parameters();
+  // FSDP: every part gathered and kept whole until the next forward_backward() (collective), so that one
+  // rank alone may run forwards (evaluation). A no-op otherwise.
+  void gather_parameters();
+  // FSDP's sharded checkpoints, without communication: this rank's elements of the fp32 masters and their
+  // AdamW moments (host arrays of zero()->shard_elements() floats, packed in updated_ranges() order), and
+  // back: load_shard() leaves every other rank's parts to the gathers of the next forward, so it replaces
+  // broadcast_parameters() at the start. flashlm::Error unless fsdp.
+  void save_shard(float* params, float* m, float* v);
+  void load_shard(const float* params, const float* m, const float* v, int64_t steps);
   // zero_grad, then grad_accum micro-steps of forward and backward (micro-step k reads tokens and targets
   // [k · micro_batch_tokens, (k + 1) · micro_batch_tokens)), the last one synchronised. Returns the mean loss.
   double forward_backward(std::span<const int32_t> tokens, std::span<const int32_t> targets);
@@ -307,6 +409,7 @@ class DdpModel {
   int gemm_sm_reserve_;  // DdpOptions::gemm_sm_reserve resolved
   std::unique_ptr<DataParallel> ddp_;
   std::unique_ptr<ZeroOptimizer> zero_;
+  std::unique_ptr<FsdpParameters> fsdp_;
 };
 
 }  // namespace flashlm

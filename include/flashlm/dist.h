@@ -107,6 +107,12 @@ class Communicator {
   // MPI calls (test() is one). CUDA views: all_reduce(x, op, stream), already asynchronous to the host; the
   // request is finished at once (order later GPU work after it with wait(stream)).
   CommRequest all_reduce_async(const TensorView& x, ReduceOp op = ReduceOp::sum, void* stream = nullptr);
+  // The same for a reduce-scatter (CPU: MPI_Ireduce_scatter_block; `in` and `out` untouched until wait())
+  // and for all_gather_segments (CPU: one MPI_Iallgather per segment; x untouched until wait()).
+  CommRequest reduce_scatter_async(const TensorView& in, const TensorView& out, ReduceOp op = ReduceOp::sum,
+                                   void* stream = nullptr);
+  CommRequest all_gather_segments_async(const TensorView& x, std::span<const Segment> segments,
+                                        void* stream = nullptr);
   // Blocks until `request` is finished (then applies avg's division on the CPU); an empty request returns.
   void wait(CommRequest& request);
   // Progresses MPI and says whether `request` is finished (wait() must still be called to complete it).
@@ -173,6 +179,8 @@ class Communicator {
   static bool mpi_started();
 
  private:
+  bool check_reduce_scatter(const TensorView& in, const TensorView& out, const char* call) const;
+  void check_segments(const TensorView& x, std::span<const Segment> segments, const char* call) const;
   template <class T>
   static TensorView host_view(std::span<T> x) {
     return TensorView::contiguous(x.data(), dtype_of<T>(), {static_cast<int64_t>(x.size())});

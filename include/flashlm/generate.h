@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "flashlm/memory.h"
@@ -36,6 +38,7 @@ class KvCacheDecoder {
   int64_t position_ = 0;
 
   const float* param(const std::string& name) const;
+  const float* layer_param(int64_t layer, std::string_view name) const;  // "layers.<layer>.<name>"
 };
 
 struct SamplingOptions {

@@ -27,6 +27,7 @@ struct ModelConfig {
   int64_t heads = 16;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
+  static constexpr int64_t kMaxLayers = int64_t{1} << 16;  // validate() bounds layers before looping over them
 
   int64_t head_dim() const { return d_model / heads; }
   int64_t parameter_count() const;                // all parameters
@@ -72,10 +73,14 @@ constexpr int64_t kGradientNormChunk = int64_t{1} << 16;
 // data parallelism starts reducing them while the rest of the backward runs (flashlm/ddp.h).
 using GradientReadyHook = std::function<void(int64_t first, int64_t last)>;
 
-// Called by forward() before it queues the kernels that read elements [offset, offset + count) of the flat
-// parameters (or of their working copy): ZeRO-1 makes the model's stream wait there for the gather of just
-// those parameters, so that the forward starts while the rest are still arriving (flashlm/ddp.h).
+// Called by forward() and backward() before they queue the kernels that read elements [offset, offset + count)
+// of the flat parameters (or of their working copy), one model part (embedding, layer, final norm, head) at a
+// time: ZeRO-1 makes the model's stream wait there for the gather of just those parameters, so that the
+// forward starts while the rest are still arriving; FSDP gathers the part's shards there (flashlm/ddp.h).
 using ParametersNeededHook = std::function<void(int64_t offset, int64_t count)>;
+// Called after the kernels that read a part's parameters are queued (the same elements as the needed call
+// before them): FSDP frees the part's gathered weights there, until the next needed call.
+using ParametersDoneHook = std::function<void(int64_t offset, int64_t count)>;
 
 // What the training loop and the benchmark need from a model, whatever device it runs on.
 class LanguageModel {
@@ -125,9 +130,10 @@ class LanguageModel {
   // backward() calls `hook` as each parameter's gradient becomes final — on CUDA when the kernels that
   // produce it are queued on stream(), not when they have run. An empty hook removes it.
   void set_gradient_ready_hook(GradientReadyHook hook) { gradient_ready_hook_ = std::move(hook); }
-  // forward() calls `hook` before each part of the model (embedding, each layer, head) reads its parameters
-  // (CudaModel; the CPU model needs none). An empty hook removes it.
+  // forward() and backward() call `hook` before each part of the model (embedding, each layer, final norm,
+  // head) reads its parameters, and the done hook after. An empty hook removes it.
   void set_parameters_needed_hook(ParametersNeededHook hook) { parameters_needed_hook_ = std::move(hook); }
+  void set_parameters_done_hook(ParametersDoneHook hook) { parameters_done_hook_ = std::move(hook); }
 
  protected:
   // For save_state and load_state (`caller` names it in errors): each array holds parameter_count() floats,
@@ -137,10 +143,12 @@ class LanguageModel {
   // For forward(): calls the hook, if any, with the elements of every parameter whose name starts with
   // `name_prefix` (one run: a layer's parameters are contiguous in the layout).
   void parameters_needed(std::string_view name_prefix) const;
+  void parameters_done(std::string_view name_prefix) const;  // likewise, the done hook
 
  private:
   GradientReadyHook gradient_ready_hook_;
   ParametersNeededHook parameters_needed_hook_;
+  ParametersDoneHook parameters_done_hook_;
 };
 
 // The update after a backward: fp16 unscaling (an overflow skips the update and returns false), clipping to

@@ -33,6 +33,9 @@ struct TrainConfig {
   // "tokens_per_s" and "ms_per_step" on the steps that print a progress line) and one per evaluation
   // ({"step", "val_loss", "elapsed_s"}); written by rank 0; empty: none.
   std::string metrics_log;
+  // FSDP: every rank writes (and resumes from) its own shard file, `checkpoint`.rank<R>-of-<N>, instead of
+  // one gathered file written by rank 0; resuming needs the same world size.
+  bool sharded_checkpoint = false;
   uint64_t seed = 1234;          // weights, data order and synthetic data
   AttentionImpl attention = AttentionImpl::flash;
   Device device = Device::cpu;

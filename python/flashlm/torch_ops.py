@@ -87,8 +87,10 @@ def attention_forward(q, k, v, *, causal=False, scale=None, causal_align="top_le
 def attention_backward(q, k, v, o, lse, dout, *, causal=False, scale=None, causal_align="top_left", layout="bshd",
                        deterministic=False, impl="flash"):
     """Backward only, no autograd: returns (dq, dk, dv) in the inputs' layout."""
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
+    if dout.stride(-1) != 1 or dout.numel() == 0:
+        # .sum().backward() hands an expanded (stride 0) gradient; an empty one keeps its zero strides
+        # through .contiguous(), so it gets fresh ones.
+        dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     device = _device_of(q)
     views = [_bshd(t, layout, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o"))]
@@ -101,6 +103,28 @@ def attention_backward(q, k, v, o, lse, dout, *, causal=False, scale=None, causa
             *(ctypes.byref(x) for x in c), ctypes.byref(_c_tensor(lse, "lse")), *(ctypes.byref(x) for x in g),
             ctypes.byref(opts)))
     return dq, dk, dv
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Copies the gradients, as functions of the attention's inputs whose own backward (a double backward)
+    raises a clear error instead of torch's "does not require grad"."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *inputs):
+        return dq.clone(), dk.clone(), dv.clone()
+
+    @staticmethod
+    def backward(ctx, *unused):
+        raise RuntimeError("flashlm attention: double backward (differentiating the attention's gradients, "
+                           "create_graph=True) is not supported")
+
+
+def _once_differentiable(grads, inputs):
+    """The gradients; under create_graph=True (grad mode on inside backward) tied to `inputs` through a
+    node that refuses to be differentiated."""
+    if not torch.is_grad_enabled():
+        return grads
+    return _NoDoubleBackward.apply(*grads, *inputs)
 
 
 class _Attention(torch.autograd.Function):
@@ -116,7 +140,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, o, lse, dout, **ctx.args)
+        dq, dk, dv = _once_differentiable(attention_backward(q, k, v, o, lse, dout, **ctx.args), (q, k, v, dout))
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -154,4 +178,5 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), o.unsqueeze(2),
                                         lse.unsqueeze(1), dout.unsqueeze(2), causal=ctx.is_causal)
-        return dq.squeeze(2), dk.squeeze(2), dv.squeeze(2), None
+        dq, dk, dv = _once_differentiable((dq.squeeze(2), dk.squeeze(2), dv.squeeze(2)), (q, k, v, dout))
+        return dq, dk, dv, None

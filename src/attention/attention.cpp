@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/device.h"
@@ -40,29 +41,26 @@ namespace {
 
 using NamedView = std::pair<const char*, const TensorView*>;
 
-// What the CUDA kernels need beyond the common checks: a supported dtype and head dim, memory of the
-// current device, and 16-byte alignment of every row so that tiles move in 16-byte vectors.
-void check_cuda_arguments(std::string_view fn, const AttentionProblem& p, std::initializer_list<NamedView> views,
-                          const TensorView& lse) {
+// What the CUDA kernels need beyond the common checks: a kernel for the dtype, head dim and pass (the
+// capability table's plan), memory of the current device, and 16-byte alignment of every row so that
+// tiles move in 16-byte vectors.
+CudaAttentionPlan check_cuda_arguments(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
+                                       AttentionPass pass, std::initializer_list<NamedView> views,
+                                       const TensorView& lse) {
   FLASHLM_CHECK(cuda_built(), "{}: q: tensors on cuda but flashlm was built without CUDA", fn);
-  FLASHLM_CHECK(p.dtype == DType::f16 || p.dtype == DType::bf16 || p.dtype == DType::f32,
-                "{}: q: dtype {} is not supported on cuda (fp16, bf16 or fp32)", fn, dtype_name(p.dtype));
+  const CudaAttentionPlan plan = plan_cuda_attention(fn, p, impl, pass);
   const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
-  FLASHLM_CHECK(p.head_dim <= 256 && p.head_dim * elem % 16 == 0,
-                "{}: q: head_dim {} is not supported on cuda (at most 256, and rows of a multiple of 16 bytes: a "
-                "multiple of {} for {})",
-                fn, p.head_dim, 16 / elem, dtype_name(p.dtype));
   const int device = cuda_current_device();
   for (const auto& [name, t] : views) {
     if (t->numel() == 0) continue;
     FLASHLM_CHECK(cuda_pointer_device(t->data) == device,
                   "{}: {}: data is not device memory of the current device cuda:{}", fn, name, device);
-    FLASHLM_CHECK(reinterpret_cast<uintptr_t>(t->data) % 16 == 0,
+    FLASHLM_CHECK(reinterpret_cast<uintptr_t>(t->data) % kCudaRowAlignBytes == 0,
                   "{}: {}: data pointer must be 16-byte aligned for the cuda kernels", fn, name);
     for (int d = 0; d < 3; ++d) {
-      FLASHLM_CHECK(t->stride(d) * elem % 16 == 0 || t->size(d) == 1,
+      FLASHLM_CHECK(t->stride(d) * elem % kCudaRowAlignBytes == 0 || t->size(d) == 1,
                     "{}: {}: stride {} of dimension {} is not a multiple of 16 bytes ({} elements of {})", fn, name,
-                    t->stride(d), d, 16 / elem, dtype_name(p.dtype));
+                    t->stride(d), d, kCudaRowAlignBytes / elem, dtype_name(p.dtype));
     }
   }
   if (lse.numel() > 0) {
@@ -70,6 +68,7 @@ void check_cuda_arguments(std::string_view fn, const AttentionProblem& p, std::i
                   "{}: lse: data is not device memory of the current device cuda:{}", fn, device);
     FLASHLM_CHECK(lse.dtype == DType::f32, "{}: lse: expected fp32 on cuda", fn);
   }
+  return plan;
 }
 
 #ifdef FLASHLM_WITH_CUDA
@@ -84,22 +83,6 @@ FlashKernelChoice flash_kernel_choice() {
 }
 
 namespace {
-
-// The flash kernels are compiled for head dims 16, 32, 64, 128 and 256. Other head dims (80 for the 2.7B
-// model: 2560 / 32 heads) run the next larger kernel on zero-padded copies: the padded columns add 0 to
-// every Q·K product and give 0 in O, dQ, dK and dV, which are dropped when copying back. The scale stays
-// the one of the real head dim (p.scale). Correct, not optimised: the copies and the padded work cost
-// (padded / real) of the kernel time and one copy of the tensors.
-bool has_flash_kernel(int64_t head_dim) {
-  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256;
-}
-
-int64_t flash_kernel_head_dim(int64_t head_dim) {
-  for (int64_t d : {16, 32, 64, 128, 256}) {
-    if (head_dim <= d) return d;
-  }
-  fail("attention: head_dim {} exceeds the largest cuda kernel (256)", head_dim);
-}
 
 // A contiguous [batch, seq, heads, head_dim] tensor from the stream-ordered pool: for an input (`copy`),
 // `t`'s values in its first columns and zeros after them; for an output, the kernel's to write.
@@ -118,51 +101,55 @@ struct PaddedCopy {
   }
 };
 
-void flash_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                        const TensorView& o, const TensorView& lse, void* stream) {
-  if (p.dtype == DType::f32) return flash_attention_forward_cuda_f32(p, q, k, v, o, lse, stream);
+void flash_forward_cuda(CudaKernelFamily family, const AttentionProblem& p, const TensorView& q,
+                        const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                        void* stream) {
+  if (family == CudaKernelFamily::f32) return flash_attention_forward_cuda_f32(p, q, k, v, o, lse, stream);
   // Read on every build, so that a bad value is an error wherever it is set.
   [[maybe_unused]] const FlashKernelChoice choice = flash_kernel_choice();
 #ifdef FLASHLM_WITH_SM90
+  // The Hopper family's predicate (capabilities.h) needs the views (a TMA descriptor for each), so it is
+  // asked here: the mma.sync forward is its fallback.
   if (choice == FlashKernelChoice::automatic && flash_attention_forward_sm90(p, q, k, v, o, lse, stream)) return;
 #endif
   flash_attention_forward_cuda(p, q, k, v, o, lse, stream);
 }
 
-void flash_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                         const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
-                         const TensorView& dk, const TensorView& dv, bool deterministic, void* stream) {
-  if (p.dtype == DType::f32) return flash_attention_backward_cuda_f32(p, q, k, v, o, lse, dout, dq, dk, dv, stream);
+void flash_backward_cuda(CudaKernelFamily family, const AttentionProblem& p, const TensorView& q,
+                         const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                         const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                         bool deterministic, void* stream) {
+  if (family == CudaKernelFamily::f32) {
+    return flash_attention_backward_cuda_f32(p, q, k, v, o, lse, dout, dq, dk, dv, stream);
+  }
   flash_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
 }
 
-void padded_flash_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                               const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
+// A head dim without its own flash kernel (80 for the 2.7B model: 2560 / 32 heads) runs the next larger
+// compiled one (the plan's kernel_head_dim) on zero-padded copies: the padded columns add 0 to every Q·K
+// product and give 0 in O, dQ, dK and dV, which are dropped when copying back. The scale stays the one of
+// the real head dim (p.scale). Correct, not optimised: the copies and the padded work cost (padded / real)
+// of the kernel time and one copy of the tensors.
+void padded_flash_forward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
+                               const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                               void* stream) {
   AttentionProblem padded = p;
-  padded.head_dim = flash_kernel_head_dim(p.head_dim);
+  padded.head_dim = plan.kernel_head_dim;
   const PaddedCopy qp(q, padded.head_dim, true, "attention: q padded to the kernel head dim", stream);
   const PaddedCopy kp(k, padded.head_dim, true, "attention: k padded to the kernel head dim", stream);
   const PaddedCopy vp(v, padded.head_dim, true, "attention: v padded to the kernel head dim", stream);
   const PaddedCopy op(o, padded.head_dim, false, "attention: o padded to the kernel head dim", stream);
-  flash_forward_cuda(padded, qp.view, kp.view, vp.view, op.view, lse, stream);
+  flash_forward_cuda(plan.family, padded, qp.view, kp.view, vp.view, op.view, lse, stream);
   if (o.numel() > 0) copy_head_rows_cuda(op.view, o, p.head_dim, stream);
 }
 
-void padded_flash_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                const TensorView& v, const TensorView& o, const TensorView& lse,
+void padded_flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
+                                const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
                                 const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                 const TensorView& dv, bool deterministic, void* stream) {
   AttentionProblem padded = p;
-  padded.head_dim = flash_kernel_head_dim(p.head_dim);
+  padded.head_dim = plan.kernel_head_dim;
   const int64_t d = padded.head_dim;
-  // The fp16/bf16 backward kernels stop at head dim 128 (256 is forward-only), so a 16-bit head dim in
-  // (128, 256) has no backward. Say so with the caller's head dim and before any padded copy is queued;
-  // otherwise flash_attention_backward_cuda fails after the copies, naming head_dim 256, which the caller
-  // never passed.
-  FLASHLM_CHECK(p.dtype == DType::f32 || d <= 128,
-                "attention_backward: q: head_dim {} has no cuda backward kernel for {} (it would pad to 256; the "
-                "fp16/bf16 backward goes up to 128, fp32 up to 256)",
-                p.head_dim, dtype_name(p.dtype));
   const PaddedCopy qp(q, d, true, "attention: q padded to the kernel head dim", stream);
   const PaddedCopy kp(k, d, true, "attention: k padded to the kernel head dim", stream);
   const PaddedCopy vp(v, d, true, "attention: v padded to the kernel head dim", stream);
@@ -171,8 +158,8 @@ void padded_flash_backward_cuda(const AttentionProblem& p, const TensorView& q, 
   const PaddedCopy dqp(dq, d, false, "attention: dq padded to the kernel head dim", stream);
   const PaddedCopy dkp(dk, d, false, "attention: dk padded to the kernel head dim", stream);
   const PaddedCopy dvp(dv, d, false, "attention: dv padded to the kernel head dim", stream);
-  flash_backward_cuda(padded, qp.view, kp.view, vp.view, op.view, lse, dop.view, dqp.view, dkp.view, dvp.view,
-                      deterministic, stream);
+  flash_backward_cuda(plan.family, padded, qp.view, kp.view, vp.view, op.view, lse, dop.view, dqp.view, dkp.view,
+                      dvp.view, deterministic, stream);
   if (dq.numel() > 0) copy_head_rows_cuda(dqp.view, dq, p.head_dim, stream);
   if (dk.numel() > 0) copy_head_rows_cuda(dkp.view, dk, p.head_dim, stream);
   if (dv.numel() > 0) copy_head_rows_cuda(dvp.view, dv, p.head_dim, stream);
@@ -190,11 +177,20 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
     else flash_attention_forward_cpu(p, q, k, v, o, lse);
     return;
   }
-  check_cuda_arguments("attention_forward", p, {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}, lse);
+  [[maybe_unused]] const CudaAttentionPlan plan =
+      check_cuda_arguments("attention_forward", p, options.impl, AttentionPass::forward,
+                           {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}, lse);
 #ifdef FLASHLM_WITH_CUDA
-  if (naive) naive_attention_forward_cuda(p, q, k, v, o, lse, options.stream);
-  else if (!has_flash_kernel(p.head_dim)) padded_flash_forward_cuda(p, q, k, v, o, lse, options.stream);
-  else flash_forward_cuda(p, q, k, v, o, lse, options.stream);
+  switch (plan.family) {
+    case CudaKernelFamily::naive: return naive_attention_forward_cuda(p, q, k, v, o, lse, options.stream);
+    case CudaKernelFamily::hopper: break;
+    case CudaKernelFamily::mma_sync:
+    case CudaKernelFamily::f32:
+      if (plan.padded) return padded_flash_forward_cuda(plan, p, q, k, v, o, lse, options.stream);
+      return flash_forward_cuda(plan.family, p, q, k, v, o, lse, options.stream);
+  }
+  fail("attention_forward: the plan chose the {} kernels, which this build does not launch",
+       cuda_kernel_family_name(plan.family));
 #endif
 }
 
@@ -208,18 +204,24 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
     else flash_attention_backward_cpu(p, q, k, v, o, lse, dout, dq, dk, dv);
     return;
   }
-  check_cuda_arguments("attention_backward", p,
-                       {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk},
-                        {"dv", &dv}},
-                       lse);
+  [[maybe_unused]] const CudaAttentionPlan plan = check_cuda_arguments(
+      "attention_backward", p, options.impl, AttentionPass::backward,
+      {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}, lse);
 #ifdef FLASHLM_WITH_CUDA
-  if (naive) {
-    naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
-  } else if (!has_flash_kernel(p.head_dim)) {
-    padded_flash_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.deterministic, options.stream);
-  } else {
-    flash_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.deterministic, options.stream);
+  const bool det = options.deterministic;
+  switch (plan.family) {
+    case CudaKernelFamily::naive:
+      return naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
+    case CudaKernelFamily::hopper: break;
+    case CudaKernelFamily::mma_sync:
+    case CudaKernelFamily::f32:
+      if (plan.padded) {
+        return padded_flash_backward_cuda(plan, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
+      }
+      return flash_backward_cuda(plan.family, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
   }
+  fail("attention_backward: the plan chose the {} kernels, which this build does not launch",
+       cuda_kernel_family_name(plan.family));
 #endif
 }
 

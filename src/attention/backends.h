@@ -1,6 +1,8 @@
 // The attention backends behind attention_forward / attention_backward. Each takes a validated
 // AttentionProblem; none checks arguments again.
 #pragma once
+#include <cstddef>
+
 #include "attention/problem.h"
 
 namespace flashlm {
@@ -29,6 +31,18 @@ void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& 
                                    const TensorView& v, const TensorView& o, const TensorView& lse,
                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                    const TensorView& dv, bool deterministic, void* stream);
+// The atomic-dQ backward's fp32 dQ accumulator (4·B·Hq·Nq·D bytes for every head) is used whole up to
+// `whole_up_to` bytes; above, the same single launch runs with a ring of as many (batch, kv head) units
+// as fit in `ring_bytes` (at least one; flash_bwd.cu, DqMode::bounded). The defaults keep the backward's
+// extra memory at seq 32k within the 10% of SPEC's bar (docs/perf.md); tests change them to run the
+// bounded path at small shapes.
+struct DqAccumulatorLimits {
+  size_t whole_up_to, ring_bytes;
+};
+inline constexpr DqAccumulatorLimits kDefaultDqAccumulatorLimits{size_t{128} << 20, size_t{64} << 20};
+DqAccumulatorLimits flash_dq_accumulator_limits();
+void set_flash_dq_accumulator_limits(const DqAccumulatorLimits& limits);
+
 void flash_attention_forward_cuda_f32(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
 void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorView& q, const TensorView& k,

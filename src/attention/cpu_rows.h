@@ -24,6 +24,13 @@ inline A dot(const A* a, const A* b, int64_t n) {
   return s;
 }
 
+// max(a, b), NaN if either is: a NaN score must reach the row's softmax (as in PyTorch's SDPA) instead
+// of being dropped by std::max/fmax, which return the other argument.
+template <class A>
+inline A max_propagating_nan(A a, A b) {
+  return (a > b || a != a) ? a : b;
+}
+
 // y += alpha * x
 template <class A>
 inline void axpy(A alpha, const A* x, A* y, int64_t n) {

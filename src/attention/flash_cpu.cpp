@@ -55,6 +55,19 @@ A load_lse(const TensorView& lse, int64_t b, int64_t h, int64_t i) {
                                  : static_cast<A>(lse_at<float>(lse, b, h, i));
 }
 
+// Columns [0, n) of the key tile at j0 (cols wide) that query i sees. Only those take part in any product:
+// NaN or inf in a key, value or dO row reaches exactly the rows that see it (SPEC §2), and 0 · NaN from a
+// masked key never does.
+inline int64_t visible_cols(const AttentionProblem& p, int64_t i, int64_t j0, int64_t cols) {
+  return std::clamp<int64_t>(p.visible_keys(i) - j0, 0, cols);
+}
+
+// In the backward: none for a row that saw no key (lse = -inf), whose gradients are zero whatever dO holds.
+template <class A>
+int64_t contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j0, int64_t cols) {
+  return lse == kNegInf<A> ? 0 : visible_cols(p, i, j0, cols);
+}
+
 // S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones.
 template <class A>
 void tile_scores(const AttentionProblem& p, const A* Q, const A* K, int64_t i0, int64_t rows, int64_t j0,
@@ -87,8 +100,9 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const TensorVi
     tile_scores(p, Q, K, i0, rows, j0, cols, S);
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kBlockK;
+      const int64_t visible = visible_cols(p, i0 + r, j0, cols);
       A m_new = m[r];
-      for (int64_t c = 0; c < cols; ++c) m_new = std::max(m_new, s[c]);
+      for (int64_t c = 0; c < visible; ++c) m_new = max_propagating_nan(m_new, s[c]);  // NaN stays NaN
       if (m_new == kNegInf<A>) continue;  // nothing visible in this row yet
       const A alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
       A* a = acc + r * D;
@@ -96,10 +110,10 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const TensorVi
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       }
       A sum = 0;
-      for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t c = 0; c < visible; ++c) {
         const A pc = std::exp(s[c] - m_new);
         sum += pc;
-        if (pc != A(0)) axpy(pc, V + c * D, a, D);
+        axpy(pc, V + c * D, a, D);
       }
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
@@ -108,10 +122,11 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const TensorVi
 
   for (int64_t r = 0; r < rows; ++r) {
     A* a = acc + r * D;
-    const A inv = l[r] > 0 ? A(1) / l[r] : A(0);
+    // l = 0: the row saw no key (O = 0, lse = -inf); l NaN: a NaN reached it, and O and lse are NaN.
+    const A inv = l[r] != 0 ? A(1) / l[r] : A(0);
     for (int64_t d = 0; d < D; ++d) a[d] *= inv;
     store_row(a, attention_row<T>(o, b, i0 + r, h), D);
-    const A lse_r = l[r] > 0 ? m[r] + std::log(l[r]) : kNegInf<A>;
+    const A lse_r = l[r] != 0 ? m[r] + std::log(l[r]) : kNegInf<A>;
     if (lse.dtype == DType::f64) lse_at<double>(lse, b, h, i0 + r) = static_cast<double>(lse_r);
     else lse_at<float>(lse, b, h, i0 + r) = static_cast<float>(lse_r);
   }
@@ -148,11 +163,12 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* K, c
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
     A* ds = dS + r * kBlockK;
-    const bool row_empty = lse[r] == kNegInf<A>;
-    for (int64_t c = 0; c < cols; ++c) {
-      s[c] = row_empty || s[c] == kNegInf<A> ? A(0) : std::exp(s[c] - lse[r]);
-      ds[c] = s[c] == A(0) ? A(0) : s[c] * (dot(dO + r * D, V + c * D, D) - delta[r]);
+    const int64_t visible = contributing_cols(p, lse[r], i0 + r, j0, cols);
+    for (int64_t c = 0; c < visible; ++c) {
+      s[c] = std::exp(s[c] - lse[r]);
+      ds[c] = s[c] * (dot(dO + r * D, V + c * D, D) - delta[r]);
     }
+    for (int64_t c = visible; c < cols; ++c) s[c] = ds[c] = A(0);
   }
 }
 
@@ -212,10 +228,9 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
           for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
           tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
           for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0; c < cols; ++c) {
-              const A pc = S[r * kBlockK + c], dsc = dS[r * kBlockK + c];
-              if (pc != A(0)) axpy(pc, dO + r * D, dV + c * D, D);
-              if (dsc != A(0)) axpy(scale * dsc, Q + r * D, dK + c * D, D);
+            for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
+              axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
+              axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
             }
           }
         }
@@ -252,9 +267,8 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
         load_tile<T>(v, b, hk, j0, cols, D, V);
         tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
         for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = 0; c < cols; ++c) {
-            const A dsc = dS[r * kBlockK + c];
-            if (dsc != A(0)) axpy(scale * dsc, K + c * D, dQ + r * D, D);
+          for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
+            axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + r * D, D);
           }
         }
       }

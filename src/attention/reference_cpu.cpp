@@ -6,6 +6,7 @@
 
 #include "attention/backends.h"
 #include "attention/cpu_rows.h"
+#include "core/check.h"
 
 namespace flashlm {
 
@@ -20,7 +21,8 @@ struct ReferenceScratch {
 };
 
 ReferenceScratch allocate_scores(const AttentionProblem& p) {
-  const size_t n = static_cast<size_t>(p.batch * p.heads_q * p.seq_q * p.seq_k) * sizeof(double);
+  const auto n = static_cast<size_t>(checked_product({p.batch, p.heads_q, p.seq_q, p.seq_k, int64_t{sizeof(double)}},
+                                                     "naive attention: bytes of the scores S"));
   return {Buffer::allocate(n, Device::cpu, "naive attention scores S"),
           Buffer::allocate(n, Device::cpu, "naive attention probabilities P")};
 }
@@ -46,16 +48,17 @@ void scores_and_probs(const AttentionProblem& p, const TensorView& q, const std:
       double sij = kNegInf;
       if (j < visible) sij = p.scale * dot(qrow.data(), &kmat[static_cast<size_t>(j * D)], D);
       s[i * p.seq_k + j] = sij;
-      m = std::max(m, sij);
+      m = max_propagating_nan(m, sij);
     }
+    // Masked keys get P = 0 exactly; a NaN score (or two +inf) makes the sum, and so the row, NaN.
     double sum = 0;
     for (int64_t j = 0; j < p.seq_k; ++j) {
-      const double e = m == kNegInf ? 0.0 : std::exp(s[i * p.seq_k + j] - m);
+      const double e = j >= visible || m == kNegInf ? 0.0 : std::exp(s[i * p.seq_k + j] - m);
       pr[i * p.seq_k + j] = e;
       sum += e;
     }
-    for (int64_t j = 0; j < p.seq_k; ++j) pr[i * p.seq_k + j] = sum > 0 ? pr[i * p.seq_k + j] / sum : 0.0;
-    if (lse_row) lse_row[i] = sum > 0 ? m + std::log(sum) : kNegInf;
+    for (int64_t j = 0; j < p.seq_k; ++j) pr[i * p.seq_k + j] = sum != 0 ? pr[i * p.seq_k + j] / sum : 0.0;
+    if (lse_row) lse_row[i] = sum != 0 ? m + std::log(sum) : kNegInf;
   }
 }
 
@@ -77,9 +80,9 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
       scores_and_probs<T>(p, q, kmat, b, h, s, pr, qrow, lse_row.data());
       for (int64_t i = 0; i < p.seq_q; ++i) {
         std::fill(orow.begin(), orow.end(), 0.0);
-        for (int64_t j = 0; j < p.seq_k; ++j) {
-          const double pij = pr[i * p.seq_k + j];
-          if (pij != 0) axpy(pij, &vmat[static_cast<size_t>(j * D)], orow.data(), D);
+        // Every visible key, even at P = 0: 0 · NaN in v is NaN, as in PyTorch's P @ V.
+        for (int64_t j = 0; j < p.visible_keys(i); ++j) {
+          axpy(pr[i * p.seq_k + j], &vmat[static_cast<size_t>(j * D)], orow.data(), D);
         }
         store_row(orow.data(), attention_row<T>(o, b, i, h), D);
         if (lse.dtype == DType::f64) lse_at<double>(lse, b, h, i) = lse_row[i];
@@ -113,20 +116,21 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
         for (int64_t i = 0; i < Nq; ++i) {
           load_row(attention_row<const T>(dout, b, i, h), dorow.data(), D);
           // dP_ij = dO_i · V_j into s; Delta_i = Σ_j P_ij dP_ij; dS_ij = P_ij (dP_ij - Delta_i) into pr.
+          // Masked keys take no part (NaN in dO or V stays out of the rows and keys that do not meet).
+          const int64_t visible = p.visible_keys(i);
           double delta = 0;
-          for (int64_t j = 0; j < Nk; ++j) {
+          for (int64_t j = 0; j < visible; ++j) {
             s[i * Nk + j] = dot(dorow.data(), &vmat[static_cast<size_t>(j * D)], D);
             delta += pr[i * Nk + j] * s[i * Nk + j];
             axpy(pr[i * Nk + j], dorow.data(), &dv_acc[static_cast<size_t>(j * D)], D);
           }
-          for (int64_t j = 0; j < Nk; ++j) pr[i * Nk + j] *= s[i * Nk + j] - delta;
+          for (int64_t j = 0; j < visible; ++j) pr[i * Nk + j] *= s[i * Nk + j] - delta;
         }
         for (int64_t i = 0; i < Nq; ++i) {
           load_row(attention_row<const T>(q, b, i, h), qrow.data(), D);
           std::fill(acc.begin(), acc.end(), 0.0);
-          for (int64_t j = 0; j < Nk; ++j) {
+          for (int64_t j = 0; j < p.visible_keys(i); ++j) {
             const double ds = pr[i * Nk + j];
-            if (ds == 0) continue;
             axpy(p.scale * ds, &kmat[static_cast<size_t>(j * D)], acc.data(), D);
             axpy(p.scale * ds, qrow.data(), &dk_acc[static_cast<size_t>(j * D)], D);
           }

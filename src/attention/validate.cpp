@@ -1,5 +1,8 @@
 #include <cmath>
+#include <cstdint>
+#include <initializer_list>
 #include <string_view>
+#include <utility>
 
 #include "attention/problem.h"
 #include "core/check.h"
@@ -38,6 +41,36 @@ void check_same_kind(std::string_view fn, std::string_view name, const TensorVie
                 dtype_name(q.dtype));
   FLASHLM_CHECK(t.device == q.device, "{}: {}: on {} but q is on {}", fn, name, device_name(t.device),
                 device_name(q.device));
+}
+
+// The bytes a view may touch, [begin, end); empty for a view without elements. Strides are >= 0 here
+// (check_view), so the last element lies at the sum of (size - 1) * stride.
+std::pair<uintptr_t, uintptr_t> byte_range(std::string_view name, const TensorView& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t last = 0;
+  for (int d = 0; d < t.ndim; ++d) last = checked_add(last, checked_mul(t.size(d) - 1, t.stride(d), name), name);
+  const int64_t bytes = checked_mul(last + 1, static_cast<int64_t>(dtype_size(t.dtype)), name);
+  const auto begin = reinterpret_cast<uintptr_t>(t.data);
+  return {begin, begin + static_cast<uintptr_t>(bytes)};
+}
+
+using NamedView = std::pair<std::string_view, const TensorView*>;
+
+// An output written while an input is still read gives a wrong result, silently: every output's bytes must
+// be apart from every input's. (A conservative test on the spans: an output interleaved with an input
+// without sharing elements is refused too.)
+void check_outputs_apart(std::string_view fn, std::initializer_list<NamedView> outputs,
+                         std::initializer_list<NamedView> inputs) {
+  for (const auto& [out_name, out] : outputs) {
+    const auto [ob, oe] = byte_range(out_name, *out);
+    for (const auto& [in_name, in] : inputs) {
+      const auto [ib, ie] = byte_range(in_name, *in);
+      FLASHLM_CHECK(ob == oe || ib == ie || oe <= ib || ie <= ob,
+                    "{}: {}: the output overlaps the input {} (bytes [{:#x}, {:#x}) and [{:#x}, {:#x})); outputs "
+                    "must not share memory with inputs",
+                    fn, out_name, in_name, ob, oe, ib, ie);
+    }
+  }
 }
 
 AttentionProblem describe(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -92,7 +125,11 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
 AttentionProblem validate_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                             const TensorView& o, const TensorView& lse,
                                             const AttentionOptions& options) {
-  return describe("attention_forward", q, k, v, o, lse, options);
+  constexpr std::string_view fn = "attention_forward";
+  AttentionProblem p = describe(fn, q, k, v, o, lse, options);
+  check_outputs_apart(fn, {{"o", &o}, {"lse", &lse}}, {{"q", &q}, {"k", &k}, {"v", &v}});
+  check_outputs_apart(fn, {{"lse", &lse}}, {{"o", &o}});
+  return p;
 }
 
 AttentionProblem validate_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -109,6 +146,8 @@ AttentionProblem validate_attention_backward(const TensorView& q, const TensorVi
   check_same_shape(fn, "dq", dq, "q", q);
   check_same_shape(fn, "dk", dk, "k", k);
   check_same_shape(fn, "dv", dv, "v", v);
+  check_outputs_apart(fn, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}},
+                      {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"lse", &lse}, {"dout", &dout}});
   return p;
 }
 

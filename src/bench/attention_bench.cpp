@@ -34,13 +34,19 @@ double median_ms(Device device, int warmup, int reps, const std::function<void()
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
+// The FLOPs every pass of a row computes (warm-up and timed runs), as the FlashAttention papers count them.
+double row_flops(const AttentionBenchConfig& cfg, const AttentionBenchRecord& rec) {
+  const double fwd = attention_forward_flops(rec.batch, rec.heads, rec.seq_q, rec.seq_k, rec.head_dim, rec.causal);
+  return fwd * (cfg.backward ? 3.5 : 1.0) * (1 + cfg.warmup + cfg.reps);
+}
+
 void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, AttentionImpl impl, DType dtype) {
   const Device dev = cfg.device;
   // Inputs first; everything allocated after `base` is the pass's extra memory (outputs, gradients and
   // workspace), the same convention as the PyTorch peers' torch.cuda.max_memory_allocated().
   Tensor q = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "q");
-  Tensor k = Tensor::empty({rec.batch, rec.seq_k, rec.heads, rec.head_dim}, dtype, dev, "k");
-  Tensor v = Tensor::empty({rec.batch, rec.seq_k, rec.heads, rec.head_dim}, dtype, dev, "v");
+  Tensor k = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "k");
+  Tensor v = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "v");
   Tensor dout = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "dout");
   fill_normal(q, 1);
   fill_normal(k, 2);
@@ -68,8 +74,8 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
 
   memory_reset_peak(dev);
   Tensor dq = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "dq");
-  Tensor dk = Tensor::empty({rec.batch, rec.seq_k, rec.heads, rec.head_dim}, dtype, dev, "dk");
-  Tensor dv = Tensor::empty({rec.batch, rec.seq_k, rec.heads, rec.head_dim}, dtype, dev, "dv");
+  Tensor dk = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "dk");
+  Tensor dv = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "dv");
   attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt);
   if (dev == Device::cuda) cuda_synchronize();
   rec.peak_bwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
@@ -95,11 +101,18 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
         rec.device = std::string(device_name(cfg.device));
         rec.batch = shape.batch;
         rec.heads = shape.heads;
+        rec.kv_heads = shape.kv_heads > 0 ? shape.kv_heads : shape.heads;
         rec.seq_q = rec.seq_k = shape.seq;
         rec.head_dim = shape.head_dim;
         rec.causal = shape.causal;
         try {
-          measure_row(cfg, rec, impl, dtype);
+          if (cfg.device == Device::cpu && !(row_flops(cfg, rec) <= cfg.cpu_max_flops)) {
+            rec.status = "skipped";
+            rec.message = fmt::format("{:.2g} FLOPs on the CPU, above the limit of {:.2g} (--cpu-max-flops)",
+                                      row_flops(cfg, rec), cfg.cpu_max_flops);
+          } else {
+            measure_row(cfg, rec, impl, dtype);
+          }
         } catch (const OutOfMemory& e) {
           rec.status = "oom";
           rec.message = e.what();
@@ -111,8 +124,9 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
           rec.message = e.what();
         }
         if (cfg.progress) {
-          cfg.progress(fmt::format("[{}/{}] {} {} b={} h={} n={} d={} causal={}: fwd {} ms, bwd {} ms, {}{}",
-                                   records.size() + 1, total, rec.impl, rec.dtype, rec.batch, rec.heads, rec.seq_q,
+          cfg.progress(fmt::format("[{}/{}] {} {} b={} h={}/{} n={} d={} causal={}: fwd {} ms, bwd {} ms, {}{}",
+                                   records.size() + 1, total, rec.impl, rec.dtype, rec.batch, rec.heads, rec.kv_heads,
+                                   rec.seq_q,
                                    rec.head_dim, int(rec.causal), opt_ms(rec.fwd_ms), opt_ms(rec.bwd_ms), rec.status,
                                    rec.message.empty() ? "" : " (" + rec.message + ")"));
         }
@@ -154,7 +168,8 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
   for (const auto& r : records) {
     auto opt = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(); };
     nlohmann::json j = {{"impl", r.impl},       {"device", r.device},       {"batch", r.batch},
-                        {"heads", r.heads},     {"seq_q", r.seq_q},         {"seq_k", r.seq_k},
+                        {"heads", r.heads},     {"kv_heads", r.kv_heads},   {"seq_q", r.seq_q},
+                        {"seq_k", r.seq_k},
                         {"head_dim", r.head_dim}, {"causal", r.causal},     {"dtype", r.dtype},
                         {"fwd_ms", opt(r.fwd_ms)}, {"bwd_ms", opt(r.bwd_ms)}, {"fwd_tflops", opt(r.fwd_tflops)},
                         {"bwd_tflops", opt(r.bwd_tflops)}, {"peak_fwd_mib", opt(r.peak_fwd_mib)},
@@ -165,7 +180,7 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
   const std::vector<ReportColumn> columns = {
       {"impl", "impl"},           {"dtype", "dtype"},          {"batch", "batch"},
       {"heads", "heads"},         {"seq_q", "seq"},            {"head_dim", "d"},
-      {"causal", "causal"},       {"fwd_ms", "fwd ms", 3},     {"bwd_ms", "bwd ms", 3},
+      {"kv_heads", "kv heads"},   {"causal", "causal"},       {"fwd_ms", "fwd ms", 3},     {"bwd_ms", "bwd ms", 3},
       {"fwd_tflops", "fwd TFLOP/s", 3}, {"bwd_tflops", "bwd TFLOP/s", 3}, {"peak_fwd_mib", "peak fwd MiB", 1},
       {"peak_bwd_mib", "peak bwd MiB", 1}, {"status", "status"}};
   const nlohmann::json meta = {{"tool", "flashlm attention-bench"},

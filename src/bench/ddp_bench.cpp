@@ -10,6 +10,7 @@
 #include "bench/report.h"
 #include "core/check.h"
 #include "flashlm/dist.h"
+#include "flashlm/memory.h"
 
 namespace flashlm {
 
@@ -31,6 +32,13 @@ std::vector<double> time_steps(Communicator& comm, const DdpBenchConfig& cfg, co
   return ms;
 }
 
+// The largest rank's peak of tracked allocations on `device` since the last reset, MiB.
+double peak_mib(Communicator& comm, Device device) {
+  double peak = double(memory_stats(device).peak_bytes) / kMiB;
+  comm.all_reduce(std::span<double>(&peak, 1), ReduceOp::max);
+  return peak;
+}
+
 // One row: a DdpModel with the row's variant over the shared model, warm-up, then timed steps. Errors that
 // some ranks see while setting up (out of memory for ZeRO-1's moments) become the row's status on every rank.
 void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model, std::span<const int32_t> tokens,
@@ -40,6 +48,7 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   if (rec.bucket_mb) opt.bucket_mb = *rec.bucket_mb;
   opt.reduce_dtype = parse_reduce_dtype(rec.reduce_dtype);
   opt.gemm_sm_reserve = cfg.gemm_sm_reserve;
+  opt.fsdp_prefetch = cfg.fsdp_prefetch;
   std::unique_ptr<DdpModel> dp;
   std::string error;
   bool oom = false;
@@ -60,6 +69,8 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   dp->broadcast_parameters();
   AdamWConfig adamw;
   std::vector<double> exposed;
+  model.synchronize();
+  memory_reset_peak(model.device());
   const std::vector<double> ms = time_steps(comm, cfg, [&] {
     dp->forward_backward(tokens, targets);
     dp->optimizer_step(adamw, 1e-4);
@@ -77,9 +88,18 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   rec.exposed_comm_ms = exposed_mean;
   rec.tokens_per_s = double(rec.world_size) * double(tokens.size()) / (m.median / 1e3);
   rec.scaling_efficiency = *rec.tokens_per_s / (double(rec.world_size) * local_tokens_per_s);
-  rec.optimizer_state_mib = double(rec.zero1 ? dp->zero()->state_bytes()
-                                             : 2 * model.parameter_count() * int64_t(sizeof(float))) / kMiB;
+  const DdpMemory mem = dp->memory();
+  rec.optimizer_state_mib = double(mem.optimizer_state) / kMiB;
+  rec.parameters_mib = double(mem.parameters) / kMiB;
+  rec.gradients_mib = double(mem.gradients) / kMiB;
+  if (dp->fsdp()) rec.gathered_mib = double(mem.gathered) / kMiB;
+  rec.peak_mib = peak_mib(comm, model.device());
   rec.staging_mib = double(dp->data_parallel().staging_bytes()) / kMiB;
+  // FSDP leaves each rank its shards only: the rows after this one start from whole weights.
+  if (dp->fsdp()) {
+    dp->gather_master_parameters();
+    model.parameters_changed();
+  }
 }
 
 }  // namespace
@@ -100,6 +120,7 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   comm.agree(static_cast<int64_t>(cfg.zero1.size()), "the ZeRO-1 settings");
   resolve_gemm_sm_reserve(cfg.gemm_sm_reserve, comm);  // checks it before any rank builds a model
   comm.agree(cfg.gemm_sm_reserve, "the GEMM SM reserve");
+  comm.agree(cfg.fsdp_prefetch, "the FSDP prefetch depth");
   comm.agree(cfg.warmup, "the warm-up steps");
   comm.agree(cfg.steps, "the timed steps");
   comm.agree(static_cast<int64_t>(cfg.device), "the device");
@@ -114,7 +135,8 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   LanguageModel& model = *model_ptr;
   model.init_parameters(1);
   // Each rank its own tokens, as each would read its own slice of the data.
-  std::vector<int32_t> tokens(size_t(cfg.batch * cfg.context)), targets(tokens.size());
+  std::vector<int32_t> tokens(size_t(checked_mul(cfg.batch, cfg.context, "ddp-bench: tokens per step"))),
+      targets(tokens.size());
   std::mt19937 rng(7 + uint32_t(comm.rank()));
   std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = token(rng), targets[i] = token(rng);
@@ -133,11 +155,14 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   row("none", std::nullopt, "", false, 1);
   for (bool zero1 : cfg.zero1) {
     for (DdpVariant v : cfg.variants) {
+      // FSDP shards the optimizer state itself: one row, whatever the ZeRO-1 settings.
+      if (v == DdpVariant::fsdp && zero1 != cfg.zero1.front()) continue;
       std::vector<std::optional<double>> sizes{std::nullopt};
       if (v == DdpVariant::bucketed) sizes.assign(cfg.bucket_mb.begin(), cfg.bucket_mb.end());
       for (const std::optional<double>& mb : sizes) {
         for (DType t : cfg.reduce_dtypes) {
-          row(std::string(ddp_variant_name(v)), mb, std::string(dtype_name(t)), zero1, comm.world_size());
+          row(std::string(ddp_variant_name(v)), mb, std::string(dtype_name(t)), zero1 && v != DdpVariant::fsdp,
+              comm.world_size());
         }
       }
     }
@@ -160,6 +185,8 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
 
   // The step without communication: what one GPU (or one CPU process) does alone.
   AdamWConfig adamw;
+  model.synchronize();
+  memory_reset_peak(model.device());
   const Moments local = moments(time_steps(comm, cfg, [&] {
     model.zero_grad();
     model.forward(tokens.data(), targets.data());
@@ -172,6 +199,7 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   records[0].median_ms = local.median;
   records[0].tokens_per_s = local_tokens_per_s;
   records[0].optimizer_state_mib = double(2 * model.parameter_count() * int64_t(sizeof(float))) / kMiB;
+  records[0].peak_mib = peak_mib(comm, model.device());
   report(0);
   for (size_t i = 1; i < records.size(); ++i) {
     measure(comm, cfg, model, tokens, targets, local_tokens_per_s, records[i]);
@@ -199,6 +227,10 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
                         {"scaling_efficiency", opt(r.scaling_efficiency)},
                         {"optimizer_state_mib", opt(r.optimizer_state_mib)},
                         {"staging_mib", opt(r.staging_mib)},
+                        {"parameters_mib", opt(r.parameters_mib)},
+                        {"gradients_mib", opt(r.gradients_mib)},
+                        {"gathered_mib", opt(r.gathered_mib)},
+                        {"peak_mib", opt(r.peak_mib)},
                         {"status", r.status}};
     if (!r.message.empty()) j["message"] = r.message;
     rows.push_back(std::move(j));
@@ -210,6 +242,8 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
       {"mean_ms", "step mean ms", 2},  {"median_ms", "step median ms", 2}, {"exposed_comm_ms", "comm not hidden ms", 2},
       {"tokens_per_s", "tokens/s", 0}, {"scaling_efficiency", "scaling eff.", 3},
       {"optimizer_state_mib", "AdamW state MiB/rank", 1}, {"staging_mib", "DDP staging MiB/rank", 1},
+      {"parameters_mib", "params MiB/rank", 1}, {"gradients_mib", "grads MiB/rank", 1},
+      {"gathered_mib", "FSDP gathered MiB/rank", 1}, {"peak_mib", "peak MiB/rank", 1},
       {"status", "status"}};
   const nlohmann::json meta = {
       {"tool", "flashlm ddp-bench"},
@@ -225,6 +259,7 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
       {"steps", cfg.steps},
       {"nccl_max_ctas", cfg.nccl_max_ctas > 0 ? nlohmann::json(cfg.nccl_max_ctas) : nlohmann::json()},
       {"gemm_sm_reserve", resolve_gemm_sm_reserve(cfg.gemm_sm_reserve, comm)},
+      {"fsdp_prefetch", cfg.fsdp_prefetch},
       {"timing", "per step the slowest rank's time (forward, backward, gradient sync, optimizer); mean and median "
                  "over steps"},
       {"scaling_efficiency", "tokens/s at world N / (N x tokens/s of the step without communication, 'none')"},

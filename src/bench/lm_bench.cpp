@@ -32,7 +32,8 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, A
   const std::unique_ptr<LanguageModel> model_ptr = make_model(mc, cfg.batch, mc.context, dev, precision, impl);
   LanguageModel& model = *model_ptr;
   model.init_parameters(1);
-  std::vector<int32_t> tokens(size_t(cfg.batch * mc.context)), targets(tokens.size());
+  std::vector<int32_t> tokens(size_t(checked_mul(cfg.batch, mc.context, "bench: tokens per step"))),
+      targets(tokens.size());
   std::mt19937 rng(7);
   std::uniform_int_distribution<int32_t> token(0, int32_t(mc.vocab - 1));
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = token(rng), targets[i] = token(rng);

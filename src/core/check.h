@@ -1,6 +1,8 @@
 // Internal helpers to throw flashlm::Error with a formatted message: fail("k: got {}", n) and
-// FLASHLM_CHECK(cond, "...", args...).
+// FLASHLM_CHECK(cond, "...", args...); checked_mul / checked_add / checked_product for every size and
+// element count computed from user-given dimensions.
 #pragma once
+#include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <string_view>
@@ -44,6 +46,27 @@ template <class... Args>
 }
 }  // namespace flashlm
 #endif
+
+namespace flashlm {
+// a * b, a + b and the product of `factors` as int64_t, or flashlm::Error naming `what` (the quantity being
+// computed, e.g. "q: element count") when the result does not fit: a size built from hostile dimensions
+// must fail here, not wrap around into a small allocation that the kernels then overrun.
+inline int64_t checked_mul(int64_t a, int64_t b, std::string_view what) {
+  int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) fail("{}: {} * {} overflows a 64-bit size", what, a, b);
+  return out;
+}
+inline int64_t checked_add(int64_t a, int64_t b, std::string_view what) {
+  int64_t out = 0;
+  if (__builtin_add_overflow(a, b, &out)) fail("{}: {} + {} overflows a 64-bit size", what, a, b);
+  return out;
+}
+inline int64_t checked_product(std::initializer_list<int64_t> factors, std::string_view what) {
+  int64_t out = 1;
+  for (int64_t f : factors) out = checked_mul(out, f, what);
+  return out;
+}
+}  // namespace flashlm
 
 // FLASHLM_CHECK(cond, "fmt", args...): throw flashlm::Error with the message unless cond holds.
 #define FLASHLM_CHECK(cond, ...)               \

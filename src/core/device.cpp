@@ -20,7 +20,7 @@ int cuda_device_count() { return cuda_device_count_or_zero(); }
 int cpu_threads() { return omp_get_max_threads(); }
 
 void set_cpu_threads(int n) {
-  FLASHLM_CHECK(n >= 1, "set_cpu_threads: n = {}, expected >= 1", n);
+  FLASHLM_CHECK(n >= 1 && n <= kMaxCpuThreads, "set_cpu_threads: n = {}, expected 1..{}", n, kMaxCpuThreads);
   omp_set_num_threads(n);
 }
 

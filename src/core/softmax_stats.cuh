@@ -8,9 +8,21 @@
 
 namespace flashlm {
 
+// max(a, b), NaN if either is (fmaxf returns the other argument): a NaN score must make its softmax row
+// NaN, as in PyTorch, instead of vanishing from the running max. One instruction on sm_80+.
+__device__ __forceinline__ float max_propagating_nan(float a, float b) {
+#if __CUDA_ARCH__ >= 800
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+#else
+  return (a > b || a != a) ? a : b;
+#endif
+}
+
 // Merges two (running max m, sum l of exp(x - m)) statistics into (m, l); (-inf, 0) is empty.
 __device__ __forceinline__ void merge_stats(float& m, float& l, float m2, float l2) {
-  const float mx = fmaxf(m, m2);
+  const float mx = max_propagating_nan(m, m2);
   if (mx == -INFINITY) return;  // both empty: exp(-inf - -inf) would be NaN
   l = l * expf(m - mx) + l2 * expf(m2 - mx);
   m = mx;

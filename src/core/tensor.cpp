@@ -15,7 +15,7 @@ namespace flashlm {
 
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= size(d);
+  for (int d = 0; d < ndim; ++d) n = checked_mul(n, size(d), "TensorView: element count");
   return n;
 }
 
@@ -73,7 +73,7 @@ TensorView TensorView::contiguous(void* data, DType dtype, std::span<const int64
                   sizes[static_cast<size_t>(d)], d);
     v.sizes[static_cast<size_t>(d)] = sizes[static_cast<size_t>(d)];
     v.strides[static_cast<size_t>(d)] = stride;
-    stride *= sizes[static_cast<size_t>(d)];
+    stride = checked_mul(stride, sizes[static_cast<size_t>(d)], "TensorView: element count");
   }
   return v;
 }
@@ -85,7 +85,8 @@ Tensor Tensor::empty(std::initializer_list<int64_t> sizes, DType dtype, Device d
 Tensor Tensor::empty(std::span<const int64_t> sizes, DType dtype, Device device, std::string_view tag) {
   Tensor t;
   t.view_ = TensorView::contiguous(nullptr, dtype, sizes, device);
-  t.buffer_ = Buffer::allocate(static_cast<size_t>(t.view_.numel()) * dtype_size(dtype), device, tag);
+  const int64_t bytes = checked_mul(t.view_.numel(), static_cast<int64_t>(dtype_size(dtype)), "Tensor::empty: bytes");
+  t.buffer_ = Buffer::allocate(static_cast<size_t>(bytes), device, tag);
   t.view_.data = t.buffer_.data();
   return t;
 }

@@ -165,10 +165,12 @@ constexpr int64_t kMpiChunk = int64_t{1} << 30;  // elements per MPI call (count
 // A CPU all-reduce in flight: its MPI requests (one per kMpiChunk elements), and what avg divides after.
 struct CommRequest::State {
   std::vector<MPI_Request> requests;
-  TensorView x;
+  TensorView x;  // avg: divided after; a reduce-scatter: where the result goes
   ReduceOp op = ReduceOp::sum;
   int world_size = 1;
   int rank = 0;
+  // A reduce-scatter in MPI's in-place form leaves this rank's result at the start of its input, not at x.
+  void* result_at = nullptr;
 };
 
 CommRequest::CommRequest() = default;
@@ -302,6 +304,7 @@ void Communicator::wait(CommRequest& request) {
   CommRequest::State& st = *request.state_;
   check_mpi(MPI_Waitall(static_cast<int>(st.requests.size()), st.requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall",
             st.rank);
+  if (st.result_at && st.result_at != st.x.data) std::memmove(st.x.data, st.result_at, nbytes(st.x));
   if (st.op == ReduceOp::avg) divide(st.x, st.world_size);
   request.state_.reset();
 }
@@ -369,16 +372,25 @@ void Communicator::all_gather(const TensorView& in, const TensorView& out, void*
           "MPI_Allgather");
 }
 
+// Checks a reduce-scatter's views (`call` names it) and says whether it is in place: `out` is this rank's
+// chunk of `in` (NCCL's convention); any other overlap is an error.
+bool Communicator::check_reduce_scatter(const TensorView& in, const TensorView& out, const char* call) const {
+  const Impl& m = *impl_;
+  check_pair(in, out, call);
+  FLASHLM_CHECK(in.numel() == out.numel() * m.size,
+                "Communicator::{}: in has {} elements, expected world size {} x out's {} = {}", call, in.numel(), m.size,
+                out.numel(), out.numel() * m.size);
+  const bool in_place = out.data == static_cast<char*>(in.data) + static_cast<size_t>(m.rank) * nbytes(out);
+  FLASHLM_CHECK(in_place || !overlap(in, out), "Communicator::{}: out overlaps in without being rank {}'s chunk of it",
+                call, m.rank);
+  FLASHLM_CHECK(in.device == Device::cuda || out.numel() <= INT_MAX,
+                "Communicator::{}: {} elements per rank, MPI takes at most {}", call, out.numel(), INT_MAX);
+  return in_place;
+}
+
 void Communicator::reduce_scatter(const TensorView& in, const TensorView& out, ReduceOp op, void* stream) {
   Impl& m = *impl_;
-  check_pair(in, out, "reduce_scatter");
-  FLASHLM_CHECK(in.numel() == out.numel() * m.size,
-                "Communicator::reduce_scatter: in has {} elements, expected world size {} x out's {} = {}",
-                in.numel(), m.size, out.numel(), out.numel() * m.size);
-  // In place: `out` is this rank's chunk of `in` (NCCL's convention); any other overlap is an error.
-  const bool in_place = out.data == static_cast<char*>(in.data) + static_cast<size_t>(m.rank) * nbytes(out);
-  FLASHLM_CHECK(in_place || !overlap(in, out),
-                "Communicator::reduce_scatter: out overlaps in without being rank {}'s chunk of it", m.rank);
+  const bool in_place = check_reduce_scatter(in, out, "reduce_scatter");
   if (in.device == Device::cuda) {
 #ifdef FLASHLM_WITH_NCCL
     setup_cuda();
@@ -392,8 +404,6 @@ void Communicator::reduce_scatter(const TensorView& in, const TensorView& out, R
 #endif
   }
   const MPI_Datatype type = mpi_type(in.dtype, "reduce_scatter", "in");
-  FLASHLM_CHECK(out.numel() <= INT_MAX, "Communicator::reduce_scatter: {} elements per rank, MPI takes at most {}",
-                out.numel(), INT_MAX);
   const int count = static_cast<int>(out.numel());
   if (in_place) {
     // MPI's in-place form reads the whole input from the receive buffer and leaves the result at its start.
@@ -404,6 +414,36 @@ void Communicator::reduce_scatter(const TensorView& in, const TensorView& out, R
     m.check(MPI_Reduce_scatter_block(in.data, out.data, count, type, mpi_op(op), m.comm), "MPI_Reduce_scatter_block");
   }
   if (op == ReduceOp::avg) divide(out, m.size);
+}
+
+CommRequest Communicator::reduce_scatter_async(const TensorView& in, const TensorView& out, ReduceOp op,
+                                               void* stream) {
+  Impl& m = *impl_;
+  CommRequest request;
+  if (in.device == Device::cuda) {
+    reduce_scatter(in, out, op, stream);
+    return request;
+  }
+  const bool in_place = check_reduce_scatter(in, out, "reduce_scatter_async");
+  const MPI_Datatype type = mpi_type(in.dtype, "reduce_scatter_async", "in");
+  auto state = std::make_unique<CommRequest::State>();
+  state->x = out;
+  state->op = op;
+  state->world_size = m.size;
+  state->rank = m.rank;
+  MPI_Request r = MPI_REQUEST_NULL;
+  const int count = static_cast<int>(out.numel());
+  if (in_place) {
+    state->result_at = in.data;
+    m.check(MPI_Ireduce_scatter_block(MPI_IN_PLACE, in.data, count, type, mpi_op(op), m.comm, &r),
+            "MPI_Ireduce_scatter_block");
+  } else {
+    m.check(MPI_Ireduce_scatter_block(in.data, out.data, count, type, mpi_op(op), m.comm, &r),
+            "MPI_Ireduce_scatter_block");
+  }
+  state->requests.push_back(r);
+  request.state_ = std::move(state);
+  return request;
 }
 
 void Communicator::all_gather_v(const TensorView& x, std::span<const int64_t> counts, void* stream) {
@@ -442,19 +482,51 @@ void Communicator::all_gather_v(const TensorView& x, std::span<const int64_t> co
           "MPI_Allgatherv");
 }
 
-void Communicator::all_gather_segments(const TensorView& x, std::span<const Segment> segments, void* stream) {
-  Impl& m = *impl_;
-  check_view(x, "all_gather_segments", "x");
+void Communicator::check_segments(const TensorView& x, std::span<const Segment> segments, const char* call) const {
+  const Impl& m = *impl_;
+  check_view(x, call, "x");
   std::vector<Segment> sorted(segments.begin(), segments.end());
   std::sort(sorted.begin(), sorted.end(), [](const Segment& a, const Segment& b) { return a.offset < b.offset; });
   int64_t end = 0;  // of the previous segment
   for (const Segment& s : sorted) {
     FLASHLM_CHECK(s.offset >= end && s.part >= 0 && s.offset + s.part * m.size <= x.numel(),
-                  "Communicator::all_gather_segments: segment at {} of {} elements per rank overlaps another or "
-                  "ends past x's {} elements",
-                  s.offset, s.part, x.numel());
+                  "Communicator::{}: segment at {} of {} elements per rank overlaps another or ends past x's {} "
+                  "elements",
+                  call, s.offset, s.part, x.numel());
+    FLASHLM_CHECK(x.device == Device::cuda || s.part <= INT_MAX,
+                  "Communicator::{}: {} elements per rank, MPI takes at most {}", call, s.part, INT_MAX);
     end = s.offset + s.part * m.size;
   }
+}
+
+CommRequest Communicator::all_gather_segments_async(const TensorView& x, std::span<const Segment> segments,
+                                                    void* stream) {
+  Impl& m = *impl_;
+  CommRequest request;
+  if (x.device == Device::cuda) {
+    all_gather_segments(x, segments, stream);
+    return request;
+  }
+  check_segments(x, segments, "all_gather_segments_async");
+  const MPI_Datatype type = mpi_type(x.dtype, "all_gather_segments_async", "x");
+  auto state = std::make_unique<CommRequest::State>();
+  state->world_size = m.size;
+  state->rank = m.rank;
+  for (const Segment& s : segments) {
+    if (s.part == 0) continue;
+    void* at = static_cast<char*>(x.data) + size_t(s.offset) * dtype_size(x.dtype);
+    MPI_Request r = MPI_REQUEST_NULL;
+    m.check(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, at, static_cast<int>(s.part), type, m.comm, &r),
+            "MPI_Iallgather");
+    state->requests.push_back(r);
+  }
+  request.state_ = std::move(state);
+  return request;
+}
+
+void Communicator::all_gather_segments(const TensorView& x, std::span<const Segment> segments, void* stream) {
+  Impl& m = *impl_;
+  check_segments(x, segments, "all_gather_segments");
   if (x.device == Device::cuda) {
 #ifdef FLASHLM_WITH_NCCL
     setup_cuda();
@@ -471,8 +543,6 @@ void Communicator::all_gather_segments(const TensorView& x, std::span<const Segm
   const MPI_Datatype type = mpi_type(x.dtype, "all_gather_segments", "x");
   for (const Segment& s : segments) {
     if (s.part == 0) continue;
-    FLASHLM_CHECK(s.part <= INT_MAX, "Communicator::all_gather_segments: {} elements per rank, MPI takes at most {}",
-                  s.part, INT_MAX);
     void* at = static_cast<char*>(x.data) + size_t(s.offset) * dtype_size(x.dtype);
     m.check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, at, static_cast<int>(s.part), type, m.comm),
             "MPI_Allgather");

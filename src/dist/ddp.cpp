@@ -31,15 +31,17 @@ std::string_view ddp_variant_name(DdpVariant variant) {
     case DdpVariant::flat: return "flat";
     case DdpVariant::async: return "async";
     case DdpVariant::bucketed: return "bucketed";
+    case DdpVariant::fsdp: return "fsdp";
   }
   return "?";
 }
 
 DdpVariant parse_ddp_variant(std::string_view name) {
-  for (DdpVariant v : {DdpVariant::per_param, DdpVariant::flat, DdpVariant::async, DdpVariant::bucketed}) {
+  for (DdpVariant v :
+       {DdpVariant::per_param, DdpVariant::flat, DdpVariant::async, DdpVariant::bucketed, DdpVariant::fsdp}) {
     if (name == ddp_variant_name(v)) return v;
   }
-  fail("unknown DDP variant '{}': expected per-param, flat, async or bucketed", name);
+  fail("unknown DDP variant '{}': expected per-param, flat, async, bucketed or fsdp", name);
 }
 
 DType parse_reduce_dtype(std::string_view name) {
@@ -179,6 +181,41 @@ std::vector<DdpBucket> ddp_buckets(const std::vector<ParameterInfo>& layout, std
   return buckets;
 }
 
+std::string fsdp_unit_name(std::string_view name) {
+  constexpr std::string_view kLayers = "layers.";
+  if (name.substr(0, kLayers.size()) == kLayers) {
+    const size_t dot = name.find('.', kLayers.size());
+    if (dot != std::string_view::npos) return std::string(name.substr(0, dot + 1));
+  }
+  const size_t dot = name.find('.');
+  return std::string(dot == std::string_view::npos ? name : name.substr(0, dot + 1));
+}
+
+std::vector<DdpBucket> fsdp_bucket_plan(const DdpParameters& params) {
+  std::vector<DdpBucket> buckets;
+  std::string unit;  // of the last bucket
+  for (int64_t i = static_cast<int64_t>(params.layout.size()) - 1; i >= 0; --i) {
+    if (params.owner(i) != i || !params.is_trainable(i)) continue;
+    const ParameterInfo& p = params.layout[size_t(i)];
+    const bool replicated = p.shape.size() < 2;
+    std::string name = fsdp_unit_name(p.name);
+    // Reverse order: the new parameter ends where the bucket's first run begins.
+    const bool joins = !buckets.empty() && buckets.back().replicated == replicated && name == unit &&
+                       p.offset + p.numel() == buckets.back().ranges.front().offset;
+    if (!joins) {
+      buckets.emplace_back();
+      buckets.back().replicated = replicated;
+      buckets.back().ranges.push_back({p.offset, 0});
+      unit = std::move(name);
+    }
+    DdpBucket& b = buckets.back();
+    b.params.push_back(i);
+    b.ranges.front() = {p.offset, b.ranges.front().count + p.numel()};
+    b.elements += p.numel();
+  }
+  return buckets;
+}
+
 namespace {
 
 // bucketed: bytes per bucket (MB = 10^6 bytes), from 1 (every parameter alone) to "all in one"; other
@@ -191,6 +228,7 @@ int64_t bucket_limit(const DdpOptions& options) {
 }  // namespace
 
 std::vector<DdpBucket> ddp_bucket_plan(const DdpParameters& params, const DdpOptions& options) {
+  if (options.variant == DdpVariant::fsdp) return fsdp_bucket_plan(params);
   int64_t bucket_bytes = 0;  // per-param, async: one parameter per bucket
   if (options.variant == DdpVariant::flat) bucket_bytes = INT64_MAX;
   if (options.variant == DdpVariant::bucketed) bucket_bytes = bucket_limit(options);
@@ -202,8 +240,8 @@ std::vector<DdpBucket> ddp_bucket_plan(const DdpParameters& params, const DdpOpt
 }
 
 std::string reduce_scatter_obstacle(const DdpParameters& params, const DdpOptions& options) {
-  if (options.variant != DdpVariant::bucketed) {
-    return fmt::format("the {} variant (reduce-scatter needs bucketed)", ddp_variant_name(options.variant));
+  if (options.variant != DdpVariant::bucketed && options.variant != DdpVariant::fsdp) {
+    return fmt::format("the {} variant (reduce-scatter needs bucketed or fsdp)", ddp_variant_name(options.variant));
   }
   if (options.reduce_dtype != DType::f32) {
     return fmt::format("{} gradient reduction (reduce-scatter reduces fp32)", dtype_name(options.reduce_dtype));
@@ -226,7 +264,7 @@ ZeroBucketLayout zero_bucket_layout(std::span<const DdpBucket> buckets, int worl
     const DdpRange& r = b.ranges.front();
     ZeroBucketShard shard;
     shard.offset = r.offset;
-    shard.part = r.count / world;
+    shard.part = b.replicated ? 0 : r.count / world;
     shard.owned = {r.offset + rank * shard.part, shard.part};
     shard.tail = {r.offset + world * shard.part, r.count - world * shard.part};
     layout.shard_elements += shard.part + shard.tail.count;
@@ -314,13 +352,18 @@ struct DataParallel::Impl {
   void scatter(size_t b) {
     const ZeroBucketShard& s = shards.buckets[b];
     const int64_t world = comm.world_size();
+    // The CPU's overlapped variants go through MPI's non-blocking collectives, finished in finish_backward().
+    const bool async = overlap && params.device == Device::cpu;
     if (s.part > 0) {
-      comm.reduce_scatter(grads_view(s.offset, world * s.part), grads_view(s.owned.offset, s.part), ReduceOp::avg,
-                          stream);
+      const TensorView in = grads_view(s.offset, world * s.part), out = grads_view(s.owned.offset, s.part);
+      if (async) requests.push_back(comm.reduce_scatter_async(in, out, ReduceOp::avg));
+      else comm.reduce_scatter(in, out, ReduceOp::avg, stream);
       ++stats.collectives;
     }
     if (s.tail.count > 0) {
-      comm.all_reduce(grads_view(s.tail.offset, s.tail.count), ReduceOp::avg, stream);
+      const TensorView tail = grads_view(s.tail.offset, s.tail.count);
+      if (async) requests.push_back(comm.all_reduce_async(tail, ReduceOp::avg));
+      else comm.all_reduce(tail, ReduceOp::avg, stream);
       ++stats.collectives;
     }
     stats.elements += buckets[b].elements;
@@ -374,13 +417,16 @@ DataParallel::DataParallel(Communicator& comm, DdpParameters params, const DdpOp
   comm.agree(options.reduce_scatter ? 1 : 0, "whether DDP reduce-scatters the gradients");
   comm.agree(m.params.flat_size(), "the number of parameter elements");
   comm.agree(static_cast<int64_t>(m.params.layout.size()), "the number of parameters");
+  FLASHLM_CHECK(options.variant != DdpVariant::fsdp || options.reduce_scatter,
+                "DataParallel: the fsdp variant reduce-scatters (DdpOptions::reduce_scatter)");
   if (options.reduce_scatter) {
     const std::string obstacle = reduce_scatter_obstacle(m.params, options);
     FLASHLM_CHECK(obstacle.empty(), "DataParallel: cannot reduce-scatter the gradients: {}", obstacle);
   }
   if (m.params.device == Device::cuda) comm.setup_cuda();
 
-  m.overlap = options.variant == DdpVariant::async || options.variant == DdpVariant::bucketed;
+  m.overlap = options.variant == DdpVariant::async || options.variant == DdpVariant::bucketed ||
+              options.variant == DdpVariant::fsdp;
   const auto n = static_cast<int64_t>(m.params.layout.size());
   m.buckets = ddp_bucket_plan(m.params, options);
   if (options.reduce_scatter) {
@@ -564,18 +610,35 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
       gemm_sm_reserve_(resolve_gemm_sm_reserve(options.gemm_sm_reserve, comm)) {
   FLASHLM_CHECK(micro_batch_tokens >= 1, "DdpModel: micro_batch_tokens = {}, expected >= 1", micro_batch_tokens);
   const DdpParameters params = DdpParameters::of(model);
+  const bool fsdp = options.variant == DdpVariant::fsdp;
+  FLASHLM_CHECK(!fsdp || model.precision() != DType::f16,
+                "DdpModel: --ddp fsdp trains fp32 or bf16 models, not fp16 (its overflow check reads every gradient, "
+                "and each rank keeps only its shard of them)");
+  FLASHLM_CHECK(!fsdp || (options.fsdp_prefetch >= 0 && options.fsdp_prefetch <= 2),
+                "DdpModel: fsdp_prefetch = {}, expected 0, 1 or 2 parts ahead", options.fsdp_prefetch);
   // ZeRO-1 on CUDA: reduce-scatter each bucket into this rank's shard rather than all-reduce it (half the
   // bytes during the backward). Not for fp16 models, whose overflow check (unscale_gradients) reads every
-  // gradient; not on the CPU, where MPI's reduce-scatter would block the backward's overlap.
+  // gradient; not on the CPU, where ZeRO-1's contiguous layout keeps it bit-identical to CpuModel's AdamW
+  // (whose norm chunks the shards follow). FSDP always.
   DdpOptions sync = options;
-  sync.reduce_scatter = zero1 && model.device() == Device::cuda && model.precision() != DType::f16 &&
-                        reduce_scatter_obstacle(params, options).empty();
+  sync.reduce_scatter = fsdp || (zero1 && model.device() == Device::cuda && model.precision() != DType::f16 &&
+                                 reduce_scatter_obstacle(params, options).empty());
   ddp_ = std::make_unique<DataParallel>(comm, params, sync);
-  if (zero1 && sync.reduce_scatter) zero_ = std::make_unique<ZeroOptimizer>(comm, params, ddp_->buckets());
-  else if (zero1) zero_ = std::make_unique<ZeroOptimizer>(comm, params);
+  if (fsdp) {
+    zero_ = std::make_unique<ZeroOptimizer>(comm, params, ddp_->buckets(), false);
+    fsdp_ = std::make_unique<FsdpParameters>(comm, params, ddp_->buckets(), options.fsdp_prefetch,
+                                             options.fsdp_poison_freed);
+    fsdp_->set_storage(model.parameters(), model.working_parameters(), model.precision(), model.stream());
+    model_.set_parameters_needed_hook([this](int64_t offset, int64_t count) { fsdp_->needed(offset, count); });
+    model_.set_parameters_done_hook([this](int64_t offset, int64_t count) { fsdp_->done(offset, count); });
+  } else if (zero1 && sync.reduce_scatter) {
+    zero_ = std::make_unique<ZeroOptimizer>(comm, params, ddp_->buckets());
+  } else if (zero1) {
+    zero_ = std::make_unique<ZeroOptimizer>(comm, params);
+  }
   model_.set_gradient_ready_hook(ddp_->hook());
   // The forward waits for each part of ZeRO-1's gather only as it reaches it.
-  if (zero_) {
+  if (zero_ && !fsdp_) {
     model_.set_parameters_needed_hook(
         [this](int64_t offset, int64_t count) { zero_->await_parameters(offset, count, model_.stream()); });
   }
@@ -584,6 +647,7 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
 DdpModel::~DdpModel() {
   model_.set_gradient_ready_hook({});
   model_.set_parameters_needed_hook({});
+  model_.set_parameters_done_hook({});
   try {
     await_parameters();  // the model outlives this: no gather may still be writing its parameters
   } catch (...) {
@@ -591,13 +655,33 @@ DdpModel::~DdpModel() {
 }
 
 void DdpModel::await_parameters() {
-  if (zero_) zero_->await_parameters(model_.stream());
+  if (fsdp_) fsdp_->await_all();
+  else if (zero_) zero_->await_parameters(model_.stream());
 }
 
 DataParallel& DdpModel::data_parallel() { return *ddp_; }
 ZeroOptimizer* DdpModel::zero() { return zero_.get(); }
+FsdpParameters* DdpModel::fsdp() { return fsdp_.get(); }
 std::string_view DdpModel::gradient_sync() const {
   return ddp_->options().reduce_scatter ? "reduce-scatter" : "all-reduce";
+}
+
+DdpMemory DdpModel::memory() const {
+  DdpMemory mem;
+  const int64_t n = model_.parameter_count(), f32 = int64_t(sizeof(float));
+  const int64_t working = model_.working_parameters() ? int64_t(dtype_size(model_.precision())) : 0;
+  mem.model_buffers = n * (2 * f32 + working);
+  if (!fsdp_) {
+    mem.parameters = n * (f32 + working);
+    mem.gradients = n * f32;
+  } else {
+    // This rank's parts and the replicated tails, of the masters (and the working copy) and the gradients.
+    mem.parameters = zero_->shard_elements() * (f32 + working);
+    mem.gradients = zero_->shard_elements() * f32;
+    mem.gathered = fsdp_->peak_gathered_bytes();
+  }
+  mem.optimizer_state = zero_ ? zero_->state_bytes() : 2 * n * f32;
+  return mem;
 }
 
 void DdpModel::gather_master_parameters() {
@@ -605,10 +689,43 @@ void DdpModel::gather_master_parameters() {
   if (zero_ && zero_->masters_stale()) zero_->gather_masters(model_.parameters(), model_.stream());
 }
 
+void DdpModel::gather_parameters() {
+  if (fsdp_) fsdp_->gather_all();
+}
+
+void DdpModel::save_shard(float* params, float* m, float* v) {
+  FLASHLM_CHECK(fsdp_ != nullptr, "DdpModel::save_shard: sharded checkpoints are FSDP's (--ddp fsdp)");
+  await_parameters();
+  model_.synchronize();
+  int64_t at = 0;
+  for (const DdpRange& r : zero_->updated_ranges()) {
+    copy_into(TensorView::contiguous(params + at, DType::f32, {r.count}),
+              TensorView::contiguous(model_.parameters() + r.offset, DType::f32, {r.count}, model_.device()));
+    at += r.count;
+  }
+  zero_->save_shard(m, v);
+}
+
+void DdpModel::load_shard(const float* params, const float* m, const float* v, int64_t steps) {
+  FLASHLM_CHECK(fsdp_ != nullptr, "DdpModel::load_shard: sharded checkpoints are FSDP's (--ddp fsdp)");
+  await_parameters();
+  model_.synchronize();
+  int64_t at = 0;
+  for (const DdpRange& r : zero_->updated_ranges()) {
+    copy_into(TensorView::contiguous(model_.parameters() + r.offset, DType::f32, {r.count}, model_.device()),
+              TensorView::contiguous(const_cast<float*>(params) + at, DType::f32, {r.count}));
+    at += r.count;
+  }
+  zero_->load_shard(m, v, steps);
+  model_.parameters_changed();  // the working copy of this rank's parts (the others are gathered)
+  fsdp_->release_all();
+}
+
 void DdpModel::broadcast_parameters() {
   await_parameters();
   ddp_->broadcast_parameters(model_.parameters(), model_.stream());
   model_.parameters_changed();
+  if (fsdp_) fsdp_->mark_whole();
 }
 
 double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<const int32_t> targets) {
@@ -617,18 +734,23 @@ double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<con
                 "DdpModel::forward_backward: {} tokens and {} targets, expected grad_accum {} x {} of each",
                 tokens.size(), targets.size(), accum, micro_tokens_);
   model_.zero_grad();
+  if (fsdp_) fsdp_->hold(false);  // a gather_parameters() before (evaluation) ends here
   double loss = 0;
   for (int64_t k = 0; k < accum; ++k) {
+    if (fsdp_) fsdp_->begin_pass(false);
     loss += model_.forward(tokens.data() + k * micro_tokens_, targets.data() + k * micro_tokens_);
-    await_parameters();  // every part was waited for by the forward already; the backward reads them too
+    // ZeRO-1: every part was waited for by the forward already; the backward reads them too. FSDP gathers
+    // again for the backward, part by part.
+    if (fsdp_) fsdp_->begin_pass(true);
+    else await_parameters();
     const bool sync = k + 1 == accum;
     ddp_->begin_backward(model_.gradients(), sync, model_.stream());
     {
 #ifdef FLASHLM_WITH_CUDA
       // While the all-reduces overlap the backward they hold SMs: plan the GEMMs for the rest.
+      const DdpVariant v = ddp_->options().variant;
       const bool overlapped = sync && model_.device() == Device::cuda &&
-                              (ddp_->options().variant == DdpVariant::async ||
-                               ddp_->options().variant == DdpVariant::bucketed);
+                              (v == DdpVariant::async || v == DdpVariant::bucketed || v == DdpVariant::fsdp);
       const ScopedGemmSmReserve reserve(overlapped ? gemm_sm_reserve_ : gemm_sm_reserve());
 #endif
       model_.backward();
@@ -648,7 +770,8 @@ bool DdpModel::optimizer_step(const AdamWConfig& c, double lr, double* norm) {
   const double before = working ? zero_->step(model_.parameters(), model_.gradients(), working,
                                               model_.precision(), c, lr, model_.stream())
                                  : zero_->step(model_.parameters(), model_.gradients(), c, lr, model_.stream());
-  if (!working) model_.parameters_changed();
+  if (fsdp_) fsdp_->release_all();  // the other ranks' parts are gathered when the next forward reads them
+  else if (!working) model_.parameters_changed();
   if (norm) *norm = before;
   return true;
 }

@@ -35,6 +35,7 @@ struct ZeroOptimizer::Impl {
   DdpParameters params;
   int64_t grain = 0, n = 0, shard_elements = 0;
   bool per_bucket = false;
+  bool gather_after_step = true;      // false: FSDP gathers the parts when the model reads them
   DdpRange shard;                     // contiguous: this rank's elements, within [0, n)
   std::vector<int64_t> counts;        // contiguous: every rank's elements within [0, n), for the gather
   std::vector<Communicator::Segment> segments;  // per bucket: each bucket's parts, for the gather
@@ -313,10 +314,12 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t g
   m.plan_read_gather();
 }
 
-ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets)
+ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets,
+                             bool gather_after_step)
     : impl_(std::make_unique<Impl>(comm, std::move(params))) {
   Impl& m = *impl_;
   m.per_bucket = true;
+  m.gather_after_step = gather_after_step;
   m.validate();
   comm.agree(static_cast<int64_t>(buckets.size()), "the number of ZeRO-1 buckets");
   // Only trainable elements may be updated: a bucket is DataParallel's (trainable owners), checked here
@@ -348,6 +351,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
                   m.updated[k].range.offset);
   }
   m.allocate();
+  if (!gather_after_step) return;
   m.plan_read_gather();
   m.plan_gather_chunks(extents);
 }
@@ -417,6 +421,10 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
       }
 #endif
     }
+  }
+  if (!m.gather_after_step) {
+    m.masters_stale = m.comm.world_size() > 1;
+    return norm;
   }
   if (!m.chunks.empty()) {
     // Per bucket on CUDA: the fp32-read masters now (small, and the embedding is read first), the rest in
@@ -505,6 +513,23 @@ void ZeroOptimizer::gather_state(float* m_out, float* v_out) {
     m.comm.all_gather(std::span<float>(mine), std::span<float>(all));
     std::copy(all.begin(), all.begin() + m.n, out);
   }
+}
+
+void ZeroOptimizer::save_shard(float* m_out, float* v_out) const {
+  const Impl& m = *impl_;
+#ifdef FLASHLM_WITH_CUDA
+  if (m.cuda()) cuda_synchronize();
+#endif
+  copy_floats(m_out, static_cast<const float*>(m.m.data()), m.shard_elements, m.params.device);
+  copy_floats(v_out, static_cast<const float*>(m.v.data()), m.shard_elements, m.params.device);
+}
+
+void ZeroOptimizer::load_shard(const float* m_in, const float* v_in, int64_t steps) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(steps >= 0, "ZeroOptimizer::load_shard: steps = {}, expected >= 0", steps);
+  copy_floats(static_cast<float*>(m.m.data()), m_in, m.shard_elements, m.params.device);
+  copy_floats(static_cast<float*>(m.v.data()), v_in, m.shard_elements, m.params.device);
+  m.steps = steps;
 }
 
 void ZeroOptimizer::load_state(const float* m_in, const float* v_in, int64_t steps) {

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <utility>
 
 #include "core/check.h"
 #include "flashlm/model.h"
@@ -10,19 +11,30 @@ namespace flashlm {
 
 int64_t ParameterInfo::numel() const {
   int64_t n = 1;
-  for (int64_t s : shape) n *= s;
+  for (int64_t s : shape) n = checked_mul(n, s, "model: parameter size");
   return n;
 }
 
 void ModelConfig::validate() const {
   FLASHLM_CHECK(vocab >= 2, "model: vocab = {}, expected at least 2", vocab);
   FLASHLM_CHECK(context >= 1, "model: context = {}, expected at least 1", context);
-  FLASHLM_CHECK(layers >= 1, "model: layers = {}, expected at least 1", layers);
+  // The layout holds an entry per layer's weight: a layer count is bounded before it is looped over.
+  FLASHLM_CHECK(layers >= 1 && layers <= kMaxLayers, "model: layers = {}, expected 1..{}", layers, kMaxLayers);
+  FLASHLM_CHECK(d_model >= 1, "model: d_model = {}, expected at least 1", d_model);
   FLASHLM_CHECK(heads >= 1 && d_model % heads == 0, "model: d_model = {} is not a multiple of heads = {}", d_model,
                 heads);
   FLASHLM_CHECK(head_dim() % 2 == 0, "model: head_dim = d_model / heads = {} must be even for RoPE", head_dim());
   FLASHLM_CHECK(d_ff >= 1, "model: d_ff = {}, expected at least 1", d_ff);
   FLASHLM_CHECK(vocab < (int64_t{1} << 31), "model: vocab = {} does not fit int32 token ids", vocab);
+  // The parameter count, and its size in fp32 bytes, fit int64 (embedding, head, and per layer
+  // 4 d² + 3 d·d_ff + 2 d): the models size their buffers from it unchecked.
+  constexpr std::string_view what = "model: parameter count";
+  const int64_t per_layer = checked_add(
+      checked_add(checked_product({4, d_model, d_model}, what), checked_product({3, d_model, d_ff}, what), what),
+      2 * d_model, what);
+  const int64_t total =
+      checked_add(checked_product({2, vocab, d_model}, what), checked_mul(layers, per_layer, what), what);
+  checked_mul(total, int64_t{sizeof(float)}, "model: parameter bytes");
 }
 
 ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t vocab) {
@@ -54,7 +66,7 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
   int64_t offset = 0;
   auto add = [&](std::string name, std::vector<int64_t> shape) {
     ParameterInfo p{std::move(name), offset, std::move(shape)};
-    offset += p.numel();
+    offset = checked_add(offset, p.numel(), "model: parameter count");
     out.push_back(std::move(p));
   };
   const int64_t d = c.d_model;
@@ -154,16 +166,34 @@ void LanguageModel::gradient_ready(std::string_view parameter_name) const {
   fail("gradient_ready: no parameter named '{}'", parameter_name);
 }
 
-void LanguageModel::parameters_needed(std::string_view name_prefix) const {
-  if (!parameters_needed_hook_) return;
+namespace {
+
+// The elements of every parameter whose name starts with `name_prefix`: one run, since a model part's
+// parameters are contiguous in the layout.
+std::pair<int64_t, int64_t> prefix_run(const std::vector<ParameterInfo>& layout, std::string_view name_prefix,
+                                       std::string_view caller) {
   int64_t begin = INT64_MAX, end = 0;
-  for (const ParameterInfo& p : layout()) {
+  for (const ParameterInfo& p : layout) {
     if (std::string_view(p.name).substr(0, name_prefix.size()) != name_prefix) continue;
     begin = std::min(begin, p.offset);
     end = std::max(end, p.offset + p.numel());
   }
-  FLASHLM_CHECK(begin < end, "parameters_needed: no parameter named '{}...'", name_prefix);
-  parameters_needed_hook_(begin, end - begin);
+  FLASHLM_CHECK(begin < end, "{}: no parameter named '{}...'", caller, name_prefix);
+  return {begin, end - begin};
+}
+
+}  // namespace
+
+void LanguageModel::parameters_needed(std::string_view name_prefix) const {
+  if (!parameters_needed_hook_) return;
+  const auto [offset, count] = prefix_run(layout(), name_prefix, "parameters_needed");
+  parameters_needed_hook_(offset, count);
+}
+
+void LanguageModel::parameters_done(std::string_view name_prefix) const {
+  if (!parameters_done_hook_) return;
+  const auto [offset, count] = prefix_run(layout(), name_prefix, "parameters_done");
+  parameters_done_hook_(offset, count);
 }
 
 bool optimizer_step(LanguageModel& model, const AdamWConfig& c, double lr, double* norm) {

@@ -45,12 +45,8 @@ KvCacheDecoder::KvCacheDecoder(const ModelConfig& config, std::span<const float>
   const int64_t n = layout_.back().offset + layout_.back().numel();
   FLASHLM_CHECK(static_cast<int64_t>(params.size()) == n,
                 "KvCacheDecoder: params holds {} floats, the model's parameter_count is {}", params.size(), n);
-  // layers x context x d_model floats for each of K and V, checked by division so that nothing overflows.
-  const int64_t per_layer = config.context * config.d_model;
-  FLASHLM_CHECK(per_layer <= (int64_t{1} << 40) / config.layers,
-                "KvCacheDecoder: a cache of {} layers x {} positions x d_model {} is beyond what this decoder holds",
-                config.layers, config.context, config.d_model);
-  const size_t cache_bytes = size_t(config.layers * per_layer) * sizeof(float);
+  const size_t cache_bytes =
+      size_t(checked_product({config.layers, config.context, config.d_model, int64_t{sizeof(float)}}, "KvCacheDecoder: K/V cache bytes"));
   params_ = Buffer::allocate(params.size_bytes(), Device::cpu, "decoder parameters");
   std::memcpy(params_.data(), params.data(), params.size_bytes());
   cache_k_ = Buffer::allocate(cache_bytes, Device::cpu, "KV cache keys");
@@ -69,6 +65,10 @@ const float* KvCacheDecoder::param(const std::string& name) const {
   fail("KvCacheDecoder: no parameter named '{}'", name);
 }
 
+const float* KvCacheDecoder::layer_param(int64_t layer, std::string_view name) const {
+  return param(fmt::format("layers.{}.{}", layer, name));
+}
+
 std::span<const float> KvCacheDecoder::step(int32_t token) {
   const ModelConfig& c = config_;
   FLASHLM_CHECK(token >= 0 && token < c.vocab, "KvCacheDecoder::step: token {} outside [0, vocab = {})", token, c.vocab);
@@ -85,13 +85,12 @@ std::span<const float> KvCacheDecoder::step(int32_t token) {
 
   cpu::embedding_forward(param("token_embeddings.weight"), &token, r.x, 1, d);
   for (int64_t l = 0; l < c.layers; ++l) {
-    const std::string p = fmt::format("layers.{}.", l);
     float* keys = static_cast<float*>(cache_k_.data()) + l * c.context * d;
     float* values = static_cast<float*>(cache_v_.data()) + l * c.context * d;
-    cpu::rmsnorm_forward(r.x, param(p + "ln1.weight"), r.h, &rstd, 1, d, eps);
-    cpu::linear_forward(r.h, param(p + "attn.q_proj.weight"), r.q, 1, d, d);
-    cpu::linear_forward(r.h, param(p + "attn.k_proj.weight"), keys + pos * d, 1, d, d);
-    cpu::linear_forward(r.h, param(p + "attn.v_proj.weight"), values + pos * d, 1, d, d);
+    cpu::rmsnorm_forward(r.x, layer_param(l, "ln1.weight"), r.h, &rstd, 1, d, eps);
+    cpu::linear_forward(r.h, layer_param(l, "attn.q_proj.weight"), r.q, 1, d, d);
+    cpu::linear_forward(r.h, layer_param(l, "attn.k_proj.weight"), keys + pos * d, 1, d, d);
+    cpu::linear_forward(r.h, layer_param(l, "attn.v_proj.weight"), values + pos * d, 1, d, d);
     // The tables' row `pos` rotates a one-position sequence as the training forward rotates position pos.
     cpu::rope_forward(r.q, cos, sin, 1, 1, c.heads, hd);
     cpu::rope_forward(keys + pos * d, cos, sin, 1, 1, c.heads, hd);
@@ -100,13 +99,13 @@ std::span<const float> KvCacheDecoder::step(int32_t token) {
                       TensorView::contiguous(values, DType::f32, {1, pos + 1, c.heads, hd}),
                       TensorView::contiguous(r.o, DType::f32, {1, 1, c.heads, hd}),
                       TensorView::contiguous(r.lse, DType::f32, {1, c.heads, 1}), attn);
-    cpu::linear_forward(r.o, param(p + "attn.output_proj.weight"), r.h, 1, d, d);
+    cpu::linear_forward(r.o, layer_param(l, "attn.output_proj.weight"), r.h, 1, d, d);
     for (int64_t i = 0; i < d; ++i) r.x[i] += r.h[i];
-    cpu::rmsnorm_forward(r.x, param(p + "ln2.weight"), r.h, &rstd, 1, d, eps);
-    cpu::linear_forward(r.h, param(p + "ffn.w1.weight"), r.u, 1, d, f);
-    cpu::linear_forward(r.h, param(p + "ffn.w3.weight"), r.g, 1, d, f);
+    cpu::rmsnorm_forward(r.x, layer_param(l, "ln2.weight"), r.h, &rstd, 1, d, eps);
+    cpu::linear_forward(r.h, layer_param(l, "ffn.w1.weight"), r.u, 1, d, f);
+    cpu::linear_forward(r.h, layer_param(l, "ffn.w3.weight"), r.g, 1, d, f);
     cpu::swiglu_forward(r.u, r.g, r.s, f);
-    cpu::linear_forward(r.s, param(p + "ffn.w2.weight"), r.h, 1, f, d);
+    cpu::linear_forward(r.s, layer_param(l, "ffn.w2.weight"), r.h, 1, f, d);
     for (int64_t i = 0; i < d; ++i) r.x[i] += r.h[i];
   }
   cpu::rmsnorm_forward(r.x, param("ln_final.weight"), r.h, &rstd, 1, d, eps);

@@ -25,16 +25,20 @@ struct ActivationPlan {
   int64_t x_out = 0, rstd_f = 0, h_f = 0, logits = 0, total = 0;
 };
 
+// Every offset is checked: batch, seq and the widths come from the user.
 ActivationPlan plan_activations(const ModelConfig& c, int64_t batch, int64_t seq) {
-  const int64_t n = batch * seq, d = c.d_model, f = c.d_ff;
+  constexpr std::string_view what = "CpuModel: activation size";
+  const auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
+  const auto add = [&](int64_t a, int64_t b) { return checked_add(a, b, what); };
+  const int64_t n = mul({batch, seq}), d = c.d_model, f = c.d_ff;
   ActivationPlan p;
-  p.per_layer = 9 * n * d + 3 * n * f + 2 * n + batch * c.heads * seq;
+  p.per_layer = add(add(mul({9, n, d}), mul({3, n, f})), add(mul({2, n}), mul({n, c.heads})));
+  p.x_out = mul({c.layers, p.per_layer});
   for (int64_t l = 0; l < c.layers; ++l) p.layer_base.push_back(l * p.per_layer);
-  p.x_out = c.layers * p.per_layer;
-  p.rstd_f = p.x_out + n * d;
-  p.h_f = p.rstd_f + n;
-  p.logits = p.h_f + n * d;
-  p.total = p.logits + n * c.vocab;
+  p.rstd_f = add(p.x_out, mul({n, d}));
+  p.h_f = add(p.rstd_f, n);
+  p.logits = add(p.h_f, mul({n, d}));
+  p.total = add(p.logits, mul({n, c.vocab}));
   return p;
 }
 
@@ -50,13 +54,17 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, Attent
   params_ = Buffer::allocate(pbytes, Device::cpu, "parameters");
   grads_ = Buffer::allocate(pbytes, Device::cpu, "gradients");
   const ActivationPlan plan = plan_activations(config, batch, seq);
-  acts_ = Buffer::allocate(size_t(plan.total) * sizeof(float), Device::cpu, "activations");
-  const int64_t n = batch * seq;
+  constexpr std::string_view bytes = "CpuModel: activation bytes";
+  constexpr int64_t kFloat = sizeof(float);
+  acts_ = Buffer::allocate(size_t(checked_mul(plan.total, kFloat, bytes)), Device::cpu, "activations");
+  const int64_t n = batch * seq;  // checked by plan_activations
   // Backward scratch: residual gradient, four [n, d] and three [n, d_ff] arrays.
-  scratch_ = Buffer::allocate(size_t(6 * n * config.d_model + 3 * n * config.d_ff) * sizeof(float), Device::cpu,
-                              "backward scratch");
+  scratch_ = Buffer::allocate(size_t(checked_add(checked_product({6, n, config.d_model, kFloat}, bytes),
+                                                 checked_product({3, n, config.d_ff, kFloat}, bytes), bytes)),
+                              Device::cpu, "backward scratch");
   const int64_t half = config.head_dim() / 2;
-  rope_ = Buffer::allocate(size_t(2 * config.context * half) * sizeof(float), Device::cpu, "RoPE tables");
+  rope_ = Buffer::allocate(size_t(checked_product({2, config.context, half, kFloat}, "CpuModel: RoPE table bytes")),
+                           Device::cpu, "RoPE tables");
   float* rope = static_cast<float*>(rope_.data());
   cpu::rope_tables(rope, rope + config.context * half, config.context, config.head_dim(), config.rope_theta);
   std::fill(parameters(), parameters() + n_params_, 0.0f);
@@ -141,11 +149,14 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   const AttentionOptions attn = attention_options();
 
   float* x = act(plan.layer_base.empty() ? plan.x_out : plan.layer_base[0]);
+  parameters_needed("token_embeddings.");
   cpu::embedding_forward(param("token_embeddings.weight"), tokens, x, n, d);
+  parameters_done("token_embeddings.");
   for (int64_t l = 0; l < c.layers; ++l) {
     const std::string p = fmt::format("layers.{}.", l);
     const LayerActs a = layer_acts(l);
     ScopedRange layer_range("layer.forward");
+    parameters_needed(p);
     // a.x_in is where the residual stream enters; the next layer's x_in (or x_out) is where it leaves.
     const int64_t x_next = l + 1 < c.layers ? plan.layer_base[size_t(l + 1)] : plan.x_out;
     cpu::rmsnorm_forward(act(a.x_in), param(p + "ln1.weight"), act(a.h1), act(a.rstd1), n, d, float(c.norm_eps));
@@ -171,10 +182,15 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
     float* x_out = act(x_next);
     cpu::linear_forward(act(a.s), param(p + "ffn.w2.weight"), x_out, n, f, d);
     for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
+    parameters_done(p);
   }
+  parameters_needed("ln_final.");
   cpu::rmsnorm_forward(act(plan.x_out), param("ln_final.weight"), act(plan.h_f), act(plan.rstd_f), n, d,
                        float(c.norm_eps));
+  parameters_done("ln_final.");
+  parameters_needed("lm_head.");
   cpu::linear_forward(act(plan.h_f), param("lm_head.weight"), act(plan.logits), n, d, c.vocab);
+  parameters_done("lm_head.");
   return cpu::cross_entropy_forward(act(plan.logits), targets, n, c.vocab);
 }
 
@@ -203,18 +219,23 @@ void CpuModel::backward() {
 
   float* dlogits = act(plan.logits);
   cpu::cross_entropy_backward(dlogits, targets_, n, c.vocab);
+  parameters_needed("lm_head.");
   cpu::linear_backward(dlogits, act(plan.h_f), param("lm_head.weight"), dh, grad("lm_head.weight"), n, d, c.vocab,
                        false);
+  parameters_done("lm_head.");
   gradient_ready("lm_head.weight");
   std::fill(dx, dx + n * d, 0.0f);
+  parameters_needed("ln_final.");
   cpu::rmsnorm_backward(dh, act(plan.x_out), param("ln_final.weight"), act(plan.rstd_f), dx, grad("ln_final.weight"),
                         n, d);
+  parameters_done("ln_final.");
   gradient_ready("ln_final.weight");
 
   for (int64_t l = c.layers - 1; l >= 0; --l) {
     const std::string p = fmt::format("layers.{}.", l);
     const LayerActs a = layer_acts(l);
     ScopedRange layer_range("layer.backward");
+    parameters_needed(p);
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
     cpu::linear_backward(dx, act(a.s), param(p + "ffn.w2.weight"), ds, grad(p + "ffn.w2.weight"), n, f, d, false);
     gradient_ready(p + "ffn.w2.weight");
@@ -250,6 +271,7 @@ void CpuModel::backward() {
                          true);
     gradient_ready(p + "attn.v_proj.weight");
     cpu::rmsnorm_backward(dh, act(a.x_in), param(p + "ln1.weight"), act(a.rstd1), dx, grad(p + "ln1.weight"), n, d);
+    parameters_done(p);
     gradient_ready(p + "ln1.weight");
   }
   cpu::embedding_backward(dx, tokens_, grad("token_embeddings.weight"), n, d);

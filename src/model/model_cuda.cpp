@@ -120,7 +120,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.c = config;
   m.batch = batch;
   m.seq = seq;
-  m.n = batch * seq;
+  m.n = checked_mul(batch, seq, "CudaModel: tokens per step");
   m.precision = precision;
   m.attention = attention;
   m.stream = stream;
@@ -135,46 +135,52 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
     m.params_lp = Buffer::allocate(size_t(m.n_params) * m.elem(), Device::cuda, "parameters (low precision)");
   }
 
-  const int64_t n = m.n, d = config.d_model, f = config.d_ff, bhs = batch * config.heads * seq;
+  // Every offset is checked: batch, seq and the widths come from the user.
+  constexpr std::string_view what = "CudaModel: activation size";
+  const int64_t n = m.n, d = config.d_model, f = config.d_ff, bhs = checked_mul(n, config.heads, what);
   int64_t t = 0, t32 = 0;
-  auto take = [](int64_t& cursor, int64_t count) {
+  auto take = [&](int64_t& cursor, int64_t rows, int64_t width) {
     const int64_t at = cursor;
-    cursor += aligned(count);
+    cursor = checked_add(cursor, aligned(checked_mul(rows, width, what)), what);
     return at;
   };
   for (int64_t l = 0; l < config.layers; ++l) {
     Impl::Layer L{};
-    L.x_in = take(t, n * d);
-    L.h1 = take(t, n * d);
-    L.q = take(t, n * d);
-    L.k = take(t, n * d);
-    L.v = take(t, n * d);
-    L.attn = take(t, n * d);
-    L.x_mid = take(t, n * d);
-    L.h2 = take(t, n * d);
-    L.u = take(t, n * f);
-    L.g = take(t, n * f);
-    L.s = take(t, n * f);
-    L.rstd1 = take(t32, n);
-    L.rstd2 = take(t32, n);
-    L.lse = take(t32, bhs);
+    L.x_in = take(t, n, d);
+    L.h1 = take(t, n, d);
+    L.q = take(t, n, d);
+    L.k = take(t, n, d);
+    L.v = take(t, n, d);
+    L.attn = take(t, n, d);
+    L.x_mid = take(t, n, d);
+    L.h2 = take(t, n, d);
+    L.u = take(t, n, f);
+    L.g = take(t, n, f);
+    L.s = take(t, n, f);
+    L.rstd1 = take(t32, n, 1);
+    L.rstd2 = take(t32, n, 1);
+    L.lse = take(t32, bhs, 1);
     m.layers.push_back(L);
   }
-  m.x_out = take(t, n * d);
-  m.h_f = take(t, n * d);
-  m.logits = take(t, n * config.vocab);
-  m.rstd_f = take(t32, n);
-  m.row_loss = take(t32, n);
-  m.acts = Buffer::allocate(size_t(t) * m.elem(), Device::cuda, "activations");
-  m.acts_f32 = Buffer::allocate(size_t(t32) * sizeof(float), Device::cuda, "activations (fp32 statistics)");
-  m.scratch = Buffer::allocate(size_t(6 * aligned(n * d) + 3 * aligned(n * f)) * m.elem(), Device::cuda,
-                               "backward scratch");
+  m.x_out = take(t, n, d);
+  m.h_f = take(t, n, d);
+  m.logits = take(t, n, config.vocab);
+  m.rstd_f = take(t32, n, 1);
+  m.row_loss = take(t32, n, 1);
+  const auto bytes = [&](int64_t elements, size_t elem) {
+    return size_t(checked_mul(elements, int64_t(elem), "CudaModel: activation bytes"));
+  };
+  m.acts = Buffer::allocate(bytes(t, m.elem()), Device::cuda, "activations");
+  m.acts_f32 = Buffer::allocate(bytes(t32, sizeof(float)), Device::cuda, "activations (fp32 statistics)");
+  // Within t's sum of the same aligned terms, so unchecked.
+  m.scratch =
+      Buffer::allocate(bytes(6 * aligned(n * d) + 3 * aligned(n * f), m.elem()), Device::cuda, "backward scratch");
   m.tokens = Buffer::allocate(size_t(n) * sizeof(int32_t), Device::cuda, "tokens");
   m.targets = Buffer::allocate(size_t(n) * sizeof(int32_t), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
 
   const int64_t half = config.head_dim() / 2;
-  std::vector<float> table(size_t(2 * config.context * half));
+  std::vector<float> table(size_t(checked_product({2, config.context, half}, "CudaModel: RoPE table size")));
   cpu::rope_tables(table.data(), table.data() + config.context * half, config.context, config.head_dim(),
                    config.rope_theta);
   m.rope = Buffer::allocate(table.size() * sizeof(float), Device::cuda, "RoPE tables");
@@ -314,6 +320,7 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
     parameters_needed("token_embeddings.");
     gpu::embedding_forward<T>(m.master("token_embeddings.weight"), tokens, m.a<T>(m.layers[0].x_in), n, d, c.vocab,
                               m.stream);
+    parameters_done("token_embeddings.");
     for (int64_t l = 0; l < c.layers; ++l) {
       ScopedRange layer_range("layer.forward");
       const std::string p = fmt::format("layers.{}.", l);
@@ -345,13 +352,16 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
       gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
       linear_forward_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), x_next, n, f, d, dt, m.stream);
       gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
+      parameters_done(p);
     }
     ScopedRange head_range("head.forward");  // final norm, LM head and loss
     parameters_needed("ln_final.");
     parameters_needed("lm_head.");
     gpu::rmsnorm_forward<T>(m.a<T>(m.x_out), m.master("ln_final.weight"), m.a<T>(m.h_f), m.f(m.rstd_f), n, d, eps,
                             m.stream);
+    parameters_done("ln_final.");
     linear_forward_cuda(m.a<T>(m.h_f), m.weight("lm_head.weight"), m.a<T>(m.logits), n, d, c.vocab, dt, m.stream);
+    parameters_done("lm_head.");
     gpu::cross_entropy_forward<T>(m.a<T>(m.logits), targets, m.f(m.row_loss), n, c.vocab, m.stream);
   });
   // The mean loss, summed on the host in a fixed order.
@@ -390,18 +400,23 @@ void CudaModel::backward() {
       // d(loss)/d(logits), multiplied by the loss scale (1 except for fp16).
       gpu::cross_entropy_backward<T>(m.a<T>(m.logits), targets, n, c.vocab, float(m.loss_scale / double(n)),
                                      m.stream);
+      parameters_needed("lm_head.");
       linear_backward_cuda(m.a<T>(m.logits), m.a<T>(m.h_f), m.weight("lm_head.weight"), dh, m.grad("lm_head.weight"),
                            n, d, c.vocab, dt, false, m.stream);
+      parameters_done("lm_head.");
       gradient_ready("lm_head.weight");
       gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
+      parameters_needed("ln_final.");
       gpu::rmsnorm_backward<T>(dh, m.a<T>(m.x_out), m.master("ln_final.weight"), m.f(m.rstd_f), dx,
                                m.grad("ln_final.weight"), n, d, m.stream);
+      parameters_done("ln_final.");
       gradient_ready("ln_final.weight");
     }
     for (int64_t l = c.layers - 1; l >= 0; --l) {
       ScopedRange layer_range("layer.backward");
       const std::string p = fmt::format("layers.{}.", l);
       const Impl::Layer& L = m.layers[size_t(l)];
+      parameters_needed(p);
       linear_backward_cuda(dx, m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), ds, m.grad(p + "ffn.w2.weight"), n, f, d,
                            dt, false, m.stream);
       gradient_ready(p + "ffn.w2.weight");
@@ -442,6 +457,7 @@ void CudaModel::backward() {
       gradient_ready(p + "attn.v_proj.weight");
       gpu::rmsnorm_backward<T>(dh, m.a<T>(L.x_in), m.master(p + "ln1.weight"), m.f(L.rstd1), dx,
                                m.grad(p + "ln1.weight"), n, d, m.stream);
+      parameters_done(p);
       gradient_ready(p + "ln1.weight");
     }
     gpu::embedding_backward<T>(dx, tokens, m.grad("token_embeddings.weight"), n, d, c.vocab, m.stream);

@@ -146,12 +146,16 @@ CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, 
   else if (precision == dtype_name(DType::f16)) h.precision = DType::f16;
   else f.bad("precision", "\"fp32\", \"bf16\" or \"fp16\"");
   h.loss_scale = f.positive_number("loss_scale");
+  if (j.contains("shard_rank")) {
+    h.shard_rank = f.integer("shard_rank", 0, h.world_size - 1);
+    h.shard_elements = f.integer("shard_elements", 1, h.parameter_count);
+  }
   *payload_crc_out = static_cast<uint32_t>(f.unsigned_integer("payload_crc32", UINT32_MAX));
   return h;
 }
 
 nlohmann::json header_json(const CheckpointHeader& h, uint32_t payload_crc32) {
-  return {{"format", kFormat},
+  nlohmann::json j = {{"format", kFormat},
           {"model", model_json(h.model)},
           {"batch", h.batch},
           {"seq", h.seq},
@@ -168,6 +172,11 @@ nlohmann::json header_json(const CheckpointHeader& h, uint32_t payload_crc32) {
           {"world_size", h.world_size},
           {"grad_accum", h.grad_accum},
           {"payload_crc32", payload_crc32}};
+  if (h.shard_rank >= 0) {
+    j["shard_rank"] = h.shard_rank;
+    j["shard_elements"] = h.shard_elements;
+  }
+  return j;
 }
 
 void write_all(int fd, const std::string& path, const void* data, size_t bytes) {
@@ -224,10 +233,10 @@ void check_checkpoint_writable(const std::string& path) {
 
 void write_checkpoint(const std::string& path, const CheckpointHeader& header, std::span<const float> params,
                       std::span<const float> m, std::span<const float> v) {
-  const auto n = static_cast<size_t>(header.parameter_count);
+  const auto n = static_cast<size_t>(header.payload_elements());
   FLASHLM_CHECK(params.size() == n && m.size() == n && v.size() == n,
-                "write_checkpoint: params, m and v hold {}, {} and {} floats, expected parameter_count = {} each",
-                params.size(), m.size(), v.size(), n);
+                "write_checkpoint: params, m and v hold {}, {} and {} floats, expected {} = {} each",
+                params.size(), m.size(), v.size(), header.shard_rank >= 0 ? "shard_elements" : "parameter_count", n);
   const std::string text = header_json(header, payload_crc(params, m, v)).dump();
   unsigned char prelude[16];
   const uint64_t len = text.size();
@@ -289,24 +298,23 @@ CheckpointReader::CheckpointReader(const std::string& path)
   }
   header_ = parse_header(path, j, &payload_crc_);
   payload_at_ = kPreludeBytes + len;
-  // Exactly three arrays of parameter_count floats follow the header; checked by division so that no
-  // product can overflow, and before anything is allocated for them.
+  // Exactly three arrays of parameter_count (a shard: shard_elements) floats follow the header; checked by
+  // division so that no product can overflow, and before anything is allocated for them.
   const uint64_t payload = size - payload_at_;
-  const auto n = static_cast<uint64_t>(header_.parameter_count);
+  const auto n = static_cast<uint64_t>(header_.payload_elements());
   FLASHLM_CHECK(payload % (3 * sizeof(float)) == 0 && payload / (3 * sizeof(float)) == n,
-                "checkpoint: '{}': header field 'parameter_count' is {}, which needs {} payload bytes (3 x {} "
-                "floats), but the file has {}{}",
-                path, n, n <= payload ? fmt::format("{}", n * 3 * sizeof(float)) : std::string("more"), n, payload,
+                "checkpoint: '{}': header field '{}' is {}, which needs {} payload bytes (3 x {} floats), but the file "
+                "has {}{}",
+                path, header_.shard_rank >= 0 ? "shard_elements" : "parameter_count", n, n <= payload ? fmt::format("{}", n * 3 * sizeof(float)) : std::string("more"), n, payload,
                 n > payload / (3 * sizeof(float)) ? " (truncated?)" : "");
 }
 
 CheckpointReader::~CheckpointReader() = default;
 
 void CheckpointReader::read_payload(std::span<float> params, std::span<float> m, std::span<float> v) const {
-  const auto n = static_cast<size_t>(header_.parameter_count);
+  const auto n = static_cast<size_t>(header_.payload_elements());
   FLASHLM_CHECK(params.size() == n && m.size() == n && v.size() == n,
-                "CheckpointReader::read_payload: params, m and v hold {}, {} and {} floats, expected "
-                "parameter_count = {} each",
+                "CheckpointReader::read_payload: params, m and v hold {}, {} and {} floats, expected {} each",
                 params.size(), m.size(), v.size(), n);
   uint64_t at = payload_at_;
   for (std::span<float> part : {params, m, v}) {
@@ -327,11 +335,17 @@ void check_resumable(const std::string& path, const CheckpointHeader& saved, con
   };
   const nlohmann::json a = model_json(saved.model), b = model_json(run.model);
   for (const auto& [key, value] : b.items()) differs("model." + key, a.at(key).dump(), value.dump());
-  differs("batch", saved.batch, run.batch);
+  // The data each rank reads depends on the global batch (ranks x batch, TokenBatcher::select_shard) and
+  // grad_accum: another world size continues the run with the same global batch (bit-exactly only the same).
+  if (saved.world_size * saved.batch != run.world_size * run.batch) {
+    if (saved.world_size != run.world_size)
+      fail("train: checkpoint '{}' differs from this run in world_size: the checkpoint has {}, this run {}, and "
+           "another world size must keep the global batch (ranks x batch: {} x {} in the checkpoint, {} x {} here)",
+           path, saved.world_size, run.world_size, saved.world_size, saved.batch, run.world_size, run.batch);
+    differs("batch", saved.batch, run.batch);
+  }
   differs("seq (the context of a batch)", saved.seq, run.seq);
   differs("precision", dtype_name(saved.precision), dtype_name(run.precision));
-  // The data each rank reads depends on both: continuing bit-exactly needs the same.
-  differs("world_size", saved.world_size, run.world_size);
   differs("grad_accum", saved.grad_accum, run.grad_accum);
   differs("seed", saved.seed, run.seed);
   const DataIdentity &d0 = saved.train_data, &d1 = run.train_data;

@@ -43,11 +43,15 @@ struct CheckpointHeader {
   DType precision = DType::f32;
   double loss_scale = 1;
   int64_t world_size = 1, grad_accum = 1;
+  // A shard of FSDP's sharded checkpoint (shard_rank >= 0): the payload is rank shard_rank's shard_elements
+  // elements of the masters and moments (DdpModel::save_shard), not parameter_count.
+  int64_t shard_rank = -1, shard_elements = 0;
+  int64_t payload_elements() const { return shard_rank >= 0 ? shard_elements : parameter_count; }
 };
 
 // Writes path + ".tmp", flushes it to the disk and renames it over `path`, so that a run killed mid-write
 // leaves the previous checkpoint; on failure no ".tmp" is left behind. params, m and v hold
-// header.parameter_count floats each.
+// header.payload_elements() floats each.
 void write_checkpoint(const std::string& path, const CheckpointHeader& header, std::span<const float> params,
                       std::span<const float> m, std::span<const float> v);
 
@@ -64,7 +68,7 @@ class CheckpointReader {
   ~CheckpointReader();
 
   const CheckpointHeader& header() const { return header_; }
-  // params, m and v: header().parameter_count floats each. Verifies the payload's checksum.
+  // params, m and v: header().payload_elements() floats each. Verifies the payload's checksum.
   void read_payload(std::span<float> params, std::span<float> m, std::span<float> v) const;
 
  private:
@@ -75,8 +79,9 @@ class CheckpointReader {
 };
 
 // Throws, naming the checkpoint's path and the first field that differs, unless a run configured as `run`
-// can continue from `saved` bit-exactly: the same model, batch, context, precision, world size,
-// grad_accum, seed, training data and parameter count.
+// can continue from `saved`: the same model, context, precision, grad_accum, seed, training data and
+// parameter count, and the same global batch (world size x batch: another world size reads the same data
+// then, from a checkpoint that holds the whole state). Bit-exactly with the same world size and batch.
 void check_resumable(const std::string& path, const CheckpointHeader& saved, const CheckpointHeader& run);
 
 }  // namespace flashlm

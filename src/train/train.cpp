@@ -41,29 +41,47 @@ CheckpointHeader run_header(const TrainConfig& cfg, const LanguageModel& model, 
   return h;
 }
 
-// Collective under data parallelism (ZeRO-1 gathers the moments); rank 0 writes.
+// Rank r's file of a sharded checkpoint at `path` written by `world` ranks.
+std::string shard_path(const std::string& path, int rank, int world) {
+  return fmt::format("{}.rank{}-of-{}", path, rank, world);
+}
+
+// Collective under data parallelism (ZeRO-1 gathers the moments); rank 0 writes. Sharded (FSDP): every rank
+// writes its own shard file, nothing is gathered.
 void write_run_checkpoint(const std::string& path, const LanguageModel& model, DdpModel* dp, const TrainConfig& cfg,
                           CheckpointHeader header, int64_t next_step, const BatcherState& batcher) {
-  const size_t n = size_t(model.parameter_count());
+  if (cfg.sharded_checkpoint) {
+    header.shard_rank = cfg.comm->rank();
+    header.shard_elements = dp->zero()->shard_elements();
+  }
+  const auto n = size_t(header.payload_elements());
   std::vector<float> params(n), m(n), v(n);
-  if (dp) dp->gather_master_parameters();  // ZeRO-1 in bf16/fp16 gathers only the working weights per step
-  model.save_state(params, m, v);
-  if (dp && dp->zero()) dp->zero()->gather_state(m.data(), v.data());
-  if (cfg.comm && !cfg.comm->is_root()) return;
+  if (cfg.sharded_checkpoint) {
+    dp->save_shard(params.data(), m.data(), v.data());
+  } else {
+    if (dp) dp->gather_master_parameters();  // ZeRO-1 in bf16/fp16 gathers only the working weights per step
+    model.save_state(params, m, v);
+    if (dp && dp->zero()) dp->zero()->gather_state(m.data(), v.data());
+    if (cfg.comm && !cfg.comm->is_root()) return;
+  }
   header.next_step = next_step;
   header.optimizer_steps = dp ? dp->optimizer_steps() : model.optimizer_steps();
   header.batcher = batcher;
   header.loss_scale = model.loss_scale();
-  write_checkpoint(path, header, params, m, v);
+  write_checkpoint(cfg.sharded_checkpoint ? shard_path(path, cfg.comm->rank(), cfg.comm->world_size()) : path, header,
+                   params, m, v);
 }
 
 // Before step 1, so that a path that cannot be written fails now rather than when the first checkpoint is due.
-// Rank 0 alone writes checkpoints; the others learn its verdict, so that every rank stops together.
+// Rank 0 alone writes checkpoints (sharded: every rank its own); the others learn its verdict, so that every
+// rank stops together.
 void check_run_checkpoint_writable(const TrainConfig& cfg) {
   std::string error;
-  if (!cfg.comm || cfg.comm->is_root()) {
+  if (!cfg.comm || cfg.comm->is_root() || cfg.sharded_checkpoint) {
     try {
-      check_checkpoint_writable(cfg.checkpoint);
+      check_checkpoint_writable(cfg.sharded_checkpoint
+                                    ? shard_path(cfg.checkpoint, cfg.comm->rank(), cfg.comm->world_size())
+                                    : cfg.checkpoint);
     } catch (const Error& e) {
       error = e.what();
     }
@@ -165,6 +183,9 @@ TrainResult train(const TrainConfig& cfg) {
   FLASHLM_CHECK(cfg.comm || (cfg.ddp.grad_accum == 1 && !cfg.zero1),
                 "train: gradient accumulation and ZeRO-1 run through the data-parallel layer: they need a communicator");
   FLASHLM_CHECK(cfg.ddp.grad_accum >= 1, "train: grad_accum = {}, expected at least 1", cfg.ddp.grad_accum);
+  FLASHLM_CHECK(!cfg.sharded_checkpoint || (cfg.comm && cfg.ddp.variant == DdpVariant::fsdp),
+                "train: sharded checkpoints are FSDP's: they need --ddp fsdp");
+  FLASHLM_CHECK(!cfg.sharded_checkpoint || !cfg.checkpoint.empty(), "train: a sharded checkpoint needs --checkpoint PATH");
   const bool root = !cfg.comm || cfg.comm->is_root();
   const int world = cfg.comm ? cfg.comm->world_size() : 1;
   const int64_t accum = cfg.ddp.grad_accum;
@@ -189,14 +210,28 @@ TrainResult train(const TrainConfig& cfg) {
 
   const CheckpointHeader header = run_header(cfg, model, data_identity(cfg.train_data, data.train));
   int64_t step = 0;
+  bool resumed_from_shards = false;
   if (cfg.resume) {
-    const CheckpointReader ck(cfg.checkpoint);
-    check_resumable(cfg.checkpoint, ck.header(), header);
-    const size_t n = size_t(ck.header().parameter_count);
+    const std::string path =
+        cfg.sharded_checkpoint ? shard_path(cfg.checkpoint, cfg.comm->rank(), world) : cfg.checkpoint;
+    const CheckpointReader ck(path);
+    check_resumable(path, ck.header(), header);
+    const size_t n = size_t(ck.header().payload_elements());
     std::vector<float> params(n), m(n), v(n);
     ck.read_payload(params, m, v);
     const int64_t optimizer_steps = ck.header().optimizer_steps;
-    if (dp && dp->zero()) {
+    if (cfg.sharded_checkpoint) {
+      // Every rank its own file, of the same step, written by as many ranks with this rank's shard layout.
+      FLASHLM_CHECK(ck.header().shard_rank == cfg.comm->rank() && ck.header().world_size == world &&
+                        ck.header().shard_elements == dp->zero()->shard_elements(),
+                    "train: '{}' is not rank {}'s shard of {} ranks with {} elements", path, cfg.comm->rank(), world,
+                    dp->zero()->shard_elements());
+      cfg.comm->agree(ck.header().next_step, "the step of the sharded checkpoint's files");
+      dp->load_shard(params.data(), m.data(), v.data(), optimizer_steps);
+      resumed_from_shards = true;
+    } else if (ck.header().shard_rank >= 0) {
+      fail("train: '{}' is one rank's shard of a sharded checkpoint: resume it with --sharded-checkpoint", path);
+    } else if (dp && dp->zero()) {
       load_parameters(model, params.data());
       dp->zero()->load_state(m.data(), v.data(), optimizer_steps);
     } else {
@@ -224,24 +259,32 @@ TrainResult train(const TrainConfig& cfg) {
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)
                                               : std::string()));
   if (dp) {
-    dp->broadcast_parameters();
+    if (!resumed_from_shards) dp->broadcast_parameters();
     const DataParallel& ddp = dp->data_parallel();
     constexpr double kMiB = 1024.0 * 1024.0;
     say(fmt::format("data parallel: {} rank(s) x {} sequences x grad_accum {}; DDP {} ({} {} {}(s) per "
                     "step{}{}{}){}",
                     world, cfg.batch, accum, ddp_variant_name(cfg.ddp.variant), ddp.buckets().size(),
                     dtype_name(cfg.ddp.reduce_dtype), dp->gradient_sync(),
-                    cfg.ddp.variant == DdpVariant::bucketed ? fmt::format(", buckets of {} MB", cfg.ddp.bucket_mb) : "",
+                    cfg.ddp.variant == DdpVariant::bucketed ? fmt::format(", buckets of {} MB", cfg.ddp.bucket_mb)
+                    : dp->fsdp() ? fmt::format(", {} parts gathered, prefetch {}", dp->fsdp()->units(),
+                                               cfg.ddp.fsdp_prefetch)
+                                 : "",
                     ddp.staging_bytes() > 0 ? fmt::format(", {:.1f} MiB of staging", double(ddp.staging_bytes()) / kMiB)
                                             : "",
                     cfg.comm->nccl_max_ctas() > 0 ? fmt::format(", NCCL max CTAs {}", cfg.comm->nccl_max_ctas()) : "",
-                    dp->zero() ? fmt::format("; ZeRO-1: {:.1f} MiB of AdamW state per rank",
-                                             double(dp->zero()->state_bytes()) / kMiB)
-                               : ""));
+                    dp->fsdp() ? fmt::format("; FSDP keeps {:.1f} MiB of parameters, {:.1f} of gradients and {:.1f} "
+                                             "of AdamW state per rank",
+                                             double(dp->memory().parameters) / kMiB,
+                                             double(dp->memory().gradients) / kMiB,
+                                             double(dp->memory().optimizer_state) / kMiB)
+                    : dp->zero() ? fmt::format("; ZeRO-1: {:.1f} MiB of AdamW state per rank",
+                                               double(dp->zero()->state_bytes()) / kMiB)
+                                 : ""));
   }
 
   // accum micro-batches of batch rows; evaluation reads the first.
-  std::vector<int32_t> x(size_t(accum * cfg.batch * cfg.seq)), y(x.size());
+  std::vector<int32_t> x(size_t(checked_product({accum, cfg.batch, cfg.seq}, "train: tokens per step"))), y(x.size());
   const size_t micro = size_t(cfg.batch * cfg.seq);
   const auto t_start = std::chrono::steady_clock::now();
   auto t_log = t_start;
@@ -313,8 +356,10 @@ TrainResult train(const TrainConfig& cfg) {
     }
     record["elapsed_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     metrics.write(record);
-    // The ranks hold the same parameters: rank 0 evaluates for all.
-    if (root && ((cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last)) {
+    // The ranks hold the same parameters (FSDP gathers them for it): rank 0 evaluates for all.
+    const bool evaluate_now = (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last;
+    if (evaluate_now && dp) dp->gather_parameters();
+    if (root && evaluate_now) {
       std::span<int32_t> vx(x.data(), micro), vy(y.data(), micro);
       const double val = evaluate(model, val_batches, cfg.eval_batches, vx, vy);
       result.val_loss.emplace_back(step + 1, val);
@@ -335,6 +380,8 @@ TrainResult train(const TrainConfig& cfg) {
 
 std::vector<float> checkpoint_parameters(const std::string& path) {
   const CheckpointReader ck(path);
+  FLASHLM_CHECK(ck.header().shard_rank < 0, "checkpoint: '{}' is one rank's shard of a sharded checkpoint, not the "
+                "whole model", path);
   const size_t n = size_t(ck.header().parameter_count);
   std::vector<float> params(n), m(n), v(n);
   ck.read_payload(params, m, v);

@@ -11,6 +11,7 @@
 
 #include "attention/attention_testing.h"
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "attention/problem.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
@@ -54,12 +55,25 @@ Errors errors_of(const Problem& got, const Problem& ref, bool with_backward) {
   return e;
 }
 
+// Whether the capability table has a CUDA flash backward for the case (padded or not).
+bool has_cuda_backward(const Case& c) {
+  AttentionProblem p;
+  p.dtype = c.dtype;
+  p.head_dim = c.D;
+  try {
+    plan_cuda_attention("attention_backward", p, AttentionImpl::flash, AttentionPass::backward);
+    return true;
+  } catch (const Error&) {
+    return false;
+  }
+}
+
 class CudaVsReference : public ::testing::TestWithParam<GpuCase> {};
 
 TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
   SKIP_WITHOUT_GPU();
   const Case c = GetParam().c;
-  const bool backward = c.D <= 128;  // the cuda backward covers head dims up to 128
+  const bool backward = has_cuda_backward(c);
   AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
   flash.deterministic = GetParam().deterministic;
   const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
@@ -292,19 +306,79 @@ TEST(CudaAttention, DeterministicBackwardIsBitwiseReproducible) {
   EXPECT_EQ(max_abs_diff(a.dv.view, b.dv.view), 0.0);
 }
 
-// Long enough that the atomic mode's fp32 dQ accumulator (4·B·Hq·Nq·D bytes = 143 MiB here) exceeds the
-// 128 MiB above which the backward runs one group of key/value heads at a time (one kv head and its two
-// query heads per launch here): every gradient must match the deterministic mode's, which never splits.
-TEST(CudaAttention, AtomicBackwardSplitOverHeadsMatchesDeterministic) {
+#ifdef FLASHLM_WITH_CUDA
+// Runs the atomic backward bounded, with a ring of `slots` units, for one scope (attention/backends.h).
+struct BoundedDqRing {
+  BoundedDqRing(size_t slots, size_t unit_bytes) { set_flash_dq_accumulator_limits({0, slots * unit_bytes}); }
+  ~BoundedDqRing() { set_flash_dq_accumulator_limits(kDefaultDqAccumulatorLimits); }
+};
+
+// Bytes of one unit (batch, kv head with its query heads) of the accumulator: group · Nq padded to 128 · D floats.
+size_t dq_unit_bytes(const Case& c) {
+  return static_cast<size_t>(c.Hq / c.Hk) * static_cast<size_t>((c.Nq + 127) / 128 * 128) * static_cast<size_t>(c.D) *
+         sizeof(float);
+}
+
+// The bounded atomic backward (an accumulator ring of `slots` units, one launch) at small shapes, with
+// 1, 2 and units - 1 slots (one short of the whole accumulator): every
+// gradient matches the fp64 oracle as the grid test demands, each case run three times (a moving error
+// is a race); dK and dV, which take no atomics, are bitwise equal across runs and to the unbounded mode's.
+TEST(CudaAttention, BoundedDqAccumulatorMatchesOracleAtEverySlotCount) {
+  SKIP_WITHOUT_GPU();
+  const Case cases[] = {
+      {2, 300, 260, 6, 3, 64, Layout::bshd, Mask::top_left, DType::bf16},
+      {2, 400, 100, 4, 2, 128, Layout::bhsd, Mask::bottom_right, DType::f16},  // query tiles that see no key
+      {1, 257, 513, 8, 2, 32, Layout::sliced, Mask::none, DType::bf16},
+      {3, 200, 200, 2, 1, 16, Layout::bshd, Mask::bottom_right, DType::f16},  // MQA
+      {2, 129, 700, 4, 4, 128, Layout::sliced, Mask::bottom_right, DType::bf16},
+  };
+  for (const Case& c : cases) {
+    const AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
+    const uint64_t seed = 900 + static_cast<uint64_t>(c.Nq + c.D);
+    Problem whole(c, c.layout, c.dtype, seed), baseline(c, c.layout, c.dtype, seed);
+    whole.run_on_device(opt);  // the accumulator for every unit: far below the default limit
+    baseline.run_on_device(options_for(c.mask, AttentionImpl::naive));
+    Problem ref(whole, c);
+    ref.run(options_for(c.mask, AttentionImpl::naive));
+    const int64_t units = c.B * c.Hk;
+    for (int64_t slots : {int64_t{1}, int64_t{2}, units - 1}) {
+      if (slots < 1 || slots >= units) continue;
+      const BoundedDqRing ring(static_cast<size_t>(slots), dq_unit_bytes(c));
+      for (int run = 0; run < 3; ++run) {
+        Problem bounded(c, c.layout, c.dtype, seed);
+        bounded.run_on_device(opt);
+        const std::string what = case_name(c) + " slots " + std::to_string(slots) + " run " + std::to_string(run);
+        for (auto [name, got, naive, want] :
+             {std::tuple{"dq", bounded.dq.view, baseline.dq.view, ref.dq.view},
+              std::tuple{"dk", bounded.dk.view, baseline.dk.view, ref.dk.view},
+              std::tuple{"dv", bounded.dv.view, baseline.dv.view, ref.dv.view}}) {
+          EXPECT_LE(max_abs_diff(got, want), 2 * max_abs_diff(naive, want) + 1e-3) << name << " of " << what;
+        }
+        EXPECT_EQ(max_abs_diff(bounded.dk.view, whole.dk.view), 0.0) << what;
+        EXPECT_EQ(max_abs_diff(bounded.dv.view, whole.dv.view), 0.0) << what;
+      }
+    }
+  }
+}
+
+// Long enough that the accumulator for every head (4·B·Hq·Nq·D bytes = 143 MiB here) exceeds the
+// default 128 MiB, so the default path runs bounded (the 64 MiB ring holds one of the two units, as in
+// the GQA shape of docs/perf.md): every gradient must match the deterministic mode's, which never uses
+// the accumulator.
+TEST(CudaAttention, BoundedBackwardAtTheDefaultLimitsMatchesDeterministic) {
   SKIP_WITHOUT_GPU();
   const Case c{1, 70000, 70000, 4, 2, 128, Layout::bshd, Mask::top_left, DType::bf16};
+  const DqAccumulatorLimits limits = flash_dq_accumulator_limits();
+  ASSERT_GT(dq_unit_bytes(c) * 2, limits.whole_up_to);
+  ASSERT_LT(limits.ring_bytes / dq_unit_bytes(c), 2u);
   AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
-  Problem split(c, c.layout, c.dtype, 5), whole(c, c.layout, c.dtype, 5);
-  split.run_on_device(opt);
+  Problem bounded(c, c.layout, c.dtype, 5), whole(c, c.layout, c.dtype, 5);
+  bounded.run_on_device(opt);
   opt.deterministic = true;
   whole.run_on_device(opt);
-  for (auto [name, a, b] : {std::tuple{"dq", split.dq.view, whole.dq.view}, std::tuple{"dk", split.dk.view, whole.dk.view},
-                            std::tuple{"dv", split.dv.view, whole.dv.view}}) {
+  for (auto [name, a, b] : {std::tuple{"dq", bounded.dq.view, whole.dq.view},
+                            std::tuple{"dk", bounded.dk.view, whole.dk.view},
+                            std::tuple{"dv", bounded.dv.view, whole.dv.view}}) {
     Tensor ref = to_f64(b);
     double scale = 0;
     for (int64_t i = 0; i < ref.view().numel(); ++i) scale = std::max(scale, std::fabs(ref.view().ptr<double>()[i]));
@@ -313,6 +387,7 @@ TEST(CudaAttention, AtomicBackwardSplitOverHeadsMatchesDeterministic) {
     EXPECT_LE(max_abs_diff(a, b), 0.02 * scale) << name;
   }
 }
+#endif
 
 TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {
   SKIP_WITHOUT_GPU();
@@ -354,6 +429,52 @@ TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {
   Tensor q160 = Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda);
   expect_error([&] { attention_backward(q160, q160, q160, q160, lse, q160, q160, q160, q160); },
                "head_dim 160 has no cuda backward kernel");
+}
+
+// The library does what the capability table says: for every dtype and a spread of head dims (compiled,
+// padded, unaligned, too large), each pass on the GPU either runs or fails with the table's own message.
+TEST(CudaAttention, CapabilityTableAndBehaviourAgree) {
+  SKIP_WITHOUT_GPU();
+  for (DType dt : {DType::f16, DType::bf16, DType::f32}) {
+    for (int64_t d : {4, 8, 12, 16, 24, 36, 48, 64, 80, 128, 136, 160, 200, 256, 264}) {
+      for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+        for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+          const bool forward = pass == AttentionPass::forward;
+          const Case c{1, 33, 40, 2, 1, d, Layout::bshd, Mask::bottom_right, dt};
+          const AttentionOptions opt = options_for(c.mask, impl);
+          AttentionProblem p;
+          p.dtype = dt;
+          p.head_dim = d;
+          // The table's error, empty where it has a kernel. A backward runs the forward first, so a head
+          // dim without a forward fails with the forward's message.
+          auto table_error = [&](AttentionPass pa) -> std::string {
+            try {
+              plan_cuda_attention(pa == AttentionPass::forward ? "attention_forward" : "attention_backward", p, impl,
+                                  pa);
+              return "";
+            } catch (const Error& e) {
+              return e.what();
+            }
+          };
+          std::string expected = table_error(AttentionPass::forward);
+          if (!forward && expected.empty()) expected = table_error(AttentionPass::backward);
+          const std::string what = std::string(dtype_name(dt)) + " d" + std::to_string(d) + " " +
+                                   std::string(attention_impl_name(impl)) + (forward ? " forward" : " backward");
+          Problem prob(c, c.layout, dt, 11 + static_cast<uint64_t>(d));
+          try {
+            prob.run_on_device(opt, !forward);
+            EXPECT_EQ(expected, "") << what << ": ran, but the table says no";
+            EXPECT_TRUE(all_finite_or_neg_inf(prob.o.view)) << what;
+            if (!forward) {
+              EXPECT_GT(max_abs(prob.dq.view), 0.0) << what;
+            }
+          } catch (const Error& e) {
+            EXPECT_EQ(std::string(e.what()), expected) << what;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

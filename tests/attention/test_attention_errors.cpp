@@ -44,6 +44,43 @@ TEST(AttentionErrors, ValidArgumentsRun) {
   EXPECT_NO_THROW(a.backward());
 }
 
+// An output sharing memory with an input (the same buffer, or an overlapping slice) is an error at the
+// C++ entry point (and so through the C ABI and Python, which call it).
+TEST(AttentionErrors, OutputsOverlappingInputs) {
+  {
+    Args a;
+    a.O = a.Q;
+    expect_error([&] { a.forward(); }, {"attention_forward", "o: the output overlaps the input q"});
+  }
+  {
+    Args a;
+    a.O = TensorView::contiguous(static_cast<char*>(a.v.data()) + 64, DType::f32, {2, 8, 4, 16});  // inside v
+    expect_error([&] { a.forward(); }, {"o: the output overlaps the input v"});
+  }
+  {
+    Args a;
+    a.L = TensorView::contiguous(a.o.data(), DType::f32, {2, 4, 8});
+    expect_error([&] { a.forward(); }, {"lse: the output overlaps the input o"});
+  }
+  for (const char* name : {"dq", "dk", "dv"}) {
+    Args a;
+    a.forward();
+    TensorView& grad = std::string(name) == "dq" ? a.dQ : std::string(name) == "dk" ? a.dK : a.dV;
+    grad = std::string(name) == "dq" ? a.dO : a.K;
+    expect_error([&] { a.backward(); },
+                 {"attention_backward", std::string(name) + ": the output overlaps the input " +
+                                            (std::string(name) == "dq" ? "dout" : "k")});
+  }
+  {
+    Args a;  // disjoint slices of one buffer are fine
+    Tensor both = Tensor::empty({4, 8, 4, 16}, DType::f32);
+    fill_normal(both, 3);
+    a.Q = both.view().slice(0, 0, 2);
+    a.O = both.view().slice(0, 2, 4);
+    EXPECT_NO_THROW(a.forward());
+  }
+}
+
 TEST(AttentionErrors, WrongRank) {
   Args a;
   a.K = TensorView::contiguous(a.k.data(), DType::f32, {2, 6, 32});

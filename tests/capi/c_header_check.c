@@ -38,6 +38,12 @@ int main(void) {
   if (!strstr(flashlm_last_error(), "lse: expected dtype fp32")) return fprintf(stderr, "%s\n", flashlm_last_error()), 1;
   if (flashlm_attention_forward(NULL, &tq, &tq, &to, &lse, &opt) != FLASHLM_INVALID_ARGUMENT) return 1;
   if (!strstr(flashlm_last_error(), "q: null flashlm_tensor pointer")) return 1;
+  /* An output that aliases an input is refused (it used to return OK with a wrong result). */
+  lse.dtype = FLASHLM_FP32;
+  if (flashlm_attention_forward(&tq, &tq, &tq, &tq, &lse, &opt) != FLASHLM_INVALID_ARGUMENT)
+    return fprintf(stderr, "o aliasing q was accepted\n"), 1;
+  if (!strstr(flashlm_last_error(), "o: the output overlaps the input q"))
+    return fprintf(stderr, "%s\n", flashlm_last_error()), 1;
   printf("flashlm %s, C ABI %d: ok\n", flashlm_version(), flashlm_abi_version());
   return 0;
 }

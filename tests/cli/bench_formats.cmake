@@ -26,3 +26,13 @@ string(JSON status GET "${json}" records 7 status)
 if(NOT status STREQUAL "ok")
   message(FATAL_ERROR "last record status ${status}")
 endif()
+# GQA: --kv-heads shapes k and v (and dk, dv) with fewer heads, and the records say so.
+set(gqa_file ${WORKDIR}/bench_formats_gqa.json)
+execute_process(COMMAND ${FLASHLM} attention-bench --impl flash --seq 40 --d 16 --heads 4 --kv-heads 2 --reps 1
+                        --warmup 0 --quiet --format json --out ${gqa_file} RESULT_VARIABLE rc)
+file(READ ${gqa_file} gqa)
+string(JSON kv GET "${gqa}" records 0 kv_heads)
+string(JSON status GET "${gqa}" records 0 status)
+if(NOT rc EQUAL 0 OR NOT kv EQUAL 2 OR NOT status STREQUAL "ok")
+  message(FATAL_ERROR "gqa json: exit ${rc}, kv_heads ${kv}, status ${status}:\n${gqa}")
+endif()

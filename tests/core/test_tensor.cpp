@@ -55,6 +55,22 @@ TEST(Tensor, FillNormalIsReproducibleAndLayoutIndependent) {
   EXPECT_NE(a.view().ptr<float>()[0], c.view().ptr<float>()[0]);
 }
 
+// Sizes whose element count or byte size leaves int64 fail by name instead of wrapping into a small buffer.
+TEST(Tensor, SizeProductsThatOverflowAreErrors) {
+  const int64_t huge = (int64_t{1} << 62) + 1;
+  try {
+    Tensor::empty({huge, 4, 1, 4}, DType::f32);
+    FAIL() << "expected flashlm::Error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("element count"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("overflows"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(Tensor::empty({int64_t{1} << 61, 2}, DType::f64), Error);  // elements fit, bytes do not
+  std::vector<float> one(1);
+  const int64_t sizes[] = {huge, 2};
+  EXPECT_THROW(TensorView::contiguous(one.data(), DType::f32, sizes), Error);
+}
+
 TEST(Memory, TracksCurrentAndPeakBytes) {
   const MemoryStats before = memory_stats(Device::cpu);
   memory_reset_peak(Device::cpu);

@@ -20,6 +20,8 @@
 
 #include "dist/mpi_testing.h"
 #include "dist/toy_model.h"
+#include "dist/toy_training.h"
+#include "dist/train_testing.h"
 #include "flashlm/ddp.h"
 #include "flashlm/device.h"
 #include "flashlm/dist.h"
@@ -31,66 +33,11 @@
 #endif
 
 using namespace flashlm;
+using namespace toy;  // the toy's training: its batches, AdamW and the single-process run
 
 namespace {
 
 Communicator& comm() { return test_world(); }
-
-constexpr int64_t kGlobalRows = 8;  // divisible by every world size (1, 2, 4) times grad_accum 2
-constexpr int kSteps = 5;
-constexpr double kLr = 1e-2;
-
-AdamWConfig toy_adamw() {
-  AdamWConfig c;
-  c.max_grad_norm = 0.5;  // small enough to clip some steps
-  return c;
-}
-
-// Step s's global batch, the same on every rank.
-void global_batch(int64_t step, std::vector<int32_t>& tokens, std::vector<int32_t>& targets) {
-  std::mt19937 rng(uint32_t(100 + step));
-  std::uniform_int_distribution<int32_t> token(0, int32_t(toy::V - 1));
-  tokens.resize(kGlobalRows);
-  targets.resize(kGlobalRows);
-  for (int64_t i = 0; i < kGlobalRows; ++i) tokens[size_t(i)] = token(rng), targets[size_t(i)] = token(rng);
-}
-
-// Unsharded AdamW over the trainable parameters, with global-norm clipping: the single-process optimizer.
-struct ToyAdamW {
-  std::vector<float> m, v;
-  int64_t steps = 0;
-
-  void step(toy::Model& model, const AdamWConfig& c, double lr) {
-    if (m.empty()) m.assign(model.w.size(), 0.0f), v.assign(model.w.size(), 0.0f);
-    const std::vector<DdpRange> ranges = model.params.trainable_ranges();
-    double ss = 0;
-    for (const DdpRange& r : ranges) ss += cpu::sum_squares(model.g.data() + r.offset, r.count);
-    const double norm = std::sqrt(ss);
-    ++steps;
-    for (const DdpRange& r : ranges) {
-      float* g = model.g.data() + r.offset;
-      if (norm > c.max_grad_norm) {
-        for (int64_t i = 0; i < r.count; ++i) g[i] *= cpu::clip_scale(norm, c.max_grad_norm);
-      }
-      cpu::adamw_step(model.w.data() + r.offset, g, m.data() + r.offset, v.data() + r.offset, r.count, lr, c.beta1,
-                      c.beta2, c.eps, c.weight_decay, steps);
-    }
-  }
-};
-
-// kSteps of full-batch training in this process alone, from rank 0's initial weights.
-std::vector<float> train_single_process() {
-  toy::Model model(1);
-  ToyAdamW adam;
-  std::vector<int32_t> x, y;
-  for (int64_t s = 0; s < kSteps; ++s) {
-    global_batch(s, x, y);
-    std::fill(model.g.begin(), model.g.end(), 0.0f);
-    model.forward_backward(x, y);
-    adam.step(model, toy_adamw(), kLr);
-  }
-  return model.w;
-}
 
 struct ToyRun {
   std::vector<float> initial, final;     // rank 0's weights after the broadcast; this rank's at the end
@@ -138,12 +85,6 @@ ToyRun train_data_parallel(const DdpOptions& opt, bool zero1) {
   }
   run.final = model.w;
   return run;
-}
-
-double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double d = 0;
-  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, std::abs(double(a[i]) - double(b[i])));
-  return d;
 }
 
 DdpOptions options(DdpVariant v, double bucket_mb = 25, int64_t grad_accum = 1, DType reduce_dtype = DType::f32) {
@@ -563,15 +504,6 @@ void train_rank_slices(DdpModel& dp, const ModelConfig& mc, int64_t global, cons
   dp.await_parameters();  // ZeRO-1's last gather may still be in flight; the callers read the parameters
 }
 
-double relative_l2(std::span<const float> got, std::span<const float> want) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
-    norm += double(want[i]) * want[i];
-  }
-  return std::sqrt(diff / norm);
-}
-
 // The real LM, bucketed, against one process training on the whole batch.
 TEST(Ddp, CpuModelBucketedMatchesOneProcess) {
   const ModelConfig mc = ModelConfig::named("tiny", kLmSeq, 256);
@@ -592,12 +524,6 @@ TEST(Ddp, CpuModelBucketedMatchesOneProcess) {
 // CUDA (NCCL): skipped without NCCL or without a GPU per local rank.
 
 #ifdef FLASHLM_WITH_CUDA
-bool gpus_for_every_rank() {
-  double missing = Communicator::nccl_built() && cuda_device_count() >= comm().local_size() ? 0.0 : 1.0;
-  comm().all_reduce(std::span<double>(&missing, 1), ReduceOp::max);
-  return missing == 0;
-}
-
 ModelConfig gpu_config() {
   ModelConfig c = ModelConfig::named("tiny", kLmSeq, 256);
   c.d_model = 64;  // head_dim 16: the smallest the tensor-core attention takes
@@ -605,18 +531,7 @@ ModelConfig gpu_config() {
   return c;
 }
 
-std::vector<float> host_parameters(CudaModel& m) {
-  std::vector<float> out(size_t(m.parameter_count()));
-  m.copy_parameters_to(out.data());
-  return out;
-}
-
-// A bf16 model's working copy: its bits, and their values.
-std::vector<uint16_t> working_bits(const CudaModel& m) {
-  std::vector<uint16_t> bits(size_t(m.parameter_count()));
-  cuda_copy(bits.data(), m.working_parameters(), bits.size() * sizeof(uint16_t));
-  return bits;
-}
+// A bf16 model's working copy's values.
 std::vector<float> bf16_values(const std::vector<uint16_t>& bits) {
   std::vector<float> values(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) values[i] = std::bit_cast<float>(uint32_t(bits[i]) << 16);

@@ -30,6 +30,21 @@ TEST(ModelConfig, BadConfigsAreErrors) {
   EXPECT_THROW(CpuModel(ModelConfig::named("tiny", 16), 2, 17), Error);  // seq > context
 }
 
+TEST(ModelConfig, SizesWhoseParameterCountOverflowsAreErrors) {
+  for (auto set : {+[](ModelConfig& c) { c.d_ff = INT64_MAX; }, +[](ModelConfig& c) { c.d_model = -64; },
+                   +[](ModelConfig& c) { c.layers = INT64_MAX; }, +[](ModelConfig& c) {
+                     c.d_model = int64_t{1} << 30;
+                     c.heads = 1;
+                   }}) {
+    ModelConfig c = ModelConfig::named("tiny");
+    set(c);
+    EXPECT_THROW(c.validate(), Error);
+    EXPECT_THROW(CpuModel(c, 1, 1), Error);
+  }
+  ModelConfig c = ModelConfig::named("tiny", 64, 256);
+  EXPECT_THROW(CpuModel(c, int64_t{1} << 62, 64), Error);  // the activation plan overflows
+}
+
 TEST(ModelConfig, CosineScheduleWarmsUpThenDecays) {
   AdamWConfig c;
   c.lr_max = 1.0;

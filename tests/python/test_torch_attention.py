@@ -168,3 +168,25 @@ def test_device_mismatch_is_a_value_error():
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="k: on cpu but q is on cuda"):
         flashlm.attention(q, q.cpu(), q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_batch_zero_sum_backward_gives_empty_gradients(device, causal):
+    """.sum().backward() on an empty batch hands a stride-0 gradient: it runs and gives empty gradients."""
+    q, k, v = (torch.randn(0, 7, 2, 16, dtype=torch.float32, device=device, requires_grad=True) for _ in range(3))
+    flashlm.attention(q, k, v, causal=causal).sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and t.grad.shape == t.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_double_backward_is_refused_clearly(device):
+    q, k, v = (torch.randn(1, 9, 2, 16, dtype=torch.float64, device=device, requires_grad=True) for _ in range(3))
+    (dq,) = torch.autograd.grad(flashlm.attention(q, k, v).square().sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        dq.sum().backward()
+    q3, k3, v3 = (t[:, :, 0].detach().requires_grad_() for t in (q, k, v))
+    (dq3,) = torch.autograd.grad(flashlm.FlashAttention.apply(q3, k3, v3, True).sum(), (q3,), create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        dq3.sum().backward()

@@ -12,12 +12,16 @@
 //     - atomic (default): the dK/dV kernel multiplies the dS it wrote to shared memory by K and adds the
 //       block's dQ contribution to an fp32 buffer with atomics, laid out in mma-fragment order so that
 //       each warp-wide atomic covers one 128-byte line; a last kernel scales and converts it. The faster
-//       (docs/perf.md, "v5"); the buffer is bounded by running long problems over groups of heads.
+//       (docs/perf.md, "v5"). Where the buffer for every head would exceed the accumulator limit, the
+//       same launch runs bounded (DqMode::bounded): a ring of slots, one (batch, kv head) unit each.
 //     - separate pass (AttentionOptions::deterministic): a kernel per (query tile, head, batch)
 //       recomputes P and dS over the visible key tiles and accumulates dQ += dS K in registers.
 //       Bit-reproducible, no atomics, no fp32 buffer, ~40% more MMAs.
 #include <algorithm>
+#include <mutex>
+
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
 
@@ -39,7 +43,7 @@ struct BwdTraits {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = 128;
-  static constexpr int kBlockM = D <= 64 ? 128 : 64;  // d32, d64: 128 x 128 tiles (measured 6.60 vs 7.01 ms at d64)
+  static constexpr int kBlockM = D <= 64 ? 128 : 64;  // d32, d64: 128 x 128 tiles (docs/perf.md, tuning notes)
   static constexpr int kAMTiles = kBlockM / 32;            // 16-row tiles per warp in phase A
   static constexpr int kBWarpsD = D == 16 ? 1 : 2;
   static constexpr int kBWarpsN = kWarps / kBWarpsD;
@@ -56,8 +60,8 @@ struct BwdTraits {
 };
 
 // dQ pass: each warp owns kMTiles x 16 query rows, as in the forward, so that every K and V fragment read
-// from shared memory feeds kMTiles MMAs (with one 16-row tile per warp this kernel took 2.76 ms beside the
-// dK/dV kernel's 3.22 ms at b4 h16 n4096 d128 for 60% of its FLOPs: bound by shared-memory traffic).
+// from shared memory feeds kMTiles MMAs (with one 16-row tile per warp it was bound by shared-memory
+// traffic: docs/perf.md, "Kernel tuning notes").
 // At d128 the key tiles are 32 wide so that S and dP (2 x 32 floats per row tile) fit beside the
 // 128-float dQ accumulator.
 template <int D>
@@ -117,7 +121,145 @@ __global__ void flash_bwd_preprocess_kernel(const FlashParams p) {
   }
 }
 
-template <class T, int D, bool kAtomicDq>
+// What the dK/dV kernel does about dQ.
+enum class DqMode {
+  none,     // deterministic: the separate dQ pass computes it
+  atomic,   // fp32 atomics into an accumulator for every (batch, head); flash_bwd_dq_convert_kernel writes dQ
+  // fp32 atomics into dq_slots accumulator slots of one unit (batch, kv head with its query heads) each.
+  // Blocks take (unit, key tile) from a ticket, unit after unit, longest key tiles first. The block that
+  // adds the last contribution to a query tile converts that tile to dQ and clears it; a block of unit u
+  // adds to a tile of its slot once unit u - dq_slots has cleared it. The tiles of a unit complete one
+  // after another as its blocks walk the query tiles, so the next unit's blocks follow close behind
+  // instead of waiting for the whole unit. Deadlock-free with any number of resident blocks: a ticket is
+  // only taken by a running block, every block of unit u - dq_slots holds a lower ticket than any block of
+  // unit u, and unit 0 never waits.
+  bounded,
+};
+
+// Writes dQ row `row`, columns part·8 .. part·8 + 7 of one head (dq_head: its row 0), from the head's
+// fragment-ordered accumulator (DqAccumLayout) times the softmax scale. kClear (bounded mode) reads the
+// floats from L2 (other SMs added them with atomics; this SM's L1 may still hold a previous unit's lines)
+// and zeroes them for the slot's next unit, padded rows included; rows past seq_q are not written.
+template <class T, int D, bool kClear>
+__device__ __forceinline__ void convert_dq_chunk(const FlashParams& p, float* accum_head, T* dq_head, int row,
+                                                 int part) {
+  // With r = row % 16, the even columns 0, 2, 4, 6 are the 4 floats at e = 2·(r / 8), lanes 4·(r % 8) + 0..3,
+  // and the odd ones the 4 floats at e + 1.
+  const int r = row % 16;
+  float* src = accum_head + DqAccumLayout<D>::block(row, part * 8) + (r / 8) * 64 + (r % 8) * 4;
+  float4 even, odd;
+  if constexpr (kClear) {
+    even = __ldcg(reinterpret_cast<const float4*>(src));
+    odd = __ldcg(reinterpret_cast<const float4*>(src + 32));
+    *reinterpret_cast<float4*>(src) = make_float4(0.f, 0.f, 0.f, 0.f);
+    *reinterpret_cast<float4*>(src + 32) = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (row >= p.seq_q) return;
+  } else {
+    even = *reinterpret_cast<const float4*>(src);
+    odd = *reinterpret_cast<const float4*>(src + 32);
+  }
+  const float c = p.scale;  // the accumulator holds dS·K without the softmax scale (one multiply here, not per atomic)
+  uint4 out;
+  out.x = MmaOp<T>::pack(even.x * c, odd.x * c);
+  out.y = MmaOp<T>::pack(even.y * c, odd.y * c);
+  out.z = MmaOp<T>::pack(even.z * c, odd.z * c);
+  out.w = MmaOp<T>::pack(even.w * c, odd.w * c);
+  *reinterpret_cast<uint4*>(dq_head + row * p.dq_st.s + part * 8) = out;
+}
+
+// The block's (key tile, kv head, batch): from the grid, or in bounded mode from the next ticket (unit
+// b·heads_k + hk, key tile).
+struct DkDvWork {
+  int n_block, hk, b;
+};
+
+template <DqMode kDq>
+__device__ __forceinline__ DkDvWork claim_dkdv_work(const FlashParams& p) {
+  if constexpr (kDq != DqMode::bounded) {
+    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+  } else {
+    __shared__ int s_ticket;
+    if (threadIdx.x == 0) s_ticket = atomicAdd(p.dq_ticket, 1);
+    __syncthreads();
+    const int ticket = s_ticket, unit = ticket / static_cast<int>(gridDim.x);
+    return {ticket % static_cast<int>(gridDim.x), unit % p.heads_k, unit / p.heads_k};
+  }
+}
+
+// Bounded mode: the counter of how many units have converted tile m_tile of head_in_group in unit's slot.
+__device__ __forceinline__ int* dq_tile_generation(const FlashParams& p, int unit, int head_in_group, int m_tile) {
+  return p.dq_tile_generation + (int64_t(unit % p.dq_slots) * p.group + head_in_group) * p.dq_m_tiles + m_tile;
+}
+
+// Bounded mode, before the block's atomics into query tile m_tile of head_in_group: waits until the unit
+// dq_slots before `unit` has converted and cleared that tile of the shared slot.
+__device__ __forceinline__ void bounded_dq_wait_for_tile(const FlashParams& p, int unit, int head_in_group,
+                                                         int m_tile) {
+  if (unit < p.dq_slots) return;  // block-uniform: the slot's first unit finds it cleared by the host
+  if (threadIdx.x == 0) {
+    const volatile int* generation = dq_tile_generation(p, unit, head_in_group, m_tile);
+    while (*generation < unit / p.dq_slots) __nanosleep(100);
+    __threadfence();  // the previous unit's clearing stores are seen before this block's atomics
+  }
+  __syncthreads();
+}
+
+// First query tile (of kBlockM rows) that can see key tile n_block; tiles before it see none of its keys.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ int first_query_tile(const FlashParams& p, int n_block) {
+  return p.causal ? max(0, n_block * kBlockN - p.causal_offset) / kBlockM : 0;
+}
+
+// Key tiles whose block adds to query tile m_tile: those with first_query_tile <= m_tile, i.e. with
+// n·kBlockN < (m_tile + 1)·kBlockM + causal_offset under a causal mask.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ int key_tiles_adding_to(const FlashParams& p, int m_tile) {
+  const int key_tiles = static_cast<int>(gridDim.x);
+  if (!p.causal) return key_tiles;
+  const int bound = (m_tile + 1) * kBlockM + p.causal_offset;
+  return bound <= 0 ? 0 : min(key_tiles, (bound + kBlockN - 1) / kBlockN);
+}
+
+// Bounded mode, some time after the block's atomics into query tile m_tile of head h (head_in_group of
+// `unit`): counts them, and if they were the tile's last, converts the tile to dQ, clears it and hands it
+// to the slot's next unit. The dK/dV kernel calls it one step late, so that the fence below finds the
+// atomics long done instead of waiting for them.
+template <class T, int D, int kBlockM, int kBlockN, int kThreads>
+__device__ __forceinline__ void bounded_dq_tile_added(const FlashParams& p, int unit, int b, int h,
+                                                      int head_in_group, int m_tile) {
+  __shared__ int s_last;
+  __threadfence();  // this thread's atomics are visible device-wide before the count below
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int added = atomicAdd(p.dq_tile_count + (int64_t(b) * p.heads_q + h) * p.dq_m_tiles + m_tile, 1) + 1;
+    s_last = added == key_tiles_adding_to<kBlockM, kBlockN>(p, m_tile);
+  }
+  __syncthreads();
+  if (!s_last) return;  // block-uniform
+  __threadfence();
+  float* accum_head = p.dq_accum + (int64_t(unit % p.dq_slots) * p.group + head_in_group) * p.seq_q_padded * D;
+  T* dq_head = static_cast<T*>(p.dq) + b * p.dq_st.b + h * p.dq_st.h;
+  for (int c = threadIdx.x; c < kBlockM * (D / 8); c += kThreads) {
+    convert_dq_chunk<T, D, true>(p, accum_head, dq_head, m_tile * kBlockM + c / (D / 8), c % (D / 8));
+  }
+  __threadfence();  // the cleared tile is visible before the next unit may add to it
+  __syncthreads();
+  if (threadIdx.x == 0) atomicAdd(dq_tile_generation(p, unit, head_in_group, m_tile), 1);
+}
+
+// Bounded mode: dQ rows of query tiles that no key tile adds to (the top rows of a bottom-right mask
+// with seq_q > seq_k) are zeros, written by each unit's block of key tile 0.
+template <class T, int D, int kBlockM, int kThreads>
+__device__ __forceinline__ void bounded_dq_zero_unseen_rows(const FlashParams& p, int hk, int b, int m_first) {
+  const int rows = min(p.seq_q, m_first * kBlockM);
+  for (int c = threadIdx.x; c < p.group * rows * (D / 8); c += kThreads) {
+    const int part = c % (D / 8), row = c / (D / 8) % rows, h = hk * p.group + c / (D / 8) / rows;
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_st.b + h * p.dq_st.h + row * p.dq_st.s + part * 8) =
+        make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <class T, int D, DqMode kDq>
 __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kernel(const FlashParams p) {
   using Tr = BwdTraits<D>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
@@ -133,7 +275,8 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   float* sLse = reinterpret_cast<float*>(sdS + kBlockM * kBlockN);  // 2 stages
   float* sDelta = sLse + 2 * kBlockM;                                // 2 stages
 
-  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const DkDvWork work = claim_dkdv_work<kDq>(p);
+  const int n_block = work.n_block, hk = work.hk, b = work.b;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int n0 = n_block * kBlockN;
 
@@ -144,12 +287,15 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
   // Query tiles that can see this key tile: from the first query seeing key n0 to the end, for every
   // query head of the GQA group.
-  const int m_first = p.causal ? max(0, n0 - p.causal_offset) / kBlockM : 0;
+  const int m_first = first_query_tile<kBlockM, kBlockN>(p, n_block);
+  if constexpr (kDq == DqMode::bounded) {
+    if (n_block == 0 && m_first > 0) bounded_dq_zero_unseen_rows<T, D, kBlockM, kThreads>(p, hk, b, m_first);
+  }
   const int m_blocks = p.seq_q > m_first * kBlockM ? (p.seq_q - m_first * kBlockM + kBlockM - 1) / kBlockM : 0;
   const int steps = m_blocks * p.group;
 
   // Step (head_in_group, m_idx): query tile m_first + m_idx of query head hk·group + head_in_group. The
-  // loop below walks them in order with counters (an integer division per step cost ~20 instructions).
+  // loop below walks them in order with counters (an integer division per step costs ~20 instructions).
   auto load_step = [&](int head_in_group, int m_idx, int stage) {
     const int h = hk * p.group + head_in_group;
     const int m0 = (m_first + m_idx) * kBlockM;
@@ -201,6 +347,11 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
   float dk[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
   float dv[Tr::kBMTiles][Tr::kBCols / 8][4] = {};
+  // Bounded mode: the query tile of the previous step, whose atomics are counted during this step.
+  struct PendingTile {
+    int h, head_in_group, m_tile;
+  };
+  __shared__ PendingTile s_pending;
 
   int cur_head = 0, cur_m = 0;  // this step's (head_in_group, m_idx)
   for (int step = 0; step < steps; ++step) {
@@ -261,22 +412,8 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           }
         }
       }
-      // Masking is a separate pass over S, taken only by the tiles that cross the diagonal or the end of
-      // the keys (a warp-uniform branch): folded into the exponentials it cost every step ~100 compare and
-      // select instructions. A masked score of -inf gives P = exp2(-inf) = 0.
-      const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > m0 + p.causal_offset);
-      if (needs_mask) {
-#pragma unroll
-        for (int mt = 0; mt < Tr::kAMTiles; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int row = m0 + a_row0 + mt * 16 + g + 8 * (e / 2);
-              const int kg = n0 + a_key0 + nt * 8 + 2 * t + (e % 2);
-              if (kg >= p.seq_k || (p.causal && kg > row + p.causal_offset)) s[mt][nt][e] = -INFINITY;
-            }
-      }
+      // Block-uniform: the test is on the whole 128-key tile and the block's first query row.
+      if (scores_need_mask(p, m0, n0, kBlockN)) mask_scores(s, p, m0 + a_row0, n0 + a_key0, g, t);
 #pragma unroll
       for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
 #pragma unroll
@@ -335,8 +472,14 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
       }
     }
 
-    if constexpr (kAtomicDq) {
+    if constexpr (kDq != DqMode::none) {
       // Phase C: this key tile's contribution dS K to dQ, added to the fp32 accumulator atomically.
+      if constexpr (kDq == DqMode::bounded) {
+        if (step > 0) {
+          bounded_dq_tile_added<T, D, kBlockM, kBlockN, kThreads>(p, b * p.heads_k + hk, b, s_pending.h,
+                                                                  s_pending.head_in_group, s_pending.m_tile);
+        }
+      }
       constexpr int kCM = Tr::kCMTiles;
       float dq[kCM][Tr::kCCols / 8][4] = {};
       // dS fragment: rows c_row0 + mt·16 + a_row, key chunk pair kk; K fragment: key rows kk·16 + bt_row,
@@ -365,7 +508,16 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
       }
       // The accumulator is kept in fragment order (DqAccumLayout): for each (ct, e) the warp's 32 lanes
       // add to 32 consecutive floats, one 128-byte line per atomic instruction.
-      float* dq_head = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D + lane;
+      // The unit is recomputed from b and hk rather than kept live across the step loop (it spilled).
+      [[maybe_unused]] const int unit = b * p.heads_k + hk, head_in_group = h - hk * p.group;
+      float* accum_head;
+      if constexpr (kDq == DqMode::bounded) {
+        accum_head = p.dq_accum + (int64_t(unit % p.dq_slots) * p.group + head_in_group) * p.seq_q_padded * D;
+        bounded_dq_wait_for_tile(p, unit, head_in_group, m0 / kBlockM);
+      } else {
+        accum_head = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D;
+      }
+      float* dq_head = accum_head + lane;
 #pragma unroll
       for (int mt = 0; mt < kCM; ++mt) {
         float* dq_frag = dq_head + DqAccumLayout<D>::block(m0 + c_row0 + mt * 16, c_col0);
@@ -377,6 +529,16 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           }
         }
       }
+      if constexpr (kDq == DqMode::bounded) {
+        if (tid == 0) s_pending = {h, head_in_group, m0 / kBlockM};  // read after the next barrier
+      }
+    }
+  }
+  if constexpr (kDq == DqMode::bounded) {
+    if (steps > 0) {
+      __syncthreads();  // s_pending is written
+      bounded_dq_tile_added<T, D, kBlockM, kBlockN, kThreads>(p, b * p.heads_k + hk, b, s_pending.h,
+                                                              s_pending.head_in_group, s_pending.m_tile);
     }
   }
 
@@ -507,21 +669,8 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
       }
     }
 
-    // Masking as a separate warp-uniform pass, only on tiles that cross the diagonal or the end of the keys.
     const int n0 = nb * kBlockN;
-    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > warp_row0 + p.causal_offset);
-    if (needs_mask) {
-#pragma unroll
-      for (int mt = 0; mt < kM; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = warp_row0 + mt * 16 + g + (e / 2) * 8;
-            const int col = n0 + nt * 8 + 2 * t + (e % 2);
-            if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[mt][nt][e] = -INFINITY;
-          }
-    }
+    if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
 #pragma unroll
     for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
@@ -584,21 +733,8 @@ __global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   const int row = idx / (D / 8), part = idx % (D / 8);
   if (row >= p.seq_q) return;
-  // Row `row`, columns part·8 .. part·8 + 7 of the fragment-ordered accumulator (DqAccumLayout): with
-  // r = row % 16, the even columns 0, 2, 4, 6 are the 4 floats at e = 2·(r / 8), lanes 4·(r % 8) + 0..3,
-  // and the odd ones the 4 floats at e + 1.
-  const int r = row % 16;
-  const float* src = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D +
-                     DqAccumLayout<D>::block(row, part * 8) + (r / 8) * 64 + (r % 8) * 4;
-  const float4 even = *reinterpret_cast<const float4*>(src);
-  const float4 odd = *reinterpret_cast<const float4*>(src + 32);
-  const float c = p.scale;  // the accumulator holds dS·K without the softmax scale (one multiply here, not per atomic)
-  uint4 out;
-  out.x = MmaOp<T>::pack(even.x * c, odd.x * c);
-  out.y = MmaOp<T>::pack(even.y * c, odd.y * c);
-  out.z = MmaOp<T>::pack(even.z * c, odd.z * c);
-  out.w = MmaOp<T>::pack(even.w * c, odd.w * c);
-  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_st.b + row * p.dq_st.s + h * p.dq_st.h + part * 8) = out;
+  convert_dq_chunk<T, D, false>(p, p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D,
+                                static_cast<T*>(p.dq) + b * p.dq_st.b + h * p.dq_st.h, row, part);
 }
 
 template <class Kernel>
@@ -606,32 +742,54 @@ void allow_smem(Kernel kernel, size_t bytes, const char* name) {
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), name);
 }
 
+// How one call computes dQ: the mode and, in bounded mode, the number of accumulator slots.
+struct DqPlan {
+  DqMode mode;
+  int slots;
+};
+
 template <class T, int D>
-void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stream) {
+void launch_backward(FlashParams f, DqPlan dq, void* stream_ptr) {
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  using Tr = BwdTraits<D>;
   // An empty side launches nothing over it (a grid of 0 blocks is a launch error): with no queries the
-  // dK/dV kernel alone writes zeros, with no keys the dQ pass (or the cleared accumulator) does.
+  // dK/dV kernel alone writes zeros, with no keys the dQ pass does.
   if (f.seq_q > 0) {
     constexpr int rows_per_block = 256 / (D / 8);
     const dim3 grid((f.seq_q_padded + rows_per_block - 1) / rows_per_block, f.heads_q, f.batch);
     flash_bwd_preprocess_kernel<T, D><<<grid, 256, 0, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
   }
+  Buffer counters;  // bounded mode: tile counts, tile generations and the ticket, all from 0
+  if (dq.mode == DqMode::bounded) {
+    f.dq_slots = dq.slots;
+    f.dq_m_tiles = f.seq_q_padded / Tr::kBlockM;
+    const size_t tile_counts = size_t(f.batch) * f.heads_q * f.dq_m_tiles;
+    const size_t generations = size_t(dq.slots) * f.group * f.dq_m_tiles;
+    const size_t ints = tile_counts + generations + 1;
+    counters = Buffer::allocate_on_stream(ints * sizeof(int), "flash backward dQ tile counters", stream);
+    FLASHLM_CUDA_CHECK(cudaMemsetAsync(counters.data(), 0, ints * sizeof(int), stream), "flash backward counters clear");
+    f.dq_tile_count = static_cast<int*>(counters.data());
+    f.dq_tile_generation = f.dq_tile_count + tile_counts;
+    f.dq_ticket = f.dq_tile_generation + generations;
+  }
   if (f.seq_k > 0) {
-    using Tr = BwdTraits<D>;
-    auto kernel = deterministic ? flash_bwd_dkdv_kernel<T, D, false> : flash_bwd_dkdv_kernel<T, D, true>;
+    auto kernel = dq.mode == DqMode::none     ? flash_bwd_dkdv_kernel<T, D, DqMode::none>
+                  : dq.mode == DqMode::atomic ? flash_bwd_dkdv_kernel<T, D, DqMode::atomic>
+                                              : flash_bwd_dkdv_kernel<T, D, DqMode::bounded>;
     allow_smem(kernel, Tr::kSmemBytes, "flash_bwd_dkdv_kernel: shared-memory opt-in");
     const dim3 grid((f.seq_k + Tr::kBlockN - 1) / Tr::kBlockN, f.heads_k, f.batch);
     kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dkdv_kernel launch");
   }
   if (f.seq_q == 0) return;
-  if (deterministic) {
-    using Tr = DqTraits<D>;
-    allow_smem(flash_bwd_dq_kernel<T, D>, Tr::kSmemBytes, "flash_bwd_dq_kernel: shared-memory opt-in");
-    const dim3 grid((f.seq_q + Tr::kBlockM - 1) / Tr::kBlockM, f.heads_q, f.batch);
-    flash_bwd_dq_kernel<T, D><<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
+  if (dq.mode == DqMode::none) {
+    using Dq = DqTraits<D>;
+    allow_smem(flash_bwd_dq_kernel<T, D>, Dq::kSmemBytes, "flash_bwd_dq_kernel: shared-memory opt-in");
+    const dim3 grid((f.seq_q + Dq::kBlockM - 1) / Dq::kBlockM, f.heads_q, f.batch);
+    flash_bwd_dq_kernel<T, D><<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_kernel launch");
-  } else {
+  } else if (dq.mode == DqMode::atomic) {
     const dim3 grid((f.seq_q * (D / 8) + 255) / 256, f.heads_q, f.batch);
     flash_bwd_dq_convert_kernel<T, D><<<grid, 256, 0, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_convert_kernel launch");
@@ -639,34 +797,35 @@ void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stre
 }
 
 template <class T>
-void dispatch_head_dim(int d, const FlashParams& f, bool deterministic, cudaStream_t stream) {
-  switch (d) {
-    case 16: return launch_backward<T, 16>(f, deterministic, stream);
-    case 32: return launch_backward<T, 32>(f, deterministic, stream);
-    case 64: return launch_backward<T, 64>(f, deterministic, stream);
-    case 128: return launch_backward<T, 128>(f, deterministic, stream);
-  }
-  fail("attention_backward: q: head_dim {} has no cuda backward kernel (16, 32, 64 or 128); the forward also "
-       "supports 256",
-       d);
+void dispatch_head_dim(int64_t d, const FlashParams& f, DqPlan dq, void* stream) {
+  const bool launched = with_head_dim<kMmaSyncBackwardHeadDims>(
+      d, [&](auto dim) { launch_backward<T, decltype(dim)::value>(f, dq, stream); });
+  FLASHLM_CHECK(launched, "flash_attention_backward_cuda: head_dim {} has no kernel (the capability table lists it)",
+                d);
 }
+
+std::mutex dq_limits_mutex;
+DqAccumulatorLimits dq_limits = kDefaultDqAccumulatorLimits;
 
 }  // namespace
 }  // namespace flash_cuda
 
-namespace {
+DqAccumulatorLimits flash_dq_accumulator_limits() {
+  const std::lock_guard lock(flash_cuda::dq_limits_mutex);
+  return flash_cuda::dq_limits;
+}
 
-// The atomic mode's fp32 dQ accumulator is 4·B·Hq·Nq·D bytes, a quarter of the bf16 inputs, outputs and
-// gradients together. Above kAccumulatorChunkAbove, the backward runs over groups of key/value heads (with
-// their query heads) so that each group's accumulator is at most kAccumulatorChunkBytes: peak memory stays
-// near inputs + outputs + gradients at long sequences, while typical shapes run in one launch.
-constexpr size_t kAccumulatorChunkAbove = size_t{128} << 20;
-constexpr size_t kAccumulatorChunkBytes = size_t{64} << 20;
+void set_flash_dq_accumulator_limits(const DqAccumulatorLimits& limits) {
+  const std::lock_guard lock(flash_cuda::dq_limits_mutex);
+  flash_cuda::dq_limits = limits;
+}
 
-void backward_heads(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                    const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
-                    const TensorView& dk, const TensorView& dv, bool deterministic, float* dq_accum,
-                    void* stream) {
+void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& o, const TensorView& lse,
+                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                   const TensorView& dv, bool deterministic, void* stream) {
+  using flash_cuda::DqMode;
+  if (p.batch == 0 || p.heads_q == 0 || (p.seq_q == 0 && p.seq_k == 0)) return;
   auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   f.dout = dout.data;
   f.dq = dq.data;
@@ -678,62 +837,35 @@ void backward_heads(const AttentionProblem& p, const TensorView& q, const Tensor
   f.dv_st = flash_cuda::row_strides(dv);
   f.seq_q_padded = static_cast<int>((p.seq_q + flash_cuda::kRowPad - 1) / flash_cuda::kRowPad * flash_cuda::kRowPad);
 
-  const auto s = static_cast<cudaStream_t>(stream);
   const size_t rows = static_cast<size_t>(p.batch * p.heads_q) * static_cast<size_t>(f.seq_q_padded);
   Buffer delta = Buffer::allocate_on_stream(rows * sizeof(float), "flash backward Delta", stream);
   Buffer lse_log2 = Buffer::allocate_on_stream(rows * sizeof(float), "flash backward lse·log2e", stream);
   f.delta = static_cast<float*>(delta.data());
   f.lse_log2 = static_cast<float*>(lse_log2.data());
-  if (!deterministic) {
-    FLASHLM_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, rows * static_cast<size_t>(p.head_dim) * sizeof(float), s),
-                       "flash backward dQ clear");
-    f.dq_accum = dq_accum;
-  }
-  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(static_cast<int>(p.head_dim), f, deterministic, s);
-  else flash_cuda::dispatch_head_dim<__half>(static_cast<int>(p.head_dim), f, deterministic, s);
-}
 
-}  // namespace
-
-void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                   const TensorView& v, const TensorView& o, const TensorView& lse,
-                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                   const TensorView& dv, bool deterministic, void* stream) {
-  FLASHLM_CHECK(p.head_dim <= 128,
-                "attention_backward: q: head_dim {} has no cuda backward kernel (16, 32, 64 or 128); the forward "
-                "also supports 256",
-                p.head_dim);
-  if (p.batch == 0 || p.heads_q == 0 || (p.seq_q == 0 && p.seq_k == 0)) return;
-  const int64_t seq_q_padded = (p.seq_q + flash_cuda::kRowPad - 1) / flash_cuda::kRowPad * flash_cuda::kRowPad;
-  // Accumulator bytes per key/value head (with its group of query heads, over the batch).
-  const size_t per_kv_head = static_cast<size_t>(p.batch * p.group() * seq_q_padded * p.head_dim) * sizeof(float);
-  int64_t kv_per_launch = p.heads_k;
-  if (!deterministic && per_kv_head * static_cast<size_t>(p.heads_k) > kAccumulatorChunkAbove) {
-    kv_per_launch = std::max<int64_t>(1, static_cast<int64_t>(kAccumulatorChunkBytes / per_kv_head));
+  // The atomic mode's accumulator is 4·B·Hq·Nq·D bytes, a quarter of the bf16 inputs, outputs and
+  // gradients together: above limits.whole_up_to it shrinks to as many units (batch, kv head) as fit in
+  // limits.ring_bytes, at least one, and the same single launch runs bounded (DqMode::bounded). A single unit cannot shrink (that would
+  // need a split along the queries) and keeps the plain atomic mode. With no keys every dQ is 0, which
+  // the dQ pass writes without any accumulator.
+  const size_t per_unit = static_cast<size_t>(p.group()) * static_cast<size_t>(f.seq_q_padded) *
+                          static_cast<size_t>(p.head_dim) * sizeof(float);
+  const auto units = static_cast<size_t>(p.batch * p.heads_k);
+  flash_cuda::DqPlan plan{deterministic || p.seq_k == 0 ? DqMode::none : DqMode::atomic, 0};
+  const DqAccumulatorLimits limits = flash_dq_accumulator_limits();
+  if (plan.mode == DqMode::atomic && units > 1 && per_unit * units > limits.whole_up_to) {
+    plan = {DqMode::bounded, static_cast<int>(std::clamp<size_t>(limits.ring_bytes / per_unit, 1, units - 1))};
   }
   Buffer dq_accum;
-  if (!deterministic) {
-    dq_accum = Buffer::allocate_on_stream(per_kv_head * static_cast<size_t>(std::min(kv_per_launch, p.heads_k)),
-                                          "flash backward dQ accumulator", stream);
+  if (plan.mode != DqMode::none) {
+    const size_t bytes = per_unit * (plan.mode == DqMode::bounded ? static_cast<size_t>(plan.slots) : units);
+    dq_accum = Buffer::allocate_on_stream(bytes, "flash backward dQ accumulator", stream);
+    FLASHLM_CUDA_CHECK(cudaMemsetAsync(dq_accum.data(), 0, bytes, static_cast<cudaStream_t>(stream)),
+                       "flash backward dQ clear");
+    f.dq_accum = static_cast<float*>(dq_accum.data());
   }
-  auto* accum = static_cast<float*>(dq_accum.data());
-  if (kv_per_launch >= p.heads_k) {
-    backward_heads(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, accum, stream);
-    return;
-  }
-  // Views are [batch, seq, heads, head_dim] (lse [batch, heads_q, seq_q]); a group of key/value heads
-  // [h0, h1) goes with query heads [h0·group, h1·group).
-  const int64_t g = p.group();
-  for (int64_t h0 = 0; h0 < p.heads_k; h0 += kv_per_launch) {
-    const int64_t h1 = std::min(p.heads_k, h0 + kv_per_launch);
-    AttentionProblem part = p;
-    part.heads_k = h1 - h0;
-    part.heads_q = (h1 - h0) * g;
-    const auto qh = [&](const TensorView& t) { return t.slice(2, h0 * g, h1 * g); };
-    const auto kh = [&](const TensorView& t) { return t.slice(2, h0, h1); };
-    backward_heads(part, qh(q), kh(k), kh(v), qh(o), lse.slice(1, h0 * g, h1 * g), qh(dout), qh(dq), kh(dk), kh(dv),
-                   deterministic, accum, stream);
-  }
+  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, plan, stream);
+  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, plan, stream);
 }
 
 }  // namespace flashlm

@@ -1,6 +1,7 @@
-// Building blocks shared by the tensor-core FlashAttention-2 kernels (flash_fwd.cu, flash_bwd.cu):
-// the element types, mma.sync / ldmatrix / cp.async wrappers, the shared-memory swizzle and the
-// parameter block the kernels receive. Fragment layouts are those of PTX's mma.m16n8k16 (row.col):
+// The vocabulary of every CUDA attention kernel (flash_fwd.cu, flash_bwd.cu, flash_f32.cu, naive.cu):
+// element types, row strides, cp.async and the tile loader, and for the tensor-core kernels the
+// mma.sync / ldmatrix wrappers, the shared-memory swizzle, the score masking and the parameter block.
+// Fragment layouts are those of PTX's mma.m16n8k16 (row.col):
 //   A 16x16: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
 //   B 16x8:  b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g)
 //   C 16x8:  c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1)          with g = lane / 4, t = lane % 4.
@@ -10,14 +11,18 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <numbers>
 
 #include "attention/problem.h"
+#include "core/softmax_stats.cuh"
 
 namespace flashlm::flash_cuda {
 
-constexpr float kLog2e = 1.4426950408889634f;
+// Scores and logsumexps are multiplied by log2(e) so that exp becomes one exp2.
+constexpr float kLog2e = std::numbers::log2e_v<float>;
 
-// Strides, in elements, of a [batch, seq, heads, head_dim] view (head_dim stride is 1).
+// Strides, in elements, of a [batch, seq, heads, head_dim] view (head_dim stride is 1): the one unit in
+// which every kernel here receives strides (byte offsets are computed where a kernel needs them).
 struct RowStrides {
   int64_t b, s, h;
 };
@@ -43,6 +48,14 @@ struct FlashParams {
   float* lse_log2;   // same shape: lse·log2(e), +inf for rows that see no key or lie past seq_q
   float* dq_accum;   // [batch, heads_q, seq_q_padded, head_dim] fp32, for the atomic dQ path
   int seq_q_padded;
+
+  // Bounded atomic dQ (flash_bwd.cu, DqMode::bounded): dq_accum holds dq_slots units of [group,
+  // seq_q_padded, head_dim], unit u = b·heads_k + hk in slot u % dq_slots.
+  int dq_slots;
+  int dq_m_tiles;           // query tiles per head (seq_q_padded / kBlockM) in the arrays below
+  int* dq_tile_count;       // [batch, heads_q, dq_m_tiles]: key tiles that have added to each query tile
+  int* dq_tile_generation;  // [dq_slots, group, dq_m_tiles]: units that have converted each tile of a slot
+  int* dq_ticket;           // the next (unit, key tile) to hand out
 };
 
 FlashParams make_params(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -108,6 +121,9 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// Waits for all of this thread's copies, and is a compiler barrier for memory: a __syncthreads() must
+// still follow before other threads read them.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // Shared-memory tile of ROWS x D 16-bit elements, stored row-major with the 16-byte chunks of each row
 // permuted (XOR swizzle) so that the 8 row addresses of one ldmatrix hit 8 different bank groups.
@@ -140,14 +156,17 @@ struct XorSwizzle {
   }
 };
 
-// Copies rows [row0, row0 + ROWS) of one head of a [batch, seq, heads, D] tensor into a swizzled tile;
-// rows at or past `rows_valid` are zero-filled. All THREADS threads of the block take part (tid in
-// [0, THREADS)). Where the tile divides evenly among the threads the copy is fully unrolled with
-// incremental addresses, so a caller's main loop keeps no per-copy addresses live (they were spilled).
-template <int ROWS, int D, int THREADS, class T>
+// Copies rows [row0, row0 + ROWS) of one head of a [batch, seq, heads, D] tensor into a shared-memory
+// tile laid out by `Layout` (Layout::offset(row, chunk): the element offset of 16-byte chunk `chunk` of
+// tile row `row`; Swizzle<D> for the 16-bit kernels); rows at or past `rows_valid` are zero-filled. All
+// THREADS threads of the block take part (tid in [0, THREADS)). Where the tile divides evenly among the
+// threads the copy is fully unrolled with incremental addresses, so a caller's main loop keeps no
+// per-copy addresses live (they were spilled).
+template <int ROWS, int D, int THREADS, class Layout = Swizzle<D>, class T>
 __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, int64_t row_stride, int row0,
                                                 int rows_valid, int tid) {
-  constexpr int kChunks = D / 8;
+  constexpr int kElems = 16 / sizeof(T);  // elements per 16-byte chunk
+  constexpr int kChunks = D / kElems;
   constexpr int kTotal = ROWS * kChunks;
   if constexpr (THREADS % kChunks == 0 && kTotal % THREADS == 0) {
     // Thread tid copies chunk column tid % kChunks of rows r0 + i·kRowStep: one source pointer that
@@ -155,37 +174,63 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, int
     constexpr int kRowStep = THREADS / kChunks, kIters = kTotal / THREADS;
     const int r0 = tid / kChunks, ch = tid % kChunks;
     const int rows_left = rows_valid - row0 - r0;  // rows r0 + i·kRowStep with i·kRowStep < rows_left exist
-    const T* src = head_base + (row0 + r0) * row_stride + ch * 8;
+    const T* src = head_base + (row0 + r0) * row_stride + ch * kElems;
     const int64_t step = kRowStep * row_stride;
     const uint32_t dst = smem_addr(tile);
     if (row0 + ROWS <= rows_valid) {  // block-uniform: every row exists (all but the last tile), no bound checks
 #pragma unroll
       for (int i = 0; i < kIters; ++i) {
-        cp_async_16(dst + sizeof(T) * Swizzle<D>::offset(r0 + i * kRowStep, ch), src + i * step, 16);
+        cp_async_16(dst + sizeof(T) * Layout::offset(r0 + i * kRowStep, ch), src + i * step, 16);
       }
       return;
     }
 #pragma unroll
     for (int i = 0; i < kIters; ++i) {
       const bool valid = i * kRowStep < rows_left;
-      cp_async_16(dst + sizeof(T) * Swizzle<D>::offset(r0 + i * kRowStep, ch), valid ? src + i * step : head_base,
+      cp_async_16(dst + sizeof(T) * Layout::offset(r0 + i * kRowStep, ch), valid ? src + i * step : head_base,
                   valid ? 16 : 0);
     }
   } else {
     for (int c = tid; c < kTotal; c += THREADS) {
       const int r = c / kChunks, ch = c % kChunks;
       const bool valid = row0 + r < rows_valid;
-      const T* src = valid ? head_base + (row0 + r) * row_stride + ch * 8 : head_base;
-      cp_async_16(smem_addr(tile + Swizzle<D>::offset(r, ch)), src, valid ? 16 : 0);
+      const T* src = valid ? head_base + (row0 + r) * row_stride + ch * kElems : head_base;
+      cp_async_16(smem_addr(tile + Layout::offset(r, ch)), src, valid ? 16 : 0);
     }
   }
 }
 
+// Whether a tile of scores with first query row `row0` (the earliest row any of its fragments holds)
+// and keys [col0, col0 + cols) has a key past the end or above the causal diagonal: only such tiles take
+// mask_scores, a warp-uniform branch (folded into the exponentials, masking cost every tile ~100 compare
+// and select instructions).
+__device__ __forceinline__ bool scores_need_mask(const FlashParams& p, int row0, int col0, int cols) {
+  return col0 + cols > p.seq_k || (p.causal && col0 + cols - 1 > row0 + p.causal_offset);
+}
+
+// Sets to -inf the scores this lane holds (kM 16-row x kN 8-key C fragments, rows row0 + 16·mt + ..,
+// keys col0 + 8·nt + ..) whose key lies past seq_k or above the causal diagonal; exp2(-inf) = 0 then
+// gives them P = 0.
+template <int kM, int kN>
+__device__ __forceinline__ void mask_scores(float (&s)[kM][kN][4], const FlashParams& p, int row0, int col0, int g,
+                                            int t) {
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + mt * 16 + g + (e / 2) * 8;
+        const int col = col0 + nt * 8 + 2 * t + (e % 2);
+        // An unconditional store of a select: a conditional store through the reference stayed a branch.
+        s[mt][nt][e] = col >= p.seq_k || (p.causal && col > row + p.causal_offset) ? -INFINITY : s[mt][nt][e];
+      }
+}
+
 // 2^x as one SFU instruction (ex2.approx.ftz). exp2f without fast-math compiles to the subnormal-safe
-// form, which wraps the same instruction in a compare and two multiplies: at 64 exponentials per thread
-// and key tile the forward at b4 h16 n4096 d128 executed 731M instructions with exp2f and 620M with
-// this (ncu; FlashAttention-2: 646M), and ran 1.64 -> 1.56 ms. Results below 2^-126 flush to 0, far
-// below what fp32 accumulation of P keeps; exp2(-inf) = 0 as the masking relies on.
+// form, which wraps the same instruction in a compare and two multiplies (docs/perf.md, "Kernel tuning
+// notes"). Results below 2^-126 flush to 0, far below what fp32 accumulation of P keeps; exp2(-inf) = 0
+// as the masking relies on.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -193,8 +238,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 
 __device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = max_propagating_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return max_propagating_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
@@ -207,6 +252,8 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
 
 template <class T>
 __device__ __forceinline__ float to_float(T x);

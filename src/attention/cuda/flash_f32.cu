@@ -22,12 +22,16 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <numbers>
 #include <string>
 #include <type_traits>
 
 #include "attention/backends.h"
+#include "attention/capabilities.h"
+#include "attention/cuda/flash_common.cuh"
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "core/softmax_stats.cuh"
 #include "flashlm/memory.h"
 
 namespace flashlm {
@@ -37,12 +41,13 @@ namespace {
 constexpr int kTX = 16;   // threads along a tile row: one half-warp
 constexpr int kPad = 4;   // floats of padding after each head_dim row in shared memory
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLn2 = std::numbers::ln2_v<float>;
 
-struct Strides {
-  long long b, s, h;  // elements between batches, sequence positions and heads
-};
+using flash_cuda::cp_async_wait_all;
+using flash_cuda::kLog2e;
+using flash_cuda::load_tile_async;
+using flash_cuda::row_strides;
+using flash_cuda::RowStrides;
 
 struct Shape {
   int batch, seq_q, seq_k, heads_q, heads_k, group;
@@ -69,13 +74,13 @@ struct ForwardArgs {
   Shape shape;
   const float *q, *k, *v;
   float *o, *lse;
-  Strides qs, ks, vs, os, ls;
+  RowStrides qs, ks, vs, os, ls;
 };
 
 struct DeltaArgs {
   const float *o, *dout;
   float* delta;
-  Strides os, dos;
+  RowStrides os, dos;
   long long rows;  // batch · heads_q · seq_q
   int seq_q, heads_q, head_dim;
 };
@@ -84,43 +89,31 @@ struct BackwardArgs {
   Shape shape;
   const float *q, *k, *v, *dout, *lse, *delta;
   float *dq, *dk, *dv;
-  Strides qs, ks, vs, dos, ls, dqs, dks, dvs;
+  RowStrides qs, ks, vs, dos, ls, dqs, dks, dvs;
 };
 
 // ---------------------------------------------------------------------------------------------------
 // Device building blocks
 
-// 16-byte global→shared copy; an invalid one reads nothing and writes zeros.
-__device__ __forceinline__ void cp_async_16(float* dst, const float* src, bool valid) {
-  const auto s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-
-// Waits for this thread's copies only: a __syncthreads() must follow before others read them.
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// The shared-memory layout of a tile for load_tile_async: rows of D floats, each followed by kPad floats.
+template <int D>
+struct PaddedRows {
+  __device__ __forceinline__ static int offset(int row, int chunk) { return row * (D + kPad) + chunk * 4; }
+};
 
 // Starts copying rows [0, rows) of a ROWS × D tile (row r at src + r·row_stride) into shared memory
 // rows of D + kPad floats and zero-fills rows [rows, ROWS): rows past the end of a sequence then add
 // exact zeros to every product instead of stale values.
 template <int D, int ROWS, int NT>
-__device__ __forceinline__ void load_tile_async(float* dst, const float* src, long long row_stride, int rows) {
-  constexpr int kChunks = D / 4, kRowsPerPass = NT / kChunks;
-  static_assert(NT % kChunks == 0 && ROWS % kRowsPerPass == 0, "every thread copies whole passes");
-  const int r = static_cast<int>(threadIdx.x) / kChunks, c = static_cast<int>(threadIdx.x) % kChunks * 4;
-  const float* g = src + r * row_stride + c;
-  float* s = dst + r * (D + kPad) + c;
-#pragma unroll
-  for (int n = 0; n < ROWS / kRowsPerPass; ++n) {
-    const bool valid = r + n * kRowsPerPass < rows;
-    cp_async_16(s + n * kRowsPerPass * (D + kPad), valid ? g : src, valid);
-    g += kRowsPerPass * row_stride;
-  }
+__device__ __forceinline__ void load_padded_tile_async(float* dst, const float* src, int64_t row_stride, int rows) {
+  static_assert(NT % (D / 4) == 0 && ROWS * (D / 4) % NT == 0, "every thread copies whole passes");
+  load_tile_async<ROWS, D, NT, PaddedRows<D>>(dst, src, row_stride, 0, rows, static_cast<int>(threadIdx.x));
 }
 
 // The 16 threads of a row are lanes 0-15 or 16-31 of a warp.
 __device__ __forceinline__ float row_max(float x) {
 #pragma unroll
-  for (int o = kTX / 2; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = kTX / 2; o > 0; o /= 2) x = max_propagating_nan(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
 
@@ -285,14 +278,14 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(con
   for (int i = 0; i < R; ++i) m[i] = kNegInf, l[i] = 0.f;
 
   if (n_tiles > 0) {
-    load_tile_async<D, BQ, NT>(Qs, q, a.qs.s, rows);
-    load_tile_async<D, BK, NT>(Ks, k, a.ks.s, min(BK, s.seq_k));
+    load_padded_tile_async<D, BQ, NT>(Qs, q, a.qs.s, rows);
+    load_padded_tile_async<D, BK, NT>(Ks, k, a.ks.s, min(BK, s.seq_k));
   }
   for (int t = 0; t < n_tiles; ++t) {
     const int j0 = t * BK;
     cp_async_wait_all();
     __syncthreads();  // K tile t is in place; nobody reads the previous V tile or P any more
-    load_tile_async<D, BK, NT>(Vs, v + j0 * a.vs.s, a.vs.s, min(BK, s.seq_k - j0));
+    load_padded_tile_async<D, BK, NT>(Vs, v + j0 * a.vs.s, a.vs.s, min(BK, s.seq_k - j0));
 
     float sc[R][C] = {};
     accumulate_dots<D, R, C, T::kDotUnroll>(Qs, r0, Ks, tx, sc);
@@ -304,7 +297,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(con
 #pragma unroll
       for (int j = 0; j < C; ++j) {
         sc[i][j] = j0 + tx + kTX * j >= visible ? kNegInf : sc[i][j] * s.scale_log2;
-        mx = fmaxf(mx, sc[i][j]);
+        mx = max_propagating_nan(mx, sc[i][j]);
       }
       mx = row_max(mx);
       // A row that has seen no key yet keeps m = -inf; subtracting 0 then keeps every exp2f at 0, not NaN.
@@ -325,7 +318,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(con
     cp_async_wait_all();
     __syncthreads();  // V tile t and P are in place; nobody reads K tile t any more
     if (t + 1 < n_tiles) {
-      load_tile_async<D, BK, NT>(Ks, k + (j0 + BK) * a.ks.s, a.ks.s, min(BK, s.seq_k - j0 - BK));
+      load_padded_tile_async<D, BK, NT>(Ks, k + (j0 + BK) * a.ks.s, a.ks.s, min(BK, s.seq_k - j0 - BK));
     }
     accumulate_rows<D, R, BK, T::kPld, T::kRowUnroll>(Ps, r0, Vs, tx, acc);
   }
@@ -335,9 +328,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) forward_kernel(con
     const float sum = row_sum(l[i]);
     const int r = r0 + i;
     if (r < rows) {
-      store_row<D>(a.o + b * a.os.b + (i0 + r) * a.os.s + h * a.os.h, tx, acc[i], sum > 0.f ? 1.f / sum : 0.f);
+      // sum = 0: no key seen; NaN: a NaN reached the row (O and lse NaN, as in the fp16/bf16 kernel).
+      store_row<D>(a.o + b * a.os.b + (i0 + r) * a.os.s + h * a.os.h, tx, acc[i], sum != 0.f ? 1.f / sum : 0.f);
       if (tx == 0) {
-        a.lse[b * a.ls.b + h * a.ls.h + (i0 + r) * a.ls.s] = sum > 0.f ? m[i] * kLn2 + logf(sum) : kNegInf;
+        a.lse[b * a.ls.b + h * a.ls.h + (i0 + r) * a.ls.s] = sum != 0.f ? m[i] * kLn2 + logf(sum) : kNegInf;
       }
     }
   }
@@ -408,8 +402,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) dkdv_kernel(const 
 
   float dk[R][CD] = {}, dv[R][CD] = {};
   if (s.group > 0 && first_q < s.seq_q) {
-    load_tile_async<D, BK, NT>(Ks, a.k + b * a.ks.b + j0 * a.ks.s + hk * a.ks.h, a.ks.s, cols);
-    load_tile_async<D, BK, NT>(Vs, a.v + b * a.vs.b + j0 * a.vs.s + hk * a.vs.h, a.vs.s, cols);
+    load_padded_tile_async<D, BK, NT>(Ks, a.k + b * a.ks.b + j0 * a.ks.s + hk * a.ks.h, a.ks.s, cols);
+    load_padded_tile_async<D, BK, NT>(Vs, a.v + b * a.vs.b + j0 * a.vs.s + hk * a.vs.h, a.vs.s, cols);
   }
   for (int h = hk * s.group; h < (hk + 1) * s.group; ++h) {
     const float* q = a.q + b * a.qs.b + h * a.qs.h;
@@ -419,8 +413,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) dkdv_kernel(const 
     for (int i0 = first_q; i0 < s.seq_q; i0 += BQ) {
       const int rows = min(BQ, s.seq_q - i0);
       __syncthreads();  // nobody reads the previous query tile, P or dS any more
-      load_tile_async<D, BQ, NT>(Qs, q + i0 * a.qs.s, a.qs.s, rows);
-      load_tile_async<D, BQ, NT>(dOs, dout + i0 * a.dos.s, a.dos.s, rows);
+      load_padded_tile_async<D, BQ, NT>(Qs, q + i0 * a.qs.s, a.qs.s, rows);
+      load_padded_tile_async<D, BQ, NT>(dOs, dout + i0 * a.dos.s, a.dos.s, rows);
       if (threadIdx.x < BQ) {
         const int r = static_cast<int>(threadIdx.x);
         // Rows past the end act as queries that see nothing, so their P and dS are 0.
@@ -512,10 +506,10 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) dq_kernel(const Ba
 
   float dq[R][CD] = {};
   if (n_tiles > 0) {
-    load_tile_async<D, BQ, NT>(Qs, a.q + b * a.qs.b + i0 * a.qs.s + h * a.qs.h, a.qs.s, rows);
-    load_tile_async<D, BQ, NT>(dOs, a.dout + b * a.dos.b + i0 * a.dos.s + h * a.dos.h, a.dos.s, rows);
-    load_tile_async<D, BK, NT>(Ks, k, a.ks.s, min(BK, s.seq_k));
-    load_tile_async<D, BK, NT>(Vs, v, a.vs.s, min(BK, s.seq_k));
+    load_padded_tile_async<D, BQ, NT>(Qs, a.q + b * a.qs.b + i0 * a.qs.s + h * a.qs.h, a.qs.s, rows);
+    load_padded_tile_async<D, BQ, NT>(dOs, a.dout + b * a.dos.b + i0 * a.dos.s + h * a.dos.h, a.dos.s, rows);
+    load_padded_tile_async<D, BK, NT>(Ks, k, a.ks.s, min(BK, s.seq_k));
+    load_padded_tile_async<D, BK, NT>(Vs, v, a.vs.s, min(BK, s.seq_k));
   }
   for (int t = 0; t < n_tiles; ++t) {
     const int j0 = t * BK;
@@ -539,12 +533,12 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) dq_kernel(const Ba
     }
     __syncthreads();  // dS is in place; nobody reads V tile t any more
     if (t + 1 < n_tiles) {
-      load_tile_async<D, BK, NT>(Vs, v + (j0 + BK) * a.vs.s, a.vs.s, min(BK, s.seq_k - j0 - BK));
+      load_padded_tile_async<D, BK, NT>(Vs, v + (j0 + BK) * a.vs.s, a.vs.s, min(BK, s.seq_k - j0 - BK));
     }
     accumulate_rows<D, R, BK, T::kSld, T::kRowUnroll>(dSs, r0, Ks, tx, dq);
     __syncthreads();  // nobody reads K tile t or dS any more
     if (t + 1 < n_tiles) {
-      load_tile_async<D, BK, NT>(Ks, k + (j0 + BK) * a.ks.s, a.ks.s, min(BK, s.seq_k - j0 - BK));
+      load_padded_tile_async<D, BK, NT>(Ks, k + (j0 + BK) * a.ks.s, a.ks.s, min(BK, s.seq_k - j0 - BK));
     }
   }
 
@@ -561,8 +555,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) dq_kernel(const Ba
 // Tiles per head dim: <head dim, query tile, key tile, rows per thread, unroll of the loop over head_dim in
 // accumulate_dots, unroll of the loop over tile columns in accumulate_rows>. Larger head dims take smaller
 // tiles, as the shared tiles grow with D and the per-thread accumulators with D/16. Unrolling by 4 and 2
-// measured fastest on an H200 (6% faster than 2 and 2 on the D = 128 backward); dQ at D = 16 unrolls less
-// because ptxas spills there otherwise.
+// was the fastest measured (docs/perf.md, "Kernel tuning notes"); dQ at D = 16 unrolls less because ptxas
+// spills there otherwise.
 template <int D>
 struct Config;
 template <>
@@ -598,8 +592,8 @@ struct Config<256> {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-Strides strides_of(const TensorView& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
-Strides lse_strides_of(const TensorView& lse) { return {lse.stride(0), lse.stride(2), lse.stride(1)}; }  // [B, H, S]
+// A [B, H, S] logsumexp view's strides in the (b, s, h) slots.
+RowStrides lse_strides_of(const TensorView& lse) { return {lse.stride(0), lse.stride(2), lse.stride(1)}; }
 
 Shape shape_of(const AttentionProblem& p) {
   constexpr int64_t kMax = INT_MAX / 2;  // tile arithmetic on sequence positions stays in 32 bits
@@ -616,7 +610,7 @@ Shape shape_of(const AttentionProblem& p) {
   s.causal = p.causal;
   s.causal_offset = p.causal_offset;
   s.scale = static_cast<float>(p.scale);
-  s.scale_log2 = static_cast<float>(p.scale * 1.4426950408889634);
+  s.scale_log2 = static_cast<float>(p.scale * std::numbers::log2e);
   return s;
 }
 
@@ -636,23 +630,17 @@ void launch(void (*kernel)(Args), int64_t blocks, int threads, size_t smem, cuda
 
 template <class Fn>
 void dispatch_head_dim(int64_t head_dim, Fn&& fn) {
-  switch (head_dim) {
-    case 16: fn(std::integral_constant<int, 16>{}); break;
-    case 32: fn(std::integral_constant<int, 32>{}); break;
-    case 64: fn(std::integral_constant<int, 64>{}); break;
-    case 128: fn(std::integral_constant<int, 128>{}); break;
-    case 256: fn(std::integral_constant<int, 256>{}); break;
-    default: fail("flash_f32: head_dim {} is not supported (16, 32, 64, 128 or 256)", head_dim);
-  }
+  FLASHLM_CHECK(with_head_dim<kF32HeadDims>(head_dim, fn),
+                "flash_f32: head_dim {} has no kernel (the capability table lists it)", head_dim);
 }
 
 }  // namespace
 
 void flash_attention_forward_cuda_f32(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
-  const ForwardArgs a{shape_of(p),      q.ptr<const float>(), k.ptr<const float>(), v.ptr<const float>(),
-                      o.ptr<float>(),   lse.ptr<float>(),     strides_of(q),        strides_of(k),
-                      strides_of(v),    strides_of(o),        lse_strides_of(lse)};
+  const ForwardArgs a{shape_of(p),    q.ptr<const float>(), k.ptr<const float>(), v.ptr<const float>(),
+                      o.ptr<float>(), lse.ptr<float>(),     row_strides(q),       row_strides(k),
+                      row_strides(v), row_strides(o),       lse_strides_of(lse)};
   dispatch_head_dim(p.head_dim, [&](auto d) {
     using T = typename Config<decltype(d)::value>::Forward;
     launch(forward_kernel<T>, ceil_div(p.seq_q, T::BQ) * p.batch * p.heads_q, T::kThreads, T::kSmem,
@@ -670,7 +658,7 @@ void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorVi
   // Stream-ordered: freed on the same stream after the kernels that read it, without a host sync.
   Buffer delta = Buffer::allocate_on_stream(static_cast<size_t>(rows) * sizeof(float), "flash f32 Delta", stream);
   const DeltaArgs da{o.ptr<const float>(), dout.ptr<const float>(), static_cast<float*>(delta.data()),
-                     strides_of(o),        strides_of(dout),        rows,
+                     row_strides(o),       row_strides(dout),       rows,
                      shape.seq_q,          shape.heads_q,           static_cast<int>(p.head_dim)};
   launch(delta_kernel, ceil_div(rows, kDeltaWarps), kDeltaWarps * 32, 0, cu_stream, da, "flash_f32: delta_kernel");
 
@@ -684,14 +672,14 @@ void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorVi
                        dq.ptr<float>(),
                        dk.ptr<float>(),
                        dv.ptr<float>(),
-                       strides_of(q),
-                       strides_of(k),
-                       strides_of(v),
-                       strides_of(dout),
+                       row_strides(q),
+                       row_strides(k),
+                       row_strides(v),
+                       row_strides(dout),
                        lse_strides_of(lse),
-                       strides_of(dq),
-                       strides_of(dk),
-                       strides_of(dv)};
+                       row_strides(dq),
+                       row_strides(dk),
+                       row_strides(dv)};
   dispatch_head_dim(p.head_dim, [&](auto d) {
     using K = typename Config<decltype(d)::value>::Keys;
     using Q = typename Config<decltype(d)::value>::Queries;

@@ -7,6 +7,7 @@
 // O += P·V — P never touches shared memory. Key tiles that the causal mask hides are never loaded; only
 // tiles that cross the diagonal or the end of the keys are masked.
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
 
@@ -50,7 +51,7 @@ struct FwdTraits {
   static constexpr int kWarps = 4;
   static constexpr int kMTiles = D <= 128 ? 2 : 1;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
-  // 64-key tiles up to d128 (measured 5-6% faster at d128 than 32-key tiles, despite a 24-byte spill).
+  // 64-key tiles up to d128 (faster at d128 than 32-key tiles: docs/perf.md, "Kernel tuning notes").
   static constexpr int kBlockN = D <= 128 ? 64 : 32;
   static constexpr int kThreads = 32 * kWarps;
   // Q fragments stay in registers where they fit; larger head dims re-read Q from shared memory.
@@ -140,7 +141,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     __syncthreads();  // tile nb is visible to all; every warp is done with the stage about to be refilled
     if (nb + 1 < n_blocks) {
       // The K/V head offsets are recomputed here from opaque copies of b and hk: held across the key loop
-      // as 64-bit values they were spilled (d128). (An opaque tid as well measured worse: 68/72 bytes.)
+      // as 64-bit values they were spilled (d128).
       const int b_nb = static_cast<int>(opaque(b)), hk_nb = static_cast<int>(opaque(hk));
       const T* k_head_nb = static_cast<const T*>(p.k) + b_nb * p.k_st.b + hk_nb * p.k_st.h;
       const T* v_head_nb = static_cast<const T*>(p.v) + b_nb * p.v_st.b + hk_nb * p.v_st.h;
@@ -189,19 +190,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     }
 
     const int n0 = nb * kBlockN;
-    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > warp_row0 + p.causal_offset);
-    if (needs_mask) {
-#pragma unroll
-      for (int mt = 0; mt < kM; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = warp_row0 + mt * 16 + g + (e / 2) * 8;
-            const int col = n0 + nt * 8 + 2 * t + (e % 2);
-            if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[mt][nt][e] = -INFINITY;
-          }
-    }
+    if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
 
     // Online softmax: rescale the running state by exp(m_old - m_new), P = exp(S - m_new).
 #pragma unroll
@@ -210,7 +199,9 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
       for (int r = 0; r < 2; ++r) {
         float mx = row_max[mt][r];
 #pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+          mx = max_propagating_nan(mx, max_propagating_nan(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        }
         mx = quad_max(mx);
         const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
         const float alpha = fast_exp2(row_max[mt][r] * p.scale_log2 - m_scaled);
@@ -268,10 +259,11 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(row_sum[mt][r]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      // l = 0: no key seen (O = 0, lse = -inf); l NaN: a NaN reached the row, and O and lse are NaN.
+      const float inv = l != 0.f ? 1.f / l : 0.f;
       const int row = warp_row0 + mt * 16 + g + 8 * r;
       if (t == 0 && row < p.seq_q) {
-        p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l > 0.f ? row_max[mt][r] * p.scale + logf(l) : -INFINITY;
+        p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? row_max[mt][r] * p.scale + logf(l) : -INFINITY;
       }
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
@@ -304,15 +296,10 @@ void launch_forward(const FlashParams& f, cudaStream_t stream) {
 }
 
 template <class T>
-void dispatch_head_dim(int d, const FlashParams& f, cudaStream_t stream) {
-  switch (d) {
-    case 16: return launch_forward<T, 16>(f, stream);
-    case 32: return launch_forward<T, 32>(f, stream);
-    case 64: return launch_forward<T, 64>(f, stream);
-    case 128: return launch_forward<T, 128>(f, stream);
-    case 256: return launch_forward<T, 256>(f, stream);
-  }
-  fail("flash_attention_forward_cuda: head_dim {} has no kernel", d);
+void dispatch_head_dim(int64_t d, const FlashParams& f, cudaStream_t stream) {
+  const bool launched =
+      with_head_dim<kMmaSyncForwardHeadDims>(d, [&](auto dim) { launch_forward<T, decltype(dim)::value>(f, stream); });
+  FLASHLM_CHECK(launched, "flash_attention_forward_cuda: head_dim {} has no kernel (the capability table lists it)", d);
 }
 
 }  // namespace
@@ -323,8 +310,8 @@ void flash_attention_forward_cuda(const AttentionProblem& p, const TensorView& q
   if (p.batch == 0 || p.seq_q == 0 || p.heads_q == 0) return;
   const auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   const auto s = static_cast<cudaStream_t>(stream);
-  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(static_cast<int>(p.head_dim), f, s);
-  else flash_cuda::dispatch_head_dim<__half>(static_cast<int>(p.head_dim), f, s);
+  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, s);
+  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, s);
 }
 
 }  // namespace flashlm

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "attention/backends.h"
+#include "attention/cuda/flash_common.cuh"
 #include "core/check.h"
 #include "core/cuda_check.h"
 #include "core/softmax_stats.cuh"
@@ -35,18 +36,15 @@ namespace flashlm {
 
 namespace {
 
+using flash_cuda::from_float;
+using flash_cuda::row_strides;
+using flash_cuda::RowStrides;
+
 constexpr int kThreads = 256;  // one block per row of S for the softmax kernels
 constexpr int kWarps = kThreads / 32;
 
 // ---------------------------------------------------------------------------------------------------
-// Element types.
-
-template <class T>
-__device__ __forceinline__ T from_float(float x) {
-  if constexpr (std::is_same_v<T, __half>) return __float2half_rn(x);
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(x);
-  else return x;
-}
+// Element types (from_float: flash_common.cuh).
 
 template <class T>
 constexpr cudaDataType blas_type() {
@@ -58,23 +56,20 @@ constexpr cudaDataType blas_type() {
 // ---------------------------------------------------------------------------------------------------
 // Kernels.
 
-// Byte strides of the (batch, seq, head) dimensions of a [batch, seq, heads, head_dim] tensor.
-struct RowStrides {
-  int64_t b, s, h;
-};
-
-// Copies head_dim-long rows between two [batch, seq, heads, head_dim] layouts, 16 bytes per thread
-// (attention.cpp guarantees 16-byte aligned rows, and head_dim·sizeof(T) is a multiple of 16). The
-// index runs over (b, h, s) so that the packed [B, H, N, D] side is read or written sequentially.
+// Copies head_dim-long rows between two [batch, seq, heads, head_dim] layouts (strides in elements of
+// elem_bytes each), 16 bytes per thread (attention.cpp guarantees 16-byte aligned rows, and
+// head_dim·sizeof(T) is a multiple of 16). The index runs over (b, h, s) so that the packed [B, H, N, D]
+// side is read or written sequentially.
 __global__ void copy_rows(const char* __restrict__ src, RowStrides src_st, char* __restrict__ dst,
-                          RowStrides dst_st, int64_t seq, int64_t heads, int64_t vecs_per_row, int64_t total) {
+                          RowStrides dst_st, int64_t elem_bytes, int64_t seq, int64_t heads, int64_t vecs_per_row,
+                          int64_t total) {
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
   for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < total; idx += step) {
     const int64_t vec = idx % vecs_per_row, row = idx / vecs_per_row;
     const int64_t s = row % seq, bh = row / seq, h = bh % heads, b = bh / heads;
     const int64_t byte = vec * 16;
-    *reinterpret_cast<uint4*>(dst + b * dst_st.b + s * dst_st.s + h * dst_st.h + byte) =
-        *reinterpret_cast<const uint4*>(src + b * src_st.b + s * src_st.s + h * src_st.h + byte);
+    *reinterpret_cast<uint4*>(dst + (b * dst_st.b + s * dst_st.s + h * dst_st.h) * elem_bytes + byte) =
+        *reinterpret_cast<const uint4*>(src + (b * src_st.b + s * src_st.s + h * src_st.h) * elem_bytes + byte);
   }
 }
 
@@ -107,7 +102,7 @@ __global__ void __launch_bounds__(kThreads)
   float m = -INFINITY, l = 0.f;
   for (int64_t j = threadIdx.x; j < visible; j += kThreads) {
     const float x = srow[j];
-    if (x > m) {
+    if (x > m || x != x) {  // a NaN becomes the max: the row's statistics, and so its P and lse, turn NaN
       l = l * expf(m - x) + 1.f;
       m = x;
     } else {
@@ -235,6 +230,7 @@ Dims dims_of(const AttentionProblem& p) {
   d.ld = (p.seq_k + 7) / 8 * 8;
   FLASHLM_CHECK(d.rows <= INT_MAX, "naive_attention: {} query rows (batch · heads · seq_q) exceed one CUDA grid",
                 d.rows);
+  checked_product({d.rows, d.ld, int64_t{sizeof(float)}}, "naive_attention: bytes of the scores S");  // O(N²)
   return d;
 }
 
@@ -244,15 +240,9 @@ Buffer allocate(int64_t elems, size_t elem_size, const char* tag, cudaStream_t s
   return Buffer::allocate_on_stream(static_cast<size_t>(elems) * elem_size, tag, stream);
 }
 
-RowStrides strides_of(const TensorView& t, size_t elem) {
-  const auto e = static_cast<int64_t>(elem);
-  return {t.stride(0) * e, t.stride(1) * e, t.stride(2) * e};
-}
-
-// Byte strides of a packed [batch, heads, seq, head_dim] buffer, seen as [batch, seq, heads, head_dim].
-RowStrides packed_strides(int64_t seq, int64_t heads, int64_t head_dim, size_t elem) {
-  const int64_t row = head_dim * static_cast<int64_t>(elem);
-  return {heads * seq * row, row, seq * row};
+// Strides of a packed [batch, heads, seq, head_dim] buffer, seen as [batch, seq, heads, head_dim].
+RowStrides packed_strides(int64_t seq, int64_t heads, int64_t head_dim) {
+  return {heads * seq * head_dim, head_dim, seq * head_dim};
 }
 
 void copy_heads(const void* src, RowStrides src_st, void* dst, RowStrides dst_st, const TensorView& shape,
@@ -262,8 +252,8 @@ void copy_heads(const void* src, RowStrides src_st, void* dst, RowStrides dst_st
   if (total == 0) return;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65536);
   copy_rows<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const char*>(src), src_st, static_cast<char*>(dst), dst_st, shape.size(1), shape.size(2),
-      vecs_per_row, total);
+      static_cast<const char*>(src), src_st, static_cast<char*>(dst), dst_st, static_cast<int64_t>(elem),
+      shape.size(1), shape.size(2), vecs_per_row, total);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), what);
 }
 
@@ -277,7 +267,7 @@ void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t c
                 src.shape_string(), dst.shape_string(), cols);
   TensorView shape = src;
   shape.sizes[3] = cols;
-  copy_heads(src.data, strides_of(src, elem), dst.data, strides_of(dst, elem), shape, elem,
+  copy_heads(src.data, row_strides(src), dst.data, row_strides(dst), shape, elem,
              static_cast<cudaStream_t>(stream), "copy_head_rows_cuda: copy_rows");
 }
 
@@ -285,14 +275,12 @@ namespace {
 
 // View -> packed [batch, heads, seq, head_dim] buffer.
 void gather(const TensorView& t, void* packed, size_t elem, cudaStream_t stream, const char* what) {
-  copy_heads(t.data, strides_of(t, elem), packed, packed_strides(t.size(1), t.size(2), t.size(3), elem), t, elem,
-             stream, what);
+  copy_heads(t.data, row_strides(t), packed, packed_strides(t.size(1), t.size(2), t.size(3)), t, elem, stream, what);
 }
 
 // Packed [batch, heads, seq, head_dim] buffer -> view.
 void scatter(const void* packed, const TensorView& t, size_t elem, cudaStream_t stream, const char* what) {
-  copy_heads(packed, packed_strides(t.size(1), t.size(2), t.size(3), elem), t.data, strides_of(t, elem), t, elem,
-             stream, what);
+  copy_heads(packed, packed_strides(t.size(1), t.size(2), t.size(3)), t.data, row_strides(t), t, elem, stream, what);
 }
 
 template <class T>

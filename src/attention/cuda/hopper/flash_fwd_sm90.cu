@@ -232,7 +232,9 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
         for (int r = 0; r < 2; ++r) {
           float mx = row_max[r];
 #pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+          for (int j = 0; j < kBlockN / 8; ++j) {
+            mx = max_propagating_nan(mx, max_propagating_nan(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
+          }
           mx = quad_max(mx);
           const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
           alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
@@ -319,11 +321,11 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(row_sum[r]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = l != 0.f ? 1.f / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
         const int row = row0 + 8 * r;
         if (row >= p.seq_q) continue;
         if (t == 0) {
-          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l > 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
+          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
         }
         T* out = o_head + row * p.o_st.s + 2 * t;
 #pragma unroll

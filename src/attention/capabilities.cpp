@@ -1,0 +1,86 @@
+#include "attention/capabilities.h"
+
+#include <string>
+
+#include "core/check.h"
+
+namespace flashlm {
+
+namespace {
+
+constexpr std::array kSixteenBit{DType::f16, DType::bf16};
+constexpr std::array kF32{DType::f32};
+constexpr std::array kCudaDTypes{DType::f16, DType::bf16, DType::f32};
+
+// One row per family.
+const std::array<CudaKernelCapability, 4> kTable{{
+    {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false},
+    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false},
+    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true},
+    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, {}, false, false},
+}};
+
+bool has_dtype(const CudaKernelCapability& c, DType dtype) {
+  for (DType d : c.dtypes) {
+    if (d == dtype) return true;
+  }
+  return false;
+}
+
+std::string head_dim_list(std::span<const int> dims) {
+  std::string s;
+  for (int d : dims) {
+    if (!s.empty()) s += ", ";
+    s += std::to_string(d);
+  }
+  return s;
+}
+
+}  // namespace
+
+std::string_view cuda_kernel_family_name(CudaKernelFamily family) {
+  switch (family) {
+    case CudaKernelFamily::mma_sync: return "mma.sync";
+    case CudaKernelFamily::f32: return "fp32";
+    case CudaKernelFamily::naive: return "naive";
+    case CudaKernelFamily::hopper: return "hopper";
+  }
+  return "unknown";
+}
+
+const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family) {
+  for (const auto& c : kTable) {
+    if (c.family == family) return c;
+  }
+  fail("cuda_kernel_capability: no row for kernel family {}", static_cast<int>(family));
+}
+
+CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
+                                      AttentionPass pass) {
+  FLASHLM_CHECK(p.dtype == DType::f16 || p.dtype == DType::bf16 || p.dtype == DType::f32,
+                "{}: q: dtype {} is not supported on cuda (fp16, bf16 or fp32)", fn, dtype_name(p.dtype));
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  FLASHLM_CHECK(p.head_dim <= kCudaMaxHeadDim && p.head_dim * elem % kCudaRowAlignBytes == 0,
+                "{}: q: head_dim {} is not supported on cuda (at most {}, and rows of a multiple of {} bytes: a "
+                "multiple of {} for {})",
+                fn, p.head_dim, kCudaMaxHeadDim, kCudaRowAlignBytes, kCudaRowAlignBytes / elem, dtype_name(p.dtype));
+
+  CudaKernelFamily family = p.dtype == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync;
+  if (impl == AttentionImpl::naive) family = CudaKernelFamily::naive;
+  const CudaKernelCapability& caps = cuda_kernel_capability(family);
+  FLASHLM_CHECK(has_dtype(caps, p.dtype), "{}: q: the {} attention kernels do not take dtype {}", fn,
+                cuda_kernel_family_name(family), dtype_name(p.dtype));
+  if (caps.any_head_dim) return {family, p.head_dim, false};
+
+  const bool forward = pass == AttentionPass::forward;
+  const std::span<const int> dims = forward ? caps.forward_head_dims : caps.backward_head_dims;
+  for (int d : dims) {
+    if (d == p.head_dim || (caps.pads_head_dim && d > p.head_dim)) return {family, d, d != p.head_dim};
+  }
+  fail("{}: q: head_dim {} has no cuda {} kernel for {} (the {} {} kernels are compiled for head dims {}{})", fn,
+       p.head_dim, forward ? "forward" : "backward", dtype_name(p.dtype), cuda_kernel_family_name(family),
+       forward ? "forward" : "backward", head_dim_list(dims),
+       caps.pads_head_dim ? ", and smaller head dims run the next larger kernel on zero-padded copies" : "");
+}
+
+}  // namespace flashlm

@@ -1,0 +1,81 @@
+// Which CUDA attention kernels exist: for each kernel family, the dtypes, the head dims it is compiled
+// for and the passes (forward, backward) it runs. The one table that the CUDA argument checks
+// (attention.cpp) and the launchers (cuda/flash_fwd.cu, flash_bwd.cu, flash_f32.cu) both read: the
+// launchers instantiate their kernels from the head-dim lists below, so a head dim is supported exactly
+// where a kernel for it is compiled.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "attention/problem.h"
+
+namespace flashlm {
+
+enum class AttentionPass { forward, backward };
+
+enum class CudaKernelFamily {
+  mma_sync,  // fp16/bf16 FlashAttention-2 on tensor cores (mma.sync, cuda/flash_fwd.cu, flash_bwd.cu)
+  f32,       // fp32 FlashAttention-2 on CUDA cores (cuda/flash_f32.cu)
+  naive,     // materialised S and P through cuBLAS (cuda/naive.cu)
+  hopper,    // sm_90a wgmma/TMA forward (cuda/hopper/flash_fwd_sm90.cu): see below
+};
+
+std::string_view cuda_kernel_family_name(CudaKernelFamily family);
+
+// Head dims with a compiled kernel, ascending. The mma.sync backward has no instantiation above 128.
+inline constexpr std::array<int, 5> kMmaSyncForwardHeadDims{16, 32, 64, 128, 256};
+inline constexpr std::array<int, 4> kMmaSyncBackwardHeadDims{16, 32, 64, 128};
+inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
+// The Hopper forward's head dims (no Hopper backward yet). Its predicate needs the views as well as the
+// problem (a TMA descriptor per view, an sm_90 device): flash_forward_sm90_covers (backends.h), asked by
+// the mma.sync family's forward before it falls back to mma.sync (attention.cpp). So plans never name
+// the Hopper family; its row records what it covers (plan_forward_sm90 checks the same head dims).
+inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
+
+// Every CUDA kernel moves rows in 16-byte vectors: head_dim · element size must be a multiple of this.
+inline constexpr int64_t kCudaRowAlignBytes = 16;
+// The largest head dim any CUDA path accepts (the naive path too, though cuBLAS itself has no limit).
+inline constexpr int64_t kCudaMaxHeadDim = 256;
+
+struct CudaKernelCapability {
+  CudaKernelFamily family;
+  std::span<const DType> dtypes;
+  // Compiled head dims per pass, ascending. A family that pads (flash) runs any head dim up to the
+  // largest on the next larger kernel with zero-padded copies; `any_head_dim` families (naive) take
+  // every head dim up to kCudaMaxHeadDim.
+  std::span<const int> forward_head_dims, backward_head_dims;
+  bool pads_head_dim;
+  bool any_head_dim;
+};
+
+// The row of `family` in the table.
+const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family);
+
+// What runs a validated CUDA problem: the kernel family and the head dim of the kernel instantiation
+// (p.head_dim, or the next larger compiled one when the family pads).
+struct CudaAttentionPlan {
+  CudaKernelFamily family;
+  int64_t kernel_head_dim;
+  bool padded;  // kernel_head_dim > p.head_dim: the padded path (attention.cpp) copies around the kernel
+};
+
+// The plan for `p` (dtype and head dim as validate_attention_* found them) with implementation `impl`,
+// or flashlm::Error naming `fn`, the argument (q) and what the table supports.
+CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
+                                      AttentionPass pass);
+
+// Calls fn(std::integral_constant<int, D>{}) for the D of `kDims` equal to head_dim and returns true, or
+// returns false when kDims has no such D: the launchers' switch from a runtime head dim to a template
+// argument, instantiating exactly the kernels the table lists.
+template <const auto& kDims, class Fn>
+bool with_head_dim(int64_t head_dim, Fn&& fn) {
+  return [&]<size_t... I>(std::index_sequence<I...>) {
+    return ((head_dim == kDims[I] ? (fn(std::integral_constant<int, kDims[I]>{}), true) : false) || ...);
+  }(std::make_index_sequence<kDims.size()>{});
+}
+
+}  // namespace flashlm

@@ -1,0 +1,144 @@
+// The CUDA capability table (attention/capabilities.h): which kernel runs which dtype, head dim and
+// pass, and the errors for the rest. Pure host logic: runs without a GPU. test_attention_cuda.cpp checks
+// that the library behaves as the table says on a GPU.
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attention/capabilities.h"
+
+using namespace flashlm;
+
+namespace {
+
+AttentionProblem problem(DType dtype, int64_t head_dim) {
+  AttentionProblem p;
+  p.batch = 1;
+  p.seq_q = p.seq_k = 64;
+  p.heads_q = p.heads_k = 2;
+  p.head_dim = head_dim;
+  p.dtype = dtype;
+  p.device = Device::cuda;
+  return p;
+}
+
+// The plan, or the error message as nullopt plus `message`.
+std::optional<CudaAttentionPlan> plan_of(DType dtype, int64_t head_dim, AttentionPass pass, std::string* message,
+                                         AttentionImpl impl = AttentionImpl::flash) {
+  try {
+    const char* fn = pass == AttentionPass::forward ? "attention_forward" : "attention_backward";
+    return plan_cuda_attention(fn, problem(dtype, head_dim), impl, pass);
+  } catch (const Error& e) {
+    *message = e.what();
+    return std::nullopt;
+  }
+}
+
+// Expects the plan for (dtype, head_dim, pass, impl) to run `family` at `kernel_head_dim`.
+void expect_plan(DType dtype, int64_t head_dim, AttentionPass pass, AttentionImpl impl, CudaKernelFamily family,
+                 int64_t kernel_head_dim) {
+  std::string message;
+  const auto plan = plan_of(dtype, head_dim, pass, &message, impl);
+  const std::string what = std::string(dtype_name(dtype)) + " d" + std::to_string(head_dim) +
+                           (pass == AttentionPass::forward ? " forward" : " backward");
+  ASSERT_TRUE(plan) << what << ": " << message;
+  EXPECT_EQ(plan->family, family) << what;
+  EXPECT_EQ(plan->kernel_head_dim, kernel_head_dim) << what;
+  EXPECT_EQ(plan->padded, kernel_head_dim != head_dim) << what;
+}
+
+TEST(AttentionCapabilities, CompiledHeadDimsRunTheirOwnKernel) {
+  for (int d : {16, 32, 64, 128, 256}) {
+    for (DType dt : {DType::f16, DType::bf16, DType::f32}) {
+      expect_plan(dt, d, AttentionPass::forward, AttentionImpl::flash,
+                  dt == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync, d);
+    }
+  }
+}
+
+TEST(AttentionCapabilities, OtherHeadDimsPadToTheNextKernelOfThePass) {
+  struct Want {
+    DType dtype;
+    int64_t head_dim;
+    AttentionPass pass;
+    int64_t kernel;
+  };
+  const Want wants[] = {
+      {DType::bf16, 8, AttentionPass::forward, 16},    {DType::bf16, 80, AttentionPass::forward, 128},
+      {DType::f16, 96, AttentionPass::backward, 128},  {DType::f16, 200, AttentionPass::forward, 256},
+      {DType::f32, 4, AttentionPass::backward, 16},    {DType::f32, 80, AttentionPass::backward, 128},
+      {DType::f32, 160, AttentionPass::backward, 256}, {DType::bf16, 40, AttentionPass::backward, 64},
+  };
+  for (const Want& w : wants) {
+    expect_plan(w.dtype, w.head_dim, w.pass, AttentionImpl::flash,
+                w.dtype == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync, w.kernel);
+  }
+}
+
+TEST(AttentionCapabilities, SixteenBitBackwardStopsAt128) {
+  for (int64_t d : {136, 160, 256}) {
+    for (DType dt : {DType::f16, DType::bf16}) {
+      std::string message;
+      EXPECT_TRUE(plan_of(dt, d, AttentionPass::forward, &message)) << message;
+      EXPECT_FALSE(plan_of(dt, d, AttentionPass::backward, &message));
+      EXPECT_NE(message.find("attention_backward: q: head_dim " + std::to_string(d) + " has no cuda backward kernel"),
+                std::string::npos)
+          << message;
+      EXPECT_NE(message.find("16, 32, 64, 128"), std::string::npos) << message;
+    }
+  }
+}
+
+TEST(AttentionCapabilities, NaiveTakesEveryAlignedHeadDimUnpadded) {
+  for (int64_t d : {8, 24, 80, 200, 256}) {
+    for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+      expect_plan(DType::bf16, d, pass, AttentionImpl::naive, CudaKernelFamily::naive, d);
+    }
+  }
+}
+
+TEST(AttentionCapabilities, UnalignedOrTooLargeHeadDimsAndOtherDtypesAreErrors) {
+  struct Bad {
+    DType dtype;
+    int64_t head_dim;
+    const char* fragment;
+  };
+  const Bad bads[] = {
+      {DType::bf16, 36, "head_dim 36 is not supported on cuda (at most 256, and rows of a multiple of 16 bytes: a "
+                        "multiple of 8 for bf16)"},
+      {DType::f32, 6, "head_dim 6 is not supported on cuda"},
+      {DType::f16, 264, "head_dim 264 is not supported on cuda"},
+      {DType::f64, 64, "q: dtype fp64 is not supported on cuda (fp16, bf16 or fp32)"},
+  };
+  for (const Bad& b : bads) {
+    for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+      std::string message;
+      EXPECT_FALSE(plan_of(b.dtype, b.head_dim, AttentionPass::forward, &message, impl));
+      EXPECT_NE(message.find(b.fragment), std::string::npos) << message;
+    }
+  }
+}
+
+// The Hopper forward is asked inside the mma.sync family (its predicate needs the views): plans name
+// mma.sync, its fallback, and the Hopper row has no backward.
+TEST(AttentionCapabilities, HopperIsTheMmaSyncForwardsFirstChoiceWithoutABackward) {
+  for (int d : kHopperForwardHeadDims) {
+    expect_plan(DType::bf16, d, AttentionPass::forward, AttentionImpl::flash, CudaKernelFamily::mma_sync, d);
+  }
+  const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
+  EXPECT_TRUE(hopper.backward_head_dims.empty());
+  EXPECT_EQ(hopper.forward_head_dims.size(), 3u);
+}
+
+TEST(AttentionCapabilities, WithHeadDimInstantiatesExactlyTheListedDims) {
+  std::vector<int> seen;
+  for (int64_t d : {8, 16, 24, 32, 64, 100, 128, 256}) {
+    const bool found = with_head_dim<kMmaSyncBackwardHeadDims>(d, [&](auto dim) { seen.push_back(dim.value); });
+    EXPECT_EQ(found, d == 16 || d == 32 || d == 64 || d == 128) << d;
+  }
+  EXPECT_EQ(seen, (std::vector<int>{16, 32, 64, 128}));
+}
+
+}  // namespace
