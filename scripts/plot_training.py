@@ -15,6 +15,8 @@ from plotlib import pyplot  # noqa: E402
 
 def read_log(path):
     train, val = [], []
+    if not os.path.isfile(path):
+        sys.exit(f"error: {path}: no such file")
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():

@@ -163,6 +163,19 @@ bool launched_with_peers() {
   return false;
 }
 
+// torchrun (and torch.distributed.launch) start N copies with RANK / WORLD_SIZE / LOCAL_RANK and no MPI:
+// each copy would run alone, N identical runs writing the same files. Refused before anything runs.
+void refuse_torchrun() {
+  const char* world = std::getenv("WORLD_SIZE");
+  const bool torch_launcher = std::getenv("TORCHELASTIC_RUN_ID") || (std::getenv("LOCAL_RANK") && world && std::atoi(world) > 1);
+  if (torch_launcher && !launched_with_peers()) {
+    throw UsageError(fmt::format("launched by torchrun (WORLD_SIZE={}, RANK={}): flashlm's ranks come from MPI; run "
+                                 "'mpirun -np {} flashlm ...' instead (each torchrun copy would train alone)",
+                                 world ? world : "?", std::getenv("RANK") ? std::getenv("RANK") : "?",
+                                 world ? world : "N"));
+  }
+}
+
 // --device: cpu or cuda; left out, cuda when a GPU is visible (every command that runs on either).
 flashlm::Device device_or_default(const std::string& device) {
   using namespace flashlm;
@@ -773,6 +786,7 @@ int main(int argc, char** argv) {
 
   flashlm::set_report_command_line(argc, argv);
   try {
+    refuse_torchrun();
     app.parse(argc, argv);
     if (app.got_subcommand("attention-bench")) {
       return run_attention_bench_command(bench_args, app.get_subcommand("attention-bench")->count("--grid") > 0);

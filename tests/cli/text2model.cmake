@@ -90,3 +90,10 @@ if(NOT version MATCHES "^[0-9]+\\.[0-9]+" OR commit STREQUAL "" OR NOT word STRE
    OR NOT time MATCHES "^20[0-9][0-9]-[0-9][0-9]-[0-9][0-9]T" OR device STREQUAL "")
   message(FATAL_ERROR "the report's provenance is incomplete:\n${out}")
 endif()
+
+# torchrun's copies would each train alone: refused with a pointer to mpirun.
+execute_process(COMMAND ${CMAKE_COMMAND} -E env WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 ${FLASHLM} info
+                RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: launched by torchrun \\(WORLD_SIZE=2, RANK=1\\).*mpirun -np 2")
+  message(FATAL_ERROR "torchrun's environment: exit ${rc}\nstderr: ${err}")
+endif()
