@@ -133,14 +133,31 @@ void emit_report(Render&& render, flashlm::ReportFormat format, const std::strin
   }
 }
 
-// Runs fn(comm) on every rank of the job (a world of one without mpirun). A failure on one rank ends the
-// whole job (MPI_Abort) instead of leaving its peers waiting in a collective; MPI is finalized on success.
+// --collective-timeout-s, the same for every command that runs under mpirun. Unset (-1): the
+// communicator's default ($FLASHLM_DIST_TIMEOUT_S, else 600 s).
+void add_collective_timeout_option(CLI::App* cmd, double& seconds) {
+  constexpr double kWeek = 7 * 86400.0;
+  cmd->add_option("--collective-timeout-s", seconds,
+                  "End the job with an error when a collective waits longer than this for the other ranks (a rank "
+                  "stalled or died); 0: never; default $FLASHLM_DIST_TIMEOUT_S, else 600")
+      ->check(in_range(0.0, kWeek));
+}
+
+// Runs fn(comm) on every rank of the job (a world of one without mpirun), with the collective timeout
+// `timeout_s` (< 0: the communicator's default). A failure on one rank ends the whole job (MPI_Abort)
+// instead of leaving its peers waiting in a collective; MPI is finalized on success, and when every rank
+// found the same usage error together (ranks started with different settings: exit 2 on every rank).
 template <class Fn>
-int run_on_every_rank(Fn&& fn) {
+int run_on_every_rank(double timeout_s, Fn&& fn) {
+  int status = 0;
   {
     flashlm::Communicator comm;  // MPI_Init
+    if (timeout_s >= 0) comm.set_timeout(timeout_s);
     try {
       fn(comm);
+    } catch (const flashlm::SettingsMismatch& e) {
+      fmt::print(stderr, "error: {}\n", e.what());
+      status = 2;
     } catch (const std::exception& e) {
       if (comm.world_size() > 1) {
         fmt::print(stderr, "error: rank {}: {}\n", comm.rank(), e.what());
@@ -151,7 +168,7 @@ int run_on_every_rank(Fn&& fn) {
     }
   }
   flashlm::Communicator::finalize();
-  return 0;
+  return status;
 }
 
 // Whether a launcher started this process as one of several ranks (mpirun, srun), before MPI is started.
@@ -427,6 +444,7 @@ struct TrainArgs {
   double bucket_mb = 25;
   int64_t grad_accum = 1;
   int zero = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
+  double collective_timeout_s = -1;
 };
 
 // --reduce-dtype and --nccl-max-ctas, the same for train and ddp-bench (a comma list there).
@@ -530,6 +548,7 @@ void add_train(CLI::App& app, TrainArgs& a) {
       ->capture_default_str()
       ->check(CLI::Range(0, 1));
   add_gradient_sync_options(cmd, a.reduce_dtype, a.nccl_max_ctas, a.gemm_sm_reserve, "Element type of the DDP gradient all-reduce");
+  add_collective_timeout_option(cmd, a.collective_timeout_s);
 }
 
 int run_train_command(const TrainArgs& a) {
@@ -598,7 +617,7 @@ int run_train_command(const TrainArgs& a) {
     run();
     return 0;
   }
-  return run_on_every_rank([&](Communicator& comm) {
+  return run_on_every_rank(a.collective_timeout_s, [&](Communicator& comm) {
     comm.set_nccl_max_ctas(a.nccl_max_ctas);
     cfg.comm = &comm;
     run();
@@ -608,6 +627,7 @@ int run_train_command(const TrainArgs& a) {
 struct AllReduceBenchArgs {
   std::string sizes = "1MB,10MB,100MB,1GB", dtype = "fp32", device, format = "md", out;
   int warmup = 5, iters = 20;
+  double collective_timeout_s = -1;
   bool quiet = false;
 };
 
@@ -629,6 +649,7 @@ void add_allreduce_bench(CLI::App& app, AllReduceBenchArgs& a) {
   cmd->add_option("--iters", a.iters, "Timed all-reduces per size")
       ->capture_default_str()
       ->check(in_range(1, kMaxReps));
+  add_collective_timeout_option(cmd, a.collective_timeout_s);
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
@@ -659,7 +680,7 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
   cfg.warmup = a.warmup;
   cfg.iters = a.iters;
 
-  return run_on_every_rank([&](Communicator& comm) {
+  return run_on_every_rank(a.collective_timeout_s, [&](Communicator& comm) {
     if (!a.quiet && comm.is_root()) {
       cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
       fmt::print(stderr, "allreduce-bench: {} rank(s), {} on this node, {}\n", comm.world_size(), comm.local_size(),
@@ -677,6 +698,7 @@ struct DdpBenchArgs {
   std::string reduce_dtype = "fp32", device, precision, format = "md", out;
   int64_t context = 512, batch = 4, vocab = 10000;
   int warmup = 3, steps = 10, threads = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
+  double collective_timeout_s = -1;
   bool quiet = false;
 };
 
@@ -708,6 +730,7 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));
   cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(in_range(1, kMaxReps));
   add_threads_option(cmd, a.threads);
+  add_collective_timeout_option(cmd, a.collective_timeout_s);
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
@@ -740,7 +763,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   cfg.warmup = a.warmup;
   cfg.steps = a.steps;
   if (a.threads > 0) set_cpu_threads(a.threads);
-  return run_on_every_rank([&](Communicator& comm) {
+  return run_on_every_rank(a.collective_timeout_s, [&](Communicator& comm) {
     if (!a.quiet && comm.is_root()) {
       cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
       fmt::print(stderr, "ddp-bench: {} rank(s), {} ctx {} x {} sequences per rank, {} on {}\n", comm.world_size(),

@@ -12,11 +12,18 @@
 //     it (OpenMPI's finalize waits for every peer) while its peers wait in their collective: a deadlock.
 //     Under srun, abort() (MPI_Abort) ends the whole step; a plain non-zero exit does so only with
 //     `srun --kill-on-bad-exit=1`.
-//   - GPU collectives are waited for by polling the stream and ncclCommGetAsyncError with a timeout
-//     (set_timeout, default 600 s or $FLASHLM_DIST_TIMEOUT_S); on an NCCL error or the timeout the NCCL
-//     communicator is aborted (ncclCommAbort) and the wait throws. Limitation: creating the NCCL
-//     communicator and NCCL's lazy connection set-up at the first collective block the host without a
-//     timeout; a peer that dies there is handled by the launcher (mpirun kills the job).
+//   - A rank that stalls (hangs, or calls other collectives than its peers) is caught by the collective
+//     timeout (set_timeout; default 600 s or $FLASHLM_DIST_TIMEOUT_S; 0: off). In a job of several ranks a
+//     watchdog thread watches every blocking MPI call of the communicator (the collectives, wait(request),
+//     the NCCL set-up) and the GPU collectives queued on its stream (an event recorded behind them,
+//     ncclCommGetAsyncError polled): one that has not finished within the timeout, or an NCCL error, makes
+//     it print "error: rank R: <operation> did not finish within T s ..." and end the job (MPI_Abort). The
+//     peers of a stalled rank are the ones that report, since they are the ones waiting.
+//   - synchronize() waits for the GPU collectives itself, polling the stream and ncclCommGetAsyncError
+//     with the same timeout; on an NCCL error or the timeout it aborts the NCCL communicator
+//     (ncclCommAbort) and throws, so that a caller may give up cleanly before the watchdog ends the job.
+//   - Ranks started with different settings: agree_settings() compares the whole run configuration at
+//     the start and throws SettingsMismatch on every rank, naming the setting.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -24,9 +31,23 @@
 #include <string>
 #include <string_view>
 
+#include "flashlm/error.h"
 #include "flashlm/tensor.h"
 
 namespace flashlm {
+
+// One setting of a run for Communicator::agree_settings: its name ("steps", "optimizer.lr_max") and its
+// value as canonical text (integers in decimal, reals in shortest round-trip form, lists comma-joined).
+struct RunSetting {
+  std::string name, value;
+};
+
+// Thrown by Communicator::agree_settings on every rank at once, when the ranks of a job were started with
+// different settings: a usage error of the whole job (the CLI exits 2 on every rank), not a failed rank.
+class SettingsMismatch : public Error {
+ public:
+  using Error::Error;
+};
 
 // avg: the sum divided by the world size (NCCL's ncclAvg; sum then scale on the CPU).
 enum class ReduceOp : uint8_t { sum, avg, max, min };
@@ -122,6 +143,14 @@ class Communicator {
   // otherwise every rank throws "ranks disagree on <what>: rank 0 has X, rank 2 has Y".
   int64_t agree(int64_t value, std::string_view what);
 
+  // Checks that every rank has the same run settings (the same names and values in the same order): each
+  // rank hashes their canonical serialisation and the hashes are all-gathered; when they differ, rank 0's
+  // settings go to the lowest rank R that differs, which compares them one by one, and every rank throws
+  // SettingsMismatch("rank R's run configuration differs from rank 0's in <name> (rank 0: X, rank R: Y)
+  // [, <name> (...)]") listing every setting that differs. Settings that may legitimately differ per rank
+  // (output paths, thread counts) are the caller's to leave out.
+  void agree_settings(std::span<const RunSetting> settings);
+
   // Collective: "" when `local_error` is empty on every rank; otherwise, on every rank, "rank R: <its
   // error>" of the lowest rank that has one. For decisions all ranks must take together (skip a step,
   // give up), so that no rank is left alone in a later collective.
@@ -163,6 +192,8 @@ class Communicator {
   // Blocks the host until every GPU collective queued so far has finished, polling NCCL's asynchronous
   // error state; throws (and aborts the NCCL communicator) on an NCCL error or after the timeout.
   void synchronize();
+  // The collective timeout in seconds (see the top of this file): finite, >= 0, 0 turns it off. Local to
+  // this rank, which may be changed at any time; the watchdog reads it at each poll.
   void set_timeout(double seconds);
   double timeout() const;
 

@@ -102,6 +102,31 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   }
 }
 
+// Every setting of the benchmark: the ranks must agree on all (Communicator::agree_settings). The report's
+// destination and the CPU threads are the CLI's and rank-local.
+std::vector<RunSetting> run_settings(const DdpBenchConfig& cfg) {
+  auto list = [](const auto& items, auto&& name) {
+    std::string text;
+    for (const auto& item : items) text += fmt::format("{}{}", text.empty() ? "" : ",", name(item));
+    return text;
+  };
+  return {{"model", cfg.model},
+          {"context", fmt::format("{}", cfg.context)},
+          {"batch", fmt::format("{}", cfg.batch)},
+          {"vocab", fmt::format("{}", cfg.vocab)},
+          {"device", std::string(device_name(cfg.device))},
+          {"precision", std::string(dtype_name(cfg.precision))},
+          {"variants", list(cfg.variants, ddp_variant_name)},
+          {"bucket_mb", list(cfg.bucket_mb, [](double mb) { return mb; })},
+          {"reduce_dtypes", list(cfg.reduce_dtypes, dtype_name)},
+          {"zero1", list(cfg.zero1, [](bool on) { return on ? 1 : 0; })},
+          {"nccl_max_ctas", fmt::format("{}", cfg.nccl_max_ctas)},
+          {"gemm_sm_reserve", fmt::format("{}", cfg.gemm_sm_reserve)},
+          {"fsdp_prefetch", fmt::format("{}", cfg.fsdp_prefetch)},
+          {"warmup", fmt::format("{}", cfg.warmup)},
+          {"steps", fmt::format("{}", cfg.steps)}};
+}
+
 }  // namespace
 
 std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConfig& cfg) {
@@ -112,18 +137,8 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   for (double mb : cfg.bucket_mb) FLASHLM_CHECK(mb > 0, "ddp-bench: bucket size {} MB, expected > 0", mb);
   FLASHLM_CHECK(!cfg.reduce_dtypes.empty(), "ddp-bench: no gradient reduction type to measure");
   FLASHLM_CHECK(cfg.nccl_max_ctas >= 0, "ddp-bench: nccl_max_ctas = {}, expected >= 0", cfg.nccl_max_ctas);
-  comm.agree(static_cast<int64_t>(cfg.variants.size()), "the number of DDP variants");
-  for (DdpVariant v : cfg.variants) comm.agree(static_cast<int64_t>(v), "the DDP variants");
-  comm.agree(static_cast<int64_t>(cfg.bucket_mb.size()), "the number of bucket sizes");
-  comm.agree(static_cast<int64_t>(cfg.reduce_dtypes.size()), "the number of gradient reduction types");
-  for (DType t : cfg.reduce_dtypes) comm.agree(static_cast<int64_t>(t), "the gradient reduction types");
-  comm.agree(static_cast<int64_t>(cfg.zero1.size()), "the ZeRO-1 settings");
   resolve_gemm_sm_reserve(cfg.gemm_sm_reserve, comm);  // checks it before any rank builds a model
-  comm.agree(cfg.gemm_sm_reserve, "the GEMM SM reserve");
-  comm.agree(cfg.fsdp_prefetch, "the FSDP prefetch depth");
-  comm.agree(cfg.warmup, "the warm-up steps");
-  comm.agree(cfg.steps, "the timed steps");
-  comm.agree(static_cast<int64_t>(cfg.device), "the device");
+  comm.agree_settings(run_settings(cfg));
   if (cfg.device == Device::cuda) {
     comm.set_nccl_max_ctas(cfg.nccl_max_ctas);
     comm.setup_cuda();  // this rank's GPU, before the model is placed

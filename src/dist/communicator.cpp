@@ -7,10 +7,16 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <climits>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "core/check.h"
@@ -96,13 +102,172 @@ int env_int(const char* name) {
   return (*end == '\0' && x >= 0 && x <= INT_MAX) ? static_cast<int>(x) : -1;
 }
 
+constexpr double kDefaultTimeoutS = 600.0;
+
+void check_timeout(double seconds, const char* where) {
+  FLASHLM_CHECK(std::isfinite(seconds) && seconds >= 0, "{}: collective timeout {} s, expected a finite number >= 0 "
+                "(0: no timeout)", where, seconds);
+}
+
+// $FLASHLM_DIST_TIMEOUT_S (seconds, 0: off) when set, else kDefaultTimeoutS.
 double default_timeout_s() {
-  if (const char* v = std::getenv("FLASHLM_DIST_TIMEOUT_S")) {
-    char* end = nullptr;
-    const double s = std::strtod(v, &end);
-    if (end != v && *end == '\0' && s > 0) return s;
+  const char* v = std::getenv("FLASHLM_DIST_TIMEOUT_S");
+  if (!v || !*v) return kDefaultTimeoutS;
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  FLASHLM_CHECK(end != v && *end == '\0', "FLASHLM_DIST_TIMEOUT_S='{}': expected a number of seconds", v);
+  check_timeout(s, "FLASHLM_DIST_TIMEOUT_S");
+  return s;
+}
+
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// The collective timeout of one communicator of a job of several ranks: a thread of its own that polls
+// (every kPoll) whether the blocking MPI call in progress, if any, has run past the timeout, and asks the
+// NCCL communicator, once there is one, whether its queued collectives have. Either ends the job: a rank
+// stuck in a collective cannot throw, and its peers are stuck too. The calls it watches are marked with
+// enter()/leave() by the thread that makes them (cheap: two atomic stores).
+class Watchdog {
+ public:
+  static constexpr std::chrono::milliseconds kPoll{100};
+
+  Watchdog(int rank, double timeout_s) : rank_(rank), timeout_s_(timeout_s), thread_([this] { run(); }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
   }
-  return 600.0;
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  void set_timeout(double seconds) { timeout_s_.store(seconds, std::memory_order_relaxed); }
+
+  // `call` names the MPI function (a string literal).
+  void enter(const char* call) {
+    call_.store(call, std::memory_order_relaxed);
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    since_ns_.store(steady_ns(), std::memory_order_release);
+  }
+  void leave() { since_ns_.store(0, std::memory_order_release); }
+
+#ifdef FLASHLM_WITH_NCCL
+  // The NCCL communicator to poll from now on (it outlives the watchdog: Communicator::Impl stops the
+  // watchdog before destroying it).
+  void watch(dist::NcclComm* nccl) {
+    std::lock_guard lock(mu_);
+    nccl_ = nccl;
+  }
+#endif
+
+ private:
+  void run() {
+    std::unique_lock lock(mu_);
+    while (!wake_.wait_for(lock, kPoll, [this] { return stop_; })) {
+      const double timeout = timeout_s_.load(std::memory_order_relaxed);
+      if (timeout <= 0) continue;
+      const int64_t since = since_ns_.load(std::memory_order_acquire);
+      if (since != 0 && double(steady_ns() - since) > timeout * 1e9) {
+        end_job(fmt::format("{} (collective call {} of this rank) did not finish within {} s", call_.load(),
+                            calls_.load(), timeout));
+      }
+#ifdef FLASHLM_WITH_NCCL
+      if (nccl_) {
+        if (const std::string stalled = nccl_->watchdog_poll(timeout); !stalled.empty()) end_job(stalled);
+      }
+#endif
+    }
+  }
+
+  [[noreturn]] void end_job(const std::string& what) const {
+    std::fprintf(stderr,
+                 "error: rank %d: %s: a rank stalled, died or called other collectives than its peers (the collective "
+                 "timeout: --collective-timeout-s or $FLASHLM_DIST_TIMEOUT_S); ending the job\n",
+                 rank_, what.c_str());
+    std::fflush(stderr);
+    Communicator::abort(1);
+  }
+
+  const int rank_;
+  std::atomic<double> timeout_s_;
+  std::atomic<const char*> call_{""};
+  std::atomic<int64_t> calls_{0};
+  std::atomic<int64_t> since_ns_{0};  // when the call in progress began; 0: none
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+#ifdef FLASHLM_WITH_NCCL
+  dist::NcclComm* nccl_ = nullptr;
+#endif
+  std::thread thread_;  // last: starts once everything above is initialised
+};
+
+// A blocking call in progress, for the watchdog (if any) from construction to destruction.
+class Watched {
+ public:
+  Watched(Watchdog* watchdog, const char* call) : watchdog_(watchdog) {
+    if (watchdog_) watchdog_->enter(call);
+  }
+  ~Watched() {
+    if (watchdog_) watchdog_->leave();
+  }
+  Watched(const Watched&) = delete;
+  Watched& operator=(const Watched&) = delete;
+
+ private:
+  Watchdog* watchdog_;
+};
+
+// The settings as one text: each name and value followed by a NUL (so that no two lists serialise alike).
+std::string serialise_settings(std::span<const RunSetting> settings) {
+  std::string text;
+  for (const RunSetting& s : settings) (text += s.name) += '\0', (text += s.value) += '\0';
+  return text;
+}
+
+uint64_t fnv1a_64(std::string_view text) {
+  uint64_t h = 14695981039346656037ull;
+  for (char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+std::vector<RunSetting> parse_settings(const std::string& text) {
+  std::vector<RunSetting> out;
+  for (size_t at = 0; at < text.size();) {
+    const size_t name_end = text.find('\0', at);
+    const size_t value_end = name_end == std::string::npos ? std::string::npos : text.find('\0', name_end + 1);
+    if (value_end == std::string::npos) break;
+    out.push_back({text.substr(at, name_end - at), text.substr(name_end + 1, value_end - name_end - 1)});
+    at = value_end + 1;
+  }
+  return out;
+}
+
+// What differs between rank 0's settings and rank `rank`'s: "steps (rank 0: 3, rank 1: 4), ...".
+std::string settings_difference(std::span<const RunSetting> root, std::span<const RunSetting> mine, int rank) {
+  std::string out;
+  const size_t common = std::min(root.size(), mine.size());
+  for (size_t i = 0; i < common; ++i) {
+    if (root[i].name != mine[i].name) {
+      // Another list of settings altogether (another build of flashlm on that rank): stop comparing.
+      return fmt::format("{}{}the list of settings (setting {} is {} on rank 0, {} on rank {})", out,
+                         out.empty() ? "" : ", ", i + 1, root[i].name, mine[i].name, rank);
+    }
+    if (root[i].value != mine[i].value) {
+      out += fmt::format("{}{} (rank 0: {}, rank {}: {})", out.empty() ? "" : ", ", root[i].name, root[i].value, rank,
+                         mine[i].value);
+    }
+  }
+  if (root.size() != mine.size()) {
+    out += fmt::format("{}the number of settings (rank 0: {}, rank {}: {})", out.empty() ? "" : ", ", root.size(),
+                       rank, mine.size());
+  }
+  return out;
 }
 
 MPI_Datatype mpi_type(DType t, const char* fn, const char* arg) {
@@ -191,8 +356,10 @@ struct Communicator::Impl {
 #ifdef FLASHLM_WITH_NCCL
   std::unique_ptr<dist::NcclComm> nccl;
 #endif
+  std::unique_ptr<Watchdog> watchdog;  // jobs of several ranks
 
   ~Impl() {
+    watchdog.reset();  // before the NCCL communicator it polls
 #ifdef FLASHLM_WITH_NCCL
     nccl.reset();
 #endif
@@ -204,6 +371,28 @@ struct Communicator::Impl {
   }
 
   void check(int rc, const char* call) const { check_mpi(rc, call, rank); }
+
+  // An MPI call that blocks until the peers take part (a collective, a wait), watched by the watchdog.
+  template <class Call>
+  void blocking(const char* call, Call&& fn) {
+    int rc = MPI_SUCCESS;
+    {
+      const Watched watched(watchdog.get(), call);
+      rc = fn();
+    }
+    check(rc, call);
+  }
+
+  // Collective: root's `text` on every rank.
+  std::string broadcast_text(std::string text, int root) {
+    FLASHLM_CHECK(text.size() <= size_t(INT_MAX), "Communicator: {} bytes of text to broadcast, MPI takes at most {}",
+                  text.size(), INT_MAX);
+    int len = static_cast<int>(text.size());
+    blocking("MPI_Bcast", [&] { return MPI_Bcast(&len, 1, MPI_INT, root, comm); });
+    text.resize(static_cast<size_t>(len));
+    blocking("MPI_Bcast", [&] { return MPI_Bcast(text.data(), len, MPI_CHAR, root, comm); });
+    return text;
+  }
 
   [[noreturn]] void no_cuda(const char* fn) const {
     fail("Communicator::{}: a CUDA view, but flashlm was built without NCCL{}", fn,
@@ -218,7 +407,9 @@ Communicator::Communicator() : impl_(std::make_unique<Impl>()) {
   m.check(MPI_Comm_set_errhandler(m.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   m.check(MPI_Comm_rank(m.comm, &m.rank), "MPI_Comm_rank");
   m.check(MPI_Comm_size(m.comm, &m.size), "MPI_Comm_size");
-  m.check(MPI_Comm_split_type(m.comm, MPI_COMM_TYPE_SHARED, m.rank, MPI_INFO_NULL, &m.local), "MPI_Comm_split_type");
+  if (m.size > 1) m.watchdog = std::make_unique<Watchdog>(m.rank, m.timeout_s);
+  m.blocking("MPI_Comm_split_type",
+             [&] { return MPI_Comm_split_type(m.comm, MPI_COMM_TYPE_SHARED, m.rank, MPI_INFO_NULL, &m.local); });
   m.check(MPI_Comm_rank(m.local, &m.local_index), "MPI_Comm_rank");
   m.check(MPI_Comm_size(m.local, &m.local_size), "MPI_Comm_size");
   // What the launcher says first (mpirun, then srun), the shared-memory split otherwise or when the
@@ -266,8 +457,7 @@ void Communicator::all_reduce(const TensorView& x, ReduceOp op, void* stream) {
   const size_t esize = dtype_size(x.dtype);
   for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
     const int count = static_cast<int>(std::min(kMpiChunk, x.numel() - begin));
-    m.check(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x.data) + begin * esize, count, type, mpi_op(op), m.comm),
-            "MPI_Allreduce");
+    m.blocking("MPI_Allreduce", [&] { return MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x.data) + begin * esize, count, type, mpi_op(op), m.comm); });
   }
   if (op == ReduceOp::avg) divide(x, m.size);
 }
@@ -302,8 +492,8 @@ CommRequest Communicator::all_reduce_async(const TensorView& x, ReduceOp op, voi
 void Communicator::wait(CommRequest& request) {
   if (!request.state_) return;
   CommRequest::State& st = *request.state_;
-  check_mpi(MPI_Waitall(static_cast<int>(st.requests.size()), st.requests.data(), MPI_STATUSES_IGNORE), "MPI_Waitall",
-            st.rank);
+  impl_->blocking("MPI_Waitall",
+                  [&] { return MPI_Waitall(static_cast<int>(st.requests.size()), st.requests.data(), MPI_STATUSES_IGNORE); });
   if (st.result_at && st.result_at != st.x.data) std::memmove(st.x.data, st.result_at, nbytes(st.x));
   if (st.op == ReduceOp::avg) divide(st.x, st.world_size);
   request.state_.reset();
@@ -338,7 +528,7 @@ void Communicator::broadcast(const TensorView& x, int root, void* stream) {
   const size_t esize = dtype_size(x.dtype);
   for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
     const int count = static_cast<int>(std::min(kMpiChunk, x.numel() - begin));
-    m.check(MPI_Bcast(static_cast<char*>(x.data) + begin * esize, count, type, root, m.comm), "MPI_Bcast");
+    m.blocking("MPI_Bcast", [&] { return MPI_Bcast(static_cast<char*>(x.data) + begin * esize, count, type, root, m.comm); });
   }
 }
 
@@ -368,8 +558,7 @@ void Communicator::all_gather(const TensorView& in, const TensorView& out, void*
   FLASHLM_CHECK(in.numel() <= INT_MAX, "Communicator::all_gather: {} elements per rank, MPI takes at most {}",
                 in.numel(), INT_MAX);
   const int count = static_cast<int>(in.numel());
-  m.check(MPI_Allgather(in_place ? MPI_IN_PLACE : in.data, count, type, out.data, count, type, m.comm),
-          "MPI_Allgather");
+  m.blocking("MPI_Allgather", [&] { return MPI_Allgather(in_place ? MPI_IN_PLACE : in.data, count, type, out.data, count, type, m.comm); });
 }
 
 // Checks a reduce-scatter's views (`call` names it) and says whether it is in place: `out` is this rank's
@@ -407,11 +596,10 @@ void Communicator::reduce_scatter(const TensorView& in, const TensorView& out, R
   const int count = static_cast<int>(out.numel());
   if (in_place) {
     // MPI's in-place form reads the whole input from the receive buffer and leaves the result at its start.
-    m.check(MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data, count, type, mpi_op(op), m.comm),
-            "MPI_Reduce_scatter_block");
+    m.blocking("MPI_Reduce_scatter_block", [&] { return MPI_Reduce_scatter_block(MPI_IN_PLACE, in.data, count, type, mpi_op(op), m.comm); });
     if (out.data != in.data) std::memmove(out.data, in.data, nbytes(out));
   } else {
-    m.check(MPI_Reduce_scatter_block(in.data, out.data, count, type, mpi_op(op), m.comm), "MPI_Reduce_scatter_block");
+    m.blocking("MPI_Reduce_scatter_block", [&] { return MPI_Reduce_scatter_block(in.data, out.data, count, type, mpi_op(op), m.comm); });
   }
   if (op == ReduceOp::avg) divide(out, m.size);
 }
@@ -478,8 +666,7 @@ void Communicator::all_gather_v(const TensorView& x, std::span<const int64_t> co
     sizes[r] = static_cast<int>(counts[r]);
     displs[r] = static_cast<int>(at);
   }
-  m.check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x.data, sizes.data(), displs.data(), type, m.comm),
-          "MPI_Allgatherv");
+  m.blocking("MPI_Allgatherv", [&] { return MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x.data, sizes.data(), displs.data(), type, m.comm); });
 }
 
 void Communicator::check_segments(const TensorView& x, std::span<const Segment> segments, const char* call) const {
@@ -544,35 +731,52 @@ void Communicator::all_gather_segments(const TensorView& x, std::span<const Segm
   for (const Segment& s : segments) {
     if (s.part == 0) continue;
     void* at = static_cast<char*>(x.data) + size_t(s.offset) * dtype_size(x.dtype);
-    m.check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, at, static_cast<int>(s.part), type, m.comm),
-            "MPI_Allgather");
+    m.blocking("MPI_Allgather", [&] { return MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, at, static_cast<int>(s.part), type, m.comm); });
   }
 }
 
-void Communicator::barrier() { impl_->check(MPI_Barrier(impl_->comm), "MPI_Barrier"); }
+void Communicator::barrier() {
+  impl_->blocking("MPI_Barrier", [&] { return MPI_Barrier(impl_->comm); });
+}
 
 int64_t Communicator::agree(int64_t value, std::string_view what) {
   Impl& m = *impl_;
   std::vector<int64_t> all(static_cast<size_t>(m.size));
-  m.check(MPI_Allgather(&value, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, m.comm), "MPI_Allgather");
+  m.blocking("MPI_Allgather", [&] { return MPI_Allgather(&value, 1, MPI_INT64_T, all.data(), 1, MPI_INT64_T, m.comm); });
   for (int r = 1; r < m.size; ++r) {
     if (all[r] != all[0]) fail("ranks disagree on {}: rank 0 has {}, rank {} has {}", what, all[0], r, all[r]);
   }
   return value;
 }
 
+void Communicator::agree_settings(std::span<const RunSetting> settings) {
+  Impl& m = *impl_;
+  const std::string text = serialise_settings(settings);
+  const uint64_t mine = fnv1a_64(text);
+  std::vector<uint64_t> all(static_cast<size_t>(m.size));
+  m.blocking("MPI_Allgather",
+             [&] { return MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, m.comm); });
+  const auto differs = std::find_if(all.begin() + 1, all.end(), [&](uint64_t h) { return h != all[0]; });
+  if (differs == all.end()) return;
+  const int rank = static_cast<int>(differs - all.begin());
+  // Rank 0's settings to every rank; the first rank that differs says how, to every rank.
+  const std::string root = m.broadcast_text(m.rank == 0 ? text : std::string(), 0);
+  std::string difference;
+  if (m.rank == rank) {
+    difference = settings_difference(parse_settings(root), settings, rank);
+    if (difference.empty()) difference = "the serialised settings";  // a NUL inside a name or value
+  }
+  difference = m.broadcast_text(std::move(difference), rank);
+  throw SettingsMismatch(fmt::format("rank {}'s run configuration differs from rank 0's in {}", rank, difference));
+}
+
 std::string Communicator::first_error(std::string_view local_error) {
   Impl& m = *impl_;
   const int mine = local_error.empty() ? INT_MAX : m.rank;
   int first = INT_MAX;
-  m.check(MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m.comm), "MPI_Allreduce");
+  m.blocking("MPI_Allreduce", [&] { return MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, m.comm); });
   if (first == INT_MAX) return {};
-  std::string msg;
-  if (first == m.rank) msg = local_error.substr(0, 16384);
-  int len = static_cast<int>(msg.size());
-  m.check(MPI_Bcast(&len, 1, MPI_INT, first, m.comm), "MPI_Bcast");
-  msg.resize(static_cast<size_t>(len));
-  m.check(MPI_Bcast(msg.data(), len, MPI_CHAR, first, m.comm), "MPI_Bcast");
+  const std::string msg = m.broadcast_text(first == m.rank ? std::string(local_error.substr(0, 16384)) : "", first);
   return fmt::format("rank {}: {}", first, msg);
 }
 
@@ -600,7 +804,7 @@ int Communicator::setup_cuda() {
   constexpr int kUuid = 64;
   std::vector<char> mine(kUuid, '\0'), all(static_cast<size_t>(kUuid) * m.local_size, '\0');
   std::memcpy(mine.data(), uuid.data(), std::min<size_t>(uuid.size(), kUuid - 1));
-  m.check(MPI_Allgather(mine.data(), kUuid, MPI_CHAR, all.data(), kUuid, MPI_CHAR, m.local), "MPI_Allgather");
+  m.blocking("MPI_Allgather", [&] { return MPI_Allgather(mine.data(), kUuid, MPI_CHAR, all.data(), kUuid, MPI_CHAR, m.local); });
   for (int r = 0; r < m.local_size && error.empty() && !uuid.empty(); ++r) {
     if (r != m.local_index && uuid == std::string(all.data() + static_cast<size_t>(r) * kUuid)) {
       const char* cvd = std::getenv("CUDA_VISIBLE_DEVICES");
@@ -623,9 +827,14 @@ int Communicator::setup_cuda() {
     }
   }
   if (const std::string first = first_error(error); !first.empty()) fail("{}", first);
-  m.check(MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_CHAR, 0, m.comm), "MPI_Bcast");
-  nccl->connect(id, m.size, m.nccl_max_ctas);  // blocks until every rank has joined
+  m.blocking("MPI_Bcast", [&] { return MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_CHAR, 0, m.comm); });
+  {
+    // Blocks until every rank has joined: watched like an MPI collective.
+    const Watched watched(m.watchdog.get(), "ncclCommInitRankConfig");
+    nccl->connect(id, m.size, m.nccl_max_ctas);
+  }
   m.nccl = std::move(nccl);
+  if (m.watchdog) m.watchdog->watch(m.nccl.get());
   return device;
 #else
   fail("Communicator::setup_cuda: flashlm was built without NCCL{}",
@@ -673,8 +882,9 @@ void Communicator::synchronize() {
 }
 
 void Communicator::set_timeout(double seconds) {
-  FLASHLM_CHECK(seconds > 0, "Communicator::set_timeout: {} s, expected > 0", seconds);
+  check_timeout(seconds, "Communicator::set_timeout");
   impl_->timeout_s = seconds;
+  if (impl_->watchdog) impl_->watchdog->set_timeout(seconds);
 }
 
 double Communicator::timeout() const { return impl_->timeout_s; }

@@ -7,10 +7,12 @@
 #include <fmt/format.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <thread>
 
 #include "core/check.h"
@@ -104,6 +106,18 @@ struct NcclComm::Impl {
   cudaEvent_t in = nullptr, out = nullptr;
   bool aborted = false;
   std::string abort_reason;
+  // The watchdog's view (watchdog_poll, on its thread): collectives queued so far, the one queued last, and
+  // a probe event recorded behind those queued up to `probed` (the last of them `probe_call`), pending
+  // since probe_at. `mu` orders the
+  // watchdog's use of `comm` against its abort.
+  std::atomic<uint64_t> queued{0};
+  std::atomic<const char*> last_queued{""};
+  cudaEvent_t probe = nullptr;
+  bool probe_pending = false;
+  uint64_t probed = 0;
+  const char* probe_call = "";
+  std::chrono::steady_clock::time_point probe_at;
+  std::mutex mu;
 
   void use_device() const { FLASHLM_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice"); }
 
@@ -112,9 +126,12 @@ struct NcclComm::Impl {
     if (!comm) fail("NCCL communicator of rank {} is not connected", rank);
   }
 
-  // The communicator's stream waits for the work queued so far on the caller's stream.
-  void order_after(void* caller) {
+  // The communicator's stream waits for the work queued so far on the caller's stream; `call` is the
+  // collective about to be queued behind it.
+  void order_after(void* caller, const char* call) {
     check_usable();
+    queued.fetch_add(1, std::memory_order_relaxed);
+    last_queued.store(call, std::memory_order_relaxed);
     use_device();
     const auto s = static_cast<cudaStream_t>(caller);
     if (s == stream) return;
@@ -123,10 +140,13 @@ struct NcclComm::Impl {
   }
 
   [[noreturn]] void abort_and_throw(const std::string& why) {
-    aborted = true;
-    abort_reason = why;
-    ncclCommAbort(comm);  // unblocks the kernels waiting for peers and frees the communicator
-    comm = nullptr;
+    {
+      std::lock_guard lock(mu);
+      aborted = true;
+      abort_reason = why;
+      ncclCommAbort(comm);  // unblocks the kernels waiting for peers and frees the communicator
+      comm = nullptr;
+    }
     throw Error(why);
   }
 };
@@ -139,6 +159,7 @@ NcclComm::NcclComm(int rank, int device) : impl_(std::make_unique<Impl>()) {
   FLASHLM_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.in, cudaEventDisableTiming), "cudaEventCreate");
   FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.out, cudaEventDisableTiming), "cudaEventCreate");
+  FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.probe, cudaEventDisableTiming), "cudaEventCreate");
 }
 
 void NcclComm::connect(const NcclId& id, int world_size, int max_ctas) {
@@ -166,6 +187,7 @@ NcclComm::~NcclComm() {
   }
   if (m.in) cudaEventDestroy(m.in);
   if (m.out) cudaEventDestroy(m.out);
+  if (m.probe) cudaEventDestroy(m.probe);
   if (m.stream) cudaStreamDestroy(m.stream);
 }
 
@@ -174,21 +196,21 @@ void* NcclComm::stream() const { return impl_->stream; }
 
 void NcclComm::all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, void* stream) {
   Impl& m = *impl_;
-  m.order_after(stream);
+  m.order_after(stream, "ncclAllReduce");
   check_nccl(ncclAllReduce(send, recv, count, nccl_type(dtype), nccl_op(op), m.comm, m.stream), "ncclAllReduce",
              m.rank, m.comm);
 }
 
 void NcclComm::broadcast(void* buf, size_t count, DType dtype, int root, void* stream) {
   Impl& m = *impl_;
-  m.order_after(stream);
+  m.order_after(stream, "ncclBroadcast");
   check_nccl(ncclBroadcast(buf, buf, count, nccl_type(dtype), root, m.comm, m.stream), "ncclBroadcast", m.rank,
              m.comm);
 }
 
 void NcclComm::all_gather(const void* send, void* recv, size_t send_count, DType dtype, void* stream) {
   Impl& m = *impl_;
-  m.order_after(stream);
+  m.order_after(stream, "ncclAllGather");
   check_nccl(ncclAllGather(send, recv, send_count, nccl_type(dtype), m.comm, m.stream), "ncclAllGather", m.rank,
              m.comm);
 }
@@ -196,14 +218,14 @@ void NcclComm::all_gather(const void* send, void* recv, size_t send_count, DType
 void NcclComm::reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
                               void* stream) {
   Impl& m = *impl_;
-  m.order_after(stream);
+  m.order_after(stream, "ncclReduceScatter");
   check_nccl(ncclReduceScatter(send, recv, recv_count, nccl_type(dtype), nccl_op(op), m.comm, m.stream),
              "ncclReduceScatter", m.rank, m.comm);
 }
 
 void NcclComm::all_gather_v(void* buf, const std::vector<size_t>& counts, DType dtype, void* stream) {
   Impl& m = *impl_;
-  m.order_after(stream);
+  m.order_after(stream, "ncclBroadcast (all_gather_v)");
   char* at = static_cast<char*>(buf);
   check_nccl(ncclGroupStart(), "ncclGroupStart", m.rank, m.comm);
   for (size_t r = 0; r < counts.size(); ++r) {
@@ -222,7 +244,7 @@ void NcclComm::all_gather_v(void* buf, const std::vector<size_t>& counts, DType 
 void NcclComm::all_gather_segments(void* buf, const std::vector<std::pair<size_t, size_t>>& segments, DType dtype,
                                    void* stream) {
   Impl& m = *impl_;
-  m.order_after(stream);
+  m.order_after(stream, "ncclAllGather (all_gather_segments)");
   const size_t size = dtype_size(dtype);
   char* base = static_cast<char*>(buf);
   check_nccl(ncclGroupStart(), "ncclGroupStart", m.rank, m.comm);
@@ -267,7 +289,7 @@ void NcclComm::synchronize(double timeout_s) {
                                     ncclGetErrorString(async), last && *last ? fmt::format(" ({})", last) : ""));
     }
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (waited > timeout_s) {
+    if (timeout_s > 0 && waited > timeout_s) {
       m.abort_and_throw(fmt::format(
           "NCCL collectives on rank {} did not finish within {:.0f} s (a peer died, hangs, or called different "
           "collectives); the communicator was aborted",
@@ -277,6 +299,44 @@ void NcclComm::synchronize(double timeout_s) {
     if (waited < 0.01) std::this_thread::yield();
     else std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
+}
+
+std::string NcclComm::watchdog_poll(double timeout_s) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mu);
+  if (m.aborted || !m.comm) return {};  // synchronize() gave up on it already, and threw
+  ncclResult_t async = ncclSuccess;
+  if (ncclCommGetAsyncError(m.comm, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+    const char* last = ncclGetLastError(m.comm);
+    return fmt::format("NCCL collective failed: {}{}", ncclGetErrorString(async),
+                       last && *last ? fmt::format(" ({})", last) : "");
+  }
+  if (cudaSetDevice(m.device) != cudaSuccess) return fmt::format("cudaSetDevice({}) failed", m.device);
+  const auto now = std::chrono::steady_clock::now();
+  if (m.probe_pending) {
+    const cudaError_t q = cudaEventQuery(m.probe);
+    if (q == cudaSuccess) {
+      m.probe_pending = false;
+    } else if (q != cudaErrorNotReady) {
+      return fmt::format("NCCL collectives on cuda:{}: {}", m.device, cudaGetErrorString(q));
+    } else if (std::chrono::duration<double>(now - m.probe_at).count() > timeout_s) {
+      return fmt::format("the NCCL collectives on cuda:{} up to collective {} of this rank ({}) did not finish within "
+                         "{} s",
+                         m.device, m.probed, m.probe_call, timeout_s);
+    }
+  }
+  const uint64_t queued = m.queued.load(std::memory_order_relaxed);
+  if (!m.probe_pending && queued != m.probed) {
+    // Behind everything queued so far on the stream (the CUDA runtime orders this against the other
+    // thread's launches on it). The time counts from now: queued collectives may legitimately wait for the
+    // computation they follow (order_after), which the timeout's generous default covers.
+    if (cudaEventRecord(m.probe, m.stream) != cudaSuccess) return "cudaEventRecord (the watchdog's probe) failed";
+    m.probed = queued;
+    m.probe_call = m.last_queued.load(std::memory_order_relaxed);
+    m.probe_at = now;
+    m.probe_pending = true;
+  }
+  return {};
 }
 
 bool NcclComm::pointer_on_device(const void* p) const {

@@ -47,7 +47,12 @@ class NcclComm {
                            void* stream);
 
   void wait(void* stream);
+  // Polls the queued collectives with `timeout_s` > 0 (0: none); throws after aborting the communicator.
   void synchronize(double timeout_s);
+  // For the collective watchdog, from its thread, every poll: "" while the collectives progress; otherwise
+  // what is wrong (an NCCL error, or collectives queued more than timeout_s ago that have not finished).
+  // Records a probe event behind the collectives queued since the last probe finished.
+  std::string watchdog_poll(double timeout_s);
   bool pointer_on_device(const void* p) const;
 
  private:

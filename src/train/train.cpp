@@ -128,6 +128,60 @@ DataSources open_data(const TrainConfig& cfg) {
   return d;
 }
 
+// What every rank of a data-parallel run must agree on (Communicator::agree_settings): whatever decides
+// which collectives a rank calls and how large they are, or what the ranks compute together. Rank-local,
+// and left out: the paths (a node may read its own copy of the data and of the checkpoint to resume from;
+// rank 0 alone writes), what rank 0 alone does (evaluation, progress lines), and the CPU threads.
+std::vector<RunSetting> run_settings(const TrainConfig& cfg, const DataSources& data, const Communicator& comm) {
+  std::vector<RunSetting> out;
+  auto add = [&out](std::string name, const auto& value) { out.push_back({std::move(name), fmt::format("{}", value)}); };
+  const ModelConfig& mc = cfg.model;
+  add("model.vocab", mc.vocab);
+  add("model.context", mc.context);
+  add("model.d_model", mc.d_model);
+  add("model.d_ff", mc.d_ff);
+  add("model.layers", mc.layers);
+  add("model.heads", mc.heads);
+  add("model.rope_theta", mc.rope_theta);
+  add("model.norm_eps", mc.norm_eps);
+  add("batch", cfg.batch);
+  add("seq", cfg.seq);
+  add("steps", cfg.steps);
+  const AdamWConfig& o = cfg.optimizer;
+  add("optimizer.lr_max", o.lr_max);
+  add("optimizer.lr_min", o.lr_min);
+  add("optimizer.warmup_steps", o.warmup_steps);
+  add("optimizer.cosine_steps", o.cosine_steps);
+  add("optimizer.beta1", o.beta1);
+  add("optimizer.beta2", o.beta2);
+  add("optimizer.eps", o.eps);
+  add("optimizer.weight_decay", o.weight_decay);
+  add("optimizer.max_grad_norm", o.max_grad_norm);
+  // The same kind and amount of training data (each rank reads its shard of it); not its path.
+  add("train_data", data.synthetic ? "synthetic" : "a token file");
+  add("train_tokens", data.train.size());
+  add("checkpoint", cfg.checkpoint.empty() ? "none" : "a file");  // writing one is collective
+  add("checkpoint_every", cfg.checkpoint_every);
+  add("resume", cfg.resume);
+  add("init", cfg.init.empty() ? "none" : "a file");  // rank 0's weights are broadcast; all must mean to start from one
+  add("seed", cfg.seed);
+  add("attention", attention_impl_name(cfg.attention));
+  add("device", device_name(cfg.device));
+  add("precision", dtype_name(cfg.precision));
+  add("ddp.variant", ddp_variant_name(cfg.ddp.variant));
+  add("ddp.bucket_mb", cfg.ddp.bucket_mb);
+  add("ddp.grad_accum", cfg.ddp.grad_accum);
+  add("ddp.reduce_dtype", dtype_name(cfg.ddp.reduce_dtype));
+  add("ddp.gemm_sm_reserve", cfg.ddp.gemm_sm_reserve);
+  add("ddp.reduce_scatter", cfg.ddp.reduce_scatter);
+  add("ddp.fsdp_prefetch", cfg.ddp.fsdp_prefetch);
+  add("ddp.fsdp_poison_freed", cfg.ddp.fsdp_poison_freed);
+  add("sharded_checkpoint", cfg.sharded_checkpoint);  // each rank writes its shard
+  add("zero1", cfg.zero1);
+  add("nccl_max_ctas", comm.nccl_max_ctas());
+  return out;
+}
+
 // Parameters from the host into the model, leaving its optimizer state alone (ZeRO-1 keeps its own).
 void load_parameters(LanguageModel& model, const float* host) {
   const size_t bytes = size_t(model.parameter_count()) * sizeof(float);
@@ -190,6 +244,9 @@ TrainResult train(const TrainConfig& cfg) {
   const int world = cfg.comm ? cfg.comm->world_size() : 1;
   const int64_t accum = cfg.ddp.grad_accum;
   DataSources data = open_data(cfg);
+  // Before anything else the ranks do together: ranks started with other settings would call other
+  // collectives (and hang) or silently train something else.
+  if (cfg.comm) cfg.comm->agree_settings(run_settings(cfg, data, *cfg.comm));
   TokenBatcher train_batches(data.train, data.train_name, cfg.batch, cfg.seq, BatchOrder::random, cfg.seed);
   TokenBatcher val_batches(data.val, data.val_name, cfg.batch, cfg.seq, BatchOrder::sequential);
   if (cfg.comm) train_batches.select_shard(cfg.comm->rank(), world);
@@ -241,6 +298,8 @@ TrainResult train(const TrainConfig& cfg) {
     step = ck.header().next_step;
     say(fmt::format("resumed from {} at step {}", cfg.checkpoint, step));
   }
+  // Each rank read its own copy of the checkpoint: copies of different runs would run different steps.
+  if (cfg.comm) cfg.comm->agree(step, "the step resumed at");
   if (!cfg.init.empty()) {
     FLASHLM_CHECK(!cfg.resume, "train: --init and --resume both give the parameters: use one");
     std::vector<float> params(size_t(model.parameter_count()));

@@ -4,15 +4,21 @@
 //
 // FLASHLM_TEST_WORLD_SIZE (set by CTest) is the world size the launch should give.
 // FLASHLM_TEST_FAIL_ON_RANK=R makes InjectedFailure fail on rank R only (tests/dist/failing_rank.cmake).
+// FLASHLM_TEST_STALL_RANK=R makes rank R of StalledRank sleep while its peers wait for it in an all-reduce
+// (tests/dist/stalled_rank.cmake).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "flashlm/bench.h"
@@ -370,6 +376,104 @@ TEST(Agree, DifferentValuesNameTheRanks) {
   }
 }
 
+// agree_settings(): every rank throws the same SettingsMismatch naming the lowest rank that differs and
+// every setting in which it differs.
+std::vector<RunSetting> settings_of(int64_t steps, double lr, const std::string& ddp) {
+  return {{"steps", std::to_string(steps)}, {"optimizer.lr_max", fmt::format("{}", lr)}, {"ddp.variant", ddp}};
+}
+
+std::string mismatch_of(const std::vector<RunSetting>& mine) {
+  try {
+    comm().agree_settings(mine);
+  } catch (const SettingsMismatch& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(AgreeSettings, EqualSettingsPass) {
+  EXPECT_NO_THROW(comm().agree_settings(settings_of(10, 3e-3, "bucketed")));
+  EXPECT_NO_THROW(comm().agree_settings(std::vector<RunSetting>{}));
+}
+
+TEST(AgreeSettings, TheLowestDifferingRankAndEverySettingAreNamed) {
+  const int n = comm().world_size(), r = comm().rank();
+  if (n == 1) GTEST_SKIP() << "needs two ranks";
+  // Ranks 1.. differ from rank 0 in two settings; rank 1 is named.
+  EXPECT_EQ(mismatch_of(r == 0 ? settings_of(10, 3e-3, "flat") : settings_of(10 + r, 1e-3, "flat")),
+            "rank 1's run configuration differs from rank 0's in steps (rank 0: 10, rank 1: 11), optimizer.lr_max "
+            "(rank 0: 0.003, rank 1: 0.001)");
+  // Only the last rank differs, in the last setting.
+  const std::string last = std::to_string(n - 1);
+  EXPECT_EQ(mismatch_of(settings_of(5, 0.5, r == n - 1 ? "async" : "flat")),
+            "rank " + last + "'s run configuration differs from rank 0's in ddp.variant (rank 0: flat, rank " + last +
+                ": async)");
+  // A value that differs in its last bit.
+  const double lr = r == 0 ? 0.1 : std::nextafter(0.1, 1.0);
+  EXPECT_NE(mismatch_of(settings_of(5, lr, "flat")).find("optimizer.lr_max (rank 0: 0.1, rank 1: 0.10000000000000002)"),
+            std::string::npos);
+}
+
+TEST(AgreeSettings, DifferentListsAreNamed) {
+  const int n = comm().world_size(), r = comm().rank();
+  if (n == 1) GTEST_SKIP() << "needs two ranks";
+  std::vector<RunSetting> mine = settings_of(10, 3e-3, "flat");
+  if (r > 0) mine.push_back({"zero1", "true"});
+  EXPECT_EQ(mismatch_of(mine),
+            "rank 1's run configuration differs from rank 0's in the number of settings (rank 0: 3, rank 1: 4)");
+  mine = settings_of(10, 3e-3, "flat");
+  if (r > 0) mine[1].name = "optimizer.lr_min";
+  EXPECT_EQ(mismatch_of(mine), "rank 1's run configuration differs from rank 0's in the list of settings (setting 2 "
+                               "is optimizer.lr_max on rank 0, optimizer.lr_min on rank 1)");
+  // Settings are not confused by where one ends and the next begins.
+  EXPECT_NE(mismatch_of({{"a", r == 0 ? "bc" : "b"}, {r == 0 ? "d" : "cd", "e"}}), "");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The collective timeout.
+
+TEST(CollectiveTimeout, IsValidated) {
+  const double before = comm().timeout();
+  EXPECT_GT(before, 0);  // 600 s unless FLASHLM_DIST_TIMEOUT_S says otherwise
+  for (double bad : {-1.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    try {
+      comm().set_timeout(bad);
+      ADD_FAILURE() << "timeout " << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("expected a finite number >= 0 (0: no timeout)"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(comm().timeout(), before);
+  comm().set_timeout(0);
+  EXPECT_EQ(comm().timeout(), 0);
+  comm().set_timeout(before);
+}
+
+TEST(CollectiveTimeout, AWaitWithinTheTimeoutPasses) {
+  const double before = comm().timeout();
+  comm().set_timeout(5.0);  // ample for ranks oversubscribing CI's two cores
+  comm().barrier();
+  // The last rank arrives late, within the timeout: the others wait and the all-reduce completes.
+  if (comm().rank() == comm().world_size() - 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  double x = 1;
+  comm().all_reduce(std::span<double>(&x, 1));
+  EXPECT_EQ(x, comm().world_size());
+  comm().set_timeout(before);
+}
+
+TEST(CollectiveTimeout, StalledRank) {
+  const int target = env_or("FLASHLM_TEST_STALL_RANK", -1);
+  if (target < 0) GTEST_SKIP() << "set FLASHLM_TEST_STALL_RANK to make one rank stall (ends the job)";
+  comm().set_timeout(1.0);
+  comm().barrier();
+  // Far longer than the timeout and than stalled_rank.cmake waits: only the peers' watchdog ends this.
+  if (comm().rank() == target) std::this_thread::sleep_for(std::chrono::seconds(120));
+  double x = 1;
+  comm().all_reduce(std::span<double>(&x, 1));
+  ADD_FAILURE() << "rank " << comm().rank() << ": the all-reduce returned although rank " << target << " stalled";
+}
+
 TEST(FirstError, EveryRankLearnsTheLowestFailingRank) {
   const int n = comm().world_size(), r = comm().rank();
   EXPECT_EQ(comm().first_error(""), "");
@@ -609,6 +713,26 @@ TEST(GpuCollectivesSetup, MoreLocalRanksThanGpusIsAClearError) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("ranks on this node but"), std::string::npos) << e.what();
   }
+}
+
+// The watchdog's GPU side (run by hand on a node with two GPUs, see stalled_rank.cmake): rank R sleeps
+// while its peers' NCCL all-reduce waits for it and they block in cudaDeviceSynchronize, outside any
+// flashlm call; their watchdog's probe event must end the job ("the NCCL collectives on cuda:D up to ...").
+TEST(CollectiveTimeout, StalledRankOnGpus) {
+  const int target = env_or("FLASHLM_TEST_STALL_RANK", -1);
+  if (target < 0) GTEST_SKIP() << "set FLASHLM_TEST_STALL_RANK to make one rank stall (ends the job)";
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  Tensor x = to_device(std::vector<float>(1024, 1.0f));
+  comm().all_reduce(x, ReduceOp::sum);  // connects NCCL's peers (the first collective) while all are here
+  comm().synchronize();
+  comm().set_timeout(1.0);
+  comm().barrier();
+  if (comm().rank() == target) std::this_thread::sleep_for(std::chrono::seconds(120));
+  comm().all_reduce(x, ReduceOp::sum);
+  cuda_synchronize();
+  ADD_FAILURE() << "rank " << comm().rank() << ": the GPU all-reduce finished although rank " << target
+                << " stalled";
 }
 #else
 TEST(GpuCollectives, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
