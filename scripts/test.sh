@@ -8,7 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 build=${BUILD_DIR:-build-test}
-BUILD_DIR=$build ./scripts/build.sh -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} "$@"
+# The PyTorch package is tested with Debian's torch and, where one can be had, a current torch from the
+# package index in a cached virtual environment (scripts/setup-torch.sh; FLASHLM_TORCH_VENV=off skips it).
+./scripts/setup-deps.sh
+torch_python=$(./scripts/setup-torch.sh) || { echo "flashlm: no current torch; its package tests are skipped" >&2; torch_python=""; }
+BUILD_DIR=$build ./scripts/build.sh -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} -DFLASHLM_TORCH_PYTHON="$torch_python" "$@"
 (cd "$build" && ctest --output-on-failure -j "$(nproc)" --timeout 1200)
 
 if [ "${SANITIZE:-1}" != 0 ]; then

@@ -82,11 +82,10 @@ class _SwappedFunctional(types.ModuleType):
 
     @staticmethod
     def scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        assert attn_mask is None and dropout_p == 0.0, "the swap covers what the CS336 model calls"
         if torch.is_autocast_enabled():  # SDPA is on autocast's lower-precision list: do as it does
             dtype = torch.get_autocast_gpu_dtype()
             q, k, v = (t.to(dtype) for t in (q, k, v))
-        return flashlm.attention(q, k, v, causal=is_causal, scale=scale, layout="bhsd")
+        return flashlm.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
 
 
 def lm_step(peers, models, mode, context, batch, repeats):
@@ -124,20 +123,31 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", required=True, help="directory with lm_peers.py and cs336_model.py")
     ap.add_argument("--models", default="small", help="LM sizes for part 2, comma separated; empty skips it")
-    ap.add_argument("--mode", default="bf16", help="lm_peers mode (fp32 or bf16; compile graph-breaks on ctypes)")
+    ap.add_argument("--mode", default="bf16", help="lm_peers mode (fp32, bf16, bf16-compile: flashlm's ops trace "
+                    "without graph breaks)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5, help="alternating runs of each variant of the LM step")
-    ap.add_argument("--shapes", default="4x16x1024x64,4x16x4096x64,4x16x1024x128,4x16x4096x128,1x16x16384x128",
-                    help="attention shapes BxHxSxD or BxHxSxDxHkv (GQA: Hkv key/value heads), comma separated")
+    ap.add_argument("--shapes", default="4x12x512x64,4x16x1024x64,4x16x4096x64,4x16x1024x128,4x16x4096x128,"
+                    "1x16x16384x128", help="attention shapes BxHxSxD or BxHxSxDxHkv (GQA: Hkv key/value heads), "
+                    "comma separated; empty: none (4x12x512x64 is the small LM's)")
+    ap.add_argument("--grid", default="", help="'fa': add flashlm attention-bench's fa grid (16k tokens, H*D = 2048, "
+                    "d 64/128, seq 512..16384)")
     ap.add_argument("--out", default="torch-swap.json")
     a = ap.parse_args()
     shapes = []
     for s in a.shapes.split(","):
-        dims = [int(x) for x in s.split("x")] if s else []
+        if not s:
+            continue
+        dims = [int(x) for x in s.split("x")]
         if len(dims) not in (4, 5) or dims[1] % dims[-1]:
             ap.error(f"--shapes: '{s}' is not BxHxSxD or BxHxSxDxHkv with Hkv dividing H")
         shapes.append(tuple(dims) if len(dims) == 5 else (*dims, dims[1]))
+    if a.grid == "fa":
+        shapes += [(max(1, 16384 // n), 2048 // d, n, d, 2048 // d) for d in (64, 128)
+                   for n in (512, 1024, 2048, 4096, 8192, 16384)]
+    elif a.grid:
+        ap.error(f"--grid: unknown grid '{a.grid}' (fa)")
     print(f"flashlm {flashlm.__version__} from {flashlm._lib.lib._name}; torch {torch.__version__}; "
           f"{torch.cuda.get_device_name()}")
     print("\n| batch | heads (q/kv) | seq | d | causal | impl | fwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s |")

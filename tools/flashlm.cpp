@@ -61,7 +61,7 @@ std::vector<T> parse_list(const std::string& option, const std::string& s, Parse
 // int64's end, so that a product of a few of them cannot overflow before the library checks it.
 constexpr int64_t kMaxBatch = int64_t{1} << 20;
 constexpr int64_t kMaxSeq = int64_t{1} << 24;      // attention-bench sequence lengths
-constexpr int64_t kMaxContext = int64_t{1} << 20;  // LM contexts
+constexpr int64_t kMaxContext = flashlm::ModelConfig::kMaxContext;  // LM contexts
 constexpr int64_t kMaxHeadDim = 4096;
 constexpr int64_t kMaxHeads = int64_t{1} << 16;
 constexpr int64_t kMaxWidth = int64_t{1} << 20;        // d_model, d_ff
@@ -202,18 +202,47 @@ flashlm::Device device_or_default(const std::string& device) {
 // --device as above; --precision default: bf16 on cuda, fp32 on the CPU. The CPU runs fp32 only; a device
 // that cannot be used is a usage error.
 void resolve_device_and_precision(const std::string& device, const std::string& precision, flashlm::Device& dev,
-                                  flashlm::DType& dtype) {
+                                  flashlm::DType& dtype, bool* bf16_pure = nullptr) {
   using namespace flashlm;
+  bool pure = false;
   try {
     dev = device_or_default(device);
-    dtype = precision.empty() ? (dev == Device::cuda ? DType::bf16 : DType::f32) : parse_dtype(precision);
+    dtype = dev == Device::cuda ? DType::bf16 : DType::f32;
+    if (!precision.empty()) parse_precision(precision, dtype, pure);
   } catch (const flashlm::Error& e) {
     throw UsageError(e.what());
   }
+  if (pure && !bf16_pure) throw UsageError("--precision bf16-pure: this command takes fp32, bf16 or fp16");
+  if (bf16_pure) *bf16_pure = pure;
   require_usable_device(dev);
-  if (dev == Device::cpu && dtype != DType::f32) {
-    throw UsageError(fmt::format("--precision {}: the CPU engine runs fp32", dtype_name(dtype)));
+  if (dev == Device::cpu && (dtype != DType::f32 || pure)) {
+    throw UsageError(fmt::format("--precision {}: the CPU engine runs fp32", precision_name(dtype, pure)));
   }
+}
+
+// --recompute: none, blocks, blocks:K, selective or auto (a usage error otherwise).
+flashlm::RecomputePlan parse_recompute_option(const std::string& text) {
+  try {
+    return flashlm::RecomputePlan::parse(text);
+  } catch (const flashlm::Error& e) {
+    throw UsageError(e.what());
+  }
+}
+
+// The options every LM command shares: the recomputation plan and the LM head's chunk.
+void add_model_memory_options(CLI::App* cmd, std::string& recompute, int64_t& head_chunk, bool& atomic_backward) {
+  cmd->add_flag("--atomic-attention-backward", atomic_backward,
+                "cuda: the attention backward's dQ by fp32 atomics (faster at long contexts) instead of the "
+                "deterministic separate pass; steps are then no longer bit-reproducible");
+  cmd->add_option("--recompute", recompute,
+                  "Activation recomputation: none, blocks[:K] (keep every K-th block's input, recompute the rest in "
+                  "the backward), selective (keep attention output and logsumexp, recompute the rest) or auto (the "
+                  "fastest plan that fits the free memory)")
+      ->capture_default_str();
+  cmd->add_option("--head-chunk", head_chunk,
+                  "Tokens per chunk of the LM head + cross-entropy (0: about 1 GiB of logits at a time)")
+      ->capture_default_str()
+      ->check(in_range(int64_t{0}, int64_t{1} << 30));
 }
 
 // --reduce-dtype (a comma list), --nccl-max-ctas and --gemm-sm-reserve. All concern NCCL on GPUs: a 16-bit
@@ -351,21 +380,30 @@ int run_attention_bench_command(const AttentionBenchArgs& a, bool grid_given) {
 
 struct BenchArgs {
   std::string model = "small", context = "512", precision = "fp32", attention = "flash", pass = "fwd,fwd-bwd,step";
-  std::string device, format = "md", out, memory_timeline;
-  int64_t batch = 4, vocab = 10000;
+  std::string device, format = "md", out, memory_timeline, model_config, recompute = "none";
+  int64_t batch = 4, vocab = 0, head_chunk = 0;
   int warmup = 5, steps = 10, threads = 0;
-  bool profile_ranges = false, profile_kernels = false, quiet = false;
+  bool profile_ranges = false, profile_kernels = false, quiet = false, atomic_backward = false;
 };
 
 void add_bench(CLI::App& app, BenchArgs& a) {
   CLI::App* cmd = app.add_subcommand("bench", "Time the LM's forward, forward+backward and full train step");
-  cmd->add_option("--model", a.model, "Sizes, comma list of tiny,small,medium,large,xl,2.7B")->capture_default_str();
+  cmd->add_option("--model", a.model, "Sizes, comma list of tiny,small,medium,large,xl,2.7B,cs336-8b")
+      ->capture_default_str();
+  cmd->add_option("--model-config", a.model_config,
+                  "A JSON model description instead of --model ({\"base\": SIZE, \"d_model\": ..., \"d_ff\", "
+                  "\"layers\", \"heads\", \"vocab\", \"rope_theta\", \"norm_eps\"}); --context still applies");
   cmd->add_option("--context", a.context, "Context lengths, comma list")->capture_default_str();
   cmd->add_option("--batch", a.batch, "Sequences per step")
       ->capture_default_str()
       ->check(in_range(int64_t{1}, kMaxBatch));
-  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
-  cmd->add_option("--precision", a.precision, "Comma list of fp32,bf16,fp16")->capture_default_str();
+  cmd->add_option("--vocab", a.vocab, "Vocabulary size (default: the size's own: 151936 for cs336-8b, else 10000)")
+      ->check(in_range(int64_t{2}, kMaxVocab));
+  cmd->add_option("--precision", a.precision,
+                  "Comma list of fp32, bf16 (fp32 masters), fp16, bf16-pure (parameters, gradients and AdamW moments "
+                  "in bf16)")
+      ->capture_default_str();
+  add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
   cmd->add_option("--attention", a.attention, "Comma list of flash,naive")->capture_default_str();
   cmd->add_option("--pass", a.pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));
@@ -390,8 +428,18 @@ int run_bench_command(const BenchArgs& a) {
   try {
     cfg.models = split_list(a.model);
     for (const auto& m : cfg.models) ModelConfig::named(m);  // an unknown size is a usage error
+    cfg.model_config_file = a.model_config;
+    if (!a.model_config.empty()) ModelConfig::from_json_file(a.model_config);  // so is a bad description
     cfg.contexts = parse_list<int64_t>("--context", a.context, positive_up_to(kMaxContext));
-    cfg.precisions = parse_list<DType>("--precision", a.precision, [](const std::string& s) { return parse_dtype(s); });
+    cfg.precisions = split_list(a.precision);
+    for (const auto& p : cfg.precisions) {
+      DType dtype;
+      bool pure;
+      parse_precision(p, dtype, pure);
+    }
+    cfg.recompute = RecomputePlan::parse(a.recompute);
+    cfg.head_chunk = a.head_chunk;
+    cfg.deterministic = !a.atomic_backward;
     cfg.attention = parse_list<AttentionImpl>("--attention", a.attention,
                                               [](const std::string& s) { return parse_attention_impl(s); });
     cfg.passes = split_list(a.pass);
@@ -433,7 +481,9 @@ int run_bench_command(const BenchArgs& a) {
 struct TrainArgs {
   std::string model = "tiny", data = "synthetic", val_data, checkpoint, device, attention = "flash", precision;
   std::string init, metrics_log;
-  int64_t d_model = 0, d_ff = 0, layers = 0, heads = 0, vocab = 256, context = 64;
+  std::string model_config, recompute = "none";
+  int64_t d_model = 0, d_ff = 0, layers = 0, heads = 0, vocab = 256, context = 64, head_chunk = 0;
+  bool atomic_backward = false;
   int64_t batch = 16, steps = 200, warmup = 20, cosine_steps = 0, eval_every = 50, eval_batches = 8, log_every = 10;
   int64_t checkpoint_every = 0;
   int threads = 0;
@@ -469,8 +519,12 @@ void add_gradient_sync_options(CLI::App* cmd, std::string& reduce_dtype, int& nc
 void add_train(CLI::App& app, TrainArgs& a) {
   CLI::App* cmd = app.add_subcommand(
       "train", "Train the Transformer LM on token files or synthetic data; data-parallel under mpirun");
-  cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B (overridden by the options below)")
+  cmd->add_option("--model", a.model,
+                  "Size: tiny, small, medium, large, xl, 2.7B, cs336-8b (overridden by the options below)")
       ->capture_default_str();
+  cmd->add_option("--model-config", a.model_config,
+                  "A JSON model description instead of --model (keys base, vocab, d_model, d_ff, layers, heads, "
+                  "rope_theta, norm_eps; the options below override it)");
   cmd->add_option("--d-model", a.d_model, "Model width")->check(in_range(int64_t{1}, kMaxWidth));
   cmd->add_option("--d-ff", a.d_ff, "Feed-forward width")->check(in_range(int64_t{1}, kMaxWidth));
   cmd->add_option("--layers", a.layers, "Transformer blocks")
@@ -529,7 +583,10 @@ void add_train(CLI::App& app, TrainArgs& a) {
       ->check(in_range(uint64_t{0}, uint64_t{INT64_MAX}));
   cmd->add_option("--attention", a.attention, "flash or naive")->capture_default_str();
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
-  cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
+  cmd->add_option("--precision", a.precision,
+                  "fp32, bf16 (fp32 masters), fp16 or bf16-pure (parameters, gradients and AdamW moments in bf16) "
+                  "(default: bf16 on cuda, fp32 on cpu)");
+  add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
   add_threads_option(cmd, a.threads);
   cmd->add_option("--ddp", a.ddp,
                   "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async, "
@@ -554,9 +611,18 @@ void add_train(CLI::App& app, TrainArgs& a) {
 int run_train_command(const TrainArgs& a) {
   using namespace flashlm;
   TrainConfig cfg;
-  resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision);
+  resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.bf16_pure);
+  cfg.recompute = parse_recompute_option(a.recompute);
+  cfg.head_chunk = a.head_chunk;
+  cfg.deterministic = !a.atomic_backward;
   try {
-    cfg.model = ModelConfig::named(a.model, a.context, a.vocab);
+    if (a.model_config.empty()) {
+      cfg.model = ModelConfig::named(a.model, a.context, a.vocab);
+    } else {
+      cfg.model = ModelConfig::from_json_file(a.model_config);
+      cfg.model.context = a.context;
+      cfg.model.vocab = a.vocab;
+    }
     cfg.attention = parse_attention_impl(a.attention);
     if (!a.ddp.empty()) cfg.ddp.variant = parse_ddp_variant(a.ddp);
   } catch (const flashlm::Error& e) {

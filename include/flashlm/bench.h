@@ -69,12 +69,18 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
 // `flashlm bench`: end-to-end LM timing per pass ("fwd", "fwd-bwd", "step") over model sizes, contexts,
 // precisions and attention implementations.
 struct LmBenchConfig {
-  std::vector<std::string> models{"small"};
+  std::vector<std::string> models{"small"};  // size names (ModelConfig::named)
+  // Instead of `models`: one model from a JSON description (ModelConfig::from_json_file); its context is
+  // replaced by each of `contexts`.
+  std::string model_config_file;
   std::vector<int64_t> contexts{512};
   int64_t batch = 4;
-  int64_t vocab = 10000;
-  std::vector<DType> precisions{DType::f32};
+  int64_t vocab = 0;  // 0: each size's own (151936 for cs336-8b, 10000 for the others)
+  std::vector<std::string> precisions{"fp32"};  // fp32, bf16, fp16, bf16-pure (parse_precision)
   std::vector<AttentionImpl> attention{AttentionImpl::flash};
+  RecomputePlan recompute;  // automatic: resolved per configuration against the free memory
+  int64_t head_chunk = 0;   // ModelOptions::head_chunk
+  bool deterministic = true;  // ModelOptions::deterministic
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;
   Device device = Device::cpu;
@@ -85,8 +91,11 @@ struct LmBenchConfig {
 
 struct LmBenchRecord {
   std::string model, precision, attention, pass, device;
+  std::string recompute;  // the plan that ran (auto resolved)
   int64_t context = 0, batch = 0;
-  std::optional<double> mean_ms, std_ms, median_ms, tokens_per_s, mfu, peak_mib;
+  // mfu: SPEC's count (train_flops_per_token); mfu_useful: with the causal attention products halved.
+  std::optional<double> mean_ms, std_ms, median_ms, tokens_per_s, mfu, mfu_useful, peak_mib;
+  std::optional<double> plan_mib;  // the memory plan's total, beside the measured peak
   std::string status = "ok";  // ok | oom | unsupported | error
   std::string message;
   std::string range_table;   // nvtx_sum table of the timed steps (profile_ranges)
@@ -99,6 +108,9 @@ std::string format_lm_bench(const std::vector<LmBenchRecord>& records, ReportFor
 // Model FLOPs per token of a train step as SPEC §2 counts them: 6·(non-embedding parameters) +
 // 12·layers·context·d_model; MFU divides the achieved rate by the 989 TFLOP/s dense bf16 peak of H100/H200.
 double train_flops_per_token(const ModelConfig& config, int64_t context);
+// The same with the attention term halved (6·layers·context·d_model): the products a causal kernel skips
+// are not counted. The CS336 leaderboard's comparisons use it.
+double useful_train_flops_per_token(const ModelConfig& config, int64_t context);
 constexpr double kHopperBf16PeakFlops = 989e12;
 
 // A one-line description of the machine, for reports: CPU model and threads, or the GPU's name.

@@ -34,9 +34,83 @@ struct ModelConfig {
   int64_t non_embedding_parameter_count() const;  // without the token embedding (for MFU)
   void validate() const;                          // flashlm::Error naming the first bad field
 
-  // SPEC sizes ("small", "medium", "large", "xl", "2.7B") and test sizes ("tiny": 2 layers, d_model 32).
-  static ModelConfig named(std::string_view name, int64_t context = 256, int64_t vocab = 10000);
+  // Longest context any model accepts: RoPE tables, attention and the data path are tested up to it.
+  static constexpr int64_t kMaxContext = 65536;
+
+  // SPEC sizes ("small", "medium", "large", "xl", "2.7B"), the CS336 2026 leaderboard's "cs336-8b" and test
+  // sizes ("tiny": 2 layers, d_model 32). vocab 0: the size's own (151936 for cs336-8b, 10000 otherwise).
+  static ModelConfig named(std::string_view name, int64_t context = 256, int64_t vocab = 0);
+  // A JSON object with any of the fields above ("vocab", "context", "d_model", "d_ff", "layers", "heads",
+  // "rope_theta", "norm_eps"), optionally "base": a named size the others override. Unknown keys and
+  // values of the wrong type are errors; the result is validated.
+  static ModelConfig from_json(std::string_view json_text);
+  static ModelConfig from_json_file(const std::string& path);
 };
+
+// Activation recomputation: what the forward keeps for the backward, and what the backward recomputes.
+//   none       every activation of every block is kept;
+//   blocks:k   the input of every k-th block is kept; the backward recomputes the blocks of a segment from
+//              it (calling the same per-layer hooks as the forward) just before it needs them;
+//   selective  each block keeps its input, attention output and logsumexp; the backward recomputes the
+//              norms, projections, RoPE and SwiGLU (everything but attention itself);
+//   auto       resolved before allocating (resolve_recompute): the fastest plan that fits.
+// Gradients are bit-identical to none's: the recomputed forward runs the same kernels on the same inputs.
+struct RecomputePlan {
+  enum class Kind { none, blocks, selective, automatic };
+  Kind kind = Kind::none;
+  int64_t every = 1;  // blocks: k
+  static RecomputePlan parse(std::string_view text);  // "none", "blocks", "blocks:K", "selective", "auto"
+  std::string name() const;                           // as parse reads it
+  bool operator==(const RecomputePlan&) const = default;
+};
+
+// How a model is built beyond its size: the attention implementation, the recomputation plan and (CUDA,
+// bf16 only) pure bf16 — parameters, gradients and AdamW moments stored in bf16 with fp32 arithmetic in
+// registers, as model.to(torch.bfloat16) with torch's AdamW holds them — instead of fp32 masters.
+struct ModelOptions {
+  AttentionImpl attention = AttentionImpl::flash;
+  RecomputePlan recompute;
+  bool bf16_pure = false;
+  // Tokens per chunk of the LM head + cross-entropy (the [chunk, vocab] logits are all that exists of
+  // them at once). 0: automatic (about 1 GiB of logits, or every token when that is fewer).
+  int64_t head_chunk = 0;
+  // CUDA: the attention backward's separate dQ pass, so that a step is bit-reproducible (checkpoint resume
+  // relies on it); false: dQ by fp32 atomics, faster at long contexts, the last bits vary from run to run.
+  bool deterministic = true;
+  static ModelOptions with_attention(AttentionImpl attention) {
+    ModelOptions o;
+    o.attention = attention;
+    return o;
+  }
+};
+
+// "fp32", "bf16", "fp16" or "bf16-pure" into (dtype, bf16_pure).
+void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure);
+std::string precision_name(DType dtype, bool bf16_pure);
+
+// What a model will allocate, by kind, computed before anything is allocated with the arithmetic the
+// models size their buffers with.
+struct MemoryPlan {
+  struct Item {
+    std::string what;
+    int64_t bytes = 0;
+  };
+  std::vector<Item> items;
+  RecomputePlan recompute;  // resolved (never automatic)
+  std::string reason;       // why auto chose it (empty otherwise)
+  int64_t total_bytes() const;
+  std::string format() const;  // one line per item and the total, in GiB
+};
+
+// The plan for a model of this size, batch and sequence on `device` in `precision`. options.recompute may
+// be automatic only when `available_bytes` (the device's free memory) is given: then it resolves to the
+// fastest plan that fits (none, selective, blocks:1), or else the one needing least memory (blocks:k at the
+// k that minimises kept inputs + the recomputed segment, CS336's sqrt(L)-style trade-off), and says why.
+MemoryPlan plan_model_memory(const ModelConfig& config, int64_t batch, int64_t seq, Device device, DType precision,
+                             const ModelOptions& options, int64_t available_bytes = -1);
+// Throws flashlm::OutOfMemory naming the plan's total, the available bytes and the shortfall when the plan
+// does not fit.
+void check_memory_plan(const MemoryPlan& plan, int64_t available_bytes, std::string_view device_label);
 
 // One named parameter: its place in the flat parameter buffer and its shape.
 struct ParameterInfo {
@@ -53,6 +127,9 @@ std::vector<ParameterInfo> parameter_layout(const ModelConfig& config);
 // Normal(0, 0.02) weights truncated at 3 sigma, unit RMSNorm gains: the one initialisation every model
 // (CPU or CUDA) uses, so that equal seeds give equal weights.
 void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed);
+// One parameter's values of that initialisation into w[0, p.numel()) (for models that upload parameter by
+// parameter instead of holding every value on the host at once).
+void init_parameter_host(const ParameterInfo& p, float* w, uint64_t seed);
 
 struct AdamWConfig {
   double lr_max = 1e-3, lr_min = 1e-4;
@@ -90,6 +167,9 @@ class LanguageModel {
   virtual int64_t parameter_count() const = 0;
   virtual Device device() const = 0;
   virtual DType precision() const = 0;
+  // Parameters, gradients and moments stored in precision() itself, without fp32 masters (CudaModel's
+  // bf16-pure). Such a model has no parameters()/gradients() in fp32 to hand to data parallelism.
+  virtual bool bf16_pure() const { return false; }
   virtual void init_parameters(uint64_t seed) = 0;
   // tokens, targets: host arrays [batch, seq]; returns the mean cross-entropy.
   virtual double forward(const int32_t* tokens, const int32_t* targets) = 0;
@@ -158,11 +238,24 @@ bool optimizer_step(LanguageModel& model, const AdamWConfig& c, double lr, doubl
 // A model on `device`: CpuModel (fp32) or CudaModel (fp32, bf16, fp16).
 std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
                                           DType precision, AttentionImpl attention = AttentionImpl::flash);
+// With recomputation, pure bf16 and the head chunk: options.recompute must be resolved (not automatic).
+std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
+                                          DType precision, const ModelOptions& options);
+
+struct ActivationLayout;  // src/model/activations.h
+
+// A block's forward, or the part of it a recomputation needs: everything but the block's output (the last
+// block of a recomputed segment), or also without attention, whose output was kept (selective).
+enum class BlockPass { full, without_output, without_attention };
 
 // The LM on the CPU in fp32: forward, backward, AdamW.
 class CpuModel final : public LanguageModel {
  public:
   CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, AttentionImpl attention = AttentionImpl::flash);
+  // options.bf16_pure must be false (the CPU runs fp32); options.recompute must be resolved;
+  // options.deterministic is ignored (the CPU attention backward is always deterministic).
+  CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const ModelOptions& options);
+  ~CpuModel() override;
 
   const ModelConfig& config() const override { return config_; }
   const std::vector<ParameterInfo>& layout() const override { return layout_; }
@@ -171,7 +264,8 @@ class CpuModel final : public LanguageModel {
   int64_t parameter_count() const override { return n_params_; }
   Device device() const override { return Device::cpu; }
   DType precision() const override { return DType::f32; }
-  size_t activation_bytes() const { return acts_.bytes(); }
+  size_t activation_bytes() const { return acts_.bytes() + stats_.bytes(); }
+  const RecomputePlan& recompute() const { return options_.recompute; }
 
   // Normal(0, 0.02) weights (truncated at 3 sigma), unit RMSNorm gains; reproducible per seed.
   void init_parameters(uint64_t seed) override;
@@ -200,13 +294,14 @@ class CpuModel final : public LanguageModel {
                   int64_t optimizer_steps) override;
 
  private:
-  struct LayerActs;
   ModelConfig config_;
   int64_t batch_, seq_;
-  AttentionImpl attention_;
+  ModelOptions options_;
   std::vector<ParameterInfo> layout_;
   int64_t n_params_ = 0;
-  Buffer params_, grads_, adam_m_, adam_v_, acts_, scratch_, rope_;
+  // acts_: the activation values (ActivationLayout's), then the logits [n, vocab]; stats_: its fp32
+  // statistics (RMSNorm 1/rms, attention logsumexp).
+  Buffer params_, grads_, adam_m_, adam_v_, acts_, stats_, scratch_, rope_;
   int64_t adam_step_ = 0;
   const int32_t* tokens_ = nullptr;
   const int32_t* targets_ = nullptr;
@@ -214,7 +309,11 @@ class CpuModel final : public LanguageModel {
   float* param(const std::string& name) const;
   float* grad(const std::string& name) const;
   float* act(int64_t offset) const { return static_cast<float*>(acts_.data()) + offset; }
-  LayerActs layer_acts(int64_t layer) const;
+  float* stat(int64_t offset) const { return static_cast<float*>(stats_.data()) + offset; }
+  void forward_block(int64_t l, BlockPass pass);
+  std::unique_ptr<ActivationLayout> acts_layout_;
+  int64_t logits_offset_ = 0;
+  int64_t materialized_segment_ = -1;  // the segment whose blocks the working set holds
   // RoPE tables [context, head_dim / 2] (cos, then sin) and the attention call of every layer (causal).
   const float* rope_cos() const { return static_cast<const float*>(rope_.data()); }
   const float* rope_sin() const { return rope_cos() + config_.context * (config_.head_dim() / 2); }
@@ -223,7 +322,10 @@ class CpuModel final : public LanguageModel {
 };
 
 // The LM on one GPU. Activations and their gradients in `precision` (fp32, bf16 or fp16); master weights,
-// gradients and AdamW moments in fp32, with a low-precision copy of the weights for the GEMMs. fp16 uses
+// gradients and AdamW moments in fp32, with a low-precision copy of the weights for the GEMMs — or, with
+// ModelOptions::bf16_pure, all of them in bf16 (each backward accumulates a weight's gradient in fp32 and
+// rounds it once into the bf16 gradient; parameters() and gradients() then throw). The LM head and the loss
+// run in token chunks (ModelOptions::head_chunk): the logits of every token never exist at once. fp16 uses
 // dynamic loss scaling: the loss gradient is multiplied by loss_scale(); unscale_gradients() divides it
 // out, or reports an overflow (inf/nan), halves the scale and the caller skips the step; the scale
 // doubles after 2000 good steps in a row. Every call is asynchronous on the model's stream except those
@@ -232,7 +334,10 @@ class CudaModel final : public LanguageModel {
  public:
   CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision,
             AttentionImpl attention = AttentionImpl::flash, void* stream = nullptr);
-  ~CudaModel();
+  // options.recompute must be resolved; options.bf16_pure needs precision bf16.
+  CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision, const ModelOptions& options,
+            void* stream = nullptr);
+  ~CudaModel() override;
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
 
@@ -247,6 +352,8 @@ class CudaModel final : public LanguageModel {
   int64_t parameter_count() const override;
   Device device() const override { return Device::cuda; }
   DType precision() const override;
+  bool bf16_pure() const override;
+  const RecomputePlan& recompute() const;
 
   void init_parameters(uint64_t seed) override;  // the same values as CpuModel::init_parameters(seed)
   void load_parameters(const float* host);
@@ -271,6 +378,7 @@ class CudaModel final : public LanguageModel {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  void forward_block(int64_t l, BlockPass pass);
 };
 
 }  // namespace flashlm

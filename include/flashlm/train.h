@@ -40,6 +40,10 @@ struct TrainConfig {
   AttentionImpl attention = AttentionImpl::flash;
   Device device = Device::cpu;
   DType precision = DType::f32;  // fp32 on the CPU; fp32, bf16 or fp16 on CUDA
+  bool bf16_pure = false;        // with bf16 on CUDA: no fp32 masters (ModelOptions::bf16_pure)
+  RecomputePlan recompute;       // automatic: resolved against the device's free memory
+  int64_t head_chunk = 0;        // ModelOptions::head_chunk
+  bool deterministic = true;     // ModelOptions::deterministic (false: resume is no longer bit-exact)
   // Data parallelism: with a communicator (the ranks of an mpirun job; a world of one works too) every rank
   // trains on its own `batch` rows of each step's global batch of batch · world size · grad_accum rows, the
   // gradients are synchronised as `ddp` says (and the AdamW moments sharded with zero1), and rank 0 alone

@@ -1,12 +1,20 @@
 """flashlm: FlashAttention-2 kernels (CPU and CUDA) for PyTorch, through flashlm's C ABI.
 
-    flashlm.attention(q, k, v, causal=True)     # autograd-aware, [batch, seq, heads, head_dim]
-    flashlm.FlashAttention.apply(q, k, v, True) # the CS336 interface: 3-D (batch, seq, dim), one head
+    flashlm.flash_attn_func(q, k, v, causal=True)               # flash-attn's: [batch, seq, heads, head_dim]
+    flashlm.scaled_dot_product_attention(q, k, v, is_causal=True)  # SDPA's: [batch, heads, seq, head_dim]
+    flashlm.attention(q, k, v, layout="bshd", causal=True)      # either layout, said explicitly
+    flashlm.FlashAttention.apply(q, k, v, True)                 # the CS336 interface: (batch, seq, dim), one head
+    torch.ops.flashlm.attention_fwd / attention_bwd             # the custom operators (torch >= 2.4)
 """
+import importlib.util
+
 from ._lib import FlashlmError, FlashlmOutOfMemory, FlashlmValueError
 from ._lib import lib as _clib
 
 __version__ = _clib.flashlm_version().decode()
+
+_TORCH_NAMES = ("attention", "flash_attn_func", "scaled_dot_product_attention", "FlashAttention", "attention_forward",
+                "attention_backward")
 
 
 def cuda_device_count():
@@ -14,13 +22,16 @@ def cuda_device_count():
     return int(_clib.flashlm_cuda_device_count())
 
 
-def __getattr__(name):
-    # The torch functions import torch only when used, so the package loads without it.
-    if name in ("attention", "FlashAttention", "attention_forward", "attention_backward"):
-        from . import torch_ops
-        return getattr(torch_ops, name)
-    raise AttributeError(f"module 'flashlm' has no attribute '{name}'")
+if importlib.util.find_spec("torch") is not None:
+    # Plain module attributes (no module __getattr__ on the call path), so torch.compile traces
+    # flashlm.attention(...) like any function; this also registers torch.ops.flashlm.
+    from .torch_ops import (FlashAttention, attention, attention_backward, attention_forward,  # noqa: F401
+                            flash_attn_func, scaled_dot_product_attention)
+else:
+    def __getattr__(name):
+        if name in _TORCH_NAMES:
+            raise ImportError(f"flashlm.{name} needs PyTorch (pip install torch)")
+        raise AttributeError(f"module 'flashlm' has no attribute '{name}'")
 
 
-__all__ = ["attention", "FlashAttention", "attention_forward", "attention_backward", "cuda_device_count",
-           "FlashlmError", "FlashlmValueError", "FlashlmOutOfMemory", "__version__"]
+__all__ = [*_TORCH_NAMES, "cuda_device_count", "FlashlmError", "FlashlmValueError", "FlashlmOutOfMemory", "__version__"]

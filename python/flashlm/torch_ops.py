@@ -1,108 +1,221 @@
-"""PyTorch front end: tensors in, tensors out, through the C ABI (no compiled extension)."""
-import contextlib
-import ctypes
+"""PyTorch front end: flashlm's attention as torch.library custom operators (torch >= 2.4), or as a plain
+autograd.Function on older torch, through the C ABI (no compiled extension).
+
+    torch.ops.flashlm.attention_fwd(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+        -> (o, lse)
+    torch.ops.flashlm.attention_bwd(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic,
+                                    impl) -> (dq, dk, dv)
+
+layout is "bshd" ([batch, seq, heads, head_dim]) or "bhsd" ([batch, heads, seq, head_dim]); any strides
+with a unit last stride. o is allocated like q (same strides when q is dense), lse is [batch, heads_q,
+seq_q] float32 (float64 for float64 CPU inputs), dq, dk, dv like q, k, v. The C side checks every
+argument; Python only describes the tensors to it (one struct.pack_into, _lib.py).
+
+Plain eager calls skip the operators' dispatcher round trip (_Attention below); under torch.compile,
+export, fake tensors and torch.func the operators are what gets traced.
+"""
+import struct
+from typing import Optional, Tuple
 
 import torch
 
 from . import _lib as L
 
 _DTYPES = {torch.float64: L.FP64, torch.float32: L.FP32, torch.float16: L.FP16, torch.bfloat16: L.BF16}
-_ALIGN = {"top_left": L.TOP_LEFT, "top-left": L.TOP_LEFT, "bottom_right": L.BOTTOM_RIGHT,
-          "bottom-right": L.BOTTOM_RIGHT}
+_ALIGN = {"top_left": False, "top-left": False, "bottom_right": True, "bottom-right": True}
 _IMPL = {"flash": L.FLASH, "naive": L.NAIVE}
+DOUBLE_BACKWARD_ERROR = ("flashlm attention: double backward (differentiating the attention's gradients, "
+                         "create_graph=True) is not supported")
+
+# The current stream as an integer without building a torch.cuda.Stream object (a few µs per call).
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+else:
+    def _raw_stream(index):
+        return torch.cuda.current_stream(index).cuda_stream
 
 
-def _c_tensor(t, name):
-    if t.dtype not in _DTYPES:
-        raise L.FlashlmValueError(f"{name}: dtype {t.dtype} is not supported (float64, float32, float16, bfloat16)")
-    if t.device.type not in ("cpu", "cuda"):
-        raise L.FlashlmValueError(f"{name}: device {t.device} is not supported (cpu or cuda)")
-    if t.dim() > L.MAX_DIMS:
-        raise L.FlashlmValueError(f"{name}: {t.dim()} dimensions, at most {L.MAX_DIMS}")
-    c = L.Tensor()
-    c.data = t.data_ptr() or None
-    c.ndim = t.dim()
-    c.dtype = _DTYPES[t.dtype]
-    c.device = L.CPU if t.device.type == "cpu" else L.CUDA
-    for i, (size, stride) in enumerate(zip(t.shape, t.stride())):
-        c.sizes[i] = size
-        c.strides[i] = stride
-    return c
+def _describe(t, bhsd):
+    """The packed flashlm_tensor fields of a 4-D t (data, ndim, dtype, device, sizes, strides), a [batch,
+    heads, seq, head_dim] tensor described as its [batch, seq, heads, head_dim] view when bhsd. (is_cuda
+    is the device code: CPU = 0, CUDA = 1.) Kept to attribute reads: it runs five or nine times a call."""
+    s, st = t.shape, t.stride()
+    if bhsd:
+        return (t.data_ptr(), 4, _DTYPES[t.dtype], t.is_cuda, s[0], s[2], s[1], s[3], st[0], st[2], st[1], st[3])
+    return (t.data_ptr(), 4, _DTYPES[t.dtype], t.is_cuda, *s, *st)
 
 
-def _options(causal, scale, causal_align, deterministic, impl, device):
-    if causal_align not in _ALIGN:
-        raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right")
+def _describe_lse(t):
+    return (t.data_ptr(), 3, _DTYPES[t.dtype], t.is_cuda, *t.shape, *t.stride())
+
+
+def _options(causal, bottom_right, scale, deterministic, impl):
+    """The packed flashlm_attention_options fields, less the stream."""
+    return (_IMPL[impl], causal, bottom_right, deterministic, scale is not None, 0.0 if scale is None else scale)
+
+
+def _why_not_packable(named_tensors, impl):
+    """The error for arguments _describe/_options could not pack (the C side checks everything else)."""
+    for t, name in named_tensors:
+        if not isinstance(t, torch.Tensor):
+            return L.FlashlmValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        want = 3 if name == "lse" else 4
+        if t.dim() != want:
+            return L.FlashlmValueError(f"{name}: expected {want} dimensions, got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            return L.FlashlmValueError(f"{name}: dtype {t.dtype} is not supported (float64, float32, float16, "
+                                       "bfloat16)")
     if impl not in _IMPL:
-        raise L.FlashlmValueError(f"impl: '{impl}' is not flash or naive")
-    o = L.AttentionOptions()
-    o.impl = _IMPL[impl]
-    o.causal = int(bool(causal))
-    o.causal_align = _ALIGN[causal_align]
-    o.deterministic = int(bool(deterministic))
-    o.has_scale = int(scale is not None)
-    o.scale = float(scale) if scale is not None else 0.0
-    o.stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    return o
+        return L.FlashlmValueError(f"impl: '{impl}' is not flash or naive")
+    return None
 
 
-def _device_of(*tensors):
-    return tensors[0].device
-
-
-def _on_device(device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _bshd(t, layout, name):
-    """The [batch, seq, heads, head_dim] view of a tensor given in `layout` (no copy)."""
-    if t.dim() != 4:
-        raise L.FlashlmValueError(f"{name}: expected 4 dimensions ({layout}), got shape {tuple(t.shape)}")
+def _is_bhsd(layout):
     if layout == "bshd":
-        return t
+        return False
     if layout == "bhsd":
-        return t.transpose(1, 2)
+        return True
     raise L.FlashlmValueError(f"layout: '{layout}' is not bshd or bhsd")
 
 
+def _call(c_function, q, fields):
+    """Calls the C function on the packed fields with q's current CUDA stream appended, on q's device."""
+    if not q.is_cuda:
+        return c_function(*fields, 0)
+    index = q.get_device()
+    if torch.cuda.current_device() == index:
+        return c_function(*fields, _raw_stream(index))
+    with torch.cuda.device(index):  # the C ABI works on the calling thread's current device
+        return c_function(*fields, _raw_stream(index))
+
+
 def _lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 and q.device.type == "cpu" else torch.float32
+    return torch.float64 if q.dtype == torch.float64 and not q.is_cuda else torch.float32
 
 
-def attention_forward(q, k, v, *, causal=False, scale=None, causal_align="top_left", layout="bshd", impl="flash"):
-    """Forward only, no autograd: returns (o, lse) with o in q's layout and lse [batch, heads_q, seq_q]."""
-    qb, kb, vb = _bshd(q, layout, "q"), _bshd(k, layout, "k"), _bshd(v, layout, "v")
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((qb.shape[0], qb.shape[2], qb.shape[1]), dtype=_lse_dtype(q), device=q.device)
-    device = _device_of(q)
-    with _on_device(device):
-        opts = _options(causal, scale, causal_align, False, impl, device)
-        L.check(L.lib.flashlm_attention_forward(
-            ctypes.byref(_c_tensor(qb, "q")), ctypes.byref(_c_tensor(kb, "k")), ctypes.byref(_c_tensor(vb, "v")),
-            ctypes.byref(_c_tensor(_bshd(o, layout, "o"), "o")), ctypes.byref(_c_tensor(lse, "lse")),
-            ctypes.byref(opts)))
+def _forward_outputs(q, layout):
+    """o (like q: same strides when q is dense) and lse [batch, heads_q, seq_q], allocated as the
+    operator's real and fake kernels both do."""
+    bhsd = _is_bhsd(layout)
+    if q.dim() != 4:
+        raise L.FlashlmValueError(f"q: expected 4 dimensions ({layout}), got shape {tuple(q.shape)}")
+    s = q.shape
+    lse_shape = (s[0], s[1], s[2]) if bhsd else (s[0], s[2], s[1])
+    return torch.empty_like(q), torch.empty(lse_shape, dtype=_lse_dtype(q), device=q.device)
+
+
+def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+    """Runs the forward on tensors in `layout`: (o, lse)."""
+    o, lse = _forward_outputs(q, layout)
+    bhsd = layout == "bhsd"
+    try:
+        fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
+                  + _options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
+    try:
+        _call(L.forward, q, fields)
+    except struct.error:
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
     return o, lse
 
 
-def attention_backward(q, k, v, o, lse, dout, *, causal=False, scale=None, causal_align="top_left", layout="bshd",
-                       deterministic=False, impl="flash"):
-    """Backward only, no autograd: returns (dq, dk, dv) in the inputs' layout."""
+def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
+    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v."""
     if dout.stride(-1) != 1 or dout.numel() == 0:
         # .sum().backward() hands an expanded (stride 0) gradient; an empty one keeps its zero strides
         # through .contiguous(), so it gets fresh ones.
         dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    device = _device_of(q)
-    views = [_bshd(t, layout, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o"))]
-    grads = [_bshd(t, layout, n) for t, n in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"))]
-    with _on_device(device):
-        opts = _options(causal, scale, causal_align, deterministic, impl, device)
-        c = [_c_tensor(t, n) for t, n in zip(views, ("q", "k", "v", "o"))]
-        g = [_c_tensor(t, n) for t, n in zip(grads, ("dout", "dq", "dk", "dv"))]
-        L.check(L.lib.flashlm_attention_backward(
-            *(ctypes.byref(x) for x in c), ctypes.byref(_c_tensor(lse, "lse")), *(ctypes.byref(x) for x in g),
-            ctypes.byref(opts)))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bhsd = _is_bhsd(layout)
+    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"))
+    try:
+        fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
+                  + _describe(dout, bhsd) + _describe(dq, bhsd) + _describe(dk, bhsd) + _describe(dv, bhsd)
+                  + _options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(named, impl) from None
+    try:
+        _call(L.backward, q, fields)
+    except struct.error:
+        raise _why_not_packable(named, impl) from None
     return dq, dk, dv
+
+
+HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake")
+
+if HAS_CUSTOM_OPS:
+    @torch.library.custom_op("flashlm::attention_fwd", mutates_args=())
+    def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool,
+                      bottom_right: bool, scale: Optional[float], deterministic: bool,
+                      impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Attention forward: (o, lse). `deterministic` is the backward's (an input so that the autograd
+        formula sees it)."""
+        return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+
+    @attention_fwd.register_fake
+    def _attention_fwd_fake(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+        return _forward_outputs(q, layout)
+
+    @torch.library.custom_op("flashlm::attention_bwd", mutates_args=())
+    def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, layout: str, causal: bool, bottom_right: bool, scale: Optional[float],
+                      deterministic: bool, impl: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention backward on the forward's tensors and dO: (dq, dk, dv), allocated like q, k, v."""
+        return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
+
+    @attention_bwd.register_fake
+    def _attention_bwd_fake(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def _fwd_setup_context(ctx, inputs, output):
+        q, k, v = inputs[:3]
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = inputs[3:]  # layout, causal, bottom_right, scale, deterministic, impl
+        ctx.mark_non_differentiable(lse)
+
+    def _fwd_backward(ctx, dout, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True, or under a torch.func transform
+            dq, dk, dv = _AttentionBackwardOps.apply(dout, q, k, v, o, lse, *ctx.args)
+        else:
+            dq, dk, dv = _BWD_OP(dout, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+    def _refuse_double_backward(ctx, *grads):
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+    attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+    attention_bwd.register_autograd(_refuse_double_backward)
+    _FWD_OP = torch.ops.flashlm.attention_fwd.default
+    _BWD_OP = torch.ops.flashlm.attention_bwd.default
+
+    class _AttentionOps(torch.autograd.Function):
+        """The operators' autograd formula as an autograd.Function with setup_context, which torch.func
+        transforms (grad, vjp) accept; the op's own registered autograd (the same formula, for callers of
+        torch.ops.flashlm directly) is not usable under them in torch <= 2.15."""
+
+        @staticmethod
+        def forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+            return _FWD_OP(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+
+        setup_context = staticmethod(_fwd_setup_context)
+        backward = staticmethod(_fwd_backward)
+
+    class _AttentionBackwardOps(torch.autograd.Function):
+        """The backward operator where its result could be differentiated again: that raises the clear
+        error (the op's registered refusal is not reachable under torch.func transforms)."""
+
+        @staticmethod
+        def forward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
+            return _BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        backward = staticmethod(_refuse_double_backward)
 
 
 class _NoDoubleBackward(torch.autograd.Function):
@@ -115,8 +228,7 @@ class _NoDoubleBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *unused):
-        raise RuntimeError("flashlm attention: double backward (differentiating the attention's gradients, "
-                           "create_graph=True) is not supported")
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
 
 def _once_differentiable(grads, inputs):
@@ -128,33 +240,136 @@ def _once_differentiable(grads, inputs):
 
 
 class _Attention(torch.autograd.Function):
+    """The eager autograd path: the C calls straight from an autograd.Function, without the dispatcher's
+    trip through the custom operators (tens of µs per call in eager mode). The only path on torch
+    without torch.library.custom_op (Debian's 1.13, say)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, causal_align, layout, deterministic, impl):
-        o, lse = attention_forward(q, k, v, causal=causal, scale=scale, causal_align=causal_align, layout=layout,
-                                   impl=impl)
+    def forward(ctx, q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+        o, lse = _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = dict(causal=causal, scale=scale, causal_align=causal_align, layout=layout,
-                        deterministic=deterministic, impl=impl)
+        ctx.args = (layout, causal, bottom_right, scale, deterministic, impl)
         return o
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _once_differentiable(attention_backward(q, k, v, o, lse, dout, **ctx.args), (q, k, v, dout))
-        return dq, dk, dv, None, None, None, None, None, None
+        grads = _once_differentiable(_backward(dout, q, k, v, o, lse, *ctx.args), (q, k, v, dout))
+        return (*grads, None, None, None, None, None, None)
 
 
-def attention(q, k, v, *, causal=False, scale=None, causal_align="top_left", layout="bshd", deterministic=False,
-              impl="flash"):
-    """Scaled dot-product attention with flashlm's kernels, differentiable.
+def _traced(q):
+    """Whether the call is being traced or transformed (torch.compile, export, FakeTensorMode, torch.func,
+    a tensor subclass), where the custom operators must be called; plain eager calls take _Attention."""
+    return HAS_CUSTOM_OPS and (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+                               or torch._C._len_torch_dispatch_stack() > 0 or type(q) is not torch.Tensor)
 
-    q [batch, seq_q, heads_q, head_dim] and k, v [batch, seq_k, heads_k, head_dim] (layout="bshd"), or
-    [batch, heads, seq, head_dim] (layout="bhsd", like F.scaled_dot_product_attention); heads_q a
-    multiple of heads_k (GQA). Any strides with a unit last stride; CPU or CUDA tensors (the current
-    CUDA stream is used); float32/float16/bfloat16 (float64 on the CPU). causal_align "top_left" is
-    PyTorch's is_causal; "bottom_right" is FlashAttention's (for decoding with seq_q < seq_k).
+
+def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+    if _traced(q):
+        return _AttentionOps.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+    return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)[0]  # no graph to record
+
+
+def _check_4d(tensors, layout):
+    for t, name in tensors:
+        if t.dim() != 4:
+            raise L.FlashlmValueError(f"{name}: expected 4 dimensions ({layout}), got shape {tuple(t.shape)}")
+
+
+def _bottom_right(causal, causal_align, seq_q, seq_k):
+    """Whether the causal mask is bottom-right aligned; when seq_q != seq_k the caller must have said which."""
+    if causal_align is None:
+        if causal and seq_q != seq_k:
+            raise L.FlashlmValueError(
+                f"causal_align: seq_q = {seq_q} differs from seq_k = {seq_k}, so the causal mask needs an "
+                "alignment: 'top_left' (query i sees keys j <= i, PyTorch's is_causal) or 'bottom_right' "
+                "(j <= i + seq_k - seq_q, flash-attn's)")
+        return False
+    try:
+        return _ALIGN[causal_align]
+    except KeyError:
+        raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right") from None
+
+
+def _seq_dim(layout):
+    return 2 if _is_bhsd(layout) else 1
+
+
+def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, deterministic=False, impl="flash"):
+    """Scaled dot-product attention with flashlm's kernels, differentiable (first order).
+
+    layout (required): "bshd" for q [batch, seq_q, heads_q, head_dim] and k, v [batch, seq_k, heads_k,
+    head_dim], or "bhsd" for [batch, heads, seq, head_dim] (F.scaled_dot_product_attention's). heads_q a
+    multiple of heads_k (GQA). Any strides with a unit last stride; CPU or CUDA tensors (the current CUDA
+    stream is used); float32/float16/bfloat16 (float64 on the CPU). causal_align "top_left" is PyTorch's
+    is_causal, "bottom_right" flash-attn's; it must be given for a causal mask with seq_q != seq_k.
+    flash_attn_func and scaled_dot_product_attention take those libraries' signatures.
     """
-    return _Attention.apply(q, k, v, causal, scale, causal_align, layout, deterministic, impl)
+    seq = _seq_dim(layout)
+    _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
+    bottom_right = _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq])
+    return _attention(q, k, v, layout, bool(causal), bottom_right, scale, bool(deterministic), impl)
+
+
+def _no_dropout(dropout_p):
+    if dropout_p != 0.0:
+        raise L.FlashlmValueError(f"dropout_p: {dropout_p} given, but flashlm attention has no dropout (pass 0.0)")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
+    head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
+    flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
+    implemented and are refused."""
+    _no_dropout(dropout_p)
+    if tuple(window_size) != (-1, -1):
+        raise L.FlashlmValueError(f"window_size: {tuple(window_size)} given, but flashlm attention has no sliding "
+                                  "window (pass (-1, -1))")
+    if softcap != 0.0:
+        raise L.FlashlmValueError(f"softcap: {softcap} given, but flashlm attention has no softcap (pass 0.0)")
+    if alibi_slopes is not None:
+        raise L.FlashlmValueError("alibi_slopes: flashlm attention has no ALiBi (pass None)")
+    if return_attn_probs:
+        raise L.FlashlmValueError("return_attn_probs: flashlm attention does not return probabilities (pass False)")
+    _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
+    return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash")
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention's signature: [batch, heads, seq, head_dim] tensors,
+    is_causal top-left aligned (query i sees keys j <= i). attn_mask and dropout are refused; heads_q !=
+    heads_k needs enable_gqa=True, as in SDPA."""
+    if attn_mask is not None:
+        raise L.FlashlmValueError("attn_mask: flashlm attention takes no mask tensor (pass None; is_causal=True for "
+                                  "a causal mask)")
+    _no_dropout(dropout_p)
+    _check_4d(((query, "query"), (key, "key"), (value, "value")), "bhsd")
+    if not enable_gqa and (query.shape[1] != key.shape[1] or query.shape[1] != value.shape[1]):
+        raise L.FlashlmValueError(f"enable_gqa: query has {query.shape[1]} heads and key/value {key.shape[1]}/"
+                                  f"{value.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    return _attention(query, key, value, "bhsd", bool(is_causal), False, scale, False, "flash")
+
+
+def attention_forward(q, k, v, *, layout, causal=False, scale=None, causal_align=None, impl="flash"):
+    """Forward only, no autograd: returns (o, lse) with o in q's layout and lse [batch, heads_q, seq_q]."""
+    seq = _seq_dim(layout)
+    _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
+    return _forward(q, k, v, layout, bool(causal), _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq]),
+                    scale, False, impl)
+
+
+def attention_backward(q, k, v, o, lse, dout, *, layout, causal=False, scale=None, causal_align=None,
+                       deterministic=False, impl="flash"):
+    """Backward only, no autograd: returns (dq, dk, dv) in the inputs' layout."""
+    seq = _seq_dim(layout)
+    _check_4d(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout")), layout)
+    return _backward(dout, q, k, v, o, lse, layout, bool(causal),
+                     _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq]), scale, bool(deterministic), impl)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -166,17 +381,15 @@ class FlashAttention(torch.autograd.Function):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dim() != 3:
                 raise L.FlashlmValueError(f"{name}: expected 3 dimensions (batch, seq, head_dim), got {tuple(t.shape)}")
-        o, lse = attention_forward(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), causal=bool(is_causal))
-        lse = lse.squeeze(1)  # (batch, seq_q)
-        o = o.squeeze(2)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse = _forward(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), "bshd", bool(is_causal), False, None, False,
+                          "flash")
+        ctx.save_for_backward(q, k, v, o.squeeze(2), lse.squeeze(1))  # lse (batch, seq_q)
         ctx.is_causal = bool(is_causal)
-        return o
+        return o.squeeze(2)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), o.unsqueeze(2),
-                                        lse.unsqueeze(1), dout.unsqueeze(2), causal=ctx.is_causal)
-        dq, dk, dv = _once_differentiable((dq.squeeze(2), dk.squeeze(2), dv.squeeze(2)), (q, k, v, dout))
-        return dq, dk, dv, None
+        dq, dk, dv = _backward(dout.unsqueeze(2), q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), o.unsqueeze(2),
+                               lse.unsqueeze(1), "bshd", ctx.is_causal, False, None, False, "flash")
+        return (*_once_differentiable((dq.squeeze(2), dk.squeeze(2), dv.squeeze(2)), (q, k, v, dout)), None)

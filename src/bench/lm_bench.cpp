@@ -9,6 +9,7 @@
 
 #include "bench/report.h"
 #include "core/check.h"
+#include "core/cuda_runtime.h"
 #include "flashlm/device.h"
 #include "flashlm/profile.h"
 
@@ -18,18 +19,41 @@ double train_flops_per_token(const ModelConfig& c, int64_t context) {
   return 6.0 * double(c.non_embedding_parameter_count()) + 12.0 * double(c.layers * context * c.d_model);
 }
 
+double useful_train_flops_per_token(const ModelConfig& c, int64_t context) {
+  return 6.0 * double(c.non_embedding_parameter_count()) + 6.0 * double(c.layers * context * c.d_model);
+}
+
 namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
 // Times every requested pass of one (model, context, precision, attention) configuration. Each timed
 // step ends with a device synchronisation, so host time is the step's time on either device.
-void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, AttentionImpl impl,
+void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, bool bf16_pure, AttentionImpl impl,
              std::vector<LmBenchRecord*>& rows) {
   const Device dev = cfg.device;
+  ModelOptions options;
+  options.attention = impl;
+  options.recompute = cfg.recompute;
+  options.bf16_pure = bf16_pure;
+  options.head_chunk = cfg.head_chunk;
+  options.deterministic = cfg.deterministic;
+  // The plan before anything is allocated: printed, and refused (an "oom" row) when it cannot fit.
+  const int64_t available = dev == Device::cuda ? cuda_free_memory_bytes() : -1;
+  const MemoryPlan plan = plan_model_memory(mc, cfg.batch, mc.context, dev, precision, options, available);
+  options.recompute = plan.recompute;
+  for (LmBenchRecord* rec : rows) {
+    rec->recompute = plan.recompute.name();
+    rec->plan_mib = double(plan.total_bytes()) / kMiB;
+  }
+  if (cfg.progress) {
+    cfg.progress(fmt::format("memory plan: {} ctx {} batch {} {}, recompute {}\n{}", rows.front()->model, mc.context,
+                             cfg.batch, precision_name(precision, bf16_pure), plan.recompute.name(), plan.format()));
+  }
+  check_memory_plan(plan, available, "the GPU");
   const int64_t base = memory_stats(dev).current_bytes;
   memory_reset_peak(dev);
-  const std::unique_ptr<LanguageModel> model_ptr = make_model(mc, cfg.batch, mc.context, dev, precision, impl);
+  const std::unique_ptr<LanguageModel> model_ptr = make_model(mc, cfg.batch, mc.context, dev, precision, options);
   LanguageModel& model = *model_ptr;
   model.init_parameters(1);
   std::vector<int32_t> tokens(size_t(checked_mul(cfg.batch, mc.context, "bench: tokens per step"))),
@@ -102,6 +126,8 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, A
       // MFU counts a train step's FLOPs (forward 1/3, backward 2/3 of them) for the passes it covers.
       const double share = rec->pass == "fwd" ? 1.0 / 3.0 : 1.0;
       rec->mfu = *rec->tokens_per_s * share * train_flops_per_token(mc, mc.context) / kHopperBf16PeakFlops;
+      rec->mfu_useful =
+          *rec->tokens_per_s * share * useful_train_flops_per_token(mc, mc.context) / kHopperBf16PeakFlops;
     }
     rec->peak_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
   }
@@ -124,12 +150,25 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
                   p);
   }
   std::vector<LmBenchRecord> records;
-  const size_t total = cfg.models.size() * cfg.contexts.size() * cfg.precisions.size() * cfg.attention.size();
+  const std::vector<std::string> models =
+      cfg.model_config_file.empty() ? cfg.models : std::vector<std::string>{cfg.model_config_file};
+  const size_t total = models.size() * cfg.contexts.size() * cfg.precisions.size() * cfg.attention.size();
   size_t done = 0;
-  for (const auto& name : cfg.models) {
+  for (const auto& name : models) {
     for (int64_t ctx : cfg.contexts) {
-      const ModelConfig mc = ModelConfig::named(name, ctx, cfg.vocab);
-      for (DType precision : cfg.precisions) {
+      ModelConfig mc;
+      if (cfg.model_config_file.empty()) {
+        mc = ModelConfig::named(name, ctx, cfg.vocab);
+      } else {
+        mc = ModelConfig::from_json_file(cfg.model_config_file);
+        mc.context = ctx;
+        if (cfg.vocab > 0) mc.vocab = cfg.vocab;
+        mc.validate();
+      }
+      for (const std::string& precision_text : cfg.precisions) {
+        DType precision;
+        bool bf16_pure;
+        parse_precision(precision_text, precision, bf16_pure);
         for (AttentionImpl impl : cfg.attention) {
           const size_t first = records.size();
           for (const auto& pass : cfg.passes) {
@@ -137,7 +176,7 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             r.model = name;
             r.context = ctx;
             r.batch = cfg.batch;
-            r.precision = std::string(dtype_name(precision));
+            r.precision = precision_name(precision, bf16_pure);
             r.attention = std::string(attention_impl_name(impl));
             r.pass = pass;
             r.device = std::string(device_name(cfg.device));
@@ -148,11 +187,11 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
           auto mark = [&](const std::string& status, const std::string& message) {
             for (LmBenchRecord* r : rows) r->status = status, r->message = message;
           };
-          if (cfg.device == Device::cpu && precision != DType::f32) {
-            mark("unsupported", "the CPU engine runs fp32; bf16/fp16 are CUDA precisions");
+          if (cfg.device == Device::cpu && (precision != DType::f32 || bf16_pure)) {
+            mark("unsupported", "the CPU engine runs fp32; bf16, fp16 and bf16-pure are CUDA precisions");
           } else {
             try {
-              measure(cfg, mc, precision, impl, rows);
+              measure(cfg, mc, precision, bf16_pure, impl, rows);
             } catch (const OutOfMemory& e) {
               mark("oom", e.what());
             } catch (const std::bad_alloc&) {
@@ -163,8 +202,9 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
           }
           ++done;
           if (cfg.progress) {
-            std::string line = fmt::format("[{}/{}] {} ctx {} {} {}:", done, total, name, ctx, dtype_name(precision),
-                                           attention_impl_name(impl));
+            std::string line = fmt::format("[{}/{}] {} ctx {} {} {} recompute {}:", done, total, name, ctx,
+                                           precision_name(precision, bf16_pure), attention_impl_name(impl),
+                                           rows.front()->recompute);
             for (LmBenchRecord* r : rows) {
               line += r->mean_ms ? fmt::format(" {} {:.1f} ms", r->pass, *r->mean_ms) : fmt::format(" {} {}", r->pass, r->status);
             }
@@ -185,15 +225,17 @@ std::string format_lm_bench(const std::vector<LmBenchRecord>& records, ReportFor
                         {"precision", r.precision},  {"attention", r.attention},      {"pass", r.pass},
                         {"device", r.device},        {"mean_ms", opt(r.mean_ms)},     {"std_ms", opt(r.std_ms)},
                         {"median_ms", opt(r.median_ms)}, {"tokens_per_s", opt(r.tokens_per_s)}, {"mfu", opt(r.mfu)},
-                        {"peak_mib", opt(r.peak_mib)}, {"status", r.status}};
+                        {"mfu_useful", opt(r.mfu_useful)}, {"recompute", r.recompute},
+                        {"plan_mib", opt(r.plan_mib)}, {"peak_mib", opt(r.peak_mib)}, {"status", r.status}};
     if (!r.message.empty()) j["message"] = r.message;
     rows.push_back(std::move(j));
   }
   const std::vector<ReportColumn> columns = {
       {"model", "model"},         {"context", "ctx"},       {"batch", "batch"},         {"precision", "precision"},
       {"attention", "attention"}, {"pass", "pass"},         {"mean_ms", "mean ms", 2},  {"std_ms", "± ms", 2},
-      {"median_ms", "median ms", 2}, {"tokens_per_s", "tokens/s", 0}, {"mfu", "MFU", 3}, {"peak_mib", "peak MiB", 1},
-      {"status", "status"}};
+      {"median_ms", "median ms", 2}, {"tokens_per_s", "tokens/s", 0}, {"mfu", "MFU", 3},
+      {"mfu_useful", "useful MFU", 3}, {"recompute", "recompute"}, {"plan_mib", "plan MiB", 1},
+      {"peak_mib", "peak MiB", 1}, {"status", "status"}};
   const nlohmann::json meta = {{"tool", "flashlm bench"}, {"device", describe_device(cfg.device)},
                                {"threads", cfg.device == Device::cpu ? cpu_threads() : 0}, {"date", utc_date()},
                                {"warmup", cfg.warmup}, {"steps", cfg.steps}, {"vocab", cfg.vocab}};

@@ -2,6 +2,7 @@
 // Built from device_cuda.cu with CUDA, from device.cpp's fallbacks without.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -16,6 +17,8 @@ void cuda_free_async_noexcept(void* p, void* stream);
 int cuda_device_count_or_zero();
 int cuda_current_device();
 int cuda_pointer_device(const void* p);  // -1 for a host pointer or an unknown one
+// Free bytes on the current device (cudaMemGetInfo); -1 when there is no GPU.
+int64_t cuda_free_memory_bytes();
 std::string cuda_device_description();
 void cuda_copy(void* dst, const void* src, size_t bytes);  // any direction, synchronous
 void cuda_copy_async(void* dst, const void* src, size_t bytes, void* stream);  // any direction, queued on `stream`

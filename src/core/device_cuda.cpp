@@ -73,6 +73,15 @@ int cuda_current_device() {
   return cudaGetDevice(&d) == cudaSuccess ? d : -1;
 }
 
+int64_t cuda_free_memory_bytes() {
+  size_t free_bytes = 0, total = 0;
+  if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return int64_t(free_bytes);
+}
+
 int cuda_pointer_device(const void* p) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {

@@ -1,7 +1,10 @@
 // Model sizes, parameter layout and the learning-rate schedule.
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <numbers>
+#include <sstream>
 #include <utility>
 
 #include "core/check.h"
@@ -17,7 +20,7 @@ int64_t ParameterInfo::numel() const {
 
 void ModelConfig::validate() const {
   FLASHLM_CHECK(vocab >= 2, "model: vocab = {}, expected at least 2", vocab);
-  FLASHLM_CHECK(context >= 1, "model: context = {}, expected at least 1", context);
+  FLASHLM_CHECK(context >= 1 && context <= kMaxContext, "model: context = {}, expected 1 to {}", context, kMaxContext);
   // The layout holds an entry per layer's weight: a layer count is bounded before it is looped over.
   FLASHLM_CHECK(layers >= 1 && layers <= kMaxLayers, "model: layers = {}, expected 1..{}", layers, kMaxLayers);
   FLASHLM_CHECK(d_model >= 1, "model: d_model = {}, expected at least 1", d_model);
@@ -26,6 +29,9 @@ void ModelConfig::validate() const {
   FLASHLM_CHECK(head_dim() % 2 == 0, "model: head_dim = d_model / heads = {} must be even for RoPE", head_dim());
   FLASHLM_CHECK(d_ff >= 1, "model: d_ff = {}, expected at least 1", d_ff);
   FLASHLM_CHECK(vocab < (int64_t{1} << 31), "model: vocab = {} does not fit int32 token ids", vocab);
+  FLASHLM_CHECK(rope_theta > 0 && std::isfinite(rope_theta), "model: rope_theta = {}, expected a positive number",
+                rope_theta);
+  FLASHLM_CHECK(norm_eps > 0 && norm_eps < 1, "model: norm_eps = {}, expected in (0, 1)", norm_eps);
   // The parameter count, and its size in fp32 bytes, fit int64 (embedding, head, and per layer
   // 4 d² + 3 d·d_ff + 2 d): the models size their buffers from it unchecked.
   constexpr std::string_view what = "model: parameter count";
@@ -40,15 +46,17 @@ void ModelConfig::validate() const {
 ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t vocab) {
   struct Size {
     std::string_view name;
-    int64_t d_model, d_ff, layers, heads;
+    int64_t d_model, d_ff, layers, heads, vocab;
   };
-  static constexpr Size sizes[] = {{"tiny", 32, 64, 2, 4},          {"small", 768, 3072, 12, 12},
-                                   {"medium", 1024, 4096, 24, 16},  {"large", 1280, 5120, 36, 20},
-                                   {"xl", 1600, 6400, 48, 25},      {"2.7B", 2560, 10240, 32, 32}};
+  static constexpr Size sizes[] = {{"tiny", 32, 64, 2, 4, 10000},           {"small", 768, 3072, 12, 12, 10000},
+                                   {"medium", 1024, 4096, 24, 16, 10000},   {"large", 1280, 5120, 36, 20, 10000},
+                                   {"xl", 1600, 6400, 48, 25, 10000},       {"2.7B", 2560, 10240, 32, 32, 10000},
+                                   {"cs336-8b", 4096, 11008, 34, 32, 151936}};
+  FLASHLM_CHECK(vocab >= 0, "model: vocab = {}, expected >= 0 (0: the size's own)", vocab);
   for (const Size& s : sizes) {
     if (s.name == name) {
       ModelConfig c;
-      c.vocab = vocab;
+      c.vocab = vocab > 0 ? vocab : s.vocab;
       c.context = context;
       c.d_model = s.d_model;
       c.d_ff = s.d_ff;
@@ -57,7 +65,63 @@ ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t v
       return c;
     }
   }
-  fail("unknown model size '{}': expected tiny, small, medium, large, xl or 2.7B", name);
+  fail("unknown model size '{}': expected tiny, small, medium, large, xl, 2.7B or cs336-8b", name);
+}
+
+ModelConfig ModelConfig::from_json(std::string_view text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    fail("model config: not valid JSON: {}", e.what());
+  }
+  FLASHLM_CHECK(j.is_object(), "model config: expected a JSON object, got {}", j.type_name());
+  ModelConfig c;
+  if (j.contains("base")) {
+    FLASHLM_CHECK(j["base"].is_string(), "model config: \"base\" must be a size name, got {}", j["base"].dump());
+    c = named(j["base"].get<std::string>(), c.context);
+  }
+  auto integer = [&](const char* key, int64_t& field) {
+    const nlohmann::json& v = j[key];
+    FLASHLM_CHECK(v.is_number_integer(), "model config: \"{}\" must be an integer, got {}", key, v.dump());
+    field = v.get<int64_t>();
+  };
+  auto number = [&](const char* key, double& field) {
+    const nlohmann::json& v = j[key];
+    FLASHLM_CHECK(v.is_number(), "model config: \"{}\" must be a number, got {}", key, v.dump());
+    field = v.get<double>();
+  };
+  for (const auto& [key, value] : j.items()) {
+    if (key == "base") continue;
+    if (key == "vocab") integer("vocab", c.vocab);
+    else if (key == "context") integer("context", c.context);
+    else if (key == "d_model") integer("d_model", c.d_model);
+    else if (key == "d_ff") integer("d_ff", c.d_ff);
+    else if (key == "layers") integer("layers", c.layers);
+    else if (key == "heads") integer("heads", c.heads);
+    else if (key == "rope_theta") number("rope_theta", c.rope_theta);
+    else if (key == "norm_eps") number("norm_eps", c.norm_eps);
+    else fail("model config: unknown key \"{}\" (expected base, vocab, context, d_model, d_ff, layers, heads, "
+              "rope_theta, norm_eps)", key);
+  }
+  c.validate();
+  return c;
+}
+
+ModelConfig ModelConfig::from_json_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  FLASHLM_CHECK(in.good(), "model config: cannot open '{}'", path);
+  // A model description is a few hundred bytes; refuse anything large instead of reading it whole.
+  constexpr std::streamsize kMaxBytes = 1 << 20;
+  std::string text(size_t(kMaxBytes) + 1, '\0');
+  in.read(text.data(), kMaxBytes + 1);
+  FLASHLM_CHECK(in.gcount() <= kMaxBytes, "model config: '{}' is larger than 1 MiB", path);
+  text.resize(size_t(in.gcount()));
+  try {
+    return from_json(text);
+  } catch (const Error& e) {
+    fail("{} (in '{}')", e.what(), path);
+  }
 }
 
 std::vector<ParameterInfo> parameter_layout(const ModelConfig& c) {
@@ -121,28 +185,35 @@ float truncated_normal(uint64_t seed, uint64_t index) {
 
 }  // namespace
 
-void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed) {
-  for (const auto& p : layout) {
-    float* w = params + p.offset;
-    const int64_t count = p.numel();
-    if (p.shape.size() == 1) {  // RMSNorm gains start at 1
-      std::fill(w, w + count, 1.0f);
-      continue;
-    }
-    // Billions of draws for the large models: in parallel (each value depends on its index only).
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < count; ++i) w[i] = truncated_normal(seed, uint64_t(p.offset + i));
+void init_parameter_host(const ParameterInfo& p, float* w, uint64_t seed) {
+  const int64_t count = p.numel();
+  if (p.shape.size() == 1) {  // RMSNorm gains start at 1
+    std::fill(w, w + count, 1.0f);
+    return;
   }
+  // Billions of draws for the large models: in parallel (each value depends on its index only).
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) w[i] = truncated_normal(seed, uint64_t(p.offset + i));
+}
+
+void init_parameters_host(const std::vector<ParameterInfo>& layout, float* params, uint64_t seed) {
+  for (const auto& p : layout) init_parameter_host(p, params + p.offset, seed);
 }
 
 std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
                                           DType precision, AttentionImpl attention) {
+  return make_model(config, batch, seq, device, precision, ModelOptions::with_attention(attention));
+}
+
+std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
+                                          DType precision, const ModelOptions& options) {
   if (device == Device::cpu) {
-    FLASHLM_CHECK(precision == DType::f32, "model: the CPU engine runs fp32, not {}", dtype_name(precision));
-    return std::make_unique<CpuModel>(config, batch, seq, attention);
+    FLASHLM_CHECK(precision == DType::f32 && !options.bf16_pure, "model: the CPU engine runs fp32, not {}",
+                  precision_name(precision, options.bf16_pure));
+    return std::make_unique<CpuModel>(config, batch, seq, options);
   }
 #ifdef FLASHLM_WITH_CUDA
-  return std::make_unique<CudaModel>(config, batch, seq, precision, attention);
+  return std::make_unique<CudaModel>(config, batch, seq, precision, options);
 #else
   fail("model: --device cuda needs a CUDA build of flashlm");
 #endif

@@ -7,61 +7,36 @@
 #include "core/check.h"
 #include "flashlm/model.h"
 #include "flashlm/profile.h"
+#include "model/activations.h"
 #include "model/ops_cpu.h"
 #include "optim/optimizer.h"
 
 namespace flashlm {
 
-// Offsets (in floats) of one layer's saved activations inside the activation buffer.
-struct CpuModel::LayerActs {
-  int64_t x_in, rstd1, h1, q, k, v, attn, lse, x_mid, rstd2, h2, u, g, s;
-};
-
-namespace {
-
-struct ActivationPlan {
-  std::vector<int64_t> layer_base;  // start of each layer's block
-  int64_t per_layer = 0;
-  int64_t x_out = 0, rstd_f = 0, h_f = 0, logits = 0, total = 0;
-};
-
-// Every offset is checked: batch, seq and the widths come from the user.
-ActivationPlan plan_activations(const ModelConfig& c, int64_t batch, int64_t seq) {
-  constexpr std::string_view what = "CpuModel: activation size";
-  const auto mul = [&](std::initializer_list<int64_t> f) { return checked_product(f, what); };
-  const auto add = [&](int64_t a, int64_t b) { return checked_add(a, b, what); };
-  const int64_t n = mul({batch, seq}), d = c.d_model, f = c.d_ff;
-  ActivationPlan p;
-  p.per_layer = add(add(mul({9, n, d}), mul({3, n, f})), add(mul({2, n}), mul({n, c.heads})));
-  p.x_out = mul({c.layers, p.per_layer});
-  for (int64_t l = 0; l < c.layers; ++l) p.layer_base.push_back(l * p.per_layer);
-  p.rstd_f = add(p.x_out, mul({n, d}));
-  p.h_f = add(p.rstd_f, n);
-  p.logits = add(p.h_f, mul({n, d}));
-  p.total = add(p.logits, mul({n, c.vocab}));
-  return p;
-}
-
-}  // namespace
-
 CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, AttentionImpl attention)
-    : config_(config), batch_(batch), seq_(seq), attention_(attention), layout_(parameter_layout(config)) {
+    : CpuModel(config, batch, seq, ModelOptions::with_attention(attention)) {}
+
+CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const ModelOptions& options)
+    : config_(config), batch_(batch), seq_(seq), options_(options), layout_(parameter_layout(config)) {
   FLASHLM_CHECK(batch >= 1, "CpuModel: batch = {}, expected at least 1", batch);
   FLASHLM_CHECK(seq >= 1 && seq <= config.context, "CpuModel: seq = {} outside [1, context = {}]", seq,
                 config.context);
+  FLASHLM_CHECK(!options.bf16_pure, "CpuModel: the CPU engine runs fp32, not bf16-pure");
   n_params_ = layout_.back().offset + layout_.back().numel();
   const size_t pbytes = size_t(n_params_) * sizeof(float);
   params_ = Buffer::allocate(pbytes, Device::cpu, "parameters");
   grads_ = Buffer::allocate(pbytes, Device::cpu, "gradients");
-  const ActivationPlan plan = plan_activations(config, batch, seq);
+  acts_layout_ = std::make_unique<ActivationLayout>(layout_activations(config, batch, seq, options.recompute));
+  const int64_t n = batch * seq;  // checked by layout_activations
   constexpr std::string_view bytes = "CpuModel: activation bytes";
   constexpr int64_t kFloat = sizeof(float);
-  acts_ = Buffer::allocate(size_t(checked_mul(plan.total, kFloat, bytes)), Device::cpu, "activations");
-  const int64_t n = batch * seq;  // checked by plan_activations
-  // Backward scratch: residual gradient, four [n, d] and three [n, d_ff] arrays.
-  scratch_ = Buffer::allocate(size_t(checked_add(checked_product({6, n, config.d_model, kFloat}, bytes),
-                                                 checked_product({3, n, config.d_ff, kFloat}, bytes), bytes)),
-                              Device::cpu, "backward scratch");
+  logits_offset_ = acts_layout_->values;
+  const int64_t values = checked_add(logits_offset_, checked_mul(n, config.vocab, "CpuModel: tokens x vocab"), bytes);
+  acts_ = Buffer::allocate(size_t(checked_mul(values, kFloat, bytes)), Device::cpu, "activations and logits");
+  stats_ = Buffer::allocate(size_t(checked_mul(acts_layout_->stats, kFloat, bytes)), Device::cpu,
+                            "activations (statistics)");
+  scratch_ = Buffer::allocate(size_t(checked_mul(backward_scratch_elements(config, n), kFloat, bytes)), Device::cpu,
+                              "backward scratch");
   const int64_t half = config.head_dim() / 2;
   rope_ = Buffer::allocate(size_t(checked_product({2, config.context, half, kFloat}, "CpuModel: RoPE table bytes")),
                            Device::cpu, "RoPE tables");
@@ -70,6 +45,8 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, Attent
   std::fill(parameters(), parameters() + n_params_, 0.0f);
   zero_grad();
 }
+
+CpuModel::~CpuModel() = default;
 
 // The AdamW moments are allocated by the first step (or load_state): a model whose optimizer state lives
 // elsewhere (ZeRO-1's shards) never holds them.
@@ -98,28 +75,7 @@ float* CpuModel::grad(const std::string& name) const {
 
 void CpuModel::init_parameters(uint64_t seed) { init_parameters_host(layout_, parameters(), seed); }
 
-CpuModel::LayerActs CpuModel::layer_acts(int64_t l) const {
-  const int64_t n = batch_ * seq_, d = config_.d_model, f = config_.d_ff, bhs = batch_ * config_.heads * seq_;
-  const int64_t base = plan_activations(config_, batch_, seq_).layer_base[size_t(l)];
-  LayerActs a{};
-  a.x_in = base;
-  a.rstd1 = a.x_in + n * d;
-  a.h1 = a.rstd1 + n;
-  a.q = a.h1 + n * d;
-  a.k = a.q + n * d;
-  a.v = a.k + n * d;
-  a.attn = a.v + n * d;
-  a.lse = a.attn + n * d;
-  a.x_mid = a.lse + bhs;
-  a.rstd2 = a.x_mid + n * d;
-  a.h2 = a.rstd2 + n;
-  a.u = a.h2 + n * d;
-  a.g = a.u + n * f;
-  a.s = a.g + n * f;  // ends at base + 9 n d + 3 n f + 2 n + bhs = the next layer's base
-  return a;
-}
-
-const float* CpuModel::logits() const { return act(plan_activations(config_, batch_, seq_).logits); }
+const float* CpuModel::logits() const { return act(logits_offset_); }
 
 namespace {
 
@@ -132,7 +88,7 @@ TensorView heads_view(float* data, int64_t batch, int64_t seq, int64_t heads, in
 
 double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   const ModelConfig& c = config_;
-  const int64_t n = batch_ * seq_, d = c.d_model, f = c.d_ff, hd = c.head_dim();
+  const int64_t n = batch_ * seq_, d = c.d_model;
   for (int64_t i = 0; i < n; ++i) {
     FLASHLM_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab, "forward: tokens[{}] = {} outside [0, vocab = {})", i,
                   tokens[i], c.vocab);
@@ -143,60 +99,63 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   targets_ = targets;
   memory_set_phase("forward");
   ScopedRange range("forward");
-  const ActivationPlan plan = plan_activations(c, batch_, seq_);
-  const float* rope_cos = this->rope_cos();
-  const float* rope_sin = this->rope_sin();
-  const AttentionOptions attn = attention_options();
-
-  float* x = act(plan.layer_base.empty() ? plan.x_out : plan.layer_base[0]);
+  const ActivationLayout& A = *acts_layout_;
   parameters_needed("token_embeddings.");
-  cpu::embedding_forward(param("token_embeddings.weight"), tokens, x, n, d);
+  cpu::embedding_forward(param("token_embeddings.weight"), tokens, act(A.blocks[0].x_in), n, d);
   parameters_done("token_embeddings.");
-  for (int64_t l = 0; l < c.layers; ++l) {
-    const std::string p = fmt::format("layers.{}.", l);
-    const LayerActs a = layer_acts(l);
-    ScopedRange layer_range("layer.forward");
-    parameters_needed(p);
-    // a.x_in is where the residual stream enters; the next layer's x_in (or x_out) is where it leaves.
-    const int64_t x_next = l + 1 < c.layers ? plan.layer_base[size_t(l + 1)] : plan.x_out;
-    cpu::rmsnorm_forward(act(a.x_in), param(p + "ln1.weight"), act(a.h1), act(a.rstd1), n, d, float(c.norm_eps));
-    cpu::linear_forward(act(a.h1), param(p + "attn.q_proj.weight"), act(a.q), n, d, d);
-    cpu::linear_forward(act(a.h1), param(p + "attn.k_proj.weight"), act(a.k), n, d, d);
-    cpu::linear_forward(act(a.h1), param(p + "attn.v_proj.weight"), act(a.v), n, d, d);
-    cpu::rope_forward(act(a.q), rope_cos, rope_sin, batch_, seq_, c.heads, hd);
-    cpu::rope_forward(act(a.k), rope_cos, rope_sin, batch_, seq_, c.heads, hd);
-    {
-      ScopedRange attention_range("attention.forward");
-      attention_forward(heads_view(act(a.q), batch_, seq_, c.heads, hd), heads_view(act(a.k), batch_, seq_, c.heads, hd),
-                        heads_view(act(a.v), batch_, seq_, c.heads, hd),
-                        heads_view(act(a.attn), batch_, seq_, c.heads, hd),
-                        TensorView::contiguous(act(a.lse), DType::f32, {batch_, c.heads, seq_}), attn);
-    }
-    float* x_mid = act(a.x_mid);
-    cpu::linear_forward(act(a.attn), param(p + "attn.output_proj.weight"), x_mid, n, d, d);
-    for (int64_t i = 0; i < n * d; ++i) x_mid[i] += act(a.x_in)[i];
-    cpu::rmsnorm_forward(x_mid, param(p + "ln2.weight"), act(a.h2), act(a.rstd2), n, d, float(c.norm_eps));
-    cpu::linear_forward(act(a.h2), param(p + "ffn.w1.weight"), act(a.u), n, d, f);
-    cpu::linear_forward(act(a.h2), param(p + "ffn.w3.weight"), act(a.g), n, d, f);
-    cpu::swiglu_forward(act(a.u), act(a.g), act(a.s), n * f);
-    float* x_out = act(x_next);
-    cpu::linear_forward(act(a.s), param(p + "ffn.w2.weight"), x_out, n, f, d);
-    for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
-    parameters_done(p);
-  }
+  for (int64_t l = 0; l < c.layers; ++l) forward_block(l, BlockPass::full);
+  // The working set now holds the last segment's blocks: the backward starts without recomputing them.
+  materialized_segment_ = A.blocks.back().segment;
   parameters_needed("ln_final.");
-  cpu::rmsnorm_forward(act(plan.x_out), param("ln_final.weight"), act(plan.h_f), act(plan.rstd_f), n, d,
-                       float(c.norm_eps));
+  cpu::rmsnorm_forward(act(A.x_out), param("ln_final.weight"), act(A.h_f), stat(A.rstd_f), n, d, float(c.norm_eps));
   parameters_done("ln_final.");
   parameters_needed("lm_head.");
-  cpu::linear_forward(act(plan.h_f), param("lm_head.weight"), act(plan.logits), n, d, c.vocab);
+  cpu::linear_forward(act(A.h_f), param("lm_head.weight"), act(logits_offset_), n, d, c.vocab);
   parameters_done("lm_head.");
-  return cpu::cross_entropy_forward(act(plan.logits), targets, n, c.vocab);
+  return cpu::cross_entropy_forward(act(logits_offset_), targets, n, c.vocab);
+}
+
+void CpuModel::forward_block(int64_t l, BlockPass pass) {
+  const ModelConfig& c = config_;
+  const int64_t n = batch_ * seq_, d = c.d_model, f = c.d_ff, hd = c.head_dim();
+  const ActivationLayout& A = *acts_layout_;
+  const BlockActivations& a = A.blocks[size_t(l)];
+  const std::string p = fmt::format("layers.{}.", l);
+  ScopedRange layer_range(pass == BlockPass::full ? "layer.forward" : "layer.recompute");
+  parameters_needed(p);
+  const float* rope_cos = this->rope_cos();
+  const float* rope_sin = this->rope_sin();
+  cpu::rmsnorm_forward(act(a.x_in), param(p + "ln1.weight"), act(a.h1), stat(a.rstd1), n, d, float(c.norm_eps));
+  cpu::linear_forward(act(a.h1), param(p + "attn.q_proj.weight"), act(a.q), n, d, d);
+  cpu::linear_forward(act(a.h1), param(p + "attn.k_proj.weight"), act(a.k), n, d, d);
+  cpu::linear_forward(act(a.h1), param(p + "attn.v_proj.weight"), act(a.v), n, d, d);
+  cpu::rope_forward(act(a.q), rope_cos, rope_sin, batch_, seq_, c.heads, hd);
+  cpu::rope_forward(act(a.k), rope_cos, rope_sin, batch_, seq_, c.heads, hd);
+  if (pass != BlockPass::without_attention) {
+    ScopedRange attention_range("attention.forward");
+    attention_forward(heads_view(act(a.q), batch_, seq_, c.heads, hd), heads_view(act(a.k), batch_, seq_, c.heads, hd),
+                      heads_view(act(a.v), batch_, seq_, c.heads, hd), heads_view(act(a.attn), batch_, seq_, c.heads, hd),
+                      TensorView::contiguous(stat(a.lse), DType::f32, {batch_, c.heads, seq_}), attention_options());
+  }
+  float* x_mid = act(a.x_mid);
+  cpu::linear_forward(act(a.attn), param(p + "attn.output_proj.weight"), x_mid, n, d, d);
+  for (int64_t i = 0; i < n * d; ++i) x_mid[i] += act(a.x_in)[i];
+  cpu::rmsnorm_forward(x_mid, param(p + "ln2.weight"), act(a.h2), stat(a.rstd2), n, d, float(c.norm_eps));
+  cpu::linear_forward(act(a.h2), param(p + "ffn.w1.weight"), act(a.u), n, d, f);
+  cpu::linear_forward(act(a.h2), param(p + "ffn.w3.weight"), act(a.g), n, d, f);
+  cpu::swiglu_forward(act(a.u), act(a.g), act(a.s), n * f);
+  if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
+    // The residual stream leaves into the next block's input (or x_out).
+    float* x_out = act(l + 1 < c.layers ? A.blocks[size_t(l + 1)].x_in : A.x_out);
+    cpu::linear_forward(act(a.s), param(p + "ffn.w2.weight"), x_out, n, f, d);
+    for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
+  }
+  parameters_done(p);
 }
 
 AttentionOptions CpuModel::attention_options() const {
   AttentionOptions attn;
-  attn.impl = attention_;
+  attn.impl = options_.attention;
   attn.causal = true;
   return attn;
 }
@@ -205,7 +164,7 @@ void CpuModel::backward() {
   FLASHLM_CHECK(tokens_ != nullptr, "backward: call forward() first");
   const ModelConfig& c = config_;
   const int64_t n = batch_ * seq_, d = c.d_model, f = c.d_ff, hd = c.head_dim();
-  const ActivationPlan plan = plan_activations(c, batch_, seq_);
+  const ActivationLayout& A = *acts_layout_;
   const float* rope_cos = this->rope_cos();
   const float* rope_sin = this->rope_sin();
   const AttentionOptions attn = attention_options();
@@ -217,23 +176,30 @@ void CpuModel::backward() {
         *dattn = s0 + 5 * n * d;
   float *du = s0 + 6 * n * d, *dg = du + n * f, *ds = dg + n * f;
 
-  float* dlogits = act(plan.logits);
+  float* dlogits = act(logits_offset_);
   cpu::cross_entropy_backward(dlogits, targets_, n, c.vocab);
   parameters_needed("lm_head.");
-  cpu::linear_backward(dlogits, act(plan.h_f), param("lm_head.weight"), dh, grad("lm_head.weight"), n, d, c.vocab,
+  cpu::linear_backward(dlogits, act(A.h_f), param("lm_head.weight"), dh, grad("lm_head.weight"), n, d, c.vocab,
                        false);
   parameters_done("lm_head.");
   gradient_ready("lm_head.weight");
   std::fill(dx, dx + n * d, 0.0f);
   parameters_needed("ln_final.");
-  cpu::rmsnorm_backward(dh, act(plan.x_out), param("ln_final.weight"), act(plan.rstd_f), dx, grad("ln_final.weight"),
-                        n, d);
+  cpu::rmsnorm_backward(dh, act(A.x_out), param("ln_final.weight"), stat(A.rstd_f), dx, grad("ln_final.weight"), n,
+                        d);
   parameters_done("ln_final.");
   gradient_ready("ln_final.weight");
 
   for (int64_t l = c.layers - 1; l >= 0; --l) {
+    const BlockActivations& a = A.blocks[size_t(l)];
+    if (a.segment >= 0 && a.segment != materialized_segment_) {
+      // Recompute the segment from its kept input; its last block (this one) stops before its output.
+      for (int64_t j = a.segment; j < l; ++j) forward_block(j, BlockPass::full);
+      forward_block(l, A.recompute.kind == RecomputePlan::Kind::selective ? BlockPass::without_attention
+                                                                          : BlockPass::without_output);
+      materialized_segment_ = a.segment;
+    }
     const std::string p = fmt::format("layers.{}.", l);
-    const LayerActs a = layer_acts(l);
     ScopedRange layer_range("layer.backward");
     parameters_needed(p);
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
@@ -244,7 +210,7 @@ void CpuModel::backward() {
     gradient_ready(p + "ffn.w1.weight");
     cpu::linear_backward(dg, act(a.h2), param(p + "ffn.w3.weight"), dh, grad(p + "ffn.w3.weight"), n, d, f, true);
     gradient_ready(p + "ffn.w3.weight");
-    cpu::rmsnorm_backward(dh, act(a.x_mid), param(p + "ln2.weight"), act(a.rstd2), dx, grad(p + "ln2.weight"), n, d);
+    cpu::rmsnorm_backward(dh, act(a.x_mid), param(p + "ln2.weight"), stat(a.rstd2), dx, grad(p + "ln2.weight"), n, d);
     gradient_ready(p + "ln2.weight");
     // dx is now ∂L/∂x_mid; the attention branch adds to ∂L/∂x_in, which is dx plus the branch.
     cpu::linear_backward(dx, act(a.attn), param(p + "attn.output_proj.weight"), dattn,
@@ -255,7 +221,7 @@ void CpuModel::backward() {
       attention_backward(heads_view(act(a.q), batch_, seq_, c.heads, hd),
                          heads_view(act(a.k), batch_, seq_, c.heads, hd), heads_view(act(a.v), batch_, seq_, c.heads, hd),
                          heads_view(act(a.attn), batch_, seq_, c.heads, hd),
-                         TensorView::contiguous(act(a.lse), DType::f32, {batch_, c.heads, seq_}),
+                         TensorView::contiguous(stat(a.lse), DType::f32, {batch_, c.heads, seq_}),
                          heads_view(dattn, batch_, seq_, c.heads, hd), heads_view(dq, batch_, seq_, c.heads, hd),
                          heads_view(dk, batch_, seq_, c.heads, hd), heads_view(dv, batch_, seq_, c.heads, hd), attn);
     }
@@ -270,7 +236,7 @@ void CpuModel::backward() {
     cpu::linear_backward(dv, act(a.h1), param(p + "attn.v_proj.weight"), dh, grad(p + "attn.v_proj.weight"), n, d, d,
                          true);
     gradient_ready(p + "attn.v_proj.weight");
-    cpu::rmsnorm_backward(dh, act(a.x_in), param(p + "ln1.weight"), act(a.rstd1), dx, grad(p + "ln1.weight"), n, d);
+    cpu::rmsnorm_backward(dh, act(a.x_in), param(p + "ln1.weight"), stat(a.rstd1), dx, grad(p + "ln1.weight"), n, d);
     parameters_done(p);
     gradient_ready(p + "ln1.weight");
   }

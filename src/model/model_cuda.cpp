@@ -1,8 +1,11 @@
 // The LM on one GPU, step by step as model_cpu.cpp, with mixed precision: activations in T (fp32, bf16,
-// fp16), everything that accumulates across steps in fp32. Host code: the layer kernels are in model/cuda/
-// (ops_cuda.h), AdamW in optim/, the GEMMs in gemm_cuda.cpp, attention in attention/cuda/.
+// fp16), everything that accumulates across steps in fp32 — or, bf16-pure, everything in bf16 with each
+// backward's weight gradient accumulated in an fp32 buffer and rounded once. Host code: the layer kernels
+// are in model/cuda/ (ops_cuda.h; bf16_pure.h for the pure-bf16 ones), AdamW in optim/, the GEMMs in
+// gemm_cuda.cpp, attention in attention/cuda/.
 #include <algorithm>
 #include <cmath>
+#include <unordered_map>
 #include <vector>
 
 #include "core/array_ops.h"
@@ -10,7 +13,10 @@
 #include "core/cuda_runtime.h"
 #include "flashlm/model.h"
 #include "flashlm/profile.h"
+#include "model/activations.h"
+#include "model/cuda/bf16_pure.h"
 #include "model/gemm_cuda.h"
+#include "model/lm_head.h"
 #include "model/ops_cpu.h"
 #include "model/ops_cuda.h"
 #include "optim/optimizer.h"
@@ -22,22 +28,28 @@ namespace {
 constexpr double kInitialLossScale = 65536.0;
 constexpr int64_t kLossScaleGrowthInterval = 2000;
 
-// Sub-arrays carved from one allocation start on 64-element boundaries: 16-byte aligned for the
-// tensor-core loads of attention and cuBLASLt whatever the element type.
-int64_t aligned(int64_t elements) { return (elements + 63) / 64 * 64; }
-
 }  // namespace
 
 struct CudaModel::Impl {
   ModelConfig c;
   int64_t batch, seq, n;
   DType precision;
-  AttentionImpl attention;
+  ModelOptions options;
+  bool pure = false;  // bf16-pure: params, grads, adam_m, adam_v hold bf16
   void* stream;
   std::vector<ParameterInfo> layout;
+  std::unordered_map<std::string, size_t> index;  // parameter name -> position in layout
+  std::unordered_map<std::string, int64_t> gain_row;  // bf16-pure: RMSNorm gain name -> row of gains_f32
   int64_t n_params;
-  Buffer params, grads, adam_m, adam_v, params_lp;  // params_lp: the weights in `precision` (not for fp32)
-  Buffer acts, acts_f32, scratch, tokens, targets, rope, reduce_out;
+  // params_lp: the weights in `precision` (mixed bf16/fp16 only). staging (bf16-pure): an fp32 array as large
+  // as the largest parameter, where a backward accumulates one parameter's gradient (and where widened
+  // copies pass through); gains_f32 (bf16-pure): the RMSNorm gains widened, [2 layers + 1, d_model].
+  Buffer params, grads, adam_m, adam_v, params_lp, staging, gains_f32;
+  Buffer acts, acts_f32, logits, row_loss, scratch, tokens, targets, rope, reduce_out;
+  ActivationLayout A;
+  int64_t head_chunk = 0;
+  int64_t largest_parameter = 0;
+  int64_t materialized_segment = -1;  // the segment whose blocks the recomputation working set holds
   int64_t adam_step = 0;
   double loss_scale = 1.0;
   int64_t good_steps = 0;
@@ -45,138 +57,174 @@ struct CudaModel::Impl {
   // kernel (saving a read and a write of every gradient); any other reader of the gradients applies it
   // first (apply_pending_clip). Mutable: const readers (copies, norms) materialise it too.
   mutable float pending_clip = 1.0f;
-  // The AdamW moments are allocated (zeroed) by the first adamw_step() or load_state(), as PyTorch's
-  // optimizers do: a model that only runs forward, or whose optimizer state lives elsewhere (ZeRO-1's
-  // shards), never holds them.
-  void allocate_moments() {
-    if (adam_m.data()) return;
-    const size_t pbytes = size_t(n_params) * sizeof(float);
-    adam_m = Buffer::allocate(pbytes, Device::cuda, "AdamW first moment");
-    adam_v = Buffer::allocate(pbytes, Device::cuda, "AdamW second moment");
-    gpu::memset_async(adam_m.data(), 0, pbytes, stream);
-    gpu::memset_async(adam_v.data(), 0, pbytes, stream);
-  }
-  void apply_pending_clip() const {
-    if (pending_clip == 1.0f) return;
-    gpu::scale_inplace(static_cast<float*>(grads.data()), n_params, pending_clip, stream);
-    pending_clip = 1.0f;
-  }
   bool have_forward = false;
 
-  // Offsets (in elements of T, or of float for the *_f32 ones) of one layer's saved activations.
-  struct Layer {
-    int64_t x_in, h1, q, k, v, attn, x_mid, h2, u, g, s;  // in acts (T)
-    int64_t rstd1, rstd2, lse;                             // in acts_f32
-  };
-  std::vector<Layer> layers;
-  int64_t x_out = 0, h_f = 0, logits = 0, rstd_f = 0, row_loss = 0;
-
   size_t elem() const { return dtype_size(precision); }
+  size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads, moments
   template <class T>
   T* a(int64_t offset) const {
     return static_cast<T*>(acts.data()) + offset;
   }
   float* f(int64_t offset) const { return static_cast<float*>(acts_f32.data()) + offset; }
   const ParameterInfo& info(const std::string& name) const {
-    for (const auto& p : layout) {
-      if (p.name == name) return p;
-    }
-    fail("CudaModel: no parameter named '{}'", name);
+    const auto it = index.find(name);
+    FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
+    return layout[it->second];
   }
+  bf16_t* pure_param(const std::string& name) const { return static_cast<bf16_t*>(params.data()) + info(name).offset; }
+  bf16_t* pure_grad(const std::string& name) const { return static_cast<bf16_t*>(grads.data()) + info(name).offset; }
   float* master(const std::string& name) const { return static_cast<float*>(params.data()) + info(name).offset; }
   float* grad(const std::string& name) const { return static_cast<float*>(grads.data()) + info(name).offset; }
+  // The fp32 RMSNorm gain the norm kernels read: the master, or (bf16-pure) its widened copy.
+  const float* gain(const std::string& name) const {
+    if (!pure) return master(name);
+    const auto it = gain_row.find(name);
+    FLASHLM_CHECK(it != gain_row.end(), "CudaModel: '{}' is not an RMSNorm gain", name);
+    return static_cast<const float*>(gains_f32.data()) + it->second * c.d_model;
+  }
   const float* rope_cos() const { return static_cast<const float*>(rope.data()); }
   const float* rope_sin() const { return rope_cos() + c.context * (c.head_dim() / 2); }
   AttentionOptions attention_options() const {
     AttentionOptions o;
-    o.impl = attention;
+    o.impl = options.attention;
     o.causal = true;
-    // The separate dQ pass, not fp32 atomics: a training step stays bit-reproducible, which resuming
-    // from a checkpoint relies on (it costs the xl step ~1 ms of attention backward).
-    o.deterministic = true;
+    // By default the separate dQ pass, not fp32 atomics: a training step stays bit-reproducible, which
+    // resuming from a checkpoint relies on (it costs the xl step ~1 ms of attention backward).
+    o.deterministic = options.deterministic;
     o.stream = stream;
     return o;
   }
-  // The weight the GEMMs read: the low-precision copy, or the fp32 master itself.
+  // The weight the GEMMs read: the low-precision copy, the fp32 master itself, or the bf16 parameter.
   const void* weight(const std::string& name) const {
+    if (pure) return pure_param(name);
     if (precision == DType::f32) return master(name);
     return static_cast<const char*>(params_lp.data()) + info(name).offset * int64_t(elem());
+  }
+
+  // The AdamW moments are allocated (zeroed) by the first adamw_step() or load_state(), as PyTorch's
+  // optimizers do: a model that only runs forward, or whose optimizer state lives elsewhere (ZeRO-1's
+  // shards), never holds them.
+  void allocate_moments() {
+    if (adam_m.data()) return;
+    const size_t bytes = size_t(n_params) * state_elem();
+    adam_m = Buffer::allocate(bytes, Device::cuda, pure ? "AdamW first moment (bf16)" : "AdamW first moment");
+    adam_v = Buffer::allocate(bytes, Device::cuda, pure ? "AdamW second moment (bf16)" : "AdamW second moment");
+    gpu::memset_async(adam_m.data(), 0, bytes, stream);
+    gpu::memset_async(adam_v.data(), 0, bytes, stream);
+  }
+  // Calls fn(offset, count) over [0, total) in pieces that fit the staging buffer.
+  template <class Fn>
+  void in_staging_pieces(int64_t total, Fn&& fn) const {
+    for (int64_t at = 0; at < total; at += largest_parameter) fn(at, std::min(largest_parameter, total - at));
+  }
+  void apply_pending_clip() const {
+    if (pending_clip == 1.0f) return;
+    if (!pure) {
+      gpu::scale_inplace(static_cast<float*>(grads.data()), n_params, pending_clip, stream);
+    } else {
+      auto* g = static_cast<bf16_t*>(grads.data());
+      auto* s = static_cast<float*>(staging.data());
+      in_staging_pieces(n_params, [&](int64_t at, int64_t count) {
+        gpu::cast_to_f32<bf16_t>(g + at, s, count, stream);
+        gpu::scale_inplace(s, count, pending_clip, stream);
+        gpu::cast_from_f32<bf16_t>(s, g + at, count, stream);
+      });
+    }
+    pending_clip = 1.0f;
+  }
+  // bf16-pure: the bf16 device array `src` of `count` values into host fp32, and back.
+  void widen_to_host(const bf16_t* src, float* host, int64_t count) const {
+    auto* s = static_cast<float*>(staging.data());
+    in_staging_pieces(count, [&](int64_t at, int64_t piece) {
+      gpu::cast_to_f32<bf16_t>(src + at, s, piece, stream);
+      gpu::stream_synchronize(stream);
+      cuda_copy(host + at, s, size_t(piece) * sizeof(float));
+    });
+  }
+  void narrow_from_host(const float* host, bf16_t* dst, int64_t count) const {
+    auto* s = static_cast<float*>(staging.data());
+    in_staging_pieces(count, [&](int64_t at, int64_t piece) {
+      gpu::stream_synchronize(stream);  // the previous piece's cast still reads the staging buffer
+      cuda_copy(s, host + at, size_t(piece) * sizeof(float));
+      gpu::cast_from_f32<bf16_t>(s, dst + at, piece, stream);
+    });
+    gpu::stream_synchronize(stream);
+  }
+  // bf16-pure: the widened RMSNorm gains the norm kernels read, after the parameters changed.
+  void refresh_gains() const {
+    if (!pure) return;
+    auto* out = static_cast<float*>(gains_f32.data());
+    for (const auto& [name, row] : gain_row) {
+      gpu::cast_to_f32<bf16_t>(pure_param(name), out + row * c.d_model, c.d_model, stream);
+    }
   }
 };
 
 CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision, AttentionImpl attention,
                      void* stream)
+    : CudaModel(config, batch, seq, precision, ModelOptions::with_attention(attention), stream) {}
+
+CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision,
+                     const ModelOptions& options, void* stream)
     : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   config.validate();
   FLASHLM_CHECK(precision == DType::f32 || precision == DType::bf16 || precision == DType::f16,
                 "CudaModel: precision {} is not supported (fp32, bf16 or fp16)", dtype_name(precision));
+  FLASHLM_CHECK(!options.bf16_pure || precision == DType::bf16, "CudaModel: bf16-pure needs precision bf16, not {}",
+                dtype_name(precision));
   FLASHLM_CHECK(config.d_model % 8 == 0 && config.d_ff % 8 == 0 && config.vocab % 8 == 0,
                 "CudaModel: d_model ({}), d_ff ({}) and vocab ({}) must be multiples of 8 (16-byte rows for the "
                 "tensor cores)",
                 config.d_model, config.d_ff, config.vocab);
   FLASHLM_CHECK(batch >= 1 && seq >= 1 && seq <= config.context, "CudaModel: batch {} and seq {} (context {})", batch,
                 seq, config.context);
+  // Refuse before allocating anything when the plan does not fit the free memory.
+  check_memory_plan(plan_model_memory(config, batch, seq, Device::cuda, precision, options), cuda_free_memory_bytes(),
+                    "the GPU");
   m.c = config;
   m.batch = batch;
   m.seq = seq;
   m.n = checked_mul(batch, seq, "CudaModel: tokens per step");
   m.precision = precision;
-  m.attention = attention;
+  m.options = options;
+  m.pure = options.bf16_pure;
   m.stream = stream;
   m.layout = parameter_layout(config);
+  for (size_t i = 0; i < m.layout.size(); ++i) {
+    m.index.emplace(m.layout[i].name, i);
+    m.largest_parameter = std::max(m.largest_parameter, m.layout[i].numel());
+    if (m.layout[i].shape.size() == 1) m.gain_row.emplace(m.layout[i].name, int64_t(m.gain_row.size()));
+  }
   m.n_params = m.layout.back().offset + m.layout.back().numel();
   m.loss_scale = precision == DType::f16 ? kInitialLossScale : 1.0;
 
-  const size_t pbytes = size_t(m.n_params) * sizeof(float);
-  m.params = Buffer::allocate(pbytes, Device::cuda, "parameters (fp32 master)");
-  m.grads = Buffer::allocate(pbytes, Device::cuda, "gradients (fp32)");
-  if (precision != DType::f32) {
+  const size_t pbytes = size_t(m.n_params) * m.state_elem();
+  m.params = Buffer::allocate(pbytes, Device::cuda, m.pure ? "parameters (bf16)" : "parameters (fp32 master)");
+  m.grads = Buffer::allocate(pbytes, Device::cuda, m.pure ? "gradients (bf16)" : "gradients (fp32)");
+  if (m.pure) {
+    m.staging = Buffer::allocate(size_t(m.largest_parameter) * sizeof(float), Device::cuda,
+                                 "fp32 gradient accumulator");
+    m.gains_f32 = Buffer::allocate(m.gain_row.size() * size_t(config.d_model) * sizeof(float), Device::cuda,
+                                   "RMSNorm gains (fp32)");
+  } else if (precision != DType::f32) {
     m.params_lp = Buffer::allocate(size_t(m.n_params) * m.elem(), Device::cuda, "parameters (low precision)");
   }
 
-  // Every offset is checked: batch, seq and the widths come from the user.
-  constexpr std::string_view what = "CudaModel: activation size";
-  const int64_t n = m.n, d = config.d_model, f = config.d_ff, bhs = checked_mul(n, config.heads, what);
-  int64_t t = 0, t32 = 0;
-  auto take = [&](int64_t& cursor, int64_t rows, int64_t width) {
-    const int64_t at = cursor;
-    cursor = checked_add(cursor, aligned(checked_mul(rows, width, what)), what);
-    return at;
-  };
-  for (int64_t l = 0; l < config.layers; ++l) {
-    Impl::Layer L{};
-    L.x_in = take(t, n, d);
-    L.h1 = take(t, n, d);
-    L.q = take(t, n, d);
-    L.k = take(t, n, d);
-    L.v = take(t, n, d);
-    L.attn = take(t, n, d);
-    L.x_mid = take(t, n, d);
-    L.h2 = take(t, n, d);
-    L.u = take(t, n, f);
-    L.g = take(t, n, f);
-    L.s = take(t, n, f);
-    L.rstd1 = take(t32, n, 1);
-    L.rstd2 = take(t32, n, 1);
-    L.lse = take(t32, bhs, 1);
-    m.layers.push_back(L);
-  }
-  m.x_out = take(t, n, d);
-  m.h_f = take(t, n, d);
-  m.logits = take(t, n, config.vocab);
-  m.rstd_f = take(t32, n, 1);
-  m.row_loss = take(t32, n, 1);
-  const auto bytes = [&](int64_t elements, size_t elem) {
-    return size_t(checked_mul(elements, int64_t(elem), "CudaModel: activation bytes"));
-  };
-  m.acts = Buffer::allocate(bytes(t, m.elem()), Device::cuda, "activations");
-  m.acts_f32 = Buffer::allocate(bytes(t32, sizeof(float)), Device::cuda, "activations (fp32 statistics)");
-  // Within t's sum of the same aligned terms, so unchecked.
-  m.scratch =
-      Buffer::allocate(bytes(6 * aligned(n * d) + 3 * aligned(n * f), m.elem()), Device::cuda, "backward scratch");
-  m.tokens = Buffer::allocate(size_t(n) * sizeof(int32_t), Device::cuda, "tokens");
-  m.targets = Buffer::allocate(size_t(n) * sizeof(int32_t), Device::cuda, "targets");
+  // Every size is checked: batch, seq and the widths come from the user.
+  constexpr std::string_view bytes = "CudaModel: activation bytes";
+  const auto elem_bytes = [&](int64_t count, size_t size) { return size_t(checked_mul(count, int64_t(size), bytes)); };
+  m.A = layout_activations(config, batch, seq, options.recompute);
+  m.acts = Buffer::allocate(elem_bytes(m.A.values, m.elem()), Device::cuda, "activations");
+  m.acts_f32 = Buffer::allocate(elem_bytes(m.A.stats, sizeof(float)), Device::cuda, "activations (fp32 statistics)");
+  m.head_chunk = head_chunk_tokens(config, m.n, options.head_chunk, int64_t(m.elem()));
+  m.logits = Buffer::allocate(elem_bytes(aligned_elements(checked_mul(m.head_chunk, config.vocab, bytes)), m.elem()),
+                              Device::cuda, "logits of one LM-head chunk");
+  m.row_loss = Buffer::allocate(elem_bytes(m.n, sizeof(float)), Device::cuda, "per-token losses");
+  m.scratch = Buffer::allocate(elem_bytes(backward_scratch_elements(config, m.n), m.elem()), Device::cuda,
+                               "backward scratch");
+  m.tokens = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "tokens");
+  m.targets = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
 
   const int64_t half = config.head_dim() / 2;
@@ -186,6 +234,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.rope = Buffer::allocate(table.size() * sizeof(float), Device::cuda, "RoPE tables");
   cuda_copy(m.rope.data(), table.data(), table.size() * sizeof(float));
   gpu::memset_async(m.params.data(), 0, pbytes, stream);
+  m.refresh_gains();
   zero_grad();
 }
 
@@ -193,11 +242,19 @@ CudaModel::~CudaModel() = default;
 
 const ModelConfig& CudaModel::config() const { return impl_->c; }
 const std::vector<ParameterInfo>& CudaModel::layout() const { return impl_->layout; }
-float* CudaModel::parameters() const { return static_cast<float*>(impl_->params.data()); }
+float* CudaModel::parameters() const {
+  FLASHLM_CHECK(!impl_->pure, "CudaModel: a bf16-pure model keeps no fp32 parameters (data parallelism needs "
+                              "--precision bf16, fp16 or fp32)");
+  return static_cast<float*>(impl_->params.data());
+}
 float* CudaModel::gradients() const {
+  FLASHLM_CHECK(!impl_->pure, "CudaModel: a bf16-pure model keeps no fp32 gradients (data parallelism needs "
+                              "--precision bf16, fp16 or fp32)");
   impl_->apply_pending_clip();
   return static_cast<float*>(impl_->grads.data());
 }
+bool CudaModel::bf16_pure() const { return impl_->pure; }
+const RecomputePlan& CudaModel::recompute() const { return impl_->A.recompute; }
 void* CudaModel::stream() const { return impl_->stream; }
 int64_t CudaModel::parameter_count() const { return impl_->n_params; }
 DType CudaModel::precision() const { return impl_->precision; }
@@ -224,14 +281,19 @@ TensorView heads_view(void* data, DType dtype, int64_t batch, int64_t seq, int64
 }  // namespace
 
 void CudaModel::load_parameters(const float* host) {
-  cuda_copy(impl_->params.data(), host, size_t(impl_->n_params) * sizeof(float));
+  Impl& m = *impl_;
+  if (m.pure) {
+    m.narrow_from_host(host, static_cast<bf16_t*>(m.params.data()), m.n_params);
+  } else {
+    cuda_copy(m.params.data(), host, size_t(m.n_params) * sizeof(float));
+  }
   parameters_changed();
-  gpu::stream_synchronize(impl_->stream);
+  gpu::stream_synchronize(m.stream);
 }
 
 std::vector<int64_t> CudaModel::master_read_parameters() const {
   std::vector<int64_t> read;
-  if (impl_->precision == DType::f32) return read;
+  if (impl_->precision == DType::f32 || impl_->pure) return read;
   // The parameters forward() and backward() pass as m.master(...): the embedding lookup and the RMSNorm gains.
   const auto ends_with = [](const std::string& s, std::string_view tail) {
     return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
@@ -247,11 +309,12 @@ std::vector<int64_t> CudaModel::master_read_parameters() const {
 }
 
 void* CudaModel::working_parameters() const {
-  return impl_->precision == DType::f32 ? nullptr : impl_->params_lp.data();
+  return impl_->precision == DType::f32 || impl_->pure ? nullptr : impl_->params_lp.data();
 }
 
 void CudaModel::parameters_changed() {
   Impl& m = *impl_;
+  if (m.pure) return m.refresh_gains();
   with_precision(m.precision, [&](auto zero) {
     using T = decltype(zero);
     if constexpr (!std::is_same_v<T, float>) {
@@ -262,39 +325,106 @@ void CudaModel::parameters_changed() {
 }
 
 void CudaModel::init_parameters(uint64_t seed) {
-  std::vector<float> host(size_t(impl_->n_params));
-  init_parameters_host(impl_->layout, host.data(), seed);
-  load_parameters(host.data());
+  // Parameter by parameter through one host buffer: an 8B model's values never exist on the host at once.
+  Impl& m = *impl_;
+  std::vector<float> host(size_t(m.largest_parameter));
+  for (const ParameterInfo& p : m.layout) {
+    init_parameter_host(p, host.data(), seed);
+    if (m.pure) {
+      m.narrow_from_host(host.data(), static_cast<bf16_t*>(m.params.data()) + p.offset, p.numel());
+    } else {
+      gpu::stream_synchronize(m.stream);
+      cuda_copy(m.master(p.name), host.data(), size_t(p.numel()) * sizeof(float));
+    }
+  }
+  parameters_changed();
+  gpu::stream_synchronize(m.stream);
 }
 
 void CudaModel::copy_parameters_to(float* host) const {
-  gpu::stream_synchronize(impl_->stream);
-  cuda_copy(host, impl_->params.data(), size_t(impl_->n_params) * sizeof(float));
+  const Impl& m = *impl_;
+  gpu::stream_synchronize(m.stream);
+  if (m.pure) return m.widen_to_host(static_cast<const bf16_t*>(m.params.data()), host, m.n_params);
+  cuda_copy(host, m.params.data(), size_t(m.n_params) * sizeof(float));
 }
 
 void CudaModel::copy_gradients_to(float* host) const {
-  impl_->apply_pending_clip();
-  gpu::stream_synchronize(impl_->stream);
-  cuda_copy(host, impl_->grads.data(), size_t(impl_->n_params) * sizeof(float));
+  const Impl& m = *impl_;
+  m.apply_pending_clip();
+  gpu::stream_synchronize(m.stream);
+  if (m.pure) return m.widen_to_host(static_cast<const bf16_t*>(m.grads.data()), host, m.n_params);
+  cuda_copy(host, m.grads.data(), size_t(m.n_params) * sizeof(float));
 }
 
 void CudaModel::copy_logits_to(float* host) const {
   const Impl& m = *impl_;
-  FLASHLM_CHECK(m.have_forward, "copy_logits_to: call forward() first (backward() overwrites the logits)");
-  const int64_t count = m.n * m.c.vocab;
-  Buffer staging = Buffer::allocate(size_t(count) * sizeof(float), Device::cuda, "logits (fp32 copy)");
+  FLASHLM_CHECK(m.have_forward, "copy_logits_to: call forward() first");
+  const int64_t d = m.c.d_model, V = m.c.vocab;
+  // The logits exist one chunk at a time: recomputed here from the final norm's output, as backward() does.
+  Buffer staging = Buffer::allocate(size_t(m.head_chunk * V) * sizeof(float), Device::cuda, "logits (fp32 copy)");
   with_precision(m.precision, [&](auto zero) {
     using T = decltype(zero);
-    gpu::cast_to_f32<T>(m.a<T>(m.logits), static_cast<float*>(staging.data()), count, m.stream);
+    for (int64_t r0 = 0; r0 < m.n; r0 += m.head_chunk) {
+      const int64_t rows = std::min(m.head_chunk, m.n - r0);
+      linear_forward_cuda(m.a<T>(m.A.h_f) + r0 * d, m.weight("lm_head.weight"), m.logits.data(), rows, d, V,
+                          m.precision, m.stream);
+      gpu::cast_to_f32<T>(static_cast<const T*>(m.logits.data()), static_cast<float*>(staging.data()), rows * V,
+                          m.stream);
+      gpu::stream_synchronize(m.stream);
+      cuda_copy(host + r0 * V, staging.data(), size_t(rows * V) * sizeof(float));
+    }
   });
-  gpu::stream_synchronize(m.stream);
-  cuda_copy(host, staging.data(), size_t(count) * sizeof(float));
+}
+
+void CudaModel::forward_block(int64_t l, BlockPass pass) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.c;
+  const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim();
+  const BlockActivations& L = m.A.blocks[size_t(l)];
+  const DType dt = m.precision;
+  const float eps = float(c.norm_eps);
+  const std::string p = fmt::format("layers.{}.", l);
+  ScopedRange layer_range(pass == BlockPass::full ? "layer.forward" : "layer.recompute");
+  parameters_needed(p);  // the recomputation waits for (FSDP: gathers) the block's weights as the forward does
+  with_precision(dt, [&](auto zero) {
+    using T = decltype(zero);
+    gpu::rmsnorm_forward<T>(m.a<T>(L.x_in), m.gain(p + "ln1.weight"), m.a<T>(L.h1), m.f(L.rstd1), n, d, eps, m.stream);
+    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), m.a<T>(L.q), n, d, d, dt, m.stream);
+    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.k_proj.weight"), m.a<T>(L.k), n, d, d, dt, m.stream);
+    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.v_proj.weight"), m.a<T>(L.v), n, d, d, dt, m.stream);
+    gpu::rope_forward<T>(m.a<T>(L.q), m.rope_cos(), m.rope_sin(), m.batch, m.seq, c.heads, hd, m.stream);
+    gpu::rope_forward<T>(m.a<T>(L.k), m.rope_cos(), m.rope_sin(), m.batch, m.seq, c.heads, hd, m.stream);
+    if (pass != BlockPass::without_attention) {
+      ScopedRange attention_range("attention.forward");
+      attention_forward(heads_view(m.a<T>(L.q), dt, m.batch, m.seq, c.heads, hd),
+                        heads_view(m.a<T>(L.k), dt, m.batch, m.seq, c.heads, hd),
+                        heads_view(m.a<T>(L.v), dt, m.batch, m.seq, c.heads, hd),
+                        heads_view(m.a<T>(L.attn), dt, m.batch, m.seq, c.heads, hd),
+                        TensorView::contiguous(m.f(L.lse), DType::f32, {m.batch, c.heads, m.seq}, Device::cuda),
+                        m.attention_options());
+    }
+    linear_forward_cuda(m.a<T>(L.attn), m.weight(p + "attn.output_proj.weight"), m.a<T>(L.x_mid), n, d, d, dt,
+                        m.stream);
+    gpu::add_inplace<T>(m.a<T>(L.x_mid), m.a<T>(L.x_in), n * d, m.stream);
+    gpu::rmsnorm_forward<T>(m.a<T>(L.x_mid), m.gain(p + "ln2.weight"), m.a<T>(L.h2), m.f(L.rstd2), n, d, eps,
+                            m.stream);
+    linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.a<T>(L.u), n, d, f, dt, m.stream);
+    linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w3.weight"), m.a<T>(L.g), n, d, f, dt, m.stream);
+    gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
+    if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
+      // The residual stream leaves into the next block's input (or x_out).
+      T* x_next = m.a<T>(l + 1 < c.layers ? m.A.blocks[size_t(l + 1)].x_in : m.A.x_out);
+      linear_forward_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), x_next, n, f, d, dt, m.stream);
+      gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
+    }
+  });
+  parameters_done(p);
 }
 
 double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_targets) {
   Impl& m = *impl_;
   const ModelConfig& c = m.c;
-  const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim();
+  const int64_t n = m.n, d = c.d_model, V = c.vocab;
   for (int64_t i = 0; i < n; ++i) {
     FLASHLM_CHECK(host_tokens[i] >= 0 && host_tokens[i] < c.vocab, "forward: tokens[{}] = {} outside [0, vocab = {})",
                   i, host_tokens[i], c.vocab);
@@ -308,66 +438,45 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
   cuda_copy(m.targets.data(), host_targets, size_t(n) * sizeof(int32_t));
   const auto* tokens = static_cast<const int32_t*>(m.tokens.data());
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
-  const float* rope_cos = m.rope_cos();
-  const float* rope_sin = m.rope_sin();
-  const AttentionOptions attn = m.attention_options();
   const DType dt = m.precision;
-  const float eps = float(c.norm_eps);
+  auto* row_loss = static_cast<float*>(m.row_loss.data());
 
-  double loss = 0;
   with_precision(dt, [&](auto zero) {
     using T = decltype(zero);
     parameters_needed("token_embeddings.");
-    gpu::embedding_forward<T>(m.master("token_embeddings.weight"), tokens, m.a<T>(m.layers[0].x_in), n, d, c.vocab,
-                              m.stream);
-    parameters_done("token_embeddings.");
-    for (int64_t l = 0; l < c.layers; ++l) {
-      ScopedRange layer_range("layer.forward");
-      const std::string p = fmt::format("layers.{}.", l);
-      parameters_needed(p);
-      const Impl::Layer& L = m.layers[size_t(l)];
-      T* x_next = m.a<T>(l + 1 < c.layers ? m.layers[size_t(l + 1)].x_in : m.x_out);
-      gpu::rmsnorm_forward<T>(m.a<T>(L.x_in), m.master(p + "ln1.weight"), m.a<T>(L.h1), m.f(L.rstd1), n, d, eps,
-                              m.stream);
-      linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), m.a<T>(L.q), n, d, d, dt, m.stream);
-      linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.k_proj.weight"), m.a<T>(L.k), n, d, d, dt, m.stream);
-      linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.v_proj.weight"), m.a<T>(L.v), n, d, d, dt, m.stream);
-      gpu::rope_forward<T>(m.a<T>(L.q), rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
-      gpu::rope_forward<T>(m.a<T>(L.k), rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
-      {
-        ScopedRange attention_range("attention.forward");
-        attention_forward(heads_view(m.a<T>(L.q), dt, m.batch, m.seq, c.heads, hd),
-                          heads_view(m.a<T>(L.k), dt, m.batch, m.seq, c.heads, hd),
-                          heads_view(m.a<T>(L.v), dt, m.batch, m.seq, c.heads, hd),
-                          heads_view(m.a<T>(L.attn), dt, m.batch, m.seq, c.heads, hd),
-                          TensorView::contiguous(m.f(L.lse), DType::f32, {m.batch, c.heads, m.seq}, Device::cuda), attn);
+    T* x0 = m.a<T>(m.A.blocks[0].x_in);
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      if (m.pure) {
+        gpu::embedding_forward_bf16(m.pure_param("token_embeddings.weight"), tokens, x0, n, d, V, m.stream);
+      } else {
+        gpu::embedding_forward<T>(m.master("token_embeddings.weight"), tokens, x0, n, d, V, m.stream);
       }
-      linear_forward_cuda(m.a<T>(L.attn), m.weight(p + "attn.output_proj.weight"), m.a<T>(L.x_mid), n, d, d, dt,
-                          m.stream);
-      gpu::add_inplace<T>(m.a<T>(L.x_mid), m.a<T>(L.x_in), n * d, m.stream);
-      gpu::rmsnorm_forward<T>(m.a<T>(L.x_mid), m.master(p + "ln2.weight"), m.a<T>(L.h2), m.f(L.rstd2), n, d, eps,
-                              m.stream);
-      linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.a<T>(L.u), n, d, f, dt, m.stream);
-      linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w3.weight"), m.a<T>(L.g), n, d, f, dt, m.stream);
-      gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
-      linear_forward_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), x_next, n, f, d, dt, m.stream);
-      gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
-      parameters_done(p);
+    } else {
+      gpu::embedding_forward<T>(m.master("token_embeddings.weight"), tokens, x0, n, d, V, m.stream);
     }
-    ScopedRange head_range("head.forward");  // final norm, LM head and loss
+    parameters_done("token_embeddings.");
+  });
+  for (int64_t l = 0; l < c.layers; ++l) forward_block(l, BlockPass::full);
+  // The working set now holds the last segment's blocks: the backward starts without recomputing them.
+  m.materialized_segment = m.A.blocks.back().segment;
+  with_precision(dt, [&](auto zero) {
+    using T = decltype(zero);
+    ScopedRange head_range("head.forward");  // final norm, then the LM head and the loss chunk by chunk
     parameters_needed("ln_final.");
-    parameters_needed("lm_head.");
-    gpu::rmsnorm_forward<T>(m.a<T>(m.x_out), m.master("ln_final.weight"), m.a<T>(m.h_f), m.f(m.rstd_f), n, d, eps,
-                            m.stream);
+    gpu::rmsnorm_forward<T>(m.a<T>(m.A.x_out), m.gain("ln_final.weight"), m.a<T>(m.A.h_f), m.f(m.A.rstd_f), n, d,
+                            float(c.norm_eps), m.stream);
     parameters_done("ln_final.");
-    linear_forward_cuda(m.a<T>(m.h_f), m.weight("lm_head.weight"), m.a<T>(m.logits), n, d, c.vocab, dt, m.stream);
+    parameters_needed("lm_head.");
+    gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")), targets, n,
+                                          d, V, m.head_chunk, 1.0f, row_loss, nullptr, nullptr,
+                                          static_cast<T*>(m.logits.data()), m.stream);
     parameters_done("lm_head.");
-    gpu::cross_entropy_forward<T>(m.a<T>(m.logits), targets, m.f(m.row_loss), n, c.vocab, m.stream);
   });
   // The mean loss, summed on the host in a fixed order.
   std::vector<float> rows(static_cast<size_t>(n));
   gpu::stream_synchronize(m.stream);
-  cuda_copy(rows.data(), m.f(m.row_loss), size_t(n) * sizeof(float));
+  cuda_copy(rows.data(), row_loss, size_t(n) * sizeof(float));
+  double loss = 0;
   for (float r : rows) loss += r;
   m.have_forward = true;
   return loss / double(n);
@@ -378,7 +487,7 @@ void CudaModel::backward() {
   FLASHLM_CHECK(m.have_forward, "backward: call forward() first");
   m.apply_pending_clip();  // accumulating onto clipped gradients
   const ModelConfig& c = m.c;
-  const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim();
+  const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim(), V = c.vocab;
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
   const auto* tokens = static_cast<const int32_t*>(m.tokens.data());
   const float* rope_cos = m.rope_cos();
@@ -388,51 +497,74 @@ void CudaModel::backward() {
   memory_set_phase("backward");
   ScopedRange range("backward");
 
+  // Adds to the gradient of `name` what produce(fp32 gradient) accumulates, then reports it final: in place
+  // into the fp32 gradient, or (bf16-pure) into the staging buffer holding the bf16 gradient widened,
+  // rounded back once.
+  auto add_to_gradient = [&](const std::string& name, auto&& produce) {
+    if (!m.pure) {
+      produce(m.grad(name));
+    } else {
+      const int64_t count = m.info(name).numel();
+      auto* staging = static_cast<float*>(m.staging.data());
+      gpu::cast_to_f32<bf16_t>(m.pure_grad(name), staging, count, m.stream);
+      produce(staging);
+      gpu::cast_from_f32<bf16_t>(staging, m.pure_grad(name), count, m.stream);
+    }
+    gradient_ready(name);
+  };
+
   with_precision(dt, [&](auto zero) {
     using T = decltype(zero);
     T* s0 = static_cast<T*>(m.scratch.data());
-    const int64_t nd = aligned(n * d), nf = aligned(n * f);
+    const int64_t nd = aligned_elements(n * d), nf = aligned_elements(n * f);
     T *dx = s0, *dh = s0 + nd, *dq = s0 + 2 * nd, *dk = s0 + 3 * nd, *dv = s0 + 4 * nd, *dattn = s0 + 5 * nd;
     T *du = s0 + 6 * nd, *dg = du + nf, *ds = dg + nf;
+    auto linear_backward = [&](const T* dy, const T* x, const std::string& w, T* dxo, int64_t in, int64_t out,
+                               bool accumulate) {
+      add_to_gradient(w, [&](float* dw) {
+        linear_backward_cuda(dy, x, m.weight(w), dxo, dw, n, in, out, dt, accumulate, m.stream);
+      });
+    };
+    auto rmsnorm_backward = [&](const T* dy, const T* x, const std::string& gain, const float* rstd, T* dxo) {
+      add_to_gradient(gain, [&](float* dgain) {
+        gpu::rmsnorm_backward<T>(dy, x, m.gain(gain), rstd, dxo, dgain, n, d, m.stream);
+      });
+    };
 
     {
-      ScopedRange head_range("head.backward");  // loss, LM head and final norm
-      // d(loss)/d(logits), multiplied by the loss scale (1 except for fp16).
-      gpu::cross_entropy_backward<T>(m.a<T>(m.logits), targets, n, c.vocab, float(m.loss_scale / double(n)),
-                                     m.stream);
+      ScopedRange head_range("head.backward");  // loss and LM head chunk by chunk, then the final norm
+      // The fused head again, now with gradients (the forward kept no logits): each chunk's logits, their
+      // gradient times the loss scale, the chunk's rows of dh and its share of the head's weight gradient.
       parameters_needed("lm_head.");
-      linear_backward_cuda(m.a<T>(m.logits), m.a<T>(m.h_f), m.weight("lm_head.weight"), dh, m.grad("lm_head.weight"),
-                           n, d, c.vocab, dt, false, m.stream);
+      add_to_gradient("lm_head.weight", [&](float* dw) {
+        gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")),
+                                              targets, n, d, V, m.head_chunk, float(m.loss_scale / double(n)),
+                                              nullptr, dh, dw, static_cast<T*>(m.logits.data()), m.stream);
+      });
       parameters_done("lm_head.");
-      gradient_ready("lm_head.weight");
       gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
       parameters_needed("ln_final.");
-      gpu::rmsnorm_backward<T>(dh, m.a<T>(m.x_out), m.master("ln_final.weight"), m.f(m.rstd_f), dx,
-                               m.grad("ln_final.weight"), n, d, m.stream);
+      rmsnorm_backward(dh, m.a<T>(m.A.x_out), "ln_final.weight", m.f(m.A.rstd_f), dx);
       parameters_done("ln_final.");
-      gradient_ready("ln_final.weight");
     }
     for (int64_t l = c.layers - 1; l >= 0; --l) {
+      const BlockActivations& L = m.A.blocks[size_t(l)];
+      if (L.segment >= 0 && L.segment != m.materialized_segment) {
+        // Recompute the segment from its kept input; its last block (this one) stops before its output.
+        for (int64_t j = L.segment; j < l; ++j) forward_block(j, BlockPass::full);
+        forward_block(l, m.A.recompute.kind == RecomputePlan::Kind::selective ? BlockPass::without_attention
+                                                                              : BlockPass::without_output);
+        m.materialized_segment = L.segment;
+      }
       ScopedRange layer_range("layer.backward");
       const std::string p = fmt::format("layers.{}.", l);
-      const Impl::Layer& L = m.layers[size_t(l)];
       parameters_needed(p);
-      linear_backward_cuda(dx, m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), ds, m.grad(p + "ffn.w2.weight"), n, f, d,
-                           dt, false, m.stream);
-      gradient_ready(p + "ffn.w2.weight");
+      linear_backward(dx, m.a<T>(L.s), p + "ffn.w2.weight", ds, f, d, false);
       gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream);
-      linear_backward_cuda(du, m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), dh, m.grad(p + "ffn.w1.weight"), n, d, f,
-                           dt, false, m.stream);
-      gradient_ready(p + "ffn.w1.weight");
-      linear_backward_cuda(dg, m.a<T>(L.h2), m.weight(p + "ffn.w3.weight"), dh, m.grad(p + "ffn.w3.weight"), n, d, f,
-                           dt, true, m.stream);
-      gradient_ready(p + "ffn.w3.weight");
-      gpu::rmsnorm_backward<T>(dh, m.a<T>(L.x_mid), m.master(p + "ln2.weight"), m.f(L.rstd2), dx,
-                               m.grad(p + "ln2.weight"), n, d, m.stream);
-      gradient_ready(p + "ln2.weight");
-      linear_backward_cuda(dx, m.a<T>(L.attn), m.weight(p + "attn.output_proj.weight"), dattn,
-                           m.grad(p + "attn.output_proj.weight"), n, d, d, dt, false, m.stream);
-      gradient_ready(p + "attn.output_proj.weight");
+      linear_backward(du, m.a<T>(L.h2), p + "ffn.w1.weight", dh, d, f, false);
+      linear_backward(dg, m.a<T>(L.h2), p + "ffn.w3.weight", dh, d, f, true);
+      rmsnorm_backward(dh, m.a<T>(L.x_mid), p + "ln2.weight", m.f(L.rstd2), dx);
+      linear_backward(dx, m.a<T>(L.attn), p + "attn.output_proj.weight", dattn, d, d, false);
       {
         ScopedRange attention_range("attention.backward");
         attention_backward(heads_view(m.a<T>(L.q), dt, m.batch, m.seq, c.heads, hd),
@@ -446,30 +578,23 @@ void CudaModel::backward() {
       }
       gpu::rope_backward<T>(dq, rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
       gpu::rope_backward<T>(dk, rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
-      linear_backward_cuda(dq, m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), dh, m.grad(p + "attn.q_proj.weight"), n,
-                           d, d, dt, false, m.stream);
-      gradient_ready(p + "attn.q_proj.weight");
-      linear_backward_cuda(dk, m.a<T>(L.h1), m.weight(p + "attn.k_proj.weight"), dh, m.grad(p + "attn.k_proj.weight"), n,
-                           d, d, dt, true, m.stream);
-      gradient_ready(p + "attn.k_proj.weight");
-      linear_backward_cuda(dv, m.a<T>(L.h1), m.weight(p + "attn.v_proj.weight"), dh, m.grad(p + "attn.v_proj.weight"), n,
-                           d, d, dt, true, m.stream);
-      gradient_ready(p + "attn.v_proj.weight");
-      gpu::rmsnorm_backward<T>(dh, m.a<T>(L.x_in), m.master(p + "ln1.weight"), m.f(L.rstd1), dx,
-                               m.grad(p + "ln1.weight"), n, d, m.stream);
+      linear_backward(dq, m.a<T>(L.h1), p + "attn.q_proj.weight", dh, d, d, false);
+      linear_backward(dk, m.a<T>(L.h1), p + "attn.k_proj.weight", dh, d, d, true);
+      linear_backward(dv, m.a<T>(L.h1), p + "attn.v_proj.weight", dh, d, d, true);
+      rmsnorm_backward(dh, m.a<T>(L.x_in), p + "ln1.weight", m.f(L.rstd1), dx);
       parameters_done(p);
-      gradient_ready(p + "ln1.weight");
     }
-    gpu::embedding_backward<T>(dx, tokens, m.grad("token_embeddings.weight"), n, d, c.vocab, m.stream);
-    gradient_ready("token_embeddings.weight");
+    add_to_gradient("token_embeddings.weight", [&](float* dtable) {
+      gpu::embedding_backward<T>(dx, tokens, dtable, n, d, V, m.stream);
+    });
   });
-  m.have_forward = false;  // the logits now hold their gradient
+  m.have_forward = false;  // the logits buffer now holds a gradient; forward() again before backward()
 }
 
 void CudaModel::zero_grad() {
   ScopedRange range("zero_grad");
   impl_->pending_clip = 1.0f;
-  gpu::memset_async(impl_->grads.data(), 0, size_t(impl_->n_params) * sizeof(float), impl_->stream);
+  gpu::memset_async(impl_->grads.data(), 0, size_t(impl_->n_params) * impl_->state_elem(), impl_->stream);
 }
 
 bool CudaModel::unscale_gradients() {
@@ -498,7 +623,11 @@ double CudaModel::gradient_norm() const {
   const Impl& m = *impl_;
   m.apply_pending_clip();
   auto* out = static_cast<double*>(m.reduce_out.data());
-  gpu::squared_norm(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
+  if (m.pure) {
+    gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);
+  } else {
+    gpu::squared_norm<float>(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
+  }
   double ss = 0;
   gpu::stream_synchronize(m.stream);
   cuda_copy(&ss, out, sizeof ss);
@@ -519,28 +648,39 @@ void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
 
 void CudaModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
   check_state_arrays("CudaModel::save_state", params.size(), m.size(), v.size(), 0);
-  const size_t bytes = size_t(impl_->n_params) * sizeof(float);
-  synchronize();
-  cuda_copy(params.data(), impl_->params.data(), bytes);
-  if (!impl_->adam_m.data()) {  // no step taken yet: zero moments
+  const Impl& s = *impl_;
+  copy_parameters_to(params.data());
+  if (!s.adam_m.data()) {  // no step taken yet: zero moments
     std::fill(m.begin(), m.end(), 0.0f);
     std::fill(v.begin(), v.end(), 0.0f);
     return;
   }
-  cuda_copy(m.data(), impl_->adam_m.data(), bytes);
-  cuda_copy(v.data(), impl_->adam_v.data(), bytes);
+  if (s.pure) {  // widened to fp32: the checkpoint format is the same for every precision
+    s.widen_to_host(static_cast<const bf16_t*>(s.adam_m.data()), m.data(), s.n_params);
+    s.widen_to_host(static_cast<const bf16_t*>(s.adam_v.data()), v.data(), s.n_params);
+    return;
+  }
+  const size_t bytes = size_t(s.n_params) * sizeof(float);
+  cuda_copy(m.data(), s.adam_m.data(), bytes);
+  cuda_copy(v.data(), s.adam_v.data(), bytes);
 }
 
 void CudaModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
                            int64_t optimizer_steps) {
   check_state_arrays("CudaModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
-  const size_t bytes = size_t(impl_->n_params) * sizeof(float);
-  load_parameters(params.data());  // also refreshes the low-precision copy
-  impl_->allocate_moments();
-  gpu::stream_synchronize(impl_->stream);  // the zeroing above is queued on the model's stream
-  cuda_copy(impl_->adam_m.data(), m.data(), bytes);
-  cuda_copy(impl_->adam_v.data(), v.data(), bytes);
-  impl_->adam_step = optimizer_steps;
+  Impl& s = *impl_;
+  load_parameters(params.data());  // also refreshes what is derived from the parameters
+  s.allocate_moments();
+  gpu::stream_synchronize(s.stream);  // the zeroing above is queued on the model's stream
+  if (s.pure) {
+    s.narrow_from_host(m.data(), static_cast<bf16_t*>(s.adam_m.data()), s.n_params);
+    s.narrow_from_host(v.data(), static_cast<bf16_t*>(s.adam_v.data()), s.n_params);
+  } else {
+    const size_t bytes = size_t(s.n_params) * sizeof(float);
+    cuda_copy(s.adam_m.data(), m.data(), bytes);
+    cuda_copy(s.adam_v.data(), v.data(), bytes);
+  }
+  s.adam_step = optimizer_steps;
 }
 
 void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
@@ -549,6 +689,13 @@ void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
   ScopedRange range("optimizer_step");
   m.allocate_moments();
   ++m.adam_step;
+  if (m.pure) {
+    gpu::adamw_step_bf16(static_cast<bf16_t*>(m.params.data()), static_cast<const bf16_t*>(m.grads.data()),
+                         static_cast<bf16_t*>(m.adam_m.data()), static_cast<bf16_t*>(m.adam_v.data()), m.n_params, lr,
+                         cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step, m.stream, m.pending_clip);
+    m.refresh_gains();
+    return;  // pending_clip stays: the stored gradients are still unclipped for any later reader
+  }
   with_precision(m.precision, [&](auto zero) {
     using T = decltype(zero);
     T* copy = nullptr;

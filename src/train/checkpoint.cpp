@@ -144,7 +144,8 @@ CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, 
   if (precision == dtype_name(DType::f32)) h.precision = DType::f32;
   else if (precision == dtype_name(DType::bf16)) h.precision = DType::bf16;
   else if (precision == dtype_name(DType::f16)) h.precision = DType::f16;
-  else f.bad("precision", "\"fp32\", \"bf16\" or \"fp16\"");
+  else if (precision == precision_name(DType::bf16, true)) h.precision = DType::bf16, h.bf16_pure = true;
+  else f.bad("precision", "\"fp32\", \"bf16\", \"fp16\" or \"bf16-pure\"");
   h.loss_scale = f.positive_number("loss_scale");
   if (j.contains("shard_rank")) {
     h.shard_rank = f.integer("shard_rank", 0, h.world_size - 1);
@@ -167,7 +168,7 @@ nlohmann::json header_json(const CheckpointHeader& h, uint32_t payload_crc32) {
           {"batcher_seed", h.batcher.seed},
           {"batcher_step", h.batcher.step},
           {"parameter_count", h.parameter_count},
-          {"precision", std::string(dtype_name(h.precision))},
+          {"precision", precision_name(h.precision, h.bf16_pure)},
           {"loss_scale", h.loss_scale},
           {"world_size", h.world_size},
           {"grad_accum", h.grad_accum},
@@ -345,7 +346,7 @@ void check_resumable(const std::string& path, const CheckpointHeader& saved, con
     differs("batch", saved.batch, run.batch);
   }
   differs("seq (the context of a batch)", saved.seq, run.seq);
-  differs("precision", dtype_name(saved.precision), dtype_name(run.precision));
+  differs("precision", precision_name(saved.precision, saved.bf16_pure), precision_name(run.precision, run.bf16_pure));
   differs("grad_accum", saved.grad_accum, run.grad_accum);
   differs("seed", saved.seed, run.seed);
   const DataIdentity &d0 = saved.train_data, &d1 = run.train_data;

@@ -41,6 +41,7 @@ struct CheckpointHeader {
   BatcherState batcher;  // its step is next_step * grad_accum; its seed is `seed`
   int64_t parameter_count = 0;
   DType precision = DType::f32;
+  bool bf16_pure = false;  // "bf16-pure" in the file: bf16 parameters and moments, stored widened to fp32
   double loss_scale = 1;
   int64_t world_size = 1, grad_accum = 1;
   // A shard of FSDP's sharded checkpoint (shard_rank >= 0): the payload is rank shard_rank's shard_elements

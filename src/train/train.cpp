@@ -36,6 +36,7 @@ CheckpointHeader run_header(const TrainConfig& cfg, const LanguageModel& model, 
   h.batcher.seed = cfg.seed;
   h.parameter_count = model.parameter_count();
   h.precision = model.precision();
+  h.bf16_pure = model.bf16_pure();
   h.world_size = cfg.comm ? cfg.comm->world_size() : 1;
   h.grad_accum = cfg.ddp.grad_accum;
   return h;
@@ -253,17 +254,31 @@ TrainResult train(const TrainConfig& cfg) {
   // Under mpirun each rank takes its own GPU before the model is placed on it.
   if (cfg.comm && cfg.device == Device::cuda) cfg.comm->setup_cuda();
 
+  auto say = [&](const std::string& line) {
+    if (cfg.progress && root) cfg.progress(line);
+  };
+  ModelOptions options;
+  options.attention = cfg.attention;
+  options.recompute = cfg.recompute;
+  options.bf16_pure = cfg.bf16_pure;
+  options.head_chunk = cfg.head_chunk;
+  options.deterministic = cfg.deterministic;
+  FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm, "train: bf16-pure keeps no fp32 masters for data parallelism to reduce "
+                                             "and gather; use --precision bf16");
+  // The memory plan, printed before anything is allocated and refused when it cannot fit.
+  const int64_t available = cfg.device == Device::cuda ? cuda_free_memory_bytes() : -1;
+  const MemoryPlan plan = plan_model_memory(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options, available);
+  options.recompute = plan.recompute;
+  say(fmt::format("memory plan (recompute {}):\n{}", plan.recompute.name(), plan.format()));
+  check_memory_plan(plan, available, "the GPU");
   const std::unique_ptr<LanguageModel> model_ptr =
-      make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, cfg.attention);
+      make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options);
   LanguageModel& model = *model_ptr;
   model.init_parameters(cfg.seed);
   std::unique_ptr<DdpModel> dp;
   if (cfg.comm) dp = std::make_unique<DdpModel>(*cfg.comm, model, cfg.batch * cfg.seq, cfg.ddp, cfg.zero1);
   TrainResult result;
   result.best_possible_loss = data.best_possible_loss;
-  auto say = [&](const std::string& line) {
-    if (cfg.progress && root) cfg.progress(line);
-  };
 
   const CheckpointHeader header = run_header(cfg, model, data_identity(cfg.train_data, data.train));
   int64_t step = 0;
@@ -304,7 +319,12 @@ TrainResult train(const TrainConfig& cfg) {
     FLASHLM_CHECK(!cfg.resume, "train: --init and --resume both give the parameters: use one");
     std::vector<float> params(size_t(model.parameter_count()));
     SafetensorsFile(cfg.init).read_parameters(cfg.model, params);
-    load_parameters(model, params.data());
+    if (model.bf16_pure()) {  // no fp32 masters to copy into: the weights go in as a fresh optimizer state
+      const std::vector<float> zeros(params.size(), 0.0f);
+      model.load_state(params, zeros, zeros, 0);
+    } else {
+      load_parameters(model, params.data());
+    }
     say(fmt::format("initialised from {}", cfg.init));
   }
   if (!cfg.checkpoint.empty()) check_run_checkpoint_writable(cfg);
@@ -313,7 +333,7 @@ TrainResult train(const TrainConfig& cfg) {
   say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
                   model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
-                  device_name(cfg.device), dtype_name(cfg.precision), data.train_name,
+                  device_name(cfg.device), precision_name(cfg.precision, cfg.bf16_pure), data.train_name,
                   data.train.size(), cfg.batch, cfg.seq,
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)
                                               : std::string()));

@@ -214,15 +214,17 @@ TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
   };
   for (int64_t d : {64, 128}) {
     Tensor q = Tensor::empty({2, 300, 4, d}, DType::bf16, Device::cuda), k = Tensor::empty({2, 200, 2, d}, DType::bf16, Device::cuda);
+    Tensor o = Tensor::empty({2, 300, 4, d}, DType::bf16, Device::cuda);
     Tensor lse = Tensor::empty({2, 4, 300}, DType::f32, Device::cuda);
-    EXPECT_TRUE(flash_forward_sm90_covers(problem_of(q, k, q, lse), q, k, k)) << "d" << d;
+    EXPECT_TRUE(flash_forward_sm90_covers(problem_of(q, k, o, lse), q, k, k)) << "d" << d;
     TensorView broadcast = k.view();
     broadcast.strides[0] = 0;  // both batches read the first one's keys
-    EXPECT_FALSE(flash_forward_sm90_covers(problem_of(q, broadcast, q, lse), q, broadcast, broadcast)) << "d" << d;
+    EXPECT_FALSE(flash_forward_sm90_covers(problem_of(q, broadcast, o, lse), q, broadcast, broadcast)) << "d" << d;
   }
   Tensor q32 = Tensor::empty({1, 300, 2, 32}, DType::bf16, Device::cuda);
+  Tensor o32 = Tensor::empty({1, 300, 2, 32}, DType::bf16, Device::cuda);
   Tensor lse32 = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda);
-  EXPECT_FALSE(flash_forward_sm90_covers(problem_of(q32, q32, q32, lse32), q32, q32, q32));
+  EXPECT_FALSE(flash_forward_sm90_covers(problem_of(q32, q32, o32, lse32), q32, q32, q32));
 
   const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // the fallback run of this binary sets it
   const std::string saved = was == nullptr ? "" : was;
@@ -233,9 +235,10 @@ TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
   ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "wgmma", 1), 0);
   Tensor lse = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda);
   Tensor q = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
+  Tensor o = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
   fill_normal(q, 1);
   try {
-    attention_forward(q, q, q, q, lse);
+    attention_forward(q, q, q, o, lse);
     ADD_FAILURE() << "expected an error for FLASHLM_ATTENTION_KERNEL=wgmma";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("FLASHLM_ATTENTION_KERNEL: unknown value 'wgmma'"), std::string::npos) << e.what();
@@ -411,23 +414,32 @@ TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {
   expect_error([&] { attention_forward(q.view().slice(3, 0, 63), misaligned, misaligned, o.view().slice(3, 0, 63), lse); },
                "head_dim 63 is not supported on cuda");
   Tensor q36 = Tensor::empty({1, 64, 2, 36}, DType::bf16, Device::cuda);  // 72-byte rows
-  expect_error([&] { attention_forward(q36, q36, q36, q36, lse); }, "head_dim 36 is not supported");
+  Tensor o36 = Tensor::empty({1, 64, 2, 36}, DType::bf16, Device::cuda);
+  expect_error([&] { attention_forward(q36, q36, q36, o36, lse); }, "head_dim 36 is not supported");
   TensorView odd_stride = TensorView::contiguous(k.data(), DType::bf16, {1, 60, 2, 64}, Device::cuda);
   odd_stride.strides[1] = 130;  // 260 bytes between rows: not a multiple of 16
   Tensor q60 = Tensor::empty({1, 60, 2, 64}, DType::bf16, Device::cuda);
   Tensor lse60 = Tensor::empty({1, 2, 60}, DType::f32, Device::cuda);
-  expect_error([&] { attention_forward(q60, odd_stride, odd_stride, q60, lse60); }, "k: stride 130 of dimension 1");
+  Tensor o60 = Tensor::empty({1, 60, 2, 64}, DType::bf16, Device::cuda);
+  expect_error([&] { attention_forward(q60, odd_stride, odd_stride, o60, lse60); }, "k: stride 130 of dimension 1");
   Tensor host_lse = Tensor::empty({1, 2, 64}, DType::f32);
   expect_error([&] { attention_forward(q, k, k, o, host_lse); }, "lse: on cpu but q is on cuda");
   Tensor q64 = Tensor::empty({1, 64, 2, 64}, DType::f64, Device::cuda);
   Tensor lse64 = Tensor::empty({1, 2, 64}, DType::f64, Device::cuda);
-  expect_error([&] { attention_forward(q64, q64, q64, q64, lse64); }, "dtype fp64 is not supported on cuda");
+  Tensor o64 = Tensor::empty({1, 64, 2, 64}, DType::f64, Device::cuda);
+  expect_error([&] { attention_forward(q64, q64, q64, o64, lse64); }, "dtype fp64 is not supported on cuda");
   Tensor q256 = Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda);
-  expect_error([&] { attention_backward(q256, q256, q256, q256, lse, q256, q256, q256, q256); },
+  Tensor g256[3] = {Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda),
+                    Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda),
+                    Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda)};
+  expect_error([&] { attention_backward(q256, q256, q256, q256, lse, q256, g256[0], g256[1], g256[2]); },
                "no cuda backward kernel");
   // A 16-bit head dim above 128 pads to 256, which has no backward: the error names the caller's head dim.
   Tensor q160 = Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda);
-  expect_error([&] { attention_backward(q160, q160, q160, q160, lse, q160, q160, q160, q160); },
+  Tensor g160[3] = {Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda),
+                    Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda),
+                    Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda)};
+  expect_error([&] { attention_backward(q160, q160, q160, q160, lse, q160, g160[0], g160[1], g160[2]); },
                "head_dim 160 has no cuda backward kernel");
 }
 

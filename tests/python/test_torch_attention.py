@@ -106,7 +106,7 @@ def test_custom_scale_and_deterministic_backward(device):
     q, k, v = (make((2, 50, 4, 64), dtype, device, "bshd", s) for s in (1, 2, 3))
     runs = []
     for _ in range(2):
-        o = flashlm.attention(q, k, v, causal=True, scale=0.3, deterministic=True)
+        o = flashlm.attention(q, k, v, layout="bshd", causal=True, scale=0.3, deterministic=True)
         runs.append(torch.autograd.grad(o.sum(), (q, k, v)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
@@ -118,7 +118,7 @@ def test_gradcheck_float64_cpu():
     q, k, v = (make((1, 5, 2, 8), torch.float64, "cpu", "bshd", s) for s in (7, 8, 9))
     for causal, align in ((False, "top_left"), (True, "top_left"), (True, "bottom_right")):
         assert torch.autograd.gradcheck(
-            lambda a, b_, c: flashlm.attention(a, b_, c, causal=causal, causal_align=align), (q, k, v))
+            lambda a, b_, c: flashlm.attention(a, b_, c, layout="bshd", causal=causal, causal_align=align), (q, k, v))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,27 +147,27 @@ def test_bad_arguments_raise_value_errors_with_the_library_message():
     q = torch.randn(1, 8, 3, 16)
     k = torch.randn(1, 8, 2, 16)
     with pytest.raises(ValueError, match="heads_q = 3 is not a multiple of k's heads_k = 2"):
-        flashlm.attention(q, k, k)
+        flashlm.attention(q, k, k, layout="bshd")
     with pytest.raises(ValueError, match="dtype torch.int32 is not supported"):
-        flashlm.attention(q.int(), q.int(), q.int())
+        flashlm.attention(q.int(), q.int(), q.int(), layout="bshd")
     with pytest.raises(ValueError, match="k: dtype fp64 differs from q's fp32"):
-        flashlm.attention(q, q.double(), q)
+        flashlm.attention(q, q.double(), q, layout="bshd")
     with pytest.raises(ValueError, match="k: head_dim 8 differs"):
-        flashlm.attention(q, q[..., :8], q[..., :8])
+        flashlm.attention(q, q[..., :8], q[..., :8], layout="bshd")
     with pytest.raises(ValueError, match="expected 4 dimensions"):
-        flashlm.attention(q[0], q[0], q[0])
+        flashlm.attention(q[0], q[0], q[0], layout="bshd")
     with pytest.raises(ValueError, match="layout: 'sbhd'"):
         flashlm.attention(q, q, q, layout="sbhd")
     with pytest.raises(ValueError, match="the head_dim dimension must have stride 1"):
         t = torch.randn(1, 8, 3, 32)[..., ::2]
-        flashlm.attention(t, t, t)
+        flashlm.attention(t, t, t, layout="bshd")
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device")
 def test_device_mismatch_is_a_value_error():
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="k: on cpu but q is on cuda"):
-        flashlm.attention(q, q.cpu(), q)
+        flashlm.attention(q, q.cpu(), q, layout="bshd")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -175,7 +175,7 @@ def test_device_mismatch_is_a_value_error():
 def test_batch_zero_sum_backward_gives_empty_gradients(device, causal):
     """.sum().backward() on an empty batch hands a stride-0 gradient: it runs and gives empty gradients."""
     q, k, v = (torch.randn(0, 7, 2, 16, dtype=torch.float32, device=device, requires_grad=True) for _ in range(3))
-    flashlm.attention(q, k, v, causal=causal).sum().backward()
+    flashlm.attention(q, k, v, layout="bshd", causal=causal).sum().backward()
     for t in (q, k, v):
         assert t.grad is not None and t.grad.shape == t.shape
 
@@ -183,7 +183,7 @@ def test_batch_zero_sum_backward_gives_empty_gradients(device, causal):
 @pytest.mark.parametrize("device", DEVICES)
 def test_double_backward_is_refused_clearly(device):
     q, k, v = (torch.randn(1, 9, 2, 16, dtype=torch.float64, device=device, requires_grad=True) for _ in range(3))
-    (dq,) = torch.autograd.grad(flashlm.attention(q, k, v).square().sum(), (q,), create_graph=True)
+    (dq,) = torch.autograd.grad(flashlm.attention(q, k, v, layout="bshd").square().sum(), (q,), create_graph=True)
     with pytest.raises(RuntimeError, match="double backward .* is not supported"):
         dq.sum().backward()
     q3, k3, v3 = (t[:, :, 0].detach().requires_grad_() for t in (q, k, v))

@@ -149,7 +149,7 @@ TEST(Checkpoint, FieldsOfTheWrongTypeOrRangeNameTheFileAndTheField) {
       {"/batch", 0, "'batch' is 0"},
       {"/batch", uint64_t{1} << 63, "'batch' is 9223372036854775808"},
       {"/precision", 32, "'precision' is 32, expected a string"},
-      {"/precision", "fp64", "'precision' is \"fp64\", expected \"fp32\", \"bf16\" or \"fp16\""},
+      {"/precision", "fp64", "'precision' is \"fp64\", expected \"fp32\", \"bf16\", \"fp16\" or \"bf16-pure\""},
       {"/batcher_step", 5, "'batcher_step' is 5, expected next_step * grad_accum = 2 * 1"},
       {"/batcher_seed", 7, "'batcher_seed' is 7, expected the run's seed 1234"},
       {"/loss_scale", "big", "'loss_scale' is \"big\""},

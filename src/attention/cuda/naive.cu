@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads)
     if (x > m || x != x) {  // a NaN becomes the max: the row's statistics, and so its P and lse, turn NaN
       l = l * expf(m - x) + 1.f;
       m = x;
-    } else {
+    } else if (m != -INFINITY) {  // x = m = -inf (a -inf score first): adds exp(-inf) = 0, not exp(NaN)
       l += expf(x - m);
     }
   }

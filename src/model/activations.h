@@ -1,0 +1,54 @@
+// Where a model keeps its activations: one layout for CpuModel and CudaModel, derived from the
+// recomputation plan, and the sizes of the other buffers the models allocate. The memory plan
+// (plan_model_memory) adds up the same numbers the constructors allocate.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "flashlm/model.h"
+
+namespace flashlm {
+
+// Offsets of one block's activations: values (in the model's activation type) into the value arena, the
+// fp32 statistics (RMSNorm 1/rms, attention logsumexp) into the statistics arena. Under recomputation
+// several blocks share the offsets of what they recompute (a working slot).
+struct BlockActivations {
+  int64_t x_in, h1, q, k, v, attn, x_mid, h2, u, g, s;  // values
+  int64_t rstd1, rstd2, lse;                             // statistics
+  // The first block of this block's segment: the backward recomputes blocks [segment, this block] from
+  // the kept input of `segment` (blocks:k), or this block from its kept input (selective, segment = itself).
+  // -1: nothing is recomputed (none).
+  int64_t segment = -1;
+};
+
+struct ActivationLayout {
+  RecomputePlan recompute;  // resolved
+  std::vector<BlockActivations> blocks;
+  int64_t x_out = 0, h_f = 0;  // values: the last block's output and the final norm's
+  int64_t rstd_f = 0;          // statistics: the final norm's 1/rms
+  int64_t values = 0, stats = 0;            // arena sizes (elements)
+  int64_t kept_values = 0, kept_stats = 0;  // of which kept from the forward to the backward; the rest is the
+                                            // working set the recomputation rewrites
+  bool recomputes() const { return recompute.kind != RecomputePlan::Kind::none; }
+  // The last block of block l's segment (the one whose backward triggers the segment's recomputation).
+  int64_t segment_last(int64_t l) const;
+};
+
+// Elements are carved on 64-element boundaries (16-byte aligned rows for tensor cores whatever the type).
+constexpr int64_t kActivationAlignment = 64;
+inline int64_t aligned_elements(int64_t elements) {
+  return (elements + kActivationAlignment - 1) / kActivationAlignment * kActivationAlignment;
+}
+
+// plan must be resolved (not automatic). Sizes are checked for overflow.
+ActivationLayout layout_activations(const ModelConfig& c, int64_t batch, int64_t seq, const RecomputePlan& plan);
+
+// Backward scratch (elements of the activation type): the residual gradient and five [n, d] arrays, three
+// [n, d_ff] ones.
+int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
+
+// Tokens per chunk of the LM head and loss: `requested`, or (0) as many as keep a chunk's logits near
+// 1 GiB of `elem_bytes` elements, a multiple of 128, and never more than `tokens`.
+int64_t head_chunk_tokens(const ModelConfig& c, int64_t tokens, int64_t requested, int64_t elem_bytes);
+
+}  // namespace flashlm

@@ -1,0 +1,275 @@
+// Recomputation plans, the activation layout they give, and the memory plan built from it.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <limits>
+
+#include "core/check.h"
+#include "flashlm/dtype.h"
+#include "flashlm/error.h"
+#include "model/activations.h"
+
+namespace flashlm {
+
+RecomputePlan RecomputePlan::parse(std::string_view text) {
+  RecomputePlan p;
+  if (text == "none") return p;
+  if (text == "selective") return p.kind = Kind::selective, p;
+  if (text == "auto") return p.kind = Kind::automatic, p;
+  if (text == "blocks") return p.kind = Kind::blocks, p;
+  if (text.starts_with("blocks:")) {
+    const std::string_view k = text.substr(7);
+    int64_t every = 0;
+    const auto [end, ec] = std::from_chars(k.data(), k.data() + k.size(), every);
+    FLASHLM_CHECK(ec == std::errc() && end == k.data() + k.size() && every >= 1 && every <= 4096,
+                  "recompute: '{}': expected blocks:K with K a whole number in [1, 4096]", text);
+    p.kind = Kind::blocks;
+    p.every = every;
+    return p;
+  }
+  fail("recompute: unknown plan '{}': expected none, blocks, blocks:K, selective or auto", text);
+}
+
+std::string RecomputePlan::name() const {
+  switch (kind) {
+    case Kind::none: return "none";
+    case Kind::blocks: return fmt::format("blocks:{}", every);
+    case Kind::selective: return "selective";
+    case Kind::automatic: return "auto";
+  }
+  return "?";
+}
+
+void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure) {
+  bf16_pure = text == "bf16-pure";
+  if (bf16_pure) {
+    dtype = DType::bf16;
+    return;
+  }
+  dtype = parse_dtype(text);
+  FLASHLM_CHECK(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16,
+                "precision: '{}': expected fp32, bf16, fp16 or bf16-pure", text);
+}
+
+std::string precision_name(DType dtype, bool bf16_pure) {
+  return bf16_pure ? "bf16-pure" : std::string(dtype_name(dtype));
+}
+
+int64_t ActivationLayout::segment_last(int64_t l) const {
+  if (recompute.kind != RecomputePlan::Kind::blocks) return l;
+  const int64_t first = blocks[size_t(l)].segment;
+  return std::min<int64_t>(int64_t(blocks.size()), first + recompute.every) - 1;
+}
+
+ActivationLayout layout_activations(const ModelConfig& c, int64_t batch, int64_t seq, const RecomputePlan& plan) {
+  using Kind = RecomputePlan::Kind;
+  FLASHLM_CHECK(plan.kind != Kind::automatic, "layout_activations: resolve --recompute auto first");
+  FLASHLM_CHECK(plan.every >= 1, "recompute: blocks:{} needs K >= 1", plan.every);
+  FLASHLM_CHECK(batch >= 1 && seq >= 1, "activations: batch {} and seq {}, expected at least 1", batch, seq);
+  const int64_t n = checked_mul(batch, seq, "activations: batch x seq");
+  const int64_t nd = checked_mul(n, c.d_model, "activations: tokens x d_model");
+  const int64_t nf = checked_mul(n, c.d_ff, "activations: tokens x d_ff");
+  const int64_t bhs = checked_mul(checked_mul(batch, c.heads, "activations: batch x heads"), seq,
+                                      "activations: batch x heads x seq");
+  ActivationLayout out;
+  out.recompute = plan;
+  int64_t v = 0, s = 0;
+  auto take = [](int64_t& cursor, int64_t count) {
+    const int64_t at = cursor;
+    FLASHLM_CHECK(cursor <= std::numeric_limits<int64_t>::max() / 2 - aligned_elements(count),
+                  "activations: {} elements overflow 64-bit sizes", cursor);
+    cursor += aligned_elements(count);
+    return at;
+  };
+  // Every value and statistic of one block at fresh offsets (x_in too unless `with_input` is false).
+  auto whole_block = [&](bool with_input) {
+    BlockActivations b{};
+    if (with_input) b.x_in = take(v, nd);
+    b.h1 = take(v, nd), b.q = take(v, nd), b.k = take(v, nd), b.v = take(v, nd), b.attn = take(v, nd);
+    b.x_mid = take(v, nd), b.h2 = take(v, nd), b.u = take(v, nf), b.g = take(v, nf), b.s = take(v, nf);
+    b.rstd1 = take(s, n), b.rstd2 = take(s, n), b.lse = take(s, bhs);
+    return b;
+  };
+  const int64_t L = c.layers;
+  out.blocks.resize(size_t(L));
+  // What is kept from the forward to the backward comes first.
+  if (plan.kind == Kind::none) {
+    for (auto& b : out.blocks) b = whole_block(true);
+  } else if (plan.kind == Kind::blocks) {
+    for (int64_t l = 0; l < L; l += plan.every) out.blocks[size_t(l)].x_in = take(v, nd);
+  } else {  // selective: the input, the attention output and its logsumexp
+    for (auto& b : out.blocks) b.x_in = take(v, nd), b.attn = take(v, nd), b.lse = take(s, bhs);
+  }
+  out.x_out = take(v, nd);
+  out.h_f = take(v, nd);
+  out.rstd_f = take(s, n);
+  out.kept_values = v;
+  out.kept_stats = s;
+  // Then the working slots the recomputation rewrites.
+  if (plan.kind == Kind::blocks) {
+    const int64_t slots = std::min(plan.every, L);
+    std::vector<BlockActivations> slot;
+    for (int64_t j = 0; j < slots; ++j) slot.push_back(whole_block(j > 0));  // slot 0's input is always kept
+    for (int64_t l = 0; l < L; ++l) {
+      BlockActivations& b = out.blocks[size_t(l)];
+      const int64_t kept_input = b.x_in;
+      b = slot[size_t(l % plan.every)];
+      if (l % plan.every == 0) b.x_in = kept_input;
+      b.segment = l - l % plan.every;
+    }
+  } else if (plan.kind == Kind::selective) {
+    BlockActivations slot{};
+    slot.h1 = take(v, nd), slot.q = take(v, nd), slot.k = take(v, nd), slot.v = take(v, nd);
+    slot.x_mid = take(v, nd), slot.h2 = take(v, nd), slot.u = take(v, nf), slot.g = take(v, nf), slot.s = take(v, nf);
+    slot.rstd1 = take(s, n), slot.rstd2 = take(s, n);
+    for (int64_t l = 0; l < L; ++l) {
+      BlockActivations& b = out.blocks[size_t(l)];
+      BlockActivations merged = slot;
+      merged.x_in = b.x_in, merged.attn = b.attn, merged.lse = b.lse, merged.segment = l;
+      b = merged;
+    }
+  }
+  out.values = v;
+  out.stats = s;
+  return out;
+}
+
+int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens) {
+  const int64_t nd = aligned_elements(checked_mul(tokens, c.d_model, "scratch: tokens x d_model"));
+  const int64_t nf = aligned_elements(checked_mul(tokens, c.d_ff, "scratch: tokens x d_ff"));
+  return 6 * nd + 3 * nf;
+}
+
+int64_t head_chunk_tokens(const ModelConfig& c, int64_t tokens, int64_t requested, int64_t elem_bytes) {
+  FLASHLM_CHECK(requested >= 0, "head chunk: {} tokens, expected >= 0 (0: automatic)", requested);
+  if (requested > 0) return std::min(requested, tokens);
+  constexpr int64_t kLogitBytes = int64_t{1} << 30;
+  int64_t rows = kLogitBytes / checked_mul(c.vocab, elem_bytes, "head chunk: vocab x element size");
+  rows = std::max<int64_t>(128, rows / 128 * 128);
+  return std::min(rows, tokens);
+}
+
+int64_t MemoryPlan::total_bytes() const {
+  int64_t total = 0;
+  for (const Item& i : items) total += i.bytes;
+  return total;
+}
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// The plan for a resolved recomputation.
+MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device device, DType precision,
+                    const ModelOptions& o, const RecomputePlan& recompute) {
+  MemoryPlan p;
+  p.recompute = recompute;
+  const int64_t n_params = c.parameter_count();
+  const int64_t n = checked_mul(batch, seq, "memory plan: batch x seq");
+  const bool cuda = device == Device::cuda;
+  const int64_t elem = cuda ? int64_t(dtype_size(precision)) : 4;
+  auto bytes = [](int64_t count, int64_t size) { return checked_mul(count, size, "memory plan: bytes"); };
+  if (o.bf16_pure) {
+    p.items.push_back({"parameters (bf16)", bytes(n_params, 2)});
+    p.items.push_back({"gradients (bf16)", bytes(n_params, 2)});
+    p.items.push_back({"AdamW moments (bf16)", bytes(n_params, 4)});
+  } else {
+    p.items.push_back({"parameters (fp32)", bytes(n_params, 4)});
+    if (cuda && precision != DType::f32) {
+      p.items.push_back({fmt::format("parameters ({} copy for the GEMMs)", dtype_name(precision)), bytes(n_params, elem)});
+    }
+    p.items.push_back({"gradients (fp32)", bytes(n_params, 4)});
+    p.items.push_back({"AdamW moments (fp32)", bytes(n_params, 8)});
+  }
+  const ActivationLayout a = layout_activations(c, batch, seq, recompute);
+  p.items.push_back({fmt::format("activations kept for the backward (recompute {})", recompute.name()),
+                     bytes(a.kept_values, elem) + bytes(a.kept_stats, 4)});
+  if (a.recomputes()) {
+    p.items.push_back({"activations of the recomputed blocks (working set)",
+                       bytes(a.values - a.kept_values, elem) + bytes(a.stats - a.kept_stats, 4)});
+  }
+  p.items.push_back({"backward scratch", bytes(backward_scratch_elements(c, n), elem)});
+  if (cuda) {
+    const int64_t chunk = head_chunk_tokens(c, n, o.head_chunk, elem);
+    p.items.push_back({fmt::format("LM head + loss: logits of {} tokens at a time, per-token losses", chunk),
+                       bytes(aligned_elements(checked_mul(chunk, c.vocab, "head chunk")), elem) + bytes(n, 4)});
+    if (o.bf16_pure) {
+      int64_t largest = 0;
+      for (const ParameterInfo& info : parameter_layout(c)) largest = std::max(largest, info.numel());
+      p.items.push_back({"fp32 gradient accumulator (the largest parameter)", bytes(largest, 4)});
+    }
+    // cuBLASLt's 32 MiB, the embedding backward's sort (~32 bytes a token), the RMSNorm gain partial sums
+    // (1024 rows of d floats) and the attention backward's two fp32 rows per query.
+    const int64_t workspaces = (int64_t{32} << 20) + bytes(n, 32) + bytes(1024 * c.d_model, 4) +
+                               bytes(checked_mul(n, c.heads, "workspaces"), 8);
+    p.items.push_back({"workspaces (estimated)", workspaces});
+  } else {
+    p.items.push_back({"logits [tokens, vocab]", bytes(checked_mul(n, c.vocab, "logits"), 4)});
+  }
+  p.items.push_back({"tokens, targets, RoPE tables",
+                     bytes(n, 8) + bytes(checked_mul(c.context, c.head_dim(), "RoPE tables"), 4)});
+  return p;
+}
+
+}  // namespace
+
+MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, Device device, DType precision,
+                             const ModelOptions& o, int64_t available_bytes) {
+  c.validate();
+  FLASHLM_CHECK(batch >= 1 && seq >= 1 && seq <= c.context, "memory plan: batch {} and seq {} (context {})", batch, seq,
+                c.context);
+  FLASHLM_CHECK(!o.bf16_pure || (device == Device::cuda && precision == DType::bf16),
+                "precision: bf16-pure is a CUDA precision (bf16 parameters, gradients and moments)");
+  using Kind = RecomputePlan::Kind;
+  if (o.recompute.kind != Kind::automatic) return plan_for(c, batch, seq, device, precision, o, o.recompute);
+  if (available_bytes < 0) {
+    MemoryPlan p = plan_for(c, batch, seq, device, precision, o, RecomputePlan{});
+    p.reason = "auto: no memory limit known on this device, so nothing is recomputed";
+    return p;
+  }
+  // Leave room for the allocator's rounding and the CUDA context's own allocations.
+  const int64_t usable = available_bytes - std::max<int64_t>(int64_t{1} << 30, available_bytes / 32);
+  std::string tried;
+  const RecomputePlan fastest_first[] = {{Kind::none, 1}, {Kind::selective, 1}, {Kind::blocks, 1}};
+  for (const RecomputePlan& r : fastest_first) {
+    MemoryPlan p = plan_for(c, batch, seq, device, precision, o, r);
+    if (p.total_bytes() <= usable) {
+      p.reason = fmt::format("auto: {}{} needs {:.1f} of {:.1f} GiB free{}", tried, r.name(),
+                             double(p.total_bytes()) / kGiB, double(available_bytes) / kGiB,
+                             r.kind == Kind::none        ? ": the fastest plan, nothing recomputed"
+                             : r.kind == Kind::selective ? ": recomputes everything but attention"
+                                                         : ": recomputes every block once");
+      return p;
+    }
+    tried += fmt::format("{} needs {:.1f} GiB, ", r.name(), double(p.total_bytes()) / kGiB);
+  }
+  // Memory is all that matters: the block interval with the least memory.
+  MemoryPlan best;
+  for (int64_t k = 1; k <= c.layers; ++k) {
+    MemoryPlan p = plan_for(c, batch, seq, device, precision, o, {Kind::blocks, k});
+    if (best.items.empty() || p.total_bytes() < best.total_bytes()) best = std::move(p);
+  }
+  best.reason = fmt::format("auto: {}so the least memory: {} needs {:.1f} of {:.1f} GiB free", tried,
+                            best.recompute.name(), double(best.total_bytes()) / kGiB, double(available_bytes) / kGiB);
+  return best;
+}
+
+std::string MemoryPlan::format() const {
+  std::string out;
+  for (const Item& i : items) out += fmt::format("  {:<62} {:>9.2f} GiB\n", i.what, double(i.bytes) / kGiB);
+  out += fmt::format("  {:<62} {:>9.2f} GiB", "total", double(total_bytes()) / kGiB);
+  if (!reason.empty()) out += "\n  " + reason;
+  return out;
+}
+
+void check_memory_plan(const MemoryPlan& plan, int64_t available_bytes, std::string_view device_label) {
+  if (available_bytes < 0 || plan.total_bytes() <= available_bytes) return;
+  throw OutOfMemory(fmt::format(
+      "memory plan: the model needs {:.2f} GiB but {} has {:.2f} GiB free: {:.2f} GiB short (recompute {}; try "
+      "--recompute blocks:1 or selective, bf16-pure, a smaller batch or context)",
+      double(plan.total_bytes()) / kGiB, device_label, double(available_bytes) / kGiB,
+      double(plan.total_bytes() - available_bytes) / kGiB, plan.recompute.name()));
+}
+
+}  // namespace flashlm
