@@ -9,6 +9,13 @@
 // (batch, key head, key tile) recomputes P = exp(S - lse) tile by tile and accumulates dK and dV for its
 // keys over every query head of its GQA group; then one task per (batch, query head, query tile) does the
 // same to accumulate dQ. Recomputing S twice costs two extra tile products but needs no dQ reduction.
+//
+// Every tile product goes through a register-blocked GEMM on packed tiles (fp32 accumulation for fp16, bf16 and fp32
+// inputs; fp64 stays fp64). Products whose outputs are per (query, key) pair (S = Q Kᵀ, dP = dO Vᵀ) run over
+// the whole tile and the masked entries are overwritten. Products that sum over keys or queries (P V, dS K,
+// Pᵀ dO, dSᵀ Q) multiply masked entries' zero weights by real inputs: that is exact while the summed tile is
+// finite, and where it is not (a NaN or inf in a row some query must not see) the tile pair falls back to
+// sums over the visible pairs only, so non-finite inputs reach exactly the rows that see them (SPEC §2).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -23,6 +30,64 @@ namespace {
 
 constexpr int64_t kBlockQ = 64;
 constexpr int64_t kBlockK = 64;
+
+// C = alpha · op(A) · B + beta · C on row-major tiles (op(A) m×k: A, or Aᵀ stored k×m when TransA; B k×n;
+// beta = 0 never reads C). A transposed costs nothing here (the kernel broadcasts single elements of A). Blocks of
+// kGemmRows × kGemmCols outputs stay in registers while k runs; the compiler vectorises the columns for the
+// target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles are small
+// (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this
+// project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
+// The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
+// AVX-512 gives 32 registers, 8 of 8 where AVX2 gives 16 (enough independent FMA chains to hide latency).
+#if defined(__AVX512F__)
+constexpr int64_t kGemmRows = 8;
+constexpr int64_t kGemmCols = 32;
+#else
+constexpr int64_t kGemmRows = 4;
+constexpr int64_t kGemmCols = 16;
+#endif
+
+template <bool TransA = false, class A>
+void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
+               A* c, int64_t ldc) {
+  auto a_at = [&](int64_t r, int64_t p) { return TransA ? a[p * lda + r] : a[r * lda + p]; };
+  for (int64_t i0 = 0; i0 < m; i0 += kGemmRows) {
+    const int64_t rows = std::min(kGemmRows, m - i0);
+    for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
+      const int64_t cols = std::min(kGemmCols, n - j0);
+      A acc[kGemmRows][kGemmCols] = {};
+      if (rows == kGemmRows && cols == kGemmCols) {
+        for (int64_t p = 0; p < k; ++p) {
+          const A* brow = b + p * ldb + j0;
+#pragma GCC unroll 8
+          for (int64_t r = 0; r < kGemmRows; ++r) {
+            const A ar = a_at(i0 + r, p);
+#pragma omp simd
+            for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
+          }
+        }
+      } else {  // a ragged edge block
+        for (int64_t p = 0; p < k; ++p) {
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t j = 0; j < cols; ++j) acc[r][j] += a_at(i0 + r, p) * b[p * ldb + j0 + j];
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        A* crow = c + (i0 + r) * ldc + j0;
+        for (int64_t j = 0; j < cols; ++j) crow[j] = beta == A(0) ? alpha * acc[r][j] : alpha * acc[r][j] + beta * crow[j];
+      }
+    }
+  }
+}
+
+// dst[c][r] = src[r][c] for a rows × cols tile.
+template <class A>
+void transpose(const A* src, int64_t rows, int64_t cols, int64_t ld_src, A* dst, int64_t ld_dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+}
 
 // Per-thread scratch: one tracked allocation carved into named tiles.
 template <class A>
@@ -44,9 +109,11 @@ class Scratch {
 template <class A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
+// Loads rows [s0, s0 + rows) of head h into a packed tile; returns whether every element is finite.
 template <class T, class A>
-void load_tile(const TensorView& t, int64_t b, int64_t h, int64_t s0, int64_t rows, int64_t D, A* dst) {
+bool load_tile(const TensorView& t, int64_t b, int64_t h, int64_t s0, int64_t rows, int64_t D, A* dst) {
   for (int64_t r = 0; r < rows; ++r) load_row(attention_row<const T>(t, b, s0 + r, h), dst + r * D, D);
+  return all_finite(dst, rows * D);
 }
 
 template <class A>
@@ -68,23 +135,22 @@ int64_t contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j
   return lse == kNegInf<A> ? 0 : visible_cols(p, i, j0, cols);
 }
 
-// S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones.
+// S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
+// key tile transposed (head_dim × kBlockK).
 template <class A>
-void tile_scores(const AttentionProblem& p, const A* Q, const A* K, int64_t i0, int64_t rows, int64_t j0,
+void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t i0, int64_t rows, int64_t j0,
                  int64_t cols, A* S) {
-  const A scale = static_cast<A>(p.scale);
+  tile_gemm(rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, KT, kBlockK, A(0), S, kBlockK);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = p.visible_keys(i0 + r) - j0;  // columns [0, visible) are unmasked
-    for (int64_t c = 0; c < cols; ++c) {
-      S[r * kBlockK + c] = c < visible ? scale * dot(Q + r * p.head_dim, K + c * p.head_dim, p.head_dim) : kNegInf<A>;
-    }
+    const int64_t visible = visible_cols(p, i0 + r, j0, cols);  // columns [0, visible) are unmasked
+    std::fill(S + r * kBlockK + visible, S + r * kBlockK + cols, kNegInf<A>);
   }
 }
 
 template <class T, class A>
 void forward_task(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                  const TensorView& o, const TensorView& lse, int64_t b, int64_t h, int64_t i0, A* Q, A* K, A* V,
-                  A* S, A* acc, A* m, A* l) {
+                  const TensorView& o, const TensorView& lse, int64_t b, int64_t h, int64_t i0, A* Q, A* K, A* KT,
+                  A* V, A* S, A* acc, A* m, A* l) {
   const int64_t D = p.head_dim, hk = h / p.group();
   const int64_t rows = std::min(kBlockQ, p.seq_q - i0);
   load_tile<T>(q, b, h, i0, rows, D, Q);
@@ -96,27 +162,37 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const TensorVi
   for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
     const int64_t cols = std::min(kBlockK, key_end - j0);
     load_tile<T>(k, b, hk, j0, cols, D, K);
-    load_tile<T>(v, b, hk, j0, cols, D, V);
-    tile_scores(p, Q, K, i0, rows, j0, cols, S);
+    transpose(K, cols, D, D, KT, kBlockK);
+    const bool v_finite = load_tile<T>(v, b, hk, j0, cols, D, V);
+    tile_scores(p, Q, KT, i0, rows, j0, cols, S);
+    // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kBlockK;
       const int64_t visible = visible_cols(p, i0 + r, j0, cols);
-      A m_new = m[r];
-      for (int64_t c = 0; c < visible; ++c) m_new = max_propagating_nan(m_new, s[c]);  // NaN stays NaN
-      if (m_new == kNegInf<A>) continue;  // nothing visible in this row yet
+      const A m_new = max_propagating_nan(m[r], row_max(s, visible));  // NaN stays NaN
+      if (m_new == kNegInf<A>) {  // nothing visible in this row yet: acc, m and l stay
+        std::fill(s, s + cols, A(0));
+        continue;
+      }
       const A alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
       A* a = acc + r * D;
       if (alpha != A(1)) {
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       }
+      exp_shifted(s, visible, m_new);
+      std::fill(s + visible, s + cols, A(0));
       A sum = 0;
-      for (int64_t c = 0; c < visible; ++c) {
-        const A pc = std::exp(s[c] - m_new);
-        sum += pc;
-        axpy(pc, V + c * D, a, D);
-      }
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < visible; ++c) sum += s[c];
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
+    }
+    if (v_finite) {
+      tile_gemm(rows, D, cols, A(1), S, kBlockK, V, D, A(1), acc, D);  // acc += P V
+    } else {
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kBlockK + c], V + c * D, acc + r * D, D);
+      }
     }
   }
 
@@ -140,34 +216,33 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
 #pragma omp parallel
   {
-    Scratch<A> w(kBlockQ * D * 2 + kBlockK * D * 2 + kBlockQ * kBlockK + kBlockQ * 2, "flash forward tiles");
+    Scratch<A> w(kBlockQ * D * 2 + kBlockK * D * 3 + kBlockQ * kBlockK + kBlockQ * 2, "flash forward tiles");
     A *Q = w.take(kBlockQ * D).data(), *acc = w.take(kBlockQ * D).data();
-    A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A *K = w.take(kBlockK * D).data(), *KT = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *m = w.take(kBlockQ).data(), *l = w.take(kBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t tile = t % q_tiles, bh = t / q_tiles;
-      forward_task<T, A>(p, q, k, v, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kBlockQ, Q, K, V, S, acc, m, l);
+      forward_task<T, A>(p, q, k, v, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kBlockQ, Q, K, KT, V, S, acc, m, l);
     }
   }
 }
 
 // The tiles both backward passes recompute for one (query tile, key tile) pair: P = exp(S - lse) into S,
-// and dS = P ∘ (dO Vᵀ - Delta) into dS.
+// and dS = P ∘ (dO Vᵀ - Delta) into dS. KT and VT: the key and value tiles transposed.
 template <class A>
-void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* K, const A* V, const A* dO,
+void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, const A* VT, const A* dO,
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
                             A* dS) {
   const int64_t D = p.head_dim;
-  tile_scores(p, Q, K, i0, rows, j0, cols, S);
+  tile_scores(p, Q, KT, i0, rows, j0, cols, S);
+  tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
     A* ds = dS + r * kBlockK;
     const int64_t visible = contributing_cols(p, lse[r], i0 + r, j0, cols);
-    for (int64_t c = 0; c < visible; ++c) {
-      s[c] = std::exp(s[c] - lse[r]);
-      ds[c] = s[c] * (dot(dO + r * D, V + c * D, D) - delta[r]);
-    }
+    exp_shifted(s, visible, lse[r]);
+    for (int64_t c = 0; c < visible; ++c) ds[c] = s[c] * (ds[c] - delta[r]);
     for (int64_t c = visible; c < cols; ++c) s[c] = ds[c] = A(0);
   }
 }
@@ -199,7 +274,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
 
   const int64_t q_tiles = (Nq + kBlockQ - 1) / kBlockQ;
   const int64_t k_tiles = (Nk + kBlockK - 1) / kBlockK;
-  const int64_t tile_elems = kBlockQ * D * 3 + kBlockK * D * 4 + kBlockQ * kBlockK * 2 + kBlockQ;
+  const int64_t tile_elems = kBlockQ * D * 3 + kBlockK * D * 6 + kBlockQ * kBlockK * 2 + kBlockQ;
 
   // dK, dV: one task per (batch, key head, key tile).
 #pragma omp parallel
@@ -207,6 +282,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
     Scratch<A> w(tile_elems, "flash backward dK/dV tiles");
     A *Q = w.take(kBlockQ * D).data(), *dO = w.take(kBlockQ * D).data();
     A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A *KT = w.take(kBlockK * D).data(), *VT = w.take(kBlockK * D).data();
     A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
     A* lse_rows = w.take(kBlockQ).data();
@@ -217,20 +293,27 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
       const int64_t cols = std::min(kBlockK, Nk - j0);
       load_tile<T>(k, b, hk, j0, cols, D, K);
       load_tile<T>(v, b, hk, j0, cols, D, V);
+      transpose(K, cols, D, D, KT, kBlockK);
+      transpose(V, cols, D, D, VT, kBlockK);
       std::fill(dK, dK + cols * D, A(0));
       std::fill(dV, dV + cols * D, A(0));
       const int64_t first_q = p.first_query_seeing(j0) / kBlockQ * kBlockQ;
       for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
         for (int64_t i0 = first_q; i0 < Nq; i0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, Nq - i0);
-          load_tile<T>(q, b, h, i0, rows, D, Q);
-          load_tile<T>(dout, b, h, i0, rows, D, dO);
+          const bool q_finite = load_tile<T>(q, b, h, i0, rows, D, Q);
+          const bool do_finite = load_tile<T>(dout, b, h, i0, rows, D, dO);
           for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
-          tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
-              axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
-              axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
+          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
+          if (q_finite && do_finite) {
+            tile_gemm<true>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
+            tile_gemm<true>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
+          } else {
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
+                axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
+                axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
+              }
             }
           }
         }
@@ -248,6 +331,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
     Scratch<A> w(tile_elems, "flash backward dQ tiles");
     A *Q = w.take(kBlockQ * D).data(), *dO = w.take(kBlockQ * D).data();
     A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
+    A *KT = w.take(kBlockK * D).data(), *VT = w.take(kBlockK * D).data();
     A* dQ = w.take(kBlockQ * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
     A* lse_rows = w.take(kBlockQ).data();
@@ -263,12 +347,18 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
       const int64_t key_end = p.visible_keys(i0 + rows - 1);
       for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - j0);
-        load_tile<T>(k, b, hk, j0, cols, D, K);
+        const bool k_finite = load_tile<T>(k, b, hk, j0, cols, D, K);
         load_tile<T>(v, b, hk, j0, cols, D, V);
-        tile_probs_and_dscores(p, Q, K, V, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
-            axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + r * D, D);
+        transpose(K, cols, D, D, KT, kBlockK);
+        transpose(V, cols, D, D, VT, kBlockK);
+        tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
+        if (k_finite) {
+          tile_gemm(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ, D);  // dQ += scale dS K
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
+              axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + r * D, D);
+            }
           }
         }
       }
