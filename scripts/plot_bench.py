@@ -40,7 +40,8 @@ def plot_attention(ax_f, ax_b, records):
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"attention {what}")
         ax.grid(alpha=0.3)
-    ax_f.legend(fontsize=7)
+    # Beside the axes, where no line runs under it.
+    ax_b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
 
 
 def plot_lm(ax, records):
@@ -51,16 +52,18 @@ def plot_lm(ax, records):
     passes = [p for p in ("fwd", "fwd-bwd", "step") if any(r["pass"] == p for r in ok)]
     width = 0.8 / max(1, len(passes))
     for i, p in enumerate(passes):
-        ys = []
+        ys, errs = [], []
         for g in groups:
             match = [r for r in ok if (r["model"], r["context"], r["precision"], r["attention"]) == g and r["pass"] == p]
             ys.append(match[0]["mean_ms"] if match else 0)
-        ax.bar([x + i * width for x in range(len(groups))], ys, width, label=p)
+            errs.append((match[0].get("std_ms") or 0) if match else 0)
+        # Error bars: one standard deviation of the timed steps.
+        ax.bar([x + i * width for x in range(len(groups))], ys, width, yerr=errs, capsize=3, label=p)
     ax.set_xticks([x + width * (len(passes) - 1) / 2 for x in range(len(groups))])
     ax.set_xticklabels([f"{m}\nctx {c}\n{p} {a}" for m, c, p, a in groups], fontsize=8)
-    ax.set_ylabel("ms per step (mean)")
+    ax.set_ylabel("ms per step (mean ± std)")
     ax.set_title("flashlm bench")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     ax.grid(alpha=0.3, axis="y")
 
 
@@ -86,7 +89,7 @@ def main():
         fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(records) / 3), 5))
         plot_lm(ax, records)
     fig.tight_layout()
-    fig.savefig(a.out, dpi=120)
+    fig.savefig(a.out, dpi=120, bbox_inches="tight")  # "tight" keeps the legends beside the axes in the image
     print(f"wrote {a.out} from {len(records)} records")
 
 

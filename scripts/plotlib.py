@@ -1,5 +1,5 @@
-"""Shared by the plot scripts: matplotlib, installed with pip on first use when it is missing."""
-import subprocess
+"""Shared by the plot scripts: matplotlib from Debian's python3-matplotlib (scripts/setup-deps.sh installs
+it), drawing to files."""
 import sys
 
 
@@ -7,9 +7,8 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        print("installing matplotlib ...", file=sys.stderr)
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "matplotlib"])
-        import matplotlib
+        sys.exit("error: matplotlib is missing: run scripts/setup-deps.sh (it installs Debian's python3-matplotlib) "
+                 "or use a Python that has it")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

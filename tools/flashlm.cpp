@@ -22,6 +22,8 @@
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
 #include "flashlm/train.h"
+#include "cli_options.h"
+#include "text_commands.h"
 
 namespace {
 
@@ -67,29 +69,6 @@ constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1;  // token ids are int32
 constexpr int64_t kMaxSteps = int64_t{1} << 40;
 constexpr int kMaxReps = 1'000'000;
 constexpr double kMaxBucketMb = 1e6;
-
-// The value of a numeric option in [lo, hi]. CLI11 reads integers with strtoll/strtoull, which saturate an
-// out-of-range number (99999999999999999999 becomes INT64_MAX) and wrap a negative one into an unsigned:
-// every bound here lies below those values, so such input fails the range. NaN fails every range (both
-// comparisons are false), and a finite hi keeps inf out.
-template <class T>
-CLI::Validator in_range(T lo, T hi) {
-  return CLI::Validator(
-      [lo, hi](std::string& text) -> std::string {
-        T v{};
-        if (!CLI::detail::lexical_cast(text, v) || !(v >= lo && v <= hi)) {
-          return fmt::format("'{}' is not a number in [{}, {}]", text, lo, hi);
-        }
-        return {};
-      },
-      fmt::format("in [{}, {}]", lo, hi));
-}
-
-// --threads for every command that runs on the CPU (default: all; -1 or 0 is an error, not the default).
-CLI::Option* add_threads_option(CLI::App* cmd, int& threads) {
-  return cmd->add_option("--threads", threads, "CPU threads (default: all)")
-      ->check(in_range(1, flashlm::kMaxCpuThreads));
-}
 
 // A positive integer (T = int64_t) or number (T = double) up to max: the whole string.
 template <class T>
@@ -199,6 +178,19 @@ bool launched_with_peers() {
     if (v && std::atoi(v) > 1) return true;
   }
   return false;
+}
+
+// torchrun (and torch.distributed.launch) start N copies with RANK / WORLD_SIZE / LOCAL_RANK and no MPI:
+// each copy would run alone, N identical runs writing the same files. Refused before anything runs.
+void refuse_torchrun() {
+  const char* world = std::getenv("WORLD_SIZE");
+  const bool torch_launcher = std::getenv("TORCHELASTIC_RUN_ID") || (std::getenv("LOCAL_RANK") && world && std::atoi(world) > 1);
+  if (torch_launcher && !launched_with_peers()) {
+    throw UsageError(fmt::format("launched by torchrun (WORLD_SIZE={}, RANK={}): flashlm's ranks come from MPI; run "
+                                 "'mpirun -np {} flashlm ...' instead (each torchrun copy would train alone)",
+                                 world ? world : "?", std::getenv("RANK") ? std::getenv("RANK") : "?",
+                                 world ? world : "N"));
+  }
 }
 
 // --device: cpu or cuda; left out, cuda when a GPU is visible (every command that runs on either).
@@ -488,6 +480,7 @@ int run_bench_command(const BenchArgs& a) {
 
 struct TrainArgs {
   std::string model = "tiny", data = "synthetic", val_data, checkpoint, device, attention = "flash", precision;
+  std::string init, metrics_log;
   std::string model_config, recompute = "none";
   int64_t d_model = 0, d_ff = 0, layers = 0, heads = 0, vocab = 256, context = 64, head_chunk = 0;
   bool atomic_backward = false;
@@ -579,6 +572,9 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--checkpoint", a.checkpoint, "Checkpoint file (written atomically)");
   cmd->add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end)")->check(steps);
   cmd->add_flag("--resume", a.resume, "Continue from --checkpoint, bit-exactly");
+  cmd->add_option("--init", a.init,
+                  "Start from these weights (.safetensors: flashlm export's, or PyTorch's with the CS336 names)");
+  cmd->add_option("--log", a.metrics_log, "Write metrics as JSON lines (one per step and per evaluation)");
   cmd->add_flag("--sharded-checkpoint", a.sharded_checkpoint,
                 "--ddp fsdp: every rank writes and resumes from its own shard, CHECKPOINT.rank<R>-of-<N>, nothing "
                 "gathered (resume at the same world size)");
@@ -674,6 +670,8 @@ int run_train_command(const TrainArgs& a) {
   cfg.checkpoint_every = a.checkpoint_every;
   cfg.sharded_checkpoint = a.sharded_checkpoint;
   cfg.resume = a.resume;
+  cfg.init = a.init;
+  cfg.metrics_log = a.metrics_log;
   cfg.seed = a.seed;
   if (a.threads > 0) set_cpu_threads(a.threads);
   cfg.progress = [](const std::string& line) { fmt::print("{}\n", line), std::fflush(stdout); };
@@ -872,8 +870,12 @@ int main(int argc, char** argv) {
   DdpBenchArgs ddp_bench_args;
   add_ddp_bench(app, ddp_bench_args);
   add_info(app);
+  TextCommandArgs text_args;
+  add_text_commands(app, text_args);
 
+  flashlm::set_report_command_line(argc, argv);
   try {
+    refuse_torchrun();
     app.parse(argc, argv);
     if (app.got_subcommand("attention-bench")) {
       return run_attention_bench_command(bench_args, app.get_subcommand("attention-bench")->count("--grid") > 0);
@@ -882,6 +884,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("bench")) return run_bench_command(lm_bench_args);
     if (app.got_subcommand("allreduce-bench")) return run_allreduce_bench_command(allreduce_args);
     if (app.got_subcommand("ddp-bench")) return run_ddp_bench_command(ddp_bench_args);
+    if (const int rc = run_text_command(app, text_args); rc >= 0) return rc;
     return 0;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);

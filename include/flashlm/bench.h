@@ -14,6 +14,9 @@ namespace flashlm {
 
 enum class ReportFormat : uint8_t { md, csv, json };
 ReportFormat parse_report_format(std::string_view name);  // "md" | "csv" | "json"
+// The command line every JSON report records (with flashlm's version, the git commit it was built from, and
+// the time): the CLI sets it from main's arguments.
+void set_report_command_line(int argc, const char* const* argv);
 
 struct AttentionShape {
   int64_t batch = 1, heads = 1, seq = 1024, head_dim = 64;

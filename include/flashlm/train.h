@@ -26,6 +26,13 @@ struct TrainConfig {
   std::string checkpoint;        // path; empty: no checkpoints
   int64_t checkpoint_every = 0;  // 0: only at the end (when checkpoint is set)
   bool resume = false;           // continue from `checkpoint`
+  // A safetensors file (flashlm export's, or PyTorch's with the same names and shapes) whose weights replace
+  // the seeded initialisation; the optimizer starts afresh. Not with resume.
+  std::string init;
+  // JSON lines, one per step ({"step", "loss", "lr", "grad_norm", "loss_scale", "elapsed_s"}, plus
+  // "tokens_per_s" and "ms_per_step" on the steps that print a progress line) and one per evaluation
+  // ({"step", "val_loss", "elapsed_s"}); written by rank 0; empty: none.
+  std::string metrics_log;
   // FSDP: every rank writes (and resumes from) its own shard file, `checkpoint`.rank<R>-of-<N>, instead of
   // one gathered file written by rank 0; resuming needs the same world size.
   bool sharded_checkpoint = false;
@@ -59,5 +66,14 @@ TrainResult train(const TrainConfig& config);
 
 // The final parameters of a checkpoint file (for tests and tools).
 std::vector<float> checkpoint_parameters(const std::string& path);
+
+// A model's configuration and flat fp32 parameters (parameter_layout order), from a training checkpoint or a
+// safetensors file that flashlm export wrote (told apart by their first bytes): what generate and export
+// start from.
+struct ModelWeights {
+  ModelConfig config;
+  std::vector<float> params;
+};
+ModelWeights load_model_weights(const std::string& path);
 
 }  // namespace flashlm

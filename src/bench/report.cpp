@@ -38,7 +38,24 @@ std::string csv_escape(const std::string& s) {
   return out + "\"";
 }
 
+std::vector<std::string>& report_command_line() {
+  static std::vector<std::string> words;
+  return words;
+}
+
+// "2026-12-01T10:42:23Z"
+std::string utc_time() {
+  char text[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return text;
+}
+
 }  // namespace
+
+void set_report_command_line(int argc, const char* const* argv) {
+  report_command_line().assign(argv, argv + argc);
+}
 
 std::string render_report(const std::vector<nlohmann::json>& records, const std::vector<ReportColumn>& columns,
                           ReportFormat format, const nlohmann::json& meta) {
@@ -46,6 +63,10 @@ std::string render_report(const std::vector<nlohmann::json>& records, const std:
   switch (format) {
     case ReportFormat::json: {
       nlohmann::json doc = meta;
+      doc["flashlm"] = {{"version", FLASHLM_VERSION},
+                        {"git_commit", FLASHLM_GIT_COMMIT},
+                        {"command", report_command_line()},
+                        {"time_utc", utc_time()}};
       doc["records"] = records;
       return doc.dump(1) + "\n";
     }
@@ -55,8 +76,9 @@ std::string render_report(const std::vector<nlohmann::json>& records, const std:
       for (const auto& r : records) {
         for (size_t c = 0; c < columns.size(); ++c) {
           const auto& v = r.contains(columns[c].key) ? r[columns[c].key] : nlohmann::json();
-          out += (c ? "," : "") + csv_escape(v.is_null() ? "" : v.is_number_float() ? fmt::format("{}", v.get<double>())
-                                                                                     : cell(v, 0));
+          // Appended piece by piece: GCC 12 warns (-Wrestrict, a false positive) on "," + string here.
+          if (c) out += ',';
+          out += csv_escape(v.is_null() ? "" : v.is_number_float() ? fmt::format("{}", v.get<double>()) : cell(v, 0));
         }
         out += "\n";
       }

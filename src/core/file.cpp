@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <utility>
 
@@ -68,6 +69,37 @@ void ReadOnlyFile::read_at(uint64_t offset, std::span<std::byte> out) const {
            owner_, path_, offset, offset + out.size(), now, size_);
     }
     done += static_cast<size_t>(got);
+  }
+}
+
+void write_file_atomically(const std::string& path, std::span<const std::span<const std::byte>> parts,
+                           std::string_view owner) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
+  FLASHLM_CHECK(fd >= 0, "{}: cannot open '{}' for writing: {}", owner, tmp, errno_text(errno));
+  bool fd_open = true;
+  try {
+    for (std::span<const std::byte> part : parts) {
+      while (!part.empty()) {
+        const ssize_t put = ::write(fd, part.data(), part.size());
+        if (put < 0 && errno == EINTR) continue;
+        FLASHLM_CHECK(put > 0, "{}: failed writing '{}': {}", owner, tmp, errno_text(errno));
+        part = part.subspan(static_cast<size_t>(put));
+      }
+    }
+    // On the disk before the rename, or a crash could leave the new name pointing at missing data.
+    FLASHLM_CHECK(::fsync(fd) == 0, "{}: cannot flush '{}': {}", owner, tmp, errno_text(errno));
+    fd_open = false;
+    FLASHLM_CHECK(::close(fd) == 0, "{}: failed writing '{}': {}", owner, tmp, errno_text(errno));
+  } catch (...) {
+    if (fd_open) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    fail("{}: cannot rename '{}' to '{}': {}", owner, tmp, path, errno_text(err));
   }
 }
 

@@ -37,4 +37,10 @@ class ReadOnlyFile {
   uint64_t size_ = 0;
 };
 
+// Writes `parts` one after the other to path + ".tmp", flushes it to the disk and renames it over `path`, so
+// that a reader never sees half a file and a failed write leaves no ".tmp" behind. `owner` starts every
+// error message, as for ReadOnlyFile.
+void write_file_atomically(const std::string& path, std::span<const std::span<const std::byte>> parts,
+                           std::string_view owner);
+
 }  // namespace flashlm

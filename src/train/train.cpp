@@ -8,13 +8,16 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/bench.h"
 #include "flashlm/data.h"
 #include "flashlm/dist.h"
+#include "flashlm/safetensors.h"
 #include "train/checkpoint.h"
 
 namespace flashlm {
@@ -161,6 +164,7 @@ std::vector<RunSetting> run_settings(const TrainConfig& cfg, const DataSources& 
   add("checkpoint", cfg.checkpoint.empty() ? "none" : "a file");  // writing one is collective
   add("checkpoint_every", cfg.checkpoint_every);
   add("resume", cfg.resume);
+  add("init", cfg.init.empty() ? "none" : "a file");  // rank 0's weights are broadcast; all must mean to start from one
   add("seed", cfg.seed);
   add("attention", attention_impl_name(cfg.attention));
   add("device", device_name(cfg.device));
@@ -188,6 +192,31 @@ void load_parameters(LanguageModel& model, const float* host) {
   model.parameters_changed();
   model.synchronize();
 }
+
+// "1:02:03", or "2:03" under an hour.
+std::string clock_time(double seconds) {
+  const auto s = static_cast<int64_t>(std::max(0.0, seconds) + 0.5);
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60) : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+// --log: one JSON object per line, flushed as written, so that a run that dies keeps its metrics so far.
+class MetricsLog {
+ public:
+  explicit MetricsLog(const std::string& path) : path_(path) {
+    if (path.empty()) return;
+    out_.open(path, std::ios::out | std::ios::trunc);
+    FLASHLM_CHECK(out_.good(), "train: cannot open the metrics log '{}' for writing", path);
+  }
+  void write(const nlohmann::json& record) {
+    if (path_.empty()) return;
+    out_ << record.dump() << '\n' << std::flush;
+    FLASHLM_CHECK(out_.good(), "train: failed writing the metrics log '{}'", path_);
+  }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
 
 double evaluate(LanguageModel& model, TokenBatcher& val, int64_t batches, std::span<int32_t> x, std::span<int32_t> y) {
   val.restore({0, 0});  // every evaluation scores the same tokens
@@ -286,7 +315,20 @@ TrainResult train(const TrainConfig& cfg) {
   }
   // Each rank read its own copy of the checkpoint: copies of different runs would run different steps.
   if (cfg.comm) cfg.comm->agree(step, "the step resumed at");
+  if (!cfg.init.empty()) {
+    FLASHLM_CHECK(!cfg.resume, "train: --init and --resume both give the parameters: use one");
+    std::vector<float> params(size_t(model.parameter_count()));
+    SafetensorsFile(cfg.init).read_parameters(cfg.model, params);
+    if (model.bf16_pure()) {  // no fp32 masters to copy into: the weights go in as a fresh optimizer state
+      const std::vector<float> zeros(params.size(), 0.0f);
+      model.load_state(params, zeros, zeros, 0);
+    } else {
+      load_parameters(model, params.data());
+    }
+    say(fmt::format("initialised from {}", cfg.init));
+  }
   if (!cfg.checkpoint.empty()) check_run_checkpoint_writable(cfg);
+  MetricsLog metrics(root ? cfg.metrics_log : std::string());
   result.first_step = step;
   say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
@@ -323,8 +365,9 @@ TrainResult train(const TrainConfig& cfg) {
   // accum micro-batches of batch rows; evaluation reads the first.
   std::vector<int32_t> x(size_t(checked_product({accum, cfg.batch, cfg.seq}, "train: tokens per step"))), y(x.size());
   const size_t micro = size_t(cfg.batch * cfg.seq);
-  auto t_log = std::chrono::steady_clock::now();
-  int64_t tokens_since_log = 0, skipped = 0;
+  const auto t_start = std::chrono::steady_clock::now();
+  auto t_log = t_start;
+  int64_t tokens_since_log = 0, steps_since_log = 0, skipped = 0;
   int64_t last_checkpoint = cfg.resume ? step : -1;  // the step the checkpoint file holds
   const double flops_per_token = train_flops_per_token(cfg.model, cfg.seq);
   for (; step < cfg.steps; ++step) {
@@ -359,14 +402,26 @@ TrainResult train(const TrainConfig& cfg) {
     }
     result.train_loss.emplace_back(step, loss);
     tokens_since_log += int64_t(world) * accum * cfg.batch * cfg.seq;
+    ++steps_since_log;
 
     const bool last = step + 1 == cfg.steps;
+    nlohmann::json record = {{"step", step + 1}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm},
+                             {"loss_scale", model.loss_scale()}};
     if ((cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || last || step == result.first_step) {
       model.synchronize();
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_log).count();
+      const auto now = std::chrono::steady_clock::now();
+      const double secs = std::chrono::duration<double>(now - t_log).count();
+      const double elapsed = std::chrono::duration<double>(now - t_start).count();
       const double tok_s = double(tokens_since_log) / std::max(secs, 1e-9);
-      std::string line = fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s",
-                                     step + 1, cfg.steps, loss, lr, norm, tok_s);
+      const double ms_step = 1e3 * secs / double(steps_since_log);
+      // The remaining steps at this run's mean pace so far.
+      const double eta = elapsed / double(step + 1 - result.first_step) * double(cfg.steps - step - 1);
+      record["tokens_per_s"] = tok_s;
+      record["ms_per_step"] = ms_step;
+      std::string line =
+          fmt::format("step {:>6}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | {:.1f} ms/step | "
+                      "elapsed {} | ETA {}",
+                      step + 1, cfg.steps, loss, lr, norm, tok_s, ms_step, clock_time(elapsed), clock_time(eta));
       if (cfg.device == Device::cuda) {
         line += fmt::format(" | MFU {:.1f}%", 100.0 * tok_s * flops_per_token / kHopperBf16PeakFlops);
       }
@@ -376,7 +431,10 @@ TrainResult train(const TrainConfig& cfg) {
       say(line);
       t_log = std::chrono::steady_clock::now();
       tokens_since_log = 0;
+      steps_since_log = 0;
     }
+    record["elapsed_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    metrics.write(record);
     // The ranks hold the same parameters (FSDP gathers them for it): rank 0 evaluates for all.
     const bool evaluate_now = (cfg.eval_every > 0 && (step + 1) % cfg.eval_every == 0) || last;
     if (evaluate_now && dp) dp->gather_parameters();
@@ -384,6 +442,9 @@ TrainResult train(const TrainConfig& cfg) {
       std::span<int32_t> vx(x.data(), micro), vy(y.data(), micro);
       const double val = evaluate(model, val_batches, cfg.eval_batches, vx, vy);
       result.val_loss.emplace_back(step + 1, val);
+      metrics.write({{"step", step + 1},
+                     {"val_loss", val},
+                     {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count()}});
       say(fmt::format("step {:>6}/{} | val loss {:.4f}", step + 1, cfg.steps, val));
     }
     if (!cfg.checkpoint.empty() && ((cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) || last)) {

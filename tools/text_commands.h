@@ -1,0 +1,29 @@
+// The commands that take a user from text to a model and back: `prepare` (text files -> token files and
+// tokenizer), `generate` (a sample from a checkpoint) and `export` (a checkpoint -> safetensors).
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct TextCommandArgs {
+  // prepare
+  std::vector<std::string> inputs;
+  std::string out_dir;
+  double val_fraction = 0.1;
+  // generate
+  std::string weights, prompt, tokenizer, device, logits_out;
+  int64_t max_tokens = 200, top_k = 0;
+  int threads = 0;
+  double temperature = 0.8;
+  uint64_t seed = 0;
+  // export
+  std::string export_from, export_to;
+};
+
+void add_text_commands(CLI::App& app, TextCommandArgs& a);
+
+// Runs the text command that was parsed and returns its exit code, or -1 when none of them was. Usage
+// errors are CLI::ValidationError (exit 2 in main), runtime errors flashlm::Error.
+int run_text_command(const CLI::App& app, const TextCommandArgs& a);
