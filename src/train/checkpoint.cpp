@@ -180,17 +180,6 @@ nlohmann::json header_json(const CheckpointHeader& h, uint32_t payload_crc32) {
   return j;
 }
 
-void write_all(int fd, const std::string& path, const void* data, size_t bytes) {
-  const auto* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t put = ::write(fd, p, bytes);
-    if (put < 0 && errno == EINTR) continue;
-    FLASHLM_CHECK(put > 0, "checkpoint: failed writing '{}': {}", path, errno_text(errno));
-    p += put;
-    bytes -= static_cast<size_t>(put);
-  }
-}
-
 std::string directory_of(const std::string& path) {
   const std::filesystem::path parent = std::filesystem::path(path).parent_path();
   return parent.empty() ? std::string(".") : parent.string();
@@ -245,27 +234,13 @@ void write_checkpoint(const std::string& path, const CheckpointHeader& header, s
   std::memcpy(prelude + 8, &len, sizeof len);
   const uint32_t crc = header_crc(prelude, text);
 
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
-  FLASHLM_CHECK(fd >= 0, "checkpoint: cannot open '{}' for writing: {}", tmp, errno_text(errno));
-  try {
-    write_all(fd, tmp, prelude, sizeof prelude);
-    write_all(fd, tmp, &crc, sizeof crc);
-    write_all(fd, tmp, text.data(), text.size());
-    for (std::span<const float> part : {params, m, v}) write_all(fd, tmp, part.data(), part.size_bytes());
-    // On the disk before the rename, or a crash could leave the new name pointing at missing data.
-    FLASHLM_CHECK(::fsync(fd) == 0, "checkpoint: cannot flush '{}': {}", tmp, errno_text(errno));
-    FLASHLM_CHECK(::close(fd) == 0, "checkpoint: failed writing '{}': {}", tmp, errno_text(errno));
-  } catch (...) {
-    ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    fail("checkpoint: cannot rename '{}' to '{}': {}", tmp, path, errno_text(err));
-  }
+  const auto bytes = [](const void* data, size_t size) {
+    return std::span(static_cast<const std::byte*>(data), size);
+  };
+  const std::span<const std::byte> parts[] = {bytes(prelude, sizeof prelude), bytes(&crc, sizeof crc),
+                                              bytes(text.data(), text.size()), std::as_bytes(params),
+                                              std::as_bytes(m), std::as_bytes(v)};
+  write_file_atomically(path, parts, "checkpoint");
 }
 
 CheckpointReader::CheckpointReader(const std::string& path)
