@@ -55,7 +55,7 @@ timeout 60 $tr --steps 20 --checkpoint "$out/full.ckpt" > "$out/train.log" 2>&1
 timeout 60 $tr --steps 10 --checkpoint "$out/half.ckpt" >> "$out/train.log" 2>&1
 timeout 60 $tr --steps 20 --checkpoint "$out/half.ckpt" --resume >> "$out/train.log" 2>&1
 cmp "$out/full.ckpt" "$out/half.ckpt" && echo "resume: checkpoints identical" || echo "resume: CHECKPOINTS DIFFER"
-timeout 60 $tr --steps 30 --lr 1e4 --lr-min 1e4 --warmup 0 --clip 0 --checkpoint-every 1 --checkpoint "$out/nan.ckpt" \
+timeout 60 $tr --steps 30 --lr 10 --lr-min 10 --warmup 0 --clip 0 --checkpoint-every 1 --checkpoint "$out/nan.ckpt" \
   > "$out/train-nan.log" 2>&1
 echo "NaN run: exit $? ($(grep -m1 'error' "$out/train-nan.log"))"
 
