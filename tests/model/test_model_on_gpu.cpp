@@ -117,6 +117,78 @@ TEST(CudaModel, TrainingIsReproducibleAndLowersTheLossInEveryPrecision) {
   }
 }
 
+// zero_grad() is deferred: the next backward writes each gradient over the stale arrays. That must give
+// the bits of the same backward accumulated onto gradients zeroed first (gradients() zeroes them), in
+// every precision and bf16-pure, after an earlier step left large stale values there.
+TEST(CudaModel, DeferredZeroGradGivesTheBitsOfAccumulatingOntoZeros) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  const Batch b1 = make_batch(2 * 64, c.vocab, 3), b2 = make_batch(2 * 64, c.vocab, 4);
+  for (int variant = 0; variant < 4; ++variant) {
+    const DType precision = variant == 0 ? DType::f32 : variant == 2 ? DType::f16 : DType::bf16;
+    ModelOptions options;
+    options.bf16_pure = variant == 3;
+    const std::string name = variant == 3 ? "bf16-pure" : std::string(dtype_name(precision));
+    std::vector<float> grads[2];
+    for (int run = 0; run < 2; ++run) {
+      CudaModel m(c, 2, 64, precision, options);
+      m.init_parameters(9);
+      m.zero_grad();  // stale values: another batch's gradients, twice over
+      m.forward(b2.tokens.data(), b2.targets.data());
+      m.backward();
+      m.forward(b2.tokens.data(), b2.targets.data());
+      m.backward();
+      m.zero_grad();
+      if (run == 1 && !options.bf16_pure) m.gradients();  // zeroes them now: the backward then accumulates
+      if (run == 1 && options.bf16_pure) {               // no fp32 pointer: a copy zeroes them as well
+        std::vector<float> zeros(size_t(m.parameter_count()));
+        m.copy_gradients_to(zeros.data());
+        for (float z : zeros) ASSERT_EQ(z, 0.0f) << name << ": zero_grad then a read did not give zeros";
+      }
+      m.forward(b1.tokens.data(), b1.targets.data());
+      m.backward();
+      grads[run].resize(size_t(m.parameter_count()));
+      m.copy_gradients_to(grads[run].data());
+    }
+    EXPECT_EQ(grads[0], grads[1]) << name << ": the overwriting backward differs from accumulating onto zeros";
+  }
+}
+
+// Two backwards after one zero_grad() add up (the second accumulates onto the first's overwritten
+// gradients), as in the CPU model.
+TEST(CudaModel, TwoBackwardsAccumulateAsTheCpuModel) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  const int64_t batch = 2, seq = 64;
+  const Batch b1 = make_batch(batch * seq, c.vocab, 5), b2 = make_batch(batch * seq, c.vocab, 6);
+  for (DType precision : {DType::f32, DType::bf16}) {
+    CpuModel cpu(c, batch, seq);
+    CudaModel gpu(c, batch, seq, precision);
+    cpu.init_parameters(11);
+    gpu.init_parameters(11);
+    cpu.zero_grad();
+    gpu.zero_grad();
+    for (const Batch* b : {&b1, &b2}) {
+      cpu.forward(b->tokens.data(), b->targets.data());
+      cpu.backward();
+      gpu.forward(b->tokens.data(), b->targets.data());
+      gpu.backward();
+    }
+    std::vector<float> cpu_grads(cpu.gradients(), cpu.gradients() + cpu.parameter_count());
+    std::vector<float> gpu_grads(size_t(gpu.parameter_count()));
+    gpu.copy_gradients_to(gpu_grads.data());
+    const double tol = precision == DType::f32 ? 1e-4 : 5e-2;
+    for (const auto& p : cpu.layout()) {
+      const std::vector<float> a(gpu_grads.begin() + p.offset, gpu_grads.begin() + p.offset + p.numel());
+      const std::vector<float> e(cpu_grads.begin() + p.offset, cpu_grads.begin() + p.offset + p.numel());
+      EXPECT_LE(rel_error(a, e), 2 * tol) << p.name << " in " << dtype_name(precision);
+    }
+    EXPECT_GT(gpu.gradient_norm(), 0.0);
+    gpu.zero_grad();
+    EXPECT_EQ(gpu.gradient_norm(), 0.0) << "zero_grad then the norm: the deferred zeroing was not applied";
+  }
+}
+
 TEST(CudaModel, Fp16LossScaleStartsHighAndOtherPrecisionsUseOne) {
   SKIP_WITHOUT_GPU();
   EXPECT_EQ(CudaModel(small_config(), 1, 16, DType::f16).loss_scale(), 65536.0);
