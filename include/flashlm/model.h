@@ -220,6 +220,8 @@ class LanguageModel {
   // and the step count is not negative.
   void check_state_arrays(std::string_view caller, size_t params, size_t m, size_t v, int64_t optimizer_steps) const;
   void gradient_ready(std::string_view parameter_name) const;  // for backward(): calls the hook, if any
+  // Whether someone else acts on the gradients as they become final (data parallelism reduces them).
+  bool has_gradient_ready_hook() const { return bool(gradient_ready_hook_); }
   // For forward(): calls the hook, if any, with the elements of every parameter whose name starts with
   // `name_prefix` (one run: a layer's parameters are contiguous in the layout).
   void parameters_needed(std::string_view name_prefix) const;

@@ -3,6 +3,8 @@
 // backward's weight gradient accumulated in an fp32 buffer and rounded once. Host code: the layer kernels
 // are in model/cuda/ (ops_cuda.h; bf16_pure.h for the pure-bf16 ones), AdamW in optim/, the GEMMs in
 // gemm_cuda.cpp, attention in attention/cuda/.
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cmath>
 #include <unordered_map>
@@ -10,6 +12,7 @@
 
 #include "core/array_ops.h"
 #include "core/check.h"
+#include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/model.h"
 #include "flashlm/profile.h"
@@ -27,6 +30,37 @@ namespace {
 
 constexpr double kInitialLossScale = 65536.0;
 constexpr int64_t kLossScaleGrowthInterval = 2000;
+
+// A stream of the model's own and the two events that order it against the model's stream (see
+// Impl::norms), destroyed after its queued work has run.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // recorded on the model's stream: what the side stream waits for
+  cudaEvent_t done = nullptr;   // recorded on the side stream: what the model's stream waits for
+  SideStream() {
+    FLASHLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+    FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  ~SideStream() {
+    cudaStreamSynchronize(stream);
+    cudaEventDestroy(done);
+    cudaEventDestroy(ready);
+    cudaStreamDestroy(stream);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  // The side stream waits for what `main` has queued so far.
+  void follow(void* main) const {
+    FLASHLM_CUDA_CHECK(cudaEventRecord(ready, static_cast<cudaStream_t>(main)), "cudaEventRecord");
+    FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0), "cudaStreamWaitEvent");
+  }
+  // `main` waits for what the side stream has queued so far.
+  void join(void* main) const {
+    FLASHLM_CUDA_CHECK(cudaEventRecord(done, stream), "cudaEventRecord");
+    FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(main), done, 0), "cudaStreamWaitEvent");
+  }
+};
 
 }  // namespace
 
@@ -63,6 +97,16 @@ struct CudaModel::Impl {
   // gradient (8 GB on xl) never runs. Any other reader zeroes them first (settle_gradients). Mutable: const
   // readers settle them too.
   mutable bool zero_pending = false;
+  // The gradient norm, overlapped with the backward: as the backward finalises each gradient, its squared
+  // norm (fp64, core/cuda/reduce.cuh's fixed order) is queued on a stream of its own that waits for it —
+  // a memory-bound read beside the compute-bound GEMMs instead of a pass over every gradient after them.
+  // partial_norms[i]: parameter i's Σ g². norms_current: they describe the gradients as they stand (set
+  // by a backward that computed them all; dropped by anything that changes the gradients afterwards).
+  // Not with a gradient-ready hook (data parallelism changes the gradients after the backward) nor fp16
+  // (unscaling does).
+  std::unique_ptr<SideStream> norms;
+  Buffer partial_norms;
+  mutable bool norms_current = false;
   bool have_forward = false;
 
   size_t elem() const { return dtype_size(precision); }
@@ -128,12 +172,14 @@ struct CudaModel::Impl {
     if (zero_pending) {
       gpu::memset_async(grads.data(), 0, size_t(n_params) * state_elem(), stream);
       zero_pending = false;
+      norms_current = false;
       pending_clip = 1.0f;
     }
     apply_pending_clip();
   }
   void apply_pending_clip() const {
     if (pending_clip == 1.0f) return;
+    norms_current = false;
     if (!pure) {
       gpu::scale_inplace(static_cast<float*>(grads.data()), n_params, pending_clip, stream);
     } else {
@@ -146,6 +192,17 @@ struct CudaModel::Impl {
       });
     }
     pending_clip = 1.0f;
+  }
+  // Queues parameter i's squared norm on the norm stream, after what the model's stream has queued.
+  void queue_partial_norm(size_t i) const {
+    norms->follow(stream);
+    const ParameterInfo& p = layout[i];
+    double* out = static_cast<double*>(partial_norms.data()) + i;
+    if (pure) {
+      gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
+    } else {
+      gpu::squared_norm<float>(static_cast<const float*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
+    }
   }
   // bf16-pure: the bf16 device array `src` of `count` values into host fp32, and back.
   void widen_to_host(const bf16_t* src, float* host, int64_t count) const {
@@ -241,6 +298,10 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.tokens = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "tokens");
   m.targets = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
+  if (precision != DType::f16) {
+    m.norms = std::make_unique<SideStream>();
+    m.partial_norms = Buffer::allocate(m.layout.size() * sizeof(double), Device::cuda, "gradient norms per parameter");
+  }
 
   const int64_t half = config.head_dim() / 2;
   std::vector<float> table(size_t(checked_product({2, config.context, half}, "CudaModel: RoPE table size")));
@@ -266,6 +327,7 @@ float* CudaModel::gradients() const {
   FLASHLM_CHECK(!impl_->pure, "CudaModel: a bf16-pure model keeps no fp32 gradients (data parallelism needs "
                               "--precision bf16, fp16 or fp32)");
   impl_->settle_gradients();  // the caller may read them or add to them
+  impl_->norms_current = false;
   return static_cast<float*>(impl_->grads.data());
 }
 bool CudaModel::bf16_pure() const { return impl_->pure; }
@@ -504,6 +566,10 @@ void CudaModel::backward() {
   // Otherwise it accumulates onto the (clipped, if a clip is pending) gradients there.
   const bool overwrite = m.zero_pending;
   if (!overwrite) m.apply_pending_clip();
+  // The norm stream may still read the previous gradients: this backward writes them only after it.
+  const bool overlap_norms = m.norms && !has_gradient_ready_hook();
+  m.norms_current = false;
+  if (overlap_norms) m.norms->join(m.stream);
   const ModelConfig& c = m.c;
   const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim(), V = c.vocab;
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
@@ -527,6 +593,7 @@ void CudaModel::backward() {
     if (overwrite && !can_overwrite) gpu::memset_async(dw, 0, size_t(count) * sizeof(float), m.stream);
     produce(dw, !(overwrite && can_overwrite));
     if (m.pure) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(name), count, m.stream);
+    if (overlap_norms) m.queue_partial_norm(m.index.at(name));
     gradient_ready(name);
   };
 
@@ -607,6 +674,7 @@ void CudaModel::backward() {
   });
   m.have_forward = false;  // the logits buffer now holds a gradient; forward() again before backward()
   m.zero_pending = false;
+  m.norms_current = overlap_norms;  // every parameter's gradient went through add_to_gradient
 }
 
 void CudaModel::zero_grad() {
@@ -640,6 +708,14 @@ bool CudaModel::unscale_gradients() {
 double CudaModel::gradient_norm() const {
   const Impl& m = *impl_;
   m.settle_gradients();
+  if (m.norms_current) {  // summed on the host in layout order
+    std::vector<double> partial(m.layout.size());
+    gpu::stream_synchronize(m.norms->stream);
+    cuda_copy(partial.data(), m.partial_norms.data(), partial.size() * sizeof(double));
+    double ss = 0;
+    for (double p : partial) ss += p;
+    return std::sqrt(ss);
+  }
   auto* out = static_cast<double*>(m.reduce_out.data());
   if (m.pure) {
     gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/array_ops.h"
 #include "flashlm/device.h"
 #include "flashlm/model.h"
 
@@ -186,6 +187,41 @@ TEST(CudaModel, TwoBackwardsAccumulateAsTheCpuModel) {
     EXPECT_GT(gpu.gradient_norm(), 0.0);
     gpu.zero_grad();
     EXPECT_EQ(gpu.gradient_norm(), 0.0) << "zero_grad then the norm: the deferred zeroing was not applied";
+  }
+}
+
+// The norm the backward computes beside itself, parameter by parameter, is the norm of the gradients it
+// leaves (fp64 sums in another order: equal to ~1e-12), and anything that changes the gradients after it
+// (a clip applied, gradients() handed out for writing) makes gradient_norm() read them again.
+TEST(CudaModel, OverlappedGradientNormIsTheNormOfTheGradients) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  const Batch b = make_batch(2 * 64, c.vocab, 7);
+  for (int variant = 0; variant < 3; ++variant) {
+    ModelOptions options;
+    options.bf16_pure = variant == 2;
+    const DType precision = variant == 0 ? DType::f32 : DType::bf16;
+    const std::string name = variant == 2 ? "bf16-pure" : std::string(dtype_name(precision));
+    CudaModel m(c, 2, 64, precision, options);
+    m.init_parameters(13);
+    m.zero_grad();
+    m.forward(b.tokens.data(), b.targets.data());
+    m.backward();
+    const double norm = m.gradient_norm();
+    std::vector<float> g(size_t(m.parameter_count()));
+    m.copy_gradients_to(g.data());
+    double ss = 0;
+    for (float v : g) ss += double(v) * double(v);
+    ASSERT_GT(ss, 0.0) << name;
+    EXPECT_NEAR(norm, std::sqrt(ss), 1e-12 * std::sqrt(ss)) << name;
+    const double clipped = m.clip_gradients(norm / 2);
+    EXPECT_EQ(clipped, norm) << name;
+    EXPECT_NEAR(m.gradient_norm(), norm / 2, 1e-6 * norm) << name << ": the norm after clipping";
+    if (!options.bf16_pure) {
+      float* grads = m.gradients();  // written by the caller: 3 x the gradients
+      gpu::scale_inplace(grads, m.parameter_count(), 3.0f, m.stream());
+      EXPECT_NEAR(m.gradient_norm(), 1.5 * norm, 1e-6 * norm) << name << ": the norm after gradients() was written";
+    }
   }
 }
 
