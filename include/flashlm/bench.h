@@ -81,6 +81,7 @@ struct LmBenchConfig {
   RecomputePlan recompute;  // automatic: resolved per configuration against the free memory
   int64_t head_chunk = 0;   // ModelOptions::head_chunk
   bool deterministic = true;  // ModelOptions::deterministic
+  bool overlap_grad_norm = true;  // ModelOptions::overlap_grad_norm
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;
   Device device = Device::cpu;

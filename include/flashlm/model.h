@@ -77,6 +77,10 @@ struct ModelOptions {
   // CUDA: the attention backward's separate dQ pass, so that a step is bit-reproducible (checkpoint resume
   // relies on it); false: dQ by fp32 atomics, faster at long contexts, the last bits vary from run to run.
   bool deterministic = true;
+  // CUDA: each gradient's squared norm computed as the backward finalises it, on a stream beside the
+  // backward's GEMMs; false: one pass over every gradient when the norm is asked for (the A/B of that
+  // overlap; the two sum in different orders, so the norms differ in the last bits).
+  bool overlap_grad_norm = true;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;

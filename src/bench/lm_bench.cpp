@@ -41,6 +41,7 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
   options.bf16_pure = bf16_pure;
   options.head_chunk = cfg.head_chunk;
   options.deterministic = cfg.deterministic;
+  options.overlap_grad_norm = cfg.overlap_grad_norm;
   // The plan before anything is allocated: printed, and refused (an "oom" row) when it cannot fit.
   const int64_t available = dev == Device::cuda ? cuda_free_memory_bytes() : -1;
   const MemoryPlan plan = plan_model_memory(mc, cfg.batch, mc.context, dev, precision, options, available);

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <atomic>
 #include <compare>
+#include <cstring>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -344,14 +345,12 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
     check(cublasLtMatmulPreferenceSetAttribute(guard.pref, a.attr, &a.bytes, sizeof(a.bytes)), a.what);
   }
 
-  const int wanted = std::clamp(g_autotune.load(std::memory_order_relaxed), 1, kMaxAutotune);
-  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(wanted));
+  cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   g_heuristic_queries.fetch_add(1, std::memory_order_relaxed);
-  check(cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, guard.pref, wanted,
-                                       results.data(), &found),
+  check(cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, guard.pref, 1, &result,
+                                       &found),
         "cublasLtMatmulAlgoGetHeuristic");
-  const cublasLtMatmulHeuristicResult_t& result = results[0];
   if (found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
     throw CudaError(fmt::format(
         "{}: cublasLtMatmulAlgoGetHeuristic found no algorithm for {} (column-major m = {}, n = {}, k = {}, op {}{}, "
@@ -365,14 +364,29 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
                                 c.fn, describe(c, p), result.workspaceSize, kWorkspaceBytes));
   }
   plan.algo = result.algo;
-  if (found >= 2) {  // autotuning: the candidates that the heuristic found usable, in its order
-    std::vector<cublasLtMatmulHeuristicResult_t> usable;
-    for (int i = 0; i < found; ++i) {
-      if (results[size_t(i)].state == CUBLAS_STATUS_SUCCESS && results[size_t(i)].workspaceSize <= kWorkspaceBytes) {
-        usable.push_back(results[size_t(i)]);
-      }
+  const int wanted = std::min(g_autotune.load(std::memory_order_relaxed), kMaxAutotune);
+  if (wanted >= 2) {
+    // Autotuning: the heuristic's own choice against its next ones. Those may split K and add the parts
+    // up in the output type (bf16: measured 12× over the tolerance of test_gemm_cuda) or in place over
+    // C = D, so only splits reduced in fp32 in the workspace (or none) are candidates.
+    const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    check(cublasLtMatmulPreferenceSetAttribute(guard.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                               sizeof(reductions)),
+          "cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)");
+    std::vector<cublasLtMatmulHeuristicResult_t> more(static_cast<size_t>(wanted));
+    int more_found = 0;
+    check(cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, guard.pref, wanted,
+                                         more.data(), &more_found),
+          "cublasLtMatmulAlgoGetHeuristic");
+    std::vector<cublasLtMatmulHeuristicResult_t> candidates{result};
+    for (int i = 0; i < more_found && int(candidates.size()) < wanted; ++i) {
+      const cublasLtMatmulHeuristicResult_t& r = more[size_t(i)];
+      const bool same = std::memcmp(&r.algo, &result.algo, sizeof(r.algo)) == 0;
+      if (!same && r.state == CUBLAS_STATUS_SUCCESS && r.workspaceSize <= kWorkspaceBytes) candidates.push_back(r);
     }
-    plan.algo = usable[size_t(fastest_algorithm(handle, plan, usable, timing, c, p))].algo;
+    if (candidates.size() >= 2) {
+      plan.algo = candidates[size_t(fastest_algorithm(handle, plan, candidates, timing, c, p))].algo;
+    }
   }
   guard.plan = nullptr;  // keep the descriptors: the plan lives for the process
   return plan;

@@ -59,9 +59,10 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
                           int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32 = false,
                           bool accumulate_dw = true);
 
-// Autotuning: with candidates >= 2, each new plan asks the heuristic for up to that many algorithms, times
-// each on the call's own inputs (into a scratch output: nothing the call owns is written twice) and keeps
-// the fastest; 0 or 1 (the default) keeps the heuristic's first choice. The timing synchronises the stream
+// Autotuning: with candidates >= 2, each new plan times the heuristic's first choice against up to
+// candidates - 1 others (those that split K only with fp32 reductions in the workspace) on the call's own
+// inputs (into a scratch output: nothing the call owns is written twice) and keeps the fastest; 0 or 1
+// (the default) keeps the heuristic's first choice. The timing synchronises the stream
 // once per new plan (so only the first step of a training run pays it) and is skipped while the stream is
 // being captured into a CUDA graph. A timed choice may differ between processes, so results are bitwise
 // reproducible only within one process when tuning is on. Process-wide; applies to plans built after it.

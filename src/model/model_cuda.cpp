@@ -103,7 +103,7 @@ struct CudaModel::Impl {
   // partial_norms[i]: parameter i's Σ g². norms_current: they describe the gradients as they stand (set
   // by a backward that computed them all; dropped by anything that changes the gradients afterwards).
   // Not with a gradient-ready hook (data parallelism changes the gradients after the backward) nor fp16
-  // (unscaling does).
+  // (unscaling does), nor without ModelOptions::overlap_grad_norm.
   std::unique_ptr<SideStream> norms;
   Buffer partial_norms;
   mutable bool norms_current = false;
@@ -298,7 +298,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.tokens = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "tokens");
   m.targets = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
-  if (precision != DType::f16) {
+  if (precision != DType::f16 && options.overlap_grad_norm) {
     m.norms = std::make_unique<SideStream>();
     m.partial_norms = Buffer::allocate(m.layout.size() * sizeof(double), Device::cuda, "gradient norms per parameter");
   }
