@@ -28,7 +28,6 @@ namespace flashlm {
 
 namespace {
 
-
 // A stream of the model's own and the two events that order it against the model's stream (see
 // Impl::norms), destroyed after its queued work has run.
 struct SideStream {
