@@ -1,6 +1,6 @@
 // The Hopper wrappers of attention/cuda/hopper/ one at a time, on random data against the host: a TMA tile
 // round trip through an mbarrier (strided view, zero-filled rows past the end), a bulk copy through an
-// mbarrier, and single-warpgroup wgmma products with both operands in shared memory, with A in registers
+// mbarrier, bulk reduce-adds from several blocks into one buffer, and single-warpgroup wgmma products with both operands in shared memory, with A in registers
 // and B read N-major, and with both A and B read M/N-major from a panel of wider tiles (the backward's
 // dQ = dS·K). Skips without an sm_90 GPU.
 #include <cuda_bf16.h>
@@ -309,6 +309,49 @@ TEST(Sm90Primitives, BulkLoadThroughMbarrierCopiesExactlyItsBytes) {
   }
   cudaFree(src);
   cudaFree(out);
+}
+
+// Every block adds `in` (n floats, staged in shared memory) into `out` with one bulk reduce-add per warp
+// (each warp its own 1024-float slice of the n = 4096), twice: out must end as its old value plus
+// 2·blocks·in, as with atomics.
+__global__ void bulk_reduce_kernel(const float* in, float* out) {
+  __shared__ alignas(128) float buf[4][1024];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int round = 0; round < 2; ++round) {
+    if (lane == 0) flashlm::sm90::bulk_wait_read<0>();  // the last round's reduce has read the buffer
+    __syncwarp();
+    for (int i = lane; i < 1024; i += 32) buf[warp][i] = in[warp * 1024 + i];
+    flashlm::sm90::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) {
+      flashlm::sm90::bulk_reduce_add_f32(out + warp * 1024, buf[warp], 1024 * 4);
+      flashlm::sm90::bulk_commit();
+    }
+  }
+  if (lane == 0) flashlm::sm90::bulk_wait<0>();
+}
+
+TEST(Sm90Primitives, BulkReduceAddFromManyBlocksSumsLikeAtomics) {
+  SKIP_WITHOUT_SM90();
+  std::mt19937_64 gen(11);
+  std::uniform_int_distribution<int> small(-8, 8);  // small integers: every sum order gives the same float
+  std::vector<float> in(4096), base(4096);
+  for (auto& x : in) x = static_cast<float>(small(gen));
+  for (auto& x : base) x = static_cast<float>(small(gen)) * 64.f;
+  float* din = device_copy(in);
+  float* dout = device_copy(base);
+  ASSERT_NE(din, nullptr);
+  ASSERT_NE(dout, nullptr);
+  constexpr int kBlocks = 66;
+  bulk_reduce_kernel<<<kBlocks, 128>>>(din, dout);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> got(4096);
+  ASSERT_EQ(cudaMemcpy(got.data(), dout, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  int bad = 0;
+  for (int i = 0; i < 4096; ++i) bad += got[i] != base[i] + 2.f * kBlocks * in[i];
+  EXPECT_EQ(bad, 0);
+  cudaFree(din);
+  cudaFree(dout);
 }
 
 }  // namespace

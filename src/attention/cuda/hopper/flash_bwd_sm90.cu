@@ -16,8 +16,11 @@
 //   dV += Pᵀ·dO, dK += dSᵀ·Q            wgmma, A from registers (Pᵀ, dSᵀ as 16-bit fragments), B N-major
 //   dQ += dS·K                          dSᵀ stored to shared memory (both warpgroups' halves), read
 //                                       M-major as A; each warpgroup takes half of dQ's tile (its columns
-//                                       at d128, its query rows at d64) and adds it to the accumulator with
-//                                       one atomic per element.
+//                                       at d128, its query rows at d64). Each warp's 16 rows of it are one
+//                                       contiguous 4 KB run of the accumulator (DqAccumLayout): the warp
+//                                       stores them to shared memory and one lane adds them to global
+//                                       memory with a bulk reduce-add (the copy engine, not 32 atomics a
+//                                       thread).
 // Rows past the ends of Q and K are zero-filled by TMA, query rows past seq_q have lse2 = +inf (P = 0), and
 // keys at or past seq_k or above the causal diagonal are masked in Sᵀ; a key block no query sees writes
 // zeros without loading anything.
@@ -48,6 +51,7 @@ struct Sm90BwdTraits {
   static constexpr uint32_t kStepBytes = 2 * kTileBytes + 2 * kRowBytes;
   static constexpr uint32_t kKVBytes = 2 * kBlockN * D * 2;
   static constexpr int kPanels = D / sm90::kPanelCols;
+  static constexpr int kDqWarpFloats = 16 * 64;
   static_assert(kBlockM <= kRowPad, "the per-row arrays are padded to kRowPad rows");
   static_assert(kBlockM % sm90::kPanelCols == 0, "dSᵀ tiles are whole panels of queries");
 };
@@ -62,6 +66,9 @@ struct Sm90BwdShared {
   // dSᵀ (keys x queries) of the last two steps: a warpgroup may store step i + 1's while the other still
   // reads step i's in its dQ product; the barrier before dQ keeps them at most one step apart.
   alignas(1024) uint16_t ds[2][Tr::kBlockN * Tr::kBlockM];
+  // Each consumer warp's part of a step's dQ (16 rows x 64 columns, in DqAccumLayout order) on its way to
+  // the accumulator by a bulk reduce-add.
+  alignas(128) float dq[Tr::kConsumerThreads / 32][Tr::kDqWarpFloats];
   alignas(16) float lse2[Tr::kStages][Tr::kBlockM];
   alignas(16) float delta[Tr::kStages][Tr::kBlockM];
   sm90::Mbarrier kv_full, step_full[Tr::kStages], step_empty[Tr::kStages];
@@ -71,6 +78,8 @@ template <int D>
 constexpr size_t sm90_bwd_smem_bytes() {
   return sizeof(Sm90BwdShared<D>) + 1024;  // + room to align the dynamic shared-memory base to 1024
 }
+static_assert(sm90_bwd_smem_bytes<64>() <= 227 * 1024 && sm90_bwd_smem_bytes<128>() <= 227 * 1024,
+              "an sm_90 block has at most 227 KB of shared memory");
 
 // The first query tile that sees key n0 and the number of tiles from there to the end of the queries.
 struct StepRange {
@@ -281,15 +290,27 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     s.step_empty[st].arrive();  // Q, dO, lse2 and Delta of this slot are no longer read
 
     // The accumulator is in fragment order (DqAccumLayout): warp `warp` holds rows 16·warp + [0, 16) of
-    // this warpgroup's half, each (n8 tile, e) one 128-byte line for the warp's 32 lanes.
-    float* dq_frag = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D + lane +
-                     DqAccumLayout<D>::block(m0 + 64 * dq_query_panel + 16 * warp, 64 * dq_col_panel);
+    // this warpgroup's half, its 8 n8 tiles consecutive blocks of 128 floats (both at d128, where the half
+    // is 64 of the 128 columns, and at d64, where it is all of them), element (lane, e) at e·32 + lane.
+    static_assert(8 * DqAccumLayout<D>::kBlockFloats == Tr::kDqWarpFloats);
+    float* dq_stage = s.dq[warpgroup * 4 - 4 + warp];
+    if (lane == 0) sm90::bulk_wait_read<0>();  // the last step's reduce has read this warp's buffer
+    __syncwarp();
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) atomicAdd(dq_frag + j * DqAccumLayout<D>::kBlockFloats + e * 32, dq[4 * j + e]);
+      for (int e = 0; e < 4; ++e) dq_stage[j * DqAccumLayout<D>::kBlockFloats + e * 32 + lane] = dq[4 * j + e];
+    }
+    sm90::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) {
+      float* dst = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D +
+                   DqAccumLayout<D>::block(m0 + 64 * dq_query_panel + 16 * warp, 64 * dq_col_panel);
+      sm90::bulk_reduce_add_f32(dst, dq_stage, Tr::kDqWarpFloats * 4);
+      sm90::bulk_commit();
     }
   }
+  if (lane == 0) sm90::bulk_wait<0>();  // every reduce complete (and its shared memory read) before exit
 
   // dK carries the softmax scale (S = scale·QKᵀ); keys past seq_k are not written. Accumulator i: key
   // key_row + 8·((i / 2) % 2), column 8·(i / 4) + 2t + i % 2.

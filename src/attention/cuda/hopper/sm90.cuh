@@ -103,6 +103,28 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                : "memory");
 }
 
+// ---- Bulk reduce-add: `bytes` (a multiple of 16; both addresses 16-byte aligned) of fp32 in shared memory
+// added element by element to global memory by the copy engine, issued by one thread. The writes are
+// atomic per element with respect to other reductions (the backward's dQ accumulator). Operations join a
+// bulk group at bulk_commit(); bulk_wait_read<N>() returns once all but the N newest groups have read
+// their shared memory (the source may be rewritten), bulk_wait<N>() once they are complete. Shared memory
+// written by ordinary stores needs fence_proxy_async_shared() (below) in each writer before the issue.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   reinterpret_cast<uint64_t>(dst)),
+               "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // ---- wgmma shared-memory matrix descriptors for tiles in the swizzled layout above.
 // Fields (PTX "matrix descriptor"): start address, leading- and stride-dimension byte offsets (all >> 4),
 // base offset 0 (tiles are 1024-byte aligned), swizzle mode 1 = 128 bytes in bits 62-63.
