@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # On an H200 (or any sm_90 GPU): the Hopper backward's checks and timings in one device call.
-#   scripts/gpu-hopper-bwd.sh BIN_DIR PEERS_DIR OUT_DIR [tests|sanitize|bench|peers|all ...]
+#   scripts/gpu-hopper-bwd.sh BIN_DIR PEERS_DIR OUT_DIR [tests|sanitize|ab|bench|peers|all ...]
 # BIN_DIR holds flashlm, test_attention, test_sm90 and libflashlm.so; PEERS_DIR shared/bench's scripts.
+# The device tool returns few files: pass a scratch OUT_DIR and tar it into $OUT.
 # tests: the wrappers' unit tests, the CUDA grid and CudaAttention tests on the Hopper path (3 repeats: a
 # moving error is a race), then forced onto the mma.sync fallback. sanitize: compute-sanitizer memcheck,
 # racecheck and synccheck on a small filter. bench: the fa grid (forward + backward) on the Hopper path and
-# on the fallback, and the causal GQA shape. peers: SDPA flash and cuDNN on the fa grid, compared.
+# on the fallback, and the causal GQA shape. ab: BIN_DIR's libflashlm.so against BIN_DIR/b's (another
+# build) at 16k, d64 and d128, causal and not, interleaved twice. peers: SDPA flash and cuDNN on the fa
+# grid, compared with each fa grid run of this call. The GPU time of one call is short: name only what
+# the call needs (the measurements of 2026-12-01 ran "tests bench" and then "ab peers" with the fa grid
+# of the Hopper path, a single grid run and a racecheck).
 set -uo pipefail
 bin=$1 peers=$2 out=$3
 shift 3
@@ -44,6 +49,21 @@ if has sanitize; then
 fi
 
 bench="$bin/flashlm attention-bench --device cuda --quiet --impl flash --dtype bf16 --warmup 10 --reps 30"
+show() { python3 -c "
+import json
+for r in json.load(open('$1'))['records']: print('$2', 'd', r['head_dim'], 'h', r['heads'], 'kv', r['kv_heads'], 'causal', r['causal'], 'fwd %.3f bwd %.3f ms, bwd %.1f TFLOP/s, peak bwd %.0f MiB' % (r['fwd_ms'], r['bwd_ms'], r['bwd_tflops'], r['peak_bwd_mib']), r['status'])"; }
+if has ab; then
+  echo "== A/B at 16k: a = BIN_DIR, b = BIN_DIR/b"
+  for v in a b a b; do
+    lib=$bin; [[ $v == b ]] && lib=$bin/b
+    for d in 128 64; do
+      LD_LIBRARY_PATH=$lib:${nccl}:/usr/local/cuda/lib64 $bench --batch 1 --heads $((2048 / d)) --seq 16384 --d $d \
+        --causal=0,1 --format json --out "$out/ab-$v-$d.json" > /dev/null 2>&1
+      show "$out/ab-$v-$d.json" $v
+    done
+  done
+fi
+
 if has bench; then
   echo "== fa grid, bf16: Hopper backward, then the mma.sync fallback"
   $bench --grid fa --format json --out "$out/ours-sm90.json" > "$out/ours-sm90.log" 2>&1 || tail -3 "$out/ours-sm90.log"
@@ -68,9 +88,7 @@ PY
   for k in auto mma; do
     FLASHLM_ATTENTION_KERNEL=$k $bench --batch 1 --heads 64 --kv-heads 8 --seq 16384 --d 128 --causal=0,1 \
       --format json --out "$out/gqa-$k.json" > "$out/gqa-$k.log" 2>&1 || tail -3 "$out/gqa-$k.log"
-    echo "-- $k"; python3 -c "
-import json; rows=json.load(open('$out/gqa-$k.json'))['records']
-for r in rows: print('causal', r['causal'], 'fwd ms', r.get('fwd_ms'), 'bwd ms', r.get('bwd_ms'), 'bwd TFLOP/s', r.get('bwd_tflops'), 'peak bwd MiB', r.get('peak_bwd_mib'), r['status'])"
+    show "$out/gqa-$k.json" "gqa $k"
   done
 fi
 
