@@ -2,6 +2,7 @@
 // validate_attention_* is the single place where attention arguments are checked.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "flashlm/attention.h"
 
@@ -39,6 +40,37 @@ AttentionProblem validate_attention_backward(const TensorView& q, const TensorVi
                                              const TensorView& o, const TensorView& lse, const TensorView& dout,
                                              const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                              const AttentionOptions& options);
+
+// A validated packed variable-length call (attention_varlen_*): the packed tensors seen as one batch of
+// one ([1, total, heads, head_dim], lse [1, heads_q, total_q]), which the common checks validated, and the
+// host copies of the offsets, which validate_varlen_offsets checked. Each sequence is then an ordinary
+// problem on slices of those views.
+struct VarlenProblem {
+  AttentionProblem packed;  // batch 1, seq_q = total_q, seq_k = total_k; its causal_offset is unused
+  CausalAlign align = CausalAlign::top_left;
+  std::vector<int32_t> cu_q, cu_k;  // batch + 1 entries each
+  TensorView q, k, v, o, lse, dout, dq, dk, dv;  // the batch-of-one views (dout.. only for the backward)
+
+  int64_t batch() const { return static_cast<int64_t>(cu_q.size()) - 1; }
+  // Sequence b's problem (its lengths and its own causal alignment) ...
+  AttentionProblem sequence(int64_t b) const;
+  // ... and its rows of a batch-of-one query-side view (q, o, dout, dq), key-side view (k, v, dk, dv) or lse.
+  TensorView query_rows(const TensorView& t, int64_t b) const { return t.slice(1, cu_q[b], cu_q[b + 1]); }
+  TensorView key_rows(const TensorView& t, int64_t b) const { return t.slice(1, cu_k[b], cu_k[b + 1]); }
+  TensorView lse_rows(int64_t b) const { return lse.slice(2, cu_q[b], cu_q[b + 1]); }
+};
+
+// Checks the packed tensors and the offsets (copied to the host from device memory, after the work queued on
+// options.stream) and describes the call. The CUDA-only checks (alignment, device memory) stay with
+// attention.cpp, as for the batched calls.
+VarlenProblem validate_attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                const TensorView& o, const TensorView& lse,
+                                                const VarlenSequences& seqs, const AttentionOptions& options);
+
+VarlenProblem validate_attention_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                 const TensorView& o, const TensorView& lse, const TensorView& dout,
+                                                 const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                                 const VarlenSequences& seqs, const AttentionOptions& options);
 
 // Pointer to the head_dim-long row of a [batch, seq, heads, head_dim] view.
 template <class T>
