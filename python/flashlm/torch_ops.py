@@ -587,6 +587,11 @@ class _VarlenAttention(torch.autograd.Function):
 def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
     args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
     if _traced(q):
+        # Dynamo refuses an autograd.Function given one tensor twice, and self-attention passes the same
+        # offsets as cu_q and cu_k: compiled code calls the operator (its registered autograd), torch.func
+        # transforms the autograd.Function (the operator's autograd is not usable under them).
+        if torch.compiler.is_compiling():
+            return _VARLEN_FWD_OP(*args)[0]
         return _VarlenOps.apply(*args)[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VarlenAttention.apply(*args)

@@ -39,6 +39,8 @@ std::string varlen_case_name(const VarlenCase& c) {
                      c.padded_rows ? "_padded" : "", c.deterministic ? "_det" : "");
 }
 
+void PrintTo(const VarlenCase& c, std::ostream* os) { *os << varlen_case_name(c); }
+
 std::vector<int32_t> offsets_of(const std::vector<int32_t>& lengths) {
   std::vector<int32_t> cu(lengths.size() + 1, 0);
   std::partial_sum(lengths.begin(), lengths.end(), cu.begin() + 1);

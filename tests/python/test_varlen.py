@@ -168,3 +168,32 @@ def test_fake_varlen_shapes():
         cu = torch.empty(4, dtype=torch.int32)
         o, lse = torch.ops.flashlm.attention_varlen_fwd(q, k, k, cu, cu, 30, 30, True, True, None, False, "flash")
         assert o.shape == q.shape and o.stride() == q.stride() and lse.shape == (8, 50) and lse.dtype == torch.float32
+
+
+@needs_ops
+def test_compile_fullgraph_cross_attention_offsets():
+    len_q, len_k = [3, 0, 20], [8, 4, 0]
+    cu_q, cu_k = offsets(len_q), offsets(len_k)
+
+    def f(q, k, v):
+        return flashlm.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 8, causal=True)
+
+    q, k, v = (t.requires_grad_(True) for t in pack(len_q, len_k, 2, 2, 16, torch.float32, "cpu", 9))
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(got, f(q, k, v))
+    assert torch.count_nonzero(got[3:]) == 0  # the last sequence has no keys
+
+
+@needs_ops
+def test_func_grad_matches_autograd():
+    len_q = [5, 12]
+    cu = offsets(len_q)
+    q, k, v = pack(len_q, len_q, 2, 1, 16, torch.float64, "cpu", 11)
+
+    def loss(q):
+        return flashlm.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, causal=True).sin().sum()
+
+    got = torch.func.grad(loss)(q)
+    qr = q.clone().requires_grad_(True)
+    loss(qr).backward()
+    torch.testing.assert_close(got, qr.grad)
