@@ -245,20 +245,24 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   run_backward(p, plan, q, k, v, o, lse, dout, dq, dk, dv, options);
 }
 
-// Packed sequences run as one problem per sequence on slices of the packed views, through the same backends
-// (every CUDA path, the padded head dims and the Hopper forward included: each slice's TMA descriptor ends
-// at its sequence's end, so nothing is read from or written to a neighbour). The checks ran once on the
-// packed views, whose alignment every slice keeps (a slice starts a whole number of rows in).
+// Packed sequences run as ordinary batched problems on views into the packed tensors, through the same
+// backends (every CUDA path, the padded head dims and the Hopper forward included: each view's TMA
+// descriptor ends at its own sequences' end, so nothing is read from or written to a neighbour): one problem
+// per run of consecutive sequences of equal lengths, which lie in the pack as a strided batch. The checks ran
+// once on the packed views, whose alignment every such view keeps (it starts a whole number of rows in, its
+// batch stride is a whole number of rows).
 void attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
                               const TensorView& lse, const VarlenSequences& seqs, const AttentionOptions& options) {
   const VarlenProblem vp = validate_attention_varlen_forward(q, k, v, o, lse, seqs, options);
   const auto plan = plan_for_device("attention_varlen_forward", vp.packed, options.impl, AttentionPass::forward,
                                     {{"q", &vp.q}, {"k", &vp.k}, {"v", &vp.v}, {"o", &vp.o}}, vp.lse);
-  for (int64_t b = 0; b < vp.batch(); ++b) {
-    const AttentionProblem p = vp.sequence(b);
+  for (int64_t b = 0, e; b < vp.batch(); b = e) {
+    e = vp.run_end(b);
+    const int64_t n = e - b;
+    const AttentionProblem p = vp.run(b, n);
     if (p.seq_q == 0) continue;  // nothing to write
-    run_forward(p, plan, vp.query_rows(vp.q, b), vp.key_rows(vp.k, b), vp.key_rows(vp.v, b), vp.query_rows(vp.o, b),
-                vp.lse_rows(b), options);
+    run_forward(p, plan, vp.query_rows(vp.q, b, n), vp.key_rows(vp.k, b, n), vp.key_rows(vp.v, b, n),
+                vp.query_rows(vp.o, b, n), vp.lse_rows(b, n), options);
   }
 }
 
@@ -277,13 +281,15 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
                                      {"dk", &vp.dk},
                                      {"dv", &vp.dv}},
                                     vp.lse);
-  for (int64_t b = 0; b < vp.batch(); ++b) {
-    const AttentionProblem p = vp.sequence(b);
-    if (p.seq_q == 0 && p.seq_k == 0) continue;  // no rows of any gradient belong to it
-    // A sequence without queries still runs: its keys get zero dk and dv.
-    run_backward(p, plan, vp.query_rows(vp.q, b), vp.key_rows(vp.k, b), vp.key_rows(vp.v, b),
-                 vp.query_rows(vp.o, b), vp.lse_rows(b), vp.query_rows(vp.dout, b), vp.query_rows(vp.dq, b),
-                 vp.key_rows(vp.dk, b), vp.key_rows(vp.dv, b), options);
+  for (int64_t b = 0, e; b < vp.batch(); b = e) {
+    e = vp.run_end(b);
+    const int64_t n = e - b;
+    const AttentionProblem p = vp.run(b, n);
+    if (p.seq_q == 0 && p.seq_k == 0) continue;  // no rows of any gradient belong to them
+    // Sequences without queries still run: their keys get zero dk and dv.
+    run_backward(p, plan, vp.query_rows(vp.q, b, n), vp.key_rows(vp.k, b, n), vp.key_rows(vp.v, b, n),
+                 vp.query_rows(vp.o, b, n), vp.lse_rows(b, n), vp.query_rows(vp.dout, b, n),
+                 vp.query_rows(vp.dq, b, n), vp.key_rows(vp.dk, b, n), vp.key_rows(vp.dv, b, n), options);
   }
 }
 

@@ -52,12 +52,21 @@ struct VarlenProblem {
   TensorView q, k, v, o, lse, dout, dq, dk, dv;  // the batch-of-one views (dout.. only for the backward)
 
   int64_t batch() const { return static_cast<int64_t>(cu_q.size()) - 1; }
-  // Sequence b's problem (its lengths and its own causal alignment) ...
-  AttentionProblem sequence(int64_t b) const;
-  // ... and its rows of a batch-of-one query-side view (q, o, dout, dq), key-side view (k, v, dk, dv) or lse.
-  TensorView query_rows(const TensorView& t, int64_t b) const { return t.slice(1, cu_q[b], cu_q[b + 1]); }
-  TensorView key_rows(const TensorView& t, int64_t b) const { return t.slice(1, cu_k[b], cu_k[b + 1]); }
-  TensorView lse_rows(int64_t b) const { return lse.slice(2, cu_q[b], cu_q[b + 1]); }
+  int64_t len_q(int64_t b) const { return cu_q[static_cast<size_t>(b + 1)] - cu_q[static_cast<size_t>(b)]; }
+  int64_t len_k(int64_t b) const { return cu_k[static_cast<size_t>(b + 1)] - cu_k[static_cast<size_t>(b)]; }
+  // Consecutive sequences of equal lengths lie in the pack as a strided batch (batch stride = length · row
+  // stride), so a run of them is one batched problem: the end of the run that starts at sequence b ...
+  int64_t run_end(int64_t b) const;
+  // ... the problem of the n sequences from b (their lengths and their own causal alignment) ...
+  AttentionProblem run(int64_t b, int64_t n) const;
+  // ... and their rows of a batch-of-one query-side view (q, o, dout, dq), key-side view (k, v, dk, dv) or
+  // of lse, as [n, length, heads, head_dim] (lse [n, heads_q, length]).
+  TensorView query_rows(const TensorView& t, int64_t b, int64_t n) const { return rows(t, 1, cu_q, b, n); }
+  TensorView key_rows(const TensorView& t, int64_t b, int64_t n) const { return rows(t, 1, cu_k, b, n); }
+  TensorView lse_rows(int64_t b, int64_t n) const { return rows(lse, 2, cu_q, b, n); }
+
+ private:
+  static TensorView rows(const TensorView& t, int seq_dim, const std::vector<int32_t>& cu, int64_t b, int64_t n);
 };
 
 // Checks the packed tensors and the offsets (copied to the host from device memory, after the work queued on

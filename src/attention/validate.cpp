@@ -221,12 +221,28 @@ VarlenProblem describe_varlen(std::string_view fn, const TensorView& q, const Te
 
 }  // namespace
 
-AttentionProblem VarlenProblem::sequence(int64_t b) const {
+int64_t VarlenProblem::run_end(int64_t b) const {
+  int64_t e = b + 1;
+  while (e < batch() && len_q(e) == len_q(b) && len_k(e) == len_k(b)) ++e;
+  return e;
+}
+
+AttentionProblem VarlenProblem::run(int64_t b, int64_t n) const {
   AttentionProblem p = packed;
-  p.seq_q = cu_q[static_cast<size_t>(b + 1)] - cu_q[static_cast<size_t>(b)];
-  p.seq_k = cu_k[static_cast<size_t>(b + 1)] - cu_k[static_cast<size_t>(b)];
+  p.batch = n;
+  p.seq_q = len_q(b);
+  p.seq_k = len_k(b);
   p.causal_offset = align == CausalAlign::bottom_right ? p.seq_k - p.seq_q : 0;
   return p;
+}
+
+TensorView VarlenProblem::rows(const TensorView& t, int seq_dim, const std::vector<int32_t>& cu, int64_t b,
+                               int64_t n) {
+  const int64_t begin = cu[static_cast<size_t>(b)], length = cu[static_cast<size_t>(b + 1)] - begin;
+  TensorView out = t.slice(seq_dim, begin, begin + length);
+  out.sizes[0] = n;
+  out.strides[0] = length * t.stride(seq_dim);
+  return out;
 }
 
 AttentionProblem validate_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,

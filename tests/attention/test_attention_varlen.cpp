@@ -229,6 +229,9 @@ std::vector<VarlenCase> cpu_grid() {
     for (DType dt : {DType::bf16, DType::f16}) cases.push_back({cq, ck, 6, 2, 32, m, dt, dt == DType::bf16});
   }
   cases.push_back({cq, ck, 2, 1, 16, Mask::bottom_right, DType::f64, true});
+  // Runs of equal lengths (one batched problem each, a strided batch in the pack), empty ones among them.
+  const std::vector<int32_t> rq{17, 17, 17, 5, 5, 0, 0, 64, 64}, rk{17, 17, 17, 9, 9, 3, 3, 0, 0};
+  for (Mask m : {Mask::top_left, Mask::bottom_right}) cases.push_back({rq, rk, 4, 2, 32, m, DType::bf16, m == Mask::top_left});
   cases.push_back({{}, {}, 2, 2, 16, Mask::none, DType::f32, false});  // no sequences at all
   cases.push_back({{0, 0}, {0, 5}, 2, 2, 16, Mask::top_left, DType::f32, false});
   return cases;
@@ -285,6 +288,9 @@ std::vector<VarlenCase> gpu_grid() {
     }
     cases.push_back({cq, ck, 2, 2, 64, m, DType::f32, true});
     cases.push_back({self, self, 2, 1, 80, m, DType::bf16, false});  // head dim 80: the padded path
+    // Runs of equal lengths, each one batched launch.
+    cases.push_back({{17, 17, 17, 130, 130, 0, 0, 64, 64}, {17, 17, 17, 129, 129, 3, 3, 0, 0}, 4, 2, 128, m,
+                     DType::bf16, m != Mask::none});
   }
   return cases;
 }
