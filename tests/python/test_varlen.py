@@ -197,3 +197,19 @@ def test_func_grad_matches_autograd():
     qr = q.clone().requires_grad_(True)
     loss(qr).backward()
     torch.testing.assert_close(got, qr.grad)
+
+
+@needs_ops
+def test_export_varlen():
+    class Packed(torch.nn.Module):
+        def forward(self, q, k, v, cu):
+            return flashlm.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, causal=True)
+
+    len_q = [5, 12, 0]
+    q, k, v = pack(len_q, len_q, 2, 2, 16, torch.float32, "cpu", 13)
+    cu = offsets(len_q)
+    exported = torch.export.export(Packed(), (q, k, v, cu))
+    targets = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert torch.ops.flashlm.attention_varlen_fwd.default in targets
+    q2, k2, v2 = pack(len_q, len_q, 2, 2, 16, torch.float32, "cpu", 14)
+    assert torch.equal(exported.module()(q2, k2, v2, cu), Packed()(q2, k2, v2, cu))
