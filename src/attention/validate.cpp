@@ -169,6 +169,15 @@ TensorView packed_rows(std::string_view fn, std::string_view name, const TensorV
   return as_batch_of_one(fn, name, t, 3, "[total, heads, head_dim] (packed sequences)");
 }
 
+// lse [heads_q, total_q] of the 3-dimensional q, checked here so that the message names the varlen shape.
+TensorView packed_lse(std::string_view fn, const TensorView& lse, const TensorView& q) {
+  const TensorView out = as_batch_of_one(fn, "lse", lse, 2, "[heads_q, total_q]");
+  FLASHLM_CHECK(lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+                "{}: lse: expected shape [{}, {}] (heads_q, total_q), got {}", fn, q.size(1), q.size(0),
+                lse.shape_string());
+  return out;
+}
+
 // The host copy of one offsets array, checked: batch + 1 int32 entries from 0, non-decreasing, ending at
 // `total`, no sequence longer than max_seqlen.
 std::vector<int32_t> checked_offsets(std::string_view fn, std::string_view name, const int32_t* offsets,
@@ -264,7 +273,7 @@ VarlenProblem validate_attention_varlen_forward(const TensorView& q, const Tenso
   constexpr std::string_view fn = "attention_varlen_forward";
   const TensorView q1 = packed_rows(fn, "q", q), k1 = packed_rows(fn, "k", k), v1 = packed_rows(fn, "v", v);
   const TensorView o1 = packed_rows(fn, "o", o);
-  const TensorView lse1 = as_batch_of_one(fn, "lse", lse, 2, "[heads_q, total_q]");
+  const TensorView lse1 = packed_lse(fn, lse, q);
   const AttentionProblem packed = check_forward(fn, q1, k1, v1, o1, lse1, options);
   VarlenProblem vp = describe_varlen(fn, q, k, seqs, options);
   vp.packed = packed;
@@ -280,7 +289,7 @@ VarlenProblem validate_attention_varlen_backward(const TensorView& q, const Tens
   const TensorView q1 = packed_rows(fn, "q", q), k1 = packed_rows(fn, "k", k), v1 = packed_rows(fn, "v", v);
   const TensorView o1 = packed_rows(fn, "o", o), dout1 = packed_rows(fn, "dout", dout);
   const TensorView dq1 = packed_rows(fn, "dq", dq), dk1 = packed_rows(fn, "dk", dk), dv1 = packed_rows(fn, "dv", dv);
-  const TensorView lse1 = as_batch_of_one(fn, "lse", lse, 2, "[heads_q, total_q]");
+  const TensorView lse1 = packed_lse(fn, lse, q);
   const AttentionProblem packed = check_backward(fn, q1, k1, v1, o1, lse1, dout1, dq1, dk1, dv1, options);
   VarlenProblem vp = describe_varlen(fn, q, k, seqs, options);
   vp.packed = packed;

@@ -402,7 +402,7 @@ TEST(VarlenErrors, BadTensorsAreRefusedWithTheirName) {
     VarlenArgs a;
     Tensor l = Tensor::empty({2, 7}, DType::f32);
     a.L = l;
-    expect_error([&] { a.forward(); }, {"lse", "expected shape"});
+    expect_error([&] { a.forward(); }, {"lse: expected shape [2, 8] (heads_q, total_q)"});
   }
   {
     VarlenArgs a;
