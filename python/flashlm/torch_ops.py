@@ -320,13 +320,8 @@ def _no_dropout(dropout_p):
         raise L.FlashlmValueError(f"dropout_p: {dropout_p} given, but flashlm attention has no dropout (pass 0.0)")
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
-    head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
-    flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
-    implemented and are refused."""
-    _no_dropout(dropout_p)
+def _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs):
+    """flash-attn's arguments for features flashlm does not have: an error unless each has its default."""
     if tuple(window_size) != (-1, -1):
         raise L.FlashlmValueError(f"window_size: {tuple(window_size)} given, but flashlm attention has no sliding "
                                   "window (pass (-1, -1))")
@@ -336,6 +331,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise L.FlashlmValueError("alibi_slopes: flashlm attention has no ALiBi (pass None)")
     if return_attn_probs:
         raise L.FlashlmValueError("return_attn_probs: flashlm attention does not return probabilities (pass False)")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
+    head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
+    flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
+    implemented and are refused."""
+    _no_dropout(dropout_p)
+    _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
     _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
     return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash")
 
@@ -609,15 +614,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (causal_align="top_left" for PyTorch's alignment). Dropout, sliding windows, softcap, ALiBi, returned
     probabilities and paged KV (block_table) are refused."""
     _no_dropout(dropout_p)
-    if tuple(window_size) != (-1, -1):
-        raise L.FlashlmValueError(f"window_size: {tuple(window_size)} given, but flashlm attention has no sliding "
-                                  "window (pass (-1, -1))")
-    if softcap != 0.0:
-        raise L.FlashlmValueError(f"softcap: {softcap} given, but flashlm attention has no softcap (pass 0.0)")
-    if alibi_slopes is not None:
-        raise L.FlashlmValueError("alibi_slopes: flashlm attention has no ALiBi (pass None)")
-    if return_attn_probs:
-        raise L.FlashlmValueError("return_attn_probs: flashlm attention does not return probabilities (pass False)")
+    _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
     if block_table is not None:
         raise L.FlashlmValueError("block_table: flashlm attention has no paged KV cache (pass None)")
     _check_3d(((q, "q"), (k, "k"), (v, "v")))

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -320,16 +319,6 @@ INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaVsReference, ::testing::ValuesIn(gpu_g
                          [](const ::testing::TestParamInfo<VarlenCase>& info) {
                            return varlen_case_name(info.param);
                          });
-
-// Runs `call` and checks that it throws flashlm::Error whose message contains every fragment.
-void expect_error(const std::function<void()>& call, std::initializer_list<std::string> fragments) {
-  try {
-    call();
-    ADD_FAILURE() << "expected flashlm::Error";
-  } catch (const Error& e) {
-    for (const auto& f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
-  }
-}
 
 struct VarlenArgs {
   VarlenCase c{{3, 5}, {4, 4}, 2, 1, 16, Mask::none, DType::f32, false};
