@@ -5,8 +5,10 @@
    forward+backward, bf16, causal and not (median of triton's do_bench).
 2. Packed variable-length sequences (--varlen): flashlm.flash_attn_varlen_func on the pack (offsets on the GPU,
    and on the CPU, which spares the per-call read-back) against SDPA on the same sequences padded to the
-   longest (flash and cuDNN, no mask: each sequence's rows come out right, the padding is wasted work) and
-   SDPA's memory-efficient backend with a padding mask; TFLOP/s count the useful (unpadded) work.
+   longest: flash and cuDNN without a mask (the padded work's cost; their rows are right under a causal mask
+   only, since without one a query also sees the padding keys) and the memory-efficient backend with a
+   padding mask (right either way, and the rows flashlm's output is checked against). TFLOP/s count the
+   useful (unpadded) work.
 3. The CS336 LM train step (shared/bench/lm_peers.py's run()) with every F.scaled_dot_product_attention
    call of the model replaced by flashlm.attention, against the unmodified model.
 
@@ -126,6 +128,16 @@ def varlen_vs_padded(packs, heads, dims):
                             "sdpa-efficient padded+mask": (sdpa_padded(SDPBackend.EFFICIENT_ATTENTION, mask),
                                                            (pq, pk, pv), pdout)}
                 name = ",".join(map(str, lengths)) if len(set(lengths)) > 1 else f"{b}x{lengths[0]}"
+                with torch.no_grad():  # the masked padded batch's rows, or the timings mean nothing
+                    got = flashlm_with(cu)()
+                    try:
+                        want = sdpa_padded(SDPBackend.EFFICIENT_ATTENTION, mask)()
+                    except RuntimeError:
+                        want = sdpa_padded(SDPBackend.MATH, mask)()
+                    err = max((got[int(cu[i]):int(cu[i]) + n] - want[i, :, :n].transpose(0, 1)).abs().max().item()
+                              for i, n in enumerate(lengths))
+                print(f"| {name} | {heads} | {d} | {int(causal)} | max abs(flashlm varlen - masked padded sdpa) "
+                      f"= {err:.2e} |", flush=True)
                 for impl, (f, inputs, g) in variants.items():
                     try:
                         fwd = do_bench(f, warmup=25, rep=100, return_mode="median")
