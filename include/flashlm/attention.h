@@ -4,7 +4,9 @@
 //   q, o, dq       [batch, seq_q, heads_q, head_dim]
 //   k, v, dk, dv   [batch, seq_k, heads_k, head_dim]     heads_q must be a multiple of heads_k (GQA/MQA)
 //   lse            [batch, heads_q, seq_q]  fp32 (fp64 allowed for fp64 inputs), natural log
-// All of q, k, v, o, do, dq, dk, dv share one dtype and one device.
+// All of q, k, v, o, do, dq, dk, dv share one dtype and one device, except in the FP8 forward: q, k, v in
+// fp8_e4m3 (with the per-tensor descale factors of AttentionOptions), o in bf16, lse fp32; CUDA on an sm_90
+// GPU only (built with the sm_90a kernels), flash only, head dims 64 and 128, no backward, no varlen.
 //
 // Masking: with causal, query i sees key j when j <= i (top-left, PyTorch's is_causal) or
 // j <= i + seq_k - seq_q (bottom-right, FlashAttention >= 2.1). A query that sees no key gets
@@ -39,6 +41,9 @@ struct AttentionOptions {
   // pass over query tiles instead. The CPU is always deterministic.
   bool deterministic = false;
   void* stream = nullptr;        // cudaStream_t for CUDA tensors; ignored on the CPU
+  // FP8 inputs only (else they must stay 1): q, k and v hold values / descale, so attention computes
+  // S = scale · q_descale · k_descale · Q·Kᵀ and O = v_descale · softmax(S)·V (FlashAttention-3's convention).
+  float q_descale = 1.0f, k_descale = 1.0f, v_descale = 1.0f;
 };
 
 // o and lse are written; everything else is read.

@@ -1,4 +1,4 @@
-// Element types and the two 16-bit floating-point formats as plain value types.
+// Element types, the two 16-bit floating-point formats and FP8 e4m3 as plain value types.
 #pragma once
 #include <bit>
 #include <cstddef>
@@ -7,11 +7,14 @@
 
 namespace flashlm {
 
-enum class DType : uint8_t { f64, f32, f16, bf16 };
+// f8e4m3: OCP FP8 E4M3 (PyTorch's float8_e4m3fn, CUDA's __nv_fp8_e4m3): inputs of the FP8 attention
+// forward only (flashlm/attention.h); nothing else computes in it.
+enum class DType : uint8_t { f64, f32, f16, bf16, f8e4m3 };
 
 size_t dtype_size(DType t);
-std::string_view dtype_name(DType t);            // "fp64", "fp32", "fp16", "bf16"
-DType parse_dtype(std::string_view name);        // accepts the names above and float64/float32/float16/bfloat16
+std::string_view dtype_name(DType t);            // "fp64", "fp32", "fp16", "bf16", "fp8_e4m3"
+// Accepts the names above, float64/float32/float16/bfloat16, and fp8 / float8_e4m3fn for fp8_e4m3.
+DType parse_dtype(std::string_view name);
 
 // IEEE binary16, stored as bits. Same layout as CUDA's __half.
 struct fp16_t {
@@ -72,12 +75,51 @@ struct bf16_t {
   }
 };
 
+// FP8 E4M3 (OCP "fn" variant), stored as bits: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no
+// infinities, S.1111.111 is NaN, the largest finite is 448, the smallest subnormal 2^-9. from_float
+// rounds to nearest even and saturates to ±448 as CUDA's __NV_SATFINITE conversion does (NaN stays NaN),
+// so that host and device quantise alike.
+struct f8e4m3_t {
+  uint8_t bits = 0;
+  f8e4m3_t() = default;
+  explicit f8e4m3_t(float f) : bits(from_float(f)) {}
+  explicit operator float() const { return to_float(bits); }
+
+  static uint8_t from_float(float f) {
+    const uint32_t x = std::bit_cast<uint32_t>(f);
+    const auto sign = static_cast<uint8_t>((x >> 24) & 0x80u);
+    const uint32_t abs = x & 0x7fffffffu;
+    if (abs > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);  // NaN
+    if (abs >= 0x43e00000u) return static_cast<uint8_t>(sign | 0x7eu);  // >= 448 (and inf): saturate
+    if (abs < 0x3c800000u) {                                             // below 2^-6, the smallest normal
+      // Subnormals are multiples of 2^-9: round |f| · 2^9 to the nearest even integer (exact in fp32).
+      const float scaled = std::bit_cast<float>(abs) * 512.0f;
+      auto m = static_cast<uint32_t>(scaled);
+      const float rem = scaled - static_cast<float>(m);
+      if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
+      return static_cast<uint8_t>(sign | m);  // m == 8 is the smallest normal's encoding, as it should be
+    }
+    uint32_t e = ((abs >> 23) - 127 + 7) << 3 | ((abs >> 20) & 7u);  // exponent and top 3 mantissa bits
+    const uint32_t rem = abs & 0xfffffu;
+    if (rem > 0x80000u || (rem == 0x80000u && (e & 1u))) ++e;
+    if (e > 0x7eu) e = 0x7eu;  // rounding up past 448 saturates too
+    return static_cast<uint8_t>(sign | e);
+  }
+  static float to_float(uint8_t b) {
+    const float sign = (b & 0x80u) ? -1.0f : 1.0f;
+    const uint32_t exp = (b >> 3) & 0xfu, mant = b & 7u;
+    if (exp == 0xf && mant == 7) return std::bit_cast<float>(0x7fc00000u);
+    if (exp == 0) return sign * static_cast<float>(mant) * 0x1p-9f;
+    return std::bit_cast<float>((b & 0x80u ? 0x80000000u : 0u) | (exp + 120) << 23 | mant << 20);
+  }
+};
+
 // Conversion used by every CPU kernel: load any element type as the accumulation type and back.
 template <class To, class From>
 inline To convert(From x) {
-  if constexpr (std::is_same_v<From, fp16_t> || std::is_same_v<From, bf16_t>) {
+  if constexpr (std::is_same_v<From, fp16_t> || std::is_same_v<From, bf16_t> || std::is_same_v<From, f8e4m3_t>) {
     return static_cast<To>(static_cast<float>(x));
-  } else if constexpr (std::is_same_v<To, fp16_t> || std::is_same_v<To, bf16_t>) {
+  } else if constexpr (std::is_same_v<To, fp16_t> || std::is_same_v<To, bf16_t> || std::is_same_v<To, f8e4m3_t>) {
     return To(static_cast<float>(x));
   } else {
     return static_cast<To>(x);
@@ -89,6 +131,7 @@ template <> constexpr DType dtype_of<double>() { return DType::f64; }
 template <> constexpr DType dtype_of<float>() { return DType::f32; }
 template <> constexpr DType dtype_of<fp16_t>() { return DType::f16; }
 template <> constexpr DType dtype_of<bf16_t>() { return DType::bf16; }
+template <> constexpr DType dtype_of<f8e4m3_t>() { return DType::f8e4m3; }
 
 // Calls fn(T{}) with the C++ type of `t`: the one switch from a runtime dtype to a template.
 template <class Fn>
@@ -98,6 +141,7 @@ decltype(auto) dispatch_dtype(DType t, Fn&& fn) {
     case DType::f32: return fn(float{});
     case DType::f16: return fn(fp16_t{});
     case DType::bf16: return fn(bf16_t{});
+    case DType::f8e4m3: return fn(f8e4m3_t{});
   }
   return fn(float{});
 }

@@ -50,10 +50,10 @@ CudaAttentionPlan check_cuda_arguments(std::string_view fn, const AttentionProbl
                                        const TensorView& lse) {
   FLASHLM_CHECK(cuda_built(), "{}: q: tensors on cuda but flashlm was built without CUDA", fn);
   const CudaAttentionPlan plan = plan_cuda_attention(fn, p, impl, pass);
-  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
   const int device = cuda_current_device();
   for (const auto& [name, t] : views) {
     if (t->numel() == 0) continue;
+    const int64_t elem = static_cast<int64_t>(dtype_size(t->dtype));  // o is bf16 for fp8 inputs
     FLASHLM_CHECK(cuda_pointer_device(t->data) == device,
                   "{}: {}: data is not device memory of the current device cuda:{}", fn, name, device);
     FLASHLM_CHECK(reinterpret_cast<uintptr_t>(t->data) % kCudaRowAlignBytes == 0,
@@ -61,7 +61,7 @@ CudaAttentionPlan check_cuda_arguments(std::string_view fn, const AttentionProbl
     for (int d = 0; d < 3; ++d) {
       FLASHLM_CHECK(t->stride(d) * elem % kCudaRowAlignBytes == 0 || t->size(d) == 1,
                     "{}: {}: stride {} of dimension {} is not a multiple of 16 bytes ({} elements of {})", fn, name,
-                    t->stride(d), d, kCudaRowAlignBytes / elem, dtype_name(p.dtype));
+                    t->stride(d), d, kCudaRowAlignBytes / elem, dtype_name(t->dtype));
     }
   }
   if (lse.numel() > 0) {
@@ -187,6 +187,13 @@ void run_forward(const AttentionProblem& p, [[maybe_unused]] const std::optional
 #ifdef FLASHLM_WITH_CUDA
   switch (plan->family) {
     case CudaKernelFamily::naive: return naive_attention_forward_cuda(p, q, k, v, o, lse, options.stream);
+    case CudaKernelFamily::fp8:
+#ifdef FLASHLM_WITH_SM90
+      return flash_attention_forward_fp8_sm90(p, q, k, v, o, lse, options.stream);
+#else
+      fail("attention_forward: q: dtype fp8_e4m3 needs the sm_90a kernels, and this build has none (configure "
+           "with 90 in CMAKE_CUDA_ARCHITECTURES)");
+#endif
     case CudaKernelFamily::hopper: break;
     case CudaKernelFamily::mma_sync:
     case CudaKernelFamily::f32:
@@ -212,6 +219,7 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
   switch (plan->family) {
     case CudaKernelFamily::naive:
       return naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
+    case CudaKernelFamily::fp8:  // refused by validate_attention_backward
     case CudaKernelFamily::hopper: break;
     case CudaKernelFamily::mma_sync:
     case CudaKernelFamily::f32:

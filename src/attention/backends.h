@@ -47,6 +47,11 @@ int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocess
 // fp16/bf16, head dim 64, 128 or 256, views TMA can describe); returns false, launching nothing, otherwise.
 bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
+// The FP8 forward (attention/cuda/hopper/flash_fwd_fp8_sm90.cu, built with the Hopper kernels): fp8_e4m3
+// q, k, v with p's descale factors, bf16 o, fp32 lse, head dims 64 and 128. An Error where the current
+// device is not an sm_90 GPU: fp8 has no fallback.
+void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                      const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
 // Whether flash_attention_forward_sm90 would run these arguments (for the tests of the dispatch).
 bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                const TensorView& v);

@@ -11,13 +11,15 @@ namespace {
 constexpr std::array kSixteenBit{DType::f16, DType::bf16};
 constexpr std::array kF32{DType::f32};
 constexpr std::array kCudaDTypes{DType::f16, DType::bf16, DType::f32};
+constexpr std::array kFp8{DType::f8e4m3};
 
 // One row per family.
-const std::array<CudaKernelCapability, 4> kTable{{
+const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false},
     {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false},
     {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true},
     {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false},
+    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false},
 }};
 
 bool has_dtype(const CudaKernelCapability& c, DType dtype) {
@@ -44,6 +46,7 @@ std::string_view cuda_kernel_family_name(CudaKernelFamily family) {
     case CudaKernelFamily::f32: return "fp32";
     case CudaKernelFamily::naive: return "naive";
     case CudaKernelFamily::hopper: return "hopper";
+    case CudaKernelFamily::fp8: return "fp8";
   }
   return "unknown";
 }
@@ -57,15 +60,17 @@ const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family) {
 
 CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
                                       AttentionPass pass) {
-  FLASHLM_CHECK(p.dtype == DType::f16 || p.dtype == DType::bf16 || p.dtype == DType::f32,
-                "{}: q: dtype {} is not supported on cuda (fp16, bf16 or fp32)", fn, dtype_name(p.dtype));
+  FLASHLM_CHECK(p.dtype == DType::f16 || p.dtype == DType::bf16 || p.dtype == DType::f32 || p.dtype == DType::f8e4m3,
+                "{}: q: dtype {} is not supported on cuda (fp16, bf16, fp32 or fp8_e4m3)", fn, dtype_name(p.dtype));
   const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
   FLASHLM_CHECK(p.head_dim <= kCudaMaxHeadDim && p.head_dim * elem % kCudaRowAlignBytes == 0,
                 "{}: q: head_dim {} is not supported on cuda (at most {}, and rows of a multiple of {} bytes: a "
                 "multiple of {} for {})",
                 fn, p.head_dim, kCudaMaxHeadDim, kCudaRowAlignBytes, kCudaRowAlignBytes / elem, dtype_name(p.dtype));
 
-  CudaKernelFamily family = p.dtype == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync;
+  CudaKernelFamily family = p.dtype == DType::f32      ? CudaKernelFamily::f32
+                            : p.dtype == DType::f8e4m3 ? CudaKernelFamily::fp8
+                                                       : CudaKernelFamily::mma_sync;
   if (impl == AttentionImpl::naive) family = CudaKernelFamily::naive;
   const CudaKernelCapability& caps = cuda_kernel_capability(family);
   FLASHLM_CHECK(has_dtype(caps, p.dtype), "{}: q: the {} attention kernels do not take dtype {}", fn,

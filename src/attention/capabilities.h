@@ -22,6 +22,7 @@ enum class CudaKernelFamily {
   f32,       // fp32 FlashAttention-2 on CUDA cores (cuda/flash_f32.cu)
   naive,     // materialised S and P through cuBLAS (cuda/naive.cu)
   hopper,    // sm_90a wgmma/TMA forward and backward (cuda/hopper/): see below
+  fp8,       // sm_90a e4m3 wgmma forward, bf16 output (cuda/hopper/flash_fwd_fp8_sm90.cu); no backward
 };
 
 std::string_view cuda_kernel_family_name(CudaKernelFamily family);
@@ -39,6 +40,8 @@ inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
 // mma.sync backward's separate dQ pass on every GPU.
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
 inline constexpr std::array<int, 2> kHopperBackwardHeadDims{64, 128};
+// The FP8 forward's head dims (fp8_e4m3 inputs, any GPU check at launch: it needs sm_90).
+inline constexpr std::array<int, 2> kFp8ForwardHeadDims{64, 128};
 
 // Every CUDA kernel moves rows in 16-byte vectors: head_dim · element size must be a multiple of this.
 inline constexpr int64_t kCudaRowAlignBytes = 16;

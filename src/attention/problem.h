@@ -14,7 +14,8 @@ struct AttentionProblem {
   bool causal = false;
   // Key j is visible to query i iff !causal or j <= i + causal_offset (0 top-left, seq_k - seq_q bottom-right).
   int64_t causal_offset = 0;
-  DType dtype = DType::f32;
+  DType dtype = DType::f32;  // of q, k, v (o is bf16 where this is fp8_e4m3)
+  double q_descale = 1.0, k_descale = 1.0, v_descale = 1.0;  // fp8_e4m3 only (AttentionOptions)
   Device device = Device::cpu;
 
   int64_t group() const { return heads_q / heads_k; }  // query heads per key/value head

@@ -84,7 +84,16 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   check_qkv_like(fn, "o", o);
   check_same_kind(fn, "k", k, q);
   check_same_kind(fn, "v", v, q);
-  check_same_kind(fn, "o", o, q);
+  if (q.dtype == DType::f8e4m3) {
+    FLASHLM_CHECK(q.device == Device::cuda,
+                  "{}: q: dtype fp8_e4m3 runs only on cuda (an sm_90 GPU); the cpu has no fp8 attention", fn);
+    // The FP8 forward writes bf16 (FlashAttention-3's choice: e4m3 keeps too few bits for an output).
+    FLASHLM_CHECK(o.dtype == DType::bf16, "{}: o: expected dtype bf16 for fp8_e4m3 inputs, got {}", fn,
+                  dtype_name(o.dtype));
+    FLASHLM_CHECK(o.device == q.device, "{}: o: on {} but q is on {}", fn, device_name(o.device), device_name(q.device));
+  } else {
+    check_same_kind(fn, "o", o, q);
+  }
   check_same_shape(fn, "v", v, "k", k);
   check_same_shape(fn, "o", o, "q", q);
 
@@ -118,6 +127,18 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
 
   p.scale = options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   FLASHLM_CHECK(std::isfinite(p.scale), "{}: scale: expected a finite number, got {}", fn, p.scale);
+  for (auto [name, d] : {std::pair{"q_descale", options.q_descale}, {"k_descale", options.k_descale},
+                         {"v_descale", options.v_descale}}) {
+    if (q.dtype == DType::f8e4m3) {
+      FLASHLM_CHECK(std::isfinite(d) && d > 0, "{}: {}: expected a finite number > 0, got {}", fn, name, d);
+    } else {
+      FLASHLM_CHECK(d == 1.0f, "{}: {}: descale factors apply to fp8_e4m3 inputs only (q is {}); got {}", fn, name,
+                    dtype_name(q.dtype), d);
+    }
+  }
+  p.q_descale = options.q_descale;
+  p.k_descale = options.k_descale;
+  p.v_descale = options.v_descale;
   p.causal = options.causal;
   p.causal_offset = options.align == CausalAlign::bottom_right ? p.seq_k - p.seq_q : 0;
   return p;
@@ -136,6 +157,7 @@ AttentionProblem check_backward(std::string_view fn, const TensorView& q, const 
                                 const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                 const AttentionOptions& options) {
   AttentionProblem p = describe(fn, q, k, v, o, lse, options);
+  FLASHLM_CHECK(q.dtype != DType::f8e4m3, "{}: q: dtype fp8_e4m3 has a forward only (no backward)", fn);
   for (auto [name, t] : {std::pair{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
     check_qkv_like(fn, name, *t);
     check_same_kind(fn, name, *t, q);
@@ -271,6 +293,7 @@ VarlenProblem validate_attention_varlen_forward(const TensorView& q, const Tenso
                                                 const TensorView& o, const TensorView& lse,
                                                 const VarlenSequences& seqs, const AttentionOptions& options) {
   constexpr std::string_view fn = "attention_varlen_forward";
+  FLASHLM_CHECK(q.dtype != DType::f8e4m3, "{}: q: dtype fp8_e4m3 is not supported for packed sequences", fn);
   const TensorView q1 = packed_rows(fn, "q", q), k1 = packed_rows(fn, "k", k), v1 = packed_rows(fn, "v", v);
   const TensorView o1 = packed_rows(fn, "o", o);
   const TensorView lse1 = packed_lse(fn, lse, q);
@@ -286,6 +309,7 @@ VarlenProblem validate_attention_varlen_backward(const TensorView& q, const Tens
                                                  const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                                  const VarlenSequences& seqs, const AttentionOptions& options) {
   constexpr std::string_view fn = "attention_varlen_backward";
+  FLASHLM_CHECK(q.dtype != DType::f8e4m3, "{}: q: dtype fp8_e4m3 is not supported for packed sequences", fn);
   const TensorView q1 = packed_rows(fn, "q", q), k1 = packed_rows(fn, "k", k), v1 = packed_rows(fn, "v", v);
   const TensorView o1 = packed_rows(fn, "o", o), dout1 = packed_rows(fn, "dout", dout);
   const TensorView dq1 = packed_rows(fn, "dq", dq), dk1 = packed_rows(fn, "dk", dk), dv1 = packed_rows(fn, "dv", dv);
