@@ -291,7 +291,8 @@ struct AttentionBenchArgs {
 void add_attention_bench(CLI::App& app, AttentionBenchArgs& a) {
   CLI::App* cmd = app.add_subcommand("attention-bench", "Time attention forward and backward over a grid of shapes");
   cmd->add_option("--impl", a.impl, "Implementations, comma list of naive,flash")->capture_default_str();
-  cmd->add_option("--dtype", a.dtype, "Element types, comma list of fp32,fp64,fp16,bf16")->capture_default_str();
+  cmd->add_option("--dtype", a.dtype, "Element types, comma list of fp32,fp64,fp16,bf16,fp8 (fp8: e4m3 inputs, "
+                                      "bf16 output, forward only, sm_90 GPUs)")->capture_default_str();
   auto* d = cmd->add_option("--d", a.d, "Head dimensions, comma list")->capture_default_str();
   auto* seq = cmd->add_option("--seq", a.seq, "Sequence lengths (queries = keys), comma list")->capture_default_str();
   auto* batch = cmd->add_option("--batch", a.batch, "Batch sizes, comma list")->capture_default_str();

@@ -34,7 +34,7 @@ extern "C" {
 #endif
 
 /* 2: adds flashlm_attention_varlen_forward/backward and flashlm_varlen (version 1's calls are unchanged). */
-#define FLASHLM_ABI_VERSION 2
+#define FLASHLM_ABI_VERSION 3
 #define FLASHLM_MAX_DIMS 6
 
 typedef enum flashlm_status {
@@ -44,7 +44,14 @@ typedef enum flashlm_status {
   FLASHLM_RUNTIME_ERROR = 3     /* a CUDA failure or another error not caused by the arguments */
 } flashlm_status;
 
-typedef enum flashlm_dtype { FLASHLM_FP64 = 0, FLASHLM_FP32 = 1, FLASHLM_FP16 = 2, FLASHLM_BF16 = 3 } flashlm_dtype;
+/* FLASHLM_FP8_E4M3: OCP e4m3 (PyTorch's float8_e4m3fn), q/k/v of the attention forward only (o in bf16). */
+typedef enum flashlm_dtype {
+  FLASHLM_FP64 = 0,
+  FLASHLM_FP32 = 1,
+  FLASHLM_FP16 = 2,
+  FLASHLM_BF16 = 3,
+  FLASHLM_FP8_E4M3 = 4
+} flashlm_dtype;
 
 typedef enum flashlm_device { FLASHLM_CPU = 0, FLASHLM_CUDA = 1 } flashlm_device;
 
@@ -68,10 +75,12 @@ typedef struct flashlm_attention_options {
   int32_t deterministic; /* CUDA backward without atomics */
   int32_t has_scale;     /* 0: scale = 1/sqrt(head_dim) */
   double scale;
+  /* fp8_e4m3 inputs only (1 otherwise): S = scale * q_descale * k_descale * Q K^T, O = v_descale * P V. */
+  float q_descale, k_descale, v_descale;
   void* stream; /* cudaStream_t */
 } flashlm_attention_options;
 
-/* Defaults: flash, not causal, top-left, atomic dQ, scale 1/sqrt(head_dim), default stream. */
+/* Defaults: flash, not causal, top-left, atomic dQ, scale 1/sqrt(head_dim), descales 1, default stream. */
 flashlm_attention_options flashlm_attention_options_default(void);
 
 flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,

@@ -10,11 +10,11 @@ import struct
 import threading
 from pathlib import Path
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 MAX_DIMS = 6
 
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, RUNTIME_ERROR = 0, 1, 2, 3
-FP64, FP32, FP16, BF16 = 0, 1, 2, 3
+FP64, FP32, FP16, BF16, FP8_E4M3 = 0, 1, 2, 3, 4
 CPU, CUDA = 0, 1
 TOP_LEFT, BOTTOM_RIGHT = 0, 1
 FLASH, NAIVE = 0, 1
@@ -26,9 +26,9 @@ TENSOR3 = "Qiii4x3q24x3q24x"
 TENSOR2 = "Qiii4x2q32x2q32x"
 TENSOR_BYTES = 120
 # flashlm_attention_options: int32 impl, causal, causal_align, deterministic, has_scale; double scale;
-# void* stream.
-OPTIONS = "iiiii4xdQ"
-OPTIONS_BYTES = 40
+# float q_descale, k_descale, v_descale; void* stream.
+OPTIONS = "iiiii4xdfff4xQ"
+OPTIONS_BYTES = 56
 # flashlm_varlen: const int32* cu_seqlens_q, cu_seqlens_k; int64 batch; int32 device; int64 max_seqlen_q,
 # max_seqlen_k.
 VARLEN = "QQqi4xqq"

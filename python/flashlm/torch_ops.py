@@ -22,6 +22,11 @@ import torch
 from . import _lib as L
 
 _DTYPES = {torch.float64: L.FP64, torch.float32: L.FP32, torch.float16: L.FP16, torch.bfloat16: L.BF16}
+# e4m3 inputs of the FP8 forward (bf16 output, no backward, sm_90 GPUs): torch >= 2.1 has the dtype.
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+if _FP8 is not None:
+    _DTYPES[_FP8] = L.FP8_E4M3
+_NO_DESCALE = (1.0, 1.0, 1.0)
 _ALIGN = {"top_left": False, "top-left": False, "bottom_right": True, "bottom-right": True}
 _IMPL = {"flash": L.FLASH, "naive": L.NAIVE}
 DOUBLE_BACKWARD_ERROR = ("flashlm attention: double backward (differentiating the attention's gradients, "
@@ -49,9 +54,10 @@ def _describe_lse(t):
     return (t.data_ptr(), 3, _DTYPES[t.dtype], t.is_cuda, *t.shape, *t.stride())
 
 
-def _options(causal, bottom_right, scale, deterministic, impl):
+def _options(causal, bottom_right, scale, deterministic, impl, descales=_NO_DESCALE):
     """The packed flashlm_attention_options fields, less the stream."""
-    return (_IMPL[impl], causal, bottom_right, deterministic, scale is not None, 0.0 if scale is None else scale)
+    return (_IMPL[impl], causal, bottom_right, deterministic, scale is not None, 0.0 if scale is None else scale,
+            *descales)
 
 
 def _why_not_packable(named_tensors, impl, ndim=4):
@@ -65,7 +71,7 @@ def _why_not_packable(named_tensors, impl, ndim=4):
             return L.FlashlmValueError(f"{name}: expected {want} dimensions, got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             return L.FlashlmValueError(f"{name}: dtype {t.dtype} is not supported (float64, float32, float16, "
-                                       "bfloat16)")
+                                       "bfloat16, float8_e4m3fn)")
     if impl not in _IMPL:
         return L.FlashlmValueError(f"impl: '{impl}' is not flash or naive")
     return None
@@ -95,23 +101,24 @@ def _lse_dtype(q):
 
 
 def _forward_outputs(q, layout):
-    """o (like q: same strides when q is dense) and lse [batch, heads_q, seq_q], allocated as the
-    operator's real and fake kernels both do."""
+    """o (like q: same strides when q is dense; bfloat16 for float8_e4m3fn q) and lse [batch, heads_q, seq_q],
+    allocated as the operator's real and fake kernels both do."""
     bhsd = _is_bhsd(layout)
     if q.dim() != 4:
         raise L.FlashlmValueError(f"q: expected 4 dimensions ({layout}), got shape {tuple(q.shape)}")
     s = q.shape
     lse_shape = (s[0], s[1], s[2]) if bhsd else (s[0], s[2], s[1])
-    return torch.empty_like(q), torch.empty(lse_shape, dtype=_lse_dtype(q), device=q.device)
+    o = torch.empty_like(q, dtype=torch.bfloat16) if q.dtype == _FP8 else torch.empty_like(q)
+    return o, torch.empty(lse_shape, dtype=_lse_dtype(q), device=q.device)
 
 
-def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales=_NO_DESCALE):
     """Runs the forward on tensors in `layout`: (o, lse)."""
     o, lse = _forward_outputs(q, layout)
     bhsd = layout == "bhsd"
     try:
         fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
-                  + _options(causal, bottom_right, scale, deterministic, impl))
+                  + _options(causal, bottom_right, scale, deterministic, impl, descales))
     except (KeyError, IndexError, TypeError, AttributeError):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
     try:
@@ -186,6 +193,18 @@ if HAS_CUSTOM_OPS:
 
     def _refuse_double_backward(ctx, *grads):
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+    @torch.library.custom_op("flashlm::attention_fp8_fwd", mutates_args=())
+    def attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool,
+                          bottom_right: bool, scale: Optional[float], q_descale: float, k_descale: float,
+                          v_descale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 forward: float8_e4m3fn q, k, v with per-tensor descale factors, (o bfloat16, lse float32).
+        No autograd formula: flashlm has no FP8 backward."""
+        return _forward(q, k, v, layout, causal, bottom_right, scale, False, "flash", (q_descale, k_descale, v_descale))
+
+    @attention_fp8_fwd.register_fake
+    def _attention_fp8_fwd_fake(q, k, v, layout, causal, bottom_right, scale, q_descale, k_descale, v_descale):
+        return _forward_outputs(q, layout)
 
     attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
     attention_bwd.register_autograd(_refuse_double_backward)
@@ -299,7 +318,16 @@ def _seq_dim(layout):
     return 2 if _is_bhsd(layout) else 1
 
 
-def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, deterministic=False, impl="flash"):
+def _fp8_attention(q, k, v, layout, causal, bottom_right, scale, descales):
+    """The FP8 forward's o: the custom operator where the call is traced, the C call otherwise."""
+    d = tuple(1.0 if x is None else float(x) for x in descales)
+    if _traced(q):
+        return torch.ops.flashlm.attention_fp8_fwd(q, k, v, layout, causal, bottom_right, scale, *d)[0]
+    return _forward(q, k, v, layout, causal, bottom_right, scale, False, "flash", d)[0]
+
+
+def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, deterministic=False, impl="flash",
+              q_descale=None, k_descale=None, v_descale=None):
     """Scaled dot-product attention with flashlm's kernels, differentiable (first order).
 
     layout (required): "bshd" for q [batch, seq_q, heads_q, head_dim] and k, v [batch, seq_k, heads_k,
@@ -308,10 +336,21 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     stream is used); float32/float16/bfloat16 (float64 on the CPU). causal_align "top_left" is PyTorch's
     is_causal, "bottom_right" flash-attn's; it must be given for a causal mask with seq_q != seq_k.
     flash_attn_func and scaled_dot_product_attention take those libraries' signatures.
+
+    torch.float8_e4m3fn q, k, v run the FP8 forward (CUDA on an sm_90 GPU, head dims 64 and 128, not
+    differentiable): q_descale, k_descale, v_descale (floats, default 1) are the per-tensor factors the fp8
+    values were divided by; S = scale * q_descale * k_descale * q k^T, the output (bfloat16) is v_descale *
+    softmax(S) v.
     """
     seq = _seq_dim(layout)
     _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
     bottom_right = _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq])
+    descales = (q_descale, k_descale, v_descale)
+    if _FP8 is not None and q.dtype == _FP8:
+        return _fp8_attention(q, k, v, layout, bool(causal), bottom_right, scale, descales)
+    if any(x is not None for x in descales):
+        raise L.FlashlmValueError(f"q_descale, k_descale, v_descale: apply to torch.float8_e4m3fn inputs only (q is "
+                                  f"{q.dtype})")
     return _attention(q, k, v, layout, bool(causal), bottom_right, scale, bool(deterministic), impl)
 
 

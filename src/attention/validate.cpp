@@ -85,8 +85,6 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   check_same_kind(fn, "k", k, q);
   check_same_kind(fn, "v", v, q);
   if (q.dtype == DType::f8e4m3) {
-    FLASHLM_CHECK(q.device == Device::cuda,
-                  "{}: q: dtype fp8_e4m3 runs only on cuda (an sm_90 GPU); the cpu has no fp8 attention", fn);
     // The FP8 forward writes bf16 (FlashAttention-3's choice: e4m3 keeps too few bits for an output).
     FLASHLM_CHECK(o.dtype == DType::bf16, "{}: o: expected dtype bf16 for fp8_e4m3 inputs, got {}", fn,
                   dtype_name(o.dtype));
@@ -136,6 +134,8 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
                     dtype_name(q.dtype), d);
     }
   }
+  FLASHLM_CHECK(q.dtype != DType::f8e4m3 || q.device == Device::cuda,
+                "{}: q: dtype fp8_e4m3 runs only on cuda (an sm_90 GPU); the cpu has no fp8 attention", fn);
   p.q_descale = options.q_descale;
   p.k_descale = options.k_descale;
   p.v_descale = options.v_descale;
@@ -156,8 +156,8 @@ AttentionProblem check_backward(std::string_view fn, const TensorView& q, const 
                                 const TensorView& o, const TensorView& lse, const TensorView& dout,
                                 const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                 const AttentionOptions& options) {
-  AttentionProblem p = describe(fn, q, k, v, o, lse, options);
   FLASHLM_CHECK(q.dtype != DType::f8e4m3, "{}: q: dtype fp8_e4m3 has a forward only (no backward)", fn);
+  AttentionProblem p = describe(fn, q, k, v, o, lse, options);
   for (auto [name, t] : {std::pair{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
     check_qkv_like(fn, name, *t);
     check_same_kind(fn, name, *t, q);

@@ -15,7 +15,8 @@ thread_local std::string g_last_error;
 
 static_assert(static_cast<int>(flashlm::DType::f64) == FLASHLM_FP64 && static_cast<int>(flashlm::DType::f32) == FLASHLM_FP32 &&
                   static_cast<int>(flashlm::DType::f16) == FLASHLM_FP16 &&
-                  static_cast<int>(flashlm::DType::bf16) == FLASHLM_BF16,
+                  static_cast<int>(flashlm::DType::bf16) == FLASHLM_BF16 &&
+                  static_cast<int>(flashlm::DType::f8e4m3) == FLASHLM_FP8_E4M3,
               "flashlm_dtype and flashlm::DType must share their numbering");
 
 flashlm::TensorView to_view(const flashlm_tensor* t, const char* name) {
@@ -23,7 +24,7 @@ flashlm::TensorView to_view(const flashlm_tensor* t, const char* name) {
   FLASHLM_CHECK(t != nullptr, "{}: null flashlm_tensor pointer", name);
   FLASHLM_CHECK(t->ndim >= 0 && t->ndim <= FLASHLM_MAX_DIMS, "{}: ndim {} outside [0, {}]", name, t->ndim,
                 FLASHLM_MAX_DIMS);
-  FLASHLM_CHECK(t->dtype >= FLASHLM_FP64 && t->dtype <= FLASHLM_BF16, "{}: unknown dtype code {}", name, t->dtype);
+  FLASHLM_CHECK(t->dtype >= FLASHLM_FP64 && t->dtype <= FLASHLM_FP8_E4M3, "{}: unknown dtype code {}", name, t->dtype);
   FLASHLM_CHECK(t->device == FLASHLM_CPU || t->device == FLASHLM_CUDA, "{}: unknown device code {}", name, t->device);
   TensorView v;
   v.data = t->data;
@@ -49,6 +50,9 @@ flashlm::AttentionOptions to_options(const flashlm_attention_options* o) {
   opt.align = c.causal_align == FLASHLM_BOTTOM_RIGHT ? CausalAlign::bottom_right : CausalAlign::top_left;
   opt.deterministic = c.deterministic != 0;
   if (c.has_scale) opt.scale = c.scale;
+  opt.q_descale = c.q_descale;
+  opt.k_descale = c.k_descale;
+  opt.v_descale = c.v_descale;
   opt.stream = c.stream;
   return opt;
 }
@@ -96,7 +100,7 @@ flashlm_status guarded(Fn&& fn) {
 extern "C" {
 
 flashlm_attention_options flashlm_attention_options_default(void) {
-  return flashlm_attention_options{FLASHLM_FLASH, 0, FLASHLM_TOP_LEFT, 0, 0, 0.0, nullptr};
+  return flashlm_attention_options{FLASHLM_FLASH, 0, FLASHLM_TOP_LEFT, 0, 0, 0.0, 1.0f, 1.0f, 1.0f, nullptr};
 }
 
 flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,
