@@ -82,6 +82,9 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
   for (int d : dims) {
     if (d == p.head_dim || (caps.pads_head_dim && d > p.head_dim)) return {family, d, d != p.head_dim};
   }
+  FLASHLM_CHECK(!dims.empty(), "{}: q: head_dim {} has no cuda {} kernel for {} (the {} kernels have no {})", fn,
+                p.head_dim, forward ? "forward" : "backward", dtype_name(p.dtype), cuda_kernel_family_name(family),
+                forward ? "forward" : "backward");
   fail("{}: q: head_dim {} has no cuda {} kernel for {} (the {} {} kernels are compiled for head dims {}{})", fn,
        p.head_dim, forward ? "forward" : "backward", dtype_name(p.dtype), cuda_kernel_family_name(family),
        forward ? "forward" : "backward", head_dim_list(dims),

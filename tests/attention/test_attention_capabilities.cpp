@@ -111,7 +111,7 @@ TEST(AttentionCapabilities, UnalignedOrTooLargeHeadDimsAndOtherDtypesAreErrors) 
                         "multiple of 8 for bf16)"},
       {DType::f32, 6, "head_dim 6 is not supported on cuda"},
       {DType::f16, 264, "head_dim 264 is not supported on cuda"},
-      {DType::f64, 64, "q: dtype fp64 is not supported on cuda (fp16, bf16 or fp32)"},
+      {DType::f64, 64, "q: dtype fp64 is not supported on cuda (fp16, bf16, fp32 or fp8_e4m3)"},
   };
   for (const Bad& b : bads) {
     for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
@@ -137,6 +137,20 @@ TEST(AttentionCapabilities, HopperIsTheMmaSyncFamilysFirstChoice) {
   const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
   EXPECT_EQ(hopper.backward_head_dims.size(), 2u);
   EXPECT_EQ(hopper.forward_head_dims.size(), 3u);
+}
+
+// fp8_e4m3 has its own family: a forward at head dims 64 and 128, no backward, no naive path.
+TEST(AttentionCapabilities, Fp8HasAForwardAtHeadDims64And128Only) {
+  for (int d : kFp8ForwardHeadDims) {
+    expect_plan(DType::f8e4m3, d, AttentionPass::forward, AttentionImpl::flash, CudaKernelFamily::fp8, d);
+  }
+  std::string message;
+  EXPECT_FALSE(plan_of(DType::f8e4m3, 32, AttentionPass::forward, &message, AttentionImpl::flash));
+  EXPECT_NE(message.find("head_dim 32 has no cuda forward kernel for fp8_e4m3"), std::string::npos) << message;
+  EXPECT_FALSE(plan_of(DType::f8e4m3, 64, AttentionPass::backward, &message, AttentionImpl::flash));
+  EXPECT_NE(message.find("no cuda backward kernel for fp8_e4m3"), std::string::npos) << message;
+  EXPECT_FALSE(plan_of(DType::f8e4m3, 64, AttentionPass::forward, &message, AttentionImpl::naive));
+  EXPECT_NE(message.find("the naive attention kernels do not take dtype fp8_e4m3"), std::string::npos) << message;
 }
 
 TEST(AttentionCapabilities, WithHeadDimInstantiatesExactlyTheListedDims) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
 #include "flashlm/device.h"
 #include "flashlm/dtype.h"
@@ -75,7 +76,7 @@ TEST(Fp8Attention, BadArgumentsAreClearErrors) {
 
 // fp8 inputs in a layout whose rows stay 16-byte aligned (the CUDA kernels' rule; testing::make_laid_out's
 // sliced view pads head_dim by 8 elements, 8 bytes here): the sliced view pads by 16.
-LaidOut fp8_laid_out(Layout layout, int64_t B, int64_t N, int64_t H, int64_t D) {
+[[maybe_unused]] LaidOut fp8_laid_out(Layout layout, int64_t B, int64_t N, int64_t H, int64_t D) {
   if (layout != Layout::sliced) return make_laid_out(layout, B, N, H, D, DType::f8e4m3);
   LaidOut t;
   t.storage = Tensor::empty({B, N + 3, H, D + 16}, DType::f8e4m3);
@@ -84,7 +85,7 @@ LaidOut fp8_laid_out(Layout layout, int64_t B, int64_t N, int64_t H, int64_t D) 
 }
 
 // The dequantised fp64 BSHD copy of an fp8 view: value · descale.
-Tensor dequantised(const TensorView& t, double descale) {
+[[maybe_unused]] Tensor dequantised(const TensorView& t, double descale) {
   Tensor x = to_f64(t);
   for (int64_t i = 0; i < x.numel(); ++i) x.view().ptr<double>()[i] *= descale;
   return x;
@@ -103,7 +104,7 @@ void PrintTo(const Fp8Case& f, std::ostream* os) { *os << fp8_case_name(f); }
 // The naive attention with the FP8 path's roundings and nothing else: S and the softmax in fp64 from the
 // dequantised inputs, P rounded to e4m3 before P·V (the row sum from the unrounded P, as the kernel keeps
 // it in fp32), O rounded to bf16. [B, Nq, Hq, D] fp64.
-Tensor naive_with_fp8_roundings(const Case& c, const Tensor& q, const Tensor& k, const Tensor& v) {
+[[maybe_unused]] Tensor naive_with_fp8_roundings(const Case& c, const Tensor& q, const Tensor& k, const Tensor& v) {
   Tensor o = Tensor::empty({c.B, c.Nq, c.Hq, c.D}, DType::f64);
   const double* qp = q.view().ptr<double>();
   const double* kp = k.view().ptr<double>();
@@ -142,7 +143,7 @@ Tensor naive_with_fp8_roundings(const Case& c, const Tensor& q, const Tensor& k,
   return o;
 }
 
-bool on_sm90() { return cuda_device_description().find("(sm_90,") != std::string::npos; }
+[[maybe_unused]] bool on_sm90() { return cuda_device_description().find("(sm_90,") != std::string::npos; }
 
 class Fp8VsReference : public ::testing::TestWithParam<Fp8Case> {};
 
