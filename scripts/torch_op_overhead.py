@@ -51,7 +51,7 @@ def bare_forward(q, k, v, causal):
     o, lse = torch_ops._forward_outputs(q, "bhsd")
     stream = torch_ops._stream(q)
     fields = [f for t in (q, k, v, o) for f in torch_ops._describe(t, True)]
-    fields += [*torch_ops._describe_lse(lse), *torch_ops._options(causal, False, None, False, "flash", stream)]
+    fields += [*torch_ops._describe_lse(lse), *torch_ops._options(causal, False, None, False, "flash"), stream]
     call = L.PackedCall(L.FORWARD, fields)  # its own, outside the package's per-thread ones
     args = call.args
     fn = L.lib.flashlm_attention_forward
@@ -66,7 +66,7 @@ def bare_backward(q, k, v, causal):
     stream = torch_ops._stream(q)
     fields = [f for t in (q, k, v, o) for f in torch_ops._describe(t, True)] + list(torch_ops._describe_lse(lse))
     fields += [f for t in (dout, *grads) for f in torch_ops._describe(t, True)]
-    fields += [*torch_ops._options(causal, False, None, False, "flash", stream)]
+    fields += [*torch_ops._options(causal, False, None, False, "flash"), stream]
     call = L.PackedCall(L.BACKWARD, fields)
     args = call.args
     fn = L.lib.flashlm_attention_backward
