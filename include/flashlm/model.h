@@ -77,6 +77,9 @@ struct ModelOptions {
   // CUDA: the attention backward's separate dQ pass, so that a step is bit-reproducible (checkpoint resume
   // relies on it); false: dQ by fp32 atomics, faster at long contexts, the last bits vary from run to run.
   bool deterministic = true;
+  // Ranks that share the AdamW moments (ZeRO-1 and FSDP: DdpModel releases the model's own and the sharded
+  // optimizer keeps 1/world of them): the memory plan counts one such share. 1: the model's own moments.
+  int64_t optimizer_shards = 1;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
