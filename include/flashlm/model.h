@@ -77,6 +77,10 @@ struct ModelOptions {
   // CUDA: the attention backward's separate dQ pass, so that a step is bit-reproducible (checkpoint resume
   // relies on it); false: dQ by fp32 atomics, faster at long contexts, the last bits vary from run to run.
   bool deterministic = true;
+  // CUDA: each gradient's squared norm computed as the backward finalises it, on a stream beside the
+  // backward's GEMMs; false: one pass over every gradient when the norm is asked for (the A/B of that
+  // overlap; the two sum in different orders, so the norms differ in the last bits).
+  bool overlap_grad_norm = true;
   // Ranks that share the AdamW moments (ZeRO-1 and FSDP: DdpModel releases the model's own and the sharded
   // optimizer keeps 1/world of them): the memory plan counts one such share. 1: the model's own moments.
   int64_t optimizer_shards = 1;
@@ -234,6 +238,8 @@ class LanguageModel {
   // and the step count is not negative.
   void check_state_arrays(std::string_view caller, size_t params, size_t m, size_t v, int64_t optimizer_steps) const;
   void gradient_ready(std::string_view parameter_name) const;  // for backward(): calls the hook, if any
+  // Whether someone else acts on the gradients as they become final (data parallelism reduces them).
+  bool has_gradient_ready_hook() const { return bool(gradient_ready_hook_); }
   // For forward(): calls the hook, if any, with the elements of every parameter whose name starts with
   // `name_prefix` (one run: a layer's parameters are contiguous in the layout).
   void parameters_needed(std::string_view name_prefix) const;

@@ -10,7 +10,7 @@ import struct
 import threading
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_DIMS = 6
 
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, RUNTIME_ERROR = 0, 1, 2, 3
@@ -20,18 +20,27 @@ TOP_LEFT, BOTTOM_RIGHT = 0, 1
 FLASH, NAIVE = 0, 1
 
 # flashlm_tensor: void* data; int32 ndim, dtype, device; (4 bytes of padding) int64 sizes[6], strides[6].
-# Attention tensors have 4 dimensions (lse 3); the unused sizes and strides are zero padding.
+# Attention tensors have 4 dimensions (lse 3); packed varlen ones 3 (lse 2); the unused sizes and strides are zero padding.
 TENSOR4 = "Qiii4x4q16x4q16x"
 TENSOR3 = "Qiii4x3q24x3q24x"
+TENSOR2 = "Qiii4x2q32x2q32x"
 TENSOR_BYTES = 120
 # flashlm_attention_options: int32 impl, causal, causal_align, deterministic, has_scale; double scale;
 # void* stream.
 OPTIONS = "iiiii4xdQ"
 OPTIONS_BYTES = 40
-# forward(q, k, v, o, lse, options) and backward(q, k, v, o, lse, dout, dq, dk, dv, options).
+# flashlm_varlen: const int32* cu_seqlens_q, cu_seqlens_k; int64 batch; int32 device; int64 max_seqlen_q,
+# max_seqlen_k.
+VARLEN = "QQqi4xqq"
+VARLEN_BYTES = 48
+# forward(q, k, v, o, lse, options) and backward(q, k, v, o, lse, dout, dq, dk, dv, options); the varlen
+# calls take their packed tensors and the flashlm_varlen before the options.
 FORWARD = struct.Struct("=" + TENSOR4 * 4 + TENSOR3 + OPTIONS)
 BACKWARD = struct.Struct("=" + TENSOR4 * 4 + TENSOR3 + TENSOR4 * 4 + OPTIONS)
+VARLEN_FORWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + VARLEN + OPTIONS)
+VARLEN_BACKWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + TENSOR3 * 4 + VARLEN + OPTIONS)
 assert FORWARD.size == 5 * TENSOR_BYTES + OPTIONS_BYTES and BACKWARD.size == 9 * TENSOR_BYTES + OPTIONS_BYTES
+assert VARLEN_FORWARD.size == FORWARD.size + VARLEN_BYTES and VARLEN_BACKWARD.size == BACKWARD.size + VARLEN_BYTES
 
 
 class FlashlmError(RuntimeError):
@@ -80,6 +89,10 @@ def _load():
     lib.flashlm_attention_forward.restype = ctypes.c_int
     lib.flashlm_attention_backward.argtypes = [ctypes.c_void_p] * 10
     lib.flashlm_attention_backward.restype = ctypes.c_int
+    lib.flashlm_attention_varlen_forward.argtypes = [ctypes.c_void_p] * 7
+    lib.flashlm_attention_varlen_forward.restype = ctypes.c_int
+    lib.flashlm_attention_varlen_backward.argtypes = [ctypes.c_void_p] * 11
+    lib.flashlm_attention_varlen_backward.restype = ctypes.c_int
     lib.flashlm_last_error.restype = ctypes.c_char_p
     lib.flashlm_version.restype = ctypes.c_char_p
     lib.flashlm_cuda_built.restype = ctypes.c_int32
@@ -96,10 +109,14 @@ class _CallBuffer(threading.local):
     the addresses of each argument inside it."""
 
     def __init__(self):
-        self.buffer = ctypes.create_string_buffer(BACKWARD.size)
+        self.buffer = ctypes.create_string_buffer(VARLEN_BACKWARD.size)
         base = ctypes.addressof(self.buffer)
         self.forward_args = tuple(base + i * TENSOR_BYTES for i in range(6))
         self.backward_args = tuple(base + i * TENSOR_BYTES for i in range(10))
+        self.varlen_forward_args = (*self.forward_args[:5], base + 5 * TENSOR_BYTES,
+                                    base + 5 * TENSOR_BYTES + VARLEN_BYTES)
+        self.varlen_backward_args = (*self.backward_args[:9], base + 9 * TENSOR_BYTES,
+                                     base + 9 * TENSOR_BYTES + VARLEN_BYTES)
 
 
 _calls = _CallBuffer()
@@ -117,6 +134,21 @@ def backward(*fields):
     call = _calls
     BACKWARD.pack_into(call.buffer, 0, *fields)
     check(lib.flashlm_attention_backward(*call.backward_args))
+
+
+def varlen_forward(*fields):
+    """flashlm_attention_varlen_forward on VARLEN_FORWARD's fields (q, k, v, o, lse, seqs, options)."""
+    call = _calls
+    VARLEN_FORWARD.pack_into(call.buffer, 0, *fields)
+    check(lib.flashlm_attention_varlen_forward(*call.varlen_forward_args))
+
+
+def varlen_backward(*fields):
+    """flashlm_attention_varlen_backward on VARLEN_BACKWARD's fields (q, k, v, o, lse, dout, dq, dk, dv, seqs,
+    options)."""
+    call = _calls
+    VARLEN_BACKWARD.pack_into(call.buffer, 0, *fields)
+    check(lib.flashlm_attention_varlen_backward(*call.varlen_backward_args))
 
 
 def check(status):

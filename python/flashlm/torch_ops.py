@@ -54,12 +54,13 @@ def _options(causal, bottom_right, scale, deterministic, impl):
     return (_IMPL[impl], causal, bottom_right, deterministic, scale is not None, 0.0 if scale is None else scale)
 
 
-def _why_not_packable(named_tensors, impl):
-    """The error for arguments _describe/_options could not pack (the C side checks everything else)."""
+def _why_not_packable(named_tensors, impl, ndim=4):
+    """The error for arguments _describe/_options could not pack (the C side checks everything else); ndim is
+    the tensors' (lse has one fewer)."""
     for t, name in named_tensors:
         if not isinstance(t, torch.Tensor):
             return L.FlashlmValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-        want = 3 if name == "lse" else 4
+        want = ndim - 1 if name == "lse" else ndim
         if t.dim() != want:
             return L.FlashlmValueError(f"{name}: expected {want} dimensions, got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
@@ -319,13 +320,8 @@ def _no_dropout(dropout_p):
         raise L.FlashlmValueError(f"dropout_p: {dropout_p} given, but flashlm attention has no dropout (pass 0.0)")
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
-    head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
-    flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
-    implemented and are refused."""
-    _no_dropout(dropout_p)
+def _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs):
+    """flash-attn's arguments for features flashlm does not have: an error unless each has its default."""
     if tuple(window_size) != (-1, -1):
         raise L.FlashlmValueError(f"window_size: {tuple(window_size)} given, but flashlm attention has no sliding "
                                   "window (pass (-1, -1))")
@@ -335,6 +331,16 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise L.FlashlmValueError("alibi_slopes: flashlm attention has no ALiBi (pass None)")
     if return_attn_probs:
         raise L.FlashlmValueError("return_attn_probs: flashlm attention does not return probabilities (pass False)")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
+    head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
+    flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
+    implemented and are refused."""
+    _no_dropout(dropout_p)
+    _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
     _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
     return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash")
 
@@ -393,3 +399,240 @@ class FlashAttention(torch.autograd.Function):
         dq, dk, dv = _backward(dout.unsqueeze(2), q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), o.unsqueeze(2),
                                lse.unsqueeze(1), "bshd", ctx.is_causal, False, None, False, "flash")
         return (*_once_differentiable((dq.squeeze(2), dk.squeeze(2), dv.squeeze(2)), (q, k, v, dout)), None)
+
+
+# Packed variable-length sequences (flash-attn's varlen convention): q [total_q, heads_q, head_dim], k, v
+# [total_k, heads_k, head_dim], int32 offsets cu_seqlens_q/k [batch + 1], lse [heads_q, total_q].
+#
+#     torch.ops.flashlm.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+#                                            causal, bottom_right, scale, deterministic, impl) -> (o, lse)
+#     torch.ops.flashlm.attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+#                                            max_seqlen_k, causal, bottom_right, scale, deterministic, impl)
+#         -> (dq, dk, dv)
+
+def _describe3(t):
+    return (t.data_ptr(), 3, _DTYPES[t.dtype], t.is_cuda, *t.shape, *t.stride())
+
+
+def _describe_lse2(t):
+    return (t.data_ptr(), 2, _DTYPES[t.dtype], t.is_cuda, *t.shape, *t.stride())
+
+
+def _check_offsets(cu_seqlens_q, cu_seqlens_k, q):
+    """The offsets as the C side reads them (int32, one dimension, unit stride, on q's device or the CPU);
+    their values are checked there. Returns (cu_q, cu_k, batch)."""
+    named = ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))
+    for t, name in named:
+        if not isinstance(t, torch.Tensor):
+            raise L.FlashlmValueError(f"{name}: expected an int32 tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise L.FlashlmValueError(f"{name}: expected dtype torch.int32 (flash-attn's convention), got {t.dtype}")
+        if t.dim() != 1 or t.numel() == 0:
+            raise L.FlashlmValueError(f"{name}: expected one dimension of batch + 1 >= 1 offsets, got shape "
+                                      f"{tuple(t.shape)}")
+        if t.is_cuda and (not q.is_cuda or t.device != q.device):
+            raise L.FlashlmValueError(f"{name}: on {t.device} but q is on {q.device} (offsets go on q's device or "
+                                      "the CPU)")
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise L.FlashlmValueError(f"cu_seqlens_k: {cu_seqlens_k.numel()} offsets, but cu_seqlens_q has "
+                                  f"{cu_seqlens_q.numel()} (both are batch + 1 long)")
+    return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), cu_seqlens_q.numel() - 1
+
+
+def _varlen_fields(cu_q, cu_k, batch, max_seqlen_q, max_seqlen_k):
+    return (cu_q.data_ptr(), cu_k.data_ptr(), batch, cu_q.is_cuda, int(max_seqlen_q), int(max_seqlen_k))
+
+
+def _varlen_forward_outputs(q):
+    if q.dim() != 3:
+        raise L.FlashlmValueError(f"q: expected 3 dimensions [total_q, heads_q, head_dim], got shape {tuple(q.shape)}")
+    return torch.empty_like(q), torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
+
+
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right, scale,
+                    deterministic, impl):
+    cu_q, cu_k, batch = _check_offsets(cu_seqlens_q, cu_seqlens_k, q)
+    o, lse = _varlen_forward_outputs(q)
+    _check_3d(((k, "k"), (v, "v")))
+    try:
+        fields = (_describe3(q) + _describe3(k) + _describe3(v) + _describe3(o) + _describe_lse2(lse)
+                  + _varlen_fields(cu_q, cu_k, batch, max_seqlen_q, max_seqlen_k)
+                  + _options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, 3) from None
+    try:
+        _call(L.varlen_forward, q, fields)
+    except struct.error:
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, 3) from None
+    return o, lse
+
+
+def _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     bottom_right, scale, deterministic, impl):
+    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"))
+    _check_3d(named)
+    cu_q, cu_k, batch = _check_offsets(cu_seqlens_q, cu_seqlens_k, q)
+    if dout.stride(-1) != 1 or dout.numel() == 0:
+        dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    try:
+        fields = (_describe3(q) + _describe3(k) + _describe3(v) + _describe3(o) + _describe_lse2(lse)
+                  + _describe3(dout) + _describe3(dq) + _describe3(dk) + _describe3(dv)
+                  + _varlen_fields(cu_q, cu_k, batch, max_seqlen_q, max_seqlen_k)
+                  + _options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(named + ((lse, "lse"),), impl, 3) from None
+    try:
+        _call(L.varlen_backward, q, fields)
+    except struct.error:
+        raise _why_not_packable(named + ((lse, "lse"),), impl, 3) from None
+    return dq, dk, dv
+
+
+def _check_3d(named_tensors):
+    for t, name in named_tensors:
+        if not isinstance(t, torch.Tensor):
+            raise L.FlashlmValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise L.FlashlmValueError(f"{name}: expected 3 dimensions [total, heads, head_dim] (packed sequences), "
+                                      f"got shape {tuple(t.shape)}")
+
+
+if HAS_CUSTOM_OPS:
+    @torch.library.custom_op("flashlm::attention_varlen_fwd", mutates_args=())
+    def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                             bottom_right: bool, scale: Optional[float], deterministic: bool,
+                             impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Packed variable-length attention forward: (o, lse [heads_q, total_q])."""
+        return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right,
+                               scale, deterministic, impl)
+
+    @attention_varlen_fwd.register_fake
+    def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   bottom_right, scale, deterministic, impl):
+        return _varlen_forward_outputs(q)
+
+    @torch.library.custom_op("flashlm::attention_varlen_bwd", mutates_args=())
+    def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                             lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, causal: bool, bottom_right: bool,
+                             scale: Optional[float], deterministic: bool,
+                             impl: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed variable-length attention backward: (dq, dk, dv), allocated like q, k, v."""
+        return _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                bottom_right, scale, deterministic, impl)
+
+    @attention_varlen_bwd.register_fake
+    def _attention_varlen_bwd_fake(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   causal, bottom_right, scale, deterministic, impl):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def _varlen_setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k = inputs[:5]
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.args = inputs[5:]  # max_seqlen_q, max_seqlen_k, causal, bottom_right, scale, deterministic, impl
+        ctx.mark_non_differentiable(lse)
+
+    def _varlen_fwd_backward(ctx, dout, dlse):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            dq, dk, dv = _VarlenBackwardOps.apply(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        else:
+            dq, dk, dv = _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+    attention_varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_varlen_setup_context)
+    attention_varlen_bwd.register_autograd(_refuse_double_backward)
+    _VARLEN_FWD_OP = torch.ops.flashlm.attention_varlen_fwd.default
+    _VARLEN_BWD_OP = torch.ops.flashlm.attention_varlen_bwd.default
+
+    class _VarlenOps(torch.autograd.Function):
+        """The varlen operators' autograd formula as an autograd.Function (for torch.func, as _AttentionOps)."""
+
+        @staticmethod
+        def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
+            return _VARLEN_FWD_OP(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+
+        setup_context = staticmethod(_varlen_setup_context)
+        backward = staticmethod(_varlen_fwd_backward)
+
+    class _VarlenBackwardOps(torch.autograd.Function):
+        @staticmethod
+        def forward(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic,
+                    impl):
+            return _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale,
+                                  deterministic, impl)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        backward = staticmethod(_refuse_double_backward)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """The eager autograd path of the varlen attention (as _Attention for the batched one)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
+        o, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+        return o
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        grads = _varlen_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        return (*_once_differentiable(grads, (q, k, v, dout)), *([None] * 9))
+
+
+def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+    if _traced(q):
+        # Dynamo refuses an autograd.Function given one tensor twice, and self-attention passes the same
+        # offsets as cu_q and cu_k: compiled code calls the operator (its registered autograd), torch.func
+        # transforms the autograd.Function (the operator's autograd is not usable under them).
+        if torch.compiler.is_compiling():
+            return _VARLEN_FWD_OP(*args)[0]
+        return _VarlenOps.apply(*args)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenAttention.apply(*args)
+    return _varlen_forward(*args)[0]
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, causal_align=None):
+    """flash-attn's flash_attn_varlen_func: the batch's sequences packed end to end, q [total_q, heads_q,
+    head_dim], k, v [total_k, heads_k, head_dim], sequence b owning rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q
+    and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k (int32 tensors of batch + 1 offsets, on q's device or the CPU;
+    offsets on the GPU are read back once per call). max_seqlen_q/k bound the sequence lengths (a longer
+    sequence is an error). causal applies per sequence, bottom-right aligned as in flash-attn >= 2.1
+    (causal_align="top_left" for PyTorch's alignment). Dropout, sliding windows, softcap, ALiBi, returned
+    probabilities and paged KV (block_table) are refused."""
+    _no_dropout(dropout_p)
+    _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
+    if block_table is not None:
+        raise L.FlashlmValueError("block_table: flashlm attention has no paged KV cache (pass None)")
+    _check_3d(((q, "q"), (k, "k"), (v, "v")))
+    if causal_align is None:
+        bottom_right = True
+    elif causal_align in _ALIGN:
+        bottom_right = _ALIGN[causal_align]
+    else:
+        raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right")
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
+                             bottom_right, softmax_scale, bool(deterministic), "flash")
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                             scale=None, causal_align="bottom_right", impl="flash"):
+    """Varlen forward only, no autograd: returns (o, lse) with lse [heads_q, total_q] (flash-attn's layout)."""
+    _check_3d(((q, "q"), (k, "k"), (v, "v")))
+    if causal_align not in _ALIGN:
+        raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right")
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
+                           _ALIGN[causal_align], scale, False, impl)
