@@ -1,8 +1,9 @@
 """Loads libflashlm and declares its C ABI (include/flashlm/flashlm.h) for ctypes.
 
-A call's tensors and options are packed by one struct.pack_into into a per-thread buffer laid out as the
-header's flashlm_tensor / flashlm_attention_options structs, and the C functions get addresses into it:
-no ctypes structure is built per call (that cost ~60 µs of host time per attention call before).
+A call's tensors and options are packed by struct.pack_into into a buffer laid out as the header's
+flashlm_tensor / flashlm_attention_options structs, and the C functions get addresses into it: no ctypes
+structure is built per call (that cost ~60 µs of host time per attention call). The buffers are kept per
+thread and per call geometry (PackedCall), so a repeated call rewrites only its data pointers and stream.
 """
 import ctypes
 import os
@@ -104,36 +105,65 @@ lib = _load()
 path = lib._name
 
 
+class PackedCall:
+    """One call's C arguments packed in a buffer of their own (FORWARD's or BACKWARD's layout) and their
+    addresses. A call whose shapes, strides, dtypes, devices and options match an earlier one's (the key
+    the caller builds from exactly those) differs from it only in its data pointers and stream: those are
+    written into the packed buffer (`words`, 64-bit words) and the rest is reused, instead of packing ~60
+    fields per call."""
+
+    __slots__ = ("buffer", "words", "args")
+
+    def __init__(self, layout, fields):
+        self.buffer = ctypes.create_string_buffer(layout.size)
+        layout.pack_into(self.buffer, 0, *fields)
+        self.words = memoryview(self.buffer).cast("B").cast("Q")
+        base = ctypes.addressof(self.buffer)
+        tensors = layout.size // TENSOR_BYTES  # then the options
+        self.args = tuple(base + i * TENSOR_BYTES for i in range(tensors + 1))
+
+
+# In PackedCall.words: tensor i's data pointer is word i * TENSOR_WORDS; the stream is the options' word 6.
+TENSOR_WORDS = TENSOR_BYTES // 8
+FORWARD_STREAM_WORD = 5 * TENSOR_WORDS + 6
+BACKWARD_STREAM_WORD = 9 * TENSOR_WORDS + 6
+MAX_PACKED_CALLS = 256
+
+
+class _PackedCalls(threading.local):
+    """Each thread's packed calls by key (ctypes releases the GIL during a call, so threads must not share a
+    buffer), a bounded number: a program with more distinct geometries than that repacks."""
+
+    def __init__(self):
+        self.forward = {}
+        self.backward = {}
+
+
+packed_calls = _PackedCalls()
+
+
 class _CallBuffer(threading.local):
-    """One buffer per thread (ctypes releases the GIL during the call, so threads must not share it), and
-    the addresses of each argument inside it."""
+    """The varlen calls' per-thread buffer, packed afresh on every call (their offsets tensors make a
+    cached geometry less useful), and the addresses of each argument inside it."""
 
     def __init__(self):
         self.buffer = ctypes.create_string_buffer(VARLEN_BACKWARD.size)
         base = ctypes.addressof(self.buffer)
-        self.forward_args = tuple(base + i * TENSOR_BYTES for i in range(6))
-        self.backward_args = tuple(base + i * TENSOR_BYTES for i in range(10))
-        self.varlen_forward_args = (*self.forward_args[:5], base + 5 * TENSOR_BYTES,
+        self.varlen_forward_args = (*(base + i * TENSOR_BYTES for i in range(5)), base + 5 * TENSOR_BYTES,
                                     base + 5 * TENSOR_BYTES + VARLEN_BYTES)
-        self.varlen_backward_args = (*self.backward_args[:9], base + 9 * TENSOR_BYTES,
+        self.varlen_backward_args = (*(base + i * TENSOR_BYTES for i in range(9)), base + 9 * TENSOR_BYTES,
                                      base + 9 * TENSOR_BYTES + VARLEN_BYTES)
 
 
 _calls = _CallBuffer()
 
 
-def forward(*fields):
-    """flashlm_attention_forward on FORWARD's fields (q, k, v, o, lse, options)."""
-    call = _calls
-    FORWARD.pack_into(call.buffer, 0, *fields)
-    check(lib.flashlm_attention_forward(*call.forward_args))
-
-
-def backward(*fields):
-    """flashlm_attention_backward on BACKWARD's fields (q, k, v, o, lse, dout, dq, dk, dv, options)."""
-    call = _calls
-    BACKWARD.pack_into(call.buffer, 0, *fields)
-    check(lib.flashlm_attention_backward(*call.backward_args))
+def packed(calls, key, layout, fields):
+    """A new PackedCall of `fields` kept under `key` in `calls` (one of packed_calls' dictionaries)."""
+    if len(calls) >= MAX_PACKED_CALLS:
+        calls.clear()
+    call = calls[key] = PackedCall(layout, fields)
+    return call
 
 
 def varlen_forward(*fields):

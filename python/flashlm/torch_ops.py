@@ -9,7 +9,7 @@ autograd.Function on older torch, through the C ABI (no compiled extension).
 layout is "bshd" ([batch, seq, heads, head_dim]) or "bhsd" ([batch, heads, seq, head_dim]); any strides
 with a unit last stride. o is allocated like q (same strides when q is dense), lse is [batch, heads_q,
 seq_q] float32 (float64 for float64 CPU inputs), dq, dk, dv like q, k, v. The C side checks every
-argument; Python only describes the tensors to it (one struct.pack_into, _lib.py).
+argument; Python only describes the tensors to it (packed once per call geometry, _lib.PackedCall).
 
 Plain eager calls skip the operators' dispatcher round trip (_Attention below); under torch.compile,
 export, fake tensors and torch.func the operators are what gets traced.
@@ -29,6 +29,8 @@ if _FP8 is not None:
 _NO_DESCALE = (1.0, 1.0, 1.0)
 _ALIGN = {"top_left": False, "top-left": False, "bottom_right": True, "bottom-right": True}
 _IMPL = {"flash": L.FLASH, "naive": L.NAIVE}
+# _forward and _backward write the data pointers and the stream at these words of a PackedCall.
+assert L.TENSOR_WORDS == 15 and L.FORWARD_STREAM_WORD == 81 and L.BACKWARD_STREAM_WORD == 141
 DOUBLE_BACKWARD_ERROR = ("flashlm attention: double backward (differentiating the attention's gradients, "
                          "create_graph=True) is not supported")
 
@@ -43,7 +45,7 @@ else:
 def _describe(t, bhsd):
     """The packed flashlm_tensor fields of a 4-D t (data, ndim, dtype, device, sizes, strides), a [batch,
     heads, seq, head_dim] tensor described as its [batch, seq, heads, head_dim] view when bhsd. (is_cuda
-    is the device code: CPU = 0, CUDA = 1.) Kept to attribute reads: it runs five or nine times a call."""
+    is the device code: CPU = 0, CUDA = 1.)"""
     s, st = t.shape, t.stride()
     if bhsd:
         return (t.data_ptr(), 4, _DTYPES[t.dtype], t.is_cuda, s[0], s[2], s[1], s[3], st[0], st[2], st[1], st[3])
@@ -60,7 +62,7 @@ def _options(causal, bottom_right, scale, deterministic, impl, descales=_NO_DESC
             *descales)
 
 
-def _why_not_packable(named_tensors, impl, ndim=4):
+def _why_not_packable(named_tensors, impl, ndim=4, scale=None):
     """The error for arguments _describe/_options could not pack (the C side checks everything else); ndim is
     the tensors' (lse has one fewer)."""
     for t, name in named_tensors:
@@ -74,7 +76,9 @@ def _why_not_packable(named_tensors, impl, ndim=4):
                                        "bfloat16, float8_e4m3fn)")
     if impl not in _IMPL:
         return L.FlashlmValueError(f"impl: '{impl}' is not flash or naive")
-    return None
+    if scale is not None and not isinstance(scale, (int, float)):
+        return L.FlashlmValueError(f"scale: expected a number or None, got {type(scale).__name__}")
+    return L.FlashlmValueError("attention: the arguments could not be described to the C library")
 
 
 def _is_bhsd(layout):
@@ -85,19 +89,28 @@ def _is_bhsd(layout):
     raise L.FlashlmValueError(f"layout: '{layout}' is not bshd or bhsd")
 
 
-def _call(c_function, q, fields):
-    """Calls the C function on the packed fields with q's current CUDA stream appended, on q's device."""
+def _stream(q):
+    """q's current CUDA stream as an integer (0 on the CPU), or None when q is on another device than the
+    current one: the C ABI works on the calling thread's current device, so the caller switches first."""
     if not q.is_cuda:
-        return c_function(*fields, 0)
+        return 0
     index = q.get_device()
-    if torch.cuda.current_device() == index:
-        return c_function(*fields, _raw_stream(index))
-    with torch.cuda.device(index):  # the C ABI works on the calling thread's current device
-        return c_function(*fields, _raw_stream(index))
+    return _raw_stream(index) if torch.cuda.current_device() == index else None
+
+
+def _call(c_function, q, fields):
+    """Calls the C function on the packed fields with q's current CUDA stream appended, on q's device (the
+    varlen calls; the others write the stream into their PackedCall)."""
+    stream = _stream(q)
+    if stream is None:
+        with torch.cuda.device(q.get_device()):
+            return c_function(*fields, _raw_stream(q.get_device()))
+    return c_function(*fields, stream)
 
 
 def _lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 and not q.is_cuda else torch.float32
+    """float64 for float64 CPU inputs, else float32."""
+    return torch.float64 if q.dtype is torch.float64 and not q.is_cuda else torch.float32
 
 
 def _forward_outputs(q, layout):
@@ -106,47 +119,79 @@ def _forward_outputs(q, layout):
     bhsd = _is_bhsd(layout)
     if q.dim() != 4:
         raise L.FlashlmValueError(f"q: expected 4 dimensions ({layout}), got shape {tuple(q.shape)}")
-    s = q.shape
-    lse_shape = (s[0], s[1], s[2]) if bhsd else (s[0], s[2], s[1])
-    o = torch.empty_like(q, dtype=torch.bfloat16) if q.dtype == _FP8 else torch.empty_like(q)
-    return o, torch.empty(lse_shape, dtype=_lse_dtype(q), device=q.device)
+    b, x, y, _ = q.shape
+    lse_dtype = _lse_dtype(q)
+    # Sizes as separate arguments: torch.empty parses them faster than a tuple.
+    lse = torch.empty(b, x, y, dtype=lse_dtype, device=q.device) if bhsd else \
+        torch.empty(b, y, x, dtype=lse_dtype, device=q.device)
+    return (torch.empty_like(q, dtype=torch.bfloat16) if q.dtype == _FP8 else torch.empty_like(q)), lse
 
 
 def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales=_NO_DESCALE):
-    """Runs the forward on tensors in `layout`: (o, lse)."""
+    """Runs the forward on tensors in `layout`: (o, lse). Every eager call runs this, so it is kept to the
+    two allocations, the attribute reads that make the key of the call's packed arguments (_lib.PackedCall:
+    everything but the data pointers and stream, which are written per call) and the C call."""
+    stream = _stream(q)
+    if stream is None:
+        with torch.cuda.device(q.get_device()):
+            return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales)
     o, lse = _forward_outputs(q, layout)
-    bhsd = layout == "bhsd"
     try:
-        fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
-                  + _options(causal, bottom_right, scale, deterministic, impl, descales))
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
-    try:
-        _call(L.forward, q, fields)
-    except struct.error:
-        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
+        # o and lse are functions of q's key entries (empty_like of q; a fresh [batch, heads, seq] tensor).
+        key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.is_cuda, k.is_cuda, v.is_cuda, causal, bottom_right, scale, deterministic, impl, descales)
+        calls = L.packed_calls.forward
+        call = calls.get(key)
+        if call is None:
+            bhsd = layout == "bhsd"
+            call = L.packed(calls, key, L.FORWARD, (
+                *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
+                *_describe_lse(lse), *_options(causal, bottom_right, scale, deterministic, impl, descales), 0))
+    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
+    w = call.words  # the data pointers of q, k, v, o, lse and the stream (L.TENSOR_WORDS = 15 words a tensor)
+    w[0], w[15], w[30], w[45], w[60], w[81] = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), stream
+    status = L.lib.flashlm_attention_forward(*call.args)
+    if status:
+        L.check(status)
     return o, lse
 
 
 def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
-    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v."""
+    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward)."""
+    stream = _stream(q)
+    if stream is None:
+        with torch.cuda.device(q.get_device()):
+            return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
     if dout.stride(-1) != 1 or dout.numel() == 0:
         # .sum().backward() hands an expanded (stride 0) gradient; an empty one keeps its zero strides
         # through .contiguous(), so it gets fresh ones.
         dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bhsd = _is_bhsd(layout)
-    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"))
     try:
-        fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
-                  + _describe(dout, bhsd) + _describe(dq, bhsd) + _describe(dk, bhsd) + _describe(dv, bhsd)
-                  + _options(causal, bottom_right, scale, deterministic, impl))
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise _why_not_packable(named, impl) from None
-    try:
-        _call(L.backward, q, fields)
-    except struct.error:
-        raise _why_not_packable(named, impl) from None
+        # dq, dk, dv are functions of q's, k's and v's key entries (empty_like).
+        key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
+               lse.stride(), dout.shape, dout.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, dout.dtype,
+               q.is_cuda, k.is_cuda, v.is_cuda, o.is_cuda, lse.is_cuda, dout.is_cuda, causal, bottom_right, scale,
+               deterministic, impl)
+        calls = L.packed_calls.backward
+        call = calls.get(key)
+        if call is None:
+            bhsd = _is_bhsd(layout)
+            call = L.packed(calls, key, L.BACKWARD, (
+                *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
+                *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
+                *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl), 0))
+    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout")), impl,
+                                scale=scale) from None
+    w = call.words  # q, k, v, o, lse, dout, dq, dk, dv, the stream
+    w[0], w[15], w[30], w[45], w[60], w[75], w[90], w[105], w[120], w[141] = (
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), dout.data_ptr(), dq.data_ptr(),
+        dk.data_ptr(), dv.data_ptr(), stream)
+    status = L.lib.flashlm_attention_backward(*call.args)
+    if status:
+        L.check(status)
     return dq, dk, dv
 
 
@@ -281,8 +326,8 @@ class _Attention(torch.autograd.Function):
 def _traced(q):
     """Whether the call is being traced or transformed (torch.compile, export, FakeTensorMode, torch.func,
     a tensor subclass), where the custom operators must be called; plain eager calls take _Attention."""
-    return HAS_CUSTOM_OPS and (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-                               or torch._C._len_torch_dispatch_stack() > 0 or type(q) is not torch.Tensor)
+    return HAS_CUSTOM_OPS and (type(q) is not torch.Tensor or torch.compiler.is_compiling()
+                               or torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0)
 
 
 def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
@@ -294,6 +339,8 @@ def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl
 
 
 def _check_4d(tensors, layout):
+    """Raises for the first of (tensor, name) that is not 4-D. (Callers test q.dim() etc. first: this runs
+    on every call.)"""
     for t, name in tensors:
         if t.dim() != 4:
             raise L.FlashlmValueError(f"{name}: expected 4 dimensions ({layout}), got shape {tuple(t.shape)}")
@@ -343,7 +390,8 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     softmax(S) v.
     """
     seq = _seq_dim(layout)
-    _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
     bottom_right = _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq])
     descales = (q_descale, k_descale, v_descale)
     if _FP8 is not None and q.dtype == _FP8:
@@ -361,7 +409,7 @@ def _no_dropout(dropout_p):
 
 def _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs):
     """flash-attn's arguments for features flashlm does not have: an error unless each has its default."""
-    if tuple(window_size) != (-1, -1):
+    if window_size != (-1, -1) and tuple(window_size) != (-1, -1):
         raise L.FlashlmValueError(f"window_size: {tuple(window_size)} given, but flashlm attention has no sliding "
                                   "window (pass (-1, -1))")
     if softcap != 0.0:
@@ -378,9 +426,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
     flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
     implemented and are refused."""
-    _no_dropout(dropout_p)
+    if dropout_p != 0.0:
+        _no_dropout(dropout_p)
     _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
-    _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
     return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash")
 
 
@@ -392,11 +442,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         raise L.FlashlmValueError("attn_mask: flashlm attention takes no mask tensor (pass None; is_causal=True for "
                                   "a causal mask)")
-    _no_dropout(dropout_p)
-    _check_4d(((query, "query"), (key, "key"), (value, "value")), "bhsd")
-    if not enable_gqa and (query.shape[1] != key.shape[1] or query.shape[1] != value.shape[1]):
-        raise L.FlashlmValueError(f"enable_gqa: query has {query.shape[1]} heads and key/value {key.shape[1]}/"
-                                  f"{value.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    if dropout_p != 0.0:
+        _no_dropout(dropout_p)
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        _check_4d(((query, "query"), (key, "key"), (value, "value")), "bhsd")
+    if not enable_gqa:
+        heads = query.shape[1]
+        if key.shape[1] != heads or value.shape[1] != heads:
+            raise L.FlashlmValueError(f"enable_gqa: query has {heads} heads and key/value {key.shape[1]}/"
+                                      f"{value.shape[1]}; pass enable_gqa=True for grouped-query attention")
     return _attention(query, key, value, "bhsd", bool(is_causal), False, scale, False, "flash")
 
 

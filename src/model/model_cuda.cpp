@@ -745,6 +745,15 @@ double CudaModel::clip_gradients(double max_norm) {
 
 int64_t CudaModel::optimizer_steps() const { return impl_->adam_step; }
 
+void CudaModel::release_optimizer_state() {
+  Impl& m = *impl_;
+  if (!m.adam_m.data()) return;
+  gpu::stream_synchronize(m.stream);  // the last AdamW step may still be reading them
+  m.adam_m = Buffer();
+  m.adam_v = Buffer();
+  m.adam_step = 0;
+}
+
 void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
 
 void CudaModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
