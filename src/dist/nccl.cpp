@@ -41,8 +41,9 @@ ncclDataType_t nccl_type(DType t) {
     case DType::f32: return ncclFloat32;
     case DType::f16: return ncclFloat16;
     case DType::bf16: return ncclBfloat16;
+    case DType::f8e4m3: break;  // attention inputs only
   }
-  fail("NCCL: unsupported dtype");
+  fail("NCCL: unsupported dtype {}", dtype_name(t));
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
