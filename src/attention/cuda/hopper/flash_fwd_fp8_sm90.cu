@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
 #include "attention/cuda/hopper/sm90.cuh"
@@ -254,8 +255,6 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
                 "{}: q: dtype fp8_e4m3 runs only on an sm_90 GPU (H100/H200) with the sm_90a kernels loaded; "
                 "this device is not one",
                 fn);
-  FLASHLM_CHECK(p.head_dim == 64 || p.head_dim == 128, "{}: q: head_dim {} has no fp8_e4m3 kernel (64 or 128)", fn,
-                p.head_dim);
   // The grid is (query tiles, heads_q, batch); blockIdx.y and .z stop at 65535, and the kernel indexes rows in int.
   FLASHLM_CHECK(p.heads_q <= 65535 && p.batch <= 65535, "{}: q: fp8_e4m3 takes at most 65535 heads and batch, got {} and {}",
                 fn, p.heads_q, p.batch);
@@ -269,8 +268,9 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
   f.scale_log2 = static_cast<float>(scale) * flash_cuda::kLog2e;
   const auto s = static_cast<cudaStream_t>(stream);
   const auto v_descale = static_cast<float>(p.v_descale);
-  if (p.head_dim == 64) flash_cuda::launch_forward_fp8_sm90<64>(f, v_descale, s);
-  else flash_cuda::launch_forward_fp8_sm90<128>(f, v_descale, s);
+  const bool launched = with_head_dim<kFp8ForwardHeadDims>(
+      p.head_dim, [&](auto dim) { flash_cuda::launch_forward_fp8_sm90<dim.value>(f, v_descale, s); });
+  FLASHLM_CHECK(launched, "{}: q: head_dim {} has no fp8_e4m3 kernel", fn, p.head_dim);  // the plan checked it
 }
 
 }  // namespace flashlm
