@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -380,7 +381,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a, bool grid_given) {
 
 struct BenchArgs {
   std::string model = "small", context = "512", precision = "fp32", attention = "flash", pass = "fwd,fwd-bwd,step";
-  std::string device, format = "md", out, memory_timeline, model_config, recompute = "none";
+  std::string device, format = "md", out, memory_timeline, trace, model_config, recompute = "none";
   int64_t batch = 4, vocab = 0, head_chunk = 0;
   int warmup = 5, steps = 10, threads = 0;
   bool profile_ranges = false, profile_kernels = false, quiet = false, atomic_backward = false;
@@ -418,6 +419,9 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--memory-timeline", a.memory_timeline,
                   "Write every allocation and release (time, bytes, tag, phase) as JSON; draw it with "
                   "scripts/plot_memory_timeline.py");
+  cmd->add_option("--trace", a.trace,
+                  "Write the timed steps' ranges (as --profile-ranges times them) and the memory in use over the run "
+                  "as a Chrome trace (JSON trace events) that ui.perfetto.dev and chrome://tracing open");
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
@@ -461,9 +465,23 @@ int run_bench_command(const BenchArgs& a) {
   if (cfg.profile_kernels && cfg.device != Device::cuda) throw UsageError("--profile-kernels needs --device cuda");
   if (a.threads > 0) set_cpu_threads(a.threads);
   if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
-  if (!a.memory_timeline.empty()) memory_timeline_start();
+  cfg.trace_ranges = !a.trace.empty();
+  const bool timeline = !a.memory_timeline.empty() || !a.trace.empty();
+  // The trace puts the timeline on the ranges' steady clock from here (microseconds before its own start).
+  const int64_t timeline_origin_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::steady_clock::now().time_since_epoch())
+                                         .count();
+  if (timeline) memory_timeline_start();
   const auto records = run_lm_bench(cfg);
-  if (!a.memory_timeline.empty()) write_memory_timeline(memory_timeline_stop(), a.memory_timeline);
+  if (timeline) {
+    const std::vector<MemoryEvent> events = memory_timeline_stop();
+    if (!a.memory_timeline.empty()) write_memory_timeline(events, a.memory_timeline);
+    if (!a.trace.empty()) {
+      std::vector<RangeInstance> ranges;
+      for (const auto& r : records) ranges.insert(ranges.end(), r.ranges.begin(), r.ranges.end());
+      write_output(chrome_trace_json(ranges, events, timeline_origin_ns), a.trace);
+    }
+  }
   emit_report([&](flashlm::ReportFormat f) { return format_lm_bench(records, f, cfg); }, format, a.out);
   for (const auto& r : records) {
     if (!r.range_table.empty()) {

@@ -97,3 +97,18 @@ execute_process(COMMAND ${CMAKE_COMMAND} -E env WORLD_SIZE=2 RANK=1 LOCAL_RANK=1
 if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: launched by torchrun \\(WORLD_SIZE=2, RANK=1\\).*mpirun -np 2")
   message(FATAL_ERROR "torchrun's environment: exit ${rc}\nstderr: ${err}")
 endif()
+
+# bench --trace: a Chrome trace with the timed steps' ranges (ph X) and the memory counter (ph C).
+run_ok("bench --trace" bench --device cpu --model tiny --context 16 --batch 1 --warmup 0 --steps 1 --pass step --quiet
+       --trace ${dir}/trace.json)
+file(READ ${dir}/trace.json trace)
+string(JSON n LENGTH "${trace}" traceEvents)
+set(phases "")
+math(EXPR last "${n} - 1")
+foreach(i RANGE ${last})
+  string(JSON ph GET "${trace}" traceEvents ${i} ph)
+  list(APPEND phases ${ph})
+endforeach()
+if(NOT "X" IN_LIST phases OR NOT "C" IN_LIST phases)
+  message(FATAL_ERROR "the trace lacks range (X) or counter (C) events: ${phases}")
+endif()
