@@ -58,7 +58,7 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
       ->check(in_range(uint64_t{0}, uint64_t{INT64_MAX}));
   cmd->add_option("--tokenizer", a.tokenizer,
                   "tokenizer.json that prepare wrote beside the data (default: byte-level, for a vocabulary of 256)");
-  cmd->add_option("--device", a.device, "cpu (the decoder runs on the CPU)");
+  cmd->add_option("--device", a.device, "cpu (default) or cuda: where the KV-cache decoder runs (fp32 on both)");
   add_threads_option(cmd, a.threads);
   cmd->add_option("--logits-out", a.logits_out,
                   "Also write the logits each new token was drawn from: max-tokens x vocab fp32, little-endian");
@@ -144,10 +144,13 @@ void write_floats(std::FILE* f, const std::string& path, std::span<const float> 
 
 int run_generate(const TextCommandArgs& a) {
   using namespace flashlm;
-  if (!a.device.empty() && a.device != "cpu") {
-    throw CLI::ValidationError("--device", fmt::format("'{}': generate runs on the CPU only (its KV-cache decoder has "
-                                                       "no CUDA kernels yet); use --device cpu",
-                                                       a.device));
+  if (!a.device.empty() && a.device != "cpu" && a.device != "cuda") {
+    throw CLI::ValidationError("--device", fmt::format("'{}': expected cpu or cuda", a.device));
+  }
+  const Device device = a.device == "cuda" ? Device::cuda : Device::cpu;
+  if (device == Device::cuda && cuda_device_count() == 0) {
+    throw CLI::ValidationError("--device", cuda_built() ? "cuda: no CUDA device is visible"
+                                                        : "cuda: this flashlm was built without CUDA");
   }
   if (a.threads > 0) set_cpu_threads(a.threads);
   const Tokenizer tokenizer = a.tokenizer.empty() ? Tokenizer::bytes() : Tokenizer::load(a.tokenizer);
@@ -172,11 +175,11 @@ int run_generate(const TextCommandArgs& a) {
     logits_file = std::fopen(a.logits_out.c_str(), "wb");
     if (!logits_file) throw Error(fmt::format("generate: cannot open '{}' for writing", a.logits_out));
   }
-  fmt::print(stderr, "generate: {} parameters ({} layers, d_model {}, context {}) from {}; temperature {}, top-k {}, "
-             "seed {}\n",
+  fmt::print(stderr, "generate: {} parameters ({} layers, d_model {}, context {}) from {} on {}; temperature {}, "
+             "top-k {}, seed {}\n",
              weights.params.size(), weights.config.layers, weights.config.d_model, weights.config.context, a.weights,
-             a.temperature, a.top_k, a.seed);
-  KvCacheDecoder decoder(weights.config, weights.params);
+             device_name(device), a.temperature, a.top_k, a.seed);
+  KvCacheDecoder decoder(weights.config, weights.params, device);
   SamplingOptions sampling;
   sampling.temperature = a.temperature;
   sampling.top_k = a.top_k;
