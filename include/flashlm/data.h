@@ -91,6 +91,8 @@ class TokenView {
   void read(int64_t first, std::span<uint32_t> out) const;
 
  private:
+  template <class T>
+  void read_into(int64_t first, std::span<T> out) const;
   const TokenFile* file_ = nullptr;
   std::span<const uint16_t> memory_;
   int64_t offset_ = 0, size_ = 0;

@@ -41,6 +41,12 @@ constexpr uint64_t kTableStream = 0x7461626c65ull;  // "table"
 constexpr uint64_t kWalkStream = 0x77616c6bull;     // "walk"
 constexpr uint64_t kBatchStream = 0x6261746368ull;  // "batch"
 
+void check_file_range(const std::string& path, int64_t first, int64_t count, int64_t total) {
+  FLASHLM_CHECK(first >= 0 && first <= total && count <= total - first,
+                "TokenFile::read: '{}': tokens [{}, {}) are outside the file's {} tokens", path, first, first + count,
+                total);
+}
+
 }  // namespace
 
 int token_bytes(TokenFormat format) { return format == TokenFormat::llmc_uint32 ? 4 : 2; }
@@ -107,19 +113,13 @@ TokenFile::~TokenFile() = default;
 void TokenFile::read(int64_t first, std::span<uint16_t> out) const {
   FLASHLM_CHECK(token_bytes() == 2,
                 "TokenFile::read: '{}' holds uint32 tokens: read them into uint32 (this overload takes uint16)", path_);
-  const auto count = static_cast<int64_t>(out.size());
-  FLASHLM_CHECK(first >= 0 && first <= count_ && count <= count_ - first,
-                "TokenFile::read: '{}': tokens [{}, {}) are outside the file's {} tokens", path_, first,
-                first + count, count_);
+  check_file_range(path_, first, static_cast<int64_t>(out.size()), count_);
   file_->read_at(first_byte_ + static_cast<uint64_t>(first) * sizeof(uint16_t), std::as_writable_bytes(out));
 }
 
 void TokenFile::read(int64_t first, std::span<uint32_t> out) const {
   if (token_bytes() == 4) {
-    const auto count = static_cast<int64_t>(out.size());
-    FLASHLM_CHECK(first >= 0 && first <= count_ && count <= count_ - first,
-                  "TokenFile::read: '{}': tokens [{}, {}) are outside the file's {} tokens", path_, first,
-                  first + count, count_);
+    check_file_range(path_, first, static_cast<int64_t>(out.size()), count_);
     file_->read_at(first_byte_ + static_cast<uint64_t>(first) * sizeof(uint32_t), std::as_writable_bytes(out));
     return;
   }
@@ -158,7 +158,8 @@ TokenView TokenView::subview(int64_t offset, int64_t count) const {
   return v;
 }
 
-void TokenView::read(int64_t first, std::span<uint16_t> out) const {
+template <class T>
+void TokenView::read_into(int64_t first, std::span<T> out) const {
   const auto count = static_cast<int64_t>(out.size());
   FLASHLM_CHECK(first >= 0 && first <= size_ && count <= size_ - first,
                 "TokenView::read: tokens [{}, {}) are outside the view's {} tokens", first, first + count, size_);
@@ -169,16 +170,8 @@ void TokenView::read(int64_t first, std::span<uint16_t> out) const {
   }
 }
 
-void TokenView::read(int64_t first, std::span<uint32_t> out) const {
-  const auto count = static_cast<int64_t>(out.size());
-  FLASHLM_CHECK(first >= 0 && first <= size_ && count <= size_ - first,
-                "TokenView::read: tokens [{}, {}) are outside the view's {} tokens", first, first + count, size_);
-  if (file_ != nullptr) {
-    file_->read(offset_ + first, out);
-  } else {
-    std::copy_n(memory_.begin() + offset_ + first, out.size(), out.begin());
-  }
-}
+void TokenView::read(int64_t first, std::span<uint16_t> out) const { read_into(first, out); }
+void TokenView::read(int64_t first, std::span<uint32_t> out) const { read_into(first, out); }
 
 SyntheticTokens::SyntheticTokens(int64_t vocab_size, int64_t num_tokens, uint64_t seed, int branching)
     : vocab_size_(vocab_size), num_tokens_(num_tokens), branching_(branching) {
