@@ -43,6 +43,7 @@ constexpr int64_t kBlockK = 64;
 // The forward's query tile: twice the backward's, so the K and V of a head stream through the cache half as
 // often (the forward keeps only S, P and the output accumulator per query; the backward also keeps dS).
 constexpr int64_t kForwardBlockQ = 128;
+constexpr int64_t kForwardBlockK = 128;
 
 // C = alpha · op(A) · B + beta · C on row-major tiles (op(A) m×k: A, or Aᵀ stored k×m when TransA; B k×n;
 // beta = 0 never reads C). A transposed costs nothing here (the kernel broadcasts single elements of A). Blocks of
@@ -201,14 +202,14 @@ int64_t contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j
 }
 
 // S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
-// key tile transposed (head_dim × kBlockK).
+// key tile transposed (head_dim × width); S is rows × width.
 template <class A>
-void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t i0, int64_t rows, int64_t j0,
-                 int64_t cols, A* S) {
-  tile_gemm(rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, KT, kBlockK, A(0), S, kBlockK);
+void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t width, int64_t i0, int64_t rows,
+                 int64_t j0, int64_t cols, A* S) {
+  tile_gemm(rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, KT, width, A(0), S, width);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = visible_cols(p, i0 + r, j0, cols);  // columns [0, visible) are unmasked
-    std::fill(S + r * kBlockK + visible, S + r * kBlockK + cols, kNegInf<A>);
+    std::fill(S + r * width + visible, S + r * width + cols, kNegInf<A>);
   }
 }
 
@@ -224,14 +225,14 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
   std::fill(l, l + rows, A(0));
 
   const int64_t key_end = p.visible_keys(i0 + rows - 1);  // the tile's last query sees the most keys
-  for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
-    const int64_t cols = std::min(kBlockK, key_end - j0);
-    const A *KT = k.transposed(bhk, j0 / kBlockK), *V = v.rows(bhk, j0 / kBlockK);
-    const bool v_finite = v.finite(bhk, j0 / kBlockK);
-    tile_scores(p, Q, KT, i0, rows, j0, cols, S);
+  for (int64_t j0 = 0; j0 < key_end; j0 += kForwardBlockK) {
+    const int64_t cols = std::min(kForwardBlockK, key_end - j0);
+    const A *KT = k.transposed(bhk, j0 / kForwardBlockK), *V = v.rows(bhk, j0 / kForwardBlockK);
+    const bool v_finite = v.finite(bhk, j0 / kForwardBlockK);
+    tile_scores(p, Q, KT, kForwardBlockK, i0, rows, j0, cols, S);
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
-      A* s = S + r * kBlockK;
+      A* s = S + r * kForwardBlockK;
       const int64_t visible = visible_cols(p, i0 + r, j0, cols);
       const A m_new = max_propagating_nan(m[r], row_max(s, visible));  // NaN stays NaN
       if (m_new == kNegInf<A>) {  // nothing visible in this row yet: acc, m and l stay
@@ -243,19 +244,16 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
       if (alpha != A(1)) {
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       }
-      exp_shifted(s, visible, m_new);
+      const A sum = exp_shifted_sum(s, visible, m_new);
       std::fill(s + visible, s + cols, A(0));
-      A sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t c = 0; c < visible; ++c) sum += s[c];
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
     }
     if (v_finite) {
-      tile_gemm(rows, D, cols, A(1), S, kBlockK, V, D, A(1), acc, D);  // acc += P V
+      tile_gemm(rows, D, cols, A(1), S, kForwardBlockK, V, D, A(1), acc, D);  // acc += P V
     } else {
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kBlockK + c], V + c * D, acc + r * D, D);
+        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kForwardBlockK + c], V + c * D, acc + r * D, D);
       }
     }
   }
@@ -276,17 +274,17 @@ template <class T, class A>
 void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
              const TensorView& o, const TensorView& lse) {
   const int64_t D = p.head_dim;
-  const auto K = PackedHeads<A>::template pack<T>(k, p.batch, p.heads_k, p.seq_k, D, kBlockK,
+  const auto K = PackedHeads<A>::template pack<T>(k, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
                                                   PackedHeads<A>::transposed_only, "flash forward packed K");
-  const auto V = PackedHeads<A>::template pack<T>(v, p.batch, p.heads_k, p.seq_k, D, kBlockK,
+  const auto V = PackedHeads<A>::template pack<T>(v, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
                                                   PackedHeads<A>::rows_only, "flash forward packed V");
   const int64_t q_tiles = (p.seq_q + kForwardBlockQ - 1) / kForwardBlockQ;
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
 #pragma omp parallel
   {
-    Scratch<A> w(kForwardBlockQ * D * 2 + kForwardBlockQ * kBlockK + kForwardBlockQ * 2, "flash forward tiles");
+    Scratch<A> w(kForwardBlockQ * D * 2 + kForwardBlockQ * kForwardBlockK + kForwardBlockQ * 2, "flash forward tiles");
     A *Q = w.take(kForwardBlockQ * D).data(), *acc = w.take(kForwardBlockQ * D).data();
-    A *S = w.take(kForwardBlockQ * kBlockK).data(), *m = w.take(kForwardBlockQ).data();
+    A *S = w.take(kForwardBlockQ * kForwardBlockK).data(), *m = w.take(kForwardBlockQ).data();
     A* l = w.take(kForwardBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; ++t) {
@@ -303,7 +301,7 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, 
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
                             A* dS) {
   const int64_t D = p.head_dim;
-  tile_scores(p, Q, KT, i0, rows, j0, cols, S);
+  tile_scores(p, Q, KT, kBlockK, i0, rows, j0, cols, S);
   tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
