@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "core/cpu_exp.h"
+#include "core/cpu_simd.h"
 #include "flashlm/dtype.h"
 
 namespace flashlm {
@@ -32,41 +32,6 @@ inline A dot(const A* a, const A* b, int64_t n) {
 template <class A>
 inline A max_propagating_nan(A a, A b) {
   return (a > b || a != a) ? a : b;
-}
-
-// Reductions over a row keep kLanes partial results, one per vector lane, and fold them as a tree at the end:
-// `#pragma omp simd reduction` folds its lanes one after another in scalar adds, a dependency chain that
-// cost as much as the row's products when the softmax reduced every 64-wide tile row twice.
-inline constexpr int64_t kLanes = 16;
-
-template <class A>
-inline A fold_lanes(A (&lanes)[kLanes], A (*combine)(A, A)) {
-  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
-    for (int64_t j = 0; j < w; ++j) lanes[j] = combine(lanes[j], lanes[j + w]);
-  }
-  return lanes[0];
-}
-
-// The largest of x[0..n), NaN if any is, -inf for n = 0; vectorised (a max_propagating_nan fold is not).
-template <class A>
-inline A row_max(const A* x, int64_t n) {
-  A lanes[kLanes];
-  int nan_lanes[kLanes] = {};
-  for (A& l : lanes) l = -std::numeric_limits<A>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-    for (int64_t j = 0; j < kLanes; ++j) {
-      lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
-      nan_lanes[j] |= x[i + j] != x[i + j];
-    }
-  }
-  for (; i < n; ++i) {
-    lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
-    nan_lanes[0] |= x[i] != x[i];
-  }
-  if (fold_lanes<int>(nan_lanes, [](int a, int b) { return a | b; })) return std::numeric_limits<A>::quiet_NaN();
-  return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
 }
 
 // y += alpha * x

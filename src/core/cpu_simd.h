@@ -1,4 +1,5 @@
-// The CPU kernels' vectorisable exponential (the attention's softmax tiles, the LM's cross-entropy).
+// Vectorisable building blocks of the CPU kernels (the attention's softmax tiles, the LM's cross-entropy):
+// an fp32 exponential and row reductions that fold their vector lanes as a tree.
 #pragma once
 #include <bit>
 #include <cstdint>
@@ -26,6 +27,41 @@ inline float exp_fp32(float v) {
   const float q = c01 + r2 * (c23 + r2 * (c45 + r2 * c67));
   const float y = q * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
   return v != v ? v : (v < -87.3f ? 0.0f : (v > 88.7f ? std::numeric_limits<float>::infinity() : y));
+}
+
+// Reductions over a row keep kLanes partial results, one per vector lane, and fold them as a tree at the end:
+// `#pragma omp simd reduction` folds its lanes one after another in scalar adds, a dependency chain that
+// cost as much as the row's products when the softmax reduced every 64-wide tile row twice.
+inline constexpr int64_t kLanes = 16;
+
+template <class A>
+inline A fold_lanes(A (&lanes)[kLanes], A (*combine)(A, A)) {
+  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
+    for (int64_t j = 0; j < w; ++j) lanes[j] = combine(lanes[j], lanes[j + w]);
+  }
+  return lanes[0];
+}
+
+// The largest of x[0..n), NaN if any is, -inf for n = 0; vectorised (a max_propagating_nan fold is not).
+template <class A>
+inline A row_max(const A* x, int64_t n) {
+  A lanes[kLanes];
+  int nan_lanes[kLanes] = {};
+  for (A& l : lanes) l = -std::numeric_limits<A>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j) {
+      lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
+      nan_lanes[j] |= x[i + j] != x[i + j];
+    }
+  }
+  for (; i < n; ++i) {
+    lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
+    nan_lanes[0] |= x[i] != x[i];
+  }
+  if (fold_lanes<int>(nan_lanes, [](int a, int b) { return a | b; })) return std::numeric_limits<A>::quiet_NaN();
+  return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
 }
 
 }  // namespace flashlm
