@@ -179,6 +179,13 @@ class LanguageModel {
   // step). Always true for the other precisions.
   virtual bool unscale_gradients() = 0;
   virtual double loss_scale() const = 0;
+  // The dynamic loss scale's state (fp16): the scale and the good steps in a row since it last changed, so
+  // that a checkpoint resumes it; restore_loss_scale refuses a scale that is not finite and positive or a
+  // count outside [0, the growth interval). The other precisions keep a scale of 1 and no count.
+  static constexpr double kInitialLossScale = 65536.0;
+  static constexpr int64_t kLossScaleGrowthInterval = 2000;  // good steps in a row that double the scale
+  virtual int64_t loss_scale_good_steps() const { return 0; }
+  virtual void restore_loss_scale(double scale, int64_t good_steps);
   virtual double clip_gradients(double max_norm) = 0;  // returns the norm before clipping
   virtual void adamw_step(const AdamWConfig& c, double lr) = 0;
   virtual int64_t optimizer_steps() const = 0;
@@ -369,6 +376,8 @@ class CudaModel final : public LanguageModel {
   double clip_gradients(double max_norm) override;
   void adamw_step(const AdamWConfig& c, double lr) override;
   double loss_scale() const override;
+  int64_t loss_scale_good_steps() const override;
+  void restore_loss_scale(double scale, int64_t good_steps) override;
   int64_t optimizer_steps() const override;
   void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
   void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,

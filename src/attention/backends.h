@@ -36,6 +36,12 @@ void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorVi
                                        const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                        const TensorView& dv, void* stream);
 
+// The atomic backward's fp32 dQ accumulator bytes per key/value head (with its query heads, over the
+// batch), and how many key/value heads one launch takes so that the accumulator stays bounded without
+// launches that under-fill a GPU of `multiprocessors` SMs (cuda/flash_bwd.cu says the rule and why).
+size_t backward_accumulator_bytes_per_kv_head(const AttentionProblem& p);
+int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocessors);
+
 // flash on Hopper (attention/cuda/hopper/flash_fwd_sm90.cu, built where CMAKE_CUDA_ARCHITECTURES has 90):
 // TMA + wgmma, warp-specialised. Launches and returns true when it covers the problem (an sm_90 device,
 // fp16/bf16, head dim 64, 128 or 256, views TMA can describe); returns false, launching nothing, otherwise.

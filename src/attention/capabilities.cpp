@@ -17,7 +17,7 @@ const std::array<CudaKernelCapability, 4> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false},
     {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false},
     {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true},
-    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, {}, false, false},
+    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false},
 }};
 
 bool has_dtype(const CudaKernelCapability& c, DType dtype) {

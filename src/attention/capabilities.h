@@ -21,7 +21,7 @@ enum class CudaKernelFamily {
   mma_sync,  // fp16/bf16 FlashAttention-2 on tensor cores (mma.sync, cuda/flash_fwd.cu, flash_bwd.cu)
   f32,       // fp32 FlashAttention-2 on CUDA cores (cuda/flash_f32.cu)
   naive,     // materialised S and P through cuBLAS (cuda/naive.cu)
-  hopper,    // sm_90a wgmma/TMA forward (cuda/hopper/flash_fwd_sm90.cu): see below
+  hopper,    // sm_90a wgmma/TMA forward and backward (cuda/hopper/): see below
 };
 
 std::string_view cuda_kernel_family_name(CudaKernelFamily family);
@@ -30,11 +30,15 @@ std::string_view cuda_kernel_family_name(CudaKernelFamily family);
 inline constexpr std::array<int, 5> kMmaSyncForwardHeadDims{16, 32, 64, 128, 256};
 inline constexpr std::array<int, 4> kMmaSyncBackwardHeadDims{16, 32, 64, 128};
 inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
-// The Hopper forward's head dims (no Hopper backward yet). Its predicate needs the views as well as the
-// problem (a TMA descriptor per view, an sm_90 device): flash_forward_sm90_covers (backends.h), asked by
-// the mma.sync family's forward before it falls back to mma.sync (attention.cpp). So plans never name
-// the Hopper family; its row records what it covers (plan_forward_sm90 checks the same head dims).
+// The Hopper kernels' head dims. Their predicates need the views as well as the problem (a TMA descriptor
+// per view, an sm_90 device): flash_forward_sm90_covers (backends.h), asked by the mma.sync family's
+// forward before it falls back to mma.sync (attention.cpp), and backward_sm90_covers (cuda/hopper/
+// hopper.h), asked by the mma.sync backward for its dK/dV kernel's part. So plans never name the Hopper
+// family; its row records what it covers (plan_forward_sm90 and plan_backward_sm90 check the same head
+// dims). The Hopper backward has no deterministic mode: AttentionOptions::deterministic takes the
+// mma.sync backward's separate dQ pass on every GPU.
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
+inline constexpr std::array<int, 2> kHopperBackwardHeadDims{64, 128};
 
 // Every CUDA kernel moves rows in 16-byte vectors: head_dim · element size must be a multiple of this.
 inline constexpr int64_t kCudaRowAlignBytes = 16;

@@ -228,6 +228,12 @@ void LanguageModel::check_state_arrays(std::string_view caller, size_t params, s
   FLASHLM_CHECK(optimizer_steps >= 0, "{}: optimizer_steps = {}, expected >= 0", caller, optimizer_steps);
 }
 
+void LanguageModel::restore_loss_scale(double scale, int64_t good_steps) {
+  FLASHLM_CHECK(scale == 1.0 && good_steps == 0,
+                "restore_loss_scale: a {} model has no loss scaling, got scale {} after {} good steps (expected 1, 0)",
+                dtype_name(precision()), scale, good_steps);
+}
+
 void LanguageModel::gradient_ready(std::string_view parameter_name) const {
   if (!gradient_ready_hook_) return;
   const auto& params = layout();

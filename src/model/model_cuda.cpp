@@ -25,8 +25,6 @@ namespace flashlm {
 
 namespace {
 
-constexpr double kInitialLossScale = 65536.0;
-constexpr int64_t kLossScaleGrowthInterval = 2000;
 
 }  // namespace
 
@@ -197,7 +195,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
     if (m.layout[i].shape.size() == 1) m.gain_row.emplace(m.layout[i].name, int64_t(m.gain_row.size()));
   }
   m.n_params = m.layout.back().offset + m.layout.back().numel();
-  m.loss_scale = precision == DType::f16 ? kInitialLossScale : 1.0;
+  m.loss_scale = precision == DType::f16 ? LanguageModel::kInitialLossScale : 1.0;
 
   const size_t pbytes = size_t(m.n_params) * m.state_elem();
   m.params = Buffer::allocate(pbytes, Device::cuda, m.pure ? "parameters (bf16)" : "parameters (fp32 master)");
@@ -259,6 +257,16 @@ void* CudaModel::stream() const { return impl_->stream; }
 int64_t CudaModel::parameter_count() const { return impl_->n_params; }
 DType CudaModel::precision() const { return impl_->precision; }
 double CudaModel::loss_scale() const { return impl_->loss_scale; }
+int64_t CudaModel::loss_scale_good_steps() const { return impl_->good_steps; }
+void CudaModel::restore_loss_scale(double scale, int64_t good_steps) {
+  if (impl_->precision != DType::f16) return LanguageModel::restore_loss_scale(scale, good_steps);
+  FLASHLM_CHECK(std::isfinite(scale) && scale > 0, "restore_loss_scale: scale {}, expected a finite positive number",
+                scale);
+  FLASHLM_CHECK(good_steps >= 0 && good_steps < kLossScaleGrowthInterval,
+                "restore_loss_scale: good_steps {}, expected 0..{}", good_steps, kLossScaleGrowthInterval - 1);
+  impl_->loss_scale = scale;
+  impl_->good_steps = good_steps;
+}
 
 namespace {
 

@@ -147,6 +147,9 @@ CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, 
   else if (precision == precision_name(DType::bf16, true)) h.precision = DType::bf16, h.bf16_pure = true;
   else f.bad("precision", "\"fp32\", \"bf16\", \"fp16\" or \"bf16-pure\"");
   h.loss_scale = f.positive_number("loss_scale");
+  // Absent in the format-2 files written before the field existed: those resume with a fresh count.
+  if (j.contains("loss_scale_good_steps"))
+    h.loss_scale_good_steps = f.integer("loss_scale_good_steps", 0, LanguageModel::kLossScaleGrowthInterval - 1);
   if (j.contains("shard_rank")) {
     h.shard_rank = f.integer("shard_rank", 0, h.world_size - 1);
     h.shard_elements = f.integer("shard_elements", 1, h.parameter_count);
@@ -170,6 +173,7 @@ nlohmann::json header_json(const CheckpointHeader& h, uint32_t payload_crc32) {
           {"parameter_count", h.parameter_count},
           {"precision", precision_name(h.precision, h.bf16_pure)},
           {"loss_scale", h.loss_scale},
+          {"loss_scale_good_steps", h.loss_scale_good_steps},
           {"world_size", h.world_size},
           {"grad_accum", h.grad_accum},
           {"payload_crc32", payload_crc32}};

@@ -43,6 +43,7 @@ struct CheckpointHeader {
   DType precision = DType::f32;
   bool bf16_pure = false;  // "bf16-pure" in the file: bf16 parameters and moments, stored widened to fp32
   double loss_scale = 1;
+  int64_t loss_scale_good_steps = 0;  // fp16: good steps in a row since the scale last changed
   int64_t world_size = 1, grad_accum = 1;
   // A shard of FSDP's sharded checkpoint (shard_rank >= 0): the payload is rank shard_rank's shard_elements
   // elements of the masters and moments (DdpModel::save_shard), not parameter_count.

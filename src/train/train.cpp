@@ -69,6 +69,7 @@ void write_run_checkpoint(const std::string& path, const LanguageModel& model, D
   header.optimizer_steps = dp ? dp->optimizer_steps() : model.optimizer_steps();
   header.batcher = batcher;
   header.loss_scale = model.loss_scale();
+  header.loss_scale_good_steps = model.loss_scale_good_steps();
   write_checkpoint(cfg.sharded_checkpoint ? shard_path(path, cfg.comm->rank(), cfg.comm->world_size()) : path, header,
                    params, m, v);
 }
@@ -309,6 +310,7 @@ TrainResult train(const TrainConfig& cfg) {
     } else {
       model.load_state(params, m, v, optimizer_steps);
     }
+    model.restore_loss_scale(ck.header().loss_scale, ck.header().loss_scale_good_steps);
     train_batches.restore(ck.header().batcher);
     step = ck.header().next_step;
     say(fmt::format("resumed from {} at step {}", cfg.checkpoint, step));

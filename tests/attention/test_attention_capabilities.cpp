@@ -1,6 +1,7 @@
 // The CUDA capability table (attention/capabilities.h): which kernel runs which dtype, head dim and
 // pass, and the errors for the rest. Pure host logic: runs without a GPU. test_attention_cuda.cpp checks
 // that the library behaves as the table says on a GPU.
+#include <algorithm>
 #include <gtest/gtest.h>
 
 #include <optional>
@@ -121,14 +122,20 @@ TEST(AttentionCapabilities, UnalignedOrTooLargeHeadDimsAndOtherDtypesAreErrors) 
   }
 }
 
-// The Hopper forward is asked inside the mma.sync family (its predicate needs the views): plans name
-// mma.sync, its fallback, and the Hopper row has no backward.
-TEST(AttentionCapabilities, HopperIsTheMmaSyncForwardsFirstChoiceWithoutABackward) {
+// The Hopper kernels are asked inside the mma.sync family (their predicates need the views): plans name
+// mma.sync, their fallback, in both passes; the Hopper row lists a backward for head dims 64 and 128 only,
+// each of which the mma.sync backward (which hosts it and is its fallback) also compiles.
+TEST(AttentionCapabilities, HopperIsTheMmaSyncFamilysFirstChoice) {
   for (int d : kHopperForwardHeadDims) {
     expect_plan(DType::bf16, d, AttentionPass::forward, AttentionImpl::flash, CudaKernelFamily::mma_sync, d);
   }
+  for (int d : kHopperBackwardHeadDims) {
+    expect_plan(DType::f16, d, AttentionPass::backward, AttentionImpl::flash, CudaKernelFamily::mma_sync, d);
+    EXPECT_NE(std::find(kMmaSyncBackwardHeadDims.begin(), kMmaSyncBackwardHeadDims.end(), d),
+              kMmaSyncBackwardHeadDims.end()) << d;
+  }
   const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
-  EXPECT_TRUE(hopper.backward_head_dims.empty());
+  EXPECT_EQ(hopper.backward_head_dims.size(), 2u);
   EXPECT_EQ(hopper.forward_head_dims.size(), 3u);
 }
 

@@ -12,6 +12,9 @@
 #include "attention/attention_testing.h"
 #include "attention/backends.h"
 #include "attention/capabilities.h"
+#ifdef FLASHLM_WITH_SM90
+#include "attention/cuda/hopper/hopper.h"
+#endif
 #include "attention/problem.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
@@ -329,6 +332,69 @@ TEST(CudaAttention, AtomicBackwardSplitOverHeadsMatchesDeterministic) {
     // Both are bf16 results of fp32 sums in different orders: a few bf16 ulps apart, never O(1).
     EXPECT_LE(max_abs_diff(a, b), 0.02 * scale) << name;
   }
+}
+
+// The atomic backward's accumulator bound splits only where a launch keeps at least three waves of
+// blocks: the causal GQA shape of issue 15 (b1, 64 query / 8 key heads, 16k, d128; 64 MiB of accumulator
+// per key head, 128 blocks per key head) takes two launches of 4 key heads on 132 SMs, not eight of one;
+// a long MHA sequence (547 blocks per head) still runs one head per launch; small problems one launch.
+TEST(CudaAttention, BackwardHeadGroupsBoundTheAccumulatorWithoutUnderfillingTheGpu) {
+#ifndef FLASHLM_WITH_CUDA
+  GTEST_SKIP() << "built without the CUDA backends' declarations";
+#else
+  AttentionProblem p;
+  p.batch = 1;
+  p.seq_q = p.seq_k = 16384;
+  p.heads_q = 64;
+  p.heads_k = 8;
+  p.head_dim = 128;
+  p.causal = true;
+  p.dtype = DType::bf16;
+  EXPECT_EQ(backward_accumulator_bytes_per_kv_head(p), size_t{64} << 20);
+  EXPECT_EQ(backward_kv_heads_per_launch(p, 132), 4);
+  EXPECT_EQ(backward_kv_heads_per_launch(p, 16), 1);  // few SMs: the bytes bound alone
+  AttentionProblem mha = p;
+  mha.seq_q = mha.seq_k = 70000;
+  mha.heads_q = 4;
+  mha.heads_k = 2;
+  EXPECT_EQ(backward_kv_heads_per_launch(mha, 132), 1);
+  AttentionProblem small = p;
+  small.seq_q = small.seq_k = 1024;
+  EXPECT_EQ(backward_kv_heads_per_launch(small, 132), 8);
+  AttentionProblem odd = p;  // 5 key heads needing 4 per launch: launches of 3 and 2, not 4 and 1
+  odd.heads_k = 5;
+  odd.heads_q = 40;
+  EXPECT_EQ(backward_kv_heads_per_launch(odd, 132), 3);
+#endif
+}
+
+// On an sm_90 GPU the Hopper backward covers fp16/bf16 at head dims 64 and 128 with views TMA can
+// describe; a zero stride, head dim 32 or 256 and an empty side take the mma.sync kernels.
+TEST(CudaAttention, HopperBackwardCoversItsProblems) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (cuda_device_description().find("(sm_90,") == std::string::npos) GTEST_SKIP() << "not an sm_90 GPU";
+  auto problem_of = [](const TensorView& q, const TensorView& k, const TensorView& o, const TensorView& lse) {
+    return validate_attention_forward(q, k, k, o, lse, AttentionOptions{});
+  };
+  for (int64_t d : {32, 64, 128, 256}) {
+    for (DType dt : {DType::bf16, DType::f16}) {
+      Tensor q = Tensor::empty({2, 300, 4, d}, dt, Device::cuda), k = Tensor::empty({2, 200, 2, d}, dt, Device::cuda);
+      Tensor o = Tensor::empty({2, 300, 4, d}, dt, Device::cuda);
+      Tensor lse = Tensor::empty({2, 4, 300}, DType::f32, Device::cuda);
+      const bool has_kernel = d == 64 || d == 128;
+      EXPECT_EQ(flash_cuda::backward_sm90_covers(problem_of(q, k, o, lse), q, k, k, o), has_kernel) << "d" << d;
+      TensorView broadcast = k.view();
+      broadcast.strides[0] = 0;
+      EXPECT_FALSE(flash_cuda::backward_sm90_covers(problem_of(q, broadcast, o, lse), q, broadcast, broadcast, o))
+          << "d" << d;
+      TensorView no_keys = k.view().slice(1, 0, 0);
+      EXPECT_FALSE(flash_cuda::backward_sm90_covers(problem_of(q, no_keys, o, lse), q, no_keys, no_keys, o)) << "d" << d;
+    }
+  }
+#endif
 }
 
 TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {

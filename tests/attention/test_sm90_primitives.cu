@@ -1,7 +1,8 @@
 // The Hopper wrappers of attention/cuda/hopper/ one at a time, on random data against the host: a TMA tile
-// round trip through an mbarrier (strided view, zero-filled rows past the end), and single-warpgroup wgmma
-// products with both operands in shared memory and with A in registers and B read N-major. Skips without
-// an sm_90 GPU.
+// round trip through an mbarrier (strided view, zero-filled rows past the end), a bulk copy through an
+// mbarrier, bulk reduce-adds from several blocks into one buffer, and single-warpgroup wgmma products with both operands in shared memory, with A in registers
+// and B read N-major, and with both A and B read M/N-major from a panel of wider tiles (the backward's
+// dQ = dS·K). Skips without an sm_90 GPU.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -198,6 +199,159 @@ TEST(Sm90Primitives, WgmmaBothOperandsInSharedMemoryMatchHostProduct) {
 TEST(Sm90Primitives, WgmmaRegisterAAndNMajorBMatchHostProduct) {
   SKIP_WITHOUT_SM90();
   check_wgmma_tile<true>();
+}
+
+// C[64 x 64] = Aᵀ·B where A is stored [128 (the reduction) x 128] and B [128 x 128] in the swizzled layout
+// and the product reads panel `a_panel` of A M-major and panel `b_panel` of B N-major: the dQ product of
+// the backward (dSᵀ stored keys x queries, K keys x head dim).
+__global__ void wgmma_m_major_a_kernel(const __nv_bfloat16* a, const __nv_bfloat16* bm, float* c, int a_panel,
+                                       int b_panel) {
+  __shared__ alignas(1024) uint16_t sa[128 * 128];
+  __shared__ alignas(1024) uint16_t sb[128 * 128];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < 128 * 128; i += 128) {
+    sa[swizzled_offset(128, i / 128, i % 128) / 2] = reinterpret_cast<const uint16_t*>(a)[i];
+    sb[swizzled_offset(128, i / 128, i % 128) / 2] = reinterpret_cast<const uint16_t*>(bm)[i];
+  }
+  flashlm::sm90::fence_proxy_async_shared();
+  __syncthreads();
+  float d[32];
+  for (int i = 0; i < 32; ++i) d[i] = 0.f;
+  using Gemm = flashlm::sm90::WgmmaM64<__nv_bfloat16, 64>;
+  flashlm::sm90::fence_accumulators(d);
+  flashlm::sm90::wgmma_fence();
+  for (int kk = 0; kk < 8; ++kk) {
+    Gemm::ss<1, 1>(d, flashlm::sm90::mn_major_descriptor(sa + a_panel * 128 * 64, 128, kk),
+                   flashlm::sm90::mn_major_descriptor(sb + b_panel * 128 * 64, 128, kk), kk > 0);
+  }
+  flashlm::sm90::wgmma_commit();
+  flashlm::sm90::wgmma_wait<0>();
+  flashlm::sm90::fence_accumulators(d);
+  const int warp = tid / 32, g = (tid % 32) / 4, t = tid % 4;
+  for (int i = 0; i < 32; ++i) {
+    const int row = 16 * warp + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * t + i % 2;
+    c[row * 64 + col] = d[i];
+  }
+}
+
+void check_wgmma_m_major_a(int a_panel, int b_panel) {
+  auto a = random_bf16(128 * 128, 4 + a_panel), bm = random_bf16(128 * 128, 6 + b_panel);
+  __nv_bfloat16 *da = device_copy(a), *db = device_copy(bm);
+  float* dc = nullptr;
+  ASSERT_EQ(cudaMalloc(&dc, 64 * 64 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dc, 0xff, 64 * 64 * 4), cudaSuccess);  // NaN poison
+  wgmma_m_major_a_kernel<<<1, 128>>>(da, db, dc, a_panel, b_panel);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> c(64 * 64);
+  ASSERT_EQ(cudaMemcpy(c.data(), dc, c.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  double worst = 0;
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 64; ++j) {
+      double want = 0;
+      for (int k = 0; k < 128; ++k) {
+        want += double(__bfloat162float(a[k * 128 + 64 * a_panel + i])) * __bfloat162float(bm[k * 128 + 64 * b_panel + j]);
+      }
+      const double err = std::fabs(c[i * 64 + j] - want);
+      worst = std::isnan(err) ? INFINITY : std::max(worst, err);
+    }
+  }
+  EXPECT_LE(worst, 1e-3) << "A panel " << a_panel << ", B panel " << b_panel;
+  cudaFree(da);
+  cudaFree(db);
+  cudaFree(dc);
+}
+
+TEST(Sm90Primitives, WgmmaMMajorAAndNMajorBFromTilePanelsMatchHostProduct) {
+  SKIP_WITHOUT_SM90();
+  for (int a_panel : {0, 1}) {
+    for (int b_panel : {0, 1}) check_wgmma_m_major_a(a_panel, b_panel);
+  }
+}
+
+// `n` floats from global memory at `src` into shared memory by one bulk copy completing on an mbarrier,
+// then out again.
+__global__ void bulk_load_kernel(const float* src, float* out, int n) {
+  __shared__ alignas(16) float buf[256];
+  __shared__ flashlm::sm90::Mbarrier bar;
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) buf[i] = -1.f;
+  if (threadIdx.x == 0) {
+    bar.init(1);
+    flashlm::sm90::Mbarrier::fence_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bar.arrive_expect_tx(static_cast<uint32_t>(n * 4));
+    flashlm::sm90::bulk_load(buf, src, static_cast<uint32_t>(n * 4), bar);
+  }
+  bar.wait(0);
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) out[i] = buf[i];
+}
+
+TEST(Sm90Primitives, BulkLoadThroughMbarrierCopiesExactlyItsBytes) {
+  SKIP_WITHOUT_SM90();
+  std::mt19937_64 gen(9);
+  std::normal_distribution<float> dist;
+  std::vector<float> h(256 + 4);
+  for (auto& x : h) x = dist(gen);
+  float* src = device_copy(h);
+  float* out = nullptr;
+  ASSERT_NE(src, nullptr);
+  ASSERT_EQ(cudaMalloc(&out, 256 * 4), cudaSuccess);
+  for (int n : {4, 128, 252}) {
+    ASSERT_EQ(cudaMemset(out, 0xff, 256 * 4), cudaSuccess);
+    bulk_load_kernel<<<1, 128>>>(src + 4, out, n);  // a 16-byte aligned source inside the allocation
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    std::vector<float> got(256);
+    ASSERT_EQ(cudaMemcpy(got.data(), out, 256 * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    int bad = 0;
+    for (int i = 0; i < 256; ++i) bad += got[i] != (i < n ? h[4 + i] : -1.f);
+    EXPECT_EQ(bad, 0) << n << " floats";
+  }
+  cudaFree(src);
+  cudaFree(out);
+}
+
+// Every block adds `in` (n floats, staged in shared memory) into `out` with one bulk reduce-add per warp
+// (each warp its own 1024-float slice of the n = 4096), twice: out must end as its old value plus
+// 2·blocks·in, as with atomics.
+__global__ void bulk_reduce_kernel(const float* in, float* out) {
+  __shared__ alignas(128) float buf[4][1024];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int round = 0; round < 2; ++round) {
+    if (lane == 0) flashlm::sm90::bulk_wait_read<0>();  // the last round's reduce has read the buffer
+    __syncwarp();
+    for (int i = lane; i < 1024; i += 32) buf[warp][i] = in[warp * 1024 + i];
+    flashlm::sm90::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) {
+      flashlm::sm90::bulk_reduce_add_f32(out + warp * 1024, buf[warp], 1024 * 4);
+      flashlm::sm90::bulk_commit();
+    }
+  }
+  if (lane == 0) flashlm::sm90::bulk_wait<0>();
+}
+
+TEST(Sm90Primitives, BulkReduceAddFromManyBlocksSumsLikeAtomics) {
+  SKIP_WITHOUT_SM90();
+  std::mt19937_64 gen(11);
+  std::uniform_int_distribution<int> small(-8, 8);  // small integers: every sum order gives the same float
+  std::vector<float> in(4096), base(4096);
+  for (auto& x : in) x = static_cast<float>(small(gen));
+  for (auto& x : base) x = static_cast<float>(small(gen)) * 64.f;
+  float* din = device_copy(in);
+  float* dout = device_copy(base);
+  ASSERT_NE(din, nullptr);
+  ASSERT_NE(dout, nullptr);
+  constexpr int kBlocks = 66;
+  bulk_reduce_kernel<<<kBlocks, 128>>>(din, dout);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> got(4096);
+  ASSERT_EQ(cudaMemcpy(got.data(), dout, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  int bad = 0;
+  for (int i = 0; i < 4096; ++i) bad += got[i] != base[i] + 2.f * kBlocks * in[i];
+  EXPECT_EQ(bad, 0);
+  cudaFree(din);
+  cudaFree(dout);
 }
 
 }  // namespace

@@ -5,10 +5,15 @@
 #include "gpu_testing.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <vector>
 
 #include "flashlm/device.h"
 #include "flashlm/model.h"
+#include "flashlm/train.h"
 
 using namespace flashlm;
 
@@ -121,6 +126,74 @@ TEST(CudaModel, Fp16LossScaleStartsHighAndOtherPrecisionsUseOne) {
   SKIP_WITHOUT_GPU();
   EXPECT_EQ(CudaModel(small_config(), 1, 16, DType::f16).loss_scale(), 65536.0);
   EXPECT_EQ(CudaModel(small_config(), 1, 16, DType::bf16).loss_scale(), 1.0);
+}
+
+// The loss scale of every step of a metrics log (JSON lines with a "loss_scale" field).
+std::vector<double> logged_loss_scales(const std::string& path) {
+  std::vector<double> scales;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find("\"loss_scale\":");
+    if (at != std::string::npos && line.find("\"val_loss\"") == std::string::npos)
+      scales.push_back(std::strtod(line.c_str() + at + 13, nullptr));
+  }
+  return scales;
+}
+
+// fp16 on resume: the checkpoint carries the dynamic loss scale and its count of good steps, so 10 steps +
+// resume + 10 steps equal 20 steps bit for bit even after overflows changed the scale (before, a resumed
+// run restarted at 65536 and skipped steps the uninterrupted run took).
+TEST(CudaModel, Fp16TrainingResumesTheLossScaleBitExactly) {
+  SKIP_WITHOUT_GPU();
+  const auto dir = std::filesystem::path(::testing::TempDir());
+  auto run = [&](int64_t steps, const std::string& name, bool resume) {
+    TrainConfig c;
+    c.model = small_config();
+    c.device = Device::cuda;
+    c.precision = DType::f16;
+    c.batch = 4;
+    c.seq = 64;
+    c.steps = steps;
+    c.optimizer.lr_max = 3e-3;
+    c.optimizer.lr_min = 3e-4;
+    c.optimizer.warmup_steps = 2;
+    c.optimizer.cosine_steps = 20;
+    c.eval_every = 0;
+    c.log_every = 0;
+    c.checkpoint = (dir / (name + ".ckpt")).string();
+    c.metrics_log = (dir / (name + (resume ? "-resumed" : "") + ".jsonl")).string();
+    c.resume = resume;
+    return train(c);
+  };
+  run(20, "fp16-full", false);
+  run(10, "fp16-half", false);
+  run(20, "fp16-half", true);
+  const std::vector<double> full = logged_loss_scales((dir / "fp16-full.jsonl").string());
+  const std::vector<double> first = logged_loss_scales((dir / "fp16-half.jsonl").string());
+  const std::vector<double> second = logged_loss_scales((dir / "fp16-half-resumed.jsonl").string());
+  ASSERT_EQ(full.size(), 20u);
+  ASSERT_EQ(first.size(), 10u);
+  ASSERT_EQ(second.size(), 10u);
+  // The test means something only if the scale moved before the checkpoint.
+  ASSERT_LT(first.back(), LanguageModel::kInitialLossScale) << "no fp16 overflow in the first 10 steps";
+  for (size_t i = 0; i < 10; ++i) EXPECT_EQ(second[i], full[10 + i]) << "loss scale of step " << 10 + i;
+  EXPECT_EQ(checkpoint_parameters((dir / "fp16-full.ckpt").string()),
+            checkpoint_parameters((dir / "fp16-half.ckpt").string()))
+      << "parameters differ after resume";
+}
+
+TEST(CudaModel, RestoreLossScaleChecksItsArguments) {
+  SKIP_WITHOUT_GPU();
+  CudaModel f16(small_config(), 1, 16, DType::f16);
+  f16.restore_loss_scale(1024.0, 7);
+  EXPECT_EQ(f16.loss_scale(), 1024.0);
+  EXPECT_EQ(f16.loss_scale_good_steps(), 7);
+  EXPECT_THROW(f16.restore_loss_scale(0.0, 0), Error);
+  EXPECT_THROW(f16.restore_loss_scale(std::nan(""), 0), Error);
+  EXPECT_THROW(f16.restore_loss_scale(1024.0, LanguageModel::kLossScaleGrowthInterval), Error);
+  CudaModel bf16(small_config(), 1, 16, DType::bf16);
+  bf16.restore_loss_scale(1.0, 0);
+  EXPECT_THROW(bf16.restore_loss_scale(1024.0, 0), Error);
 }
 
 TEST(CudaModel, BadConfigurationsAreErrors) {

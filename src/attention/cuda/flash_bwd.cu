@@ -21,12 +21,13 @@
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
+#ifdef FLASHLM_WITH_SM90
+#include "attention/cuda/hopper/hopper.h"
+#endif
 
 namespace flashlm {
 namespace flash_cuda {
 namespace {
-
-constexpr int kRowPad = 128;  // per-row arrays are padded to a multiple of every kBlockM
 
 template <int D>
 struct BwdTraits {
@@ -70,19 +71,6 @@ struct DqTraits {
   static constexpr int kThreads = 32 * kWarps;
   static_assert(kBlockM <= kRowPad, "per-row arrays are padded to kRowPad rows");
   static constexpr size_t kSmemBytes = size_t(2 * kBlockM * D + 4 * kBlockN * D) * 2;  // Q, dO, 2 stages K, V
-};
-
-// The atomic path's fp32 dQ accumulator of one (batch, head), [seq_q_padded, D] floats, stored in the
-// order of the mma.sync C fragments rather than row-major: the 16 x 8 tile at (row0, col0) (row0 a
-// multiple of 16, col0 of 8) is 128 consecutive floats, element (lane, e) of the fragment at e·32 + lane
-// (lane = 4g + t holds rows g, g + 8 and columns 2t, 2t + 1; e = 2·(row ≥ 8) + column parity). Row-major,
-// each atomic instruction of a warp touched 8 rows; in this order it covers one 128-byte line.
-template <int D>
-struct DqAccumLayout {
-  static constexpr int kBlockFloats = 16 * 8;
-  __host__ __device__ static constexpr int64_t block(int row0, int col0) {
-    return (int64_t(row0 / 16) * (D / 8) + col0 / 8) * kBlockFloats;
-  }
 };
 
 template <class T, int D>
@@ -580,8 +568,14 @@ void allow_smem(Kernel kernel, size_t bytes, const char* name) {
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), name);
 }
 
+// The views the Hopper backward builds its tensor maps from, where it runs the dK/dV kernel's part.
+struct HopperBackward {
+  const AttentionProblem& p;
+  const TensorView &q, &k, &v, &dout;
+};
+
 template <class T, int D>
-void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stream) {
+void launch_backward(const FlashParams& f, bool deterministic, const HopperBackward* hopper, cudaStream_t stream) {
   // An empty side launches nothing over it (a grid of 0 blocks is a launch error): with no queries the
   // dK/dV kernel alone writes zeros, with no keys the dQ pass (or the cleared accumulator) does.
   if (f.seq_q > 0) {
@@ -590,7 +584,12 @@ void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stre
     flash_bwd_preprocess_kernel<T, D><<<grid, 256, 0, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
   }
-  if (f.seq_k > 0) {
+  if (hopper != nullptr) {
+#ifdef FLASHLM_WITH_SM90
+    FLASHLM_CHECK(launch_backward_sm90(hopper->p, hopper->q, hopper->k, hopper->v, hopper->dout, f, stream),
+                  "flash_attention_backward_cuda: the Hopper backward declined a problem it covered");
+#endif
+  } else if (f.seq_k > 0) {
     using Tr = BwdTraits<D>;
     auto kernel = deterministic ? flash_bwd_dkdv_kernel<T, D, false> : flash_bwd_dkdv_kernel<T, D, true>;
     allow_smem(kernel, Tr::kSmemBytes, "flash_bwd_dkdv_kernel: shared-memory opt-in");
@@ -613,9 +612,10 @@ void launch_backward(const FlashParams& f, bool deterministic, cudaStream_t stre
 }
 
 template <class T>
-void dispatch_head_dim(int64_t d, const FlashParams& f, bool deterministic, cudaStream_t stream) {
+void dispatch_head_dim(int64_t d, const FlashParams& f, bool deterministic, const HopperBackward* hopper,
+                       cudaStream_t stream) {
   const bool launched = with_head_dim<kMmaSyncBackwardHeadDims>(
-      d, [&](auto dim) { launch_backward<T, decltype(dim)::value>(f, deterministic, stream); });
+      d, [&](auto dim) { launch_backward<T, decltype(dim)::value>(f, deterministic, hopper, stream); });
   FLASHLM_CHECK(launched, "flash_attention_backward_cuda: head_dim {} has no kernel (the capability table lists it)",
                 d);
 }
@@ -628,9 +628,19 @@ namespace {
 // The atomic mode's fp32 dQ accumulator is 4·B·Hq·Nq·D bytes, a quarter of the bf16 inputs, outputs and
 // gradients together. Above kAccumulatorChunkAbove, the backward runs over groups of key/value heads (with
 // their query heads) so that each group's accumulator is at most kAccumulatorChunkBytes: peak memory stays
-// near inputs + outputs + gradients at long sequences, while typical shapes run in one launch.
+// near inputs + outputs + gradients at long sequences, while typical shapes run in one launch. A group is
+// never smaller than kMinWavesPerLaunch waves of the dK/dV kernel's blocks (one per 128 keys, key head and
+// batch; both the mma.sync and the Hopper kernel): launches run one after another, and one that under-fills
+// the GPU lasts as long as its longest block, so at b1, 64 query / 8 key heads, 16k, d128 one key head per
+// launch (128 blocks for 132 SMs) made the causal backward as slow as the non-causal one (issue 15). There
+// the accumulator is 256 MiB (two launches of 4 key heads) instead of 64; at long MHA sequences, where a
+// head alone has several waves of blocks, the bytes bound decides as before.
 constexpr size_t kAccumulatorChunkAbove = size_t{128} << 20;
 constexpr size_t kAccumulatorChunkBytes = size_t{64} << 20;
+constexpr int64_t kMinWavesPerLaunch = 3;
+constexpr int64_t kBackwardKeysPerBlock = 128;
+static_assert(flash_cuda::BwdTraits<64>::kBlockN == kBackwardKeysPerBlock &&
+              flash_cuda::BwdTraits<128>::kBlockN == kBackwardKeysPerBlock);
 
 void backward_heads(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
@@ -658,24 +668,51 @@ void backward_heads(const AttentionProblem& p, const TensorView& q, const Tensor
                        "flash backward dQ clear");
     f.dq_accum = dq_accum;
   }
-  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, deterministic, s);
-  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, deterministic, s);
+  // The Hopper kernel takes the dK/dV (and atomic dQ) part where it covers the problem; it has no
+  // deterministic mode (capabilities.h), so the deterministic option keeps the mma.sync separate dQ pass.
+  const flash_cuda::HopperBackward hopper{p, q, k, v, dout};
+  bool use_hopper = false;
+#ifdef FLASHLM_WITH_SM90
+  use_hopper = !deterministic && flash_kernel_choice() == FlashKernelChoice::automatic &&
+               flash_cuda::backward_sm90_covers(p, q, k, v, dout);
+#endif
+  const flash_cuda::HopperBackward* h = use_hopper ? &hopper : nullptr;
+  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, deterministic, h, s);
+  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, deterministic, h, s);
 }
 
 }  // namespace
+
+size_t backward_accumulator_bytes_per_kv_head(const AttentionProblem& p) {
+  const int64_t seq_q_padded = (p.seq_q + flash_cuda::kRowPad - 1) / flash_cuda::kRowPad * flash_cuda::kRowPad;
+  return static_cast<size_t>(p.batch * p.group() * seq_q_padded * p.head_dim) * sizeof(float);
+}
+
+int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocessors) {
+  const size_t per_kv_head = backward_accumulator_bytes_per_kv_head(p);
+  if (p.heads_k == 0 || per_kv_head * static_cast<size_t>(p.heads_k) <= kAccumulatorChunkAbove) return p.heads_k;
+  int64_t kv = std::max<int64_t>(1, static_cast<int64_t>(kAccumulatorChunkBytes / per_kv_head));
+  const int64_t blocks_per_kv_head = (p.seq_k + kBackwardKeysPerBlock - 1) / kBackwardKeysPerBlock * p.batch;
+  if (blocks_per_kv_head > 0) {
+    const int64_t min_blocks = kMinWavesPerLaunch * std::max(multiprocessors, 1);
+    kv = std::max(kv, (min_blocks + blocks_per_kv_head - 1) / blocks_per_kv_head);
+  }
+  kv = std::min(kv, p.heads_k);
+  const int64_t launches = (p.heads_k + kv - 1) / kv;
+  return (p.heads_k + launches - 1) / launches;  // launches of (nearly) equal size
+}
 
 void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                    const TensorView& v, const TensorView& o, const TensorView& lse,
                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                    const TensorView& dv, bool deterministic, void* stream) {
   if (p.batch == 0 || p.heads_q == 0 || (p.seq_q == 0 && p.seq_k == 0)) return;
-  const int64_t seq_q_padded = (p.seq_q + flash_cuda::kRowPad - 1) / flash_cuda::kRowPad * flash_cuda::kRowPad;
-  // Accumulator bytes per key/value head (with its group of query heads, over the batch).
-  const size_t per_kv_head = static_cast<size_t>(p.batch * p.group() * seq_q_padded * p.head_dim) * sizeof(float);
-  int64_t kv_per_launch = p.heads_k;
-  if (!deterministic && per_kv_head * static_cast<size_t>(p.heads_k) > kAccumulatorChunkAbove) {
-    kv_per_launch = std::max<int64_t>(1, static_cast<int64_t>(kAccumulatorChunkBytes / per_kv_head));
-  }
+  const size_t per_kv_head = backward_accumulator_bytes_per_kv_head(p);
+  int device = 0, multiprocessors = 0;
+  FLASHLM_CUDA_CHECK(cudaGetDevice(&device), "flash_attention_backward_cuda: cudaGetDevice");
+  FLASHLM_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
+                     "flash_attention_backward_cuda: multiprocessor count");
+  const int64_t kv_per_launch = deterministic ? p.heads_k : backward_kv_heads_per_launch(p, multiprocessors);
   Buffer dq_accum;
   if (!deterministic) {
     dq_accum = Buffer::allocate_on_stream(per_kv_head * static_cast<size_t>(std::min(kv_per_launch, p.heads_k)),

@@ -53,6 +53,24 @@ struct FlashParams {
 FlashParams make_params(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& o, const TensorView& lse);
 
+// The backward's per-row arrays (Delta, lse·log2e, the dQ accumulator) are padded to a multiple of this
+// many rows, a multiple of every backward kernel's query tile, so that a tile never reads past them.
+constexpr int kRowPad = 128;
+
+// The atomic backward's fp32 dQ accumulator of one (batch, head), [seq_q_padded, D] floats, stored in the
+// order of the mma.sync C fragments (also a warp's part of a wgmma accumulator, hopper/sm90.cuh) rather
+// than row-major: the 16 x 8 tile at (row0, col0) (row0 a multiple of 16, col0 of 8) is 128 consecutive
+// floats, element (lane, e) of the fragment at e·32 + lane (lane = 4g + t holds rows g, g + 8 and columns
+// 2t, 2t + 1; e = 2·(row ≥ 8) + column parity). Row-major, each atomic instruction of a warp touched 8
+// rows; in this order it covers one 128-byte line.
+template <int D>
+struct DqAccumLayout {
+  static constexpr int kBlockFloats = 16 * 8;
+  __host__ __device__ static constexpr int64_t block(int row0, int col0) {
+    return (int64_t(row0 / 16) * (D / 8) + col0 / 8) * kBlockFloats;
+  }
+};
+
 template <class T> struct MmaOp;
 template <> struct MmaOp<__nv_bfloat16> {
   static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {

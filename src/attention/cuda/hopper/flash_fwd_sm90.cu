@@ -19,6 +19,7 @@
 
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
+#include "attention/cuda/hopper/hopper.h"
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
 #include "core/cuda_check.h"
@@ -356,29 +357,6 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
 }
 
-// The multiprocessor count of the current device if it runs this file's kernels (compute capability 9.0
-// exactly: sm_90a code runs on nothing else; and a loadable image of them), else 0. Asked once per device.
-int sm90_multiprocessors() {
-  static int cached[64] = {};  // 0 unknown, -1 no, else the count
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
-    cudaGetLastError();
-    return 0;
-  }
-  if (cached[device] == 0) {
-    int major = 0, minor = 0, sms = 0;
-    cudaFuncAttributes attr{};
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-                    major == 9 && minor == 0 && sms > 0 &&
-                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, 128>) == cudaSuccess &&
-                    attr.binaryVersion == 90;
-    cudaGetLastError();  // a failed query must not surface at the next launch check
-    cached[device] = ok ? sms : -1;
-  }
-  return std::max(cached[device], 0);
-}
 
 struct Sm90ForwardPlan {
   CUtensorMap q, k, v;
@@ -407,6 +385,31 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
 }
 
 }  // namespace
+
+// The multiprocessor count of the current device if it runs the Hopper kernels (compute capability 9.0
+// exactly: sm_90a code runs on nothing else; and a loadable image of them), else 0. Asked once per device.
+int sm90_multiprocessors() {
+  static int cached[64] = {};  // 0 unknown, -1 no, else the count
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (cached[device] == 0) {
+    int major = 0, minor = 0, sms = 0;
+    cudaFuncAttributes attr{};
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
+                    major == 9 && minor == 0 && sms > 0 &&
+                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, 128>) == cudaSuccess &&
+                    attr.binaryVersion == 90;
+    cudaGetLastError();  // a failed query must not surface at the next launch check
+    cached[device] = ok ? sms : -1;
+  }
+  return std::max(cached[device], 0);
+}
+
 }  // namespace flash_cuda
 
 bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,

@@ -94,6 +94,37 @@ __device__ __forceinline__ void tma_prefetch_descriptor(const void* tensor_map) 
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
 }
 
+// A contiguous run of `bytes` (a multiple of 16; both addresses 16-byte aligned) copied from global into
+// shared memory by the copy engine, completing on `bar` like a tile (per-row fp32 arrays of the backward).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, Mbarrier& bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar.addr())
+               : "memory");
+}
+
+// ---- Bulk reduce-add: `bytes` (a multiple of 16; both addresses 16-byte aligned) of fp32 in shared memory
+// added element by element to global memory by the copy engine, issued by one thread. The writes are
+// atomic per element with respect to other reductions (the backward's dQ accumulator). Operations join a
+// bulk group at bulk_commit(); bulk_wait_read<N>() returns once all but the N newest groups have read
+// their shared memory (the source may be rewritten), bulk_wait<N>() once they are complete. Shared memory
+// written by ordinary stores needs fence_proxy_async_shared() (below) in each writer before the issue.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
+                   reinterpret_cast<uint64_t>(dst)),
+               "r"(smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
 // ---- wgmma shared-memory matrix descriptors for tiles in the swizzled layout above.
 // Fields (PTX "matrix descriptor"): start address, leading- and stride-dimension byte offsets (all >> 4),
 // base offset 0 (tiles are 1024-byte aligned), swizzle mode 1 = 128 bytes in bits 62-63.
@@ -125,7 +156,9 @@ __device__ __forceinline__ uint64_t mn_major_descriptor(const void* tile, int ti
 // Accumulator d[i] of thread (warp w of the warpgroup, lane = 4g + t) is row 16w + g + 8·((i / 2) % 2),
 // column 8·(i / 4) + 2t + i % 2. A from registers uses mma.sync's m16n8k16 A fragment per warp:
 // a[0] = (row g, cols 2t..2t+1), a[1] = (g + 8, 2t..), a[2] = (g, 2t + 8..), a[3] = (g + 8, 2t + 8..).
-// ss: A and B from descriptors; rs: A from registers. kTransB = 1 reads B N-major (mn_major_descriptor).
+// ss: A and B from descriptors; rs: A from registers. kTransB = 1 reads B N-major (mn_major_descriptor);
+// kTransA = 1 (ss only) reads A M-major, a tile whose rows are the reduction dimension and whose columns
+// are A's 64 rows (mn_major_descriptor again: the backward's dQ = dS·K from the dSᵀ tile it stores).
 // `accumulate` = 0 overwrites D.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -147,13 +180,13 @@ struct WgmmaM64;
 // spelled out because inline PTX names every accumulator register.
 #define FLASHLM_SM90_WGMMA_M64N64(T, PTX_TYPE) \
   template <> struct WgmmaM64<T, 64> { \
-    template <int kTransB> \
+    template <int kTransB, int kTransA = 0> \
     static __device__ __forceinline__ void ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
                    "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_TYPE "." PTX_TYPE \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, %35;\n}\n" \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %36, %35;\n}\n" \
                    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB)); \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA)); \
     } \
     template <int kTransB> \
     static __device__ __forceinline__ void rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
@@ -166,13 +199,13 @@ struct WgmmaM64;
   };
 #define FLASHLM_SM90_WGMMA_M64N80(T, PTX_TYPE) \
   template <> struct WgmmaM64<T, 80> { \
-    template <int kTransB> \
+    template <int kTransB, int kTransA = 0> \
     static __device__ __forceinline__ void ss(float (&d)[40], uint64_t a, uint64_t b, int accumulate) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n" \
                    "wgmma.mma_async.sync.aligned.m64n80k16.f32." PTX_TYPE "." PTX_TYPE \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, 0, %43;\n}\n" \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1, %44, %43;\n}\n" \
                    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]) \
-                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB)); \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA)); \
     } \
     template <int kTransB> \
     static __device__ __forceinline__ void rs(float (&d)[40], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
@@ -185,13 +218,13 @@ struct WgmmaM64;
   };
 #define FLASHLM_SM90_WGMMA_M64N128(T, PTX_TYPE) \
   template <> struct WgmmaM64<T, 128> { \
-    template <int kTransB> \
+    template <int kTransB, int kTransA = 0> \
     static __device__ __forceinline__ void ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
                    "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_TYPE "." PTX_TYPE \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, %67;\n}\n" \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %68, %67;\n}\n" \
                    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB)); \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA)); \
     } \
     template <int kTransB> \
     static __device__ __forceinline__ void rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
@@ -204,13 +237,13 @@ struct WgmmaM64;
   };
 #define FLASHLM_SM90_WGMMA_M64N176(T, PTX_TYPE) \
   template <> struct WgmmaM64<T, 176> { \
-    template <int kTransB> \
+    template <int kTransB, int kTransA = 0> \
     static __device__ __forceinline__ void ss(float (&d)[88], uint64_t a, uint64_t b, int accumulate) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n" \
                    "wgmma.mma_async.sync.aligned.m64n176k16.f32." PTX_TYPE "." PTX_TYPE \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, 0, %91;\n}\n" \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}, %88, %89, p, 1, 1, %92, %91;\n}\n" \
                    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]) \
-                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB)); \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA)); \
     } \
     template <int kTransB> \
     static __device__ __forceinline__ void rs(float (&d)[88], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
@@ -223,13 +256,13 @@ struct WgmmaM64;
   };
 #define FLASHLM_SM90_WGMMA_M64N256(T, PTX_TYPE) \
   template <> struct WgmmaM64<T, 256> { \
-    template <int kTransB> \
+    template <int kTransB, int kTransA = 0> \
     static __device__ __forceinline__ void ss(float (&d)[128], uint64_t a, uint64_t b, int accumulate) { \
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
                    "wgmma.mma_async.sync.aligned.m64n256k16.f32." PTX_TYPE "." PTX_TYPE \
-                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, %131;\n}\n" \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %132, %131;\n}\n" \
                    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
-                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB)); \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA)); \
     } \
     template <int kTransB> \
     static __device__ __forceinline__ void rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
@@ -262,6 +295,7 @@ enum class NamedBarrier : uint32_t {
   kConsumers = 1,        // both consumer warpgroups of a forward block
   kWarpgroupTurn0 = 2,   // ping-pong: consumer warpgroup 0 may issue its GEMMs
   kWarpgroupTurn1 = 3,   // ping-pong: consumer warpgroup 1 may issue its GEMMs
+  kBackwardDsReady = 4,  // backward: both consumer warpgroups have stored their half of a step's dSᵀ
 };
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");

@@ -1,0 +1,386 @@
+// FlashAttention backward for Hopper (sm_90a): the dK/dV kernel with dQ added atomically, on wgmma and TMA.
+// The preprocess (Delta = rowsum(dO∘O), lse·log2e), the fp32 dQ accumulator and its conversion are the
+// mma.sync backward's (cuda/flash_bwd.cu), which launches this kernel in place of its own where it covers
+// the problem.
+//
+// One block per (128-key block, key head, batch), three warpgroups. Warpgroup 0 is the producer: one
+// thread loads the block's K and V once, then streams the steps' tiles through a ring of kStages slots
+// with TMA: a step is one query tile of one query head of the GQA group (Q, dO and their rows of
+// lse·log2e and Delta, by a bulk copy), each slot guarded by a "full" mbarrier (the copy engine completes
+// it) and an "empty" one (every consumer thread arrives once it has read the slot). Warpgroups 1 and 2 are
+// consumers, each owning 64 of the block's keys, and compute per step, with the keys as the rows of every
+// product so that dK and dV stay in registers:
+//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ          wgmma, both operands K-major in shared memory
+//   Pᵀ = exp2(Sᵀ·scale·log2e − lse2)    in registers (lse2 of the column's query)
+//   dSᵀ = Pᵀ ∘ (dPᵀ − Delta)
+//   dV += Pᵀ·dO, dK += dSᵀ·Q            wgmma, A from registers (Pᵀ, dSᵀ as 16-bit fragments), B N-major
+//   dQ += dS·K                          dSᵀ stored to shared memory (both warpgroups' halves), read
+//                                       M-major as A; each warpgroup takes half of dQ's tile (its columns
+//                                       at d128, its query rows at d64). Each warp's 16 rows of it are one
+//                                       contiguous 4 KB run of the accumulator (DqAccumLayout): the warp
+//                                       stores them to shared memory and one lane adds them to global
+//                                       memory with a bulk reduce-add (the copy engine, not 32 atomics a
+//                                       thread).
+// Rows past the ends of Q and K are zero-filled by TMA, query rows past seq_q have lse2 = +inf (P = 0), and
+// keys at or past seq_k or above the causal diagonal are masked in Sᵀ; a key block no query sees writes
+// zeros without loading anything.
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "attention/capabilities.h"
+#include "attention/cuda/flash_common.cuh"
+#include "attention/cuda/hopper/hopper.h"
+#include "attention/cuda/hopper/sm90.cuh"
+#include "attention/cuda/hopper/tma.h"
+#include "core/cuda_check.h"
+
+namespace flashlm::flash_cuda {
+namespace {
+
+template <int D>
+struct Sm90BwdTraits {
+  static constexpr int kBlockN = 128;                 // keys per block: 64 per consumer warpgroup
+  static constexpr int kBlockM = D == 64 ? 128 : 64;  // queries per step (at d128 the registers allow 64)
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 3 * sm90::kWarpgroupThreads;
+  static constexpr int kConsumerThreads = 2 * sm90::kWarpgroupThreads;
+  static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+  static constexpr uint32_t kTileBytes = kBlockM * D * 2;  // one Q or dO tile
+  static constexpr uint32_t kRowBytes = kBlockM * 4;       // one tile's lse2 or Delta
+  static constexpr uint32_t kStepBytes = 2 * kTileBytes + 2 * kRowBytes;
+  static constexpr uint32_t kKVBytes = 2 * kBlockN * D * 2;
+  static constexpr int kPanels = D / sm90::kPanelCols;
+  static constexpr int kDqWarpFloats = 16 * 64;
+  static_assert(kBlockM <= kRowPad, "the per-row arrays are padded to kRowPad rows");
+  static_assert(kBlockM % sm90::kPanelCols == 0, "dSᵀ tiles are whole panels of queries");
+};
+
+template <int D>
+struct Sm90BwdShared {
+  using Tr = Sm90BwdTraits<D>;
+  alignas(1024) uint16_t k[Tr::kBlockN * D];
+  alignas(1024) uint16_t v[Tr::kBlockN * D];
+  alignas(1024) uint16_t q[Tr::kStages][Tr::kBlockM * D];
+  alignas(1024) uint16_t dout[Tr::kStages][Tr::kBlockM * D];
+  // dSᵀ (keys x queries) of the last two steps: a warpgroup may store step i + 1's while the other still
+  // reads step i's in its dQ product; the barrier before dQ keeps them at most one step apart.
+  alignas(1024) uint16_t ds[2][Tr::kBlockN * Tr::kBlockM];
+  // Each consumer warp's part of a step's dQ (16 rows x 64 columns, in DqAccumLayout order) on its way to
+  // the accumulator by a bulk reduce-add.
+  alignas(128) float dq[Tr::kConsumerThreads / 32][Tr::kDqWarpFloats];
+  alignas(16) float lse2[Tr::kStages][Tr::kBlockM];
+  alignas(16) float delta[Tr::kStages][Tr::kBlockM];
+  sm90::Mbarrier kv_full, step_full[Tr::kStages], step_empty[Tr::kStages];
+};
+
+template <int D>
+constexpr size_t sm90_bwd_smem_bytes() {
+  return sizeof(Sm90BwdShared<D>) + 1024;  // + room to align the dynamic shared-memory base to 1024
+}
+static_assert(sm90_bwd_smem_bytes<64>() <= 227 * 1024 && sm90_bwd_smem_bytes<128>() <= 227 * 1024,
+              "an sm_90 block has at most 227 KB of shared memory");
+
+// The first query tile that sees key n0 and the number of tiles from there to the end of the queries.
+struct StepRange {
+  int m_first, m_blocks;
+  __device__ StepRange(const FlashParams& p, int n0, int block_m) {
+    m_first = p.causal ? max(0, n0 - p.causal_offset) / block_m : 0;
+    m_blocks = p.seq_q > m_first * block_m ? (p.seq_q - m_first * block_m + block_m - 1) / block_m : 0;
+    if (n0 >= p.seq_k) m_blocks = 0;
+  }
+};
+
+template <class T, int D>
+__global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
+    flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
+                          const FlashParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Tr = Sm90BwdTraits<D>;
+  using Ring = sm90::RingSlot<Tr::kStages>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  extern __shared__ unsigned char smem_raw[];
+  auto& s = *reinterpret_cast<Sm90BwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int n0 = n_block * kBlockN;
+  const StepRange range(p, n0, kBlockM);
+  const int steps = range.m_blocks * p.group;  // step (head_in_group, m_idx) in that order
+  const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
+
+  if (threadIdx.x == 0) {
+    s.kv_full.init(1);
+#pragma unroll
+    for (int st = 0; st < Tr::kStages; ++st) {
+      s.step_full[st].init(1);
+      s.step_empty[st].init(Tr::kConsumerThreads);
+    }
+    sm90::Mbarrier::fence_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- Producer.
+    sm90::registers_decrease<Tr::kProducerRegisters>();
+    if (threadIdx.x != 0 || steps == 0) return;
+    sm90::tma_prefetch_descriptor(&tm_q);
+    sm90::tma_prefetch_descriptor(&tm_do);
+    s.kv_full.arrive_expect_tx(Tr::kKVBytes);
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      sm90::tma_load_4d(s.k + panel * kBlockN * sm90::kPanelCols, &tm_k, s.kv_full, panel * sm90::kPanelCols, n0, hk,
+                        b);
+      sm90::tma_load_4d(s.v + panel * kBlockN * sm90::kPanelCols, &tm_v, s.kv_full, panel * sm90::kPanelCols, n0, hk,
+                        b);
+    }
+    int head_in_group = 0, m_idx = 0;
+    for (int step = 0; step < steps; ++step) {
+      const Ring slot{step};
+      const int st = slot.stage();
+      const int h = hk * p.group + head_in_group, m0 = (range.m_first + m_idx) * kBlockM;
+      s.step_empty[st].wait(slot.parity() ^ 1);
+      s.step_full[st].arrive_expect_tx(Tr::kStepBytes);
+#pragma unroll
+      for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        sm90::tma_load_4d(s.q[st] + panel * kBlockM * sm90::kPanelCols, &tm_q, s.step_full[st],
+                          panel * sm90::kPanelCols, m0, h, b);
+        sm90::tma_load_4d(s.dout[st] + panel * kBlockM * sm90::kPanelCols, &tm_do, s.step_full[st],
+                          panel * sm90::kPanelCols, m0, h, b);
+      }
+      const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seq_q_padded + m0;  // padded: in bounds
+      sm90::bulk_load(s.lse2[st], p.lse_log2 + row_base, Tr::kRowBytes, s.step_full[st]);
+      sm90::bulk_load(s.delta[st], p.delta + row_base, Tr::kRowBytes, s.step_full[st]);
+      if (++m_idx == range.m_blocks) {
+        m_idx = 0;
+        ++head_in_group;
+      }
+    }
+    return;
+  }
+
+  // ---- Consumers: warpgroup wg owns keys [n0 + 64·wg, n0 + 64·wg + 64).
+  sm90::registers_increase<Tr::kConsumerRegisters>();
+  using GemmS = sm90::WgmmaM64<T, kBlockM>;  // Sᵀ, dPᵀ: 64 keys x kBlockM queries
+  using GemmKV = sm90::WgmmaM64<T, D>;       // dV, dK: 64 keys x D
+  using GemmQ = sm90::WgmmaM64<T, 64>;       // this warpgroup's half of dQ: 64 queries x 64 columns
+  const int wg = warpgroup - 1;
+  const int ctid = threadIdx.x % sm90::kWarpgroupThreads, warp = ctid / 32, lane = ctid % 32, g = lane / 4, t = lane % 4;
+  const int key0 = 64 * wg;                      // within the block
+  const int key_row = n0 + key0 + 16 * warp + g;  // this thread's keys: key_row and key_row + 8
+  // The half of dQ's tile this warpgroup computes: at d128 all 64 query rows and columns [64·wg, +64);
+  // at d64 query rows [64·wg, +64) and all 64 columns. As panels of the dSᵀ tile (A) and of K (B).
+  constexpr bool kSplitColumns = D == 128;
+  const int dq_query_panel = kSplitColumns ? 0 : wg, dq_col_panel = kSplitColumns ? wg : 0;
+
+  float dv[D / 2], dk[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dv[i] = dk[i] = 0.f;
+
+  if (steps > 0) s.kv_full.wait(0);
+  int head_in_group = 0, m_idx = 0;
+  for (int step = 0; step < steps; ++step) {
+    const Ring slot{step};
+    const int st = slot.stage();
+    const int h = hk * p.group + head_in_group, m0 = (range.m_first + m_idx) * kBlockM;
+    if (++m_idx == range.m_blocks) {
+      m_idx = 0;
+      ++head_in_group;
+    }
+    s.step_full[st].wait(slot.parity());
+
+    float sacc[kBlockM / 2], dpacc[kBlockM / 2];
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      GemmS::template ss<0>(sacc, sm90::k_major_descriptor(s.k, kBlockN, key0, kk),
+                            sm90::k_major_descriptor(s.q[st], kBlockM, 0, kk), kk > 0);
+    }
+    sm90::wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      GemmS::template ss<0>(dpacc, sm90::k_major_descriptor(s.v, kBlockN, key0, kk),
+                            sm90::k_major_descriptor(s.dout[st], kBlockM, 0, kk), kk > 0);
+    }
+    sm90::wgmma_commit();
+
+    // Pᵀ while dPᵀ runs. Accumulator i: key key_row + 8·((i / 2) % 2), query m0 + 8·(i / 4) + 2t + i % 2.
+    sm90::wgmma_wait<1>();
+    sm90::fence_accumulators(sacc);
+    if (scores_need_mask(p, m0, n0 + key0, 64)) {
+#pragma unroll
+      for (int i = 0; i < kBlockM / 2; ++i) {
+        const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
+        sacc[i] = key >= p.seq_k || (p.causal && key > query + p.causal_offset) ? -INFINITY : sacc[i];
+      }
+    }
+    const float* lse2 = s.lse2[st];
+    const float* delta = s.delta[st];
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sacc[4 * j + e] = fast_exp2(fmaf(sacc[4 * j + e], p.scale_log2, e % 2 ? -l2.y : -l2.x));
+      }
+    }
+    // dSᵀ = Pᵀ ∘ (dPᵀ − Delta), as 16-bit A fragments beside Pᵀ's, and stored to shared memory for dQ.
+    sm90::wgmma_wait<0>();
+    sm90::fence_accumulators(dpacc);
+    uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+    uint16_t* ds_tile = s.ds[step & 1];
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x));
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pa[kk][e] = MmaOp<T>::pack(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+        dsa[kk][e] = MmaOp<T>::pack(dpacc[8 * kk + 2 * e], dpacc[8 * kk + 2 * e + 1]);
+        // Fragment e of k-step kk: key row key0 + 16·warp + g + 8·(e % 2), queries 16·kk + 8·(e / 2) + 2t, +1.
+        const int row = key0 + 16 * warp + g + 8 * (e % 2), col = 16 * kk + 8 * (e / 2) + 2 * t;
+        *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(ds_tile) +
+                                     sm90::swizzled_offset(kBlockN, row, col)) = dsa[kk][e];
+      }
+    }
+    sm90::fence_proxy_async_shared();  // dSᵀ is read by wgmma (the async proxy) after the barrier below
+
+    // dV += Pᵀ·dO, dK += dSᵀ·Q.
+    sm90::fence_accumulators(dv);
+    sm90::fence_accumulators(dk);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      GemmKV::template rs<1>(dv, pa[kk], sm90::mn_major_descriptor(s.dout[st], kBlockM, kk), 1);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      GemmKV::template rs<1>(dk, dsa[kk], sm90::mn_major_descriptor(s.q[st], kBlockM, kk), 1);
+    }
+    sm90::wgmma_commit();
+
+    // This warpgroup's half of dQ = dS·K, once both halves of dSᵀ are stored.
+    sm90::named_barrier_sync(sm90::NamedBarrier::kBackwardDsReady, Tr::kConsumerThreads);
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+    sm90::fence_accumulators(dq);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      GemmQ::template ss<1, 1>(dq, sm90::mn_major_descriptor(ds_tile + dq_query_panel * kBlockN * sm90::kPanelCols,
+                                                             kBlockN, kk),
+                               sm90::mn_major_descriptor(s.k + dq_col_panel * kBlockN * sm90::kPanelCols, kBlockN, kk),
+                               1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_accumulators(dv);
+    sm90::fence_accumulators(dk);
+    sm90::fence_accumulators(dq);
+    // The register fragments were read by the asynchronous dV/dK products: keep them live until here.
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[kk][e]), "+r"(dsa[kk][e])::"memory");
+    }
+    s.step_empty[st].arrive();  // Q, dO, lse2 and Delta of this slot are no longer read
+
+    // The accumulator is in fragment order (DqAccumLayout): warp `warp` holds rows 16·warp + [0, 16) of
+    // this warpgroup's half, its 8 n8 tiles consecutive blocks of 128 floats (both at d128, where the half
+    // is 64 of the 128 columns, and at d64, where it is all of them), element (lane, e) at e·32 + lane.
+    static_assert(8 * DqAccumLayout<D>::kBlockFloats == Tr::kDqWarpFloats);
+    float* dq_stage = s.dq[warpgroup * 4 - 4 + warp];
+    if (lane == 0) sm90::bulk_wait_read<0>();  // the last step's reduce has read this warp's buffer
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dq_stage[j * DqAccumLayout<D>::kBlockFloats + e * 32 + lane] = dq[4 * j + e];
+    }
+    sm90::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) {
+      float* dst = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D +
+                   DqAccumLayout<D>::block(m0 + 64 * dq_query_panel + 16 * warp, 64 * dq_col_panel);
+      sm90::bulk_reduce_add_f32(dst, dq_stage, Tr::kDqWarpFloats * 4);
+      sm90::bulk_commit();
+    }
+  }
+  if (lane == 0) sm90::bulk_wait<0>();  // every reduce complete (and its shared memory read) before exit
+
+  // dK carries the softmax scale (S = scale·QKᵀ); keys past seq_k are not written. Accumulator i: key
+  // key_row + 8·((i / 2) % 2), column 8·(i / 4) + 2t + i % 2.
+  T* dk_head = static_cast<T*>(p.dk) + b * p.dk_st.b + hk * p.dk_st.h;
+  T* dv_head = static_cast<T*>(p.dv) + b * p.dv_st.b + hk * p.dv_st.h;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key_row + 8 * r;
+    if (key >= p.seq_k) continue;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int col = 8 * j + 2 * t;
+      store_pair(dk_head + key * p.dk_st.s + col, dk[4 * j + 2 * r] * p.scale, dk[4 * j + 2 * r + 1] * p.scale);
+      store_pair(dv_head + key * p.dv_st.s + col, dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
+    }
+  }
+#endif
+}
+
+template <class T, int D>
+void launch(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
+            const CUtensorMap& dout, cudaStream_t stream) {
+  using Tr = Sm90BwdTraits<D>;
+  auto kernel = flash_bwd_sm90_kernel<T, D>;
+  constexpr int kSmem = static_cast<int>(sm90_bwd_smem_bytes<D>());
+  FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+                     "flash_bwd_sm90_kernel: shared-memory opt-in");
+  const dim3 grid((f.seq_k + Tr::kBlockN - 1) / Tr::kBlockN, f.heads_k, f.batch);
+  kernel<<<grid, Tr::kThreads, kSmem, stream>>>(q, k, v, dout, f);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_sm90_kernel launch");
+}
+
+struct Sm90BackwardMaps {
+  CUtensorMap q, k, v, dout;
+};
+
+std::optional<Sm90BackwardMaps> plan_backward_sm90(const AttentionProblem& p, const TensorView& q,
+                                                   const TensorView& k, const TensorView& v, const TensorView& dout) {
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
+  if (p.head_dim != kHopperBackwardHeadDims[0] && p.head_dim != kHopperBackwardHeadDims[1]) return std::nullopt;
+  if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
+  if (p.batch > 65535 || p.heads_k > 65535) return std::nullopt;  // grid y and z
+  if (sm90_multiprocessors() == 0) return std::nullopt;
+  const int block_m = p.head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
+  static_assert(Sm90BwdTraits<64>::kBlockN == Sm90BwdTraits<128>::kBlockN);
+  auto tq = sm90::rows_tensor_map(q, block_m), tdo = sm90::rows_tensor_map(dout, block_m);
+  auto tk = sm90::rows_tensor_map(k, Sm90BwdTraits<128>::kBlockN), tv = sm90::rows_tensor_map(v, Sm90BwdTraits<128>::kBlockN);
+  if (!tq || !tk || !tv || !tdo) return std::nullopt;
+  return Sm90BackwardMaps{*tq, *tk, *tv, *tdo};
+}
+
+}  // namespace
+
+bool backward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                          const TensorView& dout) {
+  return plan_backward_sm90(p, q, k, v, dout).has_value();
+}
+
+bool launch_backward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                          const TensorView& dout, const FlashParams& f, cudaStream_t stream) {
+  const auto maps = plan_backward_sm90(p, q, k, v, dout);
+  if (!maps) return false;
+  static_assert(kHopperBackwardHeadDims[0] == 64 && kHopperBackwardHeadDims[1] == 128);
+  auto run = [&]<class T>(T) {
+    if (p.head_dim == 64) launch<T, 64>(f, maps->q, maps->k, maps->v, maps->dout, stream);
+    else launch<T, 128>(f, maps->q, maps->k, maps->v, maps->dout, stream);
+  };
+  if (p.dtype == DType::bf16) run(__nv_bfloat16{});
+  else run(__half{});
+  return true;
+}
+
+}  // namespace flashlm::flash_cuda
