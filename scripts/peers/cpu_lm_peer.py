@@ -10,8 +10,8 @@ weight decay 0.1: flashlm's bench defaults), fp32.
 Both run in this one invocation, alternating (flashlm, torch, flashlm, torch, ...) so that load from other
 processes falls on both alike. With --clock cpu (the default) a step is timed by CPU time, not elapsed
 time: torch's by this thread's CPU time (time.thread_time; needs --threads 1), flashlm's as the difference
-in the child process's CPU time (getrusage) between a run of `--warmup W --steps 1` and one of
-`--warmup W --steps 1+N`, divided by N (the set-up the two runs share cancels). That ignores the time other
+in the child process's CPU time (getrusage) between runs of `--warmup W --steps 1` and of
+`--warmup W --steps 1+N` (the medians over the repetitions), divided by N (the set-up they share cancels). That ignores the time other
 processes take from a shared machine's cores. --clock wall times elapsed time (flashlm's own median).
 
   python3 scripts/peers/cpu_lm_peer.py --flashlm build/tools/flashlm --size tiny --context 512 --batch 4
@@ -149,12 +149,12 @@ def main():
     for _ in range(args.warmup):
         step()
 
-    ours, theirs = [], []
+    ours, theirs, short, long = [], [], [], []
     for _ in range(args.reps):
         if args.clock == "cpu":
-            _, cpu_short = flashlm_run(args, 1)
-            _, cpu_long = flashlm_run(args, 1 + args.steps)
-            ours.append((cpu_long - cpu_short) / args.steps * 1e3)
+            short.append(flashlm_run(args, 1)[1])
+            long.append(flashlm_run(args, 1 + args.steps)[1])
+            ours.append((long[-1] - short[-1]) / args.steps * 1e3)
         else:
             ours.append(flashlm_run(args, args.steps)[0])
         clock = time.thread_time if args.clock == "cpu" else time.perf_counter
@@ -165,7 +165,11 @@ def main():
             times.append((clock() - t0) * 1e3)
         theirs.append(statistics.median(times))
 
-    m, p = statistics.median(ours), statistics.median(theirs)
+    # CPU clock: the medians of the short and the long runs, differenced (a per-repetition difference is at
+    # the mercy of one slow set-up on a loaded machine).
+    m = ((statistics.median(long) - statistics.median(short)) / args.steps * 1e3 if args.clock == "cpu"
+         else statistics.median(ours))
+    p = statistics.median(theirs)
     print(f"torch {torch.__version__}, threads {args.threads}, clock {args.clock}, "
           f"load average {os.getloadavg()[0]:.1f}")
     print("| model | ctx | batch | flashlm step ms | torch eager step ms | ratio torch/flashlm |")
