@@ -2,14 +2,14 @@
 //
 // Forward: one task per (batch, query head, tile of kForwardBlockQ queries). The task keeps its query tile, a
 // running row maximum m, a running sum l and an unnormalised output accumulator, and streams key/value
-// tiles of kBlockK keys through them (online softmax). Key tiles that the causal mask hides completely are
+// tiles of kForwardBlockK keys through them (online softmax). Key tiles that the causal mask hides completely are
 // never visited.
 //
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
 // converted to the accumulation type, K (and V for the backward) also transposed, tile by tile, with a
-// finiteness flag per tile. Without it each of the Nq / kBlockQ query tiles converted and transposed
-// every key tile again, and at long sequences that, read from beyond L2, cost as much as the products.
+// finiteness flag per tile. Without it each of the Nq / 64 query tiles converted and transposed every
+// key tile again: at seq 4096 the forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
 //
@@ -38,10 +38,11 @@ namespace flashlm {
 
 namespace {
 
-constexpr int64_t kBlockQ = 64;  // query tile of the backward
+constexpr int64_t kBlockQ = 64;  // the backward's tiles (128-key tiles there measured within the noise)
 constexpr int64_t kBlockK = 64;
-// The forward's query tile: twice the backward's, so the K and V of a head stream through the cache half as
-// often (the forward keeps only S, P and the output accumulator per query; the backward also keeps dS).
+// The forward's tiles, chosen by a sweep (docs/perf.md): 128 queries, so the K and V of a head stream through
+// the cache half as often, and 128 keys, so the per-row softmax work (max, rescale, sum) is spread over
+// twice the columns. The forward keeps S, P and the output accumulator per query; the backward also dS.
 constexpr int64_t kForwardBlockQ = 128;
 constexpr int64_t kForwardBlockK = 128;
 
