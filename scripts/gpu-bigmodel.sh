@@ -7,7 +7,8 @@
 #   1. the leaderboard step: cs336-8b, batch 2 x context 32768, pure bf16, --recompute auto, with the range
 #      split, then the PyTorch peer;
 #   2. xl with recomputation at context 4096 and 16384 (batch 2, bf16 with fp32 masters) beside
-#      scripts/torch_checkpoint_peer.py (every block under torch.utils.checkpoint).
+#      scripts/torch_checkpoint_peer.py (every block under torch.utils.checkpoint);
+#   3. the xl and small step at context 512, batch 4 (the SPEC §4 step; PyTorch's side: lm_peers.py).
 set -uo pipefail
 bin=$1 peers=$2 out=$3
 here=$(cd "$(dirname "$0")" && pwd)
@@ -40,4 +41,8 @@ for ctx in 4096 16384; do
     --out "$out/xl-$ctx-torch.json" > "$out/xl-$ctx-torch.log" 2>&1
   echo "exit $?"; tail -4 "$out/xl-$ctx-torch.log"
 done
+step "the xl and small train step (context 512, batch 4, bf16 with fp32 masters)"
+timeout 90 "$bin/flashlm" bench --device cuda --model small,xl --context 512 --batch 4 --precision bf16 --pass step \
+  --warmup 5 --steps 20 --format json --out "$out/step-512.json" > "$out/step-512.log" 2>&1
+echo "exit $?"; grep -E "^\|" "$out/step-512.log" | head -8
 step "done"

@@ -92,7 +92,7 @@ if [[ $what == lm || $what == all ]]; then
   done
   echo "== flashlm.attention from PyTorch: attention alone, and swapped into the CS336 small model"
   PYTHONPATH="$(dirname "$0")/../python" FLASHLM_LIBRARY="$lib/libflashlm.so" timeout 400 \
-    python3 "$(dirname "$0")/torch_attention_bench.py" --peers "$peers" --out "$out/torch-swap.json" \
+    python3 "$(dirname "$0")/torch_attention_bench.py" --peers "$peers" --models small --out "$out/torch-swap.json" \
     > "$out/torch-swap.log" 2>&1; tail -24 "$out/torch-swap.log"
   echo "== per-kernel summary (CUPTI), xl bf16 train step"
   timeout 120 "$bin/flashlm" bench --device cuda --model xl --context 512 --batch 4 --precision bf16 --pass step \

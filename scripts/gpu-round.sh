@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # On one H200 (any sm_90 GPU): every GPU test binary once, then the headline measurements beside the
 # PyTorch peers, in one call that fits a 10-minute limit.
-#   scripts/gpu-round.sh BIN_DIR PEERS_DIR OUT_DIR
+#   scripts/gpu-round.sh BIN_DIR PEERS_DIR OUT_DIR [tests fa gqa fsdp]   (default: all four)
 # BIN_DIR holds flashlm, the test binaries and libflashlm.so (a build with -DFLASHLM_NATIVE=OFF);
 # PEERS_DIR the PyTorch peer scripts (attention_peers.py, compare.py). Logs and JSON go to OUT_DIR (tar it:
 # a remote runner may return only a few files). Each step is bounded by `timeout`, so one hang cannot eat
 # the rest; the elapsed seconds are printed with each heading.
-#   tests: test_sm90, the attention GPU grid on the default dispatch (the Hopper forward on sm_90) and forced
+#   tests: test_sm90, the attention GPU grid on the default dispatch (the Hopper kernels on sm_90) and forced
 #          onto the mma.sync fallback, the grid three times (a moving error is a race) and a small grid under
-#          memcheck/racecheck, NaN semantics, the LM kernels and models, the optimizer, GEMMs, DDP and
+#          memcheck/racecheck/synccheck, packed variable-length sequences, NaN semantics, the LM kernels and models, the optimizer, GEMMs, DDP and
 #          FSDP at world 1, a bf16 train run resumed bit for bit and a NaN loss stopped.
 #   bench: the fa grid (forward and backward) against SDPA flash and cuDNN, the causal GQA shape
 #          (64 query / 8 KV heads, seq 16k, d128), FSDP's bookkeeping at world 1 against the plain step (xl).
 set -uo pipefail
 bin=$1 peers=$2 out=$3
+shift 3
+what=" ${*:-tests fa gqa fsdp} "
+has() { [[ $what == *" $1 "* ]]; }
 mkdir -p "$out"
 nccl=$(python3 -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null || true)
 export LD_LIBRARY_PATH=$bin:${nccl}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -21,6 +24,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 "$bin/flashlm" info | head -5
 t0=$SECONDS
+fb="$bin/flashlm attention-bench --device cuda --quiet"
 step() { echo "== [$((SECONDS - t0)) s] $*"; }
 # gtest binary, time limit, log name, arguments: prints the exit status and the failures, if any.
 gtest() {
@@ -31,16 +35,17 @@ gtest() {
   grep -E "^\[  FAILED  \]|Failure$" "$out/$log.log" | head -12
 }
 
+if has tests; then
 step "tests"
 gtest test_sm90 60 sm90
-gtest test_attention 240 attention-default --gtest_filter='*Cuda*:AttentionNaN*:AttentionCapabilities*'
-gtest test_attention 200 attention-x3 --gtest_filter='Grid/CudaVsReference.*:CudaAttention.AtomicBackwardSplit*' --gtest_repeat=3
-FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 200 attention-mma --gtest_filter='*Cuda*:AttentionNaN*'
-for tool in memcheck racecheck; do
+gtest test_attention 240 attention-default --gtest_filter='*Cuda*:AttentionNaN*:AttentionCapabilities*:*Varlen*:*Fp8*'
+gtest test_attention 200 attention-x2 --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*' --gtest_repeat=2
+FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 200 attention-mma --gtest_filter='*Cuda*:AttentionNaN*:*Varlen*'
+for tool in memcheck racecheck synccheck; do
   timeout 120 compute-sanitizer --tool $tool --error-exitcode 99 "$bin/test_attention" --gtest_brief=1 \
-    --gtest_filter='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:CudaAttention.EmptySequencesGiveZeroGradients' \
+    --gtest_filter='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:CudaAttention.QueryTilesThatSeeNoKey*:CudaAttention.EmptySequencesGiveZeroGradients:Packs/VarlenCudaVsReference.*d128*' \
     > "$out/sanitizer-$tool.log" 2>&1
-  echo "$tool: exit $?; $(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY' "$out/sanitizer-$tool.log")"
+  echo "$tool: exit $?; $(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY\|SYNCCHECK SUMMARY' "$out/sanitizer-$tool.log")"
 done
 step "LM, optimizer, GEMM, DDP and FSDP at world 1"
 gtest test_model_cuda 200 model-cuda
@@ -58,15 +63,19 @@ cmp "$out/full.ckpt" "$out/half.ckpt" && echo "resume: checkpoints identical" ||
 timeout 60 $tr --steps 30 --lr 10 --lr-min 10 --warmup 0 --clip 0 --checkpoint-every 1 --checkpoint "$out/nan.ckpt" \
   > "$out/train-nan.log" 2>&1
 echo "NaN run: exit $? ($(grep -m1 'error' "$out/train-nan.log"))"
+fi
 
+if has fa; then
 step "fa grid, bf16, forward and backward (default dispatch), then the PyTorch peers"
-fb="$bin/flashlm attention-bench --device cuda --quiet"
 timeout 150 $fb --grid fa --dtype bf16 --impl flash --warmup 10 --reps 30 --format json --out "$out/ours-fa.json" > /dev/null
 timeout 180 python3 "$peers/attention_peers.py" --grid fa --peers flash,cudnn --out "$out/peers-fa.json" \
   > "$out/peers-fa.log" 2>&1 || tail -5 "$out/peers-fa.log"
 python3 "$peers/compare.py" "$out/ours-fa.json" "$out/peers-fa.json" --ours flash --peer flash --peer cudnn \
   > "$out/compare-fa.md"
 grep "^|" "$out/compare-fa.md" | head -40; tail -3 "$out/compare-fa.md"
+fi
+
+if has gqa; then
 step "causal GQA: b1, 64 query / 8 KV heads, seq 16384, d128 (ours, then SDPA through PyTorch)"
 timeout 90 $fb --impl flash --dtype bf16 --batch 1 --heads 64 --kv-heads 8 --seq 16384 --d 128 --causal=0,1 \
   --warmup 3 --reps 10 --format csv | tee "$out/gqa.csv"
@@ -75,8 +84,12 @@ if [[ -f "$(dirname "$0")/torch_attention_bench.py" ]]; then
     python3 "$(dirname "$0")/torch_attention_bench.py" --peers "$peers" --models "" --shapes 1x64x16384x128x8 \
     --out "$out/gqa-torch.json" > "$out/gqa-torch.log" 2>&1; tail -8 "$out/gqa-torch.log"
 fi
+fi
+
+if has fsdp; then
 step "FSDP at world 1 against the plain step: xl, context 512, batch 4"
 timeout 150 mpirun --allow-run-as-root --bind-to none -np 1 -x LD_LIBRARY_PATH "$bin/flashlm" ddp-bench --device cuda \
   --model xl --context 512 --batch 4 --ddp bucketed,fsdp --bucket-mb 100 --warmup 3 --steps 10 --format md \
   --out "$out/fsdp-np1.md" > /dev/null 2>"$out/fsdp-np1.err"; echo "exit $?"; cat "$out/fsdp-np1.md"; tail -3 "$out/fsdp-np1.err"
+fi
 step "done"

@@ -383,8 +383,9 @@ struct BenchArgs {
   std::string model = "small", context = "512", precision = "fp32", attention = "flash", pass = "fwd,fwd-bwd,step";
   std::string device, format = "md", out, memory_timeline, model_config, recompute = "none";
   int64_t batch = 4, vocab = 0, head_chunk = 0;
-  int warmup = 5, steps = 10, threads = 0;
+  int warmup = 5, steps = 10, threads = 0, gemm_autotune = 0;
   bool profile_ranges = false, profile_kernels = false, quiet = false, atomic_backward = false;
+  bool serial_grad_norm = false;
 };
 
 void add_bench(CLI::App& app, BenchArgs& a) {
@@ -419,6 +420,15 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--memory-timeline", a.memory_timeline,
                   "Write every allocation and release (time, bytes, tag, phase) as JSON; draw it with "
                   "scripts/plot_memory_timeline.py");
+  cmd->add_option("--gemm-autotune", a.gemm_autotune,
+                  "Time up to this many of cuBLASLt's candidate algorithms for each GEMM shape at its first call and "
+                  "keep the fastest (the choices are printed unless --quiet); 0: the heuristic's first choice "
+                  "(--device cuda)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 64));
+  cmd->add_flag("--serial-grad-norm", a.serial_grad_norm,
+                "The gradient norm as one pass over every gradient after the backward, instead of each gradient's "
+                "share beside the backward as it is finalised (--device cuda)");
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
@@ -460,6 +470,9 @@ int run_bench_command(const BenchArgs& a) {
   cfg.profile_ranges = a.profile_ranges;
   cfg.profile_kernels = a.profile_kernels;
   if (cfg.profile_kernels && cfg.device != Device::cuda) throw UsageError("--profile-kernels needs --device cuda");
+  cfg.gemm_autotune = a.gemm_autotune;
+  cfg.overlap_grad_norm = !a.serial_grad_norm;
+  if (cfg.gemm_autotune > 0 && cfg.device != Device::cuda) throw UsageError("--gemm-autotune needs --device cuda");
   if (a.threads > 0) set_cpu_threads(a.threads);
   if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
   if (!a.memory_timeline.empty()) memory_timeline_start();

@@ -10,6 +10,7 @@
 // j <= i + seq_k - seq_q (bottom-right, FlashAttention >= 2.1). A query that sees no key gets
 // o = 0, lse = -inf and zero gradients.
 #pragma once
+#include <cstdint>
 #include <optional>
 #include <string_view>
 
@@ -48,6 +49,36 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
                         const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, const AttentionOptions& options = {});
+
+// Packed variable-length sequences (flash-attn's varlen convention): the batch's sequences laid end to
+// end, sequence b owning queries [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b],
+// cu_seqlens_k[b + 1]). Shapes (any element strides, last stride 1):
+//   q, o, dout, dq   [total_q, heads_q, head_dim]
+//   k, v, dk, dv     [total_k, heads_k, head_dim]
+//   lse              [heads_q, total_q]  fp32 (fp64 allowed for fp64 inputs), flash-attn's varlen layout
+// Each sequence is an attention problem of its own (no query sees another sequence's keys); the causal
+// mask and its alignment apply per sequence (bottom-right: query i of sequence b sees keys j <= i +
+// len_k(b) - len_q(b)). A sequence with no queries writes nothing; its keys get zero dk and dv.
+//
+// The offsets are checked before any kernel runs: batch + 1 int32 entries each, starting at 0,
+// non-decreasing, the last equal to total_q (total_k), and no sequence longer than max_seqlen_q
+// (max_seqlen_k). Offsets in device memory (device = cuda) are copied to the host once per call, after the
+// work queued on options.stream: that call waits for the stream (no CUDA-graph capture of it).
+struct VarlenSequences {
+  const int32_t* cu_seqlens_q = nullptr;  // batch + 1 entries
+  const int32_t* cu_seqlens_k = nullptr;  // batch + 1 entries
+  int64_t batch = 0;
+  Device device = Device::cpu;  // where both offset arrays live
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;  // bounds on the sequence lengths
+};
+
+void attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                              const TensorView& lse, const VarlenSequences& seqs, const AttentionOptions& options = {});
+
+void attention_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                               const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                               const TensorView& dk, const TensorView& dv, const VarlenSequences& seqs,
+                               const AttentionOptions& options = {});
 
 // FLOPs as the FlashAttention papers count them: forward 4·B·H·Nq·Nk·D, halved when causal with
 // Nq = Nk; backward is 2.5× the forward.

@@ -81,11 +81,13 @@ struct LmBenchConfig {
   RecomputePlan recompute;  // automatic: resolved per configuration against the free memory
   int64_t head_chunk = 0;   // ModelOptions::head_chunk
   bool deterministic = true;  // ModelOptions::deterministic
+  bool overlap_grad_norm = true;  // ModelOptions::overlap_grad_norm
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;
   Device device = Device::cpu;
   bool profile_ranges = false;   // print the nvtx_sum table of each configuration's timed steps
   bool profile_kernels = false;  // print the cuda_gpu_kern_sum table (CUPTI) of each configuration's timed steps
+  int gemm_autotune = 0;  // set_gemm_autotune (model/gemm_cuda.h): time this many cuBLASLt candidates per GEMM shape
   std::function<void(const std::string&)> progress;
 };
 

@@ -13,6 +13,16 @@
  * Causal masks: query i sees key j when j <= i (top-left, PyTorch's is_causal) or
  * j <= i + seq_k - seq_q (bottom-right). A query that sees no key gets o = 0, lse = -inf and zero
  * gradients.
+ *
+ * Packed variable-length sequences (flash-attn's varlen convention; flashlm_attention_varlen_*):
+ *   q, o, dout, dq      [total_q, heads_q, head_dim]
+ *   k, v, dk, dv        [total_k, heads_k, head_dim]
+ *   lse                 [heads_q, total_q], fp32
+ * sequence b owning rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b],
+ * cu_seqlens_k[b + 1]) of k; the causal mask applies per sequence (bottom-right: j <= i + len_k - len_q).
+ * The offsets (batch + 1 int32 each, from 0, non-decreasing, the last = total, no length above max_seqlen)
+ * are checked on the host first; offsets in CUDA memory are copied once per call after the work queued on
+ * `stream`, which the call waits for.
  */
 #ifndef FLASHLM_FLASHLM_H
 #define FLASHLM_FLASHLM_H
@@ -23,7 +33,8 @@
 extern "C" {
 #endif
 
-#define FLASHLM_ABI_VERSION 1
+/* 2: adds flashlm_attention_varlen_forward/backward and flashlm_varlen (version 1's calls are unchanged). */
+#define FLASHLM_ABI_VERSION 2
 #define FLASHLM_MAX_DIMS 6
 
 typedef enum flashlm_status {
@@ -72,6 +83,27 @@ flashlm_status flashlm_attention_backward(const flashlm_tensor* q, const flashlm
                                           const flashlm_tensor* dout, const flashlm_tensor* dq,
                                           const flashlm_tensor* dk, const flashlm_tensor* dv,
                                           const flashlm_attention_options* options);
+
+typedef struct flashlm_varlen {
+  const int32_t* cu_seqlens_q; /* batch + 1 offsets into q's rows */
+  const int32_t* cu_seqlens_k; /* batch + 1 offsets into k's rows */
+  int64_t batch;               /* number of sequences */
+  int32_t device;              /* flashlm_device of both offset arrays (CPU offsets serve CUDA tensors too) */
+  int64_t max_seqlen_q;        /* bounds on the sequence lengths */
+  int64_t max_seqlen_k;
+} flashlm_varlen;
+
+flashlm_status flashlm_attention_varlen_forward(const flashlm_tensor* q, const flashlm_tensor* k,
+                                                const flashlm_tensor* v, const flashlm_tensor* o,
+                                                const flashlm_tensor* lse, const flashlm_varlen* seqs,
+                                                const flashlm_attention_options* options);
+
+flashlm_status flashlm_attention_varlen_backward(const flashlm_tensor* q, const flashlm_tensor* k,
+                                                 const flashlm_tensor* v, const flashlm_tensor* o,
+                                                 const flashlm_tensor* lse, const flashlm_tensor* dout,
+                                                 const flashlm_tensor* dq, const flashlm_tensor* dk,
+                                                 const flashlm_tensor* dv, const flashlm_varlen* seqs,
+                                                 const flashlm_attention_options* options);
 
 /* Message of the calling thread's last failed call ("" if none). */
 const char* flashlm_last_error(void);

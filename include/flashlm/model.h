@@ -77,6 +77,13 @@ struct ModelOptions {
   // CUDA: the attention backward's separate dQ pass, so that a step is bit-reproducible (checkpoint resume
   // relies on it); false: dQ by fp32 atomics, faster at long contexts, the last bits vary from run to run.
   bool deterministic = true;
+  // CUDA: each gradient's squared norm computed as the backward finalises it, on a stream beside the
+  // backward's GEMMs; false: one pass over every gradient when the norm is asked for (the A/B of that
+  // overlap; the two sum in different orders, so the norms differ in the last bits).
+  bool overlap_grad_norm = true;
+  // Ranks that share the AdamW moments (ZeRO-1 and FSDP: DdpModel releases the model's own and the sharded
+  // optimizer keeps 1/world of them): the memory plan counts one such share. 1: the model's own moments.
+  int64_t optimizer_shards = 1;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
@@ -189,6 +196,10 @@ class LanguageModel {
   virtual double clip_gradients(double max_norm) = 0;  // returns the norm before clipping
   virtual void adamw_step(const AdamWConfig& c, double lr) = 0;
   virtual int64_t optimizer_steps() const = 0;
+  // Frees the AdamW moments and restarts the step count at 0 (the next own step starts from zero moments,
+  // as a new optimizer would): for data parallelism whose sharded optimizer keeps the state instead (ZeRO-1,
+  // FSDP), so that a rank does not hold both. No-op for a model that has taken no step.
+  virtual void release_optimizer_state() = 0;
   // Checkpoints: fp32 master parameters and AdamW moments, host arrays of parameter_count() floats each
   // (another size is an Error naming the argument), and the AdamW step count (>= 0).
   virtual void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const = 0;
@@ -227,6 +238,8 @@ class LanguageModel {
   // and the step count is not negative.
   void check_state_arrays(std::string_view caller, size_t params, size_t m, size_t v, int64_t optimizer_steps) const;
   void gradient_ready(std::string_view parameter_name) const;  // for backward(): calls the hook, if any
+  // Whether someone else acts on the gradients as they become final (data parallelism reduces them).
+  bool has_gradient_ready_hook() const { return bool(gradient_ready_hook_); }
   // For forward(): calls the hook, if any, with the elements of every parameter whose name starts with
   // `name_prefix` (one run: a layer's parameters are contiguous in the layout).
   void parameters_needed(std::string_view name_prefix) const;
@@ -296,6 +309,7 @@ class CpuModel final : public LanguageModel {
   // One AdamW step (decoupled weight decay, bias-corrected) with learning rate lr.
   void adamw_step(const AdamWConfig& c, double lr) override;
   int64_t optimizer_steps() const override { return adam_step_; }
+  void release_optimizer_state() override;
   void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
   void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
                   int64_t optimizer_steps) override;
@@ -379,6 +393,7 @@ class CudaModel final : public LanguageModel {
   int64_t loss_scale_good_steps() const override;
   void restore_loss_scale(double scale, int64_t good_steps) override;
   int64_t optimizer_steps() const override;
+  void release_optimizer_state() override;
   void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
   void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
                   int64_t optimizer_steps) override;

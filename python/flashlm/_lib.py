@@ -1,8 +1,9 @@
 """Loads libflashlm and declares its C ABI (include/flashlm/flashlm.h) for ctypes.
 
-A call's tensors and options are packed by one struct.pack_into into a per-thread buffer laid out as the
-header's flashlm_tensor / flashlm_attention_options structs, and the C functions get addresses into it:
-no ctypes structure is built per call (that cost ~60 µs of host time per attention call before).
+A call's tensors and options are packed by struct.pack_into into a buffer laid out as the header's
+flashlm_tensor / flashlm_attention_options structs, and the C functions get addresses into it: no ctypes
+structure is built per call (that cost ~60 µs of host time per attention call). The buffers are kept per
+thread and per call geometry (PackedCall), so a repeated call rewrites only its data pointers and stream.
 """
 import ctypes
 import os
@@ -10,7 +11,7 @@ import struct
 import threading
 from pathlib import Path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 MAX_DIMS = 6
 
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, RUNTIME_ERROR = 0, 1, 2, 3
@@ -20,18 +21,27 @@ TOP_LEFT, BOTTOM_RIGHT = 0, 1
 FLASH, NAIVE = 0, 1
 
 # flashlm_tensor: void* data; int32 ndim, dtype, device; (4 bytes of padding) int64 sizes[6], strides[6].
-# Attention tensors have 4 dimensions (lse 3); the unused sizes and strides are zero padding.
+# Attention tensors have 4 dimensions (lse 3); packed varlen ones 3 (lse 2); the unused sizes and strides are zero padding.
 TENSOR4 = "Qiii4x4q16x4q16x"
 TENSOR3 = "Qiii4x3q24x3q24x"
+TENSOR2 = "Qiii4x2q32x2q32x"
 TENSOR_BYTES = 120
 # flashlm_attention_options: int32 impl, causal, causal_align, deterministic, has_scale; double scale;
 # void* stream.
 OPTIONS = "iiiii4xdQ"
 OPTIONS_BYTES = 40
-# forward(q, k, v, o, lse, options) and backward(q, k, v, o, lse, dout, dq, dk, dv, options).
+# flashlm_varlen: const int32* cu_seqlens_q, cu_seqlens_k; int64 batch; int32 device; int64 max_seqlen_q,
+# max_seqlen_k.
+VARLEN = "QQqi4xqq"
+VARLEN_BYTES = 48
+# forward(q, k, v, o, lse, options) and backward(q, k, v, o, lse, dout, dq, dk, dv, options); the varlen
+# calls take their packed tensors and the flashlm_varlen before the options.
 FORWARD = struct.Struct("=" + TENSOR4 * 4 + TENSOR3 + OPTIONS)
 BACKWARD = struct.Struct("=" + TENSOR4 * 4 + TENSOR3 + TENSOR4 * 4 + OPTIONS)
+VARLEN_FORWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + VARLEN + OPTIONS)
+VARLEN_BACKWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + TENSOR3 * 4 + VARLEN + OPTIONS)
 assert FORWARD.size == 5 * TENSOR_BYTES + OPTIONS_BYTES and BACKWARD.size == 9 * TENSOR_BYTES + OPTIONS_BYTES
+assert VARLEN_FORWARD.size == FORWARD.size + VARLEN_BYTES and VARLEN_BACKWARD.size == BACKWARD.size + VARLEN_BYTES
 
 
 class FlashlmError(RuntimeError):
@@ -80,6 +90,10 @@ def _load():
     lib.flashlm_attention_forward.restype = ctypes.c_int
     lib.flashlm_attention_backward.argtypes = [ctypes.c_void_p] * 10
     lib.flashlm_attention_backward.restype = ctypes.c_int
+    lib.flashlm_attention_varlen_forward.argtypes = [ctypes.c_void_p] * 7
+    lib.flashlm_attention_varlen_forward.restype = ctypes.c_int
+    lib.flashlm_attention_varlen_backward.argtypes = [ctypes.c_void_p] * 11
+    lib.flashlm_attention_varlen_backward.restype = ctypes.c_int
     lib.flashlm_last_error.restype = ctypes.c_char_p
     lib.flashlm_version.restype = ctypes.c_char_p
     lib.flashlm_cuda_built.restype = ctypes.c_int32
@@ -91,32 +105,80 @@ lib = _load()
 path = lib._name
 
 
-class _CallBuffer(threading.local):
-    """One buffer per thread (ctypes releases the GIL during the call, so threads must not share it), and
-    the addresses of each argument inside it."""
+class PackedCall:
+    """One call's C arguments packed in a buffer of their own (FORWARD's or BACKWARD's layout) and their
+    addresses. A call whose shapes, strides, dtypes, devices and options match an earlier one's (the key
+    the caller builds from exactly those) differs from it only in its data pointers and stream: those are
+    written into the packed buffer (`words`, 64-bit words) and the rest is reused, instead of packing ~60
+    fields per call."""
+
+    __slots__ = ("buffer", "words", "args")
+
+    def __init__(self, layout, fields):
+        self.buffer = ctypes.create_string_buffer(layout.size)
+        layout.pack_into(self.buffer, 0, *fields)
+        self.words = memoryview(self.buffer).cast("B").cast("Q")
+        base = ctypes.addressof(self.buffer)
+        tensors = layout.size // TENSOR_BYTES  # then the options
+        self.args = tuple(base + i * TENSOR_BYTES for i in range(tensors + 1))
+
+
+# In PackedCall.words: tensor i's data pointer is word i * TENSOR_WORDS; the stream is the options' word 4.
+TENSOR_WORDS = TENSOR_BYTES // 8
+FORWARD_STREAM_WORD = 5 * TENSOR_WORDS + 4
+BACKWARD_STREAM_WORD = 9 * TENSOR_WORDS + 4
+MAX_PACKED_CALLS = 256
+
+
+class _PackedCalls(threading.local):
+    """Each thread's packed calls by key (ctypes releases the GIL during a call, so threads must not share a
+    buffer), a bounded number: a program with more distinct geometries than that repacks."""
 
     def __init__(self):
-        self.buffer = ctypes.create_string_buffer(BACKWARD.size)
+        self.forward = {}
+        self.backward = {}
+
+
+packed_calls = _PackedCalls()
+
+
+class _CallBuffer(threading.local):
+    """The varlen calls' per-thread buffer, packed afresh on every call (their offsets tensors make a
+    cached geometry less useful), and the addresses of each argument inside it."""
+
+    def __init__(self):
+        self.buffer = ctypes.create_string_buffer(VARLEN_BACKWARD.size)
         base = ctypes.addressof(self.buffer)
-        self.forward_args = tuple(base + i * TENSOR_BYTES for i in range(6))
-        self.backward_args = tuple(base + i * TENSOR_BYTES for i in range(10))
+        self.varlen_forward_args = (*(base + i * TENSOR_BYTES for i in range(5)), base + 5 * TENSOR_BYTES,
+                                    base + 5 * TENSOR_BYTES + VARLEN_BYTES)
+        self.varlen_backward_args = (*(base + i * TENSOR_BYTES for i in range(9)), base + 9 * TENSOR_BYTES,
+                                     base + 9 * TENSOR_BYTES + VARLEN_BYTES)
 
 
 _calls = _CallBuffer()
 
 
-def forward(*fields):
-    """flashlm_attention_forward on FORWARD's fields (q, k, v, o, lse, options)."""
-    call = _calls
-    FORWARD.pack_into(call.buffer, 0, *fields)
-    check(lib.flashlm_attention_forward(*call.forward_args))
+def packed(calls, key, layout, fields):
+    """A new PackedCall of `fields` kept under `key` in `calls` (one of packed_calls' dictionaries)."""
+    if len(calls) >= MAX_PACKED_CALLS:
+        calls.clear()
+    call = calls[key] = PackedCall(layout, fields)
+    return call
 
 
-def backward(*fields):
-    """flashlm_attention_backward on BACKWARD's fields (q, k, v, o, lse, dout, dq, dk, dv, options)."""
+def varlen_forward(*fields):
+    """flashlm_attention_varlen_forward on VARLEN_FORWARD's fields (q, k, v, o, lse, seqs, options)."""
     call = _calls
-    BACKWARD.pack_into(call.buffer, 0, *fields)
-    check(lib.flashlm_attention_backward(*call.backward_args))
+    VARLEN_FORWARD.pack_into(call.buffer, 0, *fields)
+    check(lib.flashlm_attention_varlen_forward(*call.varlen_forward_args))
+
+
+def varlen_backward(*fields):
+    """flashlm_attention_varlen_backward on VARLEN_BACKWARD's fields (q, k, v, o, lse, dout, dq, dk, dv, seqs,
+    options)."""
+    call = _calls
+    VARLEN_BACKWARD.pack_into(call.buffer, 0, *fields)
+    check(lib.flashlm_attention_varlen_backward(*call.varlen_backward_args))
 
 
 def check(status):

@@ -9,7 +9,7 @@ autograd.Function on older torch, through the C ABI (no compiled extension).
 layout is "bshd" ([batch, seq, heads, head_dim]) or "bhsd" ([batch, heads, seq, head_dim]); any strides
 with a unit last stride. o is allocated like q (same strides when q is dense), lse is [batch, heads_q,
 seq_q] float32 (float64 for float64 CPU inputs), dq, dk, dv like q, k, v. The C side checks every
-argument; Python only describes the tensors to it (one struct.pack_into, _lib.py).
+argument; Python only describes the tensors to it (packed once per call geometry, _lib.PackedCall).
 
 Plain eager calls skip the operators' dispatcher round trip (_Attention below); under torch.compile,
 export, fake tensors and torch.func the operators are what gets traced.
@@ -24,6 +24,8 @@ from . import _lib as L
 _DTYPES = {torch.float64: L.FP64, torch.float32: L.FP32, torch.float16: L.FP16, torch.bfloat16: L.BF16}
 _ALIGN = {"top_left": False, "top-left": False, "bottom_right": True, "bottom-right": True}
 _IMPL = {"flash": L.FLASH, "naive": L.NAIVE}
+# _forward and _backward write the data pointers and the stream at these words of a PackedCall.
+assert L.TENSOR_WORDS == 15 and L.FORWARD_STREAM_WORD == 79 and L.BACKWARD_STREAM_WORD == 139
 DOUBLE_BACKWARD_ERROR = ("flashlm attention: double backward (differentiating the attention's gradients, "
                          "create_graph=True) is not supported")
 
@@ -38,7 +40,7 @@ else:
 def _describe(t, bhsd):
     """The packed flashlm_tensor fields of a 4-D t (data, ndim, dtype, device, sizes, strides), a [batch,
     heads, seq, head_dim] tensor described as its [batch, seq, heads, head_dim] view when bhsd. (is_cuda
-    is the device code: CPU = 0, CUDA = 1.) Kept to attribute reads: it runs five or nine times a call."""
+    is the device code: CPU = 0, CUDA = 1.)"""
     s, st = t.shape, t.stride()
     if bhsd:
         return (t.data_ptr(), 4, _DTYPES[t.dtype], t.is_cuda, s[0], s[2], s[1], s[3], st[0], st[2], st[1], st[3])
@@ -54,12 +56,13 @@ def _options(causal, bottom_right, scale, deterministic, impl):
     return (_IMPL[impl], causal, bottom_right, deterministic, scale is not None, 0.0 if scale is None else scale)
 
 
-def _why_not_packable(named_tensors, impl):
-    """The error for arguments _describe/_options could not pack (the C side checks everything else)."""
+def _why_not_packable(named_tensors, impl, ndim=4, scale=None):
+    """The error for arguments _describe/_options could not pack (the C side checks everything else); ndim is
+    the tensors' (lse has one fewer)."""
     for t, name in named_tensors:
         if not isinstance(t, torch.Tensor):
             return L.FlashlmValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-        want = 3 if name == "lse" else 4
+        want = ndim - 1 if name == "lse" else ndim
         if t.dim() != want:
             return L.FlashlmValueError(f"{name}: expected {want} dimensions, got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
@@ -67,7 +70,9 @@ def _why_not_packable(named_tensors, impl):
                                        "bfloat16)")
     if impl not in _IMPL:
         return L.FlashlmValueError(f"impl: '{impl}' is not flash or naive")
-    return None
+    if scale is not None and not isinstance(scale, (int, float)):
+        return L.FlashlmValueError(f"scale: expected a number or None, got {type(scale).__name__}")
+    return L.FlashlmValueError("attention: the arguments could not be described to the C library")
 
 
 def _is_bhsd(layout):
@@ -78,19 +83,28 @@ def _is_bhsd(layout):
     raise L.FlashlmValueError(f"layout: '{layout}' is not bshd or bhsd")
 
 
-def _call(c_function, q, fields):
-    """Calls the C function on the packed fields with q's current CUDA stream appended, on q's device."""
+def _stream(q):
+    """q's current CUDA stream as an integer (0 on the CPU), or None when q is on another device than the
+    current one: the C ABI works on the calling thread's current device, so the caller switches first."""
     if not q.is_cuda:
-        return c_function(*fields, 0)
+        return 0
     index = q.get_device()
-    if torch.cuda.current_device() == index:
-        return c_function(*fields, _raw_stream(index))
-    with torch.cuda.device(index):  # the C ABI works on the calling thread's current device
-        return c_function(*fields, _raw_stream(index))
+    return _raw_stream(index) if torch.cuda.current_device() == index else None
+
+
+def _call(c_function, q, fields):
+    """Calls the C function on the packed fields with q's current CUDA stream appended, on q's device (the
+    varlen calls; the others write the stream into their PackedCall)."""
+    stream = _stream(q)
+    if stream is None:
+        with torch.cuda.device(q.get_device()):
+            return c_function(*fields, _raw_stream(q.get_device()))
+    return c_function(*fields, stream)
 
 
 def _lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 and not q.is_cuda else torch.float32
+    """float64 for float64 CPU inputs, else float32."""
+    return torch.float64 if q.dtype is torch.float64 and not q.is_cuda else torch.float32
 
 
 def _forward_outputs(q, layout):
@@ -99,46 +113,79 @@ def _forward_outputs(q, layout):
     bhsd = _is_bhsd(layout)
     if q.dim() != 4:
         raise L.FlashlmValueError(f"q: expected 4 dimensions ({layout}), got shape {tuple(q.shape)}")
-    s = q.shape
-    lse_shape = (s[0], s[1], s[2]) if bhsd else (s[0], s[2], s[1])
-    return torch.empty_like(q), torch.empty(lse_shape, dtype=_lse_dtype(q), device=q.device)
+    b, x, y, _ = q.shape
+    lse_dtype = _lse_dtype(q)
+    # Sizes as separate arguments: torch.empty parses them faster than a tuple.
+    lse = torch.empty(b, x, y, dtype=lse_dtype, device=q.device) if bhsd else \
+        torch.empty(b, y, x, dtype=lse_dtype, device=q.device)
+    return torch.empty_like(q), lse
 
 
 def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
-    """Runs the forward on tensors in `layout`: (o, lse)."""
+    """Runs the forward on tensors in `layout`: (o, lse). Every eager call runs this, so it is kept to the
+    two allocations, the attribute reads that make the key of the call's packed arguments (_lib.PackedCall:
+    everything but the data pointers and stream, which are written per call) and the C call."""
+    stream = _stream(q)
+    if stream is None:
+        with torch.cuda.device(q.get_device()):
+            return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
     o, lse = _forward_outputs(q, layout)
-    bhsd = layout == "bhsd"
     try:
-        fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
-                  + _options(causal, bottom_right, scale, deterministic, impl))
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
-    try:
-        _call(L.forward, q, fields)
-    except struct.error:
-        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl) from None
+        # o and lse are functions of q's key entries (empty_like of q; a fresh [batch, heads, seq] tensor).
+        key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+               q.is_cuda, k.is_cuda, v.is_cuda, causal, bottom_right, scale, deterministic, impl)
+        calls = L.packed_calls.forward
+        call = calls.get(key)
+        if call is None:
+            bhsd = layout == "bhsd"
+            call = L.packed(calls, key, L.FORWARD, (
+                *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
+                *_describe_lse(lse), *_options(causal, bottom_right, scale, deterministic, impl), 0))
+    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
+    w = call.words  # the data pointers of q, k, v, o, lse and the stream (L.TENSOR_WORDS = 15 words a tensor)
+    w[0], w[15], w[30], w[45], w[60], w[79] = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), stream
+    status = L.lib.flashlm_attention_forward(*call.args)
+    if status:
+        L.check(status)
     return o, lse
 
 
 def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
-    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v."""
+    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward)."""
+    stream = _stream(q)
+    if stream is None:
+        with torch.cuda.device(q.get_device()):
+            return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
     if dout.stride(-1) != 1 or dout.numel() == 0:
         # .sum().backward() hands an expanded (stride 0) gradient; an empty one keeps its zero strides
         # through .contiguous(), so it gets fresh ones.
         dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bhsd = _is_bhsd(layout)
-    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"))
     try:
-        fields = (_describe(q, bhsd) + _describe(k, bhsd) + _describe(v, bhsd) + _describe(o, bhsd) + _describe_lse(lse)
-                  + _describe(dout, bhsd) + _describe(dq, bhsd) + _describe(dk, bhsd) + _describe(dv, bhsd)
-                  + _options(causal, bottom_right, scale, deterministic, impl))
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise _why_not_packable(named, impl) from None
-    try:
-        _call(L.backward, q, fields)
-    except struct.error:
-        raise _why_not_packable(named, impl) from None
+        # dq, dk, dv are functions of q's, k's and v's key entries (empty_like).
+        key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
+               lse.stride(), dout.shape, dout.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, dout.dtype,
+               q.is_cuda, k.is_cuda, v.is_cuda, o.is_cuda, lse.is_cuda, dout.is_cuda, causal, bottom_right, scale,
+               deterministic, impl)
+        calls = L.packed_calls.backward
+        call = calls.get(key)
+        if call is None:
+            bhsd = _is_bhsd(layout)
+            call = L.packed(calls, key, L.BACKWARD, (
+                *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
+                *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
+                *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl), 0))
+    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout")), impl,
+                                scale=scale) from None
+    w = call.words  # q, k, v, o, lse, dout, dq, dk, dv, the stream
+    w[0], w[15], w[30], w[45], w[60], w[75], w[90], w[105], w[120], w[139] = (
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), dout.data_ptr(), dq.data_ptr(),
+        dk.data_ptr(), dv.data_ptr(), stream)
+    status = L.lib.flashlm_attention_backward(*call.args)
+    if status:
+        L.check(status)
     return dq, dk, dv
 
 
@@ -261,8 +308,8 @@ class _Attention(torch.autograd.Function):
 def _traced(q):
     """Whether the call is being traced or transformed (torch.compile, export, FakeTensorMode, torch.func,
     a tensor subclass), where the custom operators must be called; plain eager calls take _Attention."""
-    return HAS_CUSTOM_OPS and (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-                               or torch._C._len_torch_dispatch_stack() > 0 or type(q) is not torch.Tensor)
+    return HAS_CUSTOM_OPS and (type(q) is not torch.Tensor or torch.compiler.is_compiling()
+                               or torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0)
 
 
 def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
@@ -274,6 +321,8 @@ def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl
 
 
 def _check_4d(tensors, layout):
+    """Raises for the first of (tensor, name) that is not 4-D. (Callers test q.dim() etc. first: this runs
+    on every call.)"""
     for t, name in tensors:
         if t.dim() != 4:
             raise L.FlashlmValueError(f"{name}: expected 4 dimensions ({layout}), got shape {tuple(t.shape)}")
@@ -309,7 +358,8 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     flash_attn_func and scaled_dot_product_attention take those libraries' signatures.
     """
     seq = _seq_dim(layout)
-    _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
     bottom_right = _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq])
     return _attention(q, k, v, layout, bool(causal), bottom_right, scale, bool(deterministic), impl)
 
@@ -319,14 +369,9 @@ def _no_dropout(dropout_p):
         raise L.FlashlmValueError(f"dropout_p: {dropout_p} given, but flashlm attention has no dropout (pass 0.0)")
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
-    head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
-    flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
-    implemented and are refused."""
-    _no_dropout(dropout_p)
-    if tuple(window_size) != (-1, -1):
+def _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs):
+    """flash-attn's arguments for features flashlm does not have: an error unless each has its default."""
+    if window_size != (-1, -1) and tuple(window_size) != (-1, -1):
         raise L.FlashlmValueError(f"window_size: {tuple(window_size)} given, but flashlm attention has no sliding "
                                   "window (pass (-1, -1))")
     if softcap != 0.0:
@@ -335,7 +380,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise L.FlashlmValueError("alibi_slopes: flashlm attention has no ALiBi (pass None)")
     if return_attn_probs:
         raise L.FlashlmValueError("return_attn_probs: flashlm attention does not return probabilities (pass False)")
-    _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
+    head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
+    flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
+    implemented and are refused."""
+    if dropout_p != 0.0:
+        _no_dropout(dropout_p)
+    _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
     return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash")
 
 
@@ -347,11 +404,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None:
         raise L.FlashlmValueError("attn_mask: flashlm attention takes no mask tensor (pass None; is_causal=True for "
                                   "a causal mask)")
-    _no_dropout(dropout_p)
-    _check_4d(((query, "query"), (key, "key"), (value, "value")), "bhsd")
-    if not enable_gqa and (query.shape[1] != key.shape[1] or query.shape[1] != value.shape[1]):
-        raise L.FlashlmValueError(f"enable_gqa: query has {query.shape[1]} heads and key/value {key.shape[1]}/"
-                                  f"{value.shape[1]}; pass enable_gqa=True for grouped-query attention")
+    if dropout_p != 0.0:
+        _no_dropout(dropout_p)
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        _check_4d(((query, "query"), (key, "key"), (value, "value")), "bhsd")
+    if not enable_gqa:
+        heads = query.shape[1]
+        if key.shape[1] != heads or value.shape[1] != heads:
+            raise L.FlashlmValueError(f"enable_gqa: query has {heads} heads and key/value {key.shape[1]}/"
+                                      f"{value.shape[1]}; pass enable_gqa=True for grouped-query attention")
     return _attention(query, key, value, "bhsd", bool(is_causal), False, scale, False, "flash")
 
 
@@ -393,3 +454,240 @@ class FlashAttention(torch.autograd.Function):
         dq, dk, dv = _backward(dout.unsqueeze(2), q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), o.unsqueeze(2),
                                lse.unsqueeze(1), "bshd", ctx.is_causal, False, None, False, "flash")
         return (*_once_differentiable((dq.squeeze(2), dk.squeeze(2), dv.squeeze(2)), (q, k, v, dout)), None)
+
+
+# Packed variable-length sequences (flash-attn's varlen convention): q [total_q, heads_q, head_dim], k, v
+# [total_k, heads_k, head_dim], int32 offsets cu_seqlens_q/k [batch + 1], lse [heads_q, total_q].
+#
+#     torch.ops.flashlm.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+#                                            causal, bottom_right, scale, deterministic, impl) -> (o, lse)
+#     torch.ops.flashlm.attention_varlen_bwd(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+#                                            max_seqlen_k, causal, bottom_right, scale, deterministic, impl)
+#         -> (dq, dk, dv)
+
+def _describe3(t):
+    return (t.data_ptr(), 3, _DTYPES[t.dtype], t.is_cuda, *t.shape, *t.stride())
+
+
+def _describe_lse2(t):
+    return (t.data_ptr(), 2, _DTYPES[t.dtype], t.is_cuda, *t.shape, *t.stride())
+
+
+def _check_offsets(cu_seqlens_q, cu_seqlens_k, q):
+    """The offsets as the C side reads them (int32, one dimension, unit stride, on q's device or the CPU);
+    their values are checked there. Returns (cu_q, cu_k, batch)."""
+    named = ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))
+    for t, name in named:
+        if not isinstance(t, torch.Tensor):
+            raise L.FlashlmValueError(f"{name}: expected an int32 tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise L.FlashlmValueError(f"{name}: expected dtype torch.int32 (flash-attn's convention), got {t.dtype}")
+        if t.dim() != 1 or t.numel() == 0:
+            raise L.FlashlmValueError(f"{name}: expected one dimension of batch + 1 >= 1 offsets, got shape "
+                                      f"{tuple(t.shape)}")
+        if t.is_cuda and (not q.is_cuda or t.device != q.device):
+            raise L.FlashlmValueError(f"{name}: on {t.device} but q is on {q.device} (offsets go on q's device or "
+                                      "the CPU)")
+    if cu_seqlens_k.numel() != cu_seqlens_q.numel():
+        raise L.FlashlmValueError(f"cu_seqlens_k: {cu_seqlens_k.numel()} offsets, but cu_seqlens_q has "
+                                  f"{cu_seqlens_q.numel()} (both are batch + 1 long)")
+    return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), cu_seqlens_q.numel() - 1
+
+
+def _varlen_fields(cu_q, cu_k, batch, max_seqlen_q, max_seqlen_k):
+    return (cu_q.data_ptr(), cu_k.data_ptr(), batch, cu_q.is_cuda, int(max_seqlen_q), int(max_seqlen_k))
+
+
+def _varlen_forward_outputs(q):
+    if q.dim() != 3:
+        raise L.FlashlmValueError(f"q: expected 3 dimensions [total_q, heads_q, head_dim], got shape {tuple(q.shape)}")
+    return torch.empty_like(q), torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
+
+
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right, scale,
+                    deterministic, impl):
+    cu_q, cu_k, batch = _check_offsets(cu_seqlens_q, cu_seqlens_k, q)
+    o, lse = _varlen_forward_outputs(q)
+    _check_3d(((k, "k"), (v, "v")))
+    try:
+        fields = (_describe3(q) + _describe3(k) + _describe3(v) + _describe3(o) + _describe_lse2(lse)
+                  + _varlen_fields(cu_q, cu_k, batch, max_seqlen_q, max_seqlen_k)
+                  + _options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, 3) from None
+    try:
+        _call(L.varlen_forward, q, fields)
+    except struct.error:
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, 3) from None
+    return o, lse
+
+
+def _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     bottom_right, scale, deterministic, impl):
+    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"))
+    _check_3d(named)
+    cu_q, cu_k, batch = _check_offsets(cu_seqlens_q, cu_seqlens_k, q)
+    if dout.stride(-1) != 1 or dout.numel() == 0:
+        dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    try:
+        fields = (_describe3(q) + _describe3(k) + _describe3(v) + _describe3(o) + _describe_lse2(lse)
+                  + _describe3(dout) + _describe3(dq) + _describe3(dk) + _describe3(dv)
+                  + _varlen_fields(cu_q, cu_k, batch, max_seqlen_q, max_seqlen_k)
+                  + _options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(named + ((lse, "lse"),), impl, 3) from None
+    try:
+        _call(L.varlen_backward, q, fields)
+    except struct.error:
+        raise _why_not_packable(named + ((lse, "lse"),), impl, 3) from None
+    return dq, dk, dv
+
+
+def _check_3d(named_tensors):
+    for t, name in named_tensors:
+        if not isinstance(t, torch.Tensor):
+            raise L.FlashlmValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise L.FlashlmValueError(f"{name}: expected 3 dimensions [total, heads, head_dim] (packed sequences), "
+                                      f"got shape {tuple(t.shape)}")
+
+
+if HAS_CUSTOM_OPS:
+    @torch.library.custom_op("flashlm::attention_varlen_fwd", mutates_args=())
+    def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                             bottom_right: bool, scale: Optional[float], deterministic: bool,
+                             impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Packed variable-length attention forward: (o, lse [heads_q, total_q])."""
+        return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right,
+                               scale, deterministic, impl)
+
+    @attention_varlen_fwd.register_fake
+    def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   bottom_right, scale, deterministic, impl):
+        return _varlen_forward_outputs(q)
+
+    @torch.library.custom_op("flashlm::attention_varlen_bwd", mutates_args=())
+    def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                             lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, causal: bool, bottom_right: bool,
+                             scale: Optional[float], deterministic: bool,
+                             impl: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed variable-length attention backward: (dq, dk, dv), allocated like q, k, v."""
+        return _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                bottom_right, scale, deterministic, impl)
+
+    @attention_varlen_bwd.register_fake
+    def _attention_varlen_bwd_fake(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   causal, bottom_right, scale, deterministic, impl):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def _varlen_setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k = inputs[:5]
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.args = inputs[5:]  # max_seqlen_q, max_seqlen_k, causal, bottom_right, scale, deterministic, impl
+        ctx.mark_non_differentiable(lse)
+
+    def _varlen_fwd_backward(ctx, dout, dlse):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            dq, dk, dv = _VarlenBackwardOps.apply(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        else:
+            dq, dk, dv = _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+    attention_varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_varlen_setup_context)
+    attention_varlen_bwd.register_autograd(_refuse_double_backward)
+    _VARLEN_FWD_OP = torch.ops.flashlm.attention_varlen_fwd.default
+    _VARLEN_BWD_OP = torch.ops.flashlm.attention_varlen_bwd.default
+
+    class _VarlenOps(torch.autograd.Function):
+        """The varlen operators' autograd formula as an autograd.Function (for torch.func, as _AttentionOps)."""
+
+        @staticmethod
+        def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
+            return _VARLEN_FWD_OP(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+
+        setup_context = staticmethod(_varlen_setup_context)
+        backward = staticmethod(_varlen_fwd_backward)
+
+    class _VarlenBackwardOps(torch.autograd.Function):
+        @staticmethod
+        def forward(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic,
+                    impl):
+            return _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale,
+                                  deterministic, impl)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        backward = staticmethod(_refuse_double_backward)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """The eager autograd path of the varlen attention (as _Attention for the batched one)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
+        o, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.args = (max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+        return o
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        grads = _varlen_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+        return (*_once_differentiable(grads, (q, k, v, dout)), *([None] * 9))
+
+
+def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+    if _traced(q):
+        # Dynamo refuses an autograd.Function given one tensor twice, and self-attention passes the same
+        # offsets as cu_q and cu_k: compiled code calls the operator (its registered autograd), torch.func
+        # transforms the autograd.Function (the operator's autograd is not usable under them).
+        if torch.compiler.is_compiling():
+            return _VARLEN_FWD_OP(*args)[0]
+        return _VarlenOps.apply(*args)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenAttention.apply(*args)
+    return _varlen_forward(*args)[0]
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, causal_align=None):
+    """flash-attn's flash_attn_varlen_func: the batch's sequences packed end to end, q [total_q, heads_q,
+    head_dim], k, v [total_k, heads_k, head_dim], sequence b owning rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q
+    and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k (int32 tensors of batch + 1 offsets, on q's device or the CPU;
+    offsets on the GPU are read back once per call). max_seqlen_q/k bound the sequence lengths (a longer
+    sequence is an error). causal applies per sequence, bottom-right aligned as in flash-attn >= 2.1
+    (causal_align="top_left" for PyTorch's alignment). Dropout, sliding windows, softcap, ALiBi, returned
+    probabilities and paged KV (block_table) are refused."""
+    _no_dropout(dropout_p)
+    _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
+    if block_table is not None:
+        raise L.FlashlmValueError("block_table: flashlm attention has no paged KV cache (pass None)")
+    _check_3d(((q, "q"), (k, "k"), (v, "v")))
+    if causal_align is None:
+        bottom_right = True
+    elif causal_align in _ALIGN:
+        bottom_right = _ALIGN[causal_align]
+    else:
+        raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right")
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
+                             bottom_right, softmax_scale, bool(deterministic), "flash")
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                             scale=None, causal_align="bottom_right", impl="flash"):
+    """Varlen forward only, no autograd: returns (o, lse) with lse [heads_q, total_q] (flash-attn's layout)."""
+    _check_3d(((q, "q"), (k, "k"), (v, "v")))
+    if causal_align not in _ALIGN:
+        raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right")
+    return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
+                           _ALIGN[causal_align], scale, False, impl)

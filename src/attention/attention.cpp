@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
+#include <optional>
 #include <utility>
 
 #include "attention/backends.h"
@@ -166,63 +167,130 @@ void padded_flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionPr
 }
 #endif
 
+// The CUDA plan of a validated problem, after the CUDA-only checks of its views; nothing for a CPU problem.
+std::optional<CudaAttentionPlan> plan_for_device(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
+                                                 AttentionPass pass, std::initializer_list<NamedView> views,
+                                                 const TensorView& lse) {
+  if (p.device == Device::cpu) return std::nullopt;
+  return check_cuda_arguments(fn, p, impl, pass, views, lse);
+}
+
+// Runs a validated (and, on CUDA, planned) forward on the backend of its device.
+void run_forward(const AttentionProblem& p, [[maybe_unused]] const std::optional<CudaAttentionPlan>& plan,
+                 const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                 const TensorView& lse, const AttentionOptions& options) {
+  if (p.device == Device::cpu) {
+    if (options.impl == AttentionImpl::naive) reference_attention_forward_cpu(p, q, k, v, o, lse);
+    else flash_attention_forward_cpu(p, q, k, v, o, lse);
+    return;
+  }
+#ifdef FLASHLM_WITH_CUDA
+  switch (plan->family) {
+    case CudaKernelFamily::naive: return naive_attention_forward_cuda(p, q, k, v, o, lse, options.stream);
+    case CudaKernelFamily::hopper: break;
+    case CudaKernelFamily::mma_sync:
+    case CudaKernelFamily::f32:
+      if (plan->padded) return padded_flash_forward_cuda(*plan, p, q, k, v, o, lse, options.stream);
+      return flash_forward_cuda(plan->family, p, q, k, v, o, lse, options.stream);
+  }
+  fail("attention_forward: the plan chose the {} kernels, which this build does not launch",
+       cuda_kernel_family_name(plan->family));
+#endif
+}
+
+void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optional<CudaAttentionPlan>& plan,
+                  const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                  const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                  const TensorView& dv, const AttentionOptions& options) {
+  if (p.device == Device::cpu) {
+    if (options.impl == AttentionImpl::naive) reference_attention_backward_cpu(p, q, k, v, dout, dq, dk, dv);
+    else flash_attention_backward_cpu(p, q, k, v, o, lse, dout, dq, dk, dv);
+    return;
+  }
+#ifdef FLASHLM_WITH_CUDA
+  const bool det = options.deterministic;
+  switch (plan->family) {
+    case CudaKernelFamily::naive:
+      return naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
+    case CudaKernelFamily::hopper: break;
+    case CudaKernelFamily::mma_sync:
+    case CudaKernelFamily::f32:
+      if (plan->padded) {
+        return padded_flash_backward_cuda(*plan, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
+      }
+      return flash_backward_cuda(plan->family, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
+  }
+  fail("attention_backward: the plan chose the {} kernels, which this build does not launch",
+       cuda_kernel_family_name(plan->family));
+#endif
+}
+
 }  // namespace
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
                        const TensorView& lse, const AttentionOptions& options) {
   const AttentionProblem p = validate_attention_forward(q, k, v, o, lse, options);
-  const bool naive = options.impl == AttentionImpl::naive;
-  if (p.device == Device::cpu) {
-    if (naive) reference_attention_forward_cpu(p, q, k, v, o, lse);
-    else flash_attention_forward_cpu(p, q, k, v, o, lse);
-    return;
-  }
-  [[maybe_unused]] const CudaAttentionPlan plan =
-      check_cuda_arguments("attention_forward", p, options.impl, AttentionPass::forward,
-                           {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}, lse);
-#ifdef FLASHLM_WITH_CUDA
-  switch (plan.family) {
-    case CudaKernelFamily::naive: return naive_attention_forward_cuda(p, q, k, v, o, lse, options.stream);
-    case CudaKernelFamily::hopper: break;
-    case CudaKernelFamily::mma_sync:
-    case CudaKernelFamily::f32:
-      if (plan.padded) return padded_flash_forward_cuda(plan, p, q, k, v, o, lse, options.stream);
-      return flash_forward_cuda(plan.family, p, q, k, v, o, lse, options.stream);
-  }
-  fail("attention_forward: the plan chose the {} kernels, which this build does not launch",
-       cuda_kernel_family_name(plan.family));
-#endif
+  const auto plan = plan_for_device("attention_forward", p, options.impl, AttentionPass::forward,
+                                    {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}}, lse);
+  run_forward(p, plan, q, k, v, o, lse, options);
 }
 
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
                         const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                         const TensorView& dv, const AttentionOptions& options) {
   const AttentionProblem p = validate_attention_backward(q, k, v, o, lse, dout, dq, dk, dv, options);
-  const bool naive = options.impl == AttentionImpl::naive;
-  if (p.device == Device::cpu) {
-    if (naive) reference_attention_backward_cpu(p, q, k, v, dout, dq, dk, dv);
-    else flash_attention_backward_cpu(p, q, k, v, o, lse, dout, dq, dk, dv);
-    return;
-  }
-  [[maybe_unused]] const CudaAttentionPlan plan = check_cuda_arguments(
+  const auto plan = plan_for_device(
       "attention_backward", p, options.impl, AttentionPass::backward,
       {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}, lse);
-#ifdef FLASHLM_WITH_CUDA
-  const bool det = options.deterministic;
-  switch (plan.family) {
-    case CudaKernelFamily::naive:
-      return naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
-    case CudaKernelFamily::hopper: break;
-    case CudaKernelFamily::mma_sync:
-    case CudaKernelFamily::f32:
-      if (plan.padded) {
-        return padded_flash_backward_cuda(plan, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
-      }
-      return flash_backward_cuda(plan.family, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
+  run_backward(p, plan, q, k, v, o, lse, dout, dq, dk, dv, options);
+}
+
+// Packed sequences run as ordinary batched problems on views into the packed tensors, through the same
+// backends (every CUDA path, the padded head dims and the Hopper forward included: each view's TMA
+// descriptor ends at its own sequences' end, so nothing is read from or written to a neighbour): one problem
+// per run of consecutive sequences of equal lengths, which lie in the pack as a strided batch. The checks ran
+// once on the packed views, whose alignment every such view keeps (it starts a whole number of rows in, its
+// batch stride is a whole number of rows).
+void attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                              const TensorView& lse, const VarlenSequences& seqs, const AttentionOptions& options) {
+  const VarlenProblem vp = validate_attention_varlen_forward(q, k, v, o, lse, seqs, options);
+  const auto plan = plan_for_device("attention_varlen_forward", vp.packed, options.impl, AttentionPass::forward,
+                                    {{"q", &vp.q}, {"k", &vp.k}, {"v", &vp.v}, {"o", &vp.o}}, vp.lse);
+  for (int64_t b = 0, e; b < vp.batch(); b = e) {
+    e = vp.run_end(b);
+    const int64_t n = e - b;
+    const AttentionProblem p = vp.run(b, n);
+    if (p.seq_q == 0) continue;  // nothing to write
+    run_forward(p, plan, vp.query_rows(vp.q, b, n), vp.key_rows(vp.k, b, n), vp.key_rows(vp.v, b, n),
+                vp.query_rows(vp.o, b, n), vp.lse_rows(b, n), options);
   }
-  fail("attention_backward: the plan chose the {} kernels, which this build does not launch",
-       cuda_kernel_family_name(plan.family));
-#endif
+}
+
+void attention_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                               const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                               const TensorView& dk, const TensorView& dv, const VarlenSequences& seqs,
+                               const AttentionOptions& options) {
+  const VarlenProblem vp = validate_attention_varlen_backward(q, k, v, o, lse, dout, dq, dk, dv, seqs, options);
+  const auto plan = plan_for_device("attention_varlen_backward", vp.packed, options.impl, AttentionPass::backward,
+                                    {{"q", &vp.q},
+                                     {"k", &vp.k},
+                                     {"v", &vp.v},
+                                     {"o", &vp.o},
+                                     {"dout", &vp.dout},
+                                     {"dq", &vp.dq},
+                                     {"dk", &vp.dk},
+                                     {"dv", &vp.dv}},
+                                    vp.lse);
+  for (int64_t b = 0, e; b < vp.batch(); b = e) {
+    e = vp.run_end(b);
+    const int64_t n = e - b;
+    const AttentionProblem p = vp.run(b, n);
+    if (p.seq_q == 0 && p.seq_k == 0) continue;  // no rows of any gradient belong to them
+    // Sequences without queries still run: their keys get zero dk and dv.
+    run_backward(p, plan, vp.query_rows(vp.q, b, n), vp.key_rows(vp.k, b, n), vp.key_rows(vp.v, b, n),
+                 vp.query_rows(vp.o, b, n), vp.lse_rows(b, n), vp.query_rows(vp.dout, b, n),
+                 vp.query_rows(vp.dq, b, n), vp.key_rows(vp.dk, b, n), vp.key_rows(vp.dv, b, n), options);
+  }
 }
 
 }  // namespace flashlm

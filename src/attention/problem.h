@@ -2,6 +2,7 @@
 // validate_attention_* is the single place where attention arguments are checked.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "flashlm/attention.h"
 
@@ -39,6 +40,46 @@ AttentionProblem validate_attention_backward(const TensorView& q, const TensorVi
                                              const TensorView& o, const TensorView& lse, const TensorView& dout,
                                              const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                              const AttentionOptions& options);
+
+// A validated packed variable-length call (attention_varlen_*): the packed tensors seen as one batch of
+// one ([1, total, heads, head_dim], lse [1, heads_q, total_q]), which the common checks validated, and the
+// host copies of the offsets, which validate_varlen_offsets checked. Each sequence is then an ordinary
+// problem on slices of those views.
+struct VarlenProblem {
+  AttentionProblem packed;  // batch 1, seq_q = total_q, seq_k = total_k; its causal_offset is unused
+  CausalAlign align = CausalAlign::top_left;
+  std::vector<int32_t> cu_q, cu_k;  // batch + 1 entries each
+  TensorView q, k, v, o, lse, dout, dq, dk, dv;  // the batch-of-one views (dout.. only for the backward)
+
+  int64_t batch() const { return static_cast<int64_t>(cu_q.size()) - 1; }
+  int64_t len_q(int64_t b) const { return cu_q[static_cast<size_t>(b + 1)] - cu_q[static_cast<size_t>(b)]; }
+  int64_t len_k(int64_t b) const { return cu_k[static_cast<size_t>(b + 1)] - cu_k[static_cast<size_t>(b)]; }
+  // Consecutive sequences of equal lengths lie in the pack as a strided batch (batch stride = length · row
+  // stride), so a run of them is one batched problem: the end of the run that starts at sequence b ...
+  int64_t run_end(int64_t b) const;
+  // ... the problem of the n sequences from b (their lengths and their own causal alignment) ...
+  AttentionProblem run(int64_t b, int64_t n) const;
+  // ... and their rows of a batch-of-one query-side view (q, o, dout, dq), key-side view (k, v, dk, dv) or
+  // of lse, as [n, length, heads, head_dim] (lse [n, heads_q, length]).
+  TensorView query_rows(const TensorView& t, int64_t b, int64_t n) const { return rows(t, 1, cu_q, b, n); }
+  TensorView key_rows(const TensorView& t, int64_t b, int64_t n) const { return rows(t, 1, cu_k, b, n); }
+  TensorView lse_rows(int64_t b, int64_t n) const { return rows(lse, 2, cu_q, b, n); }
+
+ private:
+  static TensorView rows(const TensorView& t, int seq_dim, const std::vector<int32_t>& cu, int64_t b, int64_t n);
+};
+
+// Checks the packed tensors and the offsets (copied to the host from device memory, after the work queued on
+// options.stream) and describes the call. The CUDA-only checks (alignment, device memory) stay with
+// attention.cpp, as for the batched calls.
+VarlenProblem validate_attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                const TensorView& o, const TensorView& lse,
+                                                const VarlenSequences& seqs, const AttentionOptions& options);
+
+VarlenProblem validate_attention_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                 const TensorView& o, const TensorView& lse, const TensorView& dout,
+                                                 const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                                 const VarlenSequences& seqs, const AttentionOptions& options);
 
 // Pointer to the head_dim-long row of a [batch, seq, heads, head_dim] view.
 template <class T>

@@ -1,11 +1,14 @@
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <initializer_list>
+#include <limits>
 #include <string_view>
 #include <utility>
 
 #include "attention/problem.h"
 #include "core/check.h"
+#include "core/cuda_runtime.h"
 
 namespace flashlm {
 
@@ -120,23 +123,18 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   return p;
 }
 
-}  // namespace
-
-AttentionProblem validate_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                                            const TensorView& o, const TensorView& lse,
-                                            const AttentionOptions& options) {
-  constexpr std::string_view fn = "attention_forward";
+AttentionProblem check_forward(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& o, const TensorView& lse, const AttentionOptions& options) {
   AttentionProblem p = describe(fn, q, k, v, o, lse, options);
   check_outputs_apart(fn, {{"o", &o}, {"lse", &lse}}, {{"q", &q}, {"k", &k}, {"v", &v}});
   check_outputs_apart(fn, {{"lse", &lse}}, {{"o", &o}});
   return p;
 }
 
-AttentionProblem validate_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
-                                             const TensorView& o, const TensorView& lse, const TensorView& dout,
-                                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                             const AttentionOptions& options) {
-  constexpr std::string_view fn = "attention_backward";
+AttentionProblem check_backward(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
+                                const TensorView& o, const TensorView& lse, const TensorView& dout,
+                                const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                const AttentionOptions& options) {
   AttentionProblem p = describe(fn, q, k, v, o, lse, options);
   for (auto [name, t] : {std::pair{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
     check_qkv_like(fn, name, *t);
@@ -149,6 +147,155 @@ AttentionProblem validate_attention_backward(const TensorView& q, const TensorVi
   check_outputs_apart(fn, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}},
                       {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"lse", &lse}, {"dout", &dout}});
   return p;
+}
+
+// A packed [total, heads, head_dim] tensor as the [1, total, heads, head_dim] view the common checks and the
+// backends take (and a [heads_q, total_q] lse as [1, heads_q, total_q]).
+TensorView as_batch_of_one(std::string_view fn, std::string_view name, const TensorView& t, int ndim,
+                           std::string_view dims) {
+  FLASHLM_CHECK(t.ndim == ndim, "{}: {}: expected {} dimensions {}, got {}", fn, name, ndim, dims, t.shape_string());
+  TensorView out = t;
+  out.ndim = ndim + 1;
+  for (int d = ndim; d > 0; --d) {
+    out.sizes[static_cast<size_t>(d)] = t.size(d - 1);
+    out.strides[static_cast<size_t>(d)] = t.stride(d - 1);
+  }
+  out.sizes[0] = 1;
+  out.strides[0] = 0;
+  return out;
+}
+
+TensorView packed_rows(std::string_view fn, std::string_view name, const TensorView& t) {
+  return as_batch_of_one(fn, name, t, 3, "[total, heads, head_dim] (packed sequences)");
+}
+
+// lse [heads_q, total_q] of the 3-dimensional q, checked here so that the message names the varlen shape.
+TensorView packed_lse(std::string_view fn, const TensorView& lse, const TensorView& q) {
+  const TensorView out = as_batch_of_one(fn, "lse", lse, 2, "[heads_q, total_q]");
+  FLASHLM_CHECK(lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+                "{}: lse: expected shape [{}, {}] (heads_q, total_q), got {}", fn, q.size(1), q.size(0),
+                lse.shape_string());
+  return out;
+}
+
+// The host copy of one offsets array, checked: batch + 1 int32 entries from 0, non-decreasing, ending at
+// `total`, no sequence longer than max_seqlen.
+std::vector<int32_t> checked_offsets(std::string_view fn, std::string_view name, const int32_t* offsets,
+                                     const VarlenSequences& seqs, Device tensors_device, int64_t total,
+                                     std::string_view total_name, int64_t max_seqlen, std::string_view max_name,
+                                     void* stream) {
+  FLASHLM_CHECK(offsets != nullptr, "{}: {}: null pointer (expected batch + 1 = {} int32 offsets)", fn, name,
+                seqs.batch + 1);
+  FLASHLM_CHECK(total <= std::numeric_limits<int32_t>::max(),
+                "{}: {}: {} = {} exceeds the int32 range of the offsets (at most {})", fn, name, total_name, total,
+                std::numeric_limits<int32_t>::max());
+  FLASHLM_CHECK(max_seqlen >= 0, "{}: {}: expected a length >= 0, got {}", fn, max_name, max_seqlen);
+  std::vector<int32_t> host(static_cast<size_t>(seqs.batch + 1));
+  if (seqs.device == Device::cuda) {
+    FLASHLM_CHECK(tensors_device == Device::cuda, "{}: {}: offsets in cuda memory for tensors on the cpu", fn, name);
+    FLASHLM_CHECK(cuda_pointer_device(offsets) == cuda_current_device(),
+                  "{}: {}: the offsets are said to be on cuda but are not memory of the current device cuda:{}", fn,
+                  name, cuda_current_device());
+    cuda_copy_async(host.data(), offsets, host.size() * sizeof(int32_t), stream);
+    cuda_stream_synchronize(stream);
+  } else {
+    std::copy(offsets, offsets + host.size(), host.begin());
+  }
+  FLASHLM_CHECK(host[0] == 0, "{}: {}: the offsets must start at 0, got {}", fn, name, host[0]);
+  for (int64_t b = 0; b < seqs.batch; ++b) {
+    const int64_t len = int64_t{host[static_cast<size_t>(b + 1)]} - host[static_cast<size_t>(b)];
+    FLASHLM_CHECK(len >= 0, "{}: {}: the offsets decrease at sequence {} ({} then {}); they must be non-decreasing",
+                  fn, name, b, host[static_cast<size_t>(b)], host[static_cast<size_t>(b + 1)]);
+    FLASHLM_CHECK(len <= max_seqlen, "{}: {}: sequence {} has length {}, more than {} = {}", fn, name, b, len,
+                  max_name, max_seqlen);
+  }
+  FLASHLM_CHECK(host.back() == total, "{}: {}: the last offset is {}, expected {} = {}", fn, name, host.back(),
+                total_name, total);
+  return host;
+}
+
+VarlenProblem describe_varlen(std::string_view fn, const TensorView& q, const TensorView& k, const VarlenSequences& seqs,
+                              const AttentionOptions& options) {
+  FLASHLM_CHECK(seqs.batch >= 0 && seqs.batch < std::numeric_limits<int32_t>::max(),
+                "{}: batch: expected a number of sequences in [0, {}), got {}", fn,
+                std::numeric_limits<int32_t>::max(), seqs.batch);
+  VarlenProblem vp;
+  vp.align = options.align;
+  vp.cu_q = checked_offsets(fn, "cu_seqlens_q", seqs.cu_seqlens_q, seqs, q.device, q.size(0), "total_q (q's rows)",
+                            seqs.max_seqlen_q, "max_seqlen_q", options.stream);
+  vp.cu_k = checked_offsets(fn, "cu_seqlens_k", seqs.cu_seqlens_k, seqs, q.device, k.size(0), "total_k (k's rows)",
+                            seqs.max_seqlen_k, "max_seqlen_k", options.stream);
+  return vp;
+}
+
+}  // namespace
+
+int64_t VarlenProblem::run_end(int64_t b) const {
+  int64_t e = b + 1;
+  while (e < batch() && len_q(e) == len_q(b) && len_k(e) == len_k(b)) ++e;
+  return e;
+}
+
+AttentionProblem VarlenProblem::run(int64_t b, int64_t n) const {
+  AttentionProblem p = packed;
+  p.batch = n;
+  p.seq_q = len_q(b);
+  p.seq_k = len_k(b);
+  p.causal_offset = align == CausalAlign::bottom_right ? p.seq_k - p.seq_q : 0;
+  return p;
+}
+
+TensorView VarlenProblem::rows(const TensorView& t, int seq_dim, const std::vector<int32_t>& cu, int64_t b,
+                               int64_t n) {
+  const int64_t begin = cu[static_cast<size_t>(b)], length = cu[static_cast<size_t>(b + 1)] - begin;
+  TensorView out = t.slice(seq_dim, begin, begin + length);
+  out.sizes[0] = n;
+  out.strides[0] = length * t.stride(seq_dim);
+  return out;
+}
+
+AttentionProblem validate_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                            const TensorView& o, const TensorView& lse,
+                                            const AttentionOptions& options) {
+  return check_forward("attention_forward", q, k, v, o, lse, options);
+}
+
+AttentionProblem validate_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                             const TensorView& o, const TensorView& lse, const TensorView& dout,
+                                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                             const AttentionOptions& options) {
+  return check_backward("attention_backward", q, k, v, o, lse, dout, dq, dk, dv, options);
+}
+
+VarlenProblem validate_attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                const TensorView& o, const TensorView& lse,
+                                                const VarlenSequences& seqs, const AttentionOptions& options) {
+  constexpr std::string_view fn = "attention_varlen_forward";
+  const TensorView q1 = packed_rows(fn, "q", q), k1 = packed_rows(fn, "k", k), v1 = packed_rows(fn, "v", v);
+  const TensorView o1 = packed_rows(fn, "o", o);
+  const TensorView lse1 = packed_lse(fn, lse, q);
+  const AttentionProblem packed = check_forward(fn, q1, k1, v1, o1, lse1, options);
+  VarlenProblem vp = describe_varlen(fn, q, k, seqs, options);
+  vp.packed = packed;
+  vp.q = q1, vp.k = k1, vp.v = v1, vp.o = o1, vp.lse = lse1;
+  return vp;
+}
+
+VarlenProblem validate_attention_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                                 const TensorView& o, const TensorView& lse, const TensorView& dout,
+                                                 const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                                 const VarlenSequences& seqs, const AttentionOptions& options) {
+  constexpr std::string_view fn = "attention_varlen_backward";
+  const TensorView q1 = packed_rows(fn, "q", q), k1 = packed_rows(fn, "k", k), v1 = packed_rows(fn, "v", v);
+  const TensorView o1 = packed_rows(fn, "o", o), dout1 = packed_rows(fn, "dout", dout);
+  const TensorView dq1 = packed_rows(fn, "dq", dq), dk1 = packed_rows(fn, "dk", dk), dv1 = packed_rows(fn, "dv", dv);
+  const TensorView lse1 = packed_lse(fn, lse, q);
+  const AttentionProblem packed = check_backward(fn, q1, k1, v1, o1, lse1, dout1, dq1, dk1, dv1, options);
+  VarlenProblem vp = describe_varlen(fn, q, k, seqs, options);
+  vp.packed = packed;
+  vp.q = q1, vp.k = k1, vp.v = v1, vp.o = o1, vp.lse = lse1;
+  vp.dout = dout1, vp.dq = dq1, vp.dk = dk1, vp.dv = dv1;
+  return vp;
 }
 
 }  // namespace flashlm

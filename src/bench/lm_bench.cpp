@@ -12,6 +12,9 @@
 #include "core/cuda_runtime.h"
 #include "flashlm/device.h"
 #include "flashlm/profile.h"
+#ifdef FLASHLM_WITH_CUDA
+#include "model/gemm_cuda.h"
+#endif
 
 namespace flashlm {
 
@@ -38,6 +41,7 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
   options.bf16_pure = bf16_pure;
   options.head_chunk = cfg.head_chunk;
   options.deterministic = cfg.deterministic;
+  options.overlap_grad_norm = cfg.overlap_grad_norm;
   // The plan before anything is allocated: printed, and refused (an "oom" row) when it cannot fit.
   const int64_t available = dev == Device::cuda ? cuda_free_memory_bytes() : -1;
   const MemoryPlan plan = plan_model_memory(mc, cfg.batch, mc.context, dev, precision, options, available);
@@ -149,6 +153,29 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
     FLASHLM_CHECK(p == "fwd" || p == "fwd-bwd" || p == "step", "bench: unknown pass '{}': expected fwd, fwd-bwd or step",
                   p);
   }
+#ifdef FLASHLM_WITH_CUDA
+  // Process-wide: set for this bench (plans built from here on are timed), restored when it returns.
+  struct AutotuneScope {
+    int previous = gemm_autotune();
+    size_t reported = gemm_autotune_results().size();
+    ~AutotuneScope() { set_gemm_autotune(previous); }
+  } autotune;
+  if (cfg.device == Device::cuda) set_gemm_autotune(cfg.gemm_autotune);
+  // The choices the configuration just measured made, one line per GEMM shape.
+  const auto report_tuning = [&] {
+    const std::vector<GemmTuning> all = gemm_autotune_results();
+    for (; autotune.reported < all.size(); ++autotune.reported) {
+      const GemmTuning& t = all[autotune.reported];
+      if (cfg.progress) {
+        cfg.progress(fmt::format("gemm autotune: {}: candidate {} of {}, {:.1f} us (heuristic's first {:.1f} us)",
+                                 t.product, t.chosen, t.candidates, t.chosen_ms * 1e3, t.first_ms * 1e3));
+      }
+    }
+  };
+#else
+  FLASHLM_CHECK(cfg.gemm_autotune == 0, "bench: gemm_autotune needs a CUDA build");
+  const auto report_tuning = [] {};
+#endif
   std::vector<LmBenchRecord> records;
   const std::vector<std::string> models =
       cfg.model_config_file.empty() ? cfg.models : std::vector<std::string>{cfg.model_config_file};
@@ -201,6 +228,7 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             }
           }
           ++done;
+          report_tuning();
           if (cfg.progress) {
             std::string line = fmt::format("[{}/{}] {} ctx {} {} {} recompute {}:", done, total, name, ctx,
                                            precision_name(precision, bf16_pure), attention_impl_name(impl),

@@ -53,6 +53,20 @@ flashlm::AttentionOptions to_options(const flashlm_attention_options* o) {
   return opt;
 }
 
+flashlm::VarlenSequences to_varlen(const flashlm_varlen* s) {
+  using namespace flashlm;
+  FLASHLM_CHECK(s != nullptr, "seqs: null flashlm_varlen pointer");
+  FLASHLM_CHECK(s->device == FLASHLM_CPU || s->device == FLASHLM_CUDA, "seqs: unknown device code {}", s->device);
+  VarlenSequences out;
+  out.cu_seqlens_q = s->cu_seqlens_q;
+  out.cu_seqlens_k = s->cu_seqlens_k;
+  out.batch = s->batch;
+  out.device = s->device == FLASHLM_CPU ? Device::cpu : Device::cuda;
+  out.max_seqlen_q = s->max_seqlen_q;
+  out.max_seqlen_k = s->max_seqlen_k;
+  return out;
+}
+
 // Runs fn, mapping each exception type to its status.
 template <class Fn>
 flashlm_status guarded(Fn&& fn) {
@@ -103,6 +117,29 @@ flashlm_status flashlm_attention_backward(const flashlm_tensor* q, const flashlm
     flashlm::attention_backward(to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(o, "o"),
                                 to_view(lse, "lse"), to_view(dout, "dout"), to_view(dq, "dq"), to_view(dk, "dk"),
                                 to_view(dv, "dv"), to_options(options));
+  });
+}
+
+flashlm_status flashlm_attention_varlen_forward(const flashlm_tensor* q, const flashlm_tensor* k,
+                                                const flashlm_tensor* v, const flashlm_tensor* o,
+                                                const flashlm_tensor* lse, const flashlm_varlen* seqs,
+                                                const flashlm_attention_options* options) {
+  return guarded([&] {
+    flashlm::attention_varlen_forward(to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(o, "o"),
+                                      to_view(lse, "lse"), to_varlen(seqs), to_options(options));
+  });
+}
+
+flashlm_status flashlm_attention_varlen_backward(const flashlm_tensor* q, const flashlm_tensor* k,
+                                                 const flashlm_tensor* v, const flashlm_tensor* o,
+                                                 const flashlm_tensor* lse, const flashlm_tensor* dout,
+                                                 const flashlm_tensor* dq, const flashlm_tensor* dk,
+                                                 const flashlm_tensor* dv, const flashlm_varlen* seqs,
+                                                 const flashlm_attention_options* options) {
+  return guarded([&] {
+    flashlm::attention_varlen_backward(to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(o, "o"),
+                                       to_view(lse, "lse"), to_view(dout, "dout"), to_view(dq, "dq"),
+                                       to_view(dk, "dk"), to_view(dv, "dv"), to_varlen(seqs), to_options(options));
   });
 }
 

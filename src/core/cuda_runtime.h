@@ -24,6 +24,7 @@ void cuda_copy(void* dst, const void* src, size_t bytes);  // any direction, syn
 void cuda_copy_async(void* dst, const void* src, size_t bytes, void* stream);  // any direction, queued on `stream`
 void cuda_memset_async(void* dst, int value, size_t bytes, void* stream);  // queued on `stream`
 void cuda_synchronize();
+void cuda_stream_synchronize(void* stream);  // waits for the work queued on `stream` (a cudaStream_t)
 // Runs fn once per repetition between two CUDA events on the default stream and returns each time in ms.
 std::vector<double> cuda_time_each_ms(const std::function<void()>& fn, int reps);   // "NVIDIA H200 (sm_90, 132 SMs, 140 GiB), CUDA 13.0, driver 580"
 

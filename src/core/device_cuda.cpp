@@ -123,6 +123,10 @@ void cuda_copy(void* dst, const void* src, size_t bytes) {
 
 void cuda_synchronize() { FLASHLM_CUDA_CHECK(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); }
 
+void cuda_stream_synchronize(void* stream) {
+  FLASHLM_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+}
+
 std::vector<double> cuda_time_each_ms(const std::function<void()>& fn, int reps) {
   cudaEvent_t start, stop;
   FLASHLM_CUDA_CHECK(cudaEventCreate(&start), "cudaEventCreate");

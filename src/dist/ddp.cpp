@@ -636,6 +636,9 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
   } else if (zero1) {
     zero_ = std::make_unique<ZeroOptimizer>(comm, params);
   }
+  // The sharded optimizer keeps the moments now: a rank holding the model's own as well (a model that
+  // stepped alone before, as ddp-bench's plain row does) would hold the optimizer state twice.
+  if (zero_) model_.release_optimizer_state();
   model_.set_gradient_ready_hook(ddp_->hook());
   // The forward waits for each part of ZeRO-1's gather only as it reaches it.
   if (zero_ && !fsdp_) {

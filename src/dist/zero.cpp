@@ -39,7 +39,11 @@ struct ZeroOptimizer::Impl {
   DdpRange shard;                     // contiguous: this rank's elements, within [0, n)
   std::vector<int64_t> counts;        // contiguous: every rank's elements within [0, n), for the gather
   std::vector<Communicator::Segment> segments;  // per bucket: each bucket's parts, for the gather
-  std::vector<ZeroRun> updated;       // ascending
+  std::vector<ZeroRun> updated;       // ascending, their moments packed in the same order
+  // `updated` with the runs that touch (in the flat buffers and in the moments) and count alike in the norm
+  // merged: what the norm and AdamW kernels run over. At one rank every bucket touches the next, so a step
+  // is one norm and one AdamW over the whole model, as the model's own, not one of each per bucket.
+  std::vector<ZeroRun> launches;
   Buffer m, v;                        // shard_elements floats each, on the parameters' device
   int64_t steps = 0;
   bool masters_stale = false;         // other ranks' shards of the fp32 masters not gathered since a step
@@ -48,7 +52,7 @@ struct ZeroOptimizer::Impl {
   std::vector<int64_t> read_counts;                // every rank's elements of them
   Buffer read_packed;                              // the pieces packed rank after rank (device)
 #ifdef FLASHLM_WITH_CUDA
-  Buffer norm_parts;  // one fp64 sum of squares per updated run (device)
+  Buffer norm_parts;  // one fp64 sum of squares per launch run (device)
 #endif
 
   // Per bucket on CUDA, the gather after a step is not waited for: it is queued in chunks of buckets in
@@ -204,6 +208,21 @@ struct ZeroOptimizer::Impl {
 
   float* moment(const Buffer& b, const ZeroRun& r) const { return static_cast<float*>(b.data()) + r.moment_at; }
 
+  void plan_launches() {
+    launches.clear();
+    for (const ZeroRun& r : updated) {
+      if (!launches.empty()) {
+        ZeroRun& last = launches.back();
+        if (last.range.offset + last.range.count == r.range.offset &&
+            last.moment_at + last.range.count == r.moment_at && last.in_norm == r.in_norm) {
+          last.range.count += r.range.count;
+          continue;
+        }
+      }
+      launches.push_back(r);
+    }
+  }
+
   // Both layouts: checks, agreement, the CUDA set-up.
   void validate() {
     params.validate();
@@ -229,8 +248,8 @@ struct ZeroOptimizer::Impl {
     gpu::memset_async(m.data(), 0, bytes, nullptr);
     gpu::memset_async(v.data(), 0, bytes, nullptr);
     gpu::stream_synchronize(nullptr);
-    if (!updated.empty()) {
-      norm_parts = Buffer::allocate(updated.size() * sizeof(double), Device::cuda, "ZeRO-1 norm partial sums");
+    if (!launches.empty()) {
+      norm_parts = Buffer::allocate(launches.size() * sizeof(double), Device::cuda, "ZeRO-1 norm partial sums");
     }
 #endif
   }
@@ -249,7 +268,7 @@ struct ZeroOptimizer::Impl {
     std::vector<double> mine;
     if (!cuda() && per_bucket) {
       double ss = 0;
-      for (const ZeroRun& r : updated) {
+      for (const ZeroRun& r : launches) {
         if (r.in_norm) ss += cpu::sum_squares(grads + r.range.offset, r.range.count);
       }
       mine.assign(1, ss);
@@ -269,16 +288,18 @@ struct ZeroOptimizer::Impl {
       }
     } else {
 #ifdef FLASHLM_WITH_CUDA
-      std::vector<double> parts(updated.size());
+      std::vector<double> parts(launches.size());
       auto* out = static_cast<double*>(norm_parts.data());
-      for (size_t k = 0; k < updated.size(); ++k) {
-        if (updated[k].in_norm) gpu::squared_norm(grads + updated[k].range.offset, updated[k].range.count, out + k, stream);
+      for (size_t k = 0; k < launches.size(); ++k) {
+        if (launches[k].in_norm) {
+          gpu::squared_norm(grads + launches[k].range.offset, launches[k].range.count, out + k, stream);
+        }
       }
       gpu::stream_synchronize(stream);
       if (!parts.empty()) cuda_copy(parts.data(), out, parts.size() * sizeof(double));
       double ss = 0;
       for (size_t k = 0; k < parts.size(); ++k) {
-        if (updated[k].in_norm) ss += parts[k];
+        if (launches[k].in_norm) ss += parts[k];
       }
       mine.assign(1, ss);
 #endif
@@ -310,6 +331,7 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, int64_t g
     const int64_t a = std::max(r.offset, m.shard.offset), b = std::min(r.offset + r.count, m.shard.offset + m.shard.count);
     if (a < b) m.updated.push_back({{a, b - a}, a - m.shard.offset, true});
   }
+  m.plan_launches();
   m.allocate();
   m.plan_read_gather();
 }
@@ -327,7 +349,6 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
   const std::vector<DdpRange> trainable = m.params.trainable_ranges();
   const ZeroBucketLayout layout = zero_bucket_layout(buckets, comm.world_size(), comm.rank());
   std::vector<DdpRange> extents;  // each bucket's elements: its parts and its tail
-  int64_t at = 0;
   for (const ZeroBucketShard& s : layout.buckets) {
     const DdpRange whole{s.offset, s.part * comm.world_size() + s.tail.count};
     FLASHLM_CHECK(whole.offset + whole.count <= m.n &&
@@ -339,8 +360,8 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
                   whole.offset + whole.count);
     m.segments.push_back({s.offset, s.part});
     extents.push_back(whole);
-    if (s.owned.count > 0) m.updated.push_back({s.owned, at, true}), at += s.owned.count;
-    if (s.tail.count > 0) m.updated.push_back({s.tail, at, comm.rank() == 0}), at += s.tail.count;
+    if (s.owned.count > 0) m.updated.push_back({s.owned, 0, true});
+    if (s.tail.count > 0) m.updated.push_back({s.tail, 0, comm.rank() == 0});
   }
   m.shard_elements = layout.shard_elements;
   std::sort(m.updated.begin(), m.updated.end(),
@@ -350,6 +371,10 @@ ZeroOptimizer::ZeroOptimizer(Communicator& comm, DdpParameters params, std::span
     FLASHLM_CHECK(prev.offset + prev.count <= m.updated[k].range.offset, "ZeroOptimizer: buckets overlap at element {}",
                   m.updated[k].range.offset);
   }
+  // The moments packed in ascending order (updated_ranges(): the order of a sharded checkpoint's arrays).
+  int64_t at = 0;
+  for (ZeroRun& r : m.updated) r.moment_at = at, at += r.range.count;
+  m.plan_launches();
   m.allocate();
   if (!gather_after_step) return;
   m.plan_read_gather();
@@ -392,7 +417,7 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
   const bool clip = c.max_grad_norm > 0 && norm > c.max_grad_norm;
   const float scale = cpu::clip_scale(norm, c.max_grad_norm);
   ++m.steps;
-  for (const ZeroRun& run : m.updated) {
+  for (const ZeroRun& run : m.launches) {
     const DdpRange& r = run.range;
     float* w = params + r.offset;
     float* g = grads + r.offset;

@@ -10,6 +10,7 @@
 //
 //   product      cuBLASLt computes        ops    m    n    k    A stored, lda   B stored, ldb   D, ldd
 //   forward      yᵀ [out, n]   = Wᵀ · X    T, N   out  n    in   [in, out], in   [in, n], in     [out, n], out
+//     + residual yᵀ [out, n]  += Rᵀ (C = rᵀ, beta 1, the layout of D; C and D are different arrays)
 //   grad_input   dxᵀ [in, n]   = W · DY    N, N   in   n    out  [in, out], in   [out, n], out   [in, n], in
 //   grad_weight  dwᵀ [in, out] = X · DYᵀ   N, T   in   out  n    [in, n], in     [out, n], out   [in, out], in
 //
@@ -22,13 +23,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <compare>
+#include <cstring>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/check.h"
 #include "core/cuda_check.h"
@@ -45,6 +49,15 @@ namespace {
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 std::atomic<int64_t> g_heuristic_queries{0};
+std::atomic<int> g_autotune{0};  // set_gemm_autotune
+constexpr int kMaxAutotune = 64;
+constexpr int kTimedRuns = 5;  // per candidate, after one untimed run
+
+std::mutex g_tunings_mutex;
+std::vector<GemmTuning>& tunings() {
+  static auto* all = new std::vector<GemmTuning>();  // leaked on purpose, as the per-device state below
+  return *all;
+}
 
 const char* status_name(cublasStatus_t s) {
   switch (s) {
@@ -73,6 +86,8 @@ struct Call {
   DType act;
   bool allow_tf32;
   bool accumulate_dx;
+  bool accumulate_dw = true;
+  bool residual = false;
 };
 
 std::string describe(const Call& c, Product p) {
@@ -80,13 +95,14 @@ std::string describe(const Call& c, Product p) {
   const char* tf32 = c.act == DType::f32 && c.allow_tf32 ? ", TF32 allowed" : "";
   switch (p) {
     case Product::forward:
-      return fmt::format("y[{}, {}] = x[{}, {}] · w[{}, {}]ᵀ ({}{})", c.n, c.out, c.n, c.in, c.out, c.in, t, tf32);
+      return fmt::format("y[{}, {}] = x[{}, {}] · w[{}, {}]ᵀ{} ({}{})", c.n, c.out, c.n, c.in, c.out, c.in,
+                         c.residual ? fmt::format(" + residual[{}, {}]", c.n, c.out) : "", t, tf32);
     case Product::grad_input:
       return fmt::format("dx[{}, {}] {} dy[{}, {}] · w[{}, {}] ({}{})", c.n, c.in, c.accumulate_dx ? "+=" : "=", c.n,
                          c.out, c.out, c.in, t, tf32);
     case Product::grad_weight:
-      return fmt::format("dw[{}, {}] (fp32) += dy[{}, {}]ᵀ · x[{}, {}] ({}{})", c.out, c.in, c.n, c.out, c.n, c.in, t,
-                         tf32);
+      return fmt::format("dw[{}, {}] (fp32) {} dy[{}, {}]ᵀ · x[{}, {}] ({}{})", c.out, c.in,
+                         c.accumulate_dw ? "+=" : "=", c.n, c.out, c.n, c.in, t, tf32);
   }
   return "?";
 }
@@ -184,21 +200,22 @@ cudaDataType cuda_type(DType t) {
   }
 }
 
-// A column-major GEMM D[m, n] = op(A) · op(B) + beta · D (C is D), as cuBLASLt sees it.
+// A column-major GEMM D[m, n] = op(A) · op(B) + beta · C, as cuBLASLt sees it (C has D's layout: D itself,
+// or the residual of linear_forward_residual_cuda).
 struct PlanKey {
   int32_t op_a, op_b;  // cublasOperation_t
   int64_t m, n, k;
   int64_t lda, ldb, ldd;
   int32_t ab_type, d_type;  // cudaDataType
   int32_t compute;          // cublasComputeType_t
-  uint32_t align_a, align_b, align_d;  // pointer alignments in bytes (<= 256), part of the heuristic's query
+  uint32_t align_a, align_b, align_c, align_d;  // pointer alignments in bytes (<= 256), part of the heuristic's query
   int32_t sm_target = 0;               // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET; 0: the whole device
   auto operator<=>(const PlanKey&) const = default;
 };
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // C uses d's layout (C and D are one array)
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // C uses d's layout
   cublasLtMatmulAlgo_t algo{};
 };
 
@@ -216,7 +233,67 @@ struct PlanGuard {
   }
 };
 
-Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Product p) {
+// What autotuning needs to run one plan's candidates: the call's inputs (read only), C when it is not D,
+// and where the output goes instead of D (a scratch array the timing allocates).
+struct TimingInputs {
+  const void* a;
+  const void* b;
+  const void* c;  // nullptr: C is the output, as in the call
+  float beta;
+  size_t d_bytes;
+  void* stream;
+  void* workspace;
+};
+
+// The index of the fastest of `algos` on the call's inputs (0 when timing is not possible: a stream being
+// captured, or no memory for the scratch output).
+int fastest_algorithm(cublasLtHandle_t handle, const Plan& plan, const std::vector<cublasLtMatmulHeuristicResult_t>& algos,
+                      const TimingInputs& t, const Call& c, Product p) {
+  const auto s = static_cast<cudaStream_t>(t.stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FLASHLM_CUDA_CHECK(cudaStreamIsCapturing(s, &capture), fmt::format("{}: cudaStreamIsCapturing", c.fn));
+  if (capture != cudaStreamCaptureStatusNone) return 0;
+  // A plain cudaMalloc, not a tracked Buffer: a transient array freed before the call returns, which the
+  // memory statistics and timeline of the model should not show as its own.
+  void* scratch = nullptr;
+  if (cudaMalloc(&scratch, t.d_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  FLASHLM_CUDA_CHECK(cudaEventCreate(&start), "cudaEventCreate");
+  FLASHLM_CUDA_CHECK(cudaEventCreate(&stop), "cudaEventCreate");
+  FLASHLM_CUDA_CHECK(cudaMemsetAsync(scratch, 0, t.d_bytes, s), "cudaMemsetAsync(autotune scratch)");
+  const float alpha = 1.0f;
+  const void* c_in = t.c ? t.c : scratch;
+  std::vector<double> ms(algos.size(), INFINITY);
+  for (size_t i = 0; i < algos.size(); ++i) {
+    auto run = [&] {
+      return cublasLtMatmul(handle, plan.desc, &alpha, t.a, plan.a, t.b, plan.b, &t.beta, c_in, plan.d, scratch, plan.d,
+                            &algos[i].algo, t.workspace, kWorkspaceBytes, s);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // a candidate that does not run is not chosen
+    FLASHLM_CUDA_CHECK(cudaEventRecord(start, s), "cudaEventRecord");
+    bool ok = true;
+    for (int r = 0; r < kTimedRuns && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+    FLASHLM_CUDA_CHECK(cudaEventRecord(stop, s), "cudaEventRecord");
+    FLASHLM_CUDA_CHECK(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float elapsed = 0;
+    FLASHLM_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop), "cudaEventElapsedTime");
+    if (ok) ms[i] = double(elapsed) / kTimedRuns;
+  }
+  FLASHLM_CUDA_CHECK(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFree(scratch);
+  const int best = int(std::min_element(ms.begin(), ms.end()) - ms.begin());
+  if (!std::isfinite(ms[size_t(best)])) return 0;
+  const std::lock_guard lock(g_tunings_mutex);
+  tunings().push_back(GemmTuning{describe(c, p), int(algos.size()), best, ms[0], ms[size_t(best)]});
+  return best;
+}
+
+Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Product p, const TimingInputs& timing) {
   Plan plan;
   PlanGuard guard{&plan};
   auto check = [&](cublasStatus_t s, const char* call) {
@@ -261,7 +338,7 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
   } alignments[] = {
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_A)"},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_B)"},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_d, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_C)"},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_C)"},
       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_d, "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGN_D)"},
   };
   for (const auto& a : alignments) {
@@ -277,9 +354,9 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
   if (found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
     throw CudaError(fmt::format(
         "{}: cublasLtMatmulAlgoGetHeuristic found no algorithm for {} (column-major m = {}, n = {}, k = {}, op {}{}, "
-        "ld {}/{}/{}, pointer alignment {}/{}/{} bytes, workspace {} MiB){}",
+        "ld {}/{}/{}, pointer alignment {}/{}/{}/{} bytes, workspace {} MiB){}",
         c.fn, describe(c, p), key.m, key.n, key.k, op_a == CUBLAS_OP_N ? 'N' : 'T', op_b == CUBLAS_OP_N ? 'N' : 'T',
-        key.lda, key.ldb, key.ldd, key.align_a, key.align_b, key.align_d, kWorkspaceBytes >> 20,
+        key.lda, key.ldb, key.ldd, key.align_a, key.align_b, key.align_c, key.align_d, kWorkspaceBytes >> 20,
         found < 1 ? "" : fmt::format(": {}", status_name(result.state))));
   }
   if (result.workspaceSize > kWorkspaceBytes) {
@@ -287,6 +364,30 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
                                 c.fn, describe(c, p), result.workspaceSize, kWorkspaceBytes));
   }
   plan.algo = result.algo;
+  const int wanted = std::min(g_autotune.load(std::memory_order_relaxed), kMaxAutotune);
+  if (wanted >= 2) {
+    // Autotuning: the heuristic's own choice against its next ones. Those may split K and add the parts
+    // up in the output type (bf16: measured 12× over the tolerance of test_gemm_cuda) or in place over
+    // C = D, so only splits reduced in fp32 in the workspace (or none) are candidates.
+    const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    check(cublasLtMatmulPreferenceSetAttribute(guard.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                               sizeof(reductions)),
+          "cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)");
+    std::vector<cublasLtMatmulHeuristicResult_t> more(static_cast<size_t>(wanted));
+    int more_found = 0;
+    check(cublasLtMatmulAlgoGetHeuristic(handle, plan.desc, plan.a, plan.b, plan.d, plan.d, guard.pref, wanted,
+                                         more.data(), &more_found),
+          "cublasLtMatmulAlgoGetHeuristic");
+    std::vector<cublasLtMatmulHeuristicResult_t> candidates{result};
+    for (int i = 0; i < more_found && int(candidates.size()) < wanted; ++i) {
+      const cublasLtMatmulHeuristicResult_t& r = more[size_t(i)];
+      const bool same = std::memcmp(&r.algo, &result.algo, sizeof(r.algo)) == 0;
+      if (!same && r.state == CUBLAS_STATUS_SUCCESS && r.workspaceSize <= kWorkspaceBytes) candidates.push_back(r);
+    }
+    if (candidates.size() >= 2) {
+      plan.algo = candidates[size_t(fastest_algorithm(handle, plan, candidates, timing, c, p))].algo;
+    }
+  }
   guard.plan = nullptr;  // keep the descriptors: the plan lives for the process
   return plan;
 }
@@ -326,9 +427,9 @@ DeviceLt& lt_for_device(int device, const Call& c) {
   return *slot;
 }
 
-// D = op(A)·op(B) + beta·D on `stream` through the cached plan.
+// D = op(A)·op(B) + beta·C on `stream` through the cached plan (C is D unless given). d_bytes: D's size.
 void run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, const void* b, void* d,
-              float beta, void* stream) {
+              size_t d_bytes, float beta, void* stream, const void* c_input = nullptr) {
   DeviceLt& lt = lt_for_device(device, c);
   const std::lock_guard lock(lt.mutex);
   const int reserve = gemm_sm_reserve();
@@ -345,12 +446,15 @@ void run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
     ws = lt.workspaces.emplace(stream, Buffer::allocate(kWorkspaceBytes, Device::cuda, "cublasLt workspace")).first;
   }
   auto plan = lt.plans.find(key);
-  if (plan == lt.plans.end()) plan = lt.plans.emplace(key, build_plan(lt.handle, key, c, p)).first;
+  if (plan == lt.plans.end()) {
+    const TimingInputs timing{a, b, c_input, beta, d_bytes, stream, ws->second.data()};
+    plan = lt.plans.emplace(key, build_plan(lt.handle, key, c, p, timing)).first;
+  }
 
   const float alpha = 1.0f;
   const Plan& pl = plan->second;
   const cublasStatus_t s =
-      cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, d, pl.d, d, pl.d, &pl.algo,
+      cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, c_input ? c_input : d, pl.d, d, pl.d, &pl.algo,
                      ws->second.data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
   if (s != CUBLAS_STATUS_SUCCESS) throw_blas(c, p, "cublasLtMatmul", s);
 }
@@ -361,41 +465,76 @@ cublasComputeType_t compute_type(const Call& c) {
 
 PlanKey make_key(cublasOperation_t op_a, cublasOperation_t op_b, int64_t m, int64_t n, int64_t k, int64_t lda,
                  int64_t ldb, int64_t ldd, cudaDataType ab_type, cudaDataType d_type, cublasComputeType_t compute,
-                 const void* a, const void* b, const void* d) {
-  return PlanKey{static_cast<int32_t>(op_a),    static_cast<int32_t>(op_b),   m, n, k, lda, ldb, ldd,
-                 static_cast<int32_t>(ab_type), static_cast<int32_t>(d_type), static_cast<int32_t>(compute),
-                 alignment_of(a),               alignment_of(b),              alignment_of(d)};
+                 const void* a, const void* b, const void* d, const void* c = nullptr) {
+  return PlanKey{static_cast<int32_t>(op_a),
+                 static_cast<int32_t>(op_b),
+                 m,
+                 n,
+                 k,
+                 lda,
+                 ldb,
+                 ldd,
+                 static_cast<int32_t>(ab_type),
+                 static_cast<int32_t>(d_type),
+                 static_cast<int32_t>(compute),
+                 alignment_of(a),
+                 alignment_of(b),
+                 alignment_of(c ? c : d),
+                 alignment_of(d)};
 }
 
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------
 
-void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64_t in, int64_t out, DType act,
-                         void* stream, bool allow_tf32) {
-  const Call c{"linear_forward_cuda", n, in, out, act, allow_tf32, false};
+namespace {
+
+// y = x · wᵀ (+ residual when given): linear_forward_cuda and linear_forward_residual_cuda.
+void forward_gemm(const Call& c, const void* x, const void* w, const void* residual, void* y, void* stream) {
   ScopedRange range("linear.forward");
   check_shapes(c);
-  const size_t e = dtype_size(act);
-  const Arg ax{"x", x, n * in, e}, aw{"w", w, out * in, e}, ay{"y", y, n * out, e};
-  for (const Arg* a : {&ax, &aw, &ay}) check_not_null(c, *a);
-  for (const Arg* a : {&ax, &aw, &ay}) check_alignment(c, *a);
+  const size_t e = dtype_size(c.act);
+  const Arg ax{"x", x, c.n * c.in, e}, aw{"w", w, c.out * c.in, e}, ay{"y", y, c.n * c.out, e},
+      ar{"residual", residual, c.n * c.out, e};
+  const Arg* used[4] = {&ax, &aw, &ay, &ar};
+  const int count = residual ? 4 : 3;
+  for (int i = 0; i < count; ++i) check_not_null(c, *used[i]);
+  for (int i = 0; i < count; ++i) check_alignment(c, *used[i]);
   check_disjoint(c, ay, ax);
   check_disjoint(c, ay, aw);
-  if (n == 0) return;
+  if (residual) check_disjoint(c, ay, ar);
+  if (c.n == 0) return;
 
   const int device = current_device(c);
-  for (const Arg* a : {&ax, &aw, &ay}) check_on_device(c, *a, device);
+  for (int i = 0; i < count; ++i) check_on_device(c, *used[i], device);
 
-  // yᵀ [out, n] = Wᵀ · X with W = wᵀ [in, out] and X = xᵀ [in, n] (see the table at the top).
-  const PlanKey key = make_key(CUBLAS_OP_T, CUBLAS_OP_N, /*m*/ out, /*n*/ n, /*k*/ in, /*lda*/ in, /*ldb*/ in,
-                               /*ldd*/ out, cuda_type(act), cuda_type(act), compute_type(c), /*A*/ w, /*B*/ x, /*D*/ y);
-  run_gemm(c, Product::forward, device, key, /*A*/ w, /*B*/ x, /*D*/ y, 0.0f, stream);
+  // yᵀ [out, n] = Wᵀ · X (+ Rᵀ) with W = wᵀ [in, out] and X = xᵀ [in, n] (see the table at the top).
+  const PlanKey key = make_key(CUBLAS_OP_T, CUBLAS_OP_N, /*m*/ c.out, /*n*/ c.n, /*k*/ c.in, /*lda*/ c.in,
+                               /*ldb*/ c.in, /*ldd*/ c.out, cuda_type(c.act), cuda_type(c.act), compute_type(c),
+                               /*A*/ w, /*B*/ x, /*D*/ y, /*C*/ residual);
+  run_gemm(c, Product::forward, device, key, /*A*/ w, /*B*/ x, /*D*/ y, ay.bytes(), residual ? 1.0f : 0.0f, stream,
+           residual);
+}
+
+}  // namespace
+
+void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64_t in, int64_t out, DType act,
+                         void* stream, bool allow_tf32) {
+  forward_gemm(Call{"linear_forward_cuda", n, in, out, act, allow_tf32, false}, x, w, nullptr, y, stream);
+}
+
+void linear_forward_residual_cuda(const void* x, const void* w, const void* residual, void* y, int64_t n, int64_t in,
+                                  int64_t out, DType act, void* stream, bool allow_tf32) {
+  Call c{"linear_forward_residual_cuda", n, in, out, act, allow_tf32, false};
+  c.residual = true;
+  FLASHLM_CHECK(residual != nullptr, "{}: residual is null", c.fn);
+  forward_gemm(c, x, w, residual, y, stream);
 }
 
 void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, float* dw, int64_t n, int64_t in,
-                          int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32) {
-  const Call c{"linear_backward_cuda", n, in, out, act, allow_tf32, accumulate_dx};
+                          int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32,
+                          bool accumulate_dw) {
+  const Call c{"linear_backward_cuda", n, in, out, act, allow_tf32, accumulate_dx, accumulate_dw};
   ScopedRange range("linear.backward");
   check_shapes(c);
   const size_t e = dtype_size(act);
@@ -432,24 +571,46 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
     check_disjoint(c, adw, ax);
     if (dx) check_disjoint(c, adw, aw);
   }
-  if (n == 0) return;
+  const bool zero_dw = dw && !accumulate_dw;  // an empty product still overwrites dw, with zeros
+  if (n == 0 && !zero_dw) return;
 
   const int device = current_device(c);
   for (int i = 0; i < count; ++i) check_on_device(c, *used[i], device);
+  if (n == 0) {
+    FLASHLM_CUDA_CHECK(cudaMemsetAsync(dw, 0, adw.bytes(), static_cast<cudaStream_t>(stream)),
+                       fmt::format("{}: cudaMemsetAsync(dw)", c.fn));
+    return;
+  }
 
   if (dx) {
     // dxᵀ [in, n] = W · DY with W = wᵀ [in, out], DY = dyᵀ [out, n]; beta = 1 adds to dx.
     const PlanKey key = make_key(CUBLAS_OP_N, CUBLAS_OP_N, /*m*/ in, /*n*/ n, /*k*/ out, /*lda*/ in, /*ldb*/ out,
                                  /*ldd*/ in, cuda_type(act), cuda_type(act), compute_type(c), /*A*/ w, /*B*/ dy,
                                  /*D*/ dx);
-    run_gemm(c, Product::grad_input, device, key, /*A*/ w, /*B*/ dy, /*D*/ dx, accumulate_dx ? 1.0f : 0.0f, stream);
+    run_gemm(c, Product::grad_input, device, key, /*A*/ w, /*B*/ dy, /*D*/ dx, adx.bytes(), accumulate_dx ? 1.0f : 0.0f,
+             stream);
   }
   if (dw) {
-    // dwᵀ [in, out] += X · DYᵀ with X = xᵀ [in, n], DY = dyᵀ [out, n]: 16-bit A/B, fp32 C/D.
+    // dwᵀ [in, out] += X · DYᵀ with X = xᵀ [in, n], DY = dyᵀ [out, n]: 16-bit A/B, fp32 C/D; beta = 0
+    // overwrites (cuBLASLt reads no C then).
     const PlanKey key = make_key(CUBLAS_OP_N, CUBLAS_OP_T, /*m*/ in, /*n*/ out, /*k*/ n, /*lda*/ in, /*ldb*/ out,
                                  /*ldd*/ in, cuda_type(act), CUDA_R_32F, compute_type(c), /*A*/ x, /*B*/ dy, /*D*/ dw);
-    run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy, /*D*/ dw, 1.0f, stream);
+    run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy, /*D*/ dw, adw.bytes(),
+             accumulate_dw ? 1.0f : 0.0f, stream);
   }
+}
+
+void set_gemm_autotune(int candidates) {
+  FLASHLM_CHECK(candidates >= 0 && candidates <= kMaxAutotune, "set_gemm_autotune: {} candidates, expected 0 to {}",
+                candidates, kMaxAutotune);
+  g_autotune.store(candidates, std::memory_order_relaxed);
+}
+
+int gemm_autotune() { return g_autotune.load(std::memory_order_relaxed); }
+
+std::vector<GemmTuning> gemm_autotune_results() {
+  const std::lock_guard lock(g_tunings_mutex);
+  return tunings();
 }
 
 int64_t gemm_cuda_heuristic_queries() { return g_heuristic_queries.load(std::memory_order_relaxed); }

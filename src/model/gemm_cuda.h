@@ -1,9 +1,9 @@
 // The LM's linear layers on the GPU through cuBLASLt: the same products as cpu::linear_forward and
 // cpu::linear_backward (ops_cpu.h), on row-major device arrays, with fp32 accumulation.
 //
-//   forward   y [n, out]  = x [n, in] · w [out, in]ᵀ               (act dtype in, act dtype out)
+//   forward   y [n, out]  = x [n, in] · w [out, in]ᵀ (+ r)         (act dtype in, act dtype out)
 //   backward  dx [n, in]  = dy [n, out] · w [out, in]   (or +=)     (act dtype)
-//             dw [out, in] += dy [n, out]ᵀ · x [n, in]              (act dtype in, fp32 out: the master gradient)
+//             dw [out, in] += dy [n, out]ᵀ · x [n, in]   (or =)     (act dtype in, fp32 out: the master gradient)
 //
 // act ∈ {fp32, bf16, fp16}. Products accumulate in fp32 (CUBLAS_COMPUTE_32F); fp32 data gets true fp32
 // products unless allow_tf32 asks for TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32). 16-bit data
@@ -29,6 +29,8 @@
 // CUDA (FLASHLM_WITH_CUDA); this header itself needs no CUDA headers.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "core/gemm_sm_reserve.h"  // the SM reserve the plans honour
 #include "flashlm/dtype.h"
@@ -40,13 +42,41 @@ namespace flashlm {
 void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64_t in, int64_t out, DType act,
                          void* stream, bool allow_tf32 = false);
 
+// y[n, out] = x[n, in] · w[out, in]ᵀ + residual[n, out], the residual added to the fp32 accumulator in the
+// GEMM's epilogue (cuBLASLt's C operand, beta = 1) and the sum rounded to `act` once: the residual stream's
+// addition without a kernel of its own, nor a rounding of the product before it. residual (dtype act) must
+// not overlap y, x or w.
+void linear_forward_residual_cuda(const void* x, const void* w, const void* residual, void* y, int64_t n, int64_t in,
+                                  int64_t out, DType act, void* stream, bool allow_tf32 = false);
+
 // dx[n, in] = dy[n, out] · w[out, in], or dx += when accumulate_dx (dtype act; when not accumulating,
-// dx is never read); dw[out, in] += dy[n, out]ᵀ · x[n, in] with dw in fp32 whatever act is. dx may be
+// dx is never read); dw[out, in] += dy[n, out]ᵀ · x[n, in] with dw in fp32 whatever act is, or dw = when
+// not accumulate_dw (dw is then never read: a gradient's first write needs no zeroing before). dx may be
 // null to skip the input gradient (w is then unused and may be null), dw may be null to skip the
-// weight gradient (x is then unused and may be null). n = 0 leaves dw unchanged and, unless
-// accumulate_dx, does nothing to dx either (it has no rows).
+// weight gradient (x is then unused and may be null). n = 0 leaves dw unchanged (zeroes it when not
+// accumulate_dw: the empty product) and, unless accumulate_dx, does nothing to dx either (it has no rows).
 void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, float* dw, int64_t n, int64_t in,
-                          int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32 = false);
+                          int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32 = false,
+                          bool accumulate_dw = true);
+
+// Autotuning: with candidates >= 2, each new plan times the heuristic's first choice against up to
+// candidates - 1 others (those that split K only with fp32 reductions in the workspace) on the call's own
+// inputs (into a scratch output: nothing the call owns is written twice) and keeps the fastest; 0 or 1
+// (the default) keeps the heuristic's first choice. The timing synchronises the stream
+// once per new plan (so only the first step of a training run pays it) and is skipped while the stream is
+// being captured into a CUDA graph. A timed choice may differ between processes, so results are bitwise
+// reproducible only within one process when tuning is on. Process-wide; applies to plans built after it.
+void set_gemm_autotune(int candidates);
+int gemm_autotune();
+
+// What autotuning chose for each plan it timed, in the order the plans were built.
+struct GemmTuning {
+  std::string product;  // e.g. "y[2048, 1600] = x[2048, 1600] · w[1600, 1600]ᵀ (bf16)"
+  int candidates = 0;   // algorithms the heuristic returned and that ran
+  int chosen = 0;       // index of the fastest in the heuristic's order (0: its own first choice)
+  double first_ms = 0, chosen_ms = 0;  // mean time of the heuristic's first choice and of the chosen one
+};
+std::vector<GemmTuning> gemm_autotune_results();
 
 // How many times this process asked cuBLASLt's heuristic for an algorithm (once per new plan): lets
 // tests check that repeated calls reuse the cached plan.

@@ -59,6 +59,12 @@ void CpuModel::allocate_moments() {
   std::fill(static_cast<float*>(adam_v_.data()), static_cast<float*>(adam_v_.data()) + n_params_, 0.0f);
 }
 
+void CpuModel::release_optimizer_state() {
+  adam_m_ = Buffer();
+  adam_v_ = Buffer();
+  adam_step_ = 0;
+}
+
 float* CpuModel::param(const std::string& name) const {
   for (const auto& p : layout_) {
     if (p.name == name) return parameters() + p.offset;

@@ -3,6 +3,8 @@
 // backward's weight gradient accumulated in an fp32 buffer and rounded once. Host code: the layer kernels
 // are in model/cuda/ (ops_cuda.h; bf16_pure.h for the pure-bf16 ones), AdamW in optim/, the GEMMs in
 // gemm_cuda.cpp, attention in attention/cuda/.
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cmath>
 #include <unordered_map>
@@ -10,6 +12,7 @@
 
 #include "core/array_ops.h"
 #include "core/check.h"
+#include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/model.h"
 #include "flashlm/profile.h"
@@ -25,6 +28,36 @@ namespace flashlm {
 
 namespace {
 
+// A stream of the model's own and the two events that order it against the model's stream (see
+// Impl::norms), destroyed after its queued work has run.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // recorded on the model's stream: what the side stream waits for
+  cudaEvent_t done = nullptr;   // recorded on the side stream: what the model's stream waits for
+  SideStream() {
+    FLASHLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+    FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  ~SideStream() {
+    cudaStreamSynchronize(stream);
+    cudaEventDestroy(done);
+    cudaEventDestroy(ready);
+    cudaStreamDestroy(stream);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  // The side stream waits for what `main` has queued so far.
+  void follow(void* main) const {
+    FLASHLM_CUDA_CHECK(cudaEventRecord(ready, static_cast<cudaStream_t>(main)), "cudaEventRecord");
+    FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0), "cudaStreamWaitEvent");
+  }
+  // `main` waits for what the side stream has queued so far.
+  void join(void* main) const {
+    FLASHLM_CUDA_CHECK(cudaEventRecord(done, stream), "cudaEventRecord");
+    FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(main), done, 0), "cudaStreamWaitEvent");
+  }
+};
 
 }  // namespace
 
@@ -53,8 +86,24 @@ struct CudaModel::Impl {
   int64_t good_steps = 0;
   // The clipping factor clip_gradients() chose and has not applied yet: adamw_step() applies it inside its
   // kernel (saving a read and a write of every gradient); any other reader of the gradients applies it
-  // first (apply_pending_clip). Mutable: const readers (copies, norms) materialise it too.
+  // first (settle_gradients). Mutable: const readers (copies, norms) materialise it too.
   mutable float pending_clip = 1.0f;
+  // zero_grad() deferred: the gradient arrays hold stale values that count as zero. The next backward
+  // writes each gradient over them: the weight-gradient GEMMs with beta = 0, the others (embedding, LM
+  // head, RMSNorm gains: 8% of xl's parameters) into an array zeroed first. So most of the memset of every
+  // gradient (8 GB on xl) never runs. Any other reader zeroes them first (settle_gradients). Mutable: const
+  // readers settle them too.
+  mutable bool zero_pending = false;
+  // The gradient norm, overlapped with the backward: as the backward finalises each gradient, its squared
+  // norm (fp64, core/cuda/reduce.cuh's fixed order) is queued on a stream of its own that waits for it —
+  // a memory-bound read beside the compute-bound GEMMs instead of a pass over every gradient after them.
+  // partial_norms[i]: parameter i's Σ g². norms_current: they describe the gradients as they stand (set
+  // by a backward that computed them all; dropped by anything that changes the gradients afterwards).
+  // Not with a gradient-ready hook (data parallelism changes the gradients after the backward) nor fp16
+  // (unscaling does), nor without ModelOptions::overlap_grad_norm.
+  std::unique_ptr<SideStream> norms;
+  Buffer partial_norms;
+  mutable bool norms_current = false;
   bool have_forward = false;
 
   size_t elem() const { return dtype_size(precision); }
@@ -115,8 +164,19 @@ struct CudaModel::Impl {
   void in_staging_pieces(int64_t total, Fn&& fn) const {
     for (int64_t at = 0; at < total; at += largest_parameter) fn(at, std::min(largest_parameter, total - at));
   }
+  // Before the gradients are read as they stand: the deferred zeroing, then the deferred clipping.
+  void settle_gradients() const {
+    if (zero_pending) {
+      gpu::memset_async(grads.data(), 0, size_t(n_params) * state_elem(), stream);
+      zero_pending = false;
+      norms_current = false;
+      pending_clip = 1.0f;
+    }
+    apply_pending_clip();
+  }
   void apply_pending_clip() const {
     if (pending_clip == 1.0f) return;
+    norms_current = false;
     if (!pure) {
       gpu::scale_inplace(static_cast<float*>(grads.data()), n_params, pending_clip, stream);
     } else {
@@ -129,6 +189,17 @@ struct CudaModel::Impl {
       });
     }
     pending_clip = 1.0f;
+  }
+  // Queues parameter i's squared norm on the norm stream, after what the model's stream has queued.
+  void queue_partial_norm(size_t i) const {
+    norms->follow(stream);
+    const ParameterInfo& p = layout[i];
+    double* out = static_cast<double*>(partial_norms.data()) + i;
+    if (pure) {
+      gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
+    } else {
+      gpu::squared_norm<float>(static_cast<const float*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
+    }
   }
   // bf16-pure: the bf16 device array `src` of `count` values into host fp32, and back.
   void widen_to_host(const bf16_t* src, float* host, int64_t count) const {
@@ -224,6 +295,10 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.tokens = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "tokens");
   m.targets = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
+  if (precision != DType::f16 && options.overlap_grad_norm) {
+    m.norms = std::make_unique<SideStream>();
+    m.partial_norms = Buffer::allocate(m.layout.size() * sizeof(double), Device::cuda, "gradient norms per parameter");
+  }
 
   const int64_t half = config.head_dim() / 2;
   std::vector<float> table(size_t(checked_product({2, config.context, half}, "CudaModel: RoPE table size")));
@@ -248,7 +323,8 @@ float* CudaModel::parameters() const {
 float* CudaModel::gradients() const {
   FLASHLM_CHECK(!impl_->pure, "CudaModel: a bf16-pure model keeps no fp32 gradients (data parallelism needs "
                               "--precision bf16, fp16 or fp32)");
-  impl_->apply_pending_clip();
+  impl_->settle_gradients();  // the caller may read them or add to them
+  impl_->norms_current = false;
   return static_cast<float*>(impl_->grads.data());
 }
 bool CudaModel::bf16_pure() const { return impl_->pure; }
@@ -358,7 +434,7 @@ void CudaModel::copy_parameters_to(float* host) const {
 
 void CudaModel::copy_gradients_to(float* host) const {
   const Impl& m = *impl_;
-  m.apply_pending_clip();
+  m.settle_gradients();
   gpu::stream_synchronize(m.stream);
   if (m.pure) return m.widen_to_host(static_cast<const bf16_t*>(m.grads.data()), host, m.n_params);
   cuda_copy(host, m.grads.data(), size_t(m.n_params) * sizeof(float));
@@ -411,9 +487,9 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
                         TensorView::contiguous(m.f(L.lse), DType::f32, {m.batch, c.heads, m.seq}, Device::cuda),
                         m.attention_options());
     }
-    linear_forward_cuda(m.a<T>(L.attn), m.weight(p + "attn.output_proj.weight"), m.a<T>(L.x_mid), n, d, d, dt,
-                        m.stream);
-    gpu::add_inplace<T>(m.a<T>(L.x_mid), m.a<T>(L.x_in), n * d, m.stream);
+    // The residual stream's additions are the GEMMs' epilogues (C = the stream, beta = 1), rounded once.
+    linear_forward_residual_cuda(m.a<T>(L.attn), m.weight(p + "attn.output_proj.weight"), m.a<T>(L.x_in),
+                                 m.a<T>(L.x_mid), n, d, d, dt, m.stream);
     gpu::rmsnorm_forward<T>(m.a<T>(L.x_mid), m.gain(p + "ln2.weight"), m.a<T>(L.h2), m.f(L.rstd2), n, d, eps,
                             m.stream);
     linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.a<T>(L.u), n, d, f, dt, m.stream);
@@ -422,8 +498,8 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
     if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
       // The residual stream leaves into the next block's input (or x_out).
       T* x_next = m.a<T>(l + 1 < c.layers ? m.A.blocks[size_t(l + 1)].x_in : m.A.x_out);
-      linear_forward_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), x_next, n, f, d, dt, m.stream);
-      gpu::add_inplace<T>(x_next, m.a<T>(L.x_mid), n * d, m.stream);
+      linear_forward_residual_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), m.a<T>(L.x_mid), x_next, n, f, d, dt,
+                                   m.stream);
     }
   });
   parameters_done(p);
@@ -493,7 +569,14 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
 void CudaModel::backward() {
   Impl& m = *impl_;
   FLASHLM_CHECK(m.have_forward, "backward: call forward() first");
-  m.apply_pending_clip();  // accumulating onto clipped gradients
+  // After zero_grad() this backward's gradients are the whole gradients: written over the stale arrays.
+  // Otherwise it accumulates onto the (clipped, if a clip is pending) gradients there.
+  const bool overwrite = m.zero_pending;
+  if (!overwrite) m.apply_pending_clip();
+  // The norm stream may still read the previous gradients: this backward writes them only after it.
+  const bool overlap_norms = m.norms && !has_gradient_ready_hook();
+  m.norms_current = false;
+  if (overlap_norms) m.norms->join(m.stream);
   const ModelConfig& c = m.c;
   const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim(), V = c.vocab;
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
@@ -505,19 +588,19 @@ void CudaModel::backward() {
   memory_set_phase("backward");
   ScopedRange range("backward");
 
-  // Adds to the gradient of `name` what produce(fp32 gradient) accumulates, then reports it final: in place
-  // into the fp32 gradient, or (bf16-pure) into the staging buffer holding the bf16 gradient widened,
-  // rounded back once.
-  auto add_to_gradient = [&](const std::string& name, auto&& produce) {
-    if (!m.pure) {
-      produce(m.grad(name));
-    } else {
-      const int64_t count = m.info(name).numel();
-      auto* staging = static_cast<float*>(m.staging.data());
-      gpu::cast_to_f32<bf16_t>(m.pure_grad(name), staging, count, m.stream);
-      produce(staging);
-      gpu::cast_from_f32<bf16_t>(staging, m.pure_grad(name), count, m.stream);
-    }
+  // Adds to the gradient of `name` what produce(fp32 gradient, accumulate) computes, then reports it final:
+  // in place into the fp32 gradient, or (bf16-pure) into the staging buffer holding the bf16 gradient
+  // widened, rounded back once. A producer that can write over its array (`can_overwrite`: the GEMMs'
+  // beta = 0) is told accumulate = false when the gradient is still to be zeroed (zero_grad deferred);
+  // the others get an array zeroed first and always accumulate.
+  auto add_to_gradient = [&](const std::string& name, bool can_overwrite, auto&& produce) {
+    const int64_t count = m.info(name).numel();
+    float* dw = m.pure ? static_cast<float*>(m.staging.data()) : m.grad(name);
+    if (m.pure && !overwrite) gpu::cast_to_f32<bf16_t>(m.pure_grad(name), dw, count, m.stream);
+    if (overwrite && !can_overwrite) gpu::memset_async(dw, 0, size_t(count) * sizeof(float), m.stream);
+    produce(dw, !(overwrite && can_overwrite));
+    if (m.pure) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(name), count, m.stream);
+    if (overlap_norms) m.queue_partial_norm(m.index.at(name));
     gradient_ready(name);
   };
 
@@ -529,12 +612,12 @@ void CudaModel::backward() {
     T *du = s0 + 6 * nd, *dg = du + nf, *ds = dg + nf;
     auto linear_backward = [&](const T* dy, const T* x, const std::string& w, T* dxo, int64_t in, int64_t out,
                                bool accumulate) {
-      add_to_gradient(w, [&](float* dw) {
-        linear_backward_cuda(dy, x, m.weight(w), dxo, dw, n, in, out, dt, accumulate, m.stream);
+      add_to_gradient(w, true, [&](float* dw, bool accumulate_dw) {
+        linear_backward_cuda(dy, x, m.weight(w), dxo, dw, n, in, out, dt, accumulate, m.stream, false, accumulate_dw);
       });
     };
     auto rmsnorm_backward = [&](const T* dy, const T* x, const std::string& gain, const float* rstd, T* dxo) {
-      add_to_gradient(gain, [&](float* dgain) {
+      add_to_gradient(gain, false, [&](float* dgain, bool) {
         gpu::rmsnorm_backward<T>(dy, x, m.gain(gain), rstd, dxo, dgain, n, d, m.stream);
       });
     };
@@ -544,7 +627,7 @@ void CudaModel::backward() {
       // The fused head again, now with gradients (the forward kept no logits): each chunk's logits, their
       // gradient times the loss scale, the chunk's rows of dh and its share of the head's weight gradient.
       parameters_needed("lm_head.");
-      add_to_gradient("lm_head.weight", [&](float* dw) {
+      add_to_gradient("lm_head.weight", false, [&](float* dw, bool) {
         gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")),
                                               targets, n, d, V, m.head_chunk, float(m.loss_scale / double(n)),
                                               nullptr, dh, dw, static_cast<T*>(m.logits.data()), m.stream);
@@ -592,23 +675,25 @@ void CudaModel::backward() {
       rmsnorm_backward(dh, m.a<T>(L.x_in), p + "ln1.weight", m.f(L.rstd1), dx);
       parameters_done(p);
     }
-    add_to_gradient("token_embeddings.weight", [&](float* dtable) {
+    add_to_gradient("token_embeddings.weight", false, [&](float* dtable, bool) {
       gpu::embedding_backward<T>(dx, tokens, dtable, n, d, V, m.stream);
     });
   });
   m.have_forward = false;  // the logits buffer now holds a gradient; forward() again before backward()
+  m.zero_pending = false;
+  m.norms_current = overlap_norms;  // every parameter's gradient went through add_to_gradient
 }
 
 void CudaModel::zero_grad() {
-  ScopedRange range("zero_grad");
+  // Deferred (Impl::zero_pending): the next backward writes over the gradients instead of adding to zeros.
   impl_->pending_clip = 1.0f;
-  gpu::memset_async(impl_->grads.data(), 0, size_t(impl_->n_params) * impl_->state_elem(), impl_->stream);
+  impl_->zero_pending = true;
 }
 
 bool CudaModel::unscale_gradients() {
   Impl& m = *impl_;
   if (m.precision != DType::f16) return true;
-  m.apply_pending_clip();
+  m.settle_gradients();
   auto* count = reinterpret_cast<int*>(static_cast<char*>(m.reduce_out.data()) + sizeof(double));
   gpu::count_nonfinite<float>(static_cast<float*>(m.grads.data()), m.n_params, count, m.stream);
   int bad = 0;
@@ -629,7 +714,15 @@ bool CudaModel::unscale_gradients() {
 
 double CudaModel::gradient_norm() const {
   const Impl& m = *impl_;
-  m.apply_pending_clip();
+  m.settle_gradients();
+  if (m.norms_current) {  // summed on the host in layout order
+    std::vector<double> partial(m.layout.size());
+    gpu::stream_synchronize(m.norms->stream);
+    cuda_copy(partial.data(), m.partial_norms.data(), partial.size() * sizeof(double));
+    double ss = 0;
+    for (double p : partial) ss += p;
+    return std::sqrt(ss);
+  }
   auto* out = static_cast<double*>(m.reduce_out.data());
   if (m.pure) {
     gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);
@@ -651,6 +744,15 @@ double CudaModel::clip_gradients(double max_norm) {
 }
 
 int64_t CudaModel::optimizer_steps() const { return impl_->adam_step; }
+
+void CudaModel::release_optimizer_state() {
+  Impl& m = *impl_;
+  if (!m.adam_m.data()) return;
+  gpu::stream_synchronize(m.stream);  // the last AdamW step may still be reading them
+  m.adam_m = Buffer();
+  m.adam_v = Buffer();
+  m.adam_step = 0;
+}
 
 void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
 
@@ -695,6 +797,7 @@ void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
   Impl& m = *impl_;
   memory_set_phase("optimizer");
   ScopedRange range("optimizer_step");
+  if (m.zero_pending) m.settle_gradients();  // a step on zeroed gradients (the clip is applied in the kernel)
   m.allocate_moments();
   ++m.adam_step;
   if (m.pure) {

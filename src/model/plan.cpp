@@ -170,17 +170,22 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
   const bool cuda = device == Device::cuda;
   const int64_t elem = cuda ? int64_t(dtype_size(precision)) : 4;
   auto bytes = [](int64_t count, int64_t size) { return checked_mul(count, size, "memory plan: bytes"); };
+  // A sharded optimizer's share: ZeroOptimizer's shards of ceil(n / world) (rounded up to its grain, and
+  // FSDP's replicated gains and tails, are below a MiB at every size here).
+  const int64_t moments = (n_params + o.optimizer_shards - 1) / o.optimizer_shards;
+  const std::string share =
+      o.optimizer_shards > 1 ? fmt::format(", 1/{}: this rank's shard", o.optimizer_shards) : std::string();
   if (o.bf16_pure) {
     p.items.push_back({"parameters (bf16)", bytes(n_params, 2)});
     p.items.push_back({"gradients (bf16)", bytes(n_params, 2)});
-    p.items.push_back({"AdamW moments (bf16)", bytes(n_params, 4)});
+    p.items.push_back({"AdamW moments (bf16" + share + ")", bytes(moments, 4)});
   } else {
     p.items.push_back({"parameters (fp32)", bytes(n_params, 4)});
     if (cuda && precision != DType::f32) {
       p.items.push_back({fmt::format("parameters ({} copy for the GEMMs)", dtype_name(precision)), bytes(n_params, elem)});
     }
     p.items.push_back({"gradients (fp32)", bytes(n_params, 4)});
-    p.items.push_back({"AdamW moments (fp32)", bytes(n_params, 8)});
+    p.items.push_back({"AdamW moments (fp32" + share + ")", bytes(moments, 8)});
   }
   const ActivationLayout a = layout_activations(c, batch, seq, recompute);
   p.items.push_back({fmt::format("activations kept for the backward (recompute {})", recompute.name()),
@@ -221,6 +226,8 @@ MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, D
                 c.context);
   FLASHLM_CHECK(!o.bf16_pure || (device == Device::cuda && precision == DType::bf16),
                 "precision: bf16-pure is a CUDA precision (bf16 parameters, gradients and moments)");
+  FLASHLM_CHECK(o.optimizer_shards >= 1 && o.optimizer_shards <= (int64_t{1} << 20),
+                "memory plan: optimizer_shards = {}, expected a rank count in [1, 2^20]", o.optimizer_shards);
   using Kind = RecomputePlan::Kind;
   if (o.recompute.kind != Kind::automatic) return plan_for(c, batch, seq, device, precision, o, o.recompute);
   if (available_bytes < 0) {

@@ -264,6 +264,8 @@ TrainResult train(const TrainConfig& cfg) {
   options.bf16_pure = cfg.bf16_pure;
   options.head_chunk = cfg.head_chunk;
   options.deterministic = cfg.deterministic;
+  // ZeRO-1 and FSDP keep this rank's shard of the moments, not the model (DdpModel releases its own).
+  if (cfg.comm && (cfg.zero1 || cfg.ddp.variant == DdpVariant::fsdp)) options.optimizer_shards = world;
   FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm, "train: bf16-pure keeps no fp32 masters for data parallelism to reduce "
                                              "and gather; use --precision bf16");
   // The memory plan, printed before anything is allocated and refused when it cannot fit.

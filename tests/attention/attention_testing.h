@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <fmt/format.h>
 
 #include <limits>
@@ -78,6 +79,16 @@ inline bool all_finite_or_neg_inf(const TensorView& a) {
     if (std::isnan(v) || v == INFINITY) return false;
   }
   return true;
+}
+
+// Runs `call` and checks that it throws flashlm::Error whose message contains every fragment.
+inline void expect_error(const std::function<void()>& call, std::initializer_list<std::string> fragments) {
+  try {
+    call();
+    ADD_FAILURE() << "expected flashlm::Error";
+  } catch (const Error& e) {
+    for (const auto& f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+  }
 }
 
 enum class Mask { none, top_left, bottom_right };

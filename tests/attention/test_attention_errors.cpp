@@ -4,9 +4,11 @@
 #include <functional>
 #include <string>
 
+#include "attention/attention_testing.h"
 #include "flashlm/attention.h"
 
 using namespace flashlm;
+using flashlm::testing::expect_error;
 
 namespace {
 
@@ -27,16 +29,6 @@ struct Args {
   void forward() { attention_forward(Q, K, V, O, L); }
   void backward() { attention_backward(Q, K, V, O, L, dO, dQ, dK, dV); }
 };
-
-// Runs `call` and checks that it throws flashlm::Error whose message contains every fragment.
-void expect_error(const std::function<void()>& call, std::initializer_list<std::string> fragments) {
-  try {
-    call();
-    ADD_FAILURE() << "expected flashlm::Error";
-  } catch (const Error& e) {
-    for (const auto& f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
-  }
-}
 
 TEST(AttentionErrors, ValidArgumentsRun) {
   Args a;

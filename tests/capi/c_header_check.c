@@ -17,6 +17,18 @@ static flashlm_tensor view4(float* data, int64_t b, int64_t n, int64_t h, int64_
   return t;
 }
 
+static flashlm_tensor view3(float* data, int64_t n, int64_t h, int64_t d) {
+  flashlm_tensor t;
+  memset(&t, 0, sizeof t);
+  t.data = data;
+  t.ndim = 3;
+  t.dtype = FLASHLM_FP32;
+  t.device = FLASHLM_CPU;
+  t.sizes[0] = n, t.sizes[1] = h, t.sizes[2] = d;
+  t.strides[0] = h * d, t.strides[1] = d, t.strides[2] = 1;
+  return t;
+}
+
 int main(void) {
   static float q[2 * 16 * 2 * 8], o[2 * 16 * 2 * 8], lse_data[2 * 2 * 16];
   for (int i = 0; i < 2 * 16 * 2 * 8; ++i) q[i] = (float)sin(0.37 * i);
@@ -44,6 +56,25 @@ int main(void) {
     return fprintf(stderr, "o aliasing q was accepted\n"), 1;
   if (!strstr(flashlm_last_error(), "o: the output overlaps the input q"))
     return fprintf(stderr, "%s\n", flashlm_last_error()), 1;
+  /* Varlen: the same 32 rows as two packed sequences of 16 ([32, 2, 8], lse [2, 32]), causal per sequence:
+   * the first query of each sequence sees only its own first key. */
+  {
+    static float ov[32 * 2 * 8];
+    static const int32_t cu[3] = {0, 16, 32}, bad[3] = {0, 10, 8};
+    flashlm_tensor pq = view3(q, 32, 2, 8), po = view3(ov, 32, 2, 8), pl;
+    memset(&pl, 0, sizeof pl);
+    pl.data = lse_data, pl.ndim = 2, pl.dtype = FLASHLM_FP32, pl.device = FLASHLM_CPU;
+    pl.sizes[0] = 2, pl.sizes[1] = 32, pl.strides[0] = 32, pl.strides[1] = 1;
+    flashlm_varlen seqs = {cu, cu, 2, FLASHLM_CPU, 16, 16};
+    if (flashlm_attention_varlen_forward(&pq, &pq, &pq, &po, &pl, &seqs, &opt) != FLASHLM_OK)
+      return fprintf(stderr, "varlen forward failed: %s\n", flashlm_last_error()), 1;
+    if (fabsf(ov[0] - q[0]) > 1e-6f || fabsf(ov[16 * 16] - q[16 * 16]) > 1e-6f)
+      return fprintf(stderr, "varlen: a sequence's first query does not see only its own first key\n"), 1;
+    seqs.cu_seqlens_q = bad;
+    if (flashlm_attention_varlen_forward(&pq, &pq, &pq, &po, &pl, &seqs, &opt) != FLASHLM_INVALID_ARGUMENT) return 1;
+    if (!strstr(flashlm_last_error(), "cu_seqlens_q: the offsets decrease at sequence 1"))
+      return fprintf(stderr, "%s\n", flashlm_last_error()), 1;
+  }
   printf("flashlm %s, C ABI %d: ok\n", flashlm_version(), flashlm_abi_version());
   return 0;
 }

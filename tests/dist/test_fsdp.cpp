@@ -4,7 +4,7 @@
 // parameters and AdamW moments gathered from the shards are within 1e-6 (relative L2) of the single
 // process's, and within 1e-6 element by element of bucketed DDP's on the same slices (cutting the batch
 // reorders sums, which AdamW amplifies in a few elements to ~1e-6 against one process; FSDP adds nothing
-// to that), with every prefetch depth and with gradient accumulation. A world of one, without
+// to that), with every prefetch depth, with gradient accumulation and with activation recomputation. A world of one, without
 // accumulation, gives the single process's bits. Freed weights are poisoned with NaN, so a forward or
 // backward that read a part before gathering it would show in the loss. Also: the bucket plan follows the
 // model's parts; the gathered bytes stay within the prefetch bound; evaluation on rank 0 alone after
@@ -28,6 +28,7 @@
 #include "flashlm/ddp.h"
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
+#include "flashlm/memory.h"
 #include "flashlm/model.h"
 #ifdef FLASHLM_WITH_CUDA
 #include "core/cuda_runtime.h"
@@ -238,6 +239,31 @@ TEST(Fsdp, GradientAccumulationReproducesFullBatchTraining) {
   expect_trains_like(gathered_state(dp, part), one, ddp, "grad_accum 2");
 }
 
+// FSDP with activation recomputation: a recomputing backward reads each block's weights again after the
+// forward freed them, so it gathers them again (the poisoned freed weights would otherwise show as NaN).
+// blocks (every block's input kept), blocks:2 (a two-block segment recomputed at once) and selective (no
+// attention recomputed), without and with gradient accumulation, against the single process on the whole
+// batch, which does not recompute.
+TEST(Fsdp, RecomputationReproducesFullBatchTraining) {
+  const ModelConfig mc = lm_config();
+  const State one = train_one_process(mc);
+  for (int64_t accum : {1, 2}) {
+    const State ddp = train_ddp(mc, accum);
+    const int64_t local = kGlobal / comm().world_size() / accum;
+    for (const char* plan : {"blocks", "blocks:2", "selective"}) {
+      ModelOptions options;
+      options.recompute = RecomputePlan::parse(plan);
+      CpuModel part(mc, local, kSeq, options);
+      part.init_parameters(11);
+      DdpModel dp(comm(), part, local * kSeq, fsdp_options(1, accum), false);
+      train_fsdp(dp, mc);
+      const std::string what = std::string("recompute ") + plan + ", grad_accum " + std::to_string(accum);
+      EXPECT_TRUE(dp.fsdp()->released(0, part.parameter_count())) << what;
+      expect_trains_like(gathered_state(dp, part), one, ddp, what);
+    }
+  }
+}
+
 // Each rank keeps 1/world of the sharded weights, their gradients and moments; the parts whole at once
 // stay within the prefetch bound: the part being read and `prefetch` more, plus the one being freed.
 TEST(Fsdp, ShardsAndGatheredBytesPerRank) {
@@ -327,6 +353,58 @@ TEST(Fsdp, ToyWithFrozenAndTiedParameters) {
   }
   fsdp.gather_all();
   EXPECT_LE(max_abs_diff(model.w, toy::train_single_process()), 1e-6);
+}
+
+// A sharded save's moments are this rank's elements in updated_ranges() order (ascending), as its masters
+// are and as docs/design.md's checkpoint table says: element by element the gathered moments at those
+// ranges. (The moments used to be packed in bucket order, which is descending.)
+TEST(Fsdp, ShardedMomentsFollowTheUpdatedRanges) {
+  FsdpLm lm(1);
+  train_fsdp(lm.dp, lm.mc);
+  const State all = gathered_state(lm.dp, lm.model);
+  const auto k = size_t(lm.dp.zero()->shard_elements());
+  std::vector<float> params(k), m(k), v(k);
+  lm.dp.save_shard(params.data(), m.data(), v.data());
+  std::vector<float> want_params, want_m, want_v;
+  for (const DdpRange& r : lm.dp.zero()->updated_ranges()) {
+    const auto at = std::ptrdiff_t(r.offset), end = std::ptrdiff_t(r.offset + r.count);
+    want_params.insert(want_params.end(), all.params.begin() + at, all.params.begin() + end);
+    want_m.insert(want_m.end(), all.m.begin() + at, all.m.begin() + end);
+    want_v.insert(want_v.end(), all.v.begin() + at, all.v.begin() + end);
+  }
+  EXPECT_EQ(params, want_params);
+  EXPECT_EQ(m, want_m);
+  EXPECT_EQ(v, want_v);
+}
+
+// A model that stepped alone holds its own AdamW moments; once FSDP's (or ZeRO-1's) sharded optimizer takes
+// over they are released, so that a rank does not hold the optimizer state twice (ddp-bench measures every
+// variant on one model after the plain step: its FSDP row once showed 15 GB of model moments at xl).
+TEST(Fsdp, TheModelsOwnMomentsAreReleased) {
+  const ModelConfig mc = lm_config();
+  const int64_t local = kGlobal / comm().world_size();
+  for (bool fsdp : {true, false}) {
+    CpuModel part(mc, local, kSeq);
+    part.init_parameters(11);
+    const Batches b(mc.vocab, 0);
+    part.zero_grad();
+    part.forward(b.x.data(), b.y.data());
+    part.backward();
+    optimizer_step(part, clipping_adamw(), kLr);
+    ASSERT_EQ(part.optimizer_steps(), 1);
+    const int64_t before = memory_stats(Device::cpu).current_bytes, n = part.parameter_count();
+    DdpOptions o = fsdp ? fsdp_options(1) : DdpOptions{};
+    DdpModel dp(comm(), part, local * kSeq, o, /*zero1=*/true);
+    ASSERT_NE(dp.zero(), nullptr);
+    EXPECT_EQ(part.optimizer_steps(), 0) << (fsdp ? "fsdp" : "zero1");
+    // The model's 2n floats of moments are gone; the sharded optimizer allocated its own share (plus DDP's
+    // staging, none here: fp32 buckets of one run each).
+    const int64_t now = memory_stats(Device::cpu).current_bytes;
+    EXPECT_LE(now - before, dp.zero()->state_bytes() + dp.data_parallel().staging_bytes() - 2 * n * 4)
+        << (fsdp ? "fsdp" : "zero1");
+    train_fsdp(dp, mc);
+    EXPECT_EQ(dp.optimizer_steps(), kSteps);
+  }
 }
 
 // After gather_parameters() one rank alone may evaluate (no collective), and training then goes on.

@@ -399,6 +399,97 @@ TEST(GemmCuda, RepeatedCallsReuseThePlan) {
   EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2);
 }
 
+// y = x·wᵀ + r with the residual added in the epilogue: within the forward's bound plus one rounding of
+// |r| (the sum is rounded once, in the dtype), in fp32, bf16 and fp16, on ragged shapes.
+TEST(GemmCuda, ResidualIsAddedInTheEpilogue) {
+  SKIP_WITHOUT_GPU();
+  for (const Case& c : {Case{DType::f32, 37, 13, 29}, Case{DType::bf16, 37, 48, 1600}, Case{DType::f16, 130, 1600, 56}}) {
+    const DType t = c.dtype;
+    const std::vector<float> x = random_values(c.n * c.in, t, 41), w = random_values(c.out * c.in, t, 42),
+                             r = random_values(c.n * c.out, t, 43);
+    DeviceArray d_x(c.n * c.in, t), d_w(c.out * c.in, t), d_r(c.n * c.out, t), d_y(c.n * c.out, t);
+    d_x.upload(x);
+    d_w.upload(w);
+    d_r.upload(r);
+    d_y.poison();
+    linear_forward_residual_cuda(d_x.ptr(), d_w.ptr(), d_r.ptr(), d_y.ptr(), c.n, c.in, c.out, t, nullptr);
+    std::vector<float> ref(c.n * c.out), scale(c.n * c.out);
+    cpu::linear_forward(x.data(), w.data(), ref.data(), c.n, c.in, c.out);
+    const std::vector<float> ax = abs_of(x), aw = abs_of(w);
+    cpu::linear_forward(ax.data(), aw.data(), scale.data(), c.n, c.in, c.out);
+    ref = plus(ref, r);
+    scale = plus(scale, abs_of(r));
+    expect_close(d_y.download(), ref, scale, abs_of(ref), t == DType::f32 ? 0.0 : unit_roundoff(t),
+                 "y = x·wᵀ + residual, " + case_name(c));
+    EXPECT_EQ(d_r.download(), r) << "the residual changed, " << case_name(c);
+  }
+}
+
+// accumulate_dw = false writes dw over whatever it held (NaN here: never read), and matches the product
+// accumulated onto zeros bit for bit (the same algorithm, beta 0 instead of 1 on zeros). With no rows it
+// writes the empty product, zeros.
+TEST(GemmCuda, OverwrittenWeightGradientIsNeverRead) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 70, in = 48, out = 40;
+  for (DType t : {DType::f32, DType::bf16}) {
+    const std::vector<float> x = random_values(n * in, t, 51), dy = random_values(n * out, t, 52);
+    DeviceArray d_x(n * in, t), d_dy(n * out, t), d_dw(out * in, DType::f32), d_zeroed(out * in, DType::f32);
+    d_x.upload(x);
+    d_dy.upload(dy);
+    d_dw.poison();
+    d_zeroed.upload(std::vector<float>(size_t(out * in), 0.0f));
+    linear_backward_cuda(d_dy.ptr(), d_x.ptr(), nullptr, nullptr, d_dw.fptr(), n, in, out, t, false, nullptr, false,
+                         /*accumulate_dw*/ false);
+    linear_backward_cuda(d_dy.ptr(), d_x.ptr(), nullptr, nullptr, d_zeroed.fptr(), n, in, out, t, false, nullptr);
+    const std::vector<float> got = d_dw.download();
+    for (float v : got) ASSERT_FALSE(std::isnan(v)) << "the poisoned dw was read, " << dtype_name(t);
+    EXPECT_EQ(got, d_zeroed.download()) << "dw = differs from dw += onto zeros, " << dtype_name(t);
+
+    d_dw.poison();
+    linear_backward_cuda(d_dy.ptr(), d_x.ptr(), nullptr, nullptr, d_dw.fptr(), 0, in, out, t, false, nullptr, false,
+                         /*accumulate_dw*/ false);
+    EXPECT_EQ(d_dw.download(), std::vector<float>(size_t(out * in), 0.0f)) << "n = 0, dw =, " << dtype_name(t);
+  }
+}
+
+// Autotuning times the candidates into a scratch output: the call's own outputs are written once (dx and
+// dw accumulate exactly one product), and the product is the one the heuristic's first choice gives
+// within the usual bound.
+TEST(GemmCuda, AutotunedPlansWriteTheirOutputsOnce) {
+  SKIP_WITHOUT_GPU();
+  struct Restore {
+    ~Restore() { set_gemm_autotune(0); }
+  } restore;
+  set_gemm_autotune(8);
+  EXPECT_EQ(gemm_autotune(), 8);
+  // Shapes no other test uses, so that new (tuned) plans are built.
+  const int64_t n = 200, in = 72, out = 88;
+  const DType t = DType::bf16;
+  const std::vector<float> x = random_values(n * in, t, 61), w = random_values(out * in, t, 62),
+                           dy = random_values(n * out, t, 63), dx0 = random_values(n * in, t, 64),
+                           dw0 = random_values(out * in, DType::f32, 65);
+  DeviceArray d_x(n * in, t), d_w(out * in, t), d_dy(n * out, t), d_dx(n * in, t), d_dw(out * in, DType::f32);
+  d_x.upload(x);
+  d_w.upload(w);
+  d_dy.upload(dy);
+  d_dx.upload(dx0);
+  d_dw.upload(dw0);
+  const size_t tuned_before = gemm_autotune_results().size();
+  linear_backward_cuda(d_dy.ptr(), d_x.ptr(), d_w.ptr(), d_dx.ptr(), d_dw.fptr(), n, in, out, t, true, nullptr);
+  std::vector<float> dx_ref = dx0, dw_ref = dw0, dx_scale = abs_of(dx0), dw_scale = abs_of(dw0);
+  cpu::linear_backward(dy.data(), x.data(), w.data(), dx_ref.data(), dw_ref.data(), n, in, out, true);
+  const std::vector<float> ax = abs_of(x), aw = abs_of(w), ady = abs_of(dy);
+  cpu::linear_backward(ady.data(), ax.data(), aw.data(), dx_scale.data(), dw_scale.data(), n, in, out, true);
+  expect_close(d_dx.download(), dx_ref, dx_scale, abs_of(dx_ref), unit_roundoff(t), "tuned dx +=");
+  expect_close(d_dw.download(), dw_ref, dw_scale, std::vector<float>(dw0.size(), 0.0f), 0.0, "tuned dw +=");
+  const std::vector<GemmTuning> tuned = gemm_autotune_results();
+  for (size_t i = tuned_before; i < tuned.size(); ++i) {
+    EXPECT_GE(tuned[i].candidates, 2) << tuned[i].product;
+    EXPECT_LT(tuned[i].chosen, tuned[i].candidates) << tuned[i].product;
+    EXPECT_LE(tuned[i].chosen_ms, tuned[i].first_ms) << tuned[i].product;
+  }
+}
+
 TEST(GemmCuda, SmReserveHasItsOwnPlanAndTheSameProduct) {
   SKIP_WITHOUT_GPU();
   // A shape no other test uses: the reserve must query the heuristic once more (its own plan), give the
@@ -476,6 +567,22 @@ void expect_error(const std::function<void()>& fn, std::initializer_list<const c
       EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << what << ": '" << p << "' not in: " << e.what();
     }
   }
+}
+
+TEST(GemmCudaArgs, AutotuneCandidatesAreBounded) {
+  expect_error([] { set_gemm_autotune(-1); }, {"set_gemm_autotune", "-1", "0 to 64"}, "autotune -1");
+  expect_error([] { set_gemm_autotune(65); }, {"set_gemm_autotune", "65", "0 to 64"}, "autotune 65");
+  EXPECT_EQ(gemm_autotune(), 0);
+}
+
+TEST(GemmCudaArgs, ResidualMustExistAndNotOverlapTheOutput) {
+  alignas(256) static unsigned char mem[3][1 << 12];
+  void *a = mem[0], *b = mem[1], *c = mem[2];
+  const DType bf = DType::bf16;
+  expect_error([&] { linear_forward_residual_cuda(a, b, nullptr, c, 4, 8, 8, bf, nullptr); },
+               {"linear_forward_residual_cuda", "residual is null"}, "null residual");
+  expect_error([&] { linear_forward_residual_cuda(a, b, c, c, 4, 8, 8, bf, nullptr); },
+               {"linear_forward_residual_cuda", "y and residual overlap"}, "residual is y");
 }
 
 TEST(GemmCudaArgs, NegativeSmReserveIsAnError) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/array_ops.h"
 #include "flashlm/device.h"
 #include "flashlm/model.h"
 #include "flashlm/train.h"
@@ -119,6 +120,116 @@ TEST(CudaModel, TrainingIsReproducibleAndLowersTheLossInEveryPrecision) {
     }
     EXPECT_EQ(final_params[0], final_params[1]) << dtype_name(precision) << ": two runs differ";
     EXPECT_LT(last, 0.8 * first) << dtype_name(precision);
+  }
+}
+
+// zero_grad() is deferred: the next backward writes each gradient over the stale arrays. That must give
+// the bits of the same backward accumulated onto gradients zeroed first (gradients() zeroes them), in
+// every precision and bf16-pure, after an earlier step left large stale values there.
+TEST(CudaModel, DeferredZeroGradGivesTheBitsOfAccumulatingOntoZeros) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  const Batch b1 = make_batch(2 * 64, c.vocab, 3), b2 = make_batch(2 * 64, c.vocab, 4);
+  for (int variant = 0; variant < 4; ++variant) {
+    const DType precision = variant == 0 ? DType::f32 : variant == 2 ? DType::f16 : DType::bf16;
+    ModelOptions options;
+    options.bf16_pure = variant == 3;
+    const std::string name = variant == 3 ? "bf16-pure" : std::string(dtype_name(precision));
+    std::vector<float> grads[2];
+    for (int run = 0; run < 2; ++run) {
+      CudaModel m(c, 2, 64, precision, options);
+      m.init_parameters(9);
+      m.zero_grad();  // stale values: another batch's gradients, twice over
+      m.forward(b2.tokens.data(), b2.targets.data());
+      m.backward();
+      m.forward(b2.tokens.data(), b2.targets.data());
+      m.backward();
+      m.zero_grad();
+      if (run == 1 && !options.bf16_pure) m.gradients();  // zeroes them now: the backward then accumulates
+      if (run == 1 && options.bf16_pure) {               // no fp32 pointer: a copy zeroes them as well
+        std::vector<float> zeros(size_t(m.parameter_count()));
+        m.copy_gradients_to(zeros.data());
+        for (float z : zeros) ASSERT_EQ(z, 0.0f) << name << ": zero_grad then a read did not give zeros";
+      }
+      m.forward(b1.tokens.data(), b1.targets.data());
+      m.backward();
+      grads[run].resize(size_t(m.parameter_count()));
+      m.copy_gradients_to(grads[run].data());
+    }
+    EXPECT_EQ(grads[0], grads[1]) << name << ": the overwriting backward differs from accumulating onto zeros";
+  }
+}
+
+// Two backwards after one zero_grad() add up (the second accumulates onto the first's overwritten
+// gradients), as in the CPU model.
+TEST(CudaModel, TwoBackwardsAccumulateAsTheCpuModel) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  const int64_t batch = 2, seq = 64;
+  const Batch b1 = make_batch(batch * seq, c.vocab, 5), b2 = make_batch(batch * seq, c.vocab, 6);
+  for (DType precision : {DType::f32, DType::bf16}) {
+    CpuModel cpu(c, batch, seq);
+    CudaModel gpu(c, batch, seq, precision);
+    cpu.init_parameters(11);
+    gpu.init_parameters(11);
+    cpu.zero_grad();
+    gpu.zero_grad();
+    for (const Batch* b : {&b1, &b2}) {
+      cpu.forward(b->tokens.data(), b->targets.data());
+      cpu.backward();
+      gpu.forward(b->tokens.data(), b->targets.data());
+      gpu.backward();
+    }
+    std::vector<float> cpu_grads(cpu.gradients(), cpu.gradients() + cpu.parameter_count());
+    std::vector<float> gpu_grads(size_t(gpu.parameter_count()));
+    gpu.copy_gradients_to(gpu_grads.data());
+    const double tol = precision == DType::f32 ? 1e-4 : 5e-2;
+    for (const auto& p : cpu.layout()) {
+      const std::vector<float> a(gpu_grads.begin() + p.offset, gpu_grads.begin() + p.offset + p.numel());
+      const std::vector<float> e(cpu_grads.begin() + p.offset, cpu_grads.begin() + p.offset + p.numel());
+      EXPECT_LE(rel_error(a, e), 2 * tol) << p.name << " in " << dtype_name(precision);
+    }
+    EXPECT_GT(gpu.gradient_norm(), 0.0);
+    gpu.zero_grad();
+    EXPECT_EQ(gpu.gradient_norm(), 0.0) << "zero_grad then the norm: the deferred zeroing was not applied";
+  }
+}
+
+// The norm the backward computes beside itself, parameter by parameter, is the norm of the gradients it
+// leaves (fp64 sums in another order: equal to ~1e-12), and anything that changes the gradients after it
+// (a clip applied, gradients() handed out for writing) makes gradient_norm() read them again.
+TEST(CudaModel, OverlappedGradientNormIsTheNormOfTheGradients) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  const Batch b = make_batch(2 * 64, c.vocab, 7);
+  for (int variant = 0; variant < 3; ++variant) {
+    ModelOptions options;
+    options.bf16_pure = variant == 2;
+    const DType precision = variant == 0 ? DType::f32 : DType::bf16;
+    const std::string name = variant == 2 ? "bf16-pure" : std::string(dtype_name(precision));
+    CudaModel m(c, 2, 64, precision, options);
+    m.init_parameters(13);
+    m.zero_grad();
+    m.forward(b.tokens.data(), b.targets.data());
+    m.backward();
+    const double norm = m.gradient_norm();
+    std::vector<float> g(size_t(m.parameter_count()));
+    m.copy_gradients_to(g.data());
+    double ss = 0;
+    for (float v : g) ss += double(v) * double(v);
+    ASSERT_GT(ss, 0.0) << name;
+    EXPECT_NEAR(norm, std::sqrt(ss), 1e-12 * std::sqrt(ss)) << name;
+    const double clipped = m.clip_gradients(norm / 2);
+    EXPECT_EQ(clipped, norm) << name;
+    // clip_gradients scales by max / (norm + 1e-6), rounded to fp32 (and, bf16-pure, each gradient to bf16).
+    const double after_clip = norm * (norm / 2) / (norm + 1e-6);
+    const double tol = options.bf16_pure ? 1e-3 : 1e-6;
+    EXPECT_NEAR(m.gradient_norm(), after_clip, tol * norm) << name << ": the norm after clipping";
+    if (!options.bf16_pure) {
+      float* grads = m.gradients();  // written by the caller: 3 x the gradients
+      gpu::scale_inplace(grads, m.parameter_count(), 3.0f, m.stream());
+      EXPECT_NEAR(m.gradient_norm(), 3 * after_clip, tol * norm) << name << ": the norm after gradients() was written";
+    }
   }
 }
 

@@ -248,6 +248,32 @@ TEST(MemoryPlan, AutoPicksTheFastestPlanThatFitsAndRefusalNamesTheShortfall) {
   EXPECT_NO_THROW(check_memory_plan(chosen, -1, "the GPU"));  // no limit known
 }
 
+// Under ZeRO-1 or FSDP a rank holds 1/world of the AdamW moments and the model none of its own: the plan
+// counts that share, and the rest of the plan is unchanged. The xl model in bf16 on one of 2 GPUs.
+TEST(MemoryPlan, ASharedOptimizerCountsThisRanksShareOfTheMoments) {
+  const ModelConfig c = ModelConfig::named("xl", 512);
+  ModelOptions o;
+  const MemoryPlan whole = plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, o);
+  o.optimizer_shards = 2;
+  const MemoryPlan half = plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, o);
+  ASSERT_EQ(whole.items.size(), half.items.size());
+  int changed = 0;
+  for (size_t i = 0; i < whole.items.size(); ++i) {
+    if (whole.items[i].what.find("AdamW moments") == std::string::npos) {
+      EXPECT_EQ(half.items[i].bytes, whole.items[i].bytes) << whole.items[i].what;
+      continue;
+    }
+    ++changed;
+    EXPECT_EQ(half.items[i].bytes, (c.parameter_count() + 1) / 2 * 8);
+    EXPECT_NE(half.items[i].what.find("1/2"), std::string::npos) << half.items[i].what;
+  }
+  EXPECT_EQ(changed, 1);
+  for (int64_t bad : {int64_t{0}, int64_t{-2}, (int64_t{1} << 20) + 1}) {
+    o.optimizer_shards = bad;
+    EXPECT_THROW(plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, o), Error) << bad;
+  }
+}
+
 TEST(MemoryPlan, BadRequestsAreErrors) {
   ModelOptions o;
   o.bf16_pure = true;

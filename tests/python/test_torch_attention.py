@@ -190,3 +190,71 @@ def test_double_backward_is_refused_clearly(device):
     (dq3,) = torch.autograd.grad(flashlm.FlashAttention.apply(q3, k3, v3, True).sum(), (q3,), create_graph=True)
     with pytest.raises(RuntimeError, match="double backward .* is not supported"):
         dq3.sum().backward()
+
+
+def _fresh_pack(layout_struct, tensors, bhsd, options):
+    """The bytes a call's arguments pack to from scratch: what a reused _lib.PackedCall must hold."""
+    from flashlm import torch_ops
+    fields = []
+    for name, t in tensors:
+        fields += torch_ops._describe_lse(t) if name == "lse" else torch_ops._describe(t, bhsd)
+    return layout_struct.pack(*fields, *torch_ops._options(*options), 0)
+
+
+def _forget_pointers(calls):
+    """Zeroes the first data pointer of every cached PackedCall, so that the next call's is the one holding
+    its q (the allocator may hand an earlier variant's address again)."""
+    for c in calls.values():
+        c.words[0] = 0
+
+
+def _packed_call_of(calls, q):
+    """The PackedCall whose first tensor is q."""
+    found = [c for c in calls.values() if c.words[0] == q.data_ptr()]
+    assert len(found) == 1
+    return found[0]
+
+
+def test_reused_packed_arguments_equal_a_fresh_pack_when_geometry_or_options_change():
+    # Consecutive calls that share a shape but differ in strides, layout, dtype or options: each one's
+    # packed arguments (the cached buffer with its pointers rewritten) must be byte for byte what packing
+    # them afresh gives, or the C side would see another call's strides or options.
+    from flashlm import _lib
+    base = torch.randn(2, 5, 3, 24, dtype=torch.float64)
+    variants = [
+        (lambda t: t[..., :16].contiguous(), "bshd", True, None),
+        (lambda t: t[..., :16], "bshd", True, None),                 # the same shape, other strides
+        (lambda t: t[..., :16].contiguous() if t[0, 0, 0, 0] != base[0, 0, 0, 0] else t[..., :16], "bshd", True,
+         None),                                                      # q's strides alone differ from the first
+        (lambda t: t[..., :16].transpose(1, 2), "bhsd", True, None),  # the same storage read as bhsd
+        (lambda t: t[..., :16].contiguous(), "bshd", False, None),
+        (lambda t: t[..., :16].contiguous(), "bshd", True, 0.3),
+        (lambda t: t[..., :16].float(), "bshd", True, 0.3),
+        (lambda t: t[..., :16].contiguous(), "bshd", True, None),    # back to the first: a reused entry
+    ]
+    for make_view, layout, causal, scale in variants:
+        q, k, v = (make_view(base + i) for i in range(3))
+        _forget_pointers(_lib.packed_calls.forward)
+        o, lse = flashlm.attention_forward(q, k, v, layout=layout, causal=causal, scale=scale)
+        call = _packed_call_of(_lib.packed_calls.forward, q)
+        options = (causal, False, scale, False, "flash")
+        assert bytes(call.buffer) == _fresh_pack(_lib.FORWARD, (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse)),
+                                                 layout == "bhsd", options)
+        dout = torch.randn(o.shape, dtype=o.dtype)
+        _forget_pointers(_lib.packed_calls.backward)
+        dq, dk, dv = flashlm.attention_backward(q, k, v, o, lse, dout, layout=layout, causal=causal, scale=scale)
+        call = _packed_call_of(_lib.packed_calls.backward, q)
+        tensors = (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("dout", dout), ("dq", dq), ("dk", dk),
+                   ("dv", dv))
+        assert bytes(call.buffer) == _fresh_pack(_lib.BACKWARD, tensors, layout == "bhsd", options)
+        ref = reference(*(to_layout(t, layout) for t in (q, k, v)), causal, "top_left", scale)
+        assert torch.allclose(to_layout(o, layout), ref.to(o.dtype), atol=1e-5)
+
+
+def test_packed_arguments_are_bounded():
+    from flashlm import _lib
+    q = torch.randn(1, 2, 1, 8)
+    for n in range(1, min(_lib.MAX_PACKED_CALLS, 10_000) + 10):  # more distinct sequence lengths than that
+        k = torch.randn(1, n, 1, 8)
+        flashlm.attention_forward(q, k, k, layout="bshd")
+        assert len(_lib.packed_calls.forward) <= _lib.MAX_PACKED_CALLS

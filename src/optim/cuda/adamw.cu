@@ -39,6 +39,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Elements [4q, 4q + 4) of the low-precision copy, as one 8-byte store (16 bytes for fp32): four 2-byte
+// stores per thread would leave every warp's store instruction writing partial 32-byte sectors. The host
+// checks that `copy` is aligned to four elements before it picks adamw_kernel_x4.
+template <class D>
+__device__ __forceinline__ void store_four(D* __restrict__ copy, int64_t q, float4 wq) {
+  if constexpr (std::is_same_v<D, float>) {
+    reinterpret_cast<float4*>(copy)[q] = wq;
+  } else {
+    const D four[4] = {from_f32<D>(wq.x), from_f32<D>(wq.y), from_f32<D>(wq.z), from_f32<D>(wq.w)};
+    uint2 bits;
+    memcpy(&bits, four, sizeof bits);
+    reinterpret_cast<uint2*>(copy)[q] = bits;
+  }
+}
+
 // Elements [0, 4·n4), four per thread with 16-byte loads and stores (the step is memory bound: 30 bytes
 // per parameter with a low-precision copy). Same arithmetic per element as adamw_kernel.
 template <class D>
@@ -55,13 +70,7 @@ __global__ void __launch_bounds__(kThreads)
     w[q] = wq;
     m[q] = mq;
     v[q] = vq;
-    if (copy) {
-      D* c = copy + 4 * q;
-      c[0] = from_f32<D>(wq.x);
-      c[1] = from_f32<D>(wq.y);
-      c[2] = from_f32<D>(wq.z);
-      c[3] = from_f32<D>(wq.w);
-    }
+    if (copy) store_four(copy, q, wq);
   }
 }
 
@@ -98,7 +107,8 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
   if (n == 0) return;
   const AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
   const cudaStream_t s = as_stream(stream);
-  const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v);
+  const bool copy_aligned = reinterpret_cast<uintptr_t>(param_copy) % (4 * sizeof(T)) == 0;  // four elements
+  const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && copy_aligned;
   const int64_t n4 = vector ? n / 4 : 0;
   if (n4 > 0) {
     adamw_kernel_x4<<<elementwise_blocks(n4), kThreads, 0, s>>>(

@@ -1,0 +1,425 @@
+// Packed variable-length attention (attention_varlen_*) against per-sequence calls of the fp64 reference on
+// ragged packs (lengths 1, 17, 1000, 0, ...), both causal alignments, GQA, every dtype, outputs poisoned; on
+// the CPU and (skipping without a GPU) on CUDA; and every bad offsets array refused with its name.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "attention/attention_testing.h"
+#include "core/cuda_runtime.h"
+#include "flashlm/attention.h"
+#include "gpu_testing.h"
+
+using namespace flashlm;
+using namespace flashlm::testing;
+
+namespace {
+
+struct VarlenCase {
+  std::vector<int32_t> len_q, len_k;
+  int64_t Hq, Hk, D;
+  Mask mask;
+  DType dtype;
+  bool padded_rows;  // rows of the packed tensors further apart than heads · head_dim (a sliced view)
+  bool deterministic = false;
+};
+
+std::string varlen_case_name(const VarlenCase& c) {
+  std::string lens;
+  for (size_t b = 0; b < c.len_q.size(); ++b) lens += fmt::format("{}x{}_", c.len_q[b], c.len_k[b]);
+  const char* mask = c.mask == Mask::none ? "full" : c.mask == Mask::top_left ? "causalTL" : "causalBR";
+  return fmt::format("{}h{}x{}_d{}_{}_{}{}{}", lens, c.Hq, c.Hk, c.D, mask, dtype_name(c.dtype),
+                     c.padded_rows ? "_padded" : "", c.deterministic ? "_det" : "");
+}
+
+void PrintTo(const VarlenCase& c, std::ostream* os) { *os << varlen_case_name(c); }
+
+std::vector<int32_t> offsets_of(const std::vector<int32_t>& lengths) {
+  std::vector<int32_t> cu(lengths.size() + 1, 0);
+  std::partial_sum(lengths.begin(), lengths.end(), cu.begin() + 1);
+  return cu;
+}
+
+// A packed [total, heads, head_dim] tensor, its rows `padded_rows` apart by 8 extra elements.
+struct Rows {
+  Tensor storage;
+  TensorView view;
+  Rows() = default;
+  Rows(int64_t total, int64_t heads, int64_t D, DType dtype, bool padded_rows, Device device = Device::cpu) {
+    storage = Tensor::empty({total, heads, D + (padded_rows ? 8 : 0)}, dtype, device);
+    view = storage.view().slice(2, 0, D);
+  }
+};
+
+// A [total, heads, head_dim] view as [1, total, heads, head_dim] (and [heads, total] as [1, heads, total]),
+// for the per-sequence reference calls on slices of it.
+TensorView batch_of_one(const TensorView& t) {
+  TensorView out = t;
+  out.ndim = t.ndim + 1;
+  for (int d = t.ndim; d > 0; --d) {
+    out.sizes[static_cast<size_t>(d)] = t.size(d - 1);
+    out.strides[static_cast<size_t>(d)] = t.stride(d - 1);
+  }
+  out.sizes[0] = 1;
+  out.strides[0] = 0;
+  return out;
+}
+
+// Everything a varlen call reads and writes, on the host.
+struct Pack {
+  std::vector<int32_t> cu_q, cu_k;
+  int64_t max_q = 0, max_k = 0;
+  Rows q, k, v, o, dout, dq, dk, dv;
+  Tensor lse;
+  Pack(const VarlenCase& c, DType dtype, uint64_t seed, bool padded_rows)
+      : cu_q(offsets_of(c.len_q)),
+        cu_k(offsets_of(c.len_k)),
+        q(cu_q.back(), c.Hq, c.D, dtype, padded_rows),
+        k(cu_k.back(), c.Hk, c.D, dtype, padded_rows),
+        v(cu_k.back(), c.Hk, c.D, dtype, padded_rows),
+        o(cu_q.back(), c.Hq, c.D, dtype, padded_rows),
+        dout(cu_q.back(), c.Hq, c.D, dtype, padded_rows),
+        dq(cu_q.back(), c.Hq, c.D, dtype, padded_rows),
+        dk(cu_k.back(), c.Hk, c.D, dtype, padded_rows),
+        dv(cu_k.back(), c.Hk, c.D, dtype, padded_rows),
+        lse(Tensor::empty({c.Hq, cu_q.back()}, dtype == DType::f64 ? DType::f64 : DType::f32)) {
+    for (int32_t n : c.len_q) max_q = std::max<int64_t>(max_q, n);
+    for (int32_t n : c.len_k) max_k = std::max<int64_t>(max_k, n);
+    fill_normal(q.view, seed);
+    fill_normal(k.view, seed + 1);
+    fill_normal(v.view, seed + 2);
+    fill_normal(dout.view, seed + 3);
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    for (Rows* t : {&o, &dq, &dk, &dv}) fill_value(t->view, nan);
+    fill_value(lse, nan);
+  }
+  // The same (rounded) inputs in `dtype`, outputs poisoned.
+  Pack(const Pack& src, const VarlenCase& c, DType dtype) : Pack(c, dtype, 0, false) {
+    copy_into(q.view, src.q.view);
+    copy_into(k.view, src.k.view);
+    copy_into(v.view, src.v.view);
+    copy_into(dout.view, src.dout.view);
+  }
+  VarlenSequences seqs() const {
+    return {cu_q.data(), cu_k.data(), static_cast<int64_t>(cu_q.size()) - 1, Device::cpu, max_q, max_k};
+  }
+  void run_varlen(const AttentionOptions& opt) {
+    attention_varlen_forward(q.view, k.view, v.view, o.view, lse, seqs(), opt);
+    attention_varlen_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, seqs(), opt);
+  }
+  // The oracle: one batched reference call per sequence on that sequence's rows (4-D slices of the pack).
+  void run_per_sequence_reference(const VarlenCase& c) {
+    AttentionOptions opt = options_for(c.mask, AttentionImpl::naive);
+    const TensorView Q = batch_of_one(q.view), K = batch_of_one(k.view), V = batch_of_one(v.view);
+    const TensorView O = batch_of_one(o.view), dO = batch_of_one(dout.view), L = batch_of_one(lse);
+    const TensorView dQ = batch_of_one(dq.view), dK = batch_of_one(dk.view), dV = batch_of_one(dv.view);
+    for (size_t b = 0; b + 1 < cu_q.size(); ++b) {
+      auto qs = [&](const TensorView& t) { return t.slice(1, cu_q[b], cu_q[b + 1]); };
+      auto ks = [&](const TensorView& t) { return t.slice(1, cu_k[b], cu_k[b + 1]); };
+      const TensorView lse_b = L.slice(2, cu_q[b], cu_q[b + 1]);
+      attention_forward(qs(Q), ks(K), ks(V), qs(O), lse_b, opt);
+      attention_backward(qs(Q), ks(K), ks(V), qs(O), lse_b, qs(dO), qs(dQ), ks(dK), ks(dV), opt);
+    }
+  }
+  // The varlen calls on device copies (rows as far apart as here, outputs poisoned), results copied back.
+  void run_varlen_on_device(const AttentionOptions& opt, bool device_offsets);
+};
+
+void Pack::run_varlen_on_device(const AttentionOptions& opt, bool device_offsets) {
+  auto to_dev = [](const Rows& host) {
+    Rows d;
+    const TensorView& s = host.storage.view();
+    d.storage = Tensor::empty(std::span<const int64_t>(s.sizes.data(), 3), s.dtype, Device::cuda);
+    copy_into(d.storage.view(), s);
+    d.view = host.view;
+    d.view.device = Device::cuda;
+    d.view.data = d.storage.data();
+    return d;
+  };
+  Rows Q = to_dev(q), K = to_dev(k), V = to_dev(v), O = to_dev(o), dO = to_dev(dout);
+  Rows dQ = to_dev(dq), dK = to_dev(dk), dV = to_dev(dv);
+  Tensor L = Tensor::empty({lse.view().size(0), lse.view().size(1)}, DType::f32, Device::cuda);
+  copy_into(L.view(), lse.view());
+  VarlenSequences s = seqs();
+  // Device storage for the int32 offsets (an fp32 tensor of as many 4-byte elements), copied byte for byte.
+  Tensor cq = Tensor::empty({static_cast<int64_t>(cu_q.size())}, DType::f32, Device::cuda);
+  Tensor ck = Tensor::empty({static_cast<int64_t>(cu_k.size())}, DType::f32, Device::cuda);
+  if (device_offsets) {
+    cuda_copy(cq.data(), cu_q.data(), cu_q.size() * sizeof(int32_t));
+    cuda_copy(ck.data(), cu_k.data(), cu_k.size() * sizeof(int32_t));
+    s.cu_seqlens_q = static_cast<const int32_t*>(cq.data());
+    s.cu_seqlens_k = static_cast<const int32_t*>(ck.data());
+    s.device = Device::cuda;
+  }
+  attention_varlen_forward(Q.view, K.view, V.view, O.view, L, s, opt);
+  attention_varlen_backward(Q.view, K.view, V.view, O.view, L, dO.view, dQ.view, dK.view, dV.view, s, opt);
+  for (auto [host, dev] : {std::pair{&o, &O}, {&dq, &dQ}, {&dk, &dK}, {&dv, &dV}}) {
+    copy_into(host->storage.view(), dev->storage.view());
+  }
+  copy_into(lse.view(), L.view());
+}
+
+// The outputs of `got` against the oracle `ref`, with the tolerance of the low-precision rule from `lowp`
+// (the naive attention with got's storage dtype).
+void expect_close(const Pack& got, const Pack& ref, const Pack& lowp, const VarlenCase& c, const std::string& what) {
+  struct Item {
+    const char* name;
+    const TensorView &got, &want, &lowp;
+  };
+  for (const Item& t : {Item{"o", got.o.view, ref.o.view, lowp.o.view}, Item{"dq", got.dq.view, ref.dq.view, lowp.dq.view},
+                        Item{"dk", got.dk.view, ref.dk.view, lowp.dk.view},
+                        Item{"dv", got.dv.view, ref.dv.view, lowp.dv.view}}) {
+    const double err = max_abs_diff(t.got, t.want);
+    const double scale = std::max(1.0, max_abs(t.want));
+    const double tol = c.dtype == DType::f32 ? 1e-4 * scale : tolerance(c.dtype, max_abs_diff(t.lowp, t.want), scale);
+    EXPECT_LE(err, tol) << what << " " << t.name << " of " << varlen_case_name(c) << " (max |ref| " << max_abs(t.want)
+                        << ")";
+  }
+  Tensor a = to_f64(got.lse), b = to_f64(ref.lse);
+  for (int64_t i = 0; i < b.numel(); ++i) {
+    const double x = a.view().ptr<double>()[i], y = b.view().ptr<double>()[i];
+    if (std::isinf(y)) EXPECT_EQ(x, y) << what << " lse[" << i << "] of " << varlen_case_name(c);
+    else EXPECT_NEAR(x, y, c.dtype == DType::f64 ? 1e-10 : 1e-3) << what << " lse[" << i << "] of " << varlen_case_name(c);
+  }
+}
+
+// Exact zeros where the semantics fix them: o and dq of queries in a sequence without keys, dk and dv of
+// keys in a sequence without queries; lse = -inf for those queries.
+void expect_empty_sequences_zero(const Pack& got, const VarlenCase& c, const std::string& what) {
+  Tensor o = to_f64(got.o.view), dq = to_f64(got.dq.view), dk = to_f64(got.dk.view), dv = to_f64(got.dv.view);
+  Tensor lse = to_f64(got.lse);
+  const int64_t total_q = got.cu_q.back();
+  for (size_t b = 0; b < c.len_q.size(); ++b) {
+    if (c.len_k[b] == 0) {
+      for (int64_t i = got.cu_q[b] * c.Hq * c.D; i < got.cu_q[b + 1] * c.Hq * c.D; ++i) {
+        ASSERT_EQ(o.view().ptr<double>()[i], 0.0) << what << " o of sequence " << b << " (no keys)";
+        ASSERT_EQ(dq.view().ptr<double>()[i], 0.0) << what << " dq of sequence " << b << " (no keys)";
+      }
+      for (int64_t h = 0; h < c.Hq; ++h) {
+        for (int64_t i = got.cu_q[b]; i < got.cu_q[b + 1]; ++i) {
+          ASSERT_EQ(lse.view().ptr<double>()[h * total_q + i], -INFINITY) << what << " lse of sequence " << b;
+        }
+      }
+    }
+    if (c.len_q[b] == 0) {
+      for (int64_t i = got.cu_k[b] * c.Hk * c.D; i < got.cu_k[b + 1] * c.Hk * c.D; ++i) {
+        ASSERT_EQ(dk.view().ptr<double>()[i], 0.0) << what << " dk of sequence " << b << " (no queries)";
+        ASSERT_EQ(dv.view().ptr<double>()[i], 0.0) << what << " dv of sequence " << b << " (no queries)";
+      }
+    }
+  }
+}
+
+std::vector<VarlenCase> cpu_grid() {
+  std::vector<VarlenCase> cases;
+  const std::vector<int32_t> self{1, 17, 1000, 0, 64, 3};
+  for (Mask m : {Mask::none, Mask::top_left, Mask::bottom_right}) {
+    cases.push_back({self, self, 4, 2, 64, m, DType::f32, m == Mask::top_left});
+  }
+  // Cross attention: len_q != len_k per sequence, sequences without keys or without queries.
+  const std::vector<int32_t> cq{5, 0, 130, 17, 9}, ck{9, 40, 0, 17, 200};
+  for (Mask m : {Mask::top_left, Mask::bottom_right}) {
+    for (DType dt : {DType::bf16, DType::f16}) cases.push_back({cq, ck, 6, 2, 32, m, dt, dt == DType::bf16});
+  }
+  cases.push_back({cq, ck, 2, 1, 16, Mask::bottom_right, DType::f64, true});
+  // Runs of equal lengths (one batched problem each, a strided batch in the pack), empty ones among them.
+  const std::vector<int32_t> rq{17, 17, 17, 5, 5, 0, 0, 64, 64}, rk{17, 17, 17, 9, 9, 3, 3, 0, 0};
+  for (Mask m : {Mask::top_left, Mask::bottom_right}) cases.push_back({rq, rk, 4, 2, 32, m, DType::bf16, m == Mask::top_left});
+  cases.push_back({{}, {}, 2, 2, 16, Mask::none, DType::f32, false});  // no sequences at all
+  cases.push_back({{0, 0}, {0, 5}, 2, 2, 16, Mask::top_left, DType::f32, false});
+  return cases;
+}
+
+class VarlenCpuVsReference : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenCpuVsReference, ForwardAndBackwardMatchPerSequenceReference) {
+  const VarlenCase c = GetParam();
+  Pack ours(c, c.dtype, 4200 + c.len_q.size(), c.padded_rows);
+  Pack naive_lowp(ours, c, c.dtype);
+  Pack ref(ours, c, DType::f64);
+  ours.run_varlen(options_for(c.mask, AttentionImpl::flash));
+  naive_lowp.run_varlen(options_for(c.mask, AttentionImpl::naive));
+  ref.run_per_sequence_reference(c);
+  expect_close(ours, ref, naive_lowp, c, "cpu flash");
+  expect_close(naive_lowp, ref, naive_lowp, c, "cpu naive");
+  expect_empty_sequences_zero(ours, c, "cpu flash");
+}
+
+INSTANTIATE_TEST_SUITE_P(Packs, VarlenCpuVsReference, ::testing::ValuesIn(cpu_grid()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) {
+                           return varlen_case_name(info.param);
+                         });
+
+// A causal sequence packed next to others sees only its own keys: the same sequence alone gives the same
+// bits (the CPU kernels' sums do not depend on what is packed around them).
+TEST(VarlenCpu, SequenceResultsDoNotDependOnItsNeighbours) {
+  const VarlenCase packed{{40, 70, 25}, {40, 70, 25}, 2, 2, 32, Mask::top_left, DType::f32, false};
+  const VarlenCase alone{{70}, {70}, 2, 2, 32, Mask::top_left, DType::f32, false};
+  Pack a(packed, DType::f32, 5, false), s(alone, DType::f32, 6, false);
+  copy_into(s.q.view, a.q.view.slice(0, 40, 110));
+  copy_into(s.k.view, a.k.view.slice(0, 40, 110));
+  copy_into(s.v.view, a.v.view.slice(0, 40, 110));
+  copy_into(s.dout.view, a.dout.view.slice(0, 40, 110));
+  const AttentionOptions opt = options_for(Mask::top_left, AttentionImpl::flash);
+  a.run_varlen(opt);
+  s.run_varlen(opt);
+  EXPECT_EQ(max_abs_diff(a.o.view.slice(0, 40, 110), s.o.view), 0.0);
+  EXPECT_EQ(max_abs_diff(a.dq.view.slice(0, 40, 110), s.dq.view), 0.0);
+  EXPECT_EQ(max_abs_diff(a.dk.view.slice(0, 40, 110), s.dk.view), 0.0);
+}
+
+std::vector<VarlenCase> gpu_grid() {
+  std::vector<VarlenCase> cases;
+  const std::vector<int32_t> self{1, 17, 1000, 0, 64, 3, 300};
+  const std::vector<int32_t> cq{5, 0, 130, 17, 9, 700}, ck{9, 40, 0, 17, 200, 513};
+  int n = 0;
+  for (Mask m : {Mask::none, Mask::top_left, Mask::bottom_right}) {
+    for (DType dt : {DType::bf16, DType::f16}) {
+      cases.push_back({self, self, 4, 2, 64, m, dt, n % 2 == 1, n % 3 == 2});
+      cases.push_back({cq, ck, 4, 1, 128, m, dt, n % 2 == 0, n % 3 == 1});  // head dim 128: the Hopper forward
+      ++n;
+    }
+    cases.push_back({cq, ck, 2, 2, 64, m, DType::f32, true});
+    cases.push_back({self, self, 2, 1, 80, m, DType::bf16, false});  // head dim 80: the padded path
+    // Runs of equal lengths, each one batched launch.
+    cases.push_back({{17, 17, 17, 130, 130, 0, 0, 64, 64}, {17, 17, 17, 129, 129, 3, 3, 0, 0}, 4, 2, 128, m,
+                     DType::bf16, m != Mask::none});
+  }
+  return cases;
+}
+
+class VarlenCudaVsReference : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenCudaVsReference, FlashAndNaiveMatchPerSequenceReference) {
+  SKIP_WITHOUT_GPU();
+  const VarlenCase c = GetParam();
+  AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
+  flash.deterministic = c.deterministic;
+  for (bool device_offsets : {false, true}) {
+    Pack ours(c, c.dtype, 900 + c.len_q.size(), c.padded_rows);
+    Pack baseline(ours, c, c.dtype);
+    Pack ref(ours, c, DType::f64);
+    ours.run_varlen_on_device(flash, device_offsets);
+    baseline.run_varlen_on_device(options_for(c.mask, AttentionImpl::naive), device_offsets);
+    ref.run_per_sequence_reference(c);
+    const std::string what = device_offsets ? "cuda flash (device offsets)" : "cuda flash (host offsets)";
+    expect_close(ours, ref, baseline, c, what);
+    expect_empty_sequences_zero(ours, c, what);
+    expect_empty_sequences_zero(baseline, c, "cuda naive");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaVsReference, ::testing::ValuesIn(gpu_grid()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) {
+                           return varlen_case_name(info.param);
+                         });
+
+struct VarlenArgs {
+  VarlenCase c{{3, 5}, {4, 4}, 2, 1, 16, Mask::none, DType::f32, false};
+  Pack p{c, DType::f32, 1, false};
+  std::vector<int32_t> cu_q = p.cu_q, cu_k = p.cu_k;
+  VarlenSequences s{cu_q.data(), cu_k.data(), 2, Device::cpu, 5, 4};
+  TensorView Q = p.q.view, K = p.k.view, O = p.o.view, L = p.lse.view();
+  void forward() { attention_varlen_forward(Q, K, p.v.view, O, L, s); }
+  void backward() {
+    attention_varlen_backward(Q, K, p.v.view, O, L, p.dout.view, p.dq.view, p.dk.view, p.dv.view, s);
+  }
+};
+
+TEST(VarlenErrors, BadOffsetsAreRefusedWithTheirName) {
+  {
+    VarlenArgs a;
+    a.cu_q = {0, 5, 3};  // decreasing (and the last = total_q = 8 fails too; the decrease is found first)
+    expect_error([&] { a.forward(); }, {"attention_varlen_forward", "cu_seqlens_q", "decrease at sequence 1"});
+  }
+  {
+    VarlenArgs a;
+    a.cu_k = {0, 4, 7};
+    expect_error([&] { a.backward(); }, {"attention_varlen_backward", "cu_seqlens_k", "last offset is 7", "total_k"});
+  }
+  {
+    VarlenArgs a;
+    a.cu_q = {1, 3, 8};
+    expect_error([&] { a.forward(); }, {"cu_seqlens_q", "must start at 0, got 1"});
+  }
+  {
+    VarlenArgs a;
+    a.s.max_seqlen_q = 4;  // sequence 1 has 5 queries
+    expect_error([&] { a.forward(); }, {"cu_seqlens_q", "sequence 1 has length 5", "max_seqlen_q = 4"});
+  }
+  {
+    VarlenArgs a;
+    a.s.max_seqlen_k = -1;
+    expect_error([&] { a.forward(); }, {"max_seqlen_k", "expected a length >= 0"});
+  }
+  {
+    VarlenArgs a;
+    a.s.cu_seqlens_k = nullptr;
+    expect_error([&] { a.forward(); }, {"cu_seqlens_k", "null pointer"});
+  }
+  {
+    VarlenArgs a;
+    a.s.batch = -1;
+    expect_error([&] { a.forward(); }, {"batch", "got -1"});
+  }
+  {
+    VarlenArgs a;
+    a.s.batch = 1;  // two offsets: the last (3) is not total_q
+    expect_error([&] { a.forward(); }, {"cu_seqlens_q", "last offset is 3"});
+  }
+  {
+    VarlenArgs a;
+    a.s.device = Device::cuda;
+    expect_error([&] { a.forward(); }, {"cu_seqlens_q", "offsets in cuda memory for tensors on the cpu"});
+  }
+}
+
+TEST(VarlenErrors, BadTensorsAreRefusedWithTheirName) {
+  {
+    VarlenArgs a;
+    Tensor q4 = Tensor::empty({1, 8, 2, 16}, DType::f32);
+    a.Q = q4;
+    expect_error([&] { a.forward(); }, {"attention_varlen_forward", "q: expected 3 dimensions [total, heads, head_dim]"});
+  }
+  {
+    VarlenArgs a;
+    Tensor l = Tensor::empty({2, 7}, DType::f32);
+    a.L = l;
+    expect_error([&] { a.forward(); }, {"lse: expected shape [2, 8] (heads_q, total_q)"});
+  }
+  {
+    VarlenArgs a;
+    a.L = a.p.lse.view().slice(0, 0, 2);
+    a.L.ndim = 3;  // [2, 8, 0]: not a [heads_q, total_q] view
+    expect_error([&] { a.forward(); }, {"lse: expected 2 dimensions [heads_q, total_q]"});
+  }
+  {
+    VarlenArgs a;
+    a.O = a.Q;
+    expect_error([&] { a.forward(); }, {"o: the output overlaps the input q"});
+  }
+  {
+    // More rows than int32 offsets can address: refused before anything is read.
+    // q and o: 2^31 rows, all of them one 16-element row of memory (stride 0), one head.
+    VarlenArgs a;
+    float cells[16] = {};
+    a.Q.data = cells;
+    a.Q.sizes = {int64_t{1} << 31, 1, 16};
+    a.Q.strides = {0, 0, 1};
+    a.O = a.Q;
+    a.O.data = a.p.o.view.data;
+    Tensor l = Tensor::empty({1, 1}, DType::f32);
+    a.L = l;
+    a.L.sizes = {1, int64_t{1} << 31};
+    a.L.strides = {0, 0};
+    expect_error([&] { a.forward(); }, {"total_q", "exceeds the int32 range"});
+  }
+}
+
+}  // namespace
