@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "flashlm/bench.h"
+#include "flashlm/blas.h"
 #include "flashlm/ddp.h"
 #include "flashlm/device.h"
 #include "flashlm/dist.h"
@@ -877,6 +878,7 @@ void add_info(CLI::App& app) {
   app.add_subcommand("info", "Print the build and the devices flashlm sees")->callback([] {
     fmt::print("flashlm {}\n", FLASHLM_VERSION);
     fmt::print("cpu:  {}, {} OpenMP threads\n", flashlm::describe_device(flashlm::Device::cpu), flashlm::cpu_threads());
+    fmt::print("blas: {}\n", flashlm::blas_description());
     if (!flashlm::cuda_built()) fmt::print("cuda: not built (nvcc was not found at configure time)\n");
     else if (flashlm::cuda_device_count() == 0) fmt::print("cuda: built, no device visible\n");
     else fmt::print("cuda: {} device(s); current: {}\n", flashlm::cuda_device_count(),
@@ -887,6 +889,7 @@ void add_info(CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  flashlm::restart_with_blas_core_if_misjudged(argv);
   CLI::App app{"flashlm: FlashAttention-2, a Transformer LM and data-parallel training, with the tools to measure them"};
   app.require_subcommand(1);
   app.set_version_flag("--version", FLASHLM_VERSION);
