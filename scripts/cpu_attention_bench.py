@@ -31,10 +31,10 @@ def parse_shape(text):
     return int(b), int(h), int(n), int(d), bool(rest and rest[0] == "causal")
 
 
-def timed(fn):
-    start = time.perf_counter()
+def timed(fn, clock):
+    start = clock()
     fn()
-    return (time.perf_counter() - start) * 1e3
+    return (clock() - start) * 1e3
 
 
 def runners(b, h, n, d, causal):
@@ -65,14 +65,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions of each (after one warm-up)")
     ap.add_argument("--shapes", nargs="*", help="BxHxNxD[xcausal] (default: the eight of issue 21)")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="wall: elapsed time; thread: the calling thread's CPU time (1 thread only: it ignores "
+                         "the time other processes take from a shared machine's cores, and other threads' work)")
     args = ap.parse_args()
     if not 1 <= args.reps <= 1000:
         raise SystemExit("error: --reps must be in 1..1000")
     shapes = [parse_shape(s) for s in args.shapes] if args.shapes else SHAPES
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        raise SystemExit("error: --clock thread needs one thread (OMP_NUM_THREADS=1)")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
 
     threads = os.environ.get("OMP_NUM_THREADS", "default")
     print(f"torch {torch.__version__}, torch threads {torch.get_num_threads()}, OMP_NUM_THREADS {threads}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average {os.getloadavg()[0]:.1f}, clock {args.clock}")
     print("| B×H×N×D | causal | pass | flashlm ms | torch ms | ratio torch/flashlm |")
     print("|---|---|---|---|---|---|")
     for b, h, n, d, causal in shapes:
@@ -80,8 +86,8 @@ def main():
             ours(), theirs()  # warm-up
             mine, peer = [], []
             for _ in range(args.reps):
-                mine.append(timed(ours))
-                peer.append(timed(theirs))
+                mine.append(timed(ours, clock))
+                peer.append(timed(theirs, clock))
             m, p = statistics.median(mine), statistics.median(peer)
             print(f"| {b}×{h}×{n}×{d} | {'yes' if causal else 'no'} | {name} | {m:.1f} | {p:.1f} | {p / m:.2f} |",
                   flush=True)

@@ -7,7 +7,7 @@
 #   1. the leaderboard step: cs336-8b, batch 2 x context 32768, pure bf16, --recompute auto, with the range
 #      split, then the PyTorch peer;
 #   2. xl with recomputation at context 4096 and 16384 (batch 2, bf16 with fp32 masters) beside
-#      scripts/torch_checkpoint_peer.py (every block under torch.utils.checkpoint);
+#      scripts/peers/lm_peers.py --checkpoint (every block under torch.utils.checkpoint);
 #   3. the xl and small step at context 512, batch 4 (the SPEC §4 step; PyTorch's side: lm_peers.py).
 set -uo pipefail
 bin=$1 peers=$2 out=$3
@@ -37,12 +37,18 @@ for ctx in 4096 16384; do
     echo "$rc: exit $?"; grep -E "step|peak" "$out/xl-$ctx-${rc/:/-}.log" | tail -4
   done
   step "xl, context $ctx: PyTorch with every block checkpointed"
-  timeout 120 python3 "$here/torch_checkpoint_peer.py" --size xl --context $ctx --batch 2 --mode bf16-autocast --warmup 2 --steps 3 \
-    --out "$out/xl-$ctx-torch.json" > "$out/xl-$ctx-torch.log" 2>&1
+  timeout 120 python3 "$here/peers/lm_peers.py" --models xl --context $ctx --batch 2 --modes bf16 --checkpoint \
+    --passes step --warmup 2 --steps 3 --out "$out/xl-$ctx-torch.json" > "$out/xl-$ctx-torch.log" 2>&1
   echo "exit $?"; tail -4 "$out/xl-$ctx-torch.log"
 done
 step "the xl and small train step (context 512, batch 4, bf16 with fp32 masters)"
 timeout 90 "$bin/flashlm" bench --device cuda --model small,xl --context 512 --batch 4 --precision bf16 --pass step \
   --warmup 5 --steps 20 --format json --out "$out/step-512.json" > "$out/step-512.log" 2>&1
 echo "exit $?"; grep -E "^\|" "$out/step-512.log" | head -8
+if [[ ${FLASHLM_PEERS_COMPILE:-1} == 1 ]]; then
+  step "the same step in PyTorch, eager bf16 and torch.compile"
+  timeout 240 python3 "$here/peers/lm_peers.py" --models small,xl --modes bf16,bf16-compile --passes step \
+    --out "$out/step-512-torch.json" > "$out/step-512-torch.log" 2>&1
+  echo "exit $?"; tail -6 "$out/step-512-torch.log"
+fi
 step "done"

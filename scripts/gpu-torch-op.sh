@@ -22,7 +22,8 @@ python3 -c "import torch, flashlm; print('torch', torch.__version__, '| flashlm'
 if [[ $what == tests || $what == all ]]; then
 echo "== Python package tests (CPU and CUDA)"
 timeout 420 python3 -m pytest -q -p no:cacheprovider -rs "$root/tests/python/test_torch_library.py" \
-  "$root/tests/python/test_signatures.py" "$root/tests/python/test_torch_attention.py" > "$out/pytest.log" 2>&1
+  "$root/tests/python/test_signatures.py" "$root/tests/python/test_torch_attention.py" \
+  "$root/tests/python/test_varlen.py" > "$out/pytest.log" 2>&1
 echo "pytest exit $?"; tail -25 "$out/pytest.log"
 
 echo "== host time per call above the C call (tiny shape, bf16)"

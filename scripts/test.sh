@@ -12,7 +12,11 @@ build=${BUILD_DIR:-build-test}
 # package index in a cached virtual environment (scripts/setup-torch.sh; FLASHLM_TORCH_VENV=off skips it).
 ./scripts/setup-deps.sh
 torch_python=$(./scripts/setup-torch.sh) || { echo "flashlm: no current torch; its package tests are skipped" >&2; torch_python=""; }
-BUILD_DIR=$build ./scripts/build.sh -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} -DFLASHLM_TORCH_PYTHON="$torch_python" "$@"
+# The BPE tests (cli.text2model_bpe) run scripts/prepare_data.py with the `tokenizers` package from a small
+# cached virtual environment (scripts/setup-tokenizers.sh).
+tokenizers_python=$(./scripts/setup-tokenizers.sh) || { echo "flashlm: no tokenizers package; the BPE tests are skipped" >&2; tokenizers_python=""; }
+BUILD_DIR=$build ./scripts/build.sh -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} -DFLASHLM_TORCH_PYTHON="$torch_python" \
+  -DFLASHLM_TOKENIZERS_PYTHON="$tokenizers_python" "$@"
 (cd "$build" && ctest --output-on-failure -j "$(nproc)" --timeout 1200)
 
 if [ "${SANITIZE:-1}" != 0 ]; then

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "flashlm/bench.h"
+#include "flashlm/blas.h"
 #include "flashlm/ddp.h"
 #include "flashlm/device.h"
 #include "flashlm/dist.h"
@@ -381,7 +383,7 @@ int run_attention_bench_command(const AttentionBenchArgs& a, bool grid_given) {
 
 struct BenchArgs {
   std::string model = "small", context = "512", precision = "fp32", attention = "flash", pass = "fwd,fwd-bwd,step";
-  std::string device, format = "md", out, memory_timeline, model_config, recompute = "none";
+  std::string device, format = "md", out, memory_timeline, trace, model_config, recompute = "none";
   int64_t batch = 4, vocab = 0, head_chunk = 0;
   int warmup = 5, steps = 10, threads = 0, gemm_autotune = 0;
   bool profile_ranges = false, profile_kernels = false, quiet = false, atomic_backward = false;
@@ -420,6 +422,9 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   cmd->add_option("--memory-timeline", a.memory_timeline,
                   "Write every allocation and release (time, bytes, tag, phase) as JSON; draw it with "
                   "scripts/plot_memory_timeline.py");
+  cmd->add_option("--trace", a.trace,
+                  "Write the timed steps' ranges (as --profile-ranges times them) and the memory in use over the run "
+                  "as a Chrome trace (JSON trace events) that ui.perfetto.dev and chrome://tracing open");
   cmd->add_option("--gemm-autotune", a.gemm_autotune,
                   "Time up to this many of cuBLASLt's candidate algorithms for each GEMM shape at its first call and "
                   "keep the fastest (the choices are printed unless --quiet); 0: the heuristic's first choice "
@@ -475,9 +480,23 @@ int run_bench_command(const BenchArgs& a) {
   if (cfg.gemm_autotune > 0 && cfg.device != Device::cuda) throw UsageError("--gemm-autotune needs --device cuda");
   if (a.threads > 0) set_cpu_threads(a.threads);
   if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
-  if (!a.memory_timeline.empty()) memory_timeline_start();
+  cfg.trace_ranges = !a.trace.empty();
+  const bool timeline = !a.memory_timeline.empty() || !a.trace.empty();
+  // The trace puts the timeline on the ranges' steady clock from here (microseconds before its own start).
+  const int64_t timeline_origin_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::steady_clock::now().time_since_epoch())
+                                         .count();
+  if (timeline) memory_timeline_start();
   const auto records = run_lm_bench(cfg);
-  if (!a.memory_timeline.empty()) write_memory_timeline(memory_timeline_stop(), a.memory_timeline);
+  if (timeline) {
+    const std::vector<MemoryEvent> events = memory_timeline_stop();
+    if (!a.memory_timeline.empty()) write_memory_timeline(events, a.memory_timeline);
+    if (!a.trace.empty()) {
+      std::vector<RangeInstance> ranges;
+      for (const auto& r : records) ranges.insert(ranges.end(), r.ranges.begin(), r.ranges.end());
+      write_output(chrome_trace_json(ranges, events, timeline_origin_ns), a.trace);
+    }
+  }
   emit_report([&](flashlm::ReportFormat f) { return format_lm_bench(records, f, cfg); }, format, a.out);
   for (const auto& r : records) {
     if (!r.range_table.empty()) {
@@ -860,6 +879,7 @@ void add_info(CLI::App& app) {
   app.add_subcommand("info", "Print the build and the devices flashlm sees")->callback([] {
     fmt::print("flashlm {}\n", FLASHLM_VERSION);
     fmt::print("cpu:  {}, {} OpenMP threads\n", flashlm::describe_device(flashlm::Device::cpu), flashlm::cpu_threads());
+    fmt::print("blas: {}\n", flashlm::blas_description());
     if (!flashlm::cuda_built()) fmt::print("cuda: not built (nvcc was not found at configure time)\n");
     else if (flashlm::cuda_device_count() == 0) fmt::print("cuda: built, no device visible\n");
     else fmt::print("cuda: {} device(s); current: {}\n", flashlm::cuda_device_count(),
@@ -870,6 +890,7 @@ void add_info(CLI::App& app) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  flashlm::restart_with_blas_core_if_misjudged(argv);
   CLI::App app{"flashlm: FlashAttention-2, a Transformer LM and data-parallel training, with the tools to measure them"};
   app.require_subcommand(1);
   app.set_version_flag("--version", FLASHLM_VERSION);

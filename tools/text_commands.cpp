@@ -2,11 +2,15 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <span>
 
 #include "cli_options.h"
+#include "python_helper.h"
 #include "flashlm/device.h"
 #include "flashlm/error.h"
 #include "flashlm/generate.h"
@@ -18,13 +22,22 @@ namespace {
 
 void add_prepare(CLI::App& app, TextCommandArgs& a) {
   CLI::App* cmd = app.add_subcommand(
-      "prepare", "Turn text files into the token files train --data reads (byte-level tokens, vocabulary 256): "
-                 "OUT/train.bin, OUT/val.bin and OUT/tokenizer.json");
+      "prepare", "Turn text files into the token files train --data reads: OUT/train.bin, OUT/val.bin and "
+                 "OUT/tokenizer.json (byte-level tokens, vocabulary 256; or a BPE trained on the text)");
   cmd->add_option("inputs", a.inputs, "Text files, concatenated in order")->required();
   cmd->add_option("--out", a.out_dir, "Output directory (must exist)")->required();
   cmd->add_option("--val-fraction", a.val_fraction, "The last part of the tokens held out for validation, in (0, 0.5]")
       ->capture_default_str()
       ->check(in_range(1e-9, 0.5));
+  cmd->add_option("--tokenizer", a.tokenizer_kind,
+                  "byte: one token per byte, nothing to install; bpe: a byte-level BPE of --vocab-size tokens trained "
+                  "on the text by scripts/prepare_data.py (the `tokenizers` package: FLASHLM_PYTHON=$(scripts/"
+                  "setup-tokenizers.sh))")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"byte", "bpe"}));
+  cmd->add_option("--vocab-size", a.vocab_size,
+                  "BPE vocabulary size (ids above 65535 are stored as uint32, in llm.c's LLaMA-3 token format)")
+      ->check(in_range(int64_t{256}, int64_t{1} << 20));
 }
 
 void add_generate(CLI::App& app, TextCommandArgs& a) {
@@ -45,7 +58,7 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
       ->check(in_range(uint64_t{0}, uint64_t{INT64_MAX}));
   cmd->add_option("--tokenizer", a.tokenizer,
                   "tokenizer.json that prepare wrote beside the data (default: byte-level, for a vocabulary of 256)");
-  cmd->add_option("--device", a.device, "cpu (the decoder runs on the CPU)");
+  cmd->add_option("--device", a.device, "cpu (default) or cuda: where the KV-cache decoder runs (fp32 on both)");
   add_threads_option(cmd, a.threads);
   cmd->add_option("--logits-out", a.logits_out,
                   "Also write the logits each new token was drawn from: max-tokens x vocab fp32, little-endian");
@@ -59,7 +72,35 @@ void add_export(CLI::App& app, TextCommandArgs& a) {
   cmd->add_option("out", a.export_to, "The .safetensors file to write")->required();
 }
 
+int run_prepare_bpe(const TextCommandArgs& a) {
+  std::vector<std::string> args = {"prepare", "--out", a.out_dir, "--vocab-size", std::to_string(a.vocab_size),
+                                   "--val-fraction", fmt::format("{}", a.val_fraction)};
+  args.insert(args.end(), a.inputs.begin(), a.inputs.end());
+  const std::string reply = run_prepare_data_script(args);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(reply);
+    fmt::print("{}: {} tokens\n{}: {} tokens\n{}: byte-level BPE, vocabulary {} ({} token files)\n",
+               j.at("train").get<std::string>(), j.at("train_tokens").get<int64_t>(), j.at("val").get<std::string>(),
+               j.at("val_tokens").get<int64_t>(), j.at("tokenizer").get<std::string>(),
+               j.at("vocab_size").get<int64_t>(), j.at("token_dtype").get<std::string>());
+    fmt::print("train with: flashlm train --data {} --val-data {} --vocab {}\n", j.at("train").get<std::string>(),
+               j.at("val").get<std::string>(), j.at("vocab_size").get<int64_t>());
+  } catch (const nlohmann::json::exception&) {
+    throw flashlm::Error(fmt::format("prepare: scripts/prepare_data.py replied '{}', expected one JSON line", reply));
+  }
+  return 0;
+}
+
 int run_prepare(const TextCommandArgs& a) {
+  if (a.tokenizer_kind == "bpe") {
+    if (a.vocab_size == 0) throw CLI::ValidationError("--vocab-size", "--tokenizer bpe needs a vocabulary size");
+    return run_prepare_bpe(a);
+  }
+  if (a.vocab_size != 0) {
+    throw CLI::ValidationError("--vocab-size", "the byte-level tokenizer's vocabulary is 256: --vocab-size is for "
+                                               "--tokenizer bpe");
+  }
   flashlm::PrepareConfig cfg;
   cfg.inputs = a.inputs;
   cfg.out_dir = a.out_dir;
@@ -72,6 +113,29 @@ int run_prepare(const TextCommandArgs& a) {
   return 0;
 }
 
+// The prompt's tokens: the byte-level tokenizer's own, or a BPE's through the package that trained it.
+std::vector<int32_t> encode_prompt(const flashlm::Tokenizer& tokenizer, const std::string& tokenizer_path,
+                                   const std::string& prompt) {
+  if (!tokenizer.is_bpe()) return tokenizer.encode(prompt);
+  const std::string reply = run_prepare_data_script({"encode", "--tokenizer", tokenizer_path, prompt});
+  std::vector<int32_t> ids;
+  size_t at = 0;
+  while (at < reply.size()) {
+    while (at < reply.size() && std::isspace(static_cast<unsigned char>(reply[at]))) ++at;
+    if (at == reply.size()) break;
+    int64_t id = -1;
+    const auto [end, ec] = std::from_chars(reply.data() + at, reply.data() + reply.size(), id);
+    if (ec != std::errc() || id < 0 || id >= tokenizer.vocab_size()) {
+      throw flashlm::Error(fmt::format("generate: scripts/prepare_data.py encode replied '{}', expected token ids in "
+                                       "[0, {})",
+                                       reply.substr(at, 40), tokenizer.vocab_size()));
+    }
+    ids.push_back(static_cast<int32_t>(id));
+    at = static_cast<size_t>(end - reply.data());
+  }
+  return ids;
+}
+
 void write_floats(std::FILE* f, const std::string& path, std::span<const float> values) {
   if (std::fwrite(values.data(), sizeof(float), values.size(), f) != values.size()) {
     throw flashlm::Error(fmt::format("generate: failed writing '{}'", path));
@@ -80,10 +144,13 @@ void write_floats(std::FILE* f, const std::string& path, std::span<const float> 
 
 int run_generate(const TextCommandArgs& a) {
   using namespace flashlm;
-  if (!a.device.empty() && a.device != "cpu") {
-    throw CLI::ValidationError("--device", fmt::format("'{}': generate runs on the CPU only (its KV-cache decoder has "
-                                                       "no CUDA kernels yet); use --device cpu",
-                                                       a.device));
+  if (!a.device.empty() && a.device != "cpu" && a.device != "cuda") {
+    throw CLI::ValidationError("--device", fmt::format("'{}': expected cpu or cuda", a.device));
+  }
+  const Device device = a.device == "cuda" ? Device::cuda : Device::cpu;
+  if (device == Device::cuda && cuda_device_count() == 0) {
+    throw CLI::ValidationError("--device", cuda_built() ? "cuda: no CUDA device is visible"
+                                                        : "cuda: this flashlm was built without CUDA");
   }
   if (a.threads > 0) set_cpu_threads(a.threads);
   const Tokenizer tokenizer = a.tokenizer.empty() ? Tokenizer::bytes() : Tokenizer::load(a.tokenizer);
@@ -94,7 +161,7 @@ int run_generate(const TextCommandArgs& a) {
                                    "the data it was trained on",
                                    weights.config.vocab, tokenizer.name(), tokenizer.vocab_size()));
   }
-  const std::vector<int32_t> prompt = tokenizer.encode(a.prompt);
+  const std::vector<int32_t> prompt = encode_prompt(tokenizer, a.tokenizer, a.prompt);
   if (prompt.empty()) throw CLI::ValidationError("--prompt", "the prompt is empty: give at least one character");
   const int64_t room = weights.config.context - static_cast<int64_t>(prompt.size());
   if (a.max_tokens > room) {
@@ -108,16 +175,19 @@ int run_generate(const TextCommandArgs& a) {
     logits_file = std::fopen(a.logits_out.c_str(), "wb");
     if (!logits_file) throw Error(fmt::format("generate: cannot open '{}' for writing", a.logits_out));
   }
-  fmt::print(stderr, "generate: {} parameters ({} layers, d_model {}, context {}) from {}; temperature {}, top-k {}, "
-             "seed {}\n",
+  fmt::print(stderr, "generate: {} parameters ({} layers, d_model {}, context {}) from {} on {}; temperature {}, "
+             "top-k {}, seed {}\n",
              weights.params.size(), weights.config.layers, weights.config.d_model, weights.config.context, a.weights,
-             a.temperature, a.top_k, a.seed);
-  KvCacheDecoder decoder(weights.config, weights.params);
+             device_name(device), a.temperature, a.top_k, a.seed);
+  KvCacheDecoder decoder(weights.config, weights.params, device);
   SamplingOptions sampling;
   sampling.temperature = a.temperature;
   sampling.top_k = a.top_k;
   sampling.seed = a.seed;
-  std::fwrite(a.prompt.data(), 1, a.prompt.size(), stdout);
+  // The prompt as its tokens decode: for a BPE, proof that the encoding round-trips (byte-level BPEs are
+  // lossless), for the byte-level tokenizer the prompt itself.
+  const std::string echoed = tokenizer.decode(prompt);
+  std::fwrite(echoed.data(), 1, echoed.size(), stdout);
   try {
     generate_tokens(decoder, prompt, a.max_tokens, sampling, [&](int32_t token, std::span<const float> logits) {
       const std::string text = tokenizer.decode(std::span(&token, 1));

@@ -12,6 +12,8 @@ struct TextCommandArgs {
   std::vector<std::string> inputs;
   std::string out_dir;
   double val_fraction = 0.1;
+  std::string tokenizer_kind = "byte";  // byte or bpe
+  int64_t vocab_size = 0;               // bpe only
   // generate
   std::string weights, prompt, tokenizer, device, logits_out;
   int64_t max_tokens = 200, top_k = 0;

@@ -9,6 +9,7 @@
 #include "flashlm/attention.h"
 #include "flashlm/ddp.h"
 #include "flashlm/model.h"
+#include "flashlm/profile.h"
 
 namespace flashlm {
 
@@ -86,6 +87,7 @@ struct LmBenchConfig {
   int warmup = 5, steps = 10;
   Device device = Device::cpu;
   bool profile_ranges = false;   // print the nvtx_sum table of each configuration's timed steps
+  bool trace_ranges = false;     // keep every range instance of the timed steps (LmBenchRecord::ranges)
   bool profile_kernels = false;  // print the cuda_gpu_kern_sum table (CUPTI) of each configuration's timed steps
   int gemm_autotune = 0;  // set_gemm_autotune (model/gemm_cuda.h): time this many cuBLASLt candidates per GEMM shape
   std::function<void(const std::string&)> progress;
@@ -102,6 +104,7 @@ struct LmBenchRecord {
   std::string message;
   std::string range_table;   // nvtx_sum table of the timed steps (profile_ranges)
   std::string kernel_table;  // cuda_gpu_kern_sum table of the timed steps (profile_kernels)
+  std::vector<RangeInstance> ranges;  // every range of the timed steps (trace_ranges), for chrome_trace_json
 };
 
 std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& config);

@@ -1,4 +1,4 @@
-// Training data: token files (nanoGPT's raw .bin and llm.c's headered .bin), a synthetic Markov-chain
+// Training data: token files (nanoGPT's raw .bin and llm.c's headered .bin, uint16 or uint32), a synthetic Markov-chain
 // task with a known optimal loss, and TokenBatcher, whose whole state is (seed, step) so that a resumed
 // run draws exactly the batches the uninterrupted run would have drawn.
 #pragma once
@@ -21,10 +21,16 @@ class ReadOnlyFile;  // src/core/file.h
 enum class TokenFormat : uint8_t {
   nanogpt,  // a flat array of little-endian uint16 tokens (np.array(ids, dtype=np.uint16).tofile(f))
   llmc,     // 256 int32 header (magic 20240520, version 1, token count), then the uint16 tokens
+  // llm.c's LLaMA-3 files: the same header with magic 20240801 and version 7, then uint32 tokens. flashlm
+  // prepare writes this one when the vocabulary outgrows uint16 (more than 65536 tokens).
+  llmc_uint32,
 };
 
-// A read-only token file. The format is detected from the first int32 (the llm.c magic; read as two raw
-// tokens it is 56824, 308, and 56824 is beyond GPT-2's 50257-token vocabulary). Every inconsistency between
+// Bytes per token in a file of this format: 2, or 4 for llmc_uint32.
+int token_bytes(TokenFormat format);
+
+// A read-only token file. The format is detected from the first int32 (an llm.c magic; read as two raw
+// tokens 20240520 is 56824, 308, and 56824 is beyond GPT-2's 50257-token vocabulary). Every inconsistency between
 // the file's size and its header is a flashlm::Error naming the path. Anything but a regular file (a FIFO,
 // a directory, a device) is refused before it is read.
 //
@@ -44,9 +50,13 @@ class TokenFile {
   TokenFormat format() const { return format_; }
   const std::string& path() const { return path_; }
 
+  int token_bytes() const { return flashlm::token_bytes(format_); }
+
   // Tokens [first, first + out.size()) into out. A range beyond size() is an Error, and so is a file
-  // that has shrunk since it was opened.
+  // that has shrunk since it was opened. The uint16 overload reads 2-byte files only (a uint32 file is an
+  // Error); the uint32 one reads both.
   void read(int64_t first, std::span<uint16_t> out) const;
+  void read(int64_t first, std::span<uint32_t> out) const;
 
   // Throws, naming the first position whose token is >= vocab_size. Reads the whole file, in chunks.
   void validate_tokens(int64_t vocab_size) const;
@@ -73,12 +83,16 @@ class TokenView {
       : file_(&file), size_(file.size()) {}
 
   int64_t size() const { return size_; }
+  int token_bytes() const { return file_ != nullptr ? file_->token_bytes() : 2; }
   // Tokens [offset, offset + count) of this view; the range must lie inside it.
   TokenView subview(int64_t offset, int64_t count) const;
-  // Tokens [first, first + out.size()) of this view into out.
+  // Tokens [first, first + out.size()) of this view into out (uint16: 2-byte tokens only, as TokenFile).
   void read(int64_t first, std::span<uint16_t> out) const;
+  void read(int64_t first, std::span<uint32_t> out) const;
 
  private:
+  template <class T>
+  void read_into(int64_t first, std::span<T> out) const;
   const TokenFile* file_ = nullptr;
   std::span<const uint16_t> memory_;
   int64_t offset_ = 0, size_ = 0;
@@ -137,8 +151,9 @@ class TokenBatcher {
   TokenBatcher(TokenView tokens, std::string_view name, int64_t batch, int64_t context,
                BatchOrder order, uint64_t seed = 0);
 
-  // Fills inputs and targets, each batch * context int32 in row-major [batch][context] order (int32:
-  // token ids are < 65536, and it is the index type embedding and loss kernels take), and advances.
+  // Fills inputs and targets, each batch * context int32 in row-major [batch][context] order (int32: the
+  // index type embedding and loss kernels take; token ids were checked against the vocabulary, and
+  // ModelConfig bounds it far below 2^31), and advances.
   void next(std::span<int32_t> inputs, std::span<int32_t> targets);
 
   BatcherState state() const { return {seed_, step_}; }
@@ -157,7 +172,7 @@ class TokenBatcher {
 
  private:
   TokenView tokens_;
-  std::vector<uint16_t> row_;  // the context + 1 tokens of one row, as read
+  std::vector<uint32_t> row_;  // the context + 1 tokens of one row, as read
   int64_t batch_ = 0;
   int64_t context_ = 0;
   int64_t windows_ = 0;

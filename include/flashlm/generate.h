@@ -15,27 +15,37 @@
 
 namespace flashlm {
 
-// The CS336 LM (model.h) on the CPU in fp32, one token at a time. The K/V cache holds `config.context`
-// positions per layer: [layers][context, heads, head_dim] for keys and for values, allocated up front.
+// The CS336 LM (model.h) in fp32, one token at a time, on the CPU or on the current CUDA device (the same
+// layer functions as the training forward of each, ops_cpu.h / ops_cuda.h, cuBLASLt in true fp32, and the
+// attention entry point with one query over the cached keys, bottom-right causal). The K/V cache holds
+// `config.context` positions per layer: [layers][context, heads, head_dim] for keys and for values,
+// allocated up front on the decoder's device.
 class KvCacheDecoder {
  public:
   // params: the flat fp32 parameters in parameter_layout(config) (a checkpoint's, or a safetensors file's);
-  // they are copied.
-  KvCacheDecoder(const ModelConfig& config, std::span<const float> params);
+  // they are copied (to the GPU for Device::cuda, which needs a CUDA build and a visible GPU).
+  KvCacheDecoder(const ModelConfig& config, std::span<const float> params, Device device = Device::cpu);
 
   const ModelConfig& config() const { return config_; }
   int64_t position() const { return position_; }  // tokens fed so far (the next token's position)
   void reset() { position_ = 0; }                 // forget the cache: the next token is at position 0
 
+  Device device() const { return device_; }
+
   // Feeds `token` at position(): its keys and values join the cache and the logits of the next token come
-  // back ([vocab], valid until the next call). A token outside [0, vocab) or a full cache is an Error.
+  // back ([vocab] on the host, valid until the next call). A token outside [0, vocab) or a full cache is an
+  // Error.
   std::span<const float> step(int32_t token);
 
  private:
   ModelConfig config_;
+  Device device_ = Device::cpu;
   std::vector<ParameterInfo> layout_;
   Buffer params_, cache_k_, cache_v_, rope_, work_;
+  Buffer device_token_, host_logits_;  // CUDA: the token fed in, the logits brought back
   int64_t position_ = 0;
+
+  void step_rows_cuda(int32_t token);  // decoder_cuda.cpp: the CUDA step; the logits land in host_logits_
 
   const float* param(const std::string& name) const;
   const float* layer_param(int64_t layer, std::string_view name) const;  // "layers.<layer>.<name>"

@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "flashlm/memory.h"
+
 namespace flashlm {
 
 struct RangeStats {
@@ -22,8 +24,20 @@ struct RangeStats {
 //     stream at push and pop, i.e. the GPU time of the work queued inside the range, without synchronising
 //     anything while the ranges run; the events are read when the profiler is disabled or summarised.
 //     Pass the stream the timed work runs on (a model's stream); nullptr is the legacy default stream.
+// One timed instance of a range on the host's steady clock (ns since its epoch, as
+// std::chrono::steady_clock counts). A GPU range is placed on that clock through an origin event recorded,
+// and waited for, when GPU timing was enabled: its start is the origin's host time plus the GPU time
+// between the two events.
+struct RangeInstance {
+  std::string name;
+  int64_t start_ns = 0, duration_ns = 0;
+  int depth = 0;  // how many ranges were open around it
+  bool on_gpu = false;
+};
+
 class RangeProfiler {
  public:
+  static constexpr size_t kMaxInstances = size_t{1} << 20;  // kept for instances(); later ones only counted
   static RangeProfiler& instance();
   void enable(bool on);
   void enable(bool on, void* cuda_stream);
@@ -35,6 +49,10 @@ class RangeProfiler {
   // The table `nsys stats --report nvtx_sum` prints: Time (%), Total Time (ns), Instances, Avg (ns),
   // Med (ns), Min (ns), Max (ns), StdDev (ns), Style, Range. Time (%) is relative to the sum over ranges.
   std::string nvtx_sum_table();
+  // Every instance since reset(), in the order they closed (the first kMaxInstances; dropped_instances()
+  // counts the others): what write_chrome_trace draws.
+  const std::vector<RangeInstance>& instances();
+  int64_t dropped_instances() const { return dropped_instances_; }
 
  private:
   struct Open {
@@ -45,8 +63,10 @@ class RangeProfiler {
   struct Pending {  // a GPU range whose events have not been read yet
     std::string name;
     void *start_event, *end_event;
+    int depth;
   };
   void add_sample(const std::string& name, double ns);
+  void add_instance(RangeInstance instance);
   void read_pending();  // waits for the recorded events and turns them into samples
   void* take_event();
   bool enabled_ = false;
@@ -56,7 +76,19 @@ class RangeProfiler {
   std::vector<Pending> pending_;
   std::vector<void*> free_events_;
   std::vector<std::pair<std::string, std::vector<double>>> samples_;  // per range name, in first-seen order
+  std::vector<RangeInstance> instances_;
+  int64_t dropped_instances_ = 0;
+  void* origin_event_ = nullptr;  // GPU timing: recorded at enable, at host time origin_ns_
+  int64_t origin_ns_ = 0;
 };
+
+// Chrome's trace-event JSON, which Perfetto (ui.perfetto.dev) and chrome://tracing open: each range a
+// complete event (ph "X", microseconds) on a "host" or "GPU stream" track, nested by time, and each device's
+// tracked memory a counter track (ph "C", bytes in use after each allocation or release).
+// memory_origin_ns: the steady-clock time at which memory_timeline_start() was called, to put both on one
+// clock. Times are shifted so that the earliest event is at 0.
+std::string chrome_trace_json(const std::vector<RangeInstance>& ranges, const std::vector<MemoryEvent>& memory,
+                              int64_t memory_origin_ns);
 
 // The statistics of named samples (ns) and the table nsys's stats reports print for them, sorted by total
 // time: "Time (%)  Total Time (ns)  Instances  Avg (ns)  Med (ns)  Min (ns)  Max (ns)  StdDev (ns)", then

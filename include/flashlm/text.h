@@ -11,9 +11,14 @@
 
 namespace flashlm {
 
-// A tokenizer as saved beside prepared data (tokenizer.json): {"type": "byte", "vocab_size": 256}.
-// scripts/prepare_data.py writes BPE tokenizers in the `tokenizers` package's own format instead; this
-// class reads only the byte-level one and says so for any other.
+// A tokenizer as saved beside prepared data (tokenizer.json): flashlm's byte-level one,
+// {"type": "byte", "vocab_size": 256}, or a byte-level BPE in the `tokenizers` package's own format, as
+// scripts/prepare_data.py trains it (`flashlm prepare --tokenizer bpe`).
+//
+// The BPE is decoded here and encoded by that script: decoding is a table lookup (each id's string, mapped
+// back through GPT-2's byte <-> printable-character table to bytes), cheap enough per streamed token, while
+// encoding needs the pre-tokenizer's regular expression with Unicode classes, which only the package that
+// trained the vocabulary applies exactly as it did in training.
 class Tokenizer {
  public:
   static constexpr int64_t kByteVocab = 256;
@@ -21,15 +26,19 @@ class Tokenizer {
   static Tokenizer bytes();                        // the byte-level tokenizer
   static Tokenizer load(const std::string& path);  // a tokenizer.json; anything else is an Error naming it
 
-  int64_t vocab_size() const { return kByteVocab; }
-  std::string name() const { return "byte"; }
+  bool is_bpe() const { return !pieces_.empty(); }
+  int64_t vocab_size() const { return is_bpe() ? static_cast<int64_t>(pieces_.size()) : kByteVocab; }
+  std::string name() const { return is_bpe() ? "bpe" : "byte"; }
+  // Byte-level only (a BPE is an Error saying to encode through scripts/prepare_data.py).
   std::vector<int32_t> encode(std::string_view text) const;
-  // Every token must be < vocab_size() (an Error names the first that is not).
+  // Every token must be < vocab_size() (an Error names the first that is not). The bytes of a BPE's tokens
+  // concatenated: one token may end inside a UTF-8 character that the next completes.
   std::string decode(std::span<const int32_t> tokens) const;
-  std::string json() const;  // what load() reads
+  std::string json() const;  // byte-level only: what load() reads
 
  private:
   Tokenizer() = default;
+  std::vector<std::string> pieces_;  // a BPE's bytes per id; empty for the byte-level tokenizer
 };
 
 struct PrepareConfig {

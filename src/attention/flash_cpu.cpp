@@ -1,9 +1,17 @@
 // FlashAttention-2 on the CPU.
 //
-// Forward: one task per (batch, query head, tile of kBlockQ queries). The task keeps its query tile, a
+// Forward: one task per (batch, query head, tile of kForwardBlockQ queries). The task keeps its query tile, a
 // running row maximum m, a running sum l and an unnormalised output accumulator, and streams key/value
-// tiles of kBlockK keys through them (online softmax). Key tiles that the causal mask hides completely are
-// never visited. Extra memory: a few tiles per thread, independent of the sequence length.
+// tiles of kForwardBlockK keys through them (online softmax). Key tiles that the causal mask hides completely are
+// never visited.
+//
+// Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
+// and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
+// converted to the accumulation type, K (and V for the backward) also transposed, tile by tile, with a
+// finiteness flag per tile. Without it each of the Nq / 64 query tiles converted and transposed every
+// key tile again: at seq 4096 the forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
+// Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
+// per thread.
 //
 // Backward (deterministic, no atomics): Delta_i = rowsum(dO_i ∘ O_i) first; then one task per
 // (batch, key head, key tile) recomputes P = exp(S - lse) tile by tile and accumulates dK and dV for its
@@ -20,16 +28,23 @@
 #include <cmath>
 #include <limits>
 #include <span>
+#include <vector>
 
 #include "attention/backends.h"
 #include "attention/cpu_rows.h"
+#include "core/check.h"
 
 namespace flashlm {
 
 namespace {
 
-constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockQ = 64;  // the backward's tiles (128-key tiles there measured within the noise)
 constexpr int64_t kBlockK = 64;
+// The forward's tiles, chosen by a sweep (docs/perf.md): 128 queries, so the K and V of a head stream through
+// the cache half as often, and 128 keys, so the per-row softmax work (max, rescale, sum) is spread over
+// twice the columns. The forward keeps S, P and the output accumulator per query; the backward also dS.
+constexpr int64_t kForwardBlockQ = 128;
+constexpr int64_t kForwardBlockK = 128;
 
 // C = alpha · op(A) · B + beta · C on row-major tiles (op(A) m×k: A, or Aᵀ stored k×m when TransA; B k×n;
 // beta = 0 never reads C). A transposed costs nothing here (the kernel broadcasts single elements of A). Blocks of
@@ -81,14 +96,6 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
   }
 }
 
-// dst[c][r] = src[r][c] for a rows × cols tile.
-template <class A>
-void transpose(const A* src, int64_t rows, int64_t cols, int64_t ld_src, A* dst, int64_t ld_dst) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
-  }
-}
-
 // Per-thread scratch: one tracked allocation carved into named tiles.
 template <class A>
 class Scratch {
@@ -108,6 +115,66 @@ class Scratch {
 
 template <class A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+
+// One tensor's rows for every (batch, head), converted to the accumulation type A and cut into tiles of
+// `tile` rows: as stored (tile × D, row-major; a ragged last tile's missing rows are zero) and/or transposed
+// (D × tile), as the products need them, plus whether every element of a tile is finite (all_finite).
+template <class A>
+class PackedHeads {
+ public:
+  enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3 };
+
+  template <class T>
+  static PackedHeads pack(const TensorView& t, int64_t batch, int64_t heads, int64_t seq, int64_t D, int64_t tile,
+                          Layouts layouts, std::string_view tag) {
+    PackedHeads out;
+    out.D_ = D;
+    out.tile_ = tile;
+    out.tiles_ = (seq + tile - 1) / tile;
+    const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
+    const auto bytes = size_t(checked_product({tiles_all, tile, D, int64_t(sizeof(A))}, tag));
+    if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
+    if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
+    out.finite_.assign(size_t(tiles_all), 0);
+#pragma omp parallel
+    {
+      std::vector<A> row(static_cast<size_t>(D));
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < tiles_all; ++i) {
+        const int64_t bh = i / out.tiles_, s0 = (i % out.tiles_) * tile, n = std::min(tile, seq - s0);
+        A* r = (layouts & rows_only) ? out.tile_at(out.rows_, i) : nullptr;
+        A* tr = (layouts & transposed_only) ? out.tile_at(out.transposed_, i) : nullptr;
+        bool finite = true;
+        for (int64_t s = 0; s < tile; ++s) {
+          if (s < n) {
+            load_row(attention_row<const T>(t, bh / heads, s0 + s, bh % heads), row.data(), D);
+            finite = finite && all_finite(row.data(), D);
+          } else {
+            std::fill(row.begin(), row.end(), A(0));
+          }
+          if (r) std::copy(row.begin(), row.end(), r + s * D);
+          if (tr) {
+            for (int64_t d = 0; d < D; ++d) tr[d * tile + s] = row[size_t(d)];
+          }
+        }
+        out.finite_[size_t(i)] = finite;
+      }
+    }
+    return out;
+  }
+
+  // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h.
+  const A* rows(int64_t bh, int64_t t) const { return tile_at(rows_, bh * tiles_ + t); }
+  const A* transposed(int64_t bh, int64_t t) const { return tile_at(transposed_, bh * tiles_ + t); }
+  bool finite(int64_t bh, int64_t t) const { return finite_[size_t(bh * tiles_ + t)] != 0; }
+
+ private:
+  A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_ * D_; }
+
+  int64_t D_ = 0, tile_ = 0, tiles_ = 0;
+  Buffer rows_, transposed_;
+  std::vector<uint8_t> finite_;
+};
 
 // Loads rows [s0, s0 + rows) of head h into a packed tile; returns whether every element is finite.
 template <class T, class A>
@@ -136,38 +203,37 @@ int64_t contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j
 }
 
 // S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
-// key tile transposed (head_dim × kBlockK).
+// key tile transposed (head_dim × width); S is rows × width.
 template <class A>
-void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t i0, int64_t rows, int64_t j0,
-                 int64_t cols, A* S) {
-  tile_gemm(rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, KT, kBlockK, A(0), S, kBlockK);
+void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t width, int64_t i0, int64_t rows,
+                 int64_t j0, int64_t cols, A* S) {
+  tile_gemm(rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, KT, width, A(0), S, width);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = visible_cols(p, i0 + r, j0, cols);  // columns [0, visible) are unmasked
-    std::fill(S + r * kBlockK + visible, S + r * kBlockK + cols, kNegInf<A>);
+    std::fill(S + r * width + visible, S + r * width + cols, kNegInf<A>);
   }
 }
 
 template <class T, class A>
-void forward_task(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                  const TensorView& o, const TensorView& lse, int64_t b, int64_t h, int64_t i0, A* Q, A* K, A* KT,
-                  A* V, A* S, A* acc, A* m, A* l) {
-  const int64_t D = p.head_dim, hk = h / p.group();
-  const int64_t rows = std::min(kBlockQ, p.seq_q - i0);
+void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHeads<A>& k, const PackedHeads<A>& v,
+                  const TensorView& o, const TensorView& lse, int64_t b, int64_t h, int64_t i0, A* Q, A* S, A* acc,
+                  A* m, A* l) {
+  const int64_t D = p.head_dim, bhk = b * p.heads_k + h / p.group();
+  const int64_t rows = std::min(kForwardBlockQ, p.seq_q - i0);
   load_tile<T>(q, b, h, i0, rows, D, Q);
   std::fill(acc, acc + rows * D, A(0));
   std::fill(m, m + rows, kNegInf<A>);
   std::fill(l, l + rows, A(0));
 
   const int64_t key_end = p.visible_keys(i0 + rows - 1);  // the tile's last query sees the most keys
-  for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
-    const int64_t cols = std::min(kBlockK, key_end - j0);
-    load_tile<T>(k, b, hk, j0, cols, D, K);
-    transpose(K, cols, D, D, KT, kBlockK);
-    const bool v_finite = load_tile<T>(v, b, hk, j0, cols, D, V);
-    tile_scores(p, Q, KT, i0, rows, j0, cols, S);
+  for (int64_t j0 = 0; j0 < key_end; j0 += kForwardBlockK) {
+    const int64_t cols = std::min(kForwardBlockK, key_end - j0);
+    const A *KT = k.transposed(bhk, j0 / kForwardBlockK), *V = v.rows(bhk, j0 / kForwardBlockK);
+    const bool v_finite = v.finite(bhk, j0 / kForwardBlockK);
+    tile_scores(p, Q, KT, kForwardBlockK, i0, rows, j0, cols, S);
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
-      A* s = S + r * kBlockK;
+      A* s = S + r * kForwardBlockK;
       const int64_t visible = visible_cols(p, i0 + r, j0, cols);
       const A m_new = max_propagating_nan(m[r], row_max(s, visible));  // NaN stays NaN
       if (m_new == kNegInf<A>) {  // nothing visible in this row yet: acc, m and l stay
@@ -179,19 +245,16 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const TensorVi
       if (alpha != A(1)) {
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       }
-      exp_shifted(s, visible, m_new);
+      const A sum = exp_shifted_sum(s, visible, m_new);
       std::fill(s + visible, s + cols, A(0));
-      A sum = 0;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t c = 0; c < visible; ++c) sum += s[c];
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
     }
     if (v_finite) {
-      tile_gemm(rows, D, cols, A(1), S, kBlockK, V, D, A(1), acc, D);  // acc += P V
+      tile_gemm(rows, D, cols, A(1), S, kForwardBlockK, V, D, A(1), acc, D);  // acc += P V
     } else {
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kBlockK + c], V + c * D, acc + r * D, D);
+        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kForwardBlockK + c], V + c * D, acc + r * D, D);
       }
     }
   }
@@ -212,18 +275,22 @@ template <class T, class A>
 void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
              const TensorView& o, const TensorView& lse) {
   const int64_t D = p.head_dim;
-  const int64_t q_tiles = (p.seq_q + kBlockQ - 1) / kBlockQ;
+  const auto K = PackedHeads<A>::template pack<T>(k, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
+                                                  PackedHeads<A>::transposed_only, "flash forward packed K");
+  const auto V = PackedHeads<A>::template pack<T>(v, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
+                                                  PackedHeads<A>::rows_only, "flash forward packed V");
+  const int64_t q_tiles = (p.seq_q + kForwardBlockQ - 1) / kForwardBlockQ;
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
 #pragma omp parallel
   {
-    Scratch<A> w(kBlockQ * D * 2 + kBlockK * D * 3 + kBlockQ * kBlockK + kBlockQ * 2, "flash forward tiles");
-    A *Q = w.take(kBlockQ * D).data(), *acc = w.take(kBlockQ * D).data();
-    A *K = w.take(kBlockK * D).data(), *KT = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
-    A *S = w.take(kBlockQ * kBlockK).data(), *m = w.take(kBlockQ).data(), *l = w.take(kBlockQ).data();
+    Scratch<A> w(kForwardBlockQ * D * 2 + kForwardBlockQ * kForwardBlockK + kForwardBlockQ * 2, "flash forward tiles");
+    A *Q = w.take(kForwardBlockQ * D).data(), *acc = w.take(kForwardBlockQ * D).data();
+    A *S = w.take(kForwardBlockQ * kForwardBlockK).data(), *m = w.take(kForwardBlockQ).data();
+    A* l = w.take(kForwardBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t tile = t % q_tiles, bh = t / q_tiles;
-      forward_task<T, A>(p, q, k, v, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kBlockQ, Q, K, KT, V, S, acc, m, l);
+      forward_task<T, A>(p, q, K, V, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kForwardBlockQ, Q, S, acc, m, l);
     }
   }
 }
@@ -235,7 +302,7 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, 
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
                             A* dS) {
   const int64_t D = p.head_dim;
-  tile_scores(p, Q, KT, i0, rows, j0, cols, S);
+  tile_scores(p, Q, KT, kBlockK, i0, rows, j0, cols, S);
   tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
@@ -274,38 +341,40 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
 
   const int64_t q_tiles = (Nq + kBlockQ - 1) / kBlockQ;
   const int64_t k_tiles = (Nk + kBlockK - 1) / kBlockK;
-  const int64_t tile_elems = kBlockQ * D * 3 + kBlockK * D * 6 + kBlockQ * kBlockK * 2 + kBlockQ;
+  using Packed = PackedHeads<A>;
+  const auto Qp = Packed::template pack<T>(q, p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only,
+                                           "flash backward packed Q");
+  const auto dOp = Packed::template pack<T>(dout, p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only,
+                                            "flash backward packed dO");
+  const auto Kp = Packed::template pack<T>(k, p.batch, p.heads_k, Nk, D, kBlockK, Packed::rows_and_transposed,
+                                           "flash backward packed K");
+  const auto Vp = Packed::template pack<T>(v, p.batch, p.heads_k, Nk, D, kBlockK, Packed::transposed_only,
+                                           "flash backward packed V");
 
   // dK, dV: one task per (batch, key head, key tile).
 #pragma omp parallel
   {
-    Scratch<A> w(tile_elems, "flash backward dK/dV tiles");
-    A *Q = w.take(kBlockQ * D).data(), *dO = w.take(kBlockQ * D).data();
-    A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
-    A *KT = w.take(kBlockK * D).data(), *VT = w.take(kBlockK * D).data();
+    Scratch<A> w(kBlockK * D * 2 + kBlockQ * kBlockK * 2 + kBlockQ, "flash backward dK/dV tiles");
     A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
     A* lse_rows = w.take(kBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < p.batch * p.heads_k * k_tiles; ++t) {
-      const int64_t j0 = (t % k_tiles) * kBlockK, bhk = t / k_tiles;
+      const int64_t kt = t % k_tiles, j0 = kt * kBlockK, bhk = t / k_tiles;
       const int64_t b = bhk / p.heads_k, hk = bhk % p.heads_k;
       const int64_t cols = std::min(kBlockK, Nk - j0);
-      load_tile<T>(k, b, hk, j0, cols, D, K);
-      load_tile<T>(v, b, hk, j0, cols, D, V);
-      transpose(K, cols, D, D, KT, kBlockK);
-      transpose(V, cols, D, D, VT, kBlockK);
+      const A *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
       std::fill(dK, dK + cols * D, A(0));
       std::fill(dV, dV + cols * D, A(0));
       const int64_t first_q = p.first_query_seeing(j0) / kBlockQ * kBlockQ;
       for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+        const int64_t bh = b * p.heads_q + h;
         for (int64_t i0 = first_q; i0 < Nq; i0 += kBlockQ) {
-          const int64_t rows = std::min(kBlockQ, Nq - i0);
-          const bool q_finite = load_tile<T>(q, b, h, i0, rows, D, Q);
-          const bool do_finite = load_tile<T>(dout, b, h, i0, rows, D, dO);
+          const int64_t rows = std::min(kBlockQ, Nq - i0), qt = i0 / kBlockQ;
+          const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt);
           for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
           tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
-          if (q_finite && do_finite) {
+          if (Qp.finite(bh, qt) && dOp.finite(bh, qt)) {
             tile_gemm<true>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
             tile_gemm<true>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
           } else {
@@ -328,31 +397,24 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   // dQ: one task per (batch, query head, query tile).
 #pragma omp parallel
   {
-    Scratch<A> w(tile_elems, "flash backward dQ tiles");
-    A *Q = w.take(kBlockQ * D).data(), *dO = w.take(kBlockQ * D).data();
-    A *K = w.take(kBlockK * D).data(), *V = w.take(kBlockK * D).data();
-    A *KT = w.take(kBlockK * D).data(), *VT = w.take(kBlockK * D).data();
+    Scratch<A> w(kBlockQ * D + kBlockQ * kBlockK * 2 + kBlockQ, "flash backward dQ tiles");
     A* dQ = w.take(kBlockQ * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
     A* lse_rows = w.take(kBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < p.batch * p.heads_q * q_tiles; ++t) {
-      const int64_t i0 = (t % q_tiles) * kBlockQ, bh = t / q_tiles;
-      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group();
+      const int64_t qt = t % q_tiles, i0 = qt * kBlockQ, bh = t / q_tiles;
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, bhk = b * p.heads_k + h / p.group();
       const int64_t rows = std::min(kBlockQ, Nq - i0);
-      load_tile<T>(q, b, h, i0, rows, D, Q);
-      load_tile<T>(dout, b, h, i0, rows, D, dO);
+      const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt);
       for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
       std::fill(dQ, dQ + rows * D, A(0));
       const int64_t key_end = p.visible_keys(i0 + rows - 1);
       for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
-        const int64_t cols = std::min(kBlockK, key_end - j0);
-        const bool k_finite = load_tile<T>(k, b, hk, j0, cols, D, K);
-        load_tile<T>(v, b, hk, j0, cols, D, V);
-        transpose(K, cols, D, D, KT, kBlockK);
-        transpose(V, cols, D, D, VT, kBlockK);
+        const int64_t cols = std::min(kBlockK, key_end - j0), kt = j0 / kBlockK;
+        const A *K = Kp.rows(bhk, kt), *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
         tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
-        if (k_finite) {
+        if (Kp.finite(bhk, kt)) {
           tile_gemm(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ, D);  // dQ += scale dS K
         } else {
           for (int64_t r = 0; r < rows; ++r) {

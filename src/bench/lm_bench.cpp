@@ -88,7 +88,8 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
     memory_reset_peak(dev);
     for (int i = 0; i < cfg.warmup; ++i) run();
     RangeProfiler& prof = RangeProfiler::instance();
-    if (cfg.profile_ranges) {
+    const bool ranges_on = cfg.profile_ranges || cfg.trace_ranges;
+    if (ranges_on) {
       prof.reset();
       // On the GPU the ranges time the queued work with CUDA events. The models built here run on the
       // legacy default stream (nullptr), which orders them with every event recorded on it.
@@ -113,9 +114,10 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
       }
       ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
-    if (cfg.profile_ranges) {
+    if (ranges_on) {
       prof.enable(false);
-      rec->range_table = prof.nvtx_sum_table();
+      if (cfg.profile_ranges) rec->range_table = prof.nvtx_sum_table();
+      if (cfg.trace_ranges) rec->ranges = prof.instances();
     }
     if (cfg.profile_kernels) {
       kernels.stop();

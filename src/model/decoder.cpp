@@ -9,8 +9,11 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/cuda_runtime.h"
 #include "core/random.h"
+#include "flashlm/device.h"
 #include "flashlm/generate.h"
+#include "model/decoder_rows.h"
 #include "model/ops_cpu.h"
 
 namespace flashlm {
@@ -19,43 +22,42 @@ namespace {
 
 constexpr uint64_t kSamplingStream = 0x73616d706c65ull;  // "sample"
 
-// The working rows of one step: x, h, q, k, v, attention output [d_model]; u, g, s [d_ff]; lse [heads];
-// logits [vocab].
-struct StepRows {
-  float *x, *h, *q, *k, *v, *o, *u, *g, *s, *lse, *logits;
-};
-
-int64_t step_row_floats(const ModelConfig& c) { return 6 * c.d_model + 3 * c.d_ff + c.heads + c.vocab; }
-
-StepRows step_rows(float* base, const ModelConfig& c) {
-  StepRows r{};
-  float* p = base;
-  for (float** row : {&r.x, &r.h, &r.q, &r.k, &r.v, &r.o}) *row = std::exchange(p, p + c.d_model);
-  for (float** row : {&r.u, &r.g, &r.s}) *row = std::exchange(p, p + c.d_ff);
-  r.lse = std::exchange(p, p + c.heads);
-  r.logits = p;
-  return r;
+// Host data into a buffer of the decoder's device.
+void upload(void* dst, const void* src, size_t bytes, Device device) {
+  if (device == Device::cpu) {
+    std::memcpy(dst, src, bytes);
+  } else {
+    cuda_copy(dst, src, bytes);
+  }
 }
 
 }  // namespace
 
-KvCacheDecoder::KvCacheDecoder(const ModelConfig& config, std::span<const float> params)
-    : config_(config), layout_(parameter_layout(config)) {
+KvCacheDecoder::KvCacheDecoder(const ModelConfig& config, std::span<const float> params, Device device)
+    : config_(config), device_(device), layout_(parameter_layout(config)) {
   config.validate();
   const int64_t n = layout_.back().offset + layout_.back().numel();
   FLASHLM_CHECK(static_cast<int64_t>(params.size()) == n,
                 "KvCacheDecoder: params holds {} floats, the model's parameter_count is {}", params.size(), n);
+  FLASHLM_CHECK(device == Device::cpu || cuda_device_count() > 0,
+                "KvCacheDecoder: device cuda: {}", cuda_built() ? "no CUDA device is visible" : "not a CUDA build");
   const size_t cache_bytes =
       size_t(checked_product({config.layers, config.context, config.d_model, int64_t{sizeof(float)}}, "KvCacheDecoder: K/V cache bytes"));
-  params_ = Buffer::allocate(params.size_bytes(), Device::cpu, "decoder parameters");
-  std::memcpy(params_.data(), params.data(), params.size_bytes());
-  cache_k_ = Buffer::allocate(cache_bytes, Device::cpu, "KV cache keys");
-  cache_v_ = Buffer::allocate(cache_bytes, Device::cpu, "KV cache values");
+  params_ = Buffer::allocate(params.size_bytes(), device, "decoder parameters");
+  upload(params_.data(), params.data(), params.size_bytes(), device);
+  cache_k_ = Buffer::allocate(cache_bytes, device, "KV cache keys");
+  cache_v_ = Buffer::allocate(cache_bytes, device, "KV cache values");
   const int64_t half = config.head_dim() / 2;
-  rope_ = Buffer::allocate(size_t(2 * config.context * half) * sizeof(float), Device::cpu, "RoPE tables");
-  auto* rope = static_cast<float*>(rope_.data());
-  cpu::rope_tables(rope, rope + config.context * half, config.context, config.head_dim(), config.rope_theta);
-  work_ = Buffer::allocate(size_t(step_row_floats(config)) * sizeof(float), Device::cpu, "decoder rows");
+  std::vector<float> rope(size_t(2 * config.context * half));
+  cpu::rope_tables(rope.data(), rope.data() + config.context * half, config.context, config.head_dim(),
+                   config.rope_theta);
+  rope_ = Buffer::allocate(rope.size() * sizeof(float), device, "RoPE tables");
+  upload(rope_.data(), rope.data(), rope.size() * sizeof(float), device);
+  work_ = Buffer::allocate(size_t(step_row_floats(config)) * sizeof(float), device, "decoder rows");
+  if (device == Device::cuda) {
+    device_token_ = Buffer::allocate(sizeof(int32_t), device, "decoder token");
+    host_logits_ = Buffer::allocate(size_t(config.vocab) * sizeof(float), Device::cpu, "decoder logits");
+  }
 }
 
 const float* KvCacheDecoder::param(const std::string& name) const {
@@ -74,6 +76,11 @@ std::span<const float> KvCacheDecoder::step(int32_t token) {
   FLASHLM_CHECK(token >= 0 && token < c.vocab, "KvCacheDecoder::step: token {} outside [0, vocab = {})", token, c.vocab);
   FLASHLM_CHECK(position_ < c.context, "KvCacheDecoder::step: the cache is full: the model's context is {} tokens",
                 c.context);
+  if (device_ == Device::cuda) {
+    step_rows_cuda(token);
+    ++position_;
+    return {static_cast<const float*>(host_logits_.data()), static_cast<size_t>(c.vocab)};
+  }
   const int64_t d = c.d_model, f = c.d_ff, hd = c.head_dim(), half = hd / 2, pos = position_;
   const auto eps = static_cast<float>(c.norm_eps);
   const StepRows r = step_rows(static_cast<float*>(work_.data()), c);
@@ -113,6 +120,10 @@ std::span<const float> KvCacheDecoder::step(int32_t token) {
   ++position_;
   return {r.logits, static_cast<size_t>(c.vocab)};
 }
+
+#ifndef FLASHLM_WITH_CUDA
+void KvCacheDecoder::step_rows_cuda(int32_t) { fail("KvCacheDecoder: device cuda: not a CUDA build"); }
+#endif
 
 int32_t sample_token(std::span<const float> logits, const SamplingOptions& o, uint64_t draw) {
   FLASHLM_CHECK(!logits.empty(), "sample_token: no logits");

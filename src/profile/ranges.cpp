@@ -44,6 +44,17 @@ void RangeProfiler::enable(bool on, void* cuda_stream) {
   enabled_ = on;
   on_gpu_ = on;
   stream_ = cuda_stream;
+  if (on) {
+    // The origin: recorded once the stream is idle and waited for, so that its GPU time is the host's now.
+    if (origin_event_ == nullptr) origin_event_ = take_event();
+    auto stream = static_cast<cudaStream_t>(stream_);
+    FLASHLM_CUDA_CHECK(cudaStreamSynchronize(stream), "cudaStreamSynchronize (range profiler)");
+    FLASHLM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(origin_event_), stream),
+                       "cudaEventRecord (range profiler)");
+    FLASHLM_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(origin_event_)),
+                       "cudaEventSynchronize (range profiler)");
+    origin_ns_ = now_ns();
+  }
 #else
   (void)cuda_stream;
   FLASHLM_CHECK(!on, "RangeProfiler: GPU timing needs a CUDA build");
@@ -55,6 +66,8 @@ void RangeProfiler::reset() {
   read_pending();
   open_.clear();
   samples_.clear();
+  instances_.clear();
+  dropped_instances_ = 0;
 }
 
 void* RangeProfiler::take_event() {
@@ -100,12 +113,14 @@ void RangeProfiler::pop() {
     void* end_event = take_event();
     FLASHLM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(end_event), static_cast<cudaStream_t>(stream_)),
                        "cudaEventRecord (range profiler)");
-    pending_.push_back({std::move(o.name), o.start_event, end_event});
+    pending_.push_back({std::move(o.name), o.start_event, end_event, static_cast<int>(open_.size())});
     if (pending_.size() >= 4096) read_pending();  // bounded: events are reused once read
     return;
   }
 #endif
-  add_sample(o.name, double(now_ns() - o.start_ns));
+  const int64_t end = now_ns();
+  add_sample(o.name, double(end - o.start_ns));
+  add_instance({std::move(o.name), o.start_ns, end - o.start_ns, static_cast<int>(open_.size()), false});
 }
 
 void RangeProfiler::read_pending() {
@@ -116,6 +131,11 @@ void RangeProfiler::read_pending() {
     float ms = 0;
     FLASHLM_CUDA_CHECK(cudaEventElapsedTime(&ms, start, end), "cudaEventElapsedTime (range profiler)");
     add_sample(p.name, double(ms) * 1e6);
+    float since_origin_ms = 0;
+    FLASHLM_CUDA_CHECK(cudaEventElapsedTime(&since_origin_ms, static_cast<cudaEvent_t>(origin_event_), start),
+                       "cudaEventElapsedTime (range profiler)");
+    add_instance({std::move(p.name), origin_ns_ + static_cast<int64_t>(double(since_origin_ms) * 1e6),
+                  static_cast<int64_t>(double(ms) * 1e6), p.depth, true});
     free_events_.push_back(p.start_event);
     free_events_.push_back(p.end_event);
   }
@@ -130,6 +150,19 @@ void RangeProfiler::add_sample(const std::string& name, double ns) {
     it = samples_.end() - 1;
   }
   it->second.push_back(ns);
+}
+
+void RangeProfiler::add_instance(RangeInstance instance) {
+  if (instances_.size() < kMaxInstances) {
+    instances_.push_back(std::move(instance));
+  } else {
+    ++dropped_instances_;
+  }
+}
+
+const std::vector<RangeInstance>& RangeProfiler::instances() {
+  read_pending();
+  return instances_;
 }
 
 std::vector<RangeStats> summarize_samples(const std::vector<std::pair<std::string, std::vector<double>>>& samples) {

@@ -196,11 +196,18 @@ DataIdentity data_identity(std::string name, TokenView tokens) {
   id.fingerprint = crc32_update(0, &id.tokens, sizeof id.tokens);
   const int64_t head = std::min(tokens.size(), kFingerprintTokens);
   const int64_t tail_at = std::max(head, tokens.size() - kFingerprintTokens);
-  std::vector<uint16_t> buf(static_cast<size_t>(head));
+  // The tokens are hashed at the file's own width, so 2-byte data keeps the fingerprints it always had.
+  std::vector<uint32_t> buf(static_cast<size_t>(head));
+  std::vector<uint16_t> narrow(buf.size());
   for (const auto& [first, count] : {std::pair{int64_t{0}, head}, std::pair{tail_at, tokens.size() - tail_at}}) {
-    const std::span<uint16_t> part(buf.data(), static_cast<size_t>(count));
+    const std::span<uint32_t> part(buf.data(), static_cast<size_t>(count));
     tokens.read(first, part);
-    id.fingerprint = crc32_update(id.fingerprint, part.data(), part.size_bytes());
+    if (tokens.token_bytes() == 4) {
+      id.fingerprint = crc32_update(id.fingerprint, part.data(), part.size_bytes());
+    } else {
+      std::copy(part.begin(), part.end(), narrow.begin());
+      id.fingerprint = crc32_update(id.fingerprint, narrow.data(), part.size() * sizeof(uint16_t));
+    }
   }
   return id;
 }

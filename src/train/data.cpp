@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -19,7 +20,9 @@ static_assert(std::endian::native == std::endian::little, "token files are read 
 namespace {
 
 constexpr int32_t kLlmcMagic = 20240520;
-constexpr int32_t kLlmcVersion = 1;  // uint16 tokens; version 2 (llama 3's uint32 tokens) is not read
+constexpr int32_t kLlmcVersion = 1;  // uint16 tokens
+constexpr int32_t kLlmc32Magic = 20240801;
+constexpr int32_t kLlmc32Version = 7;  // uint32 tokens (llm.c's LLaMA-3 files)
 constexpr size_t kLlmcHeaderInts = 256;
 constexpr size_t kLlmcHeaderBytes = kLlmcHeaderInts * sizeof(int32_t);
 
@@ -38,7 +41,15 @@ constexpr uint64_t kTableStream = 0x7461626c65ull;  // "table"
 constexpr uint64_t kWalkStream = 0x77616c6bull;     // "walk"
 constexpr uint64_t kBatchStream = 0x6261746368ull;  // "batch"
 
+void check_file_range(const std::string& path, int64_t first, int64_t count, int64_t total) {
+  FLASHLM_CHECK(first >= 0 && first <= total && count <= total - first,
+                "TokenFile::read: '{}': tokens [{}, {}) are outside the file's {} tokens", path, first, first + count,
+                total);
+}
+
 }  // namespace
+
+int token_bytes(TokenFormat format) { return format == TokenFormat::llmc_uint32 ? 4 : 2; }
 
 TokenFile::TokenFile(std::string path, int64_t vocab_size)
     : path_(path), file_(std::make_unique<const ReadOnlyFile>(std::move(path), "TokenFile")) {
@@ -46,20 +57,23 @@ TokenFile::TokenFile(std::string path, int64_t vocab_size)
   FLASHLM_CHECK(size > 0, "TokenFile: '{}': the file is empty", path_);
   int32_t magic = 0;
   if (size >= sizeof(magic)) file_->read_at(0, std::as_writable_bytes(std::span(&magic, 1)));
-  if (magic == kLlmcMagic) {
-    format_ = TokenFormat::llmc;
+  if (magic == kLlmcMagic || magic == kLlmc32Magic) {
+    format_ = magic == kLlmcMagic ? TokenFormat::llmc : TokenFormat::llmc_uint32;
+    const int32_t version = magic == kLlmcMagic ? kLlmcVersion : kLlmc32Version;
+    const char* dtype = magic == kLlmcMagic ? "uint16" : "uint32";
     FLASHLM_CHECK(size >= kLlmcHeaderBytes,
                   "TokenFile: '{}': truncated llm.c header: the file has {} bytes, the header alone needs {}",
                   path_, size, kLlmcHeaderBytes);
     int32_t header[kLlmcHeaderInts];
     file_->read_at(0, std::as_writable_bytes(std::span(header)));
-    FLASHLM_CHECK(header[1] == kLlmcVersion,
-                  "TokenFile: '{}': unsupported llm.c version {} (expected {}: uint16 tokens)", path_, header[1],
-                  kLlmcVersion);
+    FLASHLM_CHECK(header[1] == version,
+                  "TokenFile: '{}': unsupported llm.c version {} for magic {} (expected {}: {} tokens)", path_,
+                  header[1], magic, version, dtype);
     const int64_t ntok = header[2];
     FLASHLM_CHECK(ntok >= 0, "TokenFile: '{}': the llm.c header's token count is negative ({})", path_, ntok);
     FLASHLM_CHECK(ntok > 0, "TokenFile: '{}': the llm.c header's token count is 0: no tokens", path_);
-    const uint64_t expected = kLlmcHeaderBytes + static_cast<uint64_t>(ntok) * sizeof(uint16_t);
+    // ntok < 2^31 and 4-byte tokens: no overflow.
+    const uint64_t expected = kLlmcHeaderBytes + static_cast<uint64_t>(ntok) * static_cast<uint64_t>(token_bytes());
     FLASHLM_CHECK(size >= expected,
                   "TokenFile: '{}': truncated llm.c file: the header's token count {} needs {} bytes, the file "
                   "has {}",
@@ -74,8 +88,8 @@ TokenFile::TokenFile(std::string path, int64_t vocab_size)
     format_ = TokenFormat::nanogpt;
     FLASHLM_CHECK(size % sizeof(uint16_t) == 0,
                   "TokenFile: '{}': the size, {} bytes, is odd: a raw nanoGPT file holds uint16 tokens "
-                  "(and its first int32 is not llm.c's magic {})",
-                  path_, size, kLlmcMagic);
+                  "(and its first int32 is neither of llm.c's magics {} and {})",
+                  path_, size, kLlmcMagic, kLlmc32Magic);
     first_byte_ = 0;
     count_ = static_cast<int64_t>(size / sizeof(uint16_t));
   }
@@ -97,19 +111,35 @@ TokenFile& TokenFile::operator=(TokenFile&& o) noexcept {
 TokenFile::~TokenFile() = default;
 
 void TokenFile::read(int64_t first, std::span<uint16_t> out) const {
-  const auto count = static_cast<int64_t>(out.size());
-  FLASHLM_CHECK(first >= 0 && first <= count_ && count <= count_ - first,
-                "TokenFile::read: '{}': tokens [{}, {}) are outside the file's {} tokens", path_, first,
-                first + count, count_);
+  FLASHLM_CHECK(token_bytes() == 2,
+                "TokenFile::read: '{}' holds uint32 tokens: read them into uint32 (this overload takes uint16)", path_);
+  check_file_range(path_, first, static_cast<int64_t>(out.size()), count_);
   file_->read_at(first_byte_ + static_cast<uint64_t>(first) * sizeof(uint16_t), std::as_writable_bytes(out));
+}
+
+void TokenFile::read(int64_t first, std::span<uint32_t> out) const {
+  if (token_bytes() == 4) {
+    check_file_range(path_, first, static_cast<int64_t>(out.size()), count_);
+    file_->read_at(first_byte_ + static_cast<uint64_t>(first) * sizeof(uint32_t), std::as_writable_bytes(out));
+    return;
+  }
+  // 2-byte tokens: read them into the front half of out, then widen from the back, where no unread token is
+  // overwritten (token i's 4 bytes start at 4i, at or past the 2i where it was read).
+  std::span<uint16_t> narrow(reinterpret_cast<uint16_t*>(out.data()), out.size());
+  read(first, narrow);
+  for (size_t i = out.size(); i-- > 0;) {
+    uint16_t t;
+    std::memcpy(&t, reinterpret_cast<const std::byte*>(out.data()) + i * sizeof(uint16_t), sizeof t);
+    out[i] = t;
+  }
 }
 
 void TokenFile::validate_tokens(int64_t vocab_size) const {
   FLASHLM_CHECK(vocab_size > 0, "TokenFile::validate_tokens: '{}': vocab_size must be positive, got {}", path_,
                 vocab_size);
-  std::vector<uint16_t> chunk(static_cast<size_t>(std::min<int64_t>(count_, kValidateChunkTokens)));
+  std::vector<uint32_t> chunk(static_cast<size_t>(std::min<int64_t>(count_, kValidateChunkTokens)));
   for (int64_t at = 0; at < count_; at += static_cast<int64_t>(chunk.size())) {
-    const std::span<uint16_t> part(chunk.data(), static_cast<size_t>(std::min<int64_t>(count_ - at, chunk.size())));
+    const std::span<uint32_t> part(chunk.data(), static_cast<size_t>(std::min<int64_t>(count_ - at, chunk.size())));
     read(at, part);
     for (size_t i = 0; i < part.size(); ++i) {
       FLASHLM_CHECK(part[i] < vocab_size,
@@ -128,7 +158,8 @@ TokenView TokenView::subview(int64_t offset, int64_t count) const {
   return v;
 }
 
-void TokenView::read(int64_t first, std::span<uint16_t> out) const {
+template <class T>
+void TokenView::read_into(int64_t first, std::span<T> out) const {
   const auto count = static_cast<int64_t>(out.size());
   FLASHLM_CHECK(first >= 0 && first <= size_ && count <= size_ - first,
                 "TokenView::read: tokens [{}, {}) are outside the view's {} tokens", first, first + count, size_);
@@ -138,6 +169,9 @@ void TokenView::read(int64_t first, std::span<uint16_t> out) const {
     std::copy_n(memory_.begin() + offset_ + first, out.size(), out.begin());
   }
 }
+
+void TokenView::read(int64_t first, std::span<uint16_t> out) const { read_into(first, out); }
+void TokenView::read(int64_t first, std::span<uint32_t> out) const { read_into(first, out); }
 
 SyntheticTokens::SyntheticTokens(int64_t vocab_size, int64_t num_tokens, uint64_t seed, int branching)
     : vocab_size_(vocab_size), num_tokens_(num_tokens), branching_(branching) {
@@ -221,12 +255,12 @@ void TokenBatcher::next(std::span<int32_t> inputs, std::span<int32_t> targets) {
       start = below(counter_draw(step_key, row), starts);
     }
     tokens_.read(static_cast<int64_t>(start), row_);
-    const uint16_t* src = row_.data();
+    const uint32_t* src = row_.data();
     int32_t* x = inputs.data() + b * T;
     int32_t* y = targets.data() + b * T;
     for (size_t t = 0; t < T; ++t) {
-      x[t] = src[t];
-      y[t] = src[t + 1];
+      x[t] = static_cast<int32_t>(src[t]);
+      y[t] = static_cast<int32_t>(src[t + 1]);
     }
   }
   ++step_;

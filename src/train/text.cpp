@@ -1,5 +1,6 @@
 #include "flashlm/text.h"
 
+#include <array>
 #include <bit>
 #include <cmath>
 #include <filesystem>
@@ -14,8 +15,11 @@ static_assert(std::endian::native == std::endian::little, "token files are writt
 
 namespace {
 
-// A tokenizer.json holds a few dozen bytes; a larger one is not ours.
-constexpr uint64_t kMaxTokenizerBytes = uint64_t{1} << 20;
+// A byte-level tokenizer.json holds a few dozen bytes; a BPE's grows with its vocabulary and merges
+// (about 2 MB for GPT-2's 50257 tokens); beyond this it is not a tokenizer prepare wrote.
+constexpr uint64_t kMaxTokenizerBytes = uint64_t{256} << 20;
+// A vocabulary id must stay a valid int32 token and index; ModelConfig bounds vocab the same way.
+constexpr int64_t kMaxBpeVocab = int64_t{1} << 24;
 
 std::string read_whole(const std::string& path, std::string_view owner, uint64_t max_bytes) {
   const ReadOnlyFile file(path, owner);
@@ -24,6 +28,105 @@ std::string read_whole(const std::string& path, std::string_view owner, uint64_t
   std::string text(static_cast<size_t>(file.size()), '\0');
   file.read_at(0, std::as_writable_bytes(std::span(text.data(), text.size())));
   return text;
+}
+
+// GPT-2's byte-level alphabet, as the `tokenizers` package's ByteLevel pre-tokenizer uses it: the printable
+// bytes ('!'..'~', 0xA1..0xAC, 0xAE..0xFF) stand for themselves as code points, and the other 68 bytes, in
+// order, for U+0100 onwards, so that every byte is a visible character in the vocabulary's strings.
+// Returns the byte each code point stands for, or -1.
+int byte_of_code_point(uint32_t cp) {
+  static const std::array<int16_t, 256 + 68> table = [] {
+    std::array<int16_t, 256 + 68> t{};
+    t.fill(-1);
+    uint32_t shifted = 256;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+      t[printable ? static_cast<size_t>(b) : shifted++] = static_cast<int16_t>(b);
+    }
+    return t;
+  }();
+  return cp < table.size() ? table[cp] : -1;
+}
+
+// Decodes one UTF-8 code point at s[at], advancing at; -1 for a malformed sequence.
+int64_t next_code_point(std::string_view s, size_t& at) {
+  const auto c = static_cast<unsigned char>(s[at++]);
+  int extra = c < 0x80 ? 0 : (c >> 5) == 0x6 ? 1 : (c >> 4) == 0xE ? 2 : (c >> 3) == 0x1E ? 3 : -1;
+  if (extra < 0) return -1;
+  uint32_t cp = extra == 0 ? c : c & (0x3F >> extra);
+  for (int i = 0; i < extra; ++i) {
+    if (at >= s.size() || (static_cast<unsigned char>(s[at]) & 0xC0) != 0x80) return -1;
+    cp = (cp << 6) | (static_cast<unsigned char>(s[at++]) & 0x3F);
+  }
+  return cp;
+}
+
+// A vocabulary string of the byte-level alphabet, back to the bytes it stands for.
+std::string bytes_of_piece(const std::string& path, std::string_view piece, int64_t id) {
+  std::string out;
+  for (size_t at = 0; at < piece.size();) {
+    const int64_t cp = next_code_point(piece, at);
+    const int b = cp < 0 ? -1 : byte_of_code_point(static_cast<uint32_t>(cp));
+    FLASHLM_CHECK(b >= 0,
+                  "tokenizer: '{}': token {} ({}) holds a character outside the byte-level alphabet: this reads "
+                  "byte-level BPEs only (scripts/prepare_data.py's)",
+                  path, id, nlohmann::json(piece).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+    out.push_back(static_cast<char>(b));
+  }
+  return out;
+}
+
+std::string describe(const nlohmann::json& j, const char* key) {
+  const auto it = j.find(key);
+  return it == j.end() ? std::string("missing") : it->dump();
+}
+
+// The `tokenizers` package's tokenizer.json: model.vocab (string -> id) and added_tokens ({id, content}),
+// every id in [0, size) once.
+std::vector<std::string> load_bpe_pieces(const std::string& path, const nlohmann::json& j) {
+  const nlohmann::json& model = j.at("model");
+  FLASHLM_CHECK(model.is_object() && model.value("type", std::string()) == "BPE",
+                "tokenizer: '{}': model.type is {}, expected \"BPE\"", path,
+                model.is_object() ? describe(model, "type") : model.dump());
+  const auto decoder = j.find("decoder");
+  FLASHLM_CHECK(decoder != j.end() && decoder->is_object() && decoder->value("type", std::string()) == "ByteLevel",
+                "tokenizer: '{}': decoder is {}, expected a ByteLevel decoder (this reads byte-level BPEs only)",
+                path, decoder == j.end() ? std::string("missing") : decoder->dump());
+  const auto vocab = model.find("vocab");
+  FLASHLM_CHECK(vocab != model.end() && vocab->is_object() && !vocab->empty(),
+                "tokenizer: '{}': model.vocab is {}, expected an object of token -> id", path, describe(model, "vocab"));
+  std::vector<std::pair<int64_t, std::string>> entries;
+  for (const auto& [piece, id] : vocab->items()) {
+    FLASHLM_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxBpeVocab,
+                  "tokenizer: '{}': model.vocab[{}] is {}, expected an id in [0, {})", path,
+                  nlohmann::json(piece).dump(), id.dump(), kMaxBpeVocab);
+    entries.emplace_back(id.get<int64_t>(), bytes_of_piece(path, piece, id.get<int64_t>()));
+  }
+  if (const auto added = j.find("added_tokens"); added != j.end() && !added->is_null()) {
+    FLASHLM_CHECK(added->is_array(), "tokenizer: '{}': added_tokens is {}, expected an array", path,
+                  std::string(added->type_name()));
+    for (const auto& t : *added) {
+      const auto id = t.is_object() ? t.find("id") : t.end();
+      const auto content = t.is_object() ? t.find("content") : t.end();
+      FLASHLM_CHECK(id != t.end() && content != t.end() && id->is_number_integer() && content->is_string() &&
+                        id->get<int64_t>() >= 0 && id->get<int64_t>() < kMaxBpeVocab,
+                    "tokenizer: '{}': an added token is {}, expected {{\"id\": an id in [0, {}), \"content\": a "
+                    "string}}",
+                    path, t.dump(), kMaxBpeVocab);
+      // Added tokens are stored as their text, not in the byte-level alphabet.
+      entries.emplace_back(id->get<int64_t>(), content->get<std::string>());
+    }
+  }
+  std::vector<std::string> pieces(entries.size());
+  std::vector<bool> seen(entries.size(), false);
+  for (auto& [id, bytes] : entries) {
+    FLASHLM_CHECK(id < static_cast<int64_t>(entries.size()) && !seen[static_cast<size_t>(id)],
+                  "tokenizer: '{}': the {} tokens' ids are not 0..{} each once (id {} is {})", path, entries.size(),
+                  entries.size() - 1, id, id < static_cast<int64_t>(entries.size()) ? "repeated" : "out of range");
+    seen[static_cast<size_t>(id)] = true;
+    pieces[static_cast<size_t>(id)] = std::move(bytes);
+  }
+  return pieces;
 }
 
 }  // namespace
@@ -40,14 +143,15 @@ Tokenizer Tokenizer::load(const std::string& path) {
   }
   FLASHLM_CHECK(j.is_object(), "tokenizer: '{}' is {}, expected a JSON object", path, std::string(j.type_name()));
   // The `tokenizers` package's files have a "model" object and no "type".
-  FLASHLM_CHECK(!j.contains("model") || j.contains("type"),
-                "tokenizer: '{}' is a BPE tokenizer of the `tokenizers` package; flashlm's C++ side reads the "
-                "byte-level tokenizer only: encode and decode with scripts/prepare_data.py",
-                path);
+  if (j.contains("model") && !j.contains("type")) {
+    Tokenizer t;
+    t.pieces_ = load_bpe_pieces(path, j);
+    return t;
+  }
   const auto type = j.find("type");
   FLASHLM_CHECK(type != j.end() && type->is_string() && type->get<std::string>() == "byte",
-                "tokenizer: '{}': field 'type' is {}, expected \"byte\"", path,
-                type == j.end() ? std::string("missing") : type->dump());
+                "tokenizer: '{}': field 'type' is {}, expected \"byte\" (or a `tokenizers` BPE with a \"model\")",
+                path, type == j.end() ? std::string("missing") : type->dump());
   const auto vocab = j.find("vocab_size");
   FLASHLM_CHECK(vocab != j.end() && vocab->is_number_integer() && vocab->get<int64_t>() == kByteVocab,
                 "tokenizer: '{}': field 'vocab_size' is {}, expected {} for the byte-level tokenizer", path,
@@ -56,22 +160,31 @@ Tokenizer Tokenizer::load(const std::string& path) {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
+  FLASHLM_CHECK(!is_bpe(), "Tokenizer::encode: a BPE is encoded by scripts/prepare_data.py encode (the "
+                           "`tokenizers` package that trained it), not here");
   std::vector<int32_t> out(text.size());
   for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
   return out;
 }
 
 std::string Tokenizer::decode(std::span<const int32_t> tokens) const {
-  std::string out(tokens.size(), '\0');
+  std::string out;
+  out.reserve(tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
-    FLASHLM_CHECK(tokens[i] >= 0 && tokens[i] < kByteVocab,
-                  "Tokenizer::decode: tokens[{}] = {} outside the byte vocabulary [0, {})", i, tokens[i], kByteVocab);
-    out[i] = static_cast<char>(static_cast<unsigned char>(tokens[i]));
+    FLASHLM_CHECK(tokens[i] >= 0 && tokens[i] < vocab_size(),
+                  "Tokenizer::decode: tokens[{}] = {} outside the {} vocabulary [0, {})", i, tokens[i], name(),
+                  vocab_size());
+    if (is_bpe()) {
+      out += pieces_[static_cast<size_t>(tokens[i])];
+    } else {
+      out.push_back(static_cast<char>(static_cast<unsigned char>(tokens[i])));
+    }
   }
   return out;
 }
 
 std::string Tokenizer::json() const {
+  FLASHLM_CHECK(!is_bpe(), "Tokenizer::json: a BPE's tokenizer.json is the `tokenizers` package's own file");
   return nlohmann::json{{"type", name()}, {"vocab_size", vocab_size()}}.dump() + "\n";
 }
 

@@ -70,6 +70,14 @@ std::vector<Case> grid() {
       ++n;
     }
   }
+  // Lengths at and beside the edges of the forward's 128-query tiles and of the 64-row tiles the keys (and the
+  // backward's queries) are packed in, causal in both alignments, with GQA.
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{127, 129}, {128, 128}, {129, 127}, {257, 128}, {129, 255}}) {
+    for (Mask m : {Mask::top_left, Mask::bottom_right}) {
+      cases.push_back({1, nq, nk, 4, 2, 64, layouts[n % 3], m, DType::f32});
+      ++n;
+    }
+  }
   // Every head dim (with GQA and MQA along the way).
   for (int64_t d : {16, 32, 64, 128, 256}) {
     cases.push_back({1, 129, 97, 4, 2, d, layouts[d % 3], Mask::top_left, DType::f32});
@@ -186,8 +194,9 @@ int64_t extra_bytes(AttentionImpl impl, int64_t n) {
 TEST(FlashCpu, ExtraMemoryGrowsLinearlyWhileNaiveGrowsQuadratically) {
   const int64_t flash_1k = extra_bytes(AttentionImpl::flash, 1024), flash_2k = extra_bytes(AttentionImpl::flash, 2048);
   const int64_t naive_1k = extra_bytes(AttentionImpl::naive, 1024), naive_2k = extra_bytes(AttentionImpl::naive, 2048);
-  // flash: the only sequence-sized buffer is Delta (one fp32 per query row and head).
-  EXPECT_LE(flash_2k - flash_1k, 1024 * 2 * 4) << flash_1k << " -> " << flash_2k;
+  // flash: the sequence-sized buffers are linear in it: per row and head, Delta (one fp32) and the backward's
+  // packed copies of Q, dO, K (as stored and transposed) and V (transposed), head_dim fp32 each.
+  EXPECT_LE(flash_2k - flash_1k, 1024 * 2 * 4 * (1 + 5 * 64)) << flash_1k << " -> " << flash_2k;
   // naive: S and P are seq² per head: doubling seq quadruples them.
   EXPECT_GE(naive_2k, 3.9 * double(naive_1k)) << naive_1k << " -> " << naive_2k;
 }

@@ -2,6 +2,10 @@
 // names, order and consistency).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
+#include <nlohmann/json.hpp>
+
 #include "flashlm/profile.h"
 #include "flashlm/tensor.h"
 
@@ -96,4 +100,71 @@ TEST(MemoryTimeline, RecordsAllocationsReleasesTagsAndPhases) {
   // Not recording any more: nothing is logged.
   Tensor after = Tensor::empty({16}, DType::f32);
   EXPECT_TRUE(memory_timeline_stop().empty());
+}
+
+// The Chrome trace: recorded ranges become complete events (microseconds, nested within their parents'
+// spans on the host track) and the memory timeline a counter per device, all on one clock that starts at 0.
+TEST(ChromeTrace, RangesAndMemoryBecomeTraceEvents) {
+  RangeProfiler& p = RangeProfiler::instance();
+  p.reset();
+  const int64_t origin = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch())
+                             .count();
+  memory_timeline_start();
+  p.enable(true);
+  for (int i = 0; i < 2; ++i) {
+    ScopedRange outer("step");
+    Buffer b = Buffer::allocate(4096, Device::cpu, "trace test");
+    ScopedRange inner("layer");
+  }
+  p.enable(false);
+  const std::vector<MemoryEvent> memory = memory_timeline_stop();
+  const std::vector<RangeInstance>& ranges = p.instances();
+  ASSERT_EQ(ranges.size(), 4u);
+  ASSERT_GE(memory.size(), 4u);  // two allocations, two releases
+
+  const nlohmann::json doc = nlohmann::json::parse(chrome_trace_json(ranges, memory, origin));
+  const auto& events = doc.at("traceEvents");
+  std::vector<nlohmann::json> steps, layers, counters;
+  for (const auto& e : events) {
+    const std::string ph = e.at("ph");
+    if (ph == "X" && e.at("name") == "step") steps.push_back(e);
+    if (ph == "X" && e.at("name") == "layer") layers.push_back(e);
+    if (ph == "C") counters.push_back(e);
+  }
+  ASSERT_EQ(steps.size(), 2u);
+  ASSERT_EQ(layers.size(), 2u);
+  EXPECT_EQ(counters.size(), memory.size());
+  double earliest = 1e300;
+  for (const auto& e : events) {
+    if (e.contains("ts")) earliest = std::min(earliest, e.at("ts").get<double>());
+  }
+  EXPECT_EQ(earliest, 0.0);
+  for (size_t i = 0; i < 2; ++i) {
+    const double s0 = steps[i].at("ts"), s1 = s0 + steps[i].at("dur").get<double>();
+    const double l0 = layers[i].at("ts"), l1 = l0 + layers[i].at("dur").get<double>();
+    EXPECT_LE(s0, l0);  // the layer lies inside its step
+    EXPECT_LE(l1, s1 + 1e-3);
+    EXPECT_EQ(steps[i].at("tid"), layers[i].at("tid"));
+    EXPECT_EQ(steps[i].at("args").at("depth"), 0);
+    EXPECT_EQ(layers[i].at("args").at("depth"), 1);
+  }
+  EXPECT_LE(steps[0].at("ts").get<double>() + steps[0].at("dur").get<double>(), steps[1].at("ts").get<double>());
+  // The counter follows the timeline's bytes, in order, on the same clock as the ranges: each allocation
+  // lies inside the step that made it.
+  for (size_t i = 0; i < counters.size(); ++i) {
+    EXPECT_EQ(counters[i].at("name"), "memory cpu");
+    EXPECT_EQ(counters[i].at("args").at("bytes").get<int64_t>(), memory[i].current_bytes);
+    if (i > 0) EXPECT_GE(counters[i].at("ts").get<double>(), counters[i - 1].at("ts").get<double>());
+  }
+  for (const auto& c : counters) {
+    const double t = c.at("ts");
+    const bool inside = std::any_of(steps.begin(), steps.end(), [&](const nlohmann::json& s) {
+      const double s0 = s.at("ts"), s1 = s0 + s.at("dur").get<double>();
+      return t >= s0 - 50 && t <= s1 + 50;  // 50 us: the two clocks' origins differ by one call
+    });
+    EXPECT_TRUE(inside) << t;
+  }
+  p.reset();
+  EXPECT_TRUE(p.instances().empty());
 }

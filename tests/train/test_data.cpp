@@ -76,6 +76,18 @@ std::vector<unsigned char> llmc_bytes(const std::vector<uint16_t>& tokens, int32
   return out;
 }
 
+// What llm.c's write_datafile writes for LLaMA 3: magic 20240801, version 7, uint32 tokens.
+std::vector<unsigned char> llmc32_bytes(const std::vector<uint32_t>& tokens, int32_t version = 7) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = 20240801;
+  header[1] = version;
+  header[2] = static_cast<int32_t>(tokens.size());
+  std::vector<unsigned char> out;
+  append(out, header.data(), header.size());
+  append(out, tokens.data(), tokens.size());
+  return out;
+}
+
 std::vector<uint16_t> ramp(size_t n) {
   std::vector<uint16_t> t(n);
   for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint16_t>(i);
@@ -135,6 +147,45 @@ TEST(TokenFile, LoadsLlmcFile) {
   EXPECT_EQ(read_all(f), tokens);
 }
 
+TEST(TokenFile, LoadsUint32LlmcFileAndBatchesTokensBeyondUint16) {
+  std::vector<uint32_t> tokens(500);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = 70000 + static_cast<uint32_t>(i) * 150;  // up to 144850
+  const TempFile file = write_file("llmc32.bin", llmc32_bytes(tokens));
+  const TokenFile f(file.path, 151936);
+  EXPECT_EQ(f.format(), TokenFormat::llmc_uint32);
+  EXPECT_EQ(f.token_bytes(), 4);
+  ASSERT_EQ(f.size(), 500);
+  std::vector<uint32_t> all(500);
+  f.read(0, all);
+  EXPECT_EQ(all, tokens);
+  std::vector<uint16_t> narrow(4);
+  expect_error([&] { f.read(0, narrow); }, {file.path, "holds uint32 tokens"});
+  expect_error([&] { TokenFile g(file.path, 100000); }, {file.path, "token 100000 at position 200", "vocab_size = 100000"});
+  TokenBatcher b(f, f.path(), 2, 16, BatchOrder::sequential);
+  Batch batch = next_batch(b);
+  EXPECT_EQ(batch.x[0], 70000);
+  EXPECT_EQ(batch.y[0], 70150);
+  EXPECT_EQ(batch.x[16], 70000 + 16 * 150);  // row 1 is the second window
+  std::vector<unsigned char> truncated = llmc32_bytes(tokens);
+  truncated.resize(truncated.size() - 2);
+  const TempFile bad(write_file("llmc32_truncated.bin", truncated));
+  expect_error([&] { TokenFile g(bad.path); }, {"truncated llm.c file: the header's token count 500 needs 3024 bytes"});
+  const TempFile v1(write_file("llmc32_v1.bin", llmc32_bytes(tokens, 1)));
+  expect_error([&] { TokenFile g(v1.path); }, {"unsupported llm.c version 1 for magic 20240801 (expected 7: uint32"});
+}
+
+TEST(TokenFile, Uint16FilesReadIntoUint32) {
+  const std::vector<uint16_t> tokens = ramp(301);
+  for (const auto& bytes : {nanogpt_bytes(tokens), llmc_bytes(tokens)}) {
+    const TempFile file = write_file("wide.bin", bytes);
+    const TokenFile f(file.path);
+    EXPECT_EQ(f.token_bytes(), 2);
+    std::vector<uint32_t> out(299, 0xdeadbeef);
+    f.read(2, out);
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out[i], i + 2) << i;
+  }
+}
+
 TEST(TokenFile, MoveTransfersTheFile) {
   const std::vector<uint16_t> tokens = ramp(64);
   const TempFile file = write_file("move.bin", nanogpt_bytes(tokens));
@@ -171,7 +222,7 @@ TEST(TokenFile, MalformedFilesNameTheFileAndTheReason) {
       {"truncated.bin", truncated,
        "truncated llm.c file: the header's token count 100 needs 1224 bytes, the file has 1222"},
       {"too_long.bin", too_long, "token count 100 needs 1224 bytes, but the file has 1226 (2 bytes too many)"},
-      {"version2.bin", llmc_bytes(tokens, 2), "unsupported llm.c version 2"},
+      {"version2.bin", llmc_bytes(tokens, 2), "unsupported llm.c version 2 for magic 20240520 (expected 1: uint16 tokens)"},
       {"version0.bin", llmc_bytes(tokens, 0), "unsupported llm.c version 0"},
       {"count_more.bin", llmc_bytes(tokens, 1, 150), "truncated llm.c file: the header's token count 150"},
       {"count_less.bin", llmc_bytes(tokens, 1, 40), "token count 40 needs 1104 bytes"},

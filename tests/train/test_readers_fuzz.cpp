@@ -156,7 +156,7 @@ TEST(ReaderFuzz, TokenFilesGiveAnErrorOrConsistentTokens) {
       [&](const std::string& bytes) {
         const TokenFile f(path, 300);
         // Accepted: the tokens lie inside the file and the vocabulary, and a batcher reads every one.
-        const int64_t header = f.format() == TokenFormat::llmc ? 1024 : 0;
+        const int64_t header = f.format() == TokenFormat::nanogpt ? 0 : 1024;
         ASSERT_EQ(header + 2 * f.size(), int64_t(bytes.size()));
         std::vector<uint16_t> all(size_t(f.size()));
         f.read(0, all);

@@ -93,7 +93,7 @@ TEST(Tokenizer, BytesRoundTripAndErrors) {
   write_bytes(path, t.json());
   EXPECT_EQ(Tokenizer::load(path).vocab_size(), 256);
   write_bytes(path, R"({"model": {"type": "BPE"}, "added_tokens": []})");
-  expect_error([&] { Tokenizer::load(path); }, {"BPE tokenizer", "scripts/prepare_data.py"});
+  expect_error([&] { Tokenizer::load(path); }, {"decoder is missing", "byte-level BPEs only"});
   write_bytes(path, R"({"type": "word", "vocab_size": 256})");
   expect_error([&] { Tokenizer::load(path); }, {"'type' is \"word\""});
   write_bytes(path, R"({"type": "byte", "vocab_size": 300})");
@@ -101,6 +101,71 @@ TEST(Tokenizer, BytesRoundTripAndErrors) {
   write_bytes(path, "{not json");
   expect_error([&] { Tokenizer::load(path); }, {"not valid JSON"});
   expect_error([&] { Tokenizer::load(::testing::TempDir()); }, {"not a regular file"});
+}
+
+// A byte-level BPE in the `tokenizers` package's format, written by hand: every one of the 256 byte
+// characters of GPT-2's alphabet plus merges, each id's string mapped back to its bytes on decode.
+TEST(Tokenizer, BpeDecodesThroughTheByteLevelAlphabet) {
+  // GPT-2's table, built independently of the reader: printable bytes are themselves, the 68 others
+  // U+0100.. in byte order.
+  std::vector<std::string> chars(256);
+  int shifted = 256;
+  const auto utf8 = [](int cp) {
+    std::string s;
+    if (cp < 0x80) s.push_back(char(cp));
+    else { s.push_back(char(0xC0 | (cp >> 6))); s.push_back(char(0x80 | (cp & 0x3F))); }
+    return s;
+  };
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    chars[size_t(b)] = utf8(printable ? b : shifted++);
+  }
+  nlohmann::json vocab = nlohmann::json::object();
+  for (int b = 0; b < 256; ++b) vocab[chars[size_t(b)]] = (b * 7 + 3) % 256;  // ids shuffled against bytes
+  vocab[chars[' '] + "the"] = 256;
+  vocab[chars[0xC3] + chars[0xA9]] = 257;  // "é" in UTF-8
+  vocab[chars['\n'] + chars['\n']] = 258;
+  nlohmann::json j = {{"version", "1.0"},
+                      {"added_tokens", nlohmann::json::array({{{"id", 259}, {"content", "<|end|>"}}})},
+                      {"decoder", {{"type", "ByteLevel"}}},
+                      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+  const std::string path = temp_path("bpe.json");
+  write_bytes(path, j.dump());
+  const Tokenizer t = Tokenizer::load(path);
+  EXPECT_TRUE(t.is_bpe());
+  EXPECT_EQ(t.name(), "bpe");
+  EXPECT_EQ(t.vocab_size(), 260);
+  std::string all;
+  std::vector<int32_t> ids;
+  for (int b = 0; b < 256; ++b) {
+    all.push_back(char(b));
+    ids.push_back((b * 7 + 3) % 256);
+  }
+  EXPECT_EQ(t.decode(ids), all);
+  EXPECT_EQ(t.decode(std::vector<int32_t>{256, 257, 258, 259}), " the\xc3\xa9\n\n<|end|>");
+  expect_error([&] { t.decode(std::vector<int32_t>{260}); }, {"tokens[0] = 260 outside the bpe vocabulary [0, 260)"});
+  expect_error([&] { t.encode("a"); }, {"scripts/prepare_data.py encode"});
+
+  nlohmann::json bad = j;
+  bad["model"]["vocab"]["\xe6\x97\xa5"] = 260;  // a CJK character is no byte of the alphabet
+  write_bytes(path, bad.dump());
+  expect_error([&] { Tokenizer::load(path); }, {"token 260", "outside the byte-level alphabet"});
+  bad = j;
+  bad["model"]["vocab"][chars['a'] + chars['b']] = 300;
+  write_bytes(path, bad.dump());
+  expect_error([&] { Tokenizer::load(path); }, {"not 0..260 each once (id 300 is out of range)"});
+  bad = j;
+  bad["model"]["vocab"][chars['a'] + chars['b']] = 5;
+  write_bytes(path, bad.dump());
+  expect_error([&] { Tokenizer::load(path); }, {"id 5 is repeated"});
+  bad = j;
+  bad["decoder"]["type"] = "WordPiece";
+  write_bytes(path, bad.dump());
+  expect_error([&] { Tokenizer::load(path); }, {"expected a ByteLevel decoder"});
+  bad = j;
+  bad["model"]["vocab"]["x"] = -1;
+  write_bytes(path, bad.dump());
+  expect_error([&] { Tokenizer::load(path); }, {"model.vocab[\"x\"] is -1"});
 }
 
 TEST(Prepare, WritesTokenFilesTrainReadsAndTheTokenizer) {

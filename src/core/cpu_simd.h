@@ -1,0 +1,67 @@
+// Vectorisable building blocks of the CPU kernels (the attention's softmax tiles, the LM's cross-entropy):
+// an fp32 exponential and row reductions that fold their vector lanes as a tree.
+#pragma once
+#include <bit>
+#include <cstdint>
+#include <limits>
+
+namespace flashlm {
+
+// exp(v) in fp32 by a polynomial that the compiler vectorises inside `#pragma omp simd` loops (std::exp is a
+// scalar libm call: it was most of the CPU attention's time, and half of the tiny LM's CPU step in the
+// cross-entropy). Relative error ~2e-7 (a few ulp); exp(-inf) = 0, NaN stays NaN, underflow below
+// e^-87.3 gives 0 (std::exp would give a denormal), overflow inf.
+#pragma omp declare simd notinbranch
+inline float exp_fp32(float v) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-6f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  float t = v * kLog2e;
+  t = t != t ? 0.0f : (t < -126.0f ? -126.0f : (t > 127.0f ? 127.0f : t));  // keeps the int conversion defined
+  const float k = (t + kRound) - kRound;
+  const float r = (v - k * kLn2Hi) - k * kLn2Lo;  // |r| <= ln2/2
+  // Taylor terms to r^7 (below fp32's rounding on |r| <= ln2/2), evaluated in pairs (Estrin's scheme): the
+  // dependency chain is four operations deep instead of Horner's eight, which bound the softmax's throughput.
+  const float r2 = r * r;
+  const float c01 = 1.0f + r, c23 = 0.5f + r * (1.0f / 6), c45 = 1.0f / 24 + r * (1.0f / 120);
+  const float c67 = 1.0f / 720 + r * (1.0f / 5040);
+  const float q = c01 + r2 * (c23 + r2 * (c45 + r2 * c67));
+  const float y = q * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+  return v != v ? v : (v < -87.3f ? 0.0f : (v > 88.7f ? std::numeric_limits<float>::infinity() : y));
+}
+
+// Reductions over a row keep kLanes partial results, one per vector lane, and fold them as a tree at the end:
+// `#pragma omp simd reduction` folds its lanes one after another in scalar adds, a dependency chain that
+// cost as much as the row's products when the softmax reduced every 64-wide tile row twice.
+inline constexpr int64_t kLanes = 16;
+
+template <class A>
+inline A fold_lanes(A (&lanes)[kLanes], A (*combine)(A, A)) {
+  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
+    for (int64_t j = 0; j < w; ++j) lanes[j] = combine(lanes[j], lanes[j + w]);
+  }
+  return lanes[0];
+}
+
+// The largest of x[0..n), NaN if any is, -inf for n = 0; vectorised (a max_propagating_nan fold is not).
+template <class A>
+inline A row_max(const A* x, int64_t n) {
+  A lanes[kLanes];
+  int nan_lanes[kLanes] = {};
+  for (A& l : lanes) l = -std::numeric_limits<A>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j) {
+      lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
+      nan_lanes[j] |= x[i + j] != x[i + j];
+    }
+  }
+  for (; i < n; ++i) {
+    lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
+    nan_lanes[0] |= x[i] != x[i];
+  }
+  if (fold_lanes<int>(nan_lanes, [](int a, int b) { return a | b; })) return std::numeric_limits<A>::quiet_NaN();
+  return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
+}
+
+}  // namespace flashlm
