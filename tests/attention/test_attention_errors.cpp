@@ -46,7 +46,12 @@ TEST(AttentionErrors, OutputsOverlappingInputs) {
   }
   {
     Args a;
-    a.O = TensorView::contiguous(static_cast<char*>(a.v.data()) + 64, DType::f32, {2, 8, 4, 16});  // inside v
+    // o starts inside v; both live in one allocation, so o overlaps v and nothing else whatever the
+    // allocator put next to it (o is larger than v: an o reaching past v's own allocation could overlap q).
+    Tensor both = Tensor::empty({3, 8, 4, 16}, DType::f32);
+    fill_normal(both, 2);
+    a.V = TensorView::contiguous(both.data(), DType::f32, {2, 6, 2, 16});
+    a.O = TensorView::contiguous(static_cast<char*>(both.data()) + 64, DType::f32, {2, 8, 4, 16});
     expect_error([&] { a.forward(); }, {"o: the output overlaps the input v"});
   }
   {
