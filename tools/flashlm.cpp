@@ -521,6 +521,7 @@ struct TrainArgs {
   int64_t checkpoint_every = 0;
   int threads = 0;
   double lr = 3e-3, lr_min = 3e-4, weight_decay = 0.1, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
+  double loss_scale_init = 0;
   uint64_t seed = 1234;
   bool resume = false, sharded_checkpoint = false;
   std::string ddp, reduce_dtype = "fp32";
@@ -592,6 +593,9 @@ void add_train(CLI::App& app, TrainArgs& a) {
   cmd->add_option("--beta2", a.beta2, "AdamW beta2")
       ->capture_default_str()
       ->check(in_range(0.0, std::nextafter(1.0, 0.0)));
+  cmd->add_option("--loss-scale-init", a.loss_scale_init,
+                  "fp16: the dynamic loss scale to start from (default 65536), as GradScaler's init_scale")
+      ->check(in_range(1.0, 4294967296.0));
   cmd->add_option("--clip", a.clip, "Global gradient-norm clip (0: none)")
       ->capture_default_str()
       ->check(in_range(0.0, 1e9));
@@ -696,6 +700,8 @@ int run_train_command(const TrainArgs& a) {
   cfg.optimizer.beta1 = a.beta1;
   cfg.optimizer.beta2 = a.beta2;
   cfg.optimizer.max_grad_norm = a.clip;
+  if (a.loss_scale_init > 0 && cfg.precision != DType::f16) throw UsageError("--loss-scale-init needs --precision fp16");
+  cfg.loss_scale_init = a.loss_scale_init;
   cfg.eval_every = a.eval_every;
   cfg.eval_batches = a.eval_batches;
   cfg.log_every = a.log_every;

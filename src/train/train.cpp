@@ -278,6 +278,10 @@ TrainResult train(const TrainConfig& cfg) {
       make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options);
   LanguageModel& model = *model_ptr;
   model.init_parameters(cfg.seed);
+  if (cfg.loss_scale_init > 0) {  // a resumed run then takes the checkpoint's scale instead
+    FLASHLM_CHECK(cfg.precision == DType::f16, "train: loss_scale_init needs fp16, not {}", dtype_name(cfg.precision));
+    model.restore_loss_scale(cfg.loss_scale_init, 0);
+  }
   std::unique_ptr<DdpModel> dp;
   if (cfg.comm) dp = std::make_unique<DdpModel>(*cfg.comm, model, cfg.batch * cfg.seq, cfg.ddp, cfg.zero1);
   TrainResult result;
