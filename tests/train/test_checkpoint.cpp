@@ -182,7 +182,11 @@ TEST(Checkpoint, FlippedBitsAreFound) {
   std::ifstream in(s.path, std::ios::binary);
   const std::string good((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   in.close();
-  const size_t header_end = good.find("}") + 1;  // inside the JSON: the model's object closes first
+  // Inside the JSON (from byte 20, after the binary prefix, whose length and CRC bytes may hold a '}'):
+  // the model's object closes first.
+  const size_t brace = good.find('}', 20);
+  ASSERT_NE(brace, std::string::npos);
+  const size_t header_end = brace + 1;
   std::mt19937 rng(7);
   for (int i = 0; i < 40; ++i) {
     std::string bad = good;
