@@ -42,8 +42,8 @@ void add_prepare(CLI::App& app, TextCommandArgs& a) {
 
 void add_generate(CLI::App& app, TextCommandArgs& a) {
   CLI::App* cmd = app.add_subcommand(
-      "generate", "Sample text from a trained model (a train checkpoint or an exported .safetensors) on the CPU, "
-                  "with a KV cache");
+      "generate", "Sample text from a trained model (a train checkpoint or an exported .safetensors) on the CPU "
+                  "or CUDA (--device), with a KV cache");
   cmd->add_option("--checkpoint", a.weights, "train --checkpoint file or flashlm export's .safetensors")->required();
   cmd->add_option("--prompt", a.prompt, "Text the sample continues (at least one token)")->required();
   cmd->add_option("--max-tokens", a.max_tokens, "Tokens to generate")->capture_default_str()->check(in_range(int64_t{0}, int64_t{1} << 24));
