@@ -27,6 +27,7 @@
 // (ParametersNeededHook, a prefetch ahead) and frees them after (ParametersDoneHook).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -39,6 +40,7 @@
 namespace flashlm {
 
 class Communicator;
+class FsdpParameters;
 
 // How gradients are averaged across ranks.
 enum class DdpVariant : uint8_t {
@@ -219,6 +221,12 @@ class DataParallel {
   void finish_backward();
   // The last synchronisation's numbers (CUDA: waits for its events).
   DdpStats last_stats();
+  // FSDP's sharded storage: the gradients are read from FsdpParameters::gradient_source() and reduced into
+  // its packed shard (begin_backward's grads are then fsdp.shard_gradients()). await_gradients: the
+  // buckets within these elements have been sent (CPU: their requests waited for; CUDA: the model's stream
+  // waits for an event after their collectives), so their gradient buffer may be written again.
+  void route_through(FsdpParameters& fsdp);
+  void await_gradients(int64_t offset, int64_t count);
 
  private:
   struct Impl;
@@ -275,6 +283,10 @@ class ZeroOptimizer {
   double step(float* params, float* grads, void* working, DType working_dtype, const AdamWConfig& c, double lr,
               void* stream);
   bool masters_stale() const;
+  // FSDP's sharded storage: step() reads and writes params, grads and working packed in updated_ranges()
+  // order (shard_elements() of each, as the moments), not the flat buffers. Per bucket, gather_after_step
+  // false only.
+  void use_packed_storage();
   // Per-bucket layout on CUDA: step() returns with the gather of the updated parameters (or working copy)
   // still in flight, in chunks of buckets in ascending order; `stream` must wait for the chunks holding
   // [offset, offset + count) before reading those elements (DdpModel does it from the model's
@@ -311,8 +323,14 @@ class ZeroOptimizer {
 // embedding). CUDA: each gather is queued on the communicator's stream behind an event of the model's stream
 // and followed by an event of its own, which the model's stream waits for; the host waits for neither.
 // CPU: MPI non-blocking all-gathers, waited for in needed(). Collective: every rank makes the same calls.
-// Memory: the model still allocates its flat buffers in full, so "freeing" bounds what a rank may read,
-// not what it allocates; peak_gathered_bytes() is what a rank needs for the parts whole at once.
+// Memory, two storages. Full (a model that allocates its flat buffers): the gathers land in place in them, so
+// "freeing" bounds what a rank may read, not what it allocates. Sharded (use_sharded_storage(), for a model
+// built with ModelOptions::external_parameters): this rank keeps only its parts and the replicated elements,
+// packed in ZeroOptimizer::updated_ranges() order (the moments' order), of the masters, the working copy and
+// the gradients; a part is gathered into a buffer of a pool of prefetch + 2, allocated once and reused, and
+// its backward writes its gradients into one of two gradient buffers, reduce-scattered from there into the
+// shard (grad_accum > 1: one whole local gradient buffer instead, PyTorch's no_sync). The model reads both
+// through its parameter_storage() table, which needed() and gradients_needed() fill.
 class FsdpParameters {
  public:
   FsdpParameters(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets, int prefetch,
@@ -324,6 +342,26 @@ class FsdpParameters {
   // The buffers gathered into: the fp32 masters and the model's working copy (nullptr: none); `stream` the
   // model's (CUDA).
   void set_storage(float* masters, void* working, DType working_dtype, void* stream);
+  // Sharded storage instead (see above): allocates this rank's shards, the pool and the gradient buffers on
+  // the parameters' device, and points `table`'s replicated entries at the shards (the others are filled
+  // as parts are gathered). Needs every parameter trainable and untied. await_gradients(offset, count): makes
+  // a gradient buffer reusable once the reduce-scatter of those elements is done (DataParallel's).
+  void use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, int64_t grad_accum, void* stream,
+                           std::function<void(int64_t, int64_t)> await_gradients);
+  bool sharded() const;
+  // Sharded storage: this rank's packed elements (ZeroOptimizer's order) of the masters, the working copy
+  // (nullptr for fp32 weights) and the gradients, and where the element `offset` of the flat layout is
+  // kept there (an element this rank updates), or written by the backward (gradient_source; the bucket's
+  // first element: the whole bucket's gradient follows it).
+  float* shard_masters() const;
+  void* shard_working() const;
+  float* shard_gradients() const;
+  int64_t packed_index(int64_t offset) const;
+  float* gradient_source(int64_t offset) const;
+  void gradients_needed(int64_t offset, int64_t count);  // the model's GradientsNeededHook
+  void zero_gradients();  // before a step's first backward (CPU; the CUDA model overwrites after zero_grad)
+  // Bytes of the pool and the gradient buffers (and the whole local gradients under grad_accum > 1).
+  int64_t buffer_bytes() const;
   void begin_pass(bool backward);  // the order of the prefetch: the parts ascending, or descending
   void needed(int64_t offset, int64_t count);
   void done(int64_t offset, int64_t count);
@@ -343,6 +381,7 @@ class FsdpParameters {
   int64_t peak_gathered_bytes() const;
 
  private:
+  void needed_sharded(int64_t offset, int64_t count);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -353,7 +392,9 @@ struct DdpMemory {
   int64_t gradients = 0;        // fp32 gradients this rank keeps averaged
   int64_t optimizer_state = 0;  // AdamW moments
   int64_t gathered = 0;         // FSDP: peak of the other ranks' parts whole at once (peak_gathered_bytes)
-  int64_t model_buffers = 0;    // what the model allocates for parameters and gradients (in full, today)
+  // What holds parameters and gradients: the model's flat buffers, or under FSDP's sharded storage the shards
+  // plus the pool of gathered parts and the gradient buffers (FsdpParameters::buffer_bytes).
+  int64_t model_buffers = 0;
 };
 
 // DataParallel, and ZeroOptimizer when zero1, wired to a LanguageModel: its buffers, stream and gradient-ready
@@ -395,6 +436,15 @@ class DdpModel {
   // broadcast_parameters() at the start. flashlm::Error unless fsdp.
   void save_shard(float* params, float* m, float* v);
   void load_shard(const float* params, const float* m, const float* v, int64_t steps);
+  // Whether the model keeps its weights in FSDP's shards (built with ModelOptions::external_parameters).
+  bool sharded_storage() const;
+  // The whole model's parameters on the host, for every storage. init_parameters: the model's own
+  // initialisation (sharded: every rank computes the same values and keeps its runs). load_parameters: a
+  // host array of parameter_count() floats (every rank the same; a gathered checkpoint, --init).
+  // save_parameters (collective): every rank receives the fp32 masters (a gathered checkpoint).
+  void init_parameters(uint64_t seed);
+  void load_parameters(const float* host);
+  void save_parameters(Communicator& comm, float* host);
   // zero_grad, then grad_accum micro-steps of forward and backward (micro-step k reads tokens and targets
   // [k · micro_batch_tokens, (k + 1) · micro_batch_tokens)), the last one synchronised. Returns the mean loss.
   double forward_backward(std::span<const int32_t> tokens, std::span<const int32_t> targets);
@@ -404,6 +454,8 @@ class DdpModel {
   int64_t optimizer_steps() const;
 
  private:
+  void copy_kept_masters(float* packed_host, bool to_host);  // zero()->updated_ranges() order
+  void masters_changed();  // the working copy of what this rank keeps, after its masters changed
   LanguageModel& model_;
   int64_t micro_tokens_;
   int gemm_sm_reserve_;  // DdpOptions::gemm_sm_reserve resolved

@@ -84,6 +84,16 @@ struct ModelOptions {
   // Ranks that share the AdamW moments (ZeRO-1 and FSDP: DdpModel releases the model's own and the sharded
   // optimizer keeps 1/world of them): the memory plan counts one such share. 1: the model's own moments.
   int64_t optimizer_shards = 1;
+  // FSDP's sharded storage (flashlm/ddp.h): the model allocates no flat parameter, working-copy or gradient
+  // buffers; it reads and writes them through the pointers its parameter_storage() table holds, which
+  // FsdpParameters fills part by part (ParametersNeededHook, GradientsNeededHook). parameters() and
+  // gradients() are then nullptr, and what works on the whole flat buffers (init_parameters, save_state,
+  // load_state, the model's own norm, clip and AdamW) is an error: DdpModel does those on the shards.
+  // `external_parameters` is this rank's share of them, for the memory plan: fsdp_world ranks, and the bytes
+  // of the gathered pool and gradient buffers (fsdp_pool_bytes).
+  bool external_parameters = false;
+  int64_t fsdp_world = 1;
+  int64_t fsdp_pool_bytes = 0;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
@@ -165,6 +175,19 @@ using ParametersNeededHook = std::function<void(int64_t offset, int64_t count)>;
 // Called after the kernels that read a part's parameters are queued (the same elements as the needed call
 // before them): FSDP frees the part's gathered weights there, until the next needed call.
 using ParametersDoneHook = std::function<void(int64_t offset, int64_t count)>;
+// Called by backward() before it writes the first gradient of a model part (the same elements as the
+// needed hook): FSDP's sharded storage points the part's gradient pointers at a gradient buffer there.
+using GradientsNeededHook = std::function<void(int64_t offset, int64_t count)>;
+
+// Where a model reads and writes one parameter (LanguageModel::parameter_storage()): `weight` what the GEMMs
+// read (the low-precision working copy, or the fp32 master), `master` the fp32 value (what the embedding
+// lookup and the RMSNorm gains read on CUDA, and everything on the CPU), `grad` the fp32 gradient. A model
+// fills them with its own flat buffers; under FSDP's sharded storage the hooks fill them.
+struct ParameterStorage {
+  void* weight = nullptr;
+  float* master = nullptr;
+  float* grad = nullptr;
+};
 
 // What the training loop and the benchmark need from a model, whatever device it runs on.
 class LanguageModel {
@@ -232,6 +255,16 @@ class LanguageModel {
   // head) reads its parameters, and the done hook after. An empty hook removes it.
   void set_parameters_needed_hook(ParametersNeededHook hook) { parameters_needed_hook_ = std::move(hook); }
   void set_parameters_done_hook(ParametersDoneHook hook) { parameters_done_hook_ = std::move(hook); }
+  void set_gradients_needed_hook(GradientsNeededHook hook) { gradients_needed_hook_ = std::move(hook); }
+  // Per parameter of layout(), where forward() and backward() find it (ParameterStorage). Its pointers point
+  // into the model's flat buffers, unless the model was built with ModelOptions::external_parameters: then
+  // they are null until the hooks' owner (FsdpParameters) fills them, and the model reads them only between
+  // a part's needed and done calls (and its gradients after the gradients-needed call).
+  std::span<ParameterStorage> parameter_storage() { return storage_; }
+  virtual bool external_parameters() const { return false; }
+  // The type of the copy of the weights the GEMMs read: precision() for CudaModel's bf16/fp16 mixed
+  // precision (working_parameters()), fp32 otherwise.
+  virtual DType working_dtype() const { return DType::f32; }
 
  protected:
   // For save_state and load_state (`caller` names it in errors): each array holds parameter_count() floats,
@@ -244,8 +277,15 @@ class LanguageModel {
   // `name_prefix` (one run: a layer's parameters are contiguous in the layout).
   void parameters_needed(std::string_view name_prefix) const;
   void parameters_done(std::string_view name_prefix) const;  // likewise, the done hook
+  void gradients_needed(std::string_view name_prefix) const;  // likewise, the gradients-needed hook
+  // Fills parameter_storage() with the flat buffers' pointers (working: nullptr for fp32 weights).
+  void point_storage_at(float* params, void* working, DType working_dtype, float* grads);
+  // The table's entry for a parameter by name (a linear search: a few hundred names at most).
+  const ParameterStorage& stored(std::string_view name) const;
+  std::vector<ParameterStorage> storage_;
 
  private:
+  GradientsNeededHook gradients_needed_hook_;
   GradientReadyHook gradient_ready_hook_;
   ParametersNeededHook parameters_needed_hook_;
   ParametersDoneHook parameters_done_hook_;
@@ -286,6 +326,7 @@ class CpuModel final : public LanguageModel {
   DType precision() const override { return DType::f32; }
   size_t activation_bytes() const { return acts_.bytes() + stats_.bytes(); }
   const RecomputePlan& recompute() const { return options_.recompute; }
+  bool external_parameters() const override { return options_.external_parameters; }
 
   // Normal(0, 0.02) weights (truncated at 3 sigma), unit RMSNorm gains; reproducible per seed.
   void init_parameters(uint64_t seed) override;
@@ -327,8 +368,9 @@ class CpuModel final : public LanguageModel {
   const int32_t* tokens_ = nullptr;
   const int32_t* targets_ = nullptr;
 
-  float* param(const std::string& name) const;
+  float* param(const std::string& name) const;  // through parameter_storage()
   float* grad(const std::string& name) const;
+  void check_own_storage(std::string_view caller) const;  // flashlm::Error under external_parameters
   float* act(int64_t offset) const { return static_cast<float*>(acts_.data()) + offset; }
   float* stat(int64_t offset) const { return static_cast<float*>(stats_.data()) + offset; }
   void forward_block(int64_t l, BlockPass pass);

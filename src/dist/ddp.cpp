@@ -302,6 +302,14 @@ struct DataParallel::Impl {
   cudaEvent_t backward_done = nullptr, synced = nullptr;
   bool events_pending = false;
 #endif
+  // FSDP's sharded storage (route_through): each bucket's gradients are read where the backward wrote them
+  // (FsdpParameters::gradient_source) and reduced into this rank's packed shard; a bucket's requests (CPU)
+  // or an event after its collectives (CUDA) say when its gradient buffer may be written again.
+  FsdpParameters* route = nullptr;
+  std::vector<std::vector<size_t>> bucket_requests;
+#ifdef FLASHLM_WITH_CUDA
+  std::vector<cudaEvent_t> sent;
+#endif
 
   Impl(Communicator& c, DdpParameters p, const DdpOptions& o) : comm(c), params(std::move(p)), options(o) {}
 
@@ -309,7 +317,57 @@ struct DataParallel::Impl {
 #ifdef FLASHLM_WITH_CUDA
     if (backward_done) cudaEventDestroy(backward_done);
     if (synced) cudaEventDestroy(synced);
+    for (cudaEvent_t e : sent) cudaEventDestroy(e);
 #endif
+  }
+
+  // Where the reduced gradient of element `offset` is kept: the flat gradients, or the packed shard.
+  float* kept(int64_t offset) const { return route ? route->shard_gradients() + route->packed_index(offset) : grads + offset; }
+  TensorView kept_view(int64_t offset, int64_t count) const {
+    return TensorView::contiguous(kept(offset), DType::f32, {count}, params.device);
+  }
+
+  // Sharded storage: bucket b reduce-scattered from the gradient buffer the backward wrote into this rank's
+  // shard, its tail copied there and all-reduced in place (a replicated bucket is written in the shard by
+  // the backward and all-reduced there).
+  void scatter_routed(size_t b) {
+    const ZeroBucketShard& s = shards.buckets[b];
+    const int64_t world = comm.world_size();
+    const bool async = params.device == Device::cpu;
+    float* source = route->gradient_source(s.offset);
+    const auto start = [&](CommRequest request) {
+      bucket_requests[b].push_back(requests.size());
+      requests.push_back(std::move(request));
+    };
+    if (s.part > 0) {
+      const TensorView in = TensorView::contiguous(source, DType::f32, {world * s.part}, params.device);
+      const TensorView out = kept_view(s.owned.offset, s.part);
+      if (async) start(comm.reduce_scatter_async(in, out, ReduceOp::avg));
+      else comm.reduce_scatter(in, out, ReduceOp::avg, stream);
+      ++stats.collectives;
+    }
+    if (s.tail.count > 0) {
+      float* from = source + world * s.part;
+      float* to = kept(s.tail.offset);
+      if (from != to) {
+        const size_t bytes = size_t(s.tail.count) * sizeof(float);
+        if (async) std::memcpy(to, from, bytes);
+#ifdef FLASHLM_WITH_CUDA
+        else cuda_copy_async(to, from, bytes, stream);  // on the model's stream, which the all-reduce follows
+#endif
+      }
+      const TensorView tail = kept_view(s.tail.offset, s.tail.count);
+      if (async) start(comm.all_reduce_async(tail, ReduceOp::avg));
+      else comm.all_reduce(tail, ReduceOp::avg, stream);
+      ++stats.collectives;
+    }
+#ifdef FLASHLM_WITH_CUDA
+    if (!async) {
+      FLASHLM_CUDA_CHECK(cudaEventRecord(sent[b], static_cast<cudaStream_t>(comm.cuda_stream())),
+                         "cudaEventRecord (FSDP gradients sent)");
+    }
+#endif
+    stats.elements += buckets[b].elements;
   }
 
   char* staging_of(size_t b) const {
@@ -350,6 +408,7 @@ struct DataParallel::Impl {
   // NCCL's in-place form, recv = send + rank · part), and its tail all-reduced. Ordered like the all-reduce
   // (queued behind `stream` on the communicator's stream; the CPU blocks).
   void scatter(size_t b) {
+    if (route) return scatter_routed(b);
     const ZeroBucketShard& s = shards.buckets[b];
     const int64_t world = comm.world_size();
     // The CPU's overlapped variants go through MPI's non-blocking collectives, finished in finish_backward().
@@ -505,6 +564,7 @@ void DataParallel::begin_backward(float* grads, bool sync, void* stream) {
   std::fill(m.reported.begin(), m.reported.end(), uint8_t{0});
   m.next_launch = 0;
   m.requests.clear();
+  for (std::vector<size_t>& r : m.bucket_requests) r.clear();
   m.first_pending = 0;
   m.stats = {};
 }
@@ -564,7 +624,7 @@ void DataParallel::finish_backward() {
     // Only the averaged elements: with reduce_scatter the rest of a bucket is not this rank's to read.
     const float scale = 1.0f / float(m.options.grad_accum);
     for (const DdpRange& r : m.averaged) {
-      float* g = m.grads + r.offset;
+      float* g = m.kept(r.offset);
       if (!cuda) {
         for (int64_t i = 0; i < r.count; ++i) g[i] *= scale;
       } else {
@@ -582,6 +642,39 @@ void DataParallel::finish_backward() {
   }
 #endif
   m.stats.exposed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void DataParallel::route_through(FsdpParameters& fsdp) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(m.options.variant == DdpVariant::fsdp && fsdp.sharded(),
+                "DataParallel::route_through: FSDP's sharded storage only");
+  m.route = &fsdp;
+  m.bucket_requests.assign(m.buckets.size(), {});
+#ifdef FLASHLM_WITH_CUDA
+  if (m.params.device == Device::cuda) {
+    m.sent.assign(m.buckets.size(), nullptr);
+    for (cudaEvent_t& e : m.sent) {
+      FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    }
+  }
+#endif
+}
+
+void DataParallel::await_gradients(int64_t offset, int64_t count) {
+  Impl& m = *impl_;
+  if (!m.route) return;
+  for (size_t b = 0; b < m.buckets.size(); ++b) {
+    const DdpRange& r = m.buckets[b].ranges.front();
+    if (!(r.offset < offset + count && offset < r.offset + r.count)) continue;
+    if (m.params.device == Device::cpu) {
+      for (size_t k : m.bucket_requests[b]) m.comm.wait(m.requests[k]);
+    } else {
+#ifdef FLASHLM_WITH_CUDA
+      FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(m.stream), m.sent[b], 0),
+                         "cudaStreamWaitEvent (FSDP gradients sent)");
+#endif
+    }
+  }
 }
 
 DdpStats DataParallel::last_stats() {
@@ -614,6 +707,9 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
   FLASHLM_CHECK(!fsdp || model.precision() != DType::f16,
                 "DdpModel: --ddp fsdp trains fp32 or bf16 models, not fp16 (its overflow check reads every gradient, "
                 "and each rank keeps only its shard of them)");
+  FLASHLM_CHECK(fsdp || !model.external_parameters(),
+                "DdpModel: a model built with external_parameters keeps its weights in FSDP's shards: it needs "
+                "--ddp fsdp");
   FLASHLM_CHECK(!fsdp || (options.fsdp_prefetch >= 0 && options.fsdp_prefetch <= 2),
                 "DdpModel: fsdp_prefetch = {}, expected 0, 1 or 2 parts ahead", options.fsdp_prefetch);
   // ZeRO-1 on CUDA: reduce-scatter each bucket into this rank's shard rather than all-reduce it (half the
@@ -628,7 +724,18 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
     zero_ = std::make_unique<ZeroOptimizer>(comm, params, ddp_->buckets(), false);
     fsdp_ = std::make_unique<FsdpParameters>(comm, params, ddp_->buckets(), options.fsdp_prefetch,
                                              options.fsdp_poison_freed);
-    fsdp_->set_storage(model.parameters(), model.working_parameters(), model.precision(), model.stream());
+    if (model.external_parameters()) {
+      // Sharded storage: this rank's shards, the pool and the gradient buffers are all that hold them.
+      fsdp_->use_sharded_storage(model_.parameter_storage(), model.working_dtype(), options.grad_accum,
+                                 model.stream(),
+                                 [this](int64_t offset, int64_t count) { ddp_->await_gradients(offset, count); });
+      ddp_->route_through(*fsdp_);
+      zero_->use_packed_storage();
+      model_.set_gradients_needed_hook(
+          [this](int64_t offset, int64_t count) { fsdp_->gradients_needed(offset, count); });
+    } else {
+      fsdp_->set_storage(model.parameters(), model.working_parameters(), model.precision(), model.stream());
+    }
     model_.set_parameters_needed_hook([this](int64_t offset, int64_t count) { fsdp_->needed(offset, count); });
     model_.set_parameters_done_hook([this](int64_t offset, int64_t count) { fsdp_->done(offset, count); });
   } else if (zero1 && sync.reduce_scatter) {
@@ -649,6 +756,7 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
 
 DdpModel::~DdpModel() {
   model_.set_gradient_ready_hook({});
+  model_.set_gradients_needed_hook({});
   model_.set_parameters_needed_hook({});
   model_.set_parameters_done_hook({});
   try {
@@ -672,8 +780,7 @@ std::string_view DdpModel::gradient_sync() const {
 DdpMemory DdpModel::memory() const {
   DdpMemory mem;
   const int64_t n = model_.parameter_count(), f32 = int64_t(sizeof(float));
-  const int64_t working = model_.working_parameters() ? int64_t(dtype_size(model_.precision())) : 0;
-  mem.model_buffers = n * (2 * f32 + working);
+  const int64_t working = model_.working_dtype() != DType::f32 ? int64_t(dtype_size(model_.working_dtype())) : 0;
   if (!fsdp_) {
     mem.parameters = n * (f32 + working);
     mem.gradients = n * f32;
@@ -683,12 +790,17 @@ DdpMemory DdpModel::memory() const {
     mem.gradients = zero_->shard_elements() * f32;
     mem.gathered = fsdp_->peak_gathered_bytes();
   }
+  mem.model_buffers = fsdp_ && fsdp_->sharded() ? mem.parameters + mem.gradients + fsdp_->buffer_bytes()
+                                                : n * (2 * f32 + working);
   mem.optimizer_state = zero_ ? zero_->state_bytes() : 2 * n * f32;
   return mem;
 }
 
+bool DdpModel::sharded_storage() const { return fsdp_ && fsdp_->sharded(); }
+
 void DdpModel::gather_master_parameters() {
   await_parameters();
+  if (sharded_storage()) return;  // nothing holds the whole masters: save_parameters() gathers them to the host
   if (zero_ && zero_->masters_stale()) zero_->gather_masters(model_.parameters(), model_.stream());
 }
 
@@ -696,16 +808,54 @@ void DdpModel::gather_parameters() {
   if (fsdp_) fsdp_->gather_all();
 }
 
+namespace {
+
+// `count` floats between host memory and memory of `device`.
+void copy_floats(float* dst, Device dst_device, const float* src, Device src_device, int64_t count) {
+  copy_into(TensorView::contiguous(dst, DType::f32, {count}, dst_device),
+            TensorView::contiguous(const_cast<float*>(src), DType::f32, {count}, src_device));
+}
+
+}  // namespace
+
+// The fp32 masters this rank keeps: the packed shard, or its runs of the model's flat buffer.
+void DdpModel::copy_kept_masters(float* packed_host, bool to_host) {
+  const Device device = model_.device();
+  if (sharded_storage()) {
+    float* shard = fsdp_->shard_masters();
+    if (to_host) copy_floats(packed_host, Device::cpu, shard, device, zero_->shard_elements());
+    else copy_floats(shard, device, packed_host, Device::cpu, zero_->shard_elements());
+    return;
+  }
+  int64_t at = 0;
+  for (const DdpRange& r : zero_->updated_ranges()) {
+    if (to_host) copy_floats(packed_host + at, Device::cpu, model_.parameters() + r.offset, device, r.count);
+    else copy_floats(model_.parameters() + r.offset, device, packed_host + at, Device::cpu, r.count);
+    at += r.count;
+  }
+}
+
+void DdpModel::masters_changed() {
+  if (!sharded_storage()) return model_.parameters_changed();
+  const DType w = model_.working_dtype();
+  if (w == DType::f32) return;
+#ifdef FLASHLM_WITH_CUDA
+  const int64_t count = zero_->shard_elements();
+  if (w == DType::bf16) {
+    gpu::cast_from_f32<bf16_t>(fsdp_->shard_masters(), static_cast<bf16_t*>(fsdp_->shard_working()), count,
+                               model_.stream());
+  } else {
+    gpu::cast_from_f32<fp16_t>(fsdp_->shard_masters(), static_cast<fp16_t*>(fsdp_->shard_working()), count,
+                               model_.stream());
+  }
+#endif
+}
+
 void DdpModel::save_shard(float* params, float* m, float* v) {
   FLASHLM_CHECK(fsdp_ != nullptr, "DdpModel::save_shard: sharded checkpoints are FSDP's (--ddp fsdp)");
   await_parameters();
   model_.synchronize();
-  int64_t at = 0;
-  for (const DdpRange& r : zero_->updated_ranges()) {
-    copy_into(TensorView::contiguous(params + at, DType::f32, {r.count}),
-              TensorView::contiguous(model_.parameters() + r.offset, DType::f32, {r.count}, model_.device()));
-    at += r.count;
-  }
+  copy_kept_masters(params, true);
   zero_->save_shard(m, v);
 }
 
@@ -713,18 +863,92 @@ void DdpModel::load_shard(const float* params, const float* m, const float* v, i
   FLASHLM_CHECK(fsdp_ != nullptr, "DdpModel::load_shard: sharded checkpoints are FSDP's (--ddp fsdp)");
   await_parameters();
   model_.synchronize();
+  copy_kept_masters(const_cast<float*>(params), false);
+  zero_->load_shard(m, v, steps);
+  masters_changed();  // the working copy of this rank's parts (the others are gathered)
+  fsdp_->release_all();
+  model_.synchronize();
+}
+
+void DdpModel::load_parameters(const float* host) {
+  await_parameters();
+  model_.synchronize();
+  if (!sharded_storage()) {
+    copy_floats(model_.parameters(), model_.device(), host, Device::cpu, model_.parameter_count());
+  } else {
+    std::vector<float> packed(size_t(zero_->shard_elements()));
+    int64_t at = 0;
+    for (const DdpRange& r : zero_->updated_ranges()) {
+      std::copy_n(host + r.offset, r.count, packed.begin() + at);
+      at += r.count;
+    }
+    copy_kept_masters(packed.data(), false);
+    fsdp_->release_all();
+  }
+  masters_changed();
+  model_.synchronize();
+}
+
+void DdpModel::init_parameters(uint64_t seed) {
+  if (!sharded_storage()) return model_.init_parameters(seed);
+  // Each rank computes every parameter's values (the single process's, parameter by parameter, so the whole
+  // model never exists on the host) and keeps its runs of them.
+  const std::vector<ParameterInfo>& layout = model_.layout();
+  const std::vector<DdpRange> kept = zero_->updated_ranges();
+  std::vector<float> packed(size_t(zero_->shard_elements())), values;
   int64_t at = 0;
-  for (const DdpRange& r : zero_->updated_ranges()) {
-    copy_into(TensorView::contiguous(model_.parameters() + r.offset, DType::f32, {r.count}, model_.device()),
-              TensorView::contiguous(const_cast<float*>(params) + at, DType::f32, {r.count}));
+  size_t next = 0;
+  for (const DdpRange& r : kept) {
+    for (int64_t done = 0; done < r.count;) {
+      const int64_t e = r.offset + done;
+      while (!(layout[next].offset <= e && e < layout[next].offset + layout[next].numel())) ++next;
+      const ParameterInfo& p = layout[next];
+      values.resize(size_t(p.numel()));
+      init_parameter_host(p, values.data(), seed);
+      const int64_t take = std::min(r.count - done, p.offset + p.numel() - e);
+      std::copy_n(values.begin() + (e - p.offset), take, packed.begin() + at + done);
+      done += take;
+    }
     at += r.count;
   }
-  zero_->load_shard(m, v, steps);
-  model_.parameters_changed();  // the working copy of this rank's parts (the others are gathered)
+  await_parameters();
+  model_.synchronize();
+  copy_kept_masters(packed.data(), false);
   fsdp_->release_all();
+  masters_changed();
+  model_.synchronize();
+}
+
+void DdpModel::save_parameters(Communicator& comm, float* host) {
+  if (!sharded_storage()) {
+    gather_master_parameters();
+    model_.synchronize();
+    copy_floats(host, Device::cpu, model_.parameters(), model_.device(), model_.parameter_count());
+    return;
+  }
+  await_parameters();
+  model_.synchronize();
+  std::vector<float> packed(size_t(zero_->shard_elements()));
+  copy_kept_masters(packed.data(), true);
+  const int64_t n = model_.parameter_count();
+  std::fill(host, host + n, 0.0f);
+  int64_t at = 0;
+  for (const DdpRange& r : zero_->updated_ranges()) {
+    std::copy_n(packed.begin() + at, r.count, host + r.offset);
+    at += r.count;
+  }
+  // Every rank's parts into place on every rank (the tails are equal everywhere).
+  std::vector<Communicator::Segment> segments;
+  for (const ZeroBucketShard& z : zero_bucket_layout(ddp_->buckets(), comm.world_size(), comm.rank()).buckets) {
+    if (z.part > 0) segments.push_back({z.offset, z.part});
+  }
+  comm.all_gather_segments(TensorView::contiguous(host, DType::f32, {n}), segments);
 }
 
 void DdpModel::broadcast_parameters() {
+  // Sharded storage: no rank holds another's parts to send; every rank computed (init_parameters) or read
+  // (load_parameters) the same values and kept its own.
+  if (sharded_storage()) return;
   await_parameters();
   ddp_->broadcast_parameters(model_.parameters(), model_.stream());
   model_.parameters_changed();
@@ -737,7 +961,11 @@ double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<con
                 "DdpModel::forward_backward: {} tokens and {} targets, expected grad_accum {} x {} of each",
                 tokens.size(), targets.size(), accum, micro_tokens_);
   model_.zero_grad();
-  if (fsdp_) fsdp_->hold(false);  // a gather_parameters() before (evaluation) ends here
+  if (fsdp_) {
+    fsdp_->hold(false);  // a gather_parameters() before (evaluation) ends here
+    fsdp_->zero_gradients();
+  }
+  float* grads = sharded_storage() ? fsdp_->shard_gradients() : nullptr;
   double loss = 0;
   for (int64_t k = 0; k < accum; ++k) {
     if (fsdp_) fsdp_->begin_pass(false);
@@ -747,7 +975,7 @@ double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<con
     if (fsdp_) fsdp_->begin_pass(true);
     else await_parameters();
     const bool sync = k + 1 == accum;
-    ddp_->begin_backward(model_.gradients(), sync, model_.stream());
+    ddp_->begin_backward(grads ? grads : model_.gradients(), sync, model_.stream());
     {
 #ifdef FLASHLM_WITH_CUDA
       // While the all-reduces overlap the backward they hold SMs: plan the GEMMs for the rest.
@@ -769,10 +997,12 @@ bool DdpModel::optimizer_step(const AdamWConfig& c, double lr, double* norm) {
   if (!model_.unscale_gradients()) return false;
   // A low-precision CUDA model: the update writes this rank's shard of the working copy too, and the ranks
   // gather only that copy (half the bytes of the fp32 masters, no recast of the whole model).
-  void* working = model_.working_parameters();
-  const double before = working ? zero_->step(model_.parameters(), model_.gradients(), working,
-                                              model_.precision(), c, lr, model_.stream())
-                                 : zero_->step(model_.parameters(), model_.gradients(), c, lr, model_.stream());
+  const bool packed = sharded_storage();
+  void* working = packed ? fsdp_->shard_working() : model_.working_parameters();
+  float* params = packed ? fsdp_->shard_masters() : model_.parameters();
+  float* grads = packed ? fsdp_->shard_gradients() : model_.gradients();
+  const double before = working ? zero_->step(params, grads, working, model_.precision(), c, lr, model_.stream())
+                                : zero_->step(params, grads, c, lr, model_.stream());
   if (fsdp_) fsdp_->release_all();  // the other ranks' parts are gathered when the next forward reads them
   else if (!working) model_.parameters_changed();
   if (norm) *norm = before;

@@ -3,6 +3,7 @@
 // order the forward reads them, for the prefetch. The reduce-scatter of the gradients is DataParallel's and
 // the sharded update ZeroOptimizer's; this file only gathers and frees.
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "core/check.h"
@@ -14,6 +15,7 @@
 
 #include "core/array_ops.h"
 #include "core/cuda_check.h"
+#include "core/cuda_runtime.h"
 #endif
 
 namespace flashlm {
@@ -51,9 +53,39 @@ struct FsdpParameters::Impl {
   // no embedding; a recomputing one reads each layer twice in a row, recorded once): what the prefetch
   // follows. Every rank records the same calls, so every rank prefetches the same parts.
   std::vector<int64_t> pass_order[2];
+  std::vector<DdpBucket> buckets;
   std::vector<int64_t> recording;  // the current pass's
   size_t cursor = 0;               // where in pass_order[backward] the last needed() part was found
   int64_t live_bytes = 0, peak_bytes = 0;
+
+  // Sharded storage (use_sharded_storage). The runs this rank keeps (ZeroOptimizer::updated_ranges(),
+  // ascending) and where each starts in the packed shards.
+  bool sharded = false;
+  std::span<ParameterStorage> table;
+  std::vector<DdpRange> runs;
+  std::vector<int64_t> run_at;
+  Buffer shard_masters, shard_working, shard_grads, local_grads;  // local_grads: whole, grad_accum > 1 only
+  // Per unit: its sharded parameters (indices into the layout), the type it is gathered in, its pool
+  // buffer and gradient buffer while it has them, and its gather's state.
+  struct UnitStorage {
+    std::vector<size_t> params;
+    DType dtype = DType::f32;
+    std::vector<Communicator::Segment> segments;  // its buckets' parts, relative to the unit's first element
+    int slot = -1, grad_slot = -1;
+    State state = State::released;
+    CommRequest request;
+#ifdef FLASHLM_WITH_CUDA
+    cudaEvent_t gathered = nullptr;
+#endif
+  };
+  std::vector<UnitStorage> stored;
+  struct Slot {
+    Buffer buffer;
+    int64_t unit = -1;  // the unit it holds (gathered, arriving) or last held
+  };
+  std::vector<Slot> pool, grad_pool;
+  size_t next_grad_slot = 0;
+  std::function<void(int64_t, int64_t)> await_gradients;
 
   Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
   ~Impl() {
@@ -61,11 +93,166 @@ struct FsdpParameters::Impl {
     for (Shard& s : shards) {
       if (s.gathered) cudaEventDestroy(s.gathered);
     }
+    for (UnitStorage& u : stored) {
+      if (u.gathered) cudaEventDestroy(u.gathered);
+    }
 #endif
   }
 
+  // Sharded storage: the packed index of a kept element, or -1.
+  int64_t packed(int64_t offset) const {
+    auto it = std::upper_bound(runs.begin(), runs.end(), offset,
+                               [](int64_t o, const DdpRange& r) { return o < r.offset; });
+    if (it == runs.begin()) return -1;
+    --it;
+    if (offset >= it->offset + it->count) return -1;
+    return run_at[size_t(it - runs.begin())] + (offset - it->offset);
+  }
+  void* packed_weight(int64_t index, DType dtype) const {
+    if (dtype == DType::f32) return static_cast<float*>(shard_masters.data()) + index;
+    return static_cast<char*>(shard_working.data()) + size_t(index) * dtype_size(dtype);
+  }
+  // Copies `count` elements between two buffers of the parameters' device, queued on the model's stream.
+  void copy(void* dst, const void* src, size_t bytes) const {
+    if (bytes == 0) return;
+    if (!cuda()) {
+      std::memcpy(dst, src, bytes);
+      return;
+    }
+#ifdef FLASHLM_WITH_CUDA
+    cuda_copy_async(dst, src, bytes, stream);
+#endif
+  }
+  void fill_nan(void* p, int64_t count, DType dtype) const {
+    if (count == 0) return;
+    if (!cuda()) {
+      std::fill_n(static_cast<float*>(p), count, std::numeric_limits<float>::quiet_NaN());
+      return;
+    }
+#ifdef FLASHLM_WITH_CUDA
+    gpu::memset_async(p, 0xff, size_t(count) * dtype_size(dtype), stream);
+#endif
+  }
+  int64_t unit_foreign_bytes(size_t u) const {
+    int64_t e = 0;
+    for (const Communicator::Segment& s : stored[u].segments) e += s.part * (comm.world_size() - 1);
+    return e * int64_t(dtype_size(stored[u].dtype));
+  }
+
+  // A pool buffer for unit u: a free one, else (the pool full of parts gathered ahead) the one whose part was
+  // gathered earliest, after its gather completes. -1 when every buffer holds a part and `evict` is false.
+  int take_slot(size_t u, bool evict) {
+    for (size_t k = 0; k < pool.size(); ++k) {
+      if (pool[k].unit < 0 || stored[size_t(pool[k].unit)].slot != int(k)) return int(k);
+    }
+    if (!evict) return -1;
+    for (size_t k = 0; k < pool.size(); ++k) {
+      const auto other = size_t(pool[k].unit);
+      if (other == u) continue;
+      release_unit(other);
+      return int(k);
+    }
+    fail("FsdpParameters: no pool buffer for part {} (a pool of {})", u, pool.size());
+  }
+
+  // Starts gathering unit u into a pool buffer: this rank's parts and tails copied from the shards to their
+  // places, then the other ranks' parts by an in-place all-gather of the unit's segments.
+  void start_unit(size_t u, bool evict) {
+    UnitStorage& us = stored[u];
+    if (us.state != State::released || us.segments.empty()) return;
+    const int slot = take_slot(u, evict);
+    if (slot < 0) return;  // a prefetch with the pool full: gathered when it is needed instead
+    us.slot = slot;
+    pool[size_t(slot)].unit = int64_t(u);
+    gather_into(u);
+  }
+
+  void gather_into(size_t u) {
+    UnitStorage& us = stored[u];
+    const Unit& unit = units[u];
+    const size_t esize = dtype_size(us.dtype);
+    char* base = unit_base(u);
+    for (size_t k : unit.shards) {
+      const Shard& s = shards[k];
+      const int64_t world = comm.world_size(), rank = comm.rank();
+      const int64_t own = s.segment.offset + rank * s.segment.part;
+      copy(base + size_t(own - unit.offset) * esize, packed_weight(packed(own), us.dtype), size_t(s.segment.part) * esize);
+      const int64_t tail = s.segment.offset + world * s.segment.part;
+      const int64_t tail_index = packed(tail);
+      if (tail_index >= 0) {
+        int64_t tail_count = 0;
+        for (size_t r = 0; r < runs.size(); ++r) {
+          if (runs[r].offset == tail) tail_count = runs[r].count;
+        }
+        copy(base + size_t(tail - unit.offset) * esize, packed_weight(tail_index, us.dtype), size_t(tail_count) * esize);
+      }
+    }
+    const TensorView x = TensorView::contiguous(base, us.dtype, {unit.count}, params.device);
+    if (!cuda()) {
+      us.request = comm.all_gather_segments_async(x, us.segments);
+    } else {
+#ifdef FLASHLM_WITH_CUDA
+      comm.all_gather_segments(x, us.segments, stream);  // behind an event of the model's stream
+      FLASHLM_CUDA_CHECK(cudaEventRecord(us.gathered, static_cast<cudaStream_t>(comm.cuda_stream())),
+                         "cudaEventRecord (FSDP gather)");
+#endif
+    }
+    us.state = State::arriving;
+    live_bytes += unit_foreign_bytes(u);
+    peak_bytes = std::max(peak_bytes, live_bytes);
+  }
+
+  // Waits for unit u's gather and points its parameters at the pool buffer.
+  void finish_unit(size_t u) {
+    UnitStorage& us = stored[u];
+    if (us.state != State::arriving) return;
+    if (!cuda()) {
+      comm.wait(us.request);
+    } else {
+#ifdef FLASHLM_WITH_CUDA
+      FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), us.gathered, 0),
+                         "cudaStreamWaitEvent (FSDP gather)");
+#endif
+    }
+    char* base = unit_base(u);
+    for (size_t i : us.params) {
+      ParameterStorage& t = table[i];
+      t.weight = base + size_t(params.layout[i].offset - units[u].offset) * dtype_size(us.dtype);
+      t.master = us.dtype == DType::f32 ? static_cast<float*>(t.weight) : nullptr;
+    }
+    us.state = State::whole;
+  }
+
+  // Every part released, and the buffer of gather_all() freed (its parameters then point nowhere until
+  // their next gather).
+  void release_everything() {
+    for (size_t u = 0; u < stored.size(); ++u) release_unit(u);
+    if (!everything.data()) return;
+#ifdef FLASHLM_WITH_CUDA
+    if (cuda()) gpu::stream_synchronize(stream);  // the evaluation's kernels may still read it
+#endif
+    everything = Buffer();
+    for (const UnitStorage& us : stored) {
+      for (size_t i : us.params) table[i].weight = nullptr, table[i].master = nullptr;
+    }
+  }
+
+  // Gives unit u's pool buffer back (poisoned with NaN in the poison mode: the parameters still point there,
+  // so a read before the next gather shows).
+  void release_unit(size_t u) {
+    UnitStorage& us = stored[u];
+    finish_unit(u);
+    if (us.state != State::whole) return;
+    us.state = State::released;
+    live_bytes -= unit_foreign_bytes(u);
+    if (poison && us.slot >= 0) fill_nan(unit_base(u), units[u].count, us.dtype);
+    us.slot = -1;
+  }
+
   bool cuda() const { return params.device == Device::cuda; }
-  bool in_master(const Shard& s) const { return working == nullptr || s.reads_master; }
+  bool in_master(const Shard& s) const {
+    return (sharded ? working_dtype == DType::f32 : working == nullptr) || s.reads_master;
+  }
   DType dtype_of(const Shard& s) const { return in_master(s) ? DType::f32 : working_dtype; }
   void* buffer_of(const Shard& s) const { return in_master(s) ? static_cast<void*>(masters) : working; }
   // The other ranks' parts: what a gather brings and a release gives up.
@@ -162,6 +349,26 @@ struct FsdpParameters::Impl {
     return {at + 1, last.end()};
   }
 
+  // The unit holding element `offset`, or -1.
+  int64_t unit_at(int64_t offset) const {
+    for (size_t u = 0; u < units.size(); ++u) {
+      if (units[u].offset <= offset && offset < units[u].offset + units[u].count) return int64_t(u);
+    }
+    return -1;
+  }
+  // Sharded storage: whether element `offset` is in a sharded bucket (gathered, not kept whole here).
+  bool in_shard(int64_t offset) const {
+    return std::any_of(shards.begin(), shards.end(), [&](const Shard& x) { return overlaps(x, offset, 1); });
+  }
+  // The part's base address while it is whole: its pool buffer, or the buffer gather_all() gathered into.
+  char* unit_base(size_t u) const {
+    const UnitStorage& us = stored[u];
+    if (us.slot >= 0) return static_cast<char*>(pool[size_t(us.slot)].buffer.data());
+    return static_cast<char*>(everything.data()) + size_t(everything_at[u]);
+  }
+  Buffer everything;                  // gather_all(): every part whole, until released
+  std::vector<int64_t> everything_at;  // per unit: its byte offset there
+
   // The unit whose elements are exactly these (a model part's needed/done call), or -1.
   int64_t unit_of(int64_t offset, int64_t count) const {
     for (size_t u = 0; u < units.size(); ++u) {
@@ -181,6 +388,7 @@ FsdpParameters::FsdpParameters(Communicator& comm, DdpParameters params, std::sp
   comm.agree(prefetch, "the FSDP prefetch depth");
   m.prefetch = prefetch;
   m.poison = poison_freed;
+  m.buckets.assign(buckets.begin(), buckets.end());
   const std::vector<DdpRange> reads = m.params.read_as_master_ranges();
   const ZeroBucketLayout layout = zero_bucket_layout(buckets, comm.world_size(), comm.rank());
   for (size_t b = 0; b < buckets.size(); ++b) {
@@ -244,6 +452,177 @@ void FsdpParameters::set_storage(float* masters, void* working, DType working_dt
   m.peak_bytes = 0;
 }
 
+void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, int64_t grad_accum,
+                                         void* stream, std::function<void(int64_t, int64_t)> await_gradients) {
+  Impl& m = *impl_;
+  const DdpParameters& p = m.params;
+  FLASHLM_CHECK(table.size() == p.layout.size(), "FsdpParameters::use_sharded_storage: a table of {} entries for {} "
+                "parameters", table.size(), p.layout.size());
+  FLASHLM_CHECK(working_dtype == DType::f32 || working_dtype == DType::bf16 || working_dtype == DType::f16,
+                "FsdpParameters::use_sharded_storage: working_dtype {}, expected fp32, bf16 or fp16",
+                dtype_name(working_dtype));
+  FLASHLM_CHECK(grad_accum >= 1, "FsdpParameters::use_sharded_storage: grad_accum = {}, expected >= 1", grad_accum);
+  for (size_t i = 0; i < p.layout.size(); ++i) {
+    FLASHLM_CHECK(p.is_trainable(int64_t(i)) && p.owner(int64_t(i)) == int64_t(i),
+                  "FsdpParameters::use_sharded_storage: '{}' is frozen or tied; sharded storage keeps trainable, "
+                  "untied parameters only", p.layout[i].name);
+  }
+  m.sharded = true;
+  m.table = table;
+  m.working_dtype = working_dtype;
+  m.stream = stream;
+  m.await_gradients = std::move(await_gradients);
+  // This rank's runs, packed ascending: ZeroOptimizer's updated_ranges() and its moments' order.
+  const ZeroBucketLayout layout = zero_bucket_layout(m.buckets, m.comm.world_size(), m.comm.rank());
+  for (const ZeroBucketShard& z : layout.buckets) {
+    for (const DdpRange& r : {z.owned, z.tail}) {
+      if (r.count > 0) m.runs.push_back(r);
+    }
+  }
+  std::sort(m.runs.begin(), m.runs.end(), [](const DdpRange& a, const DdpRange& b) { return a.offset < b.offset; });
+  int64_t total = 0;
+  for (const DdpRange& r : m.runs) m.run_at.push_back(total), total += r.count;
+  FLASHLM_CHECK(total == layout.shard_elements && total > 0, "FsdpParameters: {} packed elements, expected {}", total,
+                layout.shard_elements);
+  const Device device = p.device;
+  const auto zeroed = [&](int64_t count, size_t esize, const char* what) {
+    Buffer b = Buffer::allocate(size_t(count) * esize, device, what);
+    if (device == Device::cpu) std::memset(b.data(), 0, b.bytes());
+#ifdef FLASHLM_WITH_CUDA
+    else gpu::memset_async(b.data(), 0, b.bytes(), stream);
+#endif
+    return b;
+  };
+  m.shard_masters = zeroed(total, sizeof(float), "FSDP parameters (fp32 master shard)");
+  if (working_dtype != DType::f32) {
+    m.shard_working = zeroed(total, dtype_size(working_dtype), "FSDP parameters (low-precision shard)");
+  }
+  m.shard_grads = zeroed(total, sizeof(float), "FSDP gradients (shard)");
+  // Per part: its sharded parameters, the type it is gathered in, its segments; the largest sizes the pool.
+  m.stored = std::vector<Impl::UnitStorage>(m.units.size());
+  int64_t largest_bytes = 0, largest_count = 0;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    Impl::UnitStorage& us = m.stored[u];
+    const Impl::Unit& unit = m.units[u];
+    if (unit.shards.empty()) continue;
+    us.dtype = m.dtype_of(m.shards[unit.shards.front()]);
+    for (size_t k : unit.shards) {
+      const Impl::Shard& x = m.shards[k];
+      FLASHLM_CHECK(m.dtype_of(x) == us.dtype, "FsdpParameters: part {} mixes weights read in fp32 and in {}", u,
+                    dtype_name(working_dtype));
+      us.segments.push_back({x.segment.offset - unit.offset, x.segment.part});
+    }
+    for (size_t i = 0; i < p.layout.size(); ++i) {
+      const int64_t at = p.layout[i].offset;
+      if (m.unit_at(at) == int64_t(u) && m.in_shard(at)) us.params.push_back(i);
+    }
+    largest_bytes = std::max(largest_bytes, unit.count * int64_t(dtype_size(us.dtype)));
+    largest_count = std::max(largest_count, unit.count);
+#ifdef FLASHLM_WITH_CUDA
+    if (m.cuda()) {
+      FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&us.gathered, cudaEventDisableTiming),
+                         "cudaEventCreateWithFlags (FSDP gather)");
+    }
+#endif
+  }
+  if (largest_bytes > 0) {
+    // The part being read, the `prefetch` arriving, and one more: a part gathered again while the one
+    // before it is still being freed (a recomputing backward).
+    m.pool.resize(size_t(m.prefetch + 2));
+    for (Impl::Slot& slot : m.pool) {
+      slot.buffer = Buffer::allocate(size_t(largest_bytes), device, "FSDP gathered part (pool)");
+      if (m.poison) m.fill_nan(slot.buffer.data(), largest_bytes / int64_t(sizeof(float)), DType::f32);
+    }
+    if (grad_accum == 1) {
+      m.grad_pool.resize(2);  // one being written by the backward, one being reduce-scattered
+      for (Impl::Slot& slot : m.grad_pool) {
+        slot.buffer = Buffer::allocate(size_t(largest_count) * sizeof(float), device, "FSDP part gradients");
+      }
+    } else {
+      m.local_grads = zeroed(p.flat_size(), sizeof(float), "FSDP gradients (whole, for grad_accum > 1)");
+    }
+  }
+  for (size_t i = 0; i < p.layout.size(); ++i) {
+    const ParameterInfo& q = p.layout[i];
+    ParameterStorage& t = table[i];
+    if (!m.in_shard(q.offset)) {  // kept whole on every rank: read and written in the shards
+      const int64_t at = m.packed(q.offset);
+      FLASHLM_CHECK(at >= 0, "FsdpParameters: '{}' is neither sharded nor kept", q.name);
+      t.master = static_cast<float*>(m.shard_masters.data()) + at;
+      t.weight = m.packed_weight(at, working_dtype);
+      t.grad = static_cast<float*>(m.shard_grads.data()) + at;
+    } else {
+      t.weight = nullptr;
+      t.master = nullptr;
+      t.grad = m.local_grads.data() ? static_cast<float*>(m.local_grads.data()) + q.offset : nullptr;
+    }
+  }
+  for (Impl::Shard& x : m.shards) x.state = Impl::State::released;
+  m.live_bytes = m.peak_bytes = 0;
+}
+
+bool FsdpParameters::sharded() const { return impl_->sharded; }
+float* FsdpParameters::shard_masters() const { return static_cast<float*>(impl_->shard_masters.data()); }
+void* FsdpParameters::shard_working() const { return impl_->shard_working.data(); }
+float* FsdpParameters::shard_gradients() const { return static_cast<float*>(impl_->shard_grads.data()); }
+
+int64_t FsdpParameters::packed_index(int64_t offset) const {
+  const int64_t at = impl_->packed(offset);
+  FLASHLM_CHECK(at >= 0, "FsdpParameters::packed_index: element {} is not kept by rank {}", offset, impl_->comm.rank());
+  return at;
+}
+
+float* FsdpParameters::gradient_source(int64_t offset) const {
+  const Impl& m = *impl_;
+  FLASHLM_CHECK(m.sharded, "FsdpParameters::gradient_source: not sharded storage");
+  if (!m.in_shard(offset)) return static_cast<float*>(m.shard_grads.data()) + m.packed(offset);
+  if (m.local_grads.data()) return static_cast<float*>(m.local_grads.data()) + offset;
+  const int64_t u = m.unit_at(offset);
+  const int slot = m.stored[size_t(u)].grad_slot;
+  FLASHLM_CHECK(slot >= 0, "FsdpParameters::gradient_source: element {}'s part has no gradient buffer (the model "
+                "did not call its GradientsNeededHook)", offset);
+  return static_cast<float*>(m.grad_pool[size_t(slot)].buffer.data()) + (offset - m.units[size_t(u)].offset);
+}
+
+void FsdpParameters::gradients_needed(int64_t offset, int64_t count) {
+  Impl& m = *impl_;
+  if (!m.sharded || m.grad_pool.empty()) return;
+  const int64_t u = m.unit_of(offset, count);
+  FLASHLM_CHECK(u >= 0, "FsdpParameters::gradients_needed: [{}, {}) is not a model part", offset, offset + count);
+  Impl::UnitStorage& us = m.stored[size_t(u)];
+  if (us.params.empty() || us.grad_slot >= 0) return;
+  const size_t k = m.next_grad_slot;
+  m.next_grad_slot = (k + 1) % m.grad_pool.size();
+  Impl::Slot& slot = m.grad_pool[k];
+  if (slot.unit >= 0) {
+    // Its last part's reduce-scatter reads it: reusable once that is done (CUDA: the model's stream waits).
+    const Impl::Unit& before = m.units[size_t(slot.unit)];
+    if (m.await_gradients) m.await_gradients(before.offset, before.count);
+    m.stored[size_t(slot.unit)].grad_slot = -1;
+  }
+  slot.unit = u;
+  us.grad_slot = int(k);
+  float* base = static_cast<float*>(slot.buffer.data());
+  // The CPU model adds to its gradients; the CUDA model writes over them after zero_grad() (grad_accum 1).
+  if (!m.cuda()) std::fill_n(base, m.units[size_t(u)].count, 0.0f);
+  for (size_t i : us.params) m.table[i].grad = base + (m.params.layout[i].offset - m.units[size_t(u)].offset);
+}
+
+void FsdpParameters::zero_gradients() {
+  Impl& m = *impl_;
+  if (!m.sharded || m.cuda()) return;
+  std::memset(m.shard_grads.data(), 0, m.shard_grads.bytes());
+  if (m.local_grads.data()) std::memset(m.local_grads.data(), 0, m.local_grads.bytes());
+}
+
+int64_t FsdpParameters::buffer_bytes() const {
+  const Impl& m = *impl_;
+  int64_t bytes = int64_t(m.local_grads.bytes());
+  for (const Impl::Slot& s : m.pool) bytes += int64_t(s.buffer.bytes());
+  for (const Impl::Slot& s : m.grad_pool) bytes += int64_t(s.buffer.bytes());
+  return bytes;
+}
+
 void FsdpParameters::begin_pass(bool backward) {
   Impl& m = *impl_;
   if (!m.recording.empty()) m.pass_order[m.backward] = std::move(m.recording);
@@ -252,11 +631,28 @@ void FsdpParameters::begin_pass(bool backward) {
   m.cursor = 0;
 }
 
+void FsdpParameters::needed_sharded(int64_t offset, int64_t count) {
+  Impl& m = *impl_;
+  const int64_t u = m.unit_of(offset, count);
+  FLASHLM_CHECK(u >= 0, "FsdpParameters::needed: [{}, {}) is not a model part", offset, offset + count);
+  m.start_unit(size_t(u), true);
+  if (m.recording.empty() || m.recording.back() != u) m.recording.push_back(u);
+  int64_t ahead = 0;
+  for (int64_t next : m.parts_after(u)) {
+    if (ahead == m.prefetch) break;
+    if (m.stored[size_t(next)].segments.empty()) continue;
+    m.start_unit(size_t(next), false);
+    ++ahead;
+  }
+  m.finish_unit(size_t(u));
+}
+
 void FsdpParameters::needed(int64_t offset, int64_t count) {
   Impl& m = *impl_;
   // Held whole (evaluation, which runs on one rank alone): nothing to gather, and nothing to record, since
   // the other ranks do not see these calls.
   if (m.held) return;
+  if (m.sharded) return needed_sharded(offset, count);
   for (Impl::Shard& s : m.shards) {
     if (m.overlaps(s, offset, count)) m.start(s);
   }
@@ -277,6 +673,11 @@ void FsdpParameters::needed(int64_t offset, int64_t count) {
 void FsdpParameters::done(int64_t offset, int64_t count) {
   Impl& m = *impl_;
   if (m.held) return;
+  if (m.sharded) {
+    const int64_t u = m.unit_of(offset, count);
+    if (u >= 0) m.release_unit(size_t(u));
+    return;
+  }
   for (Impl::Shard& s : m.shards) {
     if (m.overlaps(s, offset, count)) m.release(s);
   }
@@ -285,11 +686,13 @@ void FsdpParameters::done(int64_t offset, int64_t count) {
 void FsdpParameters::release_all() {
   Impl& m = *impl_;
   m.held = false;
+  if (m.sharded) return m.release_everything();
   for (Impl::Shard& s : m.shards) m.release(s);
 }
 
 void FsdpParameters::mark_whole() {
   Impl& m = *impl_;
+  if (m.sharded) return;  // no rank holds the other ranks' parts: a broadcast gives none
   for (Impl::Shard& s : m.shards) {
     m.finish(s);
     if (s.state == Impl::State::released) m.live_bytes += m.foreign_bytes(s);
@@ -299,15 +702,43 @@ void FsdpParameters::mark_whole() {
 
 void FsdpParameters::gather_all() {
   Impl& m = *impl_;
+  if (m.sharded) {
+    // Every part whole at once: one buffer of the whole model (in the types the parts are read in), held
+    // until the next release_all() or hold(false).
+    m.release_everything();
+    m.everything_at.assign(m.units.size(), 0);
+    int64_t bytes = 0;
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      m.everything_at[u] = bytes;
+      if (!m.stored[u].segments.empty()) bytes += (m.units[u].count * int64_t(dtype_size(m.stored[u].dtype)) + 255) / 256 * 256;
+    }
+    m.everything = Buffer::allocate(size_t(bytes), m.params.device, "FSDP every part gathered (evaluation)");
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      if (m.stored[u].segments.empty()) continue;
+      m.stored[u].slot = -1;
+      m.gather_into(u);
+    }
+    for (size_t u = 0; u < m.units.size(); ++u) m.finish_unit(u);
+    m.held = true;
+    return;
+  }
   for (Impl::Shard& s : m.shards) m.start(s);
   for (Impl::Shard& s : m.shards) m.finish(s);
   m.held = true;
 }
 
-void FsdpParameters::hold(bool keep) { impl_->held = keep; }
+void FsdpParameters::hold(bool keep) {
+  Impl& m = *impl_;
+  m.held = keep;
+  if (!keep && m.sharded && m.everything.data()) m.release_everything();
+}
 
 void FsdpParameters::await_all() {
   Impl& m = *impl_;
+  if (m.sharded) {
+    for (size_t u = 0; u < m.units.size(); ++u) m.finish_unit(u);
+    return;
+  }
   for (Impl::Shard& s : m.shards) m.finish(s);
 }
 
@@ -317,6 +748,14 @@ int64_t FsdpParameters::units() const {
 
 bool FsdpParameters::released(int64_t offset, int64_t count) const {
   const Impl& m = *impl_;
+  if (m.sharded) {
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      const Impl::Unit& unit = m.units[u];
+      const bool touches = unit.offset < offset + count && offset < unit.offset + unit.count;
+      if (touches && !m.stored[u].segments.empty() && m.stored[u].state != Impl::State::released) return false;
+    }
+    return true;
+  }
   return std::all_of(m.shards.begin(), m.shards.end(), [&](const Impl::Shard& s) {
     return !m.overlaps(s, offset, count) || s.state == Impl::State::released;
   });

@@ -47,6 +47,10 @@ struct ZeroOptimizer::Impl {
   Buffer m, v;                        // shard_elements floats each, on the parameters' device
   int64_t steps = 0;
   bool masters_stale = false;         // other ranks' shards of the fp32 masters not gathered since a step
+  // FSDP's sharded storage: the parameters, gradients and working copy passed to step() hold this rank's
+  // runs packed as the moments are (a run at moment_at), not the flat buffers.
+  bool packed = false;
+  int64_t at(const ZeroRun& r) const { return packed ? r.moment_at : r.range.offset; }
   // The masters the model reads in fp32 (DdpParameters::read_as_master), gathered with the working copy.
   std::vector<std::vector<DdpRange>> read_pieces;  // every rank's pieces of them, ascending
   std::vector<int64_t> read_counts;                // every rank's elements of them
@@ -269,7 +273,7 @@ struct ZeroOptimizer::Impl {
     if (!cuda() && per_bucket) {
       double ss = 0;
       for (const ZeroRun& r : launches) {
-        if (r.in_norm) ss += cpu::sum_squares(grads + r.range.offset, r.range.count);
+        if (r.in_norm) ss += cpu::sum_squares(grads + at(r), r.range.count);
       }
       mine.assign(1, ss);
     } else if (!cuda()) {
@@ -292,7 +296,7 @@ struct ZeroOptimizer::Impl {
       auto* out = static_cast<double*>(norm_parts.data());
       for (size_t k = 0; k < launches.size(); ++k) {
         if (launches[k].in_norm) {
-          gpu::squared_norm(grads + launches[k].range.offset, launches[k].range.count, out + k, stream);
+          gpu::squared_norm(grads + at(launches[k]), launches[k].range.count, out + k, stream);
         }
       }
       gpu::stream_synchronize(stream);
@@ -419,8 +423,9 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
   ++m.steps;
   for (const ZeroRun& run : m.launches) {
     const DdpRange& r = run.range;
-    float* w = params + r.offset;
-    float* g = grads + r.offset;
+    const int64_t first = m.at(run);
+    float* w = params + first;
+    float* g = grads + first;
     float *mo = m.moment(m.m, run), *vo = m.moment(m.v, run);
     if (!m.cuda()) {
       if (clip) {
@@ -436,10 +441,10 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
       const float gs = clip ? scale : 1.0f;
       if (working_dtype == DType::bf16 && working) {
         gpu::adamw_step<bf16_t>(w, g, mo, vo, r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, m.steps,
-                                static_cast<bf16_t*>(working) + r.offset, stream, gs);
+                                static_cast<bf16_t*>(working) + first, stream, gs);
       } else if (working_dtype == DType::f16 && working) {
         gpu::adamw_step<fp16_t>(w, g, mo, vo, r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, m.steps,
-                                static_cast<fp16_t*>(working) + r.offset, stream, gs);
+                                static_cast<fp16_t*>(working) + first, stream, gs);
       } else {
         gpu::adamw_step<float>(w, g, mo, vo, r.count, lr, c.beta1, c.beta2, c.eps, c.weight_decay, m.steps, nullptr,
                                stream, gs);
@@ -448,7 +453,7 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
     }
   }
   if (!m.gather_after_step) {
-    m.masters_stale = m.comm.world_size() > 1;
+    m.masters_stale = !m.packed && m.comm.world_size() > 1;
     return norm;
   }
   if (!m.chunks.empty()) {
@@ -475,6 +480,14 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
 }
 
 bool ZeroOptimizer::masters_stale() const { return impl_->masters_stale; }
+
+void ZeroOptimizer::use_packed_storage() {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(m.per_bucket && !m.gather_after_step,
+                "ZeroOptimizer::use_packed_storage: FSDP's per-bucket layout without a gather after the step only");
+  m.packed = true;
+  m.masters_stale = false;
+}
 
 void ZeroOptimizer::await_parameters(int64_t offset, int64_t count, void* stream) {
   impl_->await(offset, count, stream);

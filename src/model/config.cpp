@@ -273,6 +273,33 @@ void LanguageModel::parameters_done(std::string_view name_prefix) const {
   parameters_done_hook_(offset, count);
 }
 
+void LanguageModel::gradients_needed(std::string_view name_prefix) const {
+  if (!gradients_needed_hook_) return;
+  const auto [offset, count] = prefix_run(layout(), name_prefix, "gradients_needed");
+  gradients_needed_hook_(offset, count);
+}
+
+void LanguageModel::point_storage_at(float* params, void* working, DType working_dtype, float* grads) {
+  const std::vector<ParameterInfo>& params_layout = layout();
+  storage_.assign(params_layout.size(), {});
+  for (size_t i = 0; i < params_layout.size(); ++i) {
+    const int64_t at = params_layout[i].offset;
+    ParameterStorage& s = storage_[i];
+    s.master = params ? params + at : nullptr;
+    s.grad = grads ? grads + at : nullptr;
+    s.weight = working ? static_cast<void*>(static_cast<char*>(working) + size_t(at) * dtype_size(working_dtype))
+                       : static_cast<void*>(s.master);
+  }
+}
+
+const ParameterStorage& LanguageModel::stored(std::string_view name) const {
+  const std::vector<ParameterInfo>& params_layout = layout();
+  for (size_t i = 0; i < params_layout.size(); ++i) {
+    if (params_layout[i].name == name) return storage_[i];
+  }
+  fail("model: no parameter named '{}'", name);
+}
+
 bool optimizer_step(LanguageModel& model, const AdamWConfig& c, double lr, double* norm) {
   if (!model.unscale_gradients()) return false;
   const double before = model.clip_gradients(c.max_grad_norm);

@@ -24,8 +24,12 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   FLASHLM_CHECK(!options.bf16_pure, "CpuModel: the CPU engine runs fp32, not bf16-pure");
   n_params_ = layout_.back().offset + layout_.back().numel();
   const size_t pbytes = size_t(n_params_) * sizeof(float);
-  params_ = Buffer::allocate(pbytes, Device::cpu, "parameters");
-  grads_ = Buffer::allocate(pbytes, Device::cpu, "gradients");
+  // FSDP's sharded storage holds them instead (ModelOptions::external_parameters).
+  if (!options.external_parameters) {
+    params_ = Buffer::allocate(pbytes, Device::cpu, "parameters");
+    grads_ = Buffer::allocate(pbytes, Device::cpu, "gradients");
+  }
+  point_storage_at(parameters(), nullptr, DType::f32, gradients());
   acts_layout_ = std::make_unique<ActivationLayout>(layout_activations(config, batch, seq, options.recompute));
   const int64_t n = batch * seq;  // checked by layout_activations
   constexpr std::string_view bytes = "CpuModel: activation bytes";
@@ -42,7 +46,7 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
                            Device::cpu, "RoPE tables");
   float* rope = static_cast<float*>(rope_.data());
   cpu::rope_tables(rope, rope + config.context * half, config.context, config.head_dim(), config.rope_theta);
-  std::fill(parameters(), parameters() + n_params_, 0.0f);
+  if (!options.external_parameters) std::fill(parameters(), parameters() + n_params_, 0.0f);
   zero_grad();
 }
 
@@ -65,21 +69,18 @@ void CpuModel::release_optimizer_state() {
   adam_step_ = 0;
 }
 
-float* CpuModel::param(const std::string& name) const {
-  for (const auto& p : layout_) {
-    if (p.name == name) return parameters() + p.offset;
-  }
-  fail("CpuModel: no parameter named '{}'", name);
+float* CpuModel::param(const std::string& name) const { return stored(name).master; }
+float* CpuModel::grad(const std::string& name) const { return stored(name).grad; }
+
+void CpuModel::check_own_storage(std::string_view caller) const {
+  FLASHLM_CHECK(!options_.external_parameters,
+                "{}: this model keeps no flat parameters of its own (FSDP's sharded storage: use DdpModel's)", caller);
 }
 
-float* CpuModel::grad(const std::string& name) const {
-  for (const auto& p : layout_) {
-    if (p.name == name) return gradients() + p.offset;
-  }
-  fail("CpuModel: no parameter named '{}'", name);
+void CpuModel::init_parameters(uint64_t seed) {
+  check_own_storage("CpuModel::init_parameters");
+  init_parameters_host(layout_, parameters(), seed);
 }
-
-void CpuModel::init_parameters(uint64_t seed) { init_parameters_host(layout_, parameters(), seed); }
 
 const float* CpuModel::logits() const { return act(logits_offset_); }
 
@@ -185,12 +186,14 @@ void CpuModel::backward() {
   float* dlogits = act(logits_offset_);
   cpu::cross_entropy_backward(dlogits, targets_, n, c.vocab);
   parameters_needed("lm_head.");
+  gradients_needed("lm_head.");
   cpu::linear_backward(dlogits, act(A.h_f), param("lm_head.weight"), dh, grad("lm_head.weight"), n, d, c.vocab,
                        false);
   parameters_done("lm_head.");
   gradient_ready("lm_head.weight");
   std::fill(dx, dx + n * d, 0.0f);
   parameters_needed("ln_final.");
+  gradients_needed("ln_final.");
   cpu::rmsnorm_backward(dh, act(A.x_out), param("ln_final.weight"), stat(A.rstd_f), dx, grad("ln_final.weight"), n,
                         d);
   parameters_done("ln_final.");
@@ -208,6 +211,7 @@ void CpuModel::backward() {
     const std::string p = fmt::format("layers.{}.", l);
     ScopedRange layer_range("layer.backward");
     parameters_needed(p);
+    gradients_needed(p);
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
     cpu::linear_backward(dx, act(a.s), param(p + "ffn.w2.weight"), ds, grad(p + "ffn.w2.weight"), n, f, d, false);
     gradient_ready(p + "ffn.w2.weight");
@@ -246,17 +250,22 @@ void CpuModel::backward() {
     parameters_done(p);
     gradient_ready(p + "ln1.weight");
   }
+  gradients_needed("token_embeddings.");
   cpu::embedding_backward(dx, tokens_, grad("token_embeddings.weight"), n, d);
   gradient_ready("token_embeddings.weight");
   tokens_ = nullptr;  // the logits were overwritten by their gradient
 }
 
-void CpuModel::zero_grad() { std::fill(gradients(), gradients() + n_params_, 0.0f); }
+void CpuModel::zero_grad() {
+  // Sharded storage: FsdpParameters zeroes each gradient buffer as it hands it out.
+  if (!options_.external_parameters) std::fill(gradients(), gradients() + n_params_, 0.0f);
+}
 
 double CpuModel::gradient_norm() const {
   // Fixed chunks summed in a fixed order: the norm (and so the clipping) is bit-identical from run to
   // run whatever the thread count, which resuming from a checkpoint relies on (and ZeRO-1's sharded norm,
   // whose shards are whole chunks).
+  check_own_storage("CpuModel::gradient_norm");
   constexpr int64_t kChunk = kGradientNormChunk;
   const int64_t chunks = (n_params_ + kChunk - 1) / kChunk;
   std::vector<double> partial(size_t(chunks), 0.0);
@@ -282,6 +291,7 @@ double CpuModel::clip_gradients(double max_norm) {
 }
 
 void CpuModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  check_own_storage("CpuModel::save_state");
   check_state_arrays("CpuModel::save_state", params.size(), m.size(), v.size(), 0);
   std::copy(parameters(), parameters() + n_params_, params.begin());
   if (!adam_m_.data()) {  // no step taken yet: zero moments
@@ -295,6 +305,7 @@ void CpuModel::save_state(std::span<float> params, std::span<float> m, std::span
 
 void CpuModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
                           int64_t optimizer_steps) {
+  check_own_storage("CpuModel::load_state");
   check_state_arrays("CpuModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   allocate_moments();
   std::copy(params.begin(), params.end(), parameters());
@@ -306,6 +317,7 @@ void CpuModel::load_state(std::span<const float> params, std::span<const float> 
 void CpuModel::adamw_step(const AdamWConfig& c, double lr) {
   memory_set_phase("optimizer");
   ScopedRange range("optimizer_step");
+  check_own_storage("CpuModel::adamw_step");
   allocate_moments();
   ++adam_step_;
   cpu::adamw_step(parameters(), gradients(), static_cast<float*>(adam_m_.data()), static_cast<float*>(adam_v_.data()),
