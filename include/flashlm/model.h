@@ -89,11 +89,12 @@ struct ModelOptions {
   // FsdpParameters fills part by part (ParametersNeededHook, GradientsNeededHook). parameters() and
   // gradients() are then nullptr, and what works on the whole flat buffers (init_parameters, save_state,
   // load_state, the model's own norm, clip and AdamW) is an error: DdpModel does those on the shards.
-  // `external_parameters` is this rank's share of them, for the memory plan: fsdp_world ranks, and the bytes
-  // of the gathered pool and gradient buffers (fsdp_pool_bytes).
+  // For the memory plan, which then counts this rank's share of them (FSDP's per-rank bytes): the ranks,
+  // the prefetch depth (the pool holds prefetch + 2 parts) and grad_accum (> 1 keeps whole local gradients).
   bool external_parameters = false;
   int64_t fsdp_world = 1;
-  int64_t fsdp_pool_bytes = 0;
+  int64_t fsdp_prefetch = 1;
+  int64_t fsdp_grad_accum = 1;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
@@ -416,6 +417,8 @@ class CudaModel final : public LanguageModel {
   Device device() const override { return Device::cuda; }
   DType precision() const override;
   bool bf16_pure() const override;
+  bool external_parameters() const override;
+  DType working_dtype() const override;
   const RecomputePlan& recompute() const;
 
   void init_parameters(uint64_t seed) override;  // the same values as CpuModel::init_parameters(seed)
@@ -445,6 +448,7 @@ class CudaModel final : public LanguageModel {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   void forward_block(int64_t l, BlockPass pass);
+  void check_own_storage(std::string_view caller) const;  // flashlm::Error under external_parameters
 };
 
 }  // namespace flashlm

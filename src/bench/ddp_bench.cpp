@@ -41,8 +41,14 @@ double peak_mib(Communicator& comm, Device device) {
 
 // One row: a DdpModel with the row's variant over the shared model, warm-up, then timed steps. Errors that
 // some ranks see while setting up (out of memory for ZeRO-1's moments) become the row's status on every rank.
-void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model, std::span<const int32_t> tokens,
+void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& shared, std::span<const int32_t> tokens,
              std::span<const int32_t> targets, double local_tokens_per_s, DdpBenchRecord& rec) {
+  // FSDP's row runs a model of its own with sharded storage (ModelOptions::external_parameters), so that its
+  // memory columns are what a rank allocates under FSDP; its peak is counted above what the shared model of
+  // the other rows holds, idle meanwhile.
+  const bool fsdp = rec.variant == ddp_variant_name(DdpVariant::fsdp);
+  const int64_t held_before = fsdp ? memory_stats(shared.device()).current_bytes : 0;
+  std::unique_ptr<LanguageModel> own;
   DdpOptions opt;
   opt.variant = parse_ddp_variant(rec.variant);
   if (rec.bucket_mb) opt.bucket_mb = *rec.bucket_mb;
@@ -53,7 +59,17 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   std::string error;
   bool oom = false;
   try {
-    dp = std::make_unique<DdpModel>(comm, model, int64_t(tokens.size()), opt, rec.zero1);
+    if (fsdp) {
+      ModelOptions options;
+      options.external_parameters = true;
+      options.fsdp_world = comm.world_size();
+      options.fsdp_prefetch = cfg.fsdp_prefetch;
+      options.optimizer_shards = comm.world_size();
+      own = make_model(shared.config(), int64_t(tokens.size()) / cfg.context, cfg.context, shared.device(),
+                       shared.precision(), options);
+    }
+    dp = std::make_unique<DdpModel>(comm, own ? *own : shared, int64_t(tokens.size()), opt, rec.zero1);
+    if (own) dp->init_parameters(1);
   } catch (const OutOfMemory& e) {
     error = e.what(), oom = true;
   } catch (const Error& e) {
@@ -66,6 +82,7 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
     rec.message = first;
     return;
   }
+  LanguageModel& model = own ? *own : shared;
   dp->broadcast_parameters();
   AdamWConfig adamw;
   std::vector<double> exposed;
@@ -93,13 +110,8 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& model
   rec.parameters_mib = double(mem.parameters) / kMiB;
   rec.gradients_mib = double(mem.gradients) / kMiB;
   if (dp->fsdp()) rec.gathered_mib = double(mem.gathered) / kMiB;
-  rec.peak_mib = peak_mib(comm, model.device());
+  rec.peak_mib = peak_mib(comm, model.device()) - double(held_before) / kMiB;
   rec.staging_mib = double(dp->data_parallel().staging_bytes()) / kMiB;
-  // FSDP leaves each rank its shards only: the rows after this one start from whole weights.
-  if (dp->fsdp()) {
-    dp->gather_master_parameters();
-    model.parameters_changed();
-  }
 }
 
 // Every setting of the benchmark: the ranks must agree on all (Communicator::agree_settings). The report's

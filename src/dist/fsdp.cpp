@@ -25,6 +25,7 @@ struct FsdpParameters::Impl {
   // One sharded bucket: rank r owns [offset + r·part, offset + (r + 1)·part) of it.
   struct Shard {
     Communicator::Segment segment;
+    int64_t tail = 0;  // the bucket's last E mod world elements, kept by every rank
     bool reads_master = false;  // the model reads it from the fp32 masters (DdpParameters::read_as_master)
     State state = State::whole;
     CommRequest request;  // CPU: the gather in flight
@@ -177,14 +178,9 @@ struct FsdpParameters::Impl {
       const int64_t world = comm.world_size(), rank = comm.rank();
       const int64_t own = s.segment.offset + rank * s.segment.part;
       copy(base + size_t(own - unit.offset) * esize, packed_weight(packed(own), us.dtype), size_t(s.segment.part) * esize);
-      const int64_t tail = s.segment.offset + world * s.segment.part;
-      const int64_t tail_index = packed(tail);
-      if (tail_index >= 0) {
-        int64_t tail_count = 0;
-        for (size_t r = 0; r < runs.size(); ++r) {
-          if (runs[r].offset == tail) tail_count = runs[r].count;
-        }
-        copy(base + size_t(tail - unit.offset) * esize, packed_weight(tail_index, us.dtype), size_t(tail_count) * esize);
+      if (s.tail > 0) {
+        const int64_t tail = s.segment.offset + world * s.segment.part;
+        copy(base + size_t(tail - unit.offset) * esize, packed_weight(packed(tail), us.dtype), size_t(s.tail) * esize);
       }
     }
     const TensorView x = TensorView::contiguous(base, us.dtype, {unit.count}, params.device);
@@ -233,8 +229,23 @@ struct FsdpParameters::Impl {
 #endif
     everything = Buffer();
     for (const UnitStorage& us : stored) {
-      for (size_t i : us.params) table[i].weight = nullptr, table[i].master = nullptr;
+      for (size_t i : us.params) point_away(i);
     }
+  }
+
+  // A sharded parameter whose part is not gathered: nowhere, or in the poison mode at its place in the first
+  // pool buffer, NaN from its allocation and from every release until a part is gathered into it, so that a
+  // read before the part's gather shows in the loss rather than as a crash.
+  void point_away(size_t i) {
+    ParameterStorage& t = table[i];
+    t.weight = nullptr;
+    t.master = nullptr;
+    if (!poison || pool.empty()) return;
+    const int64_t u = unit_at(params.layout[i].offset);
+    const DType dtype = stored[size_t(u)].dtype;
+    t.weight = static_cast<char*>(pool.front().buffer.data()) +
+               size_t(params.layout[i].offset - units[size_t(u)].offset) * dtype_size(dtype);
+    t.master = dtype == DType::f32 ? static_cast<float*>(t.weight) : nullptr;
   }
 
   // Gives unit u's pool buffer back (poisoned with NaN in the poison mode: the parameters still point there,
@@ -397,6 +408,7 @@ FsdpParameters::FsdpParameters(Communicator& comm, DdpParameters params, std::sp
     if (z.part == 0 || comm.world_size() == 1) continue;
     Impl::Shard s;
     s.segment = {z.offset, z.part};
+    s.tail = z.tail.count;
     const DdpRange& r = buckets[b].ranges.front();
     s.reads_master = std::any_of(reads.begin(), reads.end(), [&](const DdpRange& x) {
       return x.offset < r.offset + r.count && r.offset < x.offset + x.count;
@@ -552,8 +564,7 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
       t.weight = m.packed_weight(at, working_dtype);
       t.grad = static_cast<float*>(m.shard_grads.data()) + at;
     } else {
-      t.weight = nullptr;
-      t.master = nullptr;
+      m.point_away(i);
       t.grad = m.local_grads.data() ? static_cast<float*>(m.local_grads.data()) + q.offset : nullptr;
     }
   }
@@ -625,6 +636,11 @@ int64_t FsdpParameters::buffer_bytes() const {
 
 void FsdpParameters::begin_pass(bool backward) {
   Impl& m = *impl_;
+  // A backward hands out the gradient buffers afresh (the last one's may still be being reduce-scattered:
+  // gradients_needed() waits for that before reusing one).
+  if (backward) {
+    for (Impl::UnitStorage& us : m.stored) us.grad_slot = -1;
+  }
   if (!m.recording.empty()) m.pass_order[m.backward] = std::move(m.recording);
   m.recording.clear();
   m.backward = backward;

@@ -120,8 +120,16 @@ struct CudaModel::Impl {
   }
   bf16_t* pure_param(const std::string& name) const { return static_cast<bf16_t*>(params.data()) + info(name).offset; }
   bf16_t* pure_grad(const std::string& name) const { return static_cast<bf16_t*>(grads.data()) + info(name).offset; }
-  float* master(const std::string& name) const { return static_cast<float*>(params.data()) + info(name).offset; }
-  float* grad(const std::string& name) const { return static_cast<float*>(grads.data()) + info(name).offset; }
+  // Mixed and fp32 parameters through the model's parameter_storage() table (its flat buffers, or FSDP's
+  // shards and gathered parts).
+  const ParameterStorage* table = nullptr;
+  const ParameterStorage& stored(const std::string& name) const {
+    const auto it = index.find(name);
+    FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
+    return table[it->second];
+  }
+  float* master(const std::string& name) const { return stored(name).master; }
+  float* grad(const std::string& name) const { return stored(name).grad; }
   // The fp32 RMSNorm gain the norm kernels read: the master, or (bf16-pure) its widened copy.
   const float* gain(const std::string& name) const {
     if (!pure) return master(name);
@@ -144,8 +152,7 @@ struct CudaModel::Impl {
   // The weight the GEMMs read: the low-precision copy, the fp32 master itself, or the bf16 parameter.
   const void* weight(const std::string& name) const {
     if (pure) return pure_param(name);
-    if (precision == DType::f32) return master(name);
-    return static_cast<const char*>(params_lp.data()) + info(name).offset * int64_t(elem());
+    return stored(name).weight;
   }
 
   // The AdamW moments are allocated (zeroed) by the first adamw_step() or load_state(), as PyTorch's
@@ -166,6 +173,7 @@ struct CudaModel::Impl {
   }
   // Before the gradients are read as they stand: the deferred zeroing, then the deferred clipping.
   void settle_gradients() const {
+    if (!grads.data()) return;  // FSDP's sharded storage: the gradient buffers are FsdpParameters'
     if (zero_pending) {
       gpu::memset_async(grads.data(), 0, size_t(n_params) * state_elem(), stream);
       zero_pending = false;
@@ -269,16 +277,23 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.loss_scale = precision == DType::f16 ? LanguageModel::kInitialLossScale : 1.0;
 
   const size_t pbytes = size_t(m.n_params) * m.state_elem();
-  m.params = Buffer::allocate(pbytes, Device::cuda, m.pure ? "parameters (bf16)" : "parameters (fp32 master)");
-  m.grads = Buffer::allocate(pbytes, Device::cuda, m.pure ? "gradients (bf16)" : "gradients (fp32)");
+  FLASHLM_CHECK(!options.external_parameters || !m.pure, "CudaModel: FSDP's sharded storage keeps fp32 masters, not "
+                "bf16-pure parameters");
+  if (!options.external_parameters) {  // otherwise FSDP's shards hold them
+    m.params = Buffer::allocate(pbytes, Device::cuda, m.pure ? "parameters (bf16)" : "parameters (fp32 master)");
+    m.grads = Buffer::allocate(pbytes, Device::cuda, m.pure ? "gradients (bf16)" : "gradients (fp32)");
+  }
   if (m.pure) {
     m.staging = Buffer::allocate(size_t(m.largest_parameter) * sizeof(float), Device::cuda,
                                  "fp32 gradient accumulator");
     m.gains_f32 = Buffer::allocate(m.gain_row.size() * size_t(config.d_model) * sizeof(float), Device::cuda,
                                    "RMSNorm gains (fp32)");
-  } else if (precision != DType::f32) {
+  } else if (precision != DType::f32 && !options.external_parameters) {
     m.params_lp = Buffer::allocate(size_t(m.n_params) * m.elem(), Device::cuda, "parameters (low precision)");
   }
+  point_storage_at(m.pure ? nullptr : static_cast<float*>(m.params.data()), m.params_lp.data(), precision,
+                   m.pure ? nullptr : static_cast<float*>(m.grads.data()));
+  m.table = storage_.data();
 
   // Every size is checked: batch, seq and the widths come from the user.
   constexpr std::string_view bytes = "CudaModel: activation bytes";
@@ -306,7 +321,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
                    config.rope_theta);
   m.rope = Buffer::allocate(table.size() * sizeof(float), Device::cuda, "RoPE tables");
   cuda_copy(m.rope.data(), table.data(), table.size() * sizeof(float));
-  gpu::memset_async(m.params.data(), 0, pbytes, stream);
+  if (m.params.data()) gpu::memset_async(m.params.data(), 0, pbytes, stream);
   m.refresh_gains();
   zero_grad();
 }
@@ -328,6 +343,15 @@ float* CudaModel::gradients() const {
   return static_cast<float*>(impl_->grads.data());
 }
 bool CudaModel::bf16_pure() const { return impl_->pure; }
+bool CudaModel::external_parameters() const { return impl_->options.external_parameters; }
+DType CudaModel::working_dtype() const {
+  return impl_->pure || impl_->precision == DType::f32 ? DType::f32 : impl_->precision;
+}
+
+void CudaModel::check_own_storage(std::string_view caller) const {
+  FLASHLM_CHECK(!impl_->options.external_parameters,
+                "{}: this model keeps no flat parameters of its own (FSDP's sharded storage: use DdpModel's)", caller);
+}
 const RecomputePlan& CudaModel::recompute() const { return impl_->A.recompute; }
 void* CudaModel::stream() const { return impl_->stream; }
 int64_t CudaModel::parameter_count() const { return impl_->n_params; }
@@ -365,6 +389,7 @@ TensorView heads_view(void* data, DType dtype, int64_t batch, int64_t seq, int64
 }  // namespace
 
 void CudaModel::load_parameters(const float* host) {
+  check_own_storage("CudaModel::load_parameters");
   Impl& m = *impl_;
   if (m.pure) {
     m.narrow_from_host(host, static_cast<bf16_t*>(m.params.data()), m.n_params);
@@ -399,6 +424,7 @@ void* CudaModel::working_parameters() const {
 void CudaModel::parameters_changed() {
   Impl& m = *impl_;
   if (m.pure) return m.refresh_gains();
+  if (!m.params.data()) return;  // FSDP's sharded storage: DdpModel refreshes the working copy of the shards
   with_precision(m.precision, [&](auto zero) {
     using T = decltype(zero);
     if constexpr (!std::is_same_v<T, float>) {
@@ -410,6 +436,7 @@ void CudaModel::parameters_changed() {
 
 void CudaModel::init_parameters(uint64_t seed) {
   // Parameter by parameter through one host buffer: an 8B model's values never exist on the host at once.
+  check_own_storage("CudaModel::init_parameters");
   Impl& m = *impl_;
   std::vector<float> host(size_t(m.largest_parameter));
   for (const ParameterInfo& p : m.layout) {
@@ -426,6 +453,7 @@ void CudaModel::init_parameters(uint64_t seed) {
 }
 
 void CudaModel::copy_parameters_to(float* host) const {
+  check_own_storage("CudaModel::copy_parameters_to");
   const Impl& m = *impl_;
   gpu::stream_synchronize(m.stream);
   if (m.pure) return m.widen_to_host(static_cast<const bf16_t*>(m.params.data()), host, m.n_params);
@@ -433,6 +461,7 @@ void CudaModel::copy_parameters_to(float* host) const {
 }
 
 void CudaModel::copy_gradients_to(float* host) const {
+  check_own_storage("CudaModel::copy_gradients_to");
   const Impl& m = *impl_;
   m.settle_gradients();
   gpu::stream_synchronize(m.stream);
@@ -627,6 +656,7 @@ void CudaModel::backward() {
       // The fused head again, now with gradients (the forward kept no logits): each chunk's logits, their
       // gradient times the loss scale, the chunk's rows of dh and its share of the head's weight gradient.
       parameters_needed("lm_head.");
+      gradients_needed("lm_head.");
       add_to_gradient("lm_head.weight", false, [&](float* dw, bool) {
         gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")),
                                               targets, n, d, V, m.head_chunk, float(m.loss_scale / double(n)),
@@ -635,6 +665,7 @@ void CudaModel::backward() {
       parameters_done("lm_head.");
       gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
       parameters_needed("ln_final.");
+      gradients_needed("ln_final.");
       rmsnorm_backward(dh, m.a<T>(m.A.x_out), "ln_final.weight", m.f(m.A.rstd_f), dx);
       parameters_done("ln_final.");
     }
@@ -650,6 +681,7 @@ void CudaModel::backward() {
       ScopedRange layer_range("layer.backward");
       const std::string p = fmt::format("layers.{}.", l);
       parameters_needed(p);
+      gradients_needed(p);
       linear_backward(dx, m.a<T>(L.s), p + "ffn.w2.weight", ds, f, d, false);
       gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream);
       linear_backward(du, m.a<T>(L.h2), p + "ffn.w1.weight", dh, d, f, false);
@@ -675,6 +707,7 @@ void CudaModel::backward() {
       rmsnorm_backward(dh, m.a<T>(L.x_in), p + "ln1.weight", m.f(L.rstd1), dx);
       parameters_done(p);
     }
+    gradients_needed("token_embeddings.");
     add_to_gradient("token_embeddings.weight", false, [&](float* dtable, bool) {
       gpu::embedding_backward<T>(dx, tokens, dtable, n, d, V, m.stream);
     });
@@ -713,6 +746,7 @@ bool CudaModel::unscale_gradients() {
 }
 
 double CudaModel::gradient_norm() const {
+  check_own_storage("CudaModel::gradient_norm");
   const Impl& m = *impl_;
   m.settle_gradients();
   if (m.norms_current) {  // summed on the host in layout order
@@ -757,6 +791,7 @@ void CudaModel::release_optimizer_state() {
 void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
 
 void CudaModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
+  check_own_storage("CudaModel::save_state");
   check_state_arrays("CudaModel::save_state", params.size(), m.size(), v.size(), 0);
   const Impl& s = *impl_;
   copy_parameters_to(params.data());
@@ -777,6 +812,7 @@ void CudaModel::save_state(std::span<float> params, std::span<float> m, std::spa
 
 void CudaModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
                            int64_t optimizer_steps) {
+  check_own_storage("CudaModel::load_state");
   check_state_arrays("CudaModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   Impl& s = *impl_;
   load_parameters(params.data());  // also refreshes what is derived from the parameters
@@ -797,6 +833,7 @@ void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
   Impl& m = *impl_;
   memory_set_phase("optimizer");
   ScopedRange range("optimizer_step");
+  check_own_storage("CudaModel::adamw_step");
   if (m.zero_pending) m.settle_gradients();  // a step on zeroed gradients (the clip is applied in the kernel)
   m.allocate_moments();
   ++m.adam_step;

@@ -175,7 +175,37 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
   const int64_t moments = (n_params + o.optimizer_shards - 1) / o.optimizer_shards;
   const std::string share =
       o.optimizer_shards > 1 ? fmt::format(", 1/{}: this rank's shard", o.optimizer_shards) : std::string();
-  if (o.bf16_pure) {
+  if (o.external_parameters) {
+    // FSDP's sharded storage (flashlm/ddp.h): this rank's 1/world of the matrices, every RMSNorm gain, and
+    // the pool of gathered parts and the gradient buffers; each part gathered in the type the model reads it
+    // in (CUDA's mixed precision reads the embedding in fp32, the other matrices in the low-precision copy).
+    const int64_t world = o.fsdp_world;
+    int64_t gains = 0, matrices = 0, largest_part = 0, largest_part_bytes = 0;
+    const auto part_bytes = [&](int64_t count, bool embedding) {
+      return bytes(count, cuda && precision != DType::f32 && !embedding ? elem : 4);
+    };
+    const int64_t layer = 4 * c.d_model * c.d_model + 3 * c.d_model * c.d_ff + 2 * c.d_model;  // with its gains
+    for (const auto& [count, embedding] : {std::pair{c.vocab * c.d_model, true}, std::pair{layer, false},
+                                           std::pair{c.vocab * c.d_model, false}}) {
+      largest_part = std::max(largest_part, count);
+      largest_part_bytes = std::max(largest_part_bytes, part_bytes(count, embedding));
+    }
+    for (const ParameterInfo& info : parameter_layout(c)) (info.shape.size() == 1 ? gains : matrices) += info.numel();
+    // The tails: fewer than `world` elements per sharded bucket (two per layer, the embedding, the head).
+    const int64_t shard = (matrices + world - 1) / world + gains + (2 * c.layers + 2) * (world - 1);
+    const std::string of = fmt::format(", 1/{}: this rank's shard", world);
+    p.items.push_back({"parameters (fp32" + of + ")", bytes(shard, 4)});
+    if (cuda && precision != DType::f32) {
+      p.items.push_back({fmt::format("parameters ({} copy for the GEMMs{})", dtype_name(precision), of), bytes(shard, elem)});
+    }
+    p.items.push_back({"gradients (fp32" + of + ")", bytes(shard, 4)});
+    p.items.push_back({"AdamW moments (fp32" + share + ")", bytes(moments, 8)});
+    p.items.push_back({fmt::format("FSDP gathered parts (a pool of prefetch {} + 2)", o.fsdp_prefetch),
+                       checked_mul(o.fsdp_prefetch + 2, largest_part_bytes, "memory plan: bytes")});
+    p.items.push_back(o.fsdp_grad_accum > 1
+                          ? MemoryPlan::Item{"FSDP whole local gradients (grad_accum > 1)", bytes(n_params, 4)}
+                          : MemoryPlan::Item{"FSDP part gradients (two parts)", bytes(2 * largest_part, 4)});
+  } else if (o.bf16_pure) {
     p.items.push_back({"parameters (bf16)", bytes(n_params, 2)});
     p.items.push_back({"gradients (bf16)", bytes(n_params, 2)});
     p.items.push_back({"AdamW moments (bf16" + share + ")", bytes(moments, 4)});
@@ -228,6 +258,11 @@ MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, D
                 "precision: bf16-pure is a CUDA precision (bf16 parameters, gradients and moments)");
   FLASHLM_CHECK(o.optimizer_shards >= 1 && o.optimizer_shards <= (int64_t{1} << 20),
                 "memory plan: optimizer_shards = {}, expected a rank count in [1, 2^20]", o.optimizer_shards);
+  FLASHLM_CHECK(!o.external_parameters || (o.fsdp_world >= 1 && o.fsdp_world <= (int64_t{1} << 20) &&
+                                           o.fsdp_prefetch >= 0 && o.fsdp_prefetch <= 2 && o.fsdp_grad_accum >= 1 &&
+                                           !o.bf16_pure),
+                "memory plan: FSDP's sharded storage with {} ranks, prefetch {}, grad_accum {}{}", o.fsdp_world,
+                o.fsdp_prefetch, o.fsdp_grad_accum, o.bf16_pure ? " and bf16-pure (not supported)" : "");
   using Kind = RecomputePlan::Kind;
   if (o.recompute.kind != Kind::automatic) return plan_for(c, batch, seq, device, precision, o, o.recompute);
   if (available_bytes < 0) {

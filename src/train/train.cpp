@@ -60,8 +60,12 @@ void write_run_checkpoint(const std::string& path, const LanguageModel& model, D
   if (cfg.sharded_checkpoint) {
     dp->save_shard(params.data(), m.data(), v.data());
   } else {
-    if (dp) dp->gather_master_parameters();  // ZeRO-1 in bf16/fp16 gathers only the working weights per step
-    model.save_state(params, m, v);
+    if (dp && dp->sharded_storage()) {
+      dp->save_parameters(*cfg.comm, params.data());  // FSDP's shards gathered on the host
+    } else {
+      if (dp) dp->gather_master_parameters();  // ZeRO-1 in bf16/fp16 gathers only the working weights per step
+      model.save_state(params, m, v);
+    }
     if (dp && dp->zero()) dp->zero()->gather_state(m.data(), v.data());
     if (cfg.comm && !cfg.comm->is_root()) return;
   }
@@ -266,6 +270,15 @@ TrainResult train(const TrainConfig& cfg) {
   options.deterministic = cfg.deterministic;
   // ZeRO-1 and FSDP keep this rank's shard of the moments, not the model (DdpModel releases its own).
   if (cfg.comm && (cfg.zero1 || cfg.ddp.variant == DdpVariant::fsdp)) options.optimizer_shards = world;
+  // FSDP: the model allocates no flat parameters or gradients; this rank's shards and the gathered parts'
+  // pool hold them (flashlm/ddp.h), which the plan counts.
+  const bool sharded = cfg.comm && cfg.ddp.variant == DdpVariant::fsdp;
+  if (sharded) {
+    options.external_parameters = true;
+    options.fsdp_world = world;
+    options.fsdp_prefetch = cfg.ddp.fsdp_prefetch;
+    options.fsdp_grad_accum = cfg.ddp.grad_accum;
+  }
   FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm, "train: bf16-pure keeps no fp32 masters for data parallelism to reduce "
                                              "and gather; use --precision bf16");
   // The memory plan, printed before anything is allocated and refused when it cannot fit.
@@ -277,13 +290,14 @@ TrainResult train(const TrainConfig& cfg) {
   const std::unique_ptr<LanguageModel> model_ptr =
       make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options);
   LanguageModel& model = *model_ptr;
-  model.init_parameters(cfg.seed);
+  if (!sharded) model.init_parameters(cfg.seed);
   if (cfg.loss_scale_init > 0) {  // a resumed run then takes the checkpoint's scale instead
     FLASHLM_CHECK(cfg.precision == DType::f16, "train: loss_scale_init needs fp16, not {}", dtype_name(cfg.precision));
     model.restore_loss_scale(cfg.loss_scale_init, 0);
   }
   std::unique_ptr<DdpModel> dp;
   if (cfg.comm) dp = std::make_unique<DdpModel>(*cfg.comm, model, cfg.batch * cfg.seq, cfg.ddp, cfg.zero1);
+  if (sharded) dp->init_parameters(cfg.seed);  // the single process's values, each rank keeping its shard
   TrainResult result;
   result.best_possible_loss = data.best_possible_loss;
 
@@ -311,7 +325,8 @@ TrainResult train(const TrainConfig& cfg) {
     } else if (ck.header().shard_rank >= 0) {
       fail("train: '{}' is one rank's shard of a sharded checkpoint: resume it with --sharded-checkpoint", path);
     } else if (dp && dp->zero()) {
-      load_parameters(model, params.data());
+      if (dp->sharded_storage()) dp->load_parameters(params.data());
+      else load_parameters(model, params.data());
       dp->zero()->load_state(m.data(), v.data(), optimizer_steps);
     } else {
       model.load_state(params, m, v, optimizer_steps);
@@ -327,7 +342,9 @@ TrainResult train(const TrainConfig& cfg) {
     FLASHLM_CHECK(!cfg.resume, "train: --init and --resume both give the parameters: use one");
     std::vector<float> params(size_t(model.parameter_count()));
     SafetensorsFile(cfg.init).read_parameters(cfg.model, params);
-    if (model.bf16_pure()) {  // no fp32 masters to copy into: the weights go in as a fresh optimizer state
+    if (dp && dp->sharded_storage()) {
+      dp->load_parameters(params.data());
+    } else if (model.bf16_pure()) {  // no fp32 masters to copy into: the weights go in as a fresh optimizer state
       const std::vector<float> zeros(params.size(), 0.0f);
       model.load_state(params, zeros, zeros, 0);
     } else {

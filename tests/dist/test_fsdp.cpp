@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <memory>
 #include <cmath>
 #include <cstdlib>
 #include <random>
@@ -421,6 +422,235 @@ TEST(Fsdp, GatheredParametersLetOneRankEvaluate) {
   EXPECT_TRUE(std::isfinite(loss));
   EXPECT_TRUE(std::isfinite(lm.forward_backward(100)));
   lm.dp.optimizer_step(clipping_adamw(), kLr);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Sharded storage (ModelOptions::external_parameters): the model allocates no flat buffers; each rank keeps
+// its shards, a pool of gathered parts and two part gradient buffers (or whole local gradients under
+// grad_accum > 1), and the model reads and writes through its parameter_storage() table.
+
+ModelOptions sharded_options(const char* recompute = "none", int64_t prefetch = 1, int64_t grad_accum = 1) {
+  ModelOptions o;
+  o.recompute = RecomputePlan::parse(recompute);
+  o.external_parameters = true;
+  o.fsdp_world = comm().world_size();
+  o.fsdp_prefetch = prefetch;
+  o.fsdp_grad_accum = grad_accum;
+  o.optimizer_shards = comm().world_size();
+  return o;
+}
+
+// The whole state of a sharded-storage run, gathered from the shards on every rank.
+State gathered_sharded(DdpModel& dp, const LanguageModel& model) {
+  const auto n = size_t(model.parameter_count());
+  State st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+  dp.save_parameters(comm(), st.params.data());
+  dp.zero()->gather_state(st.m.data(), st.v.data());
+  return st;
+}
+
+// Steps [from, to) of the schedule train_fsdp runs, each rank on its rows.
+void train_steps(DdpModel& dp, const ModelConfig& mc, int64_t from, int64_t to) {
+  const int64_t local = kGlobal / comm().world_size();
+  const auto at = size_t(comm().rank() * local * kSeq), count = size_t(local * kSeq);
+  for (int64_t s = from; s < to; ++s) {
+    const Batches b(mc.vocab, s);
+    const double loss = dp.forward_backward(std::span(b.x).subspan(at, count), std::span(b.y).subspan(at, count));
+    EXPECT_TRUE(std::isfinite(loss)) << "step " << s << ": a part was read before its gather";
+    dp.optimizer_step(clipping_adamw(), kLr);
+  }
+}
+
+// A model with sharded storage under FSDP, initialised by DdpModel (every rank the single process's values).
+struct ShardedLm {
+  ModelConfig mc = lm_config();
+  std::unique_ptr<CpuModel> model;
+  std::unique_ptr<DdpModel> dp;
+  ShardedLm(const char* recompute, int prefetch, int64_t accum) {
+    const int64_t micro = kGlobal / comm().world_size() / accum;
+    model = std::make_unique<CpuModel>(mc, micro, kSeq, sharded_options(recompute, prefetch, accum));
+    dp = std::make_unique<DdpModel>(comm(), *model, micro * kSeq, fsdp_options(prefetch, accum), false);
+    dp->init_parameters(11);
+  }
+};
+
+// The same arithmetic as full storage, bit for bit (the same reduce-scatters of the same values, the same
+// AdamW over the same runs), so also within 1e-6 of one process and of DDP, and a world of one gives the
+// single process's bits: every prefetch depth, gradient accumulation (whole local gradients) and each
+// recomputation plan (a recomputing backward gathers each block again into the pool).
+TEST(FsdpSharded, TrainsLikeFullStorageBitForBit) {
+  const ModelConfig mc = lm_config();
+  const State one = train_one_process(mc);
+  struct Case {
+    const char* recompute;
+    int prefetch;
+    int64_t accum;
+  };
+  const Case cases[] = {{"none", 0, 1},     {"none", 2, 1},      {"none", 1, 2},
+                        {"blocks:2", 1, 1}, {"selective", 2, 1}, {"blocks", 1, 2}};
+  for (const Case& c : cases) {
+    const std::string what = std::string("recompute ") + c.recompute + ", prefetch " + std::to_string(c.prefetch) +
+                             ", grad_accum " + std::to_string(c.accum);
+    const int64_t micro = kGlobal / comm().world_size() / c.accum;
+    ModelOptions full_options;
+    full_options.recompute = RecomputePlan::parse(c.recompute);
+    CpuModel full(mc, micro, kSeq, full_options);
+    full.init_parameters(11);
+    DdpModel full_dp(comm(), full, micro * kSeq, fsdp_options(c.prefetch, c.accum), false);
+    train_fsdp(full_dp, mc);
+    const State want = gathered_state(full_dp, full);
+
+    ShardedLm lm(c.recompute, c.prefetch, c.accum);
+    ASSERT_TRUE(lm.dp->sharded_storage());
+    EXPECT_EQ(lm.model->parameters(), nullptr);
+    train_fsdp(*lm.dp, mc);
+    EXPECT_TRUE(lm.dp->fsdp()->released(0, lm.model->parameter_count())) << what;
+    const State got = gathered_sharded(*lm.dp, *lm.model);
+    EXPECT_EQ(got.params, want.params) << what;
+    EXPECT_EQ(got.m, want.m) << what;
+    EXPECT_EQ(got.v, want.v) << what;
+    EXPECT_LE(relative_l2(got.params, one.params), 1e-6) << what;
+    EXPECT_LE(relative_l2(got.v, one.v), 1e-6) << what;
+    if (comm().world_size() == 1 && c.accum == 1) {
+      EXPECT_EQ(got.params, one.params) << what;
+      EXPECT_EQ(got.v, one.v) << what;
+    }
+  }
+}
+
+// What a rank allocates, by the tracked allocator: the model without its flat buffers exactly 2n floats
+// below the full model; DdpModel then this rank's shards of the masters, gradients and both moments (each
+// at most n/world + the gains + the tails) plus the pool (prefetch + 2 parts) and two part gradient buffers,
+// all of it as DdpMemory reports — at two ranks about half what full storage allocates (2n floats in the
+// model, 2(n/world) moments), at four about a quarter.
+TEST(FsdpSharded, ARankAllocatesItsShardAndAPool) {
+  const ModelConfig mc = lm_config();
+  const int64_t world = comm().world_size(), local = kGlobal / world, f32 = 4;
+  const std::vector<ParameterInfo> layout = parameter_layout(mc);
+  int64_t largest_part = 0;
+  for (const ParameterInfo& p : layout) {
+    int64_t part = 0;
+    for (const ParameterInfo& q : layout) part += fsdp_unit_name(q.name) == fsdp_unit_name(p.name) ? q.numel() : 0;
+    largest_part = std::max(largest_part, part);
+  }
+  const int64_t n = mc.parameter_count();
+  const int64_t slack = (2 * mc.layers + 1) * mc.d_model + (2 * mc.layers + 2) * world;
+  for (int prefetch : {0, 2}) {
+    const int64_t before_full = memory_stats(Device::cpu).current_bytes;
+    int64_t full_bytes = 0;
+    {
+      CpuModel full(mc, local, kSeq);
+      full_bytes = memory_stats(Device::cpu).current_bytes - before_full;
+    }
+    const int64_t before = memory_stats(Device::cpu).current_bytes;
+    CpuModel model(mc, local, kSeq, sharded_options("none", prefetch));
+    const int64_t model_bytes = memory_stats(Device::cpu).current_bytes - before;
+    EXPECT_EQ(full_bytes - model_bytes, 2 * n * f32);
+    DdpModel dp(comm(), model, local * kSeq, fsdp_options(prefetch), false);
+    const int64_t dp_bytes = memory_stats(Device::cpu).current_bytes - before - model_bytes;
+    const DdpMemory mem = dp.memory();
+    const int64_t shard = dp.zero()->shard_elements();
+    EXPECT_LE(shard, n / world + slack);
+    EXPECT_EQ(mem.parameters, shard * f32);
+    EXPECT_EQ(mem.gradients, shard * f32);
+    EXPECT_EQ(mem.optimizer_state, 2 * shard * f32);
+    const int64_t pool = world > 1 ? (prefetch + 2) * largest_part * f32 + 2 * largest_part * f32 : 0;
+    EXPECT_EQ(dp.fsdp()->buffer_bytes(), pool) << "prefetch " << prefetch;
+    EXPECT_EQ(mem.model_buffers, mem.parameters + mem.gradients + pool);
+    EXPECT_EQ(dp_bytes, mem.model_buffers + mem.optimizer_state + dp.data_parallel().staging_bytes())
+        << "prefetch " << prefetch;
+    // Training allocates nothing more, and the parts whole at once stay within the pool.
+    dp.init_parameters(11);
+    train_steps(dp, mc, 0, 2);
+    EXPECT_EQ(memory_stats(Device::cpu).current_bytes - before - model_bytes, dp_bytes);
+    EXPECT_LE(mem.gathered, pool);
+    EXPECT_LE(dp.memory().gathered, (prefetch + 2) * largest_part * (world - 1) / world * f32);
+  }
+}
+
+// Sharded checkpoints resume bit-exactly; a gathered one loads into a sharded run at this world size
+// bit-exactly, and into one process (the single process's parameters within 1e-6).
+TEST(FsdpSharded, CheckpointsResumeBitExactly) {
+  ShardedLm straight("none", 1, 1);
+  train_steps(*straight.dp, straight.mc, 0, kSteps);
+  const State want = gathered_sharded(*straight.dp, *straight.model);
+
+  ShardedLm first("none", 1, 1);
+  train_steps(*first.dp, first.mc, 0, 3);
+  const auto k = size_t(first.dp->zero()->shard_elements());
+  std::vector<float> params(k), m(k), v(k);
+  first.dp->save_shard(params.data(), m.data(), v.data());
+  const State gathered = gathered_sharded(*first.dp, *first.model);
+
+  ShardedLm resumed("none", 1, 1);
+  resumed.dp->load_shard(params.data(), m.data(), v.data(), 3);
+  train_steps(*resumed.dp, resumed.mc, 3, kSteps);
+  const State got = gathered_sharded(*resumed.dp, *resumed.model);
+  EXPECT_EQ(got.params, want.params) << "sharded checkpoint";
+  EXPECT_EQ(got.v, want.v) << "sharded checkpoint";
+
+  ShardedLm reloaded("none", 1, 1);
+  reloaded.dp->load_parameters(gathered.params.data());
+  reloaded.dp->zero()->load_state(gathered.m.data(), gathered.v.data(), 3);
+  train_steps(*reloaded.dp, reloaded.mc, 3, kSteps);
+  const State again = gathered_sharded(*reloaded.dp, *reloaded.model);
+  EXPECT_EQ(again.params, want.params) << "gathered checkpoint";
+  EXPECT_EQ(again.m, want.m) << "gathered checkpoint";
+
+  // One process continues the gathered state on the whole batch.
+  CpuModel one(first.mc, kGlobal, kSeq);
+  one.load_state(gathered.params, gathered.m, gathered.v, 3);
+  for (int64_t s = 3; s < kSteps; ++s) {
+    const Batches b(first.mc.vocab, s);
+    one.zero_grad();
+    one.forward(b.x.data(), b.y.data());
+    one.backward();
+    optimizer_step(one, clipping_adamw(), kLr);
+  }
+  const auto n = size_t(one.parameter_count());
+  State single{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+  one.save_state(single.params, single.m, single.v);
+  EXPECT_LE(relative_l2(single.params, want.params), 1e-6);
+}
+
+// gather_parameters() holds every part whole (one buffer of the whole model, freed by the next step) so that
+// rank 0 alone evaluates: the loss full storage gives, bit for bit; then training goes on within its bytes.
+TEST(FsdpSharded, RankZeroEvaluatesAfterGatherParameters) {
+  const ModelConfig mc = lm_config();
+  const int64_t local = kGlobal / comm().world_size();
+  CpuModel full(mc, local, kSeq);
+  full.init_parameters(11);
+  DdpModel full_dp(comm(), full, local * kSeq, fsdp_options(1), false);
+  train_fsdp(full_dp, mc);
+  full_dp.gather_parameters();
+  ShardedLm lm("none", 1, 1);
+  train_fsdp(*lm.dp, mc);
+  const int64_t held = memory_stats(Device::cpu).current_bytes;
+  lm.dp->gather_parameters();
+  const Batches b(mc.vocab, 100);
+  double loss = 0, want = 0;
+  if (comm().is_root()) {
+    for (int k = 0; k < 2; ++k) loss = lm.model->forward(b.x.data(), b.y.data());
+    want = full.forward(b.x.data(), b.y.data());
+  }
+  comm().broadcast(std::span<double>(&loss, 1));
+  comm().broadcast(std::span<double>(&want, 1));
+  EXPECT_EQ(loss, want);
+  EXPECT_TRUE(std::isfinite(loss));
+  train_steps(*lm.dp, mc, kSteps, kSteps + 1);
+  EXPECT_EQ(memory_stats(Device::cpu).current_bytes, held);
+}
+
+// The poison mode still means something: a forward that skips the gathers (the hooks removed) reads the
+// poisoned pool, and its loss is NaN (at one rank nothing is sharded, so it reads real weights).
+TEST(FsdpSharded, AReadBeforeTheGatherIsNaN) {
+  ShardedLm lm("none", 1, 1);
+  train_steps(*lm.dp, lm.mc, 0, 2);
+  lm.model->set_parameters_needed_hook({});
+  lm.model->set_parameters_done_hook({});
+  const Batches b(lm.mc.vocab, 0);
+  const double loss = lm.model->forward(b.x.data(), b.y.data());
+  EXPECT_EQ(std::isnan(loss), comm().world_size() > 1) << loss;
 }
 
 // A job whose rank FLASHLM_TEST_DIE_ON_RANK exits in the middle of a step (after its backward, before the
