@@ -200,11 +200,13 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     }
     p.items.push_back({"gradients (fp32" + of + ")", bytes(shard, 4)});
     p.items.push_back({"AdamW moments (fp32" + share + ")", bytes(moments, 8)});
-    p.items.push_back({fmt::format("FSDP gathered parts (a pool of prefetch {} + 2)", o.fsdp_prefetch),
-                       checked_mul(o.fsdp_prefetch + 2, largest_part_bytes, "memory plan: bytes")});
-    p.items.push_back(o.fsdp_grad_accum > 1
-                          ? MemoryPlan::Item{"FSDP whole local gradients (grad_accum > 1)", bytes(n_params, 4)}
-                          : MemoryPlan::Item{"FSDP part gradients (two parts)", bytes(2 * largest_part, 4)});
+    if (world > 1) {  // at one rank nothing is sharded: the shards are the whole model, read in place
+      p.items.push_back({fmt::format("FSDP gathered parts (a pool of prefetch {} + 2)", o.fsdp_prefetch),
+                         checked_mul(o.fsdp_prefetch + 2, largest_part_bytes, "memory plan: bytes")});
+      p.items.push_back(o.fsdp_grad_accum > 1
+                            ? MemoryPlan::Item{"FSDP whole local gradients (grad_accum > 1)", bytes(n_params, 4)}
+                            : MemoryPlan::Item{"FSDP part gradients (two parts)", bytes(2 * largest_part, 4)});
+    }
   } else if (o.bf16_pure) {
     p.items.push_back({"parameters (bf16)", bytes(n_params, 2)});
     p.items.push_back({"gradients (bf16)", bytes(n_params, 2)});
