@@ -5,8 +5,12 @@
 // gemm_cuda.cpp, attention in attention/cuda/.
 #include <cuda_runtime.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -59,6 +63,68 @@ struct SideStream {
   }
 };
 
+// Calls fn(T{}) with the activation type of the model.
+template <class Fn>
+void with_precision(DType precision, Fn&& fn) {
+  switch (precision) {
+    case DType::f32: return fn(float{});
+    case DType::bf16: return fn(bf16_t{});
+    case DType::f16: return fn(fp16_t{});
+    default: fail("CudaModel: precision {} is not supported", dtype_name(precision));
+  }
+}
+
+// Host memory the GPU reads and writes while a graph runs (the copies of a graph need page-locked memory:
+// a copy from pageable memory would read the host array as it was at capture).
+template <class T>
+struct PinnedArray {
+  T* data = nullptr;
+  explicit PinnedArray(size_t count) {
+    FLASHLM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data), count * sizeof(T)), "cudaMallocHost");
+  }
+  ~PinnedArray() { cudaFreeHost(data); }
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+};
+
+// train_step as one CUDA graph (ModelOptions::cuda_graph). The step runs on a stream of its own, created
+// blocking so that it stays ordered with the legacy default stream the model may otherwise use (which
+// cannot be captured); its first call runs eagerly there (it allocates the moments, the cuBLASLt plans and
+// that stream's workspace, none of which may happen inside a capture), the second captures and launches.
+// The host arrays: `in` (this step's scalars, copied to the device by the graph's first node), `out` (the
+// scalars after clipping: the norm and the factor), `rows` (the per-token losses, copied back by the graph).
+struct StepGraph {
+  cudaStream_t stream = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool warmed_up = false;
+  std::string failure;  // why a capture failed: every later step is eager
+  Buffer scalars;       // DeviceStepScalars on the device
+  std::unique_ptr<PinnedArray<DeviceStepScalars>> in, out;
+  std::unique_ptr<PinnedArray<float>> rows;
+  // The host state a replay leaves behind (as the captured step's host code left it).
+  bool norms_current = false;
+  int64_t materialized_segment = -1;
+  int64_t replays = 0;
+  StepGraph() { FLASHLM_CUDA_CHECK(cudaStreamCreate(&stream), "cudaStreamCreate (train-step graph)"); }
+  ~StepGraph() {
+    cudaStreamSynchronize(stream);
+    if (exec) cudaGraphExecDestroy(exec);
+    cudaStreamDestroy(stream);
+  }
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+};
+
+// Points the model's stream at another one for a scope.
+struct StreamScope {
+  void*& slot;
+  void* saved;
+  StreamScope(void*& s, void* to) : slot(s), saved(s) { slot = to; }
+  ~StreamScope() { slot = saved; }
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+};
+
 }  // namespace
 
 struct CudaModel::Impl {
@@ -105,6 +171,9 @@ struct CudaModel::Impl {
   Buffer partial_norms;
   mutable bool norms_current = false;
   bool have_forward = false;
+  std::unique_ptr<StepGraph> graph;  // train_step's CUDA graph, from its first call on
+  std::string graph_status;          // CudaModel::cuda_graph_status
+  bool capturing = false;            // the step's host code is being captured, not run
 
   size_t elem() const { return dtype_size(precision); }
   size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads, moments
@@ -218,6 +287,55 @@ struct CudaModel::Impl {
       gpu::cast_from_f32<bf16_t>(s, dst + at, piece, stream);
     });
     gpu::stream_synchronize(stream);
+  }
+  // The batch onto the device (checked first), once the previous step no longer reads it.
+  void upload_batch(const int32_t* host_tokens, const int32_t* host_targets) const {
+    for (int64_t i = 0; i < n; ++i) {
+      FLASHLM_CHECK(host_tokens[i] >= 0 && host_tokens[i] < c.vocab,
+                    "forward: tokens[{}] = {} outside [0, vocab = {})", i, host_tokens[i], c.vocab);
+      FLASHLM_CHECK(host_targets[i] >= 0 && host_targets[i] < c.vocab,
+                    "forward: targets[{}] = {} outside [0, vocab = {})", i, host_targets[i], c.vocab);
+    }
+    gpu::stream_synchronize(stream);  // the previous step may still read the token buffers
+    cuda_copy(tokens.data(), host_tokens, size_t(n) * sizeof(int32_t));
+    cuda_copy(targets.data(), host_targets, size_t(n) * sizeof(int32_t));
+  }
+  // The mean of the per-token losses (host values), summed in a fixed order.
+  double mean_loss(const float* rows) const {
+    double loss = 0;
+    for (int64_t i = 0; i < n; ++i) loss += rows[i];
+    return loss / double(n);
+  }
+  // AdamW over every parameter at step adam_step: with `fixed` scalars, or (live not null) with those the
+  // kernels read from the device when they run (the graphed step).
+  void queue_adamw(const AdamWConfig& cfg, double lr, const AdamWScalars* live) {
+    if (pure) {
+      auto* w = static_cast<bf16_t*>(params.data());
+      const auto* g = static_cast<const bf16_t*>(grads.data());
+      auto *mo = static_cast<bf16_t*>(adam_m.data()), *vo = static_cast<bf16_t*>(adam_v.data());
+      if (live) {
+        gpu::adamw_step_bf16_live(w, g, mo, vo, n_params, live, stream);
+      } else {
+        gpu::adamw_step_bf16(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, adam_step,
+                             stream, pending_clip);
+      }
+      refresh_gains();
+      return;
+    }
+    with_precision(precision, [&](auto zero) {
+      using T = decltype(zero);
+      T* copy = nullptr;
+      if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(params_lp.data());
+      auto* w = static_cast<float*>(params.data());
+      const auto* g = static_cast<const float*>(grads.data());
+      auto *mo = static_cast<float*>(adam_m.data()), *vo = static_cast<float*>(adam_v.data());
+      if (live) {
+        gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream);
+      } else {
+        gpu::adamw_step<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, adam_step,
+                           copy, stream, pending_clip);
+      }
+    });
   }
   // bf16-pure: the widened RMSNorm gains the norm kernels read, after the parameters changed.
   void refresh_gains() const {
@@ -345,17 +463,6 @@ void CudaModel::restore_loss_scale(double scale, int64_t good_steps) {
 }
 
 namespace {
-
-// Calls fn(T{}) with the activation type of the model.
-template <class Fn>
-void with_precision(DType precision, Fn&& fn) {
-  switch (precision) {
-    case DType::f32: return fn(float{});
-    case DType::bf16: return fn(bf16_t{});
-    case DType::f16: return fn(fp16_t{});
-    default: fail("CudaModel: precision {} is not supported", dtype_name(precision));
-  }
-}
 
 // [batch, seq, heads, head_dim] view of a contiguous [batch * seq, d_model] device array.
 TensorView heads_view(void* data, DType dtype, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim) {
@@ -507,19 +614,20 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
 
 double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_targets) {
   Impl& m = *impl_;
+  m.upload_batch(host_tokens, host_targets);
+  queue_forward();
+  std::vector<float> rows(static_cast<size_t>(m.n));
+  gpu::stream_synchronize(m.stream);
+  cuda_copy(rows.data(), m.row_loss.data(), rows.size() * sizeof(float));
+  return m.mean_loss(rows.data());
+}
+
+void CudaModel::queue_forward() {
+  Impl& m = *impl_;
   const ModelConfig& c = m.c;
   const int64_t n = m.n, d = c.d_model, V = c.vocab;
-  for (int64_t i = 0; i < n; ++i) {
-    FLASHLM_CHECK(host_tokens[i] >= 0 && host_tokens[i] < c.vocab, "forward: tokens[{}] = {} outside [0, vocab = {})",
-                  i, host_tokens[i], c.vocab);
-    FLASHLM_CHECK(host_targets[i] >= 0 && host_targets[i] < c.vocab,
-                  "forward: targets[{}] = {} outside [0, vocab = {})", i, host_targets[i], c.vocab);
-  }
   memory_set_phase("forward");
   ScopedRange range("forward");
-  gpu::stream_synchronize(m.stream);  // the previous step may still read the token buffers
-  cuda_copy(m.tokens.data(), host_tokens, size_t(n) * sizeof(int32_t));
-  cuda_copy(m.targets.data(), host_targets, size_t(n) * sizeof(int32_t));
   const auto* tokens = static_cast<const int32_t*>(m.tokens.data());
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
   const DType dt = m.precision;
@@ -556,14 +664,7 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
                                           static_cast<T*>(m.logits.data()), m.stream);
     parameters_done("lm_head.");
   });
-  // The mean loss, summed on the host in a fixed order.
-  std::vector<float> rows(static_cast<size_t>(n));
-  gpu::stream_synchronize(m.stream);
-  cuda_copy(rows.data(), row_loss, size_t(n) * sizeof(float));
-  double loss = 0;
-  for (float r : rows) loss += r;
   m.have_forward = true;
-  return loss / double(n);
 }
 
 void CudaModel::backward() {
@@ -576,7 +677,8 @@ void CudaModel::backward() {
   // The norm stream may still read the previous gradients: this backward writes them only after it.
   const bool overlap_norms = m.norms && !has_gradient_ready_hook();
   m.norms_current = false;
-  if (overlap_norms) m.norms->join(m.stream);
+  // (A captured step starts with the norm stream idle: train_step waits for it before each launch.)
+  if (overlap_norms && !m.capturing) m.norms->join(m.stream);
   const ModelConfig& c = m.c;
   const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim(), V = c.vocab;
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
@@ -749,6 +851,7 @@ void CudaModel::release_optimizer_state() {
   Impl& m = *impl_;
   if (!m.adam_m.data()) return;
   gpu::stream_synchronize(m.stream);  // the last AdamW step may still be reading them
+  m.graph.reset();                    // a captured step would step the freed moments
   m.adam_m = Buffer();
   m.adam_v = Buffer();
   m.adam_step = 0;
@@ -800,22 +903,139 @@ void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
   if (m.zero_pending) m.settle_gradients();  // a step on zeroed gradients (the clip is applied in the kernel)
   m.allocate_moments();
   ++m.adam_step;
-  if (m.pure) {
-    gpu::adamw_step_bf16(static_cast<bf16_t*>(m.params.data()), static_cast<const bf16_t*>(m.grads.data()),
-                         static_cast<bf16_t*>(m.adam_m.data()), static_cast<bf16_t*>(m.adam_v.data()), m.n_params, lr,
-                         cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step, m.stream, m.pending_clip);
-    m.refresh_gains();
-    return;  // pending_clip stays: the stored gradients are still unclipped for any later reader
-  }
-  with_precision(m.precision, [&](auto zero) {
-    using T = decltype(zero);
-    T* copy = nullptr;
-    if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(m.params_lp.data());
-    gpu::adamw_step<T>(static_cast<float*>(m.params.data()), static_cast<const float*>(m.grads.data()),
-                       static_cast<float*>(m.adam_m.data()), static_cast<float*>(m.adam_v.data()), m.n_params, lr,
-                       cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step, copy, m.stream, m.pending_clip);
-  });
+  m.queue_adamw(cfg, lr, nullptr);
   // pending_clip stays: the stored gradients are still unclipped for any later reader.
+}
+
+std::string CudaModel::cuda_graph_status() const { return impl_->graph_status; }
+
+StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& cfg, double lr) {
+  Impl& m = *impl_;
+  const char* why = nullptr;
+  if (!m.options.cuda_graph) {
+    why = "off: --cuda-graph off";
+  } else if (m.precision == DType::f16) {
+    why = "off: fp16's loss scaling reads the overflow count on the host";
+  } else if (has_gradient_ready_hook() || has_parameter_hooks()) {
+    why = "off: data-parallel hooks run on the host between the step's kernels";
+  } else if (RangeProfiler::instance().enabled()) {
+    why = "off: profiled ranges time each part with events on the host's side";
+  } else if (m.graph && !m.graph->failure.empty()) {
+    why = m.graph->failure.c_str();
+  }
+  if (why) {
+    m.graph_status = why;
+    return LanguageModel::train_step(tokens, targets, cfg, lr);
+  }
+  if (!m.graph) m.graph = std::make_unique<StepGraph>();
+  StepGraph& g = *m.graph;
+  // The step's stream follows the work already queued on the model's own.
+  FLASHLM_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream)), "cudaStreamSynchronize");
+  const StreamScope on_step_stream(m.stream, g.stream);
+  if (!g.warmed_up) {  // eager, on the step's stream: what it allocates exists before the capture
+    const StepResult r = LanguageModel::train_step(tokens, targets, cfg, lr);
+    g.scalars = Buffer::allocate(sizeof(DeviceStepScalars), Device::cuda, "train-step scalars");
+    g.in = std::make_unique<PinnedArray<DeviceStepScalars>>(1);
+    g.out = std::make_unique<PinnedArray<DeviceStepScalars>>(1);
+    g.rows = std::make_unique<PinnedArray<float>>(size_t(m.n));
+    g.warmed_up = true;
+    m.graph_status = "on (this step was the eager warm-up)";
+    return r;
+  }
+  m.upload_batch(tokens, targets);
+  if (m.norms) gpu::stream_synchronize(m.norms->stream);  // an eager step's norms may still be running
+  *g.in->data = DeviceStepScalars{adamw_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step + 1),
+                                  cfg.max_grad_norm, 0.0};
+  if (!g.exec && !capture_step()) {
+    m.graph_status = g.failure;
+    return LanguageModel::train_step(tokens, targets, cfg, lr);
+  }
+  FLASHLM_CUDA_CHECK(cudaGraphLaunch(g.exec, g.stream), "cudaGraphLaunch (train step)");
+  gpu::stream_synchronize(g.stream);
+  ++g.replays;
+  ++m.adam_step;
+  // The host state the step leaves, as its eager run would.
+  m.zero_pending = false;
+  m.have_forward = false;
+  m.norms_current = g.norms_current;
+  m.materialized_segment = g.materialized_segment;
+  m.pending_clip = g.out->data->adam.grad_scale;
+  m.graph_status = "on";
+  return StepResult{m.mean_loss(g.rows->data), g.out->data->norm, true};
+}
+
+bool CudaModel::capture_step() {
+  Impl& m = *impl_;
+  StepGraph& g = *m.graph;
+  const auto s = static_cast<cudaStream_t>(m.stream);
+  auto* scalars = static_cast<DeviceStepScalars*>(g.scalars.data());
+  // The host state the captured code changes, to restore when the capture fails.
+  const bool zero_pending = m.zero_pending, norms_current = m.norms_current, have_forward = m.have_forward;
+  const float pending_clip = m.pending_clip;
+  const int64_t segment = m.materialized_segment;
+  cudaGraph_t graph = nullptr;
+  try {
+    FLASHLM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    m.capturing = true;
+    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(scalars, g.in->data, sizeof(DeviceStepScalars), cudaMemcpyHostToDevice, s),
+                       "cudaMemcpyAsync (step scalars)");
+    zero_grad();
+    queue_forward();
+    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(g.rows->data, m.row_loss.data(), size_t(m.n) * sizeof(float),
+                                       cudaMemcpyDeviceToHost, s),
+                       "cudaMemcpyAsync (per-token losses)");
+    backward();
+    {
+      // clip_gradients on the device: gradient_norm's sum of the per-parameter norms (or of one pass).
+      ScopedRange range("clip_gradients");
+      if (m.norms_current) {
+        m.norms->join(m.stream);
+        gpu::clip_on_device(static_cast<const double*>(m.partial_norms.data()), int64_t(m.layout.size()), scalars,
+                            m.stream);
+      } else {
+        m.settle_gradients();
+        auto* out = static_cast<double*>(m.reduce_out.data());
+        if (m.pure) {
+          gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);
+        } else {
+          gpu::squared_norm<float>(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
+        }
+        gpu::clip_on_device(out, 1, scalars, m.stream);
+      }
+    }
+    {
+      memory_set_phase("optimizer");
+      ScopedRange range("optimizer_step");
+      m.queue_adamw(AdamWConfig{}, 0.0, &scalars->adam);
+    }
+    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(g.out->data, scalars, sizeof(DeviceStepScalars), cudaMemcpyDeviceToHost, s),
+                       "cudaMemcpyAsync (step scalars back)");
+    m.capturing = false;
+    FLASHLM_CUDA_CHECK(cudaStreamEndCapture(s, &graph), "cudaStreamEndCapture");
+    FLASHLM_CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0), "cudaGraphInstantiate");
+    cudaGraphDestroy(graph);
+  } catch (const std::exception& e) {
+    m.capturing = false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t partial = nullptr;
+      cudaStreamEndCapture(s, &partial);
+      if (partial) cudaGraphDestroy(partial);
+    }
+    if (graph) cudaGraphDestroy(graph);
+    g.exec = nullptr;
+    cudaGetLastError();  // the capture's error is reported as the reason, not by the next call
+    g.failure = fmt::format("off: the step could not be captured ({})", e.what());
+    m.zero_pending = zero_pending;
+    m.norms_current = norms_current;
+    m.have_forward = have_forward;
+    m.pending_clip = pending_clip;
+    m.materialized_segment = segment;
+    return false;
+  }
+  g.norms_current = m.norms_current;
+  g.materialized_segment = m.materialized_segment;
+  return true;
 }
 
 }  // namespace flashlm
