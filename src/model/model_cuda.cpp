@@ -146,6 +146,7 @@ struct CudaModel::Impl {
   ActivationLayout A;
   int64_t head_chunk = 0;
   int64_t largest_parameter = 0;
+  int64_t largest_gradient = 0;  // bf16-pure: the staging buffer's elements (gradient_staging_elements)
   int64_t materialized_segment = -1;  // the segment whose blocks the recomputation working set holds
   int64_t adam_step = 0;
   double loss_scale = 1.0;
@@ -390,7 +391,8 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.params = Buffer::allocate(pbytes, Device::cuda, m.pure ? "parameters (bf16)" : "parameters (fp32 master)");
   m.grads = Buffer::allocate(pbytes, Device::cuda, m.pure ? "gradients (bf16)" : "gradients (fp32)");
   if (m.pure) {
-    m.staging = Buffer::allocate(size_t(m.largest_parameter) * sizeof(float), Device::cuda,
+    m.largest_gradient = gradient_staging_elements(config);
+    m.staging = Buffer::allocate(size_t(m.largest_gradient) * sizeof(float), Device::cuda,
                                  "fp32 gradient accumulator");
     m.gains_f32 = Buffer::allocate(m.gain_row.size() * size_t(config.d_model) * sizeof(float), Device::cuda,
                                    "RMSNorm gains (fp32)");
@@ -402,6 +404,11 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   constexpr std::string_view bytes = "CudaModel: activation bytes";
   const auto elem_bytes = [&](int64_t count, size_t size) { return size_t(checked_mul(count, int64_t(size), bytes)); };
   m.A = layout_activations(config, batch, seq, options.recompute);
+  const int64_t qkv_slot = aligned_elements(m.n * config.d_model);
+  for (const BlockActivations& b : m.A.blocks) {  // qkv_view's span
+    FLASHLM_CHECK(b.k == b.q + qkv_slot && b.v == b.k + qkv_slot,
+                  "CudaModel: the activation layout does not keep q, k and v side by side");
+  }
   m.acts = Buffer::allocate(elem_bytes(m.A.values, m.elem()), Device::cuda, "activations");
   m.acts_f32 = Buffer::allocate(elem_bytes(m.A.stats, sizeof(float)), Device::cuda, "activations (fp32 statistics)");
   m.head_chunk = head_chunk_tokens(config, m.n, options.head_chunk, int64_t(m.elem()));
@@ -467,6 +474,17 @@ namespace {
 // [batch, seq, heads, head_dim] view of a contiguous [batch * seq, d_model] device array.
 TensorView heads_view(void* data, DType dtype, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim) {
   return TensorView::contiguous(data, dtype, {batch, seq, heads, head_dim}, Device::cuda);
+}
+
+// q, k and v live as one [batch * seq, 3 * d_model] array, each token's q, k and v rows side by side (the
+// span of the layout's q, k and v, which lie one after the other): one GEMM writes them and one reads their
+// gradients. The [batch, seq, heads, head_dim] view of part `which` (0 q, 1 k, 2 v) of such an array.
+TensorView qkv_view(void* qkv, int which, DType dtype, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim) {
+  const int64_t d = heads * head_dim;
+  TensorView t = heads_view(static_cast<char*>(qkv) + which * d * int64_t(dtype_size(dtype)), dtype, batch, seq, heads,
+                            head_dim);
+  t.strides = {seq * 3 * d, 3 * d, head_dim, 1};
+  return t;
 }
 
 }  // namespace
@@ -580,16 +598,16 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
   with_precision(dt, [&](auto zero) {
     using T = decltype(zero);
     gpu::rmsnorm_forward<T>(m.a<T>(L.x_in), m.gain(p + "ln1.weight"), m.a<T>(L.h1), m.f(L.rstd1), n, d, eps, m.stream);
-    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), m.a<T>(L.q), n, d, d, dt, m.stream);
-    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.k_proj.weight"), m.a<T>(L.k), n, d, d, dt, m.stream);
-    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.v_proj.weight"), m.a<T>(L.v), n, d, d, dt, m.stream);
-    gpu::rope_forward<T>(m.a<T>(L.q), m.rope_cos(), m.rope_sin(), m.batch, m.seq, c.heads, hd, m.stream);
-    gpu::rope_forward<T>(m.a<T>(L.k), m.rope_cos(), m.rope_sin(), m.batch, m.seq, c.heads, hd, m.stream);
+    // q, k, v = h1 · [wq; wk; wv]ᵀ: the three weights lie one after the other in every flat buffer.
+    T* qkv = m.a<T>(L.q);
+    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), qkv, n, d, 3 * d, dt, m.stream);
+    // q and k rotated in one pass, as 2·heads heads per token.
+    gpu::rope_forward<T>(qkv, m.rope_cos(), m.rope_sin(), m.batch, m.seq, 2 * c.heads, hd, m.stream, 3 * d);
     if (pass != BlockPass::without_attention) {
       ScopedRange attention_range("attention.forward");
-      attention_forward(heads_view(m.a<T>(L.q), dt, m.batch, m.seq, c.heads, hd),
-                        heads_view(m.a<T>(L.k), dt, m.batch, m.seq, c.heads, hd),
-                        heads_view(m.a<T>(L.v), dt, m.batch, m.seq, c.heads, hd),
+      attention_forward(qkv_view(qkv, 0, dt, m.batch, m.seq, c.heads, hd),
+                        qkv_view(qkv, 1, dt, m.batch, m.seq, c.heads, hd),
+                        qkv_view(qkv, 2, dt, m.batch, m.seq, c.heads, hd),
                         heads_view(m.a<T>(L.attn), dt, m.batch, m.seq, c.heads, hd),
                         TensorView::contiguous(m.f(L.lse), DType::f32, {m.batch, c.heads, m.seq}, Device::cuda),
                         m.attention_options());
@@ -695,22 +713,37 @@ void CudaModel::backward() {
   // widened, rounded back once. A producer that can write over its array (`can_overwrite`: the GEMMs'
   // beta = 0) is told accumulate = false when the gradient is still to be zeroed (zero_grad deferred);
   // the others get an array zeroed first and always accumulate.
-  auto add_to_gradient = [&](const std::string& name, bool can_overwrite, auto&& produce) {
-    const int64_t count = m.info(name).numel();
-    float* dw = m.pure ? static_cast<float*>(m.staging.data()) : m.grad(name);
-    if (m.pure && !overwrite) gpu::cast_to_f32<bf16_t>(m.pure_grad(name), dw, count, m.stream);
+  // add_to_gradients: the same for parameters that lie one after the other in the layout (q, k, v), whose
+  // gradients one producer computes as one array; each is then reported final in layout order.
+  auto add_to_gradients = [&](std::initializer_list<std::string> names, bool can_overwrite, auto&& produce) {
+    const std::string& first = *names.begin();
+    int64_t count = 0;
+    for (const std::string& name : names) {
+      FLASHLM_CHECK(m.info(name).offset == m.info(first).offset + count,
+                    "backward: '{}' does not follow '{}' in the parameter layout", name, first);
+      count += m.info(name).numel();
+    }
+    FLASHLM_CHECK(!m.pure || count <= m.largest_gradient, "backward: {} gradients outgrow the staging buffer", count);
+    float* dw = m.pure ? static_cast<float*>(m.staging.data()) : m.grad(first);
+    if (m.pure && !overwrite) gpu::cast_to_f32<bf16_t>(m.pure_grad(first), dw, count, m.stream);
     if (overwrite && !can_overwrite) gpu::memset_async(dw, 0, size_t(count) * sizeof(float), m.stream);
     produce(dw, !(overwrite && can_overwrite));
-    if (m.pure) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(name), count, m.stream);
-    if (overlap_norms) m.queue_partial_norm(m.index.at(name));
-    gradient_ready(name);
+    if (m.pure) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(first), count, m.stream);
+    for (const std::string& name : names) {
+      if (overlap_norms) m.queue_partial_norm(m.index.at(name));
+      gradient_ready(name);
+    }
+  };
+  auto add_to_gradient = [&](const std::string& name, bool can_overwrite, auto&& produce) {
+    add_to_gradients({name}, can_overwrite, produce);
   };
 
   with_precision(dt, [&](auto zero) {
     using T = decltype(zero);
     T* s0 = static_cast<T*>(m.scratch.data());
     const int64_t nd = aligned_elements(n * d), nf = aligned_elements(n * f);
-    T *dx = s0, *dh = s0 + nd, *dq = s0 + 2 * nd, *dk = s0 + 3 * nd, *dv = s0 + 4 * nd, *dattn = s0 + 5 * nd;
+    // dqkv: the gradients of q, k and v as one [n, 3d] array (qkv_view), over three nd-sized slots.
+    T *dx = s0, *dh = s0 + nd, *dqkv = s0 + 2 * nd, *dattn = s0 + 5 * nd;
     T *du = s0 + 6 * nd, *dg = du + nf, *ds = dg + nf;
     auto linear_backward = [&](const T* dy, const T* x, const std::string& w, T* dxo, int64_t in, int64_t out,
                                bool accumulate) {
@@ -760,20 +793,25 @@ void CudaModel::backward() {
       linear_backward(dx, m.a<T>(L.attn), p + "attn.output_proj.weight", dattn, d, d, false);
       {
         ScopedRange attention_range("attention.backward");
-        attention_backward(heads_view(m.a<T>(L.q), dt, m.batch, m.seq, c.heads, hd),
-                           heads_view(m.a<T>(L.k), dt, m.batch, m.seq, c.heads, hd),
-                           heads_view(m.a<T>(L.v), dt, m.batch, m.seq, c.heads, hd),
+        T* qkv = m.a<T>(L.q);
+        attention_backward(qkv_view(qkv, 0, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(qkv, 1, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(qkv, 2, dt, m.batch, m.seq, c.heads, hd),
                            heads_view(m.a<T>(L.attn), dt, m.batch, m.seq, c.heads, hd),
                            TensorView::contiguous(m.f(L.lse), DType::f32, {m.batch, c.heads, m.seq}, Device::cuda),
-                           heads_view(dattn, dt, m.batch, m.seq, c.heads, hd), heads_view(dq, dt, m.batch, m.seq, c.heads, hd),
-                           heads_view(dk, dt, m.batch, m.seq, c.heads, hd), heads_view(dv, dt, m.batch, m.seq, c.heads, hd),
+                           heads_view(dattn, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(dqkv, 0, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(dqkv, 1, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(dqkv, 2, dt, m.batch, m.seq, c.heads, hd),
                            attn);
       }
-      gpu::rope_backward<T>(dq, rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
-      gpu::rope_backward<T>(dk, rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
-      linear_backward(dq, m.a<T>(L.h1), p + "attn.q_proj.weight", dh, d, d, false);
-      linear_backward(dk, m.a<T>(L.h1), p + "attn.k_proj.weight", dh, d, d, true);
-      linear_backward(dv, m.a<T>(L.h1), p + "attn.v_proj.weight", dh, d, d, true);
+      gpu::rope_backward<T>(dqkv, rope_cos, rope_sin, m.batch, m.seq, 2 * c.heads, hd, m.stream, 3 * d);
+      // dh = [dq dk dv] · [wq; wk; wv] and the three weight gradients as one [3d, d] product.
+      add_to_gradients({p + "attn.q_proj.weight", p + "attn.k_proj.weight", p + "attn.v_proj.weight"}, true,
+                       [&](float* dw, bool accumulate_dw) {
+                         linear_backward_cuda(dqkv, m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), dh, dw, n, d,
+                                              3 * d, dt, false, m.stream, false, accumulate_dw);
+                       });
       rmsnorm_backward(dh, m.a<T>(L.x_in), p + "ln1.weight", m.f(L.rstd1), dx);
       parameters_done(p);
     }
