@@ -9,7 +9,7 @@ Tried, each reported as 'runs' or with the error it raised:
                   descales of 1; FlashAttention-3 behind it where torch has one registered).
   python3 scripts/fp8_sdpa_probe.py [--out fp8_peers.json]
 """
-import argparse, json, sys
+import argparse, json, sys, warnings
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
@@ -54,6 +54,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    warnings.simplefilter("ignore")  # SDPA explains each refused backend in a warning; the error line says it
     fns = candidates()
     q = torch.randn(1, 8, 256, 128, device="cuda").to(torch.float8_e4m3fn)
     working = {}
