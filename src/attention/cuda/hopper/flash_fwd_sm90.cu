@@ -15,7 +15,9 @@
 // past seq_k and above the causal diagonal are masked in S.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
+#include <type_traits>
 
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
@@ -27,6 +29,14 @@
 namespace flashlm {
 namespace flash_cuda {
 namespace {
+
+// What a kernel instance does beyond v3 (bits; the A/B of docs/perf.md, "The Hopper forward, fourth round").
+enum Sm90FwdFeature : int {
+  kSkipRescale = 1,     // O is not rescaled after a key block that changed no row max of the warp
+  kPolyExpEighth = 2,   // at head dim 64, 1 exponential in 8 on the FMA pipe (exp2_on_fma_pipe)
+  kTmaStore = 4,        // O written through shared memory and TMA stores (not at head dim 256: no room)
+  kPolyExpQuarter = 8,  // at head dim 64, 1 exponential in 4 on the FMA pipe
+};
 
 template <int D>
 struct Sm90FwdTraits {
@@ -44,18 +54,36 @@ struct Sm90FwdTraits {
   static constexpr int kPanels = D / sm90::kPanelCols;
 };
 
-template <int D>
+// O's staging tile for the TMA store: each consumer warpgroup's 64 rows as D / 64 panels of 64 rows in
+// sm90.cuh's swizzled layout (one store box each). Absent (one element) where O is stored directly.
+template <int D, bool kStaged>
+struct Sm90FwdOStage {
+  alignas(1024) uint16_t rows[kStaged ? Sm90FwdTraits<D>::kConsumers * 64 * D : 1];
+};
+
+template <int D, bool kStaged>
 struct Sm90FwdShared {
   using Tr = Sm90FwdTraits<D>;
   alignas(1024) uint16_t q[Tr::kBlockM * D];
   alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * D];
   alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * D];
+  Sm90FwdOStage<D, kStaged> o;
   sm90::Mbarrier q_full, q_empty, k_full[Tr::kStages], k_empty[Tr::kStages], v_full[Tr::kStages], v_empty[Tr::kStages];
 };
 
+// Features an instance can have: the TMA store needs the staging tile, which does not fit beside Q and the
+// K/V ring at head dim 256 (64 + 160 KB), and the FMA-pipe exponentials pay only at head dim 64.
 template <int D>
+constexpr int sm90_fwd_features(int features) {
+  if (D == 256) features &= ~kTmaStore;
+  if (D != 64) features &= ~(kPolyExpEighth | kPolyExpQuarter);
+  return features;
+}
+
+template <int D, int kFeatures>
 constexpr size_t sm90_fwd_smem_bytes() {
-  return sizeof(Sm90FwdShared<D>) + 1024;  // + room to align the dynamic shared-memory base to 1024
+  // + room to align the dynamic shared-memory base to 1024
+  return sizeof(Sm90FwdShared<D, (sm90_fwd_features<D>(kFeatures) & kTmaStore) != 0>) + 1024;
 }
 
 // The persistent schedule: block i takes work items i, i + gridDim.x, ... An item is a pair of query tiles
@@ -77,16 +105,23 @@ struct TileSchedule {
   __device__ int batch(int item, const FlashParams& p) const { return (item / pairs_per_head) / p.heads_q; }
 };
 
-template <class T, int D>
+// tm_o is read only by instances with kTmaStore (the others get any valid map).
+template <class T, int D, int kFeatures>
 __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const FlashParams p) {
+                          const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                          const FlashParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tr = Sm90FwdTraits<D>;
   using Ring = sm90::RingSlot<Tr::kStages>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  constexpr int kF = sm90_fwd_features<D>(kFeatures);
+  constexpr bool kSkip = (kF & kSkipRescale) != 0, kStaged = (kF & kTmaStore) != 0;
+  // Every kPolyEvery-th group of 8 key columns takes its exponentials on the FMA pipe (0: none).
+  constexpr int kPolyEvery = (kF & kPolyExpQuarter) ? 4 : (kF & kPolyExpEighth) ? 8 : 0;
   extern __shared__ unsigned char smem_raw[];
-  auto& s = *reinterpret_cast<Sm90FwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& s = *reinterpret_cast<Sm90FwdShared<D, kStaged>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                                          ~uintptr_t{1023});
   const TileSchedule schedule(p, kBlockM);
   // Key blocks query tile m sees (none: the tile is written as zeros without loading anything).
   auto key_blocks = [&](int m0) {
@@ -119,6 +154,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     sm90::tma_prefetch_descriptor(&tm_q);
     sm90::tma_prefetch_descriptor(&tm_k);
     sm90::tma_prefetch_descriptor(&tm_v);
+    if constexpr (kStaged) sm90::tma_prefetch_descriptor(&tm_o);
     int q_uses = 0, kv_uses = 0;
     for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
       const int h = schedule.head(item, p), b = schedule.batch(item, p), hk = h / p.group;
@@ -243,14 +279,24 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
           float sum = 0.f;
 #pragma unroll
           for (int j = 0; j < kBlockN / 8; ++j) {
-            sacc[4 * j + 2 * r] = fast_exp2(fmaf(sacc[4 * j + 2 * r], p.scale_log2, -m_scaled));
-            sacc[4 * j + 2 * r + 1] = fast_exp2(fmaf(sacc[4 * j + 2 * r + 1], p.scale_log2, -m_scaled));
+            const float x0 = fmaf(sacc[4 * j + 2 * r], p.scale_log2, -m_scaled);
+            const float x1 = fmaf(sacc[4 * j + 2 * r + 1], p.scale_log2, -m_scaled);
+            if (kPolyEvery > 0 && j % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) {
+              sacc[4 * j + 2 * r] = exp2_on_fma_pipe(x0);
+              sacc[4 * j + 2 * r + 1] = exp2_on_fma_pipe(x1);
+            } else {
+              sacc[4 * j + 2 * r] = fast_exp2(x0);
+              sacc[4 * j + 2 * r + 1] = fast_exp2(x1);
+            }
             sum += sacc[4 * j + 2 * r] + sacc[4 * j + 2 * r + 1];
           }
           row_sum[r] = row_sum[r] * alpha[r] + sum;
         }
       };
       auto rescale_o = [&](const float (&alpha)[2]) {
+        // A factor of exactly 1 (no row max of the warp moved: exp2(0)) changes nothing; skipping it is a
+        // warp-uniform branch. -inf to -inf gives 0 and NaN gives NaN, both rescaled.
+        if (kSkip && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
 #pragma unroll
@@ -318,22 +364,61 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
 
       // Normalise and write O and logsumexp for the rows that exist. Rows that saw no key have l = 0:
       // O = 0, logsumexp -inf.
-      T* o_head = static_cast<T*>(p.o) + b * p.o_st.b + h * p.o_st.h;
+      float inv[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(row_sum[r]);
-        const float inv = l != 0.f ? 1.f / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
+        inv[r] = l != 0.f ? 1.f / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
         const int row = row0 + 8 * r;
-        if (row >= p.seq_q) continue;
-        if (t == 0) {
+        if (t == 0 && row < p.seq_q) {
           p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
         }
-        T* out = o_head + row * p.o_st.s + 2 * t;
+      }
+      if constexpr (kStaged) {
+        // Through shared memory: the warpgroup's 64 rows into its staging panels (32-bit stores, one bank
+        // each across the warp: the swizzle spreads the 8 rows of a store over 8 chunks), then one thread
+        // stores the panels with TMA, which skips rows past seq_q. The previous tile's store must have read
+        // the panels before they are written again.
+        const auto epilogue = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kEpilogue0) + wg);
+        uint16_t* stage = s.o.rows + wg * 64 * D;
+        if (ctid == 0) sm90::bulk_wait_read<0>();
+        sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) store_pair(out + 8 * j, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+          const int row = 16 * warp + g + 8 * r;
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(stage) +
+                                         sm90::swizzled_offset(64, row, 8 * j + 2 * t)) =
+                MmaOp<T>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+          }
+        }
+        sm90::fence_proxy_async_shared();
+        sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
+        if (ctid == 0) {
+#pragma unroll
+          for (int panel = 0; panel < Tr::kPanels; ++panel) {
+            sm90::tma_store_4d(&tm_o, stage + panel * 64 * sm90::kPanelCols, panel * sm90::kPanelCols, wg_row0, h, b);
+          }
+          sm90::bulk_commit();
+        }
+      } else {
+        T* o_head = static_cast<T*>(p.o) + b * p.o_st.b + h * p.o_st.h;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + 8 * r;
+          if (row >= p.seq_q) continue;
+          T* out = o_head + row * p.o_st.s + 2 * t;
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            store_pair(out + 8 * j, o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+          }
+        }
       }
     }
   }
+  // The shared memory the last TMA stores read must outlive them.
+  if (kStaged && ctid == 0) sm90::bulk_wait<0>();
 #endif
 }
 
@@ -344,28 +429,65 @@ int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch) {
 }
 
 // One block per multiprocessor (or per work item, where there are fewer): see TileSchedule.
-template <class T, int D>
+template <class T, int D, int kFeatures>
 void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
-                         int sm_count, cudaStream_t stream) {
+                         const CUtensorMap& o, int sm_count, cudaStream_t stream) {
   using Tr = Sm90FwdTraits<D>;
-  auto kernel = flash_fwd_sm90_kernel<T, D>;
-  constexpr int kSmem = static_cast<int>(sm90_fwd_smem_bytes<D>());
+  auto kernel = flash_fwd_sm90_kernel<T, D, kFeatures>;
+  constexpr int kSmem = static_cast<int>(sm90_fwd_smem_bytes<D, kFeatures>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_sm90_kernel: shared-memory opt-in");
   const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch);
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, v, f);
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, v, o, f);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
 }
 
+// The features of the default instances, and of those for an O that TMA cannot describe.
+constexpr int kSm90FwdDefault = kSkipRescale | kPolyExpEighth | kTmaStore;
+constexpr int kSm90FwdDirectStore = kSm90FwdDefault & ~kTmaStore;
+
+// TEMPORARY (the fourth round's A/B, removed once it is measured): FLASHLM_SM90_FWD_VARIANT=<features>
+// picks another instance for bf16 at head dims 64 and 128; -1 (unset) the default.
+int sm90_fwd_variant() {
+  static const int v = [] {
+    const char* e = std::getenv("FLASHLM_SM90_FWD_VARIANT");
+    return e == nullptr ? -1 : std::atoi(e);
+  }();
+  return v;
+}
+
+template <class T, int D>
+void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
+                         const std::optional<CUtensorMap>& o, int sm_count, cudaStream_t stream) {
+  if (!o) return launch_forward_sm90<T, D, kSm90FwdDirectStore>(f, q, k, v, q, sm_count, stream);
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && D != 256) {
+    switch (sm90_fwd_variant()) {
+      case 0: return launch_forward_sm90<T, D, 0>(f, q, k, v, *o, sm_count, stream);
+      case 1: return launch_forward_sm90<T, D, 1>(f, q, k, v, *o, sm_count, stream);
+      case 5: return launch_forward_sm90<T, D, 5>(f, q, k, v, *o, sm_count, stream);
+      default: break;
+    }
+    if constexpr (D == 64) {
+      switch (sm90_fwd_variant()) {
+        case 3: return launch_forward_sm90<T, D, 3>(f, q, k, v, *o, sm_count, stream);
+        case 9: return launch_forward_sm90<T, D, 9>(f, q, k, v, *o, sm_count, stream);
+        case 13: return launch_forward_sm90<T, D, 13>(f, q, k, v, *o, sm_count, stream);
+        default: break;
+      }
+    }
+  }
+  launch_forward_sm90<T, D, kSm90FwdDefault>(f, q, k, v, *o, sm_count, stream);
+}
 
 struct Sm90ForwardPlan {
   CUtensorMap q, k, v;
+  std::optional<CUtensorMap> o;  // nothing: O is stored directly (TMA cannot describe it, or no O given)
   int sm_count;
 };
 
 // The tensor maps for `p`, or nothing where this kernel does not cover the problem.
 std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                                 const TensorView& v) {
+                                                 const TensorView& v, const TensorView* o) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return std::nullopt;
   if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
@@ -381,7 +503,9 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
   auto tq = sm90::rows_tensor_map(q, Sm90FwdTraits<128>::kBlockM);
   auto tk = sm90::rows_tensor_map(k, key_rows), tv = sm90::rows_tensor_map(v, key_rows);
   if (!tq || !tk || !tv) return std::nullopt;
-  return Sm90ForwardPlan{*tq, *tk, *tv, sm_count};
+  // O in boxes of one consumer warpgroup's 64 rows.
+  std::optional<CUtensorMap> to = o != nullptr ? sm90::rows_tensor_map(*o, 64) : std::nullopt;
+  return Sm90ForwardPlan{*tq, *tk, *tv, to, sm_count};
 }
 
 }  // namespace
@@ -402,7 +526,7 @@ int sm90_multiprocessors() {
                     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
                     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
                     major == 9 && minor == 0 && sms > 0 &&
-                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, 128>) == cudaSuccess &&
+                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, 128, kSm90FwdDefault>) == cudaSuccess &&
                     attr.binaryVersion == 90;
     cudaGetLastError();  // a failed query must not surface at the next launch check
     cached[device] = ok ? sms : -1;
@@ -414,20 +538,20 @@ int sm90_multiprocessors() {
 
 bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                const TensorView& v) {
-  return flash_cuda::plan_forward_sm90(p, q, k, v).has_value();
+  return flash_cuda::plan_forward_sm90(p, q, k, v, nullptr).has_value();
 }
 
 bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
-  const auto plan = flash_cuda::plan_forward_sm90(p, q, k, v);
+  const auto plan = flash_cuda::plan_forward_sm90(p, q, k, v, &o);
   if (!plan) return false;
   const auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   const auto s = static_cast<cudaStream_t>(stream);
   using flash_cuda::launch_forward_sm90;
   auto launch = [&]<class T>(T) {
-    if (p.head_dim == 64) launch_forward_sm90<T, 64>(f, plan->q, plan->k, plan->v, plan->sm_count, s);
-    else if (p.head_dim == 128) launch_forward_sm90<T, 128>(f, plan->q, plan->k, plan->v, plan->sm_count, s);
-    else launch_forward_sm90<T, 256>(f, plan->q, plan->k, plan->v, plan->sm_count, s);
+    if (p.head_dim == 64) launch_forward_sm90<T, 64>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
+    else if (p.head_dim == 128) launch_forward_sm90<T, 128>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
+    else launch_forward_sm90<T, 256>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
   };
   if (p.dtype == DType::bf16) launch(__nv_bfloat16{});
   else launch(__half{});
