@@ -25,6 +25,7 @@
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
 #include "core/cuda_check.h"
+#include "flashlm/memory.h"
 
 namespace flashlm {
 namespace flash_cuda {
@@ -36,6 +37,7 @@ enum Sm90FwdFeature : int {
   kPolyExpEighth = 2,   // at head dim 64, 1 exponential in 8 on the FMA pipe (exp2_on_fma_pipe)
   kTmaStore = 4,        // O written through shared memory and TMA stores (not at head dim 256: no room)
   kPolyExpQuarter = 8,  // at head dim 64, 1 exponential in 4 on the FMA pipe
+  kDynamicSchedule = 16,  // work items taken from an atomic counter instead of the static walk
 };
 
 template <int D>
@@ -69,6 +71,9 @@ struct Sm90FwdShared {
   alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * D];
   Sm90FwdOStage<D, kStaged> o;
   sm90::Mbarrier q_full, q_empty, k_full[Tr::kStages], k_empty[Tr::kStages], v_full[Tr::kStages], v_empty[Tr::kStages];
+  // The dynamic schedule's next work items, from the producer to the consumers (a ring of two).
+  sm90::Mbarrier item_full[2], item_empty[2];
+  int item[2];
 };
 
 // Features an instance can have: the TMA store needs the staging tile, which does not fit beside Q and the
@@ -105,18 +110,20 @@ struct TileSchedule {
   __device__ int batch(int item, const FlashParams& p) const { return (item / pairs_per_head) / p.heads_q; }
 };
 
-// tm_o is read only by instances with kTmaStore (the others get any valid map).
+// tm_o is read only by instances with kTmaStore (the others get any valid map); item_counter (zero at the
+// launch) only by those with kDynamicSchedule.
 template <class T, int D, int kFeatures>
 __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
-                          const FlashParams p) {
+                          const FlashParams p, int* item_counter) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tr = Sm90FwdTraits<D>;
   using Ring = sm90::RingSlot<Tr::kStages>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   constexpr int kF = sm90_fwd_features<D>(kFeatures);
   constexpr bool kSkip = (kF & kSkipRescale) != 0, kStaged = (kF & kTmaStore) != 0;
+  constexpr bool kDynamic = (kF & kDynamicSchedule) != 0;
   // Every kPolyEvery-th group of 8 key columns takes its exponentials on the FMA pipe (0: none).
   constexpr int kPolyEvery = (kF & kPolyExpQuarter) ? 4 : (kF & kPolyExpEighth) ? 8 : 0;
   extern __shared__ unsigned char smem_raw[];
@@ -141,6 +148,10 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
       s.k_empty[st].init(Tr::kConsumerThreads);
       s.v_empty[st].init(Tr::kConsumerThreads);
     }
+    for (int i = 0; i < 2; ++i) {
+      s.item_full[i].init(1);
+      s.item_empty[i].init(Tr::kConsumerThreads);
+    }
     sm90::Mbarrier::fence_init();
   }
   __syncthreads();
@@ -155,8 +166,22 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     sm90::tma_prefetch_descriptor(&tm_k);
     sm90::tma_prefetch_descriptor(&tm_v);
     if constexpr (kStaged) sm90::tma_prefetch_descriptor(&tm_o);
-    int q_uses = 0, kv_uses = 0;
-    for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
+    int q_uses = 0, kv_uses = 0, published = 0;
+    // Dynamic schedule: each item the block takes is handed to the consumers through s.item; the first is
+    // the block's index, the next ones come from the counter (offset by the grid: those are taken).
+    auto publish = [&](int it) {
+      if constexpr (kDynamic) {
+        const Ring slot{published++};  // a ring of two, like the K/V stages
+        s.item_empty[slot.index % 2].wait(((slot.index / 2) & 1) ^ 1);
+        s.item[slot.index % 2] = it;
+        s.item_full[slot.index % 2].arrive();  // release: the consumers' acquire sees s.item
+      }
+    };
+    int item = blockIdx.x;
+    publish(item);
+    while (item < schedule.items) {
+      const int next_item = kDynamic ? atomicAdd(item_counter, 1) + static_cast<int>(gridDim.x)
+                                     : item + static_cast<int>(gridDim.x);
       const int h = schedule.head(item, p), b = schedule.batch(item, p), hk = h / p.group;
       for (int half = 0; half < 2; ++half) {
         const int m_tile = schedule.m_tile(item, half);
@@ -189,6 +214,8 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
           }
         }
       }
+      publish(next_item);
+      item = next_item;
     }
     return;
   }
@@ -213,9 +240,21 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
   float sacc[kBlockN / 2];
   uint32_t pa[kBlockN / 16][4];  // P of the previous key block as wgmma A fragments
   float row_max[2], row_sum[2];
-  int q_uses = 0, kv_uses = 0;
+  int q_uses = 0, kv_uses = 0, consumed = 0;
+  // The block's next work item: the static walk's, or the one the producer published.
+  auto fetch = [&](int static_next) {
+    if constexpr (!kDynamic) {
+      return static_next;
+    } else {
+      const Ring slot{consumed++};
+      s.item_full[slot.index % 2].wait((slot.index / 2) & 1);
+      const int it = s.item[slot.index % 2];
+      s.item_empty[slot.index % 2].arrive();
+      return it;
+    }
+  };
 
-  for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
+  for (int item = fetch(blockIdx.x); item < schedule.items; item = fetch(item + static_cast<int>(gridDim.x))) {
     const int h = schedule.head(item, p), b = schedule.batch(item, p);
     for (int half = 0; half < 2; ++half) {
       const int m_tile = schedule.m_tile(item, half);
@@ -438,7 +477,13 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_sm90_kernel: shared-memory opt-in");
   const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch);
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, v, o, f);
+  Buffer counter;  // freed in stream order after the kernel
+  if constexpr ((sm90_fwd_features<D>(kFeatures) & kDynamicSchedule) != 0) {
+    counter = Buffer::allocate_on_stream(sizeof(int), "flash_fwd_sm90 work-item counter", stream);
+    FLASHLM_CUDA_CHECK(cudaMemsetAsync(counter.data(), 0, sizeof(int), stream), "flash_fwd_sm90 counter reset");
+  }
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(
+      q, k, v, o, f, static_cast<int*>(counter.data()));
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
 }
 
@@ -461,10 +506,12 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
                          const std::optional<CUtensorMap>& o, int sm_count, cudaStream_t stream) {
   if (!o) return launch_forward_sm90<T, D, kSm90FwdDirectStore>(f, q, k, v, q, sm_count, stream);
   if constexpr (std::is_same_v<T, __nv_bfloat16> && D != 256) {
-    switch (sm90_fwd_variant()) {
+    // A variant named by its head-dim-64 features runs as what it means at this head dim.
+    switch (sm90_fwd_variant() < 0 ? -1 : sm90_fwd_features<D>(sm90_fwd_variant())) {
       case 0: return launch_forward_sm90<T, D, 0>(f, q, k, v, *o, sm_count, stream);
       case 1: return launch_forward_sm90<T, D, 1>(f, q, k, v, *o, sm_count, stream);
       case 5: return launch_forward_sm90<T, D, 5>(f, q, k, v, *o, sm_count, stream);
+      case 21: return launch_forward_sm90<T, D, 21>(f, q, k, v, *o, sm_count, stream);
       default: break;
     }
     if constexpr (D == 64) {
@@ -472,6 +519,8 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
         case 3: return launch_forward_sm90<T, D, 3>(f, q, k, v, *o, sm_count, stream);
         case 9: return launch_forward_sm90<T, D, 9>(f, q, k, v, *o, sm_count, stream);
         case 13: return launch_forward_sm90<T, D, 13>(f, q, k, v, *o, sm_count, stream);
+        case 23: return launch_forward_sm90<T, D, 23>(f, q, k, v, *o, sm_count, stream);
+        case 29: return launch_forward_sm90<T, D, 29>(f, q, k, v, *o, sm_count, stream);
         default: break;
       }
     }
