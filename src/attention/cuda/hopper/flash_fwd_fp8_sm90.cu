@@ -25,6 +25,7 @@
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
 #include "attention/cuda/hopper/sm90.cuh"
+#include "attention/cuda/hopper/softmax_sm90.cuh"
 #include "core/check.h"
 #include "core/cuda_check.h"
 
@@ -127,7 +128,8 @@ __global__ void __launch_bounds__(sm90::kWarpgroupThreads, 1)
   float o[D / 2];
   float sacc[kFp8BlockN / 2];
   uint32_t pa[kFp8BlockN / 32][4];
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  WgmmaRowSoftmax<kFp8BlockN> softmax;
+  softmax.reset();
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 
@@ -150,45 +152,9 @@ __global__ void __launch_bounds__(sm90::kWarpgroupThreads, 1)
     sm90::wgmma_wait<0>();
     sm90::fence_accumulators(sacc);
 
-    // Mask, online softmax (as flash_fwd_sm90.cu), P in place.
-    const bool needs_mask = n0 + kFp8BlockN > p.seq_k || (p.causal && n0 + kFp8BlockN - 1 > m0 + p.causal_offset);
-    if (needs_mask) {
-#pragma unroll
-      for (int i = 0; i < kFp8BlockN / 2; ++i) {
-        const int row = row0 + 8 * ((i / 2) % 2);
-        const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
-        if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) sacc[i] = -INFINITY;
-      }
-    }
     float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int j = 0; j < kFp8BlockN / 8; ++j) {
-        mx = max_propagating_nan(mx, max_propagating_nan(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-      }
-      mx = quad_max(mx);
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
-      alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
-      row_max[r] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kFp8BlockN / 8; ++j) {
-        sacc[4 * j + 2 * r] = fast_exp2(fmaf(sacc[4 * j + 2 * r], p.scale_log2, -m_scaled));
-        sacc[4 * j + 2 * r + 1] = fast_exp2(fmaf(sacc[4 * j + 2 * r + 1], p.scale_log2, -m_scaled));
-        sum += sacc[4 * j + 2 * r] + sacc[4 * j + 2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha[r] + sum;
-    }
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        o[4 * j + 2 * r] *= alpha[r];
-        o[4 * j + 2 * r + 1] *= alpha[r];
-      }
-    }
+    softmax.update(sacc, p, n0, m0, row0, t, alpha);
+    softmax.rescale(o, alpha);
     // P as e4m3 A fragments, logical columns 32·kk + [0, 32): registers 0/1 (rows g, g + 8) from S's 8-column
     // groups 4kk and 4kk + 1, registers 2/3 from groups 4kk + 2 and 4kk + 3 (the relabelling above).
 #pragma unroll
@@ -219,12 +185,12 @@ __global__ void __launch_bounds__(sm90::kWarpgroupThreads, 1)
   auto* o_head = static_cast<__nv_bfloat16*>(p.o) + b * p.o_st.b + h * p.o_st.h;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(row_sum[r]);
+    const float l = quad_sum(softmax.row_sum[r]);
     const float inv = l != 0.f ? v_descale / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
     const int row = row0 + 8 * r;
     if (row >= p.seq_q) continue;
     if (t == 0) {
-      p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
+      p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
     }
     __nv_bfloat16* out = o_head + row * p.o_st.s + 2 * t;
 #pragma unroll

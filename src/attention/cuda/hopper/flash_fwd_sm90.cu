@@ -23,6 +23,7 @@
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
 #include "attention/cuda/hopper/sm90.cuh"
+#include "attention/cuda/hopper/softmax_sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
 #include "core/cuda_check.h"
 #include "flashlm/memory.h"
@@ -239,7 +240,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
   float o[D / 2];
   float sacc[kBlockN / 2];
   uint32_t pa[kBlockN / 16][4];  // P of the previous key block as wgmma A fragments
-  float row_max[2], row_sum[2];
+  WgmmaRowSoftmax<kBlockN, kPolyEvery> softmax;
   int q_uses = 0, kv_uses = 0, consumed = 0;
   // The block's next work item: the static walk's, or the one the producer published.
   auto fetch = [&](int static_next) {
@@ -264,8 +265,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
       const int row0 = wg_row0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-      row_max[0] = row_max[1] = -INFINITY;
-      row_sum[0] = row_sum[1] = 0.f;
+      softmax.reset();
 
       int turns_left = n_blocks + 1;  // issue points: S of block 0, (S of nb, P·V of nb - 1), the last P·V
       auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };
@@ -290,61 +290,6 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
         }
         sm90::wgmma_commit();
       };
-      // Masks S of key block nb, updates the running max and sum, turns S into P in place and gives the
-      // factor by which O must be rescaled (per row r).
-      auto softmax = [&](int nb, float (&alpha)[2]) {
-        const int n0 = nb * kBlockN;
-        const bool needs_mask =
-            n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > wg_row0 + p.causal_offset);
-        if (needs_mask) {
-#pragma unroll
-          for (int i = 0; i < kBlockN / 2; ++i) {
-            const int row = row0 + 8 * ((i / 2) % 2);
-            const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
-            if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) sacc[i] = -INFINITY;
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = row_max[r];
-#pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            mx = max_propagating_nan(mx, max_propagating_nan(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-          }
-          mx = quad_max(mx);
-          const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
-          alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
-          row_max[r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            const float x0 = fmaf(sacc[4 * j + 2 * r], p.scale_log2, -m_scaled);
-            const float x1 = fmaf(sacc[4 * j + 2 * r + 1], p.scale_log2, -m_scaled);
-            if (kPolyEvery > 0 && j % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) {
-              sacc[4 * j + 2 * r] = exp2_on_fma_pipe(x0);
-              sacc[4 * j + 2 * r + 1] = exp2_on_fma_pipe(x1);
-            } else {
-              sacc[4 * j + 2 * r] = fast_exp2(x0);
-              sacc[4 * j + 2 * r + 1] = fast_exp2(x1);
-            }
-            sum += sacc[4 * j + 2 * r] + sacc[4 * j + 2 * r + 1];
-          }
-          row_sum[r] = row_sum[r] * alpha[r] + sum;
-        }
-      };
-      auto rescale_o = [&](const float (&alpha)[2]) {
-        // A factor of exactly 1 (no row max of the warp moved: exp2(0)) changes nothing; skipping it is a
-        // warp-uniform branch. -inf to -inf gives 0 and NaN gives NaN, both rescaled.
-        if (kSkip && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            o[4 * j + 2 * r] *= alpha[r];
-            o[4 * j + 2 * r + 1] *= alpha[r];
-          }
-        }
-      };
       // P as wgmma A fragments: keys [16·kk, 16·kk + 16) are S's column blocks 2·kk and 2·kk + 1.
       auto pack_p = [&] {
 #pragma unroll
@@ -368,7 +313,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
         s.k_empty[first.stage()].arrive();
         if (n_blocks == 1) s.q_empty.arrive();  // the tile's last read of Q is done
         float alpha[2];
-        softmax(0, alpha);
+        softmax.update(sacc, p, 0, wg_row0, row0, t, alpha);
         pack_p();
         // Block nb: S of nb and P·V of nb - 1 are issued together; the softmax of nb runs while P·V does.
         for (int nb = 1; nb < n_blocks; ++nb) {
@@ -383,11 +328,11 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
           sm90::fence_accumulators(sacc);
           s.k_empty[slot.stage()].arrive();
           if (nb == n_blocks - 1) s.q_empty.arrive();
-          softmax(nb, alpha);
+          softmax.update(sacc, p, nb * kBlockN, wg_row0, row0, t, alpha);
           sm90::wgmma_wait<0>();
           sm90::fence_accumulators(o);
           s.v_empty[prev.stage()].arrive();
-          rescale_o(alpha);
+          softmax.template rescale<kSkip>(o, alpha);
           pack_p();
         }
         const Ring last{kv_uses + n_blocks - 1};
@@ -406,11 +351,11 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
       float inv[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(row_sum[r]);
+        const float l = quad_sum(softmax.row_sum[r]);
         inv[r] = l != 0.f ? 1.f / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
         const int row = row0 + 8 * r;
         if (t == 0 && row < p.seq_q) {
-          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
+          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
         }
       }
       if constexpr (kStaged) {
