@@ -7,7 +7,12 @@
 # build's libflashlm.so (main), timed beside it; PEERS_DIR shared/bench's attention_peers.py and
 # compare.py; scripts/peers_long_context.py and scripts/ncu_sdpa.py sit beside this script. A step is
 # skipped, and says so, once DEADLINE_S seconds (default 400) have passed, so the call ends in its limit.
+# PARTS (default "tests sanitize ab peers long ncu") picks the parts; VARIANTS the A/B's instances
+# (FLASHLM_SM90_FWD_VARIANT values; "main2" runs main's build again, a "b" suffix repeats a variant);
+# GRID, REPEAT, DYNAMIC, SHORT and SMALL narrow the tests (see below).
 set -uo pipefail
+parts=" ${PARTS:-tests sanitize ab peers long ncu} "
+has() { [[ $parts == *" $1 "* ]]; }
 bin=$1 base=$2 peers=$3 out=$4 deadline=${5:-400}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
@@ -27,37 +32,47 @@ gtest() {
   grep -E "^\[  FAILED  \]|Failure$" "$out/$log.log" | head -12
 }
 
-step "tests: wrappers; the CUDA grid on the default dispatch twice; variants 23 (dynamic) and 29; mma"
+if has tests; then
+step "tests: wrappers; the CUDA grid on the default dispatch (REPEAT times); the dynamic variant; mma"
 gtest test_sm90 60 sm90
-gtest test_attention 150 default-x2 --gtest_filter='*Cuda*:*Varlen*:AttentionNaN*' --gtest_repeat=2
-FLASHLM_SM90_FWD_VARIANT=23 gtest test_attention 80 variant23 --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*'
-FLASHLM_SM90_FWD_VARIANT=29 gtest test_attention 60 variant29 --gtest_filter='Grid/CudaVsReference.*d64*:CudaAttention.*'
-FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 80 mma --gtest_filter='Grid/CudaVsReference.*:*Varlen*'
-small='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:CudaAttention.QueryTilesThatSeeNoKey*:CudaAttention.HopperForwardWritesTheSameO*:Packs/VarlenCudaVsReference.*d128*'
+gtest test_attention 150 default --gtest_filter="${GRID:-*Cuda*:*Varlen*:AttentionNaN*}" --gtest_repeat="${REPEAT:-2}"
+FLASHLM_SM90_FWD_VARIANT=${DYNAMIC:-23} gtest test_attention 80 dynamic --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*'
+if [[ -z ${SHORT:-} ]]; then
+  FLASHLM_SM90_FWD_VARIANT=29 gtest test_attention 60 variant29 --gtest_filter='Grid/CudaVsReference.*d64*:CudaAttention.*'
+  FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 80 mma --gtest_filter='Grid/CudaVsReference.*:*Varlen*'
+fi
+fi
+if has sanitize; then
+step "compute-sanitizer on a small filter: the default, then racecheck on the dynamic variant"
+small=${SMALL:-'Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:CudaAttention.QueryTilesThatSeeNoKey*:Packs/VarlenCudaVsReference.*d128*'}
 for tool in memcheck racecheck synccheck; do
-  late 250 && break
-  timeout 70 compute-sanitizer --tool $tool --error-exitcode 99 "$bin/test_attention" --gtest_brief=1 \
+  late 100 && break
+  timeout 60 compute-sanitizer --tool $tool --error-exitcode 99 "$bin/test_attention" --gtest_brief=1 \
     --gtest_filter="$small" > "$out/sanitizer-$tool.log" 2>&1
   echo "$tool: exit $?; $(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY\|SYNCCHECK SUMMARY' "$out/sanitizer-$tool.log")"
 done
-if ! late 240; then
-  FLASHLM_SM90_FWD_VARIANT=23 timeout 60 compute-sanitizer --tool racecheck --error-exitcode 99 "$bin/test_attention" \
-    --gtest_brief=1 --gtest_filter="$small" > "$out/sanitizer-racecheck-23.log" 2>&1
-  echo "racecheck, variant 23: exit $?; $(grep -m1 'RACECHECK SUMMARY' "$out/sanitizer-racecheck-23.log")"
+if ! late 90; then
+  FLASHLM_SM90_FWD_VARIANT=${DYNAMIC:-23} timeout 60 compute-sanitizer --tool racecheck --error-exitcode 99 \
+    "$bin/test_attention" --gtest_brief=1 --gtest_filter="$small" > "$out/sanitizer-racecheck-dynamic.log" 2>&1
+  echo "racecheck, the dynamic variant: exit $?; $(grep -m1 'RACECHECK SUMMARY' "$out/sanitizer-racecheck-dynamic.log")"
+fi
 fi
 
+if has ab; then
 step "A/B: the fa grid forward, bf16, main's build and this build's variants (interleaved)"
 fb="$bin/flashlm attention-bench --device cuda --quiet --grid fa --impl flash --dtype bf16 --warmup 10 --reps 30 --forward-only --format json"
 LD_LIBRARY_PATH=$base:$libs timeout 60 $fb --out "$out/fwd-main.json" > /dev/null
-for v in 7 1 3 5 13 23 29 main2 7b; do
-  late 170 && break
+for v in ${VARIANTS:-7 1 3 5 13 23 29 main2 7b}; do
+  late 15 && break
   case $v in
     main2) LD_LIBRARY_PATH=$base:$libs timeout 60 $fb --out "$out/fwd-main2.json" > /dev/null ;;
-    7b) timeout 60 $fb --out "$out/fwd-v7b.json" > /dev/null ;;
+    *b) FLASHLM_SM90_FWD_VARIANT=${v%b} timeout 60 $fb --out "$out/fwd-v$v.json" > /dev/null ;;
     *) FLASHLM_SM90_FWD_VARIANT=$v timeout 60 $fb --out "$out/fwd-v$v.json" > /dev/null ;;
   esac
   echo "  $v: exit $?"
 done
+fi
+if has peers; then
 step "peers: SDPA flash and cuDNN over the fa grid"
 timeout 150 python3 "$peers/attention_peers.py" --grid fa --peers flash,cudnn --out "$out/peers-fa.json" \
   > "$out/peers-fa.log" 2>&1 || tail -5 "$out/peers-fa.log"
@@ -66,7 +81,9 @@ for f in "$out"/fwd-*.json; do
   python3 "$peers/compare.py" "$f" "$out/peers-fa.json" --ours flash --peer flash --peer cudnn > "$out/compare-$n.md" 2>&1
   echo "-- $n: $(tail -2 "$out/compare-$n.md" | tr '\n' ' ')"
 done
+fi
 
+if has long; then
 step "long context: b1 h32 d128 causal, 32k and 64k, forward and backward (ours, main's, then SDPA)"
 if ! late 110; then
   lb="$bin/flashlm attention-bench --device cuda --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768,65536 --d 128 --causal=1 --warmup 2 --reps 5 --format csv"
@@ -74,7 +91,8 @@ if ! late 110; then
   LD_LIBRARY_PATH=$base:$libs timeout 60 $lb --out "$out/long-main.csv" > /dev/null; echo "exit $?"; cat "$out/long-main.csv"
   timeout 90 python3 "$here/peers_long_context.py" --out "$out/long-peers.json" 2>&1 | tail -6
 fi
-
+fi
+if has ncu; then
 step "ncu: our forward and backward (b4 h16 n4096 d128 causal; b4 h32 n4096 d64 causal), then cuDNN's"
 if ! late 60; then
   for shape in "16 128" "32 64"; do
@@ -96,4 +114,5 @@ for r in "$out"/ncu-*.ncu-rep; do
   ncu -i "$r" --page raw --csv > "${r%.ncu-rep}-raw.csv" 2>/dev/null
   rm -f "$r"
 done
+fi
 step "done"

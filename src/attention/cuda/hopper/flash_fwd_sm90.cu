@@ -432,9 +432,8 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
 }
 
-// The features of the default instances, and of those for an O that TMA cannot describe.
-constexpr int kSm90FwdDefault = kSkipRescale | kPolyExpEighth | kTmaStore;
-constexpr int kSm90FwdDirectStore = kSm90FwdDefault & ~kTmaStore;
+// The features of the default instances (docs/perf.md, "The Hopper forward, fourth round").
+constexpr int kSm90FwdDefault = kPolyExpEighth | kTmaStore;
 
 // TEMPORARY (the fourth round's A/B, removed once it is measured): FLASHLM_SM90_FWD_VARIANT=<features>
 // picks another instance for bf16 at head dims 64 and 128; -1 (unset) the default.
@@ -448,34 +447,22 @@ int sm90_fwd_variant() {
 
 template <class T, int D>
 void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
-                         const std::optional<CUtensorMap>& o, int sm_count, cudaStream_t stream) {
-  if (!o) return launch_forward_sm90<T, D, kSm90FwdDirectStore>(f, q, k, v, q, sm_count, stream);
+                         const CUtensorMap& o, int sm_count, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, __nv_bfloat16> && D != 256) {
-    // A variant named by its head-dim-64 features runs as what it means at this head dim.
     switch (sm90_fwd_variant() < 0 ? -1 : sm90_fwd_features<D>(sm90_fwd_variant())) {
-      case 0: return launch_forward_sm90<T, D, 0>(f, q, k, v, *o, sm_count, stream);
-      case 1: return launch_forward_sm90<T, D, 1>(f, q, k, v, *o, sm_count, stream);
-      case 5: return launch_forward_sm90<T, D, 5>(f, q, k, v, *o, sm_count, stream);
-      case 21: return launch_forward_sm90<T, D, 21>(f, q, k, v, *o, sm_count, stream);
+      case 4: return launch_forward_sm90<T, D, 4>(f, q, k, v, o, sm_count, stream);
+      case 20: return launch_forward_sm90<T, D, 20>(f, q, k, v, o, sm_count, stream);
+      case 14: return launch_forward_sm90<T, D, 14>(f, q, k, v, o, sm_count, stream);
+      case 22: return launch_forward_sm90<T, D, 22>(f, q, k, v, o, sm_count, stream);
       default: break;
     }
-    if constexpr (D == 64) {
-      switch (sm90_fwd_variant()) {
-        case 3: return launch_forward_sm90<T, D, 3>(f, q, k, v, *o, sm_count, stream);
-        case 9: return launch_forward_sm90<T, D, 9>(f, q, k, v, *o, sm_count, stream);
-        case 13: return launch_forward_sm90<T, D, 13>(f, q, k, v, *o, sm_count, stream);
-        case 23: return launch_forward_sm90<T, D, 23>(f, q, k, v, *o, sm_count, stream);
-        case 29: return launch_forward_sm90<T, D, 29>(f, q, k, v, *o, sm_count, stream);
-        default: break;
-      }
-    }
   }
-  launch_forward_sm90<T, D, kSm90FwdDefault>(f, q, k, v, *o, sm_count, stream);
+  launch_forward_sm90<T, D, kSm90FwdDefault>(f, q, k, v, o, sm_count, stream);
 }
 
 struct Sm90ForwardPlan {
   CUtensorMap q, k, v;
-  std::optional<CUtensorMap> o;  // nothing: O is stored directly (TMA cannot describe it, or no O given)
+  CUtensorMap o;  // head dims 64 and 128 (TMA stores); at 256, and where no O is given, unused
   int sm_count;
 };
 
@@ -497,9 +484,12 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
   auto tq = sm90::rows_tensor_map(q, Sm90FwdTraits<128>::kBlockM);
   auto tk = sm90::rows_tensor_map(k, key_rows), tv = sm90::rows_tensor_map(v, key_rows);
   if (!tq || !tk || !tv) return std::nullopt;
-  // O in boxes of one consumer warpgroup's 64 rows.
-  std::optional<CUtensorMap> to = o != nullptr ? sm90::rows_tensor_map(*o, 64) : std::nullopt;
-  return Sm90ForwardPlan{*tq, *tk, *tv, to, sm_count};
+  // O in boxes of one consumer warpgroup's 64 rows. Validation leaves only views TMA can describe (16-byte
+  // strides and base), so a failure here is a limit of the map (2^40-byte strides): the fallback takes it.
+  if (o == nullptr || p.head_dim == 256) return Sm90ForwardPlan{*tq, *tk, *tv, *tq, sm_count};
+  const auto to = sm90::rows_tensor_map(*o, 64);
+  if (!to) return std::nullopt;
+  return Sm90ForwardPlan{*tq, *tk, *tv, *to, sm_count};
 }
 
 }  // namespace
