@@ -39,6 +39,7 @@ enum Sm90FwdFeature : int {
   kTmaStore = 4,        // O written through shared memory and TMA stores (not at head dim 256: no room)
   kPolyExpQuarter = 8,  // at head dim 64, 1 exponential in 4 on the FMA pipe
   kDynamicSchedule = 16,  // work items taken from an atomic counter instead of the static walk
+  kSplitReductions = 32,  // the softmax's row max and sum in 4 independent chains (WgmmaRowSoftmax kChains)
 };
 
 template <int D>
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
   float o[D / 2];
   float sacc[kBlockN / 2];
   uint32_t pa[kBlockN / 16][4];  // P of the previous key block as wgmma A fragments
-  WgmmaRowSoftmax<kBlockN, kPolyEvery> softmax;
+  WgmmaRowSoftmax<kBlockN, kPolyEvery, (kF & kSplitReductions) ? 4 : 1> softmax;
   int q_uses = 0, kv_uses = 0, consumed = 0;
   // The block's next work item: the static walk's, or the one the producer published.
   auto fetch = [&](int static_next) {
@@ -454,6 +455,8 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
       case 20: return launch_forward_sm90<T, D, 20>(f, q, k, v, o, sm_count, stream);
       case 14: return launch_forward_sm90<T, D, 14>(f, q, k, v, o, sm_count, stream);
       case 22: return launch_forward_sm90<T, D, 22>(f, q, k, v, o, sm_count, stream);
+      case 36: return launch_forward_sm90<T, D, 36>(f, q, k, v, o, sm_count, stream);
+      case 38: return launch_forward_sm90<T, D, 38>(f, q, k, v, o, sm_count, stream);
       default: break;
     }
   }
