@@ -9,7 +9,8 @@
 # skipped, and says so, once DEADLINE_S seconds (default 400) have passed, so the call ends in its limit.
 # PARTS (default "tests sanitize ab peers long ncu") picks the parts; VARIANTS the A/B's instances
 # (FLASHLM_SM90_FWD_VARIANT values; "main2" runs main's build again, a "b" suffix repeats a variant);
-# GRID, REPEAT, DYNAMIC, SHORT and SMALL narrow the tests (see below).
+# GRID, REPEAT, SHORT and SMALL narrow the tests; TEST_VARIANT (grid) and RACE_VARIANT (racecheck) pick the
+# instances tested beside the default (see below).
 set -uo pipefail
 parts=" ${PARTS:-tests sanitize ab peers long ncu} "
 has() { [[ $parts == *" $1 "* ]]; }
@@ -33,10 +34,10 @@ gtest() {
 }
 
 if has tests; then
-step "tests: wrappers; the CUDA grid on the default dispatch (REPEAT times); the dynamic variant; mma"
+step "tests: wrappers; the CUDA grid on the default dispatch (REPEAT times), then on TEST_VARIANT; mma"
 gtest test_sm90 60 sm90
 gtest test_attention 150 default --gtest_filter="${GRID:-*Cuda*:*Varlen*:AttentionNaN*}" --gtest_repeat="${REPEAT:-2}"
-FLASHLM_SM90_FWD_VARIANT=${DYNAMIC:-23} gtest test_attention 80 dynamic --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*'
+FLASHLM_SM90_FWD_VARIANT=${TEST_VARIANT:-23} gtest test_attention 80 variant --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*'
 if [[ -z ${SHORT:-} ]]; then
   FLASHLM_SM90_FWD_VARIANT=29 gtest test_attention 60 variant29 --gtest_filter='Grid/CudaVsReference.*d64*:CudaAttention.*'
   FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 80 mma --gtest_filter='Grid/CudaVsReference.*:*Varlen*'
@@ -52,7 +53,7 @@ for tool in memcheck racecheck synccheck; do
   echo "$tool: exit $?; $(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY\|SYNCCHECK SUMMARY' "$out/sanitizer-$tool.log")"
 done
 if ! late 90; then
-  FLASHLM_SM90_FWD_VARIANT=${DYNAMIC:-23} timeout 60 compute-sanitizer --tool racecheck --error-exitcode 99 \
+  FLASHLM_SM90_FWD_VARIANT=${RACE_VARIANT:-23} timeout 60 compute-sanitizer --tool racecheck --error-exitcode 99 \
     "$bin/test_attention" --gtest_brief=1 --gtest_filter="$small" > "$out/sanitizer-racecheck-dynamic.log" 2>&1
   echo "racecheck, the dynamic variant: exit $?; $(grep -m1 'RACECHECK SUMMARY' "$out/sanitizer-racecheck-dynamic.log")"
 fi
