@@ -8,7 +8,8 @@
 # compare.py; scripts/peers_long_context.py and scripts/ncu_sdpa.py sit beside this script. A step is
 # skipped, and says so, once DEADLINE_S seconds (default 400) have passed, so the call ends in its limit.
 # PARTS (default "tests sanitize ab peers long ncu") picks the parts; VARIANTS the A/B's instances
-# (FLASHLM_SM90_FWD_VARIANT values; "main2" runs main's build again, a "b" suffix repeats a variant);
+# (FLASHLM_SM90_FWD_VARIANT values, which only the A/B builds of exp/hopper-fwd3, 107ea63..a4ddad3, read:
+# on any other build every value runs the default; "main2" runs main's build again, a "b" suffix repeats);
 # GRID, REPEAT, SHORT and SMALL narrow the tests; TEST_VARIANT (grid) and RACE_VARIANT (racecheck) pick the
 # instances tested beside the default (see below).
 set -uo pipefail

@@ -12,12 +12,12 @@
 // turns issuing GEMMs (ping-pong on named barriers), and each issues S of block n with P·V of block n - 1
 // so that its softmax of n runs under that GEMM. The producer gives up registers (setmaxnreg) so that the
 // consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by TMA; key columns at or
-// past seq_k and above the causal diagonal are masked in S.
+// past seq_k and above the causal diagonal are masked in S. Each warpgroup writes its normalised O rows
+// into a shared-memory stage and one of its threads stores them with TMA (which clips rows past seq_q);
+// at head dim 64, where the exponentials are the bottleneck, 1 in 8 of them runs on the FMA pipe.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
-#include <type_traits>
 
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
@@ -26,21 +26,10 @@
 #include "attention/cuda/hopper/softmax_sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
 #include "core/cuda_check.h"
-#include "flashlm/memory.h"
 
 namespace flashlm {
 namespace flash_cuda {
 namespace {
-
-// What a kernel instance does beyond v3 (bits; the A/B of docs/perf.md, "The Hopper forward, fourth round").
-enum Sm90FwdFeature : int {
-  kSkipRescale = 1,     // O is not rescaled after a key block that changed no row max of the warp
-  kPolyExpEighth = 2,   // at head dim 64, 1 exponential in 8 on the FMA pipe (exp2_on_fma_pipe)
-  kTmaStore = 4,        // O written through shared memory and TMA stores (not at head dim 256: no room)
-  kPolyExpQuarter = 8,  // at head dim 64, 1 exponential in 4 on the FMA pipe
-  kDynamicSchedule = 16,  // work items taken from an atomic counter instead of the static walk
-  kSplitReductions = 32,  // the softmax's row max and sum in 4 independent chains (WgmmaRowSoftmax kChains)
-};
 
 template <int D>
 struct Sm90FwdTraits {
@@ -56,41 +45,37 @@ struct Sm90FwdTraits {
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
   static constexpr uint32_t kQBytes = kBlockM * D * 2, kKVBytes = kBlockN * D * 2;
   static constexpr int kPanels = D / sm90::kPanelCols;
+  // O leaves through a shared-memory stage and TMA stores, except at head dim 256, where the stage does not
+  // fit beside Q and the K/V ring (64 + 160 KB) and the threads store O directly.
+  static constexpr bool kStagedO = D != 256;
+  // At head dim 64 the softmax's exponentials take as long as the two GEMMs of a key block: 1 in 8 of them
+  // (every 8th group of 8 key columns) runs on the FMA pipe instead of the SFU (exp2_on_fma_pipe).
+  static constexpr int kPolyEvery = D == 64 ? 8 : 0;
+  // Independent chains for each row's running max and sum (4; at 256 the 10 column groups of a key block
+  // of 80 keep one).
+  static constexpr int kRowChains = D == 256 ? 1 : 4;
 };
 
 // O's staging tile for the TMA store: each consumer warpgroup's 64 rows as D / 64 panels of 64 rows in
 // sm90.cuh's swizzled layout (one store box each). Absent (one element) where O is stored directly.
-template <int D, bool kStaged>
+template <int D>
 struct Sm90FwdOStage {
-  alignas(1024) uint16_t rows[kStaged ? Sm90FwdTraits<D>::kConsumers * 64 * D : 1];
+  alignas(1024) uint16_t rows[Sm90FwdTraits<D>::kStagedO ? Sm90FwdTraits<D>::kConsumers * 64 * D : 1];
 };
 
-template <int D, bool kStaged>
+template <int D>
 struct Sm90FwdShared {
   using Tr = Sm90FwdTraits<D>;
   alignas(1024) uint16_t q[Tr::kBlockM * D];
   alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * D];
   alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * D];
-  Sm90FwdOStage<D, kStaged> o;
+  Sm90FwdOStage<D> o;
   sm90::Mbarrier q_full, q_empty, k_full[Tr::kStages], k_empty[Tr::kStages], v_full[Tr::kStages], v_empty[Tr::kStages];
-  // The dynamic schedule's next work items, from the producer to the consumers (a ring of two).
-  sm90::Mbarrier item_full[2], item_empty[2];
-  int item[2];
 };
 
-// Features an instance can have: the TMA store needs the staging tile, which does not fit beside Q and the
-// K/V ring at head dim 256 (64 + 160 KB), and the FMA-pipe exponentials pay only at head dim 64.
 template <int D>
-constexpr int sm90_fwd_features(int features) {
-  if (D == 256) features &= ~kTmaStore;
-  if (D != 64) features &= ~(kPolyExpEighth | kPolyExpQuarter);
-  return features;
-}
-
-template <int D, int kFeatures>
 constexpr size_t sm90_fwd_smem_bytes() {
-  // + room to align the dynamic shared-memory base to 1024
-  return sizeof(Sm90FwdShared<D, (sm90_fwd_features<D>(kFeatures) & kTmaStore) != 0>) + 1024;
+  return sizeof(Sm90FwdShared<D>) + 1024;  // + room to align the dynamic shared-memory base to 1024
 }
 
 // The persistent schedule: block i takes work items i, i + gridDim.x, ... An item is a pair of query tiles
@@ -112,25 +97,19 @@ struct TileSchedule {
   __device__ int batch(int item, const FlashParams& p) const { return (item / pairs_per_head) / p.heads_q; }
 };
 
-// tm_o is read only by instances with kTmaStore (the others get any valid map); item_counter (zero at the
-// launch) only by those with kDynamicSchedule.
-template <class T, int D, int kFeatures>
+// tm_o (boxes of 64 rows) is read only where Tr::kStagedO; the others get any valid map.
+template <class T, int D>
 __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
-                          const FlashParams p, int* item_counter) {
+                          const FlashParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tr = Sm90FwdTraits<D>;
   using Ring = sm90::RingSlot<Tr::kStages>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  constexpr int kF = sm90_fwd_features<D>(kFeatures);
-  constexpr bool kSkip = (kF & kSkipRescale) != 0, kStaged = (kF & kTmaStore) != 0;
-  constexpr bool kDynamic = (kF & kDynamicSchedule) != 0;
-  // Every kPolyEvery-th group of 8 key columns takes its exponentials on the FMA pipe (0: none).
-  constexpr int kPolyEvery = (kF & kPolyExpQuarter) ? 4 : (kF & kPolyExpEighth) ? 8 : 0;
+  constexpr bool kStaged = Tr::kStagedO;
   extern __shared__ unsigned char smem_raw[];
-  auto& s = *reinterpret_cast<Sm90FwdShared<D, kStaged>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                          ~uintptr_t{1023});
+  auto& s = *reinterpret_cast<Sm90FwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const TileSchedule schedule(p, kBlockM);
   // Key blocks query tile m sees (none: the tile is written as zeros without loading anything).
   auto key_blocks = [&](int m0) {
@@ -150,10 +129,6 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
       s.k_empty[st].init(Tr::kConsumerThreads);
       s.v_empty[st].init(Tr::kConsumerThreads);
     }
-    for (int i = 0; i < 2; ++i) {
-      s.item_full[i].init(1);
-      s.item_empty[i].init(Tr::kConsumerThreads);
-    }
     sm90::Mbarrier::fence_init();
   }
   __syncthreads();
@@ -168,22 +143,8 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     sm90::tma_prefetch_descriptor(&tm_k);
     sm90::tma_prefetch_descriptor(&tm_v);
     if constexpr (kStaged) sm90::tma_prefetch_descriptor(&tm_o);
-    int q_uses = 0, kv_uses = 0, published = 0;
-    // Dynamic schedule: each item the block takes is handed to the consumers through s.item; the first is
-    // the block's index, the next ones come from the counter (offset by the grid: those are taken).
-    auto publish = [&](int it) {
-      if constexpr (kDynamic) {
-        const Ring slot{published++};  // a ring of two, like the K/V stages
-        s.item_empty[slot.index % 2].wait(((slot.index / 2) & 1) ^ 1);
-        s.item[slot.index % 2] = it;
-        s.item_full[slot.index % 2].arrive();  // release: the consumers' acquire sees s.item
-      }
-    };
-    int item = blockIdx.x;
-    publish(item);
-    while (item < schedule.items) {
-      const int next_item = kDynamic ? atomicAdd(item_counter, 1) + static_cast<int>(gridDim.x)
-                                     : item + static_cast<int>(gridDim.x);
+    int q_uses = 0, kv_uses = 0;
+    for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
       const int h = schedule.head(item, p), b = schedule.batch(item, p), hk = h / p.group;
       for (int half = 0; half < 2; ++half) {
         const int m_tile = schedule.m_tile(item, half);
@@ -216,8 +177,6 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
           }
         }
       }
-      publish(next_item);
-      item = next_item;
     }
     return;
   }
@@ -241,22 +200,10 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
   float o[D / 2];
   float sacc[kBlockN / 2];
   uint32_t pa[kBlockN / 16][4];  // P of the previous key block as wgmma A fragments
-  WgmmaRowSoftmax<kBlockN, kPolyEvery, (kF & kSplitReductions) ? 4 : 1> softmax;
-  int q_uses = 0, kv_uses = 0, consumed = 0;
-  // The block's next work item: the static walk's, or the one the producer published.
-  auto fetch = [&](int static_next) {
-    if constexpr (!kDynamic) {
-      return static_next;
-    } else {
-      const Ring slot{consumed++};
-      s.item_full[slot.index % 2].wait((slot.index / 2) & 1);
-      const int it = s.item[slot.index % 2];
-      s.item_empty[slot.index % 2].arrive();
-      return it;
-    }
-  };
+  WgmmaRowSoftmax<kBlockN, Tr::kPolyEvery, Tr::kRowChains> softmax;
+  int q_uses = 0, kv_uses = 0;
 
-  for (int item = fetch(blockIdx.x); item < schedule.items; item = fetch(item + static_cast<int>(gridDim.x))) {
+  for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
     const int h = schedule.head(item, p), b = schedule.batch(item, p);
     for (int half = 0; half < 2; ++half) {
       const int m_tile = schedule.m_tile(item, half);
@@ -333,7 +280,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
           sm90::wgmma_wait<0>();
           sm90::fence_accumulators(o);
           s.v_empty[prev.stage()].arrive();
-          softmax.template rescale<kSkip>(o, alpha);
+          softmax.rescale(o, alpha);
           pack_p();
         }
         const Ring last{kv_uses + n_blocks - 1};
@@ -414,53 +361,17 @@ int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch) {
 }
 
 // One block per multiprocessor (or per work item, where there are fewer): see TileSchedule.
-template <class T, int D, int kFeatures>
-void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
-                         const CUtensorMap& o, int sm_count, cudaStream_t stream) {
-  using Tr = Sm90FwdTraits<D>;
-  auto kernel = flash_fwd_sm90_kernel<T, D, kFeatures>;
-  constexpr int kSmem = static_cast<int>(sm90_fwd_smem_bytes<D, kFeatures>());
-  FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-                     "flash_fwd_sm90_kernel: shared-memory opt-in");
-  const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch);
-  Buffer counter;  // freed in stream order after the kernel
-  if constexpr ((sm90_fwd_features<D>(kFeatures) & kDynamicSchedule) != 0) {
-    counter = Buffer::allocate_on_stream(sizeof(int), "flash_fwd_sm90 work-item counter", stream);
-    FLASHLM_CUDA_CHECK(cudaMemsetAsync(counter.data(), 0, sizeof(int), stream), "flash_fwd_sm90 counter reset");
-  }
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(
-      q, k, v, o, f, static_cast<int*>(counter.data()));
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
-}
-
-// The features of the default instances (docs/perf.md, "The Hopper forward, fourth round").
-constexpr int kSm90FwdDefault = kPolyExpEighth | kTmaStore;
-
-// TEMPORARY (the fourth round's A/B, removed once it is measured): FLASHLM_SM90_FWD_VARIANT=<features>
-// picks another instance for bf16 at head dims 64 and 128; -1 (unset) the default.
-int sm90_fwd_variant() {
-  static const int v = [] {
-    const char* e = std::getenv("FLASHLM_SM90_FWD_VARIANT");
-    return e == nullptr ? -1 : std::atoi(e);
-  }();
-  return v;
-}
-
 template <class T, int D>
 void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
                          const CUtensorMap& o, int sm_count, cudaStream_t stream) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && D != 256) {
-    switch (sm90_fwd_variant() < 0 ? -1 : sm90_fwd_features<D>(sm90_fwd_variant())) {
-      case 4: return launch_forward_sm90<T, D, 4>(f, q, k, v, o, sm_count, stream);
-      case 20: return launch_forward_sm90<T, D, 20>(f, q, k, v, o, sm_count, stream);
-      case 14: return launch_forward_sm90<T, D, 14>(f, q, k, v, o, sm_count, stream);
-      case 22: return launch_forward_sm90<T, D, 22>(f, q, k, v, o, sm_count, stream);
-      case 36: return launch_forward_sm90<T, D, 36>(f, q, k, v, o, sm_count, stream);
-      case 38: return launch_forward_sm90<T, D, 38>(f, q, k, v, o, sm_count, stream);
-      default: break;
-    }
-  }
-  launch_forward_sm90<T, D, kSm90FwdDefault>(f, q, k, v, o, sm_count, stream);
+  using Tr = Sm90FwdTraits<D>;
+  auto kernel = flash_fwd_sm90_kernel<T, D>;
+  constexpr int kSmem = static_cast<int>(sm90_fwd_smem_bytes<D>());
+  FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
+                     "flash_fwd_sm90_kernel: shared-memory opt-in");
+  const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch);
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, v, o, f);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
 }
 
 struct Sm90ForwardPlan {
@@ -513,7 +424,7 @@ int sm90_multiprocessors() {
                     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
                     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
                     major == 9 && minor == 0 && sms > 0 &&
-                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, 128, kSm90FwdDefault>) == cudaSuccess &&
+                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, 128>) == cudaSuccess &&
                     attr.binaryVersion == 90;
     cudaGetLastError();  // a failed query must not surface at the next launch check
     cached[device] = ok ? sms : -1;

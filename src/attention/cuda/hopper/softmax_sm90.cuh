@@ -82,12 +82,10 @@ struct WgmmaRowSoftmax {
     }
   }
 
-  // O's accumulator (same layout, kN / 2 columns) times alpha per row. kSkipUnit: not where every factor
-  // of the warp is exactly 1 (no row max moved: exp2(0)), which changes nothing; the test is warp-uniform,
-  // so the skip is a branch, not divergence. -inf to -inf gives 0 and NaN gives NaN: both are applied.
-  template <bool kSkipUnit = false, int kN>
+  // O's accumulator (same layout, kN / 2 columns) times alpha per row. (Skipping it where no row max of
+  // the warp moved, a warp-uniform vote, measured 3-5% slower: docs/perf.md, "fourth round".)
+  template <int kN>
   __device__ __forceinline__ static void rescale(float (&o)[kN], const float (&alpha)[2]) {
-    if (kSkipUnit && !__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) return;
 #pragma unroll
     for (int j = 0; j < kN / 4; ++j) {
 #pragma unroll
