@@ -1,6 +1,7 @@
 // The Hopper wrappers of attention/cuda/hopper/ one at a time, on random data against the host: a TMA tile
 // round trip through an mbarrier (strided view, zero-filled rows past the end), a TMA tile store (clipped
-// at the view's end), the forward's FMA-pipe exp2 against exp2, a bulk copy through an
+// at the view's end), the forward's FMA-pipe exp2 against exp2, e4m3 tiles of 64- and 128-byte rows by TMA
+// into an e4m3 wgmma (the FP8 forward's layouts), a bulk copy through an
 // mbarrier, bulk reduce-adds from several blocks into one buffer, and single-warpgroup wgmma products with both operands in shared memory, with A in registers
 // and B read N-major, and with both A and B read M/N-major from a panel of wider tiles (the backward's
 // dQ = dS·K). Skips without an sm_90 GPU.
@@ -17,6 +18,7 @@
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
+#include "flashlm/dtype.h"
 
 namespace {
 
@@ -376,6 +378,98 @@ TEST(Sm90Primitives, WgmmaMMajorAAndNMajorBFromTilePanelsMatchHostProduct) {
   for (int a_panel : {0, 1}) {
     for (int b_panel : {0, 1}) check_wgmma_m_major_a(a_panel, b_panel);
   }
+}
+
+// C[64 x 128] = A[64 x K]·B[128 x K]ᵀ in e4m3 with K = kRowBytes (64 or 128): both tiles loaded by TMA from
+// [1, rows, 1, K] views (tma.h's 8-bit boxes: the whole 64-byte row with the 64-byte swizzle, or one
+// 128-byte panel with the 128-byte swizzle) and read K-major by e4m3 wgmma through k_major_descriptor_8bit
+// (the FP8 forward's S = Q·Kᵀ). B's view has fewer than 128 rows: TMA zero-fills the rest.
+template <int kRowBytes>
+__global__ void e4m3_tma_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                                      float* c) {
+  __shared__ alignas(1024) uint8_t sa[64 * kRowBytes];
+  __shared__ alignas(1024) uint8_t sb[128 * kRowBytes];
+  __shared__ flashlm::sm90::Mbarrier bar;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    bar.init(1);
+    flashlm::sm90::Mbarrier::fence_init();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    bar.arrive_expect_tx((64 + 128) * kRowBytes);
+    flashlm::sm90::tma_load_4d(sa, &map_a, bar, 0, 0, 0, 0);
+    flashlm::sm90::tma_load_4d(sb, &map_b, bar, 0, 0, 0, 0);
+  }
+  bar.wait(0);
+  float d[64];
+  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+  flashlm::sm90::fence_accumulators(d);
+  flashlm::sm90::wgmma_fence();
+  for (int kk = 0; kk < kRowBytes / 32; ++kk) {
+    flashlm::sm90::WgmmaM64E4m3<128>::ss(d, flashlm::sm90::k_major_descriptor_8bit<kRowBytes>(sa, 0, kk),
+                                         flashlm::sm90::k_major_descriptor_8bit<kRowBytes>(sb, 0, kk), kk > 0);
+  }
+  flashlm::sm90::wgmma_commit();
+  flashlm::sm90::wgmma_wait<0>();
+  flashlm::sm90::fence_accumulators(d);
+  const int warp = tid / 32, g = (tid % 32) / 4, t = tid % 4;
+  for (int i = 0; i < 64; ++i) {
+    const int row = 16 * warp + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * t + i % 2;
+    c[row * 128 + col] = d[i];
+  }
+}
+
+template <int kRowBytes>
+void check_e4m3_tma_wgmma() {
+  constexpr int kBRows = 100;  // of the 128 the tile holds
+  std::mt19937_64 gen(11 + kRowBytes);
+  std::normal_distribution<float> dist(0.f, 4.f);
+  std::vector<uint8_t> a(64 * kRowBytes), bm(kBRows * kRowBytes);
+  for (auto& x : a) x = flashlm::f8e4m3_t(dist(gen)).bits;
+  for (auto& x : bm) x = flashlm::f8e4m3_t(dist(gen)).bits;
+  uint8_t *da = device_copy(a), *db = device_copy(bm);
+  ASSERT_NE(da, nullptr);
+  ASSERT_NE(db, nullptr);
+  const auto map_a = flashlm::sm90::rows_tensor_map(
+      flashlm::TensorView::contiguous(da, flashlm::DType::f8e4m3, {1, 64, 1, kRowBytes}, flashlm::Device::cuda), 64);
+  const auto map_b = flashlm::sm90::rows_tensor_map(
+      flashlm::TensorView::contiguous(db, flashlm::DType::f8e4m3, {1, kBRows, 1, kRowBytes}, flashlm::Device::cuda),
+      128);
+  ASSERT_TRUE(map_a.has_value() && map_b.has_value());
+  float* dc = nullptr;
+  ASSERT_EQ(cudaMalloc(&dc, 64 * 128 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dc, 0xff, 64 * 128 * 4), cudaSuccess);  // NaN poison
+  e4m3_tma_wgmma_kernel<kRowBytes><<<1, 128>>>(*map_a, *map_b, dc);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> c(64 * 128);
+  ASSERT_EQ(cudaMemcpy(c.data(), dc, c.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  int bad = 0;
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 128; ++j) {
+      double want = 0, magnitude = 0;
+      for (int k = 0; j < kBRows && k < kRowBytes; ++k) {
+        const double x = flashlm::f8e4m3_t::to_float(a[i * kRowBytes + k]);
+        const double y = flashlm::f8e4m3_t::to_float(bm[j * kRowBytes + k]);
+        want += x * y;
+        magnitude += std::fabs(x * y);
+      }
+      // The products are exact in fp32; the tensor cores' e4m3 accumulation keeps fewer bits than fp32, so
+      // the bound is relative to the sum of |products| (a layout error is off by the products themselves).
+      const double err = std::fabs(c[i * 128 + j] - want);
+      bad += !(err <= 4e-3 * magnitude + 1e-6);
+    }
+  }
+  EXPECT_EQ(bad, 0) << kRowBytes << "-byte rows";
+  cudaFree(da);
+  cudaFree(db);
+  cudaFree(dc);
+}
+
+TEST(Sm90Primitives, E4m3TmaTilesOf64And128ByteRowsThroughWgmmaMatchHostProduct) {
+  SKIP_WITHOUT_SM90();
+  check_e4m3_tma_wgmma<64>();
+  check_e4m3_tma_wgmma<128>();
 }
 
 // `n` floats from global memory at `src` into shared memory by one bulk copy completing on an mbarrier,

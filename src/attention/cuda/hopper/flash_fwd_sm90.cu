@@ -22,6 +22,7 @@
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
+#include "attention/cuda/hopper/schedule_sm90.cuh"
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/softmax_sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
@@ -77,25 +78,6 @@ template <int D>
 constexpr size_t sm90_fwd_smem_bytes() {
   return sizeof(Sm90FwdShared<D>) + 1024;  // + room to align the dynamic shared-memory base to 1024
 }
-
-// The persistent schedule: block i takes work items i, i + gridDim.x, ... An item is a pair of query tiles
-// of one (head, batch), the heaviest and the lightest left under a causal mask (tiles m and M - 1 - m), so
-// that items cost about the same and a static schedule stays balanced; consecutive items stay within a
-// head, so the blocks running at one time share its keys and values in L2.
-struct TileSchedule {
-  int m_tiles, pairs_per_head, items;
-  __device__ TileSchedule(const FlashParams& p, int block_m)
-      : m_tiles((p.seq_q + block_m - 1) / block_m), pairs_per_head((m_tiles + 1) / 2),
-        items(pairs_per_head * p.heads_q * p.batch) {}
-  // Query tile `half` (0 the heavier, 1 the lighter; -1 where the pair is one tile) of item `item`.
-  __device__ int m_tile(int item, int half) const {
-    const int pair = item % pairs_per_head;
-    if (half == 0) return m_tiles - 1 - pair;
-    return pair == m_tiles - 1 - pair ? -1 : pair;
-  }
-  __device__ int head(int item, const FlashParams& p) const { return (item / pairs_per_head) % p.heads_q; }
-  __device__ int batch(int item, const FlashParams& p) const { return (item / pairs_per_head) / p.heads_q; }
-};
 
 // tm_o (boxes of 64 rows) is read only where Tr::kStagedO; the others get any valid map.
 template <class T, int D>
@@ -356,8 +338,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
 
 // TileSchedule's item count, on the host.
 int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch) {
-  const int64_t m_tiles = (seq_q + Sm90FwdTraits<128>::kBlockM - 1) / Sm90FwdTraits<128>::kBlockM;
-  return (m_tiles + 1) / 2 * heads_q * batch;
+  return TileSchedule::count(seq_q, heads_q, batch, Sm90FwdTraits<128>::kBlockM);
 }
 
 // One block per multiprocessor (or per work item, where there are fewer): see TileSchedule.
