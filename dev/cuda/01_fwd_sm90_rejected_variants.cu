@@ -563,7 +563,7 @@ int main() {
   bool ok = true;
   ok &= variant<64, kPolyExpEighth | kTmaStore | kSplitReductions>("38: the winner (src/)");
   ok &= variant<64, kSkipRescale | kPolyExpEighth | kTmaStore>("7: + rescale skip");
-  ok &= variant<64, kPolyExpQuarter | kTmaStore | kSplitReductions>("42: exp2 on FMA 1 in 4");
+  ok &= variant<64, kPolyExpQuarter | kTmaStore | kSplitReductions>("44: exp2 on FMA 1 in 4");
   ok &= variant<64, kPolyExpEighth | kTmaStore | kDynamicSchedule>("22: dynamic schedule");
   ok &= variant<128, kTmaStore | kSplitReductions>("36: the winner (src/)");
   ok &= variant<128, kSkipRescale | kTmaStore>("5: + rescale skip");
