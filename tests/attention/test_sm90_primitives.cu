@@ -1,6 +1,7 @@
 // The Hopper wrappers of attention/cuda/hopper/ one at a time, on random data against the host: a TMA tile
-// round trip through an mbarrier (strided view, zero-filled rows past the end), e4m3 tiles of 64- and
-// 128-byte rows by TMA into an e4m3 wgmma (the FP8 forward's layouts), a bulk copy through an
+// round trip through an mbarrier (strided view, zero-filled rows past the end), a TMA tile store (clipped
+// at the view's end), the forward's FMA-pipe exp2 against exp2, e4m3 tiles of 64- and 128-byte rows by TMA
+// into an e4m3 wgmma (the FP8 forward's layouts), a bulk copy through an
 // mbarrier, bulk reduce-adds from several blocks into one buffer, and single-warpgroup wgmma products with both operands in shared memory, with A in registers
 // and B read N-major, and with both A and B read M/N-major from a panel of wider tiles (the backward's
 // dQ = dS·K). Skips without an sm_90 GPU.
@@ -10,9 +11,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
 #include "flashlm/dtype.h"
@@ -112,6 +115,113 @@ TEST(Sm90Primitives, TmaTileRoundTripThroughMbarrier) {
   }
   cudaFree(out);
   cudaFree(storage);
+}
+
+// The reverse of the round trip: a tile of kRows rows written into shared memory in the swizzled layout by
+// ordinary stores (the forward's O staging), then stored with TMA at (row0, head, batch) in boxes of 64 rows.
+__global__ void tma_store_kernel(const __grid_constant__ CUtensorMap map, const uint16_t* tile_in, int row0,
+                                 int head, int batch) {
+  __shared__ alignas(1024) uint16_t tile[kRows * kCols];
+  for (int i = threadIdx.x; i < kRows * kCols; i += blockDim.x) {
+    const int r = i / kCols, c = i % kCols;  // 64-row boxes: rows [64·b, 64·b + 64) are one 64-row tile
+    tile[(r / 64) * 64 * kCols + flashlm::sm90::swizzled_offset(64, r % 64, c) / 2] = tile_in[i];
+  }
+  flashlm::sm90::fence_proxy_async_shared();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int box = 0; box < kRows / 64; ++box) {
+      for (int panel = 0; panel < kCols / 64; ++panel) {
+        flashlm::sm90::tma_store_4d(&map, tile + box * 64 * kCols + panel * 64 * 64, panel * 64, row0 + 64 * box,
+                                    head, batch);
+      }
+    }
+    flashlm::sm90::bulk_commit();
+    flashlm::sm90::bulk_wait<0>();
+  }
+}
+
+TEST(Sm90Primitives, TmaTileStoreWritesItsBoxAndClipsAtTheEnd) {
+  SKIP_WITHOUT_SM90();
+  // The same sliced [2, 100, 3, 128] view of [2, 103, 3, 136] storage; storage starts poisoned, and only the
+  // stored rows inside the view may change.
+  const int B = 2, S = 100, H = 3, D = 128, Sp = 103, Dp = 136;
+  const size_t n = size_t(B) * Sp * H * Dp;
+  std::vector<uint16_t> poison(n, 0x7fc1);
+  uint16_t* storage = device_copy(poison);
+  ASSERT_NE(storage, nullptr);
+  flashlm::TensorView view = flashlm::TensorView::contiguous(storage, flashlm::DType::bf16, {B, Sp, H, Dp},
+                                                             flashlm::Device::cuda);
+  view = view.slice(1, 2, 2 + S).slice(3, 0, D);
+  const auto map = flashlm::sm90::rows_tensor_map(view, 64);
+  ASSERT_TRUE(map.has_value());
+  const auto tile_bf16 = random_bf16(size_t(kRows) * kCols, 5);
+  std::vector<uint16_t> tile(tile_bf16.size());
+  std::memcpy(tile.data(), tile_bf16.data(), tile.size() * 2);
+  uint16_t* tile_dev = device_copy(tile);
+  ASSERT_NE(tile_dev, nullptr);
+  const int row0 = 37, head = 2, batch = 1;  // rows 37..164: the last 65 fall past row 100 and are clipped
+  tma_store_kernel<<<1, 128>>>(*map, tile_dev, row0, head, batch);
+  CUDA_OK(cudaGetLastError());
+  std::vector<uint16_t> got(n);
+  CUDA_OK(cudaMemcpy(got.data(), storage, n * 2, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int b = 0; b < B; ++b)
+    for (int sp = 0; sp < Sp; ++sp)
+      for (int h = 0; h < H; ++h)
+        for (int c = 0; c < Dp; ++c) {
+          const int s = sp - 2, r = s - row0;
+          const bool stored = b == batch && h == head && c < D && s >= 0 && s < S && r >= 0 && r < kRows;
+          const uint16_t want = stored ? tile[size_t(r) * kCols + c] : uint16_t{0x7fc1};
+          bad += got[((size_t(b) * Sp + sp) * H + h) * Dp + c] != want;
+        }
+  EXPECT_EQ(bad, 0);
+  cudaFree(tile_dev);
+  cudaFree(storage);
+}
+
+// exp2_on_fma_pipe (the forward's exponentials moved off the SFU) against exp2 in double over the range the
+// softmax feeds it (x <= 0), with the edges: 0 for -inf and below -127, NaN kept.
+__global__ void exp2_on_fma_pipe_kernel(const float* x, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = flashlm::flash_cuda::exp2_on_fma_pipe(x[i]);
+}
+
+TEST(Sm90Primitives, Exp2OnFmaPipeIsWithinItsBoundOfExp2) {
+  SKIP_WITHOUT_SM90();
+  std::mt19937_64 gen(11);
+  std::uniform_real_distribution<float> dist(-130.f, 0.f);
+  std::vector<float> x(1 << 16);
+  for (auto& v : x) v = dist(gen);
+  for (int i = 0; i < 4096; ++i) x[static_cast<size_t>(i)] = -static_cast<float>(i) / 4096.f;  // [-1, 0] densely
+  const float edges[] = {0.f, -0.f, -0.5f, -1.f, -126.f, -126.5f, -127.f, -127.5f, -200.f, -INFINITY, NAN};
+  x.insert(x.end(), std::begin(edges), std::end(edges));
+  float* xd = device_copy(x);
+  float* yd = nullptr;
+  ASSERT_NE(xd, nullptr);
+  CUDA_OK(cudaMalloc(&yd, x.size() * 4));
+  const int n = static_cast<int>(x.size());
+  exp2_on_fma_pipe_kernel<<<(n + 255) / 256, 256>>>(xd, yd, n);
+  CUDA_OK(cudaGetLastError());
+  std::vector<float> y(x.size());
+  CUDA_OK(cudaMemcpy(y.data(), yd, y.size() * 4, cudaMemcpyDeviceToHost));
+  double worst = 0;
+  int bad = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i])) {
+      bad += !std::isnan(y[i]);
+    } else if (x[i] < -126.5f) {
+      bad += y[i] != 0.f;  // flushed like fast_exp2's results under 2^-126
+    } else if (x[i] >= -126.f) {
+      const double want = std::exp2(static_cast<double>(x[i]));
+      worst = std::max(worst, std::fabs(y[i] - want) / want);
+    } else {
+      bad += !(y[i] >= 0.f && y[i] < 1.2e-38f);  // denormal or 0 between
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_LE(worst, 8e-5);  // the fit's 7.5e-5 plus fp32 rounding
+  cudaFree(xd);
+  cudaFree(yd);
 }
 
 // C[64 x 128] = A[64 x 128] · B[128 x 128]ᵀ with A and B both K-major in shared memory (S = Q·Kᵀ's form);

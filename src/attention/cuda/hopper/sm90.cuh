@@ -90,6 +90,19 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, M
       : "memory");
 }
 
+// The reverse: the box of a tensor map at the given coordinates written from shared memory (in the layout a
+// load of the same box leaves) by the copy engine; rows past the tensor's ends are not written, so a ragged
+// last tile clips. Issued by one thread, it joins a bulk group at bulk_commit() like the bulk reductions
+// below: the shared memory may be rewritten once bulk_wait_read<N>() returns, and bulk_wait<N>() before
+// the block exits. Shared memory written by ordinary stores needs fence_proxy_async_shared() in each writer
+// and a barrier before the issue.
+__device__ __forceinline__ void tma_store_4d(const void* tensor_map, const void* src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tensor_map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_descriptor(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
 }
@@ -349,6 +362,8 @@ enum class NamedBarrier : uint32_t {
   kWarpgroupTurn0 = 2,   // ping-pong: consumer warpgroup 0 may issue its GEMMs
   kWarpgroupTurn1 = 3,   // ping-pong: consumer warpgroup 1 may issue its GEMMs
   kBackwardDsReady = 4,  // backward: both consumer warpgroups have stored their half of a step's dSᵀ
+  kEpilogue0 = 5,        // forward: consumer warpgroup 0's rows of O are in shared memory (TMA store)
+  kEpilogue1 = 6,        // forward: the same for consumer warpgroup 1
 };
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");

@@ -11,9 +11,15 @@
 namespace flashlm::flash_cuda {
 
 // The running max and sum of a thread's two rows. The scale is folded into exp2 (p.scale_log2, which for
-// FP8 also carries the descale factors), so row_max stays in S's units.
-template <int kBlockN>
+// FP8 also carries the descale factors), so row_max stays in S's units. With kPolyEvery > 0, every
+// kPolyEvery-th group of 8 key columns takes its exponentials on the FMA pipe (exp2_on_fma_pipe) instead
+// of the SFU: for a kernel whose SFU is the bottleneck (the 16-bit forward at head dim 64). kChains
+// independent partial maxima and sums per row (combined at the end) instead of one dependent chain of
+// kBlockN / 8 max and add instructions each: the chain's latency, not its instruction count, is what a
+// warpgroup waits for (ncu's "wait" stall, docs/perf.md). The sum's rounding order changes with it.
+template <int kBlockN, int kPolyEvery = 0, int kChains = 1>
 struct WgmmaRowSoftmax {
+  static_assert((kBlockN / 8) % kChains == 0, "the key block's 8-column groups split evenly over the chains");
   float row_max[2], row_sum[2];
 
   __device__ __forceinline__ void reset() {
@@ -38,27 +44,46 @@ struct WgmmaRowSoftmax {
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+      float mxs[kChains];
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) mxs[c] = c == 0 ? row_max[r] : -INFINITY;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
-        mx = max_propagating_nan(mx, max_propagating_nan(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        mxs[j % kChains] =
+            max_propagating_nan(mxs[j % kChains], max_propagating_nan(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
       }
+      float mx = mxs[0];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) mx = max_propagating_nan(mx, mxs[c]);
       mx = quad_max(mx);
       const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
       alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
       row_max[r] = mx;
-      float sum = 0.f;
+      float sums[kChains];
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) sums[c] = 0.f;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
-        s[4 * j + 2 * r] = fast_exp2(fmaf(s[4 * j + 2 * r], p.scale_log2, -m_scaled));
-        s[4 * j + 2 * r + 1] = fast_exp2(fmaf(s[4 * j + 2 * r + 1], p.scale_log2, -m_scaled));
-        sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+        const float x0 = fmaf(s[4 * j + 2 * r], p.scale_log2, -m_scaled);
+        const float x1 = fmaf(s[4 * j + 2 * r + 1], p.scale_log2, -m_scaled);
+        if (kPolyEvery > 0 && j % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) {
+          s[4 * j + 2 * r] = exp2_on_fma_pipe(x0);
+          s[4 * j + 2 * r + 1] = exp2_on_fma_pipe(x1);
+        } else {
+          s[4 * j + 2 * r] = fast_exp2(x0);
+          s[4 * j + 2 * r + 1] = fast_exp2(x1);
+        }
+        sums[j % kChains] += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
       }
+      float sum = sums[0];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) sum += sums[c];
       row_sum[r] = row_sum[r] * alpha[r] + sum;
     }
   }
 
-  // O's accumulator (same layout, kN / 2 columns) times alpha per row.
+  // O's accumulator (same layout, kN / 2 columns) times alpha per row. (Skipping it where no row max of
+  // the warp moved, a warp-uniform vote, measured 3-5% slower: docs/perf.md, "fourth round".)
   template <int kN>
   __device__ __forceinline__ static void rescale(float (&o)[kN], const float (&alpha)[2]) {
 #pragma unroll
