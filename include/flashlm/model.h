@@ -95,6 +95,11 @@ struct ModelOptions {
   int64_t fsdp_world = 1;
   int64_t fsdp_prefetch = 1;
   int64_t fsdp_grad_accum = 1;
+  // CUDA: train_step captures the whole step (forward, backward, gradient norm, clipping, AdamW) as one CUDA
+  // graph on its first call after a warm-up step and replays it (no host work between the kernels); it
+  // runs eagerly, saying why (CudaModel::cuda_graph_status), where a step cannot be captured: fp16's loss
+  // scaling, data-parallel hooks, profiled ranges, or a capture that failed. false: always eager.
+  bool cuda_graph = true;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
@@ -190,6 +195,14 @@ struct ParameterStorage {
   float* grad = nullptr;
 };
 
+// What one train_step did: the batch's mean loss, the gradient norm before clipping, and whether the
+// parameters were updated (false: an fp16 overflow skipped the update and halved the loss scale).
+struct StepResult {
+  double loss = 0;
+  double grad_norm = 0;
+  bool updated = true;
+};
+
 // What the training loop and the benchmark need from a model, whatever device it runs on.
 class LanguageModel {
  public:
@@ -220,6 +233,11 @@ class LanguageModel {
   virtual double clip_gradients(double max_norm) = 0;  // returns the norm before clipping
   virtual void adamw_step(const AdamWConfig& c, double lr) = 0;
   virtual int64_t optimizer_steps() const = 0;
+  // One training step on one batch (host arrays as forward's): zero_grad, forward, backward and
+  // optimizer_step (below) at lr. CudaModel replays it as one CUDA graph where it can (ModelOptions::cuda_graph).
+  virtual StepResult train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& c, double lr);
+  // How train_step runs: "on", or "off: <why>" ("" on a device without graphs).
+  virtual std::string cuda_graph_status() const { return ""; }
   // Frees the AdamW moments and restarts the step count at 0 (the next own step starts from zero moments,
   // as a new optimizer would): for data parallelism whose sharded optimizer keeps the state instead (ZeRO-1,
   // FSDP), so that a rank does not hold both. No-op for a model that has taken no step.
@@ -274,6 +292,9 @@ class LanguageModel {
   void gradient_ready(std::string_view parameter_name) const;  // for backward(): calls the hook, if any
   // Whether someone else acts on the gradients as they become final (data parallelism reduces them).
   bool has_gradient_ready_hook() const { return bool(gradient_ready_hook_); }
+  bool has_parameter_hooks() const {
+    return parameters_needed_hook_ || parameters_done_hook_ || gradients_needed_hook_;
+  }
   // For forward(): calls the hook, if any, with the elements of every parameter whose name starts with
   // `name_prefix` (one run: a layer's parameters are contiguous in the layout).
   void parameters_needed(std::string_view name_prefix) const;
@@ -438,6 +459,8 @@ class CudaModel final : public LanguageModel {
   int64_t loss_scale_good_steps() const override;
   void restore_loss_scale(double scale, int64_t good_steps) override;
   int64_t optimizer_steps() const override;
+  StepResult train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& c, double lr) override;
+  std::string cuda_graph_status() const override;
   void release_optimizer_state() override;
   void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
   void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
@@ -449,6 +472,9 @@ class CudaModel final : public LanguageModel {
   std::unique_ptr<Impl> impl_;
   void forward_block(int64_t l, BlockPass pass);
   void check_own_storage(std::string_view caller) const;  // flashlm::Error under external_parameters
+  void queue_forward();  // forward's kernels, on the tokens and targets already on the device
+  // train_step captured into Impl's graph (false: capture failed, the reason is in the status).
+  bool capture_step();
 };
 
 }  // namespace flashlm
