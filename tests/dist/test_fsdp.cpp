@@ -485,12 +485,10 @@ TEST(FsdpSharded, TrainsLikeFullStorageBitForBit) {
     const char* recompute;
     int prefetch;
     int64_t accum;
-    bool at_four_ranks;  // four ranks oversubscribe CI's two cores (~30 s a case): two cases there
   };
-  const Case cases[] = {{"none", 0, 1, false},     {"none", 2, 1, true},       {"none", 1, 2, false},
-                        {"blocks:2", 1, 1, false}, {"selective", 2, 1, false}, {"blocks", 1, 2, true}};
+  const Case cases[] = {{"none", 0, 1},     {"none", 2, 1},      {"none", 1, 2},
+                        {"blocks:2", 1, 1}, {"selective", 2, 1}, {"blocks", 1, 2}};
   for (const Case& c : cases) {
-    if (comm().world_size() > 2 && !c.at_four_ranks) continue;
     const std::string what = std::string("recompute ") + c.recompute + ", prefetch " + std::to_string(c.prefetch) +
                              ", grad_accum " + std::to_string(c.accum);
     const int64_t micro = kGlobal / comm().world_size() / c.accum;
@@ -810,6 +808,43 @@ TEST(FsdpGpu, WorldOfOneTrainsLikeTheModelAlone) {
   }
   EXPECT_EQ(working_bits(sharded), working_bits(alone));
   EXPECT_EQ(host_parameters(sharded), host_parameters(alone));
+}
+
+// Sharded storage on CudaModel (fp32 and bf16, with and without accumulation) against full storage on the
+// same slices: at one rank nothing is sharded and the packed shard is the flat layout, so the bits are full
+// storage's; at more ranks the gathered parts sit at other addresses (the GEMMs may choose other
+// algorithms), so within 1e-6 (fp32) and 1e-5 (bf16) relative L2; and a rank allocates less.
+TEST(FsdpGpu, ShardedStorageTrainsLikeFullStorage) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  const ModelConfig mc = gpu_config();
+  const int64_t local = kGlobal / comm().world_size();
+  AdamWConfig no_clip;
+  no_clip.max_grad_norm = 0;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (int64_t accum : {int64_t{1}, int64_t{2}}) {
+      const std::string what = std::string(dtype_name(dt)) + ", grad_accum " + std::to_string(accum);
+      const int64_t micro = local / accum;
+      CudaModel full(mc, micro, kSeq, dt);
+      full.init_parameters(11);
+      CudaModel sharded(mc, micro, kSeq, dt, sharded_options("none", 1, accum));
+      DdpModel a(comm(), full, micro * kSeq, fsdp_options(1, accum), false);
+      DdpModel b(comm(), sharded, micro * kSeq, fsdp_options(1, accum), false);
+      ASSERT_TRUE(b.sharded_storage());
+      b.init_parameters(11);
+      train_side_by_side(a, b, mc, no_clip);
+      a.gather_master_parameters();
+      const std::vector<float> want = host_parameters(full);
+      std::vector<float> got(want.size());
+      b.save_parameters(comm(), got.data());
+      if (comm().world_size() == 1) {
+        EXPECT_EQ(got, want) << what;
+      } else {
+        EXPECT_LE(relative_l2(got, want), dt == DType::f32 ? 1e-6 : 1e-5) << what;
+        EXPECT_LT(b.memory().model_buffers, a.memory().model_buffers) << what;
+      }
+    }
+  }
 }
 #else
 TEST(FsdpGpu, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
