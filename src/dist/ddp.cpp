@@ -891,29 +891,27 @@ void DdpModel::load_parameters(const float* host) {
 
 void DdpModel::init_parameters(uint64_t seed) {
   if (!sharded_storage()) return model_.init_parameters(seed);
-  // Each rank computes every parameter's values (the single process's, parameter by parameter, so the whole
-  // model never exists on the host) and keeps its runs of them.
-  const std::vector<ParameterInfo>& layout = model_.layout();
-  const std::vector<DdpRange> kept = zero_->updated_ranges();
-  std::vector<float> packed(size_t(zero_->shard_elements())), values;
-  int64_t at = 0;
-  size_t next = 0;
-  for (const DdpRange& r : kept) {
-    for (int64_t done = 0; done < r.count;) {
-      const int64_t e = r.offset + done;
-      while (!(layout[next].offset <= e && e < layout[next].offset + layout[next].numel())) ++next;
-      const ParameterInfo& p = layout[next];
-      values.resize(size_t(p.numel()));
-      init_parameter_host(p, values.data(), seed);
-      const int64_t take = std::min(r.count - done, p.offset + p.numel() - e);
-      std::copy_n(values.begin() + (e - p.offset), take, packed.begin() + at + done);
-      done += take;
-    }
-    at += r.count;
-  }
+  // Each rank computes every parameter's values (the single process's), one parameter at a time through a
+  // host buffer, and copies the pieces it keeps into its packed shard: no rank holds more than one
+  // parameter's values on the host, nor another rank's parts anywhere.
   await_parameters();
   model_.synchronize();
-  copy_kept_masters(packed.data(), false);
+  const std::vector<ParameterInfo>& layout = model_.layout();
+  const std::vector<DdpRange> kept = zero_->updated_ranges();
+  std::vector<int64_t> kept_at(kept.size());
+  for (size_t k = 1; k < kept.size(); ++k) kept_at[k] = kept_at[k - 1] + kept[k - 1].count;
+  std::vector<float> values;
+  for (const ParameterInfo& p : layout) {
+    values.resize(size_t(p.numel()));
+    init_parameter_host(p, values.data(), seed);
+    for (size_t k = 0; k < kept.size(); ++k) {
+      const int64_t a = std::max(p.offset, kept[k].offset);
+      const int64_t b = std::min(p.offset + p.numel(), kept[k].offset + kept[k].count);
+      if (a >= b) continue;
+      copy_floats(fsdp_->shard_masters() + kept_at[k] + (a - kept[k].offset), model_.device(),
+                  values.data() + (a - p.offset), Device::cpu, b - a);
+    }
+  }
   fsdp_->release_all();
   masters_changed();
   model_.synchronize();
