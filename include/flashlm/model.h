@@ -3,7 +3,9 @@
 // [d_out, d_in] and applied as y = x Wᵀ, as torch.nn.Linear does.
 //
 // Parameters, gradients and activations each live in one allocation with named views, so the memory a
-// model needs is known when it is built and stays constant while it trains.
+// model needs is known when it is built and stays constant while it trains (under FSDP's sharded storage,
+// ModelOptions::external_parameters, the parameters and gradients live in FsdpParameters' shards and pool
+// instead, equally fixed in size).
 #pragma once
 #include <cstdint>
 #include <functional>
