@@ -15,6 +15,8 @@
 // past seq_k and above the causal diagonal are masked in S. Each warpgroup writes its normalised O rows
 // into a shared-memory stage and one of its threads stores them with TMA (which clips rows past seq_q);
 // at head dim 64, where the exponentials are the bottleneck, 1 in 8 of them runs on the FMA pipe.
+// The control flow above lives in pipeline_sm90.cuh, shared with the FP8 forward; this file supplies the
+// 16-bit kernel's tiles, loads, GEMMs and O store (Sm90FwdKernel).
 #include <algorithm>
 #include <cstdint>
 #include <optional>

@@ -112,7 +112,8 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
   using Ring = sm90::RingSlot<Kernel::kStages>;
   constexpr int kBlockM = Kernel::kBlockM, kBlockN = Kernel::kBlockN;
   auto& bar = kernel.barriers();
-  const int ctid = threadIdx.x % sm90::kWarpgroupThreads, warp = ctid / 32, lane = ctid % 32, g = lane / 4, t = lane % 4;
+  const int ctid = threadIdx.x % sm90::kWarpgroupThreads, warp = ctid / 32, lane = ctid % 32;
+  const int g = lane / 4, t = lane % 4;
 
   // Ping-pong: the two consumer warpgroups take turns to issue their GEMMs, so that one's softmax runs
   // while the other's GEMMs occupy the tensor cores. Warpgroup w waits for its turn on barrier
@@ -214,7 +215,8 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
         inv[r] = l != 0.f ? kernel.o_scale() / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
         const int row = row0 + 8 * r;
         if (t == 0 && row < p.seq_q) {
-          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
+          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] =
+              l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
         }
       }
       kernel.store_o(o, inv, p, ForwardTileRows{b, h, wg, wg_row0, row0, ctid, warp, g, t});
