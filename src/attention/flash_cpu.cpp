@@ -13,10 +13,12 @@
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
 //
-// Backward (deterministic, no atomics): Delta_i = rowsum(dO_i ∘ O_i) first; then one task per
-// (batch, key head, key tile) recomputes P = exp(S - lse) tile by tile and accumulates dK and dV for its
-// keys over every query head of its GQA group; then one task per (batch, query head, query tile) does the
-// same to accumulate dQ. Recomputing S twice costs two extra tile products but needs no dQ reduction.
+// Backward (deterministic, no atomics): Delta_i = rowsum(dO_i ∘ O_i) first; then one task per (batch, query
+// head) recomputes P = exp(S - lse) once per (key tile, query tile) pair and accumulates dK and dV for the
+// key tile and dQ for the query tile from it: five tile products per pair (an earlier schedule, a dK/dV
+// pass and a dQ pass that each recomputed S and dP, needed seven). The task's dQ (Nq × D) lives in its
+// thread's scratch; with GQA the per-query-head dK and dV are summed over the group afterwards (O(N) memory:
+// partials of Q's size).
 //
 // Every tile product goes through a register-blocked GEMM on packed tiles (fp32 accumulation for fp16, bf16 and fp32
 // inputs; fp64 stays fp64). Products whose outputs are per (query, key) pair (S = Q Kᵀ, dP = dO Vᵀ) run over
@@ -351,80 +353,98 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   const auto Vp = Packed::template pack<T>(v, p.batch, p.heads_k, Nk, D, kBlockK, Packed::transposed_only,
                                            "flash backward packed V");
 
-  // dK, dV: one task per (batch, key head, key tile).
+  // dQ, dK and dV in one pass: one task per (batch, query head) walks its key tiles and, for each, the query
+  // tiles that see them. P and dS are computed once per tile pair and feed all three gradients (five tile
+  // products: S, dP, Pᵀ dO, dSᵀ Q, dS K). The task holds its head's whole dQ (Nq × D, a thread's scratch) and
+  // finishes a key tile's dK and dV before the next. With GQA each query head's dK and dV go to a per-head
+  // partial, summed over the group in head order afterwards: deterministic, no atomics.
+  const bool grouped = p.group() > 1;
+  Buffer partial_buffer;
+  A* partial = nullptr;  // [batch, heads_q, 2 (dK, dV), Nk, D] when grouped
+  if (grouped) {
+    partial_buffer = Buffer::allocate(
+        size_t(checked_product({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))}, "flash backward dK/dV partials")),
+        Device::cpu, "flash backward dK/dV partials");
+    partial = static_cast<A*>(partial_buffer.data());
+  }
 #pragma omp parallel
   {
-    Scratch<A> w(kBlockK * D * 2 + kBlockQ * kBlockK * 2 + kBlockQ, "flash backward dK/dV tiles");
+    Scratch<A> w(q_tiles * kBlockQ * (D + 1) + kBlockK * D * 2 + kBlockQ * kBlockK * 2, "flash backward tiles");
+    A* dQ = w.take(q_tiles * kBlockQ * D).data();
+    A* lse_rows = w.take(q_tiles * kBlockQ).data();
     A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
-    A* lse_rows = w.take(kBlockQ).data();
 #pragma omp for schedule(dynamic)
-    for (int64_t t = 0; t < p.batch * p.heads_k * k_tiles; ++t) {
-      const int64_t kt = t % k_tiles, j0 = kt * kBlockK, bhk = t / k_tiles;
-      const int64_t b = bhk / p.heads_k, hk = bhk % p.heads_k;
-      const int64_t cols = std::min(kBlockK, Nk - j0);
-      const A *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
-      std::fill(dK, dK + cols * D, A(0));
-      std::fill(dV, dV + cols * D, A(0));
-      const int64_t first_q = p.first_query_seeing(j0) / kBlockQ * kBlockQ;
-      for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
-        const int64_t bh = b * p.heads_q + h;
-        for (int64_t i0 = first_q; i0 < Nq; i0 += kBlockQ) {
+    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) {
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group(), bhk = b * p.heads_k + hk;
+      const A* delta = delta_of(b, h);
+      for (int64_t i = 0; i < Nq; ++i) lse_rows[i] = load_lse<A>(lse, b, h, i);
+      std::fill(dQ, dQ + Nq * D, A(0));
+      for (int64_t kt = 0; kt < k_tiles; ++kt) {
+        const int64_t j0 = kt * kBlockK, cols = std::min(kBlockK, Nk - j0);
+        const A *K = Kp.rows(bhk, kt), *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
+        const bool k_finite = Kp.finite(bhk, kt);
+        std::fill(dK, dK + cols * D, A(0));
+        std::fill(dV, dV + cols * D, A(0));
+        for (int64_t i0 = p.first_query_seeing(j0) / kBlockQ * kBlockQ; i0 < Nq; i0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, Nq - i0), qt = i0 / kBlockQ;
-          const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt);
-          for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
-          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
+          const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt), *lse_tile = lse_rows + i0;
+          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_tile, delta + i0, i0, rows, j0, cols, S, dS);
           if (Qp.finite(bh, qt) && dOp.finite(bh, qt)) {
             tile_gemm<true>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
             tile_gemm<true>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
           } else {
             for (int64_t r = 0; r < rows; ++r) {
-              for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
+              for (int64_t c = 0, n = contributing_cols(p, lse_tile[r], i0 + r, j0, cols); c < n; ++c) {
                 axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
                 axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
               }
             }
           }
-        }
-      }
-      for (int64_t c = 0; c < cols; ++c) {
-        store_row(dK + c * D, attention_row<T>(dk, b, j0 + c, hk), D);
-        store_row(dV + c * D, attention_row<T>(dv, b, j0 + c, hk), D);
-      }
-    }
-  }
-
-  // dQ: one task per (batch, query head, query tile).
-#pragma omp parallel
-  {
-    Scratch<A> w(kBlockQ * D + kBlockQ * kBlockK * 2 + kBlockQ, "flash backward dQ tiles");
-    A* dQ = w.take(kBlockQ * D).data();
-    A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
-    A* lse_rows = w.take(kBlockQ).data();
-#pragma omp for schedule(dynamic)
-    for (int64_t t = 0; t < p.batch * p.heads_q * q_tiles; ++t) {
-      const int64_t qt = t % q_tiles, i0 = qt * kBlockQ, bh = t / q_tiles;
-      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, bhk = b * p.heads_k + h / p.group();
-      const int64_t rows = std::min(kBlockQ, Nq - i0);
-      const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt);
-      for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
-      std::fill(dQ, dQ + rows * D, A(0));
-      const int64_t key_end = p.visible_keys(i0 + rows - 1);
-      for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
-        const int64_t cols = std::min(kBlockK, key_end - j0), kt = j0 / kBlockK;
-        const A *K = Kp.rows(bhk, kt), *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
-        tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
-        if (Kp.finite(bhk, kt)) {
-          tile_gemm(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ, D);  // dQ += scale dS K
-        } else {
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
-              axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + r * D, D);
+          if (k_finite) {
+            tile_gemm(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ + i0 * D, D);  // dQ += scale dS K
+          } else {
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t c = 0, n = contributing_cols(p, lse_tile[r], i0 + r, j0, cols); c < n; ++c) {
+                axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + (i0 + r) * D, D);
+              }
             }
           }
         }
+        if (grouped) {
+          A* dst = partial + (bh * 2 * Nk + j0) * D;
+          std::copy(dK, dK + cols * D, dst);
+          std::copy(dV, dV + cols * D, dst + Nk * D);
+        } else {
+          for (int64_t c = 0; c < cols; ++c) {
+            store_row(dK + c * D, attention_row<T>(dk, b, j0 + c, hk), D);
+            store_row(dV + c * D, attention_row<T>(dv, b, j0 + c, hk), D);
+          }
+        }
       }
-      for (int64_t r = 0; r < rows; ++r) store_row(dQ + r * D, attention_row<T>(dq, b, i0 + r, h), D);
+      for (int64_t i = 0; i < Nq; ++i) store_row(dQ + i * D, attention_row<T>(dq, b, i, h), D);
+    }
+  }
+
+  // GQA: dK and dV of a key head are the sums of its query heads' partials, in head order.
+  if (grouped) {
+#pragma omp parallel
+    {
+      Scratch<A> w(2 * D, "flash backward dK/dV rows");
+      A *dk_row = w.take(D).data(), *dv_row = w.take(D).data();
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < p.batch * p.heads_k * Nk; ++row) {
+        const int64_t j = row % Nk, bhk = row / Nk, b = bhk / p.heads_k, hk = bhk % p.heads_k;
+        std::fill(dk_row, dk_row + D, A(0));
+        std::fill(dv_row, dv_row + D, A(0));
+        for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+          const A* src = partial + ((b * p.heads_q + h) * 2 * Nk + j) * D;
+          axpy(A(1), src, dk_row, D);
+          axpy(A(1), src + Nk * D, dv_row, D);
+        }
+        store_row(dk_row, attention_row<T>(dk, b, j, hk), D);
+        store_row(dv_row, attention_row<T>(dv, b, j, hk), D);
+      }
     }
   }
 }
