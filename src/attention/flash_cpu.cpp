@@ -56,6 +56,8 @@ constexpr int64_t kForwardBlockK = 128;
 // project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
 // The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
 // AVX-512 gives 32 registers, 8 of 8 where AVX2 gives 16 (enough independent FMA chains to hide latency).
+// Taller or wider blocks (12 × 32, 14 × 32, 4 × 64, 6 × 64 on AVX-512) measured no faster at 1×8×4096×64
+// (docs/perf.md): at 8 × 32 the forward's tile products run at ~80% of the core's FMA peak.
 #if defined(__AVX512F__)
 constexpr int64_t kGemmRows = 8;
 constexpr int64_t kGemmCols = 32;
@@ -64,30 +66,64 @@ constexpr int64_t kGemmRows = 4;
 constexpr int64_t kGemmCols = 16;
 #endif
 
+// One kRows × kGemmCols block of C: the accumulators are locals of this function, so that they live in registers
+// from the first product on (an array zeroed beside the ragged path's was cleared in memory by `rep stos`).
+template <int64_t kRows, bool TransA, class A>
+inline void gemm_block(int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta, A* c,
+                       int64_t ldc) {
+  A acc[kRows][kGemmCols];
+  for (int64_t r = 0; r < kRows; ++r) {
+#pragma omp simd
+    for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] = A(0);
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    const A* brow = b + p * ldb;
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < kRows; ++r) {
+      const A ar = TransA ? a[p * lda + r] : a[r * lda + p];
+#pragma omp simd
+      for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    A* crow = c + r * ldc;
+    if (beta == A(0)) {
+#pragma omp simd
+      for (int64_t j = 0; j < kGemmCols; ++j) crow[j] = alpha * acc[r][j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < kGemmCols; ++j) crow[j] = alpha * acc[r][j] + beta * crow[j];
+    }
+  }
+}
+
 template <bool TransA = false, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {
   auto a_at = [&](int64_t r, int64_t p) { return TransA ? a[p * lda + r] : a[r * lda + p]; };
-  for (int64_t i0 = 0; i0 < m; i0 += kGemmRows) {
-    const int64_t rows = std::min(kGemmRows, m - i0);
+  for (int64_t i0 = 0; i0 < m;) {
+    // Full blocks of kGemmRows, then the remaining rows by 8- and 4-row kernels; fewer by the ragged loop.
+    const int64_t left = m - i0;
+    const int64_t rows = left >= kGemmRows ? kGemmRows : left >= 8 ? 8 : left >= 4 ? 4 : left;
+    const A* a_block = TransA ? a + i0 : a + i0 * lda;
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       const int64_t cols = std::min(kGemmCols, n - j0);
-      A acc[kGemmRows][kGemmCols] = {};
-      if (rows == kGemmRows && cols == kGemmCols) {
-        for (int64_t p = 0; p < k; ++p) {
-          const A* brow = b + p * ldb + j0;
-#pragma GCC unroll 8
-          for (int64_t r = 0; r < kGemmRows; ++r) {
-            const A ar = a_at(i0 + r, p);
-#pragma omp simd
-            for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
-          }
-        }
-      } else {  // a ragged edge block
-        for (int64_t p = 0; p < k; ++p) {
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t j = 0; j < cols; ++j) acc[r][j] += a_at(i0 + r, p) * b[p * ldb + j0 + j];
-          }
+      if (cols == kGemmCols && rows == kGemmRows) {
+        gemm_block<kGemmRows, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
+        continue;
+      }
+      if (cols == kGemmCols && rows == 8) {
+        gemm_block<8, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
+        continue;
+      }
+      if (cols == kGemmCols && rows == 4) {
+        gemm_block<4, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
+        continue;
+      }
+      A acc[kGemmRows][kGemmCols] = {};  // a ragged edge block
+      for (int64_t p = 0; p < k; ++p) {
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < cols; ++j) acc[r][j] += a_at(i0 + r, p) * b[p * ldb + j0 + j];
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -95,6 +131,7 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
         for (int64_t j = 0; j < cols; ++j) crow[j] = beta == A(0) ? alpha * acc[r][j] : alpha * acc[r][j] + beta * crow[j];
       }
     }
+    i0 += rows;
   }
 }
 
@@ -242,7 +279,7 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
         std::fill(s, s + cols, A(0));
         continue;
       }
-      const A alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
+      const A alpha = exp_accum(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
       A* a = acc + r * D;
       if (alpha != A(1)) {
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;

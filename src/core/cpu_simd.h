@@ -14,19 +14,24 @@ namespace flashlm {
 #pragma omp declare simd notinbranch
 inline float exp_fp32(float v) {
   constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-6f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  // Adding 1.5 * 2^23 rounds t to an integer k and leaves k in the low mantissa bits of the sum (for |k| < 2^22):
+  // 2^k is built from those bits, with no float-to-int conversion (undefined for NaN, and two more vector
+  // operations per element to guard it). A NaN v stays NaN through every step.
+  constexpr float kRound = 12582912.0f;
+  constexpr int32_t kRoundBits = 0x4B400000;  // std::bit_cast<int32_t>(kRound)
   float t = v * kLog2e;
-  t = t != t ? 0.0f : (t < -126.0f ? -126.0f : (t > 127.0f ? 127.0f : t));  // keeps the int conversion defined
-  const float k = (t + kRound) - kRound;
-  const float r = (v - k * kLn2Hi) - k * kLn2Lo;  // |r| <= ln2/2
+  t = t < -126.0f ? -126.0f : (t > 127.0f ? 127.0f : t);  // a normal 2^k; max/min that keep a NaN t
+  const float kr = t + kRound;
+  const float k = kr - kRound;
+  const float r = (v - k * kLn2Hi) - k * kLn2Lo;  // |r| <= ln2/2 inside the clamp
   // Taylor terms to r^7 (below fp32's rounding on |r| <= ln2/2), evaluated in pairs (Estrin's scheme): the
   // dependency chain is four operations deep instead of Horner's eight, which bound the softmax's throughput.
   const float r2 = r * r;
   const float c01 = 1.0f + r, c23 = 0.5f + r * (1.0f / 6), c45 = 1.0f / 24 + r * (1.0f / 120);
   const float c67 = 1.0f / 720 + r * (1.0f / 5040);
   const float q = c01 + r2 * (c23 + r2 * (c45 + r2 * c67));
-  const float y = q * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
-  return v != v ? v : (v < -87.3f ? 0.0f : (v > 88.7f ? std::numeric_limits<float>::infinity() : y));
+  const float y = q * std::bit_cast<float>((std::bit_cast<int32_t>(kr) - kRoundBits + 127) << 23);
+  return v < -87.3f ? 0.0f : (v > 88.7f ? std::numeric_limits<float>::infinity() : y);
 }
 
 // Reductions over a row keep kLanes partial results, one per vector lane, and fold them as a tree at the end:

@@ -5,9 +5,11 @@
 
 #include <cmath>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "core/cpu_simd.h"
 #include "flashlm/attention.h"
 #include "flashlm/device.h"
 
@@ -170,6 +172,34 @@ TEST(FlashCpu, FullyMaskedRowsGiveZeroOutputNegInfLseAndZeroGradients) {
     EXPECT_TRUE(all_finite_or_neg_inf(p.dk.view));
     EXPECT_TRUE(all_finite_or_neg_inf(p.dv.view));
   }
+}
+
+// The softmax's fp32 exp against libm's fp64 exp: a few ulp over its whole range (random arguments, the
+// clamp and rounding boundaries), and the special values SPEC §2's masking relies on.
+TEST(CpuSimd, ExpFp32MatchesLibmWithinAFewUlp) {
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> wide(-87.0f, 88.0f), softmax(-30.0f, 0.0f);
+  std::vector<float> args;
+  for (int i = 0; i < 20000; ++i) args.push_back(i % 2 ? wide(rng) : softmax(rng));
+  for (float a : {0.0f, -0.0f, 1e-8f, -1e-8f, 0.3465f, -0.3466f, 1.0f, -1.0f, -87.29f, 88.69f, -87.0f, 88.0f}) {
+    args.push_back(a);
+  }
+  std::vector<float> got(args.size());
+#pragma omp simd
+  for (size_t i = 0; i < args.size(); ++i) got[i] = exp_fp32(args[i]);  // the vector variant, as the kernels call it
+  for (size_t i = 0; i < args.size(); ++i) {
+    const double want = std::exp(double(args[i]));
+    // Above 88.38 the exponent is clamped to 127 and the polynomial runs past ln2/2: a little less accurate.
+    const double tolerance = (args[i] < 88.3f ? 4e-7 : 1e-6) * want;
+    EXPECT_LE(std::abs(got[i] - want), tolerance) << "exp_fp32(" << args[i] << ") = " << got[i] << ", libm " << want;
+    EXPECT_EQ(got[i], exp_fp32(args[i])) << "the scalar and vector variants differ at " << args[i];
+  }
+  EXPECT_EQ(exp_fp32(0.0f), 1.0f);
+  EXPECT_EQ(exp_fp32(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_EQ(exp_fp32(-100.0f), 0.0f);
+  EXPECT_EQ(exp_fp32(100.0f), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(exp_fp32(std::numeric_limits<float>::infinity()), std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(exp_fp32(std::numeric_limits<float>::quiet_NaN())));
 }
 
 TEST(FlashCpu, BackwardIsBitwiseDeterministic) {
