@@ -8,6 +8,7 @@
 #include "flashlm/dtype.h"
 
 namespace flashlm {
+inline namespace FLASHLM_CPU_KERNELS_NS {  // one copy per instruction set (attention/flash_cpu.cpp)
 
 template <class A, class T>
 inline void load_row(const T* src, A* dst, int64_t n) {
@@ -87,4 +88,5 @@ inline bool all_finite(const A* x, int64_t n) {
   return zero == A(0);
 }
 
+}  // namespace FLASHLM_CPU_KERNELS_NS
 }  // namespace flashlm

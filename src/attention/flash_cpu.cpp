@@ -26,17 +26,25 @@
 // Pᵀ dO, dSᵀ Q) multiply masked entries' zero weights by real inputs: that is exact while the summed tile is
 // finite, and where it is not (a NaN or inf in a row some query must not see) the tile pair falls back to
 // sums over the visible pairs only, so non-finite inputs reach exactly the rows that see them (SPEC §2).
+//
+// This file is compiled once per instruction set (src/CMakeLists.txt: baseline x86-64, x86-64-v3 = AVX2 + FMA,
+// x86-64-v4 = AVX-512; or the build machine's -march=native beside baseline), each copy in its own namespace
+// FLASHLM_CPU_KERNELS_NS; attention/cpu_isa.cpp picks one at run time by what the CPU supports. Everything
+// a copy calls must be its own: the helpers of cpu_rows.h and cpu_simd.h sit in an inline namespace of the
+// same name, and errors are raised through non-inline functions (checked_size), so that the linker, which
+// keeps one copy of each inline function of a given name, never hands an AVX-512 copy to the baseline path.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <span>
 #include <vector>
 
-#include "attention/backends.h"
 #include "attention/cpu_rows.h"
+#include "attention/problem.h"
 #include "core/check.h"
+#include "flashlm/memory.h"
 
-namespace flashlm {
+namespace flashlm::FLASHLM_CPU_KERNELS_NS {
 
 namespace {
 
@@ -171,7 +179,7 @@ class PackedHeads {
     out.tile_ = tile;
     out.tiles_ = (seq + tile - 1) / tile;
     const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
-    const auto bytes = size_t(checked_product({tiles_all, tile, D, int64_t(sizeof(A))}, tag));
+    const auto bytes = checked_size({tiles_all, tile, D, int64_t(sizeof(A))}, tag);
     if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
     if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
     out.finite_.assign(size_t(tiles_all), 0);
@@ -399,9 +407,9 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   Buffer partial_buffer;
   A* partial = nullptr;  // [batch, heads_q, 2 (dK, dV), Nk, D] when grouped
   if (grouped) {
-    partial_buffer = Buffer::allocate(
-        size_t(checked_product({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))}, "flash backward dK/dV partials")),
-        Device::cpu, "flash backward dK/dV partials");
+    partial_buffer = Buffer::allocate(checked_size({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))},
+                                                    "flash backward dK/dV partials"),
+                                      Device::cpu, "flash backward dK/dV partials");
     partial = static_cast<A*>(partial_buffer.data());
   }
 #pragma omp parallel
@@ -492,22 +500,21 @@ using Accum = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 }  // namespace
 
-void flash_attention_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                 const TensorView& v, const TensorView& o, const TensorView& lse) {
+void flash_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                   const TensorView& o, const TensorView& lse) {
   dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     forward<T, Accum<T>>(p, q, k, v, o, lse);
   });
 }
 
-void flash_attention_backward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                  const TensorView& v, const TensorView& o, const TensorView& lse,
-                                  const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                  const TensorView& dv) {
+void flash_backward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                    const TensorView& dk, const TensorView& dv) {
   dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     backward<T, Accum<T>>(p, q, k, v, o, lse, dout, dq, dk, dv);
   });
 }
 
-}  // namespace flashlm
+}  // namespace flashlm::FLASHLM_CPU_KERNELS_NS

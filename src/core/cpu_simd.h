@@ -5,7 +5,14 @@
 #include <cstdint>
 #include <limits>
 
+// The namespace of the CPU kernels' inline helpers: each per-ISA copy of the kernels defines its own (src/CMakeLists.txt);
+// other code gets the build's.
+#ifndef FLASHLM_CPU_KERNELS_NS
+#define FLASHLM_CPU_KERNELS_NS cpu_build
+#endif
+
 namespace flashlm {
+inline namespace FLASHLM_CPU_KERNELS_NS {  // one copy per instruction set (attention/flash_cpu.cpp)
 
 // exp(v) in fp32 by a polynomial that the compiler vectorises inside `#pragma omp simd` loops (std::exp is a
 // scalar libm call: it was most of the CPU attention's time, and half of the tiny LM's CPU step in the
@@ -69,4 +76,5 @@ inline A row_max(const A* x, int64_t n) {
   return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
 }
 
+}  // namespace FLASHLM_CPU_KERNELS_NS
 }  // namespace flashlm

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "attention/cpu_isa.h"
 #include "core/cpu_simd.h"
 #include "flashlm/attention.h"
 #include "flashlm/device.h"
@@ -20,8 +21,25 @@ namespace {
 
 class FlashCpuVsReference : public ::testing::TestWithParam<Case> {};
 
+void check_against_oracle(const Case& c);
+
+// Every instruction-set variant of the kernels this CPU runs (attention/cpu_isa.h), forced in turn.
 TEST_P(FlashCpuVsReference, ForwardAndBackwardMatchFp64Oracle) {
-  const Case c = GetParam();
+  const std::string chosen = cpu_kernel_isa();
+  for (const std::string& isa : runnable_cpu_kernel_isas()) {
+    SCOPED_TRACE("CPU kernels: " + isa);
+    use_cpu_kernel_isa(isa);
+    check_against_oracle(GetParam());
+  }
+  use_cpu_kernel_isa(chosen);
+}
+
+TEST(FlashCpu, UnknownKernelIsaIsAnErrorNamingTheRunnableOnes) {
+  expect_error([] { use_cpu_kernel_isa("sse9"); }, {"'sse9'", "baseline"});
+  EXPECT_FALSE(cpu_kernel_isa().empty());
+}
+
+void check_against_oracle(const Case& c) {
   const AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
   const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
 
