@@ -42,10 +42,11 @@ inline void axpy(A alpha, const A* x, A* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// exp in the accumulation type: exp_fp32 for fp32 (vectorisable, a few ulp), std::exp for fp64, the exact
-// path the gradient checks rely on.
-inline float exp_accum(float v) { return exp_fp32(v); }
-inline double exp_accum(double v) { return std::exp(v); }
+// exp(v) for v <= 0 (or NaN) in the accumulation type: the forward's exp(score - running max) and the rescale
+// exp(old max - new max). exp_fp32_nonpositive for fp32 (vectorisable, a few ulp), std::exp for fp64, the
+// exact path the gradient checks rely on.
+inline float exp_nonpositive(float v) { return exp_fp32_nonpositive(v); }
+inline double exp_nonpositive(double v) { return std::exp(v); }
 
 // x[i] = exp(x[i] - shift) over an array, for the softmax tiles.
 inline void exp_shifted(float* x, int64_t n, float shift) {
@@ -57,8 +58,9 @@ inline void exp_shifted(double* x, int64_t n, double shift) {
   for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - shift);
 }
 
-// exp_shifted, returning the sum of the results (the forward's softmax denominator for the tile row): one pass,
-// each result added to its lane's partial sum while it is still in a register.
+// exp_shifted, returning the sum of the results (the forward's softmax denominator for the tile row), for a shift
+// at least every x[i] (the row's running maximum): one pass, each result added to its lane's partial sum
+// while it is still in a register.
 template <class A>
 inline A exp_shifted_sum(A* x, int64_t n, A shift) {
   A lanes[kLanes] = {};
@@ -66,13 +68,13 @@ inline A exp_shifted_sum(A* x, int64_t n, A shift) {
   for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd
     for (int64_t j = 0; j < kLanes; ++j) {
-      const A e = exp_accum(x[i + j] - shift);
+      const A e = exp_nonpositive(x[i + j] - shift);
       x[i + j] = e;
       lanes[j] += e;
     }
   }
   for (; i < n; ++i) {
-    x[i] = exp_accum(x[i] - shift);
+    x[i] = exp_nonpositive(x[i] - shift);
     lanes[0] += x[i];
   }
   return fold_lanes<A>(lanes, [](A a, A b) { return a + b; });

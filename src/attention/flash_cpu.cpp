@@ -282,12 +282,17 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kForwardBlockK;
       const int64_t visible = visible_cols(p, i0 + r, j0, cols);
-      const A m_new = max_propagating_nan(m[r], row_max(s, visible));  // NaN stays NaN
-      if (m_new == kNegInf<A>) {  // nothing visible in this row yet: acc, m and l stay
-        std::fill(s, s + cols, A(0));
-        continue;
+      // A NaN score is skipped here and reaches the output through exp(NaN - m_new) in the row sum l and in P
+      // (O and lse become NaN, as with any NaN the row sees); a NaN m from an earlier tile stays NaN.
+      A m_new = max_propagating_nan(m[r], row_max_skipping_nan(s, visible));
+      if (m_new == kNegInf<A>) {
+        if (std::none_of(s, s + visible, [](A x) { return x != x; })) {  // nothing visible yet: acc, m and l stay
+          std::fill(s, s + cols, A(0));
+          continue;
+        }
+        m_new = std::numeric_limits<A>::quiet_NaN();  // only NaNs and -inf: the row's output is NaN
       }
-      const A alpha = exp_accum(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
+      const A alpha = exp_nonpositive(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
       A* a = acc + r * D;
       if (alpha != A(1)) {
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;

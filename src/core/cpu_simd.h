@@ -14,31 +14,55 @@
 namespace flashlm {
 inline namespace FLASHLM_CPU_KERNELS_NS {  // one copy per instruction set (attention/flash_cpu.cpp)
 
-// exp(v) in fp32 by a polynomial that the compiler vectorises inside `#pragma omp simd` loops (std::exp is a
-// scalar libm call: it was most of the CPU attention's time, and half of the tiny LM's CPU step in the
-// cross-entropy). Relative error ~2e-7 (a few ulp); exp(-inf) = 0, NaN stays NaN, underflow below
-// e^-87.3 gives 0 (std::exp would give a denormal), overflow inf.
+// The pieces of the fp32 exponentials below: exp(v) = 2^k · e^r with k = round(v · log2 e), r = v - k ln2.
+namespace exp_fp32_detail {
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-6f;
+// Adding 1.5 * 2^23 rounds t to an integer k and leaves k in the low mantissa bits of the sum (for |k| < 2^22):
+// 2^k is built from those bits, with no float-to-int conversion (undefined for NaN, and two more vector
+// operations per element to guard it). A NaN stays NaN through every step.
+constexpr float kRound = 12582912.0f;
+constexpr int32_t kRoundBits = 0x4B400000;  // std::bit_cast<int32_t>(kRound)
+
+// e^r · 2^k for kr = k + kRound, k in [-126, 127].
 #pragma omp declare simd notinbranch
-inline float exp_fp32(float v) {
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-6f;
-  // Adding 1.5 * 2^23 rounds t to an integer k and leaves k in the low mantissa bits of the sum (for |k| < 2^22):
-  // 2^k is built from those bits, with no float-to-int conversion (undefined for NaN, and two more vector
-  // operations per element to guard it). A NaN v stays NaN through every step.
-  constexpr float kRound = 12582912.0f;
-  constexpr int32_t kRoundBits = 0x4B400000;  // std::bit_cast<int32_t>(kRound)
-  float t = v * kLog2e;
-  t = t < -126.0f ? -126.0f : (t > 127.0f ? 127.0f : t);  // a normal 2^k; max/min that keep a NaN t
-  const float kr = t + kRound;
-  const float k = kr - kRound;
-  const float r = (v - k * kLn2Hi) - k * kLn2Lo;  // |r| <= ln2/2 inside the clamp
+inline float scaled_exp(float r, float kr) {
   // Taylor terms to r^7 (below fp32's rounding on |r| <= ln2/2), evaluated in pairs (Estrin's scheme): the
   // dependency chain is four operations deep instead of Horner's eight, which bound the softmax's throughput.
   const float r2 = r * r;
   const float c01 = 1.0f + r, c23 = 0.5f + r * (1.0f / 6), c45 = 1.0f / 24 + r * (1.0f / 120);
   const float c67 = 1.0f / 720 + r * (1.0f / 5040);
   const float q = c01 + r2 * (c23 + r2 * (c45 + r2 * c67));
-  const float y = q * std::bit_cast<float>((std::bit_cast<int32_t>(kr) - kRoundBits + 127) << 23);
+  return q * std::bit_cast<float>((std::bit_cast<int32_t>(kr) - kRoundBits + 127) << 23);
+}
+}  // namespace exp_fp32_detail
+
+// exp(v) in fp32 by a polynomial that the compiler vectorises inside `#pragma omp simd` loops (std::exp is a
+// scalar libm call: it was most of the CPU attention's time, and half of the tiny LM's CPU step in the
+// cross-entropy). Relative error ~2e-7 (a few ulp; 1e-6 within 0.4 of the overflow threshold); exp(-inf) = 0,
+// NaN stays NaN, underflow below e^-87.3 gives 0 (std::exp would give a denormal), overflow inf.
+#pragma omp declare simd notinbranch
+inline float exp_fp32(float v) {
+  using namespace exp_fp32_detail;
+  float t = v * kLog2e;
+  t = t < -126.0f ? -126.0f : (t > 127.0f ? 127.0f : t);  // a normal 2^k; max/min that keep a NaN t
+  const float kr = t + kRound;
+  const float k = kr - kRound;
+  const float y = scaled_exp((v - k * kLn2Hi) - k * kLn2Lo, kr);  // |r| <= ln2/2 inside the clamp
   return v < -87.3f ? 0.0f : (v > 88.7f ? std::numeric_limits<float>::infinity() : y);
+}
+
+// exp_fp32 for v <= 0 (and NaN, which stays NaN): the softmax's exp(s - max). Without the overflow guard it is
+// half the vector operations of exp_fp32 (whose clamps the compiler turns into masks and blends on every step),
+// with the same accuracy. Wrong above v = 88.3 (the exponent overflows): never call it on anything but a score
+// minus a maximum that is at least that score.
+#pragma omp declare simd notinbranch
+inline float exp_fp32_nonpositive(float v) {
+  using namespace exp_fp32_detail;
+  const float x = v < -87.3f ? -87.3f : v;  // keeps 2^k normal; NaN stays
+  const float kr = x * kLog2e + kRound;
+  const float k = kr - kRound;
+  const float y = scaled_exp((x - k * kLn2Hi) - k * kLn2Lo, kr);
+  return v < -87.3f ? 0.0f : y;
 }
 
 // Reductions over a row keep kLanes partial results, one per vector lane, and fold them as a tree at the end:
@@ -73,6 +97,21 @@ inline A row_max(const A* x, int64_t n) {
     nan_lanes[0] |= x[i] != x[i];
   }
   if (fold_lanes<int>(nan_lanes, [](int a, int b) { return a | b; })) return std::numeric_limits<A>::quiet_NaN();
+  return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
+}
+
+// The largest of the numbers among x[0..n): NaNs are skipped (-inf if there is no other element), for callers
+// whose NaNs reach the result another way (the forward's softmax: through its row sum). Half the work of row_max.
+template <class A>
+inline A row_max_skipping_nan(const A* x, int64_t n) {
+  A lanes[kLanes];
+  for (A& l : lanes) l = -std::numeric_limits<A>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
+  }
+  for (; i < n; ++i) lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
   return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
 }
 

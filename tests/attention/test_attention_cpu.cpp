@@ -202,16 +202,28 @@ TEST(CpuSimd, ExpFp32MatchesLibmWithinAFewUlp) {
   for (float a : {0.0f, -0.0f, 1e-8f, -1e-8f, 0.3465f, -0.3466f, 1.0f, -1.0f, -87.29f, 88.69f, -87.0f, 88.0f}) {
     args.push_back(a);
   }
-  std::vector<float> got(args.size());
+  std::vector<float> got(args.size()), got_nonpositive(args.size());
 #pragma omp simd
-  for (size_t i = 0; i < args.size(); ++i) got[i] = exp_fp32(args[i]);  // the vector variant, as the kernels call it
+  for (size_t i = 0; i < args.size(); ++i) {  // the vector variants, as the kernels call them
+    got[i] = exp_fp32(args[i]);
+    got_nonpositive[i] = exp_fp32_nonpositive(args[i] < 0 ? args[i] : -args[i]);
+  }
   for (size_t i = 0; i < args.size(); ++i) {
     const double want = std::exp(double(args[i]));
     // Above 88.38 the exponent is clamped to 127 and the polynomial runs past ln2/2: a little less accurate.
     const double tolerance = (args[i] < 88.3f ? 4e-7 : 1e-6) * want;
     EXPECT_LE(std::abs(got[i] - want), tolerance) << "exp_fp32(" << args[i] << ") = " << got[i] << ", libm " << want;
     EXPECT_EQ(got[i], exp_fp32(args[i])) << "the scalar and vector variants differ at " << args[i];
+    const float neg = args[i] < 0 ? args[i] : -args[i];  // the softmax's variant, on its domain
+    const double want_neg = std::exp(double(neg)), tolerance_neg = 4e-7 * want_neg + 2e-38;  // 0 below e^-87.3
+    EXPECT_LE(std::abs(got_nonpositive[i] - want_neg), tolerance_neg)
+        << "exp_fp32_nonpositive(" << neg << ") = " << got_nonpositive[i] << ", libm " << want_neg;
+    EXPECT_EQ(got_nonpositive[i], exp_fp32_nonpositive(neg)) << "the scalar and vector variants differ at " << neg;
   }
+  EXPECT_EQ(exp_fp32_nonpositive(0.0f), 1.0f);
+  EXPECT_EQ(exp_fp32_nonpositive(-std::numeric_limits<float>::infinity()), 0.0f);
+  EXPECT_EQ(exp_fp32_nonpositive(-100.0f), 0.0f);
+  EXPECT_TRUE(std::isnan(exp_fp32_nonpositive(std::numeric_limits<float>::quiet_NaN())));
   EXPECT_EQ(exp_fp32(0.0f), 1.0f);
   EXPECT_EQ(exp_fp32(-std::numeric_limits<float>::infinity()), 0.0f);
   EXPECT_EQ(exp_fp32(-100.0f), 0.0f);
