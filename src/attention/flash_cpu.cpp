@@ -63,15 +63,19 @@ constexpr int64_t kForwardBlockK = 128;
 // (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this
 // project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
 // The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
-// AVX-512 gives 32 registers, 8 of 8 where AVX2 gives 16 (enough independent FMA chains to hide latency).
+// AVX-512 gives 32 registers, 12 of 8 (AVX2) or of 4 (SSE2) where there are 16 (enough independent FMA chains
+// to hide latency; 4 × 16 on AVX2, 8 accumulators, ran the forward 1.2x slower).
 // Taller or wider blocks (12 × 32, 14 × 32, 4 × 64, 6 × 64 on AVX-512) measured no faster at 1×8×4096×64
 // (docs/perf.md): at 8 × 32 the forward's tile products run at ~80% of the core's FMA peak.
 #if defined(__AVX512F__)
 constexpr int64_t kGemmRows = 8;
 constexpr int64_t kGemmCols = 32;
-#else
-constexpr int64_t kGemmRows = 4;
+#elif defined(__AVX__)
+constexpr int64_t kGemmRows = 6;  // 12 of the 16 ymm registers
 constexpr int64_t kGemmCols = 16;
+#else
+constexpr int64_t kGemmRows = 6;  // 12 of the 16 xmm registers
+constexpr int64_t kGemmCols = 8;
 #endif
 
 // One kRows × kGemmCols block of C: the accumulators are locals of this function, so that they live in registers
@@ -110,9 +114,9 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
                A* c, int64_t ldc) {
   auto a_at = [&](int64_t r, int64_t p) { return TransA ? a[p * lda + r] : a[r * lda + p]; };
   for (int64_t i0 = 0; i0 < m;) {
-    // Full blocks of kGemmRows, then the remaining rows by 8- and 4-row kernels; fewer by the ragged loop.
+    // Full blocks of kGemmRows, then the remaining rows by 8-, 4-, 2- and 1-row kernels.
     const int64_t left = m - i0;
-    const int64_t rows = left >= kGemmRows ? kGemmRows : left >= 8 ? 8 : left >= 4 ? 4 : left;
+    const int64_t rows = left >= kGemmRows ? kGemmRows : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     const A* a_block = TransA ? a + i0 : a + i0 * lda;
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       const int64_t cols = std::min(kGemmCols, n - j0);
@@ -128,7 +132,15 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
         gemm_block<4, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
         continue;
       }
-      A acc[kGemmRows][kGemmCols] = {};  // a ragged edge block
+      if (cols == kGemmCols && rows == 2) {
+        gemm_block<2, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
+        continue;
+      }
+      if (cols == kGemmCols && rows == 1) {
+        gemm_block<1, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
+        continue;
+      }
+      A acc[kGemmRows][kGemmCols] = {};  // a ragged edge block (fewer than kGemmCols columns)
       for (int64_t p = 0; p < k; ++p) {
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t j = 0; j < cols; ++j) acc[r][j] += a_at(i0 + r, p) * b[p * ldb + j0 + j];
