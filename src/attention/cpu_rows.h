@@ -48,10 +48,16 @@ inline void axpy(A alpha, const A* x, A* y, int64_t n) {
 inline float exp_nonpositive(float v) { return exp_fp32_nonpositive(v); }
 inline double exp_nonpositive(double v) { return std::exp(v); }
 
-// x[i] = exp(x[i] - shift) over an array, for the softmax tiles.
+// x[i] = exp(x[i] - shift) over an array: the backward's P = exp(S - lse), which is at most 1 (lse is the
+// log of a sum that includes exp(S)); in fp32 the argument is clamped to 0, which only drops the rounding
+// of a recomputed S above lse (and keeps an inconsistent lse from overflowing), and exp_fp32_nonpositive
+// needs no overflow guard. NaN stays NaN.
 inline void exp_shifted(float* x, int64_t n, float shift) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) x[i] = exp_fp32(x[i] - shift);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] - shift;
+    x[i] = exp_fp32_nonpositive(v > 0.0f ? 0.0f : v);
+  }
 }
 
 inline void exp_shifted(double* x, int64_t n, double shift) {
