@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # On one H200: the xl/small train-step measurements of docs/perf.md ("The xl step toward 45% MFU")
-# in one call, about three to four minutes (torch.compile of xl is most of it).
+# in one call, about four to six minutes (torch.compile of xl is most of it: it did not finish in 75 s).
 #   scripts/gpu-xl-step.sh BIN_DIR BASE_DIR PEERS_DIR OUT_DIR
 # BIN_DIR holds this branch's flashlm, libflashlm.so, test_gemm_cuda, test_optim and test_model_cuda (a
 # build with -DFLASHLM_NATIVE=OFF); BASE_DIR the flashlm and libflashlm.so of the commit to compare with
 # (main before the branch), or "-" to skip it; PEERS_DIR holds lm_peers.py and cs336_model.py.
 #   1. the GPU tests of the GEMMs, the optimizer and the CUDA model;
-#   2. the bf16 step, small and xl (context 512, batch 4): the base build, this build, this build with the
-#      gradient norm as one pass after the backward (--serial-grad-norm: the A/B of its overlap) and with
-#      cuBLASLt autotuning (--gemm-autotune 8), then the kernel table (--profile-kernels);
-#   3. the PyTorch peers, eager bf16 and torch.compile.
+#   2. the bf16 step, small and xl (context 512, batch 4): the base build, this build (one CUDA graph per
+#      step), this build eager (--cuda-graph off), with the gradient norm as one pass after the backward
+#      (--serial-grad-norm: the A/B of its overlap, graphed) and with cuBLASLt autotuning (--gemm-autotune
+#      8), then the kernel table (--profile-kernels);
+#   3. the PyTorch peers, torch.compile first (xl's compile takes minutes), then eager bf16.
 set -uo pipefail
 bin=$1 base=$2 peers=$3 out=$4
 mkdir -p "$out"
@@ -34,6 +35,7 @@ run() {  # name dir extra-options...
 }
 if [ "$base" != "-" ]; then step "base build"; run base "$base"; fi
 step "this build"; run ours "$bin"
+step "this build, eager"; run ours-eager "$bin" --cuda-graph off
 step "this build, serial gradient norm"; run ours-serial-norm "$bin" --serial-grad-norm
 step "this build, GEMM autotune"; run ours-autotune "$bin" --gemm-autotune 8
 step "this build, kernel table"
@@ -42,7 +44,7 @@ LD_LIBRARY_PATH=$bin:$libs timeout 90 "$bin/flashlm" $bench --warmup 3 --steps 5
 echo "exit $?"
 
 step "PyTorch peers (eager bf16, torch.compile)"
-(cd "$peers" && timeout 200 python3 lm_peers.py --models small,xl --modes bf16,bf16-compile \
+(cd "$peers" && timeout 300 python3 lm_peers.py --models xl,small --modes bf16-compile,bf16 \
   --out "$out/peers.json") > "$out/peers.log" 2>&1
 echo "exit $?"; tail -8 "$out/peers.log"
 step "done"

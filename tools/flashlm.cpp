@@ -231,6 +231,15 @@ flashlm::RecomputePlan parse_recompute_option(const std::string& text) {
   }
 }
 
+// --cuda-graph on|off for the commands that run train steps (ModelOptions::cuda_graph).
+void add_cuda_graph_option(CLI::App* cmd, std::string& value) {
+  cmd->add_option("--cuda-graph", value,
+                  "cuda: on: each train step is one CUDA graph, captured after a warm-up step and replayed (eager "
+                  "where it cannot be: fp16, data parallelism, --profile-ranges); off: every step eager")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
+}
+
 // The options every LM command shares: the recomputation plan and the LM head's chunk.
 void add_model_memory_options(CLI::App* cmd, std::string& recompute, int64_t& head_chunk, bool& atomic_backward) {
   cmd->add_flag("--atomic-attention-backward", atomic_backward,
@@ -388,6 +397,7 @@ struct BenchArgs {
   int warmup = 5, steps = 10, threads = 0, gemm_autotune = 0;
   bool profile_ranges = false, profile_kernels = false, quiet = false, atomic_backward = false;
   bool serial_grad_norm = false;
+  std::string cuda_graph = "on";
 };
 
 void add_bench(CLI::App& app, BenchArgs& a) {
@@ -434,6 +444,7 @@ void add_bench(CLI::App& app, BenchArgs& a) {
   cmd->add_flag("--serial-grad-norm", a.serial_grad_norm,
                 "The gradient norm as one pass over every gradient after the backward, instead of each gradient's "
                 "share beside the backward as it is finalised (--device cuda)");
+  add_cuda_graph_option(cmd, a.cuda_graph);
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
 
@@ -477,6 +488,7 @@ int run_bench_command(const BenchArgs& a) {
   if (cfg.profile_kernels && cfg.device != Device::cuda) throw UsageError("--profile-kernels needs --device cuda");
   cfg.gemm_autotune = a.gemm_autotune;
   cfg.overlap_grad_norm = !a.serial_grad_norm;
+  cfg.cuda_graph = a.cuda_graph == "on";
   if (cfg.gemm_autotune > 0 && cfg.device != Device::cuda) throw UsageError("--gemm-autotune needs --device cuda");
   if (a.threads > 0) set_cpu_threads(a.threads);
   if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
@@ -524,6 +536,7 @@ struct TrainArgs {
   double loss_scale_init = 0;
   uint64_t seed = 1234;
   bool resume = false, sharded_checkpoint = false;
+  std::string cuda_graph = "on";
   std::string ddp, reduce_dtype = "fp32";
   double bucket_mb = 25;
   int64_t grad_accum = 1;
@@ -624,6 +637,7 @@ void add_train(CLI::App& app, TrainArgs& a) {
                   "fp32, bf16 (fp32 masters), fp16 or bf16-pure (parameters, gradients and AdamW moments in bf16) "
                   "(default: bf16 on cuda, fp32 on cpu)");
   add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
+  add_cuda_graph_option(cmd, a.cuda_graph);
   add_threads_option(cmd, a.threads);
   cmd->add_option("--ddp", a.ddp,
                   "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async, "
@@ -652,6 +666,7 @@ int run_train_command(const TrainArgs& a) {
   cfg.recompute = parse_recompute_option(a.recompute);
   cfg.head_chunk = a.head_chunk;
   cfg.deterministic = !a.atomic_backward;
+  cfg.cuda_graph = a.cuda_graph == "on";
   try {
     if (a.model_config.empty()) {
       cfg.model = ModelConfig::named(a.model, a.context, a.vocab);

@@ -83,6 +83,7 @@ struct LmBenchConfig {
   int64_t head_chunk = 0;   // ModelOptions::head_chunk
   bool deterministic = true;  // ModelOptions::deterministic
   bool overlap_grad_norm = true;  // ModelOptions::overlap_grad_norm
+  bool cuda_graph = true;         // ModelOptions::cuda_graph (the "step" pass runs LanguageModel::train_step)
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;
   Device device = Device::cpu;
@@ -100,6 +101,7 @@ struct LmBenchRecord {
   // mfu: SPEC's count (train_flops_per_token); mfu_useful: with the causal attention products halved.
   std::optional<double> mean_ms, std_ms, median_ms, tokens_per_s, mfu, mfu_useful, peak_mib;
   std::optional<double> plan_mib;  // the memory plan's total, beside the measured peak
+  std::string cuda_graph;     // the "step" pass: LanguageModel::cuda_graph_status after the timed steps
   std::string status = "ok";  // ok | oom | unsupported | error
   std::string message;
   std::string range_table;   // nvtx_sum table of the timed steps (profile_ranges)

@@ -84,6 +84,11 @@ struct ModelOptions {
   // Ranks that share the AdamW moments (ZeRO-1 and FSDP: DdpModel releases the model's own and the sharded
   // optimizer keeps 1/world of them): the memory plan counts one such share. 1: the model's own moments.
   int64_t optimizer_shards = 1;
+  // CUDA: train_step captures the whole step (forward, backward, gradient norm, clipping, AdamW) as one CUDA
+  // graph on its first call after a warm-up step and replays it (no host work between the kernels); it
+  // runs eagerly, saying why (CudaModel::cuda_graph_status), where a step cannot be captured: fp16's loss
+  // scaling, data-parallel hooks, profiled ranges, or a capture that failed. false: always eager.
+  bool cuda_graph = true;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
@@ -166,6 +171,14 @@ using ParametersNeededHook = std::function<void(int64_t offset, int64_t count)>;
 // before them): FSDP frees the part's gathered weights there, until the next needed call.
 using ParametersDoneHook = std::function<void(int64_t offset, int64_t count)>;
 
+// What one train_step did: the batch's mean loss, the gradient norm before clipping, and whether the
+// parameters were updated (false: an fp16 overflow skipped the update and halved the loss scale).
+struct StepResult {
+  double loss = 0;
+  double grad_norm = 0;
+  bool updated = true;
+};
+
 // What the training loop and the benchmark need from a model, whatever device it runs on.
 class LanguageModel {
  public:
@@ -196,6 +209,11 @@ class LanguageModel {
   virtual double clip_gradients(double max_norm) = 0;  // returns the norm before clipping
   virtual void adamw_step(const AdamWConfig& c, double lr) = 0;
   virtual int64_t optimizer_steps() const = 0;
+  // One training step on one batch (host arrays as forward's): zero_grad, forward, backward and
+  // optimizer_step (below) at lr. CudaModel replays it as one CUDA graph where it can (ModelOptions::cuda_graph).
+  virtual StepResult train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& c, double lr);
+  // How train_step runs: "on", or "off: <why>" ("" on a device without graphs).
+  virtual std::string cuda_graph_status() const { return ""; }
   // Frees the AdamW moments and restarts the step count at 0 (the next own step starts from zero moments,
   // as a new optimizer would): for data parallelism whose sharded optimizer keeps the state instead (ZeRO-1,
   // FSDP), so that a rank does not hold both. No-op for a model that has taken no step.
@@ -240,6 +258,7 @@ class LanguageModel {
   void gradient_ready(std::string_view parameter_name) const;  // for backward(): calls the hook, if any
   // Whether someone else acts on the gradients as they become final (data parallelism reduces them).
   bool has_gradient_ready_hook() const { return bool(gradient_ready_hook_); }
+  bool has_parameter_hooks() const { return parameters_needed_hook_ || parameters_done_hook_; }
   // For forward(): calls the hook, if any, with the elements of every parameter whose name starts with
   // `name_prefix` (one run: a layer's parameters are contiguous in the layout).
   void parameters_needed(std::string_view name_prefix) const;
@@ -393,6 +412,8 @@ class CudaModel final : public LanguageModel {
   int64_t loss_scale_good_steps() const override;
   void restore_loss_scale(double scale, int64_t good_steps) override;
   int64_t optimizer_steps() const override;
+  StepResult train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& c, double lr) override;
+  std::string cuda_graph_status() const override;
   void release_optimizer_state() override;
   void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
   void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
@@ -403,6 +424,9 @@ class CudaModel final : public LanguageModel {
   struct Impl;
   std::unique_ptr<Impl> impl_;
   void forward_block(int64_t l, BlockPass pass);
+  void queue_forward();  // forward's kernels, on the tokens and targets already on the device
+  // train_step captured into Impl's graph (false: capture failed, the reason is in the status).
+  bool capture_step();
 };
 
 }  // namespace flashlm

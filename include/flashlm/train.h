@@ -44,6 +44,7 @@ struct TrainConfig {
   RecomputePlan recompute;       // automatic: resolved against the device's free memory
   int64_t head_chunk = 0;        // ModelOptions::head_chunk
   bool deterministic = true;     // ModelOptions::deterministic (false: resume is no longer bit-exact)
+  bool cuda_graph = true;        // ModelOptions::cuda_graph (without data parallelism: one CUDA graph per step)
   double loss_scale_init = 0;    // fp16: the dynamic loss scale's start (0: LanguageModel::kInitialLossScale)
   // Data parallelism: with a communicator (the ranks of an mpirun job; a world of one works too) every rank
   // trains on its own `batch` rows of each step's global batch of batch · world size · grad_accum rows, the

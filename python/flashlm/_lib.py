@@ -112,9 +112,12 @@ class PackedCall:
     written into the packed buffer (`words`, 64-bit words) and the rest is reused, instead of packing ~60
     fields per call."""
 
-    __slots__ = ("buffer", "words", "args")
+    __slots__ = ("buffer", "words", "args", "backward")
 
     def __init__(self, layout, fields):
+        # A forward call's backward calls by (thread, dO's geometry): the rest of a backward's key follows
+        # from the forward's (o, lse, dq, dk, dv are allocated from q, k, v), so the autograd path skips it.
+        self.backward = {}
         self.buffer = ctypes.create_string_buffer(layout.size)
         layout.pack_into(self.buffer, 0, *fields)
         self.words = memoryview(self.buffer).cast("B").cast("Q")

@@ -15,6 +15,7 @@ Plain eager calls skip the operators' dispatcher round trip (_Attention below); 
 export, fake tensors and torch.func the operators are what gets traced.
 """
 import struct
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -40,6 +41,9 @@ if hasattr(torch._C, "_cuda_getCurrentRawStream"):
 else:
     def _raw_stream(index):
         return torch.cuda.current_stream(index).cuda_stream
+
+
+_thread_id = threading.get_ident
 
 
 def _describe(t, bhsd):
@@ -128,13 +132,20 @@ def _forward_outputs(q, layout):
 
 
 def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales=_NO_DESCALE):
-    """Runs the forward on tensors in `layout`: (o, lse). Every eager call runs this, so it is kept to the
-    two allocations, the attribute reads that make the key of the call's packed arguments (_lib.PackedCall:
-    everything but the data pointers and stream, which are written per call) and the C call."""
+    """Runs the forward on tensors in `layout`: (o, lse)."""
+    o, lse, _ = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales)
+    return o, lse
+
+
+def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales=_NO_DESCALE):
+    """The forward: (o, lse, the call's PackedCall, which _backward can take to skip most of its key). Every
+    eager call runs this, so it is kept to the two allocations, the attribute reads that make the key of the
+    call's packed arguments (_lib.PackedCall: everything but the data pointers and stream, which are written
+    per call) and the C call."""
     stream = _stream(q)
     if stream is None:
         with torch.cuda.device(q.get_device()):
-            return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales)
+            return _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales)
     o, lse = _forward_outputs(q, layout)
     try:
         # o and lse are functions of q's key entries (empty_like of q; a fresh [batch, heads, seq] tensor).
@@ -154,20 +165,46 @@ def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, 
     status = L.lib.flashlm_attention_forward(*call.args)
     if status:
         L.check(status)
-    return o, lse
+    return o, lse, call
 
 
-def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
-    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward)."""
+def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, forward_call=None):
+    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward).
+    forward_call: the PackedCall of the _forward_packed call that made o and lse from these q, k, v with
+    these options, if the caller has it (the autograd path); then dO's geometry is the rest of the key."""
     stream = _stream(q)
     if stream is None:
         with torch.cuda.device(q.get_device()):
-            return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
+            return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
+                             forward_call)
     if dout.stride(-1) != 1 or dout.numel() == 0:
         # .sum().backward() hands an expanded (stride 0) gradient; an empty one keeps its zero strides
         # through .contiguous(), so it gets fresh ones.
         dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    call = None
+    if forward_call is not None:
+        short_key = (_thread_id(), dout.shape, dout.stride(), dout.dtype, dout.is_cuda)
+        call = forward_call.backward.get(short_key)
+    if call is None:
+        call = _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_right, scale,
+                                deterministic, impl)
+        if forward_call is not None:
+            if len(forward_call.backward) >= 16:
+                forward_call.backward.clear()
+            forward_call.backward[short_key] = call
+    w = call.words  # q, k, v, o, lse, dout, dq, dk, dv, the stream
+    w[0], w[15], w[30], w[45], w[60], w[75], w[90], w[105], w[120], w[141] = (
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), dout.data_ptr(), dq.data_ptr(),
+        dk.data_ptr(), dv.data_ptr(), stream)
+    status = L.lib.flashlm_attention_backward(*call.args)
+    if status:
+        L.check(status)
+    return dq, dk, dv
+
+
+def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_right, scale, deterministic, impl):
+    """The backward's PackedCall for these tensors' geometry and these options (from the per-thread cache)."""
     try:
         # dq, dk, dv are functions of q's, k's and v's key entries (empty_like).
         key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
@@ -185,14 +222,7 @@ def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, determ
     except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout")), impl,
                                 scale=scale) from None
-    w = call.words  # q, k, v, o, lse, dout, dq, dk, dv, the stream
-    w[0], w[15], w[30], w[45], w[60], w[75], w[90], w[105], w[120], w[141] = (
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), dout.data_ptr(), dq.data_ptr(),
-        dk.data_ptr(), dv.data_ptr(), stream)
-    status = L.lib.flashlm_attention_backward(*call.args)
-    if status:
-        L.check(status)
-    return dq, dk, dv
+    return call
 
 
 HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake")
@@ -311,9 +341,9 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
-        o, lse = _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+        o, lse, call = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (layout, causal, bottom_right, scale, deterministic, impl)
+        ctx.args = (layout, causal, bottom_right, scale, deterministic, impl, call)
         return o
 
     @staticmethod

@@ -49,7 +49,8 @@ bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
 // The FP8 forward (attention/cuda/hopper/flash_fwd_fp8_sm90.cu, built with the Hopper kernels): fp8_e4m3
 // q, k, v with p's descale factors, bf16 o, fp32 lse, head dims 64 and 128. An Error where the current
-// device is not an sm_90 GPU: fp8 has no fallback.
+// device is not an sm_90 GPU or TMA cannot describe q or k (a stride of 2^40 bytes or more, a zero stride of
+// a dimension longer than 1, a size past 2^31): fp8 has no fallback.
 void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
 // Whether flash_attention_forward_sm90 would run these arguments (for the tests of the dispatch).

@@ -41,7 +41,7 @@ inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
 inline constexpr std::array<int, 2> kHopperBackwardHeadDims{64, 128};
 // The FP8 forward's head dims (fp8_e4m3 inputs; the launcher, cuda/hopper/flash_fwd_fp8_sm90.cu, also
-// requires an sm_90 device, an error elsewhere: fp8 has no fallback).
+// requires an sm_90 device and q and k views TMA can describe, an error otherwise: fp8 has no fallback).
 inline constexpr std::array<int, 2> kFp8ForwardHeadDims{64, 128};
 
 // Every CUDA kernel moves rows in 16-byte vectors: head_dim · element size must be a multiple of this.

@@ -42,6 +42,7 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
   options.head_chunk = cfg.head_chunk;
   options.deterministic = cfg.deterministic;
   options.overlap_grad_norm = cfg.overlap_grad_norm;
+  options.cuda_graph = cfg.cuda_graph;
   // The plan before anything is allocated: printed, and refused (an "oom" row) when it cannot fit.
   const int64_t available = dev == Device::cuda ? cuda_free_memory_bytes() : -1;
   const MemoryPlan plan = plan_model_memory(mc, cfg.batch, mc.context, dev, precision, options, available);
@@ -78,12 +79,7 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
         model.backward();
       };
     } else {
-      run = [&] {
-        model.zero_grad();
-        model.forward(tokens.data(), targets.data());
-        model.backward();
-        optimizer_step(model, opt, 1e-4);
-      };
+      run = [&] { model.train_step(tokens.data(), targets.data(), opt, 1e-4); };
     }
     memory_reset_peak(dev);
     for (int i = 0; i < cfg.warmup; ++i) run();
@@ -122,6 +118,12 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
     if (cfg.profile_kernels) {
       kernels.stop();
       rec->kernel_table = kernels.kern_sum_table();
+    }
+    if (rec->pass == "step") {
+      rec->cuda_graph = model.cuda_graph_status();
+      if (cfg.progress && !rec->cuda_graph.empty()) {
+        cfg.progress(fmt::format("{} {} step: cuda graph {}", rec->model, rec->precision, rec->cuda_graph));
+      }
     }
     const Moments m = moments(ms);
     rec->mean_ms = m.mean;
@@ -258,6 +260,7 @@ std::string format_lm_bench(const std::vector<LmBenchRecord>& records, ReportFor
                         {"mfu_useful", opt(r.mfu_useful)}, {"recompute", r.recompute},
                         {"plan_mib", opt(r.plan_mib)}, {"peak_mib", opt(r.peak_mib)}, {"status", r.status}};
     if (!r.message.empty()) j["message"] = r.message;
+    if (!r.cuda_graph.empty()) j["cuda_graph"] = r.cuda_graph;
     rows.push_back(std::move(j));
   }
   const std::vector<ReportColumn> columns = {

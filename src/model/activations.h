@@ -12,6 +12,8 @@ namespace flashlm {
 // Offsets of one block's activations: values (in the model's activation type) into the value arena, the
 // fp32 statistics (RMSNorm 1/rms, attention logsumexp) into the statistics arena. Under recomputation
 // several blocks share the offsets of what they recompute (a working slot).
+// q, k and v follow one another, each aligned_elements(n · d_model) long: CudaModel holds them as one
+// [n, 3 · d_model] array in that span (qkv_view in model_cuda.cpp), the CPU model as three [n, d_model] ones.
 struct BlockActivations {
   int64_t x_in, h1, q, k, v, attn, x_mid, h2, u, g, s;  // values
   int64_t rstd1, rstd2, lse;                             // statistics
@@ -46,6 +48,10 @@ ActivationLayout layout_activations(const ModelConfig& c, int64_t batch, int64_t
 // Backward scratch (elements of the activation type): the residual gradient and five [n, d] arrays, three
 // [n, d_ff] ones.
 int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
+
+// bf16-pure on CUDA: the fp32 elements of the staging buffer a backward accumulates one gradient in — the
+// largest parameter, or the q, k and v weights together (3 · d_model², one GEMM's weight gradient) if larger.
+int64_t gradient_staging_elements(const ModelConfig& c);
 
 // Tokens per chunk of the LM head and loss: `requested`, or (0) as many as keep a chunk's logits near
 // 1 GiB of `elem_bytes` elements, a multiple of 128, and never more than `tokens`.

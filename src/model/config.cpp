@@ -281,6 +281,15 @@ bool optimizer_step(LanguageModel& model, const AdamWConfig& c, double lr, doubl
   return true;
 }
 
+StepResult LanguageModel::train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& c, double lr) {
+  StepResult r;
+  zero_grad();
+  r.loss = forward(tokens, targets);
+  backward();
+  r.updated = optimizer_step(*this, c, lr, &r.grad_norm);
+  return r;
+}
+
 double cosine_lr(const AdamWConfig& c, int64_t step) {
   if (step < c.warmup_steps) return c.lr_max * double(step) / double(c.warmup_steps);
   if (step <= c.cosine_steps) {

@@ -367,8 +367,11 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
   const int wanted = std::min(g_autotune.load(std::memory_order_relaxed), kMaxAutotune);
   if (wanted >= 2) {
     // Autotuning: the heuristic's own choice against its next ones. Those may split K and add the parts
-    // up in the output type (bf16: measured 12× over the tolerance of test_gemm_cuda) or in place over
-    // C = D, so only splits reduced in fp32 in the workspace (or none) are candidates.
+    // up in the output type (a bf16 rounding per part) or in place over C = D, so only splits reduced in
+    // fp32 in the workspace (or none) are candidates. A candidate may still round the product to a 16-bit
+    // output type before adding beta·C, as some first choices do (test_gemm_cuda's += bound allows it).
+    // The timing runs with the call's beta and C == D when the call has it (D is the scratch then), so
+    // beta need not be part of the key: any algorithm runs with any beta.
     const uint32_t reductions = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
     check(cublasLtMatmulPreferenceSetAttribute(guard.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
                                                sizeof(reductions)),

@@ -5,8 +5,12 @@
 // gemm_cuda.cpp, attention in attention/cuda/.
 #include <cuda_runtime.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -59,6 +63,68 @@ struct SideStream {
   }
 };
 
+// Calls fn(T{}) with the activation type of the model.
+template <class Fn>
+void with_precision(DType precision, Fn&& fn) {
+  switch (precision) {
+    case DType::f32: return fn(float{});
+    case DType::bf16: return fn(bf16_t{});
+    case DType::f16: return fn(fp16_t{});
+    default: fail("CudaModel: precision {} is not supported", dtype_name(precision));
+  }
+}
+
+// Host memory the GPU reads and writes while a graph runs (the copies of a graph need page-locked memory:
+// a copy from pageable memory would read the host array as it was at capture).
+template <class T>
+struct PinnedArray {
+  T* data = nullptr;
+  explicit PinnedArray(size_t count) {
+    FLASHLM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data), count * sizeof(T)), "cudaMallocHost");
+  }
+  ~PinnedArray() { cudaFreeHost(data); }
+  PinnedArray(const PinnedArray&) = delete;
+  PinnedArray& operator=(const PinnedArray&) = delete;
+};
+
+// train_step as one CUDA graph (ModelOptions::cuda_graph). The step runs on a stream of its own, created
+// blocking so that it stays ordered with the legacy default stream the model may otherwise use (which
+// cannot be captured); its first call runs eagerly there (it allocates the moments, the cuBLASLt plans and
+// that stream's workspace, none of which may happen inside a capture), the second captures and launches.
+// The host arrays: `in` (this step's scalars, copied to the device by the graph's first node), `out` (the
+// scalars after clipping: the norm and the factor), `rows` (the per-token losses, copied back by the graph).
+struct StepGraph {
+  cudaStream_t stream = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  bool warmed_up = false;
+  std::string failure;  // why a capture failed: every later step is eager
+  Buffer scalars;       // DeviceStepScalars on the device
+  std::unique_ptr<PinnedArray<DeviceStepScalars>> in, out;
+  std::unique_ptr<PinnedArray<float>> rows;
+  // The host state a replay leaves behind (as the captured step's host code left it).
+  bool norms_current = false;
+  int64_t materialized_segment = -1;
+  int64_t replays = 0;
+  StepGraph() { FLASHLM_CUDA_CHECK(cudaStreamCreate(&stream), "cudaStreamCreate (train-step graph)"); }
+  ~StepGraph() {
+    cudaStreamSynchronize(stream);
+    if (exec) cudaGraphExecDestroy(exec);
+    cudaStreamDestroy(stream);
+  }
+  StepGraph(const StepGraph&) = delete;
+  StepGraph& operator=(const StepGraph&) = delete;
+};
+
+// Points the model's stream at another one for a scope.
+struct StreamScope {
+  void*& slot;
+  void* saved;
+  StreamScope(void*& s, void* to) : slot(s), saved(s) { slot = to; }
+  ~StreamScope() { slot = saved; }
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+};
+
 }  // namespace
 
 struct CudaModel::Impl {
@@ -80,6 +146,7 @@ struct CudaModel::Impl {
   ActivationLayout A;
   int64_t head_chunk = 0;
   int64_t largest_parameter = 0;
+  int64_t largest_gradient = 0;  // bf16-pure: the staging buffer's elements (gradient_staging_elements)
   int64_t materialized_segment = -1;  // the segment whose blocks the recomputation working set holds
   int64_t adam_step = 0;
   double loss_scale = 1.0;
@@ -105,6 +172,9 @@ struct CudaModel::Impl {
   Buffer partial_norms;
   mutable bool norms_current = false;
   bool have_forward = false;
+  std::unique_ptr<StepGraph> graph;  // train_step's CUDA graph, from its first call on
+  std::string graph_status;          // CudaModel::cuda_graph_status
+  bool capturing = false;            // the step's host code is being captured, not run
 
   size_t elem() const { return dtype_size(precision); }
   size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads, moments
@@ -219,6 +289,55 @@ struct CudaModel::Impl {
     });
     gpu::stream_synchronize(stream);
   }
+  // The batch onto the device (checked first), once the previous step no longer reads it.
+  void upload_batch(const int32_t* host_tokens, const int32_t* host_targets) const {
+    for (int64_t i = 0; i < n; ++i) {
+      FLASHLM_CHECK(host_tokens[i] >= 0 && host_tokens[i] < c.vocab,
+                    "forward: tokens[{}] = {} outside [0, vocab = {})", i, host_tokens[i], c.vocab);
+      FLASHLM_CHECK(host_targets[i] >= 0 && host_targets[i] < c.vocab,
+                    "forward: targets[{}] = {} outside [0, vocab = {})", i, host_targets[i], c.vocab);
+    }
+    gpu::stream_synchronize(stream);  // the previous step may still read the token buffers
+    cuda_copy(tokens.data(), host_tokens, size_t(n) * sizeof(int32_t));
+    cuda_copy(targets.data(), host_targets, size_t(n) * sizeof(int32_t));
+  }
+  // The mean of the per-token losses (host values), summed in a fixed order.
+  double mean_loss(const float* rows) const {
+    double loss = 0;
+    for (int64_t i = 0; i < n; ++i) loss += rows[i];
+    return loss / double(n);
+  }
+  // AdamW over every parameter at step adam_step: with `fixed` scalars, or (live not null) with those the
+  // kernels read from the device when they run (the graphed step).
+  void queue_adamw(const AdamWConfig& cfg, double lr, const AdamWScalars* live) {
+    if (pure) {
+      auto* w = static_cast<bf16_t*>(params.data());
+      const auto* g = static_cast<const bf16_t*>(grads.data());
+      auto *mo = static_cast<bf16_t*>(adam_m.data()), *vo = static_cast<bf16_t*>(adam_v.data());
+      if (live) {
+        gpu::adamw_step_bf16_live(w, g, mo, vo, n_params, live, stream);
+      } else {
+        gpu::adamw_step_bf16(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, adam_step,
+                             stream, pending_clip);
+      }
+      refresh_gains();
+      return;
+    }
+    with_precision(precision, [&](auto zero) {
+      using T = decltype(zero);
+      T* copy = nullptr;
+      if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(params_lp.data());
+      auto* w = static_cast<float*>(params.data());
+      const auto* g = static_cast<const float*>(grads.data());
+      auto *mo = static_cast<float*>(adam_m.data()), *vo = static_cast<float*>(adam_v.data());
+      if (live) {
+        gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream);
+      } else {
+        gpu::adamw_step<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, adam_step,
+                           copy, stream, pending_clip);
+      }
+    });
+  }
   // bf16-pure: the widened RMSNorm gains the norm kernels read, after the parameters changed.
   void refresh_gains() const {
     if (!pure) return;
@@ -272,7 +391,8 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.params = Buffer::allocate(pbytes, Device::cuda, m.pure ? "parameters (bf16)" : "parameters (fp32 master)");
   m.grads = Buffer::allocate(pbytes, Device::cuda, m.pure ? "gradients (bf16)" : "gradients (fp32)");
   if (m.pure) {
-    m.staging = Buffer::allocate(size_t(m.largest_parameter) * sizeof(float), Device::cuda,
+    m.largest_gradient = gradient_staging_elements(config);
+    m.staging = Buffer::allocate(size_t(m.largest_gradient) * sizeof(float), Device::cuda,
                                  "fp32 gradient accumulator");
     m.gains_f32 = Buffer::allocate(m.gain_row.size() * size_t(config.d_model) * sizeof(float), Device::cuda,
                                    "RMSNorm gains (fp32)");
@@ -284,6 +404,11 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   constexpr std::string_view bytes = "CudaModel: activation bytes";
   const auto elem_bytes = [&](int64_t count, size_t size) { return size_t(checked_mul(count, int64_t(size), bytes)); };
   m.A = layout_activations(config, batch, seq, options.recompute);
+  const int64_t qkv_slot = aligned_elements(m.n * config.d_model);
+  for (const BlockActivations& b : m.A.blocks) {  // qkv_view's span
+    FLASHLM_CHECK(b.k == b.q + qkv_slot && b.v == b.k + qkv_slot,
+                  "CudaModel: the activation layout does not keep q, k and v side by side");
+  }
   m.acts = Buffer::allocate(elem_bytes(m.A.values, m.elem()), Device::cuda, "activations");
   m.acts_f32 = Buffer::allocate(elem_bytes(m.A.stats, sizeof(float)), Device::cuda, "activations (fp32 statistics)");
   m.head_chunk = head_chunk_tokens(config, m.n, options.head_chunk, int64_t(m.elem()));
@@ -346,20 +471,20 @@ void CudaModel::restore_loss_scale(double scale, int64_t good_steps) {
 
 namespace {
 
-// Calls fn(T{}) with the activation type of the model.
-template <class Fn>
-void with_precision(DType precision, Fn&& fn) {
-  switch (precision) {
-    case DType::f32: return fn(float{});
-    case DType::bf16: return fn(bf16_t{});
-    case DType::f16: return fn(fp16_t{});
-    default: fail("CudaModel: precision {} is not supported", dtype_name(precision));
-  }
-}
-
 // [batch, seq, heads, head_dim] view of a contiguous [batch * seq, d_model] device array.
 TensorView heads_view(void* data, DType dtype, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim) {
   return TensorView::contiguous(data, dtype, {batch, seq, heads, head_dim}, Device::cuda);
+}
+
+// q, k and v live as one [batch * seq, 3 * d_model] array, each token's q, k and v rows side by side (the
+// span of the layout's q, k and v, which lie one after the other): one GEMM writes them and one reads their
+// gradients. The [batch, seq, heads, head_dim] view of part `which` (0 q, 1 k, 2 v) of such an array.
+TensorView qkv_view(void* qkv, int which, DType dtype, int64_t batch, int64_t seq, int64_t heads, int64_t head_dim) {
+  const int64_t d = heads * head_dim;
+  TensorView t = heads_view(static_cast<char*>(qkv) + which * d * int64_t(dtype_size(dtype)), dtype, batch, seq, heads,
+                            head_dim);
+  t.strides = {seq * 3 * d, 3 * d, head_dim, 1};
+  return t;
 }
 
 }  // namespace
@@ -473,16 +598,16 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
   with_precision(dt, [&](auto zero) {
     using T = decltype(zero);
     gpu::rmsnorm_forward<T>(m.a<T>(L.x_in), m.gain(p + "ln1.weight"), m.a<T>(L.h1), m.f(L.rstd1), n, d, eps, m.stream);
-    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), m.a<T>(L.q), n, d, d, dt, m.stream);
-    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.k_proj.weight"), m.a<T>(L.k), n, d, d, dt, m.stream);
-    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.v_proj.weight"), m.a<T>(L.v), n, d, d, dt, m.stream);
-    gpu::rope_forward<T>(m.a<T>(L.q), m.rope_cos(), m.rope_sin(), m.batch, m.seq, c.heads, hd, m.stream);
-    gpu::rope_forward<T>(m.a<T>(L.k), m.rope_cos(), m.rope_sin(), m.batch, m.seq, c.heads, hd, m.stream);
+    // q, k, v = h1 · [wq; wk; wv]ᵀ: the three weights lie one after the other in every flat buffer.
+    T* qkv = m.a<T>(L.q);
+    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), qkv, n, d, 3 * d, dt, m.stream);
+    // q and k rotated in one pass, as 2·heads heads per token.
+    gpu::rope_forward<T>(qkv, m.rope_cos(), m.rope_sin(), m.batch, m.seq, 2 * c.heads, hd, m.stream, 3 * d);
     if (pass != BlockPass::without_attention) {
       ScopedRange attention_range("attention.forward");
-      attention_forward(heads_view(m.a<T>(L.q), dt, m.batch, m.seq, c.heads, hd),
-                        heads_view(m.a<T>(L.k), dt, m.batch, m.seq, c.heads, hd),
-                        heads_view(m.a<T>(L.v), dt, m.batch, m.seq, c.heads, hd),
+      attention_forward(qkv_view(qkv, 0, dt, m.batch, m.seq, c.heads, hd),
+                        qkv_view(qkv, 1, dt, m.batch, m.seq, c.heads, hd),
+                        qkv_view(qkv, 2, dt, m.batch, m.seq, c.heads, hd),
                         heads_view(m.a<T>(L.attn), dt, m.batch, m.seq, c.heads, hd),
                         TensorView::contiguous(m.f(L.lse), DType::f32, {m.batch, c.heads, m.seq}, Device::cuda),
                         m.attention_options());
@@ -507,19 +632,20 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
 
 double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_targets) {
   Impl& m = *impl_;
+  m.upload_batch(host_tokens, host_targets);
+  queue_forward();
+  std::vector<float> rows(static_cast<size_t>(m.n));
+  gpu::stream_synchronize(m.stream);
+  cuda_copy(rows.data(), m.row_loss.data(), rows.size() * sizeof(float));
+  return m.mean_loss(rows.data());
+}
+
+void CudaModel::queue_forward() {
+  Impl& m = *impl_;
   const ModelConfig& c = m.c;
   const int64_t n = m.n, d = c.d_model, V = c.vocab;
-  for (int64_t i = 0; i < n; ++i) {
-    FLASHLM_CHECK(host_tokens[i] >= 0 && host_tokens[i] < c.vocab, "forward: tokens[{}] = {} outside [0, vocab = {})",
-                  i, host_tokens[i], c.vocab);
-    FLASHLM_CHECK(host_targets[i] >= 0 && host_targets[i] < c.vocab,
-                  "forward: targets[{}] = {} outside [0, vocab = {})", i, host_targets[i], c.vocab);
-  }
   memory_set_phase("forward");
   ScopedRange range("forward");
-  gpu::stream_synchronize(m.stream);  // the previous step may still read the token buffers
-  cuda_copy(m.tokens.data(), host_tokens, size_t(n) * sizeof(int32_t));
-  cuda_copy(m.targets.data(), host_targets, size_t(n) * sizeof(int32_t));
   const auto* tokens = static_cast<const int32_t*>(m.tokens.data());
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
   const DType dt = m.precision;
@@ -556,14 +682,7 @@ double CudaModel::forward(const int32_t* host_tokens, const int32_t* host_target
                                           static_cast<T*>(m.logits.data()), m.stream);
     parameters_done("lm_head.");
   });
-  // The mean loss, summed on the host in a fixed order.
-  std::vector<float> rows(static_cast<size_t>(n));
-  gpu::stream_synchronize(m.stream);
-  cuda_copy(rows.data(), row_loss, size_t(n) * sizeof(float));
-  double loss = 0;
-  for (float r : rows) loss += r;
   m.have_forward = true;
-  return loss / double(n);
 }
 
 void CudaModel::backward() {
@@ -576,7 +695,8 @@ void CudaModel::backward() {
   // The norm stream may still read the previous gradients: this backward writes them only after it.
   const bool overlap_norms = m.norms && !has_gradient_ready_hook();
   m.norms_current = false;
-  if (overlap_norms) m.norms->join(m.stream);
+  // (A captured step starts with the norm stream idle: train_step waits for it before each launch.)
+  if (overlap_norms && !m.capturing) m.norms->join(m.stream);
   const ModelConfig& c = m.c;
   const int64_t n = m.n, d = c.d_model, f = c.d_ff, hd = c.head_dim(), V = c.vocab;
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
@@ -593,22 +713,37 @@ void CudaModel::backward() {
   // widened, rounded back once. A producer that can write over its array (`can_overwrite`: the GEMMs'
   // beta = 0) is told accumulate = false when the gradient is still to be zeroed (zero_grad deferred);
   // the others get an array zeroed first and always accumulate.
-  auto add_to_gradient = [&](const std::string& name, bool can_overwrite, auto&& produce) {
-    const int64_t count = m.info(name).numel();
-    float* dw = m.pure ? static_cast<float*>(m.staging.data()) : m.grad(name);
-    if (m.pure && !overwrite) gpu::cast_to_f32<bf16_t>(m.pure_grad(name), dw, count, m.stream);
+  // add_to_gradients: the same for parameters that lie one after the other in the layout (q, k, v), whose
+  // gradients one producer computes as one array; each is then reported final in layout order.
+  auto add_to_gradients = [&](std::initializer_list<std::string> names, bool can_overwrite, auto&& produce) {
+    const std::string& first = *names.begin();
+    int64_t count = 0;
+    for (const std::string& name : names) {
+      FLASHLM_CHECK(m.info(name).offset == m.info(first).offset + count,
+                    "backward: '{}' does not follow '{}' in the parameter layout", name, first);
+      count += m.info(name).numel();
+    }
+    FLASHLM_CHECK(!m.pure || count <= m.largest_gradient, "backward: {} gradients outgrow the staging buffer", count);
+    float* dw = m.pure ? static_cast<float*>(m.staging.data()) : m.grad(first);
+    if (m.pure && !overwrite) gpu::cast_to_f32<bf16_t>(m.pure_grad(first), dw, count, m.stream);
     if (overwrite && !can_overwrite) gpu::memset_async(dw, 0, size_t(count) * sizeof(float), m.stream);
     produce(dw, !(overwrite && can_overwrite));
-    if (m.pure) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(name), count, m.stream);
-    if (overlap_norms) m.queue_partial_norm(m.index.at(name));
-    gradient_ready(name);
+    if (m.pure) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(first), count, m.stream);
+    for (const std::string& name : names) {
+      if (overlap_norms) m.queue_partial_norm(m.index.at(name));
+      gradient_ready(name);
+    }
+  };
+  auto add_to_gradient = [&](const std::string& name, bool can_overwrite, auto&& produce) {
+    add_to_gradients({name}, can_overwrite, produce);
   };
 
   with_precision(dt, [&](auto zero) {
     using T = decltype(zero);
     T* s0 = static_cast<T*>(m.scratch.data());
     const int64_t nd = aligned_elements(n * d), nf = aligned_elements(n * f);
-    T *dx = s0, *dh = s0 + nd, *dq = s0 + 2 * nd, *dk = s0 + 3 * nd, *dv = s0 + 4 * nd, *dattn = s0 + 5 * nd;
+    // dqkv: the gradients of q, k and v as one [n, 3d] array (qkv_view), over three nd-sized slots.
+    T *dx = s0, *dh = s0 + nd, *dqkv = s0 + 2 * nd, *dattn = s0 + 5 * nd;
     T *du = s0 + 6 * nd, *dg = du + nf, *ds = dg + nf;
     auto linear_backward = [&](const T* dy, const T* x, const std::string& w, T* dxo, int64_t in, int64_t out,
                                bool accumulate) {
@@ -658,20 +793,25 @@ void CudaModel::backward() {
       linear_backward(dx, m.a<T>(L.attn), p + "attn.output_proj.weight", dattn, d, d, false);
       {
         ScopedRange attention_range("attention.backward");
-        attention_backward(heads_view(m.a<T>(L.q), dt, m.batch, m.seq, c.heads, hd),
-                           heads_view(m.a<T>(L.k), dt, m.batch, m.seq, c.heads, hd),
-                           heads_view(m.a<T>(L.v), dt, m.batch, m.seq, c.heads, hd),
+        T* qkv = m.a<T>(L.q);
+        attention_backward(qkv_view(qkv, 0, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(qkv, 1, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(qkv, 2, dt, m.batch, m.seq, c.heads, hd),
                            heads_view(m.a<T>(L.attn), dt, m.batch, m.seq, c.heads, hd),
                            TensorView::contiguous(m.f(L.lse), DType::f32, {m.batch, c.heads, m.seq}, Device::cuda),
-                           heads_view(dattn, dt, m.batch, m.seq, c.heads, hd), heads_view(dq, dt, m.batch, m.seq, c.heads, hd),
-                           heads_view(dk, dt, m.batch, m.seq, c.heads, hd), heads_view(dv, dt, m.batch, m.seq, c.heads, hd),
+                           heads_view(dattn, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(dqkv, 0, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(dqkv, 1, dt, m.batch, m.seq, c.heads, hd),
+                           qkv_view(dqkv, 2, dt, m.batch, m.seq, c.heads, hd),
                            attn);
       }
-      gpu::rope_backward<T>(dq, rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
-      gpu::rope_backward<T>(dk, rope_cos, rope_sin, m.batch, m.seq, c.heads, hd, m.stream);
-      linear_backward(dq, m.a<T>(L.h1), p + "attn.q_proj.weight", dh, d, d, false);
-      linear_backward(dk, m.a<T>(L.h1), p + "attn.k_proj.weight", dh, d, d, true);
-      linear_backward(dv, m.a<T>(L.h1), p + "attn.v_proj.weight", dh, d, d, true);
+      gpu::rope_backward<T>(dqkv, rope_cos, rope_sin, m.batch, m.seq, 2 * c.heads, hd, m.stream, 3 * d);
+      // dh = [dq dk dv] · [wq; wk; wv] and the three weight gradients as one [3d, d] product.
+      add_to_gradients({p + "attn.q_proj.weight", p + "attn.k_proj.weight", p + "attn.v_proj.weight"}, true,
+                       [&](float* dw, bool accumulate_dw) {
+                         linear_backward_cuda(dqkv, m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), dh, dw, n, d,
+                                              3 * d, dt, false, m.stream, false, accumulate_dw);
+                       });
       rmsnorm_backward(dh, m.a<T>(L.x_in), p + "ln1.weight", m.f(L.rstd1), dx);
       parameters_done(p);
     }
@@ -749,6 +889,7 @@ void CudaModel::release_optimizer_state() {
   Impl& m = *impl_;
   if (!m.adam_m.data()) return;
   gpu::stream_synchronize(m.stream);  // the last AdamW step may still be reading them
+  m.graph.reset();                    // a captured step would step the freed moments
   m.adam_m = Buffer();
   m.adam_v = Buffer();
   m.adam_step = 0;
@@ -800,22 +941,139 @@ void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
   if (m.zero_pending) m.settle_gradients();  // a step on zeroed gradients (the clip is applied in the kernel)
   m.allocate_moments();
   ++m.adam_step;
-  if (m.pure) {
-    gpu::adamw_step_bf16(static_cast<bf16_t*>(m.params.data()), static_cast<const bf16_t*>(m.grads.data()),
-                         static_cast<bf16_t*>(m.adam_m.data()), static_cast<bf16_t*>(m.adam_v.data()), m.n_params, lr,
-                         cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step, m.stream, m.pending_clip);
-    m.refresh_gains();
-    return;  // pending_clip stays: the stored gradients are still unclipped for any later reader
-  }
-  with_precision(m.precision, [&](auto zero) {
-    using T = decltype(zero);
-    T* copy = nullptr;
-    if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(m.params_lp.data());
-    gpu::adamw_step<T>(static_cast<float*>(m.params.data()), static_cast<const float*>(m.grads.data()),
-                       static_cast<float*>(m.adam_m.data()), static_cast<float*>(m.adam_v.data()), m.n_params, lr,
-                       cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step, copy, m.stream, m.pending_clip);
-  });
+  m.queue_adamw(cfg, lr, nullptr);
   // pending_clip stays: the stored gradients are still unclipped for any later reader.
+}
+
+std::string CudaModel::cuda_graph_status() const { return impl_->graph_status; }
+
+StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& cfg, double lr) {
+  Impl& m = *impl_;
+  const char* why = nullptr;
+  if (!m.options.cuda_graph) {
+    why = "off: --cuda-graph off";
+  } else if (m.precision == DType::f16) {
+    why = "off: fp16's loss scaling reads the overflow count on the host";
+  } else if (has_gradient_ready_hook() || has_parameter_hooks()) {
+    why = "off: data-parallel hooks run on the host between the step's kernels";
+  } else if (RangeProfiler::instance().enabled()) {
+    why = "off: profiled ranges time each part with events on the host's side";
+  } else if (m.graph && !m.graph->failure.empty()) {
+    why = m.graph->failure.c_str();
+  }
+  if (why) {
+    m.graph_status = why;
+    return LanguageModel::train_step(tokens, targets, cfg, lr);
+  }
+  if (!m.graph) m.graph = std::make_unique<StepGraph>();
+  StepGraph& g = *m.graph;
+  // The step's stream follows the work already queued on the model's own.
+  FLASHLM_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream)), "cudaStreamSynchronize");
+  const StreamScope on_step_stream(m.stream, g.stream);
+  if (!g.warmed_up) {  // eager, on the step's stream: what it allocates exists before the capture
+    const StepResult r = LanguageModel::train_step(tokens, targets, cfg, lr);
+    g.scalars = Buffer::allocate(sizeof(DeviceStepScalars), Device::cuda, "train-step scalars");
+    g.in = std::make_unique<PinnedArray<DeviceStepScalars>>(1);
+    g.out = std::make_unique<PinnedArray<DeviceStepScalars>>(1);
+    g.rows = std::make_unique<PinnedArray<float>>(size_t(m.n));
+    g.warmed_up = true;
+    m.graph_status = "on (this step was the eager warm-up)";
+    return r;
+  }
+  m.upload_batch(tokens, targets);
+  if (m.norms) gpu::stream_synchronize(m.norms->stream);  // an eager step's norms may still be running
+  *g.in->data = DeviceStepScalars{adamw_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step + 1),
+                                  cfg.max_grad_norm, 0.0};
+  if (!g.exec && !capture_step()) {
+    m.graph_status = g.failure;
+    return LanguageModel::train_step(tokens, targets, cfg, lr);
+  }
+  FLASHLM_CUDA_CHECK(cudaGraphLaunch(g.exec, g.stream), "cudaGraphLaunch (train step)");
+  gpu::stream_synchronize(g.stream);
+  ++g.replays;
+  ++m.adam_step;
+  // The host state the step leaves, as its eager run would.
+  m.zero_pending = false;
+  m.have_forward = false;
+  m.norms_current = g.norms_current;
+  m.materialized_segment = g.materialized_segment;
+  m.pending_clip = g.out->data->adam.grad_scale;
+  m.graph_status = "on";
+  return StepResult{m.mean_loss(g.rows->data), g.out->data->norm, true};
+}
+
+bool CudaModel::capture_step() {
+  Impl& m = *impl_;
+  StepGraph& g = *m.graph;
+  const auto s = static_cast<cudaStream_t>(m.stream);
+  auto* scalars = static_cast<DeviceStepScalars*>(g.scalars.data());
+  // The host state the captured code changes, to restore when the capture fails.
+  const bool zero_pending = m.zero_pending, norms_current = m.norms_current, have_forward = m.have_forward;
+  const float pending_clip = m.pending_clip;
+  const int64_t segment = m.materialized_segment;
+  cudaGraph_t graph = nullptr;
+  try {
+    FLASHLM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+    m.capturing = true;
+    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(scalars, g.in->data, sizeof(DeviceStepScalars), cudaMemcpyHostToDevice, s),
+                       "cudaMemcpyAsync (step scalars)");
+    zero_grad();
+    queue_forward();
+    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(g.rows->data, m.row_loss.data(), size_t(m.n) * sizeof(float),
+                                       cudaMemcpyDeviceToHost, s),
+                       "cudaMemcpyAsync (per-token losses)");
+    backward();
+    {
+      // clip_gradients on the device: gradient_norm's sum of the per-parameter norms (or of one pass).
+      ScopedRange range("clip_gradients");
+      if (m.norms_current) {
+        m.norms->join(m.stream);
+        gpu::clip_on_device(static_cast<const double*>(m.partial_norms.data()), int64_t(m.layout.size()), scalars,
+                            m.stream);
+      } else {
+        m.settle_gradients();
+        auto* out = static_cast<double*>(m.reduce_out.data());
+        if (m.pure) {
+          gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);
+        } else {
+          gpu::squared_norm<float>(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
+        }
+        gpu::clip_on_device(out, 1, scalars, m.stream);
+      }
+    }
+    {
+      memory_set_phase("optimizer");
+      ScopedRange range("optimizer_step");
+      m.queue_adamw(AdamWConfig{}, 0.0, &scalars->adam);
+    }
+    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(g.out->data, scalars, sizeof(DeviceStepScalars), cudaMemcpyDeviceToHost, s),
+                       "cudaMemcpyAsync (step scalars back)");
+    m.capturing = false;
+    FLASHLM_CUDA_CHECK(cudaStreamEndCapture(s, &graph), "cudaStreamEndCapture");
+    FLASHLM_CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0), "cudaGraphInstantiate");
+    cudaGraphDestroy(graph);
+  } catch (const std::exception& e) {
+    m.capturing = false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t partial = nullptr;
+      cudaStreamEndCapture(s, &partial);
+      if (partial) cudaGraphDestroy(partial);
+    }
+    if (graph) cudaGraphDestroy(graph);
+    g.exec = nullptr;
+    cudaGetLastError();  // the capture's error is reported as the reason, not by the next call
+    g.failure = fmt::format("off: the step could not be captured ({})", e.what());
+    m.zero_pending = zero_pending;
+    m.norms_current = norms_current;
+    m.have_forward = have_forward;
+    m.pending_clip = pending_clip;
+    m.materialized_segment = segment;
+    return false;
+  }
+  g.norms_current = m.norms_current;
+  g.materialized_segment = m.materialized_segment;
+  return true;
 }
 
 }  // namespace flashlm

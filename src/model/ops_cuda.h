@@ -38,16 +38,18 @@ template <class T>
 void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* rstd, T* dx, float* dgain, int64_t n,
                       int64_t d, void* stream);
 
-// Rotary embedding, in place, on interleaved pairs (x[2i], x[2i+1]) of [batch, seq, heads, head_dim]
-// contiguous rows at positions 0..seq-1. cos/sin: fp32 device tables [context >= seq, head_dim / 2], as
-// cpu::rope_tables makes them. head_dim must be even.
+// Rotary embedding, in place, on interleaved pairs (x[2i], x[2i+1]) of [batch, seq, heads, head_dim] rows
+// at positions 0..seq-1. cos/sin: fp32 device tables [context >= seq, head_dim / 2], as cpu::rope_tables
+// makes them. head_dim must be even. token_stride: elements from one token's heads to the next's (0: heads ·
+// head_dim, contiguous); the CUDA model rotates q and k in one call as 2·heads heads of its [tokens, 3·d]
+// q|k|v array.
 template <class T>
 void rope_forward(T* x, const float* cos, const float* sin, int64_t batch, int64_t seq, int64_t heads,
-                  int64_t head_dim, void* stream);
+                  int64_t head_dim, void* stream, int64_t token_stride = 0);
 // The inverse rotation, applied to the gradient in place.
 template <class T>
 void rope_backward(T* dx, const float* cos, const float* sin, int64_t batch, int64_t seq, int64_t heads,
-                   int64_t head_dim, void* stream);
+                   int64_t head_dim, void* stream, int64_t token_stride = 0);
 
 // s = silu(u) ⊙ g over n values; backward writes (does not accumulate) du and dg.
 template <class T>

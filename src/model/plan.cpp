@@ -62,6 +62,12 @@ int64_t ActivationLayout::segment_last(int64_t l) const {
   return std::min<int64_t>(int64_t(blocks.size()), first + recompute.every) - 1;
 }
 
+int64_t gradient_staging_elements(const ModelConfig& c) {
+  int64_t largest = checked_mul(3 * c.d_model, c.d_model, "gradient staging: 3 x d_model^2");
+  for (const ParameterInfo& info : parameter_layout(c)) largest = std::max(largest, info.numel());
+  return largest;
+}
+
 ActivationLayout layout_activations(const ModelConfig& c, int64_t batch, int64_t seq, const RecomputePlan& plan) {
   using Kind = RecomputePlan::Kind;
   FLASHLM_CHECK(plan.kind != Kind::automatic, "layout_activations: resolve --recompute auto first");
@@ -200,9 +206,8 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     p.items.push_back({fmt::format("LM head + loss: logits of {} tokens at a time, per-token losses", chunk),
                        bytes(aligned_elements(checked_mul(chunk, c.vocab, "head chunk")), elem) + bytes(n, 4)});
     if (o.bf16_pure) {
-      int64_t largest = 0;
-      for (const ParameterInfo& info : parameter_layout(c)) largest = std::max(largest, info.numel());
-      p.items.push_back({"fp32 gradient accumulator (the largest parameter)", bytes(largest, 4)});
+      p.items.push_back({"fp32 gradient accumulator (the largest gradient a GEMM writes)",
+                         bytes(gradient_staging_elements(c), 4)});
     }
     // cuBLASLt's 32 MiB, the embedding backward's sort (~32 bytes a token), the RMSNorm gain partial sums
     // (1024 rows of d floats) and the attention backward's two fp32 rows per query.

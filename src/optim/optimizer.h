@@ -33,6 +33,15 @@ struct AdamWScalars {
   float alpha, b1, one_minus_b1, b2, one_minus_b2, eps, decay, grad_scale;
 };
 
+// A train step's scalars in device memory, for a step replayed as a CUDA graph: the host writes adam (with
+// grad_scale 1) and max_norm before each replay; gpu::clip_on_device sets norm and adam.grad_scale; AdamW
+// reads adam (gpu::adamw_step_live).
+struct DeviceStepScalars {
+  AdamWScalars adam;
+  double max_norm;
+  double norm;
+};
+
 inline AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
                                   int64_t step, float grad_scale = 1.0f) {
   const double t = double(step);
@@ -77,6 +86,20 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
 void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
                      double beta2, double eps, double weight_decay, int64_t step, void* stream,
                      float grad_scale = 1.0f);
+
+// adamw_step and adamw_step_bf16 with the step's scalars read from device memory when the kernels run, not
+// fixed when they are queued: a CUDA graph of the train step replays them with each step's lr, step count
+// and clipping factor (CudaModel::train_step).
+template <class T>
+void adamw_step_live(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWScalars* scalars,
+                     T* param_copy, void* stream);
+void adamw_step_bf16_live(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n,
+                          const AdamWScalars* scalars, void* stream);
+
+// Clipping on the device, for a graphed step: s->norm = sqrt(Σ partial[0, count)) summed in index order in
+// fp64, and s->adam.grad_scale = cpu::clip_scale(norm, s->max_norm) when max_norm > 0 and norm > max_norm,
+// else 1 — the host's arithmetic of CudaModel::clip_gradients, bit for bit (one thread, IEEE roundings).
+void clip_on_device(const double* partial, int64_t count, DeviceStepScalars* s, void* stream);
 
 // *out = Σ x[i]² accumulated in fp64 (device scalar), T ∈ {float, bf16_t}, in a fixed order: 8192-element
 // chunks, then the chunk sums by one block (the gradient norm for clipping; with bf16 gradients the factor

@@ -264,6 +264,7 @@ TrainResult train(const TrainConfig& cfg) {
   options.bf16_pure = cfg.bf16_pure;
   options.head_chunk = cfg.head_chunk;
   options.deterministic = cfg.deterministic;
+  options.cuda_graph = cfg.cuda_graph;
   // ZeRO-1 and FSDP keep this rank's shard of the moments, not the model (DdpModel releases its own).
   if (cfg.comm && (cfg.zero1 || cfg.ddp.variant == DdpVariant::fsdp)) options.optimizer_shards = world;
   FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm, "train: bf16-pure keeps no fp32 masters for data parallelism to reduce "
@@ -390,10 +391,10 @@ TrainResult train(const TrainConfig& cfg) {
       cfg.comm->all_reduce(std::span<double>(&loss, 1), ReduceOp::avg);  // the global batch's loss
       stepped = dp->optimizer_step(cfg.optimizer, lr, &norm);
     } else {
-      model.zero_grad();
-      loss = model.forward(x.data(), y.data());
-      model.backward();
-      stepped = optimizer_step(model, cfg.optimizer, lr, &norm);
+      const StepResult r = model.train_step(x.data(), y.data(), cfg.optimizer, lr);
+      loss = r.loss;
+      norm = r.grad_norm;
+      stepped = r.updated;
     }
     if (!stepped) ++skipped;  // fp16 overflow: no update, the loss scale was halved
     // fp16 skips such a step and backs off its loss scale (above); in fp32 and bf16 a loss or gradient norm

@@ -250,11 +250,41 @@ std::vector<Fp8Case> fp8_grid() {
       }
     }
   }
+  // More work items (query-tile pairs: batch · heads · pairs) than an H200 has multiprocessors (132), so
+  // that persistent blocks take several and the K/V ring runs on from one item into the next.
+  cases.push_back({{4, 256, 300, 40, 8, 128, Layout::bshd, Mask::bottom_right, DType::bf16}});
+  cases.push_back({{4, 200, 520, 40, 8, 64, Layout::bhsd, Mask::none, DType::bf16}});
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, Fp8VsReference, ::testing::ValuesIn(fp8_grid()),
                          [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_case_name(info.param); });
+
+// No queries: nothing is written. No keys: O is zero and logsumexp -inf (outputs start poisoned).
+TEST(Fp8Attention, EmptySequences) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  for (int64_t d : {64, 128}) {
+    for (auto [nq, nk] : {std::pair<int64_t, int64_t>{0, 70}, std::pair<int64_t, int64_t>{70, 0}}) {
+      Tensor q = Tensor::empty({2, nq, 4, d}, DType::f8e4m3, Device::cuda);
+      Tensor k = Tensor::empty({2, nk, 2, d}, DType::f8e4m3, Device::cuda), v = Tensor::empty({2, nk, 2, d}, DType::f8e4m3, Device::cuda);
+      Tensor o = Tensor::empty({2, nq, 4, d}, DType::bf16, Device::cuda), lse = Tensor::empty({2, 4, nq}, DType::f32, Device::cuda);
+      for (const Tensor* t : {&q, &k, &v}) fill_normal(*t, 5);
+      fill_value(o, 7.0);
+      fill_value(lse, 7.0);
+      attention_forward(q, k, v, o, lse);
+      const std::string what = fmt::format("d {} nq {} nk {}", d, nq, nk);
+      Tensor h = to_f64(o.view());
+      for (int64_t i = 0; i < h.view().numel(); ++i) ASSERT_EQ(h.view().ptr<double>()[i], 0.0) << what;
+      Tensor l = to_f64(lse.view());
+      for (int64_t i = 0; i < l.view().numel(); ++i) ASSERT_EQ(l.view().ptr<double>()[i], -INFINITY) << what;
+    }
+  }
+#endif
+}
 
 // What an fp8 call refuses on the GPU: a head dim without a kernel, and any impl but flash.
 TEST(Fp8Attention, GpuRefusesWhatItHasNoKernelFor) {

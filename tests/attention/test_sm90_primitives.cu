@@ -1,5 +1,7 @@
 // The Hopper wrappers of attention/cuda/hopper/ one at a time, on random data against the host: a TMA tile
-// round trip through an mbarrier (strided view, zero-filled rows past the end), a bulk copy through an
+// round trip through an mbarrier (strided view, zero-filled rows past the end), a TMA tile store (clipped
+// at the view's end), the forward's FMA-pipe exp2 against exp2, e4m3 tiles of 64- and 128-byte rows by TMA
+// into an e4m3 wgmma (the FP8 forward's layouts), a bulk copy through an
 // mbarrier, bulk reduce-adds from several blocks into one buffer, and single-warpgroup wgmma products with both operands in shared memory, with A in registers
 // and B read N-major, and with both A and B read M/N-major from a panel of wider tiles (the backward's
 // dQ = dS·K). Skips without an sm_90 GPU.
@@ -9,11 +11,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <vector>
 
+#include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
+#include "flashlm/dtype.h"
 
 namespace {
 
@@ -110,6 +115,113 @@ TEST(Sm90Primitives, TmaTileRoundTripThroughMbarrier) {
   }
   cudaFree(out);
   cudaFree(storage);
+}
+
+// The reverse of the round trip: a tile of kRows rows written into shared memory in the swizzled layout by
+// ordinary stores (the forward's O staging), then stored with TMA at (row0, head, batch) in boxes of 64 rows.
+__global__ void tma_store_kernel(const __grid_constant__ CUtensorMap map, const uint16_t* tile_in, int row0,
+                                 int head, int batch) {
+  __shared__ alignas(1024) uint16_t tile[kRows * kCols];
+  for (int i = threadIdx.x; i < kRows * kCols; i += blockDim.x) {
+    const int r = i / kCols, c = i % kCols;  // 64-row boxes: rows [64·b, 64·b + 64) are one 64-row tile
+    tile[(r / 64) * 64 * kCols + flashlm::sm90::swizzled_offset(64, r % 64, c) / 2] = tile_in[i];
+  }
+  flashlm::sm90::fence_proxy_async_shared();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int box = 0; box < kRows / 64; ++box) {
+      for (int panel = 0; panel < kCols / 64; ++panel) {
+        flashlm::sm90::tma_store_4d(&map, tile + box * 64 * kCols + panel * 64 * 64, panel * 64, row0 + 64 * box,
+                                    head, batch);
+      }
+    }
+    flashlm::sm90::bulk_commit();
+    flashlm::sm90::bulk_wait<0>();
+  }
+}
+
+TEST(Sm90Primitives, TmaTileStoreWritesItsBoxAndClipsAtTheEnd) {
+  SKIP_WITHOUT_SM90();
+  // The same sliced [2, 100, 3, 128] view of [2, 103, 3, 136] storage; storage starts poisoned, and only the
+  // stored rows inside the view may change.
+  const int B = 2, S = 100, H = 3, D = 128, Sp = 103, Dp = 136;
+  const size_t n = size_t(B) * Sp * H * Dp;
+  std::vector<uint16_t> poison(n, 0x7fc1);
+  uint16_t* storage = device_copy(poison);
+  ASSERT_NE(storage, nullptr);
+  flashlm::TensorView view = flashlm::TensorView::contiguous(storage, flashlm::DType::bf16, {B, Sp, H, Dp},
+                                                             flashlm::Device::cuda);
+  view = view.slice(1, 2, 2 + S).slice(3, 0, D);
+  const auto map = flashlm::sm90::rows_tensor_map(view, 64);
+  ASSERT_TRUE(map.has_value());
+  const auto tile_bf16 = random_bf16(size_t(kRows) * kCols, 5);
+  std::vector<uint16_t> tile(tile_bf16.size());
+  std::memcpy(tile.data(), tile_bf16.data(), tile.size() * 2);
+  uint16_t* tile_dev = device_copy(tile);
+  ASSERT_NE(tile_dev, nullptr);
+  const int row0 = 37, head = 2, batch = 1;  // rows 37..164: the last 65 fall past row 100 and are clipped
+  tma_store_kernel<<<1, 128>>>(*map, tile_dev, row0, head, batch);
+  CUDA_OK(cudaGetLastError());
+  std::vector<uint16_t> got(n);
+  CUDA_OK(cudaMemcpy(got.data(), storage, n * 2, cudaMemcpyDeviceToHost));
+  int bad = 0;
+  for (int b = 0; b < B; ++b)
+    for (int sp = 0; sp < Sp; ++sp)
+      for (int h = 0; h < H; ++h)
+        for (int c = 0; c < Dp; ++c) {
+          const int s = sp - 2, r = s - row0;
+          const bool stored = b == batch && h == head && c < D && s >= 0 && s < S && r >= 0 && r < kRows;
+          const uint16_t want = stored ? tile[size_t(r) * kCols + c] : uint16_t{0x7fc1};
+          bad += got[((size_t(b) * Sp + sp) * H + h) * Dp + c] != want;
+        }
+  EXPECT_EQ(bad, 0);
+  cudaFree(tile_dev);
+  cudaFree(storage);
+}
+
+// exp2_on_fma_pipe (the forward's exponentials moved off the SFU) against exp2 in double over the range the
+// softmax feeds it (x <= 0), with the edges: 0 for -inf and below -127, NaN kept.
+__global__ void exp2_on_fma_pipe_kernel(const float* x, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = flashlm::flash_cuda::exp2_on_fma_pipe(x[i]);
+}
+
+TEST(Sm90Primitives, Exp2OnFmaPipeIsWithinItsBoundOfExp2) {
+  SKIP_WITHOUT_SM90();
+  std::mt19937_64 gen(11);
+  std::uniform_real_distribution<float> dist(-130.f, 0.f);
+  std::vector<float> x(1 << 16);
+  for (auto& v : x) v = dist(gen);
+  for (int i = 0; i < 4096; ++i) x[static_cast<size_t>(i)] = -static_cast<float>(i) / 4096.f;  // [-1, 0] densely
+  const float edges[] = {0.f, -0.f, -0.5f, -1.f, -126.f, -126.5f, -127.f, -127.5f, -200.f, -INFINITY, NAN};
+  x.insert(x.end(), std::begin(edges), std::end(edges));
+  float* xd = device_copy(x);
+  float* yd = nullptr;
+  ASSERT_NE(xd, nullptr);
+  CUDA_OK(cudaMalloc(&yd, x.size() * 4));
+  const int n = static_cast<int>(x.size());
+  exp2_on_fma_pipe_kernel<<<(n + 255) / 256, 256>>>(xd, yd, n);
+  CUDA_OK(cudaGetLastError());
+  std::vector<float> y(x.size());
+  CUDA_OK(cudaMemcpy(y.data(), yd, y.size() * 4, cudaMemcpyDeviceToHost));
+  double worst = 0;
+  int bad = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (std::isnan(x[i])) {
+      bad += !std::isnan(y[i]);
+    } else if (x[i] < -126.5f) {
+      bad += y[i] != 0.f;  // flushed like fast_exp2's results under 2^-126
+    } else if (x[i] >= -126.f) {
+      const double want = std::exp2(static_cast<double>(x[i]));
+      worst = std::max(worst, std::fabs(y[i] - want) / want);
+    } else {
+      bad += !(y[i] >= 0.f && y[i] < 1.2e-38f);  // denormal or 0 between
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_LE(worst, 8e-5);  // the fit's 7.5e-5 plus fp32 rounding
+  cudaFree(xd);
+  cudaFree(yd);
 }
 
 // C[64 x 128] = A[64 x 128] · B[128 x 128]ᵀ with A and B both K-major in shared memory (S = Q·Kᵀ's form);
@@ -266,6 +378,98 @@ TEST(Sm90Primitives, WgmmaMMajorAAndNMajorBFromTilePanelsMatchHostProduct) {
   for (int a_panel : {0, 1}) {
     for (int b_panel : {0, 1}) check_wgmma_m_major_a(a_panel, b_panel);
   }
+}
+
+// C[64 x 128] = A[64 x K]·B[128 x K]ᵀ in e4m3 with K = kRowBytes (64 or 128): both tiles loaded by TMA from
+// [1, rows, 1, K] views (tma.h's 8-bit boxes: the whole 64-byte row with the 64-byte swizzle, or one
+// 128-byte panel with the 128-byte swizzle) and read K-major by e4m3 wgmma through k_major_descriptor_8bit
+// (the FP8 forward's S = Q·Kᵀ). B's view has fewer than 128 rows: TMA zero-fills the rest.
+template <int kRowBytes>
+__global__ void e4m3_tma_wgmma_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                                      float* c) {
+  __shared__ alignas(1024) uint8_t sa[64 * kRowBytes];
+  __shared__ alignas(1024) uint8_t sb[128 * kRowBytes];
+  __shared__ flashlm::sm90::Mbarrier bar;
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    bar.init(1);
+    flashlm::sm90::Mbarrier::fence_init();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    bar.arrive_expect_tx((64 + 128) * kRowBytes);
+    flashlm::sm90::tma_load_4d(sa, &map_a, bar, 0, 0, 0, 0);
+    flashlm::sm90::tma_load_4d(sb, &map_b, bar, 0, 0, 0, 0);
+  }
+  bar.wait(0);
+  float d[64];
+  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+  flashlm::sm90::fence_accumulators(d);
+  flashlm::sm90::wgmma_fence();
+  for (int kk = 0; kk < kRowBytes / 32; ++kk) {
+    flashlm::sm90::WgmmaM64E4m3<128>::ss(d, flashlm::sm90::k_major_descriptor_8bit<kRowBytes>(sa, 0, kk),
+                                         flashlm::sm90::k_major_descriptor_8bit<kRowBytes>(sb, 0, kk), kk > 0);
+  }
+  flashlm::sm90::wgmma_commit();
+  flashlm::sm90::wgmma_wait<0>();
+  flashlm::sm90::fence_accumulators(d);
+  const int warp = tid / 32, g = (tid % 32) / 4, t = tid % 4;
+  for (int i = 0; i < 64; ++i) {
+    const int row = 16 * warp + g + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * t + i % 2;
+    c[row * 128 + col] = d[i];
+  }
+}
+
+template <int kRowBytes>
+void check_e4m3_tma_wgmma() {
+  constexpr int kBRows = 100;  // of the 128 the tile holds
+  std::mt19937_64 gen(11 + kRowBytes);
+  std::normal_distribution<float> dist(0.f, 4.f);
+  std::vector<uint8_t> a(64 * kRowBytes), bm(kBRows * kRowBytes);
+  for (auto& x : a) x = flashlm::f8e4m3_t(dist(gen)).bits;
+  for (auto& x : bm) x = flashlm::f8e4m3_t(dist(gen)).bits;
+  uint8_t *da = device_copy(a), *db = device_copy(bm);
+  ASSERT_NE(da, nullptr);
+  ASSERT_NE(db, nullptr);
+  const auto map_a = flashlm::sm90::rows_tensor_map(
+      flashlm::TensorView::contiguous(da, flashlm::DType::f8e4m3, {1, 64, 1, kRowBytes}, flashlm::Device::cuda), 64);
+  const auto map_b = flashlm::sm90::rows_tensor_map(
+      flashlm::TensorView::contiguous(db, flashlm::DType::f8e4m3, {1, kBRows, 1, kRowBytes}, flashlm::Device::cuda),
+      128);
+  ASSERT_TRUE(map_a.has_value() && map_b.has_value());
+  float* dc = nullptr;
+  ASSERT_EQ(cudaMalloc(&dc, 64 * 128 * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(dc, 0xff, 64 * 128 * 4), cudaSuccess);  // NaN poison
+  e4m3_tma_wgmma_kernel<kRowBytes><<<1, 128>>>(*map_a, *map_b, dc);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> c(64 * 128);
+  ASSERT_EQ(cudaMemcpy(c.data(), dc, c.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  int bad = 0;
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 128; ++j) {
+      double want = 0, magnitude = 0;
+      for (int k = 0; j < kBRows && k < kRowBytes; ++k) {
+        const double x = flashlm::f8e4m3_t::to_float(a[i * kRowBytes + k]);
+        const double y = flashlm::f8e4m3_t::to_float(bm[j * kRowBytes + k]);
+        want += x * y;
+        magnitude += std::fabs(x * y);
+      }
+      // The products are exact in fp32; the tensor cores' e4m3 accumulation keeps fewer bits than fp32, so
+      // the bound is relative to the sum of |products| (a layout error is off by the products themselves).
+      const double err = std::fabs(c[i * 128 + j] - want);
+      bad += !(err <= 4e-3 * magnitude + 1e-6);
+    }
+  }
+  EXPECT_EQ(bad, 0) << kRowBytes << "-byte rows";
+  cudaFree(da);
+  cudaFree(db);
+  cudaFree(dc);
+}
+
+TEST(Sm90Primitives, E4m3TmaTilesOf64And128ByteRowsThroughWgmmaMatchHostProduct) {
+  SKIP_WITHOUT_SM90();
+  check_e4m3_tma_wgmma<64>();
+  check_e4m3_tma_wgmma<128>();
 }
 
 // `n` floats from global memory at `src` into shared memory by one bulk copy completing on an mbarrier,

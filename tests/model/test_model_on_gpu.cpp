@@ -233,6 +233,81 @@ TEST(CudaModel, OverlappedGradientNormIsTheNormOfTheGradients) {
   }
 }
 
+// train_step as one CUDA graph (captured at the second step, replayed after) gives the bits of the eager
+// step: the losses, norms, parameters and gradients, with a new batch, lr and clipping bound every step
+// (the graph must read them, not replay the first step's), clipping on every other step.
+TEST(CudaModel, GraphedStepsGiveTheBitsOfEagerSteps) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  for (int variant = 0; variant < 4; ++variant) {
+    ModelOptions options;
+    options.bf16_pure = variant == 2;
+    options.overlap_grad_norm = variant != 3;  // 3: the norm as one pass after the backward
+    const DType precision = variant == 0 ? DType::f32 : DType::bf16;
+    const std::string name = std::string(variant == 2 ? "bf16-pure" : dtype_name(precision)) +
+                             (variant == 3 ? ", serial norm" : "");
+    std::vector<StepResult> results[2];
+    std::vector<float> params[2], grads[2];
+    std::string status[2];
+    for (int graphed = 0; graphed < 2; ++graphed) {
+      options.cuda_graph = graphed == 1;
+      CudaModel m(c, 2, 64, precision, options);
+      m.init_parameters(17);
+      for (int step = 0; step < 7; ++step) {  // the last one clipped: its factor stays pending for the reads
+        const Batch b = make_batch(2 * 64, c.vocab, 20 + step);
+        AdamWConfig opt;
+        opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;  // clipped, then not
+        results[graphed].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
+        if (graphed == 1 && step == 0) {
+          EXPECT_EQ(m.cuda_graph_status(), "on (this step was the eager warm-up)") << name;
+        }
+      }
+      status[graphed] = m.cuda_graph_status();
+      EXPECT_EQ(m.optimizer_steps(), 7) << name;
+      params[graphed].resize(size_t(m.parameter_count()));
+      grads[graphed].resize(size_t(m.parameter_count()));
+      m.copy_parameters_to(params[graphed].data());
+      m.copy_gradients_to(grads[graphed].data());  // as clip_gradients left them: clipped or not
+    }
+    EXPECT_EQ(status[0], "off: --cuda-graph off") << name;
+    EXPECT_EQ(status[1], "on") << name;
+    for (size_t i = 0; i < results[0].size(); ++i) {
+      EXPECT_EQ(results[1][i].loss, results[0][i].loss) << name << ", step " << i;
+      EXPECT_EQ(results[1][i].grad_norm, results[0][i].grad_norm) << name << ", step " << i;
+      EXPECT_TRUE(results[1][i].updated) << name;
+      if (i > 0) {
+        EXPECT_NE(results[1][i].loss, results[1][i - 1].loss) << name << ": the same loss twice";
+      }
+    }
+    EXPECT_GT(results[0][2].grad_norm, 1e-3) << name << ": step 2 was meant to be clipped";
+    EXPECT_TRUE(params[1] == params[0]) << name << ": the graphed steps' parameters differ from the eager ones";
+    EXPECT_TRUE(grads[1] == grads[0]) << name << ": the graphed steps' gradients differ from the eager ones";
+  }
+}
+
+// Where a step cannot be captured it runs eagerly and says why: fp16 (the loss scale's overflow check on
+// the host), a gradient-ready hook (data parallelism).
+TEST(CudaModel, UncapturableStepsRunEagerlyAndSayWhy) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = small_config();
+  const Batch b = make_batch(2 * 64, c.vocab, 8);
+  AdamWConfig opt;
+  {
+    CudaModel m(c, 2, 64, DType::f16);
+    m.init_parameters(5);
+    for (int step = 0; step < 3; ++step) m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3);
+    EXPECT_EQ(m.cuda_graph_status().rfind("off: fp16", 0), 0u) << m.cuda_graph_status();
+  }
+  CudaModel m(c, 2, 64, DType::bf16);
+  m.init_parameters(5);
+  int ready = 0;
+  m.set_gradient_ready_hook([&](int64_t, int64_t) { ++ready; });
+  for (int step = 0; step < 3; ++step) m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3);
+  EXPECT_EQ(m.cuda_graph_status().rfind("off: data-parallel hooks", 0), 0u) << m.cuda_graph_status();
+  EXPECT_EQ(ready, 3 * int(m.layout().size())) << "the hook must see every gradient of every step";
+  EXPECT_EQ(m.optimizer_steps(), 3);
+}
+
 TEST(CudaModel, Fp16LossScaleStartsHighAndOtherPrecisionsUseOne) {
   SKIP_WITHOUT_GPU();
   EXPECT_EQ(CudaModel(small_config(), 1, 16, DType::f16).loss_scale(), 65536.0);

@@ -301,6 +301,56 @@ TYPED_TEST(OpsCuda, RopeForwardAndBackwardMatchCpu) {
   }
 }
 
+// With a token stride: q and k of a [tokens, 3 · heads · head_dim] q|k|v array rotated in one call as
+// 2·heads heads per token (as the CUDA model does); each equals the contiguous rotation of its part, and v
+// is left as it was, bit for bit. The packed path (head_dim 48, stride a multiple of 8) and the pairwise one.
+TYPED_TEST(OpsCuda, RopeWithATokenStrideRotatesQAndKInPlace) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  struct Shape {
+    int64_t batch, seq, heads, head_dim;
+  };
+  for (const Shape& s : {Shape{2, 7, 3, 48}, Shape{1, 5, 2, 2}}) {
+    SCOPED_TRACE(dims({{"batch", s.batch}, {"seq", s.seq}, {"heads", s.heads}, {"head_dim", s.head_dim}}));
+    const int64_t context = s.seq, half = s.head_dim / 2, d = s.heads * s.head_dim, tokens = s.batch * s.seq;
+    std::vector<float> cos(size_t(context * half)), sin(size_t(context * half));
+    cpu::rope_tables(cos.data(), sin.data(), context, s.head_dim, 10000.0);
+    DeviceArray<float> dcos(cos), dsin(sin);
+    for (int direction = 0; direction < 2; ++direction) {
+      const std::vector<float> qkv = random_values<T>(tokens * 3 * d, 1300 + direction);
+      DeviceArray<T> dqkv = device_copy<T>(qkv);
+      if (direction == 0) {
+        gpu::rope_forward<T>(dqkv.data(), dcos.data(), dsin.data(), s.batch, s.seq, 2 * s.heads, s.head_dim, nullptr,
+                             3 * d);
+      } else {
+        gpu::rope_backward<T>(dqkv.data(), dcos.data(), dsin.data(), s.batch, s.seq, 2 * s.heads, s.head_dim, nullptr,
+                              3 * d);
+      }
+      const std::vector<float> got = download_floats(dqkv);
+      for (int part = 0; part < 3; ++part) {
+        std::vector<float> in(size_t(tokens * d)), out(size_t(tokens * d));
+        for (int64_t t = 0; t < tokens; ++t) {
+          for (int64_t j = 0; j < d; ++j) {
+            in[size_t(t * d + j)] = qkv[size_t(t * 3 * d + part * d + j)];
+            out[size_t(t * d + j)] = got[size_t(t * 3 * d + part * d + j)];
+          }
+        }
+        std::vector<float> ref = in;
+        if (part < 2 && direction == 0) {
+          cpu::rope_forward(ref.data(), cos.data(), sin.data(), s.batch, s.seq, s.heads, s.head_dim);
+        } else if (part < 2) {
+          cpu::rope_backward(ref.data(), cos.data(), sin.data(), s.batch, s.seq, s.heads, s.head_dim);
+        }
+        if (part < 2) {
+          EXPECT_TRUE(close_to(out, ref, storage_tol<T>())) << "part " << part << ", direction " << direction;
+        } else {
+          EXPECT_EQ(out, in) << "v was changed, direction " << direction;
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // SwiGLU.
 

@@ -252,6 +252,37 @@ def test_reused_packed_arguments_equal_a_fresh_pack_when_geometry_or_options_cha
         assert torch.allclose(to_layout(o, layout), ref.to(o.dtype), atol=1e-5)
 
 
+def test_autograd_backward_reuses_the_forward_call_only_for_the_same_output_gradient_geometry():
+    # The autograd path keys its backward's packed arguments by the forward's PackedCall and dO's geometry
+    # alone. Backwards of one forward geometry with dO contiguous, strided (a sliced view) and in another
+    # dtype-compatible layout must each pack exactly what a fresh pack gives and give the reference's
+    # gradients.
+    from flashlm import _lib
+    base = [torch.randn(2, 33, 3, 16, dtype=torch.float64) for _ in range(3)]
+    ref_q, ref_k, ref_v = (b.clone().requires_grad_(True) for b in base)
+    ref = reference(ref_q, ref_k, ref_v, True, "top_left", None)
+    douts = [lambda o: torch.randn(o.shape, dtype=o.dtype),
+             lambda o: torch.randn(*o.shape[:-1], o.shape[-1] + 5, dtype=o.dtype)[..., :o.shape[-1]],
+             lambda o: torch.randn(o.shape[0], o.shape[2], o.shape[1], o.shape[3], dtype=o.dtype).transpose(1, 2),
+             lambda o: torch.randn(o.shape, dtype=o.dtype)]  # back to the first: the cached entry
+    for make_dout in douts:
+        q, k, v = (b.clone().requires_grad_(True) for b in base)
+        o = flashlm.attention(q, k, v, layout="bshd", causal=True)
+        dout = make_dout(o)
+        lse = o.grad_fn.saved_tensors[4]
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), dout)
+        rq, rk, rv = torch.autograd.grad(ref, (ref_q, ref_k, ref_v), dout, retain_graph=True)
+        for got, want in ((dq, rq), (dk, rk), (dv, rv)):
+            assert torch.allclose(got, want, atol=1e-10), (dout.stride(), (got - want).abs().max())
+        forward_call = _packed_call_of(_lib.packed_calls.forward, q)
+        backward = [c for c in forward_call.backward.values() if c.words[75] == dout.data_ptr()]
+        assert len(backward) == 1
+        tensors = (("q", q), ("k", k), ("v", v), ("o", o), ("lse", lse), ("dout", dout), ("dq", dq), ("dk", dk),
+                   ("dv", dv))
+        assert bytes(backward[0].buffer) == _fresh_pack(_lib.BACKWARD, tensors, False,
+                                                        (True, False, None, False, "flash"))
+
+
 def test_packed_arguments_are_bounded():
     from flashlm import _lib
     q = torch.randn(1, 2, 1, 8)

@@ -247,6 +247,28 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// 2^x for x <= 0 (the softmax's exponents) on the FMA and integer pipes instead of the SFU, so that a kernel
+// bound by SFU throughput (the Hopper forward at head dim 64) can move a share of its exponentials off it.
+// x = j + f with j = round(x) (adding and subtracting 1.5 * 2^23 rounds to an integer) and f in [-0.5, 0.5];
+// 2^f by a degree-3 polynomial (coefficients fitted here by a Remez exchange on the relative error: at most
+// 7.5e-5 in fp32, a fiftieth of a bf16 rounding of P) times 2^j, built in the exponent field from the
+// shifter's low bits. x is first clamped at -127 by a NaN-keeping max: 2^-127 then has exponent field 0,
+// i.e. the factor is +0, so -inf and anything under -126.5 give exactly 0 (as the masking and fully
+// masked rows need; fast_exp2 flushes below 2^-126 too), and NaN stays NaN through the polynomial. Eight
+// FMA-pipe instructions and one integer one against one SFU instruction: worth it only for the share of
+// the exponentials the SFU cannot keep up with.
+__device__ __forceinline__ float exp2_on_fma_pipe(float x) {
+  constexpr float kShifter = 12582912.f;  // 1.5 * 2^23: j lands in the low mantissa bits
+  float xc;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(xc) : "f"(x), "f"(-127.f));
+  const float shifted = __fadd_rn(xc, kShifter);  // the _rn forms are never folded into xc
+  const float f = __fsub_rn(xc, __fsub_rn(shifted, kShifter));
+  const float p = fmaf(fmaf(fmaf(0.0551716685f, f, 0.242611125f), f, 0.693260968f), f, 0.999928057f);
+  // (j + 127) << 23: the shifter's bits are 0x4B400000 + j, whose bits above the ninth vanish in the shift.
+  const float two_to_j = __int_as_float((__float_as_int(shifted) << 23) + (127 << 23));
+  return p * two_to_j;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = max_propagating_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return max_propagating_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));

@@ -17,13 +17,14 @@ constexpr int kRopePairs = kPack / 2;  // pairs per thread on the packed path
 template <int PAIRS, class D>
 __global__ void __launch_bounds__(kThreads)
     rope_kernel(D* __restrict__ x, const float* __restrict__ cos, const float* __restrict__ sin, int64_t rows,
-                int64_t seq, int64_t heads, int half, float sign) {
+                int64_t seq, int64_t heads, int64_t token_stride, int half, float sign) {
   const int groups = half / PAIRS;  // per row
   FLASHLM_GRID_STRIDE(p, rows * groups) {
     const int i = int(p % groups) * PAIRS;
     const int64_t row = p / groups;  // (b, t, h) row of head_dim = 2 half values
-    const int64_t t = (row / heads) % seq;
-    D* xp = x + row * (2 * int64_t{half}) + 2 * i;
+    const int64_t token = row / heads;
+    const int64_t t = token % seq;
+    D* xp = x + token * token_stride + (row % heads) * (2 * int64_t{half}) + 2 * i;
     Vec<D, 2 * PAIRS> xv = load<2 * PAIRS>(xp);
     const Vec<float, PAIRS> cv = load<PAIRS>(cos + t * half + i), sv = load<PAIRS>(sin + t * half + i);
 #pragma unroll
@@ -39,7 +40,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class T>
 void rope(const char* fn, T* x, const float* cos, const float* sin, int64_t batch, int64_t seq, int64_t heads,
-          int64_t head_dim, float sign, void* stream) {
+          int64_t head_dim, int64_t token_stride, float sign, void* stream) {
   check_count(fn, "batch", batch);
   check_count(fn, "seq", seq);
   check_count(fn, "heads", heads);
@@ -48,14 +49,17 @@ void rope(const char* fn, T* x, const float* cos, const float* sin, int64_t batc
   const int64_t rows = batch * seq * heads;
   if (rows == 0) return;
   const int64_t half = head_dim / 2;
+  if (token_stride == 0) token_stride = heads * head_dim;
+  FLASHLM_CHECK(token_stride >= heads * head_dim, "{}: token_stride = {}, expected 0 or at least heads x head_dim = {}",
+                fn, token_stride, heads * head_dim);
   const cudaStream_t s = as_stream(stream);
-  if (half % kRopePairs == 0 && aligned16(x) && aligned16(cos) && aligned16(sin)) {
-    rope_kernel<kRopePairs><<<elementwise_blocks(rows * half / kRopePairs), kThreads, 0, s>>>(dev(x), cos, sin, rows,
-                                                                                              seq, heads, int(half),
-                                                                                              sign);
+  const bool packed_rows = token_stride % kPack == 0;  // every row's start stays 16-byte aligned
+  if (half % kRopePairs == 0 && packed_rows && aligned16(x) && aligned16(cos) && aligned16(sin)) {
+    rope_kernel<kRopePairs><<<elementwise_blocks(rows * half / kRopePairs), kThreads, 0, s>>>(
+        dev(x), cos, sin, rows, seq, heads, token_stride, int(half), sign);
   } else {
-    rope_kernel<1><<<elementwise_blocks(rows * half), kThreads, 0, s>>>(dev(x), cos, sin, rows, seq, heads, int(half),
-                                                                         sign);
+    rope_kernel<1><<<elementwise_blocks(rows * half), kThreads, 0, s>>>(dev(x), cos, sin, rows, seq, heads,
+                                                                         token_stride, int(half), sign);
   }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "rope_kernel");
 }
@@ -64,19 +68,19 @@ void rope(const char* fn, T* x, const float* cos, const float* sin, int64_t batc
 
 template <class T>
 void rope_forward(T* x, const float* cos, const float* sin, int64_t batch, int64_t seq, int64_t heads,
-                  int64_t head_dim, void* stream) {
-  rope("rope_forward", x, cos, sin, batch, seq, heads, head_dim, 1.0f, stream);
+                  int64_t head_dim, void* stream, int64_t token_stride) {
+  rope("rope_forward", x, cos, sin, batch, seq, heads, head_dim, token_stride, 1.0f, stream);
 }
 
 template <class T>
 void rope_backward(T* dx, const float* cos, const float* sin, int64_t batch, int64_t seq, int64_t heads,
-                   int64_t head_dim, void* stream) {
-  rope("rope_backward", dx, cos, sin, batch, seq, heads, head_dim, -1.0f, stream);  // the transpose = inverse
+                   int64_t head_dim, void* stream, int64_t token_stride) {
+  rope("rope_backward", dx, cos, sin, batch, seq, heads, head_dim, token_stride, -1.0f, stream);  // the inverse
 }
 
 #define FLASHLM_ROPE_INSTANTIATE(T) \
-  template void rope_forward<T>(T*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, void*); \
-  template void rope_backward<T>(T*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, void*);
+  template void rope_forward<T>(T*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, void*, int64_t); \
+  template void rope_backward<T>(T*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, void*, int64_t);
 
 FLASHLM_ROPE_INSTANTIATE(float)
 FLASHLM_ROPE_INSTANTIATE(bf16_t)

@@ -27,7 +27,9 @@ __device__ __forceinline__ void adamw_element(float& w, float grad, float& m, fl
 template <class D>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(float* __restrict__ w, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v,
-                 int64_t first, int64_t n, AdamWScalars a, D* __restrict__ copy) {
+                 int64_t first, int64_t n, AdamWScalars fixed, const AdamWScalars* __restrict__ live,
+                 D* __restrict__ copy) {
+  const AdamWScalars a = live ? *live : fixed;
   FLASHLM_GRID_STRIDE(j, n - first) {
     const int64_t i = first + j;
     float wi = w[i], mi = m[i], vi = v[i];
@@ -59,7 +61,9 @@ __device__ __forceinline__ void store_four(D* __restrict__ copy, int64_t q, floa
 template <class D>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel_x4(float4* __restrict__ w, const float4* __restrict__ grad, float4* __restrict__ m,
-                    float4* __restrict__ v, int64_t n4, AdamWScalars a, D* __restrict__ copy) {
+                    float4* __restrict__ v, int64_t n4, AdamWScalars fixed, const AdamWScalars* __restrict__ live,
+                    D* __restrict__ copy) {
+  const AdamWScalars a = live ? *live : fixed;
   FLASHLM_GRID_STRIDE(q, n4) {
     float4 wq = w[q], mq = m[q], vq = v[q];
     const float4 gq = grad[q];
@@ -78,7 +82,8 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     adamw_bf16_kernel(__nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ grad,
                       __nv_bfloat16* __restrict__ m, __nv_bfloat16* __restrict__ v, int64_t n, int64_t packs,
-                      AdamWScalars a) {
+                      AdamWScalars fixed, const AdamWScalars* __restrict__ live) {
+  const AdamWScalars a = live ? *live : fixed;
   for_each_pack(n, packs, [&](auto width, int64_t i) {
     constexpr int W = decltype(width)::value;
     Vec<__nv_bfloat16, W> wv = load<W>(w + i), mv = load<W>(m + i), vv = load<W>(v + i);
@@ -97,6 +102,36 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+// The launches of adamw_step and adamw_step_live: the scalars `fixed`, or those at `live` (device memory,
+// read when the kernel runs) when it is not null.
+template <class T>
+void launch_adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWScalars& fixed,
+                  const AdamWScalars* live, T* param_copy, cudaStream_t s) {
+  const bool copy_aligned = reinterpret_cast<uintptr_t>(param_copy) % (4 * sizeof(T)) == 0;  // four elements
+  const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && copy_aligned;
+  const int64_t n4 = vector ? n / 4 : 0;
+  if (n4 > 0) {
+    adamw_kernel_x4<<<elementwise_blocks(n4), kThreads, 0, s>>>(
+        reinterpret_cast<float4*>(param), reinterpret_cast<const float4*>(grad), reinterpret_cast<float4*>(m),
+        reinterpret_cast<float4*>(v), n4, fixed, live, dev(param_copy));
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel_x4");
+  }
+  if (4 * n4 < n) {
+    adamw_kernel<<<elementwise_blocks(n - 4 * n4), kThreads, 0, s>>>(param, grad, m, v, 4 * n4, n, fixed, live,
+                                                                     dev(param_copy));
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel");
+  }
+}
+
+void launch_adamw_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n, const AdamWScalars& fixed,
+                       const AdamWScalars* live, cudaStream_t s) {
+  FLASHLM_CHECK(param && grad && m && v, "adamw_step_bf16: param, grad, m and v must not be null");
+  const int64_t packs = pack_count(n, param, grad, m, v);
+  adamw_bf16_kernel<<<packed_blocks(n, packs), kThreads, 0, s>>>(dev(param), dev(grad), dev(m), dev(v), n, packs, fixed,
+                                                                 live);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_bf16_kernel");
+}
+
 }  // namespace
 
 template <class T>
@@ -106,20 +141,16 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
   FLASHLM_CHECK(step >= 1, "adamw_step: step = {}, expected >= 1 (1-based)", step);
   if (n == 0) return;
   const AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
-  const cudaStream_t s = as_stream(stream);
-  const bool copy_aligned = reinterpret_cast<uintptr_t>(param_copy) % (4 * sizeof(T)) == 0;  // four elements
-  const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && copy_aligned;
-  const int64_t n4 = vector ? n / 4 : 0;
-  if (n4 > 0) {
-    adamw_kernel_x4<<<elementwise_blocks(n4), kThreads, 0, s>>>(
-        reinterpret_cast<float4*>(param), reinterpret_cast<const float4*>(grad), reinterpret_cast<float4*>(m),
-        reinterpret_cast<float4*>(v), n4, a, dev(param_copy));
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel_x4");
-  }
-  if (4 * n4 < n) {
-    adamw_kernel<<<elementwise_blocks(n - 4 * n4), kThreads, 0, s>>>(param, grad, m, v, 4 * n4, n, a, dev(param_copy));
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel");
-  }
+  launch_adamw(param, grad, m, v, n, a, nullptr, param_copy, as_stream(stream));
+}
+
+template <class T>
+void adamw_step_live(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWScalars* scalars,
+                     T* param_copy, void* stream) {
+  check_count("adamw_step_live", "n", n);
+  FLASHLM_CHECK(scalars != nullptr, "adamw_step_live: scalars is null");
+  if (n == 0) return;
+  launch_adamw(param, grad, m, v, n, AdamWScalars{}, scalars, param_copy, as_stream(stream));
 }
 
 void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
@@ -127,17 +158,22 @@ void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, in
   check_count("adamw_step_bf16", "n", n);
   FLASHLM_CHECK(step >= 1, "adamw_step_bf16: step = {}, expected >= 1 (1-based)", step);
   if (n == 0) return;
-  FLASHLM_CHECK(param && grad && m && v, "adamw_step_bf16: param, grad, m and v must not be null");
   const AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
-  const int64_t packs = pack_count(n, param, grad, m, v);
-  adamw_bf16_kernel<<<packed_blocks(n, packs), kThreads, 0, as_stream(stream)>>>(dev(param), dev(grad), dev(m), dev(v),
-                                                                                  n, packs, a);
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_bf16_kernel");
+  launch_adamw_bf16(param, grad, m, v, n, a, nullptr, as_stream(stream));
+}
+
+void adamw_step_bf16_live(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n,
+                          const AdamWScalars* scalars, void* stream) {
+  check_count("adamw_step_bf16_live", "n", n);
+  FLASHLM_CHECK(scalars != nullptr, "adamw_step_bf16_live: scalars is null");
+  if (n == 0) return;
+  launch_adamw_bf16(param, grad, m, v, n, AdamWScalars{}, scalars, as_stream(stream));
 }
 
 #define FLASHLM_ADAMW_INSTANTIATE(T)                                                                             \
   template void adamw_step<T>(float*, const float*, float*, float*, int64_t, double, double, double, double, double, \
-                              int64_t, T*, void*, float);
+                              int64_t, T*, void*, float);                                                           \
+  template void adamw_step_live<T>(float*, const float*, float*, float*, int64_t, const AdamWScalars*, T*, void*);
 
 FLASHLM_ADAMW_INSTANTIATE(float)
 FLASHLM_ADAMW_INSTANTIATE(bf16_t)

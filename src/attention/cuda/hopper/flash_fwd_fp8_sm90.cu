@@ -1,54 +1,67 @@
 // FP8 (e4m3) FlashAttention forward for Hopper (sm_90a): e4m3 Q, K and V with per-tensor descale factors,
 // fp32 logsumexp, bf16 output, head dims 64 and 128, on e4m3 wgmma.
 //
-// Correct first, not yet tuned: one warpgroup per block of 64 query rows, no warp specialisation, plain
-// loads into shared memory (the views are 16-byte aligned: attention.cpp checks it). Per key block of 128:
-// the block's threads write K into a swizzled tile and Vᵀ into another, S = Q·Kᵀ by wgmma from shared
-// memory, the online softmax in registers on S's accumulators with softmax_scale·q_descale·k_descale folded
-// into the exp2, P rounded to e4m3 (in [0, 1], no range scaling needed) and O += P·V by wgmma with P from
-// registers; O is multiplied by v_descale / rowsum at the end.
+// The pipeline of the 16-bit kernel (flash_fwd_sm90.cu, whose file comment describes it): one block per
+// SM walking TileSchedule's query-tile pairs, a producer warpgroup whose one thread streams Q and the K/V
+// blocks through an mbarrier ring with TMA, two consumer warpgroups of 64 query rows ping-ponging their
+// GEMMs, each issuing S of key block n with P·V of block n - 1, setmaxnreg between the roles. The online
+// softmax (softmax_sm90.cuh) folds softmax_scale·q_descale·k_descale into the exp2; P is rounded to e4m3 in
+// registers (it lies in [0, 1], no range scaling needed) and O is multiplied by v_descale / rowsum at the end.
 //
-// Two things 8-bit wgmma changes against the 16-bit kernel (flash_fwd_sm90.cu):
-//  - both operands must be K-major, so V (keys x channels, channels contiguous) is stored transposed: row d
-//    of the Vᵀ tile holds channel d of the block's 128 keys, one 128-byte swizzled row;
+// Two things 8-bit wgmma changes against the 16-bit kernel:
+//  - both operands must be K-major, so P·V needs Vᵀ (channels x keys, keys contiguous). A pre-pass
+//    (fp8_transpose_v_kernel) writes Vᵀ of every key head into a workspace, [batch, heads_k, D, keys padded
+//    to 128] with zeros past seq_k, and the producer loads its 128-key blocks with TMA like K. It reads and
+//    writes N·D bytes per key head once, where the attention reads V once per query tile (docs/perf.md);
 //  - the A fragment of a k32 step wants bytes of columns 4t..4t+3 in one register, while S's accumulators
 //    give a thread columns 2t, 2t+1 of each 8-column group. Instead of moving bytes between threads, the
 //    keys are relabelled: the sum over keys does not care about their order, so the thread packs the four
 //    values it has (keys 2t, 2t+1, 8+2t, 9+2t of a 16-key group) as logical columns 4t..4t+3, and Vᵀ's
-//    column for logical key L holds the physical key physical_key(L) — the same permutation on both sides.
+//    column for logical key L holds the physical key physical_key(L) — the pre-pass applies the same
+//    permutation.
+// Q and K rows are one swizzled row each: 128 bytes (128-byte swizzle) at head dim 128, 64 bytes (64-byte
+// swizzle) at 64; Vᵀ rows are 128 keys, 128 bytes.
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "attention/backends.h"
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
+#include "attention/cuda/hopper/schedule_sm90.cuh"
 #include "attention/cuda/hopper/sm90.cuh"
+#include "attention/cuda/hopper/softmax_sm90.cuh"
+#include "attention/cuda/hopper/tma.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "flashlm/memory.h"
 
 namespace flashlm {
 namespace flash_cuda {
 namespace {
 
-constexpr int kFp8BlockM = 64;   // one consumer warpgroup: 64 query rows
-constexpr int kFp8BlockN = 128;  // keys per block: one 128-byte row of Vᵀ
-constexpr int kFp8RowBytes = sm90::kPanelRowBytes;  // every tile row is one 128-byte swizzled row
+template <int D>
+struct Fp8FwdTraits {
+  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
+  static constexpr int kBlockN = 128;  // keys per block: one 128-byte row of Vᵀ
+  static constexpr int kStages = 2;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = (1 + kConsumers) * sm90::kWarpgroupThreads;
+  static constexpr int kConsumerThreads = kConsumers * sm90::kWarpgroupThreads;
+  static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+  static constexpr uint32_t kQBytes = kBlockM * D, kKBytes = kBlockN * D, kVBytes = D * kBlockN;
+};
 
 template <int D>
 struct Fp8FwdShared {
-  // At D = 64 each 64-byte row still takes a 128-byte swizzled row (the half beyond D is never read).
-  alignas(1024) uint8_t q[kFp8BlockM * kFp8RowBytes];
-  alignas(1024) uint8_t k[kFp8BlockN * kFp8RowBytes];
-  alignas(1024) uint8_t vt[D * kFp8RowBytes];
+  using Tr = Fp8FwdTraits<D>;
+  alignas(1024) uint8_t q[Tr::kBlockM * D];
+  alignas(1024) uint8_t k[Tr::kStages][Tr::kBlockN * D];
+  alignas(1024) uint8_t vt[Tr::kStages][D * Tr::kBlockN];
+  sm90::Mbarrier q_full, q_empty, k_full[Tr::kStages], k_empty[Tr::kStages], v_full[Tr::kStages], v_empty[Tr::kStages];
 };
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of 128-byte rows with the 128-byte swizzle
-// (sm90.cuh's layout, one panel).
-__device__ __forceinline__ uint32_t fp8_chunk_offset(int row, int chunk) {
-  return static_cast<uint32_t>(row * kFp8RowBytes + ((chunk ^ (row % 8)) * 16));
-}
 
 // The physical key (within a block) that logical reduction column L of the P·V GEMM stands for. Within each
 // 16 keys: L = 4t + 2a + b (t the thread in its quad) holds key 8a + 2t + b, the a-th 8-column group's
@@ -64,185 +77,278 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
   return lo | (hi << 16);
 }
 
-// Rows [row_begin, row_begin + rows) of a [seq, D] head (row stride `stride` bytes) into a swizzled tile;
-// rows at or past `limit` are zeros.
-template <int D>
-__device__ __forceinline__ void load_rows(uint8_t* tile, const uint8_t* head, int64_t stride, int row_begin,
-                                          int rows, int limit) {
-  constexpr int kChunks = D / 16;
-  for (int i = threadIdx.x; i < rows * kChunks; i += sm90::kWarpgroupThreads) {
-    const int r = i / kChunks, c = i % kChunks, row = row_begin + r;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (row < limit) val = *reinterpret_cast<const uint4*>(head + row * stride + c * 16);
-    *reinterpret_cast<uint4*>(tile + fp8_chunk_offset(r, c)) = val;
-  }
-}
+// ---- The Vᵀ pre-pass: one block per (128 keys, key head, batch), grid-strided. The block reads the keys'
+// rows of V (16-byte loads, any row strides) into shared memory, zeros past seq_k, and writes the 16-byte
+// chunks of Vᵀ: row d, logical columns L = 16c .. 16c + 15 of the block hold V[physical_key(L)][d].
+constexpr int kTransposeKeys = 128, kTransposeThreads = 256;
 
-// The Vᵀ tile of keys [n0, n0 + 128): row d, logical column L = V[n0 + physical_key(L)][d] (0 past seq_k).
-// Consecutive threads take consecutive channels, so each byte load of a warp reads 32 consecutive bytes.
 template <int D>
-__device__ __forceinline__ void load_v_transposed(uint8_t* vt, const uint8_t* head, int64_t stride, int n0,
-                                                  int seq_k) {
-  for (int i = threadIdx.x; i < D * (kFp8BlockN / 16); i += sm90::kWarpgroupThreads) {
-    const int d = i % D, chunk = i / D;
-    uint32_t w[4];
-#pragma unroll
-    for (int word = 0; word < 4; ++word) {
-      uint32_t packed = 0;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + physical_key(16 * chunk + 4 * word + e);
-        const uint32_t byte = key < seq_k ? head[key * stride + d] : 0u;
-        packed |= byte << (8 * e);
-      }
-      w[word] = packed;
+__global__ void __launch_bounds__(kTransposeThreads)
+    fp8_transpose_v_kernel(const uint8_t* v, RowStrides st, uint8_t* vt, int seq_k, int64_t keys_padded, int heads_k,
+                           int64_t blocks) {
+  __shared__ alignas(16) uint8_t tile[kTransposeKeys * D];
+  const int64_t key_blocks = keys_padded / kTransposeKeys;
+  for (int64_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
+    const int64_t kb = blk % key_blocks, hk = (blk / key_blocks) % heads_k, b = blk / key_blocks / heads_k;
+    const int64_t n0 = kb * kTransposeKeys;
+    const uint8_t* head = v + b * st.b + hk * st.h;
+    __syncthreads();  // the previous block's reads of the tile are done
+    for (int i = threadIdx.x; i < kTransposeKeys * D / 16; i += kTransposeThreads) {
+      const int r = i / (D / 16), c = i % (D / 16);
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (n0 + r < seq_k) val = *reinterpret_cast<const uint4*>(head + (n0 + r) * st.s + c * 16);
+      *reinterpret_cast<uint4*>(tile + r * D + c * 16) = val;
     }
-    *reinterpret_cast<uint4*>(vt + fp8_chunk_offset(d, chunk)) = make_uint4(w[0], w[1], w[2], w[3]);
+    __syncthreads();
+    // Consecutive threads take consecutive channels: each byte read of a warp is 32 bytes of one key row.
+    uint8_t* out = vt + ((b * heads_k + hk) * D) * keys_padded + n0;
+    for (int i = threadIdx.x; i < D * (kTransposeKeys / 16); i += kTransposeThreads) {
+      const int d = i % D, chunk = i / D;
+      uint32_t w[4];
+#pragma unroll
+      for (int word = 0; word < 4; ++word) {
+        uint32_t packed = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) packed |= uint32_t{tile[physical_key(16 * chunk + 4 * word + e) * D + d]} << (8 * e);
+        w[word] = packed;
+      }
+      *reinterpret_cast<uint4*>(out + d * keys_padded + 16 * chunk) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
   }
 }
 
-// One block per (64 query rows, query head, batch). p.scale and p.scale_log2 already carry
-// q_descale·k_descale; v_descale multiplies O at the end.
+// ---- The attention kernel. p.scale and p.scale_log2 already carry q_descale·k_descale; v_descale
+// multiplies O at the end. tm_vt maps the pre-pass's Vᵀ as a [batch, D, heads_k, keys_padded] view.
 template <int D>
-__global__ void __launch_bounds__(sm90::kWarpgroupThreads, 1)
-    flash_fwd_fp8_sm90_kernel(const FlashParams p, float v_descale) {
+__global__ void __launch_bounds__(Fp8FwdTraits<D>::kThreads, 1)
+    flash_fwd_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                              const __grid_constant__ CUtensorMap tm_vt, const FlashParams p, float v_descale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using GemmS = sm90::WgmmaM64E4m3<kFp8BlockN>;
-  using GemmO = sm90::WgmmaM64E4m3<D>;
+  using Tr = Fp8FwdTraits<D>;
+  using Ring = sm90::RingSlot<Tr::kStages>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   extern __shared__ unsigned char smem_raw[];
   auto& s = *reinterpret_cast<Fp8FwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int m0 = static_cast<int>(blockIdx.x) * kFp8BlockM, h = static_cast<int>(blockIdx.y),
-            b = static_cast<int>(blockIdx.z), hk = h / p.group;
-  const int row0 = m0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
+  const TileSchedule schedule(p, kBlockM);
+  // Key blocks query tile m sees (none: the tile is written as zeros without loading anything).
+  auto key_blocks = [&](int m0) {
+    const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
+    const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
+    return (n_end + kBlockN - 1) / kBlockN;
+  };
+  const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
 
-  const auto* q_head = static_cast<const uint8_t*>(p.q) + b * p.q_st.b + h * p.q_st.h;
-  const auto* k_head = static_cast<const uint8_t*>(p.k) + b * p.k_st.b + hk * p.k_st.h;
-  const auto* v_head = static_cast<const uint8_t*>(p.v) + b * p.v_st.b + hk * p.v_st.h;
-
-  const int last_row = min(m0 + kFp8BlockM, p.seq_q) - 1;
-  const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
-  const int n_blocks = (n_end + kFp8BlockN - 1) / kFp8BlockN;
-
-  float o[D / 2];
-  float sacc[kFp8BlockN / 2];
-  uint32_t pa[kFp8BlockN / 32][4];
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  if (threadIdx.x == 0) {
+    s.q_full.init(1);
+    s.q_empty.init(Tr::kConsumerThreads);
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-
-  if (n_blocks > 0) load_rows<D>(s.q, q_head, p.q_st.s, m0, kFp8BlockM, p.seq_q);
-  for (int nb = 0; nb < n_blocks; ++nb) {
-    const int n0 = nb * kFp8BlockN;
-    __syncthreads();  // every thread's GEMMs of the previous block have completed (wgmma_wait<0>)
-    load_rows<D>(s.k, k_head, p.k_st.s, n0, kFp8BlockN, p.seq_k);
-    load_v_transposed<D>(s.vt, v_head, p.v_st.s, n0, p.seq_k);
-    sm90::fence_proxy_async_shared();  // the stores above before wgmma's reads
-    __syncthreads();
-
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 32; ++kk) {
-      GemmS::ss(sacc, sm90::k_major_descriptor(s.q, kFp8BlockM, 0, kk), sm90::k_major_descriptor(s.k, kFp8BlockN, 0, kk),
-                kk > 0);
+    for (int st = 0; st < Tr::kStages; ++st) {
+      s.k_full[st].init(1);
+      s.v_full[st].init(1);
+      s.k_empty[st].init(Tr::kConsumerThreads);
+      s.v_empty[st].init(Tr::kConsumerThreads);
     }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_accumulators(sacc);
+    sm90::Mbarrier::fence_init();
+  }
+  __syncthreads();
 
-    // Mask, online softmax (as flash_fwd_sm90.cu), P in place.
-    const bool needs_mask = n0 + kFp8BlockN > p.seq_k || (p.causal && n0 + kFp8BlockN - 1 > m0 + p.causal_offset);
-    if (needs_mask) {
-#pragma unroll
-      for (int i = 0; i < kFp8BlockN / 2; ++i) {
-        const int row = row0 + 8 * ((i / 2) % 2);
-        const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
-        if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) sacc[i] = -INFINITY;
-      }
-    }
-    float alpha[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int j = 0; j < kFp8BlockN / 8; ++j) {
-        mx = max_propagating_nan(mx, max_propagating_nan(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-      }
-      mx = quad_max(mx);
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
-      alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
-      row_max[r] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kFp8BlockN / 8; ++j) {
-        sacc[4 * j + 2 * r] = fast_exp2(fmaf(sacc[4 * j + 2 * r], p.scale_log2, -m_scaled));
-        sacc[4 * j + 2 * r + 1] = fast_exp2(fmaf(sacc[4 * j + 2 * r + 1], p.scale_log2, -m_scaled));
-        sum += sacc[4 * j + 2 * r] + sacc[4 * j + 2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha[r] + sum;
-    }
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        o[4 * j + 2 * r] *= alpha[r];
-        o[4 * j + 2 * r + 1] *= alpha[r];
-      }
-    }
-    // P as e4m3 A fragments, logical columns 32·kk + [0, 32): registers 0/1 (rows g, g + 8) from S's 8-column
-    // groups 4kk and 4kk + 1, registers 2/3 from groups 4kk + 2 and 4kk + 3 (the relabelling above).
-#pragma unroll
-    for (int kk = 0; kk < kFp8BlockN / 32; ++kk) {
-#pragma unroll
+  if (warpgroup == 0) {
+    // ---- Producer: one thread issues every copy, as in the 16-bit kernel (one box per tile: a row of Q
+    // and K is one swizzled row, a Vᵀ block one 128-byte-wide box of D rows).
+    sm90::registers_decrease<Tr::kProducerRegisters>();
+    if (threadIdx.x != 0) return;
+    sm90::tma_prefetch_descriptor(&tm_q);
+    sm90::tma_prefetch_descriptor(&tm_k);
+    sm90::tma_prefetch_descriptor(&tm_vt);
+    int q_uses = 0, kv_uses = 0;
+    for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
+      const int h = schedule.head(item, p), b = schedule.batch(item, p), hk = h / p.group;
       for (int half = 0; half < 2; ++half) {
-        const int j = 4 * kk + 2 * half;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          pa[kk][2 * half + r] = pack_e4m3x4(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1], sacc[4 * (j + 1) + 2 * r],
-                                             sacc[4 * (j + 1) + 2 * r + 1]);
+        const int m_tile = schedule.m_tile(item, half);
+        if (m_tile < 0) break;
+        const int m0 = m_tile * kBlockM, n_blocks = key_blocks(m0);
+        if (n_blocks == 0) continue;
+        s.q_empty.wait((q_uses++ & 1) ^ 1);
+        s.q_full.arrive_expect_tx(Tr::kQBytes);
+        sm90::tma_load_4d(s.q, &tm_q, s.q_full, 0, m0, h, b);
+        for (int nb = 0; nb < n_blocks; ++nb) {
+          const Ring slot{kv_uses++};
+          const int st = slot.stage();
+          s.k_empty[st].wait(slot.parity() ^ 1);
+          s.k_full[st].arrive_expect_tx(Tr::kKBytes);
+          sm90::tma_load_4d(s.k[st], &tm_k, s.k_full[st], 0, nb * kBlockN, hk, b);
+          s.v_empty[st].wait(slot.parity() ^ 1);
+          s.v_full[st].arrive_expect_tx(Tr::kVBytes);
+          sm90::tma_load_4d(s.vt[st], &tm_vt, s.v_full[st], nb * kBlockN, 0, hk, b);
         }
       }
     }
-
-    sm90::fence_accumulators(o);
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kFp8BlockN / 32; ++kk) {
-      GemmO::rs(o, pa[kk], sm90::k_major_descriptor(s.vt, D, 0, kk), 1);
-    }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_accumulators(o);
+    return;
   }
 
-  // Rows that saw no key have l = 0: O = 0, logsumexp -inf.
-  auto* o_head = static_cast<__nv_bfloat16*>(p.o) + b * p.o_st.b + h * p.o_st.h;
+  // ---- Consumers: warpgroup wg owns query rows [m0 + 64·wg, m0 + 64·wg + 64) of each tile.
+  sm90::registers_increase<Tr::kConsumerRegisters>();
+  using GemmS = sm90::WgmmaM64E4m3<kBlockN>;
+  using GemmO = sm90::WgmmaM64E4m3<D>;
+  const int wg = warpgroup - 1;
+  const int ctid = threadIdx.x % sm90::kWarpgroupThreads, warp = ctid / 32, lane = ctid % 32, g = lane / 4, t = lane % 4;
+
+  // Ping-pong on named barriers, as in the 16-bit kernel: warpgroup w waits for its turn on
+  // kWarpgroupTurn0 + w and, having issued, hands the turn to the other; in each tile warpgroup 1 hands
+  // warpgroup 0 the first turn and skips its last hand-over.
+  constexpr uint32_t kTurnThreads = 2 * sm90::kWarpgroupThreads;
+  const auto my_turn = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + wg);
+  const auto other_turn =
+      static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + (wg ^ 1));
+
+  float o[D / 2];
+  float sacc[kBlockN / 2];
+  uint32_t pa[kBlockN / 32][4];  // P of the previous key block as e4m3 wgmma A fragments
+  WgmmaRowSoftmax<kBlockN> softmax;
+  int q_uses = 0, kv_uses = 0;
+
+  for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
+    const int h = schedule.head(item, p), b = schedule.batch(item, p);
+    for (int half = 0; half < 2; ++half) {
+      const int m_tile = schedule.m_tile(item, half);
+      if (m_tile < 0) break;
+      const int m0 = m_tile * kBlockM, n_blocks = key_blocks(m0);
+      const int wg_row0 = m0 + 64 * wg;
+      const int row0 = wg_row0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(row_sum[r]);
-    const float inv = l != 0.f ? v_descale / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
-    const int row = row0 + 8 * r;
-    if (row >= p.seq_q) continue;
-    if (t == 0) {
-      p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
+      for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+      softmax.reset();
+
+      int turns_left = n_blocks + 1;  // issue points: S of block 0, (S of nb, P·V of nb - 1), the last P·V
+      auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };
+      auto pass_turn = [&] {
+        if (--turns_left > 0 || wg == 0) sm90::named_barrier_arrive(other_turn, kTurnThreads);
+      };
+      auto issue_s = [&](int st) {
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 32; ++kk) {
+          GemmS::ss(sacc, sm90::k_major_descriptor_8bit<D>(s.q, 64 * wg, kk),
+                    sm90::k_major_descriptor_8bit<D>(s.k[st], 0, kk), kk > 0);
+        }
+        sm90::wgmma_commit();
+      };
+      auto issue_pv = [&](int st) {
+        sm90::fence_accumulators(o);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 32; ++kk) {
+          GemmO::rs(o, pa[kk], sm90::k_major_descriptor_8bit<kBlockN>(s.vt[st], 0, kk), 1);
+        }
+        sm90::wgmma_commit();
+      };
+      // P as e4m3 A fragments, logical columns 32·kk + [0, 32): registers 0/1 (rows g, g + 8) from S's
+      // 8-column groups 4kk and 4kk + 1, registers 2/3 from groups 4kk + 2 and 4kk + 3 (the relabelling).
+      auto pack_p = [&] {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 32; ++kk) {
+#pragma unroll
+          for (int half_k = 0; half_k < 2; ++half_k) {
+            const int j = 4 * kk + 2 * half_k;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              pa[kk][2 * half_k + r] = pack_e4m3x4(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1],
+                                                   sacc[4 * (j + 1) + 2 * r], sacc[4 * (j + 1) + 2 * r + 1]);
+            }
+          }
+        }
+      };
+
+      if (n_blocks > 0) {
+        if (wg == 1) sm90::named_barrier_arrive(other_turn, kTurnThreads);
+        s.q_full.wait(q_uses++ & 1);
+        // Block 0: S, softmax, P (O is still 0: no rescale).
+        const Ring first{kv_uses};
+        s.k_full[first.stage()].wait(first.parity());
+        wait_turn();
+        issue_s(first.stage());
+        pass_turn();
+        sm90::wgmma_wait<0>();
+        sm90::fence_accumulators(sacc);
+        s.k_empty[first.stage()].arrive();
+        if (n_blocks == 1) s.q_empty.arrive();  // the tile's last read of Q is done
+        float alpha[2];
+        softmax.update(sacc, p, 0, wg_row0, row0, t, alpha);
+        pack_p();
+        // Block nb: S of nb and P·V of nb - 1 are issued together; the softmax of nb runs while P·V does.
+        for (int nb = 1; nb < n_blocks; ++nb) {
+          const Ring slot{kv_uses + nb}, prev{kv_uses + nb - 1};
+          s.k_full[slot.stage()].wait(slot.parity());
+          s.v_full[prev.stage()].wait(prev.parity());
+          wait_turn();
+          issue_s(slot.stage());
+          issue_pv(prev.stage());
+          pass_turn();
+          sm90::wgmma_wait<1>();  // S done, P·V may still run
+          sm90::fence_accumulators(sacc);
+          s.k_empty[slot.stage()].arrive();
+          if (nb == n_blocks - 1) s.q_empty.arrive();
+          softmax.update(sacc, p, nb * kBlockN, wg_row0, row0, t, alpha);
+          sm90::wgmma_wait<0>();
+          sm90::fence_accumulators(o);
+          s.v_empty[prev.stage()].arrive();
+          softmax.rescale(o, alpha);
+          pack_p();
+        }
+        const Ring last{kv_uses + n_blocks - 1};
+        s.v_full[last.stage()].wait(last.parity());
+        wait_turn();
+        issue_pv(last.stage());
+        pass_turn();
+        sm90::wgmma_wait<0>();
+        sm90::fence_accumulators(o);
+        s.v_empty[last.stage()].arrive();
+        kv_uses += n_blocks;
+      }
+
+      // Normalise and write O and logsumexp for the rows that exist. Rows that saw no key have l = 0:
+      // O = 0, logsumexp -inf.
+      auto* o_head = static_cast<__nv_bfloat16*>(p.o) + b * p.o_st.b + h * p.o_st.h;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(softmax.row_sum[r]);
+        const float inv = l != 0.f ? v_descale / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
+        const int row = row0 + 8 * r;
+        if (row >= p.seq_q) continue;
+        if (t == 0) {
+          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] =
+              l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
+        }
+        __nv_bfloat16* out = o_head + row * p.o_st.s + 2 * t;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) store_pair(out + 8 * j, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      }
     }
-    __nv_bfloat16* out = o_head + row * p.o_st.s + 2 * t;
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) store_pair(out + 8 * j, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
   }
 #endif
 }
 
 template <int D>
-void launch_forward_fp8_sm90(const FlashParams& f, float v_descale, cudaStream_t stream) {
+void launch_forward_fp8_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
+                             float v_descale, int64_t items, int sm_count, cudaStream_t stream) {
+  using Tr = Fp8FwdTraits<D>;
   auto kernel = flash_fwd_fp8_sm90_kernel<D>;
   constexpr int kSmem = static_cast<int>(sizeof(Fp8FwdShared<D>) + 1024);  // + room to align the base
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_fp8_sm90_kernel: shared-memory opt-in");
-  const dim3 grid(static_cast<unsigned>((f.seq_q + kFp8BlockM - 1) / kFp8BlockM), static_cast<unsigned>(f.heads_q),
-                  static_cast<unsigned>(f.batch));
-  kernel<<<grid, sm90::kWarpgroupThreads, kSmem, stream>>>(f, v_descale);
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, vt, f,
+                                                                                                     v_descale);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_fp8_sm90_kernel launch");
+}
+
+template <int D>
+void launch_transpose_v_fp8(const TensorView& v, uint8_t* vt, int64_t keys_padded, int sm_count, cudaStream_t stream) {
+  const int64_t blocks = keys_padded / kTransposeKeys * v.size(2) * v.size(0);
+  fp8_transpose_v_kernel<D><<<static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{8} * sm_count)),
+                              kTransposeThreads, 0, stream>>>(static_cast<const uint8_t*>(v.data), row_strides(v), vt,
+                                                              static_cast<int>(v.size(1)), keys_padded,
+                                                              static_cast<int>(v.size(2)), blocks);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_transpose_v_kernel launch");
 }
 
 }  // namespace
@@ -251,26 +357,60 @@ void launch_forward_fp8_sm90(const FlashParams& f, float v_descale, cudaStream_t
 void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
   constexpr std::string_view fn = "attention_forward";
-  FLASHLM_CHECK(flash_cuda::sm90_multiprocessors() > 0,
+  const int sm_count = flash_cuda::sm90_multiprocessors();
+  FLASHLM_CHECK(sm_count > 0,
                 "{}: q: dtype fp8_e4m3 runs only on an sm_90 GPU (H100/H200) with the sm_90a kernels loaded; "
                 "this device is not one",
                 fn);
-  // The grid is (query tiles, heads_q, batch); blockIdx.y and .z stop at 65535, and the kernel indexes rows in int.
-  FLASHLM_CHECK(p.heads_q <= 65535 && p.batch <= 65535, "{}: q: fp8_e4m3 takes at most 65535 heads and batch, got {} and {}",
-                fn, p.heads_q, p.batch);
-  FLASHLM_CHECK(p.seq_q < INT32_MAX - flash_cuda::kFp8BlockM && p.seq_k < INT32_MAX - flash_cuda::kFp8BlockN,
+  FLASHLM_CHECK(p.head_dim == 64 || p.head_dim == 128, "{}: q: head_dim {} has no fp8_e4m3 kernel", fn,
+                p.head_dim);  // the plan checked it
+  // The kernels index rows, heads and work items in int.
+  FLASHLM_CHECK(p.seq_q < INT32_MAX - 128 && p.seq_k < INT32_MAX - 128,
                 "{}: q: fp8_e4m3 sequences must be shorter than 2^31 - 128, got seq_q {} and seq_k {}", fn, p.seq_q,
                 p.seq_k);
   if (p.batch == 0 || p.heads_q == 0 || p.seq_q == 0) return;  // nothing to write
+  const int64_t items = flash_cuda::TileSchedule::count(p.seq_q, p.heads_q, p.batch, 128);
+  FLASHLM_CHECK(items <= INT32_MAX, "{}: q: fp8_e4m3 takes at most 2^31 - 1 tile pairs (batch · heads · seq_q / 256), "
+                "got {}", fn, items);
   auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   const double scale = p.scale * p.q_descale * p.k_descale;  // S of the dequantised inputs
   f.scale = static_cast<float>(scale);
   f.scale_log2 = static_cast<float>(scale) * flash_cuda::kLog2e;
   const auto s = static_cast<cudaStream_t>(stream);
   const auto v_descale = static_cast<float>(p.v_descale);
-  const bool launched = with_head_dim<kFp8ForwardHeadDims>(
-      p.head_dim, [&](auto dim) { flash_cuda::launch_forward_fp8_sm90<dim.value>(f, v_descale, s); });
-  FLASHLM_CHECK(launched, "{}: q: head_dim {} has no fp8_e4m3 kernel", fn, p.head_dim);  // the plan checked it
+
+  // The tensor maps. TMA describes every view attention.cpp lets through (16-byte aligned base and row
+  // strides) except strides of 2^40 bytes or more, zero strides of a dimension longer than 1 and sizes past
+  // 2^31: those are refused, naming the view (fp8 has no other kernel). With no keys nothing reads K or Vᵀ,
+  // and Q's map stands in for theirs.
+  const auto tq = sm90::rows_tensor_map(q, 128);
+  FLASHLM_CHECK(tq.has_value(), "{}: q: the fp8_e4m3 kernel loads it with TMA, which cannot describe this view {}",
+                fn, q.shape_string());
+  CUtensorMap tk = *tq, tvt = *tq;
+  Buffer vt_buffer;
+  if (p.seq_k > 0) {
+    const auto k_map = sm90::rows_tensor_map(k, 128);
+    FLASHLM_CHECK(k_map.has_value(),
+                  "{}: k: the fp8_e4m3 kernel loads it with TMA, which cannot describe this view {}", fn,
+                  k.shape_string());
+    tk = *k_map;
+    const int64_t keys_padded = (p.seq_k + 127) / 128 * 128;
+    const int64_t bytes = checked_product({p.batch, p.heads_k, p.head_dim, keys_padded}, "attention_forward: fp8 Vᵀ");
+    vt_buffer = Buffer::allocate_on_stream(static_cast<size_t>(bytes), "fp8 attention Vᵀ", stream);
+    auto* vt = static_cast<uint8_t*>(vt_buffer.data());
+    const TensorView vt_view =
+        TensorView::contiguous(vt, DType::f8e4m3, {p.batch, p.heads_k, p.head_dim, keys_padded}, Device::cuda)
+            .permute({0, 2, 1, 3});  // [batch, D, heads_k, keys]: rows are channels
+    const auto vt_map = sm90::rows_tensor_map(vt_view, static_cast<int>(p.head_dim));
+    FLASHLM_CHECK(vt_map.has_value(), "{}: v: the fp8_e4m3 kernel's Vᵀ workspace {} has no TMA description", fn,
+                  vt_view.shape_string());
+    tvt = *vt_map;
+    with_head_dim<kFp8ForwardHeadDims>(
+        p.head_dim, [&](auto dim) { flash_cuda::launch_transpose_v_fp8<dim.value>(v, vt, keys_padded, sm_count, s); });
+  }
+  with_head_dim<kFp8ForwardHeadDims>(p.head_dim, [&](auto dim) {
+    flash_cuda::launch_forward_fp8_sm90<dim.value>(f, *tq, tk, tvt, v_descale, items, sm_count, s);
+  });
 }
 
 }  // namespace flashlm

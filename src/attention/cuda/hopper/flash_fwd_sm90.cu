@@ -12,7 +12,9 @@
 // turns issuing GEMMs (ping-pong on named barriers), and each issues S of block n with P·V of block n - 1
 // so that its softmax of n runs under that GEMM. The producer gives up registers (setmaxnreg) so that the
 // consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by TMA; key columns at or
-// past seq_k and above the causal diagonal are masked in S.
+// past seq_k and above the causal diagonal are masked in S. Each warpgroup writes its normalised O rows
+// into a shared-memory stage and one of its threads stores them with TMA (which clips rows past seq_q);
+// at head dim 64, where the exponentials are the bottleneck, 1 in 8 of them runs on the FMA pipe.
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -20,7 +22,9 @@
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
+#include "attention/cuda/hopper/schedule_sm90.cuh"
 #include "attention/cuda/hopper/sm90.cuh"
+#include "attention/cuda/hopper/softmax_sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
 #include "core/cuda_check.h"
 
@@ -42,6 +46,22 @@ struct Sm90FwdTraits {
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
   static constexpr uint32_t kQBytes = kBlockM * D * 2, kKVBytes = kBlockN * D * 2;
   static constexpr int kPanels = D / sm90::kPanelCols;
+  // O leaves through a shared-memory stage and TMA stores, except at head dim 256, where the stage does not
+  // fit beside Q and the K/V ring (64 + 160 KB) and the threads store O directly.
+  static constexpr bool kStagedO = D != 256;
+  // At head dim 64 the softmax's exponentials take as long as the two GEMMs of a key block: 1 in 8 of them
+  // (every 8th group of 8 key columns) runs on the FMA pipe instead of the SFU (exp2_on_fma_pipe).
+  static constexpr int kPolyEvery = D == 64 ? 8 : 0;
+  // Independent chains for each row's running max and sum (4; at 256 the 10 column groups of a key block
+  // of 80 keep one).
+  static constexpr int kRowChains = D == 256 ? 1 : 4;
+};
+
+// O's staging tile for the TMA store: each consumer warpgroup's 64 rows as D / 64 panels of 64 rows in
+// sm90.cuh's swizzled layout (one store box each). Absent (one element) where O is stored directly.
+template <int D>
+struct Sm90FwdOStage {
+  alignas(1024) uint16_t rows[Sm90FwdTraits<D>::kStagedO ? Sm90FwdTraits<D>::kConsumers * 64 * D : 1];
 };
 
 template <int D>
@@ -50,6 +70,7 @@ struct Sm90FwdShared {
   alignas(1024) uint16_t q[Tr::kBlockM * D];
   alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * D];
   alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * D];
+  Sm90FwdOStage<D> o;
   sm90::Mbarrier q_full, q_empty, k_full[Tr::kStages], k_empty[Tr::kStages], v_full[Tr::kStages], v_empty[Tr::kStages];
 };
 
@@ -58,33 +79,17 @@ constexpr size_t sm90_fwd_smem_bytes() {
   return sizeof(Sm90FwdShared<D>) + 1024;  // + room to align the dynamic shared-memory base to 1024
 }
 
-// The persistent schedule: block i takes work items i, i + gridDim.x, ... An item is a pair of query tiles
-// of one (head, batch), the heaviest and the lightest left under a causal mask (tiles m and M - 1 - m), so
-// that items cost about the same and a static schedule stays balanced; consecutive items stay within a
-// head, so the blocks running at one time share its keys and values in L2.
-struct TileSchedule {
-  int m_tiles, pairs_per_head, items;
-  __device__ TileSchedule(const FlashParams& p, int block_m)
-      : m_tiles((p.seq_q + block_m - 1) / block_m), pairs_per_head((m_tiles + 1) / 2),
-        items(pairs_per_head * p.heads_q * p.batch) {}
-  // Query tile `half` (0 the heavier, 1 the lighter; -1 where the pair is one tile) of item `item`.
-  __device__ int m_tile(int item, int half) const {
-    const int pair = item % pairs_per_head;
-    if (half == 0) return m_tiles - 1 - pair;
-    return pair == m_tiles - 1 - pair ? -1 : pair;
-  }
-  __device__ int head(int item, const FlashParams& p) const { return (item / pairs_per_head) % p.heads_q; }
-  __device__ int batch(int item, const FlashParams& p) const { return (item / pairs_per_head) / p.heads_q; }
-};
-
+// tm_o (boxes of 64 rows) is read only where Tr::kStagedO; the others get any valid map.
 template <class T, int D>
 __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const FlashParams p) {
+                          const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                          const FlashParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tr = Sm90FwdTraits<D>;
   using Ring = sm90::RingSlot<Tr::kStages>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  constexpr bool kStaged = Tr::kStagedO;
   extern __shared__ unsigned char smem_raw[];
   auto& s = *reinterpret_cast<Sm90FwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const TileSchedule schedule(p, kBlockM);
@@ -119,6 +124,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     sm90::tma_prefetch_descriptor(&tm_q);
     sm90::tma_prefetch_descriptor(&tm_k);
     sm90::tma_prefetch_descriptor(&tm_v);
+    if constexpr (kStaged) sm90::tma_prefetch_descriptor(&tm_o);
     int q_uses = 0, kv_uses = 0;
     for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
       const int h = schedule.head(item, p), b = schedule.batch(item, p), hk = h / p.group;
@@ -176,7 +182,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
   float o[D / 2];
   float sacc[kBlockN / 2];
   uint32_t pa[kBlockN / 16][4];  // P of the previous key block as wgmma A fragments
-  float row_max[2], row_sum[2];
+  WgmmaRowSoftmax<kBlockN, Tr::kPolyEvery, Tr::kRowChains> softmax;
   int q_uses = 0, kv_uses = 0;
 
   for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
@@ -189,8 +195,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
       const int row0 = wg_row0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-      row_max[0] = row_max[1] = -INFINITY;
-      row_sum[0] = row_sum[1] = 0.f;
+      softmax.reset();
 
       int turns_left = n_blocks + 1;  // issue points: S of block 0, (S of nb, P·V of nb - 1), the last P·V
       auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };
@@ -215,51 +220,6 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
         }
         sm90::wgmma_commit();
       };
-      // Masks S of key block nb, updates the running max and sum, turns S into P in place and gives the
-      // factor by which O must be rescaled (per row r).
-      auto softmax = [&](int nb, float (&alpha)[2]) {
-        const int n0 = nb * kBlockN;
-        const bool needs_mask =
-            n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > wg_row0 + p.causal_offset);
-        if (needs_mask) {
-#pragma unroll
-          for (int i = 0; i < kBlockN / 2; ++i) {
-            const int row = row0 + 8 * ((i / 2) % 2);
-            const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
-            if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) sacc[i] = -INFINITY;
-          }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          float mx = row_max[r];
-#pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            mx = max_propagating_nan(mx, max_propagating_nan(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]));
-          }
-          mx = quad_max(mx);
-          const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
-          alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
-          row_max[r] = mx;
-          float sum = 0.f;
-#pragma unroll
-          for (int j = 0; j < kBlockN / 8; ++j) {
-            sacc[4 * j + 2 * r] = fast_exp2(fmaf(sacc[4 * j + 2 * r], p.scale_log2, -m_scaled));
-            sacc[4 * j + 2 * r + 1] = fast_exp2(fmaf(sacc[4 * j + 2 * r + 1], p.scale_log2, -m_scaled));
-            sum += sacc[4 * j + 2 * r] + sacc[4 * j + 2 * r + 1];
-          }
-          row_sum[r] = row_sum[r] * alpha[r] + sum;
-        }
-      };
-      auto rescale_o = [&](const float (&alpha)[2]) {
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            o[4 * j + 2 * r] *= alpha[r];
-            o[4 * j + 2 * r + 1] *= alpha[r];
-          }
-        }
-      };
       // P as wgmma A fragments: keys [16·kk, 16·kk + 16) are S's column blocks 2·kk and 2·kk + 1.
       auto pack_p = [&] {
 #pragma unroll
@@ -283,7 +243,7 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
         s.k_empty[first.stage()].arrive();
         if (n_blocks == 1) s.q_empty.arrive();  // the tile's last read of Q is done
         float alpha[2];
-        softmax(0, alpha);
+        softmax.update(sacc, p, 0, wg_row0, row0, t, alpha);
         pack_p();
         // Block nb: S of nb and P·V of nb - 1 are issued together; the softmax of nb runs while P·V does.
         for (int nb = 1; nb < n_blocks; ++nb) {
@@ -298,11 +258,11 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
           sm90::fence_accumulators(sacc);
           s.k_empty[slot.stage()].arrive();
           if (nb == n_blocks - 1) s.q_empty.arrive();
-          softmax(nb, alpha);
+          softmax.update(sacc, p, nb * kBlockN, wg_row0, row0, t, alpha);
           sm90::wgmma_wait<0>();
           sm90::fence_accumulators(o);
           s.v_empty[prev.stage()].arrive();
-          rescale_o(alpha);
+          softmax.rescale(o, alpha);
           pack_p();
         }
         const Ring last{kv_uses + n_blocks - 1};
@@ -318,54 +278,92 @@ __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
 
       // Normalise and write O and logsumexp for the rows that exist. Rows that saw no key have l = 0:
       // O = 0, logsumexp -inf.
-      T* o_head = static_cast<T*>(p.o) + b * p.o_st.b + h * p.o_st.h;
+      float inv[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(row_sum[r]);
-        const float inv = l != 0.f ? 1.f / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
+        const float l = quad_sum(softmax.row_sum[r]);
+        inv[r] = l != 0.f ? 1.f / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
         const int row = row0 + 8 * r;
-        if (row >= p.seq_q) continue;
-        if (t == 0) {
-          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? row_max[r] * p.scale + logf(l) : -INFINITY;
+        if (t == 0 && row < p.seq_q) {
+          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
         }
-        T* out = o_head + row * p.o_st.s + 2 * t;
+      }
+      if constexpr (kStaged) {
+        // Through shared memory: the warpgroup's 64 rows into its staging panels (32-bit stores, one bank
+        // each across the warp: the swizzle spreads the 8 rows of a store over 8 chunks), then one thread
+        // stores the panels with TMA, which skips rows past seq_q. The previous tile's store must have read
+        // the panels before they are written again.
+        const auto epilogue = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kEpilogue0) + wg);
+        uint16_t* stage = s.o.rows + wg * 64 * D;
+        if (ctid == 0) sm90::bulk_wait_read<0>();
+        sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
 #pragma unroll
-        for (int j = 0; j < D / 8; ++j) store_pair(out + 8 * j, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+          const int row = 16 * warp + g + 8 * r;
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(stage) +
+                                         sm90::swizzled_offset(64, row, 8 * j + 2 * t)) =
+                MmaOp<T>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+          }
+        }
+        sm90::fence_proxy_async_shared();
+        sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
+        if (ctid == 0) {
+#pragma unroll
+          for (int panel = 0; panel < Tr::kPanels; ++panel) {
+            sm90::tma_store_4d(&tm_o, stage + panel * 64 * sm90::kPanelCols, panel * sm90::kPanelCols, wg_row0, h, b);
+          }
+          sm90::bulk_commit();
+        }
+      } else {
+        T* o_head = static_cast<T*>(p.o) + b * p.o_st.b + h * p.o_st.h;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + 8 * r;
+          if (row >= p.seq_q) continue;
+          T* out = o_head + row * p.o_st.s + 2 * t;
+#pragma unroll
+          for (int j = 0; j < D / 8; ++j) {
+            store_pair(out + 8 * j, o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+          }
+        }
       }
     }
   }
+  // The shared memory the last TMA stores read must outlive them.
+  if (kStaged && ctid == 0) sm90::bulk_wait<0>();
 #endif
 }
 
 // TileSchedule's item count, on the host.
 int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch) {
-  const int64_t m_tiles = (seq_q + Sm90FwdTraits<128>::kBlockM - 1) / Sm90FwdTraits<128>::kBlockM;
-  return (m_tiles + 1) / 2 * heads_q * batch;
+  return TileSchedule::count(seq_q, heads_q, batch, Sm90FwdTraits<128>::kBlockM);
 }
 
 // One block per multiprocessor (or per work item, where there are fewer): see TileSchedule.
 template <class T, int D>
 void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
-                         int sm_count, cudaStream_t stream) {
+                         const CUtensorMap& o, int sm_count, cudaStream_t stream) {
   using Tr = Sm90FwdTraits<D>;
   auto kernel = flash_fwd_sm90_kernel<T, D>;
   constexpr int kSmem = static_cast<int>(sm90_fwd_smem_bytes<D>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_sm90_kernel: shared-memory opt-in");
   const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch);
-  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, v, f);
+  kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, v, o, f);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
 }
 
-
 struct Sm90ForwardPlan {
   CUtensorMap q, k, v;
+  CUtensorMap o;  // head dims 64 and 128 (TMA stores); at 256, and where no O is given, unused
   int sm_count;
 };
 
 // The tensor maps for `p`, or nothing where this kernel does not cover the problem.
 std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                                 const TensorView& v) {
+                                                 const TensorView& v, const TensorView* o) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return std::nullopt;
   if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
@@ -381,7 +379,12 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
   auto tq = sm90::rows_tensor_map(q, Sm90FwdTraits<128>::kBlockM);
   auto tk = sm90::rows_tensor_map(k, key_rows), tv = sm90::rows_tensor_map(v, key_rows);
   if (!tq || !tk || !tv) return std::nullopt;
-  return Sm90ForwardPlan{*tq, *tk, *tv, sm_count};
+  // O in boxes of one consumer warpgroup's 64 rows. Validation leaves only views TMA can describe (16-byte
+  // strides and base), so a failure here is a limit of the map (2^40-byte strides): the fallback takes it.
+  if (o == nullptr || p.head_dim == 256) return Sm90ForwardPlan{*tq, *tk, *tv, *tq, sm_count};
+  const auto to = sm90::rows_tensor_map(*o, 64);
+  if (!to) return std::nullopt;
+  return Sm90ForwardPlan{*tq, *tk, *tv, *to, sm_count};
 }
 
 }  // namespace
@@ -414,20 +417,20 @@ int sm90_multiprocessors() {
 
 bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                const TensorView& v) {
-  return flash_cuda::plan_forward_sm90(p, q, k, v).has_value();
+  return flash_cuda::plan_forward_sm90(p, q, k, v, nullptr).has_value();
 }
 
 bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
-  const auto plan = flash_cuda::plan_forward_sm90(p, q, k, v);
+  const auto plan = flash_cuda::plan_forward_sm90(p, q, k, v, &o);
   if (!plan) return false;
   const auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   const auto s = static_cast<cudaStream_t>(stream);
   using flash_cuda::launch_forward_sm90;
   auto launch = [&]<class T>(T) {
-    if (p.head_dim == 64) launch_forward_sm90<T, 64>(f, plan->q, plan->k, plan->v, plan->sm_count, s);
-    else if (p.head_dim == 128) launch_forward_sm90<T, 128>(f, plan->q, plan->k, plan->v, plan->sm_count, s);
-    else launch_forward_sm90<T, 256>(f, plan->q, plan->k, plan->v, plan->sm_count, s);
+    if (p.head_dim == 64) launch_forward_sm90<T, 64>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
+    else if (p.head_dim == 128) launch_forward_sm90<T, 128>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
+    else launch_forward_sm90<T, 256>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
   };
   if (p.dtype == DType::bf16) launch(__nv_bfloat16{});
   else launch(__half{});

@@ -90,6 +90,19 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, M
       : "memory");
 }
 
+// The reverse: the box of a tensor map at the given coordinates written from shared memory (in the layout a
+// load of the same box leaves) by the copy engine; rows past the tensor's ends are not written, so a ragged
+// last tile clips. Issued by one thread, it joins a bulk group at bulk_commit() like the bulk reductions
+// below: the shared memory may be rewritten once bulk_wait_read<N>() returns, and bulk_wait<N>() before
+// the block exits. Shared memory written by ordinary stores needs fence_proxy_async_shared() in each writer
+// and a barrier before the issue.
+__device__ __forceinline__ void tma_store_4d(const void* tensor_map, const void* src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tensor_map)),
+               "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_descriptor(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
 }
@@ -128,10 +141,11 @@ __device__ __forceinline__ void bulk_wait() {
 // ---- wgmma shared-memory matrix descriptors for tiles in the swizzled layout above.
 // Fields (PTX "matrix descriptor"): start address, leading- and stride-dimension byte offsets (all >> 4),
 // base offset 0 (tiles are 1024-byte aligned), swizzle mode 1 = 128 bytes in bits 62-63.
+// `swizzle_mode` 2 is the 64-byte swizzle (8-bit rows of 64 bytes: k_major_descriptor_8bit).
 __device__ __forceinline__ uint64_t matrix_descriptor(uint32_t smem_address, uint32_t leading_bytes,
-                                                      uint32_t stride_bytes) {
+                                                      uint32_t stride_bytes, uint64_t swizzle_mode = 1) {
   return static_cast<uint64_t>((smem_address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
-         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (1ull << 62);
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (swizzle_mode << 62);
 }
 
 // An operand whose reduction (K) dimension is the tile's columns (Q and K in S = Q·Kᵀ): the 16 columns
@@ -295,6 +309,17 @@ FLASHLM_SM90_WGMMA_M64N256(__half, "f16")
 // fragment (rs) holds, per warp and thread (lane = 4g + t), a[0] = row g, columns 4t..4t+3 (one byte each,
 // the lowest column in the lowest byte), a[1] = row g + 8, same columns, a[2] and a[3] the same at columns
 // 16 + 4t..16 + 4t + 3. Accumulators are laid out as for the 16-bit wgmma above.
+//
+// An 8-bit K-major operand in a tile whose rows are kRowBytes long, as TMA writes it (tma.h): 128 bytes with
+// the 128-byte swizzle, or 64 bytes (e4m3 at head dim 64) with the 64-byte one, where 16-byte chunk c of
+// row r sits at c ^ ((r / 2) % 4) and the pattern repeats every 8 rows = 512 bytes. Rows [row0, row0 + 8·m),
+// reduction bytes [32·k_step, 32·k_step + 32).
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t k_major_descriptor_8bit(const void* tile, int row0, int k_step) {
+  static_assert(kRowBytes == 64 || kRowBytes == 128);
+  const uint32_t a = smem_u32(tile) + static_cast<uint32_t>(row0 * kRowBytes + k_step * 32);
+  return matrix_descriptor(a, 16, 8 * kRowBytes, kRowBytes == 128 ? 1 : 2);
+}
 template <int N>
 struct WgmmaM64E4m3;
 template <> struct WgmmaM64E4m3<64> {
@@ -337,6 +362,8 @@ enum class NamedBarrier : uint32_t {
   kWarpgroupTurn0 = 2,   // ping-pong: consumer warpgroup 0 may issue its GEMMs
   kWarpgroupTurn1 = 3,   // ping-pong: consumer warpgroup 1 may issue its GEMMs
   kBackwardDsReady = 4,  // backward: both consumer warpgroups have stored their half of a step's dSᵀ
+  kEpilogue0 = 5,        // forward: consumer warpgroup 0's rows of O are in shared memory (TMA store)
+  kEpilogue1 = 6,        // forward: the same for consumer warpgroup 1
 };
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");

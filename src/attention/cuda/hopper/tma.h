@@ -31,13 +31,17 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// The tensor map of `t` (4-D, 16-bit, last dimension contiguous, on the GPU) for boxes of 64 x box_rows,
-// or nothing when TMA cannot describe the view: a stride that is zero, negative, not a multiple of 16 bytes
-// or at least 2^40 bytes; a base not 16-byte aligned; a head dim not a multiple of 64; sizes past 2^31.
-// Such views take the mma.sync kernels.
+// The tensor map of `t` (4-D, 16- or 8-bit, last dimension contiguous, on the GPU) for boxes of one
+// 128-byte swizzle panel (64 16-bit or 128 8-bit columns) x box_rows, or, for 8-bit rows of 64 bytes, of the
+// whole row with the 64-byte swizzle (the FP8 forward at head dim 64); or nothing when TMA cannot describe
+// the view: a stride that is zero, negative, not a multiple of 16 bytes or at least 2^40 bytes; a base not
+// 16-byte aligned; a last dimension not a multiple of the box's columns; sizes past 2^31. Such views take
+// the mma.sync kernels.
 inline std::optional<CUtensorMap> rows_tensor_map(const TensorView& t, int box_rows) {
-  if (t.ndim != 4 || t.stride(3) != 1 || dtype_size(t.dtype) != 2) return std::nullopt;
-  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0 || t.size(3) % 64 != 0) return std::nullopt;
+  const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
+  if (t.ndim != 4 || t.stride(3) != 1 || (elem != 2 && elem != 1)) return std::nullopt;
+  const int64_t box_cols = elem == 1 && t.size(3) == 64 ? 64 : 128 / elem;
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0 || t.size(3) % box_cols != 0) return std::nullopt;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return std::nullopt;
   // Innermost first: head_dim, seq, heads, batch.
@@ -48,7 +52,7 @@ inline std::optional<CUtensorMap> rows_tensor_map(const TensorView& t, int box_r
   for (int i = 0; i < 3; ++i) {
     const int d = dim_of_stride[i];
     if (dims[static_cast<size_t>(i) + 1] > (1ull << 31)) return std::nullopt;
-    const int64_t bytes = t.stride(d) * 2;
+    const int64_t bytes = t.stride(d) * elem;
     // A dimension of size 1 is only ever read at coordinate 0: its stride does not matter, so any valid one
     // stands in for whatever the view carries.
     if (t.size(d) == 1) {
@@ -58,13 +62,15 @@ inline std::optional<CUtensorMap> rows_tensor_map(const TensorView& t, int box_r
     if (bytes <= 0 || bytes % 16 != 0 || bytes >= (int64_t{1} << 40)) return std::nullopt;
     strides[static_cast<size_t>(i)] = static_cast<cuuint64_t>(bytes);
   }
-  const std::array<cuuint32_t, 4> box{64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const std::array<cuuint32_t, 4> box{static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1};
   const std::array<cuuint32_t, 4> element_strides{1, 1, 1, 1};
   CUtensorMap map;
-  const CUresult r = encode(&map,
-                            t.dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            4, t.data, dims.data(), strides.data(), box.data(), element_strides.data(),
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUtensorMapDataType type = elem == 1                  ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : t.dtype == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                            : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapSwizzle swizzle = box_cols * elem == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const CUresult r = encode(&map, type, 4, t.data, dims.data(), strides.data(), box.data(), element_strides.data(),
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return std::nullopt;
   return map;

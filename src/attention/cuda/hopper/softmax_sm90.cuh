@@ -1,0 +1,100 @@
+// The online softmax of the Hopper forward kernels, over one warpgroup's wgmma accumulator of S (64 query
+// rows by kBlockN keys), shared by the 16-bit kernel (flash_fwd_sm90.cu) and the FP8 one
+// (flash_fwd_fp8_sm90.cu). Device code only; the accumulator layout is sm90.cuh's: thread (warp w of the
+// warpgroup, lane 4g + t) holds rows 16w + g and 16w + g + 8, element i at row 8·((i / 2) % 2) past the
+// first, column 8·(i / 4) + 2t + i % 2.
+#pragma once
+#include <cmath>
+
+#include "attention/cuda/flash_common.cuh"
+
+namespace flashlm::flash_cuda {
+
+// The running max and sum of a thread's two rows. The scale is folded into exp2 (p.scale_log2, which for
+// FP8 also carries the descale factors), so row_max stays in S's units. With kPolyEvery > 0, every
+// kPolyEvery-th group of 8 key columns takes its exponentials on the FMA pipe (exp2_on_fma_pipe) instead
+// of the SFU: for a kernel whose SFU is the bottleneck (the 16-bit forward at head dim 64). kChains
+// independent partial maxima and sums per row (combined at the end) instead of one dependent chain of
+// kBlockN / 8 max and add instructions each: the chain's latency, not its instruction count, is what a
+// warpgroup waits for (ncu's "wait" stall, docs/perf.md). The sum's rounding order changes with it.
+template <int kBlockN, int kPolyEvery = 0, int kChains = 1>
+struct WgmmaRowSoftmax {
+  static_assert((kBlockN / 8) % kChains == 0, "the key block's 8-column groups split evenly over the chains");
+  float row_max[2], row_sum[2];
+
+  __device__ __forceinline__ void reset() {
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+
+  // S of the key block starting at key n0 becomes P in place: keys at or past p.seq_k and above the
+  // causal diagonal are masked first (only where the block reaches them: `first_row` is the warpgroup's
+  // first query row, `row0` this thread's first), then the running max and sum are updated. alpha[r] is
+  // the factor by which row r's O accumulator must be rescaled (rescale() below).
+  __device__ __forceinline__ void update(float (&s)[kBlockN / 2], const FlashParams& p, int n0, int first_row,
+                                         int row0, int t, float (&alpha)[2]) {
+    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > first_row + p.causal_offset);
+    if (needs_mask) {
+#pragma unroll
+      for (int i = 0; i < kBlockN / 2; ++i) {
+        const int row = row0 + 8 * ((i / 2) % 2);
+        const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
+        if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[i] = -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mxs[kChains];
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) mxs[c] = c == 0 ? row_max[r] : -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        mxs[j % kChains] =
+            max_propagating_nan(mxs[j % kChains], max_propagating_nan(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+      }
+      float mx = mxs[0];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) mx = max_propagating_nan(mx, mxs[c]);
+      mx = quad_max(mx);
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
+      alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
+      row_max[r] = mx;
+      float sums[kChains];
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) sums[c] = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const float x0 = fmaf(s[4 * j + 2 * r], p.scale_log2, -m_scaled);
+        const float x1 = fmaf(s[4 * j + 2 * r + 1], p.scale_log2, -m_scaled);
+        if (kPolyEvery > 0 && j % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) {
+          s[4 * j + 2 * r] = exp2_on_fma_pipe(x0);
+          s[4 * j + 2 * r + 1] = exp2_on_fma_pipe(x1);
+        } else {
+          s[4 * j + 2 * r] = fast_exp2(x0);
+          s[4 * j + 2 * r + 1] = fast_exp2(x1);
+        }
+        sums[j % kChains] += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+      }
+      float sum = sums[0];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) sum += sums[c];
+      row_sum[r] = row_sum[r] * alpha[r] + sum;
+    }
+  }
+
+  // O's accumulator (same layout, kN / 2 columns) times alpha per row. (Skipping it where no row max of
+  // the warp moved, a warp-uniform vote, measured 3-5% slower: docs/perf.md, "fourth round".)
+  template <int kN>
+  __device__ __forceinline__ static void rescale(float (&o)[kN], const float (&alpha)[2]) {
+#pragma unroll
+    for (int j = 0; j < kN / 4; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        o[4 * j + 2 * r] *= alpha[r];
+        o[4 * j + 2 * r + 1] *= alpha[r];
+      }
+    }
+  }
+};
+
+}  // namespace flashlm::flash_cuda
