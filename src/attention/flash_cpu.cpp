@@ -34,6 +34,7 @@
 // same name, and errors are raised through non-inline functions (checked_size), so that the linker, which
 // keeps one copy of each inline function of a given name, never hands an AVX-512 copy to the baseline path.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <span>
@@ -109,35 +110,32 @@ inline void gemm_block(int64_t k, A alpha, const A* a, int64_t lda, const A* b, 
   }
 }
 
+// The block heights tile_gemm uses: kGemmRows, then each next power of two below, down to 1 (the rows left
+// over below a full block take the tallest that fits).
+constexpr int64_t next_gemm_rows(int64_t rows) { return std::bit_floor(uint64_t(rows - 1)); }
+
+// gemm_block for a runtime height `rows` from that sequence.
+template <int64_t kRows = kGemmRows, bool TransA, class A>
+void gemm_block_rows(int64_t rows, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta, A* c,
+                     int64_t ldc) {
+  if constexpr (kRows >= 1) {
+    if (rows == kRows) return gemm_block<kRows, TransA>(k, alpha, a, lda, b, ldb, beta, c, ldc);
+    gemm_block_rows<next_gemm_rows(kRows), TransA>(rows, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
+
 template <bool TransA = false, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {
   auto a_at = [&](int64_t r, int64_t p) { return TransA ? a[p * lda + r] : a[r * lda + p]; };
-  for (int64_t i0 = 0; i0 < m;) {
-    // Full blocks of kGemmRows, then the remaining rows by 8-, 4-, 2- and 1-row kernels.
-    const int64_t left = m - i0;
-    const int64_t rows = left >= kGemmRows ? kGemmRows : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+  for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) {
+    rows = kGemmRows;
+    while (rows > m - i0) rows = next_gemm_rows(rows);
     const A* a_block = TransA ? a + i0 : a + i0 * lda;
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       const int64_t cols = std::min(kGemmCols, n - j0);
-      if (cols == kGemmCols && rows == kGemmRows) {
-        gemm_block<kGemmRows, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
-        continue;
-      }
-      if (cols == kGemmCols && rows == 8) {
-        gemm_block<8, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
-        continue;
-      }
-      if (cols == kGemmCols && rows == 4) {
-        gemm_block<4, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
-        continue;
-      }
-      if (cols == kGemmCols && rows == 2) {
-        gemm_block<2, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
-        continue;
-      }
-      if (cols == kGemmCols && rows == 1) {
-        gemm_block<1, TransA>(k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
+      if (cols == kGemmCols) {
+        gemm_block_rows<kGemmRows, TransA>(rows, k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
         continue;
       }
       A acc[kGemmRows][kGemmCols] = {};  // a ragged edge block (fewer than kGemmCols columns)
@@ -151,7 +149,6 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
         for (int64_t j = 0; j < cols; ++j) crow[j] = beta == A(0) ? alpha * acc[r][j] : alpha * acc[r][j] + beta * crow[j];
       }
     }
-    i0 += rows;
   }
 }
 
