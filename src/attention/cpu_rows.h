@@ -83,7 +83,7 @@ inline A exp_shifted_sum(A* x, int64_t n, A shift) {
     x[i] = exp_nonpositive(x[i] - shift);
     lanes[0] += x[i];
   }
-  return fold_lanes<A>(lanes, [](A a, A b) { return a + b; });
+  return fold_lanes(lanes, LaneSum{});
 }
 
 // Whether every element of an n-element array is finite: a tile product may then run over masked entries

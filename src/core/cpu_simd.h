@@ -3,6 +3,7 @@
 #pragma once
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 // The namespace of the CPU kernels' inline helpers: each per-ISA copy of the kernels defines its own (src/CMakeLists.txt);
@@ -70,12 +71,33 @@ inline float exp_fp32_nonpositive(float v) {
 // cost as much as the row's products when the softmax reduced every 64-wide tile row twice.
 inline constexpr int64_t kLanes = 16;
 
-template <class A>
-inline A fold_lanes(A (&lanes)[kLanes], A (*combine)(A, A)) {
-  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
-    for (int64_t j = 0; j < w; ++j) lanes[j] = combine(lanes[j], lanes[j + w]);
-  }
-  return lanes[0];
+// The folds' combining steps, for scalars and for GCC/Clang vector types alike.
+struct LaneSum {
+  template <class V> V operator()(V a, V b) const { return a + b; }
+};
+struct LaneMax {  // NaN-dropping where a NaN is in `a` only: callers track NaN themselves
+  template <class V> V operator()(V a, V b) const { return a > b ? a : b; }
+};
+struct LaneOr {
+  template <class V> V operator()(V a, V b) const { return a | b; }
+};
+
+// The fold runs on GCC/Clang vector types (`combine` takes and returns them: LaneSum, LaneMax, LaneOr),
+// halving the vector with a shuffle at each step, so that the lanes stay in registers: folding the array
+// element by element went through the stack (stores of the whole vector, loads of its halves), ~15% of the
+// forward's softmax.
+template <class A, class Combine>
+inline A fold_lanes(const A (&lanes)[kLanes], Combine combine) {
+  typedef A V16 __attribute__((vector_size(16 * sizeof(A))));
+  static_assert(kLanes == 16, "the shuffles below halve 16 lanes");
+  V16 v16;
+  std::memcpy(&v16, lanes, sizeof v16);
+  const auto v8 = combine(__builtin_shufflevector(v16, v16, 0, 1, 2, 3, 4, 5, 6, 7),
+                          __builtin_shufflevector(v16, v16, 8, 9, 10, 11, 12, 13, 14, 15));
+  const auto v4 = combine(__builtin_shufflevector(v8, v8, 0, 1, 2, 3), __builtin_shufflevector(v8, v8, 4, 5, 6, 7));
+  const auto v2 = combine(__builtin_shufflevector(v4, v4, 0, 1), __builtin_shufflevector(v4, v4, 2, 3));
+  const A a = v2[0], b = v2[1];
+  return combine(a, b);
 }
 
 // The largest of x[0..n), NaN if any is, -inf for n = 0; vectorised (a max_propagating_nan fold is not).
@@ -96,8 +118,8 @@ inline A row_max(const A* x, int64_t n) {
     lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
     nan_lanes[0] |= x[i] != x[i];
   }
-  if (fold_lanes<int>(nan_lanes, [](int a, int b) { return a | b; })) return std::numeric_limits<A>::quiet_NaN();
-  return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
+  if (fold_lanes(nan_lanes, LaneOr{})) return std::numeric_limits<A>::quiet_NaN();
+  return fold_lanes(lanes, LaneMax{});
 }
 
 // The largest of the numbers among x[0..n): NaNs are skipped (-inf if there is no other element), for callers
@@ -112,7 +134,7 @@ inline A row_max_skipping_nan(const A* x, int64_t n) {
     for (int64_t j = 0; j < kLanes; ++j) lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
   }
   for (; i < n; ++i) lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
-  return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
+  return fold_lanes(lanes, LaneMax{});
 }
 
 }  // namespace FLASHLM_CPU_KERNELS_NS
