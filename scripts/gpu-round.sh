@@ -10,6 +10,8 @@
 #          onto the mma.sync fallback, the grid three times (a moving error is a race) and a small grid under
 #          memcheck/racecheck/synccheck, packed variable-length sequences, NaN semantics, the LM kernels and models, the optimizer, GEMMs, DDP and
 #          FSDP at world 1, a bf16 train run resumed bit for bit and a NaN loss stopped.
+#          GPU_ROUND_REPEAT=N runs the grid N more times (default 2); GPU_ROUND_FALLBACK=0 skips the mma.sync
+#          run (when a call's time is short and the fallback's code did not change).
 #   bench: the fa grid (forward and backward) against SDPA flash and cuDNN, the causal GQA shape
 #          (64 query / 8 KV heads, seq 16k, d128), FSDP's bookkeeping at world 1 against the plain step (xl).
 set -uo pipefail
@@ -39,8 +41,10 @@ if has tests; then
 step "tests"
 gtest test_sm90 60 sm90
 gtest test_attention 240 attention-default --gtest_filter='*Cuda*:AttentionNaN*:AttentionCapabilities*:*Varlen*:*Fp8*'
-gtest test_attention 200 attention-x2 --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*' --gtest_repeat=2
-FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 200 attention-mma --gtest_filter='*Cuda*:AttentionNaN*:*Varlen*'
+gtest test_attention 200 attention-x2 --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*' --gtest_repeat=${GPU_ROUND_REPEAT:-2}
+if [[ ${GPU_ROUND_FALLBACK:-1} == 1 ]]; then
+  FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 200 attention-mma --gtest_filter='*Cuda*:AttentionNaN*:*Varlen*'
+fi
 for tool in memcheck racecheck synccheck; do
   timeout 120 compute-sanitizer --tool $tool --error-exitcode 99 "$bin/test_attention" --gtest_brief=1 \
     --gtest_filter='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:CudaAttention.QueryTilesThatSeeNoKey*:CudaAttention.EmptySequencesGiveZeroGradients:Packs/VarlenCudaVsReference.*d128*' \
