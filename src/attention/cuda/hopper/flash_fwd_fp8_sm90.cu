@@ -1,8 +1,8 @@
 // FP8 (e4m3) FlashAttention forward for Hopper (sm_90a): e4m3 Q, K and V with per-tensor descale factors,
 // fp32 logsumexp, bf16 output, head dims 64 and 128, on e4m3 wgmma.
 //
-// The pipeline of the 16-bit kernel (flash_fwd_sm90.cu, whose file comment describes it): one block per
-// SM walking TileSchedule's query-tile pairs, a producer warpgroup whose one thread streams Q and the K/V
+// The pipeline of the 16-bit kernel (pipeline_sm90.cuh, described in flash_fwd_sm90.cu's file comment):
+// one block per SM walking TileSchedule's query-tile pairs, a producer warpgroup whose one thread streams Q and the K/V
 // blocks through an mbarrier ring with TMA, two consumer warpgroups of 64 query rows ping-ponging their
 // GEMMs, each issuing S of key block n with P·V of block n - 1, setmaxnreg between the roles. The online
 // softmax (softmax_sm90.cuh) folds softmax_scale·q_descale·k_descale into the exp2; P is rounded to e4m3 in
@@ -30,6 +30,7 @@
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
+#include "attention/cuda/hopper/pipeline_sm90.cuh"
 #include "attention/cuda/hopper/schedule_sm90.cuh"
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/softmax_sm90.cuh"
@@ -60,7 +61,7 @@ struct Fp8FwdShared {
   alignas(1024) uint8_t q[Tr::kBlockM * D];
   alignas(1024) uint8_t k[Tr::kStages][Tr::kBlockN * D];
   alignas(1024) uint8_t vt[Tr::kStages][D * Tr::kBlockN];
-  sm90::Mbarrier q_full, q_empty, k_full[Tr::kStages], k_empty[Tr::kStages], v_full[Tr::kStages], v_empty[Tr::kStages];
+  ForwardBarriers<Tr::kStages> bar;
 };
 
 // The physical key (within a block) that logical reduction column L of the P·V GEMM stands for. Within each
@@ -117,214 +118,88 @@ __global__ void __launch_bounds__(kTransposeThreads)
   }
 }
 
-// ---- The attention kernel. p.scale and p.scale_log2 already carry q_descale·k_descale; v_descale
-// multiplies O at the end. tm_vt maps the pre-pass's Vᵀ as a [batch, D, heads_k, keys_padded] view.
+// ---- The attention kernel: what it puts into the shared pipeline (pipeline_sm90.cuh). p.scale and
+// p.scale_log2 already carry q_descale·k_descale; v_descale multiplies O at the end. Q and K come in one
+// box per tile (a row is one swizzled row), Vᵀ in one 128-byte-wide box of D rows per key block; both GEMMs
+// read K-major operands, P·V with P from registers as e4m3. tm_vt maps the pre-pass's Vᵀ as a
+// [batch, D, heads_k, keys_padded] view.
+template <int D>
+struct Fp8FwdKernel : Fp8FwdTraits<D> {
+  using Tr = Fp8FwdTraits<D>;
+  using Softmax = WgmmaRowSoftmax<Tr::kBlockN>;
+  using PFragments = uint32_t[Tr::kBlockN / 32][4];
+  using GemmS = sm90::WgmmaM64E4m3<Tr::kBlockN>;
+  using GemmO = sm90::WgmmaM64E4m3<D>;
+  static constexpr int kOValues = D / 2;
+
+  Fp8FwdShared<D>& s;
+  const CUtensorMap *tm_q, *tm_k, *tm_vt;
+  float v_descale;
+
+  __device__ __forceinline__ ForwardBarriers<Tr::kStages>& barriers() { return s.bar; }
+
+  __device__ __forceinline__ void prefetch_descriptors() const {
+    sm90::tma_prefetch_descriptor(tm_q);
+    sm90::tma_prefetch_descriptor(tm_k);
+    sm90::tma_prefetch_descriptor(tm_vt);
+  }
+  __device__ __forceinline__ void load_q(int m0, int h, int b) {
+    sm90::tma_load_4d(s.q, tm_q, s.bar.q_full, 0, m0, h, b);
+  }
+  __device__ __forceinline__ void load_k(int st, int n0, int hk, int b) {
+    sm90::tma_load_4d(s.k[st], tm_k, s.bar.k_full[st], 0, n0, hk, b);
+  }
+  __device__ __forceinline__ void load_v(int st, int n0, int hk, int b) {
+    sm90::tma_load_4d(s.vt[st], tm_vt, s.bar.v_full[st], n0, 0, hk, b);
+  }
+
+  __device__ __forceinline__ void gemm_s(float (&sacc)[Tr::kBlockN / 2], int st, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) {
+      GemmS::ss(sacc, sm90::k_major_descriptor_8bit<D>(s.q, 64 * wg, kk),
+                sm90::k_major_descriptor_8bit<D>(s.k[st], 0, kk), kk > 0);
+    }
+  }
+  __device__ __forceinline__ void gemm_pv(float (&o)[kOValues], PFragments& pa, int st) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 32; ++kk) {
+      GemmO::rs(o, pa[kk], sm90::k_major_descriptor_8bit<Tr::kBlockN>(s.vt[st], 0, kk), 1);
+    }
+  }
+  // P as e4m3 A fragments, logical columns 32·kk + [0, 32): registers 0/1 (rows g, g + 8) from S's
+  // 8-column groups 4kk and 4kk + 1, registers 2/3 from groups 4kk + 2 and 4kk + 3 (the relabelling).
+  __device__ __forceinline__ static void pack_p(PFragments& pa, const float (&sacc)[Tr::kBlockN / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 32; ++kk) {
+#pragma unroll
+      for (int half_k = 0; half_k < 2; ++half_k) {
+        const int j = 4 * kk + 2 * half_k;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          pa[kk][2 * half_k + r] = pack_e4m3x4(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1],
+                                               sacc[4 * (j + 1) + 2 * r], sacc[4 * (j + 1) + 2 * r + 1]);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ float o_scale() const { return v_descale; }
+  // bf16 O straight from the accumulators.
+  __device__ __forceinline__ static void store_o(const float (&o)[kOValues], const float (&inv)[2],
+                                                 const FlashParams& p, const ForwardTileRows& tile) {
+    store_o_rows_direct<__nv_bfloat16>(o, inv, p, tile);
+  }
+  __device__ __forceinline__ static void consumer_exit(int) {}
+};
+
 template <int D>
 __global__ void __launch_bounds__(Fp8FwdTraits<D>::kThreads, 1)
     flash_fwd_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                               const __grid_constant__ CUtensorMap tm_vt, const FlashParams p, float v_descale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tr = Fp8FwdTraits<D>;
-  using Ring = sm90::RingSlot<Tr::kStages>;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   extern __shared__ unsigned char smem_raw[];
-  auto& s = *reinterpret_cast<Fp8FwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const TileSchedule schedule(p, kBlockM);
-  // Key blocks query tile m sees (none: the tile is written as zeros without loading anything).
-  auto key_blocks = [&](int m0) {
-    const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
-    const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
-    return (n_end + kBlockN - 1) / kBlockN;
-  };
-  const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
-
-  if (threadIdx.x == 0) {
-    s.q_full.init(1);
-    s.q_empty.init(Tr::kConsumerThreads);
-#pragma unroll
-    for (int st = 0; st < Tr::kStages; ++st) {
-      s.k_full[st].init(1);
-      s.v_full[st].init(1);
-      s.k_empty[st].init(Tr::kConsumerThreads);
-      s.v_empty[st].init(Tr::kConsumerThreads);
-    }
-    sm90::Mbarrier::fence_init();
-  }
-  __syncthreads();
-
-  if (warpgroup == 0) {
-    // ---- Producer: one thread issues every copy, as in the 16-bit kernel (one box per tile: a row of Q
-    // and K is one swizzled row, a Vᵀ block one 128-byte-wide box of D rows).
-    sm90::registers_decrease<Tr::kProducerRegisters>();
-    if (threadIdx.x != 0) return;
-    sm90::tma_prefetch_descriptor(&tm_q);
-    sm90::tma_prefetch_descriptor(&tm_k);
-    sm90::tma_prefetch_descriptor(&tm_vt);
-    int q_uses = 0, kv_uses = 0;
-    for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
-      const int h = schedule.head(item, p), b = schedule.batch(item, p), hk = h / p.group;
-      for (int half = 0; half < 2; ++half) {
-        const int m_tile = schedule.m_tile(item, half);
-        if (m_tile < 0) break;
-        const int m0 = m_tile * kBlockM, n_blocks = key_blocks(m0);
-        if (n_blocks == 0) continue;
-        s.q_empty.wait((q_uses++ & 1) ^ 1);
-        s.q_full.arrive_expect_tx(Tr::kQBytes);
-        sm90::tma_load_4d(s.q, &tm_q, s.q_full, 0, m0, h, b);
-        for (int nb = 0; nb < n_blocks; ++nb) {
-          const Ring slot{kv_uses++};
-          const int st = slot.stage();
-          s.k_empty[st].wait(slot.parity() ^ 1);
-          s.k_full[st].arrive_expect_tx(Tr::kKBytes);
-          sm90::tma_load_4d(s.k[st], &tm_k, s.k_full[st], 0, nb * kBlockN, hk, b);
-          s.v_empty[st].wait(slot.parity() ^ 1);
-          s.v_full[st].arrive_expect_tx(Tr::kVBytes);
-          sm90::tma_load_4d(s.vt[st], &tm_vt, s.v_full[st], nb * kBlockN, 0, hk, b);
-        }
-      }
-    }
-    return;
-  }
-
-  // ---- Consumers: warpgroup wg owns query rows [m0 + 64·wg, m0 + 64·wg + 64) of each tile.
-  sm90::registers_increase<Tr::kConsumerRegisters>();
-  using GemmS = sm90::WgmmaM64E4m3<kBlockN>;
-  using GemmO = sm90::WgmmaM64E4m3<D>;
-  const int wg = warpgroup - 1;
-  const int ctid = threadIdx.x % sm90::kWarpgroupThreads, warp = ctid / 32, lane = ctid % 32, g = lane / 4, t = lane % 4;
-
-  // Ping-pong on named barriers, as in the 16-bit kernel: warpgroup w waits for its turn on
-  // kWarpgroupTurn0 + w and, having issued, hands the turn to the other; in each tile warpgroup 1 hands
-  // warpgroup 0 the first turn and skips its last hand-over.
-  constexpr uint32_t kTurnThreads = 2 * sm90::kWarpgroupThreads;
-  const auto my_turn = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + wg);
-  const auto other_turn =
-      static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + (wg ^ 1));
-
-  float o[D / 2];
-  float sacc[kBlockN / 2];
-  uint32_t pa[kBlockN / 32][4];  // P of the previous key block as e4m3 wgmma A fragments
-  WgmmaRowSoftmax<kBlockN> softmax;
-  int q_uses = 0, kv_uses = 0;
-
-  for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
-    const int h = schedule.head(item, p), b = schedule.batch(item, p);
-    for (int half = 0; half < 2; ++half) {
-      const int m_tile = schedule.m_tile(item, half);
-      if (m_tile < 0) break;
-      const int m0 = m_tile * kBlockM, n_blocks = key_blocks(m0);
-      const int wg_row0 = m0 + 64 * wg;
-      const int row0 = wg_row0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-      softmax.reset();
-
-      int turns_left = n_blocks + 1;  // issue points: S of block 0, (S of nb, P·V of nb - 1), the last P·V
-      auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };
-      auto pass_turn = [&] {
-        if (--turns_left > 0 || wg == 0) sm90::named_barrier_arrive(other_turn, kTurnThreads);
-      };
-      auto issue_s = [&](int st) {
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk) {
-          GemmS::ss(sacc, sm90::k_major_descriptor_8bit<D>(s.q, 64 * wg, kk),
-                    sm90::k_major_descriptor_8bit<D>(s.k[st], 0, kk), kk > 0);
-        }
-        sm90::wgmma_commit();
-      };
-      auto issue_pv = [&](int st) {
-        sm90::fence_accumulators(o);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 32; ++kk) {
-          GemmO::rs(o, pa[kk], sm90::k_major_descriptor_8bit<kBlockN>(s.vt[st], 0, kk), 1);
-        }
-        sm90::wgmma_commit();
-      };
-      // P as e4m3 A fragments, logical columns 32·kk + [0, 32): registers 0/1 (rows g, g + 8) from S's
-      // 8-column groups 4kk and 4kk + 1, registers 2/3 from groups 4kk + 2 and 4kk + 3 (the relabelling).
-      auto pack_p = [&] {
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 32; ++kk) {
-#pragma unroll
-          for (int half_k = 0; half_k < 2; ++half_k) {
-            const int j = 4 * kk + 2 * half_k;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              pa[kk][2 * half_k + r] = pack_e4m3x4(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1],
-                                                   sacc[4 * (j + 1) + 2 * r], sacc[4 * (j + 1) + 2 * r + 1]);
-            }
-          }
-        }
-      };
-
-      if (n_blocks > 0) {
-        if (wg == 1) sm90::named_barrier_arrive(other_turn, kTurnThreads);
-        s.q_full.wait(q_uses++ & 1);
-        // Block 0: S, softmax, P (O is still 0: no rescale).
-        const Ring first{kv_uses};
-        s.k_full[first.stage()].wait(first.parity());
-        wait_turn();
-        issue_s(first.stage());
-        pass_turn();
-        sm90::wgmma_wait<0>();
-        sm90::fence_accumulators(sacc);
-        s.k_empty[first.stage()].arrive();
-        if (n_blocks == 1) s.q_empty.arrive();  // the tile's last read of Q is done
-        float alpha[2];
-        softmax.update(sacc, p, 0, wg_row0, row0, t, alpha);
-        pack_p();
-        // Block nb: S of nb and P·V of nb - 1 are issued together; the softmax of nb runs while P·V does.
-        for (int nb = 1; nb < n_blocks; ++nb) {
-          const Ring slot{kv_uses + nb}, prev{kv_uses + nb - 1};
-          s.k_full[slot.stage()].wait(slot.parity());
-          s.v_full[prev.stage()].wait(prev.parity());
-          wait_turn();
-          issue_s(slot.stage());
-          issue_pv(prev.stage());
-          pass_turn();
-          sm90::wgmma_wait<1>();  // S done, P·V may still run
-          sm90::fence_accumulators(sacc);
-          s.k_empty[slot.stage()].arrive();
-          if (nb == n_blocks - 1) s.q_empty.arrive();
-          softmax.update(sacc, p, nb * kBlockN, wg_row0, row0, t, alpha);
-          sm90::wgmma_wait<0>();
-          sm90::fence_accumulators(o);
-          s.v_empty[prev.stage()].arrive();
-          softmax.rescale(o, alpha);
-          pack_p();
-        }
-        const Ring last{kv_uses + n_blocks - 1};
-        s.v_full[last.stage()].wait(last.parity());
-        wait_turn();
-        issue_pv(last.stage());
-        pass_turn();
-        sm90::wgmma_wait<0>();
-        sm90::fence_accumulators(o);
-        s.v_empty[last.stage()].arrive();
-        kv_uses += n_blocks;
-      }
-
-      // Normalise and write O and logsumexp for the rows that exist. Rows that saw no key have l = 0:
-      // O = 0, logsumexp -inf.
-      auto* o_head = static_cast<__nv_bfloat16*>(p.o) + b * p.o_st.b + h * p.o_st.h;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(softmax.row_sum[r]);
-        const float inv = l != 0.f ? v_descale / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
-        const int row = row0 + 8 * r;
-        if (row >= p.seq_q) continue;
-        if (t == 0) {
-          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] =
-              l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
-        }
-        __nv_bfloat16* out = o_head + row * p.o_st.s + 2 * t;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) store_pair(out + 8 * j, o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      }
-    }
-  }
+  Fp8FwdKernel<D> kernel{{}, aligned_forward_shared<Fp8FwdShared<D>>(smem_raw), &tm_q, &tm_k, &tm_vt, v_descale};
+  run_forward_pipeline(kernel, p);
 #endif
 }
 
@@ -333,7 +208,7 @@ void launch_forward_fp8_sm90(const FlashParams& f, const CUtensorMap& q, const C
                              float v_descale, int64_t items, int sm_count, cudaStream_t stream) {
   using Tr = Fp8FwdTraits<D>;
   auto kernel = flash_fwd_fp8_sm90_kernel<D>;
-  constexpr int kSmem = static_cast<int>(sizeof(Fp8FwdShared<D>) + 1024);  // + room to align the base
+  constexpr int kSmem = static_cast<int>(forward_smem_bytes<Fp8FwdShared<D>>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_fp8_sm90_kernel: shared-memory opt-in");
   kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, vt, f,

@@ -15,6 +15,8 @@
 // past seq_k and above the causal diagonal are masked in S. Each warpgroup writes its normalised O rows
 // into a shared-memory stage and one of its threads stores them with TMA (which clips rows past seq_q);
 // at head dim 64, where the exponentials are the bottleneck, 1 in 8 of them runs on the FMA pipe.
+// The control flow above lives in pipeline_sm90.cuh, shared with the FP8 forward; this file supplies the
+// 16-bit kernel's tiles, loads, GEMMs and O store (Sm90FwdKernel).
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -22,6 +24,7 @@
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
+#include "attention/cuda/hopper/pipeline_sm90.cuh"
 #include "attention/cuda/hopper/schedule_sm90.cuh"
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/softmax_sm90.cuh"
@@ -44,7 +47,7 @@ struct Sm90FwdTraits {
   static constexpr int kConsumerThreads = kConsumers * sm90::kWarpgroupThreads;
   // 128 · (24 + 2 · 240) = 64512 of the SM's 65536 registers.
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
-  static constexpr uint32_t kQBytes = kBlockM * D * 2, kKVBytes = kBlockN * D * 2;
+  static constexpr uint32_t kQBytes = kBlockM * D * 2, kKBytes = kBlockN * D * 2, kVBytes = kKBytes;
   static constexpr int kPanels = D / sm90::kPanelCols;
   // O leaves through a shared-memory stage and TMA stores, except at head dim 256, where the stage does not
   // fit beside Q and the K/V ring (64 + 160 KB) and the threads store O directly.
@@ -71,268 +74,135 @@ struct Sm90FwdShared {
   alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * D];
   alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * D];
   Sm90FwdOStage<D> o;
-  sm90::Mbarrier q_full, q_empty, k_full[Tr::kStages], k_empty[Tr::kStages], v_full[Tr::kStages], v_empty[Tr::kStages];
+  ForwardBarriers<Tr::kStages> bar;
+};
+
+// What the 16-bit kernel puts into the shared pipeline (pipeline_sm90.cuh): Q, K and V as D / 64 panels of
+// 64 swizzled columns each, S = Q·Kᵀ with both operands in shared memory, P·V with P from registers and V
+// read N-major, and O out through a shared-memory stage and TMA stores (or directly at head dim 256).
+// tm_o (boxes of 64 rows) is read only where Tr::kStagedO.
+template <class T, int D>
+struct Sm90FwdKernel : Sm90FwdTraits<D> {
+  using Tr = Sm90FwdTraits<D>;
+  using Softmax = WgmmaRowSoftmax<Tr::kBlockN, Tr::kPolyEvery, Tr::kRowChains>;
+  using PFragments = uint32_t[Tr::kBlockN / 16][4];
+  using GemmS = sm90::WgmmaM64<T, Tr::kBlockN>;
+  using GemmO = sm90::WgmmaM64<T, D>;
+  static constexpr int kOValues = D / 2;
+
+  Sm90FwdShared<D>& s;
+  const CUtensorMap *tm_q, *tm_k, *tm_v, *tm_o;
+
+  __device__ __forceinline__ ForwardBarriers<Tr::kStages>& barriers() { return s.bar; }
+
+  __device__ __forceinline__ void prefetch_descriptors() const {
+    sm90::tma_prefetch_descriptor(tm_q);
+    sm90::tma_prefetch_descriptor(tm_k);
+    sm90::tma_prefetch_descriptor(tm_v);
+    if constexpr (Tr::kStagedO) sm90::tma_prefetch_descriptor(tm_o);
+  }
+  // One box of kBlockM (Q) or kBlockN (K, V) rows per 64-column panel.
+  __device__ __forceinline__ void load_q(int m0, int h, int b) {
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      sm90::tma_load_4d(s.q + panel * Tr::kBlockM * sm90::kPanelCols, tm_q, s.bar.q_full, panel * sm90::kPanelCols,
+                        m0, h, b);
+    }
+  }
+  __device__ __forceinline__ void load_k(int st, int n0, int hk, int b) {
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      sm90::tma_load_4d(s.k[st] + panel * Tr::kBlockN * sm90::kPanelCols, tm_k, s.bar.k_full[st],
+                        panel * sm90::kPanelCols, n0, hk, b);
+    }
+  }
+  __device__ __forceinline__ void load_v(int st, int n0, int hk, int b) {
+#pragma unroll
+    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+      sm90::tma_load_4d(s.v[st] + panel * Tr::kBlockN * sm90::kPanelCols, tm_v, s.bar.v_full[st],
+                        panel * sm90::kPanelCols, n0, hk, b);
+    }
+  }
+
+  __device__ __forceinline__ void gemm_s(float (&sacc)[Tr::kBlockN / 2], int st, int wg) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      GemmS::template ss<0>(sacc, sm90::k_major_descriptor(s.q, Tr::kBlockM, 64 * wg, kk),
+                            sm90::k_major_descriptor(s.k[st], Tr::kBlockN, 0, kk), kk > 0);
+    }
+  }
+  __device__ __forceinline__ void gemm_pv(float (&o)[kOValues], PFragments& pa, int st) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+      GemmO::template rs<1>(o, pa[kk], sm90::mn_major_descriptor(s.v[st], Tr::kBlockN, kk), 1);
+    }
+  }
+  // P as wgmma A fragments: keys [16·kk, 16·kk + 16) are S's column blocks 2·kk and 2·kk + 1.
+  __device__ __forceinline__ static void pack_p(PFragments& pa, const float (&sacc)[Tr::kBlockN / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = MmaOp<T>::pack(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
+    }
+  }
+
+  __device__ __forceinline__ static float o_scale() { return 1.f; }
+  __device__ __forceinline__ void store_o(const float (&o)[kOValues], const float (&inv)[2], const FlashParams& p,
+                                          const ForwardTileRows& tile) {
+    if constexpr (Tr::kStagedO) {
+      // Through shared memory: the warpgroup's 64 rows into its staging panels (32-bit stores, one bank
+      // each across the warp: the swizzle spreads the 8 rows of a store over 8 chunks), then one thread
+      // stores the panels with TMA, which skips rows past seq_q. The previous tile's store must have read
+      // the panels before they are written again.
+      const auto epilogue =
+          static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kEpilogue0) + tile.wg);
+      uint16_t* stage = s.o.rows + tile.wg * 64 * D;
+      if (tile.ctid == 0) sm90::bulk_wait_read<0>();
+      sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = 16 * tile.warp + tile.g + 8 * r;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(stage) +
+                                       sm90::swizzled_offset(64, row, 8 * j + 2 * tile.t)) =
+              MmaOp<T>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+        }
+      }
+      sm90::fence_proxy_async_shared();
+      sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
+      if (tile.ctid == 0) {
+#pragma unroll
+        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+          sm90::tma_store_4d(tm_o, stage + panel * 64 * sm90::kPanelCols, panel * sm90::kPanelCols, tile.wg_row0,
+                             tile.h, tile.b);
+        }
+        sm90::bulk_commit();
+      }
+    } else {
+      store_o_rows_direct<T>(o, inv, p, tile);
+    }
+  }
+  // The shared memory the last TMA stores read must outlive them.
+  __device__ __forceinline__ static void consumer_exit(int ctid) {
+    if (Tr::kStagedO && ctid == 0) sm90::bulk_wait<0>();
+  }
 };
 
 template <int D>
 constexpr size_t sm90_fwd_smem_bytes() {
-  return sizeof(Sm90FwdShared<D>) + 1024;  // + room to align the dynamic shared-memory base to 1024
+  return forward_smem_bytes<Sm90FwdShared<D>>();
 }
 
-// tm_o (boxes of 64 rows) is read only where Tr::kStagedO; the others get any valid map.
 template <class T, int D>
 __global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                           const FlashParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Tr = Sm90FwdTraits<D>;
-  using Ring = sm90::RingSlot<Tr::kStages>;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
-  constexpr bool kStaged = Tr::kStagedO;
   extern __shared__ unsigned char smem_raw[];
-  auto& s = *reinterpret_cast<Sm90FwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  const TileSchedule schedule(p, kBlockM);
-  // Key blocks query tile m sees (none: the tile is written as zeros without loading anything).
-  auto key_blocks = [&](int m0) {
-    const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
-    const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
-    return (n_end + kBlockN - 1) / kBlockN;
-  };
-  const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
-
-  if (threadIdx.x == 0) {
-    s.q_full.init(1);
-    s.q_empty.init(Tr::kConsumerThreads);
-#pragma unroll
-    for (int st = 0; st < Tr::kStages; ++st) {
-      s.k_full[st].init(1);
-      s.v_full[st].init(1);
-      s.k_empty[st].init(Tr::kConsumerThreads);
-      s.v_empty[st].init(Tr::kConsumerThreads);
-    }
-    sm90::Mbarrier::fence_init();
-  }
-  __syncthreads();
-
-  if (warpgroup == 0) {
-    // ---- Producer: one thread issues every copy. Q of a tile is loaded once the consumers have released
-    // the previous tile's (q_empty), and the K/V ring runs on across tiles, so the next tile's first loads
-    // overlap the current tile's last GEMMs and epilogue.
-    sm90::registers_decrease<Tr::kProducerRegisters>();
-    if (threadIdx.x != 0) return;
-    sm90::tma_prefetch_descriptor(&tm_q);
-    sm90::tma_prefetch_descriptor(&tm_k);
-    sm90::tma_prefetch_descriptor(&tm_v);
-    if constexpr (kStaged) sm90::tma_prefetch_descriptor(&tm_o);
-    int q_uses = 0, kv_uses = 0;
-    for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
-      const int h = schedule.head(item, p), b = schedule.batch(item, p), hk = h / p.group;
-      for (int half = 0; half < 2; ++half) {
-        const int m_tile = schedule.m_tile(item, half);
-        if (m_tile < 0) break;
-        const int m0 = m_tile * kBlockM, n_blocks = key_blocks(m0);
-        if (n_blocks == 0) continue;
-        s.q_empty.wait((q_uses++ & 1) ^ 1);
-        s.q_full.arrive_expect_tx(Tr::kQBytes);
-#pragma unroll
-        for (int panel = 0; panel < Tr::kPanels; ++panel) {
-          sm90::tma_load_4d(s.q + panel * kBlockM * sm90::kPanelCols, &tm_q, s.q_full, panel * sm90::kPanelCols, m0,
-                            h, b);
-        }
-        for (int nb = 0; nb < n_blocks; ++nb) {
-          const Ring slot{kv_uses++};
-          const int st = slot.stage();
-          s.k_empty[st].wait(slot.parity() ^ 1);
-          s.k_full[st].arrive_expect_tx(Tr::kKVBytes);
-#pragma unroll
-          for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            sm90::tma_load_4d(s.k[st] + panel * kBlockN * sm90::kPanelCols, &tm_k, s.k_full[st],
-                              panel * sm90::kPanelCols, nb * kBlockN, hk, b);
-          }
-          s.v_empty[st].wait(slot.parity() ^ 1);
-          s.v_full[st].arrive_expect_tx(Tr::kKVBytes);
-#pragma unroll
-          for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            sm90::tma_load_4d(s.v[st] + panel * kBlockN * sm90::kPanelCols, &tm_v, s.v_full[st],
-                              panel * sm90::kPanelCols, nb * kBlockN, hk, b);
-          }
-        }
-      }
-    }
-    return;
-  }
-
-  // ---- Consumers: warpgroup wg owns query rows [m0 + 64·wg, m0 + 64·wg + 64) of each tile.
-  sm90::registers_increase<Tr::kConsumerRegisters>();
-  using GemmS = sm90::WgmmaM64<T, kBlockN>;
-  using GemmO = sm90::WgmmaM64<T, D>;
-  const int wg = warpgroup - 1;
-  const int ctid = threadIdx.x % sm90::kWarpgroupThreads, warp = ctid / 32, lane = ctid % 32, g = lane / 4, t = lane % 4;
-
-  // Ping-pong: the two consumer warpgroups take turns to issue their GEMMs, so that one's softmax runs
-  // while the other's GEMMs occupy the tensor cores. Warpgroup w waits for its turn on barrier
-  // kWarpgroupTurn0 + w and, having issued, hands the turn to the other. In each tile warpgroup 1 hands
-  // warpgroup 0 the first turn and skips its last hand-over (nobody would wait for it).
-  constexpr uint32_t kTurnThreads = 2 * sm90::kWarpgroupThreads;
-  const auto my_turn = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + wg);
-  const auto other_turn =
-      static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + (wg ^ 1));
-
-  float o[D / 2];
-  float sacc[kBlockN / 2];
-  uint32_t pa[kBlockN / 16][4];  // P of the previous key block as wgmma A fragments
-  WgmmaRowSoftmax<kBlockN, Tr::kPolyEvery, Tr::kRowChains> softmax;
-  int q_uses = 0, kv_uses = 0;
-
-  for (int item = blockIdx.x; item < schedule.items; item += gridDim.x) {
-    const int h = schedule.head(item, p), b = schedule.batch(item, p);
-    for (int half = 0; half < 2; ++half) {
-      const int m_tile = schedule.m_tile(item, half);
-      if (m_tile < 0) break;
-      const int m0 = m_tile * kBlockM, n_blocks = key_blocks(m0);
-      const int wg_row0 = m0 + 64 * wg;
-      const int row0 = wg_row0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-      softmax.reset();
-
-      int turns_left = n_blocks + 1;  // issue points: S of block 0, (S of nb, P·V of nb - 1), the last P·V
-      auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };
-      auto pass_turn = [&] {
-        if (--turns_left > 0 || wg == 0) sm90::named_barrier_arrive(other_turn, kTurnThreads);
-      };
-      auto issue_s = [&](int st) {
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-          GemmS::template ss<0>(sacc, sm90::k_major_descriptor(s.q, kBlockM, 64 * wg, kk),
-                                sm90::k_major_descriptor(s.k[st], kBlockN, 0, kk), kk > 0);
-        }
-        sm90::wgmma_commit();
-      };
-      auto issue_pv = [&](int st) {
-        sm90::fence_accumulators(o);
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          GemmO::template rs<1>(o, pa[kk], sm90::mn_major_descriptor(s.v[st], kBlockN, kk), 1);
-        }
-        sm90::wgmma_commit();
-      };
-      // P as wgmma A fragments: keys [16·kk, 16·kk + 16) are S's column blocks 2·kk and 2·kk + 1.
-      auto pack_p = [&] {
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pa[kk][e] = MmaOp<T>::pack(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
-        }
-      };
-
-      if (n_blocks > 0) {
-        if (wg == 1) sm90::named_barrier_arrive(other_turn, kTurnThreads);
-        s.q_full.wait(q_uses++ & 1);
-        // Block 0: S, softmax, P (O is still 0: no rescale).
-        const Ring first{kv_uses};
-        s.k_full[first.stage()].wait(first.parity());
-        wait_turn();
-        issue_s(first.stage());
-        pass_turn();
-        sm90::wgmma_wait<0>();
-        sm90::fence_accumulators(sacc);
-        s.k_empty[first.stage()].arrive();
-        if (n_blocks == 1) s.q_empty.arrive();  // the tile's last read of Q is done
-        float alpha[2];
-        softmax.update(sacc, p, 0, wg_row0, row0, t, alpha);
-        pack_p();
-        // Block nb: S of nb and P·V of nb - 1 are issued together; the softmax of nb runs while P·V does.
-        for (int nb = 1; nb < n_blocks; ++nb) {
-          const Ring slot{kv_uses + nb}, prev{kv_uses + nb - 1};
-          s.k_full[slot.stage()].wait(slot.parity());
-          s.v_full[prev.stage()].wait(prev.parity());
-          wait_turn();
-          issue_s(slot.stage());
-          issue_pv(prev.stage());
-          pass_turn();
-          sm90::wgmma_wait<1>();  // S done, P·V may still run
-          sm90::fence_accumulators(sacc);
-          s.k_empty[slot.stage()].arrive();
-          if (nb == n_blocks - 1) s.q_empty.arrive();
-          softmax.update(sacc, p, nb * kBlockN, wg_row0, row0, t, alpha);
-          sm90::wgmma_wait<0>();
-          sm90::fence_accumulators(o);
-          s.v_empty[prev.stage()].arrive();
-          softmax.rescale(o, alpha);
-          pack_p();
-        }
-        const Ring last{kv_uses + n_blocks - 1};
-        s.v_full[last.stage()].wait(last.parity());
-        wait_turn();
-        issue_pv(last.stage());
-        pass_turn();
-        sm90::wgmma_wait<0>();
-        sm90::fence_accumulators(o);
-        s.v_empty[last.stage()].arrive();
-        kv_uses += n_blocks;
-      }
-
-      // Normalise and write O and logsumexp for the rows that exist. Rows that saw no key have l = 0:
-      // O = 0, logsumexp -inf.
-      float inv[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(softmax.row_sum[r]);
-        inv[r] = l != 0.f ? 1.f / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
-        const int row = row0 + 8 * r;
-        if (t == 0 && row < p.seq_q) {
-          p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] = l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
-        }
-      }
-      if constexpr (kStaged) {
-        // Through shared memory: the warpgroup's 64 rows into its staging panels (32-bit stores, one bank
-        // each across the warp: the swizzle spreads the 8 rows of a store over 8 chunks), then one thread
-        // stores the panels with TMA, which skips rows past seq_q. The previous tile's store must have read
-        // the panels before they are written again.
-        const auto epilogue = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kEpilogue0) + wg);
-        uint16_t* stage = s.o.rows + wg * 64 * D;
-        if (ctid == 0) sm90::bulk_wait_read<0>();
-        sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = 16 * warp + g + 8 * r;
-#pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(stage) +
-                                         sm90::swizzled_offset(64, row, 8 * j + 2 * t)) =
-                MmaOp<T>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
-          }
-        }
-        sm90::fence_proxy_async_shared();
-        sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
-        if (ctid == 0) {
-#pragma unroll
-          for (int panel = 0; panel < Tr::kPanels; ++panel) {
-            sm90::tma_store_4d(&tm_o, stage + panel * 64 * sm90::kPanelCols, panel * sm90::kPanelCols, wg_row0, h, b);
-          }
-          sm90::bulk_commit();
-        }
-      } else {
-        T* o_head = static_cast<T*>(p.o) + b * p.o_st.b + h * p.o_st.h;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = row0 + 8 * r;
-          if (row >= p.seq_q) continue;
-          T* out = o_head + row * p.o_st.s + 2 * t;
-#pragma unroll
-          for (int j = 0; j < D / 8; ++j) {
-            store_pair(out + 8 * j, o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
-          }
-        }
-      }
-    }
-  }
-  // The shared memory the last TMA stores read must outlive them.
-  if (kStaged && ctid == 0) sm90::bulk_wait<0>();
+  Sm90FwdKernel<T, D> kernel{{}, aligned_forward_shared<Sm90FwdShared<D>>(smem_raw), &tm_q, &tm_k, &tm_v, &tm_o};
+  run_forward_pipeline(kernel, p);
 #endif
 }
 
