@@ -900,6 +900,7 @@ void add_info(CLI::App& app) {
   app.add_subcommand("info", "Print the build and the devices flashlm sees")->callback([] {
     fmt::print("flashlm {}\n", FLASHLM_VERSION);
     fmt::print("cpu:  {}, {} OpenMP threads\n", flashlm::describe_device(flashlm::Device::cpu), flashlm::cpu_threads());
+    fmt::print("cpu attention kernels: {}\n", flashlm::cpu_attention_kernels());
     fmt::print("blas: {}\n", flashlm::blas_description());
     if (!flashlm::cuda_built()) fmt::print("cuda: not built (nvcc was not found at configure time)\n");
     else if (flashlm::cuda_device_count() == 0) fmt::print("cuda: built, no device visible\n");

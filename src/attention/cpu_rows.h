@@ -8,6 +8,7 @@
 #include "flashlm/dtype.h"
 
 namespace flashlm {
+inline namespace FLASHLM_CPU_KERNELS_NS {  // one copy per instruction set (attention/flash_cpu.cpp)
 
 template <class A, class T>
 inline void load_row(const T* src, A* dst, int64_t n) {
@@ -41,29 +42,48 @@ inline void axpy(A alpha, const A* x, A* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
 }
 
-// x[i] = exp(x[i] - shift) over an array, for the softmax tiles; fp64 keeps std::exp, the exact path the
-// gradient checks rely on.
+// exp(v) for v <= 0 (or NaN) in the accumulation type: the forward's exp(score - running max) and the rescale
+// exp(old max - new max). exp_fp32_nonpositive for fp32 (vectorisable, a few ulp), std::exp for fp64, the
+// exact path the gradient checks rely on.
+inline float exp_nonpositive(float v) { return exp_fp32_nonpositive(v); }
+inline double exp_nonpositive(double v) { return std::exp(v); }
+
+// x[i] = exp(x[i] - shift) over an array: the backward's P = exp(S - lse), which is at most 1 (lse is the
+// log of a sum that includes exp(S)); in fp32 the argument is clamped to 0, which only drops the rounding
+// of a recomputed S above lse (and keeps an inconsistent lse from overflowing), and exp_fp32_nonpositive
+// needs no overflow guard. NaN stays NaN.
 inline void exp_shifted(float* x, int64_t n, float shift) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) x[i] = exp_fp32(x[i] - shift);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i] - shift;
+    x[i] = exp_fp32_nonpositive(v > 0.0f ? 0.0f : v);
+  }
 }
 
 inline void exp_shifted(double* x, int64_t n, double shift) {
   for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - shift);
 }
 
-// exp_shifted, returning the sum of the results (the forward's softmax denominator for the tile row).
+// exp_shifted, returning the sum of the results (the forward's softmax denominator for the tile row), for a shift
+// at least every x[i] (the row's running maximum): one pass, each result added to its lane's partial sum
+// while it is still in a register.
 template <class A>
 inline A exp_shifted_sum(A* x, int64_t n, A shift) {
-  exp_shifted(x, n, shift);
   A lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += x[i + j];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const A e = exp_nonpositive(x[i + j] - shift);
+      x[i + j] = e;
+      lanes[j] += e;
+    }
   }
-  for (; i < n; ++i) lanes[0] += x[i];
-  return fold_lanes<A>(lanes, [](A a, A b) { return a + b; });
+  for (; i < n; ++i) {
+    x[i] = exp_nonpositive(x[i] - shift);
+    lanes[0] += x[i];
+  }
+  return fold_lanes(lanes, LaneSum{});
 }
 
 // Whether every element of an n-element array is finite: a tile product may then run over masked entries
@@ -76,4 +96,5 @@ inline bool all_finite(const A* x, int64_t n) {
   return zero == A(0);
 }
 
+}  // namespace FLASHLM_CPU_KERNELS_NS
 }  // namespace flashlm

@@ -13,10 +13,12 @@
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
 //
-// Backward (deterministic, no atomics): Delta_i = rowsum(dO_i ∘ O_i) first; then one task per
-// (batch, key head, key tile) recomputes P = exp(S - lse) tile by tile and accumulates dK and dV for its
-// keys over every query head of its GQA group; then one task per (batch, query head, query tile) does the
-// same to accumulate dQ. Recomputing S twice costs two extra tile products but needs no dQ reduction.
+// Backward (deterministic, no atomics): Delta_i = rowsum(dO_i ∘ O_i) first; then one task per (batch, query
+// head) recomputes P = exp(S - lse) once per (key tile, query tile) pair and accumulates dK and dV for the
+// key tile and dQ for the query tile from it: five tile products per pair (an earlier schedule, a dK/dV
+// pass and a dQ pass that each recomputed S and dP, needed seven). The task's dQ (Nq × D) lives in its
+// thread's scratch; with GQA the per-query-head dK and dV are summed over the group afterwards (O(N) memory:
+// partials of Q's size).
 //
 // Every tile product goes through a register-blocked GEMM on packed tiles (fp32 accumulation for fp16, bf16 and fp32
 // inputs; fp64 stays fp64). Products whose outputs are per (query, key) pair (S = Q Kᵀ, dP = dO Vᵀ) run over
@@ -24,17 +26,26 @@
 // Pᵀ dO, dSᵀ Q) multiply masked entries' zero weights by real inputs: that is exact while the summed tile is
 // finite, and where it is not (a NaN or inf in a row some query must not see) the tile pair falls back to
 // sums over the visible pairs only, so non-finite inputs reach exactly the rows that see them (SPEC §2).
+//
+// This file is compiled once per instruction set (src/CMakeLists.txt: baseline x86-64, x86-64-v3 = AVX2 + FMA,
+// x86-64-v4 = AVX-512; or the build machine's -march=native beside baseline), each copy in its own namespace
+// FLASHLM_CPU_KERNELS_NS; attention/cpu_isa.cpp picks one at run time by what the CPU supports. Everything
+// a copy calls must be its own: the helpers of cpu_rows.h and cpu_simd.h sit in an inline namespace of the
+// same name, and errors are raised through non-inline functions (checked_size), so that the linker, which
+// keeps one copy of each inline function of a given name, never hands an AVX-512 copy to the baseline path.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <span>
 #include <vector>
 
-#include "attention/backends.h"
 #include "attention/cpu_rows.h"
+#include "attention/problem.h"
 #include "core/check.h"
+#include "flashlm/memory.h"
 
-namespace flashlm {
+namespace flashlm::FLASHLM_CPU_KERNELS_NS {
 
 namespace {
 
@@ -53,39 +64,84 @@ constexpr int64_t kForwardBlockK = 128;
 // (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this
 // project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
 // The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
-// AVX-512 gives 32 registers, 8 of 8 where AVX2 gives 16 (enough independent FMA chains to hide latency).
+// AVX-512 gives 32 registers, 12 of 8 (AVX2) or of 4 (SSE2) where there are 16 (enough independent FMA chains
+// to hide latency; 4 × 16 on AVX2, 8 accumulators, ran the forward 1.2x slower).
+// Taller or wider blocks (12 × 32, 14 × 32, 4 × 64, 6 × 64 on AVX-512) measured no faster at 1×8×4096×64
+// (docs/perf.md): at 8 × 32 the forward's tile products run at ~80% of the core's FMA peak.
 #if defined(__AVX512F__)
 constexpr int64_t kGemmRows = 8;
 constexpr int64_t kGemmCols = 32;
-#else
-constexpr int64_t kGemmRows = 4;
+#elif defined(__AVX__)
+constexpr int64_t kGemmRows = 6;  // 12 of the 16 ymm registers
 constexpr int64_t kGemmCols = 16;
+#else
+constexpr int64_t kGemmRows = 6;  // 12 of the 16 xmm registers
+constexpr int64_t kGemmCols = 8;
 #endif
+
+// One kRows × kGemmCols block of C: the accumulators are locals of this function, so that they live in registers
+// from the first product on (an array zeroed beside the ragged path's was cleared in memory by `rep stos`).
+template <int64_t kRows, bool TransA, class A>
+inline void gemm_block(int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta, A* c,
+                       int64_t ldc) {
+  A acc[kRows][kGemmCols];
+  for (int64_t r = 0; r < kRows; ++r) {
+#pragma omp simd
+    for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] = A(0);
+  }
+  for (int64_t p = 0; p < k; ++p) {
+    const A* brow = b + p * ldb;
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < kRows; ++r) {
+      const A ar = TransA ? a[p * lda + r] : a[r * lda + p];
+#pragma omp simd
+      for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    A* crow = c + r * ldc;
+    if (beta == A(0)) {
+#pragma omp simd
+      for (int64_t j = 0; j < kGemmCols; ++j) crow[j] = alpha * acc[r][j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < kGemmCols; ++j) crow[j] = alpha * acc[r][j] + beta * crow[j];
+    }
+  }
+}
+
+// The block heights tile_gemm uses: kGemmRows, then each next power of two below, down to 1 (the rows left
+// over below a full block take the tallest that fits).
+constexpr int64_t next_gemm_rows(int64_t rows) { return std::bit_floor(uint64_t(rows - 1)); }
+
+// gemm_block for a runtime height `rows` from that sequence.
+template <int64_t kRows = kGemmRows, bool TransA, class A>
+void gemm_block_rows(int64_t rows, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta, A* c,
+                     int64_t ldc) {
+  if constexpr (kRows >= 1) {
+    if (rows == kRows) return gemm_block<kRows, TransA>(k, alpha, a, lda, b, ldb, beta, c, ldc);
+    gemm_block_rows<next_gemm_rows(kRows), TransA>(rows, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+}
 
 template <bool TransA = false, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {
   auto a_at = [&](int64_t r, int64_t p) { return TransA ? a[p * lda + r] : a[r * lda + p]; };
-  for (int64_t i0 = 0; i0 < m; i0 += kGemmRows) {
-    const int64_t rows = std::min(kGemmRows, m - i0);
+  for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) {
+    rows = kGemmRows;
+    while (rows > m - i0) rows = next_gemm_rows(rows);
+    const A* a_block = TransA ? a + i0 : a + i0 * lda;
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       const int64_t cols = std::min(kGemmCols, n - j0);
-      A acc[kGemmRows][kGemmCols] = {};
-      if (rows == kGemmRows && cols == kGemmCols) {
-        for (int64_t p = 0; p < k; ++p) {
-          const A* brow = b + p * ldb + j0;
-#pragma GCC unroll 8
-          for (int64_t r = 0; r < kGemmRows; ++r) {
-            const A ar = a_at(i0 + r, p);
-#pragma omp simd
-            for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
-          }
-        }
-      } else {  // a ragged edge block
-        for (int64_t p = 0; p < k; ++p) {
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t j = 0; j < cols; ++j) acc[r][j] += a_at(i0 + r, p) * b[p * ldb + j0 + j];
-          }
+      if (cols == kGemmCols) {
+        gemm_block_rows<kGemmRows, TransA>(rows, k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
+        continue;
+      }
+      A acc[kGemmRows][kGemmCols] = {};  // a ragged edge block (fewer than kGemmCols columns)
+      for (int64_t p = 0; p < k; ++p) {
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < cols; ++j) acc[r][j] += a_at(i0 + r, p) * b[p * ldb + j0 + j];
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -132,7 +188,7 @@ class PackedHeads {
     out.tile_ = tile;
     out.tiles_ = (seq + tile - 1) / tile;
     const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
-    const auto bytes = size_t(checked_product({tiles_all, tile, D, int64_t(sizeof(A))}, tag));
+    const auto bytes = checked_size({tiles_all, tile, D, int64_t(sizeof(A))}, tag);
     if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
     if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
     out.finite_.assign(size_t(tiles_all), 0);
@@ -235,12 +291,17 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kForwardBlockK;
       const int64_t visible = visible_cols(p, i0 + r, j0, cols);
-      const A m_new = max_propagating_nan(m[r], row_max(s, visible));  // NaN stays NaN
-      if (m_new == kNegInf<A>) {  // nothing visible in this row yet: acc, m and l stay
-        std::fill(s, s + cols, A(0));
-        continue;
+      // A NaN score is skipped here and reaches the output through exp(NaN - m_new) in the row sum l and in P
+      // (O and lse become NaN, as with any NaN the row sees); a NaN m from an earlier tile stays NaN.
+      A m_new = max_propagating_nan(m[r], row_max_skipping_nan(s, visible));
+      if (m_new == kNegInf<A>) {
+        if (std::none_of(s, s + visible, [](A x) { return x != x; })) {  // nothing visible yet: acc, m and l stay
+          std::fill(s, s + cols, A(0));
+          continue;
+        }
+        m_new = std::numeric_limits<A>::quiet_NaN();  // only NaNs and -inf: the row's output is NaN
       }
-      const A alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
+      const A alpha = exp_nonpositive(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
       A* a = acc + r * D;
       if (alpha != A(1)) {
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
@@ -351,80 +412,98 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   const auto Vp = Packed::template pack<T>(v, p.batch, p.heads_k, Nk, D, kBlockK, Packed::transposed_only,
                                            "flash backward packed V");
 
-  // dK, dV: one task per (batch, key head, key tile).
+  // dQ, dK and dV in one pass: one task per (batch, query head) walks its key tiles and, for each, the query
+  // tiles that see them. P and dS are computed once per tile pair and feed all three gradients (five tile
+  // products: S, dP, Pᵀ dO, dSᵀ Q, dS K). The task holds its head's whole dQ (Nq × D, a thread's scratch) and
+  // finishes a key tile's dK and dV before the next. With GQA each query head's dK and dV go to a per-head
+  // partial, summed over the group in head order afterwards: deterministic, no atomics.
+  const bool grouped = p.group() > 1;
+  Buffer partial_buffer;
+  A* partial = nullptr;  // [batch, heads_q, 2 (dK, dV), Nk, D] when grouped
+  if (grouped) {
+    partial_buffer = Buffer::allocate(checked_size({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))},
+                                                    "flash backward dK/dV partials"),
+                                      Device::cpu, "flash backward dK/dV partials");
+    partial = static_cast<A*>(partial_buffer.data());
+  }
 #pragma omp parallel
   {
-    Scratch<A> w(kBlockK * D * 2 + kBlockQ * kBlockK * 2 + kBlockQ, "flash backward dK/dV tiles");
+    Scratch<A> w(q_tiles * kBlockQ * (D + 1) + kBlockK * D * 2 + kBlockQ * kBlockK * 2, "flash backward tiles");
+    A* dQ = w.take(q_tiles * kBlockQ * D).data();
+    A* lse_rows = w.take(q_tiles * kBlockQ).data();
     A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * D).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
-    A* lse_rows = w.take(kBlockQ).data();
 #pragma omp for schedule(dynamic)
-    for (int64_t t = 0; t < p.batch * p.heads_k * k_tiles; ++t) {
-      const int64_t kt = t % k_tiles, j0 = kt * kBlockK, bhk = t / k_tiles;
-      const int64_t b = bhk / p.heads_k, hk = bhk % p.heads_k;
-      const int64_t cols = std::min(kBlockK, Nk - j0);
-      const A *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
-      std::fill(dK, dK + cols * D, A(0));
-      std::fill(dV, dV + cols * D, A(0));
-      const int64_t first_q = p.first_query_seeing(j0) / kBlockQ * kBlockQ;
-      for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
-        const int64_t bh = b * p.heads_q + h;
-        for (int64_t i0 = first_q; i0 < Nq; i0 += kBlockQ) {
+    for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) {
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group(), bhk = b * p.heads_k + hk;
+      const A* delta = delta_of(b, h);
+      for (int64_t i = 0; i < Nq; ++i) lse_rows[i] = load_lse<A>(lse, b, h, i);
+      std::fill(dQ, dQ + Nq * D, A(0));
+      for (int64_t kt = 0; kt < k_tiles; ++kt) {
+        const int64_t j0 = kt * kBlockK, cols = std::min(kBlockK, Nk - j0);
+        const A *K = Kp.rows(bhk, kt), *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
+        const bool k_finite = Kp.finite(bhk, kt);
+        std::fill(dK, dK + cols * D, A(0));
+        std::fill(dV, dV + cols * D, A(0));
+        for (int64_t i0 = p.first_query_seeing(j0) / kBlockQ * kBlockQ; i0 < Nq; i0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, Nq - i0), qt = i0 / kBlockQ;
-          const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt);
-          for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
-          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
+          const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt), *lse_tile = lse_rows + i0;
+          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_tile, delta + i0, i0, rows, j0, cols, S, dS);
           if (Qp.finite(bh, qt) && dOp.finite(bh, qt)) {
             tile_gemm<true>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
             tile_gemm<true>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
           } else {
             for (int64_t r = 0; r < rows; ++r) {
-              for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
+              for (int64_t c = 0, n = contributing_cols(p, lse_tile[r], i0 + r, j0, cols); c < n; ++c) {
                 axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
                 axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
               }
             }
           }
-        }
-      }
-      for (int64_t c = 0; c < cols; ++c) {
-        store_row(dK + c * D, attention_row<T>(dk, b, j0 + c, hk), D);
-        store_row(dV + c * D, attention_row<T>(dv, b, j0 + c, hk), D);
-      }
-    }
-  }
-
-  // dQ: one task per (batch, query head, query tile).
-#pragma omp parallel
-  {
-    Scratch<A> w(kBlockQ * D + kBlockQ * kBlockK * 2 + kBlockQ, "flash backward dQ tiles");
-    A* dQ = w.take(kBlockQ * D).data();
-    A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
-    A* lse_rows = w.take(kBlockQ).data();
-#pragma omp for schedule(dynamic)
-    for (int64_t t = 0; t < p.batch * p.heads_q * q_tiles; ++t) {
-      const int64_t qt = t % q_tiles, i0 = qt * kBlockQ, bh = t / q_tiles;
-      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, bhk = b * p.heads_k + h / p.group();
-      const int64_t rows = std::min(kBlockQ, Nq - i0);
-      const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt);
-      for (int64_t r = 0; r < rows; ++r) lse_rows[r] = load_lse<A>(lse, b, h, i0 + r);
-      std::fill(dQ, dQ + rows * D, A(0));
-      const int64_t key_end = p.visible_keys(i0 + rows - 1);
-      for (int64_t j0 = 0; j0 < key_end; j0 += kBlockK) {
-        const int64_t cols = std::min(kBlockK, key_end - j0), kt = j0 / kBlockK;
-        const A *K = Kp.rows(bhk, kt), *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
-        tile_probs_and_dscores(p, Q, KT, VT, dO, lse_rows, delta_of(b, h) + i0, i0, rows, j0, cols, S, dS);
-        if (Kp.finite(bhk, kt)) {
-          tile_gemm(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ, D);  // dQ += scale dS K
-        } else {
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0, n = contributing_cols(p, lse_rows[r], i0 + r, j0, cols); c < n; ++c) {
-              axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + r * D, D);
+          if (k_finite) {
+            tile_gemm(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ + i0 * D, D);  // dQ += scale dS K
+          } else {
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t c = 0, n = contributing_cols(p, lse_tile[r], i0 + r, j0, cols); c < n; ++c) {
+                axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + (i0 + r) * D, D);
+              }
             }
           }
         }
+        if (grouped) {
+          A* dst = partial + (bh * 2 * Nk + j0) * D;
+          std::copy(dK, dK + cols * D, dst);
+          std::copy(dV, dV + cols * D, dst + Nk * D);
+        } else {
+          for (int64_t c = 0; c < cols; ++c) {
+            store_row(dK + c * D, attention_row<T>(dk, b, j0 + c, hk), D);
+            store_row(dV + c * D, attention_row<T>(dv, b, j0 + c, hk), D);
+          }
+        }
       }
-      for (int64_t r = 0; r < rows; ++r) store_row(dQ + r * D, attention_row<T>(dq, b, i0 + r, h), D);
+      for (int64_t i = 0; i < Nq; ++i) store_row(dQ + i * D, attention_row<T>(dq, b, i, h), D);
+    }
+  }
+
+  // GQA: dK and dV of a key head are the sums of its query heads' partials, in head order.
+  if (grouped) {
+#pragma omp parallel
+    {
+      Scratch<A> w(2 * D, "flash backward dK/dV rows");
+      A *dk_row = w.take(D).data(), *dv_row = w.take(D).data();
+#pragma omp for schedule(static)
+      for (int64_t row = 0; row < p.batch * p.heads_k * Nk; ++row) {
+        const int64_t j = row % Nk, bhk = row / Nk, b = bhk / p.heads_k, hk = bhk % p.heads_k;
+        std::fill(dk_row, dk_row + D, A(0));
+        std::fill(dv_row, dv_row + D, A(0));
+        for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
+          const A* src = partial + ((b * p.heads_q + h) * 2 * Nk + j) * D;
+          axpy(A(1), src, dk_row, D);
+          axpy(A(1), src + Nk * D, dv_row, D);
+        }
+        store_row(dk_row, attention_row<T>(dk, b, j, hk), D);
+        store_row(dv_row, attention_row<T>(dv, b, j, hk), D);
+      }
     }
   }
 }
@@ -435,22 +514,21 @@ using Accum = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 }  // namespace
 
-void flash_attention_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                 const TensorView& v, const TensorView& o, const TensorView& lse) {
+void flash_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                   const TensorView& o, const TensorView& lse) {
   dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     forward<T, Accum<T>>(p, q, k, v, o, lse);
   });
 }
 
-void flash_attention_backward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                                  const TensorView& v, const TensorView& o, const TensorView& lse,
-                                  const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                  const TensorView& dv) {
+void flash_backward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                    const TensorView& dk, const TensorView& dv) {
   dispatch_dtype(p.dtype, [&](auto t) {
     using T = decltype(t);
     backward<T, Accum<T>>(p, q, k, v, o, lse, dout, dq, dk, dv);
   });
 }
 
-}  // namespace flashlm
+}  // namespace flashlm::FLASHLM_CPU_KERNELS_NS

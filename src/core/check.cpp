@@ -1,5 +1,13 @@
 #include "core/check.h"
 
+namespace flashlm {
+
+size_t checked_size(std::initializer_list<int64_t> factors, std::string_view what) {
+  return static_cast<size_t>(checked_product(factors, what));
+}
+
+}  // namespace flashlm
+
 namespace flashlm::detail {
 
 std::string format_braces(std::string_view format, std::initializer_list<std::string> args) {

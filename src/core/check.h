@@ -66,6 +66,9 @@ inline int64_t checked_product(std::initializer_list<int64_t> factors, std::stri
   for (int64_t f : factors) out = checked_mul(out, f, what);
   return out;
 }
+// checked_product as a byte count, compiled once (check.cpp): for code built once per instruction set (the CPU
+// attention kernels), which must not instantiate inline functions that other code shares.
+size_t checked_size(std::initializer_list<int64_t> factors, std::string_view what);
 }  // namespace flashlm
 
 // FLASHLM_CHECK(cond, "fmt", args...): throw flashlm::Error with the message unless cond holds.

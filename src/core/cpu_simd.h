@@ -3,30 +3,67 @@
 #pragma once
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
-namespace flashlm {
+// The namespace of the CPU kernels' inline helpers: each per-ISA copy of the kernels defines its own (src/CMakeLists.txt);
+// other code gets the build's.
+#ifndef FLASHLM_CPU_KERNELS_NS
+#define FLASHLM_CPU_KERNELS_NS cpu_build
+#endif
 
-// exp(v) in fp32 by a polynomial that the compiler vectorises inside `#pragma omp simd` loops (std::exp is a
-// scalar libm call: it was most of the CPU attention's time, and half of the tiny LM's CPU step in the
-// cross-entropy). Relative error ~2e-7 (a few ulp); exp(-inf) = 0, NaN stays NaN, underflow below
-// e^-87.3 gives 0 (std::exp would give a denormal), overflow inf.
+namespace flashlm {
+inline namespace FLASHLM_CPU_KERNELS_NS {  // one copy per instruction set (attention/flash_cpu.cpp)
+
+// The pieces of the fp32 exponentials below: exp(v) = 2^k · e^r with k = round(v · log2 e), r = v - k ln2.
+namespace exp_fp32_detail {
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-6f;
+// Adding 1.5 * 2^23 rounds t to an integer k and leaves k in the low mantissa bits of the sum (for |k| < 2^22):
+// 2^k is built from those bits, with no float-to-int conversion (undefined for NaN, and two more vector
+// operations per element to guard it). A NaN stays NaN through every step.
+constexpr float kRound = 12582912.0f;
+constexpr int32_t kRoundBits = 0x4B400000;  // std::bit_cast<int32_t>(kRound)
+
+// e^r · 2^k for kr = k + kRound, k in [-126, 127].
 #pragma omp declare simd notinbranch
-inline float exp_fp32(float v) {
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.428606765330187e-6f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  float t = v * kLog2e;
-  t = t != t ? 0.0f : (t < -126.0f ? -126.0f : (t > 127.0f ? 127.0f : t));  // keeps the int conversion defined
-  const float k = (t + kRound) - kRound;
-  const float r = (v - k * kLn2Hi) - k * kLn2Lo;  // |r| <= ln2/2
+inline float scaled_exp(float r, float kr) {
   // Taylor terms to r^7 (below fp32's rounding on |r| <= ln2/2), evaluated in pairs (Estrin's scheme): the
   // dependency chain is four operations deep instead of Horner's eight, which bound the softmax's throughput.
   const float r2 = r * r;
   const float c01 = 1.0f + r, c23 = 0.5f + r * (1.0f / 6), c45 = 1.0f / 24 + r * (1.0f / 120);
   const float c67 = 1.0f / 720 + r * (1.0f / 5040);
   const float q = c01 + r2 * (c23 + r2 * (c45 + r2 * c67));
-  const float y = q * std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
-  return v != v ? v : (v < -87.3f ? 0.0f : (v > 88.7f ? std::numeric_limits<float>::infinity() : y));
+  return q * std::bit_cast<float>((std::bit_cast<int32_t>(kr) - kRoundBits + 127) << 23);
+}
+}  // namespace exp_fp32_detail
+
+// exp(v) in fp32 by a polynomial that the compiler vectorises inside `#pragma omp simd` loops (std::exp is a
+// scalar libm call: it was most of the CPU attention's time, and half of the tiny LM's CPU step in the
+// cross-entropy). Relative error ~2e-7 (a few ulp; 1e-6 within 0.4 of the overflow threshold); exp(-inf) = 0,
+// NaN stays NaN, underflow below e^-87.3 gives 0 (std::exp would give a denormal), overflow inf.
+#pragma omp declare simd notinbranch
+inline float exp_fp32(float v) {
+  using namespace exp_fp32_detail;
+  float t = v * kLog2e;
+  t = t < -126.0f ? -126.0f : (t > 127.0f ? 127.0f : t);  // a normal 2^k; max/min that keep a NaN t
+  const float kr = t + kRound;
+  const float k = kr - kRound;
+  const float y = scaled_exp((v - k * kLn2Hi) - k * kLn2Lo, kr);  // |r| <= ln2/2 inside the clamp
+  return v < -87.3f ? 0.0f : (v > 88.7f ? std::numeric_limits<float>::infinity() : y);
+}
+
+// exp_fp32 for v <= 0 (and NaN, which stays NaN): the softmax's exp(s - max). Without the overflow guard it is
+// half the vector operations of exp_fp32 (whose clamps the compiler turns into masks and blends on every step),
+// with the same accuracy. Wrong above v = 88.3 (the exponent overflows): never call it on anything but a score
+// minus a maximum that is at least that score.
+#pragma omp declare simd notinbranch
+inline float exp_fp32_nonpositive(float v) {
+  using namespace exp_fp32_detail;
+  const float x = v < -87.3f ? -87.3f : v;  // keeps 2^k normal; NaN stays
+  const float kr = x * kLog2e + kRound;
+  const float k = kr - kRound;
+  const float y = scaled_exp((x - k * kLn2Hi) - k * kLn2Lo, kr);
+  return v < -87.3f ? 0.0f : y;
 }
 
 // Reductions over a row keep kLanes partial results, one per vector lane, and fold them as a tree at the end:
@@ -34,12 +71,33 @@ inline float exp_fp32(float v) {
 // cost as much as the row's products when the softmax reduced every 64-wide tile row twice.
 inline constexpr int64_t kLanes = 16;
 
-template <class A>
-inline A fold_lanes(A (&lanes)[kLanes], A (*combine)(A, A)) {
-  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
-    for (int64_t j = 0; j < w; ++j) lanes[j] = combine(lanes[j], lanes[j + w]);
-  }
-  return lanes[0];
+// The folds' combining steps, for scalars and for GCC/Clang vector types alike.
+struct LaneSum {
+  template <class V> V operator()(V a, V b) const { return a + b; }
+};
+struct LaneMax {  // NaN-dropping where a NaN is in `a` only: callers track NaN themselves
+  template <class V> V operator()(V a, V b) const { return a > b ? a : b; }
+};
+struct LaneOr {
+  template <class V> V operator()(V a, V b) const { return a | b; }
+};
+
+// The fold runs on GCC/Clang vector types (`combine` takes and returns them: LaneSum, LaneMax, LaneOr),
+// halving the vector with a shuffle at each step, so that the lanes stay in registers: folding the array
+// element by element went through the stack (stores of the whole vector, loads of its halves), ~15% of the
+// forward's softmax.
+template <class A, class Combine>
+inline A fold_lanes(const A (&lanes)[kLanes], Combine combine) {
+  typedef A V16 __attribute__((vector_size(16 * sizeof(A))));
+  static_assert(kLanes == 16, "the shuffles below halve 16 lanes");
+  V16 v16;
+  std::memcpy(&v16, lanes, sizeof v16);
+  const auto v8 = combine(__builtin_shufflevector(v16, v16, 0, 1, 2, 3, 4, 5, 6, 7),
+                          __builtin_shufflevector(v16, v16, 8, 9, 10, 11, 12, 13, 14, 15));
+  const auto v4 = combine(__builtin_shufflevector(v8, v8, 0, 1, 2, 3), __builtin_shufflevector(v8, v8, 4, 5, 6, 7));
+  const auto v2 = combine(__builtin_shufflevector(v4, v4, 0, 1), __builtin_shufflevector(v4, v4, 2, 3));
+  const A a = v2[0], b = v2[1];
+  return combine(a, b);
 }
 
 // The largest of x[0..n), NaN if any is, -inf for n = 0; vectorised (a max_propagating_nan fold is not).
@@ -60,8 +118,24 @@ inline A row_max(const A* x, int64_t n) {
     lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
     nan_lanes[0] |= x[i] != x[i];
   }
-  if (fold_lanes<int>(nan_lanes, [](int a, int b) { return a | b; })) return std::numeric_limits<A>::quiet_NaN();
-  return fold_lanes<A>(lanes, [](A a, A b) { return a > b ? a : b; });
+  if (fold_lanes(nan_lanes, LaneOr{})) return std::numeric_limits<A>::quiet_NaN();
+  return fold_lanes(lanes, LaneMax{});
 }
 
+// The largest of the numbers among x[0..n): NaNs are skipped (-inf if there is no other element), for callers
+// whose NaNs reach the result another way (the forward's softmax: through its row sum). Half the work of row_max.
+template <class A>
+inline A row_max_skipping_nan(const A* x, int64_t n) {
+  A lanes[kLanes];
+  for (A& l : lanes) l = -std::numeric_limits<A>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t j = 0; j < kLanes; ++j) lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
+  }
+  for (; i < n; ++i) lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
+  return fold_lanes(lanes, LaneMax{});
+}
+
+}  // namespace FLASHLM_CPU_KERNELS_NS
 }  // namespace flashlm
