@@ -191,7 +191,10 @@ class PackedHeads {
     const auto bytes = checked_size({tiles_all, tile, D, int64_t(sizeof(A))}, tag);
     if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
     if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
-    out.finite_.assign(size_t(tiles_all), 0);
+    // One flag per tile, every one written below. A Buffer (allocated out of line), not a std::vector:
+    // a std template instantiated here is a weak symbol compiled for this copy's instruction set, which
+    // the linker may hand to the baseline copy (attention.cpu_kernel_objects checks).
+    out.finite_ = Buffer::allocate(size_t(tiles_all), Device::cpu, tag);
 #pragma omp parallel
     {
       std::vector<A> row(static_cast<size_t>(D));
@@ -213,7 +216,7 @@ class PackedHeads {
             for (int64_t d = 0; d < D; ++d) tr[d * tile + s] = row[size_t(d)];
           }
         }
-        out.finite_[size_t(i)] = finite;
+        static_cast<uint8_t*>(out.finite_.data())[i] = finite;
       }
     }
     return out;
@@ -222,14 +225,15 @@ class PackedHeads {
   // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h.
   const A* rows(int64_t bh, int64_t t) const { return tile_at(rows_, bh * tiles_ + t); }
   const A* transposed(int64_t bh, int64_t t) const { return tile_at(transposed_, bh * tiles_ + t); }
-  bool finite(int64_t bh, int64_t t) const { return finite_[size_t(bh * tiles_ + t)] != 0; }
+  bool finite(int64_t bh, int64_t t) const {
+    return static_cast<const uint8_t*>(finite_.data())[bh * tiles_ + t] != 0;
+  }
 
  private:
   A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_ * D_; }
 
   int64_t D_ = 0, tile_ = 0, tiles_ = 0;
-  Buffer rows_, transposed_;
-  std::vector<uint8_t> finite_;
+  Buffer rows_, transposed_, finite_;
 };
 
 // Loads rows [s0, s0 + rows) of head h into a packed tile; returns whether every element is finite.
