@@ -5,7 +5,7 @@
 #   scripts/gpu-hopper-fwd4.sh BIN_DIR BASE_LIB_DIR PEERS_DIR OUT_DIR [DEADLINE_S]
 # BIN_DIR holds flashlm, test_attention, test_sm90 and libflashlm.so (this branch); BASE_LIB_DIR another
 # build's libflashlm.so (main), timed beside it; PEERS_DIR shared/bench's attention_peers.py and
-# compare.py; scripts/peers_long_context.py and scripts/ncu_sdpa.py sit beside this script. A step is
+# compare.py; scripts/peers/long_context.py and scripts/ncu_sdpa.py sit beside this script. A step is
 # skipped, and says so, once DEADLINE_S seconds (default 400) have passed, so the call ends in its limit.
 # PARTS (default "tests sanitize ab peers long ncu") picks the parts; VARIANTS the A/B's instances
 # (FLASHLM_SM90_FWD_VARIANT values, which only the A/B builds of exp/hopper-fwd3, 107ea63..a4ddad3, read:
@@ -91,7 +91,7 @@ if ! late 110; then
   lb="$bin/flashlm attention-bench --device cuda --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768,65536 --d 128 --causal=1 --warmup 2 --reps 5 --format csv"
   timeout 60 $lb --out "$out/long-ours.csv" > /dev/null; echo "exit $?"; cat "$out/long-ours.csv"
   LD_LIBRARY_PATH=$base:$libs timeout 60 $lb --out "$out/long-main.csv" > /dev/null; echo "exit $?"; cat "$out/long-main.csv"
-  timeout 90 python3 "$here/peers_long_context.py" --out "$out/long-peers.json" 2>&1 | tail -6
+  timeout 90 python3 "$here/peers/long_context.py" --out "$out/long-peers.json" 2>&1 | tail -6
 fi
 fi
 if has ncu; then
