@@ -264,6 +264,17 @@ inline bool tile_partly_masked(const AttentionProblem& p, int64_t i0, int64_t j0
   return visible_cols(p, i0, j0, cols) < cols;
 }
 
+// f(r0, block_rows, seen) for each block of kGemmRows queries [r0, r0 + block_rows) of the tile's rows that sees
+// a key of it, seen: the keys [0, seen) of the tile its last (most-seeing) query sees.
+template <class F>
+void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, int64_t j0, int64_t cols, F f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kGemmRows) {
+    const int64_t block_rows = std::min(kGemmRows, rows - r0);
+    const int64_t seen = visible_cols(p, i0 + r0 + block_rows - 1, j0, cols);
+    if (seen > 0) f(r0, block_rows, seen);
+  }
+}
+
 // S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
 // key tile transposed (head_dim × width); S is rows × width. On the causal diagonal each block of kGemmRows
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
@@ -276,12 +287,10 @@ void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t wid
   if (!tile_partly_masked(p, i0, j0, cols)) {
     tile_gemm(rows, cols, D, scale, Q, D, KT, width, A(0), S, width);
   } else {
-    for (int64_t r0 = 0; r0 < rows; r0 += kGemmRows) {
-      const int64_t chunk = std::min(kGemmRows, rows - r0);
-      const int64_t seen = visible_cols(p, i0 + r0 + chunk - 1, j0, cols);
+    for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
       const int64_t n = std::min(width, (seen + kGemmCols - 1) / kGemmCols * kGemmCols);
-      if (n > 0) tile_gemm(chunk, n, D, scale, Q + r0 * D, D, KT, width, A(0), S + r0 * width, width);
-    }
+      tile_gemm(block_rows, n, D, scale, Q + r0 * D, D, KT, width, A(0), S + r0 * width, width);
+    });
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = visible_cols(p, i0 + r, j0, cols);  // columns [0, visible) are unmasked
@@ -333,11 +342,9 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     if (v_finite && !tile_partly_masked(p, i0, j0, cols)) {
       tile_gemm(rows, D, cols, A(1), S, kForwardBlockK, V, D, A(1), acc, D);  // acc += P V
     } else if (v_finite) {  // on the causal diagonal: each block of queries sums over the keys it sees
-      for (int64_t r0 = 0; r0 < rows; r0 += kGemmRows) {
-        const int64_t chunk = std::min(kGemmRows, rows - r0);
-        const int64_t seen = visible_cols(p, i0 + r0 + chunk - 1, j0, cols);
-        if (seen > 0) tile_gemm(chunk, D, seen, A(1), S + r0 * kForwardBlockK, kForwardBlockK, V, D, A(1), acc + r0 * D, D);
-      }
+      for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
+        tile_gemm(block_rows, D, seen, A(1), S + r0 * kForwardBlockK, kForwardBlockK, V, D, A(1), acc + r0 * D, D);
+      });
     } else {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kForwardBlockK + c], V + c * D, acc + r * D, D);
