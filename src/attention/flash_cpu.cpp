@@ -278,7 +278,7 @@ void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, i
 // S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
 // key tile transposed (head_dim × width); S is rows × width. On the causal diagonal each block of kGemmRows
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
-// zero-padded width): on a 128 × 128 diagonal tile, 3/8 of its products.
+// zero-padded width), which skips 3/8 of the products of a 128 × 128 diagonal tile.
 template <class A>
 void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t width, int64_t i0, int64_t rows,
                  int64_t j0, int64_t cols, A* S) {
