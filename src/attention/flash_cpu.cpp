@@ -3,7 +3,7 @@
 // Forward: one task per (batch, query head, tile of kForwardBlockQ queries). The task keeps its query tile, a
 // running row maximum m, a running sum l and an unnormalised output accumulator, and streams key/value
 // tiles of kForwardBlockK keys through them (online softmax). Key tiles that the causal mask hides completely are
-// never visited.
+// never visited; on the diagonal each block of kGemmRows queries multiplies only the keys it sees.
 //
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
@@ -262,12 +262,40 @@ int64_t contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j
   return lse == kNegInf<A> ? 0 : visible_cols(p, i, j0, cols);
 }
 
+// Whether some query of rows [i0, i0 + rows) does not see every key of the tile [j0, j0 + cols): a tile on the
+// causal diagonal, whose products run per block of kGemmRows queries over the keys that block sees.
+inline bool tile_partly_masked(const AttentionProblem& p, int64_t i0, int64_t j0, int64_t cols) {
+  return visible_cols(p, i0, j0, cols) < cols;
+}
+
+// f(r0, block_rows, seen) for each block of kGemmRows queries [r0, r0 + block_rows) of the tile's rows that sees
+// a key of it, seen: the keys [0, seen) of the tile its last (most-seeing) query sees.
+template <class F>
+void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, int64_t j0, int64_t cols, F f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kGemmRows) {
+    const int64_t block_rows = std::min(kGemmRows, rows - r0);
+    const int64_t seen = visible_cols(p, i0 + r0 + block_rows - 1, j0, cols);
+    if (seen > 0) f(r0, block_rows, seen);
+  }
+}
+
 // S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
-// key tile transposed (head_dim × width); S is rows × width.
+// key tile transposed (head_dim × width); S is rows × width. On the causal diagonal each block of kGemmRows
+// queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
+// zero-padded width), which skips 3/8 of the products of a 128 × 128 diagonal tile.
 template <class A>
 void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t width, int64_t i0, int64_t rows,
                  int64_t j0, int64_t cols, A* S) {
-  tile_gemm(rows, cols, p.head_dim, static_cast<A>(p.scale), Q, p.head_dim, KT, width, A(0), S, width);
+  const int64_t D = p.head_dim;
+  const A scale = static_cast<A>(p.scale);
+  if (!tile_partly_masked(p, i0, j0, cols)) {
+    tile_gemm(rows, cols, D, scale, Q, D, KT, width, A(0), S, width);
+  } else {
+    for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
+      const int64_t n = std::min(width, (seen + kGemmCols - 1) / kGemmCols * kGemmCols);
+      tile_gemm(block_rows, n, D, scale, Q + r0 * D, D, KT, width, A(0), S + r0 * width, width);
+    });
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = visible_cols(p, i0 + r, j0, cols);  // columns [0, visible) are unmasked
     std::fill(S + r * width + visible, S + r * width + cols, kNegInf<A>);
@@ -315,8 +343,12 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
     }
-    if (v_finite) {
+    if (v_finite && !tile_partly_masked(p, i0, j0, cols)) {
       tile_gemm(rows, D, cols, A(1), S, kForwardBlockK, V, D, A(1), acc, D);  // acc += P V
+    } else if (v_finite) {  // on the causal diagonal: each block of queries sums over the keys it sees
+      for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
+        tile_gemm(block_rows, D, seen, A(1), S + r0 * kForwardBlockK, kForwardBlockK, V, D, A(1), acc + r0 * D, D);
+      });
     } else {
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kForwardBlockK + c], V + c * D, acc + r * D, D);

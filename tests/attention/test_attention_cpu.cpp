@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "attention/attention_testing.h"
@@ -96,6 +97,14 @@ std::vector<Case> grid() {
   for (auto [nq, nk] : {std::pair<int64_t, int64_t>{127, 129}, {128, 128}, {129, 127}, {257, 128}, {129, 255}}) {
     for (Mask m : {Mask::top_left, Mask::bottom_right}) {
       cases.push_back({1, nq, nk, 4, 2, 64, layouts[n % 3], m, DType::f32});
+      ++n;
+    }
+  }
+  // The forward's causal-diagonal tiles, whose blocks of queries compute only the keys they see: query blocks
+  // that end mid-way through a register block of keys, in both alignments, at d64 and d128.
+  for (auto [nq, nk, d] : {std::tuple<int64_t, int64_t, int64_t>{300, 300, 128}, {141, 403, 128}, {403, 141, 64}}) {
+    for (Mask m : {Mask::top_left, Mask::bottom_right}) {
+      cases.push_back({1, nq, nk, 2, 1, d, layouts[n % 3], m, DType::f32});
       ++n;
     }
   }
