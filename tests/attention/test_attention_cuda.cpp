@@ -211,7 +211,7 @@ TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
 #ifndef FLASHLM_WITH_SM90
   GTEST_SKIP() << "built without the sm_90a kernels";
 #else
-  if (cuda_device_description().find("(sm_90,") == std::string::npos) GTEST_SKIP() << "not an sm_90 GPU";
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
   auto problem_of = [](const TensorView& q, const TensorView& k, const TensorView& o, const TensorView& lse) {
     return validate_attention_forward(q, k, k, o, lse, AttentionOptions{});
   };
@@ -375,7 +375,7 @@ TEST(CudaAttention, HopperBackwardCoversItsProblems) {
 #ifndef FLASHLM_WITH_SM90
   GTEST_SKIP() << "built without the sm_90a kernels";
 #else
-  if (cuda_device_description().find("(sm_90,") == std::string::npos) GTEST_SKIP() << "not an sm_90 GPU";
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
   auto problem_of = [](const TensorView& q, const TensorView& k, const TensorView& o, const TensorView& lse) {
     return validate_attention_forward(q, k, k, o, lse, AttentionOptions{});
   };

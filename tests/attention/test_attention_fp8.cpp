@@ -143,8 +143,6 @@ void PrintTo(const Fp8Case& f, std::ostream* os) { *os << fp8_case_name(f); }
   return o;
 }
 
-[[maybe_unused]] bool on_sm90() { return cuda_device_description().find("(sm_90,") != std::string::npos; }
-
 class Fp8VsReference : public ::testing::TestWithParam<Fp8Case> {};
 
 // Bound, derived the way SPEC §3 derives the low-precision rule. The fp64 reference runs on the dequantised
