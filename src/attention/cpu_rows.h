@@ -79,11 +79,12 @@ inline A exp_shifted_sum(A* x, int64_t n, A shift) {
       lanes[j] += e;
     }
   }
+  A tail = 0;  // not lanes[0]: a scalar store into the array before the fold's vector load stalls its forwarding
   for (; i < n; ++i) {
     x[i] = exp_nonpositive(x[i] - shift);
-    lanes[0] += x[i];
+    tail += x[i];
   }
-  return fold_lanes(lanes, LaneSum{});
+  return fold_lanes(lanes, LaneSum{}) + tail;
 }
 
 // Whether every element of an n-element array is finite: a tile product may then run over masked entries
