@@ -7,8 +7,8 @@
 //
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
-// converted to the accumulation type, K (and V for the backward) also transposed, tile by tile, with a
-// finiteness flag per tile. Without it each of the Nq / 64 query tiles converted and transposed every
+// converted to the accumulation type, K (and V for the backward) also transposed, the backward's Q and dO
+// also in the tile GEMM's panels (ALayout), tile by tile, with a finiteness flag per tile. Without it each of the Nq / 64 query tiles converted and transposed every
 // key tile again: at seq 4096 the forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
@@ -84,9 +84,20 @@ constexpr int64_t kGemmCols = 8;
 // kLda: lda known at compile time (0: the runtime lda), for the same reason (P V's A is the S tile, 128 wide).
 enum class ALayout { rows, transposed, panels };
 
-constexpr int64_t a_offset(ALayout layout, int64_t ld, int64_t r, int64_t p) {
-  return layout == ALayout::rows ? r * ld + p : p * ld + r;  // panels: within one panel, ld = kGemmRows
+// The row stride a block kernel steps A by: within a panel kGemmRows, else kLda or the runtime lda.
+template <ALayout kLayout, int64_t kLda>
+constexpr int64_t a_stride(int64_t lda) {
+  return kLayout == ALayout::panels ? kGemmRows : kLda != 0 ? kLda : lda;
 }
+
+// Element (r, p) of op(A) for a block kernel's A pointer (in panels: the block's own panel).
+constexpr int64_t a_offset(ALayout layout, int64_t ld, int64_t r, int64_t p) {
+  return layout == ALayout::rows ? r * ld + p : p * ld + r;
+}
+
+// Rows padded to whole panels, and where row r's element 0 sits in a panels layout of k columns.
+constexpr int64_t panel_padded(int64_t rows) { return (rows + kGemmRows - 1) / kGemmRows * kGemmRows; }
+constexpr int64_t panel_row_offset(int64_t r, int64_t k) { return r / kGemmRows * kGemmRows * k + r % kGemmRows; }
 
 // One kRows × kGemmCols block of C, k ≥ 1: the accumulators are locals of this function, so that they live in
 // registers from the first product on, and start from the first product rather than from zeros (zero-initialised,
@@ -94,7 +105,7 @@ constexpr int64_t a_offset(ALayout layout, int64_t ld, int64_t r, int64_t p) {
 template <int64_t kRows, ALayout kLayout, int64_t kLda, class A>
 inline void gemm_block(int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta, A* c,
                        int64_t ldc) {
-  const int64_t ld = kLayout == ALayout::panels ? kGemmRows : kLda != 0 ? kLda : lda;
+  const int64_t ld = a_stride<kLayout, kLda>(lda);
   A acc[kRows][kGemmCols];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < kRows; ++r) {
@@ -137,8 +148,8 @@ void gemm_block_rows(int64_t rows, int64_t k, A alpha, const A* a, int64_t lda, 
   }
 }
 
-// A block at the ragged right edge (cols < kGemmCols; or k = 0), by plain loops; out of line, so that its accumulator array
-// (zeroed in memory) stays out of the full blocks' loop.
+// A block at the ragged right edge (cols < kGemmCols; or k = 0), by plain loops; out of line, so that its
+// accumulator array (zeroed in memory) stays out of the full blocks' loop.
 template <ALayout kLayout, class A>
 [[gnu::noinline]] void gemm_edge_block(int64_t rows, int64_t cols, int64_t k, A alpha, const A* a, int64_t ld,
                                        const A* b, int64_t ldb, A beta, A* c, int64_t ldc) {
@@ -167,15 +178,15 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
     while (rows > m - i0) rows = next_gemm_rows(rows);
     const A* a_block = kLayout == ALayout::rows         ? a + i0 * (kLda != 0 ? kLda : lda)
                        : kLayout == ALayout::transposed ? a + i0
-                                                        : a + i0 / kGemmRows * kGemmRows * k + i0 % kGemmRows;
+                                                        : a + panel_row_offset(i0, k);
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       const int64_t cols = std::min(kGemmCols, n - j0);
       if (cols == kGemmCols && k > 0) {
         gemm_block_rows<kGemmRows, kLayout, kLda>(rows, k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0,
                                                   ldc);
       } else {
-        const int64_t ld = kLayout == ALayout::panels ? kGemmRows : kLda != 0 ? kLda : lda;
-        gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, ld, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
+        gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, a_stride<kLayout, kLda>(lda), b + j0, ldb, beta,
+                                 c + i0 * ldc + j0, ldc);
       }
     }
   }
@@ -216,7 +227,7 @@ class PackedHeads {
     PackedHeads out;
     out.D_ = D;
     out.tile_ = tile;
-    out.panel_rows_ = (tile + kGemmRows - 1) / kGemmRows * kGemmRows;
+    out.panel_rows_ = panel_padded(tile);
     out.tiles_ = (seq + tile - 1) / tile;
     const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
     const auto bytes = checked_size({tiles_all, tile, D, int64_t(sizeof(A))}, tag);
@@ -252,7 +263,7 @@ class PackedHeads {
             for (int64_t d = 0; d < D; ++d) tr[d * tile + s] = row[size_t(d)];
           }
           if (pn) {
-            A* panel_row = pn + s / kGemmRows * kGemmRows * D + s % kGemmRows;
+            A* panel_row = pn + panel_row_offset(s, D);
             for (int64_t d = 0; d < D; ++d) panel_row[d * kGemmRows] = row[size_t(d)];
           }
         }
@@ -279,15 +290,14 @@ class PackedHeads {
 };
 
 // The query tile's rows in panels (ALayout::panels), its last panel padded to kGemmRows rows.
-constexpr int64_t kForwardPanelRows = (kForwardBlockQ + kGemmRows - 1) / kGemmRows * kGemmRows;
+constexpr int64_t kForwardPanelRows = panel_padded(kForwardBlockQ);
 
 // Loads rows [s0, s0 + rows) of head h into kGemmRows-row panels (ALayout::panels); the padding rows of the last
 // panel are zero.
 template <class T, class A>
 void load_panels(const TensorView& t, int64_t b, int64_t h, int64_t s0, int64_t rows, int64_t D, A* dst) {
-  const int64_t padded = (rows + kGemmRows - 1) / kGemmRows * kGemmRows;
-  for (int64_t r = 0; r < padded; ++r) {
-    A* panel_row = dst + r / kGemmRows * kGemmRows * D + r % kGemmRows;  // element d at panel_row[d · kGemmRows]
+  for (int64_t r = 0; r < panel_padded(rows); ++r) {
+    A* panel_row = dst + panel_row_offset(r, D);  // element d at panel_row[d · kGemmRows]
     if (r < rows) {
       const T* src = attention_row<const T>(t, b, s0 + r, h);
       for (int64_t d = 0; d < D; ++d) panel_row[d * kGemmRows] = convert<A>(src[d]);
