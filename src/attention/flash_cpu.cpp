@@ -7,8 +7,8 @@
 //
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
-// converted to the accumulation type, K (and V for the backward) also transposed, the backward's Q and dO
-// also in the tile GEMM's panels (ALayout), tile by tile, with a finiteness flag per tile. Without it each of the Nq / 64 query tiles converted and transposed every
+// converted to the accumulation type, K (and V for the backward) also transposed, tile by tile, with a
+// finiteness flag per tile. Without it each of the Nq / 64 query tiles converted and transposed every
 // key tile again: at seq 4096 the forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
@@ -213,30 +213,24 @@ template <class A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
 // One tensor's rows for every (batch, head), converted to the accumulation type A and cut into tiles of
-// `tile` rows: as stored (tile × D, row-major; a ragged last tile's missing rows are zero), transposed (D × tile)
-// and/or in kGemmRows-row panels (ALayout::panels, the tile's rows padded to whole panels), as the products
-// need them, plus whether every element of a tile is finite (all_finite).
+// `tile` rows: as stored (tile × D, row-major; a ragged last tile's missing rows are zero) and/or transposed
+// (D × tile), as the products need them, plus whether every element of a tile is finite (all_finite).
 template <class A>
 class PackedHeads {
  public:
-  enum Layouts { as_rows = 1, as_transposed = 2, as_panels = 4 };
+  enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3 };
 
   template <class T>
   static PackedHeads pack(const TensorView& t, int64_t batch, int64_t heads, int64_t seq, int64_t D, int64_t tile,
-                          int layouts, std::string_view tag) {
+                          Layouts layouts, std::string_view tag) {
     PackedHeads out;
     out.D_ = D;
     out.tile_ = tile;
-    out.panel_rows_ = panel_padded(tile);
     out.tiles_ = (seq + tile - 1) / tile;
     const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
     const auto bytes = checked_size({tiles_all, tile, D, int64_t(sizeof(A))}, tag);
-    if (layouts & as_rows) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
-    if (layouts & as_transposed) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
-    if (layouts & as_panels) {
-      out.panels_ = Buffer::allocate(checked_size({tiles_all, out.panel_rows_, D, int64_t(sizeof(A))}, tag),
-                                     Device::cpu, tag);
-    }
+    if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
+    if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
     // One flag per tile, every one written below. A Buffer (allocated out of line), not a std::vector:
     // a std template instantiated here is a weak symbol compiled for this copy's instruction set, which
     // the linker may hand to the baseline copy (attention.cpu_kernel_objects checks).
@@ -247,24 +241,19 @@ class PackedHeads {
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < tiles_all; ++i) {
         const int64_t bh = i / out.tiles_, s0 = (i % out.tiles_) * tile, n = std::min(tile, seq - s0);
-        A* r = (layouts & as_rows) ? out.tile_at(out.rows_, i) : nullptr;
-        A* tr = (layouts & as_transposed) ? out.tile_at(out.transposed_, i) : nullptr;
-        A* pn = (layouts & as_panels) ? out.panel_tile_at(i) : nullptr;
+        A* r = (layouts & rows_only) ? out.tile_at(out.rows_, i) : nullptr;
+        A* tr = (layouts & transposed_only) ? out.tile_at(out.transposed_, i) : nullptr;
         bool finite = true;
-        for (int64_t s = 0; s < (pn ? out.panel_rows_ : tile); ++s) {
+        for (int64_t s = 0; s < tile; ++s) {
           if (s < n) {
             load_row(attention_row<const T>(t, bh / heads, s0 + s, bh % heads), row.data(), D);
             finite = finite && all_finite(row.data(), D);
           } else {
             std::fill(row.begin(), row.end(), A(0));
           }
-          if (r && s < tile) std::copy(row.begin(), row.end(), r + s * D);
-          if (tr && s < tile) {
+          if (r) std::copy(row.begin(), row.end(), r + s * D);
+          if (tr) {
             for (int64_t d = 0; d < D; ++d) tr[d * tile + s] = row[size_t(d)];
-          }
-          if (pn) {
-            A* panel_row = pn + panel_row_offset(s, D);
-            for (int64_t d = 0; d < D; ++d) panel_row[d * kGemmRows] = row[size_t(d)];
           }
         }
         static_cast<uint8_t*>(out.finite_.data())[i] = finite;
@@ -276,17 +265,15 @@ class PackedHeads {
   // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h.
   const A* rows(int64_t bh, int64_t t) const { return tile_at(rows_, bh * tiles_ + t); }
   const A* transposed(int64_t bh, int64_t t) const { return tile_at(transposed_, bh * tiles_ + t); }
-  const A* panels(int64_t bh, int64_t t) const { return panel_tile_at(bh * tiles_ + t); }
   bool finite(int64_t bh, int64_t t) const {
     return static_cast<const uint8_t*>(finite_.data())[bh * tiles_ + t] != 0;
   }
 
  private:
   A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_ * D_; }
-  A* panel_tile_at(int64_t i) const { return static_cast<A*>(panels_.data()) + i * panel_rows_ * D_; }
 
-  int64_t D_ = 0, tile_ = 0, panel_rows_ = 0, tiles_ = 0;
-  Buffer rows_, transposed_, panels_, finite_;
+  int64_t D_ = 0, tile_ = 0, tiles_ = 0;
+  Buffer rows_, transposed_, finite_;
 };
 
 // The query tile's rows in panels (ALayout::panels), its last panel padded to kGemmRows rows.
@@ -439,9 +426,9 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
              const TensorView& o, const TensorView& lse) {
   const int64_t D = p.head_dim;
   const auto K = PackedHeads<A>::template pack<T>(k, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
-                                                  PackedHeads<A>::as_transposed, "flash forward packed K");
+                                                  PackedHeads<A>::transposed_only, "flash forward packed K");
   const auto V = PackedHeads<A>::template pack<T>(v, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
-                                                  PackedHeads<A>::as_rows, "flash forward packed V");
+                                                  PackedHeads<A>::rows_only, "flash forward packed V");
   const int64_t q_tiles = (p.seq_q + kForwardBlockQ - 1) / kForwardBlockQ;
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
 #pragma omp parallel
@@ -460,15 +447,14 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
 }
 
 // The tiles both backward passes recompute for one (query tile, key tile) pair: P = exp(S - lse) into S,
-// and dS = P ∘ (dO Vᵀ - Delta) into dS. Q and dO in panels; KT and VT: the key and value tiles transposed.
+// and dS = P ∘ (dO Vᵀ - Delta) into dS. KT and VT: the key and value tiles transposed.
 template <class A>
 void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, const A* VT, const A* dO,
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
                             A* dS) {
   const int64_t D = p.head_dim;
-  tile_scores<ALayout::panels>(p, Q, KT, kBlockK, i0, rows, j0, cols, S);
-  // dP = dO Vᵀ, masked entries dropped below
-  tile_gemm<ALayout::panels>(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);
+  tile_scores<ALayout::rows>(p, Q, KT, kBlockK, i0, rows, j0, cols, S);
+  tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
     A* ds = dS + r * kBlockK;
@@ -507,14 +493,13 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   const int64_t q_tiles = (Nq + kBlockQ - 1) / kBlockQ;
   const int64_t k_tiles = (Nk + kBlockK - 1) / kBlockK;
   using Packed = PackedHeads<A>;
-  // Q and dO as stored (the B operands of dK and dV) and in panels (the A operands of S and dP).
-  const auto Qp = Packed::template pack<T>(q, p.batch, p.heads_q, Nq, D, kBlockQ, Packed::as_rows | Packed::as_panels,
+  const auto Qp = Packed::template pack<T>(q, p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only,
                                            "flash backward packed Q");
-  const auto dOp = Packed::template pack<T>(dout, p.batch, p.heads_q, Nq, D, kBlockQ, Packed::as_rows | Packed::as_panels,
+  const auto dOp = Packed::template pack<T>(dout, p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only,
                                             "flash backward packed dO");
-  const auto Kp = Packed::template pack<T>(k, p.batch, p.heads_k, Nk, D, kBlockK, Packed::as_rows | Packed::as_transposed,
+  const auto Kp = Packed::template pack<T>(k, p.batch, p.heads_k, Nk, D, kBlockK, Packed::rows_and_transposed,
                                            "flash backward packed K");
-  const auto Vp = Packed::template pack<T>(v, p.batch, p.heads_k, Nk, D, kBlockK, Packed::as_transposed,
+  const auto Vp = Packed::template pack<T>(v, p.batch, p.heads_k, Nk, D, kBlockK, Packed::transposed_only,
                                            "flash backward packed V");
 
   // dQ, dK and dV in one pass: one task per (batch, query head) walks its key tiles and, for each, the query
@@ -553,8 +538,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
         for (int64_t i0 = p.first_query_seeing(j0) / kBlockQ * kBlockQ; i0 < Nq; i0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, Nq - i0), qt = i0 / kBlockQ;
           const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt), *lse_tile = lse_rows + i0;
-          tile_probs_and_dscores(p, Qp.panels(bh, qt), KT, VT, dOp.panels(bh, qt), lse_tile, delta + i0, i0, rows, j0,
-                                 cols, S, dS);
+          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_tile, delta + i0, i0, rows, j0, cols, S, dS);
           if (Qp.finite(bh, qt) && dOp.finite(bh, qt)) {
             tile_gemm<ALayout::transposed, kBlockK>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
             tile_gemm<ALayout::transposed, kBlockK>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
