@@ -620,6 +620,28 @@ TEST(GemmCuda, PairProductsMatchTheCpuAndLeaveTheGapAlone) {
   }
 }
 
+// Laid out as the model lays them, a pair is one cuBLASLt plan per direction (one GEMM), not two: the
+// strided batch with a shared operand (stride 0) is accepted. Shapes no other test uses.
+TEST(GemmCuda, PairProductsAreOneGemm) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 11, in = 56, out = 72;
+  DeviceArray x(n * in, DType::bf16), w(3 * out * in, DType::bf16), y(3 * n * out, DType::bf16),
+      dw(3 * out * in, DType::f32);
+  x.upload(random_values(n * in, DType::bf16, 71));
+  w.upload(random_values(3 * out * in, DType::bf16, 72));
+  auto* wp = static_cast<uint16_t*>(w.ptr());
+  auto* yp = static_cast<uint16_t*>(y.ptr());
+  auto* dwp = dw.fptr();
+  const int64_t before = gemm_cuda_heuristic_queries();
+  linear_forward_pair_cuda(x.ptr(), wp, wp + 2 * out * in, yp, yp + 2 * n * out, n, in, out, DType::bf16, nullptr);
+  EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 1) << "the forward pair was not one batched GEMM";
+  linear_weight_grad_pair_cuda(yp, yp + 2 * n * out, x.ptr(), dwp, dwp + 2 * out * in, n, in, out, DType::bf16, false,
+                               nullptr);
+  EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2) << "the weight-gradient pair was not one batched GEMM";
+  linear_forward_pair_cuda(x.ptr(), wp, wp + 2 * out * in, yp, yp + 2 * n * out, n, in, out, DType::bf16, nullptr);
+  EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2) << "a repeated pair queried the heuristic again";
+}
+
 TEST(GemmCuda, HostPointersAreErrors) {
   SKIP_WITHOUT_GPU();
   alignas(256) static float host[64 * 64];
