@@ -9,8 +9,8 @@
 #   1. the GPU tests of the GEMMs, the optimizer, the CUDA model (and FSDP and DDP at world 1), and a bf16
 #      train run resumed bit for bit;
 #   2. the bf16 step, small and xl (context 512, batch 4, one CUDA graph per step): the base build, this
-#      build, this build with the gradient norm as one pass after the backward (--serial-grad-norm: the A/B
-#      of its overlap), then this build's kernel table (--profile-kernels, xl);
+#      build, this build with each gradient's norm beside the backward (--overlap-grad-norm: the A/B of
+#      that overlap against the default single pass), then this build's kernel table (--profile-kernels, xl);
 #   3. the PyTorch peers (scripts/peers/lm_peers.py, the step only): xl under torch.compile first (the
 #      issue's bar is against it), then small compiled and eager, then xl eager, each while time is left.
 set -uo pipefail
@@ -54,7 +54,7 @@ run() {  # name dir models extra-options...
 }
 if [ "$base" != "-" ]; then step "base build"; run base "$base" small,xl; fi
 step "this build"; run ours "$bin" small,xl
-step "this build, serial gradient norm"; run ours-serial-norm "$bin" small,xl --serial-grad-norm
+step "this build, gradient norm beside the backward"; run ours-overlap-norm "$bin" small,xl --overlap-grad-norm
 step "this build, kernel table"
 LD_LIBRARY_PATH=$bin:$libs timeout 60 "$bin/flashlm" $bench --model xl --warmup 3 --steps 5 --profile-kernels \
   > "$out/ours-kernels-xl.txt" 2>&1
