@@ -47,18 +47,17 @@ __global__ void __launch_bounds__(kThreads)
 template <class D>
 __device__ __forceinline__ void store_four(D* __restrict__ copy, int64_t q, float4 wq) {
   if constexpr (std::is_same_v<D, float>) {
-    __stcs(reinterpret_cast<float4*>(copy) + q, wq);
+    reinterpret_cast<float4*>(copy)[q] = wq;
   } else {
     const D four[4] = {from_f32<D>(wq.x), from_f32<D>(wq.y), from_f32<D>(wq.z), from_f32<D>(wq.w)};
     uint2 bits;
     memcpy(&bits, four, sizeof bits);
-    __stcs(reinterpret_cast<uint2*>(copy) + q, bits);
+    reinterpret_cast<uint2*>(copy)[q] = bits;
   }
 }
 
 // Elements [0, 4·n4), four per thread with 16-byte loads and stores (the step is memory bound: 30 bytes
-// per parameter with a low-precision copy). Same arithmetic per element as adamw_kernel. Every access is
-// cache-streaming (evict first): each byte is touched once, and xl's 60 GB would otherwise cycle through L2.
+// per parameter with a low-precision copy). Same arithmetic per element as adamw_kernel.
 template <class D>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel_x4(float4* __restrict__ w, const float4* __restrict__ grad, float4* __restrict__ m,
@@ -66,15 +65,15 @@ __global__ void __launch_bounds__(kThreads)
                     D* __restrict__ copy) {
   const AdamWScalars a = live ? *live : fixed;
   FLASHLM_GRID_STRIDE(q, n4) {
-    float4 wq = __ldcs(w + q), mq = __ldcs(m + q), vq = __ldcs(v + q);
-    const float4 gq = __ldcs(grad + q);
+    float4 wq = w[q], mq = m[q], vq = v[q];
+    const float4 gq = grad[q];
     adamw_element(wq.x, gq.x, mq.x, vq.x, a);
     adamw_element(wq.y, gq.y, mq.y, vq.y, a);
     adamw_element(wq.z, gq.z, mq.z, vq.z, a);
     adamw_element(wq.w, gq.w, mq.w, vq.w, a);
-    __stcs(w + q, wq);
-    __stcs(m + q, mq);
-    __stcs(v + q, vq);
+    w[q] = wq;
+    m[q] = mq;
+    v[q] = vq;
     if (copy) store_four(copy, q, wq);
   }
 }
