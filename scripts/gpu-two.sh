@@ -66,7 +66,7 @@ else
            --atomic-attention-backward --steps 3)
   lb_vocab=151936 lb_precision=bf16 lb_context=32768 lb_name=cs336-8b
   lb_peers=(bf16-pure bf16)
-  peer_args=(--device cuda --model cs336-8b --context 32768 --batch 1 --warmup 1 --steps 2)
+  peer_args=(--device cuda --model cs336-8b --context 32768 --batch 1 --warmup 1 --steps 2 --timeout-s 120)
   xl_ours=(--device cuda --model xl --context 512 --batch 4 --ddp bucketed,fsdp --zero 0,1 --bucket-mb 100 --warmup 3
            --steps 10)
   xl_ddp_peer=(--device cuda --model xl --context 512 --batch 4 --bucket-mb 100 --worlds 1,2 --warmup 3 --steps 10)
@@ -162,7 +162,7 @@ ours_step() {  # name, train options...
   fi
 }
 if has leaderboard && fits 90 "leaderboard (flashlm fsdp)"; then
-  step leaderboard-fsdp "the leaderboard step on 2 GPUs: flashlm --ddp fsdp ($lb_name, ctx $lb_context, 1 sequence per rank)"
+  step leaderboard-fsdp "the leaderboard step on 2 GPUs: flashlm --ddp fsdp ($lb_name, 1 x $lb_context per rank)"
   ours_step fsdp --ddp fsdp
 fi
 if has peer; then

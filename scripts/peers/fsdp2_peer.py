@@ -17,7 +17,8 @@ reshard after their forward (ZeRO-3, as flashlm's FSDP frees a gathered part aft
 them, ZeRO-2). Precisions: bf16-pure (parameters, gradients and AdamW state in bf16, gathered and reduced in
 bf16: the leaderboard's model.to(bfloat16), flashlm's --precision bf16-pure); bf16 (fp32 sharded masters
 and AdamW state, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): flashlm's --precision bf16
-with FSDP); fp32. Started without torchrun it runs as a world of one.
+with FSDP); fp32. Attention is SDPA's cuDNN backend on a GPU, as in the one-GPU leaderboard peer
+(--sdpa flash or default for the others). Started without torchrun it runs as a world of one.
 
 Timing as the other peers: CUDA events around each step on a GPU (scripts/peers/common.time_ms), rank 0's
 steps after --warmup; the record (rank 0 writes it) carries bench's fields with impl = torch-fsdp2, batch =
@@ -26,6 +27,7 @@ the global batch (--batch sequences on each of world_size ranks), the peak memor
 code), printing why, when this torch has no fully_shard.
 """
 import argparse
+import contextlib
 import datetime
 import os
 import socket
@@ -106,8 +108,9 @@ def build(a, device, fsdp2):
 
 def measure(a, rank, world, device, fsdp2):
     # variant: ddp-bench's field, so that compare.py's ddp kind finds this row too (--peer torch-fsdp2)
-    rec = dict(impl="torch-fsdp2", variant="torch-fsdp2", model=a.model, context=a.context, batch=world * a.batch, batch_per_rank=a.batch,
-               world_size=world, precision=a.precision, recompute="blocks" if a.checkpoint else "none",
+    rec = dict(impl="torch-fsdp2", variant="torch-fsdp2", model=a.model, context=a.context, batch=world * a.batch,
+               batch_per_rank=a.batch, world_size=world, precision=a.precision,
+               recompute="blocks" if a.checkpoint else "none",
                reshard_after_forward=not a.no_reshard, device=device.type, status="ok")
     rec["pass"] = "step"
     try:
@@ -118,10 +121,15 @@ def measure(a, rank, world, device, fsdp2):
         tokens = torch.randint(0, model.vocab, (a.batch, a.context), generator=g).to(device)
         targets = torch.randint(0, model.vocab, (a.batch, a.context), generator=g).to(device)
         losses = []
+        rec["sdpa"] = sdpa = a.sdpa or ("cudnn" if device.type == "cuda" else "default")
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # (torch >= 2.3, as fully_shard is)
+        backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(sdpa)
 
         def step():
-            loss = model(tokens, targets)  # through the root module, so FSDP's hooks see the whole step
-            loss.backward()
+            # the recomputed forward runs inside backward(), so the backend choice covers both
+            with sdpa_kernel([backend]) if backend else contextlib.nullcontext():
+                loss = model(tokens, targets)  # through the root module, so FSDP's hooks see the whole step
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
@@ -159,6 +167,9 @@ def main():
     ap.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
                     help="keep every activation (default: every block and LM-head chunk under checkpoint)")
     ap.add_argument("--loss-chunk", type=int, default=4096, help="tokens per checkpointed LM-head + loss chunk")
+    ap.add_argument("--sdpa", choices=["default", "cudnn", "flash"],
+                    help="attention backend (default: cudnn on a GPU, as the one-GPU leaderboard peer; "
+                         "'default': PyTorch's own choice)")
     ap.add_argument("--no-reshard", action="store_true", help="blocks keep their gathered weights until backward")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--warmup", type=int, default=1)

@@ -146,7 +146,8 @@ def summary(a):
             peaks = r.get("peak_mib_per_rank") or ([r["peak_mib"]] if r.get("peak_mib") else [])
             variant = r.get("variant")
             print(f"| {impl}{'/' + variant if variant and variant != impl else ''} | {r.get('world_size', 1)} | "
-                  f"{r.get('model', '?')} | {r.get('context', '?')} | {r.get('batch', '?')} | {r.get('precision', '?')} | "
+                  f"{r.get('model', '?')} | {r.get('context', '?')} | {r.get('batch', '?')} | "
+                  f"{r.get('precision', '?')} | "
                   f"{r.get('recompute', '?')} | {cell(median, '.1f') if not isinstance(median, str) else median} | "
                   f"{cell(r.get('mfu_useful'), '.3f')} | {', '.join(f'{p:.0f}' for p in peaks) or '—'} |")
     if 1 in ours and len(ours) > 1:
