@@ -41,14 +41,14 @@ python=${PYTHON:-python3}
 torchrun="$python -m torch.distributed.run --standalone"
 # NVLink multicast stays off on the shared hosts (.library/device/KINDS.md), in every process we start.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-mpirun="mpirun --allow-run-as-root --bind-to none -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE -x OMP_NUM_THREADS"
+mpirun="mpirun --allow-run-as-root --bind-to none -x LD_LIBRARY_PATH -x OMP_NUM_THREADS -x NCCL_NVLS_ENABLE
+  -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS"
 
 if [[ $dry == 1 ]]; then
   dev=cpu
   export OMP_NUM_THREADS=1
   mpirun="$mpirun --oversubscribe"
-  lb_model=(--model tiny --context 64)
-  lb_ours=(--device cpu "${lb_model[@]}" --batch 1 --precision fp32 --recompute blocks --steps 3)
+  lb_ours=(--device cpu --model tiny --context 64 --batch 1 --precision fp32 --recompute blocks --steps 3)
   lb_vocab=10000 lb_precision=fp32 lb_context=64 lb_name=tiny
   lb_peers=(fp32)
   peer_args=(--device cpu --model tiny --context 64 --warmup 1 --steps 2)
