@@ -13,12 +13,14 @@
 #                ends at the deadline.
 #   DRY_RUN=1    the same steps on the CPU with the tiny model (gloo and MPI, --oversubscribe): every command
 #                that needs no GPU runs, the GPU test binaries are only printed; nothing is packed.
+# All five steps take about 10 minutes; with the default deadline the last ones may be skipped (the end
+# says which): a second call then runs those alone, e.g. `scripts/gpu-two.sh BIN_DIR OUT_DIR xl one`.
 # Steps:
 #   tests        test_dist, test_ddp and test_fsdp whole under mpirun -np 2 (their GPU tests: NCCL
 #                collectives, every DDP variant and ZeRO-1 on GPUs, FSDP sharded storage on two ranks).
 #   leaderboard  cs336-8b, one sequence of 32768 tokens per rank, --recompute auto: flashlm FSDP
 #                (`mpirun -np 2 flashlm train --ddp fsdp`), then ZeRO-1 and DDP, which the memory plan refuses
-#                with the shortfall named unless they fit. In --precision bf16 (fp32 masters): flashlm refuses
+#                with the shortfall named unless they fit (its figures: FSDP 105 GiB, ZeRO-1 132, DDP 153). In --precision bf16 (fp32 masters): flashlm refuses
 #                bf16-pure under data parallelism (src/train/train.cpp). Peak memory per GPU from nvidia-smi.
 #   peer         scripts/peers/fsdp2_peer.py under torchrun on both GPUs: bf16-pure (the leaderboard's) and
 #                bf16 (fp32 masters, flashlm's precision here).
