@@ -13,7 +13,7 @@
       --log (train's output) gives the recomputation plan the memory plan chose; --gpu-memory (nvidia-smi
       --query-gpu=index,memory.used --format=csv,noheader,nounits -lms N) the peak MiB each GPU showed.
   leaderboard.py summary REPORT.json...
-      One markdown row per ok record of the step in any of the reports (flashlm bench's, this record's, the
+      One markdown row per record of the step (its status where not ok) in any of the reports (flashlm bench's, this record's, the
       peers'): implementation, GPUs, precision, median ms, useful MFU, peak MiB per rank; and flashlm's
       step on N GPUs over its step on one where both are there.
 Exits 2 on bad arguments, 1 on a runtime error and when `record` found no timed step (its record says why).
@@ -23,7 +23,6 @@ import json
 import os
 import random
 import re
-import statistics
 import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
@@ -71,7 +70,8 @@ def gpu_peaks(path):
 
 
 def record(a):
-    from cs336_lm import LM, PEAK_FLOPS  # torch: the flops count is the peers' own
+    from common import moments  # (torch)
+    from cs336_lm import LM, PEAK_FLOPS  # the flops count is the peers' own
     import torch
     with torch.device("meta"):
         model = LM(a.model, a.context)
@@ -94,8 +94,7 @@ def record(a):
         rec.setdefault("message", f"{a.metrics}: no step after the first {a.skip} was logged")
         rec["status"] = "oom" if "memory" in rec["message"] else "error"
     else:
-        rec.update(mean_ms=statistics.fmean(timed), std_ms=statistics.stdev(timed) if len(timed) > 1 else 0.0,
-                   median_ms=statistics.median(timed), steps_ms=timed)
+        rec.update(moments(timed), steps_ms=timed)
         seconds = rec["median_ms"] / 1e3
         rec["tokens_per_s"] = rec["batch"] * a.context / seconds
     if timed and a.device == "cuda":
