@@ -1,15 +1,16 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier ring, wgmma on tensor cores,
 // warp specialisation, persistent blocks.
 //
-// One block per SM, three warpgroups, walking the tiles of 128 query rows in the order TileSchedule gives.
+// One block per SM walking the query tiles in the order TileSchedule gives: tiles of 128 rows on three
+// warpgroups, or at head dim 64 of 192 rows on four (sm90_forward_d64_tile picks the tile shape).
 // Warpgroup 0 is the producer: one thread loads each tile's Q once the consumers have released the last
 // one, and streams K and V blocks through a ring of kStages shared-memory slots with TMA, each slot guarded
 // by a "full" mbarrier (the copy engine completes it) and an "empty" one (every consumer thread arrives
-// once it has read the slot); the ring runs on from one tile into the next. Warpgroups 1 and 2 are
+// once it has read the slot); the ring runs on from one tile into the next. The other warpgroups are
 // consumers, each owning 64 query rows of the tile: S = Q·Kᵀ by wgmma with both operands in shared memory,
 // the online softmax in registers on S's accumulators (exp2 with the scale folded in), P converted to 16
 // bits in registers and O += P·V by wgmma with A from registers and V read N-major from its slot. They take
-// turns issuing GEMMs (ping-pong on named barriers), and each issues S of block n with P·V of block n - 1
+// turns issuing GEMMs (a ring of named barriers), and each issues S of block n with P·V of block n - 1
 // so that its softmax of n runs under that GEMM. The producer gives up registers (setmaxnreg) so that the
 // consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by TMA; key columns at or
 // past seq_k and above the causal diagonal are masked in S. Each warpgroup writes its normalised O rows
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
+#include <string_view>
 #include <utility>
 
 #include "attention/backends.h"
@@ -31,6 +33,7 @@
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/softmax_sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
+#include "core/check.h"
 #include "core/cuda_check.h"
 
 namespace flashlm {
@@ -217,26 +220,16 @@ int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch, int block
   return TileSchedule::count(seq_q, heads_q, batch, block_m);
 }
 
-// A/B build only: FLASHLM_SM90_FWD_D64 picks the head-dim-64 tile shape (0 = 128x128, 1 = 192x128 on three
-// consumer warpgroups, 2 = 128x192, 3 = 192x128 with three ring stages).
-int sm90_fwd_d64_variant() {
-  static const int v = [] {
-    const char* e = std::getenv("FLASHLM_SM90_FWD_D64");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
-  return v;
-}
-
 // Calls f(Traits{}) with the traits of the kernel that runs problem `p`.
 template <class F>
 decltype(auto) with_forward_traits(const AttentionProblem& p, F&& f) {
   if (p.head_dim == 64) {
-    switch (sm90_fwd_d64_variant()) {
-      case 1: return f(Sm90FwdTraits<64, 192, 128>{});
-      case 2: return f(Sm90FwdTraits<64, 128, 192>{});
-      case 3: return f(Sm90FwdTraits<64, 192, 128, 3>{});
-      default: return f(Sm90FwdTraits<64>{});
+    switch (sm90_forward_d64_tile(p)) {
+      case Sm90D64Tile::rows192_keys128: return f(Sm90FwdTraits<64, 192, 128>{});
+      case Sm90D64Tile::rows128_keys192: return f(Sm90FwdTraits<64, 128, 192>{});
+      case Sm90D64Tile::rows128_keys128: break;
     }
+    return f(Sm90FwdTraits<64>{});
   }
   if (p.head_dim == 128) return f(Sm90FwdTraits<128>{});
   return f(Sm90FwdTraits<256>{});
@@ -285,6 +278,26 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
 }
 
 }  // namespace
+
+// Measured on one H200 over the fa grid (docs/perf.md, "The Hopper forward, fifth round"): three consumer
+// warpgroups on 192-row tiles (a third warp per scheduler to cover the softmax's dependency chains) win
+// 4-5% where neither sequence is short and nothing is masked, key blocks of 192 (the per-block fixed work
+// over 1.5× the keys) ~3% causal from 8192; shorter, both lose to the padding of the last 192-row tile or
+// key block and, causal, the wider diagonal.
+Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p) {
+  const char* env = std::getenv("FLASHLM_SM90_FWD_D64_TILE");
+  const std::string_view forced = env == nullptr ? "" : env;
+  if (forced == "128x128") return Sm90D64Tile::rows128_keys128;
+  if (forced == "192x128") return Sm90D64Tile::rows192_keys128;
+  if (forced == "128x192") return Sm90D64Tile::rows128_keys192;
+  if (!forced.empty() && forced != "auto") {
+    fail("FLASHLM_SM90_FWD_D64_TILE: unknown value '{}': expected auto, 128x128, 192x128 or 128x192", forced);
+  }
+  const int64_t shorter = std::min(p.seq_q, p.seq_k);
+  if (!p.causal && shorter >= 4096) return Sm90D64Tile::rows192_keys128;
+  if (p.causal && shorter >= 8192) return Sm90D64Tile::rows128_keys192;
+  return Sm90D64Tile::rows128_keys128;
+}
 
 // The multiprocessor count of the current device if it runs the Hopper kernels (compute capability 9.0
 // exactly: sm_90a code runs on nothing else; and a loadable image of them), else 0. Asked once per device.
