@@ -9,8 +9,9 @@
 # skipped, and says so, once DEADLINE_S seconds (default 400) have passed, so the call ends in its limit.
 # PARTS (default "tests sanitize ab peers long ncu") picks the parts; VARIANTS the A/B's instances (values
 # of the variable VARIANT_ENV names, default FLASHLM_SM90_FWD_VARIANT, which only the A/B builds of
-# exp/hopper-fwd3, 107ea63..a4ddad3, read; exp/hopper-fwd5's A/B build reads FLASHLM_SM90_FWD_D64. On any
-# other build every value runs the default; "main2" runs main's build again, a "b" suffix repeats);
+# exp/hopper-fwd3, 107ea63..a4ddad3, read; exp/hopper-fwd5's A/B build 741d244 read FLASHLM_SM90_FWD_D64; the
+# library reads FLASHLM_SM90_FWD_D64_TILE (docs/design.md). On a build without the variable every value
+# runs the default; "main2" runs main's build again, a "b" suffix repeats);
 # GRID, REPEAT, SHORT and SMALL narrow the tests; TEST_VARIANT (grid; a list) and RACE_VARIANT (racecheck)
 # pick the instances tested beside the default, TEST_GRID the grid's filter for them (see below).
 set -uo pipefail
