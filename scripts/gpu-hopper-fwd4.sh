@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# On one H200: the Hopper forward's fourth round in one device call (docs/perf.md, "The Hopper forward,
-# fourth round"): correctness, the A/B of the forward's variants against a second build, the PyTorch
+# On one H200: a round of the Hopper forward in one device call (docs/perf.md, "The Hopper forward,
+# fourth round" and "fifth round"): correctness, the A/B of the forward's variants against a second build, the PyTorch
 # peers, long context, and ncu of our forward and backward beside cuDNN's kernels.
 #   scripts/gpu-hopper-fwd4.sh BIN_DIR BASE_LIB_DIR PEERS_DIR OUT_DIR [DEADLINE_S]
 # BIN_DIR holds flashlm, test_attention, test_sm90 and libflashlm.so (this branch); BASE_LIB_DIR another
 # build's libflashlm.so (main), timed beside it; PEERS_DIR shared/bench's attention_peers.py and
 # compare.py; scripts/peers/long_context.py and scripts/ncu_sdpa.py sit beside this script. A step is
 # skipped, and says so, once DEADLINE_S seconds (default 400) have passed, so the call ends in its limit.
-# PARTS (default "tests sanitize ab peers long ncu") picks the parts; VARIANTS the A/B's instances
-# (FLASHLM_SM90_FWD_VARIANT values, which only the A/B builds of exp/hopper-fwd3, 107ea63..a4ddad3, read:
-# on any other build every value runs the default; "main2" runs main's build again, a "b" suffix repeats);
-# GRID, REPEAT, SHORT and SMALL narrow the tests; TEST_VARIANT (grid) and RACE_VARIANT (racecheck) pick the
-# instances tested beside the default (see below).
+# PARTS (default "tests sanitize ab peers long ncu") picks the parts; VARIANTS the A/B's instances (values
+# of the variable VARIANT_ENV names, default FLASHLM_SM90_FWD_VARIANT, which only the A/B builds of
+# exp/hopper-fwd3, 107ea63..a4ddad3, read; exp/hopper-fwd5's A/B build 741d244 read FLASHLM_SM90_FWD_D64; the
+# library reads FLASHLM_SM90_FWD_D64_TILE (docs/design.md). On a build without the variable every value
+# runs the default; "main2" runs main's build again, a "b" suffix repeats);
+# GRID, REPEAT, SHORT and SMALL narrow the tests; TEST_VARIANT (grid; a list) and RACE_VARIANT (racecheck)
+# pick the instances tested beside the default, TEST_GRID the grid's filter for them (see below).
 set -uo pipefail
 parts=" ${PARTS:-tests sanitize ab peers long ncu} "
 has() { [[ $parts == *" $1 "* ]]; }
@@ -25,6 +27,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader
 t0=$SECONDS
 step() { echo "== [$((SECONDS - t0)) s] $*"; }
+venv=${VARIANT_ENV:-FLASHLM_SM90_FWD_VARIANT}
+with_variant() { local v=$1; shift; ( export "$venv=$v"; "$@" ); }
 late() { if ((SECONDS - t0 > deadline - ${1:-0})); then echo "   skipped: past the deadline"; return 0; fi; return 1; }
 gtest() {
   local exe=$1 limit=$2 log=$3; shift 3
@@ -38,9 +42,11 @@ if has tests; then
 step "tests: wrappers; the CUDA grid on the default dispatch (REPEAT times), then on TEST_VARIANT; mma"
 gtest test_sm90 60 sm90
 gtest test_attention 150 default --gtest_filter="${GRID:-*Cuda*:*Varlen*:AttentionNaN*}" --gtest_repeat="${REPEAT:-2}"
-FLASHLM_SM90_FWD_VARIANT=${TEST_VARIANT:-23} gtest test_attention 80 variant --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*'
+for v in ${TEST_VARIANT:-23}; do
+  with_variant "$v" gtest test_attention 80 "variant$v" --gtest_filter="${TEST_GRID:-Grid/CudaVsReference.*:CudaAttention.*}"
+done
 if [[ -z ${SHORT:-} ]]; then
-  FLASHLM_SM90_FWD_VARIANT=29 gtest test_attention 60 variant29 --gtest_filter='Grid/CudaVsReference.*d64*:CudaAttention.*'
+  with_variant 29 gtest test_attention 60 variant29 --gtest_filter='Grid/CudaVsReference.*d64*:CudaAttention.*'
   FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 80 mma --gtest_filter='Grid/CudaVsReference.*:*Varlen*'
 fi
 fi
@@ -54,9 +60,9 @@ for tool in memcheck racecheck synccheck; do
   echo "$tool: exit $?; $(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY\|SYNCCHECK SUMMARY' "$out/sanitizer-$tool.log")"
 done
 if ! late 90; then
-  FLASHLM_SM90_FWD_VARIANT=${RACE_VARIANT:-23} timeout 60 compute-sanitizer --tool racecheck --error-exitcode 99 \
-    "$bin/test_attention" --gtest_brief=1 --gtest_filter="$small" > "$out/sanitizer-racecheck-dynamic.log" 2>&1
-  echo "racecheck, the dynamic variant: exit $?; $(grep -m1 'RACECHECK SUMMARY' "$out/sanitizer-racecheck-dynamic.log")"
+  with_variant "${RACE_VARIANT:-23}" timeout 60 compute-sanitizer --tool racecheck --error-exitcode 99 \
+    "$bin/test_attention" --gtest_brief=1 --gtest_filter="$small" > "$out/sanitizer-racecheck-variant.log" 2>&1
+  echo "racecheck, variant ${RACE_VARIANT:-23}: exit $?; $(grep -m1 'RACECHECK SUMMARY' "$out/sanitizer-racecheck-variant.log")"
 fi
 fi
 
@@ -68,8 +74,8 @@ for v in ${VARIANTS:-7 1 3 5 13 23 29 main2 7b}; do
   late 15 && break
   case $v in
     main2) LD_LIBRARY_PATH=$base:$libs timeout 60 $fb --out "$out/fwd-main2.json" > /dev/null ;;
-    *b) FLASHLM_SM90_FWD_VARIANT=${v%b} timeout 60 $fb --out "$out/fwd-v$v.json" > /dev/null ;;
-    *) FLASHLM_SM90_FWD_VARIANT=$v timeout 60 $fb --out "$out/fwd-v$v.json" > /dev/null ;;
+    *b) with_variant "${v%b}" timeout 60 $fb --out "$out/fwd-v$v.json" > /dev/null ;;
+    *) with_variant "$v" timeout 60 $fb --out "$out/fwd-v$v.json" > /dev/null ;;
   esac
   echo "  $v: exit $?"
 done

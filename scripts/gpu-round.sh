@@ -45,11 +45,16 @@ gtest test_attention 200 attention-x2 --gtest_filter='Grid/CudaVsReference.*:Cud
 if [[ ${GPU_ROUND_FALLBACK:-1} == 1 ]]; then
   FLASHLM_ATTENTION_KERNEL=mma gtest test_attention 200 attention-mma --gtest_filter='*Cuda*:AttentionNaN*:*Varlen*'
 fi
-for tool in memcheck racecheck synccheck; do
-  timeout 120 compute-sanitizer --tool $tool --error-exitcode 99 "$bin/test_attention" --gtest_brief=1 \
-    --gtest_filter='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:CudaAttention.QueryTilesThatSeeNoKey*:CudaAttention.EmptySequencesGiveZeroGradients:Packs/VarlenCudaVsReference.*d128*' \
-    > "$out/sanitizer-$tool.log" 2>&1
-  echo "$tool: exit $?; $(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY\|SYNCCHECK SUMMARY' "$out/sanitizer-$tool.log")"
+small='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:CudaAttention.QueryTilesThatSeeNoKey*:CudaAttention.EmptySequencesGiveZeroGradients:Packs/VarlenCudaVsReference.*d128*'
+sanitize() {  # sanitize TOOL LOGNAME: the small filter under one compute-sanitizer tool
+  timeout 120 compute-sanitizer --tool "$1" --error-exitcode 99 "$bin/test_attention" --gtest_brief=1 \
+    --gtest_filter="$small" > "$out/$2.log" 2>&1
+  echo "$2: exit $?; $(grep -m1 'ERROR SUMMARY\|RACECHECK SUMMARY\|SYNCCHECK SUMMARY' "$out/$2.log")"
+}
+for tool in memcheck racecheck synccheck; do sanitize $tool sanitizer-$tool; done
+# The d64 forward's other tile shapes (chosen only for long sequences, so the small filter reaches them forced).
+for tile in 192x128 128x192; do
+  for tool in memcheck racecheck; do FLASHLM_SM90_FWD_D64_TILE=$tile sanitize $tool sanitizer-$tool-d64-$tile; done
 done
 step "LM, optimizer, GEMM, DDP and FSDP at world 1"
 gtest test_model_cuda 200 model-cuda

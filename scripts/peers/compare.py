@@ -4,11 +4,14 @@
   compare.py attention OURS.json PEERS.json [--ours flash] --peer sdpa-flash --peer sdpa-cudnn [--min-seq 1024]
   compare.py lm        OURS.json PEERS.json --peer torch-eager --peer torch-compile
   compare.py ddp       OURS.json PEERS.json [--ours bucketed] --peer torch-ddp
+  compare.py ddp       OURS-NP1.json,OURS-NP2.json PEERS.json,FSDP2-W1.json,FSDP2-W2.json --ours fsdp --peer torch-fsdp2
 
 A ratio is the peer's time over ours, so above 1 means flashlm is faster: attention per pass (fwd_ms,
 bwd_ms) for each shape (batch, heads, kv_heads, seq, head_dim, causal, dtype); the LM per (model, context,
-batch, precision, pass) on mean_ms; DDP per world size on median_ms. Prints a markdown table with the
-geometric mean of each column. Exits 1 when no row of ours has a peer to compare with, 2 on bad arguments.
+batch, precision, pass, world_size: 1 where a record names none) on mean_ms; DDP per world size on
+median_ms. OURS and PEERS may each be several reports joined by commas (one run per world size, say).
+Prints a markdown table with the geometric mean of each column. Exits 1 when no row of ours has a peer to
+compare with, 2 on bad arguments.
 """
 import argparse
 import json
@@ -19,23 +22,28 @@ KINDS = {
     # kind: (fields that identify a row, the field naming the implementation, default ours, timed fields)
     "attention": (("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "causal", "dtype"), "impl", "flash",
                   ("fwd_ms", "bwd_ms")),
-    "lm": (("model", "context", "batch", "precision", "pass"), "impl", None, ("mean_ms",)),
+    "lm": (("model", "context", "batch", "precision", "pass", "world_size"), "impl", None, ("mean_ms",)),
     "ddp": (("world_size",), "variant", "bucketed", ("median_ms",)),
 }
 
 
-def load(path, kind, impl):
+DEFAULTS = {"kv_heads": 1, "world_size": 1}  # what a record that names no such field means
+
+
+def load(paths, kind, impl):
     keys, impl_field, _, _ = KINDS[kind]
-    try:
-        with open(path) as f:
-            records = json.load(f)["records"]
-    except (OSError, ValueError, KeyError) as e:
-        raise SystemExit(f"error: {path}: not a report with records ({e})")
+    records = []
+    for path in paths.split(","):
+        try:
+            with open(path) as f:
+                records += json.load(f)["records"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"error: {path}: not a report with records ({e})")
     out = {}
     for r in records:
         if r.get("status", "ok") != "ok" or (impl is not None and r.get(impl_field) != impl):
             continue
-        key = tuple(r.get(k, 1 if k == "kv_heads" else None) for k in keys)
+        key = tuple(r.get(k, DEFAULTS.get(k)) for k in keys)
         out.setdefault(key, r)
     return out
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 SIZES = {  # d_model, d_ff, layers, heads, vocab (SPEC §1; tiny is flashlm's --model tiny)
-    "tiny": (32, 64, 2, 2, 256),
+    "tiny": (32, 64, 2, 4, 10000),
     "small": (768, 3072, 12, 12, 10000),
     "medium": (1024, 4096, 24, 16, 10000),
     "large": (1280, 5120, 36, 20, 10000),
@@ -67,11 +67,18 @@ class LM(nn.Module):
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(Block(d, dff, heads) for _ in range(self.layers))
         self.ln_f, self.head = RMSNorm(d), nn.Linear(d, vocab, bias=False)
-        half = d // heads // 2
-        inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float32) / half))
-        ang = torch.arange(context, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("cos", ang.cos(), persistent=False)
-        self.register_buffer("sin", ang.sin(), persistent=False)
+        self.register_buffer("cos", torch.empty(context, d // heads // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(context, d // heads // 2), persistent=False)
+        self.reset_rope()
+
+    @torch.no_grad()
+    def reset_rope(self):
+        """Fills the RoPE tables in place, in their own dtype and device (again after a meta-device build)."""
+        context, half = self.cos.shape
+        inv = 1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float32, device=self.cos.device) / half))
+        ang = torch.arange(context, dtype=torch.float32, device=self.cos.device)[:, None] * inv[None, :]
+        self.cos.copy_(ang.cos())
+        self.sin.copy_(ang.sin())
 
     def _head_loss(self, h, targets):
         return F.cross_entropy(self.head(self.ln_f(h)).float().flatten(0, 1), targets.flatten(), reduction="sum")

@@ -71,14 +71,13 @@ bool has_cuda_backward(const Case& c) {
   }
 }
 
-class CudaVsReference : public ::testing::TestWithParam<GpuCase> {};
-
-TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
-  SKIP_WITHOUT_GPU();
-  const Case c = GetParam().c;
+// The flash kernels' outputs (forward, and the backward where the case has one) and the naive GPU path's
+// against the fp64 oracle on the same rounded inputs: flash within twice the naive path's error.
+void expect_flash_matches_oracle(const GpuCase& g) {
+  const Case c = g.c;
   const bool backward = has_cuda_backward(c);
   AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
-  flash.deterministic = GetParam().deterministic;
+  flash.deterministic = g.deterministic;
   const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
 
   Problem ours(c, c.layout, c.dtype, 7000 + static_cast<uint64_t>(c.Nq * 3 + c.Nk));
@@ -94,7 +93,7 @@ TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
     // The naive GPU path must itself be sane, or it would loosen the bar for flash.
     EXPECT_LE(naive_err, (c.dtype == DType::f32 ? 1e-4 : 3e-2) * scale) << "naive " << name << " of " << case_name(c);
     const double tol = c.dtype == DType::f32 ? 1e-4 * scale : 2 * naive_err + 1e-3;
-    EXPECT_LE(err, tol) << "flash " << name << " of " << gpu_case_name(GetParam()) << " (naive error " << naive_err
+    EXPECT_LE(err, tol) << "flash " << name << " of " << gpu_case_name(g) << " (naive error " << naive_err
                         << ", max |ref| " << max_abs(want) << ")";
   };
   check("o", e.o, n.o, ref.o.view);
@@ -105,6 +104,13 @@ TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
     check("dk", e.dk, n.dk, ref.dk.view);
     check("dv", e.dv, n.dv, ref.dv.view);
   }
+}
+
+class CudaVsReference : public ::testing::TestWithParam<GpuCase> {};
+
+TEST_P(CudaVsReference, FlashAndNaiveMatchFp64Oracle) {
+  SKIP_WITHOUT_GPU();
+  expect_flash_matches_oracle(GetParam());
 }
 
 std::vector<GpuCase> gpu_grid() {
@@ -151,6 +157,11 @@ std::vector<GpuCase> gpu_grid() {
   cases.push_back({{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, false});
   cases.push_back({{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, true});
   cases.push_back({{1, 1531, 2100, 4, 4, 64, Layout::sliced, Mask::bottom_right, DType::f16}, false});
+  // Head dim 64 with more work items than an H200 has SMs, so that persistent blocks walk several tile
+  // pairs; 2000 rows leave the last query tile partial (with 192-row tiles its third warpgroup has none).
+  cases.push_back({{2, 2000, 2048, 16, 4, 64, Layout::bshd, Mask::bottom_right, DType::bf16}, false});
+  // Long enough for the head-dim-64 forward to choose its 192-row tiles (sm90_forward_d64_tile).
+  cases.push_back({{1, 4096, 4096, 2, 1, 64, Layout::bshd, Mask::none, DType::bf16}, false});
   return cases;
 }
 
@@ -253,6 +264,54 @@ TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
 
 // The unfused path's sub-ops are NVTX ranges, timed by --profile-ranges: QK matmul, softmax, AV matmul in
 // the forward; the recomputation and each gradient product in the backward.
+// The head-dim-64 forward's tile shapes: the choice from the problem's lengths and mask, each shape forced
+// through FLASHLM_SM90_FWD_D64_TILE against the fp64 oracle (ragged rows and keys, both causal alignments,
+// GQA, fp16 and bf16), and an unknown value an error naming the variable.
+TEST(CudaAttention, HopperD64TileShapesMatchTheReference) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  const char* was = std::getenv("FLASHLM_SM90_FWD_D64_TILE");  // a test run may force one for the grid
+  const std::string saved = was == nullptr ? "" : was;
+  ASSERT_EQ(setenv("FLASHLM_SM90_FWD_D64_TILE", "auto", 1), 0);
+  auto tile_of = [](int64_t seq_q, int64_t seq_k, bool causal) {
+    AttentionProblem p;
+    p.seq_q = seq_q, p.seq_k = seq_k, p.causal = causal, p.head_dim = 64;
+    return flash_cuda::sm90_forward_d64_tile(p);
+  };
+  using flash_cuda::Sm90D64Tile;
+  EXPECT_EQ(tile_of(4096, 4096, false), Sm90D64Tile::rows192_keys128);
+  EXPECT_EQ(tile_of(4096, 2048, false), Sm90D64Tile::rows128_keys128);
+  EXPECT_EQ(tile_of(8192, 8192, true), Sm90D64Tile::rows128_keys192);
+  EXPECT_EQ(tile_of(4096, 4096, true), Sm90D64Tile::rows128_keys128);
+  EXPECT_EQ(tile_of(1024, 1024, false), Sm90D64Tile::rows128_keys128);
+  const GpuCase cases[] = {
+      {{2, 1000, 1000, 4, 2, 64, Layout::bshd, Mask::none, DType::bf16}, false},
+      {{1, 700, 1300, 2, 2, 64, Layout::sliced, Mask::bottom_right, DType::f16}, false},
+      {{2, 300, 200, 4, 4, 64, Layout::bhsd, Mask::top_left, DType::bf16}, false},
+  };
+  for (const char* tile : {"128x128", "192x128", "128x192"}) {
+    ASSERT_EQ(setenv("FLASHLM_SM90_FWD_D64_TILE", tile, 1), 0);
+    for (const GpuCase& g : cases) {
+      SCOPED_TRACE(std::string("FLASHLM_SM90_FWD_D64_TILE=") + tile);
+      expect_flash_matches_oracle(g);
+    }
+  }
+  ASSERT_EQ(setenv("FLASHLM_SM90_FWD_D64_TILE", "256x128", 1), 0);
+  try {
+    tile_of(64, 64, false);
+    ADD_FAILURE() << "expected an error for FLASHLM_SM90_FWD_D64_TILE=256x128";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FLASHLM_SM90_FWD_D64_TILE: unknown value '256x128'"), std::string::npos)
+        << e.what();
+  }
+  if (was == nullptr) unsetenv("FLASHLM_SM90_FWD_D64_TILE");
+  else setenv("FLASHLM_SM90_FWD_D64_TILE", saved.c_str(), 1);
+#endif
+}
+
 TEST(CudaAttention, NaivePathNamesItsSubOpRanges) {
   SKIP_WITHOUT_GPU();
   const Case c{1, 100, 90, 2, 1, 64, Layout::bshd, Mask::top_left, DType::bf16};

@@ -1,15 +1,16 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads into an mbarrier ring, wgmma on tensor cores,
 // warp specialisation, persistent blocks.
 //
-// One block per SM, three warpgroups, walking the tiles of 128 query rows in the order TileSchedule gives.
+// One block per SM walking the query tiles in the order TileSchedule gives: tiles of 128 rows on three
+// warpgroups, or at head dim 64 of 192 rows on four (sm90_forward_d64_tile picks the tile shape).
 // Warpgroup 0 is the producer: one thread loads each tile's Q once the consumers have released the last
 // one, and streams K and V blocks through a ring of kStages shared-memory slots with TMA, each slot guarded
 // by a "full" mbarrier (the copy engine completes it) and an "empty" one (every consumer thread arrives
-// once it has read the slot); the ring runs on from one tile into the next. Warpgroups 1 and 2 are
+// once it has read the slot); the ring runs on from one tile into the next. The other warpgroups are
 // consumers, each owning 64 query rows of the tile: S = Q·Kᵀ by wgmma with both operands in shared memory,
 // the online softmax in registers on S's accumulators (exp2 with the scale folded in), P converted to 16
 // bits in registers and O += P·V by wgmma with A from registers and V read N-major from its slot. They take
-// turns issuing GEMMs (ping-pong on named barriers), and each issues S of block n with P·V of block n - 1
+// turns issuing GEMMs (a ring of named barriers), and each issues S of block n with P·V of block n - 1
 // so that its softmax of n runs under that GEMM. The producer gives up registers (setmaxnreg) so that the
 // consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by TMA; key columns at or
 // past seq_k and above the causal diagonal are masked in S. Each warpgroup writes its normalised O rows
@@ -19,7 +20,10 @@
 // 16-bit kernel's tiles, loads, GEMMs and O store (Sm90FwdKernel).
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
+#include <string_view>
+#include <utility>
 
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
@@ -29,24 +33,34 @@
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/softmax_sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
+#include "core/check.h"
 #include "core/cuda_check.h"
 
 namespace flashlm {
 namespace flash_cuda {
 namespace {
 
+// Keys per block by default: at head dim 256 the O accumulators take 128 registers a thread and Q alone
+// 64 KB of shared memory, so key blocks are 80 (40 S registers; two stages of K and V fit in the remaining
+// 160 KB).
 template <int D>
+constexpr int sm90_default_block_n() {
+  return D == 256 ? 80 : 128;
+}
+
+// BM query rows per tile (64 per consumer warpgroup: two or three), BN keys per block, ST ring stages.
+template <int D, int BM = 128, int BN = sm90_default_block_n<D>(), int ST = 2>
 struct Sm90FwdTraits {
-  static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
-  // Keys per block: at head dim 256 the O accumulators take 128 registers a thread and Q alone 64 KB of
-  // shared memory, so key blocks are 80 (40 S registers; two stages of K and V fit in the remaining 160 KB).
-  static constexpr int kBlockN = D == 256 ? 80 : 128;
-  static constexpr int kStages = 2;
-  static constexpr int kConsumers = 2;
+  static constexpr int kHeadDim = D;
+  static constexpr int kBlockM = BM;
+  static constexpr int kBlockN = BN;
+  static constexpr int kStages = ST;
+  static constexpr int kConsumers = BM / 64;
+  static_assert(BM == 64 * kConsumers && (kConsumers == 2 || kConsumers == 3));
   static constexpr int kThreads = (1 + kConsumers) * sm90::kWarpgroupThreads;
   static constexpr int kConsumerThreads = kConsumers * sm90::kWarpgroupThreads;
-  // 128 · (24 + 2 · 240) = 64512 of the SM's 65536 registers.
-  static constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+  // 128 · (24 + 2 · 240) = 64512 of the SM's 65536 registers; with three consumers 128 · (24 + 3 · 160).
+  static constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
   static constexpr uint32_t kQBytes = kBlockM * D * 2, kKBytes = kBlockN * D * 2, kVBytes = kKBytes;
   static constexpr int kPanels = D / sm90::kPanelCols;
   // O leaves through a shared-memory stage and TMA stores, except at head dim 256, where the stage does not
@@ -62,18 +76,18 @@ struct Sm90FwdTraits {
 
 // O's staging tile for the TMA store: each consumer warpgroup's 64 rows as D / 64 panels of 64 rows in
 // sm90.cuh's swizzled layout (one store box each). Absent (one element) where O is stored directly.
-template <int D>
+template <class Tr>
 struct Sm90FwdOStage {
-  alignas(1024) uint16_t rows[Sm90FwdTraits<D>::kStagedO ? Sm90FwdTraits<D>::kConsumers * 64 * D : 1];
+  alignas(1024) uint16_t rows[Tr::kStagedO ? Tr::kConsumers * 64 * Tr::kHeadDim : 1];
 };
 
-template <int D>
+template <class Tr>
 struct Sm90FwdShared {
-  using Tr = Sm90FwdTraits<D>;
+  static constexpr int D = Tr::kHeadDim;
   alignas(1024) uint16_t q[Tr::kBlockM * D];
   alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * D];
   alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * D];
-  Sm90FwdOStage<D> o;
+  Sm90FwdOStage<Tr> o;
   ForwardBarriers<Tr::kStages> bar;
 };
 
@@ -81,16 +95,16 @@ struct Sm90FwdShared {
 // 64 swizzled columns each, S = Q·Kᵀ with both operands in shared memory, P·V with P from registers and V
 // read N-major, and O out through a shared-memory stage and TMA stores (or directly at head dim 256).
 // tm_o (boxes of 64 rows) is read only where Tr::kStagedO.
-template <class T, int D>
-struct Sm90FwdKernel : Sm90FwdTraits<D> {
-  using Tr = Sm90FwdTraits<D>;
+template <class T, class Tr>
+struct Sm90FwdKernel : Tr {
+  static constexpr int D = Tr::kHeadDim;
   using Softmax = WgmmaRowSoftmax<Tr::kBlockN, Tr::kPolyEvery, Tr::kRowChains>;
   using PFragments = uint32_t[Tr::kBlockN / 16][4];
   using GemmS = sm90::WgmmaM64<T, Tr::kBlockN>;
   using GemmO = sm90::WgmmaM64<T, D>;
   static constexpr int kOValues = D / 2;
 
-  Sm90FwdShared<D>& s;
+  Sm90FwdShared<Tr>& s;
   const CUtensorMap *tm_q, *tm_k, *tm_v, *tm_o;
 
   __device__ __forceinline__ ForwardBarriers<Tr::kStages>& barriers() { return s.bar; }
@@ -189,38 +203,47 @@ struct Sm90FwdKernel : Sm90FwdTraits<D> {
   }
 };
 
-template <int D>
-constexpr size_t sm90_fwd_smem_bytes() {
-  return forward_smem_bytes<Sm90FwdShared<D>>();
-}
-
-template <class T, int D>
-__global__ void __launch_bounds__(Sm90FwdTraits<D>::kThreads, 1)
+template <class T, class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                           const FlashParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  Sm90FwdKernel<T, D> kernel{{}, aligned_forward_shared<Sm90FwdShared<D>>(smem_raw), &tm_q, &tm_k, &tm_v, &tm_o};
+  Sm90FwdKernel<T, Tr> kernel{{}, aligned_forward_shared<Sm90FwdShared<Tr>>(smem_raw), &tm_q, &tm_k, &tm_v, &tm_o};
   run_forward_pipeline(kernel, p);
 #endif
 }
 
 // TileSchedule's item count, on the host.
-int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch) {
-  return TileSchedule::count(seq_q, heads_q, batch, Sm90FwdTraits<128>::kBlockM);
+int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch, int block_m) {
+  return TileSchedule::count(seq_q, heads_q, batch, block_m);
+}
+
+// Calls f(Traits{}) with the traits of the kernel that runs problem `p`.
+template <class F>
+decltype(auto) with_forward_traits(const AttentionProblem& p, F&& f) {
+  if (p.head_dim == 64) {
+    switch (sm90_forward_d64_tile(p)) {
+      case Sm90D64Tile::rows192_keys128: return f(Sm90FwdTraits<64, 192, 128>{});
+      case Sm90D64Tile::rows128_keys192: return f(Sm90FwdTraits<64, 128, 192>{});
+      case Sm90D64Tile::rows128_keys128: break;
+    }
+    return f(Sm90FwdTraits<64>{});
+  }
+  if (p.head_dim == 128) return f(Sm90FwdTraits<128>{});
+  return f(Sm90FwdTraits<256>{});
 }
 
 // One block per multiprocessor (or per work item, where there are fewer): see TileSchedule.
-template <class T, int D>
+template <class T, class Tr>
 void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
                          const CUtensorMap& o, int sm_count, cudaStream_t stream) {
-  using Tr = Sm90FwdTraits<D>;
-  auto kernel = flash_fwd_sm90_kernel<T, D>;
-  constexpr int kSmem = static_cast<int>(sm90_fwd_smem_bytes<D>());
+  auto kernel = flash_fwd_sm90_kernel<T, Tr>;
+  constexpr int kSmem = static_cast<int>(forward_smem_bytes<Sm90FwdShared<Tr>>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_sm90_kernel: shared-memory opt-in");
-  const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch);
+  const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch, Tr::kBlockM);
   kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, v, o, f);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_sm90_kernel launch");
 }
@@ -237,16 +260,13 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return std::nullopt;
   if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
+  const auto [query_rows, key_rows] =
+      with_forward_traits(p, []<class Tr>(Tr) { return std::pair<int, int>{Tr::kBlockM, Tr::kBlockN}; });
   // The kernel counts work items in 32-bit integers.
-  if (sm90_work_items(p.seq_q, p.heads_q, p.batch) > INT32_MAX) return std::nullopt;
+  if (sm90_work_items(p.seq_q, p.heads_q, p.batch, query_rows) > INT32_MAX) return std::nullopt;
   const int sm_count = sm90_multiprocessors();
   if (sm_count == 0) return std::nullopt;
-  const int key_rows = p.head_dim == 64    ? Sm90FwdTraits<64>::kBlockN
-                       : p.head_dim == 128 ? Sm90FwdTraits<128>::kBlockN
-                                           : Sm90FwdTraits<256>::kBlockN;
-  static_assert(Sm90FwdTraits<64>::kBlockM == Sm90FwdTraits<128>::kBlockM &&
-                Sm90FwdTraits<128>::kBlockM == Sm90FwdTraits<256>::kBlockM);
-  auto tq = sm90::rows_tensor_map(q, Sm90FwdTraits<128>::kBlockM);
+  auto tq = sm90::rows_tensor_map(q, query_rows);
   auto tk = sm90::rows_tensor_map(k, key_rows), tv = sm90::rows_tensor_map(v, key_rows);
   if (!tq || !tk || !tv) return std::nullopt;
   // O in boxes of one consumer warpgroup's 64 rows. Validation leaves only views TMA can describe (16-byte
@@ -258,6 +278,26 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
 }
 
 }  // namespace
+
+// Measured on one H200 over the fa grid (docs/perf.md, "The Hopper forward, fifth round"): three consumer
+// warpgroups on 192-row tiles (a third warp per scheduler to cover the softmax's dependency chains) win
+// 4-5% where neither sequence is short and nothing is masked, key blocks of 192 (the per-block fixed work
+// over 1.5× the keys) ~3% causal from 8192; shorter, both lose to the padding of the last 192-row tile or
+// key block and, causal, the wider diagonal.
+Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p) {
+  const char* env = std::getenv("FLASHLM_SM90_FWD_D64_TILE");
+  const std::string_view forced = env == nullptr ? "" : env;
+  if (forced == "128x128") return Sm90D64Tile::rows128_keys128;
+  if (forced == "192x128") return Sm90D64Tile::rows192_keys128;
+  if (forced == "128x192") return Sm90D64Tile::rows128_keys192;
+  if (!forced.empty() && forced != "auto") {
+    fail("FLASHLM_SM90_FWD_D64_TILE: unknown value '{}': expected auto, 128x128, 192x128 or 128x192", forced);
+  }
+  const int64_t shorter = std::min(p.seq_q, p.seq_k);
+  if (!p.causal && shorter >= 4096) return Sm90D64Tile::rows192_keys128;
+  if (p.causal && shorter >= 8192) return Sm90D64Tile::rows128_keys192;
+  return Sm90D64Tile::rows128_keys128;
+}
 
 // The multiprocessor count of the current device if it runs the Hopper kernels (compute capability 9.0
 // exactly: sm_90a code runs on nothing else; and a loadable image of them), else 0. Asked once per device.
@@ -275,7 +315,7 @@ int sm90_multiprocessors() {
                     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
                     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
                     major == 9 && minor == 0 && sms > 0 &&
-                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, 128>) == cudaSuccess &&
+                    cudaFuncGetAttributes(&attr, flash_fwd_sm90_kernel<__nv_bfloat16, Sm90FwdTraits<128>>) == cudaSuccess &&
                     attr.binaryVersion == 90;
     cudaGetLastError();  // a failed query must not surface at the next launch check
     cached[device] = ok ? sms : -1;
@@ -298,9 +338,9 @@ bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q
   const auto s = static_cast<cudaStream_t>(stream);
   using flash_cuda::launch_forward_sm90;
   auto launch = [&]<class T>(T) {
-    if (p.head_dim == 64) launch_forward_sm90<T, 64>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
-    else if (p.head_dim == 128) launch_forward_sm90<T, 128>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
-    else launch_forward_sm90<T, 256>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
+    flash_cuda::with_forward_traits(p, [&]<class Tr>(Tr) {
+      launch_forward_sm90<T, Tr>(f, plan->q, plan->k, plan->v, plan->o, plan->sm_count, s);
+    });
   };
   if (p.dtype == DType::bf16) launch(__nv_bfloat16{});
   else launch(__half{});

@@ -17,6 +17,13 @@ struct FlashParams;
 // and a loadable sm_90a image), else 0. Asked once per device (flash_fwd_sm90.cu).
 int sm90_multiprocessors();
 
+// The 16-bit forward's tile shape at head dim 64, query rows × keys per key block (flash_fwd_sm90.cu): from
+// the problem's lengths and mask, or the one FLASHLM_SM90_FWD_D64_TILE names ("auto" or unset: chosen;
+// "128x128", "192x128", "128x192": forced, which is how the tests run each; anything else is an error
+// naming the variable).
+enum class Sm90D64Tile { rows128_keys128, rows192_keys128, rows128_keys192 };
+Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p);
+
 // Whether the Hopper kernel runs these views: an sm_90 device, fp16/bf16, head dim 64 or 128, both
 // sequences non-empty, views TMA can describe. The deterministic option is not covered (it takes the
 // mma.sync separate dQ pass): the kernel adds dQ with atomics.

@@ -1,11 +1,11 @@
 // The warp-specialised pipeline shared by the Hopper forward kernels (flash_fwd_sm90.cu for fp16/bf16,
 // flash_fwd_fp8_sm90.cu for e4m3): one block per SM walking TileSchedule's query-tile pairs, a producer
-// warpgroup whose one thread streams Q and the K/V blocks through an mbarrier ring with TMA, and two
-// consumer warpgroups of 64 query rows each that ping-pong their GEMMs, issuing S of key block n with P·V
-// of block n - 1 so that the softmax of n runs under that GEMM. flash_fwd_sm90.cu's file comment describes
+// warpgroup whose one thread streams Q and the K/V blocks through an mbarrier ring with TMA, and two or
+// three consumer warpgroups of 64 query rows each that take turns issuing their GEMMs, issuing S of key
+// block n with P·V of block n - 1 so that the softmax of n runs under that GEMM. flash_fwd_sm90.cu's file comment describes
 // the pipeline; this file holds its control flow once, and each kernel supplies what differs through a
 // "kernel" type (a struct holding its shared memory and tensor maps) with:
-//   constants  kBlockM, kBlockN, kStages, kThreads, kConsumerThreads, kProducerRegisters,
+//   constants  kBlockM (64 · kConsumers), kBlockN, kStages, kConsumers, kThreads, kConsumerThreads, kProducerRegisters,
 //              kConsumerRegisters, kOValues (O accumulators a thread holds), kQBytes, kKBytes, kVBytes;
 //   types      Softmax (a WgmmaRowSoftmax), PFragments (P of a key block as wgmma A fragments);
 //   barriers() the ForwardBarriers<kStages> in its shared memory;
@@ -105,7 +105,8 @@ __device__ __forceinline__ void forward_producer(Kernel& kernel, const FlashPara
   }
 }
 
-// ---- Consumers: warpgroup wg (0 or 1) owns query rows [m0 + 64·wg, m0 + 64·wg + 64) of each tile.
+// ---- Consumers: warpgroup wg (0 to kConsumers - 1) owns query rows [m0 + 64·wg, m0 + 64·wg + 64) of each
+// tile.
 template <class Kernel>
 __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashParams& p, const TileSchedule& schedule,
                                                  int wg) {
@@ -115,14 +116,18 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
   const int ctid = threadIdx.x % sm90::kWarpgroupThreads, warp = ctid / 32, lane = ctid % 32;
   const int g = lane / 4, t = lane % 4;
 
-  // Ping-pong: the two consumer warpgroups take turns to issue their GEMMs, so that one's softmax runs
-  // while the other's GEMMs occupy the tensor cores. Warpgroup w waits for its turn on barrier
-  // kWarpgroupTurn0 + w and, having issued, hands the turn to the other. In each tile warpgroup 1 hands
-  // warpgroup 0 the first turn and skips its last hand-over (nobody would wait for it).
+  // Ping-pong: the consumer warpgroups take turns, in a ring, to issue their GEMMs, so that one's softmax
+  // runs while the others' GEMMs occupy the tensor cores. Warpgroup w waits for its turn on barrier
+  // kWarpgroupTurn0 + w (its own 128 threads and the previous warpgroup's) and, having issued, hands the
+  // turn to the next. In each tile the last warpgroup hands warpgroup 0 the first turn and skips its own
+  // last hand-over (nobody would wait for it).
+  static_assert(Kernel::kConsumers == 2 || Kernel::kConsumers == 3, "named barriers exist for 3 warpgroups");
+  static_assert(kBlockM == 64 * Kernel::kConsumers);
+  constexpr int kLast = Kernel::kConsumers - 1;
   constexpr uint32_t kTurnThreads = 2 * sm90::kWarpgroupThreads;
   const auto my_turn = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + wg);
-  const auto other_turn =
-      static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) + (wg ^ 1));
+  const auto next_turn = static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kWarpgroupTurn0) +
+                                                         (wg == kLast ? 0 : wg + 1));
 
   float o[Kernel::kOValues];
   float sacc[kBlockN / 2];
@@ -145,7 +150,7 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
       int turns_left = n_blocks + 1;  // issue points: S of block 0, (S of nb, P·V of nb - 1), the last P·V
       auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };
       auto pass_turn = [&] {
-        if (--turns_left > 0 || wg == 0) sm90::named_barrier_arrive(other_turn, kTurnThreads);
+        if (--turns_left > 0 || wg != kLast) sm90::named_barrier_arrive(next_turn, kTurnThreads);
       };
       auto issue_s = [&](int st) {
         sm90::wgmma_fence();
@@ -160,7 +165,7 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
       };
 
       if (n_blocks > 0) {
-        if (wg == 1) sm90::named_barrier_arrive(other_turn, kTurnThreads);
+        if (wg == kLast) sm90::named_barrier_arrive(next_turn, kTurnThreads);
         bar.q_full.wait(q_uses++ & 1);
         // Block 0: S, softmax, P (O is still 0: no rescale).
         const Ring first{kv_uses};
@@ -226,7 +231,7 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
 }
 
 // The kernel body: barrier set-up, then warpgroup 0 produces (with few registers, setmaxnreg, so that the
-// consumers can hold S, P and O) and warpgroups 1 and 2 consume.
+// consumers can hold S, P and O) and the others consume.
 template <class Kernel>
 __device__ __forceinline__ void run_forward_pipeline(Kernel& kernel, const FlashParams& p) {
   const TileSchedule schedule(p, Kernel::kBlockM);

@@ -268,6 +268,25 @@ struct WgmmaM64;
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB)); \
     } \
   };
+#define FLASHLM_SM90_WGMMA_M64N192(T, PTX_TYPE) \
+  template <> struct WgmmaM64<T, 192> { \
+    template <int kTransB, int kTransA = 0> \
+    static __device__ __forceinline__ void ss(float (&d)[96], uint64_t a, uint64_t b, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n" \
+                   "wgmma.mma_async.sync.aligned.m64n192k16.f32." PTX_TYPE "." PTX_TYPE \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, %96, %97, p, 1, 1, %100, %99;\n}\n" \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]) \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA)); \
+    } \
+    template <int kTransB> \
+    static __device__ __forceinline__ void rs(float (&d)[96], const uint32_t (&a)[4], uint64_t b, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n" \
+                   "wgmma.mma_async.sync.aligned.m64n192k16.f32." PTX_TYPE "." PTX_TYPE \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, {%96, %97, %98, %99}, %100, p, 1, 1, %102;\n}\n" \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]) \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB)); \
+    } \
+  };
 #define FLASHLM_SM90_WGMMA_M64N256(T, PTX_TYPE) \
   template <> struct WgmmaM64<T, 256> { \
     template <int kTransB, int kTransA = 0> \
@@ -295,12 +314,15 @@ FLASHLM_SM90_WGMMA_M64N128(__nv_bfloat16, "bf16")
 FLASHLM_SM90_WGMMA_M64N128(__half, "f16")
 FLASHLM_SM90_WGMMA_M64N176(__nv_bfloat16, "bf16")
 FLASHLM_SM90_WGMMA_M64N176(__half, "f16")
+FLASHLM_SM90_WGMMA_M64N192(__nv_bfloat16, "bf16")
+FLASHLM_SM90_WGMMA_M64N192(__half, "f16")
 FLASHLM_SM90_WGMMA_M64N256(__nv_bfloat16, "bf16")
 FLASHLM_SM90_WGMMA_M64N256(__half, "f16")
 #undef FLASHLM_SM90_WGMMA_M64N64
 #undef FLASHLM_SM90_WGMMA_M64N80
 #undef FLASHLM_SM90_WGMMA_M64N128
 #undef FLASHLM_SM90_WGMMA_M64N176
+#undef FLASHLM_SM90_WGMMA_M64N192
 #undef FLASHLM_SM90_WGMMA_M64N256
 
 // ---- FP8 (e4m3 x e4m3 -> fp32) wgmma, K = 32 per instruction. 8-bit operands exist only K-major (no
@@ -358,12 +380,13 @@ template <> struct WgmmaM64E4m3<128> {
 // ---- Named barriers (bar.sync / bar.arrive on ids 1..15; id 0 is __syncthreads'), ids from one enum so
 // that no two uses collide. `threads` counts every thread that syncs or arrives, a multiple of 32.
 enum class NamedBarrier : uint32_t {
-  kConsumers = 1,        // both consumer warpgroups of a forward block
-  kWarpgroupTurn0 = 2,   // ping-pong: consumer warpgroup 0 may issue its GEMMs
-  kWarpgroupTurn1 = 3,   // ping-pong: consumer warpgroup 1 may issue its GEMMs
-  kBackwardDsReady = 4,  // backward: both consumer warpgroups have stored their half of a step's dSᵀ
-  kEpilogue0 = 5,        // forward: consumer warpgroup 0's rows of O are in shared memory (TMA store)
-  kEpilogue1 = 6,        // forward: the same for consumer warpgroup 1
+  kWarpgroupTurn0 = 1,   // ping-pong: consumer warpgroup 0 may issue its GEMMs (the ids of warpgroups 1
+  kWarpgroupTurn1 = 2,   // and 2 follow: the forward pipeline adds the warpgroup's index)
+  kWarpgroupTurn2 = 3,
+  kEpilogue0 = 4,        // forward: consumer warpgroup 0's rows of O are in shared memory (TMA store); 1
+  kEpilogue1 = 5,        // and 2 the same for those warpgroups
+  kEpilogue2 = 6,
+  kBackwardDsReady = 7,  // backward: both consumer warpgroups have stored their half of a step's dSᵀ
 };
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(id)), "r"(threads) : "memory");
