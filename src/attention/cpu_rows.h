@@ -52,6 +52,21 @@ inline double exp_nonpositive(double v) { return std::exp(v); }
 // log of a sum that includes exp(S)); in fp32 the argument is clamped to 0, which only drops the rounding
 // of a recomputed S above lse (and keeps an inconsistent lse from overflowing), and exp_fp32_nonpositive
 // needs no overflow guard. NaN stays NaN.
+#if defined(__AVX512F__)
+// The AVX-512 copy's: whole vectors through exp_fp32_nonpositive_x16, the tail as above.
+inline void exp_shifted(float* x, int64_t n, float shift) {
+  const __m512 s = _mm512_set1_ps(shift), zero = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + i), s);
+    _mm512_storeu_ps(x + i, exp_fp32_nonpositive_x16(_mm512_min_ps(zero, v)));  // vminps returns v where it is NaN
+  }
+  for (; i < n; ++i) {
+    const float v = x[i] - shift;
+    x[i] = exp_fp32_nonpositive(v > 0.0f ? 0.0f : v);
+  }
+}
+#else
 inline void exp_shifted(float* x, int64_t n, float shift) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
@@ -59,6 +74,7 @@ inline void exp_shifted(float* x, int64_t n, float shift) {
     x[i] = exp_fp32_nonpositive(v > 0.0f ? 0.0f : v);
   }
 }
+#endif
 
 inline void exp_shifted(double* x, int64_t n, double shift) {
   for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - shift);
@@ -67,6 +83,38 @@ inline void exp_shifted(double* x, int64_t n, double shift) {
 // exp_shifted, returning the sum of the results (the forward's softmax denominator for the tile row), for a shift
 // at least every x[i] (the row's running maximum): one pass, each result added to its lane's partial sum
 // while it is still in a register.
+template <class A>
+inline A exp_shifted_sum(A* x, int64_t n, A shift);
+
+#if defined(__AVX512F__)
+// fp32 on AVX-512: four vectors of partial sums (a 128-wide row is a chain two deep, not eight), whole vectors
+// through exp_fp32_nonpositive_x16; the tail one by one.
+template <>
+inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  auto exp_at = [&](int64_t i) {
+    const __m512 e = exp_fp32_nonpositive_x16(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
+    _mm512_storeu_ps(x + i, e);
+    return e;
+  };
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    s0 = _mm512_add_ps(s0, exp_at(i));
+    s1 = _mm512_add_ps(s1, exp_at(i + 16));
+    s2 = _mm512_add_ps(s2, exp_at(i + 32));
+    s3 = _mm512_add_ps(s3, exp_at(i + 48));
+  }
+  for (; i + 16 <= n; i += 16) s0 = _mm512_add_ps(s0, exp_at(i));
+  float tail = 0;
+  for (; i < n; ++i) {
+    x[i] = exp_nonpositive(x[i] - shift);
+    tail += x[i];
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3))) + tail;
+}
+#endif
+
 template <class A>
 inline A exp_shifted_sum(A* x, int64_t n, A shift) {
   A lanes[kLanes] = {};
@@ -79,11 +127,12 @@ inline A exp_shifted_sum(A* x, int64_t n, A shift) {
       lanes[j] += e;
     }
   }
+  A tail = 0;  // not lanes[0]: a scalar store into the array before the fold's vector load stalls its forwarding
   for (; i < n; ++i) {
     x[i] = exp_nonpositive(x[i] - shift);
-    lanes[0] += x[i];
+    tail += x[i];
   }
-  return fold_lanes(lanes, LaneSum{});
+  return fold_lanes(lanes, LaneSum{}) + tail;
 }
 
 // Whether every element of an n-element array is finite: a tile product may then run over masked entries

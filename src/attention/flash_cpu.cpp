@@ -57,12 +57,6 @@ constexpr int64_t kBlockK = 64;
 constexpr int64_t kForwardBlockQ = 128;
 constexpr int64_t kForwardBlockK = 128;
 
-// C = alpha · op(A) · B + beta · C on row-major tiles (op(A) m×k: A, or Aᵀ stored k×m when TransA; B k×n;
-// beta = 0 never reads C). A transposed costs nothing here (the kernel broadcasts single elements of A). Blocks of
-// kGemmRows × kGemmCols outputs stay in registers while k runs; the compiler vectorises the columns for the
-// target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles are small
-// (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this
-// project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
 // The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
 // AVX-512 gives 32 registers, 12 of 8 (AVX2) or of 4 (SSE2) where there are 16 (enough independent FMA chains
 // to hide latency; 4 × 16 on AVX2, 8 accumulators, ran the forward 1.2x slower).
@@ -79,21 +73,51 @@ constexpr int64_t kGemmRows = 6;  // 12 of the 16 xmm registers
 constexpr int64_t kGemmCols = 8;
 #endif
 
-// One kRows × kGemmCols block of C: the accumulators are locals of this function, so that they live in registers
-// from the first product on (an array zeroed beside the ragged path's was cleared in memory by `rep stos`).
-template <int64_t kRows, bool TransA, class A>
+// How a tile product's A operand is stored (op(A) is m × k):
+//   rows:       A row-major (m × k, row stride lda);
+//   transposed: Aᵀ row-major (k × m, row stride lda) — free here, the kernel broadcasts single elements of A;
+//   panels:     panels of kGemmRows rows one after another, each k × kGemmRows (a panel's column p holds its rows'
+//               elements p side by side; the last panel zero-padded; lda unused). The micro-kernel's
+//               broadcasts then read one cache line per p at offsets fixed at compile time, whatever k is:
+//               with a runtime row stride (rows, lda = head_dim) the kernel kept the eight row offsets on the
+//               stack, and the S product ran at 85% of the FMA peak instead of 90% (docs/perf.md).
+// kLda: lda known at compile time (0: the runtime lda), for the same reason (P V's A is the S tile, 128 wide).
+enum class ALayout { rows, transposed, panels };
+
+// The row stride a block kernel steps A by: within a panel kGemmRows, else kLda or the runtime lda.
+template <ALayout kLayout, int64_t kLda>
+constexpr int64_t a_stride(int64_t lda) {
+  return kLayout == ALayout::panels ? kGemmRows : kLda != 0 ? kLda : lda;
+}
+
+// Element (r, p) of op(A) for a block kernel's A pointer (in panels: the block's own panel).
+constexpr int64_t a_offset(ALayout layout, int64_t ld, int64_t r, int64_t p) {
+  return layout == ALayout::rows ? r * ld + p : p * ld + r;
+}
+
+// Rows padded to whole panels, and where row r's element 0 sits in a panels layout of k columns.
+constexpr int64_t panel_padded(int64_t rows) { return (rows + kGemmRows - 1) / kGemmRows * kGemmRows; }
+constexpr int64_t panel_row_offset(int64_t r, int64_t k) { return r / kGemmRows * kGemmRows * k + r % kGemmRows; }
+
+// One kRows × kGemmCols block of C, k ≥ 1: the accumulators are locals of this function, so that they live in
+// registers from the first product on, and start from the first product rather than from zeros (zero-initialised,
+// they were also cleared in memory by a `rep stos` for the k = 0 path, 2-3% of the tile products' samples).
+template <int64_t kRows, ALayout kLayout, int64_t kLda, class A>
 inline void gemm_block(int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta, A* c,
                        int64_t ldc) {
+  const int64_t ld = a_stride<kLayout, kLda>(lda);
   A acc[kRows][kGemmCols];
+#pragma GCC unroll 16
   for (int64_t r = 0; r < kRows; ++r) {
+    const A ar = a[a_offset(kLayout, ld, r, 0)];
 #pragma omp simd
-    for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] = A(0);
+    for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] = ar * b[j];
   }
-  for (int64_t p = 0; p < k; ++p) {
+  for (int64_t p = 1; p < k; ++p) {
     const A* brow = b + p * ldb;
 #pragma GCC unroll 16
     for (int64_t r = 0; r < kRows; ++r) {
-      const A ar = TransA ? a[p * lda + r] : a[r * lda + p];
+      const A ar = a[a_offset(kLayout, ld, r, p)];
 #pragma omp simd
       for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
     }
@@ -115,38 +139,54 @@ inline void gemm_block(int64_t k, A alpha, const A* a, int64_t lda, const A* b, 
 constexpr int64_t next_gemm_rows(int64_t rows) { return std::bit_floor(uint64_t(rows - 1)); }
 
 // gemm_block for a runtime height `rows` from that sequence.
-template <int64_t kRows = kGemmRows, bool TransA, class A>
+template <int64_t kRows, ALayout kLayout, int64_t kLda, class A>
 void gemm_block_rows(int64_t rows, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta, A* c,
                      int64_t ldc) {
   if constexpr (kRows >= 1) {
-    if (rows == kRows) return gemm_block<kRows, TransA>(k, alpha, a, lda, b, ldb, beta, c, ldc);
-    gemm_block_rows<next_gemm_rows(kRows), TransA>(rows, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (rows == kRows) return gemm_block<kRows, kLayout, kLda>(k, alpha, a, lda, b, ldb, beta, c, ldc);
+    gemm_block_rows<next_gemm_rows(kRows), kLayout, kLda>(rows, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 }
 
-template <bool TransA = false, class A>
+// A block at the ragged right edge (cols < kGemmCols; or k = 0), by plain loops; out of line, so that its
+// accumulator array (zeroed in memory) stays out of the full blocks' loop.
+template <ALayout kLayout, class A>
+[[gnu::noinline]] void gemm_edge_block(int64_t rows, int64_t cols, int64_t k, A alpha, const A* a, int64_t ld,
+                                       const A* b, int64_t ldb, A beta, A* c, int64_t ldc) {
+  A acc[kGemmRows][kGemmCols] = {};
+  for (int64_t p = 0; p < k; ++p) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < cols; ++j) acc[r][j] += a[a_offset(kLayout, ld, r, p)] * b[p * ldb + j];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    A* crow = c + r * ldc;
+    for (int64_t j = 0; j < cols; ++j) crow[j] = beta == A(0) ? alpha * acc[r][j] : alpha * acc[r][j] + beta * crow[j];
+  }
+}
+
+// C = alpha · op(A) · B + beta · C on row-major tiles (op(A) m×k stored as kLayout says; B k×n; beta = 0 never
+// reads C). Blocks of kGemmRows × kGemmCols outputs stay in registers while k runs; the compiler vectorises the
+// columns for the target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles
+// are small (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify
+// (this project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
+template <ALayout kLayout = ALayout::rows, int64_t kLda = 0, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {
-  auto a_at = [&](int64_t r, int64_t p) { return TransA ? a[p * lda + r] : a[r * lda + p]; };
   for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) {
     rows = kGemmRows;
     while (rows > m - i0) rows = next_gemm_rows(rows);
-    const A* a_block = TransA ? a + i0 : a + i0 * lda;
+    const A* a_block = kLayout == ALayout::rows         ? a + i0 * (kLda != 0 ? kLda : lda)
+                       : kLayout == ALayout::transposed ? a + i0
+                                                        : a + panel_row_offset(i0, k);
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       const int64_t cols = std::min(kGemmCols, n - j0);
-      if (cols == kGemmCols) {
-        gemm_block_rows<kGemmRows, TransA>(rows, k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0, ldc);
-        continue;
-      }
-      A acc[kGemmRows][kGemmCols] = {};  // a ragged edge block (fewer than kGemmCols columns)
-      for (int64_t p = 0; p < k; ++p) {
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t j = 0; j < cols; ++j) acc[r][j] += a_at(i0 + r, p) * b[p * ldb + j0 + j];
-        }
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        A* crow = c + (i0 + r) * ldc + j0;
-        for (int64_t j = 0; j < cols; ++j) crow[j] = beta == A(0) ? alpha * acc[r][j] : alpha * acc[r][j] + beta * crow[j];
+      if (cols == kGemmCols && k > 0) {
+        gemm_block_rows<kGemmRows, kLayout, kLda>(rows, k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0,
+                                                  ldc);
+      } else {
+        gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, a_stride<kLayout, kLda>(lda), b + j0, ldb, beta,
+                                 c + i0 * ldc + j0, ldc);
       }
     }
   }
@@ -236,11 +276,22 @@ class PackedHeads {
   Buffer rows_, transposed_, finite_;
 };
 
-// Loads rows [s0, s0 + rows) of head h into a packed tile; returns whether every element is finite.
+// The query tile's rows in panels (ALayout::panels), its last panel padded to kGemmRows rows.
+constexpr int64_t kForwardPanelRows = panel_padded(kForwardBlockQ);
+
+// Loads rows [s0, s0 + rows) of head h into kGemmRows-row panels (ALayout::panels); the padding rows of the last
+// panel are zero.
 template <class T, class A>
-bool load_tile(const TensorView& t, int64_t b, int64_t h, int64_t s0, int64_t rows, int64_t D, A* dst) {
-  for (int64_t r = 0; r < rows; ++r) load_row(attention_row<const T>(t, b, s0 + r, h), dst + r * D, D);
-  return all_finite(dst, rows * D);
+void load_panels(const TensorView& t, int64_t b, int64_t h, int64_t s0, int64_t rows, int64_t D, A* dst) {
+  for (int64_t r = 0; r < panel_padded(rows); ++r) {
+    A* panel_row = dst + panel_row_offset(r, D);  // element d at panel_row[d · kGemmRows]
+    if (r < rows) {
+      const T* src = attention_row<const T>(t, b, s0 + r, h);
+      for (int64_t d = 0; d < D; ++d) panel_row[d * kGemmRows] = convert<A>(src[d]);
+    } else {
+      for (int64_t d = 0; d < D; ++d) panel_row[d * kGemmRows] = A(0);
+    }
+  }
 }
 
 template <class A>
@@ -283,17 +334,18 @@ void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, i
 // key tile transposed (head_dim × width); S is rows × width. On the causal diagonal each block of kGemmRows
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
 // zero-padded width), which skips 3/8 of the products of a 128 × 128 diagonal tile.
-template <class A>
+// Q: the query tile as stored (ALayout::rows) or in panels (Q + r0 · D is the panel of rows r0.. either way).
+template <ALayout kQLayout, class A>
 void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t width, int64_t i0, int64_t rows,
                  int64_t j0, int64_t cols, A* S) {
   const int64_t D = p.head_dim;
   const A scale = static_cast<A>(p.scale);
   if (!tile_partly_masked(p, i0, j0, cols)) {
-    tile_gemm(rows, cols, D, scale, Q, D, KT, width, A(0), S, width);
+    tile_gemm<kQLayout>(rows, cols, D, scale, Q, D, KT, width, A(0), S, width);
   } else {
     for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
       const int64_t n = std::min(width, (seen + kGemmCols - 1) / kGemmCols * kGemmCols);
-      tile_gemm(block_rows, n, D, scale, Q + r0 * D, D, KT, width, A(0), S + r0 * width, width);
+      tile_gemm<kQLayout>(block_rows, n, D, scale, Q + r0 * D, D, KT, width, A(0), S + r0 * width, width);
     });
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -308,7 +360,7 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
                   A* m, A* l) {
   const int64_t D = p.head_dim, bhk = b * p.heads_k + h / p.group();
   const int64_t rows = std::min(kForwardBlockQ, p.seq_q - i0);
-  load_tile<T>(q, b, h, i0, rows, D, Q);
+  load_panels<T>(q, b, h, i0, rows, D, Q);
   std::fill(acc, acc + rows * D, A(0));
   std::fill(m, m + rows, kNegInf<A>);
   std::fill(l, l + rows, A(0));
@@ -318,7 +370,7 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     const int64_t cols = std::min(kForwardBlockK, key_end - j0);
     const A *KT = k.transposed(bhk, j0 / kForwardBlockK), *V = v.rows(bhk, j0 / kForwardBlockK);
     const bool v_finite = v.finite(bhk, j0 / kForwardBlockK);
-    tile_scores(p, Q, KT, kForwardBlockK, i0, rows, j0, cols, S);
+    tile_scores<ALayout::panels>(p, Q, KT, kForwardBlockK, i0, rows, j0, cols, S);
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kForwardBlockK;
@@ -344,10 +396,11 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
       m[r] = m_new;
     }
     if (v_finite && !tile_partly_masked(p, i0, j0, cols)) {
-      tile_gemm(rows, D, cols, A(1), S, kForwardBlockK, V, D, A(1), acc, D);  // acc += P V
+      tile_gemm<ALayout::rows, kForwardBlockK>(rows, D, cols, A(1), S, kForwardBlockK, V, D, A(1), acc, D);  // acc += P V
     } else if (v_finite) {  // on the causal diagonal: each block of queries sums over the keys it sees
       for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
-        tile_gemm(block_rows, D, seen, A(1), S + r0 * kForwardBlockK, kForwardBlockK, V, D, A(1), acc + r0 * D, D);
+        tile_gemm<ALayout::rows, kForwardBlockK>(block_rows, D, seen, A(1), S + r0 * kForwardBlockK, kForwardBlockK, V,
+                                                 D, A(1), acc + r0 * D, D);
       });
     } else {
       for (int64_t r = 0; r < rows; ++r) {
@@ -380,8 +433,9 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
 #pragma omp parallel
   {
-    Scratch<A> w(kForwardBlockQ * D * 2 + kForwardBlockQ * kForwardBlockK + kForwardBlockQ * 2, "flash forward tiles");
-    A *Q = w.take(kForwardBlockQ * D).data(), *acc = w.take(kForwardBlockQ * D).data();
+    Scratch<A> w(kForwardPanelRows * D + kForwardBlockQ * D + kForwardBlockQ * kForwardBlockK + kForwardBlockQ * 2,
+                 "flash forward tiles");
+    A *Q = w.take(kForwardPanelRows * D).data(), *acc = w.take(kForwardBlockQ * D).data();
     A *S = w.take(kForwardBlockQ * kForwardBlockK).data(), *m = w.take(kForwardBlockQ).data();
     A* l = w.take(kForwardBlockQ).data();
 #pragma omp for schedule(dynamic)
@@ -399,7 +453,7 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, 
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
                             A* dS) {
   const int64_t D = p.head_dim;
-  tile_scores(p, Q, KT, kBlockK, i0, rows, j0, cols, S);
+  tile_scores<ALayout::rows>(p, Q, KT, kBlockK, i0, rows, j0, cols, S);
   tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
@@ -486,8 +540,8 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
           const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt), *lse_tile = lse_rows + i0;
           tile_probs_and_dscores(p, Q, KT, VT, dO, lse_tile, delta + i0, i0, rows, j0, cols, S, dS);
           if (Qp.finite(bh, qt) && dOp.finite(bh, qt)) {
-            tile_gemm<true>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
-            tile_gemm<true>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
+            tile_gemm<ALayout::transposed, kBlockK>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
+            tile_gemm<ALayout::transposed, kBlockK>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
           } else {
             for (int64_t r = 0; r < rows; ++r) {
               for (int64_t c = 0, n = contributing_cols(p, lse_tile[r], i0 + r, j0, cols); c < n; ++c) {
@@ -497,7 +551,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
             }
           }
           if (k_finite) {
-            tile_gemm(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ + i0 * D, D);  // dQ += scale dS K
+            tile_gemm<ALayout::rows, kBlockK>(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ + i0 * D, D);  // dQ += scale dS K
           } else {
             for (int64_t r = 0; r < rows; ++r) {
               for (int64_t c = 0, n = contributing_cols(p, lse_tile[r], i0 + r, j0, cols); c < n; ++c) {

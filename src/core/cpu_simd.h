@@ -5,6 +5,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#if defined(__AVX512F__)
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_ps(), which -Wmaybe-uninitialized reports at every
+// inlined use; the diagnostic state at the header's own lines is what counts.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
 
 // The namespace of the CPU kernels' inline helpers: each per-ISA copy of the kernels defines its own (src/CMakeLists.txt);
 // other code gets the build's.
@@ -66,6 +74,28 @@ inline float exp_fp32_nonpositive(float v) {
   return v < -87.3f ? 0.0f : y;
 }
 
+#if defined(__AVX512F__)
+// exp_fp32_nonpositive on 16 lanes, for the AVX-512 copy of the kernels: the same reduction and polynomial, with
+// k rounded by vrndscaleps and 2^k applied by vscalefps instead of the rounding constant's bit tricks (15 vector
+// operations instead of ~20). The softmax rows that call it (attention/cpu_rows.h) spent most of their time here.
+inline __m512 exp_fp32_nonpositive_x16(__m512 v) {
+  using namespace exp_fp32_detail;
+  const __m512 floor = _mm512_set1_ps(-87.3f);
+  const __m512 x = _mm512_max_ps(floor, v);  // vmaxps returns its second operand where either is NaN: NaN stays
+  const __mmask16 normal = _mm512_cmp_ps_mask(v, floor, _CMP_NLT_UQ);  // v ≥ -87.3 or NaN; the rest gives 0
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x));
+  const __m512 r2 = _mm512_mul_ps(r, r);  // Estrin's scheme, as scaled_exp
+  const __m512 c01 = _mm512_add_ps(_mm512_set1_ps(1.0f), r);
+  const __m512 c23 = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 6), _mm512_set1_ps(0.5f));
+  const __m512 c45 = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 120), _mm512_set1_ps(1.0f / 24));
+  const __m512 c67 = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 5040), _mm512_set1_ps(1.0f / 720));
+  const __m512 q = _mm512_fmadd_ps(r2, _mm512_fmadd_ps(r2, _mm512_fmadd_ps(r2, c67, c45), c23), c01);
+  return _mm512_maskz_scalef_ps(normal, q, k);
+}
+#endif
+
 // Reductions over a row keep kLanes partial results, one per vector lane, and fold them as a tree at the end:
 // `#pragma omp simd reduction` folds its lanes one after another in scalar adds, a dependency chain that
 // cost as much as the row's products when the softmax reduced every 64-wide tile row twice.
@@ -124,6 +154,30 @@ inline A row_max(const A* x, int64_t n) {
 
 // The largest of the numbers among x[0..n): NaNs are skipped (-inf if there is no other element), for callers
 // whose NaNs reach the result another way (the forward's softmax: through its row sum). Half the work of row_max.
+template <class A>
+inline A row_max_skipping_nan(const A* x, int64_t n);
+
+#if defined(__AVX512F__)
+// fp32 on AVX-512: four vectors of partial maxima, so that a 128-wide row is a chain two deep instead of eight (the
+// chains and the fold after them were the latency that bound the forward's softmax rows).
+template <>
+inline float row_max_skipping_nan(const float* x, int64_t n) {
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m0 = none, m1 = none, m2 = none, m3 = none;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {  // vmaxps returns its second operand (the partial maximum) where x is NaN
+    m0 = _mm512_max_ps(_mm512_loadu_ps(x + i), m0);
+    m1 = _mm512_max_ps(_mm512_loadu_ps(x + i + 16), m1);
+    m2 = _mm512_max_ps(_mm512_loadu_ps(x + i + 32), m2);
+    m3 = _mm512_max_ps(_mm512_loadu_ps(x + i + 48), m3);
+  }
+  for (; i + 16 <= n; i += 16) m0 = _mm512_max_ps(_mm512_loadu_ps(x + i), m0);
+  float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+#endif
+
 template <class A>
 inline A row_max_skipping_nan(const A* x, int64_t n) {
   A lanes[kLanes];
