@@ -84,6 +84,14 @@ constexpr int64_t kGemmCols = 8;
 // kLda: lda known at compile time (0: the runtime lda), for the same reason (P V's A is the S tile, 128 wide).
 enum class ALayout { rows, transposed, panels };
 
+// How a tile product's B operand (k × n) is stored:
+//   rows:   row-major, row stride ldb;
+//   panels: column panels of kGemmCols one after another (n a multiple of kGemmCols), each k × kGemmCols
+//           row-major, ldb elements from one panel to the next. A block of the micro-kernel then reads one
+//           contiguous panel: B row-major with a 128-float row stride (the forward's transposed 128-key tile)
+//           put a block's 32 columns in 16 of L1's 64 sets, a 16 KiB panel at d128 into 12 KiB of ways.
+enum class BLayout { rows, panels };
+
 // The row stride a block kernel steps A by: within a panel kGemmRows, else kLda or the runtime lda.
 template <ALayout kLayout, int64_t kLda>
 constexpr int64_t a_stride(int64_t lda) {
@@ -170,7 +178,7 @@ template <ALayout kLayout, class A>
 // columns for the target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles
 // are small (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify
 // (this project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
-template <ALayout kLayout = ALayout::rows, int64_t kLda = 0, class A>
+template <ALayout kLayout = ALayout::rows, int64_t kLda = 0, BLayout kBLayout = BLayout::rows, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {
   for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) {
@@ -181,11 +189,13 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
                                                         : a + panel_row_offset(i0, k);
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       const int64_t cols = std::min(kGemmCols, n - j0);
+      const A* b_block = kBLayout == BLayout::panels ? b + j0 / kGemmCols * ldb : b + j0;
+      const int64_t b_stride = kBLayout == BLayout::panels ? kGemmCols : ldb;
       if (cols == kGemmCols && k > 0) {
-        gemm_block_rows<kGemmRows, kLayout, kLda>(rows, k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0,
-                                                  ldc);
+        gemm_block_rows<kGemmRows, kLayout, kLda>(rows, k, alpha, a_block, lda, b_block, b_stride, beta,
+                                                  c + i0 * ldc + j0, ldc);
       } else {
-        gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, a_stride<kLayout, kLda>(lda), b + j0, ldb, beta,
+        gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, a_stride<kLayout, kLda>(lda), b_block, b_stride, beta,
                                  c + i0 * ldc + j0, ldc);
       }
     }
@@ -218,7 +228,8 @@ constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 template <class A>
 class PackedHeads {
  public:
-  enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3 };
+  // transposed_panels: transposed, in column panels of kGemmCols (BLayout::panels; tile a multiple of kGemmCols).
+  enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3, transposed_panels = 6 };
 
   template <class T>
   static PackedHeads pack(const TensorView& t, int64_t batch, int64_t heads, int64_t seq, int64_t D, int64_t tile,
@@ -252,7 +263,10 @@ class PackedHeads {
             std::fill(row.begin(), row.end(), A(0));
           }
           if (r) std::copy(row.begin(), row.end(), r + s * D);
-          if (tr) {
+          if (tr && (layouts & in_panels)) {
+            A* column = tr + s / kGemmCols * (D * kGemmCols) + s % kGemmCols;
+            for (int64_t d = 0; d < D; ++d) column[d * kGemmCols] = row[size_t(d)];
+          } else if (tr) {
             for (int64_t d = 0; d < D; ++d) tr[d * tile + s] = row[size_t(d)];
           }
         }
@@ -262,7 +276,8 @@ class PackedHeads {
     return out;
   }
 
-  // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h.
+  // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h; transposed() in panels when packed so,
+  // D · kGemmCols elements from one panel of kGemmCols columns to the next.
   const A* rows(int64_t bh, int64_t t) const { return tile_at(rows_, bh * tiles_ + t); }
   const A* transposed(int64_t bh, int64_t t) const { return tile_at(transposed_, bh * tiles_ + t); }
   bool finite(int64_t bh, int64_t t) const {
@@ -272,6 +287,7 @@ class PackedHeads {
  private:
   A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_ * D_; }
 
+  static constexpr int in_panels = 4;
   int64_t D_ = 0, tile_ = 0, tiles_ = 0;
   Buffer rows_, transposed_, finite_;
 };
@@ -335,17 +351,18 @@ void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, i
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
 // zero-padded width), which skips 3/8 of the products of a 128 × 128 diagonal tile.
 // Q: the query tile as stored (ALayout::rows) or in panels (Q + r0 · D is the panel of rows r0.. either way).
-template <ALayout kQLayout, class A>
-void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t width, int64_t i0, int64_t rows,
-                 int64_t j0, int64_t cols, A* S) {
+// KT in BLayout::panels (kKLayout): ldk = D · kGemmCols, the distance between panels; else ldk = width.
+template <ALayout kQLayout, BLayout kKLayout, class A>
+void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t ldk, int64_t width, int64_t i0,
+                 int64_t rows, int64_t j0, int64_t cols, A* S) {
   const int64_t D = p.head_dim;
   const A scale = static_cast<A>(p.scale);
   if (!tile_partly_masked(p, i0, j0, cols)) {
-    tile_gemm<kQLayout>(rows, cols, D, scale, Q, D, KT, width, A(0), S, width);
+    tile_gemm<kQLayout, 0, kKLayout>(rows, cols, D, scale, Q, D, KT, ldk, A(0), S, width);
   } else {
     for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
       const int64_t n = std::min(width, (seen + kGemmCols - 1) / kGemmCols * kGemmCols);
-      tile_gemm<kQLayout>(block_rows, n, D, scale, Q + r0 * D, D, KT, width, A(0), S + r0 * width, width);
+      tile_gemm<kQLayout, 0, kKLayout>(block_rows, n, D, scale, Q + r0 * D, D, KT, ldk, A(0), S + r0 * width, width);
     });
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -370,7 +387,7 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     const int64_t cols = std::min(kForwardBlockK, key_end - j0);
     const A *KT = k.transposed(bhk, j0 / kForwardBlockK), *V = v.rows(bhk, j0 / kForwardBlockK);
     const bool v_finite = v.finite(bhk, j0 / kForwardBlockK);
-    tile_scores<ALayout::panels>(p, Q, KT, kForwardBlockK, i0, rows, j0, cols, S);
+    tile_scores<ALayout::panels, BLayout::panels>(p, Q, KT, D * kGemmCols, kForwardBlockK, i0, rows, j0, cols, S);
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kForwardBlockK;
@@ -425,8 +442,9 @@ template <class T, class A>
 void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
              const TensorView& o, const TensorView& lse) {
   const int64_t D = p.head_dim;
+  static_assert(kForwardBlockK % kGemmCols == 0, "the packed K tile's panels must cover its keys");
   const auto K = PackedHeads<A>::template pack<T>(k, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
-                                                  PackedHeads<A>::transposed_only, "flash forward packed K");
+                                                  PackedHeads<A>::transposed_panels, "flash forward packed K");
   const auto V = PackedHeads<A>::template pack<T>(v, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
                                                   PackedHeads<A>::rows_only, "flash forward packed V");
   const int64_t q_tiles = (p.seq_q + kForwardBlockQ - 1) / kForwardBlockQ;
@@ -453,7 +471,7 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, 
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
                             A* dS) {
   const int64_t D = p.head_dim;
-  tile_scores<ALayout::rows>(p, Q, KT, kBlockK, i0, rows, j0, cols, S);
+  tile_scores<ALayout::rows, BLayout::rows>(p, Q, KT, kBlockK, kBlockK, i0, rows, j0, cols, S);
   tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
