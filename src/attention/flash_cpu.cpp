@@ -228,8 +228,9 @@ constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 template <class A>
 class PackedHeads {
  public:
-  // transposed_panels: transposed, in column panels of kGemmCols (BLayout::panels; tile a multiple of kGemmCols).
-  enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3, transposed_panels = 6 };
+  // *_panels: in column panels of kGemmCols (BLayout::panels): rows_panels the tile × D rows, D padded with zeros
+  // to whole panels; transposed_panels the D × tile transpose (tile a multiple of kGemmCols).
+  enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3, rows_panels = 5, transposed_panels = 6 };
 
   template <class T>
   static PackedHeads pack(const TensorView& t, int64_t batch, int64_t heads, int64_t seq, int64_t D, int64_t tile,
@@ -238,8 +239,12 @@ class PackedHeads {
     out.D_ = D;
     out.tile_ = tile;
     out.tiles_ = (seq + tile - 1) / tile;
+    const bool panels = layouts & in_panels;
+    const int64_t padded_D = panels ? (D + kGemmCols - 1) / kGemmCols * kGemmCols : D;
+    out.tile_elements_ = tile * padded_D;
+    out.panel_stride_ = (layouts & rows_only) ? tile * kGemmCols : D * kGemmCols;  // one or the other in panels
     const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
-    const auto bytes = checked_size({tiles_all, tile, D, int64_t(sizeof(A))}, tag);
+    const auto bytes = checked_size({tiles_all, tile, padded_D, int64_t(sizeof(A))}, tag);
     if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
     if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
     // One flag per tile, every one written below. A Buffer (allocated out of line), not a std::vector:
@@ -248,7 +253,7 @@ class PackedHeads {
     out.finite_ = Buffer::allocate(size_t(tiles_all), Device::cpu, tag);
 #pragma omp parallel
     {
-      std::vector<A> row(static_cast<size_t>(D));
+      std::vector<A> row(static_cast<size_t>(padded_D));  // zeros past D
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < tiles_all; ++i) {
         const int64_t bh = i / out.tiles_, s0 = (i % out.tiles_) * tile, n = std::min(tile, seq - s0);
@@ -262,8 +267,14 @@ class PackedHeads {
           } else {
             std::fill(row.begin(), row.end(), A(0));
           }
-          if (r) std::copy(row.begin(), row.end(), r + s * D);
-          if (tr && (layouts & in_panels)) {
+          if (r && panels) {
+            for (int64_t d0 = 0; d0 < padded_D; d0 += kGemmCols) {
+              std::copy_n(row.begin() + d0, kGemmCols, r + d0 * tile + s * kGemmCols);
+            }
+          } else if (r) {
+            std::copy_n(row.begin(), D, r + s * D);
+          }
+          if (tr && panels) {
             A* column = tr + s / kGemmCols * (D * kGemmCols) + s % kGemmCols;
             for (int64_t d = 0; d < D; ++d) column[d * kGemmCols] = row[size_t(d)];
           } else if (tr) {
@@ -276,19 +287,20 @@ class PackedHeads {
     return out;
   }
 
-  // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h; transposed() in panels when packed so,
-  // D · kGemmCols elements from one panel of kGemmCols columns to the next.
+  // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h. Packed in panels, consecutive panels
+  // are panel_stride() apart.
   const A* rows(int64_t bh, int64_t t) const { return tile_at(rows_, bh * tiles_ + t); }
   const A* transposed(int64_t bh, int64_t t) const { return tile_at(transposed_, bh * tiles_ + t); }
+  int64_t panel_stride() const { return panel_stride_; }
   bool finite(int64_t bh, int64_t t) const {
     return static_cast<const uint8_t*>(finite_.data())[bh * tiles_ + t] != 0;
   }
 
  private:
-  A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_ * D_; }
+  A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_elements_; }
 
   static constexpr int in_panels = 4;
-  int64_t D_ = 0, tile_ = 0, tiles_ = 0;
+  int64_t D_ = 0, tile_ = 0, tiles_ = 0, tile_elements_ = 0, panel_stride_ = 0;
   Buffer rows_, transposed_, finite_;
 };
 
@@ -387,7 +399,7 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     const int64_t cols = std::min(kForwardBlockK, key_end - j0);
     const A *KT = k.transposed(bhk, j0 / kForwardBlockK), *V = v.rows(bhk, j0 / kForwardBlockK);
     const bool v_finite = v.finite(bhk, j0 / kForwardBlockK);
-    tile_scores<ALayout::panels, BLayout::panels>(p, Q, KT, D * kGemmCols, kForwardBlockK, i0, rows, j0, cols, S);
+    tile_scores<ALayout::panels, BLayout::panels>(p, Q, KT, k.panel_stride(), kForwardBlockK, i0, rows, j0, cols, S);
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kForwardBlockK;
@@ -412,16 +424,22 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
     }
+    const int64_t ldv = v.panel_stride();  // V in panels of kGemmCols of its D columns
     if (v_finite && !tile_partly_masked(p, i0, j0, cols)) {
-      tile_gemm<ALayout::rows, kForwardBlockK>(rows, D, cols, A(1), S, kForwardBlockK, V, D, A(1), acc, D);  // acc += P V
+      tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(rows, D, cols, A(1), S, kForwardBlockK, V, ldv, A(1),
+                                                                acc, D);  // acc += P V
     } else if (v_finite) {  // on the causal diagonal: each block of queries sums over the keys it sees
       for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
-        tile_gemm<ALayout::rows, kForwardBlockK>(block_rows, D, seen, A(1), S + r0 * kForwardBlockK, kForwardBlockK, V,
-                                                 D, A(1), acc + r0 * D, D);
+        tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(block_rows, D, seen, A(1), S + r0 * kForwardBlockK,
+                                                                  kForwardBlockK, V, ldv, A(1), acc + r0 * D, D);
       });
-    } else {
+    } else {  // only the visible pairs, one value element at a time (V[c][d] in panel d / kGemmCols)
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kForwardBlockK + c], V + c * D, acc + r * D, D);
+        A* a = acc + r * D;
+        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) {
+          const A weight = S[r * kForwardBlockK + c];
+          for (int64_t d = 0; d < D; ++d) a[d] += weight * V[d / kGemmCols * ldv + c * kGemmCols + d % kGemmCols];
+        }
       }
     }
   }
@@ -446,7 +464,7 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   const auto K = PackedHeads<A>::template pack<T>(k, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
                                                   PackedHeads<A>::transposed_panels, "flash forward packed K");
   const auto V = PackedHeads<A>::template pack<T>(v, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
-                                                  PackedHeads<A>::rows_only, "flash forward packed V");
+                                                  PackedHeads<A>::rows_panels, "flash forward packed V");
   const int64_t q_tiles = (p.seq_q + kForwardBlockQ - 1) / kForwardBlockQ;
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
 #pragma omp parallel
