@@ -181,23 +181,36 @@ template <ALayout kLayout, class A>
 template <ALayout kLayout = ALayout::rows, int64_t kLda = 0, BLayout kBLayout = BLayout::rows, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {
-  for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) {
-    rows = kGemmRows;
-    while (rows > m - i0) rows = next_gemm_rows(rows);
+  auto block = [&](int64_t i0, int64_t rows, int64_t j0) {
     const A* a_block = kLayout == ALayout::rows         ? a + i0 * (kLda != 0 ? kLda : lda)
                        : kLayout == ALayout::transposed ? a + i0
                                                         : a + panel_row_offset(i0, k);
+    const int64_t cols = std::min(kGemmCols, n - j0);
+    const A* b_block = kBLayout == BLayout::panels ? b + j0 / kGemmCols * ldb : b + j0;
+    const int64_t b_stride = kBLayout == BLayout::panels ? kGemmCols : ldb;
+    if (cols == kGemmCols && k > 0) {
+      gemm_block_rows<kGemmRows, kLayout, kLda>(rows, k, alpha, a_block, lda, b_block, b_stride, beta,
+                                                c + i0 * ldc + j0, ldc);
+    } else {
+      gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, a_stride<kLayout, kLda>(lda), b_block, b_stride, beta,
+                               c + i0 * ldc + j0, ldc);
+    }
+  };
+  auto block_rows = [&](int64_t i0) {
+    int64_t rows = kGemmRows;
+    while (rows > m - i0) rows = next_gemm_rows(rows);
+    return rows;
+  };
+  if constexpr (kBLayout == BLayout::panels) {
+    // One panel of B (k × kGemmCols contiguous: 16 KiB at k = 128) stays in L1 while every block of rows passes
+    // over it; A, read once per panel, streams instead.
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
-      const int64_t cols = std::min(kGemmCols, n - j0);
-      const A* b_block = kBLayout == BLayout::panels ? b + j0 / kGemmCols * ldb : b + j0;
-      const int64_t b_stride = kBLayout == BLayout::panels ? kGemmCols : ldb;
-      if (cols == kGemmCols && k > 0) {
-        gemm_block_rows<kGemmRows, kLayout, kLda>(rows, k, alpha, a_block, lda, b_block, b_stride, beta,
-                                                  c + i0 * ldc + j0, ldc);
-      } else {
-        gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, a_stride<kLayout, kLda>(lda), b_block, b_stride, beta,
-                                 c + i0 * ldc + j0, ldc);
-      }
+      for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) block(i0, rows = block_rows(i0), j0);
+    }
+  } else {
+    for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) {
+      rows = block_rows(i0);
+      for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) block(i0, rows, j0);
     }
   }
 }
