@@ -8,7 +8,7 @@
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
 // converted to the accumulation type, K (and V for the backward) also transposed, tile by tile, with a
-// finiteness flag per tile. Without it each of the Nq / 64 query tiles converted and transposed every
+// finiteness flag per tile; for the forward, K transposed and V in column panels of the micro-kernel's width. Without it each of the Nq / 64 query tiles converted and transposed every
 // key tile again: at seq 4096 the forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
@@ -88,8 +88,10 @@ enum class ALayout { rows, transposed, panels };
 //   rows:   row-major, row stride ldb;
 //   panels: column panels of kGemmCols one after another (n a multiple of kGemmCols), each k × kGemmCols
 //           row-major, ldb elements from one panel to the next. A block of the micro-kernel then reads one
-//           contiguous panel: B row-major with a 128-float row stride (the forward's transposed 128-key tile)
-//           put a block's 32 columns in 16 of L1's 64 sets, a 16 KiB panel at d128 into 12 KiB of ways.
+//           contiguous panel, which stays in L1 while tile_gemm runs every block of rows over it. Row-major
+//           with a 512-byte row stride (the forward's 128-key tiles), a block's 32 columns of 128 rows fall in
+//           16 of the 48 KiB L1's 64 sets, 12 KiB of ways for 16 KiB (arithmetic: this VM exposes no cache
+//           counters); the forward at d128 ran 3-5% faster in panels (docs/perf.md).
 enum class BLayout { rows, panels };
 
 // The row stride a block kernel steps A by: within a panel kGemmRows, else kLda or the runtime lda.
@@ -255,7 +257,8 @@ class PackedHeads {
     const bool panels = layouts & in_panels;
     const int64_t padded_D = panels ? (D + kGemmCols - 1) / kGemmCols * kGemmCols : D;
     out.tile_elements_ = tile * padded_D;
-    out.panel_stride_ = (layouts & rows_only) ? tile * kGemmCols : D * kGemmCols;  // one or the other in panels
+    // Only one of the two layouts in panels (rows_panels or transposed_panels), so one stride.
+    out.panel_stride_ = (layouts & rows_only) ? tile * kGemmCols : D * kGemmCols;
     const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
     const auto bytes = checked_size({tiles_all, tile, padded_D, int64_t(sizeof(A))}, tag);
     if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
