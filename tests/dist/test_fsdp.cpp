@@ -1055,6 +1055,135 @@ TEST(FsdpGpu, ShardedStorageTrainsLikeFullStorage) {
     }
   }
 }
+
+// bf16-pure under FSDP's sharded storage (bf16 parameter shards, no fp32 masters, fp32 reduce-scatter
+// rounded once, bf16 AdamW on the shard) against the one-process bf16-pure model on the whole batch.
+ModelOptions pure_options(bool sharded) {
+  ModelOptions o = sharded ? sharded_options() : ModelOptions{};
+  o.bf16_pure = true;
+  return o;
+}
+
+// The whole state of a bf16-pure FSDP run (widened to fp32), gathered on every rank.
+State gathered_pure(DdpModel& dp, const LanguageModel& model) {
+  const auto n = size_t(model.parameter_count());
+  State st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+  dp.save_parameters(comm(), st.params.data());
+  dp.zero()->gather_state(st.m.data(), st.v.data());
+  return st;
+}
+
+State model_state(const CudaModel& model) {
+  const auto n = size_t(model.parameter_count());
+  State st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+  model.save_state(st.params, st.m, st.v);
+  return st;
+}
+
+// kSteps of the one-process bf16-pure model on the whole batch (no clipping: the sharded norm adds the ranks'
+// partial sums in another order), and FSDP's on this rank's rows. At one rank every loss, parameter and
+// moment is the one-process model's bit for bit (nothing is sharded: the model writes its fp32 gradients
+// straight into the shard, rounded to bf16 once as the one-process backward rounds its accumulator, and the
+// bf16 AdamW is element-wise). At more ranks the ranks' fp32 gradients are summed in fp32 and rounded once,
+// and the cut batch reorders the GEMMs' sums: within 2e-2 relative L2 (a bf16 ulp is 2^-8 of a value).
+TEST(FsdpGpu, Bf16PureTrainsLikeTheOneProcessModel) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  const ModelConfig mc = gpu_config();
+  const int64_t local = kGlobal / comm().world_size();
+  const auto at = size_t(comm().rank() * local * kSeq), count = size_t(local * kSeq);
+  AdamWConfig no_clip;
+  no_clip.max_grad_norm = 0;
+  CudaModel alone(mc, kGlobal, kSeq, DType::bf16, pure_options(false));
+  alone.init_parameters(11);
+  CudaModel sharded(mc, local, kSeq, DType::bf16, pure_options(true));
+  DdpModel dp(comm(), sharded, local * kSeq, fsdp_options(1), false);
+  ASSERT_TRUE(dp.sharded_storage());
+  EXPECT_EQ(dp.fsdp()->shard_masters(), nullptr) << "bf16-pure keeps no fp32 masters";
+  EXPECT_EQ(dp.zero()->state_bytes(), 2 * dp.zero()->shard_elements() * 2) << "bf16 moments";
+  dp.init_parameters(11);
+  for (int64_t s = 0; s < kSteps; ++s) {
+    const Batches b(mc.vocab, s);
+    alone.zero_grad();
+    const double want = alone.forward(b.x.data(), b.y.data());
+    alone.backward();
+    optimizer_step(alone, no_clip, kLr);
+    double got = dp.forward_backward(std::span(b.x).subspan(at, count), std::span(b.y).subspan(at, count));
+    comm().all_reduce(std::span<double>(&got, 1), ReduceOp::avg);
+    dp.optimizer_step(no_clip, kLr);
+    ASSERT_TRUE(std::isfinite(got)) << "step " << s << ": a freed weight was read";
+    if (comm().world_size() == 1) EXPECT_EQ(got, want) << "step " << s;
+    else EXPECT_NEAR(got, want, 1e-2 * std::abs(want)) << "step " << s;
+  }
+  const State got = gathered_pure(dp, sharded), want = model_state(alone);
+  if (comm().world_size() == 1) {
+    EXPECT_EQ(got.params, want.params);
+    EXPECT_EQ(got.m, want.m);
+    EXPECT_EQ(got.v, want.v);
+  } else {
+    EXPECT_LE(relative_l2(got.params, want.params), 2e-2);
+    EXPECT_LE(relative_l2(got.m, want.m), 2e-2);
+  }
+}
+
+// bf16-pure FSDP checkpoints: a sharded one resumes bit-exactly (3 steps, save, fresh model and load, 2 more
+// == 5 straight, with clipping); the gathered one loads into the one-process bf16-pure model exactly (bf16
+// values widened to fp32 and rounded back are the same bf16) and trains on.
+TEST(FsdpGpu, Bf16PureCheckpointsResumeBitExactly) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  const ModelConfig mc = gpu_config();
+  const int64_t local = kGlobal / comm().world_size();
+  const auto run = [&](CudaModel& model, DdpModel& dp, int64_t from, int64_t to) {
+    const auto at = size_t(comm().rank() * local * kSeq), count = size_t(local * kSeq);
+    for (int64_t s = from; s < to; ++s) {
+      const Batches b(mc.vocab, s);
+      EXPECT_TRUE(std::isfinite(dp.forward_backward(std::span(b.x).subspan(at, count),
+                                                    std::span(b.y).subspan(at, count))));
+      dp.optimizer_step(clipping_adamw(), kLr);
+    }
+    (void)model;
+  };
+  CudaModel m1(mc, local, kSeq, DType::bf16, pure_options(true));
+  DdpModel straight(comm(), m1, local * kSeq, fsdp_options(1), false);
+  straight.init_parameters(11);
+  run(m1, straight, 0, kSteps);
+  const State want = gathered_pure(straight, m1);
+
+  std::vector<float> params, m, v;
+  State gathered;
+  {
+    CudaModel m2(mc, local, kSeq, DType::bf16, pure_options(true));
+    DdpModel first(comm(), m2, local * kSeq, fsdp_options(1), false);
+    first.init_parameters(11);
+    run(m2, first, 0, 3);
+    const auto k = size_t(first.zero()->shard_elements());
+    params.resize(k), m.resize(k), v.resize(k);
+    first.save_shard(params.data(), m.data(), v.data());
+    gathered = gathered_pure(first, m2);
+  }
+  CudaModel m3(mc, local, kSeq, DType::bf16, pure_options(true));
+  DdpModel resumed(comm(), m3, local * kSeq, fsdp_options(1), false);
+  resumed.load_shard(params.data(), m.data(), v.data(), 3);
+  run(m3, resumed, 3, kSteps);
+  const State got = gathered_pure(resumed, m3);
+  EXPECT_EQ(got.params, want.params) << "sharded checkpoint";
+  EXPECT_EQ(got.m, want.m) << "sharded checkpoint";
+  EXPECT_EQ(got.v, want.v) << "sharded checkpoint";
+
+  CudaModel one(mc, kGlobal, kSeq, DType::bf16, pure_options(false));
+  one.load_state(gathered.params, gathered.m, gathered.v, 3);
+  const State loaded = model_state(one);
+  EXPECT_EQ(loaded.params, gathered.params) << "gathered checkpoint in one process";
+  EXPECT_EQ(loaded.m, gathered.m);
+  EXPECT_EQ(loaded.v, gathered.v);
+  const Batches b(mc.vocab, 3);
+  one.zero_grad();
+  EXPECT_TRUE(std::isfinite(one.forward(b.x.data(), b.y.data())));
+  one.backward();
+  optimizer_step(one, clipping_adamw(), kLr);
+  EXPECT_EQ(one.optimizer_steps(), 4);
+}
 #else
 TEST(FsdpGpu, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
 #endif
