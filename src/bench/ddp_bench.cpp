@@ -304,6 +304,7 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
     if (shared && std::all_of(records.begin() + std::ptrdiff_t(i), records.end(), is_fsdp)) {
       shared->synchronize();
       shared.reset();
+      cuda_release_pooled_memory();  // the FSDP row's plan checks the device's free memory
       shared_why = "freed before the FSDP rows";
     }
     if (!is_fsdp(records[i]) && shared) records[i].recompute = shared_recompute;
