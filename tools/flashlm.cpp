@@ -396,7 +396,7 @@ struct BenchArgs {
   int64_t batch = 4, vocab = 0, head_chunk = 0;
   int warmup = 5, steps = 10, threads = 0, gemm_autotune = 0;
   bool profile_ranges = false, profile_kernels = false, quiet = false, atomic_backward = false;
-  bool serial_grad_norm = false;
+  bool overlap_grad_norm = false;
   std::string cuda_graph = "on";
 };
 
@@ -441,9 +441,9 @@ void add_bench(CLI::App& app, BenchArgs& a) {
                   "(--device cuda)")
       ->capture_default_str()
       ->check(CLI::Range(0, 64));
-  cmd->add_flag("--serial-grad-norm", a.serial_grad_norm,
-                "The gradient norm as one pass over every gradient after the backward, instead of each gradient's "
-                "share beside the backward as it is finalised (--device cuda)");
+  cmd->add_flag("--overlap-grad-norm", a.overlap_grad_norm,
+                "Each gradient's share of the gradient norm on a stream beside the backward as it is finalised, "
+                "instead of one pass over every gradient after the backward (--device cuda)");
   add_cuda_graph_option(cmd, a.cuda_graph);
   add_report_options(cmd, a.format, a.out, a.quiet);
 }
@@ -487,7 +487,7 @@ int run_bench_command(const BenchArgs& a) {
   cfg.profile_kernels = a.profile_kernels;
   if (cfg.profile_kernels && cfg.device != Device::cuda) throw UsageError("--profile-kernels needs --device cuda");
   cfg.gemm_autotune = a.gemm_autotune;
-  cfg.overlap_grad_norm = !a.serial_grad_norm;
+  cfg.overlap_grad_norm = a.overlap_grad_norm;
   cfg.cuda_graph = a.cuda_graph == "on";
   if (cfg.gemm_autotune > 0 && cfg.device != Device::cuda) throw UsageError("--gemm-autotune needs --device cuda");
   if (a.threads > 0) set_cpu_threads(a.threads);

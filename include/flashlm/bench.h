@@ -82,7 +82,7 @@ struct LmBenchConfig {
   RecomputePlan recompute;  // automatic: resolved per configuration against the free memory
   int64_t head_chunk = 0;   // ModelOptions::head_chunk
   bool deterministic = true;  // ModelOptions::deterministic
-  bool overlap_grad_norm = true;  // ModelOptions::overlap_grad_norm
+  bool overlap_grad_norm = false;  // ModelOptions::overlap_grad_norm
   bool cuda_graph = true;         // ModelOptions::cuda_graph (the "step" pass runs LanguageModel::train_step)
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;

@@ -80,9 +80,11 @@ struct ModelOptions {
   // relies on it); false: dQ by fp32 atomics, faster at long contexts, the last bits vary from run to run.
   bool deterministic = true;
   // CUDA: each gradient's squared norm computed as the backward finalises it, on a stream beside the
-  // backward's GEMMs; false: one pass over every gradient when the norm is asked for (the A/B of that
-  // overlap; the two sum in different orders, so the norms differ in the last bits).
-  bool overlap_grad_norm = true;
+  // backward's GEMMs; false (the default): one pass over every gradient when the norm is asked for. The
+  // two sum in different orders, so the norms differ in the last bits. Inside the step's CUDA graph the
+  // single pass measured faster (docs/perf.md, "The xl step, third round": the side stream's small
+  // kernels slow the GEMMs beside them by more than the pass costs).
+  bool overlap_grad_norm = false;
   // Ranks that share the AdamW moments (ZeRO-1 and FSDP: DdpModel releases the model's own and the sharded
   // optimizer keeps 1/world of them): the memory plan counts one such share. 1: the model's own moments.
   int64_t optimizer_shards = 1;

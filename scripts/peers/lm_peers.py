@@ -39,7 +39,12 @@ def measure(size, mode, pass_name, a, device):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
         tokens = torch.randint(0, model.vocab, (a.batch, a.context), device=device)
         targets = torch.randint(0, model.vocab, (a.batch, a.context), device=device)
-        loss_fn = torch.compile(model.loss) if compiled else model.loss
+        if compiled:
+            # Each measurement compiles afresh, as a process of its own would, with static shapes: otherwise
+            # the next model's loss (the same code object) recompiles under the previous model's guards and
+            # may count against Dynamo's recompile limit or turn shapes dynamic.
+            torch._dynamo.reset()
+        loss_fn = torch.compile(model.loss, dynamic=False) if compiled else model.loss
         autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
                     else contextlib.nullcontext())
 

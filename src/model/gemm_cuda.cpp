@@ -31,7 +31,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -210,6 +212,10 @@ struct PlanKey {
   int32_t compute;          // cublasComputeType_t
   uint32_t align_a, align_b, align_c, align_d;  // pointer alignments in bytes (<= 256), part of the heuristic's query
   int32_t sm_target = 0;               // CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET; 0: the whole device
+  // Strided batches (the pair products): batch products, operand i of product b at ptr_i + b·stride_i
+  // elements (stride_b = 0: every product reads the same B).
+  int32_t batch = 1;
+  int64_t stride_a = 0, stride_b = 0, stride_d = 0;
   auto operator<=>(const PlanKey&) const = default;
 };
 
@@ -323,6 +329,17 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
   check(cublasLtMatrixLayoutCreate(&plan.b, ab_type, rows_b, cols_b, key.ldb), "cublasLtMatrixLayoutCreate(B)");
   check(cublasLtMatrixLayoutCreate(&plan.d, d_type, uint64_t(key.m), uint64_t(key.n), key.ldd),
         "cublasLtMatrixLayoutCreate(C/D)");
+  if (key.batch > 1) {
+    const std::pair<cublasLtMatrixLayout_t, int64_t> strided[] = {
+        {plan.a, key.stride_a}, {plan.b, key.stride_b}, {plan.d, key.stride_d}};
+    for (const auto& [layout, stride] : strided) {
+      check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &key.batch, sizeof(key.batch)),
+            "cublasLtMatrixLayoutSetAttribute(BATCH_COUNT)");
+      check(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                             sizeof(stride)),
+            "cublasLtMatrixLayoutSetAttribute(STRIDED_BATCH_OFFSET)");
+    }
+  }
 
   check(cublasLtMatmulPreferenceCreate(&guard.pref), "cublasLtMatmulPreferenceCreate");
   const uint64_t workspace = kWorkspaceBytes;
@@ -409,6 +426,7 @@ struct DeviceLt {
   // stream must not be destroyed while a matmul on it is still running if another may take its place.
   std::map<void*, Buffer> workspaces;
   std::map<PlanKey, Plan> plans;
+  std::set<PlanKey> declined;  // batched products cuBLASLt has no algorithm for: run as single GEMMs instead
   int sm_count = 0;  // the device's multiprocessors
 };
 
@@ -431,8 +449,10 @@ DeviceLt& lt_for_device(int device, const Call& c) {
 }
 
 // D = op(A)·op(B) + beta·C on `stream` through the cached plan (C is D unless given). d_bytes: D's size.
-void run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, const void* b, void* d,
-              size_t d_bytes, float beta, void* stream, const void* c_input = nullptr) {
+// may_decline: a batched key whose plan cannot be built (no algorithm) returns false, having run
+// nothing, now and for every later call with that key, instead of throwing.
+bool run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, const void* b, void* d,
+              size_t d_bytes, float beta, void* stream, const void* c_input = nullptr, bool may_decline = false) {
   DeviceLt& lt = lt_for_device(device, c);
   const std::lock_guard lock(lt.mutex);
   const int reserve = gemm_sm_reserve();
@@ -450,8 +470,15 @@ void run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
   }
   auto plan = lt.plans.find(key);
   if (plan == lt.plans.end()) {
+    if (may_decline && lt.declined.count(key)) return false;
     const TimingInputs timing{a, b, c_input, beta, d_bytes, stream, ws->second.data()};
-    plan = lt.plans.emplace(key, build_plan(lt.handle, key, c, p, timing)).first;
+    try {
+      plan = lt.plans.emplace(key, build_plan(lt.handle, key, c, p, timing)).first;
+    } catch (const CudaError&) {
+      if (!may_decline) throw;
+      lt.declined.insert(key);
+      return false;
+    }
   }
 
   const float alpha = 1.0f;
@@ -460,6 +487,7 @@ void run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
       cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, c_input ? c_input : d, pl.d, d, pl.d, &pl.algo,
                      ws->second.data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
   if (s != CUBLAS_STATUS_SUCCESS) throw_blas(c, p, "cublasLtMatmul", s);
+  return true;
 }
 
 cublasComputeType_t compute_type(const Call& c) {
@@ -601,6 +629,97 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
     run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy, /*D*/ dw, adw.bytes(),
              accumulate_dw ? 1.0f : 0.0f, stream);
   }
+}
+
+namespace {
+
+// The distance from a to b in elements of e bytes when it is a whole, non-negative number of them and at
+// least `span` (so that the two arrays of a pair are disjoint); -1 otherwise.
+int64_t pair_stride(const void* a, const void* b, size_t e, int64_t span) {
+  const intptr_t bytes = reinterpret_cast<intptr_t>(b) - reinterpret_cast<intptr_t>(a);
+  if (bytes < 0 || bytes % intptr_t(e) != 0) return -1;
+  const int64_t stride = int64_t(bytes / intptr_t(e));
+  return stride >= span ? stride : -1;
+}
+
+void check_pair_args(const Call& c, std::initializer_list<const Arg*> inputs, std::initializer_list<const Arg*> outputs) {
+  for (const Arg* a : inputs) check_not_null(c, *a);
+  for (const Arg* a : outputs) check_not_null(c, *a);
+  for (const Arg* a : inputs) check_alignment(c, *a);
+  for (const Arg* a : outputs) check_alignment(c, *a);
+  for (const Arg* o : outputs) {
+    for (const Arg* i : inputs) check_disjoint(c, *o, *i);
+  }
+  check_disjoint(c, **outputs.begin(), **(outputs.begin() + 1));
+}
+
+void check_pair_on_device(const Call& c, std::initializer_list<const Arg*> args, int device) {
+  for (const Arg* a : args) check_on_device(c, *a, device);
+}
+
+}  // namespace
+
+void linear_forward_pair_cuda(const void* x, const void* w0, const void* w1, void* y0, void* y1, int64_t n,
+                              int64_t in, int64_t out, DType act, void* stream) {
+  const Call c{"linear_forward_pair_cuda", n, in, out, act, false, false};
+  check_shapes(c);
+  const size_t e = dtype_size(act);
+  const Arg ax{"x", x, n * in, e}, aw0{"w0", w0, out * in, e}, aw1{"w1", w1, out * in, e}, ay0{"y0", y0, n * out, e},
+      ay1{"y1", y1, n * out, e};
+  check_pair_args(c, {&ax, &aw0, &aw1}, {&ay0, &ay1});
+  if (n == 0) return;
+  const int64_t sw = pair_stride(w0, w1, e, out * in), sy = pair_stride(y0, y1, e, n * out);
+  if (sw >= 0 && sy >= 0) {
+    ScopedRange range("linear.forward");
+    const int device = current_device(c);
+    check_pair_on_device(c, {&ax, &aw0, &aw1, &ay0, &ay1}, device);
+    // The forward's product (the table at the top) twice: A = W_b at w0 + b·sw, the same X, D at y0 + b·sy.
+    PlanKey key = make_key(CUBLAS_OP_T, CUBLAS_OP_N, /*m*/ out, /*n*/ n, /*k*/ in, /*lda*/ in, /*ldb*/ in,
+                           /*ldd*/ out, cuda_type(act), cuda_type(act), compute_type(c), /*A*/ w0, /*B*/ x, /*D*/ y0);
+    key.batch = 2;
+    key.stride_a = sw;
+    key.stride_d = sy;
+    key.align_a = std::min(key.align_a, alignment_of(w1));
+    key.align_c = key.align_d = std::min(key.align_d, alignment_of(y1));
+    if (run_gemm(c, Product::forward, device, key, /*A*/ w0, /*B*/ x, /*D*/ y0, size_t(sy + n * out) * e, 0.0f, stream,
+                 nullptr, /*may_decline*/ true)) {
+      return;
+    }
+  }
+  linear_forward_cuda(x, w0, y0, n, in, out, act, stream);
+  linear_forward_cuda(x, w1, y1, n, in, out, act, stream);
+}
+
+void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* x, float* dw0, float* dw1, int64_t n,
+                                  int64_t in, int64_t out, DType act, bool accumulate_dw, void* stream) {
+  const Call c{"linear_weight_grad_pair_cuda", n, in, out, act, false, false, accumulate_dw};
+  check_shapes(c);
+  const size_t e = dtype_size(act);
+  const Arg ady0{"dy0", dy0, n * out, e}, ady1{"dy1", dy1, n * out, e}, ax{"x", x, n * in, e},
+      adw0{"dw0", dw0, out * in, sizeof(float)}, adw1{"dw1", dw1, out * in, sizeof(float)};
+  check_pair_args(c, {&ady0, &ady1, &ax}, {&adw0, &adw1});
+  const int64_t sdy = pair_stride(dy0, dy1, e, n * out), sdw = pair_stride(dw0, dw1, sizeof(float), out * in);
+  if (n > 0 && sdy >= 0 && sdw >= 0) {
+    ScopedRange range("linear.backward");
+    const int device = current_device(c);
+    check_pair_on_device(c, {&ady0, &ady1, &ax, &adw0, &adw1}, device);
+    // The weight gradient's product (the table at the top) twice: the same X, DY_b at dy0 + b·sdy, D at
+    // dw0 + b·sdw (fp32); beta = 0 overwrites.
+    PlanKey key = make_key(CUBLAS_OP_N, CUBLAS_OP_T, /*m*/ in, /*n*/ out, /*k*/ n, /*lda*/ in, /*ldb*/ out,
+                           /*ldd*/ in, cuda_type(act), CUDA_R_32F, compute_type(c), /*A*/ x, /*B*/ dy0, /*D*/ dw0);
+    key.batch = 2;
+    key.stride_b = sdy;
+    key.stride_d = sdw;
+    key.align_b = std::min(key.align_b, alignment_of(dy1));
+    key.align_c = key.align_d = std::min(key.align_d, alignment_of(dw1));
+    if (run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy0, /*D*/ dw0,
+                 size_t(sdw + out * in) * sizeof(float), accumulate_dw ? 1.0f : 0.0f, stream, nullptr,
+                 /*may_decline*/ true)) {
+      return;
+    }
+  }
+  linear_backward_cuda(dy0, x, nullptr, nullptr, dw0, n, in, out, act, false, stream, false, accumulate_dw);
+  linear_backward_cuda(dy1, x, nullptr, nullptr, dw1, n, in, out, act, false, stream, false, accumulate_dw);
 }
 
 void set_gemm_autotune(int candidates) {

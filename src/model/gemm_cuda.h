@@ -59,6 +59,21 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
                           int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32 = false,
                           bool accumulate_dw = true);
 
+// Two products of one input as one strided-batched GEMM (SwiGLU's w1 and w3, which lie a fixed distance
+// apart in every flat buffer, with w2 between them): y0 = x · w0ᵀ and y1 = x · w1ᵀ, each as
+// linear_forward_cuda computes it (w0, w1 [out, in]; y0, y1 [n, out]). One GEMM when w1 - w0 and y1 - y0
+// are whole, non-negative numbers of elements at least one array long and cuBLASLt has an algorithm for
+// the batch; otherwise (and from then on for that shape) two linear_forward_cuda calls. The outputs must
+// not overlap each other or any input.
+void linear_forward_pair_cuda(const void* x, const void* w0, const void* w1, void* y0, void* y1, int64_t n,
+                              int64_t in, int64_t out, DType act, void* stream);
+
+// The weight gradients of such a pair: dw0 += dy0ᵀ · x and dw1 += dy1ᵀ · x (or = when not accumulate_dw:
+// never read), fp32 dw as linear_backward_cuda writes it, as one strided-batched GEMM on the same
+// conditions (dy1 - dy0 and dw1 - dw0), else two linear_backward_cuda calls.
+void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* x, float* dw0, float* dw1, int64_t n,
+                                  int64_t in, int64_t out, DType act, bool accumulate_dw, void* stream);
+
 // Autotuning: with candidates >= 2, each new plan times the heuristic's first choice against up to
 // candidates - 1 others (those that split K only with fp32 reductions in the workspace) on the call's own
 // inputs (into a scratch output: nothing the call owns is written twice) and keeps the fastest; 0 or 1

@@ -652,8 +652,9 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
                                  m.a<T>(L.x_mid), n, d, d, dt, m.stream);
     gpu::rmsnorm_forward<T>(m.a<T>(L.x_mid), m.gain(p + "ln2.weight"), m.a<T>(L.h2), m.f(L.rstd2), n, d, eps,
                             m.stream);
-    linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.a<T>(L.u), n, d, f, dt, m.stream);
-    linear_forward_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w3.weight"), m.a<T>(L.g), n, d, f, dt, m.stream);
+    // u = h2 · w1ᵀ and g = h2 · w3ᵀ as one strided-batched GEMM (w2 lies between w1 and w3 in the layout).
+    linear_forward_pair_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.weight(p + "ffn.w3.weight"), m.a<T>(L.u),
+                             m.a<T>(L.g), n, d, f, dt, m.stream);
     gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
     if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
       // The residual stream leaves into the next block's input (or x_out).
@@ -750,6 +751,10 @@ void CudaModel::backward() {
   // the others get an array zeroed first and always accumulate.
   // add_to_gradients: the same for parameters that lie one after the other in the layout (q, k, v), whose
   // gradients one producer computes as one array; each is then reported final in layout order.
+  auto report_final = [&](const std::string& name) {
+    if (overlap_norms) m.queue_partial_norm(m.index.at(name));
+    gradient_ready(name);
+  };
   auto add_to_gradients = [&](std::initializer_list<std::string> names, bool can_overwrite, auto&& produce) {
     const std::string& first = *names.begin();
     int64_t count = 0;
@@ -765,10 +770,7 @@ void CudaModel::backward() {
     if (overwrite && !can_overwrite) gpu::memset_async(dw, 0, size_t(count) * sizeof(float), m.stream);
     produce(dw, !(overwrite && can_overwrite));
     if (bf16) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(first), count, m.stream);
-    for (const std::string& name : names) {
-      if (overlap_norms) m.queue_partial_norm(m.index.at(name));
-      gradient_ready(name);
-    }
+    for (const std::string& name : names) report_final(name);
   };
   auto add_to_gradient = [&](const std::string& name, bool can_overwrite, auto&& produce) {
     add_to_gradients({name}, can_overwrite, produce);
@@ -826,8 +828,20 @@ void CudaModel::backward() {
       gradients_needed(p);
       linear_backward(dx, m.a<T>(L.s), p + "ffn.w2.weight", ds, f, d, false);
       gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream);
-      linear_backward(du, m.a<T>(L.h2), p + "ffn.w1.weight", dh, d, f, false);
-      linear_backward(dg, m.a<T>(L.h2), p + "ffn.w3.weight", dh, d, f, true);
+      const std::string w1 = p + "ffn.w1.weight", w3 = p + "ffn.w3.weight";
+      if (m.pure) {  // bf16-pure stages one contiguous range of gradients at a time
+        linear_backward(du, m.a<T>(L.h2), w1, dh, d, f, false);
+        linear_backward(dg, m.a<T>(L.h2), w3, dh, d, f, true);
+      } else {
+        // dh = du · w1 + dg · w3, then both weight gradients as one strided-batched GEMM over the fp32
+        // gradients (w2's, between them, is final already and left alone), written over them after a
+        // zero_grad() as the GEMMs above do.
+        linear_backward_cuda(du, nullptr, m.weight(w1), dh, nullptr, n, d, f, dt, false, m.stream);
+        linear_backward_cuda(dg, nullptr, m.weight(w3), dh, nullptr, n, d, f, dt, true, m.stream);
+        linear_weight_grad_pair_cuda(du, dg, m.a<T>(L.h2), m.grad(w1), m.grad(w3), n, d, f, dt, !overwrite, m.stream);
+        report_final(w1);
+        report_final(w3);
+      }
       rmsnorm_backward(dh, m.a<T>(L.x_mid), p + "ln2.weight", m.f(L.rstd2), dx);
       linear_backward(dx, m.a<T>(L.attn), p + "attn.output_proj.weight", dattn, d, d, false);
       {

@@ -536,6 +536,113 @@ TEST(GemmCuda, SmReserveHasItsOwnPlanAndTheSameProduct) {
   }
 }
 
+// The pair products (SwiGLU's w1 and w3 with w2 between them): both operands of a pair in one buffer a
+// gap apart, the gap and the outputs poisoned. Each output against the CPU as one product; the gap never
+// written. Laid out as the model lays them (one GEMM), and with the second output before the first (a
+// negative distance: two GEMMs), whose results must agree with the first layout's within the tolerance.
+TEST(GemmCuda, PairProductsMatchTheCpuAndLeaveTheGapAlone) {
+  SKIP_WITHOUT_GPU();
+  for (const Case& c : {Case{DType::f32, 37, 24, 40}, Case{DType::bf16, 130, 48, 1600}, Case{DType::bf16, 7, 1600, 64},
+                        Case{DType::f16, 257, 64, 48}}) {
+    const DType t = c.dtype;
+    const double u = unit_roundoff(t);
+    const int64_t n = c.n, in = c.in, out = c.out, nx = n * in, nw = out * in, ny = n * out;
+    const std::vector<float> x = random_values(nx, t, 61), w0 = random_values(nw, t, 62),
+                             w1 = random_values(nw, t, 63), dy0 = random_values(ny, t, 64),
+                             dy1 = random_values(ny, t, 65), dw_init = random_values(3 * nw, DType::f32, 66);
+    const std::vector<float> ax = abs_of(x);
+    DeviceArray d_x(nx, t), d_w(3 * nw, t), d_y(3 * ny, t), d_dy(3 * ny, t), d_dw(3 * nw, DType::f32);
+    d_x.upload(x);
+    std::vector<float> w_all(size_t(3 * nw), 0.5f), dy_all(size_t(3 * ny), 0.25f);
+    std::copy(w0.begin(), w0.end(), w_all.begin());
+    std::copy(w1.begin(), w1.end(), w_all.begin() + 2 * nw);
+    std::copy(dy0.begin(), dy0.end(), dy_all.begin());
+    std::copy(dy1.begin(), dy1.end(), dy_all.begin() + 2 * ny);
+    d_w.upload(w_all);
+    d_dy.upload(dy_all);
+    auto el = [&](const DeviceArray& a, int64_t i, DType dt) {
+      return static_cast<void*>(static_cast<char*>(a.ptr()) + size_t(i) * dtype_size(dt));
+    };
+    for (bool swapped : {false, true}) {
+      const std::string what = case_name(c) + (swapped ? ", second output first" : "");
+      // y_b's slot: 0 and 2 (the model's order) or 2 and 0.
+      const int64_t slot0 = swapped ? 2 : 0, slot1 = swapped ? 0 : 2;
+      d_y.poison();
+      linear_forward_pair_cuda(d_x.ptr(), el(d_w, 0, t), el(d_w, 2 * nw, t), el(d_y, slot0 * ny, t),
+                               el(d_y, slot1 * ny, t), n, in, out, t, nullptr);
+      const std::vector<float> y = d_y.download();
+      for (int b = 0; b < 2; ++b) {
+        const std::vector<float>& wb = b == 0 ? w0 : w1;
+        const std::vector<float> aw = abs_of(wb);
+        std::vector<float> ref(static_cast<size_t>(ny)), scale(static_cast<size_t>(ny));
+        cpu::linear_forward(x.data(), wb.data(), ref.data(), n, in, out);
+        cpu::linear_forward(ax.data(), aw.data(), scale.data(), n, in, out);
+        const int64_t at = (b == 0 ? slot0 : slot1) * ny;
+        expect_close(std::vector<float>(y.begin() + at, y.begin() + at + ny), ref, scale, abs_of(ref), u,
+                     "y" + std::to_string(b) + " of " + what);
+      }
+      for (int64_t i = ny; i < 2 * ny; ++i) ASSERT_TRUE(std::isnan(y[size_t(i)])) << "the gap of y was written, " << what;
+
+      for (bool accumulate : {false, true}) {
+        if (accumulate) {
+          d_dw.upload(dw_init);
+        } else {
+          d_dw.poison();
+        }
+        linear_weight_grad_pair_cuda(el(d_dy, slot0 * ny, t), el(d_dy, slot1 * ny, t), d_x.ptr(),
+                                     static_cast<float*>(el(d_dw, 0, DType::f32)),
+                                     static_cast<float*>(el(d_dw, 2 * nw, DType::f32)), n, in, out, t, accumulate,
+                                     nullptr);
+        const std::vector<float> dw = d_dw.download();
+        for (int b = 0; b < 2; ++b) {
+          // dy_b is the one at dy's slot of output b: dy0 at slot 0, dy1 at slot 2.
+          const std::vector<float>& dyb = (b == 0 ? slot0 : slot1) == 0 ? dy0 : dy1;
+          const std::vector<float> ady = abs_of(dyb);
+          const int64_t at = b == 0 ? 0 : 2 * nw;
+          std::vector<float> ref(size_t(nw), 0.0f), scale(size_t(nw), 0.0f);
+          if (accumulate) {
+            std::copy(dw_init.begin() + at, dw_init.begin() + at + nw, ref.begin());
+            scale = abs_of(ref);
+          }
+          std::vector<float> unused_dx(static_cast<size_t>(nx));  // the CPU op computes dx too
+          cpu::linear_backward(dyb.data(), x.data(), w0.data(), unused_dx.data(), ref.data(), n, in, out, false);
+          cpu::linear_backward(ady.data(), ax.data(), w0.data(), unused_dx.data(), scale.data(), n, in, out, false);
+          expect_close(std::vector<float>(dw.begin() + at, dw.begin() + at + nw), ref, scale,
+                       std::vector<float>(size_t(nw), 0.0f), 0.0,
+                       "dw" + std::to_string(b) + (accumulate ? " (+=)" : " (=)") + " of " + what);
+        }
+        for (int64_t i = nw; i < 2 * nw; ++i) {
+          const float want = accumulate ? dw_init[size_t(i)] : NAN;
+          const float got = dw[size_t(i)];
+          ASSERT_TRUE(std::isnan(want) ? std::isnan(got) : got == want) << "the gap of dw was written, " << what;
+        }
+      }
+    }
+  }
+}
+
+// Laid out as the model lays them, a pair is one cuBLASLt plan per direction (one GEMM), not two: the
+// strided batch with a shared operand (stride 0) is accepted. Shapes no other test uses.
+TEST(GemmCuda, PairProductsAreOneGemm) {
+  SKIP_WITHOUT_GPU();
+  const int64_t n = 11, in = 56, out = 72;
+  DeviceArray x(n * in, DType::bf16), w(3 * out * in, DType::bf16), y(3 * n * out, DType::bf16),
+      dw(3 * out * in, DType::f32);
+  x.upload(random_values(n * in, DType::bf16, 71));
+  w.upload(random_values(3 * out * in, DType::bf16, 72));
+  auto* wp = static_cast<uint16_t*>(w.ptr());
+  auto* yp = static_cast<uint16_t*>(y.ptr());
+  auto* dwp = dw.fptr();
+  const int64_t before = gemm_cuda_heuristic_queries();
+  linear_forward_pair_cuda(x.ptr(), wp, wp + 2 * out * in, yp, yp + 2 * n * out, n, in, out, DType::bf16, nullptr);
+  EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 1) << "the forward pair was not one batched GEMM";
+  linear_weight_grad_pair_cuda(yp, yp + 2 * n * out, x.ptr(), dwp, dwp + 2 * out * in, n, in, out, DType::bf16, false,
+                               nullptr);
+  EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2) << "the weight-gradient pair was not one batched GEMM";
+  linear_forward_pair_cuda(x.ptr(), wp, wp + 2 * out * in, yp, yp + 2 * n * out, n, in, out, DType::bf16, nullptr);
+  EXPECT_EQ(gemm_cuda_heuristic_queries(), before + 2) << "a repeated pair queried the heuristic again";
+}
+
 TEST(GemmCuda, HostPointersAreErrors) {
   SKIP_WITHOUT_GPU();
   alignas(256) static float host[64 * 64];
@@ -590,6 +697,23 @@ TEST(GemmCudaArgs, ResidualMustExistAndNotOverlapTheOutput) {
                {"linear_forward_residual_cuda", "residual is null"}, "null residual");
   expect_error([&] { linear_forward_residual_cuda(a, b, c, c, 4, 8, 8, bf, nullptr); },
                {"linear_forward_residual_cuda", "y and residual overlap"}, "residual is y");
+}
+
+TEST(GemmCudaArgs, PairOutputsMustNotOverlapEachOtherOrAnInput) {
+  alignas(16) static uint16_t fake[4096];
+  void* p = fake;
+  void* q = fake + 1024;
+  void* r = fake + 2048;
+  // y1 starts inside y0 (n·out = 64 elements).
+  expect_error([&] { linear_forward_pair_cuda(p, q, q, r, static_cast<uint16_t*>(r) + 8, 8, 8, 8, DType::bf16, nullptr); },
+               {"linear_forward_pair_cuda", "y0 and y1 overlap"}, "overlapping outputs");
+  expect_error([&] { linear_forward_pair_cuda(p, q, r, r, fake + 3072, 8, 8, 8, DType::bf16, nullptr); },
+               {"linear_forward_pair_cuda", "y0 and w1 overlap"}, "an output over an input");
+  float* f = reinterpret_cast<float*>(fake + 3072);
+  expect_error([&] { linear_weight_grad_pair_cuda(p, q, r, f, f, 8, 8, 8, DType::bf16, false, nullptr); },
+               {"linear_weight_grad_pair_cuda", "dw0 and dw1 overlap"}, "overlapping gradients");
+  expect_error([&] { linear_weight_grad_pair_cuda(p, q, nullptr, f, f + 64, 8, 8, 8, DType::bf16, false, nullptr); },
+               {"linear_weight_grad_pair_cuda", "x is null"}, "a null input");
 }
 
 TEST(GemmCudaArgs, NegativeSmReserveIsAnError) {

@@ -205,6 +205,7 @@ TEST(CudaModel, OverlappedGradientNormIsTheNormOfTheGradients) {
   for (int variant = 0; variant < 3; ++variant) {
     ModelOptions options;
     options.bf16_pure = variant == 2;
+    options.overlap_grad_norm = true;  // not the default
     const DType precision = variant == 0 ? DType::f32 : DType::bf16;
     const std::string name = variant == 2 ? "bf16-pure" : std::string(dtype_name(precision));
     CudaModel m(c, 2, 64, precision, options);

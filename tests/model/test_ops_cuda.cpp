@@ -268,6 +268,48 @@ TYPED_TEST(OpsCuda, RmsNormBackwardMatchesCpuAndIsReproducible) {
   }
 }
 
+// The gain gradient's bits are those of rmsnorm.cu's stated order, modelled here on the host: per column,
+// chunks of max(64, ceil(n / 1024)) rows, each row's term (dy·x rounded, then fused with rstd into the
+// sum) in row order; then chunk lane t of 8 sums chunks t, t + 8, ... in order, and the 8 lane sums are
+// added in order onto the old gain gradient. Ragged row counts (a chunk's last rows past the kernel's
+// batches of 16 loads, a last chunk shorter than the others) and more than 64 Ki rows.
+TYPED_TEST(OpsCuda, RmsNormGainGradientSumsInTheStatedOrder) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  for (auto [n, d] : std::vector<std::pair<int64_t, int64_t>>{{1, 32}, {17, 36}, {127, 48}, {1000, 1600}, {70001, 48}}) {
+    SCOPED_TRACE(dims({{"n", n}, {"d", d}}));
+    const std::vector<float> x = random_values<T>(n * d, 800 + n + d, 1.5f);
+    const std::vector<float> dy = random_values<T>(n * d, 900 + n + d);
+    const std::vector<float> gain = random_values(d, 1000 + d, 0.2f, 1.0f);
+    const std::vector<float> dgain0 = random_values(d, 1100 + d);
+    std::vector<float> y(static_cast<size_t>(n * d)), rstd(static_cast<size_t>(n));
+    cpu::rmsnorm_forward(x.data(), gain.data(), y.data(), rstd.data(), n, d, 1e-5f);
+
+    const int64_t chunk_rows = std::max<int64_t>(64, (n + 1023) / 1024), chunks = (n + chunk_rows - 1) / chunk_rows;
+    std::vector<float> want = dgain0;
+    for (int64_t j = 0; j < d; ++j) {
+      float lane[8] = {};
+      for (int64_t c = 0; c < chunks; ++c) {
+        float acc = 0.0f;
+        for (int64_t r = c * chunk_rows; r < std::min(n, (c + 1) * chunk_rows); ++r) {
+          const float product = dy[size_t(r * d + j)] * x[size_t(r * d + j)];
+          acc = std::fma(product, rstd[size_t(r)], acc);
+        }
+        lane[c % 8] += acc;
+      }
+      float total = lane[0];
+      for (int t = 1; t < 8; ++t) total += lane[t];
+      want[size_t(j)] += total;
+    }
+
+    DeviceArray<T> d_x = device_copy<T>(x), d_dy = device_copy<T>(dy), d_dx = device_copy<T>(dy);
+    DeviceArray<float> d_gain(gain), d_rstd(rstd), d_dgain(dgain0);
+    gpu::rmsnorm_backward<T>(d_dy.data(), d_x.data(), d_gain.data(), d_rstd.data(), d_dx.data(), d_dgain.data(), n, d,
+                             nullptr);
+    EXPECT_TRUE(bitwise_equal(d_dgain.download(), want)) << "dgain";
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // RoPE.
 

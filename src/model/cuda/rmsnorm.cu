@@ -2,8 +2,8 @@
 // (lanes stride over the row, so any d works); with d % 8 == 0 the rows are read in packs, and the row
 // sums still add each lane's elements in the lane-strided order (through a shared-memory stage, below).
 // The gain gradient is summed in two deterministic passes: chunks of 64 rows (more past 64 Ki rows, at
-// most 1024 chunks; one thread per column, rows in order) into a scratch [chunks, d], then 8 interleaved
-// chunk sums per column added in a fixed order.
+// most 1024 chunks; one thread per column, rows in order) into a scratch [chunks, d], in the same launch
+// as dx, then 8 interleaved chunk sums per column added in a fixed order.
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
 #include "flashlm/memory.h"
@@ -19,6 +19,7 @@ constexpr int kStageWords = 128;                  // 16-byte words of a row span
 constexpr int64_t kGainRows = 64;                 // gain gradient: rows per partial sum (at least)
 constexpr int64_t kGainMaxChunks = 1024;          // and at most this many partial sums (bounds the scratch)
 constexpr int kGainThreads = 256;                 // columns per block of the partial sums
+constexpr int kGainBatch = 16;                    // rows whose loads a thread issues together
 constexpr int kColumnThreads = 256;               // chunk-sum kernel: 32 columns x 8 chunk lanes
 
 // RMSNorm, one warp per row. PACKED (the host's choice: d % kPack == 0 and every pointer 16-byte aligned)
@@ -98,12 +99,12 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 }
 
-// dx_j += s g_j dy_j - x_j s³ (Σ_k dy_k g_k x_k) / d, one warp per row.
+// dx_j += s g_j dy_j - x_j s³ (Σ_k dy_k g_k x_k) / d, one warp per row: rows [8 block, +8) of a block.
 template <bool PACKED, class D>
-__global__ void __launch_bounds__(kNormThreads)
-    rmsnorm_backward_dx_kernel(const D* __restrict__ dy, const D* __restrict__ x, const float* __restrict__ gain,
-                               const float* __restrict__ rstd, D* __restrict__ dx, int64_t n, int d) {
-  const int64_t row = int64_t{blockIdx.x} * kNormRows + threadIdx.x / 32;
+__device__ __forceinline__ void backward_dx_rows(const D* __restrict__ dy, const D* __restrict__ x,
+                                                 const float* __restrict__ gain, const float* __restrict__ rstd,
+                                                 D* __restrict__ dx, int64_t n, int d, int64_t block) {
+  const int64_t row = block * kNormRows + threadIdx.x / 32;
   if (row >= n) return;
   const int lane = threadIdx.x % 32;
   const D* dyr = dy + row * d;
@@ -139,19 +140,55 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 }
 
-// partial[c, j] = Σ over the rows r of chunk c (chunk_rows rows, in order) of dy[r, j] x[r, j] rstd[r].
-// Grid: (ceil(d / kGainThreads), chunks).
+// partial[c, j] = Σ over the rows r of chunk c (chunk_rows rows, in order) of dy[r, j] x[r, j] rstd[r],
+// for the kGainThreads columns of column block `column_block`.
 template <class D>
-__global__ void __launch_bounds__(kGainThreads)
-    rmsnorm_gain_partials_kernel(const D* __restrict__ dy, const D* __restrict__ x, const float* __restrict__ rstd,
-                                 float* __restrict__ partial, int64_t n, int d, int64_t chunk_rows) {
-  const int j = int(blockIdx.x) * kGainThreads + int(threadIdx.x);
+__device__ __forceinline__ void gain_partials(const D* __restrict__ dy, const D* __restrict__ x,
+                                              const float* __restrict__ rstd, float* __restrict__ partial, int64_t n,
+                                              int d, int64_t chunk_rows, int64_t column_block, int64_t c) {
+  const int j = int(column_block) * kGainThreads + int(threadIdx.x);
   if (j >= d) return;
-  const int64_t c = blockIdx.y;
   const int64_t r0 = c * chunk_rows, r1 = min(n, r0 + chunk_rows);
+  // Each row's term rounded as (dy·x)·rstd fused into the sum (the contraction nvcc makes of
+  // `acc += dy * x * rstd`, written out so that the order is this file's, not the compiler's), rows in
+  // order. The loads of kGainBatch rows are issued before their terms are added: one row at a time left
+  // each thread one load in flight (docs/perf.md, "The xl step, third round").
+  const auto term = [](float acc, D dyv, D xv, float s) { return __fmaf_rn(__fmul_rn(f32(dyv), f32(xv)), s, acc); };
   float acc = 0.f;
-  for (int64_t r = r0; r < r1; ++r) acc += f32(dy[r * d + j]) * f32(x[r * d + j]) * rstd[r];
+  int64_t r = r0;
+  for (; r + kGainBatch <= r1; r += kGainBatch) {
+    D dyv[kGainBatch], xv[kGainBatch];
+    float sv[kGainBatch];
+#pragma unroll
+    for (int k = 0; k < kGainBatch; ++k) {
+      dyv[k] = dy[(r + k) * d + j];
+      xv[k] = x[(r + k) * d + j];
+      sv[k] = rstd[r + k];
+    }
+#pragma unroll
+    for (int k = 0; k < kGainBatch; ++k) acc = term(acc, dyv[k], xv[k], sv[k]);
+  }
+  for (; r < r1; ++r) acc = term(acc, dy[r * d + j], x[r * d + j], rstd[r]);
   partial[c * d + j] = acc;
+}
+
+// The backward's two independent parts in one launch: blocks [0, dx_blocks) compute dx (8 rows each), the
+// others one (column block, chunk) of the gain partials each. Both read dy and x and write different
+// arrays, so they run side by side instead of one kernel after the other (at xl's 2048 rows each alone
+// holds about a quarter of an H200's warp slots).
+template <bool PACKED, class D>
+__global__ void __launch_bounds__(kNormThreads)
+    rmsnorm_backward_kernel(const D* __restrict__ dy, const D* __restrict__ x, const float* __restrict__ gain,
+                            const float* __restrict__ rstd, D* __restrict__ dx, float* __restrict__ partial, int64_t n,
+                            int d, int64_t dx_blocks, int64_t column_blocks, int64_t chunk_rows) {
+  static_assert(kGainThreads == kNormThreads, "one block size for both parts");
+  const int64_t block = blockIdx.x;
+  if (block < dx_blocks) {
+    backward_dx_rows<PACKED>(dy, x, gain, rstd, dx, n, d, block);
+  } else {
+    const int64_t b = block - dx_blocks;
+    gain_partials(dy, x, rstd, partial, n, d, chunk_rows, b % column_blocks, b / column_blocks);
+  }
 }
 
 // out[j] += Σ_c partial[c, j]: chunk lane t (of 8) sums chunks t, t + 8, ... in order, then lane 0 adds
@@ -203,28 +240,28 @@ void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* r
   FLASHLM_CHECK(blocks <= INT_MAX, "rmsnorm_backward: n = {} is too large", n);
   const cudaStream_t s = as_stream(stream);
 
-  // dgain first (it reads dy, x and rstd only): chunks of rows fixed by n alone (64 rows, more when n
-  // exceeds 64 Ki rows so that there are at most 1024 chunks), then the chunks summed in a fixed order.
+  // dgain's partials beside dx (they read dy, x and rstd only): chunks of rows fixed by n alone (64 rows,
+  // more when n exceeds 64 Ki rows so that there are at most 1024 chunks), then the chunks summed in a
+  // fixed order.
   const int64_t chunk_rows = std::max(kGainRows, ceil_div(n, kGainMaxChunks));
   const int64_t chunks = ceil_div(n, chunk_rows);  // <= kGainMaxChunks
   Buffer scratch = Buffer::allocate_on_stream(size_t(chunks) * size_t(d) * sizeof(float),
                                               "rmsnorm_backward gain partials", stream);
   float* partial = static_cast<float*>(scratch.data());
-  const dim3 partial_grid(unsigned(ceil_div(d, kGainThreads)), unsigned(chunks));
-  rmsnorm_gain_partials_kernel<<<partial_grid, kGainThreads, 0, s>>>(dev(dy), dev(x), rstd, partial, n, int(d),
-                                                                      chunk_rows);
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "rmsnorm_gain_partials_kernel");
+  const int64_t column_blocks = ceil_div(d, kGainThreads);
+  const int64_t grid = blocks + column_blocks * chunks;
+  FLASHLM_CHECK(grid <= INT_MAX, "rmsnorm_backward: n = {}, d = {} is too large", n, d);
+  if (d % kPack == 0 && aligned16(dy) && aligned16(x) && aligned16(gain) && aligned16(dx)) {
+    rmsnorm_backward_kernel<true><<<unsigned(grid), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx), partial,
+                                                                          n, int(d), blocks, column_blocks, chunk_rows);
+  } else {
+    rmsnorm_backward_kernel<false><<<unsigned(grid), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx),
+                                                                           partial, n, int(d), blocks, column_blocks,
+                                                                           chunk_rows);
+  }
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "rmsnorm_backward_kernel");
   add_column_sums_kernel<<<unsigned(ceil_div(d, 32)), kColumnThreads, 0, s>>>(partial, chunks, int(d), dgain);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "add_column_sums_kernel");
-
-  if (d % kPack == 0 && aligned16(dy) && aligned16(x) && aligned16(gain) && aligned16(dx)) {
-    rmsnorm_backward_dx_kernel<true><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx),
-                                                                               n, int(d));
-  } else {
-    rmsnorm_backward_dx_kernel<false><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx),
-                                                                                n, int(d));
-  }
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "rmsnorm_backward_dx_kernel");
 }
 
 #define FLASHLM_RMSNORM_INSTANTIATE(T) \
