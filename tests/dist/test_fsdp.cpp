@@ -1134,7 +1134,7 @@ TEST(FsdpGpu, Bf16PureCheckpointsResumeBitExactly) {
   comm().setup_cuda();
   const ModelConfig mc = gpu_config();
   const int64_t local = kGlobal / comm().world_size();
-  const auto run = [&](CudaModel& model, DdpModel& dp, int64_t from, int64_t to) {
+  const auto run = [&](DdpModel& dp, int64_t from, int64_t to) {
     const auto at = size_t(comm().rank() * local * kSeq), count = size_t(local * kSeq);
     for (int64_t s = from; s < to; ++s) {
       const Batches b(mc.vocab, s);
@@ -1142,12 +1142,11 @@ TEST(FsdpGpu, Bf16PureCheckpointsResumeBitExactly) {
                                                     std::span(b.y).subspan(at, count))));
       dp.optimizer_step(clipping_adamw(), kLr);
     }
-    (void)model;
   };
   CudaModel m1(mc, local, kSeq, DType::bf16, pure_options(true));
   DdpModel straight(comm(), m1, local * kSeq, fsdp_options(1), false);
   straight.init_parameters(11);
-  run(m1, straight, 0, kSteps);
+  run(straight, 0, kSteps);
   const State want = gathered_pure(straight, m1);
 
   std::vector<float> params, m, v;
@@ -1156,7 +1155,7 @@ TEST(FsdpGpu, Bf16PureCheckpointsResumeBitExactly) {
     CudaModel m2(mc, local, kSeq, DType::bf16, pure_options(true));
     DdpModel first(comm(), m2, local * kSeq, fsdp_options(1), false);
     first.init_parameters(11);
-    run(m2, first, 0, 3);
+    run(first, 0, 3);
     const auto k = size_t(first.zero()->shard_elements());
     params.resize(k), m.resize(k), v.resize(k);
     first.save_shard(params.data(), m.data(), v.data());
@@ -1165,7 +1164,7 @@ TEST(FsdpGpu, Bf16PureCheckpointsResumeBitExactly) {
   CudaModel m3(mc, local, kSeq, DType::bf16, pure_options(true));
   DdpModel resumed(comm(), m3, local * kSeq, fsdp_options(1), false);
   resumed.load_shard(params.data(), m.data(), v.data(), 3);
-  run(m3, resumed, 3, kSteps);
+  run(resumed, 3, kSteps);
   const State got = gathered_pure(resumed, m3);
   EXPECT_EQ(got.params, want.params) << "sharded checkpoint";
   EXPECT_EQ(got.m, want.m) << "sharded checkpoint";
