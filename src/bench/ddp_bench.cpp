@@ -307,8 +307,11 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
       cuda_release_pooled_memory();  // the FSDP row's plan checks the device's free memory
       shared_why = "freed before the FSDP rows";
     }
-    if (!is_fsdp(records[i]) && shared) records[i].recompute = shared_recompute;
-    measure(comm, cfg, shared.get(), shared_why, tokens, targets, local_tokens_per_s, records[i]);
+    // A model built with only a ZeRO-1 share of the moments serves the ZeRO-1 rows alone (DDP would
+    // allocate the whole moments in its first step).
+    LanguageModel* serves = shared && (plain_fits || records[i].zero1) ? shared.get() : nullptr;
+    if (!is_fsdp(records[i]) && serves) records[i].recompute = shared_recompute;
+    measure(comm, cfg, serves, shared_why, tokens, targets, local_tokens_per_s, records[i]);
     report(i);
   }
   return records;

@@ -711,8 +711,9 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
   // bf16-pure keeps no fp32 masters or gradients in the model for DDP to all-reduce or ZeRO-1 to update:
   // FSDP's sharded storage holds its bf16 parameters instead (use_sharded_storage's pure).
   FLASHLM_CHECK(!model.bf16_pure() || (fsdp && model.external_parameters()),
-                "DdpModel: bf16-pure runs under data parallelism with --ddp fsdp only (its bf16 shards are the "
-                "parameters; DDP and ZeRO-1 need the fp32 masters of --precision bf16)");
+                "DdpModel: bf16-pure runs under data parallelism with --ddp fsdp and sharded storage only "
+                "(ModelOptions::external_parameters: its bf16 shards are the parameters); DDP and ZeRO-1 need the "
+                "fp32 masters of --precision bf16");
   FLASHLM_CHECK(fsdp || !model.external_parameters(),
                 "DdpModel: a model built with external_parameters keeps its weights in FSDP's shards: it needs "
                 "--ddp fsdp");
