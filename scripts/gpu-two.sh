@@ -2,7 +2,8 @@
 # Issue 19 in ONE device call on nvidia-h200-x2 (two H200s of one host): the FSDP/DDP tests under mpirun
 # -np 2, the CS336 leaderboard step on two GPUs beside PyTorch FSDP2, xl scaling beside PyTorch DDP/FSDP2,
 # and the comparison tables.
-#   scripts/gpu-two.sh BIN_DIR OUT_DIR [tests leaderboard peer xl one]     (default: all five, in that order)
+#   scripts/gpu-two.sh BIN_DIR OUT_DIR [tests leaderboard peer xl one lbbench]
+#                                           (default: the first five, in that order; lbbench only when named)
 #   DRY_RUN=1 FLASHLM=build/tools/flashlm PYTHON=venv/bin/python scripts/gpu-two.sh - OUT_DIR   # CPU, CI
 # BIN_DIR holds flashlm, test_dist, test_ddp, test_fsdp and libflashlm.so from a build for the H200
 # (-DCMAKE_CUDA_ARCHITECTURES=90a -DFLASHLM_NATIVE=OFF; README "Two GPUs" says how to carry them). The
@@ -19,14 +20,19 @@
 #   tests        test_dist, test_ddp and test_fsdp whole under mpirun -np 2 (their GPU tests: NCCL
 #                collectives, every DDP variant and ZeRO-1 on GPUs, FSDP sharded storage on two ranks).
 #   leaderboard  cs336-8b, one sequence of 32768 tokens per rank, --recompute auto: flashlm FSDP
-#                (`mpirun -np 2 flashlm train --ddp fsdp`), then ZeRO-1 and DDP, which the memory plan refuses
-#                with the shortfall named unless they fit (its figures: FSDP 105 GiB, ZeRO-1 132, DDP 153). In --precision bf16 (fp32 masters): flashlm refuses
-#                bf16-pure under data parallelism (src/train/train.cpp). Peak memory per GPU from nvidia-smi.
+#                (`mpirun -np 2 flashlm train --ddp fsdp`) in --precision bf16-pure (the leaderboard's: bf16
+#                shards, no fp32 masters), then in bf16 (fp32 masters) as the second row, then ZeRO-1 and DDP
+#                in bf16 (they keep no bf16-pure path: train refuses it naming FSDP), which the memory plan
+#                refuses with the shortfall named unless they fit (its figures for bf16: FSDP 105 GiB, ZeRO-1
+#                132, DDP 153). Peak memory per GPU from nvidia-smi.
 #   peer         scripts/peers/fsdp2_peer.py under torchrun on both GPUs: bf16-pure (the leaderboard's) and
 #                bf16 (fp32 masters, flashlm's precision here).
 #   xl           ddp-bench --ddp bucketed,fsdp --zero 0,1 (xl, ctx 512, batch 4 per rank) at world 1 and 2,
 #                scripts/peers/ddp_peers.py --worlds 1,2 and fsdp2_peer.py (xl, bf16, no checkpointing) at 1, 2.
 #   one          the one-GPU leaderboard step (flashlm bench, bf16-pure, batch 2), for the 0.55x bar.
+#   lbbench      (only when named) the leaderboard step through `flashlm ddp-bench --ddp fsdp` at world 2,
+#                bf16-pure: its step time beside the plain one-GPU step at one sequence (or "not timed" with
+#                the plan's shortfall), exposed communication and memory per rank.
 set -uo pipefail
 bin=${1:?usage: gpu-two.sh BIN_DIR OUT_DIR [steps]} out=${2:?usage: gpu-two.sh BIN_DIR OUT_DIR [steps]}
 shift 2
@@ -50,8 +56,9 @@ if [[ $dry == 1 ]]; then
   dev=cpu
   export OMP_NUM_THREADS=1
   mpirun="$mpirun --oversubscribe"
-  lb_ours=(--device cpu --model tiny --context 64 --batch 1 --precision fp32 --recompute blocks --steps 3)
+  lb_ours=(--device cpu --model tiny --context 64 --batch 1 --recompute blocks --steps 3)
   lb_vocab=10000 lb_precision=fp32 lb_context=64 lb_name=tiny
+  lb_fsdp_precisions=(fp32)  # the CPU runs fp32 only
   lb_peers=(fp32)
   peer_args=(--device cpu --model tiny --context 64 --warmup 1 --steps 2)
   xl_ours=(--device cpu --model tiny --context 32 --batch 1 --ddp bucketed,fsdp --zero 0,1 --warmup 1 --steps 2)
@@ -59,15 +66,18 @@ if [[ $dry == 1 ]]; then
   xl_fsdp_peer=(--device cpu --model tiny --context 32 --batch 1 --precision fp32 --no-checkpoint --warmup 1 --steps 2)
   one=(--device cpu --model tiny --context 64 --batch 2 --precision fp32 --recompute blocks --pass step --warmup 1
        --steps 2)
+  lb_bench=(--device cpu --model tiny --context 64 --batch 1 --precision fp32 --recompute auto --ddp fsdp --warmup 1
+            --steps 2)
 else
   dev=cuda
   # each of the two ranks half the host's cores: flashlm draws an 8B model's initial weights on the host
   export OMP_NUM_THREADS=$(($(nproc) / 2 > 0 ? $(nproc) / 2 : 1))
   nccl=$("$python" -c "import nvidia.nccl,os;print(os.path.join(list(nvidia.nccl.__path__)[0],'lib'))" 2>/dev/null)
   export LD_LIBRARY_PATH=$bin:${nccl}:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-  lb_ours=(--device cuda --model cs336-8b --context 32768 --batch 1 --precision bf16 --recompute auto
-           --atomic-attention-backward --steps 3)
+  lb_ours=(--device cuda --model cs336-8b --context 32768 --batch 1 --recompute auto --atomic-attention-backward
+           --steps 3)
   lb_vocab=151936 lb_precision=bf16 lb_context=32768 lb_name=cs336-8b
+  lb_fsdp_precisions=(bf16-pure bf16)  # the leaderboard's first, fp32 masters second
   lb_peers=(bf16-pure bf16)
   peer_args=(--device cuda --model cs336-8b --context 32768 --batch 1 --warmup 1 --steps 2 --timeout-s 120)
   xl_ours=(--device cuda --model xl --context 512 --batch 4 --ddp bucketed,fsdp --zero 0,1 --bucket-mb 100 --warmup 3
@@ -76,6 +86,8 @@ else
   xl_fsdp_peer=(--device cuda --model xl --context 512 --batch 4 --precision bf16 --no-checkpoint --warmup 3 --steps 10)
   one=(--device cuda --model cs336-8b --context 32768 --batch 2 --precision bf16-pure --recompute auto --pass step
        --atomic-attention-backward --warmup 1 --steps 2)
+  lb_bench=(--device cuda --model cs336-8b --context 32768 --batch 1 --precision bf16-pure --recompute auto
+            --atomic-attention-backward --ddp fsdp --warmup 1 --steps 2)
   nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv,noheader
   "$python" -c "import torch; print('torch', torch.__version__, 'GPUs', torch.cuda.device_count())"
   "$flashlm" info | head -5
@@ -141,32 +153,35 @@ fi
 # then its metrics log as a record (scripts/peers/leaderboard.py). A run whose timed steps were logged is a
 # measurement even if train failed after them (its end-of-run evaluation gathers every weight on each rank);
 # a ZeRO-1 or DDP run refused by the memory plan is an answer, not a failure.
-ours_step() {  # name, train options...
-  local name=$1; shift
+ours_step() {  # name, precision, train options...
+  local name=$1 precision=$2; shift 2
   local before=${#failed[@]}
   [[ -s $raw/tokens.bin ]] || "$python" "$peers/leaderboard.py" tokens --vocab $lb_vocab --count $((1 << 20)) \
     "$raw/tokens.bin"
-  sampled "$raw/$name-gpu-memory.csv" bounded 150 $mpirun -np 2 "$flashlm" train "${lb_ours[@]}" "$@" \
+  sampled "$raw/$name-gpu-memory.csv" bounded 150 $mpirun -np 2 "$flashlm" train "${lb_ours[@]}" --precision $precision "$@" \
     --vocab $lb_vocab --data "$raw/tokens.bin" --eval-batches 1 --log-every 1 --log "$raw/$name.jsonl" \
     > "$raw/$name.log" 2>&1
   grep -E "^memory plan|  total|^data parallel|^step |^error|^exit" "$raw/$name.log" | head -12
   if "$python" "$peers/leaderboard.py" record "$raw/$name.jsonl" --model $lb_name --context $lb_context \
-    --batch-per-rank 1 --world 2 --precision $lb_precision --variant "$name" --recompute auto --device $dev \
+    --batch-per-rank 1 --world 2 --precision $precision --variant "$name" --recompute auto --device $dev \
     --log "$raw/$name.log" --gpu-memory "$raw/$name-gpu-memory.csv" --out "$raw/ours-$name.json"; then
     if ((${#failed[@]} > before)); then
       unset 'failed[-1]'
       echo "note: train exited non-zero after its timed steps: $name.log says why"
     fi
-  elif [[ $name != fsdp ]] && grep -q "^error: .*memory plan: the model needs" "$raw/$name.log"; then
+  elif [[ $name != fsdp* ]] && grep -q "^error: .*memory plan: the model needs" "$raw/$name.log"; then
     ((${#failed[@]} > before)) && unset 'failed[-1]'
     echo "$name: refused by the memory plan (above)"
   elif ((${#failed[@]} == before)); then
     failed+=("$current")
   fi
 }
-if has leaderboard && fits 90 "leaderboard (flashlm fsdp)"; then
-  step leaderboard-fsdp "the leaderboard step on 2 GPUs: flashlm --ddp fsdp ($lb_name, 1 x $lb_context per rank)"
-  ours_step fsdp --ddp fsdp
+if has leaderboard; then
+  for p in "${lb_fsdp_precisions[@]}"; do
+    fits 90 "leaderboard (flashlm fsdp $p)" || continue
+    step "leaderboard-fsdp-$p" "the leaderboard step on 2 GPUs: flashlm --ddp fsdp, $p ($lb_name, 1 x $lb_context per rank)"
+    ours_step "fsdp-$p" "$p" --ddp fsdp
+  done
 fi
 if has peer; then
   for p in "${lb_peers[@]}"; do
@@ -181,7 +196,8 @@ if has leaderboard; then
   for v in zero1 ddp; do
     fits 60 "leaderboard (flashlm $v)" || continue
     step "leaderboard-$v" "the leaderboard step on 2 GPUs: flashlm $v (the memory plan refuses it when it cannot fit)"
-    if [[ $v == zero1 ]]; then ours_step zero1 --ddp bucketed --zero 1; else ours_step ddp --ddp bucketed; fi
+    if [[ $v == zero1 ]]; then ours_step zero1 $lb_precision --ddp bucketed --zero 1
+    else ours_step ddp $lb_precision --ddp bucketed; fi
   done
 fi
 
@@ -215,6 +231,13 @@ if has one && fits 60 "one-GPU leaderboard step"; then
   grep -E "^\|" "$raw/one-gpu.log" | head -4
 fi
 
+if has lbbench && fits 120 "leaderboard ddp-bench"; then
+  step lb-ddp-bench "the leaderboard step through flashlm ddp-bench --ddp fsdp at world 2 (bf16-pure)"
+  bounded 240 $mpirun -np 2 "$flashlm" ddp-bench "${lb_bench[@]}" --format json --out "$raw/lb-ddp-bench.json" \
+    > "$raw/lb-ddp-bench.log" 2>&1
+  grep -E "median|not timed|error|^exit" "$raw/lb-ddp-bench.log" | head -6
+fi
+
 step tables "summary.md"
 # files: the comma list of the given reports that exist (a skipped or failed step left none).
 files() { local f=() p; for p in "$@"; do [[ -s $p ]] && f+=("$p"); done; local IFS=,; echo "${f[*]}"; }
@@ -232,7 +255,7 @@ table() {
   reports=$(files "$raw"/ours-*.json "$raw"/peer-fsdp2-*.json "$raw/one-gpu.json")
   if [[ -n $reports ]]; then "$python" "$peers/leaderboard.py" summary ${reports//,/ } 2>&1; else echo "(none)"; fi
   table "The leaderboard step: flashlm FSDP against PyTorch FSDP2, same precision" lm \
-    "$(files "$raw/ours-fsdp.json")" "$(files "$raw"/peer-fsdp2-*.json)" --peer torch-fsdp2
+    "$(files "$raw"/ours-fsdp-*.json)" "$(files "$raw"/peer-fsdp2-*.json)" --peer torch-fsdp2
   table "xl, ctx 512: DDP bucketed against PyTorch DDP" ddp "$(files "$raw"/xl-ours-np*.json)" \
     "$(files "$raw/xl-peer-ddp.json")" --ours bucketed --peer torch-ddp
   table "xl, ctx 512: FSDP against PyTorch FSDP2" ddp "$(files "$raw"/xl-ours-np*.json)" \

@@ -815,11 +815,11 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
 
 struct DdpBenchArgs {
   std::string model = "xl", ddp = "per-param,flat,async,bucketed", bucket_mb = "1,10,100,1000", zero = "0";
-  std::string reduce_dtype = "fp32", device, precision, format = "md", out;
-  int64_t context = 512, batch = 4, vocab = 10000;
+  std::string reduce_dtype = "fp32", device, precision, format = "md", out, recompute = "none";
+  int64_t context = 512, batch = 4, vocab = 0, head_chunk = 0;
   int warmup = 3, steps = 10, threads = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
   double collective_timeout_s = -1;
-  bool quiet = false;
+  bool quiet = false, atomic_backward = false;
 };
 
 void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
@@ -827,14 +827,15 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
       "ddp-bench",
       "Time the LM's train step data-parallel across the ranks of a job (mpirun -np N flashlm ddp-bench) for "
       "every DDP variant, bucket size and gradient reduction type, against the step without communication");
-  cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B")->capture_default_str();
+  cmd->add_option("--model", a.model, "Size: tiny, small, medium, large, xl, 2.7B, cs336-8b")->capture_default_str();
   cmd->add_option("--context", a.context, "Tokens per sequence")
       ->capture_default_str()
       ->check(in_range(int64_t{1}, kMaxContext));
   cmd->add_option("--batch", a.batch, "Sequences per rank")
       ->capture_default_str()
       ->check(in_range(int64_t{1}, kMaxBatch));
-  cmd->add_option("--vocab", a.vocab, "Vocabulary size")->capture_default_str()->check(in_range(int64_t{2}, kMaxVocab));
+  cmd->add_option("--vocab", a.vocab, "Vocabulary size (default: the size's own: 151936 for cs336-8b, else 10000)")
+      ->check(in_range(int64_t{2}, kMaxVocab));
   cmd->add_option("--ddp", a.ddp, "DDP variants, comma list of per-param,flat,async,bucketed,fsdp")
       ->capture_default_str();
   cmd->add_option("--fsdp-prefetch", a.fsdp_prefetch, "fsdp: model parts ahead whose gather starts early")
@@ -846,7 +847,10 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
   add_gradient_sync_options(cmd, a.reduce_dtype, a.nccl_max_ctas, a.gemm_sm_reserve,
                             "Element types of the gradient all-reduce, comma list (a row each)");
   cmd->add_option("--device", a.device, "cpu or cuda (default: cuda if a GPU is visible)");
-  cmd->add_option("--precision", a.precision, "fp32, bf16 or fp16 (default: bf16 on cuda, fp32 on cpu)");
+  cmd->add_option("--precision", a.precision,
+                  "fp32, bf16 (fp32 masters), fp16 or bf16-pure (bf16 parameters, gradients and moments: the fsdp "
+                  "rows; DDP and ZeRO-1 refuse it) (default: bf16 on cuda, fp32 on cpu)");
+  add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));
   cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(in_range(1, kMaxReps));
   add_threads_option(cmd, a.threads);
@@ -858,7 +862,10 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   using namespace flashlm;
   DdpBenchConfig cfg;
   ReportFormat format;
-  resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision);
+  resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.bf16_pure);
+  cfg.recompute = parse_recompute_option(a.recompute);
+  cfg.head_chunk = a.head_chunk;
+  cfg.deterministic = !a.atomic_backward;
   try {
     ModelConfig::named(a.model);  // an unknown size is a usage error
     cfg.variants = parse_list<DdpVariant>("--ddp", a.ddp, [](const std::string& s) { return parse_ddp_variant(s); });
@@ -886,8 +893,9 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   return run_on_every_rank(a.collective_timeout_s, [&](Communicator& comm) {
     if (!a.quiet && comm.is_root()) {
       cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
-      fmt::print(stderr, "ddp-bench: {} rank(s), {} ctx {} x {} sequences per rank, {} on {}\n", comm.world_size(),
-                 cfg.model, cfg.context, cfg.batch, dtype_name(cfg.precision), device_name(cfg.device));
+      fmt::print(stderr, "ddp-bench: {} rank(s), {} ctx {} x {} sequences per rank, {} on {}, recompute {}\n",
+                 comm.world_size(), cfg.model, cfg.context, cfg.batch, precision_name(cfg.precision, cfg.bf16_pure),
+                 device_name(cfg.device), cfg.recompute.name());
     }
     const auto records = run_ddp_bench(comm, cfg);
     if (comm.is_root()) {

@@ -172,6 +172,13 @@ struct DdpBenchConfig {
   int nccl_max_ctas = 0;     // Communicator::set_nccl_max_ctas; 0: NCCL's choice
   int gemm_sm_reserve = -1;  // DdpOptions::gemm_sm_reserve; -1: automatic
   int fsdp_prefetch = 1;     // DdpOptions::fsdp_prefetch of the fsdp rows
+  // How every row's model is built (ModelOptions): pure bf16 (the fsdp rows train it; DDP and ZeRO-1 refuse
+  // it, an "error" row), the recomputation plan (automatic: resolved per row against the free memory, as
+  // `flashlm train` does), the LM head's chunk and the attention backward's determinism.
+  bool bf16_pure = false;
+  RecomputePlan recompute;
+  int64_t head_chunk = 0;
+  bool deterministic = true;
   int warmup = 3, steps = 10;
   std::function<void(const std::string&)> progress;  // rank 0 only
 };
@@ -194,7 +201,10 @@ struct DdpBenchRecord {
   // DdpModel::memory() per rank: parameters and gradients kept current, FSDP's peak of gathered parts; and
   // the peak of every tracked allocation on the device over the timed steps (the largest rank's).
   std::optional<double> parameters_mib, gradients_mib, gathered_mib, peak_mib;
-  std::string status = "ok";                  // ok | oom | error (the same on every rank)
+  std::string recompute;                      // the plan the row's model ran (auto resolved)
+  // ok | oom | error (the same on every rank) | "not timed": the step without communication, whose memory
+  // plan does not fit (the message names the shortfall; the FSDP rows still run, without a scaling efficiency)
+  std::string status = "ok";
   std::string message;
 };
 

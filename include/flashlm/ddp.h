@@ -264,7 +264,7 @@ class ZeroOptimizer {
   // in the per-bucket layout, whose shard is one run per bucket (updated_ranges()).
   DdpRange shard() const;
   std::vector<DdpRange> updated_ranges() const;  // the elements this rank updates, ascending
-  int64_t state_bytes() const;     // this rank's optimizer state: two fp32 moments of shard_elements()
+  int64_t state_bytes() const;     // this rank's optimizer state: two moments (fp32; bf16 under use_bf16_state)
   int64_t steps() const;           // AdamW steps taken
 
   // grads: the averaged gradients (DataParallel's), equal on every rank (per bucket: in the elements this
@@ -287,6 +287,17 @@ class ZeroOptimizer {
   // order (shard_elements() of each, as the moments), not the flat buffers. Per bucket, gather_after_step
   // false only.
   void use_packed_storage();
+  // bf16-pure under FSDP's packed storage, before the first step: the moments become bf16 (2 bytes each,
+  // as the one-process bf16-pure model keeps them) and the model is stepped by step_bf16, not step.
+  void use_bf16_state();
+  bool bf16_state() const;
+  // The bf16-pure step on this rank's packed shard: params the bf16 parameters themselves (no fp32 master),
+  // grads the averaged fp32 gradients (DataParallel's reduce-scatter sums in fp32). Each gradient is
+  // rounded to bf16 once (nearest even, into a bf16 shard of this optimizer's), and the norm (summed across
+  // ranks), the clipping factor and cpu/gpu::adamw_step_bf16 read the rounded values: at one rank the
+  // one-process bf16-pure model's arithmetic, whose backward rounds its fp32 accumulator once the same way.
+  // Returns the norm before clipping. CUDA: queued on `stream`; the host waits only to read the norm.
+  double step_bf16(bf16_t* params, const float* grads, const AdamWConfig& c, double lr, void* stream = nullptr);
   // Per-bucket layout on CUDA: step() returns with the gather of the updated parameters (or working copy)
   // still in flight, in chunks of buckets in ascending order; `stream` must wait for the chunks holding
   // [offset, offset + count) before reading those elements (DdpModel does it from the model's
@@ -346,11 +357,14 @@ class FsdpParameters {
   // the parameters' device, and points `table`'s replicated entries at the shards (the others are filled
   // as parts are gathered). Needs every parameter trainable and untied. await_gradients(offset, count): makes
   // a gradient buffer reusable once the reduce-scatter of those elements is done (DataParallel's).
-  void use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, int64_t grad_accum, void* stream,
-                           std::function<void(int64_t, int64_t)> await_gradients);
+  // pure (bf16-pure, working_dtype bf16): no fp32 masters at all; the bf16 shard is the parameters, every
+  // part is gathered in bf16, and the gradients stay fp32 (the backward's accumulator, reduce-scattered in
+  // fp32; ZeroOptimizer::step_bf16 rounds them once).
+  void use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, bool pure, int64_t grad_accum,
+                           void* stream, std::function<void(int64_t, int64_t)> await_gradients);
   bool sharded() const;
-  // Sharded storage: this rank's packed elements (ZeroOptimizer's order) of the masters, the working copy
-  // (nullptr for fp32 weights) and the gradients, and where the element `offset` of the flat layout is
+  // Sharded storage: this rank's packed elements (ZeroOptimizer's order) of the masters (nullptr for
+  // bf16-pure), the working copy (nullptr for fp32 weights; bf16-pure: the parameters) and the gradients, and where the element `offset` of the flat layout is
   // kept there (an element this rank updates), or written by the backward (gradient_source; the bucket's
   // first element: the whole bucket's gradient follows it).
   float* shard_masters() const;

@@ -2,6 +2,7 @@
 // without communication, timed in one run.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <random>
@@ -9,6 +10,7 @@
 
 #include "bench/report.h"
 #include "core/check.h"
+#include "core/cuda_runtime.h"
 #include "flashlm/dist.h"
 #include "flashlm/memory.h"
 
@@ -39,15 +41,49 @@ double peak_mib(Communicator& comm, Device device) {
   return peak;
 }
 
-// One row: a DdpModel with the row's variant over the shared model, warm-up, then timed steps. Errors that
-// some ranks see while setting up (out of memory for ZeRO-1's moments) become the row's status on every rank.
-void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& shared, std::span<const int32_t> tokens,
-             std::span<const int32_t> targets, double local_tokens_per_s, DdpBenchRecord& rec) {
+// The benchmark's model options (DdpBenchConfig), with FSDP's sharded storage for an fsdp row and a sharded
+// optimizer's share of the moments for the rows that shard them.
+ModelOptions model_options(const DdpBenchConfig& cfg, const Communicator& comm, bool fsdp, int64_t optimizer_shards) {
+  ModelOptions o;
+  o.attention = AttentionImpl::flash;
+  o.recompute = cfg.recompute;
+  o.bf16_pure = cfg.bf16_pure;
+  o.head_chunk = cfg.head_chunk;
+  o.deterministic = cfg.deterministic;
+  o.optimizer_shards = optimizer_shards;
+  if (fsdp) {
+    o.external_parameters = true;
+    o.fsdp_world = comm.world_size();
+    o.fsdp_prefetch = cfg.fsdp_prefetch;
+  }
+  return o;
+}
+
+// The model's memory plan against this rank's free device memory, its recomputation resolved there. "" when
+// it fits (or on the CPU, which has no limit here); otherwise the shortfall, as check_memory_plan words it.
+std::string plan_fits(const ModelConfig& mc, const DdpBenchConfig& cfg, ModelOptions& o) {
+  const int64_t available = cfg.device == Device::cuda ? cuda_free_memory_bytes() : -1;
+  const MemoryPlan plan = plan_model_memory(mc, cfg.batch, cfg.context, cfg.device, cfg.precision, o, available);
+  o.recompute = plan.recompute;
+  try {
+    check_memory_plan(plan, available, "the GPU");
+  } catch (const OutOfMemory& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// One row: a DdpModel with the row's variant over the shared model (nullptr: it could not be built, `why`
+// says why), warm-up, then timed steps. Errors that some ranks see while setting up (out of memory for
+// ZeRO-1's moments) become the row's status on every rank.
+void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel* shared, const std::string& why,
+             std::span<const int32_t> tokens, std::span<const int32_t> targets,
+             std::optional<double> local_tokens_per_s, DdpBenchRecord& rec) {
   // FSDP's row runs a model of its own with sharded storage (ModelOptions::external_parameters), so that its
   // memory columns are what a rank allocates under FSDP; its peak is counted above what the shared model of
   // the other rows holds, idle meanwhile.
   const bool fsdp = rec.variant == ddp_variant_name(DdpVariant::fsdp);
-  const int64_t held_before = fsdp ? memory_stats(shared.device()).current_bytes : 0;
+  const int64_t held_before = fsdp ? memory_stats(cfg.device).current_bytes : 0;
   std::unique_ptr<LanguageModel> own;
   DdpOptions opt;
   opt.variant = parse_ddp_variant(rec.variant);
@@ -58,17 +94,17 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& share
   std::unique_ptr<DdpModel> dp;
   std::string error;
   bool oom = false;
+  const ModelConfig mc = ModelConfig::named(cfg.model, cfg.context, cfg.vocab);
   try {
     if (fsdp) {
-      ModelOptions options;
-      options.external_parameters = true;
-      options.fsdp_world = comm.world_size();
-      options.fsdp_prefetch = cfg.fsdp_prefetch;
-      options.optimizer_shards = comm.world_size();
-      own = make_model(shared.config(), int64_t(tokens.size()) / cfg.context, cfg.context, shared.device(),
-                       shared.precision(), options);
+      ModelOptions options = model_options(cfg, comm, true, comm.world_size());
+      if (std::string shortfall = plan_fits(mc, cfg, options); !shortfall.empty()) throw OutOfMemory(shortfall);
+      rec.recompute = options.recompute.name();
+      own = make_model(mc, cfg.batch, cfg.context, cfg.device, cfg.precision, options);
+    } else if (!shared) {
+      throw OutOfMemory(fmt::format("not run: each rank would hold the whole model ({})", why));
     }
-    dp = std::make_unique<DdpModel>(comm, own ? *own : shared, int64_t(tokens.size()), opt, rec.zero1);
+    dp = std::make_unique<DdpModel>(comm, own ? *own : *shared, int64_t(tokens.size()), opt, rec.zero1);
     if (own) dp->init_parameters(1);
   } catch (const OutOfMemory& e) {
     error = e.what(), oom = true;
@@ -82,7 +118,7 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& share
     rec.message = first;
     return;
   }
-  LanguageModel& model = own ? *own : shared;
+  LanguageModel& model = own ? *own : *shared;
   dp->broadcast_parameters();
   AdamWConfig adamw;
   std::vector<double> exposed;
@@ -104,7 +140,7 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel& share
   rec.median_ms = m.median;
   rec.exposed_comm_ms = exposed_mean;
   rec.tokens_per_s = double(rec.world_size) * double(tokens.size()) / (m.median / 1e3);
-  rec.scaling_efficiency = *rec.tokens_per_s / (double(rec.world_size) * local_tokens_per_s);
+  if (local_tokens_per_s) rec.scaling_efficiency = *rec.tokens_per_s / (double(rec.world_size) * *local_tokens_per_s);
   const DdpMemory mem = dp->memory();
   rec.optimizer_state_mib = double(mem.optimizer_state) / kMiB;
   rec.parameters_mib = double(mem.parameters) / kMiB;
@@ -127,7 +163,10 @@ std::vector<RunSetting> run_settings(const DdpBenchConfig& cfg) {
           {"batch", fmt::format("{}", cfg.batch)},
           {"vocab", fmt::format("{}", cfg.vocab)},
           {"device", std::string(device_name(cfg.device))},
-          {"precision", std::string(dtype_name(cfg.precision))},
+          {"precision", precision_name(cfg.precision, cfg.bf16_pure)},
+          {"recompute", cfg.recompute.name()},
+          {"head_chunk", fmt::format("{}", cfg.head_chunk)},
+          {"deterministic", fmt::format("{}", cfg.deterministic)},
           {"variants", list(cfg.variants, ddp_variant_name)},
           {"bucket_mb", list(cfg.bucket_mb, [](double mb) { return mb; })},
           {"reduce_dtypes", list(cfg.reduce_dtypes, dtype_name)},
@@ -149,6 +188,7 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   for (double mb : cfg.bucket_mb) FLASHLM_CHECK(mb > 0, "ddp-bench: bucket size {} MB, expected > 0", mb);
   FLASHLM_CHECK(!cfg.reduce_dtypes.empty(), "ddp-bench: no gradient reduction type to measure");
   FLASHLM_CHECK(cfg.nccl_max_ctas >= 0, "ddp-bench: nccl_max_ctas = {}, expected >= 0", cfg.nccl_max_ctas);
+  FLASHLM_CHECK(cfg.head_chunk >= 0, "ddp-bench: head_chunk = {}, expected >= 0", cfg.head_chunk);
   resolve_gemm_sm_reserve(cfg.gemm_sm_reserve, comm);  // checks it before any rank builds a model
   comm.agree_settings(run_settings(cfg));
   if (cfg.device == Device::cuda) {
@@ -157,10 +197,6 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   }
 
   const ModelConfig mc = ModelConfig::named(cfg.model, cfg.context, cfg.vocab);
-  const std::unique_ptr<LanguageModel> model_ptr =
-      make_model(mc, cfg.batch, cfg.context, cfg.device, cfg.precision, AttentionImpl::flash);
-  LanguageModel& model = *model_ptr;
-  model.init_parameters(1);
   // Each rank its own tokens, as each would read its own slice of the data.
   std::vector<int32_t> tokens(size_t(checked_mul(cfg.batch, cfg.context, "ddp-bench: tokens per step"))),
       targets(tokens.size());
@@ -194,6 +230,7 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
       }
     }
   }
+  const auto is_fsdp = [](const DdpBenchRecord& r) { return r.variant == ddp_variant_name(DdpVariant::fsdp); };
   auto report = [&](size_t i) {
     if (!cfg.progress || !comm.is_root()) return;
     const DdpBenchRecord& r = records[i];
@@ -207,29 +244,74 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
             ? fmt::format("median {:.2f} ms, comm not hidden {:.2f} ms, scaling efficiency {:.3f}", *r.median_ms,
                           *r.exposed_comm_ms, *r.scaling_efficiency)
             : fmt::format("median {:.2f} ms", *r.median_ms);
-    cfg.progress(fmt::format("[{}/{}] {} x {} rank(s): {}", i + 1, records.size(), what, r.world_size, result));
+    cfg.progress(fmt::format("[{}/{}] {} x {} rank(s), recompute {}: {}", i + 1, records.size(), what, r.world_size,
+                             r.recompute.empty() ? "-" : r.recompute, result));
   };
 
-  // The step without communication: what one GPU (or one CPU process) does alone.
-  AdamWConfig adamw;
-  model.synchronize();
-  memory_reset_peak(model.device());
-  const Moments local = moments(time_steps(comm, cfg, [&] {
-    model.zero_grad();
-    model.forward(tokens.data(), targets.data());
-    model.backward();
-    optimizer_step(model, adamw, 1e-4);
+  // The model the step without communication and the DDP / ZeRO-1 rows share, whole on every rank: built
+  // when its plan fits with its own moments (the plain step allocates them); otherwise, for ZeRO-1 rows, with
+  // this rank's share of them (the plain step is then not timed); otherwise not at all, and those rows say
+  // why. Not built when every row after the plain one is FSDP's and the plain step does not fit. Every rank
+  // decides alike (the first rank's shortfall).
+  std::unique_ptr<LanguageModel> shared;
+  std::string shared_why, shared_recompute;
+  bool plain_fits = false;
+  const bool any_zero1 = std::any_of(records.begin(), records.end(), [](const DdpBenchRecord& r) { return r.zero1; });
+  for (const int64_t shards : {int64_t{1}, int64_t(comm.world_size())}) {
+    if (shards > 1 && (!any_zero1 || comm.world_size() == 1)) break;
+    ModelOptions o = model_options(cfg, comm, false, shards);
+    const std::string why = comm.first_error(plan_fits(mc, cfg, o));
+    if (why.empty()) {
+      shared = make_model(mc, cfg.batch, cfg.context, cfg.device, cfg.precision, o);
+      shared->init_parameters(1);
+      plain_fits = shards == 1;
+      shared_recompute = o.recompute.name();
+      break;
+    }
+    if (shared_why.empty()) shared_why = why;
+  }
+
+  // The step without communication: what one GPU (or one CPU process) does alone; not timed (said in its
+  // row, not an error) when its memory plan does not fit.
+  std::optional<double> local_tokens_per_s;
+  if (plain_fits) {
+    LanguageModel& model = *shared;
+    AdamWConfig adamw;
     model.synchronize();
-  }));
-  const double local_tokens_per_s = double(tokens.size()) / (local.median / 1e3);
-  records[0].mean_ms = local.mean;
-  records[0].median_ms = local.median;
-  records[0].tokens_per_s = local_tokens_per_s;
-  records[0].optimizer_state_mib = double(2 * model.parameter_count() * int64_t(sizeof(float))) / kMiB;
-  records[0].peak_mib = peak_mib(comm, model.device());
+    memory_reset_peak(model.device());
+    const Moments local = moments(time_steps(comm, cfg, [&] {
+      model.zero_grad();
+      model.forward(tokens.data(), targets.data());
+      model.backward();
+      optimizer_step(model, adamw, 1e-4);
+      model.synchronize();
+    }));
+    local_tokens_per_s = double(tokens.size()) / (local.median / 1e3);
+    records[0].mean_ms = local.mean;
+    records[0].median_ms = local.median;
+    records[0].tokens_per_s = local_tokens_per_s;
+    const int64_t moment_bytes = cfg.bf16_pure ? int64_t(sizeof(bf16_t)) : int64_t(sizeof(float));
+    records[0].optimizer_state_mib = double(2 * model.parameter_count() * moment_bytes) / kMiB;
+    records[0].peak_mib = peak_mib(comm, model.device());
+    records[0].recompute = shared_recompute;
+  } else {
+    records[0].status = "not timed";
+    records[0].message = "its memory plan does not fit: " + shared_why;
+  }
   report(0);
   for (size_t i = 1; i < records.size(); ++i) {
-    measure(comm, cfg, model, tokens, targets, local_tokens_per_s, records[i]);
+    // The FSDP model gets the memory the shared one held once no later row needs it.
+    if (shared && std::all_of(records.begin() + std::ptrdiff_t(i), records.end(), is_fsdp)) {
+      shared->synchronize();
+      shared.reset();
+      cuda_release_pooled_memory();  // the FSDP row's plan checks the device's free memory
+      shared_why = "freed before the FSDP rows";
+    }
+    // A model built with only a ZeRO-1 share of the moments serves the ZeRO-1 rows alone (DDP would
+    // allocate the whole moments in its first step).
+    LanguageModel* serves = shared && (plain_fits || records[i].zero1) ? shared.get() : nullptr;
+    if (!is_fsdp(records[i]) && serves) records[i].recompute = shared_recompute;
+    measure(comm, cfg, serves, shared_why, tokens, targets, local_tokens_per_s, records[i]);
     report(i);
   }
   return records;
@@ -258,6 +340,7 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
                         {"gradients_mib", opt(r.gradients_mib)},
                         {"gathered_mib", opt(r.gathered_mib)},
                         {"peak_mib", opt(r.peak_mib)},
+                        {"recompute", r.recompute.empty() ? nlohmann::json() : nlohmann::json(r.recompute)},
                         {"status", r.status}};
     if (!r.message.empty()) j["message"] = r.message;
     rows.push_back(std::move(j));
@@ -271,7 +354,7 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
       {"optimizer_state_mib", "AdamW state MiB/rank", 1}, {"staging_mib", "DDP staging MiB/rank", 1},
       {"parameters_mib", "params MiB/rank", 1}, {"gradients_mib", "grads MiB/rank", 1},
       {"gathered_mib", "FSDP gathered MiB/rank", 1}, {"peak_mib", "peak MiB/rank", 1},
-      {"status", "status"}};
+      {"recompute", "recompute"},      {"status", "status"}};
   const nlohmann::json meta = {
       {"tool", "flashlm ddp-bench"},
       {"device", describe_device(cfg.device)},
@@ -281,7 +364,10 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
       {"model", cfg.model},
       {"context", cfg.context},
       {"batch_per_rank", cfg.batch},
-      {"precision", std::string(dtype_name(cfg.precision))},
+      {"precision", precision_name(cfg.precision, cfg.bf16_pure)},
+      {"recompute_requested", cfg.recompute.name()},
+      {"head_chunk", cfg.head_chunk},
+      {"deterministic_attention_backward", cfg.deterministic},
       {"warmup", cfg.warmup},
       {"steps", cfg.steps},
       {"nccl_max_ctas", cfg.nccl_max_ctas > 0 ? nlohmann::json(cfg.nccl_max_ctas) : nlohmann::json()},

@@ -19,6 +19,10 @@ int cuda_current_device();
 int cuda_pointer_device(const void* p);  // -1 for a host pointer or an unknown one
 // Free bytes on the current device (cudaMemGetInfo); -1 when there is no GPU.
 int64_t cuda_free_memory_bytes();
+// Waits for the device, then gives the stream-ordered pool's freed blocks back to the driver (the pool keeps
+// them otherwise: keep_pool_memory), so that cuda_free_memory_bytes() counts them free again, e.g. before a
+// memory plan is checked for a model built after another was destroyed. No-op without a GPU.
+void cuda_release_pooled_memory();
 std::string cuda_device_description();
 void cuda_copy(void* dst, const void* src, size_t bytes);  // any direction, synchronous
 void cuda_copy_async(void* dst, const void* src, size_t bytes, void* stream);  // any direction, queued on `stream`

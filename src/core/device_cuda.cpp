@@ -82,6 +82,16 @@ int64_t cuda_free_memory_bytes() {
   return int64_t(free_bytes);
 }
 
+void cuda_release_pooled_memory() {
+  const int device = cuda_current_device();
+  cudaMemPool_t pool;
+  if (device < 0 || cudaDeviceSynchronize() != cudaSuccess || cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  cudaMemPoolTrimTo(pool, 0);
+}
+
 int cuda_pointer_device(const void* p) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "dist/values.h"
 #include "flashlm/dist.h"
 
 #ifdef FLASHLM_WITH_CUDA
@@ -707,6 +708,12 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
   FLASHLM_CHECK(!fsdp || model.precision() != DType::f16,
                 "DdpModel: --ddp fsdp trains fp32 or bf16 models, not fp16 (its overflow check reads every gradient, "
                 "and each rank keeps only its shard of them)");
+  // bf16-pure keeps no fp32 masters or gradients in the model for DDP to all-reduce or ZeRO-1 to update:
+  // FSDP's sharded storage holds its bf16 parameters instead (use_sharded_storage's pure).
+  FLASHLM_CHECK(!model.bf16_pure() || (fsdp && model.external_parameters()),
+                "DdpModel: bf16-pure runs under data parallelism with --ddp fsdp and sharded storage only "
+                "(ModelOptions::external_parameters: its bf16 shards are the parameters); DDP and ZeRO-1 need the "
+                "fp32 masters of --precision bf16");
   FLASHLM_CHECK(fsdp || !model.external_parameters(),
                 "DdpModel: a model built with external_parameters keeps its weights in FSDP's shards: it needs "
                 "--ddp fsdp");
@@ -726,11 +733,13 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
                                              options.fsdp_poison_freed);
     if (model.external_parameters()) {
       // Sharded storage: this rank's shards, the pool and the gradient buffers are all that hold them.
-      fsdp_->use_sharded_storage(model_.parameter_storage(), model.working_dtype(), options.grad_accum,
-                                 model.stream(),
+      const bool pure = model.bf16_pure();
+      fsdp_->use_sharded_storage(model_.parameter_storage(), pure ? DType::bf16 : model.working_dtype(), pure,
+                                 options.grad_accum, model.stream(),
                                  [this](int64_t offset, int64_t count) { ddp_->await_gradients(offset, count); });
       ddp_->route_through(*fsdp_);
       zero_->use_packed_storage();
+      if (pure) zero_->use_bf16_state();
       model_.set_gradients_needed_hook(
           [this](int64_t offset, int64_t count) { fsdp_->gradients_needed(offset, count); });
     } else {
@@ -784,6 +793,12 @@ DdpMemory DdpModel::memory() const {
   if (!fsdp_) {
     mem.parameters = n * (f32 + working);
     mem.gradients = n * f32;
+  } else if (model_.bf16_pure()) {
+    // This rank's parts and the tails: the bf16 parameters, the fp32 gradients reduced into and their
+    // bf16 rounding (ZeroOptimizer::step_bf16).
+    mem.parameters = zero_->shard_elements() * int64_t(sizeof(bf16_t));
+    mem.gradients = zero_->shard_elements() * (f32 + int64_t(sizeof(bf16_t)));
+    mem.gathered = fsdp_->peak_gathered_bytes();
   } else {
     // This rank's parts and the replicated tails, of the masters (and the working copy) and the gradients.
     mem.parameters = zero_->shard_elements() * (f32 + working);
@@ -818,13 +833,15 @@ void copy_floats(float* dst, Device dst_device, const float* src, Device src_dev
 
 }  // namespace
 
-// The fp32 masters this rank keeps: the packed shard, or its runs of the model's flat buffer.
+// The fp32 masters this rank keeps: the packed shard, or its runs of the model's flat buffer; bf16-pure:
+// its bf16 parameters, widened (to_host) or rounded.
 void DdpModel::copy_kept_masters(float* packed_host, bool to_host) {
   const Device device = model_.device();
   if (sharded_storage()) {
-    float* shard = fsdp_->shard_masters();
-    if (to_host) copy_floats(packed_host, Device::cpu, shard, device, zero_->shard_elements());
-    else copy_floats(shard, device, packed_host, Device::cpu, zero_->shard_elements());
+    const bool pure = model_.bf16_pure();
+    void* shard = pure ? fsdp_->shard_working() : fsdp_->shard_masters();
+    if (to_host) values_to_host(packed_host, shard, zero_->shard_elements(), pure, device);
+    else values_from_host(shard, packed_host, zero_->shard_elements(), pure, device);
     return;
   }
   int64_t at = 0;
@@ -836,7 +853,8 @@ void DdpModel::copy_kept_masters(float* packed_host, bool to_host) {
 }
 
 void DdpModel::masters_changed() {
-  if (!sharded_storage()) return model_.parameters_changed();
+  // bf16-pure: the parameters are the shards themselves; the model widens its RMSNorm gains from them.
+  if (!sharded_storage() || model_.bf16_pure()) return model_.parameters_changed();
   const DType w = model_.working_dtype();
   if (w == DType::f32) return;
 #ifdef FLASHLM_WITH_CUDA
@@ -908,8 +926,13 @@ void DdpModel::init_parameters(uint64_t seed) {
       const int64_t a = std::max(p.offset, kept[k].offset);
       const int64_t b = std::min(p.offset + p.numel(), kept[k].offset + kept[k].count);
       if (a >= b) continue;
-      copy_floats(fsdp_->shard_masters() + kept_at[k] + (a - kept[k].offset), model_.device(),
-                  values.data() + (a - p.offset), Device::cpu, b - a);
+      const int64_t at = kept_at[k] + (a - kept[k].offset);
+      if (model_.bf16_pure()) {
+        values_from_host(static_cast<bf16_t*>(fsdp_->shard_working()) + at, values.data() + (a - p.offset), b - a,
+                         true, model_.device());
+      } else {
+        copy_floats(fsdp_->shard_masters() + at, model_.device(), values.data() + (a - p.offset), Device::cpu, b - a);
+      }
     }
   }
   fsdp_->release_all();
@@ -996,6 +1019,14 @@ bool DdpModel::optimizer_step(const AdamWConfig& c, double lr, double* norm) {
   // A low-precision CUDA model: the update writes this rank's shard of the working copy too, and the ranks
   // gather only that copy (half the bytes of the fp32 masters, no recast of the whole model).
   const bool packed = sharded_storage();
+  if (packed && model_.bf16_pure()) {
+    const double before = zero_->step_bf16(static_cast<bf16_t*>(fsdp_->shard_working()), fsdp_->shard_gradients(), c,
+                                           lr, model_.stream());
+    fsdp_->release_all();
+    model_.parameters_changed();  // the widened RMSNorm gains, from the updated bf16 shard
+    if (norm) *norm = before;
+    return true;
+  }
   void* working = packed ? fsdp_->shard_working() : model_.working_parameters();
   float* params = packed ? fsdp_->shard_masters() : model_.parameters();
   float* grads = packed ? fsdp_->shard_gradients() : model_.gradients();

@@ -62,6 +62,9 @@ struct FsdpParameters::Impl {
   // Sharded storage (use_sharded_storage). The runs this rank keeps (ZeroOptimizer::updated_ranges(),
   // ascending) and where each starts in the packed shards.
   bool sharded = false;
+  // bf16-pure (use_sharded_storage's pure): no fp32 masters; shard_working (bf16) holds the parameters
+  // themselves, and every part, the embedding too, is gathered in bf16.
+  bool pure = false;
   std::span<ParameterStorage> table;
   std::vector<DdpRange> runs;
   std::vector<int64_t> run_at;
@@ -262,6 +265,7 @@ struct FsdpParameters::Impl {
 
   bool cuda() const { return params.device == Device::cuda; }
   bool in_master(const Shard& s) const {
+    if (pure) return false;
     return (sharded ? working_dtype == DType::f32 : working == nullptr) || s.reads_master;
   }
   DType dtype_of(const Shard& s) const { return in_master(s) ? DType::f32 : working_dtype; }
@@ -464,8 +468,9 @@ void FsdpParameters::set_storage(float* masters, void* working, DType working_dt
   m.peak_bytes = 0;
 }
 
-void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, int64_t grad_accum,
-                                         void* stream, std::function<void(int64_t, int64_t)> await_gradients) {
+void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, bool pure,
+                                         int64_t grad_accum, void* stream,
+                                         std::function<void(int64_t, int64_t)> await_gradients) {
   Impl& m = *impl_;
   const DdpParameters& p = m.params;
   FLASHLM_CHECK(table.size() == p.layout.size(), "FsdpParameters::use_sharded_storage: a table of {} entries for {} "
@@ -473,6 +478,8 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
   FLASHLM_CHECK(working_dtype == DType::f32 || working_dtype == DType::bf16 || working_dtype == DType::f16,
                 "FsdpParameters::use_sharded_storage: working_dtype {}, expected fp32, bf16 or fp16",
                 dtype_name(working_dtype));
+  FLASHLM_CHECK(!pure || working_dtype == DType::bf16,
+                "FsdpParameters::use_sharded_storage: bf16-pure keeps bf16 parameters, not {}", dtype_name(working_dtype));
   FLASHLM_CHECK(grad_accum >= 1, "FsdpParameters::use_sharded_storage: grad_accum = {}, expected >= 1", grad_accum);
   for (size_t i = 0; i < p.layout.size(); ++i) {
     FLASHLM_CHECK(p.is_trainable(int64_t(i)) && p.owner(int64_t(i)) == int64_t(i),
@@ -480,6 +487,7 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
                   "untied parameters only", p.layout[i].name);
   }
   m.sharded = true;
+  m.pure = pure;
   m.table = table;
   m.working_dtype = working_dtype;
   m.stream = stream;
@@ -505,9 +513,10 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
 #endif
     return b;
   };
-  m.shard_masters = zeroed(total, sizeof(float), "FSDP parameters (fp32 master shard)");
+  if (!pure) m.shard_masters = zeroed(total, sizeof(float), "FSDP parameters (fp32 master shard)");
   if (working_dtype != DType::f32) {
-    m.shard_working = zeroed(total, dtype_size(working_dtype), "FSDP parameters (low-precision shard)");
+    m.shard_working = zeroed(total, dtype_size(working_dtype),
+                             pure ? "FSDP parameters (bf16 shard)" : "FSDP parameters (low-precision shard)");
   }
   m.shard_grads = zeroed(total, sizeof(float), "FSDP gradients (shard)");
   // Per part: its sharded parameters, the type it is gathered in, its segments; the largest sizes the pool.
@@ -560,7 +569,7 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
     if (!m.in_shard(q.offset)) {  // kept whole on every rank: read and written in the shards
       const int64_t at = m.packed(q.offset);
       FLASHLM_CHECK(at >= 0, "FsdpParameters: '{}' is neither sharded nor kept", q.name);
-      t.master = static_cast<float*>(m.shard_masters.data()) + at;
+      t.master = pure ? nullptr : static_cast<float*>(m.shard_masters.data()) + at;
       t.weight = m.packed_weight(at, working_dtype);
       t.grad = static_cast<float*>(m.shard_grads.data()) + at;
     } else {

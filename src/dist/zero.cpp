@@ -7,10 +7,13 @@
 #include <cmath>
 #include <cstring>
 #include <span>
+#include <type_traits>
+#include <vector>
 
 #include "core/check.h"
 #include "flashlm/ddp.h"
 #include "flashlm/dist.h"
+#include "dist/values.h"
 #include "optim/optimizer.h"
 
 #ifdef FLASHLM_WITH_CUDA
@@ -51,6 +54,10 @@ struct ZeroOptimizer::Impl {
   // runs packed as the moments are (a run at moment_at), not the flat buffers.
   bool packed = false;
   int64_t at(const ZeroRun& r) const { return packed ? r.moment_at : r.range.offset; }
+  // bf16-pure (use_bf16_state): the moments are bf16, and step_bf16 rounds the fp32 gradients it is given
+  // into `rounded` (bf16, shard_elements) once before the norm and the update read them.
+  bool bf16_state = false;
+  Buffer rounded;
   // The masters the model reads in fp32 (DdpParameters::read_as_master), gathered with the working copy.
   std::vector<std::vector<DdpRange>> read_pieces;  // every rank's pieces of them, ascending
   std::vector<int64_t> read_counts;                // every rank's elements of them
@@ -211,6 +218,8 @@ struct ZeroOptimizer::Impl {
   }
 
   float* moment(const Buffer& b, const ZeroRun& r) const { return static_cast<float*>(b.data()) + r.moment_at; }
+  bf16_t* moment_bf16(const Buffer& b, const ZeroRun& r) const { return static_cast<bf16_t*>(b.data()) + r.moment_at; }
+  size_t moment_size() const { return bf16_state ? sizeof(bf16_t) : sizeof(float); }
 
   void plan_launches() {
     launches.clear();
@@ -240,9 +249,13 @@ struct ZeroOptimizer::Impl {
 
   // The moments (zero) and the norm's partial sums, once `updated` and shard_elements are known.
   void allocate() {
-    const size_t bytes = size_t(shard_elements) * sizeof(float);
-    m = Buffer::allocate(bytes, params.device, "ZeRO-1 AdamW first moment (shard)");
-    v = Buffer::allocate(bytes, params.device, "ZeRO-1 AdamW second moment (shard)");
+    const size_t bytes = size_t(shard_elements) * moment_size();
+    m = Buffer();  // freed before the next pair is allocated (use_bf16_state replaces the fp32 pair)
+    v = Buffer();
+    m = Buffer::allocate(bytes, params.device, bf16_state ? "ZeRO AdamW first moment (bf16 shard)"
+                                                          : "ZeRO-1 AdamW first moment (shard)");
+    v = Buffer::allocate(bytes, params.device, bf16_state ? "ZeRO AdamW second moment (bf16 shard)"
+                                                          : "ZeRO-1 AdamW second moment (shard)");
     if (!cuda()) {
       std::memset(m.data(), 0, bytes);
       std::memset(v.data(), 0, bytes);
@@ -268,7 +281,9 @@ struct ZeroOptimizer::Impl {
   // the flat buffer (whole chunks per shard), the chunks' sums added in chunk order, as
   // CpuModel::gradient_norm. Otherwise one partial sum per rank over its runs in the norm (each replicated
   // tail counted once, by rank 0), so that no rank reads a gradient outside the elements it updates.
-  double squared_norm(const float* grads, void* stream) {
+  // T: float, or bf16_t for step_bf16's rounded gradients (per bucket only).
+  template <class T>
+  double squared_norm(const T* grads, void* stream) {
     std::vector<double> mine;
     if (!cuda() && per_bucket) {
       double ss = 0;
@@ -277,18 +292,20 @@ struct ZeroOptimizer::Impl {
       }
       mine.assign(1, ss);
     } else if (!cuda()) {
-      const int64_t chunks = shard_elements / grain;
-      const std::vector<DdpRange> trainable = params.trainable_ranges();
-      mine.assign(size_t(chunks), 0.0);
+      if constexpr (std::is_same_v<T, float>) {
+        const int64_t chunks = shard_elements / grain;
+        const std::vector<DdpRange> trainable = params.trainable_ranges();
+        mine.assign(size_t(chunks), 0.0);
 #pragma omp parallel for schedule(static)
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t lo = shard.offset + c * grain, hi = std::min(lo + grain, shard.offset + shard.count);
-        double ss = 0;
-        for (const DdpRange& r : trainable) {
-          const int64_t a = std::max(lo, r.offset), b = std::min(hi, r.offset + r.count);
-          if (a < b) ss += cpu::sum_squares(grads + a, b - a);
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t lo = shard.offset + c * grain, hi = std::min(lo + grain, shard.offset + shard.count);
+          double ss = 0;
+          for (const DdpRange& r : trainable) {
+            const int64_t a = std::max(lo, r.offset), b = std::min(hi, r.offset + r.count);
+            if (a < b) ss += cpu::sum_squares(grads + a, b - a);
+          }
+          mine[size_t(c)] = ss;
         }
-        mine[size_t(c)] = ss;
       }
     } else {
 #ifdef FLASHLM_WITH_CUDA
@@ -296,7 +313,7 @@ struct ZeroOptimizer::Impl {
       auto* out = static_cast<double*>(norm_parts.data());
       for (size_t k = 0; k < launches.size(); ++k) {
         if (launches[k].in_norm) {
-          gpu::squared_norm(grads + at(launches[k]), launches[k].range.count, out + k, stream);
+          gpu::squared_norm<T>(grads + at(launches[k]), launches[k].range.count, out + k, stream);
         }
       }
       gpu::stream_synchronize(stream);
@@ -402,7 +419,7 @@ std::vector<DdpRange> ZeroOptimizer::updated_ranges() const {
   return out;
 }
 
-int64_t ZeroOptimizer::state_bytes() const { return 2 * impl_->shard_elements * int64_t(sizeof(float)); }
+int64_t ZeroOptimizer::state_bytes() const { return 2 * impl_->shard_elements * int64_t(impl_->moment_size()); }
 int64_t ZeroOptimizer::steps() const { return impl_->steps; }
 
 double ZeroOptimizer::step(float* params, float* grads, const AdamWConfig& c, double lr, void* stream) {
@@ -412,6 +429,7 @@ double ZeroOptimizer::step(float* params, float* grads, const AdamWConfig& c, do
 double ZeroOptimizer::step(float* params, float* grads, void* working, DType working_dtype, const AdamWConfig& c,
                            double lr, void* stream) {
   Impl& m = *impl_;
+  FLASHLM_CHECK(!m.bf16_state, "ZeroOptimizer::step: bf16 moments (use_bf16_state) are stepped by step_bf16");
   FLASHLM_CHECK(params != nullptr && grads != nullptr, "ZeroOptimizer::step: null params or grads");
   FLASHLM_CHECK(working == nullptr || (m.cuda() && (working_dtype == DType::bf16 || working_dtype == DType::f16)),
                 "ZeroOptimizer::step: a working copy must be bf16 or fp16 on cuda, got {} on {}",
@@ -481,6 +499,55 @@ double ZeroOptimizer::step(float* params, float* grads, void* working, DType wor
 
 bool ZeroOptimizer::masters_stale() const { return impl_->masters_stale; }
 
+void ZeroOptimizer::use_bf16_state() {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(m.packed, "ZeroOptimizer::use_bf16_state: FSDP's packed storage only (use_packed_storage first)");
+  FLASHLM_CHECK(m.steps == 0, "ZeroOptimizer::use_bf16_state: after {} steps; call it before the first", m.steps);
+  if (m.bf16_state) return;
+  m.bf16_state = true;
+  m.allocate();
+  m.rounded = Buffer::allocate(size_t(m.shard_elements) * sizeof(bf16_t), m.params.device,
+                               "FSDP gradients (bf16 shard, rounded for AdamW)");
+}
+
+bool ZeroOptimizer::bf16_state() const { return impl_->bf16_state; }
+
+double ZeroOptimizer::step_bf16(bf16_t* params, const float* grads, const AdamWConfig& c, double lr, void* stream) {
+  Impl& m = *impl_;
+  FLASHLM_CHECK(m.bf16_state, "ZeroOptimizer::step_bf16: needs bf16 moments (use_bf16_state)");
+  FLASHLM_CHECK(params != nullptr && grads != nullptr, "ZeroOptimizer::step_bf16: null params or grads");
+  // The averaged fp32 gradients rounded once (nearest even), as the one-process bf16-pure backward rounds
+  // its fp32 accumulator into the bf16 gradient; the norm and the update read the rounded values.
+  auto* g16 = static_cast<bf16_t*>(m.rounded.data());
+  const int64_t count = m.shard_elements;
+  if (!m.cuda()) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; ++i) g16[i] = bf16_t(grads[i]);
+  } else {
+#ifdef FLASHLM_WITH_CUDA
+    gpu::cast_from_f32<bf16_t>(grads, g16, count, stream);
+#endif
+  }
+  const double norm = std::sqrt(m.squared_norm<bf16_t>(g16, stream));
+  const bool clip = c.max_grad_norm > 0 && norm > c.max_grad_norm;
+  const float gs = clip ? cpu::clip_scale(norm, c.max_grad_norm) : 1.0f;
+  ++m.steps;
+  for (const ZeroRun& run : m.launches) {
+    const int64_t first = m.at(run);
+    bf16_t *mo = m.moment_bf16(m.m, run), *vo = m.moment_bf16(m.v, run);
+    if (!m.cuda()) {
+      cpu::adamw_step_bf16(params + first, g16 + first, mo, vo, run.range.count, lr, c.beta1, c.beta2, c.eps,
+                           c.weight_decay, m.steps, gs);
+    } else {
+#ifdef FLASHLM_WITH_CUDA
+      gpu::adamw_step_bf16(params + first, g16 + first, mo, vo, run.range.count, lr, c.beta1, c.beta2, c.eps,
+                           c.weight_decay, m.steps, stream, gs);
+#endif
+    }
+  }
+  return norm;
+}
+
 void ZeroOptimizer::use_packed_storage() {
   Impl& m = *impl_;
   FLASHLM_CHECK(m.per_bucket && !m.gather_after_step,
@@ -525,6 +592,28 @@ void copy_floats(float* dst, const float* src, int64_t count, Device device_of_s
 
 }  // namespace
 
+void values_to_host(float* host, const void* src, int64_t count, bool bf16, Device device) {
+  if (!bf16) return copy_floats(host, static_cast<const float*>(src), count, device);
+  std::vector<bf16_t> staged(static_cast<size_t>(count));
+  if (count == 0) return;
+  if (device == Device::cpu) std::memcpy(staged.data(), src, staged.size() * sizeof(bf16_t));
+#ifdef FLASHLM_WITH_CUDA
+  else cuda_copy(staged.data(), src, staged.size() * sizeof(bf16_t));
+#endif
+  for (size_t i = 0; i < staged.size(); ++i) host[i] = float(staged[i]);
+}
+
+void values_from_host(void* dst, const float* host, int64_t count, bool bf16, Device device) {
+  if (!bf16) return copy_floats(static_cast<float*>(dst), host, count, device);
+  if (count == 0) return;
+  std::vector<bf16_t> staged(static_cast<size_t>(count));
+  for (size_t i = 0; i < staged.size(); ++i) staged[i] = bf16_t(host[i]);
+  if (device == Device::cpu) std::memcpy(dst, staged.data(), staged.size() * sizeof(bf16_t));
+#ifdef FLASHLM_WITH_CUDA
+  else cuda_copy(dst, staged.data(), staged.size() * sizeof(bf16_t));
+#endif
+}
+
 void ZeroOptimizer::gather_state(float* m_out, float* v_out) {
   Impl& m = *impl_;
 #ifdef FLASHLM_WITH_CUDA
@@ -536,7 +625,7 @@ void ZeroOptimizer::gather_state(float* m_out, float* v_out) {
     // Each rank places its parts (and the tails, equal everywhere) in a full host array; the host gather of
     // the parts then completes it on every rank.
     for (auto [moment, out] : {std::pair{&m.m, m_out}, std::pair{&m.v, v_out}}) {
-      copy_floats(mine.data(), static_cast<const float*>(moment->data()), int64_t(s), m.params.device);
+      values_to_host(mine.data(), moment->data(), int64_t(s), m.bf16_state, m.params.device);
       std::fill(out, out + m.n, 0.0f);
       for (const ZeroRun& r : m.updated) {
         std::copy_n(mine.begin() + r.moment_at, r.range.count, out + r.range.offset);
@@ -558,15 +647,15 @@ void ZeroOptimizer::save_shard(float* m_out, float* v_out) const {
 #ifdef FLASHLM_WITH_CUDA
   if (m.cuda()) cuda_synchronize();
 #endif
-  copy_floats(m_out, static_cast<const float*>(m.m.data()), m.shard_elements, m.params.device);
-  copy_floats(v_out, static_cast<const float*>(m.v.data()), m.shard_elements, m.params.device);
+  values_to_host(m_out, m.m.data(), m.shard_elements, m.bf16_state, m.params.device);
+  values_to_host(v_out, m.v.data(), m.shard_elements, m.bf16_state, m.params.device);
 }
 
 void ZeroOptimizer::load_shard(const float* m_in, const float* v_in, int64_t steps) {
   Impl& m = *impl_;
   FLASHLM_CHECK(steps >= 0, "ZeroOptimizer::load_shard: steps = {}, expected >= 0", steps);
-  copy_floats(static_cast<float*>(m.m.data()), m_in, m.shard_elements, m.params.device);
-  copy_floats(static_cast<float*>(m.v.data()), v_in, m.shard_elements, m.params.device);
+  values_from_host(m.m.data(), m_in, m.shard_elements, m.bf16_state, m.params.device);
+  values_from_host(m.v.data(), v_in, m.shard_elements, m.bf16_state, m.params.device);
   m.steps = steps;
 }
 
@@ -580,7 +669,7 @@ void ZeroOptimizer::load_state(const float* m_in, const float* v_in, int64_t ste
     } else {
       std::copy(in + m.shard.offset, in + m.shard.offset + m.shard.count, mine.begin());
     }
-    copy_floats(static_cast<float*>(moment->data()), mine.data(), m.shard_elements, m.params.device);
+    values_from_host(moment->data(), mine.data(), m.shard_elements, m.bf16_state, m.params.device);
   }
   m.steps = steps;
 }

@@ -188,11 +188,14 @@ struct CudaModel::Impl {
     FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
     return layout[it->second];
   }
-  bf16_t* pure_param(const std::string& name) const { return static_cast<bf16_t*>(params.data()) + info(name).offset; }
-  bf16_t* pure_grad(const std::string& name) const { return static_cast<bf16_t*>(grads.data()) + info(name).offset; }
-  // Mixed and fp32 parameters through the model's parameter_storage() table (its flat buffers, or FSDP's
-  // shards and gathered parts).
+  // Every parameter through the model's parameter_storage() table: its flat buffers, or FSDP's shards and
+  // gathered parts (bf16-pure: `weight` is the bf16 parameter itself).
   const ParameterStorage* table = nullptr;
+  bf16_t* pure_param(const std::string& name) const { return static_cast<bf16_t*>(stored(name).weight); }
+  // bf16-pure with its own storage: the bf16 gradient the backward rounds its fp32 accumulator into. Under
+  // FSDP's sharded storage the gradients are fp32 (the table's), reduce-scattered before any rounding.
+  bool bf16_gradients() const { return pure && !options.external_parameters; }
+  bf16_t* pure_grad(const std::string& name) const { return static_cast<bf16_t*>(grads.data()) + info(name).offset; }
   const ParameterStorage& stored(const std::string& name) const {
     const auto it = index.find(name);
     FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
@@ -396,22 +399,25 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.loss_scale = precision == DType::f16 ? LanguageModel::kInitialLossScale : 1.0;
 
   const size_t pbytes = size_t(m.n_params) * m.state_elem();
-  FLASHLM_CHECK(!options.external_parameters || !m.pure, "CudaModel: FSDP's sharded storage keeps fp32 masters, not "
-                "bf16-pure parameters");
   if (!options.external_parameters) {  // otherwise FSDP's shards hold them
     m.params = Buffer::allocate(pbytes, Device::cuda, m.pure ? "parameters (bf16)" : "parameters (fp32 master)");
     m.grads = Buffer::allocate(pbytes, Device::cuda, m.pure ? "gradients (bf16)" : "gradients (fp32)");
   }
   if (m.pure) {
-    m.largest_gradient = gradient_staging_elements(config);
-    m.staging = Buffer::allocate(size_t(m.largest_gradient) * sizeof(float), Device::cuda,
-                                 "fp32 gradient accumulator");
+    // The fp32 accumulator of the bf16 gradients (FSDP's sharded storage gives fp32 gradients instead).
+    if (!options.external_parameters) {
+      m.largest_gradient = gradient_staging_elements(config);
+      m.staging = Buffer::allocate(size_t(m.largest_gradient) * sizeof(float), Device::cuda,
+                                   "fp32 gradient accumulator");
+    }
     m.gains_f32 = Buffer::allocate(m.gain_row.size() * size_t(config.d_model) * sizeof(float), Device::cuda,
                                    "RMSNorm gains (fp32)");
   } else if (precision != DType::f32 && !options.external_parameters) {
     m.params_lp = Buffer::allocate(size_t(m.n_params) * m.elem(), Device::cuda, "parameters (low precision)");
   }
-  point_storage_at(m.pure ? nullptr : static_cast<float*>(m.params.data()), m.params_lp.data(), precision,
+  // bf16-pure: no masters, `weight` the bf16 parameters, no fp32 gradients (the model's are bf16).
+  point_storage_at(m.pure ? nullptr : static_cast<float*>(m.params.data()),
+                   m.pure ? m.params.data() : m.params_lp.data(), precision,
                    m.pure ? nullptr : static_cast<float*>(m.grads.data()));
   m.table = storage_.data();
 
@@ -757,12 +763,13 @@ void CudaModel::backward() {
                     "backward: '{}' does not follow '{}' in the parameter layout", name, first);
       count += m.info(name).numel();
     }
-    FLASHLM_CHECK(!m.pure || count <= m.largest_gradient, "backward: {} gradients outgrow the staging buffer", count);
-    float* dw = m.pure ? static_cast<float*>(m.staging.data()) : m.grad(first);
-    if (m.pure && !overwrite) gpu::cast_to_f32<bf16_t>(m.pure_grad(first), dw, count, m.stream);
+    const bool bf16 = m.bf16_gradients();
+    FLASHLM_CHECK(!bf16 || count <= m.largest_gradient, "backward: {} gradients outgrow the staging buffer", count);
+    float* dw = bf16 ? static_cast<float*>(m.staging.data()) : m.grad(first);
+    if (bf16 && !overwrite) gpu::cast_to_f32<bf16_t>(m.pure_grad(first), dw, count, m.stream);
     if (overwrite && !can_overwrite) gpu::memset_async(dw, 0, size_t(count) * sizeof(float), m.stream);
     produce(dw, !(overwrite && can_overwrite));
-    if (m.pure) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(first), count, m.stream);
+    if (bf16) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(first), count, m.stream);
     for (const std::string& name : names) report_final(name);
   };
   auto add_to_gradient = [&](const std::string& name, bool can_overwrite, auto&& produce) {

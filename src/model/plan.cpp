@@ -187,8 +187,9 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     // in (CUDA's mixed precision reads the embedding in fp32, the other matrices in the low-precision copy).
     const int64_t world = o.fsdp_world;
     int64_t gains = 0, matrices = 0, largest_part = 0, largest_part_bytes = 0;
+    // bf16-pure gathers every part, the embedding too, in bf16.
     const auto part_bytes = [&](int64_t count, bool embedding) {
-      return bytes(count, cuda && precision != DType::f32 && !embedding ? elem : 4);
+      return bytes(count, cuda && precision != DType::f32 && (!embedding || o.bf16_pure) ? elem : 4);
     };
     const int64_t layer = 4 * c.d_model * c.d_model + 3 * c.d_model * c.d_ff + 2 * c.d_model;  // with its gains
     for (const auto& [count, embedding] : {std::pair{c.vocab * c.d_model, true}, std::pair{layer, false},
@@ -200,12 +201,20 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     // The tails: fewer than `world` elements per sharded bucket (two per layer, the embedding, the head).
     const int64_t shard = (matrices + world - 1) / world + gains + (2 * c.layers + 2) * (world - 1);
     const std::string of = fmt::format(", 1/{}: this rank's shard", world);
-    p.items.push_back({"parameters (fp32" + of + ")", bytes(shard, 4)});
-    if (cuda && precision != DType::f32) {
-      p.items.push_back({fmt::format("parameters ({} copy for the GEMMs{})", dtype_name(precision), of), bytes(shard, elem)});
+    if (o.bf16_pure) {
+      // No fp32 masters: the bf16 shard is the parameters. The gradients are reduced in fp32 and rounded
+      // once into a bf16 shard for AdamW (ZeroOptimizer::step_bf16); the moments are bf16.
+      p.items.push_back({"parameters (bf16" + of + ")", bytes(shard, 2)});
+      p.items.push_back({"gradients (fp32 reduced + bf16 rounded" + of + ")", bytes(shard, 6)});
+      p.items.push_back({"AdamW moments (bf16" + share + ")", bytes(moments, 4)});
+    } else {
+      p.items.push_back({"parameters (fp32" + of + ")", bytes(shard, 4)});
+      if (cuda && precision != DType::f32) {
+        p.items.push_back({fmt::format("parameters ({} copy for the GEMMs{})", dtype_name(precision), of), bytes(shard, elem)});
+      }
+      p.items.push_back({"gradients (fp32" + of + ")", bytes(shard, 4)});
+      p.items.push_back({"AdamW moments (fp32" + share + ")", bytes(moments, 8)});
     }
-    p.items.push_back({"gradients (fp32" + of + ")", bytes(shard, 4)});
-    p.items.push_back({"AdamW moments (fp32" + share + ")", bytes(moments, 8)});
     if (world > 1) {  // at one rank nothing is sharded: the shards are the whole model, read in place
       p.items.push_back({fmt::format("FSDP gathered parts (a pool of prefetch {} + 2)", o.fsdp_prefetch),
                          checked_mul(o.fsdp_prefetch + 2, largest_part_bytes, "memory plan: bytes")});
@@ -237,7 +246,7 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     const int64_t chunk = head_chunk_tokens(c, n, o.head_chunk, elem);
     p.items.push_back({fmt::format("LM head + loss: logits of {} tokens at a time, per-token losses", chunk),
                        bytes(aligned_elements(checked_mul(chunk, c.vocab, "head chunk")), elem) + bytes(n, 4)});
-    if (o.bf16_pure) {
+    if (o.bf16_pure && !o.external_parameters) {  // FSDP's gradients are fp32 already
       p.items.push_back({"fp32 gradient accumulator (the largest gradient a GEMM writes)",
                          bytes(gradient_staging_elements(c), 4)});
     }
@@ -266,10 +275,9 @@ MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, D
   FLASHLM_CHECK(o.optimizer_shards >= 1 && o.optimizer_shards <= (int64_t{1} << 20),
                 "memory plan: optimizer_shards = {}, expected a rank count in [1, 2^20]", o.optimizer_shards);
   FLASHLM_CHECK(!o.external_parameters || (o.fsdp_world >= 1 && o.fsdp_world <= (int64_t{1} << 20) &&
-                                           o.fsdp_prefetch >= 0 && o.fsdp_prefetch <= 2 && o.fsdp_grad_accum >= 1 &&
-                                           !o.bf16_pure),
-                "memory plan: FSDP's sharded storage with {} ranks, prefetch {}, grad_accum {}{}", o.fsdp_world,
-                o.fsdp_prefetch, o.fsdp_grad_accum, o.bf16_pure ? " and bf16-pure (not supported)" : "");
+                                           o.fsdp_prefetch >= 0 && o.fsdp_prefetch <= 2 && o.fsdp_grad_accum >= 1),
+                "memory plan: FSDP's sharded storage with {} ranks, prefetch {}, grad_accum {}", o.fsdp_world,
+                o.fsdp_prefetch, o.fsdp_grad_accum);
   using Kind = RecomputePlan::Kind;
   if (o.recompute.kind != Kind::automatic) return plan_for(c, batch, seq, device, precision, o, o.recompute);
   if (available_bytes < 0) {

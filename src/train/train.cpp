@@ -280,8 +280,11 @@ TrainResult train(const TrainConfig& cfg) {
     options.fsdp_prefetch = cfg.ddp.fsdp_prefetch;
     options.fsdp_grad_accum = cfg.ddp.grad_accum;
   }
-  FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm, "train: bf16-pure keeps no fp32 masters for data parallelism to reduce "
-                                             "and gather; use --precision bf16");
+  // bf16-pure under data parallelism: FSDP's bf16 shards are its parameters; DDP and ZeRO-1 reduce and update
+  // the fp32 masters that bf16-pure does not keep.
+  FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm || sharded,
+                "train: bf16-pure keeps no fp32 masters for DDP or ZeRO-1 to reduce and update: use --ddp fsdp (bf16 "
+                "shards), or --precision bf16");
   // The memory plan, printed before anything is allocated and refused when it cannot fit.
   const int64_t available = cfg.device == Device::cuda ? cuda_free_memory_bytes() : -1;
   const MemoryPlan plan = plan_model_memory(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options, available);

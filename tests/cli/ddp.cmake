@@ -75,13 +75,30 @@ if(NOT eff STREQUAL "NUMBER" OR NOT zero OR NOT none_dtype STREQUAL "NULL" OR NO
   message(FATAL_ERROR "json: scaling efficiency ${eff}, ZeRO-1 ${zero}, reduce_dtype ${none_dtype}, ${dtype}:\n${json}")
 endif()
 
+# The model options train takes, through the same parsing: --recompute (auto resolved per row and named in
+# the row), --head-chunk, --atomic-attention-backward; FSDP's row and the plain one.
+set(json_file ${WORKDIR}/ddp_bench_recompute.json)
+file(REMOVE ${json_file})
+run_ok("ddp-bench --recompute" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64 --context 16
+       --batch 2 --ddp fsdp --recompute blocks:1 --head-chunk 8 --atomic-attention-backward --warmup 1 --steps 2
+       --format json --out ${json_file})
+file(READ ${json_file} json)
+foreach(i 0 1)
+  string(JSON recompute GET "${json}" records ${i} recompute)
+  string(JSON status GET "${json}" records ${i} status)
+  if(NOT recompute STREQUAL "blocks:1" OR NOT status STREQUAL "ok")
+    message(FATAL_ERROR "json record ${i}: recompute ${recompute}, status ${status}:\n${json}")
+  endif()
+endforeach()
+
 # Usage errors: exit 2 with "error: ..." without mpirun; under mpirun every rank fails and so does mpirun.
 foreach(bad "train;--ddp;ring" "train;--zero;2" "train;--grad-accum;0" "ddp-bench;--ddp;ring"
             "ddp-bench;--bucket-mb;0" "ddp-bench;--zero;3" "ddp-bench;--device;cpu;--precision;bf16"
             "train;--device;cpu;--reduce-dtype;fp64" "train;--device;cpu;--nccl-max-ctas;4"
             "ddp-bench;--reduce-dtype;fp8" "ddp-bench;--device;cpu;--reduce-dtype;fp32,fp16"
             "ddp-bench;--nccl-max-ctas;0" "ddp-bench;--gemm-sm-reserve;-1" "train;--gemm-sm-reserve;x"
-            "train;--device;cpu;--gemm-sm-reserve;8")
+            "train;--device;cpu;--gemm-sm-reserve;8" "ddp-bench;--device;cpu;--precision;bf16-pure"
+            "ddp-bench;--recompute;sometimes" "ddp-bench;--head-chunk;-1")
   execute_process(COMMAND ${FLASHLM} ${bad} RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
   if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: ")
     message(FATAL_ERROR "flashlm ${bad}: exit ${rc}, expected 2 with 'error: '\nstderr: ${err}")

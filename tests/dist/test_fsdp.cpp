@@ -31,6 +31,8 @@
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
 #include "flashlm/model.h"
+#include "flashlm/train.h"
+#include "optim/optimizer.h"
 #ifdef FLASHLM_WITH_CUDA
 #include "core/cuda_runtime.h"
 #include "flashlm/device.h"
@@ -679,6 +681,213 @@ TEST(FsdpSharded, AReadBeforeTheGatherIsNaN) {
   EXPECT_EQ(std::isnan(loss), comm().world_size() > 1) << loss;
 }
 
+// ---------------------------------------------------------------------------------------------------
+// bf16-pure under FSDP: the sharded bf16 AdamW. (The CPU model runs fp32 only, so the model-level
+// bf16-pure FSDP tests are the GPU ones below; here the optimizer on the packed shards, which is the same
+// code on both devices.)
+
+// The tiny LM's layout on the CPU and FSDP's buckets over it, as DdpModel builds them.
+struct PureShards {
+  DdpParameters params;
+  std::vector<DdpBucket> buckets;
+  PureShards() {
+    params.layout = parameter_layout(lm_config());
+    params.device = Device::cpu;
+    buckets = fsdp_bucket_plan(params);
+  }
+  std::unique_ptr<ZeroOptimizer> optimizer() const {
+    auto z = std::make_unique<ZeroOptimizer>(comm(), params, buckets, false);
+    z->use_packed_storage();
+    z->use_bf16_state();
+    return z;
+  }
+};
+
+// This rank's packed elements (updated_ranges() order) of a whole array.
+template <class T>
+std::vector<T> packed_of(const ZeroOptimizer& z, const std::vector<T>& whole) {
+  std::vector<T> out;
+  for (const DdpRange& r : z.updated_ranges()) {
+    out.insert(out.end(), whole.begin() + std::ptrdiff_t(r.offset), whole.begin() + std::ptrdiff_t(r.offset + r.count));
+  }
+  return out;
+}
+
+// Step s's averaged fp32 gradients (the same on every rank, as DataParallel leaves them), fresh random values.
+std::vector<float> pure_gradients(int64_t n, int64_t step) {
+  std::mt19937 rng(uint32_t(77 + step));
+  std::normal_distribution<float> normal(0.0f, 0.05f);
+  std::vector<float> g(static_cast<size_t>(n));
+  for (float& x : g) x = normal(rng);
+  return g;
+}
+
+// The one-process bf16-pure step over the whole model: each fp32 gradient rounded to bf16 once, the norm
+// of the rounded values, cpu::adamw_step_bf16 with the clip factor.
+struct PureReference {
+  std::vector<bf16_t> w, m, v;
+  int64_t steps = 0;
+  double step(const std::vector<float>& g32, const AdamWConfig& c) {
+    std::vector<bf16_t> g(g32.size());
+    for (size_t i = 0; i < g.size(); ++i) g[i] = bf16_t(g32[i]);
+    const double norm = std::sqrt(cpu::sum_squares(g.data(), int64_t(g.size())));
+    const float gs = c.max_grad_norm > 0 && norm > c.max_grad_norm ? cpu::clip_scale(norm, c.max_grad_norm) : 1.0f;
+    cpu::adamw_step_bf16(w.data(), g.data(), m.data(), v.data(), int64_t(w.size()), kLr, c.beta1, c.beta2, c.eps,
+                         c.weight_decay, ++steps, gs);
+    return norm;
+  }
+};
+
+std::vector<uint16_t> bits_of(const std::vector<bf16_t>& x) {
+  std::vector<uint16_t> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = x[i].bits;
+  return out;
+}
+
+// Every rank's step_bf16 on its packed shard gives the one-process bf16-pure step's bits in the elements it
+// updates, at every world size: AdamW is element-wise and each gradient is rounded once either way. Without
+// clipping exactly; with clipping the norm adds the ranks' partial sums (at one rank: one sum in the
+// one-process order, so the bits again), within 1e-12 of the one-process norm, and the parameters then
+// within a bf16 step of it in the rare element whose clip factor rounds apart.
+TEST(FsdpBf16Pure, ShardedAdamWIsTheOneProcessStep) {
+  const PureShards shards;
+  const int64_t n = shards.params.flat_size();
+  for (double max_norm : {0.0, 0.05}) {
+    AdamWConfig c;
+    c.max_grad_norm = max_norm;
+    PureReference one;
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 0.02f);
+    for (int64_t i = 0; i < n; ++i) one.w.push_back(bf16_t(normal(rng)));
+    one.m.assign(size_t(n), bf16_t(0.0f));
+    one.v.assign(size_t(n), bf16_t(0.0f));
+    const auto z = shards.optimizer();
+    EXPECT_EQ(z->state_bytes(), 2 * z->shard_elements() * 2) << "two bf16 moments";
+    std::vector<bf16_t> w = packed_of(*z, one.w);
+    bool clipped = false;
+    for (int64_t s = 0; s < kSteps; ++s) {
+      const std::vector<float> g = pure_gradients(n, s);
+      const std::vector<float> mine = packed_of(*z, g);
+      const double got = z->step_bf16(w.data(), mine.data(), c, kLr);
+      const double want = one.step(g, c);
+      clipped = clipped || (max_norm > 0 && want > max_norm);
+      if (comm().world_size() == 1) EXPECT_EQ(got, want) << "step " << s;
+      else EXPECT_NEAR(got, want, 1e-12 * want) << "step " << s;
+    }
+    EXPECT_EQ(clipped, max_norm > 0) << "the clipping case must clip";
+    const std::vector<bf16_t> want = packed_of(*z, one.w);
+    if (max_norm == 0 || comm().world_size() == 1) {
+      EXPECT_EQ(bits_of(w), bits_of(want)) << "max_grad_norm " << max_norm;
+    } else {
+      size_t apart = 0;
+      for (size_t i = 0; i < w.size(); ++i) apart += w[i].bits != want[i].bits;
+      EXPECT_LE(double(apart), 1e-3 * double(w.size()));
+    }
+    // The moments as a sharded checkpoint keeps them (widened exactly) and as gathered.
+    std::vector<float> m(size_t(z->shard_elements())), v(m.size());
+    z->save_shard(m.data(), v.data());
+    const std::vector<bf16_t> want_v = packed_of(*z, one.v);
+    if (max_norm == 0) {
+      for (size_t i = 0; i < v.size(); ++i) ASSERT_EQ(bf16_t(v[i]).bits, want_v[i].bits) << "element " << i;
+      std::vector<float> gm(static_cast<size_t>(n)), gv(static_cast<size_t>(n));
+      z->gather_state(gm.data(), gv.data());
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(gm[size_t(i)], float(one.m[size_t(i)])) << "element " << i;
+    }
+  }
+}
+
+// A sharded checkpoint of the bf16 moments (widened to fp32, as a checkpoint holds them) resumes bit-exactly:
+// 3 steps, save, a fresh optimizer loads the shard, 2 more steps == 5 straight.
+TEST(FsdpBf16Pure, ShardedMomentsResumeBitExactly) {
+  const PureShards shards;
+  const int64_t n = shards.params.flat_size();
+  AdamWConfig c;
+  c.max_grad_norm = 0.05;
+  std::vector<bf16_t> start(static_cast<size_t>(n));
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  for (bf16_t& x : start) x = bf16_t(normal(rng));
+  const auto straight = shards.optimizer();
+  std::vector<bf16_t> w = packed_of(*straight, start);
+  for (int64_t s = 0; s < kSteps; ++s) straight->step_bf16(w.data(), packed_of(*straight, pure_gradients(n, s)).data(), c, kLr);
+
+  const auto first = shards.optimizer();
+  std::vector<bf16_t> w2 = packed_of(*first, start);
+  for (int64_t s = 0; s < 3; ++s) first->step_bf16(w2.data(), packed_of(*first, pure_gradients(n, s)).data(), c, kLr);
+  std::vector<float> m(size_t(first->shard_elements())), v(m.size());
+  first->save_shard(m.data(), v.data());
+  const auto resumed = shards.optimizer();
+  resumed->load_shard(m.data(), v.data(), first->steps());
+  for (int64_t s = 3; s < kSteps; ++s) resumed->step_bf16(w2.data(), packed_of(*resumed, pure_gradients(n, s)).data(), c, kLr);
+  EXPECT_EQ(bits_of(w2), bits_of(w));
+  std::vector<float> m1(m.size()), v1(m.size()), m2(m.size()), v2(m.size());
+  straight->save_shard(m1.data(), v1.data());
+  resumed->save_shard(m2.data(), v2.data());
+  EXPECT_EQ(m2, m1);
+  EXPECT_EQ(v2, v1);
+}
+
+// What a rank of bf16-pure FSDP holds by the plan: 2-byte parameter shards, fp32 gradients reduced into and
+// their bf16 rounding, 2-byte moments, every part gathered in bf16 (the embedding too), no fp32 master and
+// no fp32 accumulator of the model's own; xl at two ranks about n/2 · 6 bytes below mixed bf16 FSDP.
+TEST(FsdpBf16Pure, ThePlanCountsTwoByteShards) {
+  const ModelConfig mc = ModelConfig::named("xl", 512);
+  const auto plan = [&](int64_t world, bool pure) {
+    ModelOptions o;
+    o.bf16_pure = pure;
+    o.optimizer_shards = world;
+    o.external_parameters = true;
+    o.fsdp_world = world;
+    return plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, o);
+  };
+  const int64_t n = mc.parameter_count();
+  for (int64_t world : {int64_t{1}, int64_t{2}, int64_t{4}}) {
+    const MemoryPlan p = plan(world, true);
+    int64_t params = -1, grads = -1, moments = -1;
+    for (const MemoryPlan::Item& it : p.items) {
+      EXPECT_EQ(it.what.find("fp32 master"), std::string::npos) << it.what;
+      EXPECT_EQ(it.what.find("accumulator"), std::string::npos) << it.what;
+      if (it.what.starts_with("parameters (bf16")) params = it.bytes;
+      if (it.what.starts_with("gradients (fp32 reduced + bf16")) grads = it.bytes;
+      if (it.what.starts_with("AdamW moments (bf16")) moments = it.bytes;
+    }
+    ASSERT_GT(params, 0) << p.format();
+    EXPECT_EQ(grads, 3 * params) << "fp32 + bf16 per element";
+    EXPECT_NEAR(double(params), double(n) / double(world) * 2, 1e6) << "world " << world;
+    EXPECT_NEAR(double(moments), double(n) / double(world) * 4, 1e6) << "world " << world;
+  }
+  // Against mixed bf16 FSDP at two ranks: (4 + 2 + 4 + 8) - (2 + 6 + 4) = 6 bytes per shard element saved,
+  // and the pool's 3 buffers sized by the largest part in the type it is gathered in: mixed gathers the
+  // embedding in fp32 (10000 x 1600 x 4 bytes, larger than a layer in bf16), bf16-pure in bf16 (then a
+  // layer is the largest).
+  const int64_t saved = plan(2, false).total_bytes() - plan(2, true).total_bytes();
+  const int64_t embedding = 10000 * 1600, layer = 4 * 1600 * 1600 + 3 * 1600 * 6400 + 2 * 1600;
+  const int64_t pool = 3 * (std::max(embedding * 4, layer * 2) - std::max(embedding * 2, layer * 2));
+  EXPECT_NEAR(double(saved), double(n) / 2 * 6 + double(pool), 1e6);
+}
+
+// bf16-pure under DDP or ZeRO-1 is refused naming FSDP as the way (before anything is allocated).
+TEST(FsdpBf16Pure, DdpAndZeroOneRefuseNamingFsdp) {
+  TrainConfig cfg;
+  cfg.model = lm_config();
+  cfg.seq = kSeq;
+  cfg.batch = 1;
+  cfg.steps = 1;
+  cfg.train_data = "synthetic";
+  cfg.comm = &comm();
+  cfg.precision = DType::bf16;
+  cfg.bf16_pure = true;
+  for (bool zero1 : {false, true}) {
+    cfg.zero1 = zero1;
+    try {
+      train(cfg);
+      ADD_FAILURE() << "bf16-pure under " << (zero1 ? "ZeRO-1" : "DDP") << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("use --ddp fsdp"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // A job whose rank FLASHLM_TEST_DIE_ON_RANK exits in the middle of a step (after its backward, before the
 // update) must end: the others wait in a collective until mpirun kills them. Run by dying_rank.cmake.
 TEST(FsdpFailure, RankDiesMidStep) {
@@ -845,6 +1054,134 @@ TEST(FsdpGpu, ShardedStorageTrainsLikeFullStorage) {
       }
     }
   }
+}
+
+// bf16-pure under FSDP's sharded storage (bf16 parameter shards, no fp32 masters, fp32 reduce-scatter
+// rounded once, bf16 AdamW on the shard) against the one-process bf16-pure model on the whole batch.
+ModelOptions pure_options(bool sharded) {
+  ModelOptions o = sharded ? sharded_options() : ModelOptions{};
+  o.bf16_pure = true;
+  return o;
+}
+
+// The whole state of a bf16-pure FSDP run (widened to fp32), gathered on every rank.
+State gathered_pure(DdpModel& dp, const LanguageModel& model) {
+  const auto n = size_t(model.parameter_count());
+  State st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+  dp.save_parameters(comm(), st.params.data());
+  dp.zero()->gather_state(st.m.data(), st.v.data());
+  return st;
+}
+
+State model_state(const CudaModel& model) {
+  const auto n = size_t(model.parameter_count());
+  State st{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+  model.save_state(st.params, st.m, st.v);
+  return st;
+}
+
+// kSteps of the one-process bf16-pure model on the whole batch (no clipping: the sharded norm adds the ranks'
+// partial sums in another order), and FSDP's on this rank's rows. At one rank every loss, parameter and
+// moment is the one-process model's bit for bit (nothing is sharded: the model writes its fp32 gradients
+// straight into the shard, rounded to bf16 once as the one-process backward rounds its accumulator, and the
+// bf16 AdamW is element-wise). At more ranks the ranks' fp32 gradients are summed in fp32 and rounded once,
+// and the cut batch reorders the GEMMs' sums: within 2e-2 relative L2 (a bf16 ulp is 2^-8 of a value).
+TEST(FsdpGpu, Bf16PureTrainsLikeTheOneProcessModel) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  const ModelConfig mc = gpu_config();
+  const int64_t local = kGlobal / comm().world_size();
+  const auto at = size_t(comm().rank() * local * kSeq), count = size_t(local * kSeq);
+  AdamWConfig no_clip;
+  no_clip.max_grad_norm = 0;
+  CudaModel alone(mc, kGlobal, kSeq, DType::bf16, pure_options(false));
+  alone.init_parameters(11);
+  CudaModel sharded(mc, local, kSeq, DType::bf16, pure_options(true));
+  DdpModel dp(comm(), sharded, local * kSeq, fsdp_options(1), false);
+  ASSERT_TRUE(dp.sharded_storage());
+  EXPECT_EQ(dp.fsdp()->shard_masters(), nullptr) << "bf16-pure keeps no fp32 masters";
+  EXPECT_EQ(dp.zero()->state_bytes(), 2 * dp.zero()->shard_elements() * 2) << "bf16 moments";
+  dp.init_parameters(11);
+  for (int64_t s = 0; s < kSteps; ++s) {
+    const Batches b(mc.vocab, s);
+    alone.zero_grad();
+    const double want = alone.forward(b.x.data(), b.y.data());
+    alone.backward();
+    optimizer_step(alone, no_clip, kLr);
+    double got = dp.forward_backward(std::span(b.x).subspan(at, count), std::span(b.y).subspan(at, count));
+    comm().all_reduce(std::span<double>(&got, 1), ReduceOp::avg);
+    dp.optimizer_step(no_clip, kLr);
+    ASSERT_TRUE(std::isfinite(got)) << "step " << s << ": a freed weight was read";
+    if (comm().world_size() == 1) EXPECT_EQ(got, want) << "step " << s;
+    else EXPECT_NEAR(got, want, 1e-2 * std::abs(want)) << "step " << s;
+  }
+  const State got = gathered_pure(dp, sharded), want = model_state(alone);
+  if (comm().world_size() == 1) {
+    EXPECT_EQ(got.params, want.params);
+    EXPECT_EQ(got.m, want.m);
+    EXPECT_EQ(got.v, want.v);
+  } else {
+    EXPECT_LE(relative_l2(got.params, want.params), 2e-2);
+    EXPECT_LE(relative_l2(got.m, want.m), 2e-2);
+  }
+}
+
+// bf16-pure FSDP checkpoints: a sharded one resumes bit-exactly (3 steps, save, fresh model and load, 2 more
+// == 5 straight, with clipping); the gathered one loads into the one-process bf16-pure model exactly (bf16
+// values widened to fp32 and rounded back are the same bf16) and trains on.
+TEST(FsdpGpu, Bf16PureCheckpointsResumeBitExactly) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  const ModelConfig mc = gpu_config();
+  const int64_t local = kGlobal / comm().world_size();
+  const auto run = [&](DdpModel& dp, int64_t from, int64_t to) {
+    const auto at = size_t(comm().rank() * local * kSeq), count = size_t(local * kSeq);
+    for (int64_t s = from; s < to; ++s) {
+      const Batches b(mc.vocab, s);
+      EXPECT_TRUE(std::isfinite(dp.forward_backward(std::span(b.x).subspan(at, count),
+                                                    std::span(b.y).subspan(at, count))));
+      dp.optimizer_step(clipping_adamw(), kLr);
+    }
+  };
+  CudaModel m1(mc, local, kSeq, DType::bf16, pure_options(true));
+  DdpModel straight(comm(), m1, local * kSeq, fsdp_options(1), false);
+  straight.init_parameters(11);
+  run(straight, 0, kSteps);
+  const State want = gathered_pure(straight, m1);
+
+  std::vector<float> params, m, v;
+  State gathered;
+  {
+    CudaModel m2(mc, local, kSeq, DType::bf16, pure_options(true));
+    DdpModel first(comm(), m2, local * kSeq, fsdp_options(1), false);
+    first.init_parameters(11);
+    run(first, 0, 3);
+    const auto k = size_t(first.zero()->shard_elements());
+    params.resize(k), m.resize(k), v.resize(k);
+    first.save_shard(params.data(), m.data(), v.data());
+    gathered = gathered_pure(first, m2);
+  }
+  CudaModel m3(mc, local, kSeq, DType::bf16, pure_options(true));
+  DdpModel resumed(comm(), m3, local * kSeq, fsdp_options(1), false);
+  resumed.load_shard(params.data(), m.data(), v.data(), 3);
+  run(resumed, 3, kSteps);
+  const State got = gathered_pure(resumed, m3);
+  EXPECT_EQ(got.params, want.params) << "sharded checkpoint";
+  EXPECT_EQ(got.m, want.m) << "sharded checkpoint";
+  EXPECT_EQ(got.v, want.v) << "sharded checkpoint";
+
+  CudaModel one(mc, kGlobal, kSeq, DType::bf16, pure_options(false));
+  one.load_state(gathered.params, gathered.m, gathered.v, 3);
+  const State loaded = model_state(one);
+  EXPECT_EQ(loaded.params, gathered.params) << "gathered checkpoint in one process";
+  EXPECT_EQ(loaded.m, gathered.m);
+  EXPECT_EQ(loaded.v, gathered.v);
+  const Batches b(mc.vocab, 3);
+  one.zero_grad();
+  EXPECT_TRUE(std::isfinite(one.forward(b.x.data(), b.y.data())));
+  one.backward();
+  optimizer_step(one, clipping_adamw(), kLr);
+  EXPECT_EQ(one.optimizer_steps(), 4);
 }
 #else
 TEST(FsdpGpu, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
