@@ -91,7 +91,7 @@ enum class ALayout { rows, transposed, panels };
 //           contiguous panel, which stays in L1 while tile_gemm runs every block of rows over it. Row-major
 //           with a 512-byte row stride (the forward's 128-key tiles), a block's 32 columns of 128 rows fall in
 //           16 of the 48 KiB L1's 64 sets, 12 KiB of ways for 16 KiB (arithmetic: this VM exposes no cache
-//           counters); the forward at d128 ran 3-5% faster in panels (docs/perf.md).
+//           counters). Measured: the d128 forwards at seq 512-1024 10-14% faster (docs/perf.md, perf/cpu-attn6).
 enum class BLayout { rows, panels };
 
 // The row stride a block kernel steps A by: within a panel kGemmRows, else kLda or the runtime lda.
