@@ -8,7 +8,7 @@
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
 // converted to the accumulation type, K (and V for the backward) also transposed, tile by tile, with a
-// finiteness flag per tile. Without it each of the Nq / 64 query tiles converted and transposed every
+// finiteness flag per tile; for the forward, K transposed and V in column panels of the micro-kernel's width. Without it each of the Nq / 64 query tiles converted and transposed every
 // key tile again: at seq 4096 the forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
@@ -83,6 +83,16 @@ constexpr int64_t kGemmCols = 8;
 //               stack, and the S product ran at 85% of the FMA peak instead of 90% (docs/perf.md).
 // kLda: lda known at compile time (0: the runtime lda), for the same reason (P V's A is the S tile, 128 wide).
 enum class ALayout { rows, transposed, panels };
+
+// How a tile product's B operand (k × n) is stored:
+//   rows:   row-major, row stride ldb;
+//   panels: column panels of kGemmCols one after another (n a multiple of kGemmCols), each k × kGemmCols
+//           row-major, ldb elements from one panel to the next. A block of the micro-kernel then reads one
+//           contiguous panel, which stays in L1 while tile_gemm runs every block of rows over it. Row-major
+//           with a 512-byte row stride (the forward's 128-key tiles), a block's 32 columns of 128 rows fall in
+//           16 of the 48 KiB L1's 64 sets, 12 KiB of ways for 16 KiB (arithmetic: this VM exposes no cache
+//           counters). Measured: the d128 forwards at seq 512-1024 10-14% faster (docs/perf.md, perf/cpu-attn6).
+enum class BLayout { rows, panels };
 
 // The row stride a block kernel steps A by: within a panel kGemmRows, else kLda or the runtime lda.
 template <ALayout kLayout, int64_t kLda>
@@ -170,24 +180,39 @@ template <ALayout kLayout, class A>
 // columns for the target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles
 // are small (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify
 // (this project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
-template <ALayout kLayout = ALayout::rows, int64_t kLda = 0, class A>
+template <ALayout kLayout = ALayout::rows, int64_t kLda = 0, BLayout kBLayout = BLayout::rows, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {
-  for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) {
-    rows = kGemmRows;
-    while (rows > m - i0) rows = next_gemm_rows(rows);
+  auto block = [&](int64_t i0, int64_t rows, int64_t j0) {
     const A* a_block = kLayout == ALayout::rows         ? a + i0 * (kLda != 0 ? kLda : lda)
                        : kLayout == ALayout::transposed ? a + i0
                                                         : a + panel_row_offset(i0, k);
+    const int64_t cols = std::min(kGemmCols, n - j0);
+    const A* b_block = kBLayout == BLayout::panels ? b + j0 / kGemmCols * ldb : b + j0;
+    const int64_t b_stride = kBLayout == BLayout::panels ? kGemmCols : ldb;
+    if (cols == kGemmCols && k > 0) {
+      gemm_block_rows<kGemmRows, kLayout, kLda>(rows, k, alpha, a_block, lda, b_block, b_stride, beta,
+                                                c + i0 * ldc + j0, ldc);
+    } else {
+      gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, a_stride<kLayout, kLda>(lda), b_block, b_stride, beta,
+                               c + i0 * ldc + j0, ldc);
+    }
+  };
+  auto block_rows = [&](int64_t i0) {
+    int64_t rows = kGemmRows;
+    while (rows > m - i0) rows = next_gemm_rows(rows);
+    return rows;
+  };
+  if constexpr (kBLayout == BLayout::panels) {
+    // One panel of B (k × kGemmCols contiguous: 16 KiB at k = 128) stays in L1 while every block of rows passes
+    // over it; A, read once per panel, streams instead.
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
-      const int64_t cols = std::min(kGemmCols, n - j0);
-      if (cols == kGemmCols && k > 0) {
-        gemm_block_rows<kGemmRows, kLayout, kLda>(rows, k, alpha, a_block, lda, b + j0, ldb, beta, c + i0 * ldc + j0,
-                                                  ldc);
-      } else {
-        gemm_edge_block<kLayout>(rows, cols, k, alpha, a_block, a_stride<kLayout, kLda>(lda), b + j0, ldb, beta,
-                                 c + i0 * ldc + j0, ldc);
-      }
+      for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) block(i0, rows = block_rows(i0), j0);
+    }
+  } else {
+    for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) {
+      rows = block_rows(i0);
+      for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) block(i0, rows, j0);
     }
   }
 }
@@ -218,7 +243,9 @@ constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 template <class A>
 class PackedHeads {
  public:
-  enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3 };
+  // *_panels: in column panels of kGemmCols (BLayout::panels): rows_panels the tile × D rows, D padded with zeros
+  // to whole panels; transposed_panels the D × tile transpose (tile a multiple of kGemmCols).
+  enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3, rows_panels = 5, transposed_panels = 6 };
 
   template <class T>
   static PackedHeads pack(const TensorView& t, int64_t batch, int64_t heads, int64_t seq, int64_t D, int64_t tile,
@@ -227,8 +254,13 @@ class PackedHeads {
     out.D_ = D;
     out.tile_ = tile;
     out.tiles_ = (seq + tile - 1) / tile;
+    const bool panels = layouts & in_panels;
+    const int64_t padded_D = panels ? (D + kGemmCols - 1) / kGemmCols * kGemmCols : D;
+    out.tile_elements_ = tile * padded_D;
+    // Only one of the two layouts in panels (rows_panels or transposed_panels), so one stride.
+    out.panel_stride_ = (layouts & rows_only) ? tile * kGemmCols : D * kGemmCols;
     const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
-    const auto bytes = checked_size({tiles_all, tile, D, int64_t(sizeof(A))}, tag);
+    const auto bytes = checked_size({tiles_all, tile, padded_D, int64_t(sizeof(A))}, tag);
     if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
     if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
     // One flag per tile, every one written below. A Buffer (allocated out of line), not a std::vector:
@@ -237,7 +269,7 @@ class PackedHeads {
     out.finite_ = Buffer::allocate(size_t(tiles_all), Device::cpu, tag);
 #pragma omp parallel
     {
-      std::vector<A> row(static_cast<size_t>(D));
+      std::vector<A> row(static_cast<size_t>(padded_D));  // zeros past D
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < tiles_all; ++i) {
         const int64_t bh = i / out.tiles_, s0 = (i % out.tiles_) * tile, n = std::min(tile, seq - s0);
@@ -251,8 +283,17 @@ class PackedHeads {
           } else {
             std::fill(row.begin(), row.end(), A(0));
           }
-          if (r) std::copy(row.begin(), row.end(), r + s * D);
-          if (tr) {
+          if (r && panels) {
+            for (int64_t d0 = 0; d0 < padded_D; d0 += kGemmCols) {
+              std::copy_n(row.begin() + d0, kGemmCols, r + d0 * tile + s * kGemmCols);
+            }
+          } else if (r) {
+            std::copy_n(row.begin(), D, r + s * D);
+          }
+          if (tr && panels) {
+            A* column = tr + s / kGemmCols * (D * kGemmCols) + s % kGemmCols;
+            for (int64_t d = 0; d < D; ++d) column[d * kGemmCols] = row[size_t(d)];
+          } else if (tr) {
             for (int64_t d = 0; d < D; ++d) tr[d * tile + s] = row[size_t(d)];
           }
         }
@@ -262,17 +303,20 @@ class PackedHeads {
     return out;
   }
 
-  // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h.
+  // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h. Packed in panels, consecutive panels
+  // are panel_stride() apart.
   const A* rows(int64_t bh, int64_t t) const { return tile_at(rows_, bh * tiles_ + t); }
   const A* transposed(int64_t bh, int64_t t) const { return tile_at(transposed_, bh * tiles_ + t); }
+  int64_t panel_stride() const { return panel_stride_; }
   bool finite(int64_t bh, int64_t t) const {
     return static_cast<const uint8_t*>(finite_.data())[bh * tiles_ + t] != 0;
   }
 
  private:
-  A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_ * D_; }
+  A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_elements_; }
 
-  int64_t D_ = 0, tile_ = 0, tiles_ = 0;
+  static constexpr int in_panels = 4;
+  int64_t D_ = 0, tile_ = 0, tiles_ = 0, tile_elements_ = 0, panel_stride_ = 0;
   Buffer rows_, transposed_, finite_;
 };
 
@@ -335,17 +379,18 @@ void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, i
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
 // zero-padded width), which skips 3/8 of the products of a 128 × 128 diagonal tile.
 // Q: the query tile as stored (ALayout::rows) or in panels (Q + r0 · D is the panel of rows r0.. either way).
-template <ALayout kQLayout, class A>
-void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t width, int64_t i0, int64_t rows,
-                 int64_t j0, int64_t cols, A* S) {
+// KT in BLayout::panels (kKLayout): ldk = D · kGemmCols, the distance between panels; else ldk = width.
+template <ALayout kQLayout, BLayout kKLayout, class A>
+void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t ldk, int64_t width, int64_t i0,
+                 int64_t rows, int64_t j0, int64_t cols, A* S) {
   const int64_t D = p.head_dim;
   const A scale = static_cast<A>(p.scale);
   if (!tile_partly_masked(p, i0, j0, cols)) {
-    tile_gemm<kQLayout>(rows, cols, D, scale, Q, D, KT, width, A(0), S, width);
+    tile_gemm<kQLayout, 0, kKLayout>(rows, cols, D, scale, Q, D, KT, ldk, A(0), S, width);
   } else {
     for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
       const int64_t n = std::min(width, (seen + kGemmCols - 1) / kGemmCols * kGemmCols);
-      tile_gemm<kQLayout>(block_rows, n, D, scale, Q + r0 * D, D, KT, width, A(0), S + r0 * width, width);
+      tile_gemm<kQLayout, 0, kKLayout>(block_rows, n, D, scale, Q + r0 * D, D, KT, ldk, A(0), S + r0 * width, width);
     });
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -370,7 +415,7 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     const int64_t cols = std::min(kForwardBlockK, key_end - j0);
     const A *KT = k.transposed(bhk, j0 / kForwardBlockK), *V = v.rows(bhk, j0 / kForwardBlockK);
     const bool v_finite = v.finite(bhk, j0 / kForwardBlockK);
-    tile_scores<ALayout::panels>(p, Q, KT, kForwardBlockK, i0, rows, j0, cols, S);
+    tile_scores<ALayout::panels, BLayout::panels>(p, Q, KT, k.panel_stride(), kForwardBlockK, i0, rows, j0, cols, S);
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kForwardBlockK;
@@ -395,16 +440,22 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
     }
+    const int64_t ldv = v.panel_stride();  // V in panels of kGemmCols of its D columns
     if (v_finite && !tile_partly_masked(p, i0, j0, cols)) {
-      tile_gemm<ALayout::rows, kForwardBlockK>(rows, D, cols, A(1), S, kForwardBlockK, V, D, A(1), acc, D);  // acc += P V
+      tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(rows, D, cols, A(1), S, kForwardBlockK, V, ldv, A(1),
+                                                                acc, D);  // acc += P V
     } else if (v_finite) {  // on the causal diagonal: each block of queries sums over the keys it sees
       for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
-        tile_gemm<ALayout::rows, kForwardBlockK>(block_rows, D, seen, A(1), S + r0 * kForwardBlockK, kForwardBlockK, V,
-                                                 D, A(1), acc + r0 * D, D);
+        tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(block_rows, D, seen, A(1), S + r0 * kForwardBlockK,
+                                                                  kForwardBlockK, V, ldv, A(1), acc + r0 * D, D);
       });
-    } else {
+    } else {  // only the visible pairs, one value element at a time (V[c][d] in panel d / kGemmCols)
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) axpy(S[r * kForwardBlockK + c], V + c * D, acc + r * D, D);
+        A* a = acc + r * D;
+        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) {
+          const A weight = S[r * kForwardBlockK + c];
+          for (int64_t d = 0; d < D; ++d) a[d] += weight * V[d / kGemmCols * ldv + c * kGemmCols + d % kGemmCols];
+        }
       }
     }
   }
@@ -425,10 +476,11 @@ template <class T, class A>
 void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
              const TensorView& o, const TensorView& lse) {
   const int64_t D = p.head_dim;
+  static_assert(kForwardBlockK % kGemmCols == 0, "the packed K tile's panels must cover its keys");
   const auto K = PackedHeads<A>::template pack<T>(k, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
-                                                  PackedHeads<A>::transposed_only, "flash forward packed K");
+                                                  PackedHeads<A>::transposed_panels, "flash forward packed K");
   const auto V = PackedHeads<A>::template pack<T>(v, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
-                                                  PackedHeads<A>::rows_only, "flash forward packed V");
+                                                  PackedHeads<A>::rows_panels, "flash forward packed V");
   const int64_t q_tiles = (p.seq_q + kForwardBlockQ - 1) / kForwardBlockQ;
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
 #pragma omp parallel
@@ -453,7 +505,7 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, 
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
                             A* dS) {
   const int64_t D = p.head_dim;
-  tile_scores<ALayout::rows>(p, Q, KT, kBlockK, i0, rows, j0, cols, S);
+  tile_scores<ALayout::rows, BLayout::rows>(p, Q, KT, kBlockK, kBlockK, i0, rows, j0, cols, S);
   tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;

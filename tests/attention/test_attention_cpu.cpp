@@ -201,6 +201,41 @@ TEST(FlashCpu, FullyMaskedRowsGiveZeroOutputNegInfLseAndZeroGradients) {
   }
 }
 
+// A NaN in a value row sends its key tile through the forward's per-pair fallback (P V over the visible pairs
+// only): the rows that do not see it, and the other columns of those that do, must still match the fp64 oracle,
+// at a head dim that is not a whole
+// number of the micro-kernel's column panels (the packed V tile padded), under every instruction-set variant.
+TEST(FlashCpu, RowsNotSeeingANanValueMatchTheOracleThroughThePerPairFallback) {
+  const Case c{1, 150, 150, 2, 1, 48, Layout::bshd, Mask::top_left, DType::f32};
+  constexpr int64_t kNanKey = 100, kNanDim = 5;  // queries 0..99 do not see it; 100.. get NaN in column 5 only
+  const std::string chosen = cpu_kernel_isa();
+  for (const std::string& isa : runnable_cpu_kernel_isas()) {
+    SCOPED_TRACE("CPU kernels: " + isa);
+    use_cpu_kernel_isa(isa);
+    Problem ours(c, c.layout, c.dtype, 77);
+    const TensorView& v = ours.v.view;
+    v.ptr<float>()[kNanKey * v.stride(1) + kNanDim] = std::numeric_limits<float>::quiet_NaN();
+    ours.run(options_for(c.mask, AttentionImpl::flash));
+    Problem ref(ours, c);
+    ref.run(options_for(c.mask, AttentionImpl::naive));
+    const TensorView &got = ours.o.view, &want = ref.o.view;
+    for (int64_t i = 0; i < c.Nq; ++i) {
+      for (int64_t h = 0; h < c.Hq; ++h) {
+        for (int64_t d = 0; d < c.D; ++d) {
+          const float g = got.ptr<float>()[i * got.stride(1) + h * got.stride(2) + d];
+          const double w = want.ptr<double>()[i * want.stride(1) + h * want.stride(2) + d];
+          if (i >= kNanKey && d == kNanDim) {
+            EXPECT_TRUE(std::isnan(g)) << "o[" << i << "][" << h << "][" << d << "]";
+          } else {
+            EXPECT_NEAR(g, w, 1e-5) << "o[" << i << "][" << h << "][" << d << "]";
+          }
+        }
+      }
+    }
+  }
+  use_cpu_kernel_isa(chosen);
+}
+
 // The softmax's fp32 exp against libm's fp64 exp: a few ulp over its whole range (random arguments, the
 // clamp and rounding boundaries), and the special values SPEC §2's masking relies on.
 TEST(CpuSimd, ExpFp32MatchesLibmWithinAFewUlp) {
