@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19 in ONE device call on nvidia-h200-x2 (two H200s of one host): the FSDP/DDP tests under mpirun
+# Issue 19 in one run on a host with two H200s: the FSDP/DDP tests under mpirun
 # -np 2, the CS336 leaderboard step on two GPUs beside PyTorch FSDP2, xl scaling beside PyTorch DDP/FSDP2,
 # and the comparison tables.
 #   scripts/gpu-two.sh BIN_DIR OUT_DIR [tests leaderboard peer xl one lbbench]
