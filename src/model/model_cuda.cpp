@@ -203,12 +203,16 @@ struct CudaModel::Impl {
   }
   float* master(const std::string& name) const { return stored(name).master; }
   float* grad(const std::string& name) const { return stored(name).grad; }
-  // The fp32 RMSNorm gain the norm kernels read: the master, or (bf16-pure) its widened copy.
+  // The fp32 RMSNorm gain the norm kernels read: the master, or (bf16-pure) its widened copy. Under FSDP's
+  // sharded storage a gain's bf16 value is resident only while its part is gathered, which is when the
+  // forward or backward asks for it, so it is widened here, on the stream, instead of in refresh_gains.
   const float* gain(const std::string& name) const {
     if (!pure) return master(name);
     const auto it = gain_row.find(name);
     FLASHLM_CHECK(it != gain_row.end(), "CudaModel: '{}' is not an RMSNorm gain", name);
-    return static_cast<const float*>(gains_f32.data()) + it->second * c.d_model;
+    float* row = static_cast<float*>(gains_f32.data()) + it->second * c.d_model;
+    if (options.external_parameters) gpu::cast_to_f32<bf16_t>(pure_param(name), row, c.d_model, stream);
+    return row;
   }
   const float* rope_cos() const { return static_cast<const float*>(rope.data()); }
   const float* rope_sin() const { return rope_cos() + c.context * (c.head_dim() / 2); }
@@ -351,7 +355,7 @@ struct CudaModel::Impl {
   }
   // bf16-pure: the widened RMSNorm gains the norm kernels read, after the parameters changed.
   void refresh_gains() const {
-    if (!pure) return;
+    if (!pure || options.external_parameters) return;  // sharded storage: gain() widens each at its use
     auto* out = static_cast<float*>(gains_f32.data());
     for (const auto& [name, row] : gain_row) {
       gpu::cast_to_f32<bf16_t>(pure_param(name), out + row * c.d_model, c.d_model, stream);
