@@ -5,28 +5,21 @@ set(mpi2 ${MPIRUN} ${MPIRUN_FLAGS} -np 2)
 set(tiny --device cpu --model tiny --vocab 64 --context 16 --batch 2 --eval-every 0 --eval-batches 1
          --ddp bucketed --bucket-mb 0.01 --grad-accum 2 --zero 1)
 
-function(run_ok what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${what}: exit ${rc}\nstdout: ${out}\nstderr: ${err}")
-  endif()
-  set(out "${out}" PARENT_SCOPE)
-  set(err "${err}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/flashlm_commands.cmake)
 
 # 6 steps in one go, and 3 steps then a resumed 3: the same checkpoint, byte for byte.
 set(full ${WORKDIR}/ddp_full.ckpt)
 set(half ${WORKDIR}/ddp_half.ckpt)
 file(REMOVE ${full} ${half})
-run_ok("train 6 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 6 --cosine-steps 6 --log-every 1 --checkpoint ${full})
+run_command_ok("train 6 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 6 --cosine-steps 6 --log-every 1 --checkpoint ${full})
 string(REGEX MATCHALL "step +6/6 \\| loss" last_lines "${out}")
 list(LENGTH last_lines n_last)
 if(NOT n_last EQUAL 1 OR NOT out MATCHES "data parallel: 2 rank\\(s\\) x 2 sequences x grad_accum 2; DDP bucketed"
    OR NOT out MATCHES "ZeRO-1: [0-9.]+ MiB of AdamW state per rank")
   message(FATAL_ERROR "expected rank 0's progress once, with the data-parallel line:\n${out}")
 endif()
-run_ok("train 3 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 3 --cosine-steps 6 --checkpoint ${half})
-run_ok("resume to 6 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 6 --cosine-steps 6 --checkpoint ${half} --resume)
+run_command_ok("train 3 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 3 --cosine-steps 6 --checkpoint ${half})
+run_command_ok("resume to 6 steps" ${mpi2} ${FLASHLM} train ${tiny} --steps 6 --cosine-steps 6 --checkpoint ${half} --resume)
 file(SHA256 ${full} full_hash)
 file(SHA256 ${half} half_hash)
 if(NOT full_hash STREQUAL half_hash)
@@ -41,7 +34,7 @@ endif()
 
 set(json_file ${WORKDIR}/ddp_bench.json)
 file(REMOVE ${json_file})
-run_ok("ddp-bench" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64 --context 16 --batch 2
+run_command_ok("ddp-bench" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64 --context 16 --batch 2
        --bucket-mb 0.01,1 --reduce-dtype fp32 --zero 0,1 --warmup 1 --steps 2 --format json --out ${json_file})
 string(REGEX MATCHALL "\\| *variant *\\| *bucket MB *\\| *all-reduce in *\\|" headers "${out}")
 list(LENGTH headers n_headers)
@@ -79,7 +72,7 @@ endif()
 # the row), --head-chunk, --atomic-attention-backward; FSDP's row and the plain one.
 set(json_file ${WORKDIR}/ddp_bench_recompute.json)
 file(REMOVE ${json_file})
-run_ok("ddp-bench --recompute" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64 --context 16
+run_command_ok("ddp-bench --recompute" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64 --context 16
        --batch 2 --ddp fsdp --recompute blocks:1 --head-chunk 8 --atomic-attention-backward --warmup 1 --steps 2
        --format json --out ${json_file})
 file(READ ${json_file} json)
