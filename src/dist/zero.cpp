@@ -594,8 +594,8 @@ void copy_floats(float* dst, const float* src, int64_t count, Device device_of_s
 
 void values_to_host(float* host, const void* src, int64_t count, bool bf16, Device device) {
   if (!bf16) return copy_floats(host, static_cast<const float*>(src), count, device);
-  std::vector<bf16_t> staged(static_cast<size_t>(count));
   if (count == 0) return;
+  std::vector<bf16_t> staged(static_cast<size_t>(count));
   if (device == Device::cpu) std::memcpy(staged.data(), src, staged.size() * sizeof(bf16_t));
 #ifdef FLASHLM_WITH_CUDA
   else cuda_copy(staged.data(), src, staged.size() * sizeof(bf16_t));
