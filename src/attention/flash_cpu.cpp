@@ -222,7 +222,7 @@ template <class A>
 class Scratch {
  public:
   Scratch(int64_t elements, std::string_view tag)
-      : buffer_(Buffer::allocate(static_cast<size_t>(elements) * sizeof(A), Device::cpu, tag)) {}
+      : buffer_(Buffer::allocate_reused(static_cast<size_t>(elements) * sizeof(A), tag)) {}
   std::span<A> take(int64_t n) {
     std::span<A> s(static_cast<A*>(buffer_.data()) + used_, static_cast<size_t>(n));
     used_ += n;
@@ -261,12 +261,12 @@ class PackedHeads {
     out.panel_stride_ = (layouts & rows_only) ? tile * kGemmCols : D * kGemmCols;
     const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
     const auto bytes = checked_size({tiles_all, tile, padded_D, int64_t(sizeof(A))}, tag);
-    if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
-    if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
+    if (layouts & rows_only) out.rows_ = Buffer::allocate_reused(bytes, tag);
+    if (layouts & transposed_only) out.transposed_ = Buffer::allocate_reused(bytes, tag);
     // One flag per tile, every one written below. A Buffer (allocated out of line), not a std::vector:
     // a std template instantiated here is a weak symbol compiled for this copy's instruction set, which
     // the linker may hand to the baseline copy (attention.cpu_kernel_objects checks).
-    out.finite_ = Buffer::allocate(size_t(tiles_all), Device::cpu, tag);
+    out.finite_ = Buffer::allocate_reused(size_t(tiles_all), tag);
 #pragma omp parallel
     {
       std::vector<A> row(static_cast<size_t>(padded_D));  // zeros past D
@@ -525,8 +525,8 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   const A scale = static_cast<A>(p.scale);
 
   // Delta_i = rowsum(dO_i ∘ O_i): one number per query row, O(seq) memory.
-  Buffer delta_buffer = Buffer::allocate(static_cast<size_t>(p.batch * p.heads_q * Nq) * sizeof(A), Device::cpu,
-                                         "flash backward Delta");
+  Buffer delta_buffer =
+      Buffer::allocate_reused(static_cast<size_t>(p.batch * p.heads_q * Nq) * sizeof(A), "flash backward Delta");
   A* delta_all = static_cast<A*>(delta_buffer.data());
 #pragma omp parallel
   {
@@ -563,9 +563,9 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   Buffer partial_buffer;
   A* partial = nullptr;  // [batch, heads_q, 2 (dK, dV), Nk, D] when grouped
   if (grouped) {
-    partial_buffer = Buffer::allocate(checked_size({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))},
-                                                    "flash backward dK/dV partials"),
-                                      Device::cpu, "flash backward dK/dV partials");
+    partial_buffer = Buffer::allocate_reused(checked_size({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))},
+                                                           "flash backward dK/dV partials"),
+                                             "flash backward dK/dV partials");
     partial = static_cast<A*>(partial_buffer.data());
   }
 #pragma omp parallel
