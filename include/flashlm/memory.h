@@ -66,6 +66,7 @@ class Buffer {
   void* stream_ = nullptr;  // set for stream-ordered allocations
   bool stream_ordered_ = false;
   bool reused_ = false;     // from allocate_reused: released into the host block cache
+  size_t capacity_ = 0;     // allocate_reused: the block's size, at least bytes_ (a cached block may be larger)
   std::string tag_;         // for the allocation timeline
 };
 

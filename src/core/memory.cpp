@@ -103,19 +103,19 @@ void* host_alloc_or_throw(size_t bytes, std::string_view tag) {
   return data;
 }
 
-// The smallest cached block of at least `capacity` bytes, taken out of the cache; nullptr if none.
-void* take_cached_block(size_t capacity) {
+// The smallest cached block of at least `capacity` bytes, taken out of the cache ({nullptr, 0} if none).
+CachedBlock take_cached_block(size_t capacity) {
   HostBlockCache& cache = host_block_cache();
   std::lock_guard<std::mutex> lock(cache.mutex);
   auto best = cache.blocks.end();
   for (auto it = cache.blocks.begin(); it != cache.blocks.end(); ++it) {
     if (it->capacity >= capacity && (best == cache.blocks.end() || it->capacity < best->capacity)) best = it;
   }
-  if (best == cache.blocks.end()) return nullptr;
-  void* data = best->data;
-  cache.bytes -= best->capacity;
+  if (best == cache.blocks.end()) return {nullptr, 0};
+  const CachedBlock block = *best;
+  cache.bytes -= block.capacity;
   cache.blocks.erase(best);
-  return data;
+  return block;
 }
 
 void cache_or_free_block(void* data, size_t capacity) {
@@ -199,8 +199,9 @@ Buffer Buffer::allocate_reused(size_t bytes, std::string_view tag) {
   b.tag_ = std::string(tag);
   b.reused_ = true;
   if (bytes == 0) return b;
-  b.data_ = take_cached_block(host_capacity(bytes));
-  if (!b.data_) b.data_ = host_alloc_or_throw(bytes, tag);
+  const CachedBlock cached = take_cached_block(host_capacity(bytes));
+  b.data_ = cached.data ? cached.data : host_alloc_or_throw(bytes, tag);
+  b.capacity_ = cached.data ? cached.capacity : host_capacity(bytes);
   count_alloc(Device::cpu, static_cast<int64_t>(bytes), b.tag_);
   return b;
 }
@@ -227,6 +228,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     stream_ = o.stream_;
     stream_ordered_ = o.stream_ordered_;
     reused_ = o.reused_;
+    capacity_ = o.capacity_;
     tag_ = std::move(o.tag_);
     o.data_ = nullptr;
     o.bytes_ = 0;
@@ -237,7 +239,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 void Buffer::release() {
   if (!data_) return;
   if (reused_) {
-    cache_or_free_block(data_, host_capacity(bytes_));
+    cache_or_free_block(data_, capacity_);
   } else if (device_ == Device::cpu) {
     std::free(data_);
   } else if (stream_ordered_) {
