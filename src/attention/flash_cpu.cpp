@@ -51,11 +51,14 @@ namespace {
 
 constexpr int64_t kBlockQ = 64;  // the backward's tiles (128-key tiles there measured within the noise)
 constexpr int64_t kBlockK = 64;
-// The forward's tiles, chosen by a sweep (docs/perf.md): 128 queries, so the K and V of a head stream through
-// the cache half as often, and 128 keys, so the per-row softmax work (max, rescale, sum) is spread over
-// twice the columns. The forward keeps S, P and the output accumulator per query; the backward also dS.
-constexpr int64_t kForwardBlockQ = 128;
-constexpr int64_t kForwardBlockK = 128;
+// The forward's tiles: 256 queries × 512 keys, torch's CPU flash attention's split for sequences of 768 and more.
+// Against 128 × 128 (docs/perf.md, perf/cpu-attn7) the per-row softmax bookkeeping (row max fold, rescale of the
+// accumulator row, running sums) and P V's accumulator loads and stores come a quarter as often: the seq-4096
+// forwards 2-5% faster, the shorter ones unchanged. S (512 KiB) and the accumulator (256 KiB at d128) live in
+// the 2 MiB L2 either way; a 512-key V panel (64 KiB) no longer fits L1 but measured no slower than 256 keys.
+// The forward keeps S, P and the output accumulator per query; the backward also dS.
+constexpr int64_t kForwardBlockQ = 256;
+constexpr int64_t kForwardBlockK = 512;
 
 // The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
 // AVX-512 gives 32 registers, 12 of 8 (AVX2) or of 4 (SSE2) where there are 16 (enough independent FMA chains
@@ -89,7 +92,7 @@ enum class ALayout { rows, transposed, panels };
 //   panels: column panels of kGemmCols one after another (n a multiple of kGemmCols), each k × kGemmCols
 //           row-major, ldb elements from one panel to the next. A block of the micro-kernel then reads one
 //           contiguous panel, which stays in L1 while tile_gemm runs every block of rows over it. Row-major
-//           with a 512-byte row stride (the forward's 128-key tiles), a block's 32 columns of 128 rows fall in
+//           with a 512-byte row stride (the forward's 128-key K tiles of then), a block's 32 columns of 128 rows fall in
 //           16 of the 48 KiB L1's 64 sets, 12 KiB of ways for 16 KiB (arithmetic: this VM exposes no cache
 //           counters). Measured: the d128 forwards at seq 512-1024 10-14% faster (docs/perf.md, perf/cpu-attn6).
 enum class BLayout { rows, panels };
@@ -204,8 +207,8 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
     return rows;
   };
   if constexpr (kBLayout == BLayout::panels) {
-    // One panel of B (k × kGemmCols contiguous: 16 KiB at k = 128) stays in L1 while every block of rows passes
-    // over it; A, read once per panel, streams instead.
+    // One panel of B (k × kGemmCols contiguous: 16 KiB for K at d128) stays in L1 while every block of rows passes
+    // over it; A, read once per panel, streams instead. (V's panels of 512 keys, 64 KiB, are read from L2.)
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) block(i0, rows = block_rows(i0), j0);
     }
@@ -377,7 +380,7 @@ void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, i
 // S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
 // key tile transposed (head_dim × width); S is rows × width. On the causal diagonal each block of kGemmRows
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
-// zero-padded width), which skips 3/8 of the products of a 128 × 128 diagonal tile.
+// zero-padded width), which skips 3/8 of the products of a square diagonal tile.
 // Q: the query tile as stored (ALayout::rows) or in panels (Q + r0 · D is the panel of rows r0.. either way).
 // KT in BLayout::panels (kKLayout): ldk = D · kGemmCols, the distance between panels; else ldk = width.
 template <ALayout kQLayout, BLayout kKLayout, class A>
