@@ -495,7 +495,10 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
     A* l = w.take(kForwardBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t tile = t % q_tiles, bh = t / q_tiles;
+      // Head by head (the head's K and V stay in cache from one task to the next: tile-major order ran the
+      // seq-4096 causal forward 4% slower on one thread), each head's last query tile first: under a causal mask
+      // it sees the most keys, so the short tiles come last and even out the threads' ends.
+      const int64_t tile = q_tiles - 1 - t % q_tiles, bh = t / q_tiles;
       forward_task<T, A>(p, q, K, V, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kForwardBlockQ, Q, S, acc, m, l);
     }
   }
