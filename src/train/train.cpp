@@ -37,6 +37,7 @@ CheckpointHeader run_header(const TrainConfig& cfg, const LanguageModel& model, 
   h.parameter_count = model.parameter_count();
   h.precision = model.precision();
   h.bf16_pure = model.bf16_pure();
+  h.optimizer_state = model.optimizer_state();
   h.world_size = cfg.comm ? cfg.comm->world_size() : 1;
   h.grad_accum = cfg.ddp.grad_accum;
   return h;
@@ -266,6 +267,8 @@ TrainResult train(const TrainConfig& cfg) {
   options.attention = cfg.attention;
   options.recompute = cfg.recompute;
   options.bf16_pure = cfg.bf16_pure;
+  options.optimizer_state = cfg.optimizer_state;
+  options.moment_rounding_seed = cfg.seed;
   options.head_chunk = cfg.head_chunk;
   options.deterministic = cfg.deterministic;
   options.cuda_graph = cfg.cuda_graph;
