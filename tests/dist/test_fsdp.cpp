@@ -888,6 +888,34 @@ TEST(FsdpBf16Pure, DdpAndZeroOneRefuseNamingFsdp) {
   }
 }
 
+// bf16 moments beside fp32 masters are the model's own AdamW's: ZeRO-1 and FSDP, whose ZeroOptimizer keeps
+// fp32 moment shards, refuse them by name; plain DDP (each rank steps its own model) trains with them.
+TEST(DdpBf16Moments, ZeroOneAndFsdpRefuseAndDdpTrains) {
+  TrainConfig cfg;
+  cfg.model = lm_config();
+  cfg.seq = kSeq;
+  cfg.batch = 1;
+  cfg.steps = 2;
+  cfg.train_data = "synthetic";
+  cfg.comm = &comm();
+  cfg.optimizer_state = OptimizerState::bf16;
+  for (const bool fsdp : {false, true}) {
+    TrainConfig c = cfg;
+    c.zero1 = !fsdp;
+    if (fsdp) c.ddp.variant = DdpVariant::fsdp;
+    try {
+      train(c);
+      ADD_FAILURE() << "bf16 moments under " << (fsdp ? "FSDP" : "ZeRO-1") << " were accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--optimizer-state bf16 is the model's own AdamW's; ZeRO-1 and FSDP "
+                                           "shard fp32 moments"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(train(cfg).last_step, 2);
+}
+
 // A job whose rank FLASHLM_TEST_DIE_ON_RANK exits in the middle of a step (after its backward, before the
 // update) must end: the others wait in a collective until mpirun kills them. Run by dying_rank.cmake.
 TEST(FsdpFailure, RankDiesMidStep) {
