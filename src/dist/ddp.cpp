@@ -813,7 +813,9 @@ DdpMemory DdpModel::memory() const {
   }
   mem.model_buffers = fsdp_ && fsdp_->sharded() ? mem.parameters + mem.gradients + fsdp_->buffer_bytes()
                                                 : n * (2 * f32 + working);
-  mem.optimizer_state = zero_ ? zero_->state_bytes() : 2 * n * f32;
+  // Without a sharded optimizer the model's own moments: fp32, or bf16 (ModelOptions::optimizer_state).
+  const int64_t moment = model_.optimizer_state() == OptimizerState::fp32 ? f32 : int64_t(sizeof(bf16_t));
+  mem.optimizer_state = zero_ ? zero_->state_bytes() : 2 * n * moment;
   return mem;
 }
 
