@@ -30,7 +30,8 @@ def main():
     ap.add_argument("--csv")
     a = ap.parse_args()
     runs = {os.path.basename(p)[:-6]: read_log(p) for p in sorted(glob.glob(os.path.join(a.dir, "*.jsonl")))}
-    runs = {name: run for name, run in runs.items() if run[1]}  # finished runs only (they end evaluating)
+    # Finished runs only: they end with an evaluation at their last step.
+    runs = {name: run for name, run in runs.items() if run[1] and run[1][-1][0] == max(run[0])}
     print("| run | final val loss | train loss, last 50 steps | mean \\|Δ\\| vs fp32 | max \\|Δ\\| vs fp32 |")
     print("|---|---|---|---|---|")
     for name, (train, val) in runs.items():
