@@ -362,10 +362,14 @@ TrainResult train(const TrainConfig& cfg) {
   if (!cfg.checkpoint.empty()) check_run_checkpoint_writable(cfg);
   MetricsLog metrics(root ? cfg.metrics_log : std::string());
   result.first_step = step;
-  say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}; data: {} ({} train tokens); "
+  say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}{}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
                   model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
-                  device_name(cfg.device), precision_name(cfg.precision, cfg.bf16_pure), data.train_name,
+                  device_name(cfg.device), precision_name(cfg.precision, cfg.bf16_pure),
+                  cfg.optimizer_state == OptimizerState::fp32
+                      ? std::string()
+                      : fmt::format(" with {} AdamW moments", optimizer_state_name(cfg.optimizer_state)),
+                  data.train_name,
                   data.train.size(), cfg.batch, cfg.seq,
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)
                                               : std::string()));
