@@ -241,6 +241,16 @@ void add_optimizer_state_option(CLI::App* cmd, std::string& value) {
       ->check(CLI::IsMember({"fp32", "bf16", "bf16-sr"}));
 }
 
+// The value of --optimizer-state (its choices checked by CLI11); a usage error beside bf16-pure, whose moments
+// are bf16 already (the model's own check, ModelOptions::check_optimizer_state, would fail later, as exit 1).
+flashlm::OptimizerState parse_optimizer_state_option(const std::string& value, bool bf16_pure) {
+  const flashlm::OptimizerState state = flashlm::parse_optimizer_state(value);
+  if (bf16_pure && state != flashlm::OptimizerState::fp32) {
+    throw UsageError("--optimizer-state: bf16-pure keeps its moments in bf16 already; it is for fp32 master weights");
+  }
+  return state;
+}
+
 // --cuda-graph on|off for the commands that run train steps (ModelOptions::cuda_graph).
 void add_cuda_graph_option(CLI::App* cmd, std::string& value) {
   cmd->add_option("--cuda-graph", value,
@@ -679,10 +689,7 @@ int run_train_command(const TrainArgs& a) {
   TrainConfig cfg;
   resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.bf16_pure);
   cfg.recompute = parse_recompute_option(a.recompute);
-  cfg.optimizer_state = parse_optimizer_state(a.optimizer_state);
-  if (cfg.bf16_pure && cfg.optimizer_state != OptimizerState::fp32) {
-    throw UsageError("--optimizer-state: bf16-pure keeps its moments in bf16 already; it is for fp32 master weights");
-  }
+  cfg.optimizer_state = parse_optimizer_state_option(a.optimizer_state, cfg.bf16_pure);
   cfg.head_chunk = a.head_chunk;
   cfg.deterministic = !a.atomic_backward;
   cfg.cuda_graph = a.cuda_graph == "on";
@@ -890,10 +897,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   ReportFormat format;
   resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.bf16_pure);
   cfg.recompute = parse_recompute_option(a.recompute);
-  cfg.optimizer_state = parse_optimizer_state(a.optimizer_state);
-  if (cfg.bf16_pure && cfg.optimizer_state != OptimizerState::fp32) {
-    throw UsageError("--optimizer-state: bf16-pure keeps its moments in bf16 already; it is for fp32 master weights");
-  }
+  cfg.optimizer_state = parse_optimizer_state_option(a.optimizer_state, cfg.bf16_pure);
   cfg.head_chunk = a.head_chunk;
   cfg.deterministic = !a.atomic_backward;
   try {

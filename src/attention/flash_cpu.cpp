@@ -8,8 +8,9 @@
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
 // converted to the accumulation type, K (and V for the backward) also transposed, tile by tile, with a
-// finiteness flag per tile; for the forward, K transposed and V in column panels of the micro-kernel's width. Without it each of the Nq / 64 query tiles converted and transposed every
-// key tile again: at seq 4096 the forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
+// finiteness flag per tile; for the forward, K transposed and V in column panels of the micro-kernel's width.
+// Without it each of the Nq / 64 query tiles converted and transposed every key tile again: at seq 4096 the
+// forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
 //

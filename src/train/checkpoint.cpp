@@ -148,10 +148,11 @@ CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, 
   else f.bad("precision", "\"fp32\", \"bf16\", \"fp16\" or \"bf16-pure\"");
   if (j.contains("optimizer_state")) {
     const std::string state = f.string("optimizer_state");
-    if (state == "fp32") h.optimizer_state = OptimizerState::fp32;
-    else if (state == "bf16") h.optimizer_state = OptimizerState::bf16;
-    else if (state == "bf16-sr") h.optimizer_state = OptimizerState::bf16_sr;
-    else f.bad("optimizer_state", "\"fp32\", \"bf16\" or \"bf16-sr\"");
+    bool known = false;
+    for (OptimizerState s : {OptimizerState::fp32, OptimizerState::bf16, OptimizerState::bf16_sr}) {
+      if (state == optimizer_state_name(s)) h.optimizer_state = s, known = true;
+    }
+    if (!known) f.bad("optimizer_state", "\"fp32\", \"bf16\" or \"bf16-sr\"");
   }
   h.loss_scale = f.positive_number("loss_scale");
   // Absent in the format-2 files written before the field existed: those resume with a fresh count.
