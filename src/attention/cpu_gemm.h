@@ -7,9 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "core/cpu_simd.h"  // the intrinsics headers where the target has them
 
 namespace flashlm {
 inline namespace FLASHLM_CPU_KERNELS_NS {  // one copy per instruction set (attention/flash_cpu.cpp)
