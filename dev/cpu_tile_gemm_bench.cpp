@@ -16,11 +16,10 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX__)
-#include <immintrin.h>
+#include "attention/cpu_gemm.h"  // and through core/cpu_simd.h the AVX-512 intrinsics, with its GCC 12 warning guard
+#if defined(__AVX__) && !defined(__AVX512F__)
+#include <immintrin.h>  // the AVX2 FMA peak loop
 #endif
-
-#include "attention/cpu_gemm.h"
 #include "attention/cpu_rows.h"
 
 namespace {
@@ -85,42 +84,6 @@ double fma_peak_gflops(int rounds) {
   return 2.0 * kLanes * 16 * double(kIters) / s * 1e-9;
 #endif
 }
-
-#if defined(__AVX512F__)
-inline __m512 exp_v2(__m512 v) {
-  using namespace flashlm::FLASHLM_CPU_KERNELS_NS::exp_fp32_detail;
-  const __m512 floor = _mm512_set1_ps(-87.3f);
-  const __m512 x = _mm512_max_ps(floor, v);
-  const __mmask16 normal = _mm512_cmp_ps_mask(v, floor, _CMP_NLT_UQ);
-  const __m512 kr = _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(kRound));
-  const __m512 k = _mm512_sub_ps(kr, _mm512_set1_ps(kRound));
-  const __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x));
-  __m512 q = _mm512_fmadd_ps(_mm512_set1_ps(0.0013836845755577087f), r, _mm512_set1_ps(0.008374815806746483f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.04166822507977486f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.16666419804096222f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(0.49999991059303284f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(normal, q, k);
-}
-inline float exp_shifted_sum_v2(float* x, int64_t n, float shift) {
-  const __m512 s = _mm512_set1_ps(shift);
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  auto exp_at = [&](int64_t i) {
-    const __m512 e = exp_v2(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
-    _mm512_storeu_ps(x + i, e);
-    return e;
-  };
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    s0 = _mm512_add_ps(s0, exp_at(i));
-    s1 = _mm512_add_ps(s1, exp_at(i + 16));
-    s2 = _mm512_add_ps(s2, exp_at(i + 32));
-    s3 = _mm512_add_ps(s3, exp_at(i + 48));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
-}
-#endif
 
 std::vector<float> random_floats(int64_t n, std::mt19937& rng) {
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
@@ -220,43 +183,9 @@ int main(int argc, char** argv) {
     std::copy(scores.begin(), scores.end(), s.begin());
     softmax_rows();
   });
-  std::vector<float> m_next(static_cast<size_t>(kTileQ));
-  auto softmax_rows2 = [&] {
-    for (int64_t r = 0; r < kTileQ; ++r) m_next[size_t(r)] = std::max(m[size_t(r)], row_max_skipping_nan(s.data() + r * kTileK, kTileK));
-    for (int64_t r = 0; r < kTileQ; ++r) {
-      float* row = s.data() + r * kTileK;
-      const float m_new = m_next[size_t(r)];
-      const float alpha = exp_nonpositive(m[size_t(r)] - m_new);
-      float* a = acc.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-      l[size_t(r)] = l[size_t(r)] * alpha + exp_shifted_sum(row, kTileK, m_new);
-      m[size_t(r)] = m_new - 1.0f;  // the next round's rows rescale too
-    }
-  };
-  const double softmax2_s = min_seconds(rounds, [&] {
-    std::copy(scores.begin(), scores.end(), s.begin());
-    softmax_rows2();
-  });
-  auto softmax_rows3 = [&] {
-    for (int64_t r = 0; r < kTileQ; ++r) {
-      float* row = s.data() + r * kTileK;
-      const float m_new = std::max(m[size_t(r)], row_max_skipping_nan(row, kTileK));
-      const float alpha = exp_nonpositive(m[size_t(r)] - m_new);
-      float* a = acc.data() + r * D;
-      for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-      l[size_t(r)] = l[size_t(r)] * alpha + exp_shifted_sum_v2(row, kTileK, m_new);
-      m[size_t(r)] = m_new - 1.0f;  // the next round's rows rescale too
-    }
-  };
-  const double softmax3_s = min_seconds(rounds, [&] {
-    std::copy(scores.begin(), scores.end(), s.begin());
-    softmax_rows3();
-  });
   const double copy_s = min_seconds(rounds, [&] { std::copy(scores.begin(), scores.end(), s.begin()); });
   std::printf("%-44s %8.3f ms  (%.1f ns per score; the tile's copy, %.3f ms, subtracted)\n", "softmax rows, one tile",
               (softmax_s - copy_s) * 1e3, (softmax_s - copy_s) * 1e9 / double(kTileQ * kTileK), copy_s * 1e3);
-  std::printf("%-44s %8.3f ms\n", "softmax rows, maxima first", (softmax2_s - copy_s) * 1e3);
-  std::printf("%-44s %8.3f ms\n", "softmax rows, exp v2", (softmax3_s - copy_s) * 1e3);
   // OpenBLAS on the same tiles as stored (row-major K and V, no packing of ours: the BLAS packs inside the call).
   auto blas_s = [&](int64_t t) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(kTileQ), int(kTileK), int(D), scale, q.data(), int(D),

@@ -16,7 +16,8 @@ inline namespace FLASHLM_CPU_KERNELS_NS {  // one copy per instruction set (atte
 // AVX-512 gives 32 registers, 12 of 8 (AVX2) or of 4 (SSE2) where there are 16 (enough independent FMA chains
 // to hide latency; 4 × 16 on AVX2, 8 accumulators, ran the forward 1.2x slower).
 // Taller or wider blocks (12 × 32, 14 × 32, 4 × 64, 6 × 64 on AVX-512) measured no faster at 1×8×4096×64
-// (docs/perf.md): at 8 × 32 the forward's tile products run at ~80% of the core's FMA peak.
+// (docs/perf.md). At 8 × 32 in intrinsics (gemm_block_avx512) the forward's tile products run at 96-98% of the
+// core's FMA peak alone and ~94% in place (dev/cpu_tile_gemm_bench; docs/perf.md, perf/cpu-attn8).
 #if defined(__AVX512F__)
 constexpr int64_t kGemmRows = 8;
 constexpr int64_t kGemmCols = 32;
@@ -133,8 +134,6 @@ inline void gemm_block(int64_t k, A alpha, const A* a, int64_t lda, const A* b, 
 #pragma omp simd
     for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] = ar * b[j];
   }
-  // k unrolled by 4: 4 products per loop step, one pointer increment and branch for 64 FMAs instead of 16.
-#pragma GCC unroll 4
   for (int64_t p = 1; p < k; ++p) {
     const A* brow = b + p * ldb;
 #pragma GCC unroll 16
@@ -144,19 +143,14 @@ inline void gemm_block(int64_t k, A alpha, const A* a, int64_t lda, const A* b, 
       for (int64_t j = 0; j < kGemmCols; ++j) acc[r][j] += ar * brow[j];
     }
   }
-  // The stores unrolled and the beta test outside them, so that acc is registers only (with a rolled loop over
-  // the rows GCC kept acc in an array on the stack, stored after the first product and after the last).
-  if (beta == A(0)) {
-#pragma GCC unroll 16
-    for (int64_t r = 0; r < kRows; ++r) {
+  for (int64_t r = 0; r < kRows; ++r) {
+    A* crow = c + r * ldc;
+    if (beta == A(0)) {
 #pragma omp simd
-      for (int64_t j = 0; j < kGemmCols; ++j) c[r * ldc + j] = alpha * acc[r][j];
-    }
-  } else {
-#pragma GCC unroll 16
-    for (int64_t r = 0; r < kRows; ++r) {
+      for (int64_t j = 0; j < kGemmCols; ++j) crow[j] = alpha * acc[r][j];
+    } else {
 #pragma omp simd
-      for (int64_t j = 0; j < kGemmCols; ++j) c[r * ldc + j] = alpha * acc[r][j] + beta * c[r * ldc + j];
+      for (int64_t j = 0; j < kGemmCols; ++j) crow[j] = alpha * acc[r][j] + beta * crow[j];
     }
   }
 }
@@ -194,9 +188,10 @@ template <ALayout kLayout, class A>
 
 // C = alpha · op(A) · B + beta · C on row-major tiles (op(A) m×k stored as kLayout says; B k×n; beta = 0 never
 // reads C). Blocks of kGemmRows × kGemmCols outputs stay in registers while k runs; the compiler vectorises the
-// columns for the target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: the tiles
-// are small (≤ 128 on a side), and OpenBLAS 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify
-// (this project's 2-core machines among them), where the forward ran 2.7× slower than on its AVX-512 kernel.
+// columns for the target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: OpenBLAS
+// 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this project's 2-core machines among them),
+// 5× slower on the forward's tiles, and even on its AVX-512 kernels (forced) it runs them 12-15% slower than
+// this one: it packs both operands in every call (dev/cpu_tile_gemm_bench; docs/perf.md, perf/cpu-attn8).
 template <ALayout kLayout = ALayout::rows, int64_t kLda = 0, BLayout kBLayout = BLayout::rows, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {

@@ -6,10 +6,12 @@
 #include <cstring>
 #include <limits>
 #if defined(__AVX512F__)
-// GCC 12's AVX-512 intrinsics start from _mm512_undefined_ps(), which -Wmaybe-uninitialized reports at every
-// inlined use; the diagnostic state at the header's own lines is what counts.
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_ps(), which -Wmaybe-uninitialized (or, inlined into
+// a lambda, -Wuninitialized) reports at every inlined use; the diagnostic state at the header's own lines is
+// what counts.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
 #endif
