@@ -21,6 +21,7 @@
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
+#include "core/cuda_runtime.h"
 #ifdef FLASHLM_WITH_SM90
 #include "attention/cuda/hopper/hopper.h"
 #endif
@@ -593,12 +594,9 @@ template <class T, int D>
 void launch_backward(const FlashParams& f, bool deterministic, const HopperBackward* hopper, cudaStream_t stream) {
   // Checked before anything is queued: a device granting less than the kernels need (sm_86 and sm_89 at
   // head dims 128 and 256) gets an Error naming the head dim rather than a failed launch.
-  int device = 0, granted = 0;
-  FLASHLM_CUDA_CHECK(cudaGetDevice(&device), "flash_attention_backward_cuda: cudaGetDevice");
-  FLASHLM_CUDA_CHECK(cudaDeviceGetAttribute(&granted, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                     "flash_attention_backward_cuda: shared memory per block");
   const size_t needed = backward_smem_bytes<D>(deterministic);
-  FLASHLM_CHECK(needed <= static_cast<size_t>(granted),
+  const int64_t granted = cuda_shared_memory_per_block_optin();
+  FLASHLM_CHECK(granted >= 0 && needed <= static_cast<size_t>(granted),
                 "flash_attention_backward_cuda: head_dim {} needs {} bytes of shared memory per block, this GPU "
                 "grants {} (sm_80 and sm_90 grant enough; AttentionImpl::naive has no such limit)",
                 D, needed, granted);
@@ -648,6 +646,14 @@ void dispatch_head_dim(int64_t d, const FlashParams& f, bool deterministic, cons
 
 }  // namespace
 }  // namespace flash_cuda
+
+size_t mma_sync_backward_smem_bytes(int64_t head_dim, bool deterministic) {
+  size_t bytes = 0;
+  const bool compiled = with_head_dim<kMmaSyncBackwardHeadDims>(
+      head_dim, [&](auto dim) { bytes = flash_cuda::backward_smem_bytes<decltype(dim)::value>(deterministic); });
+  FLASHLM_CHECK(compiled, "mma_sync_backward_smem_bytes: head_dim {} has no mma.sync backward kernel", head_dim);
+  return bytes;
+}
 
 namespace {
 
