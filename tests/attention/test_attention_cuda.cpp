@@ -140,7 +140,8 @@ std::vector<GpuCase> gpu_grid() {
   int i = 0;
   for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 77}, {17, 130}, {127, 64}, {1000, 333}, {65, 1000}, {300, 129}}) {
     for (Mask m : masks) {
-      cases.push_back({{2, nq, nk, 4, 2, 256, layouts[(i / 3) % 3], m, (i / 2) % 2 ? DType::bf16 : DType::f16}, i % 2 == 1});
+      const DType dt = (i / 2) % 2 ? DType::bf16 : DType::f16;
+      cases.push_back({{2, nq, nk, 4, 2, 256, layouts[(i / 3) % 3], m, dt}, i % 2 == 1});
       ++i;
     }
   }

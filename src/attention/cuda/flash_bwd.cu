@@ -42,7 +42,8 @@ struct BwdTraits {
   //      kCWarpsD along head_dim, so that each K fragment feeds kCMTiles MMAs.
   // Head dim 256 takes 64-key tiles, which keep dK and dV at 64 floats each per thread as at d128, and
   // 32-row query tiles, so that two stages of Q and dO beside K, V, P and dS (136.5 KiB) fit sm_80's
-  // 163 KiB; with 64-row tiles it would be 209 KiB, sm_90 only (docs/perf.md, "Head dim 256 backward").
+  // 163 KiB; with 64-row tiles it would be 209 KiB, sm_90 only (docs/perf.md, "The mma.sync backward at
+  // head dim 256").
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kBlockN = D <= 128 ? 128 : 64;
@@ -662,9 +663,10 @@ namespace {
 // their query heads) so that each group's accumulator is at most kAccumulatorChunkBytes: peak memory stays
 // near inputs + outputs + gradients at long sequences, while typical shapes run in one launch. A group is
 // never smaller than kMinWavesPerLaunch waves of the dK/dV kernel's blocks (one per kBlockN keys, key head
-// and batch: 128 in both the mma.sync and the Hopper kernel, 64 at head dim 256): launches run one after another, and one that under-fills
-// the GPU lasts as long as its longest block, so at b1, 64 query / 8 key heads, 16k, d128 one key head per
-// launch (128 blocks for 132 SMs) made the causal backward as slow as the non-causal one (issue 15). There
+// and batch: 128 keys in both the mma.sync and the Hopper kernel, 64 at head dim 256): launches run one
+// after another, and one that under-fills the GPU lasts as long as its longest block, so at b1, 64 query /
+// 8 key heads, 16k, d128 one key head per launch (128 blocks for 132 SMs) made the causal backward as slow
+// as the non-causal one (issue 15). There
 // the accumulator is 256 MiB (two launches of 4 key heads) instead of 64; at long MHA sequences, where a
 // head alone has several waves of blocks, the bytes bound decides as before.
 constexpr size_t kAccumulatorChunkAbove = size_t{128} << 20;
