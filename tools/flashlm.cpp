@@ -231,6 +231,26 @@ flashlm::RecomputePlan parse_recompute_option(const std::string& text) {
   }
 }
 
+// --optimizer-state fp32|bf16|bf16-sr for the commands that run AdamW (ModelOptions::optimizer_state).
+void add_optimizer_state_option(CLI::App* cmd, std::string& value) {
+  cmd->add_option("--optimizer-state", value,
+                  "The AdamW moments beside fp32 master weights: fp32; bf16 (widened to fp32 for the update, rounded "
+                  "back to nearest: 22 instead of 30 bytes per parameter per step with bf16 weights); bf16-sr "
+                  "(rounded back stochastically, seeded by the run). Not with bf16-pure, ZeRO-1 or FSDP")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-sr"}));
+}
+
+// The value of --optimizer-state (its choices checked by CLI11); a usage error beside bf16-pure, whose moments
+// are bf16 already (the model's own check, ModelOptions::check_optimizer_state, would fail later, as exit 1).
+flashlm::OptimizerState parse_optimizer_state_option(const std::string& value, bool bf16_pure) {
+  const flashlm::OptimizerState state = flashlm::parse_optimizer_state(value);
+  if (bf16_pure && state != flashlm::OptimizerState::fp32) {
+    throw UsageError("--optimizer-state: bf16-pure keeps its moments in bf16 already; it is for fp32 master weights");
+  }
+  return state;
+}
+
 // --cuda-graph on|off for the commands that run train steps (ModelOptions::cuda_graph).
 void add_cuda_graph_option(CLI::App* cmd, std::string& value) {
   cmd->add_option("--cuda-graph", value,
@@ -398,6 +418,7 @@ struct BenchArgs {
   bool profile_ranges = false, profile_kernels = false, quiet = false, atomic_backward = false;
   bool overlap_grad_norm = false;
   std::string cuda_graph = "on";
+  std::string optimizer_state = "fp32";
 };
 
 void add_bench(CLI::App& app, BenchArgs& a) {
@@ -418,6 +439,7 @@ void add_bench(CLI::App& app, BenchArgs& a) {
                   "in bf16)")
       ->capture_default_str();
   add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
+  add_optimizer_state_option(cmd, a.optimizer_state);
   cmd->add_option("--attention", a.attention, "Comma list of flash,naive")->capture_default_str();
   cmd->add_option("--pass", a.pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));
@@ -489,6 +511,7 @@ int run_bench_command(const BenchArgs& a) {
   cfg.gemm_autotune = a.gemm_autotune;
   cfg.overlap_grad_norm = a.overlap_grad_norm;
   cfg.cuda_graph = a.cuda_graph == "on";
+  cfg.optimizer_state = parse_optimizer_state(a.optimizer_state);
   if (cfg.gemm_autotune > 0 && cfg.device != Device::cuda) throw UsageError("--gemm-autotune needs --device cuda");
   if (a.threads > 0) set_cpu_threads(a.threads);
   if (!a.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
@@ -537,6 +560,7 @@ struct TrainArgs {
   uint64_t seed = 1234;
   bool resume = false, sharded_checkpoint = false;
   std::string cuda_graph = "on";
+  std::string optimizer_state = "fp32";
   std::string ddp, reduce_dtype = "fp32";
   double bucket_mb = 25;
   int64_t grad_accum = 1;
@@ -637,6 +661,7 @@ void add_train(CLI::App& app, TrainArgs& a) {
                   "fp32, bf16 (fp32 masters), fp16 or bf16-pure (parameters, gradients and AdamW moments in bf16) "
                   "(default: bf16 on cuda, fp32 on cpu)");
   add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
+  add_optimizer_state_option(cmd, a.optimizer_state);
   add_cuda_graph_option(cmd, a.cuda_graph);
   add_threads_option(cmd, a.threads);
   cmd->add_option("--ddp", a.ddp,
@@ -664,6 +689,7 @@ int run_train_command(const TrainArgs& a) {
   TrainConfig cfg;
   resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.bf16_pure);
   cfg.recompute = parse_recompute_option(a.recompute);
+  cfg.optimizer_state = parse_optimizer_state_option(a.optimizer_state, cfg.bf16_pure);
   cfg.head_chunk = a.head_chunk;
   cfg.deterministic = !a.atomic_backward;
   cfg.cuda_graph = a.cuda_graph == "on";
@@ -691,6 +717,11 @@ int run_train_command(const TrainArgs& a) {
   cfg.ddp.grad_accum = a.grad_accum;
   cfg.ddp.fsdp_prefetch = a.fsdp_prefetch;
   cfg.zero1 = a.zero == 1;
+  if (cfg.optimizer_state != OptimizerState::fp32 && (cfg.zero1 || (!a.ddp.empty() && cfg.ddp.variant == DdpVariant::fsdp))) {
+    throw UsageError(fmt::format("--optimizer-state {}: ZeRO-1 and FSDP shard fp32 moments; bf16 moments are the "
+                                 "model's own AdamW's (one process, or --ddp per-param/flat/async/bucketed)",
+                                 a.optimizer_state));
+  }
   const bool data_parallel = !a.ddp.empty() || cfg.zero1 || a.grad_accum > 1 || cfg.ddp.reduce_dtype != DType::f32 ||
                              a.nccl_max_ctas > 0 || a.gemm_sm_reserve >= 0 || launched_with_peers();
   if (a.d_model) cfg.model.d_model = a.d_model;
@@ -816,6 +847,7 @@ int run_allreduce_bench_command(const AllReduceBenchArgs& a) {
 struct DdpBenchArgs {
   std::string model = "xl", ddp = "per-param,flat,async,bucketed", bucket_mb = "1,10,100,1000", zero = "0";
   std::string reduce_dtype = "fp32", device, precision, format = "md", out, recompute = "none";
+  std::string optimizer_state = "fp32";
   int64_t context = 512, batch = 4, vocab = 0, head_chunk = 0;
   int warmup = 3, steps = 10, threads = 0, nccl_max_ctas = 0, gemm_sm_reserve = -1, fsdp_prefetch = 1;
   double collective_timeout_s = -1;
@@ -851,6 +883,7 @@ void add_ddp_bench(CLI::App& app, DdpBenchArgs& a) {
                   "fp32, bf16 (fp32 masters), fp16 or bf16-pure (bf16 parameters, gradients and moments: the fsdp "
                   "rows; DDP and ZeRO-1 refuse it) (default: bf16 on cuda, fp32 on cpu)");
   add_model_memory_options(cmd, a.recompute, a.head_chunk, a.atomic_backward);
+  add_optimizer_state_option(cmd, a.optimizer_state);
   cmd->add_option("--warmup", a.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));
   cmd->add_option("--steps", a.steps, "Timed steps")->capture_default_str()->check(in_range(1, kMaxReps));
   add_threads_option(cmd, a.threads);
@@ -864,6 +897,7 @@ int run_ddp_bench_command(const DdpBenchArgs& a) {
   ReportFormat format;
   resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.bf16_pure);
   cfg.recompute = parse_recompute_option(a.recompute);
+  cfg.optimizer_state = parse_optimizer_state_option(a.optimizer_state, cfg.bf16_pure);
   cfg.head_chunk = a.head_chunk;
   cfg.deterministic = !a.atomic_backward;
   try {

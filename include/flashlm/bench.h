@@ -83,6 +83,7 @@ struct LmBenchConfig {
   int64_t head_chunk = 0;   // ModelOptions::head_chunk
   bool deterministic = true;  // ModelOptions::deterministic
   bool overlap_grad_norm = false;  // ModelOptions::overlap_grad_norm
+  OptimizerState optimizer_state = OptimizerState::fp32;  // ModelOptions::optimizer_state (not with bf16-pure)
   bool cuda_graph = true;         // ModelOptions::cuda_graph (the "step" pass runs LanguageModel::train_step)
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;
@@ -176,6 +177,9 @@ struct DdpBenchConfig {
   // it, an "error" row), the recomputation plan (automatic: resolved per row against the free memory, as
   // `flashlm train` does), the LM head's chunk and the attention backward's determinism.
   bool bf16_pure = false;
+  // The moments beside fp32 masters (ModelOptions::optimizer_state): not bf16 under ZeRO-1 or FSDP (their
+  // rows are "error" rows naming why).
+  OptimizerState optimizer_state = OptimizerState::fp32;
   RecomputePlan recompute;
   int64_t head_chunk = 0;
   bool deterministic = true;

@@ -42,6 +42,12 @@ class Buffer {
   // Stream-ordered CUDA allocation (cudaMallocAsync): usable by work queued on `stream` and freed on it,
   // without synchronising. For per-call kernel workspaces.
   static Buffer allocate_on_stream(size_t bytes, std::string_view tag, void* stream);
+  // A host workspace of one call (the CPU attention's packed tiles): on release its block goes to a small
+  // process-wide cache instead of back to the C library, and the next allocate_reused it fits takes it. glibc
+  // returns large freed blocks to the kernel, so a call repeated at the same size faulted its workspace's pages
+  // in again every time (~9k page faults, ~3% of a 1×8×4096×128 CPU attention forward; docs/perf.md). Counted
+  // like allocate while in use; cached blocks count as free. Contents on return are unspecified, as with malloc.
+  static Buffer allocate_reused(size_t bytes, std::string_view tag);
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }
   Buffer& operator=(Buffer&& o) noexcept;
   Buffer(const Buffer&) = delete;
@@ -59,7 +65,12 @@ class Buffer {
   Device device_ = Device::cpu;
   void* stream_ = nullptr;  // set for stream-ordered allocations
   bool stream_ordered_ = false;
+  bool reused_ = false;     // from allocate_reused: released into the host block cache
+  size_t capacity_ = 0;     // allocate_reused: the block's size, at least bytes_ (a cached block may be larger)
   std::string tag_;         // for the allocation timeline
 };
+
+// Frees the host blocks allocate_reused keeps cached (at most kCachedHostBytes, memory.cpp) between calls.
+void release_cached_host_memory();
 
 }  // namespace flashlm

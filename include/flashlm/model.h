@@ -66,6 +66,15 @@ struct RecomputePlan {
   bool operator==(const RecomputePlan&) const = default;
 };
 
+// How the AdamW moments are stored beside fp32 master weights (`--optimizer-state`): fp32 (the default);
+// bf16, each moment widened to fp32, updated in fp32 and rounded back to nearest even; bf16-sr, rounded back
+// stochastically from a counter-based hash of (seed, step, index) (src/optim/optimizer.h says exactly what
+// changes). bf16 moments save 4 of AdamW's 30 bytes per parameter each (xl's mixed-precision step: 30 -> 22).
+// bf16-pure keeps its moments in bf16 by definition and takes only the default here.
+enum class OptimizerState { fp32, bf16, bf16_sr };
+OptimizerState parse_optimizer_state(std::string_view text);  // "fp32", "bf16" or "bf16-sr"
+std::string_view optimizer_state_name(OptimizerState s);
+
 // How a model is built beyond its size: the attention implementation, the recomputation plan and (CUDA,
 // bf16 only) pure bf16 — parameters, gradients and AdamW moments stored in bf16 with fp32 arithmetic in
 // registers, as model.to(torch.bfloat16) with torch's AdamW holds them — instead of fp32 masters.
@@ -73,6 +82,8 @@ struct ModelOptions {
   AttentionImpl attention = AttentionImpl::flash;
   RecomputePlan recompute;
   bool bf16_pure = false;
+  OptimizerState optimizer_state = OptimizerState::fp32;
+  uint64_t moment_rounding_seed = 0;  // bf16-sr: the seed of its rounding (the run's seed)
   // Tokens per chunk of the LM head + cross-entropy (the [chunk, vocab] logits are all that exists of
   // them at once). 0: automatic (about 1 GiB of logits, or every token when that is fewer).
   int64_t head_chunk = 0;
@@ -104,6 +115,9 @@ struct ModelOptions {
   // runs eagerly, saying why (CudaModel::cuda_graph_status), where a step cannot be captured: fp16's loss
   // scaling, data-parallel hooks, profiled ranges, or a capture that failed. false: always eager.
   bool cuda_graph = true;
+  // optimizer_state other than fp32 needs fp32 masters: with bf16_pure it is an Error (the models and the
+  // memory plan check it).
+  void check_optimizer_state() const;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
@@ -218,6 +232,8 @@ class LanguageModel {
   // Parameters, gradients and moments stored in precision() itself, without fp32 masters (CudaModel's
   // bf16-pure). Such a model has no parameters()/gradients() in fp32 to hand to data parallelism.
   virtual bool bf16_pure() const { return false; }
+  // How the AdamW moments are stored beside the fp32 masters (ModelOptions::optimizer_state).
+  virtual OptimizerState optimizer_state() const { return OptimizerState::fp32; }
   virtual void init_parameters(uint64_t seed) = 0;
   // tokens, targets: host arrays [batch, seq]; returns the mean cross-entropy.
   virtual double forward(const int32_t* tokens, const int32_t* targets) = 0;
@@ -293,6 +309,10 @@ class LanguageModel {
   // For save_state and load_state (`caller` names it in errors): each array holds parameter_count() floats,
   // and the step count is not negative.
   void check_state_arrays(std::string_view caller, size_t params, size_t m, size_t v, int64_t optimizer_steps) const;
+  // For load_state into bf16 moments (OptimizerState bf16, bf16-sr): every value of m and v is a bf16 value
+  // (what save_state's exact widening wrote), so that the narrowing is exact and the resume bit-exact;
+  // another value (fp32 moments) is an Error naming the first.
+  static void check_bf16_moments(std::string_view caller, std::span<const float> m, std::span<const float> v);
   void gradient_ready(std::string_view parameter_name) const;  // for backward(): calls the hook, if any
   // Whether someone else acts on the gradients as they become final (data parallelism reduces them).
   bool has_gradient_ready_hook() const { return bool(gradient_ready_hook_); }
@@ -376,12 +396,14 @@ class CpuModel final : public LanguageModel {
   // One AdamW step (decoupled weight decay, bias-corrected) with learning rate lr.
   void adamw_step(const AdamWConfig& c, double lr) override;
   int64_t optimizer_steps() const override { return adam_step_; }
+  OptimizerState optimizer_state() const override { return options_.optimizer_state; }
   void release_optimizer_state() override;
   void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
   void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
                   int64_t optimizer_steps) override;
 
  private:
+  bool bf16_moments() const { return options_.optimizer_state != OptimizerState::fp32; }
   ModelConfig config_;
   int64_t batch_, seq_;
   ModelOptions options_;
@@ -442,6 +464,7 @@ class CudaModel final : public LanguageModel {
   Device device() const override { return Device::cuda; }
   DType precision() const override;
   bool bf16_pure() const override;
+  OptimizerState optimizer_state() const override;
   bool external_parameters() const override;
   DType working_dtype() const override;
   const RecomputePlan& recompute() const;

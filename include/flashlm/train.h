@@ -41,6 +41,7 @@ struct TrainConfig {
   Device device = Device::cpu;
   DType precision = DType::f32;  // fp32 on the CPU; fp32, bf16 or fp16 on CUDA
   bool bf16_pure = false;        // with bf16 on CUDA: no fp32 masters (ModelOptions::bf16_pure)
+  OptimizerState optimizer_state = OptimizerState::fp32;  // ModelOptions::optimizer_state (seeded by `seed`)
   RecomputePlan recompute;       // automatic: resolved against the device's free memory
   int64_t head_chunk = 0;        // ModelOptions::head_chunk
   bool deterministic = true;     // ModelOptions::deterministic (false: resume is no longer bit-exact)

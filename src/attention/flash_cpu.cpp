@@ -8,8 +8,9 @@
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
 // converted to the accumulation type, K (and V for the backward) also transposed, tile by tile, with a
-// finiteness flag per tile; for the forward, K transposed and V in column panels of the micro-kernel's width. Without it each of the Nq / 64 query tiles converted and transposed every
-// key tile again: at seq 4096 the forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
+// finiteness flag per tile; for the forward, K transposed and V in column panels of the micro-kernel's width.
+// Without it each of the Nq / 64 query tiles converted and transposed every key tile again: at seq 4096 the
+// forward ran 0.6x torch's CPU SDPA against 1.0x at 512 (docs/perf.md).
 // Extra memory: those packed copies (O(seq · head_dim) per head, the size of the inputs) and a few tiles
 // per thread.
 //
@@ -51,11 +52,14 @@ namespace {
 
 constexpr int64_t kBlockQ = 64;  // the backward's tiles (128-key tiles there measured within the noise)
 constexpr int64_t kBlockK = 64;
-// The forward's tiles, chosen by a sweep (docs/perf.md): 128 queries, so the K and V of a head stream through
-// the cache half as often, and 128 keys, so the per-row softmax work (max, rescale, sum) is spread over
-// twice the columns. The forward keeps S, P and the output accumulator per query; the backward also dS.
-constexpr int64_t kForwardBlockQ = 128;
-constexpr int64_t kForwardBlockK = 128;
+// The forward's tiles: 256 queries × 512 keys, torch's CPU flash attention's split for sequences of 768 and more.
+// Against 128 × 128 (docs/perf.md, perf/cpu-attn7) the per-row softmax bookkeeping (row max fold, rescale of the
+// accumulator row, running sums) and P V's accumulator loads and stores come a quarter as often: the seq-4096
+// forwards 2-5% faster, the shorter ones unchanged. S (512 KiB) and the accumulator (256 KiB at d128) live in
+// the 2 MiB L2 either way; a 512-key V panel (64 KiB) no longer fits L1 but measured no slower than 256 keys.
+// The forward keeps S, P and the output accumulator per query; the backward also dS.
+constexpr int64_t kForwardBlockQ = 256;
+constexpr int64_t kForwardBlockK = 512;
 
 // The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
 // AVX-512 gives 32 registers, 12 of 8 (AVX2) or of 4 (SSE2) where there are 16 (enough independent FMA chains
@@ -89,7 +93,7 @@ enum class ALayout { rows, transposed, panels };
 //   panels: column panels of kGemmCols one after another (n a multiple of kGemmCols), each k × kGemmCols
 //           row-major, ldb elements from one panel to the next. A block of the micro-kernel then reads one
 //           contiguous panel, which stays in L1 while tile_gemm runs every block of rows over it. Row-major
-//           with a 512-byte row stride (the forward's 128-key tiles), a block's 32 columns of 128 rows fall in
+//           with a 512-byte row stride (the forward's 128-key K tiles of then), a block's 32 columns of 128 rows fall in
 //           16 of the 48 KiB L1's 64 sets, 12 KiB of ways for 16 KiB (arithmetic: this VM exposes no cache
 //           counters). Measured: the d128 forwards at seq 512-1024 10-14% faster (docs/perf.md, perf/cpu-attn6).
 enum class BLayout { rows, panels };
@@ -204,8 +208,8 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda
     return rows;
   };
   if constexpr (kBLayout == BLayout::panels) {
-    // One panel of B (k × kGemmCols contiguous: 16 KiB at k = 128) stays in L1 while every block of rows passes
-    // over it; A, read once per panel, streams instead.
+    // One panel of B (k × kGemmCols contiguous: 16 KiB for K at d128) stays in L1 while every block of rows passes
+    // over it; A, read once per panel, streams instead. (V's panels of 512 keys, 64 KiB, are read from L2.)
     for (int64_t j0 = 0; j0 < n; j0 += kGemmCols) {
       for (int64_t i0 = 0, rows = 0; i0 < m; i0 += rows) block(i0, rows = block_rows(i0), j0);
     }
@@ -222,7 +226,7 @@ template <class A>
 class Scratch {
  public:
   Scratch(int64_t elements, std::string_view tag)
-      : buffer_(Buffer::allocate(static_cast<size_t>(elements) * sizeof(A), Device::cpu, tag)) {}
+      : buffer_(Buffer::allocate_reused(static_cast<size_t>(elements) * sizeof(A), tag)) {}
   std::span<A> take(int64_t n) {
     std::span<A> s(static_cast<A*>(buffer_.data()) + used_, static_cast<size_t>(n));
     used_ += n;
@@ -247,60 +251,67 @@ class PackedHeads {
   // to whole panels; transposed_panels the D × tile transpose (tile a multiple of kGemmCols).
   enum Layouts { rows_only = 1, transposed_only = 2, rows_and_transposed = 3, rows_panels = 5, transposed_panels = 6 };
 
-  template <class T>
-  static PackedHeads pack(const TensorView& t, int64_t batch, int64_t heads, int64_t seq, int64_t D, int64_t tile,
-                          Layouts layouts, std::string_view tag) {
+  // The tiles for `heads` heads of `seq` rows of head_dim D, allocated; fill() writes them.
+  static PackedHeads allocate(int64_t batch, int64_t heads, int64_t seq, int64_t D, int64_t tile, Layouts layouts,
+                              std::string_view tag) {
     PackedHeads out;
+    out.heads_ = heads;
+    out.seq_ = seq;
     out.D_ = D;
     out.tile_ = tile;
     out.tiles_ = (seq + tile - 1) / tile;
-    const bool panels = layouts & in_panels;
-    const int64_t padded_D = panels ? (D + kGemmCols - 1) / kGemmCols * kGemmCols : D;
-    out.tile_elements_ = tile * padded_D;
+    out.layouts_ = layouts;
+    out.padded_D_ = (layouts & in_panels) ? (D + kGemmCols - 1) / kGemmCols * kGemmCols : D;
+    out.tile_elements_ = tile * out.padded_D_;
     // Only one of the two layouts in panels (rows_panels or transposed_panels), so one stride.
     out.panel_stride_ = (layouts & rows_only) ? tile * kGemmCols : D * kGemmCols;
-    const int64_t heads_all = batch * heads, tiles_all = heads_all * out.tiles_;
-    const auto bytes = checked_size({tiles_all, tile, padded_D, int64_t(sizeof(A))}, tag);
-    if (layouts & rows_only) out.rows_ = Buffer::allocate(bytes, Device::cpu, tag);
-    if (layouts & transposed_only) out.transposed_ = Buffer::allocate(bytes, Device::cpu, tag);
-    // One flag per tile, every one written below. A Buffer (allocated out of line), not a std::vector:
+    out.tiles_all_ = batch * heads * out.tiles_;
+    const auto bytes = checked_size({out.tiles_all_, tile, out.padded_D_, int64_t(sizeof(A))}, tag);
+    if (layouts & rows_only) out.rows_ = Buffer::allocate_reused(bytes, tag);
+    if (layouts & transposed_only) out.transposed_ = Buffer::allocate_reused(bytes, tag);
+    // One flag per tile, every one written by fill(). A Buffer (allocated out of line), not a std::vector:
     // a std template instantiated here is a weak symbol compiled for this copy's instruction set, which
     // the linker may hand to the baseline copy (attention.cpu_kernel_objects checks).
-    out.finite_ = Buffer::allocate(size_t(tiles_all), Device::cpu, tag);
-#pragma omp parallel
-    {
-      std::vector<A> row(static_cast<size_t>(padded_D));  // zeros past D
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < tiles_all; ++i) {
-        const int64_t bh = i / out.tiles_, s0 = (i % out.tiles_) * tile, n = std::min(tile, seq - s0);
-        A* r = (layouts & rows_only) ? out.tile_at(out.rows_, i) : nullptr;
-        A* tr = (layouts & transposed_only) ? out.tile_at(out.transposed_, i) : nullptr;
-        bool finite = true;
-        for (int64_t s = 0; s < tile; ++s) {
-          if (s < n) {
-            load_row(attention_row<const T>(t, bh / heads, s0 + s, bh % heads), row.data(), D);
-            finite = finite && all_finite(row.data(), D);
-          } else {
-            std::fill(row.begin(), row.end(), A(0));
-          }
-          if (r && panels) {
-            for (int64_t d0 = 0; d0 < padded_D; d0 += kGemmCols) {
-              std::copy_n(row.begin() + d0, kGemmCols, r + d0 * tile + s * kGemmCols);
-            }
-          } else if (r) {
-            std::copy_n(row.begin(), D, r + s * D);
-          }
-          if (tr && panels) {
-            A* column = tr + s / kGemmCols * (D * kGemmCols) + s % kGemmCols;
-            for (int64_t d = 0; d < D; ++d) column[d * kGemmCols] = row[size_t(d)];
-          } else if (tr) {
-            for (int64_t d = 0; d < D; ++d) tr[d * tile + s] = row[size_t(d)];
-          }
-        }
-        static_cast<uint8_t*>(out.finite_.data())[i] = finite;
-      }
-    }
+    out.finite_ = Buffer::allocate_reused(size_t(out.tiles_all_), tag);
     return out;
+  }
+
+  // Converts t's rows (the tensor allocate() was sized for) into the tiles. Called by every thread of a parallel
+  // region it is an orphaned `omp for`: each thread packs its share and does not wait for the others, so the
+  // caller puts a barrier before the tiles are read; called outside one, it packs every tile.
+  template <class T>
+  void fill(const TensorView& t) {
+    const bool panels = layouts_ & in_panels;
+    std::vector<A> row(static_cast<size_t>(padded_D_));  // zeros past D
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < tiles_all_; ++i) {
+      const int64_t bh = i / tiles_, s0 = (i % tiles_) * tile_, n = std::min(tile_, seq_ - s0);
+      A* r = (layouts_ & rows_only) ? tile_at(rows_, i) : nullptr;
+      A* tr = (layouts_ & transposed_only) ? tile_at(transposed_, i) : nullptr;
+      bool finite = true;
+      for (int64_t s = 0; s < tile_; ++s) {
+        if (s < n) {
+          load_row(attention_row<const T>(t, bh / heads_, s0 + s, bh % heads_), row.data(), D_);
+          finite = finite && all_finite(row.data(), D_);
+        } else {
+          std::fill(row.begin(), row.end(), A(0));
+        }
+        if (r && panels) {
+          for (int64_t d0 = 0; d0 < padded_D_; d0 += kGemmCols) {
+            std::copy_n(row.begin() + d0, kGemmCols, r + d0 * tile_ + s * kGemmCols);
+          }
+        } else if (r) {
+          std::copy_n(row.begin(), D_, r + s * D_);
+        }
+        if (tr && panels) {
+          A* column = tr + s / kGemmCols * (D_ * kGemmCols) + s % kGemmCols;
+          for (int64_t d = 0; d < D_; ++d) column[d * kGemmCols] = row[size_t(d)];
+        } else if (tr) {
+          for (int64_t d = 0; d < D_; ++d) tr[d * tile_ + s] = row[size_t(d)];
+        }
+      }
+      static_cast<uint8_t*>(finite_.data())[i] = finite;
+    }
   }
 
   // Tile `t` (rows [t · tile, (t + 1) · tile)) of head `bh` = b · heads + h. Packed in panels, consecutive panels
@@ -316,7 +327,9 @@ class PackedHeads {
   A* tile_at(const Buffer& b, int64_t i) const { return static_cast<A*>(b.data()) + i * tile_elements_; }
 
   static constexpr int in_panels = 4;
-  int64_t D_ = 0, tile_ = 0, tiles_ = 0, tile_elements_ = 0, panel_stride_ = 0;
+  int64_t heads_ = 0, seq_ = 0, D_ = 0, tile_ = 0, tiles_ = 0, tiles_all_ = 0, padded_D_ = 0, tile_elements_ = 0,
+          panel_stride_ = 0;
+  Layouts layouts_ = rows_only;
   Buffer rows_, transposed_, finite_;
 };
 
@@ -377,7 +390,7 @@ void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, i
 // S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
 // key tile transposed (head_dim × width); S is rows × width. On the causal diagonal each block of kGemmRows
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
-// zero-padded width), which skips 3/8 of the products of a 128 × 128 diagonal tile.
+// zero-padded width), which skips 3/8 of the products of a square diagonal tile.
 // Q: the query tile as stored (ALayout::rows) or in panels (Q + r0 · D is the panel of rows r0.. either way).
 // KT in BLayout::panels (kKLayout): ldk = D · kGemmCols, the distance between panels; else ldk = width.
 template <ALayout kQLayout, BLayout kKLayout, class A>
@@ -477,14 +490,21 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
              const TensorView& o, const TensorView& lse) {
   const int64_t D = p.head_dim;
   static_assert(kForwardBlockK % kGemmCols == 0, "the packed K tile's panels must cover its keys");
-  const auto K = PackedHeads<A>::template pack<T>(k, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
-                                                  PackedHeads<A>::transposed_panels, "flash forward packed K");
-  const auto V = PackedHeads<A>::template pack<T>(v, p.batch, p.heads_k, p.seq_k, D, kForwardBlockK,
-                                                  PackedHeads<A>::rows_panels, "flash forward packed V");
+  auto K = PackedHeads<A>::allocate(p.batch, p.heads_k, p.seq_k, D, kForwardBlockK, PackedHeads<A>::transposed_panels,
+                                    "flash forward packed K");
+  auto V = PackedHeads<A>::allocate(p.batch, p.heads_k, p.seq_k, D, kForwardBlockK, PackedHeads<A>::rows_panels,
+                                    "flash forward packed V");
   const int64_t q_tiles = (p.seq_q + kForwardBlockQ - 1) / kForwardBlockQ;
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
+  // The packing and the tasks in one parallel region, one barrier between them: every region's start and end
+  // synchronises the threads, and where they share the cores with other processes each synchronisation can
+  // wait out a scheduler tick (three regions ran the 1×8×1024×64 causal forward 4× slower on two threads
+  // under load; docs/perf.md, perf/cpu-attn7).
 #pragma omp parallel
   {
+    K.template fill<T>(k);
+    V.template fill<T>(v);
+#pragma omp barrier
     Scratch<A> w(kForwardPanelRows * D + kForwardBlockQ * D + kForwardBlockQ * kForwardBlockK + kForwardBlockQ * 2,
                  "flash forward tiles");
     A *Q = w.take(kForwardPanelRows * D).data(), *acc = w.take(kForwardBlockQ * D).data();
@@ -492,7 +512,10 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
     A* l = w.take(kForwardBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t tile = t % q_tiles, bh = t / q_tiles;
+      // Head by head (the head's K and V stay in cache from one task to the next: tile-major order ran the
+      // seq-4096 causal forward 4% slower on one thread), each head's last query tile first: under a causal mask
+      // it sees the most keys, so the short tiles come last and even out the threads' ends.
+      const int64_t tile = q_tiles - 1 - t % q_tiles, bh = t / q_tiles;
       forward_task<T, A>(p, q, K, V, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kForwardBlockQ, Q, S, acc, m, l);
     }
   }
@@ -525,34 +548,19 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   const A scale = static_cast<A>(p.scale);
 
   // Delta_i = rowsum(dO_i ∘ O_i): one number per query row, O(seq) memory.
-  Buffer delta_buffer = Buffer::allocate(static_cast<size_t>(p.batch * p.heads_q * Nq) * sizeof(A), Device::cpu,
-                                         "flash backward Delta");
+  Buffer delta_buffer =
+      Buffer::allocate_reused(static_cast<size_t>(p.batch * p.heads_q * Nq) * sizeof(A), "flash backward Delta");
   A* delta_all = static_cast<A*>(delta_buffer.data());
-#pragma omp parallel
-  {
-    Scratch<A> w(2 * D, "flash backward Delta rows");
-    A *orow = w.take(D).data(), *dorow = w.take(D).data();
-#pragma omp for schedule(static)
-    for (int64_t row = 0; row < p.batch * p.heads_q * Nq; ++row) {
-      const int64_t i = row % Nq, bh = row / Nq;
-      load_row(attention_row<const T>(o, bh / p.heads_q, i, bh % p.heads_q), orow, D);
-      load_row(attention_row<const T>(dout, bh / p.heads_q, i, bh % p.heads_q), dorow, D);
-      delta_all[row] = dot(orow, dorow, D);
-    }
-  }
   auto delta_of = [&](int64_t b, int64_t h) { return delta_all + (b * p.heads_q + h) * Nq; };
 
   const int64_t q_tiles = (Nq + kBlockQ - 1) / kBlockQ;
   const int64_t k_tiles = (Nk + kBlockK - 1) / kBlockK;
   using Packed = PackedHeads<A>;
-  const auto Qp = Packed::template pack<T>(q, p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only,
-                                           "flash backward packed Q");
-  const auto dOp = Packed::template pack<T>(dout, p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only,
-                                            "flash backward packed dO");
-  const auto Kp = Packed::template pack<T>(k, p.batch, p.heads_k, Nk, D, kBlockK, Packed::rows_and_transposed,
-                                           "flash backward packed K");
-  const auto Vp = Packed::template pack<T>(v, p.batch, p.heads_k, Nk, D, kBlockK, Packed::transposed_only,
-                                           "flash backward packed V");
+  auto Qp = Packed::allocate(p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only, "flash backward packed Q");
+  auto dOp = Packed::allocate(p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only, "flash backward packed dO");
+  auto Kp = Packed::allocate(p.batch, p.heads_k, Nk, D, kBlockK, Packed::rows_and_transposed,
+                             "flash backward packed K");
+  auto Vp = Packed::allocate(p.batch, p.heads_k, Nk, D, kBlockK, Packed::transposed_only, "flash backward packed V");
 
   // dQ, dK and dV in one pass: one task per (batch, query head) walks its key tiles and, for each, the query
   // tiles that see them. P and dS are computed once per tile pair and feed all three gradients (five tile
@@ -563,13 +571,31 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   Buffer partial_buffer;
   A* partial = nullptr;  // [batch, heads_q, 2 (dK, dV), Nk, D] when grouped
   if (grouped) {
-    partial_buffer = Buffer::allocate(checked_size({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))},
-                                                    "flash backward dK/dV partials"),
-                                      Device::cpu, "flash backward dK/dV partials");
+    partial_buffer = Buffer::allocate_reused(checked_size({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))},
+                                                           "flash backward dK/dV partials"),
+                                             "flash backward dK/dV partials");
     partial = static_cast<A*>(partial_buffer.data());
   }
+  // Delta, the packing and the tasks in one parallel region, one barrier before the tasks (as in the forward:
+  // six regions before, each a synchronisation of the threads).
 #pragma omp parallel
   {
+    {
+      Scratch<A> rows(2 * D, "flash backward Delta rows");
+      A *orow = rows.take(D).data(), *dorow = rows.take(D).data();
+#pragma omp for schedule(static) nowait
+      for (int64_t row = 0; row < p.batch * p.heads_q * Nq; ++row) {
+        const int64_t i = row % Nq, bh = row / Nq;
+        load_row(attention_row<const T>(o, bh / p.heads_q, i, bh % p.heads_q), orow, D);
+        load_row(attention_row<const T>(dout, bh / p.heads_q, i, bh % p.heads_q), dorow, D);
+        delta_all[row] = dot(orow, dorow, D);
+      }
+    }
+    Qp.template fill<T>(q);
+    dOp.template fill<T>(dout);
+    Kp.template fill<T>(k);
+    Vp.template fill<T>(v);
+#pragma omp barrier
     Scratch<A> w(q_tiles * kBlockQ * (D + 1) + kBlockK * D * 2 + kBlockQ * kBlockK * 2, "flash backward tiles");
     A* dQ = w.take(q_tiles * kBlockQ * D).data();
     A* lse_rows = w.take(q_tiles * kBlockQ).data();

@@ -48,6 +48,7 @@ ModelOptions model_options(const DdpBenchConfig& cfg, const Communicator& comm, 
   o.attention = AttentionImpl::flash;
   o.recompute = cfg.recompute;
   o.bf16_pure = cfg.bf16_pure;
+  o.optimizer_state = cfg.optimizer_state;
   o.head_chunk = cfg.head_chunk;
   o.deterministic = cfg.deterministic;
   o.optimizer_shards = optimizer_shards;
@@ -290,7 +291,8 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
     records[0].mean_ms = local.mean;
     records[0].median_ms = local.median;
     records[0].tokens_per_s = local_tokens_per_s;
-    const int64_t moment_bytes = cfg.bf16_pure ? int64_t(sizeof(bf16_t)) : int64_t(sizeof(float));
+    const bool bf16_moments = cfg.bf16_pure || cfg.optimizer_state != OptimizerState::fp32;
+    const int64_t moment_bytes = bf16_moments ? int64_t(sizeof(bf16_t)) : int64_t(sizeof(float));
     records[0].optimizer_state_mib = double(2 * model.parameter_count() * moment_bytes) / kMiB;
     records[0].peak_mib = peak_mib(comm, model.device());
     records[0].recompute = shared_recompute;

@@ -39,6 +39,9 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
   options.attention = impl;
   options.recompute = cfg.recompute;
   options.bf16_pure = bf16_pure;
+  // bf16-pure keeps bf16 moments by itself (ModelOptions::check_optimizer_state).
+  options.optimizer_state = bf16_pure ? OptimizerState::fp32 : cfg.optimizer_state;
+  options.moment_rounding_seed = 1;  // the seed of the weights below
   options.head_chunk = cfg.head_chunk;
   options.deterministic = cfg.deterministic;
   options.overlap_grad_norm = cfg.overlap_grad_norm;
@@ -208,6 +211,10 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             r.context = ctx;
             r.batch = cfg.batch;
             r.precision = precision_name(precision, bf16_pure);
+            // fp32 masters with bf16 moments: the row says so ("bf16, bf16-sr moments").
+            if (!bf16_pure && cfg.optimizer_state != OptimizerState::fp32) {
+              r.precision += fmt::format(", {} moments", optimizer_state_name(cfg.optimizer_state));
+            }
             r.attention = std::string(attention_impl_name(impl));
             r.pass = pass;
             r.device = std::string(device_name(cfg.device));

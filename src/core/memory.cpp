@@ -68,7 +68,78 @@ std::string human_bytes(double b) {
   return fmt::format("{:.1f} {}", b, units[u]);
 }
 
+// Host blocks released by allocate_reused Buffers, for the next allocate_reused they fit. Bounded in bytes so
+// that a one-off large call does not keep its workspace for the rest of the process: a block that would take
+// the cache over the bound is freed at once.
+constexpr size_t kCachedHostBytes = size_t{256} << 20;
+
+struct CachedBlock {
+  void* data;
+  size_t capacity;  // what aligned_alloc was given
+};
+
+struct HostBlockCache {
+  std::mutex mutex;  // workspaces are taken and released inside OpenMP regions too
+  std::vector<CachedBlock> blocks;
+  size_t bytes = 0;
+};
+
+// Never destroyed: a Buffer released during static destruction (after a destroyed cache) must still find it.
+HostBlockCache& host_block_cache() {
+  static auto* cache = new HostBlockCache;
+  return *cache;
+}
+
+size_t host_capacity(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+void* host_alloc_or_throw(size_t bytes, std::string_view tag) {
+  constexpr size_t kLargeRequest = size_t{256} << 20;
+  if (bytes >= kLargeRequest && static_cast<int64_t>(bytes) > host_bytes_available()) {
+    throw OutOfMemory(fmt::format("out of host memory: {} for '{}' but {} available", human_bytes(double(bytes)), tag,
+                                  human_bytes(double(host_bytes_available()))));
+  }
+  void* data = std::aligned_alloc(64, host_capacity(bytes));
+  if (!data) throw OutOfMemory(fmt::format("out of host memory: {} for '{}'", human_bytes(double(bytes)), tag));
+  return data;
+}
+
+// The smallest cached block of at least `capacity` bytes, taken out of the cache ({nullptr, 0} if none).
+CachedBlock take_cached_block(size_t capacity) {
+  HostBlockCache& cache = host_block_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  auto best = cache.blocks.end();
+  for (auto it = cache.blocks.begin(); it != cache.blocks.end(); ++it) {
+    if (it->capacity >= capacity && (best == cache.blocks.end() || it->capacity < best->capacity)) best = it;
+  }
+  if (best == cache.blocks.end()) return {nullptr, 0};
+  const CachedBlock block = *best;
+  cache.bytes -= block.capacity;
+  cache.blocks.erase(best);
+  return block;
+}
+
+void cache_or_free_block(void* data, size_t capacity) {
+  HostBlockCache& cache = host_block_cache();
+  {
+    std::lock_guard<std::mutex> lock(cache.mutex);
+    if (cache.bytes + capacity <= kCachedHostBytes) {
+      cache.blocks.push_back({data, capacity});
+      cache.bytes += capacity;
+      return;
+    }
+  }
+  std::free(data);
+}
+
 }  // namespace
+
+void release_cached_host_memory() {
+  HostBlockCache& cache = host_block_cache();
+  std::lock_guard<std::mutex> lock(cache.mutex);
+  for (const CachedBlock& b : cache.blocks) std::free(b.data);
+  cache.blocks.clear();
+  cache.bytes = 0;
+}
 
 std::string_view device_name(Device d) { return d == Device::cpu ? "cpu" : "cuda"; }
 
@@ -114,20 +185,24 @@ Buffer Buffer::allocate(size_t bytes, Device device, std::string_view tag) {
   b.tag_ = std::string(tag);
   if (bytes == 0) return b;
   if (device == Device::cpu) {
-    constexpr size_t kLargeRequest = size_t{256} << 20;
-    if (bytes >= kLargeRequest && static_cast<int64_t>(bytes) > host_bytes_available()) {
-      throw OutOfMemory(fmt::format("out of host memory: {} for '{}' but {} available", human_bytes(double(bytes)), tag,
-                                    human_bytes(double(host_bytes_available()))));
-    }
-    const size_t rounded = (bytes + 63) / 64 * 64;
-    b.data_ = std::aligned_alloc(64, rounded);
-    if (!b.data_) {
-      throw OutOfMemory(fmt::format("out of host memory: {} for '{}'", human_bytes(double(bytes)), tag));
-    }
+    b.data_ = host_alloc_or_throw(bytes, tag);
   } else {
     b.data_ = cuda_malloc_or_throw(bytes, tag);
   }
   count_alloc(device, static_cast<int64_t>(bytes), b.tag_);
+  return b;
+}
+
+Buffer Buffer::allocate_reused(size_t bytes, std::string_view tag) {
+  Buffer b;
+  b.bytes_ = bytes;
+  b.tag_ = std::string(tag);
+  b.reused_ = true;
+  if (bytes == 0) return b;
+  const CachedBlock cached = take_cached_block(host_capacity(bytes));
+  b.data_ = cached.data ? cached.data : host_alloc_or_throw(bytes, tag);
+  b.capacity_ = cached.data ? cached.capacity : host_capacity(bytes);
+  count_alloc(Device::cpu, static_cast<int64_t>(bytes), b.tag_);
   return b;
 }
 
@@ -152,6 +227,8 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     device_ = o.device_;
     stream_ = o.stream_;
     stream_ordered_ = o.stream_ordered_;
+    reused_ = o.reused_;
+    capacity_ = o.capacity_;
     tag_ = std::move(o.tag_);
     o.data_ = nullptr;
     o.bytes_ = 0;
@@ -161,7 +238,9 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 void Buffer::release() {
   if (!data_) return;
-  if (device_ == Device::cpu) {
+  if (reused_) {
+    cache_or_free_block(data_, capacity_);
+  } else if (device_ == Device::cpu) {
     std::free(data_);
   } else if (stream_ordered_) {
     cuda_free_async_noexcept(data_, stream_);

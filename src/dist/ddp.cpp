@@ -714,6 +714,12 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
                 "DdpModel: bf16-pure runs under data parallelism with --ddp fsdp and sharded storage only "
                 "(ModelOptions::external_parameters: its bf16 shards are the parameters); DDP and ZeRO-1 need the "
                 "fp32 masters of --precision bf16");
+  // The sharded optimizers (ZeroOptimizer) keep fp32 moments for fp32 masters; bf16 moments beside fp32
+  // masters are the model's own AdamW's (plain DDP steps each rank's model).
+  FLASHLM_CHECK(model.optimizer_state() == OptimizerState::fp32 || (!zero1 && !fsdp),
+                "DdpModel: --optimizer-state {} is the model's own AdamW's; ZeRO-1 and FSDP shard fp32 moments: "
+                "use --optimizer-state fp32 with {}",
+                optimizer_state_name(model.optimizer_state()), fsdp ? "--ddp fsdp" : "--zero1");
   FLASHLM_CHECK(fsdp || !model.external_parameters(),
                 "DdpModel: a model built with external_parameters keeps its weights in FSDP's shards: it needs "
                 "--ddp fsdp");
@@ -807,7 +813,9 @@ DdpMemory DdpModel::memory() const {
   }
   mem.model_buffers = fsdp_ && fsdp_->sharded() ? mem.parameters + mem.gradients + fsdp_->buffer_bytes()
                                                 : n * (2 * f32 + working);
-  mem.optimizer_state = zero_ ? zero_->state_bytes() : 2 * n * f32;
+  // Without a sharded optimizer the model's own moments: fp32, or bf16 (ModelOptions::optimizer_state).
+  const int64_t moment = model_.optimizer_state() == OptimizerState::fp32 ? f32 : int64_t(sizeof(bf16_t));
+  mem.optimizer_state = zero_ ? zero_->state_bytes() : 2 * n * moment;
   return mem;
 }
 

@@ -1,5 +1,6 @@
 // Model sizes, parameter layout and the learning-rate schedule.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -226,6 +227,19 @@ void LanguageModel::check_state_arrays(std::string_view caller, size_t params, s
     FLASHLM_CHECK(size == n, "{}: {} holds {} floats, expected parameter_count() = {}", caller, name, size, n);
   }
   FLASHLM_CHECK(optimizer_steps >= 0, "{}: optimizer_steps = {}, expected >= 0", caller, optimizer_steps);
+}
+
+void LanguageModel::check_bf16_moments(std::string_view caller, std::span<const float> m,
+                                       std::span<const float> v) {
+  for (const auto& [name, values] : {std::pair{"m", m}, std::pair{"v", v}}) {
+    for (size_t i = 0; i < values.size(); ++i) {
+      const float x = values[i];
+      FLASHLM_CHECK(std::bit_cast<uint32_t>(x) << 16 == 0,
+                    "{}: {}[{}] = {} is not a bf16 value: bf16 moments load only what bf16 moments saved (a "
+                    "checkpoint of fp32 moments needs --optimizer-state fp32)",
+                    caller, name, i, x);
+    }
+  }
 }
 
 void LanguageModel::restore_loss_scale(double scale, int64_t good_steps) {

@@ -1,6 +1,7 @@
 // The LM on the CPU: the whole training step reads top to bottom — forward, backward, AdamW.
 #include <cmath>
 #include <algorithm>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -22,6 +23,7 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   FLASHLM_CHECK(seq >= 1 && seq <= config.context, "CpuModel: seq = {} outside [1, context = {}]", seq,
                 config.context);
   FLASHLM_CHECK(!options.bf16_pure, "CpuModel: the CPU engine runs fp32, not bf16-pure");
+  options.check_optimizer_state();
   n_params_ = layout_.back().offset + layout_.back().numel();
   const size_t pbytes = size_t(n_params_) * sizeof(float);
   // FSDP's sharded storage holds them instead (ModelOptions::external_parameters).
@@ -56,11 +58,11 @@ CpuModel::~CpuModel() = default;
 // elsewhere (ZeRO-1's shards) never holds them.
 void CpuModel::allocate_moments() {
   if (adam_m_.data()) return;
-  const size_t pbytes = size_t(n_params_) * sizeof(float);
-  adam_m_ = Buffer::allocate(pbytes, Device::cpu, "AdamW first moment");
-  adam_v_ = Buffer::allocate(pbytes, Device::cpu, "AdamW second moment");
-  std::fill(static_cast<float*>(adam_m_.data()), static_cast<float*>(adam_m_.data()) + n_params_, 0.0f);
-  std::fill(static_cast<float*>(adam_v_.data()), static_cast<float*>(adam_v_.data()) + n_params_, 0.0f);
+  const size_t pbytes = size_t(n_params_) * (bf16_moments() ? sizeof(bf16_t) : sizeof(float));
+  adam_m_ = Buffer::allocate(pbytes, Device::cpu, bf16_moments() ? "AdamW first moment (bf16)" : "AdamW first moment");
+  adam_v_ = Buffer::allocate(pbytes, Device::cpu, bf16_moments() ? "AdamW second moment (bf16)" : "AdamW second moment");
+  std::memset(adam_m_.data(), 0, pbytes);  // +0 in fp32 and in bf16
+  std::memset(adam_v_.data(), 0, pbytes);
 }
 
 void CpuModel::release_optimizer_state() {
@@ -299,6 +301,13 @@ void CpuModel::save_state(std::span<float> params, std::span<float> m, std::span
     std::fill(v.begin(), v.end(), 0.0f);
     return;
   }
+  if (bf16_moments()) {  // widened to fp32 (exactly): the checkpoint format is the same for every state
+    std::transform(static_cast<const bf16_t*>(adam_m_.data()), static_cast<const bf16_t*>(adam_m_.data()) + n_params_,
+                   m.begin(), [](bf16_t x) { return float(x); });
+    std::transform(static_cast<const bf16_t*>(adam_v_.data()), static_cast<const bf16_t*>(adam_v_.data()) + n_params_,
+                   v.begin(), [](bf16_t x) { return float(x); });
+    return;
+  }
   std::copy_n(static_cast<const float*>(adam_m_.data()), n_params_, m.begin());
   std::copy_n(static_cast<const float*>(adam_v_.data()), n_params_, v.begin());
 }
@@ -307,10 +316,17 @@ void CpuModel::load_state(std::span<const float> params, std::span<const float> 
                           int64_t optimizer_steps) {
   check_own_storage("CpuModel::load_state");
   check_state_arrays("CpuModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
+  if (bf16_moments()) check_bf16_moments("CpuModel::load_state", m, v);
   allocate_moments();
   std::copy(params.begin(), params.end(), parameters());
-  std::copy(m.begin(), m.end(), static_cast<float*>(adam_m_.data()));
-  std::copy(v.begin(), v.end(), static_cast<float*>(adam_v_.data()));
+  if (bf16_moments()) {
+    const auto narrow = [](float x) { return bf16_t(x); };
+    std::transform(m.begin(), m.end(), static_cast<bf16_t*>(adam_m_.data()), narrow);
+    std::transform(v.begin(), v.end(), static_cast<bf16_t*>(adam_v_.data()), narrow);
+  } else {
+    std::copy(m.begin(), m.end(), static_cast<float*>(adam_m_.data()));
+    std::copy(v.begin(), v.end(), static_cast<float*>(adam_v_.data()));
+  }
   adam_step_ = optimizer_steps;
 }
 
@@ -320,6 +336,13 @@ void CpuModel::adamw_step(const AdamWConfig& c, double lr) {
   check_own_storage("CpuModel::adamw_step");
   allocate_moments();
   ++adam_step_;
+  if (bf16_moments()) {
+    const MomentRounding rounding{options_.optimizer_state == OptimizerState::bf16_sr, options_.moment_rounding_seed};
+    cpu::adamw_step_bf16_moments(parameters(), gradients(), static_cast<bf16_t*>(adam_m_.data()),
+                                 static_cast<bf16_t*>(adam_v_.data()), n_params_, lr, c.beta1, c.beta2, c.eps,
+                                 c.weight_decay, adam_step_, rounding);
+    return;
+  }
   cpu::adamw_step(parameters(), gradients(), static_cast<float*>(adam_m_.data()), static_cast<float*>(adam_v_.data()),
                   n_params_, lr, c.beta1, c.beta2, c.eps, c.weight_decay, adam_step_);
 }

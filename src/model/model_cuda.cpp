@@ -177,7 +177,10 @@ struct CudaModel::Impl {
   bool capturing = false;            // the step's host code is being captured, not run
 
   size_t elem() const { return dtype_size(precision); }
-  size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads, moments
+  size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads
+  // The optimizer state beside fp32 masters in bf16 (ModelOptions::optimizer_state; bf16-pure's are too).
+  bool bf16_moments() const { return options.optimizer_state != OptimizerState::fp32; }
+  size_t moment_elem() const { return pure || bf16_moments() ? sizeof(bf16_t) : sizeof(float); }
   template <class T>
   T* a(int64_t offset) const {
     return static_cast<T*>(acts.data()) + offset;
@@ -237,9 +240,10 @@ struct CudaModel::Impl {
   // shards), never holds them.
   void allocate_moments() {
     if (adam_m.data()) return;
-    const size_t bytes = size_t(n_params) * state_elem();
-    adam_m = Buffer::allocate(bytes, Device::cuda, pure ? "AdamW first moment (bf16)" : "AdamW first moment");
-    adam_v = Buffer::allocate(bytes, Device::cuda, pure ? "AdamW second moment (bf16)" : "AdamW second moment");
+    const size_t bytes = size_t(n_params) * moment_elem();
+    const bool narrow = moment_elem() == sizeof(bf16_t);
+    adam_m = Buffer::allocate(bytes, Device::cuda, narrow ? "AdamW first moment (bf16)" : "AdamW first moment");
+    adam_v = Buffer::allocate(bytes, Device::cuda, narrow ? "AdamW second moment (bf16)" : "AdamW second moment");
     gpu::memset_async(adam_m.data(), 0, bytes, stream);
     gpu::memset_async(adam_v.data(), 0, bytes, stream);
   }
@@ -344,6 +348,17 @@ struct CudaModel::Impl {
       if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(params_lp.data());
       auto* w = static_cast<float*>(params.data());
       const auto* g = static_cast<const float*>(grads.data());
+      if (bf16_moments()) {
+        auto *mo = static_cast<bf16_t*>(adam_m.data()), *vo = static_cast<bf16_t*>(adam_v.data());
+        const MomentRounding rounding = moment_rounding();
+        if (live) {
+          gpu::adamw_step_bf16_moments_live<T>(w, g, mo, vo, n_params, live, rounding.stochastic, 0, copy, stream);
+        } else {
+          gpu::adamw_step_bf16_moments<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
+                                          adam_step, rounding, 0, copy, stream, pending_clip);
+        }
+        return;
+      }
       auto *mo = static_cast<float*>(adam_m.data()), *vo = static_cast<float*>(adam_v.data());
       if (live) {
         gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream);
@@ -352,6 +367,9 @@ struct CudaModel::Impl {
                            copy, stream, pending_clip);
       }
     });
+  }
+  MomentRounding moment_rounding() const {
+    return {options.optimizer_state == OptimizerState::bf16_sr, options.moment_rounding_seed};
   }
   // bf16-pure: the widened RMSNorm gains the norm kernels read, after the parameters changed.
   void refresh_gains() const {
@@ -376,6 +394,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
                 "CudaModel: precision {} is not supported (fp32, bf16 or fp16)", dtype_name(precision));
   FLASHLM_CHECK(!options.bf16_pure || precision == DType::bf16, "CudaModel: bf16-pure needs precision bf16, not {}",
                 dtype_name(precision));
+  options.check_optimizer_state();
   FLASHLM_CHECK(config.d_model % 8 == 0 && config.d_ff % 8 == 0 && config.vocab % 8 == 0,
                 "CudaModel: d_model ({}), d_ff ({}) and vocab ({}) must be multiples of 8 (16-byte rows for the "
                 "tensor cores)",
@@ -478,6 +497,8 @@ float* CudaModel::gradients() const {
   return static_cast<float*>(impl_->grads.data());
 }
 bool CudaModel::bf16_pure() const { return impl_->pure; }
+
+OptimizerState CudaModel::optimizer_state() const { return impl_->options.optimizer_state; }
 bool CudaModel::external_parameters() const { return impl_->options.external_parameters; }
 DType CudaModel::working_dtype() const {
   return impl_->pure || impl_->precision == DType::f32 ? DType::f32 : impl_->precision;
@@ -971,6 +992,15 @@ void CudaModel::save_state(std::span<float> params, std::span<float> m, std::spa
     s.widen_to_host(static_cast<const bf16_t*>(s.adam_v.data()), v.data(), s.n_params);
     return;
   }
+  if (s.bf16_moments()) {  // widened to fp32 on the host (exactly), as bf16-pure's are
+    gpu::stream_synchronize(s.stream);
+    std::vector<bf16_t> narrow(size_t(s.n_params));
+    for (const auto& [moment, host] : {std::pair{&s.adam_m, m.data()}, std::pair{&s.adam_v, v.data()}}) {
+      cuda_copy(narrow.data(), moment->data(), narrow.size() * sizeof(bf16_t));
+      std::transform(narrow.begin(), narrow.end(), host, [](bf16_t x) { return float(x); });
+    }
+    return;
+  }
   const size_t bytes = size_t(s.n_params) * sizeof(float);
   cuda_copy(m.data(), s.adam_m.data(), bytes);
   cuda_copy(v.data(), s.adam_v.data(), bytes);
@@ -981,10 +1011,17 @@ void CudaModel::load_state(std::span<const float> params, std::span<const float>
   check_own_storage("CudaModel::load_state");
   check_state_arrays("CudaModel::load_state", params.size(), m.size(), v.size(), optimizer_steps);
   Impl& s = *impl_;
+  if (s.bf16_moments()) check_bf16_moments("CudaModel::load_state", m, v);
   load_parameters(params.data());  // also refreshes what is derived from the parameters
   s.allocate_moments();
   gpu::stream_synchronize(s.stream);  // the zeroing above is queued on the model's stream
-  if (s.pure) {
+  if (s.bf16_moments()) {  // exact: check_bf16_moments saw only bf16 values
+    std::vector<bf16_t> narrow(size_t(s.n_params));
+    for (const auto& [host, moment] : {std::pair{m.data(), &s.adam_m}, std::pair{v.data(), &s.adam_v}}) {
+      std::transform(host, host + s.n_params, narrow.begin(), [](float x) { return bf16_t(x); });
+      cuda_copy(moment->data(), narrow.data(), narrow.size() * sizeof(bf16_t));
+    }
+  } else if (s.pure) {
     s.narrow_from_host(m.data(), static_cast<bf16_t*>(s.adam_m.data()), s.n_params);
     s.narrow_from_host(v.data(), static_cast<bf16_t*>(s.adam_v.data()), s.n_params);
   } else {
@@ -1046,6 +1083,7 @@ StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, 
   if (m.norms) gpu::stream_synchronize(m.norms->stream);  // an eager step's norms may still be running
   *g.in->data = DeviceStepScalars{adamw_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step + 1),
                                   cfg.max_grad_norm, 0.0};
+  g.in->data->adam.rounding_key = moment_rounding_key(m.options.moment_rounding_seed, m.adam_step + 1);
   if (!g.exec && !capture_step()) {
     m.graph_status = g.failure;
     return LanguageModel::train_step(tokens, targets, cfg, lr);

@@ -52,6 +52,29 @@ void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure) {
                 "precision: '{}': expected fp32, bf16, fp16 or bf16-pure", text);
 }
 
+OptimizerState parse_optimizer_state(std::string_view text) {
+  if (text == "fp32") return OptimizerState::fp32;
+  if (text == "bf16") return OptimizerState::bf16;
+  if (text == "bf16-sr") return OptimizerState::bf16_sr;
+  fail("optimizer state: '{}': expected fp32, bf16 or bf16-sr", text);
+}
+
+std::string_view optimizer_state_name(OptimizerState s) {
+  switch (s) {
+    case OptimizerState::fp32: return "fp32";
+    case OptimizerState::bf16: return "bf16";
+    case OptimizerState::bf16_sr: return "bf16-sr";
+  }
+  return "?";
+}
+
+void ModelOptions::check_optimizer_state() const {
+  FLASHLM_CHECK(!bf16_pure || optimizer_state == OptimizerState::fp32,
+                "optimizer state: '{}' is for fp32 master weights; bf16-pure keeps its moments in bf16 (rounded to "
+                "nearest) already: leave --optimizer-state at fp32",
+                optimizer_state_name(optimizer_state));
+}
+
 std::string precision_name(DType dtype, bool bf16_pure) {
   return bf16_pure ? "bf16-pure" : std::string(dtype_name(dtype));
 }
@@ -181,6 +204,11 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
   const int64_t moments = (n_params + o.optimizer_shards - 1) / o.optimizer_shards;
   const std::string share =
       o.optimizer_shards > 1 ? fmt::format(", 1/{}: this rank's shard", o.optimizer_shards) : std::string();
+  const bool bf16_moments = o.optimizer_state != OptimizerState::fp32;
+  const MemoryPlan::Item master_moments =
+      bf16_moments ? MemoryPlan::Item{fmt::format("AdamW moments ({}{})", optimizer_state_name(o.optimizer_state), share),
+                                      bytes(moments, 4)}
+                   : MemoryPlan::Item{"AdamW moments (fp32" + share + ")", bytes(moments, 8)};
   if (o.external_parameters) {
     // FSDP's sharded storage (flashlm/ddp.h): this rank's 1/world of the matrices, every RMSNorm gain, and
     // the pool of gathered parts and the gradient buffers; each part gathered in the type the model reads it
@@ -213,7 +241,7 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
         p.items.push_back({fmt::format("parameters ({} copy for the GEMMs{})", dtype_name(precision), of), bytes(shard, elem)});
       }
       p.items.push_back({"gradients (fp32" + of + ")", bytes(shard, 4)});
-      p.items.push_back({"AdamW moments (fp32" + share + ")", bytes(moments, 8)});
+      p.items.push_back(master_moments);
     }
     if (world > 1) {  // at one rank nothing is sharded: the shards are the whole model, read in place
       p.items.push_back({fmt::format("FSDP gathered parts (a pool of prefetch {} + 2)", o.fsdp_prefetch),
@@ -232,7 +260,7 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
       p.items.push_back({fmt::format("parameters ({} copy for the GEMMs)", dtype_name(precision)), bytes(n_params, elem)});
     }
     p.items.push_back({"gradients (fp32)", bytes(n_params, 4)});
-    p.items.push_back({"AdamW moments (fp32" + share + ")", bytes(moments, 8)});
+    p.items.push_back(master_moments);
   }
   const ActivationLayout a = layout_activations(c, batch, seq, recompute);
   p.items.push_back({fmt::format("activations kept for the backward (recompute {})", recompute.name()),
@@ -272,6 +300,7 @@ MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, D
                 c.context);
   FLASHLM_CHECK(!o.bf16_pure || (device == Device::cuda && precision == DType::bf16),
                 "precision: bf16-pure is a CUDA precision (bf16 parameters, gradients and moments)");
+  o.check_optimizer_state();
   FLASHLM_CHECK(o.optimizer_shards >= 1 && o.optimizer_shards <= (int64_t{1} << 20),
                 "memory plan: optimizer_shards = {}, expected a rank count in [1, 2^20]", o.optimizer_shards);
   FLASHLM_CHECK(!o.external_parameters || (o.fsdp_world >= 1 && o.fsdp_world <= (int64_t{1} << 20) &&

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/random.h"
 #include "flashlm/dtype.h"
 
 namespace flashlm {
@@ -31,7 +32,24 @@ namespace flashlm {
 // are computed, so that every variant rounds them alike).
 struct AdamWScalars {
   float alpha, b1, one_minus_b1, b2, one_minus_b2, eps, decay, grad_scale;
+  uint64_t rounding_key = 0;  // bf16-sr moments: moment_rounding_key(seed, step)
 };
+
+// How the bf16 moments are rounded after each step: to nearest even, or stochastically from `seed` (the run's).
+struct MomentRounding {
+  bool stochastic = false;
+  uint64_t seed = 0;
+};
+
+constexpr uint64_t moment_rounding_key(uint64_t seed, int64_t step) { return counter_draw(seed, uint64_t(step)); }
+
+// The bf16 bits of the fp32 value with bits `x`, rounded up with probability (the low 16 bits of x) / 2^16
+// where `random` is 16 uniform bits: truncation of x + random. NaN stays a quiet NaN; a value within one
+// bf16 step of the largest finite may round to infinity, as a wider format would have overflowed.
+constexpr uint16_t bf16_bits_stochastic(uint32_t x, uint32_t random) {
+  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);
+  return uint16_t((x + (random & 0xffffu)) >> 16);
+}
 
 // A train step's scalars in device memory, for a step replayed as a CUDA graph: the host writes adam (with
 // grad_scale 1) and max_norm before each replay; gpu::clip_on_device sets norm and adam.grad_scale; AdamW
@@ -67,6 +85,11 @@ void adamw_step(float* w, const float* g, float* m, float* v, int64_t n, double 
 // factor, applied to the widened gradient.
 void adamw_step_bf16(bf16_t* w, const bf16_t* g, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
                      double beta2, double eps, double weight_decay, int64_t step, float grad_scale = 1.0f);
+// bf16 moments (above; gpu::adamw_step_bf16_moments's bits): fp32 w and g [n], bf16 m and v [n]; element i
+// is element first_index + i of the whole buffer (its stochastic rounding's counter).
+void adamw_step_bf16_moments(float* w, const float* g, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
+                             double beta2, double eps, double weight_decay, int64_t step, MomentRounding rounding,
+                             int64_t first_index = 0);
 
 }  // namespace flashlm::cpu
 
@@ -87,6 +110,13 @@ void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, in
                      double beta2, double eps, double weight_decay, int64_t step, void* stream,
                      float grad_scale = 1.0f);
 
+// bf16 moments (above; cpu::adamw_step_bf16_moments's bits), with adamw_step's param_copy and grad_scale.
+template <class T>
+void adamw_step_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n, double lr,
+                             double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                             MomentRounding rounding, int64_t first_index, T* param_copy, void* stream,
+                             float grad_scale = 1.0f);
+
 // adamw_step and adamw_step_bf16 with the step's scalars read from device memory when the kernels run, not
 // fixed when they are queued: a CUDA graph of the train step replays them with each step's lr, step count
 // and clipping factor (CudaModel::train_step).
@@ -95,6 +125,11 @@ void adamw_step_live(float* param, const float* grad, float* m, float* v, int64_
                      T* param_copy, void* stream);
 void adamw_step_bf16_live(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n,
                           const AdamWScalars* scalars, void* stream);
+// bf16 moments, live: the rounding key too is read from scalars (stochastic: whether to use it).
+template <class T>
+void adamw_step_bf16_moments_live(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n,
+                                  const AdamWScalars* scalars, bool stochastic, int64_t first_index, T* param_copy,
+                                  void* stream);
 
 // Clipping on the device, for a graphed step: s->norm = sqrt(Σ partial[0, count)) summed in index order in
 // fp64, and s->adam.grad_scale = cpu::clip_scale(norm, s->max_norm) when max_norm > 0 and norm > max_norm,

@@ -1,6 +1,8 @@
 // The optimizer arithmetic on the CPU (optim/optimizer.h).
 #include "optim/optimizer.h"
 
+#include <bit>
+
 #include "core/check.h"
 
 namespace flashlm::cpu {
@@ -58,6 +60,28 @@ void adamw_step_bf16(bf16_t* w, const bf16_t* g, bf16_t* m, bf16_t* v, int64_t n
     w[i] = bf16_t(wi);
     m[i] = bf16_t(mi);
     v[i] = bf16_t(vi);
+  }
+}
+
+void adamw_step_bf16_moments(float* w, const float* g, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
+                             double beta2, double eps, double weight_decay, int64_t step, MomentRounding rounding,
+                             int64_t first_index) {
+  check_step("cpu::adamw_step_bf16_moments", n, step);
+  FLASHLM_CHECK(first_index >= 0, "cpu::adamw_step_bf16_moments: first_index = {}, expected >= 0", first_index);
+  const AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step);
+  const uint64_t key = moment_rounding_key(rounding.seed, step);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float mi = float(m[i]), vi = float(v[i]);
+    adamw_element(w[i], g[i], mi, vi, a);
+    if (rounding.stochastic) {
+      const uint64_t r = counter_draw(key, uint64_t(first_index + i));
+      m[i].bits = bf16_bits_stochastic(std::bit_cast<uint32_t>(mi), uint32_t(r));
+      v[i].bits = bf16_bits_stochastic(std::bit_cast<uint32_t>(vi), uint32_t(r >> 16));
+    } else {
+      m[i] = bf16_t(mi);
+      v[i] = bf16_t(vi);
+    }
   }
 }
 

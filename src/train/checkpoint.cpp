@@ -146,6 +146,14 @@ CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, 
   else if (precision == dtype_name(DType::f16)) h.precision = DType::f16;
   else if (precision == precision_name(DType::bf16, true)) h.precision = DType::bf16, h.bf16_pure = true;
   else f.bad("precision", "\"fp32\", \"bf16\", \"fp16\" or \"bf16-pure\"");
+  if (j.contains("optimizer_state")) {
+    const std::string state = f.string("optimizer_state");
+    bool known = false;
+    for (OptimizerState s : {OptimizerState::fp32, OptimizerState::bf16, OptimizerState::bf16_sr}) {
+      if (state == optimizer_state_name(s)) h.optimizer_state = s, known = true;
+    }
+    if (!known) f.bad("optimizer_state", "\"fp32\", \"bf16\" or \"bf16-sr\"");
+  }
   h.loss_scale = f.positive_number("loss_scale");
   // Absent in the format-2 files written before the field existed: those resume with a fresh count.
   if (j.contains("loss_scale_good_steps"))
@@ -172,6 +180,7 @@ nlohmann::json header_json(const CheckpointHeader& h, uint32_t payload_crc32) {
           {"batcher_step", h.batcher.step},
           {"parameter_count", h.parameter_count},
           {"precision", precision_name(h.precision, h.bf16_pure)},
+          {"optimizer_state", optimizer_state_name(h.optimizer_state)},
           {"loss_scale", h.loss_scale},
           {"loss_scale_good_steps", h.loss_scale_good_steps},
           {"world_size", h.world_size},
@@ -333,6 +342,7 @@ void check_resumable(const std::string& path, const CheckpointHeader& saved, con
   }
   differs("seq (the context of a batch)", saved.seq, run.seq);
   differs("precision", precision_name(saved.precision, saved.bf16_pure), precision_name(run.precision, run.bf16_pure));
+  differs("optimizer_state", optimizer_state_name(saved.optimizer_state), optimizer_state_name(run.optimizer_state));
   differs("grad_accum", saved.grad_accum, run.grad_accum);
   differs("seed", saved.seed, run.seed);
   const DataIdentity &d0 = saved.train_data, &d1 = run.train_data;

@@ -42,6 +42,9 @@ struct CheckpointHeader {
   int64_t parameter_count = 0;
   DType precision = DType::f32;
   bool bf16_pure = false;  // "bf16-pure" in the file: bf16 parameters and moments, stored widened to fp32
+  // The moments beside fp32 masters ("optimizer_state": fp32, bf16, bf16-sr; absent in files written before
+  // the field existed, which are fp32): bf16 moments are stored widened to fp32, exactly.
+  OptimizerState optimizer_state = OptimizerState::fp32;
   double loss_scale = 1;
   int64_t loss_scale_good_steps = 0;  // fp16: good steps in a row since the scale last changed
   int64_t world_size = 1, grad_accum = 1;

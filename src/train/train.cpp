@@ -37,6 +37,7 @@ CheckpointHeader run_header(const TrainConfig& cfg, const LanguageModel& model, 
   h.parameter_count = model.parameter_count();
   h.precision = model.precision();
   h.bf16_pure = model.bf16_pure();
+  h.optimizer_state = model.optimizer_state();
   h.world_size = cfg.comm ? cfg.comm->world_size() : 1;
   h.grad_accum = cfg.ddp.grad_accum;
   return h;
@@ -266,6 +267,8 @@ TrainResult train(const TrainConfig& cfg) {
   options.attention = cfg.attention;
   options.recompute = cfg.recompute;
   options.bf16_pure = cfg.bf16_pure;
+  options.optimizer_state = cfg.optimizer_state;
+  options.moment_rounding_seed = cfg.seed;
   options.head_chunk = cfg.head_chunk;
   options.deterministic = cfg.deterministic;
   options.cuda_graph = cfg.cuda_graph;
@@ -359,10 +362,14 @@ TrainResult train(const TrainConfig& cfg) {
   if (!cfg.checkpoint.empty()) check_run_checkpoint_writable(cfg);
   MetricsLog metrics(root ? cfg.metrics_log : std::string());
   result.first_step = step;
-  say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}; data: {} ({} train tokens); "
+  say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}{}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
                   model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
-                  device_name(cfg.device), precision_name(cfg.precision, cfg.bf16_pure), data.train_name,
+                  device_name(cfg.device), precision_name(cfg.precision, cfg.bf16_pure),
+                  cfg.optimizer_state == OptimizerState::fp32
+                      ? std::string()
+                      : fmt::format(" with {} AdamW moments", optimizer_state_name(cfg.optimizer_state)),
+                  data.train_name,
                   data.train.size(), cfg.batch, cfg.seq,
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)
                                               : std::string()));

@@ -84,6 +84,32 @@ foreach(i 0 1)
   endif()
 endforeach()
 
+# bf16 AdamW moments: the rows without communication and plain DDP run; ZeRO-1's rows are "error" rows
+# naming why (its sharded optimizer keeps fp32 moments).
+set(json_file ${WORKDIR}/ddp_bench_moments.json)
+file(REMOVE ${json_file})
+run_command_ok("ddp-bench --optimizer-state bf16" ${mpi2} ${FLASHLM} ddp-bench --device cpu --model tiny --vocab 64
+       --context 16 --batch 2 --ddp bucketed --bucket-mb 1 --zero 0,1 --optimizer-state bf16 --warmup 1 --steps 2
+       --format json --out ${json_file})
+file(READ ${json_file} json)
+string(JSON n LENGTH "${json}" records)
+foreach(i RANGE 0 2)
+  string(JSON status GET "${json}" records ${i} status)
+  string(JSON zero GET "${json}" records ${i} zero1)
+  string(JSON message ERROR_VARIABLE none GET "${json}" records ${i} message)
+  if(zero AND (NOT status STREQUAL "error" OR NOT message MATCHES "ZeRO-1 and FSDP shard fp32 moments"))
+    message(FATAL_ERROR "json record ${i} (ZeRO-1): status ${status}, message ${message}:
+${json}")
+  elseif(NOT zero AND NOT status STREQUAL "ok")
+    message(FATAL_ERROR "json record ${i}: status ${status}:
+${json}")
+  endif()
+endforeach()
+if(NOT n EQUAL 3)  # none, bucketed, bucketed + ZeRO-1
+  message(FATAL_ERROR "json: ${n} records (expected 3):
+${json}")
+endif()
+
 # Usage errors: exit 2 with "error: ..." without mpirun; under mpirun every rank fails and so does mpirun.
 foreach(bad "train;--ddp;ring" "train;--zero;2" "train;--grad-accum;0" "ddp-bench;--ddp;ring"
             "ddp-bench;--bucket-mb;0" "ddp-bench;--zero;3" "ddp-bench;--device;cpu;--precision;bf16"

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "flashlm/error.h"
@@ -80,6 +81,34 @@ TEST(Memory, TracksCurrentAndPeakBytes) {
   }
   EXPECT_EQ(memory_stats(Device::cpu).current_bytes, before.current_bytes);
   EXPECT_EQ(memory_stats(Device::cpu).peak_bytes, before.current_bytes + 4 * 1024 * 1024);
+}
+
+TEST(Memory, ReusedHostBlocksGoToTheNextRequestThatFitsAndCountOnlyWhileInUse) {
+  release_cached_host_memory();
+  const int64_t base = memory_stats(Device::cpu).current_bytes;
+  void* first = nullptr;
+  {
+    Buffer a = Buffer::allocate_reused(3 << 20, "reused a");
+    first = a.data();
+    std::memset(a.data(), 0x5a, a.bytes());  // pages touched, as a workspace's are
+    EXPECT_EQ(memory_stats(Device::cpu).current_bytes, base + (3 << 20));
+  }
+  EXPECT_EQ(memory_stats(Device::cpu).current_bytes, base);  // the cached block is free memory
+  {
+    Buffer bigger = Buffer::allocate_reused((3 << 20) + 64, "reused bigger");  // does not fit the cached block
+    EXPECT_NE(bigger.data(), first);
+    Buffer smaller = Buffer::allocate_reused(1 << 20, "reused smaller");  // fits: takes it
+    EXPECT_EQ(smaller.data(), first);
+    EXPECT_EQ(memory_stats(Device::cpu).current_bytes, base + (3 << 20) + 64 + (1 << 20));
+  }
+  {  // both blocks cached now: the smallest that fits is taken
+    Buffer again = Buffer::allocate_reused(2 << 20, "reused again");
+    EXPECT_EQ(again.data(), first);
+  }
+  release_cached_host_memory();
+  Buffer after = Buffer::allocate_reused(1 << 20, "after release");
+  EXPECT_NE(after.data(), nullptr);
+  EXPECT_EQ(memory_stats(Device::cpu).current_bytes, base + (1 << 20));
 }
 
 TEST(Memory, ImpossibleHostAllocationIsOutOfMemoryNotACrash) {

@@ -867,14 +867,20 @@ TEST(FsdpBf16Pure, ThePlanCountsTwoByteShards) {
 }
 
 // bf16-pure under DDP or ZeRO-1 is refused naming FSDP as the way (before anything is allocated).
-TEST(FsdpBf16Pure, DdpAndZeroOneRefuseNamingFsdp) {
+// A train() run of the test LM on synthetic data, one sequence per rank.
+TrainConfig synthetic_lm_run(int64_t steps) {
   TrainConfig cfg;
   cfg.model = lm_config();
   cfg.seq = kSeq;
   cfg.batch = 1;
-  cfg.steps = 1;
+  cfg.steps = steps;
   cfg.train_data = "synthetic";
   cfg.comm = &comm();
+  return cfg;
+}
+
+TEST(FsdpBf16Pure, DdpAndZeroOneRefuseNamingFsdp) {
+  TrainConfig cfg = synthetic_lm_run(1);
   cfg.precision = DType::bf16;
   cfg.bf16_pure = true;
   for (bool zero1 : {false, true}) {
@@ -886,6 +892,28 @@ TEST(FsdpBf16Pure, DdpAndZeroOneRefuseNamingFsdp) {
       EXPECT_NE(std::string(e.what()).find("use --ddp fsdp"), std::string::npos) << e.what();
     }
   }
+}
+
+// bf16 moments beside fp32 masters are the model's own AdamW's: ZeRO-1 and FSDP, whose ZeroOptimizer keeps
+// fp32 moment shards, refuse them by name; plain DDP (each rank steps its own model) trains with them.
+TEST(DdpBf16Moments, ZeroOneAndFsdpRefuseAndDdpTrains) {
+  TrainConfig cfg = synthetic_lm_run(2);
+  cfg.optimizer_state = OptimizerState::bf16;
+  for (const bool fsdp : {false, true}) {
+    TrainConfig c = cfg;
+    c.zero1 = !fsdp;
+    if (fsdp) c.ddp.variant = DdpVariant::fsdp;
+    try {
+      train(c);
+      ADD_FAILURE() << "bf16 moments under " << (fsdp ? "FSDP" : "ZeRO-1") << " were accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("--optimizer-state bf16 is the model's own AdamW's; ZeRO-1 and FSDP "
+                                           "shard fp32 moments"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(train(cfg).last_step, 2);
 }
 
 // A job whose rank FLASHLM_TEST_DIE_ON_RANK exits in the middle of a step (after its backward, before the

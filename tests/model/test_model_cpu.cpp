@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
+#include "flashlm/error.h"
 #include "flashlm/model.h"
+#include "optim/optimizer.h"
 
 using namespace flashlm;
 
@@ -111,4 +114,66 @@ TEST(CpuModel, FlashAndNaiveAttentionGiveTheSameLossAndGradients) {
     max_ref = std::max(max_ref, double(std::fabs(b.gradients()[i])));
   }
   EXPECT_LE(max_diff, 1e-5 * max_ref);
+}
+
+// bf16 moments in the model: its step is cpu::adamw_step_bf16_moments on the flat buffers (the moments it
+// saves are bf16 values widened, and bit-equal to the kernel's on the same gradients), load_state takes only
+// bf16 values back, and bf16-pure with another state than fp32 is refused by name.
+TEST(CpuModel, Bf16MomentsAreTheKernelsAndLoadOnlyBf16Values) {
+  const ModelConfig c = ModelConfig::named("tiny", 8, 16);
+  ModelOptions o;
+  o.optimizer_state = OptimizerState::bf16_sr;
+  o.moment_rounding_seed = 5;
+  CpuModel model(c, 1, 8, o);
+  EXPECT_EQ(model.optimizer_state(), OptimizerState::bf16_sr);
+  model.init_parameters(3);
+  const auto n = size_t(model.parameter_count());
+  std::vector<int32_t> tokens(8), targets(8);
+  for (size_t i = 0; i < 8; ++i) tokens[i] = int32_t(i * 7 % c.vocab), targets[i] = int32_t((i * 7 + 1) % c.vocab);
+  AdamWConfig opt;
+  std::vector<float> w(n), mf(n), vf(n);
+  for (int step = 1; step <= 2; ++step) {
+    model.zero_grad();
+    model.forward(tokens.data(), targets.data());
+    model.backward();
+    model.save_state(w, mf, vf);
+    std::vector<bf16_t> m(n), v(n);
+    for (size_t i = 0; i < n; ++i) m[i] = bf16_t(mf[i]), v[i] = bf16_t(vf[i]);
+    const std::vector<float> g(model.gradients(), model.gradients() + n);
+    cpu::adamw_step_bf16_moments(w.data(), g.data(), m.data(), v.data(), int64_t(n), 1e-3, opt.beta1, opt.beta2,
+                                 opt.eps, opt.weight_decay, step, MomentRounding{true, 5});
+    model.adamw_step(opt, 1e-3);
+    std::vector<float> w2(n), m2(n), v2(n);
+    model.save_state(w2, m2, v2);
+    EXPECT_EQ(w2, w) << "step " << step;
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(m2[i], float(m[i])) << "m[" << i << "], step " << step;
+      ASSERT_EQ(v2[i], float(v[i])) << "v[" << i << "], step " << step;
+    }
+    mf = m2;
+    vf = v2;
+  }
+  std::vector<float> not_bf16 = mf;
+  not_bf16[3] = 1.0f + 1.0f / 1024;  // between two bf16 values
+  try {
+    model.load_state(w, not_bf16, vf, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CpuModel::load_state: m[3] = 1.0009766 is not a bf16 value"),
+              std::string::npos)
+        << e.what();
+  }
+  ModelOptions pure;
+  pure.bf16_pure = true;
+  pure.optimizer_state = OptimizerState::bf16;
+  try {
+    pure.check_optimizer_state();
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'bf16' is for fp32 master weights; bf16-pure keeps its moments in bf16"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(parse_optimizer_state("bf16-sr"), OptimizerState::bf16_sr);
+  EXPECT_THROW(parse_optimizer_state("bf8"), Error);
 }

@@ -236,19 +236,25 @@ TEST(CudaModel, OverlappedGradientNormIsTheNormOfTheGradients) {
 
 // train_step as one CUDA graph (captured at the second step, replayed after) gives the bits of the eager
 // step: the losses, norms, parameters and gradients, with a new batch, lr and clipping bound every step
-// (the graph must read them, not replay the first step's), clipping on every other step.
+// (the graph must read them, not replay the first step's), clipping on every other step; with bf16 moments
+// (4: nearest, 5: stochastic, whose rounding key the graph must read each step too) the moments as well.
 TEST(CudaModel, GraphedStepsGiveTheBitsOfEagerSteps) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = small_config();
-  for (int variant = 0; variant < 4; ++variant) {
+  for (int variant = 0; variant < 6; ++variant) {
     ModelOptions options;
     options.bf16_pure = variant == 2;
     options.overlap_grad_norm = variant != 3;  // 3: the norm as one pass after the backward
+    options.optimizer_state = variant == 4 ? OptimizerState::bf16 : variant == 5 ? OptimizerState::bf16_sr
+                                                                                 : OptimizerState::fp32;
+    options.moment_rounding_seed = 99;
     const DType precision = variant == 0 ? DType::f32 : DType::bf16;
     const std::string name = std::string(variant == 2 ? "bf16-pure" : dtype_name(precision)) +
-                             (variant == 3 ? ", serial norm" : "");
+                             (variant == 3 ? ", serial norm" : "") +
+                             (variant >= 4 ? ", " + std::string(optimizer_state_name(options.optimizer_state)) + " moments"
+                                           : std::string());
     std::vector<StepResult> results[2];
-    std::vector<float> params[2], grads[2];
+    std::vector<float> params[2], grads[2], moments[2];
     std::string status[2];
     for (int graphed = 0; graphed < 2; ++graphed) {
       options.cuda_graph = graphed == 1;
@@ -269,6 +275,11 @@ TEST(CudaModel, GraphedStepsGiveTheBitsOfEagerSteps) {
       grads[graphed].resize(size_t(m.parameter_count()));
       m.copy_parameters_to(params[graphed].data());
       m.copy_gradients_to(grads[graphed].data());  // as clip_gradients left them: clipped or not
+      const auto count = size_t(m.parameter_count());
+      std::vector<float> saved(count), mo(count), vo(count);
+      m.save_state(saved, mo, vo);
+      moments[graphed] = mo;
+      moments[graphed].insert(moments[graphed].end(), vo.begin(), vo.end());
     }
     EXPECT_EQ(status[0], "off: --cuda-graph off") << name;
     EXPECT_EQ(status[1], "on") << name;
@@ -283,6 +294,7 @@ TEST(CudaModel, GraphedStepsGiveTheBitsOfEagerSteps) {
     EXPECT_GT(results[0][2].grad_norm, 1e-3) << name << ": step 2 was meant to be clipped";
     EXPECT_TRUE(params[1] == params[0]) << name << ": the graphed steps' parameters differ from the eager ones";
     EXPECT_TRUE(grads[1] == grads[0]) << name << ": the graphed steps' gradients differ from the eager ones";
+    EXPECT_TRUE(moments[1] == moments[0]) << name << ": the graphed steps' moments differ from the eager ones";
   }
 }
 
@@ -368,6 +380,40 @@ TEST(CudaModel, Fp16TrainingResumesTheLossScaleBitExactly) {
   EXPECT_EQ(checkpoint_parameters((dir / "fp16-full.ckpt").string()),
             checkpoint_parameters((dir / "fp16-half.ckpt").string()))
       << "parameters differ after resume";
+}
+
+// bf16 moments (nearest and stochastic) on resume: 6 steps + resume + 6 steps give the parameters of 12
+// steps, bit for bit (the checkpoint holds the moments widened exactly; the stochastic rounding needs only
+// the seed and the step count).
+TEST(CudaModel, Bf16MomentsResumeBitExactly) {
+  SKIP_WITHOUT_GPU();
+  const auto dir = std::filesystem::path(::testing::TempDir());
+  for (const OptimizerState state : {OptimizerState::bf16, OptimizerState::bf16_sr}) {
+    const std::string tag = "cuda-moments-" + std::string(optimizer_state_name(state));
+    auto run = [&](int64_t steps, const std::string& name, bool resume) {
+      TrainConfig c;
+      c.model = small_config();
+      c.device = Device::cuda;
+      c.precision = DType::bf16;
+      c.optimizer_state = state;
+      c.batch = 2;
+      c.seq = 64;
+      c.steps = steps;
+      c.optimizer.warmup_steps = 2;
+      c.optimizer.cosine_steps = 12;
+      c.eval_every = 0;
+      c.log_every = 0;
+      c.checkpoint = (dir / (name + ".ckpt")).string();
+      c.resume = resume;
+      return train(c);
+    };
+    run(12, tag + "-full", false);
+    run(6, tag + "-half", false);
+    run(12, tag + "-half", true);
+    EXPECT_EQ(checkpoint_parameters((dir / (tag + "-full.ckpt")).string()),
+              checkpoint_parameters((dir / (tag + "-half.ckpt")).string()))
+        << tag << ": parameters differ after resume";
+  }
 }
 
 TEST(CudaModel, RestoreLossScaleChecksItsArguments) {

@@ -761,6 +761,51 @@ TEST(OpsCudaBf16, AdamWBf16MatchesCpuBitwise) {
   }
 }
 
+// fp32 masters with bf16 moments against the CPU twin, bit for bit, for each copy type, both roundings
+// (the stochastic one counting from a first index that is not 0), with a clipping factor on one step, on
+// aligned arrays (the packed path) and on arrays one element off (element by element).
+TYPED_TEST(OpsCuda, AdamWBf16MomentsMatchesCpuBitwise) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  const double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
+  for (const bool stochastic : {false, true}) {
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{100003}}) {
+      for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+        SCOPED_TRACE(dims({{"stochastic", stochastic}, {"n", n}, {"offset", offset}}));
+        const MomentRounding rounding{stochastic, 4242};
+        const int64_t first = stochastic ? 1000003 : 0;
+        std::vector<float> w = random_values(n + offset, 3600 + n, 0.05f);
+        std::vector<bf16_t> m = from_floats<bf16_t>(random_values<bf16_t>(n + offset, 3700 + n, 1e-3f));
+        std::vector<bf16_t> v = from_floats<bf16_t>(random_values<bf16_t>(n + offset, 3800 + n, 1e-3f));
+        for (bf16_t& x : v) x = bf16_t(float(x) * float(x));  // second moments are non-negative
+        DeviceArray<float> d_w(w), d_g(n + offset);
+        DeviceArray<bf16_t> d_m(m), d_v(v);
+        DeviceArray<T> d_copy(n + offset);
+        for (int64_t step = 1; step <= 3; ++step) {
+          std::vector<float> g = random_values(n + offset, 3900 + n + step, 1e-2f);
+          const float grad_scale = step == 2 ? 0.37f : 1.0f;
+          d_g.upload(g);
+          d_copy.poison();
+          for (float& x : g) x *= grad_scale;  // the CPU twin takes clipped gradients
+          cpu::adamw_step_bf16_moments(w.data() + offset, g.data() + offset, m.data() + offset, v.data() + offset, n,
+                                       lr, beta1, beta2, eps, wd, step, rounding, first);
+          gpu::adamw_step_bf16_moments<T>(d_w.data() + offset, d_g.data() + offset, d_m.data() + offset,
+                                          d_v.data() + offset, n, lr, beta1, beta2, eps, wd, step, rounding, first,
+                                          d_copy.data() + offset, nullptr, grad_scale);
+          const std::vector<float> got_w = d_w.download();
+          EXPECT_TRUE(bitwise_equal(got_w, w)) << "w, step " << step;
+          EXPECT_TRUE(bitwise_equal(d_m.download(), m)) << "m, step " << step;
+          EXPECT_TRUE(bitwise_equal(d_v.download(), v)) << "v, step " << step;
+          const std::vector<T> copy = d_copy.download(), want = from_floats<T>(got_w);
+          EXPECT_TRUE(bitwise_equal(std::vector<T>(copy.begin() + offset, copy.end()),
+                                    std::vector<T>(want.begin() + offset, want.end())))
+              << "copy, step " << step;
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Reductions and utilities.
 
@@ -884,6 +929,12 @@ TEST(OpsCudaErrors, BadSizesAreErrors) {
   EXPECT_THROW(gpu::squared_norm(b, -1, nullptr, nullptr), Error);
   EXPECT_THROW(gpu::adamw_step_bf16(b, b, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0, nullptr), Error);
   EXPECT_THROW(gpu::adamw_step_bf16(b, b, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, nullptr), Error);  // null arrays
+  EXPECT_THROW(gpu::adamw_step_bf16_moments<float>(nullptr, nullptr, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, {}, 0,
+                                                   nullptr, nullptr),
+               Error);  // null arrays
+  EXPECT_THROW(gpu::adamw_step_bf16_moments<float>(nullptr, nullptr, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0, {}, 0,
+                                                   nullptr, nullptr),
+               Error);  // step 0
   EXPECT_THROW(gpu::lm_head_loss_forward_backward<bf16_t>(b, b, i, 4, 8, 16, 0, 1.0f, f, b, f, b, nullptr), Error);
   EXPECT_THROW(gpu::lm_head_loss_forward_backward<bf16_t>(b, b, i, 4, 8, 16, 2, 1.0f, nullptr, nullptr, nullptr, b,
                                                           nullptr),

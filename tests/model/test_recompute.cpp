@@ -274,6 +274,29 @@ TEST(MemoryPlan, ASharedOptimizerCountsThisRanksShareOfTheMoments) {
   }
 }
 
+// bf16 moments beside fp32 masters: the plan counts 4 bytes of moments per parameter (of this rank's share),
+// named by their state, and nothing else changes; with bf16-pure the option is an error.
+TEST(MemoryPlan, Bf16MomentsCountTwoBytesEach) {
+  const ModelConfig c = ModelConfig::named("xl", 512);
+  ModelOptions o;
+  const MemoryPlan fp32 = plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, o);
+  for (const OptimizerState state : {OptimizerState::bf16, OptimizerState::bf16_sr}) {
+    o.optimizer_state = state;
+    const MemoryPlan bf16 = plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, o);
+    ASSERT_EQ(fp32.items.size(), bf16.items.size());
+    for (size_t i = 0; i < fp32.items.size(); ++i) {
+      if (fp32.items[i].what.find("AdamW moments") == std::string::npos) {
+        EXPECT_EQ(bf16.items[i].bytes, fp32.items[i].bytes) << fp32.items[i].what;
+        continue;
+      }
+      EXPECT_EQ(bf16.items[i].bytes, c.parameter_count() * 4);
+      EXPECT_EQ(bf16.items[i].what, "AdamW moments (" + std::string(optimizer_state_name(state)) + ")");
+    }
+  }
+  o.bf16_pure = true;
+  EXPECT_THROW(plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, o), Error);
+}
+
 TEST(MemoryPlan, BadRequestsAreErrors) {
   ModelOptions o;
   o.bf16_pure = true;

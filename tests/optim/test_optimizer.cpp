@@ -1,9 +1,12 @@
 // The optimizer arithmetic on the CPU (optim/optimizer.h): pure-bf16 AdamW against the fp32 step it is
 // defined by (the same operations on the widened values, rounded to bf16 once), its training behaviour
-// beside fp32 masters, splits into ranges, the bf16 squared norm, and bad arguments. The CUDA twins are
-// tested against these in tests/model/test_ops_cuda.cpp.
+// beside fp32 masters, splits into ranges, the bf16 squared norm, and bad arguments; fp32 masters with bf16
+// moments (round to nearest and stochastic) against a scalar reference, the stochastic rounding's bias, and
+// the trajectory's distance from fp32 moments against its derived bound. The CUDA twins are tested against
+// these in tests/model/test_ops_cuda.cpp.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +16,7 @@
 
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
+#include "core/random.h"
 #include "optim/optimizer.h"
 
 using namespace flashlm;
@@ -130,6 +134,176 @@ TEST(AdamWBf16Cpu, TrainsAQuadraticLikeFp32Masters) {
   double apart = 0;
   for (int64_t i = 0; i < n; ++i) apart = std::max(apart, std::fabs(double(float(wb[i])) - w[i]));
   EXPECT_LT(apart, 0.03) << "bf16-pure and fp32 AdamW ended " << apart << " apart";
+}
+
+std::vector<float> random_f32(int64_t n, uint64_t seed, float stddev, bool square = false) {
+  return widen(random_bf16(n, seed, stddev, square));
+}
+
+// The scalar reference of the stochastic rounding: x's bf16 truncation, one bf16 step up when its 16
+// discarded bits plus the element's 16 random bits carry (probability discarded / 2^16).
+float stochastic_reference(float x, uint64_t key, int64_t index, int half) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t random = uint32_t(counter_draw(key, uint64_t(index)) >> (16 * half)) & 0xffffu;
+  const uint32_t up = (bits & 0xffffu) + random >= 0x10000u ? 1u : 0u;
+  return std::bit_cast<float>(((bits >> 16) + up) << 16);
+}
+
+// fp32 masters with bf16 moments: the fp32 step on the widened moments (cpu::adamw_step), the moments then
+// rounded to nearest even, or stochastically as stochastic_reference says.
+TEST(AdamWBf16MomentsCpu, IsTheFp32StepOnWidenedMomentsRoundedOnce) {
+  for (const bool stochastic : {false, true}) {
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}}) {
+      SCOPED_TRACE(std::string(stochastic ? "stochastic" : "nearest") + ", n = " + std::to_string(n));
+      const MomentRounding rounding{stochastic, 977};
+      const int64_t first = stochastic ? 12345 : 0;
+      std::vector<float> w = random_f32(n, 110 + n, 0.05f);
+      std::vector<bf16_t> m = random_bf16(n, 120 + n, 1e-3f), v = random_bf16(n, 130 + n, 1e-3f, true);
+      for (int64_t step = 1; step <= 3; ++step) {
+        const std::vector<float> g = random_f32(n, 140 + n + step, 1e-2f);
+        std::vector<float> wf = w, mf = widen(m), vf = widen(v);
+        cpu::adamw_step(wf.data(), g.data(), mf.data(), vf.data(), n, kLr, kBeta1, kBeta2, kEps, kDecay, step);
+        cpu::adamw_step_bf16_moments(w.data(), g.data(), m.data(), v.data(), n, kLr, kBeta1, kBeta2, kEps, kDecay,
+                                     step, rounding, first);
+        EXPECT_EQ(std::memcmp(w.data(), wf.data(), size_t(n) * sizeof(float)), 0) << "w, step " << step;
+        std::vector<bf16_t> want_m = narrow(mf), want_v = narrow(vf);
+        if (stochastic) {
+          const uint64_t key = moment_rounding_key(rounding.seed, step);
+          for (int64_t i = 0; i < n; ++i) {
+            want_m[size_t(i)] = bf16_t(stochastic_reference(mf[size_t(i)], key, first + i, 0));
+            want_v[size_t(i)] = bf16_t(stochastic_reference(vf[size_t(i)], key, first + i, 1));
+          }
+        }
+        EXPECT_TRUE(same_bits(m, want_m)) << "m, step " << step;
+        EXPECT_TRUE(same_bits(v, want_v)) << "v, step " << step;
+      }
+    }
+  }
+}
+
+TEST(AdamWBf16MomentsCpu, AnySplitIntoRangesGivesTheSameBits) {
+  const int64_t n = 1001, split = 389;
+  const std::vector<float> g = random_f32(n, 151, 1e-2f);
+  for (const bool stochastic : {false, true}) {
+    std::vector<float> w = random_f32(n, 152, 0.05f);
+    std::vector<bf16_t> m = random_bf16(n, 153, 1e-3f), v = random_bf16(n, 154, 1e-3f, true);
+    std::vector<float> w2 = w;
+    std::vector<bf16_t> m2 = m, v2 = v;
+    const MomentRounding r{stochastic, 5};
+    cpu::adamw_step_bf16_moments(w.data(), g.data(), m.data(), v.data(), n, kLr, kBeta1, kBeta2, kEps, kDecay, 5, r);
+    cpu::adamw_step_bf16_moments(w2.data(), g.data(), m2.data(), v2.data(), split, kLr, kBeta1, kBeta2, kEps, kDecay,
+                                 5, r);
+    cpu::adamw_step_bf16_moments(w2.data() + split, g.data() + split, m2.data() + split, v2.data() + split, n - split,
+                                 kLr, kBeta1, kBeta2, kEps, kDecay, 5, r, split);
+    EXPECT_EQ(std::memcmp(w.data(), w2.data(), sizeof(float) * size_t(n)), 0);
+    EXPECT_TRUE(same_bits(m, m2));
+    EXPECT_TRUE(same_bits(v, v2));
+  }
+}
+
+// The stochastic rounding is unbiased: one value x rounded at 2^16 indices averages to x. Each rounding is
+// x's lower or upper bf16 neighbour (a step u apart), so the mean of N of them has a standard deviation of at
+// most u / (2 sqrt N) = u / 512; the bound is 6 of those. A draw that ignored the index (one rounding for
+// every element) would be off by min(f, 1 - f) u, here 0.3 u.
+TEST(AdamWBf16MomentsCpu, StochasticRoundingIsUnbiased) {
+  const float lower = 1.0f, u = 1.0f / 128;  // bf16 neighbours 1 and 1 + 2^-7
+  const float x = lower + 0.3f * u;
+  const int64_t n = int64_t{1} << 16;
+  for (const int64_t step : {int64_t{1}, int64_t{2}}) {
+    const uint64_t key = moment_rounding_key(42, step);
+    double sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t random = uint32_t(counter_draw(key, uint64_t(i)));
+      bf16_t b;
+      b.bits = bf16_bits_stochastic(std::bit_cast<uint32_t>(x), random);
+      sum += float(b);
+    }
+    const double mean = sum / double(n);
+    EXPECT_NEAR(mean, x, 6.0 * u / 512) << "step " << step;
+  }
+}
+
+// NaN stays a NaN (also one whose payload lies in the discarded bits), infinities stay infinite, and a bf16
+// value stays itself, whatever the random bits.
+TEST(AdamWBf16MomentsCpu, StochasticRoundingKeepsSpecialsAndBf16Values) {
+  for (const uint32_t random : {0u, 0x8000u, 0xffffu}) {
+    for (const uint32_t nan : {0x7f800001u, 0xffc00000u}) {
+      const uint16_t b = bf16_bits_stochastic(nan, random);
+      EXPECT_TRUE((b & 0x7f80u) == 0x7f80u && (b & 0x7fu) != 0) << std::hex << nan << " -> " << b;
+    }
+    EXPECT_EQ(bf16_bits_stochastic(0x7f800000u, random), 0x7f80u);
+    EXPECT_EQ(bf16_bits_stochastic(0xff800000u, random), 0xff80u);
+    EXPECT_EQ(bf16_bits_stochastic(0x3f810000u, random), 0x3f81u);
+  }
+}
+
+// Why bf16-sr exists: with beta2 = 0.999 a step changes v by 0.1% of itself, below half of bf16's relative
+// step (2^-9 = 0.2%), so v rounded to nearest does not decay at all when the gradients vanish, while fp32's
+// v halves in ln 2 / 0.001 = 693 steps; stochastic rounding decays it on average (the default beta2 = 0.95
+// changes v by 5% a step, which rounding to nearest keeps).
+TEST(AdamWBf16MomentsCpu, NearestStallsASlowSecondMomentAndStochasticDoesNot) {
+  const int64_t n = 1024, steps = 693;
+  std::vector<float> w(n, 0.0f), wn(n, 0.0f), ws(n, 0.0f), zeros(n, 0.0f), mf(n, 0.0f), vf(n, 1.0f);
+  std::vector<bf16_t> mn(n, bf16_t(0.0f)), vn(n, bf16_t(1.0f)), ms = mn, vs = vn;
+  for (int64_t step = 1; step <= steps; ++step) {
+    cpu::adamw_step(w.data(), zeros.data(), mf.data(), vf.data(), n, kLr, kBeta1, 0.999, kEps, 0.0, step);
+    cpu::adamw_step_bf16_moments(wn.data(), zeros.data(), mn.data(), vn.data(), n, kLr, kBeta1, 0.999, kEps, 0.0,
+                                 step, MomentRounding{false, 0});
+    cpu::adamw_step_bf16_moments(ws.data(), zeros.data(), ms.data(), vs.data(), n, kLr, kBeta1, 0.999, kEps, 0.0,
+                                 step, MomentRounding{true, 9});
+  }
+  double mean_sr = 0;
+  for (const bf16_t x : vs) mean_sr += float(x);
+  mean_sr /= double(n);
+  EXPECT_NEAR(vf[0], 0.5, 0.01);
+  EXPECT_EQ(float(vn[0]), 1.0f) << "rounded to nearest, v no longer stalls: the rationale above is stale";
+  // Unbiased steps keep the mean on fp32's path; each element's spread after k steps is at most
+  // sqrt(k) u / 2 with u <= 2^-7 (v <= 1): 0.103, so the mean of 1024 has sigma <= 0.0032; bound 6 sigma.
+  EXPECT_NEAR(mean_sr, vf[0], 0.02) << "stochastic rounding should follow fp32's decay on average";
+}
+
+// With the same gradients, the moments and the weights with bf16 moments stay within derived distances of
+// those with fp32 moments. Each rounding moves a moment x by at most r|x| (r = 2^-9 to nearest, 2^-8
+// stochastically) and the recurrence x' = b x + (1 - b) y shrinks an earlier error by b per step, so
+// |m_b - m_f| <= E_m = r max|m_b| / (1 - b1) and |v_b - v_f| <= E_v = r max|v_b| / (1 - b2) (max over the
+// steps so far). The update u = alpha m / (sqrt(v) + eps) then differs by at most
+// alpha (E_m / (sqrt(v_f) + eps) + |m_b| E_v / ((sqrt(v_b) + sqrt(v_f)) (sqrt(v_b) + eps) (sqrt(v_f) + eps)))
+// (u_b - u_f split as (m_b - m_f) / (sqrt(v_f) + eps) + m_b (1 / (sqrt(v_b) + eps) - 1 / (sqrt(v_f) + eps))),
+// summed over the steps for w; 1e-5 of each update covers the fp32 roundings of the two paths. Reading the
+// stored moments as anything but their widened values breaks the moment bounds at once.
+TEST(AdamWBf16MomentsCpu, StaysWithinTheDerivedBoundOfFp32Moments) {
+  const int64_t n = 256, steps = 200;
+  for (const bool stochastic : {false, true}) {
+    SCOPED_TRACE(stochastic ? "stochastic" : "nearest");
+    const double r = stochastic ? 1.0 / 256 : 1.0 / 512;
+    std::vector<float> w = random_f32(n, 161, 0.05f), wb = w, mf(n, 0.0f), vf(n, 0.0f);
+    std::vector<bf16_t> mb(n, bf16_t(0.0f)), vb(n, bf16_t(0.0f));
+    std::vector<double> max_m(n, 0.0), max_v(n, 0.0), w_bound(n, 0.0);
+    for (int64_t step = 1; step <= steps; ++step) {
+      // Gradients with a drift and noise: the moments move, some of them through zero.
+      std::vector<float> g = random_f32(n, 1000 + step, 1e-2f);
+      for (int64_t i = 0; i < n; ++i) g[size_t(i)] += 1e-2f * float(i % 7 - 3) / 3.0f;
+      const std::vector<float> before = w;
+      cpu::adamw_step(w.data(), g.data(), mf.data(), vf.data(), n, kLr, kBeta1, kBeta2, kEps, 0.0, step);
+      cpu::adamw_step_bf16_moments(wb.data(), g.data(), mb.data(), vb.data(), n, kLr, kBeta1, kBeta2, kEps, 0.0, step,
+                                   MomentRounding{stochastic, 3});
+      const double alpha = adamw_scalars(kLr, kBeta1, kBeta2, kEps, 0.0, step).alpha;
+      for (int64_t i = 0; i < n; ++i) {
+        const auto k = size_t(i);
+        const double m_b = float(mb[k]), v_b = float(vb[k]);
+        max_m[k] = std::max(max_m[k], std::fabs(m_b));
+        max_v[k] = std::max(max_v[k], v_b);
+        // (1 + 2r): the rounded value's size, not the exact one's, is what the test sees.
+        const double e_m = r * (1 + 2 * r) * max_m[k] / (1 - kBeta1), e_v = r * (1 + 2 * r) * max_v[k] / (1 - kBeta2);
+        ASSERT_LE(std::fabs(m_b - mf[k]), e_m) << "m, element " << i << ", step " << step;
+        ASSERT_LE(std::fabs(v_b - vf[k]), e_v) << "v, element " << i << ", step " << step;
+        const double sf = std::sqrt(double(vf[k])), sb = std::sqrt(v_b);
+        w_bound[k] += alpha * (e_m / (sf + kEps) + std::fabs(m_b) * e_v / ((sb + sf) * (sb + kEps) * (sf + kEps))) +
+                      1e-5 * std::fabs(double(w[k]) - before[k]);
+        ASSERT_LE(std::fabs(double(wb[k]) - w[k]), w_bound[k]) << "w, element " << i << ", step " << step;
+      }
+    }
+  }
 }
 
 TEST(SumSquaresCpu, Bf16IsTheFp32SumOfTheWidenedValues) {

@@ -177,6 +177,39 @@ TEST(Checkpoint, FieldsOfTheWrongTypeOrRangeNameTheFileAndTheField) {
   expect_error([&] { train(s.resume); }, {s.path, "the header is array, expected a JSON object"});
 }
 
+// The optimizer state is part of what a checkpoint resumes: another state is refused by name (no silent
+// conversion: fp32 moments rounded to bf16 would no longer be the run's), a file written before the field
+// existed is fp32 moments, and a bad value names the field.
+TEST(Checkpoint, ResumeRefusesAnotherOptimizerState) {
+  const Saved s = saved_checkpoint("state.ckpt");  // fp32 moments
+  TrainConfig bf16 = s.resume;
+  bf16.optimizer_state = OptimizerState::bf16;
+  expect_error([&] { train(bf16); },
+               {s.path, "differs from this run in optimizer_state: the checkpoint has fp32, this run bf16"});
+  CheckpointBytes c = CheckpointBytes::read(s.path);
+  ASSERT_EQ(c.header.at("optimizer_state"), "fp32");
+  CheckpointBytes old = c;
+  old.header.erase("optimizer_state");
+  old.write(s.path);
+  EXPECT_EQ(train(s.resume).last_step, 3);  // as fp32 moments
+  expect_error([&] { train(bf16); }, {s.path, "optimizer_state: the checkpoint has fp32, this run bf16"});
+  CheckpointBytes bad = c;
+  bad.header["optimizer_state"] = "fp8";
+  bad.write(s.path);
+  expect_error([&] { train(s.resume); },
+               {s.path, "'optimizer_state' is \"fp8\", expected \"fp32\", \"bf16\" or \"bf16-sr\""});
+  TrainConfig sr = small_run(2);
+  sr.optimizer_state = OptimizerState::bf16_sr;
+  sr.checkpoint = temp_path("sr.ckpt");
+  train(sr);
+  EXPECT_EQ(CheckpointBytes::read(sr.checkpoint).header.at("optimizer_state"), "bf16-sr");
+  TrainConfig plain = sr;
+  plain.optimizer_state = OptimizerState::fp32;
+  plain.steps = 3;
+  plain.resume = true;
+  expect_error([&] { train(plain); }, {sr.checkpoint, "optimizer_state: the checkpoint has bf16-sr, this run fp32"});
+}
+
 TEST(Checkpoint, FlippedBitsAreFound) {
   const Saved s = saved_checkpoint("bits.ckpt");
   std::ifstream in(s.path, std::ios::binary);

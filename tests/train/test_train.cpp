@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "flashlm/train.h"
 
@@ -68,6 +69,38 @@ TEST(Train, TwentyStepsEqualTenStepsThenResumeThenTen) {
   size_t differ = 0;
   for (size_t i = 0; i < pa.size(); ++i) differ += pa[i] != pb[i];
   EXPECT_EQ(differ, 0u) << "parameters differ after resume";
+}
+
+// bf16 moments beside fp32 masters (nearest and stochastic): 10 steps + resume + 10 steps give the bits of
+// 20 steps (the checkpoint holds the moments widened exactly; the rounding needs only the seed and the step).
+TEST(Train, Bf16MomentsResumeBitExactly) {
+  std::vector<double> last_loss;  // of the 20-step runs: bf16, bf16-sr, then fp32
+  for (const OptimizerState state : {OptimizerState::bf16, OptimizerState::bf16_sr}) {
+    const std::string tag = std::string(optimizer_state_name(state));
+    SCOPED_TRACE(tag);
+    const std::string full = temp_path(tag + "-full.ckpt"), half = temp_path(tag + "-half.ckpt");
+    TrainConfig a = tiny_run(20);
+    a.optimizer_state = state;
+    a.checkpoint = full;
+    const TrainResult all = train(a);
+    TrainConfig b = tiny_run(10);
+    b.optimizer_state = state;
+    b.checkpoint = half;
+    train(b);
+    b.steps = 20;
+    b.resume = true;
+    const TrainResult second = train(b);
+    ASSERT_EQ(second.train_loss.size(), 10u);
+    for (size_t i = 0; i < 10; ++i) EXPECT_EQ(second.train_loss[i].second, all.train_loss[10 + i].second) << i;
+    EXPECT_EQ(checkpoint_parameters(full), checkpoint_parameters(half)) << "parameters differ after resume";
+    last_loss.push_back(all.train_loss.back().second);
+  }
+  // The moments' storage changes the run: bf16 moments are not fp32 moments under another name, and the
+  // two roundings differ.
+  last_loss.push_back(train(tiny_run(20)).train_loss.back().second);
+  EXPECT_NE(last_loss[0], last_loss[2]);
+  EXPECT_NE(last_loss[1], last_loss[2]);
+  EXPECT_NE(last_loss[0], last_loss[1]);
 }
 
 TEST(Train, BadConfigurationsAreErrors) {

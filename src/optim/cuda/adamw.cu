@@ -1,7 +1,7 @@
 // AdamW on CUDA (optim/optimizer.h): the header's operations in its order, each rounded once (no fused
 // multiply-adds, hence the __f*_rn intrinsics). fp32 masters: one element per thread, or four with 16-byte
-// accesses where every array is aligned; pure bf16: a pack of eight per thread (16-byte accesses of each
-// array) where all four arrays are aligned, else one by one.
+// accesses where every array is aligned; pure bf16 and bf16 moments: a pack of eight per thread (16-byte
+// accesses of each array) where every array is aligned, else one by one.
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
 #include "optim/optimizer.h"
@@ -102,6 +102,56 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+// bf16 moments with fp32 masters: m and v widened, stepped by adamw_element with the fp32 w and g, rounded
+// back to nearest even, or (Stochastic) by bf16_bits_stochastic with the 16-bit halves of
+// counter_draw(rounding_key, first_index + i) — the CPU's draw, so the same bits.
+template <class D, bool Stochastic>
+__global__ void __launch_bounds__(kThreads)
+    adamw_bf16_moments_kernel(float* __restrict__ w, const float* __restrict__ grad, __nv_bfloat16* __restrict__ m,
+                              __nv_bfloat16* __restrict__ v, int64_t n, int64_t packs, int64_t first_index,
+                              AdamWScalars fixed, const AdamWScalars* __restrict__ live, D* __restrict__ copy) {
+  const AdamWScalars a = live ? *live : fixed;
+  for_each_pack(n, packs, [&](auto width, int64_t i) {
+    constexpr int W = decltype(width)::value;
+    Vec<float, W> wv = load<W>(w + i);
+    const Vec<float, W> gv = load<W>(grad + i);
+    Vec<__nv_bfloat16, W> mv = load<W>(m + i), vv = load<W>(v + i);
+    Vec<D, W> cv;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      float mk = f32(mv[k]), vk = f32(vv[k]);
+      adamw_element(wv[k], gv[k], mk, vk, a);
+      if constexpr (Stochastic) {
+        const uint64_t r = counter_draw(a.rounding_key, uint64_t(first_index + i + k));
+        mv[k] = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(mk), uint32_t(r)));
+        vv[k] = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(vk), uint32_t(r >> 16)));
+      } else {
+        mv[k] = from_f32<__nv_bfloat16>(mk);
+        vv[k] = from_f32<__nv_bfloat16>(vk);
+      }
+      cv[k] = from_f32<D>(wv[k]);
+    }
+    store(w + i, wv);
+    store(m + i, mv);
+    store(v + i, vv);
+    if (copy) store(copy + i, cv);
+  });
+}
+
+template <class T>
+void launch_adamw_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n,
+                               const AdamWScalars& fixed, const AdamWScalars* live, bool stochastic,
+                               int64_t first_index, T* param_copy, cudaStream_t s) {
+  FLASHLM_CHECK(param && grad && m && v, "adamw_step_bf16_moments: param, grad, m and v must not be null");
+  FLASHLM_CHECK(first_index >= 0, "adamw_step_bf16_moments: first_index = {}, expected >= 0", first_index);
+  const int64_t packs = pack_count(n, param, grad, m, v, param_copy);
+  using D = std::remove_pointer_t<decltype(dev(param_copy))>;
+  const auto kernel = stochastic ? adamw_bf16_moments_kernel<D, true> : adamw_bf16_moments_kernel<D, false>;
+  kernel<<<packed_blocks(n, packs), kThreads, 0, s>>>(param, grad, dev(m), dev(v), n, packs, first_index, fixed, live,
+                                                     dev(param_copy));
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_bf16_moments_kernel");
+}
+
 // The launches of adamw_step and adamw_step_live: the scalars `fixed`, or those at `live` (device memory,
 // read when the kernel runs) when it is not null.
 template <class T>
@@ -170,10 +220,39 @@ void adamw_step_bf16_live(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* 
   launch_adamw_bf16(param, grad, m, v, n, AdamWScalars{}, scalars, as_stream(stream));
 }
 
+template <class T>
+void adamw_step_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n, double lr,
+                             double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                             MomentRounding rounding, int64_t first_index, T* param_copy, void* stream,
+                             float grad_scale) {
+  check_count("adamw_step_bf16_moments", "n", n);
+  FLASHLM_CHECK(step >= 1, "adamw_step_bf16_moments: step = {}, expected >= 1 (1-based)", step);
+  if (n == 0) return;
+  AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+  a.rounding_key = moment_rounding_key(rounding.seed, step);
+  launch_adamw_bf16_moments(param, grad, m, v, n, a, nullptr, rounding.stochastic, first_index, param_copy,
+                            as_stream(stream));
+}
+
+template <class T>
+void adamw_step_bf16_moments_live(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n,
+                                  const AdamWScalars* scalars, bool stochastic, int64_t first_index, T* param_copy,
+                                  void* stream) {
+  check_count("adamw_step_bf16_moments_live", "n", n);
+  FLASHLM_CHECK(scalars != nullptr, "adamw_step_bf16_moments_live: scalars is null");
+  if (n == 0) return;
+  launch_adamw_bf16_moments(param, grad, m, v, n, AdamWScalars{}, scalars, stochastic, first_index, param_copy,
+                            as_stream(stream));
+}
+
 #define FLASHLM_ADAMW_INSTANTIATE(T)                                                                             \
   template void adamw_step<T>(float*, const float*, float*, float*, int64_t, double, double, double, double, double, \
                               int64_t, T*, void*, float);                                                           \
-  template void adamw_step_live<T>(float*, const float*, float*, float*, int64_t, const AdamWScalars*, T*, void*);
+  template void adamw_step_live<T>(float*, const float*, float*, float*, int64_t, const AdamWScalars*, T*, void*); \
+  template void adamw_step_bf16_moments<T>(float*, const float*, bf16_t*, bf16_t*, int64_t, double, double, double, \
+                                           double, double, int64_t, MomentRounding, int64_t, T*, void*, float);     \
+  template void adamw_step_bf16_moments_live<T>(float*, const float*, bf16_t*, bf16_t*, int64_t,                   \
+                                                const AdamWScalars*, bool, int64_t, T*, void*);
 
 FLASHLM_ADAMW_INSTANTIATE(float)
 FLASHLM_ADAMW_INSTANTIATE(bf16_t)
