@@ -24,7 +24,7 @@ if [[ $what == tests || $what == all ]]; then
   echo "== CUDA grid, FLASHLM_ATTENTION_KERNEL=mma"
   FLASHLM_ATTENTION_KERNEL=mma timeout 300 "$bin/test_attention" --gtest_filter='*Cuda*' --gtest_brief=1 > "$out/grid-mma.log" 2>&1
   echo "exit $?"; grep -E "FAILED|Failure" "$out/grid-mma.log" | head -10; grep -E "PASSED" "$out/grid-mma.log" | tail -1
-  small='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:Grid/CudaVsReference.b1_q129_k97_h4x2_d256*:CudaAttention.QueryTilesThatSeeNoKey*'
+  small='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:Grid/CudaVsReference.b1_q129_k97_h4x2_d256*:Grid/CudaVsReference.b2_q17_k130_h4x2_d256*:CudaAttention.QueryTilesThatSeeNoKey*'
   for tool in memcheck racecheck synccheck; do
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 99 "$bin/test_attention" --gtest_filter="$small" \
       --gtest_brief=1 > "$out/sanitizer-$tool.log" 2>&1

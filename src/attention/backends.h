@@ -41,6 +41,9 @@ void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorVi
 // launches that under-fill a GPU of `multiprocessors` SMs (cuda/flash_bwd.cu says the rule and why).
 size_t backward_accumulator_bytes_per_kv_head(const AttentionProblem& p);
 int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocessors);
+// The dynamic shared memory one block of the mma.sync backward asks for at a compiled head dim (the dQ
+// pass's too when `deterministic`): the launcher refuses, with an Error, a GPU that grants less.
+size_t mma_sync_backward_smem_bytes(int64_t head_dim, bool deterministic);
 
 // flash on Hopper (attention/cuda/hopper/flash_fwd_sm90.cu, built where CMAKE_CUDA_ARCHITECTURES has 90):
 // TMA + wgmma, warp-specialised. Launches and returns true when it covers the problem (an sm_90 device,

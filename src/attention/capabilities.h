@@ -27,9 +27,10 @@ enum class CudaKernelFamily {
 
 std::string_view cuda_kernel_family_name(CudaKernelFamily family);
 
-// Head dims with a compiled kernel, ascending. The mma.sync backward has no instantiation above 128.
+// Head dims with a compiled kernel, ascending. The mma.sync backward's shared memory at head dims 128
+// and 256 fits sm_80 and sm_90 but not sm_86/sm_89: there it is an Error at launch (cuda/flash_bwd.cu).
 inline constexpr std::array<int, 5> kMmaSyncForwardHeadDims{16, 32, 64, 128, 256};
-inline constexpr std::array<int, 4> kMmaSyncBackwardHeadDims{16, 32, 64, 128};
+inline constexpr std::array<int, 5> kMmaSyncBackwardHeadDims{16, 32, 64, 128, 256};
 inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
 // The Hopper kernels' head dims. Their predicates need the views as well as the problem (a TMA descriptor
 // per view, an sm_90 device): flash_forward_sm90_covers (backends.h), asked by the mma.sync family's

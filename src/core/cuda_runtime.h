@@ -19,6 +19,9 @@ int cuda_current_device();
 int cuda_pointer_device(const void* p);  // -1 for a host pointer or an unknown one
 // Free bytes on the current device (cudaMemGetInfo); -1 when there is no GPU.
 int64_t cuda_free_memory_bytes();
+// The most dynamic shared memory one thread block may opt in to on the current device
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin: 227 KiB on sm_90, 163 on sm_80, 99 on sm_86/89); -1 without a GPU.
+int64_t cuda_shared_memory_per_block_optin();
 // Waits for the device, then gives the stream-ordered pool's freed blocks back to the driver (the pool keeps
 // them otherwise: keep_pool_memory), so that cuda_free_memory_bytes() counts them free again, e.g. before a
 // memory plan is checked for a model built after another was destroyed. No-op without a GPU.

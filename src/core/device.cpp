@@ -37,6 +37,7 @@ int cuda_device_count_or_zero() { return 0; }
 int cuda_current_device() { return -1; }
 int cuda_pointer_device(const void*) { return -1; }
 int64_t cuda_free_memory_bytes() { return -1; }
+int64_t cuda_shared_memory_per_block_optin() { return -1; }
 void cuda_release_pooled_memory() {}
 std::string cuda_device_description() { return "no CUDA (built without it)"; }
 void cuda_copy(void*, const void*, size_t) { fail("cuda_copy: flashlm was built without CUDA"); }

@@ -82,6 +82,16 @@ int64_t cuda_free_memory_bytes() {
   return int64_t(free_bytes);
 }
 
+int64_t cuda_shared_memory_per_block_optin() {
+  const int device = cuda_current_device();
+  int bytes = 0;
+  if (device < 0 || cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return bytes;
+}
+
 void cuda_release_pooled_memory() {
   const int device = cuda_current_device();
   cudaMemPool_t pool;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace flashlm::cpu {
 
@@ -150,13 +151,19 @@ void row_softmax_gradient(float* z, int32_t target, int64_t vocab, double log_su
   z[target] -= scale;
 }
 
+// The rows' losses are summed in row order after the parallel loop: an OpenMP reduction combines the threads'
+// partial sums in the order they finish, so the loss moved in its last bits from run to run and with the
+// thread count (FsdpSharded.RankZeroEvaluatesAfterGatherParameters compares two losses bit for bit). The
+// fused LM head (lm_head.cpp) sums its rows the same way.
 double cross_entropy_forward(const float* logits, const int32_t* targets, int64_t n, int64_t vocab) {
-  double total = 0;
-#pragma omp parallel for reduction(+ : total) schedule(static)
+  std::vector<double> row_loss(size_t(std::max<int64_t>(n, 0)));
+#pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
     const float* z = logits + r * vocab;
-    total += row_log_sum_exp(z, vocab) - double(z[targets[r]]);
+    row_loss[size_t(r)] = row_log_sum_exp(z, vocab) - double(z[targets[r]]);
   }
+  double total = 0;
+  for (const double l : row_loss) total += l;
   return total / double(n);
 }
 

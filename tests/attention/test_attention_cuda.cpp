@@ -134,6 +134,17 @@ std::vector<GpuCase> gpu_grid() {
       ++n;
     }
   }
+  // Head dim 256 (64-key tiles: 130 and 1000 keys end in a partial one; 32-row query tiles in the dK/dV
+  // kernel, 64 in the dQ pass), GQA 4 / 2: case i of this block runs mask i % 3, the deterministic mode
+  // where i is odd and bf16 where i / 2 is odd, so that its 18 cases hold every (mask, mode, dtype).
+  int i = 0;
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 77}, {17, 130}, {127, 64}, {1000, 333}, {65, 1000}, {300, 129}}) {
+    for (Mask m : masks) {
+      const DType dt = (i / 2) % 2 ? DType::bf16 : DType::f16;
+      cases.push_back({{2, nq, nk, 4, 2, 256, layouts[(i / 3) % 3], m, dt}, i % 2 == 1});
+      ++i;
+    }
+  }
   for (int64_t d : {16, 32, 64, 128, 256}) {
     for (DType dt : {DType::bf16, DType::f16}) {
       cases.push_back({{1, 129, 97, 4, 2, d, layouts[d % 3], Mask::top_left, dt}, false});
@@ -143,7 +154,7 @@ std::vector<GpuCase> gpu_grid() {
   }
   // Head dims without a kernel of their own run the next larger one on zero-padded copies (80: the 2.7B
   // model's), in every dtype.
-  for (int64_t d : {40, 80, 96}) {
+  for (int64_t d : {40, 80, 96, 160}) {
     for (DType dt : {DType::bf16, DType::f16, DType::f32}) {
       cases.push_back({{2, 130, 97, 4, 2, d, layouts[d % 3], Mask::bottom_right, dt}, dt == DType::f16});
       cases.push_back({{1, 65, 200, 2, 2, d, layouts[(d + 1) % 3], Mask::none, dt}, false});
@@ -157,6 +168,9 @@ std::vector<GpuCase> gpu_grid() {
   cases.push_back({{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, false});
   cases.push_back({{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, true});
   cases.push_back({{1, 1531, 2100, 4, 4, 64, Layout::sliced, Mask::bottom_right, DType::f16}, false});
+  // Head dim 256 over many tiles of both kernels and a GQA group of 4, in both backward modes.
+  cases.push_back({{2, 1100, 900, 8, 2, 256, Layout::sliced, Mask::bottom_right, DType::bf16}, false});
+  cases.push_back({{2, 1100, 900, 8, 2, 256, Layout::sliced, Mask::top_left, DType::f16}, true});
   // Head dim 64 with more work items than an H200 has SMs, so that persistent blocks walk several tile
   // pairs; 2000 rows leave the last query tile partial (with 192-row tiles its third warpgroup has none).
   cases.push_back({{2, 2000, 2048, 16, 4, 64, Layout::bshd, Mask::bottom_right, DType::bf16}, false});
@@ -360,15 +374,17 @@ TEST(CudaAttention, EmptySequencesGiveZeroGradients) {
 
 TEST(CudaAttention, DeterministicBackwardIsBitwiseReproducible) {
   SKIP_WITHOUT_GPU();
-  const Case c{2, 1000, 1000, 8, 2, 64, Layout::bhsd, Mask::top_left, DType::bf16};
-  AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
-  opt.deterministic = true;
-  Problem a(c, c.layout, c.dtype, 3), b(c, c.layout, c.dtype, 3);
-  a.run_on_device(opt);
-  b.run_on_device(opt);
-  EXPECT_EQ(max_abs_diff(a.dq.view, b.dq.view), 0.0);
-  EXPECT_EQ(max_abs_diff(a.dk.view, b.dk.view), 0.0);
-  EXPECT_EQ(max_abs_diff(a.dv.view, b.dv.view), 0.0);
+  for (int64_t d : {64, 256}) {
+    const Case c{2, 1000, 1000, 8, 2, d, Layout::bhsd, Mask::top_left, DType::bf16};
+    AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
+    opt.deterministic = true;
+    Problem a(c, c.layout, c.dtype, 3), b(c, c.layout, c.dtype, 3);
+    a.run_on_device(opt);
+    b.run_on_device(opt);
+    EXPECT_EQ(max_abs_diff(a.dq.view, b.dq.view), 0.0) << d;
+    EXPECT_EQ(max_abs_diff(a.dk.view, b.dk.view), 0.0) << d;
+    EXPECT_EQ(max_abs_diff(a.dv.view, b.dv.view), 0.0) << d;
+  }
 }
 
 // Long enough that the atomic mode's fp32 dQ accumulator (4·B·Hq·Nq·D bytes = 143 MiB here) exceeds the
@@ -424,6 +440,45 @@ TEST(CudaAttention, BackwardHeadGroupsBoundTheAccumulatorWithoutUnderfillingTheG
   odd.heads_k = 5;
   odd.heads_q = 40;
   EXPECT_EQ(backward_kv_heads_per_launch(odd, 132), 3);
+  // Head dim 256: 128 MiB of accumulator per key head, but 64-key blocks, 256 per key head: two key heads
+  // per launch keep three waves (counted as 128-key blocks it would take four).
+  AttentionProblem wide = p;
+  wide.head_dim = 256;
+  EXPECT_EQ(backward_accumulator_bytes_per_kv_head(wide), size_t{128} << 20);
+  EXPECT_EQ(backward_kv_heads_per_launch(wide, 132), 2);
+#endif
+}
+
+// The mma.sync backward's shared memory fits sm_80's 163 KiB per block at every head dim (sm_90 grants
+// 227 KiB); a GPU that grants less than a head dim needs (sm_86 and sm_89: 99 KiB, at head dims 128 and
+// 256) gets an Error naming the head dim instead of a failed launch, and the naive path still runs it.
+TEST(CudaAttention, BackwardSharedMemoryFitsSm80AndAGpuWithLessRefusesByName) {
+#ifndef FLASHLM_WITH_CUDA
+  GTEST_SKIP() << "built without the CUDA backends' declarations";
+#else
+  constexpr size_t kSm80OptinBytes = 163 * 1024;
+  for (int d : kMmaSyncBackwardHeadDims) {
+    for (bool det : {false, true}) EXPECT_LE(mma_sync_backward_smem_bytes(d, det), kSm80OptinBytes) << d << " " << det;
+  }
+  SKIP_WITHOUT_GPU();
+  const int64_t granted = cuda_shared_memory_per_block_optin();
+  ASSERT_GT(granted, 0);
+  for (bool det : {false, true}) {
+    const Case c{1, 100, 90, 2, 1, 256, Layout::bshd, Mask::bottom_right, DType::bf16};
+    AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
+    opt.deterministic = det;
+    Problem prob(c, c.layout, c.dtype, 17);
+    const size_t needed = mma_sync_backward_smem_bytes(256, det);
+    if (needed <= static_cast<size_t>(granted)) {
+      prob.run_on_device(opt);
+      EXPECT_GT(max_abs(prob.dk.view), 0.0) << det;
+    } else {
+      expect_error([&] { prob.run_on_device(opt); },
+                   {fmt::format("head_dim 256 needs {} bytes of shared memory per block, this GPU grants {}", needed,
+                                granted)});
+      prob.run_on_device(options_for(c.mask, AttentionImpl::naive));
+    }
+  }
 #endif
 }
 
@@ -492,19 +547,13 @@ TEST(CudaAttention, BadDeviceArgumentsAreClearErrors) {
   Tensor lse64 = Tensor::empty({1, 2, 64}, DType::f64, Device::cuda);
   Tensor o64 = Tensor::empty({1, 64, 2, 64}, DType::f64, Device::cuda);
   expect_error([&] { attention_forward(q64, q64, q64, o64, lse64); }, "dtype fp64 is not supported on cuda");
-  Tensor q256 = Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda);
-  Tensor g256[3] = {Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda),
-                    Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda),
-                    Tensor::empty({1, 64, 2, 256}, DType::bf16, Device::cuda)};
-  expect_error([&] { attention_backward(q256, q256, q256, q256, lse, q256, g256[0], g256[1], g256[2]); },
-               "no cuda backward kernel");
-  // A 16-bit head dim above 128 pads to 256, which has no backward: the error names the caller's head dim.
-  Tensor q160 = Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda);
-  Tensor g160[3] = {Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda),
-                    Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda),
-                    Tensor::empty({1, 64, 2, 160}, DType::bf16, Device::cuda)};
-  expect_error([&] { attention_backward(q160, q160, q160, q160, lse, q160, g160[0], g160[1], g160[2]); },
-               "head_dim 160 has no cuda backward kernel");
+  // Above 256 no CUDA path has a backward (the grid runs head dims 160 and 256 against the reference).
+  Tensor q264 = Tensor::empty({1, 64, 2, 264}, DType::bf16, Device::cuda);
+  Tensor g264[3] = {Tensor::empty({1, 64, 2, 264}, DType::bf16, Device::cuda),
+                    Tensor::empty({1, 64, 2, 264}, DType::bf16, Device::cuda),
+                    Tensor::empty({1, 64, 2, 264}, DType::bf16, Device::cuda)};
+  expect_error([&] { attention_backward(q264, q264, q264, q264, lse, q264, g264[0], g264[1], g264[2]); },
+               "head_dim 264 is not supported on cuda");
 }
 
 // The library does what the capability table says: for every dtype and a spread of head dims (compiled,

@@ -4,6 +4,7 @@
 // a dw that already holds a gradient (the head's gradient accumulates). The CUDA twin is tested in
 // test_ops_cuda.cpp.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -99,6 +100,27 @@ TEST(LmHeadCpu, FusedMatchesUnfusedLossAndGradients) {
                                                               c.chunk, 1.0f, nullptr, nullptr, workspace.data());
     EXPECT_EQ(forward, loss) << "the loss must not depend on whether gradients are computed";
   }
+}
+
+// The loss is a sum over rows: its bits must not depend on the thread count or on the run (an OpenMP
+// reduction combined the threads' partial sums in the order they finished).
+TEST(LmHeadCpu, LossHasTheSameBitsAtEveryThreadCountAndRun) {
+  const int64_t n = 203, d = 16, vocab = 301;
+  const std::vector<float> h = random_normal(n * d, 81, 1.0f), w = random_normal(vocab * d, 82, 0.5f);
+  const std::vector<int32_t> targets = random_tokens(n, vocab, 83);
+  std::vector<float> logits(size_t(n * vocab));
+  cpu::linear_forward(h.data(), w.data(), logits.data(), n, d, vocab);
+  const int threads_before = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const double want = cpu::cross_entropy_forward(logits.data(), targets.data(), n, vocab);
+  for (int threads = 2; threads <= 7; ++threads) {
+    omp_set_num_threads(threads);
+    for (int run = 0; run < 8; ++run) {
+      EXPECT_EQ(cpu::cross_entropy_forward(logits.data(), targets.data(), n, vocab), want)
+          << threads << " threads, run " << run;
+    }
+  }
+  omp_set_num_threads(threads_before);
 }
 
 TEST(LmHeadCpu, GradScaleScalesTheGradientsOnly) {

@@ -2,7 +2,7 @@
 //
 //  1. preprocess: Delta_i = rowsum(dO_i ∘ O_i) and lse_i·log2(e) per query row, into padded fp32
 //     arrays (rows past seq_q get lse = +inf, so that their P = exp2(S - lse) is exactly 0).
-//  2. dK/dV kernel, one block per (128-key tile, key head, batch) that keeps dK and dV in registers while
+//  2. dK/dV kernel, one block per (key tile, key head, batch) that keeps dK and dV in registers while
 //     it walks every query tile of every query head in the GQA group. Per query tile it computes S and
 //     dP, writes P and dS to shared memory, and reads them back transposed (ldmatrix.trans) as the A
 //     operands of dV += Pᵀ dO and dK += dSᵀ Q. Each phase has its own warp layout (BwdTraits) chosen
@@ -21,6 +21,7 @@
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
+#include "core/cuda_runtime.h"
 #ifdef FLASHLM_WITH_SM90
 #include "attention/cuda/hopper/hopper.h"
 #endif
@@ -31,19 +32,26 @@ namespace {
 
 template <int D>
 struct BwdTraits {
-  // One block per 128 keys, 8 warps. Each of the three phases of a step lays the warps out on its own
+  // One block per kBlockN keys, 8 warps. Each of the three phases of a step lays the warps out on its own
   // output so that every fragment read from shared memory feeds at least two MMAs:
-  //   A: S = Q Kᵀ and dP = dO Vᵀ (kBlockM x 128): 2 warps along queries x 4 along keys.
-  //   B: dV += Pᵀ dO and dK += dSᵀ Q (128 x D): kBWarpsN along keys x kBWarpsD along head_dim,
-  //      with Pᵀ and dSᵀ read transposed from the P and dS tiles phase A wrote to shared memory.
+  //   A: S = Q Kᵀ and dP = dO Vᵀ (kBlockM x kBlockN): 2 warps along queries x 4 along keys.
+  //   B: dV += Pᵀ dO and dK += dSᵀ Q (kBlockN x D): kBWarpsN along keys x kBWarpsD along head_dim (32
+  //      keys per warp from d32 up), with Pᵀ and dSᵀ read transposed from the P and dS tiles phase A
+  //      wrote to shared memory.
   //   C: dQ += dS K (kBlockM x D), atomic path only: kCRowGroups of kCMTiles 16-row tiles along queries x
   //      kCWarpsD along head_dim, so that each K fragment feeds kCMTiles MMAs.
+  // Head dim 256 takes 64-key tiles, which keep dK and dV at 64 floats each per thread as at d128, and
+  // 32-row query tiles, so that two stages of Q and dO beside K, V, P and dS (136.5 KiB) fit sm_80's
+  // 163 KiB; with 64-row tiles it would be 209 KiB, sm_90 only (docs/perf.md, "The mma.sync backward at
+  // head dim 256").
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlockN = 128;
-  static constexpr int kBlockM = D <= 64 ? 128 : 64;  // d32, d64: 128 x 128 tiles (docs/perf.md, tuning notes)
-  static constexpr int kAMTiles = kBlockM / 32;            // 16-row tiles per warp in phase A
-  static constexpr int kBWarpsD = D == 16 ? 1 : 2;
+  static constexpr int kBlockN = D <= 128 ? 128 : 64;
+  // d32, d64: 128 x 128 tiles (docs/perf.md, tuning notes).
+  static constexpr int kBlockM = D <= 64 ? 128 : D <= 128 ? 64 : 32;
+  static constexpr int kAMTiles = kBlockM / 32;  // 16-row tiles per warp in phase A
+  static constexpr int kAKeys = kBlockN / 4;     // keys per warp in phase A
+  static constexpr int kBWarpsD = D == 16 ? 1 : kWarps / (kBlockN / 32);
   static constexpr int kBWarpsN = kWarps / kBWarpsD;
   static constexpr int kBMTiles = kBlockN / kBWarpsN / 16;  // 16-key tiles per warp in phase B
   static constexpr int kBCols = D / kBWarpsD;
@@ -52,6 +60,7 @@ struct BwdTraits {
   static constexpr int kCWarpsD = kWarps / kCRowGroups;
   static constexpr int kCCols = D / kCWarpsD;
   static_assert(kBCols % 16 == 0 && kCCols % 16 == 0, "warp column slices must be whole pairs of n8 tiles");
+  static_assert(kAMTiles >= 1 && kAKeys % 16 == 0 && kBMTiles >= 1 && kCRowGroups >= 1, "tiles must cover the warps");
   // sK, sV; two stages of sQ and sdO; sP and sdS; two stages of lse and Delta (fp32).
   static constexpr size_t kSmemBytes =
       size_t(2 * kBlockN * D + 4 * kBlockM * D + 2 * kBlockM * kBlockN) * 2 + 4 * kBlockM * sizeof(float);
@@ -61,11 +70,12 @@ struct BwdTraits {
 // from shared memory feeds kMTiles MMAs (with one 16-row tile per warp it was bound by shared-memory
 // traffic: docs/perf.md, "Kernel tuning notes").
 // At d128 the key tiles are 32 wide so that S and dP (2 x 32 floats per row tile) fit beside the
-// 128-float dQ accumulator.
+// 128-float dQ accumulator; at d256 each warp owns one 16-row tile, whose dQ accumulator alone is 128
+// floats (two would be 256, all of a thread's registers).
 template <int D>
 struct DqTraits {
   static constexpr int kWarps = 4;
-  static constexpr int kMTiles = 2;
+  static constexpr int kMTiles = D <= 128 ? 2 : 1;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
   static constexpr int kBlockN = D <= 64 ? 64 : 32;
   static constexpr int kThreads = 32 * kWarps;
@@ -159,8 +169,8 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   if (steps > 0) load_step(0, 0, 0);
   cp_async_commit();
 
-  // Phase A layout: rows a_row0 + [0, 16·kAMTiles), keys a_key0 + [0, 32).
-  const int a_row0 = (warp % 2) * 16 * Tr::kAMTiles, a_key0 = (warp / 2) * 32;
+  // Phase A layout: rows a_row0 + [0, 16·kAMTiles), keys a_key0 + [0, kAKeys).
+  const int a_row0 = (warp % 2) * 16 * Tr::kAMTiles, a_key0 = (warp / 2) * Tr::kAKeys;
   // Phase B layout: keys b_key0 + [0, 16·kBMTiles), head_dim columns b_col0 + [0, kBCols).
   const int b_key0 = (warp % Tr::kBWarpsN) * 16 * Tr::kBMTiles, b_col0 = (warp / Tr::kBWarpsN) * Tr::kBCols;
   // Phase C layout: rows c_row0 + [0, 16·kCMTiles), columns c_col0 + [0, kCCols).
@@ -170,7 +180,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   // XOR a constant plus a constant, so a handful of lane offsets are recomputed per step from `lane`
   // (opaque() keeps the compiler from hoisting one precomputed address per fragment out of the step loop
   // and spilling them). Head dims below 64 keep the generic Swizzle<D>::offset form for Q, dO, K, V;
-  // the P and dS tiles are always 128 wide (row-XOR form).
+  // the P and dS tiles are kBlockN (64 or 128) wide, always the row-XOR form.
   constexpr bool kXor = D >= 64;
   using Xs = XorSwizzle<D>;
   using XsP = XorSwizzle<kBlockN>;
@@ -214,8 +224,8 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
     {  // Phase A: S and dP, then P and dS into shared memory.
       const uint32_t qa_off = opaque(kXor ? Xs::lane_offset(a_row0 + a_row(), a_b()) : 0u);
       const uint32_t kb_off = opaque(kXor ? Xs::lane_offset(a_key0 + bn_row(), bn_b()) : 0u);
-      float s[Tr::kAMTiles][4][4] = {};
-      float dp[Tr::kAMTiles][4][4] = {};
+      float s[Tr::kAMTiles][Tr::kAKeys / 8][4] = {};
+      float dp[Tr::kAMTiles][Tr::kAKeys / 8][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t aq[Tr::kAMTiles][4], ado[Tr::kAMTiles][4];
@@ -231,7 +241,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           }
         }
 #pragma unroll
-        for (int np = 0; np < 2; ++np) {
+        for (int np = 0; np < Tr::kAKeys / 16; ++np) {
           uint32_t bk[4], bv[4];
           if constexpr (kXor) {
             ldmatrix_x4(bk, sK_addr + Xs::at(kb_off, np * 16, kk));
@@ -250,7 +260,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           }
         }
       }
-      // Block-uniform: the test is on the whole 128-key tile and the block's first query row.
+      // Block-uniform: the test is on the whole key tile and the block's first query row.
       if (scores_need_mask(p, m0, n0, kBlockN)) mask_scores(s, p, m0 + a_row0, n0 + a_key0, g, t);
 #pragma unroll
       for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
@@ -259,7 +269,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           const int row = a_row0 + mt * 16 + g + 8 * r;  // within the tile
           const float l2 = lse2[row], dl = delta[row];
 #pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
+          for (int nt = 0; nt < Tr::kAKeys / 8; ++nt) {
             const int key = a_key0 + nt * 8 + 2 * t;  // within the tile; this thread holds key and key + 1
             float pr[2], ds[2];
 #pragma unroll
@@ -568,6 +578,13 @@ void allow_smem(Kernel kernel, size_t bytes, const char* name) {
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), name);
 }
 
+// The most dynamic shared memory one block of the backward asks for at head dim D: the dK/dV kernel's,
+// or the dQ pass's where the deterministic mode runs it.
+template <int D>
+constexpr size_t backward_smem_bytes(bool deterministic) {
+  return deterministic ? std::max(BwdTraits<D>::kSmemBytes, DqTraits<D>::kSmemBytes) : BwdTraits<D>::kSmemBytes;
+}
+
 // The views the Hopper backward builds its tensor maps from, where it runs the dK/dV kernel's part.
 struct HopperBackward {
   const AttentionProblem& p;
@@ -576,6 +593,14 @@ struct HopperBackward {
 
 template <class T, int D>
 void launch_backward(const FlashParams& f, bool deterministic, const HopperBackward* hopper, cudaStream_t stream) {
+  // Checked before anything is queued: a device granting less than the kernels need (sm_86 and sm_89 at
+  // head dims 128 and 256) gets an Error naming the head dim rather than a failed launch.
+  const size_t needed = backward_smem_bytes<D>(deterministic);
+  const int64_t granted = cuda_shared_memory_per_block_optin();
+  FLASHLM_CHECK(granted >= 0 && needed <= static_cast<size_t>(granted),
+                "flash_attention_backward_cuda: head_dim {} needs {} bytes of shared memory per block, this GPU "
+                "grants {} (sm_80 and sm_90 grant enough; AttentionImpl::naive has no such limit)",
+                D, needed, granted);
   // An empty side launches nothing over it (a grid of 0 blocks is a launch error): with no queries the
   // dK/dV kernel alone writes zeros, with no keys the dQ pass (or the cleared accumulator) does.
   if (f.seq_q > 0) {
@@ -623,24 +648,40 @@ void dispatch_head_dim(int64_t d, const FlashParams& f, bool deterministic, cons
 }  // namespace
 }  // namespace flash_cuda
 
+size_t mma_sync_backward_smem_bytes(int64_t head_dim, bool deterministic) {
+  size_t bytes = 0;
+  const bool compiled = with_head_dim<kMmaSyncBackwardHeadDims>(
+      head_dim, [&](auto dim) { bytes = flash_cuda::backward_smem_bytes<decltype(dim)::value>(deterministic); });
+  FLASHLM_CHECK(compiled, "mma_sync_backward_smem_bytes: head_dim {} has no mma.sync backward kernel", head_dim);
+  return bytes;
+}
+
 namespace {
 
 // The atomic mode's fp32 dQ accumulator is 4·B·Hq·Nq·D bytes, a quarter of the bf16 inputs, outputs and
 // gradients together. Above kAccumulatorChunkAbove, the backward runs over groups of key/value heads (with
 // their query heads) so that each group's accumulator is at most kAccumulatorChunkBytes: peak memory stays
 // near inputs + outputs + gradients at long sequences, while typical shapes run in one launch. A group is
-// never smaller than kMinWavesPerLaunch waves of the dK/dV kernel's blocks (one per 128 keys, key head and
-// batch; both the mma.sync and the Hopper kernel): launches run one after another, and one that under-fills
-// the GPU lasts as long as its longest block, so at b1, 64 query / 8 key heads, 16k, d128 one key head per
-// launch (128 blocks for 132 SMs) made the causal backward as slow as the non-causal one (issue 15). There
+// never smaller than kMinWavesPerLaunch waves of the dK/dV kernel's blocks (one per kBlockN keys, key head
+// and batch: 128 keys in both the mma.sync and the Hopper kernel, 64 at head dim 256): launches run one
+// after another, and one that under-fills the GPU lasts as long as its longest block, so at b1, 64 query /
+// 8 key heads, 16k, d128 one key head per launch (128 blocks for 132 SMs) made the causal backward as slow
+// as the non-causal one (issue 15). There
 // the accumulator is 256 MiB (two launches of 4 key heads) instead of 64; at long MHA sequences, where a
 // head alone has several waves of blocks, the bytes bound decides as before.
 constexpr size_t kAccumulatorChunkAbove = size_t{128} << 20;
 constexpr size_t kAccumulatorChunkBytes = size_t{64} << 20;
 constexpr int64_t kMinWavesPerLaunch = 3;
-constexpr int64_t kBackwardKeysPerBlock = 128;
-static_assert(flash_cuda::BwdTraits<64>::kBlockN == kBackwardKeysPerBlock &&
-              flash_cuda::BwdTraits<128>::kBlockN == kBackwardKeysPerBlock);
+// The Hopper kernel's key tile at the head dims it covers is the mma.sync kernel's.
+static_assert(flash_cuda::BwdTraits<64>::kBlockN == 128 && flash_cuda::BwdTraits<128>::kBlockN == 128);
+
+int64_t backward_keys_per_block(int64_t head_dim) {
+  int64_t keys = 0;
+  const bool compiled = with_head_dim<kMmaSyncBackwardHeadDims>(
+      head_dim, [&](auto dim) { keys = flash_cuda::BwdTraits<decltype(dim)::value>::kBlockN; });
+  FLASHLM_CHECK(compiled, "backward_keys_per_block: head_dim {} has no mma.sync backward kernel", head_dim);
+  return keys;
+}
 
 void backward_heads(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
@@ -692,7 +733,8 @@ int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocess
   const size_t per_kv_head = backward_accumulator_bytes_per_kv_head(p);
   if (p.heads_k == 0 || per_kv_head * static_cast<size_t>(p.heads_k) <= kAccumulatorChunkAbove) return p.heads_k;
   int64_t kv = std::max<int64_t>(1, static_cast<int64_t>(kAccumulatorChunkBytes / per_kv_head));
-  const int64_t blocks_per_kv_head = (p.seq_k + kBackwardKeysPerBlock - 1) / kBackwardKeysPerBlock * p.batch;
+  const int64_t keys_per_block = backward_keys_per_block(p.head_dim);
+  const int64_t blocks_per_kv_head = (p.seq_k + keys_per_block - 1) / keys_per_block * p.batch;
   if (blocks_per_kv_head > 0) {
     const int64_t min_blocks = kMinWavesPerLaunch * std::max(multiprocessors, 1);
     kv = std::max(kv, (min_blocks + blocks_per_kv_head - 1) / blocks_per_kv_head);
