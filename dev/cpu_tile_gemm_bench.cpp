@@ -1,10 +1,13 @@
-// Times the CPU forward's two tile products alone (attention/cpu_gemm.h), at the forward's tile shapes, against
-// the core's FMA peak and against OpenBLAS's sgemm on the same tiles. A measurement aid, not a test:
+// Times the CPU forward's two tile products (attention/cpu_gemm.h) and its softmax rows (attention/cpu_rows.h)
+// alone, at the forward's tile shapes, against the core's FMA peak (measured first, in the same run: the % can
+// pass 100 where the clock moved between the two) and against OpenBLAS's sgemm on the same tiles (single-threaded;
+// its core is the one its runtime dispatch picks, or OPENBLAS_CORETYPE's). A measurement aid, not a test:
 //   build-cpu/dev/cpu_tile_gemm_bench [--head-dim 128] [--seq 4096] [--rounds 20]
 // S = scale · Q Kᵀ: Q a 256-query tile in panels of kGemmRows rows, K transposed in panels of kGemmCols columns
 // per 512-key tile; P V: acc += P V with P a 256 × 512 tile (row-major), V in panels per 512-key tile.
 // "head" runs every key tile of one head (K and V stream from L2/L3 as in the forward), "one tile" the same
-// tile again and again (everything in L1/L2). Thread CPU time, the minimum over the rounds.
+// tile again and again (everything in L1/L2). Thread CPU time, the minimum over the rounds. Written for
+// docs/perf.md's perf/cpu-attn8 section.
 #include <cblas.h>
 #include <time.h>
 
