@@ -11,8 +11,9 @@ bwd_ms) for each shape (batch, heads, kv_heads, seq, head_dim, causal, dtype); t
 batch, precision, pass, world_size: 1 where a record names none) on mean_ms, where a stated AdamW moment
 format of ours ("bf16, bf16-sr moments": `--optimizer-state`) is matched with the peer's plain precision
 ("bf16"; torch's AdamW keeps fp32 moments) and shown in the row; DDP per world size on median_ms. OURS
-and PEERS may each be several reports joined by commas (one run per world size, say). Prints a markdown table with the geometric mean of each column. Exits 1 when no row of ours has a peer to
-compare with, 2 on bad arguments.
+and PEERS may each be several reports joined by commas (one run per world size, say). Prints a markdown
+table with the geometric mean of each column. Exits 1 when no row of ours has a peer to compare with, 2 on
+bad arguments.
 """
 import argparse
 import json
