@@ -8,10 +8,12 @@
 
 A ratio is the peer's time over ours, so above 1 means flashlm is faster: attention per pass (fwd_ms,
 bwd_ms) for each shape (batch, heads, kv_heads, seq, head_dim, causal, dtype); the LM per (model, context,
-batch, precision, pass, world_size: 1 where a record names none) on mean_ms; DDP per world size on
-median_ms. OURS and PEERS may each be several reports joined by commas (one run per world size, say).
-Prints a markdown table with the geometric mean of each column. Exits 1 when no row of ours has a peer to
-compare with, 2 on bad arguments.
+batch, precision, pass, world_size: 1 where a record names none) on mean_ms, where a stated AdamW moment
+format of ours ("bf16, bf16-sr moments": `--optimizer-state`) is matched with the peer's plain precision
+("bf16"; torch's AdamW keeps fp32 moments) and shown in the row; DDP per world size on median_ms. OURS
+and PEERS may each be several reports joined by commas (one run per world size, say). Prints a markdown
+table with the geometric mean of each column. Exits 1 when no row of ours has a peer to compare with, 2 on
+bad arguments.
 """
 import argparse
 import json
@@ -43,9 +45,16 @@ def load(paths, kind, impl):
     for r in records:
         if r.get("status", "ok") != "ok" or (impl is not None and r.get(impl_field) != impl):
             continue
-        key = tuple(r.get(k, DEFAULTS.get(k)) for k in keys)
+        key = tuple(key_value(kind, r, k) for k in keys)
         out.setdefault(key, r)
     return out
+
+
+def key_value(kind, record, field):
+    value = record.get(field, DEFAULTS.get(field))
+    if kind == "lm" and field == "precision" and isinstance(value, str):
+        return value.split(",")[0]  # "bf16, bf16 moments" -> "bf16": the compute precision
+    return value
 
 
 def geomean(xs):
@@ -84,7 +93,8 @@ def main():
             else:
                 cells.append("—")
         ours_cells = [f"{r[t]:.3f}" if r.get(t) is not None else "—" for t in timed]
-        print("| " + " | ".join(str(x) for x in key) + " | " + " | ".join(ours_cells) + " | " + " | ".join(cells) + " |")
+        shown = [r.get(k, x) if k == "precision" else x for k, x in zip(keys, key)]  # ours' full precision
+        print("| " + " | ".join(str(x) for x in shown) + " | " + " | ".join(ours_cells) + " | " + " | ".join(cells) + " |")
     means = [geomean(ratios[c]) for c in columns]
     print("| geomean" + " |" * (len(keys) + len(timed) - 1) + " | " +
           " | ".join(f"{m:.2f}" if m else "—" for m in means) + " |")

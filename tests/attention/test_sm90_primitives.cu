@@ -1,8 +1,8 @@
 // The Hopper wrappers of attention/cuda/hopper/ one at a time, on random data against the host: a TMA tile
 // round trip through an mbarrier (strided view, zero-filled rows past the end), a TMA tile store (clipped
 // at the view's end), the forward's FMA-pipe exp2 against exp2, e4m3 tiles of 64- and 128-byte rows by TMA
-// into an e4m3 wgmma (the FP8 forward's layouts), a bulk copy through an
-// mbarrier, bulk reduce-adds from several blocks into one buffer, and single-warpgroup wgmma products with both operands in shared memory, with A in registers
+// into an e4m3 wgmma (the FP8 forward's layouts), accumulator fragments through stmatrix into the swizzled
+// layout (the forward's O epilogue), a bulk copy through an mbarrier, bulk reduce-adds from several blocks into one buffer, and single-warpgroup wgmma products with both operands in shared memory, with A in registers
 // and B read N-major, and with both A and B read M/N-major from a panel of wider tiles (the backward's
 // dQ = dS·K). Skips without an sm_90 GPU.
 #include <cuda_bf16.h>
@@ -512,6 +512,47 @@ TEST(Sm90Primitives, BulkLoadThroughMbarrierCopiesExactlyItsBytes) {
     EXPECT_EQ(bad, 0) << n << " floats";
   }
   cudaFree(src);
+  cudaFree(out);
+}
+
+// One warpgroup writes a 64 x 128 tile of 16-bit values, held as wgmma accumulator fragments (thread 4g + t
+// of warp w: rows 16w + g and + 8, columns 8j + 2t and + 1), into the swizzled layout with stmatrix, in the
+// 16-bit forward's epilogue order; value (row, col) = row * 128 + col, so every element names its place.
+__global__ void stmatrix_tile_kernel(uint16_t* out) {
+  constexpr int kTileRows = 64, kTileCols = 128;
+  __shared__ alignas(1024) uint16_t tile[kTileRows * kTileCols];
+  for (int i = threadIdx.x; i < kTileRows * kTileCols; i += blockDim.x) tile[i] = 0xffff;
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  auto value = [&](int r, int j, int e) {  // fragment element o[4j + 2r + e]
+    return static_cast<uint32_t>((16 * warp + g + 8 * r) * kTileCols + 8 * j + 2 * t + e);
+  };
+  auto pair = [&](int r, int j) { return value(r, j, 0) | (value(r, j, 1) << 16); };
+  const int m = lane / 8, row = 16 * warp + 8 * (m % 2) + lane % 8;
+  for (int jj = 0; jj < kTileCols / 16; ++jj) {
+    flashlm::sm90::stmatrix_x4(flashlm::sm90::smem_u32(tile) + swizzled_offset(kTileRows, row, 8 * (2 * jj + m / 2)),
+                               pair(0, 2 * jj), pair(1, 2 * jj), pair(0, 2 * jj + 1), pair(1, 2 * jj + 1));
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTileRows * kTileCols; i += blockDim.x) out[i] = tile[i];
+}
+
+TEST(Sm90Primitives, StmatrixWritesAccumulatorFragmentsIntoTheSwizzledTile) {
+  SKIP_WITHOUT_SM90();
+  constexpr int kTileRows = 64, kTileCols = 128;
+  uint16_t* out = nullptr;
+  ASSERT_EQ(cudaMalloc(&out, kTileRows * kTileCols * 2), cudaSuccess);
+  stmatrix_tile_kernel<<<1, 128>>>(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<uint16_t> got(kTileRows * kTileCols);
+  ASSERT_EQ(cudaMemcpy(got.data(), out, got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  int bad = 0;
+  for (int row = 0; row < kTileRows; ++row) {
+    for (int col = 0; col < kTileCols; ++col) {
+      bad += got[swizzled_offset(kTileRows, row, col) / 2] != row * kTileCols + col;
+    }
+  }
+  EXPECT_EQ(bad, 0) << "of " << kTileRows * kTileCols << " elements";
   cudaFree(out);
 }
 

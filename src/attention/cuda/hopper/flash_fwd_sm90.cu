@@ -164,24 +164,25 @@ struct Sm90FwdKernel : Tr {
   __device__ __forceinline__ void store_o(const float (&o)[kOValues], const float (&inv)[2], const FlashParams& p,
                                           const ForwardTileRows& tile) {
     if constexpr (Tr::kStagedO) {
-      // Through shared memory: the warpgroup's 64 rows into its staging panels (32-bit stores, one bank
-      // each across the warp: the swizzle spreads the 8 rows of a store over 8 chunks), then one thread
-      // stores the panels with TMA, which skips rows past seq_q. The previous tile's store must have read
-      // the panels before they are written again.
+      // Through shared memory: the warpgroup's 64 rows into its staging panels, then one thread stores the
+      // panels with TMA, which skips rows past seq_q. The previous tile's store must have read the panels
+      // before they are written again. Each stmatrix writes a warp's 16 rows x 16 columns: tiles 0 and 1
+      // are rows [0, 8) and [8, 16) of column group 2·jj, tiles 2 and 3 the same of group 2·jj + 1, so
+      // lane l addresses row 8·(m % 2) + l % 8, column group 2·jj + m / 2 of its tile m = l / 8.
       const auto epilogue =
           static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kEpilogue0) + tile.wg);
       uint16_t* stage = s.o.rows + tile.wg * 64 * D;
       if (tile.ctid == 0) sm90::bulk_wait_read<0>();
       sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
+      const int lane = 4 * tile.g + tile.t, m = lane / 8;
+      const int row = 16 * tile.warp + 8 * (m % 2) + lane % 8;
+      const uint32_t stage_address = sm90::smem_u32(stage);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = 16 * tile.warp + tile.g + 8 * r;
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(stage) +
-                                       sm90::swizzled_offset(64, row, 8 * j + 2 * tile.t)) =
-              MmaOp<T>::pack(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
-        }
+      for (int jj = 0; jj < D / 16; ++jj) {
+        const float* oj = o + 8 * jj;  // column groups 2·jj (oj[0..3]) and 2·jj + 1 (oj[4..7])
+        sm90::stmatrix_x4(stage_address + sm90::swizzled_offset(64, row, 8 * (2 * jj + m / 2)),
+                          MmaOp<T>::pack(oj[0] * inv[0], oj[1] * inv[0]), MmaOp<T>::pack(oj[2] * inv[1], oj[3] * inv[1]),
+                          MmaOp<T>::pack(oj[4] * inv[0], oj[5] * inv[0]), MmaOp<T>::pack(oj[6] * inv[1], oj[7] * inv[1]));
       }
       sm90::fence_proxy_async_shared();
       sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);

@@ -406,6 +406,16 @@ __device__ __forceinline__ void registers_decrease() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
+// ---- stmatrix: a warp stores four 8x8 tiles of 16-bit values to shared memory in one instruction. Register
+// m of lane l holds the two values of tile m at row l / 4, columns 2·(l % 4) and + 1 (the mma and wgmma
+// accumulator fragment's layout, packed), and lane l gives the address of row l % 8 of tile l / 8 (16-byte
+// aligned: in the swizzled layout, any 8-column chunk).
+__device__ __forceinline__ void stmatrix_x4(uint32_t row_address, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_address), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Orders this thread's ordinary shared-memory writes before later reads by the async proxy (TMA, wgmma).
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
