@@ -67,6 +67,7 @@ double fma_peak_gflops(int rounds) {
                    "+v"(acc[14]), "+v"(acc[15]));
     }
   });
+  return 2.0 * kLanes * 16 * double(kIters) / s * 1e-9;
 #elif defined(__AVX__)
   constexpr int kLanes = 8;
   const double s = min_seconds(rounds, [] {
@@ -82,9 +83,6 @@ double fma_peak_gflops(int rounds) {
   return 2.0 * kLanes * 12 * double(kIters) / s * 1e-9;
 #else
   return 0;
-#endif
-#if defined(__AVX512F__)
-  return 2.0 * kLanes * 16 * double(kIters) / s * 1e-9;
 #endif
 }
 
