@@ -157,7 +157,8 @@ if has tests; then
     if cmp -s "$out/tests/full.ckpt" "$out/tests/half.ckpt"; then result="checkpoints identical"; rc=0
     else result="CHECKPOINTS DIFFER"; rc=1; failed+=("tests:train-resume"); fi
     echo "| train bf16 20 = 10 + resume + 10 | $rc | $result |" | tee -a "$out/tests.md"
-    timeout 60 "${tr[@]}" --steps 30 --lr 10 --lr-min 10 --warmup 0 --clip 0 --checkpoint "$out/tests/nan.ckpt" \
+    timeout 60 "${tr[@]}" --steps 30 --lr 10 --lr-min 10 --warmup 0 --clip 0 --checkpoint-every 1 \
+      --checkpoint "$out/tests/nan.ckpt" \
       > "$out/tests/train-nan.log" 2>&1
     rc=$?
     if ((rc != 0)) && grep -q 'error' "$out/tests/train-nan.log"; then result="stopped: $(grep -m1 error "$out/tests/train-nan.log")"
