@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One forward and one backward of SDPA's cuDNN backend per shape, for ncu to profile beside flashlm's
-kernels (scripts/gpu-hopper-fwd4.sh, gpu-round.sh): bf16, causal unless --causal 0. No warm-up launches, so
+kernels (docs/perf.md, "Where the gap to cuDNN is"): bf16, causal unless --causal 0. No warm-up launches, so
 that the kernels ncu counts are these.
   python3 scripts/ncu_sdpa.py                                 # b4 h16 n4096 d128 and b4 h32 n4096 d64
   python3 scripts/ncu_sdpa.py --shapes 16x32x1024x64 --causal 1"""

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots the JSON of `flashlm attention-bench` (TFLOP/s against sequence length, one line per impl, dtype,
 head dim and mask) or of `flashlm bench` (time per pass for each model size and precision) as a PNG.
-Several files may be given (e.g. ours and the PyTorch peers' from shared/bench/attention_peers.py).
+Several files may be given (e.g. ours and the PyTorch peers' from scripts/peers/attention_peers.py).
 
     python3 scripts/plot_bench.py ours.json [peers.json ...] -o plot.png [--metric fwd|bwd]
 """

@@ -12,13 +12,14 @@
    causal mask only, since without one a query also sees the padding keys) and the memory-efficient
    backend with a padding mask (right either way, and the rows flashlm's output is checked against).
    TFLOP/s count the useful (unpadded) work.
-3. With --models: the CS336 LM train step (shared/bench/lm_peers.py's run()) with every
-   F.scaled_dot_product_attention call of the model replaced by flashlm, against the unmodified model.
+3. With --models: the CS336 LM (scripts/peers/cs336_lm.py, timed by scripts/peers/lm_peers.py's measure())
+   with every F.scaled_dot_product_attention call of the model replaced by flashlm, against the unmodified
+   model: forward, forward + backward and the train step.
 
   FLASHLM_LIBRARY=.../libflashlm_attention.so PYTHONPATH=python python3 scripts/torch_attention_bench.py \
       --shapes 4x12x512x64 --out small-lm.json                   # the small LM's shape alone
   ... scripts/torch_attention_bench.py --grid fa --out torch-attention.json   # + the fa grid
-  ... scripts/torch_attention_bench.py --peers /path/to/shared/bench --shapes "" --models small
+  ... scripts/torch_attention_bench.py --shapes "" --models small
   # a GQA shape (64 query heads, 8 key/value heads):
   ... scripts/torch_attention_bench.py --shapes 1x64x16384x128x8
   # varlen against padded SDPA only:
@@ -29,6 +30,7 @@
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -253,12 +255,28 @@ class _SwappedFunctional(types.ModuleType):
         return flashlm.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
 
 
+def lm_run(lm_peers, size, mode, context, batch):
+    """The three passes of lm_peers.measure() on one model: fwd_ms, fwd_bwd_ms, step_ms (medians of 10 after
+    5) and the step's peak."""
+    a = argparse.Namespace(context=context, batch=batch, layers=0, checkpoint=False, warmup=5, steps=10)
+    device = torch.device("cuda")
+    r = {}
+    for pass_name, key in (("fwd", "fwd_ms"), ("fwd-bwd", "fwd_bwd_ms"), ("step", "step_ms")):
+        rec = lm_peers.measure(size, mode, pass_name, a, device)
+        if rec["status"] != "ok":
+            raise RuntimeError(f"{pass_name}: {rec['status']}: {rec.get('message', '')}")
+        r[key] = rec["median_ms"]
+        if pass_name == "step":
+            r["peak_step_mib"] = rec["peak_mib"]
+    return dict(r, model=size, mode=mode, context=context, batch=batch)
+
+
 def lm_step(peers, models, mode, context, batch, repeats):
-    """lm_peers.run() with and without the swap, alternating `repeats` times (the eager model is host-bound
+    """The LM's passes with and without the swap, alternating `repeats` times (the eager model is host-bound
     and each run times only a short window): every run is recorded, the table shows the median."""
     sys.path.insert(0, peers)
     lm_peers = importlib.import_module("lm_peers")
-    cs336_model = importlib.import_module("cs336_model")
+    cs336_model = importlib.import_module("cs336_lm")
     rows = []
     for size in models:
         runs = {"sdpa": [], "flashlm": []}
@@ -266,7 +284,7 @@ def lm_step(peers, models, mode, context, batch, repeats):
             for attn in ("sdpa", "flashlm") if rep % 2 == 0 else ("flashlm", "sdpa"):
                 cs336_model.F = _SwappedFunctional() if attn == "flashlm" else F
                 try:
-                    r = lm_peers.run(size, mode, context, batch)
+                    r = lm_run(lm_peers, size, mode, context, batch)
                 except Exception as e:
                     print(f"| {size} | {mode} | {attn} | failed: {repr(e)[:100]} |")
                     continue
@@ -289,7 +307,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cuda (bf16, against SDPA flash and cuDNN) or cpu (fp32, against SDPA's CPU backend: a "
                     "check that the script runs, as CI does, not a measurement)")
-    ap.add_argument("--peers", default=None, help="directory with lm_peers.py and cs336_model.py (for --models)")
+    ap.add_argument("--peers", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"),
+                    help="directory with lm_peers.py and cs336_lm.py (for --models; default scripts/peers)")
     ap.add_argument("--models", default="", help="LM sizes for part 2, comma separated (CUDA); empty skips it")
     ap.add_argument("--mode", default="bf16", help="lm_peers mode (fp32, bf16, bf16-compile: flashlm's ops trace "
                     "without graph breaks)")
@@ -309,8 +328,8 @@ def main():
     a = ap.parse_args()
     if a.device not in ("cuda", "cpu"):
         ap.error(f"--device: '{a.device}' is not cuda or cpu")
-    if a.models and (a.device != "cuda" or not a.peers):
-        ap.error("--models: the LM step runs on CUDA and needs --peers")
+    if a.models and a.device != "cuda":
+        ap.error("--models: the LM step runs on CUDA")
     shapes = []
     for s in a.shapes.split(","):
         if not s:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speed ratios of flashlm's JSON against the peers' (scripts/peers/*_peers.py), measured in one device call.
+"""Speed ratios of flashlm's JSON against the peers' (scripts/peers/*_peers.py), measured in one session.
 
   compare.py attention OURS.json PEERS.json [--ours flash] --peer sdpa-flash --peer sdpa-cudnn [--min-seq 1024]
   compare.py lm        OURS.json PEERS.json --peer torch-eager --peer torch-compile

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The glue of the multi-GPU CS336 leaderboard step (scripts/gpu-two.sh): flashlm runs that step through
+"""The glue of the multi-GPU CS336 leaderboard step (scripts/gpu-check.sh two-gpu): flashlm runs that step through
 `mpirun -np N flashlm train --ddp fsdp`, whose output is a metrics log rather than bench's JSON.
 
   leaderboard.py tokens --vocab 151936 --count 1048576 OUT.bin

@@ -2,7 +2,7 @@
 """SDPA flash and cuDNN at issue 15's long-context shapes (b1, h32, d128, bf16, causal; seq 32k and 64k):
 forward and forward + backward, the median of a few timed calls between CUDA events after warm-up, on
 fresh random inputs. The counterpart of `flashlm attention-bench --batch 1 --heads 32 --seq 32768,65536
---d 128 --causal=1` (scripts/gpu-hopper-fwd4.sh); attention_peers.py's grids have no such shape."""
+--d 128 --causal=1` (scripts/gpu-check.sh long); attention_peers.py's grids have no such shape."""
 import argparse, json, statistics
 import torch
 import torch.nn.functional as F

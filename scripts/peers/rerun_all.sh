@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Re-runs every ratio docs/perf.md quotes: flashlm's benchmark and the PyTorch peer beside it in one session,
+# Re-runs docs/perf.md's fa grid, LM step, leaderboard and DDP ratios (scripts/gpu-check.sh runs it beside
+# the other tables): flashlm's benchmark and the PyTorch peer beside it in one session,
 # then scripts/peers/compare.py on the two JSON files. On the GPU machine (PyTorch with CUDA, triton not
 # needed):
 #   LD_LIBRARY_PATH=... scripts/peers/rerun_all.sh OUT_DIR            # everything (an hour or so on one H200)

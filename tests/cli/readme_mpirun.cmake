@@ -1,7 +1,7 @@
-# The README's CPU mpirun examples, as written except for what a 2-core CI machine running as root must add
-# (the README says so beside them: MPIRUN_FLAGS, --allow-run-as-root --oversubscribe) and shorter runs
-# (--steps 300 -> 3, the 1 GB all-reduce -> 1 MB): every option they use must still exist and work.
-# Arguments: README, FLASHLM, MPIRUN, MPIRUN_FLAGS, WORKDIR.
+# The CPU mpirun examples of docs/usage.md (the README's long form), as written except for what a 2-core CI
+# machine running as root must add (the document says so beside them: MPIRUN_FLAGS, --allow-run-as-root
+# --oversubscribe) and shorter runs (--steps 300 -> 3, the 1 GB all-reduce -> 1 MB): every option they use must
+# still exist and work. Arguments: README, FLASHLM, MPIRUN, MPIRUN_FLAGS, WORKDIR.
 file(STRINGS ${README} lines REGEX "^mpirun ")
 set(dir ${WORKDIR}/readme_mpirun)
 file(REMOVE_RECURSE ${dir})
@@ -9,7 +9,7 @@ file(MAKE_DIRECTORY ${dir})
 set(ran 0)
 foreach(line IN LISTS lines)
   if(line MATCHES "--device cuda")
-    continue()  # GPU examples run on the GPU machine (scripts/gpu-round.sh)
+    continue()  # GPU examples run on the GPU machine (scripts/gpu-check.sh)
   endif()
   string(REGEX REPLACE " +#.*$" "" line "${line}")
   string(REPLACE "--steps 300" "--steps 3" line "${line}")

@@ -1,6 +1,6 @@
-# The README's path from a text file to a sample, as a user types it: prepare, train (with --log), generate
-# (the same text for the same seed, from the checkpoint and from its export), export, train --init; and the
-# exit codes of these commands' bad arguments. Arguments: FLASHLM, WORKDIR.
+# The path from a text file to a sample of docs/usage.md (and the quick start), as a user types it: prepare, train
+# (with --log), generate (the same text for the same seed, from the checkpoint and from its export), export, train
+# --init; and the exit codes of these commands' bad arguments. Arguments: FLASHLM, WORKDIR.
 set(dir ${WORKDIR}/text2model)
 file(REMOVE_RECURSE ${dir})
 file(MAKE_DIRECTORY ${dir})
