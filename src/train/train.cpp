@@ -16,6 +16,7 @@
 #include "core/cuda_runtime.h"
 #include "flashlm/bench.h"
 #include "flashlm/data.h"
+#include "flashlm/ddp_model.h"
 #include "flashlm/dist.h"
 #include "flashlm/safetensors.h"
 #include "train/checkpoint.h"
@@ -275,7 +276,7 @@ TrainResult train(const TrainConfig& cfg) {
   // ZeRO-1 and FSDP keep this rank's shard of the moments, not the model (DdpModel releases its own).
   if (cfg.comm && (cfg.zero1 || cfg.ddp.variant == DdpVariant::fsdp)) options.optimizer_shards = world;
   // FSDP: the model allocates no flat parameters or gradients; this rank's shards and the gathered parts'
-  // pool hold them (flashlm/ddp.h), which the plan counts.
+  // pool hold them (flashlm/fsdp.h), which the plan counts.
   const bool sharded = cfg.comm && cfg.ddp.variant == DdpVariant::fsdp;
   if (sharded) {
     options.external_parameters = true;
