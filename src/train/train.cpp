@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -190,6 +191,16 @@ std::vector<RunSetting> run_settings(const TrainConfig& cfg, const DataSources& 
   return out;
 }
 
+// The run settings a sharded checkpoint records and a resume from it must repeat (CheckpointHeader::
+// run_settings): all but those a resume exists to change — how long to train, whether this is the resume,
+// where and how often to checkpoint, and --init (which a resume may not give, its weights being in the
+// checkpoint). What only rank 0 does (evaluation, progress lines) is not a run setting at all.
+std::vector<RunSetting> resume_identity(std::vector<RunSetting> settings) {
+  constexpr std::string_view kMayChange[] = {"steps", "resume", "checkpoint", "checkpoint_every", "init"};
+  std::erase_if(settings, [&](const RunSetting& s) { return std::ranges::find(kMayChange, s.name) != std::end(kMayChange); });
+  return settings;
+}
+
 // Parameters from the host into the model, leaving its optimizer state alone (ZeRO-1 keeps its own).
 void load_parameters(LanguageModel& model, const float* host) {
   const size_t bytes = size_t(model.parameter_count()) * sizeof(float);
@@ -254,7 +265,8 @@ TrainResult train(const TrainConfig& cfg) {
   DataSources data = open_data(cfg);
   // Before anything else the ranks do together: ranks started with other settings would call other
   // collectives (and hang) or silently train something else.
-  if (cfg.comm) cfg.comm->agree_settings(run_settings(cfg, data, *cfg.comm));
+  const std::vector<RunSetting> settings = cfg.comm ? run_settings(cfg, data, *cfg.comm) : std::vector<RunSetting>{};
+  if (cfg.comm) cfg.comm->agree_settings(settings);
   TokenBatcher train_batches(data.train, data.train_name, cfg.batch, cfg.seq, BatchOrder::random, cfg.seed);
   TokenBatcher val_batches(data.val, data.val_name, cfg.batch, cfg.seq, BatchOrder::sequential);
   if (cfg.comm) train_batches.select_shard(cfg.comm->rank(), world);
@@ -309,7 +321,8 @@ TrainResult train(const TrainConfig& cfg) {
   TrainResult result;
   result.best_possible_loss = data.best_possible_loss;
 
-  const CheckpointHeader header = run_header(cfg, model, data_identity(cfg.train_data, data.train));
+  CheckpointHeader header = run_header(cfg, model, data_identity(cfg.train_data, data.train));
+  if (cfg.sharded_checkpoint) header.run_settings = resume_identity(settings);
   int64_t step = 0;
   bool resumed_from_shards = false;
   if (cfg.resume) {
