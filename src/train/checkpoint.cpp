@@ -14,8 +14,9 @@
 #include <filesystem>
 #include <limits>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include "core/check.h"
@@ -35,6 +36,11 @@ constexpr uint64_t kPreludeBytes = 20;              // magic, header length, hea
 constexpr uint64_t kMaxHeaderBytes = uint64_t{1} << 20;  // a header is a few hundred bytes
 constexpr int64_t kFingerprintTokens = int64_t{1} << 19;
 constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+// The run settings (CheckpointHeader::run_settings) a resume exists to change: how long to train (the
+// cosine's length follows --steps unless given), where and how often to checkpoint, and --init, which a
+// resume may not give (the weights are the checkpoint's).
+constexpr std::string_view kResumeMayChange[] = {"steps", "optimizer.cosine_steps", "checkpoint", "checkpoint_every",
+                                                 "init"};
 
 // zlib's crc32_z takes size_t lengths, so any buffer goes in one call.
 uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes) {
@@ -379,17 +385,16 @@ void check_resumable(const std::string& path, const CheckpointHeader& saved, con
       return v->size() <= 80 ? *v : v->substr(0, 80) + "...";
     };
     std::string diffs;
-    bool schedule = false;
     for (const auto& [name, values] : settings) {
-      if (values.first == values.second) continue;
+      if (values.first == values.second || std::ranges::find(kResumeMayChange, name) != std::end(kResumeMayChange))
+        continue;
       diffs += fmt::format("{}{} is {} there, {} in this run", diffs.empty() ? "" : "; ", shown(name), shown(values.first),
                            shown(values.second));
-      schedule = schedule || name == "optimizer.cosine_steps";
     }
     if (!diffs.empty())
       fail("train: checkpoint '{}': this shard was written by a run with a different configuration: {}. A sharded "
-           "resume repeats every setting of the run but --steps and the checkpoint and output options{}",
-           path, diffs, schedule ? " (--cosine-steps defaults to --steps: give the first run's to extend it)" : "");
+           "resume repeats every setting of the run but --steps and the checkpoint and output options",
+           path, diffs);
   }
 }
 

@@ -5,7 +5,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -191,16 +190,6 @@ std::vector<RunSetting> run_settings(const TrainConfig& cfg, const DataSources& 
   return out;
 }
 
-// The run settings a sharded checkpoint records and a resume from it must repeat (CheckpointHeader::
-// run_settings): all but those a resume exists to change — how long to train, whether this is the resume,
-// where and how often to checkpoint, and --init (which a resume may not give, its weights being in the
-// checkpoint). What only rank 0 does (evaluation, progress lines) is not a run setting at all.
-std::vector<RunSetting> resume_identity(std::vector<RunSetting> settings) {
-  constexpr std::string_view kMayChange[] = {"steps", "resume", "checkpoint", "checkpoint_every", "init"};
-  std::erase_if(settings, [&](const RunSetting& s) { return std::ranges::find(kMayChange, s.name) != std::end(kMayChange); });
-  return settings;
-}
-
 // Parameters from the host into the model, leaving its optimizer state alone (ZeRO-1 keeps its own).
 void load_parameters(LanguageModel& model, const float* host) {
   const size_t bytes = size_t(model.parameter_count()) * sizeof(float);
@@ -322,7 +311,12 @@ TrainResult train(const TrainConfig& cfg) {
   result.best_possible_loss = data.best_possible_loss;
 
   CheckpointHeader header = run_header(cfg, model, data_identity(cfg.train_data, data.train));
-  if (cfg.sharded_checkpoint) header.run_settings = resume_identity(settings);
+  // A shard records the run's settings, but for whether the run was resumed: 3 steps, a resume and 3 more
+  // write the files that 6 steps write.
+  if (cfg.sharded_checkpoint) {
+    for (const RunSetting& s : settings)
+      if (s.name != "resume") header.run_settings.push_back(s);
+  }
   int64_t step = 0;
   bool resumed_from_shards = false;
   if (cfg.resume) {
@@ -341,6 +335,12 @@ TrainResult train(const TrainConfig& cfg) {
                     "train: '{}' is not rank {}'s shard of {} ranks with {} elements", path, cfg.comm->rank(), world,
                     dp->zero()->shard_elements());
       cfg.comm->agree(ck.header().next_step, "the step of the sharded checkpoint's files");
+      // One run's shards were written together and record the same settings, also those a resume may change.
+      try {
+        cfg.comm->agree_settings(ck.header().run_settings);
+      } catch (const SettingsMismatch& e) {
+        fail("train: the files of the sharded checkpoint '{}' are not of one run: {}", cfg.checkpoint, e.what());
+      }
       dp->load_shard(params.data(), m.data(), v.data(), optimizer_steps);
       resumed_from_shards = true;
     } else if (ck.header().shard_rank >= 0) {
