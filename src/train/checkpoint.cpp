@@ -175,8 +175,8 @@ CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, 
     const nlohmann::json& settings = f.at("run_settings");
     if (!settings.is_object()) f.bad("run_settings", "an object of strings");
     for (const auto& [name, value] : settings.items()) {
-      FLASHLM_CHECK(value.is_string(), "checkpoint: '{}': header field 'run_settings' holds a value that is not a string",
-                    path);
+      FLASHLM_CHECK(value.is_string(),
+                    "checkpoint: '{}': header field 'run_settings' holds a value that is not a string", path);
       h.run_settings.push_back({name, value.get<std::string>()});
     }
   }
@@ -388,8 +388,8 @@ void check_resumable(const std::string& path, const CheckpointHeader& saved, con
     for (const auto& [name, values] : settings) {
       if (values.first == values.second || std::ranges::find(kResumeMayChange, name) != std::end(kResumeMayChange))
         continue;
-      diffs += fmt::format("{}{} is {} there, {} in this run", diffs.empty() ? "" : "; ", shown(name), shown(values.first),
-                           shown(values.second));
+      diffs += fmt::format("{}{} is {} there, {} in this run", diffs.empty() ? "" : "; ", shown(name),
+                           shown(values.first), shown(values.second));
     }
     if (!diffs.empty())
       fail("train: checkpoint '{}': this shard was written by a run with a different configuration: {}. A sharded "
