@@ -99,7 +99,7 @@ struct ModelOptions {
   // Ranks that share the AdamW moments (ZeRO-1 and FSDP: DdpModel releases the model's own and the sharded
   // optimizer keeps 1/world of them): the memory plan counts one such share. 1: the model's own moments.
   int64_t optimizer_shards = 1;
-  // FSDP's sharded storage (flashlm/ddp.h): the model allocates no flat parameter, working-copy or gradient
+  // FSDP's sharded storage (flashlm/fsdp.h): the model allocates no flat parameter, working-copy or gradient
   // buffers; it reads and writes them through the pointers its parameter_storage() table holds, which
   // FsdpParameters fills part by part (ParametersNeededHook, GradientsNeededHook). parameters() and
   // gradients() are then nullptr, and what works on the whole flat buffers (init_parameters, save_state,
@@ -194,7 +194,7 @@ using GradientReadyHook = std::function<void(int64_t first, int64_t last)>;
 // Called by forward() and backward() before they queue the kernels that read elements [offset, offset + count)
 // of the flat parameters (or of their working copy), one model part (embedding, layer, final norm, head) at a
 // time: ZeRO-1 makes the model's stream wait there for the gather of just those parameters, so that the
-// forward starts while the rest are still arriving; FSDP gathers the part's shards there (flashlm/ddp.h).
+// forward starts while the rest are still arriving; FSDP gathers the part's shards there (flashlm/fsdp.h).
 using ParametersNeededHook = std::function<void(int64_t offset, int64_t count)>;
 // Called after the kernels that read a part's parameters are queued (the same elements as the needed call
 // before them): FSDP frees the part's gathered weights there, until the next needed call.
@@ -281,7 +281,7 @@ class LanguageModel {
   virtual void parameters_changed() {}
   // The low-precision copy of parameters() that forward and backward read (CudaModel in bf16 or fp16; the
   // same flat layout, precision() elements), or nullptr where they read parameters() itself. ZeRO-1
-  // gathers this copy instead of the fp32 masters (flashlm/ddp.h).
+  // gathers this copy instead of the fp32 masters (flashlm/zero.h).
   virtual void* working_parameters() const { return nullptr; }
   // Indices into layout() of the parameters that forward and backward read from parameters() in fp32 even
   // though working_parameters() exists (CudaModel: the token embeddings and the RMSNorm gains). ZeRO-1,

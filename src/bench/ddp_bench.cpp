@@ -11,6 +11,7 @@
 #include "bench/report.h"
 #include "core/check.h"
 #include "core/cuda_runtime.h"
+#include "flashlm/ddp_model.h"
 #include "flashlm/dist.h"
 #include "flashlm/memory.h"
 

@@ -1,4 +1,4 @@
-// FSDP's parameter lifetime (include/flashlm/ddp.h, FsdpParameters): per sharded bucket, whether the other
+// FSDP's parameter lifetime (include/flashlm/fsdp.h): per sharded bucket, whether the other
 // ranks' parts are whole on this rank, arriving, or released; the model's parts (fsdp_unit_name) in the
 // order the forward reads them, for the prefetch. The reduce-scatter of the gradients is DataParallel's and
 // the sharded update ZeroOptimizer's; this file only gathers and frees.
@@ -7,8 +7,9 @@
 #include <limits>
 
 #include "core/check.h"
-#include "flashlm/ddp.h"
 #include "flashlm/dist.h"
+#include "flashlm/fsdp.h"
+#include "flashlm/zero.h"
 
 #ifdef FLASHLM_WITH_CUDA
 #include <cuda_runtime.h>

@@ -1,4 +1,4 @@
-// ZeRO-1 (include/flashlm/ddp.h): AdamW moments sharded across ranks. Each rank clips and updates its shard
+// ZeRO-1 (include/flashlm/zero.h): AdamW moments sharded across ranks. Each rank clips and updates its shard
 // of the flat parameters with the model's own AdamW arithmetic (cpu::adamw_step, gpu::adamw_step), then the
 // ranks gather each other's shards. The shard is one contiguous run of the flat buffers, or (per bucket)
 // one run per DDP bucket plus the buckets' replicated tails; either way a list of updated runs whose
@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "core/check.h"
-#include "flashlm/ddp.h"
-#include "flashlm/dist.h"
 #include "dist/values.h"
+#include "flashlm/dist.h"
+#include "flashlm/zero.h"
 #include "optim/optimizer.h"
 
 #ifdef FLASHLM_WITH_CUDA
@@ -25,6 +25,24 @@
 #endif
 
 namespace flashlm {
+
+ZeroBucketLayout zero_bucket_layout(std::span<const DdpBucket> buckets, int world, int rank) {
+  FLASHLM_CHECK(world >= 1 && 0 <= rank && rank < world, "zero_bucket_layout: rank {} of a world of {}", rank, world);
+  ZeroBucketLayout layout;
+  for (const DdpBucket& b : buckets) {
+    FLASHLM_CHECK(b.ranges.size() == 1, "zero_bucket_layout: a bucket of {} ranges, expected one contiguous range",
+                  b.ranges.size());
+    const DdpRange& r = b.ranges.front();
+    ZeroBucketShard shard;
+    shard.offset = r.offset;
+    shard.part = b.replicated ? 0 : r.count / world;
+    shard.owned = {r.offset + rank * shard.part, shard.part};
+    shard.tail = {r.offset + world * shard.part, r.count - world * shard.part};
+    layout.shard_elements += shard.part + shard.tail.count;
+    layout.buckets.push_back(shard);
+  }
+  return layout;
+}
 
 // A run of trainable elements this rank updates.
 struct ZeroRun {

@@ -210,7 +210,7 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
                                       bytes(moments, 4)}
                    : MemoryPlan::Item{"AdamW moments (fp32" + share + ")", bytes(moments, 8)};
   if (o.external_parameters) {
-    // FSDP's sharded storage (flashlm/ddp.h): this rank's 1/world of the matrices, every RMSNorm gain, and
+    // FSDP's sharded storage (flashlm/fsdp.h): this rank's 1/world of the matrices, every RMSNorm gain, and
     // the pool of gathered parts and the gradient buffers; each part gathered in the type the model reads it
     // in (CUDA's mixed precision reads the embedding in fp32, the other matrices in the low-precision copy).
     const int64_t world = o.fsdp_world;

@@ -13,7 +13,10 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include "core/check.h"
@@ -33,6 +36,11 @@ constexpr uint64_t kPreludeBytes = 20;              // magic, header length, hea
 constexpr uint64_t kMaxHeaderBytes = uint64_t{1} << 20;  // a header is a few hundred bytes
 constexpr int64_t kFingerprintTokens = int64_t{1} << 19;
 constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+// The run settings (CheckpointHeader::run_settings) a resume exists to change: how long to train (the
+// cosine's length follows --steps unless given), where and how often to checkpoint, and --init, which a
+// resume may not give (the weights are the checkpoint's).
+constexpr std::string_view kResumeMayChange[] = {"steps", "optimizer.cosine_steps", "checkpoint", "checkpoint_every",
+                                                 "init"};
 
 // zlib's crc32_z takes size_t lengths, so any buffer goes in one call.
 uint32_t crc32_update(uint32_t crc, const void* data, size_t bytes) {
@@ -162,6 +170,16 @@ CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, 
     h.shard_rank = f.integer("shard_rank", 0, h.world_size - 1);
     h.shard_elements = f.integer("shard_elements", 1, h.parameter_count);
   }
+  if (j.contains("run_settings")) {
+    // Names and values are only compared, never parsed: strings, nothing nested, and none dumped in a message.
+    const nlohmann::json& settings = f.at("run_settings");
+    if (!settings.is_object()) f.bad("run_settings", "an object of strings");
+    for (const auto& [name, value] : settings.items()) {
+      FLASHLM_CHECK(value.is_string(),
+                    "checkpoint: '{}': header field 'run_settings' holds a value that is not a string", path);
+      h.run_settings.push_back({name, value.get<std::string>()});
+    }
+  }
   *payload_crc_out = static_cast<uint32_t>(f.unsigned_integer("payload_crc32", UINT32_MAX));
   return h;
 }
@@ -189,6 +207,11 @@ nlohmann::json header_json(const CheckpointHeader& h, uint32_t payload_crc32) {
   if (h.shard_rank >= 0) {
     j["shard_rank"] = h.shard_rank;
     j["shard_elements"] = h.shard_elements;
+  }
+  if (!h.run_settings.empty()) {
+    nlohmann::json settings = nlohmann::json::object();
+    for (const RunSetting& s : h.run_settings) settings[s.name] = s.value;
+    j["run_settings"] = std::move(settings);
   }
   return j;
 }
@@ -351,6 +374,28 @@ void check_resumable(const std::string& path, const CheckpointHeader& saved, con
          "fingerprint {:08x}), this run reads '{}' ({} tokens, fingerprint {:08x})",
          path, d0.name, d0.tokens, d0.fingerprint, d1.name, d1.tokens, d1.fingerprint);
   differs("parameter_count", saved.parameter_count, run.parameter_count);
+  // A shard may be another run's (each rank reads its own file): every rank checks its own.
+  if (saved.shard_rank >= 0 && !saved.run_settings.empty() && !run.run_settings.empty()) {
+    std::map<std::string, std::pair<std::optional<std::string>, std::optional<std::string>>> settings;
+    for (const RunSetting& s : saved.run_settings) settings[s.name].first = s.value;
+    for (const RunSetting& s : run.run_settings) settings[s.name].second = s.value;
+    // The file's text is shown cut short: a crafted header may hold a long one.
+    const auto shown = [](const std::optional<std::string>& v) {
+      if (!v) return std::string("not recorded");
+      return v->size() <= 80 ? *v : v->substr(0, 80) + "...";
+    };
+    std::string diffs;
+    for (const auto& [name, values] : settings) {
+      if (values.first == values.second || std::ranges::find(kResumeMayChange, name) != std::end(kResumeMayChange))
+        continue;
+      diffs += fmt::format("{}{} is {} there, {} in this run", diffs.empty() ? "" : "; ", shown(name),
+                           shown(values.first), shown(values.second));
+    }
+    if (!diffs.empty())
+      fail("train: checkpoint '{}': this shard was written by a run with a different configuration: {}. A sharded "
+           "resume repeats every setting of the run but --steps and the checkpoint and output options",
+           path, diffs);
+  }
 }
 
 }  // namespace flashlm

@@ -13,8 +13,10 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "flashlm/data.h"
+#include "flashlm/dist.h"
 #include "flashlm/dtype.h"
 #include "flashlm/model.h"
 
@@ -51,6 +53,11 @@ struct CheckpointHeader {
   // A shard of FSDP's sharded checkpoint (shard_rank >= 0): the payload is rank shard_rank's shard_elements
   // elements of the masters and moments (DdpModel::save_shard), not parameter_count.
   int64_t shard_rank = -1, shard_elements = 0;
+  // A shard: the settings of the run that wrote it, as its ranks agreed on them (Communicator::
+  // agree_settings), but for "resume". Each rank resumes from its own file, which may be another run's: a run of the same
+  // shapes that differed only in, say, the learning rate would pass every other check. Empty in files
+  // written before the field existed.
+  std::vector<RunSetting> run_settings;
   int64_t payload_elements() const { return shard_rank >= 0 ? shard_elements : parameter_count; }
 };
 
@@ -86,7 +93,10 @@ class CheckpointReader {
 // Throws, naming the checkpoint's path and the first field that differs, unless a run configured as `run`
 // can continue from `saved`: the same model, context, precision, grad_accum, seed, training data and
 // parameter count, and the same global batch (world size x batch: another world size reads the same data
-// then, from a checkpoint that holds the whole state). Bit-exactly with the same world size and batch.
+// then, from a checkpoint that holds the whole state). Bit-exactly with the same world size and batch. A shard
+// that records its run's settings must have been written with `run`'s run_settings, but for those a resume
+// may change: steps (and optimizer.cosine_steps, which follows --steps unless given), checkpoint,
+// checkpoint_every and init.
 void check_resumable(const std::string& path, const CheckpointHeader& saved, const CheckpointHeader& run);
 
 }  // namespace flashlm

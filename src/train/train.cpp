@@ -16,6 +16,7 @@
 #include "core/cuda_runtime.h"
 #include "flashlm/bench.h"
 #include "flashlm/data.h"
+#include "flashlm/ddp_model.h"
 #include "flashlm/dist.h"
 #include "flashlm/safetensors.h"
 #include "train/checkpoint.h"
@@ -253,7 +254,8 @@ TrainResult train(const TrainConfig& cfg) {
   DataSources data = open_data(cfg);
   // Before anything else the ranks do together: ranks started with other settings would call other
   // collectives (and hang) or silently train something else.
-  if (cfg.comm) cfg.comm->agree_settings(run_settings(cfg, data, *cfg.comm));
+  const std::vector<RunSetting> settings = cfg.comm ? run_settings(cfg, data, *cfg.comm) : std::vector<RunSetting>{};
+  if (cfg.comm) cfg.comm->agree_settings(settings);
   TokenBatcher train_batches(data.train, data.train_name, cfg.batch, cfg.seq, BatchOrder::random, cfg.seed);
   TokenBatcher val_batches(data.val, data.val_name, cfg.batch, cfg.seq, BatchOrder::sequential);
   if (cfg.comm) train_batches.select_shard(cfg.comm->rank(), world);
@@ -275,7 +277,7 @@ TrainResult train(const TrainConfig& cfg) {
   // ZeRO-1 and FSDP keep this rank's shard of the moments, not the model (DdpModel releases its own).
   if (cfg.comm && (cfg.zero1 || cfg.ddp.variant == DdpVariant::fsdp)) options.optimizer_shards = world;
   // FSDP: the model allocates no flat parameters or gradients; this rank's shards and the gathered parts'
-  // pool hold them (flashlm/ddp.h), which the plan counts.
+  // pool hold them (flashlm/fsdp.h), which the plan counts.
   const bool sharded = cfg.comm && cfg.ddp.variant == DdpVariant::fsdp;
   if (sharded) {
     options.external_parameters = true;
@@ -308,7 +310,13 @@ TrainResult train(const TrainConfig& cfg) {
   TrainResult result;
   result.best_possible_loss = data.best_possible_loss;
 
-  const CheckpointHeader header = run_header(cfg, model, data_identity(cfg.train_data, data.train));
+  CheckpointHeader header = run_header(cfg, model, data_identity(cfg.train_data, data.train));
+  // A shard records the run's settings, but for whether the run was resumed: 3 steps, a resume and 3 more
+  // write the files that 6 steps write.
+  if (cfg.sharded_checkpoint) {
+    for (const RunSetting& s : settings)
+      if (s.name != "resume") header.run_settings.push_back(s);
+  }
   int64_t step = 0;
   bool resumed_from_shards = false;
   if (cfg.resume) {
@@ -327,6 +335,12 @@ TrainResult train(const TrainConfig& cfg) {
                     "train: '{}' is not rank {}'s shard of {} ranks with {} elements", path, cfg.comm->rank(), world,
                     dp->zero()->shard_elements());
       cfg.comm->agree(ck.header().next_step, "the step of the sharded checkpoint's files");
+      // One run's shards were written together and record the same settings, also those a resume may change.
+      try {
+        cfg.comm->agree_settings(ck.header().run_settings);
+      } catch (const SettingsMismatch& e) {
+        fail("train: the files of the sharded checkpoint '{}' are not of one run: {}", cfg.checkpoint, e.what());
+      }
       dp->load_shard(params.data(), m.data(), v.data(), optimizer_steps);
       resumed_from_shards = true;
     } else if (ck.header().shard_rank >= 0) {

@@ -75,6 +75,44 @@ endforeach()
 if(EXISTS ${sfull} OR EXISTS ${sfull}.rank2-of-2)
   message(FATAL_ERROR "a sharded checkpoint wrote files other than the ranks' shards")
 endif()
+# A shard records its run's settings and a resume must repeat them, on every rank: shards of a run that
+# differed only in --lr (which no other header field records) are refused by name, alone or one of them mixed
+# with this run's own, instead of training on from another run's state. --steps may change (above), and so
+# the cosine's length that follows it unless given; but the files of one checkpoint must be of one run.
+set(slr ${WORKDIR}/fsdp_sharded_lr.ckpt)
+set(smix ${WORKDIR}/fsdp_sharded_mix.ckpt)
+file(REMOVE ${slr}.rank0-of-2 ${slr}.rank1-of-2 ${smix}.rank0-of-2 ${smix}.rank1-of-2)
+run_command_ok("fsdp sharded 3 steps, --lr 0.002" ${mpi2} ${FLASHLM} train ${fsdp_args} --lr 0.002 --steps 3
+               --checkpoint ${slr} --sharded-checkpoint)
+run_command_ok("fsdp sharded 3 steps, for the mix" ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 3 --checkpoint ${smix}
+               --sharded-checkpoint)
+file(COPY_FILE ${slr}.rank1-of-2 ${smix}.rank1-of-2)
+foreach(case "lr;${slr};[01]" "mix;${smix};1")
+  list(GET case 0 what)
+  list(GET case 1 ckpt)
+  list(GET case 2 rank)
+  execute_process(COMMAND ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 6 --checkpoint ${ckpt} --sharded-checkpoint
+                          --resume
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
+  if(rc EQUAL 0 OR NOT err MATCHES "error: rank ${rank}: train: checkpoint '[^']*rank${rank}-of-2': this shard was written by a run with a different configuration: optimizer.lr_max is 0.002 there, 0.003 in this run"
+     OR out MATCHES "step +4/6")
+    message(FATAL_ERROR "sharded resume (${what}) from a run with another --lr: exit ${rc}\nstdout: ${out}\nstderr: ${err}")
+  endif()
+endforeach()
+string(REPLACE "--cosine-steps;6" "--cosine-steps;7" cosine7_args "${fsdp_args}")
+set(scos ${WORKDIR}/fsdp_sharded_cosine.ckpt)
+file(REMOVE ${scos}.rank0-of-2 ${scos}.rank1-of-2)
+run_command_ok("fsdp sharded 3 steps, --cosine-steps 7" ${mpi2} ${FLASHLM} train ${cosine7_args} --steps 3
+               --checkpoint ${scos} --sharded-checkpoint)
+file(COPY_FILE ${scos}.rank1-of-2 ${smix}.rank1-of-2)
+execute_process(COMMAND ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 6 --checkpoint ${smix} --sharded-checkpoint --resume
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
+if(rc EQUAL 0 OR NOT err MATCHES "the files of the sharded checkpoint '[^']*fsdp_sharded_mix.ckpt' are not of one run: rank 1's run configuration differs from rank 0's in optimizer.cosine_steps \\(rank 0: 6, rank 1: 7\\)"
+   OR out MATCHES "step +4/6")
+  message(FATAL_ERROR "sharded resume from a mix of two runs' shards: exit ${rc}\nstdout: ${out}\nstderr: ${err}")
+endif()
+run_command_ok("fsdp sharded resume, another cosine" ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 6 --checkpoint ${scos}
+               --sharded-checkpoint --resume)
 # Shards are of one world size: another is refused (the gathered checkpoint is the portable one).
 execute_process(COMMAND ${FLASHLM} train ${common} --batch 4 --ddp fsdp --steps 7 --checkpoint ${shalf}
                         --sharded-checkpoint --resume

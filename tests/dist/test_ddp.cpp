@@ -23,10 +23,12 @@
 #include "dist/toy_training.h"
 #include "dist/train_testing.h"
 #include "flashlm/ddp.h"
+#include "flashlm/ddp_model.h"
 #include "flashlm/device.h"
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
+#include "flashlm/zero.h"
 #include "optim/optimizer.h"
 #ifdef FLASHLM_WITH_CUDA
 #include "core/cuda_runtime.h"

@@ -1,4 +1,4 @@
-// FSDP (DdpVariant::fsdp, flashlm/ddp.h) on the CPU, run by CTest as one process and under `mpirun -np 2`
+// FSDP (DdpVariant::fsdp, flashlm/fsdp.h) on the CPU, run by CTest as one process and under `mpirun -np 2`
 // and `-np 4` (main: mpi_test_main.cpp). The real LM (CpuModel, tiny) trained by FSDP, each rank on its
 // slice of every global batch, against one process training on the whole batch: after 5 steps the
 // parameters and AdamW moments gathered from the shards are within 1e-6 (relative L2) of the single
@@ -27,11 +27,14 @@
 #include "dist/toy_training.h"
 #include "dist/train_testing.h"
 #include "flashlm/ddp.h"
+#include "flashlm/ddp_model.h"
 #include "flashlm/dist.h"
 #include "flashlm/error.h"
+#include "flashlm/fsdp.h"
 #include "flashlm/memory.h"
 #include "flashlm/model.h"
 #include "flashlm/train.h"
+#include "flashlm/zero.h"
 #include "optim/optimizer.h"
 #ifdef FLASHLM_WITH_CUDA
 #include "core/cuda_runtime.h"

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "flashlm/train.h"
+#include "train/checkpoint.h"
 #include "train/checkpoint_bytes.h"
 
 using namespace flashlm;
@@ -349,4 +351,64 @@ TEST(Checkpoint, FifosAreRefusedWithoutBlocking) {
   c.resume = false;  // and not written through either
   expect_error([&] { train(c); }, {fifo, "not a regular file"});
   ::unlink(fifo.c_str());
+}
+
+// A shard of a sharded checkpoint records its run's settings (train.cpp's resume_identity), which a resume
+// must repeat: each rank reads its own file, and a shard of a run that differed only in, say, the learning
+// rate passes every other check. The settings survive the file; another value, or one recorded on one side
+// only, is refused by name, but for those a resume may change (--steps, and the cosine's length that follows
+// it); files written before the field existed, and whole checkpoints, are not checked.
+TEST(Checkpoint, AShardMustBeOfARunWithTheSameSettings) {
+  CheckpointHeader h;
+  h.model = ModelConfig::named("tiny", 16, 64);
+  h.batch = 2;
+  h.seq = 16;
+  h.seed = 7;
+  h.batcher.seed = 7;
+  h.train_data = {"synthetic", 100, 1};
+  h.parameter_count = 4;
+  h.world_size = 2;
+  h.shard_rank = 1;
+  h.shard_elements = 2;
+  h.run_settings = {{"optimizer.lr_max", "0.002"}, {"optimizer.cosine_steps", "6"}, {"seed", "7"}};
+  const std::string path = temp_path("shard.ckpt");
+  const std::vector<float> payload(2, 0.5f);
+  write_checkpoint(path, h, payload, payload, payload);
+  const CheckpointHeader saved = CheckpointReader(path).header();
+  ASSERT_EQ(saved.run_settings.size(), 3u);
+  CheckpointHeader run = h;
+  run.shard_rank = -1;
+  run.shard_elements = 0;
+  std::reverse(run.run_settings.begin(), run.run_settings.end());  // by name, not by position
+  EXPECT_NO_THROW(check_resumable(path, saved, run));
+  run.run_settings[2].value = "0.003";
+  expect_error([&] { check_resumable(path, saved, run); },
+               {path, "this shard was written by a run with a different configuration: optimizer.lr_max is 0.002 "
+                      "there, 0.003 in this run"});
+  run.run_settings[2].value = "0.002";
+  run.run_settings.push_back({"zero1", "false"});
+  expect_error([&] { check_resumable(path, saved, run); }, {"zero1 is not recorded there, false in this run"});
+  run.run_settings.pop_back();
+  run.run_settings[1].value = "12";  // another --steps without --cosine-steps: a resume may extend the run
+  run.run_settings.push_back({"steps", "12"});
+  EXPECT_NO_THROW(check_resumable(path, saved, run));
+  CheckpointHeader old = saved;
+  old.run_settings.clear();
+  EXPECT_NO_THROW(check_resumable(path, old, run));
+  CheckpointHeader whole = saved;
+  whole.shard_rank = -1;
+  EXPECT_NO_THROW(check_resumable(path, whole, run));
+
+  // Malformed: refused without the value in the message.
+  const CheckpointBytes good = CheckpointBytes::read(path);
+  CheckpointBytes not_object = good;
+  not_object.header["run_settings"] = nlohmann::json::array({"seed"});
+  not_object.write(path);
+  expect_error([&] { CheckpointReader{path}; }, {path, "header field 'run_settings'", "expected an object of strings"});
+  CheckpointBytes nested = good;
+  nested.header["run_settings"]["seed"] = nlohmann::json::object({{"deep", std::string(1000, 'x')}});
+  nested.write(path);
+  const std::string what = error_of([&] { CheckpointReader{path}; });
+  EXPECT_NE(what.find("header field 'run_settings' holds a value that is not a string"), std::string::npos) << what;
+  EXPECT_EQ(what.find("xxxx"), std::string::npos) << what;
 }
