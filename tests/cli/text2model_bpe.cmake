@@ -56,7 +56,17 @@ expect_exit(2 "--tokenizer bpe needs a vocabulary size" prepare ${dir}/text.txt 
 expect_exit(2 "--vocab-size" prepare ${dir}/text.txt --out ${dir} --tokenizer bpe --vocab-size 255)
 expect_exit(2 "--vocab-size is for --tokenizer bpe" prepare ${dir}/text.txt --out ${dir} --vocab-size 300)
 expect_exit(2 "--tokenizer" prepare ${dir}/text.txt --out ${dir} --tokenizer wordpiece)
-expect_exit(1 "cannot open '${dir}/missing.txt'" prepare ${dir}/missing.txt --out ${dir} --tokenizer bpe --vocab-size 300)
+expect_exit(1 "'${dir}/missing.txt': cannot open" prepare ${dir}/missing.txt --out ${dir} --tokenizer bpe --vocab-size 300)
+# A prompt that is not UTF-8 has no tokens in the `tokenizers` package: a clear error, from flashlm and from the
+# script alike, not a traceback.
+string(ASCII 255 not_utf8)
+expect_exit(2 "--prompt: byte 1 is not valid UTF-8" generate --checkpoint ${dir}/run.ckpt --tokenizer ${dir}/tokenizer.json
+            --prompt "a${not_utf8}b")
+execute_process(COMMAND ${PYTHON} ${SCRIPTS}/prepare_data.py encode --tokenizer ${dir}/tokenizer.json "a${not_utf8}b"
+                RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: the text to encode is not valid UTF-8" OR err MATCHES "Traceback")
+  message(FATAL_ERROR "prepare_data.py encode of bytes that are not UTF-8: exit ${rc}\nstderr: ${err}")
+endif()
 expect_exit(2 "the model's vocabulary is 300, the byte tokenizer's 256" generate --checkpoint ${dir}/run.ckpt --prompt a)
 execute_process(COMMAND ${CMAKE_COMMAND} -E env FLASHLM_PYTHON=${dir}/no-python ${FLASHLM} prepare ${dir}/text.txt
                         --out ${dir} --tokenizer bpe --vocab-size 300
