@@ -106,8 +106,17 @@ std::string run_prepare_data_script(const std::vector<std::string>& args, double
       }
     }
   }
+  // A child may close both pipes and go on running: the deadline holds for its exit too.
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  for (;;) {
+    const pid_t got = ::waitpid(pid, &status, timed_out ? 0 : WNOHANG);
+    if (got == pid || (got < 0 && errno != EINTR)) break;
+    if (got == 0 && std::chrono::steady_clock::now() >= deadline) {
+      timed_out = true;
+      ::kill(pid, SIGKILL);
+    } else if (got == 0) {
+      ::usleep(10'000);
+    }
   }
   if (timed_out) {
     throw flashlm::Error(fmt::format("{} {} did not finish within {} s and was stopped (set FLASHLM_PREPARE_DATA_TIMEOUT "

@@ -75,6 +75,25 @@ if(NOT rc EQUAL 1 OR NOT err MATCHES "^error: cannot run '.*no-python'.*setup-to
   message(FATAL_ERROR "a missing FLASHLM_PYTHON: exit ${rc}\nstderr: ${err}")
 endif()
 
+# The script writes its three files as one set, as the C++ side does: with files limited to 1000 bytes (a full
+# disk, without root), the second fails and the first keeps its old bytes; no temporary is left.
+file(WRITE ${dir}/set/a "old a")
+file(WRITE ${dir}/set/b "old b")
+execute_process(COMMAND ${PYTHON} -c "import os, resource, signal, sys; sys.path.insert(0, sys.argv[1]); import prepare_data
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+d = sys.argv[2]
+try:
+    prepare_data.write_together({d + '/a': b'n' * 1000, d + '/b': b'n' * 1001, d + '/c': b'n'})
+    sys.exit('the oversized file was written')
+except OSError:
+    pass
+print(open(d + '/a').read(), open(d + '/b').read(), sorted(os.listdir(d)))" ${SCRIPTS} ${dir}/set
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
+if(NOT rc EQUAL 0 OR NOT out STREQUAL "old a old b ['a', 'b']\n")
+  message(FATAL_ERROR "prepare_data.py's write of a dataset that fails part way: exit ${rc}\n${out}${err}")
+endif()
+
 # Ids beyond uint16, written as prepare_data.py writes a vocabulary > 65536, read back by train.
 execute_process(COMMAND ${PYTHON} -c "import sys; sys.path.insert(0, sys.argv[1]); import prepare_data
 ids = [65530 + (i * 7) % 19 for i in range(400)]
