@@ -21,12 +21,14 @@ import argparse
 import json
 import math
 import os
+import stat
 import struct
 import sys
 import tempfile
 from array import array
 
 MAX_VOCAB = 1 << 20  # far beyond any tokenizer worth training here; bounds the option
+MAX_INPUT_BYTES = 4 << 30  # flashlm's kMaxPrepareInputBytes: the corpus is held in memory
 LLMC_UINT32_MAGIC, LLMC_UINT32_VERSION = 20240801, 7
 
 
@@ -46,20 +48,45 @@ def load_tokenizers():
     return tokenizers
 
 
-def write_atomically(path, data):
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".prepare-")
+def write_together(files):
+    """Writes {path: bytes} as one set: every file to a temporary beside it, flushed, and only when all are
+    written renamed over their paths, so that a failure (a full disk) leaves the old set whole (as flashlm's
+    C++ side writes it, core/file.h)."""
     umask = os.umask(0)
     os.umask(umask)
+    tmps = []
     try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the data from everyone else
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        for path, data in files.items():
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                       prefix=os.path.basename(path) + ".tmp.")
+            tmps.append(tmp)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the data from everyone else
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
     except BaseException:
-        os.unlink(tmp)
+        for tmp in tmps:
+            os.unlink(tmp)
         raise
+    for tmp, path in zip(tmps, files):
+        os.replace(tmp, path)
+
+
+def read_input(path):
+    """An input as flashlm's byte path reads it (check_prepare_inputs): a regular file, never a FIFO or a device
+    (read without end), of at most MAX_INPUT_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise RuntimeError(f"prepare: '{path}': cannot open: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise RuntimeError(f"prepare: '{path}': not a regular file")
+        if st.st_size > MAX_INPUT_BYTES:
+            raise RuntimeError(f"prepare: '{path}' has {st.st_size} bytes, more than the {MAX_INPUT_BYTES} this reads")
+        return f.read(st.st_size + 1)
 
 
 def token_file_bytes(ids, vocab_size):
@@ -94,13 +121,7 @@ def prepare(args):
                          "BPE holds one token per byte before its merges)")
     if not os.path.isdir(args.out):
         raise RuntimeError(f"prepare: the output directory '{args.out}' does not exist")
-    texts = []
-    for path in args.inputs:
-        try:
-            with open(path, "rb") as f:
-                texts.append(f.read().decode("utf-8", errors="replace"))
-        except OSError as e:
-            raise RuntimeError(f"prepare: cannot open '{path}': {e.strerror}") from None
+    texts = [read_input(path).decode("utf-8", errors="replace") for path in args.inputs]
     load_tokenizers()
     tok = train_bpe(texts, args.vocab_size)
     ids = [i for enc in tok.encode_batch(texts) for i in enc.ids]
@@ -115,9 +136,12 @@ def prepare(args):
         "train_tokens": len(ids) - val, "val_tokens": val, "vocab_size": vocab,
         "token_dtype": "uint16" if vocab <= 1 << 16 else "uint32",
     }
-    write_atomically(out["train"], token_file_bytes(ids[:-val], vocab))
-    write_atomically(out["val"], token_file_bytes(ids[-val:], vocab))
-    write_atomically(out["tokenizer"], tok.to_str().encode("utf-8"))
+    try:
+        write_together({out["train"]: token_file_bytes(ids[:-val], vocab),
+                        out["val"]: token_file_bytes(ids[-val:], vocab),
+                        out["tokenizer"]: tok.to_str().encode("utf-8")})
+    except OSError as e:
+        raise RuntimeError(f"prepare: cannot write the dataset in '{args.out}': {e.strerror or e}") from None
     print(json.dumps(out))
 
 
@@ -127,6 +151,10 @@ def encode(args):
         tok = tokenizers.Tokenizer.from_file(args.tokenizer)
     except Exception as e:  # the package raises its own exception types for a file it cannot read
         raise RuntimeError(f"tokenizer: '{args.tokenizer}' cannot be read by the tokenizers package: {e}") from None
+    try:
+        args.text.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise UsageError(f"the text to encode is not valid UTF-8 (character {e.start}): a BPE encodes text") from None
     print(" ".join(str(i) for i in tok.encode(args.text).ids))
 
 

@@ -2,11 +2,16 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -39,7 +44,14 @@ constexpr size_t kMaxOutputBytes = size_t{64} << 20;
 
 }  // namespace
 
-std::string run_prepare_data_script(const std::vector<std::string>& args) {
+std::string run_prepare_data_script(const std::vector<std::string>& args, double timeout_s) {
+  if (const char* t = std::getenv("FLASHLM_PREPARE_DATA_TIMEOUT"); t && *t) {
+    char* end = nullptr;
+    const double v = std::strtod(t, &end);
+    if (*end != '\0' || !std::isfinite(v) || v <= 0)
+      throw flashlm::Error(fmt::format("FLASHLM_PREPARE_DATA_TIMEOUT is '{}', expected a number of seconds > 0", t));
+    timeout_s = v;
+  }
   const char* python_env = std::getenv("FLASHLM_PYTHON");
   const std::string python = python_env && *python_env ? python_env : "python3";
   const char* script_env = std::getenv("FLASHLM_PREPARE_DATA_SCRIPT");
@@ -69,9 +81,16 @@ std::string run_prepare_data_script(const std::vector<std::string>& args) {
   std::array<std::string, 2> text;
   std::array<pollfd, 2> fds = {pollfd{out.fd[0], POLLIN, 0}, pollfd{err.fd[0], POLLIN, 0}};
   char buf[65536];
-  bool too_much = false;
+  bool too_much = false, timed_out = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   while (fds[0].fd >= 0 || fds[1].fd >= 0) {
-    if (::poll(fds.data(), fds.size(), -1) < 0) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      timed_out = true;
+      ::kill(pid, SIGKILL);
+      break;
+    }
+    if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<int64_t>(left.count() + 1, 60'000))) < 0) {
       if (errno == EINTR) continue;
       break;
     }
@@ -87,8 +106,22 @@ std::string run_prepare_data_script(const std::vector<std::string>& args) {
       }
     }
   }
+  // A child may close both pipes and go on running: the deadline holds for its exit too.
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  for (;;) {
+    const pid_t got = ::waitpid(pid, &status, timed_out ? 0 : WNOHANG);
+    if (got == pid || (got < 0 && errno != EINTR)) break;
+    if (got == 0 && std::chrono::steady_clock::now() >= deadline) {
+      timed_out = true;
+      ::kill(pid, SIGKILL);
+    } else if (got == 0) {
+      ::usleep(10'000);
+    }
+  }
+  if (timed_out) {
+    throw flashlm::Error(fmt::format("{} {} did not finish within {} s and was stopped (set FLASHLM_PREPARE_DATA_TIMEOUT "
+                                     "to the seconds it may take)",
+                                     python, script, timeout_s));
   }
   std::string message = text[1];
   while (!message.empty() && (message.back() == '\n' || message.back() == '\r')) message.pop_back();

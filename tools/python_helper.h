@@ -6,5 +6,7 @@
 
 // Runs `$FLASHLM_PYTHON scripts/prepare_data.py args...` (python3 from PATH when FLASHLM_PYTHON is unset; the
 // script from this source tree, or FLASHLM_PREPARE_DATA_SCRIPT) and returns what it printed on stdout. A
-// script that cannot start, or exits non-zero, is a flashlm::Error carrying the script's own message.
-std::string run_prepare_data_script(const std::vector<std::string>& args);
+// script that cannot start, or exits non-zero, is a flashlm::Error carrying the script's own message; one
+// still running after timeout_s seconds (FLASHLM_PREPARE_DATA_TIMEOUT, when set, replaces it) is killed, and
+// an Error saying so.
+std::string run_prepare_data_script(const std::vector<std::string>& args, double timeout_s);

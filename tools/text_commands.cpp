@@ -72,11 +72,18 @@ void add_export(CLI::App& app, TextCommandArgs& a) {
   cmd->add_option("out", a.export_to, "The .safetensors file to write")->required();
 }
 
+// How long scripts/prepare_data.py may take: generous for a slow machine, and growing with the corpus that
+// it trains and encodes, so that only a helper that hangs meets it.
+double prepare_timeout_s(uint64_t input_bytes) { return 600.0 + 60.0 * static_cast<double>(input_bytes) / 10e6; }
+constexpr double kEncodeTimeoutS = 600;  // loading a tokenizer.json and encoding one prompt
+
 int run_prepare_bpe(const TextCommandArgs& a) {
+  // The byte path's rule, checked here before the script opens anything.
+  const uint64_t input_bytes = flashlm::check_prepare_inputs(a.inputs);
   std::vector<std::string> args = {"prepare", "--out", a.out_dir, "--vocab-size", std::to_string(a.vocab_size),
                                    "--val-fraction", fmt::format("{}", a.val_fraction)};
   args.insert(args.end(), a.inputs.begin(), a.inputs.end());
-  const std::string reply = run_prepare_data_script(args);
+  const std::string reply = run_prepare_data_script(args, prepare_timeout_s(input_bytes));
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(reply);
@@ -117,7 +124,10 @@ int run_prepare(const TextCommandArgs& a) {
 std::vector<int32_t> encode_prompt(const flashlm::Tokenizer& tokenizer, const std::string& tokenizer_path,
                                    const std::string& prompt) {
   if (!tokenizer.is_bpe()) return tokenizer.encode(prompt);
-  const std::string reply = run_prepare_data_script({"encode", "--tokenizer", tokenizer_path, prompt});
+  // The `tokenizers` package encodes text: bytes that are not UTF-8 have no tokens there.
+  if (const size_t bad = flashlm::invalid_utf8_at(prompt); bad != std::string::npos)
+    throw CLI::ValidationError("--prompt", fmt::format("byte {} is not valid UTF-8: a BPE encodes text", bad));
+  const std::string reply = run_prepare_data_script({"encode", "--tokenizer", tokenizer_path, prompt}, kEncodeTimeoutS);
   std::vector<int32_t> ids;
   size_t at = 0;
   while (at < reply.size()) {

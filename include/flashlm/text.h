@@ -41,6 +41,10 @@ class Tokenizer {
   std::vector<std::string> pieces_;  // a BPE's bytes per id; empty for the byte-level tokenizer
 };
 
+// The offset of the first byte of `text` that is not part of valid UTF-8 (no overlong forms, surrogates or
+// code points above U+10FFFF, as Python decodes), or std::string::npos when all of it is.
+size_t invalid_utf8_at(std::string_view text);
+
 struct PrepareConfig {
   std::vector<std::string> inputs;  // text files, concatenated in this order
   std::string out_dir;              // receives train.bin, val.bin and tokenizer.json (it must exist)
@@ -52,9 +56,16 @@ struct PreparedData {
   int64_t train_tokens = 0, val_tokens = 0;
 };
 
+// The rule for prepare's inputs, in both paths (this one and the BPE's, scripts/prepare_data.py): each is a
+// regular file (a FIFO or a device such as /dev/urandom would be read without end) of at most
+// kMaxPrepareInputBytes, or an Error naming it. Returns their total size in bytes.
+inline constexpr uint64_t kMaxPrepareInputBytes = uint64_t{4} << 30;
+uint64_t check_prepare_inputs(const std::vector<std::string>& inputs);
+
 // Encodes the inputs with the byte-level tokenizer and writes the last val_fraction of the tokens to
 // val.bin, the rest to train.bin (nanoGPT's format: raw little-endian uint16, which TokenFile reads), and
-// the tokenizer to tokenizer.json. Every file is written atomically. Fewer than 2 tokens for either split is
+// the tokenizer to tokenizer.json. The three are one dataset, written together: a failure (a full disk) leaves
+// the old three as they were (core/file.h, write_files_together). Fewer than 2 tokens for either split is
 // an Error (neither could hold one prediction).
 PreparedData prepare_text_data(const PrepareConfig& config);
 

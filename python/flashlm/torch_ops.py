@@ -368,10 +368,19 @@ def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl
     return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)[0]  # no graph to record
 
 
+def _require_tensor(t, name):
+    """numpy arrays and lists have no .dim(): a TypeError saying what is needed, not an AttributeError from
+    inside."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__module__}.{type(t).__qualname__} "
+                        "(flashlm attention takes tensors: convert with torch.as_tensor)")
+
+
 def _check_4d(tensors, layout):
-    """Raises for the first of (tensor, name) that is not 4-D. (Callers test q.dim() etc. first: this runs
-    on every call.)"""
+    """Raises for the first of (tensor, name) that is not a 4-D tensor. (Callers test q.dim() etc. first: this
+    runs on every call.)"""
     for t, name in tensors:
+        _require_tensor(t, name)
         if t.dim() != 4:
             raise L.FlashlmValueError(f"{name}: expected 4 dimensions ({layout}), got shape {tuple(t.shape)}")
 
@@ -420,7 +429,11 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     softmax(S) v.
     """
     seq = _seq_dim(layout)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    try:
+        four_d = q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+    except AttributeError:  # not tensors: _check_4d says so
+        four_d = False
+    if not four_d:
         _check_4d(((q, "q"), (k, "k"), (v, "v")), layout)
     bottom_right = _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq])
     descales = (q_descale, k_descale, v_descale)
@@ -459,7 +472,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if dropout_p != 0.0:
         _no_dropout(dropout_p)
     _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    try:
+        four_d = q.dim() == 4 and k.dim() == 4 and v.dim() == 4
+    except AttributeError:  # not tensors: _check_4d says so
+        four_d = False
+    if not four_d:
         _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
     return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash")
 
@@ -474,7 +491,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                   "a causal mask)")
     if dropout_p != 0.0:
         _no_dropout(dropout_p)
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+    try:
+        four_d = query.dim() == 4 and key.dim() == 4 and value.dim() == 4
+    except AttributeError:  # not tensors: _check_4d says so
+        four_d = False
+    if not four_d:
         _check_4d(((query, "query"), (key, "key"), (value, "value")), "bhsd")
     if not enable_gqa:
         heads = query.shape[1]
@@ -497,6 +518,7 @@ def attention_backward(q, k, v, o, lse, dout, *, layout, causal=False, scale=Non
     """Backward only, no autograd: returns (dq, dk, dv) in the inputs' layout."""
     seq = _seq_dim(layout)
     _check_4d(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout")), layout)
+    _require_tensor(lse, "lse")
     return _backward(dout, q, k, v, o, lse, layout, bool(causal),
                      _bottom_right(causal, causal_align, q.shape[seq], k.shape[seq]), scale, bool(deterministic), impl)
 
@@ -614,8 +636,7 @@ def _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seql
 
 def _check_3d(named_tensors):
     for t, name in named_tensors:
-        if not isinstance(t, torch.Tensor):
-            raise L.FlashlmValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        _require_tensor(t, name)
         if t.dim() != 3:
             raise L.FlashlmValueError(f"{name}: expected 3 dimensions [total, heads, head_dim] (packed sequences), "
                                       f"got shape {tuple(t.shape)}")

@@ -1,13 +1,20 @@
 #include "core/file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <limits>
+#include <mutex>
+#include <random>
 #include <utility>
+#include <vector>
 
 #include "core/check.h"
 
@@ -72,35 +79,77 @@ void ReadOnlyFile::read_at(uint64_t offset, std::span<std::byte> out) const {
   }
 }
 
-void write_file_atomically(const std::string& path, std::span<const std::span<const std::byte>> parts,
-                           std::string_view owner) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_NONBLOCK | O_CLOEXEC, 0644);
-  FLASHLM_CHECK(fd >= 0, "{}: cannot open '{}' for writing: {}", owner, tmp, errno_text(errno));
-  bool fd_open = true;
+std::string temporary_path(const std::string& path) {
+  static std::mt19937_64 rng{std::random_device{}()};
+  static std::mutex mutex;
+  const std::lock_guard lock(mutex);
+  return fmt::format("{}.tmp.{}.{:016x}", path, ::getpid(), rng());
+}
+
+void remove_stale_temporaries(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  const std::string prefix = p.filename().string() + ".tmp.";
+  std::error_code ec;
+  for (fs::directory_iterator it(p.parent_path().empty() ? fs::path(".") : p.parent_path(), ec), end; !ec && it != end;
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!name.starts_with(prefix)) continue;
+    long long pid = 0;
+    const char* digits = name.c_str() + prefix.size();
+    const auto [rest, err] = std::from_chars(digits, name.c_str() + name.size(), pid);
+    if (err != std::errc() || *rest != '.' || pid <= 0 || pid > std::numeric_limits<pid_t>::max()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) ::unlink(it->path().c_str());
+  }
+}
+
+void write_files_together(std::span<const FileToWrite> files, std::string_view owner) {
+  std::vector<std::string> tmps;
+  const auto remove_all = [&] {
+    for (const std::string& t : tmps) ::unlink(t.c_str());
+  };
   try {
-    for (std::span<const std::byte> part : parts) {
-      while (!part.empty()) {
-        const ssize_t put = ::write(fd, part.data(), part.size());
-        if (put < 0 && errno == EINTR) continue;
-        FLASHLM_CHECK(put > 0, "{}: failed writing '{}': {}", owner, tmp, errno_text(errno));
-        part = part.subspan(static_cast<size_t>(put));
+    for (const FileToWrite& file : files) {
+      const std::string& tmp = tmps.emplace_back(temporary_path(file.path));
+      // O_EXCL: the name is this writer's alone, never a file (or a link) someone left there.
+      const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | O_CLOEXEC, 0644);
+      FLASHLM_CHECK(fd >= 0, "{}: cannot open '{}' for writing: {}", owner, tmp, errno_text(errno));
+      bool fd_open = true;
+      try {
+        for (std::span<const std::byte> part : file.parts) {
+          while (!part.empty()) {
+            const ssize_t put = ::write(fd, part.data(), part.size());
+            if (put < 0 && errno == EINTR) continue;
+            FLASHLM_CHECK(put > 0, "{}: failed writing '{}': {}", owner, tmp, errno_text(errno));
+            part = part.subspan(static_cast<size_t>(put));
+          }
+        }
+        // On the disk before the rename, or a crash could leave the new name pointing at missing data.
+        FLASHLM_CHECK(::fsync(fd) == 0, "{}: cannot flush '{}': {}", owner, tmp, errno_text(errno));
+        fd_open = false;
+        FLASHLM_CHECK(::close(fd) == 0, "{}: failed writing '{}': {}", owner, tmp, errno_text(errno));
+      } catch (...) {
+        if (fd_open) ::close(fd);
+        throw;
       }
     }
-    // On the disk before the rename, or a crash could leave the new name pointing at missing data.
-    FLASHLM_CHECK(::fsync(fd) == 0, "{}: cannot flush '{}': {}", owner, tmp, errno_text(errno));
-    fd_open = false;
-    FLASHLM_CHECK(::close(fd) == 0, "{}: failed writing '{}': {}", owner, tmp, errno_text(errno));
   } catch (...) {
-    if (fd_open) ::close(fd);
-    ::unlink(tmp.c_str());
+    remove_all();
     throw;
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    fail("{}: cannot rename '{}' to '{}': {}", owner, tmp, path, errno_text(err));
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (std::rename(tmps[i].c_str(), files[i].path.c_str()) != 0) {
+      const int err = errno;
+      remove_all();
+      fail("{}: cannot rename '{}' to '{}': {}", owner, tmps[i], files[i].path, errno_text(err));
+    }
   }
+}
+
+void write_file_atomically(const std::string& path, std::span<const std::span<const std::byte>> parts,
+                           std::string_view owner) {
+  const FileToWrite file{path, parts};
+  write_files_together(std::span(&file, 1), owner);
 }
 
 }  // namespace flashlm

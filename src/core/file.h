@@ -37,9 +37,27 @@ class ReadOnlyFile {
   uint64_t size_ = 0;
 };
 
-// Writes `parts` one after the other to path + ".tmp", flushes it to the disk and renames it over `path`, so
-// that a reader never sees half a file and a failed write leaves no ".tmp" behind. `owner` starts every
-// error message, as for ReadOnlyFile.
+// A name for a temporary beside `path` that no other writer uses: path + ".tmp.<pid>.<random>", so that two
+// processes writing one path never write or rename each other's file.
+std::string temporary_path(const std::string& path);
+
+// Removes the temporaries of `path` (temporary_path's names) left by writers that were killed: those whose
+// process is gone. Never fails; a temporary it cannot remove stays, and is ignored by every writer.
+void remove_stale_temporaries(const std::string& path);
+
+// One file of a set written together: its path and its bytes, `parts` one after the other.
+struct FileToWrite {
+  std::string path;
+  std::span<const std::span<const std::byte>> parts;
+};
+
+// Writes each file to a temporary beside it (temporary_path) and flushes it to the disk; only when all are
+// written are they renamed over their paths, so that a failure to write any of them (a full disk) leaves every
+// old file as it was, a reader never sees half a file, and no temporary is left behind. `owner` starts every error message, as
+// for ReadOnlyFile.
+void write_files_together(std::span<const FileToWrite> files, std::string_view owner);
+
+// write_files_together for one file.
 void write_file_atomically(const std::string& path, std::span<const std::span<const std::byte>> parts,
                            std::string_view owner);
 

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/json.h"
 #include "flashlm/model.h"
 
 namespace flashlm {
@@ -70,12 +71,7 @@ ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t v
 }
 
 ModelConfig ModelConfig::from_json(std::string_view text) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    fail("model config: not valid JSON: {}", e.what());
-  }
+  nlohmann::json j = parse_untrusted_json(text, "model config", 1 << 20);
   FLASHLM_CHECK(j.is_object(), "model config: expected a JSON object, got {}", j.type_name());
   ModelConfig c;
   if (j.contains("base")) {

@@ -1,6 +1,7 @@
 #include "train/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <utility>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string_view>
@@ -21,6 +23,7 @@
 
 #include "core/check.h"
 #include "core/file.h"
+#include "core/json.h"
 
 namespace flashlm {
 
@@ -75,7 +78,8 @@ class Fields {
     return *it;
   }
   [[noreturn]] void bad(const char* key, const std::string& expected) const {
-    fail("checkpoint: '{}': header field '{}{}' is {}, expected {}", path_, prefix_, key, at(key).dump(), expected);
+    fail("checkpoint: '{}': header field '{}{}' is {}, expected {}", path_, prefix_, key, json_excerpt(at(key)),
+         expected);
   }
   int64_t integer(const char* key, int64_t lo, int64_t hi) const {
     const nlohmann::json& j = at(key);
@@ -244,7 +248,7 @@ DataIdentity data_identity(std::string name, TokenView tokens) {
   return id;
 }
 
-void check_checkpoint_writable(const std::string& path) {
+CheckpointLock check_checkpoint_writable(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0) {
     FLASHLM_CHECK(!S_ISDIR(st.st_mode), "checkpoint: '{}' is a directory: give a file path such as '{}/run.ckpt'",
@@ -254,14 +258,61 @@ void check_checkpoint_writable(const std::string& path) {
   const std::string dir = directory_of(path);
   FLASHLM_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode),
                 "checkpoint: '{}': the directory '{}' does not exist", path, dir);
-  // Creating the temporary the checkpoint is written to is the one test of permission that cannot be wrong.
-  const std::string tmp = path + ".tmp";
-  const bool existed = ::lstat(tmp.c_str(), &st) == 0;
-  FLASHLM_CHECK(!existed || S_ISREG(st.st_mode), "checkpoint: '{}' exists and is not a regular file", tmp);
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0644);
+  // Creating a temporary as the checkpoint's are is the one test of permission that cannot be wrong.
+  const std::string tmp = temporary_path(path);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | O_CLOEXEC, 0644);
   FLASHLM_CHECK(fd >= 0, "checkpoint: cannot create '{}': {}", tmp, errno_text(errno));
   ::close(fd);
-  if (!existed) ::unlink(tmp.c_str());
+  ::unlink(tmp.c_str());
+  return CheckpointLock(path);
+}
+
+CheckpointLock::CheckpointLock(const std::string& path) : path_(path + ".lock") {
+  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0644);
+  FLASHLM_CHECK(fd_ >= 0, "checkpoint: cannot create the lock '{}': {}", path_, errno_text(errno));
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fail("checkpoint: the lock '{}' is not a regular file", path_);
+  }
+  // flock() belongs to the open file: it goes when the run's process does, however it ends, so a lock a
+  // killed run left is free again.
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char owner[32] = {};
+    const ssize_t got = ::pread(fd_, owner, sizeof owner - 1, 0);
+    ::close(fd_);
+    std::string pid = got > 0 ? std::string(owner, static_cast<size_t>(got)) : std::string();
+    while (!pid.empty() && (pid.back() == '\n' || pid.back() == ' ')) pid.pop_back();
+    FLASHLM_CHECK(err != EWOULDBLOCK, "checkpoint: '{}' is in use by another run (process {}, which holds '{}'): give "
+                  "this run another --checkpoint, or wait for that one to end", path,
+                  pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos ? "unknown" : pid, path_);
+    fail("checkpoint: cannot lock '{}': {}", path_, errno_text(err));
+  }
+  const std::string pid = fmt::format("{}\n", ::getpid());
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    const int err = errno;
+    ::close(fd_);
+    fail("checkpoint: cannot write the lock '{}': {}", path_, errno_text(err));
+  }
+  // Nobody else writes this checkpoint now: a temporary of it is a killed writer's.
+  remove_stale_temporaries(path);
+}
+
+CheckpointLock::CheckpointLock(CheckpointLock&& o) noexcept : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)) {}
+
+CheckpointLock& CheckpointLock::operator=(CheckpointLock&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(o.path_);
+    fd_ = std::exchange(o.fd_, -1);
+  }
+  return *this;
+}
+
+CheckpointLock::~CheckpointLock() {
+  // The file stays: removing it would let a third run lock a new file while a second still waits on this one.
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void write_checkpoint(const std::string& path, const CheckpointHeader& header, std::span<const float> params,
@@ -309,12 +360,8 @@ CheckpointReader::CheckpointReader(const std::string& path)
   FLASHLM_CHECK(header_crc(prelude, text) == crc,
                 "checkpoint: '{}' has a corrupt header: its CRC-32 is {:08x}, the header stored {:08x}", path,
                 header_crc(prelude, text), crc);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception&) {
-    fail("checkpoint: '{}' has a corrupt header: not valid JSON", path);
-  }
+  const nlohmann::json j =
+      parse_untrusted_json(text, fmt::format("checkpoint: '{}' has a corrupt header: it", path), kMaxHeaderBytes);
   header_ = parse_header(path, j, &payload_crc_);
   payload_at_ = kPreludeBytes + len;
   // Exactly three arrays of parameter_count (a shard: shard_elements) floats follow the header; checked by

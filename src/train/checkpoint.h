@@ -61,16 +61,36 @@ struct CheckpointHeader {
   int64_t payload_elements() const { return shard_rank >= 0 ? shard_elements : parameter_count; }
 };
 
-// Writes path + ".tmp", flushes it to the disk and renames it over `path`, so that a run killed mid-write
-// leaves the previous checkpoint; on failure no ".tmp" is left behind. params, m and v hold
-// header.payload_elements() floats each.
+// Writes a temporary beside `path` (one of this writer's alone), flushes it to the disk and renames it over
+// `path`, so that a run killed mid-write leaves the previous checkpoint; on failure no temporary is left
+// behind. params, m and v hold header.payload_elements() floats each.
 void write_checkpoint(const std::string& path, const CheckpointHeader& header, std::span<const float> params,
                       std::span<const float> m, std::span<const float> v);
 
+// A run's claim on its checkpoint path for as long as it lives: an exclusive flock() on path + ".lock", which
+// records the owner's process id. A second run on the same path (in another process or this one) is refused,
+// naming that process; the lock of a run that was killed is free. Once held, the temporaries that killed
+// writers left beside the path are removed.
+class CheckpointLock {
+ public:
+  CheckpointLock() = default;  // holds nothing
+  explicit CheckpointLock(const std::string& path);
+  CheckpointLock(CheckpointLock&& o) noexcept;
+  CheckpointLock& operator=(CheckpointLock&& o) noexcept;
+  CheckpointLock(const CheckpointLock&) = delete;
+  CheckpointLock& operator=(const CheckpointLock&) = delete;
+  ~CheckpointLock();
+
+ private:
+  std::string path_;  // the lock file
+  int fd_ = -1;
+};
+
 // Throws unless a checkpoint could be written to `path` now: its directory exists, `path` is not a directory
-// or anything else but a regular file, and path + ".tmp" can be created. A run checks this before its first
-// step rather than losing the whole run to a typo when the first checkpoint is due.
-void check_checkpoint_writable(const std::string& path);
+// or anything else but a regular file, a temporary beside it can be created, and no other run holds it.
+// Returns the lock that keeps it this run's. A run checks this before its first step rather than losing the
+// whole run to a typo when the first checkpoint is due.
+[[nodiscard]] CheckpointLock check_checkpoint_writable(const std::string& path);
 
 // A checkpoint file opened for reading: the constructor reads and checks the header (its checksum, every
 // field's type and range, and the file's size against parameter_count), read_payload the rest.

@@ -13,6 +13,7 @@
 
 #include "core/check.h"
 #include "core/file.h"
+#include "core/json.h"
 #include "flashlm/dtype.h"
 
 namespace flashlm {
@@ -93,12 +94,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
                 path, length, kMaxHeaderBytes, size - 8);
   std::string text(static_cast<size_t>(length), '\0');
   file_->read_at(8, std::as_writable_bytes(std::span(text.data(), text.size())));
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception&) {
-    fail("safetensors: '{}': the header is not valid JSON", path);
-  }
+  const nlohmann::json header =
+      parse_untrusted_json(text, fmt::format("safetensors: '{}': the header", path), kMaxHeaderBytes);
   FLASHLM_CHECK(header.is_object(), "safetensors: '{}': the header is {}, expected a JSON object", path,
                 std::string(header.type_name()));
   data_at_ = 8 + length;
@@ -109,7 +106,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
                     std::string(entry.type_name()));
       for (const auto& [key, value] : entry.items()) {
         FLASHLM_CHECK(value.is_string(), "safetensors: '{}': metadata '{}' is {}, expected a string", path, key,
-                      value.dump());
+                      json_excerpt(value));
         metadata_[key] = value.get<std::string>();
       }
       continue;
@@ -125,31 +122,31 @@ SafetensorsFile::SafetensorsFile(const std::string& path)
     t.name = name;
     const nlohmann::json& dtype = entry["dtype"];
     if (!dtype.is_string() || dtype_bytes(dtype.get<std::string>()) == 0)
-      bad(fmt::format("dtype {} is not one the format defines", dtype.dump()));
+      bad(fmt::format("dtype {} is not one the format defines", json_excerpt(dtype)));
     t.dtype = dtype.get<std::string>();
     const nlohmann::json& shape = entry["shape"];
-    if (!shape.is_array()) bad(fmt::format("shape {} is not an array", shape.dump()));
+    if (!shape.is_array()) bad(fmt::format("shape {} is not an array", json_excerpt(shape)));
     // The element count, checked against overflow dimension by dimension: any count above the data's bytes
     // is wrong already.
     uint64_t elements = 1;
     for (const nlohmann::json& dim : shape) {
-      if (!dim.is_number_unsigned()) bad(fmt::format("shape {}: {} is not a non-negative integer", shape.dump(), dim.dump()));
+      if (!dim.is_number_unsigned()) bad(fmt::format("shape {}: {} is not a non-negative integer", json_excerpt(shape), json_excerpt(dim)));
       const auto v = dim.get<uint64_t>();
       if (v > uint64_t(std::numeric_limits<int64_t>::max()) || (v > 0 && elements > data_bytes / v))
-        bad(fmt::format("shape {} holds more elements than the file has bytes", shape.dump()));
+        bad(fmt::format("shape {} holds more elements than the file has bytes", json_excerpt(shape)));
       elements *= v;
       t.shape.push_back(static_cast<int64_t>(v));
     }
     const nlohmann::json& offsets = entry["data_offsets"];
     if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
-      bad(fmt::format("data_offsets {} is not [begin, end] of non-negative integers", offsets.dump()));
+      bad(fmt::format("data_offsets {} is not [begin, end] of non-negative integers", json_excerpt(offsets)));
     t.begin = offsets[0].get<uint64_t>();
     t.end = offsets[1].get<uint64_t>();
     if (t.begin > t.end || t.end > data_bytes)
       bad(fmt::format("data_offsets [{}, {}] is not a range inside the {} bytes of data", t.begin, t.end, data_bytes));
     const uint64_t element_bytes = dtype_bytes(t.dtype);
     if (elements > data_bytes / element_bytes || t.end - t.begin != elements * element_bytes)
-      bad(fmt::format("shape {} of {} needs {} bytes, data_offsets [{}, {}] hold {}", shape.dump(), t.dtype,
+      bad(fmt::format("shape {} of {} needs {} bytes, data_offsets [{}, {}] hold {}", json_excerpt(shape), t.dtype,
                       elements <= data_bytes / element_bytes ? fmt::format("{}", elements * element_bytes) : "more",
                       t.begin, t.end, t.end - t.begin));
     tensors_.push_back(std::move(t));
@@ -243,17 +240,21 @@ void SafetensorsFile::read_parameters(const ModelConfig& config, std::span<float
     const auto count = static_cast<size_t>(p.numel());
     if (it->dtype == "F32") {
       file_->read_at(data_at_ + it->begin, std::as_writable_bytes(std::span(out, count)));
-      continue;
+    } else {
+      FLASHLM_CHECK(it->dtype == "BF16" || it->dtype == "F16",
+                    "safetensors: '{}': tensor '{}' is {}, expected F32, BF16 or F16", path(), p.name, it->dtype);
+      std::vector<uint16_t> bits(count);
+      file_->read_at(data_at_ + it->begin, std::as_writable_bytes(std::span(bits)));
+      for (size_t i = 0; i < count; ++i) {
+        bf16_t b;
+        b.bits = bits[i];
+        out[i] = it->dtype == "BF16" ? static_cast<float>(b) : fp16_t::to_float(bits[i]);
+      }
     }
-    FLASHLM_CHECK(it->dtype == "BF16" || it->dtype == "F16",
-                  "safetensors: '{}': tensor '{}' is {}, expected F32, BF16 or F16", path(), p.name, it->dtype);
-    std::vector<uint16_t> bits(count);
-    file_->read_at(data_at_ + it->begin, std::as_writable_bytes(std::span(bits)));
-    for (size_t i = 0; i < count; ++i) {
-      bf16_t b;
-      b.bits = bits[i];
-      out[i] = it->dtype == "BF16" ? static_cast<float>(b) : fp16_t::to_float(bits[i]);
-    }
+    // A NaN or an infinity in the weights makes every loss and every sampled token NaN, far from here.
+    const float* bad = std::find_if(out, out + count, [](float x) { return !std::isfinite(x); });
+    FLASHLM_CHECK(bad == out + count, "safetensors: '{}': tensor '{}' holds {} at element {}: the weights must be finite",
+                  path(), p.name, *bad, bad - out);
   }
 }
 

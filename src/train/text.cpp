@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "core/file.h"
+#include "core/json.h"
 
 namespace flashlm {
 
@@ -70,7 +71,7 @@ std::string bytes_of_piece(const std::string& path, std::string_view piece, int6
     FLASHLM_CHECK(b >= 0,
                   "tokenizer: '{}': token {} ({}) holds a character outside the byte-level alphabet: this reads "
                   "byte-level BPEs only (scripts/prepare_data.py's)",
-                  path, id, nlohmann::json(piece).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+                  path, id, json_excerpt(std::string(piece)));
     out.push_back(static_cast<char>(b));
   }
   return out;
@@ -78,20 +79,27 @@ std::string bytes_of_piece(const std::string& path, std::string_view piece, int6
 
 std::string describe(const nlohmann::json& j, const char* key) {
   const auto it = j.find(key);
-  return it == j.end() ? std::string("missing") : it->dump();
+  return it == j.end() ? std::string("missing") : json_excerpt(*it);
+}
+
+// An object's string field, or "" when it is missing or not a string (the caller's message then says what it is).
+std::string string_field(const nlohmann::json& object, const char* key) {
+  const auto it = object.find(key);
+  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
 // The `tokenizers` package's tokenizer.json: model.vocab (string -> id) and added_tokens ({id, content}),
 // every id in [0, size) once.
 std::vector<std::string> load_bpe_pieces(const std::string& path, const nlohmann::json& j) {
   const nlohmann::json& model = j.at("model");
-  FLASHLM_CHECK(model.is_object() && model.value("type", std::string()) == "BPE",
-                "tokenizer: '{}': model.type is {}, expected \"BPE\"", path,
-                model.is_object() ? describe(model, "type") : model.dump());
+  FLASHLM_CHECK(model.is_object(), "tokenizer: '{}': model is {} ({}), expected an object with \"type\": \"BPE\"",
+                path, json_excerpt(model), std::string(model.type_name()));
+  FLASHLM_CHECK(string_field(model, "type") == "BPE", "tokenizer: '{}': model.type is {}, expected \"BPE\"", path,
+                describe(model, "type"));
   const auto decoder = j.find("decoder");
-  FLASHLM_CHECK(decoder != j.end() && decoder->is_object() && decoder->value("type", std::string()) == "ByteLevel",
+  FLASHLM_CHECK(decoder != j.end() && decoder->is_object() && string_field(*decoder, "type") == "ByteLevel",
                 "tokenizer: '{}': decoder is {}, expected a ByteLevel decoder (this reads byte-level BPEs only)",
-                path, decoder == j.end() ? std::string("missing") : decoder->dump());
+                path, decoder == j.end() ? std::string("missing") : json_excerpt(*decoder));
   const auto vocab = model.find("vocab");
   FLASHLM_CHECK(vocab != model.end() && vocab->is_object() && !vocab->empty(),
                 "tokenizer: '{}': model.vocab is {}, expected an object of token -> id", path, describe(model, "vocab"));
@@ -99,7 +107,7 @@ std::vector<std::string> load_bpe_pieces(const std::string& path, const nlohmann
   for (const auto& [piece, id] : vocab->items()) {
     FLASHLM_CHECK(id.is_number_integer() && id.get<int64_t>() >= 0 && id.get<int64_t>() < kMaxBpeVocab,
                   "tokenizer: '{}': model.vocab[{}] is {}, expected an id in [0, {})", path,
-                  nlohmann::json(piece).dump(), id.dump(), kMaxBpeVocab);
+                  json_excerpt(piece), json_excerpt(id), kMaxBpeVocab);
     entries.emplace_back(id.get<int64_t>(), bytes_of_piece(path, piece, id.get<int64_t>()));
   }
   if (const auto added = j.find("added_tokens"); added != j.end() && !added->is_null()) {
@@ -112,7 +120,7 @@ std::vector<std::string> load_bpe_pieces(const std::string& path, const nlohmann
                         id->get<int64_t>() >= 0 && id->get<int64_t>() < kMaxBpeVocab,
                     "tokenizer: '{}': an added token is {}, expected {{\"id\": an id in [0, {}), \"content\": a "
                     "string}}",
-                    path, t.dump(), kMaxBpeVocab);
+                    path, json_excerpt(t), kMaxBpeVocab);
       // Added tokens are stored as their text, not in the byte-level alphabet.
       entries.emplace_back(id->get<int64_t>(), content->get<std::string>());
     }
@@ -135,12 +143,7 @@ Tokenizer Tokenizer::bytes() { return Tokenizer(); }
 
 Tokenizer Tokenizer::load(const std::string& path) {
   const std::string text = read_whole(path, "tokenizer", kMaxTokenizerBytes);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception&) {
-    fail("tokenizer: '{}' is not valid JSON", path);
-  }
+  const nlohmann::json j = parse_untrusted_json(text, fmt::format("tokenizer: '{}'", path), kMaxTokenizerBytes);
   FLASHLM_CHECK(j.is_object(), "tokenizer: '{}' is {}, expected a JSON object", path, std::string(j.type_name()));
   // The `tokenizers` package's files have a "model" object and no "type".
   if (j.contains("model") && !j.contains("type")) {
@@ -151,11 +154,11 @@ Tokenizer Tokenizer::load(const std::string& path) {
   const auto type = j.find("type");
   FLASHLM_CHECK(type != j.end() && type->is_string() && type->get<std::string>() == "byte",
                 "tokenizer: '{}': field 'type' is {}, expected \"byte\" (or a `tokenizers` BPE with a \"model\")",
-                path, type == j.end() ? std::string("missing") : type->dump());
+                path, type == j.end() ? std::string("missing") : json_excerpt(*type));
   const auto vocab = j.find("vocab_size");
   FLASHLM_CHECK(vocab != j.end() && vocab->is_number_integer() && vocab->get<int64_t>() == kByteVocab,
                 "tokenizer: '{}': field 'vocab_size' is {}, expected {} for the byte-level tokenizer", path,
-                vocab == j.end() ? std::string("missing") : vocab->dump(), kByteVocab);
+                vocab == j.end() ? std::string("missing") : json_excerpt(*vocab), kByteVocab);
   return Tokenizer();
 }
 
@@ -188,8 +191,32 @@ std::string Tokenizer::json() const {
   return nlohmann::json{{"type", name()}, {"vocab_size", vocab_size()}}.dump() + "\n";
 }
 
+uint64_t check_prepare_inputs(const std::vector<std::string>& inputs) {
+  FLASHLM_CHECK(!inputs.empty(), "prepare: no input text files");
+  uint64_t total = 0;
+  for (const std::string& path : inputs) {
+    const ReadOnlyFile file(path, "prepare");
+    // Text files of tens of GB want a streaming tokenizer; both paths hold the corpus in memory.
+    FLASHLM_CHECK(file.size() <= kMaxPrepareInputBytes, "prepare: '{}' has {} bytes, more than the {} this reads",
+                  path, file.size(), kMaxPrepareInputBytes);
+    total += file.size();
+  }
+  return total;
+}
+
+size_t invalid_utf8_at(std::string_view text) {
+  for (size_t at = 0; at < text.size();) {
+    const size_t start = at;
+    const int64_t cp = next_code_point(text, at);
+    const size_t length = at - start;
+    const size_t shortest = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    if (cp < 0 || length != shortest || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) return start;
+  }
+  return std::string::npos;
+}
+
 PreparedData prepare_text_data(const PrepareConfig& c) {
-  FLASHLM_CHECK(!c.inputs.empty(), "prepare: no input text files");
+  check_prepare_inputs(c.inputs);
   FLASHLM_CHECK(std::isfinite(c.val_fraction) && c.val_fraction > 0 && c.val_fraction <= 0.5,
                 "prepare: val_fraction = {}, expected a number in (0, 0.5]", c.val_fraction);
   FLASHLM_CHECK(std::filesystem::is_directory(c.out_dir), "prepare: the output directory '{}' does not exist",
@@ -197,8 +224,7 @@ PreparedData prepare_text_data(const PrepareConfig& c) {
   const Tokenizer tokenizer = Tokenizer::bytes();
   std::vector<uint16_t> tokens;
   for (const std::string& path : c.inputs) {
-    // Text files of tens of GB want a streaming tokenizer; this one holds the corpus, so it takes <= 4 GiB.
-    const std::string text = read_whole(path, "prepare", uint64_t{4} << 30);
+    const std::string text = read_whole(path, "prepare", kMaxPrepareInputBytes);
     for (int32_t t : tokenizer.encode(text)) tokens.push_back(static_cast<uint16_t>(t));
   }
   const auto total = static_cast<int64_t>(tokens.size());
@@ -215,15 +241,12 @@ PreparedData prepare_text_data(const PrepareConfig& c) {
   out.train_tokens = total - val;
   out.val_tokens = val;
   const std::span<const uint16_t> all(tokens);
-  const auto write_tokens = [](const std::string& path, std::span<const uint16_t> part) {
-    const std::span<const std::byte> parts[] = {std::as_bytes(part)};
-    write_file_atomically(path, parts, "prepare");
-  };
-  write_tokens(out.train_path, all.first(static_cast<size_t>(out.train_tokens)));
-  write_tokens(out.val_path, all.last(static_cast<size_t>(out.val_tokens)));
   const std::string json = tokenizer.json();
-  const std::span<const std::byte> parts[] = {std::as_bytes(std::span(json.data(), json.size()))};
-  write_file_atomically(out.tokenizer_path, parts, "prepare");
+  const std::span<const std::byte> train_part[] = {std::as_bytes(all.first(static_cast<size_t>(out.train_tokens)))};
+  const std::span<const std::byte> val_part[] = {std::as_bytes(all.last(static_cast<size_t>(out.val_tokens)))};
+  const std::span<const std::byte> json_part[] = {std::as_bytes(std::span(json.data(), json.size()))};
+  const FileToWrite files[] = {{out.train_path, train_part}, {out.val_path, val_part}, {out.tokenizer_path, json_part}};
+  write_files_together(files, "prepare");
   return out;
 }
 

@@ -83,11 +83,12 @@ void write_run_checkpoint(const std::string& path, const LanguageModel& model, D
 // Before step 1, so that a path that cannot be written fails now rather than when the first checkpoint is due.
 // Rank 0 alone writes checkpoints (sharded: every rank its own); the others learn its verdict, so that every
 // rank stops together.
-void check_run_checkpoint_writable(const TrainConfig& cfg) {
+CheckpointLock check_run_checkpoint_writable(const TrainConfig& cfg) {
   std::string error;
+  CheckpointLock lock;
   if (!cfg.comm || cfg.comm->is_root() || cfg.sharded_checkpoint) {
     try {
-      check_checkpoint_writable(cfg.sharded_checkpoint
+      lock = check_checkpoint_writable(cfg.sharded_checkpoint
                                     ? shard_path(cfg.checkpoint, cfg.comm->rank(), cfg.comm->world_size())
                                     : cfg.checkpoint);
     } catch (const Error& e) {
@@ -99,6 +100,7 @@ void check_run_checkpoint_writable(const TrainConfig& cfg) {
   if (!error.empty()) throw Error(error);
   FLASHLM_CHECK(failed == 0, "train: rank 0 cannot write the checkpoint '{}' (its error is in rank 0's output)",
                 cfg.checkpoint);
+  return lock;
 }
 
 // The token sources of a run: the training sequence and the validation sequence.
@@ -373,7 +375,8 @@ TrainResult train(const TrainConfig& cfg) {
     }
     say(fmt::format("initialised from {}", cfg.init));
   }
-  if (!cfg.checkpoint.empty()) check_run_checkpoint_writable(cfg);
+  const CheckpointLock checkpoint_lock =
+      cfg.checkpoint.empty() ? CheckpointLock() : check_run_checkpoint_writable(cfg);
   MetricsLog metrics(root ? cfg.metrics_log : std::string());
   result.first_step = step;
   say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}{}; data: {} ({} train tokens); "

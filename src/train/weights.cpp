@@ -2,6 +2,7 @@
 // carries the configuration) or a safetensors file (its metadata does).
 #include <cstring>
 
+#include "core/check.h"
 #include "core/file.h"
 #include "flashlm/safetensors.h"
 #include "flashlm/train.h"
@@ -20,6 +21,13 @@ ModelWeights load_model_weights(const std::string& path) {
   ModelWeights w;
   if (is_checkpoint) {
     const CheckpointReader ck(path);
+    // A shard holds a slice of the flat parameters and moments (the slice's bounds are FSDP's, not recorded).
+    FLASHLM_CHECK(ck.header().shard_rank < 0,
+                  "weights: '{}' is one shard of a sharded checkpoint (rank {} of {}: PATH.rank{}-of-{}), which holds "
+                  "{} of the model's {} parameters: generate and export read a whole checkpoint (train without "
+                  "--sharded-checkpoint writes one)",
+                  path, ck.header().shard_rank, ck.header().world_size, ck.header().shard_rank,
+                  ck.header().world_size, ck.header().shard_elements, ck.header().parameter_count);
     w.config = ck.header().model;
     const auto n = static_cast<size_t>(ck.header().parameter_count);
     w.params.resize(n);

@@ -52,6 +52,31 @@ expect_exit(2 "required" prepare ${dir}/text.txt)
 expect_exit(2 "val-fraction" prepare ${dir}/text.txt --out ${dir} --val-fraction 0.9)
 expect_exit(1 "does not exist" prepare ${dir}/text.txt --out ${dir}/missing)
 expect_exit(1 "cannot open" prepare ${dir}/missing.txt --out ${dir})
+# The BPE path's inputs follow the byte path's rule, checked before scripts/prepare_data.py starts (so no python
+# with the tokenizers package is needed here): a FIFO would block it, a device be read without end.
+execute_process(COMMAND mkfifo ${dir}/fifo RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "mkfifo: exit ${rc}")
+endif()
+foreach(tokenizer byte bpe)
+  set(vocab_size)
+  if(tokenizer STREQUAL "bpe")
+    set(vocab_size --vocab-size 300)
+  endif()
+  expect_exit(1 "'${dir}/fifo': not a regular file \\(a FIFO\\)" prepare ${dir}/text.txt ${dir}/fifo --out ${dir}
+              --tokenizer ${tokenizer} ${vocab_size})
+  expect_exit(1 "'/dev/zero': not a regular file \\(a device\\)" prepare /dev/zero --out ${dir} --tokenizer ${tokenizer}
+              ${vocab_size})
+endforeach()
+# A helper that hangs is stopped (here after 1 s; by default after 10 minutes and more for a larger corpus).
+file(WRITE ${dir}/hang.sh "exec sleep 300\n")
+execute_process(COMMAND ${CMAKE_COMMAND} -E env FLASHLM_PYTHON=/bin/sh FLASHLM_PREPARE_DATA_SCRIPT=${dir}/hang.sh
+                        FLASHLM_PREPARE_DATA_TIMEOUT=1 ${FLASHLM} prepare ${dir}/text.txt --out ${dir} --tokenizer bpe
+                        --vocab-size 300
+                RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+if(NOT rc EQUAL 1 OR NOT err MATCHES "^error: /bin/sh .*hang.sh did not finish within 1 s and was stopped")
+  message(FATAL_ERROR "a helper that hangs: exit ${rc}\nstderr: ${err}")
+endif()
 expect_exit(2 "--prompt" generate --checkpoint ${dir}/run.ckpt --prompt=)  # cmake cannot pass an empty argument
 expect_exit(2 "exceeds the model's context of 32: at most 21" generate --checkpoint ${dir}/run.ckpt --prompt "Paragraph 3" --max-tokens 22)
 expect_exit(2 "temperature" generate --checkpoint ${dir}/run.ckpt --prompt a --temperature -1)

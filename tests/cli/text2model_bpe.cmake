@@ -56,13 +56,42 @@ expect_exit(2 "--tokenizer bpe needs a vocabulary size" prepare ${dir}/text.txt 
 expect_exit(2 "--vocab-size" prepare ${dir}/text.txt --out ${dir} --tokenizer bpe --vocab-size 255)
 expect_exit(2 "--vocab-size is for --tokenizer bpe" prepare ${dir}/text.txt --out ${dir} --vocab-size 300)
 expect_exit(2 "--tokenizer" prepare ${dir}/text.txt --out ${dir} --tokenizer wordpiece)
-expect_exit(1 "cannot open '${dir}/missing.txt'" prepare ${dir}/missing.txt --out ${dir} --tokenizer bpe --vocab-size 300)
+expect_exit(1 "'${dir}/missing.txt': cannot open" prepare ${dir}/missing.txt --out ${dir} --tokenizer bpe --vocab-size 300)
+# A prompt that is not UTF-8 has no tokens in the `tokenizers` package: a clear error, from flashlm and from the
+# script alike, not a traceback.
+string(ASCII 255 not_utf8)
+expect_exit(2 "--prompt: byte 1 is not valid UTF-8" generate --checkpoint ${dir}/run.ckpt --tokenizer ${dir}/tokenizer.json
+            --prompt "a${not_utf8}b")
+execute_process(COMMAND ${PYTHON} ${SCRIPTS}/prepare_data.py encode --tokenizer ${dir}/tokenizer.json "a${not_utf8}b"
+                RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: the text to encode is not valid UTF-8" OR err MATCHES "Traceback")
+  message(FATAL_ERROR "prepare_data.py encode of bytes that are not UTF-8: exit ${rc}\nstderr: ${err}")
+endif()
 expect_exit(2 "the model's vocabulary is 300, the byte tokenizer's 256" generate --checkpoint ${dir}/run.ckpt --prompt a)
 execute_process(COMMAND ${CMAKE_COMMAND} -E env FLASHLM_PYTHON=${dir}/no-python ${FLASHLM} prepare ${dir}/text.txt
                         --out ${dir} --tokenizer bpe --vocab-size 300
                 RESULT_VARIABLE rc ERROR_VARIABLE err)
 if(NOT rc EQUAL 1 OR NOT err MATCHES "^error: cannot run '.*no-python'.*setup-tokenizers.sh")
   message(FATAL_ERROR "a missing FLASHLM_PYTHON: exit ${rc}\nstderr: ${err}")
+endif()
+
+# The script writes its three files as one set, as the C++ side does: with files limited to 1000 bytes (a full
+# disk, without root), the second fails and the first keeps its old bytes; no temporary is left.
+file(WRITE ${dir}/set/a "old a")
+file(WRITE ${dir}/set/b "old b")
+execute_process(COMMAND ${PYTHON} -c "import os, resource, signal, sys; sys.path.insert(0, sys.argv[1]); import prepare_data
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+d = sys.argv[2]
+try:
+    prepare_data.write_together({d + '/a': b'n' * 1000, d + '/b': b'n' * 1001, d + '/c': b'n'})
+    sys.exit('the oversized file was written')
+except OSError:
+    pass
+print(open(d + '/a').read(), open(d + '/b').read(), sorted(os.listdir(d)))" ${SCRIPTS} ${dir}/set
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
+if(NOT rc EQUAL 0 OR NOT out STREQUAL "old a old b ['a', 'b']\n")
+  message(FATAL_ERROR "prepare_data.py's write of a dataset that fails part way: exit ${rc}\n${out}${err}")
 endif()
 
 # Ids beyond uint16, written as prepare_data.py writes a vocabulary > 65536, read back by train.

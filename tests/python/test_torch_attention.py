@@ -163,6 +163,19 @@ def test_bad_arguments_raise_value_errors_with_the_library_message():
         flashlm.attention(t, t, t, layout="bshd")
 
 
+def test_arrays_and_lists_are_a_type_error_asking_for_tensors():
+    q = torch.randn(1, 8, 2, 16)
+    calls = [lambda x: flashlm.attention(x, q, q, layout="bshd"),
+             lambda x: flashlm.attention(q, q, x, layout="bhsd", causal=True),
+             lambda x: flashlm.flash_attn_func(q, x, q),
+             lambda x: flashlm.scaled_dot_product_attention(x, q, q),
+             lambda x: flashlm.attention_forward(q, x, q, layout="bshd")]
+    for call in calls:
+        for bad in (q.numpy(), q.tolist()):
+            with pytest.raises(TypeError, match="expected a torch.Tensor, got .*(ndarray|list)"):
+                call(bad)
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="no CUDA device")
 def test_device_mismatch_is_a_value_error():
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -295,18 +296,51 @@ TEST(Checkpoint, AnUnwritablePathFailsBeforeTheFirstStep) {
   EXPECT_EQ(steps_run, 0);
   EXPECT_FALSE(std::filesystem::exists(dir + ".tmp")) << "a stray temporary";
 
-  // A directory where the temporary goes.
-  c.checkpoint = temp_path("blocked.ckpt");
-  std::filesystem::create_directories(c.checkpoint + ".tmp");
-  expect_error([&] { train(c); }, {c.checkpoint + ".tmp", "not a regular file"});
-  EXPECT_EQ(steps_run, 0);
-
-  // A good path is left with the checkpoint alone.
+  // A good path is left with the checkpoint and its lock alone.
   c.checkpoint = temp_path("fine.ckpt");
   train(c);
   EXPECT_GT(steps_run, 0);
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(c.checkpoint).parent_path())) {
+    if (e.path().filename().string().starts_with(std::filesystem::path(c.checkpoint).filename().string()))
+      names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  const std::string base = std::filesystem::path(c.checkpoint).filename().string();
+  EXPECT_EQ(names, (std::vector<std::string>{base, base + ".lock"}));
+}
+
+// Each writer has a temporary of its own: what another writer (or a killed one) left at PATH.tmp, even a
+// directory, is not in the way; and a run owns its path: a second run on it is refused, naming the first.
+TEST(Checkpoint, ARunOwnsItsPathAndWritesATemporaryOfItsOwn) {
+  TrainConfig c = small_run(2);
+  c.checkpoint = temp_path("owned.ckpt");
+  std::filesystem::create_directories(c.checkpoint + ".tmp");
+  train(c);
   EXPECT_TRUE(std::filesystem::is_regular_file(c.checkpoint));
-  EXPECT_FALSE(std::filesystem::exists(c.checkpoint + ".tmp"));
+
+  // A temporary of a writer that is gone (a child that has exited) is removed by the next run on the path;
+  // one of a live process (this one) is left alone.
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
+  const std::string stale = c.checkpoint + ".tmp." + std::to_string(child) + ".0123456789abcdef";
+  const std::string live = c.checkpoint + ".tmp." + std::to_string(::getpid()) + ".0123456789abcdef";
+  std::ofstream(stale) << "half a checkpoint";
+  std::ofstream(live) << "half a checkpoint";
+  {
+    const CheckpointLock held = check_checkpoint_writable(c.checkpoint);
+    EXPECT_FALSE(std::filesystem::exists(stale));
+    EXPECT_TRUE(std::filesystem::exists(live));
+    // While it is held, another run on the path does not start.
+    expect_error([&] { train(c); }, {c.checkpoint, "is in use by another run (process " + std::to_string(::getpid()),
+                                     c.checkpoint + ".lock"});
+    expect_error([&] { (void)check_checkpoint_writable(c.checkpoint); }, {"in use by another run"});
+  }
+  std::filesystem::remove(live);
+  // Released, the path is free again.
+  train(c);
 }
 
 TEST(Checkpoint, ANonFiniteLossStopsTheRunAndKeepsTheLastGoodCheckpoint) {

@@ -1,11 +1,15 @@
-// Bounded random-mutation fuzzing of the two readers of untrusted files, the token file and the
-// checkpoint: every mutated file must give either a flashlm::Error or a result that is consistent with
-// the file, never a crash (run under the sanitizer build, an out-of-bounds read or an overflow is one).
+// Bounded random-mutation fuzzing of the readers of untrusted files: token files, checkpoints, and the JSON
+// ones (safetensors headers, tokenizer.json, --model-config), those structure-aware (values of other types
+// and sizes, nesting far deeper than any real file, fields removed and added): every mutated file must
+// give either a flashlm::Error or a result that is consistent with the file, never a crash (run under the
+// sanitizer build, an out-of-bounds read, an overflow or a stack overflow is one).
 // Mutations are drawn from a fixed seed so that a failure repeats; FLASHLM_FUZZ_SEED picks another seed and
 // FLASHLM_FUZZ_ITERATIONS another count, for longer runs by hand.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +20,9 @@
 #include <vector>
 
 #include "flashlm/data.h"
+#include "flashlm/model.h"
+#include "flashlm/safetensors.h"
+#include "flashlm/text.h"
 #include "flashlm/error.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_bytes.h"
@@ -112,6 +119,75 @@ CheckpointBytes mutate_header(CheckpointBytes c, std::mt19937_64& rng) {
   if (rng() % 8 == 0) target->erase(key);
   else (*target)[key] = random_json(rng);
   return c;
+}
+
+// `depth` arrays, one inside the other, around a number: deeper than kMaxJsonDepth must be refused.
+nlohmann::json nested(int depth) {
+  nlohmann::json j = 1;
+  for (int i = 0; i < depth; ++i) j = nlohmann::json::array({std::move(j)});
+  return j;
+}
+
+constexpr const char* kDeepMark = "\x01" "deep" "\x01";
+
+// Structure-aware mutations of a JSON document: a node at any depth replaced by a value of another type
+// or size (an extreme number, a long string, nesting around the readers' limit and thousands of times past
+// it), removed, wrapped, or given a new field; and, on the text, a run of unmatched '[' or '{"a":'.
+std::string mutate_json(nlohmann::json doc, std::mt19937_64& rng) {
+  const int edits = 1 + int(rng() % 3);
+  for (int e = 0; e < edits; ++e) {
+    nlohmann::json* parent = nullptr;
+    nlohmann::json* node = &doc;
+    std::string key;
+    size_t index = 0;
+    while (node->is_structured() && !node->empty() && rng() % 4 != 0) {
+      parent = node;
+      if (node->is_object()) {
+        auto it = node->begin();
+        std::advance(it, rng() % node->size());
+        key = it.key();
+        node = &(*node)[key];
+      } else {
+        index = rng() % node->size();
+        node = &(*node)[index];
+      }
+    }
+    switch (rng() % 7) {
+      case 0: *node = random_json(rng); break;
+      case 1:  // around the readers' limit of 64 levels, or (marked, built in the text below) far beyond it
+        *node = rng() % 3 ? nested(1 + int(rng() % 100)) : nlohmann::json(kDeepMark);
+        break;
+      case 2: *node = std::string(rng() % 20000, char('a' + rng() % 26)); break;
+      case 3:
+        if (parent && parent->is_object()) parent->erase(key);
+        else if (parent) parent->erase(index);
+        break;
+      case 4: *node = rng() % 2 ? nlohmann::json::array({*node}) : nlohmann::json{{"x", *node}}; break;
+      case 5:
+        if (node->is_object()) (*node)["fuzz" + std::to_string(rng() % 4)] = rng() % 2 ? nlohmann::json("v") : random_json(rng);
+        break;
+      default:
+        if (node->is_string()) *node = node->get<std::string>() + char(rng());  // maybe not UTF-8
+        else if (node->is_number_integer()) *node = node->get<int64_t>() + int64_t(rng() % 3) - 1;
+        break;
+    }
+  }
+  std::string text = doc.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  // Nesting too deep to build here (nlohmann's own dump would overflow the stack): made in the text.
+  const std::string mark = nlohmann::json(kDeepMark).dump();
+  for (size_t at = text.find(mark); at != std::string::npos; at = text.find(mark, at)) {
+    const size_t depth = 1000 + rng() % 200000;
+    text.replace(at, mark.size(), std::string(depth, '[') + std::string(depth, ']'));
+    at += 2 * depth;
+  }
+  if (rng() % 6 == 0) {
+    const std::string open = rng() % 2 ? "[" : "{\"a\":";
+    const size_t at = rng() % (text.size() + 1);
+    std::string run;
+    for (size_t i = 0, n = 1 + rng() % 100000; i < n; ++i) run += open;
+    text.insert(at, run);
+  }
+  return text;
 }
 
 // Writes `iterations` files from make(iteration) to `path` and reads each with accept(bytes), which
@@ -212,5 +288,89 @@ TEST(ReaderFuzz, CheckpointsGiveAnErrorOrAConsistentState) {
         } catch (const Error& e) {
           ASSERT_NE(std::string(e.what()).find("differs from this run"), std::string::npos) << e.what();
         }
+      });
+}
+
+TEST(ReaderFuzz, SafetensorsHeadersGiveAnErrorOrFiniteWeights) {
+  std::mt19937_64 rng(env_or("FLASHLM_FUZZ_SEED", 14) + 2);
+  const uint64_t iterations = env_or("FLASHLM_FUZZ_ITERATIONS", 1500) / 3;
+  ModelConfig c = ModelConfig::named("tiny", 16, 64);
+  c.layers = 1;
+  std::vector<float> params(size_t(c.parameter_count()));
+  for (size_t i = 0; i < params.size(); ++i) params[i] = float(i % 100) * 0.01f;
+  const std::string path = temp_path("model.safetensors");
+  write_safetensors(path, c, params);
+  std::ifstream in(path, std::ios::binary);
+  const std::string good((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t length = 0;
+  std::memcpy(&length, good.data(), 8);
+  const nlohmann::json header = nlohmann::json::parse(good.substr(8, length));
+  const std::string data = good.substr(8 + length);
+  fuzz_reader(
+      path, iterations,
+      [&](uint64_t it) {
+        if (it % 4 == 3) return mutate_bytes(good, rng);
+        const std::string text = mutate_json(header, rng);
+        const uint64_t n = text.size();
+        return std::string(reinterpret_cast<const char*>(&n), 8) + text + data;
+      },
+      [&](const std::string&) {
+        const SafetensorsFile f(path);
+        const ModelConfig m = f.model_config();
+        std::vector<float> out(size_t(m.parameter_count()));
+        f.read_parameters(m, out);
+        for (float x : out) ASSERT_TRUE(std::isfinite(x));
+      });
+}
+
+TEST(ReaderFuzz, TokenizerFilesGiveAnErrorOrADecodingTokenizer) {
+  std::mt19937_64 rng(env_or("FLASHLM_FUZZ_SEED", 14) + 3);
+  const uint64_t iterations = env_or("FLASHLM_FUZZ_ITERATIONS", 1500) / 3;
+  // A byte-level BPE as the `tokenizers` package writes it: GPT-2's 256 byte characters and a merge.
+  nlohmann::json vocab = nlohmann::json::object();
+  int shifted = 256;
+  for (int b = 0; b < 256; ++b) {
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+    const int cp = printable ? b : shifted++;
+    std::string ch;
+    if (cp < 0x80) ch.push_back(char(cp));
+    else ch = {char(0xC0 | (cp >> 6)), char(0x80 | (cp & 0x3F))};
+    vocab[ch] = b;
+  }
+  vocab["ab"] = 256;
+  const nlohmann::json bpe = {{"version", "1.0"},
+                              {"added_tokens", nlohmann::json::array({{{"id", 257}, {"content", "<|end|>"}}})},
+                              {"decoder", {{"type", "ByteLevel"}}},
+                              {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a b"}}}}};
+  const nlohmann::json bytes = nlohmann::json::parse(Tokenizer::bytes().json());
+  const std::string path = temp_path("tokenizer.json");
+  fuzz_reader(
+      path, iterations,
+      [&](uint64_t it) {
+        if (it % 4 == 3) return mutate_bytes(bpe.dump(), rng);
+        return mutate_json(it % 4 == 2 ? bytes : bpe, rng);
+      },
+      [&](const std::string&) {
+        const Tokenizer t = Tokenizer::load(path);
+        ASSERT_GT(t.vocab_size(), 0);
+        std::vector<int32_t> all(size_t(t.vocab_size()));
+        for (size_t i = 0; i < all.size(); ++i) all[i] = int32_t(i);
+        t.decode(all);
+      });
+}
+
+TEST(ReaderFuzz, ModelConfigsGiveAnErrorOrAValidModel) {
+  std::mt19937_64 rng(env_or("FLASHLM_FUZZ_SEED", 14) + 4);
+  const uint64_t iterations = env_or("FLASHLM_FUZZ_ITERATIONS", 1500) / 3;
+  const nlohmann::json config = {{"base", "tiny"}, {"vocab", 300}, {"context", 64}, {"layers", 2},
+                                 {"heads", 4},     {"d_model", 64}, {"d_ff", 128},  {"rope_theta", 10000.0}};
+  const std::string path = temp_path("model.json");
+  fuzz_reader(
+      path, iterations,
+      [&](uint64_t it) { return it % 4 == 3 ? mutate_bytes(config.dump(), rng) : mutate_json(config, rng); },
+      [&](const std::string&) {
+        const ModelConfig m = ModelConfig::from_json_file(path);
+        m.validate();
+        ASSERT_GT(m.parameter_count(), 0);
       });
 }

@@ -2,13 +2,19 @@
 // (and files a hostile or buggy writer would make, built here independently of src/train/safetensors.cpp),
 // train --init from a safetensors file, and the metrics log.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <csignal>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -18,6 +24,7 @@
 #include "flashlm/safetensors.h"
 #include "flashlm/text.h"
 #include "flashlm/train.h"
+#include "train/checkpoint.h"
 
 using namespace flashlm;
 
@@ -444,4 +451,189 @@ TEST(Safetensors, WeightsComeFromCheckpointsAndExportsAlike) {
   again.model = cfg.model;
   again.metrics_log = ::testing::TempDir() + "/missing-dir/m.jsonl";
   expect_error([&] { train(again); }, {"cannot open the metrics log"});
+}
+
+// A few hundred KB of '[' once crashed every reader (nlohmann's serializer recursed through the value to
+// quote it in the message); and the whole of a bad value went into the message.
+TEST(UntrustedJson, DeepNestingAndHugeValuesAreErrorsNotCrashes) {
+  constexpr int kDepth = 200'000;
+  const std::string deep = std::string(kDepth, '[') + std::string(kDepth, ']');
+  const std::string path = temp_path("deep.json");
+  const auto refused = [&](const std::function<void()>& read) {
+    try {
+      read();
+      ADD_FAILURE() << "expected flashlm::Error";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("nest deeper than 64 levels"), std::string::npos) << what.substr(0, 300);
+      EXPECT_LT(what.size(), 400u) << what.substr(0, 300);
+    }
+  };
+  write_bytes(path, R"({"model": )" + deep + "}");
+  refused([&] { Tokenizer::load(path); });
+  refused([&] { ModelConfig::from_json(R"({"vocab": )" + deep + "}"); });
+  const std::string text = R"({"w": {"dtype": )" + deep + "}}";
+  const uint64_t n = text.size();
+  write_bytes(path, std::string(reinterpret_cast<const char*>(&n), 8) + text);
+  refused([&] { SafetensorsFile f(path); });
+  refused([&] { load_model_weights(path); });
+  // A checkpoint header with a valid CRC around a nested "format".
+  const std::string header = R"({"format": )" + deep + "}";
+  std::string prelude = "FLMCKPT2";
+  const uint64_t len = header.size();
+  prelude.append(reinterpret_cast<const char*>(&len), 8);
+  const auto crc = static_cast<uint32_t>(
+      crc32_z(crc32_z(0, reinterpret_cast<const Bytef*>(prelude.data()), prelude.size()),
+              reinterpret_cast<const Bytef*>(header.data()), header.size()));
+  write_bytes(path, prelude + std::string(reinterpret_cast<const char*>(&crc), 4) + header);
+  refused([&] { load_model_weights(path); });
+
+  // 64 levels are fine where the value is of the wrong type: the message names it, in part.
+  const std::string long_string(100'000, 'x');
+  write_bytes(path, R"({"type": ")" + long_string + R"(", "vocab_size": 256})");
+  const auto short_message = [&](const std::function<void()>& read, const std::string& fragment) {
+    try {
+      read();
+      ADD_FAILURE() << "expected flashlm::Error";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(fragment), std::string::npos) << what.substr(0, 300);
+      EXPECT_NE(what.find("xxx..."), std::string::npos) << what.substr(0, 300);
+      EXPECT_LT(what.size(), 400u) << what.substr(0, 300);
+    }
+  };
+  short_message([&] { Tokenizer::load(path); }, "field 'type' is \"xxx");
+  const std::string nested = std::string(60, '[') + '"' + long_string + '"' + std::string(60, ']');
+  const std::string text2 = R"({"w": {"dtype": "F32", "shape": )" + nested + R"(, "data_offsets": [0, 0]}})";
+  const uint64_t n2 = text2.size();
+  write_bytes(path, std::string(reinterpret_cast<const char*>(&n2), 8) + text2);
+  short_message([&] { SafetensorsFile f(path); }, "tensor 'w': shape [[[");
+}
+
+TEST(Tokenizer, FieldsOfTheWrongTypeNameTheFileAndTheField) {
+  const std::string path = temp_path("tokenizer.json");
+  write_bytes(path, R"({"model": "BPE", "decoder": {"type": "ByteLevel"}})");
+  expect_error([&] { Tokenizer::load(path); }, {path, "model is \"BPE\" (string), expected an object"});
+  write_bytes(path, R"({"model": {"type": 5, "vocab": {"a": 0}}, "decoder": {"type": "ByteLevel"}})");
+  expect_error([&] { Tokenizer::load(path); }, {path, "model.type is 5, expected \"BPE\""});
+  write_bytes(path, R"({"model": {"type": "BPE", "vocab": {"a": 0}}, "decoder": {"type": ["ByteLevel"]}})");
+  expect_error([&] { Tokenizer::load(path); }, {path, "decoder is {\"type\":[\"ByteLevel\"]}"});
+}
+
+// The prompt of a BPE goes to the `tokenizers` package, which takes text only.
+TEST(Tokenizer, InvalidUtf8IsFoundWhereItStarts) {
+  EXPECT_EQ(invalid_utf8_at("plain \xce\xbb \xe6\x97\xa5 \xf0\x9f\x98\x80"), std::string::npos);
+  EXPECT_EQ(invalid_utf8_at("ab\xff"), 2u);
+  EXPECT_EQ(invalid_utf8_at("a\xce"), 1u);            // cut short
+  EXPECT_EQ(invalid_utf8_at("a\xc0\xaf"), 1u);        // overlong '/'
+  EXPECT_EQ(invalid_utf8_at("a\xed\xa0\x80"), 1u);    // a surrogate
+  EXPECT_EQ(invalid_utf8_at("a\xf4\x90\x80\x80"), 1u);  // above U+10FFFF
+}
+
+// A file size limit stands in for a full disk: a write past it fails (EFBIG, SIGXFSZ ignored) as one past
+// the disk's end does (ENOSPC), part way through the dataset.
+TEST(Prepare, AFailedWriteLeavesTheOldDatasetWhole) {
+  const std::string dir = temp_path("out");
+  std::filesystem::create_directories(dir);
+  const std::string a = temp_path("a.txt");
+  write_bytes(a, std::string(1000, 'o'));
+  PrepareConfig cfg;
+  cfg.inputs = {a};
+  cfg.out_dir = dir;
+  cfg.val_fraction = 0.5;
+  const PreparedData old = prepare_text_data(cfg);
+  const std::string old_train = read_bytes(old.train_path), old_val = read_bytes(old.val_path);
+  // 2001 bytes of new text: train.bin gets 1000 tokens (2000 bytes), val.bin 1001 (2002 bytes), so that with
+  // files limited to 2000 bytes train.bin is written and val.bin fails.
+  write_bytes(a, std::string(2001, 'n'));
+  struct rlimit saved {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &saved), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit limit = saved;
+  limit.rlim_cur = 2000;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &limit), 0);
+  std::string what;
+  try {
+    prepare_text_data(cfg);
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  ::setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(what.find("failed writing"), std::string::npos) << what;
+  EXPECT_NE(what.find(dir + "/val.bin"), std::string::npos) << what;
+  EXPECT_EQ(read_bytes(old.train_path), old_train) << "train.bin is not the old one";
+  EXPECT_EQ(read_bytes(old.val_path), old_val) << "val.bin is not the old one";
+  std::vector<std::string> names;  // and no temporaries
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"tokenizer.json", "train.bin", "val.bin"}));
+  // And with room, the new set.
+  const PreparedData now = prepare_text_data(cfg);
+  EXPECT_EQ(now.train_tokens, 1000);
+  EXPECT_EQ(read_bytes(now.val_path).size(), 2002u);
+}
+
+TEST(Prepare, EveryInputIsARegularFile) {
+  const std::string a = temp_path("a.txt");
+  write_bytes(a, "some text");
+  EXPECT_EQ(check_prepare_inputs({a, a}), 18u);
+  expect_error([&] { check_prepare_inputs({a, "/dev/urandom"}); }, {"'/dev/urandom'", "not a regular file (a device)"});
+  expect_error([&] { check_prepare_inputs({::testing::TempDir()}); }, {"not a regular file (a directory)"});
+  expect_error([&] { check_prepare_inputs({}); }, {"no input"});
+}
+
+TEST(Safetensors, NonFiniteWeightsAreRefusedNamingTheTensor) {
+  const ModelConfig c = small_model();
+  std::vector<float> params = counting_parameters(c);
+  const std::vector<ParameterInfo> layout = parameter_layout(c);
+  const std::string path = temp_path("nan.safetensors");
+  std::vector<float> out(params.size());
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> p = params;
+    p[size_t(layout[2].offset + 3)] = bad;
+    write_safetensors(path, c, p);
+    expect_error([&] { SafetensorsFile(path).read_parameters(c, out); },
+                 {path, "tensor '" + layout[2].name + "' holds", "at element 3", "must be finite"});
+    expect_error([&] { load_model_weights(path); }, {"tensor '" + layout[2].name + "'"});
+  }
+  // In bf16 too: 0x7f80 is +inf.
+  SafetensorsBytes s;
+  write_safetensors(path, c, params);
+  s = SafetensorsBytes::read(path);
+  std::string data;
+  for (const ParameterInfo& p : layout) {
+    const uint64_t begin = data.size();
+    for (int64_t i = 0; i < p.numel(); ++i)  // 1.0, and +inf first in the last tensor
+      data += p.name == layout.back().name && i == 0 ? std::string("\x80\x7f", 2) : std::string("\x80\x3f", 2);
+    s.header[p.name] = {{"dtype", "BF16"}, {"shape", p.shape}, {"data_offsets", {begin, data.size()}}};
+  }
+  s.data = data;
+  write_bytes(path, s.bytes());
+  expect_error([&] { SafetensorsFile(path).read_parameters(c, out); },
+               {"tensor '" + layout.back().name + "' holds inf at element 0"});
+}
+
+TEST(Safetensors, AShardOfAShardedCheckpointIsNamedAsOne) {
+  TrainConfig cfg;
+  cfg.model = small_model();
+  cfg.batch = 2;
+  cfg.seq = 16;
+  cfg.steps = 1;
+  cfg.eval_every = 0;
+  cfg.eval_batches = 1;
+  cfg.log_every = 0;
+  cfg.checkpoint = temp_path("whole.ckpt");
+  train(cfg);
+  // A shard as FSDP's rank 1 of 2 writes it: the header says so, and the payload is its slice.
+  CheckpointReader whole(cfg.checkpoint);
+  CheckpointHeader h = whole.header();
+  h.world_size = 2;
+  h.shard_rank = 1;
+  h.shard_elements = h.parameter_count / 2;
+  const std::vector<float> slice(size_t(h.shard_elements), 0.5f);
+  const std::string shard = cfg.checkpoint + ".rank1-of-2";
+  write_checkpoint(shard, h, slice, slice, slice);
+  expect_error([&] { load_model_weights(shard); },
+               {shard, "is one shard of a sharded checkpoint (rank 1 of 2", "generate and export read a whole"});
 }
