@@ -48,8 +48,8 @@ size_t mma_sync_backward_smem_bytes(int64_t head_dim, bool deterministic);
 
 // flash on Hopper (attention/cuda/hopper/, built where CMAKE_CUDA_ARCHITECTURES has 90): TMA + wgmma,
 // warp-specialised, fp16/bf16 at the capability table's Hopper head dims. flash_kernel_family chooses them
-// where the predicates below hold; each entry point then checks its predicate again (an Error, not a
-// fallback, where it fails).
+// where the predicates below hold; the entry points check them again, the backward per head group (an
+// Error, not a fallback, where one fails).
 void flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
 // The backward shares the mma.sync backward's host code (preprocess, dQ accumulator, conversion) and runs
