@@ -45,7 +45,7 @@ struct AttentionBenchConfig {
   bool backward = true;
   // On the CPU a row whose passes (warm-up and timed, forward and backward) would compute more than this
   // many FLOPs is not run but recorded as "skipped", with its count: 1e14 is hours at the CPU attention's
-  // measured 5-20 GFLOP/s (docs/measurements/2026-11-30-cpu-attention.json, two threads).
+  // rates (docs/perf.md, CPU).
   double cpu_max_flops = 1e14;
   std::function<void(const std::string&)> progress;  // one line per finished row (for stderr)
 };

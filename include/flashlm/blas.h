@@ -2,9 +2,9 @@
 //
 // OpenBLAS picks its kernel set ("core") at load time from a table of CPU models. A model newer than the
 // table falls back to the oldest x86-64 set: OpenBLAS 0.3.21 (Debian 12) runs its SSE3 "Prescott" kernels
-// on the Xeon (family 6, model 207, AVX-512) of this project's development machines, where its
-// "SkylakeX" kernels ran sgemm 2.7× faster. It reads OPENBLAS_CORETYPE only while it loads, before main(),
-// so a process can correct the choice only by restarting itself with that variable set
+// on the Xeon (family 6, model 207, AVX-512) of this project's development machines, where its "SkylakeX"
+// kernels ran sgemm several times faster (docs/perf.md). It reads OPENBLAS_CORETYPE only while it loads,
+// before main(), so a process can correct the choice only by restarting itself with that variable set
 // (restart_with_blas_core_if_misjudged).
 #pragma once
 #include <string>

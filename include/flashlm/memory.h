@@ -45,7 +45,7 @@ class Buffer {
   // A host workspace of one call (the CPU attention's packed tiles): on release its block goes to a small
   // process-wide cache instead of back to the C library, and the next allocate_reused it fits takes it. glibc
   // returns large freed blocks to the kernel, so a call repeated at the same size faulted its workspace's pages
-  // in again every time (~9k page faults, ~3% of a 1×8×4096×128 CPU attention forward; docs/perf.md). Counted
+  // in again every time (thousands of page faults, a visible share of a CPU attention forward; docs/perf.md). Counted
   // like allocate while in use; cached blocks count as free. Contents on return are unspecified, as with malloc.
   static Buffer allocate_reused(size_t bytes, std::string_view tag);
   Buffer(Buffer&& o) noexcept { *this = std::move(o); }

@@ -93,7 +93,7 @@ struct ModelOptions {
   // CUDA: each gradient's squared norm computed as the backward finalises it, on a stream beside the
   // backward's GEMMs; false (the default): one pass over every gradient when the norm is asked for. The
   // two sum in different orders, so the norms differ in the last bits. Inside the step's CUDA graph the
-  // single pass measured faster (docs/perf.md, "The xl step, third round": the side stream's small
+  // single pass was faster (docs/perf.md, the xl step: the side stream's small
   // kernels slow the GEMMs beside them by more than the pass costs).
   bool overlap_grad_norm = false;
   // Ranks that share the AdamW moments (ZeRO-1 and FSDP: DdpModel releases the model's own and the sharded

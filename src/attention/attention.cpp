@@ -102,28 +102,73 @@ struct PaddedCopy {
   }
 };
 
-void flash_forward_cuda(CudaKernelFamily family, const AttentionProblem& p, const TensorView& q,
-                        const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
-                        void* stream) {
-  if (family == CudaKernelFamily::f32) return flash_attention_forward_cuda_f32(p, q, k, v, o, lse, stream);
+}  // namespace
+
+// The Hopper family's predicates need the views (a TMA descriptor each, an sm_90 device), not only the
+// problem, so the choice between it and mma.sync is made here, on the views the kernels get, rather than in
+// plan_cuda_attention.
+CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPass pass, const AttentionProblem& p,
+                                     const TensorView& q, const TensorView& k, const TensorView& v,
+                                     const TensorView& o, const TensorView& dout, bool deterministic) {
+  if (plan.family != CudaKernelFamily::mma_sync) return plan.family;
   // Read on every build, so that a bad value is an error wherever it is set.
-  [[maybe_unused]] const FlashKernelChoice choice = flash_kernel_choice();
+  if (flash_kernel_choice() == FlashKernelChoice::mma) return plan.family;
 #ifdef FLASHLM_WITH_SM90
-  // The Hopper family's predicate (capabilities.h) needs the views (a TMA descriptor for each), so it is
-  // asked here: the mma.sync forward is its fallback.
-  if (choice == FlashKernelChoice::automatic && flash_attention_forward_sm90(p, q, k, v, o, lse, stream)) return;
+  const bool hopper = pass == AttentionPass::forward
+                          ? flash_forward_sm90_covers(p, q, k, v, &o)
+                          : !deterministic && flash_backward_sm90_covers(p, q, k, v, dout);
+  if (hopper) return CudaKernelFamily::hopper;
+#else
+  (void)pass, (void)p, (void)q, (void)k, (void)v, (void)o, (void)dout, (void)deterministic;
 #endif
-  flash_attention_forward_cuda(p, q, k, v, o, lse, stream);
+  return plan.family;
 }
 
-void flash_backward_cuda(CudaKernelFamily family, const AttentionProblem& p, const TensorView& q,
+namespace {
+
+#ifndef FLASHLM_WITH_SM90
+// flash_kernel_family chooses the Hopper kernels only where they are built.
+[[noreturn]] void no_hopper_kernels(std::string_view fn) {
+  fail("{}: the Hopper kernels were chosen, but this build has none", fn);
+}
+#endif
+
+void flash_forward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
+                        const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                        void* stream) {
+  switch (flash_kernel_family(plan, AttentionPass::forward, p, q, k, v, o, TensorView{}, false)) {
+    case CudaKernelFamily::f32: return flash_attention_forward_cuda_f32(p, q, k, v, o, lse, stream);
+    case CudaKernelFamily::hopper:
+#ifdef FLASHLM_WITH_SM90
+      return flash_attention_forward_sm90(p, q, k, v, o, lse, stream);
+#else
+      no_hopper_kernels("attention_forward");
+#endif
+    case CudaKernelFamily::mma_sync: return flash_attention_forward_cuda(p, q, k, v, o, lse, stream);
+    case CudaKernelFamily::naive:
+    case CudaKernelFamily::fp8: break;  // run_forward launches them
+  }
+  fail("attention_forward: the {} kernels have no flash forward", cuda_kernel_family_name(plan.family));
+}
+
+void flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
                          const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
                          const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                          bool deterministic, void* stream) {
-  if (family == CudaKernelFamily::f32) {
-    return flash_attention_backward_cuda_f32(p, q, k, v, o, lse, dout, dq, dk, dv, stream);
+  switch (flash_kernel_family(plan, AttentionPass::backward, p, q, k, v, o, dout, deterministic)) {
+    case CudaKernelFamily::f32: return flash_attention_backward_cuda_f32(p, q, k, v, o, lse, dout, dq, dk, dv, stream);
+    case CudaKernelFamily::hopper:
+#ifdef FLASHLM_WITH_SM90
+      return flash_attention_backward_sm90(p, q, k, v, o, lse, dout, dq, dk, dv, stream);
+#else
+      no_hopper_kernels("attention_backward");
+#endif
+    case CudaKernelFamily::mma_sync:
+      return flash_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
+    case CudaKernelFamily::naive:
+    case CudaKernelFamily::fp8: break;  // run_backward launches naive; fp8 has no backward
   }
-  flash_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
+  fail("attention_backward: the {} kernels have no flash backward", cuda_kernel_family_name(plan.family));
 }
 
 // A head dim without its own flash kernel (80 for the 2.7B model: 2560 / 32 heads) runs the next larger
@@ -140,7 +185,7 @@ void padded_flash_forward_cuda(const CudaAttentionPlan& plan, const AttentionPro
   const PaddedCopy kp(k, padded.head_dim, true, "attention: k padded to the kernel head dim", stream);
   const PaddedCopy vp(v, padded.head_dim, true, "attention: v padded to the kernel head dim", stream);
   const PaddedCopy op(o, padded.head_dim, false, "attention: o padded to the kernel head dim", stream);
-  flash_forward_cuda(plan.family, padded, qp.view, kp.view, vp.view, op.view, lse, stream);
+  flash_forward_cuda(plan, padded, qp.view, kp.view, vp.view, op.view, lse, stream);
   if (o.numel() > 0) copy_head_rows_cuda(op.view, o, p.head_dim, stream);
 }
 
@@ -159,7 +204,7 @@ void padded_flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionPr
   const PaddedCopy dqp(dq, d, false, "attention: dq padded to the kernel head dim", stream);
   const PaddedCopy dkp(dk, d, false, "attention: dk padded to the kernel head dim", stream);
   const PaddedCopy dvp(dv, d, false, "attention: dv padded to the kernel head dim", stream);
-  flash_backward_cuda(plan.family, padded, qp.view, kp.view, vp.view, op.view, lse, dop.view, dqp.view, dkp.view,
+  flash_backward_cuda(plan, padded, qp.view, kp.view, vp.view, op.view, lse, dop.view, dqp.view, dkp.view,
                       dvp.view, deterministic, stream);
   if (dq.numel() > 0) copy_head_rows_cuda(dqp.view, dq, p.head_dim, stream);
   if (dk.numel() > 0) copy_head_rows_cuda(dkp.view, dk, p.head_dim, stream);
@@ -198,7 +243,7 @@ void run_forward(const AttentionProblem& p, [[maybe_unused]] const std::optional
     case CudaKernelFamily::mma_sync:
     case CudaKernelFamily::f32:
       if (plan->padded) return padded_flash_forward_cuda(*plan, p, q, k, v, o, lse, options.stream);
-      return flash_forward_cuda(plan->family, p, q, k, v, o, lse, options.stream);
+      return flash_forward_cuda(*plan, p, q, k, v, o, lse, options.stream);
   }
   fail("attention_forward: the plan chose the {} kernels, which this build does not launch",
        cuda_kernel_family_name(plan->family));
@@ -226,7 +271,7 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
       if (plan->padded) {
         return padded_flash_backward_cuda(*plan, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
       }
-      return flash_backward_cuda(plan->family, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
+      return flash_backward_cuda(*plan, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
   }
   fail("attention_backward: the plan chose the {} kernels, which this build does not launch",
        cuda_kernel_family_name(plan->family));

@@ -1,6 +1,7 @@
 // The attention backends behind attention_forward / attention_backward. Each takes a validated
 // AttentionProblem; none checks arguments again.
 #pragma once
+#include "attention/capabilities.h"
 #include "attention/problem.h"
 
 namespace flashlm {
@@ -45,26 +46,44 @@ int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocess
 // pass's too when `deterministic`): the launcher refuses, with an Error, a GPU that grants less.
 size_t mma_sync_backward_smem_bytes(int64_t head_dim, bool deterministic);
 
-// flash on Hopper (attention/cuda/hopper/flash_fwd_sm90.cu, built where CMAKE_CUDA_ARCHITECTURES has 90):
-// TMA + wgmma, warp-specialised. Launches and returns true when it covers the problem (an sm_90 device,
-// fp16/bf16, head dim 64, 128 or 256, views TMA can describe); returns false, launching nothing, otherwise.
-bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+// flash on Hopper (attention/cuda/hopper/, built where CMAKE_CUDA_ARCHITECTURES has 90): TMA + wgmma,
+// warp-specialised, fp16/bf16 at the capability table's Hopper head dims. flash_kernel_family chooses them
+// where the predicates below hold; the entry points check them again, the backward per head group (an
+// Error, not a fallback, where one fails).
+void flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
+// The backward shares the mma.sync backward's host code (preprocess, dQ accumulator, conversion) and runs
+// its own dK/dV kernel; it adds dQ with atomics, so it has no deterministic mode.
+void flash_attention_backward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& o, const TensorView& lse,
+                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                   const TensorView& dv, void* stream);
+// Whether the Hopper kernels run these views: an sm_90 device, fp16/bf16, a head dim of theirs, both
+// sequences non-empty, views TMA can describe (`o` too where given: the forward stores O with TMA).
+bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView* o = nullptr);
+bool flash_backward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                const TensorView& v, const TensorView& dout);
 // The FP8 forward (attention/cuda/hopper/flash_fwd_fp8_sm90.cu, built with the Hopper kernels): fp8_e4m3
 // q, k, v with p's descale factors, bf16 o, fp32 lse, head dims 64 and 128. An Error where the current
 // device is not an sm_90 GPU or TMA cannot describe q or k (a stride of 2^40 bytes or more, a zero stride of
 // a dimension longer than 1, a size past 2^31): fp8 has no fallback.
 void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
-// Whether flash_attention_forward_sm90 would run these arguments (for the tests of the dispatch).
-bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                               const TensorView& v);
 
-// Which tensor-core forward attention_forward may take, from FLASHLM_ATTENTION_KERNEL: "auto" (or unset)
-// takes the Hopper kernel where it covers the problem, "mma" forces the mma.sync kernels (to test and time
-// the fallback on sm_90). Any other value is an error naming the variable.
+// Which tensor-core kernels flash_kernel_family may take, from FLASHLM_ATTENTION_KERNEL: "auto" (or unset)
+// takes the Hopper kernels where they cover the problem, "mma" forces the mma.sync kernels (to test and
+// time the fallback on sm_90). Any other value is an error naming the variable.
 enum class FlashKernelChoice { automatic, mma };
 FlashKernelChoice flash_kernel_choice();
+
+// The one dispatch of the flash kernels, for both passes (attention.cpp): the family that runs `plan` on
+// these views (the padded copies where the plan pads): plan.family, or hopper for a 16-bit problem the
+// Hopper kernels cover unless FLASHLM_ATTENTION_KERNEL=mma or (backward) `deterministic`. `dout` is read by
+// the backward only.
+CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPass pass, const AttentionProblem& p,
+                                     const TensorView& q, const TensorView& k, const TensorView& v,
+                                     const TensorView& o, const TensorView& dout, bool deterministic);
 
 // Copies the first `cols` elements of every [b, s, h] row of `src` into `dst` (both [batch, seq, heads, *]
 // views of one dtype on the current device, any 16-byte strides; cols · element size a multiple of 16

@@ -1,6 +1,6 @@
 // Which CUDA attention kernels exist: for each kernel family, the dtypes, the head dims it is compiled
 // for and the passes (forward, backward) it runs. The one table that the CUDA argument checks
-// (attention.cpp) and the launchers (cuda/flash_fwd.cu, flash_bwd.cu, flash_f32.cu) both read: the
+// (attention.cpp) and the launchers (cuda/flash_fwd.cu, flash_bwd.cu, flash_f32.cu, hopper/) both read: the
 // launchers instantiate their kernels from the head-dim lists below, so a head dim is supported exactly
 // where a kernel for it is compiled.
 #pragma once
@@ -32,13 +32,12 @@ std::string_view cuda_kernel_family_name(CudaKernelFamily family);
 inline constexpr std::array<int, 5> kMmaSyncForwardHeadDims{16, 32, 64, 128, 256};
 inline constexpr std::array<int, 5> kMmaSyncBackwardHeadDims{16, 32, 64, 128, 256};
 inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
-// The Hopper kernels' head dims. Their predicates need the views as well as the problem (a TMA descriptor
-// per view, an sm_90 device): flash_forward_sm90_covers (backends.h), asked by the mma.sync family's
-// forward before it falls back to mma.sync (attention.cpp), and backward_sm90_covers (cuda/hopper/
-// hopper.h), asked by the mma.sync backward for its dK/dV kernel's part. So plans never name the Hopper
-// family; its row records what it covers (plan_forward_sm90 and plan_backward_sm90 check the same head
-// dims). The Hopper backward has no deterministic mode: AttentionOptions::deterministic takes the
-// mma.sync backward's separate dQ pass on every GPU.
+// The Hopper kernels' head dims (cuda/hopper/ instantiates its kernels from these lists). Their predicates
+// need the views as well as the problem (a TMA descriptor per view, an sm_90 device), so
+// plan_cuda_attention plans mma.sync for fp16/bf16 and flash_kernel_family (backends.h) turns that into
+// the Hopper family, for the forward and the backward alike, where flash_forward_sm90_covers and
+// flash_backward_sm90_covers hold. The Hopper backward has no deterministic mode:
+// AttentionOptions::deterministic takes the mma.sync backward's separate dQ pass on every GPU.
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
 inline constexpr std::array<int, 2> kHopperBackwardHeadDims{64, 128};
 // The FP8 forward's head dims (fp8_e4m3 inputs; the launcher, cuda/hopper/flash_fwd_fp8_sm90.cu, also

@@ -14,10 +14,9 @@ inline namespace FLASHLM_CPU_KERNELS_NS {  // one copy per instruction set (atte
 
 // The block is sized to the vector registers of the build's target: 16 accumulators of 16 floats where
 // AVX-512 gives 32 registers, 12 of 8 (AVX2) or of 4 (SSE2) where there are 16 (enough independent FMA chains
-// to hide latency; 4 × 16 on AVX2, 8 accumulators, ran the forward 1.2x slower).
-// Taller or wider blocks (12 × 32, 14 × 32, 4 × 64, 6 × 64 on AVX-512) measured no faster at 1×8×4096×64
-// (docs/perf.md). At 8 × 32 in intrinsics (gemm_block_avx512) the forward's tile products run at 96-98% of the
-// core's FMA peak alone and ~94% in place (dev/cpu_tile_gemm_bench; docs/perf.md, perf/cpu-attn8).
+// to hide latency; 4 × 16 on AVX2, 8 accumulators, was slower). Taller or wider blocks (12 × 32, 14 × 32, 4 × 64,
+// 6 × 64 on AVX-512) were no faster. At 8 × 32 in intrinsics (gemm_block_avx512) the forward's tile products run
+// near the core's FMA peak, alone and in place (dev/cpu_tile_gemm_bench; the figures are in docs/perf.md, CPU).
 #if defined(__AVX512F__)
 constexpr int64_t kGemmRows = 8;
 constexpr int64_t kGemmCols = 32;
@@ -36,7 +35,7 @@ constexpr int64_t kGemmCols = 8;
 //               elements p side by side; the last panel zero-padded; lda unused). The micro-kernel's
 //               broadcasts then read one cache line per p at offsets fixed at compile time, whatever k is:
 //               with a runtime row stride (rows, lda = head_dim) the kernel kept the eight row offsets on the
-//               stack, and the S product ran at 85% of the FMA peak instead of 90% (docs/perf.md).
+//               stack, and the S product ran further from the FMA peak (docs/perf.md, CPU).
 // kLda: lda known at compile time (0: the runtime lda), for the same reason (P V's A is the S tile, 128 wide).
 enum class ALayout { rows, transposed, panels };
 
@@ -47,7 +46,7 @@ enum class ALayout { rows, transposed, panels };
 //           contiguous panel, which stays in L1 while tile_gemm runs every block of rows over it. Row-major
 //           with a 512-byte row stride (the forward's 128-key K tiles of then), a block's 32 columns of 128 rows fall in
 //           16 of the 48 KiB L1's 64 sets, 12 KiB of ways for 16 KiB (arithmetic: this VM exposes no cache
-//           counters). Measured: the d128 forwards at seq 512-1024 10-14% faster (docs/perf.md, perf/cpu-attn6).
+//           counters); the panels made the d128 forwards at middle lengths faster (docs/perf.md, CPU).
 enum class BLayout { rows, panels };
 
 // The row stride a block kernel steps A by: within a panel kGemmRows, else kLda or the runtime lda.
@@ -67,7 +66,7 @@ constexpr int64_t panel_row_offset(int64_t r, int64_t k) { return r / kGemmRows 
 
 // One kRows × kGemmCols block of C, k ≥ 1: the accumulators are locals of this function, so that they live in
 // registers from the first product on, and start from the first product rather than from zeros (zero-initialised,
-// they were also cleared in memory by a `rep stos` for the k = 0 path, 2-3% of the tile products' samples).
+// they were also cleared in memory by a `rep stos` for the k = 0 path, which showed in the tile products' profile).
 #if defined(__AVX512F__)
 // gemm_block for fp32 on AVX-512, in intrinsics: two zmm of B per k step, each A element broadcast once and
 // multiplied into both. The same products in the same order as the portable loops below; what differs is the
@@ -190,8 +189,8 @@ template <ALayout kLayout, class A>
 // reads C). Blocks of kGemmRows × kGemmCols outputs stay in registers while k runs; the compiler vectorises the
 // columns for the target it builds for (no -march=native needed). A hand-kept kernel rather than BLAS: OpenBLAS
 // 0.3.21 falls back to its SSE3 kernels on CPUs it cannot identify (this project's 2-core machines among them),
-// 5× slower on the forward's tiles, and even on its AVX-512 kernels (forced) it runs them 12-15% slower than
-// this one: it packs both operands in every call (dev/cpu_tile_gemm_bench; docs/perf.md, perf/cpu-attn8).
+// much slower on the forward's tiles, and even on its AVX-512 kernels (forced) it runs them slower than this
+// one: it packs both operands in every call (dev/cpu_tile_gemm_bench; the figures are in docs/perf.md, CPU).
 template <ALayout kLayout = ALayout::rows, int64_t kLda = 0, BLayout kBLayout = BLayout::rows, class A>
 void tile_gemm(int64_t m, int64_t n, int64_t k, A alpha, const A* a, int64_t lda, const A* b, int64_t ldb, A beta,
                A* c, int64_t ldc) {

@@ -56,12 +56,13 @@ inline double exp_nonpositive(double v) { return std::exp(v); }
 // The AVX-512 copy's: whole vectors through exp_fp32_nonpositive_x16, the tail as above.
 inline void exp_shifted(float* x, int64_t n, float shift) {
   const __m512 s = _mm512_set1_ps(shift), zero = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
+  static_assert(kLanes == 16, "one zmm of floats per step");
+  const int64_t whole = whole_lanes(n);
+  for (int64_t i = 0; i < whole; i += 16) {
     const __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + i), s);
     _mm512_storeu_ps(x + i, exp_fp32_nonpositive_x16(_mm512_min_ps(zero, v)));  // vminps returns v where it is NaN
   }
-  for (; i < n; ++i) {
+  for (int64_t i = whole; i < n; ++i) {
     const float v = x[i] - shift;
     x[i] = exp_fp32_nonpositive(v > 0.0f ? 0.0f : v);
   }
@@ -118,8 +119,8 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
 template <class A>
 inline A exp_shifted_sum(A* x, int64_t n, A shift) {
   A lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
+  const int64_t whole = whole_lanes(n);
+  for (int64_t i = 0; i < whole; i += kLanes) {
 #pragma omp simd
     for (int64_t j = 0; j < kLanes; ++j) {
       const A e = exp_nonpositive(x[i + j] - shift);
@@ -128,7 +129,7 @@ inline A exp_shifted_sum(A* x, int64_t n, A shift) {
     }
   }
   A tail = 0;  // not lanes[0]: a scalar store into the array before the fold's vector load stalls its forwarding
-  for (; i < n; ++i) {
+  for (int64_t i = whole; i < n; ++i) {
     x[i] = exp_nonpositive(x[i] - shift);
     tail += x[i];
   }

@@ -51,13 +51,13 @@ namespace flashlm::FLASHLM_CPU_KERNELS_NS {
 
 namespace {
 
-constexpr int64_t kBlockQ = 64;  // the backward's tiles (128-key tiles there measured within the noise)
+constexpr int64_t kBlockQ = 64;  // the backward's tiles (128-key tiles there gained nothing: docs/perf.md, CPU)
 constexpr int64_t kBlockK = 64;
 // The forward's tiles: 256 queries × 512 keys, torch's CPU flash attention's split for sequences of 768 and more.
-// Against 128 × 128 (docs/perf.md, perf/cpu-attn7) the per-row softmax bookkeeping (row max fold, rescale of the
-// accumulator row, running sums) and P V's accumulator loads and stores come a quarter as often: the seq-4096
-// forwards 2-5% faster, the shorter ones unchanged. S (512 KiB) and the accumulator (256 KiB at d128) live in
-// the 2 MiB L2 either way; a 512-key V panel (64 KiB) no longer fits L1 but measured no slower than 256 keys.
+// Against 128 × 128 the per-row softmax bookkeeping (row max fold, rescale of the accumulator row, running sums)
+// and P V's accumulator loads and stores come a quarter as often, which pays at long sequences and costs nothing
+// at short ones (docs/perf.md, CPU). S (512 KiB) and the accumulator (256 KiB at d128) live in the 2 MiB L2
+// either way; a 512-key V panel (64 KiB) no longer fits L1, which turned out not to matter.
 // The forward keeps S, P and the output accumulator per query; the backward also dS.
 constexpr int64_t kForwardBlockQ = 256;
 constexpr int64_t kForwardBlockK = 512;
@@ -339,8 +339,8 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
   // The packing and the tasks in one parallel region, one barrier between them: every region's start and end
   // synchronises the threads, and where they share the cores with other processes each synchronisation can
-  // wait out a scheduler tick (three regions ran the 1×8×1024×64 causal forward 4× slower on two threads
-  // under load; docs/perf.md, perf/cpu-attn7).
+  // wait out a scheduler tick (three regions made the forward several times slower on a loaded machine;
+  // docs/perf.md, CPU).
 #pragma omp parallel
   {
     K.template fill<T>(k);
@@ -353,8 +353,8 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
     A* l = w.take(kForwardBlockQ).data();
 #pragma omp for schedule(dynamic)
     for (int64_t t = 0; t < tasks; ++t) {
-      // Head by head (the head's K and V stay in cache from one task to the next: tile-major order ran the
-      // seq-4096 causal forward 4% slower on one thread), each head's last query tile first: under a causal mask
+      // Head by head (the head's K and V stay in cache from one task to the next; tile-major order was slower:
+      // docs/perf.md, CPU), each head's last query tile first: under a causal mask
       // it sees the most keys, so the short tiles come last and even out the threads' ends.
       const int64_t tile = q_tiles - 1 - t % q_tiles, bh = t / q_tiles;
       forward_task<T, A>(p, q, K, V, o, lse, bh / p.heads_q, bh % p.heads_q, tile * kForwardBlockQ, Q, S, acc, m, l);

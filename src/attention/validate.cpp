@@ -1,6 +1,7 @@
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <array>
 #include <initializer_list>
 #include <limits>
 #include <string_view>
@@ -76,6 +77,35 @@ void check_outputs_apart(std::string_view fn, std::initializer_list<NamedView> o
   }
 }
 
+// Every element of an output must be its own memory, or the kernels' writes of distinct elements race and
+// the result is whichever landed last (a zero sequence stride makes every row write the same bytes). A
+// sufficient test, as torch's has_internal_overlap is: with the dimensions longer than 1 ordered by stride,
+// each stride must exceed the span of the dimensions below it. Views that interleave without sharing
+// elements are refused too; no layout the kernels write (row-major in any dimension order) is.
+void check_no_internal_overlap(std::string_view fn, std::string_view name, const TensorView& t) {
+  if (t.numel() == 0) return;
+  std::array<int, kMaxDims> dims{};  // the dimensions longer than 1, by ascending stride (insertion sort)
+  int n = 0;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.size(d) <= 1) continue;
+    int i = n++;
+    for (; i > 0 && t.stride(dims[static_cast<size_t>(i - 1)]) > t.stride(d); --i) {
+      dims[static_cast<size_t>(i)] = dims[static_cast<size_t>(i - 1)];
+    }
+    dims[static_cast<size_t>(i)] = d;
+  }
+  int64_t span = 0;  // the largest element offset the dimensions so far reach
+  for (int i = 0; i < n; ++i) {
+    const int d = dims[static_cast<size_t>(i)];
+    FLASHLM_CHECK(t.stride(d) > span,
+                  "{}: {}: the output overlaps itself: dimension {} (size {}, stride {}) revisits elements that "
+                  "the dimensions of smaller strides reach (shape {}); every element of an output needs its own "
+                  "memory",
+                  fn, name, d, t.size(d), t.stride(d), t.shape_string());
+    span = checked_add(span, checked_mul(t.size(d) - 1, t.stride(d), name), name);
+  }
+}
+
 AttentionProblem describe(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
                           const TensorView& o, const TensorView& lse, const AttentionOptions& options) {
   check_qkv_like(fn, "q", q);
@@ -147,6 +177,8 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
 AttentionProblem check_forward(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
                                const TensorView& o, const TensorView& lse, const AttentionOptions& options) {
   AttentionProblem p = describe(fn, q, k, v, o, lse, options);
+  check_no_internal_overlap(fn, "o", o);
+  check_no_internal_overlap(fn, "lse", lse);
   check_outputs_apart(fn, {{"o", &o}, {"lse", &lse}}, {{"q", &q}, {"k", &k}, {"v", &v}});
   check_outputs_apart(fn, {{"lse", &lse}}, {{"o", &o}});
   return p;
@@ -166,6 +198,7 @@ AttentionProblem check_backward(std::string_view fn, const TensorView& q, const 
   check_same_shape(fn, "dq", dq, "q", q);
   check_same_shape(fn, "dk", dk, "k", k);
   check_same_shape(fn, "dv", dv, "v", v);
+  for (auto [name, t] : {std::pair{"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) check_no_internal_overlap(fn, name, *t);
   check_outputs_apart(fn, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}},
                       {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"lse", &lse}, {"dout", &dout}});
   return p;

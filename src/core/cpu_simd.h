@@ -81,8 +81,8 @@ inline float exp_fp32_nonpositive(float v) {
 // [-ln2/2, ln2/2], with k = round(x · log2 e) by the rounding constant inside one FMA (vrndscaleps is two
 // uops, both on port 0), a degree-6 polynomial fitted to e^r (relative error 2e-9 before rounding; Lawson's
 // weighted least squares, not Taylor's degree 7) in Horner's form, and 2^k applied by vscalefps: 13 vector
-// operations instead of the 16 uops of the Taylor/Estrin version, the softmax rows of a 256 × 512 tile 20%
-// faster (docs/perf.md, perf/cpu-attn8). Agrees with exp_fp32_nonpositive within their error, not bitwise.
+// operations instead of the 16 uops of the Taylor/Estrin version, which made the softmax rows of a tile
+// faster (docs/perf.md, CPU). Agrees with exp_fp32_nonpositive within their error, not bitwise.
 inline __m512 exp_fp32_nonpositive_x16(__m512 v) {
   using namespace exp_fp32_detail;
   const __m512 floor = _mm512_set1_ps(-87.3f);
@@ -106,6 +106,13 @@ inline __m512 exp_fp32_nonpositive_x16(__m512 v) {
 // cost as much as the row's products when the softmax reduced every 64-wide tile row twice.
 inline constexpr int64_t kLanes = 16;
 
+// How many of a row's n elements whole kLanes-wide steps cover (0 for n <= 0): the bound of a reduction's
+// vector loop, its scalar tail running from there, so that the compiler sees the tail run fewer than kLanes
+// times. (With `i + kLanes <= n` and a tail from wherever i stopped, GCC 12 warned that the tail's iteration
+// 2^62 - 1 invokes undefined behaviour wherever n was a compile-time multiple of kLanes, the tail never
+// running at all: a false positive, as no n makes the tail run kLanes times or more.)
+inline constexpr int64_t whole_lanes(int64_t n) { return n <= 0 ? 0 : n - n % kLanes; }
+
 // The folds' combining steps, for scalars and for GCC/Clang vector types alike.
 struct LaneSum {
   template <class V> V operator()(V a, V b) const { return a + b; }
@@ -119,8 +126,8 @@ struct LaneOr {
 
 // The fold runs on GCC/Clang vector types (`combine` takes and returns them: LaneSum, LaneMax, LaneOr),
 // halving the vector with a shuffle at each step, so that the lanes stay in registers: folding the array
-// element by element went through the stack (stores of the whole vector, loads of its halves), ~15% of the
-// forward's softmax.
+// element by element went through the stack (stores of the whole vector, loads of its halves), a visible share
+// of the forward's softmax (docs/perf.md, CPU).
 template <class A, class Combine>
 inline A fold_lanes(const A (&lanes)[kLanes], Combine combine) {
   typedef A V16 __attribute__((vector_size(16 * sizeof(A))));
@@ -141,15 +148,15 @@ inline A row_max(const A* x, int64_t n) {
   A lanes[kLanes];
   int nan_lanes[kLanes] = {};
   for (A& l : lanes) l = -std::numeric_limits<A>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
+  const int64_t whole = whole_lanes(n);
+  for (int64_t i = 0; i < whole; i += kLanes) {
 #pragma omp simd
     for (int64_t j = 0; j < kLanes; ++j) {
       lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
       nan_lanes[j] |= x[i + j] != x[i + j];
     }
   }
-  for (; i < n; ++i) {
+  for (int64_t i = whole; i < n; ++i) {
     lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
     nan_lanes[0] |= x[i] != x[i];
   }
@@ -187,12 +194,12 @@ template <class A>
 inline A row_max_skipping_nan(const A* x, int64_t n) {
   A lanes[kLanes];
   for (A& l : lanes) l = -std::numeric_limits<A>::infinity();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
+  const int64_t whole = whole_lanes(n);
+  for (int64_t i = 0; i < whole; i += kLanes) {
 #pragma omp simd
     for (int64_t j = 0; j < kLanes; ++j) lanes[j] = x[i + j] > lanes[j] ? x[i + j] : lanes[j];
   }
-  for (; i < n; ++i) lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
+  for (int64_t i = whole; i < n; ++i) lanes[0] = x[i] > lanes[0] ? x[i] : lanes[0];
   return fold_lanes(lanes, LaneMax{});
 }
 

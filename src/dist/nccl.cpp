@@ -142,7 +142,7 @@ struct NcclComm::Impl {
 
   // A world of one and an in-place collective: the result is the input, so NCCL is not called. (NCCL's
   // one-rank path runs ncclAvg as a pre-multiplied sum by 1/1, a kernel over every element: skipping it
-  // took DDP's xl step at one rank from 81.46 to 75.45 ms, docs/perf.md.) Called after order_after, so that
+  // took a visible share off DDP's xl step at one rank, docs/perf.md.) Called after order_after, so that
   // work queued on the communicator's stream behind the collective (DDP's unpacking) stays ordered.
   bool alone(const void* send, const void* recv) const { return world_size == 1 && send == recv; }
 

@@ -111,7 +111,7 @@ struct ZeroOptimizer::Impl {
   }
 
   // Chunks of whole buckets, ascending, of at least kChunkElements each (fewer, larger NCCL groups: one
-  // group per bucket measured slower), with their events (CUDA only).
+  // group per bucket was slower), with their events (CUDA only).
   void plan_gather_chunks(const std::vector<DdpRange>& bucket_extents) {
 #ifdef FLASHLM_WITH_CUDA
     if (!cuda()) return;

@@ -224,7 +224,7 @@ struct CudaModel::Impl {
     o.impl = options.attention;
     o.causal = true;
     // By default the separate dQ pass, not fp32 atomics: a training step stays bit-reproducible, which
-    // resuming from a checkpoint relies on (it costs the xl step ~1 ms of attention backward).
+    // resuming from a checkpoint relies on (it costs the xl step some attention backward: docs/perf.md).
     o.deterministic = options.deterministic;
     o.stream = stream;
     return o;

@@ -130,9 +130,9 @@ TEST(AttentionCapabilities, UnalignedOrTooLargeHeadDimsAndOtherDtypesAreErrors) 
   }
 }
 
-// The Hopper kernels are asked inside the mma.sync family (their predicates need the views): plans name
-// mma.sync, their fallback, in both passes; the Hopper row lists a backward for head dims 64 and 128 only,
-// each of which the mma.sync backward (which hosts it and is its fallback) also compiles.
+// The Hopper kernels' predicates need the views, so plans name mma.sync, their fallback, in both passes, and
+// flash_kernel_family (tested on the GPU) turns that into the Hopper family; the Hopper row lists a backward
+// for head dims 64 and 128 only, each of which the mma.sync backward (its fallback) also compiles.
 TEST(AttentionCapabilities, HopperIsTheMmaSyncFamilysFirstChoice) {
   for (int d : kHopperForwardHeadDims) {
     expect_plan(DType::bf16, d, AttentionPass::forward, AttentionImpl::flash, CudaKernelFamily::mma_sync, d);

@@ -11,6 +11,7 @@
 
 #include "attention/attention_testing.h"
 #include "attention/cpu_isa.h"
+#include "attention/cpu_rows.h"
 #include "core/cpu_simd.h"
 #include "flashlm/attention.h"
 #include "flashlm/device.h"
@@ -274,6 +275,35 @@ TEST(CpuSimd, ExpFp32MatchesLibmWithinAFewUlp) {
   EXPECT_EQ(exp_fp32(100.0f), std::numeric_limits<float>::infinity());
   EXPECT_EQ(exp_fp32(std::numeric_limits<float>::infinity()), std::numeric_limits<float>::infinity());
   EXPECT_TRUE(std::isnan(exp_fp32(std::numeric_limits<float>::quiet_NaN())));
+}
+
+// The softmax rows' reductions run whole kLanes-wide steps, then a scalar tail (whole_lanes): every length
+// from 0 to past three steps, and the forward's key tile (512, where the tail is empty), with the row's
+// largest element last, in the tail where there is one.
+TEST(CpuSimd, RowReductionsTakeEveryLength) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> scores(-8.0f, 0.0f);
+  std::vector<int64_t> lengths;
+  for (int64_t n = 0; n <= 3 * kLanes + 1; ++n) lengths.push_back(n);
+  lengths.push_back(512);
+  for (int64_t n : lengths) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& e : x) e = scores(rng);
+    if (n > 0) x.back() = 1.0f;
+    const float want_max = n > 0 ? 1.0f : -std::numeric_limits<float>::infinity();
+    EXPECT_EQ(row_max(x.data(), n), want_max) << "n " << n;
+    EXPECT_EQ(row_max_skipping_nan(x.data(), n), want_max) << "n " << n;
+    std::vector<float> p = x;
+    double want_sum = 0;
+    for (float& e : x) {
+      e = exp_nonpositive(e - 1.0f);
+      want_sum += e;
+    }
+    const float sum = exp_shifted_sum(p.data(), n, 1.0f);
+    EXPECT_NEAR(sum, want_sum, 1e-5 * (want_sum + 1)) << "n " << n;
+    // Within the exponentials' error: an AVX-512 build takes exp_fp32_nonpositive_x16, not bitwise the same.
+    for (int64_t i = 0; i < n; ++i) EXPECT_NEAR(p[size_t(i)], x[size_t(i)], 1e-6f * x[size_t(i)]) << n << " " << i;
+  }
 }
 
 TEST(FlashCpu, BackwardIsBitwiseDeterministic) {

@@ -499,15 +499,60 @@ TEST(CudaAttention, HopperBackwardCoversItsProblems) {
       Tensor o = Tensor::empty({2, 300, 4, d}, dt, Device::cuda);
       Tensor lse = Tensor::empty({2, 4, 300}, DType::f32, Device::cuda);
       const bool has_kernel = d == 64 || d == 128;
-      EXPECT_EQ(flash_cuda::backward_sm90_covers(problem_of(q, k, o, lse), q, k, k, o), has_kernel) << "d" << d;
+      EXPECT_EQ(flash_backward_sm90_covers(problem_of(q, k, o, lse), q, k, k, o), has_kernel) << "d" << d;
       TensorView broadcast = k.view();
       broadcast.strides[0] = 0;
-      EXPECT_FALSE(flash_cuda::backward_sm90_covers(problem_of(q, broadcast, o, lse), q, broadcast, broadcast, o))
+      EXPECT_FALSE(flash_backward_sm90_covers(problem_of(q, broadcast, o, lse), q, broadcast, broadcast, o))
           << "d" << d;
       TensorView no_keys = k.view().slice(1, 0, 0);
-      EXPECT_FALSE(flash_cuda::backward_sm90_covers(problem_of(q, no_keys, o, lse), q, no_keys, no_keys, o)) << "d" << d;
+      EXPECT_FALSE(flash_backward_sm90_covers(problem_of(q, no_keys, o, lse), q, no_keys, no_keys, o)) << "d" << d;
     }
   }
+#endif
+}
+
+// flash_kernel_family is the one choice of the flash kernels for both passes: on an sm_90 GPU with the
+// Hopper kernels built, a covered 16-bit problem takes them forward and backward (the plan says mma.sync),
+// the deterministic backward and FLASHLM_ATTENTION_KERNEL=mma keep mma.sync, a head dim the Hopper backward
+// lacks (256) keeps it for the backward only, and fp32 stays fp32.
+TEST(CudaAttention, FlashKernelFamilyChoosesHopperForBothPassesInOnePlace) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // the fallback run of this binary sets it
+  const std::string saved = was == nullptr ? "" : was;
+  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
+  constexpr auto fwd = AttentionPass::forward, bwd = AttentionPass::backward;
+  auto family = [](const TensorView& q, AttentionPass pass, bool deterministic) {
+    Tensor o = Tensor::empty(std::span<const int64_t>(q.sizes.data(), 4), q.dtype, Device::cuda);
+    Tensor lse = Tensor::empty({q.size(0), q.size(2), q.size(1)}, DType::f32, Device::cuda);
+    const AttentionProblem p = validate_attention_forward(q, q, q, o, lse, AttentionOptions{});
+    const CudaAttentionPlan plan = plan_cuda_attention("test", p, AttentionImpl::flash, pass);
+    return flash_kernel_family(plan, pass, p, q, q, q, o, o, deterministic);  // o stands in for dout
+  };
+  for (DType dt : {DType::bf16, DType::f16}) {
+    Tensor d128 = Tensor::empty({2, 300, 4, 128}, dt, Device::cuda);
+    Tensor d256 = Tensor::empty({2, 300, 4, 256}, dt, Device::cuda);
+    Tensor d32 = Tensor::empty({2, 300, 4, 32}, dt, Device::cuda);
+    EXPECT_EQ(family(d128, fwd, false), CudaKernelFamily::hopper);
+    EXPECT_EQ(family(d128, bwd, false), CudaKernelFamily::hopper);
+    EXPECT_EQ(family(d128, bwd, true), CudaKernelFamily::mma_sync);
+    EXPECT_EQ(family(d256, fwd, false), CudaKernelFamily::hopper);
+    EXPECT_EQ(family(d256, bwd, false), CudaKernelFamily::mma_sync);
+    EXPECT_EQ(family(d32, fwd, false), CudaKernelFamily::mma_sync);
+    EXPECT_EQ(family(d32, bwd, false), CudaKernelFamily::mma_sync);
+    ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "mma", 1), 0);
+    EXPECT_EQ(family(d128, fwd, false), CudaKernelFamily::mma_sync);
+    EXPECT_EQ(family(d128, bwd, false), CudaKernelFamily::mma_sync);
+    ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
+  }
+  Tensor f32 = Tensor::empty({2, 300, 4, 128}, DType::f32, Device::cuda);
+  EXPECT_EQ(family(f32, fwd, false), CudaKernelFamily::f32);
+  EXPECT_EQ(family(f32, bwd, false), CudaKernelFamily::f32);
+  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
+  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
 #endif
 }
 

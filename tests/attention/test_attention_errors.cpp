@@ -6,6 +6,7 @@
 
 #include "attention/attention_testing.h"
 #include "flashlm/attention.h"
+#include "flashlm/flashlm.h"
 
 using namespace flashlm;
 using flashlm::testing::expect_error;
@@ -76,6 +77,87 @@ TEST(AttentionErrors, OutputsOverlappingInputs) {
     a.O = both.view().slice(0, 2, 4);
     EXPECT_NO_THROW(a.forward());
   }
+}
+
+// An output whose strides send distinct elements to the same memory (a zero stride on a dimension longer
+// than 1, or strides too small for the sizes below them) is an error: its rows would race, and the result
+// would be whichever write landed last. Inputs may still be broadcast that way.
+TEST(AttentionErrors, OutputsOverlappingThemselves) {
+  {
+    Args a;
+    a.O.strides[1] = 0;  // every query row of o writes the same memory
+    expect_error([&] { a.forward(); }, {"attention_forward", "o: the output overlaps itself", "dimension 1"});
+  }
+  {
+    Args a;
+    a.L.strides[2] = 0;
+    expect_error([&] { a.forward(); }, {"attention_forward", "lse: the output overlaps itself", "dimension 2"});
+  }
+  {
+    Args a;
+    a.O.strides[2] = 8;  // heads 8 elements apart, rows of 16: each head's second half is the next one's first
+    expect_error([&] { a.forward(); }, {"attention_forward", "o: the output overlaps itself", "dimension 2"});
+  }
+  for (const char* name : {"dq", "dk", "dv"}) {
+    Args a;
+    a.forward();
+    TensorView& grad = std::string(name) == "dq" ? a.dQ : std::string(name) == "dk" ? a.dK : a.dV;
+    grad.strides[0] = 0;  // both batches write one batch's memory
+    expect_error([&] { a.backward(); },
+                 {"attention_backward", std::string(name) + ": the output overlaps itself", "dimension 0"});
+  }
+  {
+    Args a;  // broadcast inputs stay fine: k and v read by both batches from one batch's memory
+    a.K.strides[0] = 0;
+    a.V.strides[0] = 0;
+    EXPECT_NO_THROW(a.forward());
+  }
+  {
+    Args a;  // o as a [batch, heads, seq, head_dim] buffer seen as BSHD: permuted strides, no overlap
+    Tensor bhsd = Tensor::empty({2, 4, 8, 16}, DType::f32);
+    a.O = bhsd.view();
+    a.O.sizes = {2, 8, 4, 16};
+    a.O.strides = {4 * 8 * 16, 16, 8 * 16, 1};
+    EXPECT_NO_THROW(a.forward());
+    Tensor padded = Tensor::empty({2, 8, 4, 32}, DType::f32);  // rows with a gap after them: no overlap either
+    a.O = padded.view().slice(3, 0, 16);
+    EXPECT_NO_THROW(a.forward());
+  }
+}
+
+// The C ABI's tensors reach the same check (flashlm_c.cpp calls attention_forward / attention_backward).
+TEST(AttentionErrors, CAbiRefusesOutputsOverlappingThemselves) {
+  Args a;
+  auto c_tensor = [](const TensorView& t) {
+    flashlm_tensor c{};
+    c.data = t.data;
+    c.ndim = t.ndim;
+    c.dtype = FLASHLM_FP32;
+    c.device = FLASHLM_CPU;
+    for (int d = 0; d < t.ndim; ++d) {
+      c.sizes[d] = t.size(d);
+      c.strides[d] = t.stride(d);
+    }
+    return c;
+  };
+  const flashlm_tensor q = c_tensor(a.Q), k = c_tensor(a.K), v = c_tensor(a.V), lse = c_tensor(a.L);
+  flashlm_tensor o = c_tensor(a.O);
+  ASSERT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, nullptr), FLASHLM_OK) << flashlm_last_error();
+  o.strides[1] = 0;
+  EXPECT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, nullptr), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashlm_last_error()).find("o: the output overlaps itself"), std::string::npos)
+      << flashlm_last_error();
+  o.strides[1] = a.O.stride(1);
+  const flashlm_tensor dout = c_tensor(a.dO), dq = c_tensor(a.dQ), dv = c_tensor(a.dV);
+  flashlm_tensor dk = c_tensor(a.dK);
+  ASSERT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, nullptr), FLASHLM_OK) << flashlm_last_error();
+  ASSERT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, nullptr), FLASHLM_OK)
+      << flashlm_last_error();
+  dk.strides[1] = 0;
+  EXPECT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, nullptr),
+            FLASHLM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashlm_last_error()).find("dk: the output overlaps itself"), std::string::npos)
+      << flashlm_last_error();
 }
 
 TEST(AttentionErrors, WrongRank) {

@@ -406,18 +406,20 @@ TEST(VarlenErrors, BadTensorsAreRefusedWithTheirName) {
   }
   {
     // More rows than int32 offsets can address: refused before anything is read.
-    // q and o: 2^31 rows, all of them one 16-element row of memory (stride 0), one head.
+    // q: 2^31 rows, all of them one 16-element row of memory (stride 0), one head. The outputs may not
+    // overlap themselves, so o and lse are views of 2^31 distinct rows at addresses no allocation of this
+    // process reaches (2^46 bytes and up, below the heap): only their addresses are computed.
     VarlenArgs a;
     float cells[16] = {};
     a.Q.data = cells;
     a.Q.sizes = {int64_t{1} << 31, 1, 16};
     a.Q.strides = {0, 0, 1};
     a.O = a.Q;
-    a.O.data = a.p.o.view.data;
-    Tensor l = Tensor::empty({1, 1}, DType::f32);
-    a.L = l;
+    a.O.data = reinterpret_cast<void*>(uintptr_t{1} << 46);
+    a.O.strides = {16, 16, 1};
+    a.L.data = reinterpret_cast<void*>((uintptr_t{1} << 46) + (uintptr_t{1} << 40));
     a.L.sizes = {1, int64_t{1} << 31};
-    a.L.strides = {0, 0};
+    a.L.strides = {int64_t{1} << 31, 1};
     expect_error([&] { a.forward(); }, {"total_q", "exceeds the int32 range"});
   }
 }

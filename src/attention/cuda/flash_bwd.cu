@@ -12,19 +12,16 @@
 //     - atomic (default): the dK/dV kernel multiplies the dS it wrote to shared memory by K and adds the
 //       block's dQ contribution to an fp32 buffer with atomics, laid out in mma-fragment order so that
 //       each warp-wide atomic covers one 128-byte line; a last kernel scales and converts it. The faster
-//       (docs/perf.md, "v5"); the buffer is bounded by running long problems over groups of heads.
+//       of the two (docs/perf.md); the buffer is bounded by running long problems over groups of heads.
 //     - separate pass (AttentionOptions::deterministic): a kernel per (query tile, head, batch)
 //       recomputes P and dS over the visible key tiles and accumulates dQ += dS K in registers.
-//       Bit-reproducible, no atomics, no fp32 buffer, ~40% more MMAs.
+//       Bit-reproducible, no atomics, no fp32 buffer, at the cost of computing S and dP twice.
 #include <algorithm>
 #include "attention/backends.h"
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
-#ifdef FLASHLM_WITH_SM90
-#include "attention/cuda/hopper/hopper.h"
-#endif
 
 namespace flashlm {
 namespace flash_cuda {
@@ -46,7 +43,7 @@ struct BwdTraits {
   // head dim 256").
   static constexpr int kWarps = 8;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlockN = D <= 128 ? 128 : 64;
+  static constexpr int kBlockN = mma_sync_backward_block_n(D);
   // d32, d64: 128 x 128 tiles (docs/perf.md, tuning notes).
   static constexpr int kBlockM = D <= 64 ? 128 : D <= 128 ? 64 : 32;
   static constexpr int kAMTiles = kBlockM / 32;  // 16-row tiles per warp in phase A
@@ -585,14 +582,15 @@ constexpr size_t backward_smem_bytes(bool deterministic) {
   return deterministic ? std::max(BwdTraits<D>::kSmemBytes, DqTraits<D>::kSmemBytes) : BwdTraits<D>::kSmemBytes;
 }
 
-// The views the Hopper backward builds its tensor maps from, where it runs the dK/dV kernel's part.
-struct HopperBackward {
+// The views a family's own dK/dV kernel builds its launch from (run_flash_backward, flash_common.cuh).
+struct DkdvPart {
+  BackwardDkdvLauncher launch;
   const AttentionProblem& p;
   const TensorView &q, &k, &v, &dout;
 };
 
 template <class T, int D>
-void launch_backward(const FlashParams& f, bool deterministic, const HopperBackward* hopper, cudaStream_t stream) {
+void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* part, cudaStream_t stream) {
   // Checked before anything is queued: a device granting less than the kernels need (sm_86 and sm_89 at
   // head dims 128 and 256) gets an Error naming the head dim rather than a failed launch.
   const size_t needed = backward_smem_bytes<D>(deterministic);
@@ -609,11 +607,8 @@ void launch_backward(const FlashParams& f, bool deterministic, const HopperBackw
     flash_bwd_preprocess_kernel<T, D><<<grid, 256, 0, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
   }
-  if (hopper != nullptr) {
-#ifdef FLASHLM_WITH_SM90
-    FLASHLM_CHECK(launch_backward_sm90(hopper->p, hopper->q, hopper->k, hopper->v, hopper->dout, f, stream),
-                  "flash_attention_backward_cuda: the Hopper backward declined a problem it covered");
-#endif
+  if (part != nullptr) {
+    part->launch(part->p, part->q, part->k, part->v, part->dout, f, stream);
   } else if (f.seq_k > 0) {
     using Tr = BwdTraits<D>;
     auto kernel = deterministic ? flash_bwd_dkdv_kernel<T, D, false> : flash_bwd_dkdv_kernel<T, D, true>;
@@ -637,10 +632,10 @@ void launch_backward(const FlashParams& f, bool deterministic, const HopperBackw
 }
 
 template <class T>
-void dispatch_head_dim(int64_t d, const FlashParams& f, bool deterministic, const HopperBackward* hopper,
+void dispatch_head_dim(int64_t d, const FlashParams& f, bool deterministic, const DkdvPart* part,
                        cudaStream_t stream) {
   const bool launched = with_head_dim<kMmaSyncBackwardHeadDims>(
-      d, [&](auto dim) { launch_backward<T, decltype(dim)::value>(f, deterministic, hopper, stream); });
+      d, [&](auto dim) { launch_backward<T, decltype(dim)::value>(f, deterministic, part, stream); });
   FLASHLM_CHECK(launched, "flash_attention_backward_cuda: head_dim {} has no kernel (the capability table lists it)",
                 d);
 }
@@ -663,7 +658,7 @@ namespace {
 // their query heads) so that each group's accumulator is at most kAccumulatorChunkBytes: peak memory stays
 // near inputs + outputs + gradients at long sequences, while typical shapes run in one launch. A group is
 // never smaller than kMinWavesPerLaunch waves of the dK/dV kernel's blocks (one per kBlockN keys, key head
-// and batch: 128 keys in both the mma.sync and the Hopper kernel, 64 at head dim 256): launches run one
+// and batch: 128 keys, 64 at head dim 256, in every dK/dV kernel (flash_common.cuh)): launches run one
 // after another, and one that under-fills the GPU lasts as long as its longest block, so at b1, 64 query /
 // 8 key heads, 16k, d128 one key head per launch (128 blocks for 132 SMs) made the causal backward as slow
 // as the non-causal one (issue 15). There
@@ -672,9 +667,6 @@ namespace {
 constexpr size_t kAccumulatorChunkAbove = size_t{128} << 20;
 constexpr size_t kAccumulatorChunkBytes = size_t{64} << 20;
 constexpr int64_t kMinWavesPerLaunch = 3;
-// The Hopper kernel's key tile at the head dims it covers is the mma.sync kernel's.
-static_assert(flash_cuda::BwdTraits<64>::kBlockN == 128 && flash_cuda::BwdTraits<128>::kBlockN == 128);
-
 int64_t backward_keys_per_block(int64_t head_dim) {
   int64_t keys = 0;
   const bool compiled = with_head_dim<kMmaSyncBackwardHeadDims>(
@@ -686,7 +678,7 @@ int64_t backward_keys_per_block(int64_t head_dim) {
 void backward_heads(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
                     const TensorView& dk, const TensorView& dv, bool deterministic, float* dq_accum,
-                    void* stream) {
+                    flash_cuda::BackwardDkdvLauncher dkdv, void* stream) {
   auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   f.dout = dout.data;
   f.dq = dq.data;
@@ -709,17 +701,10 @@ void backward_heads(const AttentionProblem& p, const TensorView& q, const Tensor
                        "flash backward dQ clear");
     f.dq_accum = dq_accum;
   }
-  // The Hopper kernel takes the dK/dV (and atomic dQ) part where it covers the problem; it has no
-  // deterministic mode (capabilities.h), so the deterministic option keeps the mma.sync separate dQ pass.
-  const flash_cuda::HopperBackward hopper{p, q, k, v, dout};
-  bool use_hopper = false;
-#ifdef FLASHLM_WITH_SM90
-  use_hopper = !deterministic && flash_kernel_choice() == FlashKernelChoice::automatic &&
-               flash_cuda::backward_sm90_covers(p, q, k, v, dout);
-#endif
-  const flash_cuda::HopperBackward* h = use_hopper ? &hopper : nullptr;
-  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, deterministic, h, s);
-  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, deterministic, h, s);
+  const flash_cuda::DkdvPart part{dkdv, p, q, k, v, dout};
+  const flash_cuda::DkdvPart* own = dkdv != nullptr ? &part : nullptr;
+  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, deterministic, own, s);
+  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, deterministic, own, s);
 }
 
 }  // namespace
@@ -748,6 +733,16 @@ void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& 
                                    const TensorView& v, const TensorView& o, const TensorView& lse,
                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                    const TensorView& dv, bool deterministic, void* stream) {
+  flash_cuda::run_flash_backward(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, nullptr, stream);
+}
+
+void flash_cuda::run_flash_backward(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                    const TensorView& v, const TensorView& o, const TensorView& lse,
+                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                    const TensorView& dv, bool deterministic, BackwardDkdvLauncher dkdv,
+                                    void* stream) {
+  FLASHLM_CHECK(dkdv == nullptr || !deterministic,
+                "flash_attention_backward_cuda: a dK/dV kernel of another family has no deterministic mode");
   if (p.batch == 0 || p.heads_q == 0 || (p.seq_q == 0 && p.seq_k == 0)) return;
   const size_t per_kv_head = backward_accumulator_bytes_per_kv_head(p);
   int device = 0, multiprocessors = 0;
@@ -762,7 +757,7 @@ void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& 
   }
   auto* accum = static_cast<float*>(dq_accum.data());
   if (kv_per_launch >= p.heads_k) {
-    backward_heads(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, accum, stream);
+    backward_heads(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, accum, dkdv, stream);
     return;
   }
   // Views are [batch, seq, heads, head_dim] (lse [batch, heads_q, seq_q]); a group of key/value heads
@@ -776,7 +771,7 @@ void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& 
     const auto qh = [&](const TensorView& t) { return t.slice(2, h0 * g, h1 * g); };
     const auto kh = [&](const TensorView& t) { return t.slice(2, h0, h1); };
     backward_heads(part, qh(q), kh(k), kh(v), qh(o), lse.slice(1, h0 * g, h1 * g), qh(dout), qh(dq), kh(dk), kh(dv),
-                   deterministic, accum, stream);
+                   deterministic, accum, dkdv, stream);
   }
 }
 

@@ -53,6 +53,22 @@ struct FlashParams {
 FlashParams make_params(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& o, const TensorView& lse);
 
+// The 16-bit flash backward's host code (cuda/flash_bwd.cu), which every family of it shares: the
+// preprocess (Delta, lse·log2e), the fp32 dQ accumulator and its bound by groups of key/value heads, and the
+// conversion of dQ (or, `deterministic`, the separate dQ pass). `dkdv` launches the dK/dV part of one group
+// (and adds dS·K into f.dq_accum, unscaled, in DqAccumLayout order, from f.delta and f.lse_log2), or is null
+// for the mma.sync kernel. A family that brings its own dK/dV kernel keeps the mma.sync kernel's key tile
+// (mma_sync_backward_block_n), by which the groups are sized.
+using BackwardDkdvLauncher = void (*)(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                      const TensorView& v, const TensorView& dout, const FlashParams& f,
+                                      cudaStream_t stream);
+void run_flash_backward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                        const TensorView& dk, const TensorView& dv, bool deterministic, BackwardDkdvLauncher dkdv,
+                        void* stream);
+// The mma.sync backward's keys per dK/dV block at head dim D.
+constexpr int mma_sync_backward_block_n(int d) { return d <= 128 ? 128 : 64; }
+
 // The backward's per-row arrays (Delta, lse·log2e, the dQ accumulator) are padded to a multiple of this
 // many rows, a multiple of every backward kernel's query tile, so that a tile never reads past them.
 constexpr int kRowPad = 128;

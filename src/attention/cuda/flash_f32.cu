@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kMinBlocks) dq_kernel(const Ba
 // Tiles per head dim: <head dim, query tile, key tile, rows per thread, unroll of the loop over head_dim in
 // accumulate_dots, unroll of the loop over tile columns in accumulate_rows>. Larger head dims take smaller
 // tiles, as the shared tiles grow with D and the per-thread accumulators with D/16. Unrolling by 4 and 2
-// was the fastest measured (docs/perf.md, "Kernel tuning notes"); dQ at D = 16 unrolls less because ptxas
+// was the fastest of the unrolls tried (docs/perf.md); dQ at D = 16 unrolls less because ptxas
 // spills there otherwise.
 template <int D>
 struct Config;

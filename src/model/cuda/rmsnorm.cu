@@ -152,7 +152,7 @@ __device__ __forceinline__ void gain_partials(const D* __restrict__ dy, const D*
   // Each row's term rounded as (dy·x)·rstd fused into the sum (the contraction nvcc makes of
   // `acc += dy * x * rstd`, written out so that the order is this file's, not the compiler's), rows in
   // order. The loads of kGainBatch rows are issued before their terms are added: one row at a time left
-  // each thread one load in flight (docs/perf.md, "The xl step, third round").
+  // each thread one load in flight (docs/perf.md, the xl step).
   const auto term = [](float acc, D dyv, D xv, float s) { return __fmaf_rn(__fmul_rn(f32(dyv), f32(xv)), s, acc); };
   float acc = 0.f;
   int64_t r = r0;

@@ -1,7 +1,7 @@
 // FlashAttention backward for Hopper (sm_90a): the dK/dV kernel with dQ added atomically, on wgmma and TMA.
 // The preprocess (Delta = rowsum(dO∘O), lse·log2e), the fp32 dQ accumulator and its conversion are the
-// mma.sync backward's (cuda/flash_bwd.cu), which launches this kernel in place of its own where it covers
-// the problem.
+// 16-bit backward's shared host code (run_flash_backward, cuda/flash_bwd.cu), which launches this kernel
+// in place of the mma.sync one for the Hopper family.
 //
 // One block per (128-key block, key head, batch), three warpgroups. Warpgroup 0 is the producer: one
 // thread loads the block's K and V once, then streams the steps' tiles through a ring of kStages slots
@@ -28,14 +28,17 @@
 #include <cstdint>
 #include <optional>
 
+#include "attention/backends.h"
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
 #include "attention/cuda/hopper/sm90.cuh"
 #include "attention/cuda/hopper/tma.h"
+#include "core/check.h"
 #include "core/cuda_check.h"
 
-namespace flashlm::flash_cuda {
+namespace flashlm {
+namespace flash_cuda {
 namespace {
 
 template <int D>
@@ -347,40 +350,65 @@ struct Sm90BackwardMaps {
   CUtensorMap q, k, v, dout;
 };
 
+// Calls fn(std::integral_constant<int, D>{}) for the problem's head dim, from the capability table's list.
+template <class Fn>
+bool with_backward_head_dim(int64_t head_dim, Fn&& fn) {
+  return with_head_dim<kHopperBackwardHeadDims>(head_dim, [&](auto dim) {
+    // The head groups of run_flash_backward are sized by the mma.sync kernel's key tile.
+    constexpr int D = decltype(dim)::value;
+    static_assert(Sm90BwdTraits<D>::kBlockN == mma_sync_backward_block_n(D));
+    fn(dim);
+  });
+}
+
 std::optional<Sm90BackwardMaps> plan_backward_sm90(const AttentionProblem& p, const TensorView& q,
                                                    const TensorView& k, const TensorView& v, const TensorView& dout) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
-  if (p.head_dim != kHopperBackwardHeadDims[0] && p.head_dim != kHopperBackwardHeadDims[1]) return std::nullopt;
+  int block_m = 0, block_n = 0;
+  const bool compiled = with_backward_head_dim(p.head_dim, [&](auto dim) {
+    block_m = Sm90BwdTraits<dim.value>::kBlockM;
+    block_n = Sm90BwdTraits<dim.value>::kBlockN;
+  });
+  if (!compiled) return std::nullopt;
   if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
   if (p.batch > 65535 || p.heads_k > 65535) return std::nullopt;  // grid y and z
   if (sm90_multiprocessors() == 0) return std::nullopt;
-  const int block_m = p.head_dim == 64 ? Sm90BwdTraits<64>::kBlockM : Sm90BwdTraits<128>::kBlockM;
-  static_assert(Sm90BwdTraits<64>::kBlockN == Sm90BwdTraits<128>::kBlockN);
   auto tq = sm90::rows_tensor_map(q, block_m), tdo = sm90::rows_tensor_map(dout, block_m);
-  auto tk = sm90::rows_tensor_map(k, Sm90BwdTraits<128>::kBlockN), tv = sm90::rows_tensor_map(v, Sm90BwdTraits<128>::kBlockN);
+  auto tk = sm90::rows_tensor_map(k, block_n), tv = sm90::rows_tensor_map(v, block_n);
   if (!tq || !tk || !tv || !tdo) return std::nullopt;
   return Sm90BackwardMaps{*tq, *tk, *tv, *tdo};
 }
 
-}  // namespace
-
-bool backward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                          const TensorView& dout) {
-  return plan_backward_sm90(p, q, k, v, dout).has_value();
-}
-
-bool launch_backward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+// The dK/dV part of one head group of run_flash_backward (BackwardDkdvLauncher).
+void launch_backward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                           const TensorView& dout, const FlashParams& f, cudaStream_t stream) {
+  // A group's views are the covered views' slices of heads: the same strides, a 16-byte aligned start.
   const auto maps = plan_backward_sm90(p, q, k, v, dout);
-  if (!maps) return false;
-  static_assert(kHopperBackwardHeadDims[0] == 64 && kHopperBackwardHeadDims[1] == 128);
+  FLASHLM_CHECK(maps.has_value(), "attention_backward: the Hopper backward declined a part of a problem it covered");
   auto run = [&]<class T>(T) {
-    if (p.head_dim == 64) launch<T, 64>(f, maps->q, maps->k, maps->v, maps->dout, stream);
-    else launch<T, 128>(f, maps->q, maps->k, maps->v, maps->dout, stream);
+    with_backward_head_dim(p.head_dim, [&](auto dim) {
+      launch<T, dim.value>(f, maps->q, maps->k, maps->v, maps->dout, stream);
+    });
   };
   if (p.dtype == DType::bf16) run(__nv_bfloat16{});
   else run(__half{});
-  return true;
 }
 
-}  // namespace flashlm::flash_cuda
+}  // namespace
+}  // namespace flash_cuda
+
+bool flash_backward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                const TensorView& v, const TensorView& dout) {
+  return flash_cuda::plan_backward_sm90(p, q, k, v, dout).has_value();
+}
+
+void flash_attention_backward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                                   const TensorView& v, const TensorView& o, const TensorView& lse,
+                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                   const TensorView& dv, void* stream) {
+  // flash_kernel_family checked flash_backward_sm90_covers; each head group's launch checks its part.
+  flash_cuda::run_flash_backward(p, q, k, v, o, lse, dout, dq, dk, dv, false, flash_cuda::launch_backward_sm90,
+                                 stream);
+}
+
+}  // namespace flashlm

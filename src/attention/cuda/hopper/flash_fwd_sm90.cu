@@ -23,9 +23,9 @@
 #include <cstdlib>
 #include <optional>
 #include <string_view>
-#include <utility>
 
 #include "attention/backends.h"
+#include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
 #include "attention/cuda/hopper/hopper.h"
 #include "attention/cuda/hopper/pipeline_sm90.cuh"
@@ -221,19 +221,21 @@ int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch, int block
   return TileSchedule::count(seq_q, heads_q, batch, block_m);
 }
 
-// Calls f(Traits{}) with the traits of the kernel that runs problem `p`.
+// Calls f(Traits{}) with the traits of the kernel that runs problem `p` and returns true, or returns false
+// where the capability table lists no Hopper forward for its head dim.
 template <class F>
-decltype(auto) with_forward_traits(const AttentionProblem& p, F&& f) {
-  if (p.head_dim == 64) {
-    switch (sm90_forward_d64_tile(p)) {
-      case Sm90D64Tile::rows192_keys128: return f(Sm90FwdTraits<64, 192, 128>{});
-      case Sm90D64Tile::rows128_keys192: return f(Sm90FwdTraits<64, 128, 192>{});
-      case Sm90D64Tile::rows128_keys128: break;
+bool with_forward_traits(const AttentionProblem& p, F&& f) {
+  return with_head_dim<kHopperForwardHeadDims>(p.head_dim, [&](auto dim) {
+    constexpr int D = decltype(dim)::value;
+    if constexpr (D == 64) {
+      switch (sm90_forward_d64_tile(p)) {
+        case Sm90D64Tile::rows192_keys128: return f(Sm90FwdTraits<64, 192, 128>{});
+        case Sm90D64Tile::rows128_keys192: return f(Sm90FwdTraits<64, 128, 192>{});
+        case Sm90D64Tile::rows128_keys128: break;
+      }
     }
-    return f(Sm90FwdTraits<64>{});
-  }
-  if (p.head_dim == 128) return f(Sm90FwdTraits<128>{});
-  return f(Sm90FwdTraits<256>{});
+    f(Sm90FwdTraits<D>{});
+  });
 }
 
 // One block per multiprocessor (or per work item, where there are fewer): see TileSchedule.
@@ -259,10 +261,13 @@ struct Sm90ForwardPlan {
 std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                                  const TensorView& v, const TensorView* o) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return std::nullopt;
   if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
-  const auto [query_rows, key_rows] =
-      with_forward_traits(p, []<class Tr>(Tr) { return std::pair<int, int>{Tr::kBlockM, Tr::kBlockN}; });
+  int query_rows = 0, key_rows = 0;
+  const bool compiled = with_forward_traits(p, [&]<class Tr>(Tr) {
+    query_rows = Tr::kBlockM;
+    key_rows = Tr::kBlockN;
+  });
+  if (!compiled) return std::nullopt;
   // The kernel counts work items in 32-bit integers.
   if (sm90_work_items(p.seq_q, p.heads_q, p.batch, query_rows) > INT32_MAX) return std::nullopt;
   const int sm_count = sm90_multiprocessors();
@@ -280,11 +285,11 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
 
 }  // namespace
 
-// Measured on one H200 over the fa grid (docs/perf.md, "The Hopper forward, fifth round"): three consumer
-// warpgroups on 192-row tiles (a third warp per scheduler to cover the softmax's dependency chains) win
-// 4-5% where neither sequence is short and nothing is masked, key blocks of 192 (the per-block fixed work
-// over 1.5× the keys) ~3% causal from 8192; shorter, both lose to the padding of the last 192-row tile or
-// key block and, causal, the wider diagonal.
+// Three consumer warpgroups on 192-row tiles (a third warp per scheduler to cover the softmax's dependency
+// chains) pay off where neither sequence is short and nothing is masked, key blocks of 192 (the per-block
+// fixed work spread over more keys) on long causal problems; shorter, both lose to the padding of the last
+// 192-row tile or key block and, causal, the wider diagonal. The thresholds are where the fa grid's
+// timings cross over (docs/perf.md, the Hopper forward's tile shapes).
 Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p) {
   const char* env = std::getenv("FLASHLM_SM90_FWD_D64_TILE");
   const std::string_view forced = env == nullptr ? "" : env;
@@ -327,14 +332,14 @@ int sm90_multiprocessors() {
 }  // namespace flash_cuda
 
 bool flash_forward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
-                               const TensorView& v) {
-  return flash_cuda::plan_forward_sm90(p, q, k, v, nullptr).has_value();
+                               const TensorView& v, const TensorView* o) {
+  return flash_cuda::plan_forward_sm90(p, q, k, v, o).has_value();
 }
 
-bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+void flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& o, const TensorView& lse, void* stream) {
   const auto plan = flash_cuda::plan_forward_sm90(p, q, k, v, &o);
-  if (!plan) return false;
+  FLASHLM_CHECK(plan.has_value(), "attention_forward: the Hopper forward was chosen for a problem it does not cover");
   const auto f = flash_cuda::make_params(p, q, k, v, o, lse);
   const auto s = static_cast<cudaStream_t>(stream);
   using flash_cuda::launch_forward_sm90;
@@ -345,7 +350,6 @@ bool flash_attention_forward_sm90(const AttentionProblem& p, const TensorView& q
   };
   if (p.dtype == DType::bf16) launch(__nv_bfloat16{});
   else launch(__half{});
-  return true;
 }
 
 }  // namespace flashlm

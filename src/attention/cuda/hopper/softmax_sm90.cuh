@@ -83,7 +83,7 @@ struct WgmmaRowSoftmax {
   }
 
   // O's accumulator (same layout, kN / 2 columns) times alpha per row. (Skipping it where no row max of
-  // the warp moved, a warp-uniform vote, measured 3-5% slower: docs/perf.md, "fourth round".)
+  // the warp moved, a warp-uniform vote, was slower: docs/perf.md, "what did not work".)
   template <int kN>
   __device__ __forceinline__ static void rescale(float (&o)[kN], const float (&alpha)[2]) {
 #pragma unroll
