@@ -250,7 +250,7 @@ void refuse_torchrun() {
 int64_t model_config_value(const std::string& key, const std::vector<std::string>& file_keys, int64_t file_value,
                            const CLI::Option* flag, int64_t flag_value) {
   const bool in_file = std::find(file_keys.begin(), file_keys.end(), key) != file_keys.end();
-  if (in_file && flag->count() > 0 && file_value != flag_value) {
+  if (in_file && flag->count() > 0) {
     fmt::print(stderr, "note: {} {} replaces the model config's \"{}\": {}\n", flag->get_name(), flag_value, key,
                file_value);
   }
