@@ -79,12 +79,10 @@ struct LmBenchConfig {
   int64_t vocab = 0;  // 0: each size's own (151936 for cs336-8b, 10000 for the others)
   std::vector<std::string> precisions{"fp32"};  // fp32, bf16, fp16, bf16-pure (parse_precision)
   std::vector<AttentionImpl> attention{AttentionImpl::flash};
-  RecomputePlan recompute;  // automatic: resolved per configuration against the free memory
-  int64_t head_chunk = 0;   // ModelOptions::head_chunk
-  bool deterministic = true;  // ModelOptions::deterministic
-  bool overlap_grad_norm = false;  // ModelOptions::overlap_grad_norm
-  OptimizerState optimizer_state = OptimizerState::fp32;  // ModelOptions::optimizer_state (not with bf16-pure)
-  bool cuda_graph = true;         // ModelOptions::cuda_graph (the "step" pass runs LanguageModel::train_step)
+  // Every configuration's model (its attention and bf16_pure come from `attention` and `precisions`):
+  // recompute automatic is resolved per configuration against the free memory; optimizer_state applies to
+  // the precisions with fp32 masters; cuda_graph to the "step" pass (LanguageModel::train_step).
+  ModelOptions options;
   std::vector<std::string> passes{"fwd", "fwd-bwd", "step"};
   int warmup = 5, steps = 10;
   Device device = Device::cpu;
@@ -173,16 +171,12 @@ struct DdpBenchConfig {
   int nccl_max_ctas = 0;     // Communicator::set_nccl_max_ctas; 0: NCCL's choice
   int gemm_sm_reserve = -1;  // DdpOptions::gemm_sm_reserve; -1: automatic
   int fsdp_prefetch = 1;     // DdpOptions::fsdp_prefetch of the fsdp rows
-  // How every row's model is built (ModelOptions): pure bf16 (the fsdp rows train it; DDP and ZeRO-1 refuse
-  // it, an "error" row), the recomputation plan (automatic: resolved per row against the free memory, as
-  // `flashlm train` does), the LM head's chunk and the attention backward's determinism.
-  bool bf16_pure = false;
-  // The moments beside fp32 masters (ModelOptions::optimizer_state): not bf16 under ZeRO-1 or FSDP (their
-  // rows are "error" rows naming why).
-  OptimizerState optimizer_state = OptimizerState::fp32;
-  RecomputePlan recompute;
-  int64_t head_chunk = 0;
-  bool deterministic = true;
+  // How every row's model is built: pure bf16 (the fsdp rows train it; DDP and ZeRO-1 refuse it, an "error"
+  // row), the recomputation plan (automatic: resolved per row against the free memory, as `flashlm train`
+  // does), the moments beside fp32 masters (not bf16 under ZeRO-1 or FSDP: their rows are "error" rows naming
+  // why), the LM head's chunk and the attention backward's determinism. The attention is flash; the sharding
+  // fields are set per row.
+  ModelOptions options;
   int warmup = 3, steps = 10;
   std::function<void(const std::string&)> progress;  // rank 0 only
 };

@@ -11,6 +11,14 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The caller's input is wrong: an argument, an option or a configuration value (a model size, a name to
+// parse, a combination of settings), not a file's contents or a failed runtime call. The CLI reports it as a
+// usage error (exit 2), every other Error as a runtime error (exit 1).
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+
 // A request for more memory than the device (or host) can give. Benchmarks record it as `oom` and go on.
 class OutOfMemory : public Error {
  public:

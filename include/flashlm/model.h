@@ -45,8 +45,9 @@ struct ModelConfig {
   // A JSON object with any of the fields above ("vocab", "context", "d_model", "d_ff", "layers", "heads",
   // "rope_theta", "norm_eps"), optionally "base": a named size the others override. Unknown keys and
   // values of the wrong type are errors; the result is validated.
-  static ModelConfig from_json(std::string_view json_text);
-  static ModelConfig from_json_file(const std::string& path);
+  // keys_given (when not null) receives the keys the text itself holds, "base" included.
+  static ModelConfig from_json(std::string_view json_text, std::vector<std::string>* keys_given = nullptr);
+  static ModelConfig from_json_file(const std::string& path, std::vector<std::string>* keys_given = nullptr);
 };
 
 // Activation recomputation: what the forward keeps for the backward, and what the backward recomputes.
@@ -149,6 +150,11 @@ struct MemoryPlan {
 // k that minimises kept inputs + the recomputed segment, CS336's sqrt(L)-style trade-off), and says why.
 MemoryPlan plan_model_memory(const ModelConfig& config, int64_t batch, int64_t seq, Device device, DType precision,
                              const ModelOptions& options, int64_t available_bytes = -1);
+// The plan against the free memory of `device` (CUDA; the CPU sets no limit here, available_bytes -1), with
+// options.recompute resolved in place (auto becomes the plan chosen): the one step train, bench and ddp-bench
+// take before building a model. available_bytes receives what it planned against, for check_memory_plan.
+MemoryPlan resolve_model_memory(const ModelConfig& config, int64_t batch, int64_t seq, Device device, DType precision,
+                                ModelOptions& options, int64_t& available_bytes);
 // Throws flashlm::OutOfMemory naming the plan's total, the available bytes and the shortfall when the plan
 // does not fit.
 void check_memory_plan(const MemoryPlan& plan, int64_t available_bytes, std::string_view device_label);

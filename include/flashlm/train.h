@@ -37,15 +37,13 @@ struct TrainConfig {
   // one gathered file written by rank 0; resuming needs the same world size.
   bool sharded_checkpoint = false;
   uint64_t seed = 1234;          // weights, data order and synthetic data
-  AttentionImpl attention = AttentionImpl::flash;
   Device device = Device::cpu;
   DType precision = DType::f32;  // fp32 on the CPU; fp32, bf16 or fp16 on CUDA
-  bool bf16_pure = false;        // with bf16 on CUDA: no fp32 masters (ModelOptions::bf16_pure)
-  OptimizerState optimizer_state = OptimizerState::fp32;  // ModelOptions::optimizer_state (seeded by `seed`)
-  RecomputePlan recompute;       // automatic: resolved against the device's free memory
-  int64_t head_chunk = 0;        // ModelOptions::head_chunk
-  bool deterministic = true;     // ModelOptions::deterministic (false: resume is no longer bit-exact)
-  bool cuda_graph = true;        // ModelOptions::cuda_graph (without data parallelism: one CUDA graph per step)
+  // How the model is built: attention, recompute (automatic: resolved against the device's free memory),
+  // bf16_pure (with bf16 on CUDA: no fp32 masters), optimizer_state, head_chunk, deterministic (false: resume
+  // is no longer bit-exact) and cuda_graph (without data parallelism: one CUDA graph per step). train() sets
+  // the rest itself: moment_rounding_seed from `seed`, the sharding fields from comm, ddp and zero1.
+  ModelOptions options;
   double loss_scale_init = 0;    // fp16: the dynamic loss scale's start (0: LanguageModel::kInitialLossScale)
   // Data parallelism: with a communicator (the ranks of an mpirun job; a world of one works too) every rank
   // trains on its own `batch` rows of each step's global batch of batch · world size · grad_accum rows, the

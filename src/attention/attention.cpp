@@ -21,7 +21,7 @@ namespace flashlm {
 CausalAlign parse_causal_align(std::string_view name) {
   if (name == "top-left" || name == "top_left") return CausalAlign::top_left;
   if (name == "bottom-right" || name == "bottom_right") return CausalAlign::bottom_right;
-  fail("unknown causal alignment '{}': expected top-left or bottom-right", name);
+  fail_argument("unknown causal alignment '{}': expected top-left or bottom-right", name);
 }
 
 std::string_view attention_impl_name(AttentionImpl impl) { return impl == AttentionImpl::naive ? "naive" : "flash"; }
@@ -29,7 +29,7 @@ std::string_view attention_impl_name(AttentionImpl impl) { return impl == Attent
 AttentionImpl parse_attention_impl(std::string_view name) {
   if (name == "naive") return AttentionImpl::naive;
   if (name == "flash") return AttentionImpl::flash;
-  fail("unknown attention implementation '{}': expected naive or flash", name);
+  fail_argument("unknown attention implementation '{}': expected naive or flash", name);
 }
 
 double attention_forward_flops(int64_t batch, int64_t heads, int64_t seq_q, int64_t seq_k, int64_t head_dim,

@@ -40,9 +40,9 @@ int64_t parse_byte_size(std::string_view text) {
   for (size_t i = 0; ok && i < digits; ++i) value = value * 10 + (text[i] - '0');
   ok = ok && value > 0 && value <= (int64_t{1} << 50) / mult;
   if (!ok) {
-    fail("'{}' is not a size in bytes: expected a positive integer with an optional unit KB, MB, GB (powers of "
-         "1000) or KiB, MiB, GiB (powers of 1024), e.g. 1MB or 64KiB",
-         text);
+    fail_argument("'{}' is not a size in bytes: expected a positive integer with an optional unit KB, MB, GB "
+                  "(powers of 1000) or KiB, MiB, GiB (powers of 1024), e.g. 1MB or 64KiB",
+                  text);
   }
   return value * mult;
 }

@@ -159,7 +159,7 @@ std::vector<AttentionShape> attention_named_grid(std::string_view name) {
     for (int64_t d : {16, 32, 64, 128})
       for (int64_t n : {256, 1024, 4096, 8192, 16384, 32768}) shapes.push_back({8, 1, n, d, true});
   } else {
-    fail("unknown grid '{}': expected fa or seed", name);
+    fail_argument("unknown grid '{}': expected fa or seed", name);
   }
   return shapes;
 }

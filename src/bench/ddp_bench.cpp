@@ -45,13 +45,8 @@ double peak_mib(Communicator& comm, Device device) {
 // The benchmark's model options (DdpBenchConfig), with FSDP's sharded storage for an fsdp row and a sharded
 // optimizer's share of the moments for the rows that shard them.
 ModelOptions model_options(const DdpBenchConfig& cfg, const Communicator& comm, bool fsdp, int64_t optimizer_shards) {
-  ModelOptions o;
+  ModelOptions o = cfg.options;
   o.attention = AttentionImpl::flash;
-  o.recompute = cfg.recompute;
-  o.bf16_pure = cfg.bf16_pure;
-  o.optimizer_state = cfg.optimizer_state;
-  o.head_chunk = cfg.head_chunk;
-  o.deterministic = cfg.deterministic;
   o.optimizer_shards = optimizer_shards;
   if (fsdp) {
     o.external_parameters = true;
@@ -64,9 +59,8 @@ ModelOptions model_options(const DdpBenchConfig& cfg, const Communicator& comm, 
 // The model's memory plan against this rank's free device memory, its recomputation resolved there. "" when
 // it fits (or on the CPU, which has no limit here); otherwise the shortfall, as check_memory_plan words it.
 std::string plan_fits(const ModelConfig& mc, const DdpBenchConfig& cfg, ModelOptions& o) {
-  const int64_t available = cfg.device == Device::cuda ? cuda_free_memory_bytes() : -1;
-  const MemoryPlan plan = plan_model_memory(mc, cfg.batch, cfg.context, cfg.device, cfg.precision, o, available);
-  o.recompute = plan.recompute;
+  int64_t available = -1;
+  const MemoryPlan plan = resolve_model_memory(mc, cfg.batch, cfg.context, cfg.device, cfg.precision, o, available);
   try {
     check_memory_plan(plan, available, "the GPU");
   } catch (const OutOfMemory& e) {
@@ -165,10 +159,10 @@ std::vector<RunSetting> run_settings(const DdpBenchConfig& cfg) {
           {"batch", fmt::format("{}", cfg.batch)},
           {"vocab", fmt::format("{}", cfg.vocab)},
           {"device", std::string(device_name(cfg.device))},
-          {"precision", precision_name(cfg.precision, cfg.bf16_pure)},
-          {"recompute", cfg.recompute.name()},
-          {"head_chunk", fmt::format("{}", cfg.head_chunk)},
-          {"deterministic", fmt::format("{}", cfg.deterministic)},
+          {"precision", precision_name(cfg.precision, cfg.options.bf16_pure)},
+          {"recompute", cfg.options.recompute.name()},
+          {"head_chunk", fmt::format("{}", cfg.options.head_chunk)},
+          {"deterministic", fmt::format("{}", cfg.options.deterministic)},
           {"variants", list(cfg.variants, ddp_variant_name)},
           {"bucket_mb", list(cfg.bucket_mb, [](double mb) { return mb; })},
           {"reduce_dtypes", list(cfg.reduce_dtypes, dtype_name)},
@@ -190,7 +184,7 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
   for (double mb : cfg.bucket_mb) FLASHLM_CHECK(mb > 0, "ddp-bench: bucket size {} MB, expected > 0", mb);
   FLASHLM_CHECK(!cfg.reduce_dtypes.empty(), "ddp-bench: no gradient reduction type to measure");
   FLASHLM_CHECK(cfg.nccl_max_ctas >= 0, "ddp-bench: nccl_max_ctas = {}, expected >= 0", cfg.nccl_max_ctas);
-  FLASHLM_CHECK(cfg.head_chunk >= 0, "ddp-bench: head_chunk = {}, expected >= 0", cfg.head_chunk);
+  FLASHLM_CHECK(cfg.options.head_chunk >= 0, "ddp-bench: head_chunk = {}, expected >= 0", cfg.options.head_chunk);
   resolve_gemm_sm_reserve(cfg.gemm_sm_reserve, comm);  // checks it before any rank builds a model
   comm.agree_settings(run_settings(cfg));
   if (cfg.device == Device::cuda) {
@@ -292,7 +286,7 @@ std::vector<DdpBenchRecord> run_ddp_bench(Communicator& comm, const DdpBenchConf
     records[0].mean_ms = local.mean;
     records[0].median_ms = local.median;
     records[0].tokens_per_s = local_tokens_per_s;
-    const bool bf16_moments = cfg.bf16_pure || cfg.optimizer_state != OptimizerState::fp32;
+    const bool bf16_moments = cfg.options.bf16_pure || cfg.options.optimizer_state != OptimizerState::fp32;
     const int64_t moment_bytes = bf16_moments ? int64_t(sizeof(bf16_t)) : int64_t(sizeof(float));
     records[0].optimizer_state_mib = double(2 * model.parameter_count() * moment_bytes) / kMiB;
     records[0].peak_mib = peak_mib(comm, model.device());
@@ -367,10 +361,10 @@ std::string format_ddp_bench(const std::vector<DdpBenchRecord>& records, ReportF
       {"model", cfg.model},
       {"context", cfg.context},
       {"batch_per_rank", cfg.batch},
-      {"precision", precision_name(cfg.precision, cfg.bf16_pure)},
-      {"recompute_requested", cfg.recompute.name()},
-      {"head_chunk", cfg.head_chunk},
-      {"deterministic_attention_backward", cfg.deterministic},
+      {"precision", precision_name(cfg.precision, cfg.options.bf16_pure)},
+      {"recompute_requested", cfg.options.recompute.name()},
+      {"head_chunk", cfg.options.head_chunk},
+      {"deterministic_attention_backward", cfg.options.deterministic},
       {"warmup", cfg.warmup},
       {"steps", cfg.steps},
       {"nccl_max_ctas", cfg.nccl_max_ctas > 0 ? nlohmann::json(cfg.nccl_max_ctas) : nlohmann::json()},

@@ -35,21 +35,15 @@ constexpr double kMiB = 1024.0 * 1024.0;
 void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, bool bf16_pure, AttentionImpl impl,
              std::vector<LmBenchRecord*>& rows) {
   const Device dev = cfg.device;
-  ModelOptions options;
+  ModelOptions options = cfg.options;
   options.attention = impl;
-  options.recompute = cfg.recompute;
   options.bf16_pure = bf16_pure;
   // bf16-pure keeps bf16 moments by itself (ModelOptions::check_optimizer_state).
-  options.optimizer_state = bf16_pure ? OptimizerState::fp32 : cfg.optimizer_state;
+  if (bf16_pure) options.optimizer_state = OptimizerState::fp32;
   options.moment_rounding_seed = 1;  // the seed of the weights below
-  options.head_chunk = cfg.head_chunk;
-  options.deterministic = cfg.deterministic;
-  options.overlap_grad_norm = cfg.overlap_grad_norm;
-  options.cuda_graph = cfg.cuda_graph;
   // The plan before anything is allocated: printed, and refused (an "oom" row) when it cannot fit.
-  const int64_t available = dev == Device::cuda ? cuda_free_memory_bytes() : -1;
-  const MemoryPlan plan = plan_model_memory(mc, cfg.batch, mc.context, dev, precision, options, available);
-  options.recompute = plan.recompute;
+  int64_t available = -1;
+  const MemoryPlan plan = resolve_model_memory(mc, cfg.batch, mc.context, dev, precision, options, available);
   for (LmBenchRecord* rec : rows) {
     rec->recompute = plan.recompute.name();
     rec->plan_mib = double(plan.total_bytes()) / kMiB;
@@ -212,8 +206,8 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             r.batch = cfg.batch;
             r.precision = precision_name(precision, bf16_pure);
             // fp32 masters with bf16 moments: the row says so ("bf16, bf16-sr moments").
-            if (!bf16_pure && cfg.optimizer_state != OptimizerState::fp32) {
-              r.precision += fmt::format(", {} moments", optimizer_state_name(cfg.optimizer_state));
+            if (!bf16_pure && cfg.options.optimizer_state != OptimizerState::fp32) {
+              r.precision += fmt::format(", {} moments", optimizer_state_name(cfg.options.optimizer_state));
             }
             r.attention = std::string(attention_impl_name(impl));
             r.pass = pass;

@@ -17,7 +17,7 @@ ReportFormat parse_report_format(std::string_view name) {
   if (name == "md" || name == "markdown") return ReportFormat::md;
   if (name == "csv") return ReportFormat::csv;
   if (name == "json") return ReportFormat::json;
-  fail("unknown format '{}': expected md, csv or json", name);
+  fail_argument("unknown format '{}': expected md, csv or json", name);
 }
 
 namespace {

@@ -35,6 +35,10 @@ template <class... Args>
 [[noreturn]] void fail(std::string_view format, const Args&... args) {
   throw Error(detail::format_braces(format, {detail::arg_string(args)...}));
 }
+template <class... Args>
+[[noreturn]] void fail_argument(std::string_view format, const Args&... args) {
+  throw InvalidArgument(detail::format_braces(format, {detail::arg_string(args)...}));
+}
 }  // namespace flashlm
 #else
 #include <fmt/format.h>
@@ -43,6 +47,11 @@ namespace flashlm {
 template <class... Args>
 [[noreturn]] void fail(fmt::format_string<Args...> format, Args&&... args) {
   throw Error(fmt::format(format, std::forward<Args>(args)...));
+}
+// As fail, for the caller's own input (flashlm::InvalidArgument: a usage error at the CLI).
+template <class... Args>
+[[noreturn]] void fail_argument(fmt::format_string<Args...> format, Args&&... args) {
+  throw InvalidArgument(fmt::format(format, std::forward<Args>(args)...));
 }
 }  // namespace flashlm
 #endif
@@ -75,4 +84,9 @@ size_t checked_size(std::initializer_list<int64_t> factors, std::string_view wha
 #define FLASHLM_CHECK(cond, ...)               \
   do {                                         \
     if (!(cond)) ::flashlm::fail(__VA_ARGS__); \
+  } while (0)
+// FLASHLM_CHECK_ARG(cond, "fmt", args...): the same for the caller's input (flashlm::InvalidArgument).
+#define FLASHLM_CHECK_ARG(cond, ...)                    \
+  do {                                                  \
+    if (!(cond)) ::flashlm::fail_argument(__VA_ARGS__); \
   } while (0)

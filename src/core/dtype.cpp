@@ -32,7 +32,7 @@ DType parse_dtype(std::string_view name) {
   if (name == "fp16" || name == "float16" || name == "f16" || name == "half") return DType::f16;
   if (name == "bf16" || name == "bfloat16") return DType::bf16;
   if (name == "fp8_e4m3" || name == "fp8" || name == "float8_e4m3fn" || name == "e4m3") return DType::f8e4m3;
-  fail("unknown dtype '{}': expected one of fp64, fp32, fp16, bf16, fp8_e4m3", name);
+  fail_argument("unknown dtype '{}': expected one of fp64, fp32, fp16, bf16, fp8_e4m3", name);
 }
 
 }  // namespace flashlm

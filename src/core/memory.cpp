@@ -146,7 +146,7 @@ std::string_view device_name(Device d) { return d == Device::cpu ? "cpu" : "cuda
 Device parse_device(std::string_view name) {
   if (name == "cpu") return Device::cpu;
   if (name == "cuda" || name == "gpu") return Device::cuda;
-  fail("unknown device '{}': expected cpu or cuda", name);
+  fail_argument("unknown device '{}': expected cpu or cuda", name);
 }
 
 void memory_timeline_start() {

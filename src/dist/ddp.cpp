@@ -42,14 +42,14 @@ DdpVariant parse_ddp_variant(std::string_view name) {
        {DdpVariant::per_param, DdpVariant::flat, DdpVariant::async, DdpVariant::bucketed, DdpVariant::fsdp}) {
     if (name == ddp_variant_name(v)) return v;
   }
-  fail("unknown DDP variant '{}': expected per-param, flat, async, bucketed or fsdp", name);
+  fail_argument("unknown DDP variant '{}': expected per-param, flat, async, bucketed or fsdp", name);
 }
 
 DType parse_reduce_dtype(std::string_view name) {
   for (DType t : {DType::f32, DType::bf16, DType::f16}) {
     if (name == dtype_name(t)) return t;
   }
-  fail("unknown gradient reduction type '{}': expected fp32, bf16 or fp16", name);
+  fail_argument("unknown gradient reduction type '{}': expected fp32, bf16 or fp16", name);
 }
 
 namespace {

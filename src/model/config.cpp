@@ -2,13 +2,14 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <numbers>
+#include <span>
 #include <sstream>
 #include <utility>
 
 #include "core/check.h"
+#include "core/file.h"
 #include "core/json.h"
 #include "flashlm/model.h"
 
@@ -21,28 +22,33 @@ int64_t ParameterInfo::numel() const {
 }
 
 void ModelConfig::validate() const {
-  FLASHLM_CHECK(vocab >= 2, "model: vocab = {}, expected at least 2", vocab);
-  FLASHLM_CHECK(context >= 1 && context <= kMaxContext, "model: context = {}, expected 1 to {}", context, kMaxContext);
+  FLASHLM_CHECK_ARG(vocab >= 2, "model: vocab = {}, expected at least 2", vocab);
+  FLASHLM_CHECK_ARG(context >= 1 && context <= kMaxContext, "model: context = {}, expected 1 to {}", context,
+                    kMaxContext);
   // The layout holds an entry per layer's weight: a layer count is bounded before it is looped over.
-  FLASHLM_CHECK(layers >= 1 && layers <= kMaxLayers, "model: layers = {}, expected 1..{}", layers, kMaxLayers);
-  FLASHLM_CHECK(d_model >= 1, "model: d_model = {}, expected at least 1", d_model);
-  FLASHLM_CHECK(heads >= 1 && d_model % heads == 0, "model: d_model = {} is not a multiple of heads = {}", d_model,
-                heads);
-  FLASHLM_CHECK(head_dim() % 2 == 0, "model: head_dim = d_model / heads = {} must be even for RoPE", head_dim());
-  FLASHLM_CHECK(d_ff >= 1, "model: d_ff = {}, expected at least 1", d_ff);
-  FLASHLM_CHECK(vocab < (int64_t{1} << 31), "model: vocab = {} does not fit int32 token ids", vocab);
-  FLASHLM_CHECK(rope_theta > 0 && std::isfinite(rope_theta), "model: rope_theta = {}, expected a positive number",
-                rope_theta);
-  FLASHLM_CHECK(norm_eps > 0 && norm_eps < 1, "model: norm_eps = {}, expected in (0, 1)", norm_eps);
+  FLASHLM_CHECK_ARG(layers >= 1 && layers <= kMaxLayers, "model: layers = {}, expected 1..{}", layers, kMaxLayers);
+  FLASHLM_CHECK_ARG(d_model >= 1, "model: d_model = {}, expected at least 1", d_model);
+  FLASHLM_CHECK_ARG(heads >= 1 && d_model % heads == 0, "model: d_model = {} is not a multiple of heads = {}",
+                    d_model, heads);
+  FLASHLM_CHECK_ARG(head_dim() % 2 == 0, "model: head_dim = d_model / heads = {} must be even for RoPE", head_dim());
+  FLASHLM_CHECK_ARG(d_ff >= 1, "model: d_ff = {}, expected at least 1", d_ff);
+  FLASHLM_CHECK_ARG(vocab < (int64_t{1} << 31), "model: vocab = {} does not fit int32 token ids", vocab);
+  FLASHLM_CHECK_ARG(rope_theta > 0 && std::isfinite(rope_theta),
+                    "model: rope_theta = {}, expected a positive number", rope_theta);
+  FLASHLM_CHECK_ARG(norm_eps > 0 && norm_eps < 1, "model: norm_eps = {}, expected in (0, 1)", norm_eps);
   // The parameter count, and its size in fp32 bytes, fit int64 (embedding, head, and per layer
   // 4 d² + 3 d·d_ff + 2 d): the models size their buffers from it unchecked.
   constexpr std::string_view what = "model: parameter count";
-  const int64_t per_layer = checked_add(
-      checked_add(checked_product({4, d_model, d_model}, what), checked_product({3, d_model, d_ff}, what), what),
-      2 * d_model, what);
-  const int64_t total =
-      checked_add(checked_product({2, vocab, d_model}, what), checked_mul(layers, per_layer, what), what);
-  checked_mul(total, int64_t{sizeof(float)}, "model: parameter bytes");
+  try {
+    const int64_t per_layer = checked_add(
+        checked_add(checked_product({4, d_model, d_model}, what), checked_product({3, d_model, d_ff}, what), what),
+        2 * d_model, what);
+    const int64_t total =
+        checked_add(checked_product({2, vocab, d_model}, what), checked_mul(layers, per_layer, what), what);
+    checked_mul(total, int64_t{sizeof(float)}, "model: parameter bytes");
+  } catch (const Error& e) {
+    throw InvalidArgument(e.what());  // sizes the caller gave
+  }
 }
 
 ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t vocab) {
@@ -54,7 +60,7 @@ ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t v
                                    {"medium", 1024, 4096, 24, 16, 10000},   {"large", 1280, 5120, 36, 20, 10000},
                                    {"xl", 1600, 6400, 48, 25, 10000},       {"2.7B", 2560, 10240, 32, 32, 10000},
                                    {"cs336-8b", 4096, 11008, 34, 32, 151936}};
-  FLASHLM_CHECK(vocab >= 0, "model: vocab = {}, expected >= 0 (0: the size's own)", vocab);
+  FLASHLM_CHECK_ARG(vocab >= 0, "model: vocab = {}, expected >= 0 (0: the size's own)", vocab);
   for (const Size& s : sizes) {
     if (s.name == name) {
       ModelConfig c;
@@ -67,28 +73,38 @@ ModelConfig ModelConfig::named(std::string_view name, int64_t context, int64_t v
       return c;
     }
   }
-  fail("unknown model size '{}': expected tiny, small, medium, large, xl, 2.7B or cs336-8b", name);
+  fail_argument("unknown model size '{}': expected tiny, small, medium, large, xl, 2.7B or cs336-8b", name);
 }
 
-ModelConfig ModelConfig::from_json(std::string_view text) {
-  nlohmann::json j = parse_untrusted_json(text, "model config", 1 << 20);
-  FLASHLM_CHECK(j.is_object(), "model config: expected a JSON object, got {}", j.type_name());
+ModelConfig ModelConfig::from_json(std::string_view text, std::vector<std::string>* keys_given) {
+  // A model config is the user's own input: a file that is not a bounded JSON object is a usage error.
+  nlohmann::json j;
+  try {
+    j = parse_untrusted_json(text, "model config", 1 << 20);
+  } catch (const InvalidArgument&) {
+    throw;
+  } catch (const Error& e) {
+    throw InvalidArgument(e.what());
+  }
+  FLASHLM_CHECK_ARG(j.is_object(), "model config: expected a JSON object, got {}", j.type_name());
   ModelConfig c;
   if (j.contains("base")) {
-    FLASHLM_CHECK(j["base"].is_string(), "model config: \"base\" must be a size name, got {}", j["base"].dump());
+    FLASHLM_CHECK_ARG(j["base"].is_string(), "model config: \"base\" must be a size name, got {}", json_excerpt(j["base"]));
     c = named(j["base"].get<std::string>(), c.context);
   }
   auto integer = [&](const char* key, int64_t& field) {
     const nlohmann::json& v = j[key];
-    FLASHLM_CHECK(v.is_number_integer(), "model config: \"{}\" must be an integer, got {}", key, v.dump());
+    FLASHLM_CHECK_ARG(v.is_number_integer(), "model config: \"{}\" must be an integer, got {}", key, json_excerpt(v));
     field = v.get<int64_t>();
   };
   auto number = [&](const char* key, double& field) {
     const nlohmann::json& v = j[key];
-    FLASHLM_CHECK(v.is_number(), "model config: \"{}\" must be a number, got {}", key, v.dump());
+    FLASHLM_CHECK_ARG(v.is_number(), "model config: \"{}\" must be a number, got {}", key, json_excerpt(v));
     field = v.get<double>();
   };
+  if (keys_given) keys_given->clear();
   for (const auto& [key, value] : j.items()) {
+    if (keys_given) keys_given->push_back(key);
     if (key == "base") continue;
     if (key == "vocab") integer("vocab", c.vocab);
     else if (key == "context") integer("context", c.context);
@@ -98,26 +114,30 @@ ModelConfig ModelConfig::from_json(std::string_view text) {
     else if (key == "heads") integer("heads", c.heads);
     else if (key == "rope_theta") number("rope_theta", c.rope_theta);
     else if (key == "norm_eps") number("norm_eps", c.norm_eps);
-    else fail("model config: unknown key \"{}\" (expected base, vocab, context, d_model, d_ff, layers, heads, "
-              "rope_theta, norm_eps)", key);
+    else fail_argument("model config: unknown key {} (expected base, vocab, context, d_model, d_ff, layers, "
+                       "heads, rope_theta, norm_eps)", json_excerpt(nlohmann::json(key)));
   }
   c.validate();
   return c;
 }
 
-ModelConfig ModelConfig::from_json_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  FLASHLM_CHECK(in.good(), "model config: cannot open '{}'", path);
-  // A model description is a few hundred bytes; refuse anything large instead of reading it whole.
-  constexpr std::streamsize kMaxBytes = 1 << 20;
-  std::string text(size_t(kMaxBytes) + 1, '\0');
-  in.read(text.data(), kMaxBytes + 1);
-  FLASHLM_CHECK(in.gcount() <= kMaxBytes, "model config: '{}' is larger than 1 MiB", path);
-  text.resize(size_t(in.gcount()));
+ModelConfig ModelConfig::from_json_file(const std::string& path, std::vector<std::string>* keys_given) {
+  std::string text;
   try {
-    return from_json(text);
+    // ReadOnlyFile refuses a FIFO or a device (a FIFO without a writer would block the read forever).
+    const ReadOnlyFile file(path, "model config");
+    // A model description is a few hundred bytes; refuse anything large instead of reading it whole.
+    constexpr uint64_t kMaxBytes = 1 << 20;
+    FLASHLM_CHECK(file.size() <= kMaxBytes, "model config: '{}' is larger than 1 MiB", path);
+    text.resize(size_t(file.size()));
+    file.read_at(0, std::as_writable_bytes(std::span(text)));
   } catch (const Error& e) {
-    fail("{} (in '{}')", e.what(), path);
+    throw InvalidArgument(e.what());  // the path is the caller's argument
+  }
+  try {
+    return from_json(text, keys_given);
+  } catch (const Error& e) {
+    fail_argument("{} (in '{}')", e.what(), path);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "core/cuda_runtime.h"
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "model/activations.h"
@@ -22,13 +23,13 @@ RecomputePlan RecomputePlan::parse(std::string_view text) {
     const std::string_view k = text.substr(7);
     int64_t every = 0;
     const auto [end, ec] = std::from_chars(k.data(), k.data() + k.size(), every);
-    FLASHLM_CHECK(ec == std::errc() && end == k.data() + k.size() && every >= 1 && every <= 4096,
-                  "recompute: '{}': expected blocks:K with K a whole number in [1, 4096]", text);
+    FLASHLM_CHECK_ARG(ec == std::errc() && end == k.data() + k.size() && every >= 1 && every <= 4096,
+                      "recompute: '{}': expected blocks:K with K a whole number in [1, 4096]", text);
     p.kind = Kind::blocks;
     p.every = every;
     return p;
   }
-  fail("recompute: unknown plan '{}': expected none, blocks, blocks:K, selective or auto", text);
+  fail_argument("recompute: unknown plan '{}': expected none, blocks, blocks:K, selective or auto", text);
 }
 
 std::string RecomputePlan::name() const {
@@ -48,15 +49,15 @@ void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure) {
     return;
   }
   dtype = parse_dtype(text);
-  FLASHLM_CHECK(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16,
-                "precision: '{}': expected fp32, bf16, fp16 or bf16-pure", text);
+  FLASHLM_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16,
+                    "precision: '{}': expected fp32, bf16, fp16 or bf16-pure", text);
 }
 
 OptimizerState parse_optimizer_state(std::string_view text) {
   if (text == "fp32") return OptimizerState::fp32;
   if (text == "bf16") return OptimizerState::bf16;
   if (text == "bf16-sr") return OptimizerState::bf16_sr;
-  fail("optimizer state: '{}': expected fp32, bf16 or bf16-sr", text);
+  fail_argument("optimizer state: '{}': expected fp32, bf16 or bf16-sr", text);
 }
 
 std::string_view optimizer_state_name(OptimizerState s) {
@@ -69,10 +70,10 @@ std::string_view optimizer_state_name(OptimizerState s) {
 }
 
 void ModelOptions::check_optimizer_state() const {
-  FLASHLM_CHECK(!bf16_pure || optimizer_state == OptimizerState::fp32,
-                "optimizer state: '{}' is for fp32 master weights; bf16-pure keeps its moments in bf16 (rounded to "
-                "nearest) already: leave --optimizer-state at fp32",
-                optimizer_state_name(optimizer_state));
+  FLASHLM_CHECK_ARG(!bf16_pure || optimizer_state == OptimizerState::fp32,
+                    "optimizer state: '{}' is for fp32 master weights; bf16-pure keeps its moments in bf16 (rounded "
+                    "to nearest) already: leave --optimizer-state at fp32",
+                    optimizer_state_name(optimizer_state));
 }
 
 std::string precision_name(DType dtype, bool bf16_pure) {
@@ -347,6 +348,14 @@ std::string MemoryPlan::format() const {
   out += fmt::format("  {:<62} {:>9.2f} GiB", "total", double(total_bytes()) / kGiB);
   if (!reason.empty()) out += "\n  " + reason;
   return out;
+}
+
+MemoryPlan resolve_model_memory(const ModelConfig& config, int64_t batch, int64_t seq, Device device, DType precision,
+                                ModelOptions& options, int64_t& available_bytes) {
+  available_bytes = device == Device::cuda ? cuda_free_memory_bytes() : -1;
+  MemoryPlan plan = plan_model_memory(config, batch, seq, device, precision, options, available_bytes);
+  options.recompute = plan.recompute;
+  return plan;
 }
 
 void check_memory_plan(const MemoryPlan& plan, int64_t available_bytes, std::string_view device_label) {

@@ -175,7 +175,7 @@ std::vector<RunSetting> run_settings(const TrainConfig& cfg, const DataSources& 
   add("resume", cfg.resume);
   add("init", cfg.init.empty() ? "none" : "a file");  // rank 0's weights are broadcast; all must mean to start from one
   add("seed", cfg.seed);
-  add("attention", attention_impl_name(cfg.attention));
+  add("attention", attention_impl_name(cfg.options.attention));
   add("device", device_name(cfg.device));
   add("precision", dtype_name(cfg.precision));
   add("ddp.variant", ddp_variant_name(cfg.ddp.variant));
@@ -267,15 +267,8 @@ TrainResult train(const TrainConfig& cfg) {
   auto say = [&](const std::string& line) {
     if (cfg.progress && root) cfg.progress(line);
   };
-  ModelOptions options;
-  options.attention = cfg.attention;
-  options.recompute = cfg.recompute;
-  options.bf16_pure = cfg.bf16_pure;
-  options.optimizer_state = cfg.optimizer_state;
+  ModelOptions options = cfg.options;
   options.moment_rounding_seed = cfg.seed;
-  options.head_chunk = cfg.head_chunk;
-  options.deterministic = cfg.deterministic;
-  options.cuda_graph = cfg.cuda_graph;
   // ZeRO-1 and FSDP keep this rank's shard of the moments, not the model (DdpModel releases its own).
   if (cfg.comm && (cfg.zero1 || cfg.ddp.variant == DdpVariant::fsdp)) options.optimizer_shards = world;
   // FSDP: the model allocates no flat parameters or gradients; this rank's shards and the gathered parts'
@@ -289,13 +282,13 @@ TrainResult train(const TrainConfig& cfg) {
   }
   // bf16-pure under data parallelism: FSDP's bf16 shards are its parameters; DDP and ZeRO-1 reduce and update
   // the fp32 masters that bf16-pure does not keep.
-  FLASHLM_CHECK(!cfg.bf16_pure || !cfg.comm || sharded,
+  FLASHLM_CHECK(!cfg.options.bf16_pure || !cfg.comm || sharded,
                 "train: bf16-pure keeps no fp32 masters for DDP or ZeRO-1 to reduce and update: use --ddp fsdp (bf16 "
                 "shards), or --precision bf16");
   // The memory plan, printed before anything is allocated and refused when it cannot fit.
-  const int64_t available = cfg.device == Device::cuda ? cuda_free_memory_bytes() : -1;
-  const MemoryPlan plan = plan_model_memory(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options, available);
-  options.recompute = plan.recompute;
+  int64_t available = -1;
+  const MemoryPlan plan =
+      resolve_model_memory(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options, available);
   say(fmt::format("memory plan (recompute {}):\n{}", plan.recompute.name(), plan.format()));
   check_memory_plan(plan, available, "the GPU");
   const std::unique_ptr<LanguageModel> model_ptr =
@@ -382,10 +375,10 @@ TrainResult train(const TrainConfig& cfg) {
   say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}{}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
                   model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
-                  device_name(cfg.device), precision_name(cfg.precision, cfg.bf16_pure),
-                  cfg.optimizer_state == OptimizerState::fp32
+                  device_name(cfg.device), precision_name(cfg.precision, cfg.options.bf16_pure),
+                  cfg.options.optimizer_state == OptimizerState::fp32
                       ? std::string()
-                      : fmt::format(" with {} AdamW moments", optimizer_state_name(cfg.optimizer_state)),
+                      : fmt::format(" with {} AdamW moments", optimizer_state_name(cfg.options.optimizer_state)),
                   data.train_name,
                   data.train.size(), cfg.batch, cfg.seq,
                   data.best_possible_loss > 0 ? fmt::format("; best possible loss {:.4f}", data.best_possible_loss)

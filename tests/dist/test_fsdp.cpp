@@ -885,7 +885,7 @@ TrainConfig synthetic_lm_run(int64_t steps) {
 TEST(FsdpBf16Pure, DdpAndZeroOneRefuseNamingFsdp) {
   TrainConfig cfg = synthetic_lm_run(1);
   cfg.precision = DType::bf16;
-  cfg.bf16_pure = true;
+  cfg.options.bf16_pure = true;
   for (bool zero1 : {false, true}) {
     cfg.zero1 = zero1;
     try {
@@ -901,7 +901,7 @@ TEST(FsdpBf16Pure, DdpAndZeroOneRefuseNamingFsdp) {
 // fp32 moment shards, refuse them by name; plain DDP (each rank steps its own model) trains with them.
 TEST(DdpBf16Moments, ZeroOneAndFsdpRefuseAndDdpTrains) {
   TrainConfig cfg = synthetic_lm_run(2);
-  cfg.optimizer_state = OptimizerState::bf16;
+  cfg.options.optimizer_state = OptimizerState::bf16;
   for (const bool fsdp : {false, true}) {
     TrainConfig c = cfg;
     c.zero1 = !fsdp;

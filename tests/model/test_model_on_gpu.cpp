@@ -395,7 +395,7 @@ TEST(CudaModel, Bf16MomentsResumeBitExactly) {
       c.model = small_config();
       c.device = Device::cuda;
       c.precision = DType::bf16;
-      c.optimizer_state = state;
+      c.options.optimizer_state = state;
       c.batch = 2;
       c.seq = 64;
       c.steps = steps;

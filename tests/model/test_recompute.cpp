@@ -3,6 +3,9 @@
 // what is refused).
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -70,7 +73,7 @@ TEST(RecomputePlan, ParsesAndNamesEveryPlan) {
   }
   EXPECT_EQ(RecomputePlan::parse("blocks"), (RecomputePlan{RecomputePlan::Kind::blocks, 1}));
   for (const char* bad : {"", "block", "blocks:", "blocks:0", "blocks:-2", "blocks:3x", "blocks:99999", "Auto"}) {
-    EXPECT_THROW(RecomputePlan::parse(bad), Error) << bad;
+    EXPECT_THROW(RecomputePlan::parse(bad), InvalidArgument) << bad;  // a usage error at the CLI
   }
 }
 
@@ -87,7 +90,8 @@ TEST(ModelConfig, Cs3368bIsTheLeaderboardModel) {
   ModelConfig long_context = ModelConfig::named("tiny", ModelConfig::kMaxContext);
   EXPECT_NO_THROW(long_context.validate());
   long_context.context = ModelConfig::kMaxContext + 1;
-  EXPECT_THROW(long_context.validate(), Error);
+  EXPECT_THROW(long_context.validate(), InvalidArgument);
+  EXPECT_THROW(ModelConfig::named("huge"), InvalidArgument);
 }
 
 TEST(ModelConfig, FromJsonOverridesABaseAndRejectsWhatItDoesNotKnow) {
@@ -120,7 +124,25 @@ TEST(ModelConfig, FromJsonOverridesABaseAndRejectsWhatItDoesNotKnow) {
   std::ofstream(path) << R"({"base": "tiny", "layers": 3})";
   EXPECT_EQ(ModelConfig::from_json_file(path.string()).layers, 3);
   std::filesystem::remove(path);
-  EXPECT_THROW(ModelConfig::from_json_file(path.string()), Error);  // gone
+  EXPECT_THROW(ModelConfig::from_json_file(path.string()), InvalidArgument);  // gone
+  std::vector<std::string> keys;
+  ModelConfig::from_json(R"({"base": "tiny", "vocab": 1000})", &keys);
+  EXPECT_EQ(keys, (std::vector<std::string>{"base", "vocab"}));
+}
+
+// A FIFO with no writer is refused at once (std::ifstream blocked on it forever), as every file the project
+// reads: a usage error naming the path.
+TEST(ModelConfig, FromJsonFileRefusesAFifo) {
+  const auto path = std::filesystem::temp_directory_path() / "flashlm_test_model_config.fifo";
+  std::filesystem::remove(path);
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  try {
+    ModelConfig::from_json_file(path.string());
+    ADD_FAILURE() << "a FIFO was read as a model config";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("not a regular file (a FIFO)"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove(path);
 }
 
 TEST(CpuRecompute, GradientsAndUpdatesAreBitIdenticalToKeepingEverything) {
@@ -295,6 +317,21 @@ TEST(MemoryPlan, Bf16MomentsCountTwoBytesEach) {
   }
   o.bf16_pure = true;
   EXPECT_THROW(plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, o), Error);
+}
+
+// resolve_model_memory is the one "plan, resolve auto, write it back" step: the options it leaves hold the
+// plan it returns, and on the CPU it plans against no limit.
+TEST(MemoryPlan, ResolveWritesThePlansRecomputationBack) {
+  ModelOptions o;
+  o.recompute = RecomputePlan::parse("auto");
+  int64_t available = 0;
+  const MemoryPlan plan =
+      resolve_model_memory(ModelConfig::named("tiny", 16), 1, 16, Device::cpu, DType::f32, o, available);
+  EXPECT_EQ(available, -1);
+  EXPECT_EQ(plan.recompute, RecomputePlan{});  // no limit known: nothing recomputed
+  EXPECT_EQ(o.recompute, plan.recompute);
+  EXPECT_EQ(plan.total_bytes(),
+            plan_model_memory(ModelConfig::named("tiny", 16), 1, 16, Device::cpu, DType::f32, o).total_bytes());
 }
 
 TEST(MemoryPlan, BadRequestsAreErrors) {

@@ -186,7 +186,7 @@ TEST(Checkpoint, FieldsOfTheWrongTypeOrRangeNameTheFileAndTheField) {
 TEST(Checkpoint, ResumeRefusesAnotherOptimizerState) {
   const Saved s = saved_checkpoint("state.ckpt");  // fp32 moments
   TrainConfig bf16 = s.resume;
-  bf16.optimizer_state = OptimizerState::bf16;
+  bf16.options.optimizer_state = OptimizerState::bf16;
   expect_error([&] { train(bf16); },
                {s.path, "differs from this run in optimizer_state: the checkpoint has fp32, this run bf16"});
   CheckpointBytes c = CheckpointBytes::read(s.path);
@@ -202,12 +202,12 @@ TEST(Checkpoint, ResumeRefusesAnotherOptimizerState) {
   expect_error([&] { train(s.resume); },
                {s.path, "'optimizer_state' is \"fp8\", expected \"fp32\", \"bf16\" or \"bf16-sr\""});
   TrainConfig sr = small_run(2);
-  sr.optimizer_state = OptimizerState::bf16_sr;
+  sr.options.optimizer_state = OptimizerState::bf16_sr;
   sr.checkpoint = temp_path("sr.ckpt");
   train(sr);
   EXPECT_EQ(CheckpointBytes::read(sr.checkpoint).header.at("optimizer_state"), "bf16-sr");
   TrainConfig plain = sr;
-  plain.optimizer_state = OptimizerState::fp32;
+  plain.options.optimizer_state = OptimizerState::fp32;
   plain.steps = 3;
   plain.resume = true;
   expect_error([&] { train(plain); }, {sr.checkpoint, "optimizer_state: the checkpoint has bf16-sr, this run fp32"});

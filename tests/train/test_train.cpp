@@ -80,11 +80,11 @@ TEST(Train, Bf16MomentsResumeBitExactly) {
     SCOPED_TRACE(tag);
     const std::string full = temp_path(tag + "-full.ckpt"), half = temp_path(tag + "-half.ckpt");
     TrainConfig a = tiny_run(20);
-    a.optimizer_state = state;
+    a.options.optimizer_state = state;
     a.checkpoint = full;
     const TrainResult all = train(a);
     TrainConfig b = tiny_run(10);
-    b.optimizer_state = state;
+    b.options.optimizer_state = state;
     b.checkpoint = half;
     train(b);
     b.steps = 20;
