@@ -443,9 +443,9 @@ class CpuModel final : public LanguageModel {
 // rounds it once into the bf16 gradient; parameters() and gradients() then throw). The LM head and the loss
 // run in token chunks (ModelOptions::head_chunk): the logits of every token never exist at once. fp16 uses
 // dynamic loss scaling: the loss gradient is multiplied by loss_scale(); unscale_gradients() divides it
-// out, or reports an overflow (inf/nan), halves the scale and the caller skips the step; the scale
-// doubles after 2000 good steps in a row. Every call is asynchronous on the model's stream except those
-// that return host values (forward's loss, norms, copies). Built only with CUDA.
+// out, or reports an overflow (inf/nan), halves the scale and the caller skips the step (LossScaler). Every
+// call is asynchronous on the model's stream except those that return host values (forward's loss, norms,
+// copies). Built only with CUDA; its buffers are its private implementation's (src/model/cuda/model_impl.h).
 class CudaModel final : public LanguageModel {
  public:
   CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision,
