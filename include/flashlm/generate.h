@@ -45,7 +45,7 @@ class KvCacheDecoder {
   Buffer device_token_, host_logits_;  // CUDA: the token fed in, the logits brought back
   int64_t position_ = 0;
 
-  void step_rows_cuda(int32_t token);  // decoder_cuda.cpp: the CUDA step; the logits land in host_logits_
+  void step_rows_cuda(int32_t token);  // model/cuda/decoder.cpp: the CUDA step; the logits land in host_logits_
 
   const float* param(const std::string& name) const;
   const float* layer_param(int64_t layer, std::string_view name) const;  // "layers.<layer>.<name>"

@@ -227,58 +227,82 @@ struct StepResult {
   bool updated = true;
 };
 
-// What the training loop and the benchmark need from a model, whatever device it runs on.
+class AdamWState;  // src/optim/adamw_state.h
+class LossScaler;  // src/optim/loss_scaler.h
+
+// What the training loop, the benchmarks and data parallelism need from a model, whatever device it runs
+// on. The optimizer's state (AdamW moments and step count) and fp16's loss scale are parts the models share
+// (src/optim/): what reads them is not virtual.
 class LanguageModel {
  public:
-  virtual ~LanguageModel() = default;
+  virtual ~LanguageModel();
+  LanguageModel(const LanguageModel&) = delete;
+  LanguageModel& operator=(const LanguageModel&) = delete;
+
+  // --- What the model is.
   virtual const ModelConfig& config() const = 0;
+  // The order and shapes of every parameter (parameter_layout(config())).
+  virtual const std::vector<ParameterInfo>& layout() const = 0;
   virtual int64_t parameter_count() const = 0;
   virtual Device device() const = 0;
   virtual DType precision() const = 0;
   // Parameters, gradients and moments stored in precision() itself, without fp32 masters (CudaModel's
   // bf16-pure). Such a model has no parameters()/gradients() in fp32 to hand to data parallelism.
   virtual bool bf16_pure() const { return false; }
-  // How the AdamW moments are stored beside the fp32 masters (ModelOptions::optimizer_state).
-  virtual OptimizerState optimizer_state() const { return OptimizerState::fp32; }
+  // The type of the copy of the weights the GEMMs read: precision() for CudaModel's bf16/fp16 mixed
+  // precision (working_parameters()), fp32 otherwise.
+  virtual DType working_dtype() const { return DType::f32; }
+  // Built with ModelOptions::external_parameters: FSDP's sharded storage holds parameters and gradients.
+  virtual bool external_parameters() const { return false; }
+
+  // --- The step.
   virtual void init_parameters(uint64_t seed) = 0;
   // tokens, targets: host arrays [batch, seq]; returns the mean cross-entropy.
   virtual double forward(const int32_t* tokens, const int32_t* targets) = 0;
   virtual void backward() = 0;
   virtual void zero_grad() = 0;
-  // fp16 loss scaling: divides the scale out of the gradients, or returns false on an overflow (skip the
-  // step). Always true for the other precisions.
-  virtual bool unscale_gradients() = 0;
-  virtual double loss_scale() const = 0;
-  // The dynamic loss scale's state (fp16): the scale and the good steps in a row since it last changed, so
-  // that a checkpoint resumes it; restore_loss_scale refuses a scale that is not finite and positive or a
-  // count outside [0, the growth interval). The other precisions keep a scale of 1 and no count.
-  static constexpr double kInitialLossScale = 65536.0;
-  static constexpr int64_t kLossScaleGrowthInterval = 2000;  // good steps in a row that double the scale
-  virtual int64_t loss_scale_good_steps() const { return 0; }
-  virtual void restore_loss_scale(double scale, int64_t good_steps);
-  virtual double clip_gradients(double max_norm) = 0;  // returns the norm before clipping
-  virtual void adamw_step(const AdamWConfig& c, double lr) = 0;
-  virtual int64_t optimizer_steps() const = 0;
   // One training step on one batch (host arrays as forward's): zero_grad, forward, backward and
   // optimizer_step (below) at lr. CudaModel replays it as one CUDA graph where it can (ModelOptions::cuda_graph).
   virtual StepResult train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& c, double lr);
   // How train_step runs: "on", or "off: <why>" ("" on a device without graphs).
   virtual std::string cuda_graph_status() const { return ""; }
+  virtual void synchronize() const {}  // waits for queued device work (for timing)
+
+  // --- The update after a backward (optimizer_step below runs the three in order).
+  // fp16 loss scaling: divides the scale out of the gradients, or returns false on an overflow (skip the
+  // step). Always true for the other precisions.
+  virtual bool unscale_gradients() = 0;
+  virtual double clip_gradients(double max_norm) = 0;  // returns the norm before clipping
+  virtual void adamw_step(const AdamWConfig& c, double lr) = 0;
+
+  // --- The optimizer's state.
+  // How the AdamW moments are stored beside the fp32 masters (ModelOptions::optimizer_state).
+  OptimizerState optimizer_state() const;
+  int64_t optimizer_steps() const;  // AdamW steps taken (or loaded)
   // Frees the AdamW moments and restarts the step count at 0 (the next own step starts from zero moments,
   // as a new optimizer would): for data parallelism whose sharded optimizer keeps the state instead (ZeRO-1,
   // FSDP), so that a rank does not hold both. No-op for a model that has taken no step.
   virtual void release_optimizer_state() = 0;
-  // Checkpoints: fp32 master parameters and AdamW moments, host arrays of parameter_count() floats each
+
+  // --- The loss scale (fp16's dynamic one; the other precisions keep a scale of 1 and no count).
+  // The scale and the good steps in a row since it last changed, so that a checkpoint resumes it;
+  // restore_loss_scale refuses a scale that is not finite and positive or a count outside [0, the growth
+  // interval), and on a model without loss scaling anything but (1, 0).
+  static constexpr double kInitialLossScale = 65536.0;
+  static constexpr int64_t kLossScaleGrowthInterval = 2000;  // good steps in a row that double the scale
+  double loss_scale() const;
+  int64_t loss_scale_good_steps() const;
+  void restore_loss_scale(double scale, int64_t good_steps);
+
+  // --- Checkpoints: fp32 master parameters and AdamW moments, host arrays of parameter_count() floats each
   // (another size is an Error naming the argument), and the AdamW step count (>= 0).
   virtual void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const = 0;
   virtual void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
                           int64_t optimizer_steps) = 0;
-  virtual void synchronize() const {}  // waits for queued device work (for timing)
 
-  // For data parallelism (flashlm/ddp.h), which reduces the gradients and may update the parameters in
-  // place: the layout, the flat fp32 master parameters and gradients in device() memory, and the stream the
-  // model queues its work on (CUDA; nullptr on the CPU).
-  virtual const std::vector<ParameterInfo>& layout() const = 0;
+  // --- For data parallelism (flashlm/ddp.h), which reduces the gradients and may update the parameters in
+  // place: the flat fp32 master parameters and gradients in device() memory, and the stream the model
+  // queues its work on (CUDA; nullptr on the CPU).
   virtual float* parameters() const = 0;
   virtual float* gradients() const = 0;
   virtual void* stream() const { return nullptr; }
@@ -306,12 +330,18 @@ class LanguageModel {
   // they are null until the hooks' owner (FsdpParameters) fills them, and the model reads them only between
   // a part's needed and done calls (and its gradients after the gradients-needed call).
   std::span<ParameterStorage> parameter_storage() { return storage_; }
-  virtual bool external_parameters() const { return false; }
-  // The type of the copy of the weights the GEMMs read: precision() for CudaModel's bf16/fp16 mixed
-  // precision (working_parameters()), fp32 otherwise.
-  virtual DType working_dtype() const { return DType::f32; }
 
  protected:
+  LanguageModel();
+  // For a model's constructor, before anything reads them: its optimizer state, for `count` parameters in
+  // `device` memory with moments stored as `state` says (bf16_storage: in bf16 whatever it says, bf16-pure),
+  // and its loss scale (dynamic for fp16).
+  void init_optimizer_state(OptimizerState state, bool bf16_storage, int64_t count, Device device,
+                            bool dynamic_loss_scale);
+  AdamWState& adamw() { return *adamw_; }
+  const AdamWState& adamw() const { return *adamw_; }
+  LossScaler& loss_scaler() { return *loss_scaler_; }
+  const LossScaler& loss_scaler() const { return *loss_scaler_; }
   // For save_state and load_state (`caller` names it in errors): each array holds parameter_count() floats,
   // and the step count is not negative.
   void check_state_arrays(std::string_view caller, size_t params, size_t m, size_t v, int64_t optimizer_steps) const;
@@ -337,6 +367,8 @@ class LanguageModel {
   std::vector<ParameterStorage> storage_;
 
  private:
+  std::unique_ptr<AdamWState> adamw_;
+  std::unique_ptr<LossScaler> loss_scaler_;
   GradientsNeededHook gradients_needed_hook_;
   GradientReadyHook gradient_ready_hook_;
   ParametersNeededHook parameters_needed_hook_;
@@ -354,13 +386,12 @@ std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t bat
 std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
                                           DType precision, const ModelOptions& options);
 
-struct ActivationLayout;  // src/model/activations.h
-
 // A block's forward, or the part of it a recomputation needs: everything but the block's output (the last
 // block of a recomputed segment), or also without attention, whose output was kept (selective).
 enum class BlockPass { full, without_output, without_attention };
 
-// The LM on the CPU in fp32: forward, backward, AdamW.
+// The LM on the CPU in fp32: forward, backward, AdamW. Its buffers are its private implementation's
+// (src/model/model_cpu.cpp).
 class CpuModel final : public LanguageModel {
  public:
   CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, AttentionImpl attention = AttentionImpl::flash);
@@ -369,16 +400,16 @@ class CpuModel final : public LanguageModel {
   CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const ModelOptions& options);
   ~CpuModel() override;
 
-  const ModelConfig& config() const override { return config_; }
-  const std::vector<ParameterInfo>& layout() const override { return layout_; }
-  float* parameters() const override { return static_cast<float*>(params_.data()); }
-  float* gradients() const override { return static_cast<float*>(grads_.data()); }
-  int64_t parameter_count() const override { return n_params_; }
+  const ModelConfig& config() const override;
+  const std::vector<ParameterInfo>& layout() const override;
+  float* parameters() const override;
+  float* gradients() const override;
+  int64_t parameter_count() const override;
   Device device() const override { return Device::cpu; }
   DType precision() const override { return DType::f32; }
-  size_t activation_bytes() const { return acts_.bytes() + stats_.bytes(); }
-  const RecomputePlan& recompute() const { return options_.recompute; }
-  bool external_parameters() const override { return options_.external_parameters; }
+  size_t activation_bytes() const;
+  const RecomputePlan& recompute() const;
+  bool external_parameters() const override;
 
   // Normal(0, 0.02) weights (truncated at 3 sigma), unit RMSNorm gains; reproducible per seed.
   void init_parameters(uint64_t seed) override;
@@ -392,7 +423,6 @@ class CpuModel final : public LanguageModel {
   void backward() override;
   void zero_grad() override;
   bool unscale_gradients() override { return true; }
-  double loss_scale() const override { return 1.0; }
 
   // Global L2 norm of gradients(); clip_gradients scales them to at most max_norm and returns the norm
   // before clipping.
@@ -401,41 +431,16 @@ class CpuModel final : public LanguageModel {
 
   // One AdamW step (decoupled weight decay, bias-corrected) with learning rate lr.
   void adamw_step(const AdamWConfig& c, double lr) override;
-  int64_t optimizer_steps() const override { return adam_step_; }
-  OptimizerState optimizer_state() const override { return options_.optimizer_state; }
   void release_optimizer_state() override;
   void save_state(std::span<float> params, std::span<float> m, std::span<float> v) const override;
   void load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
                   int64_t optimizer_steps) override;
 
  private:
-  bool bf16_moments() const { return options_.optimizer_state != OptimizerState::fp32; }
-  ModelConfig config_;
-  int64_t batch_, seq_;
-  ModelOptions options_;
-  std::vector<ParameterInfo> layout_;
-  int64_t n_params_ = 0;
-  // acts_: the activation values (ActivationLayout's), then the logits [n, vocab]; stats_: its fp32
-  // statistics (RMSNorm 1/rms, attention logsumexp).
-  Buffer params_, grads_, adam_m_, adam_v_, acts_, stats_, scratch_, rope_;
-  int64_t adam_step_ = 0;
-  const int32_t* tokens_ = nullptr;
-  const int32_t* targets_ = nullptr;
-
-  float* param(const std::string& name) const;  // through parameter_storage()
-  float* grad(const std::string& name) const;
-  void check_own_storage(std::string_view caller) const;  // flashlm::Error under external_parameters
-  float* act(int64_t offset) const { return static_cast<float*>(acts_.data()) + offset; }
-  float* stat(int64_t offset) const { return static_cast<float*>(stats_.data()) + offset; }
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
   void forward_block(int64_t l, BlockPass pass);
-  std::unique_ptr<ActivationLayout> acts_layout_;
-  int64_t logits_offset_ = 0;
-  int64_t materialized_segment_ = -1;  // the segment whose blocks the working set holds
-  // RoPE tables [context, head_dim / 2] (cos, then sin) and the attention call of every layer (causal).
-  const float* rope_cos() const { return static_cast<const float*>(rope_.data()); }
-  const float* rope_sin() const { return rope_cos() + config_.context * (config_.head_dim() / 2); }
-  AttentionOptions attention_options() const;
-  void allocate_moments();
+  void check_own_storage(std::string_view caller) const;  // flashlm::Error under external_parameters
 };
 
 // The LM on one GPU. Activations and their gradients in `precision` (fp32, bf16 or fp16); master weights,
@@ -444,9 +449,9 @@ class CpuModel final : public LanguageModel {
 // rounds it once into the bf16 gradient; parameters() and gradients() then throw). The LM head and the loss
 // run in token chunks (ModelOptions::head_chunk): the logits of every token never exist at once. fp16 uses
 // dynamic loss scaling: the loss gradient is multiplied by loss_scale(); unscale_gradients() divides it
-// out, or reports an overflow (inf/nan), halves the scale and the caller skips the step; the scale
-// doubles after 2000 good steps in a row. Every call is asynchronous on the model's stream except those
-// that return host values (forward's loss, norms, copies). Built only with CUDA.
+// out, or reports an overflow (inf/nan), halves the scale and the caller skips the step (LossScaler). Every
+// call is asynchronous on the model's stream except those that return host values (forward's loss, norms,
+// copies). Built only with CUDA; its buffers are its private implementation's (src/model/cuda/model_impl.h).
 class CudaModel final : public LanguageModel {
  public:
   CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision,
@@ -470,7 +475,6 @@ class CudaModel final : public LanguageModel {
   Device device() const override { return Device::cuda; }
   DType precision() const override;
   bool bf16_pure() const override;
-  OptimizerState optimizer_state() const override;
   bool external_parameters() const override;
   DType working_dtype() const override;
   const RecomputePlan& recompute() const;
@@ -488,10 +492,6 @@ class CudaModel final : public LanguageModel {
   double gradient_norm() const;
   double clip_gradients(double max_norm) override;
   void adamw_step(const AdamWConfig& c, double lr) override;
-  double loss_scale() const override;
-  int64_t loss_scale_good_steps() const override;
-  void restore_loss_scale(double scale, int64_t good_steps) override;
-  int64_t optimizer_steps() const override;
   StepResult train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& c, double lr) override;
   std::string cuda_graph_status() const override;
   void release_optimizer_state() override;
@@ -506,7 +506,8 @@ class CudaModel final : public LanguageModel {
   void forward_block(int64_t l, BlockPass pass);
   void check_own_storage(std::string_view caller) const;  // flashlm::Error under external_parameters
   void queue_forward();  // forward's kernels, on the tokens and targets already on the device
-  // train_step captured into Impl's graph (false: capture failed, the reason is in the status).
+  // train_step captured into Impl's graph (false: capture failed, the reason is in the status;
+  // src/model/cuda/step_graph.cpp).
   bool capture_step();
 };
 

@@ -13,7 +13,7 @@ namespace flashlm {
 // fp32 statistics (RMSNorm 1/rms, attention logsumexp) into the statistics arena. Under recomputation
 // several blocks share the offsets of what they recompute (a working slot).
 // q, k and v follow one another, each aligned_elements(n · d_model) long: CudaModel holds them as one
-// [n, 3 · d_model] array in that span (qkv_view in model_cuda.cpp), the CPU model as three [n, d_model] ones.
+// [n, 3 · d_model] array in that span (qkv_view in cuda/model.cpp), the CPU model as three [n, d_model] ones.
 struct BlockActivations {
   int64_t x_in, h1, q, k, v, attn, x_mid, h2, u, g, s;  // values
   int64_t rstd1, rstd2, lse;                             // statistics

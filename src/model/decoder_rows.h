@@ -1,5 +1,5 @@
 // The working rows of one KvCacheDecoder step, shared by its CPU step (decoder.cpp) and its CUDA step
-// (decoder_cuda.cpp): one allocation on the decoder's device, cut into named rows.
+// (cuda/decoder.cpp): one allocation on the decoder's device, cut into named rows.
 #pragma once
 #include <cstdint>
 #include <utility>

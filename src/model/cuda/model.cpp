@@ -2,7 +2,8 @@
 // fp16), everything that accumulates across steps in fp32 — or, bf16-pure, everything in bf16 with each
 // backward's weight gradient accumulated in an fp32 buffer and rounded once. Host code: the layer kernels
 // are in model/cuda/ (ops_cuda.h; bf16_pure.h for the pure-bf16 ones), AdamW in optim/, the GEMMs in
-// gemm_cuda.cpp, attention in attention/cuda/.
+// gemm.cpp, attention in attention/cuda/; the step as a CUDA graph in step_graph.cpp, the private
+// implementation in model_impl.h.
 #include <cuda_runtime.h>
 
 #include <fmt/format.h>
@@ -22,6 +23,7 @@
 #include "flashlm/profile.h"
 #include "model/activations.h"
 #include "model/cuda/bf16_pure.h"
+#include "model/cuda/model_impl.h"
 #include "model/gemm_cuda.h"
 #include "model/lm_head.h"
 #include "model/ops_cpu.h"
@@ -29,357 +31,6 @@
 #include "optim/optimizer.h"
 
 namespace flashlm {
-
-namespace {
-
-// A stream of the model's own and the two events that order it against the model's stream (see
-// Impl::norms), destroyed after its queued work has run.
-struct SideStream {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ready = nullptr;  // recorded on the model's stream: what the side stream waits for
-  cudaEvent_t done = nullptr;   // recorded on the side stream: what the model's stream waits for
-  SideStream() {
-    FLASHLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
-    FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-  }
-  ~SideStream() {
-    cudaStreamSynchronize(stream);
-    cudaEventDestroy(done);
-    cudaEventDestroy(ready);
-    cudaStreamDestroy(stream);
-  }
-  SideStream(const SideStream&) = delete;
-  SideStream& operator=(const SideStream&) = delete;
-  // The side stream waits for what `main` has queued so far.
-  void follow(void* main) const {
-    FLASHLM_CUDA_CHECK(cudaEventRecord(ready, static_cast<cudaStream_t>(main)), "cudaEventRecord");
-    FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0), "cudaStreamWaitEvent");
-  }
-  // `main` waits for what the side stream has queued so far.
-  void join(void* main) const {
-    FLASHLM_CUDA_CHECK(cudaEventRecord(done, stream), "cudaEventRecord");
-    FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(main), done, 0), "cudaStreamWaitEvent");
-  }
-};
-
-// Calls fn(T{}) with the activation type of the model.
-template <class Fn>
-void with_precision(DType precision, Fn&& fn) {
-  switch (precision) {
-    case DType::f32: return fn(float{});
-    case DType::bf16: return fn(bf16_t{});
-    case DType::f16: return fn(fp16_t{});
-    default: fail("CudaModel: precision {} is not supported", dtype_name(precision));
-  }
-}
-
-// Host memory the GPU reads and writes while a graph runs (the copies of a graph need page-locked memory:
-// a copy from pageable memory would read the host array as it was at capture).
-template <class T>
-struct PinnedArray {
-  T* data = nullptr;
-  explicit PinnedArray(size_t count) {
-    FLASHLM_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data), count * sizeof(T)), "cudaMallocHost");
-  }
-  ~PinnedArray() { cudaFreeHost(data); }
-  PinnedArray(const PinnedArray&) = delete;
-  PinnedArray& operator=(const PinnedArray&) = delete;
-};
-
-// train_step as one CUDA graph (ModelOptions::cuda_graph). The step runs on a stream of its own, created
-// blocking so that it stays ordered with the legacy default stream the model may otherwise use (which
-// cannot be captured); its first call runs eagerly there (it allocates the moments, the cuBLASLt plans and
-// that stream's workspace, none of which may happen inside a capture), the second captures and launches.
-// The host arrays: `in` (this step's scalars, copied to the device by the graph's first node), `out` (the
-// scalars after clipping: the norm and the factor), `rows` (the per-token losses, copied back by the graph).
-struct StepGraph {
-  cudaStream_t stream = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  bool warmed_up = false;
-  std::string failure;  // why a capture failed: every later step is eager
-  Buffer scalars;       // DeviceStepScalars on the device
-  std::unique_ptr<PinnedArray<DeviceStepScalars>> in, out;
-  std::unique_ptr<PinnedArray<float>> rows;
-  // The host state a replay leaves behind (as the captured step's host code left it).
-  bool norms_current = false;
-  int64_t materialized_segment = -1;
-  int64_t replays = 0;
-  StepGraph() { FLASHLM_CUDA_CHECK(cudaStreamCreate(&stream), "cudaStreamCreate (train-step graph)"); }
-  ~StepGraph() {
-    cudaStreamSynchronize(stream);
-    if (exec) cudaGraphExecDestroy(exec);
-    cudaStreamDestroy(stream);
-  }
-  StepGraph(const StepGraph&) = delete;
-  StepGraph& operator=(const StepGraph&) = delete;
-};
-
-// Points the model's stream at another one for a scope.
-struct StreamScope {
-  void*& slot;
-  void* saved;
-  StreamScope(void*& s, void* to) : slot(s), saved(s) { slot = to; }
-  ~StreamScope() { slot = saved; }
-  StreamScope(const StreamScope&) = delete;
-  StreamScope& operator=(const StreamScope&) = delete;
-};
-
-}  // namespace
-
-struct CudaModel::Impl {
-  ModelConfig c;
-  int64_t batch, seq, n;
-  DType precision;
-  ModelOptions options;
-  bool pure = false;  // bf16-pure: params, grads, adam_m, adam_v hold bf16
-  void* stream;
-  std::vector<ParameterInfo> layout;
-  std::unordered_map<std::string, size_t> index;  // parameter name -> position in layout
-  std::unordered_map<std::string, int64_t> gain_row;  // bf16-pure: RMSNorm gain name -> row of gains_f32
-  int64_t n_params;
-  // params_lp: the weights in `precision` (mixed bf16/fp16 only). staging (bf16-pure): an fp32 array as large
-  // as the largest parameter, where a backward accumulates one parameter's gradient (and where widened
-  // copies pass through); gains_f32 (bf16-pure): the RMSNorm gains widened, [2 layers + 1, d_model].
-  Buffer params, grads, adam_m, adam_v, params_lp, staging, gains_f32;
-  Buffer acts, acts_f32, logits, row_loss, scratch, tokens, targets, rope, reduce_out;
-  ActivationLayout A;
-  int64_t head_chunk = 0;
-  int64_t largest_parameter = 0;
-  int64_t largest_gradient = 0;  // bf16-pure: the staging buffer's elements (gradient_staging_elements)
-  int64_t materialized_segment = -1;  // the segment whose blocks the recomputation working set holds
-  int64_t adam_step = 0;
-  double loss_scale = 1.0;
-  int64_t good_steps = 0;
-  // The clipping factor clip_gradients() chose and has not applied yet: adamw_step() applies it inside its
-  // kernel (saving a read and a write of every gradient); any other reader of the gradients applies it
-  // first (settle_gradients). Mutable: const readers (copies, norms) materialise it too.
-  mutable float pending_clip = 1.0f;
-  // zero_grad() deferred: the gradient arrays hold stale values that count as zero. The next backward
-  // writes each gradient over them: the weight-gradient GEMMs with beta = 0, the others (embedding, LM
-  // head, RMSNorm gains: 8% of xl's parameters) into an array zeroed first. So most of the memset of every
-  // gradient (8 GB on xl) never runs. Any other reader zeroes them first (settle_gradients). Mutable: const
-  // readers settle them too.
-  mutable bool zero_pending = false;
-  // The gradient norm, overlapped with the backward: as the backward finalises each gradient, its squared
-  // norm (fp64, core/cuda/reduce.cuh's fixed order) is queued on a stream of its own that waits for it —
-  // a memory-bound read beside the compute-bound GEMMs instead of a pass over every gradient after them.
-  // partial_norms[i]: parameter i's Σ g². norms_current: they describe the gradients as they stand (set
-  // by a backward that computed them all; dropped by anything that changes the gradients afterwards).
-  // Not with a gradient-ready hook (data parallelism changes the gradients after the backward) nor fp16
-  // (unscaling does), nor without ModelOptions::overlap_grad_norm.
-  std::unique_ptr<SideStream> norms;
-  Buffer partial_norms;
-  mutable bool norms_current = false;
-  bool have_forward = false;
-  std::unique_ptr<StepGraph> graph;  // train_step's CUDA graph, from its first call on
-  std::string graph_status;          // CudaModel::cuda_graph_status
-  bool capturing = false;            // the step's host code is being captured, not run
-
-  size_t elem() const { return dtype_size(precision); }
-  size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads
-  // The optimizer state beside fp32 masters in bf16 (ModelOptions::optimizer_state; bf16-pure's are too).
-  bool bf16_moments() const { return options.optimizer_state != OptimizerState::fp32; }
-  size_t moment_elem() const { return pure || bf16_moments() ? sizeof(bf16_t) : sizeof(float); }
-  template <class T>
-  T* a(int64_t offset) const {
-    return static_cast<T*>(acts.data()) + offset;
-  }
-  float* f(int64_t offset) const { return static_cast<float*>(acts_f32.data()) + offset; }
-  const ParameterInfo& info(const std::string& name) const {
-    const auto it = index.find(name);
-    FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
-    return layout[it->second];
-  }
-  // Every parameter through the model's parameter_storage() table: its flat buffers, or FSDP's shards and
-  // gathered parts (bf16-pure: `weight` is the bf16 parameter itself).
-  const ParameterStorage* table = nullptr;
-  bf16_t* pure_param(const std::string& name) const { return static_cast<bf16_t*>(stored(name).weight); }
-  // bf16-pure with its own storage: the bf16 gradient the backward rounds its fp32 accumulator into. Under
-  // FSDP's sharded storage the gradients are fp32 (the table's), reduce-scattered before any rounding.
-  bool bf16_gradients() const { return pure && !options.external_parameters; }
-  bf16_t* pure_grad(const std::string& name) const { return static_cast<bf16_t*>(grads.data()) + info(name).offset; }
-  const ParameterStorage& stored(const std::string& name) const {
-    const auto it = index.find(name);
-    FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
-    return table[it->second];
-  }
-  float* master(const std::string& name) const { return stored(name).master; }
-  float* grad(const std::string& name) const { return stored(name).grad; }
-  // The fp32 RMSNorm gain the norm kernels read: the master, or (bf16-pure) its widened copy. Under FSDP's
-  // sharded storage a gain's bf16 value is resident only while its part is gathered, which is when the
-  // forward or backward asks for it, so it is widened here, on the stream, instead of in refresh_gains.
-  const float* gain(const std::string& name) const {
-    if (!pure) return master(name);
-    const auto it = gain_row.find(name);
-    FLASHLM_CHECK(it != gain_row.end(), "CudaModel: '{}' is not an RMSNorm gain", name);
-    float* row = static_cast<float*>(gains_f32.data()) + it->second * c.d_model;
-    if (options.external_parameters) gpu::cast_to_f32<bf16_t>(pure_param(name), row, c.d_model, stream);
-    return row;
-  }
-  const float* rope_cos() const { return static_cast<const float*>(rope.data()); }
-  const float* rope_sin() const { return rope_cos() + c.context * (c.head_dim() / 2); }
-  AttentionOptions attention_options() const {
-    AttentionOptions o;
-    o.impl = options.attention;
-    o.causal = true;
-    // By default the separate dQ pass, not fp32 atomics: a training step stays bit-reproducible, which
-    // resuming from a checkpoint relies on (it costs the xl step some attention backward: docs/perf.md).
-    o.deterministic = options.deterministic;
-    o.stream = stream;
-    return o;
-  }
-  // The weight the GEMMs read: the low-precision copy, the fp32 master itself, or the bf16 parameter.
-  const void* weight(const std::string& name) const {
-    if (pure) return pure_param(name);
-    return stored(name).weight;
-  }
-
-  // The AdamW moments are allocated (zeroed) by the first adamw_step() or load_state(), as PyTorch's
-  // optimizers do: a model that only runs forward, or whose optimizer state lives elsewhere (ZeRO-1's
-  // shards), never holds them.
-  void allocate_moments() {
-    if (adam_m.data()) return;
-    const size_t bytes = size_t(n_params) * moment_elem();
-    const bool narrow = moment_elem() == sizeof(bf16_t);
-    adam_m = Buffer::allocate(bytes, Device::cuda, narrow ? "AdamW first moment (bf16)" : "AdamW first moment");
-    adam_v = Buffer::allocate(bytes, Device::cuda, narrow ? "AdamW second moment (bf16)" : "AdamW second moment");
-    gpu::memset_async(adam_m.data(), 0, bytes, stream);
-    gpu::memset_async(adam_v.data(), 0, bytes, stream);
-  }
-  // Calls fn(offset, count) over [0, total) in pieces that fit the staging buffer.
-  template <class Fn>
-  void in_staging_pieces(int64_t total, Fn&& fn) const {
-    for (int64_t at = 0; at < total; at += largest_parameter) fn(at, std::min(largest_parameter, total - at));
-  }
-  // Before the gradients are read as they stand: the deferred zeroing, then the deferred clipping.
-  void settle_gradients() const {
-    if (!grads.data()) return;  // FSDP's sharded storage: the gradient buffers are FsdpParameters'
-    if (zero_pending) {
-      gpu::memset_async(grads.data(), 0, size_t(n_params) * state_elem(), stream);
-      zero_pending = false;
-      norms_current = false;
-      pending_clip = 1.0f;
-    }
-    apply_pending_clip();
-  }
-  void apply_pending_clip() const {
-    if (pending_clip == 1.0f) return;
-    norms_current = false;
-    if (!pure) {
-      gpu::scale_inplace(static_cast<float*>(grads.data()), n_params, pending_clip, stream);
-    } else {
-      auto* g = static_cast<bf16_t*>(grads.data());
-      auto* s = static_cast<float*>(staging.data());
-      in_staging_pieces(n_params, [&](int64_t at, int64_t count) {
-        gpu::cast_to_f32<bf16_t>(g + at, s, count, stream);
-        gpu::scale_inplace(s, count, pending_clip, stream);
-        gpu::cast_from_f32<bf16_t>(s, g + at, count, stream);
-      });
-    }
-    pending_clip = 1.0f;
-  }
-  // Queues parameter i's squared norm on the norm stream, after what the model's stream has queued.
-  void queue_partial_norm(size_t i) const {
-    norms->follow(stream);
-    const ParameterInfo& p = layout[i];
-    double* out = static_cast<double*>(partial_norms.data()) + i;
-    if (pure) {
-      gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
-    } else {
-      gpu::squared_norm<float>(static_cast<const float*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
-    }
-  }
-  // bf16-pure: the bf16 device array `src` of `count` values into host fp32, and back.
-  void widen_to_host(const bf16_t* src, float* host, int64_t count) const {
-    auto* s = static_cast<float*>(staging.data());
-    in_staging_pieces(count, [&](int64_t at, int64_t piece) {
-      gpu::cast_to_f32<bf16_t>(src + at, s, piece, stream);
-      gpu::stream_synchronize(stream);
-      cuda_copy(host + at, s, size_t(piece) * sizeof(float));
-    });
-  }
-  void narrow_from_host(const float* host, bf16_t* dst, int64_t count) const {
-    auto* s = static_cast<float*>(staging.data());
-    in_staging_pieces(count, [&](int64_t at, int64_t piece) {
-      gpu::stream_synchronize(stream);  // the previous piece's cast still reads the staging buffer
-      cuda_copy(s, host + at, size_t(piece) * sizeof(float));
-      gpu::cast_from_f32<bf16_t>(s, dst + at, piece, stream);
-    });
-    gpu::stream_synchronize(stream);
-  }
-  // The batch onto the device (checked first), once the previous step no longer reads it.
-  void upload_batch(const int32_t* host_tokens, const int32_t* host_targets) const {
-    for (int64_t i = 0; i < n; ++i) {
-      FLASHLM_CHECK(host_tokens[i] >= 0 && host_tokens[i] < c.vocab,
-                    "forward: tokens[{}] = {} outside [0, vocab = {})", i, host_tokens[i], c.vocab);
-      FLASHLM_CHECK(host_targets[i] >= 0 && host_targets[i] < c.vocab,
-                    "forward: targets[{}] = {} outside [0, vocab = {})", i, host_targets[i], c.vocab);
-    }
-    gpu::stream_synchronize(stream);  // the previous step may still read the token buffers
-    cuda_copy(tokens.data(), host_tokens, size_t(n) * sizeof(int32_t));
-    cuda_copy(targets.data(), host_targets, size_t(n) * sizeof(int32_t));
-  }
-  // The mean of the per-token losses (host values), summed in a fixed order.
-  double mean_loss(const float* rows) const {
-    double loss = 0;
-    for (int64_t i = 0; i < n; ++i) loss += rows[i];
-    return loss / double(n);
-  }
-  // AdamW over every parameter at step adam_step: with `fixed` scalars, or (live not null) with those the
-  // kernels read from the device when they run (the graphed step).
-  void queue_adamw(const AdamWConfig& cfg, double lr, const AdamWScalars* live) {
-    if (pure) {
-      auto* w = static_cast<bf16_t*>(params.data());
-      const auto* g = static_cast<const bf16_t*>(grads.data());
-      auto *mo = static_cast<bf16_t*>(adam_m.data()), *vo = static_cast<bf16_t*>(adam_v.data());
-      if (live) {
-        gpu::adamw_step_bf16_live(w, g, mo, vo, n_params, live, stream);
-      } else {
-        gpu::adamw_step_bf16(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, adam_step,
-                             stream, pending_clip);
-      }
-      refresh_gains();
-      return;
-    }
-    with_precision(precision, [&](auto zero) {
-      using T = decltype(zero);
-      T* copy = nullptr;
-      if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(params_lp.data());
-      auto* w = static_cast<float*>(params.data());
-      const auto* g = static_cast<const float*>(grads.data());
-      if (bf16_moments()) {
-        auto *mo = static_cast<bf16_t*>(adam_m.data()), *vo = static_cast<bf16_t*>(adam_v.data());
-        const MomentRounding rounding = moment_rounding();
-        if (live) {
-          gpu::adamw_step_bf16_moments_live<T>(w, g, mo, vo, n_params, live, rounding.stochastic, 0, copy, stream);
-        } else {
-          gpu::adamw_step_bf16_moments<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                                          adam_step, rounding, 0, copy, stream, pending_clip);
-        }
-        return;
-      }
-      auto *mo = static_cast<float*>(adam_m.data()), *vo = static_cast<float*>(adam_v.data());
-      if (live) {
-        gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream);
-      } else {
-        gpu::adamw_step<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, adam_step,
-                           copy, stream, pending_clip);
-      }
-    });
-  }
-  MomentRounding moment_rounding() const {
-    return {options.optimizer_state == OptimizerState::bf16_sr, options.moment_rounding_seed};
-  }
-  // bf16-pure: the widened RMSNorm gains the norm kernels read, after the parameters changed.
-  void refresh_gains() const {
-    if (!pure || options.external_parameters) return;  // sharded storage: gain() widens each at its use
-    auto* out = static_cast<float*>(gains_f32.data());
-    for (const auto& [name, row] : gain_row) {
-      gpu::cast_to_f32<bf16_t>(pure_param(name), out + row * c.d_model, c.d_model, stream);
-    }
-  }
-};
 
 CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision, AttentionImpl attention,
                      void* stream)
@@ -419,7 +70,10 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
     if (m.layout[i].shape.size() == 1) m.gain_row.emplace(m.layout[i].name, int64_t(m.gain_row.size()));
   }
   m.n_params = m.layout.back().offset + m.layout.back().numel();
-  m.loss_scale = precision == DType::f16 ? LanguageModel::kInitialLossScale : 1.0;
+  // Pure bf16 keeps its moments in bf16 whatever the optimizer state says.
+  init_optimizer_state(options.optimizer_state, m.pure, m.n_params, Device::cuda, precision == DType::f16);
+  m.adam = &adamw();
+  m.scaler = &loss_scaler();
 
   const size_t pbytes = size_t(m.n_params) * m.state_elem();
   if (!options.external_parameters) {  // otherwise FSDP's shards hold them
@@ -498,7 +152,6 @@ float* CudaModel::gradients() const {
 }
 bool CudaModel::bf16_pure() const { return impl_->pure; }
 
-OptimizerState CudaModel::optimizer_state() const { return impl_->options.optimizer_state; }
 bool CudaModel::external_parameters() const { return impl_->options.external_parameters; }
 DType CudaModel::working_dtype() const {
   return impl_->pure || impl_->precision == DType::f32 ? DType::f32 : impl_->precision;
@@ -512,17 +165,6 @@ const RecomputePlan& CudaModel::recompute() const { return impl_->A.recompute; }
 void* CudaModel::stream() const { return impl_->stream; }
 int64_t CudaModel::parameter_count() const { return impl_->n_params; }
 DType CudaModel::precision() const { return impl_->precision; }
-double CudaModel::loss_scale() const { return impl_->loss_scale; }
-int64_t CudaModel::loss_scale_good_steps() const { return impl_->good_steps; }
-void CudaModel::restore_loss_scale(double scale, int64_t good_steps) {
-  if (impl_->precision != DType::f16) return LanguageModel::restore_loss_scale(scale, good_steps);
-  FLASHLM_CHECK(std::isfinite(scale) && scale > 0, "restore_loss_scale: scale {}, expected a finite positive number",
-                scale);
-  FLASHLM_CHECK(good_steps >= 0 && good_steps < kLossScaleGrowthInterval,
-                "restore_loss_scale: good_steps {}, expected 0..{}", good_steps, kLossScaleGrowthInterval - 1);
-  impl_->loss_scale = scale;
-  impl_->good_steps = good_steps;
-}
 
 namespace {
 
@@ -828,7 +470,7 @@ void CudaModel::backward() {
       gradients_needed("lm_head.");
       add_to_gradient("lm_head.weight", false, [&](float* dw, bool) {
         gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")),
-                                              targets, n, d, V, m.head_chunk, float(m.loss_scale / double(n)),
+                                              targets, n, d, V, m.head_chunk, float(m.scaler->scale() / double(n)),
                                               nullptr, dh, dw, static_cast<T*>(m.logits.data()), m.stream);
       });
       parameters_done("lm_head.");
@@ -918,17 +560,9 @@ bool CudaModel::unscale_gradients() {
   int bad = 0;
   gpu::stream_synchronize(m.stream);
   cuda_copy(&bad, count, sizeof bad);
-  if (bad > 0) {
-    m.loss_scale /= 2;
-    m.good_steps = 0;
-    return false;
-  }
-  gpu::scale_inplace(static_cast<float*>(m.grads.data()), m.n_params, float(1.0 / m.loss_scale), m.stream);
-  if (++m.good_steps == kLossScaleGrowthInterval) {
-    m.loss_scale *= 2;
-    m.good_steps = 0;
-  }
-  return true;
+  if (bad > 0) return m.scaler->update(true);
+  gpu::scale_inplace(static_cast<float*>(m.grads.data()), m.n_params, float(1.0 / m.scaler->scale()), m.stream);
+  return m.scaler->update(false);
 }
 
 double CudaModel::gradient_norm() const {
@@ -963,16 +597,12 @@ double CudaModel::clip_gradients(double max_norm) {
   return norm;
 }
 
-int64_t CudaModel::optimizer_steps() const { return impl_->adam_step; }
-
 void CudaModel::release_optimizer_state() {
   Impl& m = *impl_;
-  if (!m.adam_m.data()) return;
+  if (!m.adam->allocated()) return;
   gpu::stream_synchronize(m.stream);  // the last AdamW step may still be reading them
   m.graph.reset();                    // a captured step would step the freed moments
-  m.adam_m = Buffer();
-  m.adam_v = Buffer();
-  m.adam_step = 0;
+  m.adam->release();
 }
 
 void CudaModel::synchronize() const { gpu::stream_synchronize(impl_->stream); }
@@ -982,28 +612,13 @@ void CudaModel::save_state(std::span<float> params, std::span<float> m, std::spa
   check_state_arrays("CudaModel::save_state", params.size(), m.size(), v.size(), 0);
   const Impl& s = *impl_;
   copy_parameters_to(params.data());
-  if (!s.adam_m.data()) {  // no step taken yet: zero moments
-    std::fill(m.begin(), m.end(), 0.0f);
-    std::fill(v.begin(), v.end(), 0.0f);
+  if (s.pure && s.adam->allocated()) {  // widened to fp32: the checkpoint format is the same for every precision
+    s.widen_to_host(s.adam->m_as<bf16_t>(), m.data(), s.n_params);
+    s.widen_to_host(s.adam->v_as<bf16_t>(), v.data(), s.n_params);
     return;
   }
-  if (s.pure) {  // widened to fp32: the checkpoint format is the same for every precision
-    s.widen_to_host(static_cast<const bf16_t*>(s.adam_m.data()), m.data(), s.n_params);
-    s.widen_to_host(static_cast<const bf16_t*>(s.adam_v.data()), v.data(), s.n_params);
-    return;
-  }
-  if (s.bf16_moments()) {  // widened to fp32 on the host (exactly), as bf16-pure's are
-    gpu::stream_synchronize(s.stream);
-    std::vector<bf16_t> narrow(size_t(s.n_params));
-    for (const auto& [moment, host] : {std::pair{&s.adam_m, m.data()}, std::pair{&s.adam_v, v.data()}}) {
-      cuda_copy(narrow.data(), moment->data(), narrow.size() * sizeof(bf16_t));
-      std::transform(narrow.begin(), narrow.end(), host, [](bf16_t x) { return float(x); });
-    }
-    return;
-  }
-  const size_t bytes = size_t(s.n_params) * sizeof(float);
-  cuda_copy(m.data(), s.adam_m.data(), bytes);
-  cuda_copy(v.data(), s.adam_v.data(), bytes);
+  gpu::stream_synchronize(s.stream);
+  s.adam->save(m, v);
 }
 
 void CudaModel::load_state(std::span<const float> params, std::span<const float> m, std::span<const float> v,
@@ -1013,23 +628,15 @@ void CudaModel::load_state(std::span<const float> params, std::span<const float>
   Impl& s = *impl_;
   if (s.bf16_moments()) check_bf16_moments("CudaModel::load_state", m, v);
   load_parameters(params.data());  // also refreshes what is derived from the parameters
-  s.allocate_moments();
-  gpu::stream_synchronize(s.stream);  // the zeroing above is queued on the model's stream
-  if (s.bf16_moments()) {  // exact: check_bf16_moments saw only bf16 values
-    std::vector<bf16_t> narrow(size_t(s.n_params));
-    for (const auto& [host, moment] : {std::pair{m.data(), &s.adam_m}, std::pair{v.data(), &s.adam_v}}) {
-      std::transform(host, host + s.n_params, narrow.begin(), [](float x) { return bf16_t(x); });
-      cuda_copy(moment->data(), narrow.data(), narrow.size() * sizeof(bf16_t));
-    }
-  } else if (s.pure) {
-    s.narrow_from_host(m.data(), static_cast<bf16_t*>(s.adam_m.data()), s.n_params);
-    s.narrow_from_host(v.data(), static_cast<bf16_t*>(s.adam_v.data()), s.n_params);
-  } else {
-    const size_t bytes = size_t(s.n_params) * sizeof(float);
-    cuda_copy(s.adam_m.data(), m.data(), bytes);
-    cuda_copy(s.adam_v.data(), v.data(), bytes);
+  if (s.pure && !s.bf16_moments()) {  // any fp32 value, rounded on the device as the bf16-pure step rounds
+    s.adam->allocate(s.stream);
+    gpu::stream_synchronize(s.stream);  // the zeroing above is queued on the model's stream
+    s.narrow_from_host(m.data(), s.adam->m_as<bf16_t>(), s.n_params);
+    s.narrow_from_host(v.data(), s.adam->v_as<bf16_t>(), s.n_params);
+  } else {  // exact for bf16 moments: check_bf16_moments saw only bf16 values
+    s.adam->load(m, v, s.stream);
   }
-  s.adam_step = optimizer_steps;
+  s.adam->set_steps(optimizer_steps);
 }
 
 void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
@@ -1038,142 +645,10 @@ void CudaModel::adamw_step(const AdamWConfig& cfg, double lr) {
   ScopedRange range("optimizer_step");
   check_own_storage("CudaModel::adamw_step");
   if (m.zero_pending) m.settle_gradients();  // a step on zeroed gradients (the clip is applied in the kernel)
-  m.allocate_moments();
-  ++m.adam_step;
+  m.adam->allocate(m.stream);
+  m.adam->begin_step();
   m.queue_adamw(cfg, lr, nullptr);
   // pending_clip stays: the stored gradients are still unclipped for any later reader.
-}
-
-std::string CudaModel::cuda_graph_status() const { return impl_->graph_status; }
-
-StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, const AdamWConfig& cfg, double lr) {
-  Impl& m = *impl_;
-  const char* why = nullptr;
-  if (!m.options.cuda_graph) {
-    why = "off: --cuda-graph off";
-  } else if (m.precision == DType::f16) {
-    why = "off: fp16's loss scaling reads the overflow count on the host";
-  } else if (has_gradient_ready_hook() || has_parameter_hooks()) {
-    why = "off: data-parallel hooks run on the host between the step's kernels";
-  } else if (RangeProfiler::instance().enabled()) {
-    why = "off: profiled ranges time each part with events on the host's side";
-  } else if (m.graph && !m.graph->failure.empty()) {
-    why = m.graph->failure.c_str();
-  }
-  if (why) {
-    m.graph_status = why;
-    return LanguageModel::train_step(tokens, targets, cfg, lr);
-  }
-  if (!m.graph) m.graph = std::make_unique<StepGraph>();
-  StepGraph& g = *m.graph;
-  // The step's stream follows the work already queued on the model's own.
-  FLASHLM_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(m.stream)), "cudaStreamSynchronize");
-  const StreamScope on_step_stream(m.stream, g.stream);
-  if (!g.warmed_up) {  // eager, on the step's stream: what it allocates exists before the capture
-    const StepResult r = LanguageModel::train_step(tokens, targets, cfg, lr);
-    g.scalars = Buffer::allocate(sizeof(DeviceStepScalars), Device::cuda, "train-step scalars");
-    g.in = std::make_unique<PinnedArray<DeviceStepScalars>>(1);
-    g.out = std::make_unique<PinnedArray<DeviceStepScalars>>(1);
-    g.rows = std::make_unique<PinnedArray<float>>(size_t(m.n));
-    g.warmed_up = true;
-    m.graph_status = "on (this step was the eager warm-up)";
-    return r;
-  }
-  m.upload_batch(tokens, targets);
-  if (m.norms) gpu::stream_synchronize(m.norms->stream);  // an eager step's norms may still be running
-  *g.in->data = DeviceStepScalars{adamw_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam_step + 1),
-                                  cfg.max_grad_norm, 0.0};
-  g.in->data->adam.rounding_key = moment_rounding_key(m.options.moment_rounding_seed, m.adam_step + 1);
-  if (!g.exec && !capture_step()) {
-    m.graph_status = g.failure;
-    return LanguageModel::train_step(tokens, targets, cfg, lr);
-  }
-  FLASHLM_CUDA_CHECK(cudaGraphLaunch(g.exec, g.stream), "cudaGraphLaunch (train step)");
-  gpu::stream_synchronize(g.stream);
-  ++g.replays;
-  ++m.adam_step;
-  // The host state the step leaves, as its eager run would.
-  m.zero_pending = false;
-  m.have_forward = false;
-  m.norms_current = g.norms_current;
-  m.materialized_segment = g.materialized_segment;
-  m.pending_clip = g.out->data->adam.grad_scale;
-  m.graph_status = "on";
-  return StepResult{m.mean_loss(g.rows->data), g.out->data->norm, true};
-}
-
-bool CudaModel::capture_step() {
-  Impl& m = *impl_;
-  StepGraph& g = *m.graph;
-  const auto s = static_cast<cudaStream_t>(m.stream);
-  auto* scalars = static_cast<DeviceStepScalars*>(g.scalars.data());
-  // The host state the captured code changes, to restore when the capture fails.
-  const bool zero_pending = m.zero_pending, norms_current = m.norms_current, have_forward = m.have_forward;
-  const float pending_clip = m.pending_clip;
-  const int64_t segment = m.materialized_segment;
-  cudaGraph_t graph = nullptr;
-  try {
-    FLASHLM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
-    m.capturing = true;
-    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(scalars, g.in->data, sizeof(DeviceStepScalars), cudaMemcpyHostToDevice, s),
-                       "cudaMemcpyAsync (step scalars)");
-    zero_grad();
-    queue_forward();
-    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(g.rows->data, m.row_loss.data(), size_t(m.n) * sizeof(float),
-                                       cudaMemcpyDeviceToHost, s),
-                       "cudaMemcpyAsync (per-token losses)");
-    backward();
-    {
-      // clip_gradients on the device: gradient_norm's sum of the per-parameter norms (or of one pass).
-      ScopedRange range("clip_gradients");
-      if (m.norms_current) {
-        m.norms->join(m.stream);
-        gpu::clip_on_device(static_cast<const double*>(m.partial_norms.data()), int64_t(m.layout.size()), scalars,
-                            m.stream);
-      } else {
-        m.settle_gradients();
-        auto* out = static_cast<double*>(m.reduce_out.data());
-        if (m.pure) {
-          gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);
-        } else {
-          gpu::squared_norm<float>(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
-        }
-        gpu::clip_on_device(out, 1, scalars, m.stream);
-      }
-    }
-    {
-      memory_set_phase("optimizer");
-      ScopedRange range("optimizer_step");
-      m.queue_adamw(AdamWConfig{}, 0.0, &scalars->adam);
-    }
-    FLASHLM_CUDA_CHECK(cudaMemcpyAsync(g.out->data, scalars, sizeof(DeviceStepScalars), cudaMemcpyDeviceToHost, s),
-                       "cudaMemcpyAsync (step scalars back)");
-    m.capturing = false;
-    FLASHLM_CUDA_CHECK(cudaStreamEndCapture(s, &graph), "cudaStreamEndCapture");
-    FLASHLM_CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0), "cudaGraphInstantiate");
-    cudaGraphDestroy(graph);
-  } catch (const std::exception& e) {
-    m.capturing = false;
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
-      cudaGraph_t partial = nullptr;
-      cudaStreamEndCapture(s, &partial);
-      if (partial) cudaGraphDestroy(partial);
-    }
-    if (graph) cudaGraphDestroy(graph);
-    g.exec = nullptr;
-    cudaGetLastError();  // the capture's error is reported as the reason, not by the next call
-    g.failure = fmt::format("off: the step could not be captured ({})", e.what());
-    m.zero_pending = zero_pending;
-    m.norms_current = norms_current;
-    m.have_forward = have_forward;
-    m.pending_clip = pending_clip;
-    m.materialized_segment = segment;
-    return false;
-  }
-  g.norms_current = m.norms_current;
-  g.materialized_segment = m.materialized_segment;
-  return true;
 }
 
 }  // namespace flashlm

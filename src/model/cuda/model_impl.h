@@ -1,0 +1,305 @@
+// CudaModel's private implementation, shared by its step (model.cpp) and the step's CUDA graph
+// (step_graph.cpp): the buffers, the deferred gradient work and the helpers both queue through.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/array_ops.h"
+#include "core/check.h"
+#include "core/cuda_check.h"
+#include "core/cuda_runtime.h"
+#include "flashlm/model.h"
+#include "model/activations.h"
+#include "model/cuda/step_graph.h"
+#include "model/ops_cuda.h"
+#include "optim/adamw_state.h"
+#include "optim/loss_scaler.h"
+#include "optim/optimizer.h"
+
+namespace flashlm {
+// A stream of the model's own and the two events that order it against the model's stream (see
+// Impl::norms), destroyed after its queued work has run.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr;  // recorded on the model's stream: what the side stream waits for
+  cudaEvent_t done = nullptr;   // recorded on the side stream: what the model's stream waits for
+  SideStream() {
+    FLASHLM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+    FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  ~SideStream() {
+    cudaStreamSynchronize(stream);
+    cudaEventDestroy(done);
+    cudaEventDestroy(ready);
+    cudaStreamDestroy(stream);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  // The side stream waits for what `main` has queued so far.
+  void follow(void* main) const {
+    FLASHLM_CUDA_CHECK(cudaEventRecord(ready, static_cast<cudaStream_t>(main)), "cudaEventRecord");
+    FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0), "cudaStreamWaitEvent");
+  }
+  // `main` waits for what the side stream has queued so far.
+  void join(void* main) const {
+    FLASHLM_CUDA_CHECK(cudaEventRecord(done, stream), "cudaEventRecord");
+    FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(main), done, 0), "cudaStreamWaitEvent");
+  }
+};
+
+// Calls fn(T{}) with the activation type of the model.
+template <class Fn>
+inline void with_precision(DType precision, Fn&& fn) {
+  switch (precision) {
+    case DType::f32: return fn(float{});
+    case DType::bf16: return fn(bf16_t{});
+    case DType::f16: return fn(fp16_t{});
+    default: fail("CudaModel: precision {} is not supported", dtype_name(precision));
+  }
+}
+
+struct CudaModel::Impl {
+  ModelConfig c;
+  int64_t batch, seq, n;
+  DType precision;
+  ModelOptions options;
+  bool pure = false;  // bf16-pure: params, grads and the AdamW moments hold bf16
+  void* stream;
+  std::vector<ParameterInfo> layout;
+  std::unordered_map<std::string, size_t> index;  // parameter name -> position in layout
+  std::unordered_map<std::string, int64_t> gain_row;  // bf16-pure: RMSNorm gain name -> row of gains_f32
+  int64_t n_params;
+  // params_lp: the weights in `precision` (mixed bf16/fp16 only). staging (bf16-pure): an fp32 array as large
+  // as the largest parameter, where a backward accumulates one parameter's gradient (and where widened
+  // copies pass through); gains_f32 (bf16-pure): the RMSNorm gains widened, [2 layers + 1, d_model].
+  Buffer params, grads, params_lp, staging, gains_f32;
+  Buffer acts, acts_f32, logits, row_loss, scratch, tokens, targets, rope, reduce_out;
+  ActivationLayout A;
+  int64_t head_chunk = 0;
+  int64_t largest_parameter = 0;
+  int64_t largest_gradient = 0;  // bf16-pure: the staging buffer's elements (gradient_staging_elements)
+  int64_t materialized_segment = -1;  // the segment whose blocks the recomputation working set holds
+  // The model's optimizer state and loss scale (LanguageModel's).
+  AdamWState* adam = nullptr;
+  LossScaler* scaler = nullptr;
+  // The clipping factor clip_gradients() chose and has not applied yet: adamw_step() applies it inside its
+  // kernel (saving a read and a write of every gradient); any other reader of the gradients applies it
+  // first (settle_gradients). Mutable: const readers (copies, norms) materialise it too.
+  mutable float pending_clip = 1.0f;
+  // zero_grad() deferred: the gradient arrays hold stale values that count as zero. The next backward
+  // writes each gradient over them: the weight-gradient GEMMs with beta = 0, the others (embedding, LM
+  // head, RMSNorm gains: 8% of xl's parameters) into an array zeroed first. So most of the memset of every
+  // gradient (8 GB on xl) never runs. Any other reader zeroes them first (settle_gradients). Mutable: const
+  // readers settle them too.
+  mutable bool zero_pending = false;
+  // The gradient norm, overlapped with the backward: as the backward finalises each gradient, its squared
+  // norm (fp64, core/cuda/reduce.cuh's fixed order) is queued on a stream of its own that waits for it —
+  // a memory-bound read beside the compute-bound GEMMs instead of a pass over every gradient after them.
+  // partial_norms[i]: parameter i's Σ g². norms_current: they describe the gradients as they stand (set
+  // by a backward that computed them all; dropped by anything that changes the gradients afterwards).
+  // Not with a gradient-ready hook (data parallelism changes the gradients after the backward) nor fp16
+  // (unscaling does), nor without ModelOptions::overlap_grad_norm.
+  std::unique_ptr<SideStream> norms;
+  Buffer partial_norms;
+  mutable bool norms_current = false;
+  bool have_forward = false;
+  std::unique_ptr<StepGraph> graph;  // train_step's CUDA graph, from its first call on
+  std::string graph_status;          // CudaModel::cuda_graph_status
+  bool capturing = false;            // the step's host code is being captured, not run
+
+  size_t elem() const { return dtype_size(precision); }
+  size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads
+  // The optimizer state beside fp32 masters in bf16 (ModelOptions::optimizer_state; bf16-pure's are too).
+  bool bf16_moments() const { return options.optimizer_state != OptimizerState::fp32; }
+  template <class T>
+  T* a(int64_t offset) const {
+    return static_cast<T*>(acts.data()) + offset;
+  }
+  float* f(int64_t offset) const { return static_cast<float*>(acts_f32.data()) + offset; }
+  const ParameterInfo& info(const std::string& name) const {
+    const auto it = index.find(name);
+    FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
+    return layout[it->second];
+  }
+  // Every parameter through the model's parameter_storage() table: its flat buffers, or FSDP's shards and
+  // gathered parts (bf16-pure: `weight` is the bf16 parameter itself).
+  const ParameterStorage* table = nullptr;
+  bf16_t* pure_param(const std::string& name) const { return static_cast<bf16_t*>(stored(name).weight); }
+  // bf16-pure with its own storage: the bf16 gradient the backward rounds its fp32 accumulator into. Under
+  // FSDP's sharded storage the gradients are fp32 (the table's), reduce-scattered before any rounding.
+  bool bf16_gradients() const { return pure && !options.external_parameters; }
+  bf16_t* pure_grad(const std::string& name) const { return static_cast<bf16_t*>(grads.data()) + info(name).offset; }
+  const ParameterStorage& stored(const std::string& name) const {
+    const auto it = index.find(name);
+    FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
+    return table[it->second];
+  }
+  float* master(const std::string& name) const { return stored(name).master; }
+  float* grad(const std::string& name) const { return stored(name).grad; }
+  // The fp32 RMSNorm gain the norm kernels read: the master, or (bf16-pure) its widened copy. Under FSDP's
+  // sharded storage a gain's bf16 value is resident only while its part is gathered, which is when the
+  // forward or backward asks for it, so it is widened here, on the stream, instead of in refresh_gains.
+  const float* gain(const std::string& name) const {
+    if (!pure) return master(name);
+    const auto it = gain_row.find(name);
+    FLASHLM_CHECK(it != gain_row.end(), "CudaModel: '{}' is not an RMSNorm gain", name);
+    float* row = static_cast<float*>(gains_f32.data()) + it->second * c.d_model;
+    if (options.external_parameters) gpu::cast_to_f32<bf16_t>(pure_param(name), row, c.d_model, stream);
+    return row;
+  }
+  const float* rope_cos() const { return static_cast<const float*>(rope.data()); }
+  const float* rope_sin() const { return rope_cos() + c.context * (c.head_dim() / 2); }
+  AttentionOptions attention_options() const {
+    AttentionOptions o;
+    o.impl = options.attention;
+    o.causal = true;
+    // By default the separate dQ pass, not fp32 atomics: a training step stays bit-reproducible, which
+    // resuming from a checkpoint relies on (it costs the xl step some attention backward: docs/perf.md).
+    o.deterministic = options.deterministic;
+    o.stream = stream;
+    return o;
+  }
+  // The weight the GEMMs read: the low-precision copy, the fp32 master itself, or the bf16 parameter.
+  const void* weight(const std::string& name) const {
+    if (pure) return pure_param(name);
+    return stored(name).weight;
+  }
+
+  // Calls fn(offset, count) over [0, total) in pieces that fit the staging buffer.
+  template <class Fn>
+  void in_staging_pieces(int64_t total, Fn&& fn) const {
+    for (int64_t at = 0; at < total; at += largest_parameter) fn(at, std::min(largest_parameter, total - at));
+  }
+  // Before the gradients are read as they stand: the deferred zeroing, then the deferred clipping.
+  void settle_gradients() const {
+    if (!grads.data()) return;  // FSDP's sharded storage: the gradient buffers are FsdpParameters'
+    if (zero_pending) {
+      gpu::memset_async(grads.data(), 0, size_t(n_params) * state_elem(), stream);
+      zero_pending = false;
+      norms_current = false;
+      pending_clip = 1.0f;
+    }
+    apply_pending_clip();
+  }
+  void apply_pending_clip() const {
+    if (pending_clip == 1.0f) return;
+    norms_current = false;
+    if (!pure) {
+      gpu::scale_inplace(static_cast<float*>(grads.data()), n_params, pending_clip, stream);
+    } else {
+      auto* g = static_cast<bf16_t*>(grads.data());
+      auto* s = static_cast<float*>(staging.data());
+      in_staging_pieces(n_params, [&](int64_t at, int64_t count) {
+        gpu::cast_to_f32<bf16_t>(g + at, s, count, stream);
+        gpu::scale_inplace(s, count, pending_clip, stream);
+        gpu::cast_from_f32<bf16_t>(s, g + at, count, stream);
+      });
+    }
+    pending_clip = 1.0f;
+  }
+  // Queues parameter i's squared norm on the norm stream, after what the model's stream has queued.
+  void queue_partial_norm(size_t i) const {
+    norms->follow(stream);
+    const ParameterInfo& p = layout[i];
+    double* out = static_cast<double*>(partial_norms.data()) + i;
+    if (pure) {
+      gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
+    } else {
+      gpu::squared_norm<float>(static_cast<const float*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
+    }
+  }
+  // bf16-pure: the bf16 device array `src` of `count` values into host fp32, and back.
+  void widen_to_host(const bf16_t* src, float* host, int64_t count) const {
+    auto* s = static_cast<float*>(staging.data());
+    in_staging_pieces(count, [&](int64_t at, int64_t piece) {
+      gpu::cast_to_f32<bf16_t>(src + at, s, piece, stream);
+      gpu::stream_synchronize(stream);
+      cuda_copy(host + at, s, size_t(piece) * sizeof(float));
+    });
+  }
+  void narrow_from_host(const float* host, bf16_t* dst, int64_t count) const {
+    auto* s = static_cast<float*>(staging.data());
+    in_staging_pieces(count, [&](int64_t at, int64_t piece) {
+      gpu::stream_synchronize(stream);  // the previous piece's cast still reads the staging buffer
+      cuda_copy(s, host + at, size_t(piece) * sizeof(float));
+      gpu::cast_from_f32<bf16_t>(s, dst + at, piece, stream);
+    });
+    gpu::stream_synchronize(stream);
+  }
+  // The batch onto the device (checked first), once the previous step no longer reads it.
+  void upload_batch(const int32_t* host_tokens, const int32_t* host_targets) const {
+    for (int64_t i = 0; i < n; ++i) {
+      FLASHLM_CHECK(host_tokens[i] >= 0 && host_tokens[i] < c.vocab,
+                    "forward: tokens[{}] = {} outside [0, vocab = {})", i, host_tokens[i], c.vocab);
+      FLASHLM_CHECK(host_targets[i] >= 0 && host_targets[i] < c.vocab,
+                    "forward: targets[{}] = {} outside [0, vocab = {})", i, host_targets[i], c.vocab);
+    }
+    gpu::stream_synchronize(stream);  // the previous step may still read the token buffers
+    cuda_copy(tokens.data(), host_tokens, size_t(n) * sizeof(int32_t));
+    cuda_copy(targets.data(), host_targets, size_t(n) * sizeof(int32_t));
+  }
+  // The mean of the per-token losses (host values), summed in a fixed order.
+  double mean_loss(const float* rows) const {
+    double loss = 0;
+    for (int64_t i = 0; i < n; ++i) loss += rows[i];
+    return loss / double(n);
+  }
+  // AdamW over every parameter at step adam->steps(): with `fixed` scalars, or (live not null) with those the
+  // kernels read from the device when they run (the graphed step).
+  void queue_adamw(const AdamWConfig& cfg, double lr, const AdamWScalars* live) {
+    if (pure) {
+      auto* w = static_cast<bf16_t*>(params.data());
+      const auto* g = static_cast<const bf16_t*>(grads.data());
+      auto *mo = adam->m_as<bf16_t>(), *vo = adam->v_as<bf16_t>();
+      if (live) {
+        gpu::adamw_step_bf16_live(w, g, mo, vo, n_params, live, stream);
+      } else {
+        gpu::adamw_step_bf16(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
+                             adam->steps(), stream, pending_clip);
+      }
+      refresh_gains();
+      return;
+    }
+    with_precision(precision, [&](auto zero) {
+      using T = decltype(zero);
+      T* copy = nullptr;
+      if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(params_lp.data());
+      auto* w = static_cast<float*>(params.data());
+      const auto* g = static_cast<const float*>(grads.data());
+      if (bf16_moments()) {
+        auto *mo = adam->m_as<bf16_t>(), *vo = adam->v_as<bf16_t>();
+        const MomentRounding rounding = adam->rounding(options.moment_rounding_seed);
+        if (live) {
+          gpu::adamw_step_bf16_moments_live<T>(w, g, mo, vo, n_params, live, rounding.stochastic, 0, copy, stream);
+        } else {
+          gpu::adamw_step_bf16_moments<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
+                                          adam->steps(), rounding, 0, copy, stream, pending_clip);
+        }
+        return;
+      }
+      auto *mo = adam->m_as<float>(), *vo = adam->v_as<float>();
+      if (live) {
+        gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream);
+      } else {
+        gpu::adamw_step<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
+                           adam->steps(), copy, stream, pending_clip);
+      }
+    });
+  }
+  // bf16-pure: the widened RMSNorm gains the norm kernels read, after the parameters changed.
+  void refresh_gains() const {
+    if (!pure || options.external_parameters) return;  // sharded storage: gain() widens each at its use
+    auto* out = static_cast<float*>(gains_f32.data());
+    for (const auto& [name, row] : gain_row) {
+      gpu::cast_to_f32<bf16_t>(pure_param(name), out + row * c.d_model, c.d_model, stream);
+    }
+  }
+};
+
+}  // namespace flashlm
