@@ -15,8 +15,9 @@ torch_python=$(./scripts/setup-torch.sh) || { echo "flashlm: no current torch; i
 # The BPE tests (cli.text2model_bpe) run scripts/prepare_data.py with the `tokenizers` package from a small
 # cached virtual environment (scripts/setup-tokenizers.sh).
 tokenizers_python=$(./scripts/setup-tokenizers.sh) || { echo "flashlm: no tokenizers package; the BPE tests are skipped" >&2; tokenizers_python=""; }
-BUILD_DIR=$build ./scripts/build.sh -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} -DFLASHLM_TORCH_PYTHON="$torch_python" \
-  -DFLASHLM_TOKENIZERS_PYTHON="$tokenizers_python" "$@"
+# FLASHLM_WERROR: a warning in our own C++ fails the run (CMakeLists.txt says which warnings stay warnings).
+BUILD_DIR=$build ./scripts/build.sh -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHS:-90} -DFLASHLM_WERROR=ON \
+  -DFLASHLM_TORCH_PYTHON="$torch_python" -DFLASHLM_TOKENIZERS_PYTHON="$tokenizers_python" "$@"
 (cd "$build" && ctest --output-on-failure -j "$(nproc)" --timeout 1200)
 
 if [ "${SANITIZE:-1}" != 0 ]; then

@@ -11,7 +11,7 @@
 #include "text_commands.h"
 
 int main(int argc, char** argv) {
-  flashlm::restart_with_blas_core_if_misjudged(argv);
+  flashlm::restart_with_cpu_settings(argv);
   CLI::App app{"flashlm: FlashAttention-2, a Transformer LM and data-parallel training, with the tools to measure them"};
   app.require_subcommand(1);
   app.set_version_flag("--version", FLASHLM_VERSION);

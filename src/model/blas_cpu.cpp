@@ -1,13 +1,17 @@
 #include "flashlm/blas.h"
 
+#include "model/blas_cpu.h"
+
 #include <cblas.h>
 #include <fmt/format.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cctype>
 #include <cstdlib>
+#include <mutex>
 #include <string_view>
 
 namespace flashlm {
@@ -50,16 +54,80 @@ std::string blas_core_to_request() {
 #endif
 }
 
-void restart_with_blas_core_if_misjudged(char** argv) {
+void restart_with_cpu_settings(char** argv) {
   const std::string core = blas_core_to_request();
-  if (core.empty()) return;
-  const std::string chosen = blas_core();
-  if (setenv("OPENBLAS_CORETYPE", core.c_str(), 1) != 0) return;
-  setenv("FLASHLM_OPENBLAS_CHOSE", chosen.c_str(), 1);
+  const bool set_wait_policy = std::getenv("OMP_WAIT_POLICY") == nullptr;
+  if (core.empty() && !set_wait_policy) return;
+  if (!core.empty()) {
+    const std::string chosen = blas_core();
+    if (setenv("OPENBLAS_CORETYPE", core.c_str(), 1) != 0) return;
+    setenv("FLASHLM_OPENBLAS_CHOSE", chosen.c_str(), 1);
+  }
+  if (set_wait_policy && setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
   execv("/proc/self/exe", argv);
-  unsetenv("OPENBLAS_CORETYPE");  // execv failed: keep OpenBLAS's choice, and say so in `flashlm info`
-  unsetenv("FLASHLM_OPENBLAS_CHOSE");
+  // execv failed: run on as started (`flashlm info` then shows OpenBLAS's own choice).
+  if (!core.empty()) {
+    unsetenv("OPENBLAS_CORETYPE");
+    unsetenv("FLASHLM_OPENBLAS_CHOSE");
+  }
+  if (set_wait_policy) unsetenv("OMP_WAIT_POLICY");
 }
+
+void apply_cpu_threading_policy() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (openblas_get_parallel() == 1) openblas_set_num_threads(1);  // 1: the pthreads build (0: none, 2: OpenMP)
+  });
+}
+
+int blas_threads() { return openblas_get_num_threads(); }
+
+namespace cpu {
+
+namespace {
+
+// Blocks of C start on multiples of this, so that each block's sgemm runs whole kernel tiles.
+constexpr int64_t kBlockAlign = 16;
+// Below this many multiply-adds a product runs in one call: the threads' start would cost more than the split
+// saves.
+constexpr int64_t kMinParallelWork = int64_t(1) << 15;
+
+void sgemm_block(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                 int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, int(m), int(n),
+              int(k), alpha, a, int(lda), b, int(ldb), beta, c, int(ldc));
+}
+
+}  // namespace
+
+void sgemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+  apply_cpu_threading_policy();
+  if (m <= 0 || n <= 0) return;
+  const bool split_rows = m >= n;
+  const int64_t extent = split_rows ? m : n;
+  const int64_t blocks_max = (extent + kBlockAlign - 1) / kBlockAlign;
+  const int threads = omp_in_parallel() ? 1 : int(std::min<int64_t>(omp_get_max_threads(), blocks_max));
+  if (threads <= 1 || m * n * k < kMinParallelWork) {
+    sgemm_block(trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    return;
+  }
+  const int64_t per_thread = (blocks_max + threads - 1) / threads * kBlockAlign;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int t = 0; t < threads; ++t) {
+    const int64_t lo = t * per_thread, hi = std::min(extent, lo + per_thread);
+    if (lo >= hi) continue;
+    if (split_rows) {  // rows lo..hi of C: rows of op(A)
+      sgemm_block(trans_a, trans_b, hi - lo, n, k, alpha, trans_a ? a + lo : a + lo * lda, lda, b, ldb, beta,
+                  c + lo * ldc, ldc);
+    } else {  // columns lo..hi of C: columns of op(B)
+      sgemm_block(trans_a, trans_b, m, hi - lo, k, alpha, a, lda, trans_b ? b + lo * ldb : b + lo, ldb, beta, c + lo,
+                  ldc);
+    }
+  }
+}
+
+}  // namespace cpu
 
 std::string blas_description() {
   const char* config = openblas_get_config();
@@ -73,6 +141,10 @@ std::string blas_description() {
   } else if (const std::string better = blas_core_to_request(); !better.empty()) {
     line += fmt::format(" (slow kernels for this CPU: set OPENBLAS_CORETYPE={})", better);
   }
+  apply_cpu_threading_policy();
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  line += fmt::format("; {} thread(s) per product in each OpenMP thread, OMP_WAIT_POLICY={}", blas_threads(),
+                      wait_policy ? wait_policy : "unset (OpenMP's threads spin when idle)");
   return line;
 }
 

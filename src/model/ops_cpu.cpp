@@ -1,8 +1,7 @@
 #include "model/ops_cpu.h"
 
 #include "core/cpu_simd.h"
-
-#include <cblas.h>
+#include "model/blas_cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,16 +10,13 @@
 namespace flashlm::cpu {
 
 void linear_forward(const float* x, const float* w, float* y, int64_t n, int64_t in, int64_t out) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(n), int(out), int(in), 1.0f, x, int(in), w, int(in), 0.0f,
-              y, int(out));
+  sgemm(false, true, n, out, in, 1.0f, x, in, w, in, 0.0f, y, out);
 }
 
 void linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw, int64_t n, int64_t in,
                      int64_t out, bool accumulate_dx) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(n), int(in), int(out), 1.0f, dy, int(out), w, int(in),
-              accumulate_dx ? 1.0f : 0.0f, dx, int(in));
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(out), int(in), int(n), 1.0f, dy, int(out), x, int(in), 1.0f,
-              dw, int(in));
+  sgemm(false, false, n, in, out, 1.0f, dy, out, w, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+  sgemm(true, false, out, in, n, 1.0f, dy, out, x, in, 1.0f, dw, in);
 }
 
 void rmsnorm_forward(const float* x, const float* g, float* y, float* rstd, int64_t n, int64_t d, float eps) {

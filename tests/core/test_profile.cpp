@@ -155,7 +155,9 @@ TEST(ChromeTrace, RangesAndMemoryBecomeTraceEvents) {
   for (size_t i = 0; i < counters.size(); ++i) {
     EXPECT_EQ(counters[i].at("name"), "memory cpu");
     EXPECT_EQ(counters[i].at("args").at("bytes").get<int64_t>(), memory[i].current_bytes);
-    if (i > 0) EXPECT_GE(counters[i].at("ts").get<double>(), counters[i - 1].at("ts").get<double>());
+    if (i > 0) {
+      EXPECT_GE(counters[i].at("ts").get<double>(), counters[i - 1].at("ts").get<double>());
+    }
   }
   for (const auto& c : counters) {
     const double t = c.at("ts");

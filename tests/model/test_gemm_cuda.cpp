@@ -10,6 +10,7 @@
 // |got - ref| <= 1e-5·s for fp32 results, plus u·|ref| for each rounding of a 16-bit result (u = 2^-8
 // for bf16, 2^-11 for fp16). A wrong transpose or leading dimension gives errors of order |ref| ~ √k·s/k,
 // far above these.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "gpu_testing.h"
@@ -579,7 +580,7 @@ TEST(GemmCuda, PairProductsMatchTheCpuAndLeaveTheGapAlone) {
         cpu::linear_forward(ax.data(), aw.data(), scale.data(), n, in, out);
         const int64_t at = (b == 0 ? slot0 : slot1) * ny;
         expect_close(std::vector<float>(y.begin() + at, y.begin() + at + ny), ref, scale, abs_of(ref), u,
-                     "y" + std::to_string(b) + " of " + what);
+                     fmt::format("y{} of {}", b, what));
       }
       for (int64_t i = ny; i < 2 * ny; ++i) ASSERT_TRUE(std::isnan(y[size_t(i)])) << "the gap of y was written, " << what;
 
@@ -609,7 +610,7 @@ TEST(GemmCuda, PairProductsMatchTheCpuAndLeaveTheGapAlone) {
           cpu::linear_backward(ady.data(), ax.data(), w0.data(), unused_dx.data(), scale.data(), n, in, out, false);
           expect_close(std::vector<float>(dw.begin() + at, dw.begin() + at + nw), ref, scale,
                        std::vector<float>(size_t(nw), 0.0f), 0.0,
-                       "dw" + std::to_string(b) + (accumulate ? " (+=)" : " (=)") + " of " + what);
+                       fmt::format("dw{} {} of {}", b, accumulate ? "(+=)" : "(=)", what));
         }
         for (int64_t i = nw; i < 2 * nw; ++i) {
           const float want = accumulate ? dw_init[size_t(i)] : NAN;
