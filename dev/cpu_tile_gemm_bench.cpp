@@ -51,7 +51,7 @@ double min_seconds(int rounds, F f) {
 
 // The core's FMA peak: 16 independent chains of vector FMAs (the accumulators of one register block), fp32.
 double fma_peak_gflops(int rounds) {
-  constexpr int64_t kIters = 20'000'000;
+  [[maybe_unused]] constexpr int64_t kIters = 20'000'000;  // unused where neither AVX branch is compiled
 #if defined(__AVX512F__)
   constexpr int kLanes = 16;
   const double s = min_seconds(rounds, [] {
