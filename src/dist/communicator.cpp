@@ -7,19 +7,16 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <climits>
-#include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include "core/check.h"
+#include "dist/run_settings.h"
+#include "dist/watchdog.h"
 #include "flashlm/device.h"
 #ifdef FLASHLM_WITH_NCCL
 #include "dist/nccl.h"
@@ -100,174 +97,6 @@ int env_int(const char* name) {
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
   return (*end == '\0' && x >= 0 && x <= INT_MAX) ? static_cast<int>(x) : -1;
-}
-
-constexpr double kDefaultTimeoutS = 600.0;
-
-void check_timeout(double seconds, const char* where) {
-  FLASHLM_CHECK(std::isfinite(seconds) && seconds >= 0, "{}: collective timeout {} s, expected a finite number >= 0 "
-                "(0: no timeout)", where, seconds);
-}
-
-// $FLASHLM_DIST_TIMEOUT_S (seconds, 0: off) when set, else kDefaultTimeoutS.
-double default_timeout_s() {
-  const char* v = std::getenv("FLASHLM_DIST_TIMEOUT_S");
-  if (!v || !*v) return kDefaultTimeoutS;
-  char* end = nullptr;
-  const double s = std::strtod(v, &end);
-  FLASHLM_CHECK(end != v && *end == '\0', "FLASHLM_DIST_TIMEOUT_S='{}': expected a number of seconds", v);
-  check_timeout(s, "FLASHLM_DIST_TIMEOUT_S");
-  return s;
-}
-
-int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// The collective timeout of one communicator of a job of several ranks: a thread of its own that polls
-// (every kPoll) whether the blocking MPI call in progress, if any, has run past the timeout, and asks the
-// NCCL communicator, once there is one, whether its queued collectives have. Either ends the job: a rank
-// stuck in a collective cannot throw, and its peers are stuck too. The calls it watches are marked with
-// enter()/leave() by the thread that makes them (cheap: two atomic stores).
-class Watchdog {
- public:
-  static constexpr std::chrono::milliseconds kPoll{100};
-
-  Watchdog(int rank, double timeout_s) : rank_(rank), timeout_s_(timeout_s), thread_([this] { run(); }) {}
-  ~Watchdog() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    wake_.notify_one();
-    thread_.join();
-  }
-  Watchdog(const Watchdog&) = delete;
-  Watchdog& operator=(const Watchdog&) = delete;
-
-  void set_timeout(double seconds) { timeout_s_.store(seconds, std::memory_order_relaxed); }
-
-  // `call` names the MPI function (a string literal).
-  void enter(const char* call) {
-    call_.store(call, std::memory_order_relaxed);
-    calls_.fetch_add(1, std::memory_order_relaxed);
-    since_ns_.store(steady_ns(), std::memory_order_release);
-  }
-  void leave() { since_ns_.store(0, std::memory_order_release); }
-
-#ifdef FLASHLM_WITH_NCCL
-  // The NCCL communicator to poll from now on (it outlives the watchdog: Communicator::Impl stops the
-  // watchdog before destroying it).
-  void watch(dist::NcclComm* nccl) {
-    std::lock_guard lock(mu_);
-    nccl_ = nccl;
-  }
-#endif
-
- private:
-  void run() {
-    std::unique_lock lock(mu_);
-    while (!wake_.wait_for(lock, kPoll, [this] { return stop_; })) {
-      const double timeout = timeout_s_.load(std::memory_order_relaxed);
-      if (timeout <= 0) continue;
-      const int64_t since = since_ns_.load(std::memory_order_acquire);
-      if (since != 0 && double(steady_ns() - since) > timeout * 1e9) {
-        end_job(fmt::format("{} (collective call {} of this rank) did not finish within {} s", call_.load(),
-                            calls_.load(), timeout));
-      }
-#ifdef FLASHLM_WITH_NCCL
-      if (nccl_) {
-        if (const std::string stalled = nccl_->watchdog_poll(timeout); !stalled.empty()) end_job(stalled);
-      }
-#endif
-    }
-  }
-
-  [[noreturn]] void end_job(const std::string& what) const {
-    std::fprintf(stderr,
-                 "error: rank %d: %s: a rank stalled, died or called other collectives than its peers (the collective "
-                 "timeout: --collective-timeout-s or $FLASHLM_DIST_TIMEOUT_S); ending the job\n",
-                 rank_, what.c_str());
-    std::fflush(stderr);
-    Communicator::abort(1);
-  }
-
-  const int rank_;
-  std::atomic<double> timeout_s_;
-  std::atomic<const char*> call_{""};
-  std::atomic<int64_t> calls_{0};
-  std::atomic<int64_t> since_ns_{0};  // when the call in progress began; 0: none
-  std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;
-#ifdef FLASHLM_WITH_NCCL
-  dist::NcclComm* nccl_ = nullptr;
-#endif
-  std::thread thread_;  // last: starts once everything above is initialised
-};
-
-// A blocking call in progress, for the watchdog (if any) from construction to destruction.
-class Watched {
- public:
-  Watched(Watchdog* watchdog, const char* call) : watchdog_(watchdog) {
-    if (watchdog_) watchdog_->enter(call);
-  }
-  ~Watched() {
-    if (watchdog_) watchdog_->leave();
-  }
-  Watched(const Watched&) = delete;
-  Watched& operator=(const Watched&) = delete;
-
- private:
-  Watchdog* watchdog_;
-};
-
-// The settings as one text: each name and value followed by a NUL (so that no two lists serialise alike).
-std::string serialise_settings(std::span<const RunSetting> settings) {
-  std::string text;
-  for (const RunSetting& s : settings) (text += s.name) += '\0', (text += s.value) += '\0';
-  return text;
-}
-
-uint64_t fnv1a_64(std::string_view text) {
-  uint64_t h = 14695981039346656037ull;
-  for (char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
-}
-
-std::vector<RunSetting> parse_settings(const std::string& text) {
-  std::vector<RunSetting> out;
-  for (size_t at = 0; at < text.size();) {
-    const size_t name_end = text.find('\0', at);
-    const size_t value_end = name_end == std::string::npos ? std::string::npos : text.find('\0', name_end + 1);
-    if (value_end == std::string::npos) break;
-    out.push_back({text.substr(at, name_end - at), text.substr(name_end + 1, value_end - name_end - 1)});
-    at = value_end + 1;
-  }
-  return out;
-}
-
-// What differs between rank 0's settings and rank `rank`'s: "steps (rank 0: 3, rank 1: 4), ...".
-std::string settings_difference(std::span<const RunSetting> root, std::span<const RunSetting> mine, int rank) {
-  std::string out;
-  const size_t common = std::min(root.size(), mine.size());
-  for (size_t i = 0; i < common; ++i) {
-    if (root[i].name != mine[i].name) {
-      // Another list of settings altogether (another build of flashlm on that rank): stop comparing.
-      return fmt::format("{}{}the list of settings (setting {} is {} on rank 0, {} on rank {})", out,
-                         out.empty() ? "" : ", ", i + 1, root[i].name, mine[i].name, rank);
-    }
-    if (root[i].value != mine[i].value) {
-      out += fmt::format("{}{} (rank 0: {}, rank {}: {})", out.empty() ? "" : ", ", root[i].name, root[i].value, rank,
-                         mine[i].value);
-    }
-  }
-  if (root.size() != mine.size()) {
-    out += fmt::format("{}the number of settings (rank 0: {}, rank {}: {})", out.empty() ? "" : ", ", root.size(),
-                       rank, mine.size());
-  }
-  return out;
 }
 
 MPI_Datatype mpi_type(DType t, const char* fn, const char* arg) {
@@ -352,12 +181,12 @@ struct Communicator::Impl {
   MPI_Comm local = MPI_COMM_NULL;  // the ranks of this node (shared memory)
   int rank = 0, size = 1, local_rank = 0, local_size = 1;
   int local_index = 0;  // rank within `local` (the order of its collectives)
-  double timeout_s = default_timeout_s();
+  double timeout_s = dist::default_timeout_s();
   int nccl_max_ctas = 0;  // 0: NCCL's choice
 #ifdef FLASHLM_WITH_NCCL
   std::unique_ptr<dist::NcclComm> nccl;
 #endif
-  std::unique_ptr<Watchdog> watchdog;  // jobs of several ranks
+  std::unique_ptr<dist::Watchdog> watchdog;  // jobs of several ranks
 
   ~Impl() {
     watchdog.reset();  // before the NCCL communicator it polls
@@ -378,7 +207,7 @@ struct Communicator::Impl {
   void blocking(const char* call, Call&& fn) {
     int rc = MPI_SUCCESS;
     {
-      const Watched watched(watchdog.get(), call);
+      const dist::Watched watched(watchdog.get(), call);
       rc = fn();
     }
     check(rc, call);
@@ -408,7 +237,7 @@ Communicator::Communicator() : impl_(std::make_unique<Impl>()) {
   m.check(MPI_Comm_set_errhandler(m.comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   m.check(MPI_Comm_rank(m.comm, &m.rank), "MPI_Comm_rank");
   m.check(MPI_Comm_size(m.comm, &m.size), "MPI_Comm_size");
-  if (m.size > 1) m.watchdog = std::make_unique<Watchdog>(m.rank, m.timeout_s);
+  if (m.size > 1) m.watchdog = std::make_unique<dist::Watchdog>(m.rank, m.timeout_s);
   m.blocking("MPI_Comm_split_type",
              [&] { return MPI_Comm_split_type(m.comm, MPI_COMM_TYPE_SHARED, m.rank, MPI_INFO_NULL, &m.local); });
   m.check(MPI_Comm_rank(m.local, &m.local_index), "MPI_Comm_rank");
@@ -752,8 +581,8 @@ int64_t Communicator::agree(int64_t value, std::string_view what) {
 
 void Communicator::agree_settings(std::span<const RunSetting> settings) {
   Impl& m = *impl_;
-  const std::string text = serialise_settings(settings);
-  const uint64_t mine = fnv1a_64(text);
+  const std::string text = dist::serialise_settings(settings);
+  const uint64_t mine = dist::fnv1a_64(text);
   std::vector<uint64_t> all(static_cast<size_t>(m.size));
   m.blocking("MPI_Allgather",
              [&] { return MPI_Allgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, m.comm); });
@@ -764,7 +593,7 @@ void Communicator::agree_settings(std::span<const RunSetting> settings) {
   const std::string root = m.broadcast_text(m.rank == 0 ? text : std::string(), 0);
   std::string difference;
   if (m.rank == rank) {
-    difference = settings_difference(parse_settings(root), settings, rank);
+    difference = dist::settings_difference(dist::parse_settings(root), settings, rank);
     if (difference.empty()) difference = "the serialised settings";  // a NUL inside a name or value
   }
   difference = m.broadcast_text(std::move(difference), rank);
@@ -831,7 +660,7 @@ int Communicator::setup_cuda() {
   m.blocking("MPI_Bcast", [&] { return MPI_Bcast(id.data(), static_cast<int>(id.size()), MPI_CHAR, 0, m.comm); });
   {
     // Blocks until every rank has joined: watched like an MPI collective.
-    const Watched watched(m.watchdog.get(), "ncclCommInitRankConfig");
+    const dist::Watched watched(m.watchdog.get(), "ncclCommInitRankConfig");
     nccl->connect(id, m.size, m.nccl_max_ctas);
   }
   m.nccl = std::move(nccl);
@@ -883,7 +712,7 @@ void Communicator::synchronize() {
 }
 
 void Communicator::set_timeout(double seconds) {
-  check_timeout(seconds, "Communicator::set_timeout");
+  dist::check_timeout(seconds, "Communicator::set_timeout");
   impl_->timeout_s = seconds;
   if (impl_->watchdog) impl_->watchdog->set_timeout(seconds);
 }

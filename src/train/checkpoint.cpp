@@ -133,6 +133,13 @@ CheckpointHeader parse_header(const std::string& path, const nlohmann::json& j, 
   h.model.heads = model.integer("heads", 1, kMaxInt32);
   h.model.rope_theta = model.positive_number("rope_theta");
   h.model.norm_eps = model.positive_number("norm_eps");
+  // Sizes no model can have are the file's fault, not the caller's: a runtime error (the CLI's exit 1), not
+  // the InvalidArgument that ModelConfig::validate raises for a user's own configuration.
+  try {
+    h.model.validate();
+  } catch (const InvalidArgument& e) {
+    throw Error(fmt::format("checkpoint: '{}': the header's model is not one flashlm can build: {}", path, e.what()));
+  }
   h.batch = f.integer("batch", 1, kMaxInt32);
   h.seq = f.integer("seq", 1, kMaxInt32);
   h.next_step = f.integer("next_step", 0, std::numeric_limits<int64_t>::max());

@@ -174,6 +174,20 @@ TEST(Checkpoint, FieldsOfTheWrongTypeOrRangeNameTheFileAndTheField) {
     c.write(s.path, /*fix_payload_crc=*/false);  // the payload's is right already, or is the field missing
     expect_error([&] { train(s.resume); }, {s.path, std::string("the header has no field '") + field + "'"});
   }
+  // Sizes that pass each field's range but make no model: the file's fault, so a plain Error naming the file
+  // (the CLI's exit 1), never the InvalidArgument of a user's own configuration (exit 2).
+  CheckpointBytes no_model = good;
+  no_model.header["model"]["heads"] = 3;  // does not divide d_model
+  no_model.write(s.path);
+  try {
+    train(s.resume);
+    ADD_FAILURE() << "a header whose model cannot be built was accepted";
+  } catch (const InvalidArgument& e) {
+    ADD_FAILURE() << "reported as a usage error: " << e.what();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(s.path), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the header's model"), std::string::npos) << e.what();
+  }
   CheckpointBytes not_object = good;
   not_object.header = nlohmann::json::array({1, 2});
   not_object.write(s.path, /*fix_payload_crc=*/false);
