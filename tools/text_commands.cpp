@@ -46,7 +46,10 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
                   "or CUDA (--device), with a KV cache");
   cmd->add_option("--checkpoint", a.weights, "train --checkpoint file or flashlm export's .safetensors")->required();
   cmd->add_option("--prompt", a.prompt, "Text the sample continues (at least one token)")->required();
-  cmd->add_option("--max-tokens", a.max_tokens, "Tokens to generate (beyond the model's context, each sees the last context tokens)")->capture_default_str()->check(in_range(int64_t{0}, int64_t{1} << 24));
+  cmd->add_option("--max-tokens", a.max_tokens,
+                  "Tokens to generate (past the model's context, each is drawn from the last context tokens)")
+      ->capture_default_str()
+      ->check(in_range(int64_t{0}, int64_t{1} << 24));
   cmd->add_option("--temperature", a.temperature, "Softmax temperature; 0: greedy")
       ->capture_default_str()
       ->check(in_range(0.0, 100.0));

@@ -75,8 +75,8 @@ int32_t sample_token(std::span<const float> logits, const SamplingOptions& optio
 // i-th), each fed back in; on_token (if set) sees each new token with the logits it was drawn from. The
 // decoder starts from position 0. Each token is drawn from the logits of the last `context` tokens (prompt
 // and new ones), as nanoGPT's sampler does: a longer prompt keeps its last `context` tokens, and once the
-// context is full each new token re-encodes the slid window from position 0 (`context` decoder steps per
-// token, where one step does within the context).
+// context is full each new token re-encodes the slid window from position 0 (prefill: `context` decoder
+// steps, one LM head, per token, where one step does within the context).
 std::vector<int32_t> generate_tokens(KvCacheDecoder& decoder, std::span<const int32_t> prompt, int64_t max_new_tokens,
                                      const SamplingOptions& options,
                                      const std::function<void(int32_t, std::span<const float>)>& on_token = {});

@@ -255,7 +255,8 @@ TEST(Sampling, BeyondTheContextTheWindowSlidesAsAFullForwardOverTheLastContextTo
           worst = std::max(worst, double(std::abs(drawn_from[size_t(i)][v] - want[v])));
           scale = std::max(scale, double(std::abs(want[v])));
         }
-        ASSERT_EQ(out[size_t(i)], sample_token(want, o, uint64_t(i))) << "new token " << i << ", prompt " << prompt_length;
+        ASSERT_EQ(out[size_t(i)], sample_token(want, o, uint64_t(i)))
+            << "new token " << i << ", prompt " << prompt_length;
         seq.push_back(out[size_t(i)]);
       }
       EXPECT_LT(worst / scale, 1e-5) << "max |decoder - forward| = " << worst << " at logit scale " << scale;
@@ -263,7 +264,8 @@ TEST(Sampling, BeyondTheContextTheWindowSlidesAsAFullForwardOverTheLastContextTo
   }
   // The same seed, the same tokens, past the context too.
   const std::vector<int32_t> prompt = {3, 1, 4};
-  EXPECT_EQ(generate_tokens(decoder, prompt, 3 * c.context, sampled), generate_tokens(decoder, prompt, 3 * c.context, sampled));
+  EXPECT_EQ(generate_tokens(decoder, prompt, 3 * c.context, sampled),
+            generate_tokens(decoder, prompt, 3 * c.context, sampled));
 }
 
 // The CUDA decoder against the CPU one: the logits at every position of a full context (fp32 on both;

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_lm_vs_torch import rel  # noqa: E402
-from load_in_pytorch import LM, read_safetensors_by_hand  # noqa: E402  (examples/, on the path through test_lm_vs_torch)
+from load_in_pytorch import LM, read_safetensors_by_hand  # noqa: E402  (examples/, put on the path by test_lm_vs_torch)
 
 CLI = os.environ.get("FLASHLM_CLI")
 pytestmark = pytest.mark.skipif(not CLI, reason="FLASHLM_CLI (the flashlm command) not set")

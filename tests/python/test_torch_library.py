@@ -228,7 +228,8 @@ def test_autocast_follows_the_regions_dtype_in_ops_and_compiled_code(device, dty
     with torch.autocast(device, dtype=dtype):
         o, lse = torch.ops.flashlm.attention_fwd(q, k, v, "bshd", True, False, None, False, "flash")
         cu = torch.tensor([0, 5, 17], dtype=torch.int32, device=device)
-        ov, _ = torch.ops.flashlm.attention_varlen_fwd(q[0], k[0], v[0], cu, cu, 12, 12, True, True, None, False, "flash")
+        ov, _ = torch.ops.flashlm.attention_varlen_fwd(q[0], k[0], v[0], cu, cu, 12, 12, True, True, None, False,
+                                                       "flash")
     assert o.dtype == dtype and lse.dtype == torch.float32 and ov.dtype == dtype
     want, _ = torch.ops.flashlm.attention_fwd(*(t.to(dtype) for t in (q, k, v)), "bshd", True, False, None, False,
                                               "flash")
