@@ -7,8 +7,8 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        sys.exit("error: matplotlib is missing: run scripts/setup-deps.sh (it installs Debian's python3-matplotlib) "
-                 "or use a Python that has it")
+        sys.exit(f"error: matplotlib is missing from {sys.executable}: run the script with Debian's /usr/bin/python3 "
+                 "(scripts/setup-deps.sh installs python3-matplotlib)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

@@ -119,8 +119,6 @@ def prepare(args):
     if not 256 <= args.vocab_size <= MAX_VOCAB:
         raise UsageError(f"--vocab-size {args.vocab_size}: expected an integer in [256, {MAX_VOCAB}] (a byte-level "
                          "BPE holds one token per byte before its merges)")
-    if not os.path.isdir(args.out):
-        raise RuntimeError(f"prepare: the output directory '{args.out}' does not exist")
     texts = [read_input(path).decode("utf-8", errors="replace") for path in args.inputs]
     load_tokenizers()
     tok = train_bpe(texts, args.vocab_size)
@@ -137,6 +135,7 @@ def prepare(args):
         "token_dtype": "uint16" if vocab <= 1 << 16 else "uint32",
     }
     try:
+        os.makedirs(args.out, exist_ok=True)
         write_together({out["train"]: token_file_bytes(ids[:-val], vocab),
                         out["val"]: token_file_bytes(ids[-val:], vocab),
                         out["tokenizer"]: tok.to_str().encode("utf-8")})

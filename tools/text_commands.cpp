@@ -25,7 +25,7 @@ void add_prepare(CLI::App& app, TextCommandArgs& a) {
       "prepare", "Turn text files into the token files train --data reads: OUT/train.bin, OUT/val.bin and "
                  "OUT/tokenizer.json (byte-level tokens, vocabulary 256; or a BPE trained on the text)");
   cmd->add_option("inputs", a.inputs, "Text files, concatenated in order")->required();
-  cmd->add_option("--out", a.out_dir, "Output directory (must exist)")->required();
+  cmd->add_option("--out", a.out_dir, "Output directory (created with its parents if missing)")->required();
   cmd->add_option("--val-fraction", a.val_fraction, "The last part of the tokens held out for validation, in (0, 0.5]")
       ->capture_default_str()
       ->check(in_range(1e-9, 0.5));
@@ -46,7 +46,10 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
                   "or CUDA (--device), with a KV cache");
   cmd->add_option("--checkpoint", a.weights, "train --checkpoint file or flashlm export's .safetensors")->required();
   cmd->add_option("--prompt", a.prompt, "Text the sample continues (at least one token)")->required();
-  cmd->add_option("--max-tokens", a.max_tokens, "Tokens to generate")->capture_default_str()->check(in_range(int64_t{0}, int64_t{1} << 24));
+  cmd->add_option("--max-tokens", a.max_tokens,
+                  "Tokens to generate (past the model's context, each is drawn from the last context tokens)")
+      ->capture_default_str()
+      ->check(in_range(int64_t{0}, int64_t{1} << 24));
   cmd->add_option("--temperature", a.temperature, "Softmax temperature; 0: greedy")
       ->capture_default_str()
       ->check(in_range(0.0, 100.0));
@@ -173,13 +176,6 @@ int run_generate(const TextCommandArgs& a) {
   }
   const std::vector<int32_t> prompt = encode_prompt(tokenizer, a.tokenizer, a.prompt);
   if (prompt.empty()) throw CLI::ValidationError("--prompt", "the prompt is empty: give at least one character");
-  const int64_t room = weights.config.context - static_cast<int64_t>(prompt.size());
-  if (a.max_tokens > room) {
-    throw CLI::ValidationError("--max-tokens", fmt::format("{} after a prompt of {} tokens exceeds the model's context "
-                                                           "of {}: at most {}",
-                                                           a.max_tokens, prompt.size(), weights.config.context,
-                                                           std::max<int64_t>(room, 0)));
-  }
   std::FILE* logits_file = nullptr;
   if (!a.logits_out.empty()) {
     logits_file = std::fopen(a.logits_out.c_str(), "wb");

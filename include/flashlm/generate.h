@@ -37,6 +37,11 @@ class KvCacheDecoder {
   // Error.
   std::span<const float> step(int32_t token);
 
+  // Feeds `tokens` (at least one) as step() would, one after another, and returns the logits after the last;
+  // the others' final norm and LM head (a vocab x d_model product per token) are skipped. How a prompt, or
+  // generate_tokens' slid window, is encoded.
+  std::span<const float> prefill(std::span<const int32_t> tokens);
+
  private:
   ModelConfig config_;
   Device device_ = Device::cpu;
@@ -45,7 +50,11 @@ class KvCacheDecoder {
   Buffer device_token_, host_logits_;  // CUDA: the token fed in, the logits brought back
   int64_t position_ = 0;
 
-  void step_rows_cuda(int32_t token);  // model/cuda/decoder.cpp: the CUDA step; the logits land in host_logits_
+  // One token through the layers into the cache; the logits too when want_logits (CPU: in the work rows).
+  void feed(int32_t token, bool want_logits);
+  // model/cuda/decoder.cpp: the CUDA step; the logits (when asked for) land in host_logits_.
+  void step_rows_cuda(int32_t token, bool want_logits);
+  std::span<const float> logits() const;  // the last fed token's (when it asked for them)
 
   const float* param(const std::string& name) const;
   const float* layer_param(int64_t layer, std::string_view name) const;  // "layers.<layer>.<name>"
@@ -64,7 +73,10 @@ int32_t sample_token(std::span<const float> logits, const SamplingOptions& optio
 
 // Feeds the prompt (at least one token), then samples max_new_tokens tokens one by one (draw i for the
 // i-th), each fed back in; on_token (if set) sees each new token with the logits it was drawn from. The
-// decoder starts from position 0; prompt + max_new_tokens may not exceed the model's context.
+// decoder starts from position 0. Each token is drawn from the logits of the last `context` tokens (prompt
+// and new ones), as nanoGPT's sampler does: a longer prompt keeps its last `context` tokens, and once the
+// context is full each new token re-encodes the slid window from position 0 (prefill: `context` decoder
+// steps, one LM head, per token, where one step does within the context).
 std::vector<int32_t> generate_tokens(KvCacheDecoder& decoder, std::span<const int32_t> prompt, int64_t max_new_tokens,
                                      const SamplingOptions& options,
                                      const std::function<void(int32_t, std::span<const float>)>& on_token = {});

@@ -47,7 +47,7 @@ size_t invalid_utf8_at(std::string_view text);
 
 struct PrepareConfig {
   std::vector<std::string> inputs;  // text files, concatenated in this order
-  std::string out_dir;              // receives train.bin, val.bin and tokenizer.json (it must exist)
+  std::string out_dir;              // receives train.bin, val.bin and tokenizer.json (created, with its parents)
   double val_fraction = 0.1;        // the last part of the text, in (0, 0.5]
 };
 

@@ -225,6 +225,57 @@ def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_r
     return call
 
 
+# Autocast. SDPA is on autocast's lower-precision list: inside torch.autocast its floating inputs (float64
+# aside) are cast to the region's dtype, so a model whose RoPE'd q, k come out float32 beside a bfloat16 v
+# works. flashlm's attention does the same: the front ends below cast in eager code (which calls the C
+# library without the dispatcher), and the operators carry the rule as an Autocast kernel for compiled code
+# and direct torch.ops callers. torch.library.register_autocast casts to one dtype fixed when registered;
+# SDPA follows the region's (bfloat16 or float16), hence the kernel registered by hand below.
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
+def _autocast_dtype(device_type):
+    """The dtype autocast casts SDPA's inputs to on device_type ("cpu" or "cuda"), or None outside it."""
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    if device_type == "cuda":
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+    return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+
+
+def _autocast_args(args, device_type):
+    """args with each floating tensor but float64 cast to autocast's dtype (SDPA's lower_precision_fp
+    policy); args itself outside autocast."""
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+        return args
+    dtype = _autocast_dtype(device_type)
+    if dtype is None:
+        return args
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
+                 else a for a in args)
+
+
+def _autocast_qkv(q, k, v):
+    if not isinstance(q, torch.Tensor):
+        return q, k, v  # not tensors: the caller's checks say so
+    return _autocast_args((q, k, v), q.device.type)
+
+
+def _register_autocast(op, name):
+    """The lower-precision rule as op's AutocastCPU and AutocastCUDA kernels (as register_autocast registers
+    its fixed-dtype one: a C++ kernel and, for tracing under the Python dispatcher, a py_impl)."""
+    for device_type, key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+        dispatch_key = getattr(torch._C.DispatchKey, key)
+
+        def kernel(*args, _device_type=device_type, _dispatch_key=dispatch_key):
+            args = _autocast_args(args, _device_type)  # before the guard, which hides autocast's state
+            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_dispatch_key)):
+                return op(*args)
+
+        op.py_impl(dispatch_key)(kernel)
+        _AUTOCAST_LIBRARY.impl(name, kernel, key)
+
+
 HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake")
 
 if HAS_CUSTOM_OPS:
@@ -284,6 +335,8 @@ if HAS_CUSTOM_OPS:
     attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
     attention_bwd.register_autograd(_refuse_double_backward)
     _FWD_OP = torch.ops.flashlm.attention_fwd.default
+    _AUTOCAST_LIBRARY = torch.library.Library("flashlm", "FRAGMENT")
+    _register_autocast(_FWD_OP, "attention_fwd")
     _BWD_OP = torch.ops.flashlm.attention_bwd.default
 
     class _AttentionOps(torch.autograd.Function):
@@ -361,6 +414,7 @@ def _traced(q):
 
 
 def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+    q, k, v = _autocast_qkv(q, k, v)
     if _traced(q):
         return _AttentionOps.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -690,6 +744,7 @@ if HAS_CUSTOM_OPS:
     attention_varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_varlen_setup_context)
     attention_varlen_bwd.register_autograd(_refuse_double_backward)
     _VARLEN_FWD_OP = torch.ops.flashlm.attention_varlen_fwd.default
+    _register_autocast(_VARLEN_FWD_OP, "attention_varlen_fwd")
     _VARLEN_BWD_OP = torch.ops.flashlm.attention_varlen_bwd.default
 
     class _VarlenOps(torch.autograd.Function):
@@ -734,6 +789,7 @@ class _VarlenAttention(torch.autograd.Function):
 
 
 def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
+    q, k, v = _autocast_qkv(q, k, v)
     args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
     if _traced(q):
         # Dynamo refuses an autograd.Function given one tensor twice, and self-attention passes the same

@@ -72,14 +72,31 @@ const float* KvCacheDecoder::layer_param(int64_t layer, std::string_view name) c
 }
 
 std::span<const float> KvCacheDecoder::step(int32_t token) {
+  feed(token, true);
+  return logits();
+}
+
+std::span<const float> KvCacheDecoder::prefill(std::span<const int32_t> tokens) {
+  FLASHLM_CHECK(!tokens.empty(), "KvCacheDecoder::prefill: no tokens");
+  for (size_t i = 0; i < tokens.size(); ++i) feed(tokens[i], i + 1 == tokens.size());
+  return logits();
+}
+
+std::span<const float> KvCacheDecoder::logits() const {
+  const float* p = device_ == Device::cuda ? static_cast<const float*>(host_logits_.data())
+                                           : step_rows(static_cast<float*>(work_.data()), config_).logits;
+  return {p, static_cast<size_t>(config_.vocab)};
+}
+
+void KvCacheDecoder::feed(int32_t token, bool want_logits) {
   const ModelConfig& c = config_;
   FLASHLM_CHECK(token >= 0 && token < c.vocab, "KvCacheDecoder::step: token {} outside [0, vocab = {})", token, c.vocab);
   FLASHLM_CHECK(position_ < c.context, "KvCacheDecoder::step: the cache is full: the model's context is {} tokens",
                 c.context);
   if (device_ == Device::cuda) {
-    step_rows_cuda(token);
+    step_rows_cuda(token, want_logits);
     ++position_;
-    return {static_cast<const float*>(host_logits_.data()), static_cast<size_t>(c.vocab)};
+    return;
   }
   const int64_t d = c.d_model, f = c.d_ff, hd = c.head_dim(), half = hd / 2, pos = position_;
   const auto eps = static_cast<float>(c.norm_eps);
@@ -115,14 +132,15 @@ std::span<const float> KvCacheDecoder::step(int32_t token) {
     cpu::linear_forward(r.s, layer_param(l, "ffn.w2.weight"), r.h, 1, f, d);
     for (int64_t i = 0; i < d; ++i) r.x[i] += r.h[i];
   }
-  cpu::rmsnorm_forward(r.x, param("ln_final.weight"), r.h, &rstd, 1, d, eps);
-  cpu::linear_forward(r.h, param("lm_head.weight"), r.logits, 1, d, c.vocab);
+  if (want_logits) {
+    cpu::rmsnorm_forward(r.x, param("ln_final.weight"), r.h, &rstd, 1, d, eps);
+    cpu::linear_forward(r.h, param("lm_head.weight"), r.logits, 1, d, c.vocab);
+  }
   ++position_;
-  return {r.logits, static_cast<size_t>(c.vocab)};
 }
 
 #ifndef FLASHLM_WITH_CUDA
-void KvCacheDecoder::step_rows_cuda(int32_t) { fail("KvCacheDecoder: device cuda: not a CUDA build"); }
+void KvCacheDecoder::step_rows_cuda(int32_t, bool) { fail("KvCacheDecoder: device cuda: not a CUDA build"); }
 #endif
 
 int32_t sample_token(std::span<const float> logits, const SamplingOptions& o, uint64_t draw) {
@@ -157,23 +175,37 @@ int32_t sample_token(std::span<const float> logits, const SamplingOptions& o, ui
 std::vector<int32_t> generate_tokens(KvCacheDecoder& decoder, std::span<const int32_t> prompt, int64_t max_new_tokens,
                                      const SamplingOptions& options,
                                      const std::function<void(int32_t, std::span<const float>)>& on_token) {
-  const int64_t context = decoder.config().context;
+  const auto context = static_cast<size_t>(decoder.config().context);
   FLASHLM_CHECK(!prompt.empty(), "generate: the prompt is empty: give at least one token");
   FLASHLM_CHECK(max_new_tokens >= 0, "generate: max_new_tokens = {}, expected >= 0", max_new_tokens);
-  FLASHLM_CHECK(int64_t(prompt.size()) <= context && max_new_tokens <= context - int64_t(prompt.size()),
-                "generate: a prompt of {} tokens and {} new tokens exceed the model's context of {}", prompt.size(),
-                max_new_tokens, context);
-  decoder.reset();
+  // The tokens the next logits are conditioned on: the last `context` of the prompt and those drawn so far,
+  // as nanoGPT's sampler crops its input to the block size.
+  std::vector<int32_t> window(prompt.size() > context ? prompt.end() - std::ptrdiff_t(context) : prompt.begin(),
+                              prompt.end());
   std::span<const float> logits;
-  for (int32_t t : prompt) logits = decoder.step(t);
+  const auto encode_window = [&] {
+    decoder.reset();
+    logits = decoder.prefill(window);
+  };
+  encode_window();
   std::vector<int32_t> out;
   out.reserve(static_cast<size_t>(max_new_tokens));
   for (int64_t i = 0; i < max_new_tokens; ++i) {
     const int32_t next = sample_token(logits, options, static_cast<uint64_t>(i));
     if (on_token) on_token(next, logits);
     out.push_back(next);
-    // The last token needs no logits after it (and may fill the context exactly).
-    if (i + 1 < max_new_tokens) logits = decoder.step(next);
+    if (i + 1 == max_new_tokens) break;  // the last token needs no logits after it
+    if (window.size() < context) {
+      window.push_back(next);
+      logits = decoder.step(next);
+      continue;
+    }
+    // A full context slides by one: the oldest token goes and the window is encoded again from position 0,
+    // the positions the model was trained on. Nothing in the cache can be kept: past the first layer every
+    // cached key depends on the tokens before it, the dropped one included, and RoPE's positions all shift.
+    window.erase(window.begin());
+    window.push_back(next);
+    encode_window();
   }
   return out;
 }

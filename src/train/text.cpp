@@ -137,6 +137,14 @@ std::vector<std::string> load_bpe_pieces(const std::string& path, const nlohmann
   return pieces;
 }
 
+// prepare --out data should work in a fresh checkout, as mkdir -p would: the directory and its parents.
+void create_output_directory(const std::filesystem::path& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  FLASHLM_CHECK(!ec && std::filesystem::is_directory(dir), "prepare: cannot create the output directory '{}': {}",
+                dir.string(), ec ? ec.message() : "a file of that name is in the way");
+}
+
 }  // namespace
 
 Tokenizer Tokenizer::bytes() { return Tokenizer(); }
@@ -219,8 +227,6 @@ PreparedData prepare_text_data(const PrepareConfig& c) {
   check_prepare_inputs(c.inputs);
   FLASHLM_CHECK(std::isfinite(c.val_fraction) && c.val_fraction > 0 && c.val_fraction <= 0.5,
                 "prepare: val_fraction = {}, expected a number in (0, 0.5]", c.val_fraction);
-  FLASHLM_CHECK(std::filesystem::is_directory(c.out_dir), "prepare: the output directory '{}' does not exist",
-                c.out_dir);
   const Tokenizer tokenizer = Tokenizer::bytes();
   std::vector<uint16_t> tokens;
   for (const std::string& path : c.inputs) {
@@ -235,6 +241,7 @@ PreparedData prepare_text_data(const PrepareConfig& c) {
                 total, val);
   PreparedData out;
   const std::filesystem::path dir(c.out_dir);
+  create_output_directory(dir);
   out.train_path = (dir / "train.bin").string();
   out.val_path = (dir / "val.bin").string();
   out.tokenizer_path = (dir / "tokenizer.json").string();

@@ -50,7 +50,12 @@ endif()
 
 expect_exit(2 "required" prepare ${dir}/text.txt)
 expect_exit(2 "val-fraction" prepare ${dir}/text.txt --out ${dir} --val-fraction 0.9)
-expect_exit(1 "does not exist" prepare ${dir}/text.txt --out ${dir}/missing)
+# --out is created with its parents (a fresh checkout has no data/); a file in its place is an error.
+run_ok("prepare --out new/data" prepare ${dir}/text.txt --out ${dir}/new/data)
+if(NOT EXISTS ${dir}/new/data/train.bin)
+  message(FATAL_ERROR "prepare did not create --out ${dir}/new/data:\n${out}")
+endif()
+expect_exit(1 "cannot create the output directory" prepare ${dir}/text.txt --out ${dir}/text.txt)
 expect_exit(1 "cannot open" prepare ${dir}/missing.txt --out ${dir})
 # The BPE path's inputs follow the byte path's rule, checked before scripts/prepare_data.py starts (so no python
 # with the tokenizers package is needed here): a FIFO would block it, a device be read without end.
@@ -78,7 +83,22 @@ if(NOT rc EQUAL 1 OR NOT err MATCHES "^error: /bin/sh .*hang.sh did not finish w
   message(FATAL_ERROR "a helper that hangs: exit ${rc}\nstderr: ${err}")
 endif()
 expect_exit(2 "--prompt" generate --checkpoint ${dir}/run.ckpt --prompt=)  # cmake cannot pass an empty argument
-expect_exit(2 "exceeds the model's context of 32: at most 21" generate --checkpoint ${dir}/run.ckpt --prompt "Paragraph 3" --max-tokens 22)
+# The default of 200 new tokens on a model of context 32: the window slides (one logits row per new token), and
+# the same seed still gives the same text; a prompt longer than the context keeps its last 32 tokens.
+set(long --checkpoint ${dir}/run.ckpt --prompt "Paragraph 3" --seed 3)
+run_ok("generate the default beyond the context" generate ${long} --logits-out ${dir}/long.f32)
+set(first "${out}")
+file(SIZE ${dir}/long.f32 long_bytes)
+if(NOT long_bytes EQUAL 204800)  # 200 x 256 x 4
+  message(FATAL_ERROR "generate's default past the context wrote ${long_bytes} bytes of logits, expected 204800")
+endif()
+run_ok("generate beyond the context again" generate ${long})
+if(NOT out STREQUAL first)
+  message(FATAL_ERROR "the same seed gave two samples beyond the context:\n${first}\n${out}")
+endif()
+string(REPEAT "Paragraph 3 " 4 long_prompt)
+run_ok("generate from a prompt longer than the context" generate --checkpoint ${dir}/run.ckpt --prompt "${long_prompt}"
+       --max-tokens 5)
 expect_exit(2 "temperature" generate --checkpoint ${dir}/run.ckpt --prompt a --temperature -1)
 expect_exit(2 "top-k" generate --checkpoint ${dir}/run.ckpt --prompt a --top-k -1)
 expect_exit(2 "--device: 'tpu': expected cpu or cuda" generate --checkpoint ${dir}/run.ckpt --prompt a --device tpu)

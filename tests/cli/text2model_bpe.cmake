@@ -52,6 +52,11 @@ if(NOT out STREQUAL first)
   message(FATAL_ERROR "the same seed gave two samples:\n${first}\n${out}")
 endif()
 
+# --out is created with its parents, as on the byte path.
+run_ok("prepare bpe --out new/data" prepare ${dir}/text.txt --out ${dir}/new/data --tokenizer bpe --vocab-size 300)
+if(NOT EXISTS ${dir}/new/data/tokenizer.json)
+  message(FATAL_ERROR "prepare --tokenizer bpe did not create --out ${dir}/new/data:\n${out}")
+endif()
 expect_exit(2 "--tokenizer bpe needs a vocabulary size" prepare ${dir}/text.txt --out ${dir} --tokenizer bpe)
 expect_exit(2 "--vocab-size" prepare ${dir}/text.txt --out ${dir} --tokenizer bpe --vocab-size 255)
 expect_exit(2 "--vocab-size is for --tokenizer bpe" prepare ${dir}/text.txt --out ${dir} --vocab-size 300)

@@ -1,5 +1,6 @@
 // The KV-cache decoder against the training forward (CpuModel's logits over the whole prefix, at every
-// position), and the sampler: greedy, top-k, determinism per seed, frequencies, bad options.
+// position), and the sampler: greedy, top-k, determinism per seed, frequencies, the window sliding past the
+// context, bad options.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -91,6 +92,18 @@ TEST(KvCacheDecoder, ResetForgetsTheCacheAndRepeatsBitForBit) {
   std::span<const float> again;
   for (int32_t t : tokens) again = decoder.step(t);
   EXPECT_EQ(std::vector<float>(again.begin(), again.end()), first);
+  // prefill feeds the same tokens, skipping the LM head of all but the last: the same cache, the same logits.
+  decoder.reset();
+  const std::span<const float> prefilled = decoder.prefill(tokens);
+  EXPECT_EQ(decoder.position(), int64_t(tokens.size()));
+  EXPECT_EQ(std::vector<float>(prefilled.begin(), prefilled.end()), first);
+  const auto next = decoder.step(tokens[0]);
+  const std::vector<float> after_prefill(next.begin(), next.end());
+  decoder.reset();
+  for (int32_t t : tokens) decoder.step(t);
+  const auto stepped = decoder.step(tokens[0]);
+  EXPECT_EQ(std::vector<float>(stepped.begin(), stepped.end()), after_prefill);
+  EXPECT_THROW(decoder.prefill({}), Error);
 }
 
 TEST(KvCacheDecoder, BadInputsAreErrors) {
@@ -205,8 +218,54 @@ TEST(Sampling, BadOptionsAreErrors) {
   const ModelConfig c = decoder_config();
   KvCacheDecoder decoder(c, random_parameters(c, 2));
   EXPECT_THROW(generate_tokens(decoder, std::vector<int32_t>{}, 3, o), Error);
-  EXPECT_THROW(generate_tokens(decoder, std::vector<int32_t>{1, 2}, c.context - 1, o), Error);
   EXPECT_THROW(generate_tokens(decoder, std::vector<int32_t>{1}, -1, o), Error);
+}
+
+// Beyond the context the window slides, as nanoGPT's sampler does: every token is drawn from the logits of the
+// full forward over the last `context` tokens, re-run here from scratch for each one (the naive reference).
+// Covers a prompt within the context that the new tokens overrun twice, and a prompt longer than the context.
+TEST(Sampling, BeyondTheContextTheWindowSlidesAsAFullForwardOverTheLastContextTokens) {
+  const ModelConfig c = decoder_config();
+  const std::vector<float> params = random_parameters(c, 9);
+  KvCacheDecoder decoder(c, params);
+  SamplingOptions sampled;
+  sampled.temperature = 1.0;
+  sampled.seed = 21;
+  SamplingOptions greedy;
+  greedy.temperature = 0;
+  for (const int64_t prompt_length : {int64_t{5}, c.context + 4}) {
+    for (const SamplingOptions& o : {sampled, greedy}) {
+      const std::vector<int32_t> prompt = random_tokens(prompt_length, c.vocab, 13);
+      const int64_t n_new = 2 * c.context + 3;
+      std::vector<std::vector<float>> drawn_from;
+      const auto out = generate_tokens(decoder, prompt, n_new, o, [&](int32_t, std::span<const float> logits) {
+        drawn_from.emplace_back(logits.begin(), logits.end());
+      });
+      ASSERT_EQ(int64_t(out.size()), n_new);
+      std::vector<int32_t> seq = prompt;
+      double worst = 0, scale = 0;
+      for (int64_t i = 0; i < n_new; ++i) {
+        const int64_t n = std::min<int64_t>(int64_t(seq.size()), c.context);
+        const std::vector<int32_t> window(seq.end() - n, seq.end());
+        CpuModel full(c, 1, n);
+        std::copy(params.begin(), params.end(), full.parameters());
+        full.forward(window.data(), window.data());  // the targets do not matter for the logits
+        const std::span<const float> want(full.logits() + (n - 1) * c.vocab, size_t(c.vocab));
+        for (size_t v = 0; v < want.size(); ++v) {
+          worst = std::max(worst, double(std::abs(drawn_from[size_t(i)][v] - want[v])));
+          scale = std::max(scale, double(std::abs(want[v])));
+        }
+        ASSERT_EQ(out[size_t(i)], sample_token(want, o, uint64_t(i)))
+            << "new token " << i << ", prompt " << prompt_length;
+        seq.push_back(out[size_t(i)]);
+      }
+      EXPECT_LT(worst / scale, 1e-5) << "max |decoder - forward| = " << worst << " at logit scale " << scale;
+    }
+  }
+  // The same seed, the same tokens, past the context too.
+  const std::vector<int32_t> prompt = {3, 1, 4};
+  EXPECT_EQ(generate_tokens(decoder, prompt, 3 * c.context, sampled),
+            generate_tokens(decoder, prompt, 3 * c.context, sampled));
 }
 
 // The CUDA decoder against the CPU one: the logits at every position of a full context (fp32 on both;
@@ -244,4 +303,7 @@ TEST(KvCacheDecoderCuda, MatchesTheCpuDecoderAtEveryPosition) {
   sampled.top_k = 10;
   sampled.seed = 4;
   EXPECT_EQ(generate_tokens(gpu, prompt, 12, sampled), generate_tokens(gpu, prompt, 12, sampled));
+  // Past the context, where the window slides and is encoded again from position 0.
+  EXPECT_EQ(generate_tokens(gpu, prompt, 2 * c.context, greedy), generate_tokens(cpu, prompt, 2 * c.context, greedy));
+  EXPECT_EQ(generate_tokens(gpu, prompt, 2 * c.context, sampled), generate_tokens(gpu, prompt, 2 * c.context, sampled));
 }

@@ -5,86 +5,17 @@ import math
 import os
 import struct
 import subprocess
+import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+from load_in_pytorch import LM  # noqa: E402  (the CS336 model in PyTorch, with flashlm's parameter names)
 nn = torch.nn
 
 LM_IO = os.environ.get("FLASHLM_LM_IO")
 pytestmark = pytest.mark.skipif(not LM_IO, reason="FLASHLM_LM_IO (the lm_io harness) not set")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rope(x, theta):
-    """Rotates interleaved pairs (x[..., 2i], x[..., 2i+1]) of [batch, seq, heads, head_dim] by t·theta^(-2i/d)."""
-    b, t, h, d = x.shape
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None, :]
-    cos, sin = ang.cos().float()[None, :, None, :], ang.sin().float()[None, :, None, :]
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-
-
-class Attention(nn.Module):
-    def __init__(self, d, heads, theta):
-        super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.output_proj = (nn.Linear(d, d, bias=False) for _ in range(4))
-        self.heads, self.theta = heads, theta
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, d // self.heads) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = rope(q, self.theta), rope(k, self.theta)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        s = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
-        o = torch.softmax(s, dim=-1) @ v
-        return self.output_proj(o.transpose(1, 2).reshape(b, t, d))
-
-
-class FFN(nn.Module):
-    def __init__(self, d, f):
-        super().__init__()
-        self.w1, self.w2, self.w3 = nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False), nn.Linear(d, f, bias=False)
-
-    def forward(self, x):
-        u = self.w1(x)
-        return self.w2(u * torch.sigmoid(u) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self, d, f, heads, theta, eps):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.ffn = RMSNorm(d, eps), Attention(d, heads, theta), RMSNorm(d, eps), FFN(d, f)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.ffn(self.ln2(x))
-
-
-class LM(nn.Module):
-    def __init__(self, vocab, d, f, layers, heads, theta, eps):
-        super().__init__()
-        self.token_embeddings = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(Block(d, f, heads, theta, eps) for _ in range(layers))
-        self.ln_final = RMSNorm(d, eps)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, tokens):
-        x = self.token_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.lm_head(self.ln_final(x))
 
 
 def adamw_step(params, state, lr, b1, b2, eps, wd, step):

@@ -307,3 +307,26 @@ def test_packed_arguments_are_bounded():
         k = torch.randn(1, n, 1, 8)
         flashlm.attention_forward(q, k, k, layout="bshd")
         assert len(_lib.packed_calls.forward) <= _lib.MAX_PACKED_CALLS
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_casts_the_inputs_as_sdpa_does(device):
+    """Inside torch.autocast a model's RoPE'd q, k come out float32 beside a bfloat16 v; SDPA (on autocast's
+    lower-precision list) casts all three to the region's dtype, and so does flashlm's attention (eager here;
+    compiled and direct torch.ops calls in test_torch_library.py). The gradients come back in the inputs'
+    dtypes."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 4, 19, 32, generator=g).to(device).requires_grad_(True) for _ in range(2))
+    v = torch.randn(2, 4, 19, 32, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_(True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        o = flashlm.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o_bshd = flashlm.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="bshd", causal=True)
+    assert o.dtype == torch.bfloat16 and o_bshd.dtype == torch.bfloat16
+    assert torch.equal(o_bshd.transpose(1, 2), o)
+    want = reference(*(t.detach().to(torch.bfloat16).float().transpose(1, 2) for t in (q, k, v)), True, None, None)
+    assert (o.float() - want.transpose(1, 2)).abs().max().item() < 2e-2
+    o.float().square().sum().backward()
+    assert q.grad.dtype == torch.float32 and k.grad.dtype == torch.float32 and v.grad.dtype == torch.bfloat16
+    # Outside autocast the dtypes must agree, as before.
+    with pytest.raises(ValueError, match="dtype"):
+        flashlm.scaled_dot_product_attention(q, k, v)

@@ -215,3 +215,35 @@ def test_grad_of_grad_under_torch_func_is_refused_clearly():
 
     with pytest.raises(RuntimeError, match="double backward .* is not supported"):
         torch.func.grad(lambda q: torch.func.grad(loss)(q).sum())(q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_follows_the_regions_dtype_in_ops_and_compiled_code(device, dtype):
+    """The operators' Autocast kernels cast floating inputs to the region's dtype (bfloat16 or float16, as SDPA's
+    lower-precision rule does) for direct torch.ops callers and in compiled code; the offsets stay int32."""
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(2, 17, 4, 32, generator=g).to(device) for _ in range(2))
+    v = torch.randn(2, 17, 4, 32, generator=g).to(device=device, dtype=torch.bfloat16)
+    with torch.autocast(device, dtype=dtype):
+        o, lse = torch.ops.flashlm.attention_fwd(q, k, v, "bshd", True, False, None, False, "flash")
+        cu = torch.tensor([0, 5, 17], dtype=torch.int32, device=device)
+        ov, _ = torch.ops.flashlm.attention_varlen_fwd(q[0], k[0], v[0], cu, cu, 12, 12, True, True, None, False,
+                                                       "flash")
+    assert o.dtype == dtype and lse.dtype == torch.float32 and ov.dtype == dtype
+    want, _ = torch.ops.flashlm.attention_fwd(*(t.to(dtype) for t in (q, k, v)), "bshd", True, False, None, False,
+                                              "flash")
+    assert torch.equal(o, want)
+
+    torch._dynamo.reset()
+    qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+
+    def loss(q, k, v):
+        with torch.autocast(device, dtype=dtype):
+            return flashlm.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                        is_causal=True).float().square().sum()
+
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(qg, kg, v)
+    dq = torch.autograd.grad(got, qg)[0]
+    assert dq.dtype == torch.float32
+    assert abs(got.item() - want.float().square().sum().item()) <= 1e-3 * abs(got.item())

@@ -204,8 +204,15 @@ TEST(Prepare, WritesTokenFilesTrainReadsAndTheTokenizer) {
   cfg.val_fraction = 0.6;
   expect_error([&] { prepare_text_data(cfg); }, {"val_fraction = 0.6"});
   cfg.val_fraction = 0.1;
-  cfg.out_dir = dir + "/missing";
-  expect_error([&] { prepare_text_data(cfg); }, {"does not exist"});
+  // The output directory is made with its parents, as prepare --out data in a fresh checkout wants; a file
+  // in its place is an Error naming it.
+  std::filesystem::remove_all(dir + "/new");  // left by an earlier run
+  cfg.out_dir = dir + "/new/data";
+  const PreparedData nested = prepare_text_data(cfg);
+  EXPECT_EQ(nested.train_tokens + nested.val_tokens, d.train_tokens + d.val_tokens);
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir + "/new/data/train.bin"));
+  cfg.out_dir = a;
+  expect_error([&] { prepare_text_data(cfg); }, {"cannot create the output directory", a});
   cfg.out_dir = dir;
   write_bytes(a, "abc");
   cfg.inputs = {a};

@@ -12,7 +12,7 @@
 
 namespace flashlm {
 
-void KvCacheDecoder::step_rows_cuda(int32_t token) {
+void KvCacheDecoder::step_rows_cuda(int32_t token, bool want_logits) {
   const ModelConfig& c = config_;
   void* const stream = nullptr;
   const int64_t d = c.d_model, f = c.d_ff, hd = c.head_dim(), half = hd / 2, pos = position_;
@@ -58,6 +58,7 @@ void KvCacheDecoder::step_rows_cuda(int32_t token) {
     linear(r.s, layer_param(l, "ffn.w2.weight"), r.h, f, d);
     gpu::add_inplace<float>(r.x, r.h, d, stream);
   }
+  if (!want_logits) return;
   gpu::rmsnorm_forward<float>(r.x, param("ln_final.weight"), r.h, rstd, 1, d, eps, stream);
   linear(r.h, param("lm_head.weight"), r.logits, d, c.vocab);
   cuda_copy(host_logits_.data(), r.logits, size_t(c.vocab) * sizeof(float));
