@@ -135,15 +135,18 @@ def _forward_outputs(q, layout):
     return (torch.empty_like(q, dtype=torch.bfloat16) if q.dtype == _FP8 else torch.empty_like(q)), lse
 
 
-def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0,
+def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
+             softcap=0.0,
              descales=_NO_DESCALE):
     """Runs the forward on tensors in `layout`: (o, lse)."""
-    o, lse, _ = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap,
+    o, lse, _ = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                                window_right, softcap,
                                 descales)
     return o, lse
 
 
-def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0,
+def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
+                    window_right=-1, softcap=0.0,
                     descales=_NO_DESCALE):
     """The forward: (o, lse, the call's PackedCall, which _backward can take to skip most of its key). Every
     eager call runs this, so it is kept to the two allocations, the attribute reads that make the key of the
@@ -152,13 +155,15 @@ def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic,
     stream = _stream(q)
     if stream is None:
         with torch.cuda.device(q.get_device()):
-            return _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap,
+            return _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                                   window_right, softcap,
                                    descales)
     o, lse = _forward_outputs(q, layout)
     try:
         # o and lse are functions of q's key entries (empty_like of q; a fresh [batch, heads, seq] tensor).
         key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.is_cuda, k.is_cuda, v.is_cuda, causal, bottom_right, scale, deterministic, impl, descales, window_left, window_right, softcap)
+               q.is_cuda, k.is_cuda, v.is_cuda, causal, bottom_right, scale, deterministic, impl, descales,
+               window_left, window_right, softcap)
         calls = L.packed_calls.forward
         call = calls.get(key)
         if call is None:
@@ -177,7 +182,8 @@ def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic,
     return o, lse, call
 
 
-def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0,
+def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
+              window_right=-1, softcap=0.0,
               forward_call=None):
     """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward).
     forward_call: the PackedCall of the _forward_packed call that made o and lse from these q, k, v with
@@ -243,22 +249,26 @@ if HAS_CUSTOM_OPS:
     @torch.library.custom_op("flashlm::attention_fwd", mutates_args=())
     def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool,
                       bottom_right: bool, scale: Optional[float], deterministic: bool, impl: str,
-                      window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                      window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
         """Attention forward: (o, lse). `deterministic` is the backward's (an input so that the autograd
         formula sees it); window_left/right and softcap are flash-attn's window_size and softcap."""
-        return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
+        return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
+                        softcap)
 
     @attention_fwd.register_fake
-    def _attention_fwd_fake(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0):
+    def _attention_fwd_fake(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
+                            window_right=-1, softcap=0.0):
         return _forward_outputs(q, layout)
 
     @torch.library.custom_op("flashlm::attention_bwd", mutates_args=())
     def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, layout: str, causal: bool, bottom_right: bool, scale: Optional[float],
-                      deterministic: bool, impl: str, window_left: int = -1, window_right: int = -1, softcap: float = 0.0
-                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      deterministic: bool, impl: str, window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention backward on the forward's tensors and dO: (dq, dk, dv), allocated like q, k, v."""
-        return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
+        return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                         window_right, softcap)
 
     @attention_bwd.register_fake
     def _attention_bwd_fake(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
@@ -307,8 +317,10 @@ if HAS_CUSTOM_OPS:
         torch.ops.flashlm directly) is not usable under them in torch <= 2.15."""
 
         @staticmethod
-        def forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap):
-            return _FWD_OP(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
+        def forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
+                    softcap):
+            return _FWD_OP(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                           window_right, softcap)
 
         setup_context = staticmethod(_fwd_setup_context)
         backward = staticmethod(_fwd_backward)
@@ -318,8 +330,10 @@ if HAS_CUSTOM_OPS:
         error (the op's registered refusal is not reachable under torch.func transforms)."""
 
         @staticmethod
-        def forward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap):
-            return _BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
+        def forward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                    window_right, softcap):
+            return _BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
+                           window_left, window_right, softcap)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -355,8 +369,10 @@ class _Attention(torch.autograd.Function):
     without torch.library.custom_op (Debian's 1.13, say)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap):
-        o, lse, call = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
+    def forward(ctx, q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
+                softcap):
+        o, lse, call = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                                       window_right, softcap)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = (layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap, call)
         return o
@@ -380,7 +396,8 @@ def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl
         return _AttentionOps.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant)[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _Attention.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant)
-    return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant)[0]  # no graph to record
+    return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl,
+                    *variant)[0]  # no graph to record
 
 
 def _require_tensor(t, name):
@@ -683,14 +700,16 @@ if HAS_CUSTOM_OPS:
     def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                              bottom_right: bool, scale: Optional[float], deterministic: bool, impl: str,
-                             window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                             window_left: int = -1, window_right: int = -1,
+                             softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
         """Packed variable-length attention forward: (o, lse [heads_q, total_q])."""
         return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right,
                                scale, deterministic, impl, window_left, window_right, softcap)
 
     @attention_varlen_fwd.register_fake
     def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                   bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0):
+                                   bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
+                                   softcap=0.0):
         return _varlen_forward_outputs(q)
 
     @torch.library.custom_op("flashlm::attention_varlen_bwd", mutates_args=())
@@ -698,14 +717,16 @@ if HAS_CUSTOM_OPS:
                              lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, causal: bool, bottom_right: bool,
                              scale: Optional[float], deterministic: bool, impl: str,
-                             window_left: int = -1, window_right: int = -1, softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             window_left: int = -1, window_right: int = -1,
+                             softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed variable-length attention backward: (dq, dk, dv), allocated like q, k, v."""
         return _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                 bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
 
     @attention_varlen_bwd.register_fake
     def _attention_varlen_bwd_fake(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0):
+                                   causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
+                                   softcap=0.0):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def _varlen_setup_context(ctx, inputs, output):
@@ -732,7 +753,8 @@ if HAS_CUSTOM_OPS:
         """The varlen operators' autograd formula as an autograd.Function (for torch.func, as _AttentionOps)."""
 
         @staticmethod
-        def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap):
+        def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left,
+                    window_right, softcap):
             return _VARLEN_FWD_OP(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl,
                                   window_left, window_right, softcap)
 
@@ -757,7 +779,8 @@ class _VarlenAttention(torch.autograd.Function):
     """The eager autograd path of the varlen attention (as _Attention for the batched one)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left,
+                window_right, softcap):
         o, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl,
                                  window_left, window_right, softcap)
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
