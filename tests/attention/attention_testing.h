@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "flashlm/attention.h"
+#include "flashlm/flashlm.h"
 
 namespace flashlm::testing {
 
@@ -250,6 +251,20 @@ inline void expect_gradients_match_central_differences(Problem& p, const Attenti
   }
 }
 
+
+// A host fp32 view as the C ABI's flashlm_tensor.
+inline flashlm_tensor c_tensor(const TensorView& t) {
+  flashlm_tensor c{};
+  c.data = t.data;
+  c.ndim = t.ndim;
+  c.dtype = FLASHLM_FP32;
+  c.device = FLASHLM_CPU;
+  for (int d = 0; d < t.ndim; ++d) {
+    c.sizes[d] = t.size(d);
+    c.strides[d] = t.stride(d);
+  }
+  return c;
+}
 
 // A device copy of a host LaidOut: same storage shape, same strides, same offset of the view.
 inline LaidOut to_device(const LaidOut& host) {

@@ -8,10 +8,12 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention/attention_testing.h"
 #include "flashlm/attention.h"
+#include "flashlm/flashlm.h"
 
 using namespace flashlm;
 using namespace flashlm::testing;
@@ -264,6 +266,41 @@ TEST(AttentionVariants, BadWindowAndSoftcapAreRefusedWithTheirName) {
       expect_error([&] { p.backward(o); }, {"attention_backward", "softcap"});
     }
   }
+}
+
+// The C ABI's options carry the window and softcap (ABI 4): the same results as the C++ API, bit for bit, the
+// defaults mean none, and a bad value is FLASHLM_INVALID_ARGUMENT naming it.
+TEST(AttentionVariants, CAbiCarriesTheWindowAndSoftcap) {
+  const Case c{1, 20, 30, 2, 1, 16, Layout::bshd, Mask::bottom_right, DType::f32};
+  const Variant v{5, -1, 2.5};
+  Problem api(c, c.layout, c.dtype, 11), abi(c, c.layout, c.dtype, 11);
+  api.run(variant_options(c.mask, AttentionImpl::flash, v));
+
+  flashlm_attention_options opt = flashlm_attention_options_default();
+  EXPECT_EQ(opt.window_size_left, -1);
+  EXPECT_EQ(opt.window_size_right, -1);
+  EXPECT_EQ(opt.softcap, 0.0);
+  opt.causal = 1;
+  opt.causal_align = FLASHLM_BOTTOM_RIGHT;
+  opt.window_size_left = v.left;
+  opt.softcap = v.softcap;
+  const flashlm_tensor q = c_tensor(abi.q.view), k = c_tensor(abi.k.view), vv = c_tensor(abi.v.view);
+  const flashlm_tensor o = c_tensor(abi.o.view), lse = c_tensor(abi.lse.view()), dout = c_tensor(abi.dout.view);
+  const flashlm_tensor dq = c_tensor(abi.dq.view), dk = c_tensor(abi.dk.view), dv = c_tensor(abi.dv.view);
+  ASSERT_EQ(flashlm_attention_forward(&q, &k, &vv, &o, &lse, &opt), FLASHLM_OK) << flashlm_last_error();
+  ASSERT_EQ(flashlm_attention_backward(&q, &k, &vv, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_OK)
+      << flashlm_last_error();
+  for (auto [name, a, b] : {std::tuple{"o", &api.o, &abi.o}, {"dq", &api.dq, &abi.dq}, {"dk", &api.dk, &abi.dk},
+                            {"dv", &api.dv, &abi.dv}}) {
+    EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << name;
+  }
+  opt.window_size_right = -3;
+  EXPECT_EQ(flashlm_attention_forward(&q, &k, &vv, &o, &lse, &opt), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashlm_last_error()).find("window_size_right"), std::string::npos) << flashlm_last_error();
+  opt.window_size_right = -1;
+  opt.softcap = -1;
+  EXPECT_EQ(flashlm_attention_forward(&q, &k, &vv, &o, &lse, &opt), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashlm_last_error()).find("softcap"), std::string::npos) << flashlm_last_error();
 }
 
 }  // namespace
