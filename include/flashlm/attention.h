@@ -11,6 +11,13 @@
 // Masking: with causal, query i sees key j when j <= i (top-left, PyTorch's is_causal) or
 // j <= i + seq_k - seq_q (bottom-right, FlashAttention >= 2.1). A query that sees no key gets
 // o = 0, lse = -inf and zero gradients.
+//
+// Sliding window (flash-attn's window_size = (left, right)): query i sees key j iff
+// i + offset - left <= j <= i + offset + right, offset 0 (top-left) or seq_k - seq_q (bottom-right, the
+// alignment option applies to the window with or without causal); -1 leaves a side unbounded, and causal
+// makes right 0 whatever it holds (as flash-attn does). Soft-capping (Gemma 2): each score s = scale · q·k
+// becomes softcap · tanh(s / softcap) before the softmax; 0 is off. Both run on the CPU (naive and flash);
+// the CUDA kernels refuse them (the capability table, src/attention/capabilities.cpp).
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -44,6 +51,8 @@ struct AttentionOptions {
   // FP8 inputs only (else they must stay 1): q, k and v hold values / descale, so attention computes
   // S = scale · q_descale · k_descale · Q·Kᵀ and O = v_descale · softmax(S)·V (FlashAttention-3's convention).
   float q_descale = 1.0f, k_descale = 1.0f, v_descale = 1.0f;
+  int64_t window_size_left = -1, window_size_right = -1;  // -1: unbounded (see the top of this file)
+  double softcap = 0.0;                                    // > 0: scores become softcap · tanh(s / softcap)
 };
 
 // o and lse are written; everything else is read.

@@ -13,6 +13,10 @@
  * Causal masks: query i sees key j when j <= i (top-left, PyTorch's is_causal) or
  * j <= i + seq_k - seq_q (bottom-right). A query that sees no key gets o = 0, lse = -inf and zero
  * gradients.
+ * Sliding window (flash-attn's window_size): query i sees key j iff i + offset - left <= j <= i + offset + right,
+ * offset 0 (top-left) or seq_k - seq_q (bottom-right, causal_align, with or without causal); -1 leaves a side
+ * unbounded, causal makes right 0. softcap > 0: scores s become softcap * tanh(s / softcap); 0 is off. Both run
+ * on the CPU; the CUDA kernels refuse them (FLASHLM_INVALID_ARGUMENT naming the option).
  *
  * Packed variable-length sequences (flash-attn's varlen convention; flashlm_attention_varlen_*):
  *   q, o, dout, dq      [total_q, heads_q, head_dim]
@@ -33,8 +37,11 @@
 extern "C" {
 #endif
 
-/* 2: adds flashlm_attention_varlen_forward/backward and flashlm_varlen (version 1's calls are unchanged). */
-#define FLASHLM_ABI_VERSION 3
+/* 2: adds flashlm_attention_varlen_forward/backward and flashlm_varlen (version 1's calls are unchanged).
+ * 3: adds FLASHLM_FP8_E4M3 and the descales of flashlm_attention_options.
+ * 4: appends window_size_left, window_size_right and softcap to flashlm_attention_options (a caller built
+ *    against an older header passes a shorter struct: check flashlm_abi_version() first). */
+#define FLASHLM_ABI_VERSION 4
 #define FLASHLM_MAX_DIMS 6
 
 typedef enum flashlm_status {
@@ -78,9 +85,12 @@ typedef struct flashlm_attention_options {
   /* fp8_e4m3 inputs only (1 otherwise): S = scale * q_descale * k_descale * Q K^T, O = v_descale * P V. */
   float q_descale, k_descale, v_descale;
   void* stream; /* cudaStream_t */
+  int64_t window_size_left, window_size_right; /* -1: unbounded (ABI 4) */
+  double softcap;                              /* 0: off (ABI 4) */
 } flashlm_attention_options;
 
-/* Defaults: flash, not causal, top-left, atomic dQ, scale 1/sqrt(head_dim), descales 1, default stream. */
+/* Defaults: flash, not causal, top-left, atomic dQ, scale 1/sqrt(head_dim), descales 1, default stream, no
+ * window (-1, -1), no softcap. */
 flashlm_attention_options flashlm_attention_options_default(void);
 
 flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,

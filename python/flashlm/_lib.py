@@ -11,7 +11,7 @@ import struct
 import threading
 from pathlib import Path
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 MAX_DIMS = 6
 
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, RUNTIME_ERROR = 0, 1, 2, 3
@@ -27,9 +27,9 @@ TENSOR3 = "Qiii4x3q24x3q24x"
 TENSOR2 = "Qiii4x2q32x2q32x"
 TENSOR_BYTES = 120
 # flashlm_attention_options: int32 impl, causal, causal_align, deterministic, has_scale; double scale;
-# float q_descale, k_descale, v_descale; void* stream.
-OPTIONS = "iiiii4xdfff4xQ"
-OPTIONS_BYTES = 56
+# float q_descale, k_descale, v_descale; void* stream; int64 window_size_left, window_size_right; double softcap.
+OPTIONS = "iiiii4xdfff4xQqqd"
+OPTIONS_BYTES = 80
 # flashlm_varlen: const int32* cu_seqlens_q, cu_seqlens_k; int64 batch; int32 device; int64 max_seqlen_q,
 # max_seqlen_k.
 VARLEN = "QQqi4xqq"

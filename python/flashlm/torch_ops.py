@@ -14,6 +14,7 @@ argument; Python only describes the tensors to it (packed once per call geometry
 Plain eager calls skip the operators' dispatcher round trip (_Attention below); under torch.compile,
 export, fake tensors and torch.func the operators are what gets traced.
 """
+import operator
 import struct
 import threading
 from typing import Optional, Tuple
@@ -28,6 +29,9 @@ _FP8 = getattr(torch, "float8_e4m3fn", None)
 if _FP8 is not None:
     _DTYPES[_FP8] = L.FP8_E4M3
 _NO_DESCALE = (1.0, 1.0, 1.0)
+# flashlm_attention_options' fields after the stream are the variant: window_size_left, window_size_right, softcap
+# (flash-attn's window_size and softcap; checked by the library).
+_NO_VARIANT = (-1, -1, 0.0)
 _ALIGN = {"top_left": False, "top-left": False, "bottom_right": True, "bottom-right": True}
 _IMPL = {"flash": L.FLASH, "naive": L.NAIVE}
 # _forward and _backward write the data pointers and the stream at these words of a PackedCall.
@@ -102,14 +106,14 @@ def _stream(q):
     return _raw_stream(index) if torch.cuda.current_device() == index else None
 
 
-def _call(c_function, q, fields):
-    """Calls the C function on the packed fields with q's current CUDA stream appended, on q's device (the
-    varlen calls; the others write the stream into their PackedCall)."""
+def _call(c_function, q, fields, variant):
+    """Calls the C function on the packed fields with q's current CUDA stream and the options' fields after it
+    appended, on q's device (the varlen calls; the others write the stream into their PackedCall)."""
     stream = _stream(q)
     if stream is None:
         with torch.cuda.device(q.get_device()):
-            return c_function(*fields, _raw_stream(q.get_device()))
-    return c_function(*fields, stream)
+            return c_function(*fields, _raw_stream(q.get_device()), *variant)
+    return c_function(*fields, stream, *variant)
 
 
 def _lse_dtype(q):
@@ -131,13 +135,19 @@ def _forward_outputs(q, layout):
     return (torch.empty_like(q, dtype=torch.bfloat16) if q.dtype == _FP8 else torch.empty_like(q)), lse
 
 
-def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales=_NO_DESCALE):
+def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
+             softcap=0.0,
+             descales=_NO_DESCALE):
     """Runs the forward on tensors in `layout`: (o, lse)."""
-    o, lse, _ = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales)
+    o, lse, _ = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                                window_right, softcap,
+                                descales)
     return o, lse
 
 
-def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales=_NO_DESCALE):
+def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
+                    window_right=-1, softcap=0.0,
+                    descales=_NO_DESCALE):
     """The forward: (o, lse, the call's PackedCall, which _backward can take to skip most of its key). Every
     eager call runs this, so it is kept to the two allocations, the attribute reads that make the key of the
     call's packed arguments (_lib.PackedCall: everything but the data pointers and stream, which are written
@@ -145,19 +155,23 @@ def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic,
     stream = _stream(q)
     if stream is None:
         with torch.cuda.device(q.get_device()):
-            return _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, descales)
+            return _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                                   window_right, softcap,
+                                   descales)
     o, lse = _forward_outputs(q, layout)
     try:
         # o and lse are functions of q's key entries (empty_like of q; a fresh [batch, heads, seq] tensor).
         key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-               q.is_cuda, k.is_cuda, v.is_cuda, causal, bottom_right, scale, deterministic, impl, descales)
+               q.is_cuda, k.is_cuda, v.is_cuda, causal, bottom_right, scale, deterministic, impl, descales,
+               window_left, window_right, softcap)
         calls = L.packed_calls.forward
         call = calls.get(key)
         if call is None:
             bhsd = layout == "bhsd"
             call = L.packed(calls, key, L.FORWARD, (
                 *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
-                *_describe_lse(lse), *_options(causal, bottom_right, scale, deterministic, impl, descales), 0))
+                *_describe_lse(lse), *_options(causal, bottom_right, scale, deterministic, impl, descales), 0,
+                window_left, window_right, softcap))
     except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
     w = call.words  # the data pointers of q, k, v, o, lse and the stream (L.TENSOR_WORDS = 15 words a tensor)
@@ -168,7 +182,9 @@ def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic,
     return o, lse, call
 
 
-def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, forward_call=None):
+def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
+              window_right=-1, softcap=0.0,
+              forward_call=None):
     """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward).
     forward_call: the PackedCall of the _forward_packed call that made o and lse from these q, k, v with
     these options, if the caller has it (the autograd path); then dO's geometry is the rest of the key."""
@@ -176,7 +192,7 @@ def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, determ
     if stream is None:
         with torch.cuda.device(q.get_device()):
             return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
-                             forward_call)
+                             window_left, window_right, softcap, forward_call)
     if dout.stride(-1) != 1 or dout.numel() == 0:
         # .sum().backward() hands an expanded (stride 0) gradient; an empty one keeps its zero strides
         # through .contiguous(), so it gets fresh ones.
@@ -188,7 +204,7 @@ def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, determ
         call = forward_call.backward.get(short_key)
     if call is None:
         call = _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_right, scale,
-                                deterministic, impl)
+                                deterministic, impl, window_left, window_right, softcap)
         if forward_call is not None:
             if len(forward_call.backward) >= 16:
                 forward_call.backward.clear()
@@ -203,14 +219,15 @@ def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, determ
     return dq, dk, dv
 
 
-def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_right, scale, deterministic, impl):
+def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_right, scale, deterministic, impl,
+                     window_left, window_right, softcap):
     """The backward's PackedCall for these tensors' geometry and these options (from the per-thread cache)."""
     try:
         # dq, dk, dv are functions of q's, k's and v's key entries (empty_like).
         key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
                lse.stride(), dout.shape, dout.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, dout.dtype,
                q.is_cuda, k.is_cuda, v.is_cuda, o.is_cuda, lse.is_cuda, dout.is_cuda, causal, bottom_right, scale,
-               deterministic, impl)
+               deterministic, impl, window_left, window_right, softcap)
         calls = L.packed_calls.backward
         call = calls.get(key)
         if call is None:
@@ -218,7 +235,8 @@ def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_r
             call = L.packed(calls, key, L.BACKWARD, (
                 *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
                 *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
-                *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl), 0))
+                *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl), 0,
+                window_left, window_right, softcap))
     except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout")), impl,
                                 scale=scale) from None
@@ -281,32 +299,38 @@ HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, 
 if HAS_CUSTOM_OPS:
     @torch.library.custom_op("flashlm::attention_fwd", mutates_args=())
     def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool,
-                      bottom_right: bool, scale: Optional[float], deterministic: bool,
-                      impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                      bottom_right: bool, scale: Optional[float], deterministic: bool, impl: str,
+                      window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
         """Attention forward: (o, lse). `deterministic` is the backward's (an input so that the autograd
-        formula sees it)."""
-        return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+        formula sees it); window_left/right and softcap are flash-attn's window_size and softcap."""
+        return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
+                        softcap)
 
     @attention_fwd.register_fake
-    def _attention_fwd_fake(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+    def _attention_fwd_fake(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
+                            window_right=-1, softcap=0.0):
         return _forward_outputs(q, layout)
 
     @torch.library.custom_op("flashlm::attention_bwd", mutates_args=())
     def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, layout: str, causal: bool, bottom_right: bool, scale: Optional[float],
-                      deterministic: bool, impl: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      deterministic: bool, impl: str, window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention backward on the forward's tensors and dO: (dq, dk, dv), allocated like q, k, v."""
-        return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
+        return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                         window_right, softcap)
 
     @attention_bwd.register_fake
-    def _attention_bwd_fake(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
+    def _attention_bwd_fake(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
+                            window_left=-1, window_right=-1, softcap=0.0):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def _fwd_setup_context(ctx, inputs, output):
         q, k, v = inputs[:3]
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = inputs[3:]  # layout, causal, bottom_right, scale, deterministic, impl
+        ctx.args = inputs[3:]  # layout, causal, bottom_right, scale, deterministic, impl, window_left/right, softcap
         ctx.mark_non_differentiable(lse)
 
     def _fwd_backward(ctx, dout, dlse):
@@ -315,7 +339,7 @@ if HAS_CUSTOM_OPS:
             dq, dk, dv = _AttentionBackwardOps.apply(dout, q, k, v, o, lse, *ctx.args)
         else:
             dq, dk, dv = _BWD_OP(dout, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
     def _refuse_double_backward(ctx, *grads):
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
@@ -326,7 +350,8 @@ if HAS_CUSTOM_OPS:
                           v_descale: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """The FP8 forward: float8_e4m3fn q, k, v with per-tensor descale factors, (o bfloat16, lse float32).
         No autograd formula: flashlm has no FP8 backward."""
-        return _forward(q, k, v, layout, causal, bottom_right, scale, False, "flash", (q_descale, k_descale, v_descale))
+        return _forward(q, k, v, layout, causal, bottom_right, scale, False, "flash",
+                        descales=(q_descale, k_descale, v_descale))
 
     @attention_fp8_fwd.register_fake
     def _attention_fp8_fwd_fake(q, k, v, layout, causal, bottom_right, scale, q_descale, k_descale, v_descale):
@@ -345,8 +370,10 @@ if HAS_CUSTOM_OPS:
         torch.ops.flashlm directly) is not usable under them in torch <= 2.15."""
 
         @staticmethod
-        def forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
-            return _FWD_OP(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+        def forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
+                    softcap):
+            return _FWD_OP(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                           window_right, softcap)
 
         setup_context = staticmethod(_fwd_setup_context)
         backward = staticmethod(_fwd_backward)
@@ -356,8 +383,10 @@ if HAS_CUSTOM_OPS:
         error (the op's registered refusal is not reachable under torch.func transforms)."""
 
         @staticmethod
-        def forward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl):
-            return _BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl)
+        def forward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                    window_right, softcap):
+            return _BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
+                           window_left, window_right, softcap)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -393,17 +422,19 @@ class _Attention(torch.autograd.Function):
     without torch.library.custom_op (Debian's 1.13, say)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
-        o, lse, call = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
+    def forward(ctx, q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
+                softcap):
+        o, lse, call = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                                       window_right, softcap)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (layout, causal, bottom_right, scale, deterministic, impl, call)
+        ctx.args = (layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap, call)
         return o
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, o, lse = ctx.saved_tensors
         grads = _once_differentiable(_backward(dout, q, k, v, o, lse, *ctx.args), (q, k, v, dout))
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, *([None] * 9))
 
 
 def _traced(q):
@@ -413,13 +444,14 @@ def _traced(q):
                                or torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0)
 
 
-def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl):
+def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, variant=_NO_VARIANT):
     q, k, v = _autocast_qkv(q, k, v)
     if _traced(q):
-        return _AttentionOps.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)[0]
+        return _AttentionOps.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant)[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
-    return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)[0]  # no graph to record
+        return _Attention.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant)
+    return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl,
+                    *variant)[0]  # no graph to record
 
 
 def _require_tensor(t, name):
@@ -463,11 +495,11 @@ def _fp8_attention(q, k, v, layout, causal, bottom_right, scale, descales):
     d = tuple(1.0 if x is None else float(x) for x in descales)
     if _traced(q):
         return torch.ops.flashlm.attention_fp8_fwd(q, k, v, layout, causal, bottom_right, scale, *d)[0]
-    return _forward(q, k, v, layout, causal, bottom_right, scale, False, "flash", d)[0]
+    return _forward(q, k, v, layout, causal, bottom_right, scale, False, "flash", descales=d)[0]
 
 
 def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, deterministic=False, impl="flash",
-              q_descale=None, k_descale=None, v_descale=None):
+              q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1), softcap=0.0):
     """Scaled dot-product attention with flashlm's kernels, differentiable (first order).
 
     layout (required): "bshd" for q [batch, seq_q, heads_q, head_dim] and k, v [batch, seq_k, heads_k,
@@ -481,6 +513,9 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     differentiable): q_descale, k_descale, v_descale (floats, default 1) are the per-tensor factors the fp8
     values were divided by; S = scale * q_descale * k_descale * q k^T, the output (bfloat16) is v_descale *
     softmax(S) v.
+
+    window_size = (left, right) and softcap: flash-attn's sliding window (aligned as the causal mask,
+    causal_align; top-left without one) and soft-capping, on the CPU for now.
     """
     seq = _seq_dim(layout)
     try:
@@ -496,7 +531,8 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     if any(x is not None for x in descales):
         raise L.FlashlmValueError(f"q_descale, k_descale, v_descale: apply to torch.float8_e4m3fn inputs only (q is "
                                   f"{q.dtype})")
-    return _attention(q, k, v, layout, bool(causal), bottom_right, scale, bool(deterministic), impl)
+    variant = _NO_VARIANT if window_size == (-1, -1) and softcap == 0.0 else _variant(window_size, softcap)
+    return _attention(q, k, v, layout, bool(causal), bottom_right, scale, bool(deterministic), impl, variant)
 
 
 def _no_dropout(dropout_p):
@@ -504,13 +540,26 @@ def _no_dropout(dropout_p):
         raise L.FlashlmValueError(f"dropout_p: {dropout_p} given, but flashlm attention has no dropout (pass 0.0)")
 
 
-def _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs):
+def _variant(window_size, softcap):
+    """(window_left, window_right, softcap) of flash-attn's window_size and softcap arguments; their bounds
+    (window >= -1, softcap finite and >= 0) are checked by the library, as is a device without them."""
+    if window_size is None:
+        window_size = (-1, -1)
+    try:
+        left, right = window_size
+        left, right = operator.index(left), operator.index(right)
+    except (TypeError, ValueError):
+        raise L.FlashlmValueError(f"window_size: expected a pair of ints (left, right), -1 for unbounded, got "
+                                  f"{window_size!r}") from None
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        raise L.FlashlmValueError(f"softcap: expected a float (0.0 for none), got {softcap!r}") from None
+    return left, right, cap
+
+
+def _refuse_flash_attn_extras(alibi_slopes, return_attn_probs):
     """flash-attn's arguments for features flashlm does not have: an error unless each has its default."""
-    if window_size != (-1, -1) and tuple(window_size) != (-1, -1):
-        raise L.FlashlmValueError(f"window_size: {tuple(window_size)} given, but flashlm attention has no sliding "
-                                  "window (pass (-1, -1))")
-    if softcap != 0.0:
-        raise L.FlashlmValueError(f"softcap: {softcap} given, but flashlm attention has no softcap (pass 0.0)")
     if alibi_slopes is not None:
         raise L.FlashlmValueError("alibi_slopes: flashlm attention has no ALiBi (pass None)")
     if return_attn_probs:
@@ -521,18 +570,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
     head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
-    flash-attn >= 2.1. Dropout, sliding windows, softcap, ALiBi and returned probabilities are not
-    implemented and are refused."""
+    flash-attn >= 2.1. window_size = (left, right) and softcap as flash-attn's: query i sees key j iff
+    i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right (-1 unbounded; causal makes right 0), scores s
+    become softcap * tanh(s / softcap) (0.0: off); on the CPU only for now (CUDA tensors raise the library's
+    error). Dropout, ALiBi and returned probabilities are not implemented and are refused."""
     if dropout_p != 0.0:
         _no_dropout(dropout_p)
-    _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
+    if alibi_slopes is not None or return_attn_probs:
+        _refuse_flash_attn_extras(alibi_slopes, return_attn_probs)
+    variant = _NO_VARIANT if window_size == (-1, -1) and softcap == 0.0 else _variant(window_size, softcap)
     try:
         four_d = q.dim() == 4 and k.dim() == 4 and v.dim() == 4
     except AttributeError:  # not tensors: _check_4d says so
         four_d = False
     if not four_d:
         _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
-    return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash")
+    return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash", variant)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -649,7 +702,7 @@ def _varlen_forward_outputs(q):
 
 
 def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right, scale,
-                    deterministic, impl):
+                    deterministic, impl, window_left=-1, window_right=-1, softcap=0.0):
     cu_q, cu_k, batch = _check_offsets(cu_seqlens_q, cu_seqlens_k, q)
     o, lse = _varlen_forward_outputs(q)
     _check_3d(((k, "k"), (v, "v")))
@@ -660,14 +713,14 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     except (KeyError, IndexError, TypeError, AttributeError):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, 3) from None
     try:
-        _call(L.varlen_forward, q, fields)
+        _call(L.varlen_forward, q, fields, (window_left, window_right, softcap))
     except struct.error:
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, 3) from None
     return o, lse
 
 
 def _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                     bottom_right, scale, deterministic, impl):
+                     bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0):
     named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"))
     _check_3d(named)
     cu_q, cu_k, batch = _check_offsets(cu_seqlens_q, cu_seqlens_k, q)
@@ -682,7 +735,7 @@ def _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     except (KeyError, IndexError, TypeError, AttributeError):
         raise _why_not_packable(named + ((lse, "lse"),), impl, 3) from None
     try:
-        _call(L.varlen_backward, q, fields)
+        _call(L.varlen_backward, q, fields, (window_left, window_right, softcap))
     except struct.error:
         raise _why_not_packable(named + ((lse, "lse"),), impl, 3) from None
     return dq, dk, dv
@@ -700,37 +753,41 @@ if HAS_CUSTOM_OPS:
     @torch.library.custom_op("flashlm::attention_varlen_fwd", mutates_args=())
     def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                             bottom_right: bool, scale: Optional[float], deterministic: bool,
-                             impl: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                             bottom_right: bool, scale: Optional[float], deterministic: bool, impl: str,
+                             window_left: int = -1, window_right: int = -1,
+                             softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
         """Packed variable-length attention forward: (o, lse [heads_q, total_q])."""
         return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right,
-                               scale, deterministic, impl)
+                               scale, deterministic, impl, window_left, window_right, softcap)
 
     @attention_varlen_fwd.register_fake
     def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                   bottom_right, scale, deterministic, impl):
+                                   bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
+                                   softcap=0.0):
         return _varlen_forward_outputs(q)
 
     @torch.library.custom_op("flashlm::attention_varlen_bwd", mutates_args=())
     def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                              lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, causal: bool, bottom_right: bool,
-                             scale: Optional[float], deterministic: bool,
-                             impl: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             scale: Optional[float], deterministic: bool, impl: str,
+                             window_left: int = -1, window_right: int = -1,
+                             softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Packed variable-length attention backward: (dq, dk, dv), allocated like q, k, v."""
         return _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                bottom_right, scale, deterministic, impl)
+                                bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
 
     @attention_varlen_bwd.register_fake
     def _attention_varlen_bwd_fake(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                   causal, bottom_right, scale, deterministic, impl):
+                                   causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
+                                   softcap=0.0):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def _varlen_setup_context(ctx, inputs, output):
         q, k, v, cu_q, cu_k = inputs[:5]
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.args = inputs[5:]  # max_seqlen_q, max_seqlen_k, causal, bottom_right, scale, deterministic, impl
+        ctx.args = inputs[5:]  # max_seqlen_q/k, causal, bottom_right, scale, deterministic, impl, the variant
         ctx.mark_non_differentiable(lse)
 
     def _varlen_fwd_backward(ctx, dout, dlse):
@@ -739,7 +796,7 @@ if HAS_CUSTOM_OPS:
             dq, dk, dv = _VarlenBackwardOps.apply(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
         else:
             dq, dk, dv = _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        return (dq, dk, dv, *([None] * 12))
 
     attention_varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_varlen_setup_context)
     attention_varlen_bwd.register_autograd(_refuse_double_backward)
@@ -751,8 +808,10 @@ if HAS_CUSTOM_OPS:
         """The varlen operators' autograd formula as an autograd.Function (for torch.func, as _AttentionOps)."""
 
         @staticmethod
-        def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
-            return _VARLEN_FWD_OP(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+        def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left,
+                    window_right, softcap):
+            return _VARLEN_FWD_OP(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl,
+                                  window_left, window_right, softcap)
 
         setup_context = staticmethod(_varlen_setup_context)
         backward = staticmethod(_varlen_fwd_backward)
@@ -760,9 +819,9 @@ if HAS_CUSTOM_OPS:
     class _VarlenBackwardOps(torch.autograd.Function):
         @staticmethod
         def forward(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic,
-                    impl):
+                    impl, window_left, window_right, softcap):
             return _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale,
-                                  deterministic, impl)
+                                  deterministic, impl, window_left, window_right, softcap)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -775,22 +834,25 @@ class _VarlenAttention(torch.autograd.Function):
     """The eager autograd path of the varlen attention (as _Attention for the batched one)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
-        o, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left,
+                window_right, softcap):
+        o, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl,
+                                 window_left, window_right, softcap)
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+        ctx.args = (max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
         return o
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         grads = _varlen_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-        return (*_once_differentiable(grads, (q, k, v, dout)), *([None] * 9))
+        return (*_once_differentiable(grads, (q, k, v, dout)), *([None] * 12))
 
 
-def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl):
+def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl,
+                      variant=_NO_VARIANT):
     q, k, v = _autocast_qkv(q, k, v)
-    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl)
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, *variant)
     if _traced(q):
         # Dynamo refuses an autograd.Function given one tensor twice, and self-attention passes the same
         # offsets as cu_q and cu_k: compiled code calls the operator (its registered autograd), torch.func
@@ -811,10 +873,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k (int32 tensors of batch + 1 offsets, on q's device or the CPU;
     offsets on the GPU are read back once per call). max_seqlen_q/k bound the sequence lengths (a longer
     sequence is an error). causal applies per sequence, bottom-right aligned as in flash-attn >= 2.1
-    (causal_align="top_left" for PyTorch's alignment). Dropout, sliding windows, softcap, ALiBi, returned
-    probabilities and paged KV (block_table) are refused."""
+    (causal_align="top_left" for PyTorch's alignment; the sliding window aligns with it). window_size and
+    softcap as in flash_attn_func, per sequence. Dropout, ALiBi, returned probabilities and paged KV
+    (block_table) are refused."""
     _no_dropout(dropout_p)
-    _refuse_flash_attn_extras(window_size, softcap, alibi_slopes, return_attn_probs)
+    _refuse_flash_attn_extras(alibi_slopes, return_attn_probs)
+    variant = _variant(window_size, softcap)
     if block_table is not None:
         raise L.FlashlmValueError("block_table: flashlm attention has no paged KV cache (pass None)")
     _check_3d(((q, "q"), (k, "k"), (v, "v")))
@@ -825,7 +889,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right")
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
-                             bottom_right, softmax_scale, bool(deterministic), "flash")
+                             bottom_right, softmax_scale, bool(deterministic), "flash", variant)
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

@@ -13,13 +13,16 @@ constexpr std::array kF32{DType::f32};
 constexpr std::array kCudaDTypes{DType::f16, DType::bf16, DType::f32};
 constexpr std::array kFp8{DType::f8e4m3};
 
-// One row per family.
+// One row per family: family, dtypes, forward and backward head dims, pads_head_dim, any_head_dim,
+// sliding_window, softcap. No CUDA kernel has the window or soft-capping yet (the CPU paths do).
 const std::array<CudaKernelCapability, 5> kTable{{
-    {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false},
-    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false},
-    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true},
-    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false},
-    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false},
+    {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false, false,
+     false},
+    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false, false, false},
+    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true, false, false},
+    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, false,
+     false},
+    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, false, false},
 }};
 
 bool has_dtype(const CudaKernelCapability& c, DType dtype) {
@@ -75,6 +78,13 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
   const CudaKernelCapability& caps = cuda_kernel_capability(family);
   FLASHLM_CHECK(has_dtype(caps, p.dtype), "{}: q: the {} attention kernels do not take dtype {}", fn,
                 cuda_kernel_family_name(family), dtype_name(p.dtype));
+  FLASHLM_CHECK(!p.windowed() || caps.sliding_window,
+                "{}: window_size_left/window_size_right: the {} attention kernels have no sliding window (got "
+                "({}, {})); it runs on the cpu",
+                fn, cuda_kernel_family_name(family), p.window_left, p.window_right);
+  FLASHLM_CHECK(p.softcap == 0 || caps.softcap,
+                "{}: softcap: the {} attention kernels have no soft-capping (got {}); it runs on the cpu", fn,
+                cuda_kernel_family_name(family), p.softcap);
   if (caps.any_head_dim) return {family, p.head_dim, false};
 
   const bool forward = pass == AttentionPass::forward;

@@ -2,8 +2,9 @@
 //
 // Forward: one task per (batch, query head, tile of kForwardBlockQ queries). The task keeps its query tile, a
 // running row maximum m, a running sum l and an unnormalised output accumulator, and streams key/value
-// tiles of kForwardBlockK keys through them (online softmax). Key tiles that the causal mask hides completely are
-// never visited; on the diagonal each block of kGemmRows queries multiplies only the keys it sees.
+// tiles of kForwardBlockK keys through them (online softmax). Key tiles that the causal mask or the sliding window
+// hides completely are never visited (in the backward too); on the diagonal each block of kGemmRows queries
+// multiplies only the keys up to the last it sees.
 //
 // Every query tile reads its head's whole K and V (and every key tile of the backward its head's whole Q
 // and dO), so the tensors a task streams are packed once per call before the tasks run (PackedHeads):
@@ -198,37 +199,45 @@ A load_lse(const TensorView& lse, int64_t b, int64_t h, int64_t i) {
                                  : static_cast<A>(lse_at<float>(lse, b, h, i));
 }
 
-// Columns [0, n) of the key tile at j0 (cols wide) that query i sees. Only those take part in any product:
-// NaN or inf in a key, value or dO row reaches exactly the rows that see it (SPEC §2), and 0 · NaN from a
-// masked key never does.
-inline int64_t visible_cols(const AttentionProblem& p, int64_t i, int64_t j0, int64_t cols) {
-  return std::clamp<int64_t>(p.visible_keys(i) - j0, 0, cols);
+// Columns [begin, end) of the key tile at j0 (cols wide) that query i sees (the causal mask and the sliding
+// window; empty where it sees none of them). Only those take part in any product: NaN or inf in a key, value
+// or dO row reaches exactly the rows that see it (SPEC §2), and 0 · NaN from a masked key never does.
+struct Cols {
+  int64_t begin, end;
+  int64_t size() const { return end - begin; }
+};
+inline Cols visible_cols(const AttentionProblem& p, int64_t i, int64_t j0, int64_t cols) {
+  const int64_t end = std::clamp<int64_t>(p.visible_keys(i) - j0, 0, cols);
+  return {std::min(end, std::clamp<int64_t>(p.first_visible_key(i) - j0, 0, cols)), end};
 }
 
 // In the backward: none for a row that saw no key (lse = -inf), whose gradients are zero whatever dO holds.
 template <class A>
-int64_t contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j0, int64_t cols) {
-  return lse == kNegInf<A> ? 0 : visible_cols(p, i, j0, cols);
+Cols contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j0, int64_t cols) {
+  return lse == kNegInf<A> ? Cols{0, 0} : visible_cols(p, i, j0, cols);
 }
 
 // Whether some query of rows [i0, i0 + rows) does not see every key of the tile [j0, j0 + cols): a tile on the
-// causal diagonal, whose products run per block of kGemmRows queries over the keys that block sees.
-inline bool tile_partly_masked(const AttentionProblem& p, int64_t i0, int64_t j0, int64_t cols) {
-  return visible_cols(p, i0, j0, cols) < cols;
+// causal diagonal or a window's edge, whose products run per block of kGemmRows queries over the keys that block
+// may see. The bounds grow with the query, so the first query has the lowest end and the last the highest begin.
+inline bool tile_partly_masked(const AttentionProblem& p, int64_t i0, int64_t rows, int64_t j0, int64_t cols) {
+  return visible_cols(p, i0, j0, cols).end < cols || visible_cols(p, i0 + rows - 1, j0, cols).begin > 0;
 }
 
-// f(r0, block_rows, seen) for each block of kGemmRows queries [r0, r0 + block_rows) of the tile's rows that sees
-// a key of it, seen: the keys [0, seen) of the tile its last (most-seeing) query sees.
+// f(r0, block_rows, seen) for each block of kGemmRows queries [r0, r0 + block_rows) of the tile's rows that may
+// see a key of it, seen: the keys [0, seen) of the tile its last (most-seeing) query sees. (Columns left of a
+// window are not skipped within the block: their weights are zero.)
 template <class F>
 void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, int64_t j0, int64_t cols, F f) {
   for (int64_t r0 = 0; r0 < rows; r0 += kGemmRows) {
     const int64_t block_rows = std::min(kGemmRows, rows - r0);
-    const int64_t seen = visible_cols(p, i0 + r0 + block_rows - 1, j0, cols);
-    if (seen > 0) f(r0, block_rows, seen);
+    const int64_t seen = visible_cols(p, i0 + r0 + block_rows - 1, j0, cols).end;
+    if (seen > visible_cols(p, i0 + r0, j0, cols).begin) f(r0, block_rows, seen);
   }
 }
 
-// S[r][c] = scale · Q[r]·K[c] for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
+// S[r][c] = scale · Q[r]·K[c] (soft-capped: softcap · tanh(S / softcap)) for the visible (query, key) pairs of
+// the tile, -inf for masked ones. KT is the
 // key tile transposed (head_dim × width); S is rows × width. On the causal diagonal each block of kGemmRows
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
 // zero-padded width), which skips 3/8 of the products of a square diagonal tile.
@@ -239,7 +248,7 @@ void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t ldk
                  int64_t rows, int64_t j0, int64_t cols, A* S) {
   const int64_t D = p.head_dim;
   const A scale = static_cast<A>(p.scale);
-  if (!tile_partly_masked(p, i0, j0, cols)) {
+  if (!tile_partly_masked(p, i0, rows, j0, cols)) {
     tile_gemm<kQLayout, 0, kKLayout>(rows, cols, D, scale, Q, D, KT, ldk, A(0), S, width);
   } else {
     for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
@@ -247,9 +256,15 @@ void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t ldk
       tile_gemm<kQLayout, 0, kKLayout>(block_rows, n, D, scale, Q + r0 * D, D, KT, ldk, A(0), S + r0 * width, width);
     });
   }
+  const A cap = static_cast<A>(p.softcap);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = visible_cols(p, i0 + r, j0, cols);  // columns [0, visible) are unmasked
-    std::fill(S + r * width + visible, S + r * width + cols, kNegInf<A>);
+    A* s = S + r * width;
+    const Cols visible = visible_cols(p, i0 + r, j0, cols);
+    std::fill(s, s + visible.begin, kNegInf<A>);
+    std::fill(s + visible.end, s + cols, kNegInf<A>);
+    if (cap > 0) {
+      for (int64_t c = visible.begin; c < visible.end; ++c) s[c] = cap * std::tanh(s[c] / cap);
+    }
   }
 }
 
@@ -264,8 +279,9 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
   std::fill(m, m + rows, kNegInf<A>);
   std::fill(l, l + rows, A(0));
 
-  const int64_t key_end = p.visible_keys(i0 + rows - 1);  // the tile's last query sees the most keys
-  for (int64_t j0 = 0; j0 < key_end; j0 += kForwardBlockK) {
+  // The key tiles that some query of the tile sees: from the first query's first key to the last query's end.
+  const int64_t key_end = p.visible_keys(i0 + rows - 1);
+  for (int64_t j0 = p.first_visible_key(i0) / kForwardBlockK * kForwardBlockK; j0 < key_end; j0 += kForwardBlockK) {
     const int64_t cols = std::min(kForwardBlockK, key_end - j0);
     const A *KT = k.transposed(bhk, j0 / kForwardBlockK), *V = v.rows(bhk, j0 / kForwardBlockK);
     const bool v_finite = v.finite(bhk, j0 / kForwardBlockK);
@@ -273,12 +289,13 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kForwardBlockK;
-      const int64_t visible = visible_cols(p, i0 + r, j0, cols);
+      const Cols visible = visible_cols(p, i0 + r, j0, cols);
+      A* sv = s + visible.begin;
       // A NaN score is skipped here and reaches the output through exp(NaN - m_new) in the row sum l and in P
       // (O and lse become NaN, as with any NaN the row sees); a NaN m from an earlier tile stays NaN.
-      A m_new = max_propagating_nan(m[r], row_max_skipping_nan(s, visible));
+      A m_new = max_propagating_nan(m[r], row_max_skipping_nan(sv, visible.size()));
       if (m_new == kNegInf<A>) {
-        if (std::none_of(s, s + visible, [](A x) { return x != x; })) {  // nothing visible yet: acc, m and l stay
+        if (std::none_of(sv, sv + visible.size(), [](A x) { return x != x; })) {  // nothing visible yet: acc, m, l stay
           std::fill(s, s + cols, A(0));
           continue;
         }
@@ -289,16 +306,17 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
       if (alpha != A(1)) {
         for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
       }
-      const A sum = exp_shifted_sum(s, visible, m_new);
-      std::fill(s + visible, s + cols, A(0));
+      const A sum = exp_shifted_sum(sv, visible.size(), m_new);
+      std::fill(s, sv, A(0));
+      std::fill(s + visible.end, s + cols, A(0));
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
     }
     const int64_t ldv = v.panel_stride();  // V in panels of kGemmCols of its D columns
-    if (v_finite && !tile_partly_masked(p, i0, j0, cols)) {
+    if (v_finite && !tile_partly_masked(p, i0, rows, j0, cols)) {
       tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(rows, D, cols, A(1), S, kForwardBlockK, V, ldv, A(1),
                                                                 acc, D);  // acc += P V
-    } else if (v_finite) {  // on the causal diagonal: each block of queries sums over the keys it sees
+    } else if (v_finite) {  // on the causal diagonal or a window's edge: each block of queries sums over its keys
       for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
         tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(block_rows, D, seen, A(1), S + r0 * kForwardBlockK,
                                                                   kForwardBlockK, V, ldv, A(1), acc + r0 * D, D);
@@ -306,7 +324,8 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     } else {  // only the visible pairs, one value element at a time (V[c][d] in panel d / kGemmCols)
       for (int64_t r = 0; r < rows; ++r) {
         A* a = acc + r * D;
-        for (int64_t c = 0, n = visible_cols(p, i0 + r, j0, cols); c < n; ++c) {
+        const Cols visible = visible_cols(p, i0 + r, j0, cols);
+        for (int64_t c = visible.begin; c < visible.end; ++c) {
           const A weight = S[r * kForwardBlockK + c];
           for (int64_t d = 0; d < D; ++d) a[d] += weight * V[d / kGemmCols * ldv + c * kGemmCols + d % kGemmCols];
         }
@@ -362,8 +381,9 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
   }
 }
 
-// The tiles both backward passes recompute for one (query tile, key tile) pair: P = exp(S - lse) into S,
-// and dS = P ∘ (dO Vᵀ - Delta) into dS. KT and VT: the key and value tiles transposed.
+// The tiles the backward recomputes for one (query tile, key tile) pair: P = exp(S - lse) into S, and
+// dS = P ∘ (dO Vᵀ - Delta) into dS, the gradient of the score before soft-capping: times
+// d(c · tanh(x / c))/dx = 1 - (S / c)² with S the capped score. KT and VT: the key and value tiles transposed.
 template <class A>
 void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, const A* VT, const A* dO,
                             const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
@@ -371,13 +391,23 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, 
   const int64_t D = p.head_dim;
   tile_scores<ALayout::rows, BLayout::rows>(p, Q, KT, kBlockK, kBlockK, i0, rows, j0, cols, S);
   tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
+  const A cap = static_cast<A>(p.softcap);
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
     A* ds = dS + r * kBlockK;
-    const int64_t visible = contributing_cols(p, lse[r], i0 + r, j0, cols);
-    exp_shifted(s, visible, lse[r]);
-    for (int64_t c = 0; c < visible; ++c) ds[c] = s[c] * (ds[c] - delta[r]);
-    for (int64_t c = visible; c < cols; ++c) s[c] = ds[c] = A(0);
+    const Cols visible = contributing_cols(p, lse[r], i0 + r, j0, cols);
+    if (cap > 0) {
+      for (int64_t c = visible.begin; c < visible.end; ++c) {
+        const A t = s[c] / cap, v = s[c] - lse[r];
+        s[c] = exp_nonpositive(v > A(0) ? A(0) : v);
+        ds[c] = s[c] * (ds[c] - delta[r]) * (A(1) - t * t);
+      }
+    } else {
+      exp_shifted(s + visible.begin, visible.size(), lse[r]);
+      for (int64_t c = visible.begin; c < visible.end; ++c) ds[c] = s[c] * (ds[c] - delta[r]);
+    }
+    for (int64_t c = 0; c < visible.begin; ++c) s[c] = ds[c] = A(0);
+    for (int64_t c = visible.end; c < cols; ++c) s[c] = ds[c] = A(0);
   }
 }
 
@@ -454,7 +484,9 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
         const bool k_finite = Kp.finite(bhk, kt);
         std::fill(dK, dK + cols * D, A(0));
         std::fill(dV, dV + cols * D, A(0));
-        for (int64_t i0 = p.first_query_seeing(j0) / kBlockQ * kBlockQ; i0 < Nq; i0 += kBlockQ) {
+        // The query tiles that see a key of this tile: the window's right side bounds the first, its left the last.
+        const int64_t query_end = p.last_query_seeing(j0 + cols - 1);
+        for (int64_t i0 = p.first_query_seeing(j0) / kBlockQ * kBlockQ; i0 < query_end; i0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, Nq - i0), qt = i0 / kBlockQ;
           const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt), *lse_tile = lse_rows + i0;
           tile_probs_and_dscores(p, Q, KT, VT, dO, lse_tile, delta + i0, i0, rows, j0, cols, S, dS);
@@ -463,7 +495,8 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
             tile_gemm<ALayout::transposed, kBlockK>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
           } else {
             for (int64_t r = 0; r < rows; ++r) {
-              for (int64_t c = 0, n = contributing_cols(p, lse_tile[r], i0 + r, j0, cols); c < n; ++c) {
+              const Cols seen = contributing_cols(p, lse_tile[r], i0 + r, j0, cols);
+              for (int64_t c = seen.begin; c < seen.end; ++c) {
                 axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
                 axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
               }
@@ -473,7 +506,8 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
             tile_gemm<ALayout::rows, kBlockK>(rows, D, cols, scale, dS, kBlockK, K, D, A(1), dQ + i0 * D, D);  // dQ += scale dS K
           } else {
             for (int64_t r = 0; r < rows; ++r) {
-              for (int64_t c = 0, n = contributing_cols(p, lse_tile[r], i0 + r, j0, cols); c < n; ++c) {
+              const Cols seen = contributing_cols(p, lse_tile[r], i0 + r, j0, cols);
+              for (int64_t c = seen.begin; c < seen.end; ++c) {
                 axpy(scale * dS[r * kBlockK + c], K + c * D, dQ + (i0 + r) * D, D);
               }
             }

@@ -12,25 +12,45 @@ struct AttentionProblem {
   int64_t batch = 0, seq_q = 0, seq_k = 0, heads_q = 0, heads_k = 0, head_dim = 0;
   double scale = 1.0;
   bool causal = false;
-  // Key j is visible to query i iff !causal or j <= i + causal_offset (0 top-left, seq_k - seq_q bottom-right).
+  // The mask's alignment: 0 top-left, seq_k - seq_q bottom-right (for the causal mask and the window alike).
   int64_t causal_offset = 0;
+  // Sliding window (flash-attn's window_size): key j is visible to query i iff
+  // i + causal_offset - window_left <= j <= i + causal_offset + window_right, -1 leaving that side unbounded;
+  // causal means window_right = 0 (right_bound() says so whatever window_right holds). softcap > 0: scores s become softcap · tanh(s / softcap); 0 is off.
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0;
   DType dtype = DType::f32;  // of q, k, v (o is bf16 where this is fp8_e4m3)
   double q_descale = 1.0, k_descale = 1.0, v_descale = 1.0;  // fp8_e4m3 only (AttentionOptions)
   Device device = Device::cpu;
 
   int64_t group() const { return heads_q / heads_k; }  // query heads per key/value head
-  // Number of keys query i may see: the visible keys are [0, visible_keys(i)).
+  // Whether a window narrows the mask beyond the causal one: the CUDA kernels have none yet.
+  bool windowed() const { return window_left >= 0 || (!causal && window_right >= 0); }
+  int64_t right_bound() const { return causal ? 0 : window_right; }  // -1: unbounded
+  // The keys query i may see are [first_visible_key(i), visible_keys(i)) (empty where the first is not below
+  // the second).
+  int64_t first_visible_key(int64_t i) const {
+    if (window_left < 0) return 0;
+    return clamp_keys(i + causal_offset - window_left);
+  }
   int64_t visible_keys(int64_t i) const {
-    if (!causal) return seq_k;
-    const int64_t n = i + causal_offset + 1;
-    return n < 0 ? 0 : (n > seq_k ? seq_k : n);
+    if (right_bound() < 0) return seq_k;
+    return clamp_keys(i + causal_offset + right_bound() + 1);
   }
-  // First query that sees key j (queries before it are masked for j).
+  // The queries that may see key j are [first_query_seeing(j), last_query_seeing(j)) (capped at seq_q).
   int64_t first_query_seeing(int64_t j) const {
-    if (!causal) return 0;
-    const int64_t i = j - causal_offset;
-    return i < 0 ? 0 : i;
+    if (right_bound() < 0) return 0;
+    const int64_t i = j - causal_offset - right_bound();
+    return i < 0 ? 0 : (i > seq_q ? seq_q : i);
   }
+  int64_t last_query_seeing(int64_t j) const {
+    if (window_left < 0) return seq_q;
+    const int64_t i = j - causal_offset + window_left + 1;
+    return i < 0 ? 0 : (i > seq_q ? seq_q : i);
+  }
+
+ private:
+  int64_t clamp_keys(int64_t n) const { return n < 0 ? 0 : (n > seq_k ? seq_k : n); }
 };
 
 AttentionProblem validate_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,

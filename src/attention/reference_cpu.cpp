@@ -36,24 +36,28 @@ void load_head(const TensorView& t, int64_t b, int64_t h, std::vector<double>& o
   for (int64_t s = 0; s < n; ++s) load_row(attention_row<const T>(t, b, s, h), &out[static_cast<size_t>(s * D)], D);
 }
 
+// S = scale·QKᵀ (soft-capped where p.softcap > 0; masked to -inf), P = softmax(S) row by row, for (b, h).
 template <class T>
 void scores_and_probs(const AttentionProblem& p, const TensorView& q, const std::vector<double>& kmat, int64_t b,
                       int64_t h, double* s, double* pr, std::vector<double>& qrow, double* lse_row) {
   const int64_t D = p.head_dim;
   for (int64_t i = 0; i < p.seq_q; ++i) {
     load_row(attention_row<const T>(q, b, i, h), qrow.data(), D);
-    const int64_t visible = p.visible_keys(i);
+    const int64_t first = p.first_visible_key(i), visible = p.visible_keys(i);
     double m = kNegInf;
     for (int64_t j = 0; j < p.seq_k; ++j) {
       double sij = kNegInf;
-      if (j < visible) sij = p.scale * dot(qrow.data(), &kmat[static_cast<size_t>(j * D)], D);
+      if (j >= first && j < visible) {
+        sij = p.scale * dot(qrow.data(), &kmat[static_cast<size_t>(j * D)], D);
+        if (p.softcap > 0) sij = p.softcap * std::tanh(sij / p.softcap);
+      }
       s[i * p.seq_k + j] = sij;
       m = max_propagating_nan(m, sij);
     }
     // Masked keys get P = 0 exactly; a NaN score (or two +inf) makes the sum, and so the row, NaN.
     double sum = 0;
     for (int64_t j = 0; j < p.seq_k; ++j) {
-      const double e = j >= visible || m == kNegInf ? 0.0 : std::exp(s[i * p.seq_k + j] - m);
+      const double e = j < first || j >= visible || m == kNegInf ? 0.0 : std::exp(s[i * p.seq_k + j] - m);
       pr[i * p.seq_k + j] = e;
       sum += e;
     }
@@ -81,7 +85,7 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
       for (int64_t i = 0; i < p.seq_q; ++i) {
         std::fill(orow.begin(), orow.end(), 0.0);
         // Every visible key, even at P = 0: 0 · NaN in v is NaN, as in PyTorch's P @ V.
-        for (int64_t j = 0; j < p.visible_keys(i); ++j) {
+        for (int64_t j = p.first_visible_key(i); j < p.visible_keys(i); ++j) {
           axpy(pr[i * p.seq_k + j], &vmat[static_cast<size_t>(j * D)], orow.data(), D);
         }
         store_row(orow.data(), attention_row<T>(o, b, i, h), D);
@@ -95,11 +99,11 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
 template <class T>
 void backward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
               const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv) {
-  ReferenceScratch scratch = allocate_scores(p);  // S is reused for dP, P for dS
+  ReferenceScratch scratch = allocate_scores(p);  // P is reused for dS
   const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_k;
 #pragma omp parallel
   {
-    std::vector<double> qrow(D), dorow(D), acc(D), kmat, vmat;
+    std::vector<double> qrow(D), dorow(D), acc(D), dp(static_cast<size_t>(Nk)), kmat, vmat;
     std::vector<double> dk_acc, dv_acc;
 #pragma omp for schedule(dynamic)
     for (int64_t bhk = 0; bhk < p.batch * p.heads_k; ++bhk) {
@@ -115,21 +119,28 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
         scores_and_probs<T>(p, q, kmat, b, h, s, pr, qrow, nullptr);
         for (int64_t i = 0; i < Nq; ++i) {
           load_row(attention_row<const T>(dout, b, i, h), dorow.data(), D);
-          // dP_ij = dO_i · V_j into s; Delta_i = Σ_j P_ij dP_ij; dS_ij = P_ij (dP_ij - Delta_i) into pr.
+          // dP_ij = dO_i · V_j; Delta_i = Σ_j P_ij dP_ij; dS_ij = P_ij (dP_ij - Delta_i) into pr, times
+          // d(c·tanh(x/c))/dx = 1 - tanh² = 1 - (S_ij / c)² with soft-capping (S_ij the capped score, in s).
           // Masked keys take no part (NaN in dO or V stays out of the rows and keys that do not meet).
-          const int64_t visible = p.visible_keys(i);
+          const int64_t first = p.first_visible_key(i), visible = p.visible_keys(i);
           double delta = 0;
-          for (int64_t j = 0; j < visible; ++j) {
-            s[i * Nk + j] = dot(dorow.data(), &vmat[static_cast<size_t>(j * D)], D);
-            delta += pr[i * Nk + j] * s[i * Nk + j];
+          for (int64_t j = first; j < visible; ++j) {
+            dp[static_cast<size_t>(j)] = dot(dorow.data(), &vmat[static_cast<size_t>(j * D)], D);
+            delta += pr[i * Nk + j] * dp[static_cast<size_t>(j)];
             axpy(pr[i * Nk + j], dorow.data(), &dv_acc[static_cast<size_t>(j * D)], D);
           }
-          for (int64_t j = 0; j < visible; ++j) pr[i * Nk + j] *= s[i * Nk + j] - delta;
+          for (int64_t j = first; j < visible; ++j) {
+            pr[i * Nk + j] *= dp[static_cast<size_t>(j)] - delta;
+            if (p.softcap > 0) {
+              const double t = s[i * Nk + j] / p.softcap;
+              pr[i * Nk + j] *= 1 - t * t;
+            }
+          }
         }
         for (int64_t i = 0; i < Nq; ++i) {
           load_row(attention_row<const T>(q, b, i, h), qrow.data(), D);
           std::fill(acc.begin(), acc.end(), 0.0);
-          for (int64_t j = 0; j < p.visible_keys(i); ++j) {
+          for (int64_t j = p.first_visible_key(i); j < p.visible_keys(i); ++j) {
             const double ds = pr[i * Nk + j];
             axpy(p.scale * ds, &kmat[static_cast<size_t>(j * D)], acc.data(), D);
             axpy(p.scale * ds, qrow.data(), &dk_acc[static_cast<size_t>(j * D)], D);

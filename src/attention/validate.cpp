@@ -171,6 +171,15 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   p.v_descale = options.v_descale;
   p.causal = options.causal;
   p.causal_offset = options.align == CausalAlign::bottom_right ? p.seq_k - p.seq_q : 0;
+  for (auto [name, w] : {std::pair{"window_size_left", options.window_size_left},
+                         {"window_size_right", options.window_size_right}}) {
+    FLASHLM_CHECK(w >= -1, "{}: {}: expected -1 (unbounded) or a number of keys >= 0, got {}", fn, name, w);
+  }
+  p.window_left = options.window_size_left;
+  p.window_right = options.causal ? 0 : options.window_size_right;
+  FLASHLM_CHECK(std::isfinite(options.softcap) && options.softcap >= 0,
+                "{}: softcap: expected a finite number >= 0 (0 is off), got {}", fn, options.softcap);
+  p.softcap = options.softcap;
   return p;
 }
 

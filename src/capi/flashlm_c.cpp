@@ -54,6 +54,9 @@ flashlm::AttentionOptions to_options(const flashlm_attention_options* o) {
   opt.k_descale = c.k_descale;
   opt.v_descale = c.v_descale;
   opt.stream = c.stream;
+  opt.window_size_left = c.window_size_left;
+  opt.window_size_right = c.window_size_right;
+  opt.softcap = c.softcap;
   return opt;
 }
 
@@ -100,7 +103,7 @@ flashlm_status guarded(Fn&& fn) {
 extern "C" {
 
 flashlm_attention_options flashlm_attention_options_default(void) {
-  return flashlm_attention_options{FLASHLM_FLASH, 0, FLASHLM_TOP_LEFT, 0, 0, 0.0, 1.0f, 1.0f, 1.0f, nullptr};
+  return flashlm_attention_options{FLASHLM_FLASH, 0, FLASHLM_TOP_LEFT, 0, 0, 0.0, 1.0f, 1.0f, 1.0f, nullptr, -1, -1, 0.0};
 }
 
 flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,

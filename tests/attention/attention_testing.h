@@ -10,8 +10,10 @@
 
 #include <limits>
 #include <string>
+#include <tuple>
 
 #include "flashlm/attention.h"
+#include "flashlm/flashlm.h"
 
 namespace flashlm::testing {
 
@@ -173,6 +175,96 @@ inline double tolerance(DType dtype, double naive_lowp_error, double ref_scale) 
   }
 }
 
+
+// The flash implementation with `flash`'s options (its impl set to flash) against the fp64 naive oracle with
+// the same options on the very same (rounded) inputs: o, dq, dk, dv within tolerance() (the low-precision
+// rule measured on the naive attention in c.dtype), lse finite where the oracle's is, -inf where it is.
+inline void expect_flash_matches_oracle(const Case& c, AttentionOptions flash, const std::string& what = "") {
+  flash.impl = AttentionImpl::flash;
+  AttentionOptions naive = flash;
+  naive.impl = AttentionImpl::naive;
+  const std::string name = case_name(c) + what;
+
+  Problem ours(c, c.layout, c.dtype, 1000 + static_cast<uint64_t>(c.Nq * 7 + c.Nk));
+  ours.run(flash);
+  Problem ref(ours, c);  // fp64 oracle on the very same (rounded) inputs
+  ref.run(naive);
+  Problem naive_lowp(c, c.layout, c.dtype, 0);  // naive attention with the same low-precision storage
+  copy_into(naive_lowp.q.view, ours.q.view);
+  copy_into(naive_lowp.k.view, ours.k.view);
+  copy_into(naive_lowp.v.view, ours.v.view);
+  copy_into(naive_lowp.dout.view, ours.dout.view);
+  naive_lowp.run(naive);
+
+  struct Pair {
+    const char* name;
+    const TensorView &got, &want, &lowp;
+  };
+  for (const Pair& t : {Pair{"o", ours.o.view, ref.o.view, naive_lowp.o.view},
+                        Pair{"dq", ours.dq.view, ref.dq.view, naive_lowp.dq.view},
+                        Pair{"dk", ours.dk.view, ref.dk.view, naive_lowp.dk.view},
+                        Pair{"dv", ours.dv.view, ref.dv.view, naive_lowp.dv.view}}) {
+    const double err = max_abs_diff(t.got, t.want);
+    const double tol = tolerance(c.dtype, max_abs_diff(t.lowp, t.want), max_abs(t.want));
+    EXPECT_LE(err, tol) << t.name << " of " << name << " (max |ref| " << max_abs(t.want) << ")";
+  }
+  // logsumexp: finite where a key is visible, -inf where none is, never NaN.
+  Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);
+  for (int64_t i = 0; i < lse_ref.numel(); ++i) {
+    const double a = lse_ours.view().ptr<double>()[i], b = lse_ref.view().ptr<double>()[i];
+    if (std::isinf(b)) {
+      EXPECT_EQ(a, b) << "lse[" << i << "] of " << name;
+    } else {
+      EXPECT_NEAR(a, b, c.dtype == DType::f64 ? 1e-10 : 1e-4) << "lse[" << i << "] of " << name;
+    }
+  }
+}
+
+// dq, dk, dv of an fp64 problem against central finite differences of L = Σ O ∘ dO (p's dout as the weights),
+// every element, within `tol`.
+inline void expect_gradients_match_central_differences(Problem& p, const AttentionOptions& opt, double tol = 1e-6) {
+  p.run(opt);
+  auto loss = [&] {
+    p.forward(opt);
+    Tensor o = to_f64(p.o.view), w = to_f64(p.dout.view);
+    double s = 0;
+    for (int64_t i = 0; i < o.numel(); ++i) s += o.view().ptr<double>()[i] * w.view().ptr<double>()[i];
+    return s;
+  };
+  const double eps = 1e-6;
+  for (auto [name, x, g] : {std::tuple{"q", &p.q, &p.dq}, {"k", &p.k, &p.dk}, {"v", &p.v, &p.dv}}) {
+    Tensor analytic = to_f64(g->view);
+    Tensor xs = to_f64(x->view);
+    for (int64_t i = 0; i < xs.numel(); ++i) {
+      double* xi = xs.view().ptr<double>() + i;
+      const double saved = *xi;
+      *xi = saved + eps;
+      copy_into(x->view, xs);
+      const double up = loss();
+      *xi = saved - eps;
+      copy_into(x->view, xs);
+      const double down = loss();
+      *xi = saved;
+      copy_into(x->view, xs);
+      EXPECT_NEAR(analytic.view().ptr<double>()[i], (up - down) / (2 * eps), tol) << "d" << name << "[" << i << "]";
+    }
+  }
+}
+
+
+// A host fp32 view as the C ABI's flashlm_tensor.
+inline flashlm_tensor c_tensor(const TensorView& t) {
+  flashlm_tensor c{};
+  c.data = t.data;
+  c.ndim = t.ndim;
+  c.dtype = FLASHLM_FP32;
+  c.device = FLASHLM_CPU;
+  for (int d = 0; d < t.ndim; ++d) {
+    c.sizes[d] = t.size(d);
+    c.strides[d] = t.stride(d);
+  }
+  return c;
+}
 
 // A device copy of a host LaidOut: same storage shape, same strides, same offset of the view.
 inline LaidOut to_device(const LaidOut& host) {

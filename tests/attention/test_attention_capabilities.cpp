@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention/capabilities.h"
@@ -168,6 +169,57 @@ TEST(AttentionCapabilities, WithHeadDimInstantiatesExactlyTheListedDims) {
     EXPECT_EQ(found, d == 16 || d == 32 || d == 64 || d == 128 || d == 256) << d;
   }
   EXPECT_EQ(seen, (std::vector<int>{16, 32, 64, 128, 256}));
+}
+
+// No CUDA kernel has the sliding window or soft-capping yet: every family the plan can choose refuses them by
+// the option's name (never a silent full mask), in both passes; a causal mask alone (window_right = 0 from
+// causal) is not a window.
+TEST(AttentionCapabilities, EveryFamilyRefusesTheWindowAndSoftcapByName) {
+  struct Planned {
+    DType dtype;
+    AttentionImpl impl;
+    const char* family;
+  };
+  for (const Planned& f : {Planned{DType::bf16, AttentionImpl::flash, "mma.sync"},
+                           Planned{DType::f32, AttentionImpl::flash, "fp32"},
+                           Planned{DType::f16, AttentionImpl::naive, "naive"},
+                           Planned{DType::f8e4m3, AttentionImpl::flash, "fp8"}}) {
+    for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+      if (f.dtype == DType::f8e4m3 && pass == AttentionPass::backward) continue;
+      SCOPED_TRACE(std::string(f.family) + (pass == AttentionPass::forward ? " forward" : " backward"));
+      for (auto [left, right, causal] : {std::tuple{int64_t{4}, int64_t{-1}, false}, {-1, 3, false}, {8, 0, true}}) {
+        AttentionProblem p = problem(f.dtype, 64);
+        p.window_left = left;
+        p.window_right = right;
+        p.causal = causal;
+        try {
+          plan_cuda_attention("attention_forward", p, f.impl, pass);
+          ADD_FAILURE() << "window (" << left << ", " << right << ") was planned";
+        } catch (const Error& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find("window_size_left/window_size_right"), std::string::npos) << m;
+          EXPECT_NE(m.find(std::string("the ") + f.family + " attention kernels"), std::string::npos) << m;
+        }
+      }
+      AttentionProblem p = problem(f.dtype, 64);
+      p.softcap = 30;
+      try {
+        plan_cuda_attention("attention_forward", p, f.impl, pass);
+        ADD_FAILURE() << "softcap was planned";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("softcap"), std::string::npos) << e.what();
+      }
+      p = problem(f.dtype, 64);
+      p.causal = true;
+      p.window_right = 0;
+      EXPECT_NO_THROW(plan_cuda_attention("attention_forward", p, f.impl, pass));
+    }
+  }
+  // flash_kernel_family may move an mma.sync plan to the Hopper kernels after these checks.
+  const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
+  const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
+  EXPECT_TRUE(mma.sliding_window || !hopper.sliding_window);
+  EXPECT_TRUE(mma.softcap || !hopper.softcap);
 }
 
 }  // namespace

@@ -41,44 +41,7 @@ TEST(FlashCpu, UnknownKernelIsaIsAnErrorNamingTheRunnableOnes) {
   EXPECT_FALSE(cpu_kernel_isa().empty());
 }
 
-void check_against_oracle(const Case& c) {
-  const AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
-  const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
-
-  Problem ours(c, c.layout, c.dtype, 1000 + static_cast<uint64_t>(c.Nq * 7 + c.Nk));
-  ours.run(flash);
-  Problem ref(ours, c);  // fp64 oracle on the very same (rounded) inputs
-  ref.run(naive);
-  Problem naive_lowp(c, c.layout, c.dtype, 0);  // naive attention with the same low-precision storage
-  copy_into(naive_lowp.q.view, ours.q.view);
-  copy_into(naive_lowp.k.view, ours.k.view);
-  copy_into(naive_lowp.v.view, ours.v.view);
-  copy_into(naive_lowp.dout.view, ours.dout.view);
-  naive_lowp.run(naive);
-
-  struct Pair {
-    const char* name;
-    const TensorView &got, &want, &lowp;
-  };
-  for (const Pair& t : {Pair{"o", ours.o.view, ref.o.view, naive_lowp.o.view},
-                        Pair{"dq", ours.dq.view, ref.dq.view, naive_lowp.dq.view},
-                        Pair{"dk", ours.dk.view, ref.dk.view, naive_lowp.dk.view},
-                        Pair{"dv", ours.dv.view, ref.dv.view, naive_lowp.dv.view}}) {
-    const double err = max_abs_diff(t.got, t.want);
-    const double tol = tolerance(c.dtype, max_abs_diff(t.lowp, t.want), max_abs(t.want));
-    EXPECT_LE(err, tol) << t.name << " of " << case_name(c) << " (max |ref| " << max_abs(t.want) << ")";
-  }
-  // logsumexp: finite where a key is visible, -inf where none is, never NaN.
-  Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);
-  for (int64_t i = 0; i < lse_ref.numel(); ++i) {
-    const double a = lse_ours.view().ptr<double>()[i], b = lse_ref.view().ptr<double>()[i];
-    if (std::isinf(b)) {
-      EXPECT_EQ(a, b) << "lse[" << i << "] of " << case_name(c);
-    } else {
-      EXPECT_NEAR(a, b, c.dtype == DType::f64 ? 1e-10 : 1e-4) << "lse[" << i << "] of " << case_name(c);
-    }
-  }
-}
+void check_against_oracle(const Case& c) { expect_flash_matches_oracle(c, options_for(c.mask, AttentionImpl::flash)); }
 
 std::vector<Case> grid() {
   std::vector<Case> cases;
@@ -137,31 +100,7 @@ TEST_P(FiniteDifferences, GradientsMatchCentralDifferences) {
   Problem p(c, c.layout, DType::f64, 42);
   p.run(opt);
 
-  auto loss = [&] {
-    p.forward(opt);
-    Tensor o = to_f64(p.o.view), w = to_f64(p.dout.view);
-    double s = 0;
-    for (int64_t i = 0; i < o.numel(); ++i) s += o.view().ptr<double>()[i] * w.view().ptr<double>()[i];
-    return s;
-  };
-  const double eps = 1e-6;
-  for (auto [name, x, g] : {std::tuple{"q", &p.q, &p.dq}, {"k", &p.k, &p.dk}, {"v", &p.v, &p.dv}}) {
-    Tensor analytic = to_f64(g->view);
-    Tensor xs = to_f64(x->view);
-    for (int64_t i = 0; i < xs.numel(); ++i) {
-      double* xi = xs.view().ptr<double>() + i;
-      const double saved = *xi;
-      *xi = saved + eps;
-      copy_into(x->view, xs);
-      const double up = loss();
-      *xi = saved - eps;
-      copy_into(x->view, xs);
-      const double down = loss();
-      *xi = saved;
-      copy_into(x->view, xs);
-      EXPECT_NEAR(analytic.view().ptr<double>()[i], (up - down) / (2 * eps), 1e-6) << "d" << name << "[" << i << "]";
-    }
-  }
+  expect_gradients_match_central_differences(p, opt);
 }
 
 INSTANTIATE_TEST_SUITE_P(

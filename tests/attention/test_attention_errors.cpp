@@ -9,6 +9,7 @@
 #include "flashlm/flashlm.h"
 
 using namespace flashlm;
+using flashlm::testing::c_tensor;
 using flashlm::testing::expect_error;
 
 namespace {
@@ -128,18 +129,6 @@ TEST(AttentionErrors, OutputsOverlappingThemselves) {
 // The C ABI's tensors reach the same check (flashlm_c.cpp calls attention_forward / attention_backward).
 TEST(AttentionErrors, CAbiRefusesOutputsOverlappingThemselves) {
   Args a;
-  auto c_tensor = [](const TensorView& t) {
-    flashlm_tensor c{};
-    c.data = t.data;
-    c.ndim = t.ndim;
-    c.dtype = FLASHLM_FP32;
-    c.device = FLASHLM_CPU;
-    for (int d = 0; d < t.ndim; ++d) {
-      c.sizes[d] = t.size(d);
-      c.strides[d] = t.stride(d);
-    }
-    return c;
-  };
   const flashlm_tensor q = c_tensor(a.Q), k = c_tensor(a.K), v = c_tensor(a.V), lse = c_tensor(a.L);
   flashlm_tensor o = c_tensor(a.O);
   ASSERT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, nullptr), FLASHLM_OK) << flashlm_last_error();

@@ -28,14 +28,30 @@ struct VarlenCase {
   DType dtype;
   bool padded_rows;  // rows of the packed tensors further apart than heads · head_dim (a sliced view)
   bool deterministic = false;
+  int64_t window_left = -1, window_right = -1;  // AttentionOptions::window_size_*, per sequence
+  double softcap = 0;
 };
+
+AttentionOptions varlen_options(const VarlenCase& c, AttentionImpl impl) {
+  AttentionOptions o = options_for(c.mask, impl);
+  o.window_size_left = c.window_left;
+  o.window_size_right = c.window_right;
+  o.softcap = c.softcap;
+  return o;
+}
 
 std::string varlen_case_name(const VarlenCase& c) {
   std::string lens;
   for (size_t b = 0; b < c.len_q.size(); ++b) lens += fmt::format("{}x{}_", c.len_q[b], c.len_k[b]);
   const char* mask = c.mask == Mask::none ? "full" : c.mask == Mask::top_left ? "causalTL" : "causalBR";
-  return fmt::format("{}h{}x{}_d{}_{}_{}{}{}", lens, c.Hq, c.Hk, c.D, mask, dtype_name(c.dtype),
-                     c.padded_rows ? "_padded" : "", c.deterministic ? "_det" : "");
+  std::string variant;
+  if (c.window_left >= 0 || c.window_right >= 0) {
+    variant += fmt::format("_w{}_{}", c.window_left < 0 ? "inf" : std::to_string(c.window_left),
+                           c.window_right < 0 ? "inf" : std::to_string(c.window_right));
+  }
+  if (c.softcap > 0) variant += fmt::format("_cap{}", static_cast<int>(c.softcap));
+  return fmt::format("{}h{}x{}_d{}_{}_{}{}{}{}", lens, c.Hq, c.Hk, c.D, mask, dtype_name(c.dtype),
+                     c.padded_rows ? "_padded" : "", c.deterministic ? "_det" : "", variant);
 }
 
 void PrintTo(const VarlenCase& c, std::ostream* os) { *os << varlen_case_name(c); }
@@ -115,7 +131,7 @@ struct Pack {
   }
   // The oracle: one batched reference call per sequence on that sequence's rows (4-D slices of the pack).
   void run_per_sequence_reference(const VarlenCase& c) {
-    AttentionOptions opt = options_for(c.mask, AttentionImpl::naive);
+    AttentionOptions opt = varlen_options(c, AttentionImpl::naive);
     const TensorView Q = batch_of_one(q.view), K = batch_of_one(k.view), V = batch_of_one(v.view);
     const TensorView O = batch_of_one(o.view), dO = batch_of_one(dout.view), L = batch_of_one(lse);
     const TensorView dQ = batch_of_one(dq.view), dK = batch_of_one(dk.view), dV = batch_of_one(dv.view);
@@ -233,6 +249,11 @@ std::vector<VarlenCase> cpu_grid() {
   for (Mask m : {Mask::top_left, Mask::bottom_right}) cases.push_back({rq, rk, 4, 2, 32, m, DType::bf16, m == Mask::top_left});
   cases.push_back({{}, {}, 2, 2, 16, Mask::none, DType::f32, false});  // no sequences at all
   cases.push_back({{0, 0}, {0, 5}, 2, 2, 16, Mask::top_left, DType::f32, false});
+  // Sliding window and soft-capping per sequence (each with its own bottom-right offset), rows the window
+  // leaves empty among them.
+  cases.push_back({cq, ck, 4, 2, 32, Mask::bottom_right, DType::f32, true, false, 6, -1, 2.0});
+  cases.push_back({cq, ck, 4, 2, 32, Mask::none, DType::bf16, false, false, 3, 4});
+  cases.push_back({self, self, 2, 1, 64, Mask::top_left, DType::f32, false, false, 100, -1, 30.0});
   return cases;
 }
 
@@ -243,8 +264,8 @@ TEST_P(VarlenCpuVsReference, ForwardAndBackwardMatchPerSequenceReference) {
   Pack ours(c, c.dtype, 4200 + c.len_q.size(), c.padded_rows);
   Pack naive_lowp(ours, c, c.dtype);
   Pack ref(ours, c, DType::f64);
-  ours.run_varlen(options_for(c.mask, AttentionImpl::flash));
-  naive_lowp.run_varlen(options_for(c.mask, AttentionImpl::naive));
+  ours.run_varlen(varlen_options(c, AttentionImpl::flash));
+  naive_lowp.run_varlen(varlen_options(c, AttentionImpl::naive));
   ref.run_per_sequence_reference(c);
   expect_close(ours, ref, naive_lowp, c, "cpu flash");
   expect_close(naive_lowp, ref, naive_lowp, c, "cpu naive");

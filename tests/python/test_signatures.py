@@ -85,10 +85,10 @@ def test_refused_options_are_clear_errors():
         flashlm.scaled_dot_product_attention(qh, qh, qh, dropout_p=0.1)
     with pytest.raises(ValueError, match="attn_mask: flashlm attention takes no mask tensor"):
         flashlm.scaled_dot_product_attention(qh, qh, qh, attn_mask=torch.ones(6, 6, dtype=torch.bool))
-    with pytest.raises(ValueError, match="window_size: \\(4, 0\\) given"):
-        flashlm.flash_attn_func(q, q, q, window_size=(4, 0))
-    with pytest.raises(ValueError, match="softcap"):
-        flashlm.flash_attn_func(q, q, q, softcap=30.0)
+    with pytest.raises(ValueError, match="window_size: expected a pair of ints"):
+        flashlm.flash_attn_func(q, q, q, window_size=(4, 0, 1))
+    with pytest.raises(ValueError, match="softcap: expected a finite number >= 0"):
+        flashlm.flash_attn_func(q, q, q, softcap=-30.0)
     with pytest.raises(ValueError, match="alibi_slopes"):
         flashlm.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
     with pytest.raises(ValueError, match="return_attn_probs"):
