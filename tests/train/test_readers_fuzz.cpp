@@ -168,7 +168,8 @@ std::string mutate_json(nlohmann::json doc, std::mt19937_64& rng) {
         break;
       default:
         if (node->is_string()) *node = node->get<std::string>() + char(rng());  // maybe not UTF-8
-        else if (node->is_number_integer()) *node = node->get<int64_t>() + int64_t(rng() % 3) - 1;
+        else if (node->is_number_integer())  // ±1 in two's complement: wraps at the ends instead of overflowing
+          *node = int64_t(uint64_t(node->get<int64_t>()) + uint64_t(rng() % 3) - 1);
         break;
     }
   }
