@@ -20,9 +20,9 @@
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
-#include "model/gemm_cuda.h"
+#include "model/cuda/gemm.h"
 #include "model/lm_head.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 
 using namespace flashlm;
 

@@ -89,7 +89,7 @@ struct LmBenchConfig {
   bool profile_ranges = false;   // print the nvtx_sum table of each configuration's timed steps
   bool trace_ranges = false;     // keep every range instance of the timed steps (LmBenchRecord::ranges)
   bool profile_kernels = false;  // print the cuda_gpu_kern_sum table (CUPTI) of each configuration's timed steps
-  int gemm_autotune = 0;  // set_gemm_autotune (model/gemm_cuda.h): time this many cuBLASLt candidates per GEMM shape
+  int gemm_autotune = 0;  // set_gemm_autotune (model/cuda/gemm.h): time this many cuBLASLt candidates per GEMM shape
   std::function<void(const std::string&)> progress;
 };
 

@@ -109,7 +109,7 @@ struct DdpOptions {
   // it and NCCL sums in it); fp16 also has fp16's range (above 65504 is inf, below 6e-8 is 0).
   DType reduce_dtype = DType::f32;
   // CUDA, overlapping variants (async, bucketed): SMs the backward's GEMMs leave to NCCL's all-reduce kernels
-  // (set_gemm_sm_reserve in model/gemm_cuda.h) on the micro-step that synchronises. -1: the communicator's
+  // (set_gemm_sm_reserve in model/cuda/gemm.h) on the micro-step that synchronises. -1: the communicator's
   // NCCL max CTAs when set (Communicator::set_nccl_max_ctas; one SM each), else 0. 0: plan for every SM.
   int gemm_sm_reserve = -1;
   // Each bucket reduce-scattered in place into zero_bucket_layout's shards (plus an all-reduce of its tail),

@@ -16,7 +16,7 @@
 namespace flashlm {
 
 // The CS336 LM (model.h) in fp32, one token at a time, on the CPU or on the current CUDA device (the same
-// layer functions as the training forward of each, ops_cpu.h / ops_cuda.h, cuBLASLt in true fp32, and the
+// layer functions as the training forward of each, ops_cpu.h / cuda/ops.h, cuBLASLt in true fp32, and the
 // attention entry point with one query over the cached keys, bottom-right causal). The K/V cache holds
 // `config.context` positions per layer: [layers][context, heads, head_dim] for keys and for values,
 // allocated up front on the decoder's device.

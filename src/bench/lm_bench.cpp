@@ -13,7 +13,7 @@
 #include "flashlm/device.h"
 #include "flashlm/profile.h"
 #ifdef FLASHLM_WITH_CUDA
-#include "model/gemm_cuda.h"
+#include "model/cuda/gemm.h"
 #endif
 
 namespace flashlm {

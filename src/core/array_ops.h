@@ -1,6 +1,6 @@
 // Elementwise utilities and checks over device arrays, for every layer of the library (the LM's models,
 // data parallelism): casts between fp32 and the 16-bit types, scaling, a non-finite count, memset and
-// stream synchronisation for callers without the CUDA headers. Conventions as in model/ops_cuda.h: device
+// stream synchronisation for callers without the CUDA headers. Conventions as in model/cuda/ops.h: device
 // pointers, asynchronous on `stream` (a cudaStream_t; nullptr is the legacy default stream), launches
 // checked (flashlm::CudaError), bad sizes raise flashlm::Error before anything is queued. Only in builds
 // with CUDA (FLASHLM_WITH_CUDA); this header itself needs no CUDA headers.

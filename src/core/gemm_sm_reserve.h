@@ -1,4 +1,4 @@
-// How many SMs the GEMMs (model/gemm_cuda.h) leave to the communication running beside them: a per-thread
+// How many SMs the GEMMs (model/cuda/gemm.h) leave to the communication running beside them: a per-thread
 // setting that data parallelism (src/dist/) sets around an overlapped backward and the GEMMs read when they
 // plan. Plain C++, no CUDA headers.
 #pragma once

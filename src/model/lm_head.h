@@ -40,7 +40,7 @@ namespace gpu {
 // T ∈ {float, bf16_t, fp16_t} for h [n, d], w [vocab, d], dh and the workspace [min(chunk, n), vocab]; dw
 // fp32 (the master gradient, accumulated by the GEMM in fp32). Device pointers, asynchronous on `stream`.
 // row_loss [n] (fp32) receives each row's loss (NaN where the target lies outside [0, vocab)); it may be
-// null when the gradients are asked for. The GEMMs go through model/gemm_cuda.h (its size and alignment
+// null when the gradients are asked for. The GEMMs go through model/cuda/gemm.h (its size and alignment
 // rules apply: 16-bit T needs d and vocab multiples of 8 and 16-byte aligned pointers). Only in builds with
 // CUDA.
 template <class T>

@@ -1,4 +1,4 @@
-// The cuBLASLt linear layers (model/gemm_cuda.h) against the CPU ops (OpenBLAS, model/ops_cpu.h) on the
+// The cuBLASLt linear layers (model/cuda/gemm.h) against the CPU ops (OpenBLAS, model/ops_cpu.h) on the
 // same inputs rounded to the dtype: forward, input gradient (= and +=), weight gradient (+= into fp32),
 // bitwise reproducibility, plan reuse, streams, views that are not 256-byte aligned, and the argument
 // errors. Outputs are poisoned with NaN (0xFF bytes) before each call that must overwrite them. GPU tests
@@ -30,7 +30,7 @@
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
-#include "model/gemm_cuda.h"
+#include "model/cuda/gemm.h"
 #include "model/ops_cpu.h"
 
 #ifdef FLASHLM_WITH_CUDA

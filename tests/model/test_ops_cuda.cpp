@@ -1,4 +1,4 @@
-// The CUDA layer kernels (model/ops_cuda.h) against the CPU ones (model/ops_cpu.h), for fp32, bf16 and
+// The CUDA layer kernels (model/cuda/ops.h) against the CPU ones (model/ops_cpu.h), for fp32, bf16 and
 // fp16 activations: random inputs rounded to the activation type (so both sides see the same values),
 // outputs poisoned with NaN (0xFF bytes) before each run, odd sizes, tolerances set by the storage type.
 // The fused LM head against the unfused GPU head and the CPU's fused head; pure-bf16 AdamW against its CPU
@@ -29,10 +29,10 @@
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
-#include "model/gemm_cuda.h"
+#include "model/cuda/gemm.h"
 #include "model/lm_head.h"
 #include "model/ops_cpu.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 #include "optim/optimizer.h"
 
 using namespace flashlm;

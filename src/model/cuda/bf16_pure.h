@@ -1,5 +1,5 @@
-// The one layer kernel pure-bf16 training (ModelOptions::bf16_pure) needs beyond ops_cuda.h's: the token
-// embedding looked up from a bf16 table (ops_cuda.h's reads an fp32 master table). AdamW over bf16 state is
+// The one layer kernel pure-bf16 training (ModelOptions::bf16_pure) needs beyond cuda/ops.h's: the token
+// embedding looked up from a bf16 table (cuda/ops.h's reads an fp32 master table). AdamW over bf16 state is
 // optim/optimizer.h's adamw_step_bf16. Device pointers, asynchronous on `stream`, flashlm::Error on bad
 // sizes.
 #pragma once

@@ -1,9 +1,9 @@
-// Cross-entropy on CUDA (model/ops_cuda.h), forward and backward: one 256-thread block per row, online
+// Cross-entropy on CUDA (model/cuda/ops.h), forward and backward: one 256-thread block per row, online
 // (max, sum of exp) per thread, merged by warp shuffles and then across warps in a fixed order.
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
 #include "core/softmax_stats.cuh"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 
 namespace flashlm::gpu {
 

@@ -1,5 +1,5 @@
 // KvCacheDecoder's step on the GPU: decoder.cpp's CPU step line for line, through the CUDA layer functions
-// (ops_cuda.h) in fp32, cuBLASLt's true-fp32 products and the attention entry point on device views, so a
+// (cuda/ops.h) in fp32, cuBLASLt's true-fp32 products and the attention entry point on device views, so a
 // greedy sample matches the CPU decoder's tokens within what fp32 rounding allows. Everything is queued on
 // the legacy default stream, which orders it with the synchronous copies of the token in and the logits out.
 #include "core/cuda_runtime.h"
@@ -7,8 +7,8 @@
 #include "flashlm/generate.h"
 #include "flashlm/tensor.h"
 #include "model/decoder_rows.h"
-#include "model/gemm_cuda.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/gemm.h"
+#include "model/cuda/ops.h"
 
 namespace flashlm {
 

@@ -1,4 +1,4 @@
-// The token embedding on CUDA (model/ops_cuda.h), forward (a gather, packed when d % 8 == 0) and backward:
+// The token embedding on CUDA (model/cuda/ops.h), forward (a gather, packed when d % 8 == 0) and backward:
 // (token, row) pairs radix-sorted (stable, so the rows of one token stay in increasing order); the first
 // sorted position of each token adds that token's rows into its table row, one thread per column, exactly
 // as the CPU loop does. No two blocks write one table row.
@@ -9,7 +9,7 @@
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
 #include "flashlm/memory.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 
 namespace flashlm::gpu {
 

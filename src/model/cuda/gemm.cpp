@@ -1,4 +1,4 @@
-// cuBLASLt behind linear_forward_cuda / linear_backward_cuda (gemm_cuda.h). Host code only: compiled by
+// cuBLASLt behind linear_forward_cuda / linear_backward_cuda (cuda/gemm.h). Host code only: compiled by
 // the C++ compiler, no kernels.
 //
 // Row-major data, column-major cuBLASLt. A row-major [r, c] array with row pitch c, read column-major,
@@ -16,7 +16,7 @@
 //
 // (cuBLASLt layouts describe matrices as stored, before op: rows = m or k for A, k or n for B.)
 // The forward is the "TN" case that tensor-core kernels like best, as in cuBLAS-based frameworks.
-#include "model/gemm_cuda.h"
+#include "model/cuda/gemm.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>

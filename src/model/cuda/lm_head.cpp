@@ -1,14 +1,14 @@
 // The fused LM head + cross-entropy on CUDA (model/lm_head.h): host code queuing, per chunk of tokens, the
-// head's GEMM (model/gemm_cuda.h) and the cross-entropy kernel (model/cuda/cross_entropy.cu) — the forward
+// head's GEMM (model/cuda/gemm.h) and the cross-entropy kernel (model/cuda/cross_entropy.cu) — the forward
 // kernel for the loss alone, else the backward kernel, which writes the loss and the logits' gradient in one
 // pass — then the two gradient GEMMs.
 #include <algorithm>
 
 #include "core/check.h"
 #include "flashlm/dtype.h"
-#include "model/gemm_cuda.h"
+#include "model/cuda/gemm.h"
 #include "model/lm_head.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 
 namespace flashlm::gpu {
 

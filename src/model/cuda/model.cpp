@@ -1,7 +1,7 @@
 // The LM on one GPU, step by step as model_cpu.cpp, with mixed precision: activations in T (fp32, bf16,
 // fp16), everything that accumulates across steps in fp32 — or, bf16-pure, everything in bf16 with each
 // backward's weight gradient accumulated in an fp32 buffer and rounded once. Host code: the layer kernels
-// are in model/cuda/ (ops_cuda.h; bf16_pure.h for the pure-bf16 ones), AdamW in optim/, the GEMMs in
+// are in model/cuda/ (cuda/ops.h; bf16_pure.h for the pure-bf16 ones), AdamW in optim/, the GEMMs in
 // gemm.cpp, attention in attention/cuda/; the step as a CUDA graph in step_graph.cpp, the private
 // implementation in model_impl.h.
 #include <cuda_runtime.h>
@@ -24,10 +24,10 @@
 #include "model/activations.h"
 #include "model/cuda/bf16_pure.h"
 #include "model/cuda/model_impl.h"
-#include "model/gemm_cuda.h"
+#include "model/cuda/gemm.h"
 #include "model/lm_head.h"
 #include "model/ops_cpu.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 #include "optim/optimizer.h"
 
 namespace flashlm {

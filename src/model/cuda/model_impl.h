@@ -16,7 +16,7 @@
 #include "flashlm/model.h"
 #include "model/activations.h"
 #include "model/cuda/step_graph.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 #include "optim/adamw_state.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"

@@ -1,7 +1,7 @@
-// The residual stream's addition on CUDA (model/ops_cuda.h): elementwise, in fp32, rounded to T.
+// The residual stream's addition on CUDA (model/cuda/ops.h): elementwise, in fp32, rounded to T.
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 
 namespace flashlm::gpu {
 

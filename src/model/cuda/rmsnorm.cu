@@ -1,4 +1,4 @@
-// RMSNorm on CUDA (model/ops_cuda.h), forward and backward: one warp per row, 8 rows per 256-thread block
+// RMSNorm on CUDA (model/cuda/ops.h), forward and backward: one warp per row, 8 rows per 256-thread block
 // (lanes stride over the row, so any d works); with d % 8 == 0 the rows are read in packs, and the row
 // sums still add each lane's elements in the lane-strided order (through a shared-memory stage, below).
 // The gain gradient is summed in two deterministic passes: chunks of 64 rows (more past 64 Ki rows, at
@@ -7,7 +7,7 @@
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
 #include "flashlm/memory.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 
 namespace flashlm::gpu {
 

@@ -1,8 +1,8 @@
-// Rotary position embedding on CUDA (model/ops_cuda.h), forward and backward (the inverse rotation): one
+// Rotary position embedding on CUDA (model/cuda/ops.h), forward and backward (the inverse rotation): one
 // thread per 4 interleaved pairs (one pack) when head_dim % 8 == 0, else per pair.
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 
 namespace flashlm::gpu {
 

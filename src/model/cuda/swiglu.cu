@@ -1,8 +1,8 @@
-// SwiGLU on CUDA (model/ops_cuda.h), forward and backward: elementwise, grid-stride loops over the whole
+// SwiGLU on CUDA (model/cuda/ops.h), forward and backward: elementwise, grid-stride loops over the whole
 // packs, then over the elements past them.
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
-#include "model/ops_cuda.h"
+#include "model/cuda/ops.h"
 
 namespace flashlm::gpu {
 
