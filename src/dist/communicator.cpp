@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <vector>
 
@@ -155,6 +156,15 @@ void divide(const TensorView& x, int by) {
 
 constexpr int64_t kMpiChunk = int64_t{1} << 30;  // elements per MPI call (counts are int)
 
+// fn(address, count) for each run of at most kMpiChunk elements of x, in order.
+template <class Fn>
+void for_each_mpi_chunk(const TensorView& x, Fn&& fn) {
+  const size_t esize = dtype_size(x.dtype);
+  for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
+    fn(static_cast<char*>(x.data) + begin * esize, static_cast<int>(std::min(kMpiChunk, x.numel() - begin)));
+  }
+}
+
 }  // namespace
 
 // A CPU all-reduce in flight: its MPI requests (one per kMpiChunk elements), and what avg divides after.
@@ -228,6 +238,23 @@ struct Communicator::Impl {
     fail("Communicator::{}: a CUDA view, but flashlm was built without NCCL{}", fn,
          cuda_built() ? " (CMake did not find nccl.h and libnccl next to the CUDA toolkit)" : " (and without CUDA)");
   }
+
+  // The CUDA branch of collective `fn`: NCCL set up on first use (collective), the views' memory (`data`, named
+  // `what`) checked to be this rank's device, then run(dist::NcclComm&). Without NCCL, an Error naming fn. `run`
+  // takes `auto&`, so its body is compiled only where NCCL is.
+  template <class Run>
+  void on_nccl(Communicator& c, const char* fn, const char* what, int64_t numel,
+               std::initializer_list<const void*> data, Run&& run) {
+#ifdef FLASHLM_WITH_NCCL
+    c.setup_cuda();
+    FLASHLM_CHECK(numel == 0 || std::all_of(data.begin(), data.end(), [&](const void* d) { return nccl->pointer_on_device(d); }),
+                  "Communicator::{}: {} must be memory of this rank's device cuda:{}", fn, what, nccl->device());
+    run(*nccl);
+#else
+    (void)c, (void)what, (void)numel, (void)data, (void)run;
+    no_cuda(fn);
+#endif
+  }
 };
 
 Communicator::Communicator() : impl_(std::make_unique<Impl>()) {
@@ -273,22 +300,14 @@ void Communicator::all_reduce(const TensorView& x, ReduceOp op, void* stream) {
   Impl& m = *impl_;
   check_view(x, "all_reduce", "x");
   if (x.device == Device::cuda) {
-#ifdef FLASHLM_WITH_NCCL
-    setup_cuda();
-    FLASHLM_CHECK(x.numel() == 0 || m.nccl->pointer_on_device(x.data),
-                  "Communicator::all_reduce: x is not memory of this rank's device cuda:{}", m.nccl->device());
-    m.nccl->all_reduce(x.data, x.data, static_cast<size_t>(x.numel()), x.dtype, op, stream);
-    return;
-#else
-    m.no_cuda("all_reduce");
-#endif
+    return m.on_nccl(*this, "all_reduce", "x", x.numel(), {x.data}, [&](auto& nccl) {
+      nccl.all_reduce(x.data, x.data, static_cast<size_t>(x.numel()), x.dtype, op, stream);
+    });
   }
   const MPI_Datatype type = mpi_type(x.dtype, "all_reduce", "x");
-  const size_t esize = dtype_size(x.dtype);
-  for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
-    const int count = static_cast<int>(std::min(kMpiChunk, x.numel() - begin));
-    m.blocking("MPI_Allreduce", [&] { return MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(x.data) + begin * esize, count, type, mpi_op(op), m.comm); });
-  }
+  for_each_mpi_chunk(x, [&](void* at, int count) {
+    m.blocking("MPI_Allreduce", [&] { return MPI_Allreduce(MPI_IN_PLACE, at, count, type, mpi_op(op), m.comm); });
+  });
   if (op == ReduceOp::avg) divide(x, m.size);
 }
 
@@ -301,20 +320,16 @@ CommRequest Communicator::all_reduce_async(const TensorView& x, ReduceOp op, voi
     return request;
   }
   const MPI_Datatype type = mpi_type(x.dtype, "all_reduce_async", "x");
-  const size_t esize = dtype_size(x.dtype);
   auto state = std::make_unique<CommRequest::State>();
   state->x = x;
   state->op = op;
   state->world_size = m.size;
   state->rank = m.rank;
-  for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
-    const int count = static_cast<int>(std::min(kMpiChunk, x.numel() - begin));
+  for_each_mpi_chunk(x, [&](void* at, int count) {
     MPI_Request r = MPI_REQUEST_NULL;
-    m.check(MPI_Iallreduce(MPI_IN_PLACE, static_cast<char*>(x.data) + begin * esize, count, type, mpi_op(op), m.comm,
-                           &r),
-            "MPI_Iallreduce");
+    m.check(MPI_Iallreduce(MPI_IN_PLACE, at, count, type, mpi_op(op), m.comm, &r), "MPI_Iallreduce");
     state->requests.push_back(r);
-  }
+  });
   request.state_ = std::move(state);
   return request;
 }
@@ -344,22 +359,14 @@ void Communicator::broadcast(const TensorView& x, int root, void* stream) {
   FLASHLM_CHECK(root >= 0 && root < m.size, "Communicator::broadcast: root {} is not a rank of a world of {}", root,
                 m.size);
   if (x.device == Device::cuda) {
-#ifdef FLASHLM_WITH_NCCL
-    setup_cuda();
-    FLASHLM_CHECK(x.numel() == 0 || m.nccl->pointer_on_device(x.data),
-                  "Communicator::broadcast: x is not memory of this rank's device cuda:{}", m.nccl->device());
-    m.nccl->broadcast(x.data, static_cast<size_t>(x.numel()), x.dtype, root, stream);
-    return;
-#else
-    m.no_cuda("broadcast");
-#endif
+    return m.on_nccl(*this, "broadcast", "x", x.numel(), {x.data}, [&](auto& nccl) {
+      nccl.broadcast(x.data, static_cast<size_t>(x.numel()), x.dtype, root, stream);
+    });
   }
   const MPI_Datatype type = mpi_type(x.dtype, "broadcast", "x");
-  const size_t esize = dtype_size(x.dtype);
-  for (int64_t begin = 0; begin < x.numel(); begin += kMpiChunk) {
-    const int count = static_cast<int>(std::min(kMpiChunk, x.numel() - begin));
-    m.blocking("MPI_Bcast", [&] { return MPI_Bcast(static_cast<char*>(x.data) + begin * esize, count, type, root, m.comm); });
-  }
+  for_each_mpi_chunk(x, [&](void* at, int count) {
+    m.blocking("MPI_Bcast", [&] { return MPI_Bcast(at, count, type, root, m.comm); });
+  });
 }
 
 void Communicator::all_gather(const TensorView& in, const TensorView& out, void* stream) {
@@ -373,16 +380,9 @@ void Communicator::all_gather(const TensorView& in, const TensorView& out, void*
   FLASHLM_CHECK(in_place || !overlap(in, out),
                 "Communicator::all_gather: in overlaps out without being rank {}'s chunk of it", m.rank);
   if (in.device == Device::cuda) {
-#ifdef FLASHLM_WITH_NCCL
-    setup_cuda();
-    FLASHLM_CHECK(out.numel() == 0 || (m.nccl->pointer_on_device(in.data) && m.nccl->pointer_on_device(out.data)),
-                  "Communicator::all_gather: in and out must be memory of this rank's device cuda:{}",
-                  m.nccl->device());
-    m.nccl->all_gather(in.data, out.data, static_cast<size_t>(in.numel()), in.dtype, stream);
-    return;
-#else
-    m.no_cuda("all_gather");
-#endif
+    return m.on_nccl(*this, "all_gather", "in and out", out.numel(), {in.data, out.data}, [&](auto& nccl) {
+      nccl.all_gather(in.data, out.data, static_cast<size_t>(in.numel()), in.dtype, stream);
+    });
   }
   const MPI_Datatype type = mpi_type(in.dtype, "all_gather", "in");
   FLASHLM_CHECK(in.numel() <= INT_MAX, "Communicator::all_gather: {} elements per rank, MPI takes at most {}",
@@ -411,16 +411,9 @@ void Communicator::reduce_scatter(const TensorView& in, const TensorView& out, R
   Impl& m = *impl_;
   const bool in_place = check_reduce_scatter(in, out, "reduce_scatter");
   if (in.device == Device::cuda) {
-#ifdef FLASHLM_WITH_NCCL
-    setup_cuda();
-    FLASHLM_CHECK(in.numel() == 0 || (m.nccl->pointer_on_device(in.data) && m.nccl->pointer_on_device(out.data)),
-                  "Communicator::reduce_scatter: in and out must be memory of this rank's device cuda:{}",
-                  m.nccl->device());
-    m.nccl->reduce_scatter(in.data, out.data, static_cast<size_t>(out.numel()), in.dtype, op, stream);
-    return;
-#else
-    m.no_cuda("reduce_scatter");
-#endif
+    return m.on_nccl(*this, "reduce_scatter", "in and out", in.numel(), {in.data, out.data}, [&](auto& nccl) {
+      nccl.reduce_scatter(in.data, out.data, static_cast<size_t>(out.numel()), in.dtype, op, stream);
+    });
   }
   const MPI_Datatype type = mpi_type(in.dtype, "reduce_scatter", "in");
   const int count = static_cast<int>(out.numel());
@@ -477,16 +470,10 @@ void Communicator::all_gather_v(const TensorView& x, std::span<const int64_t> co
   FLASHLM_CHECK(total == x.numel(), "Communicator::all_gather_v: the counts add up to {} elements, x has {}", total,
                 x.numel());
   if (x.device == Device::cuda) {
-#ifdef FLASHLM_WITH_NCCL
-    setup_cuda();
-    FLASHLM_CHECK(x.numel() == 0 || m.nccl->pointer_on_device(x.data),
-                  "Communicator::all_gather_v: x is not memory of this rank's device cuda:{}", m.nccl->device());
-    std::vector<size_t> sizes(counts.begin(), counts.end());
-    m.nccl->all_gather_v(x.data, sizes, x.dtype, stream);
-    return;
-#else
-    m.no_cuda("all_gather_v");
-#endif
+    return m.on_nccl(*this, "all_gather_v", "x", x.numel(), {x.data}, [&](auto& nccl) {
+      std::vector<size_t> sizes(counts.begin(), counts.end());
+      nccl.all_gather_v(x.data, sizes, x.dtype, stream);
+    });
   }
   const MPI_Datatype type = mpi_type(x.dtype, "all_gather_v", "x");
   FLASHLM_CHECK(total <= INT_MAX, "Communicator::all_gather_v: {} elements, MPI_Allgatherv addresses at most {}", total,
@@ -545,17 +532,11 @@ void Communicator::all_gather_segments(const TensorView& x, std::span<const Segm
   Impl& m = *impl_;
   check_segments(x, segments, "all_gather_segments");
   if (x.device == Device::cuda) {
-#ifdef FLASHLM_WITH_NCCL
-    setup_cuda();
-    FLASHLM_CHECK(x.numel() == 0 || m.nccl->pointer_on_device(x.data),
-                  "Communicator::all_gather_segments: x is not memory of this rank's device cuda:{}", m.nccl->device());
-    std::vector<std::pair<size_t, size_t>> pairs;
-    for (const Segment& s : segments) pairs.emplace_back(size_t(s.offset), size_t(s.part));
-    m.nccl->all_gather_segments(x.data, pairs, x.dtype, stream);
-    return;
-#else
-    m.no_cuda("all_gather_segments");
-#endif
+    return m.on_nccl(*this, "all_gather_segments", "x", x.numel(), {x.data}, [&](auto& nccl) {
+      std::vector<std::pair<size_t, size_t>> pairs;
+      for (const Segment& s : segments) pairs.emplace_back(size_t(s.offset), size_t(s.part));
+      nccl.all_gather_segments(x.data, pairs, x.dtype, stream);
+    });
   }
   const MPI_Datatype type = mpi_type(x.dtype, "all_gather_segments", "x");
   for (const Segment& s : segments) {

@@ -297,7 +297,15 @@ void launch_softmax(const AttentionProblem& p, const Dims& d, const float* s, T*
 //   scores:  C [group_rows, seq_k]  = alpha · X [group_rows, D] · Y [seq_k, D]ᵀ       (S, dP)
 //   apply:   C [group_rows, D]      = alpha · P [group_rows, seq_k] · Y [seq_k, D]   (O, dQ)
 //   reduce:  C [seq_k, D]           = alpha · P [group_rows, seq_k]ᵀ · X [group_rows, D]  (dV, dK)
+// The products of one call, on this device's cuBLAS handle: held for the call (the handle is shared by the
+// process's threads) and bound to the call's stream.
 struct Gemms {
+  Gemms(cudaStream_t stream_, const Dims& d_, cudaDataType type_)
+      : blas(blas_for_current_device()), lock(blas.mutex), handle(blas.handle), stream(stream_), d(d_), type(type_) {
+    check_blas(cublasSetStream(handle, stream), "cublasSetStream");
+  }
+  DeviceBlas& blas;
+  std::lock_guard<std::mutex> lock;
   cublasHandle_t handle;
   cudaStream_t stream;
   Dims d;
@@ -327,10 +335,7 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
              const TensorView& o, const TensorView& lse, cudaStream_t stream) {
   constexpr size_t e = sizeof(T);
   const Dims d = dims_of(p);
-  DeviceBlas& blas = blas_for_current_device();
-  const std::lock_guard lock(blas.mutex);
-  check_blas(cublasSetStream(blas.handle, stream), "cublasSetStream");
-  const Gemms gemms{blas.handle, stream, d, blas_type<T>()};
+  const Gemms gemms(stream, d, blas_type<T>());
 
   // q_c is reused for O once S is computed.
   Buffer q_c = allocate(d.rows * d.head_dim, e, "naive attention packed Q, then O", stream);
@@ -367,10 +372,7 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
               cudaStream_t stream) {
   constexpr size_t e = sizeof(T);
   const Dims d = dims_of(p);
-  DeviceBlas& blas = blas_for_current_device();
-  const std::lock_guard lock(blas.mutex);
-  check_blas(cublasSetStream(blas.handle, stream), "cublasSetStream");
-  const Gemms gemms{blas.handle, stream, d, blas_type<T>()};
+  const Gemms gemms(stream, d, blas_type<T>());
   const auto scale = static_cast<float>(p.scale);
 
   // Packed inputs take the gradients once consumed (V -> dV, dO -> dQ, K -> dK) and P's buffer takes
