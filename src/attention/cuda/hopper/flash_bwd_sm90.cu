@@ -219,15 +219,13 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     // Pᵀ while dPᵀ runs. Accumulator i: key key_row + 8·((i / 2) % 2), query m0 + 8·(i / 4) + 2t + i % 2.
     sm90::wgmma_wait<1>();
     sm90::fence_accumulators(sacc);
-    // Soft-capped (masked kernel): Pᵀ waits for dPᵀ, each element's slope being read from its capped score.
-    bool capped = false;
+    // Soft-capped (masked kernel): the cap, the mask and Pᵀ wait for dPᵀ, each element's slope being read
+    // from its capped score (capping here, with dPᵀ's registers in flight, spilled at head dim 64).
+    bool capped = false, in_band = true;
     if constexpr (kMasked) {
       capped = p.softcap > 0;
-      if (capped) {
-#pragma unroll
-        for (int i = 0; i < kBlockM / 2; ++i) sacc[i] = softcap_score(p, sacc[i]);
-      }
-      if (!tile_in_band(p, m0, m0 + kBlockM - 1, n0 + key0, n0 + key0 + 63)) {
+      in_band = tile_in_band(p, m0, m0 + kBlockM - 1, n0 + key0, n0 + key0 + 63);
+      if (!capped && !in_band) {
 #pragma unroll
         for (int i = 0; i < kBlockM / 2; ++i) {
           const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
@@ -260,14 +258,17 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     sm90::fence_accumulators(dpacc);
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
     uint16_t* ds_tile = s.ds[step & 1];
-    if (capped) {  // Pᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − Delta) ∘ (1 − tanh²), from the capped Sᵀ
+    if (capped) {  // the cap, the mask, Pᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − Delta) ∘ (1 − tanh²), from the capped Sᵀ
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
         const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float x = sacc[4 * j + e];
+          const int i = 4 * j + e;
+          const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
+          float x = softcap_score(p, sacc[i]);
+          if (!in_band && !key_in_band(p, query, key)) x = -INFINITY;
           const float pr = fast_exp2(fmaf(x, p.scale_log2, e % 2 ? -l2.y : -l2.x));
           dpacc[4 * j + e] = pr * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x)) * softcap_slope(p, x);
           sacc[4 * j + e] = pr;
