@@ -8,7 +8,7 @@ namespace {
 struct AttentionBenchArgs {
   flashlm::AttentionBenchConfig cfg;
   std::string impl = "naive,flash", dtype = "fp32", d = "64", seq = "1024,2048,4096", batch = "1", heads = "1";
-  std::string causal = "0", align = "top-left", device, grid;
+  std::string causal = "0", align = "top-left", device, grid, window;
   int threads = 0;
   int64_t kv_heads = 0;
   bool forward_only = false;
@@ -37,6 +37,20 @@ int run(AttentionBenchArgs& a) {
     shape.kv_heads = a.kv_heads;
   }
   cfg.align = parse_causal_align(a.align);
+  if (!a.window.empty()) {
+    // L,R: flash-attn's window_size, -1 leaving a side unbounded.
+    const auto sides = parse_list<int64_t>("--window", a.window, [](const std::string& x) {
+      size_t used = 0;
+      const int64_t w = std::stoll(x, &used);
+      if (used != x.size() || w < -1 || w > kMaxSeq) {
+        throw InvalidArgument(fmt::format("'{}' is not -1 or a number of keys from 0 to {}", x, kMaxSeq));
+      }
+      return w;
+    });
+    if (sides.size() != 2) throw InvalidArgument(fmt::format("--window: expected L,R (two numbers), got '{}'", a.window));
+    cfg.window_left = sides[0];
+    cfg.window_right = sides[1];
+  }
   cfg.device = device_or_default(a.device);
   report_format(a.report);  // a bad --format is refused before the sweep
   require_usable_device(cfg.device);
@@ -82,6 +96,12 @@ Command add_attention_bench_command(CLI::App& app) {
                 "Backward without atomics, bit-reproducible (CUDA: a separate dQ pass instead of fp32 atomics in "
                 "the dK/dV kernel)");
   cmd->add_option("--causal-align", a->align, "top-left (PyTorch is_causal) or bottom-right")->capture_default_str();
+  cmd->add_option("--window", a->window,
+                  "Sliding window L,R (flash-attn's window_size: query i sees keys i-L..i+R, -1 unbounded; causal makes "
+                  "R 0); TFLOP/s then count the visible pairs");
+  cmd->add_option("--softcap", a->cfg.softcap, "Soft-capping of the scores, softcap * tanh(s / softcap) (0: off)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1e30));
   cmd->add_option("--device", a->device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--warmup", a->cfg.warmup, "Untimed runs before timing")
       ->capture_default_str()

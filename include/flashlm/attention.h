@@ -16,8 +16,9 @@
 // i + offset - left <= j <= i + offset + right, offset 0 (top-left) or seq_k - seq_q (bottom-right, the
 // alignment option applies to the window with or without causal); -1 leaves a side unbounded, and causal
 // makes right 0 whatever it holds (as flash-attn does). Soft-capping (Gemma 2): each score s = scale · q·k
-// becomes softcap · tanh(s / softcap) before the softmax; 0 is off. Both run on the CPU (naive and flash);
-// the CUDA kernels refuse them (the capability table, src/attention/capabilities.cpp).
+// becomes softcap · tanh(s / softcap) before the softmax; 0 is off. Both run on the CPU (naive and flash)
+// and in the fp16/bf16 CUDA flash kernels; the fp32, naive and fp8 CUDA kernels refuse them (the capability
+// table, src/attention/capabilities.cpp).
 #pragma once
 #include <cstdint>
 #include <optional>

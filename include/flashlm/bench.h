@@ -39,6 +39,11 @@ struct AttentionBenchConfig {
   std::vector<AttentionShape> shapes{AttentionShape{}};
   CausalAlign align = CausalAlign::top_left;
   bool deterministic = false;  // AttentionOptions::deterministic
+  // AttentionOptions::window_size_left/right and softcap, for every row. With a window, TFLOP/s count the
+  // (query, key) pairs the band leaves visible (4 · B · H · D per pair forward) instead of the papers' square
+  // or half square.
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0;
   Device device = Device::cpu;
   int warmup = 1;
   int reps = 3;
@@ -54,6 +59,8 @@ struct AttentionBenchRecord {
   std::string impl, dtype, device;
   int64_t batch = 0, heads = 0, kv_heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
   bool causal = false;
+  int64_t window_left = -1, window_right = -1;  // the config's
+  double softcap = 0;
   std::optional<double> fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, peak_fwd_mib, peak_bwd_mib;
   std::string status = "ok";  // ok | oom | error | skipped
   std::string message;        // why, when status is not ok

@@ -13,7 +13,8 @@ format of ours ("bf16, bf16-sr moments": `--optimizer-state`) is matched with th
 ("bf16"; torch's AdamW keeps fp32 moments) and shown in the row; DDP per world size on median_ms. OURS
 and PEERS may each be several reports joined by commas (one run per world size, say). Prints a markdown
 table with the geometric mean of each column. Exits 1 when no row of ours has a peer to compare with, 2 on
-bad arguments.
+bad arguments. Attention rows also match on the sliding window and soft-capping (window_left, window_right,
+softcap: attention-bench --window/--softcap, flex_attention_peer.py).
 """
 import argparse
 import json
@@ -22,14 +23,15 @@ import sys
 
 KINDS = {
     # kind: (fields that identify a row, the field naming the implementation, default ours, timed fields)
-    "attention": (("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "causal", "dtype"), "impl", "flash",
-                  ("fwd_ms", "bwd_ms")),
+    "attention": (("batch", "heads", "kv_heads", "seq_q", "seq_k", "head_dim", "causal", "window_left", "window_right",
+                   "softcap", "dtype"), "impl", "flash", ("fwd_ms", "bwd_ms")),
     "lm": (("model", "context", "batch", "precision", "pass", "world_size"), "impl", None, ("mean_ms",)),
     "ddp": (("world_size",), "variant", "bucketed", ("median_ms",)),
 }
 
 
-DEFAULTS = {"kv_heads": 1, "world_size": 1}  # what a record that names no such field means
+# What a record that names no such field means (no window and no soft-capping: records from before them).
+DEFAULTS = {"kv_heads": 1, "world_size": 1, "window_left": -1, "window_right": -1, "softcap": 0}
 
 
 def load(paths, kind, impl):

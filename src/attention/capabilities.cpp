@@ -14,14 +14,15 @@ constexpr std::array kCudaDTypes{DType::f16, DType::bf16, DType::f32};
 constexpr std::array kFp8{DType::f8e4m3};
 
 // One row per family: family, dtypes, forward and backward head dims, pads_head_dim, any_head_dim,
-// sliding_window, softcap. No CUDA kernel has the window or soft-capping yet (the CPU paths do).
+// sliding_window, softcap. The window and soft-capping run in the 16-bit flash kernels (mma.sync and Hopper,
+// their masked instantiations); the fp32, naive and FP8 kernels refuse them (the CPU paths have them).
 const std::array<CudaKernelCapability, 5> kTable{{
-    {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false, false,
-     false},
+    {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false, true,
+     true},
     {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false, false, false},
     {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true, false, false},
-    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, false,
-     false},
+    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, true,
+     true},
     {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, false, false},
 }};
 

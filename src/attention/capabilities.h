@@ -58,7 +58,8 @@ struct CudaKernelCapability {
   std::span<const int> forward_head_dims, backward_head_dims;
   bool pads_head_dim;
   bool any_head_dim;
-  // The attention variants the family's kernels implement (AttentionOptions::window_size_*, softcap); a
+  // The attention variants the family's kernels implement (AttentionOptions::window_size_*, softcap: the
+  // 16-bit flash kernels' masked instantiations, cuda/flash_common.cuh); a
   // problem that asks for one a family lacks is an Error naming the option, never a silent full mask.
   // The Hopper row must not claim a variant the mma.sync row lacks: plan_cuda_attention checks the
   // planned family (mma.sync) and flash_kernel_family may then move the problem to the Hopper kernels.

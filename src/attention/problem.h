@@ -24,7 +24,7 @@ struct AttentionProblem {
   Device device = Device::cpu;
 
   int64_t group() const { return heads_q / heads_k; }  // query heads per key/value head
-  // Whether a window narrows the mask beyond the causal one: the CUDA kernels have none yet.
+  // Whether a window narrows the mask beyond the causal one (the CUDA 16-bit kernels' masked instantiations).
   bool windowed() const { return window_left >= 0 || (!causal && window_right >= 0); }
   int64_t right_bound() const { return causal ? 0 : window_right; }  // -1: unbounded
   // The keys query i may see are [first_visible_key(i), visible_keys(i)) (empty where the first is not below

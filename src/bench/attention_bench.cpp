@@ -34,10 +34,26 @@ double median_ms(Device device, int warmup, int reps, const std::function<void()
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
-// The FLOPs every pass of a row computes (warm-up and timed runs), as the FlashAttention papers count them.
+// The forward FLOPs of a row: as the FlashAttention papers count them, or with a sliding window 4 · B · H · D
+// per (query, key) pair the band leaves visible (flashlm/attention.h's band: causal makes the right side 0).
+double forward_flops(const AttentionBenchConfig& cfg, const AttentionBenchRecord& rec) {
+  const int64_t right = rec.causal ? 0 : rec.window_right;  // -1: unbounded
+  if (rec.window_left < 0 && (rec.causal || right < 0)) {  // no window beyond the causal mask
+    return attention_forward_flops(rec.batch, rec.heads, rec.seq_q, rec.seq_k, rec.head_dim, rec.causal);
+  }
+  const int64_t offset = cfg.align == CausalAlign::bottom_right ? rec.seq_k - rec.seq_q : 0;
+  double pairs = 0;
+  for (int64_t i = 0; i < rec.seq_q; ++i) {
+    const int64_t lo = rec.window_left < 0 ? 0 : std::clamp<int64_t>(i + offset - rec.window_left, 0, rec.seq_k);
+    const int64_t hi = right < 0 ? rec.seq_k : std::clamp<int64_t>(i + offset + right + 1, 0, rec.seq_k);
+    pairs += static_cast<double>(std::max<int64_t>(0, hi - lo));
+  }
+  return 4.0 * static_cast<double>(rec.batch * rec.heads * rec.head_dim) * pairs;
+}
+
+// The FLOPs every pass of a row computes (warm-up and timed runs).
 double row_flops(const AttentionBenchConfig& cfg, const AttentionBenchRecord& rec) {
-  const double fwd = attention_forward_flops(rec.batch, rec.heads, rec.seq_q, rec.seq_k, rec.head_dim, rec.causal);
-  return fwd * (cfg.backward ? 3.5 : 1.0) * (1 + cfg.warmup + cfg.reps);
+  return forward_flops(cfg, rec) * (cfg.backward ? 3.5 : 1.0) * (1 + cfg.warmup + cfg.reps);
 }
 
 void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, AttentionImpl impl, DType dtype) {
@@ -58,6 +74,9 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   opt.causal = rec.causal;
   opt.align = cfg.align;
   opt.deterministic = cfg.deterministic;
+  opt.window_size_left = cfg.window_left;
+  opt.window_size_right = cfg.window_right;
+  opt.softcap = cfg.softcap;
 
   // fp8_e4m3 inputs write bf16 and have no backward (flashlm/attention.h): their rows time the forward only.
   const bool fp8 = dtype == DType::f8e4m3;
@@ -69,7 +88,7 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   if (dev == Device::cuda) cuda_synchronize();
   rec.peak_fwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
 
-  const double flops = attention_forward_flops(rec.batch, rec.heads, rec.seq_q, rec.seq_k, rec.head_dim, rec.causal);
+  const double flops = forward_flops(cfg, rec);
   rec.fwd_ms = median_ms(dev, cfg.warmup, cfg.reps, [&] { attention_forward(q, k, v, o, lse, opt); });
   rec.fwd_tflops = flops / *rec.fwd_ms / 1e9;
   if (!cfg.backward || fp8) return;
@@ -107,6 +126,9 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
         rec.seq_q = rec.seq_k = shape.seq;
         rec.head_dim = shape.head_dim;
         rec.causal = shape.causal;
+        rec.window_left = cfg.window_left;
+        rec.window_right = cfg.window_right;
+        rec.softcap = cfg.softcap;
         try {
           if (cfg.device == Device::cpu && !(row_flops(cfg, rec) <= cfg.cpu_max_flops)) {
             rec.status = "skipped";
@@ -173,6 +195,7 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
                         {"heads", r.heads},     {"kv_heads", r.kv_heads},   {"seq_q", r.seq_q},
                         {"seq_k", r.seq_k},
                         {"head_dim", r.head_dim}, {"causal", r.causal},     {"dtype", r.dtype},
+                        {"window_left", r.window_left}, {"window_right", r.window_right}, {"softcap", r.softcap},
                         {"fwd_ms", opt(r.fwd_ms)}, {"bwd_ms", opt(r.bwd_ms)}, {"fwd_tflops", opt(r.fwd_tflops)},
                         {"bwd_tflops", opt(r.bwd_tflops)}, {"peak_fwd_mib", opt(r.peak_fwd_mib)},
                         {"peak_bwd_mib", opt(r.peak_bwd_mib)}, {"status", r.status}};
@@ -182,7 +205,8 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
   const std::vector<ReportColumn> columns = {
       {"impl", "impl"},           {"dtype", "dtype"},          {"batch", "batch"},
       {"heads", "heads"},         {"seq_q", "seq"},            {"head_dim", "d"},
-      {"kv_heads", "kv heads"},   {"causal", "causal"},       {"fwd_ms", "fwd ms", 3},     {"bwd_ms", "bwd ms", 3},
+      {"kv_heads", "kv heads"},   {"causal", "causal"},       {"window_left", "window left"},
+      {"window_right", "window right"}, {"softcap", "softcap", 1}, {"fwd_ms", "fwd ms", 3},     {"bwd_ms", "bwd ms", 3},
       {"fwd_tflops", "fwd TFLOP/s", 3}, {"bwd_tflops", "bwd TFLOP/s", 3}, {"peak_fwd_mib", "peak fwd MiB", 1},
       {"peak_bwd_mib", "peak bwd MiB", 1}, {"status", "status"}};
   const nlohmann::json meta = {{"tool", "flashlm attention-bench"},

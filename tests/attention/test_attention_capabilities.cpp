@@ -171,19 +171,21 @@ TEST(AttentionCapabilities, WithHeadDimInstantiatesExactlyTheListedDims) {
   EXPECT_EQ(seen, (std::vector<int>{16, 32, 64, 128, 256}));
 }
 
-// No CUDA kernel has the sliding window or soft-capping yet: every family the plan can choose refuses them by
-// the option's name (never a silent full mask), in both passes; a causal mask alone (window_right = 0 from
-// causal) is not a window.
-TEST(AttentionCapabilities, EveryFamilyRefusesTheWindowAndSoftcapByName) {
+// The 16-bit flash kernels (mma.sync, and through it Hopper) have the sliding window and soft-capping; every
+// other family the plan can choose refuses them by the option's name (never a silent full mask), in both
+// passes; a causal mask alone (window_right = 0 from causal) is not a window.
+TEST(AttentionCapabilities, TheWindowAndSoftcapPlanOnMmaSyncAndOtherFamiliesRefuseThemByName) {
   struct Planned {
     DType dtype;
     AttentionImpl impl;
     const char* family;
+    bool has_variants;
   };
-  for (const Planned& f : {Planned{DType::bf16, AttentionImpl::flash, "mma.sync"},
-                           Planned{DType::f32, AttentionImpl::flash, "fp32"},
-                           Planned{DType::f16, AttentionImpl::naive, "naive"},
-                           Planned{DType::f8e4m3, AttentionImpl::flash, "fp8"}}) {
+  for (const Planned& f : {Planned{DType::bf16, AttentionImpl::flash, "mma.sync", true},
+                           Planned{DType::f16, AttentionImpl::flash, "mma.sync", true},
+                           Planned{DType::f32, AttentionImpl::flash, "fp32", false},
+                           Planned{DType::f16, AttentionImpl::naive, "naive", false},
+                           Planned{DType::f8e4m3, AttentionImpl::flash, "fp8", false}}) {
     for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
       if (f.dtype == DType::f8e4m3 && pass == AttentionPass::backward) continue;
       SCOPED_TRACE(std::string(f.family) + (pass == AttentionPass::forward ? " forward" : " backward"));
@@ -192,6 +194,10 @@ TEST(AttentionCapabilities, EveryFamilyRefusesTheWindowAndSoftcapByName) {
         p.window_left = left;
         p.window_right = right;
         p.causal = causal;
+        if (f.has_variants) {
+          EXPECT_EQ(plan_cuda_attention("attention_forward", p, f.impl, pass).family, CudaKernelFamily::mma_sync);
+          continue;
+        }
         try {
           plan_cuda_attention("attention_forward", p, f.impl, pass);
           ADD_FAILURE() << "window (" << left << ", " << right << ") was planned";
@@ -203,11 +209,15 @@ TEST(AttentionCapabilities, EveryFamilyRefusesTheWindowAndSoftcapByName) {
       }
       AttentionProblem p = problem(f.dtype, 64);
       p.softcap = 30;
-      try {
-        plan_cuda_attention("attention_forward", p, f.impl, pass);
-        ADD_FAILURE() << "softcap was planned";
-      } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("softcap"), std::string::npos) << e.what();
+      if (f.has_variants) {
+        EXPECT_EQ(plan_cuda_attention("attention_forward", p, f.impl, pass).family, CudaKernelFamily::mma_sync);
+      } else {
+        try {
+          plan_cuda_attention("attention_forward", p, f.impl, pass);
+          ADD_FAILURE() << "softcap was planned";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("softcap"), std::string::npos) << e.what();
+        }
       }
       p = problem(f.dtype, 64);
       p.causal = true;

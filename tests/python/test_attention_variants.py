@@ -134,11 +134,12 @@ def test_bad_window_and_softcap_raise_value_errors_naming_them():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and flashlm.cuda_device_count() > 0), reason="no GPU")
-def test_cuda_tensors_with_a_window_or_softcap_raise_the_library_error():
-    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="window_size_left/window_size_right: the mma.sync attention kernels"):
+def test_cuda_fp32_tensors_with_a_window_or_softcap_raise_the_library_error():
+    # The 16-bit flash kernels have both variants; the fp32 CUDA kernels refuse them by name.
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float32)
+    with pytest.raises(ValueError, match="window_size_left/window_size_right: the fp32 attention kernels"):
         flashlm.flash_attn_func(q, q, q, window_size=(4, 0))
-    with pytest.raises(ValueError, match="softcap: the mma.sync attention kernels have no soft-capping"):
+    with pytest.raises(ValueError, match="softcap: the fp32 attention kernels have no soft-capping"):
         flashlm.flash_attn_func(q, q, q, softcap=30.0)
 
 

@@ -113,7 +113,10 @@ __global__ void flash_bwd_preprocess_kernel(const FlashParams p) {
   }
 }
 
-template <class T, int D, bool kAtomicDq>
+// kMasked: the sliding-window / soft-capping instantiation (FlashParams::masked), as in the forward: query
+// tiles outside the band skipped, scores soft-capped (and dS multiplied by the cap's slope), tiles crossing
+// the band's edge masked element-wise.
+template <class T, int D, bool kAtomicDq, bool kMasked>
 __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kernel(const FlashParams p) {
   using Tr = BwdTraits<D>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads;
@@ -140,8 +143,15 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
   // Query tiles that can see this key tile: from the first query seeing key n0 to the end, for every
   // query head of the GQA group.
-  const int m_first = p.causal ? max(0, n0 - p.causal_offset) / kBlockM : 0;
-  const int m_blocks = p.seq_q > m_first * kBlockM ? (p.seq_q - m_first * kBlockM + kBlockM - 1) / kBlockM : 0;
+  int m_first, m_blocks;
+  if constexpr (kMasked) {  // the band's query tiles only
+    const TileRange tiles = band_query_tiles(p, n0, min(n0 + kBlockN, p.seq_k) - 1, kBlockM);
+    m_first = tiles.first;
+    m_blocks = tiles.count();
+  } else {
+    m_first = p.causal ? max(0, n0 - p.causal_offset) / kBlockM : 0;
+    m_blocks = p.seq_q > m_first * kBlockM ? (p.seq_q - m_first * kBlockM + kBlockM - 1) / kBlockM : 0;
+  }
   const int steps = m_blocks * p.group;
 
   // Step (head_in_group, m_idx): query tile m_first + m_idx of query head hk·group + head_in_group. The
@@ -257,8 +267,13 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           }
         }
       }
-      // Block-uniform: the test is on the whole key tile and the block's first query row.
-      if (scores_need_mask(p, m0, n0, kBlockN)) mask_scores(s, p, m0 + a_row0, n0 + a_key0, g, t);
+      // Block-uniform: the test is on the whole key tile and the block's first query row (all its rows).
+      if constexpr (kMasked) {
+        cap_and_mask_scores(s, p, tile_in_band(p, m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1), m0 + a_row0,
+                            n0 + a_key0, g, t);
+      } else {
+        if (scores_need_mask(p, m0, n0, kBlockN)) mask_scores(s, p, m0 + a_row0, n0 + a_key0, g, t);
+      }
 #pragma unroll
       for (int mt = 0; mt < Tr::kAMTiles; ++mt) {
 #pragma unroll
@@ -273,6 +288,9 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
             for (int e = 0; e < 2; ++e) {
               pr[e] = fast_exp2(fmaf(s[mt][nt][2 * r + e], p.scale_log2, -l2));  // rows past seq_q: lse = +inf, P = 0
               ds[e] = pr[e] * (dp[mt][nt][2 * r + e] - dl);
+              if constexpr (kMasked) {
+                if (p.softcap > 0) ds[e] *= softcap_slope(p, s[mt][nt][2 * r + e]);
+              }
             }
             store_pair(sP + SwzP::offset(row, key / 8) + key % 8, pr[0], pr[1]);
             store_pair(sdS + SwzP::offset(row, key / 8) + key % 8, ds[0], ds[1]);
@@ -383,7 +401,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
   }
 }
 
-template <class T, int D>
+template <class T, int D, bool kMasked>
 __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(const FlashParams p) {
   using Tr = DqTraits<D>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads, kM = Tr::kMTiles;
@@ -407,14 +425,25 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
   const T* v_head = static_cast<const T*>(p.v) + b * p.v_st.b + hk * p.v_st.h;
 
   const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
-  const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
-  const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
+  // Key tiles [nb_first, n_blocks) are visited; tile nb lives in stage nb & 1.
+  int nb_first = 0, n_blocks;
+  if constexpr (kMasked) {
+    const TileRange tiles = band_key_tiles(p, m0, last_row, kBlockN);
+    nb_first = tiles.first;
+    n_blocks = tiles.first + tiles.count();
+  } else {
+    const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
+    n_blocks = (n_end + kBlockN - 1) / kBlockN;
+  }
 
   load_tile_async<kBlockM, D, kThreads>(sQ, q_head, p.q_st.s, m0, p.seq_q, tid);
   load_tile_async<kBlockM, D, kThreads>(sdO, do_head, p.do_st.s, m0, p.seq_q, tid);
-  if (n_blocks > 0) {
-    load_tile_async<kBlockN, D, kThreads>(sK, k_head, p.k_st.s, 0, p.seq_k, tid);
-    load_tile_async<kBlockN, D, kThreads>(sV, v_head, p.v_st.s, 0, p.seq_k, tid);
+  if (n_blocks > nb_first) {
+    const int first_stage = nb_first & 1;
+    load_tile_async<kBlockN, D, kThreads>(sK + first_stage * kBlockN * D, k_head, p.k_st.s, nb_first * kBlockN,
+                                          p.seq_k, tid);
+    load_tile_async<kBlockN, D, kThreads>(sV + first_stage * kBlockN * D, v_head, p.v_st.s, nb_first * kBlockN,
+                                          p.seq_k, tid);
   }
   cp_async_commit();
 
@@ -432,7 +461,7 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
   using Xs = XorSwizzle<D>;
   const uint32_t q_addr = smem_addr(sQ), do_addr = smem_addr(sdO);
   float dq[kM][D / 8][4] = {};
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  for (int nb = nb_first; nb < n_blocks; ++nb) {
     const int stage = nb & 1;
     cp_async_wait<0>();
     __syncthreads();
@@ -490,7 +519,12 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
     }
 
     const int n0 = nb * kBlockN;
-    if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
+    if constexpr (kMasked) {
+      cap_and_mask_scores(s, p, tile_in_band(p, warp_row0, warp_row0 + 16 * kM - 1, n0, n0 + kBlockN - 1), warp_row0,
+                          n0, g, t);
+    } else {
+      if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
+    }
 #pragma unroll
     for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
@@ -499,6 +533,9 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
         for (int e = 0; e < 4; ++e) {
           const float pr = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][e / 2]));
           dp[mt][nt][e] = pr * (dp[mt][nt][e] - delta[mt][e / 2]);  // dS
+          if constexpr (kMasked) {
+            if (p.softcap > 0) dp[mt][nt][e] *= softcap_slope(p, s[mt][nt][e]);
+          }
         }
 
     // dQ += dS K; each K fragment serves all kM row tiles.
@@ -611,7 +648,12 @@ void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* p
     part->launch(part->p, part->q, part->k, part->v, part->dout, f, stream);
   } else if (f.seq_k > 0) {
     using Tr = BwdTraits<D>;
-    auto kernel = deterministic ? flash_bwd_dkdv_kernel<T, D, false> : flash_bwd_dkdv_kernel<T, D, true>;
+    auto kernel = flash_bwd_dkdv_kernel<T, D, true, false>;
+    if (deterministic) {
+      kernel = f.masked ? flash_bwd_dkdv_kernel<T, D, false, true> : flash_bwd_dkdv_kernel<T, D, false, false>;
+    } else if (f.masked) {
+      kernel = flash_bwd_dkdv_kernel<T, D, true, true>;
+    }
     allow_smem(kernel, Tr::kSmemBytes, "flash_bwd_dkdv_kernel: shared-memory opt-in");
     const dim3 grid((f.seq_k + Tr::kBlockN - 1) / Tr::kBlockN, f.heads_k, f.batch);
     kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
@@ -620,9 +662,10 @@ void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* p
   if (f.seq_q == 0) return;
   if (deterministic) {
     using Tr = DqTraits<D>;
-    allow_smem(flash_bwd_dq_kernel<T, D>, Tr::kSmemBytes, "flash_bwd_dq_kernel: shared-memory opt-in");
+    auto kernel = f.masked ? flash_bwd_dq_kernel<T, D, true> : flash_bwd_dq_kernel<T, D, false>;
+    allow_smem(kernel, Tr::kSmemBytes, "flash_bwd_dq_kernel: shared-memory opt-in");
     const dim3 grid((f.seq_q + Tr::kBlockM - 1) / Tr::kBlockM, f.heads_q, f.batch);
-    flash_bwd_dq_kernel<T, D><<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
+    kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_kernel launch");
   } else {
     const dim3 grid((f.seq_q * (D / 8) + 255) / 256, f.heads_q, f.batch);

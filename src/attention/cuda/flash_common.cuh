@@ -40,6 +40,18 @@ struct FlashParams {
   bool causal;
   int causal_offset;  // key j visible to query i iff j <= i + causal_offset
 
+  // The band of the masked kernels (masked = AttentionProblem::windowed() or softcap > 0; the other kernels
+  // read none of this): key j visible to query i iff i + causal_offset - window_left <= j <=
+  // i + causal_offset + window_right, -1 leaving a side unbounded; window_right is 0 under causal
+  // (AttentionProblem::right_bound), so the band holds the causal mask too. A side at least seq_q + seq_k
+  // bounds nothing and is stored as -1 (so that no bound overflows an int).
+  bool masked;
+  int window_left, window_right;
+  // Soft-capping (masked kernels, softcap > 0): a raw score x = q·k becomes softcap_out · tanh(x · softcap_in)
+  // with softcap_in = scale / softcap and softcap_out = softcap / scale, so that scale times it is
+  // softcap · tanh(scale·x / softcap) and everything downstream of the scores is unchanged.
+  float softcap, softcap_in, softcap_out;
+
   // Backward only.
   const void* dout;
   void *dq, *dk, *dv;
@@ -49,6 +61,10 @@ struct FlashParams {
   float* dq_accum;   // [batch, heads_q, seq_q_padded, head_dim] fp32, for the atomic dQ path
   int seq_q_padded;
 };
+
+// Whether problem `p` takes the masked kernels (FlashParams::masked): a sliding window beyond the causal
+// mask, or soft-capping.
+inline bool uses_masked_kernels(const AttentionProblem& p) { return p.windowed() || p.softcap > 0; }
 
 FlashParams make_params(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& o, const TensorView& lse);
@@ -232,6 +248,85 @@ __device__ __forceinline__ void load_tile_async(T* tile, const T* head_base, int
 // and select instructions).
 __device__ __forceinline__ bool scores_need_mask(const FlashParams& p, int row0, int col0, int cols) {
   return col0 + cols > p.seq_k || (p.causal && col0 + cols - 1 > row0 + p.causal_offset);
+}
+
+// ---- The masked kernels' band (sliding window and causal together, FlashParams::window_*).
+
+// Whether key `col` is visible to query `row`: inside the band and before the end of the keys.
+__device__ __forceinline__ bool key_in_band(const FlashParams& p, int row, int col) {
+  const int diag = row + p.causal_offset;
+  return col < p.seq_k && (p.window_right < 0 || col <= diag + p.window_right) &&
+         (p.window_left < 0 || col >= diag - p.window_left);
+}
+
+// Whether every pair of query rows [row_first, row_last] and keys [col_first, col_last] is visible, so that
+// the tile needs no element-wise mask (the band's edges are monotone in the row: the first row bounds the
+// right edge, the last row the left one).
+__device__ __forceinline__ bool tile_in_band(const FlashParams& p, int row_first, int row_last, int col_first,
+                                             int col_last) {
+  return col_last < p.seq_k && (p.window_right < 0 || col_last <= row_first + p.causal_offset + p.window_right) &&
+         (p.window_left < 0 || col_first >= row_last + p.causal_offset - p.window_left);
+}
+
+// A half-open range of tile indices; empty where end <= first.
+struct TileRange {
+  int first, end;
+  __device__ __forceinline__ int count() const { return end > first ? end - first : 0; }
+};
+
+// The key tiles of block_n keys that some query of rows [row_first, row_last] sees (every other key tile is
+// skipped, never loaded).
+__device__ __forceinline__ TileRange band_key_tiles(const FlashParams& p, int row_first, int row_last, int block_n) {
+  const int begin = p.window_left < 0 ? 0 : max(0, row_first + p.causal_offset - p.window_left);
+  const int end = p.window_right < 0 ? p.seq_k : max(0, min(p.seq_k, row_last + p.causal_offset + p.window_right + 1));
+  if (end <= begin) return {0, 0};
+  return {begin / block_n, (end + block_n - 1) / block_n};
+}
+
+// The query tiles of block_m rows in which some query sees a key of [key_first, key_last].
+__device__ __forceinline__ TileRange band_query_tiles(const FlashParams& p, int key_first, int key_last, int block_m) {
+  if (key_first >= p.seq_k) return {0, 0};
+  const int begin = p.window_right < 0 ? 0 : max(0, key_first - p.causal_offset - p.window_right);
+  const int end = p.window_left < 0 ? p.seq_q : max(0, min(p.seq_q, key_last - p.causal_offset + p.window_left + 1));
+  if (end <= begin) return {0, 0};
+  return {begin / block_m, (end + block_m - 1) / block_m};
+}
+
+// Soft-capping of a raw score (FlashParams::softcap_in/out), and the capped score's derivative by the raw
+// one, 1 - tanh², from the capped score x' (x' · softcap_in is the tanh; a masked -inf gives 0, never NaN).
+__device__ __forceinline__ float softcap_score(const FlashParams& p, float x) {
+  return p.softcap_out * tanhf(x * p.softcap_in);
+}
+__device__ __forceinline__ float softcap_slope(const FlashParams& p, float x_capped) {
+  const float th = fmaxf(x_capped * p.softcap_in, -1.f);
+  return fmaf(-th, th, 1.f);
+}
+
+// The masked kernels' treatment of a tile of scores held as kM 16-row x kN 8-key C fragments (rows row0 +
+// 16·mt + .., keys col0 + 8·nt + ..): soft-capped where p.softcap > 0, then set to -inf outside the band
+// unless the caller found the whole tile inside it (`in_band`, a warp-uniform test).
+template <int kM, int kN>
+__device__ __forceinline__ void cap_and_mask_scores(float (&s)[kM][kN][4], const FlashParams& p, bool in_band,
+                                                    int row0, int col0, int g, int t) {
+  if (p.softcap > 0) {
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = softcap_score(p, s[mt][nt][e]);
+  }
+  if (in_band) return;
+#pragma unroll
+  for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + mt * 16 + g + (e / 2) * 8;
+        const int col = col0 + nt * 8 + 2 * t + (e % 2);
+        s[mt][nt][e] = key_in_band(p, row, col) ? s[mt][nt][e] : -INFINITY;
+      }
 }
 
 // Sets to -inf the scores this lane holds (kM 16-row x kN 8-key C fragments, rows row0 + 16·mt + ..,

@@ -4,8 +4,10 @@
 // tiles stream through two shared-memory stages with cp.async, so the next tile loads while this one is
 // multiplied. S = Q·Kᵀ stays in registers, the online softmax works on it in place (exp2 with log2(e)
 // folded into the scale), and its accumulator fragments are re-packed directly as the A operand of
-// O += P·V — P never touches shared memory. Key tiles that the causal mask hides are never loaded; only
-// tiles that cross the diagonal or the end of the keys are masked.
+// O += P·V — P never touches shared memory. Key tiles that the causal mask (or a sliding window) hides are
+// never loaded; only tiles that cross the diagonal (the band's edges) or the end of the keys are masked.
+// Sliding window and soft-capping take a second instantiation of the kernel (kMasked), so that the plain one
+// carries none of their work.
 #include "attention/backends.h"
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
@@ -39,6 +41,13 @@ FlashParams make_params(const AttentionProblem& p, const TensorView& q, const Te
   f.scale_log2 = static_cast<float>(p.scale) * kLog2e;
   f.causal = p.causal;
   f.causal_offset = static_cast<int>(p.causal_offset);
+  f.masked = uses_masked_kernels(p);
+  const auto band_side = [&](int64_t w) { return w < 0 || w >= p.seq_q + p.seq_k ? -1 : static_cast<int>(w); };
+  f.window_left = band_side(p.window_left);
+  f.window_right = band_side(p.right_bound());
+  f.softcap = static_cast<float>(p.softcap);
+  f.softcap_in = p.softcap > 0 ? static_cast<float>(p.scale / p.softcap) : 0.f;
+  f.softcap_out = p.softcap > 0 ? static_cast<float>(p.softcap / p.scale) : 0.f;
   return f;
 }
 
@@ -62,7 +71,10 @@ struct FwdTraits {
   static constexpr size_t kSmemBytes = size_t(kBlockM + 4 * kBlockN) * D * 2;  // Q, 2 stages of K and V
 };
 
-template <class T, int D>
+// kMasked: the sliding-window / soft-capping instantiation (FlashParams::masked): key tiles outside the band
+// are skipped, scores soft-capped, tiles crossing the band's edge masked element-wise. The plain one keeps
+// the causal mask alone and none of that code.
+template <class T, int D, bool kMasked>
 __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const FlashParams p) {
   using Tr = FwdTraits<D>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kThreads = Tr::kThreads, kM = Tr::kMTiles;
@@ -85,13 +97,24 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
   const T* v_head = static_cast<const T*>(p.v) + b * p.v_st.b + hk * p.v_st.h;
 
   const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
-  const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
-  const int n_blocks = (n_end + kBlockN - 1) / kBlockN;
+  // Key tiles [nb_first, n_blocks) are visited; tile nb lives in stage nb & 1.
+  int nb_first = 0, n_blocks;
+  if constexpr (kMasked) {
+    const TileRange tiles = band_key_tiles(p, m0, last_row, kBlockN);
+    nb_first = tiles.first;
+    n_blocks = tiles.first + tiles.count();
+  } else {
+    const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
+    n_blocks = (n_end + kBlockN - 1) / kBlockN;
+  }
 
   load_tile_async<kBlockM, D, kThreads>(sQ, q_head, p.q_st.s, m0, p.seq_q, tid);
-  if (n_blocks > 0) {
-    load_tile_async<kBlockN, D, kThreads>(sK, k_head, p.k_st.s, 0, p.seq_k, tid);
-    load_tile_async<kBlockN, D, kThreads>(sV, v_head, p.v_st.s, 0, p.seq_k, tid);
+  if (n_blocks > nb_first) {
+    const int first_stage = nb_first & 1;
+    load_tile_async<kBlockN, D, kThreads>(sK + first_stage * kBlockN * D, k_head, p.k_st.s, nb_first * kBlockN,
+                                          p.seq_k, tid);
+    load_tile_async<kBlockN, D, kThreads>(sV + first_stage * kBlockN * D, v_head, p.v_st.s, nb_first * kBlockN,
+                                          p.seq_k, tid);
   }
   cp_async_commit();
 
@@ -135,7 +158,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     row_sum[mt][0] = row_sum[mt][1] = 0.f;
   }
 
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  for (int nb = nb_first; nb < n_blocks; ++nb) {
     const int stage = nb & 1;
     cp_async_wait<0>();
     __syncthreads();  // tile nb is visible to all; every warp is done with the stage about to be refilled
@@ -152,7 +175,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     }
     cp_async_commit();
     if constexpr (Tr::kQInRegisters) {
-      if (nb == 0) {
+      if (nb == nb_first) {
 #pragma unroll
         for (int mt = 0; mt < kM; ++mt)
 #pragma unroll
@@ -190,7 +213,12 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     }
 
     const int n0 = nb * kBlockN;
-    if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
+    if constexpr (kMasked) {
+      cap_and_mask_scores(s, p, tile_in_band(p, warp_row0, warp_row0 + 16 * kM - 1, n0, n0 + kBlockN - 1), warp_row0,
+                          n0, g, t);
+    } else {
+      if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
+    }
 
     // Online softmax: rescale the running state by exp(m_old - m_new), P = exp(S - m_new).
 #pragma unroll
@@ -287,7 +315,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
 template <class T, int D>
 void launch_forward(const FlashParams& f, cudaStream_t stream) {
   using Tr = FwdTraits<D>;
-  auto kernel = flash_fwd_kernel<T, D>;
+  auto kernel = f.masked ? flash_fwd_kernel<T, D, true> : flash_fwd_kernel<T, D, false>;
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes)),
                      "flash_fwd_kernel: shared-memory opt-in");
   const dim3 grid((f.seq_q + Tr::kBlockM - 1) / Tr::kBlockM, f.heads_q, f.batch);

@@ -84,17 +84,27 @@ constexpr size_t sm90_bwd_smem_bytes() {
 static_assert(sm90_bwd_smem_bytes<64>() <= 227 * 1024 && sm90_bwd_smem_bytes<128>() <= 227 * 1024,
               "an sm_90 block has at most 227 KB of shared memory");
 
-// The first query tile that sees key n0 and the number of tiles from there to the end of the queries.
+// The first query tile that sees key n0 and the number of tiles from there to the end of the queries (the
+// masked kernel: to the last tile of the band of keys [n0, n0 + block_n)).
+template <bool kMasked>
 struct StepRange {
   int m_first, m_blocks;
-  __device__ StepRange(const FlashParams& p, int n0, int block_m) {
-    m_first = p.causal ? max(0, n0 - p.causal_offset) / block_m : 0;
-    m_blocks = p.seq_q > m_first * block_m ? (p.seq_q - m_first * block_m + block_m - 1) / block_m : 0;
-    if (n0 >= p.seq_k) m_blocks = 0;
+  __device__ StepRange(const FlashParams& p, int n0, int block_m, int block_n) {
+    if constexpr (kMasked) {
+      const TileRange tiles = band_query_tiles(p, n0, min(n0 + block_n, p.seq_k) - 1, block_m);
+      m_first = tiles.first;
+      m_blocks = tiles.count();
+    } else {
+      m_first = p.causal ? max(0, n0 - p.causal_offset) / block_m : 0;
+      m_blocks = p.seq_q > m_first * block_m ? (p.seq_q - m_first * block_m + block_m - 1) / block_m : 0;
+      if (n0 >= p.seq_k) m_blocks = 0;
+    }
   }
 };
 
-template <class T, int D>
+// kMasked: the sliding-window / soft-capping instantiation (FlashParams::masked): query tiles outside the
+// band skipped, Sᵀ soft-capped (dSᵀ times the cap's slope), tiles crossing the band's edge masked.
+template <class T, int D, bool kMasked>
 __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -107,7 +117,7 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
   auto& s = *reinterpret_cast<Sm90BwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int n0 = n_block * kBlockN;
-  const StepRange range(p, n0, kBlockM);
+  const StepRange<kMasked> range(p, n0, kBlockM, kBlockN);
   const int steps = range.m_blocks * p.group;  // step (head_in_group, m_idx) in that order
   const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
 
@@ -209,21 +219,38 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     // Pᵀ while dPᵀ runs. Accumulator i: key key_row + 8·((i / 2) % 2), query m0 + 8·(i / 4) + 2t + i % 2.
     sm90::wgmma_wait<1>();
     sm90::fence_accumulators(sacc);
-    if (scores_need_mask(p, m0, n0 + key0, 64)) {
+    // Soft-capped (masked kernel): the cap, the mask and Pᵀ wait for dPᵀ, each element's slope being read
+    // from its capped score (capping here, with dPᵀ's registers in flight, spilled at head dim 64).
+    bool capped = false, in_band = true;
+    if constexpr (kMasked) {
+      capped = p.softcap > 0;
+      in_band = tile_in_band(p, m0, m0 + kBlockM - 1, n0 + key0, n0 + key0 + 63);
+      if (!capped && !in_band) {
 #pragma unroll
-      for (int i = 0; i < kBlockM / 2; ++i) {
-        const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
-        sacc[i] = key >= p.seq_k || (p.causal && key > query + p.causal_offset) ? -INFINITY : sacc[i];
+        for (int i = 0; i < kBlockM / 2; ++i) {
+          const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
+          sacc[i] = key_in_band(p, query, key) ? sacc[i] : -INFINITY;
+        }
+      }
+    } else {
+      if (scores_need_mask(p, m0, n0 + key0, 64)) {
+#pragma unroll
+        for (int i = 0; i < kBlockM / 2; ++i) {
+          const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
+          sacc[i] = key >= p.seq_k || (p.causal && key > query + p.causal_offset) ? -INFINITY : sacc[i];
+        }
       }
     }
     const float* lse2 = s.lse2[st];
     const float* delta = s.delta[st];
+    if (!capped) {
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sacc[4 * j + e] = fast_exp2(fmaf(sacc[4 * j + e], p.scale_log2, e % 2 ? -l2.y : -l2.x));
+        for (int e = 0; e < 4; ++e) {
+          sacc[4 * j + e] = fast_exp2(fmaf(sacc[4 * j + e], p.scale_log2, e % 2 ? -l2.y : -l2.x));
+        }
       }
     }
     // dSᵀ = Pᵀ ∘ (dPᵀ − Delta), as 16-bit A fragments beside Pᵀ's, and stored to shared memory for dQ.
@@ -231,11 +258,29 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     sm90::fence_accumulators(dpacc);
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
     uint16_t* ds_tile = s.ds[step & 1];
+    if (capped) {  // the cap, the mask, Pᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − Delta) ∘ (1 − tanh²), from the capped Sᵀ
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
+        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x));
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e;
+          const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
+          float x = softcap_score(p, sacc[i]);
+          if (!in_band && !key_in_band(p, query, key)) x = -INFINITY;
+          const float pr = fast_exp2(fmaf(x, p.scale_log2, e % 2 ? -l2.y : -l2.x));
+          dpacc[4 * j + e] = pr * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x)) * softcap_slope(p, x);
+          sacc[4 * j + e] = pr;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x));
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
@@ -337,7 +382,7 @@ template <class T, int D>
 void launch(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
             const CUtensorMap& dout, cudaStream_t stream) {
   using Tr = Sm90BwdTraits<D>;
-  auto kernel = flash_bwd_sm90_kernel<T, D>;
+  auto kernel = f.masked ? flash_bwd_sm90_kernel<T, D, true> : flash_bwd_sm90_kernel<T, D, false>;
   constexpr int kSmem = static_cast<int>(sm90_bwd_smem_bytes<D>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_bwd_sm90_kernel: shared-memory opt-in");

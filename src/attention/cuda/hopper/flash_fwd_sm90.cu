@@ -48,9 +48,12 @@ constexpr int sm90_default_block_n() {
   return D == 256 ? 80 : 128;
 }
 
-// BM query rows per tile (64 per consumer warpgroup: two or three), BN keys per block, ST ring stages.
-template <int D, int BM = 128, int BN = sm90_default_block_n<D>(), int ST = 2>
+// BM query rows per tile (64 per consumer warpgroup: two or three), BN keys per block, ST ring stages;
+// MASKED: the sliding-window / soft-capping instantiation (FlashParams::masked, WgmmaRowSoftmax's kMasked),
+// one per head dim on the default tile.
+template <int D, int BM = 128, int BN = sm90_default_block_n<D>(), int ST = 2, bool MASKED = false>
 struct Sm90FwdTraits {
+  static constexpr bool kMasked = MASKED;
   static constexpr int kHeadDim = D;
   static constexpr int kBlockM = BM;
   static constexpr int kBlockN = BN;
@@ -98,7 +101,7 @@ struct Sm90FwdShared {
 template <class T, class Tr>
 struct Sm90FwdKernel : Tr {
   static constexpr int D = Tr::kHeadDim;
-  using Softmax = WgmmaRowSoftmax<Tr::kBlockN, Tr::kPolyEvery, Tr::kRowChains>;
+  using Softmax = WgmmaRowSoftmax<Tr::kBlockN, Tr::kPolyEvery, Tr::kRowChains, Tr::kMasked>;
   using PFragments = uint32_t[Tr::kBlockN / 16][4];
   using GemmS = sm90::WgmmaM64<T, Tr::kBlockN>;
   using GemmO = sm90::WgmmaM64<T, D>;
@@ -222,11 +225,14 @@ int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch, int block
 }
 
 // Calls f(Traits{}) with the traits of the kernel that runs problem `p` and returns true, or returns false
-// where the capability table lists no Hopper forward for its head dim.
+// where the capability table lists no Hopper forward for its head dim. A sliding window or soft-capping takes
+// the masked kernel on the head dim's default tile (FLASHLM_SM90_FWD_D64_TILE does not apply).
 template <class F>
 bool with_forward_traits(const AttentionProblem& p, F&& f) {
+  const bool masked = uses_masked_kernels(p);
   return with_head_dim<kHopperForwardHeadDims>(p.head_dim, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
+    if (masked) return f(Sm90FwdTraits<D, 128, sm90_default_block_n<D>(), 2, true>{});
     if constexpr (D == 64) {
       switch (sm90_forward_d64_tile(p)) {
         case Sm90D64Tile::rows192_keys128: return f(Sm90FwdTraits<64, 192, 128>{});

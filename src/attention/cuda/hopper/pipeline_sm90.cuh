@@ -63,13 +63,22 @@ struct ForwardTileRows {
   int ctid, warp, g, t;  // thread in the warpgroup, its warp, and its lane as 4g + t
 };
 
-// Key blocks query tile [m0, m0 + kBlockM) sees (none: the tile is written as zeros without loading
-// anything).
-template <int kBlockM, int kBlockN>
-__device__ __forceinline__ int forward_key_blocks(const FlashParams& p, int m0) {
+// Key blocks [first, first + count) query tile [m0, m0 + kBlockM) sees (none: the tile is written as zeros
+// without loading anything). The masked kernels (Softmax::kMasked) take the band's blocks, the others the
+// causal bound alone.
+struct ForwardKeyBlocks {
+  int first, count;
+};
+template <int kBlockM, int kBlockN, bool kMasked>
+__device__ __forceinline__ ForwardKeyBlocks forward_key_blocks(const FlashParams& p, int m0) {
   const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
-  const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
-  return (n_end + kBlockN - 1) / kBlockN;
+  if constexpr (kMasked) {
+    const TileRange tiles = band_key_tiles(p, m0, last_row, kBlockN);
+    return {tiles.first, tiles.count()};
+  } else {
+    const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
+    return {0, (n_end + kBlockN - 1) / kBlockN};
+  }
 }
 
 // ---- Producer: one thread issues every copy. Q of a tile is loaded once the consumers have released the
@@ -86,7 +95,10 @@ __device__ __forceinline__ void forward_producer(Kernel& kernel, const FlashPara
     for (int half = 0; half < 2; ++half) {
       const int m_tile = schedule.m_tile(item, half);
       if (m_tile < 0) break;
-      const int m0 = m_tile * Kernel::kBlockM, n_blocks = forward_key_blocks<Kernel::kBlockM, Kernel::kBlockN>(p, m0);
+      const int m0 = m_tile * Kernel::kBlockM;
+      const ForwardKeyBlocks blocks =
+          forward_key_blocks<Kernel::kBlockM, Kernel::kBlockN, Kernel::Softmax::kMasked>(p, m0);
+      const int n_blocks = blocks.count;
       if (n_blocks == 0) continue;
       bar.q_empty.wait((q_uses++ & 1) ^ 1);
       bar.q_full.arrive_expect_tx(Kernel::kQBytes);
@@ -96,10 +108,10 @@ __device__ __forceinline__ void forward_producer(Kernel& kernel, const FlashPara
         const int st = slot.stage();
         bar.k_empty[st].wait(slot.parity() ^ 1);
         bar.k_full[st].arrive_expect_tx(Kernel::kKBytes);
-        kernel.load_k(st, nb * Kernel::kBlockN, hk, b);
+        kernel.load_k(st, (blocks.first + nb) * Kernel::kBlockN, hk, b);
         bar.v_empty[st].wait(slot.parity() ^ 1);
         bar.v_full[st].arrive_expect_tx(Kernel::kVBytes);
-        kernel.load_v(st, nb * Kernel::kBlockN, hk, b);
+        kernel.load_v(st, (blocks.first + nb) * Kernel::kBlockN, hk, b);
       }
     }
   }
@@ -140,7 +152,9 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
     for (int half = 0; half < 2; ++half) {
       const int m_tile = schedule.m_tile(item, half);
       if (m_tile < 0) break;
-      const int m0 = m_tile * kBlockM, n_blocks = forward_key_blocks<kBlockM, kBlockN>(p, m0);
+      const int m0 = m_tile * kBlockM;
+      const ForwardKeyBlocks blocks = forward_key_blocks<kBlockM, kBlockN, Kernel::Softmax::kMasked>(p, m0);
+      const int n_blocks = blocks.count, n_first = blocks.first * kBlockN;  // n_first: the first block's key
       const int wg_row0 = m0 + 64 * wg;
       const int row0 = wg_row0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
 #pragma unroll
@@ -178,7 +192,7 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
         bar.k_empty[first.stage()].arrive();
         if (n_blocks == 1) bar.q_empty.arrive();  // the tile's last read of Q is done
         float alpha[2];
-        softmax.update(sacc, p, 0, wg_row0, row0, t, alpha);
+        softmax.update(sacc, p, n_first, wg_row0, row0, t, alpha);
         kernel.pack_p(pa, sacc);
         // Block nb: S of nb and P·V of nb - 1 are issued together; the softmax of nb runs while P·V does.
         for (int nb = 1; nb < n_blocks; ++nb) {
@@ -193,7 +207,7 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
           sm90::fence_accumulators(sacc);
           bar.k_empty[slot.stage()].arrive();
           if (nb == n_blocks - 1) bar.q_empty.arrive();
-          softmax.update(sacc, p, nb * kBlockN, wg_row0, row0, t, alpha);
+          softmax.update(sacc, p, n_first + nb * kBlockN, wg_row0, row0, t, alpha);
           sm90::wgmma_wait<0>();
           sm90::fence_accumulators(o);
           bar.v_empty[prev.stage()].arrive();

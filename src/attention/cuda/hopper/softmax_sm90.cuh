@@ -17,9 +17,12 @@ namespace flashlm::flash_cuda {
 // independent partial maxima and sums per row (combined at the end) instead of one dependent chain of
 // kBlockN / 8 max and add instructions each: the chain's latency, not its instruction count, is what a
 // warpgroup waits for (ncu's "wait" stall, docs/perf.md). The sum's rounding order changes with it.
-template <int kBlockN, int kPolyEvery = 0, int kChains = 1>
+// kMasked: the sliding-window / soft-capping kernels' softmax (FlashParams::masked): scores soft-capped where
+// p.softcap > 0, then masked by the band (key_in_band) where the block crosses its edge.
+template <int kBlockN, int kPolyEvery = 0, int kChains = 1, bool kMaskedBand = false>
 struct WgmmaRowSoftmax {
   static_assert((kBlockN / 8) % kChains == 0, "the key block's 8-column groups split evenly over the chains");
+  static constexpr bool kMasked = kMaskedBand;
   float row_max[2], row_sum[2];
 
   __device__ __forceinline__ void reset() {
@@ -33,13 +36,29 @@ struct WgmmaRowSoftmax {
   // the factor by which row r's O accumulator must be rescaled (rescale() below).
   __device__ __forceinline__ void update(float (&s)[kBlockN / 2], const FlashParams& p, int n0, int first_row,
                                          int row0, int t, float (&alpha)[2]) {
-    const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > first_row + p.causal_offset);
-    if (needs_mask) {
+    if constexpr (kMasked) {
+      if (p.softcap > 0) {
 #pragma unroll
-      for (int i = 0; i < kBlockN / 2; ++i) {
-        const int row = row0 + 8 * ((i / 2) % 2);
-        const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
-        if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[i] = -INFINITY;
+        for (int i = 0; i < kBlockN / 2; ++i) s[i] = softcap_score(p, s[i]);
+      }
+      // The warpgroup's 64 rows: a warpgroup-uniform test.
+      if (!tile_in_band(p, first_row, first_row + 63, n0, n0 + kBlockN - 1)) {
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) {
+          const int row = row0 + 8 * ((i / 2) % 2);
+          const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
+          s[i] = key_in_band(p, row, col) ? s[i] : -INFINITY;
+        }
+      }
+    } else {
+      const bool needs_mask = n0 + kBlockN > p.seq_k || (p.causal && n0 + kBlockN - 1 > first_row + p.causal_offset);
+      if (needs_mask) {
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) {
+          const int row = row0 + 8 * ((i / 2) % 2);
+          const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
+          if (col >= p.seq_k || (p.causal && col > row + p.causal_offset)) s[i] = -INFINITY;
+        }
       }
     }
 #pragma unroll

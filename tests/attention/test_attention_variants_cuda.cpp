@@ -1,0 +1,273 @@
+// Sliding window and soft-capping on CUDA: the 16-bit flash kernels' masked instantiations (the Hopper
+// wgmma/TMA kernels where they cover the problem, and the mma.sync kernels, forced with
+// FLASHLM_ATTENTION_KERNEL=mma, in both backward modes) against the fp64 reference on fresh random inputs
+// with poisoned outputs: windows on the left only, the right only, both sides, 0 and at least the sequence,
+// with and without causal, both alignments, seq_q != seq_k both ways, ragged lengths, GQA, every head dim
+// (64/128 on both families; 16, 32, 256 and the padded 80 on mma.sync; 256 forward on Hopper), bf16 and fp16,
+// soft-capping on large scores, both variants together; rows the window leaves without keys (o = 0, lse =
+// -inf, dq = 0) and keys no query sees (dk = dv = 0), exactly. Every test skips without a GPU.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "attention/attention_testing.h"
+#include "attention/problem.h"
+#include "flashlm/attention.h"
+#include "gpu_testing.h"
+
+using namespace flashlm;
+using namespace flashlm::testing;
+
+namespace {
+
+struct Band {
+  int64_t left = -1, right = -1;
+  double softcap = 0;
+  double score_scale = 1;  // the softmax scale is score_scale / sqrt(D): 30 drives the scores deep into the cap
+  bool bottom_right = false;  // the alignment without causal (with causal, the mask's)
+};
+
+struct VariantGpuCase {
+  Case c;
+  Band band;
+  bool deterministic = false;
+};
+
+std::string variant_gpu_name(const VariantGpuCase& v) {
+  std::string s = case_name(v.c) + fmt::format("_w{}_{}", v.band.left, v.band.right);
+  if (v.band.softcap > 0) s += fmt::format("_cap{}", v.band.softcap);
+  if (v.band.score_scale != 1) s += fmt::format("_x{}", v.band.score_scale);
+  if (v.band.bottom_right) s += "_BR";
+  s += v.deterministic ? "_det" : "_atomic";
+  for (char& ch : s) {
+    if (ch == '-') ch = 'm';
+    if (ch == '.') ch = 'p';
+  }
+  return s;
+}
+void PrintTo(const VariantGpuCase& v, std::ostream* os) { *os << variant_gpu_name(v); }
+
+AttentionOptions band_options(const VariantGpuCase& v, AttentionImpl impl) {
+  AttentionOptions o = options_for(v.c.mask, impl);
+  o.window_size_left = v.band.left;
+  o.window_size_right = v.band.right;
+  o.softcap = v.band.softcap;
+  if (v.band.score_scale != 1) o.scale = v.band.score_scale / std::sqrt(static_cast<double>(v.c.D));
+  if (v.band.bottom_right) o.align = CausalAlign::bottom_right;
+  o.deterministic = v.deterministic;
+  return o;
+}
+
+// Runs `body` with FLASHLM_ATTENTION_KERNEL set to `value` (restoring what was there).
+template <class Body>
+void with_kernel_choice(const char* value, Body&& body) {
+  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");
+  const std::string saved = was == nullptr ? "" : was;
+  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", value, 1), 0);
+  body();
+  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
+  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
+}
+
+// The allowed max-abs error of a 16-bit CUDA flash result against the fp64 oracle: the low-precision rule
+// (twice the error of the naive attention with the same 16-bit storage, here the CPU's, whose only error is
+// the rounding of its outputs, plus 1e-3) and, for the kernels' 16-bit P and dS in their GEMMs, 4 unit
+// roundoffs of the result's scale. A band edge off by one key, a missing cap or a missing slope in dS is
+// far above it.
+double band_tolerance(DType dtype, double lowp_error, double ref_scale) {
+  const double unit_roundoff = dtype == DType::bf16 ? 1.0 / 256 : 1.0 / 2048;
+  return 2 * lowp_error + 1e-3 + 4 * unit_roundoff * std::max(1.0, ref_scale);
+}
+
+// o, dq, dk, dv and lse of the CUDA flash kernels (family "auto": Hopper where it covers the problem, or
+// "mma") against the fp64 reference, and exact zeros where the band leaves a query without keys or a key
+// without queries.
+void expect_band_matches_oracle(const VariantGpuCase& v, const char* family) {
+  const Case& c = v.c;
+  const std::string name = variant_gpu_name(v) + "_" + family;
+  const uint64_t seed = 31000 + static_cast<uint64_t>(c.Nq * 5 + c.Nk * 3 + c.D + v.band.left * 7 + v.band.right);
+  Problem ours(c, c.layout, c.dtype, seed);
+  with_kernel_choice(family, [&] { ours.run_on_device(band_options(v, AttentionImpl::flash)); });
+  Problem ref(ours, c);  // fp64 on the CPU, from the same rounded inputs
+  ref.run(band_options(v, AttentionImpl::naive));
+  Problem lowp(c, c.layout, c.dtype, 0);  // the naive attention in the case's 16-bit dtype, on the CPU
+  copy_into(lowp.q.view, ours.q.view);
+  copy_into(lowp.k.view, ours.k.view);
+  copy_into(lowp.v.view, ours.v.view);
+  copy_into(lowp.dout.view, ours.dout.view);
+  lowp.run(band_options(v, AttentionImpl::naive));
+
+  struct Item {
+    const char* what;
+    const TensorView &got, &want, &low;
+  };
+  for (const Item& t : {Item{"o", ours.o.view, ref.o.view, lowp.o.view}, Item{"dq", ours.dq.view, ref.dq.view, lowp.dq.view},
+                        Item{"dk", ours.dk.view, ref.dk.view, lowp.dk.view},
+                        Item{"dv", ours.dv.view, ref.dv.view, lowp.dv.view}}) {
+    const double err = max_abs_diff(t.got, t.want), low_err = max_abs_diff(t.low, t.want);
+    const double tol = band_tolerance(c.dtype, low_err, max_abs(t.want));
+    EXPECT_LE(err, tol) << t.what << " of " << name << " (cpu naive " << dtype_name(c.dtype) << " error " << low_err
+                        << ", max |ref| " << max_abs(t.want) << ")";
+  }
+  Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);
+  int64_t empty_rows = 0;
+  for (int64_t i = 0; i < lse_ref.numel(); ++i) {
+    const double a = lse_ours.view().ptr<double>()[i], b = lse_ref.view().ptr<double>()[i];
+    if (std::isinf(b)) {
+      ++empty_rows;
+      EXPECT_EQ(a, b) << "lse[" << i << "] of " << name;
+    } else {
+      EXPECT_NEAR(a, b, 1e-3 * std::max(1.0, std::fabs(b))) << "lse[" << i << "] of " << name;
+    }
+  }
+
+  // The band of the case as the library sees it (alignment, causal and window together).
+  const AttentionProblem p =
+      validate_attention_forward(ref.q.view, ref.k.view, ref.v.view, ref.o.view, ref.lse, band_options(v, AttentionImpl::naive));
+  Tensor o = to_f64(ours.o.view), dq = to_f64(ours.dq.view), dk = to_f64(ours.dk.view), dv = to_f64(ours.dv.view);
+  int64_t rows_without_keys = 0;
+  for (int64_t i = 0; i < c.Nq; ++i) {
+    if (p.first_visible_key(i) < p.visible_keys(i)) continue;
+    ++rows_without_keys;
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.Hq; ++h) {
+        const int64_t at = ((b * c.Nq + i) * c.Hq + h) * c.D;
+        for (int64_t d = 0; d < c.D; ++d) {
+          ASSERT_EQ(o.view().ptr<double>()[at + d], 0.0) << "o of query " << i << " (sees no key) of " << name;
+          ASSERT_EQ(dq.view().ptr<double>()[at + d], 0.0) << "dq of query " << i << " (sees no key) of " << name;
+        }
+      }
+  }
+  for (int64_t j = 0; j < c.Nk; ++j) {
+    if (p.first_query_seeing(j) < p.last_query_seeing(j)) continue;
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t h = 0; h < c.Hk; ++h) {
+        const int64_t at = ((b * c.Nk + j) * c.Hk + h) * c.D;
+        for (int64_t d = 0; d < c.D; ++d) {
+          ASSERT_EQ(dk.view().ptr<double>()[at + d], 0.0) << "dk of key " << j << " (no query sees it) of " << name;
+          ASSERT_EQ(dv.view().ptr<double>()[at + d], 0.0) << "dv of key " << j << " (no query sees it) of " << name;
+        }
+      }
+  }
+  EXPECT_EQ(empty_rows, rows_without_keys * c.B * c.Hq) << "rows with lse = -inf in the reference, of " << name;
+}
+
+class CudaBandVsReference : public ::testing::TestWithParam<VariantGpuCase> {};
+
+TEST_P(CudaBandVsReference, HopperAndMmaSyncMatchFp64Oracle) {
+  SKIP_WITHOUT_GPU();
+  const VariantGpuCase& v = GetParam();
+  // The deterministic mode runs the mma.sync backward on every GPU: once is enough.
+  if (!v.deterministic) expect_band_matches_oracle(v, "auto");
+  expect_band_matches_oracle(v, "mma");
+}
+
+std::vector<VariantGpuCase> band_grid() {
+  std::vector<VariantGpuCase> cases;
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::sliced};
+  const Band windows[] = {
+      {0, 0},        // the diagonal key only
+      {3, -1},       // left only
+      {-1, 5},       // right only (with causal: the causal mask, right = 0)
+      {4, 2},        // both sides
+      {130, 70},     // both, across tiles of every kernel
+      {300, -1},     // left only, across tiles
+      {-1, 200},     // right only, across tiles
+      {5000, 5000},  // at least the sequence: the full (or causal) mask, through the masked kernels
+  };
+  int n = 0;
+  // Head dims 64 and 128: both families, both dtypes, every mask, GQA 4 / 2; ragged lengths in both
+  // directions (with bottom-right alignment and Nq > Nk whole stretches of rows see no key).
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 1}, {17, 130}, {130, 17}, {300, 300}, {1000, 333}, {333, 1000}}) {
+    for (Mask m : {Mask::none, Mask::top_left, Mask::bottom_right}) {
+      for (const Band& w : windows) {
+        const int64_t d = n % 2 ? 128 : 64;
+        const DType dt = (n / 2) % 2 ? DType::bf16 : DType::f16;
+        Band b = w;
+        b.bottom_right = m == Mask::none && n % 3 == 1;  // the window's own alignment without causal
+        cases.push_back({{n % 5 == 0 ? 2 : 1, nq, nk, 4, 2, d, layouts[n % 3], m, dt}, b, n % 7 == 3});
+        ++n;
+      }
+    }
+  }
+  // Soft-capping: scores scaled x30 (deep in tanh's saturation) and at the default scale, alone and with a
+  // window, every mask, both head dims and dtypes.
+  const Band caps[] = {{-1, -1, 50.0, 30.0}, {-1, -1, 5.0, 1.0}, {64, 0, 30.0, 30.0}, {20, 40, 10.0, 30.0, true},
+                       {0, 0, 20.0, 30.0}};
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{17, 130}, {257, 257}, {700, 1300}, {1000, 333}}) {
+    for (Mask m : {Mask::none, Mask::top_left, Mask::bottom_right}) {
+      for (const Band& cap : caps) {
+        const int64_t d = n % 2 ? 128 : 64;
+        const DType dt = (n / 2) % 2 ? DType::bf16 : DType::f16;
+        cases.push_back({{1, nq, nk, 6, 2, d, layouts[n % 3], m, dt}, cap, n % 5 == 2});
+        ++n;
+      }
+    }
+  }
+  // The other head dims: 16, 32 and 256 (the Hopper forward has 256; its backward and every other one run
+  // on mma.sync), 80 on the padded path; GQA 6 / 1.
+  for (int64_t d : {16, 32, 80, 256}) {
+    for (DType dt : {DType::bf16, DType::f16}) {
+      cases.push_back({{1, 200, 300, 6, 1, d, layouts[d % 3], Mask::bottom_right, dt}, {50, 0}, dt == DType::f16});
+      cases.push_back({{2, 129, 97, 2, 2, d, layouts[(d + 1) % 3], Mask::none, dt}, {7, 33, 0, 1, true}, false});
+      cases.push_back({{1, 300, 300, 4, 2, d, layouts[(d + 2) % 3], Mask::top_left, dt}, {100, -1, 30.0, 30.0}, d == 256});
+    }
+  }
+  // Long enough for many tiles, blocks and (Hopper) persistent work items: a window of 256 keys, causal,
+  // and a two-sided one with soft-capping.
+  cases.push_back({{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, {256, -1}, false});
+  cases.push_back({{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, {256, -1}, true});
+  cases.push_back({{1, 1531, 2100, 16, 4, 64, Layout::sliced, Mask::none, DType::f16}, {200, 300, 30.0, 30.0, true}, false});
+  cases.push_back({{1, 2000, 2000, 4, 4, 256, Layout::bshd, Mask::bottom_right, DType::bf16}, {512, -1, 20.0}, false});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaBandVsReference, ::testing::ValuesIn(band_grid()),
+                         [](const ::testing::TestParamInfo<VariantGpuCase>& info) {
+                           return variant_gpu_name(info.param);
+                         });
+
+// Rows the window leaves without keys, in whole query tiles and within tiles, on both families and in both
+// backward modes: o = 0 and lse = -inf exactly (never NaN), dq = 0; keys no query sees get dk = dv = 0.
+// Top-left with Nq > Nk and a left window: queries past Nk + left see nothing; Nq < Nk: keys past Nq + right
+// are seen by nobody; bottom-right with Nq > Nk and window (0, 0): the first Nq - Nk queries see nothing.
+TEST(CudaBand, RowsAndKeysOutsideTheBandAreExactZeros) {
+  SKIP_WITHOUT_GPU();
+  const VariantGpuCase cases[] = {
+      {{1, 700, 100, 2, 1, 64, Layout::bshd, Mask::top_left, DType::bf16}, {5, -1}, false},
+      {{1, 700, 100, 2, 1, 128, Layout::bshd, Mask::top_left, DType::f16}, {5, -1}, true},
+      {{2, 100, 700, 2, 2, 64, Layout::bhsd, Mask::none, DType::bf16}, {3, 10}, false},
+      {{2, 100, 700, 4, 2, 128, Layout::sliced, Mask::none, DType::f16}, {3, 10, 30.0, 30.0}, true},
+      {{1, 600, 64, 4, 4, 64, Layout::bshd, Mask::none, DType::bf16}, {0, 0, 0, 1, true}, false},
+      {{1, 600, 64, 4, 4, 128, Layout::bshd, Mask::bottom_right, DType::bf16}, {0, -1}, false},
+  };
+  for (const VariantGpuCase& v : cases) {
+    if (!v.deterministic) expect_band_matches_oracle(v, "auto");
+    expect_band_matches_oracle(v, "mma");
+  }
+}
+
+// A problem with a window or soft-capping plans the mma.sync family (which the Hopper kernels may then take
+// over) and runs; the fp32 and naive CUDA kernels refuse them by name.
+TEST(CudaBand, Fp32AndNaiveKernelsRefuseTheBandByName) {
+  SKIP_WITHOUT_GPU();
+  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+    const DType dtype = impl == AttentionImpl::flash ? DType::f32 : DType::bf16;
+    Tensor q = Tensor::empty({1, 32, 2, 64}, dtype, Device::cuda), o = Tensor::empty({1, 32, 2, 64}, dtype, Device::cuda);
+    Tensor lse = Tensor::empty({1, 2, 32}, DType::f32, Device::cuda);
+    fill_normal(q, 3);
+    AttentionOptions opt;
+    opt.impl = impl;
+    opt.window_size_left = 4;
+    expect_error([&] { attention_forward(q, q, q, o, lse, opt); }, {"window_size_left/window_size_right"});
+    opt.window_size_left = -1;
+    opt.softcap = 30;
+    expect_error([&] { attention_forward(q, q, q, o, lse, opt); }, {"softcap"});
+  }
+}
+
+}  // namespace
