@@ -426,15 +426,8 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
 
   const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
   // Key tiles [nb_first, n_blocks) are visited; tile nb lives in stage nb & 1.
-  int nb_first = 0, n_blocks;
-  if constexpr (kMasked) {
-    const TileRange tiles = band_key_tiles(p, m0, last_row, kBlockN);
-    nb_first = tiles.first;
-    n_blocks = tiles.first + tiles.count();
-  } else {
-    const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
-    n_blocks = (n_end + kBlockN - 1) / kBlockN;
-  }
+  const TileRange tiles = visited_key_tiles<kMasked>(p, m0, last_row, kBlockN);
+  const int nb_first = tiles.first, n_blocks = tiles.first + tiles.count();
 
   load_tile_async<kBlockM, D, kThreads>(sQ, q_head, p.q_st.s, m0, p.seq_q, tid);
   load_tile_async<kBlockM, D, kThreads>(sdO, do_head, p.do_st.s, m0, p.seq_q, tid);

@@ -283,6 +283,18 @@ __device__ __forceinline__ TileRange band_key_tiles(const FlashParams& p, int ro
   return {begin / block_n, (end + block_n - 1) / block_n};
 }
 
+// The key tiles query rows [row_first, row_last] visit: the band's in the masked kernels (window, softcap),
+// otherwise every tile up to the causal diagonal (causal) or to seq_k.
+template <bool kMasked>
+__device__ __forceinline__ TileRange visited_key_tiles(const FlashParams& p, int row_first, int row_last, int block_n) {
+  if constexpr (kMasked) {
+    return band_key_tiles(p, row_first, row_last, block_n);
+  } else {
+    const int n_end = p.causal ? max(0, min(p.seq_k, row_last + p.causal_offset + 1)) : p.seq_k;
+    return {0, (n_end + block_n - 1) / block_n};
+  }
+}
+
 // The query tiles of block_m rows in which some query sees a key of [key_first, key_last].
 __device__ __forceinline__ TileRange band_query_tiles(const FlashParams& p, int key_first, int key_last, int block_m) {
   if (key_first >= p.seq_k) return {0, 0};

@@ -72,13 +72,8 @@ struct ForwardKeyBlocks {
 template <int kBlockM, int kBlockN, bool kMasked>
 __device__ __forceinline__ ForwardKeyBlocks forward_key_blocks(const FlashParams& p, int m0) {
   const int last_row = min(m0 + kBlockM, p.seq_q) - 1;
-  if constexpr (kMasked) {
-    const TileRange tiles = band_key_tiles(p, m0, last_row, kBlockN);
-    return {tiles.first, tiles.count()};
-  } else {
-    const int n_end = p.causal ? max(0, min(p.seq_k, last_row + p.causal_offset + 1)) : p.seq_k;
-    return {0, (n_end + kBlockN - 1) / kBlockN};
-  }
+  const TileRange tiles = visited_key_tiles<kMasked>(p, m0, last_row, kBlockN);
+  return {tiles.first, tiles.count()};
 }
 
 // ---- Producer: one thread issues every copy. Q of a tile is loaded once the consumers have released the
