@@ -184,7 +184,8 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.flashlm.attention_with_kvcache.default,
                           (q, kc, vc, lens, table, kn, vn, True, None, -1, -1, 0.0))
     torch.library.opcheck(torch.ops.flashlm.attention_with_kvcache.default,
-                          (q, kc[:2].contiguous(), vc[:2].contiguous(), lens, None, None, None, False, 0.5, 4, -1, 0.0))
+                          (q, kc[:2].contiguous(), vc[:2].contiguous(), torch.tensor([10, 16], dtype=torch.int32),
+                           None, None, None, False, 0.5, 4, -1, 0.0))
 
 
 @needs_ops

@@ -179,9 +179,11 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const DecodeParams p) {
   const int len = bad ? 0 : cached + p.seq_new;
   // Every split of the sequence divides the keys any of its queries sees, the same way for each row chunk.
   const int lo = key_lo(p, len, 0), hi = max(lo, key_hi(p, len, p.nq - 1));
-  const int per_split =
-      ((hi - lo + p.num_splits - 1) / p.num_splits + kSplitKeyMultiple - 1) / kSplitKeyMultiple * kSplitKeyMultiple;
-  const int kb = min(hi, lo + split * per_split), ke = min(hi, kb + per_split);
+  // In 64 bits: split · per_split may pass the int32 range for a cache near it.
+  const int64_t per_split = ((static_cast<int64_t>(hi) - lo + p.num_splits - 1) / p.num_splits +
+                             kSplitKeyMultiple - 1) / kSplitKeyMultiple * kSplitKeyMultiple;
+  const int kb = static_cast<int>(min(static_cast<int64_t>(hi), lo + static_cast<int64_t>(split) * per_split));
+  const int ke = static_cast<int>(min(static_cast<int64_t>(hi), static_cast<int64_t>(kb) + per_split));
 
   float q[ROWS][8];
   int row_lo[ROWS], row_hi[ROWS];
