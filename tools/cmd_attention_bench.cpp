@@ -14,10 +14,55 @@ struct AttentionBenchArgs {
   bool forward_only = false;
   ReportOptions report;
   CLI::Option* grid_option = nullptr;
+  // --decode: flash_attention_with_kvcache over a paged cache (run_decode_bench), with its own defaults for the
+  // shape options it shares (given ones replace them).
+  bool decode = false;
+  std::string cache = "4096,16384,65536,131072";
+  int64_t page_size = 256, nq = 1;
+  double peak_gbps = 4800;
+  CLI::Option *dtype_option = nullptr, *d_option = nullptr, *batch_option = nullptr, *heads_option = nullptr,
+              *kv_heads_option = nullptr, *causal_option = nullptr;
 };
+
+int run_decode(AttentionBenchArgs& a) {
+  using namespace flashlm;
+  DecodeBenchConfig cfg;
+  const auto given = [](const CLI::Option* o) { return o->count() > 0; };
+  const auto single = [](const char* name, const std::vector<int64_t>& v) {
+    if (v.size() != 1) throw InvalidArgument(fmt::format("{}: --decode takes one value, got {}", name, v.size()));
+    return v[0];
+  };
+  if (given(a.dtype_option)) cfg.dtype = parse_dtype(a.dtype);
+  if (given(a.d_option)) cfg.head_dim = single("--d", parse_list<int64_t>("--d", a.d, positive_up_to(kMaxHeadDim)));
+  if (given(a.batch_option)) cfg.batches = parse_list<int64_t>("--batch", a.batch, positive_up_to(kMaxBatch));
+  if (given(a.heads_option)) cfg.heads = single("--heads", parse_list<int64_t>("--heads", a.heads, positive_up_to(kMaxHeads)));
+  if (given(a.kv_heads_option)) cfg.kv_heads = a.kv_heads;
+  else if (given(a.heads_option)) cfg.kv_heads = cfg.heads;
+  if (given(a.causal_option)) cfg.causal = single("--causal", parse_list<int64_t>("--causal", a.causal, [](const std::string& s) {
+                                                    return int64_t{parse_bool(s)};
+                                                  })) != 0;
+  if (cfg.heads % cfg.kv_heads != 0) {
+    throw InvalidArgument(fmt::format("--kv-heads: {} does not divide the head count {}", cfg.kv_heads, cfg.heads));
+  }
+  cfg.cache_lens = parse_list<int64_t>("--cache", a.cache, positive_up_to(kMaxSeq));
+  cfg.page_size = a.page_size;
+  cfg.nq = a.nq;
+  cfg.peak_gbps = a.peak_gbps;
+  cfg.warmup = a.cfg.warmup;
+  cfg.reps = a.cfg.reps;
+  cfg.device = device_or_default(a.device);
+  report_format(a.report);
+  require_usable_device(cfg.device);
+  if (a.threads > 0) set_cpu_threads(a.threads);
+  if (!a.report.quiet) cfg.progress = [](const std::string& line) { fmt::print(stderr, "{}\n", line); };
+  const auto records = run_decode_bench(cfg);
+  emit_report([&](ReportFormat f) { return format_decode_bench(records, f, cfg); }, a.report);
+  return 0;
+}
 
 int run(AttentionBenchArgs& a) {
   using namespace flashlm;
+  if (a.decode) return run_decode(a);
   AttentionBenchConfig& cfg = a.cfg;
   cfg.impls = parse_list<AttentionImpl>("--impl", a.impl, [](const std::string& s) { return parse_attention_impl(s); });
   cfg.dtypes = parse_list<DType>("--dtype", a.dtype, [](const std::string& s) { return parse_dtype(s); });
@@ -69,7 +114,7 @@ Command add_attention_bench_command(CLI::App& app) {
   auto a = std::make_shared<AttentionBenchArgs>();
   CLI::App* cmd = app.add_subcommand("attention-bench", "Time attention forward and backward over a grid of shapes");
   cmd->add_option("--impl", a->impl, "Implementations, comma list of naive,flash")->capture_default_str();
-  cmd->add_option("--dtype", a->dtype,
+  a->dtype_option = cmd->add_option("--dtype", a->dtype,
                   "Element types, comma list of fp32,fp64,fp16,bf16,fp8 (fp8: e4m3 inputs, bf16 output, forward only, "
                   "sm_90 GPUs)")
       ->capture_default_str();
@@ -89,9 +134,31 @@ Command add_attention_bench_command(CLI::App& app) {
                        ->excludes(batch)
                        ->excludes(heads)
                        ->excludes(causal);
-  cmd->add_option("--kv-heads", a->kv_heads,
-                  "Key/value heads for GQA/MQA, dividing every head count (default: the head count)")
-      ->check(CLI::PositiveNumber);
+  a->kv_heads_option = cmd->add_option("--kv-heads", a->kv_heads,
+                                       "Key/value heads for GQA/MQA, dividing every head count (default: the head "
+                                       "count)")
+                           ->check(CLI::PositiveNumber);
+  a->d_option = d, a->batch_option = batch, a->heads_option = heads, a->causal_option = causal;
+  auto* decode = cmd->add_flag("--decode", a->decode,
+                               "Time decoding over a paged KV cache (flash_attention_with_kvcache, no append): batch x "
+                               "--cache, with the defaults --batch 1,16,64 --heads 32 --kv-heads 8 --d 128 --dtype "
+                               "bf16 --causal, printing ms, GB/s of K and V read and % of --peak-gbps");
+  cmd->add_option("--cache", a->cache, "With --decode: cache lengths (keys per sequence), comma list")
+      ->capture_default_str()
+      ->needs(decode);
+  cmd->add_option("--page-size", a->page_size, "With --decode: rows per page (a multiple of 16 in [16, 256])")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(16, 256))
+      ->needs(decode);
+  cmd->add_option("--nq", a->nq, "With --decode: queries per sequence")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, 1024))
+      ->needs(decode);
+  cmd->add_option("--peak-gbps", a->peak_gbps, "With --decode: the bandwidth limit the % column divides by (GB/s)")
+      ->capture_default_str()
+      ->check(in_range(1.0, 1e7))
+      ->needs(decode);
+  decode->excludes(a->grid_option);
   cmd->add_flag("--deterministic", a->cfg.deterministic,
                 "Backward without atomics, bit-reproducible (CUDA: a separate dQ pass instead of fp32 atomics in "
                 "the dK/dV kernel)");

@@ -95,6 +95,41 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
                                const TensorView& dk, const TensorView& dv, const VarlenSequences& seqs,
                                const AttentionOptions& options = {});
 
+// Decoding attention over a KV cache (flash-attn's flash_attn_with_kvcache): nq new queries per sequence
+// attend to that sequence's keys in a cache, after the optional new keys/values are written into it in place.
+// Shapes (any element strides, last stride 1):
+//   q, o               [batch, nq, heads_q, head_dim]
+//   k_cache, v_cache   paged (index.block_table set): [num_pages, page_size, heads_k, head_dim], sequence b's
+//                      key j in page block_table[b][j / page_size], row j % page_size; page_size a multiple
+//                      of 16 in [16, 256]
+//                      non-paged (block_table null): [batch, max_seq, heads_k, head_dim], key j of b at row j
+//   k_new, v_new       [batch, seq_new, heads_k, head_dim] or absent (TensorView{}): written into the cache at
+//                      positions cache_seqlens[b] .. cache_seqlens[b] + seq_new - 1 before attending
+//   lse                [batch, heads_q, nq] fp32 (fp64 allowed for fp64 inputs), or absent (TensorView{})
+// cache_seqlens[b] is the number of keys of sequence b in the cache before the append (flash-attn's meaning);
+// the call attends to L_b = cache_seqlens[b] + seq_new keys, which must fit in the sequence's pages
+// (max_pages · page_size) or rows (max_seq). Only the block-table entries of the pages that hold those keys
+// are read. The queries are the sequence's last nq positions: causal masks and windows are always aligned
+// bottom-right (query i sits at position L_b - nq + i and, causal, sees keys j <= L_b - nq + i; options.align
+// is not consulted), as in flash-attn. A query that sees no key (L_b = 0, say) gets o = 0, lse = -inf.
+// The options' scale, causal, window_size_* and softcap apply as in attention_forward; impl is ignored on the
+// CPU (one fp64-accumulating code) and must be flash on CUDA; descales must stay 1 (no fp8).
+// cache_seqlens and block_table live on q's device. On the CPU every value is checked first (lengths >= 0 and
+// within the capacity, page indices in [0, num_pages)). On CUDA nothing is copied to the host (the call is
+// CUDA-graph capturable): the caller guarantees the values, as flash-attn's caller does; the kernels check
+// them cheaply and never touch memory outside the cache, a sequence with a bad length or page index getting
+// NaN in o and lse (and no append) instead. CUDA: fp16/bf16, head_dim 64, 128 or 256.
+struct KvCacheIndex {
+  const int32_t* cache_seqlens = nullptr;  // batch entries
+  const int32_t* block_table = nullptr;    // [batch, max_pages] page indices; nullptr: the non-paged cache
+  int64_t max_pages = 0;                   // block_table's columns
+  int64_t block_table_stride = 0;          // elements between block_table's rows; 0: max_pages
+};
+
+void flash_attention_with_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                                  const KvCacheIndex& index, const TensorView& k_new, const TensorView& v_new,
+                                  const TensorView& o, const TensorView& lse, const AttentionOptions& options = {});
+
 // FLOPs as the FlashAttention papers count them: forward 4·B·H·Nq·Nk·D, halved when causal with
 // Nq = Nk; backward is 2.5× the forward.
 double attention_forward_flops(int64_t batch, int64_t heads, int64_t seq_q, int64_t seq_k, int64_t head_dim,

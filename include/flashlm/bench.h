@@ -74,6 +74,37 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
 std::string format_attention_bench(const std::vector<AttentionBenchRecord>& records, ReportFormat format,
                                    const AttentionBenchConfig& config);
 
+// `flashlm attention-bench --decode`: flash_attention_with_kvcache over a paged cache (pages shuffled through
+// the block table, no append), batch × cache length, reported as time, the bandwidth of the K and V bytes
+// read (2 · batch · cache · kv_heads · head_dim · element size / time) and that as a share of `peak_gbps`
+// (4800 GB/s: the H200's HBM3e).
+struct DecodeBenchConfig {
+  std::vector<int64_t> batches{1, 16, 64};
+  std::vector<int64_t> cache_lens{4096, 16384, 65536, 131072};
+  int64_t heads = 32, kv_heads = 8, head_dim = 128, page_size = 256, nq = 1;
+  bool causal = true;
+  DType dtype = DType::bf16;
+  Device device = Device::cpu;
+  int warmup = 5;
+  int reps = 20;
+  double peak_gbps = 4800;
+  // On the CPU a row whose K and V are larger than this many bytes is recorded as "skipped".
+  double cpu_max_bytes = 4e9;
+  std::function<void(const std::string&)> progress;
+};
+
+struct DecodeBenchRecord {
+  std::string dtype, device;
+  int64_t batch = 0, cache_len = 0, heads = 0, kv_heads = 0, head_dim = 0, page_size = 0, nq = 0;
+  std::optional<double> ms, gbps, peak_pct;
+  std::string status = "ok";  // ok | oom | error | skipped
+  std::string message;
+};
+
+std::vector<DecodeBenchRecord> run_decode_bench(const DecodeBenchConfig& config);
+std::string format_decode_bench(const std::vector<DecodeBenchRecord>& records, ReportFormat format,
+                                const DecodeBenchConfig& config);
+
 // `flashlm bench`: end-to-end LM timing per pass ("fwd", "fwd-bwd", "step") over model sizes, contexts,
 // precisions and attention implementations.
 struct LmBenchConfig {

@@ -40,8 +40,9 @@ extern "C" {
 /* 2: adds flashlm_attention_varlen_forward/backward and flashlm_varlen (version 1's calls are unchanged).
  * 3: adds FLASHLM_FP8_E4M3 and the descales of flashlm_attention_options.
  * 4: appends window_size_left, window_size_right and softcap to flashlm_attention_options (a caller built
- *    against an older header passes a shorter struct: check flashlm_abi_version() first). */
-#define FLASHLM_ABI_VERSION 4
+ *    against an older header passes a shorter struct: check flashlm_abi_version() first).
+ * 5: adds flashlm_attention_with_kvcache and flashlm_kvcache_index (decoding over a paged KV cache). */
+#define FLASHLM_ABI_VERSION 5
 #define FLASHLM_MAX_DIMS 6
 
 typedef enum flashlm_status {
@@ -123,6 +124,30 @@ flashlm_status flashlm_attention_varlen_backward(const flashlm_tensor* q, const 
                                                  const flashlm_tensor* dq, const flashlm_tensor* dk,
                                                  const flashlm_tensor* dv, const flashlm_varlen* seqs,
                                                  const flashlm_attention_options* options);
+
+/* Decoding attention over a KV cache (flash-attn's flash_attn_with_kvcache; flashlm/attention.h says it all):
+ *   q, o                [batch, nq, heads_q, head_dim]
+ *   k_cache, v_cache    paged: [num_pages, page_size, heads_k, head_dim] (page_size a multiple of 16 in
+ *                       [16, 256]); non-paged (block_table NULL): [batch, max_seq, heads_k, head_dim]
+ *   k_new, v_new        [batch, seq_new, heads_k, head_dim], or both NULL: appended IN PLACE into the cache at
+ *                       cache_seqlens[b] (the lengths before the append) before attending
+ *   lse                 [batch, heads_q, nq] fp32, or NULL
+ * Causal masks and windows are aligned bottom-right (the queries are each sequence's last nq positions).
+ * cache_seqlens and block_table are int32 arrays on q's device. On the CPU their values are checked; on CUDA
+ * nothing is copied to the host (graph capturable): the caller guarantees them, and a sequence with a bad
+ * length or page index gets NaN in o and lse instead of an error. CUDA: fp16/bf16, head_dim 64, 128, 256. */
+typedef struct flashlm_kvcache_index {
+  const int32_t* cache_seqlens; /* batch lengths */
+  const int32_t* block_table;   /* [batch, max_pages] page indices; NULL: the non-paged cache */
+  int64_t max_pages;            /* block_table's columns (0 without a block table) */
+  int64_t block_table_stride;   /* elements between rows; 0: max_pages */
+} flashlm_kvcache_index;
+
+flashlm_status flashlm_attention_with_kvcache(const flashlm_tensor* q, const flashlm_tensor* k_cache,
+                                              const flashlm_tensor* v_cache, const flashlm_kvcache_index* index,
+                                              const flashlm_tensor* k_new, const flashlm_tensor* v_new,
+                                              const flashlm_tensor* o, const flashlm_tensor* lse,
+                                              const flashlm_attention_options* options);
 
 /* Message of the calling thread's last failed call ("" if none). */
 const char* flashlm_last_error(void);

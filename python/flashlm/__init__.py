@@ -5,9 +5,12 @@
     flashlm.attention(q, k, v, layout="bshd", causal=True)      # either layout, said explicitly
     flashlm.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
                                                                 # packed sequences: [total, heads, head_dim]
+    flashlm.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table, causal=True)
+                                                                # decoding over a (paged) KV cache, appended in place
     flashlm.FlashAttention.apply(q, k, v, True)                 # the CS336 interface: (batch, seq, dim), one head
     torch.ops.flashlm.attention_fwd / attention_bwd             # the custom operators (torch >= 2.4)
     torch.ops.flashlm.attention_varlen_fwd / attention_varlen_bwd
+    torch.ops.flashlm.attention_with_kvcache                    # mutates k_cache and v_cache
 """
 import importlib.util
 
@@ -17,7 +20,7 @@ from ._lib import lib as _clib
 __version__ = _clib.flashlm_version().decode()
 
 _TORCH_NAMES = ("attention", "flash_attn_func", "scaled_dot_product_attention", "FlashAttention", "attention_forward",
-                "attention_backward", "flash_attn_varlen_func", "attention_varlen_forward")
+                "attention_backward", "flash_attn_varlen_func", "attention_varlen_forward", "flash_attn_with_kvcache")
 
 
 def cuda_device_count():
@@ -30,7 +33,7 @@ if importlib.util.find_spec("torch") is not None:
     # flashlm.attention(...) like any function; this also registers torch.ops.flashlm.
     from .torch_ops import (FlashAttention, attention, attention_backward, attention_forward,  # noqa: F401
                             attention_varlen_forward, flash_attn_func, flash_attn_varlen_func,
-                            scaled_dot_product_attention)
+                            flash_attn_with_kvcache, scaled_dot_product_attention)
 else:
     def __getattr__(name):
         if name in _TORCH_NAMES:

@@ -11,7 +11,7 @@ import struct
 import threading
 from pathlib import Path
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 MAX_DIMS = 6
 
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, RUNTIME_ERROR = 0, 1, 2, 3
@@ -42,6 +42,13 @@ VARLEN_FORWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + VARLEN + OPTIONS)
 VARLEN_BACKWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + TENSOR3 * 4 + VARLEN + OPTIONS)
 assert FORWARD.size == 5 * TENSOR_BYTES + OPTIONS_BYTES and BACKWARD.size == 9 * TENSOR_BYTES + OPTIONS_BYTES
 assert VARLEN_FORWARD.size == FORWARD.size + VARLEN_BYTES and VARLEN_BACKWARD.size == BACKWARD.size + VARLEN_BYTES
+# flashlm_kvcache_index: const int32* cache_seqlens, block_table; int64 max_pages, block_table_stride.
+KVCACHE_INDEX = "QQqq"
+KVCACHE_INDEX_BYTES = 32
+# with_kvcache(q, k_cache, v_cache, k_new, v_new, o, lse, index, options): k_new, v_new and lse may be absent,
+# their slots then packed as zeros and passed as NULL.
+KVCACHE = struct.Struct("=" + TENSOR4 * 6 + TENSOR3 + KVCACHE_INDEX + OPTIONS)
+assert KVCACHE.size == 7 * TENSOR_BYTES + KVCACHE_INDEX_BYTES + OPTIONS_BYTES
 
 
 class FlashlmError(RuntimeError):
@@ -94,6 +101,8 @@ def _load():
     lib.flashlm_attention_varlen_forward.restype = ctypes.c_int
     lib.flashlm_attention_varlen_backward.argtypes = [ctypes.c_void_p] * 11
     lib.flashlm_attention_varlen_backward.restype = ctypes.c_int
+    lib.flashlm_attention_with_kvcache.argtypes = [ctypes.c_void_p] * 9
+    lib.flashlm_attention_with_kvcache.restype = ctypes.c_int
     lib.flashlm_last_error.restype = ctypes.c_char_p
     lib.flashlm_version.restype = ctypes.c_char_p
     lib.flashlm_cuda_built.restype = ctypes.c_int32
@@ -156,6 +165,11 @@ class _CallBuffer(threading.local):
                                     base + 5 * TENSOR_BYTES + VARLEN_BYTES)
         self.varlen_backward_args = (*(base + i * TENSOR_BYTES for i in range(9)), base + 9 * TENSOR_BYTES,
                                      base + 9 * TENSOR_BYTES + VARLEN_BYTES)
+        self.kvcache = ctypes.create_string_buffer(KVCACHE.size)
+        kv = ctypes.addressof(self.kvcache)
+        self.kvcache_tensors = tuple(kv + i * TENSOR_BYTES for i in range(7))
+        self.kvcache_index = kv + 7 * TENSOR_BYTES
+        self.kvcache_options = self.kvcache_index + KVCACHE_INDEX_BYTES
 
 
 _calls = _CallBuffer()
@@ -182,6 +196,17 @@ def varlen_backward(*fields):
     call = _calls
     VARLEN_BACKWARD.pack_into(call.buffer, 0, *fields)
     check(lib.flashlm_attention_varlen_backward(*call.varlen_backward_args))
+
+
+def with_kvcache(has_new, has_lse, *fields):
+    """flashlm_attention_with_kvcache on KVCACHE's fields (q, k_cache, v_cache, k_new, v_new, o, lse, index,
+    options); k_new / v_new (has_new false) and lse (has_lse false) go as NULL."""
+    call = _calls
+    KVCACHE.pack_into(call.kvcache, 0, *fields)
+    q, kc, vc, kn, vn, o, lse = call.kvcache_tensors
+    check(lib.flashlm_attention_with_kvcache(q, kc, vc, call.kvcache_index, kn if has_new else None,
+                                             vn if has_new else None, o, lse if has_lse else None,
+                                             call.kvcache_options))
 
 
 def check(status):

@@ -900,3 +900,126 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right")
     return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
                            _ALIGN[causal_align], scale, False, impl)
+
+
+# ---- decoding over a KV cache (flash-attn's flash_attn_with_kvcache) --------------------------------------
+#     torch.ops.flashlm.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new,
+#                                              causal, scale, window_left, window_right, softcap) -> (o, lse)
+# mutates k_cache and v_cache (the in-place append of k_new / v_new at cache_seqlens). o is a new contiguous
+# [batch, nq, heads_q, head_dim] tensor, lse [batch, heads_q, nq] float32 (float64 for float64 CPU inputs).
+# Nothing is read back to the host and the outputs' sizes follow from the shapes alone, so the call can be
+# captured in a CUDA graph.
+
+_ABSENT_TENSOR4 = (0,) * 12  # a flashlm_tensor slot passed as NULL (data, ndim, dtype, device, sizes, strides)
+
+
+def _kvcache_outputs(q):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=_lse_dtype(q), device=q.device))
+
+
+def _check_index_tensor(t, name, q, ndim, batch):
+    """cache_seqlens / block_table as the C side reads them: int32 on q's device, `batch` rows, a unit last
+    stride. The C ABI gets only their pointers, so their extent is checked here."""
+    if not isinstance(t, torch.Tensor):
+        raise L.FlashlmValueError(f"{name}: expected an int32 tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise L.FlashlmValueError(f"{name}: expected dtype torch.int32 (flash-attn's convention), got {t.dtype}")
+    if t.dim() != ndim or t.shape[0] != batch:
+        want = "[batch]" if ndim == 1 else "[batch, max_pages]"
+        raise L.FlashlmValueError(f"{name}: expected shape {want} with batch = {batch}, got {tuple(t.shape)}")
+    if t.device != q.device:
+        raise L.FlashlmValueError(f"{name}: on {t.device} but q is on {q.device} (the index tensors go on q's device)")
+    if t.numel() > 0 and t.stride(-1) != 1:
+        raise L.FlashlmValueError(f"{name}: the last dimension must have stride 1, got strides {t.stride()}")
+
+
+def _kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale, window_left,
+                     window_right, softcap):
+    named = [(q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")]
+    if (k_new is None) != (v_new is None):
+        raise L.FlashlmValueError("k, v: give both new tensors (appended to the cache) or neither")
+    has_new = k_new is not None
+    if has_new:
+        named += [(k_new, "k"), (v_new, "v")]
+    for t, name in named:
+        _require_tensor(t, name)
+        if t.dim() != 4:
+            raise L.FlashlmValueError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
+    batch = q.shape[0]
+    _check_index_tensor(cache_seqlens, "cache_seqlens", q, 1, batch)
+    if block_table is not None:
+        _check_index_tensor(block_table, "block_table", q, 2, batch)
+        table = (block_table.data_ptr(), block_table.shape[1], max(block_table.stride(0), block_table.shape[1]))
+    else:
+        table = (0, 0, 0)
+    o, lse = _kvcache_outputs(q)
+    try:
+        fields = (_describe(q, False) + _describe(k_cache, False) + _describe(v_cache, False)
+                  + (_describe(k_new, False) if has_new else _ABSENT_TENSOR4)
+                  + (_describe(v_new, False) if has_new else _ABSENT_TENSOR4)
+                  + _describe(o, False) + _describe_lse(lse) + (cache_seqlens.data_ptr(), *table)
+                  + _options(causal, True, scale, False, "flash"))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(named, "flash", 4, scale) from None
+
+    def run(*packed):
+        L.with_kvcache(has_new, True, *packed)
+
+    try:
+        _call(run, q, fields, (window_left, window_right, softcap))
+    except struct.error:
+        raise _why_not_packable(named, "flash", 4, scale) from None
+    return o, lse
+
+
+if HAS_CUSTOM_OPS:
+    @torch.library.custom_op("flashlm::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+    def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               cache_seqlens: torch.Tensor, block_table: Optional[torch.Tensor],
+                               k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor], causal: bool,
+                               scale: Optional[float], window_left: int = -1, window_right: int = -1,
+                               softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Decoding attention over a (paged) KV cache, appending k_new / v_new into it first: (o, lse)."""
+        return _kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale,
+                                window_left, window_right, softcap)
+
+    @attention_with_kvcache.register_fake
+    def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, scale,
+                                     window_left=-1, window_right=-1, softcap=0.0):
+        return _kvcache_outputs(q)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn's flash_attn_with_kvcache: q [batch, nq, heads_q, head_dim]; k_cache, v_cache
+    [batch, max_seq, heads_k, head_dim], or paged [num_pages, page_size, heads_k, head_dim] with block_table
+    [batch, max_pages] int32 (page_size a multiple of 16 in [16, 256]); cache_seqlens [batch] int32 (or an int)
+    the lengths before the append; k, v [batch, seq_new, heads_k, head_dim] written IN PLACE into the cache at
+    cache_seqlens before attending. causal and window_size are aligned bottom-right (the queries are the last
+    nq positions of each sequence), softcap as in flash_attn_func. Returns out, or (out, softmax_lse) with
+    return_softmax_lse. Rotary embedding, cache_batch_idx, cache_leftpad and ALiBi are not implemented and are
+    refused; num_splits must be 0 (chosen by the library). No autograd (decoding is inference)."""
+    for value, name, default in ((rotary_cos, "rotary_cos", None), (rotary_sin, "rotary_sin", None),
+                                 (cache_batch_idx, "cache_batch_idx", None), (cache_leftpad, "cache_leftpad", None),
+                                 (alibi_slopes, "alibi_slopes", None)):
+        if value is not default:
+            raise L.FlashlmValueError(f"{name}: not supported by flashlm's flash_attn_with_kvcache (pass None)")
+    if num_splits != 0:
+        raise L.FlashlmValueError(f"num_splits: flashlm chooses the splits itself (pass 0), got {num_splits}")
+    _require_tensor(q, "q")
+    if cache_seqlens is None:
+        raise L.FlashlmValueError("cache_seqlens: required (an int32 tensor [batch] or an int: the cache lengths "
+                                  "before the append)")
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    left, right, cap = _variant(window_size, softcap)
+    if HAS_CUSTOM_OPS:
+        out, lse = torch.ops.flashlm.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                                                            bool(causal), softmax_scale, left, right, cap)
+    else:
+        out, lse = _kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k, v, bool(causal),
+                                    softmax_scale, left, right, cap)
+    return (out, lse) if return_softmax_lse else out

@@ -19,6 +19,12 @@ void flash_attention_backward_cpu(const AttentionProblem& p, const TensorView& q
                                   const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                   const TensorView& dv);
 
+// flash_attention_with_kvcache on the CPU (attention/decode_cpu.cpp): the append, then fp64-accumulated
+// attention over each sequence's keys (kp.seqlens, the block table's values checked).
+void kvcache_attention_cpu(const KvCacheProblem& kp, const TensorView& q, const TensorView& k_cache,
+                           const TensorView& v_cache, const int32_t* block_table, const TensorView& k_new,
+                           const TensorView& v_new, const TensorView& o, const TensorView& lse);
+
 #ifdef FLASHLM_WITH_CUDA
 // CUDA backends: tensors are on the current device, validated for alignment and head dim by
 // attention.cpp; `stream` is a cudaStream_t. They launch asynchronously and check each launch.
@@ -89,6 +95,16 @@ CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPas
 // views of one dtype on the current device, any 16-byte strides; cols · element size a multiple of 16
 // bytes), queued on `stream` (attention/cuda/naive.cu).
 void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t cols, void* stream);
+
+// flash_attention_with_kvcache on CUDA (attention/cuda/decode.cu): the append kernel, the split-KV kernel
+// (flash-decoding) and the combine of the splits by logsumexp; fp16/bf16, head dims 64, 128 and 256. The
+// index arrays are device memory, read by the kernels only (graph capturable).
+void kvcache_attention_cuda(const KvCacheProblem& kp, const TensorView& q, const TensorView& k_cache,
+                            const TensorView& v_cache, const KvCacheIndex& index, const TensorView& k_new,
+                            const TensorView& v_new, const TensorView& o, const TensorView& lse, void* stream);
+// The number of key splits the CUDA kernel uses for a cache of `capacity` keys per sequence (the host does not
+// know the lengths), given the blocks the other grid dimensions make and how many blocks the GPU holds at once.
+int64_t kvcache_num_splits(int64_t capacity, int64_t other_blocks, int resident_blocks);
 
 // naive: materialised S and P through cuBLAS plus softmax kernels (attention/cuda/naive.cu).
 void naive_attention_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,

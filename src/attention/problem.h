@@ -102,6 +102,39 @@ VarlenProblem validate_attention_varlen_backward(const TensorView& q, const Tens
                                                  const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                                  const VarlenSequences& seqs, const AttentionOptions& options);
 
+// A validated flash_attention_with_kvcache call. `attn` holds the shared description (batch, seq_q = nq,
+// heads, head_dim, scale, causal, window, softcap, dtype, device); its seq_k is the cache's capacity per
+// sequence and its causal_offset is unused: for_sequence() gives sequence b's own problem.
+struct KvCacheProblem {
+  AttentionProblem attn;
+  bool paged = false;
+  int64_t page_size = 0;   // paged: rows per page; non-paged: max_seq
+  int64_t num_pages = 0;   // paged: k_cache.size(0); non-paged: batch
+  int64_t max_pages = 0;   // paged: block_table columns; non-paged: 1
+  int64_t block_table_stride = 0;
+  int64_t seq_new = 0;     // rows of k_new / v_new (0 without them)
+  bool has_lse = false;
+  std::vector<int32_t> seqlens;  // host copy of cache_seqlens (CPU calls only; empty on CUDA)
+
+  int64_t capacity() const { return attn.seq_k; }  // keys one sequence can hold
+  // Sequence b's problem with L keys (cache length + seq_new): seq_k = L, bottom-right alignment.
+  AttentionProblem for_sequence(int64_t keys) const {
+    AttentionProblem p = attn;
+    p.batch = 1;
+    p.seq_k = keys;
+    p.causal_offset = keys - attn.seq_q;
+    return p;
+  }
+};
+
+// Checks every argument of flash_attention_with_kvcache (on the CPU, the values of cache_seqlens and of the
+// block-table entries the call uses, too) and describes the call.
+KvCacheProblem validate_attention_with_kvcache(const TensorView& q, const TensorView& k_cache,
+                                               const TensorView& v_cache, const KvCacheIndex& index,
+                                               const TensorView& k_new, const TensorView& v_new,
+                                               const TensorView& o, const TensorView& lse,
+                                               const AttentionOptions& options);
+
 // Pointer to the head_dim-long row of a [batch, seq, heads, head_dim] view.
 template <class T>
 inline T* attention_row(const TensorView& t, int64_t b, int64_t s, int64_t h) {

@@ -4,6 +4,7 @@
 #include <array>
 #include <initializer_list>
 #include <limits>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -362,6 +363,128 @@ VarlenProblem validate_attention_varlen_backward(const TensorView& q, const Tens
   vp.q = q1, vp.k = k1, vp.v = v1, vp.o = o1, vp.lse = lse1;
   vp.dout = dout1, vp.dq = dq1, vp.dk = dk1, vp.dv = dv1;
   return vp;
+}
+
+// flash_attention_with_kvcache: the cache's own checks, then the common ones (describe) on the
+// [batch, 0, heads_k, head_dim] key view the cache stands for, so that the options are checked in one place.
+KvCacheProblem validate_attention_with_kvcache(const TensorView& q, const TensorView& k_cache,
+                                               const TensorView& v_cache, const KvCacheIndex& index,
+                                               const TensorView& k_new, const TensorView& v_new,
+                                               const TensorView& o, const TensorView& lse,
+                                               const AttentionOptions& options) {
+  constexpr std::string_view fn = "flash_attention_with_kvcache";
+  check_qkv_like(fn, "q", q);
+  check_qkv_like(fn, "k_cache", k_cache);
+  check_qkv_like(fn, "v_cache", v_cache);
+  check_same_kind(fn, "k_cache", k_cache, q);
+  check_same_kind(fn, "v_cache", v_cache, q);
+  check_same_shape(fn, "v_cache", v_cache, "k_cache", k_cache);
+  FLASHLM_CHECK(q.dtype != DType::f8e4m3, "{}: q: dtype fp8_e4m3 is not supported with a KV cache", fn);
+  const int64_t batch = q.size(0), heads_k = k_cache.size(2), head_dim = q.size(3);
+  FLASHLM_CHECK(k_cache.size(3) == head_dim, "{}: k_cache: head_dim {} differs from q's head_dim {}", fn,
+                k_cache.size(3), head_dim);
+
+  KvCacheProblem kp;
+  kp.paged = index.block_table != nullptr;
+  if (kp.paged) {
+    kp.page_size = k_cache.size(1);
+    kp.num_pages = k_cache.size(0);
+    kp.max_pages = index.max_pages;
+    FLASHLM_CHECK(kp.page_size >= 16 && kp.page_size <= 256 && kp.page_size % 16 == 0,
+                  "{}: k_cache: page_size (dimension 1 of the paged cache {}) must be a multiple of 16 in [16, 256], "
+                  "got {}",
+                  fn, k_cache.shape_string(), kp.page_size);
+    FLASHLM_CHECK(kp.max_pages >= 1, "{}: block_table: max_pages must be at least 1, got {}", fn, kp.max_pages);
+    kp.block_table_stride = index.block_table_stride == 0 ? kp.max_pages : index.block_table_stride;
+    FLASHLM_CHECK(kp.block_table_stride >= kp.max_pages,
+                  "{}: block_table: row stride {} is smaller than max_pages = {} (rows would overlap)", fn,
+                  kp.block_table_stride, kp.max_pages);
+    checked_mul(batch, kp.block_table_stride, "flash_attention_with_kvcache: block_table: entries");
+  } else {
+    FLASHLM_CHECK(index.max_pages == 0 && index.block_table_stride == 0,
+                  "{}: block_table: max_pages = {} and block_table_stride = {} given without a block table (the "
+                  "non-paged cache takes neither)",
+                  fn, index.max_pages, index.block_table_stride);
+    FLASHLM_CHECK(k_cache.size(0) == batch,
+                  "{}: k_cache: the non-paged cache [batch, max_seq, heads_k, head_dim] has batch {}, q has {}", fn,
+                  k_cache.size(0), batch);
+    kp.page_size = k_cache.size(1);
+    kp.num_pages = batch;
+    kp.max_pages = 1;
+    kp.block_table_stride = 1;
+  }
+  const int64_t capacity = checked_mul(kp.max_pages, kp.page_size, "flash_attention_with_kvcache: keys per sequence");
+  FLASHLM_CHECK(capacity <= std::numeric_limits<int32_t>::max(),
+                "{}: k_cache: {} keys per sequence exceed the int32 range of cache_seqlens", fn, capacity);
+  FLASHLM_CHECK(batch == 0 || index.cache_seqlens != nullptr,
+                "{}: cache_seqlens: null pointer (expected batch = {} int32 lengths)", fn, batch);
+
+  const bool has_new = k_new.ndim != 0 || v_new.ndim != 0;
+  if (has_new) {
+    check_qkv_like(fn, "k_new", k_new);
+    check_qkv_like(fn, "v_new", v_new);
+    check_same_kind(fn, "k_new", k_new, q);
+    check_same_kind(fn, "v_new", v_new, q);
+    check_same_shape(fn, "v_new", v_new, "k_new", k_new);
+    FLASHLM_CHECK(k_new.size(0) == batch && k_new.size(2) == heads_k && k_new.size(3) == head_dim,
+                  "{}: k_new: expected shape [{}, seq_new, {}, {}] (batch, seq_new, heads_k, head_dim), got {}", fn,
+                  batch, heads_k, head_dim, k_new.shape_string());
+    kp.seq_new = k_new.size(1);
+  }
+  kp.has_lse = lse.ndim != 0;
+
+  // The common checks (shapes of q and o, heads, scale, window, softcap, descales) on the key view the cache
+  // stands for; without lse, a stand-in of the right shape that nothing reads.
+  TensorView keys = k_cache;
+  keys.sizes = {batch, 0, heads_k, head_dim};
+  TensorView lse_view = lse;
+  if (!kp.has_lse) {
+    lse_view = TensorView::contiguous(q.data, DType::f32, {batch, q.size(2), q.size(1)}, q.device);
+  }
+  kp.attn = describe(fn, q, keys, keys, o, lse_view, options);
+  kp.attn.seq_k = capacity;
+
+  check_no_internal_overlap(fn, "o", o);
+  if (kp.has_lse) check_no_internal_overlap(fn, "lse", lse);
+  // An absent tensor (a 0-dimensional TensorView{}, one element by numel()) takes part as an empty one.
+  const TensorView none = TensorView::contiguous(nullptr, q.dtype, {0}, q.device);
+  const TensorView& lse_out = kp.has_lse ? lse : none;
+  const TensorView& k_in = has_new ? k_new : none;
+  const TensorView& v_in = has_new ? v_new : none;
+  check_outputs_apart(fn, {{"o", &o}, {"lse", &lse_out}},
+                      {{"q", &q}, {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"k_new", &k_in}, {"v_new", &v_in}});
+  check_outputs_apart(fn, {{"lse", &lse_out}}, {{"o", &o}});
+  if (has_new) {
+    check_no_internal_overlap(fn, "k_cache", k_cache);
+    check_no_internal_overlap(fn, "v_cache", v_cache);
+    check_outputs_apart(fn, {{"k_cache", &k_cache}, {"v_cache", &v_cache}},
+                        {{"q", &q}, {"k_new", &k_new}, {"v_new", &v_new}});
+    check_outputs_apart(fn, {{"k_cache", &k_cache}}, {{"v_cache", &v_cache}});
+  }
+
+  // The values, on the CPU only: CUDA callers guarantee them (no host copy, so that the call can be captured
+  // in a CUDA graph), and the kernels check them cheaply (flashlm/attention.h).
+  if (q.device == Device::cpu && batch > 0) {
+    kp.seqlens.assign(index.cache_seqlens, index.cache_seqlens + batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t len = kp.seqlens[static_cast<size_t>(b)];
+      FLASHLM_CHECK(len >= 0, "{}: cache_seqlens: sequence {} has length {}; lengths must be >= 0", fn, b, len);
+      FLASHLM_CHECK(len + kp.seq_new <= capacity,
+                    "{}: cache_seqlens: sequence {} holds {} keys{}, more than its {} (max_pages {} x page_size {})",
+                    fn, b, len + kp.seq_new,
+                    kp.seq_new > 0 ? fmt::format(" after appending {}", kp.seq_new) : std::string(), capacity,
+                    kp.max_pages, kp.page_size);
+      if (!kp.paged) continue;
+      const int64_t pages = (len + kp.seq_new + kp.page_size - 1) / kp.page_size;
+      for (int64_t i = 0; i < pages; ++i) {
+        const int64_t page = index.block_table[b * kp.block_table_stride + i];
+        FLASHLM_CHECK(page >= 0 && page < kp.num_pages,
+                      "{}: block_table: entry [{}, {}] = {} is not a page of k_cache (expected [0, {}))", fn, b, i,
+                      page, kp.num_pages);
+      }
+    }
+  }
+  return kp;
 }
 
 }  // namespace flashlm

@@ -150,6 +150,28 @@ flashlm_status flashlm_attention_varlen_backward(const flashlm_tensor* q, const 
   });
 }
 
+flashlm_status flashlm_attention_with_kvcache(const flashlm_tensor* q, const flashlm_tensor* k_cache,
+                                              const flashlm_tensor* v_cache, const flashlm_kvcache_index* index,
+                                              const flashlm_tensor* k_new, const flashlm_tensor* v_new,
+                                              const flashlm_tensor* o, const flashlm_tensor* lse,
+                                              const flashlm_attention_options* options) {
+  return guarded([&] {
+    FLASHLM_CHECK(index != nullptr, "index: null flashlm_kvcache_index pointer");
+    flashlm::KvCacheIndex ix;
+    ix.cache_seqlens = index->cache_seqlens;
+    ix.block_table = index->block_table;
+    ix.max_pages = index->max_pages;
+    ix.block_table_stride = index->block_table_stride;
+    // NULL stands for an absent tensor (k_new and v_new together, lse).
+    const auto optional_view = [](const flashlm_tensor* t, const char* name) {
+      return t == nullptr ? flashlm::TensorView{} : to_view(t, name);
+    };
+    flashlm::flash_attention_with_kvcache(to_view(q, "q"), to_view(k_cache, "k_cache"), to_view(v_cache, "v_cache"),
+                                          ix, optional_view(k_new, "k_new"), optional_view(v_new, "v_new"),
+                                          to_view(o, "o"), optional_view(lse, "lse"), to_options(options));
+  });
+}
+
 const char* flashlm_last_error(void) { return g_last_error.c_str(); }
 
 const char* flashlm_version(void) { return FLASHLM_VERSION; }

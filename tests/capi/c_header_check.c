@@ -75,6 +75,24 @@ int main(void) {
     if (!strstr(flashlm_last_error(), "cu_seqlens_q: the offsets decrease at sequence 1"))
       return fprintf(stderr, "%s\n", flashlm_last_error()), 1;
   }
+  /* KV cache: a contiguous cache [1, 4, 1, 8] holding 2 keys, one new row appended at position 2, one query
+   * (NULL lse). The appended row must land in the cache; a missing index is refused. */
+  {
+    static float kc[4 * 8], vc[4 * 8], kn[8], vn[8], q1[8], o1[8];
+    static const int32_t lens[1] = {2};
+    for (int i = 0; i < 4 * 8; ++i) kc[i] = (float)cos(0.11 * i), vc[i] = (float)sin(0.23 * i);
+    for (int i = 0; i < 8; ++i) kn[i] = 0.5f + (float)i, vn[i] = -1.0f - (float)i, q1[i] = (float)sin(0.7 * i);
+    flashlm_tensor tkc = view4(kc, 1, 4, 1, 8), tvc = view4(vc, 1, 4, 1, 8), tkn = view4(kn, 1, 1, 1, 8);
+    flashlm_tensor tvn = view4(vn, 1, 1, 1, 8), tq1 = view4(q1, 1, 1, 1, 8), to1 = view4(o1, 1, 1, 1, 8);
+    flashlm_kvcache_index index = {lens, NULL, 0, 0};
+    if (flashlm_attention_with_kvcache(&tq1, &tkc, &tvc, &index, &tkn, &tvn, &to1, NULL, &opt) != FLASHLM_OK)
+      return fprintf(stderr, "with_kvcache failed: %s\n", flashlm_last_error()), 1;
+    if (kc[2 * 8 + 3] != kn[3] || vc[2 * 8 + 5] != vn[5])
+      return fprintf(stderr, "with_kvcache: the new row is not in the cache\n"), 1;
+    if (flashlm_attention_with_kvcache(&tq1, &tkc, &tvc, NULL, NULL, NULL, &to1, NULL, &opt) != FLASHLM_INVALID_ARGUMENT)
+      return 1;
+    if (!strstr(flashlm_last_error(), "index: null")) return fprintf(stderr, "%s\n", flashlm_last_error()), 1;
+  }
   printf("flashlm %s, C ABI %d: ok\n", flashlm_version(), flashlm_abi_version());
   return 0;
 }
