@@ -375,7 +375,7 @@ TrainResult train(const TrainConfig& cfg) {
   say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}{}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
                   model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
-                  device_name(cfg.device), precision_name(cfg.precision, cfg.options.bf16_pure),
+                  device_name(cfg.device), precision_name(cfg.precision, cfg.options.bf16_pure, cfg.options.fp8),
                   cfg.options.optimizer_state == OptimizerState::fp32
                       ? std::string()
                       : fmt::format(" with {} AdamW moments", optimizer_state_name(cfg.options.optimizer_state)),
