@@ -34,6 +34,7 @@ __device__ __forceinline__ uint8_t encode(float v, Fp8Format format) {
       __nv_cvt_float_to_fp8(v, __NV_SATFINITE, format == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2));
 }
 
+constexpr unsigned kAmaxBlocks = 1024;
 constexpr int kTile = 32;      // the cast's tile: kTile × kTile elements
 constexpr int kTileRows = 8;   // threads per tile column: the block is kTile × kTileRows
 
@@ -78,8 +79,9 @@ void fp8_amax(const T* x, int64_t count, float* amax, void* stream) {
   FLASHLM_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), as_stream(stream)), "fp8_amax: cudaMemsetAsync");
   if (count == 0) return;
   FLASHLM_CHECK(x != nullptr, "fp8_amax: x is null");
-  fp8_amax_kernel<<<elementwise_blocks(count), kThreads, 0, as_stream(stream)>>>(dev(x), count,
-                                                                                reinterpret_cast<uint32_t*>(amax));
+  // At most kAmaxBlocks blocks (one atomic each), grid-striding over the rest.
+  const unsigned blocks = std::min(elementwise_blocks(count), kAmaxBlocks);
+  fp8_amax_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(dev(x), count, reinterpret_cast<uint32_t*>(amax));
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_amax_kernel");
 }
 
