@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "flashlm/dtype.h"
@@ -45,6 +46,17 @@ uint8_t nearest_by_search(float v, Fp8Format f) {
     if (err < best_err || (err == best_err && (b & 1u) == 0)) best = b, best_err = err;
   }
   return static_cast<uint8_t>(best | (std::signbit(v) ? 0x80u : 0u));
+}
+
+// fn() throws an Error whose message contains `part`.
+template <class Fn>
+void expect_error(Fn&& fn, const std::string& part) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one saying '" << part << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
@@ -241,20 +253,21 @@ TEST(Fp8, PrecisionParsesAndTheCpuRefusesIt) {
   EXPECT_TRUE(fp8);
   parse_precision("bf16", dtype, pure, fp8);
   EXPECT_FALSE(fp8);
-  EXPECT_THROW(parse_precision("fp8", dtype, pure), InvalidArgument);  // commands without FP8
+  expect_error([&] { parse_precision("fp8", dtype, pure); }, "this command takes");  // commands without FP8
+  expect_error([&] { parse_precision("fp64", dtype, pure, fp8); }, "bf16-pure or fp8");
   EXPECT_EQ(precision_name(DType::bf16, false, true), "fp8");
   EXPECT_EQ(parse_fp8_format("e4m3"), Fp8Format::e4m3);
   EXPECT_EQ(parse_fp8_format("e5m2"), Fp8Format::e5m2);
-  EXPECT_THROW(parse_fp8_format("e3m4"), InvalidArgument);
+  expect_error([] { parse_fp8_format("e3m4"); }, "expected e4m3 or e5m2");
 
   ModelConfig c = ModelConfig::named("tiny", 64, 128);
   ModelOptions o;
   o.fp8 = true;
-  EXPECT_THROW(make_model(c, 1, 16, Device::cpu, DType::f32, o), Error);
-  EXPECT_THROW(plan_model_memory(c, 1, 16, Device::cpu, DType::f32, o), Error);
-  EXPECT_THROW(plan_model_memory(c, 1, 16, Device::cuda, DType::f32, o), Error);  // fp8 is bf16's
+  expect_error([&] { make_model(c, 1, 16, Device::cpu, DType::f32, o); }, "the CPU engine runs fp32, not fp8");
+  expect_error([&] { plan_model_memory(c, 1, 16, Device::cpu, DType::f32, o); }, "fp8 is a CUDA precision");
+  expect_error([&] { plan_model_memory(c, 1, 16, Device::cuda, DType::f32, o); }, "not with fp32");  // bf16's
   o.bf16_pure = true;
-  EXPECT_THROW(plan_model_memory(c, 1, 16, Device::cuda, DType::bf16, o), Error);
+  expect_error([&] { plan_model_memory(c, 1, 16, Device::cuda, DType::bf16, o); }, "not with bf16-pure");
   o.bf16_pure = false;
   const MemoryPlan with = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
   o.fp8 = false;

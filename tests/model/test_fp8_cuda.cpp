@@ -103,6 +103,17 @@ std::vector<float> transposed(const std::vector<float>& a, int64_t rows, int64_t
   return t;
 }
 
+// fn() throws an Error whose message contains `part`.
+template <class Fn>
+void expect_error(Fn&& fn, const std::string& part) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one saying '" << part << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------
@@ -304,20 +315,18 @@ TEST(Fp8Gemm, BadArgumentsAreErrors) {
   alignas(16) static uint8_t a[256], b[256], d[1024];
   static float scale[2] = {1.0f, 1.0f};
   const Fp8Operand p{a, Fp8Format::e4m3, scale}, q{b, Fp8Format::e4m3, scale};
-  EXPECT_THROW(fp8_gemm_cuda({a, Fp8Format::e5m2, scale}, {b, Fp8Format::e5m2, scale}, d, DType::bf16, 16, 16, 16,
-                             0.0f, nullptr, nullptr),
-               Error);
-  EXPECT_THROW(fp8_gemm_cuda(p, q, d, DType::bf16, 8, 16, 16, 0.0f, nullptr, nullptr), Error);   // rows % 16
-  EXPECT_THROW(fp8_gemm_cuda(p, q, d, DType::bf16, 16, 16, 24, 0.0f, nullptr, nullptr), Error);  // k % 16
-  EXPECT_THROW(fp8_gemm_cuda(p, q, d, DType::f16, 16, 16, 16, 0.0f, nullptr, nullptr), Error);   // out type
-  EXPECT_THROW(fp8_gemm_cuda(p, q, d, DType::bf16, 16, 16, 16, 0.5f, nullptr, nullptr), Error);  // beta
-  EXPECT_THROW(fp8_gemm_cuda({a + 1, Fp8Format::e4m3, scale}, q, d, DType::bf16, 16, 16, 16, 0.0f, nullptr, nullptr),
-               Error);  // alignment
-  EXPECT_THROW(fp8_gemm_cuda({nullptr, Fp8Format::e4m3, scale}, q, d, DType::bf16, 16, 16, 16, 0.0f, nullptr, nullptr),
-               Error);
-  EXPECT_THROW(fp8_gemm_cuda({a, Fp8Format::e4m3, nullptr}, q, d, DType::bf16, 16, 16, 16, 0.0f, nullptr, nullptr),
-               Error);
-  EXPECT_THROW(fp8_gemm_cuda(p, q, a, DType::bf16, 16, 16, 16, 0.0f, nullptr, nullptr), Error);  // d overlaps p
+  const auto gemm = [&](const Fp8Operand& pp, const Fp8Operand& qq, void* dd, DType out, int64_t rows, int64_t k,
+                        float beta) { fp8_gemm_cuda(pp, qq, dd, out, rows, 16, k, beta, nullptr, nullptr); };
+  expect_error([&] { gemm({a, Fp8Format::e5m2, scale}, {b, Fp8Format::e5m2, scale}, d, DType::bf16, 16, 16, 0); },
+               "both e5m2");
+  expect_error([&] { gemm(p, q, d, DType::bf16, 8, 16, 0); }, "multiples of 16");
+  expect_error([&] { gemm(p, q, d, DType::bf16, 16, 24, 0); }, "multiples of 16");
+  expect_error([&] { gemm(p, q, d, DType::f16, 16, 16, 0); }, "expected bf16 or fp32");
+  expect_error([&] { gemm(p, q, d, DType::bf16, 16, 16, 0.5f); }, "expected 0 or 1");
+  expect_error([&] { gemm({a + 1, Fp8Format::e4m3, scale}, q, d, DType::bf16, 16, 16, 0); }, "16-byte aligned");
+  expect_error([&] { gemm({nullptr, Fp8Format::e4m3, scale}, q, d, DType::bf16, 16, 16, 0); }, "p is null");
+  expect_error([&] { gemm({a, Fp8Format::e4m3, nullptr}, q, d, DType::bf16, 16, 16, 0); }, "p.dequant is null");
+  expect_error([&] { gemm(p, q, a, DType::bf16, 16, 16, 0); }, "overlap");
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -426,9 +435,9 @@ TEST(Fp8Linear, RefusesShapesTheFp8GemmsCannotTake) {
   ModelConfig c = ModelConfig::named("tiny", 64, 128);
   c.d_model = 64;
   c.d_ff = 168;  // a multiple of 8, not of 16
-  EXPECT_THROW(Fp8Linear(c, 64, Fp8Format::e5m2), Error);
+  expect_error([&] { Fp8Linear bad(c, 64, Fp8Format::e5m2); }, "multiples of 16");
   c.d_ff = 160;
-  EXPECT_THROW(Fp8Linear(c, 40, Fp8Format::e5m2), Error);  // tokens not a multiple of 16
+  expect_error([&] { Fp8Linear bad(c, 40, Fp8Format::e5m2); }, "must be a multiple of 16");  // tokens
   EXPECT_NO_THROW(Fp8Linear(c, 48, Fp8Format::e5m2));
 }
 

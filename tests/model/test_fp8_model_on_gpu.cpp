@@ -250,7 +250,12 @@ TEST(CudaModelFp8, BadConfigurationsAreErrors) {
   o.bf16_pure = true;
   EXPECT_THROW(CudaModel(c, 2, 64, DType::bf16, o), Error);
   o.bf16_pure = false;
-  EXPECT_THROW(CudaModel(c, 1, 60, DType::bf16, o), Error);  // 60 tokens: not a multiple of 16
+  try {
+    CudaModel bad(c, 1, 60, DType::bf16, o);  // 60 tokens: not a multiple of 16
+    ADD_FAILURE() << "60 tokens accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("must be a multiple of 16"), std::string::npos) << e.what();
+  }
   ModelConfig odd = c;
   odd.d_ff = 168;  // a multiple of 8 (bf16 is fine), not of 16
   EXPECT_NO_THROW(CudaModel(odd, 2, 64, DType::bf16));
