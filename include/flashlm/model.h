@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "flashlm/attention.h"
+#include "flashlm/fp8.h"
 #include "flashlm/tensor.h"
 
 namespace flashlm {

@@ -35,12 +35,4 @@ DType parse_dtype(std::string_view name) {
   fail_argument("unknown dtype '{}': expected one of fp64, fp32, fp16, bf16, fp8_e4m3", name);
 }
 
-std::string_view fp8_format_name(Fp8Format f) { return f == Fp8Format::e4m3 ? "e4m3" : "e5m2"; }
-
-Fp8Format parse_fp8_format(std::string_view name) {
-  if (name == "e4m3") return Fp8Format::e4m3;
-  if (name == "e5m2") return Fp8Format::e5m2;
-  fail_argument("unknown FP8 format '{}': expected e4m3 or e5m2", name);
-}
-
 }  // namespace flashlm

@@ -9,6 +9,14 @@
 
 namespace flashlm {
 
+std::string_view fp8_format_name(Fp8Format f) { return f == Fp8Format::e4m3 ? "e4m3" : "e5m2"; }
+
+Fp8Format parse_fp8_format(std::string_view name) {
+  if (name == "e4m3") return Fp8Format::e4m3;
+  if (name == "e5m2") return Fp8Format::e5m2;
+  fail_argument("unknown FP8 format '{}': expected e4m3 or e5m2", name);
+}
+
 uint8_t fp8_encode(float v, Fp8Format f) {
   return f == Fp8Format::e4m3 ? f8e4m3_t::from_float(v) : f8e5m2_t::from_float(v);
 }

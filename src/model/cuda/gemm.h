@@ -34,6 +34,7 @@
 
 #include "core/gemm_sm_reserve.h"  // the SM reserve the plans honour
 #include "flashlm/dtype.h"
+#include "flashlm/fp8.h"
 
 namespace flashlm {
 
