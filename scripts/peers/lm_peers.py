@@ -5,6 +5,7 @@
   python3 scripts/peers/compare.py lm ours-lm.json peers-lm.json --peer torch-eager --peer torch-compile
   # FP8 (flashlm bench --precision fp8), small and xl at context 512, batch 4:
   python3 scripts/peers/lm_peers.py --models small,xl --modes bf16-compile,fp8,fp8-compile --out peers-fp8.json
+  # (ours: flashlm bench --device cuda --model small,xl --precision bf16,fp8 --format json --out ours-fp8.json)
   # the CS336 leaderboard step (cs336-8b, bf16 parameters and AdamW state, 2 x 32768, every block checkpointed):
   python3 scripts/peers/lm_peers.py --models cs336-8b --context 32768 --batch 2 --modes bf16-pure \\
       --checkpoint --passes step --warmup 1 --steps 2 --out peers-leaderboard.json

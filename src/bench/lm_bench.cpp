@@ -206,7 +206,8 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             r.context = ctx;
             r.batch = cfg.batch;
             r.precision = precision_name(precision, bf16_pure, fp8);
-            if (fp8) r.precision += fmt::format(" ({} gradients)", fp8_format_name(cfg.options.fp8_gradients));
+            // FP8 names its gradients' format after a comma, as the moments below (compare.py matches "fp8").
+            if (fp8) r.precision += fmt::format(", {} gradients", fp8_format_name(cfg.options.fp8_gradients));
             // fp32 masters with bf16 moments: the row says so ("bf16, bf16-sr moments").
             if (!bf16_pure && cfg.options.optimizer_state != OptimizerState::fp32) {
               r.precision += fmt::format(", {} moments", optimizer_state_name(cfg.options.optimizer_state));
