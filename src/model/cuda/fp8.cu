@@ -28,10 +28,10 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const D* __restrict_
   }
 }
 
-__device__ __forceinline__ uint8_t encode(float v, Fp8Format format) {
+template <Fp8Format F>
+__device__ __forceinline__ uint8_t encode(float v) {
   // Round to nearest even, saturating to the largest finite value (infinities too); NaN stays NaN.
-  return static_cast<uint8_t>(
-      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, format == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2));
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2));
 }
 
 constexpr unsigned kAmaxBlocks = 1024;
@@ -41,13 +41,13 @@ constexpr int kTileRows = 8;   // threads per tile column: the block is kTile ×
 // One block per kTile × kTile tile (grid-striding over tile rows past the grid's): each element scaled and
 // rounded once, written straight (coalesced along cols) and, through shared memory, transposed (coalesced
 // along rows).
-template <class D>
+template <class D, Fp8Format F>
 __global__ void __launch_bounds__(kTile* kTileRows)
     fp8_cast_kernel(const D* __restrict__ x, int64_t rows, int64_t cols, int64_t tile_rows,
-                    const float* __restrict__ amax, Fp8Format format, uint8_t* __restrict__ q,
-                    uint8_t* __restrict__ qt, float* __restrict__ dequant) {
+                    const float* __restrict__ amax, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                    float* __restrict__ dequant) {
   __shared__ uint8_t tile[kTile][kTile + 1];
-  const float scale = fp8_scale(*amax, format);
+  const float scale = fp8_scale(*amax, F);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *dequant = fp8_dequant_scale(scale);
   const int64_t c0 = int64_t{blockIdx.x} * kTile;
   for (int64_t tr = blockIdx.y; tr < tile_rows; tr += gridDim.y) {
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kTile* kTileRows)
     for (int i = threadIdx.y; i < kTile; i += kTileRows) {
       const int64_t r = r0 + i, c = c0 + threadIdx.x;
       if (r < rows && c < cols) {
-        const uint8_t v = encode(f32(x[r * cols + c]) * scale, format);
+        const uint8_t v = encode<F>(f32(x[r * cols + c]) * scale);
         if (q) q[r * cols + c] = v;
         tile[i][threadIdx.x] = v;
       }
@@ -95,8 +95,14 @@ void fp8_cast(const T* x, int64_t rows, int64_t cols, const float* amax, Fp8Form
   const int64_t tile_cols = ceil_div(cols, kTile), tile_rows = ceil_div(rows, kTile);
   FLASHLM_CHECK(tile_cols <= INT32_MAX, "fp8_cast: cols = {}: too many", cols);
   const dim3 grid(unsigned(tile_cols), unsigned(std::min<int64_t>(tile_rows, 65535)));
-  fp8_cast_kernel<<<grid, dim3(kTile, kTileRows), 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, format,
-                                                                          q, qt, dequant);
+  const dim3 block(kTile, kTileRows);
+  if (format == Fp8Format::e4m3) {
+    fp8_cast_kernel<std::remove_const_t<std::remove_pointer_t<decltype(dev(x))>>, Fp8Format::e4m3>
+        <<<grid, block, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
+  } else {
+    fp8_cast_kernel<std::remove_const_t<std::remove_pointer_t<decltype(dev(x))>>, Fp8Format::e5m2>
+        <<<grid, block, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
+  }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_cast_kernel");
 }
 

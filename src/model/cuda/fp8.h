@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "flashlm/dtype.h"
+#include "flashlm/fp8.h"
 
 namespace flashlm::gpu {
 
