@@ -102,17 +102,19 @@ flashlm::Device device_or_default(const std::string& device) {
 }
 
 void resolve_device_and_precision(const std::string& device, const std::string& precision, flashlm::Device& dev,
-                                  flashlm::DType& dtype, bool* bf16_pure) {
+                                  flashlm::DType& dtype, bool* bf16_pure, bool* fp8) {
   using namespace flashlm;
-  bool pure = false;
+  bool pure = false, eight = false;
   dev = device_or_default(device);
   dtype = dev == Device::cuda ? DType::bf16 : DType::f32;
-  if (!precision.empty()) parse_precision(precision, dtype, pure);
+  if (!precision.empty()) parse_precision(precision, dtype, pure, eight);
   if (pure && !bf16_pure) throw InvalidArgument("--precision bf16-pure: this command takes fp32, bf16 or fp16");
+  if (eight && !fp8) throw InvalidArgument("--precision fp8: this command takes fp32, bf16 or fp16");
   if (bf16_pure) *bf16_pure = pure;
+  if (fp8) *fp8 = eight;
   require_usable_device(dev);
-  if (dev == Device::cpu && (dtype != DType::f32 || pure)) {
-    throw InvalidArgument(fmt::format("--precision {}: the CPU engine runs fp32", precision_name(dtype, pure)));
+  if (dev == Device::cpu && (dtype != DType::f32 || pure || eight)) {
+    throw InvalidArgument(fmt::format("--precision {}: the CPU engine runs fp32", precision_name(dtype, pure, eight)));
   }
 }
 
@@ -144,6 +146,14 @@ void add_model_options(CLI::App* cmd, flashlm::ModelOptions& o, ModelOptionFlags
          "stochastically, seeded by the run). Not with bf16-pure, ZeRO-1 or FSDP")
       ->default_str(std::string(optimizer_state_name(o.optimizer_state)))
       ->check(CLI::IsMember({"fp32", "bf16", "bf16-sr"}));
+  if (flags.fp8) {
+    cmd->add_option_function<std::string>(
+         "--fp8-gradients", [&o](const std::string& s) { o.fp8_gradients = parse_fp8_format(s); },
+         "--precision fp8: the FP8 format of the output gradients in the backward GEMMs: e5m2 (more range) or e4m3 "
+         "(more precision); weights and activations are always e4m3")
+      ->default_str(std::string(fp8_format_name(o.fp8_gradients)))
+      ->check(CLI::IsMember({"e4m3", "e5m2"}));
+  }
   if (flags.cuda_graph) {
     cmd->add_option_function<std::string>(
            "--cuda-graph", [&o](const std::string& s) { o.cuda_graph = s == "on"; },

@@ -87,7 +87,7 @@ flashlm::Device device_or_default(const std::string& device);
 // --device as above; --precision default: bf16 on cuda, fp32 on the CPU. The CPU runs fp32 only; a device
 // that cannot be used is a usage error.
 void resolve_device_and_precision(const std::string& device, const std::string& precision, flashlm::Device& dev,
-                                  flashlm::DType& dtype, bool* bf16_pure = nullptr);
+                                  flashlm::DType& dtype, bool* bf16_pure = nullptr, bool* fp8 = nullptr);
 
 // Which of the model options a command declares beside --recompute, --head-chunk, --atomic-attention-backward
 // and --optimizer-state.
@@ -95,6 +95,7 @@ struct ModelOptionFlags {
   bool attention = false;          // --attention flash|naive (bench takes a list of its own)
   bool cuda_graph = false;         // --cuda-graph on|off
   bool overlap_grad_norm = false;  // --overlap-grad-norm
+  bool fp8 = false;                // --fp8-gradients e4m3|e5m2 (the commands that take --precision fp8)
 };
 // The model options (flashlm::ModelOptions) on the command line, bound to `options`; declared once here for
 // train, bench and ddp-bench.

@@ -51,8 +51,8 @@ int run(BenchArgs& a) {
   cfg.precisions = split_list(a.precision);
   for (const auto& p : cfg.precisions) {
     DType dtype;
-    bool pure;
-    parse_precision(p, dtype, pure);
+    bool pure, fp8;
+    parse_precision(p, dtype, pure, fp8);
   }
   cfg.attention = parse_list<AttentionImpl>("--attention", a.attention,
                                             [](const std::string& s) { return parse_attention_impl(s); });
@@ -119,9 +119,9 @@ Command add_bench_command(CLI::App& app) {
                         ->check(in_range(int64_t{2}, kMaxVocab));
   cmd->add_option("--precision", a->precision,
                   "Comma list of fp32, bf16 (fp32 masters), fp16, bf16-pure (parameters, gradients and AdamW moments "
-                  "in bf16)")
+                  "in bf16), fp8 (bf16 with the blocks' linear layers as FP8 GEMMs, tensorwise scaled)")
       ->capture_default_str();
-  add_model_options(cmd, cfg.options, {.cuda_graph = true, .overlap_grad_norm = true});
+  add_model_options(cmd, cfg.options, {.cuda_graph = true, .overlap_grad_norm = true, .fp8 = true});
   cmd->add_option("--attention", a->attention, "Comma list of flash,naive")->capture_default_str();
   cmd->add_option("--pass", a->pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
   cmd->add_option("--warmup", cfg.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));

@@ -43,7 +43,8 @@ flashlm::ModelConfig model_config(const TrainArgs& a) {
 int run(TrainArgs& a) {
   using namespace flashlm;
   TrainConfig& cfg = a.cfg;
-  resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.options.bf16_pure);
+  resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.options.bf16_pure,
+                               &cfg.options.fp8);
   cfg.options.check_optimizer_state();
   cfg.model = model_config(a);
   cfg.seq = cfg.model.context;
@@ -171,9 +172,10 @@ Command add_train_command(CLI::App& app) {
       ->check(in_range(uint64_t{0}, uint64_t{INT64_MAX}));
   cmd->add_option("--device", a->device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--precision", a->precision,
-                  "fp32, bf16 (fp32 masters), fp16 or bf16-pure (parameters, gradients and AdamW moments in bf16) "
-                  "(default: bf16 on cuda, fp32 on cpu)");
-  add_model_options(cmd, cfg.options, {.attention = true, .cuda_graph = true});
+                  "fp32, bf16 (fp32 masters), fp16, bf16-pure (parameters, gradients and AdamW moments in bf16) or "
+                  "fp8 (bf16 with the blocks' linear layers as FP8 GEMMs, tensorwise scaled; cuda) (default: bf16 on "
+                  "cuda, fp32 on cpu)");
+  add_model_options(cmd, cfg.options, {.attention = true, .cuda_graph = true, .fp8 = true});
   add_threads_option(cmd, a->threads);
   cmd->add_option("--ddp", a->ddp,
                   "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async, "

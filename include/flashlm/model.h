@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "flashlm/attention.h"
+#include "flashlm/fp8.h"
 #include "flashlm/tensor.h"
 
 namespace flashlm {
@@ -116,6 +117,17 @@ struct ModelOptions {
   // runs eagerly, saying why (CudaModel::cuda_graph_status), where a step cannot be captured: fp16's loss
   // scaling, data-parallel hooks, profiled ranges, or a capture that failed. false: always eager.
   bool cuda_graph = true;
+  // CUDA, bf16 mixed precision only (--precision fp8): every linear layer of the blocks (q/k/v, output
+  // projection, w1/w2/w3; not the LM head, nor attention) computes its forward GEMM and both backward GEMMs
+  // in FP8 through cuBLASLt, each operand scaled tensorwise by fp8_max / amax of the tensor now (torchao's
+  // "tensorwise" recipe; src/model/fp8.h): weights and activations in e4m3, the output gradients in
+  // fp8_gradients' format. The scales are computed on the device each step, so the step stays one CUDA
+  // graph and keeps no FP8 state between steps (a checkpoint is a bf16 run's). Needs d_model, d_ff and
+  // batch · seq to be multiples of 16.
+  bool fp8 = false;
+  Fp8Format fp8_gradients = Fp8Format::e5m2;
+  // fp8 needs precision bf16 without bf16_pure: an Error otherwise (the models and the memory plan check it).
+  void check_fp8(DType precision) const;
   // optimizer_state other than fp32 needs fp32 masters: with bf16_pure it is an Error (the models and the
   // memory plan check it).
   void check_optimizer_state() const;
@@ -126,9 +138,11 @@ struct ModelOptions {
   }
 };
 
-// "fp32", "bf16", "fp16" or "bf16-pure" into (dtype, bf16_pure).
+// "fp32", "bf16", "fp16", "bf16-pure" or "fp8" into (dtype, bf16_pure, fp8): fp8 is dtype bf16 with
+// ModelOptions::fp8. The three-argument form is for commands without FP8 and refuses "fp8".
+void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure, bool& fp8);
 void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure);
-std::string precision_name(DType dtype, bool bf16_pure);
+std::string precision_name(DType dtype, bool bf16_pure, bool fp8 = false);
 
 // What a model will allocate, by kind, computed before anything is allocated with the arithmetic the
 // models size their buffers with.

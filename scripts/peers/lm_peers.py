@@ -3,12 +3,17 @@
 
   python3 scripts/peers/lm_peers.py --models small,xl --modes bf16,bf16-compile --out peers-lm.json
   python3 scripts/peers/compare.py lm ours-lm.json peers-lm.json --peer torch-eager --peer torch-compile
+  # FP8 (flashlm bench --precision fp8), small and xl at context 512, batch 4:
+  python3 scripts/peers/lm_peers.py --models small,xl --modes bf16-compile,fp8,fp8-compile --out peers-fp8.json
+  # (ours: flashlm bench --device cuda --model small,xl --precision bf16,fp8 --format json --out ours-fp8.json)
   # the CS336 leaderboard step (cs336-8b, bf16 parameters and AdamW state, 2 x 32768, every block checkpointed):
   python3 scripts/peers/lm_peers.py --models cs336-8b --context 32768 --batch 2 --modes bf16-pure \\
       --checkpoint --passes step --warmup 1 --steps 2 --out peers-leaderboard.json
 
 Modes: fp32; bf16 (autocast: fp32 parameters and AdamW state, bf16 compute: flashlm's --precision bf16);
-bf16-pure (model.to(bfloat16): --precision bf16-pure); each with "-compile" for torch.compile. Passes: fwd
+bf16-pure (model.to(bfloat16): --precision bf16-pure); fp8 (bf16 autocast with the blocks' linear layers as
+FP8 GEMMs through torch._scaled_mm, tensorwise scaled: --precision fp8; fp8_linear.py, --fp8-gradients);
+each with "-compile" for torch.compile. Passes: fwd
 (forward + loss), fwd-bwd, step (+ fused AdamW on CUDA). --checkpoint puts every block and LM-head chunk
 under torch.utils.checkpoint (flashlm's --recompute blocks). Records carry bench's fields (model, context,
 batch, precision, pass, mean/std/median ms, tokens/s, MFU by SPEC's and the useful count, peak MiB) and
@@ -21,6 +26,7 @@ import torch
 
 from common import is_oom, moments, pick_device, time_ms, write_report
 from cs336_lm import LM, PEAK_FLOPS, SIZES
+from fp8_linear import convert_blocks
 
 
 def measure(size, mode, pass_name, a, device):
@@ -35,6 +41,8 @@ def measure(size, mode, pass_name, a, device):
         model = LM(size, a.context, a.layers, a.checkpoint).to(device)
         if precision == "bf16-pure":
             model.to(torch.bfloat16)
+        if precision == "fp8":
+            convert_blocks(model, a.fp8_gradients)
         fused = {"fused": True} if device.type == "cuda" else {}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
         tokens = torch.randint(0, model.vocab, (a.batch, a.context), device=device)
@@ -45,7 +53,7 @@ def measure(size, mode, pass_name, a, device):
             # may count against Dynamo's recompile limit or turn shapes dynamic.
             torch._dynamo.reset()
         loss_fn = torch.compile(model.loss, dynamic=False) if compiled else model.loss
-        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision in ("bf16", "fp8")
                     else contextlib.nullcontext())
 
         def run():
@@ -87,10 +95,12 @@ def main():
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--fp8-gradients", default="e5m2", choices=["e5m2", "e4m3"],
+                    help="fp8 modes: the output gradients' FP8 format")
     ap.add_argument("--out", default="-")
     a = ap.parse_args()
     device = pick_device(a.device)
-    modes = {"fp32", "bf16", "bf16-pure"}
+    modes = {"fp32", "bf16", "bf16-pure", "fp8"}
     records = []
     for size in a.models.split(","):
         if size not in SIZES:

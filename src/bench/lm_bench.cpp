@@ -32,12 +32,13 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 // Times every requested pass of one (model, context, precision, attention) configuration. Each timed
 // step ends with a device synchronisation, so host time is the step's time on either device.
-void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, bool bf16_pure, AttentionImpl impl,
-             std::vector<LmBenchRecord*>& rows) {
+void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, bool bf16_pure, bool fp8,
+             AttentionImpl impl, std::vector<LmBenchRecord*>& rows) {
   const Device dev = cfg.device;
   ModelOptions options = cfg.options;
   options.attention = impl;
   options.bf16_pure = bf16_pure;
+  options.fp8 = fp8;
   // bf16-pure keeps bf16 moments by itself (ModelOptions::check_optimizer_state).
   if (bf16_pure) options.optimizer_state = OptimizerState::fp32;
   options.moment_rounding_seed = 1;  // the seed of the weights below
@@ -50,7 +51,7 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
   }
   if (cfg.progress) {
     cfg.progress(fmt::format("memory plan: {} ctx {} batch {} {}, recompute {}\n{}", rows.front()->model, mc.context,
-                             cfg.batch, precision_name(precision, bf16_pure), plan.recompute.name(), plan.format()));
+                             cfg.batch, precision_name(precision, bf16_pure, fp8), plan.recompute.name(), plan.format()));
   }
   check_memory_plan(plan, available, "the GPU");
   const int64_t base = memory_stats(dev).current_bytes;
@@ -195,8 +196,8 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
       }
       for (const std::string& precision_text : cfg.precisions) {
         DType precision;
-        bool bf16_pure;
-        parse_precision(precision_text, precision, bf16_pure);
+        bool bf16_pure, fp8;
+        parse_precision(precision_text, precision, bf16_pure, fp8);
         for (AttentionImpl impl : cfg.attention) {
           const size_t first = records.size();
           for (const auto& pass : cfg.passes) {
@@ -204,7 +205,9 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             r.model = name;
             r.context = ctx;
             r.batch = cfg.batch;
-            r.precision = precision_name(precision, bf16_pure);
+            r.precision = precision_name(precision, bf16_pure, fp8);
+            // FP8 names its gradients' format after a comma, as the moments below (compare.py matches "fp8").
+            if (fp8) r.precision += fmt::format(", {} gradients", fp8_format_name(cfg.options.fp8_gradients));
             // fp32 masters with bf16 moments: the row says so ("bf16, bf16-sr moments").
             if (!bf16_pure && cfg.options.optimizer_state != OptimizerState::fp32) {
               r.precision += fmt::format(", {} moments", optimizer_state_name(cfg.options.optimizer_state));
@@ -219,11 +222,11 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
           auto mark = [&](const std::string& status, const std::string& message) {
             for (LmBenchRecord* r : rows) r->status = status, r->message = message;
           };
-          if (cfg.device == Device::cpu && (precision != DType::f32 || bf16_pure)) {
-            mark("unsupported", "the CPU engine runs fp32; bf16, fp16 and bf16-pure are CUDA precisions");
+          if (cfg.device == Device::cpu && (precision != DType::f32 || bf16_pure || fp8)) {
+            mark("unsupported", "the CPU engine runs fp32; bf16, fp16, bf16-pure and fp8 are CUDA precisions");
           } else {
             try {
-              measure(cfg, mc, precision, bf16_pure, impl, rows);
+              measure(cfg, mc, precision, bf16_pure, fp8, impl, rows);
             } catch (const OutOfMemory& e) {
               mark("oom", e.what());
             } catch (const std::bad_alloc&) {
@@ -236,7 +239,7 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
           report_tuning();
           if (cfg.progress) {
             std::string line = fmt::format("[{}/{}] {} ctx {} {} {} recompute {}:", done, total, name, ctx,
-                                           precision_name(precision, bf16_pure), attention_impl_name(impl),
+                                           precision_name(precision, bf16_pure, fp8), attention_impl_name(impl),
                                            rows.front()->recompute);
             for (LmBenchRecord* r : rows) {
               line += r->mean_ms ? fmt::format(" {} {:.1f} ms", r->pass, *r->mean_ms) : fmt::format(" {} {}", r->pass, r->status);

@@ -49,6 +49,16 @@ ActivationLayout layout_activations(const ModelConfig& c, int64_t batch, int64_t
 // [n, d_ff] ones.
 int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
 
+// --precision fp8 on CUDA: the FP8 copies of one linear layer's operands (model/cuda/fp8_linear.h), as byte
+// offsets into one buffer: `act` (x in the forward, dy in the backward) and `act_t` (dyᵀ), `act_x_t` (xᵀ),
+// each [tokens, widest feature count] bytes; `weight` (w or wᵀ), the largest linear weight; `scales`, the
+// device fp32 amax and dequantisation scale of three operands. Each region starts 256-byte aligned.
+struct Fp8ScratchLayout {
+  int64_t act = 0, act_t = 0, act_x_t = 0, weight = 0, scales = 0, bytes = 0;
+  int64_t act_capacity = 0, weight_capacity = 0;  // bytes of each activation region and of the weight region
+};
+Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens);
+
 // bf16-pure on CUDA: the fp32 elements of the staging buffer a backward accumulates one gradient in — the
 // largest parameter, or the q, k and v weights together (3 · d_model², one GEMM's weight gradient) if larger.
 int64_t gradient_staging_elements(const ModelConfig& c);

@@ -59,6 +59,7 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   FLASHLM_CHECK(seq >= 1 && seq <= config.context, "CpuModel: seq = {} outside [1, context = {}]", seq,
                 config.context);
   FLASHLM_CHECK(!options.bf16_pure, "CpuModel: the CPU engine runs fp32, not bf16-pure");
+  FLASHLM_CHECK(!options.fp8, "CpuModel: the CPU engine runs fp32, not fp8 (cuBLASLt's FP8 GEMMs: --device cuda)");
   options.check_optimizer_state();
   s.n_params = s.layout.back().offset + s.layout.back().numel();
   init_optimizer_state(options.optimizer_state, false, s.n_params, Device::cpu, false);

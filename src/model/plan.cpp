@@ -42,15 +42,22 @@ std::string RecomputePlan::name() const {
   return "?";
 }
 
-void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure) {
+void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure, bool& fp8) {
   bf16_pure = text == "bf16-pure";
-  if (bf16_pure) {
+  fp8 = text == "fp8";  // not parse_dtype's "fp8" (the e4m3 dtype): the FP8 GEMMs over bf16 mixed precision
+  if (bf16_pure || fp8) {
     dtype = DType::bf16;
     return;
   }
   dtype = parse_dtype(text);
   FLASHLM_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16,
-                    "precision: '{}': expected fp32, bf16, fp16 or bf16-pure", text);
+                    "precision: '{}': expected fp32, bf16, fp16, bf16-pure or fp8", text);
+}
+
+void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure) {
+  bool fp8 = false;
+  parse_precision(text, dtype, bf16_pure, fp8);
+  FLASHLM_CHECK_ARG(!fp8, "precision: 'fp8': this command takes fp32, bf16, fp16 or bf16-pure");
 }
 
 OptimizerState parse_optimizer_state(std::string_view text) {
@@ -76,8 +83,15 @@ void ModelOptions::check_optimizer_state() const {
                     optimizer_state_name(optimizer_state));
 }
 
-std::string precision_name(DType dtype, bool bf16_pure) {
-  return bf16_pure ? "bf16-pure" : std::string(dtype_name(dtype));
+std::string precision_name(DType dtype, bool bf16_pure, bool fp8) {
+  return bf16_pure ? "bf16-pure" : fp8 ? "fp8" : std::string(dtype_name(dtype));
+}
+
+void ModelOptions::check_fp8(DType precision) const {
+  FLASHLM_CHECK_ARG(!fp8 || (precision == DType::bf16 && !bf16_pure),
+                    "precision: fp8 runs its linear layers' GEMMs in FP8 over bf16 mixed precision (fp32 masters); "
+                    "not with {}",
+                    precision_name(precision, bf16_pure));
 }
 
 int64_t ActivationLayout::segment_last(int64_t l) const {
@@ -169,6 +183,22 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens) {
   const int64_t nd = aligned_elements(checked_mul(tokens, c.d_model, "scratch: tokens x d_model"));
   const int64_t nf = aligned_elements(checked_mul(tokens, c.d_ff, "scratch: tokens x d_ff"));
   return 6 * nd + 3 * nf;
+}
+
+Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
+  // The linear layers' widths: q, k, v together (3d), d, and d_ff (w1, w3 out; w2 in).
+  const int64_t widest = std::max(3 * c.d_model, c.d_ff);
+  const auto region = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  Fp8ScratchLayout l;
+  l.act_capacity = checked_mul(tokens, widest, "FP8 scratch: tokens x widest layer");
+  l.weight_capacity = checked_mul(c.d_model, widest, "FP8 scratch: largest weight");
+  l.act = 0;
+  l.act_t = region(l.act_capacity);
+  l.act_x_t = 2 * l.act_t;
+  l.weight = 3 * l.act_t;
+  l.scales = l.weight + region(l.weight_capacity);
+  l.bytes = l.scales + region(6 * int64_t(sizeof(float)));
+  return l;
 }
 
 int64_t head_chunk_tokens(const ModelConfig& c, int64_t tokens, int64_t requested, int64_t elem_bytes) {
@@ -271,6 +301,7 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
                        bytes(a.values - a.kept_values, elem) + bytes(a.stats - a.kept_stats, 4)});
   }
   p.items.push_back({"backward scratch", bytes(backward_scratch_elements(c, n), elem)});
+  if (cuda && o.fp8) p.items.push_back({"FP8 copies of one linear layer's operands", fp8_scratch_layout(c, n).bytes});
   if (cuda) {
     const int64_t chunk = head_chunk_tokens(c, n, o.head_chunk, elem);
     p.items.push_back({fmt::format("LM head + loss: logits of {} tokens at a time, per-token losses", chunk),
@@ -301,6 +332,9 @@ MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, D
                 c.context);
   FLASHLM_CHECK(!o.bf16_pure || (device == Device::cuda && precision == DType::bf16),
                 "precision: bf16-pure is a CUDA precision (bf16 parameters, gradients and moments)");
+  FLASHLM_CHECK(!o.fp8 || device == Device::cuda,
+                "precision: fp8 is a CUDA precision (cuBLASLt's FP8 GEMMs); the CPU engine runs fp32");
+  o.check_fp8(precision);
   o.check_optimizer_state();
   FLASHLM_CHECK(o.optimizer_shards >= 1 && o.optimizer_shards <= (int64_t{1} << 20),
                 "memory plan: optimizer_shards = {}, expected a rank count in [1, 2^20]", o.optimizer_shards);

@@ -178,6 +178,8 @@ std::vector<RunSetting> run_settings(const TrainConfig& cfg, const DataSources& 
   add("attention", attention_impl_name(cfg.options.attention));
   add("device", device_name(cfg.device));
   add("precision", dtype_name(cfg.precision));
+  // Only when on: the shards of runs without FP8, written before it existed, hold no such setting.
+  if (cfg.options.fp8) add("fp8", std::string(fp8_format_name(cfg.options.fp8_gradients)) + " gradients");
   add("ddp.variant", ddp_variant_name(cfg.ddp.variant));
   add("ddp.bucket_mb", cfg.ddp.bucket_mb);
   add("ddp.grad_accum", cfg.ddp.grad_accum);
@@ -375,7 +377,7 @@ TrainResult train(const TrainConfig& cfg) {
   say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}{}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
                   model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
-                  device_name(cfg.device), precision_name(cfg.precision, cfg.options.bf16_pure),
+                  device_name(cfg.device), precision_name(cfg.precision, cfg.options.bf16_pure, cfg.options.fp8),
                   cfg.options.optimizer_state == OptimizerState::fp32
                       ? std::string()
                       : fmt::format(" with {} AdamW moments", optimizer_state_name(cfg.options.optimizer_state)),

@@ -80,7 +80,7 @@ const char* status_name(cublasStatus_t s) {
 // ---------------------------------------------------------------------------------------------------
 // One call, as the caller sees it (for checks and messages).
 
-enum class Product : uint8_t { forward, grad_input, grad_weight };
+enum class Product : uint8_t { forward, grad_input, grad_weight, fp8 };
 
 struct Call {
   const char* fn;
@@ -90,6 +90,7 @@ struct Call {
   bool accumulate_dx;
   bool accumulate_dw = true;
   bool residual = false;
+  Fp8Format fp8_p = Fp8Format::e4m3, fp8_q = Fp8Format::e4m3;  // Product::fp8's operands (n = rows, in = k, out = cols)
 };
 
 std::string describe(const Call& c, Product p) {
@@ -105,6 +106,10 @@ std::string describe(const Call& c, Product p) {
     case Product::grad_weight:
       return fmt::format("dw[{}, {}] (fp32) {} dy[{}, {}]ᵀ · x[{}, {}] ({}{})", c.out, c.in,
                          c.accumulate_dw ? "+=" : "=", c.n, c.out, c.n, c.in, t, tf32);
+    case Product::fp8:
+      return fmt::format("d[{}, {}] ({}) {} p[{}, {}] ({}) · q[{}, {}]ᵀ ({}){}", c.n, c.out, t,
+                         c.accumulate_dw ? "+=" : "=", c.n, c.in, fp8_format_name(c.fp8_p), c.out, c.in,
+                         fp8_format_name(c.fp8_q), c.residual ? " + residual" : "");
   }
   return "?";
 }
@@ -216,6 +221,7 @@ struct PlanKey {
   // elements (stride_b = 0: every product reads the same B).
   int32_t batch = 1;
   int64_t stride_a = 0, stride_b = 0, stride_d = 0;
+  int32_t b_type = -1;  // B's cudaDataType where it differs from A's (FP8: e4m3 · e5m2); -1: ab_type
   auto operator<=>(const PlanKey&) const = default;
 };
 
@@ -326,7 +332,8 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
   const auto rows_a = uint64_t(na ? key.m : key.k), cols_a = uint64_t(na ? key.k : key.m);
   const auto rows_b = uint64_t(nb ? key.k : key.n), cols_b = uint64_t(nb ? key.n : key.k);
   check(cublasLtMatrixLayoutCreate(&plan.a, ab_type, rows_a, cols_a, key.lda), "cublasLtMatrixLayoutCreate(A)");
-  check(cublasLtMatrixLayoutCreate(&plan.b, ab_type, rows_b, cols_b, key.ldb), "cublasLtMatrixLayoutCreate(B)");
+  const auto b_type = key.b_type >= 0 ? static_cast<cudaDataType>(key.b_type) : ab_type;
+  check(cublasLtMatrixLayoutCreate(&plan.b, b_type, rows_b, cols_b, key.ldb), "cublasLtMatrixLayoutCreate(B)");
   check(cublasLtMatrixLayoutCreate(&plan.d, d_type, uint64_t(key.m), uint64_t(key.n), key.ldd),
         "cublasLtMatrixLayoutCreate(C/D)");
   if (key.batch > 1) {
@@ -451,8 +458,11 @@ DeviceLt& lt_for_device(int device, const Call& c) {
 // D = op(A)·op(B) + beta·C on `stream` through the cached plan (C is D unless given). d_bytes: D's size.
 // may_decline: a batched key whose plan cannot be built (no algorithm) returns false, having run
 // nothing, now and for every later call with that key, instead of throwing.
+// a_scale, b_scale: FP8 operands' device scales (CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER), set on the cached
+// descriptor before each call (under the device's lock), since they belong to the call, not the plan.
 bool run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, const void* b, void* d,
-              size_t d_bytes, float beta, void* stream, const void* c_input = nullptr, bool may_decline = false) {
+              size_t d_bytes, float beta, void* stream, const void* c_input = nullptr, bool may_decline = false,
+              const float* a_scale = nullptr, const float* b_scale = nullptr) {
   DeviceLt& lt = lt_for_device(device, c);
   const std::lock_guard lock(lt.mutex);
   const int reserve = gemm_sm_reserve();
@@ -483,6 +493,14 @@ bool run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
 
   const float alpha = 1.0f;
   const Plan& pl = plan->second;
+  if (a_scale || b_scale) {
+    const std::pair<cublasLtMatmulDescAttributes_t, const float*> scales[] = {
+        {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale}, {CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale}};
+    for (const auto& [attr, ptr] : scales) {
+      const cublasStatus_t set = cublasLtMatmulDescSetAttribute(pl.desc, attr, &ptr, sizeof(ptr));
+      if (set != CUBLAS_STATUS_SUCCESS) throw_blas(c, p, "cublasLtMatmulDescSetAttribute(A/B_SCALE_POINTER)", set);
+    }
+  }
   const cublasStatus_t s =
       cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, c_input ? c_input : d, pl.d, d, pl.d, &pl.algo,
                      ws->second.data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
@@ -720,6 +738,52 @@ void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* 
   }
   linear_backward_cuda(dy0, x, nullptr, nullptr, dw0, n, in, out, act, false, stream, false, accumulate_dw);
   linear_backward_cuda(dy1, x, nullptr, nullptr, dw1, n, in, out, act, false, stream, false, accumulate_dw);
+}
+
+void fp8_gemm_cuda(const Fp8Operand& p, const Fp8Operand& q, void* d, DType out, int64_t rows, int64_t cols,
+                   int64_t k, float beta, const void* residual, void* stream) {
+  Call c{"fp8_gemm_cuda", rows, k, cols, out, false, false, beta != 0.0f, residual != nullptr};
+  c.fp8_p = p.format;
+  c.fp8_q = q.format;
+  ScopedRange range("linear.fp8");
+  FLASHLM_CHECK(out == DType::bf16 || out == DType::f32, "{}: out = {}, expected bf16 or fp32", c.fn, dtype_name(out));
+  FLASHLM_CHECK(!(p.format == Fp8Format::e5m2 && q.format == Fp8Format::e5m2),
+                "{}: p and q are both e5m2; cuBLASLt multiplies e4m3 · e4m3, e4m3 · e5m2 or e5m2 · e4m3", c.fn);
+  FLASHLM_CHECK(beta == 0.0f || beta == 1.0f, "{}: beta = {}, expected 0 or 1", c.fn, beta);
+  FLASHLM_CHECK(rows >= 1 && cols >= 1 && k >= 1, "{}: rows = {}, cols = {}, k = {}, expected >= 1", c.fn, rows, cols, k);
+  FLASHLM_CHECK(rows % 16 == 0 && cols % 16 == 0 && k % 16 == 0,
+                "{}: rows = {}, cols = {}, k = {} must be multiples of 16 (cuBLASLt's FP8 kernels)", c.fn, rows, cols, k);
+  constexpr int64_t kMax = int64_t{1} << 40;
+  FLASHLM_CHECK(rows <= kMax / k && cols <= kMax / k && rows <= kMax / cols, "{}: rows = {}, cols = {}, k = {}: arrays too large",
+                c.fn, rows, cols, k);
+  const Arg ap{"p", p.data, rows * k, 1}, aq{"q", q.data, cols * k, 1}, ad{"d", d, rows * cols, dtype_size(out)},
+      ar{"residual", residual, rows * cols, dtype_size(out)}, asp{"p.dequant", p.dequant, 1, 4},
+      asq{"q.dequant", q.dequant, 1, 4};
+  std::vector<const Arg*> used = {&ap, &aq, &ad, &asp, &asq};
+  if (residual) used.push_back(&ar);
+  for (const Arg* a : used) check_not_null(c, *a);
+  for (const Arg* a : {&ap, &aq, &ad}) {
+    FLASHLM_CHECK(alignment_of(a->ptr) >= 16, "{}: {} = {} is not 16-byte aligned (cuBLASLt's FP8 kernels)", c.fn,
+                  a->name, a->ptr);
+  }
+  if (residual) {
+    FLASHLM_CHECK(alignment_of(residual) >= 16, "{}: residual = {} is not 16-byte aligned", c.fn, residual);
+    check_disjoint(c, ad, ar);
+  }
+  check_disjoint(c, ad, ap);
+  check_disjoint(c, ad, aq);
+  const int device = current_device(c);
+  for (const Arg* a : used) check_on_device(c, *a, device);
+
+  // dᵀ [cols, rows] = Qᵀ · P with Q = qᵀ [k, cols] and P = pᵀ [k, rows] column-major: the forward's "TN" row
+  // of the table at the top, with A = q and B = p.
+  const auto fp8_type = [](Fp8Format f) { return f == Fp8Format::e4m3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; };
+  PlanKey key = make_key(CUBLAS_OP_T, CUBLAS_OP_N, /*m*/ cols, /*n*/ rows, /*k*/ k, /*lda*/ k, /*ldb*/ k,
+                         /*ldd*/ cols, fp8_type(q.format), cuda_type(out), CUBLAS_COMPUTE_32F, /*A*/ q.data,
+                         /*B*/ p.data, /*D*/ d, /*C*/ residual);
+  key.b_type = static_cast<int32_t>(fp8_type(p.format));
+  run_gemm(c, Product::fp8, device, key, /*A*/ q.data, /*B*/ p.data, d, ad.bytes(), beta, stream, residual,
+           /*may_decline*/ false, /*a_scale*/ q.dequant, /*b_scale*/ p.dequant);
 }
 
 void set_gemm_autotune(int candidates) {

@@ -34,6 +34,7 @@
 
 #include "core/gemm_sm_reserve.h"  // the SM reserve the plans honour
 #include "flashlm/dtype.h"
+#include "flashlm/fp8.h"
 
 namespace flashlm {
 
@@ -73,6 +74,26 @@ void linear_forward_pair_cuda(const void* x, const void* w0, const void* w1, voi
 // conditions (dy1 - dy0 and dw1 - dw0), else two linear_backward_cuda calls.
 void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* x, float* dw0, float* dw1, int64_t n,
                                   int64_t in, int64_t out, DType act, bool accumulate_dw, void* stream);
+
+// One FP8 operand of fp8_gemm_cuda: row-major FP8 bytes in `format`, and the device fp32 the product is
+// multiplied by for it (its dequantisation scale, model/fp8.h; cuBLASLt's A/B scale pointer).
+struct Fp8Operand {
+  const void* data;
+  Fp8Format format;
+  const float* dequant;
+};
+
+// FP8 training's GEMM (--precision fp8): d[rows, cols] = p[rows, k] · q[cols, k]ᵀ · (*p.dequant) ·
+// (*q.dequant) + beta · c, through cuBLASLt's FP8 tensor-core path: fp32 accumulation, d in `out` (bf16 or
+// fp32), c of d's dtype (`residual` when not null, else d itself; beta 0 reads no c). Every product of an
+// FP8 linear layer has this one shape, both operands K-major, which is what cuBLASLt's FP8 kernels take
+// ("TN"): forward y = x · wᵀ (p = x, q = w), dx = dy · w (p = dy, q = wᵀ), dw = dyᵀ · x (p = dyᵀ, q = xᵀ),
+// with the transposed copies written by the cast (model/cuda/fp8.h). rows, cols and k must be multiples of
+// 16, the pointers 16-byte aligned (FP8's requirements), p and q not both e5m2 (cuBLASLt has no such
+// kernel). The scales are read by the GPU when the GEMM runs: no host synchronisation, capturable in a CUDA
+// graph. Plans are cached as for the other products (cuBLASLt-specific notes at the top of this header).
+void fp8_gemm_cuda(const Fp8Operand& p, const Fp8Operand& q, void* d, DType out, int64_t rows, int64_t cols,
+                   int64_t k, float beta, const void* residual, void* stream);
 
 // Autotuning: with candidates >= 2, each new plan times the heuristic's first choice against up to
 // candidates - 1 others (those that split K only with fp32 reductions in the workspace) on the call's own

@@ -46,6 +46,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   FLASHLM_CHECK(!options.bf16_pure || precision == DType::bf16, "CudaModel: bf16-pure needs precision bf16, not {}",
                 dtype_name(precision));
   options.check_optimizer_state();
+  options.check_fp8(precision);
   FLASHLM_CHECK(config.d_model % 8 == 0 && config.d_ff % 8 == 0 && config.vocab % 8 == 0,
                 "CudaModel: d_model ({}), d_ff ({}) and vocab ({}) must be multiples of 8 (16-byte rows for the "
                 "tensor cores)",
@@ -118,6 +119,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.tokens = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "tokens");
   m.targets = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
+  if (options.fp8) m.fp8 = std::make_unique<Fp8Linear>(config, m.n, options.fp8_gradients);
   if (precision != DType::f16 && options.overlap_grad_norm) {
     m.norms = std::make_unique<SideStream>();
     m.partial_norms = Buffer::allocate(m.layout.size() * sizeof(double), Device::cuda, "gradient norms per parameter");
@@ -302,7 +304,9 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
     gpu::rmsnorm_forward<T>(m.a<T>(L.x_in), m.gain(p + "ln1.weight"), m.a<T>(L.h1), m.f(L.rstd1), n, d, eps, m.stream);
     // q, k, v = h1 · [wq; wk; wv]ᵀ: the three weights lie one after the other in every flat buffer.
     T* qkv = m.a<T>(L.q);
-    linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), qkv, n, d, 3 * d, dt, m.stream);
+    if (!m.fp8_forward<T>(m.a<T>(L.h1), p + "attn.q_proj.weight", nullptr, qkv, d, 3 * d)) {
+      linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), qkv, n, d, 3 * d, dt, m.stream);
+    }
     // q and k rotated in one pass, as 2·heads heads per token.
     gpu::rope_forward<T>(qkv, m.rope_cos(), m.rope_sin(), m.batch, m.seq, 2 * c.heads, hd, m.stream, 3 * d);
     if (pass != BlockPass::without_attention) {
@@ -315,19 +319,27 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
                         m.attention_options());
     }
     // The residual stream's additions are the GEMMs' epilogues (C = the stream, beta = 1), rounded once.
-    linear_forward_residual_cuda(m.a<T>(L.attn), m.weight(p + "attn.output_proj.weight"), m.a<T>(L.x_in),
-                                 m.a<T>(L.x_mid), n, d, d, dt, m.stream);
+    if (!m.fp8_forward<T>(m.a<T>(L.attn), p + "attn.output_proj.weight", m.a<T>(L.x_in), m.a<T>(L.x_mid), d, d)) {
+      linear_forward_residual_cuda(m.a<T>(L.attn), m.weight(p + "attn.output_proj.weight"), m.a<T>(L.x_in),
+                                   m.a<T>(L.x_mid), n, d, d, dt, m.stream);
+    }
     gpu::rmsnorm_forward<T>(m.a<T>(L.x_mid), m.gain(p + "ln2.weight"), m.a<T>(L.h2), m.f(L.rstd2), n, d, eps,
                             m.stream);
     // u = h2 · w1ᵀ and g = h2 · w3ᵀ as one strided-batched GEMM (w2 lies between w1 and w3 in the layout).
-    linear_forward_pair_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.weight(p + "ffn.w3.weight"), m.a<T>(L.u),
-                             m.a<T>(L.g), n, d, f, dt, m.stream);
+    if (!m.fp8_forward<T>(m.a<T>(L.h2), p + "ffn.w1.weight", nullptr, m.a<T>(L.u), d, f)) {
+      linear_forward_pair_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.weight(p + "ffn.w3.weight"),
+                               m.a<T>(L.u), m.a<T>(L.g), n, d, f, dt, m.stream);
+    } else {
+      m.fp8_forward<T>(m.a<T>(L.h2), p + "ffn.w3.weight", nullptr, m.a<T>(L.g), d, f);
+    }
     gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
     if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
       // The residual stream leaves into the next block's input (or x_out).
       T* x_next = m.a<T>(l + 1 < c.layers ? m.A.blocks[size_t(l + 1)].x_in : m.A.x_out);
-      linear_forward_residual_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), m.a<T>(L.x_mid), x_next, n, f, d, dt,
-                                   m.stream);
+      if (!m.fp8_forward<T>(m.a<T>(L.s), p + "ffn.w2.weight", m.a<T>(L.x_mid), x_next, f, d)) {
+        linear_forward_residual_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), m.a<T>(L.x_mid), x_next, n, f, d, dt,
+                                     m.stream);
+      }
     }
   });
   parameters_done(p);
@@ -453,6 +465,7 @@ void CudaModel::backward() {
     auto linear_backward = [&](const T* dy, const T* x, const std::string& w, T* dxo, int64_t in, int64_t out,
                                bool accumulate) {
       add_to_gradient(w, true, [&](float* dw, bool accumulate_dw) {
+        if (m.fp8_backward<T>(dy, x, w, dxo, dw, in, out, accumulate, accumulate_dw)) return;
         linear_backward_cuda(dy, x, m.weight(w), dxo, dw, n, in, out, dt, accumulate, m.stream, false, accumulate_dw);
       });
     };
@@ -496,7 +509,7 @@ void CudaModel::backward() {
       linear_backward(dx, m.a<T>(L.s), p + "ffn.w2.weight", ds, f, d, false);
       gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream);
       const std::string w1 = p + "ffn.w1.weight", w3 = p + "ffn.w3.weight";
-      if (m.pure) {  // bf16-pure stages one contiguous range of gradients at a time
+      if (m.pure || m.fp8) {  // bf16-pure stages one contiguous range of gradients at a time; fp8: no pair GEMMs
         linear_backward(du, m.a<T>(L.h2), w1, dh, d, f, false);
         linear_backward(dg, m.a<T>(L.h2), w3, dh, d, f, true);
       } else {
@@ -529,6 +542,10 @@ void CudaModel::backward() {
       // dh = [dq dk dv] · [wq; wk; wv] and the three weight gradients as one [3d, d] product.
       add_to_gradients({p + "attn.q_proj.weight", p + "attn.k_proj.weight", p + "attn.v_proj.weight"}, true,
                        [&](float* dw, bool accumulate_dw) {
+                         if (m.fp8_backward<T>(dqkv, m.a<T>(L.h1), p + "attn.q_proj.weight", dh, dw, d, 3 * d, false,
+                                               accumulate_dw)) {
+                           return;
+                         }
                          linear_backward_cuda(dqkv, m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), dh, dw, n, d,
                                               3 * d, dt, false, m.stream, false, accumulate_dw);
                        });

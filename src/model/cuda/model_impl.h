@@ -15,6 +15,7 @@
 #include "core/cuda_runtime.h"
 #include "flashlm/model.h"
 #include "model/activations.h"
+#include "model/cuda/fp8_linear.h"
 #include "model/cuda/step_graph.h"
 #include "model/cuda/ops.h"
 #include "optim/adamw_state.h"
@@ -109,6 +110,7 @@ struct CudaModel::Impl {
   Buffer partial_norms;
   mutable bool norms_current = false;
   bool have_forward = false;
+  std::unique_ptr<Fp8Linear> fp8;    // --precision fp8: the blocks' linear layers in FP8 (null otherwise)
   std::unique_ptr<StepGraph> graph;  // train_step's CUDA graph, from its first call on
   std::string graph_status;          // CudaModel::cuda_graph_status
   bool capturing = false;            // the step's host code is being captured, not run
@@ -169,6 +171,31 @@ struct CudaModel::Impl {
   const void* weight(const std::string& name) const {
     if (pure) return pure_param(name);
     return stored(name).weight;
+  }
+
+  // --precision fp8: a block's linear layer through Fp8Linear, returning true; false where the model runs
+  // its linear layers in its precision's own GEMMs (the caller then calls those, unchanged).
+  template <class T>
+  bool fp8_forward(const T* x, const std::string& w, const T* residual, T* y, int64_t in, int64_t out) const {
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      if (fp8) {
+        fp8->forward(x, static_cast<const bf16_t*>(weight(w)), residual, y, in, out, stream);
+        return true;
+      }
+    }
+    return false;
+  }
+  template <class T>
+  bool fp8_backward(const T* dy, const T* x, const std::string& w, T* dx, float* dw, int64_t in, int64_t out,
+                    bool accumulate_dx, bool accumulate_dw) const {
+    if constexpr (std::is_same_v<T, bf16_t>) {
+      if (fp8) {
+        fp8->backward(dy, x, static_cast<const bf16_t*>(weight(w)), dx, dw, in, out, accumulate_dx, accumulate_dw,
+                      stream);
+        return true;
+      }
+    }
+    return false;
   }
 
   // Calls fn(offset, count) over [0, total) in pieces that fit the staging buffer.

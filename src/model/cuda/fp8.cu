@@ -1,0 +1,128 @@
+// FP8 training's casts on CUDA (model/cuda/fp8.h): the amax reduction and the cast with its transposed copy.
+#include <cuda_fp8.h>
+
+#include "core/cuda/kernels.cuh"
+#include "core/cuda_check.h"
+#include "model/cuda/fp8.h"
+#include "model/fp8.h"
+
+namespace flashlm::gpu {
+
+namespace {
+
+// |x| as the bits of a non-negative float: ordered as the magnitudes, with NaN above infinity.
+__device__ __forceinline__ uint32_t magnitude_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+template <class D>
+__global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const D* __restrict__ x, int64_t count,
+                                                            uint32_t* __restrict__ amax_bits) {
+  uint32_t best = 0;
+  FLASHLM_GRID_STRIDE(i, count) best = max(best, magnitude_bits(f32(x[i])));
+  for (int offset = 16; offset > 0; offset /= 2) best = max(best, __shfl_xor_sync(0xffffffffu, best, offset));
+  __shared__ uint32_t warp_best[kThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) best = max(best, warp_best[w]);
+    atomicMax(amax_bits, best);
+  }
+}
+
+template <Fp8Format F>
+__device__ __forceinline__ uint8_t encode(float v) {
+  // Round to nearest even, saturating to the largest finite value (infinities too); NaN stays NaN.
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+constexpr unsigned kAmaxBlocks = 1024;
+constexpr int kTile = 32;      // the cast's tile: kTile × kTile elements
+constexpr int kTileRows = 8;   // threads per tile column: the block is kTile × kTileRows
+
+// One block per kTile × kTile tile (grid-striding over tile rows past the grid's): each element scaled and
+// rounded once, written straight (coalesced along cols) and, through shared memory, transposed (coalesced
+// along rows).
+template <class D, Fp8Format F>
+__global__ void __launch_bounds__(kTile* kTileRows)
+    fp8_cast_kernel(const D* __restrict__ x, int64_t rows, int64_t cols, int64_t tile_rows,
+                    const float* __restrict__ amax, uint8_t* __restrict__ q, uint8_t* __restrict__ qt,
+                    float* __restrict__ dequant) {
+  __shared__ uint8_t tile[kTile][kTile + 1];
+  const float scale = fp8_scale(*amax, F);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *dequant = fp8_dequant_scale(scale);
+  const int64_t c0 = int64_t{blockIdx.x} * kTile;
+  for (int64_t tr = blockIdx.y; tr < tile_rows; tr += gridDim.y) {
+    const int64_t r0 = tr * kTile;
+    for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+      const int64_t r = r0 + i, c = c0 + threadIdx.x;
+      if (r < rows && c < cols) {
+        const uint8_t v = encode<F>(f32(x[r * cols + c]) * scale);
+        if (q) q[r * cols + c] = v;
+        tile[i][threadIdx.x] = v;
+      }
+    }
+    if (!qt) continue;  // uniform over the block
+    __syncthreads();
+    for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+      const int64_t c = c0 + i, r = r0 + threadIdx.x;
+      if (r < rows && c < cols) qt[c * rows + r] = tile[threadIdx.x][i];
+    }
+    __syncthreads();  // the tile is rewritten by the next tile row
+  }
+}
+
+}  // namespace
+
+template <class T>
+void fp8_amax(const T* x, int64_t count, float* amax, void* stream) {
+  check_count("fp8_amax", "count", count);
+  FLASHLM_CHECK(amax != nullptr, "fp8_amax: amax is null");
+  FLASHLM_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), as_stream(stream)), "fp8_amax: cudaMemsetAsync");
+  if (count == 0) return;
+  FLASHLM_CHECK(x != nullptr, "fp8_amax: x is null");
+  // At most kAmaxBlocks blocks (one atomic each), grid-striding over the rest.
+  const unsigned blocks = std::min(elementwise_blocks(count), kAmaxBlocks);
+  fp8_amax_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(dev(x), count, reinterpret_cast<uint32_t*>(amax));
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_amax_kernel");
+}
+
+template <class T>
+void fp8_cast(const T* x, int64_t rows, int64_t cols, const float* amax, Fp8Format format, uint8_t* q, uint8_t* qt,
+              float* dequant, void* stream) {
+  FLASHLM_CHECK(rows >= 1 && cols >= 1, "fp8_cast: rows = {}, cols = {}, expected >= 1", rows, cols);
+  FLASHLM_CHECK(rows <= (int64_t{1} << 40) / cols, "fp8_cast: {} × {} elements: too many", rows, cols);
+  FLASHLM_CHECK(x && amax && dequant, "fp8_cast: x, amax and dequant must not be null");
+  FLASHLM_CHECK(q || qt, "fp8_cast: q and qt are both null: nothing to write");
+  const int64_t tile_cols = ceil_div(cols, kTile), tile_rows = ceil_div(rows, kTile);
+  FLASHLM_CHECK(tile_cols <= INT32_MAX, "fp8_cast: cols = {}: too many", cols);
+  const dim3 grid(unsigned(tile_cols), unsigned(std::min<int64_t>(tile_rows, 65535)));
+  const dim3 block(kTile, kTileRows);
+  if (format == Fp8Format::e4m3) {
+    fp8_cast_kernel<std::remove_const_t<std::remove_pointer_t<decltype(dev(x))>>, Fp8Format::e4m3>
+        <<<grid, block, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
+  } else {
+    fp8_cast_kernel<std::remove_const_t<std::remove_pointer_t<decltype(dev(x))>>, Fp8Format::e5m2>
+        <<<grid, block, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
+  }
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_cast_kernel");
+}
+
+template <class T>
+void fp8_quantize(const T* x, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q, uint8_t* qt, float* scales,
+                  void* stream) {
+  FLASHLM_CHECK(rows >= 1 && cols >= 1, "fp8_quantize: rows = {}, cols = {}, expected >= 1", rows, cols);
+  fp8_amax(x, rows * cols, scales, stream);
+  fp8_cast(x, rows, cols, scales, format, q, qt, scales + 1, stream);
+}
+
+#define FLASHLM_FP8_INSTANTIATE(T)                                                                          \
+  template void fp8_amax<T>(const T*, int64_t, float*, void*);                                             \
+  template void fp8_cast<T>(const T*, int64_t, int64_t, const float*, Fp8Format, uint8_t*, uint8_t*, float*, \
+                            void*);                                                                         \
+  template void fp8_quantize<T>(const T*, int64_t, int64_t, Fp8Format, uint8_t*, uint8_t*, float*, void*);
+
+FLASHLM_FP8_INSTANTIATE(float)
+FLASHLM_FP8_INSTANTIATE(bf16_t)
+
+#undef FLASHLM_FP8_INSTANTIATE
+
+}  // namespace flashlm::gpu

@@ -1,0 +1,66 @@
+// CudaModel's FP8 linear layers (model/cuda/fp8_linear.h): the casts (model/cuda/fp8.h) and the FP8 GEMMs
+// (model/cuda/gemm.h) in the order each product needs them. Host code only.
+#include "model/cuda/fp8_linear.h"
+
+#include "core/check.h"
+#include "flashlm/profile.h"
+#include "model/cuda/fp8.h"
+#include "model/cuda/gemm.h"
+
+namespace flashlm {
+
+Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients)
+    : n_(tokens), gradients_(gradients), layout_(fp8_scratch_layout(c, tokens)) {
+  FLASHLM_CHECK(c.d_model % 16 == 0 && c.d_ff % 16 == 0,
+                "precision fp8: d_model ({}) and d_ff ({}) must be multiples of 16 (cuBLASLt's FP8 GEMMs)", c.d_model,
+                c.d_ff);
+  FLASHLM_CHECK(tokens >= 16 && tokens % 16 == 0,
+                "precision fp8: batch · seq = {} tokens must be a multiple of 16 (the weight gradients' GEMMs sum "
+                "over tokens; cuBLASLt's FP8 kernels need K a multiple of 16)",
+                tokens);
+  buffer_ = Buffer::allocate(size_t(layout_.bytes), Device::cuda, "FP8 copies of one linear layer's operands");
+}
+
+void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
+  FLASHLM_CHECK(in >= 1 && out >= 1 && n_ * in <= layout_.act_capacity && n_ * out <= layout_.act_capacity &&
+                    in * out <= layout_.weight_capacity,
+                "Fp8Linear::{}: in = {}, out = {} outgrow the FP8 scratch of this model", fn, in, out);
+}
+
+void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
+                        void* stream) {
+  check_widths("forward", in, out);
+  ScopedRange range("linear.forward");
+  uint8_t *qx = region(layout_.act), *qw = region(layout_.weight);
+  gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, scales(0), stream);
+  gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, qw, nullptr, scales(1), stream);
+  fp8_gemm_cuda({qx, Fp8Format::e4m3, scales(0) + 1}, {qw, Fp8Format::e4m3, scales(1) + 1}, y, DType::bf16, n_, out,
+                in, residual ? 1.0f : 0.0f, residual, stream);
+}
+
+void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
+                         int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream) {
+  check_widths("backward", in, out);
+  FLASHLM_CHECK(dx || dw, "Fp8Linear::backward: dx and dw are both null: nothing to compute");
+  ScopedRange range("linear.backward");
+  // dy once, both ways: dy [n, out] for dx's product (K = out), dyᵀ [out, n] for dw's (K = n).
+  uint8_t *qdy = region(layout_.act), *qdy_t = region(layout_.act_t);
+  gpu::fp8_quantize(dy, n_, out, gradients_, dx ? qdy : nullptr, dw ? qdy_t : nullptr, scales(0), stream);
+  const Fp8Operand grad{qdy, gradients_, scales(0) + 1}, grad_t{qdy_t, gradients_, scales(0) + 1};
+  if (dx) {
+    // dx [n, in] = dy [n, out] · (wᵀ [in, out])ᵀ: w's transposed copy is K-major.
+    uint8_t* qw_t = region(layout_.weight);
+    gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, nullptr, qw_t, scales(1), stream);
+    fp8_gemm_cuda(grad, {qw_t, Fp8Format::e4m3, scales(1) + 1}, dx, DType::bf16, n_, in, out,
+                  accumulate_dx ? 1.0f : 0.0f, nullptr, stream);
+  }
+  if (dw) {
+    // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, into the fp32 gradient.
+    uint8_t* qx_t = region(layout_.act_x_t);
+    gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, nullptr, qx_t, scales(2), stream);
+    fp8_gemm_cuda(grad_t, {qx_t, Fp8Format::e4m3, scales(2) + 1}, dw, DType::f32, out, in, n_,
+                  accumulate_dw ? 1.0f : 0.0f, nullptr, stream);
+  }
+}
+
+}  // namespace flashlm

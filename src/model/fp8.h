@@ -1,0 +1,75 @@
+// FP8 training's arithmetic (--precision fp8, ModelOptions::fp8): tensorwise current scaling, as
+// torchao's "tensorwise" float8 recipe. Before each FP8 GEMM every operand is scaled by
+//
+//   scale = fp8_max / max(amax, 1e-12)        amax = max |x| over the whole tensor, now
+//
+// and rounded to FP8 (round to nearest even, saturating to ±fp8_max); cuBLASLt multiplies the FP8 values,
+// accumulates in fp32 and multiplies the result by both dequantisation scales 1 / scale. Weights and
+// activations are e4m3, the output gradients e4m3 or e5m2 (ModelOptions::fp8_gradients). The bit types
+// are flashlm/dtype.h's f8e4m3_t and flashlm/fp8.h's f8e5m2_t.
+//
+// The scale rule below is compiled into the CUDA cast kernel (model/cuda/fp8.cu) and the CPU emulation
+// (fp8_cpu.cpp) alike, so both quantise to the same bits. The CPU emulation is the reference the GPU
+// kernels are tested against, and runs where CI has no GPU.
+#pragma once
+#include <cstdint>
+
+#include "flashlm/dtype.h"
+#include "flashlm/fp8.h"
+
+#if defined(__CUDACC__)
+#define FLASHLM_FP8_HOST_DEVICE __host__ __device__
+#else
+#define FLASHLM_FP8_HOST_DEVICE
+#endif
+
+namespace flashlm {
+
+// The amax floor: an all-zero tensor gets a large finite scale (its FP8 copy is zero) instead of inf.
+constexpr float kFp8AmaxFloor = 1e-12f;
+
+FLASHLM_FP8_HOST_DEVICE inline float fp8_max_value(Fp8Format f) { return f == Fp8Format::e4m3 ? 448.0f : 57344.0f; }
+
+// The quantisation scale for a tensor of this amax. A NaN amax (a NaN in the tensor) gives a NaN scale,
+// so that the FP8 copy and the product are NaN too (`<` is false for NaN: no floor applied); an infinite
+// amax gives 0, and inf · 0 is NaN where the infinity was.
+FLASHLM_FP8_HOST_DEVICE inline float fp8_scale(float amax, Fp8Format f) {
+  const float floored = amax < kFp8AmaxFloor ? kFp8AmaxFloor : amax;
+  return fp8_max_value(f) / floored;
+}
+
+// What the GEMM multiplies its result by, per operand (cuBLASLt's A/B scale).
+FLASHLM_FP8_HOST_DEVICE inline float fp8_dequant_scale(float scale) { return 1.0f / scale; }
+
+// ---------------------------------------------------------------------------------------------------
+// The CPU emulation (fp8_cpu.cpp).
+
+uint8_t fp8_encode(float v, Fp8Format f);  // f8e4m3_t / f8e5m2_t::from_float
+float fp8_decode(uint8_t bits, Fp8Format f);
+
+// max |x| over count values as the CUDA reduction computes it: a NaN anywhere gives NaN.
+float fp8_amax_cpu(const float* x, int64_t count);
+
+// What the CUDA cast writes for x[count] (the values of a bf16 or fp32 tensor, widened): q[i] =
+// encode(x[i] · scale) with scale = fp8_scale(amax of x). Returns the dequantisation scale.
+float fp8_quantize_cpu(const float* x, int64_t count, Fp8Format f, uint8_t* q);
+
+// The product cuBLASLt computes from FP8 operands, in fp64: every product of two FP8 values is exact there,
+// and so is the sum of e4m3 · e4m3 products (they span 2^-18 to 2^18) for k up to 2^16; with e5m2 (2^-16
+// to 2^16) the sum rounds at most at 2^-53 of its largest term, far below any GPU tolerance:
+//   d[r, c] = p_dequant · q_dequant · Σ_k decode(p[r, k]) · decode(q[c, k])     (p [rows, k], q [cols, k])
+void fp8_matmul_nt_cpu(const uint8_t* p, Fp8Format pf, float p_dequant, const uint8_t* q, Fp8Format qf, float q_dequant,
+                       int64_t rows, int64_t cols, int64_t k, double* d);
+
+// The emulated FP8 linear layer, in fp64 from the quantised operands (the reference of the GPU's):
+//   forward   y [n, out]  = Q(x) · Q(w)ᵀ                  x, w in e4m3
+//   backward  dx [n, in]  = Q(dy) · Q(w)                  dy in grad_format
+//             dw [out, in] = Q(dy)ᵀ · Q(x)
+// Q(t) is t quantised tensorwise with its own scale and dequantised: the backward's operands are scaled
+// over the whole tensor whichever way they are laid out, so Q(dy)ᵀ is Q(dyᵀ) (a transposed copy holds the
+// same bytes). dx or dw may be null.
+void fp8_linear_forward_cpu(const float* x, const float* w, double* y, int64_t n, int64_t in, int64_t out);
+void fp8_linear_backward_cpu(const float* dy, const float* x, const float* w, double* dx, double* dw, int64_t n,
+                             int64_t in, int64_t out, Fp8Format grad_format);
+
+}  // namespace flashlm

@@ -1,0 +1,276 @@
+// FP8 training's arithmetic on the CPU (model/fp8.h, flashlm/dtype.h's f8e4m3_t / f8e5m2_t): the e4m3 and
+// e5m2 rounding against known values and against an exhaustive nearest-value search, the tensorwise scale
+// rule, the quantisation, and the emulated FP8 linear layer against exact fp64 products; the precision's
+// parsing and its refusal on the CPU. The GPU kernels are tested against these in test_fp8_cuda.cpp.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashlm/dtype.h"
+#include "flashlm/error.h"
+#include "flashlm/model.h"
+#include "model/fp8.h"
+
+using namespace flashlm;
+
+namespace {
+
+constexpr Fp8Format kFormats[] = {Fp8Format::e4m3, Fp8Format::e5m2};
+
+bool is_nan_code(uint8_t b, Fp8Format f) { return std::isnan(fp8_decode(b, f)); }
+
+// The finite codes of a format, non-negative ones only (the sign bit is symmetric).
+std::vector<uint8_t> finite_codes(Fp8Format f) {
+  std::vector<uint8_t> out;
+  for (int b = 0; b < 128; ++b) {
+    if (std::isfinite(fp8_decode(uint8_t(b), f))) out.push_back(uint8_t(b));
+  }
+  return out;
+}
+
+// The nearest code to |v| by exhaustive search, ties to the even code, beyond the largest finite value the
+// largest finite value (saturation); the sign copied.
+uint8_t nearest_by_search(float v, Fp8Format f) {
+  const double a = std::fabs(double(v));
+  uint8_t best = 0;
+  double best_err = INFINITY;
+  for (uint8_t b : finite_codes(f)) {
+    const double err = std::fabs(double(fp8_decode(b, f)) - a);
+    if (err < best_err || (err == best_err && (b & 1u) == 0)) best = b, best_err = err;
+  }
+  return static_cast<uint8_t>(best | (std::signbit(v) ? 0x80u : 0u));
+}
+
+// fn() throws an Error whose message contains `part`.
+template <class Fn>
+void expect_error(Fn&& fn, const std::string& part) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one saying '" << part << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(Fp8, E4m3KnownValues) {
+  const auto e = [](float v) { return fp8_encode(v, Fp8Format::e4m3); };
+  EXPECT_EQ(fp8_max_value(Fp8Format::e4m3), 448.0f);
+  EXPECT_EQ(e(448.0f), 0x7e);
+  EXPECT_EQ(fp8_decode(0x7e, Fp8Format::e4m3), 448.0f);
+  EXPECT_EQ(e(-448.0f), 0xfe);
+  EXPECT_EQ(e(464.0f), 0x7e);  // the tie above 448 would round to the NaN encoding: saturates
+  EXPECT_EQ(e(1e6f), 0x7e);
+  EXPECT_EQ(e(INFINITY), 0x7e);
+  EXPECT_EQ(e(-INFINITY), 0xfe);
+  EXPECT_TRUE(is_nan_code(e(NAN), Fp8Format::e4m3));
+  // The grid in [1, 2) has spacing 1/8; ties to even: 1 + 1/16 -> 1, 1 + 3/16 -> 1.25.
+  EXPECT_EQ(fp8_decode(e(1.0625f), Fp8Format::e4m3), 1.0f);
+  EXPECT_EQ(fp8_decode(e(1.1875f), Fp8Format::e4m3), 1.25f);
+  EXPECT_EQ(fp8_decode(e(1.07f), Fp8Format::e4m3), 1.125f);
+  EXPECT_EQ(fp8_decode(e(240.0f), Fp8Format::e4m3), 240.0f);  // spacing 16 in [128, 256)
+  EXPECT_EQ(fp8_decode(e(248.0f), Fp8Format::e4m3), 256.0f);  // tie between 240 (odd) and 256 (even)
+  // Subnormals: multiples of 2^-9 below 2^-6.
+  EXPECT_EQ(e(0x1p-9f), 0x01);
+  EXPECT_EQ(e(0x1p-10f), 0x00);       // tie between 0 and 2^-9: to even (0)
+  EXPECT_EQ(e(3 * 0x1p-10f), 0x02);   // tie between 2^-9 (odd) and 2^-8 (even)
+  EXPECT_EQ(e(0x1p-6f), 0x08);        // the smallest normal
+  EXPECT_EQ(e(7.5f * 0x1p-9f), 0x08);  // rounds up from the largest subnormal into it
+  EXPECT_EQ(e(-0.0f), 0x80);
+}
+
+TEST(Fp8, E5m2KnownValues) {
+  const auto e = [](float v) { return fp8_encode(v, Fp8Format::e5m2); };
+  EXPECT_EQ(fp8_max_value(Fp8Format::e5m2), 57344.0f);
+  EXPECT_EQ(e(57344.0f), 0x7b);
+  EXPECT_EQ(fp8_decode(0x7b, Fp8Format::e5m2), 57344.0f);
+  EXPECT_EQ(e(61440.0f), 0x7b);  // the tie above the largest finite value: saturates, not inf
+  EXPECT_EQ(e(1e9f), 0x7b);
+  EXPECT_EQ(e(INFINITY), 0x7b);
+  EXPECT_EQ(e(-INFINITY), 0xfb);
+  EXPECT_TRUE(is_nan_code(e(NAN), Fp8Format::e5m2));
+  EXPECT_EQ(fp8_decode(0x7c, Fp8Format::e5m2), INFINITY);
+  // Spacing 1/4 in [1, 2): 1 + 1/8 -> 1 (even), 1 + 3/8 -> 1.5 (even).
+  EXPECT_EQ(fp8_decode(e(1.125f), Fp8Format::e5m2), 1.0f);
+  EXPECT_EQ(fp8_decode(e(1.375f), Fp8Format::e5m2), 1.5f);
+  EXPECT_EQ(fp8_decode(e(1.2f), Fp8Format::e5m2), 1.25f);
+  // Subnormals: multiples of 2^-16 below 2^-14.
+  EXPECT_EQ(e(0x1p-16f), 0x01);
+  EXPECT_EQ(e(0x1p-17f), 0x00);
+  EXPECT_EQ(e(3 * 0x1p-17f), 0x02);
+  EXPECT_EQ(e(0x1p-14f), 0x04);
+  // e5m2 is the top byte of binary16 where binary16 rounds exactly onto it.
+  for (float v : {1.0f, 1.5f, 0.25f, 3.0f, 24576.0f, 0x1p-15f}) EXPECT_EQ(e(v), fp16_t(v).bits >> 8) << v;
+}
+
+TEST(Fp8, EveryFiniteCodeRoundTrips) {
+  for (Fp8Format f : kFormats) {
+    for (int b = 0; b < 256; ++b) {
+      const float v = fp8_decode(uint8_t(b), f);
+      if (!std::isfinite(v)) continue;
+      EXPECT_EQ(fp8_encode(v, f), b) << fp8_format_name(f) << " code " << b;
+    }
+  }
+}
+
+// Random values over the whole range (subnormals, ties and saturation included) against the exhaustive
+// nearest-value search.
+TEST(Fp8, RoundingIsNearestEvenWithSaturation) {
+  std::mt19937 rng(7);
+  for (Fp8Format f : kFormats) {
+    std::uniform_real_distribution<float> exponent(f == Fp8Format::e4m3 ? -12.0f : -19.0f,
+                                                   f == Fp8Format::e4m3 ? 10.0f : 17.0f);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    for (int i = 0; i < 20000; ++i) {
+      float v = unit(rng) * std::exp2(exponent(rng));
+      if (i % 4 == 0) {  // an exact midpoint between two neighbouring codes
+        const std::vector<uint8_t> codes = finite_codes(f);
+        const size_t at = size_t(rng() % (codes.size() - 1));
+        v = float((double(fp8_decode(codes[at], f)) + double(fp8_decode(codes[at + 1], f))) / 2);
+        if (i % 8 == 0) v = -v;
+      }
+      ASSERT_EQ(fp8_encode(v, f), nearest_by_search(v, f)) << fp8_format_name(f) << " v = " << v;
+    }
+  }
+}
+
+TEST(Fp8, ScaleRule) {
+  EXPECT_EQ(fp8_scale(2.0f, Fp8Format::e4m3), 224.0f);
+  EXPECT_EQ(fp8_scale(2.0f, Fp8Format::e5m2), 28672.0f);
+  EXPECT_EQ(fp8_scale(0.0f, Fp8Format::e4m3), 448.0f / kFp8AmaxFloor);  // finite for an all-zero tensor
+  EXPECT_TRUE(std::isfinite(fp8_scale(0.0f, Fp8Format::e5m2)));
+  EXPECT_TRUE(std::isnan(fp8_scale(NAN, Fp8Format::e4m3)));
+  EXPECT_EQ(fp8_scale(INFINITY, Fp8Format::e4m3), 0.0f);
+  EXPECT_EQ(fp8_dequant_scale(224.0f), 1.0f / 224.0f);
+}
+
+TEST(Fp8, QuantisationUsesTheWholeRangeAndKeepsNaN) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  std::vector<float> x(999);
+  for (float& v : x) v = normal(rng);
+  x[517] = -0.5f;  // the amax, negative
+  for (Fp8Format f : kFormats) {
+    std::vector<uint8_t> q(x.size());
+    const float dequant = fp8_quantize_cpu(x.data(), int64_t(x.size()), f, q.data());
+    EXPECT_EQ(fp8_amax_cpu(x.data(), int64_t(x.size())), 0.5f);
+    EXPECT_EQ(fp8_decode(q[517], f), -fp8_max_value(f)) << fp8_format_name(f);
+    EXPECT_EQ(dequant, 1.0f / fp8_scale(0.5f, f));
+    const double half_ulp = f == Fp8Format::e4m3 ? 0x1p-4 : 0x1p-3;
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double back = double(fp8_decode(q[i], f)) * dequant;
+      // Relative half an ulp for normals, absolute half the smallest subnormal below them.
+      const double tiny = (f == Fp8Format::e4m3 ? 0x1p-10 : 0x1p-17) * dequant;
+      EXPECT_LE(std::fabs(back - x[i]), half_ulp * std::fabs(x[i]) * 1.0001 + tiny) << i;
+    }
+  }
+  std::vector<float> zeros(64, 0.0f);
+  std::vector<uint8_t> q(64, 0xab);
+  fp8_quantize_cpu(zeros.data(), 64, Fp8Format::e4m3, q.data());
+  for (uint8_t b : q) EXPECT_EQ(b, 0);
+  x[3] = NAN;
+  std::vector<uint8_t> qn(x.size());
+  EXPECT_TRUE(std::isnan(fp8_quantize_cpu(x.data(), int64_t(x.size()), Fp8Format::e4m3, qn.data())));
+  for (uint8_t b : qn) EXPECT_TRUE(is_nan_code(b, Fp8Format::e4m3));  // a NaN poisons the tensor's product
+}
+
+// The emulated FP8 linear layer against the exact products of the unquantised inputs: the error is the
+// quantisation's (half an ulp of each operand: 2^-4 for e4m3, 2^-3 for e5m2, relative), bounded per element
+// by (u_a + u_b + u_a·u_b)·Σ|a||b|; a wrong transpose or scale gives errors of the size of the result.
+TEST(Fp8, EmulatedLinearLayerIsTheQuantisedProduct) {
+  const int64_t n = 48, in = 40, out = 24;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(size_t(n * in)), w(size_t(out * in)), dy(size_t(n * out));
+  for (float& v : x) v = normal(rng);
+  for (float& v : w) v = 0.05f * normal(rng);
+  for (float& v : dy) v = 1e-3f * normal(rng);
+  const auto bound = [](double ua, double ub, double s) { return (ua + ub + ua * ub) * s * 1.001 + 1e-12; };
+  constexpr double u4 = 0x1p-4, u5 = 0x1p-3;
+
+  std::vector<double> y(size_t(n * out));
+  fp8_linear_forward_cpu(x.data(), w.data(), y.data(), n, in, out);
+  double worst = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < out; ++j) {
+      double ref = 0, s = 0;
+      for (int64_t k = 0; k < in; ++k) {
+        ref += double(x[i * in + k]) * w[j * in + k];
+        s += std::fabs(double(x[i * in + k]) * w[j * in + k]);
+      }
+      const double err = std::fabs(y[i * out + j] - ref);
+      EXPECT_LE(err, bound(u4, u4, s)) << i << ", " << j;
+      worst = std::max(worst, err / s);
+    }
+  }
+  EXPECT_GT(worst, 1e-4) << "no quantisation error at all: the inputs were not quantised";
+
+  for (Fp8Format g : kFormats) {
+    const double ug = g == Fp8Format::e4m3 ? u4 : u5;
+    std::vector<double> dx(size_t(n * in)), dw(size_t(out * in));
+    fp8_linear_backward_cpu(dy.data(), x.data(), w.data(), dx.data(), dw.data(), n, in, out, g);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t k = 0; k < in; ++k) {
+        double ref = 0, s = 0;
+        for (int64_t j = 0; j < out; ++j) {
+          ref += double(dy[i * out + j]) * w[j * in + k];
+          s += std::fabs(double(dy[i * out + j]) * w[j * in + k]);
+        }
+        EXPECT_LE(std::fabs(dx[i * in + k] - ref), bound(ug, u4, s)) << fp8_format_name(g) << " dx " << i << ", " << k;
+      }
+    }
+    for (int64_t j = 0; j < out; ++j) {
+      for (int64_t k = 0; k < in; ++k) {
+        double ref = 0, s = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          ref += double(dy[i * out + j]) * x[i * in + k];
+          s += std::fabs(double(dy[i * out + j]) * x[i * in + k]);
+        }
+        EXPECT_LE(std::fabs(dw[j * in + k] - ref), bound(ug, u4, s)) << fp8_format_name(g) << " dw " << j << ", " << k;
+      }
+    }
+    // Only one of dx, dw: the other is not computed, the computed one the same.
+    std::vector<double> dx_only(size_t(n * in));
+    fp8_linear_backward_cpu(dy.data(), x.data(), w.data(), dx_only.data(), nullptr, n, in, out, g);
+    EXPECT_EQ(dx_only, dx);
+  }
+}
+
+TEST(Fp8, PrecisionParsesAndTheCpuRefusesIt) {
+  DType dtype = DType::f32;
+  bool pure = true, fp8 = false;
+  parse_precision("fp8", dtype, pure, fp8);
+  EXPECT_EQ(dtype, DType::bf16);
+  EXPECT_FALSE(pure);
+  EXPECT_TRUE(fp8);
+  parse_precision("bf16", dtype, pure, fp8);
+  EXPECT_FALSE(fp8);
+  expect_error([&] { parse_precision("fp8", dtype, pure); }, "this command takes");  // commands without FP8
+  expect_error([&] { parse_precision("fp64", dtype, pure, fp8); }, "bf16-pure or fp8");
+  EXPECT_EQ(precision_name(DType::bf16, false, true), "fp8");
+  EXPECT_EQ(parse_fp8_format("e4m3"), Fp8Format::e4m3);
+  EXPECT_EQ(parse_fp8_format("e5m2"), Fp8Format::e5m2);
+  expect_error([] { parse_fp8_format("e3m4"); }, "expected e4m3 or e5m2");
+
+  ModelConfig c = ModelConfig::named("tiny", 64, 128);
+  ModelOptions o;
+  o.fp8 = true;
+  expect_error([&] { make_model(c, 1, 16, Device::cpu, DType::f32, o); }, "the CPU engine runs fp32, not fp8");
+  expect_error([&] { plan_model_memory(c, 1, 16, Device::cpu, DType::f32, o); }, "fp8 is a CUDA precision");
+  expect_error([&] { plan_model_memory(c, 1, 16, Device::cuda, DType::f32, o); }, "not with fp32");  // bf16's
+  o.bf16_pure = true;
+  expect_error([&] { plan_model_memory(c, 1, 16, Device::cuda, DType::bf16, o); }, "not with bf16-pure");
+  o.bf16_pure = false;
+  const MemoryPlan with = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
+  o.fp8 = false;
+  const MemoryPlan without = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
+  EXPECT_GT(with.total_bytes(), without.total_bytes());  // the FP8 copies are counted
+}

@@ -1,0 +1,444 @@
+// FP8 training's CUDA pieces against the CPU emulation (model/fp8.h): the amax + cast kernel (bit-exact,
+// straight and transposed, both formats, ragged shapes, bf16 and fp32 inputs, poisoned outputs), the FP8
+// GEMM (fp8_gemm_cuda) against the fp64 product of the same FP8 operands, and CudaModel's FP8 linear layer
+// (Fp8Linear: casts and GEMMs chained, forward and both backward products) against the emulated layer.
+// GPU tests skip without a GPU; the argument checks that throw before any CUDA call run in any CUDA build.
+//
+// GEMM tolerance, per element: |got - ref| <= 2^-10·s + u·|ref| with s = dq_p·dq_q·Σ_k |p_ik|·|q_jk| (the
+// product on absolute values) and u = 2^-8 for a bf16 result (0 for fp32); plus |c| · 2^-8 where a bf16 C is
+// added. 2^-10 leaves room for the tensor cores' FP8 accumulation (narrower than fp32 inside one MMA, then
+// promoted); it is 64 times below e4m3's own quantisation step, and a wrong layout, operand or scale gives
+// errors of order s/√k or more.
+#include <gtest/gtest.h>
+
+#include "gpu_testing.h"
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashlm/dtype.h"
+#include "flashlm/error.h"
+#include "flashlm/memory.h"
+#include "flashlm/model.h"
+#include "model/fp8.h"
+
+#ifdef FLASHLM_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "model/cuda/fp8.h"
+#include "model/cuda/fp8_linear.h"
+#include "model/cuda/gemm.h"
+#endif
+
+using namespace flashlm;
+
+#ifndef FLASHLM_WITH_CUDA
+
+TEST(Fp8Cuda, NeedsCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
+
+#else
+
+namespace {
+
+void cuda_ok(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// A device array of raw bytes.
+struct Dev {
+  Buffer buf;
+  size_t bytes;
+  explicit Dev(size_t n) : buf(Buffer::allocate(std::max<size_t>(n, 16), Device::cuda, "test_fp8_cuda")), bytes(n) {}
+  void* ptr() const { return buf.data(); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(buf.data());
+  }
+  template <class T>
+  void upload(const std::vector<T>& v) {
+    ASSERT_EQ(v.size() * sizeof(T), bytes);
+    cuda_ok(cudaMemcpy(ptr(), v.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+  }
+  template <class T>
+  std::vector<T> download() const {
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    std::vector<T> v(bytes / sizeof(T));
+    cuda_ok(cudaMemcpy(v.data(), ptr(), bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+    return v;
+  }
+  void poison(uint8_t byte = 0xAB) { cuda_ok(cudaMemset(ptr(), byte, bytes), "cudaMemset"); }
+};
+
+// Normal values of varied magnitude (a few large outliers, some tiny ones: subnormals after scaling),
+// rounded to bf16.
+std::vector<float> random_bf16_values(int64_t count, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(static_cast<size_t>(count));
+  for (size_t i = 0; i < v.size(); ++i) {
+    float x = normal(rng);
+    if (rng() % 50 == 0) x *= 40.0f;
+    if (rng() % 20 == 0) x *= 1e-4f;
+    v[i] = float(bf16_t(x));
+  }
+  return v;
+}
+
+std::vector<bf16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = bf16_t(v[i]);
+  return b;
+}
+
+std::vector<float> transposed(const std::vector<float>& a, int64_t rows, int64_t cols) {
+  std::vector<float> t(a.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = a[size_t(r * cols + c)];
+  }
+  return t;
+}
+
+// fn() throws an Error whose message contains `part`.
+template <class Fn>
+void expect_error(Fn&& fn, const std::string& part) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one saying '" << part << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// The cast: amax, scale and every byte as the CPU emulation computes them.
+
+TEST(Fp8Cast, MatchesTheCpuEmulationBitExactly) {
+  SKIP_WITHOUT_GPU();
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 1}, {1, 40}, {17, 33}, {64, 48}, {100, 257}, {2048, 80}, {33, 2049}};
+  uint64_t seed = 1;
+  for (auto [rows, cols] : shapes) {
+    for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+      for (bool fp32_input : {false, true}) {
+        const std::string what = std::to_string(rows) + "x" + std::to_string(cols) + " " +
+                                 std::string(fp8_format_name(f)) + (fp32_input ? " fp32" : " bf16");
+        std::vector<float> x = random_bf16_values(rows * cols, seed++);
+        if (fp32_input) {
+          std::mt19937 rng(static_cast<unsigned>(seed));
+          for (float& v : x) v *= 1.0f + 1e-3f * float(rng() % 1000) / 1000.0f;  // not bf16-representable
+        }
+        const int64_t count = rows * cols;
+        std::vector<uint8_t> want(static_cast<size_t>(count));
+        const float want_dequant = fp8_quantize_cpu(x.data(), count, f, want.data());
+        const float want_amax = fp8_amax_cpu(x.data(), count);
+
+        Dev dx(size_t(count) * (fp32_input ? 4 : 2)), dq(static_cast<size_t>(count)), dqt(static_cast<size_t>(count)), ds(2 * sizeof(float));
+        if (fp32_input) dx.upload(x); else dx.upload(to_bf16(x));
+        dq.poison();
+        dqt.poison();
+        ds.poison();
+        if (fp32_input) {
+          gpu::fp8_quantize(dx.as<float>(), rows, cols, f, dq.as<uint8_t>(), dqt.as<uint8_t>(), ds.as<float>(), nullptr);
+        } else {
+          gpu::fp8_quantize(dx.as<bf16_t>(), rows, cols, f, dq.as<uint8_t>(), dqt.as<uint8_t>(), ds.as<float>(),
+                            nullptr);
+        }
+        const auto scales = ds.download<float>();
+        EXPECT_EQ(std::bit_cast<uint32_t>(scales[0]), std::bit_cast<uint32_t>(want_amax)) << what << ": amax";
+        EXPECT_EQ(std::bit_cast<uint32_t>(scales[1]), std::bit_cast<uint32_t>(want_dequant)) << what << ": dequant";
+        const auto q = dq.download<uint8_t>(), qt = dqt.download<uint8_t>();
+        int64_t bad = 0, bad_t = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            bad += q[size_t(r * cols + c)] != want[size_t(r * cols + c)];
+            bad_t += qt[size_t(c * rows + r)] != want[size_t(r * cols + c)];
+          }
+        }
+        EXPECT_EQ(bad, 0) << what << ": straight copy differs from the CPU emulation";
+        EXPECT_EQ(bad_t, 0) << what << ": transposed copy differs from the CPU emulation";
+
+        // Only the transposed copy, only the straight one: the same bytes, the other array untouched.
+        dq.poison(0x5C);
+        dqt.poison(0x5C);
+        if (!fp32_input) {
+          gpu::fp8_quantize(dx.as<bf16_t>(), rows, cols, f, nullptr, dqt.as<uint8_t>(), ds.as<float>(), nullptr);
+          EXPECT_EQ(dqt.download<uint8_t>(), qt) << what;
+          for (uint8_t b : dq.download<uint8_t>()) ASSERT_EQ(b, 0x5C) << what << ": q written though null";
+          gpu::fp8_quantize(dx.as<bf16_t>(), rows, cols, f, dq.as<uint8_t>(), nullptr, ds.as<float>(), nullptr);
+          EXPECT_EQ(dq.download<uint8_t>(), q) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(Fp8Cast, ZerosGiveZerosAndANaNPoisonsTheTensor) {
+  SKIP_WITHOUT_GPU();
+  const int64_t rows = 48, cols = 32;
+  std::vector<float> x(size_t(rows * cols), 0.0f);
+  Dev dx(x.size() * 4), dq(x.size()), ds(8);
+  dx.upload(x);
+  dq.poison();
+  gpu::fp8_quantize(dx.as<float>(), rows, cols, Fp8Format::e4m3, dq.as<uint8_t>(), nullptr, ds.as<float>(), nullptr);
+  for (uint8_t b : dq.download<uint8_t>()) ASSERT_EQ(b, 0);
+  EXPECT_EQ(ds.download<float>()[1], fp8_dequant_scale(fp8_scale(0.0f, Fp8Format::e4m3)));
+  x[777] = NAN;
+  x[5] = 3.0f;
+  dx.upload(x);
+  for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+    gpu::fp8_quantize(dx.as<float>(), rows, cols, f, dq.as<uint8_t>(), nullptr, ds.as<float>(), nullptr);
+    EXPECT_TRUE(std::isnan(ds.download<float>()[0])) << "amax of a tensor with a NaN";
+    for (uint8_t b : dq.download<uint8_t>()) ASSERT_TRUE(std::isnan(fp8_decode(b, f))) << fp8_format_name(f);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The FP8 GEMM against the fp64 product of the same FP8 operands and scales.
+
+namespace {
+
+struct GemmCase {
+  int64_t rows, cols, k;
+  Fp8Format pf, qf;
+};
+
+// Random FP8 operands: random values quantised by the CPU emulation (so every code class occurs).
+std::vector<uint8_t> random_fp8(int64_t count, Fp8Format f, uint64_t seed, float* dequant) {
+  const std::vector<float> v = random_bf16_values(count, seed);
+  std::vector<uint8_t> q(static_cast<size_t>(count));
+  *dequant = fp8_quantize_cpu(v.data(), count, f, q.data());
+  return q;
+}
+
+void check_gemm(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1: += d; 2: + residual
+  const std::string what = std::to_string(g.rows) + "x" + std::to_string(g.cols) + "x" + std::to_string(g.k) + " " +
+                           std::string(fp8_format_name(g.pf)) + "·" + std::string(fp8_format_name(g.qf)) + " -> " +
+                           std::string(dtype_name(out)) + (mode == 0 ? "" : mode == 1 ? " +=" : " + residual");
+  float dqp = 0, dqq = 0;
+  const uint64_t seed = uint64_t(g.rows * 7 + g.cols * 13 + g.k * 3 + mode);
+  const std::vector<uint8_t> p = random_fp8(g.rows * g.k, g.pf, seed, &dqp), q = random_fp8(g.cols * g.k, g.qf, seed + 1, &dqq);
+  std::vector<double> ref(size_t(g.rows * g.cols)), s(ref.size());
+  fp8_matmul_nt_cpu(p.data(), g.pf, dqp, q.data(), g.qf, dqq, g.rows, g.cols, g.k, ref.data());
+  std::vector<uint8_t> pa(p.size()), qa(q.size());
+  for (size_t i = 0; i < p.size(); ++i) pa[i] = p[i] & 0x7f;  // |p|, |q|: the magnitude sum
+  for (size_t i = 0; i < q.size(); ++i) qa[i] = q[i] & 0x7f;
+  fp8_matmul_nt_cpu(pa.data(), g.pf, dqp, qa.data(), g.qf, dqq, g.rows, g.cols, g.k, s.data());
+
+  const size_t esz = dtype_size(out);
+  Dev dp(p.size()), dq(q.size()), dd(ref.size() * esz), dr(ref.size() * esz), dsc(8);
+  dp.upload(p);
+  dq.upload(q);
+  dsc.upload(std::vector<float>{dqp, dqq});
+  // The initial d (mode 1) or residual (mode 2): values of the product's size, exact in the output type.
+  std::vector<float> c(ref.size(), 0.0f);
+  if (mode != 0) {
+    std::mt19937 rng(static_cast<unsigned>(seed));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < c.size(); ++i) c[i] = float(bf16_t(float(std::sqrt(s[i] + 1e-30)) * normal(rng)));
+  }
+  const auto upload_out = [&](Dev& d, const std::vector<float>& v) {
+    if (out == DType::f32) d.upload(v); else d.upload(to_bf16(v));
+  };
+  if (mode == 1) upload_out(dd, c); else dd.poison(0xFF);
+  if (mode == 2) upload_out(dr, c);
+  fp8_gemm_cuda({dp.ptr(), g.pf, dsc.as<float>()}, {dq.ptr(), g.qf, dsc.as<float>() + 1}, dd.ptr(), out, g.rows, g.cols,
+                g.k, mode == 0 ? 0.0f : 1.0f, mode == 2 ? dr.ptr() : nullptr, nullptr);
+  std::vector<float> got(ref.size());
+  if (out == DType::f32) {
+    got = dd.download<float>();
+  } else {
+    const auto b = dd.download<uint16_t>();
+    for (size_t i = 0; i < b.size(); ++i) got[i] = std::bit_cast<float>(uint32_t{b[i]} << 16);
+  }
+  const double u = out == DType::f32 ? 0.0 : 0x1p-8;
+  int64_t bad = 0;
+  double worst = 0;
+  size_t worst_at = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double want = ref[i] + double(c[i]);
+    const double tol = 0x1p-10 * s[i] + u * std::fabs(want) + u * std::fabs(c[i]) + 1e-30;
+    const double ratio = std::fabs(double(got[i]) - want) / tol;
+    if (!(ratio <= 1.0)) ++bad;
+    if (!(ratio <= worst)) worst = ratio, worst_at = i;
+  }
+  EXPECT_EQ(bad, 0) << what << ": worst at " << worst_at << ": got " << got[worst_at] << ", want "
+                    << ref[worst_at] + c[worst_at] << ", error/tolerance " << worst;
+}
+
+}  // namespace
+
+TEST(Fp8Gemm, MatchesTheFp64ProductOfTheSameFp8Operands) {
+  SKIP_WITHOUT_GPU();
+  const GemmCase cases[] = {
+      {16, 16, 16, Fp8Format::e4m3, Fp8Format::e4m3},     {48, 80, 112, Fp8Format::e4m3, Fp8Format::e4m3},
+      {128, 96, 2048, Fp8Format::e4m3, Fp8Format::e4m3},  {2048, 64, 48, Fp8Format::e4m3, Fp8Format::e4m3},
+      {64, 1600, 4800, Fp8Format::e4m3, Fp8Format::e4m3}, {48, 80, 112, Fp8Format::e5m2, Fp8Format::e4m3},
+      {256, 192, 2048, Fp8Format::e5m2, Fp8Format::e4m3}, {48, 80, 112, Fp8Format::e4m3, Fp8Format::e5m2},
+      {160, 32, 1024, Fp8Format::e4m3, Fp8Format::e5m2},
+  };
+  for (const GemmCase& g : cases) {
+    for (DType out : {DType::bf16, DType::f32}) {
+      for (int mode : {0, 1, 2}) {
+        if (mode == 2 && out == DType::f32) continue;  // the residual is the bf16 forward's
+        check_gemm(g, out, mode);
+      }
+    }
+  }
+}
+
+TEST(Fp8Gemm, RepeatedCallsGiveTheSameBits) {
+  SKIP_WITHOUT_GPU();
+  float dqp = 0, dqq = 0;
+  const auto p = random_fp8(256 * 512, Fp8Format::e4m3, 5, &dqp), q = random_fp8(384 * 512, Fp8Format::e4m3, 6, &dqq);
+  Dev dp(p.size()), dq(q.size()), dd(256 * 384 * 2), dsc(8);
+  dp.upload(p);
+  dq.upload(q);
+  dsc.upload(std::vector<float>{dqp, dqq});
+  std::vector<uint16_t> first;
+  for (int i = 0; i < 3; ++i) {
+    dd.poison(0xFF);
+    fp8_gemm_cuda({dp.ptr(), Fp8Format::e4m3, dsc.as<float>()}, {dq.ptr(), Fp8Format::e4m3, dsc.as<float>() + 1},
+                  dd.ptr(), DType::bf16, 256, 384, 512, 0.0f, nullptr, nullptr);
+    const auto got = dd.download<uint16_t>();
+    if (i == 0) first = got; else EXPECT_EQ(got, first);
+  }
+}
+
+TEST(Fp8Gemm, BadArgumentsAreErrors) {
+  // Checked before any CUDA call: no GPU needed.
+  alignas(16) static uint8_t a[256], b[256], d[1024];
+  static float scale[2] = {1.0f, 1.0f};
+  const Fp8Operand p{a, Fp8Format::e4m3, scale}, q{b, Fp8Format::e4m3, scale};
+  const auto gemm = [&](const Fp8Operand& pp, const Fp8Operand& qq, void* dd, DType out, int64_t rows, int64_t k,
+                        float beta) { fp8_gemm_cuda(pp, qq, dd, out, rows, 16, k, beta, nullptr, nullptr); };
+  expect_error([&] { gemm({a, Fp8Format::e5m2, scale}, {b, Fp8Format::e5m2, scale}, d, DType::bf16, 16, 16, 0); },
+               "both e5m2");
+  expect_error([&] { gemm(p, q, d, DType::bf16, 8, 16, 0); }, "multiples of 16");
+  expect_error([&] { gemm(p, q, d, DType::bf16, 16, 24, 0); }, "multiples of 16");
+  expect_error([&] { gemm(p, q, d, DType::f16, 16, 16, 0); }, "expected bf16 or fp32");
+  expect_error([&] { gemm(p, q, d, DType::bf16, 16, 16, 0.5f); }, "expected 0 or 1");
+  expect_error([&] { gemm({a + 1, Fp8Format::e4m3, scale}, q, d, DType::bf16, 16, 16, 0); }, "16-byte aligned");
+  expect_error([&] { gemm({nullptr, Fp8Format::e4m3, scale}, q, d, DType::bf16, 16, 16, 0); }, "p is null");
+  expect_error([&] { gemm({a, Fp8Format::e4m3, nullptr}, q, d, DType::bf16, 16, 16, 0); }, "p.dequant is null");
+  expect_error([&] { gemm(p, q, a, DType::bf16, 16, 16, 0); }, "overlap");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// CudaModel's FP8 linear layer: casts and GEMMs chained, against the emulated layer from the same bf16
+// inputs (the same quantised operands, so the same fp64 reference), forward with and without the residual,
+// dx = and +=, dw = and += (fp32), both gradient formats.
+
+TEST(Fp8Linear, MatchesTheEmulatedLayer) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig c = ModelConfig::named("tiny", 64, 128);
+  c.d_model = 64;
+  c.d_ff = 160;
+  const int64_t n = 96;
+  const std::pair<int64_t, int64_t> layers[] = {{64, 192}, {64, 64}, {64, 160}, {160, 64}};  // qkv, proj, w1, w2
+  uint64_t seed = 40;
+  for (Fp8Format g : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+    Fp8Linear fp8(c, n, g);
+    for (auto [in, out] : layers) {
+      const std::string what = std::to_string(in) + " -> " + std::to_string(out) + ", " +
+                               std::string(fp8_format_name(g)) + " gradients";
+      const std::vector<float> x = random_bf16_values(n * in, seed++), w = random_bf16_values(out * in, seed++),
+                               dy = random_bf16_values(n * out, seed++), r = random_bf16_values(n * out, seed++),
+                               dx0 = random_bf16_values(n * in, seed++), dw0 = random_bf16_values(out * in, seed++);
+      Dev dx_(x.size() * 2), dw_(w.size() * 2), ddy(dy.size() * 2), dr(r.size() * 2), dy_out(dy.size() * 2),
+          ddx(x.size() * 2), ddw(w.size() * 4);
+      dx_.upload(to_bf16(x));
+      dw_.upload(to_bf16(w));
+      ddy.upload(to_bf16(dy));
+      dr.upload(to_bf16(r));
+      std::vector<double> y(size_t(n * out)), gx(size_t(n * in)), gw(size_t(out * in));
+      fp8_linear_forward_cpu(x.data(), w.data(), y.data(), n, in, out);
+      fp8_linear_backward_cpu(dy.data(), x.data(), w.data(), gx.data(), gw.data(), n, in, out, g);
+      // Magnitude sums for the tolerance: the exact products of |x|, |w|, |dy| bound the FP8 ones' within 13%.
+      const auto absmat = [](const std::vector<float>& a, const std::vector<float>& b, int64_t rows, int64_t cols,
+                             int64_t k, bool a_t, bool b_t) {
+        std::vector<double> s(size_t(rows * cols));
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t j = 0; j < cols; ++j) {
+            double acc = 0;
+            for (int64_t t = 0; t < k; ++t) {
+              const float av = a_t ? a[size_t(t * rows + i)] : a[size_t(i * k + t)];
+              const float bv = b_t ? b[size_t(j * k + t)] : b[size_t(t * cols + j)];
+              acc += std::fabs(double(av) * bv);
+            }
+            s[size_t(i * cols + j)] = 1.2 * acc;
+          }
+        }
+        return s;
+      };
+      const auto check = [&](const std::vector<float>& got, const std::vector<double>& want,
+                             const std::vector<double>& s, double u, const std::string& name) {
+        int64_t bad = 0;
+        size_t worst_at = 0;
+        double worst = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          const double tol = 0x1p-10 * s[i] + u * 2 * std::fabs(want[i]) + 1e-30;
+          const double ratio = std::fabs(double(got[i]) - want[i]) / tol;
+          if (!(ratio <= 1.0)) ++bad;
+          if (!(ratio <= worst)) worst = ratio, worst_at = i;
+        }
+        EXPECT_EQ(bad, 0) << what << ", " << name << ": worst at " << worst_at << ": got " << got[worst_at]
+                          << ", want " << want[worst_at] << ", error/tolerance " << worst;
+      };
+      const auto bf16_down = [](const Dev& d) {
+        const auto b = d.download<uint16_t>();
+        std::vector<float> v(b.size());
+        for (size_t i = 0; i < b.size(); ++i) v[i] = std::bit_cast<float>(uint32_t{b[i]} << 16);
+        return v;
+      };
+      const std::vector<double> sy = absmat(x, transposed(w, out, in), n, out, in, false, false);
+      const std::vector<double> sx = absmat(dy, w, n, in, out, false, false);
+      const std::vector<double> sw = absmat(dy, x, out, in, n, true, false);
+
+      dy_out.poison(0xFF);
+      fp8.forward(dx_.as<bf16_t>(), dw_.as<bf16_t>(), nullptr, dy_out.as<bf16_t>(), in, out, nullptr);
+      check(bf16_down(dy_out), y, sy, 0x1p-8, "forward");
+      fp8.forward(dx_.as<bf16_t>(), dw_.as<bf16_t>(), dr.as<bf16_t>(), dy_out.as<bf16_t>(), in, out, nullptr);
+      std::vector<double> yr(y);
+      for (size_t i = 0; i < yr.size(); ++i) yr[i] += r[i];
+      std::vector<double> syr(sy);
+      for (size_t i = 0; i < syr.size(); ++i) syr[i] += 1024.0 * 0x1p-8 * std::fabs(r[i]);
+      check(bf16_down(dy_out), yr, syr, 0x1p-8, "forward + residual");
+
+      ddx.poison(0xFF);
+      ddw.poison(0xFF);
+      fp8.backward(ddy.as<bf16_t>(), dx_.as<bf16_t>(), dw_.as<bf16_t>(), ddx.as<bf16_t>(), ddw.as<float>(), in, out,
+                   false, false, nullptr);
+      check(bf16_down(ddx), gx, sx, 0x1p-8, "dx =");
+      check(ddw.download<float>(), gw, sw, 0.0, "dw =");
+      // Accumulating: dx += onto bf16 values, dw += onto fp32 ones.
+      ddx.upload(to_bf16(dx0));
+      ddw.upload(dw0);
+      fp8.backward(ddy.as<bf16_t>(), dx_.as<bf16_t>(), dw_.as<bf16_t>(), ddx.as<bf16_t>(), ddw.as<float>(), in, out,
+                   true, true, nullptr);
+      std::vector<double> gx_acc(gx), gw_acc(gw), sx_acc(sx);
+      for (size_t i = 0; i < gx.size(); ++i) gx_acc[i] += dx0[i], sx_acc[i] += 1024.0 * 0x1p-8 * std::fabs(dx0[i]);
+      for (size_t i = 0; i < gw.size(); ++i) gw_acc[i] += dw0[i];
+      check(bf16_down(ddx), gx_acc, sx_acc, 0x1p-8, "dx +=");
+      check(ddw.download<float>(), gw_acc, sw, 0.0, "dw +=");
+    }
+  }
+}
+
+TEST(Fp8Linear, RefusesShapesTheFp8GemmsCannotTake) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig c = ModelConfig::named("tiny", 64, 128);
+  c.d_model = 64;
+  c.d_ff = 168;  // a multiple of 8, not of 16
+  expect_error([&] { Fp8Linear bad(c, 64, Fp8Format::e5m2); }, "multiples of 16");
+  c.d_ff = 160;
+  expect_error([&] { Fp8Linear bad(c, 40, Fp8Format::e5m2); }, "must be a multiple of 16");  // tokens
+  EXPECT_NO_THROW(Fp8Linear(c, 48, Fp8Format::e5m2));
+}
+
+#endif
