@@ -69,8 +69,9 @@ class TokenFile {
   TokenFormat format_ = TokenFormat::nanogpt;
 };
 
-// A contiguous run of tokens that a batcher cuts sequences from: in memory (synthetic data) or a range of
-// a TokenFile. Neither is owned: the memory or the file must outlive the view.
+// A contiguous run of tokens that a batcher cuts sequences from: in memory (synthetic data; uint16, or
+// uint32 for a vocabulary beyond 65536) or a range of a TokenFile. Neither is owned: the memory or the file
+// must outlive the view.
 class TokenView {
  public:
   TokenView() = default;
@@ -78,15 +79,20 @@ class TokenView {
       : memory_(memory), size_(static_cast<int64_t>(memory.size())) {}
   TokenView(const std::vector<uint16_t>& memory)  // NOLINT(google-explicit-constructor): as its span
       : TokenView(std::span<const uint16_t>(memory)) {}
+  TokenView(std::span<const uint32_t> memory)  // NOLINT(google-explicit-constructor): a span is a view
+      : wide_memory_(memory), memory_bytes_(4), size_(static_cast<int64_t>(memory.size())) {}
+  TokenView(const std::vector<uint32_t>& memory)  // NOLINT(google-explicit-constructor): as its span
+      : TokenView(std::span<const uint32_t>(memory)) {}
   // The view refers to the TokenFile object itself: it must not be moved while the view is in use.
   TokenView(const TokenFile& file)  // NOLINT(google-explicit-constructor): so is a whole file
       : file_(&file), size_(file.size()) {}
 
   int64_t size() const { return size_; }
-  int token_bytes() const { return file_ != nullptr ? file_->token_bytes() : 2; }
+  int token_bytes() const { return file_ != nullptr ? file_->token_bytes() : memory_bytes_; }
   // Tokens [offset, offset + count) of this view; the range must lie inside it.
   TokenView subview(int64_t offset, int64_t count) const;
-  // Tokens [first, first + out.size()) of this view into out (uint16: 2-byte tokens only, as TokenFile).
+  // Tokens [first, first + out.size()) of this view into out (uint16: 2-byte tokens only, as TokenFile;
+  // 4-byte ones are an Error there).
   void read(int64_t first, std::span<uint16_t> out) const;
   void read(int64_t first, std::span<uint32_t> out) const;
 
@@ -94,7 +100,9 @@ class TokenView {
   template <class T>
   void read_into(int64_t first, std::span<T> out) const;
   const TokenFile* file_ = nullptr;
-  std::span<const uint16_t> memory_;
+  std::span<const uint16_t> memory_;       // 2-byte tokens in memory
+  std::span<const uint32_t> wide_memory_;  // 4-byte tokens in memory
+  int memory_bytes_ = 2;
   int64_t offset_ = 0, size_ = 0;
 };
 
@@ -107,18 +115,23 @@ class SyntheticTokens {
  public:
   static constexpr int kMaxBranching = 256;  // keeps the successor table (vocab x branching) small
 
-  // vocab_size in [branching, 65536] (tokens are uint16), num_tokens >= 2, branching in [1, 256].
+  // vocab_size in [branching, 2^31) (ModelConfig's int32 token ids), num_tokens >= 2, branching in [1, 256].
+  // The tokens are stored as uint16 up to a vocabulary of 65536 and as uint32 beyond (token_bytes()); the
+  // walk is the same at both widths, so a vocabulary that fits uint16 keeps the data it always had.
   SyntheticTokens(int64_t vocab_size, int64_t num_tokens, uint64_t seed, int branching = 4);
 
-  std::span<const uint16_t> tokens() const {
-    return {static_cast<const uint16_t*>(buffer_.data()), static_cast<size_t>(num_tokens_)};
-  }
+  static int token_bytes_for(int64_t vocab_size) { return vocab_size <= 65536 ? 2 : 4; }
+  int token_bytes() const { return token_bytes_for(vocab_size_); }
+  // The whole walk, at the stored width.
+  TokenView tokens() const;
+  uint32_t token(int64_t i) const;  // token i < size(), whatever the width
+  int64_t size() const { return num_tokens_; }
   int64_t vocab_size() const { return vocab_size_; }
   int branching() const { return branching_; }
   double optimal_cross_entropy() const;  // nats per token: ln(branching)
 
  private:
-  Buffer buffer_;  // num_tokens uint16, through the tracked allocator
+  Buffer buffer_;  // num_tokens uint16 or uint32 (token_bytes()), through the tracked allocator
   int64_t vocab_size_ = 0;
   int64_t num_tokens_ = 0;
   int branching_ = 0;

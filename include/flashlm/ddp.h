@@ -172,6 +172,11 @@ class DataParallel {
   // The elements that hold averaged gradients after finish_backward(), ascending: every bucket's ranges;
   // with reduce_scatter only this rank's parts and the tails (zero_bucket_layout).
   const std::vector<DdpRange>& averaged_ranges() const;
+  // false at a world of one reducing fp32 (any variant but fsdp): the gradients are already their average,
+  // so finish_backward() only divides by grad_accum, gradients_ready() starts nothing, no staging is
+  // allocated and last_stats() counts no collective. Every result is the one the collectives would give
+  // (each an identity at one rank), bit for bit.
+  bool communicates() const;
   // Memory of the staging areas, allocated once at construction on the parameters' device: a bucket of
   // several separate ranges is packed there for its all-reduce; with a 16-bit reduce_dtype every bucket is
   // rounded into its own area (2 bytes per communicated element). Several buckets may be in flight at once,

@@ -428,10 +428,13 @@ class CpuModel final : public LanguageModel {
   // Normal(0, 0.02) weights (truncated at 3 sigma), unit RMSNorm gains; reproducible per seed.
   void init_parameters(uint64_t seed) override;
 
-  // tokens and targets: [batch, seq] int32, every id in [0, vocab). Returns the mean cross-entropy.
-  // The logits stay readable through logits() until the next backward().
+  // tokens and targets: [batch, seq] int32, every id in [0, vocab). Returns the mean cross-entropy. The LM
+  // head and the loss run in chunks of head_chunk() tokens (ModelOptions::head_chunk), so that the logits
+  // of every token exist at once only when one chunk holds them all.
   double forward(const int32_t* tokens, const int32_t* targets) override;
-  const float* logits() const;  // [batch, seq, vocab]
+  int64_t head_chunk() const;
+  // [batch, seq, vocab] after forward(), before backward(): recomputed chunk by chunk, the forward's values.
+  void copy_logits_to(float* out) const;
 
   // Adds d(loss)/d(parameters) to gradients() (call zero_grad() first, or accumulate micro-batches).
   void backward() override;

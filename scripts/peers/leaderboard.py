@@ -4,7 +4,8 @@
 
   leaderboard.py tokens --vocab 151936 --count 1048576 OUT.bin
       Random token ids as a token file flashlm reads (llm.c's uint32 format above 65536 ids; nanoGPT's
-      uint16 below): train's synthetic data stops at vocab 65536, the leaderboard's is 151936.
+      uint16 below): uniform ids, where train's `--data synthetic` (uint32 beyond vocab 65536 since
+      issue 35) is a Markov chain.
   leaderboard.py record METRICS.jsonl --model cs336-8b --context 32768 --batch-per-rank 1 --world 2 \\
       --precision bf16 --variant fsdp [--log TRAIN.log] [--gpu-memory SAMPLES.csv] [--skip 1] --out OURS.json
       One record in bench's field names (model, context, batch = the global batch, precision, pass = step,

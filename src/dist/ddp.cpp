@@ -261,6 +261,10 @@ struct DataParallel::Impl {
   DdpParameters params;
   DdpOptions options;
   bool overlap = false;  // async, bucketed: buckets start during the backward
+  // A world of one reducing fp32 (not FSDP, whose sharded storage moves gradients into its shard): each
+  // rank's gradients are already their average, so no bucket is staged, reduced or waited for (the
+  // collectives would be identities: in place, an average over one, a copy out and back).
+  bool alone = false;
   std::vector<DdpBucket> buckets;
   std::vector<int64_t> bucket_of;  // per parameter: its owner's bucket, -1 when not communicated
   std::vector<int> expected;       // per bucket: gradient-ready reports that complete it
@@ -428,6 +432,24 @@ struct DataParallel::Impl {
     stats.elements += buckets[b].elements;
   }
 
+  // The sum over grad_accum micro-steps into their mean: only the averaged elements (with reduce_scatter
+  // the rest of a bucket is not this rank's to read). CUDA: on `on`, the model's stream.
+  void scale_averaged(void* on) {
+    const float scale = 1.0f / float(options.grad_accum);
+    for (const DdpRange& r : averaged) {
+      float* g = kept(r.offset);
+      if (params.device == Device::cpu) {
+        for (int64_t i = 0; i < r.count; ++i) g[i] *= scale;
+      } else {
+#ifdef FLASHLM_WITH_CUDA
+        gpu::scale_inplace(g, r.count, scale, on);
+#else
+        (void)on;
+#endif
+      }
+    }
+  }
+
   // Starts the complete buckets that are next in order (every rank starts them in the same order).
   void launch_ready() {
     while (next_launch < buckets.size() && ready[next_launch] == expected[next_launch]) launch(next_launch++);
@@ -469,6 +491,7 @@ DataParallel::DataParallel(Communicator& comm, DdpParameters params, const DdpOp
 
   m.overlap = options.variant == DdpVariant::async || options.variant == DdpVariant::bucketed ||
               options.variant == DdpVariant::fsdp;
+  m.alone = comm.world_size() == 1 && reduce == DType::f32 && options.variant != DdpVariant::fsdp;
   const auto n = static_cast<int64_t>(m.params.layout.size());
   m.buckets = ddp_bucket_plan(m.params, options);
   if (options.reduce_scatter) {
@@ -495,7 +518,7 @@ DataParallel::DataParallel(Communicator& comm, DdpParameters params, const DdpOp
   // bucket has its own area, since several may be in flight at once.
   int64_t staged = 0;
   for (const DdpBucket& b : m.buckets) {
-    const bool packed = reduce != DType::f32 || b.ranges.size() > 1;
+    const bool packed = !m.alone && (reduce != DType::f32 || b.ranges.size() > 1);
     m.staging_at.push_back(packed ? staged : -1);
     if (packed) staged += b.elements;
   }
@@ -513,6 +536,7 @@ const DdpParameters& DataParallel::parameters() const { return impl_->params; }
 const DdpOptions& DataParallel::options() const { return impl_->options; }
 const std::vector<DdpBucket>& DataParallel::buckets() const { return impl_->buckets; }
 const std::vector<DdpRange>& DataParallel::averaged_ranges() const { return impl_->averaged; }
+bool DataParallel::communicates() const { return !impl_->alone; }
 int64_t DataParallel::staging_bytes() const { return static_cast<int64_t>(impl_->staging.bytes()); }
 
 void DataParallel::broadcast_parameters(float* params, void* stream) {
@@ -565,7 +589,7 @@ void DataParallel::gradients_ready(int64_t first, int64_t last) {
     const int64_t b = m.bucket_of[size_t(m.params.owner(i))];
     if (b >= 0 && m.params.is_trainable(i)) ++m.ready[size_t(b)];
   }
-  if (m.overlap) m.launch_ready();
+  if (m.overlap && !m.alone) m.launch_ready();
 }
 
 GradientReadyHook DataParallel::hook() {
@@ -582,6 +606,12 @@ void DataParallel::finish_backward() {
   }
   m.micro_steps = 0;
   const bool cuda = m.params.device == Device::cuda;
+  if (m.alone) {
+    // Nothing to reduce: the mean over the micro-steps is all that is left, on the model's stream (CUDA),
+    // with no event or wait between it and the optimizer.
+    if (m.options.grad_accum > 1) m.scale_averaged(m.stream);
+    return;
+  }
   const auto t0 = std::chrono::steady_clock::now();
 #ifdef FLASHLM_WITH_CUDA
   if (cuda) {
@@ -603,20 +633,7 @@ void DataParallel::finish_backward() {
       if (m.staging_at[b] >= 0) m.pack(b, false, nullptr);
     }
   }
-  if (m.options.grad_accum > 1) {
-    // Only the averaged elements: with reduce_scatter the rest of a bucket is not this rank's to read.
-    const float scale = 1.0f / float(m.options.grad_accum);
-    for (const DdpRange& r : m.averaged) {
-      float* g = m.kept(r.offset);
-      if (!cuda) {
-        for (int64_t i = 0; i < r.count; ++i) g[i] *= scale;
-      } else {
-#ifdef FLASHLM_WITH_CUDA
-        gpu::scale_inplace(g, r.count, scale, m.stream);
-#endif
-      }
-    }
-  }
+  if (m.options.grad_accum > 1) m.scale_averaged(m.stream);
 #ifdef FLASHLM_WITH_CUDA
   if (cuda) {
     FLASHLM_CUDA_CHECK(cudaEventRecord(m.synced, static_cast<cudaStream_t>(m.stream)), "cudaEventRecord");

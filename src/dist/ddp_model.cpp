@@ -329,9 +329,10 @@ double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<con
     ddp_->begin_backward(grads ? grads : model_.gradients(), sync, model_.stream());
     {
 #ifdef FLASHLM_WITH_CUDA
-      // While the all-reduces overlap the backward they hold SMs: plan the GEMMs for the rest.
+      // While the all-reduces overlap the backward they hold SMs: plan the GEMMs for the rest (at a world
+      // of one nothing overlaps, and the GEMMs are planned as in the step without DDP).
       const DdpVariant v = ddp_->options().variant;
-      const bool overlapped = sync && model_.device() == Device::cuda &&
+      const bool overlapped = sync && model_.device() == Device::cuda && ddp_->communicates() &&
                               (v == DdpVariant::async || v == DdpVariant::bucketed || v == DdpVariant::fsdp);
       const ScopedGemmSmReserve reserve(overlapped ? gemm_sm_reserve_ : gemm_sm_reserve());
 #endif

@@ -9,6 +9,7 @@
 #include "flashlm/model.h"
 #include "flashlm/profile.h"
 #include "model/activations.h"
+#include "model/lm_head.h"
 #include "model/ops_cpu.h"
 #include "optim/adamw_state.h"
 #include "optim/optimizer.h"
@@ -22,12 +23,17 @@ struct CpuModel::Impl {
   ModelOptions options;
   std::vector<ParameterInfo> layout;
   int64_t n_params = 0;
-  // acts: the activation values (ActivationLayout's), then the logits [n, vocab]; stats: its fp32
-  // statistics (RMSNorm 1/rms, attention logsumexp); rope: the RoPE tables [context, head_dim / 2] (cos,
-  // then sin).
+  // acts: the activation values (ActivationLayout's), then the logits of one LM-head chunk [head_chunk,
+  // vocab]; stats: its fp32 statistics (RMSNorm 1/rms, attention logsumexp); rope: the RoPE tables
+  // [context, head_dim / 2] (cos, then sin).
   Buffer params, grads, acts, stats, scratch, rope;
   ActivationLayout acts_layout;
   int64_t logits_offset = 0;
+  // Tokens per chunk of the fused LM head + loss (head_chunk_tokens). When it covers every token the
+  // forward's logits stay in the chunk buffer and the backward turns them into their gradient, as the
+  // unfused head did; otherwise the backward recomputes each chunk's logits (one more head GEMM) and the
+  // [n, vocab] logits never exist.
+  int64_t head_chunk = 0;
   int64_t materialized_segment = -1;  // the segment whose blocks the working set holds
   const int32_t* tokens = nullptr;
   const int32_t* targets = nullptr;
@@ -75,8 +81,11 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   constexpr std::string_view bytes = "CpuModel: activation bytes";
   constexpr int64_t kFloat = sizeof(float);
   s.logits_offset = s.acts_layout.values;
-  const int64_t values = checked_add(s.logits_offset, checked_mul(n, config.vocab, "CpuModel: tokens x vocab"), bytes);
-  s.acts = Buffer::allocate(size_t(checked_mul(values, kFloat, bytes)), Device::cpu, "activations and logits");
+  s.head_chunk = head_chunk_tokens(config, n, options.head_chunk, kFloat);
+  const int64_t values =
+      checked_add(s.logits_offset, checked_mul(s.head_chunk, config.vocab, "CpuModel: head chunk x vocab"), bytes);
+  s.acts = Buffer::allocate(size_t(checked_mul(values, kFloat, bytes)), Device::cpu,
+                            "activations and the logits of one LM-head chunk");
   s.stats = Buffer::allocate(size_t(checked_mul(s.acts_layout.stats, kFloat, bytes)), Device::cpu,
                             "activations (statistics)");
   s.scratch = Buffer::allocate(size_t(checked_mul(backward_scratch_elements(config, n), kFloat, bytes)), Device::cpu,
@@ -115,7 +124,21 @@ void CpuModel::init_parameters(uint64_t seed) {
   init_parameters_host(s.layout, parameters(), seed);
 }
 
-const float* CpuModel::logits() const { return impl_->act(impl_->logits_offset); }
+int64_t CpuModel::head_chunk() const { return impl_->head_chunk; }
+
+void CpuModel::copy_logits_to(float* out) const {
+  const Impl& s = *impl_;
+  FLASHLM_CHECK(s.tokens != nullptr, "copy_logits_to: call forward() first (and not backward() since)");
+  const int64_t n = s.batch * s.seq, d = s.config.d_model, V = s.config.vocab;
+  const float* h = s.act(s.acts_layout.h_f);
+  // Recomputed from the final norm's output in the forward's chunks: the same products on the same rows,
+  // so the same values the loss was computed from.
+  parameters_needed("lm_head.");
+  for (int64_t r0 = 0; r0 < n; r0 += s.head_chunk) {
+    cpu::linear_forward(h + r0 * d, s.param("lm_head.weight"), out + r0 * V, std::min(s.head_chunk, n - r0), d, V);
+  }
+  parameters_done("lm_head.");
+}
 
 namespace {
 
@@ -151,9 +174,12 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   cpu::rmsnorm_forward(s.act(A.x_out), s.param("ln_final.weight"), s.act(A.h_f), s.stat(A.rstd_f), n, d, float(c.norm_eps));
   parameters_done("ln_final.");
   parameters_needed("lm_head.");
-  cpu::linear_forward(s.act(A.h_f), s.param("lm_head.weight"), s.act(s.logits_offset), n, d, c.vocab);
+  // The loss alone, a chunk of tokens at a time; with one chunk its logits stay for the backward.
+  const double loss = cpu::lm_head_loss_forward_backward(s.act(A.h_f), s.param("lm_head.weight"), targets, n, d,
+                                                         c.vocab, s.head_chunk, 1.0f, nullptr, nullptr,
+                                                         s.act(s.logits_offset));
   parameters_done("lm_head.");
-  return cpu::cross_entropy_forward(s.act(s.logits_offset), targets, n, c.vocab);
+  return loss;
 }
 
 void CpuModel::forward_block(int64_t l, BlockPass pass) {
@@ -212,12 +238,20 @@ void CpuModel::backward() {
         *dattn = s0 + 5 * n * d;
   float *du = s0 + 6 * n * d, *dg = du + n * f, *ds = dg + n * f;
 
-  float* dlogits = s.act(s.logits_offset);
-  cpu::cross_entropy_backward(dlogits, s.targets, n, c.vocab);
+  float* logits = s.act(s.logits_offset);
   parameters_needed("lm_head.");
   gradients_needed("lm_head.");
-  cpu::linear_backward(dlogits, s.act(A.h_f), s.param("lm_head.weight"), dh, s.grad("lm_head.weight"), n, d, c.vocab,
-                       false);
+  if (s.head_chunk >= n) {
+    // One chunk: the forward's logits are still there; they become their gradient in place.
+    cpu::cross_entropy_backward(logits, s.targets, n, c.vocab);
+    cpu::linear_backward(logits, s.act(A.h_f), s.param("lm_head.weight"), dh, s.grad("lm_head.weight"), n, d, c.vocab,
+                         false);
+  } else {
+    // Chunk by chunk: each chunk's logits recomputed, turned into their gradient (the mean loss's: 1/n,
+    // as cross_entropy_backward scales it), then dh for the chunk's rows and the head's gradient.
+    cpu::lm_head_loss_forward_backward(s.act(A.h_f), s.param("lm_head.weight"), s.targets, n, d, c.vocab,
+                                       s.head_chunk, 1.0f / float(n), dh, s.grad("lm_head.weight"), logits);
+  }
   parameters_done("lm_head.");
   gradient_ready("lm_head.weight");
   std::fill(dx, dx + n * d, 0.0f);
@@ -282,7 +316,7 @@ void CpuModel::backward() {
   gradients_needed("token_embeddings.");
   cpu::embedding_backward(dx, s.tokens, s.grad("token_embeddings.weight"), n, d);
   gradient_ready("token_embeddings.weight");
-  s.tokens = nullptr;  // the logits were overwritten by their gradient
+  s.tokens = nullptr;  // the logits chunk was overwritten by a gradient; the working set may be recomputed
 }
 
 void CpuModel::zero_grad() {

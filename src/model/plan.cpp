@@ -316,7 +316,9 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
                                bytes(checked_mul(n, c.heads, "workspaces"), 8);
     p.items.push_back({"workspaces (estimated)", workspaces});
   } else {
-    p.items.push_back({"logits [tokens, vocab]", bytes(checked_mul(n, c.vocab, "logits"), 4)});
+    const int64_t chunk = head_chunk_tokens(c, n, o.head_chunk, 4);
+    p.items.push_back({fmt::format("LM head + loss: logits of {} tokens at a time", chunk),
+                       bytes(checked_mul(chunk, c.vocab, "head chunk"), 4)});
   }
   p.items.push_back({"tokens, targets, RoPE tables",
                      bytes(n, 8) + bytes(checked_mul(c.context, c.head_dim(), "RoPE tables"), 4)});

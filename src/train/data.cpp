@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -165,6 +166,12 @@ void TokenView::read_into(int64_t first, std::span<T> out) const {
                 "TokenView::read: tokens [{}, {}) are outside the view's {} tokens", first, first + count, size_);
   if (file_ != nullptr) {
     file_->read(offset_ + first, out);
+  } else if (memory_bytes_ == 4) {
+    if constexpr (sizeof(T) == sizeof(uint32_t)) {
+      std::copy_n(wide_memory_.begin() + offset_ + first, out.size(), out.begin());
+    } else {
+      fail_argument("TokenView::read: the view holds uint32 tokens: read them into uint32 (this overload takes uint16)");
+    }
   } else {
     std::copy_n(memory_.begin() + offset_ + first, out.size(), out.begin());
   }
@@ -177,9 +184,9 @@ SyntheticTokens::SyntheticTokens(int64_t vocab_size, int64_t num_tokens, uint64_
     : vocab_size_(vocab_size), num_tokens_(num_tokens), branching_(branching) {
   FLASHLM_CHECK(branching >= 1 && branching <= kMaxBranching,
                 "SyntheticTokens: branching must be in [1, {}], got {}", kMaxBranching, branching);
-  FLASHLM_CHECK(vocab_size >= branching && vocab_size <= 65536,
-                "SyntheticTokens: vocab_size must be in [branching = {}, 65536] (tokens are uint16), got {}",
-                branching, vocab_size);
+  FLASHLM_CHECK(vocab_size >= branching && vocab_size < (int64_t{1} << 31),
+                "SyntheticTokens: vocab_size must be in [branching = {}, 2^31) (int32 token ids), got {}", branching,
+                vocab_size);
   FLASHLM_CHECK(num_tokens >= 2, "SyntheticTokens: num_tokens must be at least 2, got {}", num_tokens);
 
   // successors[v * branching + j]: the j-th successor of token v. A partial Fisher-Yates shuffle of one
@@ -187,9 +194,9 @@ SyntheticTokens::SyntheticTokens(int64_t vocab_size, int64_t num_tokens, uint64_
   // below ln(branching)); the permutation stays a permutation, so it need not be reset between tokens.
   const auto V = static_cast<uint64_t>(vocab_size);
   const auto k = static_cast<uint64_t>(branching);
-  std::vector<uint16_t> perm(V);
-  std::iota(perm.begin(), perm.end(), uint16_t{0});  // ids 0 .. V-1 fit: V <= 65536
-  std::vector<uint16_t> successors(V * k);
+  std::vector<uint32_t> perm(V);
+  std::iota(perm.begin(), perm.end(), uint32_t{0});  // ids 0 .. V-1 fit: V < 2^31
+  std::vector<uint32_t> successors(V * k);
   const uint64_t table_key = splitmix64(seed ^ kTableStream);
   for (uint64_t v = 0; v < V; ++v) {
     for (uint64_t j = 0; j < k; ++j) {
@@ -199,14 +206,35 @@ SyntheticTokens::SyntheticTokens(int64_t vocab_size, int64_t num_tokens, uint64_
     }
   }
 
-  buffer_ = Buffer::allocate(static_cast<size_t>(num_tokens) * sizeof(uint16_t), Device::cpu, "synthetic tokens");
-  auto* out = static_cast<uint16_t*>(buffer_.data());
+  const int bytes = token_bytes();
+  buffer_ = Buffer::allocate(static_cast<size_t>(checked_mul(num_tokens, bytes, "SyntheticTokens: bytes")),
+                             Device::cpu, "synthetic tokens");
   const uint64_t walk_key = splitmix64(seed ^ kWalkStream);
-  out[0] = static_cast<uint16_t>(below(counter_draw(walk_key, 0), V));
-  for (int64_t i = 1; i < num_tokens; ++i) {
-    const uint64_t j = below(counter_draw(walk_key, static_cast<uint64_t>(i)), k);
-    out[i] = successors[out[i - 1] * k + j];
-  }
+  // The walk at the stored width: every id is below V, so narrowing to uint16 (V <= 65536) loses nothing.
+  const auto walk = [&](auto* out) {
+    using T = std::remove_pointer_t<decltype(out)>;
+    uint64_t at = below(counter_draw(walk_key, 0), V);
+    out[0] = static_cast<T>(at);
+    for (int64_t i = 1; i < num_tokens; ++i) {
+      const uint64_t j = below(counter_draw(walk_key, static_cast<uint64_t>(i)), k);
+      at = successors[at * k + j];
+      out[i] = static_cast<T>(at);
+    }
+  };
+  if (bytes == 2) walk(static_cast<uint16_t*>(buffer_.data()));
+  else walk(static_cast<uint32_t*>(buffer_.data()));
+}
+
+TokenView SyntheticTokens::tokens() const {
+  const auto n = static_cast<size_t>(num_tokens_);
+  if (token_bytes() == 2) return std::span<const uint16_t>(static_cast<const uint16_t*>(buffer_.data()), n);
+  return std::span<const uint32_t>(static_cast<const uint32_t*>(buffer_.data()), n);
+}
+
+uint32_t SyntheticTokens::token(int64_t i) const {
+  FLASHLM_CHECK(i >= 0 && i < num_tokens_, "SyntheticTokens::token: {} outside [0, {})", i, num_tokens_);
+  if (token_bytes() == 2) return static_cast<const uint16_t*>(buffer_.data())[i];
+  return static_cast<const uint32_t*>(buffer_.data())[i];
 }
 
 double SyntheticTokens::optimal_cross_entropy() const { return std::log(static_cast<double>(branching_)); }

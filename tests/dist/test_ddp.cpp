@@ -41,6 +41,9 @@ namespace {
 
 Communicator& comm() { return test_world(); }
 
+// A world of one reduces nothing (DataParallel::communicates): no collective, no element, no staging.
+bool alone() { return comm().world_size() == 1; }
+
 struct ToyRun {
   std::vector<float> initial, final;     // rank 0's weights after the broadcast; this rank's at the end
   std::vector<DdpStats> stats;           // every step's synchronisation
@@ -169,13 +172,15 @@ TEST(DdpBuckets, DataParallelPlansTheToyInReverseWithoutFrozenOrTiedEntries) {
 }
 
 // fp32 buckets are reduced in place unless a frozen or tied parameter leaves a gap in them (flat over the toy:
-// F lies between E and W1), which are packed into their own staging area.
+// F lies between E and W1), which are packed into their own staging area — except at a world of one, which
+// reduces nothing and stages nothing.
 TEST(DdpBuckets, StagingOnlyForBucketsWithGaps) {
   toy::Model model(1);
   const auto staging = [&](const DdpOptions& o) { return DataParallel(comm(), model.params, o).staging_bytes(); };
   EXPECT_EQ(staging(options(DdpVariant::per_param)), 0);
   EXPECT_EQ(staging(options(DdpVariant::bucketed, 0.0008)), 0);
-  EXPECT_EQ(staging(options(DdpVariant::flat)), kCommunicated * int64_t(sizeof(float)));
+  EXPECT_EQ(staging(options(DdpVariant::flat)), alone() ? 0 : kCommunicated * int64_t(sizeof(float)));
+  EXPECT_EQ(DataParallel(comm(), model.params, options(DdpVariant::flat)).communicates(), !alone());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -195,7 +200,7 @@ TEST(Ddp, GradientAccumulationReproducesFullBatchTraining) {
     const DdpOptions o = options(v, 0.0008, 2);
     const ToyRun run = train_data_parallel(o, false);
     EXPECT_LE(max_abs_diff(run.final, reference), 1e-6) << describe(o);
-    for (const DdpStats& s : run.stats) EXPECT_EQ(s.elements, kCommunicated) << describe(o);  // once per step
+    for (const DdpStats& s : run.stats) EXPECT_EQ(s.elements, alone() ? 0 : kCommunicated) << describe(o);  // once per step
   }
 }
 
@@ -226,10 +231,11 @@ TEST(Ddp, TiedWeightIsReducedOnceAfterBothUses) {
   };
   for (const Expect& e : cases) {
     const ToyRun run = train_data_parallel(e.o, false);
-    EXPECT_EQ(run.started_after, e.started_after) << describe(e.o);
+    // A world of one starts nothing, after any report or at the end.
+    EXPECT_EQ(run.started_after, alone() ? std::vector<int64_t>(4, 0) : e.started_after) << describe(e.o);
     for (const DdpStats& s : run.stats) {
-      EXPECT_EQ(s.collectives, e.collectives) << describe(e.o);
-      EXPECT_EQ(s.elements, kCommunicated) << describe(e.o);
+      EXPECT_EQ(s.collectives, alone() ? 0 : e.collectives) << describe(e.o);
+      EXPECT_EQ(s.elements, alone() ? 0 : kCommunicated) << describe(e.o);
       EXPECT_GE(s.exposed_ms, 0.0);
     }
   }
@@ -355,8 +361,8 @@ TEST(Zero1PerBucket, ReduceScatterReproducesFullBatchTraining) {
     EXPECT_LE(max_abs_diff(run.final, reference), 1e-6) << describe(o);
     EXPECT_TRUE(run.frozen_gradient_kept);
     for (const DdpStats& st : run.stats) {
-      EXPECT_EQ(st.elements, kCommunicated) << describe(o);
-      EXPECT_EQ(st.collectives, 2) << describe(o);  // two buckets, sizes 192 and 128: no tails at 1, 2, 4
+      EXPECT_EQ(st.elements, alone() ? 0 : kCommunicated) << describe(o);
+      EXPECT_EQ(st.collectives, alone() ? 0 : 2) << describe(o);  // two buckets, sizes 192 and 128: no tails at 2, 4
     }
   }
   toy::Model model(1);
@@ -522,6 +528,36 @@ TEST(Ddp, CpuModelBucketedMatchesOneProcess) {
   EXPECT_LE(relative_l2({part.parameters(), count}, {one.parameters(), count}), 1e-5);
 }
 
+// A world of one: every variant, with and without ZeRO-1, trains the real LM to the bits of the plain step
+// (the model's own forward, backward and AdamW on the same batch), and DataParallel communicates nothing:
+// no bucket launched, staged or waited for (DdpStats counts none), the gradients left as the backward wrote
+// them. Under mpirun with more ranks the comparison is Ddp.CpuModelBucketedMatchesOneProcess's.
+TEST(Ddp, WorldOfOneIsThePlainStepBitForBitAndCommunicatesNothing) {
+  if (!alone()) GTEST_SKIP() << "a world of one only (this run has " << comm().world_size() << " ranks)";
+  const ModelConfig mc = ModelConfig::named("tiny", kLmSeq, 256);
+  const int64_t global = 4;
+  CpuModel one(mc, global, kLmSeq);
+  one.init_parameters(5);
+  train_whole_batch(one, global);
+  const std::vector<float> plain(one.parameters(), one.parameters() + one.parameter_count());
+  for (const DdpOptions& o : {options(DdpVariant::per_param), options(DdpVariant::flat), options(DdpVariant::async),
+                              options(DdpVariant::bucketed, 0.02)}) {
+    for (bool zero1 : {false, true}) {
+      SCOPED_TRACE(describe(o) + (zero1 ? " ZeRO-1" : ""));
+      CpuModel part(mc, global, kLmSeq);
+      part.init_parameters(5);
+      DdpModel dp(comm(), part, global * kLmSeq, o, zero1);
+      EXPECT_FALSE(dp.data_parallel().communicates());
+      EXPECT_EQ(dp.data_parallel().staging_bytes(), 0);
+      train_rank_slices(dp, mc, global);
+      const DdpStats st = dp.data_parallel().last_stats();
+      EXPECT_EQ(st.collectives, 0);
+      EXPECT_EQ(st.elements, 0);
+      EXPECT_EQ(std::vector<float>(part.parameters(), part.parameters() + part.parameter_count()), plain);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------
 // CUDA (NCCL): skipped without NCCL or without a GPU per local rank.
 
@@ -560,7 +596,7 @@ TEST(DdpGpu, EveryVariantMatchesOneGpuOnTheWholeBatch) {
       train_rank_slices(dp, mc, global);
       EXPECT_LE(relative_l2(host_parameters(part), reference), 1e-5) << describe(o) << (zero1 ? " ZeRO-1" : "");
       const DdpStats st = dp.data_parallel().last_stats();
-      EXPECT_EQ(st.elements, part.parameter_count()) << describe(o);
+      EXPECT_EQ(st.elements, alone() ? 0 : part.parameter_count()) << describe(o);
       EXPECT_GE(st.exposed_ms, 0.0) << describe(o);
     }
   }
@@ -707,8 +743,8 @@ TEST(DdpGpu, ZeroOneReduceScatterTrainsLikeAllReduce) {
     train_rank_slices(b, mc, global);
     EXPECT_LE(relative_l2(host_parameters(sharded), host_parameters(plain)), 1e-6) << describe(o);
     const DdpStats st = b.data_parallel().last_stats();
-    EXPECT_EQ(st.elements, sharded.parameter_count()) << describe(o);
-    EXPECT_GE(st.collectives, buckets) << describe(o);  // one reduce-scatter per bucket, plus the tails
+    EXPECT_EQ(st.elements, alone() ? 0 : sharded.parameter_count()) << describe(o);
+    EXPECT_GE(st.collectives, alone() ? 0 : buckets) << describe(o);  // one reduce-scatter per bucket, plus the tails
 
     // Checkpoint: the moments through the host, into a fresh per-bucket optimizer.
     const auto n = size_t(sharded.parameter_count());

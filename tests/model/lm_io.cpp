@@ -62,7 +62,9 @@ int main(int argc, char** argv) {
 
     std::ofstream out(argv[2], std::ios::binary);
     const double loss = model.forward(tokens.data(), targets.data());
-    write(out, model.logits(), size_t(batch * seq * c.vocab));
+    std::vector<float> logits(size_t(batch * seq * c.vocab));
+    model.copy_logits_to(logits.data());
+    write(out, logits.data(), logits.size());
     write(out, &loss, 1);
     model.zero_grad();
     model.backward();

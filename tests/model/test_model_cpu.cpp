@@ -2,13 +2,16 @@
 // tests/python/test_lm_vs_torch.py).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashlm/error.h"
 #include "flashlm/model.h"
 #include "optim/optimizer.h"
+#include "model/random_tokens.h"
 
 using namespace flashlm;
 
@@ -114,6 +117,116 @@ TEST(CpuModel, FlashAndNaiveAttentionGiveTheSameLossAndGradients) {
     max_ref = std::max(max_ref, double(std::fabs(b.gradients()[i])));
   }
   EXPECT_LE(max_diff, 1e-5 * max_ref);
+}
+
+// The LM head and loss in chunks of tokens (ModelOptions::head_chunk) against the whole head in one chunk
+// (the unfused path: all [n, vocab] logits, no recomputation), on random tokens, two micro-batches
+// accumulated without zero_grad (the head's gradient adds across chunks and calls), a ragged last chunk
+// (26 tokens in chunks of 7: 7 + 7 + 7 + 5), chunks of one token, and with recomputation. The per-row
+// arithmetic is the same; what may differ is the GEMMs' rounding on fewer rows and the head gradient's sum
+// over rows, taken chunk by chunk: loss within 1e-6 relative, every parameter's gradient within 1e-5 of
+// its largest element, the logits within 1e-5 of the largest.
+TEST(CpuModel, ChunkedLmHeadMatchesTheWholeHead) {
+  const ModelConfig c = ModelConfig::named("tiny", 13, 301);
+  const int64_t batch = 2, seq = 13, n = batch * seq;
+  const std::vector<int32_t> tokens = random_tokens(2 * n, c.vocab, 7), targets = random_tokens(2 * n, c.vocab, 8);
+  struct Run {
+    double loss = 0;
+    std::vector<float> logits, grads;
+    int64_t chunk = 0;
+  };
+  const auto run = [&](int64_t head_chunk, const char* recompute) {
+    ModelOptions o;
+    o.head_chunk = head_chunk;
+    o.recompute = RecomputePlan::parse(recompute);
+    CpuModel m(c, batch, seq, o);
+    m.init_parameters(11);
+    Run r;
+    r.chunk = m.head_chunk();
+    r.logits.assign(size_t(n * c.vocab), std::nanf(""));
+    m.zero_grad();
+    for (int64_t micro = 0; micro < 2; ++micro) {
+      r.loss += m.forward(tokens.data() + micro * n, targets.data() + micro * n);
+      if (micro == 1) m.copy_logits_to(r.logits.data());
+      m.backward();
+    }
+    r.grads.assign(m.gradients(), m.gradients() + m.parameter_count());
+    return std::pair{r, m.layout()};
+  };
+  const auto [whole, layout] = run(n, "none");
+  ASSERT_EQ(whole.chunk, n);
+  EXPECT_EQ(run(0, "none").first.chunk, n) << "automatic: every token of a small batch in one chunk";
+  EXPECT_EQ(run(1000, "none").first.chunk, n) << "a chunk larger than the batch is the batch";
+  for (const auto& [chunk, recompute] : {std::pair{int64_t{7}, "none"}, std::pair{int64_t{1}, "none"},
+                                         std::pair{int64_t{25}, "none"}, std::pair{int64_t{7}, "blocks:1"}}) {
+    SCOPED_TRACE(std::string("head_chunk ") + std::to_string(chunk) + ", recompute " + recompute);
+    const Run got = run(chunk, recompute).first;
+    EXPECT_EQ(got.chunk, chunk);
+    EXPECT_NEAR(got.loss, whole.loss, 1e-6 * whole.loss);
+    float logit_ref = 0, logit_diff = 0;
+    for (size_t i = 0; i < got.logits.size(); ++i) {
+      logit_ref = std::max(logit_ref, std::fabs(whole.logits[i]));
+      logit_diff = std::max(logit_diff, std::fabs(got.logits[i] - whole.logits[i]));  // NaN: never written
+      ASSERT_FALSE(std::isnan(got.logits[i])) << "logit " << i;
+    }
+    EXPECT_LE(logit_diff, 1e-5f * logit_ref);
+    for (const ParameterInfo& p : layout) {
+      double diff = 0, ref = 0;
+      for (int64_t i = p.offset; i < p.offset + p.numel(); ++i) {
+        diff = std::max(diff, double(std::fabs(got.grads[size_t(i)] - whole.grads[size_t(i)])));
+        ref = std::max(ref, double(std::fabs(whole.grads[size_t(i)])));
+      }
+      EXPECT_GT(ref, 0) << p.name;
+      EXPECT_LE(diff, 1e-5 * ref) << p.name;
+    }
+  }
+}
+
+// With a chunk smaller than the batch the model holds one chunk's logits, not [n, vocab]: its activation
+// bytes (and the memory plan's) shrink by the logits of the other tokens.
+TEST(CpuModel, ChunkedLmHeadHoldsOneChunkOfLogits) {
+  const ModelConfig c = ModelConfig::named("tiny", 16, 1000);
+  const int64_t batch = 4, seq = 16, n = batch * seq;
+  ModelOptions whole, chunked;
+  whole.head_chunk = n;
+  chunked.head_chunk = 8;
+  const CpuModel a(c, batch, seq, whole), b(c, batch, seq, chunked);
+  EXPECT_EQ(int64_t(a.activation_bytes()) - int64_t(b.activation_bytes()), (n - 8) * c.vocab * 4);
+  const auto logits_item = [&](const ModelOptions& o) {
+    for (const MemoryPlan::Item& item : plan_model_memory(c, batch, seq, Device::cpu, DType::f32, o).items) {
+      if (item.what.find("logits") != std::string::npos) return std::pair{item.what, item.bytes};
+    }
+    return std::pair{std::string(), int64_t{0}};
+  };
+  EXPECT_EQ(logits_item(chunked).second, 8 * c.vocab * 4) << logits_item(chunked).first;
+  EXPECT_NE(logits_item(chunked).first.find("8 tokens at a time"), std::string::npos) << logits_item(chunked).first;
+  EXPECT_EQ(logits_item(whole).second, n * c.vocab * 4);
+  // The automatic chunk keeps near 1 GiB of fp32 logits: the leaderboard vocabulary at 2048 tokens is chunked.
+  const ModelConfig big = ModelConfig::named("tiny", 2048, 151936);
+  ModelOptions automatic;
+  EXPECT_EQ(logits_item(automatic).second, n * c.vocab * 4) << "a small batch: one chunk";
+  const MemoryPlan plan = plan_model_memory(big, 1, 2048, Device::cpu, DType::f32, automatic);
+  int64_t logits_bytes = 0;
+  for (const MemoryPlan::Item& item : plan.items) {
+    if (item.what.find("logits") != std::string::npos) logits_bytes = item.bytes;
+  }
+  EXPECT_LE(logits_bytes, int64_t{1} << 30);
+  EXPECT_EQ(logits_bytes % (128 * 151936 * 4), 0) << "a multiple of 128 tokens";
+}
+
+TEST(CpuModel, LogitsAreThereOnlyBetweenForwardAndBackward) {
+  const ModelConfig c = ModelConfig::named("tiny", 8, 16);
+  ModelOptions o;
+  o.head_chunk = 3;
+  CpuModel model(c, 1, 8, o);
+  model.init_parameters(2);
+  std::vector<float> logits(8 * 16);
+  EXPECT_THROW(model.copy_logits_to(logits.data()), Error);
+  const std::vector<int32_t> tokens = random_tokens(8, 16, 1), targets = random_tokens(8, 16, 2);
+  model.forward(tokens.data(), targets.data());
+  model.copy_logits_to(logits.data());
+  model.backward();
+  EXPECT_THROW(model.copy_logits_to(logits.data()), Error);
 }
 
 // bf16 moments in the model: its step is cpu::adamw_step_bf16_moments on the flat buffers (the moments it

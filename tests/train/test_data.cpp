@@ -16,6 +16,7 @@
 #include <future>
 #include <map>
 #include <set>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -398,12 +399,24 @@ TEST(TokenBatcher, BadArgumentsAreErrors) {
   expect_error([&] { batcher.restore({0, -3}); }, {"state.step must be non-negative, got -3"});
 }
 
+namespace {
+
+// Every token of a synthetic walk, read through its view (at the width it is stored in).
+std::vector<uint32_t> all_tokens(const SyntheticTokens& data) {
+  std::vector<uint32_t> t(static_cast<size_t>(data.size()));
+  data.tokens().read(0, t);
+  return t;
+}
+
+}  // namespace
+
 TEST(SyntheticTokens, DeterministicPerSeed) {
   const SyntheticTokens a(256, 10000, 7), b(256, 10000, 7), c(256, 10000, 8);
-  EXPECT_TRUE(std::ranges::equal(a.tokens(), b.tokens()));
-  EXPECT_FALSE(std::ranges::equal(a.tokens(), c.tokens()));
+  EXPECT_EQ(all_tokens(a), all_tokens(b));
+  EXPECT_NE(all_tokens(a), all_tokens(c));
   const SyntheticTokens longer(256, 20000, 7);  // a longer walk extends the shorter one
-  EXPECT_TRUE(std::ranges::equal(a.tokens(), longer.tokens().first(10000)));
+  const std::vector<uint32_t> walk = all_tokens(longer);
+  EXPECT_TRUE(std::ranges::equal(all_tokens(a), std::span(walk).first(10000)));
 }
 
 TEST(SyntheticTokens, EmpiricalConditionalEntropyMatchesTheOptimum) {
@@ -414,7 +427,7 @@ TEST(SyntheticTokens, EmpiricalConditionalEntropyMatchesTheOptimum) {
     EXPECT_DOUBLE_EQ(data.optimal_cross_entropy(), std::log(branching));
     std::map<std::pair<int, int>, int64_t> pairs;
     std::vector<int64_t> from(V, 0);
-    const auto t = data.tokens();
+    const std::vector<uint32_t> t = all_tokens(data);
     for (size_t i = 0; i + 1 < t.size(); ++i) {
       ASSERT_LT(t[i + 1], V);
       ++pairs[{t[i], t[i + 1]}];
@@ -447,11 +460,54 @@ TEST(SyntheticTokens, FeedsTheBatcher) {
 TEST(SyntheticTokens, BadArgumentsAreErrors) {
   expect_error([] { SyntheticTokens(256, 1000, 1, 0); }, {"branching must be in [1, 256], got 0"});
   expect_error([] { SyntheticTokens(256, 1000, 1, 257); }, {"branching must be in [1, 256], got 257"});
-  expect_error([] { SyntheticTokens(3, 1000, 1, 4); }, {"vocab_size must be in [branching = 4, 65536]", "got 3"});
-  expect_error([] { SyntheticTokens(65537, 1000, 1); }, {"vocab_size", "got 65537"});
+  expect_error([] { SyntheticTokens(3, 1000, 1, 4); }, {"vocab_size must be in [branching = 4, 2^31)", "got 3"});
+  expect_error([] { SyntheticTokens(int64_t{1} << 31, 1000, 1); }, {"vocab_size", "got 2147483648"});
   expect_error([] { SyntheticTokens(256, 1, 1); }, {"num_tokens must be at least 2, got 1"});
-  const SyntheticTokens full(65536, 1000, 1, 256);  // the largest table: every uint16 id is a token
-  EXPECT_EQ(full.tokens().size(), 1000u);
+  const SyntheticTokens full(65536, 1000, 1, 256);  // the largest uint16 table: every uint16 id is a token
+  EXPECT_EQ(full.size(), 1000);
+  EXPECT_EQ(full.token_bytes(), 2);
+  EXPECT_EQ(full.tokens().token_bytes(), 2);
+}
+
+// A vocabulary beyond uint16 (the leaderboard's 151936, `train --data synthetic` for cs336-8b): the walk is
+// stored as uint32, reaches ids above 65535, stays below the vocabulary, follows at most `branching`
+// successors per token, reads through the view and the batcher at its width, and is refused by the uint16
+// read overload rather than truncated.
+TEST(SyntheticTokens, VocabularyBeyondUint16IsStoredAsUint32) {
+  constexpr int64_t V = 151936, N = 300000;
+  const SyntheticTokens data(V, N, 5);
+  EXPECT_EQ(data.token_bytes(), 4);
+  EXPECT_EQ(data.tokens().token_bytes(), 4);
+  EXPECT_EQ(data.tokens().size(), N);
+  const std::vector<uint32_t> t = all_tokens(data);
+  EXPECT_GT(*std::max_element(t.begin(), t.end()), 65535u);
+  EXPECT_LT(*std::max_element(t.begin(), t.end()), uint32_t(V));
+  std::map<uint32_t, std::set<uint32_t>> successors;
+  for (size_t i = 0; i + 1 < t.size(); ++i) successors[t[i]].insert(t[i + 1]);
+  size_t most = 0;
+  for (const auto& [from, next] : successors) most = std::max(most, next.size());
+  EXPECT_EQ(most, 4u) << "every token has its 4 successors, no more";
+  for (int64_t i : {int64_t{0}, int64_t{1}, N / 2, N - 1}) EXPECT_EQ(data.token(i), t[size_t(i)]);
+  expect_error([&] { (void)data.token(N); }, {"SyntheticTokens::token: 300000 outside [0, 300000)"});
+  std::vector<uint16_t> narrow(4);
+  expect_error([&] { data.tokens().read(0, narrow); }, {"holds uint32 tokens"});
+
+  TokenBatcher batcher(data.tokens(), "synthetic", 4, 64, BatchOrder::random, 9);
+  const Batch b = next_batch(batcher);
+  bool wide = false;
+  for (size_t i = 0; i < b.x.size(); ++i) {
+    wide = wide || b.x[i] > 65535;
+    ASSERT_LT(b.x[i], V);
+    if (i % 64 != 63) {
+      EXPECT_EQ(b.y[i], b.x[i + 1]);
+    }
+  }
+  EXPECT_TRUE(wide) << "no id above uint16 in the batch: truncated?";
+  // The subview (the held-out last 10%) keeps the width.
+  const TokenView tail = data.tokens().subview(N - 10, 10);
+  std::vector<uint32_t> last(10);
+  tail.read(0, last);
+  EXPECT_TRUE(std::ranges::equal(last, std::span(t).last(10)));
 }
 
 TEST(TokenFile, TruncatedWhileInUseIsAnErrorNotSigbus) {

@@ -71,6 +71,18 @@ TEST(Train, TwentyStepsEqualTenStepsThenResumeThenTen) {
   EXPECT_EQ(differ, 0u) << "parameters differ after resume";
 }
 
+// `--data synthetic` for a vocabulary beyond uint16 (the 8B model's 151936; here 70000 to stay small): the
+// walk is stored as uint32 and trains (SyntheticTokens refused anything above 65536 before).
+TEST(Train, SyntheticDataWithAVocabularyBeyondUint16) {
+  TrainConfig c = tiny_run(3);
+  c.model = ModelConfig::named("tiny", 32, 70000);
+  c.batch = 2;
+  const TrainResult r = train(c);
+  ASSERT_EQ(r.train_loss.size(), 3u);
+  EXPECT_NEAR(r.train_loss.front().second, std::log(70000.0), 0.3);
+  EXPECT_DOUBLE_EQ(r.best_possible_loss, std::log(4.0));
+}
+
 // bf16 moments beside fp32 masters (nearest and stochastic): 10 steps + resume + 10 steps give the bits of
 // 20 steps (the checkpoint holds the moments widened exactly; the rounding needs only the seed and the step).
 TEST(Train, Bf16MomentsResumeBitExactly) {
