@@ -38,6 +38,8 @@ _NO_DESCALE = (1.0, 1.0, 1.0)
 # flashlm_attention_options' fields after the stream are the variant: window_size_left, window_size_right, softcap
 # (flash-attn's window_size and softcap; checked by the library).
 _NO_VARIANT = (-1, -1, 0.0)
+# ... then the pointers to alibi_slopes, learnable_sink, dlearnable_sink (0: none; _lib.call_with_extras sets them).
+_NO_EXTRA_POINTERS = (0, 0, 0)
 _ALIGN = {"top_left": False, "top-left": False, "bottom_right": True, "bottom-right": True}
 _IMPL = {"flash": L.FLASH, "naive": L.NAIVE}
 # _forward and _backward write the data pointers and the stream at these words of a PackedCall.
@@ -221,7 +223,7 @@ def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic,
             call = L.packed(calls, key, L.FORWARD, (
                 *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
                 *_describe_lse(lse), *_options(causal, bottom_right, scale, deterministic, impl, descales), 0,
-                window_left, window_right, softcap, 0, 0, 0))
+                window_left, window_right, softcap, *_NO_EXTRA_POINTERS))
     except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
     w = call.words  # the data pointers of q, k, v, o, lse and the stream (L.TENSOR_WORDS = 15 words a tensor)
@@ -287,7 +289,7 @@ def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_r
                 *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
                 *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
                 *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl), 0,
-                window_left, window_right, softcap, 0, 0, 0))
+                window_left, window_right, softcap, *_NO_EXTRA_POINTERS))
     except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout")), impl,
                                 scale=scale) from None
