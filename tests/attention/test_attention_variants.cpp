@@ -524,6 +524,27 @@ TEST(AttentionSinks, RowsWithoutKeysTakeTheSinkAloneAndHugeSinksTakeEverything) 
   }
 }
 
+// NaN semantics with a sink and ALiBi (SPEC §2): a NaN key reaches exactly the rows that see it (their o, lse and
+// the head's dsink become NaN), every other row stays finite, in both implementations.
+TEST(AttentionSinks, NanKeyReachesOnlyTheRowsThatSeeIt) {
+  const Case c{1, 12, 12, 2, 2, 8, Layout::bshd, Mask::top_left, DType::f32};
+  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+    SCOPED_TRACE(std::string(attention_impl_name(impl)));
+    const ExtraInputs in = extra_inputs(c, {1, 1}, impl);
+    Problem p(c, c.layout, c.dtype, 10);
+    fill_value(p.k.view.slice(1, 7, 8).slice(2, 0, 1), NAN);  // key 7 of head 0: causal rows 7.. see it
+    p.run(in.options);
+    Tensor o = to_f64(p.o.view), lse = to_f64(p.lse);
+    for (int64_t i = 0; i < c.Nq; ++i) {
+      EXPECT_EQ(std::isnan(lse.view().ptr<double>()[i]), i >= 7) << "lse of row " << i << ", head 0";
+      EXPECT_EQ(std::isnan(o.view().ptr<double>()[(i * c.Hq) * c.D]), i >= 7) << "o of row " << i << ", head 0";
+      EXPECT_TRUE(std::isfinite(lse.view().ptr<double>()[c.Nq + i])) << "lse of row " << i << ", head 1";
+    }
+    EXPECT_TRUE(std::isnan(p.dsink.view().ptr<float>()[0]));
+    EXPECT_TRUE(std::isfinite(p.dsink.view().ptr<float>()[1]));
+  }
+}
+
 // dlearnable_sink sums over the batch: a batch of two gives the sum of its entries run alone.
 TEST(AttentionSinks, GradientSumsOverTheBatch) {
   const Case two{2, 20, 30, 4, 2, 16, Layout::bshd, Mask::bottom_right, DType::f64};
