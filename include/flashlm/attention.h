@@ -1,8 +1,10 @@
 // Scaled dot-product attention, forward and backward, on the CPU and (when built) on CUDA.
 //
 // Shapes (any element strides, last stride 1, so BSHD, BHSD and sliced views all work):
-//   q, o, dq       [batch, seq_q, heads_q, head_dim]
-//   k, v, dk, dv   [batch, seq_k, heads_k, head_dim]     heads_q must be a multiple of heads_k (GQA/MQA)
+//   q, dq          [batch, seq_q, heads_q, head_dim]
+//   k, dk          [batch, seq_k, heads_k, head_dim]     heads_q must be a multiple of heads_k (GQA/MQA)
+//   v, dv          [batch, seq_k, heads_k, head_dim_v]   head_dim_v may differ from head_dim (DeepSeek's MLA:
+//   o, dout        [batch, seq_q, heads_q, head_dim_v]   192 / 128); the default scale is 1/sqrt(head_dim)
 //   lse            [batch, heads_q, seq_q]  fp32 (fp64 allowed for fp64 inputs), natural log
 // All of q, k, v, o, do, dq, dk, dv share one dtype and one device, except in the FP8 forward: q, k, v in
 // fp8_e4m3 (with the per-tensor descale factors of AttentionOptions), o in bf16, lse fp32; CUDA on an sm_90
@@ -16,9 +18,21 @@
 // i + offset - left <= j <= i + offset + right, offset 0 (top-left) or seq_k - seq_q (bottom-right, the
 // alignment option applies to the window with or without causal); -1 leaves a side unbounded, and causal
 // makes right 0 whatever it holds (as flash-attn does). Soft-capping (Gemma 2): each score s = scale · q·k
-// becomes softcap · tanh(s / softcap) before the softmax; 0 is off. Both run on the CPU (naive and flash)
-// and in the fp16/bf16 CUDA flash kernels; the fp32, naive and fp8 CUDA kernels refuse them (the capability
-// table, src/attention/capabilities.cpp).
+// becomes softcap · tanh(s / softcap) before the softmax; 0 is off.
+//
+// ALiBi (flash-attn's alibi_slopes, fp32 [heads_q] or [batch, heads_q]): the score of query i and key j
+// gets -slope · |i + offset - j|, after soft-capping, with the mask's offset (0 top-left, seq_k - seq_q
+// bottom-right, flash-attn's). Not learnable: the backward gives it no gradient.
+// Attention sinks (gpt-oss; flash-attn's learnable_sink, fp32 [heads_q]): a logit per query head that joins
+// every row's softmax denominator and carries no value: P_ij = exp(s_ij) / (Σ_j exp(s_ij) + exp(sink_h)),
+// and lse includes it. A row that sees no key then gets o = 0 and lse = sink_h (the sink alone takes the
+// denominator) and zero gradients; -inf is no sink. The backward writes dlearnable_sink (where given):
+// d(loss)/d(sink_h) = -Σ over the batch and the rows that see a key of exp(sink_h - lse_i) · Delta_i,
+// Delta_i = rowsum(dO_i ∘ O_i).
+// The window, softcap, ALiBi, sinks and head_dim_v != head_dim run on the CPU (naive and flash). The window
+// and softcap also run in the fp16/bf16 CUDA flash kernels; the fp32, naive and fp8 CUDA kernels refuse
+// them, and every CUDA kernel refuses ALiBi, sinks and head_dim_v, each by name (the capability table,
+// src/attention/capabilities.cpp).
 #pragma once
 #include <cstdint>
 #include <optional>
@@ -54,6 +68,12 @@ struct AttentionOptions {
   float q_descale = 1.0f, k_descale = 1.0f, v_descale = 1.0f;
   int64_t window_size_left = -1, window_size_right = -1;  // -1: unbounded (see the top of this file)
   double softcap = 0.0;                                    // > 0: scores become softcap · tanh(s / softcap)
+  // Empty views (ndim 0, the default) leave each off; see the top of this file.
+  TensorView alibi_slopes;     // fp32 [heads_q] or [batch, heads_q] (varlen: [number of sequences, heads_q])
+  TensorView learnable_sink;   // fp32 [heads_q]; values finite or -inf
+  // Written by the backward (ignored by the forward): the sink's gradient, fp32 [heads_q], summed over the
+  // batch (and every sequence of a varlen call). Optional: empty skips it. Needs learnable_sink.
+  TensorView dlearnable_sink;
 };
 
 // o and lse are written; everything else is read.
@@ -68,8 +88,8 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
 // Packed variable-length sequences (flash-attn's varlen convention): the batch's sequences laid end to
 // end, sequence b owning queries [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b],
 // cu_seqlens_k[b + 1]). Shapes (any element strides, last stride 1):
-//   q, o, dout, dq   [total_q, heads_q, head_dim]
-//   k, v, dk, dv     [total_k, heads_k, head_dim]
+//   q, dq            [total_q, heads_q, head_dim]       o, dout   [total_q, heads_q, head_dim_v]
+//   k, dk            [total_k, heads_k, head_dim]       v, dv     [total_k, heads_k, head_dim_v]
 //   lse              [heads_q, total_q]  fp32 (fp64 allowed for fp64 inputs), flash-attn's varlen layout
 // Each sequence is an attention problem of its own (no query sees another sequence's keys); the causal
 // mask and its alignment apply per sequence (bottom-right: query i of sequence b sees keys j <= i +

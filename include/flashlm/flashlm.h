@@ -5,8 +5,10 @@
  * a call fails its argument checks.
  *
  * A tensor is a pointer plus sizes and element strides, a dtype and a device. Attention shapes:
- *   q, o, dout, dq      [batch, seq_q, heads_q, head_dim]
- *   k, v, dk, dv        [batch, seq_k, heads_k, head_dim]   heads_q a multiple of heads_k (GQA/MQA)
+ *   q, dq               [batch, seq_q, heads_q, head_dim]
+ *   k, dk               [batch, seq_k, heads_k, head_dim]   heads_q a multiple of heads_k (GQA/MQA)
+ *   v, dv               [batch, seq_k, heads_k, head_dim_v] head_dim_v may differ from head_dim (CPU only)
+ *   o, dout             [batch, seq_q, heads_q, head_dim_v]
  *   lse                 [batch, heads_q, seq_q], fp32 (fp64 allowed for fp64 inputs on the CPU)
  * Any strides with a unit stride on head_dim (BSHD, BHSD, sliced views). CUDA tensors must be memory
  * of the calling thread's current device; `stream` is a cudaStream_t (NULL: the legacy default stream).
@@ -15,12 +17,17 @@
  * gradients.
  * Sliding window (flash-attn's window_size): query i sees key j iff i + offset - left <= j <= i + offset + right,
  * offset 0 (top-left) or seq_k - seq_q (bottom-right, causal_align, with or without causal); -1 leaves a side
- * unbounded, causal makes right 0. softcap > 0: scores s become softcap * tanh(s / softcap); 0 is off. Both run
- * on the CPU; the CUDA kernels refuse them (FLASHLM_INVALID_ARGUMENT naming the option).
+ * unbounded, causal makes right 0. softcap > 0: scores s become softcap * tanh(s / softcap); 0 is off.
+ * alibi_slopes (fp32 [heads_q] or [batch, heads_q]): scores get -slope * |i + offset - j| after the softcap.
+ * learnable_sink (fp32 [heads_q], finite or -inf): a per-head logit in every row's softmax denominator with no
+ * value (lse includes it; a row that sees no key gets o = 0, lse = sink); the backward writes its gradient,
+ * summed over the batch, to dlearnable_sink where that is given. The window, softcap, ALiBi, sinks and
+ * head_dim_v != head_dim run on the CPU; the CUDA kernels refuse them (FLASHLM_INVALID_ARGUMENT naming the
+ * option). flashlm/attention.h has the full definitions.
  *
  * Packed variable-length sequences (flash-attn's varlen convention; flashlm_attention_varlen_*):
- *   q, o, dout, dq      [total_q, heads_q, head_dim]
- *   k, v, dk, dv        [total_k, heads_k, head_dim]
+ *   q, dq               [total_q, heads_q, head_dim]      o, dout   [total_q, heads_q, head_dim_v]
+ *   k, dk               [total_k, heads_k, head_dim]      v, dv     [total_k, heads_k, head_dim_v]
  *   lse                 [heads_q, total_q], fp32
  * sequence b owning rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b],
  * cu_seqlens_k[b + 1]) of k; the causal mask applies per sequence (bottom-right: j <= i + len_k - len_q).
@@ -41,7 +48,9 @@ extern "C" {
  * 3: adds FLASHLM_FP8_E4M3 and the descales of flashlm_attention_options.
  * 4: appends window_size_left, window_size_right and softcap to flashlm_attention_options (a caller built
  *    against an older header passes a shorter struct: check flashlm_abi_version() first).
- * 5: adds flashlm_attention_with_kvcache and flashlm_kvcache_index (decoding over a paged KV cache). */
+ * 5: appends alibi_slopes, learnable_sink and dlearnable_sink (tensor pointers, NULL: none) to
+ *    flashlm_attention_options; v may have a head dim of its own. Version 4's calls are unchanged;
+ *    adds flashlm_attention_with_kvcache and flashlm_kvcache_index (decoding over a paged KV cache). */
 #define FLASHLM_ABI_VERSION 5
 #define FLASHLM_MAX_DIMS 6
 
@@ -88,10 +97,13 @@ typedef struct flashlm_attention_options {
   void* stream; /* cudaStream_t */
   int64_t window_size_left, window_size_right; /* -1: unbounded (ABI 4) */
   double softcap;                              /* 0: off (ABI 4) */
+  const struct flashlm_tensor* alibi_slopes;   /* NULL: none; fp32 [heads_q] or [batch, heads_q] (ABI 5) */
+  const struct flashlm_tensor* learnable_sink; /* NULL: none; fp32 [heads_q] (ABI 5) */
+  const struct flashlm_tensor* dlearnable_sink; /* backward output, NULL: not computed; fp32 [heads_q] (ABI 5) */
 } flashlm_attention_options;
 
 /* Defaults: flash, not causal, top-left, atomic dQ, scale 1/sqrt(head_dim), descales 1, default stream, no
- * window (-1, -1), no softcap. */
+ * window (-1, -1), no softcap, no ALiBi, no sinks. */
 flashlm_attention_options flashlm_attention_options_default(void);
 
 flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,

@@ -25,11 +25,15 @@ FLASH, NAIVE = 0, 1
 TENSOR4 = "Qiii4x4q16x4q16x"
 TENSOR3 = "Qiii4x3q24x3q24x"
 TENSOR2 = "Qiii4x2q32x2q32x"
+# The options' alibi_slopes, learnable_sink and dlearnable_sink ([heads_q] or [batch, heads_q]): any ndim <= 6,
+# sizes and strides padded to 6.
+TENSOR_ANY = "Qiii4x6q6q"
 TENSOR_BYTES = 120
 # flashlm_attention_options: int32 impl, causal, causal_align, deterministic, has_scale; double scale;
-# float q_descale, k_descale, v_descale; void* stream; int64 window_size_left, window_size_right; double softcap.
-OPTIONS = "iiiii4xdfff4xQqqd"
-OPTIONS_BYTES = 80
+# float q_descale, k_descale, v_descale; void* stream; int64 window_size_left, window_size_right; double softcap;
+# const flashlm_tensor* alibi_slopes, learnable_sink, dlearnable_sink (0: none).
+OPTIONS = "iiiii4xdfff4xQqqdQQQ"
+OPTIONS_BYTES = 104
 # flashlm_varlen: const int32* cu_seqlens_q, cu_seqlens_k; int64 batch; int32 device; int64 max_seqlen_q,
 # max_seqlen_k.
 VARLEN = "QQqi4xqq"
@@ -42,6 +46,15 @@ VARLEN_FORWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + VARLEN + OPTIONS)
 VARLEN_BACKWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + TENSOR3 * 4 + VARLEN + OPTIONS)
 assert FORWARD.size == 5 * TENSOR_BYTES + OPTIONS_BYTES and BACKWARD.size == 9 * TENSOR_BYTES + OPTIONS_BYTES
 assert VARLEN_FORWARD.size == FORWARD.size + VARLEN_BYTES and VARLEN_BACKWARD.size == BACKWARD.size + VARLEN_BYTES
+# The three tensors the options may point at, packed after a call's arguments (call_with_extras).
+EXTRAS = struct.Struct("=" + TENSOR_ANY * 3)
+assert struct.calcsize("=" + TENSOR_ANY) == TENSOR_BYTES
+NO_TENSOR = (0, 0, 0, 0) + (0,) * 12
+# The byte offsets of each C argument in a packed call: the tensors, then (varlen) the flashlm_varlen, the options.
+FORWARD_ARGS = tuple(i * TENSOR_BYTES for i in range(6))
+BACKWARD_ARGS = tuple(i * TENSOR_BYTES for i in range(10))
+VARLEN_FORWARD_ARGS = (*(i * TENSOR_BYTES for i in range(5)), 5 * TENSOR_BYTES, 5 * TENSOR_BYTES + VARLEN_BYTES)
+VARLEN_BACKWARD_ARGS = (*(i * TENSOR_BYTES for i in range(9)), 9 * TENSOR_BYTES, 9 * TENSOR_BYTES + VARLEN_BYTES)
 # flashlm_kvcache_index: const int32* cache_seqlens, block_table; int64 max_pages, block_table_stride.
 KVCACHE_INDEX = "QQqq"
 KVCACHE_INDEX_BYTES = 32
@@ -155,10 +168,12 @@ packed_calls = _PackedCalls()
 
 
 class _CallBuffer(threading.local):
-    """The varlen calls' per-thread buffer, packed afresh on every call (their offsets tensors make a
-    cached geometry less useful), and the addresses of each argument inside it."""
+    """The per-thread buffer of the calls packed afresh every time (varlen: their offsets tensors make a cached
+    geometry less useful; any call with ALiBi or sinks: the options point at tensors packed after the arguments)."""
 
     def __init__(self):
+        self.buffer = ctypes.create_string_buffer(VARLEN_BACKWARD.size + EXTRAS.size)
+        self.base = ctypes.addressof(self.buffer)
         self.buffer = ctypes.create_string_buffer(VARLEN_BACKWARD.size)
         base = ctypes.addressof(self.buffer)
         self.varlen_forward_args = (*(base + i * TENSOR_BYTES for i in range(5)), base + 5 * TENSOR_BYTES,
@@ -175,6 +190,28 @@ class _CallBuffer(threading.local):
 _calls = _CallBuffer()
 
 
+def describe_any(t):
+    """The flashlm_tensor fields of a tensor of up to 6 dimensions (TENSOR_ANY), or NO_TENSOR for None."""
+    if t is None:
+        return NO_TENSOR
+    pad = (0,) * (MAX_DIMS - t.dim())
+    return (t.data_ptr(), t.dim(), _TORCH_DTYPES[t.dtype], t.is_cuda, *t.shape, *pad, *t.stride(), *pad)
+
+
+_TORCH_DTYPES = {}  # torch dtype -> flashlm_dtype, filled by torch_ops (this module does not import torch)
+
+
+def call_with_extras(c_function, layout, arg_offsets, fields, extras):
+    """c_function on `layout`'s fields, whose options end before their three tensor pointers: those point at the
+    `extras` (alibi_slopes, learnable_sink, dlearnable_sink; tensors or None), described after the arguments."""
+    call = _calls
+    extra_base = call.base + layout.size
+    pointers = tuple(0 if t is None else extra_base + i * TENSOR_BYTES for i, t in enumerate(extras))
+    layout.pack_into(call.buffer, 0, *fields, *pointers)
+    EXTRAS.pack_into(call.buffer, layout.size, *(f for t in extras for f in describe_any(t)))
+    check(c_function(*(call.base + offset for offset in arg_offsets)))
+
+
 def packed(calls, key, layout, fields):
     """A new PackedCall of `fields` kept under `key` in `calls` (one of packed_calls' dictionaries)."""
     if len(calls) >= MAX_PACKED_CALLS:
@@ -183,19 +220,16 @@ def packed(calls, key, layout, fields):
     return call
 
 
-def varlen_forward(*fields):
-    """flashlm_attention_varlen_forward on VARLEN_FORWARD's fields (q, k, v, o, lse, seqs, options)."""
-    call = _calls
-    VARLEN_FORWARD.pack_into(call.buffer, 0, *fields)
-    check(lib.flashlm_attention_varlen_forward(*call.varlen_forward_args))
+def varlen_forward(*fields, extras=(None, None, None)):
+    """flashlm_attention_varlen_forward on VARLEN_FORWARD's fields (q, k, v, o, lse, seqs, options less the three
+    tensor pointers) and the options' extras (call_with_extras)."""
+    call_with_extras(lib.flashlm_attention_varlen_forward, VARLEN_FORWARD, VARLEN_FORWARD_ARGS, fields, extras)
 
 
-def varlen_backward(*fields):
+def varlen_backward(*fields, extras=(None, None, None)):
     """flashlm_attention_varlen_backward on VARLEN_BACKWARD's fields (q, k, v, o, lse, dout, dq, dk, dv, seqs,
-    options)."""
-    call = _calls
-    VARLEN_BACKWARD.pack_into(call.buffer, 0, *fields)
-    check(lib.flashlm_attention_varlen_backward(*call.varlen_backward_args))
+    options less the three tensor pointers) and the options' extras."""
+    call_with_extras(lib.flashlm_attention_varlen_backward, VARLEN_BACKWARD, VARLEN_BACKWARD_ARGS, fields, extras)
 
 
 def with_kvcache(has_new, has_lse, *fields):

@@ -1,13 +1,18 @@
 """PyTorch front end: flashlm's attention as torch.library custom operators (torch >= 2.4), or as a plain
 autograd.Function on older torch, through the C ABI (no compiled extension).
 
-    torch.ops.flashlm.attention_fwd(q, k, v, layout, causal, bottom_right, scale, deterministic, impl)
-        -> (o, lse)
+    torch.ops.flashlm.attention_fwd(q, k, v, layout, causal, bottom_right, scale, deterministic, impl,
+                                    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                                    learnable_sink=None) -> (o, lse)
     torch.ops.flashlm.attention_bwd(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic,
-                                    impl) -> (dq, dk, dv)
+                                    impl, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                                    learnable_sink=None) -> (dq, dk, dv, dsink)
+
+(dsink: the sink's gradient, float32 [heads_q], or an empty tensor without a learnable_sink.)
 
 layout is "bshd" ([batch, seq, heads, head_dim]) or "bhsd" ([batch, heads, seq, head_dim]); any strides
-with a unit last stride. o is allocated like q (same strides when q is dense), lse is [batch, heads_q,
+with a unit last stride. o is allocated like q with v's head dim (same strides when q is dense and the head
+dims agree), lse is [batch, heads_q,
 seq_q] float32 (float64 for float64 CPU inputs), dq, dk, dv like q, k, v. The C side checks every
 argument; Python only describes the tensors to it (packed once per call geometry, _lib.PackedCall).
 
@@ -28,10 +33,13 @@ _DTYPES = {torch.float64: L.FP64, torch.float32: L.FP32, torch.float16: L.FP16, 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 if _FP8 is not None:
     _DTYPES[_FP8] = L.FP8_E4M3
+L._TORCH_DTYPES.update(_DTYPES)
 _NO_DESCALE = (1.0, 1.0, 1.0)
 # flashlm_attention_options' fields after the stream are the variant: window_size_left, window_size_right, softcap
 # (flash-attn's window_size and softcap; checked by the library).
 _NO_VARIANT = (-1, -1, 0.0)
+# ... then the pointers to alibi_slopes, learnable_sink, dlearnable_sink (0: none; _lib.call_with_extras sets them).
+_NO_EXTRA_POINTERS = (0, 0, 0)
 _ALIGN = {"top_left": False, "top-left": False, "bottom_right": True, "bottom-right": True}
 _IMPL = {"flash": L.FLASH, "naive": L.NAIVE}
 # _forward and _backward write the data pointers and the stream at these words of a PackedCall.
@@ -106,14 +114,15 @@ def _stream(q):
     return _raw_stream(index) if torch.cuda.current_device() == index else None
 
 
-def _call(c_function, q, fields, variant):
+def _call(c_function, q, fields, variant, extras=(None, None, None)):
     """Calls the C function on the packed fields with q's current CUDA stream and the options' fields after it
-    appended, on q's device (the varlen calls; the others write the stream into their PackedCall)."""
+    appended, on q's device (the varlen calls; the others write the stream into their PackedCall); extras: the
+    options' alibi_slopes, learnable_sink, dlearnable_sink (_lib.call_with_extras)."""
     stream = _stream(q)
     if stream is None:
         with torch.cuda.device(q.get_device()):
-            return c_function(*fields, _raw_stream(q.get_device()), *variant)
-    return c_function(*fields, stream, *variant)
+            return c_function(*fields, _raw_stream(q.get_device()), *variant, extras=extras)
+    return c_function(*fields, stream, *variant, extras=extras)
 
 
 def _lse_dtype(q):
@@ -121,28 +130,71 @@ def _lse_dtype(q):
     return torch.float64 if q.dtype is torch.float64 and not q.is_cuda else torch.float32
 
 
-def _forward_outputs(q, layout):
-    """o (like q: same strides when q is dense; bfloat16 for float8_e4m3fn q) and lse [batch, heads_q, seq_q],
-    allocated as the operator's real and fake kernels both do."""
+def _forward_outputs(q, layout, v=None):
+    """o (like q with v's head dim: q's strides when q is dense and the head dims agree; bfloat16 for
+    float8_e4m3fn q) and lse [batch, heads_q, seq_q], allocated as the operator's real and fake kernels both do."""
     bhsd = _is_bhsd(layout)
     if q.dim() != 4:
         raise L.FlashlmValueError(f"q: expected 4 dimensions ({layout}), got shape {tuple(q.shape)}")
-    b, x, y, _ = q.shape
+    b, x, y, d = q.shape
     lse_dtype = _lse_dtype(q)
     # Sizes as separate arguments: torch.empty parses them faster than a tuple.
     lse = torch.empty(b, x, y, dtype=lse_dtype, device=q.device) if bhsd else \
         torch.empty(b, y, x, dtype=lse_dtype, device=q.device)
+    if isinstance(v, torch.Tensor) and v.dim() == 4 and v.shape[3] != d:  # a head_dim_v of its own: a dense o
+        return torch.empty(b, x, y, v.shape[3], dtype=q.dtype, device=q.device), lse
     return (torch.empty_like(q, dtype=torch.bfloat16) if q.dtype == _FP8 else torch.empty_like(q)), lse
 
 
 def _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
-             softcap=0.0,
-             descales=_NO_DESCALE):
+             softcap=0.0, alibi_slopes=None, learnable_sink=None, descales=_NO_DESCALE):
     """Runs the forward on tensors in `layout`: (o, lse)."""
+    if alibi_slopes is not None or learnable_sink is not None:
+        return _forward_extras(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                               window_right, softcap, alibi_slopes, learnable_sink)
     o, lse, _ = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
                                 window_right, softcap,
                                 descales)
     return o, lse
+
+
+def _check_extras(alibi_slopes, learnable_sink):
+    """The ALiBi slopes and sinks as the C side reads them (tensors; float32; their shapes are checked there)."""
+    for t, name in ((alibi_slopes, "alibi_slopes"), (learnable_sink, "learnable_sink")):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise L.FlashlmValueError(f"{name}: expected a float32 tensor or None, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise L.FlashlmValueError(f"{name}: expected dtype torch.float32, got {t.dtype}")
+        if t.dim() > L.MAX_DIMS:
+            raise L.FlashlmValueError(f"{name}: expected [heads_q] or [batch, heads_q], got shape {tuple(t.shape)}")
+
+
+def _forward_extras(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
+                    softcap, alibi_slopes, learnable_sink):
+    """The forward with ALiBi or sinks: packed afresh per call (_lib.call_with_extras)."""
+    _check_extras(alibi_slopes, learnable_sink)
+    o, lse = _forward_outputs(q, layout, v)
+    bhsd = _is_bhsd(layout)
+    try:
+        fields = (*_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
+                  *_describe_lse(lse), *_options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
+    try:
+        _call(_extras_forward, q, fields, (window_left, window_right, softcap), (alibi_slopes, learnable_sink, None))
+    except struct.error:
+        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
+    return o, lse
+
+
+def _extras_forward(*fields, extras):
+    L.call_with_extras(L.lib.flashlm_attention_forward, L.FORWARD, L.FORWARD_ARGS, fields, extras)
+
+
+def _extras_backward(*fields, extras):
+    L.call_with_extras(L.lib.flashlm_attention_backward, L.BACKWARD, L.BACKWARD_ARGS, fields, extras)
 
 
 def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
@@ -158,9 +210,9 @@ def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic,
             return _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
                                    window_right, softcap,
                                    descales)
-    o, lse = _forward_outputs(q, layout)
+    o, lse = _forward_outputs(q, layout, v)
     try:
-        # o and lse are functions of q's key entries (empty_like of q; a fresh [batch, heads, seq] tensor).
+        # o and lse are functions of q's and v's key entries (like q with v's head dim; a fresh [batch, heads, seq]).
         key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
                q.is_cuda, k.is_cuda, v.is_cuda, causal, bottom_right, scale, deterministic, impl, descales,
                window_left, window_right, softcap)
@@ -171,7 +223,7 @@ def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic,
             call = L.packed(calls, key, L.FORWARD, (
                 *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
                 *_describe_lse(lse), *_options(causal, bottom_right, scale, deterministic, impl, descales), 0,
-                window_left, window_right, softcap))
+                window_left, window_right, softcap, *_NO_EXTRA_POINTERS))
     except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
     w = call.words  # the data pointers of q, k, v, o, lse and the stream (L.TENSOR_WORDS = 15 words a tensor)
@@ -187,7 +239,8 @@ def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, determ
               forward_call=None):
     """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward).
     forward_call: the PackedCall of the _forward_packed call that made o and lse from these q, k, v with
-    these options, if the caller has it (the autograd path); then dO's geometry is the rest of the key."""
+    these options, if the caller has it (the autograd path); then dO's geometry is the rest of the key.
+    (_backward_extras takes ALiBi and sinks.)"""
     stream = _stream(q)
     if stream is None:
         with torch.cuda.device(q.get_device()):
@@ -236,11 +289,54 @@ def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_r
                 *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
                 *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
                 *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl), 0,
-                window_left, window_right, softcap))
+                window_left, window_right, softcap, *_NO_EXTRA_POINTERS))
     except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout")), impl,
                                 scale=scale) from None
     return call
+
+
+def _backward_extras(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                     window_right, softcap, alibi_slopes, learnable_sink):
+    """The backward with ALiBi or sinks: (dq, dk, dv, dsink), dsink the sink's gradient (float32 [heads_q]) or an
+    empty tensor without a sink; packed afresh per call."""
+    _check_extras(alibi_slopes, learnable_sink)
+    if dout.stride(-1) != 1 or dout.numel() == 0:
+        dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsink = _sink_grad_like(learnable_sink, q)
+    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"))
+    bhsd = _is_bhsd(layout)
+    try:
+        fields = (*_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
+                  *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
+                  *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl))
+    except (KeyError, IndexError, TypeError, AttributeError):
+        raise _why_not_packable(named, impl, scale=scale) from None
+    try:
+        _call(_extras_backward, q, fields, (window_left, window_right, softcap),
+              (alibi_slopes, learnable_sink, dsink if learnable_sink is not None else None))
+    except struct.error:
+        raise _why_not_packable(named, impl, scale=scale) from None
+    return dq, dk, dv, dsink
+
+
+def _sink_grad_like(learnable_sink, q):
+    """The sink's gradient buffer: float32 like the sink, or an empty float32 tensor on q's device without one."""
+    if learnable_sink is None:
+        return torch.empty(0, dtype=torch.float32, device=q.device)
+    return torch.empty(learnable_sink.shape, dtype=torch.float32, device=learnable_sink.device)
+
+
+def _backward_any(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
+                  window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None, forward_call=None):
+    """(dq, dk, dv, dsink) with or without ALiBi and sinks (dsink empty without a sink)."""
+    if alibi_slopes is not None or learnable_sink is not None:
+        return _backward_extras(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
+                                window_left, window_right, softcap, alibi_slopes, learnable_sink)
+    dq, dk, dv = _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
+                           window_left, window_right, softcap, forward_call)
+    return dq, dk, dv, _sink_grad_like(None, q)
 
 
 # Autocast. SDPA is on autocast's lower-precision list: inside torch.autocast its floating inputs (float64
@@ -300,46 +396,51 @@ if HAS_CUSTOM_OPS:
     @torch.library.custom_op("flashlm::attention_fwd", mutates_args=())
     def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool,
                       bottom_right: bool, scale: Optional[float], deterministic: bool, impl: str,
-                      window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                      window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                      alibi_slopes: Optional[torch.Tensor] = None,
+                      learnable_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Attention forward: (o, lse). `deterministic` is the backward's (an input so that the autograd
-        formula sees it); window_left/right and softcap are flash-attn's window_size and softcap."""
+        formula sees it); window_left/right, softcap, alibi_slopes and learnable_sink are flash-attn's."""
         return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
-                        softcap)
+                        softcap, alibi_slopes, learnable_sink)
 
     @attention_fwd.register_fake
     def _attention_fwd_fake(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
-                            window_right=-1, softcap=0.0):
-        return _forward_outputs(q, layout)
+                            window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None):
+        return _forward_outputs(q, layout, v)
 
     @torch.library.custom_op("flashlm::attention_bwd", mutates_args=())
     def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor, layout: str, causal: bool, bottom_right: bool, scale: Optional[float],
                       deterministic: bool, impl: str, window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention backward on the forward's tensors and dO: (dq, dk, dv), allocated like q, k, v."""
-        return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left,
-                         window_right, softcap)
+                      softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None,
+                      learnable_sink: Optional[torch.Tensor] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention backward on the forward's tensors and dO: (dq, dk, dv, dsink), dq, dk, dv allocated like q,
+        k, v; dsink the sink's gradient (float32 [heads_q]; empty without a learnable_sink)."""
+        return _backward_any(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
+                             window_left, window_right, softcap, alibi_slopes, learnable_sink)
 
     @attention_bwd.register_fake
     def _attention_bwd_fake(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
-                            window_left=-1, window_right=-1, softcap=0.0):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, learnable_sink=None):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _sink_grad_like(learnable_sink, q)
 
     def _fwd_setup_context(ctx, inputs, output):
         q, k, v = inputs[:3]
         o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = inputs[3:]  # layout, causal, bottom_right, scale, deterministic, impl, window_left/right, softcap
+        ctx.save_for_backward(q, k, v, o, lse, *inputs[12:14])  # alibi_slopes, learnable_sink (or None)
+        ctx.args = inputs[3:12]  # layout, causal, bottom_right, scale, deterministic, impl, window_left/right, softcap
         ctx.mark_non_differentiable(lse)
 
     def _fwd_backward(ctx, dout, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, alibi_slopes, learnable_sink = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True, or under a torch.func transform
-            dq, dk, dv = _AttentionBackwardOps.apply(dout, q, k, v, o, lse, *ctx.args)
+            dq, dk, dv, dsink = _AttentionBackwardOps.apply(dout, q, k, v, o, lse, *ctx.args, alibi_slopes,
+                                                            learnable_sink)
         else:
-            dq, dk, dv = _BWD_OP(dout, q, k, v, o, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+            dq, dk, dv, dsink = _BWD_OP(dout, q, k, v, o, lse, *ctx.args, alibi_slopes, learnable_sink)
+        return (dq, dk, dv, *([None] * 10), dsink if learnable_sink is not None else None)
 
     def _refuse_double_backward(ctx, *grads):
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
@@ -371,9 +472,9 @@ if HAS_CUSTOM_OPS:
 
         @staticmethod
         def forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
-                    softcap):
+                    softcap, alibi_slopes, learnable_sink):
             return _FWD_OP(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
-                           window_right, softcap)
+                           window_right, softcap, alibi_slopes, learnable_sink)
 
         setup_context = staticmethod(_fwd_setup_context)
         backward = staticmethod(_fwd_backward)
@@ -384,9 +485,9 @@ if HAS_CUSTOM_OPS:
 
         @staticmethod
         def forward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left,
-                    window_right, softcap):
+                    window_right, softcap, alibi_slopes, learnable_sink):
             return _BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
-                           window_left, window_right, softcap)
+                           window_left, window_right, softcap, alibi_slopes, learnable_sink)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -423,18 +524,25 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
-                softcap):
-        o, lse, call = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
-                                       window_right, softcap)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap, call)
+                softcap, alibi_slopes=None, learnable_sink=None):
+        if alibi_slopes is None and learnable_sink is None:
+            o, lse, call = _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic, impl,
+                                           window_left, window_right, softcap)
+        else:
+            o, lse = _forward_extras(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left,
+                                     window_right, softcap, alibi_slopes, learnable_sink)
+            call = None
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, learnable_sink)
+        ctx.args = (layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
+        ctx.call = call
         return o
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, o, lse = ctx.saved_tensors
-        grads = _once_differentiable(_backward(dout, q, k, v, o, lse, *ctx.args), (q, k, v, dout))
-        return (*grads, *([None] * 9))
+        q, k, v, o, lse, alibi_slopes, learnable_sink = ctx.saved_tensors
+        *grads, dsink = _backward_any(dout, q, k, v, o, lse, *ctx.args, alibi_slopes, learnable_sink, ctx.call)
+        grads = _once_differentiable(tuple(grads), (q, k, v, dout))
+        return (*grads, *([None] * 10), dsink if learnable_sink is not None else None)
 
 
 def _traced(q):
@@ -444,14 +552,18 @@ def _traced(q):
                                or torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0)
 
 
-def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, variant=_NO_VARIANT):
+def _attention(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, variant=_NO_VARIANT,
+               alibi_slopes=None, learnable_sink=None):
     q, k, v = _autocast_qkv(q, k, v)
     if _traced(q):
-        return _AttentionOps.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant)[0]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant)
+        return _AttentionOps.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant,
+                                   alibi_slopes, learnable_sink)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
+        return _Attention.apply(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, *variant,
+                                alibi_slopes, learnable_sink)
     return _forward(q, k, v, layout, causal, bottom_right, scale, deterministic, impl,
-                    *variant)[0]  # no graph to record
+                    *variant, alibi_slopes, learnable_sink)[0]  # no graph to record
 
 
 def _require_tensor(t, name):
@@ -499,7 +611,8 @@ def _fp8_attention(q, k, v, layout, causal, bottom_right, scale, descales):
 
 
 def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, deterministic=False, impl="flash",
-              q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1), softcap=0.0):
+              q_descale=None, k_descale=None, v_descale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              learnable_sink=None):
     """Scaled dot-product attention with flashlm's kernels, differentiable (first order).
 
     layout (required): "bshd" for q [batch, seq_q, heads_q, head_dim] and k, v [batch, seq_k, heads_k,
@@ -515,7 +628,8 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     softmax(S) v.
 
     window_size = (left, right) and softcap: flash-attn's sliding window (aligned as the causal mask,
-    causal_align; top-left without one) and soft-capping, on the CPU for now.
+    causal_align; top-left without one) and soft-capping; alibi_slopes (aligned the same way) and learnable_sink
+    as flash_attn_func's; v may have a head dim of its own; on the CPU for now.
     """
     seq = _seq_dim(layout)
     try:
@@ -532,7 +646,8 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
         raise L.FlashlmValueError(f"q_descale, k_descale, v_descale: apply to torch.float8_e4m3fn inputs only (q is "
                                   f"{q.dtype})")
     variant = _NO_VARIANT if window_size == (-1, -1) and softcap == 0.0 else _variant(window_size, softcap)
-    return _attention(q, k, v, layout, bool(causal), bottom_right, scale, bool(deterministic), impl, variant)
+    return _attention(q, k, v, layout, bool(causal), bottom_right, scale, bool(deterministic), impl, variant,
+                      alibi_slopes, learnable_sink)
 
 
 def _no_dropout(dropout_p):
@@ -558,26 +673,27 @@ def _variant(window_size, softcap):
     return left, right, cap
 
 
-def _refuse_flash_attn_extras(alibi_slopes, return_attn_probs):
+def _refuse_flash_attn_extras(return_attn_probs):
     """flash-attn's arguments for features flashlm does not have: an error unless each has its default."""
-    if alibi_slopes is not None:
-        raise L.FlashlmValueError("alibi_slopes: flashlm attention has no ALiBi (pass None)")
     if return_attn_probs:
         raise L.FlashlmValueError("return_attn_probs: flashlm attention does not return probabilities (pass False)")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k, v [batch, seq_k, heads_k,
-    head_dim]; causal is bottom-right aligned (query i sees keys j <= i + seq_k - seq_q), as in
-    flash-attn >= 2.1. window_size = (left, right) and softcap as flash-attn's: query i sees key j iff
-    i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right (-1 unbounded; causal makes right 0), scores s
-    become softcap * tanh(s / softcap) (0.0: off); on the CPU only for now (CUDA tensors raise the library's
-    error). Dropout, ALiBi and returned probabilities are not implemented and are refused."""
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None):
+    """flash-attn's flash_attn_func: q [batch, seq_q, heads_q, head_dim], k [batch, seq_k, heads_k, head_dim], v
+    [batch, seq_k, heads_k, head_dim_v] (head_dim_v may differ: the output takes it); causal is bottom-right
+    aligned (query i sees keys j <= i + seq_k - seq_q), as in flash-attn >= 2.1. window_size = (left, right) and
+    softcap as flash-attn's: query i sees key j iff i + seq_k - seq_q - left <= j <= i + seq_k - seq_q + right (-1
+    unbounded; causal makes right 0), scores s become softcap * tanh(s / softcap) (0.0: off). alibi_slopes (float32
+    [heads_q] or [batch, heads_q]): scores get -slope * |i + seq_k - seq_q - j|. learnable_sink (float32 [heads_q],
+    flash-attn's cute interface; gpt-oss): a per-head logit in each row's softmax denominator, differentiable. The
+    variants run on the CPU only for now (CUDA tensors raise the library's error). Dropout and returned
+    probabilities are not implemented and are refused."""
     if dropout_p != 0.0:
         _no_dropout(dropout_p)
-    if alibi_slopes is not None or return_attn_probs:
-        _refuse_flash_attn_extras(alibi_slopes, return_attn_probs)
+    if return_attn_probs:
+        _refuse_flash_attn_extras(return_attn_probs)
     variant = _NO_VARIANT if window_size == (-1, -1) and softcap == 0.0 else _variant(window_size, softcap)
     try:
         four_d = q.dim() == 4 and k.dim() == 4 and v.dim() == 4
@@ -585,7 +701,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         four_d = False
     if not four_d:
         _check_4d(((q, "q"), (k, "k"), (v, "v")), "bshd")
-    return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash", variant)
+    return _attention(q, k, v, "bshd", bool(causal), True, softmax_scale, bool(deterministic), "flash", variant,
+                      alibi_slopes, learnable_sink)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -695,16 +812,22 @@ def _varlen_fields(cu_q, cu_k, batch, max_seqlen_q, max_seqlen_k):
     return (cu_q.data_ptr(), cu_k.data_ptr(), batch, cu_q.is_cuda, int(max_seqlen_q), int(max_seqlen_k))
 
 
-def _varlen_forward_outputs(q):
+def _varlen_forward_outputs(q, v=None):
+    """o (like q with v's head dim) and lse [heads_q, total_q]."""
     if q.dim() != 3:
         raise L.FlashlmValueError(f"q: expected 3 dimensions [total_q, heads_q, head_dim], got shape {tuple(q.shape)}")
-    return torch.empty_like(q), torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=_lse_dtype(q), device=q.device)
+    if isinstance(v, torch.Tensor) and v.dim() == 3 and v.shape[2] != q.shape[2]:
+        return torch.empty((q.shape[0], q.shape[1], v.shape[2]), dtype=q.dtype, device=q.device), lse
+    return torch.empty_like(q), lse
 
 
 def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right, scale,
-                    deterministic, impl, window_left=-1, window_right=-1, softcap=0.0):
+                    deterministic, impl, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                    learnable_sink=None):
     cu_q, cu_k, batch = _check_offsets(cu_seqlens_q, cu_seqlens_k, q)
-    o, lse = _varlen_forward_outputs(q)
+    _check_extras(alibi_slopes, learnable_sink)
+    o, lse = _varlen_forward_outputs(q, v)
     _check_3d(((k, "k"), (v, "v")))
     try:
         fields = (_describe3(q) + _describe3(k) + _describe3(v) + _describe3(o) + _describe_lse2(lse)
@@ -713,20 +836,24 @@ def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     except (KeyError, IndexError, TypeError, AttributeError):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, 3) from None
     try:
-        _call(L.varlen_forward, q, fields, (window_left, window_right, softcap))
+        _call(L.varlen_forward, q, fields, (window_left, window_right, softcap), (alibi_slopes, learnable_sink, None))
     except struct.error:
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, 3) from None
     return o, lse
 
 
 def _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                     bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0):
+                     bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1, softcap=0.0,
+                     alibi_slopes=None, learnable_sink=None):
+    """(dq, dk, dv, dsink): dsink the sink's gradient summed over the sequences (empty without a sink)."""
     named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"))
     _check_3d(named)
     cu_q, cu_k, batch = _check_offsets(cu_seqlens_q, cu_seqlens_k, q)
+    _check_extras(alibi_slopes, learnable_sink)
     if dout.stride(-1) != 1 or dout.numel() == 0:
         dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsink = _sink_grad_like(learnable_sink, q)
     try:
         fields = (_describe3(q) + _describe3(k) + _describe3(v) + _describe3(o) + _describe_lse2(lse)
                   + _describe3(dout) + _describe3(dq) + _describe3(dk) + _describe3(dv)
@@ -735,10 +862,11 @@ def _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     except (KeyError, IndexError, TypeError, AttributeError):
         raise _why_not_packable(named + ((lse, "lse"),), impl, 3) from None
     try:
-        _call(L.varlen_backward, q, fields, (window_left, window_right, softcap))
+        _call(L.varlen_backward, q, fields, (window_left, window_right, softcap),
+              (alibi_slopes, learnable_sink, dsink if learnable_sink is not None else None))
     except struct.error:
         raise _why_not_packable(named + ((lse, "lse"),), impl, 3) from None
-    return dq, dk, dv
+    return dq, dk, dv, dsink
 
 
 def _check_3d(named_tensors):
@@ -754,49 +882,57 @@ if HAS_CUSTOM_OPS:
     def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                              bottom_right: bool, scale: Optional[float], deterministic: bool, impl: str,
-                             window_left: int = -1, window_right: int = -1,
-                             softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                             window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                             alibi_slopes: Optional[torch.Tensor] = None,
+                             learnable_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Packed variable-length attention forward: (o, lse [heads_q, total_q])."""
         return _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, bottom_right,
-                               scale, deterministic, impl, window_left, window_right, softcap)
+                               scale, deterministic, impl, window_left, window_right, softcap, alibi_slopes,
+                               learnable_sink)
 
     @attention_varlen_fwd.register_fake
     def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                    bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
-                                   softcap=0.0):
-        return _varlen_forward_outputs(q)
+                                   softcap=0.0, alibi_slopes=None, learnable_sink=None):
+        return _varlen_forward_outputs(q, v)
 
     @torch.library.custom_op("flashlm::attention_varlen_bwd", mutates_args=())
     def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                              lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, causal: bool, bottom_right: bool,
                              scale: Optional[float], deterministic: bool, impl: str,
-                             window_left: int = -1, window_right: int = -1,
-                             softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Packed variable-length attention backward: (dq, dk, dv), allocated like q, k, v."""
+                             window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                             alibi_slopes: Optional[torch.Tensor] = None,
+                             learnable_sink: Optional[torch.Tensor] = None
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Packed variable-length attention backward: (dq, dk, dv, dsink), dq, dk, dv allocated like q, k, v; dsink
+        the sink's gradient summed over the sequences (empty without a learnable_sink)."""
         return _varlen_backward(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
+                                bottom_right, scale, deterministic, impl, window_left, window_right, softcap,
+                                alibi_slopes, learnable_sink)
 
     @attention_varlen_bwd.register_fake
     def _attention_varlen_bwd_fake(dout, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                    causal, bottom_right, scale, deterministic, impl, window_left=-1, window_right=-1,
-                                   softcap=0.0):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                                   softcap=0.0, alibi_slopes=None, learnable_sink=None):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _sink_grad_like(learnable_sink, q)
 
     def _varlen_setup_context(ctx, inputs, output):
         q, k, v, cu_q, cu_k = inputs[:5]
         o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.args = inputs[5:]  # max_seqlen_q/k, causal, bottom_right, scale, deterministic, impl, the variant
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, *inputs[15:17])  # alibi_slopes, learnable_sink
+        ctx.args = inputs[5:15]  # max_seqlen_q/k, causal, bottom_right, scale, deterministic, impl, window, softcap
         ctx.mark_non_differentiable(lse)
 
     def _varlen_fwd_backward(ctx, dout, dlse):
-        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, o, lse, cu_q, cu_k, alibi_slopes, learnable_sink = ctx.saved_tensors
         if torch.is_grad_enabled():
-            dq, dk, dv = _VarlenBackwardOps.apply(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+            dq, dk, dv, dsink = _VarlenBackwardOps.apply(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args, alibi_slopes,
+                                                         learnable_sink)
         else:
-            dq, dk, dv = _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-        return (dq, dk, dv, *([None] * 12))
+            dq, dk, dv, dsink = _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args, alibi_slopes,
+                                               learnable_sink)
+        return (dq, dk, dv, *([None] * 13), dsink if learnable_sink is not None else None)
 
     attention_varlen_fwd.register_autograd(_varlen_fwd_backward, setup_context=_varlen_setup_context)
     attention_varlen_bwd.register_autograd(_refuse_double_backward)
@@ -809,9 +945,9 @@ if HAS_CUSTOM_OPS:
 
         @staticmethod
         def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left,
-                    window_right, softcap):
+                    window_right, softcap, alibi_slopes, learnable_sink):
             return _VARLEN_FWD_OP(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl,
-                                  window_left, window_right, softcap)
+                                  window_left, window_right, softcap, alibi_slopes, learnable_sink)
 
         setup_context = staticmethod(_varlen_setup_context)
         backward = staticmethod(_varlen_fwd_backward)
@@ -819,9 +955,10 @@ if HAS_CUSTOM_OPS:
     class _VarlenBackwardOps(torch.autograd.Function):
         @staticmethod
         def forward(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic,
-                    impl, window_left, window_right, softcap):
+                    impl, window_left, window_right, softcap, alibi_slopes, learnable_sink):
             return _VARLEN_BWD_OP(dout, q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale,
-                                  deterministic, impl, window_left, window_right, softcap)
+                                  deterministic, impl, window_left, window_right, softcap, alibi_slopes,
+                                  learnable_sink)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -835,24 +972,26 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left,
-                window_right, softcap):
+                window_right, softcap, alibi_slopes=None, learnable_sink=None):
         o, lse = _varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl,
-                                 window_left, window_right, softcap)
-        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+                                 window_left, window_right, softcap, alibi_slopes, learnable_sink)
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k, alibi_slopes, learnable_sink)
         ctx.args = (max_q, max_k, causal, bottom_right, scale, deterministic, impl, window_left, window_right, softcap)
         return o
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        grads = _varlen_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-        return (*_once_differentiable(grads, (q, k, v, dout)), *([None] * 12))
+        q, k, v, o, lse, cu_q, cu_k, alibi_slopes, learnable_sink = ctx.saved_tensors
+        *grads, dsink = _varlen_backward(dout, q, k, v, o, lse, cu_q, cu_k, *ctx.args, alibi_slopes, learnable_sink)
+        return (*_once_differentiable(tuple(grads), (q, k, v, dout)), *([None] * 13),
+                dsink if learnable_sink is not None else None)
 
 
 def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl,
-                      variant=_NO_VARIANT):
+                      variant=_NO_VARIANT, alibi_slopes=None, learnable_sink=None):
     q, k, v = _autocast_qkv(q, k, v)
-    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, *variant)
+    args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, scale, deterministic, impl, *variant,
+            alibi_slopes, learnable_sink)
     if _traced(q):
         # Dynamo refuses an autograd.Function given one tensor twice, and self-attention passes the same
         # offsets as cu_q and cu_k: compiled code calls the operator (its registered autograd), torch.func
@@ -860,24 +999,27 @@ def _varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, causal, bottom_right, s
         if torch.compiler.is_compiling():
             return _VARLEN_FWD_OP(*args)[0]
         return _VarlenOps.apply(*args)[0]
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
         return _VarlenAttention.apply(*args)
     return _varlen_forward(*args)[0]
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, causal_align=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, causal_align=None,
+                           learnable_sink=None):
     """flash-attn's flash_attn_varlen_func: the batch's sequences packed end to end, q [total_q, heads_q,
     head_dim], k, v [total_k, heads_k, head_dim], sequence b owning rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q
     and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k (int32 tensors of batch + 1 offsets, on q's device or the CPU;
     offsets on the GPU are read back once per call). max_seqlen_q/k bound the sequence lengths (a longer
     sequence is an error). causal applies per sequence, bottom-right aligned as in flash-attn >= 2.1
     (causal_align="top_left" for PyTorch's alignment; the sliding window aligns with it). window_size and
-    softcap as in flash_attn_func, per sequence. Dropout, ALiBi, returned probabilities and paged KV
-    (block_table) are refused."""
+    softcap as in flash_attn_func, per sequence; alibi_slopes ([heads_q] or [batch, heads_q], batch the number of
+    sequences) and learnable_sink ([heads_q], its gradient summed over the sequences) likewise; v [total_k, heads_k,
+    head_dim_v]. Dropout, returned probabilities and paged KV (block_table) are refused."""
     _no_dropout(dropout_p)
-    _refuse_flash_attn_extras(alibi_slopes, return_attn_probs)
+    _refuse_flash_attn_extras(return_attn_probs)
     variant = _variant(window_size, softcap)
     if block_table is not None:
         raise L.FlashlmValueError("block_table: flashlm attention has no paged KV cache (pass None)")
@@ -889,7 +1031,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         raise L.FlashlmValueError(f"causal_align: '{causal_align}' is not top_left or bottom_right")
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), bool(causal),
-                             bottom_right, softmax_scale, bool(deterministic), "flash", variant)
+                             bottom_right, softmax_scale, bool(deterministic), "flash", variant, alibi_slopes,
+                             learnable_sink)
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
@@ -963,8 +1106,8 @@ def _kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_n
     except (KeyError, IndexError, TypeError, AttributeError):
         raise _why_not_packable(named, "flash", 4, scale) from None
 
-    def run(*packed):
-        L.with_kvcache(has_new, True, *packed)
+    def run(*packed, extras):  # (no ALiBi or sink in the decoding call: their option pointers stay NULL)
+        L.with_kvcache(has_new, True, *packed, *_NO_EXTRA_POINTERS)
 
     try:
         _call(run, q, fields, (window_left, window_right, softcap))

@@ -278,6 +278,14 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
 #endif
 }
 
+// The backends add the sink's gradient into dlearnable_sink (a varlen call sums it over its runs): zeroed
+// first. Only a cpu problem gets here with one (the CUDA plan refuses sinks).
+void clear_sink_gradient(const AttentionProblem& p) {
+  if (p.dlearnable_sink == nullptr) return;
+  FLASHLM_CHECK(p.device == Device::cpu, "attention_backward: dlearnable_sink: the sinks run on the cpu only");
+  for (int64_t h = 0; h < p.heads_q; ++h) p.dlearnable_sink[h * p.dsink_stride] = 0.0f;
+}
+
 }  // namespace
 
 void attention_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
@@ -295,6 +303,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   const auto plan = plan_for_device(
       "attention_backward", p, options.impl, AttentionPass::backward,
       {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}, lse);
+  clear_sink_gradient(p);
   run_backward(p, plan, q, k, v, o, lse, dout, dq, dk, dv, options);
 }
 
@@ -334,6 +343,7 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
                                      {"dk", &vp.dk},
                                      {"dv", &vp.dv}},
                                     vp.lse);
+  clear_sink_gradient(vp.packed);
   for (int64_t b = 0, e; b < vp.batch(); b = e) {
     e = vp.run_end(b);
     const int64_t n = e - b;

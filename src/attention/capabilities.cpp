@@ -14,16 +14,17 @@ constexpr std::array kCudaDTypes{DType::f16, DType::bf16, DType::f32};
 constexpr std::array kFp8{DType::f8e4m3};
 
 // One row per family: family, dtypes, forward and backward head dims, pads_head_dim, any_head_dim,
-// sliding_window, softcap. The window and soft-capping run in the 16-bit flash kernels (mma.sync and Hopper,
-// their masked instantiations); the fp32, naive and FP8 kernels refuse them (the CPU paths have them).
+// sliding_window, softcap, alibi, learnable_sink, head_dim_v. The window and soft-capping run in the 16-bit flash
+// kernels (mma.sync and Hopper, their masked instantiations); ALiBi, sinks and head_dim_v in no CUDA kernel yet
+// (the CPU paths have them all).
 const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false, true,
-     true},
-    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false, false, false},
-    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true, false, false},
+     true, false, false, false},
+    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false, false, false, false, false, false},
+    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true, false, false, false, false, false},
     {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, true,
-     true},
-    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, false, false},
+     true, false, false, false},
+    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, false, false, false, false, false},
 }};
 
 bool has_dtype(const CudaKernelCapability& c, DType dtype) {
@@ -86,6 +87,16 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
   FLASHLM_CHECK(p.softcap == 0 || caps.softcap,
                 "{}: softcap: the {} attention kernels have no soft-capping (got {}); it runs on the cpu", fn,
                 cuda_kernel_family_name(family), p.softcap);
+  FLASHLM_CHECK(!p.alibi || caps.alibi,
+                "{}: alibi_slopes: the {} attention kernels have no ALiBi; it runs on the cpu", fn,
+                cuda_kernel_family_name(family));
+  FLASHLM_CHECK(!p.sink || caps.learnable_sink,
+                "{}: learnable_sink: the {} attention kernels have no attention sinks; they run on the cpu", fn,
+                cuda_kernel_family_name(family));
+  FLASHLM_CHECK(p.value_dim() == p.head_dim || caps.head_dim_v,
+                "{}: v: head_dim_v {} differs from head_dim {}, and the {} attention kernels need one head dim for "
+                "q, k and v; it runs on the cpu",
+                fn, p.value_dim(), p.head_dim, cuda_kernel_family_name(family));
   if (caps.any_head_dim) return {family, p.head_dim, false};
 
   const bool forward = pass == AttentionPass::forward;

@@ -59,12 +59,16 @@ struct CudaKernelCapability {
   bool pads_head_dim;
   bool any_head_dim;
   // The attention variants the family's kernels implement (AttentionOptions::window_size_*, softcap: the
-  // 16-bit flash kernels' masked instantiations, cuda/flash_common.cuh); a
+  // 16-bit flash kernels' masked instantiations, cuda/flash_common.cuh; alibi_slopes, learnable_sink, a
+  // head_dim_v of its own); a
   // problem that asks for one a family lacks is an Error naming the option, never a silent full mask.
   // The Hopper row must not claim a variant the mma.sync row lacks: plan_cuda_attention checks the
   // planned family (mma.sync) and flash_kernel_family may then move the problem to the Hopper kernels.
   bool sliding_window;
   bool softcap;
+  bool alibi;           // AttentionOptions::alibi_slopes
+  bool learnable_sink;  // AttentionOptions::learnable_sink (and the backward's dlearnable_sink)
+  bool head_dim_v;      // v's head dim differing from q's and k's
 };
 
 // The row of `family` in the table.

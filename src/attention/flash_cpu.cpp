@@ -217,6 +217,13 @@ Cols contributing_cols(const AttentionProblem& p, A lse, int64_t i, int64_t j0, 
   return lse == kNegInf<A> ? Cols{0, 0} : visible_cols(p, i, j0, cols);
 }
 
+// The ALiBi bias of (query i, key j) in the accumulation type (AttentionProblem::alibi_bias's rule, in A).
+template <class A>
+inline A alibi_bias(const AttentionProblem& p, A slope, int64_t i, int64_t j) {
+  const int64_t d = i + p.causal_offset - j;
+  return -slope * static_cast<A>(d < 0 ? -d : d);
+}
+
 // Whether some query of rows [i0, i0 + rows) does not see every key of the tile [j0, j0 + cols): a tile on the
 // causal diagonal or a window's edge, whose products run per block of kGemmRows queries over the keys that block
 // may see. The bounds grow with the query, so the first query has the lowest end and the last the highest begin.
@@ -236,8 +243,8 @@ void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, i
   }
 }
 
-// S[r][c] = scale · Q[r]·K[c] (soft-capped: softcap · tanh(S / softcap)) for the visible (query, key) pairs of
-// the tile, -inf for masked ones. KT is the
+// S[r][c] = scale · Q[r]·K[c] (soft-capped: softcap · tanh(S / softcap); plus the ALiBi bias of `slope`, 0
+// without) for the visible (query, key) pairs of the tile, -inf for masked ones. KT is the
 // key tile transposed (head_dim × width); S is rows × width. On the causal diagonal each block of kGemmRows
 // queries computes only the key columns its last query sees (rounded up to whole kGemmCols blocks within the
 // zero-padded width), which skips 3/8 of the products of a square diagonal tile.
@@ -245,7 +252,7 @@ void for_each_query_block(const AttentionProblem& p, int64_t i0, int64_t rows, i
 // KT in BLayout::panels (kKLayout): ldk = D · kGemmCols, the distance between panels; else ldk = width.
 template <ALayout kQLayout, BLayout kKLayout, class A>
 void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t ldk, int64_t width, int64_t i0,
-                 int64_t rows, int64_t j0, int64_t cols, A* S) {
+                 int64_t rows, int64_t j0, int64_t cols, A slope, A* S) {
   const int64_t D = p.head_dim;
   const A scale = static_cast<A>(p.scale);
   if (!tile_partly_masked(p, i0, rows, j0, cols)) {
@@ -265,6 +272,9 @@ void tile_scores(const AttentionProblem& p, const A* Q, const A* KT, int64_t ldk
     if (cap > 0) {
       for (int64_t c = visible.begin; c < visible.end; ++c) s[c] = cap * std::tanh(s[c] / cap);
     }
+    if (slope != 0) {
+      for (int64_t c = visible.begin; c < visible.end; ++c) s[c] += alibi_bias<A>(p, slope, i0 + r, j0 + c);
+    }
   }
 }
 
@@ -272,12 +282,15 @@ template <class T, class A>
 void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHeads<A>& k, const PackedHeads<A>& v,
                   const TensorView& o, const TensorView& lse, int64_t b, int64_t h, int64_t i0, A* Q, A* S, A* acc,
                   A* m, A* l) {
-  const int64_t D = p.head_dim, bhk = b * p.heads_k + h / p.group();
+  const int64_t D = p.head_dim, Dv = p.value_dim(), bhk = b * p.heads_k + h / p.group();
   const int64_t rows = std::min(kForwardBlockQ, p.seq_q - i0);
+  const A slope = static_cast<A>(p.alibi_slope(b, h)), sink = static_cast<A>(p.sink_logit(h));
   load_panels<T>(q, b, h, i0, rows, D, Q);
-  std::fill(acc, acc + rows * D, A(0));
-  std::fill(m, m + rows, kNegInf<A>);
-  std::fill(l, l + rows, A(0));
+  std::fill(acc, acc + rows * Dv, A(0));
+  // The sink starts every row's online softmax as a first "key" of weight exp(sink - m) and no value: m = sink,
+  // l = 1 (no sink, -inf: m = -inf, l = 0, as before any key). A row that sees no key keeps them: o = 0, lse = sink.
+  std::fill(m, m + rows, sink);
+  std::fill(l, l + rows, sink == kNegInf<A> ? A(0) : A(1));
 
   // The key tiles that some query of the tile sees: from the first query's first key to the last query's end.
   const int64_t key_end = p.visible_keys(i0 + rows - 1);
@@ -285,7 +298,8 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     const int64_t cols = std::min(kForwardBlockK, key_end - j0);
     const A *KT = k.transposed(bhk, j0 / kForwardBlockK), *V = v.rows(bhk, j0 / kForwardBlockK);
     const bool v_finite = v.finite(bhk, j0 / kForwardBlockK);
-    tile_scores<ALayout::panels, BLayout::panels>(p, Q, KT, k.panel_stride(), kForwardBlockK, i0, rows, j0, cols, S);
+    tile_scores<ALayout::panels, BLayout::panels>(p, Q, KT, k.panel_stride(), kForwardBlockK, i0, rows, j0, cols,
+                                                  slope, S);
     // S becomes P = exp(S - m_new) over the visible columns, 0 elsewhere (and in rows with nothing visible).
     for (int64_t r = 0; r < rows; ++r) {
       A* s = S + r * kForwardBlockK;
@@ -302,9 +316,9 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
         m_new = std::numeric_limits<A>::quiet_NaN();  // only NaNs and -inf: the row's output is NaN
       }
       const A alpha = exp_nonpositive(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
-      A* a = acc + r * D;
+      A* a = acc + r * Dv;
       if (alpha != A(1)) {
-        for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+        for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
       }
       const A sum = exp_shifted_sum(sv, visible.size(), m_new);
       std::fill(s, sv, A(0));
@@ -314,31 +328,31 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
     }
     const int64_t ldv = v.panel_stride();  // V in panels of kGemmCols of its D columns
     if (v_finite && !tile_partly_masked(p, i0, rows, j0, cols)) {
-      tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(rows, D, cols, A(1), S, kForwardBlockK, V, ldv, A(1),
-                                                                acc, D);  // acc += P V
+      tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(rows, Dv, cols, A(1), S, kForwardBlockK, V, ldv, A(1),
+                                                                acc, Dv);  // acc += P V
     } else if (v_finite) {  // on the causal diagonal or a window's edge: each block of queries sums over its keys
       for_each_query_block(p, i0, rows, j0, cols, [&](int64_t r0, int64_t block_rows, int64_t seen) {
-        tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(block_rows, D, seen, A(1), S + r0 * kForwardBlockK,
-                                                                  kForwardBlockK, V, ldv, A(1), acc + r0 * D, D);
+        tile_gemm<ALayout::rows, kForwardBlockK, BLayout::panels>(block_rows, Dv, seen, A(1), S + r0 * kForwardBlockK,
+                                                                  kForwardBlockK, V, ldv, A(1), acc + r0 * Dv, Dv);
       });
     } else {  // only the visible pairs, one value element at a time (V[c][d] in panel d / kGemmCols)
       for (int64_t r = 0; r < rows; ++r) {
-        A* a = acc + r * D;
+        A* a = acc + r * Dv;
         const Cols visible = visible_cols(p, i0 + r, j0, cols);
         for (int64_t c = visible.begin; c < visible.end; ++c) {
           const A weight = S[r * kForwardBlockK + c];
-          for (int64_t d = 0; d < D; ++d) a[d] += weight * V[d / kGemmCols * ldv + c * kGemmCols + d % kGemmCols];
+          for (int64_t d = 0; d < Dv; ++d) a[d] += weight * V[d / kGemmCols * ldv + c * kGemmCols + d % kGemmCols];
         }
       }
     }
   }
 
   for (int64_t r = 0; r < rows; ++r) {
-    A* a = acc + r * D;
-    // l = 0: the row saw no key (O = 0, lse = -inf); l NaN: a NaN reached it, and O and lse are NaN.
+    A* a = acc + r * Dv;
+    // l = 0: the row saw no key and has no sink (O = 0, lse = -inf); l NaN: a NaN reached it, and O and lse are NaN.
     const A inv = l[r] != 0 ? A(1) / l[r] : A(0);
-    for (int64_t d = 0; d < D; ++d) a[d] *= inv;
-    store_row(a, attention_row<T>(o, b, i0 + r, h), D);
+    for (int64_t d = 0; d < Dv; ++d) a[d] *= inv;
+    store_row(a, attention_row<T>(o, b, i0 + r, h), Dv);
     const A lse_r = l[r] != 0 ? m[r] + std::log(l[r]) : kNegInf<A>;
     if (lse.dtype == DType::f64) lse_at<double>(lse, b, h, i0 + r) = static_cast<double>(lse_r);
     else lse_at<float>(lse, b, h, i0 + r) = static_cast<float>(lse_r);
@@ -348,11 +362,11 @@ void forward_task(const AttentionProblem& p, const TensorView& q, const PackedHe
 template <class T, class A>
 void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
              const TensorView& o, const TensorView& lse) {
-  const int64_t D = p.head_dim;
+  const int64_t D = p.head_dim, Dv = p.value_dim();
   static_assert(kForwardBlockK % kGemmCols == 0, "the packed K tile's panels must cover its keys");
   auto K = PackedHeads<A>::allocate(p.batch, p.heads_k, p.seq_k, D, kForwardBlockK, PackedHeads<A>::transposed_panels,
                                     "flash forward packed K");
-  auto V = PackedHeads<A>::allocate(p.batch, p.heads_k, p.seq_k, D, kForwardBlockK, PackedHeads<A>::rows_panels,
+  auto V = PackedHeads<A>::allocate(p.batch, p.heads_k, p.seq_k, Dv, kForwardBlockK, PackedHeads<A>::rows_panels,
                                     "flash forward packed V");
   const int64_t q_tiles = (p.seq_q + kForwardBlockQ - 1) / kForwardBlockQ;
   const int64_t tasks = p.batch * p.heads_q * q_tiles;
@@ -365,9 +379,9 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
     K.template fill<T>(k);
     V.template fill<T>(v);
 #pragma omp barrier
-    Scratch<A> w(kForwardPanelRows * D + kForwardBlockQ * D + kForwardBlockQ * kForwardBlockK + kForwardBlockQ * 2,
+    Scratch<A> w(kForwardPanelRows * D + kForwardBlockQ * Dv + kForwardBlockQ * kForwardBlockK + kForwardBlockQ * 2,
                  "flash forward tiles");
-    A *Q = w.take(kForwardPanelRows * D).data(), *acc = w.take(kForwardBlockQ * D).data();
+    A *Q = w.take(kForwardPanelRows * D).data(), *acc = w.take(kForwardBlockQ * Dv).data();
     A *S = w.take(kForwardBlockQ * kForwardBlockK).data(), *m = w.take(kForwardBlockQ).data();
     A* l = w.take(kForwardBlockQ).data();
 #pragma omp for schedule(dynamic)
@@ -383,14 +397,15 @@ void forward(const AttentionProblem& p, const TensorView& q, const TensorView& k
 
 // The tiles the backward recomputes for one (query tile, key tile) pair: P = exp(S - lse) into S, and
 // dS = P ∘ (dO Vᵀ - Delta) into dS, the gradient of the score before soft-capping: times
-// d(c · tanh(x / c))/dx = 1 - (S / c)² with S the capped score. KT and VT: the key and value tiles transposed.
+// d(c · tanh(x / c))/dx = 1 - (C / c)² with C the capped score (S less the ALiBi bias of `slope`). KT and VT: the
+// key and value tiles transposed (VT head_dim_v × the tile; dO rows of head_dim_v).
 template <class A>
 void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, const A* VT, const A* dO,
-                            const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A* S,
-                            A* dS) {
-  const int64_t D = p.head_dim;
-  tile_scores<ALayout::rows, BLayout::rows>(p, Q, KT, kBlockK, kBlockK, i0, rows, j0, cols, S);
-  tile_gemm(rows, cols, D, A(1), dO, D, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
+                            const A* lse, const A* delta, int64_t i0, int64_t rows, int64_t j0, int64_t cols, A slope,
+                            A* S, A* dS) {
+  const int64_t Dv = p.value_dim();
+  tile_scores<ALayout::rows, BLayout::rows>(p, Q, KT, kBlockK, kBlockK, i0, rows, j0, cols, slope, S);
+  tile_gemm(rows, cols, Dv, A(1), dO, Dv, VT, kBlockK, A(0), dS, kBlockK);  // dP = dO Vᵀ, masked entries dropped below
   const A cap = static_cast<A>(p.softcap);
   for (int64_t r = 0; r < rows; ++r) {
     A* s = S + r * kBlockK;
@@ -398,7 +413,7 @@ void tile_probs_and_dscores(const AttentionProblem& p, const A* Q, const A* KT, 
     const Cols visible = contributing_cols(p, lse[r], i0 + r, j0, cols);
     if (cap > 0) {
       for (int64_t c = visible.begin; c < visible.end; ++c) {
-        const A t = s[c] / cap, v = s[c] - lse[r];
+        const A t = (slope != 0 ? s[c] - alibi_bias<A>(p, slope, i0 + r, j0 + c) : s[c]) / cap, v = s[c] - lse[r];
         s[c] = exp_nonpositive(v > A(0) ? A(0) : v);
         ds[c] = s[c] * (ds[c] - delta[r]) * (A(1) - t * t);
       }
@@ -415,7 +430,7 @@ template <class T, class A>
 void backward(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
               const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
               const TensorView& dk, const TensorView& dv) {
-  const int64_t D = p.head_dim, Nq = p.seq_q, Nk = p.seq_k;
+  const int64_t D = p.head_dim, Dv = p.value_dim(), Nq = p.seq_q, Nk = p.seq_k;
   const A scale = static_cast<A>(p.scale);
 
   // Delta_i = rowsum(dO_i ∘ O_i): one number per query row, O(seq) memory.
@@ -428,10 +443,10 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   const int64_t k_tiles = (Nk + kBlockK - 1) / kBlockK;
   using Packed = PackedHeads<A>;
   auto Qp = Packed::allocate(p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only, "flash backward packed Q");
-  auto dOp = Packed::allocate(p.batch, p.heads_q, Nq, D, kBlockQ, Packed::rows_only, "flash backward packed dO");
+  auto dOp = Packed::allocate(p.batch, p.heads_q, Nq, Dv, kBlockQ, Packed::rows_only, "flash backward packed dO");
   auto Kp = Packed::allocate(p.batch, p.heads_k, Nk, D, kBlockK, Packed::rows_and_transposed,
                              "flash backward packed K");
-  auto Vp = Packed::allocate(p.batch, p.heads_k, Nk, D, kBlockK, Packed::transposed_only, "flash backward packed V");
+  auto Vp = Packed::allocate(p.batch, p.heads_k, Nk, Dv, kBlockK, Packed::transposed_only, "flash backward packed V");
 
   // dQ, dK and dV in one pass: one task per (batch, query head) walks its key tiles and, for each, the query
   // tiles that see them. P and dS are computed once per tile pair and feed all three gradients (five tile
@@ -440,26 +455,35 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   // partial, summed over the group in head order afterwards: deterministic, no atomics.
   const bool grouped = p.group() > 1;
   Buffer partial_buffer;
-  A* partial = nullptr;  // [batch, heads_q, 2 (dK, dV), Nk, D] when grouped
+  A* partial = nullptr;  // [batch, heads_q, Nk · (D + Dv)] when grouped: each head's dK (Nk × D), then its dV (Nk × Dv)
+  const int64_t partial_head = Nk * (D + Dv);
   if (grouped) {
-    partial_buffer = Buffer::allocate_reused(checked_size({p.batch, p.heads_q, 2, Nk, D, int64_t(sizeof(A))},
+    partial_buffer = Buffer::allocate_reused(checked_size({p.batch, p.heads_q, Nk, D + Dv, int64_t(sizeof(A))},
                                                            "flash backward dK/dV partials"),
                                              "flash backward dK/dV partials");
     partial = static_cast<A*>(partial_buffer.data());
+  }
+  // The sink's gradient per (batch, query head), summed over the batch in order afterwards (deterministic).
+  Buffer dsink_buffer;
+  A* dsink = nullptr;
+  if (p.dlearnable_sink != nullptr) {
+    dsink_buffer = Buffer::allocate_reused(checked_size({p.batch, p.heads_q, int64_t(sizeof(A))}, "flash backward dsink"),
+                                           "flash backward dsink");
+    dsink = static_cast<A*>(dsink_buffer.data());
   }
   // Delta, the packing and the tasks in one parallel region, one barrier before the tasks (as in the forward:
   // six regions before, each a synchronisation of the threads).
 #pragma omp parallel
   {
     {
-      Scratch<A> rows(2 * D, "flash backward Delta rows");
-      A *orow = rows.take(D).data(), *dorow = rows.take(D).data();
+      Scratch<A> rows(2 * Dv, "flash backward Delta rows");
+      A *orow = rows.take(Dv).data(), *dorow = rows.take(Dv).data();
 #pragma omp for schedule(static) nowait
       for (int64_t row = 0; row < p.batch * p.heads_q * Nq; ++row) {
         const int64_t i = row % Nq, bh = row / Nq;
-        load_row(attention_row<const T>(o, bh / p.heads_q, i, bh % p.heads_q), orow, D);
-        load_row(attention_row<const T>(dout, bh / p.heads_q, i, bh % p.heads_q), dorow, D);
-        delta_all[row] = dot(orow, dorow, D);
+        load_row(attention_row<const T>(o, bh / p.heads_q, i, bh % p.heads_q), orow, Dv);
+        load_row(attention_row<const T>(dout, bh / p.heads_q, i, bh % p.heads_q), dorow, Dv);
+        delta_all[row] = dot(orow, dorow, Dv);
       }
     }
     Qp.template fill<T>(q);
@@ -467,37 +491,48 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
     Kp.template fill<T>(k);
     Vp.template fill<T>(v);
 #pragma omp barrier
-    Scratch<A> w(q_tiles * kBlockQ * (D + 1) + kBlockK * D * 2 + kBlockQ * kBlockK * 2, "flash backward tiles");
+    Scratch<A> w(q_tiles * kBlockQ * (D + 1) + kBlockK * (D + Dv) + kBlockQ * kBlockK * 2, "flash backward tiles");
     A* dQ = w.take(q_tiles * kBlockQ * D).data();
     A* lse_rows = w.take(q_tiles * kBlockQ).data();
-    A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * D).data();
+    A *dK = w.take(kBlockK * D).data(), *dV = w.take(kBlockK * Dv).data();
     A *S = w.take(kBlockQ * kBlockK).data(), *dS = w.take(kBlockQ * kBlockK).data();
 #pragma omp for schedule(dynamic)
     for (int64_t bh = 0; bh < p.batch * p.heads_q; ++bh) {
       const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group(), bhk = b * p.heads_k + hk;
       const A* delta = delta_of(b, h);
+      const A slope = static_cast<A>(p.alibi_slope(b, h));
       for (int64_t i = 0; i < Nq; ++i) lse_rows[i] = load_lse<A>(lse, b, h, i);
+      if (dsink != nullptr) {
+        // dsink = -Σ_i P_sink,i · Delta_i, P_sink,i = exp(sink - lse_i), over the rows that see a key (a row that
+        // sees none has O = 0: its Delta is 0 whatever dO holds).
+        const A sink = static_cast<A>(p.sink_logit(h));
+        A sum = 0;
+        for (int64_t i = 0; i < Nq; ++i) {
+          if (p.sees_keys(i)) sum -= std::exp(sink - lse_rows[i]) * delta[i];
+        }
+        dsink[bh] = sum;
+      }
       std::fill(dQ, dQ + Nq * D, A(0));
       for (int64_t kt = 0; kt < k_tiles; ++kt) {
         const int64_t j0 = kt * kBlockK, cols = std::min(kBlockK, Nk - j0);
         const A *K = Kp.rows(bhk, kt), *KT = Kp.transposed(bhk, kt), *VT = Vp.transposed(bhk, kt);
         const bool k_finite = Kp.finite(bhk, kt);
         std::fill(dK, dK + cols * D, A(0));
-        std::fill(dV, dV + cols * D, A(0));
+        std::fill(dV, dV + cols * Dv, A(0));
         // The query tiles that see a key of this tile: the window's right side bounds the first, its left the last.
         const int64_t query_end = p.last_query_seeing(j0 + cols - 1);
         for (int64_t i0 = p.first_query_seeing(j0) / kBlockQ * kBlockQ; i0 < query_end; i0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, Nq - i0), qt = i0 / kBlockQ;
           const A *Q = Qp.rows(bh, qt), *dO = dOp.rows(bh, qt), *lse_tile = lse_rows + i0;
-          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_tile, delta + i0, i0, rows, j0, cols, S, dS);
+          tile_probs_and_dscores(p, Q, KT, VT, dO, lse_tile, delta + i0, i0, rows, j0, cols, slope, S, dS);
           if (Qp.finite(bh, qt) && dOp.finite(bh, qt)) {
-            tile_gemm<ALayout::transposed, kBlockK>(cols, D, rows, A(1), S, kBlockK, dO, D, A(1), dV, D);  // dV += Pᵀ dO
+            tile_gemm<ALayout::transposed, kBlockK>(cols, Dv, rows, A(1), S, kBlockK, dO, Dv, A(1), dV, Dv);  // dV += Pᵀ dO
             tile_gemm<ALayout::transposed, kBlockK>(cols, D, rows, scale, dS, kBlockK, Q, D, A(1), dK, D);  // dK += scale dSᵀ Q
           } else {
             for (int64_t r = 0; r < rows; ++r) {
               const Cols seen = contributing_cols(p, lse_tile[r], i0 + r, j0, cols);
               for (int64_t c = seen.begin; c < seen.end; ++c) {
-                axpy(S[r * kBlockK + c], dO + r * D, dV + c * D, D);
+                axpy(S[r * kBlockK + c], dO + r * Dv, dV + c * Dv, Dv);
                 axpy(scale * dS[r * kBlockK + c], Q + r * D, dK + c * D, D);
               }
             }
@@ -514,13 +549,13 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
           }
         }
         if (grouped) {
-          A* dst = partial + (bh * 2 * Nk + j0) * D;
-          std::copy(dK, dK + cols * D, dst);
-          std::copy(dV, dV + cols * D, dst + Nk * D);
+          A* dst = partial + bh * partial_head;
+          std::copy(dK, dK + cols * D, dst + j0 * D);
+          std::copy(dV, dV + cols * Dv, dst + Nk * D + j0 * Dv);
         } else {
           for (int64_t c = 0; c < cols; ++c) {
             store_row(dK + c * D, attention_row<T>(dk, b, j0 + c, hk), D);
-            store_row(dV + c * D, attention_row<T>(dv, b, j0 + c, hk), D);
+            store_row(dV + c * Dv, attention_row<T>(dv, b, j0 + c, hk), Dv);
           }
         }
       }
@@ -532,21 +567,28 @@ void backward(const AttentionProblem& p, const TensorView& q, const TensorView& 
   if (grouped) {
 #pragma omp parallel
     {
-      Scratch<A> w(2 * D, "flash backward dK/dV rows");
-      A *dk_row = w.take(D).data(), *dv_row = w.take(D).data();
+      Scratch<A> w(D + Dv, "flash backward dK/dV rows");
+      A *dk_row = w.take(D).data(), *dv_row = w.take(Dv).data();
 #pragma omp for schedule(static)
       for (int64_t row = 0; row < p.batch * p.heads_k * Nk; ++row) {
         const int64_t j = row % Nk, bhk = row / Nk, b = bhk / p.heads_k, hk = bhk % p.heads_k;
         std::fill(dk_row, dk_row + D, A(0));
-        std::fill(dv_row, dv_row + D, A(0));
+        std::fill(dv_row, dv_row + Dv, A(0));
         for (int64_t h = hk * p.group(); h < (hk + 1) * p.group(); ++h) {
-          const A* src = partial + ((b * p.heads_q + h) * 2 * Nk + j) * D;
-          axpy(A(1), src, dk_row, D);
-          axpy(A(1), src + Nk * D, dv_row, D);
+          const A* src = partial + (b * p.heads_q + h) * partial_head;
+          axpy(A(1), src + j * D, dk_row, D);
+          axpy(A(1), src + Nk * D + j * Dv, dv_row, Dv);
         }
         store_row(dk_row, attention_row<T>(dk, b, j, hk), D);
-        store_row(dv_row, attention_row<T>(dv, b, j, hk), D);
+        store_row(dv_row, attention_row<T>(dv, b, j, hk), Dv);
       }
+    }
+  }
+  if (dsink != nullptr) {
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      A sum = 0;
+      for (int64_t b = 0; b < p.batch; ++b) sum += dsink[b * p.heads_q + h];
+      p.dlearnable_sink[h * p.dsink_stride] += static_cast<float>(sum);
     }
   }
 }

@@ -2,6 +2,8 @@
 // validate_attention_* is the single place where attention arguments are checked.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <vector>
 
 #include "flashlm/attention.h"
@@ -19,11 +21,41 @@ struct AttentionProblem {
   // causal means window_right = 0 (right_bound() says so whatever window_right holds). softcap > 0: scores s become softcap · tanh(s / softcap); 0 is off.
   int64_t window_left = -1, window_right = -1;
   double softcap = 0;
+  // v's (and o's, dout's, dv's) head dim; 0 in a problem built by hand means head_dim (value_dim()).
+  int64_t head_dim_v = 0;
+  // ALiBi (AttentionOptions::alibi_slopes): score(i, j) += -slope(b, h) · |i + causal_offset - j| after
+  // soft-capping; the slope of (b, h) is alibi_slopes[b · alibi_batch_stride + h · alibi_head_stride] (batch
+  // stride 0 for [heads_q] slopes; a varlen run's pointer starts at its first sequence).
+  bool alibi = false;
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0, alibi_head_stride = 0;
+  // Attention sinks (AttentionOptions::learnable_sink): sink(h) joins every row's denominator. The backward
+  // adds its gradient into dlearnable_sink (where not null), which attention.cpp zeroes first: a varlen call
+  // runs one backward per run of sequences and the gradient sums over all of them.
+  bool sink = false;
+  const float* learnable_sink = nullptr;
+  int64_t sink_stride = 0;
+  float* dlearnable_sink = nullptr;
+  int64_t dsink_stride = 0;
   DType dtype = DType::f32;  // of q, k, v (o is bf16 where this is fp8_e4m3)
   double q_descale = 1.0, k_descale = 1.0, v_descale = 1.0;  // fp8_e4m3 only (AttentionOptions)
   Device device = Device::cpu;
 
   int64_t group() const { return heads_q / heads_k; }  // query heads per key/value head
+  int64_t value_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
+  double alibi_slope(int64_t b, int64_t h) const {
+    return alibi ? double(alibi_slopes[b * alibi_batch_stride + h * alibi_head_stride]) : 0.0;
+  }
+  // The bias of (query i, key j) for a slope (0 without ALiBi).
+  double alibi_bias(double slope, int64_t i, int64_t j) const {
+    return -slope * double(std::llabs(i + causal_offset - j));
+  }
+  // The sink logit of query head h, -inf (no sink) without one.
+  double sink_logit(int64_t h) const {
+    return sink ? double(learnable_sink[h * sink_stride]) : -std::numeric_limits<double>::infinity();
+  }
+  // Whether query i sees any key.
+  bool sees_keys(int64_t i) const { return first_visible_key(i) < visible_keys(i); }
   // Whether a window narrows the mask beyond the causal one (the CUDA 16-bit kernels' masked instantiations).
   bool windowed() const { return window_left >= 0 || (!causal && window_right >= 0); }
   int64_t right_bound() const { return causal ? 0 : window_right; }  // -1: unbounded

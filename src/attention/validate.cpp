@@ -48,10 +48,10 @@ void check_same_kind(std::string_view fn, std::string_view name, const TensorVie
                 device_name(q.device));
 }
 
-// The bytes a view may touch, [begin, end); empty for a view without elements. Strides are >= 0 here
-// (check_view), so the last element lies at the sum of (size - 1) * stride.
+// The bytes a view may touch, [begin, end); empty for a view without elements (or an option's view left
+// empty: no data). Strides are >= 0 here (check_view), so the last element lies at the sum of (size - 1) * stride.
 std::pair<uintptr_t, uintptr_t> byte_range(std::string_view name, const TensorView& t) {
-  if (t.numel() == 0) return {0, 0};
+  if (t.data == nullptr || t.numel() == 0) return {0, 0};
   int64_t last = 0;
   for (int d = 0; d < t.ndim; ++d) last = checked_add(last, checked_mul(t.size(d) - 1, t.stride(d), name), name);
   const int64_t bytes = checked_mul(last + 1, static_cast<int64_t>(dtype_size(t.dtype)), name);
@@ -107,8 +107,72 @@ void check_no_internal_overlap(std::string_view fn, std::string_view name, const
   }
 }
 
+// t's shape with its last dimension `d` (o and dout: q's shape with v's head dim).
+TensorView with_head_dim(const TensorView& t, int64_t d) {
+  TensorView out = t;
+  out.sizes[static_cast<size_t>(t.ndim - 1)] = d;
+  return out;
+}
+
+bool given(const TensorView& t) { return t.ndim != 0 || t.data != nullptr; }
+
+// A per-head fp32 vector or matrix on q's device (the ALiBi slopes, the sinks and the sink's gradient).
+void check_fp32_on(std::string_view fn, std::string_view name, const TensorView& t, const AttentionProblem& p) {
+  FLASHLM_CHECK(t.dtype == DType::f32, "{}: {}: expected dtype fp32, got {}", fn, name, dtype_name(t.dtype));
+  FLASHLM_CHECK(t.device == p.device, "{}: {}: on {} but q is on {}", fn, name, device_name(t.device),
+                device_name(p.device));
+}
+
+// ALiBi slopes: [heads_q] or [sequences, heads_q] (flash-attn's alibi_slopes), fp32, finite where they can be
+// read here (cpu; the CUDA kernels refuse ALiBi).
+void describe_alibi(std::string_view fn, const TensorView& slopes, int64_t sequences, AttentionProblem& p) {
+  if (!given(slopes)) return;
+  FLASHLM_CHECK(slopes.ndim == 1 || slopes.ndim == 2,
+                "{}: alibi_slopes: expected [heads_q] or [batch, heads_q] = [{}] or [{}, {}], got {}", fn, p.heads_q,
+                sequences, p.heads_q, slopes.shape_string());
+  check_view(fn, "alibi_slopes", slopes, slopes.ndim, "[heads_q] or [batch, heads_q]");
+  const bool per_batch = slopes.ndim == 2;
+  FLASHLM_CHECK(slopes.size(slopes.ndim - 1) == p.heads_q && (!per_batch || slopes.size(0) == sequences),
+                "{}: alibi_slopes: expected [heads_q] or [batch, heads_q] = [{}] or [{}, {}], got {}", fn, p.heads_q,
+                sequences, p.heads_q, slopes.shape_string());
+  check_fp32_on(fn, "alibi_slopes", slopes, p);
+  p.alibi = true;
+  p.alibi_slopes = slopes.ptr<const float>();
+  p.alibi_batch_stride = per_batch ? slopes.stride(0) : 0;
+  p.alibi_head_stride = slopes.stride(slopes.ndim - 1);
+  if (p.device != Device::cpu) return;
+  for (int64_t b = 0; b < (per_batch ? sequences : 1); ++b) {
+    for (int64_t h = 0; h < p.heads_q; ++h) {
+      const float s = p.alibi_slopes[b * p.alibi_batch_stride + h * p.alibi_head_stride];
+      FLASHLM_CHECK(std::isfinite(s), "{}: alibi_slopes: slope of batch {} head {} is {}; expected a finite number",
+                    fn, b, h, s);
+    }
+  }
+}
+
+// Sinks: [heads_q] fp32, each finite or -inf (no sink for that head); NaN and +inf are refused where they can
+// be read here (cpu; the CUDA kernels refuse sinks).
+void describe_sink(std::string_view fn, const TensorView& sink, AttentionProblem& p) {
+  if (!given(sink)) return;
+  check_view(fn, "learnable_sink", sink, 1, "[heads_q]");
+  FLASHLM_CHECK(sink.size(0) == p.heads_q, "{}: learnable_sink: expected shape [{}] (heads_q), got {}", fn, p.heads_q,
+                sink.shape_string());
+  check_fp32_on(fn, "learnable_sink", sink, p);
+  p.sink = true;
+  p.learnable_sink = sink.ptr<const float>();
+  p.sink_stride = sink.stride(0);
+  if (p.device != Device::cpu) return;
+  for (int64_t h = 0; h < p.heads_q; ++h) {
+    const float s = p.learnable_sink[h * p.sink_stride];
+    FLASHLM_CHECK(std::isfinite(s) || s == -std::numeric_limits<float>::infinity(),
+                  "{}: learnable_sink: the sink of head {} is {}; expected a finite number or -inf (no sink)", fn, h,
+                  s);
+  }
+}
+
 AttentionProblem describe(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
-                          const TensorView& o, const TensorView& lse, const AttentionOptions& options) {
+                          const TensorView& o, const TensorView& lse, const AttentionOptions& options,
+                          int64_t sequences) {
   check_qkv_like(fn, "q", q);
   check_qkv_like(fn, "k", k);
   check_qkv_like(fn, "v", v);
@@ -123,14 +187,13 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   } else {
     check_same_kind(fn, "o", o, q);
   }
-  check_same_shape(fn, "v", v, "k", k);
-  check_same_shape(fn, "o", o, "q", q);
 
   AttentionProblem p;
   p.batch = q.size(0);
   p.seq_q = q.size(1);
   p.heads_q = q.size(2);
   p.head_dim = q.size(3);
+  p.head_dim_v = v.size(3);
   p.seq_k = k.size(1);
   p.heads_k = k.size(2);
   p.dtype = q.dtype;
@@ -138,7 +201,13 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   FLASHLM_CHECK(k.size(0) == p.batch, "{}: k: batch {} differs from q's batch {}", fn, k.size(0), p.batch);
   FLASHLM_CHECK(k.size(3) == p.head_dim, "{}: k: head_dim {} differs from q's head_dim {}", fn, k.size(3),
                 p.head_dim);
+  // (After k's checks.) v matches k but for its head dim (head_dim_v may differ from head_dim); o takes q's shape with v's head dim.
+  FLASHLM_CHECK(v.size(0) == k.size(0) && v.size(1) == k.size(1) && v.size(2) == k.size(2),
+                "{}: v: expected k's batch, seq_k and heads_k {} (any head_dim_v), got {}", fn, k.shape_string(),
+                v.shape_string());
+  check_same_shape(fn, "o", o, "q with v's head_dim_v", with_head_dim(q, v.size(3)));
   FLASHLM_CHECK(p.head_dim >= 1, "{}: q: head_dim must be at least 1, got {}", fn, p.head_dim);
+  FLASHLM_CHECK(p.head_dim_v >= 1, "{}: v: head_dim_v must be at least 1, got {}", fn, p.head_dim_v);
   FLASHLM_CHECK(p.heads_k >= 1, "{}: k: heads_k must be at least 1, got {}", fn, p.heads_k);
   FLASHLM_CHECK(p.heads_q % p.heads_k == 0,
                 "{}: q: heads_q = {} is not a multiple of k's heads_k = {} (GQA/MQA needs heads_q = n * heads_k)", fn,
@@ -181,15 +250,23 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   FLASHLM_CHECK(std::isfinite(options.softcap) && options.softcap >= 0,
                 "{}: softcap: expected a finite number >= 0 (0 is off), got {}", fn, options.softcap);
   p.softcap = options.softcap;
+  describe_alibi(fn, options.alibi_slopes, sequences, p);
+  describe_sink(fn, options.learnable_sink, p);
   return p;
 }
 
 AttentionProblem check_forward(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
-                               const TensorView& o, const TensorView& lse, const AttentionOptions& options) {
-  AttentionProblem p = describe(fn, q, k, v, o, lse, options);
+                               const TensorView& o, const TensorView& lse, const AttentionOptions& options,
+                               int64_t sequences) {
+  AttentionProblem p = describe(fn, q, k, v, o, lse, options, sequences);
   check_no_internal_overlap(fn, "o", o);
   check_no_internal_overlap(fn, "lse", lse);
-  check_outputs_apart(fn, {{"o", &o}, {"lse", &lse}}, {{"q", &q}, {"k", &k}, {"v", &v}});
+  check_outputs_apart(fn, {{"o", &o}, {"lse", &lse}},
+                      {{"q", &q},
+                       {"k", &k},
+                       {"v", &v},
+                       {"alibi_slopes", &options.alibi_slopes},
+                       {"learnable_sink", &options.learnable_sink}});
   check_outputs_apart(fn, {{"lse", &lse}}, {{"o", &o}});
   return p;
 }
@@ -197,20 +274,39 @@ AttentionProblem check_forward(std::string_view fn, const TensorView& q, const T
 AttentionProblem check_backward(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
                                 const TensorView& o, const TensorView& lse, const TensorView& dout,
                                 const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                                const AttentionOptions& options) {
+                                const AttentionOptions& options, int64_t sequences) {
   FLASHLM_CHECK(q.dtype != DType::f8e4m3, "{}: q: dtype fp8_e4m3 has a forward only (no backward)", fn);
-  AttentionProblem p = describe(fn, q, k, v, o, lse, options);
+  AttentionProblem p = describe(fn, q, k, v, o, lse, options, sequences);
   for (auto [name, t] : {std::pair{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
     check_qkv_like(fn, name, *t);
     check_same_kind(fn, name, *t, q);
   }
-  check_same_shape(fn, "dout", dout, "q", q);
+  check_same_shape(fn, "dout", dout, "o", o);
   check_same_shape(fn, "dq", dq, "q", q);
   check_same_shape(fn, "dk", dk, "k", k);
   check_same_shape(fn, "dv", dv, "v", v);
   for (auto [name, t] : {std::pair{"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) check_no_internal_overlap(fn, name, *t);
-  check_outputs_apart(fn, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}},
-                      {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"lse", &lse}, {"dout", &dout}});
+  const TensorView& dsink = options.dlearnable_sink;
+  if (given(dsink)) {
+    FLASHLM_CHECK(p.sink, "{}: dlearnable_sink: given without learnable_sink (the gradient of which sink?)", fn);
+    check_view(fn, "dlearnable_sink", dsink, 1, "[heads_q]");
+    FLASHLM_CHECK(dsink.size(0) == p.heads_q, "{}: dlearnable_sink: expected shape [{}] (heads_q), got {}", fn,
+                  p.heads_q, dsink.shape_string());
+    check_fp32_on(fn, "dlearnable_sink", dsink, p);
+    check_no_internal_overlap(fn, "dlearnable_sink", dsink);
+    p.dlearnable_sink = dsink.ptr<float>();
+    p.dsink_stride = dsink.stride(0);
+  }
+  check_outputs_apart(fn, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}, {"dlearnable_sink", &dsink}},
+                      {{"q", &q},
+                       {"k", &k},
+                       {"v", &v},
+                       {"o", &o},
+                       {"lse", &lse},
+                       {"dout", &dout},
+                       {"alibi_slopes", &options.alibi_slopes},
+                       {"learnable_sink", &options.learnable_sink}});
+  if (given(dsink)) check_outputs_apart(fn, {{"dlearnable_sink", &dsink}}, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   return p;
 }
 
@@ -307,6 +403,7 @@ AttentionProblem VarlenProblem::run(int64_t b, int64_t n) const {
   p.seq_q = len_q(b);
   p.seq_k = len_k(b);
   p.causal_offset = align == CausalAlign::bottom_right ? p.seq_k - p.seq_q : 0;
+  p.alibi_slopes = packed.alibi_slopes + (packed.alibi ? b * packed.alibi_batch_stride : 0);
   return p;
 }
 
@@ -322,14 +419,14 @@ TensorView VarlenProblem::rows(const TensorView& t, int seq_dim, const std::vect
 AttentionProblem validate_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                             const TensorView& o, const TensorView& lse,
                                             const AttentionOptions& options) {
-  return check_forward("attention_forward", q, k, v, o, lse, options);
+  return check_forward("attention_forward", q, k, v, o, lse, options, q.size(0));
 }
 
 AttentionProblem validate_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                              const TensorView& o, const TensorView& lse, const TensorView& dout,
                                              const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                              const AttentionOptions& options) {
-  return check_backward("attention_backward", q, k, v, o, lse, dout, dq, dk, dv, options);
+  return check_backward("attention_backward", q, k, v, o, lse, dout, dq, dk, dv, options, q.size(0));
 }
 
 VarlenProblem validate_attention_varlen_forward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -340,7 +437,7 @@ VarlenProblem validate_attention_varlen_forward(const TensorView& q, const Tenso
   const TensorView q1 = packed_rows(fn, "q", q), k1 = packed_rows(fn, "k", k), v1 = packed_rows(fn, "v", v);
   const TensorView o1 = packed_rows(fn, "o", o);
   const TensorView lse1 = packed_lse(fn, lse, q);
-  const AttentionProblem packed = check_forward(fn, q1, k1, v1, o1, lse1, options);
+  const AttentionProblem packed = check_forward(fn, q1, k1, v1, o1, lse1, options, seqs.batch);
   VarlenProblem vp = describe_varlen(fn, q, k, seqs, options);
   vp.packed = packed;
   vp.q = q1, vp.k = k1, vp.v = v1, vp.o = o1, vp.lse = lse1;
@@ -357,7 +454,7 @@ VarlenProblem validate_attention_varlen_backward(const TensorView& q, const Tens
   const TensorView o1 = packed_rows(fn, "o", o), dout1 = packed_rows(fn, "dout", dout);
   const TensorView dq1 = packed_rows(fn, "dq", dq), dk1 = packed_rows(fn, "dk", dk), dv1 = packed_rows(fn, "dv", dv);
   const TensorView lse1 = packed_lse(fn, lse, q);
-  const AttentionProblem packed = check_backward(fn, q1, k1, v1, o1, lse1, dout1, dq1, dk1, dv1, options);
+  const AttentionProblem packed = check_backward(fn, q1, k1, v1, o1, lse1, dout1, dq1, dk1, dv1, options, seqs.batch);
   VarlenProblem vp = describe_varlen(fn, q, k, seqs, options);
   vp.packed = packed;
   vp.q = q1, vp.k = k1, vp.v = v1, vp.o = o1, vp.lse = lse1;

@@ -57,6 +57,9 @@ flashlm::AttentionOptions to_options(const flashlm_attention_options* o) {
   opt.window_size_left = c.window_size_left;
   opt.window_size_right = c.window_size_right;
   opt.softcap = c.softcap;
+  if (c.alibi_slopes) opt.alibi_slopes = to_view(c.alibi_slopes, "alibi_slopes");
+  if (c.learnable_sink) opt.learnable_sink = to_view(c.learnable_sink, "learnable_sink");
+  if (c.dlearnable_sink) opt.dlearnable_sink = to_view(c.dlearnable_sink, "dlearnable_sink");
   return opt;
 }
 
@@ -103,7 +106,8 @@ flashlm_status guarded(Fn&& fn) {
 extern "C" {
 
 flashlm_attention_options flashlm_attention_options_default(void) {
-  return flashlm_attention_options{FLASHLM_FLASH, 0, FLASHLM_TOP_LEFT, 0, 0, 0.0, 1.0f, 1.0f, 1.0f, nullptr, -1, -1, 0.0};
+  return flashlm_attention_options{FLASHLM_FLASH, 0, FLASHLM_TOP_LEFT, 0, 0, 0.0, 1.0f, 1.0f, 1.0f, nullptr, -1, -1, 0.0,
+                                   nullptr, nullptr, nullptr};
 }
 
 flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,

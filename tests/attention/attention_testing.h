@@ -100,13 +100,20 @@ struct Case {
   Layout layout;
   Mask mask;
   DType dtype;
+  int64_t Dv = 0;  // v's (o's, dout's) head dim; 0: D
 };
+
+inline int64_t value_dim(const Case& c) { return c.Dv > 0 ? c.Dv : c.D; }
 
 inline std::string case_name(const Case& c) {
   const char* mask = c.mask == Mask::none ? "full" : c.mask == Mask::top_left ? "causalTL" : "causalBR";
-  return fmt::format("b{}_q{}_k{}_h{}x{}_d{}_{}_{}_{}", c.B, c.Nq, c.Nk, c.Hq, c.Hk, c.D, layout_name(c.layout), mask,
+  return fmt::format("b{}_q{}_k{}_h{}x{}_d{}{}_{}_{}_{}", c.B, c.Nq, c.Nk, c.Hq, c.Hk, c.D,
+                     c.Dv > 0 ? fmt::format("_dv{}", c.Dv) : std::string(), layout_name(c.layout), mask,
                      dtype_name(c.dtype));
 }
+
+// Whether an option's view (alibi_slopes, learnable_sink, dlearnable_sink) is given.
+inline bool given(const TensorView& t) { return t.ndim != 0 || t.data != nullptr; }
 
 inline void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
@@ -119,19 +126,22 @@ inline AttentionOptions options_for(Mask mask, AttentionImpl impl) {
 }
 
 // Everything one attention call reads and writes, in one layout and dtype, on the host.
+// (dsink: the sink's gradient, fp32 [Hq], which backward() asks for whenever the options have a learnable_sink
+// and no dlearnable_sink of their own.)
 struct Problem {
   LaidOut q, k, v, o, dout, dq, dk, dv;
-  Tensor lse;
+  Tensor lse, dsink;
   Problem(const Case& c, Layout layout, DType dtype, uint64_t seed)
       : q(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
         k(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
-        v(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
-        o(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
-        dout(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
+        v(make_laid_out(layout, c.B, c.Nk, c.Hk, value_dim(c), dtype)),
+        o(make_laid_out(layout, c.B, c.Nq, c.Hq, value_dim(c), dtype)),
+        dout(make_laid_out(layout, c.B, c.Nq, c.Hq, value_dim(c), dtype)),
         dq(make_laid_out(layout, c.B, c.Nq, c.Hq, c.D, dtype)),
         dk(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
-        dv(make_laid_out(layout, c.B, c.Nk, c.Hk, c.D, dtype)),
-        lse(Tensor::empty({c.B, c.Hq, c.Nq}, dtype == DType::f64 ? DType::f64 : DType::f32)) {
+        dv(make_laid_out(layout, c.B, c.Nk, c.Hk, value_dim(c), dtype)),
+        lse(Tensor::empty({c.B, c.Hq, c.Nq}, dtype == DType::f64 ? DType::f64 : DType::f32)),
+        dsink(Tensor::empty({c.Hq}, DType::f32)) {
     fill_normal(q.view, seed);
     fill_normal(k.view, seed + 1);
     fill_normal(v.view, seed + 2);
@@ -143,6 +153,7 @@ struct Problem {
     const double nan = std::numeric_limits<double>::quiet_NaN();
     for (auto* t : {&o, &dq, &dk, &dv}) fill_value(t->view, nan);
     fill_value(lse, nan);
+    fill_value(dsink, nan);
   }
   // The same inputs (already rounded to their dtype) as fp64 BSHD tensors.
   Problem(const Problem& src, const Case& c)
@@ -154,7 +165,9 @@ struct Problem {
   }
   void forward(const AttentionOptions& opt) { attention_forward(q.view, k.view, v.view, o.view, lse, opt); }
   void backward(const AttentionOptions& opt) {
-    attention_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, opt);
+    AttentionOptions with_dsink = opt;
+    if (given(opt.learnable_sink) && !given(opt.dlearnable_sink)) with_dsink.dlearnable_sink = dsink.view();
+    attention_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, with_dsink);
   }
   void run(const AttentionOptions& opt) {
     forward(opt);
@@ -208,6 +221,33 @@ inline void expect_flash_matches_oracle(const Case& c, AttentionOptions flash, c
     const double tol = tolerance(c.dtype, max_abs_diff(t.lowp, t.want), max_abs(t.want));
     EXPECT_LE(err, tol) << t.name << " of " << name << " (max |ref| " << max_abs(t.want) << ")";
   }
+  if (given(flash.learnable_sink) && !given(flash.dlearnable_sink)) {
+    // dsink_h = -Σ_i P_sink,i · Delta_i sums over every row of the batch, and the flash backward's Delta_i =
+    // dO_i · O_i reads the stored O, rounded to the dtype, where the naive one derives Delta from its fp64 P: in
+    // fp16 / bf16 each term may be off by eps · P_sink,i · Σ_d |dO_id O_id| beyond the low-precision rule.
+    const double eps = c.dtype == DType::bf16 ? 0x1p-8 : c.dtype == DType::f16 ? 0x1p-11 : 0.0;
+    Tensor o = to_f64(ref.o.view), dout = to_f64(ref.dout.view), lse = to_f64(ref.lse);
+    const int64_t Dv = value_dim(c);
+    for (int64_t h = 0; h < c.Hq; ++h) {
+      const double sink = double(flash.learnable_sink.ptr<const float>()[h * flash.learnable_sink.stride(0)]);
+      double rounding = 0;
+      for (int64_t b = 0; b < c.B && eps > 0; ++b) {
+        for (int64_t i = 0; i < c.Nq; ++i) {
+          const double p_sink = std::exp(sink - lse.view().ptr<double>()[(b * c.Hq + h) * c.Nq + i]);
+          const int64_t row = ((b * c.Nq + i) * c.Hq + h) * Dv;
+          double sum = 0;
+          for (int64_t d = 0; d < Dv; ++d) {
+            sum += std::fabs(o.view().ptr<double>()[row + d] * dout.view().ptr<double>()[row + d]);
+          }
+          rounding += p_sink * sum;
+        }
+      }
+      const double want = ref.dsink.view().ptr<float>()[h], got = ours.dsink.view().ptr<float>()[h];
+      const double lowp = naive_lowp.dsink.view().ptr<float>()[h];
+      const double tol = tolerance(c.dtype, std::fabs(lowp - want), std::fabs(want)) + 2 * eps * rounding;
+      EXPECT_LE(std::fabs(got - want), tol) << "dsink[" << h << "] of " << name << " (ref " << want << ")";
+    }
+  }
   // logsumexp: finite where a key is visible, -inf where none is, never NaN.
   Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);
   for (int64_t i = 0; i < lse_ref.numel(); ++i) {
@@ -248,6 +288,26 @@ inline void expect_gradients_match_central_differences(Problem& p, const Attenti
       copy_into(x->view, xs);
       EXPECT_NEAR(analytic.view().ptr<double>()[i], (up - down) / (2 * eps), tol) << "d" << name << "[" << i << "]";
     }
+  }
+  // The sink (fp32, so a step of 2^-10, exact for the sinks' magnitudes, and the looser tolerance of that step).
+  if (given(opt.learnable_sink) && !given(opt.dlearnable_sink)) {
+    Tensor analytic = to_f64(p.dsink.view());
+    const TensorView& sink = opt.learnable_sink;
+    for (int64_t h = 0; h < sink.size(0); ++h) {
+      float* sh = sink.ptr<float>() + h * sink.stride(0);
+      const float saved = *sh;
+      if (!std::isfinite(saved)) continue;
+      const float step = 1.0f / 1024;
+      *sh = saved + step;
+      const double up = loss();
+      *sh = saved - step;
+      const double down = loss();
+      *sh = saved;
+      const double a = analytic.view().ptr<double>()[h];
+      EXPECT_NEAR(a, (up - down) / (2.0 * step), 1e-5 * std::max(1.0, std::fabs(a)))
+          << "dsink[" << h << "]";
+    }
+    p.forward(opt);
   }
 }
 

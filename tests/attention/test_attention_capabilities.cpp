@@ -232,4 +232,54 @@ TEST(AttentionCapabilities, TheWindowAndSoftcapPlanOnMmaSyncAndOtherFamiliesRefu
   EXPECT_TRUE(mma.softcap || !hopper.softcap);
 }
 
+// Nor ALiBi, attention sinks or a head dim of v's own: every family refuses each by the option's name (the
+// values are never read: a CUDA problem's slopes and sinks live in device memory), in both passes.
+TEST(AttentionCapabilities, EveryFamilyRefusesAlibiSinksAndHeadDimVByName) {
+  struct Planned {
+    DType dtype;
+    AttentionImpl impl;
+    const char* family;
+  };
+  const float device_values[4] = {};  // stands for device memory: plan_cuda_attention must not need it
+  for (const Planned& f : {Planned{DType::bf16, AttentionImpl::flash, "mma.sync"},
+                           Planned{DType::f16, AttentionImpl::flash, "mma.sync"},
+                           Planned{DType::f32, AttentionImpl::flash, "fp32"},
+                           Planned{DType::f16, AttentionImpl::naive, "naive"},
+                           Planned{DType::f8e4m3, AttentionImpl::flash, "fp8"}}) {
+    for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+      if (f.dtype == DType::f8e4m3 && pass == AttentionPass::backward) continue;
+      SCOPED_TRACE(std::string(f.family) + (pass == AttentionPass::forward ? " forward" : " backward"));
+      auto expect_refused = [&](const AttentionProblem& p, const char* option) {
+        try {
+          plan_cuda_attention("attention_forward", p, f.impl, pass);
+          ADD_FAILURE() << option << " was planned";
+        } catch (const Error& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find(std::string(option) + ":"), std::string::npos) << m;
+          EXPECT_NE(m.find(std::string("the ") + f.family + " attention kernels"), std::string::npos) << m;
+        }
+      };
+      AttentionProblem p = problem(f.dtype, 64);
+      p.alibi = true;
+      p.alibi_slopes = device_values;
+      expect_refused(p, "alibi_slopes");
+      p = problem(f.dtype, 64);
+      p.sink = true;
+      p.learnable_sink = device_values;
+      expect_refused(p, "learnable_sink");
+      p = problem(f.dtype, 64);
+      p.head_dim_v = 32;
+      expect_refused(p, "v");
+      p = problem(f.dtype, 64);
+      p.head_dim_v = 64;  // equal to head_dim: not a variant
+      EXPECT_NO_THROW(plan_cuda_attention("attention_forward", p, f.impl, pass));
+    }
+  }
+  const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
+  const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
+  EXPECT_TRUE(mma.alibi || !hopper.alibi);
+  EXPECT_TRUE(mma.learnable_sink || !hopper.learnable_sink);
+  EXPECT_TRUE(mma.head_dim_v || !hopper.head_dim_v);
+}
+
 }  // namespace

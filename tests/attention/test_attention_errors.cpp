@@ -172,7 +172,7 @@ TEST(AttentionErrors, BatchMismatch) {
 TEST(AttentionErrors, ValueShapeDiffersFromKey) {
   Args a;
   a.V = a.v.view().slice(1, 0, 5);
-  expect_error([&] { a.forward(); }, {"v:", "expected the shape of k"});
+  expect_error([&] { a.forward(); }, {"v:", "expected k's batch, seq_k and heads_k"});
 }
 
 TEST(AttentionErrors, HeadsNotAMultiple) {
@@ -223,7 +223,7 @@ TEST(AttentionErrors, GradientShapes) {
   expect_error([&] { a.backward(); }, {"dv:", "expected the shape of v"});
   Args b;
   b.dO = b.dout.view().slice(3, 0, 8);
-  expect_error([&] { b.backward(); }, {"dout:", "expected the shape of q"});
+  expect_error([&] { b.backward(); }, {"dout:", "expected the shape of o"});
 }
 
 TEST(AttentionErrors, NonFiniteScale) {

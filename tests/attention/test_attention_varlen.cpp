@@ -31,8 +31,14 @@ struct VarlenCase {
   bool deterministic = false;
   int64_t window_left = -1, window_right = -1;  // AttentionOptions::window_size_*, per sequence
   double softcap = 0;
+  int64_t Dv = 0;  // v's head dim (0: D)
+  int alibi = 0;   // 0: none; 1: slopes [Hq]; 2: slopes [number of sequences, Hq]
+  bool sink = false;
 };
 
+int64_t value_dim(const VarlenCase& c) { return c.Dv > 0 ? c.Dv : c.D; }
+
+// The options without the slopes and sinks (Pack::options adds its own).
 AttentionOptions varlen_options(const VarlenCase& c, AttentionImpl impl) {
   AttentionOptions o = options_for(c.mask, impl);
   o.window_size_left = c.window_left;
@@ -51,6 +57,9 @@ std::string varlen_case_name(const VarlenCase& c) {
                            c.window_right < 0 ? "inf" : std::to_string(c.window_right));
   }
   if (c.softcap > 0) variant += fmt::format("_cap{}", static_cast<int>(c.softcap));
+  if (c.Dv > 0) variant += fmt::format("_dv{}", c.Dv);
+  if (c.alibi) variant += c.alibi == 1 ? "_alibi" : "_alibiB";
+  if (c.sink) variant += "_sink";
   return fmt::format("{}h{}x{}_d{}_{}_{}{}{}{}", lens, c.Hq, c.Hk, c.D, mask, dtype_name(c.dtype),
                      c.padded_rows ? "_padded" : "", c.deterministic ? "_det" : "", variant);
 }
@@ -89,23 +98,26 @@ TensorView batch_of_one(const TensorView& t) {
 }
 
 // Everything a varlen call reads and writes, on the host.
+// slopes and sinks (fp32, the same values in every Pack of a case) where the case asks for them, and dsink, the
+// sink's gradient.
 struct Pack {
   std::vector<int32_t> cu_q, cu_k;
   int64_t max_q = 0, max_k = 0;
   Rows q, k, v, o, dout, dq, dk, dv;
-  Tensor lse;
+  Tensor lse, slopes, sinks, dsink;
   Pack(const VarlenCase& c, DType dtype, uint64_t seed, bool padded_rows)
       : cu_q(offsets_of(c.len_q)),
         cu_k(offsets_of(c.len_k)),
         q(cu_q.back(), c.Hq, c.D, dtype, padded_rows),
         k(cu_k.back(), c.Hk, c.D, dtype, padded_rows),
-        v(cu_k.back(), c.Hk, c.D, dtype, padded_rows),
-        o(cu_q.back(), c.Hq, c.D, dtype, padded_rows),
-        dout(cu_q.back(), c.Hq, c.D, dtype, padded_rows),
+        v(cu_k.back(), c.Hk, value_dim(c), dtype, padded_rows),
+        o(cu_q.back(), c.Hq, value_dim(c), dtype, padded_rows),
+        dout(cu_q.back(), c.Hq, value_dim(c), dtype, padded_rows),
         dq(cu_q.back(), c.Hq, c.D, dtype, padded_rows),
         dk(cu_k.back(), c.Hk, c.D, dtype, padded_rows),
-        dv(cu_k.back(), c.Hk, c.D, dtype, padded_rows),
-        lse(Tensor::empty({c.Hq, cu_q.back()}, dtype == DType::f64 ? DType::f64 : DType::f32)) {
+        dv(cu_k.back(), c.Hk, value_dim(c), dtype, padded_rows),
+        lse(Tensor::empty({c.Hq, cu_q.back()}, dtype == DType::f64 ? DType::f64 : DType::f32)),
+        dsink(Tensor::empty({c.Hq}, DType::f32)) {
     for (int32_t n : c.len_q) max_q = std::max<int64_t>(max_q, n);
     for (int32_t n : c.len_k) max_k = std::max<int64_t>(max_k, n);
     fill_normal(q.view, seed);
@@ -115,6 +127,30 @@ struct Pack {
     const double nan = std::numeric_limits<double>::quiet_NaN();
     for (Rows* t : {&o, &dq, &dk, &dv}) fill_value(t->view, nan);
     fill_value(lse, nan);
+    fill_value(dsink, nan);
+    const int64_t sequences = static_cast<int64_t>(c.len_q.size());
+    if (c.alibi) {
+      const int64_t rows = c.alibi == 2 ? sequences : 1;
+      slopes = c.alibi == 2 ? Tensor::empty({rows, c.Hq}, DType::f32) : Tensor::empty({c.Hq}, DType::f32);
+      for (int64_t b = 0; b < rows; ++b) {
+        for (int64_t h = 0; h < c.Hq; ++h) {
+          slopes.view().ptr<float>()[b * c.Hq + h] = float(std::exp2(-4.0 * double(h + 1) / double(c.Hq)) * (1 + 0.3 * double(b)));
+        }
+      }
+    }
+    if (c.sink) {
+      sinks = Tensor::empty({c.Hq}, DType::f32);
+      for (int64_t h = 0; h < c.Hq; ++h) sinks.view().ptr<float>()[h] = float(2 * std::cos(double(h)) - 0.5);
+    }
+  }
+  AttentionOptions options(const VarlenCase& c, AttentionImpl impl) {
+    AttentionOptions o = varlen_options(c, impl);
+    if (c.alibi) o.alibi_slopes = slopes.view();
+    if (c.sink) {
+      o.learnable_sink = sinks.view();
+      o.dlearnable_sink = dsink.view();
+    }
+    return o;
   }
   // The same (rounded) inputs in `dtype`, outputs poisoned.
   Pack(const Pack& src, const VarlenCase& c, DType dtype) : Pack(c, dtype, 0, false) {
@@ -130,9 +166,15 @@ struct Pack {
     attention_varlen_forward(q.view, k.view, v.view, o.view, lse, seqs(), opt);
     attention_varlen_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, seqs(), opt);
   }
-  // The oracle: one batched reference call per sequence on that sequence's rows (4-D slices of the pack).
+  // The oracle: one batched reference call per sequence on that sequence's rows (4-D slices of the pack), with
+  // that sequence's slopes; dsink the sum of the calls'.
   void run_per_sequence_reference(const VarlenCase& c) {
-    AttentionOptions opt = varlen_options(c, AttentionImpl::naive);
+    AttentionOptions opt = options(c, AttentionImpl::naive);
+    Tensor dsink_b = Tensor::empty({c.Hq}, DType::f32);
+    if (c.sink) {
+      fill_value(dsink, 0.0);
+      opt.dlearnable_sink = dsink_b.view();
+    }
     const TensorView Q = batch_of_one(q.view), K = batch_of_one(k.view), V = batch_of_one(v.view);
     const TensorView O = batch_of_one(o.view), dO = batch_of_one(dout.view), L = batch_of_one(lse);
     const TensorView dQ = batch_of_one(dq.view), dK = batch_of_one(dk.view), dV = batch_of_one(dv.view);
@@ -140,8 +182,16 @@ struct Pack {
       auto qs = [&](const TensorView& t) { return t.slice(1, cu_q[b], cu_q[b + 1]); };
       auto ks = [&](const TensorView& t) { return t.slice(1, cu_k[b], cu_k[b + 1]); };
       const TensorView lse_b = L.slice(2, cu_q[b], cu_q[b + 1]);
+      if (c.alibi == 2) {  // row b of the [sequences, Hq] slopes, as [Hq]
+        TensorView row = slopes.view().slice(0, int64_t(b), int64_t(b) + 1);
+        row.ndim = 1;
+        row.sizes[0] = c.Hq;
+        row.strides[0] = slopes.view().stride(1);
+        opt.alibi_slopes = row;
+      }
       attention_forward(qs(Q), ks(K), ks(V), qs(O), lse_b, opt);
       attention_backward(qs(Q), ks(K), ks(V), qs(O), lse_b, qs(dO), qs(dQ), ks(dK), ks(dV), opt);
+      for (int64_t h = 0; h < (c.sink ? c.Hq : 0); ++h) dsink.view().ptr<float>()[h] += dsink_b.view().ptr<float>()[h];
     }
   }
   // The varlen calls on device copies (rows as far apart as here, outputs poisoned), results copied back.
@@ -204,6 +254,30 @@ void expect_close(const Pack& got, const Pack& ref, const Pack& lowp, const Varl
     EXPECT_LE(err, tol) << what << " " << t.name << " of " << varlen_case_name(c) << " (max |ref| " << max_abs(t.want)
                         << ")";
   }
+  if (c.sink) {
+    // As in expect_flash_matches_oracle: the flash backward's Delta = dO · O reads the stored O (rounded to the
+    // dtype), the naive one derives it from fp64 P, so fp16 / bf16 allow eps · Σ_i P_sink,i Σ_d |dO_id O_id| more.
+    const double eps = c.dtype == DType::bf16 ? 0x1p-8 : c.dtype == DType::f16 ? 0x1p-11 : 0.0;
+    Tensor o = to_f64(ref.o.view), dout = to_f64(ref.dout.view), lse = to_f64(ref.lse);
+    const int64_t total_q = ref.cu_q.back(), Dv = value_dim(c);
+    for (int64_t h = 0; h < c.Hq; ++h) {
+      const double sink = double(ref.sinks.view().ptr<float>()[h]);
+      double rounding = 0;
+      for (int64_t i = 0; i < total_q && eps > 0; ++i) {
+        double sum = 0;
+        for (int64_t d = 0; d < Dv; ++d) {
+          sum += std::fabs(o.view().ptr<double>()[(i * c.Hq + h) * Dv + d] * dout.view().ptr<double>()[(i * c.Hq + h) * Dv + d]);
+        }
+        rounding += std::exp(sink - lse.view().ptr<double>()[h * total_q + i]) * sum;
+      }
+      const double want = ref.dsink.view().ptr<float>()[h], have = got.dsink.view().ptr<float>()[h];
+      const double scale = std::max(1.0, std::fabs(want));
+      const double tol = c.dtype == DType::f32 ? 1e-4 * scale
+                                               : tolerance(c.dtype, std::fabs(lowp.dsink.view().ptr<float>()[h] - want),
+                                                           scale) + 2 * eps * rounding;
+      EXPECT_LE(std::fabs(have - want), tol) << what << " dsink[" << h << "] of " << varlen_case_name(c);
+    }
+  }
   Tensor a = to_f64(got.lse), b = to_f64(ref.lse);
   for (int64_t i = 0; i < b.numel(); ++i) {
     const double x = a.view().ptr<double>()[i], y = b.view().ptr<double>()[i];
@@ -214,25 +288,31 @@ void expect_close(const Pack& got, const Pack& ref, const Pack& lowp, const Varl
 
 // Exact zeros where the semantics fix them: o and dq of queries in a sequence without keys, dk and dv of
 // keys in a sequence without queries; lse = -inf for those queries.
+// (With sinks the lse of a query without keys is its head's sink.)
 void expect_empty_sequences_zero(const Pack& got, const VarlenCase& c, const std::string& what) {
   Tensor o = to_f64(got.o.view), dq = to_f64(got.dq.view), dk = to_f64(got.dk.view), dv = to_f64(got.dv.view);
   Tensor lse = to_f64(got.lse);
-  const int64_t total_q = got.cu_q.back();
+  const int64_t total_q = got.cu_q.back(), Dv = value_dim(c);
   for (size_t b = 0; b < c.len_q.size(); ++b) {
     if (c.len_k[b] == 0) {
-      for (int64_t i = got.cu_q[b] * c.Hq * c.D; i < got.cu_q[b + 1] * c.Hq * c.D; ++i) {
+      for (int64_t i = got.cu_q[b] * c.Hq * Dv; i < got.cu_q[b + 1] * c.Hq * Dv; ++i) {
         ASSERT_EQ(o.view().ptr<double>()[i], 0.0) << what << " o of sequence " << b << " (no keys)";
+      }
+      for (int64_t i = got.cu_q[b] * c.Hq * c.D; i < got.cu_q[b + 1] * c.Hq * c.D; ++i) {
         ASSERT_EQ(dq.view().ptr<double>()[i], 0.0) << what << " dq of sequence " << b << " (no keys)";
       }
       for (int64_t h = 0; h < c.Hq; ++h) {
+        const double want = c.sink ? double(got.sinks.view().ptr<float>()[h]) : -INFINITY;
         for (int64_t i = got.cu_q[b]; i < got.cu_q[b + 1]; ++i) {
-          ASSERT_EQ(lse.view().ptr<double>()[h * total_q + i], -INFINITY) << what << " lse of sequence " << b;
+          ASSERT_EQ(lse.view().ptr<double>()[h * total_q + i], want) << what << " lse of sequence " << b;
         }
       }
     }
     if (c.len_q[b] == 0) {
       for (int64_t i = got.cu_k[b] * c.Hk * c.D; i < got.cu_k[b + 1] * c.Hk * c.D; ++i) {
         ASSERT_EQ(dk.view().ptr<double>()[i], 0.0) << what << " dk of sequence " << b << " (no queries)";
+      }
+      for (int64_t i = got.cu_k[b] * c.Hk * Dv; i < got.cu_k[b + 1] * c.Hk * Dv; ++i) {
         ASSERT_EQ(dv.view().ptr<double>()[i], 0.0) << what << " dv of sequence " << b << " (no queries)";
       }
     }
@@ -261,6 +341,14 @@ std::vector<VarlenCase> cpu_grid() {
   cases.push_back({cq, ck, 4, 2, 32, Mask::bottom_right, DType::f32, true, false, 6, -1, 2.0});
   cases.push_back({cq, ck, 4, 2, 32, Mask::none, DType::bf16, false, false, 3, 4});
   cases.push_back({self, self, 2, 1, 64, Mask::top_left, DType::f32, false, false, 100, -1, 30.0});
+  // ALiBi ([Hq] and per sequence), sinks (summed over the sequences) and d_v != d_qk, per sequence with its own
+  // offset, sequences without keys or queries among them.
+  cases.push_back({cq, ck, 4, 2, 32, Mask::bottom_right, DType::f32, true, false, -1, -1, 0, 0, 1, false});
+  cases.push_back({cq, ck, 4, 2, 32, Mask::none, DType::f32, false, false, -1, -1, 0, 0, 2, false});
+  cases.push_back({cq, ck, 4, 2, 32, Mask::top_left, DType::f32, false, false, -1, -1, 0, 0, 0, true});
+  cases.push_back({cq, ck, 4, 2, 48, Mask::bottom_right, DType::f32, true, false, -1, -1, 0, 16, 0, false});
+  cases.push_back({rq, rk, 4, 2, 32, Mask::bottom_right, DType::bf16, false, false, 6, -1, 2.0, 64, 2, true});
+  cases.push_back({self, self, 2, 1, 64, Mask::top_left, DType::f32, false, false, 100, -1, 30.0, 32, 2, true});
   return cases;
 }
 
@@ -271,8 +359,8 @@ TEST_P(VarlenCpuVsReference, ForwardAndBackwardMatchPerSequenceReference) {
   Pack ours(c, c.dtype, 4200 + c.len_q.size(), c.padded_rows);
   Pack naive_lowp(ours, c, c.dtype);
   Pack ref(ours, c, DType::f64);
-  ours.run_varlen(varlen_options(c, AttentionImpl::flash));
-  naive_lowp.run_varlen(varlen_options(c, AttentionImpl::naive));
+  ours.run_varlen(ours.options(c, AttentionImpl::flash));
+  naive_lowp.run_varlen(naive_lowp.options(c, AttentionImpl::naive));
   ref.run_per_sequence_reference(c);
   expect_close(ours, ref, naive_lowp, c, "cpu flash");
   expect_close(naive_lowp, ref, naive_lowp, c, "cpu naive");

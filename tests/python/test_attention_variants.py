@@ -1,7 +1,8 @@
-"""flash-attn's window_size and softcap through flashlm.flash_attn_func, flash_attn_varlen_func and
-flashlm.attention against a float64 PyTorch reference with the same features written in torch, forward and
-backward, on the CPU; bad arguments; and (on a torch with torch.library.custom_op) the fake kernels and
-opcheck with the variant arguments."""
+"""flash-attn's window_size, softcap, alibi_slopes, learnable_sink (attention sinks) and a head dim of v's own
+through flashlm.flash_attn_func, flash_attn_varlen_func and flashlm.attention against a float64 PyTorch reference
+with the same features written in torch, forward and backward (the sink's gradient through autograd), on the CPU;
+bad arguments; and (on a torch with torch.library.custom_op) the fake kernels, opcheck and
+torch.compile(fullgraph=True) with the variant arguments."""
 import math
 
 import pytest
@@ -13,10 +14,11 @@ from flashlm import torch_ops  # noqa: E402
 needs_ops = pytest.mark.skipif(not torch_ops.HAS_CUSTOM_OPS, reason="torch has no torch.library.custom_op")
 
 
-def reference(q, k, v, causal, bottom_right, window, softcap, scale=None):
+def reference(q, k, v, causal, bottom_right, window, softcap, scale=None, alibi_slopes=None, sink=None):
     """Attention on [B, N, H, D] tensors in their dtype, flash-attn's definitions: query i sees key j iff
     i + off - left <= j <= i + off + right (off = Nk - Nq bottom-right, else 0; -1 unbounded; causal: right = 0),
-    scores softcap * tanh(s / softcap); a row that sees no key gives 0."""
+    scores softcap * tanh(s / softcap) - slope * |i + off - j|, the sink (per head) a column of the softmax with no
+    value; a row that sees no key gives 0. v may have its own head dim."""
     b, nq, hq, d = q.shape
     nk, hk = k.shape[1], k.shape[2]
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
@@ -36,7 +38,16 @@ def reference(q, k, v, causal, bottom_right, window, softcap, scale=None):
     if right >= 0:
         visible &= j <= i + off + right
     has_key = visible.any(-1, keepdim=True)
-    s = s.masked_fill(~visible, float("-inf")).masked_fill(~has_key, 0.0)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(s.dtype).reshape(-1, hq)[:, :, None, None]  # [1 or B, H, 1, 1]
+        s = s - slopes * (i + off - j).abs().to(s.dtype)
+    s = s.masked_fill(~visible, float("-inf"))
+    if sink is not None:
+        col = sink.to(s.dtype)[None, :, None, None].expand(b, hq, nq, 1)
+        p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :nk]
+        p = torch.where(visible, p, torch.zeros((), dtype=p.dtype))
+        return (p @ vh).transpose(1, 2)
+    s = s.masked_fill(~has_key, 0.0)
     p = torch.softmax(s, dim=-1) * has_key
     return (p @ vh).transpose(1, 2)
 
@@ -129,8 +140,6 @@ def test_bad_window_and_softcap_raise_value_errors_naming_them():
             flashlm.flash_attn_func(q, q, q, softcap=cap)
     with pytest.raises(ValueError, match="softcap: expected a float"):
         flashlm.flash_attn_func(q, q, q, softcap="big")
-    with pytest.raises(ValueError, match="alibi_slopes"):
-        flashlm.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and flashlm.cuda_device_count() > 0), reason="no GPU")
@@ -162,3 +171,182 @@ def test_operators_take_the_variant_in_fake_mode_and_pass_opcheck():
     qv, kv, vv = (t.detach()[0].requires_grad_(True) for t in (q, k, v))
     torch.library.opcheck(torch.ops.flashlm.attention_varlen_fwd,
                           (qv, kv, vv, cu, cuk, 5, 7, True, True, None, False, "flash", 2, 0, 1.0))
+
+
+def sinks(h, seed, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(h, generator=g, dtype=torch.float64) * 1.5).float().requires_grad_(requires_grad)
+
+
+def slopes(shape):
+    h = shape[-1]
+    base = torch.tensor([2.0 ** (-8.0 * (i + 1) / h) for i in range(h)])
+    if len(shape) == 2:
+        base = base[None, :] * (1 + 0.5 * torch.arange(shape[0], dtype=torch.float64))[:, None]
+    return base.float()
+
+
+# (seq_q, seq_k, heads_q, heads_k, d, d_v, causal, window, softcap, alibi shape or None, with a sink)
+EXTRA_CASES = [
+    (17, 17, 4, 2, 16, 16, False, (-1, -1), 0.0, (4,), False),
+    (17, 40, 2, 2, 16, 16, True, (-1, -1), 0.0, (2, 2), False),
+    (33, 20, 4, 1, 16, 16, True, (-1, -1), 0.0, None, True),     # causal bottom-right, Nq > Nk: rows with no key
+    (20, 20, 2, 2, 16, 8, False, (3, 1), 2.0, (2,), True),
+    (9, 30, 4, 2, 24, 32, False, (-1, -1), 0.0, None, False),    # d_v > d_qk
+    (30, 12, 2, 1, 48, 16, True, (4, 0), 0.0, (2, 2), True),
+    (25, 25, 2, 2, 192 // 4, 128 // 4, True, (-1, -1), 30.0, (2,), True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", EXTRA_CASES, ids=lambda c: "q{}_k{}_h{}x{}_d{}_{}_causal{}_w{}_{}_cap{}_alibi{}_sink{}".format(
+    c[0], c[1], c[2], c[3], c[4], c[5], int(c[6]), c[7][0], c[7][1], c[8], "x".join(map(str, c[9] or ())), int(c[10])))
+def test_alibi_sinks_and_head_dim_v_match_the_torch_reference(case, dtype):
+    nq, nk, hq, hk, d, dv, causal, window, softcap, alibi, with_sink = case
+    q, k, v = rand((2, nq, hq, d), 11, dtype), rand((2, nk, hk, d), 12, dtype), rand((2, nk, hk, dv), 13, dtype)
+    a = slopes(alibi) if alibi else None
+    sink = sinks(hq, 14) if with_sink else None
+    o = flashlm.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=a,
+                                learnable_sink=sink)
+    assert o.shape == (2, nq, hq, dv)
+    dout = torch.randn(o.shape, generator=torch.Generator().manual_seed(15), dtype=torch.float64).to(dtype)
+    inputs = (q, k, v) + ((sink,) if with_sink else ())
+    grads = torch.autograd.grad(o, inputs, dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    s64 = sink.detach().double().requires_grad_(True) if with_sink else None
+    want = reference(q64, k64, v64, causal, True, window, softcap, alibi_slopes=a, sink=s64)
+    want_grads = torch.autograd.grad(want, (q64, k64, v64) + ((s64,) if with_sink else ()), dout.double())
+    check(o, want, grads[:3], want_grads[:3], dtype)
+    if with_sink:
+        tol = 1e-4 if dtype == torch.float32 else 1e-5  # the sink is float32, its gradient float32 too
+        assert grads[3].dtype == torch.float32 and grads[3].shape == (hq,)
+        assert (grads[3].double() - want_grads[3]).abs().max().item() <= tol * max(1.0, want_grads[3].abs().max().item())
+
+
+def test_sink_gradient_against_finite_differences():
+    q, k, v = (rand((1, 7, 2, 8), s, torch.float64).detach() for s in (21, 22, 23))
+    sink = sinks(2, 24)
+    dout = torch.randn(1, 7, 2, 8, generator=torch.Generator().manual_seed(25), dtype=torch.float64)
+
+    def loss(s):
+        return (flashlm.flash_attn_func(q, k, v, causal=True, window_size=(2, 0), learnable_sink=s) * dout).sum()
+
+    (dsink,) = torch.autograd.grad(loss(sink), sink)
+    step = 2.0 ** -10
+    for h in range(2):
+        up, down = sink.detach().clone(), sink.detach().clone()
+        up[h] += step
+        down[h] -= step
+        fd = (loss(up) - loss(down)).item() / (2 * step)
+        assert abs(dsink[h].item() - fd) <= 1e-5 * max(1.0, abs(fd)), h
+
+
+def test_gradcheck_float64_with_alibi_and_a_fixed_sink():
+    q, k = rand((1, 6, 2, 8), 31, torch.float64), rand((1, 9, 2, 8), 32, torch.float64)
+    v = rand((1, 9, 2, 4), 33, torch.float64)
+    sink = sinks(2, 34, requires_grad=False)
+    assert torch.autograd.gradcheck(
+        lambda a, b_, c: flashlm.flash_attn_func(a, b_, c, causal=True, alibi_slopes=slopes((2,)),
+                                                 learnable_sink=sink), (q, k, v))
+
+
+def test_varlen_alibi_per_sequence_sinks_and_head_dim_v():
+    len_q, len_k = [5, 17, 1, 30], [9, 17, 40, 12]
+    cu_q = torch.tensor([0, 5, 22, 23, 53], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 26, 66, 78], dtype=torch.int32)
+    q, k, v = rand((53, 4, 16), 8), rand((78, 2, 16), 9), rand((78, 2, 8), 10)
+    a = slopes((4, 4))
+    sink = sinks(4, 11)
+    o = flashlm.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 40, causal=True, window_size=(6, 0), alibi_slopes=a,
+                                       learnable_sink=sink)
+    assert o.shape == (53, 4, 8)
+    dout = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, sink), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    s64 = sink.detach().double().requires_grad_(True)
+    outs, qi, ki = [], 0, 0
+    for n, (lq, lk) in enumerate(zip(len_q, len_k)):
+        outs.append(reference(q64[None, qi:qi + lq], k64[None, ki:ki + lk], v64[None, ki:ki + lk], True, True,
+                              (6, 0), 0.0, alibi_slopes=a[n], sink=s64)[0])
+        qi, ki = qi + lq, ki + lk
+    want = torch.cat(outs)
+    want_grads = torch.autograd.grad(want, (q64, k64, v64, s64), dout.double())
+    check(o, want, grads[:3], want_grads[:3], torch.float32)
+    assert (grads[3].double() - want_grads[3]).abs().max().item() <= 1e-4 * max(1.0, want_grads[3].abs().max().item())
+
+
+def test_bad_alibi_and_sinks_raise_value_errors_naming_them():
+    q = rand((2, 6, 4, 8), 1)
+    for bad in (torch.ones(3), torch.ones(3, 4), torch.ones(2, 4, 1)):
+        with pytest.raises(ValueError, match="alibi_slopes: expected \\[heads_q\\] or \\[batch, heads_q\\]"):
+            flashlm.flash_attn_func(q, q, q, alibi_slopes=bad)
+    with pytest.raises(ValueError, match="alibi_slopes: expected dtype torch.float32"):
+        flashlm.flash_attn_func(q, q, q, alibi_slopes=torch.ones(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="alibi_slopes: slope of batch 0 head 1 is nan"):
+        flashlm.flash_attn_func(q, q, q, alibi_slopes=torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+    with pytest.raises(ValueError, match="learnable_sink: expected shape \\[4\\]"):
+        flashlm.flash_attn_func(q, q, q, learnable_sink=torch.zeros(3))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="learnable_sink: the sink of head 2 is"):
+            flashlm.flash_attn_func(q, q, q, learnable_sink=torch.tensor([0.0, 1.0, bad, 0.0]))
+    with pytest.raises(ValueError, match="learnable_sink: expected a float32 tensor"):
+        flashlm.flash_attn_func(q, q, q, learnable_sink=[0.0, 1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="v: expected k's batch, seq_k and heads_k"):
+        flashlm.flash_attn_func(q, q, rand((2, 5, 4, 8), 2))
+    # -inf is no sink: the same output as none.
+    o = flashlm.flash_attn_func(q, q, q, learnable_sink=torch.full((4,), float("-inf")))
+    assert torch.equal(o, flashlm.flash_attn_func(q, q, q))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and flashlm.cuda_device_count() > 0), reason="no GPU")
+def test_cuda_tensors_with_alibi_sinks_or_head_dim_v_raise_the_library_error():
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="alibi_slopes: the mma.sync attention kernels have no ALiBi"):
+        flashlm.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2, device="cuda"))
+    with pytest.raises(ValueError, match="learnable_sink: the mma.sync attention kernels have no attention sinks"):
+        flashlm.flash_attn_func(q, q, q, learnable_sink=torch.zeros(2, device="cuda"))
+    with pytest.raises(ValueError, match="v: head_dim_v 32 differs from head_dim 64"):
+        flashlm.flash_attn_func(q, q, q[..., :32].contiguous())
+
+
+@needs_ops
+def test_operators_take_alibi_and_sinks_in_fake_mode_and_pass_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    q, k, v = rand((2, 9, 2, 8), 1), rand((2, 12, 1, 8), 2), rand((2, 12, 1, 4), 3)
+    a, sink = slopes((2, 2)), sinks(2, 4)
+    args = ("bshd", True, True, None, False, "flash", 3, 0, 2.0, a, sink)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fa, fs = (mode.from_tensor(t) for t in (q, k, v, a, sink))
+        o, lse = torch.ops.flashlm.attention_fwd(fq, fk, fv, *args[:-2], fa, fs)
+        assert o.shape == (2, 9, 2, 4) and lse.shape == (2, 2, 9)
+    torch.library.opcheck(torch.ops.flashlm.attention_fwd, (q, k, v, *args))
+    o, lse = torch.ops.flashlm.attention_fwd(q, k, v, *args)
+    dout = torch.randn_like(o)
+    torch.library.opcheck(torch.ops.flashlm.attention_bwd, (dout, q.detach(), k.detach(), v.detach(), o.detach(),
+                                                            lse, *args[:-1], sink.detach()))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cuk = torch.tensor([0, 5, 12], dtype=torch.int32)
+    qv, kv, vv = (t.detach()[0].requires_grad_(True) for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flashlm.attention_varlen_fwd,
+                          (qv, kv, vv, cu, cuk, 5, 7, True, True, None, False, "flash", 2, 0, 1.0, a, sink))
+
+
+@needs_ops
+def test_compile_fullgraph_with_alibi_and_a_learnable_sink():
+    torch._dynamo.reset()
+    q, k, v = rand((2, 17, 4, 16), 41), rand((2, 20, 2, 16), 42), rand((2, 20, 2, 8), 43)
+    a, sink = slopes((4,)), sinks(4, 44)
+
+    def loss(q, k, v, sink):
+        return flashlm.flash_attn_func(q, k, v, causal=True, alibi_slopes=a, learnable_sink=sink).sin().sum()
+
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v, sink)
+    grads = torch.autograd.grad(got, (q, k, v, sink))
+    want = loss(q, k, v, sink)
+    want_grads = torch.autograd.grad(want, (q, k, v, sink))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(grads, want_grads):
+        assert torch.allclose(g, w, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(loss)(q, k, v, sink)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1

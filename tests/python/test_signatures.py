@@ -90,7 +90,7 @@ def test_refused_options_are_clear_errors():
     with pytest.raises(ValueError, match="softcap: expected a finite number >= 0"):
         flashlm.flash_attn_func(q, q, q, softcap=-30.0)
     with pytest.raises(ValueError, match="alibi_slopes"):
-        flashlm.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2))
+        flashlm.flash_attn_func(q, q, q, alibi_slopes=torch.ones(3))  # 2 heads: [2] or [1, 2]
     with pytest.raises(ValueError, match="return_attn_probs"):
         flashlm.flash_attn_func(q, q, q, return_attn_probs=True)
     k1 = qh[:, :1]

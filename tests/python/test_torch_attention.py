@@ -212,7 +212,8 @@ def _fresh_pack(layout_struct, tensors, bhsd, options):
     fields = []
     for name, t in tensors:
         fields += torch_ops._describe_lse(t) if name == "lse" else torch_ops._describe(t, bhsd)
-    return layout_struct.pack(*fields, *torch_ops._options(*options), 0, *torch_ops._NO_VARIANT)
+    return layout_struct.pack(*fields, *torch_ops._options(*options), 0, *torch_ops._NO_VARIANT,
+                             *torch_ops._NO_EXTRA_POINTERS)
 
 
 def _forget_pointers(calls):

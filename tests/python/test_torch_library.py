@@ -58,7 +58,7 @@ def test_fake_tensor_shapes():
         kh = torch.empty(3, 2, 40, 64, dtype=torch.bfloat16)
         oh, lseh = torch.ops.flashlm.attention_fwd(qh, kh, kh, "bhsd", False, False, None, False, "flash")
         assert oh.shape == qh.shape and oh.stride() == qh.stride() and lseh.shape == (3, 8, 17)
-        dq, dk, dv = torch.ops.flashlm.attention_bwd(o, q, k, k, o, lse, "bshd", True, True, None, False, "flash")
+        dq, dk, dv, _ = torch.ops.flashlm.attention_bwd(o, q, k, k, o, lse, "bshd", True, True, None, False, "flash")
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
