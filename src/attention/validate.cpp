@@ -538,7 +538,10 @@ KvCacheProblem validate_attention_with_kvcache(const TensorView& q, const Tensor
   if (!kp.has_lse) {
     lse_view = TensorView::contiguous(q.data, DType::f32, {batch, q.size(2), q.size(1)}, q.device);
   }
-  kp.attn = describe(fn, q, keys, keys, o, lse_view, options);
+  kp.attn = describe(fn, q, keys, keys, o, lse_view, options, batch);
+  // The decoding kernels have neither (the CPU one neither): an error, never a silently plain softmax.
+  FLASHLM_CHECK(!kp.attn.alibi, "{}: alibi_slopes is not supported when decoding over a KV cache", fn);
+  FLASHLM_CHECK(!kp.attn.sink, "{}: learnable_sink is not supported when decoding over a KV cache", fn);
   kp.attn.seq_k = capacity;
 
   check_no_internal_overlap(fn, "o", o);
