@@ -174,12 +174,6 @@ class _CallBuffer(threading.local):
     def __init__(self):
         self.buffer = ctypes.create_string_buffer(VARLEN_BACKWARD.size + EXTRAS.size)
         self.base = ctypes.addressof(self.buffer)
-        self.buffer = ctypes.create_string_buffer(VARLEN_BACKWARD.size)
-        base = ctypes.addressof(self.buffer)
-        self.varlen_forward_args = (*(base + i * TENSOR_BYTES for i in range(5)), base + 5 * TENSOR_BYTES,
-                                    base + 5 * TENSOR_BYTES + VARLEN_BYTES)
-        self.varlen_backward_args = (*(base + i * TENSOR_BYTES for i in range(9)), base + 9 * TENSOR_BYTES,
-                                     base + 9 * TENSOR_BYTES + VARLEN_BYTES)
         self.kvcache = ctypes.create_string_buffer(KVCACHE.size)
         kv = ctypes.addressof(self.kvcache)
         self.kvcache_tensors = tuple(kv + i * TENSOR_BYTES for i in range(7))

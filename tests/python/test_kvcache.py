@@ -171,9 +171,9 @@ def test_bad_arguments_name_themselves():
 needs_ops = pytest.mark.skipif(not HAS_OPS, reason=f"torch {torch.__version__} has no torch.library.custom_op")
 
 
-def op_args(device="cpu", dtype=torch.float32):
-    q = torch.randn(2, 2, 4, 32, dtype=dtype, device=device)
-    kc, vc, table, kn, vn = make_cache(2, [20, 5], 2, 2, 32, 16, dtype, device, 3)
+def op_args(device="cpu", dtype=torch.float32, head_dim=32):
+    q = torch.randn(2, 2, 4, head_dim, dtype=dtype, device=device)
+    kc, vc, table, kn, vn = make_cache(2, [20, 5], 2, 2, head_dim, 16, dtype, device, 3)
     lens = torch.tensor([20, 5], dtype=torch.int32, device=device)
     return q, kc, vc, lens, table, kn, vn
 
@@ -233,7 +233,7 @@ def test_cuda_matches_torch_on_the_gathered_cache(case):
 
 @needs_cuda
 def test_cuda_graph_capture_and_replay():
-    q, kc, vc, lens, table, kn, vn = op_args("cuda", torch.bfloat16)
+    q, kc, vc, lens, table, kn, vn = op_args("cuda", torch.bfloat16, head_dim=64)  # (the CUDA kernels: D 64/128/256)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     want = flashlm.flash_attn_with_kvcache(q, kc_ref, vc_ref, kn, vn, cache_seqlens=lens, block_table=table,
                                            causal=True)
