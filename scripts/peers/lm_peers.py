@@ -6,6 +6,8 @@
   # FP8 (flashlm bench --precision fp8), small and xl at context 512, batch 4:
   python3 scripts/peers/lm_peers.py --models small,xl --modes bf16-compile,fp8,fp8-compile --out peers-fp8.json
   # (ours: flashlm bench --device cuda --model small,xl --precision bf16,fp8 --format json --out ours-fp8.json)
+  # torchao's float8 training (tensorwise recipe) as the FP8 peer, where torchao is installed:
+  python3 scripts/peers/lm_peers.py --models small,xl --modes fp8-torchao-compile --out peers-torchao.json
   # the CS336 leaderboard step (cs336-8b, bf16 parameters and AdamW state, 2 x 32768, every block checkpointed):
   python3 scripts/peers/lm_peers.py --models cs336-8b --context 32768 --batch 2 --modes bf16-pure \\
       --checkpoint --passes step --warmup 1 --steps 2 --out peers-leaderboard.json
@@ -13,7 +15,8 @@
 Modes: fp32; bf16 (autocast: fp32 parameters and AdamW state, bf16 compute: flashlm's --precision bf16);
 bf16-pure (model.to(bfloat16): --precision bf16-pure); fp8 (bf16 autocast with the blocks' linear layers as
 FP8 GEMMs through torch._scaled_mm, tensorwise scaled: --precision fp8; fp8_linear.py, --fp8-gradients);
-each with "-compile" for torch.compile. Passes: fwd
+fp8-torchao (bf16 autocast with the blocks' linear layers converted by torchao.float8's
+convert_to_float8_training, recipe "tensorwise": e4m3 forward, e5m2 gradients, dynamic scaling); each with "-compile" for torch.compile. Passes: fwd
 (forward + loss), fwd-bwd, step (+ fused AdamW on CUDA). --checkpoint puts every block and LM-head chunk
 under torch.utils.checkpoint (flashlm's --recompute blocks). Records carry bench's fields (model, context,
 batch, precision, pass, mean/std/median ms, tokens/s, MFU by SPEC's and the useful count, peak MiB) and
@@ -43,6 +46,10 @@ def measure(size, mode, pass_name, a, device):
             model.to(torch.bfloat16)
         if precision == "fp8":
             convert_blocks(model, a.fp8_gradients)
+        if precision == "fp8-torchao":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                                       module_filter_fn=lambda module, fqn: fqn.startswith("blocks"))
         fused = {"fused": True} if device.type == "cuda" else {}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
         tokens = torch.randint(0, model.vocab, (a.batch, a.context), device=device)
@@ -53,7 +60,7 @@ def measure(size, mode, pass_name, a, device):
             # may count against Dynamo's recompile limit or turn shapes dynamic.
             torch._dynamo.reset()
         loss_fn = torch.compile(model.loss, dynamic=False) if compiled else model.loss
-        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision in ("bf16", "fp8")
+        autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision in ("bf16", "fp8", "fp8-torchao")
                     else contextlib.nullcontext())
 
         def run():
@@ -100,7 +107,7 @@ def main():
     ap.add_argument("--out", default="-")
     a = ap.parse_args()
     device = pick_device(a.device)
-    modes = {"fp32", "bf16", "bf16-pure", "fp8"}
+    modes = {"fp32", "bf16", "bf16-pure", "fp8", "fp8-torchao"}
     records = []
     for size in a.models.split(","):
         if size not in SIZES:
