@@ -255,7 +255,23 @@ struct TimingInputs {
   size_t d_bytes;
   void* stream;
   void* workspace;
+  const float* a_scale = nullptr;  // FP8 operands' device scales (see set_scales)
+  const float* b_scale = nullptr;
 };
+
+// Points an FP8 plan's descriptor at the call's operand scales (CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER).
+// The heuristic must see them: cuBLASLt picks FP8 algorithms for a descriptor with (or without) scales, and
+// an algorithm chosen for unscaled operands is refused by cublasLtMatmul once scales are set
+// (CUBLAS_STATUS_NOT_SUPPORTED). The pointers belong to the call, so each call sets them again.
+void set_scales(cublasLtMatmulDesc_t desc, const float* a_scale, const float* b_scale, const Call& c, Product p) {
+  if (!a_scale && !b_scale) return;
+  const std::pair<cublasLtMatmulDescAttributes_t, const float*> scales[] = {
+      {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale}, {CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale}};
+  for (const auto& [attr, ptr] : scales) {
+    const cublasStatus_t set = cublasLtMatmulDescSetAttribute(desc, attr, &ptr, sizeof(ptr));
+    if (set != CUBLAS_STATUS_SUCCESS) throw_blas(c, p, "cublasLtMatmulDescSetAttribute(A/B_SCALE_POINTER)", set);
+  }
+}
 
 // The index of the fastest of `algos` on the call's inputs (0 when timing is not possible: a stream being
 // captured, or no memory for the scratch output).
@@ -326,6 +342,7 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
                                          sizeof(key.sm_target)),
           "cublasLtMatmulDescSetAttribute(SM_COUNT_TARGET)");
   }
+  set_scales(plan.desc, timing.a_scale, timing.b_scale, c, p);
 
   // Layouts of the matrices as stored (before op), column-major.
   const bool na = op_a == CUBLAS_OP_N, nb = op_b == CUBLAS_OP_N;
@@ -481,7 +498,7 @@ bool run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
   auto plan = lt.plans.find(key);
   if (plan == lt.plans.end()) {
     if (may_decline && lt.declined.count(key)) return false;
-    const TimingInputs timing{a, b, c_input, beta, d_bytes, stream, ws->second.data()};
+    const TimingInputs timing{a, b, c_input, beta, d_bytes, stream, ws->second.data(), a_scale, b_scale};
     try {
       plan = lt.plans.emplace(key, build_plan(lt.handle, key, c, p, timing)).first;
     } catch (const CudaError&) {
@@ -493,14 +510,7 @@ bool run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
 
   const float alpha = 1.0f;
   const Plan& pl = plan->second;
-  if (a_scale || b_scale) {
-    const std::pair<cublasLtMatmulDescAttributes_t, const float*> scales[] = {
-        {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale}, {CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale}};
-    for (const auto& [attr, ptr] : scales) {
-      const cublasStatus_t set = cublasLtMatmulDescSetAttribute(pl.desc, attr, &ptr, sizeof(ptr));
-      if (set != CUBLAS_STATUS_SUCCESS) throw_blas(c, p, "cublasLtMatmulDescSetAttribute(A/B_SCALE_POINTER)", set);
-    }
-  }
+  set_scales(pl.desc, a_scale, b_scale, c, p);
   const cublasStatus_t s =
       cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, c_input ? c_input : d, pl.d, d, pl.d, &pl.algo,
                      ws->second.data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
