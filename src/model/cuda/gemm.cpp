@@ -260,9 +260,10 @@ struct TimingInputs {
 };
 
 // Points an FP8 plan's descriptor at the call's operand scales (CUBLASLT_MATMUL_DESC_A/B_SCALE_POINTER).
-// The heuristic must see them: cuBLASLt picks FP8 algorithms for a descriptor with (or without) scales, and
-// an algorithm chosen for unscaled operands is refused by cublasLtMatmul once scales are set
-// (CUBLAS_STATUS_NOT_SUPPORTED). The pointers belong to the call, so each call sets them again.
+// Set before the heuristic query as well as per call, so that the heuristic (and the autotuning runs) see the
+// descriptor the matmul will run with. (On 2026-12-04 every FP8 matmul was refused with NOT_SUPPORTED when
+// the scales were set only after the query; whether this is the cause is not yet confirmed on the GPU.)
+// The pointers belong to the call, so each call sets them again.
 void set_scales(cublasLtMatmulDesc_t desc, const float* a_scale, const float* b_scale, const Call& c, Product p) {
   if (!a_scale && !b_scale) return;
   const std::pair<cublasLtMatmulDescAttributes_t, const float*> scales[] = {
