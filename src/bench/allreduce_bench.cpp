@@ -107,7 +107,7 @@ void measure(Communicator& comm, const AllReduceBenchConfig& cfg, AllReduceBench
     comm.barrier();  // start together; the barrier is not timed
     const auto t0 = std::chrono::steady_clock::now();
     run_one();
-    t = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    t = ms_since(t0);
   }
   // An iteration lasts until its slowest rank is done (nccl-tests reports the maximum over ranks).
   comm.all_reduce(std::span<double>(ms), ReduceOp::max);

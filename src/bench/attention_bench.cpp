@@ -2,8 +2,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
-#include <functional>
 #include <vector>
 
 #include "bench/report.h"
@@ -14,23 +12,6 @@
 namespace flashlm {
 
 namespace {
-
-// Median time of `reps` calls after `warmup` untimed ones: wall time on the CPU (calls are synchronous),
-// CUDA events around each call on the GPU.
-double median_ms(Device device, int warmup, int reps, const std::function<void()>& fn) {
-  for (int i = 0; i < warmup; ++i) fn();
-  if (device == Device::cuda) {
-    cuda_synchronize();
-    return moments(cuda_time_each_ms(fn, reps)).median;
-  }
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return moments(ms).median;
-}
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
@@ -89,7 +70,7 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   rec.peak_fwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
 
   const double flops = forward_flops(cfg, rec);
-  rec.fwd_ms = median_ms(dev, cfg.warmup, cfg.reps, [&] { attention_forward(q, k, v, o, lse, opt); });
+  rec.fwd_ms = median_call_ms(dev, cfg.warmup, cfg.reps, [&] { attention_forward(q, k, v, o, lse, opt); });
   rec.fwd_tflops = flops / *rec.fwd_ms / 1e9;
   if (!cfg.backward || fp8) return;
 
@@ -100,7 +81,7 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt);
   if (dev == Device::cuda) cuda_synchronize();
   rec.peak_bwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
-  rec.bwd_ms = median_ms(dev, cfg.warmup, cfg.reps, [&] { attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt); });
+  rec.bwd_ms = median_call_ms(dev, cfg.warmup, cfg.reps, [&] { attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt); });
   rec.bwd_tflops = 2.5 * flops / *rec.bwd_ms / 1e9;
 }
 

@@ -29,7 +29,7 @@ std::vector<double> time_steps(Communicator& comm, const DdpBenchConfig& cfg, co
     comm.barrier();  // start together; the barrier is not timed
     const auto t0 = std::chrono::steady_clock::now();
     step();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ms.push_back(ms_since(t0));
   }
   comm.all_reduce(std::span<double>(ms), ReduceOp::max);
   return ms;

@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <chrono>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -16,22 +15,6 @@
 namespace flashlm {
 
 namespace {
-
-// Median of `reps` calls after `warmup` untimed ones: wall time on the CPU, CUDA events on the GPU.
-double median_call_ms(Device device, int warmup, int reps, const std::function<void()>& fn) {
-  for (int i = 0; i < warmup; ++i) fn();
-  if (device == Device::cuda) {
-    cuda_synchronize();
-    return moments(cuda_time_each_ms(fn, reps)).median;
-  }
-  std::vector<double> ms;
-  for (int i = 0; i < reps; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  return moments(ms).median;
-}
 
 double kv_bytes(const DecodeBenchRecord& r, DType dtype) {
   return 2.0 * double(r.batch) * double(r.cache_len) * double(r.kv_heads) * double(r.head_dim) *

@@ -106,7 +106,7 @@ void measure(const LmBenchConfig& cfg, const ModelConfig& mc, DType precision, b
         run();
         model.synchronize();
       }
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      ms.push_back(ms_since(t0));
     }
     if (ranges_on) {
       prof.enable(false);

@@ -127,6 +127,21 @@ Moments moments(std::vector<double> v) {
   return m;
 }
 
+double median_call_ms(Device device, int warmup, int reps, const std::function<void()>& fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  if (device == Device::cuda) {
+    cuda_synchronize();
+    return moments(cuda_time_each_ms(fn, reps)).median;
+  }
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(ms_since(t0));
+  }
+  return moments(ms).median;
+}
+
 std::string utc_date() {
   char date[32];
   const std::time_t now = std::time(nullptr);

@@ -2,10 +2,14 @@
 // benchmark command so that all of them speak the same three formats.
 #pragma once
 #include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "flashlm/bench.h"
+#include "flashlm/device.h"
 
 namespace flashlm {
 
@@ -23,6 +27,15 @@ struct Moments {
   double mean = 0, stddev = 0, median = 0;
 };
 Moments moments(std::vector<double> samples);
+
+// Milliseconds of wall time since `t0`.
+inline double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Median time of `reps` calls of fn after `warmup` untimed ones: wall time on the CPU (the calls are
+// synchronous there), CUDA events around each call on the GPU.
+double median_call_ms(Device device, int warmup, int reps, const std::function<void()>& fn);
 
 std::string utc_date();  // "2026-11-30", for the reports' meta
 

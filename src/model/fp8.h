@@ -6,7 +6,7 @@
 // and rounded to FP8 (round to nearest even, saturating to ±fp8_max); cuBLASLt multiplies the FP8 values,
 // accumulates in fp32 and multiplies the result by both dequantisation scales 1 / scale. Weights and
 // activations are e4m3, the output gradients e4m3 or e5m2 (ModelOptions::fp8_gradients). The bit types
-// are flashlm/dtype.h's f8e4m3_t and flashlm/fp8.h's f8e5m2_t.
+// are flashlm/dtype.h's f8e4m3_t and f8e5m2_t.
 //
 // The scale rule below is compiled into the CUDA cast kernel (model/cuda/fp8.cu) and the CPU emulation
 // (fp8_cpu.cpp) alike, so both quantise to the same bits. The CPU emulation is the reference the GPU

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "gpu_testing.h"
+#include "model/resume_testing.h"
 
 #include <cmath>
 #include <cstdio>
@@ -215,30 +216,12 @@ TEST(CudaModelFp8, DeferredZeroGradGivesTheBitsOfAccumulatingOntoZeros) {
 // see the top of this file).
 TEST(CudaModelFp8, CheckpointResumeIsBitExact) {
   SKIP_WITHOUT_GPU();
-  const auto dir = std::filesystem::path(::testing::TempDir());
-  auto run = [&](int64_t steps, const std::string& name, bool resume) {
-    TrainConfig t;
-    t.model = fp8_config();
-    t.device = Device::cuda;
-    t.precision = DType::bf16;
-    t.options.fp8 = true;
-    t.batch = 2;
-    t.seq = 64;
-    t.steps = steps;
-    t.optimizer.warmup_steps = 2;
-    t.optimizer.cosine_steps = 12;
-    t.eval_every = 0;
-    t.log_every = 0;
-    t.checkpoint = (dir / (name + ".ckpt")).string();
-    t.resume = resume;
-    return train(t);
-  };
-  run(12, "fp8-full", false);
-  run(6, "fp8-half", false);
-  run(12, "fp8-half", true);
-  EXPECT_EQ(checkpoint_parameters((dir / "fp8-full.ckpt").string()),
-            checkpoint_parameters((dir / "fp8-half.ckpt").string()))
-      << "parameters differ after resume";
+  TrainConfig t;
+  t.model = fp8_config();
+  t.device = Device::cuda;
+  t.precision = DType::bf16;
+  t.options.fp8 = true;
+  flashlm::testing::expect_resume_is_bit_exact(t, "fp8");
 }
 
 TEST(CudaModelFp8, BadConfigurationsAreErrors) {
