@@ -328,13 +328,6 @@ __device__ __forceinline__ float softcap_slope(const FlashParams& p, float x_cap
   return fmaf(-th, th, 1.f);
 }
 
-// The cap's slope at a score x as cap_and_mask_scores left it (capped, plus the ALiBi bias of slope_raw at
-// (row, col), which the cap's derivative must not see).
-__device__ __forceinline__ float softcap_slope_biased(const FlashParams& p, float x, float slope_raw, int row,
-                                                      int col) {
-  return softcap_slope(p, slope_raw != 0.f ? x - alibi_bias_raw(p, slope_raw, row, col) : x);
-}
-
 
 // ALiBi in the units of the raw scores x = q·k the kernels hold (the softmax scale is applied later): the
 // slope of (b, h) divided by the scale, 0 without ALiBi; and the bias of (query row, key col) in those units,
@@ -358,6 +351,13 @@ __device__ __forceinline__ bool row_sees_keys(const FlashParams& p, int row) {
   const int first = p.window_left < 0 ? 0 : max(0, diag - p.window_left);
   const int end = p.window_right < 0 ? p.seq_k : min(p.seq_k, diag + p.window_right + 1);
   return first < end;
+}
+
+// The cap's slope at a score x as cap_and_mask_scores left it (capped, plus the ALiBi bias of slope_raw at
+// (row, col), which the cap's derivative must not see).
+__device__ __forceinline__ float softcap_slope_biased(const FlashParams& p, float x, float slope_raw, int row,
+                                                      int col) {
+  return softcap_slope(p, slope_raw != 0.f ? x - alibi_bias_raw(p, slope_raw, row, col) : x);
 }
 
 // The masked kernels' treatment of a tile of scores held as kM 16-row x kN 8-key C fragments (rows row0 +
