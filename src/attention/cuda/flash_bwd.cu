@@ -472,7 +472,6 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
   cp_async_commit();
 
   const int64_t row_base = (int64_t(b) * p.heads_q + h) * p.seq_q_padded;  // padded: every row exists
-  [[maybe_unused]] const float slope_raw = kMasked ? alibi_slope_raw(p, b, h) : 0.f;
   float lse2[kM][2], delta[kM][2];
 #pragma unroll
   for (int mt = 0; mt < kM; ++mt)
@@ -544,9 +543,11 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
     }
 
     const int n0 = nb * kBlockN;
+    // The ALiBi slope is read where it is used (an L1 hit): kept in a register across the key loop it made
+    // this kernel spill at head dims 32 and 64.
     if constexpr (kMasked) {
       cap_and_mask_scores(s, p, tile_in_band(p, warp_row0, warp_row0 + 16 * kM - 1, n0, n0 + kBlockN - 1), warp_row0,
-                          n0, g, t, slope_raw);
+                          n0, g, t, alibi_slope_raw(p, b, h));
     } else {
       if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
     }
@@ -560,7 +561,8 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
           dp[mt][nt][e] = pr * (dp[mt][nt][e] - delta[mt][e / 2]);  // dS
           if constexpr (kMasked) {
             if (p.softcap > 0) {
-              dp[mt][nt][e] *= softcap_slope_biased(p, s[mt][nt][e], slope_raw, warp_row0 + mt * 16 + g + 8 * (e / 2),
+              dp[mt][nt][e] *= softcap_slope_biased(p, s[mt][nt][e], alibi_slope_raw(p, b, h),
+                                                    warp_row0 + mt * 16 + g + 8 * (e / 2),
                                                     n0 + nt * 8 + 2 * t + (e % 2));
             }
           }
