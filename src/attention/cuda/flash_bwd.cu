@@ -808,9 +808,11 @@ int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocess
 
 void clear_sink_gradient_cuda(const AttentionProblem& p, void* stream) {
   if (p.dlearnable_sink == nullptr || p.heads_q == 0) return;
-  // One float every dsink_stride floats: a strided 2-D memset of rows one float wide.
-  FLASHLM_CUDA_CHECK(cudaMemset2DAsync(p.dlearnable_sink, static_cast<size_t>(p.dsink_stride) * sizeof(float), 0,
-                                       sizeof(float), static_cast<size_t>(p.heads_q), static_cast<cudaStream_t>(stream)),
+  // One float every dsink_stride floats: a strided 2-D memset of rows one float wide (one head: any stride, and
+  // the pitch may not be below the width).
+  const size_t pitch = p.heads_q == 1 ? sizeof(float) : static_cast<size_t>(p.dsink_stride) * sizeof(float);
+  FLASHLM_CUDA_CHECK(cudaMemset2DAsync(p.dlearnable_sink, pitch, 0, sizeof(float), static_cast<size_t>(p.heads_q),
+                                       static_cast<cudaStream_t>(stream)),
                      "attention_backward: dlearnable_sink clear");
 }
 
