@@ -32,7 +32,8 @@
 // The window, softcap, ALiBi, sinks and head_dim_v != head_dim run on the CPU (naive and flash). The window
 // and softcap also run in the fp16/bf16 CUDA flash kernels; the fp32, naive and fp8 CUDA kernels refuse
 // them, and every CUDA kernel refuses ALiBi, sinks and head_dim_v, each by name (the capability table,
-// src/attention/capabilities.cpp).
+// src/attention/capabilities.cpp), except that FLASHLM_CUDA_UNVERIFIED_VARIANTS=1 routes ALiBi and sinks to
+// the fp16/bf16 mma.sync kernels, which await verification on a GPU.
 #pragma once
 #include <cstdint>
 #include <optional>

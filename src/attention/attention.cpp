@@ -111,6 +111,9 @@ CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPas
                                      const TensorView& q, const TensorView& k, const TensorView& v,
                                      const TensorView& o, const TensorView& dout, bool deterministic) {
   if (plan.family != CudaKernelFamily::mma_sync) return plan.family;
+  // The Hopper kernels have no ALiBi and no sinks (the capability table's Hopper row says so): those stay
+  // on mma.sync's masked kernels.
+  if (p.alibi || p.sink) return plan.family;
   // Read on every build, so that a bad value is an error wherever it is set.
   if (flash_kernel_choice() == FlashKernelChoice::mma) return plan.family;
 #ifdef FLASHLM_WITH_SM90
@@ -279,11 +282,19 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
 }
 
 // The backends add the sink's gradient into dlearnable_sink (a varlen call sums it over its runs): zeroed
-// first. Only a cpu problem gets here with one (the CUDA plan refuses sinks).
-void clear_sink_gradient(const AttentionProblem& p) {
+// first, on the host or (a CUDA problem, which only the mma.sync kernels take) on the call's stream.
+void clear_sink_gradient(const AttentionProblem& p, void* stream) {
   if (p.dlearnable_sink == nullptr) return;
-  FLASHLM_CHECK(p.device == Device::cpu, "attention_backward: dlearnable_sink: the sinks run on the cpu only");
-  for (int64_t h = 0; h < p.heads_q; ++h) p.dlearnable_sink[h * p.dsink_stride] = 0.0f;
+  if (p.device == Device::cpu) {
+    for (int64_t h = 0; h < p.heads_q; ++h) p.dlearnable_sink[h * p.dsink_stride] = 0.0f;
+    return;
+  }
+#ifdef FLASHLM_WITH_CUDA
+  clear_sink_gradient_cuda(p, stream);
+#else
+  (void)stream;
+  fail("attention_backward: dlearnable_sink: this build has no CUDA");
+#endif
 }
 
 }  // namespace
@@ -303,7 +314,7 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   const auto plan = plan_for_device(
       "attention_backward", p, options.impl, AttentionPass::backward,
       {{"q", &q}, {"k", &k}, {"v", &v}, {"o", &o}, {"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}, lse);
-  clear_sink_gradient(p);
+  clear_sink_gradient(p, options.stream);
   run_backward(p, plan, q, k, v, o, lse, dout, dq, dk, dv, options);
 }
 
@@ -343,7 +354,7 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
                                      {"dk", &vp.dk},
                                      {"dv", &vp.dv}},
                                     vp.lse);
-  clear_sink_gradient(vp.packed);
+  clear_sink_gradient(vp.packed, options.stream);
   for (int64_t b = 0, e; b < vp.batch(); b = e) {
     e = vp.run_end(b);
     const int64_t n = e - b;

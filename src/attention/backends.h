@@ -36,6 +36,8 @@ void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& 
                                    const TensorView& v, const TensorView& o, const TensorView& lse,
                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                    const TensorView& dv, bool deterministic, void* stream);
+// Zeroes dlearnable_sink (a device vector) on `stream`, before the backward adds the sink's gradient into it.
+void clear_sink_gradient_cuda(const AttentionProblem& p, void* stream);
 void flash_attention_forward_cuda_f32(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& o, const TensorView& lse, void* stream);
 void flash_attention_backward_cuda_f32(const AttentionProblem& p, const TensorView& q, const TensorView& k,

@@ -124,7 +124,7 @@ void check_fp32_on(std::string_view fn, std::string_view name, const TensorView&
 }
 
 // ALiBi slopes: [heads_q] or [sequences, heads_q] (flash-attn's alibi_slopes), fp32, finite where they can be
-// read here (cpu; the CUDA kernels refuse ALiBi).
+// read here (cpu; a CUDA problem's slopes are device memory, never read on the host).
 void describe_alibi(std::string_view fn, const TensorView& slopes, int64_t sequences, AttentionProblem& p) {
   if (!given(slopes)) return;
   FLASHLM_CHECK(slopes.ndim == 1 || slopes.ndim == 2,
@@ -151,7 +151,7 @@ void describe_alibi(std::string_view fn, const TensorView& slopes, int64_t seque
 }
 
 // Sinks: [heads_q] fp32, each finite or -inf (no sink for that head); NaN and +inf are refused where they can
-// be read here (cpu; the CUDA kernels refuse sinks).
+// be read here (cpu; a CUDA problem's sinks are device memory, never read on the host).
 void describe_sink(std::string_view fn, const TensorView& sink, AttentionProblem& p) {
   if (!given(sink)) return;
   check_view(fn, "learnable_sink", sink, 1, "[heads_q]");

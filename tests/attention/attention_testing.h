@@ -189,6 +189,31 @@ inline double tolerance(DType dtype, double naive_lowp_error, double ref_scale) 
 }
 
 
+// What dsink[h] of a 16-bit flash backward may differ by beyond tolerance(): dsink_h = -Σ_i P_sink,i · Delta_i
+// sums over every row of the batch, and the flash backward's Delta_i = dO_i · O_i reads the stored O, rounded to
+// the dtype, where the naive one derives Delta from its fp64 P: in fp16 / bf16 each term may be off by
+// eps · P_sink,i · Σ_d |dO_id O_id|. `ref` is the fp64 oracle's problem (its o, dout, lse), `sinks` the host sinks.
+inline double dsink_rounding_allowance(const Case& c, const Problem& ref, const TensorView& sinks, int64_t h) {
+  const double eps = c.dtype == DType::bf16 ? 0x1p-8 : c.dtype == DType::f16 ? 0x1p-11 : 0.0;
+  if (eps == 0) return 0;
+  Tensor o = to_f64(ref.o.view), dout = to_f64(ref.dout.view), lse = to_f64(ref.lse);
+  const int64_t Dv = value_dim(c);
+  const double sink = double(sinks.ptr<const float>()[h * sinks.stride(0)]);
+  double rounding = 0;
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t i = 0; i < c.Nq; ++i) {
+      const double p_sink = std::exp(sink - lse.view().ptr<double>()[(b * c.Hq + h) * c.Nq + i]);
+      const int64_t row = ((b * c.Nq + i) * c.Hq + h) * Dv;
+      double sum = 0;
+      for (int64_t d = 0; d < Dv; ++d) {
+        sum += std::fabs(o.view().ptr<double>()[row + d] * dout.view().ptr<double>()[row + d]);
+      }
+      rounding += p_sink * sum;
+    }
+  }
+  return 2 * eps * rounding;
+}
+
 // The flash implementation with `flash`'s options (its impl set to flash) against the fp64 naive oracle with
 // the same options on the very same (rounded) inputs: o, dq, dk, dv within tolerance() (the low-precision
 // rule measured on the naive attention in c.dtype), lse finite where the oracle's is, -inf where it is.
@@ -222,29 +247,11 @@ inline void expect_flash_matches_oracle(const Case& c, AttentionOptions flash, c
     EXPECT_LE(err, tol) << t.name << " of " << name << " (max |ref| " << max_abs(t.want) << ")";
   }
   if (given(flash.learnable_sink) && !given(flash.dlearnable_sink)) {
-    // dsink_h = -Σ_i P_sink,i · Delta_i sums over every row of the batch, and the flash backward's Delta_i =
-    // dO_i · O_i reads the stored O, rounded to the dtype, where the naive one derives Delta from its fp64 P: in
-    // fp16 / bf16 each term may be off by eps · P_sink,i · Σ_d |dO_id O_id| beyond the low-precision rule.
-    const double eps = c.dtype == DType::bf16 ? 0x1p-8 : c.dtype == DType::f16 ? 0x1p-11 : 0.0;
-    Tensor o = to_f64(ref.o.view), dout = to_f64(ref.dout.view), lse = to_f64(ref.lse);
-    const int64_t Dv = value_dim(c);
     for (int64_t h = 0; h < c.Hq; ++h) {
-      const double sink = double(flash.learnable_sink.ptr<const float>()[h * flash.learnable_sink.stride(0)]);
-      double rounding = 0;
-      for (int64_t b = 0; b < c.B && eps > 0; ++b) {
-        for (int64_t i = 0; i < c.Nq; ++i) {
-          const double p_sink = std::exp(sink - lse.view().ptr<double>()[(b * c.Hq + h) * c.Nq + i]);
-          const int64_t row = ((b * c.Nq + i) * c.Hq + h) * Dv;
-          double sum = 0;
-          for (int64_t d = 0; d < Dv; ++d) {
-            sum += std::fabs(o.view().ptr<double>()[row + d] * dout.view().ptr<double>()[row + d]);
-          }
-          rounding += p_sink * sum;
-        }
-      }
       const double want = ref.dsink.view().ptr<float>()[h], got = ours.dsink.view().ptr<float>()[h];
       const double lowp = naive_lowp.dsink.view().ptr<float>()[h];
-      const double tol = tolerance(c.dtype, std::fabs(lowp - want), std::fabs(want)) + 2 * eps * rounding;
+      const double tol = tolerance(c.dtype, std::fabs(lowp - want), std::fabs(want)) +
+                         dsink_rounding_allowance(c, ref, flash.learnable_sink, h);
       EXPECT_LE(std::fabs(got - want), tol) << "dsink[" << h << "] of " << name << " (ref " << want << ")";
     }
   }

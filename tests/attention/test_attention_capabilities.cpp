@@ -233,8 +233,10 @@ TEST(AttentionCapabilities, TheWindowAndSoftcapPlanOnMmaSyncAndOtherFamiliesRefu
 }
 
 // Nor ALiBi, attention sinks or a head dim of v's own: every family refuses each by the option's name (the
-// values are never read: a CUDA problem's slopes and sinks live in device memory), in both passes.
+// values are never read: a CUDA problem's slopes and sinks live in device memory), in both passes, while the
+// unverified variants are off (FLASHLM_CUDA_UNVERIFIED_VARIANTS unset: the default).
 TEST(AttentionCapabilities, EveryFamilyRefusesAlibiSinksAndHeadDimVByName) {
+  set_cuda_unverified_variants_for_testing(false);
   struct Planned {
     DType dtype;
     AttentionImpl impl;
@@ -280,6 +282,51 @@ TEST(AttentionCapabilities, EveryFamilyRefusesAlibiSinksAndHeadDimVByName) {
   EXPECT_TRUE(mma.alibi || !hopper.alibi);
   EXPECT_TRUE(mma.learnable_sink || !hopper.learnable_sink);
   EXPECT_TRUE(mma.head_dim_v || !hopper.head_dim_v);
+  set_cuda_unverified_variants_for_testing(std::nullopt);
+}
+
+// With the unverified variants on (FLASHLM_CUDA_UNVERIFIED_VARIANTS=1, here the tests' override), the mma.sync
+// row claims ALiBi and sinks and plans them in both passes; every other family, Hopper's row included, still
+// refuses them by name. Off again, mma.sync refuses them. No GPU needed: the plan reads no device memory.
+TEST(AttentionCapabilities, UnverifiedVariantsPlanAlibiAndSinksOnMmaSyncOnly) {
+  const float device_values[4] = {};  // stands for device memory
+  set_cuda_unverified_variants_for_testing(true);
+  EXPECT_TRUE(cuda_unverified_variants_enabled());
+  const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
+  EXPECT_TRUE(mma.alibi);
+  EXPECT_TRUE(mma.learnable_sink);
+  EXPECT_FALSE(mma.head_dim_v);
+  for (CudaKernelFamily f : {CudaKernelFamily::f32, CudaKernelFamily::naive, CudaKernelFamily::hopper,
+                             CudaKernelFamily::fp8}) {
+    EXPECT_FALSE(cuda_kernel_capability(f).alibi) << cuda_kernel_family_name(f);
+    EXPECT_FALSE(cuda_kernel_capability(f).learnable_sink) << cuda_kernel_family_name(f);
+  }
+  for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      AttentionProblem p = problem(dtype, 64);
+      p.alibi = true;
+      p.alibi_slopes = device_values;
+      p.sink = true;
+      p.learnable_sink = device_values;
+      const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass);
+      EXPECT_EQ(plan.family, CudaKernelFamily::mma_sync);
+    }
+    AttentionProblem p = problem(DType::f32, 64);
+    p.alibi = true;
+    p.alibi_slopes = device_values;
+    EXPECT_THROW(plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass), Error);
+    p = problem(DType::bf16, 64);
+    p.sink = true;
+    p.learnable_sink = device_values;
+    EXPECT_THROW(plan_cuda_attention("attention_forward", p, AttentionImpl::naive, pass), Error);
+  }
+  set_cuda_unverified_variants_for_testing(false);
+  EXPECT_FALSE(cuda_kernel_capability(CudaKernelFamily::mma_sync).alibi);
+  AttentionProblem p = problem(DType::bf16, 64);
+  p.sink = true;
+  p.learnable_sink = device_values;
+  EXPECT_THROW(plan_cuda_attention("attention_forward", p, AttentionImpl::flash, AttentionPass::forward), Error);
+  set_cuda_unverified_variants_for_testing(std::nullopt);
 }
 
 }  // namespace

@@ -5,7 +5,10 @@
 // with and without causal, both alignments, seq_q != seq_k both ways, ragged lengths, GQA, every head dim
 // (64/128 on both families; 16, 32, 256 and the padded 80 on mma.sync; 256 forward on Hopper), bf16 and fp16,
 // soft-capping on large scores, both variants together; rows the window leaves without keys (o = 0, lse =
-// -inf, dq = 0) and keys no query sees (dk = dv = 0), exactly. Every test skips without a GPU.
+// -inf, dq = 0) and keys no query sees (dk = dv = 0), exactly. ALiBi and attention sinks on the mma.sync
+// kernels (pending GPU verification: enabled here through set_cuda_unverified_variants_for_testing, as
+// FLASHLM_CUDA_UNVERIFIED_VARIANTS=1 would) against the same oracle, dlearnable_sink included. Every test skips
+// without a GPU.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "attention/capabilities.h"
 #include "attention/problem.h"
 #include "flashlm/attention.h"
 #include "gpu_testing.h"
@@ -268,6 +272,209 @@ TEST(CudaBand, Fp32AndNaiveKernelsRefuseTheBandByName) {
     opt.softcap = 30;
     expect_error([&] { attention_forward(q, q, q, o, lse, opt); }, {"softcap"});
   }
+}
+
+// ---- ALiBi and attention sinks (mma.sync's masked kernels; the Hopper ones decline them) ----
+
+// The unverified variants on for one scope (capabilities.h), whatever the environment says.
+struct UnverifiedVariantsOn {
+  UnverifiedVariantsOn() { set_cuda_unverified_variants_for_testing(true); }
+  ~UnverifiedVariantsOn() { set_cuda_unverified_variants_for_testing(std::nullopt); }
+  UnverifiedVariantsOn(const UnverifiedVariantsOn&) = delete;
+  UnverifiedVariantsOn& operator=(const UnverifiedVariantsOn&) = delete;
+};
+
+struct AlibiSinkGpuCase {
+  VariantGpuCase v;
+  int alibi = 0;  // 0: none; 1: slopes [Hq]; 2: slopes [B, Hq]
+  bool sink = false;
+};
+
+std::string alibi_sink_name(const AlibiSinkGpuCase& a) {
+  std::string s = variant_gpu_name(a.v);
+  if (a.alibi) s += a.alibi == 1 ? "_alibi" : "_alibiB";
+  if (a.sink) s += "_sink";
+  return s;
+}
+void PrintTo(const AlibiSinkGpuCase& a, std::ostream* os) { *os << alibi_sink_name(a); }
+
+// The slopes and sinks of a case on the host (for the oracle) and their device copies (for the kernels), and
+// the device dlearnable_sink, NaN-poisoned. Slopes 2^(-8(h+1)/Hq) (ALiBi's geometric sequence), times
+// 1 + 0.3·b per batch for [B, Hq]; sinks N-ish around 0.5 with every fifth head -inf (no sink).
+struct SlopesAndSinks {
+  Tensor slopes, sinks, device_slopes, device_sinks, device_dsink;
+  SlopesAndSinks(const AlibiSinkGpuCase& a) {
+    const Case& c = a.v.c;
+    if (a.alibi) {
+      const int64_t rows = a.alibi == 2 ? c.B : 1;
+      slopes = a.alibi == 2 ? Tensor::empty({rows, c.Hq}, DType::f32) : Tensor::empty({c.Hq}, DType::f32);
+      for (int64_t b = 0; b < rows; ++b)
+        for (int64_t h = 0; h < c.Hq; ++h) {
+          slopes.view().ptr<float>()[b * c.Hq + h] =
+              float(std::exp2(-8.0 * double(h + 1) / double(c.Hq)) * (1 + 0.3 * double(b)));
+        }
+      device_slopes = a.alibi == 2 ? Tensor::empty({rows, c.Hq}, DType::f32, Device::cuda)
+                                   : Tensor::empty({c.Hq}, DType::f32, Device::cuda);
+      copy_into(device_slopes.view(), slopes.view());
+    }
+    if (a.sink) {
+      sinks = Tensor::empty({c.Hq}, DType::f32);
+      for (int64_t h = 0; h < c.Hq; ++h) {
+        sinks.view().ptr<float>()[h] = h % 5 == 4 ? -INFINITY : float(1.5 * std::sin(1.7 * double(h) + 0.3) + 0.5);
+      }
+      device_sinks = Tensor::empty({c.Hq}, DType::f32, Device::cuda);
+      copy_into(device_sinks.view(), sinks.view());
+      Tensor poison = Tensor::empty({c.Hq}, DType::f32);
+      fill_value(poison.view(), std::numeric_limits<double>::quiet_NaN());
+      device_dsink = Tensor::empty({c.Hq}, DType::f32, Device::cuda);
+      copy_into(device_dsink.view(), poison.view());
+    }
+  }
+  // `o` with the host slopes and sinks (the backward's dsink then goes to Problem::dsink).
+  AttentionOptions on_host(AttentionOptions o) const {
+    if (slopes.numel() > 0) o.alibi_slopes = slopes.view();
+    if (sinks.numel() > 0) o.learnable_sink = sinks.view();
+    return o;
+  }
+  AttentionOptions on_device(AttentionOptions o) const {
+    if (device_slopes.numel() > 0) o.alibi_slopes = device_slopes.view();
+    if (device_sinks.numel() > 0) {
+      o.learnable_sink = device_sinks.view();
+      o.dlearnable_sink = device_dsink.view();
+    }
+    return o;
+  }
+};
+
+// o, dq, dk, dv, lse and dlearnable_sink of the CUDA flash kernels (FLASHLM_ATTENTION_KERNEL `family`: "auto"
+// must leave ALiBi and sinks on mma.sync) against the fp64 reference with the same slopes and sinks.
+void expect_alibi_sink_matches_oracle(const AlibiSinkGpuCase& a, const char* family) {
+  const Case& c = a.v.c;
+  const std::string name = alibi_sink_name(a) + "_" + family;
+  const SlopesAndSinks in(a);
+  const AttentionOptions flash = band_options(a.v, AttentionImpl::flash);
+  const AttentionOptions naive = in.on_host(band_options(a.v, AttentionImpl::naive));
+  Problem ours(c, c.layout, c.dtype, 47000 + static_cast<uint64_t>(c.Nq * 5 + c.Nk * 3 + c.D + a.alibi * 11));
+  with_kernel_choice(family, [&] { ours.run_on_device(in.on_device(flash)); });
+  if (a.sink) copy_into(ours.dsink.view(), in.device_dsink.view());
+  Problem ref(ours, c);
+  ref.run(naive);
+  Problem lowp(c, c.layout, c.dtype, 0);
+  copy_into(lowp.q.view, ours.q.view);
+  copy_into(lowp.k.view, ours.k.view);
+  copy_into(lowp.v.view, ours.v.view);
+  copy_into(lowp.dout.view, ours.dout.view);
+  lowp.run(naive);
+
+  struct Item {
+    const char* what;
+    const TensorView &got, &want, &low;
+  };
+  for (const Item& t : {Item{"o", ours.o.view, ref.o.view, lowp.o.view}, Item{"dq", ours.dq.view, ref.dq.view, lowp.dq.view},
+                        Item{"dk", ours.dk.view, ref.dk.view, lowp.dk.view},
+                        Item{"dv", ours.dv.view, ref.dv.view, lowp.dv.view}}) {
+    const double err = max_abs_diff(t.got, t.want), low_err = max_abs_diff(t.low, t.want);
+    const double tol = band_tolerance(c.dtype, low_err, max_abs(t.want));
+    EXPECT_LE(err, tol) << t.what << " of " << name << " (cpu naive " << dtype_name(c.dtype) << " error " << low_err
+                        << ", max |ref| " << max_abs(t.want) << ")";
+  }
+  // lse: -inf exactly where the oracle's is (no key and no sink), else close (the sink alone: lse = sink).
+  Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);
+  for (int64_t i = 0; i < lse_ref.numel(); ++i) {
+    const double x = lse_ours.view().ptr<double>()[i], y = lse_ref.view().ptr<double>()[i];
+    if (std::isinf(y)) {
+      EXPECT_EQ(x, y) << "lse[" << i << "] of " << name;
+    } else {
+      EXPECT_NEAR(x, y, 1e-3 * std::max(1.0, std::fabs(y))) << "lse[" << i << "] of " << name;
+    }
+  }
+  if (a.sink) {
+    for (int64_t h = 0; h < c.Hq; ++h) {
+      const double want = ref.dsink.view().ptr<float>()[h], got = ours.dsink.view().ptr<float>()[h];
+      const double low = lowp.dsink.view().ptr<float>()[h];
+      const double tol = band_tolerance(c.dtype, std::fabs(low - want), std::fabs(want)) +
+                         dsink_rounding_allowance(c, ref, in.sinks.view(), h);
+      EXPECT_LE(std::fabs(got - want), tol) << "dsink[" << h << "] of " << name << " (ref " << want << ")";
+    }
+  }
+}
+
+class CudaAlibiSinkVsReference : public ::testing::TestWithParam<AlibiSinkGpuCase> {};
+
+TEST_P(CudaAlibiSinkVsReference, MmaSyncMatchesFp64Oracle) {
+  SKIP_WITHOUT_GPU();
+  const UnverifiedVariantsOn on;
+  const AlibiSinkGpuCase& a = GetParam();
+  if (!a.v.deterministic) expect_alibi_sink_matches_oracle(a, "auto");
+  expect_alibi_sink_matches_oracle(a, "mma");
+}
+
+std::vector<AlibiSinkGpuCase> alibi_sink_grid() {
+  std::vector<AlibiSinkGpuCase> cases;
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::sliced};
+  const std::pair<int, bool> variants[] = {{1, false}, {2, false}, {0, true}, {1, true}, {2, true}};
+  int n = 0;
+  // Head dims 64 and 128, both dtypes, every mask, GQA 8 / 2, ragged lengths both ways (bottom-right with
+  // Nq > Nk leaves rows without keys: with a sink they get o = 0, lse = sink).
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 1}, {17, 130}, {130, 17}, {257, 257}, {1000, 333}}) {
+    for (Mask m : {Mask::none, Mask::top_left, Mask::bottom_right}) {
+      for (auto [alibi, sink] : variants) {
+        const int64_t d = n % 2 ? 128 : 64;
+        const DType dt = (n / 2) % 2 ? DType::bf16 : DType::f16;
+        Band b;
+        b.bottom_right = m == Mask::none && n % 3 == 1;
+        cases.push_back({{{n % 4 == 0 ? 2 : 1, nq, nk, 8, 2, d, layouts[n % 3], m, dt}, b, n % 7 == 3}, alibi, sink});
+        ++n;
+      }
+    }
+  }
+  // With a window and soft-capping (the cap's slope taken without the bias), both backward modes.
+  const Band bands[] = {{64, 0}, {20, 40, 0, 1, true}, {-1, -1, 30.0, 30.0}, {100, 10, 20.0, 30.0}, {0, 0}};
+  for (const Band& w : bands) {
+    for (auto [alibi, sink] : {std::pair<int, bool>{1, true}, {2, true}}) {
+      for (bool det : {false, true}) {
+        const int64_t d = n % 2 ? 128 : 64;
+        const DType dt = n % 3 ? DType::bf16 : DType::f16;
+        cases.push_back({{{2, 300, 700, 8, 2, d, layouts[n % 3], n % 2 ? Mask::top_left : Mask::none, dt}, w, det},
+                         alibi,
+                         sink});
+        ++n;
+      }
+    }
+  }
+  // The other head dims (16, 32, 256 and the padded 80), GQA 6 / 1 and MHA.
+  for (int64_t d : {16, 32, 80, 256}) {
+    for (DType dt : {DType::bf16, DType::f16}) {
+      cases.push_back({{{1, 200, 300, 6, 1, d, layouts[d % 3], Mask::bottom_right, dt}, {}, dt == DType::f16}, 1, true});
+      cases.push_back({{{2, 129, 97, 2, 2, d, layouts[(d + 1) % 3], Mask::none, dt}, {7, 33, 30.0, 30.0}, false}, 2, true});
+    }
+  }
+  // Many tiles and blocks.
+  cases.push_back({{{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::top_left, DType::bf16}, {}, false}, 1, true});
+  cases.push_back({{{2, 2048, 2048, 8, 2, 128, Layout::bhsd, Mask::none, DType::f16}, {}, true}, 2, true});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, CudaAlibiSinkVsReference, ::testing::ValuesIn(alibi_sink_grid()),
+                         [](const ::testing::TestParamInfo<AlibiSinkGpuCase>& info) {
+                           return alibi_sink_name(info.param);
+                         });
+
+// Without the unverified variants, a CUDA call with ALiBi or a sink is refused by name before anything runs.
+TEST(CudaAlibiSink, RefusedByNameUnlessUnverifiedVariantsAreOn) {
+  SKIP_WITHOUT_GPU();
+  set_cuda_unverified_variants_for_testing(false);
+  Tensor q = Tensor::empty({1, 32, 2, 64}, DType::bf16, Device::cuda), o = Tensor::empty({1, 32, 2, 64}, DType::bf16, Device::cuda);
+  Tensor lse = Tensor::empty({1, 2, 32}, DType::f32, Device::cuda), per_head = Tensor::empty({2}, DType::f32, Device::cuda);
+  fill_normal(q, 3);
+  fill_normal(per_head, 4);
+  AttentionOptions opt;
+  opt.alibi_slopes = per_head.view();
+  expect_error([&] { attention_forward(q, q, q, o, lse, opt); }, {"alibi_slopes", "mma.sync"});
+  opt.alibi_slopes = {};
+  opt.learnable_sink = per_head.view();
+  expect_error([&] { attention_forward(q, q, q, o, lse, opt); }, {"learnable_sink", "mma.sync"});
+  set_cuda_unverified_variants_for_testing(std::nullopt);
 }
 
 }  // namespace

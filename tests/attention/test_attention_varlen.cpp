@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "attention/capabilities.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
 #include "gpu_testing.h"
@@ -224,12 +225,34 @@ void Pack::run_varlen_on_device(const AttentionOptions& opt, bool device_offsets
     s.cu_seqlens_k = static_cast<const int32_t*>(ck.data());
     s.device = Device::cuda;
   }
-  attention_varlen_forward(Q.view, K.view, V.view, O.view, L, s, opt);
-  attention_varlen_backward(Q.view, K.view, V.view, O.view, L, dO.view, dQ.view, dK.view, dV.view, s, opt);
+  // The slopes, sinks and dsink (host views in `opt`) go to the device too, dsink with its poison, and back.
+  AttentionOptions dev_opt = opt;
+  auto to_device_vector = [](const TensorView& host) {
+    Tensor d = Tensor::empty(std::span<const int64_t>(host.sizes.data(), static_cast<size_t>(host.ndim)), host.dtype,
+                             Device::cuda);
+    copy_into(d.view(), host);
+    return d;
+  };
+  Tensor d_slopes, d_sinks, d_dsink;
+  if (given(opt.alibi_slopes)) {
+    d_slopes = to_device_vector(opt.alibi_slopes);
+    dev_opt.alibi_slopes = d_slopes.view();
+  }
+  if (given(opt.learnable_sink)) {
+    d_sinks = to_device_vector(opt.learnable_sink);
+    dev_opt.learnable_sink = d_sinks.view();
+  }
+  if (given(opt.dlearnable_sink)) {
+    d_dsink = to_device_vector(opt.dlearnable_sink);
+    dev_opt.dlearnable_sink = d_dsink.view();
+  }
+  attention_varlen_forward(Q.view, K.view, V.view, O.view, L, s, dev_opt);
+  attention_varlen_backward(Q.view, K.view, V.view, O.view, L, dO.view, dQ.view, dK.view, dV.view, s, dev_opt);
   for (auto [host, dev] : {std::pair{&o, &O}, {&dq, &dQ}, {&dk, &dK}, {&dv, &dV}}) {
     copy_into(host->storage.view(), dev->storage.view());
   }
   copy_into(lse.view(), L.view());
+  if (given(opt.dlearnable_sink)) copy_into(opt.dlearnable_sink, d_dsink.view());
 }
 
 // The outputs of `got` against the oracle `ref`, with the tolerance of the low-precision rule from `lowp`
@@ -489,6 +512,54 @@ TEST_P(VarlenCudaBandVsReference, FlashMatchesPerSequenceReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaBandVsReference, ::testing::ValuesIn(band_gpu_grid()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) {
+                           return varlen_case_name(info.param);
+                         });
+
+// ALiBi and sinks on packed sequences, on the mma.sync kernels (pending GPU verification: the tests' override of
+// FLASHLM_CUDA_UNVERIFIED_VARIANTS turns them on), against the per-sequence fp64 reference, dsink included
+// (summed over every run of sequences): slopes [Hq] and [sequences, Hq], sequences without keys (o = 0, lse =
+// the sink) or queries, runs of equal lengths, GQA, with a window and softcap, both backward modes.
+std::vector<VarlenCase> alibi_sink_gpu_grid() {
+  std::vector<VarlenCase> cases;
+  const std::vector<int32_t> self{1, 17, 1000, 0, 64, 3, 300};
+  const std::vector<int32_t> cq{5, 0, 130, 17, 9, 700}, ck{9, 40, 0, 17, 200, 513};
+  int n = 0;
+  for (Mask m : {Mask::none, Mask::top_left, Mask::bottom_right}) {
+    for (DType dt : {DType::bf16, DType::f16}) {
+      const int64_t d = n % 2 ? 128 : 64;
+      cases.push_back({self, self, 8, 2, d, m, dt, n % 2 == 1, n % 3 == 2, -1, -1, 0, 0, 1 + n % 2, true});
+      cases.push_back({cq, ck, 4, 1, 192 - d, m, dt, n % 2 == 0, n % 3 == 1, 6, 3, n % 2 ? 30.0 : 0.0, 0, 2, true});
+      cases.push_back({cq, ck, 6, 2, d, m, dt, false, false, -1, -1, 0, 0, 1, false});
+      cases.push_back({cq, ck, 6, 2, d, m, dt, false, true, -1, -1, 20.0, 0, 0, true});
+      ++n;
+    }
+  }
+  cases.push_back({{17, 17, 17, 130, 130, 0, 0, 300, 300}, {17, 17, 17, 129, 129, 3, 3, 0, 290}, 4, 2, 128,
+                   Mask::bottom_right, DType::bf16, true, false, 64, -1, 0, 0, 2, true});
+  return cases;
+}
+
+class VarlenCudaAlibiSinkVsReference : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenCudaAlibiSinkVsReference, MmaSyncMatchesPerSequenceReference) {
+  SKIP_WITHOUT_GPU();
+  const VarlenCase c = GetParam();
+  Pack ours(c, c.dtype, 2900 + c.len_q.size(), c.padded_rows);
+  Pack lowp(ours, c, c.dtype);
+  Pack ref(ours, c, DType::f64);
+  AttentionOptions flash = ours.options(c, AttentionImpl::flash);
+  flash.deterministic = c.deterministic;
+  set_cuda_unverified_variants_for_testing(true);
+  ours.run_varlen_on_device(flash, c.len_q.size() % 2 == 1);
+  set_cuda_unverified_variants_for_testing(std::nullopt);
+  lowp.run_varlen(lowp.options(c, AttentionImpl::naive));
+  ref.run_per_sequence_reference(c);
+  expect_close(ours, ref, lowp, c, "cuda flash (mma.sync)", 4);
+  expect_empty_sequences_zero(ours, c, "cuda flash (mma.sync)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaAlibiSinkVsReference, ::testing::ValuesIn(alibi_sink_gpu_grid()),
                          [](const ::testing::TestParamInfo<VarlenCase>& info) {
                            return varlen_case_name(info.param);
                          });

@@ -113,9 +113,37 @@ __global__ void flash_bwd_preprocess_kernel(const FlashParams p) {
   }
 }
 
-// kMasked: the sliding-window / soft-capping instantiation (FlashParams::masked), as in the forward: query
-// tiles outside the band skipped, scores soft-capped (and dS multiplied by the cap's slope), tiles crossing
-// the band's edge masked element-wise.
+// The sink's gradient (FlashParams::dsink), from the preprocess's Delta and lse·log2e: dsink_h = -Σ over the
+// batch and the rows that see a key of exp(sink_h - lse_i) · Delta_i (the CPU paths' rule; the sink has no
+// value, so its dP is 0). One block per query head, each thread summing a fixed set of rows and the block
+// reducing in a fixed order: the same bits on every run, in the atomic and the deterministic mode alike. It
+// adds into dsink (attention.cpp clears it first; a varlen call runs one backward per run of sequences).
+constexpr int kSinkGradThreads = 256;
+__global__ void __launch_bounds__(kSinkGradThreads) flash_bwd_sink_grad_kernel(const FlashParams p) {
+  const int h = blockIdx.x;
+  const float sink2 = sink_logit(p, h) * kLog2e;
+  float sum = 0.f;
+  for (int b = 0; b < p.batch; ++b) {
+    const int64_t base = (int64_t(b) * p.heads_q + h) * p.seq_q_padded;
+    for (int row = threadIdx.x; row < p.seq_q; row += kSinkGradThreads) {
+      if (row_sees_keys(p, row)) sum -= exp2f(sink2 - p.lse_log2[base + row]) * p.delta[base + row];
+    }
+  }
+  __shared__ float partial[kSinkGradThreads];
+  partial[threadIdx.x] = sum;
+  __syncthreads();
+#pragma unroll
+  for (int half = kSinkGradThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.dsink[h * p.dsink_stride] += partial[0];
+}
+
+// kMasked: the sliding-window / soft-capping / ALiBi / sink instantiation (FlashParams::masked), as in the
+// forward: query tiles outside the band skipped, scores soft-capped and biased (and dS multiplied by the cap's
+// slope, taken at the score without its bias), tiles crossing the band's edge masked element-wise. The sink
+// needs nothing here: the forward's lse holds it, so P = exp(S - lse) is already its softmax.
 template <class T, int D, bool kAtomicDq, bool kMasked>
 __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kernel(const FlashParams p) {
   using Tr = BwdTraits<D>;
@@ -219,6 +247,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
     cp_async_commit();
     const int h = hk * p.group + cur_head;
     const int m0 = (m_first + cur_m) * kBlockM;
+    [[maybe_unused]] const float slope_raw = kMasked ? alibi_slope_raw(p, b, h) : 0.f;
     cur_head = next_head;
     cur_m = next_m;
     const T* q_tile = sQ + stage * kBlockM * D;
@@ -270,7 +299,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
       // Block-uniform: the test is on the whole key tile and the block's first query row (all its rows).
       if constexpr (kMasked) {
         cap_and_mask_scores(s, p, tile_in_band(p, m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1), m0 + a_row0,
-                            n0 + a_key0, g, t);
+                            n0 + a_key0, g, t, slope_raw);
       } else {
         if (scores_need_mask(p, m0, n0, kBlockN)) mask_scores(s, p, m0 + a_row0, n0 + a_key0, g, t);
       }
@@ -289,7 +318,9 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
               pr[e] = fast_exp2(fmaf(s[mt][nt][2 * r + e], p.scale_log2, -l2));  // rows past seq_q: lse = +inf, P = 0
               ds[e] = pr[e] * (dp[mt][nt][2 * r + e] - dl);
               if constexpr (kMasked) {
-                if (p.softcap > 0) ds[e] *= softcap_slope(p, s[mt][nt][2 * r + e]);
+                if (p.softcap > 0) {
+                  ds[e] *= softcap_slope_biased(p, s[mt][nt][2 * r + e], slope_raw, m0 + row, n0 + key + e);
+                }
               }
             }
             store_pair(sP + SwzP::offset(row, key / 8) + key % 8, pr[0], pr[1]);
@@ -512,9 +543,11 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
     }
 
     const int n0 = nb * kBlockN;
+    // The ALiBi slope is read where it is used (an L1 hit): kept in a register across the key loop it made
+    // this kernel spill at head dims 32 and 64.
     if constexpr (kMasked) {
       cap_and_mask_scores(s, p, tile_in_band(p, warp_row0, warp_row0 + 16 * kM - 1, n0, n0 + kBlockN - 1), warp_row0,
-                          n0, g, t);
+                          n0, g, t, alibi_slope_raw(p, b, h));
     } else {
       if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
     }
@@ -527,7 +560,11 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
           const float pr = fast_exp2(fmaf(s[mt][nt][e], p.scale_log2, -lse2[mt][e / 2]));
           dp[mt][nt][e] = pr * (dp[mt][nt][e] - delta[mt][e / 2]);  // dS
           if constexpr (kMasked) {
-            if (p.softcap > 0) dp[mt][nt][e] *= softcap_slope(p, s[mt][nt][e]);
+            if (p.softcap > 0) {
+              dp[mt][nt][e] *= softcap_slope_biased(p, s[mt][nt][e], alibi_slope_raw(p, b, h),
+                                                    warp_row0 + mt * 16 + g + 8 * (e / 2),
+                                                    n0 + nt * 8 + 2 * t + (e % 2));
+            }
           }
         }
 
@@ -636,6 +673,10 @@ void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* p
     const dim3 grid((f.seq_q_padded + rows_per_block - 1) / rows_per_block, f.heads_q, f.batch);
     flash_bwd_preprocess_kernel<T, D><<<grid, 256, 0, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
+    if (f.dsink != nullptr) {
+      flash_bwd_sink_grad_kernel<<<f.heads_q, kSinkGradThreads, 0, stream>>>(f);
+      FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_sink_grad_kernel launch");
+    }
   }
   if (part != nullptr) {
     part->launch(part->p, part->q, part->k, part->v, part->dout, f, stream);
@@ -765,6 +806,16 @@ int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocess
   return (p.heads_k + launches - 1) / launches;  // launches of (nearly) equal size
 }
 
+void clear_sink_gradient_cuda(const AttentionProblem& p, void* stream) {
+  if (p.dlearnable_sink == nullptr || p.heads_q == 0) return;
+  // One float every dsink_stride floats: a strided 2-D memset of rows one float wide (one head: any stride, and
+  // the pitch may not be below the width).
+  const size_t pitch = p.heads_q == 1 ? sizeof(float) : static_cast<size_t>(p.dsink_stride) * sizeof(float);
+  FLASHLM_CUDA_CHECK(cudaMemset2DAsync(p.dlearnable_sink, pitch, 0, sizeof(float), static_cast<size_t>(p.heads_q),
+                                       static_cast<cudaStream_t>(stream)),
+                     "attention_backward: dlearnable_sink clear");
+}
+
 void flash_attention_backward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                    const TensorView& v, const TensorView& o, const TensorView& lse,
                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
@@ -804,6 +855,10 @@ void flash_cuda::run_flash_backward(const AttentionProblem& p, const TensorView&
     AttentionProblem part = p;
     part.heads_k = h1 - h0;
     part.heads_q = (h1 - h0) * g;
+    // The per-head vectors start at the group's first query head, as the sliced views do.
+    if (part.alibi) part.alibi_slopes += h0 * g * part.alibi_head_stride;
+    if (part.sink) part.learnable_sink += h0 * g * part.sink_stride;
+    if (part.dlearnable_sink != nullptr) part.dlearnable_sink += h0 * g * part.dsink_stride;
     const auto qh = [&](const TensorView& t) { return t.slice(2, h0 * g, h1 * g); };
     const auto kh = [&](const TensorView& t) { return t.slice(2, h0, h1); };
     backward_heads(part, qh(q), kh(k), kh(v), qh(o), lse.slice(1, h0 * g, h1 * g), qh(dout), qh(dq), kh(dk), kh(dv),

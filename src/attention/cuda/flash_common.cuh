@@ -51,6 +51,17 @@ struct FlashParams {
   // with softcap_in = scale / softcap and softcap_out = softcap / scale, so that scale times it is
   // softcap · tanh(scale·x / softcap) and everything downstream of the scores is unchanged.
   float softcap, softcap_in, softcap_out;
+  // ALiBi (masked kernels; null without it): the slope of (b, h) is alibi_slopes[b · alibi_b + h · alibi_h]
+  // (AttentionProblem::alibi_slope), a device pointer; alibi_slope_raw turns it into raw-score units.
+  const float* alibi_slopes;
+  int64_t alibi_b, alibi_h;
+  // Attention sinks (masked kernels; null without them): the logit of query head h is sink[h · sink_stride], a
+  // device pointer, -inf for no sink. The backward adds the sink's gradient into dsink[h · dsink_stride]
+  // (null: not asked for).
+  const float* sink;
+  int64_t sink_stride;
+  float* dsink;
+  int64_t dsink_stride;
 
   // Backward only.
   const void* dout;
@@ -63,8 +74,11 @@ struct FlashParams {
 };
 
 // Whether problem `p` takes the masked kernels (FlashParams::masked): a sliding window beyond the causal
-// mask, or soft-capping.
-inline bool uses_masked_kernels(const AttentionProblem& p) { return p.windowed() || p.softcap > 0; }
+// mask, soft-capping, ALiBi or attention sinks (the last two only in the mma.sync kernels: flash_kernel_family
+// keeps them off the Hopper ones).
+inline bool uses_masked_kernels(const AttentionProblem& p) {
+  return p.windowed() || p.softcap > 0 || p.alibi || p.sink;
+}
 
 FlashParams make_params(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& o, const TensorView& lse);
@@ -314,12 +328,45 @@ __device__ __forceinline__ float softcap_slope(const FlashParams& p, float x_cap
   return fmaf(-th, th, 1.f);
 }
 
+
+// ALiBi in the units of the raw scores x = q·k the kernels hold (the softmax scale is applied later): the
+// slope of (b, h) divided by the scale, 0 without ALiBi; and the bias of (query row, key col) in those units,
+// -slope_raw · |row + causal_offset - col| (AttentionProblem::alibi_bias), so that scale times it is the
+// reference's bias.
+__device__ __forceinline__ float alibi_slope_raw(const FlashParams& p, int b, int h) {
+  return p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[b * p.alibi_b + h * p.alibi_h] / p.scale;
+}
+__device__ __forceinline__ float alibi_bias_raw(const FlashParams& p, float slope_raw, int row, int col) {
+  return -slope_raw * fabsf(static_cast<float>(row + p.causal_offset - col));
+}
+
+// The sink logit of query head h (-inf: none; FlashParams::sink).
+__device__ __forceinline__ float sink_logit(const FlashParams& p, int h) {
+  return p.sink == nullptr ? -INFINITY : p.sink[h * p.sink_stride];
+}
+
+// Whether query `row` sees any key (AttentionProblem::sees_keys, from the band's sides).
+__device__ __forceinline__ bool row_sees_keys(const FlashParams& p, int row) {
+  const int diag = row + p.causal_offset;
+  const int first = p.window_left < 0 ? 0 : max(0, diag - p.window_left);
+  const int end = p.window_right < 0 ? p.seq_k : min(p.seq_k, diag + p.window_right + 1);
+  return first < end;
+}
+
+// The cap's slope at a score x as cap_and_mask_scores left it (capped, plus the ALiBi bias of slope_raw at
+// (row, col), which the cap's derivative must not see).
+__device__ __forceinline__ float softcap_slope_biased(const FlashParams& p, float x, float slope_raw, int row,
+                                                      int col) {
+  return softcap_slope(p, slope_raw != 0.f ? x - alibi_bias_raw(p, slope_raw, row, col) : x);
+}
+
 // The masked kernels' treatment of a tile of scores held as kM 16-row x kN 8-key C fragments (rows row0 +
-// 16·mt + .., keys col0 + 8·nt + ..): soft-capped where p.softcap > 0, then set to -inf outside the band
-// unless the caller found the whole tile inside it (`in_band`, a warp-uniform test).
+// 16·mt + .., keys col0 + 8·nt + ..): soft-capped where p.softcap > 0, plus the ALiBi bias of `slope_raw`
+// (alibi_slope_raw; 0 without ALiBi), then set to -inf outside the band unless the caller found the whole
+// tile inside it (`in_band`, a warp-uniform test).
 template <int kM, int kN>
 __device__ __forceinline__ void cap_and_mask_scores(float (&s)[kM][kN][4], const FlashParams& p, bool in_band,
-                                                    int row0, int col0, int g, int t) {
+                                                    int row0, int col0, int g, int t, float slope_raw) {
   if (p.softcap > 0) {
 #pragma unroll
     for (int mt = 0; mt < kM; ++mt)
@@ -327,6 +374,18 @@ __device__ __forceinline__ void cap_and_mask_scores(float (&s)[kM][kN][4], const
       for (int nt = 0; nt < kN; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = softcap_score(p, s[mt][nt][e]);
+  }
+  if (slope_raw != 0.f) {
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row0 + mt * 16 + g + (e / 2) * 8;
+          const int col = col0 + nt * 8 + 2 * t + (e % 2);
+          s[mt][nt][e] += alibi_bias_raw(p, slope_raw, row, col);
+        }
   }
   if (in_band) return;
 #pragma unroll

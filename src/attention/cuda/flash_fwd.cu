@@ -6,8 +6,8 @@
 // folded into the scale), and its accumulator fragments are re-packed directly as the A operand of
 // O += P·V — P never touches shared memory. Key tiles that the causal mask (or a sliding window) hides are
 // never loaded; only tiles that cross the diagonal (the band's edges) or the end of the keys are masked.
-// Sliding window and soft-capping take a second instantiation of the kernel (kMasked), so that the plain one
-// carries none of their work.
+// Sliding window, soft-capping, ALiBi and attention sinks take a second instantiation of the kernel (kMasked),
+// so that the plain one carries none of their work.
 #include "attention/backends.h"
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
@@ -48,6 +48,17 @@ FlashParams make_params(const AttentionProblem& p, const TensorView& q, const Te
   f.softcap = static_cast<float>(p.softcap);
   f.softcap_in = p.softcap > 0 ? static_cast<float>(p.scale / p.softcap) : 0.f;
   f.softcap_out = p.softcap > 0 ? static_cast<float>(p.softcap / p.scale) : 0.f;
+  if (p.alibi) {
+    f.alibi_slopes = p.alibi_slopes;
+    f.alibi_b = p.alibi_batch_stride;
+    f.alibi_h = p.alibi_head_stride;
+  }
+  if (p.sink) {
+    f.sink = p.learnable_sink;
+    f.sink_stride = p.sink_stride;
+    f.dsink = p.dlearnable_sink;
+    f.dsink_stride = p.dsink_stride;
+  }
   return f;
 }
 
@@ -71,9 +82,10 @@ struct FwdTraits {
   static constexpr size_t kSmemBytes = size_t(kBlockM + 4 * kBlockN) * D * 2;  // Q, 2 stages of K and V
 };
 
-// kMasked: the sliding-window / soft-capping instantiation (FlashParams::masked): key tiles outside the band
-// are skipped, scores soft-capped, tiles crossing the band's edge masked element-wise. The plain one keeps
-// the causal mask alone and none of that code.
+// kMasked: the sliding-window / soft-capping / ALiBi / sink instantiation (FlashParams::masked): key tiles
+// outside the band are skipped, scores soft-capped and biased, tiles crossing the band's edge masked
+// element-wise, and the sink starts each row's softmax. The plain one keeps the causal mask alone and none of
+// that code.
 template <class T, int D, bool kMasked>
 __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const FlashParams p) {
   using Tr = FwdTraits<D>;
@@ -145,10 +157,24 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
 
   float acc[kM][D / 8][4] = {};
   float row_max[kM][2], row_sum[kM][2];
+  // The sink (masked kernels) starts every row's online softmax as a first "key" of weight exp(sink - m) and
+  // no value, as the CPU flash path does: m = sink (in raw-score units, as row_max is kept), and l = 1 held
+  // by lane t = 0 alone (each lane's row_sum is its part of the quad's sum). No sink (-inf): m = -inf, l = 0.
+  // A row that sees no key keeps them: o = 0, lse = sink.
+  float m_init = -INFINITY, l_init = 0.f;
+  [[maybe_unused]] float slope_raw = 0.f;
+  if constexpr (kMasked) {
+    const float sink = sink_logit(p, h);
+    if (sink != -INFINITY) {
+      m_init = sink / p.scale;
+      l_init = t == 0 ? 1.f : 0.f;
+    }
+    slope_raw = alibi_slope_raw(p, b, h);
+  }
 #pragma unroll
   for (int mt = 0; mt < kM; ++mt) {
-    row_max[mt][0] = row_max[mt][1] = -INFINITY;
-    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = m_init;
+    row_sum[mt][0] = row_sum[mt][1] = l_init;
   }
 
   for (int nb = nb_first; nb < n_blocks; ++nb) {
@@ -208,7 +234,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
     const int n0 = nb * kBlockN;
     if constexpr (kMasked) {
       cap_and_mask_scores(s, p, tile_in_band(p, warp_row0, warp_row0 + 16 * kM - 1, n0, n0 + kBlockN - 1), warp_row0,
-                          n0, g, t);
+                          n0, g, t, slope_raw);
     } else {
       if (scores_need_mask(p, warp_row0, n0, kBlockN)) mask_scores(s, p, warp_row0, n0, g, t);
     }
@@ -280,7 +306,7 @@ __global__ void __launch_bounds__(FwdTraits<D>::kThreads) flash_fwd_kernel(const
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(row_sum[mt][r]);
-      // l = 0: no key seen (O = 0, lse = -inf); l NaN: a NaN reached the row, and O and lse are NaN.
+      // l = 0: no key seen and no sink (O = 0, lse = -inf); l NaN: a NaN reached the row, and O and lse are NaN.
       const float inv = l != 0.f ? 1.f / l : 0.f;
       const int row = warp_row0 + mt * 16 + g + 8 * r;
       if (t == 0 && row < p.seq_q) {
