@@ -104,6 +104,16 @@ struct PaddedCopy {
 
 }  // namespace
 
+namespace {
+
+// Whether a family's kernels implement every attention variant the problem asks for.
+bool implements_variants(const CudaKernelCapability& caps, const AttentionProblem& p) {
+  return (!p.windowed() || caps.sliding_window) && (p.softcap == 0 || caps.softcap) && (!p.alibi || caps.alibi) &&
+         (!p.sink || caps.learnable_sink) && (p.value_dim() == p.head_dim || caps.head_dim_v);
+}
+
+}  // namespace
+
 // The Hopper family's predicates need the views (a TMA descriptor each, an sm_90 device), not only the
 // problem, so the choice between it and mma.sync is made here, on the views the kernels get, rather than in
 // plan_cuda_attention.
@@ -111,9 +121,9 @@ CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPas
                                      const TensorView& q, const TensorView& k, const TensorView& v,
                                      const TensorView& o, const TensorView& dout, bool deterministic) {
   if (plan.family != CudaKernelFamily::mma_sync) return plan.family;
-  // The Hopper kernels have no ALiBi and no sinks (the capability table's Hopper row says so): those stay
-  // on mma.sync's masked kernels.
-  if (p.alibi || p.sink) return plan.family;
+  // plan_cuda_attention checked the variants against the mma.sync row; the Hopper row may lack some of them
+  // (ALiBi, sinks), and those problems stay on mma.sync.
+  if (!implements_variants(cuda_kernel_capability(CudaKernelFamily::hopper), p)) return plan.family;
   // Read on every build, so that a bad value is an error wherever it is set.
   if (flash_kernel_choice() == FlashKernelChoice::mma) return plan.family;
 #ifdef FLASHLM_WITH_SM90

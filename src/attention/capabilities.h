@@ -64,7 +64,8 @@ struct CudaKernelCapability {
   // head_dim_v of its own); a
   // problem that asks for one a family lacks is an Error naming the option, never a silent full mask.
   // The Hopper row must not claim a variant the mma.sync row lacks: plan_cuda_attention checks the
-  // planned family (mma.sync) and flash_kernel_family may then move the problem to the Hopper kernels.
+  // planned family (mma.sync), and flash_kernel_family moves the problem to the Hopper kernels only where
+  // the Hopper row has every variant it asks for.
   bool sliding_window;
   bool softcap;
   bool alibi;           // AttentionOptions::alibi_slopes (mma.sync: cuda_unverified_variants_enabled())

@@ -87,23 +87,15 @@ double band_tolerance(DType dtype, double lowp_error, double ref_scale) {
   return 2 * lowp_error + 1e-3 + 4 * unit_roundoff * std::max(1.0, ref_scale);
 }
 
-// o, dq, dk, dv and lse of the CUDA flash kernels (family "auto": Hopper where it covers the problem, or
-// "mma") against the fp64 reference, and exact zeros where the band leaves a query without keys or a key
-// without queries.
-void expect_band_matches_oracle(const VariantGpuCase& v, const char* family) {
-  const Case& c = v.c;
-  const std::string name = variant_gpu_name(v) + "_" + family;
-  const uint64_t seed = 31000 + static_cast<uint64_t>(c.Nq * 5 + c.Nk * 3 + c.D + v.band.left * 7 + v.band.right);
-  Problem ours(c, c.layout, c.dtype, seed);
-  with_kernel_choice(family, [&] { ours.run_on_device(band_options(v, AttentionImpl::flash)); });
-  Problem ref(ours, c);  // fp64 on the CPU, from the same rounded inputs
-  ref.run(band_options(v, AttentionImpl::naive));
-  Problem lowp(c, c.layout, c.dtype, 0);  // the naive attention in the case's 16-bit dtype, on the CPU
+// o, dq, dk and dv of the CUDA run `ours` against the fp64 oracle `ref`, within band_tolerance of `lowp`: the
+// naive attention (`naive`: its CPU options) run here in the case's 16-bit dtype on the same inputs.
+void expect_outputs_near_oracle(const Case& c, const std::string& name, const Problem& ours, const Problem& ref,
+                                Problem& lowp, const AttentionOptions& naive) {
   copy_into(lowp.q.view, ours.q.view);
   copy_into(lowp.k.view, ours.k.view);
   copy_into(lowp.v.view, ours.v.view);
   copy_into(lowp.dout.view, ours.dout.view);
-  lowp.run(band_options(v, AttentionImpl::naive));
+  lowp.run(naive);
 
   struct Item {
     const char* what;
@@ -117,6 +109,21 @@ void expect_band_matches_oracle(const VariantGpuCase& v, const char* family) {
     EXPECT_LE(err, tol) << t.what << " of " << name << " (cpu naive " << dtype_name(c.dtype) << " error " << low_err
                         << ", max |ref| " << max_abs(t.want) << ")";
   }
+}
+
+// o, dq, dk, dv and lse of the CUDA flash kernels (family "auto": Hopper where it covers the problem, or
+// "mma") against the fp64 reference, and exact zeros where the band leaves a query without keys or a key
+// without queries.
+void expect_band_matches_oracle(const VariantGpuCase& v, const char* family) {
+  const Case& c = v.c;
+  const std::string name = variant_gpu_name(v) + "_" + family;
+  const uint64_t seed = 31000 + static_cast<uint64_t>(c.Nq * 5 + c.Nk * 3 + c.D + v.band.left * 7 + v.band.right);
+  Problem ours(c, c.layout, c.dtype, seed);
+  with_kernel_choice(family, [&] { ours.run_on_device(band_options(v, AttentionImpl::flash)); });
+  Problem ref(ours, c);  // fp64 on the CPU, from the same rounded inputs
+  ref.run(band_options(v, AttentionImpl::naive));
+  Problem lowp(c, c.layout, c.dtype, 0);  // the naive attention in the case's 16-bit dtype, on the CPU
+  expect_outputs_near_oracle(c, name, ours, ref, lowp, band_options(v, AttentionImpl::naive));
   Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);
   int64_t empty_rows = 0;
   for (int64_t i = 0; i < lse_ref.numel(); ++i) {
@@ -360,24 +367,7 @@ void expect_alibi_sink_matches_oracle(const AlibiSinkGpuCase& a, const char* fam
   Problem ref(ours, c);
   ref.run(naive);
   Problem lowp(c, c.layout, c.dtype, 0);
-  copy_into(lowp.q.view, ours.q.view);
-  copy_into(lowp.k.view, ours.k.view);
-  copy_into(lowp.v.view, ours.v.view);
-  copy_into(lowp.dout.view, ours.dout.view);
-  lowp.run(naive);
-
-  struct Item {
-    const char* what;
-    const TensorView &got, &want, &low;
-  };
-  for (const Item& t : {Item{"o", ours.o.view, ref.o.view, lowp.o.view}, Item{"dq", ours.dq.view, ref.dq.view, lowp.dq.view},
-                        Item{"dk", ours.dk.view, ref.dk.view, lowp.dk.view},
-                        Item{"dv", ours.dv.view, ref.dv.view, lowp.dv.view}}) {
-    const double err = max_abs_diff(t.got, t.want), low_err = max_abs_diff(t.low, t.want);
-    const double tol = band_tolerance(c.dtype, low_err, max_abs(t.want));
-    EXPECT_LE(err, tol) << t.what << " of " << name << " (cpu naive " << dtype_name(c.dtype) << " error " << low_err
-                        << ", max |ref| " << max_abs(t.want) << ")";
-  }
+  expect_outputs_near_oracle(c, name, ours, ref, lowp, naive);
   // lse: -inf exactly where the oracle's is (no key and no sink), else close (the sink alone: lse = sink).
   Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);
   for (int64_t i = 0; i < lse_ref.numel(); ++i) {
