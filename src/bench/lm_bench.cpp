@@ -227,15 +227,7 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
           if (cfg.device == Device::cpu && (precision != DType::f32 || bf16_pure || fp8)) {
             mark("unsupported", "the CPU engine runs fp32; bf16, fp16, bf16-pure and fp8 are CUDA precisions");
           } else {
-            try {
-              measure(cfg, mc, precision, bf16_pure, fp8, impl, rows);
-            } catch (const OutOfMemory& e) {
-              mark("oom", e.what());
-            } catch (const std::bad_alloc&) {
-              mark("oom", "std::bad_alloc");
-            } catch (const Error& e) {
-              mark("error", e.what());
-            }
+            run_row([&] { measure(cfg, mc, precision, bf16_pure, fp8, impl, rows); }, mark);
           }
           ++done;
           report_tuning();
