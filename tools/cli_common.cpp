@@ -228,7 +228,8 @@ int run_on_every_rank(double timeout_s, const std::function<void(flashlm::Commun
       if (comm.world_size() > 1) {
         fmt::print(stderr, "error: rank {}: {}\n", comm.rank(), e.what());
         std::fflush(stderr);
-        flashlm::Communicator::abort(1);
+        // The library's option checks run on every rank: their usage error keeps its exit code under mpirun.
+        flashlm::Communicator::abort(dynamic_cast<const InvalidArgument*>(&e) ? 2 : 1);
       }
       throw;
     }

@@ -116,7 +116,9 @@ void add_collective_timeout_option(CLI::App* cmd, double& seconds);
 // Runs fn(comm) on every rank of the job (a world of one without mpirun), with the collective timeout
 // `timeout_s` (< 0: the communicator's default). A failure on one rank ends the whole job (MPI_Abort)
 // instead of leaving its peers waiting in a collective; MPI is finalized on success, and when every rank
-// found the same usage error together (ranks started with different settings: exit 2 on every rank).
+// found the same usage error together (ranks started with different settings: exit 2 on every rank). A
+// flashlm::InvalidArgument on one rank of several aborts the job with code 2 (a usage error), any other
+// failure with 1.
 int run_on_every_rank(double timeout_s, const std::function<void(flashlm::Communicator&)>& fn);
 // Whether a launcher started this process as one of several ranks (mpirun, srun), before MPI is started.
 bool launched_with_peers();

@@ -21,12 +21,7 @@ int run(AllReduceBenchArgs& a) {
   // Default: the GPUs when there are any and NCCL was built, else the CPU (MPI).
   cfg.device = a.device.empty() && !Communicator::nccl_built() ? Device::cpu : device_or_default(a.device);
   report_format(a.report);  // a bad --format is refused before the sweep
-  for (DType t : cfg.dtypes) {
-    if (cfg.device == Device::cpu && t != DType::f32 && t != DType::f64) {
-      throw InvalidArgument(fmt::format("--dtype {}: needs --device cuda (MPI on the CPU carries fp32 and fp64)",
-                                        dtype_name(t)));
-    }
-  }
+  cfg.validate();            // and a dtype the device's collectives do not carry
   if (cfg.device == Device::cuda && !Communicator::nccl_built()) {
     throw InvalidArgument(cuda_built() ? "--device cuda: flashlm was built without NCCL"
                                        : "--device cuda: flashlm was built without CUDA");

@@ -49,28 +49,15 @@ int run(TrainArgs& a) {
   cfg.model = model_config(a);
   cfg.seq = cfg.model.context;
   if (!a.ddp.empty()) cfg.ddp.variant = parse_ddp_variant(a.ddp);
-  if (cfg.sharded_checkpoint && (cfg.ddp.variant != DdpVariant::fsdp || a.ddp.empty() || cfg.checkpoint.empty())) {
-    throw InvalidArgument(
-        "--sharded-checkpoint: sharded checkpoints are FSDP's, they need --ddp fsdp and --checkpoint");
-  }
   const std::vector<DType> reduce =
       parse_reduce_dtypes(a.reduce_dtype, cfg.device, a.nccl_max_ctas, cfg.ddp.gemm_sm_reserve);
   if (reduce.size() != 1) throw InvalidArgument(fmt::format("--reduce-dtype {}: train takes one type", a.reduce_dtype));
   cfg.ddp.reduce_dtype = reduce.front();
   cfg.zero1 = a.zero == 1;
-  if (cfg.options.optimizer_state != OptimizerState::fp32 &&
-      (cfg.zero1 || (!a.ddp.empty() && cfg.ddp.variant == DdpVariant::fsdp))) {
-    throw InvalidArgument(fmt::format("--optimizer-state {}: ZeRO-1 and FSDP shard fp32 moments; bf16 moments are the "
-                                      "model's own AdamW's (one process, or --ddp per-param/flat/async/bucketed)",
-                                      optimizer_state_name(cfg.options.optimizer_state)));
-  }
   const bool data_parallel = !a.ddp.empty() || cfg.zero1 || cfg.ddp.grad_accum > 1 ||
                              cfg.ddp.reduce_dtype != DType::f32 || a.nccl_max_ctas > 0 ||
                              cfg.ddp.gemm_sm_reserve >= 0 || launched_with_peers();
   cfg.optimizer.cosine_steps = a.cosine_steps > 0 ? a.cosine_steps : cfg.steps;
-  if (cfg.loss_scale_init > 0 && cfg.precision != DType::f16) {
-    throw InvalidArgument("--loss-scale-init needs --precision fp16");
-  }
   if (a.threads > 0) set_cpu_threads(a.threads);
   cfg.progress = [](const std::string& line) { fmt::print("{}\n", line), std::fflush(stdout); };
   const auto train_and_report = [&cfg] {

@@ -176,6 +176,9 @@ struct AllReduceBenchConfig {
   Device device = Device::cpu;
   int warmup = 5, iters = 20;
   std::function<void(const std::string&)> progress;  // rank 0 only
+  // flashlm::InvalidArgument naming the first bad field; run_allreduce_bench calls it, a launcher may call it
+  // before starting the ranks.
+  void validate() const;
 };
 
 struct AllReduceBenchRecord {

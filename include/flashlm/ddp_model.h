@@ -26,6 +26,11 @@ struct DdpMemory {
   int64_t model_buffers = 0;
 };
 
+// The sharded optimizers (ZeroOptimizer: ZeRO-1, and FSDP's) keep fp32 moments for fp32 masters; bf16 moments
+// beside the masters are the model's own AdamW's. flashlm::InvalidArgument for moments stored otherwise under
+// either: DdpModel checks it, and train before it builds anything.
+void check_sharded_optimizer_state(OptimizerState state, bool zero1, bool fsdp);
+
 // DataParallel, and ZeroOptimizer when zero1, wired to a LanguageModel: its buffers, stream and gradient-ready
 // hook. The train step of `flashlm train` under mpirun and of `flashlm ddp-bench`. With zero1 on CUDA, when
 // reduce_scatter_obstacle() finds none and the model is not fp16 (whose overflow check reads every

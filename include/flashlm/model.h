@@ -253,21 +253,21 @@ class LanguageModel {
   LanguageModel(const LanguageModel&) = delete;
   LanguageModel& operator=(const LanguageModel&) = delete;
 
-  // --- What the model is.
-  virtual const ModelConfig& config() const = 0;
+  // --- What the model is (fixed when it is built).
+  const ModelConfig& config() const { return config_; }
   // The order and shapes of every parameter (parameter_layout(config())).
-  virtual const std::vector<ParameterInfo>& layout() const = 0;
-  virtual int64_t parameter_count() const = 0;
-  virtual Device device() const = 0;
-  virtual DType precision() const = 0;
+  const std::vector<ParameterInfo>& layout() const { return layout_; }
+  int64_t parameter_count() const { return parameter_count_; }
+  Device device() const { return device_; }
+  DType precision() const { return precision_; }
   // Parameters, gradients and moments stored in precision() itself, without fp32 masters (CudaModel's
   // bf16-pure). Such a model has no parameters()/gradients() in fp32 to hand to data parallelism.
-  virtual bool bf16_pure() const { return false; }
+  bool bf16_pure() const { return bf16_pure_; }
   // The type of the copy of the weights the GEMMs read: precision() for CudaModel's bf16/fp16 mixed
   // precision (working_parameters()), fp32 otherwise.
-  virtual DType working_dtype() const { return DType::f32; }
+  DType working_dtype() const { return bf16_pure_ || precision_ == DType::f32 ? DType::f32 : precision_; }
   // Built with ModelOptions::external_parameters: FSDP's sharded storage holds parameters and gradients.
-  virtual bool external_parameters() const { return false; }
+  bool external_parameters() const { return external_parameters_; }
 
   // --- The step.
   virtual void init_parameters(uint64_t seed) = 0;
@@ -346,12 +346,14 @@ class LanguageModel {
   std::span<ParameterStorage> parameter_storage() { return storage_; }
 
  protected:
-  LanguageModel();
-  // For a model's constructor, before anything reads them: its optimizer state, for `count` parameters in
-  // `device` memory with moments stored as `state` says (bf16_storage: in bf16 whatever it says, bf16-pure),
-  // and its loss scale (dynamic for fp16).
-  void init_optimizer_state(OptimizerState state, bool bf16_storage, int64_t count, Device device,
-                            bool dynamic_loss_scale);
+  // What the model is, from its constructor's arguments: the size (validated; its layout), the device, the
+  // precision of its activations, and options.bf16_pure and options.external_parameters. The subclass
+  // checks that it supports them.
+  LanguageModel(const ModelConfig& config, Device device, DType precision, const ModelOptions& options);
+  // For a model's constructor, before anything reads them: its optimizer state, for parameter_count()
+  // parameters in device() memory with moments stored as `state` says (in bf16 whatever it says when
+  // bf16_pure()), and its loss scale (dynamic for fp16).
+  void init_optimizer_state(OptimizerState state);
   AdamWState& adamw() { return *adamw_; }
   const AdamWState& adamw() const { return *adamw_; }
   LossScaler& loss_scaler() { return *loss_scaler_; }
@@ -381,6 +383,13 @@ class LanguageModel {
   std::vector<ParameterStorage> storage_;
 
  private:
+  ModelConfig config_;
+  std::vector<ParameterInfo> layout_;
+  int64_t parameter_count_ = 0;
+  Device device_;
+  DType precision_;
+  bool bf16_pure_ = false;
+  bool external_parameters_ = false;
   std::unique_ptr<AdamWState> adamw_;
   std::unique_ptr<LossScaler> loss_scaler_;
   GradientsNeededHook gradients_needed_hook_;
@@ -414,16 +423,10 @@ class CpuModel final : public LanguageModel {
   CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const ModelOptions& options);
   ~CpuModel() override;
 
-  const ModelConfig& config() const override;
-  const std::vector<ParameterInfo>& layout() const override;
   float* parameters() const override;
   float* gradients() const override;
-  int64_t parameter_count() const override;
-  Device device() const override { return Device::cpu; }
-  DType precision() const override { return DType::f32; }
   size_t activation_bytes() const;
   const RecomputePlan& recompute() const;
-  bool external_parameters() const override;
 
   // Normal(0, 0.02) weights (truncated at 3 sigma), unit RMSNorm gains; reproducible per seed.
   void init_parameters(uint64_t seed) override;
@@ -480,20 +483,12 @@ class CudaModel final : public LanguageModel {
   CudaModel(const CudaModel&) = delete;
   CudaModel& operator=(const CudaModel&) = delete;
 
-  const ModelConfig& config() const override;
-  const std::vector<ParameterInfo>& layout() const override;
   float* parameters() const override;  // device memory
   float* gradients() const override;   // device memory
   void* stream() const override;
   void parameters_changed() override;
   void* working_parameters() const override;
   std::vector<int64_t> master_read_parameters() const override;
-  int64_t parameter_count() const override;
-  Device device() const override { return Device::cuda; }
-  DType precision() const override;
-  bool bf16_pure() const override;
-  bool external_parameters() const override;
-  DType working_dtype() const override;
   const RecomputePlan& recompute() const;
 
   void init_parameters(uint64_t seed) override;  // the same values as CpuModel::init_parameters(seed)

@@ -126,15 +126,19 @@ void measure(Communicator& comm, const AllReduceBenchConfig& cfg, AllReduceBench
 
 }  // namespace
 
-std::vector<AllReduceBenchRecord> run_allreduce_bench(Communicator& comm, const AllReduceBenchConfig& cfg) {
-  FLASHLM_CHECK(cfg.iters >= 1, "allreduce-bench: iters must be at least 1, got {}", cfg.iters);
-  FLASHLM_CHECK(cfg.warmup >= 0, "allreduce-bench: warmup must be >= 0, got {}", cfg.warmup);
-  for (DType t : cfg.dtypes) {
-    FLASHLM_CHECK(cfg.device == Device::cuda || t == DType::f32 || t == DType::f64,
-                  "allreduce-bench: dtype {} needs --device cuda (MPI on the CPU carries fp32 and fp64)",
-                  dtype_name(t));
+void AllReduceBenchConfig::validate() const {
+  FLASHLM_CHECK_ARG(iters >= 1, "allreduce-bench: iters must be at least 1, got {}", iters);
+  FLASHLM_CHECK_ARG(warmup >= 0, "allreduce-bench: warmup must be >= 0, got {}", warmup);
+  for (DType t : dtypes) {
+    FLASHLM_CHECK_ARG(device == Device::cuda || t == DType::f32 || t == DType::f64,
+                      "allreduce-bench: dtype {} needs --device cuda (MPI on the CPU carries fp32 and fp64)",
+                      dtype_name(t));
   }
-  for (int64_t s : cfg.sizes) FLASHLM_CHECK(s > 0, "allreduce-bench: size {} bytes, expected > 0", s);
+  for (int64_t s : sizes) FLASHLM_CHECK_ARG(s > 0, "allreduce-bench: size {} bytes, expected > 0", s);
+}
+
+std::vector<AllReduceBenchRecord> run_allreduce_bench(Communicator& comm, const AllReduceBenchConfig& cfg) {
+  cfg.validate();
   // Every rank must run the same sweep, or the collectives would pair up wrongly.
   comm.agree(static_cast<int64_t>(cfg.sizes.size()), "the number of sizes");
   for (int64_t s : cfg.sizes) comm.agree(s, "the message sizes");

@@ -110,24 +110,19 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
         rec.window_left = cfg.window_left;
         rec.window_right = cfg.window_right;
         rec.softcap = cfg.softcap;
-        try {
-          if (cfg.device == Device::cpu && !(row_flops(cfg, rec) <= cfg.cpu_max_flops)) {
-            rec.status = "skipped";
-            rec.message = fmt::format("{:.2g} FLOPs on the CPU, above the limit of {:.2g} (--cpu-max-flops)",
-                                      row_flops(cfg, rec), cfg.cpu_max_flops);
-          } else {
-            measure_row(cfg, rec, impl, dtype);
-          }
-        } catch (const OutOfMemory& e) {
-          rec.status = "oom";
-          rec.message = e.what();
-        } catch (const std::bad_alloc&) {
-          rec.status = "oom";
-          rec.message = "std::bad_alloc";
-        } catch (const Error& e) {
-          rec.status = "error";
-          rec.message = e.what();
-        }
+        const auto mark = [&rec](const std::string& status, const std::string& message) {
+          rec.status = status, rec.message = message;
+        };
+        run_row(
+            [&] {
+              if (cfg.device == Device::cpu && !(row_flops(cfg, rec) <= cfg.cpu_max_flops)) {
+                mark("skipped", fmt::format("{:.2g} FLOPs on the CPU, above the limit of {:.2g} (--cpu-max-flops)",
+                                            row_flops(cfg, rec), cfg.cpu_max_flops));
+              } else {
+                measure_row(cfg, rec, impl, dtype);
+              }
+            },
+            mark);
         if (cfg.progress) {
           cfg.progress(fmt::format("[{}/{}] {} {} b={} h={}/{} n={} d={} causal={}: fwd {} ms, bwd {} ms, {}{}",
                                    records.size() + 1, total, rec.impl, rec.dtype, rec.batch, rec.heads, rec.kv_heads,

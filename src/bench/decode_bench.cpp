@@ -99,24 +99,19 @@ std::vector<DecodeBenchRecord> run_decode_bench(const DecodeBenchConfig& cfg) {
       rec.device = std::string(device_name(cfg.device));
       rec.batch = batch, rec.cache_len = cache, rec.heads = cfg.heads, rec.kv_heads = cfg.kv_heads;
       rec.head_dim = cfg.head_dim, rec.page_size = cfg.page_size, rec.nq = cfg.nq;
-      try {
-        if (cfg.device == Device::cpu && kv_bytes(rec, cfg.dtype) > cfg.cpu_max_bytes) {
-          rec.status = "skipped";
-          rec.message = fmt::format("{:.3g} bytes of K and V on the CPU, above {:.3g}", kv_bytes(rec, cfg.dtype),
-                                    cfg.cpu_max_bytes);
-        } else {
-          measure_row(cfg, rec);
-        }
-      } catch (const OutOfMemory& e) {
-        rec.status = "oom";
-        rec.message = e.what();
-      } catch (const std::bad_alloc&) {
-        rec.status = "oom";
-        rec.message = "std::bad_alloc";
-      } catch (const Error& e) {
-        rec.status = "error";
-        rec.message = e.what();
-      }
+      const auto mark = [&rec](const std::string& status, const std::string& message) {
+        rec.status = status, rec.message = message;
+      };
+      run_row(
+          [&] {
+            if (cfg.device == Device::cpu && kv_bytes(rec, cfg.dtype) > cfg.cpu_max_bytes) {
+              mark("skipped", fmt::format("{:.3g} bytes of K and V on the CPU, above {:.3g}", kv_bytes(rec, cfg.dtype),
+                                          cfg.cpu_max_bytes));
+            } else {
+              measure_row(cfg, rec);
+            }
+          },
+          mark);
       if (cfg.progress) {
         cfg.progress(fmt::format("[{}/{}] decode {} b={} cache={} h={}/{} d={} page={} nq={}: {} ms, {}{}",
                                  records.size() + 1, total, rec.dtype, rec.batch, rec.cache_len, rec.heads,

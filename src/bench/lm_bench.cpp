@@ -145,15 +145,17 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
   FLASHLM_CHECK(cfg.steps >= 1, "bench: steps must be at least 1, got {}", cfg.steps);
   FLASHLM_CHECK(cfg.warmup >= 0, "bench: warmup must be >= 0, got {}", cfg.warmup);
   FLASHLM_CHECK(cfg.batch >= 1, "bench: batch must be at least 1, got {}", cfg.batch);
-  FLASHLM_CHECK(!cfg.profile_kernels || cfg.device == Device::cuda,
-                "bench: the kernel summary (CUPTI) needs --device cuda");
+  FLASHLM_CHECK_ARG(!cfg.profile_kernels || cfg.device == Device::cuda,
+                    "bench: the kernel summary (CUPTI, --profile-kernels) needs --device cuda");
+  FLASHLM_CHECK_ARG(cfg.gemm_autotune == 0 || cfg.device == Device::cuda,
+                    "bench: gemm_autotune (--gemm-autotune) needs --device cuda");
   if (cfg.profile_kernels) {  // fail before any model is built when CUPTI cannot be used
     KernelProfiler::instance().start();
     KernelProfiler::instance().stop();
   }
   for (const auto& p : cfg.passes) {
-    FLASHLM_CHECK(p == "fwd" || p == "fwd-bwd" || p == "step", "bench: unknown pass '{}': expected fwd, fwd-bwd or step",
-                  p);
+    FLASHLM_CHECK_ARG(p == "fwd" || p == "fwd-bwd" || p == "step",
+                      "bench: unknown pass '{}' (--pass): expected fwd, fwd-bwd or step", p);
   }
 #ifdef FLASHLM_WITH_CUDA
   // Process-wide: set for this bench (plans built from here on are timed), restored when it returns.
@@ -175,7 +177,7 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
     }
   };
 #else
-  FLASHLM_CHECK(cfg.gemm_autotune == 0, "bench: gemm_autotune needs a CUDA build");
+  FLASHLM_CHECK_ARG(cfg.gemm_autotune == 0, "bench: gemm_autotune needs a CUDA build");
   const auto report_tuning = [] {};
 #endif
   std::vector<LmBenchRecord> records;
@@ -225,15 +227,7 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
           if (cfg.device == Device::cpu && (precision != DType::f32 || bf16_pure || fp8)) {
             mark("unsupported", "the CPU engine runs fp32; bf16, fp16, bf16-pure and fp8 are CUDA precisions");
           } else {
-            try {
-              measure(cfg, mc, precision, bf16_pure, fp8, impl, rows);
-            } catch (const OutOfMemory& e) {
-              mark("oom", e.what());
-            } catch (const std::bad_alloc&) {
-              mark("oom", "std::bad_alloc");
-            } catch (const Error& e) {
-              mark("error", e.what());
-            }
+            run_row([&] { measure(cfg, mc, precision, bf16_pure, fp8, impl, rows); }, mark);
           }
           ++done;
           report_tuning();

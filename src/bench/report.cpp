@@ -6,6 +6,7 @@
 #include <cmath>
 #include <ctime>
 #include <fstream>
+#include <new>
 #include <thread>
 
 #include "core/check.h"
@@ -160,6 +161,19 @@ std::string describe_device(Device device) {
     }
   }
   return fmt::format("{} ({} hardware threads)", model, std::thread::hardware_concurrency());
+}
+
+void run_row(const std::function<void()>& row,
+             const std::function<void(const std::string& status, const std::string& message)>& mark) {
+  try {
+    row();
+  } catch (const OutOfMemory& e) {
+    mark("oom", e.what());
+  } catch (const std::bad_alloc&) {
+    mark("oom", "std::bad_alloc");
+  } catch (const Error& e) {
+    mark("error", e.what());
+  }
 }
 
 }  // namespace flashlm

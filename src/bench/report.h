@@ -39,4 +39,9 @@ double median_call_ms(Device device, int warmup, int reps, const std::function<v
 
 std::string utc_date();  // "2026-11-30", for the reports' meta
 
+// Runs one row of a sweep: an OutOfMemory or std::bad_alloc marks the row "oom", another flashlm::Error
+// "error", each with its message (mark(status, message)), and the sweep goes on to the next row.
+void run_row(const std::function<void()>& row,
+             const std::function<void(const std::string& status, const std::string& message)>& mark);
+
 }  // namespace flashlm

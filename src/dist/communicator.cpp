@@ -212,6 +212,17 @@ struct Communicator::Impl {
 
   void check(int rc, const char* call) const { check_mpi(rc, call, rank); }
 
+  // A CPU collective about to start on this communicator, its MPI requests still to add: the result lands in
+  // `result` (which avg divides by the world size once it has).
+  std::unique_ptr<CommRequest::State> new_request(const TensorView& result = {}, ReduceOp op = ReduceOp::sum) const {
+    auto state = std::make_unique<CommRequest::State>();
+    state->x = result;
+    state->op = op;
+    state->world_size = size;
+    state->rank = rank;
+    return state;
+  }
+
   // An MPI call that blocks until the peers take part (a collective, a wait), watched by the watchdog.
   template <class Call>
   void blocking(const char* call, Call&& fn) {
@@ -320,11 +331,7 @@ CommRequest Communicator::all_reduce_async(const TensorView& x, ReduceOp op, voi
     return request;
   }
   const MPI_Datatype type = mpi_type(x.dtype, "all_reduce_async", "x");
-  auto state = std::make_unique<CommRequest::State>();
-  state->x = x;
-  state->op = op;
-  state->world_size = m.size;
-  state->rank = m.rank;
+  auto state = m.new_request(x, op);
   for_each_mpi_chunk(x, [&](void* at, int count) {
     MPI_Request r = MPI_REQUEST_NULL;
     m.check(MPI_Iallreduce(MPI_IN_PLACE, at, count, type, mpi_op(op), m.comm, &r), "MPI_Iallreduce");
@@ -437,11 +444,7 @@ CommRequest Communicator::reduce_scatter_async(const TensorView& in, const Tenso
   }
   const bool in_place = check_reduce_scatter(in, out, "reduce_scatter_async");
   const MPI_Datatype type = mpi_type(in.dtype, "reduce_scatter_async", "in");
-  auto state = std::make_unique<CommRequest::State>();
-  state->x = out;
-  state->op = op;
-  state->world_size = m.size;
-  state->rank = m.rank;
+  auto state = m.new_request(out, op);
   MPI_Request r = MPI_REQUEST_NULL;
   const int count = static_cast<int>(out.numel());
   if (in_place) {
@@ -513,9 +516,7 @@ CommRequest Communicator::all_gather_segments_async(const TensorView& x, std::sp
   }
   check_segments(x, segments, "all_gather_segments_async");
   const MPI_Datatype type = mpi_type(x.dtype, "all_gather_segments_async", "x");
-  auto state = std::make_unique<CommRequest::State>();
-  state->world_size = m.size;
-  state->rank = m.rank;
+  auto state = m.new_request();
   for (const Segment& s : segments) {
     if (s.part == 0) continue;
     void* at = static_cast<char*>(x.data) + size_t(s.offset) * dtype_size(x.dtype);

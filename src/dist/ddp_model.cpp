@@ -19,6 +19,13 @@
 
 namespace flashlm {
 
+void check_sharded_optimizer_state(OptimizerState state, bool zero1, bool fsdp) {
+  FLASHLM_CHECK_ARG(state == OptimizerState::fp32 || (!zero1 && !fsdp),
+                    "data parallelism: --optimizer-state {} is the model's own AdamW's; ZeRO-1 and FSDP shard fp32 "
+                    "moments: use --optimizer-state fp32 with {}",
+                    optimizer_state_name(state), fsdp ? "--ddp fsdp" : "--zero 1");
+}
+
 DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch_tokens, const DdpOptions& options,
                    bool zero1)
     : model_(model),
@@ -36,12 +43,7 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
                 "DdpModel: bf16-pure runs under data parallelism with --ddp fsdp and sharded storage only "
                 "(ModelOptions::external_parameters: its bf16 shards are the parameters); DDP and ZeRO-1 need the "
                 "fp32 masters of --precision bf16");
-  // The sharded optimizers (ZeroOptimizer) keep fp32 moments for fp32 masters; bf16 moments beside fp32
-  // masters are the model's own AdamW's (plain DDP steps each rank's model).
-  FLASHLM_CHECK(model.optimizer_state() == OptimizerState::fp32 || (!zero1 && !fsdp),
-                "DdpModel: --optimizer-state {} is the model's own AdamW's; ZeRO-1 and FSDP shard fp32 moments: "
-                "use --optimizer-state fp32 with {}",
-                optimizer_state_name(model.optimizer_state()), fsdp ? "--ddp fsdp" : "--zero1");
+  check_sharded_optimizer_state(model.optimizer_state(), zero1, fsdp);
   FLASHLM_CHECK(fsdp || !model.external_parameters(),
                 "DdpModel: a model built with external_parameters keeps its weights in FSDP's shards: it needs "
                 "--ddp fsdp");

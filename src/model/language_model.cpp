@@ -1,5 +1,6 @@
-// What every model shares (flashlm/model.h's LanguageModel): its optimizer state and loss scale, the
-// data-parallel hooks and the parameter-storage table, the checks of checkpoint arrays, and the step.
+// What every model shares (flashlm/model.h's LanguageModel): what it is (size, layout, device, precision),
+// its optimizer state and loss scale, the data-parallel hooks and the parameter-storage table, the checks of
+// checkpoint arrays, and the step.
 #include <algorithm>
 #include <bit>
 #include <climits>
@@ -34,12 +35,18 @@ void LanguageModel::check_bf16_moments(std::string_view caller, std::span<const 
   }
 }
 
-LanguageModel::LanguageModel() = default;
+LanguageModel::LanguageModel(const ModelConfig& config, Device device, DType precision, const ModelOptions& options)
+    : config_(config),
+      layout_(parameter_layout(config)),
+      parameter_count_(layout_.back().offset + layout_.back().numel()),
+      device_(device),
+      precision_(precision),
+      bf16_pure_(options.bf16_pure),
+      external_parameters_(options.external_parameters) {}
 
-void LanguageModel::init_optimizer_state(OptimizerState state, bool bf16_storage, int64_t count, Device device,
-                                         bool dynamic_loss_scale) {
-  adamw_ = std::make_unique<AdamWState>(state, bf16_storage, count, device);
-  loss_scaler_ = std::make_unique<LossScaler>(dynamic_loss_scale);
+void LanguageModel::init_optimizer_state(OptimizerState state) {
+  adamw_ = std::make_unique<AdamWState>(state, bf16_pure_, parameter_count_, device_);
+  loss_scaler_ = std::make_unique<LossScaler>(precision_ == DType::f16);
 }
 
 LanguageModel::~LanguageModel() = default;

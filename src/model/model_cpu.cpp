@@ -17,12 +17,9 @@
 namespace flashlm {
 
 struct CpuModel::Impl {
-  const CpuModel& model;  // for its parameter_storage() table
-  ModelConfig config;
+  const CpuModel& model;  // for its size and its parameter_storage() table
   int64_t batch, seq;
   ModelOptions options;
-  std::vector<ParameterInfo> layout;
-  int64_t n_params = 0;
   // acts: the activation values (ActivationLayout's), then the logits of one LM-head chunk [head_chunk,
   // vocab]; stats: its fp32 statistics (RMSNorm 1/rms, attention logsumexp); rope: the RoPE tables
   // [context, head_dim / 2] (cos, then sin).
@@ -38,14 +35,14 @@ struct CpuModel::Impl {
   const int32_t* tokens = nullptr;
   const int32_t* targets = nullptr;
 
-  Impl(const CpuModel& model, const ModelConfig& config, int64_t batch, int64_t seq, const ModelOptions& options)
-      : model(model), config(config), batch(batch), seq(seq), options(options), layout(parameter_layout(config)) {}
+  Impl(const CpuModel& model, int64_t batch, int64_t seq, const ModelOptions& options)
+      : model(model), batch(batch), seq(seq), options(options) {}
   float* param(const std::string& name) const { return model.stored(name).master; }
   float* grad(const std::string& name) const { return model.stored(name).grad; }
   float* act(int64_t offset) const { return static_cast<float*>(acts.data()) + offset; }
   float* stat(int64_t offset) const { return static_cast<float*>(stats.data()) + offset; }
   const float* rope_cos() const { return static_cast<const float*>(rope.data()); }
-  const float* rope_sin() const { return rope_cos() + config.context * (config.head_dim() / 2); }
+  const float* rope_sin() const { return rope_cos() + model.config().context * (model.config().head_dim() / 2); }
   // The attention call of every layer (causal).
   AttentionOptions attention_options() const {
     AttentionOptions attn;
@@ -59,7 +56,7 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, Attent
     : CpuModel(config, batch, seq, ModelOptions::with_attention(attention)) {}
 
 CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const ModelOptions& options)
-    : impl_(std::make_unique<Impl>(*this, config, batch, seq, options)) {
+    : LanguageModel(config, Device::cpu, DType::f32, options), impl_(std::make_unique<Impl>(*this, batch, seq, options)) {
   Impl& s = *impl_;
   FLASHLM_CHECK(batch >= 1, "CpuModel: batch = {}, expected at least 1", batch);
   FLASHLM_CHECK(seq >= 1 && seq <= config.context, "CpuModel: seq = {} outside [1, context = {}]", seq,
@@ -67,9 +64,8 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   FLASHLM_CHECK(!options.bf16_pure, "CpuModel: the CPU engine runs fp32, not bf16-pure");
   FLASHLM_CHECK(!options.fp8, "CpuModel: the CPU engine runs fp32, not fp8 (cuBLASLt's FP8 GEMMs: --device cuda)");
   options.check_optimizer_state();
-  s.n_params = s.layout.back().offset + s.layout.back().numel();
-  init_optimizer_state(options.optimizer_state, false, s.n_params, Device::cpu, false);
-  const size_t pbytes = size_t(s.n_params) * sizeof(float);
+  init_optimizer_state(options.optimizer_state);
+  const size_t pbytes = size_t(parameter_count()) * sizeof(float);
   // FSDP's sharded storage holds them instead (ModelOptions::external_parameters).
   if (!options.external_parameters) {
     s.params = Buffer::allocate(pbytes, Device::cpu, "parameters");
@@ -95,33 +91,27 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
                            Device::cpu, "RoPE tables");
   float* rope = static_cast<float*>(s.rope.data());
   cpu::rope_tables(rope, rope + config.context * half, config.context, config.head_dim(), config.rope_theta);
-  if (!options.external_parameters) std::fill(parameters(), parameters() + s.n_params, 0.0f);
+  if (!options.external_parameters) std::fill(parameters(), parameters() + parameter_count(), 0.0f);
   zero_grad();
 }
 
 CpuModel::~CpuModel() = default;
 
-const ModelConfig& CpuModel::config() const { return impl_->config; }
-const std::vector<ParameterInfo>& CpuModel::layout() const { return impl_->layout; }
 float* CpuModel::parameters() const { return static_cast<float*>(impl_->params.data()); }
 float* CpuModel::gradients() const { return static_cast<float*>(impl_->grads.data()); }
-int64_t CpuModel::parameter_count() const { return impl_->n_params; }
 size_t CpuModel::activation_bytes() const { return impl_->acts.bytes() + impl_->stats.bytes(); }
 const RecomputePlan& CpuModel::recompute() const { return impl_->options.recompute; }
-bool CpuModel::external_parameters() const { return impl_->options.external_parameters; }
 
 void CpuModel::release_optimizer_state() { adamw().release(); }
 
 void CpuModel::check_own_storage(std::string_view caller) const {
-  const Impl& s = *impl_;
-  FLASHLM_CHECK(!s.options.external_parameters,
+  FLASHLM_CHECK(!external_parameters(),
                 "{}: this model keeps no flat parameters of its own (FSDP's sharded storage: use DdpModel's)", caller);
 }
 
 void CpuModel::init_parameters(uint64_t seed) {
-  Impl& s = *impl_;
   check_own_storage("CpuModel::init_parameters");
-  init_parameters_host(s.layout, parameters(), seed);
+  init_parameters_host(layout(), parameters(), seed);
 }
 
 int64_t CpuModel::head_chunk() const { return impl_->head_chunk; }
@@ -129,7 +119,7 @@ int64_t CpuModel::head_chunk() const { return impl_->head_chunk; }
 void CpuModel::copy_logits_to(float* out) const {
   const Impl& s = *impl_;
   FLASHLM_CHECK(s.tokens != nullptr, "copy_logits_to: call forward() first (and not backward() since)");
-  const int64_t n = s.batch * s.seq, d = s.config.d_model, V = s.config.vocab;
+  const int64_t n = s.batch * s.seq, d = config().d_model, V = config().vocab;
   const float* h = s.act(s.acts_layout.h_f);
   // Recomputed from the final norm's output in the forward's chunks: the same products on the same rows,
   // so the same values the loss was computed from.
@@ -151,7 +141,7 @@ TensorView heads_view(float* data, int64_t batch, int64_t seq, int64_t heads, in
 
 double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
   Impl& s = *impl_;
-  const ModelConfig& c = s.config;
+  const ModelConfig& c = config();
   const int64_t n = s.batch * s.seq, d = c.d_model;
   for (int64_t i = 0; i < n; ++i) {
     FLASHLM_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab, "forward: tokens[{}] = {} outside [0, vocab = {})", i,
@@ -184,7 +174,7 @@ double CpuModel::forward(const int32_t* tokens, const int32_t* targets) {
 
 void CpuModel::forward_block(int64_t l, BlockPass pass) {
   Impl& s = *impl_;
-  const ModelConfig& c = s.config;
+  const ModelConfig& c = config();
   const int64_t n = s.batch * s.seq, d = c.d_model, f = c.d_ff, hd = c.head_dim();
   const ActivationLayout& A = s.acts_layout;
   const BlockActivations& a = A.blocks[size_t(l)];
@@ -224,7 +214,7 @@ void CpuModel::forward_block(int64_t l, BlockPass pass) {
 void CpuModel::backward() {
   Impl& s = *impl_;
   FLASHLM_CHECK(s.tokens != nullptr, "backward: call forward() first");
-  const ModelConfig& c = s.config;
+  const ModelConfig& c = config();
   const int64_t n = s.batch * s.seq, d = c.d_model, f = c.d_ff, hd = c.head_dim();
   const ActivationLayout& A = s.acts_layout;
   const float* rope_cos = s.rope_cos();
@@ -320,24 +310,23 @@ void CpuModel::backward() {
 }
 
 void CpuModel::zero_grad() {
-  Impl& s = *impl_;
   // Sharded storage: FsdpParameters zeroes each gradient buffer as it hands it out.
-  if (!s.options.external_parameters) std::fill(gradients(), gradients() + s.n_params, 0.0f);
+  if (!external_parameters()) std::fill(gradients(), gradients() + parameter_count(), 0.0f);
 }
 
 double CpuModel::gradient_norm() const {
-  const Impl& s = *impl_;
   // Fixed chunks summed in a fixed order: the norm (and so the clipping) is bit-identical from run to
   // run whatever the thread count, which resuming from a checkpoint relies on (and ZeRO-1's sharded norm,
   // whose shards are whole chunks).
   check_own_storage("CpuModel::gradient_norm");
   constexpr int64_t kChunk = kGradientNormChunk;
-  const int64_t chunks = (s.n_params + kChunk - 1) / kChunk;
+  const int64_t n = parameter_count();
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<double> partial(size_t(chunks), 0.0);
   const float* g = gradients();
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
-    partial[size_t(c)] = cpu::sum_squares(g + c * kChunk, std::min(s.n_params, (c + 1) * kChunk) - c * kChunk);
+    partial[size_t(c)] = cpu::sum_squares(g + c * kChunk, std::min(n, (c + 1) * kChunk) - c * kChunk);
   }
   double ss = 0;
   for (double x : partial) ss += x;
@@ -345,13 +334,13 @@ double CpuModel::gradient_norm() const {
 }
 
 double CpuModel::clip_gradients(double max_norm) {
-  Impl& s = *impl_;
   const double norm = gradient_norm();
   if (max_norm > 0 && norm > max_norm) {
     const float scale = cpu::clip_scale(norm, max_norm);
     float* g = gradients();
+    const int64_t n = parameter_count();
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < s.n_params; ++i) g[i] *= scale;
+    for (int64_t i = 0; i < n; ++i) g[i] *= scale;
   }
   return norm;
 }
@@ -359,7 +348,7 @@ double CpuModel::clip_gradients(double max_norm) {
 void CpuModel::save_state(std::span<float> params, std::span<float> m, std::span<float> v) const {
   check_own_storage("CpuModel::save_state");
   check_state_arrays("CpuModel::save_state", params.size(), m.size(), v.size(), 0);
-  std::copy(parameters(), parameters() + impl_->n_params, params.begin());
+  std::copy(parameters(), parameters() + parameter_count(), params.begin());
   adamw().save(m, v);
 }
 
@@ -381,7 +370,7 @@ void CpuModel::adamw_step(const AdamWConfig& c, double lr) {
   AdamWState& state = adamw();
   state.allocate();
   const int64_t step = state.begin_step();
-  const int64_t n = impl_->n_params;
+  const int64_t n = parameter_count();
   if (state.bf16()) {
     cpu::adamw_step_bf16_moments(parameters(), gradients(), state.m_as<bf16_t>(), state.v_as<bf16_t>(), n, lr,
                                  c.beta1, c.beta2, c.eps, c.weight_decay, step,

@@ -249,9 +249,14 @@ TrainResult train(const TrainConfig& cfg) {
   FLASHLM_CHECK(cfg.comm || (cfg.ddp.grad_accum == 1 && !cfg.zero1),
                 "train: gradient accumulation and ZeRO-1 run through the data-parallel layer: they need a communicator");
   FLASHLM_CHECK(cfg.ddp.grad_accum >= 1, "train: grad_accum = {}, expected at least 1", cfg.ddp.grad_accum);
-  FLASHLM_CHECK(!cfg.sharded_checkpoint || (cfg.comm && cfg.ddp.variant == DdpVariant::fsdp),
-                "train: sharded checkpoints are FSDP's: they need --ddp fsdp");
-  FLASHLM_CHECK(!cfg.sharded_checkpoint || !cfg.checkpoint.empty(), "train: a sharded checkpoint needs --checkpoint PATH");
+  FLASHLM_CHECK_ARG(!cfg.sharded_checkpoint || (cfg.comm && cfg.ddp.variant == DdpVariant::fsdp),
+                    "train: sharded checkpoints are FSDP's: they need --ddp fsdp");
+  FLASHLM_CHECK_ARG(!cfg.sharded_checkpoint || !cfg.checkpoint.empty(),
+                    "train: a sharded checkpoint needs --checkpoint PATH");
+  FLASHLM_CHECK_ARG(!(cfg.loss_scale_init > 0) || cfg.precision == DType::f16,
+                    "train: loss_scale_init (--loss-scale-init) needs fp16, not {}", dtype_name(cfg.precision));
+  check_sharded_optimizer_state(cfg.options.optimizer_state, cfg.zero1,
+                                cfg.comm && cfg.ddp.variant == DdpVariant::fsdp);
   const bool root = !cfg.comm || cfg.comm->is_root();
   const int world = cfg.comm ? cfg.comm->world_size() : 1;
   const int64_t accum = cfg.ddp.grad_accum;
@@ -297,10 +302,8 @@ TrainResult train(const TrainConfig& cfg) {
       make_model(cfg.model, cfg.batch, cfg.seq, cfg.device, cfg.precision, options);
   LanguageModel& model = *model_ptr;
   if (!sharded) model.init_parameters(cfg.seed);
-  if (cfg.loss_scale_init > 0) {  // a resumed run then takes the checkpoint's scale instead
-    FLASHLM_CHECK(cfg.precision == DType::f16, "train: loss_scale_init needs fp16, not {}", dtype_name(cfg.precision));
-    model.restore_loss_scale(cfg.loss_scale_init, 0);
-  }
+  // A resumed run then takes the checkpoint's scale instead.
+  if (cfg.loss_scale_init > 0) model.restore_loss_scale(cfg.loss_scale_init, 0);
   std::unique_ptr<DdpModel> dp;
   if (cfg.comm) dp = std::make_unique<DdpModel>(*cfg.comm, model, cfg.batch * cfg.seq, cfg.ddp, cfg.zero1);
   if (sharded) dp->init_parameters(cfg.seed);  // the single process's values, each rank keeping its shard

@@ -84,14 +84,19 @@ __global__ void __launch_bounds__(kEmbThreads)
   }
 }
 
+// The sizes both passes take: n tokens, rows of d values, ids below vocab.
+void check_embedding_sizes(const char* fn, int64_t n, int64_t d, int64_t vocab) {
+  check_count(fn, "n", n);
+  check_width(fn, "d", d);
+  check_width(fn, "vocab", vocab);
+}
+
 }  // namespace
 
 template <class T>
 void embedding_forward(const float* table, const int32_t* tokens, T* x, int64_t n, int64_t d, int64_t vocab,
                        void* stream) {
-  check_count("embedding_forward", "n", n);
-  check_width("embedding_forward", "d", d);
-  check_width("embedding_forward", "vocab", vocab);
+  check_embedding_sizes("embedding_forward", n, d, vocab);
   if (n == 0) return;
   const int64_t packs = d % kPack == 0 ? pack_count(n * d, table, x) : 0;
   embedding_forward_kernel<<<packed_blocks(n * d, packs), kThreads, 0, as_stream(stream)>>>(table, tokens, dev(x), n,
@@ -102,9 +107,7 @@ void embedding_forward(const float* table, const int32_t* tokens, T* x, int64_t 
 template <class T>
 void embedding_backward(const T* dx, const int32_t* tokens, float* dtable, int64_t n, int64_t d, int64_t vocab,
                         void* stream) {
-  check_count("embedding_backward", "n", n);
-  check_width("embedding_backward", "d", d);
-  check_width("embedding_backward", "vocab", vocab);
+  check_embedding_sizes("embedding_backward", n, d, vocab);
   FLASHLM_CHECK(n <= INT_MAX, "embedding_backward: n = {} is too large", n);
   FLASHLM_CHECK(ceil_div(d, kEmbThreads) <= kMaxGridY, "embedding_backward: d = {} is too large", d);
   if (n == 0) return;

@@ -38,9 +38,8 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
 
 CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DType precision,
                      const ModelOptions& options, void* stream)
-    : impl_(std::make_unique<Impl>()) {
+    : LanguageModel(config, Device::cuda, precision, options), impl_(std::make_unique<Impl>(*this)) {
   Impl& m = *impl_;
-  config.validate();
   FLASHLM_CHECK(precision == DType::f32 || precision == DType::bf16 || precision == DType::f16,
                 "CudaModel: precision {} is not supported (fp32, bf16 or fp16)", dtype_name(precision));
   FLASHLM_CHECK(!options.bf16_pure || precision == DType::bf16, "CudaModel: bf16-pure needs precision bf16, not {}",
@@ -56,23 +55,17 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   // Refuse before allocating anything when the plan does not fit the free memory.
   check_memory_plan(plan_model_memory(config, batch, seq, Device::cuda, precision, options), cuda_free_memory_bytes(),
                     "the GPU");
-  m.c = config;
   m.batch = batch;
   m.seq = seq;
   m.n = checked_mul(batch, seq, "CudaModel: tokens per step");
-  m.precision = precision;
   m.options = options;
-  m.pure = options.bf16_pure;
   m.stream = stream;
-  m.layout = parameter_layout(config);
   for (size_t i = 0; i < m.layout.size(); ++i) {
     m.index.emplace(m.layout[i].name, i);
     m.largest_parameter = std::max(m.largest_parameter, m.layout[i].numel());
     if (m.layout[i].shape.size() == 1) m.gain_row.emplace(m.layout[i].name, int64_t(m.gain_row.size()));
   }
-  m.n_params = m.layout.back().offset + m.layout.back().numel();
-  // Pure bf16 keeps its moments in bf16 whatever the optimizer state says.
-  init_optimizer_state(options.optimizer_state, m.pure, m.n_params, Device::cuda, precision == DType::f16);
+  init_optimizer_state(options.optimizer_state);
   m.adam = &adamw();
   m.scaler = &loss_scaler();
 
@@ -138,8 +131,6 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
 
 CudaModel::~CudaModel() = default;
 
-const ModelConfig& CudaModel::config() const { return impl_->c; }
-const std::vector<ParameterInfo>& CudaModel::layout() const { return impl_->layout; }
 float* CudaModel::parameters() const {
   FLASHLM_CHECK(!impl_->pure, "CudaModel: a bf16-pure model keeps no fp32 parameters (data parallelism needs "
                               "--precision bf16, fp16 or fp32)");
@@ -152,21 +143,13 @@ float* CudaModel::gradients() const {
   impl_->norms_current = false;
   return static_cast<float*>(impl_->grads.data());
 }
-bool CudaModel::bf16_pure() const { return impl_->pure; }
-
-bool CudaModel::external_parameters() const { return impl_->options.external_parameters; }
-DType CudaModel::working_dtype() const {
-  return impl_->pure || impl_->precision == DType::f32 ? DType::f32 : impl_->precision;
-}
 
 void CudaModel::check_own_storage(std::string_view caller) const {
-  FLASHLM_CHECK(!impl_->options.external_parameters,
+  FLASHLM_CHECK(!external_parameters(),
                 "{}: this model keeps no flat parameters of its own (FSDP's sharded storage: use DdpModel's)", caller);
 }
 const RecomputePlan& CudaModel::recompute() const { return impl_->A.recompute; }
 void* CudaModel::stream() const { return impl_->stream; }
-int64_t CudaModel::parameter_count() const { return impl_->n_params; }
-DType CudaModel::precision() const { return impl_->precision; }
 
 namespace {
 
@@ -202,7 +185,7 @@ void CudaModel::load_parameters(const float* host) {
 
 std::vector<int64_t> CudaModel::master_read_parameters() const {
   std::vector<int64_t> read;
-  if (impl_->precision == DType::f32 || impl_->pure) return read;
+  if (working_dtype() == DType::f32) return read;
   // The parameters forward() and backward() pass as m.master(...): the embedding lookup and the RMSNorm gains.
   const auto ends_with = [](const std::string& s, std::string_view tail) {
     return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
@@ -218,7 +201,7 @@ std::vector<int64_t> CudaModel::master_read_parameters() const {
 }
 
 void* CudaModel::working_parameters() const {
-  return impl_->precision == DType::f32 || impl_->pure ? nullptr : impl_->params_lp.data();
+  return working_dtype() == DType::f32 ? nullptr : impl_->params_lp.data();
 }
 
 void CudaModel::parameters_changed() {

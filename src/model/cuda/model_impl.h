@@ -66,16 +66,17 @@ inline void with_precision(DType precision, Fn&& fn) {
 }
 
 struct CudaModel::Impl {
-  ModelConfig c;
+  // What the model is (LanguageModel's, fixed when it is built), by the short names the step uses.
+  const ModelConfig& c;
+  const std::vector<ParameterInfo>& layout;
+  const int64_t n_params;
+  const DType precision;
+  const bool pure;  // bf16-pure: params, grads and the AdamW moments hold bf16
   int64_t batch, seq, n;
-  DType precision;
   ModelOptions options;
-  bool pure = false;  // bf16-pure: params, grads and the AdamW moments hold bf16
   void* stream;
-  std::vector<ParameterInfo> layout;
   std::unordered_map<std::string, size_t> index;  // parameter name -> position in layout
   std::unordered_map<std::string, int64_t> gain_row;  // bf16-pure: RMSNorm gain name -> row of gains_f32
-  int64_t n_params;
   // params_lp: the weights in `precision` (mixed bf16/fp16 only). staging (bf16-pure): an fp32 array as large
   // as the largest parameter, where a backward accumulates one parameter's gradient (and where widened
   // copies pass through); gains_f32 (bf16-pure): the RMSNorm gains widened, [2 layers + 1, d_model].
@@ -114,6 +115,13 @@ struct CudaModel::Impl {
   std::unique_ptr<StepGraph> graph;  // train_step's CUDA graph, from its first call on
   std::string graph_status;          // CudaModel::cuda_graph_status
   bool capturing = false;            // the step's host code is being captured, not run
+
+  explicit Impl(const LanguageModel& model)
+      : c(model.config()),
+        layout(model.layout()),
+        n_params(model.parameter_count()),
+        precision(model.precision()),
+        pure(model.bf16_pure()) {}
 
   size_t elem() const { return dtype_size(precision); }
   size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads

@@ -212,15 +212,21 @@ __global__ void __launch_bounds__(kColumnThreads)
   }
 }
 
+// Both passes' checks of n rows of width d, and their grid: one block per kNormRows rows.
+int64_t checked_norm_blocks(const char* fn, int64_t n, int64_t d) {
+  check_count(fn, "n", n);
+  check_width(fn, "d", d);
+  const int64_t blocks = ceil_div(n, kNormRows);
+  FLASHLM_CHECK(blocks <= INT_MAX, "{}: n = {} is too large", fn, n);
+  return blocks;
+}
+
 }  // namespace
 
 template <class T>
 void rmsnorm_forward(const T* x, const float* gain, T* y, float* rstd, int64_t n, int64_t d, float eps, void* stream) {
-  check_count("rmsnorm_forward", "n", n);
-  check_width("rmsnorm_forward", "d", d);
+  const int64_t blocks = checked_norm_blocks("rmsnorm_forward", n, d);
   if (n == 0) return;
-  const int64_t blocks = ceil_div(n, kNormRows);
-  FLASHLM_CHECK(blocks <= INT_MAX, "rmsnorm_forward: n = {} is too large", n);
   const cudaStream_t s = as_stream(stream);
   if (d % kPack == 0 && aligned16(x) && aligned16(gain) && aligned16(y)) {
     rmsnorm_forward_kernel<true><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(x), gain, dev(y), rstd, n, int(d), eps);
@@ -233,11 +239,8 @@ void rmsnorm_forward(const T* x, const float* gain, T* y, float* rstd, int64_t n
 template <class T>
 void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* rstd, T* dx, float* dgain, int64_t n,
                       int64_t d, void* stream) {
-  check_count("rmsnorm_backward", "n", n);
-  check_width("rmsnorm_backward", "d", d);
+  const int64_t blocks = checked_norm_blocks("rmsnorm_backward", n, d);
   if (n == 0) return;
-  const int64_t blocks = ceil_div(n, kNormRows);
-  FLASHLM_CHECK(blocks <= INT_MAX, "rmsnorm_backward: n = {} is too large", n);
   const cudaStream_t s = as_stream(stream);
 
   // dgain's partials beside dx (they read dy, x and rstd only): chunks of rows fixed by n alone (64 rows,
