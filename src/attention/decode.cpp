@@ -1,10 +1,13 @@
 // flash_attention_with_kvcache: validate once (validate.cpp), the CUDA-only checks of the views and index
 // arrays, then the backend of the device.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
 
 #include "attention/backends.h"
+#include "attention/decode_split.h"
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
@@ -65,6 +68,29 @@ void check_cuda_kvcache(const KvCacheProblem& kp, const KvCacheIndex& index, std
 }
 
 }  // namespace
+
+// The smallest split count whose grid keeps at least 95% of the best share of the block slots busy, for
+// sequences of the full capacity: a split is a run of whole tiles (decode_split_range), so s splits give
+// ceil(tiles / per) busy blocks of per = ceil(tiles / s) tiles per (sequence, head, row chunk), in
+// ceil(blocks / slots) waves. Fewer splits at the same share: fewer partials to write and combine.
+int64_t kvcache_num_splits(int64_t capacity, int64_t other_blocks, int resident_blocks) {
+  if (other_blocks <= 0 || capacity <= 0) return 1;
+  const double slots = std::max(resident_blocks, 1);
+  const int64_t tiles = (capacity + kDecodeTileKeys - 1) / kDecodeTileKeys;
+  const int64_t most = std::clamp<int64_t>(capacity / kDecodeMinKeysPerSplit, 1, kDecodeMaxSplits);
+  const auto busy_share = [&](int64_t s) {
+    const int64_t per = (tiles + s - 1) / s, used = (tiles + per - 1) / per;
+    const double blocks = static_cast<double>(other_blocks) * static_cast<double>(used);
+    const double waves = std::ceil(blocks / slots);
+    return static_cast<double>(other_blocks) * static_cast<double>(tiles) / (waves * slots * static_cast<double>(per));
+  };
+  double best = 0;
+  for (int64_t s = 1; s <= most; ++s) best = std::max(best, busy_share(s));
+  for (int64_t s = 1; s <= most; ++s) {
+    if (busy_share(s) >= 0.95 * best) return s;
+  }
+  return 1;
+}
 
 void flash_attention_with_kvcache(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                                   const KvCacheIndex& index, const TensorView& k_new, const TensorView& v_new,

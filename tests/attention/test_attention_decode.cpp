@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "attention/backends.h"
+#include "attention/decode_split.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
 #include "flashlm/memory.h"
@@ -265,6 +267,68 @@ TEST(AttentionDecode, CpuAppendWithoutQueriesOnlyWritesTheCache) {
   run_cpu_and_check(c);
 }
 
+// ---- The CUDA split kernel's arithmetic (host code, checked without a GPU) -------------------------------
+
+// decode_split_range: tiles start at multiples of the tile; every key of [lo, hi) belongs to exactly one split,
+// and the splits' tiles hold their keys with less than a tile to spare; near the int32 limit too.
+TEST(AttentionDecode, SplitRangesCoverTheVisibleKeysOnce) {
+  constexpr int n = kDecodeTileKeys;
+  const int big = std::numeric_limits<int32_t>::max();
+  const std::vector<std::pair<int, int>> spans = {{0, 0},      {0, 1},       {0, 63},      {0, 64},
+                                                  {0, 65},     {5, 5},       {37, 200},    {64, 128},
+                                                  {100, 16421}, {15904, 20008}, {0, 131072}, {big - 1000, big},
+                                                  {big - 64, big}, {0, big}};
+  for (const auto& [lo, hi] : spans) {
+    for (int splits : {1, 2, 3, 7, 32, 33, 127, 128}) {
+      int64_t next = lo, tiles = 0;  // the splits are in key order: split s starts where s - 1 ended
+      for (int s = 0; s < splits; ++s) {
+        const DecodeSplitRange r = decode_split_range(lo, hi, splits, s);
+        const std::string what = fmt::format("[{}, {}) in {} splits, split {}", lo, hi, splits, s);
+        if (r.tiles == 0) {
+          EXPECT_EQ(r.first, r.end) << what;
+          continue;
+        }
+        EXPECT_EQ(r.begin % n, 0) << what;
+        EXPECT_EQ(r.first, next) << what;
+        EXPECT_LT(r.first, r.end) << what;
+        EXPECT_LE(r.begin, r.first) << what;
+        EXPECT_LT(r.first - r.begin, n) << what;
+        EXPECT_GE(int64_t{r.begin} + int64_t{r.tiles} * n, r.end) << what;
+        EXPECT_LT(int64_t{r.begin} + int64_t{r.tiles - 1} * n, r.end) << what;
+        next = r.end;
+        tiles += r.tiles;
+      }
+      EXPECT_EQ(next, hi) << "[" << lo << ", " << hi << ") in " << splits << " splits";
+      EXPECT_LE(tiles, (int64_t{hi} - lo + n - 1) / n + 1) << "tiles read";
+    }
+  }
+}
+
+// kvcache_num_splits at the decoding benchmark's shapes (8 key/value heads, one row chunk) on a GPU of 264 block
+// slots (132 SMs x 2): whole waves, the fewest splits that fill them, one split where the batch fills the GPU.
+TEST(AttentionDecode, SplitCountsFillTheGpuInWholeWaves) {
+  EXPECT_EQ(kvcache_num_splits(16384, 8, 264), 32);
+  EXPECT_EQ(kvcache_num_splits(131072, 8, 264), 32);
+  EXPECT_EQ(kvcache_num_splits(4096, 8, 264), 32);
+  EXPECT_EQ(kvcache_num_splits(16384, 8 * 16, 264), 2);
+  EXPECT_EQ(kvcache_num_splits(131072, 8 * 16, 264), 2);
+  EXPECT_EQ(kvcache_num_splits(16384, 8 * 32, 264), 1);
+  EXPECT_EQ(kvcache_num_splits(16384, 8 * 48, 264), 2);  // 384 blocks: 2 waves of 264 are 73% busy, 3 of 768 97%
+  EXPECT_EQ(kvcache_num_splits(131072, 8 * 64, 264), 1);
+  EXPECT_EQ(kvcache_num_splits(100, 8, 264), 1);  // under two tiles per split: one split
+  // A GPU far larger than the grid: as many splits as allowed, within the 5% of slack the rule takes.
+  EXPECT_GE(kvcache_num_splits(1 << 20, 1, 100000), kDecodeMaxSplits * 95 / 100);
+  EXPECT_EQ(kvcache_num_splits(0, 8, 264), 1);
+  EXPECT_EQ(kvcache_num_splits(16384, 0, 264), 1);
+  for (int64_t cap : std::vector<int64_t>{16, 128, 1000, 4096, 65536, int64_t{1} << 31}) {
+    for (int64_t other : std::vector<int64_t>{1, 7, 64, 1000, 100000}) {
+      const int64_t s = kvcache_num_splits(cap, other, 264);
+      EXPECT_GE(s, 1);
+      EXPECT_LE(s, std::max<int64_t>(1, std::min<int64_t>(kDecodeMaxSplits, cap / kDecodeMinKeysPerSplit)));
+    }
+  }
+}
+
 // ---- bad arguments ------------------------------------------------------------------------------------
 
 struct BadCall {
@@ -468,13 +532,42 @@ TEST(AttentionDecodeCuda, LongCachesSplitAcrossBlocks) {
                       .seq_new = 2, .causal = true, .dtype = DType::bf16});
 }
 
-// A batch large enough that one split per sequence fills the GPU (the kernel writes o directly).
-TEST(AttentionDecodeCuda, ManySequencesOneSplitEach) {
+// Many short sequences: a grid of several waves with few splits, and with one split (a capacity under two
+// splits' minimum, kDecodeMinKeysPerSplit: the split kernel writes o directly).
+TEST(AttentionDecodeCuda, ManySequencesFewSplits) {
   SKIP_WITHOUT_GPU();
   std::vector<int32_t> lens(80);
   for (size_t i = 0; i < lens.size(); ++i) lens[i] = static_cast<int32_t>((i * 37) % 300);
   run_cuda_and_check({.batch = 80, .nq = 1, .hq = 32, .hk = 8, .d = 128, .page_size = 64, .lens = lens, .seq_new = 1,
                       .causal = true, .dtype = DType::bf16});
+  for (size_t i = 0; i < lens.size(); ++i) lens[i] = static_cast<int32_t>((i * 37) % 200);  // capacity 224
+  run_cuda_and_check({.batch = 80, .nq = 1, .hq = 32, .hk = 8, .d = 128, .page_size = 16, .lens = lens, .seq_new = 1,
+                      .causal = true, .dtype = DType::bf16});
+}
+
+// The split kernel's edges at the benchmark's shape and beside it: a batch-1 cache long enough for ~32 splits
+// whose length is no multiple of a tile or a page (page 256, the last page partly filled); query rows that are
+// not a multiple of the 16-row tile (group 8 x nq 3 = 24: a full chunk and a part one; group 1); a window whose
+// first key is not tile-aligned over many splits; soft-capping over many splits; d64 and d256 with many splits;
+// the non-paged cache with many splits.
+TEST(AttentionDecodeCuda, SplitKernelEdges) {
+  SKIP_WITHOUT_GPU();
+  run_cuda_and_check({.batch = 1, .nq = 1, .hq = 32, .hk = 8, .d = 128, .page_size = 256, .lens = {20000 + 77},
+                      .seq_new = 1, .causal = true, .dtype = DType::bf16});
+  run_cuda_and_check({.batch = 2, .nq = 3, .hq = 16, .hk = 2, .d = 128, .page_size = 32, .lens = {5003, 70},
+                      .seq_new = 3, .causal = true, .dtype = DType::bf16});
+  run_cuda_and_check({.batch = 2, .nq = 1, .hq = 4, .hk = 4, .d = 128, .page_size = 16, .lens = {3001, 17},
+                      .seq_new = 1, .causal = true, .dtype = DType::f16});
+  run_cuda_and_check({.batch = 1, .nq = 2, .hq = 32, .hk = 8, .d = 128, .page_size = 48, .lens = {30011},
+                      .seq_new = 2, .causal = true, .window_left = 9000, .dtype = DType::bf16});
+  run_cuda_and_check({.batch = 1, .nq = 1, .hq = 32, .hk = 8, .d = 128, .page_size = 80, .lens = {20000},
+                      .causal = true, .softcap = 5.0, .dtype = DType::bf16});
+  run_cuda_and_check({.batch = 1, .nq = 1, .hq = 16, .hk = 2, .d = 64, .page_size = 64, .lens = {25000},
+                      .seq_new = 1, .causal = true, .dtype = DType::f16});
+  run_cuda_and_check({.batch = 1, .nq = 1, .hq = 8, .hk = 2, .d = 256, .page_size = 16, .lens = {12345},
+                      .seq_new = 1, .causal = true, .dtype = DType::bf16});
+  run_cuda_and_check({.batch = 2, .nq = 1, .hq = 32, .hk = 8, .d = 128, .page_size = 0, .lens = {33333, 64},
+                      .seq_new = 1, .causal = true, .dtype = DType::bf16, .with_lse = false});
 }
 
 // A bad block-table entry or length is not checked on the host (no copy: graph capturable); the kernels give
