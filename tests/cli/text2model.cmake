@@ -156,6 +156,22 @@ if(info MATCHES "cuda: [0-9]")
     message(FATAL_ERROR "generate --device cuda on head_dim 8 did not keep the contiguous decoder:\n${err}")
   endif()
   expect_exit(2 "--kv-cache: the paged decoder on cuda: head_dim 8" generate ${greedy} --device cuda --kv-cache paged)
+  # A model of head_dim 64 takes the paged bf16 decoder on cuda by default: a batch past the context (slides) and
+  # prompts of different lengths.
+  run_ok("train head_dim 64" train ${train_args} --steps 2 --d-model 128 --heads 2 --d-ff 128
+         --checkpoint ${dir}/d64.ckpt)
+  run_ok("generate --device cuda --batch" generate --checkpoint ${dir}/d64.ckpt --device cuda --prompt "Paragraph 3"
+         --prompt "P" --batch 4 --max-tokens 80 --page-size 16 --seed 5)
+  if(NOT err MATCHES "paged KV cache \\(bf16, batch 4, 8 pages of 16\\)" OR NOT err MATCHES "4 sequences x 80 new tokens"
+     OR NOT out MATCHES "--- sequence 3 \\(prompt 1, seed 8\\) ---\nP")
+    message(FATAL_ERROR "generate --device cuda --batch 4 on head_dim 64:\n${out}\n${err}")
+  endif()
+  set(bf16_first "${out}")
+  run_ok("generate --device cuda --batch again" generate --checkpoint ${dir}/d64.ckpt --device cuda --prompt "Paragraph 3"
+         --prompt "P" --batch 4 --max-tokens 80 --page-size 16 --seed 5)
+  if(NOT out STREQUAL bf16_first)
+    message(FATAL_ERROR "the same seed gave two batches on cuda:\n${bf16_first}\n${out}")
+  endif()
 else()
   expect_exit(2 "--device: cuda: " generate --checkpoint ${dir}/run.ckpt --prompt a --device cuda)
 endif()
