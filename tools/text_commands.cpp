@@ -2,12 +2,16 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <span>
+#include <utility>
+#include <vector>
 
 #include "cli_options.h"
 #include "python_helper.h"
@@ -45,7 +49,10 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
       "generate", "Sample text from a trained model (a train checkpoint or an exported .safetensors) on the CPU "
                   "or CUDA (--device), with a KV cache");
   cmd->add_option("--checkpoint", a.weights, "train --checkpoint file or flashlm export's .safetensors")->required();
-  cmd->add_option("--prompt", a.prompt, "Text the sample continues (at least one token)")->required();
+  cmd->add_option("--prompt", a.prompts,
+                  "Text the sample continues (at least one token); repeat it for a batch of different prompts")
+      ->required()
+      ->allow_extra_args(false);
   cmd->add_option("--max-tokens", a.max_tokens,
                   "Tokens to generate (past the model's context, each is drawn from the last context tokens)")
       ->capture_default_str()
@@ -61,10 +68,35 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
       ->check(in_range(uint64_t{0}, uint64_t{INT64_MAX}));
   cmd->add_option("--tokenizer", a.tokenizer,
                   "tokenizer.json that prepare wrote beside the data (default: byte-level, for a vocabulary of 256)");
-  cmd->add_option("--device", a.device, "cpu (default) or cuda: where the KV-cache decoder runs (fp32 on both)");
+  cmd->add_option("--device", a.device,
+                  "cpu (default) or cuda: where the decoder runs (cuda: the paged bf16 decoder where the model fits "
+                  "its kernels, see --kv-cache)");
+  cmd->add_option("--batch", a.batch,
+                  "Sequences decoded together, a multiple of the prompts given: N / prompts samples of each, sequence b "
+                  "drawing with seed + b (default: one per prompt)")
+      ->check(in_range(int64_t{1}, int64_t{65535}));
+  cmd->add_option("--kv-cache", a.kv_cache,
+                  "paged: one pool of KV-cache pages for the batch (bf16 on cuda, fp32 on cpu); contiguous: the "
+                  "one-sequence fp32 decoder; auto: paged on cuda where the model fits the kernels (head_dim 64, 128 "
+                  "or 256, d_ff a multiple of 8) or when --batch > 1, else contiguous")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "paged", "contiguous"}));
+  cmd->add_option("--page-size", a.page_size, "Positions per page of the paged KV cache: a multiple of 16 in [16, 256]")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            int64_t n = 0;
+            const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+            if (ec != std::errc() || end != v.data() + v.size() || n < 16 || n > 256 || n % 16 != 0) {
+              return "'" + v + "': expected a multiple of 16 in [16, 256]";
+            }
+            return {};
+          },
+          "multiple of 16 in [16, 256]"));
   add_threads_option(cmd, a.threads);
   cmd->add_option("--logits-out", a.logits_out,
-                  "Also write the logits each new token was drawn from: max-tokens x vocab fp32, little-endian");
+                  "Also write the logits each new token was drawn from: max-tokens x batch x vocab fp32, "
+                  "little-endian");
 }
 
 void add_export(CLI::App& app, TextCommandArgs& a) {
@@ -155,6 +187,23 @@ void write_floats(std::FILE* f, const std::string& path, std::span<const float> 
   }
 }
 
+// The summary line of a run: tokens per second over the batch.
+void print_generate_summary(int64_t sequences, int64_t new_tokens, int64_t prompt_tokens, double prefill_s,
+                            double decode_s) {
+  const double total = static_cast<double>(sequences * new_tokens);
+  const auto rate = [](double tokens, double s) { return s > 0 ? tokens / s : 0.0; };
+  std::string line = fmt::format("generate: {} sequence{} x {} new tokens in {:.3f} s: {:.1f} tokens/s", sequences,
+                                 sequences == 1 ? "" : "s", new_tokens, prefill_s + decode_s,
+                                 rate(total, prefill_s + decode_s));
+  if (new_tokens > 1) {  // each step after the prompts' gives every sequence one token
+    line += fmt::format("; decoding {:.1f} tokens/s ({} steps, {:.2f} ms/step)",
+                        rate(static_cast<double>(sequences * (new_tokens - 1)), decode_s), new_tokens - 1,
+                        1e3 * decode_s / static_cast<double>(new_tokens - 1));
+  }
+  line += fmt::format("; prompts {} tokens in {:.3f} s\n", prompt_tokens, prefill_s);
+  fmt::print(stderr, "{}", line);
+}
+
 int run_generate(const TextCommandArgs& a) {
   using namespace flashlm;
   if (!a.device.empty() && a.device != "cpu" && a.device != "cuda") {
@@ -165,47 +214,123 @@ int run_generate(const TextCommandArgs& a) {
     throw CLI::ValidationError("--device", cuda_built() ? "cuda: no CUDA device is visible"
                                                         : "cuda: this flashlm was built without CUDA");
   }
+  const auto n_prompts = static_cast<int64_t>(a.prompts.size());
+  const int64_t batch = a.batch == 0 ? n_prompts : a.batch;
+  if (batch % n_prompts != 0) {
+    throw CLI::ValidationError("--batch", fmt::format("{} is not a multiple of the {} prompts given: each prompt gets "
+                                                      "batch / prompts sequences",
+                                                      batch, n_prompts));
+  }
+  if (a.kv_cache == "contiguous" && batch > 1) {
+    throw CLI::ValidationError("--kv-cache", fmt::format("contiguous decodes one sequence; a batch of {} needs "
+                                                         "--kv-cache paged (or auto)",
+                                                         batch));
+  }
   if (a.threads > 0) set_cpu_threads(a.threads);
   const Tokenizer tokenizer = a.tokenizer.empty() ? Tokenizer::bytes() : Tokenizer::load(a.tokenizer);
   const ModelWeights weights = load_model_weights(a.weights);
-  if (weights.config.vocab != tokenizer.vocab_size()) {
+  const ModelConfig& config = weights.config;
+  if (config.vocab != tokenizer.vocab_size()) {
     throw CLI::ValidationError(
         "--tokenizer", fmt::format("the model's vocabulary is {}, the {} tokenizer's {}: give the tokenizer.json of "
                                    "the data it was trained on",
-                                   weights.config.vocab, tokenizer.name(), tokenizer.vocab_size()));
+                                   config.vocab, tokenizer.name(), tokenizer.vocab_size()));
   }
-  const std::vector<int32_t> prompt = encode_prompt(tokenizer, a.tokenizer, a.prompt);
-  if (prompt.empty()) throw CLI::ValidationError("--prompt", "the prompt is empty: give at least one character");
+  std::string why;
+  const bool fits = paged_decoder_supports(config, device, &why);
+  const bool paged = a.kv_cache == "paged" || (a.kv_cache == "auto" && (batch > 1 || (device == Device::cuda && fits)));
+  if (paged && !fits) {
+    throw CLI::ValidationError(a.kv_cache == "paged" ? "--kv-cache" : "--batch",
+                               fmt::format("the paged decoder on {}: {}", device_name(device), why));
+  }
+  // The prompts' tokens, sequence b taking prompt b / (batch / prompts).
+  std::vector<std::vector<int32_t>> prompt_tokens;
+  for (const std::string& text : a.prompts) {
+    prompt_tokens.push_back(encode_prompt(tokenizer, a.tokenizer, text));
+    if (prompt_tokens.back().empty()) {
+      throw CLI::ValidationError("--prompt", "the prompt is empty: give at least one character");
+    }
+  }
+  std::vector<std::vector<int32_t>> sequences;
+  for (int64_t b = 0; b < batch; ++b) sequences.push_back(prompt_tokens[size_t(b / (batch / n_prompts))]);
+
   std::FILE* logits_file = nullptr;
   if (!a.logits_out.empty()) {
     logits_file = std::fopen(a.logits_out.c_str(), "wb");
     if (!logits_file) throw Error(fmt::format("generate: cannot open '{}' for writing", a.logits_out));
   }
-  fmt::print(stderr, "generate: {} parameters ({} layers, d_model {}, context {}) from {} on {}; temperature {}, "
+  const int64_t pages = paged ? paged_pool_pages(config, sequences, a.max_tokens, a.page_size) : 0;
+  const std::string cache =
+      paged ? fmt::format("paged KV cache ({}, batch {}, {} pages of {})", device == Device::cuda ? "bf16" : "fp32",
+                          batch, pages, a.page_size)
+            : std::string("contiguous KV cache (fp32)");
+  fmt::print(stderr, "generate: {} parameters ({} layers, d_model {}, context {}) from {} on {}, {}; temperature {}, "
              "top-k {}, seed {}\n",
-             weights.params.size(), weights.config.layers, weights.config.d_model, weights.config.context, a.weights,
-             device_name(device), a.temperature, a.top_k, a.seed);
-  KvCacheDecoder decoder(weights.config, weights.params, device);
+             weights.params.size(), config.layers, config.d_model, config.context, a.weights, device_name(device),
+             cache, a.temperature, a.top_k, a.seed);
   SamplingOptions sampling;
   sampling.temperature = a.temperature;
   sampling.top_k = a.top_k;
   sampling.seed = a.seed;
-  // The prompt as its tokens decode: for a BPE, proof that the encoding round-trips (byte-level BPEs are
-  // lossless), for the byte-level tokenizer the prompt itself.
-  const std::string echoed = tokenizer.decode(prompt);
-  std::fwrite(echoed.data(), 1, echoed.size(), stdout);
+  const auto write_text = [&](std::span<const int32_t> tokens) {
+    const std::string text = tokenizer.decode(tokens);
+    std::fwrite(text.data(), 1, text.size(), stdout);
+  };
   try {
-    generate_tokens(decoder, prompt, a.max_tokens, sampling, [&](int32_t token, std::span<const float> logits) {
-      const std::string text = tokenizer.decode(std::span(&token, 1));
-      std::fwrite(text.data(), 1, text.size(), stdout);
+    if (!paged) {
+      KvCacheDecoder decoder(config, weights.params, device);
+      // The prompt as its tokens decode: for a BPE, proof that the encoding round-trips (byte-level BPEs are
+      // lossless), for the byte-level tokenizer the prompt itself.
+      write_text(prompt_tokens[0]);
+      using clock = std::chrono::steady_clock;
+      const auto t0 = clock::now();
+      auto t1 = t0;
+      bool first = true;
+      generate_tokens(decoder, prompt_tokens[0], a.max_tokens, sampling, [&](int32_t token, std::span<const float> logits) {
+        if (std::exchange(first, false)) t1 = clock::now();
+        write_text(std::span(&token, 1));
+        std::fflush(stdout);
+        if (logits_file) write_floats(logits_file, a.logits_out, logits);
+      });
+      const auto t2 = clock::now();
+      std::fputc('\n', stdout);
       std::fflush(stdout);
-      if (logits_file) write_floats(logits_file, a.logits_out, logits);
-    });
+      const int64_t window = std::min<int64_t>(int64_t(prompt_tokens[0].size()), config.context);
+      print_generate_summary(1, a.max_tokens, window, std::chrono::duration<double>(t1 - t0).count(),
+                             std::chrono::duration<double>(t2 - t1).count());
+    } else {
+      PagedDecoderOptions options;
+      options.batch = batch;
+      options.page_size = a.page_size;
+      options.num_pages = pages;
+      PagedKvDecoder decoder(config, weights.params, device, options);
+      // One sequence streams its text as it comes; a batch prints each sequence once all are done.
+      if (batch == 1) write_text(sequences[0]);
+      const BatchGeneration out =
+          generate_batch(decoder, sequences, a.max_tokens, sampling, [&](int64_t, int32_t token, std::span<const float> logits) {
+            if (batch == 1) {
+              write_text(std::span(&token, 1));
+              std::fflush(stdout);
+            }
+            if (logits_file) write_floats(logits_file, a.logits_out, logits);
+          });
+      for (int64_t b = 0; b < batch; ++b) {
+        if (batch > 1) {
+          fmt::print("--- sequence {} (prompt {}, seed {}) ---\n", b, b / (batch / n_prompts), a.seed + uint64_t(b));
+          std::fflush(stdout);
+          write_text(sequences[size_t(b)]);
+          write_text(out.tokens[size_t(b)]);
+        }
+        std::fputc('\n', stdout);
+        if (batch == 1) break;
+      }
+      std::fflush(stdout);
+      print_generate_summary(batch, a.max_tokens, out.prompt_tokens, out.prefill_seconds, out.decode_seconds);
+    }
   } catch (...) {
     if (logits_file) std::fclose(logits_file);
     throw;
   }
-  std::fputc('\n', stdout);
   if (logits_file && std::fclose(logits_file) != 0) {
     throw Error(fmt::format("generate: failed writing '{}'", a.logits_out));
   }

@@ -15,8 +15,12 @@ struct TextCommandArgs {
   std::string tokenizer_kind = "byte";  // byte or bpe
   int64_t vocab_size = 0;               // bpe only
   // generate
-  std::string weights, prompt, tokenizer, device, logits_out;
+  std::string weights, tokenizer, device, logits_out;
+  std::vector<std::string> prompts;  // --prompt, repeatable
   int64_t max_tokens = 200, top_k = 0;
+  int64_t batch = 0;        // sequences decoded together; 0: one per prompt
+  int64_t page_size = 256;  // positions per page of the paged KV cache
+  std::string kv_cache = "auto";  // auto | paged | contiguous
   int threads = 0;
   double temperature = 0.8;
   uint64_t seed = 0;

@@ -118,3 +118,13 @@ execute_process(COMMAND ${FLASHLM} attention-bench --device cpu --seq 10000000 -
 if(NOT rc EQUAL 0 OR NOT out MATCHES "skipped" OR NOT err MATCHES "FLOPs on the CPU, above the limit")
   message(FATAL_ERROR "attention-bench --seq 10000000 on the CPU: exit ${rc}, expected a skipped row\n${out}\n${err}")
 endif()
+
+# generate's batch and paged-cache flags: bad values are usage errors, found before any file is read.
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --batch 0)
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --batch 70000)
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --page-size 8)
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --page-size 24)
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --page-size 512)
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --kv-cache fancy)
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --prompt b --batch 3)
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --kv-cache contiguous --batch 2)

@@ -99,6 +99,44 @@ endif()
 string(REPEAT "Paragraph 3 " 4 long_prompt)
 run_ok("generate from a prompt longer than the context" generate --checkpoint ${dir}/run.ckpt --prompt "${long_prompt}"
        --max-tokens 5)
+# A batch (--batch, repeated --prompt) through the paged KV cache: sequence b is the text of seed + b alone, and
+# the paged decoder gives the contiguous one's text; a tokens/s summary on stderr.
+set(batched --checkpoint ${dir}/run.ckpt --max-tokens 40 --temperature 0.9 --top-k 20)
+run_ok("generate seed 7" generate ${batched} --prompt "Paragraph 3" --seed 7)
+set(seed7 "${out}")
+if(NOT err MATCHES "contiguous KV cache" OR NOT err MATCHES "1 sequence x 40 new tokens in [0-9.]+ s: [0-9.]+ tokens/s")
+  message(FATAL_ERROR "generate's summary lacks the cache or tokens/s:\n${err}")
+endif()
+run_ok("generate seed 7 paged" generate ${batched} --prompt "Paragraph 3" --seed 7 --kv-cache paged --page-size 16)
+if(NOT out STREQUAL seed7 OR NOT err MATCHES "paged KV cache \\(fp32, batch 1, 2 pages of 16\\)")
+  message(FATAL_ERROR "the paged decoder gave another text or said otherwise:\n${seed7}\n${out}\n${err}")
+endif()
+run_ok("generate seed 8" generate ${batched} --prompt "Paragraph 3" --seed 8)
+set(seed8 "${out}")
+run_ok("generate seed 10" generate ${batched} --prompt "Para" --seed 10)
+set(seed10 "${out}")
+run_ok("generate --batch 4" generate ${batched} --prompt "Paragraph 3" --prompt "Para" --batch 4 --seed 7 --page-size 32)
+string(FIND "${out}" "--- sequence 0 (prompt 0, seed 7) ---\n${seed7}--- sequence 1 (prompt 0, seed 8) ---\n${seed8}" at0)
+string(FIND "${out}" "--- sequence 3 (prompt 1, seed 10) ---\n${seed10}" at3)
+if(NOT at0 EQUAL 0 OR at3 LESS 0 OR NOT err MATCHES "4 sequences x 40 new tokens in [0-9.]+ s: [0-9.]+ tokens/s")
+  message(FATAL_ERROR "a batch's sequences are not the texts of seed + b alone:\n${out}\n${err}")
+endif()
+# Past the context (32) and from a prompt longer than it, in a batch: each window slides as generate's does.
+run_ok("generate --batch past the context" generate --checkpoint ${dir}/run.ckpt --prompt "Paragraph 3" --seed 3
+       --batch 2 --max-tokens 80 --page-size 16)
+string(FIND "${out}" "--- sequence 1 (prompt 0, seed 4) ---" at1)
+if(at1 LESS 0)
+  message(FATAL_ERROR "generate --batch 2 past the context:\n${out}")
+endif()
+run_ok("generate --batch from a prompt longer than the context" generate --checkpoint ${dir}/run.ckpt
+       --prompt "${long_prompt}" --batch 2 --max-tokens 5)
+expect_exit(2 "--batch: 3 is not a multiple of the 2 prompts" generate --checkpoint ${dir}/run.ckpt --prompt a --prompt b
+            --batch 3)
+expect_exit(2 "--kv-cache: contiguous decodes one sequence" generate --checkpoint ${dir}/run.ckpt --prompt a --batch 2
+            --kv-cache contiguous)
+expect_exit(2 "--page-size: '8': expected a multiple of 16 in \\[16, 256\\]" generate --checkpoint ${dir}/run.ckpt
+            --prompt a --page-size 8)
+expect_exit(2 "--batch: '0' is not a number" generate --checkpoint ${dir}/run.ckpt --prompt a --batch 0)
 expect_exit(2 "temperature" generate --checkpoint ${dir}/run.ckpt --prompt a --temperature -1)
 expect_exit(2 "top-k" generate --checkpoint ${dir}/run.ckpt --prompt a --top-k -1)
 expect_exit(2 "--device: 'tpu': expected cpu or cuda" generate --checkpoint ${dir}/run.ckpt --prompt a --device tpu)
@@ -111,6 +149,28 @@ if(info MATCHES "cuda: [0-9]")
   run_ok("generate on cuda" generate ${greedy} --device cuda)
   if(NOT out STREQUAL on_cpu)
     message(FATAL_ERROR "greedy samples differ between the CPU and CUDA decoders:\n${on_cpu}\n${out}")
+  endif()
+  # The tiny model's head_dim 8 has no CUDA decoding kernel: auto keeps the contiguous fp32 decoder (above), and
+  # paged is refused with the reason.
+  if(NOT err MATCHES "contiguous KV cache")
+    message(FATAL_ERROR "generate --device cuda on head_dim 8 did not keep the contiguous decoder:\n${err}")
+  endif()
+  expect_exit(2 "--kv-cache: the paged decoder on cuda: head_dim 8" generate ${greedy} --device cuda --kv-cache paged)
+  # A model of head_dim 64 takes the paged bf16 decoder on cuda by default: a batch past the context (slides) and
+  # prompts of different lengths.
+  run_ok("train head_dim 64" train ${train_args} --steps 2 --d-model 128 --heads 2 --d-ff 128
+         --checkpoint ${dir}/d64.ckpt)
+  run_ok("generate --device cuda --batch" generate --checkpoint ${dir}/d64.ckpt --device cuda --prompt "Paragraph 3"
+         --prompt "P" --batch 4 --max-tokens 80 --page-size 16 --seed 5)
+  if(NOT err MATCHES "paged KV cache \\(bf16, batch 4, 8 pages of 16\\)" OR NOT err MATCHES "4 sequences x 80 new tokens"
+     OR NOT out MATCHES "--- sequence 3 \\(prompt 1, seed 8\\) ---\nP")
+    message(FATAL_ERROR "generate --device cuda --batch 4 on head_dim 64:\n${out}\n${err}")
+  endif()
+  set(bf16_first "${out}")
+  run_ok("generate --device cuda --batch again" generate --checkpoint ${dir}/d64.ckpt --device cuda --prompt "Paragraph 3"
+         --prompt "P" --batch 4 --max-tokens 80 --page-size 16 --seed 5)
+  if(NOT out STREQUAL bf16_first)
+    message(FATAL_ERROR "the same seed gave two batches on cuda:\n${bf16_first}\n${out}")
   endif()
 else()
   expect_exit(2 "--device: cuda: " generate --checkpoint ${dir}/run.ckpt --prompt a --device cuda)
