@@ -202,7 +202,9 @@ inline double dsink_rounding_allowance(const Case& c, const Problem& ref, const 
   double rounding = 0;
   for (int64_t b = 0; b < c.B; ++b) {
     for (int64_t i = 0; i < c.Nq; ++i) {
-      const double p_sink = std::exp(sink - lse.view().ptr<double>()[(b * c.Hq + h) * c.Nq + i]);
+      // A row with neither a key nor a sink (lse = -inf, o = 0) has no sink probability: 0, not exp(-inf + inf).
+      const double row_lse = lse.view().ptr<double>()[(b * c.Hq + h) * c.Nq + i];
+      const double p_sink = row_lse == -INFINITY ? 0.0 : std::exp(sink - row_lse);
       const int64_t row = ((b * c.Nq + i) * c.Hq + h) * Dv;
       double sum = 0;
       for (int64_t d = 0; d < Dv; ++d) {

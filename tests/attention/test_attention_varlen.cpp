@@ -311,7 +311,8 @@ void expect_close(const Pack& got, const Pack& ref, const Pack& lowp, const Varl
 
 // Exact zeros where the semantics fix them: o and dq of queries in a sequence without keys, dk and dv of
 // keys in a sequence without queries; lse = -inf for those queries.
-// (With sinks the lse of a query without keys is its head's sink.)
+// (With sinks the lse of a query without keys is its head's sink: exactly on the CPU, within the fp32 rounding of
+// the CUDA kernels' log2-domain round trip, sink · log2(e) · ln(2).)
 void expect_empty_sequences_zero(const Pack& got, const VarlenCase& c, const std::string& what) {
   Tensor o = to_f64(got.o.view), dq = to_f64(got.dq.view), dk = to_f64(got.dk.view), dv = to_f64(got.dv.view);
   Tensor lse = to_f64(got.lse);
@@ -326,8 +327,14 @@ void expect_empty_sequences_zero(const Pack& got, const VarlenCase& c, const std
       }
       for (int64_t h = 0; h < c.Hq; ++h) {
         const double want = c.sink ? double(got.sinks.view().ptr<float>()[h]) : -INFINITY;
+        const double ulps = std::isinf(want) ? 0.0 : 4 * 0x1p-23 * std::max(1.0, std::fabs(want));
         for (int64_t i = got.cu_q[b]; i < got.cu_q[b + 1]; ++i) {
-          ASSERT_EQ(lse.view().ptr<double>()[h * total_q + i], want) << what << " lse of sequence " << b;
+          const double x = lse.view().ptr<double>()[h * total_q + i];
+          if (std::isinf(want)) {
+            ASSERT_EQ(x, want) << what << " lse of sequence " << b;
+          } else {
+            ASSERT_NEAR(x, want, ulps) << what << " lse of sequence " << b;
+          }
         }
       }
     }
