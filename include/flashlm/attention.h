@@ -30,10 +30,10 @@
 // d(loss)/d(sink_h) = -Σ over the batch and the rows that see a key of exp(sink_h - lse_i) · Delta_i,
 // Delta_i = rowsum(dO_i ∘ O_i).
 // The window, softcap, ALiBi, sinks and head_dim_v != head_dim run on the CPU (naive and flash). The window
-// and softcap also run in the fp16/bf16 CUDA flash kernels; the fp32, naive and fp8 CUDA kernels refuse
-// them, and every CUDA kernel refuses ALiBi, sinks and head_dim_v, each by name (the capability table,
-// src/attention/capabilities.cpp), except that FLASHLM_CUDA_UNVERIFIED_VARIANTS=1 routes ALiBi and sinks to
-// the fp16/bf16 mma.sync kernels, which await verification on a GPU.
+// and softcap also run in the fp16/bf16 CUDA flash kernels (Hopper and mma.sync), ALiBi and sinks in the
+// fp16/bf16 mma.sync kernels (the Hopper ones decline them, so those problems run on mma.sync); the fp32,
+// naive and fp8 CUDA kernels refuse all four, and every CUDA kernel refuses head_dim_v, each by name (the
+// capability table, src/attention/capabilities.cpp).
 #pragma once
 #include <cstdint>
 #include <optional>

@@ -22,8 +22,9 @@
  * learnable_sink (fp32 [heads_q], finite or -inf): a per-head logit in every row's softmax denominator with no
  * value (lse includes it; a row that sees no key gets o = 0, lse = sink); the backward writes its gradient,
  * summed over the batch, to dlearnable_sink where that is given. The window, softcap, ALiBi, sinks and
- * head_dim_v != head_dim run on the CPU; the CUDA kernels refuse them (FLASHLM_INVALID_ARGUMENT naming the
- * option). flashlm/attention.h has the full definitions.
+ * head_dim_v != head_dim run on the CPU; on CUDA the fp16/bf16 flash kernels run the window and softcap
+ * (Hopper and mma.sync) and ALiBi and sinks (mma.sync), and every other case is refused
+ * (FLASHLM_INVALID_ARGUMENT naming the option). flashlm/attention.h has the full definitions.
  *
  * Packed variable-length sequences (flash-attn's varlen convention; flashlm_attention_varlen_*):
  *   q, dq               [total_q, heads_q, head_dim]      o, dout   [total_q, heads_q, head_dim_v]

@@ -1,7 +1,5 @@
 #include "attention/capabilities.h"
 
-#include <atomic>
-#include <cstdlib>
 #include <string>
 #include <string_view>
 
@@ -18,41 +16,18 @@ constexpr std::array kFp8{DType::f8e4m3};
 
 // One row per family: family, dtypes, forward and backward head dims, pads_head_dim, any_head_dim,
 // sliding_window, softcap, alibi, learnable_sink, head_dim_v. The window and soft-capping run in the 16-bit flash
-// kernels (mma.sync and Hopper, their masked instantiations); ALiBi and sinks in mma.sync's masked kernels, but
-// the table claims them only under FLASHLM_CUDA_UNVERIFIED_VARIANTS (below); head_dim_v in no CUDA kernel yet
-// (the CPU paths have them all).
+// kernels (mma.sync and Hopper, their masked instantiations); ALiBi and sinks in mma.sync's masked kernels only
+// (cuda/flash_fwd.cu, flash_bwd.cu; the Hopper row lacks them, so flash_kernel_family keeps those problems on
+// mma.sync); head_dim_v in no CUDA kernel yet (the CPU paths have them all).
 const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false, true,
-     true, false, false, false},
+     true, true, true, false},
     {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false, false, false, false, false, false},
     {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true, false, false, false, false, false},
     {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, true,
      true, false, false, false},
     {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, false, false, false, false, false},
 }};
-
-// The mma.sync row with ALiBi and sinks: what its kernels implement (cuda/flash_fwd.cu, flash_bwd.cu).
-constexpr CudaKernelCapability with_alibi_and_sinks(CudaKernelCapability c) {
-  c.alibi = true;
-  c.learnable_sink = true;
-  return c;
-}
-const CudaKernelCapability kMmaSyncUnverified = with_alibi_and_sinks(kTable[0]);
-
-// FLASHLM_CUDA_UNVERIFIED_VARIANTS=1 routes ALiBi and sinks to the mma.sync kernels. It exists because those
-// kernels were written without a GPU to run them on: an unverified kernel must not be chosen by default, so
-// the table's row claims them only where this is set (read once, at the first query). Remove it, and set
-// the row's columns, once tests/attention/test_attention_variants_cuda.cpp's ALiBi and sink tests pass on a
-// GPU. The override (-1: the environment decides) is set_cuda_unverified_variants_for_testing's.
-std::atomic<int> unverified_override{-1};
-
-bool unverified_from_environment() {
-  static const bool on = [] {
-    const char* env = std::getenv("FLASHLM_CUDA_UNVERIFIED_VARIANTS");
-    return env != nullptr && std::string_view(env) == "1";
-  }();
-  return on;
-}
 
 bool has_dtype(const CudaKernelCapability& c, DType dtype) {
   for (DType d : c.dtypes) {
@@ -83,17 +58,7 @@ std::string_view cuda_kernel_family_name(CudaKernelFamily family) {
   return "unknown";
 }
 
-bool cuda_unverified_variants_enabled() {
-  const int o = unverified_override.load(std::memory_order_relaxed);
-  return o < 0 ? unverified_from_environment() : o == 1;
-}
-
-void set_cuda_unverified_variants_for_testing(std::optional<bool> on) {
-  unverified_override.store(on.has_value() ? int(*on) : -1, std::memory_order_relaxed);
-}
-
 const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family) {
-  if (family == CudaKernelFamily::mma_sync && cuda_unverified_variants_enabled()) return kMmaSyncUnverified;
   for (const auto& c : kTable) {
     if (c.family == family) return c;
   }

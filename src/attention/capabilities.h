@@ -6,7 +6,6 @@
 #pragma once
 #include <array>
 #include <cstdint>
-#include <optional>
 #include <span>
 #include <string_view>
 #include <type_traits>
@@ -68,19 +67,13 @@ struct CudaKernelCapability {
   // the Hopper row has every variant it asks for.
   bool sliding_window;
   bool softcap;
-  bool alibi;           // AttentionOptions::alibi_slopes (mma.sync: cuda_unverified_variants_enabled())
-  bool learnable_sink;  // AttentionOptions::learnable_sink and the backward's dlearnable_sink (likewise)
+  bool alibi;           // AttentionOptions::alibi_slopes
+  bool learnable_sink;  // AttentionOptions::learnable_sink and the backward's dlearnable_sink
   bool head_dim_v;      // v's head dim differing from q's and k's
 };
 
 // The row of `family` in the table.
 const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family);
-
-// Whether the mma.sync row claims ALiBi and sinks, which its masked kernels implement but no GPU has verified
-// yet: FLASHLM_CUDA_UNVERIFIED_VARIANTS=1, read once (capabilities.cpp says why; removed once the GPU tests
-// pass). The tests' override: true or false, or nullopt to let the environment decide again.
-bool cuda_unverified_variants_enabled();
-void set_cuda_unverified_variants_for_testing(std::optional<bool> on);
 
 // What runs a validated CUDA problem: the kernel family and the head dim of the kernel instantiation
 // (p.head_dim, or the next larger compiled one when the family pads).

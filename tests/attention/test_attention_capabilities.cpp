@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention/capabilities.h"
@@ -232,22 +233,22 @@ TEST(AttentionCapabilities, TheWindowAndSoftcapPlanOnMmaSyncAndOtherFamiliesRefu
   EXPECT_TRUE(mma.softcap || !hopper.softcap);
 }
 
-// Nor ALiBi, attention sinks or a head dim of v's own: every family refuses each by the option's name (the
-// values are never read: a CUDA problem's slopes and sinks live in device memory), in both passes, while the
-// unverified variants are off (FLASHLM_CUDA_UNVERIFIED_VARIANTS unset: the default).
-TEST(AttentionCapabilities, EveryFamilyRefusesAlibiSinksAndHeadDimVByName) {
-  set_cuda_unverified_variants_for_testing(false);
+// ALiBi and attention sinks plan on the mma.sync kernels (fp16 and bf16, both passes); the fp32, naive and fp8
+// families refuse each by the option's name, and every family refuses a head dim of v's own by name. The values
+// are never read: a CUDA problem's slopes and sinks live in device memory.
+TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatItLacksByName) {
   struct Planned {
     DType dtype;
     AttentionImpl impl;
     const char* family;
+    bool has_alibi_and_sinks;
   };
   const float device_values[4] = {};  // stands for device memory: plan_cuda_attention must not need it
-  for (const Planned& f : {Planned{DType::bf16, AttentionImpl::flash, "mma.sync"},
-                           Planned{DType::f16, AttentionImpl::flash, "mma.sync"},
-                           Planned{DType::f32, AttentionImpl::flash, "fp32"},
-                           Planned{DType::f16, AttentionImpl::naive, "naive"},
-                           Planned{DType::f8e4m3, AttentionImpl::flash, "fp8"}}) {
+  for (const Planned& f : {Planned{DType::bf16, AttentionImpl::flash, "mma.sync", true},
+                           Planned{DType::f16, AttentionImpl::flash, "mma.sync", true},
+                           Planned{DType::f32, AttentionImpl::flash, "fp32", false},
+                           Planned{DType::f16, AttentionImpl::naive, "naive", false},
+                           Planned{DType::f8e4m3, AttentionImpl::flash, "fp8", false}}) {
     for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
       if (f.dtype == DType::f8e4m3 && pass == AttentionPass::backward) continue;
       SCOPED_TRACE(std::string(f.family) + (pass == AttentionPass::forward ? " forward" : " backward"));
@@ -261,72 +262,83 @@ TEST(AttentionCapabilities, EveryFamilyRefusesAlibiSinksAndHeadDimVByName) {
           EXPECT_NE(m.find(std::string("the ") + f.family + " attention kernels"), std::string::npos) << m;
         }
       };
+      auto expect_planned_or_refused = [&](const AttentionProblem& p, const char* option) {
+        if (!f.has_alibi_and_sinks) return expect_refused(p, option);
+        try {
+          const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, f.impl, pass);
+          EXPECT_EQ(plan.family, CudaKernelFamily::mma_sync) << option;
+          EXPECT_EQ(plan.kernel_head_dim, 64) << option;
+        } catch (const Error& e) {
+          ADD_FAILURE() << option << " was refused: " << e.what();
+        }
+      };
       AttentionProblem p = problem(f.dtype, 64);
       p.alibi = true;
       p.alibi_slopes = device_values;
-      expect_refused(p, "alibi_slopes");
+      expect_planned_or_refused(p, "alibi_slopes");
       p = problem(f.dtype, 64);
       p.sink = true;
       p.learnable_sink = device_values;
-      expect_refused(p, "learnable_sink");
+      expect_planned_or_refused(p, "learnable_sink");
       p = problem(f.dtype, 64);
       p.head_dim_v = 32;
       expect_refused(p, "v");
+      p.alibi = true;  // ALiBi and a sink do not lift the refusal of head_dim_v, nor change its name
+      p.alibi_slopes = device_values;
+      p.sink = true;
+      p.learnable_sink = device_values;
+      expect_refused(p, f.has_alibi_and_sinks ? "v" : "alibi_slopes");
       p = problem(f.dtype, 64);
       p.head_dim_v = 64;  // equal to head_dim: not a variant
       EXPECT_NO_THROW(plan_cuda_attention("attention_forward", p, f.impl, pass));
     }
   }
-  const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
-  const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
-  EXPECT_TRUE(mma.alibi || !hopper.alibi);
-  EXPECT_TRUE(mma.learnable_sink || !hopper.learnable_sink);
-  EXPECT_TRUE(mma.head_dim_v || !hopper.head_dim_v);
-  set_cuda_unverified_variants_for_testing(std::nullopt);
 }
 
-// With the unverified variants on (FLASHLM_CUDA_UNVERIFIED_VARIANTS=1, here the tests' override), the mma.sync
-// row claims ALiBi and sinks and plans them in both passes; every other family, Hopper's row included, still
-// refuses them by name. Off again, mma.sync refuses them. No GPU needed: the plan reads no device memory.
-TEST(AttentionCapabilities, UnverifiedVariantsPlanAlibiAndSinksOnMmaSyncOnly) {
-  const float device_values[4] = {};  // stands for device memory
-  set_cuda_unverified_variants_for_testing(true);
-  EXPECT_TRUE(cuda_unverified_variants_enabled());
+// The rows: mma.sync claims ALiBi and sinks; Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family
+// keeps an ALiBi or sink problem on mma.sync, never Hopper); no family claims head_dim_v. The Hopper row
+// claims no variant the mma.sync row lacks (plan_cuda_attention checks the mma.sync row for both).
+TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
   const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
   EXPECT_TRUE(mma.alibi);
   EXPECT_TRUE(mma.learnable_sink);
   EXPECT_FALSE(mma.head_dim_v);
-  for (CudaKernelFamily f : {CudaKernelFamily::f32, CudaKernelFamily::naive, CudaKernelFamily::hopper,
-                             CudaKernelFamily::fp8}) {
+  for (CudaKernelFamily f : {CudaKernelFamily::hopper, CudaKernelFamily::f32, CudaKernelFamily::fp8,
+                             CudaKernelFamily::naive}) {
     EXPECT_FALSE(cuda_kernel_capability(f).alibi) << cuda_kernel_family_name(f);
     EXPECT_FALSE(cuda_kernel_capability(f).learnable_sink) << cuda_kernel_family_name(f);
+    EXPECT_FALSE(cuda_kernel_capability(f).head_dim_v) << cuda_kernel_family_name(f);
   }
+  const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
+  EXPECT_TRUE(mma.alibi || !hopper.alibi);
+  EXPECT_TRUE(mma.learnable_sink || !hopper.learnable_sink);
+  EXPECT_TRUE(mma.head_dim_v || !hopper.head_dim_v);
+}
+
+// ALiBi ([Hq] or [B, Hq] alike: the plan sees only that there are slopes) and a sink together, with a window
+// and soft-capping, at every compiled head dim and a padded one (80 runs the 128 kernel), plan on mma.sync in
+// both passes.
+TEST(AttentionCapabilities, AlibiAndSinksCombineWithTheOtherVariantsAndPadding) {
+  const float device_values[4] = {};  // stands for device memory
   for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
     for (DType dtype : {DType::bf16, DType::f16}) {
-      AttentionProblem p = problem(dtype, 64);
-      p.alibi = true;
-      p.alibi_slopes = device_values;
-      p.sink = true;
-      p.learnable_sink = device_values;
-      const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass);
-      EXPECT_EQ(plan.family, CudaKernelFamily::mma_sync);
+      for (auto [d, kernel] : {std::pair<int64_t, int64_t>{16, 16}, {32, 32}, {64, 64}, {80, 128}, {128, 128},
+                               {256, 256}}) {
+        AttentionProblem p = problem(dtype, d);
+        p.alibi = true;
+        p.alibi_slopes = device_values;
+        p.sink = true;
+        p.learnable_sink = device_values;
+        p.window_left = 7;
+        p.window_right = 33;
+        p.softcap = 30;
+        const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass);
+        EXPECT_EQ(plan.family, CudaKernelFamily::mma_sync) << "d" << d;
+        EXPECT_EQ(plan.kernel_head_dim, kernel) << "d" << d;
+        EXPECT_EQ(plan.padded, kernel != d) << "d" << d;
+      }
     }
-    AttentionProblem p = problem(DType::f32, 64);
-    p.alibi = true;
-    p.alibi_slopes = device_values;
-    EXPECT_THROW(plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass), Error);
-    p = problem(DType::bf16, 64);
-    p.sink = true;
-    p.learnable_sink = device_values;
-    EXPECT_THROW(plan_cuda_attention("attention_forward", p, AttentionImpl::naive, pass), Error);
   }
-  set_cuda_unverified_variants_for_testing(false);
-  EXPECT_FALSE(cuda_kernel_capability(CudaKernelFamily::mma_sync).alibi);
-  AttentionProblem p = problem(DType::bf16, 64);
-  p.sink = true;
-  p.learnable_sink = device_values;
-  EXPECT_THROW(plan_cuda_attention("attention_forward", p, AttentionImpl::flash, AttentionPass::forward), Error);
-  set_cuda_unverified_variants_for_testing(std::nullopt);
 }
 
 }  // namespace

@@ -730,23 +730,34 @@ TEST(AttentionExtras, CAbiCarriesAlibiAndSinks) {
   EXPECT_NE(std::string(flashlm_last_error()).find("dlearnable_sink"), std::string::npos) << flashlm_last_error();
 }
 
-// On a GPU every kernel family refuses ALiBi, sinks and head_dim_v by name through the public calls (batched and
-// varlen, both passes), whatever the slopes and sinks hold (their device memory is never read); the outputs stay
-// as they were (nothing is launched).
-TEST(AttentionExtrasCuda, EveryKernelRefusesThemByName) {
+// On a GPU the fp16/bf16 flash kernels (mma.sync) run ALiBi and sinks through the public calls; the fp32 flash and
+// the naive kernels refuse them by name, whatever the slopes and sinks hold (their device memory is never read);
+// every kernel family refuses head_dim_v by name.
+TEST(AttentionExtrasCuda, KernelsWithoutThemRefuseThemByName) {
   SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
     for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
       SCOPED_TRACE(fmt::format("{} {}", dtype_name(dtype), attention_impl_name(impl)));
+      const bool mma_sync = impl == AttentionImpl::flash && dtype != DType::f32;
       const Case c{1, 64, 64, 2, 2, 64, Layout::bshd, Mask::top_left, dtype};
       Problem p(c, c.layout, dtype, 1);
       Tensor slopes = Tensor::empty({2}, DType::f32, Device::cuda), sinks = Tensor::empty({2}, DType::f32, Device::cuda);
+      fill_normal(slopes, 7);  // the mma.sync kernels read them: finite values
+      fill_normal(sinks, 8);
       AttentionOptions o = options_for(c.mask, impl);
       o.alibi_slopes = slopes.view();
-      expect_error([&] { p.run_on_device(o); }, {"alibi_slopes", "attention kernels have no ALiBi"});
+      if (mma_sync) {
+        EXPECT_NO_THROW(p.run_on_device(o));
+      } else {
+        expect_error([&] { p.run_on_device(o); }, {"alibi_slopes", "attention kernels have no ALiBi"});
+      }
       o = options_for(c.mask, impl);
       o.learnable_sink = sinks.view();
-      expect_error([&] { p.run_on_device(o); }, {"learnable_sink", "attention kernels have no attention sinks"});
+      if (mma_sync) {
+        EXPECT_NO_THROW(p.run_on_device(o));
+      } else {
+        expect_error([&] { p.run_on_device(o); }, {"learnable_sink", "attention kernels have no attention sinks"});
+      }
       Problem mla(Case{1, 64, 64, 2, 2, 64, Layout::bshd, Mask::none, dtype, 32}, Layout::bshd, dtype, 2);
       expect_error([&] { mla.run_on_device(options_for(Mask::none, impl)); }, {"v: head_dim_v 32 differs"});
     }

@@ -6,18 +6,19 @@
 // (64/128 on both families; 16, 32, 256 and the padded 80 on mma.sync; 256 forward on Hopper), bf16 and fp16,
 // soft-capping on large scores, both variants together; rows the window leaves without keys (o = 0, lse =
 // -inf, dq = 0) and keys no query sees (dk = dv = 0), exactly. ALiBi and attention sinks on the mma.sync
-// kernels (pending GPU verification: enabled here through set_cuda_unverified_variants_for_testing, as
-// FLASHLM_CUDA_UNVERIFIED_VARIANTS=1 would) against the same oracle, dlearnable_sink included. Every test skips
-// without a GPU.
+// kernels (the Hopper ones decline them: FLASHLM_ATTENTION_KERNEL=auto lands on mma.sync too) against the same
+// oracle, dlearnable_sink included. Every test skips without a GPU.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/attention_testing.h"
+#include "attention/backends.h"
 #include "attention/capabilities.h"
 #include "attention/problem.h"
 #include "flashlm/attention.h"
@@ -283,14 +284,6 @@ TEST(CudaBand, Fp32AndNaiveKernelsRefuseTheBandByName) {
 
 // ---- ALiBi and attention sinks (mma.sync's masked kernels; the Hopper ones decline them) ----
 
-// The unverified variants on for one scope (capabilities.h), whatever the environment says.
-struct UnverifiedVariantsOn {
-  UnverifiedVariantsOn() { set_cuda_unverified_variants_for_testing(true); }
-  ~UnverifiedVariantsOn() { set_cuda_unverified_variants_for_testing(std::nullopt); }
-  UnverifiedVariantsOn(const UnverifiedVariantsOn&) = delete;
-  UnverifiedVariantsOn& operator=(const UnverifiedVariantsOn&) = delete;
-};
-
 struct AlibiSinkGpuCase {
   VariantGpuCase v;
   int alibi = 0;  // 0: none; 1: slopes [Hq]; 2: slopes [B, Hq]
@@ -393,7 +386,6 @@ class CudaAlibiSinkVsReference : public ::testing::TestWithParam<AlibiSinkGpuCas
 
 TEST_P(CudaAlibiSinkVsReference, MmaSyncMatchesFp64Oracle) {
   SKIP_WITHOUT_GPU();
-  const UnverifiedVariantsOn on;
   const AlibiSinkGpuCase& a = GetParam();
   if (!a.v.deterministic) expect_alibi_sink_matches_oracle(a, "auto");
   expect_alibi_sink_matches_oracle(a, "mma");
@@ -450,21 +442,60 @@ INSTANTIATE_TEST_SUITE_P(Grid, CudaAlibiSinkVsReference, ::testing::ValuesIn(ali
                            return alibi_sink_name(info.param);
                          });
 
-// Without the unverified variants, a CUDA call with ALiBi or a sink is refused by name before anything runs.
-TEST(CudaAlibiSink, RefusedByNameUnlessUnverifiedVariantsAreOn) {
+// A CUDA call with ALiBi, a sink or both is planned on mma.sync and, with FLASHLM_ATTENTION_KERNEL=auto, stays
+// there in both passes (the Hopper kernels decline them), where the same problem without them takes the Hopper
+// kernels on an sm_90 GPU; it runs. A head dim of v's own is still refused by name, with or without them.
+TEST(CudaAlibiSink, PlannedOnMmaSyncNeverHopperAndHeadDimVStillRefusedByName) {
   SKIP_WITHOUT_GPU();
-  set_cuda_unverified_variants_for_testing(false);
-  Tensor q = Tensor::empty({1, 32, 2, 64}, DType::bf16, Device::cuda), o = Tensor::empty({1, 32, 2, 64}, DType::bf16, Device::cuda);
-  Tensor lse = Tensor::empty({1, 2, 32}, DType::f32, Device::cuda), per_head = Tensor::empty({2}, DType::f32, Device::cuda);
+#ifndef FLASHLM_WITH_CUDA
+  GTEST_SKIP() << "built without the CUDA backends' declarations";
+#else
+  Tensor q = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda), o = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
+  Tensor lse = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda), per_head = Tensor::empty({2}, DType::f32, Device::cuda);
+  Tensor dq = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda), dk = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
+  Tensor dv = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda), dsink = Tensor::empty({2}, DType::f32, Device::cuda);
   fill_normal(q, 3);
   fill_normal(per_head, 4);
+  with_kernel_choice("auto", [&] {
+    // The family each pass runs: the plan, then flash_kernel_family's choice on these views (dout = q).
+    auto families = [&](const AttentionOptions& opt) {
+      const AttentionProblem pf = validate_attention_forward(q, q, q, o, lse, opt);
+      const CudaAttentionPlan plan_f = plan_cuda_attention("attention_forward", pf, opt.impl, AttentionPass::forward);
+      const AttentionProblem pb = validate_attention_backward(q, q, q, o, lse, q, dq, dk, dv, opt);
+      const CudaAttentionPlan plan_b = plan_cuda_attention("attention_backward", pb, opt.impl, AttentionPass::backward);
+      EXPECT_EQ(plan_f.family, CudaKernelFamily::mma_sync);
+      EXPECT_EQ(plan_b.family, CudaKernelFamily::mma_sync);
+      return std::pair{flash_kernel_family(plan_f, AttentionPass::forward, pf, q, q, q, o, TensorView{}, false),
+                       flash_kernel_family(plan_b, AttentionPass::backward, pb, q, q, q, o, q, false)};
+    };
+#ifdef FLASHLM_WITH_SM90
+    if (on_sm90()) {  // the control: the same problem without ALiBi or a sink takes the Hopper kernels
+      const auto plain = families(AttentionOptions{});
+      EXPECT_EQ(plain.first, CudaKernelFamily::hopper);
+      EXPECT_EQ(plain.second, CudaKernelFamily::hopper);
+    }
+#endif
+    for (int which : {1, 2, 3}) {  // ALiBi, a sink, both
+      SCOPED_TRACE(which == 1 ? "alibi" : which == 2 ? "sink" : "alibi and sink");
+      AttentionOptions opt;
+      if (which & 1) opt.alibi_slopes = per_head.view();
+      if (which & 2) opt.learnable_sink = per_head.view();
+      const auto chosen = families(opt);
+      EXPECT_EQ(chosen.first, CudaKernelFamily::mma_sync);
+      EXPECT_EQ(chosen.second, CudaKernelFamily::mma_sync);
+      EXPECT_NO_THROW(attention_forward(q, q, q, o, lse, opt));
+      if (which & 2) opt.dlearnable_sink = dsink.view();
+      EXPECT_NO_THROW(attention_backward(q, q, q, o, lse, q, dq, dk, dv, opt));
+    }
+  });
+  Tensor v32 = Tensor::empty({1, 300, 2, 32}, DType::bf16, Device::cuda), o32 = Tensor::empty({1, 300, 2, 32}, DType::bf16, Device::cuda);
+  fill_normal(v32, 5);
   AttentionOptions opt;
+  expect_error([&] { attention_forward(q, q, v32, o32, lse, opt); }, {"v: head_dim_v 32 differs from head_dim 64", "mma.sync"});
   opt.alibi_slopes = per_head.view();
-  expect_error([&] { attention_forward(q, q, q, o, lse, opt); }, {"alibi_slopes", "mma.sync"});
-  opt.alibi_slopes = {};
   opt.learnable_sink = per_head.view();
-  expect_error([&] { attention_forward(q, q, q, o, lse, opt); }, {"learnable_sink", "mma.sync"});
-  set_cuda_unverified_variants_for_testing(std::nullopt);
+  expect_error([&] { attention_forward(q, q, v32, o32, lse, opt); }, {"v: head_dim_v 32 differs from head_dim 64", "mma.sync"});
+#endif
 }
 
 }  // namespace

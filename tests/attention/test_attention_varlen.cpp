@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "attention/attention_testing.h"
-#include "attention/capabilities.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
 #include "gpu_testing.h"
@@ -523,10 +522,10 @@ INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaBandVsReference, ::testing::ValuesIn(b
                            return varlen_case_name(info.param);
                          });
 
-// ALiBi and sinks on packed sequences, on the mma.sync kernels (pending GPU verification: the tests' override of
-// FLASHLM_CUDA_UNVERIFIED_VARIANTS turns them on), against the per-sequence fp64 reference, dsink included
-// (summed over every run of sequences): slopes [Hq] and [sequences, Hq], sequences without keys (o = 0, lse =
-// the sink) or queries, runs of equal lengths, GQA, with a window and softcap, both backward modes.
+// ALiBi and sinks on packed sequences, on the mma.sync kernels (the Hopper ones decline them), against the
+// per-sequence fp64 reference, dsink included (summed over every run of sequences): slopes [Hq] and
+// [sequences, Hq], sequences without keys (o = 0, lse = the sink) or queries, runs of equal lengths, GQA, with a
+// window and softcap, both backward modes.
 std::vector<VarlenCase> alibi_sink_gpu_grid() {
   std::vector<VarlenCase> cases;
   const std::vector<int32_t> self{1, 17, 1000, 0, 64, 3, 300};
@@ -557,9 +556,7 @@ TEST_P(VarlenCudaAlibiSinkVsReference, MmaSyncMatchesPerSequenceReference) {
   Pack ref(ours, c, DType::f64);
   AttentionOptions flash = ours.options(c, AttentionImpl::flash);
   flash.deterministic = c.deterministic;
-  set_cuda_unverified_variants_for_testing(true);
   ours.run_varlen_on_device(flash, c.len_q.size() % 2 == 1);
-  set_cuda_unverified_variants_for_testing(std::nullopt);
   lowp.run_varlen(lowp.options(c, AttentionImpl::naive));
   ref.run_per_sequence_reference(c);
   expect_close(ours, ref, lowp, c, "cuda flash (mma.sync)", 4);

@@ -299,12 +299,20 @@ def test_bad_alibi_and_sinks_raise_value_errors_naming_them():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and flashlm.cuda_device_count() > 0), reason="no GPU")
-def test_cuda_tensors_with_alibi_sinks_or_head_dim_v_raise_the_library_error():
+def test_cuda_alibi_and_sinks_run_in_16_bit_and_fp32_or_head_dim_v_raise_the_library_error():
+    # The fp16/bf16 flash kernels (mma.sync) have ALiBi and sinks: the CPU's fp32 answer on the same inputs,
+    # within bf16 rounding; the fp32 CUDA kernels refuse them by name, and every CUDA kernel refuses head_dim_v.
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="alibi_slopes: the mma.sync attention kernels have no ALiBi"):
-        flashlm.flash_attn_func(q, q, q, alibi_slopes=torch.ones(2, device="cuda"))
-    with pytest.raises(ValueError, match="learnable_sink: the mma.sync attention kernels have no attention sinks"):
-        flashlm.flash_attn_func(q, q, q, learnable_sink=torch.zeros(2, device="cuda"))
+    a, sink = slopes((2,)).cuda(), sinks(2, 5, requires_grad=False).cuda()
+    o = flashlm.flash_attn_func(q, q, q, alibi_slopes=a, learnable_sink=sink)
+    qc = q.cpu().float()
+    ref = flashlm.flash_attn_func(qc, qc, qc, alibi_slopes=a.cpu(), learnable_sink=sink.cpu())
+    assert (o.cpu().float() - ref).abs().max().item() < 3e-2
+    q32 = q.float()
+    with pytest.raises(ValueError, match="alibi_slopes: the fp32 attention kernels have no ALiBi"):
+        flashlm.flash_attn_func(q32, q32, q32, alibi_slopes=a)
+    with pytest.raises(ValueError, match="learnable_sink: the fp32 attention kernels have no attention sinks"):
+        flashlm.flash_attn_func(q32, q32, q32, learnable_sink=sink)
     with pytest.raises(ValueError, match="v: head_dim_v 32 differs from head_dim 64"):
         flashlm.flash_attn_func(q, q, q[..., :32].contiguous())
 
