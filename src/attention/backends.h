@@ -104,10 +104,6 @@ void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t c
 void kvcache_attention_cuda(const KvCacheProblem& kp, const TensorView& q, const TensorView& k_cache,
                             const TensorView& v_cache, const KvCacheIndex& index, const TensorView& k_new,
                             const TensorView& v_new, const TensorView& o, const TensorView& lse, void* stream);
-// The number of key splits the CUDA kernel uses for a cache of `capacity` keys per sequence (the host does not
-// know the lengths), given the blocks the other grid dimensions make and how many blocks the GPU holds at once
-// (resident blocks per SM x SMs). Host code only (attention/decode.cpp), so that CPU tests can check it.
-int64_t kvcache_num_splits(int64_t capacity, int64_t other_blocks, int resident_blocks);
 
 // naive: materialised S and P through cuBLAS plus softmax kernels (attention/cuda/naive.cu).
 void naive_attention_forward_cuda(const AttentionProblem& p, const TensorView& q, const TensorView& k,
@@ -117,5 +113,11 @@ void naive_attention_backward_cuda(const AttentionProblem& p, const TensorView& 
                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                    const TensorView& dv, void* stream);
 #endif
+
+// The number of key splits the CUDA kernel uses for a cache of `capacity` keys per sequence (the host does not
+// know the lengths), given the blocks the other grid dimensions make and how many blocks the GPU holds at once
+// (resident blocks per SM x SMs). Host code (attention/decode.cpp), built without CUDA too, so that CPU tests
+// can check it.
+int64_t kvcache_num_splits(int64_t capacity, int64_t other_blocks, int resident_blocks);
 
 }  // namespace flashlm
