@@ -15,6 +15,8 @@
 #include "flashlm/generate.h"
 #include "flashlm/model.h"
 #include "gpu_testing.h"
+#include "model/decoder_testing.h"
+#include "model/random_tokens.h"
 
 using namespace flashlm;
 
@@ -27,45 +29,12 @@ std::vector<float> logits_of(const CpuModel& model, int64_t tokens) {
   return logits;
 }
 
-// Ragged sizes (vocab 61, context 23) and norm gains away from 1, so that every parameter matters.
-ModelConfig decoder_config() {
-  ModelConfig c = ModelConfig::named("tiny", 23, 61);
-  c.d_model = 32;
-  c.heads = 4;
-  c.d_ff = 48;
-  c.layers = 2;
-  return c;
-}
-
-std::vector<float> random_parameters(const ModelConfig& c, uint64_t seed) {
-  const auto layout = parameter_layout(c);
-  std::vector<float> p(size_t(c.parameter_count()));
-  init_parameters_host(layout, p.data(), seed);
-  std::mt19937 rng{static_cast<unsigned>(seed)};
-  std::uniform_real_distribution<float> gain(0.5f, 1.5f);
-  for (const auto& info : layout) {
-    if (info.shape.size() == 1) {
-      for (int64_t i = 0; i < info.numel(); ++i) p[size_t(info.offset + i)] = gain(rng);
-    } else {  // larger than the 0.02 init, so that the logits spread and attention is far from uniform
-      for (int64_t i = 0; i < info.numel(); ++i) p[size_t(info.offset + i)] *= 10.0f;
-    }
-  }
-  return p;
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, unsigned seed) {
-  std::mt19937 rng{seed};
-  std::uniform_int_distribution<int32_t> pick(0, int32_t(vocab - 1));
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = pick(rng);
-  return t;
-}
 
 }  // namespace
 
 TEST(KvCacheDecoder, LogitsMatchTheFullForwardAtEveryPosition) {
-  const ModelConfig c = decoder_config();
-  const std::vector<float> params = random_parameters(c, 7);
+  const ModelConfig c = ragged_decoder_config();
+  const std::vector<float> params = decoder_test_parameters(c, 7, 10.0f);
   const int64_t n = c.context;  // the whole context: the cache ends full
   const std::vector<int32_t> tokens = random_tokens(n, c.vocab, 11), targets = random_tokens(n, c.vocab, 12);
   CpuModel full(c, 1, n);
@@ -90,8 +59,8 @@ TEST(KvCacheDecoder, LogitsMatchTheFullForwardAtEveryPosition) {
 }
 
 TEST(KvCacheDecoder, ResetForgetsTheCacheAndRepeatsBitForBit) {
-  const ModelConfig c = decoder_config();
-  KvCacheDecoder decoder(c, random_parameters(c, 3));
+  const ModelConfig c = ragged_decoder_config();
+  KvCacheDecoder decoder(c, decoder_test_parameters(c, 3, 10.0f));
   const std::vector<int32_t> tokens = random_tokens(9, c.vocab, 5);
   std::vector<float> first;
   for (int32_t t : tokens) {
@@ -117,8 +86,8 @@ TEST(KvCacheDecoder, ResetForgetsTheCacheAndRepeatsBitForBit) {
 }
 
 TEST(KvCacheDecoder, BadInputsAreErrors) {
-  const ModelConfig c = decoder_config();
-  const std::vector<float> params = random_parameters(c, 1);
+  const ModelConfig c = ragged_decoder_config();
+  const std::vector<float> params = decoder_test_parameters(c, 1, 10.0f);
   EXPECT_THROW(KvCacheDecoder(c, std::span(params).first(params.size() - 1)), Error);
   if (cuda_device_count() == 0) {
     try {
@@ -173,8 +142,8 @@ TEST(Sampling, TopKDrawsOnlyTheKLargestWithSoftmaxFrequencies) {
 }
 
 TEST(Sampling, DrawsArePureFunctionsOfSeedAndIndex) {
-  const ModelConfig c = decoder_config();
-  KvCacheDecoder decoder(c, random_parameters(c, 4));
+  const ModelConfig c = ragged_decoder_config();
+  KvCacheDecoder decoder(c, decoder_test_parameters(c, 4, 10.0f));
   const std::vector<int32_t> prompt = {3, 1, 4};
   SamplingOptions o;
   o.seed = 5;
@@ -193,8 +162,8 @@ TEST(Sampling, DrawsArePureFunctionsOfSeedAndIndex) {
 }
 
 TEST(Sampling, GreedyGenerationFollowsTheFullForward) {
-  const ModelConfig c = decoder_config();
-  const std::vector<float> params = random_parameters(c, 8);
+  const ModelConfig c = ragged_decoder_config();
+  const std::vector<float> params = decoder_test_parameters(c, 8, 10.0f);
   KvCacheDecoder decoder(c, params);
   const std::vector<int32_t> prompt = {5, 9};
   SamplingOptions greedy;
@@ -226,8 +195,8 @@ TEST(Sampling, BadOptionsAreErrors) {
   o.top_k = 0;
   EXPECT_THROW(sample_token(std::vector<float>{0.0f, std::nanf("")}, o, 0), Error);
   EXPECT_THROW(sample_token(std::vector<float>{}, o, 0), Error);
-  const ModelConfig c = decoder_config();
-  KvCacheDecoder decoder(c, random_parameters(c, 2));
+  const ModelConfig c = ragged_decoder_config();
+  KvCacheDecoder decoder(c, decoder_test_parameters(c, 2, 10.0f));
   EXPECT_THROW(generate_tokens(decoder, std::vector<int32_t>{}, 3, o), Error);
   EXPECT_THROW(generate_tokens(decoder, std::vector<int32_t>{1}, -1, o), Error);
 }
@@ -236,8 +205,8 @@ TEST(Sampling, BadOptionsAreErrors) {
 // full forward over the last `context` tokens, re-run here from scratch for each one (the naive reference).
 // Covers a prompt within the context that the new tokens overrun twice, and a prompt longer than the context.
 TEST(Sampling, BeyondTheContextTheWindowSlidesAsAFullForwardOverTheLastContextTokens) {
-  const ModelConfig c = decoder_config();
-  const std::vector<float> params = random_parameters(c, 9);
+  const ModelConfig c = ragged_decoder_config();
+  const std::vector<float> params = decoder_test_parameters(c, 9, 10.0f);
   KvCacheDecoder decoder(c, params);
   SamplingOptions sampled;
   sampled.temperature = 1.0;
@@ -292,8 +261,8 @@ TEST(Sampling, BeyondTheContextTheWindowSlidesAsAFullForwardOverTheLastContextTo
 // greedy generation giving the same tokens, and a seeded sample repeating on the GPU. Skips without a GPU.
 TEST(KvCacheDecoderCuda, MatchesTheCpuDecoderAtEveryPosition) {
   SKIP_WITHOUT_GPU();
-  const ModelConfig c = decoder_config();
-  const std::vector<float> params = random_parameters(c, 7);
+  const ModelConfig c = ragged_decoder_config();
+  const std::vector<float> params = decoder_test_parameters(c, 7, 10.0f);
   const std::vector<int32_t> tokens = random_tokens(c.context, c.vocab, 11);
   KvCacheDecoder cpu(c, params), gpu(c, params, Device::cuda);
   EXPECT_EQ(gpu.device(), Device::cuda);

@@ -15,20 +15,12 @@
 #include "flashlm/generate.h"
 #include "flashlm/model.h"
 #include "gpu_testing.h"
+#include "model/decoder_testing.h"
+#include "model/random_tokens.h"
 
 using namespace flashlm;
 
 namespace {
-
-// Ragged sizes (vocab 61, context 23: two pages of 16, the last partly filled), as test_decoder.cpp's.
-ModelConfig cpu_config() {
-  ModelConfig c = ModelConfig::named("tiny", 23, 61);
-  c.d_model = 32;
-  c.heads = 4;
-  c.d_ff = 48;
-  c.layers = 2;
-  return c;
-}
 
 // What the CUDA decoding kernels take: head_dim 64; d_ff a multiple of 8; vocab 61 (the LM head padded to 64).
 ModelConfig gpu_config() {
@@ -40,30 +32,6 @@ ModelConfig gpu_config() {
   return c;
 }
 
-// The standard initialisation with the weights scaled by `weight_scale` (so that attention is far from
-// uniform and the logits spread) and the norm gains in [0.5, 1.5], so that every parameter matters.
-std::vector<float> random_parameters(const ModelConfig& c, uint64_t seed, float weight_scale) {
-  const auto layout = parameter_layout(c);
-  std::vector<float> p(size_t(c.parameter_count()));
-  init_parameters_host(layout, p.data(), seed);
-  std::mt19937 rng{static_cast<unsigned>(seed)};
-  std::uniform_real_distribution<float> gain(0.5f, 1.5f);
-  for (const auto& info : layout) {
-    for (int64_t i = 0; i < info.numel(); ++i) {
-      float& x = p[size_t(info.offset + i)];
-      x = info.shape.size() == 1 ? gain(rng) : x * weight_scale;
-    }
-  }
-  return p;
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t vocab, unsigned seed) {
-  std::mt19937 rng{seed};
-  std::uniform_int_distribution<int32_t> pick(0, int32_t(vocab - 1));
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (auto& x : t) x = pick(rng);
-  return t;
-}
 
 // max |got - want| and max |want|.
 struct Diff {
@@ -171,8 +139,8 @@ TEST(KvPagePool, ExhaustionAndCapacityAreErrorsThatChangeNothing) {
 // Three prompts of different lengths (one longer than a prefill chunk) in one pool, then teacher-forced steps of
 // whichever sequences still have room, against KvCacheDecoder fed the same tokens sequence by sequence.
 TEST(PagedKvDecoder, CpuBatchMatchesTheContiguousDecoderSequenceBySequence) {
-  const ModelConfig c = cpu_config();
-  const std::vector<float> params = random_parameters(c, 7, 10.0f);
+  const ModelConfig c = ragged_decoder_config();
+  const std::vector<float> params = decoder_test_parameters(c, 7, 10.0f);
   const std::vector<int64_t> prompt_lengths = {5, 20, 1};
   const int64_t B = int64_t(prompt_lengths.size());
   PagedDecoderOptions o;
@@ -230,8 +198,8 @@ TEST(PagedKvDecoder, CpuBatchMatchesTheContiguousDecoderSequenceBySequence) {
 // generate_batch's sequence b is generate_tokens on its prompt with seed + b, sampled and greedy, within the
 // context and past it (where each window slides and is prefilled again, its pages recycled through the pool).
 TEST(PagedKvDecoder, GenerateBatchIsGenerateTokensPerPromptWithSeedPlusIndex) {
-  const ModelConfig c = cpu_config();
-  const std::vector<float> params = random_parameters(c, 9, 10.0f);
+  const ModelConfig c = ragged_decoder_config();
+  const std::vector<float> params = decoder_test_parameters(c, 9, 10.0f);
   const std::vector<std::vector<int32_t>> prompts = {random_tokens(3, c.vocab, 1), random_tokens(17, c.vocab, 2),
                                                      random_tokens(c.context + 4, c.vocab, 3), {7}};
   SamplingOptions sampled;
@@ -276,8 +244,8 @@ TEST(PagedKvDecoder, GenerateBatchIsGenerateTokensPerPromptWithSeedPlusIndex) {
 }
 
 TEST(PagedKvDecoder, BadInputsAreClearErrors) {
-  const ModelConfig c = cpu_config();
-  const std::vector<float> params = random_parameters(c, 1, 1.0f);
+  const ModelConfig c = ragged_decoder_config();
+  const std::vector<float> params = decoder_test_parameters(c, 1, 1.0f);
   const auto expect_error = [](const auto& fn, const std::string& text) {
     try {
       fn();
@@ -353,7 +321,7 @@ TEST(PagedKvDecoder, BadInputsAreClearErrors) {
 TEST(PagedKvDecoderCuda, Bf16MatchesTheFp32CpuDecoderWithinBf16Tolerance) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = gpu_config();
-  const std::vector<float> params = random_parameters(c, 7, 3.0f);
+  const std::vector<float> params = decoder_test_parameters(c, 7, 3.0f);
   constexpr double kTol = 5e-2;
   PagedDecoderOptions o;
   o.page_size = 16;
@@ -391,7 +359,7 @@ TEST(PagedKvDecoderCuda, Bf16MatchesTheFp32CpuDecoderWithinBf16Tolerance) {
 TEST(PagedKvDecoderCuda, ABatchOfDifferentLengthsEqualsEachPromptDecodedAlone) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = gpu_config();
-  const std::vector<float> params = random_parameters(c, 8, 3.0f);
+  const std::vector<float> params = decoder_test_parameters(c, 8, 3.0f);
   constexpr double kTol = 5e-2;
   const std::vector<std::vector<int32_t>> prompts = {random_tokens(3, c.vocab, 1), random_tokens(17, c.vocab, 2),
                                                      random_tokens(30, c.vocab, 3)};
@@ -441,7 +409,7 @@ TEST(PagedKvDecoderCuda, ModelsTheKernelsCannotRunAreRefusedByName) {
   SKIP_WITHOUT_GPU();
   ModelConfig c = gpu_config();
   c.heads = 4;  // head_dim 32
-  const std::vector<float> params = random_parameters(c, 1, 1.0f);
+  const std::vector<float> params = decoder_test_parameters(c, 1, 1.0f);
   try {
     PagedKvDecoder d(c, params, Device::cuda, PagedDecoderOptions{});
     FAIL() << "head_dim 32 has no CUDA decoding kernel";
