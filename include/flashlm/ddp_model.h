@@ -85,6 +85,11 @@ class DdpModel {
   // fp16 unscaling, clipping to c.max_grad_norm and AdamW (ZeRO-1's with zero1). false: an fp16 overflow,
   // the step is skipped on every rank. *norm (if given): the gradient norm before clipping.
   bool optimizer_step(const AdamWConfig& c, double lr, double* norm = nullptr);
+  // One training step: forward_backward, then optimizer_step (loss: the mean of this rank's micro-steps).
+  // Where data parallelism has nothing to do (a world of one, fp32 reduction, no sharding, no accumulation),
+  // the model's own train_step, which on CUDA is one graph: no hook then runs on the host inside the step.
+  StepResult train_step(std::span<const int32_t> tokens, std::span<const int32_t> targets, const AdamWConfig& c,
+                        double lr);
   int64_t optimizer_steps() const;
 
  private:
@@ -93,6 +98,7 @@ class DdpModel {
   LanguageModel& model_;
   int64_t micro_tokens_;
   int gemm_sm_reserve_;  // DdpOptions::gemm_sm_reserve resolved
+  bool plain_step_ = false;  // train_step is the model's own (see there); the model then has no gradient hook
   std::unique_ptr<DataParallel> ddp_;
   std::unique_ptr<ZeroOptimizer> zero_;
   std::unique_ptr<FsdpParameters> fsdp_;

@@ -121,8 +121,7 @@ void measure(Communicator& comm, const DdpBenchConfig& cfg, LanguageModel* share
   model.synchronize();
   memory_reset_peak(model.device());
   const std::vector<double> ms = time_steps(comm, cfg, [&] {
-    dp->forward_backward(tokens, targets);
-    dp->optimizer_step(adamw, 1e-4);
+    dp->train_step(tokens, targets, adamw, 1e-4);
     model.synchronize();
     exposed.push_back(dp->data_parallel().last_stats().exposed_ms);
   });

@@ -85,7 +85,10 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
   // The sharded optimizer keeps the moments now: a rank holding the model's own as well (a model that
   // stepped alone before, as ddp-bench's plain row does) would hold the optimizer state twice.
   if (zero_) model_.release_optimizer_state();
-  model_.set_gradient_ready_hook(ddp_->hook());
+  // With nothing to reduce, shard or average, the hook would only count reports, and its presence keeps a
+  // CUDA model's step out of its graph (CudaModel::train_step): leave it out, and step as the model alone.
+  plain_step_ = !ddp_->communicates() && !zero_ && !fsdp_ && options.grad_accum == 1;
+  if (!plain_step_) model_.set_gradient_ready_hook(ddp_->hook());
   // The forward waits for each part of ZeRO-1's gather only as it reaches it.
   if (zero_ && !fsdp_) {
     model_.set_parameters_needed_hook(
@@ -369,6 +372,20 @@ bool DdpModel::optimizer_step(const AdamWConfig& c, double lr, double* norm) {
   else if (!working) model_.parameters_changed();
   if (norm) *norm = before;
   return true;
+}
+
+StepResult DdpModel::train_step(std::span<const int32_t> tokens, std::span<const int32_t> targets,
+                                const AdamWConfig& c, double lr) {
+  if (!plain_step_) {
+    StepResult r;
+    r.loss = forward_backward(tokens, targets);
+    r.updated = optimizer_step(c, lr, &r.grad_norm);
+    return r;
+  }
+  FLASHLM_CHECK(static_cast<int64_t>(tokens.size()) == micro_tokens_ && targets.size() == tokens.size(),
+                "DdpModel::train_step: {} tokens and {} targets, expected {} of each", tokens.size(), targets.size(),
+                micro_tokens_);
+  return model_.train_step(tokens.data(), targets.data(), c, lr);
 }
 
 int64_t DdpModel::optimizer_steps() const { return zero_ ? zero_->steps() : model_.optimizer_steps(); }

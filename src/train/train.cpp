@@ -426,18 +426,12 @@ TrainResult train(const TrainConfig& cfg) {
       train_batches.next(std::span(x).subspan(k * micro, micro), std::span(y).subspan(k * micro, micro));
     }
     const double lr = cosine_lr(cfg.optimizer, step);
-    double loss = 0, norm = 0;
-    bool stepped = true;
-    if (dp) {
-      loss = dp->forward_backward(x, y);
-      cfg.comm->all_reduce(std::span<double>(&loss, 1), ReduceOp::avg);  // the global batch's loss
-      stepped = dp->optimizer_step(cfg.optimizer, lr, &norm);
-    } else {
-      const StepResult r = model.train_step(x.data(), y.data(), cfg.optimizer, lr);
-      loss = r.loss;
-      norm = r.grad_norm;
-      stepped = r.updated;
-    }
+    const StepResult r = dp ? dp->train_step(x, y, cfg.optimizer, lr)
+                            : model.train_step(x.data(), y.data(), cfg.optimizer, lr);
+    double loss = r.loss;
+    const double norm = r.grad_norm;
+    const bool stepped = r.updated;
+    if (dp) cfg.comm->all_reduce(std::span<double>(&loss, 1), ReduceOp::avg);  // the global batch's loss
     if (!stepped) ++skipped;  // fp16 overflow: no update, the loss scale was halved
     // fp16 skips such a step and backs off its loss scale (above); in fp32 and bf16 a loss or gradient norm
     // that is not finite means the parameters just updated are not either (a finite loss can come with an
