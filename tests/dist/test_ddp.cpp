@@ -598,7 +598,9 @@ TEST(DdpGpu, EveryVariantMatchesOneGpuOnTheWholeBatch) {
       EXPECT_EQ(st.elements, alone() ? 0 : part.parameter_count()) << describe(o);
       EXPECT_GE(st.exposed_ms, 0.0) << describe(o);
       // With nothing to communicate, shard or accumulate, DdpModel::train_step is the model's own: one graph.
-      if (alone() && !zero1 && o.grad_accum == 1) EXPECT_EQ(part.cuda_graph_status(), "on") << describe(o);
+      if (alone() && !zero1 && o.grad_accum == 1) {
+        EXPECT_EQ(part.cuda_graph_status(), "on") << describe(o);
+      }
     }
   }
 }
