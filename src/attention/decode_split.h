@@ -10,11 +10,7 @@
 #pragma once
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FLASHLM_DECODE_HOST_DEVICE __host__ __device__
-#else
-#define FLASHLM_DECODE_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 namespace flashlm {
 
@@ -33,7 +29,7 @@ struct DecodeSplitRange {
 
 // 0 <= lo <= hi: the sequence's visible keys; 1 <= num_splits; 0 <= split < num_splits. In 64 bits where a
 // product or sum may pass the int32 range for a cache near it.
-FLASHLM_DECODE_HOST_DEVICE inline DecodeSplitRange decode_split_range(int lo, int hi, int num_splits, int split) {
+FLASHLM_HOST_DEVICE inline DecodeSplitRange decode_split_range(int lo, int hi, int num_splits, int split) {
   constexpr int64_t n = kDecodeTileKeys;
   const int64_t lo_tile = lo / n * n;
   const int64_t span = static_cast<int64_t>(hi) - lo_tile;

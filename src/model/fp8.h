@@ -14,32 +14,27 @@
 #pragma once
 #include <cstdint>
 
+#include "core/host_device.h"
 #include "flashlm/dtype.h"
 #include "flashlm/fp8.h"
-
-#if defined(__CUDACC__)
-#define FLASHLM_FP8_HOST_DEVICE __host__ __device__
-#else
-#define FLASHLM_FP8_HOST_DEVICE
-#endif
 
 namespace flashlm {
 
 // The amax floor: an all-zero tensor gets a large finite scale (its FP8 copy is zero) instead of inf.
 constexpr float kFp8AmaxFloor = 1e-12f;
 
-FLASHLM_FP8_HOST_DEVICE inline float fp8_max_value(Fp8Format f) { return f == Fp8Format::e4m3 ? 448.0f : 57344.0f; }
+FLASHLM_HOST_DEVICE inline float fp8_max_value(Fp8Format f) { return f == Fp8Format::e4m3 ? 448.0f : 57344.0f; }
 
 // The quantisation scale for a tensor of this amax. A NaN amax (a NaN in the tensor) gives a NaN scale,
 // so that the FP8 copy and the product are NaN too (`<` is false for NaN: no floor applied); an infinite
 // amax gives 0, and inf · 0 is NaN where the infinity was.
-FLASHLM_FP8_HOST_DEVICE inline float fp8_scale(float amax, Fp8Format f) {
+FLASHLM_HOST_DEVICE inline float fp8_scale(float amax, Fp8Format f) {
   const float floored = amax < kFp8AmaxFloor ? kFp8AmaxFloor : amax;
   return fp8_max_value(f) / floored;
 }
 
 // What the GEMM multiplies its result by, per operand (cuBLASLt's A/B scale).
-FLASHLM_FP8_HOST_DEVICE inline float fp8_dequant_scale(float scale) { return 1.0f / scale; }
+FLASHLM_HOST_DEVICE inline float fp8_dequant_scale(float scale) { return 1.0f / scale; }
 
 // ---------------------------------------------------------------------------------------------------
 // The CPU emulation (fp8_cpu.cpp).
