@@ -1,7 +1,8 @@
 // Which cuBLASLt FP8 configuration runs on this GPU: the descriptors fp8_gemm_cuda (src/model/cuda/gemm.cpp)
 // builds for d (bf16) = p (e4m3) · q (e4m3)ᵀ, and one change at a time (C null, no alignment preferences, fast
-// accumulation, no scale pointers, fp32 D, every algorithm the heuristic offers), with a bf16 control. Issue 32:
-// on an H100 (2026-12-06) the heuristic answered and cublasLtMatmul said NOT_SUPPORTED for the first row.
+// accumulation, no scale pointers, fp32 D, every algorithm the heuristic offers, the A scale pointer's alignment),
+// with a bf16 control. Issue 32: on an H100 (2026-12-06, cuBLASLt 13.1) the heuristic answered and cublasLtMatmul
+// said NOT_SUPPORTED for every row whose A scale pointer sat 4 bytes past an aligned address (the first seven).
 // A probe, not an A/B: it prints which calls run, not times.
 //   nvcc -std=c++17 -O1 -gencode=arch=compute_90a,code=sm_90a dev/cuda/02_fp8_gemm_probe.cu -o /tmp/fp8_probe \
 //     -lcublasLt && CUBLASLT_LOG_LEVEL=3 /tmp/fp8_probe
@@ -13,7 +14,7 @@
 
 #define CK(x) do { auto e_ = (x); if (e_) { std::printf("  %s -> %d\n", #x, int(e_)); } } while (0)
 
-struct Variant { const char* name; bool c_null, no_align, fast_accum, no_scales, d_fp32, bf16_inputs, all_algos; };
+struct Variant { const char* name; bool c_null, no_align, fast_accum, no_scales, d_fp32, bf16_inputs, all_algos; int a_scale_offset = 1; };
 
 int main() {
   cublasLtHandle_t h; CK(cublasLtCreate(&h));
@@ -33,6 +34,9 @@ int main() {
       {"D fp32", false, false, false, false, true, false, false},
       {"every heuristic algo, C = nullptr", true, true, false, false, false, false, true},
       {"bf16 inputs (control)", false, false, false, true, false, true, false},
+      {"A scale 8-byte aligned", false, false, false, false, false, false, false, 2},
+      {"A scale 16-byte aligned", false, false, false, false, false, false, false, 4},
+      {"A scale 256-byte aligned", false, false, false, false, false, false, false, 64},
   };
   for (auto& s : sizes) {
     const int m = s[1], n = s[0], k = s[2];  // column-major: D [m, n] = op(A) [m, k] · B [k, n], A stored [k, m]
@@ -43,7 +47,7 @@ int main() {
       CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
       CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
       if (!v.no_scales) {
-        const float* sa = scales + 1; const float* sb = scales;
+        const float* sa = scales + v.a_scale_offset; const float* sb = scales;
         CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof sa));
         CK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof sb));
       }

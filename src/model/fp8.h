@@ -36,6 +36,14 @@ FLASHLM_HOST_DEVICE inline float fp8_scale(float amax, Fp8Format f) {
 // What the GEMM multiplies its result by, per operand (cuBLASLt's A/B scale).
 FLASHLM_HOST_DEVICE inline float fp8_dequant_scale(float scale) { return 1.0f / scale; }
 
+// One operand's scales on the device (CUDA): a slot of kFp8ScaleSlotFloats fp32, 16-byte aligned, with the
+// dequantisation scale at kFp8DequantIndex and the amax at kFp8AmaxIndex, each on its own 16 bytes. The
+// dequantisation scale is the pointer cuBLASLt's FP8 GEMM reads as the operand's A/B scale, and cuBLASLt
+// wants it 16-byte aligned: with it 4 bytes past an aligned address cublasLtMatmul answered NOT_SUPPORTED
+// (cuBLASLt 13.1 on an H100, dev/cuda/02_fp8_gemm_probe.cu) though its heuristic had offered an algorithm.
+inline constexpr int64_t kFp8DequantIndex = 0, kFp8AmaxIndex = 4, kFp8ScaleSlotFloats = 8;
+inline constexpr uint32_t kFp8ScaleAlignment = 16;
+
 // ---------------------------------------------------------------------------------------------------
 // The CPU emulation (fp8_cpu.cpp).
 

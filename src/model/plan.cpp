@@ -10,6 +10,7 @@
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "model/activations.h"
+#include "model/fp8.h"
 
 namespace flashlm {
 
@@ -197,7 +198,7 @@ Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
   l.act_x_t = 2 * l.act_t;
   l.weight = 3 * l.act_t;
   l.scales = l.weight + region(l.weight_capacity);
-  l.bytes = l.scales + region(6 * int64_t(sizeof(float)));
+  l.bytes = l.scales + region(3 * kFp8ScaleSlotFloats * int64_t(sizeof(float)));
   return l;
 }
 

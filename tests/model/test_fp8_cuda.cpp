@@ -138,7 +138,7 @@ TEST(Fp8Cast, MatchesTheCpuEmulationBitExactly) {
         const float want_dequant = fp8_quantize_cpu(x.data(), count, f, want.data());
         const float want_amax = fp8_amax_cpu(x.data(), count);
 
-        Dev dx(size_t(count) * (fp32_input ? 4 : 2)), dq(static_cast<size_t>(count)), dqt(static_cast<size_t>(count)), ds(2 * sizeof(float));
+        Dev dx(size_t(count) * (fp32_input ? 4 : 2)), dq(static_cast<size_t>(count)), dqt(static_cast<size_t>(count)), ds(kFp8ScaleSlotFloats * sizeof(float));
         if (fp32_input) dx.upload(x); else dx.upload(to_bf16(x));
         dq.poison();
         dqt.poison();
@@ -150,8 +150,8 @@ TEST(Fp8Cast, MatchesTheCpuEmulationBitExactly) {
                             nullptr);
         }
         const auto scales = ds.download<float>();
-        EXPECT_EQ(std::bit_cast<uint32_t>(scales[0]), std::bit_cast<uint32_t>(want_amax)) << what << ": amax";
-        EXPECT_EQ(std::bit_cast<uint32_t>(scales[1]), std::bit_cast<uint32_t>(want_dequant)) << what << ": dequant";
+        EXPECT_EQ(std::bit_cast<uint32_t>(scales[kFp8AmaxIndex]), std::bit_cast<uint32_t>(want_amax)) << what << ": amax";
+        EXPECT_EQ(std::bit_cast<uint32_t>(scales[kFp8DequantIndex]), std::bit_cast<uint32_t>(want_dequant)) << what << ": dequant";
         const auto q = dq.download<uint8_t>(), qt = dqt.download<uint8_t>();
         int64_t bad = 0, bad_t = 0;
         for (int64_t r = 0; r < rows; ++r) {
@@ -182,18 +182,18 @@ TEST(Fp8Cast, ZerosGiveZerosAndANaNPoisonsTheTensor) {
   SKIP_WITHOUT_GPU();
   const int64_t rows = 48, cols = 32;
   std::vector<float> x(size_t(rows * cols), 0.0f);
-  Dev dx(x.size() * 4), dq(x.size()), ds(8);
+  Dev dx(x.size() * 4), dq(x.size()), ds(kFp8ScaleSlotFloats * sizeof(float));
   dx.upload(x);
   dq.poison();
   gpu::fp8_quantize(dx.as<float>(), rows, cols, Fp8Format::e4m3, dq.as<uint8_t>(), nullptr, ds.as<float>(), nullptr);
   for (uint8_t b : dq.download<uint8_t>()) ASSERT_EQ(b, 0);
-  EXPECT_EQ(ds.download<float>()[1], fp8_dequant_scale(fp8_scale(0.0f, Fp8Format::e4m3)));
+  EXPECT_EQ(ds.download<float>()[kFp8DequantIndex], fp8_dequant_scale(fp8_scale(0.0f, Fp8Format::e4m3)));
   x[777] = NAN;
   x[5] = 3.0f;
   dx.upload(x);
   for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
     gpu::fp8_quantize(dx.as<float>(), rows, cols, f, dq.as<uint8_t>(), nullptr, ds.as<float>(), nullptr);
-    EXPECT_TRUE(std::isnan(ds.download<float>()[0])) << "amax of a tensor with a NaN";
+    EXPECT_TRUE(std::isnan(ds.download<float>()[kFp8AmaxIndex])) << "amax of a tensor with a NaN";
     for (uint8_t b : dq.download<uint8_t>()) ASSERT_TRUE(std::isnan(fp8_decode(b, f))) << fp8_format_name(f);
   }
 }
@@ -202,6 +202,15 @@ TEST(Fp8Cast, ZerosGiveZerosAndANaNPoisonsTheTensor) {
 // The FP8 GEMM against the fp64 product of the same FP8 operands and scales.
 
 namespace {
+
+// Two operands' scale slots (model/fp8.h): the dequantisation scales at the start of each, 16-byte aligned.
+constexpr size_t kTwoSlotsBytes = 2 * kFp8ScaleSlotFloats * sizeof(float);
+std::vector<float> two_slots(float p_dequant, float q_dequant) {
+  std::vector<float> v(2 * kFp8ScaleSlotFloats, 0.0f);
+  v[kFp8DequantIndex] = p_dequant;
+  v[kFp8ScaleSlotFloats + kFp8DequantIndex] = q_dequant;
+  return v;
+}
 
 struct GemmCase {
   int64_t rows, cols, k;
@@ -231,10 +240,10 @@ void check_gemm(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1:
   fp8_matmul_nt_cpu(pa.data(), g.pf, dqp, qa.data(), g.qf, dqq, g.rows, g.cols, g.k, s.data());
 
   const size_t esz = dtype_size(out);
-  Dev dp(p.size()), dq(q.size()), dd(ref.size() * esz), dr(ref.size() * esz), dsc(8);
+  Dev dp(p.size()), dq(q.size()), dd(ref.size() * esz), dr(ref.size() * esz), dsc(kTwoSlotsBytes);
   dp.upload(p);
   dq.upload(q);
-  dsc.upload(std::vector<float>{dqp, dqq});
+  dsc.upload(two_slots(dqp, dqq));
   // The initial d (mode 1) or residual (mode 2): values of the product's size, exact in the output type.
   std::vector<float> c(ref.size(), 0.0f);
   if (mode != 0) {
@@ -247,7 +256,7 @@ void check_gemm(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1:
   };
   if (mode == 1) upload_out(dd, c); else dd.poison(0xFF);
   if (mode == 2) upload_out(dr, c);
-  fp8_gemm_cuda({dp.ptr(), g.pf, dsc.as<float>()}, {dq.ptr(), g.qf, dsc.as<float>() + 1}, dd.ptr(), out, g.rows, g.cols,
+  fp8_gemm_cuda({dp.ptr(), g.pf, dsc.as<float>()}, {dq.ptr(), g.qf, dsc.as<float>() + kFp8ScaleSlotFloats}, dd.ptr(), out, g.rows, g.cols,
                 g.k, mode == 0 ? 0.0f : 1.0f, mode == 2 ? dr.ptr() : nullptr, nullptr);
   std::vector<float> got(ref.size());
   if (out == DType::f32) {
@@ -296,14 +305,14 @@ TEST(Fp8Gemm, RepeatedCallsGiveTheSameBits) {
   SKIP_WITHOUT_GPU();
   float dqp = 0, dqq = 0;
   const auto p = random_fp8(256 * 512, Fp8Format::e4m3, 5, &dqp), q = random_fp8(384 * 512, Fp8Format::e4m3, 6, &dqq);
-  Dev dp(p.size()), dq(q.size()), dd(256 * 384 * 2), dsc(8);
+  Dev dp(p.size()), dq(q.size()), dd(256 * 384 * 2), dsc(kTwoSlotsBytes);
   dp.upload(p);
   dq.upload(q);
-  dsc.upload(std::vector<float>{dqp, dqq});
+  dsc.upload(two_slots(dqp, dqq));
   std::vector<uint16_t> first;
   for (int i = 0; i < 3; ++i) {
     dd.poison(0xFF);
-    fp8_gemm_cuda({dp.ptr(), Fp8Format::e4m3, dsc.as<float>()}, {dq.ptr(), Fp8Format::e4m3, dsc.as<float>() + 1},
+    fp8_gemm_cuda({dp.ptr(), Fp8Format::e4m3, dsc.as<float>()}, {dq.ptr(), Fp8Format::e4m3, dsc.as<float>() + kFp8ScaleSlotFloats},
                   dd.ptr(), DType::bf16, 256, 384, 512, 0.0f, nullptr, nullptr);
     const auto got = dd.download<uint16_t>();
     if (i == 0) first = got; else EXPECT_EQ(got, first);
@@ -313,7 +322,7 @@ TEST(Fp8Gemm, RepeatedCallsGiveTheSameBits) {
 TEST(Fp8Gemm, BadArgumentsAreErrors) {
   // Checked before any CUDA call: no GPU needed.
   alignas(16) static uint8_t a[256], b[256], d[1024];
-  static float scale[2] = {1.0f, 1.0f};
+  alignas(16) static float scale[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
   const Fp8Operand p{a, Fp8Format::e4m3, scale}, q{b, Fp8Format::e4m3, scale};
   const auto gemm = [&](const Fp8Operand& pp, const Fp8Operand& qq, void* dd, DType out, int64_t rows, int64_t k,
                         float beta) { fp8_gemm_cuda(pp, qq, dd, out, rows, 16, k, beta, nullptr, nullptr); };
@@ -325,6 +334,9 @@ TEST(Fp8Gemm, BadArgumentsAreErrors) {
   expect_error([&] { gemm(p, q, d, DType::bf16, 16, 16, 0.5f); }, "expected 0 or 1");
   expect_error([&] { gemm({a + 1, Fp8Format::e4m3, scale}, q, d, DType::bf16, 16, 16, 0); }, "16-byte aligned");
   expect_error([&] { gemm({nullptr, Fp8Format::e4m3, scale}, q, d, DType::bf16, 16, 16, 0); }, "p is null");
+  // cuBLASLt refuses a scale pointer off 16 bytes (NOT_SUPPORTED from the matmul): an error naming it first.
+  expect_error([&] { gemm(p, {b, Fp8Format::e4m3, scale + 1}, d, DType::bf16, 16, 16, 0); },
+               "q.dequant = ");
   expect_error([&] { gemm({a, Fp8Format::e4m3, nullptr}, q, d, DType::bf16, 16, 16, 0); }, "p.dequant is null");
   expect_error([&] { gemm(p, q, a, DType::bf16, 16, 16, 0); }, "overlap");
 }

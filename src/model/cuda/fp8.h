@@ -22,7 +22,8 @@ template <class T>
 void fp8_cast(const T* x, int64_t rows, int64_t cols, const float* amax, Fp8Format format, uint8_t* q, uint8_t* qt,
               float* dequant, void* stream);
 
-// Both: amax (into scales[0]) then the cast (dequantisation scale into scales[1]). scales: 2 device floats.
+// Both: amax (into scales[kFp8AmaxIndex]) then the cast (dequantisation scale into scales[kFp8DequantIndex]).
+// scales: one operand's slot of kFp8ScaleSlotFloats device floats, 16-byte aligned (model/fp8.h).
 template <class T>
 void fp8_quantize(const T* x, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q, uint8_t* qt, float* scales,
                   void* stream);

@@ -34,7 +34,7 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
   uint8_t *qx = region(layout_.act), *qw = region(layout_.weight);
   gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, scales(0), stream);
   gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, qw, nullptr, scales(1), stream);
-  fp8_gemm_cuda({qx, Fp8Format::e4m3, scales(0) + 1}, {qw, Fp8Format::e4m3, scales(1) + 1}, y, DType::bf16, n_, out,
+  fp8_gemm_cuda({qx, Fp8Format::e4m3, dequant(0)}, {qw, Fp8Format::e4m3, dequant(1)}, y, DType::bf16, n_, out,
                 in, residual ? 1.0f : 0.0f, residual, stream);
 }
 
@@ -46,19 +46,19 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   // dy once, both ways: dy [n, out] for dx's product (K = out), dyᵀ [out, n] for dw's (K = n).
   uint8_t *qdy = region(layout_.act), *qdy_t = region(layout_.act_t);
   gpu::fp8_quantize(dy, n_, out, gradients_, dx ? qdy : nullptr, dw ? qdy_t : nullptr, scales(0), stream);
-  const Fp8Operand grad{qdy, gradients_, scales(0) + 1}, grad_t{qdy_t, gradients_, scales(0) + 1};
+  const Fp8Operand grad{qdy, gradients_, dequant(0)}, grad_t{qdy_t, gradients_, dequant(0)};
   if (dx) {
     // dx [n, in] = dy [n, out] · (wᵀ [in, out])ᵀ: w's transposed copy is K-major.
     uint8_t* qw_t = region(layout_.weight);
     gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, nullptr, qw_t, scales(1), stream);
-    fp8_gemm_cuda(grad, {qw_t, Fp8Format::e4m3, scales(1) + 1}, dx, DType::bf16, n_, in, out,
+    fp8_gemm_cuda(grad, {qw_t, Fp8Format::e4m3, dequant(1)}, dx, DType::bf16, n_, in, out,
                   accumulate_dx ? 1.0f : 0.0f, nullptr, stream);
   }
   if (dw) {
     // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, into the fp32 gradient.
     uint8_t* qx_t = region(layout_.act_x_t);
     gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, nullptr, qx_t, scales(2), stream);
-    fp8_gemm_cuda(grad_t, {qx_t, Fp8Format::e4m3, scales(2) + 1}, dw, DType::f32, out, in, n_,
+    fp8_gemm_cuda(grad_t, {qx_t, Fp8Format::e4m3, dequant(2)}, dw, DType::f32, out, in, n_,
                   accumulate_dw ? 1.0f : 0.0f, nullptr, stream);
   }
 }

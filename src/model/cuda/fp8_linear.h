@@ -17,6 +17,7 @@
 #include "flashlm/memory.h"
 #include "flashlm/model.h"
 #include "model/activations.h"
+#include "model/fp8.h"
 
 namespace flashlm {
 
@@ -38,7 +39,8 @@ class Fp8Linear {
 
  private:
   uint8_t* region(int64_t offset) const { return static_cast<uint8_t*>(buffer_.data()) + offset; }
-  float* scales(int slot) const { return reinterpret_cast<float*>(region(layout_.scales)) + 2 * slot; }
+  float* scales(int slot) const { return reinterpret_cast<float*>(region(layout_.scales)) + kFp8ScaleSlotFloats * slot; }
+  float* dequant(int slot) const { return scales(slot) + kFp8DequantIndex; }
   void check_widths(const char* fn, int64_t in, int64_t out) const;
 
   int64_t n_;

@@ -39,6 +39,7 @@
 #include "flashlm/memory.h"
 #include "flashlm/profile.h"
 #include "model/cuda/gemm_plan.h"
+#include "model/fp8.h"
 
 namespace flashlm {
 
@@ -210,10 +211,7 @@ bool run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
   const float alpha = 1.0f;
   const Plan& pl = plan->second;
   set_scales(pl.desc, a_scale, b_scale, c, p);
-  // C is read only with beta != 0. The FP8 products pass it as null then, as torch's _scaled_mm does (whose FP8
-  // products run on the same GPUs): with C = D (in place), the one remaining difference in the call, cuBLASLt
-  // answers NOT_SUPPORTED for e4m3 · e4m3 -> bf16 on Hopper. Whether null C is the cure is still to be seen on a
-  // GPU (issue 32).
+  // C is read only with beta != 0; the FP8 products pass it as null then, as torch's _scaled_mm does.
   const void* c_read = c_input ? c_input : (p == Product::fp8 && beta == 0.0f ? nullptr : d);
   const cublasStatus_t s =
       cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, c_read, pl.d, d, pl.d, &pl.algo,
@@ -479,6 +477,11 @@ void fp8_gemm_cuda(const Fp8Operand& p, const Fp8Operand& q, void* d, DType out,
   for (const Arg* a : {&ap, &aq, &ad}) {
     FLASHLM_CHECK(alignment_of(a->ptr) >= 16, "{}: {} = {} is not 16-byte aligned (cuBLASLt's FP8 kernels)", c.fn,
                   a->name, a->ptr);
+  }
+  for (const Arg* a : {&asp, &asq}) {
+    FLASHLM_CHECK(alignment_of(a->ptr) >= kFp8ScaleAlignment,
+                  "{}: {} = {} is not {}-byte aligned (cuBLASLt's FP8 scale pointers; model/fp8.h's scale slots are)",
+                  c.fn, a->name, a->ptr, kFp8ScaleAlignment);
   }
   if (residual) {
     FLASHLM_CHECK(alignment_of(residual) >= 16, "{}: residual = {} is not 16-byte aligned", c.fn, residual);
