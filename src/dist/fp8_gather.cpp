@@ -127,13 +127,12 @@ Fp8GatherTraffic Fp8WeightGather::gather(const TensorView& shard, const TensorVi
   }
   // The emulation reads the values widened to fp32, as the CUDA cast does in registers.
   std::vector<float> widened;
-  const float* x = shard.ptr<const float>();
   if (shard.dtype == DType::bf16) {
     const auto* b16 = shard.ptr<const bf16_t>();
     widened.resize(size_t(split.shard()));
     for (size_t i = 0; i < widened.size(); ++i) widened[i] = float(b16[i]);
-    x = widened.data();
   }
+  const float* x = shard.dtype == DType::bf16 ? widened.data() : shard.ptr<const float>();
   std::vector<float> amaxes(static_cast<size_t>(world));
   amaxes[size_t(rank)] = fp8_amax_cpu(x, split.shard());
   comm_.all_gather(flat(&amaxes[size_t(rank)], DType::f32, 1, Device::cpu),
