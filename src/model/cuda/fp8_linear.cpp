@@ -20,20 +20,9 @@ Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients)
                 tokens);
   buffer_ = Buffer::allocate(size_t(layout_.bytes), Device::cuda, "FP8 copies of one linear layer's operands");
 
-  // The weight cache, sized for every block's five linear weights (q/k/v as one, the output projection, w1,
-  // w3, w2), each copy starting 256-byte aligned. Allocated now: a pass may run inside CUDA-graph capture,
-  // where no memory can be allocated.
-  const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-  const int64_t d = c.d_model, f = c.d_ff;
-  const int64_t qkv = aligned(checked_product({3, d, d}, "FP8 weight cache: q/k/v"));
-  const int64_t ffn = aligned(checked_mul(d, f, "FP8 weight cache: a feed-forward weight"));
-  const int64_t per_layer = checked_mul(2, checked_add(checked_add(qkv, aligned(d * d), "FP8 weight cache"),
-                                                       checked_mul(3, ffn, "FP8 weight cache"), "FP8 weight cache"),
-                                        "FP8 weight cache");
-  cache_scales_ = checked_mul(per_layer, c.layers, "FP8 weight cache");
-  cache_slots_ = int(5 * c.layers);
-  cache_bytes_ = cache_scales_ + aligned(int64_t(cache_slots_) * kFp8ScaleSlotFloats * int64_t(sizeof(float)));
-  cache_ = Buffer::allocate(size_t(cache_bytes_), Device::cuda, "FP8 copies of the block weights, both ways");
+  // The weight cache (fp8_scratch_layout), allocated now: a pass may run inside CUDA-graph capture, where no
+  // memory can be allocated.
+  cache_ = Buffer::allocate(size_t(layout_.cache_bytes), Device::cuda, "FP8 copies of the block weights, both ways");
 }
 
 const Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out,
@@ -46,10 +35,10 @@ const Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf
     e.offset = cache_used_;
     e.offset_t = e.offset + aligned(e.elements);
     e.slot = int(cached_.size());
-    FLASHLM_CHECK(e.offset_t + aligned(e.elements) <= cache_scales_ && e.slot < cache_slots_,
+    FLASHLM_CHECK(e.offset_t + aligned(e.elements) <= layout_.cache_scales && e.slot < layout_.cache_slots,
                   "Fp8Linear: weight '{}' ({} x {}) does not fit the FP8 weight cache sized for this model's blocks "
                   "({} weights, {} bytes, {} used)",
-                  name, out, in, cached_.size(), cache_scales_, cache_used_);
+                  name, out, in, cached_.size(), layout_.cache_scales, cache_used_);
     cache_used_ = e.offset_t + aligned(e.elements);
     it = cached_.emplace(std::string(name), e).first;
   }

@@ -68,17 +68,16 @@ class Fp8Linear {
   const CachedWeight& cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out, void* stream);
   uint8_t* cache_at(int64_t offset) const { return static_cast<uint8_t*>(cache_.data()) + offset; }
   float* cache_dequant(int slot) const {
-    return reinterpret_cast<float*>(cache_at(cache_scales_)) + kFp8ScaleSlotFloats * slot + kFp8DequantIndex;
+    return reinterpret_cast<float*>(cache_at(layout_.cache_scales)) + kFp8ScaleSlotFloats * slot + kFp8DequantIndex;
   }
 
   int64_t n_;
   Fp8Format gradients_;
   Fp8ScratchLayout layout_;
   Buffer buffer_;
-  // The weight cache: the block weights' FP8 copies, both ways, then their scale slots.
+  // The weight cache (layout_.cache_*): the block weights' FP8 copies, both ways, then their scale slots.
   Buffer cache_;
-  int64_t cache_bytes_ = 0, cache_scales_ = 0, cache_used_ = 0;
-  int cache_slots_ = 0;
+  int64_t cache_used_ = 0;
   std::unordered_map<std::string, CachedWeight> cached_;
   uint64_t pass_ = 1;
 };
