@@ -93,9 +93,11 @@ class Communicator {
 
   // Collectives on contiguous views; every rank passes views of the same dtype and size.
   // CPU views (MPI): fp32 or fp64. CUDA views (NCCL): fp32, fp64, fp16, bf16, on this rank's device
-  // (setup_cuda()). GPU collectives are queued on the communicator's own stream after the work already
-  // queued on `stream` (nullptr: the legacy default stream) and do not block the host: call wait(stream)
-  // before using the result on a stream, or synchronize() before using it on the host.
+  // (setup_cuda()). Gathers and broadcasts, which move elements without arithmetic, also carry fp8_e4m3
+  // bytes on either (FSDP's FP8 weight gather); reductions refuse them. GPU collectives are queued on the
+  // communicator's own stream after the work already queued on `stream` (nullptr: the legacy default
+  // stream) and do not block the host: call wait(stream) before using the result on a stream, or
+  // synchronize() before using it on the host.
   //
   // x := op over ranks of x (in place).
   void all_reduce(const TensorView& x, ReduceOp op = ReduceOp::sum, void* stream = nullptr);

@@ -100,12 +100,22 @@ int env_int(const char* name) {
   return (*end == '\0' && x >= 0 && x <= INT_MAX) ? static_cast<int>(x) : -1;
 }
 
+// The MPI type of a reduction's elements.
 MPI_Datatype mpi_type(DType t, const char* fn, const char* arg) {
   if (t == DType::f32) return MPI_FLOAT;
   if (t == DType::f64) return MPI_DOUBLE;
+  if (t == DType::f8e4m3) {
+    fail("Communicator::{}: {}: fp8_e4m3 elements can be gathered and broadcast, not reduced", fn, arg);
+  }
   fail("Communicator::{}: {}: dtype {} is not supported for CPU views (MPI carries fp32 and fp64; fp16 and bf16 "
        "need CUDA views)",
        fn, arg, dtype_name(t));
+}
+
+// The MPI type of a gather's or broadcast's elements, which are moved, not computed on: FP8 bytes too (FSDP's
+// FP8 weight gather, dist/fp8_gather.h).
+MPI_Datatype mpi_move_type(DType t, const char* fn, const char* arg) {
+  return t == DType::f8e4m3 ? MPI_BYTE : mpi_type(t, fn, arg);
 }
 
 MPI_Op mpi_op(ReduceOp op) {
@@ -370,7 +380,7 @@ void Communicator::broadcast(const TensorView& x, int root, void* stream) {
       nccl.broadcast(x.data, static_cast<size_t>(x.numel()), x.dtype, root, stream);
     });
   }
-  const MPI_Datatype type = mpi_type(x.dtype, "broadcast", "x");
+  const MPI_Datatype type = mpi_move_type(x.dtype, "broadcast", "x");
   for_each_mpi_chunk(x, [&](void* at, int count) {
     m.blocking("MPI_Bcast", [&] { return MPI_Bcast(at, count, type, root, m.comm); });
   });
@@ -391,7 +401,7 @@ void Communicator::all_gather(const TensorView& in, const TensorView& out, void*
       nccl.all_gather(in.data, out.data, static_cast<size_t>(in.numel()), in.dtype, stream);
     });
   }
-  const MPI_Datatype type = mpi_type(in.dtype, "all_gather", "in");
+  const MPI_Datatype type = mpi_move_type(in.dtype, "all_gather", "in");
   FLASHLM_CHECK(in.numel() <= INT_MAX, "Communicator::all_gather: {} elements per rank, MPI takes at most {}",
                 in.numel(), INT_MAX);
   const int count = static_cast<int>(in.numel());
@@ -478,7 +488,7 @@ void Communicator::all_gather_v(const TensorView& x, std::span<const int64_t> co
       nccl.all_gather_v(x.data, sizes, x.dtype, stream);
     });
   }
-  const MPI_Datatype type = mpi_type(x.dtype, "all_gather_v", "x");
+  const MPI_Datatype type = mpi_move_type(x.dtype, "all_gather_v", "x");
   FLASHLM_CHECK(total <= INT_MAX, "Communicator::all_gather_v: {} elements, MPI_Allgatherv addresses at most {}", total,
                 INT_MAX);
   std::vector<int> sizes(counts.size()), displs(counts.size());
@@ -515,7 +525,7 @@ CommRequest Communicator::all_gather_segments_async(const TensorView& x, std::sp
     return request;
   }
   check_segments(x, segments, "all_gather_segments_async");
-  const MPI_Datatype type = mpi_type(x.dtype, "all_gather_segments_async", "x");
+  const MPI_Datatype type = mpi_move_type(x.dtype, "all_gather_segments_async", "x");
   auto state = m.new_request();
   for (const Segment& s : segments) {
     if (s.part == 0) continue;
@@ -539,7 +549,7 @@ void Communicator::all_gather_segments(const TensorView& x, std::span<const Segm
       nccl.all_gather_segments(x.data, pairs, x.dtype, stream);
     });
   }
-  const MPI_Datatype type = mpi_type(x.dtype, "all_gather_segments", "x");
+  const MPI_Datatype type = mpi_move_type(x.dtype, "all_gather_segments", "x");
   for (const Segment& s : segments) {
     if (s.part == 0) continue;
     void* at = static_cast<char*>(x.data) + size_t(s.offset) * dtype_size(x.dtype);

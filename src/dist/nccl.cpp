@@ -35,15 +35,23 @@ void check_nccl(ncclResult_t res, const char* call, int rank, ncclComm_t comm = 
                           last && *last ? fmt::format(" ({})", last) : std::string()));
 }
 
+// The NCCL type of a gather's or broadcast's elements, which are moved, not computed on: FP8 as bytes
+// (FSDP's FP8 weight gather, dist/fp8_gather.h).
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
     case DType::f64: return ncclFloat64;
     case DType::f32: return ncclFloat32;
     case DType::f16: return ncclFloat16;
     case DType::bf16: return ncclBfloat16;
-    case DType::f8e4m3: break;  // attention inputs only
+    case DType::f8e4m3: return ncclUint8;
   }
   fail("NCCL: unsupported dtype {}", dtype_name(t));
+}
+
+// The NCCL type of a reduction's elements: bytes would be added as integers, so FP8 is refused.
+ncclDataType_t nccl_reduce_type(DType t, const char* call) {
+  if (t == DType::f8e4m3) fail("{}: fp8_e4m3 elements can be gathered and broadcast, not reduced", call);
+  return nccl_type(t);
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
@@ -203,10 +211,10 @@ void* NcclComm::stream() const { return impl_->stream; }
 
 void NcclComm::all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op, void* stream) {
   Impl& m = *impl_;
+  const ncclDataType_t type = nccl_reduce_type(dtype, "ncclAllReduce");
   m.order_after(stream, "ncclAllReduce");
   if (m.alone(send, recv)) return;
-  check_nccl(ncclAllReduce(send, recv, count, nccl_type(dtype), nccl_op(op), m.comm, m.stream), "ncclAllReduce",
-             m.rank, m.comm);
+  check_nccl(ncclAllReduce(send, recv, count, type, nccl_op(op), m.comm, m.stream), "ncclAllReduce", m.rank, m.comm);
 }
 
 void NcclComm::broadcast(void* buf, size_t count, DType dtype, int root, void* stream) {
@@ -228,10 +236,11 @@ void NcclComm::all_gather(const void* send, void* recv, size_t send_count, DType
 void NcclComm::reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype, ReduceOp op,
                               void* stream) {
   Impl& m = *impl_;
+  const ncclDataType_t type = nccl_reduce_type(dtype, "ncclReduceScatter");
   m.order_after(stream, "ncclReduceScatter");
   if (m.alone(send, recv)) return;
-  check_nccl(ncclReduceScatter(send, recv, recv_count, nccl_type(dtype), nccl_op(op), m.comm, m.stream),
-             "ncclReduceScatter", m.rank, m.comm);
+  check_nccl(ncclReduceScatter(send, recv, recv_count, type, nccl_op(op), m.comm, m.stream), "ncclReduceScatter",
+             m.rank, m.comm);
 }
 
 void NcclComm::all_gather_v(void* buf, const std::vector<size_t>& counts, DType dtype, void* stream) {

@@ -53,8 +53,11 @@ float fp8_decode(uint8_t bits, Fp8Format f);
 // max |x| over count values as the CUDA reduction computes it: a NaN anywhere gives NaN.
 float fp8_amax_cpu(const float* x, int64_t count);
 
-// What the CUDA cast writes for x[count] (the values of a bf16 or fp32 tensor, widened): q[i] =
-// encode(x[i] · scale) with scale = fp8_scale(amax of x). Returns the dequantisation scale.
+// What the CUDA cast writes for x[count] (the values of a bf16 or fp32 tensor, widened) with this scale:
+// q[i] = encode(x[i] · scale).
+void fp8_encode_cpu(const float* x, int64_t count, float scale, Fp8Format f, uint8_t* q);
+
+// The same with the tensor's own scale, fp8_scale(amax of x). Returns the dequantisation scale.
 float fp8_quantize_cpu(const float* x, int64_t count, Fp8Format f, uint8_t* q);
 
 // The product cuBLASLt computes from FP8 operands, in fp64: every product of two FP8 values is exact there,

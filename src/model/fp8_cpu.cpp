@@ -39,9 +39,13 @@ float fp8_amax_cpu(const float* x, int64_t count) {
   return amax;
 }
 
+void fp8_encode_cpu(const float* x, int64_t count, float scale, Fp8Format f, uint8_t* q) {
+  for (int64_t i = 0; i < count; ++i) q[i] = fp8_encode(x[i] * scale, f);
+}
+
 float fp8_quantize_cpu(const float* x, int64_t count, Fp8Format f, uint8_t* q) {
   const float scale = fp8_scale(fp8_amax_cpu(x, count), f);
-  for (int64_t i = 0; i < count; ++i) q[i] = fp8_encode(x[i] * scale, f);
+  fp8_encode_cpu(x, count, scale, f, q);
   return fp8_dequant_scale(scale);
 }
 

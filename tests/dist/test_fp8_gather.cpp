@@ -1,0 +1,321 @@
+// FSDP's FP8 weight gather (dist/fp8_gather.h) on the CPU, run by CTest as one process and under
+// `mpirun -np 2` and `-np 4` (main: mpi_test_main.cpp). Every rank ends with the bytes and scales
+// fp8_quantize_cpu gives the unsharded weight, bit for bit: fp32 and bf16 shards of fresh random weights
+// (a seed from rank 0, printed; no zeros, magnitudes over twelve binades so that some encode as e4m3
+// subnormals) of ragged sizes (one element, fewer than the ranks, not a multiple of them), an all-zero
+// weight, a NaN or an infinity in one rank's part (every rank's copy must show it). Also: the bytes a gather
+// brings (half of what a bf16 gather of the same parts would), the refused arguments, and a communicator
+// that gathers FP8 bytes but will not reduce them. On GPUs (skipped without one per rank) the CUDA path
+// against the same bits.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "dist/fp8_gather.h"
+#include "dist/mpi_testing.h"
+#include "dist/train_testing.h"
+#include "flashlm/dist.h"
+#include "flashlm/dtype.h"
+#include "flashlm/error.h"
+#include "model/fp8.h"
+#ifdef FLASHLM_WITH_CUDA
+#include "core/cuda_runtime.h"
+#endif
+
+using namespace flashlm;
+
+namespace {
+
+Communicator& comm() { return test_world(); }
+
+// A seed for this run's weights, the same on every rank: rank 0's, fresh each run.
+uint32_t shared_seed() {
+  double seed = comm().is_root() ? double(std::random_device{}()) : 0.0;
+  comm().broadcast(std::span<double>(&seed, 1));
+  return uint32_t(seed);
+}
+
+// `count` non-zero values of both signs with magnitudes from 2^-8 to 2^4; rounded to bf16 for a bf16 weight.
+std::vector<float> random_weight(int64_t count, DType dtype, std::mt19937& rng) {
+  std::uniform_real_distribution<float> exponent(-8.0f, 4.0f);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<float> w(static_cast<size_t>(count));
+  for (float& x : w) {
+    x = std::exp2(exponent(rng)) * (negative(rng) ? -1.0f : 1.0f);
+    if (dtype == DType::bf16) x = float(bf16_t(x));
+  }
+  return w;
+}
+
+// What a gather left on this rank.
+struct Gathered {
+  std::vector<uint8_t> bytes;
+  float amax = 0, dequant = 0;
+  Fp8GatherTraffic traffic;
+};
+
+// This rank's shard of `whole` as FSDP keeps it: its part, then the tail.
+std::vector<float> shard_of(const std::vector<float>& whole) {
+  const FsdpWeightSplit split = fsdp_weight_split(int64_t(whole.size()), comm().world_size());
+  const auto own = whole.begin() + comm().rank() * split.part;
+  std::vector<float> shard(own, own + split.part);
+  shard.insert(shard.end(), whole.end() - split.tail, whole.end());
+  return shard;
+}
+
+std::vector<bf16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<bf16_t> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = bf16_t(x[i]);
+  return out;
+}
+
+// Collective: the gather of `whole` (its values exact in `dtype`) from this rank's shard, on the CPU. The
+// bytes start as 0xAA, so that a byte the gather left unwritten shows.
+Gathered gather_cpu(const std::vector<float>& whole, DType dtype) {
+  Fp8WeightGather gather(comm(), Device::cpu);
+  std::vector<float> shard = shard_of(whole);
+  std::vector<bf16_t> shard16 = to_bf16(shard);
+  void* data = dtype == DType::bf16 ? static_cast<void*>(shard16.data()) : static_cast<void*>(shard.data());
+  Gathered out;
+  out.bytes.assign(whole.size(), 0xAA);
+  alignas(kFp8ScaleAlignment) std::array<float, kFp8ScaleSlotFloats> scales{};
+  out.traffic = gather.gather(TensorView::contiguous(data, dtype, {int64_t(shard.size())}),
+                              TensorView::contiguous(out.bytes.data(), DType::f8e4m3, {int64_t(whole.size())}),
+                              scales.data());
+  out.amax = scales[kFp8AmaxIndex];
+  out.dequant = scales[kFp8DequantIndex];
+  return out;
+}
+
+// The gathered weight against fp8_quantize_cpu of the whole one: the same bytes and scales, bit for bit.
+void expect_whole_weights_bits(const Gathered& got, const std::vector<float>& whole, const std::string& what) {
+  std::vector<uint8_t> want(whole.size());
+  const float dequant = fp8_quantize_cpu(whole.data(), int64_t(whole.size()), Fp8Format::e4m3, want.data());
+  const float amax = fp8_amax_cpu(whole.data(), int64_t(whole.size()));
+  size_t differ = 0, first = want.size();
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (got.bytes[i] == want[i]) continue;
+    if (differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << want.size() << " bytes differ, the first at " << first
+                        << " (got " << (first < want.size() ? int(got.bytes[first]) : -1) << ", want "
+                        << (first < want.size() ? int(want[first]) : -1) << ")";
+  EXPECT_EQ(std::bit_cast<uint32_t>(got.amax), std::bit_cast<uint32_t>(amax)) << what << ": amax " << got.amax
+                                                                              << ", want " << amax;
+  EXPECT_EQ(std::bit_cast<uint32_t>(got.dequant), std::bit_cast<uint32_t>(dequant))
+      << what << ": dequantisation scale " << got.dequant << ", want " << dequant;
+}
+
+// Sizes around the world's: one element, fewer elements than ranks, not a multiple, a multiple, larger.
+std::vector<int64_t> ragged_counts() {
+  const int64_t w = comm().world_size();
+  std::vector<int64_t> counts = {1, 2, 3, 5, w + 1, 3 * w + 1, 7 * w, 64, 1000, 4097};
+  if (w > 1) counts.push_back(w - 1);
+  return counts;
+}
+
+TEST(Fp8Gather, SplitsAsFsdpShardsABucket) {
+  const FsdpWeightSplit a = fsdp_weight_split(7, 2);
+  EXPECT_EQ(a.part, 3);
+  EXPECT_EQ(a.tail, 1);
+  EXPECT_EQ(a.shard(), 4);
+  const FsdpWeightSplit b = fsdp_weight_split(3, 4);  // smaller than the world: all tail
+  EXPECT_EQ(b.part, 0);
+  EXPECT_EQ(b.tail, 3);
+  const FsdpWeightSplit c = fsdp_weight_split(12, 4);
+  EXPECT_EQ(c.part, 3);
+  EXPECT_EQ(c.tail, 0);
+}
+
+TEST(Fp8Gather, MatchesTheWholeWeightsQuantisationBitForBit) {
+  const uint32_t seed = shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (int64_t count : ragged_counts()) {
+      const std::vector<float> whole = random_weight(count, dtype, rng);
+      const std::string what = std::string(dtype_name(dtype)) + ", " + std::to_string(count) + " elements";
+      expect_whole_weights_bits(gather_cpu(whole, dtype), whole, what);
+    }
+  }
+}
+
+TEST(Fp8Gather, AllZeroWeightGathersZerosWithTheFlooredScale) {
+  const std::vector<float> whole(size_t(5 * comm().world_size() + 3), 0.0f);
+  const Gathered got = gather_cpu(whole, DType::bf16);
+  expect_whole_weights_bits(got, whole, "zeros");
+  EXPECT_EQ(got.amax, 0.0f);
+  EXPECT_TRUE(std::isfinite(got.dequant) && got.dequant > 0) << got.dequant;
+  EXPECT_EQ(got.dequant, fp8_dequant_scale(fp8_scale(0.0f, Fp8Format::e4m3)));
+  for (uint8_t b : got.bytes) EXPECT_EQ(b, 0) << "a zero weight's FP8 copy is zeros";
+}
+
+// A NaN in rank r's own part (every r in turn: MPI's MAX would keep it in one operand order only) makes
+// every rank's whole copy NaN, as it makes fp8_quantize_cpu's; an infinity makes the scale 0, so the other
+// elements encode as zero and the infinity as NaN.
+TEST(Fp8Gather, NanOrInfinityInOneRanksPartReachesEveryRank) {
+  const int world = comm().world_size();
+  const int64_t count = 10 * world + 3;
+  const FsdpWeightSplit split = fsdp_weight_split(count, world);
+  std::mt19937 rng(shared_seed());
+  for (int owner = 0; owner < world; ++owner) {
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      std::vector<float> whole = random_weight(count, DType::f32, rng);
+      whole[size_t(owner * split.part + split.part / 2)] = bad;
+      const Gathered got = gather_cpu(whole, DType::f32);
+      const std::string what = std::string(std::isnan(bad) ? "NaN" : "inf") + " in rank " + std::to_string(owner) +
+                               "'s part";
+      expect_whole_weights_bits(got, whole, what);
+      if (std::isnan(bad)) {
+        EXPECT_TRUE(std::isnan(got.amax)) << what << ": rank " << comm().rank() << " sees amax " << got.amax;
+        for (uint8_t b : got.bytes) EXPECT_TRUE(std::isnan(fp8_decode(b, Fp8Format::e4m3))) << what;
+      } else {
+        EXPECT_TRUE(std::isinf(got.amax)) << what << ": rank " << comm().rank() << " sees amax " << got.amax;
+      }
+    }
+  }
+}
+
+// A gather brings the other ranks' parts at one byte an element: half a bf16 gather's bytes, a quarter of an
+// fp32 one's, plus one float of amax per other rank. Counted here as the elements this rank did not encode.
+TEST(Fp8Gather, BringsHalfTheBytesOfABf16Gather) {
+  const int world = comm().world_size();
+  std::mt19937 rng(shared_seed());
+  for (int64_t count : ragged_counts()) {
+    const std::vector<float> whole = random_weight(count, DType::bf16, rng);
+    const Gathered got = gather_cpu(whole, DType::bf16);
+    const int64_t foreign = count - fsdp_weight_split(count, world).shard();
+    EXPECT_EQ(got.traffic.weight_bytes, foreign) << count << " elements";
+    EXPECT_EQ(2 * got.traffic.weight_bytes, foreign * int64_t(dtype_size(DType::bf16))) << count << " elements";
+    EXPECT_EQ(got.traffic.amax_bytes, (world - 1) * int64_t(sizeof(float)));
+  }
+}
+
+// `fn` throws flashlm::InvalidArgument whose message holds `text`.
+template <class Fn>
+void expect_refused(Fn&& fn, const std::string& text) {
+  try {
+    fn();
+    ADD_FAILURE() << "accepted; expected an error saying \"" << text << "\"";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+  }
+}
+
+TEST(Fp8Gather, RefusesBadArgumentsClearly) {
+  Fp8WeightGather gather(comm(), Device::cpu);
+  const int64_t count = 4 * comm().world_size() + 1;
+  const int64_t shard_count = fsdp_weight_split(count, comm().world_size()).shard();
+  std::vector<float> shard(size_t(shard_count), 1.0f);
+  std::vector<uint8_t> bytes(static_cast<size_t>(count));
+  alignas(kFp8ScaleAlignment) std::array<float, kFp8ScaleSlotFloats> scales{};
+  const TensorView s = TensorView::contiguous(shard.data(), DType::f32, {shard_count});
+  const TensorView q = TensorView::contiguous(bytes.data(), DType::f8e4m3, {count});
+  const auto run = [&](const TensorView& sv, const TensorView& qv, float* sc) { gather.gather(sv, qv, sc); };
+
+  expect_refused([&] { run(TensorView::contiguous(shard.data(), DType::f16, {shard_count}), q, scales.data()); },
+                 "the shard is fp16, expected fp32 or bf16");
+  expect_refused([&] { run(s, TensorView::contiguous(bytes.data(), DType::f32, {count / 4}), scales.data()); },
+                 "q is fp32, expected fp8_e4m3");
+  expect_refused([&] { run(TensorView::contiguous(shard.data(), DType::f32, {shard_count - 1}), q, scales.data()); },
+                 "each rank keeps " + std::to_string(shard_count));
+  expect_refused([&] { run(s, TensorView::contiguous(bytes.data(), DType::f8e4m3, {0}), scales.data()); },
+                 "has no room for a weight");
+  expect_refused([&] { run(s, q, nullptr); }, "scales is null");
+  expect_refused([&] { run(s, TensorView::contiguous(shard.data(), DType::f8e4m3, {count}), scales.data()); },
+                 "q overlaps the shard");
+  expect_refused([&] { run(TensorView::contiguous(shard.data(), DType::f32, {shard_count}, Device::cuda), q,
+                           scales.data()); },
+                 "the shard is on cuda and q on cpu; this gather runs on cpu");
+  expect_refused([&] { fsdp_weight_split(0, comm().world_size()); }, "a weight of 0 elements, expected >= 1");
+  if (!Communicator::nccl_built()) {
+    expect_refused([&] { Fp8WeightGather(comm(), Device::cuda); }, "a CUDA gather needs NCCL");
+  }
+}
+
+// The communicator moves FP8 bytes (gathers, broadcasts) but refuses to reduce them: MPI would add bytes.
+TEST(Fp8Gather, CommunicatorGathersFp8BytesButDoesNotReduceThem) {
+  const int world = comm().world_size(), rank = comm().rank();
+  std::vector<uint8_t> bytes(size_t(3 * world), 0);
+  for (int k = 0; k < 3; ++k) bytes[size_t(3 * rank + k)] = uint8_t(0x80 | (rank * 3 + k));
+  comm().all_gather(TensorView::contiguous(bytes.data() + 3 * rank, DType::f8e4m3, {3}),
+                    TensorView::contiguous(bytes.data(), DType::f8e4m3, {3 * world}));
+  for (int i = 0; i < 3 * world; ++i) EXPECT_EQ(bytes[size_t(i)], uint8_t(0x80 | i)) << "byte " << i;
+  uint8_t b = rank == 0 ? 0x5a : 0;
+  comm().broadcast(TensorView::contiguous(&b, DType::f8e4m3, {1}));
+  EXPECT_EQ(b, 0x5a);
+  try {
+    comm().all_reduce(TensorView::contiguous(bytes.data(), DType::f8e4m3, {3 * world}), ReduceOp::max);
+    ADD_FAILURE() << "an FP8 all-reduce was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp8_e4m3 elements can be gathered and broadcast, not reduced"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+#ifdef FLASHLM_WITH_CUDA
+// Collective: the CUDA gather of `whole` (exact in `dtype`), on the legacy default stream.
+Gathered gather_gpu(Fp8WeightGather& gather, const std::vector<float>& whole, DType dtype) {
+  const std::vector<float> shard = shard_of(whole);
+  const std::vector<bf16_t> shard16 = to_bf16(shard);
+  const void* host = dtype == DType::bf16 ? static_cast<const void*>(shard16.data()) : shard.data();
+  const size_t shard_bytes = shard.size() * dtype_size(dtype);
+  Buffer x = Buffer::allocate(shard_bytes, Device::cuda, "test: shard");
+  Buffer q = Buffer::allocate(whole.size(), Device::cuda, "test: gathered FP8 weight");
+  Buffer scales = Buffer::allocate(kFp8ScaleSlotFloats * sizeof(float), Device::cuda, "test: scales");
+  cuda_copy(x.data(), host, shard_bytes);
+  Gathered out;
+  out.bytes.assign(whole.size(), 0xAA);
+  cuda_copy(q.data(), out.bytes.data(), whole.size());
+  out.traffic = gather.gather(TensorView::contiguous(x.data(), dtype, {int64_t(shard.size())}, Device::cuda),
+                              TensorView::contiguous(q.data(), DType::f8e4m3, {int64_t(whole.size())}, Device::cuda),
+                              static_cast<float*>(scales.data()), nullptr);
+  comm().synchronize();
+  std::array<float, kFp8ScaleSlotFloats> host_scales{};
+  cuda_copy(out.bytes.data(), q.data(), whole.size());
+  cuda_copy(host_scales.data(), scales.data(), sizeof(host_scales));
+  out.amax = host_scales[kFp8AmaxIndex];
+  out.dequant = host_scales[kFp8DequantIndex];
+  return out;
+}
+
+TEST(Fp8GatherGpu, MatchesTheWholeWeightsQuantisationBitForBit) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  Fp8WeightGather gather(comm(), Device::cuda);
+  const uint32_t seed = shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  // Past the casts' 1024-wide rows too: a whole row and a remainder.
+  std::vector<int64_t> counts = ragged_counts();
+  counts.push_back(3 * 1024 * comm().world_size() + 517);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (int64_t count : counts) {
+      const std::vector<float> whole = random_weight(count, dtype, rng);
+      const std::string what = std::string(dtype_name(dtype)) + ", " + std::to_string(count) + " elements";
+      expect_whole_weights_bits(gather_gpu(gather, whole, dtype), whole, what);
+    }
+  }
+  const int world = comm().world_size();
+  const FsdpWeightSplit split = fsdp_weight_split(10 * world + 3, world);
+  for (int owner = 0; owner < world; ++owner) {
+    std::vector<float> whole = random_weight(split.count, DType::bf16, rng);
+    whole[size_t(owner * split.part + 1)] = std::numeric_limits<float>::quiet_NaN();
+    const Gathered got = gather_gpu(gather, whole, DType::bf16);
+    expect_whole_weights_bits(got, whole, "NaN in rank " + std::to_string(owner) + "'s part");
+    EXPECT_TRUE(std::isnan(got.amax)) << "rank " << comm().rank();
+  }
+}
+#else
+TEST(Fp8GatherGpu, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }
+#endif
+
+}  // namespace
