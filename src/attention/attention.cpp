@@ -122,7 +122,7 @@ CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPas
                                      const TensorView& o, const TensorView& dout, bool deterministic) {
   if (plan.family != CudaKernelFamily::mma_sync) return plan.family;
   // plan_cuda_attention checked the variants against the mma.sync row; the Hopper row may lack some of them
-  // (ALiBi, sinks), and those problems stay on mma.sync.
+  // (ALiBi and sinks, unless hopper_alibi_sink_route()), and those problems stay on mma.sync.
   if (!implements_variants(cuda_kernel_capability(CudaKernelFamily::hopper), p)) return plan.family;
   // Read on every build, so that a bad value is an error wherever it is set.
   if (flash_kernel_choice() == FlashKernelChoice::mma) return plan.family;
@@ -292,7 +292,8 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
 }
 
 // The backends add the sink's gradient into dlearnable_sink (a varlen call sums it over its runs): zeroed
-// first, on the host or (a CUDA problem, which only the mma.sync kernels take) on the call's stream.
+// first, on the host or (a CUDA problem: the 16-bit flash backward's shared host code adds it, for mma.sync
+// and Hopper alike) on the call's stream.
 void clear_sink_gradient(const AttentionProblem& p, void* stream) {
   if (p.dlearnable_sink == nullptr) return;
   if (p.device == Device::cpu) {

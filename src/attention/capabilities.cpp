@@ -1,5 +1,7 @@
 #include "attention/capabilities.h"
 
+#include <atomic>
+#include <cstdlib>
 #include <string>
 #include <string_view>
 
@@ -16,9 +18,11 @@ constexpr std::array kFp8{DType::f8e4m3};
 
 // One row per family: family, dtypes, forward and backward head dims, pads_head_dim, any_head_dim,
 // sliding_window, softcap, alibi, learnable_sink, head_dim_v. The window and soft-capping run in the 16-bit flash
-// kernels (mma.sync and Hopper, their masked instantiations); ALiBi and sinks in mma.sync's masked kernels only
-// (cuda/flash_fwd.cu, flash_bwd.cu; the Hopper row lacks them, so flash_kernel_family keeps those problems on
-// mma.sync); head_dim_v in no CUDA kernel yet (the CPU paths have them all).
+// kernels (mma.sync and Hopper, their masked instantiations); ALiBi and sinks in mma.sync's masked kernels
+// (cuda/flash_fwd.cu, flash_bwd.cu) and in the Hopper kernels' ALiBi / sink instantiations, pending their first
+// GPU run: the Hopper row lacks them, so flash_kernel_family keeps those problems on mma.sync, unless
+// FLASHLM_HOPPER_ALIBI_SINK=1 (hopper_alibi_sink_route) swaps in kHopperWithAlibiSink below; head_dim_v in no
+// CUDA kernel yet (the CPU paths have them all).
 const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false, true,
      true, true, true, false},
@@ -28,6 +32,13 @@ const std::array<CudaKernelCapability, 5> kTable{{
      true, false, false, false},
     {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, false, false, false, false, false},
 }};
+// The Hopper row with ALiBi and sinks, where hopper_alibi_sink_route() holds.
+const CudaKernelCapability kHopperWithAlibiSink{
+    CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, true, true,
+    true, true, false};
+
+// hopper_alibi_sink_route's state: -1 not read yet, else 0 or 1.
+std::atomic<int> hopper_alibi_sink_state{-1};
 
 bool has_dtype(const CudaKernelCapability& c, DType dtype) {
   for (DType d : c.dtypes) {
@@ -58,7 +69,24 @@ std::string_view cuda_kernel_family_name(CudaKernelFamily family) {
   return "unknown";
 }
 
+bool hopper_alibi_sink_route() {
+  int state = hopper_alibi_sink_state.load(std::memory_order_relaxed);
+  if (state < 0) {
+    const char* env = std::getenv("FLASHLM_HOPPER_ALIBI_SINK");
+    const std::string_view value = env == nullptr ? "" : env;
+    FLASHLM_CHECK(value.empty() || value == "0" || value == "1",
+                  "FLASHLM_HOPPER_ALIBI_SINK: unknown value '{}': expected 0 or 1", value);
+    int unread = -1;
+    hopper_alibi_sink_state.compare_exchange_strong(unread, value == "1" ? 1 : 0);
+    state = hopper_alibi_sink_state.load(std::memory_order_relaxed);
+  }
+  return state == 1;
+}
+
+void set_hopper_alibi_sink_route(bool on) { hopper_alibi_sink_state.store(on ? 1 : 0); }
+
 const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family) {
+  if (family == CudaKernelFamily::hopper && hopper_alibi_sink_route()) return kHopperWithAlibiSink;
   for (const auto& c : kTable) {
     if (c.family == family) return c;
   }

@@ -72,8 +72,17 @@ struct CudaKernelCapability {
   bool head_dim_v;      // v's head dim differing from q's and k's
 };
 
-// The row of `family` in the table.
+// The row of `family` in the table. The Hopper row claims ALiBi and sinks only where
+// hopper_alibi_sink_route() holds.
 const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family);
+
+// Whether the Hopper kernels take ALiBi and attention sinks: their ALiBi / sink instantiations
+// (cuda/hopper/flash_fwd_sm90.cu, flash_bwd_sm90.cu) are compiled but pending their first GPU run, so by
+// default those problems stay on mma.sync; FLASHLM_HOPPER_ALIBI_SINK=1 turns the route on ("0" or unset: off;
+// anything else is an error naming the variable). Read once, at the first call. set_hopper_alibi_sink_route
+// overrides it for the rest of the process (the tests run the route both ways in one binary).
+bool hopper_alibi_sink_route();
+void set_hopper_alibi_sink_route(bool on);
 
 // What runs a validated CUDA problem: the kernel family and the head dim of the kernel instantiation
 // (p.head_dim, or the next larger compiled one when the family pads).

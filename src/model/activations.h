@@ -53,9 +53,12 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
 // offsets into one buffer: `act` (x in the forward, dy in the backward) and `act_t` (dyᵀ), `act_x_t` (xᵀ),
 // each [tokens, widest feature count] bytes; `weight` (w or wᵀ), the largest linear weight; `scales`, the
 // device fp32 amax and dequantisation scale of three operands. Each region starts 256-byte aligned.
+// A second buffer, the weight cache (Fp8Linear's, cache_bytes): the block weights' FP8 copies, both ways, then
+// cache_slots scale slots from byte cache_scales.
 struct Fp8ScratchLayout {
   int64_t act = 0, act_t = 0, act_x_t = 0, weight = 0, scales = 0, bytes = 0;
   int64_t act_capacity = 0, weight_capacity = 0;  // bytes of each activation region and of the weight region
+  int64_t cache_scales = 0, cache_slots = 0, cache_bytes = 0;
 };
 Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens);
 

@@ -199,6 +199,19 @@ Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
   l.weight = 3 * l.act_t;
   l.scales = l.weight + region(l.weight_capacity);
   l.bytes = l.scales + region(3 * kFp8ScaleSlotFloats * int64_t(sizeof(float)));
+  // The weight cache: every block's five linear weights (q/k/v as one, the output projection, w1, w3, w2),
+  // each copy (w and wᵀ) starting 256-byte aligned, then a scale slot per weight.
+  const int64_t d = c.d_model, f = c.d_ff;
+  const int64_t qkv = region(checked_product({3, d, d}, "FP8 weight cache: q/k/v"));
+  const int64_t ffn = region(checked_mul(d, f, "FP8 weight cache: a feed-forward weight"));
+  const int64_t per_layer = checked_mul(
+      2, checked_add(checked_add(qkv, region(d * d), "FP8 weight cache"), checked_mul(3, ffn, "FP8 weight cache"),
+                     "FP8 weight cache"),
+      "FP8 weight cache");
+  l.cache_slots = checked_mul(5, c.layers, "FP8 weight cache: weights");
+  l.cache_scales = checked_mul(per_layer, c.layers, "FP8 weight cache");
+  l.cache_bytes = checked_add(l.cache_scales, region(l.cache_slots * kFp8ScaleSlotFloats * int64_t(sizeof(float))),
+                              "FP8 weight cache");
   return l;
 }
 
@@ -302,7 +315,11 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
                        bytes(a.values - a.kept_values, elem) + bytes(a.stats - a.kept_stats, 4)});
   }
   p.items.push_back({"backward scratch", bytes(backward_scratch_elements(c, n), elem)});
-  if (cuda && o.fp8) p.items.push_back({"FP8 copies of one linear layer's operands", fp8_scratch_layout(c, n).bytes});
+  if (cuda && o.fp8) {
+    const Fp8ScratchLayout fp8 = fp8_scratch_layout(c, n);
+    p.items.push_back({"FP8 copies of one linear layer's operands", fp8.bytes});
+    p.items.push_back({"FP8 copies of the block weights, both ways (one pass)", fp8.cache_bytes});
+  }
   if (cuda) {
     const int64_t chunk = head_chunk_tokens(c, n, o.head_chunk, elem);
     p.items.push_back({fmt::format("LM head + loss: logits of {} tokens at a time, per-token losses", chunk),

@@ -12,10 +12,21 @@
 #include <string>
 #include <tuple>
 
+#include "attention/capabilities.h"
 #include "flashlm/attention.h"
 #include "flashlm/flashlm.h"
 
 namespace flashlm::testing {
+
+// hopper_alibi_sink_route() forced to `on` for the guard's scope (whatever FLASHLM_HOPPER_ALIBI_SINK says),
+// then restored: the tests run ALiBi and sinks on the Hopper kernels and on mma.sync in one binary.
+struct HopperAlibiSinkRoute {
+  bool was;
+  explicit HopperAlibiSinkRoute(bool on) : was(hopper_alibi_sink_route()) { set_hopper_alibi_sink_route(on); }
+  ~HopperAlibiSinkRoute() { set_hopper_alibi_sink_route(was); }
+  HopperAlibiSinkRoute(const HopperAlibiSinkRoute&) = delete;
+  HopperAlibiSinkRoute& operator=(const HopperAlibiSinkRoute&) = delete;
+};
 
 enum class Layout { bshd, bhsd, sliced };
 

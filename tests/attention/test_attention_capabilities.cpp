@@ -10,9 +10,11 @@
 #include <utility>
 #include <vector>
 
+#include "attention/attention_testing.h"
 #include "attention/capabilities.h"
 
 using namespace flashlm;
+using flashlm::testing::HopperAlibiSinkRoute;
 
 namespace {
 
@@ -295,10 +297,12 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
   }
 }
 
-// The rows: mma.sync claims ALiBi and sinks; Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family
-// keeps an ALiBi or sink problem on mma.sync, never Hopper); no family claims head_dim_v. The Hopper row
-// claims no variant the mma.sync row lacks (plan_cuda_attention checks the mma.sync row for both).
+// The rows: mma.sync claims ALiBi and sinks; with the Hopper route off (hopper_alibi_sink_route, the
+// default), Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family keeps an ALiBi or sink problem on
+// mma.sync, never Hopper); no family claims head_dim_v. The Hopper row claims no variant the mma.sync row
+// lacks (plan_cuda_attention checks the mma.sync row for both).
 TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
+  const HopperAlibiSinkRoute route(false);
   const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
   EXPECT_TRUE(mma.alibi);
   EXPECT_TRUE(mma.learnable_sink);
@@ -313,6 +317,41 @@ TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
   EXPECT_TRUE(mma.alibi || !hopper.alibi);
   EXPECT_TRUE(mma.learnable_sink || !hopper.learnable_sink);
   EXPECT_TRUE(mma.head_dim_v || !hopper.head_dim_v);
+}
+
+// With the Hopper route on, the Hopper row claims ALiBi and sinks and nothing else changes: its head dims,
+// dtypes and other variants are the default row's, and no other row moves; off again, it claims neither.
+TEST(AttentionCapabilities, TheHopperRouteSwitchesOnlyTheHopperRowsAlibiAndSinks) {
+  const CudaKernelCapability off = [] {
+    const HopperAlibiSinkRoute route(false);
+    return cuda_kernel_capability(CudaKernelFamily::hopper);
+  }();
+  {
+    const HopperAlibiSinkRoute route(true);
+    EXPECT_TRUE(hopper_alibi_sink_route());
+    const CudaKernelCapability& on = cuda_kernel_capability(CudaKernelFamily::hopper);
+    EXPECT_TRUE(on.alibi);
+    EXPECT_TRUE(on.learnable_sink);
+    EXPECT_EQ(on.family, CudaKernelFamily::hopper);
+    EXPECT_TRUE(std::ranges::equal(on.dtypes, off.dtypes));
+    EXPECT_TRUE(std::ranges::equal(on.forward_head_dims, off.forward_head_dims));
+    EXPECT_TRUE(std::ranges::equal(on.backward_head_dims, off.backward_head_dims));
+    EXPECT_EQ(on.pads_head_dim, off.pads_head_dim);
+    EXPECT_EQ(on.any_head_dim, off.any_head_dim);
+    EXPECT_EQ(on.sliding_window, off.sliding_window);
+    EXPECT_EQ(on.softcap, off.softcap);
+    EXPECT_EQ(on.head_dim_v, off.head_dim_v);
+    for (CudaKernelFamily f : {CudaKernelFamily::f32, CudaKernelFamily::fp8, CudaKernelFamily::naive}) {
+      EXPECT_FALSE(cuda_kernel_capability(f).alibi) << cuda_kernel_family_name(f);
+      EXPECT_FALSE(cuda_kernel_capability(f).learnable_sink) << cuda_kernel_family_name(f);
+    }
+    const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
+    EXPECT_TRUE(mma.alibi && mma.learnable_sink);  // the Hopper row still claims nothing mma.sync lacks
+  }
+  const HopperAlibiSinkRoute route(false);
+  EXPECT_FALSE(hopper_alibi_sink_route());
+  EXPECT_FALSE(cuda_kernel_capability(CudaKernelFamily::hopper).alibi);
+  EXPECT_FALSE(cuda_kernel_capability(CudaKernelFamily::hopper).learnable_sink);
 }
 
 // ALiBi ([Hq] or [B, Hq] alike: the plan sees only that there are slopes) and a sink together, with a window

@@ -6,14 +6,18 @@
 // (64/128 on both families; 16, 32, 256 and the padded 80 on mma.sync; 256 forward on Hopper), bf16 and fp16,
 // soft-capping on large scores, both variants together; rows the window leaves without keys (o = 0, lse =
 // -inf, dq = 0) and keys no query sees (dk = dv = 0), exactly. ALiBi and attention sinks on the mma.sync
-// kernels (the Hopper ones decline them: FLASHLM_ATTENTION_KERNEL=auto lands on mma.sync too) against the same
-// oracle, dlearnable_sink included. Every test skips without a GPU.
+// kernels (by default the Hopper ones decline them: FLASHLM_ATTENTION_KERNEL=auto lands on mma.sync too) and on
+// the Hopper kernels' ALiBi / sink instantiations (hopper_alibi_sink_route forced on, sm_90 only) against the
+// same oracle, dlearnable_sink included, and NaN and inf reaching the same outputs on both. Every test skips
+// without a GPU.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -282,7 +286,8 @@ TEST(CudaBand, Fp32AndNaiveKernelsRefuseTheBandByName) {
   }
 }
 
-// ---- ALiBi and attention sinks (mma.sync's masked kernels; the Hopper ones decline them) ----
+// ---- ALiBi and attention sinks (mma.sync's masked kernels; the Hopper ones' own instantiations where
+// hopper_alibi_sink_route() holds, off by default) ----
 
 struct AlibiSinkGpuCase {
   VariantGpuCase v;
@@ -347,10 +352,11 @@ struct SlopesAndSinks {
 };
 
 // o, dq, dk, dv, lse and dlearnable_sink of the CUDA flash kernels (FLASHLM_ATTENTION_KERNEL `family`: "auto"
-// must leave ALiBi and sinks on mma.sync) against the fp64 reference with the same slopes and sinks.
-void expect_alibi_sink_matches_oracle(const AlibiSinkGpuCase& a, const char* family) {
+// leaves ALiBi and sinks on mma.sync unless hopper_alibi_sink_route() holds) against the fp64 reference with
+// the same slopes and sinks; `label` names the run in messages (the family by default).
+void expect_alibi_sink_matches_oracle(const AlibiSinkGpuCase& a, const char* family, const char* label = nullptr) {
   const Case& c = a.v.c;
-  const std::string name = alibi_sink_name(a) + "_" + family;
+  const std::string name = alibi_sink_name(a) + "_" + (label != nullptr ? label : family);
   const SlopesAndSinks in(a);
   const AttentionOptions flash = band_options(a.v, AttentionImpl::flash);
   const AttentionOptions naive = in.on_host(band_options(a.v, AttentionImpl::naive));
@@ -387,8 +393,23 @@ class CudaAlibiSinkVsReference : public ::testing::TestWithParam<AlibiSinkGpuCas
 TEST_P(CudaAlibiSinkVsReference, MmaSyncMatchesFp64Oracle) {
   SKIP_WITHOUT_GPU();
   const AlibiSinkGpuCase& a = GetParam();
+  const HopperAlibiSinkRoute route(false);
   if (!a.v.deterministic) expect_alibi_sink_matches_oracle(a, "auto");
   expect_alibi_sink_matches_oracle(a, "mma");
+}
+
+// The same grid with the Hopper route on: head dims 64 and 128 run the Hopper forward and backward (the
+// deterministic mode: the Hopper forward, the mma.sync backward), 256 the Hopper forward, the others mma.sync
+// (CudaAlibiSink.HopperRouteFollowsTheSwitch checks the choice).
+TEST_P(CudaAlibiSinkVsReference, HopperMatchesFp64Oracle) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the Hopper kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  const HopperAlibiSinkRoute route(true);
+  expect_alibi_sink_matches_oracle(GetParam(), "auto", "hopper");
+#endif
 }
 
 std::vector<AlibiSinkGpuCase> alibi_sink_grid() {
@@ -442,14 +463,16 @@ INSTANTIATE_TEST_SUITE_P(Grid, CudaAlibiSinkVsReference, ::testing::ValuesIn(ali
                            return alibi_sink_name(info.param);
                          });
 
-// A CUDA call with ALiBi, a sink or both is planned on mma.sync and, with FLASHLM_ATTENTION_KERNEL=auto, stays
-// there in both passes (the Hopper kernels decline them), where the same problem without them takes the Hopper
-// kernels on an sm_90 GPU; it runs. A head dim of v's own is still refused by name, with or without them.
+// A CUDA call with ALiBi, a sink or both is planned on mma.sync and, with FLASHLM_ATTENTION_KERNEL=auto and the
+// Hopper route off (the default), stays there in both passes (the Hopper kernels decline them), where the same
+// problem without them takes the Hopper kernels on an sm_90 GPU; it runs. A head dim of v's own is still
+// refused by name, with or without them.
 TEST(CudaAlibiSink, PlannedOnMmaSyncNeverHopperAndHeadDimVStillRefusedByName) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_CUDA
   GTEST_SKIP() << "built without the CUDA backends' declarations";
 #else
+  const HopperAlibiSinkRoute route(false);  // the default
   Tensor q = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda), o = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
   Tensor lse = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda), per_head = Tensor::empty({2}, DType::f32, Device::cuda);
   Tensor dq = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda), dk = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
@@ -495,6 +518,146 @@ TEST(CudaAlibiSink, PlannedOnMmaSyncNeverHopperAndHeadDimVStillRefusedByName) {
   opt.alibi_slopes = per_head.view();
   opt.learnable_sink = per_head.view();
   expect_error([&] { attention_forward(q, q, v32, o32, lse, opt); }, {"v: head_dim_v 32 differs from head_dim 64", "mma.sync"});
+#endif
+}
+
+
+// The Hopper route follows hopper_alibi_sink_route(): on, an ALiBi or sink problem takes the Hopper kernels on
+// an sm_90 GPU where they cover it (the forward at head dims 64, 128 and 256, the backward at 64 and 128, not
+// the deterministic backward), and FLASHLM_ATTENTION_KERNEL=mma still forces mma.sync; off, it stays on
+// mma.sync. Every choice runs.
+TEST(CudaAlibiSink, HopperRouteFollowsTheSwitch) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the Hopper kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  for (int64_t d : {32, 64, 128, 256}) {
+    auto make = [&](int64_t rows, int64_t dim) { return Tensor::empty({1, rows, 2, dim}, DType::bf16, Device::cuda); };
+    Tensor q = make(300, d), o = make(300, d), dq = make(300, d), dk = make(300, d), dv = make(300, d);
+    Tensor lse = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda);
+    Tensor per_head = Tensor::empty({2}, DType::f32, Device::cuda);
+    Tensor dsink = Tensor::empty({2}, DType::f32, Device::cuda);
+    fill_normal(q, 3);
+    fill_normal(per_head, 4);
+    for (int which : {1, 2, 3}) {  // ALiBi, a sink, both
+      AttentionOptions opt;
+      if (which & 1) opt.alibi_slopes = per_head.view();
+      if (which & 2) {
+        opt.learnable_sink = per_head.view();
+        opt.dlearnable_sink = dsink.view();
+      }
+      for (bool on : {false, true}) {
+        const HopperAlibiSinkRoute route(on);
+        for (const char* choice : {"auto", "mma"}) {
+          SCOPED_TRACE(fmt::format("d {}, {}, route {}, FLASHLM_ATTENTION_KERNEL={}", d,
+                                   which == 1 ? "alibi" : which == 2 ? "sink" : "alibi and sink", on ? "on" : "off",
+                                   choice));
+          with_kernel_choice(choice, [&] {
+            const AttentionProblem pf = validate_attention_forward(q, q, q, o, lse, opt);
+            const CudaAttentionPlan plan_f =
+                plan_cuda_attention("attention_forward", pf, opt.impl, AttentionPass::forward);
+            const AttentionProblem pb = validate_attention_backward(q, q, q, o, lse, q, dq, dk, dv, opt);
+            const CudaAttentionPlan plan_b =
+                plan_cuda_attention("attention_backward", pb, opt.impl, AttentionPass::backward);
+            const bool hopper = on && std::string_view(choice) == "auto";
+            const auto want = [&](bool covered) {
+              return hopper && covered ? CudaKernelFamily::hopper : CudaKernelFamily::mma_sync;
+            };
+            EXPECT_EQ(flash_kernel_family(plan_f, AttentionPass::forward, pf, q, q, q, o, TensorView{}, false),
+                      want(d >= 64));
+            EXPECT_EQ(flash_kernel_family(plan_b, AttentionPass::backward, pb, q, q, q, o, q, false),
+                      want(d == 64 || d == 128));
+            EXPECT_EQ(flash_kernel_family(plan_b, AttentionPass::backward, pb, q, q, q, o, q, true),
+                      CudaKernelFamily::mma_sync);
+            EXPECT_NO_THROW(attention_forward(q, q, q, o, lse, opt));
+            EXPECT_NO_THROW(attention_backward(q, q, q, o, lse, q, dq, dk, dv, opt));
+          });
+        }
+      }
+    }
+  }
+#endif
+}
+
+// NaN in a q row, a NaN slope and a NaN sink (and a head without a sink) reach the same elements of o, lse, dq,
+// dk, dv and dlearnable_sink on the Hopper kernels as on mma.sync, and inf in a k row the same non-finite ones.
+// No mask: every pair is visible, so where a NaN goes is the math's alone, not the kernels' tiles (under a
+// causal mask 0 · NaN in a product may reach masked pairs of a visited tile: test_attention_nan.cpp).
+TEST(CudaAlibiSink, HopperAndMmaSyncPropagateNanAndInfAlike) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the Hopper kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  constexpr int64_t B = 2, Nq = 150, Nk = 200, Hq = 4, Hk = 2;
+  constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+  for (int64_t d : {64, 128}) {
+    for (bool inf_in_k : {false, true}) {
+      auto host = [&](int64_t rows, int64_t heads, uint64_t seed) {
+        Tensor t = Tensor::empty({B, rows, heads, d}, DType::bf16);
+        fill_normal(t.view(), seed);
+        return t;
+      };
+      Tensor q = host(Nq, Hq, 61), k = host(Nk, Hk, 62), v = host(Nk, Hk, 63), dout = host(Nq, Hq, 64);
+      if (inf_in_k) fill_value(k.view().slice(0, 1, 2).slice(1, 33, 34).slice(2, 0, 1).slice(3, 5, 6), INFINITY);
+      else fill_value(q.view().slice(0, 0, 1).slice(1, 20, 21).slice(2, 1, 2).slice(3, 3, 4), kNaN);
+      Tensor slopes = Tensor::empty({Hq}, DType::f32), sinks = Tensor::empty({Hq}, DType::f32);
+      const float slope_values[Hq] = {0.25f, 0.0625f, NAN, 0.5f}, sink_values[Hq] = {-INFINITY, 0.5f, 1.f, NAN};
+      for (int64_t h = 0; h < Hq; ++h) {
+        slopes.view().ptr<float>()[h] = slope_values[h];
+        sinks.view().ptr<float>()[h] = sink_values[h];
+      }
+      // Every output of one run, on the host as fp64, in the order o, lse, dq, dk, dv, dsink.
+      auto run = [&](bool on_hopper) {
+        auto device = [](const Tensor& t) {
+          Tensor g = Tensor::empty(std::span<const int64_t>(t.view().sizes.data(), size_t(t.view().ndim)),
+                                   t.view().dtype, Device::cuda);
+          copy_into(g.view(), t.view());
+          return g;
+        };
+        Tensor gq = device(q), gk = device(k), gv = device(v), gdout = device(dout), gslopes = device(slopes),
+               gsinks = device(sinks);
+        Tensor go = device(dout), gdq = device(q), gdk = device(k), gdv = device(v), gdsink = device(sinks);
+        Tensor glse = Tensor::empty({B, Hq, Nq}, DType::f32, Device::cuda);
+        AttentionOptions opt;
+        opt.alibi_slopes = gslopes.view();
+        opt.learnable_sink = gsinks.view();
+        opt.dlearnable_sink = gdsink.view();
+        const HopperAlibiSinkRoute route(on_hopper);
+        with_kernel_choice(on_hopper ? "auto" : "mma", [&] {
+          attention_forward(gq, gk, gv, go, glse, opt);
+          attention_backward(gq, gk, gv, go, glse, gdout, gdq, gdk, gdv, opt);
+        });
+        std::vector<Tensor> out;
+        for (const Tensor* t : {&go, &glse, &gdq, &gdk, &gdv, &gdsink}) {
+          Tensor h = Tensor::empty(std::span<const int64_t>(t->view().sizes.data(), size_t(t->view().ndim)),
+                                   t->view().dtype);
+          copy_into(h.view(), t->view());
+          out.push_back(to_f64(h.view()));
+        }
+        return out;
+      };
+      const std::vector<Tensor> hopper = run(true), mma = run(false);
+      const char* names[] = {"o", "lse", "dq", "dk", "dv", "dsink"};
+      for (size_t n = 0; n < hopper.size(); ++n) {
+        const double* a = hopper[n].view().ptr<double>();
+        const double* b = mma[n].view().ptr<double>();
+        int64_t mismatches = 0, non_finite = 0;
+        for (int64_t i = 0; i < hopper[n].numel(); ++i) {
+          non_finite += !std::isfinite(b[i]);
+          if (std::isnan(a[i]) != std::isnan(b[i]) || std::isinf(a[i]) != std::isinf(b[i])) {
+            if (++mismatches <= 5) {
+              ADD_FAILURE() << names[n] << "[" << i << "]: hopper " << a[i] << ", mma.sync " << b[i] << " (d " << d
+                            << (inf_in_k ? ", inf in k" : ", NaN in q") << ")";
+            }
+          }
+        }
+        EXPECT_EQ(mismatches, 0) << names[n] << " (d " << d << (inf_in_k ? ", inf in k" : ", NaN in q") << ")";
+        EXPECT_GT(non_finite, 0) << names[n] << ": the case reaches it (d " << d << ")";
+      }
+    }
+  }
 #endif
 }
 

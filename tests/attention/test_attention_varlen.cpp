@@ -551,6 +551,7 @@ class VarlenCudaAlibiSinkVsReference : public ::testing::TestWithParam<VarlenCas
 TEST_P(VarlenCudaAlibiSinkVsReference, MmaSyncMatchesPerSequenceReference) {
   SKIP_WITHOUT_GPU();
   const VarlenCase c = GetParam();
+  const HopperAlibiSinkRoute route(false);  // the default: "auto" lands on mma.sync
   Pack ours(c, c.dtype, 2900 + c.len_q.size(), c.padded_rows);
   Pack lowp(ours, c, c.dtype);
   Pack ref(ours, c, DType::f64);
@@ -561,6 +562,35 @@ TEST_P(VarlenCudaAlibiSinkVsReference, MmaSyncMatchesPerSequenceReference) {
   ref.run_per_sequence_reference(c);
   expect_close(ours, ref, lowp, c, "cuda flash (mma.sync)", 4);
   expect_empty_sequences_zero(ours, c, "cuda flash (mma.sync)");
+}
+
+// The same packs with the Hopper route on (hopper_alibi_sink_route): each run of sequences takes the Hopper
+// kernels' ALiBi / sink instantiations at head dims 64 and 128 (the deterministic backward stays on mma.sync),
+// dlearnable_sink summed over the runs by the shared backward host code.
+TEST_P(VarlenCudaAlibiSinkVsReference, HopperMatchesPerSequenceReference) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the Hopper kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  const VarlenCase c = GetParam();
+  const HopperAlibiSinkRoute route(true);
+  Pack ours(c, c.dtype, 2900 + c.len_q.size(), c.padded_rows);
+  Pack lowp(ours, c, c.dtype);
+  Pack ref(ours, c, DType::f64);
+  AttentionOptions flash = ours.options(c, AttentionImpl::flash);
+  flash.deterministic = c.deterministic;
+  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // "mma" would keep the Hopper kernels out
+  const std::string saved = was == nullptr ? "" : was;
+  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
+  ours.run_varlen_on_device(flash, c.len_q.size() % 2 == 1);
+  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
+  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
+  lowp.run_varlen(lowp.options(c, AttentionImpl::naive));
+  ref.run_per_sequence_reference(c);
+  expect_close(ours, ref, lowp, c, "cuda flash (hopper route)", 4);
+  expect_empty_sequences_zero(ours, c, "cuda flash (hopper route)");
+#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaAlibiSinkVsReference, ::testing::ValuesIn(alibi_sink_gpu_grid()),

@@ -442,6 +442,52 @@ TEST(Fp8Linear, MatchesTheEmulatedLayer) {
   }
 }
 
+// A named weight's FP8 copies are cast at its first product of a pass and reused by the pass's later ones (the
+// backward's dx): the same bits as casting each time; a new pass casts the weight as it is then.
+TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig c = ModelConfig::named("tiny", 64, 128);
+  c.d_model = 64;
+  c.d_ff = 160;
+  const int64_t n = 96, in = 64, out = 160;
+  Fp8Linear cached(c, n, Fp8Format::e5m2), fresh(c, n, Fp8Format::e5m2);
+  const std::vector<float> x = random_bf16_values(n * in, 71), w1 = random_bf16_values(out * in, 72),
+                           w2 = random_bf16_values(out * in, 73), dy = random_bf16_values(n * out, 74);
+  Dev dx(x.size() * 2), dw(w1.size() * 2), ddy(dy.size() * 2), y_a(dy.size() * 2), y_b(dy.size() * 2),
+      gx_a(x.size() * 2), gx_b(x.size() * 2), gw_a(w1.size() * 4), gw_b(w1.size() * 4);
+  dx.upload(to_bf16(x));
+  ddy.upload(to_bf16(dy));
+  for (const std::vector<float>* w : {&w1, &w2}) {
+    const std::string what = w == &w1 ? "first pass" : "second pass, the weight changed";
+    dw.upload(to_bf16(*w));
+    cached.begin_pass();
+    for (Dev* d : {&y_a, &y_b, &gx_a, &gx_b, &gw_a, &gw_b}) d->poison(0xFF);
+    cached.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_a.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w1");
+    cached.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_a.as<bf16_t>(), gw_a.as<float>(), in, out,
+                    false, false, nullptr, "layers.0.ffn.w1");
+    fresh.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_b.as<bf16_t>(), in, out, nullptr);
+    fresh.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_b.as<bf16_t>(), gw_b.as<float>(), in, out,
+                   false, false, nullptr);
+    EXPECT_EQ(y_a.download<uint16_t>(), y_b.download<uint16_t>()) << what << ": y";
+    EXPECT_EQ(gx_a.download<uint16_t>(), gx_b.download<uint16_t>()) << what << ": dx";
+    EXPECT_EQ(gw_a.download<uint32_t>(), gw_b.download<uint32_t>()) << what << ": dw";
+  }
+  // Within a pass the cached copies stand for the weight: a weight rewritten mid-pass is not seen (the model
+  // never does that; begin_pass() is where a changed weight is picked up).
+  const auto y_w2 = y_a.download<uint16_t>();
+  dw.upload(to_bf16(w1));
+  cached.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_a.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w1");
+  EXPECT_EQ(y_a.download<uint16_t>(), y_w2);
+  // A name seen with another shape, or more weights than the model's blocks hold, is an error.
+  expect_error([&] { cached.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_a.as<bf16_t>(), in, 64, nullptr,
+                                    "layers.0.ffn.w1"); }, "was 10240 elements");
+  expect_error([&] {
+    for (int i = 0; i < 1000; ++i) {
+      cached.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_a.as<bf16_t>(), in, out, nullptr, std::to_string(i));
+    }
+  }, "does not fit the FP8 weight cache");
+}
+
 TEST(Fp8Linear, RefusesShapesTheFp8GemmsCannotTake) {
   SKIP_WITHOUT_GPU();
   ModelConfig c = ModelConfig::named("tiny", 64, 128);

@@ -74,8 +74,9 @@ struct FlashParams {
 };
 
 // Whether problem `p` takes the masked kernels (FlashParams::masked): a sliding window beyond the causal
-// mask, soft-capping, ALiBi or attention sinks (the last two only in the mma.sync kernels: flash_kernel_family
-// keeps them off the Hopper ones).
+// mask, soft-capping, ALiBi or attention sinks (the last two in the mma.sync kernels' masked instantiation and
+// in the Hopper kernels' own ALiBi / sink instantiations, which flash_kernel_family takes only where
+// hopper_alibi_sink_route() holds: capabilities.h).
 inline bool uses_masked_kernels(const AttentionProblem& p) {
   return p.windowed() || p.softcap > 0 || p.alibi || p.sink;
 }

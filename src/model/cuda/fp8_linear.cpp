@@ -19,6 +19,38 @@ Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients)
                 "over tokens; cuBLASLt's FP8 kernels need K a multiple of 16)",
                 tokens);
   buffer_ = Buffer::allocate(size_t(layout_.bytes), Device::cuda, "FP8 copies of one linear layer's operands");
+
+  // The weight cache (fp8_scratch_layout), allocated now: a pass may run inside CUDA-graph capture, where no
+  // memory can be allocated.
+  cache_ = Buffer::allocate(size_t(layout_.cache_bytes), Device::cuda, "FP8 copies of the block weights, both ways");
+}
+
+const Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out,
+                                                 void* stream) {
+  auto it = cached_.find(std::string(name));
+  if (it == cached_.end()) {
+    const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+    CachedWeight e;
+    e.elements = in * out;
+    e.offset = cache_used_;
+    e.offset_t = e.offset + aligned(e.elements);
+    e.slot = int(cached_.size());
+    FLASHLM_CHECK(e.offset_t + aligned(e.elements) <= layout_.cache_scales && e.slot < layout_.cache_slots,
+                  "Fp8Linear: weight '{}' ({} x {}) does not fit the FP8 weight cache sized for this model's blocks "
+                  "({} weights, {} bytes, {} used)",
+                  name, out, in, cached_.size(), layout_.cache_scales, cache_used_);
+    cache_used_ = e.offset_t + aligned(e.elements);
+    it = cached_.emplace(std::string(name), e).first;
+  }
+  CachedWeight& e = it->second;
+  FLASHLM_CHECK(e.elements == in * out, "Fp8Linear: weight '{}' was {} elements, now {} x {}", name, e.elements, out,
+                in);
+  if (e.pass != pass_) {
+    gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
+                      cache_dequant(e.slot) - kFp8DequantIndex, stream);
+    e.pass = pass_;
+  }
+  return e;
 }
 
 void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
@@ -28,18 +60,24 @@ void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
 }
 
 void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
-                        void* stream) {
+                        void* stream, std::string_view weight) {
   check_widths("forward", in, out);
   ScopedRange range("linear.forward");
-  uint8_t *qx = region(layout_.act), *qw = region(layout_.weight);
+  uint8_t* qx = region(layout_.act);
   gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, scales(0), stream);
-  gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, qw, nullptr, scales(1), stream);
-  fp8_gemm_cuda({qx, Fp8Format::e4m3, dequant(0)}, {qw, Fp8Format::e4m3, dequant(1)}, y, DType::bf16, n_, out,
-                in, residual ? 1.0f : 0.0f, residual, stream);
+  Fp8Operand qw{region(layout_.weight), Fp8Format::e4m3, dequant(1)};
+  if (weight.empty()) {
+    gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, region(layout_.weight), nullptr, scales(1), stream);
+  } else {
+    const CachedWeight& e = cached(weight, w, in, out, stream);
+    qw = {cache_at(e.offset), Fp8Format::e4m3, cache_dequant(e.slot)};
+  }
+  fp8_gemm_cuda({qx, Fp8Format::e4m3, dequant(0)}, qw, y, DType::bf16, n_, out, in, residual ? 1.0f : 0.0f, residual,
+                stream);
 }
 
 void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
-                         int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream) {
+                         int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight) {
   check_widths("backward", in, out);
   FLASHLM_CHECK(dx || dw, "Fp8Linear::backward: dx and dw are both null: nothing to compute");
   ScopedRange range("linear.backward");
@@ -49,10 +87,14 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   const Fp8Operand grad{qdy, gradients_, dequant(0)}, grad_t{qdy_t, gradients_, dequant(0)};
   if (dx) {
     // dx [n, in] = dy [n, out] · (wᵀ [in, out])ᵀ: w's transposed copy is K-major.
-    uint8_t* qw_t = region(layout_.weight);
-    gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, nullptr, qw_t, scales(1), stream);
-    fp8_gemm_cuda(grad, {qw_t, Fp8Format::e4m3, dequant(1)}, dx, DType::bf16, n_, in, out,
-                  accumulate_dx ? 1.0f : 0.0f, nullptr, stream);
+    Fp8Operand qw_t{region(layout_.weight), Fp8Format::e4m3, dequant(1)};
+    if (weight.empty()) {
+      gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, nullptr, region(layout_.weight), scales(1), stream);
+    } else {
+      const CachedWeight& e = cached(weight, w, in, out, stream);
+      qw_t = {cache_at(e.offset_t), Fp8Format::e4m3, cache_dequant(e.slot)};
+    }
+    fp8_gemm_cuda(grad, qw_t, dx, DType::bf16, n_, in, out, accumulate_dx ? 1.0f : 0.0f, nullptr, stream);
   }
   if (dw) {
     // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, into the fp32 gradient.

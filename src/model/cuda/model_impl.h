@@ -187,7 +187,7 @@ struct CudaModel::Impl {
   bool fp8_forward(const T* x, const std::string& w, const T* residual, T* y, int64_t in, int64_t out) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (fp8) {
-        fp8->forward(x, static_cast<const bf16_t*>(weight(w)), residual, y, in, out, stream);
+        fp8->forward(x, static_cast<const bf16_t*>(weight(w)), residual, y, in, out, stream, w);
         return true;
       }
     }
@@ -199,7 +199,7 @@ struct CudaModel::Impl {
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (fp8) {
         fp8->backward(dy, x, static_cast<const bf16_t*>(weight(w)), dx, dw, in, out, accumulate_dx, accumulate_dw,
-                      stream);
+                      stream, w);
         return true;
       }
     }

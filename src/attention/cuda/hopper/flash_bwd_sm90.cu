@@ -23,7 +23,9 @@
 //                                       thread).
 // Rows past the ends of Q and K are zero-filled by TMA, query rows past seq_q have lse2 = +inf (P = 0), and
 // keys at or past seq_k or above the causal diagonal are masked in Sᵀ; a key block no query sees writes
-// zeros without loading anything.
+// zeros without loading anything. A sliding window or soft-capping (and a sink) take a masked
+// instantiation, ALiBi a third one (flash_bwd_sm90_kernel's kMasked, kAlibi), so that the plain kernel
+// carries none of their work.
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -103,8 +105,12 @@ struct StepRange {
 };
 
 // kMasked: the sliding-window / soft-capping instantiation (FlashParams::masked): query tiles outside the
-// band skipped, Sᵀ soft-capped (dSᵀ times the cap's slope), tiles crossing the band's edge masked.
-template <class T, int D, bool kMasked>
+// band skipped, Sᵀ soft-capped (dSᵀ times the cap's slope), tiles crossing the band's edge masked. kAlibi
+// (with kMasked): the ALiBi instantiation, which adds the bias to the capped Sᵀ before the mask (the cap's
+// slope taken without it, as in the mma.sync backward). A sink needs nothing here (the forward's lse holds
+// it, so P = exp(S - lse) is already its softmax; its gradient is run_flash_backward's): a problem with a sink
+// and no ALiBi takes the masked instantiation.
+template <class T, int D, bool kMasked, bool kAlibi = false>
 __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
@@ -220,12 +226,17 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     sm90::wgmma_wait<1>();
     sm90::fence_accumulators(sacc);
     // Soft-capped (masked kernel): the cap, the mask and Pᵀ wait for dPᵀ, each element's slope being read
-    // from its capped score (capping here, with dPᵀ's registers in flight, spilled at head dim 64).
-    bool capped = false, in_band = true;
+    // from its capped score (capping here, with dPᵀ's registers in flight, spilled at head dim 64). ALiBi
+    // (kAlibi, a slope other than 0) takes the same late path, the bias added to the capped score.
+    static_assert(kMasked || !kAlibi, "ALiBi takes the masked instantiation");
+    bool capped = false, late = false, in_band = true;
+    float slope_raw = 0.f;  // a constant 0 outside kAlibi
     if constexpr (kMasked) {
       capped = p.softcap > 0;
+      if constexpr (kAlibi) slope_raw = alibi_slope_raw(p, b, h);
+      late = capped || slope_raw != 0.f;
       in_band = tile_in_band(p, m0, m0 + kBlockM - 1, n0 + key0, n0 + key0 + 63);
-      if (!capped && !in_band) {
+      if (!late && !in_band) {
 #pragma unroll
         for (int i = 0; i < kBlockM / 2; ++i) {
           const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
@@ -243,7 +254,7 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     }
     const float* lse2 = s.lse2[st];
     const float* delta = s.delta[st];
-    if (!capped) {
+    if (!late) {
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
@@ -258,7 +269,8 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     sm90::fence_accumulators(dpacc);
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
     uint16_t* ds_tile = s.ds[step & 1];
-    if (capped) {  // the cap, the mask, Pᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − Delta) ∘ (1 − tanh²), from the capped Sᵀ
+    // The cap, the bias, the mask, Pᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − Delta) ∘ (1 − tanh²), from the capped Sᵀ.
+    if (late) {
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
@@ -267,10 +279,14 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const int i = 4 * j + e;
           const int key = key_row + 8 * ((i / 2) % 2), query = m0 + 8 * (i / 4) + 2 * t + (i % 2);
-          float x = softcap_score(p, sacc[i]);
+          float x = sacc[i];
+          if (!kAlibi || capped) x = softcap_score(p, x);  // outside kAlibi, late means capped
+          if constexpr (kAlibi) x += alibi_bias_raw(p, slope_raw, query, key);
           if (!in_band && !key_in_band(p, query, key)) x = -INFINITY;
           const float pr = fast_exp2(fmaf(x, p.scale_log2, e % 2 ? -l2.y : -l2.x));
-          dpacc[4 * j + e] = pr * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x)) * softcap_slope(p, x);
+          float ds = pr * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x));
+          if (!kAlibi || capped) ds *= softcap_slope_biased(p, x, slope_raw, query, key);
+          dpacc[4 * j + e] = ds;
           sacc[4 * j + e] = pr;
         }
       }
@@ -382,7 +398,9 @@ template <class T, int D>
 void launch(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
             const CUtensorMap& dout, cudaStream_t stream) {
   using Tr = Sm90BwdTraits<D>;
-  auto kernel = f.masked ? flash_bwd_sm90_kernel<T, D, true> : flash_bwd_sm90_kernel<T, D, false>;
+  auto kernel = f.alibi_slopes != nullptr ? flash_bwd_sm90_kernel<T, D, true, true>
+                : f.masked                 ? flash_bwd_sm90_kernel<T, D, true, false>
+                                           : flash_bwd_sm90_kernel<T, D, false, false>;
   constexpr int kSmem = static_cast<int>(sm90_bwd_smem_bytes<D>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_bwd_sm90_kernel: shared-memory opt-in");

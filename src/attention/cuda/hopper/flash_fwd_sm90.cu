@@ -18,6 +18,9 @@
 // at head dim 64, where the exponentials are the bottleneck, 1 in 8 of them runs on the FMA pipe.
 // The control flow above lives in pipeline_sm90.cuh, shared with the FP8 forward; this file supplies the
 // 16-bit kernel's tiles, loads, GEMMs and O store (Sm90FwdKernel).
+// A sliding window or soft-capping takes a masked instantiation, ALiBi or an attention sink a third one
+// (Sm90FwdTraits' MASKED and ALIBI_SINK: the bias and the sink live in WgmmaRowSoftmax), so that the plain
+// kernels carry none of their work.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -50,10 +53,14 @@ constexpr int sm90_default_block_n() {
 
 // BM query rows per tile (64 per consumer warpgroup: two or three), BN keys per block, ST ring stages;
 // MASKED: the sliding-window / soft-capping instantiation (FlashParams::masked, WgmmaRowSoftmax's kMasked),
-// one per head dim on the default tile.
-template <int D, int BM = 128, int BN = sm90_default_block_n<D>(), int ST = 2, bool MASKED = false>
+// one per head dim on the default tile; ALIBI_SINK (with MASKED): the one that adds ALiBi and attention sinks
+// (WgmmaRowSoftmax's kAlibiSink), so that neither the plain nor the masked instantiation carries their work.
+template <int D, int BM = 128, int BN = sm90_default_block_n<D>(), int ST = 2, bool MASKED = false,
+          bool ALIBI_SINK = false>
 struct Sm90FwdTraits {
+  static_assert(MASKED || !ALIBI_SINK, "ALiBi and sinks take the masked instantiation");
   static constexpr bool kMasked = MASKED;
+  static constexpr bool kAlibiSink = ALIBI_SINK;
   static constexpr int kHeadDim = D;
   static constexpr int kBlockM = BM;
   static constexpr int kBlockN = BN;
@@ -101,7 +108,7 @@ struct Sm90FwdShared {
 template <class T, class Tr>
 struct Sm90FwdKernel : Tr {
   static constexpr int D = Tr::kHeadDim;
-  using Softmax = WgmmaRowSoftmax<Tr::kBlockN, Tr::kPolyEvery, Tr::kRowChains, Tr::kMasked>;
+  using Softmax = WgmmaRowSoftmax<Tr::kBlockN, Tr::kPolyEvery, Tr::kRowChains, Tr::kMasked, Tr::kAlibiSink>;
   using PFragments = uint32_t[Tr::kBlockN / 16][4];
   using GemmS = sm90::WgmmaM64<T, Tr::kBlockN>;
   using GemmO = sm90::WgmmaM64<T, D>;
@@ -226,12 +233,14 @@ int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch, int block
 
 // Calls f(Traits{}) with the traits of the kernel that runs problem `p` and returns true, or returns false
 // where the capability table lists no Hopper forward for its head dim. A sliding window or soft-capping takes
-// the masked kernel on the head dim's default tile (FLASHLM_SM90_FWD_D64_TILE does not apply).
+// the masked kernel on the head dim's default tile (FLASHLM_SM90_FWD_D64_TILE does not apply), ALiBi or a
+// sink (with or without them) the masked kernel's ALiBi / sink instantiation on the same tile.
 template <class F>
 bool with_forward_traits(const AttentionProblem& p, F&& f) {
-  const bool masked = uses_masked_kernels(p);
+  const bool masked = uses_masked_kernels(p), alibi_sink = p.alibi || p.sink;
   return with_head_dim<kHopperForwardHeadDims>(p.head_dim, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
+    if (alibi_sink) return f(Sm90FwdTraits<D, 128, sm90_default_block_n<D>(), 2, true, true>{});
     if (masked) return f(Sm90FwdTraits<D, 128, sm90_default_block_n<D>(), 2, true>{});
     if constexpr (D == 64) {
       switch (sm90_forward_d64_tile(p)) {

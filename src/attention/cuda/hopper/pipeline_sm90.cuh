@@ -154,7 +154,7 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
       const int row0 = wg_row0 + 16 * warp + g;  // this thread's rows: row0 and row0 + 8
 #pragma unroll
       for (int i = 0; i < Kernel::kOValues; ++i) o[i] = 0.f;
-      softmax.reset();
+      softmax.reset(p, b, h, t);
 
       int turns_left = n_blocks + 1;  // issue points: S of block 0, (S of nb, P·V of nb - 1), the last P·V
       auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };

@@ -10,6 +10,15 @@
 
 namespace flashlm::flash_cuda {
 
+// WgmmaRowSoftmax's ALiBi slope (kAlibiSink) of the tile's (batch, head) in raw-score units (0: none), as a
+// base that is empty for the other kernels: an unused member still moved their register allocation.
+template <bool kAlibiSink>
+struct AlibiSlope {
+  float slope_raw;
+};
+template <>
+struct AlibiSlope<false> {};
+
 // The running max and sum of a thread's two rows. The scale is folded into exp2 (p.scale_log2, which for
 // FP8 also carries the descale factors), so row_max stays in S's units. With kPolyEvery > 0, every
 // kPolyEvery-th group of 8 key columns takes its exponentials on the FMA pipe (exp2_on_fma_pipe) instead
@@ -18,16 +27,34 @@ namespace flashlm::flash_cuda {
 // kBlockN / 8 max and add instructions each: the chain's latency, not its instruction count, is what a
 // warpgroup waits for (ncu's "wait" stall, docs/perf.md). The sum's rounding order changes with it.
 // kMasked: the sliding-window / soft-capping kernels' softmax (FlashParams::masked): scores soft-capped where
-// p.softcap > 0, then masked by the band (key_in_band) where the block crosses its edge.
-template <int kBlockN, int kPolyEvery = 0, int kChains = 1, bool kMaskedBand = false>
-struct WgmmaRowSoftmax {
+// p.softcap > 0, then masked by the band (key_in_band) where the block crosses its edge. kAlibiSink (masked
+// only): the ALiBi / attention-sink kernels' softmax, the masked one plus, as in the mma.sync forward
+// (flash_fwd.cu), the ALiBi bias added to the capped scores before the mask, and the sink starting each row.
+template <int kBlockN, int kPolyEvery = 0, int kChains = 1, bool kMaskedBand = false, bool kAlibiSinkRows = false>
+struct WgmmaRowSoftmax : AlibiSlope<kAlibiSinkRows> {
   static_assert((kBlockN / 8) % kChains == 0, "the key block's 8-column groups split evenly over the chains");
+  static_assert(kMaskedBand || !kAlibiSinkRows, "ALiBi and sinks take the masked kernels");
   static constexpr bool kMasked = kMaskedBand;
+  static constexpr bool kAlibiSink = kAlibiSinkRows;
   float row_max[2], row_sum[2];
 
-  __device__ __forceinline__ void reset() {
+  // The state before the first key block of a tile of query head h, batch b (t: the lane's column in its quad).
+  // With a sink (kAlibiSink, a logit other than -inf) the row starts as if the sink were a first key of weight
+  // exp(sink - m) and no value: m = sink (in raw-score units, as row_max is kept) and l = 1, held by lane t = 0
+  // alone (each lane's row_sum is its part of the quad's sum). A row that sees no key keeps it: O = 0 and
+  // lse = sink. Without: m = -inf, l = 0.
+  __device__ __forceinline__ void reset([[maybe_unused]] const FlashParams& p, [[maybe_unused]] int b,
+                                        [[maybe_unused]] int h, [[maybe_unused]] int t) {
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
+    if constexpr (kAlibiSink) {
+      const float sink = sink_logit(p, h);
+      if (sink != -INFINITY) {
+        row_max[0] = row_max[1] = sink / p.scale;
+        row_sum[0] = row_sum[1] = t == 0 ? 1.f : 0.f;
+      }
+      this->slope_raw = alibi_slope_raw(p, b, h);
+    }
   }
 
   // S of the key block starting at key n0 becomes P in place: keys at or past p.seq_k and above the
@@ -40,6 +67,16 @@ struct WgmmaRowSoftmax {
       if (p.softcap > 0) {
 #pragma unroll
         for (int i = 0; i < kBlockN / 2; ++i) s[i] = softcap_score(p, s[i]);
+      }
+      if constexpr (kAlibiSink) {
+        if (this->slope_raw != 0.f) {
+#pragma unroll
+          for (int i = 0; i < kBlockN / 2; ++i) {
+            const int row = row0 + 8 * ((i / 2) % 2);
+            const int col = n0 + 8 * (i / 4) + 2 * t + (i % 2);
+            s[i] += alibi_bias_raw(p, this->slope_raw, row, col);
+          }
+        }
       }
       // The warpgroup's 64 rows: a warpgroup-uniform test.
       if (!tile_in_band(p, first_row, first_row + 63, n0, n0 + kBlockN - 1)) {
