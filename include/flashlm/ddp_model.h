@@ -95,6 +95,9 @@ class DdpModel {
  private:
   void copy_kept_masters(float* packed_host, bool to_host);  // zero()->updated_ranges() order
   void masters_changed();  // the working copy of what this rank keeps, after its masters changed
+  // tokens and targets hold grad_accum micro-batches of micro_tokens_ each: an Error naming fn otherwise.
+  void check_batch(const char* fn, std::span<const int32_t> tokens, std::span<const int32_t> targets) const;
+
   LanguageModel& model_;
   int64_t micro_tokens_;
   int gemm_sm_reserve_;  // DdpOptions::gemm_sm_reserve resolved

@@ -313,9 +313,7 @@ void DdpModel::broadcast_parameters() {
 
 double DdpModel::forward_backward(std::span<const int32_t> tokens, std::span<const int32_t> targets) {
   const int64_t accum = ddp_->options().grad_accum;
-  FLASHLM_CHECK(static_cast<int64_t>(tokens.size()) == accum * micro_tokens_ && targets.size() == tokens.size(),
-                "DdpModel::forward_backward: {} tokens and {} targets, expected grad_accum {} x {} of each",
-                tokens.size(), targets.size(), accum, micro_tokens_);
+  check_batch("DdpModel::forward_backward", tokens, targets);
   model_.zero_grad();
   if (fsdp_) {
     fsdp_->hold(false);  // a gather_parameters() before (evaluation) ends here
@@ -374,6 +372,13 @@ bool DdpModel::optimizer_step(const AdamWConfig& c, double lr, double* norm) {
   return true;
 }
 
+void DdpModel::check_batch(const char* fn, std::span<const int32_t> tokens, std::span<const int32_t> targets) const {
+  const int64_t accum = ddp_->options().grad_accum;
+  FLASHLM_CHECK(static_cast<int64_t>(tokens.size()) == accum * micro_tokens_ && targets.size() == tokens.size(),
+                "{}: {} tokens and {} targets, expected grad_accum {} x {} of each", fn, tokens.size(), targets.size(),
+                accum, micro_tokens_);
+}
+
 StepResult DdpModel::train_step(std::span<const int32_t> tokens, std::span<const int32_t> targets,
                                 const AdamWConfig& c, double lr) {
   if (!plain_step_) {
@@ -382,9 +387,7 @@ StepResult DdpModel::train_step(std::span<const int32_t> tokens, std::span<const
     r.updated = optimizer_step(c, lr, &r.grad_norm);
     return r;
   }
-  FLASHLM_CHECK(static_cast<int64_t>(tokens.size()) == micro_tokens_ && targets.size() == tokens.size(),
-                "DdpModel::train_step: {} tokens and {} targets, expected {} of each", tokens.size(), targets.size(),
-                micro_tokens_);
+  check_batch("DdpModel::train_step", tokens, targets);
   return model_.train_step(tokens.data(), targets.data(), c, lr);
 }
 

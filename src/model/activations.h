@@ -55,6 +55,8 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
 // device fp32 amax and dequantisation scale of three operands. Each region starts 256-byte aligned.
 // A second buffer, the weight cache (Fp8Linear's, cache_bytes): the block weights' FP8 copies, both ways, then
 // cache_slots scale slots from byte cache_scales.
+// The FP8 buffers' region rule: each region (and each cached weight copy) starts 256-byte aligned.
+inline int64_t fp8_region_bytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 struct Fp8ScratchLayout {
   int64_t act = 0, act_t = 0, act_x_t = 0, weight = 0, scales = 0, bytes = 0;
   int64_t act_capacity = 0, weight_capacity = 0;  // bytes of each activation region and of the weight region

@@ -189,7 +189,7 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens) {
 Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
   // The linear layers' widths: q, k, v together (3d), d, and d_ff (w1, w3 out; w2 in).
   const int64_t widest = std::max(3 * c.d_model, c.d_ff);
-  const auto region = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  const auto region = fp8_region_bytes;
   Fp8ScratchLayout l;
   l.act_capacity = checked_mul(tokens, widest, "FP8 scratch: tokens x widest layer");
   l.weight_capacity = checked_mul(c.d_model, widest, "FP8 scratch: largest weight");

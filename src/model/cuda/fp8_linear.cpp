@@ -29,17 +29,16 @@ const Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf
                                                  void* stream) {
   auto it = cached_.find(std::string(name));
   if (it == cached_.end()) {
-    const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
     CachedWeight e;
     e.elements = in * out;
     e.offset = cache_used_;
-    e.offset_t = e.offset + aligned(e.elements);
+    e.offset_t = e.offset + fp8_region_bytes(e.elements);
     e.slot = int(cached_.size());
-    FLASHLM_CHECK(e.offset_t + aligned(e.elements) <= layout_.cache_scales && e.slot < layout_.cache_slots,
+    FLASHLM_CHECK(e.offset_t + fp8_region_bytes(e.elements) <= layout_.cache_scales && e.slot < layout_.cache_slots,
                   "Fp8Linear: weight '{}' ({} x {}) does not fit the FP8 weight cache sized for this model's blocks "
                   "({} weights, {} bytes, {} used)",
                   name, out, in, cached_.size(), layout_.cache_scales, cache_used_);
-    cache_used_ = e.offset_t + aligned(e.elements);
+    cache_used_ = e.offset_t + fp8_region_bytes(e.elements);
     it = cached_.emplace(std::string(name), e).first;
   }
   CachedWeight& e = it->second;
@@ -51,6 +50,18 @@ const Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf
     e.pass = pass_;
   }
   return e;
+}
+
+Fp8Operand Fp8Linear::weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
+                                     void* stream) {
+  if (name.empty()) {  // cast for this product alone, into the scratch's weight region
+    uint8_t* q = region(layout_.weight);
+    gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, transposed ? nullptr : q, transposed ? q : nullptr, scales(1),
+                      stream);
+    return {q, Fp8Format::e4m3, dequant(1)};
+  }
+  const CachedWeight& e = cached(name, w, in, out, stream);
+  return {cache_at(transposed ? e.offset_t : e.offset), Fp8Format::e4m3, cache_dequant(e.slot)};
 }
 
 void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
@@ -65,13 +76,7 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
   ScopedRange range("linear.forward");
   uint8_t* qx = region(layout_.act);
   gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, scales(0), stream);
-  Fp8Operand qw{region(layout_.weight), Fp8Format::e4m3, dequant(1)};
-  if (weight.empty()) {
-    gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, region(layout_.weight), nullptr, scales(1), stream);
-  } else {
-    const CachedWeight& e = cached(weight, w, in, out, stream);
-    qw = {cache_at(e.offset), Fp8Format::e4m3, cache_dequant(e.slot)};
-  }
+  const Fp8Operand qw = weight_operand(w, weight, in, out, /*transposed*/ false, stream);
   fp8_gemm_cuda({qx, Fp8Format::e4m3, dequant(0)}, qw, y, DType::bf16, n_, out, in, residual ? 1.0f : 0.0f, residual,
                 stream);
 }
@@ -87,13 +92,7 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   const Fp8Operand grad{qdy, gradients_, dequant(0)}, grad_t{qdy_t, gradients_, dequant(0)};
   if (dx) {
     // dx [n, in] = dy [n, out] · (wᵀ [in, out])ᵀ: w's transposed copy is K-major.
-    Fp8Operand qw_t{region(layout_.weight), Fp8Format::e4m3, dequant(1)};
-    if (weight.empty()) {
-      gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, nullptr, region(layout_.weight), scales(1), stream);
-    } else {
-      const CachedWeight& e = cached(weight, w, in, out, stream);
-      qw_t = {cache_at(e.offset_t), Fp8Format::e4m3, cache_dequant(e.slot)};
-    }
+    const Fp8Operand qw_t = weight_operand(w, weight, in, out, /*transposed*/ true, stream);
     fp8_gemm_cuda(grad, qw_t, dx, DType::bf16, n_, in, out, accumulate_dx ? 1.0f : 0.0f, nullptr, stream);
   }
   if (dw) {

@@ -26,6 +26,7 @@
 #include "flashlm/memory.h"
 #include "flashlm/model.h"
 #include "model/activations.h"
+#include "model/cuda/gemm.h"
 #include "model/fp8.h"
 
 namespace flashlm {
@@ -64,6 +65,9 @@ class Fp8Linear {
     int slot = 0;
     uint64_t pass = 0;
   };
+  // w (or wᵀ when transposed) as a GEMM operand: from the cache when named, else cast into the scratch.
+  Fp8Operand weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
+                            void* stream);
   // The weight's entry, its copies cast now if this pass has not cast them yet.
   const CachedWeight& cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out, void* stream);
   uint8_t* cache_at(int64_t offset) const { return static_cast<uint8_t*>(cache_.data()) + offset; }

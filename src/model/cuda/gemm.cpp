@@ -211,10 +211,8 @@ bool run_gemm(const Call& c, Product p, int device, PlanKey key, const void* a, 
   const float alpha = 1.0f;
   const Plan& pl = plan->second;
   set_scales(pl.desc, a_scale, b_scale, c, p);
-  // C is read only with beta != 0; the FP8 products pass it as null then, as torch's _scaled_mm does.
-  const void* c_read = c_input ? c_input : (p == Product::fp8 && beta == 0.0f ? nullptr : d);
   const cublasStatus_t s =
-      cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, c_read, pl.d, d, pl.d, &pl.algo,
+      cublasLtMatmul(lt.handle, pl.desc, &alpha, a, pl.a, b, pl.b, &beta, c_input ? c_input : d, pl.d, d, pl.d, &pl.algo,
                      ws->second.data(), kWorkspaceBytes, static_cast<cudaStream_t>(stream));
   if (s != CUBLAS_STATUS_SUCCESS) throw_blas(c, p, "cublasLtMatmul", s);
   return true;

@@ -90,8 +90,8 @@ struct Fp8Operand {
 // ("TN"): forward y = x · wᵀ (p = x, q = w), dx = dy · w (p = dy, q = wᵀ), dw = dyᵀ · x (p = dyᵀ, q = xᵀ),
 // with the transposed copies written by the cast (model/cuda/fp8.h). rows, cols and k must be multiples of
 // 16, the pointers (the scale pointers included) 16-byte aligned (FP8's requirements), p and q not both e5m2
-// (cuBLASLt has no such kernel). The scales are read by the GPU when the GEMM runs: no host synchronisation, capturable in a CUDA
-// graph. Plans are cached as for the other products (cuBLASLt-specific notes at the top of this header).
+// (cuBLASLt has no such kernel). The scales are read by the GPU when the GEMM runs: no host synchronisation,
+// capturable in a CUDA graph. Plans are cached as for the other products (cuBLASLt-specific notes at the top of this header).
 void fp8_gemm_cuda(const Fp8Operand& p, const Fp8Operand& q, void* d, DType out, int64_t rows, int64_t cols,
                    int64_t k, float beta, const void* residual, void* stream);
 
