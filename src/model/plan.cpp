@@ -200,7 +200,7 @@ Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
   l.scales = l.weight + region(l.weight_capacity);
   l.bytes = l.scales + region(3 * kFp8ScaleSlotFloats * int64_t(sizeof(float)));
   // The weight cache: every block's five linear weights (q/k/v as one, the output projection, w1, w3, w2),
-  // each copy (w and wᵀ) starting 256-byte aligned, then a scale slot per weight.
+  // each copy (w and wᵀ) starting 256-byte aligned, then the scale slots.
   const int64_t d = c.d_model, f = c.d_ff;
   const int64_t qkv = region(checked_product({3, d, d}, "FP8 weight cache: q/k/v"));
   const int64_t ffn = region(checked_mul(d, f, "FP8 weight cache: a feed-forward weight"));
@@ -210,7 +210,9 @@ Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
       "FP8 weight cache");
   l.cache_slots = checked_mul(5, c.layers, "FP8 weight cache: weights");
   l.cache_scales = checked_mul(per_layer, c.layers, "FP8 weight cache");
-  l.cache_bytes = checked_add(l.cache_scales, region(l.cache_slots * kFp8ScaleSlotFloats * int64_t(sizeof(float))),
+  // Two scale slots per weight: its own, and its forward input's (whose amax the backward's cast of xᵀ reuses).
+  l.cache_bytes = checked_add(l.cache_scales,
+                              region(2 * l.cache_slots * kFp8ScaleSlotFloats * int64_t(sizeof(float))),
                               "FP8 weight cache");
   return l;
 }

@@ -25,7 +25,7 @@ Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients)
   cache_ = Buffer::allocate(size_t(layout_.cache_bytes), Device::cuda, "FP8 copies of the block weights, both ways");
 }
 
-const Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out,
+Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out,
                                                  void* stream) {
   auto it = cached_.find(std::string(name));
   if (it == cached_.end()) {
@@ -71,21 +71,38 @@ void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
 }
 
 void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
-                        void* stream, std::string_view weight) {
+                        void* stream, std::string_view weight, bool same_input) {
   check_widths("forward", in, out);
   ScopedRange range("linear.forward");
   uint8_t* qx = region(layout_.act);
-  gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, scales(0), stream);
-  const Fp8Operand qw = weight_operand(w, weight, in, out, /*transposed*/ false, stream);
-  fp8_gemm_cuda({qx, Fp8Format::e4m3, dequant(0)}, qw, y, DType::bf16, n_, out, in, residual ? 1.0f : 0.0f, residual,
+  CachedWeight* e = weight.empty() ? nullptr : &cached(weight, w, in, out, stream);
+  if (same_input) {
+    FLASHLM_CHECK(act_x_ == x && act_in_ == in,
+                  "Fp8Linear::forward: same_input, but the FP8 scratch holds no cast of this x (the previous "
+                  "product had another input, or a backward came between)");
+  } else {
+    // A named weight's input scales go to its input slot, for the backward's cast of xᵀ.
+    act_slot_ = e ? e->slot : -1;
+    gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, e ? input_scales(e->slot) : scales(0), stream);
+    act_x_ = x;
+    act_in_ = in;
+  }
+  if (e && act_slot_ >= 0) e->input_slot = act_slot_, e->input_pass = pass_;
+  const float* dequant_x = act_slot_ >= 0 ? input_scales(act_slot_) + kFp8DequantIndex : dequant(0);
+  const Fp8Operand qw = e ? Fp8Operand{cache_at(e->offset), Fp8Format::e4m3, cache_dequant(e->slot)}
+                          : weight_operand(w, weight, in, out, /*transposed*/ false, stream);
+  fp8_gemm_cuda({qx, Fp8Format::e4m3, dequant_x}, qw, y, DType::bf16, n_, out, in, residual ? 1.0f : 0.0f, residual,
                 stream);
 }
 
 void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
-                         int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight) {
+                         int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight,
+                         bool same_input) {
   check_widths("backward", in, out);
   FLASHLM_CHECK(dx || dw, "Fp8Linear::backward: dx and dw are both null: nothing to compute");
+  FLASHLM_CHECK(!same_input || dw, "Fp8Linear::backward: same_input without dw: no cast of x to share");
   ScopedRange range("linear.backward");
+  act_x_ = nullptr;  // the act region is dy's now
   // dy once, both ways: dy [n, out] for dx's product (K = out), dyᵀ [out, n] for dw's (K = n).
   uint8_t *qdy = region(layout_.act), *qdy_t = region(layout_.act_t);
   gpu::fp8_quantize(dy, n_, out, gradients_, dx ? qdy : nullptr, dw ? qdy_t : nullptr, scales(0), stream);
@@ -98,8 +115,26 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   if (dw) {
     // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, into the fp32 gradient.
     uint8_t* qx_t = region(layout_.act_x_t);
-    gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, nullptr, qx_t, scales(2), stream);
-    fp8_gemm_cuda(grad_t, {qx_t, Fp8Format::e4m3, dequant(2)}, dw, DType::f32, out, in, n_,
+    if (same_input) {
+      FLASHLM_CHECK(act_x_t_ == x && act_x_t_in_ == in,
+                    "Fp8Linear::backward: same_input, but the FP8 scratch holds no cast of this xᵀ (the previous "
+                    "backward had another input)");
+    } else {
+      const auto it = weight.empty() ? cached_.end() : cached_.find(std::string(weight));
+      if (it != cached_.end() && it->second.input_pass == pass_) {
+        // The forward of this pass reduced x already: its amax, the cast alone.
+        float* slot = input_scales(it->second.input_slot);
+        gpu::fp8_cast(x, n_, in, slot + kFp8AmaxIndex, Fp8Format::e4m3, nullptr, qx_t, slot + kFp8DequantIndex,
+                      stream);
+        act_x_t_dequant_ = slot + kFp8DequantIndex;
+      } else {
+        gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, nullptr, qx_t, scales(2), stream);
+        act_x_t_dequant_ = dequant(2);
+      }
+      act_x_t_ = x;
+      act_x_t_in_ = in;
+    }
+    fp8_gemm_cuda(grad_t, {qx_t, Fp8Format::e4m3, act_x_t_dequant_}, dw, DType::f32, out, in, n_,
                   accumulate_dw ? 1.0f : 0.0f, nullptr, stream);
   }
 }

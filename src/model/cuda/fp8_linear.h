@@ -8,7 +8,10 @@
 //
 // The activations' FP8 copies are derived from the step's own tensors when the product needs them (the
 // backward casts x again rather than keeping the forward's copy), in one buffer of the size of one layer's
-// operands (fp8_scratch_layout). A weight named by the caller is cast once per pass instead: its first
+// operands (fp8_scratch_layout). For a named weight the forward keeps x's scales, and the backward's cast of
+// xᵀ reuses its amax instead of reducing x again (the same tensor: the same amax). Two products of one input
+// (w1 and w3 of the feed-forward) share its cast: the caller says so (same_input), and the second product
+// reads the first's FP8 copy. A weight named by the caller is cast once per pass instead: its first
 // product after begin_pass() writes both its copies, w and wᵀ, from one read of the bf16 weight, and the
 // pass's later products (the backward's dx, a recomputed forward) read them. The weights are the bulk of a
 // step's cast traffic at training batch sizes (xl, 2 048 tokens: 41 M weight elements a layer against 3 to 13
@@ -39,16 +42,23 @@ class Fp8Linear {
 
   // A new pass (a forward and the backward that follows it): the weights may have changed since the last,
   // so each named weight's FP8 copies are cast again at its first product.
-  void begin_pass() { ++pass_; }
+  void begin_pass() {
+    ++pass_;
+    act_x_ = act_x_t_ = nullptr;
+  }
 
   // y[n, out] = x[n, in] · w[out, in]ᵀ (+ residual[n, out] when not null). weight: w's name, whose FP8 copies
   // are cast once per pass and reused (see the top); empty: w is cast for this product alone.
+  // same_input: x is the previous forward's x, unchanged since, and its FP8 copy is reused (an Error if
+  // the previous product had another input or a backward came between).
   void forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
-               void* stream, std::string_view weight = {});
+               void* stream, std::string_view weight = {}, bool same_input = false);
   // dx[n, in] (= or += when accumulate_dx) dy[n, out] · w[out, in] (dx may be null: skipped); dw[out, in]
   // (+= or = when !accumulate_dw) dy[n, out]ᵀ · x[n, in] in fp32 (dw may be null: skipped). weight: as above.
+  // same_input: x is the previous backward's x (both computing dw), and its transposed FP8 copy is reused.
   void backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in, int64_t out,
-                bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight = {});
+                bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight = {},
+                bool same_input = false);
 
   Fp8Format gradients() const { return gradients_; }
 
@@ -60,20 +70,35 @@ class Fp8Linear {
 
   // One named weight's place in the cache: w's copy at `offset`, wᵀ's at `offset_t`, its scale slot, and the
   // pass they were cast in.
+  // input_slot: the input scale slot (input_scales) holding the scales of this weight's forward input in
+  // pass input_pass — its own, or the slot of the product whose input it shared.
   struct CachedWeight {
     int64_t offset = 0, offset_t = 0, elements = 0;
-    int slot = 0;
-    uint64_t pass = 0;
+    int slot = 0, input_slot = 0;
+    uint64_t pass = 0, input_pass = 0;
   };
   // w (or wᵀ when transposed) as a GEMM operand: from the cache when named, else cast into the scratch.
   Fp8Operand weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
                             void* stream);
   // The weight's entry, its copies cast now if this pass has not cast them yet.
-  const CachedWeight& cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out, void* stream);
+  CachedWeight& cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out, void* stream);
   uint8_t* cache_at(int64_t offset) const { return static_cast<uint8_t*>(cache_.data()) + offset; }
   float* cache_dequant(int slot) const {
     return reinterpret_cast<float*>(cache_at(layout_.cache_scales)) + kFp8ScaleSlotFloats * slot + kFp8DequantIndex;
   }
+  // The scale slot of weight `slot`'s forward input (after the weights' own slots).
+  float* input_scales(int slot) const {
+    return reinterpret_cast<float*>(cache_at(layout_.cache_scales)) +
+           kFp8ScaleSlotFloats * (layout_.cache_slots + slot);
+  }
+  // Which x the scratch's FP8 copies hold: the forward's x in act (input scales in act_slot_, or -1 for the
+  // scratch's own slot 0), the backward's xᵀ in act_x_t (and its dequantisation scale); null: none.
+  const bf16_t* act_x_ = nullptr;
+  int act_slot_ = -1;
+  int64_t act_in_ = 0;
+  const bf16_t* act_x_t_ = nullptr;
+  const float* act_x_t_dequant_ = nullptr;
+  int64_t act_x_t_in_ = 0;
 
   int64_t n_;
   Fp8Format gradients_;

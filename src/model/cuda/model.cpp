@@ -313,7 +313,7 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
       linear_forward_pair_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.weight(p + "ffn.w3.weight"),
                                m.a<T>(L.u), m.a<T>(L.g), n, d, f, dt, m.stream);
     } else {
-      m.fp8_forward<T>(m.a<T>(L.h2), p + "ffn.w3.weight", nullptr, m.a<T>(L.g), d, f);
+      m.fp8_forward<T>(m.a<T>(L.h2), p + "ffn.w3.weight", nullptr, m.a<T>(L.g), d, f, /*same_input*/ true);
     }
     gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
     if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
@@ -447,9 +447,9 @@ void CudaModel::backward() {
     T *dx = s0, *dh = s0 + nd, *dqkv = s0 + 2 * nd, *dattn = s0 + 5 * nd;
     T *du = s0 + 6 * nd, *dg = du + nf, *ds = dg + nf;
     auto linear_backward = [&](const T* dy, const T* x, const std::string& w, T* dxo, int64_t in, int64_t out,
-                               bool accumulate) {
+                               bool accumulate, bool same_input = false) {
       add_to_gradient(w, true, [&](float* dw, bool accumulate_dw) {
-        if (m.fp8_backward<T>(dy, x, w, dxo, dw, in, out, accumulate, accumulate_dw)) return;
+        if (m.fp8_backward<T>(dy, x, w, dxo, dw, in, out, accumulate, accumulate_dw, same_input)) return;
         linear_backward_cuda(dy, x, m.weight(w), dxo, dw, n, in, out, dt, accumulate, m.stream, false, accumulate_dw);
       });
     };
@@ -495,7 +495,7 @@ void CudaModel::backward() {
       const std::string w1 = p + "ffn.w1.weight", w3 = p + "ffn.w3.weight";
       if (m.pure || m.fp8) {  // bf16-pure stages one contiguous range of gradients at a time; fp8: no pair GEMMs
         linear_backward(du, m.a<T>(L.h2), w1, dh, d, f, false);
-        linear_backward(dg, m.a<T>(L.h2), w3, dh, d, f, true);
+        linear_backward(dg, m.a<T>(L.h2), w3, dh, d, f, true, /*same_input*/ true);
       } else {
         // dh = du · w1 + dg · w3, then both weight gradients as one strided-batched GEMM over the fp32
         // gradients (w2's, between them, is final already and left alone), written over them after a

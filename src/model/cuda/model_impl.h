@@ -184,10 +184,12 @@ struct CudaModel::Impl {
   // --precision fp8: a block's linear layer through Fp8Linear, returning true; false where the model runs
   // its linear layers in its precision's own GEMMs (the caller then calls those, unchanged).
   template <class T>
-  bool fp8_forward(const T* x, const std::string& w, const T* residual, T* y, int64_t in, int64_t out) const {
+  // same_input: x is the previous FP8 product's input (Fp8Linear::forward, ::backward).
+  bool fp8_forward(const T* x, const std::string& w, const T* residual, T* y, int64_t in, int64_t out,
+                   bool same_input = false) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (fp8) {
-        fp8->forward(x, static_cast<const bf16_t*>(weight(w)), residual, y, in, out, stream, w);
+        fp8->forward(x, static_cast<const bf16_t*>(weight(w)), residual, y, in, out, stream, w, same_input);
         return true;
       }
     }
@@ -195,11 +197,11 @@ struct CudaModel::Impl {
   }
   template <class T>
   bool fp8_backward(const T* dy, const T* x, const std::string& w, T* dx, float* dw, int64_t in, int64_t out,
-                    bool accumulate_dx, bool accumulate_dw) const {
+                    bool accumulate_dx, bool accumulate_dw, bool same_input = false) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (fp8) {
         fp8->backward(dy, x, static_cast<const bf16_t*>(weight(w)), dx, dw, in, out, accumulate_dx, accumulate_dw,
-                      stream, w);
+                      stream, w, same_input);
         return true;
       }
     }
