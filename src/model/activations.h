@@ -61,6 +61,7 @@ struct Fp8ScratchLayout {
   int64_t act = 0, act_t = 0, act_x_t = 0, weight = 0, scales = 0, bytes = 0;
   int64_t act_capacity = 0, weight_capacity = 0;  // bytes of each activation region and of the weight region
   int64_t cache_scales = 0, cache_slots = 0, cache_bytes = 0;
+  int64_t cache_amax = 0;  // the producers' amax outputs (Fp8Linear::produced_amax): kFp8Produced per layer
 };
 Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens);
 

@@ -44,6 +44,12 @@ FLASHLM_HOST_DEVICE inline float fp8_dequant_scale(float scale) { return 1.0f / 
 inline constexpr int64_t kFp8DequantIndex = 0, kFp8AmaxIndex = 4, kFp8ScaleSlotFloats = 8;
 inline constexpr uint32_t kFp8ScaleAlignment = 16;
 
+// The tensors of a block whose producing kernels also write their amax (FP8 training on CUDA): the two
+// RMSNorm outputs, the SwiGLU output, and the SwiGLU backward's du and dg (w1's and w3's output gradients).
+// The casts of those tensors then skip their own reduction.
+enum class Fp8Produced { h1, h2, s, du, dg };
+inline constexpr int64_t kFp8Produced = 5;
+
 // ---------------------------------------------------------------------------------------------------
 // The CPU emulation (fp8_cpu.cpp).
 

@@ -211,8 +211,11 @@ Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
   l.cache_slots = checked_mul(5, c.layers, "FP8 weight cache: weights");
   l.cache_scales = checked_mul(per_layer, c.layers, "FP8 weight cache");
   // Two scale slots per weight: its own, and its forward input's (whose amax the backward's cast of xᵀ reuses).
-  l.cache_bytes = checked_add(l.cache_scales,
-                              region(2 * l.cache_slots * kFp8ScaleSlotFloats * int64_t(sizeof(float))),
+  l.cache_amax = checked_add(l.cache_scales,
+                             region(2 * l.cache_slots * kFp8ScaleSlotFloats * int64_t(sizeof(float))),
+                             "FP8 weight cache");
+  // Then the amax outputs of the kernels that produce the linear layers' inputs and output gradients.
+  l.cache_bytes = checked_add(l.cache_amax, region(kFp8Produced * c.layers * int64_t(sizeof(float))),
                               "FP8 weight cache");
   return l;
 }

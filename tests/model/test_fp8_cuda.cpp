@@ -559,9 +559,12 @@ TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
 
   shared.backward(ddya.as<bf16_t>(), dx.as<bf16_t>(), dwa.as<bf16_t>(), gxa.as<bf16_t>(), gwa.as<float>(), in, out,
                   false, false, nullptr, "layers.0.ffn.w1");
+  // dx accumulates onto the first product's, as the feed-forward's dh does.
+  const std::vector<uint16_t> dx_first = gxa.download<uint16_t>();
+  gxb.upload(dx_first);
+  gxb_fresh.upload(dx_first);
   shared.backward(ddyb.as<bf16_t>(), dx.as<bf16_t>(), dwb.as<bf16_t>(), gxb.as<bf16_t>(), gwb.as<float>(), in, out,
                   true, false, nullptr, "layers.0.ffn.w3", /*same_input*/ true);
-  gxb_fresh.upload(std::vector<uint16_t>(gxa.download<uint16_t>()));
   fresh.backward(ddyb.as<bf16_t>(), dx.as<bf16_t>(), dwb.as<bf16_t>(), gxb_fresh.as<bf16_t>(), gwb_fresh.as<float>(),
                  in, out, true, false, nullptr);
   EXPECT_EQ(gxb.download<uint16_t>(), gxb_fresh.download<uint16_t>()) << "dx of the second product";
@@ -571,6 +574,41 @@ TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
   expect_error([&] { shared.backward(ddyb.as<bf16_t>(), dx2.as<bf16_t>(), dwb.as<bf16_t>(), gxb.as<bf16_t>(),
                                      gwb.as<float>(), in, out, false, false, nullptr, "layers.0.ffn.w3", true); },
                "holds no cast of this xᵀ");
+}
+
+// An amax handed in by the tensor's producer (x_amax, dy_amax) stands for the reduction the layer would do:
+// the same bits forward and backward (the backward's xᵀ cast reads the producer's amax too).
+TEST(Fp8Linear, ProducerAmaxGivesTheBitsOfReducingHere) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig c = ModelConfig::named("tiny", 64, 128);
+  c.d_model = 64;
+  c.d_ff = 160;
+  const int64_t n = 96, in = 64, out = 160;
+  Fp8Linear given(c, n, Fp8Format::e5m2), fresh(c, n, Fp8Format::e5m2);
+  const std::vector<float> x = random_bf16_values(n * in, 91), w = random_bf16_values(out * in, 92),
+                           dy = random_bf16_values(n * out, 93);
+  Dev dx{x.size() * 2}, dw{w.size() * 2}, ddy{dy.size() * 2}, amax{2 * kFp8ScaleSlotFloats * sizeof(float)},
+      y_a{dy.size() * 2}, y_b{dy.size() * 2}, gx_a{x.size() * 2}, gx_b{x.size() * 2}, gw_a{w.size() * 4},
+      gw_b{w.size() * 4};
+  dx.upload(to_bf16(x));
+  dw.upload(to_bf16(w));
+  ddy.upload(to_bf16(dy));
+  gpu::fp8_amax(dx.as<bf16_t>(), n * in, amax.as<float>(), nullptr);
+  gpu::fp8_amax(ddy.as<bf16_t>(), n * out, amax.as<float>() + kFp8ScaleSlotFloats, nullptr);
+  for (Dev* d : {&y_a, &y_b, &gx_a, &gx_b, &gw_a, &gw_b}) d->poison(0xFF);
+  given.begin_pass();
+  given.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_a.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w2",
+                false, amax.as<float>());
+  given.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_a.as<bf16_t>(), gw_a.as<float>(), in, out,
+                 false, false, nullptr, "layers.0.ffn.w2", false, amax.as<float>() + kFp8ScaleSlotFloats);
+  fresh.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_b.as<bf16_t>(), in, out, nullptr);
+  fresh.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_b.as<bf16_t>(), gw_b.as<float>(), in, out,
+                 false, false, nullptr);
+  EXPECT_EQ(y_a.download<uint16_t>(), y_b.download<uint16_t>()) << "y";
+  EXPECT_EQ(gx_a.download<uint16_t>(), gx_b.download<uint16_t>()) << "dx";
+  EXPECT_EQ(gw_a.download<uint32_t>(), gw_b.download<uint32_t>()) << "dw";
+  EXPECT_NO_THROW(given.produced_amax(c.layers - 1, Fp8Produced::dg));
+  expect_error([&] { given.produced_amax(c.layers, Fp8Produced::h1); }, "produced_amax");
 }
 
 TEST(Fp8Linear, RefusesShapesTheFp8GemmsCannotTake) {

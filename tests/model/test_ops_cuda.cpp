@@ -11,6 +11,7 @@
 #include "model/random_tokens.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -419,6 +420,50 @@ TYPED_TEST(OpsCuda, SwiGluForwardAndBackwardMatchCpu) {
     EXPECT_TRUE(close_to(download_floats(d_du), du_ref, storage_tol<T>())) << "du";
     EXPECT_TRUE(close_to(download_floats(d_dg), dg_ref, storage_tol<T>())) << "dg";
   }
+}
+
+// FP8 training's fused amax: RMSNorm's y and SwiGLU's s, du, dg carry the amax of the values they stored, bit
+// for bit the largest |value| of the downloaded tensor; the amax output is cleared first (it starts poisoned).
+float host_amax(const std::vector<float>& v) {
+  float best = 0.0f;
+  for (float x : v) best = std::max(best, std::fabs(x));
+  return best;
+}
+
+TYPED_TEST(OpsCuda, ProducersWriteTheAmaxOfWhatTheyStore) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  DeviceArray<float> amax(3);
+  const auto amax_bits = [&](int i) { return std::bit_cast<uint32_t>(amax.download()[size_t(i)]); };
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{100003}}) {
+    SCOPED_TRACE(dims({{"n", n}}));
+    const std::vector<float> u = random_values<T>(n, 3000 + n, 3.0f), g = random_values<T>(n, 3100 + n),
+                             ds = random_values<T>(n, 3200 + n);
+    DeviceArray<T> d_u = device_copy<T>(u), d_g = device_copy<T>(g), d_ds = device_copy<T>(ds), d_s(n), d_du(n),
+                   d_dg(n);
+    amax.poison();
+    gpu::swiglu_forward<T>(d_u.data(), d_g.data(), d_s.data(), n, nullptr, amax.data());
+    EXPECT_EQ(amax_bits(0), std::bit_cast<uint32_t>(host_amax(download_floats(d_s)))) << "s";
+    amax.poison();
+    gpu::swiglu_backward<T>(d_ds.data(), d_u.data(), d_g.data(), d_du.data(), d_dg.data(), n, nullptr,
+                            amax.data() + 1, amax.data() + 2);
+    EXPECT_EQ(amax_bits(1), std::bit_cast<uint32_t>(host_amax(download_floats(d_du)))) << "du";
+    EXPECT_EQ(amax_bits(2), std::bit_cast<uint32_t>(host_amax(download_floats(d_dg)))) << "dg";
+  }
+  for (int64_t n : kRows) {
+    for (int64_t d : kWidths) {
+      SCOPED_TRACE(dims({{"n", n}, {"d", d}}));
+      const std::vector<float> x = random_values<T>(n * d, 3300 + n + d, 1.5f);
+      const std::vector<float> gain = random_values(d, 3400 + d, 0.2f, 1.0f);
+      DeviceArray<T> dx = device_copy<T>(x), dy(n * d);
+      DeviceArray<float> dgain(gain), drstd(n);
+      amax.poison();
+      gpu::rmsnorm_forward<T>(dx.data(), dgain.data(), dy.data(), drstd.data(), n, d, 1e-5f, nullptr, amax.data());
+      EXPECT_EQ(amax_bits(0), std::bit_cast<uint32_t>(host_amax(download_floats(dy)))) << "y";
+    }
+  }
+  EXPECT_THROW(gpu::swiglu_backward<T>(nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr, amax.data(), nullptr),
+               Error);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -3,15 +3,13 @@
 
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
+#include "model/cuda/amax.cuh"
 #include "model/cuda/fp8.h"
 #include "model/fp8.h"
 
 namespace flashlm::gpu {
 
 namespace {
-
-// |x| as the bits of a non-negative float: ordered as the magnitudes, with NaN above infinity.
-__device__ __forceinline__ uint32_t magnitude_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
 // 16-byte loads where x is aligned (for_each_pack): scalar 2-byte loads left this reduction at about a
 // third of the memory bandwidth.
@@ -25,14 +23,7 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const D* __restrict_
 #pragma unroll
     for (int k = 0; k < N; ++k) best = max(best, magnitude_bits(f32(v[k])));
   });
-  for (int offset = 16; offset > 0; offset /= 2) best = max(best, __shfl_xor_sync(0xffffffffu, best, offset));
-  __shared__ uint32_t warp_best[kThreads / 32];
-  if (threadIdx.x % 32 == 0) warp_best[threadIdx.x / 32] = best;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) best = max(best, warp_best[w]);
-    atomicMax(amax_bits, best);
-  }
+  block_amax_to<kThreads>(amax_bits, best);
 }
 
 template <Fp8Format F>

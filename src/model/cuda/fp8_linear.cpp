@@ -70,8 +70,14 @@ void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
                 "Fp8Linear::{}: in = {}, out = {} outgrow the FP8 scratch of this model", fn, in, out);
 }
 
+float* Fp8Linear::produced_amax(int64_t layer, Fp8Produced t) const {
+  FLASHLM_CHECK(layer >= 0 && layer * 5 < layout_.cache_slots, "Fp8Linear::produced_amax: layer {} of {}", layer,
+                layout_.cache_slots / 5);
+  return reinterpret_cast<float*>(cache_at(layout_.cache_amax)) + layer * kFp8Produced + int64_t(t);
+}
+
 void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
-                        void* stream, std::string_view weight, bool same_input) {
+                        void* stream, std::string_view weight, bool same_input, const float* x_amax) {
   check_widths("forward", in, out);
   ScopedRange range("linear.forward");
   uint8_t* qx = region(layout_.act);
@@ -83,11 +89,18 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
   } else {
     // A named weight's input scales go to its input slot, for the backward's cast of xᵀ.
     act_slot_ = e ? e->slot : -1;
-    gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, e ? input_scales(e->slot) : scales(0), stream);
+    float* slot = e ? input_scales(e->slot) : scales(0);
+    if (x_amax) {  // reduced by x's producer: the cast alone
+      gpu::fp8_cast(x, n_, in, x_amax, Fp8Format::e4m3, qx, nullptr, slot + kFp8DequantIndex, stream);
+      act_amax_ = x_amax;
+    } else {
+      gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, slot, stream);
+      act_amax_ = slot + kFp8AmaxIndex;
+    }
     act_x_ = x;
     act_in_ = in;
   }
-  if (e && act_slot_ >= 0) e->input_slot = act_slot_, e->input_pass = pass_;
+  if (e && act_slot_ >= 0) e->input_slot = act_slot_, e->input_pass = pass_, e->input_amax = act_amax_;
   const float* dequant_x = act_slot_ >= 0 ? input_scales(act_slot_) + kFp8DequantIndex : dequant(0);
   const Fp8Operand qw = e ? Fp8Operand{cache_at(e->offset), Fp8Format::e4m3, cache_dequant(e->slot)}
                           : weight_operand(w, weight, in, out, /*transposed*/ false, stream);
@@ -97,7 +110,7 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
 
 void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
                          int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight,
-                         bool same_input) {
+                         bool same_input, const float* dy_amax) {
   check_widths("backward", in, out);
   FLASHLM_CHECK(dx || dw, "Fp8Linear::backward: dx and dw are both null: nothing to compute");
   FLASHLM_CHECK(!same_input || dw, "Fp8Linear::backward: same_input without dw: no cast of x to share");
@@ -105,7 +118,11 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   act_x_ = nullptr;  // the act region is dy's now
   // dy once, both ways: dy [n, out] for dx's product (K = out), dyᵀ [out, n] for dw's (K = n).
   uint8_t *qdy = region(layout_.act), *qdy_t = region(layout_.act_t);
-  gpu::fp8_quantize(dy, n_, out, gradients_, dx ? qdy : nullptr, dw ? qdy_t : nullptr, scales(0), stream);
+  if (dy_amax) {  // reduced by dy's producer: the cast alone
+    gpu::fp8_cast(dy, n_, out, dy_amax, gradients_, dx ? qdy : nullptr, dw ? qdy_t : nullptr, dequant(0), stream);
+  } else {
+    gpu::fp8_quantize(dy, n_, out, gradients_, dx ? qdy : nullptr, dw ? qdy_t : nullptr, scales(0), stream);
+  }
   const Fp8Operand grad{qdy, gradients_, dequant(0)}, grad_t{qdy_t, gradients_, dequant(0)};
   if (dx) {
     // dx [n, in] = dy [n, out] · (wᵀ [in, out])ᵀ: w's transposed copy is K-major.
@@ -122,9 +139,9 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
     } else {
       const auto it = weight.empty() ? cached_.end() : cached_.find(std::string(weight));
       if (it != cached_.end() && it->second.input_pass == pass_) {
-        // The forward of this pass reduced x already: its amax, the cast alone.
+        // The forward of this pass reduced x already (or x's producer did): its amax, the cast alone.
         float* slot = input_scales(it->second.input_slot);
-        gpu::fp8_cast(x, n_, in, slot + kFp8AmaxIndex, Fp8Format::e4m3, nullptr, qx_t, slot + kFp8DequantIndex,
+        gpu::fp8_cast(x, n_, in, it->second.input_amax, Fp8Format::e4m3, nullptr, qx_t, slot + kFp8DequantIndex,
                       stream);
         act_x_t_dequant_ = slot + kFp8DequantIndex;
       } else {

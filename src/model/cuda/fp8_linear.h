@@ -51,14 +51,20 @@ class Fp8Linear {
   // are cast once per pass and reused (see the top); empty: w is cast for this product alone.
   // same_input: x is the previous forward's x, unchanged since, and its FP8 copy is reused (an Error if
   // the previous product had another input or a backward came between).
+  // x_amax: x's amax, written by the kernel that produced x (produced_amax); null: reduced here.
   void forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
-               void* stream, std::string_view weight = {}, bool same_input = false);
+               void* stream, std::string_view weight = {}, bool same_input = false, const float* x_amax = nullptr);
   // dx[n, in] (= or += when accumulate_dx) dy[n, out] · w[out, in] (dx may be null: skipped); dw[out, in]
   // (+= or = when !accumulate_dw) dy[n, out]ᵀ · x[n, in] in fp32 (dw may be null: skipped). weight: as above.
   // same_input: x is the previous backward's x (both computing dw), and its transposed FP8 copy is reused.
+  // dy_amax: as x_amax, for dy.
   void backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in, int64_t out,
                 bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight = {},
-                bool same_input = false);
+                bool same_input = false, const float* dy_amax = nullptr);
+
+  // Where the kernel producing tensor t of block `layer` writes its amax (a device float that lives as long
+  // as this object), for forward's x_amax and backward's dy_amax.
+  float* produced_amax(int64_t layer, Fp8Produced t) const;
 
   Fp8Format gradients() const { return gradients_; }
 
@@ -76,6 +82,7 @@ class Fp8Linear {
     int64_t offset = 0, offset_t = 0, elements = 0;
     int slot = 0, input_slot = 0;
     uint64_t pass = 0, input_pass = 0;
+    const float* input_amax = nullptr;  // x's amax in pass input_pass (in input_slot, or a producer's)
   };
   // w (or wᵀ when transposed) as a GEMM operand: from the cache when named, else cast into the scratch.
   Fp8Operand weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
@@ -95,6 +102,7 @@ class Fp8Linear {
   // scratch's own slot 0), the backward's xᵀ in act_x_t (and its dequantisation scale); null: none.
   const bf16_t* act_x_ = nullptr;
   int act_slot_ = -1;
+  const float* act_amax_ = nullptr;
   int64_t act_in_ = 0;
   const bf16_t* act_x_t_ = nullptr;
   const float* act_x_t_dequant_ = nullptr;

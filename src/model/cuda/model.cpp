@@ -284,10 +284,15 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
   parameters_needed(p);  // the recomputation waits for (FSDP: gathers) the block's weights as the forward does
   with_precision(dt, [&](auto zero) {
     using T = decltype(zero);
-    gpu::rmsnorm_forward<T>(m.a<T>(L.x_in), m.gain(p + "ln1.weight"), m.a<T>(L.h1), m.f(L.rstd1), n, d, eps, m.stream);
+    // FP8: the RMSNorm and SwiGLU outputs' amax come from their kernels (null otherwise).
+    float* h1_amax = m.fp8_produced_amax(l, Fp8Produced::h1);
+    float* h2_amax = m.fp8_produced_amax(l, Fp8Produced::h2);
+    float* s_amax = m.fp8_produced_amax(l, Fp8Produced::s);
+    gpu::rmsnorm_forward<T>(m.a<T>(L.x_in), m.gain(p + "ln1.weight"), m.a<T>(L.h1), m.f(L.rstd1), n, d, eps, m.stream,
+                            h1_amax);
     // q, k, v = h1 · [wq; wk; wv]ᵀ: the three weights lie one after the other in every flat buffer.
     T* qkv = m.a<T>(L.q);
-    if (!m.fp8_forward<T>(m.a<T>(L.h1), p + "attn.q_proj.weight", nullptr, qkv, d, 3 * d)) {
+    if (!m.fp8_forward<T>(m.a<T>(L.h1), p + "attn.q_proj.weight", nullptr, qkv, d, 3 * d, false, h1_amax)) {
       linear_forward_cuda(m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), qkv, n, d, 3 * d, dt, m.stream);
     }
     // q and k rotated in one pass, as 2·heads heads per token.
@@ -307,19 +312,19 @@ void CudaModel::forward_block(int64_t l, BlockPass pass) {
                                    m.a<T>(L.x_mid), n, d, d, dt, m.stream);
     }
     gpu::rmsnorm_forward<T>(m.a<T>(L.x_mid), m.gain(p + "ln2.weight"), m.a<T>(L.h2), m.f(L.rstd2), n, d, eps,
-                            m.stream);
+                            m.stream, h2_amax);
     // u = h2 · w1ᵀ and g = h2 · w3ᵀ as one strided-batched GEMM (w2 lies between w1 and w3 in the layout).
-    if (!m.fp8_forward<T>(m.a<T>(L.h2), p + "ffn.w1.weight", nullptr, m.a<T>(L.u), d, f)) {
+    if (!m.fp8_forward<T>(m.a<T>(L.h2), p + "ffn.w1.weight", nullptr, m.a<T>(L.u), d, f, false, h2_amax)) {
       linear_forward_pair_cuda(m.a<T>(L.h2), m.weight(p + "ffn.w1.weight"), m.weight(p + "ffn.w3.weight"),
                                m.a<T>(L.u), m.a<T>(L.g), n, d, f, dt, m.stream);
     } else {
       m.fp8_forward<T>(m.a<T>(L.h2), p + "ffn.w3.weight", nullptr, m.a<T>(L.g), d, f, /*same_input*/ true);
     }
-    gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream);
+    gpu::swiglu_forward<T>(m.a<T>(L.u), m.a<T>(L.g), m.a<T>(L.s), n * f, m.stream, s_amax);
     if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
       // The residual stream leaves into the next block's input (or x_out).
       T* x_next = m.a<T>(l + 1 < c.layers ? m.A.blocks[size_t(l + 1)].x_in : m.A.x_out);
-      if (!m.fp8_forward<T>(m.a<T>(L.s), p + "ffn.w2.weight", m.a<T>(L.x_mid), x_next, f, d)) {
+      if (!m.fp8_forward<T>(m.a<T>(L.s), p + "ffn.w2.weight", m.a<T>(L.x_mid), x_next, f, d, false, s_amax)) {
         linear_forward_residual_cuda(m.a<T>(L.s), m.weight(p + "ffn.w2.weight"), m.a<T>(L.x_mid), x_next, n, f, d, dt,
                                      m.stream);
       }
@@ -447,9 +452,9 @@ void CudaModel::backward() {
     T *dx = s0, *dh = s0 + nd, *dqkv = s0 + 2 * nd, *dattn = s0 + 5 * nd;
     T *du = s0 + 6 * nd, *dg = du + nf, *ds = dg + nf;
     auto linear_backward = [&](const T* dy, const T* x, const std::string& w, T* dxo, int64_t in, int64_t out,
-                               bool accumulate, bool same_input = false) {
+                               bool accumulate, bool same_input = false, const float* dy_amax = nullptr) {
       add_to_gradient(w, true, [&](float* dw, bool accumulate_dw) {
-        if (m.fp8_backward<T>(dy, x, w, dxo, dw, in, out, accumulate, accumulate_dw, same_input)) return;
+        if (m.fp8_backward<T>(dy, x, w, dxo, dw, in, out, accumulate, accumulate_dw, same_input, dy_amax)) return;
         linear_backward_cuda(dy, x, m.weight(w), dxo, dw, n, in, out, dt, accumulate, m.stream, false, accumulate_dw);
       });
     };
@@ -491,11 +496,13 @@ void CudaModel::backward() {
       parameters_needed(p);
       gradients_needed(p);
       linear_backward(dx, m.a<T>(L.s), p + "ffn.w2.weight", ds, f, d, false);
-      gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream);
+      float* du_amax = m.fp8_produced_amax(l, Fp8Produced::du);
+      float* dg_amax = m.fp8_produced_amax(l, Fp8Produced::dg);
+      gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream, du_amax, dg_amax);
       const std::string w1 = p + "ffn.w1.weight", w3 = p + "ffn.w3.weight";
       if (m.pure || m.fp8) {  // bf16-pure stages one contiguous range of gradients at a time; fp8: no pair GEMMs
-        linear_backward(du, m.a<T>(L.h2), w1, dh, d, f, false);
-        linear_backward(dg, m.a<T>(L.h2), w3, dh, d, f, true, /*same_input*/ true);
+        linear_backward(du, m.a<T>(L.h2), w1, dh, d, f, false, false, du_amax);
+        linear_backward(dg, m.a<T>(L.h2), w3, dh, d, f, true, /*same_input*/ true, dg_amax);
       } else {
         // dh = du · w1 + dg · w3, then both weight gradients as one strided-batched GEMM over the fp32
         // gradients (w2's, between them, is final already and left alone), written over them after a

@@ -185,11 +185,12 @@ struct CudaModel::Impl {
   // its linear layers in its precision's own GEMMs (the caller then calls those, unchanged).
   template <class T>
   // same_input: x is the previous FP8 product's input (Fp8Linear::forward, ::backward).
+  // x_amax: x's amax from its producer (fp8_produced_amax), or null.
   bool fp8_forward(const T* x, const std::string& w, const T* residual, T* y, int64_t in, int64_t out,
-                   bool same_input = false) const {
+                   bool same_input = false, const float* x_amax = nullptr) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (fp8) {
-        fp8->forward(x, static_cast<const bf16_t*>(weight(w)), residual, y, in, out, stream, w, same_input);
+        fp8->forward(x, static_cast<const bf16_t*>(weight(w)), residual, y, in, out, stream, w, same_input, x_amax);
         return true;
       }
     }
@@ -197,16 +198,21 @@ struct CudaModel::Impl {
   }
   template <class T>
   bool fp8_backward(const T* dy, const T* x, const std::string& w, T* dx, float* dw, int64_t in, int64_t out,
-                    bool accumulate_dx, bool accumulate_dw, bool same_input = false) const {
+                    bool accumulate_dx, bool accumulate_dw, bool same_input = false,
+                    const float* dy_amax = nullptr) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (fp8) {
         fp8->backward(dy, x, static_cast<const bf16_t*>(weight(w)), dx, dw, in, out, accumulate_dx, accumulate_dw,
-                      stream, w, same_input);
+                      stream, w, same_input, dy_amax);
         return true;
       }
     }
     return false;
   }
+
+  // --precision fp8: where the kernel producing tensor t of block l writes its amax; null otherwise (the
+  // producers then reduce nothing).
+  float* fp8_produced_amax(int64_t l, Fp8Produced t) const { return fp8 ? fp8->produced_amax(l, t) : nullptr; }
 
   // Calls fn(offset, count) over [0, total) in pieces that fit the staging buffer.
   template <class Fn>

@@ -30,9 +30,10 @@ namespace flashlm::gpu {
 
 // y = x / rms(x) · gain with rms = sqrt(mean(x²) + eps); rstd[n] (fp32) keeps 1/rms for the backward.
 // x, y: [n, d]; gain: [d].
+// y_amax (a device float; null: none): the amax of y as stored, as swiglu_forward's s_amax.
 template <class T>
 void rmsnorm_forward(const T* x, const float* gain, T* y, float* rstd, int64_t n, int64_t d, float eps,
-                     void* stream);
+                     void* stream, float* y_amax = nullptr);
 // dx += ∂L/∂x (in T), dgain += ∂L/∂gain (fp32). [scratch: min(ceil(n / 64), 1024) · d floats]
 template <class T>
 void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* rstd, T* dx, float* dgain, int64_t n,
@@ -51,11 +52,14 @@ template <class T>
 void rope_backward(T* dx, const float* cos, const float* sin, int64_t batch, int64_t seq, int64_t heads,
                    int64_t head_dim, void* stream, int64_t token_stride = 0);
 
-// s = silu(u) ⊙ g over n values; backward writes (does not accumulate) du and dg.
+// s = silu(u) ⊙ g over n values; backward writes (does not accumulate) du and dg. The *_amax outputs (device
+// floats; null: none, du_amax and dg_amax together) receive the amax of s, du, dg as stored, bit for bit what
+// fp8_amax computes over them: FP8 training's casts then skip their own reduction (model/cuda/amax.cuh).
 template <class T>
-void swiglu_forward(const T* u, const T* g, T* s, int64_t n, void* stream);
+void swiglu_forward(const T* u, const T* g, T* s, int64_t n, void* stream, float* s_amax = nullptr);
 template <class T>
-void swiglu_backward(const T* ds, const T* u, const T* g, T* du, T* dg, int64_t n, void* stream);
+void swiglu_backward(const T* ds, const T* u, const T* g, T* du, T* dg, int64_t n, void* stream,
+                     float* du_amax = nullptr, float* dg_amax = nullptr);
 
 // row_loss[r] = logsumexp(logits[r]) - logits[r, targets[r]] in fp32 for each of n rows of `vocab`
 // logits; the caller averages. A target outside [0, vocab) gives row_loss = NaN.

@@ -6,6 +6,7 @@
 // as dx, then 8 interleaved chunk sums per column added in a fixed order.
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
+#include "model/cuda/amax.cuh"
 #include "flashlm/memory.h"
 #include "model/cuda/ops.h"
 
@@ -58,10 +59,11 @@ __device__ __forceinline__ void stage_span(const D* const (&rows)[A], int begin,
   __syncwarp();
 }
 
-template <bool PACKED, class D>
+// AMAX: also y's amax for FP8 training, one atomic per warp (model/cuda/amax.cuh).
+template <bool PACKED, bool AMAX, class D>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_forward_kernel(const D* __restrict__ x, const float* __restrict__ gain, D* __restrict__ y,
-                           float* __restrict__ rstd, int64_t n, int d, float eps) {
+                           float* __restrict__ rstd, int64_t n, int d, float eps, uint32_t* __restrict__ y_amax) {
   const int64_t row = int64_t{blockIdx.x} * kNormRows + threadIdx.x / 32;
   if (row >= n) return;  // the whole warp leaves together
   const int lane = threadIdx.x % 32;
@@ -89,6 +91,7 @@ __global__ void __launch_bounds__(kNormThreads)
   if (lane == 0) rstd[row] = s;
   D* yr = y + row * d;
   constexpr int W = PACKED ? kPack : 1;
+  uint32_t best = 0;
   for (int j = W * lane; j < d; j += 32 * W) {
     const Vec<D, W> xv = load<W>(xr + j);
     const Vec<float, W> gv = load<W>(gain + j);
@@ -96,6 +99,14 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
     for (int k = 0; k < W; ++k) yv[k] = from_f32<D>(f32(xv[k]) * s * gv[k]);
     store(yr + j, yv);
+    if constexpr (AMAX) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) best = max(best, magnitude_bits(f32(yv[k])));
+    }
+  }
+  if constexpr (AMAX) {
+    best = warp_max_bits(best);
+    if (lane == 0) atomicMax(y_amax, best);
   }
 }
 
@@ -224,14 +235,27 @@ int64_t checked_norm_blocks(const char* fn, int64_t n, int64_t d) {
 }  // namespace
 
 template <class T>
-void rmsnorm_forward(const T* x, const float* gain, T* y, float* rstd, int64_t n, int64_t d, float eps, void* stream) {
+void rmsnorm_forward(const T* x, const float* gain, T* y, float* rstd, int64_t n, int64_t d, float eps, void* stream,
+                     float* y_amax) {
   const int64_t blocks = checked_norm_blocks("rmsnorm_forward", n, d);
-  if (n == 0) return;
   const cudaStream_t s = as_stream(stream);
+  if (y_amax) clear_amax(y_amax, s);
+  if (n == 0) return;
+  auto* amax_bits = reinterpret_cast<uint32_t*>(y_amax);
+  const auto launch = [&](auto packed) {
+    constexpr bool P = decltype(packed)::value;
+    if (y_amax) {
+      rmsnorm_forward_kernel<P, true>
+          <<<unsigned(blocks), kNormThreads, 0, s>>>(dev(x), gain, dev(y), rstd, n, int(d), eps, amax_bits);
+    } else {
+      rmsnorm_forward_kernel<P, false>
+          <<<unsigned(blocks), kNormThreads, 0, s>>>(dev(x), gain, dev(y), rstd, n, int(d), eps, nullptr);
+    }
+  };
   if (d % kPack == 0 && aligned16(x) && aligned16(gain) && aligned16(y)) {
-    rmsnorm_forward_kernel<true><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(x), gain, dev(y), rstd, n, int(d), eps);
+    launch(std::true_type{});
   } else {
-    rmsnorm_forward_kernel<false><<<unsigned(blocks), kNormThreads, 0, s>>>(dev(x), gain, dev(y), rstd, n, int(d), eps);
+    launch(std::false_type{});
   }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "rmsnorm_forward_kernel");
 }
@@ -268,7 +292,7 @@ void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* r
 }
 
 #define FLASHLM_RMSNORM_INSTANTIATE(T) \
-  template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float, void*);          \
+  template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float, void*, float*);  \
   template void rmsnorm_backward<T>(const T*, const T*, const float*, const float*, T*, float*, int64_t, int64_t, \
                                     void*);
 
