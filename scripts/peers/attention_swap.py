@@ -73,6 +73,10 @@ def main():
     ap.add_argument("--out", default="-")
     a = ap.parse_args()
     device = pick_device("cuda")
+    # The compiled-graph caches key on the traced graph, which is the same for every SDPA backend: a cached
+    # artifact would run the first backend's kernels for the others (seen: sdpa-cudnn ran FlashAttention-2).
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     records = []
     for shape in a.shapes.split(","):
         context, batch = (int(x) for x in shape.split("x"))
@@ -101,6 +105,12 @@ def main():
             records.append(rec)
             print(f"{a.model} ctx {context} x {batch} {name:10s} step median {rec['median_ms']:.2f} ms", file=sys.stderr)
             if a.profile:
+                # Which attention kernels ran, so that a backend that fell back to another is not reported as itself.
+                names = " ".join(k["name"] for k in rec["kernels"]).lower()
+                want = {"sdpa-flash": "pytorch_flash", "sdpa-cudnn": "cudnn", "flashlm": "flashlm"}[name]
+                rec["backend_seen"] = want in names
+                if not rec["backend_seen"]:
+                    print(f"  warning: no '{want}' kernel among the top {a.rows}: {name} may not have run", file=sys.stderr)
                 print(f"  CUDA time by kernel, per step (total {rec['kernels_total_ms']:.2f} ms):", file=sys.stderr)
                 for k in rec["kernels"]:
                     print(f"  {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['name']}", file=sys.stderr)

@@ -19,10 +19,9 @@ constexpr std::array kFp8{DType::f8e4m3};
 // One row per family: family, dtypes, forward and backward head dims, pads_head_dim, any_head_dim,
 // sliding_window, softcap, alibi, learnable_sink, head_dim_v. The window and soft-capping run in the 16-bit flash
 // kernels (mma.sync and Hopper, their masked instantiations); ALiBi and sinks in mma.sync's masked kernels
-// (cuda/flash_fwd.cu, flash_bwd.cu) and in the Hopper kernels' ALiBi / sink instantiations, pending their first
-// GPU run: the Hopper row lacks them, so flash_kernel_family keeps those problems on mma.sync, unless
-// FLASHLM_HOPPER_ALIBI_SINK=1 (hopper_alibi_sink_route) swaps in kHopperWithAlibiSink below; head_dim_v in no
-// CUDA kernel yet (the CPU paths have them all).
+// (cuda/flash_fwd.cu, flash_bwd.cu) and in the Hopper kernels' ALiBi / sink instantiations: the Hopper row
+// below lacks them, and hopper_alibi_sink_route() (on unless FLASHLM_HOPPER_ALIBI_SINK=0) swaps in
+// kHopperWithAlibiSink, which has them; head_dim_v in no CUDA kernel yet (the CPU paths have them all).
 const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false, true,
      true, true, true, false},
@@ -77,7 +76,7 @@ bool hopper_alibi_sink_route() {
     FLASHLM_CHECK(value.empty() || value == "0" || value == "1",
                   "FLASHLM_HOPPER_ALIBI_SINK: unknown value '{}': expected 0 or 1", value);
     int unread = -1;
-    hopper_alibi_sink_state.compare_exchange_strong(unread, value == "1" ? 1 : 0);
+    hopper_alibi_sink_state.compare_exchange_strong(unread, value == "0" ? 0 : 1);
     state = hopper_alibi_sink_state.load(std::memory_order_relaxed);
   }
   return state == 1;

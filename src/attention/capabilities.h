@@ -72,14 +72,15 @@ struct CudaKernelCapability {
   bool head_dim_v;      // v's head dim differing from q's and k's
 };
 
-// The row of `family` in the table. The Hopper row claims ALiBi and sinks only where
-// hopper_alibi_sink_route() holds.
+// The row of `family` in the table. The Hopper row claims ALiBi and sinks where hopper_alibi_sink_route()
+// holds (by default).
 const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family);
 
-// Whether the Hopper kernels take ALiBi and attention sinks: their ALiBi / sink instantiations
-// (cuda/hopper/flash_fwd_sm90.cu, flash_bwd_sm90.cu) are compiled but pending their first GPU run, so by
-// default those problems stay on mma.sync; FLASHLM_HOPPER_ALIBI_SINK=1 turns the route on ("0" or unset: off;
-// anything else is an error naming the variable). Read once, at the first call. set_hopper_alibi_sink_route
+// Whether the Hopper kernels take ALiBi and attention sinks (their ALiBi / sink instantiations,
+// cuda/hopper/flash_fwd_sm90.cu and flash_bwd_sm90.cu): yes unless FLASHLM_HOPPER_ALIBI_SINK=0, which keeps
+// those problems on mma.sync ("1" or unset: on; anything else is an error naming the variable). On an H100 the
+// Hopper forward with ALiBi and a sink ran 1.3–2.3× mma.sync's and forward + backward 1.2× at d128, 0.95× at
+// d64 (docs/perf.md, "Attention variants"). Read once, at the first call. set_hopper_alibi_sink_route
 // overrides it for the rest of the process (the tests run the route both ways in one binary).
 bool hopper_alibi_sink_route();
 void set_hopper_alibi_sink_route(bool on);

@@ -297,8 +297,8 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
   }
 }
 
-// The rows: mma.sync claims ALiBi and sinks; with the Hopper route off (hopper_alibi_sink_route, the
-// default), Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family keeps an ALiBi or sink problem on
+// The rows: mma.sync claims ALiBi and sinks; with the Hopper route off (hopper_alibi_sink_route,
+// FLASHLM_HOPPER_ALIBI_SINK=0), Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family keeps an ALiBi or sink problem on
 // mma.sync, never Hopper); no family claims head_dim_v. The Hopper row claims no variant the mma.sync row
 // lacks (plan_cuda_attention checks the mma.sync row for both).
 TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {

@@ -472,7 +472,7 @@ TEST(CudaAlibiSink, PlannedOnMmaSyncNeverHopperAndHeadDimVStillRefusedByName) {
 #ifndef FLASHLM_WITH_CUDA
   GTEST_SKIP() << "built without the CUDA backends' declarations";
 #else
-  const HopperAlibiSinkRoute route(false);  // the default
+  const HopperAlibiSinkRoute route(false);  // FLASHLM_HOPPER_ALIBI_SINK=0
   Tensor q = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda), o = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
   Tensor lse = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda), per_head = Tensor::empty({2}, DType::f32, Device::cuda);
   Tensor dq = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda), dk = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);

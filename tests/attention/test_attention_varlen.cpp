@@ -551,7 +551,7 @@ class VarlenCudaAlibiSinkVsReference : public ::testing::TestWithParam<VarlenCas
 TEST_P(VarlenCudaAlibiSinkVsReference, MmaSyncMatchesPerSequenceReference) {
   SKIP_WITHOUT_GPU();
   const VarlenCase c = GetParam();
-  const HopperAlibiSinkRoute route(false);  // the default: "auto" lands on mma.sync
+  const HopperAlibiSinkRoute route(false);  // FLASHLM_HOPPER_ALIBI_SINK=0: "auto" lands on mma.sync
   Pack ours(c, c.dtype, 2900 + c.len_q.size(), c.padded_rows);
   Pack lowp(ours, c, c.dtype);
   Pack ref(ours, c, DType::f64);
