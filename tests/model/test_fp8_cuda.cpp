@@ -383,11 +383,21 @@ TEST(Fp8Gemm, BadArgumentsAreErrors) {
 // inputs (the same quantised operands, so the same fp64 reference), forward with and without the residual,
 // dx = and +=, dw = and += (fp32), both gradient formats.
 
-TEST(Fp8Linear, MatchesTheEmulatedLayer) {
-  SKIP_WITHOUT_GPU();
+namespace {
+
+// The layer tests' model: d_model 64, d_ff 160 (the Fp8Linear widths they use: 64 in, 160 out).
+ModelConfig layer_test_config() {
   ModelConfig c = ModelConfig::named("tiny", 64, 128);
   c.d_model = 64;
   c.d_ff = 160;
+  return c;
+}
+
+}  // namespace
+
+TEST(Fp8Linear, MatchesTheEmulatedLayer) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = layer_test_config();
   const int64_t n = 96;
   const std::pair<int64_t, int64_t> layers[] = {{64, 192}, {64, 64}, {64, 160}, {160, 64}};  // qkv, proj, w1, w2
   uint64_t seed = 40;
@@ -483,9 +493,7 @@ TEST(Fp8Linear, MatchesTheEmulatedLayer) {
 // backward's dx): the same bits as casting each time; a new pass casts the weight as it is then.
 TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
   SKIP_WITHOUT_GPU();
-  ModelConfig c = ModelConfig::named("tiny", 64, 128);
-  c.d_model = 64;
-  c.d_ff = 160;
+  const ModelConfig c = layer_test_config();
   const int64_t n = 96, in = 64, out = 160;
   Fp8Linear cached(c, n, Fp8Format::e5m2), fresh(c, n, Fp8Format::e5m2);
   const std::vector<float> x = random_bf16_values(n * in, 71), w1 = random_bf16_values(out * in, 72),
@@ -529,9 +537,7 @@ TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
 // and of xᵀ (backward), with the bits of casting it afresh; a stale or different input is refused.
 TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
   SKIP_WITHOUT_GPU();
-  ModelConfig c = ModelConfig::named("tiny", 64, 128);
-  c.d_model = 64;
-  c.d_ff = 160;
+  const ModelConfig c = layer_test_config();
   const int64_t n = 96, in = 64, out = 160;
   Fp8Linear shared(c, n, Fp8Format::e4m3), fresh(c, n, Fp8Format::e4m3);
   const std::vector<float> x = random_bf16_values(n * in, 81), x2 = random_bf16_values(n * in, 82),
@@ -580,9 +586,7 @@ TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
 // the same bits forward and backward (the backward's xᵀ cast reads the producer's amax too).
 TEST(Fp8Linear, ProducerAmaxGivesTheBitsOfReducingHere) {
   SKIP_WITHOUT_GPU();
-  ModelConfig c = ModelConfig::named("tiny", 64, 128);
-  c.d_model = 64;
-  c.d_ff = 160;
+  const ModelConfig c = layer_test_config();
   const int64_t n = 96, in = 64, out = 160;
   Fp8Linear given(c, n, Fp8Format::e5m2), fresh(c, n, Fp8Format::e5m2);
   const std::vector<float> x = random_bf16_values(n * in, 91), w = random_bf16_values(out * in, 92),
