@@ -53,8 +53,9 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
 // offsets into one buffer: `act` (x in the forward, dy in the backward) and `act_t` (dyᵀ), `act_x_t` (xᵀ),
 // each [tokens, widest feature count] bytes; `weight` (w or wᵀ), the largest linear weight; `scales`, the
 // device fp32 amax and dequantisation scale of three operands. Each region starts 256-byte aligned.
-// A second buffer, the weight cache (Fp8Linear's, cache_bytes): the block weights' FP8 copies, both ways, then
-// cache_slots scale slots from byte cache_scales.
+// A second buffer, the weight cache (Fp8Linear's, cache_bytes): the block weights' FP8 copies, both ways; from
+// byte cache_scales two scale slots per weight (cache_slots weights: their own, then their forward inputs'); from
+// byte cache_amax the producers' amax outputs (kFp8Produced floats per layer).
 // The FP8 buffers' region rule: each region (and each cached weight copy) starts 256-byte aligned.
 inline int64_t fp8_region_bytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 struct Fp8ScratchLayout {

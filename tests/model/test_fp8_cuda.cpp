@@ -580,6 +580,11 @@ TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
   expect_error([&] { shared.backward(ddyb.as<bf16_t>(), dx2.as<bf16_t>(), dwb.as<bf16_t>(), gxb.as<bf16_t>(),
                                      gwb.as<float>(), in, out, false, false, nullptr, "layers.0.ffn.w3", true); },
                "holds no cast of this xᵀ");
+  // A new pass forgets both casts.
+  shared.forward(dx.as<bf16_t>(), dwa.as<bf16_t>(), nullptr, ya.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w1");
+  shared.begin_pass();
+  expect_error([&] { shared.forward(dx.as<bf16_t>(), dwb.as<bf16_t>(), nullptr, yb.as<bf16_t>(), in, out, nullptr,
+                                    "layers.0.ffn.w3", true); }, "holds no cast of this x");
 }
 
 // An amax handed in by the tensor's producer (x_amax, dy_amax) stands for the reduction the layer would do:
@@ -611,6 +616,19 @@ TEST(Fp8Linear, ProducerAmaxGivesTheBitsOfReducingHere) {
   EXPECT_EQ(y_a.download<uint16_t>(), y_b.download<uint16_t>()) << "y";
   EXPECT_EQ(gx_a.download<uint16_t>(), gx_b.download<uint16_t>()) << "dx";
   EXPECT_EQ(gw_a.download<uint32_t>(), gw_b.download<uint32_t>()) << "dw";
+  // The amaxes handed in are the ones read: three times the true ones (not a power of two, which would only
+  // shift the codes' exponents) round the values to other FP8 codes.
+  std::vector<float> tripled = amax.download<float>();
+  tripled[0] *= 3.0f;
+  tripled[kFp8ScaleSlotFloats] *= 3.0f;
+  amax.upload(tripled);
+  given.begin_pass();
+  given.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_a.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w2",
+                false, amax.as<float>());
+  given.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_a.as<bf16_t>(), gw_a.as<float>(), in, out,
+                 false, false, nullptr, "layers.0.ffn.w2", false, amax.as<float>() + kFp8ScaleSlotFloats);
+  EXPECT_NE(y_a.download<uint16_t>(), y_b.download<uint16_t>()) << "y with three times x's amax";
+  EXPECT_NE(gx_a.download<uint16_t>(), gx_b.download<uint16_t>()) << "dx with three times dy's amax";
   EXPECT_NO_THROW(given.produced_amax(c.layers - 1, Fp8Produced::dg));
   expect_error([&] { given.produced_amax(c.layers, Fp8Produced::h1); }, "produced_amax");
 }

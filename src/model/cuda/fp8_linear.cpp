@@ -10,7 +10,7 @@
 namespace flashlm {
 
 Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients)
-    : n_(tokens), gradients_(gradients), layout_(fp8_scratch_layout(c, tokens)) {
+    : n_(tokens), layers_(c.layers), gradients_(gradients), layout_(fp8_scratch_layout(c, tokens)) {
   FLASHLM_CHECK(c.d_model % 16 == 0 && c.d_ff % 16 == 0,
                 "precision fp8: d_model ({}) and d_ff ({}) must be multiples of 16 (cuBLASLt's FP8 GEMMs)", c.d_model,
                 c.d_ff);
@@ -71,22 +71,21 @@ void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
 }
 
 float* Fp8Linear::produced_amax(int64_t layer, Fp8Produced t) const {
-  FLASHLM_CHECK(layer >= 0 && layer * 5 < layout_.cache_slots, "Fp8Linear::produced_amax: layer {} of {}", layer,
-                layout_.cache_slots / 5);
+  FLASHLM_CHECK(layer >= 0 && layer < layers_, "Fp8Linear::produced_amax: layer {} of {}", layer, layers_);
   return reinterpret_cast<float*>(cache_at(layout_.cache_amax)) + layer * kFp8Produced + int64_t(t);
 }
 
 void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
                         void* stream, std::string_view weight, bool same_input, const float* x_amax) {
   check_widths("forward", in, out);
+  // Checked before any work is queued: a refused call writes nothing.
+  FLASHLM_CHECK(!same_input || (act_x_ == x && act_in_ == in),
+                "Fp8Linear::forward: same_input, but the FP8 scratch holds no cast of this x (the previous product "
+                "had another input, or a backward came between)");
   ScopedRange range("linear.forward");
   uint8_t* qx = region(layout_.act);
   CachedWeight* e = weight.empty() ? nullptr : &cached(weight, w, in, out, stream);
-  if (same_input) {
-    FLASHLM_CHECK(act_x_ == x && act_in_ == in,
-                  "Fp8Linear::forward: same_input, but the FP8 scratch holds no cast of this x (the previous "
-                  "product had another input, or a backward came between)");
-  } else {
+  if (!same_input) {
     // A named weight's input scales go to its input slot, for the backward's cast of xᵀ.
     act_slot_ = e ? e->slot : -1;
     float* slot = e ? input_scales(e->slot) : scales(0);
@@ -100,7 +99,10 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
     act_x_ = x;
     act_in_ = in;
   }
-  if (e && act_slot_ >= 0) e->input_slot = act_slot_, e->input_pass = pass_, e->input_amax = act_amax_;
+  if (e && act_slot_ >= 0) {
+    e->input_slot = act_slot_, e->input_pass = pass_, e->input_amax = act_amax_;
+    e->input_x = x, e->input_in = in;
+  }
   const float* dequant_x = act_slot_ >= 0 ? input_scales(act_slot_) + kFp8DequantIndex : dequant(0);
   const Fp8Operand qw = e ? Fp8Operand{cache_at(e->offset), Fp8Format::e4m3, cache_dequant(e->slot)}
                           : weight_operand(w, weight, in, out, /*transposed*/ false, stream);
@@ -114,6 +116,9 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   check_widths("backward", in, out);
   FLASHLM_CHECK(dx || dw, "Fp8Linear::backward: dx and dw are both null: nothing to compute");
   FLASHLM_CHECK(!same_input || dw, "Fp8Linear::backward: same_input without dw: no cast of x to share");
+  FLASHLM_CHECK(!same_input || (act_x_t_ == x && act_x_t_in_ == in),
+                "Fp8Linear::backward: same_input, but the FP8 scratch holds no cast of this xᵀ (the previous backward "
+                "had another input)");
   ScopedRange range("linear.backward");
   act_x_ = nullptr;  // the act region is dy's now
   // dy once, both ways: dy [n, out] for dx's product (K = out), dyᵀ [out, n] for dw's (K = n).
@@ -132,14 +137,11 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   if (dw) {
     // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, into the fp32 gradient.
     uint8_t* qx_t = region(layout_.act_x_t);
-    if (same_input) {
-      FLASHLM_CHECK(act_x_t_ == x && act_x_t_in_ == in,
-                    "Fp8Linear::backward: same_input, but the FP8 scratch holds no cast of this xᵀ (the previous "
-                    "backward had another input)");
-    } else {
+    if (!same_input) {
       const auto it = weight.empty() ? cached_.end() : cached_.find(std::string(weight));
-      if (it != cached_.end() && it->second.input_pass == pass_) {
-        // The forward of this pass reduced x already (or x's producer did): its amax, the cast alone.
+      if (it != cached_.end() && it->second.input_pass == pass_ && it->second.input_x == x &&
+          it->second.input_in == in) {
+        // The forward of this pass reduced this x already (or x's producer did): its amax, the cast alone.
         float* slot = input_scales(it->second.input_slot);
         gpu::fp8_cast(x, n_, in, it->second.input_amax, Fp8Format::e4m3, nullptr, qx_t, slot + kFp8DequantIndex,
                       stream);

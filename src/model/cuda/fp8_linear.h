@@ -57,6 +57,7 @@ class Fp8Linear {
   // dx[n, in] (= or += when accumulate_dx) dy[n, out] · w[out, in] (dx may be null: skipped); dw[out, in]
   // (+= or = when !accumulate_dw) dy[n, out]ᵀ · x[n, in] in fp32 (dw may be null: skipped). weight: as above.
   // same_input: x is the previous backward's x (both computing dw), and its transposed FP8 copy is reused.
+  // For a named weight whose forward this pass saw this same x, xᵀ is cast with that forward's amax.
   // dy_amax: as x_amax, for dy.
   void backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in, int64_t out,
                 bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight = {},
@@ -83,6 +84,8 @@ class Fp8Linear {
     int slot = 0, input_slot = 0;
     uint64_t pass = 0, input_pass = 0;
     const float* input_amax = nullptr;  // x's amax in pass input_pass (in input_slot, or a producer's)
+    const bf16_t* input_x = nullptr;    // that x: the backward reuses its amax for this x only
+    int64_t input_in = 0;
   };
   // w (or wᵀ when transposed) as a GEMM operand: from the cache when named, else cast into the scratch.
   Fp8Operand weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
@@ -109,6 +112,7 @@ class Fp8Linear {
   int64_t act_x_t_in_ = 0;
 
   int64_t n_;
+  int64_t layers_;
   Fp8Format gradients_;
   Fp8ScratchLayout layout_;
   Buffer buffer_;
