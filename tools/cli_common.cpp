@@ -113,8 +113,10 @@ void resolve_device_and_precision(const std::string& device, const std::string& 
   if (bf16_pure) *bf16_pure = pure;
   if (fp8) *fp8 = eight;
   require_usable_device(dev);
-  if (dev == Device::cpu && (dtype != DType::f32 || pure || eight)) {
-    throw InvalidArgument(fmt::format("--precision {}: the CPU engine runs fp32", precision_name(dtype, pure, eight)));
+  if (dev == Device::cpu && eight) dtype = DType::f32;  // fp8 on the CPU: emulated over fp32 (ModelOptions::fp8)
+  if (dev == Device::cpu && (dtype != DType::f32 || pure)) {
+    throw InvalidArgument(fmt::format("--precision {}: the CPU engine runs fp32 (and fp8, emulated)",
+                                      precision_name(dtype, pure, eight)));
   }
 }
 

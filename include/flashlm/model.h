@@ -117,17 +117,20 @@ struct ModelOptions {
   // runs eagerly, saying why (CudaModel::cuda_graph_status), where a step cannot be captured: fp16's loss
   // scaling, data-parallel hooks, profiled ranges, or a capture that failed. false: always eager.
   bool cuda_graph = true;
-  // CUDA, bf16 mixed precision only (--precision fp8): every linear layer of the blocks (q/k/v, output
+  // --precision fp8. On CUDA, over bf16 mixed precision: every linear layer of the blocks (q/k/v, output
   // projection, w1/w2/w3; not the LM head, nor attention) computes its forward GEMM and both backward GEMMs
   // in FP8 through cuBLASLt, each operand scaled tensorwise by fp8_max / amax of the tensor now (torchao's
   // "tensorwise" recipe; src/model/fp8.h): weights and activations in e4m3, the output gradients in
   // fp8_gradients' format. The scales are computed on the device each step, so the step stays one CUDA
   // graph and keeps no FP8 state between steps (a checkpoint is a bf16 run's). Needs d_model, d_ff and
-  // batch · seq to be multiples of 16.
+  // batch · seq to be multiples of 16. On the CPU, emulated over fp32: the same operands rounded through FP8
+  // with the same scales (fp8_round_trip_cpu) before the fp32 GEMMs, so that the recipe's numerics can be
+  // tried and tested without a GPU (slower than fp32, not faster).
   bool fp8 = false;
   Fp8Format fp8_gradients = Fp8Format::e5m2;
-  // fp8 needs precision bf16 without bf16_pure: an Error otherwise (the models and the memory plan check it).
-  void check_fp8(DType precision) const;
+  // fp8 needs precision bf16 without bf16_pure on CUDA, fp32 on the CPU: an Error otherwise (the models and
+  // the memory plan check it).
+  void check_fp8(DType precision, Device device = Device::cuda) const;
   // optimizer_state other than fp32 needs fp32 masters: with bf16_pure it is an Error (the models and the
   // memory plan check it).
   void check_optimizer_state() const;

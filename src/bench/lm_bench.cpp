@@ -225,7 +225,8 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             for (LmBenchRecord* r : rows) r->status = status, r->message = message;
           };
           if (cfg.device == Device::cpu && (precision != DType::f32 || bf16_pure || fp8)) {
-            mark("unsupported", "the CPU engine runs fp32; bf16, fp16, bf16-pure and fp8 are CUDA precisions");
+            mark("unsupported", "the CPU engine runs fp32; bf16, fp16, bf16-pure and fp8 are CUDA precisions (fp8 "
+                                "on the CPU is an emulation for train, slower than fp32: not benchmarked)");
           } else {
             run_row([&] { measure(cfg, mc, precision, bf16_pure, fp8, impl, rows); }, mark);
           }

@@ -66,6 +66,11 @@ struct Fp8ScratchLayout {
 };
 Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens);
 
+// --precision fp8 on the CPU (emulated): the fp32 elements of the rounded copies — one block's linear weights
+// (q, k, v, output projection, w1, w3, w2 in that order) and one layer's operands: an input [tokens,
+// max(d_model, d_ff)], an output gradient [tokens, d_model].
+int64_t fp8_emulation_elements(const ModelConfig& c, int64_t tokens);
+
 // bf16-pure on CUDA: the fp32 elements of the staging buffer a backward accumulates one gradient in — the
 // largest parameter, or the q, k and v weights together (3 · d_model², one GEMM's weight gradient) if larger.
 int64_t gradient_staging_elements(const ModelConfig& c);

@@ -225,8 +225,9 @@ std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t bat
 std::unique_ptr<LanguageModel> make_model(const ModelConfig& config, int64_t batch, int64_t seq, Device device,
                                           DType precision, const ModelOptions& options) {
   if (device == Device::cpu) {
-    FLASHLM_CHECK(precision == DType::f32 && !options.bf16_pure && !options.fp8,
-                  "model: the CPU engine runs fp32, not {}", precision_name(precision, options.bf16_pure, options.fp8));
+    FLASHLM_CHECK(precision == DType::f32 && !options.bf16_pure,
+                  "model: the CPU engine runs fp32 (and fp8 emulated over it), not {}",
+                  precision_name(precision, options.bf16_pure, options.fp8));
     return std::make_unique<CpuModel>(config, batch, seq, options);
   }
 #ifdef FLASHLM_WITH_CUDA

@@ -66,6 +66,14 @@ void fp8_encode_cpu(const float* x, int64_t count, float scale, Fp8Format f, uin
 // The same with the tensor's own scale, fp8_scale(amax of x). Returns the dequantisation scale.
 float fp8_quantize_cpu(const float* x, int64_t count, Fp8Format f, uint8_t* q);
 
+// x rounded through FP8 and back, as the FP8 GEMMs see it: out[i] = decode(encode(x[i] · scale)) / scale with
+// scale = fp8_scale(amax) (out may be x). amax is the tensor's, which may span several arrays (q, k and v as
+// one tensor): fp8_amax_cpu over each, combined with fp8_amax_max. The CPU model's emulated FP8 training
+// (ModelOptions::fp8 on the CPU) rounds its linear layers' operands so.
+void fp8_round_trip_cpu(const float* x, int64_t count, float amax, Fp8Format f, float* out);
+// The larger of two amaxes, NaN winning (as the reductions order magnitudes by their bits).
+float fp8_amax_max(float a, float b);
+
 // The product cuBLASLt computes from FP8 operands, in fp64: every product of two FP8 values is exact there,
 // and so is the sum of e4m3 · e4m3 products (they span 2^-18 to 2^18) for k up to 2^16; with e5m2 (2^-16
 // to 2^16) the sum rounds at most at 2^-53 of its largest term, far below any GPU tolerance:

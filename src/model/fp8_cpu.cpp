@@ -49,6 +49,18 @@ float fp8_quantize_cpu(const float* x, int64_t count, Fp8Format f, uint8_t* q) {
   return fp8_dequant_scale(scale);
 }
 
+void fp8_round_trip_cpu(const float* x, int64_t count, float amax, Fp8Format f, float* out) {
+  const float scale = fp8_scale(amax, f), dequant = fp8_dequant_scale(scale);
+  for (int64_t i = 0; i < count; ++i) out[i] = fp8_decode(fp8_encode(x[i] * scale, f), f) * dequant;
+}
+
+float fp8_amax_max(float a, float b) {
+  uint32_t ab, bb;
+  std::memcpy(&ab, &a, sizeof(ab));
+  std::memcpy(&bb, &b, sizeof(bb));
+  return (ab & 0x7fffffffu) >= (bb & 0x7fffffffu) ? a : b;
+}
+
 void fp8_matmul_nt_cpu(const uint8_t* p, Fp8Format pf, float p_dequant, const uint8_t* q, Fp8Format qf, float q_dequant,
                        int64_t rows, int64_t cols, int64_t k, double* d) {
   FLASHLM_CHECK(rows >= 0 && cols >= 0 && k >= 0, "fp8_matmul_nt_cpu: rows {}, cols {}, k {}", rows, cols, k);

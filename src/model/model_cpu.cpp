@@ -9,6 +9,7 @@
 #include "flashlm/model.h"
 #include "flashlm/profile.h"
 #include "model/activations.h"
+#include "model/fp8.h"
 #include "model/lm_head.h"
 #include "model/ops_cpu.h"
 #include "optim/adamw_state.h"
@@ -24,6 +25,9 @@ struct CpuModel::Impl {
   // vocab]; stats: its fp32 statistics (RMSNorm 1/rms, attention logsumexp); rope: the RoPE tables
   // [context, head_dim / 2] (cos, then sin).
   Buffer params, grads, acts, stats, scratch, rope;
+  // --precision fp8 (emulated): one block's linear weights rounded through e4m3, then a linear layer's input
+  // and output gradient rounded (fp8_emulation_elements); empty otherwise.
+  Buffer fp8;
   ActivationLayout acts_layout;
   int64_t logits_offset = 0;
   // Tokens per chunk of the fused LM head + loss (head_chunk_tokens). When it covers every token the
@@ -43,6 +47,63 @@ struct CpuModel::Impl {
   float* stat(int64_t offset) const { return static_cast<float*>(stats.data()) + offset; }
   const float* rope_cos() const { return static_cast<const float*>(rope.data()); }
   const float* rope_sin() const { return rope_cos() + model.config().context * (model.config().head_dim() / 2); }
+  // --precision fp8 (emulated, ModelOptions::fp8): the operands of block p's linear layers rounded through FP8
+  // as the CUDA model's FP8 GEMMs take them (tensorwise, q, k and v as one [3d, d] weight and one [n, 3d]
+  // output gradient). Without fp8 each returns its argument.
+  float* fp8_region(int64_t offset) const { return static_cast<float*>(fp8.data()) + offset; }
+  int64_t fp8_weight_offset(std::string_view name) const {
+    const int64_t d = model.config().d_model, f = model.config().d_ff;
+    constexpr std::string_view kOrder[] = {"attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
+                                           "attn.output_proj.weight", "ffn.w1.weight", "ffn.w3.weight",
+                                           "ffn.w2.weight"};
+    int64_t offset = 0;
+    for (std::string_view w : kOrder) {
+      if (w == name) return offset;
+      offset += w.starts_with("attn.") ? d * d : d * f;
+    }
+    fail("CpuModel: '{}' is not a block's linear weight", name);
+  }
+  // Block p's weights rounded (e4m3) into the fp8 buffer: at each forward and backward of the block, after
+  // parameters_needed (FSDP gathers them then).
+  void round_block_weights(const std::string& p) const {
+    if (!options.fp8) return;
+    const ModelConfig& c = model.config();
+    const int64_t dd = c.d_model * c.d_model, df = c.d_model * c.d_ff;
+    float amax = 0.0f;
+    for (const char* w : {"attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"}) {
+      amax = fp8_amax_max(amax, fp8_amax_cpu(param(p + w), dd));
+    }
+    for (const char* w : {"attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"}) {
+      fp8_round_trip_cpu(param(p + w), dd, amax, Fp8Format::e4m3, fp8_region(fp8_weight_offset(w)));
+    }
+    for (const char* w : {"attn.output_proj.weight", "ffn.w1.weight", "ffn.w3.weight", "ffn.w2.weight"}) {
+      const int64_t count = std::string_view(w).starts_with("attn.") ? dd : df;
+      fp8_round_trip_cpu(param(p + w), count, fp8_amax_cpu(param(p + w), count), Fp8Format::e4m3,
+                         fp8_region(fp8_weight_offset(w)));
+    }
+  }
+  // The weight a linear layer of block p multiplies by.
+  const float* linear_weight(const std::string& p, std::string_view name) const {
+    return options.fp8 ? fp8_region(fp8_weight_offset(name)) : param(p + std::string(name));
+  }
+  // x [count] as a linear layer's input: rounded (e4m3) into the input region, or x itself.
+  const float* linear_input(const float* x, int64_t count) const {
+    if (!options.fp8) return x;
+    float* out = fp8_region(fp8_emulation_elements(model.config(), 0));
+    fp8_round_trip_cpu(x, count, fp8_amax_cpu(x, count), Fp8Format::e4m3, out);
+    return out;
+  }
+  // An output gradient: rounded in the gradient format into the gradient region (in place where it is
+  // scratch nothing else reads: in_place).
+  const float* output_gradient(float* dy, int64_t count, bool in_place) const {
+    if (!options.fp8) return dy;
+    const ModelConfig& c = model.config();
+    const int64_t n = batch * seq;
+    float* out = in_place ? dy : fp8_region(fp8_emulation_elements(c, 0) + n * std::max(c.d_model, c.d_ff));
+    fp8_round_trip_cpu(dy, count, fp8_amax_cpu(dy, count), options.fp8_gradients, out);
+    return out;
+  }
+
   // The attention call of every layer (causal).
   AttentionOptions attention_options() const {
     AttentionOptions attn;
@@ -62,7 +123,7 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   FLASHLM_CHECK(seq >= 1 && seq <= config.context, "CpuModel: seq = {} outside [1, context = {}]", seq,
                 config.context);
   FLASHLM_CHECK(!options.bf16_pure, "CpuModel: the CPU engine runs fp32, not bf16-pure");
-  FLASHLM_CHECK(!options.fp8, "CpuModel: the CPU engine runs fp32, not fp8 (cuBLASLt's FP8 GEMMs: --device cuda)");
+  options.check_fp8(DType::f32, Device::cpu);  // fp8: emulated over fp32
   options.check_optimizer_state();
   init_optimizer_state(options.optimizer_state);
   const size_t pbytes = size_t(parameter_count()) * sizeof(float);
@@ -86,6 +147,10 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
                             "activations (statistics)");
   s.scratch = Buffer::allocate(size_t(checked_mul(backward_scratch_elements(config, n), kFloat, bytes)), Device::cpu,
                               "backward scratch");
+  if (options.fp8) {
+    s.fp8 = Buffer::allocate(size_t(checked_mul(fp8_emulation_elements(config, n), kFloat, bytes)), Device::cpu,
+                             "FP8 emulation: rounded weights and operands");
+  }
   const int64_t half = config.head_dim() / 2;
   s.rope = Buffer::allocate(size_t(checked_product({2, config.context, half, kFloat}, "CpuModel: RoPE table bytes")),
                            Device::cpu, "RoPE tables");
@@ -183,10 +248,12 @@ void CpuModel::forward_block(int64_t l, BlockPass pass) {
   parameters_needed(p);
   const float* rope_cos = s.rope_cos();
   const float* rope_sin = s.rope_sin();
+  s.round_block_weights(p);  // --precision fp8: the linear layers' operands rounded through FP8 (Impl)
   cpu::rmsnorm_forward(s.act(a.x_in), s.param(p + "ln1.weight"), s.act(a.h1), s.stat(a.rstd1), n, d, float(c.norm_eps));
-  cpu::linear_forward(s.act(a.h1), s.param(p + "attn.q_proj.weight"), s.act(a.q), n, d, d);
-  cpu::linear_forward(s.act(a.h1), s.param(p + "attn.k_proj.weight"), s.act(a.k), n, d, d);
-  cpu::linear_forward(s.act(a.h1), s.param(p + "attn.v_proj.weight"), s.act(a.v), n, d, d);
+  const float* h1 = s.linear_input(s.act(a.h1), n * d);
+  cpu::linear_forward(h1, s.linear_weight(p, "attn.q_proj.weight"), s.act(a.q), n, d, d);
+  cpu::linear_forward(h1, s.linear_weight(p, "attn.k_proj.weight"), s.act(a.k), n, d, d);
+  cpu::linear_forward(h1, s.linear_weight(p, "attn.v_proj.weight"), s.act(a.v), n, d, d);
   cpu::rope_forward(s.act(a.q), rope_cos, rope_sin, s.batch, s.seq, c.heads, hd);
   cpu::rope_forward(s.act(a.k), rope_cos, rope_sin, s.batch, s.seq, c.heads, hd);
   if (pass != BlockPass::without_attention) {
@@ -196,16 +263,18 @@ void CpuModel::forward_block(int64_t l, BlockPass pass) {
                       TensorView::contiguous(s.stat(a.lse), DType::f32, {s.batch, c.heads, s.seq}), s.attention_options());
   }
   float* x_mid = s.act(a.x_mid);
-  cpu::linear_forward(s.act(a.attn), s.param(p + "attn.output_proj.weight"), x_mid, n, d, d);
+  cpu::linear_forward(s.linear_input(s.act(a.attn), n * d), s.linear_weight(p, "attn.output_proj.weight"), x_mid, n, d,
+                      d);
   for (int64_t i = 0; i < n * d; ++i) x_mid[i] += s.act(a.x_in)[i];
   cpu::rmsnorm_forward(x_mid, s.param(p + "ln2.weight"), s.act(a.h2), s.stat(a.rstd2), n, d, float(c.norm_eps));
-  cpu::linear_forward(s.act(a.h2), s.param(p + "ffn.w1.weight"), s.act(a.u), n, d, f);
-  cpu::linear_forward(s.act(a.h2), s.param(p + "ffn.w3.weight"), s.act(a.g), n, d, f);
+  const float* h2 = s.linear_input(s.act(a.h2), n * d);
+  cpu::linear_forward(h2, s.linear_weight(p, "ffn.w1.weight"), s.act(a.u), n, d, f);
+  cpu::linear_forward(h2, s.linear_weight(p, "ffn.w3.weight"), s.act(a.g), n, d, f);
   cpu::swiglu_forward(s.act(a.u), s.act(a.g), s.act(a.s), n * f);
   if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
     // The residual stream leaves into the next block's input (or x_out).
     float* x_out = s.act(l + 1 < c.layers ? A.blocks[size_t(l + 1)].x_in : A.x_out);
-    cpu::linear_forward(s.act(a.s), s.param(p + "ffn.w2.weight"), x_out, n, f, d);
+    cpu::linear_forward(s.linear_input(s.act(a.s), n * f), s.linear_weight(p, "ffn.w2.weight"), x_out, n, f, d);
     for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
   }
   parameters_done(p);
@@ -265,19 +334,25 @@ void CpuModel::backward() {
     ScopedRange layer_range("layer.backward");
     parameters_needed(p);
     gradients_needed(p);
+    s.round_block_weights(p);  // --precision fp8: as in the forward, and the output gradients rounded too
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
-    cpu::linear_backward(dx, s.act(a.s), s.param(p + "ffn.w2.weight"), ds, s.grad(p + "ffn.w2.weight"), n, f, d, false);
+    cpu::linear_backward(s.output_gradient(dx, n * d, false), s.linear_input(s.act(a.s), n * f),
+                         s.linear_weight(p, "ffn.w2.weight"), ds, s.grad(p + "ffn.w2.weight"), n, f, d, false);
     gradient_ready(p + "ffn.w2.weight");
     cpu::swiglu_backward(ds, s.act(a.u), s.act(a.g), du, dg, n * f);
-    cpu::linear_backward(du, s.act(a.h2), s.param(p + "ffn.w1.weight"), dh, s.grad(p + "ffn.w1.weight"), n, d, f, false);
+    const float* h2 = s.linear_input(s.act(a.h2), n * d);
+    cpu::linear_backward(s.output_gradient(du, n * f, true), h2, s.linear_weight(p, "ffn.w1.weight"), dh,
+                         s.grad(p + "ffn.w1.weight"), n, d, f, false);
     gradient_ready(p + "ffn.w1.weight");
-    cpu::linear_backward(dg, s.act(a.h2), s.param(p + "ffn.w3.weight"), dh, s.grad(p + "ffn.w3.weight"), n, d, f, true);
+    cpu::linear_backward(s.output_gradient(dg, n * f, true), h2, s.linear_weight(p, "ffn.w3.weight"), dh,
+                         s.grad(p + "ffn.w3.weight"), n, d, f, true);
     gradient_ready(p + "ffn.w3.weight");
     cpu::rmsnorm_backward(dh, s.act(a.x_mid), s.param(p + "ln2.weight"), s.stat(a.rstd2), dx, s.grad(p + "ln2.weight"), n, d);
     gradient_ready(p + "ln2.weight");
     // dx is now ∂L/∂x_mid; the attention branch adds to ∂L/∂x_in, which is dx plus the branch.
-    cpu::linear_backward(dx, s.act(a.attn), s.param(p + "attn.output_proj.weight"), dattn,
-                         s.grad(p + "attn.output_proj.weight"), n, d, d, false);
+    cpu::linear_backward(s.output_gradient(dx, n * d, false), s.linear_input(s.act(a.attn), n * d),
+                         s.linear_weight(p, "attn.output_proj.weight"), dattn, s.grad(p + "attn.output_proj.weight"),
+                         n, d, d, false);
     gradient_ready(p + "attn.output_proj.weight");
     {
       ScopedRange attention_range("attention.backward");
@@ -290,13 +365,19 @@ void CpuModel::backward() {
     }
     cpu::rope_backward(dq, rope_cos, rope_sin, s.batch, s.seq, c.heads, hd);
     cpu::rope_backward(dk, rope_cos, rope_sin, s.batch, s.seq, c.heads, hd);
-    cpu::linear_backward(dq, s.act(a.h1), s.param(p + "attn.q_proj.weight"), dh, s.grad(p + "attn.q_proj.weight"), n, d, d,
+    if (s.options.fp8) {  // dq, dk, dv rounded as one [n, 3d] gradient, in place (scratch)
+      const float amax = fp8_amax_max(fp8_amax_max(fp8_amax_cpu(dq, n * d), fp8_amax_cpu(dk, n * d)),
+                                      fp8_amax_cpu(dv, n * d));
+      for (float* g : {dq, dk, dv}) fp8_round_trip_cpu(g, n * d, amax, s.options.fp8_gradients, g);
+    }
+    const float* h1 = s.linear_input(s.act(a.h1), n * d);
+    cpu::linear_backward(dq, h1, s.linear_weight(p, "attn.q_proj.weight"), dh, s.grad(p + "attn.q_proj.weight"), n, d, d,
                          false);
     gradient_ready(p + "attn.q_proj.weight");
-    cpu::linear_backward(dk, s.act(a.h1), s.param(p + "attn.k_proj.weight"), dh, s.grad(p + "attn.k_proj.weight"), n, d, d,
+    cpu::linear_backward(dk, h1, s.linear_weight(p, "attn.k_proj.weight"), dh, s.grad(p + "attn.k_proj.weight"), n, d, d,
                          true);
     gradient_ready(p + "attn.k_proj.weight");
-    cpu::linear_backward(dv, s.act(a.h1), s.param(p + "attn.v_proj.weight"), dh, s.grad(p + "attn.v_proj.weight"), n, d, d,
+    cpu::linear_backward(dv, h1, s.linear_weight(p, "attn.v_proj.weight"), dh, s.grad(p + "attn.v_proj.weight"), n, d, d,
                          true);
     gradient_ready(p + "attn.v_proj.weight");
     cpu::rmsnorm_backward(dh, s.act(a.x_in), s.param(p + "ln1.weight"), s.stat(a.rstd1), dx, s.grad(p + "ln1.weight"), n, d);

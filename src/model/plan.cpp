@@ -88,8 +88,15 @@ std::string precision_name(DType dtype, bool bf16_pure, bool fp8) {
   return bf16_pure ? "bf16-pure" : fp8 ? "fp8" : std::string(dtype_name(dtype));
 }
 
-void ModelOptions::check_fp8(DType precision) const {
-  FLASHLM_CHECK_ARG(!fp8 || (precision == DType::bf16 && !bf16_pure),
+void ModelOptions::check_fp8(DType precision, Device device) const {
+  if (!fp8) return;
+  if (device == Device::cpu) {
+    FLASHLM_CHECK_ARG(precision == DType::f32 && !bf16_pure,
+                      "precision: fp8 on the CPU is emulated over fp32; not with {}",
+                      precision_name(precision, bf16_pure));
+    return;
+  }
+  FLASHLM_CHECK_ARG(precision == DType::bf16 && !bf16_pure,
                     "precision: fp8 runs its linear layers' GEMMs in FP8 over bf16 mixed precision (fp32 masters); "
                     "not with {}",
                     precision_name(precision, bf16_pure));
@@ -220,6 +227,15 @@ Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
   return l;
 }
 
+int64_t fp8_emulation_elements(const ModelConfig& c, int64_t tokens) {
+  const int64_t d = c.d_model, f = c.d_ff;
+  const int64_t weights = checked_add(checked_product({4, d, d}, "FP8 emulation: attention weights"),
+                                      checked_product({3, d, f}, "FP8 emulation: feed-forward weights"),
+                                      "FP8 emulation: block weights");
+  const int64_t operands = checked_mul(tokens, checked_add(std::max(d, f), d, "FP8 emulation"), "FP8 emulation");
+  return checked_add(weights, operands, "FP8 emulation");
+}
+
 int64_t head_chunk_tokens(const ModelConfig& c, int64_t tokens, int64_t requested, int64_t elem_bytes) {
   FLASHLM_CHECK(requested >= 0, "head chunk: {} tokens, expected >= 0 (0: automatic)", requested);
   if (requested > 0) return std::min(requested, tokens);
@@ -320,6 +336,9 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
                        bytes(a.values - a.kept_values, elem) + bytes(a.stats - a.kept_stats, 4)});
   }
   p.items.push_back({"backward scratch", bytes(backward_scratch_elements(c, n), elem)});
+  if (!cuda && o.fp8) {
+    p.items.push_back({"FP8 emulation: rounded weights and operands", bytes(fp8_emulation_elements(c, n), 4)});
+  }
   if (cuda && o.fp8) {
     const Fp8ScratchLayout fp8 = fp8_scratch_layout(c, n);
     p.items.push_back({"FP8 copies of one linear layer's operands", fp8.bytes});
@@ -357,9 +376,7 @@ MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, D
                 c.context);
   FLASHLM_CHECK(!o.bf16_pure || (device == Device::cuda && precision == DType::bf16),
                 "precision: bf16-pure is a CUDA precision (bf16 parameters, gradients and moments)");
-  FLASHLM_CHECK(!o.fp8 || device == Device::cuda,
-                "precision: fp8 is a CUDA precision (cuBLASLt's FP8 GEMMs); the CPU engine runs fp32");
-  o.check_fp8(precision);
+  o.check_fp8(precision, device);
   o.check_optimizer_state();
   FLASHLM_CHECK(o.optimizer_shards >= 1 && o.optimizer_shards <= (int64_t{1} << 20),
                 "memory plan: optimizer_shards = {}, expected a rank count in [1, 2^20]", o.optimizer_shards);

@@ -16,7 +16,9 @@
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "flashlm/model.h"
+#include "model/activations.h"
 #include "model/fp8.h"
+#include "optim/optimizer.h"
 
 using namespace flashlm;
 
@@ -244,7 +246,7 @@ TEST(Fp8, EmulatedLinearLayerIsTheQuantisedProduct) {
   }
 }
 
-TEST(Fp8, PrecisionParsesAndTheCpuRefusesIt) {
+TEST(Fp8, PrecisionParsesAndTheCpuEmulatesIt) {
   DType dtype = DType::f32;
   bool pure = true, fp8 = false;
   parse_precision("fp8", dtype, pure, fp8);
@@ -263,8 +265,15 @@ TEST(Fp8, PrecisionParsesAndTheCpuRefusesIt) {
   ModelConfig c = ModelConfig::named("tiny", 64, 128);
   ModelOptions o;
   o.fp8 = true;
-  expect_error([&] { make_model(c, 1, 16, Device::cpu, DType::f32, o); }, "the CPU engine runs fp32, not fp8");
-  expect_error([&] { plan_model_memory(c, 1, 16, Device::cpu, DType::f32, o); }, "fp8 is a CUDA precision");
+  EXPECT_NO_THROW(make_model(c, 1, 16, Device::cpu, DType::f32, o));  // emulated over fp32
+  expect_error([&] { plan_model_memory(c, 1, 16, Device::cpu, DType::bf16, o); }, "emulated over fp32");
+  {
+    const MemoryPlan emulated = plan_model_memory(c, 2, 64, Device::cpu, DType::f32, o);
+    o.fp8 = false;
+    const MemoryPlan plain = plan_model_memory(c, 2, 64, Device::cpu, DType::f32, o);
+    o.fp8 = true;
+    EXPECT_EQ(emulated.total_bytes() - plain.total_bytes(), 4 * fp8_emulation_elements(c, 2 * 64));
+  }
   expect_error([&] { plan_model_memory(c, 1, 16, Device::cuda, DType::f32, o); }, "not with fp32");  // bf16's
   o.bf16_pure = true;
   expect_error([&] { plan_model_memory(c, 1, 16, Device::cuda, DType::bf16, o); }, "not with bf16-pure");
@@ -273,4 +282,95 @@ TEST(Fp8, PrecisionParsesAndTheCpuRefusesIt) {
   o.fp8 = false;
   const MemoryPlan without = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
   EXPECT_GT(with.total_bytes(), without.total_bytes());  // the FP8 copies are counted
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The CPU model's emulated FP8 training (ModelOptions::fp8 on the CPU): the linear layers' operands rounded
+// through FP8 before the fp32 GEMMs.
+
+TEST(Fp8, RoundTripIsTheQuantisedValueAndAmaxMaxKeepsNaN) {
+  const std::vector<float> x = {0.0f, 1.0f, -3.5f, 100.0f, 1e-6f, -448.0f};
+  std::vector<float> out(x.size());
+  const float amax = fp8_amax_cpu(x.data(), int64_t(x.size()));
+  fp8_round_trip_cpu(x.data(), int64_t(x.size()), amax, Fp8Format::e4m3, out.data());
+  std::vector<uint8_t> q(x.size());
+  const float dequant = fp8_quantize_cpu(x.data(), int64_t(x.size()), Fp8Format::e4m3, q.data());
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(out[i], fp8_decode(q[i], Fp8Format::e4m3) * dequant) << i;
+  EXPECT_EQ(out[5], -448.0f);  // the amax maps to the format's largest value and back exactly
+  EXPECT_NE(out[4], x[4]);    // a small value loses bits
+  fp8_round_trip_cpu(x.data(), int64_t(x.size()), amax, Fp8Format::e4m3, std::vector<float>(x).data());  // in place ok
+  EXPECT_EQ(fp8_amax_max(2.0f, -3.0f), -3.0f);
+  EXPECT_TRUE(std::isnan(fp8_amax_max(std::numeric_limits<float>::quiet_NaN(), 5.0f)));
+  EXPECT_TRUE(std::isnan(fp8_amax_max(5.0f, std::numeric_limits<float>::quiet_NaN())));
+}
+
+namespace {
+
+struct Fp8Run {
+  std::vector<double> losses;
+  std::vector<float> first_gradients;
+};
+
+// The tiny model trained `steps` steps on a learnable successor rule, in fp32 or emulated fp8.
+Fp8Run train_tiny(bool fp8, Fp8Format gradients, const char* recompute, int steps) {
+  const ModelConfig c = ModelConfig::named("tiny", 32, 64);
+  ModelOptions o;
+  o.fp8 = fp8;
+  o.fp8_gradients = gradients;
+  o.recompute = RecomputePlan::parse(recompute);
+  CpuModel model(c, 4, 32, o);
+  model.init_parameters(1);
+  std::vector<int32_t> tokens(4 * 32), targets(4 * 32);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = int32_t((i * 7) % 64);
+    targets[i] = int32_t((i * 7 + 7) % 64);
+  }
+  AdamWConfig opt;
+  Fp8Run run;
+  for (int step = 0; step < steps; ++step) {
+    model.zero_grad();
+    run.losses.push_back(model.forward(tokens.data(), targets.data()));
+    model.backward();
+    if (step == 0) run.first_gradients.assign(model.gradients(), model.gradients() + model.parameter_count());
+    model.clip_gradients(1.0);
+    model.adamw_step(opt, 3e-3);
+  }
+  return run;
+}
+
+}  // namespace
+
+// Emulated FP8 follows fp32 closely, is not fp32 (the operands are rounded), learns as fp32 does, and is
+// deterministic; e4m3 and e5m2 output gradients give different gradients.
+TEST(CpuModelFp8, EmulatedTrainingTracksFp32AndIsReproducible) {
+  const Fp8Run fp32 = train_tiny(false, Fp8Format::e5m2, "none", 30);
+  const Fp8Run e5m2 = train_tiny(true, Fp8Format::e5m2, "none", 30);
+  const Fp8Run again = train_tiny(true, Fp8Format::e5m2, "none", 2);
+  const Fp8Run e4m3 = train_tiny(true, Fp8Format::e4m3, "none", 1);
+  EXPECT_NE(e5m2.losses[0], fp32.losses[0]);
+  EXPECT_NEAR(e5m2.losses[0], fp32.losses[0], 0.02 * fp32.losses[0]);
+  EXPECT_LT(e5m2.losses.back(), 0.5 * e5m2.losses[0]);  // it learns
+  EXPECT_NEAR(e5m2.losses.back(), fp32.losses.back(), 0.15 * fp32.losses.back());
+  EXPECT_EQ(std::vector<double>(e5m2.losses.begin(), e5m2.losses.begin() + 2), again.losses);
+  EXPECT_EQ(e5m2.first_gradients, again.first_gradients);
+  EXPECT_NE(e5m2.first_gradients, e4m3.first_gradients);
+  EXPECT_EQ(e5m2.losses[0], e4m3.losses[0]);  // the forward has no gradients to round
+  // The first step's gradients stay near fp32's: within 10% of the largest, every parameter.
+  double worst = 0, largest = 0;
+  for (size_t i = 0; i < fp32.first_gradients.size(); ++i) {
+    worst = std::max(worst, double(std::fabs(e5m2.first_gradients[i] - fp32.first_gradients[i])));
+    largest = std::max(largest, double(std::fabs(fp32.first_gradients[i])));
+  }
+  EXPECT_GT(worst, 0.0);
+  EXPECT_LT(worst, 0.1 * largest);
+}
+
+// Recomputation rounds the recomputed blocks' operands as the forward did: the same bits.
+TEST(CpuModelFp8, RecomputationGivesTheSameBits) {
+  const Fp8Run none = train_tiny(true, Fp8Format::e5m2, "none", 3);
+  for (const char* recompute : {"blocks:1", "selective"}) {
+    const Fp8Run other = train_tiny(true, Fp8Format::e5m2, recompute, 3);
+    EXPECT_EQ(other.losses, none.losses) << recompute;
+    EXPECT_EQ(other.first_gradients, none.first_gradients) << recompute;
+  }
 }

@@ -45,7 +45,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   FLASHLM_CHECK(!options.bf16_pure || precision == DType::bf16, "CudaModel: bf16-pure needs precision bf16, not {}",
                 dtype_name(precision));
   options.check_optimizer_state();
-  options.check_fp8(precision);
+  options.check_fp8(precision, Device::cuda);
   FLASHLM_CHECK(config.d_model % 8 == 0 && config.d_ff % 8 == 0 && config.vocab % 8 == 0,
                 "CudaModel: d_model ({}), d_ff ({}) and vocab ({}) must be multiples of 8 (16-byte rows for the "
                 "tensor cores)",
