@@ -6,8 +6,9 @@ set -euo pipefail
 # python3-torch (CPU) and python3-pytest run the PyTorch binding tests (python3-venv holds the current torch
 # of scripts/setup-torch.sh); OpenMPI (libopenmpi-dev, and openmpi-bin's mpirun) starts distributed jobs
 # and carries the CPU collectives; zlib1g-dev's CRC-32 checksums checkpoints; python3-matplotlib draws the
-# plots (scripts/plot_*.py).
-packages=(cmake g++ make libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev libopenblas-dev libopenmpi-dev
+# plots (scripts/plot_*.py); ninja-build schedules the build file by file (scripts/build.sh takes it for a new
+# build tree, else make).
+packages=(cmake g++ make ninja-build libfmt-dev libcli11-dev nlohmann-json3-dev libgtest-dev libopenblas-dev libopenmpi-dev
           openmpi-bin zlib1g-dev python3-torch python3-pytest python3-venv
           python3-matplotlib)
 missing=()
