@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 #include <random>
+#include <span>
+#include <string_view>
 #include <vector>
 
 #include "core/check.h"
@@ -51,42 +53,43 @@ struct CpuModel::Impl {
   // as the CUDA model's FP8 GEMMs take them (tensorwise, q, k and v as one [3d, d] weight and one [n, 3d]
   // output gradient). Without fp8 each returns its argument.
   float* fp8_region(int64_t offset) const { return static_cast<float*>(fp8.data()) + offset; }
+  // The block's linear weights in the fp8 buffer's order (fp8_emulation_elements), q, k and v first.
+  static constexpr std::string_view kFp8Weights[] = {"attn.q_proj.weight", "attn.k_proj.weight",
+                                                     "attn.v_proj.weight", "attn.output_proj.weight",
+                                                     "ffn.w1.weight",      "ffn.w3.weight",
+                                                     "ffn.w2.weight"};
+  int64_t fp8_weight_numel(std::string_view name) const {
+    const ModelConfig& c = model.config();
+    return c.d_model * (name.starts_with("attn.") ? c.d_model : c.d_ff);
+  }
   int64_t fp8_weight_offset(std::string_view name) const {
-    const int64_t d = model.config().d_model, f = model.config().d_ff;
-    constexpr std::string_view kOrder[] = {"attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight",
-                                           "attn.output_proj.weight", "ffn.w1.weight", "ffn.w3.weight",
-                                           "ffn.w2.weight"};
     int64_t offset = 0;
-    for (std::string_view w : kOrder) {
+    for (std::string_view w : kFp8Weights) {
       if (w == name) return offset;
-      offset += w.starts_with("attn.") ? d * d : d * f;
+      offset += fp8_weight_numel(w);
     }
     fail("CpuModel: '{}' is not a block's linear weight", name);
   }
   // Block p's weights rounded (e4m3) into the fp8 buffer: at each forward and backward of the block, after
-  // parameters_needed (FSDP gathers them then).
+  // parameters_needed (FSDP gathers them then). q, k and v share one amax, as the CUDA model's fused weight.
   void round_block_weights(const std::string& p) const {
     if (!options.fp8) return;
-    const ModelConfig& c = model.config();
-    const int64_t dd = c.d_model * c.d_model, df = c.d_model * c.d_ff;
-    float amax = 0.0f;
-    for (const char* w : {"attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"}) {
-      amax = fp8_amax_max(amax, fp8_amax_cpu(param(p + w), dd));
-    }
-    for (const char* w : {"attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"}) {
-      fp8_round_trip_cpu(param(p + w), dd, amax, Fp8Format::e4m3, fp8_region(fp8_weight_offset(w)));
-    }
-    for (const char* w : {"attn.output_proj.weight", "ffn.w1.weight", "ffn.w3.weight", "ffn.w2.weight"}) {
-      const int64_t count = std::string_view(w).starts_with("attn.") ? dd : df;
-      fp8_round_trip_cpu(param(p + w), count, fp8_amax_cpu(param(p + w), count), Fp8Format::e4m3,
-                         fp8_region(fp8_weight_offset(w)));
+    const auto weight = [&](std::string_view w) { return param(p + std::string(w)); };
+    const std::span<const std::string_view> qkv(kFp8Weights, 3);
+    float qkv_amax = 0.0f;
+    for (std::string_view w : qkv) qkv_amax = fp8_amax_max(qkv_amax, fp8_amax_cpu(weight(w), fp8_weight_numel(w)));
+    for (size_t i = 0; i < std::size(kFp8Weights); ++i) {
+      const std::string_view w = kFp8Weights[i];
+      const int64_t count = fp8_weight_numel(w);
+      const float amax = i < qkv.size() ? qkv_amax : fp8_amax_cpu(weight(w), count);
+      fp8_round_trip_cpu(weight(w), count, amax, Fp8Format::e4m3, fp8_region(fp8_weight_offset(w)));
     }
   }
   // The weight a linear layer of block p multiplies by.
   const float* linear_weight(const std::string& p, std::string_view name) const {
     return options.fp8 ? fp8_region(fp8_weight_offset(name)) : param(p + std::string(name));
   }
-  // x [count] as a linear layer's input: rounded (e4m3) into the input region, or x itself.
+  // x [count] as a linear layer's input: rounded (e4m3) into the input region (after the weights), or x itself.
   const float* linear_input(const float* x, int64_t count) const {
     if (!options.fp8) return x;
     float* out = fp8_region(fp8_emulation_elements(model.config(), 0));

@@ -124,7 +124,7 @@ template <class T>
 void fp8_amax(const T* x, int64_t count, float* amax, void* stream) {
   check_count("fp8_amax", "count", count);
   FLASHLM_CHECK(amax != nullptr, "fp8_amax: amax is null");
-  FLASHLM_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), as_stream(stream)), "fp8_amax: cudaMemsetAsync");
+  clear_amax(amax, as_stream(stream));
   if (count == 0) return;
   FLASHLM_CHECK(x != nullptr, "fp8_amax: x is null");
   // At most kAmaxBlocks blocks (one atomic each), grid-striding over the rest.
@@ -143,32 +143,28 @@ void fp8_cast(const T* x, int64_t rows, int64_t cols, const float* amax, Fp8Form
   FLASHLM_CHECK(q || qt, "fp8_cast: q and qt are both null: nothing to write");
   using D = std::remove_const_t<std::remove_pointer_t<decltype(dev(x))>>;
   const auto aligned8 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 8 == 0; };
-  if (rows % kPack == 0 && cols % kPack == 0 && aligned16(x) && (!q || aligned8(q)) && (!qt || aligned8(qt))) {
-    const int64_t tile_cols = ceil_div(cols, kVecTile), tile_rows = ceil_div(rows, kVecTile);
-    FLASHLM_CHECK(tile_cols <= INT32_MAX, "fp8_cast: cols = {}: too many", cols);
-    const dim3 grid(unsigned(tile_cols), unsigned(std::min<int64_t>(tile_rows, 65535)));
-    if (format == Fp8Format::e4m3) {
-      fp8_cast_packed_kernel<D, Fp8Format::e4m3>
-          <<<grid, kVecThreads, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
-    } else {
-      fp8_cast_packed_kernel<D, Fp8Format::e5m2>
-          <<<grid, kVecThreads, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
-    }
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_cast_packed_kernel");
-    return;
-  }
-  const int64_t tile_cols = ceil_div(cols, kTile), tile_rows = ceil_div(rows, kTile);
+  const bool packed =
+      rows % kPack == 0 && cols % kPack == 0 && aligned16(x) && (!q || aligned8(q)) && (!qt || aligned8(qt));
+  const int tile = packed ? kVecTile : kTile;
+  const int64_t tile_cols = ceil_div(cols, tile), tile_rows = ceil_div(rows, tile);
   FLASHLM_CHECK(tile_cols <= INT32_MAX, "fp8_cast: cols = {}: too many", cols);
   const dim3 grid(unsigned(tile_cols), unsigned(std::min<int64_t>(tile_rows, 65535)));
-  const dim3 block(kTile, kTileRows);
+  const auto launch = [&](auto format_constant) {
+    constexpr Fp8Format F = decltype(format_constant)::value;
+    if (packed) {
+      fp8_cast_packed_kernel<D, F>
+          <<<grid, kVecThreads, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
+    } else {
+      fp8_cast_kernel<D, F><<<grid, dim3(kTile, kTileRows), 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows,
+                                                                                   amax, q, qt, dequant);
+    }
+  };
   if (format == Fp8Format::e4m3) {
-    fp8_cast_kernel<D, Fp8Format::e4m3>
-        <<<grid, block, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
+    launch(std::integral_constant<Fp8Format, Fp8Format::e4m3>{});
   } else {
-    fp8_cast_kernel<D, Fp8Format::e5m2>
-        <<<grid, block, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, amax, q, qt, dequant);
+    launch(std::integral_constant<Fp8Format, Fp8Format::e5m2>{});
   }
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_cast_kernel");
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), packed ? "fp8_cast_packed_kernel" : "fp8_cast_kernel");
 }
 
 template <class T>

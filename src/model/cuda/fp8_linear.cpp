@@ -60,8 +60,7 @@ Fp8Operand Fp8Linear::weight_operand(const bf16_t* w, std::string_view name, int
                       stream);
     return {q, Fp8Format::e4m3, dequant(1)};
   }
-  const CachedWeight& e = cached(name, w, in, out, stream);
-  return {cache_at(transposed ? e.offset_t : e.offset), Fp8Format::e4m3, cache_dequant(e.slot)};
+  return cached_operand(cached(name, w, in, out, stream), transposed);
 }
 
 void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
@@ -79,7 +78,7 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
                         void* stream, std::string_view weight, bool same_input, const float* x_amax) {
   check_widths("forward", in, out);
   // Checked before any work is queued: a refused call writes nothing.
-  FLASHLM_CHECK(!same_input || (act_x_ == x && act_in_ == in),
+  FLASHLM_CHECK(!same_input || (act_.x == x && act_.in == in),
                 "Fp8Linear::forward: same_input, but the FP8 scratch holds no cast of this x (the previous product "
                 "had another input, or a backward came between)");
   ScopedRange range("linear.forward");
@@ -87,24 +86,18 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
   CachedWeight* e = weight.empty() ? nullptr : &cached(weight, w, in, out, stream);
   if (!same_input) {
     // A named weight's input scales go to its input slot, for the backward's cast of xᵀ.
-    act_slot_ = e ? e->slot : -1;
+    const int slot_index = e ? e->slot : -1;
     float* slot = e ? input_scales(e->slot) : scales(0);
     if (x_amax) {  // reduced by x's producer: the cast alone
       gpu::fp8_cast(x, n_, in, x_amax, Fp8Format::e4m3, qx, nullptr, slot + kFp8DequantIndex, stream);
-      act_amax_ = x_amax;
     } else {
       gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, slot, stream);
-      act_amax_ = slot + kFp8AmaxIndex;
     }
-    act_x_ = x;
-    act_in_ = in;
+    act_ = {x, in, slot_index, x_amax ? x_amax : slot + kFp8AmaxIndex};
   }
-  if (e && act_slot_ >= 0) {
-    e->input_slot = act_slot_, e->input_pass = pass_, e->input_amax = act_amax_;
-    e->input_x = x, e->input_in = in;
-  }
-  const float* dequant_x = act_slot_ >= 0 ? input_scales(act_slot_) + kFp8DequantIndex : dequant(0);
-  const Fp8Operand qw = e ? Fp8Operand{cache_at(e->offset), Fp8Format::e4m3, cache_dequant(e->slot)}
+  if (e && act_.slot >= 0) e->input = act_, e->input_pass = pass_;
+  const float* dequant_x = act_.slot >= 0 ? input_scales(act_.slot) + kFp8DequantIndex : dequant(0);
+  const Fp8Operand qw = e ? cached_operand(*e, /*transposed*/ false)
                           : weight_operand(w, weight, in, out, /*transposed*/ false, stream);
   fp8_gemm_cuda({qx, Fp8Format::e4m3, dequant_x}, qw, y, DType::bf16, n_, out, in, residual ? 1.0f : 0.0f, residual,
                 stream);
@@ -120,7 +113,7 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
                 "Fp8Linear::backward: same_input, but the FP8 scratch holds no cast of this xᵀ (the previous backward "
                 "had another input)");
   ScopedRange range("linear.backward");
-  act_x_ = nullptr;  // the act region is dy's now
+  act_.x = nullptr;  // the act region is dy's now
   // dy once, both ways: dy [n, out] for dx's product (K = out), dyᵀ [out, n] for dw's (K = n).
   uint8_t *qdy = region(layout_.act), *qdy_t = region(layout_.act_t);
   if (dy_amax) {  // reduced by dy's producer: the cast alone
@@ -139,12 +132,11 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
     uint8_t* qx_t = region(layout_.act_x_t);
     if (!same_input) {
       const auto it = weight.empty() ? cached_.end() : cached_.find(std::string(weight));
-      if (it != cached_.end() && it->second.input_pass == pass_ && it->second.input_x == x &&
-          it->second.input_in == in) {
+      const InputCast* forward = it == cached_.end() ? nullptr : &it->second.input;
+      if (forward && it->second.input_pass == pass_ && forward->x == x && forward->in == in) {
         // The forward of this pass reduced this x already (or x's producer did): its amax, the cast alone.
-        float* slot = input_scales(it->second.input_slot);
-        gpu::fp8_cast(x, n_, in, it->second.input_amax, Fp8Format::e4m3, nullptr, qx_t, slot + kFp8DequantIndex,
-                      stream);
+        float* slot = input_scales(forward->slot);
+        gpu::fp8_cast(x, n_, in, forward->amax, Fp8Format::e4m3, nullptr, qx_t, slot + kFp8DequantIndex, stream);
         act_x_t_dequant_ = slot + kFp8DequantIndex;
       } else {
         gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, nullptr, qx_t, scales(2), stream);

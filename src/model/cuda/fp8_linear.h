@@ -44,7 +44,7 @@ class Fp8Linear {
   // so each named weight's FP8 copies are cast again at its first product.
   void begin_pass() {
     ++pass_;
-    act_x_ = act_x_t_ = nullptr;
+    act_.x = act_x_t_ = nullptr;
   }
 
   // y[n, out] = x[n, in] · w[out, in]ᵀ (+ residual[n, out] when not null). weight: w's name, whose FP8 copies
@@ -77,16 +77,26 @@ class Fp8Linear {
 
   // One named weight's place in the cache: w's copy at `offset`, wᵀ's at `offset_t`, its scale slot, and the
   // pass they were cast in.
-  // input_slot: the input scale slot (input_scales) holding the scales of this weight's forward input in
-  // pass input_pass — its own, or the slot of the product whose input it shared.
+  // A forward input's cast: which x (x [n, in]; null: none), the scale slot its dequantisation scale went to
+  // (input_scales(slot), or -1 for the scratch's slot 0) and its amax (in that slot, or its producer's).
+  struct InputCast {
+    const bf16_t* x = nullptr;
+    int64_t in = 0;
+    int slot = -1;
+    const float* amax = nullptr;
+  };
+  // input: the cast of this weight's forward input in pass input_pass (its own slot, or that of the
+  // product whose input it shared); the backward reuses its amax for that same x only.
   struct CachedWeight {
     int64_t offset = 0, offset_t = 0, elements = 0;
-    int slot = 0, input_slot = 0;
+    int slot = 0;
     uint64_t pass = 0, input_pass = 0;
-    const float* input_amax = nullptr;  // x's amax in pass input_pass (in input_slot, or a producer's)
-    const bf16_t* input_x = nullptr;    // that x: the backward reuses its amax for this x only
-    int64_t input_in = 0;
+    InputCast input;
   };
+  // The cached copy of w (or wᵀ when transposed) as a GEMM operand.
+  Fp8Operand cached_operand(const CachedWeight& e, bool transposed) const {
+    return {cache_at(transposed ? e.offset_t : e.offset), Fp8Format::e4m3, cache_dequant(e.slot)};
+  }
   // w (or wᵀ when transposed) as a GEMM operand: from the cache when named, else cast into the scratch.
   Fp8Operand weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
                             void* stream);
@@ -101,12 +111,9 @@ class Fp8Linear {
     return reinterpret_cast<float*>(cache_at(layout_.cache_scales)) +
            kFp8ScaleSlotFloats * (layout_.cache_slots + slot);
   }
-  // Which x the scratch's FP8 copies hold: the forward's x in act (input scales in act_slot_, or -1 for the
-  // scratch's own slot 0), the backward's xᵀ in act_x_t (and its dequantisation scale); null: none.
-  const bf16_t* act_x_ = nullptr;
-  int act_slot_ = -1;
-  const float* act_amax_ = nullptr;
-  int64_t act_in_ = 0;
+  // What the scratch's FP8 copies hold: the forward's input cast in act, the backward's xᵀ in act_x_t (and
+  // its dequantisation scale); null x: none.
+  InputCast act_;
   const bf16_t* act_x_t_ = nullptr;
   const float* act_x_t_dequant_ = nullptr;
   int64_t act_x_t_in_ = 0;

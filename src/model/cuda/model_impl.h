@@ -183,9 +183,9 @@ struct CudaModel::Impl {
 
   // --precision fp8: a block's linear layer through Fp8Linear, returning true; false where the model runs
   // its linear layers in its precision's own GEMMs (the caller then calls those, unchanged).
-  template <class T>
   // same_input: x is the previous FP8 product's input (Fp8Linear::forward, ::backward).
   // x_amax: x's amax from its producer (fp8_produced_amax), or null.
+  template <class T>
   bool fp8_forward(const T* x, const std::string& w, const T* residual, T* y, int64_t in, int64_t out,
                    bool same_input = false, const float* x_amax = nullptr) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
