@@ -96,7 +96,10 @@ struct DecodeBenchConfig {
 struct DecodeBenchRecord {
   std::string dtype, device;
   int64_t batch = 0, cache_len = 0, heads = 0, kv_heads = 0, head_dim = 0, page_size = 0, nq = 0;
-  std::optional<double> ms, gbps, peak_pct;
+  // ms: the call's time on the device, K and V not in L2 (on a GPU an L2 flush is queued before each
+  // repetition, which also hides the host's share of the call); gbps and peak_pct from it. call_ms: one call
+  // timed alone, the host's checks and launches included (what an eager caller that waits for each call sees).
+  std::optional<double> ms, call_ms, gbps, peak_pct;
   std::string status = "ok";  // ok | oom | error | skipped
   std::string message;
 };

@@ -8,7 +8,8 @@ SDPA has no paged cache: it gets the gathered one, contiguous [batch, kv_heads, 
 layout that favours it), one query per sequence (--nq), GQA through enable_gqa, no causal mask (nq = 1 sees
 every key; with nq > 1 a bottom-right mask would be needed, which is_causal does not give, so the records say
 causal false). Each record has the fields of attention-bench --decode's (ms, gbps of K and V read, peak_pct of
---peak-gbps), impl "sdpa-<backend>", the median of --reps timed calls after --warmup.
+--peak-gbps), impl "sdpa-<backend>", the median of --reps timed calls after --warmup: ms with the L2 flushed
+before each call (the host's share hidden, as attention-bench --decode's ms), call_ms each call alone.
 """
 import argparse
 import statistics
@@ -33,7 +34,9 @@ def measure(backend, batch, cache, heads, kv_heads, d, nq, dtype, device, warmup
         v = torch.randn(batch, kv_heads, cache, d, device=device, dtype=dtype)
         gqa = {"enable_gqa": True} if kv_heads != heads else {}
         with sdpa_kernel(getattr(SDPBackend, BACKEND_NAMES[backend])):
-            ms = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, **gqa), device, warmup, reps)
+            call = lambda: F.scaled_dot_product_attention(q, k, v, **gqa)  # noqa: E731
+            call_ms = time_ms(call, device, warmup, reps)
+            ms = time_ms(call, device, 0, reps, flush_l2=True) if device.type == "cuda" else call_ms
     except RuntimeError as e:  # a backend that does not take this shape, or memory
         rec["status"] = "oom" if is_oom(e) else "unsupported"
         rec["message"] = str(e).splitlines()[0][:200]
@@ -43,6 +46,7 @@ def measure(backend, batch, cache, heads, kv_heads, d, nq, dtype, device, warmup
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rec["ms"] = statistics.median(ms)
+    rec["call_ms"] = statistics.median(call_ms)
     kv_bytes = 2 * batch * cache * kv_heads * d * torch.finfo(dtype).bits // 8
     rec["gbps"] = kv_bytes / rec["ms"] / 1e6
     rec["peak_pct"] = 100 * rec["gbps"] / peak_gbps

@@ -11,6 +11,7 @@
 
 #include "core/check.h"
 #include "core/cuda_runtime.h"
+#include "flashlm/memory.h"
 
 namespace flashlm {
 
@@ -141,6 +142,12 @@ double median_call_ms(Device device, int warmup, int reps, const std::function<v
     ms.push_back(ms_since(t0));
   }
   return moments(ms).median;
+}
+
+double median_cold_l2_ms(int reps, const std::function<void()>& fn) {
+  const Buffer flush = Buffer::allocate(kL2FlushBytes, Device::cuda, "L2 flush");
+  const auto flush_l2 = [&] { cuda_memset_async(flush.data(), 0, kL2FlushBytes, nullptr); };
+  return moments(cuda_time_each_ms(fn, reps, flush_l2)).median;
 }
 
 std::string utc_date() {

@@ -36,6 +36,11 @@ inline double ms_since(std::chrono::steady_clock::time_point t0) {
 // Median time of `reps` calls of fn after `warmup` untimed ones: wall time on the CPU (the calls are
 // synchronous there), CUDA events around each call on the GPU.
 double median_call_ms(Device device, int warmup, int reps, const std::function<void()>& fn);
+// The median device time of fn on the GPU with the L2 cache flushed before each repetition (a memset of
+// kL2FlushBytes queued first, as Triton's do_bench does): the operands come from HBM, and the memset keeps the
+// GPU busy while the host prepares fn's launches, so that the host's share of a short call is not counted.
+inline constexpr size_t kL2FlushBytes = size_t{256} << 20;
+double median_cold_l2_ms(int reps, const std::function<void()>& fn);
 
 std::string utc_date();  // "2026-11-30", for the reports' meta
 

@@ -33,6 +33,9 @@ void cuda_memset_async(void* dst, int value, size_t bytes, void* stream);  // qu
 void cuda_synchronize();
 void cuda_stream_synchronize(void* stream);  // waits for the work queued on `stream` (a cudaStream_t)
 // Runs fn once per repetition between two CUDA events on the default stream and returns each time in ms.
-std::vector<double> cuda_time_each_ms(const std::function<void()>& fn, int reps);   // "NVIDIA H200 (sm_90, 132 SMs, 140 GiB), CUDA 13.0, driver 580"
+// `before`, where given, runs before each repetition outside the timed region (e.g. queueing an L2 flush,
+// which also keeps the GPU busy while the host prepares fn's launches, so that fn's host cost is not timed).
+std::vector<double> cuda_time_each_ms(const std::function<void()>& fn, int reps,
+                                      const std::function<void()>& before = {});   // "NVIDIA H200 (sm_90, 132 SMs, 140 GiB), CUDA 13.0, driver 580"
 
 }  // namespace flashlm

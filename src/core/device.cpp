@@ -45,7 +45,7 @@ void cuda_copy_async(void*, const void*, size_t, void*) { fail("cuda_copy_async:
 void cuda_memset_async(void*, int, size_t, void*) { fail("cuda_memset_async: flashlm was built without CUDA"); }
 void cuda_synchronize() {}
 void cuda_stream_synchronize(void*) {}
-std::vector<double> cuda_time_each_ms(const std::function<void()>&, int) {
+std::vector<double> cuda_time_each_ms(const std::function<void()>&, int, const std::function<void()>&) {
   fail("cuda_time_each_ms: flashlm was built without CUDA");
 }
 #endif

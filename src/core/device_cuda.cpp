@@ -147,12 +147,14 @@ void cuda_stream_synchronize(void* stream) {
   FLASHLM_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
 }
 
-std::vector<double> cuda_time_each_ms(const std::function<void()>& fn, int reps) {
+std::vector<double> cuda_time_each_ms(const std::function<void()>& fn, int reps,
+                                      const std::function<void()>& before) {
   cudaEvent_t start, stop;
   FLASHLM_CUDA_CHECK(cudaEventCreate(&start), "cudaEventCreate");
   FLASHLM_CUDA_CHECK(cudaEventCreate(&stop), "cudaEventCreate");
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
+    if (before) before();
     cudaEventRecord(start);
     fn();
     cudaEventRecord(stop);

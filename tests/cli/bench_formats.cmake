@@ -36,8 +36,8 @@ string(JSON status GET "${gqa}" records 0 status)
 if(NOT rc EQUAL 0 OR NOT kv EQUAL 2 OR NOT status STREQUAL "ok")
   message(FATAL_ERROR "gqa json: exit ${rc}, kv_heads ${kv}, status ${status}:\n${gqa}")
 endif()
-# --decode: flash_attention_with_kvcache over a paged cache, one record per batch x cache length, with ms, GB/s
-# and the share of the peak.
+# --decode: flash_attention_with_kvcache over a paged cache, one record per batch x cache length, with ms, the
+# per-call ms, GB/s and the share of the peak.
 set(decode_file ${WORKDIR}/bench_formats_decode.json)
 execute_process(COMMAND ${FLASHLM} attention-bench --decode --device cpu --batch 1,2 --cache 64,256 --heads 4
                         --kv-heads 2 --d 16 --page-size 32 --reps 1 --warmup 0 --quiet --format json
@@ -47,6 +47,8 @@ string(JSON n LENGTH "${decode}" records)
 string(JSON cache GET "${decode}" records 3 cache_len)
 string(JSON status GET "${decode}" records 3 status)
 string(JSON gbps GET "${decode}" records 3 gbps)
-if(NOT rc EQUAL 0 OR NOT n EQUAL 4 OR NOT cache EQUAL 256 OR NOT status STREQUAL "ok" OR gbps STREQUAL "")
+string(JSON call_ms GET "${decode}" records 3 call_ms)
+if(NOT rc EQUAL 0 OR NOT n EQUAL 4 OR NOT cache EQUAL 256 OR NOT status STREQUAL "ok" OR gbps STREQUAL "" OR
+   call_ms STREQUAL "")
   message(FATAL_ERROR "decode json: exit ${rc}, ${n} records, cache ${cache}, status ${status}:\n${decode}")
 endif()

@@ -5,7 +5,8 @@
 //            chunks of 16: an m16 tile), so K and V are read from HBM once per group (per row chunk, the chunks
 //            of a split adjacent in the grid so that a re-read hits L2); it writes a partial (max, sum,
 //            unnormalised acc) per row, or the final o and lse when there is one split;
-//   combine  merges the splits of each row by logsumexp.
+//   combine  merges the splits of each row by logsumexp; on sm_90 launched as the split kernel's programmatic
+//            dependent, so that its launch overlaps the split kernel's last blocks.
 // The split kernel is bound by the bytes of K and V: its tiles of 64 keys stream through a ring of cp.async
 // stages (two tiles in flight per block, two blocks per SM at d <= 128), and the arithmetic runs on tensor
 // cores (mma.sync m16n8k16, each warp 16 keys of a tile) so that it issues few instructions per byte. The
@@ -153,6 +154,11 @@ __global__ void __launch_bounds__(kThreads, SplitTraits<D>::kMinBlocks) split_ke
   T* sK = sQ + kRows * D;
   T* sV = sK + kStages * kN * D;
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The combine, launched as this grid's programmatic dependent, may place its blocks once every block here
+  // has started; they wait for this grid to finish (griddepcontrol.wait), so only their launch is earlier.
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.row_chunks));
   const int split = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.row_chunks));
   const int hk = blockIdx.y, b = blockIdx.z;
@@ -398,6 +404,11 @@ __global__ void __launch_bounds__(D) combine_kernel(const DecodeParams p) {
   __shared__ float sm_w[kDecodeMaxSplits], sm_l[kDecodeMaxSplits];
   const int64_t row = blockIdx.x;
   const int e = threadIdx.x, splits = p.num_splits;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the split kernel (launch_attention): this block may be resident
+  // before the split grid has finished; wait here until it has and its partials are visible.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const int qi = static_cast<int>(row % p.nq), h = static_cast<int>(row / p.nq % p.heads_q);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.nq) * p.heads_q));
   const float* ml = p.part_ml + row * splits * 2;
@@ -459,6 +470,22 @@ int split_kernel_slots(int device) {
   return slots;
 }
 
+// Whether the device launches programmatic dependents (compute capability 9.0 and later): then the combine is
+// launched while the split kernel runs and waits for it in the kernel (griddepcontrol.wait), which takes its
+// launch latency off the end of a short decoding call. Asked once per device.
+bool programmatic_launch(int device) {
+  static std::atomic<int> cache[kCachedDevices] = {};  // 0 unknown, 1 no, 2 yes
+  if (device >= 0 && device < kCachedDevices) {
+    const int known = cache[device].load(std::memory_order_relaxed);
+    if (known > 0) return known == 2;
+  }
+  int major = 0;
+  FLASHLM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+                     "flash_attention_with_kvcache: compute capability");
+  if (device >= 0 && device < kCachedDevices) cache[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
+  return major >= 9;
+}
+
 // Splits from the blocks the device holds at once, then the workspace, the split kernel and the combine.
 template <class T, int D>
 void launch_attention(DecodeParams p, const AttentionProblem& a, int device, cudaStream_t stream) {
@@ -485,8 +512,14 @@ void launch_attention(DecodeParams p, const AttentionProblem& a, int device, cud
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_attention_with_kvcache: split kernel launch");
   if (p.num_splits > 1) {
     const auto rows = static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_q * p.nq);
-    combine_kernel<T, D><<<rows, D, 0, stream>>>(p);
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_attention_with_kvcache: combine kernel launch");
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(rows), config.blockDim = dim3(D), config.dynamicSmemBytes = 0, config.stream = stream;
+    cudaLaunchAttribute dependent{};
+    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    dependent.val.programmaticStreamSerializationAllowed = 1;
+    if (programmatic_launch(device)) config.attrs = &dependent, config.numAttrs = 1;
+    FLASHLM_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T, D>, p),
+                       "flash_attention_with_kvcache: combine kernel launch");
   }
 }
 
