@@ -31,19 +31,21 @@ L2_FLUSH_BYTES = 256 << 20
 def time_ms(fn, device, warmup, reps, flush_l2=False):
     """Milliseconds of each of `reps` calls of fn after `warmup` untimed ones (CUDA events on a GPU).
 
-    flush_l2 (GPU): zero a 256 MiB buffer before each call, outside the timed region, as Triton's do_bench
-    does and as `flashlm attention-bench --decode` does for its `ms`: the operands come from HBM, and the
-    memset keeps the GPU busy while the host prepares the call, so that the host's share is not counted."""
+    flush_l2 (GPU): read a 256 MiB buffer before each call, outside the timed region, as `flashlm
+    attention-bench --decode` does for its `ms`: the operands come from HBM, and the read keeps the GPU busy
+    while the host prepares the call, so that the host's share is not counted. A read rather than Triton
+    do_bench's memset, whose dirty lines would be written back during the timed call."""
     for _ in range(warmup):
         fn()
     synchronize(device)
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device) if flush_l2 and device.type == "cuda" else None
+    flush = (torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.float32, device=device)
+             if flush_l2 and device.type == "cuda" else None)
     out = []
     for _ in range(reps):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if flush is not None:
-                flush.zero_()
+                flush.amax()
             start.record()
             fn()
             end.record()

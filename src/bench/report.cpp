@@ -9,6 +9,7 @@
 #include <new>
 #include <thread>
 
+#include "core/array_ops.h"
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/memory.h"
@@ -145,9 +146,20 @@ double median_call_ms(Device device, int warmup, int reps, const std::function<v
 }
 
 double median_cold_l2_ms(int reps, const std::function<void()>& fn) {
+#ifdef FLASHLM_WITH_CUDA
+  // Any kernel that reads the whole buffer and writes next to nothing does: count_nonfinite's.
   const Buffer flush = Buffer::allocate(kL2FlushBytes, Device::cuda, "L2 flush");
-  const auto flush_l2 = [&] { cuda_memset_async(flush.data(), 0, kL2FlushBytes, nullptr); };
+  const Buffer count = Buffer::allocate(sizeof(int), Device::cuda, "L2 flush count");
+  cuda_memset_async(flush.data(), 0, kL2FlushBytes, nullptr);
+  const auto flush_l2 = [&] {
+    gpu::count_nonfinite(static_cast<const bf16_t*>(flush.data()), static_cast<int64_t>(kL2FlushBytes / 2),
+                         static_cast<int*>(count.data()), nullptr);
+  };
   return moments(cuda_time_each_ms(fn, reps, flush_l2)).median;
+#else
+  (void)reps, (void)fn;
+  fail("median_cold_l2_ms: flashlm was built without CUDA");
+#endif
 }
 
 std::string utc_date() {

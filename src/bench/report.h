@@ -36,9 +36,10 @@ inline double ms_since(std::chrono::steady_clock::time_point t0) {
 // Median time of `reps` calls of fn after `warmup` untimed ones: wall time on the CPU (the calls are
 // synchronous there), CUDA events around each call on the GPU.
 double median_call_ms(Device device, int warmup, int reps, const std::function<void()>& fn);
-// The median device time of fn on the GPU with the L2 cache flushed before each repetition (a memset of
-// kL2FlushBytes queued first, as Triton's do_bench does): the operands come from HBM, and the memset keeps the
-// GPU busy while the host prepares fn's launches, so that the host's share of a short call is not counted.
+// The median device time of fn on the GPU with the L2 cache flushed before each repetition: a read of
+// kL2FlushBytes queued first, so that fn's operands come from HBM, and the GPU stays busy while the host
+// prepares fn's launches (the host's share of a short call is not counted). A read, not Triton do_bench's
+// memset: a memset leaves the L2 full of dirty lines, and writing them back would be charged to fn.
 inline constexpr size_t kL2FlushBytes = size_t{256} << 20;
 double median_cold_l2_ms(int reps, const std::function<void()>& fn);
 
