@@ -301,7 +301,8 @@ def test_bad_alibi_and_sinks_raise_value_errors_naming_them():
 @pytest.mark.skipif(not (torch.cuda.is_available() and flashlm.cuda_device_count() > 0), reason="no GPU")
 def test_cuda_alibi_and_sinks_run_in_16_bit_and_fp32_or_head_dim_v_raise_the_library_error():
     # The fp16/bf16 flash kernels (mma.sync) have ALiBi and sinks: the CPU's fp32 answer on the same inputs,
-    # within bf16 rounding; the fp32 CUDA kernels refuse them by name, and every CUDA kernel refuses head_dim_v.
+    # within bf16 rounding; the fp32 CUDA kernels refuse them by name, and every CUDA kernel refuses a head_dim_v
+    # no kernel is compiled for (64 with 32; the Hopper forward has 192 with 128).
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     a, sink = slopes((2,)).cuda(), sinks(2, 5, requires_grad=False).cuda()
     o = flashlm.flash_attn_func(q, q, q, alibi_slopes=a, learnable_sink=sink)
