@@ -128,7 +128,8 @@ bool hopper_covers(AttentionPass pass, const AttentionProblem& p, const TensorVi
 
 // The Hopper family's predicates need the views (a TMA descriptor each, an sm_90 device), not only the
 // problem, so the choice between it and mma.sync is made here, on the views the kernels get, rather than in
-// plan_cuda_attention.
+// plan_cuda_attention; and here a Hopper plan (a head dim pair, which has no mma.sync kernel) is refused
+// where those predicates fail.
 CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPass pass, const AttentionProblem& p,
                                      const TensorView& q, const TensorView& k, const TensorView& v,
                                      const TensorView& o, const TensorView& dout, bool deterministic) {

@@ -34,9 +34,9 @@ inline constexpr std::array<int, 5> kMmaSyncBackwardHeadDims{16, 32, 64, 128, 25
 inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
 // The Hopper kernels' head dims (cuda/hopper/ instantiates its kernels from these lists). Their predicates
 // need the views as well as the problem (a TMA descriptor per view, an sm_90 device), so
-// plan_cuda_attention plans mma.sync for fp16/bf16 and flash_kernel_family (backends.h) turns that into
-// the Hopper family, for the forward and the backward alike, where flash_forward_sm90_covers and
-// flash_backward_sm90_covers hold. The Hopper backward has no deterministic mode:
+// plan_cuda_attention plans mma.sync for fp16/bf16 (but for the head dim pairs below) and
+// flash_kernel_family (backends.h) turns that into the Hopper family, for the forward and the backward
+// alike, where flash_forward_sm90_covers and flash_backward_sm90_covers hold. The Hopper backward has no deterministic mode:
 // AttentionOptions::deterministic takes the mma.sync backward's separate dQ pass on every GPU.
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
 inline constexpr std::array<int, 2> kHopperBackwardHeadDims{64, 128};
