@@ -62,6 +62,7 @@ void with_kernel_choice(const char* value, Body&& body) {
   else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
 }
 
+#ifdef FLASHLM_WITH_SM90
 // The case's options; `slopes` and `sinks` are given where the case has ALiBi and sinks (host or device
 // vectors, as the call's tensors).
 AttentionOptions pair_options(const PairGpuCase& s, AttentionImpl impl, const TensorView& slopes,
@@ -118,6 +119,7 @@ void expect_forward_matches_oracle(const PairGpuCase& s) {
     else EXPECT_NEAR(a, b, 1e-3 * std::max(1.0, std::fabs(b))) << "lse[" << i << "] of " << name;
   }
 }
+#endif
 
 class CudaHeadDimPairVsReference : public ::testing::TestWithParam<PairGpuCase> {};
 
