@@ -10,11 +10,13 @@
 #   hopper        the existing tests of the Hopper forward and backward: the fp64-oracle grid (Hopper where
 #                 it covers a problem), the Hopper coverage, tile and dispatch tests, the window / softcap
 #                 and ALiBi / sink grids, varlen
-#   hopper-mma    the same grids with FLASHLM_ATTENTION_KERNEL=mma (the mma.sync fallback; the pair's tests
-#                 then check its refusal)
+#   hopper-mma    the same with FLASHLM_ATTENTION_KERNEL=mma (the mma.sync fallback; tests that need a choice
+#                 set it themselves)
 #   attention     the whole of test_attention
 #   memcheck, racecheck   compute-sanitizer on a few small (192, 128) cases: plain, causal bottom-right with
 #                 rows without keys, a window, ALiBi and sinks
+#   python        flashlm.flash_attn_func at (192, 128) on the GPU (tests/python), where PYTHON (default python3)
+#                 has torch with CUDA and pytest; skipped, with a line in the summary, where it has not
 # each into OUT_DIR/NAME.log, with a summary table in OUT_DIR/summary.md; exits non-zero if any failed.
 set -uo pipefail
 usage="usage: gpu-check-dqk-dv.sh BUILD_DIR OUT_DIR"
@@ -62,5 +64,17 @@ done
 for tool in memcheck racecheck; do
   grep -qE '^\[  PASSED  \] [1-9]' "$out/$tool.log" || { echo "error: $tool ran no test" | tee -a "$out/summary.md"; failed=1; }
 done
+
+python=${PYTHON:-python3}
+library=$build/src/libflashlm_attention.so  # ninja -C BUILD_DIR flashlm_attention
+if [[ ! -f $library ]]; then
+  echo "| python | - | skipped: no $library |" | tee -a "$out/summary.md"
+elif "$python" -c 'import torch, pytest; assert torch.cuda.is_available()' 2> /dev/null; then
+  FLASHLM_LIBRARY=$library PYTHONPATH=$(dirname "$0")/../python \
+    run python 600 "$python" -m pytest -q -p no:cacheprovider \
+    "$(dirname "$0")/../tests/python/test_attention_variants.py" -k "head_dim_v or head_dims_192"
+else
+  echo "| python | - | skipped: $python has no torch with CUDA, or no pytest |" | tee -a "$out/summary.md"
+fi
 echo "summary: $out/summary.md"
 exit $failed
