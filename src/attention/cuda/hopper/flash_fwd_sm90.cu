@@ -14,7 +14,8 @@
 // so that its softmax of n runs under that GEMM. The producer gives up registers (setmaxnreg) so that the
 // consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by TMA; key columns at or
 // past seq_k and above the causal diagonal are masked in S. Each warpgroup writes its normalised O rows
-// into a shared-memory stage and one of its threads stores them with TMA (which clips rows past seq_q);
+// into a shared-memory stage and one of its threads stores them with TMA (which clips rows past seq_q), or,
+// where the stage does not fit beside Q and the K/V ring (Sm90FwdTraits::kStagedO), its threads store them;
 // at head dim 64, where the exponentials are the bottleneck, 1 in 8 of them runs on the FMA pipe.
 // The control flow above lives in pipeline_sm90.cuh, shared with the FP8 forward; this file supplies the
 // 16-bit kernel's tiles, loads, GEMMs and O store (Sm90FwdKernel).
