@@ -32,8 +32,10 @@
 // The window, softcap, ALiBi, sinks and head_dim_v != head_dim run on the CPU (naive and flash). The window
 // and softcap also run in the fp16/bf16 CUDA flash kernels (Hopper and mma.sync), ALiBi and sinks in the
 // fp16/bf16 mma.sync kernels (the Hopper ones decline them, so those problems run on mma.sync); the fp32,
-// naive and fp8 CUDA kernels refuse all four, and every CUDA kernel refuses head_dim_v, each by name (the
-// capability table, src/attention/capabilities.cpp).
+// naive and fp8 CUDA kernels refuse all four, each by name. head_dim_v != head_dim runs on CUDA in the
+// fp16/bf16 Hopper flash forward alone, on an sm_90 GPU, at head_dim 192 with head_dim_v 128 (with the
+// window, softcap, ALiBi and sinks); every other CUDA call with one, the backward included, is refused by
+// name (the capability table, src/attention/capabilities.cpp).
 #pragma once
 #include <cstdint>
 #include <optional>

@@ -7,7 +7,7 @@
  * A tensor is a pointer plus sizes and element strides, a dtype and a device. Attention shapes:
  *   q, dq               [batch, seq_q, heads_q, head_dim]
  *   k, dk               [batch, seq_k, heads_k, head_dim]   heads_q a multiple of heads_k (GQA/MQA)
- *   v, dv               [batch, seq_k, heads_k, head_dim_v] head_dim_v may differ from head_dim (CPU only)
+ *   v, dv               [batch, seq_k, heads_k, head_dim_v] head_dim_v may differ from head_dim (see below)
  *   o, dout             [batch, seq_q, heads_q, head_dim_v]
  *   lse                 [batch, heads_q, seq_q], fp32 (fp64 allowed for fp64 inputs on the CPU)
  * Any strides with a unit stride on head_dim (BSHD, BHSD, sliced views). CUDA tensors must be memory
@@ -23,7 +23,8 @@
  * value (lse includes it; a row that sees no key gets o = 0, lse = sink); the backward writes its gradient,
  * summed over the batch, to dlearnable_sink where that is given. The window, softcap, ALiBi, sinks and
  * head_dim_v != head_dim run on the CPU; on CUDA the fp16/bf16 flash kernels run the window and softcap
- * (Hopper and mma.sync) and ALiBi and sinks (mma.sync), and every other case is refused
+ * (Hopper and mma.sync) and ALiBi and sinks (mma.sync), the Hopper flash forward on an sm_90 GPU head_dim 192
+ * with head_dim_v 128 (no backward), and every other case is refused
  * (FLASHLM_INVALID_ARGUMENT naming the option). flashlm/attention.h has the full definitions.
  *
  * Packed variable-length sequences (flash-attn's varlen convention; flashlm_attention_varlen_*):

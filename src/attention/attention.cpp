@@ -109,31 +109,54 @@ namespace {
 // Whether a family's kernels implement every attention variant the problem asks for.
 bool implements_variants(const CudaKernelCapability& caps, const AttentionProblem& p) {
   return (!p.windowed() || caps.sliding_window) && (p.softcap == 0 || caps.softcap) && (!p.alibi || caps.alibi) &&
-         (!p.sink || caps.learnable_sink) && (p.value_dim() == p.head_dim || caps.head_dim_v);
+         (!p.sink || caps.learnable_sink);
+}
+
+// Whether the Hopper kernels run the pass on these views (never in a build without them).
+bool hopper_covers(AttentionPass pass, const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                   const TensorView& v, const TensorView& o, const TensorView& dout, bool deterministic) {
+#ifdef FLASHLM_WITH_SM90
+  return pass == AttentionPass::forward ? flash_forward_sm90_covers(p, q, k, v, &o)
+                                        : !deterministic && flash_backward_sm90_covers(p, q, k, v, dout);
+#else
+  (void)pass, (void)p, (void)q, (void)k, (void)v, (void)o, (void)dout, (void)deterministic;
+  return false;
+#endif
 }
 
 }  // namespace
 
 // The Hopper family's predicates need the views (a TMA descriptor each, an sm_90 device), not only the
 // problem, so the choice between it and mma.sync is made here, on the views the kernels get, rather than in
-// plan_cuda_attention.
+// plan_cuda_attention; and here a Hopper plan (a head dim pair, which has no mma.sync kernel) is refused
+// where those predicates fail.
 CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPass pass, const AttentionProblem& p,
                                      const TensorView& q, const TensorView& k, const TensorView& v,
                                      const TensorView& o, const TensorView& dout, bool deterministic) {
+  // Read on every build, so that a bad value is an error wherever it is set.
+  const FlashKernelChoice choice = flash_kernel_choice();
+  if (plan.family == CudaKernelFamily::hopper) {
+    // Planned there for a head_dim_v of its own, which no other cuda kernel runs: no fallback.
+    const std::string_view fn = pass == AttentionPass::forward ? "attention_forward" : "attention_backward";
+    FLASHLM_CHECK(choice != FlashKernelChoice::mma,
+                  "{}: v: head_dim_v {} differs from head_dim {}, which only the Hopper kernels run on cuda, and "
+                  "FLASHLM_ATTENTION_KERNEL=mma forbids them; it runs on the cpu",
+                  fn, p.value_dim(), p.head_dim);
+    FLASHLM_CHECK(hopper_covers(pass, p, q, k, v, o, dout, deterministic),
+                  "{}: v: head_dim_v {} differs from head_dim {}, which only the Hopper kernels run on cuda, and "
+                  "they do not run this call: they need a build with 90 in CMAKE_CUDA_ARCHITECTURES, an sm_90 GPU "
+                  "(compute capability 9.0) and views TMA can describe (strides under 2^40 bytes, sizes under "
+                  "2^31){}; it runs on the cpu",
+                  fn, p.value_dim(), p.head_dim,
+                  pass == AttentionPass::backward ? ", and no AttentionOptions::deterministic" : "");
+    return plan.family;
+  }
   if (plan.family != CudaKernelFamily::mma_sync) return plan.family;
   // plan_cuda_attention checked the variants against the mma.sync row; the Hopper row may lack some of them
   // (ALiBi and sinks, unless hopper_alibi_sink_route()), and those problems stay on mma.sync.
   if (!implements_variants(cuda_kernel_capability(CudaKernelFamily::hopper), p)) return plan.family;
-  // Read on every build, so that a bad value is an error wherever it is set.
-  if (flash_kernel_choice() == FlashKernelChoice::mma) return plan.family;
-#ifdef FLASHLM_WITH_SM90
-  const bool hopper = pass == AttentionPass::forward
-                          ? flash_forward_sm90_covers(p, q, k, v, &o)
-                          : !deterministic && flash_backward_sm90_covers(p, q, k, v, dout);
-  if (hopper) return CudaKernelFamily::hopper;
-#else
-  (void)pass, (void)p, (void)q, (void)k, (void)v, (void)o, (void)dout, (void)deterministic;
-#endif
+  if (choice == FlashKernelChoice::mma) return plan.family;
+  if (hopper_covers(pass, p, q, k, v, o, dout, deterministic)) return CudaKernelFamily::hopper;
   return plan.family;
 }
 
@@ -252,7 +275,7 @@ void run_forward(const AttentionProblem& p, [[maybe_unused]] const std::optional
       fail("attention_forward: q: dtype fp8_e4m3 needs the sm_90a kernels, and this build has none (configure "
            "with 90 in CMAKE_CUDA_ARCHITECTURES)");
 #endif
-    case CudaKernelFamily::hopper: break;
+    case CudaKernelFamily::hopper:  // a head_dim_v of its own (plan_cuda_attention): never padded
     case CudaKernelFamily::mma_sync:
     case CudaKernelFamily::f32:
       if (plan->padded) return padded_flash_forward_cuda(*plan, p, q, k, v, o, lse, options.stream);
@@ -277,8 +300,8 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
   switch (plan->family) {
     case CudaKernelFamily::naive:
       return naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
-    case CudaKernelFamily::fp8:  // refused by validate_attention_backward
-    case CudaKernelFamily::hopper: break;
+    case CudaKernelFamily::fp8: break;  // refused by validate_attention_backward
+    case CudaKernelFamily::hopper:        // a head_dim_v of its own (plan_cuda_attention): never padded
     case CudaKernelFamily::mma_sync:
     case CudaKernelFamily::f32:
       if (plan->padded) {

@@ -87,8 +87,9 @@ FlashKernelChoice flash_kernel_choice();
 
 // The one dispatch of the flash kernels, for both passes (attention.cpp): the family that runs `plan` on
 // these views (the padded copies where the plan pads): plan.family, or hopper for a 16-bit problem the
-// Hopper kernels cover unless FLASHLM_ATTENTION_KERNEL=mma or (backward) `deterministic`. `dout` is read by
-// the backward only.
+// Hopper kernels cover unless FLASHLM_ATTENTION_KERNEL=mma or (backward) `deterministic`. A Hopper plan (a
+// head_dim_v of its own) has no fallback: an Error naming head_dim_v where those conditions fail. `dout` is
+// read by the backward only.
 CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPass pass, const AttentionProblem& p,
                                      const TensorView& q, const TensorView& k, const TensorView& v,
                                      const TensorView& o, const TensorView& dout, bool deterministic);

@@ -34,12 +34,25 @@ inline constexpr std::array<int, 5> kMmaSyncBackwardHeadDims{16, 32, 64, 128, 25
 inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
 // The Hopper kernels' head dims (cuda/hopper/ instantiates its kernels from these lists). Their predicates
 // need the views as well as the problem (a TMA descriptor per view, an sm_90 device), so
-// plan_cuda_attention plans mma.sync for fp16/bf16 and flash_kernel_family (backends.h) turns that into
-// the Hopper family, for the forward and the backward alike, where flash_forward_sm90_covers and
-// flash_backward_sm90_covers hold. The Hopper backward has no deterministic mode:
+// plan_cuda_attention plans mma.sync for fp16/bf16 (but for the head dim pairs below) and
+// flash_kernel_family (backends.h) turns that into the Hopper family, for the forward and the backward
+// alike, where flash_forward_sm90_covers and flash_backward_sm90_covers hold. The Hopper backward has no deterministic mode:
 // AttentionOptions::deterministic takes the mma.sync backward's separate dQ pass on every GPU.
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
 inline constexpr std::array<int, 2> kHopperBackwardHeadDims{64, 128};
+
+// A head dim for q and k (qk: the S = Q·Kᵀ reduction) and a different one for v and o (v: P·V's columns),
+// as a kernel is compiled for the pair (DeepSeek's MLA attends with 192 and 128).
+struct HeadDimPair {
+  int qk, v;
+};
+// The pairs the Hopper forward is compiled for (cuda/hopper/flash_fwd_sm90.cu instantiates them from this
+// list). No CUDA backward takes a head_dim_v of its own: the Hopper dK/dV kernel keeps dK and dV of a
+// warpgroup's 64 keys in registers, and at (192, 128) those alone are 160 fp32 a thread beside Sᵀ, dPᵀ and
+// their 16-bit fragments, past the 240 a consumer thread has; it needs a different split of the work, not
+// another instantiation. Such a problem has no mma.sync fallback either: plan_cuda_attention plans it on
+// the Hopper row directly.
+inline constexpr std::array<HeadDimPair, 1> kHopperForwardHeadDimPairs{{{192, 128}}};
 // The FP8 forward's head dims (fp8_e4m3 inputs; the launcher, cuda/hopper/flash_fwd_fp8_sm90.cu, also
 // requires an sm_90 device and q and k views TMA can describe, an error otherwise: fp8 has no fallback).
 inline constexpr std::array<int, 2> kFp8ForwardHeadDims{64, 128};
@@ -58,18 +71,20 @@ struct CudaKernelCapability {
   std::span<const int> forward_head_dims, backward_head_dims;
   bool pads_head_dim;
   bool any_head_dim;
+  // The (head_dim, head_dim_v) pairs with head_dim_v != head_dim compiled per pass (v's head dim of its
+  // own: none pads, every one is exact). A 16-bit flash problem with such a pair plans on the Hopper row
+  // directly, since no mma.sync kernel takes one (plan_cuda_attention); any other family refuses it by name.
+  std::span<const HeadDimPair> forward_head_dim_pairs, backward_head_dim_pairs;
   // The attention variants the family's kernels implement (AttentionOptions::window_size_*, softcap: the
-  // 16-bit flash kernels' masked instantiations, cuda/flash_common.cuh; alibi_slopes, learnable_sink, a
-  // head_dim_v of its own); a
+  // 16-bit flash kernels' masked instantiations, cuda/flash_common.cuh; alibi_slopes, learnable_sink); a
   // problem that asks for one a family lacks is an Error naming the option, never a silent full mask.
   // The Hopper row must not claim a variant the mma.sync row lacks: plan_cuda_attention checks the
-  // planned family (mma.sync), and flash_kernel_family moves the problem to the Hopper kernels only where
-  // the Hopper row has every variant it asks for.
+  // planned family (mma.sync, but for the head dim pairs above), and flash_kernel_family moves the problem
+  // to the Hopper kernels only where the Hopper row has every variant it asks for.
   bool sliding_window;
   bool softcap;
   bool alibi;           // AttentionOptions::alibi_slopes
   bool learnable_sink;  // AttentionOptions::learnable_sink and the backward's dlearnable_sink
-  bool head_dim_v;      // v's head dim differing from q's and k's
 };
 
 // The row of `family` in the table. The Hopper row claims ALiBi and sinks where hopper_alibi_sink_route()
@@ -86,7 +101,7 @@ bool hopper_alibi_sink_route();
 void set_hopper_alibi_sink_route(bool on);
 
 // What runs a validated CUDA problem: the kernel family and the head dim of the kernel instantiation
-// (p.head_dim, or the next larger compiled one when the family pads).
+// (p.head_dim, or the next larger compiled one when the family pads; a head_dim_v of its own is never padded).
 struct CudaAttentionPlan {
   CudaKernelFamily family;
   int64_t kernel_head_dim;
@@ -97,6 +112,19 @@ struct CudaAttentionPlan {
 // or flashlm::Error naming `fn`, the argument (q) and what the table supports.
 CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
                                       AttentionPass pass);
+
+// Calls fn(std::integral_constant<int, pair.qk>{}, std::integral_constant<int, pair.v>{}) for the pair of
+// `kPairs` equal to (head_dim, head_dim_v) and returns true, or returns false when kPairs has no such pair:
+// with_head_dim for kernels compiled for a head_dim_v of its own.
+template <const auto& kPairs, class Fn>
+bool with_head_dim_pair(int64_t head_dim, int64_t head_dim_v, Fn&& fn) {
+  return [&]<size_t... I>(std::index_sequence<I...>) {
+    return ((head_dim == kPairs[I].qk && head_dim_v == kPairs[I].v
+                 ? (fn(std::integral_constant<int, kPairs[I].qk>{}, std::integral_constant<int, kPairs[I].v>{}), true)
+                 : false) ||
+            ...);
+  }(std::make_index_sequence<kPairs.size()>{});
+}
 
 // Calls fn(std::integral_constant<int, D>{}) for the D of `kDims` equal to head_dim and returns true, or
 // returns false when kDims has no such D: the launchers' switch from a runtime head dim to a template

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <gtest/gtest.h>
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -165,6 +166,16 @@ TEST(AttentionCapabilities, Fp8HasAForwardAtHeadDims64And128Only) {
   EXPECT_NE(message.find("the naive attention kernels do not take dtype fp8_e4m3"), std::string::npos) << message;
 }
 
+TEST(AttentionCapabilities, WithHeadDimPairInstantiatesExactlyTheListedPairs) {
+  std::vector<std::pair<int, int>> seen;
+  for (auto [qk, v] : {std::pair<int64_t, int64_t>{192, 128}, {128, 192}, {192, 192}, {128, 128}, {192, 64}}) {
+    const bool found = with_head_dim_pair<kHopperForwardHeadDimPairs>(
+        qk, v, [&](auto dim, auto dim_v) { seen.emplace_back(dim.value, dim_v.value); });
+    EXPECT_EQ(found, qk == 192 && v == 128) << qk << ", " << v;
+  }
+  EXPECT_EQ(seen, (std::vector<std::pair<int, int>>{{192, 128}}));
+}
+
 TEST(AttentionCapabilities, WithHeadDimInstantiatesExactlyTheListedDims) {
   std::vector<int> seen;
   for (int64_t d : {8, 16, 24, 32, 64, 100, 128, 256}) {
@@ -236,8 +247,8 @@ TEST(AttentionCapabilities, TheWindowAndSoftcapPlanOnMmaSyncAndOtherFamiliesRefu
 }
 
 // ALiBi and attention sinks plan on the mma.sync kernels (fp16 and bf16, both passes); the fp32, naive and fp8
-// families refuse each by the option's name, and every family refuses a head dim of v's own by name. The values
-// are never read: a CUDA problem's slopes and sinks live in device memory.
+// families refuse each by the option's name. The values are never read: a CUDA problem's slopes and sinks live
+// in device memory. (A head dim of v's own: HeadDimPairs... below.)
 TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatItLacksByName) {
   struct Planned {
     DType dtype;
@@ -283,14 +294,6 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
       p.learnable_sink = device_values;
       expect_planned_or_refused(p, "learnable_sink");
       p = problem(f.dtype, 64);
-      p.head_dim_v = 32;
-      expect_refused(p, "v");
-      p.alibi = true;  // ALiBi and a sink do not lift the refusal of head_dim_v, nor change its name
-      p.alibi_slopes = device_values;
-      p.sink = true;
-      p.learnable_sink = device_values;
-      expect_refused(p, f.has_alibi_and_sinks ? "v" : "alibi_slopes");
-      p = problem(f.dtype, 64);
       p.head_dim_v = 64;  // equal to head_dim: not a variant
       EXPECT_NO_THROW(plan_cuda_attention("attention_forward", p, f.impl, pass));
     }
@@ -299,29 +302,38 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
 
 // The rows: mma.sync claims ALiBi and sinks; with the Hopper route off (hopper_alibi_sink_route,
 // FLASHLM_HOPPER_ALIBI_SINK=0), Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family keeps an ALiBi or sink problem on
-// mma.sync, never Hopper); no family claims head_dim_v. The Hopper row claims no variant the mma.sync row
-// lacks (plan_cuda_attention checks the mma.sync row for both).
+// mma.sync, never Hopper). The Hopper row claims no variant the mma.sync row lacks (plan_cuda_attention checks
+// the mma.sync row for both). Only the Hopper forward has head dim pairs, (192, 128); no backward has any.
 TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
   const HopperAlibiSinkRoute route(false);
   const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
   EXPECT_TRUE(mma.alibi);
   EXPECT_TRUE(mma.learnable_sink);
-  EXPECT_FALSE(mma.head_dim_v);
   for (CudaKernelFamily f : {CudaKernelFamily::hopper, CudaKernelFamily::f32, CudaKernelFamily::fp8,
                              CudaKernelFamily::naive}) {
     EXPECT_FALSE(cuda_kernel_capability(f).alibi) << cuda_kernel_family_name(f);
     EXPECT_FALSE(cuda_kernel_capability(f).learnable_sink) << cuda_kernel_family_name(f);
-    EXPECT_FALSE(cuda_kernel_capability(f).head_dim_v) << cuda_kernel_family_name(f);
   }
   const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
   EXPECT_TRUE(mma.alibi || !hopper.alibi);
   EXPECT_TRUE(mma.learnable_sink || !hopper.learnable_sink);
-  EXPECT_TRUE(mma.head_dim_v || !hopper.head_dim_v);
+  for (CudaKernelFamily f : {CudaKernelFamily::mma_sync, CudaKernelFamily::hopper, CudaKernelFamily::f32,
+                             CudaKernelFamily::fp8, CudaKernelFamily::naive}) {
+    const CudaKernelCapability& c = cuda_kernel_capability(f);
+    EXPECT_TRUE(c.backward_head_dim_pairs.empty()) << cuda_kernel_family_name(f);
+    if (f != CudaKernelFamily::hopper) {
+      EXPECT_TRUE(c.forward_head_dim_pairs.empty()) << cuda_kernel_family_name(f);
+    }
+  }
+  ASSERT_EQ(hopper.forward_head_dim_pairs.size(), 1u);
+  EXPECT_EQ(hopper.forward_head_dim_pairs[0].qk, 192);
+  EXPECT_EQ(hopper.forward_head_dim_pairs[0].v, 128);
 }
 
 // With the Hopper route on, the Hopper row claims ALiBi and sinks and nothing else changes: its head dims,
 // dtypes and other variants are the default row's, and no other row moves; off again, it claims neither.
 TEST(AttentionCapabilities, TheHopperRouteSwitchesOnlyTheHopperRowsAlibiAndSinks) {
+  const auto same_pair = [](const HeadDimPair& a, const HeadDimPair& b) { return a.qk == b.qk && a.v == b.v; };
   const CudaKernelCapability off = [] {
     const HopperAlibiSinkRoute route(false);
     return cuda_kernel_capability(CudaKernelFamily::hopper);
@@ -340,7 +352,8 @@ TEST(AttentionCapabilities, TheHopperRouteSwitchesOnlyTheHopperRowsAlibiAndSinks
     EXPECT_EQ(on.any_head_dim, off.any_head_dim);
     EXPECT_EQ(on.sliding_window, off.sliding_window);
     EXPECT_EQ(on.softcap, off.softcap);
-    EXPECT_EQ(on.head_dim_v, off.head_dim_v);
+    EXPECT_TRUE(std::ranges::equal(on.forward_head_dim_pairs, off.forward_head_dim_pairs, same_pair));
+    EXPECT_TRUE(std::ranges::equal(on.backward_head_dim_pairs, off.backward_head_dim_pairs, same_pair));
     for (CudaKernelFamily f : {CudaKernelFamily::f32, CudaKernelFamily::fp8, CudaKernelFamily::naive}) {
       EXPECT_FALSE(cuda_kernel_capability(f).alibi) << cuda_kernel_family_name(f);
       EXPECT_FALSE(cuda_kernel_capability(f).learnable_sink) << cuda_kernel_family_name(f);
@@ -378,6 +391,79 @@ TEST(AttentionCapabilities, AlibiAndSinksCombineWithTheOtherVariantsAndPadding) 
       }
     }
   }
+}
+
+// A head dim of v's own: (192, 128) in fp16 and bf16 flash plans on the Hopper forward directly (no mma.sync
+// kernel takes it, so there is no fallback to plan), exact, with the window, soft-capping and, with the Hopper
+// route on, ALiBi and sinks. Everything else is refused by v's name, saying where it runs: the backward, any
+// other pair, the fp32, naive and fp8 families; the pair is checked before the variants, so a problem that
+// also asks for one the family lacks is still refused for head_dim_v.
+TEST(AttentionCapabilities, HeadDimPairsPlanOnTheHopperForwardAndAreRefusedElsewhereByName) {
+  const float device_values[4] = {};  // stands for device memory
+  auto split = [](DType dtype, int64_t qk, int64_t v) {
+    AttentionProblem p = problem(dtype, qk);
+    p.head_dim_v = v;
+    return p;
+  };
+  auto expect_refused = [](const AttentionProblem& p, AttentionImpl impl, AttentionPass pass,
+                           std::initializer_list<std::string> fragments) {
+    try {
+      plan_cuda_attention(pass == AttentionPass::forward ? "attention_forward" : "attention_backward", p, impl, pass);
+      ADD_FAILURE() << "planned";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      for (const std::string& f : fragments) EXPECT_NE(m.find(f), std::string::npos) << m;
+    }
+  };
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    for (bool route : {false, true}) {
+      const HopperAlibiSinkRoute hopper_route(route);
+      AttentionProblem p = split(dtype, 192, 128);
+      const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, AttentionImpl::flash, AttentionPass::forward);
+      EXPECT_EQ(plan.family, CudaKernelFamily::hopper);
+      EXPECT_EQ(plan.kernel_head_dim, 192);
+      EXPECT_FALSE(plan.padded);
+      p.window_left = 100;
+      p.softcap = 30;
+      p.causal = true;
+      EXPECT_EQ(plan_cuda_attention("attention_forward", p, AttentionImpl::flash, AttentionPass::forward).family,
+                CudaKernelFamily::hopper);
+      p.alibi = true;
+      p.alibi_slopes = device_values;
+      p.sink = true;
+      p.learnable_sink = device_values;
+      if (route) {
+        EXPECT_EQ(plan_cuda_attention("attention_forward", p, AttentionImpl::flash, AttentionPass::forward).family,
+                  CudaKernelFamily::hopper);
+      } else {
+        expect_refused(p, AttentionImpl::flash, AttentionPass::forward,
+                       {"alibi_slopes: the hopper attention kernels have no ALiBi"});
+      }
+    }
+    expect_refused(split(dtype, 192, 128), AttentionImpl::flash, AttentionPass::backward,
+                   {"attention_backward: v: head_dim_v 128 differs from head_dim 192",
+                    "the hopper backward kernels are compiled for no such pair", "runs on the cpu",
+                    "Hopper forward alone", "(192, 128)"});
+    for (auto [qk, v] : {std::pair<int64_t, int64_t>{128, 192}, {64, 32}, {192, 64}, {256, 128}}) {
+      AttentionProblem p = split(dtype, qk, v);
+      p.alibi = true;  // the pair is refused first, whatever the route
+      p.alibi_slopes = device_values;
+      expect_refused(p, AttentionImpl::flash, AttentionPass::forward,
+                     {fmt::format("v: head_dim_v {} differs from head_dim {}", v, qk),
+                      "the hopper forward kernels are compiled for no such pair", "(192, 128)"});
+    }
+    expect_refused(split(dtype, 192, 128), AttentionImpl::naive, AttentionPass::forward,
+                   {"v: head_dim_v 128 differs from head_dim 192", "the naive forward kernels", "runs on the cpu"});
+  }
+  expect_refused(split(DType::f32, 192, 128), AttentionImpl::flash, AttentionPass::forward,
+                 {"v: head_dim_v 128 differs from head_dim 192", "the fp32 forward kernels", "runs on the cpu"});
+  expect_refused(split(DType::f8e4m3, 192, 128), AttentionImpl::flash, AttentionPass::forward,
+                 {"v: head_dim_v 128 differs from head_dim 192", "the fp8 forward kernels", "runs on the cpu"});
+  AttentionProblem equal = split(DType::bf16, 192, 192);  // equal to head_dim: not a pair, the usual padded plan
+  const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", equal, AttentionImpl::flash, AttentionPass::forward);
+  EXPECT_EQ(plan.family, CudaKernelFamily::mma_sync);
+  EXPECT_EQ(plan.kernel_head_dim, 256);
 }
 
 }  // namespace

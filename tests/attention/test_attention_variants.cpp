@@ -732,7 +732,7 @@ TEST(AttentionExtras, CAbiCarriesAlibiAndSinks) {
 
 // On a GPU the fp16/bf16 flash kernels (mma.sync) run ALiBi and sinks through the public calls; the fp32 flash and
 // the naive kernels refuse them by name, whatever the slopes and sinks hold (their device memory is never read);
-// every kernel family refuses head_dim_v by name.
+// every kernel family refuses a head_dim_v no kernel is compiled for (64 with 32) by name.
 TEST(AttentionExtrasCuda, KernelsWithoutThemRefuseThemByName) {
   SKIP_WITHOUT_GPU();
   for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {

@@ -10,6 +10,7 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "attention/attention_testing.h"
@@ -162,13 +163,15 @@ struct Pack {
   VarlenSequences seqs() const {
     return {cu_q.data(), cu_k.data(), static_cast<int64_t>(cu_q.size()) - 1, Device::cpu, max_q, max_k};
   }
-  void run_varlen(const AttentionOptions& opt) {
+  // (with_backward false: the forward alone, dq, dk, dv and dsink left poisoned; so in the calls below.)
+  void run_varlen(const AttentionOptions& opt, bool with_backward = true) {
     attention_varlen_forward(q.view, k.view, v.view, o.view, lse, seqs(), opt);
+    if (!with_backward) return;
     attention_varlen_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, seqs(), opt);
   }
   // The oracle: one batched reference call per sequence on that sequence's rows (4-D slices of the pack), with
   // that sequence's slopes; dsink the sum of the calls'.
-  void run_per_sequence_reference(const VarlenCase& c) {
+  void run_per_sequence_reference(const VarlenCase& c, bool with_backward = true) {
     AttentionOptions opt = options(c, AttentionImpl::naive);
     Tensor dsink_b = Tensor::empty({c.Hq}, DType::f32);
     if (c.sink) {
@@ -190,15 +193,16 @@ struct Pack {
         opt.alibi_slopes = row;
       }
       attention_forward(qs(Q), ks(K), ks(V), qs(O), lse_b, opt);
+      if (!with_backward) continue;
       attention_backward(qs(Q), ks(K), ks(V), qs(O), lse_b, qs(dO), qs(dQ), ks(dK), ks(dV), opt);
       for (int64_t h = 0; h < (c.sink ? c.Hq : 0); ++h) dsink.view().ptr<float>()[h] += dsink_b.view().ptr<float>()[h];
     }
   }
   // The varlen calls on device copies (rows as far apart as here, outputs poisoned), results copied back.
-  void run_varlen_on_device(const AttentionOptions& opt, bool device_offsets);
+  void run_varlen_on_device(const AttentionOptions& opt, bool device_offsets, bool with_backward = true);
 };
 
-void Pack::run_varlen_on_device(const AttentionOptions& opt, bool device_offsets) {
+void Pack::run_varlen_on_device(const AttentionOptions& opt, bool device_offsets, bool with_backward) {
   auto to_dev = [](const Rows& host) {
     Rows d;
     const TensorView& s = host.storage.view();
@@ -246,7 +250,9 @@ void Pack::run_varlen_on_device(const AttentionOptions& opt, bool device_offsets
     dev_opt.dlearnable_sink = d_dsink.view();
   }
   attention_varlen_forward(Q.view, K.view, V.view, O.view, L, s, dev_opt);
-  attention_varlen_backward(Q.view, K.view, V.view, O.view, L, dO.view, dQ.view, dK.view, dV.view, s, dev_opt);
+  if (with_backward) {
+    attention_varlen_backward(Q.view, K.view, V.view, O.view, L, dO.view, dQ.view, dK.view, dV.view, s, dev_opt);
+  }
   for (auto [host, dev] : {std::pair{&o, &O}, {&dq, &dQ}, {&dk, &dK}, {&dv, &dV}}) {
     copy_into(host->storage.view(), dev->storage.view());
   }
@@ -257,9 +263,9 @@ void Pack::run_varlen_on_device(const AttentionOptions& opt, bool device_offsets
 // The outputs of `got` against the oracle `ref`, with the tolerance of the low-precision rule from `lowp`
 // (the naive attention with got's storage dtype), plus `roundoffs` unit roundoffs of the dtype times the
 // result's scale (for a 16-bit CUDA flash result measured against the CPU's naive attention, whose only error
-// is the rounding of its outputs, the kernels' 16-bit P and dS in their GEMMs).
+// is the rounding of its outputs, the kernels' 16-bit P and dS in their GEMMs). with_backward false: o and lse.
 void expect_close(const Pack& got, const Pack& ref, const Pack& lowp, const VarlenCase& c, const std::string& what,
-                  double roundoffs = 0) {
+                  double roundoffs = 0, bool with_backward = true) {
   struct Item {
     const char* name;
     const TensorView &got, &want, &lowp;
@@ -267,6 +273,7 @@ void expect_close(const Pack& got, const Pack& ref, const Pack& lowp, const Varl
   for (const Item& t : {Item{"o", got.o.view, ref.o.view, lowp.o.view}, Item{"dq", got.dq.view, ref.dq.view, lowp.dq.view},
                         Item{"dk", got.dk.view, ref.dk.view, lowp.dk.view},
                         Item{"dv", got.dv.view, ref.dv.view, lowp.dv.view}}) {
+    if (!with_backward && std::string_view(t.name) != "o") continue;
     const double err = max_abs_diff(t.got, t.want);
     const double scale = std::max(1.0, max_abs(t.want));
     const double unit_roundoff = c.dtype == DType::bf16 ? 1.0 / 256 : 1.0 / 2048;
@@ -276,7 +283,7 @@ void expect_close(const Pack& got, const Pack& ref, const Pack& lowp, const Varl
     EXPECT_LE(err, tol) << what << " " << t.name << " of " << varlen_case_name(c) << " (max |ref| " << max_abs(t.want)
                         << ")";
   }
-  if (c.sink) {
+  if (c.sink && with_backward) {
     // As in expect_flash_matches_oracle: the flash backward's Delta = dO · O reads the stored O (rounded to the
     // dtype), the naive one derives it from fp64 P, so fp16 / bf16 allow eps · Σ_i P_sink,i Σ_d |dO_id O_id| more.
     const double eps = c.dtype == DType::bf16 ? 0x1p-8 : c.dtype == DType::f16 ? 0x1p-11 : 0.0;
@@ -312,7 +319,8 @@ void expect_close(const Pack& got, const Pack& ref, const Pack& lowp, const Varl
 // keys in a sequence without queries; lse = -inf for those queries.
 // (With sinks the lse of a query without keys is its head's sink: exactly on the CPU, within the fp32 rounding of
 // the CUDA kernels' log2-domain round trip, sink · log2(e) · ln(2).)
-void expect_empty_sequences_zero(const Pack& got, const VarlenCase& c, const std::string& what) {
+void expect_empty_sequences_zero(const Pack& got, const VarlenCase& c, const std::string& what,
+                                 bool with_backward = true) {
   Tensor o = to_f64(got.o.view), dq = to_f64(got.dq.view), dk = to_f64(got.dk.view), dv = to_f64(got.dv.view);
   Tensor lse = to_f64(got.lse);
   const int64_t total_q = got.cu_q.back(), Dv = value_dim(c);
@@ -321,7 +329,7 @@ void expect_empty_sequences_zero(const Pack& got, const VarlenCase& c, const std
       for (int64_t i = got.cu_q[b] * c.Hq * Dv; i < got.cu_q[b + 1] * c.Hq * Dv; ++i) {
         ASSERT_EQ(o.view().ptr<double>()[i], 0.0) << what << " o of sequence " << b << " (no keys)";
       }
-      for (int64_t i = got.cu_q[b] * c.Hq * c.D; i < got.cu_q[b + 1] * c.Hq * c.D; ++i) {
+      for (int64_t i = got.cu_q[b] * c.Hq * c.D; i < (with_backward ? got.cu_q[b + 1] * c.Hq * c.D : 0); ++i) {
         ASSERT_EQ(dq.view().ptr<double>()[i], 0.0) << what << " dq of sequence " << b << " (no keys)";
       }
       for (int64_t h = 0; h < c.Hq; ++h) {
@@ -337,7 +345,7 @@ void expect_empty_sequences_zero(const Pack& got, const VarlenCase& c, const std
         }
       }
     }
-    if (c.len_q[b] == 0) {
+    if (c.len_q[b] == 0 && with_backward) {
       for (int64_t i = got.cu_k[b] * c.Hk * c.D; i < got.cu_k[b + 1] * c.Hk * c.D; ++i) {
         ASSERT_EQ(dk.view().ptr<double>()[i], 0.0) << what << " dk of sequence " << b << " (no queries)";
       }
@@ -594,6 +602,60 @@ TEST_P(VarlenCudaAlibiSinkVsReference, HopperMatchesPerSequenceReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaAlibiSinkVsReference, ::testing::ValuesIn(alibi_sink_gpu_grid()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) {
+                           return varlen_case_name(info.param);
+                         });
+
+// A head dim of v's own on packed sequences: (192, 128), the Hopper forward's pair (no CUDA backward has it), on
+// an sm_90 GPU, each run of sequences one Hopper launch; ragged packs with sequences without keys (o = 0, lse =
+// -inf) or queries, every mask, GQA, bf16 and fp16, a window and soft-capping, ALiBi and sinks on the Hopper
+// route; o and lse against the per-sequence fp64 reference.
+std::vector<VarlenCase> head_dim_pair_gpu_grid() {
+  std::vector<VarlenCase> cases;
+  const std::vector<int32_t> self{1, 17, 1000, 0, 127, 3};
+  const std::vector<int32_t> cq{5, 0, 130, 17, 9, 700}, ck{9, 40, 0, 17, 200, 513};
+  int n = 0;
+  for (Mask m : {Mask::none, Mask::top_left, Mask::bottom_right}) {
+    const DType dt = n % 2 ? DType::bf16 : DType::f16;
+    cases.push_back({self, self, 4, 2, 192, m, dt, n % 2 == 0, false, -1, -1, 0, 128});
+    cases.push_back({cq, ck, 6, 2, 192, m, dt, n % 2 == 1, false, -1, -1, 0, 128});
+    ++n;
+  }
+  cases.push_back({cq, ck, 4, 1, 192, Mask::bottom_right, DType::bf16, true, false, 50, -1, 30.0, 128});
+  cases.push_back({cq, ck, 4, 2, 192, Mask::none, DType::f16, false, false, -1, -1, 0, 128, 2, true});
+  // Runs of equal lengths, each one batched launch.
+  cases.push_back({{17, 17, 17, 130, 130, 0, 0, 300, 300}, {17, 17, 17, 129, 129, 3, 3, 0, 290}, 4, 2, 192,
+                   Mask::top_left, DType::bf16, true, false, -1, -1, 0, 128});
+  return cases;
+}
+
+class VarlenCudaHeadDimPairVsReference : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenCudaHeadDimPairVsReference, HopperForwardMatchesPerSequenceReference) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the Hopper kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  const VarlenCase c = GetParam();
+  const HopperAlibiSinkRoute route(true);
+  Pack ours(c, c.dtype, 3900 + c.len_q.size(), c.padded_rows);
+  Pack lowp(ours, c, c.dtype);
+  Pack ref(ours, c, DType::f64);
+  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // "mma" would refuse the pair
+  const std::string saved = was == nullptr ? "" : was;
+  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
+  ours.run_varlen_on_device(ours.options(c, AttentionImpl::flash), c.len_q.size() % 2 == 1, false);
+  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
+  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
+  lowp.run_varlen(lowp.options(c, AttentionImpl::naive), false);
+  ref.run_per_sequence_reference(c, false);
+  expect_close(ours, ref, lowp, c, "cuda flash (hopper, head dim pair)", 4, false);
+  expect_empty_sequences_zero(ours, c, "cuda flash (hopper, head dim pair)", false);
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaHeadDimPairVsReference, ::testing::ValuesIn(head_dim_pair_gpu_grid()),
                          [](const ::testing::TestParamInfo<VarlenCase>& info) {
                            return varlen_case_name(info.param);
                          });

@@ -301,7 +301,8 @@ def test_bad_alibi_and_sinks_raise_value_errors_naming_them():
 @pytest.mark.skipif(not (torch.cuda.is_available() and flashlm.cuda_device_count() > 0), reason="no GPU")
 def test_cuda_alibi_and_sinks_run_in_16_bit_and_fp32_or_head_dim_v_raise_the_library_error():
     # The fp16/bf16 flash kernels (mma.sync) have ALiBi and sinks: the CPU's fp32 answer on the same inputs,
-    # within bf16 rounding; the fp32 CUDA kernels refuse them by name, and every CUDA kernel refuses head_dim_v.
+    # within bf16 rounding; the fp32 CUDA kernels refuse them by name, and every CUDA kernel refuses a head_dim_v
+    # no kernel is compiled for (64 with 32; the Hopper forward has 192 with 128).
     q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
     a, sink = slopes((2,)).cuda(), sinks(2, 5, requires_grad=False).cuda()
     o = flashlm.flash_attn_func(q, q, q, alibi_slopes=a, learnable_sink=sink)
@@ -315,6 +316,27 @@ def test_cuda_alibi_and_sinks_run_in_16_bit_and_fp32_or_head_dim_v_raise_the_lib
         flashlm.flash_attn_func(q32, q32, q32, learnable_sink=sink)
     with pytest.raises(ValueError, match="v: head_dim_v 32 differs from head_dim 64"):
         flashlm.flash_attn_func(q, q, q[..., :32].contiguous())
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and flashlm.cuda_device_count() > 0), reason="no GPU")
+def test_cuda_head_dims_192_and_128_run_the_hopper_forward_or_raise_the_library_error():
+    # DeepSeek's MLA shape runs the Hopper forward on an sm_90 GPU: the CPU's fp32 answer on the same inputs
+    # within bf16 rounding, o taking v's head dim; its backward (no CUDA kernel has one), and the forward on any
+    # other GPU, raise the library's error naming head_dim_v.
+    q = torch.randn(1, 100, 4, 192, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 130, 2, 192, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 130, 2, 128, device="cuda", dtype=torch.bfloat16)
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(ValueError, match="head_dim_v 128 differs from head_dim 192"):
+            flashlm.flash_attn_func(q, k, v, causal=True)
+        return
+    o = flashlm.flash_attn_func(q, k, v, causal=True)
+    assert o.shape == (1, 100, 4, 128)
+    ref = flashlm.flash_attn_func(q.cpu().float(), k.cpu().float(), v.cpu().float(), causal=True)
+    assert (o.cpu().float() - ref).abs().max().item() < 3e-2
+    qg = q.clone().requires_grad_()
+    with pytest.raises((ValueError, RuntimeError), match="head_dim_v 128 differs from head_dim 192"):
+        flashlm.flash_attn_func(qg, k, v, causal=True).sum().backward()
 
 
 @needs_ops

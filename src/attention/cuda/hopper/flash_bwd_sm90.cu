@@ -26,6 +26,9 @@
 // zeros without loading anything. A sliding window or soft-capping (and a sink) take a masked
 // instantiation, ALiBi a third one (flash_bwd_sm90_kernel's kMasked, kAlibi), so that the plain kernel
 // carries none of their work.
+// Q, K, V and O share one head dim here. The forward's (192, 128) pair would hold a warpgroup's dK (64 x 192)
+// and dV (64 x 128) in 160 fp32 registers a thread before Sᵀ, dPᵀ and their fragments, past the 240 a consumer
+// thread has: it needs another split of the work, and capabilities.h lists no backward pair.
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -427,6 +430,8 @@ bool with_backward_head_dim(int64_t head_dim, Fn&& fn) {
 std::optional<Sm90BackwardMaps> plan_backward_sm90(const AttentionProblem& p, const TensorView& q,
                                                    const TensorView& k, const TensorView& v, const TensorView& dout) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
+  // One head dim for Q, K, V and their gradients: the capability table lists no Hopper backward pair.
+  if (p.value_dim() != p.head_dim) return std::nullopt;
   int block_m = 0, block_n = 0;
   const bool compiled = with_backward_head_dim(p.head_dim, [&](auto dim) {
     block_m = Sm90BwdTraits<dim.value>::kBlockM;

@@ -14,13 +14,17 @@
 // so that its softmax of n runs under that GEMM. The producer gives up registers (setmaxnreg) so that the
 // consumers can hold S, P and O. Rows past the ends of Q and K are zero-filled by TMA; key columns at or
 // past seq_k and above the causal diagonal are masked in S. Each warpgroup writes its normalised O rows
-// into a shared-memory stage and one of its threads stores them with TMA (which clips rows past seq_q);
+// into a shared-memory stage and one of its threads stores them with TMA (which clips rows past seq_q), or,
+// where the stage does not fit beside Q and the K/V ring (Sm90FwdTraits::kStagedO), its threads store them;
 // at head dim 64, where the exponentials are the bottleneck, 1 in 8 of them runs on the FMA pipe.
 // The control flow above lives in pipeline_sm90.cuh, shared with the FP8 forward; this file supplies the
 // 16-bit kernel's tiles, loads, GEMMs and O store (Sm90FwdKernel).
 // A sliding window or soft-capping takes a masked instantiation, ALiBi or an attention sink a third one
 // (Sm90FwdTraits' MASKED and ALIBI_SINK: the bias and the sink live in WgmmaRowSoftmax), so that the plain
 // kernels carry none of their work.
+// V and O may have a head dim of their own (Sm90FwdTraits' DV, the capability table's head dim pairs: 192
+// for Q·K with 128 for V is DeepSeek's MLA shape): Q's and K's tiles, TMA boxes and S's reduction run over D,
+// V's tiles, P·V's columns, the O accumulators and O's store over DV; the softmax sees neither.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -45,23 +49,30 @@ namespace {
 
 // Keys per block by default: at head dim 256 the O accumulators take 128 registers a thread and Q alone
 // 64 KB of shared memory, so key blocks are 80 (40 S registers; two stages of K and V fit in the remaining
-// 160 KB).
+// 160 KB). At (192, 128) the registers are d128's, and two stages of 128 keys fit beside Q once O skips
+// the shared-memory stage (kStagedO).
 template <int D>
 constexpr int sm90_default_block_n() {
   return D == 256 ? 80 : 128;
 }
 
-// BM query rows per tile (64 per consumer warpgroup: two or three), BN keys per block, ST ring stages;
-// MASKED: the sliding-window / soft-capping instantiation (FlashParams::masked, WgmmaRowSoftmax's kMasked),
-// one per head dim on the default tile; ALIBI_SINK (with MASKED): the one that adds ALiBi and attention sinks
-// (WgmmaRowSoftmax's kAlibiSink), so that neither the plain nor the masked instantiation carries their work.
-template <int D, int BM = 128, int BN = sm90_default_block_n<D>(), int ST = 2, bool MASKED = false,
+// The shared memory one sm_90 block may have, less the room forward_smem_bytes keeps to align its base and
+// the barriers' few bytes.
+constexpr uint32_t kSm90TileSmemBytes = 227 * 1024 - 2 * 1024;
+
+// D the head dim of Q and K, DV that of V and O (D by default); BM query rows per tile (64 per consumer
+// warpgroup: two or three), BN keys per block, ST ring stages; MASKED: the sliding-window / soft-capping
+// instantiation (FlashParams::masked, WgmmaRowSoftmax's kMasked), one per head dim on the default tile;
+// ALIBI_SINK (with MASKED): the one that adds ALiBi and attention sinks (WgmmaRowSoftmax's kAlibiSink), so
+// that neither the plain nor the masked instantiation carries their work.
+template <int D, int DV = D, int BM = 128, int BN = sm90_default_block_n<D>(), int ST = 2, bool MASKED = false,
           bool ALIBI_SINK = false>
 struct Sm90FwdTraits {
   static_assert(MASKED || !ALIBI_SINK, "ALiBi and sinks take the masked instantiation");
   static constexpr bool kMasked = MASKED;
   static constexpr bool kAlibiSink = ALIBI_SINK;
   static constexpr int kHeadDim = D;
+  static constexpr int kValueDim = DV;
   static constexpr int kBlockM = BM;
   static constexpr int kBlockN = BN;
   static constexpr int kStages = ST;
@@ -71,11 +82,12 @@ struct Sm90FwdTraits {
   static constexpr int kConsumerThreads = kConsumers * sm90::kWarpgroupThreads;
   // 128 · (24 + 2 · 240) = 64512 of the SM's 65536 registers; with three consumers 128 · (24 + 3 · 160).
   static constexpr int kProducerRegisters = 24, kConsumerRegisters = kConsumers == 2 ? 240 : 160;
-  static constexpr uint32_t kQBytes = kBlockM * D * 2, kKBytes = kBlockN * D * 2, kVBytes = kKBytes;
-  static constexpr int kPanels = D / sm90::kPanelCols;
-  // O leaves through a shared-memory stage and TMA stores, except at head dim 256, where the stage does not
-  // fit beside Q and the K/V ring (64 + 160 KB) and the threads store O directly.
-  static constexpr bool kStagedO = D != 256;
+  static constexpr uint32_t kQBytes = kBlockM * D * 2, kKBytes = kBlockN * D * 2, kVBytes = kBlockN * DV * 2;
+  static constexpr int kQkPanels = D / sm90::kPanelCols, kValuePanels = DV / sm90::kPanelCols;
+  // O leaves through a shared-memory stage and TMA stores where the stage fits beside Q and the K/V ring;
+  // where it does not (head dim 256: 64 + 160 KB before it; (192, 128): 48 + 160 KB), the threads store O
+  // directly.
+  static constexpr bool kStagedO = kQBytes + kStages * (kKBytes + kVBytes) + kBlockM * DV * 2 <= kSm90TileSmemBytes;
   // At head dim 64 the softmax's exponentials take as long as the two GEMMs of a key block: 1 in 8 of them
   // (every 8th group of 8 key columns) runs on the FMA pipe instead of the SFU (exp2_on_fma_pipe).
   static constexpr int kPolyEvery = D == 64 ? 8 : 0;
@@ -84,35 +96,35 @@ struct Sm90FwdTraits {
   static constexpr int kRowChains = D == 256 ? 1 : 4;
 };
 
-// O's staging tile for the TMA store: each consumer warpgroup's 64 rows as D / 64 panels of 64 rows in
+// O's staging tile for the TMA store: each consumer warpgroup's 64 rows as DV / 64 panels of 64 rows in
 // sm90.cuh's swizzled layout (one store box each). Absent (one element) where O is stored directly.
 template <class Tr>
 struct Sm90FwdOStage {
-  alignas(1024) uint16_t rows[Tr::kStagedO ? Tr::kConsumers * 64 * Tr::kHeadDim : 1];
+  alignas(1024) uint16_t rows[Tr::kStagedO ? Tr::kConsumers * 64 * Tr::kValueDim : 1];
 };
 
 template <class Tr>
 struct Sm90FwdShared {
-  static constexpr int D = Tr::kHeadDim;
+  static constexpr int D = Tr::kHeadDim, DV = Tr::kValueDim;
   alignas(1024) uint16_t q[Tr::kBlockM * D];
   alignas(1024) uint16_t k[Tr::kStages][Tr::kBlockN * D];
-  alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * D];
+  alignas(1024) uint16_t v[Tr::kStages][Tr::kBlockN * DV];
   Sm90FwdOStage<Tr> o;
   ForwardBarriers<Tr::kStages> bar;
 };
 
-// What the 16-bit kernel puts into the shared pipeline (pipeline_sm90.cuh): Q, K and V as D / 64 panels of
-// 64 swizzled columns each, S = Q·Kᵀ with both operands in shared memory, P·V with P from registers and V
-// read N-major, and O out through a shared-memory stage and TMA stores (or directly at head dim 256).
-// tm_o (boxes of 64 rows) is read only where Tr::kStagedO.
+// What the 16-bit kernel puts into the shared pipeline (pipeline_sm90.cuh): Q and K as D / 64 panels of 64
+// swizzled columns each, V as DV / 64, S = Q·Kᵀ with both operands in shared memory, P·V with P from
+// registers and V read N-major, and O out through a shared-memory stage and TMA stores (or directly where
+// the stage does not fit). tm_o (boxes of 64 rows) is read only where Tr::kStagedO.
 template <class T, class Tr>
 struct Sm90FwdKernel : Tr {
-  static constexpr int D = Tr::kHeadDim;
+  static constexpr int D = Tr::kHeadDim, DV = Tr::kValueDim;
   using Softmax = WgmmaRowSoftmax<Tr::kBlockN, Tr::kPolyEvery, Tr::kRowChains, Tr::kMasked, Tr::kAlibiSink>;
   using PFragments = uint32_t[Tr::kBlockN / 16][4];
   using GemmS = sm90::WgmmaM64<T, Tr::kBlockN>;
-  using GemmO = sm90::WgmmaM64<T, D>;
-  static constexpr int kOValues = D / 2;
+  using GemmO = sm90::WgmmaM64<T, DV>;
+  static constexpr int kOValues = DV / 2;
 
   Sm90FwdShared<Tr>& s;
   const CUtensorMap *tm_q, *tm_k, *tm_v, *tm_o;
@@ -128,21 +140,21 @@ struct Sm90FwdKernel : Tr {
   // One box of kBlockM (Q) or kBlockN (K, V) rows per 64-column panel.
   __device__ __forceinline__ void load_q(int m0, int h, int b) {
 #pragma unroll
-    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+    for (int panel = 0; panel < Tr::kQkPanels; ++panel) {
       sm90::tma_load_4d(s.q + panel * Tr::kBlockM * sm90::kPanelCols, tm_q, s.bar.q_full, panel * sm90::kPanelCols,
                         m0, h, b);
     }
   }
   __device__ __forceinline__ void load_k(int st, int n0, int hk, int b) {
 #pragma unroll
-    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+    for (int panel = 0; panel < Tr::kQkPanels; ++panel) {
       sm90::tma_load_4d(s.k[st] + panel * Tr::kBlockN * sm90::kPanelCols, tm_k, s.bar.k_full[st],
                         panel * sm90::kPanelCols, n0, hk, b);
     }
   }
   __device__ __forceinline__ void load_v(int st, int n0, int hk, int b) {
 #pragma unroll
-    for (int panel = 0; panel < Tr::kPanels; ++panel) {
+    for (int panel = 0; panel < Tr::kValuePanels; ++panel) {
       sm90::tma_load_4d(s.v[st] + panel * Tr::kBlockN * sm90::kPanelCols, tm_v, s.bar.v_full[st],
                         panel * sm90::kPanelCols, n0, hk, b);
     }
@@ -181,14 +193,14 @@ struct Sm90FwdKernel : Tr {
       // lane l addresses row 8·(m % 2) + l % 8, column group 2·jj + m / 2 of its tile m = l / 8.
       const auto epilogue =
           static_cast<sm90::NamedBarrier>(static_cast<uint32_t>(sm90::NamedBarrier::kEpilogue0) + tile.wg);
-      uint16_t* stage = s.o.rows + tile.wg * 64 * D;
+      uint16_t* stage = s.o.rows + tile.wg * 64 * DV;
       if (tile.ctid == 0) sm90::bulk_wait_read<0>();
       sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
       const int lane = 4 * tile.g + tile.t, m = lane / 8;
       const int row = 16 * tile.warp + 8 * (m % 2) + lane % 8;
       const uint32_t stage_address = sm90::smem_u32(stage);
 #pragma unroll
-      for (int jj = 0; jj < D / 16; ++jj) {
+      for (int jj = 0; jj < DV / 16; ++jj) {
         const float* oj = o + 8 * jj;  // column groups 2·jj (oj[0..3]) and 2·jj + 1 (oj[4..7])
         sm90::stmatrix_x4(stage_address + sm90::swizzled_offset(64, row, 8 * (2 * jj + m / 2)),
                           MmaOp<T>::pack(oj[0] * inv[0], oj[1] * inv[0]), MmaOp<T>::pack(oj[2] * inv[1], oj[3] * inv[1]),
@@ -198,7 +210,7 @@ struct Sm90FwdKernel : Tr {
       sm90::named_barrier_sync(epilogue, sm90::kWarpgroupThreads);
       if (tile.ctid == 0) {
 #pragma unroll
-        for (int panel = 0; panel < Tr::kPanels; ++panel) {
+        for (int panel = 0; panel < Tr::kValuePanels; ++panel) {
           sm90::tma_store_4d(tm_o, stage + panel * 64 * sm90::kPanelCols, panel * sm90::kPanelCols, tile.wg_row0,
                              tile.h, tile.b);
         }
@@ -231,21 +243,38 @@ int64_t sm90_work_items(int64_t seq_q, int64_t heads_q, int64_t batch, int block
   return TileSchedule::count(seq_q, heads_q, batch, block_m);
 }
 
+// Where the problem takes the masked kernel or its ALiBi / sink instantiation (`masked`, `alibi_sink`), calls
+// f(Traits{}) with that kernel's traits at head dims D and DV on their default tile and returns true; else
+// returns false and leaves the plain kernel's tile to the caller.
+template <int D, int DV, class F>
+bool with_masked_traits(bool masked, bool alibi_sink, F& f) {
+  constexpr int kBlockN = sm90_default_block_n<D>();
+  if (alibi_sink) f(Sm90FwdTraits<D, DV, 128, kBlockN, 2, true, true>{});
+  else if (masked) f(Sm90FwdTraits<D, DV, 128, kBlockN, 2, true>{});
+  return masked || alibi_sink;
+}
+
 // Calls f(Traits{}) with the traits of the kernel that runs problem `p` and returns true, or returns false
-// where the capability table lists no Hopper forward for its head dim. A sliding window or soft-capping takes
-// the masked kernel on the head dim's default tile (FLASHLM_SM90_FWD_D64_TILE does not apply), ALiBi or a
-// sink (with or without them) the masked kernel's ALiBi / sink instantiation on the same tile.
+// where the capability table lists no Hopper forward for its head dim (or its pair of head dims, where v has
+// one of its own). A sliding window or soft-capping takes the masked kernel on the head dims' default tile
+// (FLASHLM_SM90_FWD_D64_TILE does not apply), ALiBi or a sink (with or without them) the masked kernel's
+// ALiBi / sink instantiation on the same tile.
 template <class F>
 bool with_forward_traits(const AttentionProblem& p, F&& f) {
   const bool masked = uses_masked_kernels(p), alibi_sink = p.alibi || p.sink;
+  if (p.value_dim() != p.head_dim) {
+    return with_head_dim_pair<kHopperForwardHeadDimPairs>(p.head_dim, p.value_dim(), [&](auto dim, auto dim_v) {
+      constexpr int D = decltype(dim)::value, DV = decltype(dim_v)::value;
+      if (!with_masked_traits<D, DV>(masked, alibi_sink, f)) f(Sm90FwdTraits<D, DV>{});
+    });
+  }
   return with_head_dim<kHopperForwardHeadDims>(p.head_dim, [&](auto dim) {
     constexpr int D = decltype(dim)::value;
-    if (alibi_sink) return f(Sm90FwdTraits<D, 128, sm90_default_block_n<D>(), 2, true, true>{});
-    if (masked) return f(Sm90FwdTraits<D, 128, sm90_default_block_n<D>(), 2, true>{});
+    if (with_masked_traits<D, D>(masked, alibi_sink, f)) return;
     if constexpr (D == 64) {
       switch (sm90_forward_d64_tile(p)) {
-        case Sm90D64Tile::rows192_keys128: return f(Sm90FwdTraits<64, 192, 128>{});
-        case Sm90D64Tile::rows128_keys192: return f(Sm90FwdTraits<64, 128, 192>{});
+        case Sm90D64Tile::rows192_keys128: return f(Sm90FwdTraits<64, 64, 192, 128>{});
+        case Sm90D64Tile::rows128_keys192: return f(Sm90FwdTraits<64, 64, 128, 192>{});
         case Sm90D64Tile::rows128_keys128: break;
       }
     }
@@ -259,6 +288,7 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
                          const CUtensorMap& o, int sm_count, cudaStream_t stream) {
   auto kernel = flash_fwd_sm90_kernel<T, Tr>;
   constexpr int kSmem = static_cast<int>(forward_smem_bytes<Sm90FwdShared<Tr>>());
+  static_assert(kSmem <= 227 * 1024, "an sm_90 block has at most 227 KB of shared memory");
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_sm90_kernel: shared-memory opt-in");
   const int64_t items = sm90_work_items(f.seq_q, f.heads_q, f.batch, Tr::kBlockM);
@@ -268,7 +298,7 @@ void launch_forward_sm90(const FlashParams& f, const CUtensorMap& q, const CUten
 
 struct Sm90ForwardPlan {
   CUtensorMap q, k, v;
-  CUtensorMap o;  // head dims 64 and 128 (TMA stores); at 256, and where no O is given, unused
+  CUtensorMap o;  // where the kernel stages O (Tr::kStagedO: TMA stores) and an O is given; else unused
   int sm_count;
 };
 
@@ -278,9 +308,11 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
   if (p.batch == 0 || p.seq_q == 0 || p.seq_k == 0 || p.heads_q == 0) return std::nullopt;
   int query_rows = 0, key_rows = 0;
+  bool staged_o = false;
   const bool compiled = with_forward_traits(p, [&]<class Tr>(Tr) {
     query_rows = Tr::kBlockM;
     key_rows = Tr::kBlockN;
+    staged_o = Tr::kStagedO;
   });
   if (!compiled) return std::nullopt;
   // The kernel counts work items in 32-bit integers.
@@ -292,7 +324,7 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
   if (!tq || !tk || !tv) return std::nullopt;
   // O in boxes of one consumer warpgroup's 64 rows. Validation leaves only views TMA can describe (16-byte
   // strides and base), so a failure here is a limit of the map (2^40-byte strides): the fallback takes it.
-  if (o == nullptr || p.head_dim == 256) return Sm90ForwardPlan{*tq, *tk, *tv, *tq, sm_count};
+  if (o == nullptr || !staged_o) return Sm90ForwardPlan{*tq, *tk, *tv, *tq, sm_count};
   const auto to = sm90::rows_tensor_map(*o, 64);
   if (!to) return std::nullopt;
   return Sm90ForwardPlan{*tq, *tk, *tv, *to, sm_count};
