@@ -109,7 +109,9 @@ void resolve_device_and_precision(const std::string& device, const std::string& 
   dtype = dev == Device::cuda ? DType::bf16 : DType::f32;
   if (!precision.empty()) parse_precision(precision, dtype, pure, eight);
   if (pure && !bf16_pure) throw InvalidArgument("--precision bf16-pure: this command takes fp32, bf16 or fp16");
-  if (eight && !fp8) throw InvalidArgument("--precision fp8: this command takes fp32, bf16 or fp16");
+  if (eight && !fp8) {
+    throw InvalidArgument(fmt::format("--precision {}: this command takes fp32, bf16 or fp16", precision));
+  }
   if (bf16_pure) *bf16_pure = pure;
   if (fp8) *fp8 = eight;
   require_usable_device(dev);

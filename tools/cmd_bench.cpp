@@ -114,7 +114,8 @@ Command add_bench_command(CLI::App& app) {
                         ->check(in_range(int64_t{2}, kMaxVocab));
   cmd->add_option("--precision", a->precision,
                   "Comma list of fp32, bf16 (fp32 masters), fp16, bf16-pure (parameters, gradients and AdamW moments "
-                  "in bf16), fp8 (bf16 with the blocks' linear layers as FP8 GEMMs, tensorwise scaled)")
+                  "in bf16), fp8 (bf16 with the blocks' linear layers as FP8 GEMMs, tensorwise scaled), bf16-pure-fp8 (the "
+                  "same GEMMs over bf16-pure)")
       ->capture_default_str();
   add_model_options(cmd, cfg.options, {.cuda_graph = true, .overlap_grad_norm = true, .fp8 = true});
   cmd->add_option("--attention", a->attention, "Comma list of flash,naive")->capture_default_str();

@@ -160,7 +160,8 @@ Command add_train_command(CLI::App& app) {
   cmd->add_option("--device", a->device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--precision", a->precision,
                   "fp32, bf16 (fp32 masters), fp16, bf16-pure (parameters, gradients and AdamW moments in bf16) or "
-                  "fp8 (bf16 with the blocks' linear layers as FP8 GEMMs, tensorwise scaled; on cpu emulated over fp32) "
+                  "fp8 (bf16 with the blocks' linear layers as FP8 GEMMs, tensorwise scaled; on cpu emulated over fp32), "
+                  "bf16-pure-fp8 (the same GEMMs over bf16-pure; cuda) "
                   "(default: bf16 on "
                   "cuda, fp32 on cpu)");
   add_model_options(cmd, cfg.options, {.attention = true, .cuda_graph = true, .fp8 = true});

@@ -117,7 +117,8 @@ struct ModelOptions {
   // runs eagerly, saying why (CudaModel::cuda_graph_status), where a step cannot be captured: fp16's loss
   // scaling, data-parallel hooks, profiled ranges, or a capture that failed. false: always eager.
   bool cuda_graph = true;
-  // --precision fp8. On CUDA, over bf16 mixed precision: every linear layer of the blocks (q/k/v, output
+  // --precision fp8. On CUDA, over bf16 mixed precision (or over bf16_pure: --precision bf16-pure-fp8, the
+  // leaderboard's storage with FP8 GEMMs): every linear layer of the blocks (q/k/v, output
   // projection, w1/w2/w3; not the LM head, nor attention) computes its forward GEMM and both backward GEMMs
   // in FP8 through cuBLASLt, each operand scaled tensorwise by fp8_max / amax of the tensor now (torchao's
   // "tensorwise" recipe; src/model/fp8.h): weights and activations in e4m3, the output gradients in
@@ -128,8 +129,8 @@ struct ModelOptions {
   // tried and tested without a GPU (slower than fp32, not faster).
   bool fp8 = false;
   Fp8Format fp8_gradients = Fp8Format::e5m2;
-  // fp8 needs precision bf16 without bf16_pure on CUDA, fp32 on the CPU: an Error otherwise (the models and
-  // the memory plan check it).
+  // fp8 needs precision bf16 (bf16_pure or not) on CUDA, fp32 without bf16_pure on the CPU: an Error
+  // otherwise (the models and the memory plan check it).
   void check_fp8(DType precision, Device device = Device::cuda) const;
   // optimizer_state other than fp32 needs fp32 masters: with bf16_pure it is an Error (the models and the
   // memory plan check it).
@@ -141,8 +142,9 @@ struct ModelOptions {
   }
 };
 
-// "fp32", "bf16", "fp16", "bf16-pure" or "fp8" into (dtype, bf16_pure, fp8): fp8 is dtype bf16 with
-// ModelOptions::fp8. The three-argument form is for commands without FP8 and refuses "fp8".
+// "fp32", "bf16", "fp16", "bf16-pure", "fp8" or "bf16-pure-fp8" into (dtype, bf16_pure, fp8): fp8 is dtype
+// bf16 with ModelOptions::fp8, bf16-pure-fp8 that over bf16-pure. The three-argument form is for commands
+// without FP8 and refuses both FP8 ones.
 void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure, bool& fp8);
 void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure);
 std::string precision_name(DType dtype, bool bf16_pure, bool fp8 = false);

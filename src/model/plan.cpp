@@ -44,21 +44,22 @@ std::string RecomputePlan::name() const {
 }
 
 void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure, bool& fp8) {
-  bf16_pure = text == "bf16-pure";
-  fp8 = text == "fp8";  // not parse_dtype's "fp8" (the e4m3 dtype): the FP8 GEMMs over bf16 mixed precision
+  bf16_pure = text == "bf16-pure" || text == "bf16-pure-fp8";
+  // Not parse_dtype's "fp8" (the e4m3 dtype): the FP8 GEMMs over bf16 mixed precision, or over pure bf16.
+  fp8 = text == "fp8" || text == "bf16-pure-fp8";
   if (bf16_pure || fp8) {
     dtype = DType::bf16;
     return;
   }
   dtype = parse_dtype(text);
   FLASHLM_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16 || dtype == DType::f16,
-                    "precision: '{}': expected fp32, bf16, fp16, bf16-pure or fp8", text);
+                    "precision: '{}': expected fp32, bf16, fp16, bf16-pure, fp8 or bf16-pure-fp8", text);
 }
 
 void parse_precision(std::string_view text, DType& dtype, bool& bf16_pure) {
   bool fp8 = false;
   parse_precision(text, dtype, bf16_pure, fp8);
-  FLASHLM_CHECK_ARG(!fp8, "precision: 'fp8': this command takes fp32, bf16, fp16 or bf16-pure");
+  FLASHLM_CHECK_ARG(!fp8, "precision: '{}': this command takes fp32, bf16, fp16 or bf16-pure", text);
 }
 
 OptimizerState parse_optimizer_state(std::string_view text) {
@@ -85,7 +86,8 @@ void ModelOptions::check_optimizer_state() const {
 }
 
 std::string precision_name(DType dtype, bool bf16_pure, bool fp8) {
-  return bf16_pure ? "bf16-pure" : fp8 ? "fp8" : std::string(dtype_name(dtype));
+  if (bf16_pure) return fp8 ? "bf16-pure-fp8" : "bf16-pure";
+  return fp8 ? "fp8" : std::string(dtype_name(dtype));
 }
 
 void ModelOptions::check_fp8(DType precision, Device device) const {
@@ -96,9 +98,11 @@ void ModelOptions::check_fp8(DType precision, Device device) const {
                       precision_name(precision, bf16_pure));
     return;
   }
-  FLASHLM_CHECK_ARG(precision == DType::bf16 && !bf16_pure,
-                    "precision: fp8 runs its linear layers' GEMMs in FP8 over bf16 mixed precision (fp32 masters); "
-                    "not with {}",
+  // Over bf16 either way: mixed (fp32 masters) or pure (bf16-pure-fp8). The FP8 layer reads the bf16 weights
+  // the GEMMs would have read and writes fp32 weight gradients, which bf16-pure stages as it does for bf16.
+  FLASHLM_CHECK_ARG(precision == DType::bf16,
+                    "precision: fp8 runs its linear layers' GEMMs in FP8 over bf16 (mixed precision, or bf16-pure: "
+                    "bf16-pure-fp8); not with {}",
                     precision_name(precision, bf16_pure));
 }
 

@@ -256,8 +256,14 @@ TEST(Fp8, PrecisionParsesAndTheCpuEmulatesIt) {
   parse_precision("bf16", dtype, pure, fp8);
   EXPECT_FALSE(fp8);
   expect_error([&] { parse_precision("fp8", dtype, pure); }, "this command takes");  // commands without FP8
-  expect_error([&] { parse_precision("fp64", dtype, pure, fp8); }, "bf16-pure or fp8");
+  expect_error([&] { parse_precision("fp64", dtype, pure, fp8); }, "bf16-pure, fp8 or bf16-pure-fp8");
   EXPECT_EQ(precision_name(DType::bf16, false, true), "fp8");
+  parse_precision("bf16-pure-fp8", dtype, pure, fp8);
+  EXPECT_EQ(dtype, DType::bf16);
+  EXPECT_TRUE(pure);
+  EXPECT_TRUE(fp8);
+  EXPECT_EQ(precision_name(DType::bf16, true, true), "bf16-pure-fp8");
+  expect_error([&] { parse_precision("bf16-pure-fp8", dtype, pure); }, "'bf16-pure-fp8': this command takes");
   EXPECT_EQ(parse_fp8_format("e4m3"), Fp8Format::e4m3);
   EXPECT_EQ(parse_fp8_format("e5m2"), Fp8Format::e5m2);
   expect_error([] { parse_fp8_format("e3m4"); }, "expected e4m3 or e5m2");
@@ -275,8 +281,15 @@ TEST(Fp8, PrecisionParsesAndTheCpuEmulatesIt) {
     EXPECT_EQ(emulated.total_bytes() - plain.total_bytes(), 4 * fp8_emulation_elements(c, 2 * 64));
   }
   expect_error([&] { plan_model_memory(c, 1, 16, Device::cuda, DType::f32, o); }, "not with fp32");  // bf16's
-  o.bf16_pure = true;
-  expect_error([&] { plan_model_memory(c, 1, 16, Device::cuda, DType::bf16, o); }, "not with bf16-pure");
+  o.bf16_pure = true;  // bf16-pure-fp8: planned on CUDA with its FP8 copies; the CPU emulates over fp32 only
+  expect_error([&] { plan_model_memory(c, 1, 16, Device::cpu, DType::bf16, o); }, "bf16-pure is a CUDA precision");
+  {
+    const MemoryPlan pure_fp8 = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
+    o.fp8 = false;
+    const MemoryPlan pure = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
+    o.fp8 = true;
+    EXPECT_GT(pure_fp8.total_bytes(), pure.total_bytes());
+  }
   o.bf16_pure = false;
   const MemoryPlan with = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
   o.fp8 = false;

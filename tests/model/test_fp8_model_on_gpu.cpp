@@ -145,47 +145,112 @@ TEST(CudaModelFp8, TrainingTracksBf16AndIsReproducible) {
   }
 }
 
+// bf16-pure-fp8: the FP8 GEMMs over bf16-pure storage (the leaderboard's), against bf16-pure: one forward
+// and backward within the bounds of LossAndGradientsTrackBf16, then 30 AdamW steps that track bf16-pure's
+// losses as TrainingTracksBf16AndIsReproducible asks, twice with the same bits.
+TEST(CudaModelFp8, OverBf16PureTracksBf16PureAndIsReproducible) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = fp8_config();
+  ModelOptions pure;
+  pure.bf16_pure = true;
+  ModelOptions pure_fp8 = fp8_options(Fp8Format::e5m2);
+  pure_fp8.bf16_pure = true;
+  {
+    const Batch b = make_batch(2 * 64, c.vocab, 1);
+    std::vector<float> grads[2];
+    double loss[2] = {0, 0};
+    for (int i = 0; i < 2; ++i) {
+      CudaModel m(c, 2, 64, DType::bf16, i == 0 ? pure : pure_fp8);
+      m.init_parameters(5);
+      m.zero_grad();
+      loss[i] = m.forward(b.tokens.data(), b.targets.data());
+      m.backward();
+      grads[i].resize(size_t(m.parameter_count()));
+      m.copy_gradients_to(grads[i].data());
+    }
+    const double err = rel_error(grads[1], grads[0]);
+    std::printf("bf16-pure-fp8: loss %.6f (bf16-pure %.6f), gradient error %.4f of the largest\n", loss[1], loss[0],
+                err);
+    EXPECT_NEAR(loss[1], loss[0], 0.01 * loss[0]);
+    EXPECT_NE(loss[1], loss[0]) << "bf16-pure-fp8 gave bf16-pure's loss bit for bit: the FP8 path did not run";
+    EXPECT_LT(err, 0.25);
+  }
+  const Batch b = make_batch(2 * 64, c.vocab, 2);
+  AdamWConfig opt;
+  constexpr int kSteps = 30;
+  auto run = [&](const ModelOptions& o, std::vector<float>* params) {
+    CudaModel m(c, 2, 64, DType::bf16, o);
+    m.init_parameters(3);
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      m.zero_grad();
+      losses.push_back(m.forward(b.tokens.data(), b.targets.data()));
+      m.backward();
+      m.clip_gradients(1.0);
+      m.adamw_step(opt, 3e-3);
+    }
+    params->resize(size_t(m.parameter_count()));
+    m.copy_parameters_to(params->data());
+    return losses;
+  };
+  std::vector<float> p_ref, p0, p1;
+  const std::vector<double> ref = run(pure, &p_ref);
+  const std::vector<double> l0 = run(pure_fp8, &p0), l1 = run(pure_fp8, &p1);
+  EXPECT_LT(ref.back(), 0.8 * ref.front());
+  EXPECT_EQ(l0, l1);
+  EXPECT_EQ(p0, p1) << "two bf16-pure-fp8 runs differ";
+  for (int s = 0; s < kSteps; ++s) EXPECT_NEAR(l0[size_t(s)], ref[size_t(s)], 0.05 * ref.front()) << "step " << s;
+  std::printf("bf16-pure-fp8: loss %.5f -> %.5f (bf16-pure %.5f -> %.5f)\n", l0.front(), l0.back(), ref.front(),
+              ref.back());
+  EXPECT_LT(l0.back(), 0.8 * l0.front());
+}
+
 // The step as one CUDA graph gives the eager step's bits with FP8 (the scales live on the device and are
 // recomputed inside the graph each replay: a new batch each step must change them), and recomputation
-// gives the bits of keeping every activation (the recomputed forward casts the same bf16 tensors).
+// gives the bits of keeping every activation (the recomputed forward casts the same bf16 tensors); over
+// bf16 mixed precision and over bf16-pure.
 TEST(CudaModelFp8, GraphedAndRecomputedStepsGiveTheEagerBits) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = fp8_config();
-  struct Variant {
-    const char* name;
-    bool graph;
-    RecomputePlan recompute;
-  };
-  const Variant variants[] = {{"eager", false, {}},
-                              {"graphed", true, {}},
-                              {"eager, recompute blocks", false, {RecomputePlan::Kind::blocks, 1}},
-                              {"graphed, recompute selective", true, {RecomputePlan::Kind::selective, 1}}};
-  std::vector<StepResult> results[4];
-  std::vector<float> params[4];
-  for (int v = 0; v < 4; ++v) {
-    ModelOptions o = fp8_options(Fp8Format::e5m2);
-    o.cuda_graph = variants[v].graph;
-    o.recompute = variants[v].recompute;
-    CudaModel m(c, 2, 64, DType::bf16, o);
-    m.init_parameters(17);
-    for (int step = 0; step < 6; ++step) {
-      const Batch b = make_batch(2 * 64, c.vocab, 30 + step);
-      AdamWConfig opt;
-      opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
-      results[v].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
+  for (bool pure : {false, true}) {
+    SCOPED_TRACE(pure ? "bf16-pure-fp8" : "fp8");
+    struct Variant {
+      const char* name;
+      bool graph;
+      RecomputePlan recompute;
+    };
+    const Variant variants[] = {{"eager", false, {}},
+                                {"graphed", true, {}},
+                                {"eager, recompute blocks", false, {RecomputePlan::Kind::blocks, 1}},
+                                {"graphed, recompute selective", true, {RecomputePlan::Kind::selective, 1}}};
+    std::vector<StepResult> results[4];
+    std::vector<float> params[4];
+    for (int v = 0; v < 4; ++v) {
+      ModelOptions o = fp8_options(Fp8Format::e5m2);
+      o.bf16_pure = pure;
+      o.cuda_graph = variants[v].graph;
+      o.recompute = variants[v].recompute;
+      CudaModel m(c, 2, 64, DType::bf16, o);
+      m.init_parameters(17);
+      for (int step = 0; step < 6; ++step) {
+        const Batch b = make_batch(2 * 64, c.vocab, 30 + step);
+        AdamWConfig opt;
+        opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
+        results[v].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
+      }
+      if (variants[v].graph) {
+        EXPECT_EQ(m.cuda_graph_status(), "on") << variants[v].name;
+      }
+      params[v].resize(size_t(m.parameter_count()));
+      m.copy_parameters_to(params[v].data());
     }
-    if (variants[v].graph) {
-      EXPECT_EQ(m.cuda_graph_status(), "on") << variants[v].name;
+    for (int v = 1; v < 4; ++v) {
+      for (size_t s = 0; s < results[0].size(); ++s) {
+        EXPECT_EQ(results[v][s].loss, results[0][s].loss) << variants[v].name << ", step " << s;
+        EXPECT_EQ(results[v][s].grad_norm, results[0][s].grad_norm) << variants[v].name << ", step " << s;
+      }
+      EXPECT_TRUE(params[v] == params[0]) << variants[v].name << ": parameters differ from the eager run's";
     }
-    params[v].resize(size_t(m.parameter_count()));
-    m.copy_parameters_to(params[v].data());
-  }
-  for (int v = 1; v < 4; ++v) {
-    for (size_t s = 0; s < results[0].size(); ++s) {
-      EXPECT_EQ(results[v][s].loss, results[0][s].loss) << variants[v].name << ", step " << s;
-      EXPECT_EQ(results[v][s].grad_norm, results[0][s].grad_norm) << variants[v].name << ", step " << s;
-    }
-    EXPECT_TRUE(params[v] == params[0]) << variants[v].name << ": parameters differ from the eager run's";
   }
 }
 
@@ -222,6 +287,8 @@ TEST(CudaModelFp8, CheckpointResumeIsBitExact) {
   t.precision = DType::bf16;
   t.options.fp8 = true;
   flashlm::testing::expect_resume_is_bit_exact(t, "fp8");
+  t.options.bf16_pure = true;
+  flashlm::testing::expect_resume_is_bit_exact(t, "bf16-pure-fp8");
 }
 
 TEST(CudaModelFp8, BadConfigurationsAreErrors) {
@@ -231,7 +298,10 @@ TEST(CudaModelFp8, BadConfigurationsAreErrors) {
   EXPECT_THROW(CudaModel(c, 2, 64, DType::f32, o), Error);
   EXPECT_THROW(CudaModel(c, 2, 64, DType::f16, o), Error);
   o.bf16_pure = true;
+  EXPECT_NO_THROW(CudaModel(c, 2, 64, DType::bf16, o));  // bf16-pure-fp8
+  o.optimizer_state = OptimizerState::bf16;  // bf16-pure's moments are bf16 by definition: no other choice
   EXPECT_THROW(CudaModel(c, 2, 64, DType::bf16, o), Error);
+  o.optimizer_state = OptimizerState::fp32;
   o.bf16_pure = false;
   try {
     CudaModel bad(c, 1, 60, DType::bf16, o);  // 60 tokens: not a multiple of 16
