@@ -273,7 +273,8 @@ void flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& 
                          const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
                          const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                          bool deterministic, void* stream) {
-  const CudaKernelFamily family = flash_kernel_family(plan, AttentionPass::backward, p, q, k, v, o, dout, deterministic);
+  const CudaKernelFamily family =
+      flash_kernel_family(plan, AttentionPass::backward, p, q, k, v, o, dout, deterministic);
   if (plan.padded && family != CudaKernelFamily::hopper) {
     return padded_flash_backward_cuda(plan, p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
   }

@@ -109,7 +109,8 @@ const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family) {
 
 bool has_head_dim_pair(const CudaKernelCapability& caps, AttentionPass pass, int64_t head_dim, int64_t head_dim_v) {
   const auto pairs = pass == AttentionPass::forward ? caps.forward_head_dim_pairs : caps.backward_head_dim_pairs;
-  return std::ranges::any_of(pairs, [&](const HeadDimPair& pair) { return pair.qk == head_dim && pair.v == head_dim_v; });
+  return std::ranges::any_of(pairs,
+                             [&](const HeadDimPair& pair) { return pair.qk == head_dim && pair.v == head_dim_v; });
 }
 
 CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
@@ -158,11 +159,12 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
   if (caps.any_head_dim) return {family, p.head_dim, false};
 
   // One kernel head dim for q, k, v and o: p's own, or the next larger where the family pads (both sides of
-  // a pair up to the larger one's).
+  // a pair, which pads_head_dim_v let through above, up to the larger one's).
   const int64_t widest = std::max(p.head_dim, p.value_dim());
+  const bool pads = caps.pads_head_dim || own_value_dim;
   const std::span<const int> dims = forward ? caps.forward_head_dims : caps.backward_head_dims;
   for (int d : dims) {
-    if (d == widest || (caps.pads_head_dim && d > widest)) {
+    if (d == widest || (pads && d > widest)) {
       return {family, d, d != p.head_dim || d != p.value_dim()};
     }
   }
@@ -173,8 +175,9 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
       "the {} {} kernels are compiled for head dims {}{}", cuda_kernel_family_name(family),
       forward ? "forward" : "backward", head_dim_list(dims),
       caps.pads_head_dim ? ", and smaller head dims run the next larger kernel on zero-padded copies" : "");
-  FLASHLM_CHECK(!own_value_dim, "{}: v: head_dim_v {} with head_dim {} has no cuda {} kernel for {} ({}, a pair the "
-                "one at least as large as both)",
+  FLASHLM_CHECK(!own_value_dim,
+                "{}: v: head_dim_v {} with head_dim {} has no cuda {} kernel for {} ({}; a pair runs the smallest "
+                "at least as large as both)",
                 fn, p.value_dim(), p.head_dim, forward ? "forward" : "backward", dtype_name(p.dtype), compiled);
   fail("{}: q: head_dim {} has no cuda {} kernel for {} ({})", fn, p.head_dim, forward ? "forward" : "backward",
        dtype_name(p.dtype), compiled);

@@ -476,8 +476,8 @@ TEST(AttentionCapabilities, HeadDimPairsPadToTheKernelOfTheLargerHeadDimAndAreRe
       AttentionProblem p = split(dtype, 192, 128);
       p.window_left = 10;  // the pair is refused first, whatever else the naive kernels lack
       expect_refused(p, AttentionImpl::naive, pass,
-                     {"v: head_dim_v 128 differs from head_dim 192", "the naive", "kernels need one head dim for q, k and v",
-                      "runs on the cpu"});
+                     {"v: head_dim_v 128 differs from head_dim 192", "the naive",
+                      "kernels need one head dim for q, k and v", "runs on the cpu"});
     }
     expect_refused(split(dtype, 128, 320), AttentionImpl::flash, AttentionPass::forward,
                    {"attention_forward: v: head_dim_v 320 is not supported on cuda", "at most 256"});

@@ -3,7 +3,8 @@
 // FLASHLM_ATTENTION_KERNEL=mma, in both backward modes) against the fp64 reference on fresh random inputs
 // with poisoned outputs: windows on the left only, the right only, both sides, 0 and at least the sequence,
 // with and without causal, both alignments, seq_q != seq_k both ways, ragged lengths, GQA, every head dim
-// (64/128 on both families; 16, 32, 256 and the padded 80 on mma.sync; 256 forward on Hopper), bf16 and fp16,
+// (64/128 on both families; 16, 32 and 256 on mma.sync; 256 forward on Hopper; 80 padded to 128, which
+// either family may run), bf16 and fp16,
 // soft-capping on large scores, both variants together; rows the window leaves without keys (o = 0, lse =
 // -inf, dq = 0) and keys no query sees (dk = dv = 0), exactly. ALiBi and attention sinks on the mma.sync
 // kernels (by default the Hopper ones decline them: FLASHLM_ATTENTION_KERNEL=auto lands on mma.sync too) and on
@@ -180,7 +181,7 @@ std::vector<VariantGpuCase> band_grid() {
     }
   }
   // The other head dims: 16, 32 and 256 (the Hopper forward has 256; its backward and every other one run
-  // on mma.sync), 80 on the padded path; GQA 6 / 1.
+  // on mma.sync), 80 on the padded path (its copies at 128 on either family); GQA 6 / 1.
   for (int64_t d : {16, 32, 80, 256}) {
     for (DType dt : {DType::bf16, DType::f16}) {
       cases.push_back({{1, 200, 300, 6, 1, d, layouts[d % 3], Mask::bottom_right, dt}, {50, 0}, dt == DType::f16});
