@@ -6,8 +6,9 @@
 // lengths (1, 17, 127, 1000 queries, fewer and more keys), no mask and causal in both alignments, BSHD, BHSD and
 // sliced layouts, GQA, bf16, fp16 and fp32; a sliding window, soft-capping, ALiBi and sinks (dlearnable_sink
 // included). The padded runs go through FLASHLM_ATTENTION_KERNEL=mma and the default route (where, on sm_90, the
-// padded problem may itself take the Hopper kernels). The routing and the refusals by name (the naive kernels,
-// head dims past the kernels'). Every test skips without a GPU, the Hopper forward's without an sm_90 GPU.
+// padded problem may itself take the Hopper kernels). The routing, the refusals by name (the naive kernels,
+// head dims past the kernels') and the capability table's agreement with what runs. Every test skips without a
+// GPU, the Hopper forward's without an sm_90 GPU.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -345,6 +346,53 @@ TEST(CudaHeadDimPair, NaiveRefusesByNameFp32PadsAndBadHeadDimVIsRefusedByName) {
   PairTensors unaligned(DType::bf16, 64, 64, 36);
   expect_error([&] { unaligned.backward(); },
                {"attention_backward: v: head_dim_v 36 is not supported on cuda", "a multiple of 8 for bf16"});
+}
+
+// The library does what the capability table says for pairs: for every dtype, both implementations and a spread
+// of (head_dim, head_dim_v) (padded on either side or both, unaligned, too large), each pass on the GPU either runs,
+// with finite outputs, or fails with the table's own message.
+TEST(CudaHeadDimPair, CapabilityTableAndBehaviourAgree) {
+  SKIP_WITHOUT_GPU();
+  for (DType dt : {DType::f16, DType::bf16, DType::f32}) {
+    for (auto [d, dv] : {std::pair<int64_t, int64_t>{192, 128}, {64, 128}, {128, 64}, {40, 24}, {8, 16}, {256, 40},
+                         {12, 20}, {200, 8}, {128, 264}, {64, 36}}) {
+      for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+        for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+          const bool forward = pass == AttentionPass::forward;
+          const Case c{1, 33, 40, 2, 1, d, Layout::bshd, Mask::bottom_right, dt, dv};
+          AttentionProblem p;
+          p.dtype = dt;
+          p.head_dim = d;
+          p.head_dim_v = dv;
+          // The table's error, empty where it has a kernel; a backward runs the forward first.
+          auto table_error = [&](AttentionPass pa) -> std::string {
+            try {
+              plan_cuda_attention(pa == AttentionPass::forward ? "attention_forward" : "attention_backward", p, impl,
+                                  pa);
+              return "";
+            } catch (const Error& e) {
+              return e.what();
+            }
+          };
+          std::string expected = table_error(AttentionPass::forward);
+          if (!forward && expected.empty()) expected = table_error(AttentionPass::backward);
+          const std::string what = fmt::format("{} ({}, {}) {} {}", dtype_name(dt), d, dv, attention_impl_name(impl),
+                                               forward ? "forward" : "backward");
+          Problem prob(c, c.layout, dt, 17 + static_cast<uint64_t>(d + dv));
+          try {
+            prob.run_on_device(options_for(c.mask, impl), !forward);
+            EXPECT_EQ(expected, "") << what << ": ran, but the table says no";
+            EXPECT_TRUE(all_finite_or_neg_inf(prob.o.view)) << what;
+            if (!forward) {
+              EXPECT_TRUE(all_finite_or_neg_inf(prob.dv.view)) << what;
+            }
+          } catch (const Error& e) {
+            EXPECT_EQ(std::string(e.what()), expected) << what;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
