@@ -32,10 +32,13 @@
 // The window, softcap, ALiBi, sinks and head_dim_v != head_dim run on the CPU (naive and flash). The window
 // and softcap also run in the fp16/bf16 CUDA flash kernels (Hopper and mma.sync), ALiBi and sinks in the
 // fp16/bf16 mma.sync kernels (the Hopper ones decline them, so those problems run on mma.sync); the fp32,
-// naive and fp8 CUDA kernels refuse all four, each by name. head_dim_v != head_dim runs on CUDA in the
-// fp16/bf16 Hopper flash forward alone, on an sm_90 GPU, at head_dim 192 with head_dim_v 128 (with the
-// window, softcap, ALiBi and sinks); every other CUDA call with one, the backward included, is refused by
-// name (the capability table, src/attention/capabilities.cpp).
+// naive and fp8 CUDA kernels refuse all four, each by name. head_dim_v != head_dim runs on CUDA in the flash
+// kernels (fp16/bf16 and fp32), forward and backward, deterministic and varlen included, wherever the larger
+// of the two fits a compiled head dim (up to 256): q and k are zero-padded from head_dim, v and o from
+// head_dim_v, both to that kernel's head dim, and the padded columns are dropped (exact, with every variant
+// the kernels have; correct, not optimised: the padded work and the copies cost (kernel / real head dim) of
+// the kernel time). On an sm_90 GPU the Hopper forward runs head_dim 192 with head_dim_v 128 unpadded. The
+// naive and fp8 CUDA kernels refuse it by name (the capability table, src/attention/capabilities.cpp).
 #pragma once
 #include <cstdint>
 #include <optional>

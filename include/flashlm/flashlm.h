@@ -23,9 +23,10 @@
  * value (lse includes it; a row that sees no key gets o = 0, lse = sink); the backward writes its gradient,
  * summed over the batch, to dlearnable_sink where that is given. The window, softcap, ALiBi, sinks and
  * head_dim_v != head_dim run on the CPU; on CUDA the fp16/bf16 flash kernels run the window and softcap
- * (Hopper and mma.sync) and ALiBi and sinks (mma.sync), the Hopper flash forward on an sm_90 GPU head_dim 192
- * with head_dim_v 128 (no backward), and every other case is refused
- * (FLASHLM_INVALID_ARGUMENT naming the option). flashlm/attention.h has the full definitions.
+ * (Hopper and mma.sync) and ALiBi and sinks (mma.sync), the fp16/bf16 and fp32 flash kernels head_dim_v !=
+ * head_dim in both passes (on zero-padded copies up to head dim 256; the Hopper forward on an sm_90 GPU runs
+ * head_dim 192 with head_dim_v 128 unpadded), and every other case is refused (FLASHLM_INVALID_ARGUMENT naming
+ * the option). flashlm/attention.h has the full definitions.
  *
  * Packed variable-length sequences (flash-attn's varlen convention; flashlm_attention_varlen_*):
  *   q, dq               [total_q, heads_q, head_dim]      o, dout   [total_q, heads_q, head_dim_v]

@@ -689,9 +689,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     [heads_q] or [batch, heads_q]): scores get -slope * |i + seq_k - seq_q - j|. learnable_sink (float32 [heads_q],
     flash-attn's cute interface; gpt-oss): a per-head logit in each row's softmax denominator, differentiable. The
     variants run on the CPU; on CUDA the window, softcap, ALiBi and sinks take fp16/bf16 tensors, and a
-    head_dim_v of its own runs the forward on an sm_90 GPU at head_dim 192 with head_dim_v 128 (fp16/bf16; its
-    backward and every other pair raise the library's error). Dropout and returned probabilities are not implemented and
-    are refused."""
+    head_dim_v of its own runs in both passes on the flash kernels (fp16/bf16/fp32, zero-padded to the next
+    compiled head dim; on an sm_90 GPU the forward of head_dim 192 with head_dim_v 128 unpadded). Dropout and
+    returned probabilities are not implemented and are refused."""
     if dropout_p != 0.0:
         _no_dropout(dropout_p)
     if return_attn_probs:

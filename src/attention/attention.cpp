@@ -85,12 +85,19 @@ FlashKernelChoice flash_kernel_choice() {
 
 namespace {
 
-// A contiguous [batch, seq, heads, head_dim] tensor from the stream-ordered pool: for an input (`copy`),
-// `t`'s values in its first columns and zeros after them; for an output, the kernel's to write.
+// `t` with `head_dim` columns for a kernel of that head dim: a contiguous [batch, seq, heads, head_dim] tensor
+// from the stream-ordered pool, or `t` itself where its rows already have head_dim columns (a head dim pair
+// may need only one side padded: (64, 128) pads q and k, not v). For an input (`copy`), t's values in its
+// first columns and zeros after them; for an output, the kernel's to write, and copy_back puts its first
+// columns into t.
 struct PaddedCopy {
   Buffer buffer;
   TensorView view;
   PaddedCopy(const TensorView& t, int64_t head_dim, bool copy, const char* tag, void* stream) {
+    if (t.size(3) == head_dim) {
+      view = t;
+      return;
+    }
     const std::array<int64_t, 4> sizes{t.size(0), t.size(1), t.size(2), head_dim};
     const size_t bytes = static_cast<size_t>(sizes[0] * sizes[1] * sizes[2] * head_dim) * dtype_size(t.dtype);
     buffer = Buffer::allocate_on_stream(bytes, tag, stream);
@@ -100,11 +107,11 @@ struct PaddedCopy {
     if (copy && bytes > 0) cuda_memset_async(buffer.data(), 0, bytes, stream);
     if (copy && t.numel() > 0) copy_head_rows_cuda(t, view, t.size(3), stream);
   }
+  void copy_back(const TensorView& t, void* stream) const {
+    const bool is_t = view.data == t.data;  // the kernel wrote t itself
+    if (!is_t && t.numel() > 0) copy_head_rows_cuda(view, t, t.size(3), stream);
+  }
 };
-
-}  // namespace
-
-namespace {
 
 // Whether a family's kernels implement every attention variant the problem asks for.
 bool implements_variants(const CudaKernelCapability& caps, const AttentionProblem& p) {
@@ -128,33 +135,19 @@ bool hopper_covers(AttentionPass pass, const AttentionProblem& p, const TensorVi
 
 // The Hopper family's predicates need the views (a TMA descriptor each, an sm_90 device), not only the
 // problem, so the choice between it and mma.sync is made here, on the views the kernels get, rather than in
-// plan_cuda_attention; and here a Hopper plan (a head dim pair, which has no mma.sync kernel) is refused
-// where those predicates fail.
+// plan_cuda_attention.
 CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPass pass, const AttentionProblem& p,
                                      const TensorView& q, const TensorView& k, const TensorView& v,
                                      const TensorView& o, const TensorView& dout, bool deterministic) {
   // Read on every build, so that a bad value is an error wherever it is set.
   const FlashKernelChoice choice = flash_kernel_choice();
-  if (plan.family == CudaKernelFamily::hopper) {
-    // Planned there for a head_dim_v of its own, which no other cuda kernel runs: no fallback.
-    const std::string_view fn = pass == AttentionPass::forward ? "attention_forward" : "attention_backward";
-    FLASHLM_CHECK(choice != FlashKernelChoice::mma,
-                  "{}: v: head_dim_v {} differs from head_dim {}, which only the Hopper kernels run on cuda, and "
-                  "FLASHLM_ATTENTION_KERNEL=mma forbids them; it runs on the cpu",
-                  fn, p.value_dim(), p.head_dim);
-    FLASHLM_CHECK(hopper_covers(pass, p, q, k, v, o, dout, deterministic),
-                  "{}: v: head_dim_v {} differs from head_dim {}, which only the Hopper kernels run on cuda, and "
-                  "they do not run this call: they need a build with 90 in CMAKE_CUDA_ARCHITECTURES, an sm_90 GPU "
-                  "(compute capability 9.0) and views TMA can describe (strides under 2^40 bytes, sizes under "
-                  "2^31){}; it runs on the cpu",
-                  fn, p.value_dim(), p.head_dim,
-                  pass == AttentionPass::backward ? ", and no AttentionOptions::deterministic" : "");
-    return plan.family;
-  }
   if (plan.family != CudaKernelFamily::mma_sync) return plan.family;
   // plan_cuda_attention checked the variants against the mma.sync row; the Hopper row may lack some of them
-  // (ALiBi and sinks, unless hopper_alibi_sink_route()), and those problems stay on mma.sync.
-  if (!implements_variants(cuda_kernel_capability(CudaKernelFamily::hopper), p)) return plan.family;
+  // (ALiBi and sinks, unless hopper_alibi_sink_route()), and those problems stay on mma.sync. So does a head dim
+  // pair the Hopper row does not list for the pass: mma.sync runs it padded.
+  const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
+  if (!implements_variants(hopper, p)) return plan.family;
+  if (p.value_dim() != p.head_dim && !has_head_dim_pair(hopper, pass, p.head_dim, p.value_dim())) return plan.family;
   if (choice == FlashKernelChoice::mma) return plan.family;
   if (hopper_covers(pass, p, q, k, v, o, dout, deterministic)) return CudaKernelFamily::hopper;
   return plan.family;
@@ -169,10 +162,11 @@ namespace {
 }
 #endif
 
-void flash_forward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
-                        const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
-                        void* stream) {
-  switch (flash_kernel_family(plan, AttentionPass::forward, p, q, k, v, o, TensorView{}, false)) {
+// The flash forward on `family`'s kernels, which take these views as they are.
+void launch_flash_forward(CudaKernelFamily family, const AttentionProblem& p, const TensorView& q,
+                          const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                          void* stream) {
+  switch (family) {
     case CudaKernelFamily::f32: return flash_attention_forward_cuda_f32(p, q, k, v, o, lse, stream);
     case CudaKernelFamily::hopper:
 #ifdef FLASHLM_WITH_SM90
@@ -184,14 +178,14 @@ void flash_forward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p
     case CudaKernelFamily::naive:
     case CudaKernelFamily::fp8: break;  // run_forward launches them
   }
-  fail("attention_forward: the {} kernels have no flash forward", cuda_kernel_family_name(plan.family));
+  fail("attention_forward: the {} kernels have no flash forward", cuda_kernel_family_name(family));
 }
 
-void flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
-                         const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
-                         const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                         bool deterministic, void* stream) {
-  switch (flash_kernel_family(plan, AttentionPass::backward, p, q, k, v, o, dout, deterministic)) {
+void launch_flash_backward(CudaKernelFamily family, const AttentionProblem& p, const TensorView& q,
+                           const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                           const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                           bool deterministic, void* stream) {
+  switch (family) {
     case CudaKernelFamily::f32: return flash_attention_backward_cuda_f32(p, q, k, v, o, lse, dout, dq, dk, dv, stream);
     case CudaKernelFamily::hopper:
 #ifdef FLASHLM_WITH_SM90
@@ -204,34 +198,45 @@ void flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& 
     case CudaKernelFamily::naive:
     case CudaKernelFamily::fp8: break;  // run_backward launches naive; fp8 has no backward
   }
-  fail("attention_backward: the {} kernels have no flash backward", cuda_kernel_family_name(plan.family));
+  fail("attention_backward: the {} kernels have no flash backward", cuda_kernel_family_name(family));
 }
 
-// A head dim without its own flash kernel (80 for the 2.7B model: 2560 / 32 heads) runs the next larger
-// compiled one (the plan's kernel_head_dim) on zero-padded copies: the padded columns add 0 to every Q·K
-// product and give 0 in O, dQ, dK and dV, which are dropped when copying back. The scale stays the one of
-// the real head dim (p.scale). Correct, not optimised: the copies and the padded work cost (padded / real)
-// of the kernel time and one copy of the tensors.
+// A head dim without its own flash kernel (80 for the 2.7B model: 2560 / 32 heads), or a head_dim_v of its
+// own (DeepSeek's MLA: 192 for q and k, 128 for v), runs the plan's kernel_head_dim on zero-padded copies: q, k
+// (and dq, dk) from head_dim, v, o, dout (and dv) from head_dim_v. The padded columns add 0 to every Q·K
+// product and to Delta = rowsum(dO∘O), and give 0 in O, dQ, dK and dV, which are dropped when copying back.
+// The scale stays the one of the real head dim (p.scale). The padded problem is an ordinary one of a compiled
+// head dim, so flash_kernel_family may give it to the Hopper kernels. Correct, not optimised: the copies and
+// the padded work cost (padded / real) of the kernel time and one copy of the tensors.
+AttentionProblem padded_problem(const AttentionProblem& p, const CudaAttentionPlan& plan) {
+  AttentionProblem padded = p;
+  padded.head_dim = padded.head_dim_v = plan.kernel_head_dim;
+  return padded;
+}
+
 void padded_flash_forward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
                                const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
                                void* stream) {
-  AttentionProblem padded = p;
-  padded.head_dim = plan.kernel_head_dim;
-  const PaddedCopy qp(q, padded.head_dim, true, "attention: q padded to the kernel head dim", stream);
-  const PaddedCopy kp(k, padded.head_dim, true, "attention: k padded to the kernel head dim", stream);
-  const PaddedCopy vp(v, padded.head_dim, true, "attention: v padded to the kernel head dim", stream);
-  const PaddedCopy op(o, padded.head_dim, false, "attention: o padded to the kernel head dim", stream);
-  flash_forward_cuda(plan, padded, qp.view, kp.view, vp.view, op.view, lse, stream);
-  if (o.numel() > 0) copy_head_rows_cuda(op.view, o, p.head_dim, stream);
+  const AttentionProblem padded = padded_problem(p, plan);
+  const int64_t d = plan.kernel_head_dim;
+  const PaddedCopy qp(q, d, true, "attention: q padded to the kernel head dim", stream);
+  const PaddedCopy kp(k, d, true, "attention: k padded to the kernel head dim", stream);
+  const PaddedCopy vp(v, d, true, "attention: v padded to the kernel head dim", stream);
+  const PaddedCopy op(o, d, false, "attention: o padded to the kernel head dim", stream);
+  const CudaAttentionPlan exact{plan.family, d, false};
+  const CudaKernelFamily family =
+      flash_kernel_family(exact, AttentionPass::forward, padded, qp.view, kp.view, vp.view, op.view, TensorView{},
+                          false);
+  launch_flash_forward(family, padded, qp.view, kp.view, vp.view, op.view, lse, stream);
+  op.copy_back(o, stream);
 }
 
 void padded_flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
                                 const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
                                 const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                 const TensorView& dv, bool deterministic, void* stream) {
-  AttentionProblem padded = p;
-  padded.head_dim = plan.kernel_head_dim;
-  const int64_t d = padded.head_dim;
+  const AttentionProblem padded = padded_problem(p, plan);
+  const int64_t d = plan.kernel_head_dim;
   const PaddedCopy qp(q, d, true, "attention: q padded to the kernel head dim", stream);
   const PaddedCopy kp(k, d, true, "attention: k padded to the kernel head dim", stream);
   const PaddedCopy vp(v, d, true, "attention: v padded to the kernel head dim", stream);
@@ -240,11 +245,40 @@ void padded_flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionPr
   const PaddedCopy dqp(dq, d, false, "attention: dq padded to the kernel head dim", stream);
   const PaddedCopy dkp(dk, d, false, "attention: dk padded to the kernel head dim", stream);
   const PaddedCopy dvp(dv, d, false, "attention: dv padded to the kernel head dim", stream);
-  flash_backward_cuda(plan, padded, qp.view, kp.view, vp.view, op.view, lse, dop.view, dqp.view, dkp.view,
-                      dvp.view, deterministic, stream);
-  if (dq.numel() > 0) copy_head_rows_cuda(dqp.view, dq, p.head_dim, stream);
-  if (dk.numel() > 0) copy_head_rows_cuda(dkp.view, dk, p.head_dim, stream);
-  if (dv.numel() > 0) copy_head_rows_cuda(dvp.view, dv, p.head_dim, stream);
+  const CudaAttentionPlan exact{plan.family, d, false};
+  const CudaKernelFamily family = flash_kernel_family(exact, AttentionPass::backward, padded, qp.view, kp.view,
+                                                      vp.view, op.view, dop.view, deterministic);
+  launch_flash_backward(family, padded, qp.view, kp.view, vp.view, op.view, lse, dop.view, dqp.view, dkp.view,
+                        dvp.view, deterministic, stream);
+  dqp.copy_back(dq, stream);
+  dkp.copy_back(dk, stream);
+  dvp.copy_back(dv, stream);
+}
+
+// The flash forward of a plan of the flash families: the views as they are, or padded copies where the plan
+// pads and the Hopper kernels do not run the problem as it is (a head dim pair of theirs, which they take
+// unpadded).
+void flash_forward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
+                        const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                        void* stream) {
+  const CudaKernelFamily family =
+      flash_kernel_family(plan, AttentionPass::forward, p, q, k, v, o, TensorView{}, false);
+  if (plan.padded && family != CudaKernelFamily::hopper) {
+    return padded_flash_forward_cuda(plan, p, q, k, v, o, lse, stream);
+  }
+  launch_flash_forward(family, p, q, k, v, o, lse, stream);
+}
+
+void flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
+                         const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                         const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                         bool deterministic, void* stream) {
+  const CudaKernelFamily family =
+      flash_kernel_family(plan, AttentionPass::backward, p, q, k, v, o, dout, deterministic);
+  if (plan.padded && family != CudaKernelFamily::hopper) {
+    return padded_flash_backward_cuda(plan, p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
+  }
+  launch_flash_backward(family, p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
 }
 #endif
 
@@ -275,11 +309,9 @@ void run_forward(const AttentionProblem& p, [[maybe_unused]] const std::optional
       fail("attention_forward: q: dtype fp8_e4m3 needs the sm_90a kernels, and this build has none (configure "
            "with 90 in CMAKE_CUDA_ARCHITECTURES)");
 #endif
-    case CudaKernelFamily::hopper:  // a head_dim_v of its own (plan_cuda_attention): never padded
+    case CudaKernelFamily::hopper: break;  // never planned: flash_kernel_family chooses it
     case CudaKernelFamily::mma_sync:
-    case CudaKernelFamily::f32:
-      if (plan->padded) return padded_flash_forward_cuda(*plan, p, q, k, v, o, lse, options.stream);
-      return flash_forward_cuda(*plan, p, q, k, v, o, lse, options.stream);
+    case CudaKernelFamily::f32: return flash_forward_cuda(*plan, p, q, k, v, o, lse, options.stream);
   }
   fail("attention_forward: the plan chose the {} kernels, which this build does not launch",
        cuda_kernel_family_name(plan->family));
@@ -300,13 +332,10 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
   switch (plan->family) {
     case CudaKernelFamily::naive:
       return naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
-    case CudaKernelFamily::fp8: break;  // refused by validate_attention_backward
-    case CudaKernelFamily::hopper:        // a head_dim_v of its own (plan_cuda_attention): never padded
+    case CudaKernelFamily::fp8:     // refused by validate_attention_backward
+    case CudaKernelFamily::hopper: break;  // never planned: flash_kernel_family chooses it
     case CudaKernelFamily::mma_sync:
     case CudaKernelFamily::f32:
-      if (plan->padded) {
-        return padded_flash_backward_cuda(*plan, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
-      }
       return flash_backward_cuda(*plan, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
   }
   fail("attention_backward: the plan chose the {} kernels, which this build does not launch",

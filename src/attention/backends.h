@@ -86,9 +86,10 @@ enum class FlashKernelChoice { automatic, mma };
 FlashKernelChoice flash_kernel_choice();
 
 // The one dispatch of the flash kernels, for both passes (attention.cpp): the family that runs `plan` on
-// these views (the padded copies where the plan pads): plan.family, or hopper for a 16-bit problem the
-// Hopper kernels cover unless FLASHLM_ATTENTION_KERNEL=mma or (backward) `deterministic`. A Hopper plan (a
-// head_dim_v of its own) has no fallback: an Error naming head_dim_v where those conditions fail. `dout` is
+// these views: plan.family, or hopper for a 16-bit problem the Hopper kernels cover (with every variant it
+// asks for, and for a head_dim_v of its own a pair their row lists for the pass) unless
+// FLASHLM_ATTENTION_KERNEL=mma or (backward) `deterministic`. Asked first on the caller's views: where the plan
+// pads and the answer is not hopper, attention.cpp asks again on the padded copies, an exact plan. `dout` is
 // read by the backward only.
 CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPass pass, const AttentionProblem& p,
                                      const TensorView& q, const TensorView& k, const TensorView& v,

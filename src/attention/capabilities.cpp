@@ -1,5 +1,6 @@
 #include "attention/capabilities.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <string>
@@ -18,27 +19,29 @@ constexpr std::array kF32{DType::f32};
 constexpr std::array kCudaDTypes{DType::f16, DType::bf16, DType::f32};
 constexpr std::array kFp8{DType::f8e4m3};
 
-// One row per family: family, dtypes, forward and backward head dims, pads_head_dim, any_head_dim, forward
-// and backward head dim pairs, sliding_window, softcap, alibi, learnable_sink. The window and soft-capping run
-// in the 16-bit flash kernels (mma.sync and Hopper, their masked instantiations); ALiBi and sinks in mma.sync's
-// masked kernels (cuda/flash_fwd.cu, flash_bwd.cu) and in the Hopper kernels' ALiBi / sink instantiations: the
-// Hopper row below lacks them, and hopper_alibi_sink_route() (on unless FLASHLM_HOPPER_ALIBI_SINK=0) swaps in
-// kHopperWithAlibiSink, which has them; a head_dim_v of its own in the Hopper forward alone, with every variant
-// the row claims (the CPU paths have them all).
+// One row per family: family, dtypes, forward and backward head dims, pads_head_dim, pads_head_dim_v,
+// any_head_dim, forward and backward head dim pairs, sliding_window, softcap, alibi, learnable_sink. The window
+// and soft-capping run in the 16-bit flash kernels (mma.sync and Hopper, their masked instantiations); ALiBi and
+// sinks in mma.sync's masked kernels (cuda/flash_fwd.cu, flash_bwd.cu) and in the Hopper kernels' ALiBi / sink
+// instantiations: the Hopper row below lacks them, and hopper_alibi_sink_route() (on unless
+// FLASHLM_HOPPER_ALIBI_SINK=0) swaps in kHopperWithAlibiSink, which has them. A head_dim_v of its own runs on the
+// flash families' padded copies (mma.sync and fp32, both passes, every variant of the row) and, unpadded, in
+// the Hopper forward at its pairs (the CPU paths have them all).
 const std::array<CudaKernelCapability, 5> kTable{{
-    {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, false, {}, {},
-     true, true, true, true},
-    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, false, {}, {}, false, false, false, false},
-    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, true, {}, {}, false, false, false, false},
-    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false,
+    {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, true, false,
+     {}, {}, true, true, true, true},
+    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, true, false, {}, {}, false, false, false, false},
+    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, false, true, {}, {}, false, false, false, false},
+    {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, false,
      kHopperForwardHeadDimPairs, {}, true, true, false, false},
-    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, {}, {}, false, false, false, false},
+    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, false, {}, {}, false, false, false, false},
 }};
 // The Hopper row with ALiBi and sinks, where hopper_alibi_sink_route() holds.
 const CudaKernelCapability kHopperWithAlibiSink{CudaKernelFamily::hopper,
                                                 kSixteenBit,
                                                 kHopperForwardHeadDims,
                                                 kHopperBackwardHeadDims,
+                                                false,
                                                 false,
                                                 false,
                                                 kHopperForwardHeadDimPairs,
@@ -65,22 +68,6 @@ std::string head_dim_list(std::span<const int> dims) {
     s += std::to_string(d);
   }
   return s;
-}
-
-std::string head_dim_pair_list(std::span<const HeadDimPair> pairs) {
-  std::string s;
-  for (const HeadDimPair& pair : pairs) {
-    if (!s.empty()) s += ", ";
-    s += fmt::format("({}, {})", pair.qk, pair.v);
-  }
-  return s;
-}
-
-bool has_head_dim_pair(std::span<const HeadDimPair> pairs, int64_t head_dim, int64_t head_dim_v) {
-  for (const HeadDimPair& pair : pairs) {
-    if (pair.qk == head_dim && pair.v == head_dim_v) return true;
-  }
-  return false;
 }
 
 }  // namespace
@@ -120,6 +107,12 @@ const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family) {
   fail("cuda_kernel_capability: no row for kernel family {}", static_cast<int>(family));
 }
 
+bool has_head_dim_pair(const CudaKernelCapability& caps, AttentionPass pass, int64_t head_dim, int64_t head_dim_v) {
+  const auto pairs = pass == AttentionPass::forward ? caps.forward_head_dim_pairs : caps.backward_head_dim_pairs;
+  return std::ranges::any_of(pairs,
+                             [&](const HeadDimPair& pair) { return pair.qk == head_dim && pair.v == head_dim_v; });
+}
+
 CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProblem& p, AttentionImpl impl,
                                       AttentionPass pass) {
   FLASHLM_CHECK(p.dtype == DType::f16 || p.dtype == DType::bf16 || p.dtype == DType::f32 || p.dtype == DType::f8e4m3,
@@ -129,27 +122,27 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
                 "{}: q: head_dim {} is not supported on cuda (at most {}, and rows of a multiple of {} bytes: a "
                 "multiple of {} for {})",
                 fn, p.head_dim, kCudaMaxHeadDim, kCudaRowAlignBytes, kCudaRowAlignBytes / elem, dtype_name(p.dtype));
+  // v's rows (and o's, dout's, dv's) move in the same 16-byte vectors, padded or not.
+  FLASHLM_CHECK(p.value_dim() <= kCudaMaxHeadDim && p.value_dim() * elem % kCudaRowAlignBytes == 0,
+                "{}: v: head_dim_v {} is not supported on cuda (at most {}, and rows of a multiple of {} bytes: a "
+                "multiple of {} for {})",
+                fn, p.value_dim(), kCudaMaxHeadDim, kCudaRowAlignBytes, kCudaRowAlignBytes / elem,
+                dtype_name(p.dtype));
 
   const bool own_value_dim = p.value_dim() != p.head_dim;
   CudaKernelFamily family = p.dtype == DType::f32      ? CudaKernelFamily::f32
                             : p.dtype == DType::f8e4m3 ? CudaKernelFamily::fp8
                                                        : CudaKernelFamily::mma_sync;
   if (impl == AttentionImpl::naive) family = CudaKernelFamily::naive;
-  // No mma.sync kernel takes a head_dim_v of its own, so such a 16-bit flash problem plans on the Hopper
-  // kernels themselves (flash_kernel_family then requires them: there is no fallback).
-  if (family == CudaKernelFamily::mma_sync && own_value_dim) family = CudaKernelFamily::hopper;
   const CudaKernelCapability& caps = cuda_kernel_capability(family);
   FLASHLM_CHECK(has_dtype(caps, p.dtype), "{}: q: the {} attention kernels do not take dtype {}", fn,
                 cuda_kernel_family_name(family), dtype_name(p.dtype));
-  // Before the variants: a problem with a head_dim_v the family lacks is refused for it whatever else it asks.
+  // Before the variants: a problem with a head_dim_v the family cannot run is refused for it whatever else it asks.
   const bool forward = pass == AttentionPass::forward;
-  FLASHLM_CHECK(!own_value_dim || has_head_dim_pair(forward ? caps.forward_head_dim_pairs : caps.backward_head_dim_pairs,
-                                                    p.head_dim, p.value_dim()),
-                "{}: v: head_dim_v {} differs from head_dim {}, and the {} {} kernels are compiled for no such pair; "
-                "a head_dim_v of its own runs on the cpu, and on cuda in the Hopper forward alone (fp16/bf16 flash "
-                "on an sm_90 GPU) at (head_dim, head_dim_v) {}",
-                fn, p.value_dim(), p.head_dim, cuda_kernel_family_name(family), forward ? "forward" : "backward",
-                head_dim_pair_list(kHopperForwardHeadDimPairs));
+  FLASHLM_CHECK(!own_value_dim || caps.pads_head_dim_v,
+                "{}: v: head_dim_v {} differs from head_dim {}, and the {} {} kernels need one head dim for q, k and "
+                "v; it runs on the cpu, and on cuda in the flash kernels (fp16, bf16 and fp32, impl flash)",
+                fn, p.value_dim(), p.head_dim, cuda_kernel_family_name(family), forward ? "forward" : "backward");
   FLASHLM_CHECK(!p.windowed() || caps.sliding_window,
                 "{}: window_size_left/window_size_right: the {} attention kernels have no sliding window (got "
                 "({}, {})); it runs on the cpu",
@@ -163,20 +156,31 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
   FLASHLM_CHECK(!p.sink || caps.learnable_sink,
                 "{}: learnable_sink: the {} attention kernels have no attention sinks; they run on the cpu", fn,
                 cuda_kernel_family_name(family));
-  // A head dim pair runs its own kernel, never a padded one; an any_head_dim family takes every head dim.
-  if (own_value_dim || caps.any_head_dim) return {family, p.head_dim, false};
+  if (caps.any_head_dim) return {family, p.head_dim, false};
 
+  // One kernel head dim for q, k, v and o: p's own, or the next larger where the family pads (both sides of
+  // a pair, which pads_head_dim_v let through above, up to the larger one's).
+  const int64_t widest = std::max(p.head_dim, p.value_dim());
+  const bool pads = caps.pads_head_dim || own_value_dim;
   const std::span<const int> dims = forward ? caps.forward_head_dims : caps.backward_head_dims;
   for (int d : dims) {
-    if (d == p.head_dim || (caps.pads_head_dim && d > p.head_dim)) return {family, d, d != p.head_dim};
+    if (d == widest || (pads && d > widest)) {
+      return {family, d, d != p.head_dim || d != p.value_dim()};
+    }
   }
   FLASHLM_CHECK(!dims.empty(), "{}: q: head_dim {} has no cuda {} kernel for {} (the {} kernels have no {})", fn,
                 p.head_dim, forward ? "forward" : "backward", dtype_name(p.dtype), cuda_kernel_family_name(family),
                 forward ? "forward" : "backward");
-  fail("{}: q: head_dim {} has no cuda {} kernel for {} (the {} {} kernels are compiled for head dims {}{})", fn,
-       p.head_dim, forward ? "forward" : "backward", dtype_name(p.dtype), cuda_kernel_family_name(family),
-       forward ? "forward" : "backward", head_dim_list(dims),
-       caps.pads_head_dim ? ", and smaller head dims run the next larger kernel on zero-padded copies" : "");
+  const std::string compiled = fmt::format(
+      "the {} {} kernels are compiled for head dims {}{}", cuda_kernel_family_name(family),
+      forward ? "forward" : "backward", head_dim_list(dims),
+      caps.pads_head_dim ? ", and smaller head dims run the next larger kernel on zero-padded copies" : "");
+  FLASHLM_CHECK(!own_value_dim,
+                "{}: v: head_dim_v {} with head_dim {} has no cuda {} kernel for {} ({}; a pair runs the smallest "
+                "at least as large as both)",
+                fn, p.value_dim(), p.head_dim, forward ? "forward" : "backward", dtype_name(p.dtype), compiled);
+  fail("{}: q: head_dim {} has no cuda {} kernel for {} ({})", fn, p.head_dim, forward ? "forward" : "backward",
+       dtype_name(p.dtype), compiled);
 }
 
 }  // namespace flashlm

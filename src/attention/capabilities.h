@@ -34,9 +34,9 @@ inline constexpr std::array<int, 5> kMmaSyncBackwardHeadDims{16, 32, 64, 128, 25
 inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
 // The Hopper kernels' head dims (cuda/hopper/ instantiates its kernels from these lists). Their predicates
 // need the views as well as the problem (a TMA descriptor per view, an sm_90 device), so
-// plan_cuda_attention plans mma.sync for fp16/bf16 (but for the head dim pairs below) and
-// flash_kernel_family (backends.h) turns that into the Hopper family, for the forward and the backward
-// alike, where flash_forward_sm90_covers and flash_backward_sm90_covers hold. The Hopper backward has no deterministic mode:
+// plan_cuda_attention plans mma.sync for fp16/bf16 and flash_kernel_family (backends.h) turns that into the
+// Hopper family, for the forward and the backward alike, where flash_forward_sm90_covers and
+// flash_backward_sm90_covers hold. The Hopper backward has no deterministic mode:
 // AttentionOptions::deterministic takes the mma.sync backward's separate dQ pass on every GPU.
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
 inline constexpr std::array<int, 2> kHopperBackwardHeadDims{64, 128};
@@ -47,11 +47,11 @@ struct HeadDimPair {
   int qk, v;
 };
 // The pairs the Hopper forward is compiled for (cuda/hopper/flash_fwd_sm90.cu instantiates them from this
-// list). No CUDA backward takes a head_dim_v of its own: the Hopper dK/dV kernel keeps dK and dV of a
-// warpgroup's 64 keys in registers, and at (192, 128) those alone are 160 fp32 a thread beside Sᵀ, dPᵀ and
-// their 16-bit fragments, past the 240 a consumer thread has; it needs a different split of the work, not
-// another instantiation. Such a problem has no mma.sync fallback either: plan_cuda_attention plans it on
-// the Hopper row directly.
+// list): flash_kernel_family runs such a problem there as it is, unpadded. No Hopper backward takes a pair:
+// its dK/dV kernel keeps dK and dV of a warpgroup's 64 keys in registers, and at (192, 128) those alone are
+// 160 fp32 a thread beside Sᵀ, dPᵀ and their 16-bit fragments, past the 240 a consumer thread has; it needs a
+// different split of the work, not another instantiation. Every pair, this one's backward included, runs on
+// the padding families' kernels (pads_head_dim_v below).
 inline constexpr std::array<HeadDimPair, 1> kHopperForwardHeadDimPairs{{{192, 128}}};
 // The FP8 forward's head dims (fp8_e4m3 inputs; the launcher, cuda/hopper/flash_fwd_fp8_sm90.cu, also
 // requires an sm_90 device and q and k views TMA can describe, an error otherwise: fp8 has no fallback).
@@ -70,17 +70,23 @@ struct CudaKernelCapability {
   // every head dim up to kCudaMaxHeadDim.
   std::span<const int> forward_head_dims, backward_head_dims;
   bool pads_head_dim;
+  // A head_dim_v of its own on the same padded path: q and k padded from head_dim, v, o, dout and dv from
+  // head_dim_v, both to the smallest compiled head dim of the pass at least as large as either. Exact: zero
+  // columns change neither S = Q·Kᵀ nor Delta = rowsum(dO∘O), give zero columns of O, dQ, dK and dV, which
+  // are dropped, and the scale stays 1/sqrt(head_dim) (p.scale).
+  bool pads_head_dim_v;
   bool any_head_dim;
-  // The (head_dim, head_dim_v) pairs with head_dim_v != head_dim compiled per pass (v's head dim of its
-  // own: none pads, every one is exact). A 16-bit flash problem with such a pair plans on the Hopper row
-  // directly, since no mma.sync kernel takes one (plan_cuda_attention); any other family refuses it by name.
+  // The (head_dim, head_dim_v) pairs with head_dim_v != head_dim compiled per pass, exact, unpadded (the
+  // Hopper forward's). plan_cuda_attention plans no family on them: it plans a pair on a family that pads
+  // it (mma.sync for fp16/bf16), and flash_kernel_family runs it on the Hopper kernels unpadded where their
+  // row lists the pair for the pass and they cover the views.
   std::span<const HeadDimPair> forward_head_dim_pairs, backward_head_dim_pairs;
   // The attention variants the family's kernels implement (AttentionOptions::window_size_*, softcap: the
   // 16-bit flash kernels' masked instantiations, cuda/flash_common.cuh; alibi_slopes, learnable_sink); a
   // problem that asks for one a family lacks is an Error naming the option, never a silent full mask.
   // The Hopper row must not claim a variant the mma.sync row lacks: plan_cuda_attention checks the
-  // planned family (mma.sync, but for the head dim pairs above), and flash_kernel_family moves the problem
-  // to the Hopper kernels only where the Hopper row has every variant it asks for.
+  // planned family (mma.sync), and flash_kernel_family moves the problem to the Hopper kernels only where
+  // the Hopper row has every variant it asks for.
   bool sliding_window;
   bool softcap;
   bool alibi;           // AttentionOptions::alibi_slopes
@@ -90,6 +96,9 @@ struct CudaKernelCapability {
 // The row of `family` in the table. The Hopper row claims ALiBi and sinks where hopper_alibi_sink_route()
 // holds (by default).
 const CudaKernelCapability& cuda_kernel_capability(CudaKernelFamily family);
+
+// Whether `caps` lists (head_dim, head_dim_v) among the pairs it runs unpadded in `pass`.
+bool has_head_dim_pair(const CudaKernelCapability& caps, AttentionPass pass, int64_t head_dim, int64_t head_dim_v);
 
 // Whether the Hopper kernels take ALiBi and attention sinks (their ALiBi / sink instantiations,
 // cuda/hopper/flash_fwd_sm90.cu and flash_bwd_sm90.cu): yes unless FLASHLM_HOPPER_ALIBI_SINK=0, which keeps
@@ -101,11 +110,14 @@ bool hopper_alibi_sink_route();
 void set_hopper_alibi_sink_route(bool on);
 
 // What runs a validated CUDA problem: the kernel family and the head dim of the kernel instantiation
-// (p.head_dim, or the next larger compiled one when the family pads; a head_dim_v of its own is never padded).
+// (p.head_dim, or the next larger compiled one when the family pads; for a head_dim_v of its own, the
+// smallest compiled one at least as large as both, one head dim for q, k, v and o).
 struct CudaAttentionPlan {
   CudaKernelFamily family;
   int64_t kernel_head_dim;
-  bool padded;  // kernel_head_dim > p.head_dim: the padded path (attention.cpp) copies around the kernel
+  // kernel_head_dim differs from p.head_dim or p.value_dim(): the padded path (attention.cpp) copies around
+  // the kernel (but flash_kernel_family may take the Hopper kernels for the problem as it is)
+  bool padded;
 };
 
 // The plan for `p` (dtype and head dim as validate_attention_* found them) with implementation `impl`,

@@ -5,11 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <fmt/format.h>
 
 #include <limits>
 #include <string>
+#include <string_view>
 #include <tuple>
 
 #include "attention/capabilities.h"
@@ -200,6 +202,29 @@ inline double tolerance(DType dtype, double naive_lowp_error, double ref_scale) 
 }
 
 
+// Runs `body` with FLASHLM_ATTENTION_KERNEL set to `value` (restoring what was there): the GPU runs of this
+// binary may set it to "mma" for the whole process.
+template <class Body>
+void with_kernel_choice(const char* value, Body&& body) {
+  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");
+  const std::string saved = was == nullptr ? "" : was;
+  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", value, 1), 0);
+  body();
+  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
+  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
+}
+
+// The allowed max-abs error of a CUDA flash result against the fp64 oracle where the low-precision baseline is
+// the CPU's naive attention: in fp16/bf16 the low-precision rule (twice the error of the naive attention with the
+// same 16-bit storage, whose only error on the CPU is the rounding of its outputs, plus 1e-3) and, for the
+// kernels' 16-bit P and dS in their GEMMs, 4 unit roundoffs of the result's scale; fp32 kernels compute in fp32
+// throughout. A band edge off by one key, a missing cap, slope or zero column is far above it.
+inline double cuda_flash_tolerance(DType dtype, double lowp_error, double ref_scale) {
+  if (dtype == DType::f32) return 1e-4 * std::max(1.0, ref_scale);
+  const double unit_roundoff = dtype == DType::bf16 ? 1.0 / 256 : 1.0 / 2048;
+  return 2 * lowp_error + 1e-3 + 4 * unit_roundoff * std::max(1.0, ref_scale);
+}
+
 // What dsink[h] of a 16-bit flash backward may differ by beyond tolerance(): dsink_h = -Σ_i P_sink,i · Delta_i
 // sums over every row of the batch, and the flash backward's Delta_i = dO_i · O_i reads the stored O, rounded to
 // the dtype, where the naive one derives Delta from its fp64 P: in fp16 / bf16 each term may be off by
@@ -376,6 +401,35 @@ inline void Problem::run_on_device(const AttentionOptions& opt, bool with_backwa
   copy_back(dk, ddk);
   copy_back(dv, ddv);
   copy_into(l, dlse.view());
+}
+
+
+// o (and, `with_backward`, dq, dk and dv) of the CUDA run `ours` against the fp64 oracle `ref`, within
+// cuda_flash_tolerance of `lowp`: the naive attention (`naive`: its CPU options) run here in the case's dtype on
+// the same inputs.
+inline void expect_outputs_near_oracle(const Case& c, const std::string& name, const Problem& ours,
+                                       const Problem& ref, Problem& lowp, const AttentionOptions& naive,
+                                       bool with_backward = true) {
+  copy_into(lowp.q.view, ours.q.view);
+  copy_into(lowp.k.view, ours.k.view);
+  copy_into(lowp.v.view, ours.v.view);
+  copy_into(lowp.dout.view, ours.dout.view);
+  if (with_backward) lowp.run(naive);
+  else lowp.forward(naive);
+
+  struct Item {
+    const char* what;
+    const TensorView &got, &want, &low;
+  };
+  for (const Item& t : {Item{"o", ours.o.view, ref.o.view, lowp.o.view}, Item{"dq", ours.dq.view, ref.dq.view, lowp.dq.view},
+                        Item{"dk", ours.dk.view, ref.dk.view, lowp.dk.view},
+                        Item{"dv", ours.dv.view, ref.dv.view, lowp.dv.view}}) {
+    if (!with_backward && std::string_view(t.what) != "o") continue;
+    const double err = max_abs_diff(t.got, t.want), low_err = max_abs_diff(t.low, t.want);
+    const double tol = cuda_flash_tolerance(c.dtype, low_err, max_abs(t.want));
+    EXPECT_LE(err, tol) << t.what << " of " << name << " (cpu naive " << dtype_name(c.dtype) << " error " << low_err
+                        << ", max |ref| " << max_abs(t.want) << ")";
+  }
 }
 
 }  // namespace flashlm::testing

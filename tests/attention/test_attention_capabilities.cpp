@@ -2,6 +2,7 @@
 // pass, and the errors for the rest. Pure host logic: runs without a GPU. test_attention_cuda.cpp checks
 // that the library behaves as the table says on a GPU.
 #include <algorithm>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -303,7 +304,8 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
 // The rows: mma.sync claims ALiBi and sinks; with the Hopper route off (hopper_alibi_sink_route,
 // FLASHLM_HOPPER_ALIBI_SINK=0), Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family keeps an ALiBi or sink problem on
 // mma.sync, never Hopper). The Hopper row claims no variant the mma.sync row lacks (plan_cuda_attention checks
-// the mma.sync row for both). Only the Hopper forward has head dim pairs, (192, 128); no backward has any.
+// the mma.sync row for both). Only the Hopper forward has head dim pairs of its own, (192, 128); no backward has
+// any. The flash families that pad (mma.sync and fp32) pad a head_dim_v of its own too; the others do neither.
 TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
   const HopperAlibiSinkRoute route(false);
   const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
@@ -324,6 +326,14 @@ TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
     if (f != CudaKernelFamily::hopper) {
       EXPECT_TRUE(c.forward_head_dim_pairs.empty()) << cuda_kernel_family_name(f);
     }
+  }
+  for (CudaKernelFamily f : {CudaKernelFamily::mma_sync, CudaKernelFamily::f32}) {
+    EXPECT_TRUE(cuda_kernel_capability(f).pads_head_dim) << cuda_kernel_family_name(f);
+    EXPECT_TRUE(cuda_kernel_capability(f).pads_head_dim_v) << cuda_kernel_family_name(f);
+  }
+  for (CudaKernelFamily f : {CudaKernelFamily::hopper, CudaKernelFamily::fp8, CudaKernelFamily::naive}) {
+    EXPECT_FALSE(cuda_kernel_capability(f).pads_head_dim) << cuda_kernel_family_name(f);
+    EXPECT_FALSE(cuda_kernel_capability(f).pads_head_dim_v) << cuda_kernel_family_name(f);
   }
   ASSERT_EQ(hopper.forward_head_dim_pairs.size(), 1u);
   EXPECT_EQ(hopper.forward_head_dim_pairs[0].qk, 192);
@@ -349,6 +359,7 @@ TEST(AttentionCapabilities, TheHopperRouteSwitchesOnlyTheHopperRowsAlibiAndSinks
     EXPECT_TRUE(std::ranges::equal(on.forward_head_dims, off.forward_head_dims));
     EXPECT_TRUE(std::ranges::equal(on.backward_head_dims, off.backward_head_dims));
     EXPECT_EQ(on.pads_head_dim, off.pads_head_dim);
+    EXPECT_EQ(on.pads_head_dim_v, off.pads_head_dim_v);
     EXPECT_EQ(on.any_head_dim, off.any_head_dim);
     EXPECT_EQ(on.sliding_window, off.sliding_window);
     EXPECT_EQ(on.softcap, off.softcap);
@@ -393,12 +404,13 @@ TEST(AttentionCapabilities, AlibiAndSinksCombineWithTheOtherVariantsAndPadding) 
   }
 }
 
-// A head dim of v's own: (192, 128) in fp16 and bf16 flash plans on the Hopper forward directly (no mma.sync
-// kernel takes it, so there is no fallback to plan), exact, with the window, soft-capping and, with the Hopper
-// route on, ALiBi and sinks. Everything else is refused by v's name, saying where it runs: the backward, any
-// other pair, the fp32, naive and fp8 families; the pair is checked before the variants, so a problem that
-// also asks for one the family lacks is still refused for head_dim_v.
-TEST(AttentionCapabilities, HeadDimPairsPlanOnTheHopperForwardAndAreRefusedElsewhereByName) {
+// A head dim of v's own plans on the flash families' padded path in both passes: q and k from head_dim, v and o
+// from head_dim_v, both to the smallest compiled head dim at least as large as either (mma.sync for fp16/bf16,
+// fp32 for fp32), with every variant the family has. (192, 128) pads to 256 in the forward too: the Hopper
+// kernels' own pair is flash_kernel_family's choice on the views, not the plan's (the Hopper row lists it for
+// the forward alone). The naive and fp8 kernels refuse a pair by v's name before the variants; a head_dim_v past
+// every kernel or with rows of no whole number of 16-byte vectors is refused by its name, as head_dim is.
+TEST(AttentionCapabilities, HeadDimPairsPadToTheKernelOfTheLargerHeadDimAndAreRefusedElsewhereByName) {
   const float device_values[4] = {};  // stands for device memory
   auto split = [](DType dtype, int64_t qk, int64_t v) {
     AttentionProblem p = problem(dtype, qk);
@@ -415,55 +427,78 @@ TEST(AttentionCapabilities, HeadDimPairsPlanOnTheHopperForwardAndAreRefusedElsew
       for (const std::string& f : fragments) EXPECT_NE(m.find(f), std::string::npos) << m;
     }
   };
-  for (DType dtype : {DType::bf16, DType::f16}) {
-    SCOPED_TRACE(dtype_name(dtype));
-    for (bool route : {false, true}) {
-      const HopperAlibiSinkRoute hopper_route(route);
-      AttentionProblem p = split(dtype, 192, 128);
-      const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, AttentionImpl::flash, AttentionPass::forward);
-      EXPECT_EQ(plan.family, CudaKernelFamily::hopper);
-      EXPECT_EQ(plan.kernel_head_dim, 192);
-      EXPECT_FALSE(plan.padded);
-      p.window_left = 100;
-      p.softcap = 30;
-      p.causal = true;
-      EXPECT_EQ(plan_cuda_attention("attention_forward", p, AttentionImpl::flash, AttentionPass::forward).family,
-                CudaKernelFamily::hopper);
-      p.alibi = true;
-      p.alibi_slopes = device_values;
-      p.sink = true;
-      p.learnable_sink = device_values;
-      if (route) {
-        EXPECT_EQ(plan_cuda_attention("attention_forward", p, AttentionImpl::flash, AttentionPass::forward).family,
-                  CudaKernelFamily::hopper);
-      } else {
-        expect_refused(p, AttentionImpl::flash, AttentionPass::forward,
-                       {"alibi_slopes: the hopper attention kernels have no ALiBi"});
+  struct Want {
+    DType dtype;
+    int64_t qk, v, kernel;
+  };
+  const Want wants[] = {
+      {DType::bf16, 192, 128, 256}, {DType::f16, 192, 128, 256}, {DType::bf16, 64, 128, 128},
+      {DType::f16, 128, 64, 128},   {DType::bf16, 96, 64, 128},  {DType::f16, 16, 32, 32},
+      {DType::bf16, 32, 16, 32},    {DType::f16, 256, 128, 256}, {DType::bf16, 128, 256, 256},
+      {DType::bf16, 8, 24, 32},     {DType::f16, 80, 48, 128},   {DType::f32, 192, 128, 256},
+      {DType::f32, 4, 12, 16},      {DType::f32, 24, 40, 64},
+  };
+  for (const Want& w : wants) {
+    for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+      for (bool route : {false, true}) {
+        const HopperAlibiSinkRoute hopper_route(route);
+        const std::string what = fmt::format("{} ({}, {}) {}", dtype_name(w.dtype), w.qk, w.v,
+                                             pass == AttentionPass::forward ? "forward" : "backward");
+        AttentionProblem p = split(w.dtype, w.qk, w.v);
+        const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass);
+        EXPECT_EQ(plan.family, w.dtype == DType::f32 ? CudaKernelFamily::f32 : CudaKernelFamily::mma_sync) << what;
+        EXPECT_EQ(plan.kernel_head_dim, w.kernel) << what;
+        EXPECT_TRUE(plan.padded) << what;
+        if (w.dtype == DType::f32) continue;
+        p.window_left = 100;
+        p.softcap = 30;
+        p.causal = true;
+        p.alibi = true;
+        p.alibi_slopes = device_values;
+        p.sink = true;
+        p.learnable_sink = device_values;
+        const CudaAttentionPlan masked = plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass);
+        EXPECT_EQ(masked.family, CudaKernelFamily::mma_sync) << what << " with every variant";
+        EXPECT_EQ(masked.kernel_head_dim, w.kernel) << what << " with every variant";
       }
     }
-    expect_refused(split(dtype, 192, 128), AttentionImpl::flash, AttentionPass::backward,
-                   {"attention_backward: v: head_dim_v 128 differs from head_dim 192",
-                    "the hopper backward kernels are compiled for no such pair", "runs on the cpu",
-                    "Hopper forward alone", "(192, 128)"});
-    for (auto [qk, v] : {std::pair<int64_t, int64_t>{128, 192}, {64, 32}, {192, 64}, {256, 128}}) {
-      AttentionProblem p = split(dtype, qk, v);
-      p.alibi = true;  // the pair is refused first, whatever the route
-      p.alibi_slopes = device_values;
-      expect_refused(p, AttentionImpl::flash, AttentionPass::forward,
-                     {fmt::format("v: head_dim_v {} differs from head_dim {}", v, qk),
-                      "the hopper forward kernels are compiled for no such pair", "(192, 128)"});
-    }
-    expect_refused(split(dtype, 192, 128), AttentionImpl::naive, AttentionPass::forward,
-                   {"v: head_dim_v 128 differs from head_dim 192", "the naive forward kernels", "runs on the cpu"});
   }
-  expect_refused(split(DType::f32, 192, 128), AttentionImpl::flash, AttentionPass::forward,
-                 {"v: head_dim_v 128 differs from head_dim 192", "the fp32 forward kernels", "runs on the cpu"});
+  // The Hopper row lists (192, 128) for the forward alone, so only the forward may leave the padded path.
+  const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
+  EXPECT_TRUE(has_head_dim_pair(hopper, AttentionPass::forward, 192, 128));
+  EXPECT_FALSE(has_head_dim_pair(hopper, AttentionPass::backward, 192, 128));
+  EXPECT_FALSE(has_head_dim_pair(hopper, AttentionPass::forward, 128, 192));
+  EXPECT_FALSE(has_head_dim_pair(cuda_kernel_capability(CudaKernelFamily::mma_sync), AttentionPass::forward, 192, 128));
+
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+      AttentionProblem p = split(dtype, 192, 128);
+      p.window_left = 10;  // the pair is refused first, whatever else the naive kernels lack
+      expect_refused(p, AttentionImpl::naive, pass,
+                     {"v: head_dim_v 128 differs from head_dim 192", "the naive",
+                      "kernels need one head dim for q, k and v", "runs on the cpu"});
+    }
+    expect_refused(split(dtype, 128, 320), AttentionImpl::flash, AttentionPass::forward,
+                   {"attention_forward: v: head_dim_v 320 is not supported on cuda", "at most 256"});
+    expect_refused(split(dtype, 64, 36), AttentionImpl::flash, AttentionPass::backward,
+                   {"attention_backward: v: head_dim_v 36 is not supported on cuda", "rows of a multiple of 16 bytes",
+                    fmt::format("a multiple of 8 for {}", dtype_name(dtype))});
+    expect_refused(split(dtype, 320, 128), AttentionImpl::flash, AttentionPass::forward,
+                   {"q: head_dim 320 is not supported on cuda"});
+  }
+  expect_refused(split(DType::f32, 64, 6), AttentionImpl::flash, AttentionPass::forward,
+                 {"v: head_dim_v 6 is not supported on cuda", "a multiple of 4 for fp32"});
   expect_refused(split(DType::f8e4m3, 192, 128), AttentionImpl::flash, AttentionPass::forward,
-                 {"v: head_dim_v 128 differs from head_dim 192", "the fp8 forward kernels", "runs on the cpu"});
+                 {"v: head_dim_v 128 differs from head_dim 192", "the fp8 forward kernels need one head dim",
+                  "runs on the cpu"});
   AttentionProblem equal = split(DType::bf16, 192, 192);  // equal to head_dim: not a pair, the usual padded plan
   const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", equal, AttentionImpl::flash, AttentionPass::forward);
   EXPECT_EQ(plan.family, CudaKernelFamily::mma_sync);
   EXPECT_EQ(plan.kernel_head_dim, 256);
+  EXPECT_TRUE(plan.padded);
+  equal = split(DType::bf16, 128, 128);
+  EXPECT_FALSE(plan_cuda_attention("attention_forward", equal, AttentionImpl::flash, AttentionPass::forward).padded);
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 // FLASHLM_ATTENTION_KERNEL=mma, in both backward modes) against the fp64 reference on fresh random inputs
 // with poisoned outputs: windows on the left only, the right only, both sides, 0 and at least the sequence,
 // with and without causal, both alignments, seq_q != seq_k both ways, ragged lengths, GQA, every head dim
-// (64/128 on both families; 16, 32, 256 and the padded 80 on mma.sync; 256 forward on Hopper), bf16 and fp16,
+// (64/128 on both families; 16, 32 and 256 on mma.sync; 256 forward on Hopper; 80 padded to 128, which
+// either family may run), bf16 and fp16,
 // soft-capping on large scores, both variants together; rows the window leaves without keys (o = 0, lse =
 // -inf, dq = 0) and keys no query sees (dk = dv = 0), exactly. ALiBi and attention sinks on the mma.sync
 // kernels (by default the Hopper ones decline them: FLASHLM_ATTENTION_KERNEL=auto lands on mma.sync too) and on
@@ -69,51 +70,6 @@ AttentionOptions band_options(const VariantGpuCase& v, AttentionImpl impl) {
   if (v.band.bottom_right) o.align = CausalAlign::bottom_right;
   o.deterministic = v.deterministic;
   return o;
-}
-
-// Runs `body` with FLASHLM_ATTENTION_KERNEL set to `value` (restoring what was there).
-template <class Body>
-void with_kernel_choice(const char* value, Body&& body) {
-  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");
-  const std::string saved = was == nullptr ? "" : was;
-  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", value, 1), 0);
-  body();
-  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
-  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
-}
-
-// The allowed max-abs error of a 16-bit CUDA flash result against the fp64 oracle: the low-precision rule
-// (twice the error of the naive attention with the same 16-bit storage, here the CPU's, whose only error is
-// the rounding of its outputs, plus 1e-3) and, for the kernels' 16-bit P and dS in their GEMMs, 4 unit
-// roundoffs of the result's scale. A band edge off by one key, a missing cap or a missing slope in dS is
-// far above it.
-double band_tolerance(DType dtype, double lowp_error, double ref_scale) {
-  const double unit_roundoff = dtype == DType::bf16 ? 1.0 / 256 : 1.0 / 2048;
-  return 2 * lowp_error + 1e-3 + 4 * unit_roundoff * std::max(1.0, ref_scale);
-}
-
-// o, dq, dk and dv of the CUDA run `ours` against the fp64 oracle `ref`, within band_tolerance of `lowp`: the
-// naive attention (`naive`: its CPU options) run here in the case's 16-bit dtype on the same inputs.
-void expect_outputs_near_oracle(const Case& c, const std::string& name, const Problem& ours, const Problem& ref,
-                                Problem& lowp, const AttentionOptions& naive) {
-  copy_into(lowp.q.view, ours.q.view);
-  copy_into(lowp.k.view, ours.k.view);
-  copy_into(lowp.v.view, ours.v.view);
-  copy_into(lowp.dout.view, ours.dout.view);
-  lowp.run(naive);
-
-  struct Item {
-    const char* what;
-    const TensorView &got, &want, &low;
-  };
-  for (const Item& t : {Item{"o", ours.o.view, ref.o.view, lowp.o.view}, Item{"dq", ours.dq.view, ref.dq.view, lowp.dq.view},
-                        Item{"dk", ours.dk.view, ref.dk.view, lowp.dk.view},
-                        Item{"dv", ours.dv.view, ref.dv.view, lowp.dv.view}}) {
-    const double err = max_abs_diff(t.got, t.want), low_err = max_abs_diff(t.low, t.want);
-    const double tol = band_tolerance(c.dtype, low_err, max_abs(t.want));
-    EXPECT_LE(err, tol) << t.what << " of " << name << " (cpu naive " << dtype_name(c.dtype) << " error " << low_err
-                        << ", max |ref| " << max_abs(t.want) << ")";
-  }
 }
 
 // o, dq, dk, dv and lse of the CUDA flash kernels (family "auto": Hopper where it covers the problem, or
@@ -225,7 +181,7 @@ std::vector<VariantGpuCase> band_grid() {
     }
   }
   // The other head dims: 16, 32 and 256 (the Hopper forward has 256; its backward and every other one run
-  // on mma.sync), 80 on the padded path; GQA 6 / 1.
+  // on mma.sync), 80 on the padded path (its copies at 128 on either family); GQA 6 / 1.
   for (int64_t d : {16, 32, 80, 256}) {
     for (DType dt : {DType::bf16, DType::f16}) {
       cases.push_back({{1, 200, 300, 6, 1, d, layouts[d % 3], Mask::bottom_right, dt}, {50, 0}, dt == DType::f16});
@@ -381,7 +337,7 @@ void expect_alibi_sink_matches_oracle(const AlibiSinkGpuCase& a, const char* fam
     for (int64_t h = 0; h < c.Hq; ++h) {
       const double want = ref.dsink.view().ptr<float>()[h], got = ours.dsink.view().ptr<float>()[h];
       const double low = lowp.dsink.view().ptr<float>()[h];
-      const double tol = band_tolerance(c.dtype, std::fabs(low - want), std::fabs(want)) +
+      const double tol = cuda_flash_tolerance(c.dtype, std::fabs(low - want), std::fabs(want)) +
                          dsink_rounding_allowance(c, ref, in.sinks.view(), h);
       EXPECT_LE(std::fabs(got - want), tol) << "dsink[" << h << "] of " << name << " (ref " << want << ")";
     }
@@ -465,9 +421,9 @@ INSTANTIATE_TEST_SUITE_P(Grid, CudaAlibiSinkVsReference, ::testing::ValuesIn(ali
 
 // A CUDA call with ALiBi, a sink or both is planned on mma.sync and, with FLASHLM_ATTENTION_KERNEL=auto and the
 // Hopper route off (the default), stays there in both passes (the Hopper kernels decline them), where the same
-// problem without them takes the Hopper kernels on an sm_90 GPU; it runs. A head dim of v's own that no kernel
-// is compiled for (64 with 32) is still refused by name, with or without them.
-TEST(CudaAlibiSink, PlannedOnMmaSyncNeverHopperAndHeadDimVStillRefusedByName) {
+// problem without them takes the Hopper kernels on an sm_90 GPU; it runs. So does a head dim of v's own (64 with
+// 32: mma.sync on copies padded to 64, which the Hopper kernels have no pair for), with or without them.
+TEST(CudaAlibiSink, PlannedOnMmaSyncNeverHopperWithOrWithoutAHeadDimVOfItsOwn) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_CUDA
   GTEST_SKIP() << "built without the CUDA backends' declarations";
@@ -512,12 +468,26 @@ TEST(CudaAlibiSink, PlannedOnMmaSyncNeverHopperAndHeadDimVStillRefusedByName) {
     }
   });
   Tensor v32 = Tensor::empty({1, 300, 2, 32}, DType::bf16, Device::cuda), o32 = Tensor::empty({1, 300, 2, 32}, DType::bf16, Device::cuda);
+  Tensor dv32 = Tensor::empty({1, 300, 2, 32}, DType::bf16, Device::cuda);
   fill_normal(v32, 5);
-  AttentionOptions opt;
-  expect_error([&] { attention_forward(q, q, v32, o32, lse, opt); }, {"v: head_dim_v 32 differs from head_dim 64", "hopper forward kernels are compiled for no such pair"});
-  opt.alibi_slopes = per_head.view();
-  opt.learnable_sink = per_head.view();
-  expect_error([&] { attention_forward(q, q, v32, o32, lse, opt); }, {"v: head_dim_v 32 differs from head_dim 64", "hopper forward kernels are compiled for no such pair"});
+  with_kernel_choice("auto", [&] {
+    AttentionOptions opt;
+    for (bool with_alibi_sink : {false, true}) {
+      SCOPED_TRACE(with_alibi_sink ? "head_dim_v 32 with alibi and sink" : "head_dim_v 32");
+      if (with_alibi_sink) {
+        opt.alibi_slopes = opt.learnable_sink = per_head.view();
+        opt.dlearnable_sink = dsink.view();
+      }
+      const AttentionProblem p = validate_attention_forward(q, q, v32, o32, lse, opt);
+      const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, opt.impl, AttentionPass::forward);
+      EXPECT_EQ(plan.family, CudaKernelFamily::mma_sync);
+      EXPECT_TRUE(plan.padded);
+      EXPECT_EQ(flash_kernel_family(plan, AttentionPass::forward, p, q, q, v32, o32, TensorView{}, false),
+                CudaKernelFamily::mma_sync);
+      EXPECT_NO_THROW(attention_forward(q, q, v32, o32, lse, opt));
+      EXPECT_NO_THROW(attention_backward(q, q, v32, o32, lse, o32, dq, dk, dv32, opt));
+    }
+  });
 #endif
 }
 

@@ -606,8 +606,8 @@ INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaAlibiSinkVsReference, ::testing::Value
                            return varlen_case_name(info.param);
                          });
 
-// A head dim of v's own on packed sequences: (192, 128), the Hopper forward's pair (no CUDA backward has it), on
-// an sm_90 GPU, each run of sequences one Hopper launch; ragged packs with sequences without keys (o = 0, lse =
+// A head dim of v's own on packed sequences: (192, 128), the Hopper forward's own pair (unpadded), on an sm_90
+// GPU, each run of sequences one Hopper launch; ragged packs with sequences without keys (o = 0, lse =
 // -inf) or queries, every mask, GQA, bf16 and fp16, a window and soft-capping, ALiBi and sinks on the Hopper
 // route; o and lse against the per-sequence fp64 reference.
 std::vector<VarlenCase> head_dim_pair_gpu_grid() {
@@ -642,7 +642,7 @@ TEST_P(VarlenCudaHeadDimPairVsReference, HopperForwardMatchesPerSequenceReferenc
   Pack ours(c, c.dtype, 3900 + c.len_q.size(), c.padded_rows);
   Pack lowp(ours, c, c.dtype);
   Pack ref(ours, c, DType::f64);
-  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // "mma" would refuse the pair
+  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // "mma" would keep the Hopper kernels out
   const std::string saved = was == nullptr ? "" : was;
   ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
   ours.run_varlen_on_device(ours.options(c, AttentionImpl::flash), c.len_q.size() % 2 == 1, false);
@@ -656,6 +656,42 @@ TEST_P(VarlenCudaHeadDimPairVsReference, HopperForwardMatchesPerSequenceReferenc
 }
 
 INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaHeadDimPairVsReference, ::testing::ValuesIn(head_dim_pair_gpu_grid()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) {
+                           return varlen_case_name(info.param);
+                         });
+
+// Head dims of v's own on packed sequences through the padded path in both passes, FLASHLM_ATTENTION_KERNEL=mma
+// (each run of sequences pads its own views): the packs above at (192, 128), padded to 256, and pairs that pad
+// one side only, (64, 128) and (128, 64), in both backward modes; o, lse, dq, dk, dv (and dsink) against the
+// per-sequence fp64 reference.
+std::vector<VarlenCase> padded_head_dim_pair_gpu_grid() {
+  std::vector<VarlenCase> cases = head_dim_pair_gpu_grid();
+  const std::vector<int32_t> cq{5, 0, 130, 17, 9, 700}, ck{9, 40, 0, 17, 200, 513};
+  cases.push_back({cq, ck, 4, 2, 64, Mask::bottom_right, DType::bf16, true, true, -1, -1, 0, 128});
+  cases.push_back({cq, ck, 6, 2, 128, Mask::top_left, DType::f16, false, false, -1, -1, 0, 64});
+  cases.push_back({cq, ck, 4, 1, 192, Mask::none, DType::bf16, false, true, 40, 8, 0, 128, 1, true});
+  return cases;
+}
+
+class VarlenCudaPaddedHeadDimPairVsReference : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenCudaPaddedHeadDimPairVsReference, MmaSyncMatchesPerSequenceReference) {
+  SKIP_WITHOUT_GPU();
+  const VarlenCase c = GetParam();
+  Pack ours(c, c.dtype, 4900 + c.len_q.size(), c.padded_rows);
+  Pack lowp(ours, c, c.dtype);
+  Pack ref(ours, c, DType::f64);
+  AttentionOptions flash = ours.options(c, AttentionImpl::flash);
+  flash.deterministic = c.deterministic;
+  with_kernel_choice("mma", [&] { ours.run_varlen_on_device(flash, c.len_q.size() % 2 == 1); });
+  lowp.run_varlen(lowp.options(c, AttentionImpl::naive));
+  ref.run_per_sequence_reference(c);
+  expect_close(ours, ref, lowp, c, "cuda flash (mma.sync, padded head dim pair)", 4);
+  expect_empty_sequences_zero(ours, c, "cuda flash (mma.sync, padded head dim pair)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaPaddedHeadDimPairVsReference,
+                         ::testing::ValuesIn(padded_head_dim_pair_gpu_grid()),
                          [](const ::testing::TestParamInfo<VarlenCase>& info) {
                            return varlen_case_name(info.param);
                          });
