@@ -166,6 +166,12 @@ Command add_attention_bench_command(CLI::App& app) {
   cmd->add_option("--window", a->window,
                   "Sliding window L,R (flash-attn's window_size: query i sees keys i-L..i+R, -1 unbounded; causal makes "
                   "R 0); TFLOP/s then count the visible pairs");
+  cmd->add_option("--d-v", a->cfg.head_dim_v,
+                  "v's and o's head dim for every row (head_dim_v: e.g. --d 192 --d-v 128, DeepSeek's MLA shape); 0: "
+                  "each row's --d")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(0, kMaxHeadDim))
+      ->excludes(decode);
   cmd->add_option("--softcap", a->cfg.softcap, "Soft-capping of the scores, softcap * tanh(s / softcap) (0: off)")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e30));

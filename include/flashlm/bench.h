@@ -44,6 +44,9 @@ struct AttentionBenchConfig {
   // or half square.
   int64_t window_left = -1, window_right = -1;
   double softcap = 0;
+  // v's (and o's) head dim for every row (AttentionOptions' head_dim_v: DeepSeek's 192 / 128); 0: each row's
+  // head_dim. TFLOP/s then count Q·K at head_dim and P·V at head_dim_v.
+  int64_t head_dim_v = 0;
   Device device = Device::cpu;
   int warmup = 1;
   int reps = 3;
@@ -57,7 +60,7 @@ struct AttentionBenchConfig {
 
 struct AttentionBenchRecord {
   std::string impl, dtype, device;
-  int64_t batch = 0, heads = 0, kv_heads = 0, seq_q = 0, seq_k = 0, head_dim = 0;
+  int64_t batch = 0, heads = 0, kv_heads = 0, seq_q = 0, seq_k = 0, head_dim = 0, head_dim_v = 0;
   bool causal = false;
   int64_t window_left = -1, window_right = -1;  // the config's
   double softcap = 0;

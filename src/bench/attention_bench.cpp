@@ -17,10 +17,12 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 // The forward FLOPs of a row: as the FlashAttention papers count them, or with a sliding window 4 · B · H · D
 // per (query, key) pair the band leaves visible (flashlm/attention.h's band: causal makes the right side 0).
+// With a head_dim_v of its own, D is the mean of the two: 2 · head_dim for Q·K and 2 · head_dim_v for P·V.
 double forward_flops(const AttentionBenchConfig& cfg, const AttentionBenchRecord& rec) {
+  const double dims = static_cast<double>(rec.head_dim + rec.head_dim_v) / static_cast<double>(2 * rec.head_dim);
   const int64_t right = rec.causal ? 0 : rec.window_right;  // -1: unbounded
   if (rec.window_left < 0 && (rec.causal || right < 0)) {  // no window beyond the causal mask
-    return attention_forward_flops(rec.batch, rec.heads, rec.seq_q, rec.seq_k, rec.head_dim, rec.causal);
+    return dims * attention_forward_flops(rec.batch, rec.heads, rec.seq_q, rec.seq_k, rec.head_dim, rec.causal);
   }
   const int64_t offset = cfg.align == CausalAlign::bottom_right ? rec.seq_k - rec.seq_q : 0;
   double pairs = 0;
@@ -29,12 +31,18 @@ double forward_flops(const AttentionBenchConfig& cfg, const AttentionBenchRecord
     const int64_t hi = right < 0 ? rec.seq_k : std::clamp<int64_t>(i + offset + right + 1, 0, rec.seq_k);
     pairs += static_cast<double>(std::max<int64_t>(0, hi - lo));
   }
-  return 4.0 * static_cast<double>(rec.batch * rec.heads * rec.head_dim) * pairs;
+  return dims * 4.0 * static_cast<double>(rec.batch * rec.heads * rec.head_dim) * pairs;
+}
+
+// Backward FLOPs over forward FLOPs: Q·Kᵀ again, dQ and dK at head_dim, dO·Vᵀ and Pᵀ·dO at head_dim_v, against
+// the forward's one product at each: 2.5 (the papers') where the two are equal.
+double backward_ratio(const AttentionBenchRecord& rec) {
+  return static_cast<double>(3 * rec.head_dim + 2 * rec.head_dim_v) / static_cast<double>(rec.head_dim + rec.head_dim_v);
 }
 
 // The FLOPs every pass of a row computes (warm-up and timed runs).
 double row_flops(const AttentionBenchConfig& cfg, const AttentionBenchRecord& rec) {
-  return forward_flops(cfg, rec) * (cfg.backward ? 3.5 : 1.0) * (1 + cfg.warmup + cfg.reps);
+  return forward_flops(cfg, rec) * (cfg.backward ? 1.0 + backward_ratio(rec) : 1.0) * (1 + cfg.warmup + cfg.reps);
 }
 
 void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, AttentionImpl impl, DType dtype) {
@@ -43,8 +51,8 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   // workspace), the same convention as the PyTorch peers' torch.cuda.max_memory_allocated().
   Tensor q = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "q");
   Tensor k = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "k");
-  Tensor v = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "v");
-  Tensor dout = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "dout");
+  Tensor v = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim_v}, dtype, dev, "v");
+  Tensor dout = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim_v}, dtype, dev, "dout");
   fill_normal(q, 1);
   fill_normal(k, 2);
   fill_normal(v, 3);
@@ -63,7 +71,7 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   const bool fp8 = dtype == DType::f8e4m3;
   const int64_t base = memory_stats(dev).current_bytes;
   memory_reset_peak(dev);
-  Tensor o = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, fp8 ? DType::bf16 : dtype, dev, "o");
+  Tensor o = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim_v}, fp8 ? DType::bf16 : dtype, dev, "o");
   Tensor lse = Tensor::empty({rec.batch, rec.heads, rec.seq_q}, DType::f32, dev, "lse");
   attention_forward(q, k, v, o, lse, opt);
   if (dev == Device::cuda) cuda_synchronize();
@@ -77,12 +85,12 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   memory_reset_peak(dev);
   Tensor dq = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "dq");
   Tensor dk = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "dk");
-  Tensor dv = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "dv");
+  Tensor dv = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim_v}, dtype, dev, "dv");
   attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt);
   if (dev == Device::cuda) cuda_synchronize();
   rec.peak_bwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
   rec.bwd_ms = median_call_ms(dev, cfg.warmup, cfg.reps, [&] { attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt); });
-  rec.bwd_tflops = 2.5 * flops / *rec.bwd_ms / 1e9;
+  rec.bwd_tflops = backward_ratio(rec) * flops / *rec.bwd_ms / 1e9;
 }
 
 std::string opt_ms(const std::optional<double>& x) { return x ? fmt::format("{:.3f}", *x) : "-"; }
@@ -106,6 +114,7 @@ std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig
         rec.kv_heads = shape.kv_heads > 0 ? shape.kv_heads : shape.heads;
         rec.seq_q = rec.seq_k = shape.seq;
         rec.head_dim = shape.head_dim;
+        rec.head_dim_v = cfg.head_dim_v > 0 ? cfg.head_dim_v : shape.head_dim;
         rec.causal = shape.causal;
         rec.window_left = cfg.window_left;
         rec.window_right = cfg.window_right;
@@ -170,7 +179,8 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
     nlohmann::json j = {{"impl", r.impl},       {"device", r.device},       {"batch", r.batch},
                         {"heads", r.heads},     {"kv_heads", r.kv_heads},   {"seq_q", r.seq_q},
                         {"seq_k", r.seq_k},
-                        {"head_dim", r.head_dim}, {"causal", r.causal},     {"dtype", r.dtype},
+                        {"head_dim", r.head_dim}, {"head_dim_v", r.head_dim_v}, {"causal", r.causal},
+                        {"dtype", r.dtype},
                         {"window_left", r.window_left}, {"window_right", r.window_right}, {"softcap", r.softcap},
                         {"fwd_ms", opt(r.fwd_ms)}, {"bwd_ms", opt(r.bwd_ms)}, {"fwd_tflops", opt(r.fwd_tflops)},
                         {"bwd_tflops", opt(r.bwd_tflops)}, {"peak_fwd_mib", opt(r.peak_fwd_mib)},
@@ -180,7 +190,7 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
   }
   const std::vector<ReportColumn> columns = {
       {"impl", "impl"},           {"dtype", "dtype"},          {"batch", "batch"},
-      {"heads", "heads"},         {"seq_q", "seq"},            {"head_dim", "d"},
+      {"heads", "heads"},         {"seq_q", "seq"},            {"head_dim", "d"},          {"head_dim_v", "d_v"},
       {"kv_heads", "kv heads"},   {"causal", "causal"},       {"window_left", "window left"},
       {"window_right", "window right"}, {"softcap", "softcap", 1}, {"fwd_ms", "fwd ms", 3},     {"bwd_ms", "bwd ms", 3},
       {"fwd_tflops", "fwd TFLOP/s", 3}, {"bwd_tflops", "bwd TFLOP/s", 3}, {"peak_fwd_mib", "peak fwd MiB", 1},

@@ -36,6 +36,17 @@ string(JSON status GET "${gqa}" records 0 status)
 if(NOT rc EQUAL 0 OR NOT kv EQUAL 2 OR NOT status STREQUAL "ok")
   message(FATAL_ERROR "gqa json: exit ${rc}, kv_heads ${kv}, status ${status}:\n${gqa}")
 endif()
+# --d-v: v and o with a head dim of their own (CPU flash and naive), recorded as head_dim_v.
+set(dv_file ${WORKDIR}/bench_formats_dv.json)
+execute_process(COMMAND ${FLASHLM} attention-bench --impl naive,flash --seq 40 --d 32 --d-v 16 --heads 2 --reps 1
+                        --warmup 0 --quiet --format json --out ${dv_file} RESULT_VARIABLE rc)
+file(READ ${dv_file} dv)
+string(JSON dv_status GET "${dv}" records 1 status)
+string(JSON dv_d GET "${dv}" records 1 head_dim)
+string(JSON dv_dv GET "${dv}" records 1 head_dim_v)
+if(NOT rc EQUAL 0 OR NOT dv_status STREQUAL "ok" OR NOT dv_d EQUAL 32 OR NOT dv_dv EQUAL 16)
+  message(FATAL_ERROR "--d-v json: exit ${rc}, status ${dv_status}, d ${dv_d}, d_v ${dv_dv}:\n${dv}")
+endif()
 # --decode: flash_attention_with_kvcache over a paged cache, one record per batch x cache length, with ms, the
 # per-call ms, GB/s and the share of the peak.
 set(decode_file ${WORKDIR}/bench_formats_decode.json)
