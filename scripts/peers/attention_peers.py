@@ -8,7 +8,9 @@ Grids are flashlm's (`--grid fa`: d 64/128, seq 512..16384, batch x seq = 16384,
 not; `--grid seed`: batch 8, one head, d 16..128, seq 256..32768, causal) or `--shapes BxHxNxD[xHk],...`.
 Each record is attention-bench's (impl "sdpa-<backend>", fwd_ms, bwd_ms = the backward alone, TFLOP/s by
 the FlashAttention papers' count, peak memory), the median of --reps timed calls after --warmup.
-Backends: flash, cudnn, efficient, math (math is the one that runs on the CPU).
+Backends: flash, cudnn, efficient, math (math is the one that runs on the CPU). `--d-v DV` gives v (and the
+output) a head dim of their own, as attention-bench --d-v does (DeepSeek's 192 / 128); the records then carry
+head_dim_v and TFLOP/s count Q·K at D and P·V at DV.
 """
 import argparse
 import statistics
@@ -42,19 +44,27 @@ def parse_shapes(text, causal):
     return out
 
 
-def attention_flops(b, h, n, d, causal):  # forward; the backward is 2.5x (SPEC §2)
-    return 4 * b * h * n * n * d / (2 if causal else 1)
+def attention_flops(b, h, n, d, causal, dv=None):
+    """Forward FLOPs (SPEC §2): 2·d for Q·K and 2·dv for P·V per visible pair; the papers' 4·d where dv = d."""
+    dv = d if dv is None else dv
+    return 2 * b * h * n * n * (d + dv) / (2 if causal else 1)
 
 
-def measure(backend, shape, dtype, device, warmup, reps):
+def backward_ratio(d, dv):
+    """Backward over forward FLOPs: Q·K again, dQ and dK at d, dO·Vᵀ and Pᵀ·dO at dv (2.5 where dv = d)."""
+    return (3 * d + 2 * dv) / (d + dv)
+
+
+def measure(backend, shape, dtype, device, warmup, reps, dv=None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     b, h, n, d, hk, causal = shape
+    dv = d if dv is None else dv
     q = torch.randn(b, h, n, d, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(b, hk, n, d, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(b, hk, n, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hk, n, dv, device=device, dtype=dtype, requires_grad=True)
     gqa = {"enable_gqa": True} if hk != h else {}
-    rec = dict(impl=f"sdpa-{backend}", batch=b, heads=h, kv_heads=hk, seq_q=n, seq_k=n, head_dim=d, causal=causal,
-               dtype=[k for k, v in DTYPES.items() if v == dtype][0], device=device.type, status="ok")
+    rec = dict(impl=f"sdpa-{backend}", batch=b, heads=h, kv_heads=hk, seq_q=n, seq_k=n, head_dim=d, head_dim_v=dv,
+               causal=causal, dtype=[k for k, v in DTYPES.items() if v == dtype][0], device=device.type, status="ok")
     try:
         with sdpa_kernel(getattr(SDPBackend, BACKEND_NAMES[backend])):
             fwd = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, **gqa), device, warmup,
@@ -70,9 +80,9 @@ def measure(backend, shape, dtype, device, warmup, reps):
         rec["status"] = "oom" if is_oom(e) else "unsupported"
         rec["message"] = str(e).splitlines()[0][:200]
         return rec
-    flops = attention_flops(b, h, n, d, causal)
+    flops = attention_flops(b, h, n, d, causal, dv)
     rec.update(fwd_ms=statistics.median(fwd), bwd_ms=statistics.median(bwd))
-    rec.update(fwd_tflops=flops / rec["fwd_ms"] / 1e9, bwd_tflops=2.5 * flops / rec["bwd_ms"] / 1e9)
+    rec.update(fwd_tflops=flops / rec["fwd_ms"] / 1e9, bwd_tflops=backward_ratio(d, dv) * flops / rec["bwd_ms"] / 1e9)
     return rec
 
 
@@ -82,6 +92,7 @@ def main():
     ap.add_argument("--shapes", help="BxHxNxD[xHk],... instead of a grid")
     ap.add_argument("--causal", default="0,1", help="with --shapes: 0, 1 or 0,1")
     ap.add_argument("--backends", default="flash,cudnn")
+    ap.add_argument("--d-v", type=int, default=0, help="v's and the output's head dim for every shape (0: its D)")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--warmup", type=int, default=5)
@@ -91,13 +102,15 @@ def main():
     device = pick_device(a.device)
     if bool(a.grid) == bool(a.shapes):
         raise SystemExit("error: give one of --grid and --shapes")
+    if a.d_v < 0:
+        raise SystemExit(f"error: --d-v: {a.d_v} is negative")
     shapes = grid_shapes(a.grid) if a.grid else parse_shapes(a.shapes, [c == "1" for c in a.causal.split(",")])
     records = []
     for backend in a.backends.split(","):
         if backend not in BACKEND_NAMES:
             raise SystemExit(f"error: --backends: unknown backend '{backend}' (expected {', '.join(BACKEND_NAMES)})")
         for shape in shapes:
-            records.append(measure(backend, shape, DTYPES[a.dtype], device, a.warmup, a.reps))
+            records.append(measure(backend, shape, DTYPES[a.dtype], device, a.warmup, a.reps, a.d_v or None))
             r = records[-1]
             print(f"{r['impl']} {shape}: {r.get('fwd_ms', r['status'])} / {r.get('bwd_ms', '')} ms", flush=True)
     write_report(a.out, "peers/attention_peers", device, records, reps=a.reps, warmup=a.warmup)
