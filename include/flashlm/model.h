@@ -121,7 +121,7 @@ struct ModelOptions {
   // leaderboard's storage with FP8 GEMMs): every linear layer of the blocks (q/k/v, output
   // projection, w1/w2/w3; not the LM head, nor attention) computes its forward GEMM and both backward GEMMs
   // in FP8 through cuBLASLt, each operand scaled tensorwise by fp8_max / amax of the tensor now (torchao's
-  // "tensorwise" recipe; src/model/fp8.h): weights and activations in e4m3, the output gradients in
+  // "tensorwise" recipe; src/model/fp8.h; or per row: fp8_recipe below): weights and activations in e4m3, the output gradients in
   // fp8_gradients' format. The scales are computed on the device each step, so the step stays one CUDA
   // graph and keeps no FP8 state between steps (a checkpoint is a bf16 run's). Needs d_model, d_ff and
   // batch · seq to be multiples of 16. On the CPU, emulated over fp32: the same operands rounded through FP8
