@@ -731,11 +731,12 @@ TEST(Fp8Linear, RowwiseMatchesTheEmulatedLayer) {
 
 // A named weight's FP8 copies are cast at its first product of a pass and reused by the pass's later ones (the
 // backward's dx): the same bits as casting each time; a new pass casts the weight as it is then.
-TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
-  SKIP_WITHOUT_GPU();
+namespace {
+
+void expect_named_weights_cast_once_per_pass(Fp8Recipe recipe) {
   const ModelConfig c = layer_test_config();
   const int64_t n = 96, in = 64, out = 160;
-  Fp8Linear cached(c, n, Fp8Format::e5m2), fresh(c, n, Fp8Format::e5m2);
+  Fp8Linear cached(c, n, Fp8Format::e5m2, recipe), fresh(c, n, Fp8Format::e5m2, recipe);
   const std::vector<float> x = random_bf16_values(n * in, 71), w1 = random_bf16_values(out * in, 72),
                            w2 = random_bf16_values(out * in, 73), dy = random_bf16_values(n * out, 74);
   Dev dx(x.size() * 2), dw(w1.size() * 2), ddy(dy.size() * 2), y_a(dy.size() * 2), y_b(dy.size() * 2),
@@ -773,13 +774,27 @@ TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
   }, "does not fit the FP8 weight cache");
 }
 
+}  // namespace
+
+TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
+  SKIP_WITHOUT_GPU();
+  expect_named_weights_cast_once_per_pass(Fp8Recipe::tensorwise);
+}
+
+// Rowwise: the cached copies with their scale vectors give the bits of casting each time.
+TEST(Fp8Linear, RowwiseNamedWeightsAreCastOncePerPass) {
+  SKIP_WITHOUT_GPU();
+  expect_named_weights_cast_once_per_pass(Fp8Recipe::rowwise);
+}
+
 // w1 and w3 of the feed-forward read one input: the second product reuses the first's cast of x (forward)
 // and of xᵀ (backward), with the bits of casting it afresh; a stale or different input is refused.
-TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
-  SKIP_WITHOUT_GPU();
+namespace {
+
+void expect_products_of_one_input_share_its_cast(Fp8Recipe recipe) {
   const ModelConfig c = layer_test_config();
   const int64_t n = 96, in = 64, out = 160;
-  Fp8Linear shared(c, n, Fp8Format::e4m3), fresh(c, n, Fp8Format::e4m3);
+  Fp8Linear shared(c, n, Fp8Format::e4m3, recipe), fresh(c, n, Fp8Format::e4m3, recipe);
   const std::vector<float> x = random_bf16_values(n * in, 81), x2 = random_bf16_values(n * in, 82),
                            wa = random_bf16_values(out * in, 83), wb = random_bf16_values(out * in, 84),
                            dya = random_bf16_values(n * out, 85), dyb = random_bf16_values(n * out, 86);
@@ -825,6 +840,33 @@ TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
   shared.begin_pass();
   expect_error([&] { shared.forward(dx.as<bf16_t>(), dwb.as<bf16_t>(), nullptr, yb.as<bf16_t>(), in, out, nullptr,
                                     "layers.0.ffn.w3", true); }, "holds no cast of this x");
+}
+
+}  // namespace
+
+TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
+  SKIP_WITHOUT_GPU();
+  expect_products_of_one_input_share_its_cast(Fp8Recipe::tensorwise);
+}
+
+// Rowwise: the shared casts carry their scale vectors (x's row scales forward, xᵀ's column scales backward).
+TEST(Fp8Linear, RowwiseProductsOfOneInputShareItsCast) {
+  SKIP_WITHOUT_GPU();
+  expect_products_of_one_input_share_its_cast(Fp8Recipe::rowwise);
+}
+
+// Rowwise reduces per row and column itself: no producer amaxes, and one handed in is an error.
+TEST(Fp8Linear, RowwiseTakesNoProducerAmax) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = layer_test_config();
+  const int64_t n = 96, in = 64, out = 160;
+  Fp8Linear rowwise(c, n, Fp8Format::e5m2, Fp8Recipe::rowwise);
+  EXPECT_EQ(rowwise.produced_amax(0, Fp8Produced::h1), nullptr);
+  Dev dx{size_t(n * in) * 2}, dw{size_t(out * in) * 2}, dy{size_t(n * out) * 2}, amax{16}, gx{size_t(n * in) * 2};
+  expect_error([&] { rowwise.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, dy.as<bf16_t>(), in, out, nullptr, {},
+                                     false, amax.as<float>()); }, "x_amax given");
+  expect_error([&] { rowwise.backward(dy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx.as<bf16_t>(), nullptr, in,
+                                      out, false, false, nullptr, {}, false, amax.as<float>()); }, "dy_amax given");
 }
 
 // An amax handed in by the tensor's producer (x_amax, dy_amax) stands for the reduction the layer would do:
