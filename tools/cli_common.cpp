@@ -157,6 +157,12 @@ void add_model_options(CLI::App* cmd, flashlm::ModelOptions& o, ModelOptionFlags
          "(more precision); weights and activations are always e4m3")
       ->default_str(std::string(fp8_format_name(o.fp8_gradients)))
       ->check(CLI::IsMember({"e4m3", "e5m2"}));
+    cmd->add_option_function<std::string>(
+           "--fp8-recipe", [&o](const std::string& s) { o.fp8_recipe = parse_fp8_recipe(s); },
+           "--precision fp8: how the FP8 GEMMs' operands are scaled: tensorwise (one scale per tensor) or rowwise "
+           "(one per token, output channel or input column, whichever the product does not sum over; finer, but "
+           "each operand is cast twice; cuda needs cuBLAS >= 12.9 on Hopper)")
+      ->default_str(std::string(fp8_recipe_name(o.fp8_recipe)));
   }
   if (flags.cuda_graph) {
     cmd->add_option_function<std::string>(

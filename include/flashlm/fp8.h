@@ -15,4 +15,12 @@ enum class Fp8Format : uint8_t { e4m3, e5m2 };
 std::string_view fp8_format_name(Fp8Format f);   // "e4m3", "e5m2"
 Fp8Format parse_fp8_format(std::string_view name);  // as fp8_format_name writes them
 
+// How FP8 training scales its GEMM operands (ModelOptions::fp8_recipe; the arithmetic in src/model/fp8.h):
+// tensorwise, one scale per tensor (torchao's "tensorwise"); rowwise, one scale per row of an operand along
+// the dimension its product does not sum over (torchao's "rowwise"), so one outlier token or channel no
+// longer coarsens the whole tensor's quantisation, at the price of two differently scaled copies per tensor.
+enum class Fp8Recipe : uint8_t { tensorwise, rowwise };
+std::string_view fp8_recipe_name(Fp8Recipe r);      // "tensorwise", "rowwise"
+Fp8Recipe parse_fp8_recipe(std::string_view name);  // as fp8_recipe_name writes them; an Error naming the option
+
 }  // namespace flashlm

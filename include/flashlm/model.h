@@ -121,7 +121,7 @@ struct ModelOptions {
   // leaderboard's storage with FP8 GEMMs): every linear layer of the blocks (q/k/v, output
   // projection, w1/w2/w3; not the LM head, nor attention) computes its forward GEMM and both backward GEMMs
   // in FP8 through cuBLASLt, each operand scaled tensorwise by fp8_max / amax of the tensor now (torchao's
-  // "tensorwise" recipe; src/model/fp8.h): weights and activations in e4m3, the output gradients in
+  // "tensorwise" recipe; src/model/fp8.h; or per row: fp8_recipe below): weights and activations in e4m3, the output gradients in
   // fp8_gradients' format. The scales are computed on the device each step, so the step stays one CUDA
   // graph and keeps no FP8 state between steps (a checkpoint is a bf16 run's). Needs d_model, d_ff and
   // batch · seq to be multiples of 16. On the CPU, emulated over fp32: the same operands rounded through FP8
@@ -129,6 +129,13 @@ struct ModelOptions {
   // tried and tested without a GPU (slower than fp32, not faster).
   bool fp8 = false;
   Fp8Format fp8_gradients = Fp8Format::e5m2;
+  // How fp8 scales the operands: tensorwise (above), or rowwise (torchao's "rowwise"): one scale per row of
+  // each operand along the dimension its product does not sum over — the forward's x per token and w per
+  // output channel, dgrad's dy per token and w per input column, wgrad's dy per output channel and x per input
+  // column — through cuBLASLt's outer-vector scaling (cuBLAS >= 12.9 on Hopper). Each of x, w and dy is then
+  // cast twice (scaled per row and, transposed, per column) and every cast reduces its own amaxes: more cast
+  // work than tensorwise, for a finer quantisation. On the CPU emulated the same way.
+  Fp8Recipe fp8_recipe = Fp8Recipe::tensorwise;
   // fp8 needs precision bf16 (bf16_pure or not) on CUDA, fp32 without bf16_pure on the CPU: an Error
   // otherwise (the models and the memory plan check it).
   void check_fp8(DType precision, Device device = Device::cuda) const;

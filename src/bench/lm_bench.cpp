@@ -210,6 +210,10 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             r.precision = precision_name(precision, bf16_pure, fp8);
             // FP8 names its gradients' format after a comma, as the moments below (compare.py matches "fp8").
             if (fp8) r.precision += fmt::format(", {} gradients", fp8_format_name(cfg.options.fp8_gradients));
+            // Rowwise only: tensorwise rows keep the name earlier results were recorded under.
+            if (fp8 && cfg.options.fp8_recipe != Fp8Recipe::tensorwise) {
+              r.precision += fmt::format(", {}", fp8_recipe_name(cfg.options.fp8_recipe));
+            }
             // fp32 masters with bf16 moments: the row says so ("bf16, bf16-sr moments").
             if (!bf16_pure && cfg.options.optimizer_state != OptimizerState::fp32) {
               r.precision += fmt::format(", {} moments", optimizer_state_name(cfg.options.optimizer_state));

@@ -56,20 +56,36 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
 // A second buffer, the weight cache (Fp8Linear's, cache_bytes): the block weights' FP8 copies, both ways; from
 // byte cache_scales two scale slots per weight (cache_slots weights: their own, then their forward inputs'); from
 // byte cache_amax the producers' amax outputs (kFp8Produced floats per layer).
+// Rowwise (Fp8Recipe::rowwise) adds the scale vectors, each operand's a vector set (Fp8VectorSet): in the
+// scratch from byte `vectors` three sets of vector_capacity floats a vector (the act operand's, the weight
+// region's, act_x_t's), in the cache from byte cache_vectors one set per weight (cache_slots) of
+// cache_vector_capacity floats. Tensorwise has none (the offsets are the buffers' ends).
 // The FP8 buffers' region rule: each region (and each cached weight copy) starts 256-byte aligned.
 inline int64_t fp8_region_bytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+// One rowwise operand's four scale vectors of `capacity` floats — row amax, column amax, row dequantisation,
+// column dequantisation — each a region (so 16-byte aligned, as cuBLASLt's scale vectors must be).
+struct Fp8VectorSet {
+  int64_t capacity = 0;
+  int64_t vector_bytes() const { return fp8_region_bytes(capacity * int64_t(sizeof(float))); }
+  int64_t bytes() const { return 4 * vector_bytes(); }
+  // Vector i (0: row amax, 1: column amax, 2: row dequantisation, 3: column dequantisation) of the set at `base`.
+  float* vector(void* base, int i) const { return reinterpret_cast<float*>(static_cast<uint8_t*>(base) + i * vector_bytes()); }
+};
 struct Fp8ScratchLayout {
   int64_t act = 0, act_t = 0, act_x_t = 0, weight = 0, scales = 0, bytes = 0;
   int64_t act_capacity = 0, weight_capacity = 0;  // bytes of each activation region and of the weight region
   int64_t cache_scales = 0, cache_slots = 0, cache_bytes = 0;
   int64_t cache_amax = 0;  // the producers' amax outputs (Fp8Linear::produced_amax): kFp8Produced per layer
+  int64_t vectors = 0, cache_vectors = 0;  // rowwise: the scale vector sets
+  Fp8VectorSet vector_set, cache_vector_set;
 };
-Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens);
+Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens, Fp8Recipe recipe = Fp8Recipe::tensorwise);
 
 // --precision fp8 on the CPU (emulated): the fp32 elements of the rounded copies — one block's linear weights
 // (q, k, v, output projection, w1, w3, w2 in that order) and one layer's operands: an input [tokens,
-// max(d_model, d_ff)], an output gradient [tokens, d_model].
-int64_t fp8_emulation_elements(const ModelConfig& c, int64_t tokens);
+// max(d_model, d_ff)], an output gradient [tokens, d_model] (rowwise: [tokens, max(d_model, d_ff)], since
+// du and dg, rounded in place for dx's product, are rounded per column into it first for dw's).
+int64_t fp8_emulation_elements(const ModelConfig& c, int64_t tokens, Fp8Recipe recipe = Fp8Recipe::tensorwise);
 
 // bf16-pure on CUDA: the fp32 elements of the staging buffer a backward accumulates one gradient in — the
 // largest parameter, or the q, k and v weights together (3 · d_model², one GEMM's weight gradient) if larger.

@@ -8,6 +8,12 @@
 // activations are e4m3, the output gradients e4m3 or e5m2 (ModelOptions::fp8_gradients). The bit types
 // are flashlm/dtype.h's f8e4m3_t and f8e5m2_t.
 //
+// The rowwise recipe (ModelOptions::fp8_recipe, Fp8Recipe::rowwise; torchao's "rowwise") applies the same rule
+// to each row of an operand along the dimension its product does not sum over, its amax that row's: the GEMM
+// multiplies element (i, j) of its result by p's dequantisation scale of row i and q's of row j (cuBLASLt's
+// outer-vector scaling). A tensor [rows, cols] that a layer uses both ways is cast twice: straight, scaled per
+// row, and transposed, scaled per column (the rows of the transposed copy).
+//
 // The scale rule below is compiled into the CUDA cast kernel (model/cuda/fp8.cu) and the CPU emulation
 // (fp8_cpu.cpp) alike, so both quantise to the same bits. The CPU emulation is the reference the GPU
 // kernels are tested against, and runs where CI has no GPU.
@@ -74,12 +80,29 @@ void fp8_round_trip_cpu(const float* x, int64_t count, float amax, Fp8Format f, 
 // The larger of two amaxes, NaN winning (as the reductions order magnitudes by their bits).
 float fp8_amax_max(float a, float b);
 
+// Rowwise, the CPU emulation of the CUDA casts (model/cuda/fp8.h's fp8_amax_rows_cols, fp8_cast_rowwise):
+// row_amax[r] = max |x[r, ·]| and col_amax[c] = max |x[·, c]| of x [rows, cols], as fp8_amax_cpu reduces
+// (NaN wins); either may be null.
+void fp8_amax_rows_cols_cpu(const float* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax);
+// q [rows, cols] = encode(x[r, c] · fp8_scale(row_amax[r])) with row_dequant[r] its dequantisation scale, and
+// qt [cols, rows] = encode(x[r, c] · fp8_scale(col_amax[c])) with col_dequant[c] (each pair may be null).
+void fp8_cast_rowwise_cpu(const float* x, int64_t rows, int64_t cols, const float* row_amax, const float* col_amax,
+                          Fp8Format f, uint8_t* q, uint8_t* qt, float* row_dequant, float* col_dequant);
+// x [rows, cols] rounded through FP8 and back per row (row_amax[rows]) or per column (col_amax[cols]), as
+// fp8_round_trip_cpu rounds a tensor (out may be x): what the CPU model's rowwise emulation multiplies.
+void fp8_round_trip_rows_cpu(const float* x, int64_t rows, int64_t cols, const float* row_amax, Fp8Format f, float* out);
+void fp8_round_trip_cols_cpu(const float* x, int64_t rows, int64_t cols, const float* col_amax, Fp8Format f, float* out);
+
 // The product cuBLASLt computes from FP8 operands, in fp64: every product of two FP8 values is exact there,
 // and so is the sum of e4m3 · e4m3 products (they span 2^-18 to 2^18) for k up to 2^16; with e5m2 (2^-16
 // to 2^16) the sum rounds at most at 2^-53 of its largest term, far below any GPU tolerance:
 //   d[r, c] = p_dequant · q_dequant · Σ_k decode(p[r, k]) · decode(q[c, k])     (p [rows, k], q [cols, k])
 void fp8_matmul_nt_cpu(const uint8_t* p, Fp8Format pf, float p_dequant, const uint8_t* q, Fp8Format qf, float q_dequant,
                        int64_t rows, int64_t cols, int64_t k, double* d);
+// The same with outer-vector scales (rowwise): p_dequant[rows] and q_dequant[cols], d[r, c] multiplied by
+// p_dequant[r] · q_dequant[c].
+void fp8_matmul_nt_rowwise_cpu(const uint8_t* p, Fp8Format pf, const float* p_dequant, const uint8_t* q, Fp8Format qf,
+                               const float* q_dequant, int64_t rows, int64_t cols, int64_t k, double* d);
 
 // The emulated FP8 linear layer, in fp64 from the quantised operands (the reference of the GPU's):
 //   forward   y [n, out]  = Q(x) · Q(w)ᵀ                  x, w in e4m3
@@ -87,9 +110,12 @@ void fp8_matmul_nt_cpu(const uint8_t* p, Fp8Format pf, float p_dequant, const ui
 //             dw [out, in] = Q(dy)ᵀ · Q(x)
 // Q(t) is t quantised tensorwise with its own scale and dequantised: the backward's operands are scaled
 // over the whole tensor whichever way they are laid out, so Q(dy)ᵀ is Q(dyᵀ) (a transposed copy holds the
-// same bytes). dx or dw may be null.
-void fp8_linear_forward_cpu(const float* x, const float* w, double* y, int64_t n, int64_t in, int64_t out);
+// same bytes). dx or dw may be null. Rowwise, Q scales each operand per row of the dimension its product
+// does not sum over: Q(x) and Q(dy) per token, Q(w) per output channel in the forward and per input column
+// in dx's product, Q(dyᵀ) per output channel and Q(xᵀ) per input column in dw's.
+void fp8_linear_forward_cpu(const float* x, const float* w, double* y, int64_t n, int64_t in, int64_t out,
+                            Fp8Recipe recipe = Fp8Recipe::tensorwise);
 void fp8_linear_backward_cpu(const float* dy, const float* x, const float* w, double* dx, double* dw, int64_t n,
-                             int64_t in, int64_t out, Fp8Format grad_format);
+                             int64_t in, int64_t out, Fp8Format grad_format, Fp8Recipe recipe = Fp8Recipe::tensorwise);
 
 }  // namespace flashlm

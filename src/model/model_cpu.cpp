@@ -50,8 +50,8 @@ struct CpuModel::Impl {
   const float* rope_cos() const { return static_cast<const float*>(rope.data()); }
   const float* rope_sin() const { return rope_cos() + model.config().context * (model.config().head_dim() / 2); }
   // --precision fp8 (emulated, ModelOptions::fp8): the operands of block p's linear layers rounded through FP8
-  // as the CUDA model's FP8 GEMMs take them (tensorwise, q, k and v as one [3d, d] weight and one [n, 3d]
-  // output gradient). Without fp8 each returns its argument.
+  // as the CUDA model's FP8 GEMMs take them (q, k and v as one [3d, d] weight and one [n, 3d] output
+  // gradient), tensorwise or rowwise (ModelOptions::fp8_recipe). Without fp8 each returns its argument.
   float* fp8_region(int64_t offset) const { return static_cast<float*>(fp8.data()) + offset; }
   // The block's linear weights in the fp8 buffer's order (fp8_emulation_elements), q, k and v first.
   static constexpr std::string_view kFp8Weights[] = {"attn.q_proj.weight", "attn.k_proj.weight",
@@ -62,6 +62,12 @@ struct CpuModel::Impl {
     const ModelConfig& c = model.config();
     return c.d_model * (name.starts_with("attn.") ? c.d_model : c.d_ff);
   }
+  // A block weight's [out, in].
+  std::pair<int64_t, int64_t> fp8_weight_shape(std::string_view name) const {
+    const ModelConfig& c = model.config();
+    if (name.starts_with("attn.")) return {c.d_model, c.d_model};
+    return name == "ffn.w2.weight" ? std::pair{c.d_model, c.d_ff} : std::pair{c.d_ff, c.d_model};
+  }
   int64_t fp8_weight_offset(std::string_view name) const {
     int64_t offset = 0;
     for (std::string_view w : kFp8Weights) {
@@ -70,12 +76,41 @@ struct CpuModel::Impl {
     }
     fail("CpuModel: '{}' is not a block's linear weight", name);
   }
+  bool rowwise() const { return options.fp8 && options.fp8_recipe == Fp8Recipe::rowwise; }
+  // Which products the rounded weights are for: rowwise rounds w per output channel (its rows) for the
+  // forward and per input column for the backward's dx; tensorwise rounds them the same for both.
+  enum class WeightUse { forward, backward };
   // Block p's weights rounded (e4m3) into the fp8 buffer: at each forward and backward of the block, after
-  // parameters_needed (FSDP gathers them then). q, k and v share one amax, as the CUDA model's fused weight.
-  void round_block_weights(const std::string& p) const {
+  // parameters_needed (FSDP gathers them then). q, k and v as the CUDA model's fused [3d, d] weight: one
+  // amax tensorwise, one per input column (over all 3d rows) rowwise; their rows are their own.
+  void round_block_weights(const std::string& p, WeightUse use) const {
     if (!options.fp8) return;
     const auto weight = [&](std::string_view w) { return param(p + std::string(w)); };
     const std::span<const std::string_view> qkv(kFp8Weights, 3);
+    if (rowwise()) {
+      const ModelConfig& c = model.config();
+      std::vector<float> amax(size_t(std::max(c.d_model, c.d_ff))), qkv_cols(size_t(c.d_model), 0.0f);
+      if (use == WeightUse::backward) {
+        for (std::string_view w : qkv) {
+          fp8_amax_rows_cols_cpu(weight(w), c.d_model, c.d_model, nullptr, amax.data());
+          for (int64_t j = 0; j < c.d_model; ++j) qkv_cols[size_t(j)] = fp8_amax_max(qkv_cols[size_t(j)], amax[size_t(j)]);
+        }
+      }
+      for (size_t i = 0; i < std::size(kFp8Weights); ++i) {
+        const std::string_view w = kFp8Weights[i];
+        const auto [out, in] = fp8_weight_shape(w);
+        float* rounded = fp8_region(fp8_weight_offset(w));
+        if (use == WeightUse::forward) {
+          fp8_amax_rows_cols_cpu(weight(w), out, in, amax.data(), nullptr);
+          fp8_round_trip_rows_cpu(weight(w), out, in, amax.data(), Fp8Format::e4m3, rounded);
+        } else {
+          if (i >= qkv.size()) fp8_amax_rows_cols_cpu(weight(w), out, in, nullptr, amax.data());
+          fp8_round_trip_cols_cpu(weight(w), out, in, i < qkv.size() ? qkv_cols.data() : amax.data(), Fp8Format::e4m3,
+                                  rounded);
+        }
+      }
+      return;
+    }
     float qkv_amax = 0.0f;
     for (std::string_view w : qkv) qkv_amax = fp8_amax_max(qkv_amax, fp8_amax_cpu(weight(w), fp8_weight_numel(w)));
     for (size_t i = 0; i < std::size(kFp8Weights); ++i) {
@@ -89,11 +124,19 @@ struct CpuModel::Impl {
   const float* linear_weight(const std::string& p, std::string_view name) const {
     return options.fp8 ? fp8_region(fp8_weight_offset(name)) : param(p + std::string(name));
   }
-  // x [count] as a linear layer's input: rounded (e4m3) into the input region (after the weights), or x itself.
-  const float* linear_input(const float* x, int64_t count) const {
+  // x [rows, cols] as a linear layer's input in the forward (and tensorwise in the backward): rounded (e4m3,
+  // rowwise per token) into the input region (after the weights), or x itself.
+  float* input_region() const { return fp8_region(fp8_emulation_elements(model.config(), 0)); }
+  const float* linear_input(const float* x, int64_t rows, int64_t cols) const {
     if (!options.fp8) return x;
-    float* out = fp8_region(fp8_emulation_elements(model.config(), 0));
-    fp8_round_trip_cpu(x, count, fp8_amax_cpu(x, count), Fp8Format::e4m3, out);
+    float* out = input_region();
+    if (rowwise()) {
+      std::vector<float> amax(static_cast<size_t>(rows));
+      fp8_amax_rows_cols_cpu(x, rows, cols, amax.data(), nullptr);
+      fp8_round_trip_rows_cpu(x, rows, cols, amax.data(), Fp8Format::e4m3, out);
+    } else {
+      fp8_round_trip_cpu(x, rows * cols, fp8_amax_cpu(x, rows * cols), Fp8Format::e4m3, out);
+    }
     return out;
   }
   // An output gradient: rounded in the gradient format into the gradient region (in place where it is
@@ -105,6 +148,40 @@ struct CpuModel::Impl {
     float* out = in_place ? dy : fp8_region(fp8_emulation_elements(c, 0) + n * std::max(c.d_model, c.d_ff));
     fp8_round_trip_cpu(dy, count, fp8_amax_cpu(dy, count), options.fp8_gradients, out);
     return out;
+  }
+
+  // A linear layer's backward, cpu::linear_backward's, on its operands as the FP8 GEMMs take them: dy [n, out]
+  // (rounded in place when in_place: scratch nothing else reads), x [n, in], w as round_block_weights left it
+  // for the backward.
+  void linear_backward(float* dy, bool in_place, const float* x, const float* w, float* dx, float* dw, int64_t in,
+                       int64_t out, bool accumulate_dx) const {
+    const int64_t n = batch * seq;
+    if (rowwise()) return linear_backward_rowwise(dy, in_place, nullptr, x, w, dx, dw, in, out, accumulate_dx);
+    cpu::linear_backward(output_gradient(dy, n * out, in_place), linear_input(x, n, in), w, dx, dw, n, in, out,
+                         accumulate_dx);
+  }
+  // Rowwise: dw from dy and x rounded per column (output channel, input column) into the gradient and input
+  // regions, then dx from dy rounded per token — by its own amaxes, or by dy_row_amax[n] (q, k and v's
+  // gradients joined, as the CUDA model's one [n, 3d] dy) — in place or into the gradient region.
+  void linear_backward_rowwise(float* dy, bool in_place, const float* dy_row_amax, const float* x, const float* w,
+                               float* dx, float* dw, int64_t in, int64_t out, bool accumulate_dx) const {
+    const ModelConfig& c = model.config();
+    const int64_t n = batch * seq;
+    float* input = input_region();
+    float* gradient = input + n * std::max(c.d_model, c.d_ff);
+    std::vector<float> amax(size_t(std::max({n, in, out})));
+    fp8_amax_rows_cols_cpu(dy, n, out, nullptr, amax.data());
+    fp8_round_trip_cols_cpu(dy, n, out, amax.data(), options.fp8_gradients, gradient);
+    fp8_amax_rows_cols_cpu(x, n, in, nullptr, amax.data());
+    fp8_round_trip_cols_cpu(x, n, in, amax.data(), Fp8Format::e4m3, input);
+    cpu::linear_backward(gradient, input, nullptr, nullptr, dw, n, in, out, false);
+    if (!dy_row_amax) {
+      fp8_amax_rows_cols_cpu(dy, n, out, amax.data(), nullptr);
+      dy_row_amax = amax.data();
+    }
+    float* dy_rows = in_place ? dy : gradient;
+    fp8_round_trip_rows_cpu(dy, n, out, dy_row_amax, options.fp8_gradients, dy_rows);
+    cpu::linear_backward(dy_rows, nullptr, w, dx, nullptr, n, in, out, accumulate_dx);
   }
 
   // The attention call of every layer (causal).
@@ -151,7 +228,8 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   s.scratch = Buffer::allocate(size_t(checked_mul(backward_scratch_elements(config, n), kFloat, bytes)), Device::cpu,
                               "backward scratch");
   if (options.fp8) {
-    s.fp8 = Buffer::allocate(size_t(checked_mul(fp8_emulation_elements(config, n), kFloat, bytes)), Device::cpu,
+    s.fp8 = Buffer::allocate(size_t(checked_mul(fp8_emulation_elements(config, n, options.fp8_recipe), kFloat, bytes)),
+                             Device::cpu,
                              "FP8 emulation: rounded weights and operands");
   }
   const int64_t half = config.head_dim() / 2;
@@ -251,9 +329,9 @@ void CpuModel::forward_block(int64_t l, BlockPass pass) {
   parameters_needed(p);
   const float* rope_cos = s.rope_cos();
   const float* rope_sin = s.rope_sin();
-  s.round_block_weights(p);  // --precision fp8: the linear layers' operands rounded through FP8 (Impl)
+  s.round_block_weights(p, Impl::WeightUse::forward);  // --precision fp8: the linear layers' operands rounded (Impl)
   cpu::rmsnorm_forward(s.act(a.x_in), s.param(p + "ln1.weight"), s.act(a.h1), s.stat(a.rstd1), n, d, float(c.norm_eps));
-  const float* h1 = s.linear_input(s.act(a.h1), n * d);
+  const float* h1 = s.linear_input(s.act(a.h1), n, d);
   cpu::linear_forward(h1, s.linear_weight(p, "attn.q_proj.weight"), s.act(a.q), n, d, d);
   cpu::linear_forward(h1, s.linear_weight(p, "attn.k_proj.weight"), s.act(a.k), n, d, d);
   cpu::linear_forward(h1, s.linear_weight(p, "attn.v_proj.weight"), s.act(a.v), n, d, d);
@@ -266,18 +344,18 @@ void CpuModel::forward_block(int64_t l, BlockPass pass) {
                       TensorView::contiguous(s.stat(a.lse), DType::f32, {s.batch, c.heads, s.seq}), s.attention_options());
   }
   float* x_mid = s.act(a.x_mid);
-  cpu::linear_forward(s.linear_input(s.act(a.attn), n * d), s.linear_weight(p, "attn.output_proj.weight"), x_mid, n, d,
+  cpu::linear_forward(s.linear_input(s.act(a.attn), n, d), s.linear_weight(p, "attn.output_proj.weight"), x_mid, n, d,
                       d);
   for (int64_t i = 0; i < n * d; ++i) x_mid[i] += s.act(a.x_in)[i];
   cpu::rmsnorm_forward(x_mid, s.param(p + "ln2.weight"), s.act(a.h2), s.stat(a.rstd2), n, d, float(c.norm_eps));
-  const float* h2 = s.linear_input(s.act(a.h2), n * d);
+  const float* h2 = s.linear_input(s.act(a.h2), n, d);
   cpu::linear_forward(h2, s.linear_weight(p, "ffn.w1.weight"), s.act(a.u), n, d, f);
   cpu::linear_forward(h2, s.linear_weight(p, "ffn.w3.weight"), s.act(a.g), n, d, f);
   cpu::swiglu_forward(s.act(a.u), s.act(a.g), s.act(a.s), n * f);
   if (pass == BlockPass::full) {  // a recomputation needs only what the block computed inside
     // The residual stream leaves into the next block's input (or x_out).
     float* x_out = s.act(l + 1 < c.layers ? A.blocks[size_t(l + 1)].x_in : A.x_out);
-    cpu::linear_forward(s.linear_input(s.act(a.s), n * f), s.linear_weight(p, "ffn.w2.weight"), x_out, n, f, d);
+    cpu::linear_forward(s.linear_input(s.act(a.s), n, f), s.linear_weight(p, "ffn.w2.weight"), x_out, n, f, d);
     for (int64_t i = 0; i < n * d; ++i) x_out[i] += x_mid[i];
   }
   parameters_done(p);
@@ -337,25 +415,23 @@ void CpuModel::backward() {
     ScopedRange layer_range("layer.backward");
     parameters_needed(p);
     gradients_needed(p);
-    s.round_block_weights(p);  // --precision fp8: as in the forward, and the output gradients rounded too
+    s.round_block_weights(p, Impl::WeightUse::backward);  // --precision fp8: and the output gradients rounded too
     // dx holds ∂L/∂(layer output) = ∂L/∂x_mid through the residual, plus the FFN branch below.
-    cpu::linear_backward(s.output_gradient(dx, n * d, false), s.linear_input(s.act(a.s), n * f),
-                         s.linear_weight(p, "ffn.w2.weight"), ds, s.grad(p + "ffn.w2.weight"), n, f, d, false);
+    s.linear_backward(dx, false, s.act(a.s), s.linear_weight(p, "ffn.w2.weight"), ds, s.grad(p + "ffn.w2.weight"), f, d,
+                      false);
     gradient_ready(p + "ffn.w2.weight");
     cpu::swiglu_backward(ds, s.act(a.u), s.act(a.g), du, dg, n * f);
-    const float* h2 = s.linear_input(s.act(a.h2), n * d);
-    cpu::linear_backward(s.output_gradient(du, n * f, true), h2, s.linear_weight(p, "ffn.w1.weight"), dh,
-                         s.grad(p + "ffn.w1.weight"), n, d, f, false);
+    s.linear_backward(du, true, s.act(a.h2), s.linear_weight(p, "ffn.w1.weight"), dh, s.grad(p + "ffn.w1.weight"), d, f,
+                      false);
     gradient_ready(p + "ffn.w1.weight");
-    cpu::linear_backward(s.output_gradient(dg, n * f, true), h2, s.linear_weight(p, "ffn.w3.weight"), dh,
-                         s.grad(p + "ffn.w3.weight"), n, d, f, true);
+    s.linear_backward(dg, true, s.act(a.h2), s.linear_weight(p, "ffn.w3.weight"), dh, s.grad(p + "ffn.w3.weight"), d, f,
+                      true);
     gradient_ready(p + "ffn.w3.weight");
     cpu::rmsnorm_backward(dh, s.act(a.x_mid), s.param(p + "ln2.weight"), s.stat(a.rstd2), dx, s.grad(p + "ln2.weight"), n, d);
     gradient_ready(p + "ln2.weight");
     // dx is now ∂L/∂x_mid; the attention branch adds to ∂L/∂x_in, which is dx plus the branch.
-    cpu::linear_backward(s.output_gradient(dx, n * d, false), s.linear_input(s.act(a.attn), n * d),
-                         s.linear_weight(p, "attn.output_proj.weight"), dattn, s.grad(p + "attn.output_proj.weight"),
-                         n, d, d, false);
+    s.linear_backward(dx, false, s.act(a.attn), s.linear_weight(p, "attn.output_proj.weight"), dattn,
+                      s.grad(p + "attn.output_proj.weight"), d, d, false);
     gradient_ready(p + "attn.output_proj.weight");
     {
       ScopedRange attention_range("attention.backward");
@@ -368,21 +444,32 @@ void CpuModel::backward() {
     }
     cpu::rope_backward(dq, rope_cos, rope_sin, s.batch, s.seq, c.heads, hd);
     cpu::rope_backward(dk, rope_cos, rope_sin, s.batch, s.seq, c.heads, hd);
-    if (s.options.fp8) {  // dq, dk, dv rounded as one [n, 3d] gradient, in place (scratch)
-      const float amax = fp8_amax_max(fp8_amax_max(fp8_amax_cpu(dq, n * d), fp8_amax_cpu(dk, n * d)),
-                                      fp8_amax_cpu(dv, n * d));
-      for (float* g : {dq, dk, dv}) fp8_round_trip_cpu(g, n * d, amax, s.options.fp8_gradients, g);
+    const std::pair<float*, const char*> qkv[] = {
+        {dq, "attn.q_proj.weight"}, {dk, "attn.k_proj.weight"}, {dv, "attn.v_proj.weight"}};
+    if (s.rowwise()) {
+      // dq, dk, dv as one [n, 3d] gradient: dx's product scales each token by its amax over all three.
+      std::vector<float> token_amax(size_t(n), 0.0f), amax(static_cast<size_t>(n));
+      for (const auto& [g, w] : qkv) {
+        fp8_amax_rows_cols_cpu(g, n, d, amax.data(), nullptr);
+        for (int64_t r = 0; r < n; ++r) token_amax[size_t(r)] = fp8_amax_max(token_amax[size_t(r)], amax[size_t(r)]);
+      }
+      for (const auto& [g, w] : qkv) {
+        s.linear_backward_rowwise(g, true, token_amax.data(), s.act(a.h1), s.linear_weight(p, w), dh,
+                                  s.grad(p + w), d, d, g != dq);
+        gradient_ready(p + w);
+      }
+    } else {
+      if (s.options.fp8) {  // dq, dk, dv rounded as one [n, 3d] gradient, in place (scratch)
+        const float amax = fp8_amax_max(fp8_amax_max(fp8_amax_cpu(dq, n * d), fp8_amax_cpu(dk, n * d)),
+                                        fp8_amax_cpu(dv, n * d));
+        for (float* g : {dq, dk, dv}) fp8_round_trip_cpu(g, n * d, amax, s.options.fp8_gradients, g);
+      }
+      const float* h1 = s.linear_input(s.act(a.h1), n, d);
+      for (const auto& [g, w] : qkv) {
+        cpu::linear_backward(g, h1, s.linear_weight(p, w), dh, s.grad(p + w), n, d, d, g != dq);
+        gradient_ready(p + w);
+      }
     }
-    const float* h1 = s.linear_input(s.act(a.h1), n * d);
-    cpu::linear_backward(dq, h1, s.linear_weight(p, "attn.q_proj.weight"), dh, s.grad(p + "attn.q_proj.weight"), n, d, d,
-                         false);
-    gradient_ready(p + "attn.q_proj.weight");
-    cpu::linear_backward(dk, h1, s.linear_weight(p, "attn.k_proj.weight"), dh, s.grad(p + "attn.k_proj.weight"), n, d, d,
-                         true);
-    gradient_ready(p + "attn.k_proj.weight");
-    cpu::linear_backward(dv, h1, s.linear_weight(p, "attn.v_proj.weight"), dh, s.grad(p + "attn.v_proj.weight"), n, d, d,
-                         true);
-    gradient_ready(p + "attn.v_proj.weight");
     cpu::rmsnorm_backward(dh, s.act(a.x_in), s.param(p + "ln1.weight"), s.stat(a.rstd1), dx, s.grad(p + "ln1.weight"), n, d);
     parameters_done(p);
     gradient_ready(p + "ln1.weight");

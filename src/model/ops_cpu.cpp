@@ -15,8 +15,8 @@ void linear_forward(const float* x, const float* w, float* y, int64_t n, int64_t
 
 void linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw, int64_t n, int64_t in,
                      int64_t out, bool accumulate_dx) {
-  sgemm(false, false, n, in, out, 1.0f, dy, out, w, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
-  sgemm(true, false, out, in, n, 1.0f, dy, out, x, in, 1.0f, dw, in);
+  if (dx) sgemm(false, false, n, in, out, 1.0f, dy, out, w, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+  if (dw) sgemm(true, false, out, in, n, 1.0f, dy, out, x, in, 1.0f, dw, in);
 }
 
 void rmsnorm_forward(const float* x, const float* g, float* y, float* rstd, int64_t n, int64_t d, float eps) {

@@ -8,7 +8,7 @@ namespace flashlm::cpu {
 
 // y[n, out] = x[n, in] · w[out, in]ᵀ (OpenBLAS sgemm).
 void linear_forward(const float* x, const float* w, float* y, int64_t n, int64_t in, int64_t out);
-// dx = dy · w (or dx += when accumulate_dx), dw += dyᵀ · x.
+// dx = dy · w (or dx += when accumulate_dx), dw += dyᵀ · x. dx or dw may be null: skipped (w or x then unused).
 void linear_backward(const float* dy, const float* x, const float* w, float* dx, float* dw, int64_t n, int64_t in,
                      int64_t out, bool accumulate_dx);
 

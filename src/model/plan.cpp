@@ -197,7 +197,7 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens) {
   return 6 * nd + 3 * nf;
 }
 
-Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
+Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens, Fp8Recipe recipe) {
   // The linear layers' widths: q, k, v together (3d), d, and d_ff (w1, w3 out; w2 in).
   const int64_t widest = std::max(3 * c.d_model, c.d_ff);
   const auto region = fp8_region_bytes;
@@ -228,15 +228,29 @@ Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens) {
   // Then the amax outputs of the kernels that produce the linear layers' inputs and output gradients.
   l.cache_bytes = checked_add(l.cache_amax, region(kFp8Produced * c.layers * int64_t(sizeof(float))),
                               "FP8 weight cache");
+  l.vectors = l.bytes;
+  l.cache_vectors = l.cache_bytes;
+  if (recipe == Fp8Recipe::rowwise) {
+    // A scratch operand has at most max(tokens, widest) rows or columns, a weight at most widest.
+    l.vector_set.capacity = std::max(tokens, widest);
+    l.cache_vector_set.capacity = widest;
+    l.bytes = checked_add(l.vectors, checked_mul(3, l.vector_set.bytes(), "FP8 scratch: scale vectors"),
+                          "FP8 scratch");
+    l.cache_bytes = checked_add(l.cache_vectors,
+                                checked_mul(l.cache_slots, l.cache_vector_set.bytes(), "FP8 weight cache: scale vectors"),
+                                "FP8 weight cache");
+  }
   return l;
 }
 
-int64_t fp8_emulation_elements(const ModelConfig& c, int64_t tokens) {
+int64_t fp8_emulation_elements(const ModelConfig& c, int64_t tokens, Fp8Recipe recipe) {
   const int64_t d = c.d_model, f = c.d_ff;
   const int64_t weights = checked_add(checked_product({4, d, d}, "FP8 emulation: attention weights"),
                                       checked_product({3, d, f}, "FP8 emulation: feed-forward weights"),
                                       "FP8 emulation: block weights");
-  const int64_t operands = checked_mul(tokens, checked_add(std::max(d, f), d, "FP8 emulation"), "FP8 emulation");
+  const int64_t gradient = recipe == Fp8Recipe::rowwise ? std::max(d, f) : d;
+  const int64_t operands =
+      checked_mul(tokens, checked_add(std::max(d, f), gradient, "FP8 emulation"), "FP8 emulation");
   return checked_add(weights, operands, "FP8 emulation");
 }
 
@@ -341,10 +355,11 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
   }
   p.items.push_back({"backward scratch", bytes(backward_scratch_elements(c, n), elem)});
   if (!cuda && o.fp8) {
-    p.items.push_back({"FP8 emulation: rounded weights and operands", bytes(fp8_emulation_elements(c, n), 4)});
+    p.items.push_back(
+        {"FP8 emulation: rounded weights and operands", bytes(fp8_emulation_elements(c, n, o.fp8_recipe), 4)});
   }
   if (cuda && o.fp8) {
-    const Fp8ScratchLayout fp8 = fp8_scratch_layout(c, n);
+    const Fp8ScratchLayout fp8 = fp8_scratch_layout(c, n, o.fp8_recipe);
     p.items.push_back({"FP8 copies of one linear layer's operands", fp8.bytes});
     p.items.push_back({"FP8 copies of the block weights, both ways (one pass)", fp8.cache_bytes});
   }

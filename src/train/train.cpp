@@ -180,6 +180,10 @@ std::vector<RunSetting> run_settings(const TrainConfig& cfg, const DataSources& 
   add("precision", dtype_name(cfg.precision));
   // Only when on: the shards of runs without FP8, written before it existed, hold no such setting.
   if (cfg.options.fp8) add("fp8", std::string(fp8_format_name(cfg.options.fp8_gradients)) + " gradients");
+  // Only when rowwise, for the same reason: tensorwise runs' shards predate the recipe.
+  if (cfg.options.fp8 && cfg.options.fp8_recipe != Fp8Recipe::tensorwise) {
+    add("fp8_recipe", fp8_recipe_name(cfg.options.fp8_recipe));
+  }
   add("ddp.variant", ddp_variant_name(cfg.ddp.variant));
   add("ddp.bucket_mb", cfg.ddp.bucket_mb);
   add("ddp.grad_accum", cfg.ddp.grad_accum);
@@ -377,10 +381,13 @@ TrainResult train(const TrainConfig& cfg) {
       cfg.checkpoint.empty() ? CheckpointLock() : check_run_checkpoint_writable(cfg);
   MetricsLog metrics(root ? cfg.metrics_log : std::string());
   result.first_step = step;
-  say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}{}; data: {} ({} train tokens); "
+  say(fmt::format("model: {} parameters ({} layers, d_model {}, heads {}) on {} in {}{}{}; data: {} ({} train tokens); "
                   "batch {} x {} tokens{}",
                   model.parameter_count(), cfg.model.layers, cfg.model.d_model, cfg.model.heads,
                   device_name(cfg.device), precision_name(cfg.precision, cfg.options.bf16_pure, cfg.options.fp8),
+                  cfg.options.fp8 ? fmt::format(" ({}, {} gradients)", fp8_recipe_name(cfg.options.fp8_recipe),
+                                                fp8_format_name(cfg.options.fp8_gradients))
+                                  : std::string(),
                   cfg.options.optimizer_state == OptimizerState::fp32
                       ? std::string()
                       : fmt::format(" with {} AdamW moments", optimizer_state_name(cfg.options.optimizer_state)),

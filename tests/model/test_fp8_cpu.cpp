@@ -325,11 +325,13 @@ struct Fp8Run {
 };
 
 // The tiny model trained `steps` steps on a learnable successor rule, in fp32 or emulated fp8.
-Fp8Run train_tiny(bool fp8, Fp8Format gradients, const char* recompute, int steps) {
+Fp8Run train_tiny(bool fp8, Fp8Format gradients, const char* recompute, int steps,
+                  Fp8Recipe recipe = Fp8Recipe::tensorwise) {
   const ModelConfig c = ModelConfig::named("tiny", 32, 64);
   ModelOptions o;
   o.fp8 = fp8;
   o.fp8_gradients = gradients;
+  o.fp8_recipe = recipe;
   o.recompute = RecomputePlan::parse(recompute);
   CpuModel model(c, 4, 32, o);
   model.init_parameters(1);
@@ -385,5 +387,240 @@ TEST(CpuModelFp8, RecomputationGivesTheSameBits) {
     const Fp8Run other = train_tiny(true, Fp8Format::e5m2, recompute, 3);
     EXPECT_EQ(other.losses, none.losses) << recompute;
     EXPECT_EQ(other.first_gradients, none.first_gradients) << recompute;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The rowwise recipe (Fp8Recipe::rowwise): every row (and, transposed, every column) quantised as a tensor of
+// its own.
+
+namespace {
+
+std::vector<float> column(const std::vector<float>& x, int64_t rows, int64_t cols, int64_t c) {
+  std::vector<float> out(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) out[size_t(r)] = x[size_t(r * cols + c)];
+  return out;
+}
+
+// One row per case: ordinary values, a large and a tiny row, a NaN, an infinity, zeros, one value alone.
+std::vector<float> awkward_rows(int64_t cols) {
+  constexpr float kNaN = std::numeric_limits<float>::quiet_NaN(), kInf = std::numeric_limits<float>::infinity();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const float row_scale[] = {1.0f, 3e4f, 1e-5f, 1.0f, 1.0f, 0.0f, 0.0f};
+  std::vector<float> x;
+  for (float m : row_scale) {
+    for (int64_t c = 0; c < cols; ++c) x.push_back(m * normal(rng));
+  }
+  x[size_t(3 * cols + 2)] = kNaN;
+  x[size_t(4 * cols + 1)] = -kInf;
+  x[size_t(6 * cols + cols - 1)] = -0.25f;
+  return x;
+}
+
+}  // namespace
+
+// The per-row and per-column amaxes, bytes, dequantisation scales and round trips are those of each row
+// (column) quantised alone by the tensorwise functions: NaN rows NaN, an infinity NaN where it was and zero
+// elsewhere in its row, a zero row zero with a finite scale.
+TEST(Fp8Rowwise, RowsAndColumnsAreQuantisedEachAlone) {
+  const int64_t cols = 9;
+  const std::vector<float> x = awkward_rows(cols);
+  const int64_t rows = int64_t(x.size()) / cols;
+  for (Fp8Format f : kFormats) {
+    std::vector<float> row_amax(static_cast<size_t>(rows)), col_amax(static_cast<size_t>(cols)), row_dequant(static_cast<size_t>(rows)),
+        col_dequant(static_cast<size_t>(cols)), rows_rt(x.size()), cols_rt(x.size());
+    std::vector<uint8_t> q(x.size()), qt(x.size());
+    fp8_amax_rows_cols_cpu(x.data(), rows, cols, row_amax.data(), col_amax.data());
+    fp8_cast_rowwise_cpu(x.data(), rows, cols, row_amax.data(), col_amax.data(), f, q.data(), qt.data(),
+                         row_dequant.data(), col_dequant.data());
+    fp8_round_trip_rows_cpu(x.data(), rows, cols, row_amax.data(), f, rows_rt.data());
+    fp8_round_trip_cols_cpu(x.data(), rows, cols, col_amax.data(), f, cols_rt.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x.data() + r * cols;
+      EXPECT_EQ(std::bit_cast<uint32_t>(row_amax[size_t(r)]), std::bit_cast<uint32_t>(fp8_amax_cpu(xr, cols))) << r;
+      std::vector<uint8_t> alone(static_cast<size_t>(cols));
+      const float dequant = fp8_quantize_cpu(xr, cols, f, alone.data());
+      EXPECT_EQ(std::bit_cast<uint32_t>(row_dequant[size_t(r)]), std::bit_cast<uint32_t>(dequant)) << r;
+      EXPECT_EQ(std::vector<uint8_t>(q.begin() + r * cols, q.begin() + (r + 1) * cols), alone) << r;
+      std::vector<float> rt(static_cast<size_t>(cols));
+      fp8_round_trip_cpu(xr, cols, fp8_amax_cpu(xr, cols), f, rt.data());
+      for (int64_t c = 0; c < cols; ++c) {
+        EXPECT_EQ(std::bit_cast<uint32_t>(rows_rt[size_t(r * cols + c)]), std::bit_cast<uint32_t>(rt[size_t(c)]));
+      }
+    }
+    for (int64_t c = 0; c < cols; ++c) {
+      const std::vector<float> xc = column(x, rows, cols, c);
+      EXPECT_EQ(std::bit_cast<uint32_t>(col_amax[size_t(c)]), std::bit_cast<uint32_t>(fp8_amax_cpu(xc.data(), rows)))
+          << c;
+      std::vector<uint8_t> alone(static_cast<size_t>(rows));
+      const float dequant = fp8_quantize_cpu(xc.data(), rows, f, alone.data());
+      EXPECT_EQ(std::bit_cast<uint32_t>(col_dequant[size_t(c)]), std::bit_cast<uint32_t>(dequant)) << c;
+      EXPECT_EQ(std::vector<uint8_t>(qt.begin() + c * rows, qt.begin() + (c + 1) * rows), alone) << c;
+      std::vector<float> rt(static_cast<size_t>(rows));
+      fp8_round_trip_cpu(xc.data(), rows, fp8_amax_cpu(xc.data(), rows), f, rt.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        EXPECT_EQ(std::bit_cast<uint32_t>(cols_rt[size_t(r * cols + c)]), std::bit_cast<uint32_t>(rt[size_t(r)]));
+      }
+    }
+    // The special rows, spelled out.
+    EXPECT_TRUE(std::isnan(row_amax[3]));
+    for (int64_t c = 0; c < cols; ++c) EXPECT_TRUE(is_nan_code(q[size_t(3 * cols + c)], f)) << "NaN row " << c;
+    EXPECT_TRUE(std::isinf(row_amax[4]));
+    EXPECT_EQ(row_dequant[4], std::numeric_limits<float>::infinity());  // scale 0
+    EXPECT_TRUE(is_nan_code(q[size_t(4 * cols + 1)], f));  // inf · 0
+    EXPECT_EQ(fp8_decode(q[size_t(4 * cols)], f), 0.0f);
+    EXPECT_EQ(row_amax[5], 0.0f);
+    EXPECT_TRUE(std::isfinite(row_dequant[5]));
+    for (int64_t c = 0; c < cols; ++c) EXPECT_EQ(fp8_decode(q[size_t(5 * cols + c)], f), 0.0f) << "zero row " << c;
+    EXPECT_EQ(rows_rt[size_t(6 * cols + cols - 1)], -0.25f);  // a row's amax maps to fp8_max and back exactly
+    // The large and the tiny row keep their precision (tensorwise would flush the tiny one to zero).
+    for (int64_t c = 0; c < cols; ++c) {
+      EXPECT_NEAR(rows_rt[size_t(2 * cols + c)], x[size_t(2 * cols + c)], 0.13 * std::fabs(x[size_t(2 * cols + c)]) + 1e-9);
+    }
+  }
+}
+
+// The emulated rowwise layer is the product of the per-row quantised operands, each product's operands
+// scaled along the dimension it does not sum over, and it is close to the exact product (the tensorwise
+// test's bound).
+TEST(Fp8Rowwise, EmulatedLinearLayerIsTheRowScaledProduct) {
+  const int64_t n = 32, in = 24, out = 16;
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(size_t(n * in)), w(size_t(out * in)), dy(size_t(n * out));
+  for (float& v : x) v = normal(rng);
+  for (int64_t i = 0; i < n; ++i) x[size_t(i * in)] *= 1e3f;  // a per-token outlier channel
+  for (float& v : w) v = 0.05f * normal(rng);
+  for (float& v : dy) v = 1e-3f * normal(rng);
+  // Each row of a [rows, cols] matrix quantised alone (the tensorwise function), decoded times its scale.
+  const auto per_row = [](const std::vector<float>& a, int64_t rows, int64_t cols, Fp8Format f) {
+    std::vector<double> out(a.size());
+    std::vector<uint8_t> q(static_cast<size_t>(cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float dequant = fp8_quantize_cpu(a.data() + r * cols, cols, f, q.data());
+      for (int64_t c = 0; c < cols; ++c) out[size_t(r * cols + c)] = double(fp8_decode(q[size_t(c)], f)) * dequant;
+    }
+    return out;
+  };
+  const auto transpose = [](const std::vector<float>& a, int64_t rows, int64_t cols) {
+    std::vector<float> t(a.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = a[size_t(r * cols + c)];
+    }
+    return t;
+  };
+  // p [rows, k] · q [cols, k]ᵀ of dequantised values.
+  const auto product = [](const std::vector<double>& p, const std::vector<double>& q, int64_t rows, int64_t cols,
+                          int64_t k) {
+    std::vector<double> d(size_t(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        double acc = 0;
+        for (int64_t i = 0; i < k; ++i) acc += p[size_t(r * k + i)] * q[size_t(c * k + i)];
+        d[size_t(r * cols + c)] = acc;
+      }
+    }
+    return d;
+  };
+  const auto expect_close = [](const std::vector<double>& got, const std::vector<double>& want, const char* what) {
+    double largest = 0;
+    for (double v : want) largest = std::max(largest, std::fabs(v));
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-12 * largest) << what << " " << i;
+  };
+
+  std::vector<double> y(size_t(n * out));
+  fp8_linear_forward_cpu(x.data(), w.data(), y.data(), n, in, out, Fp8Recipe::rowwise);
+  expect_close(y, product(per_row(x, n, in, Fp8Format::e4m3), per_row(w, out, in, Fp8Format::e4m3), n, out, in), "y");
+  std::vector<double> y_tensorwise(size_t(n * out));
+  fp8_linear_forward_cpu(x.data(), w.data(), y_tensorwise.data(), n, in, out);
+  double rowwise_error = 0, tensorwise_error = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < out; ++j) {
+      double ref = 0;
+      for (int64_t k = 0; k < in; ++k) ref += double(x[size_t(i * in + k)]) * w[size_t(j * in + k)];
+      rowwise_error += std::fabs(y[size_t(i * out + j)] - ref);
+      tensorwise_error += std::fabs(y_tensorwise[size_t(i * out + j)] - ref);
+    }
+  }
+  EXPECT_LE(rowwise_error, tensorwise_error);  // no coarser than one scale for the whole tensor
+
+  for (Fp8Format g : kFormats) {
+    std::vector<double> dx(size_t(n * in)), dw(size_t(out * in));
+    fp8_linear_backward_cpu(dy.data(), x.data(), w.data(), dx.data(), dw.data(), n, in, out, g, Fp8Recipe::rowwise);
+    // dx: dy per token, w per input column (the rows of wᵀ).
+    expect_close(dx, product(per_row(dy, n, out, g), per_row(transpose(w, out, in), in, out, Fp8Format::e4m3), n, in, out),
+                 "dx");
+    // dw: dy per output channel, x per input column.
+    expect_close(dw,
+                 product(per_row(transpose(dy, n, out), out, n, g), per_row(transpose(x, n, in), in, n, Fp8Format::e4m3),
+                         out, in, n),
+                 "dw");
+    std::vector<double> dw_only(size_t(out * in));
+    fp8_linear_backward_cpu(dy.data(), x.data(), w.data(), nullptr, dw_only.data(), n, in, out, g, Fp8Recipe::rowwise);
+    EXPECT_EQ(dw_only, dw);
+  }
+}
+
+TEST(Fp8Rowwise, RecipeParsesAndIsPlanned) {
+  EXPECT_EQ(parse_fp8_recipe("tensorwise"), Fp8Recipe::tensorwise);
+  EXPECT_EQ(parse_fp8_recipe("rowwise"), Fp8Recipe::rowwise);
+  EXPECT_EQ(fp8_recipe_name(Fp8Recipe::rowwise), "rowwise");
+  EXPECT_EQ(fp8_recipe_name(Fp8Recipe::tensorwise), "tensorwise");
+  expect_error([] { parse_fp8_recipe("columnwise"); }, "--fp8-recipe");
+  expect_error([] { parse_fp8_recipe("Rowwise"); }, "expected tensorwise or rowwise");
+  EXPECT_EQ(ModelOptions{}.fp8_recipe, Fp8Recipe::tensorwise);
+
+  const ModelConfig c = ModelConfig::named("tiny", 64, 128);
+  ModelOptions o;
+  o.fp8 = true;
+  const MemoryPlan cpu_tensorwise = plan_model_memory(c, 2, 64, Device::cpu, DType::f32, o);
+  const MemoryPlan cuda_tensorwise = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
+  o.fp8_recipe = Fp8Recipe::rowwise;
+  const MemoryPlan cpu_rowwise = plan_model_memory(c, 2, 64, Device::cpu, DType::f32, o);
+  const MemoryPlan cuda_rowwise = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
+  EXPECT_EQ(cpu_rowwise.total_bytes() - cpu_tensorwise.total_bytes(),
+            4 * (fp8_emulation_elements(c, 128, Fp8Recipe::rowwise) - fp8_emulation_elements(c, 128)));
+  const Fp8ScratchLayout tw = fp8_scratch_layout(c, 128), rw = fp8_scratch_layout(c, 128, Fp8Recipe::rowwise);
+  EXPECT_EQ(cuda_rowwise.total_bytes() - cuda_tensorwise.total_bytes(),
+            (rw.bytes - tw.bytes) + (rw.cache_bytes - tw.cache_bytes));
+  // The scale vectors: three operand sets in the scratch, one per weight in the cache, each vector 16-byte
+  // aligned and long enough for the operand's rows and columns.
+  EXPECT_EQ(rw.bytes - tw.bytes, 3 * rw.vector_set.bytes());
+  EXPECT_EQ(rw.cache_bytes - tw.cache_bytes, rw.cache_slots * rw.cache_vector_set.bytes());
+  EXPECT_GE(rw.vector_set.capacity, std::max<int64_t>(128, std::max(3 * c.d_model, c.d_ff)));
+  EXPECT_EQ(rw.vector_set.vector_bytes() % int64_t(kFp8ScaleAlignment), 0);
+  EXPECT_EQ(rw.vectors % int64_t(kFp8ScaleAlignment), 0);
+  EXPECT_EQ(rw.cache_vectors % int64_t(kFp8ScaleAlignment), 0);
+  // Tensorwise's layout is what it was: no vectors.
+  EXPECT_EQ(tw.vectors, tw.bytes);
+  EXPECT_EQ(tw.cache_vectors, tw.cache_bytes);
+}
+
+// Emulated rowwise FP8 trains as tensorwise does (the same bounds against fp32), differs from it, is
+// deterministic, and recomputation gives the same bits.
+TEST(CpuModelFp8, RowwiseTrainingTracksFp32AndIsReproducible) {
+  const Fp8Run fp32 = train_tiny(false, Fp8Format::e5m2, "none", 30);
+  const Fp8Run rowwise = train_tiny(true, Fp8Format::e5m2, "none", 30, Fp8Recipe::rowwise);
+  const Fp8Run again = train_tiny(true, Fp8Format::e5m2, "none", 2, Fp8Recipe::rowwise);
+  const Fp8Run tensorwise = train_tiny(true, Fp8Format::e5m2, "none", 1);
+  EXPECT_NE(rowwise.losses[0], fp32.losses[0]);
+  EXPECT_NE(rowwise.losses[0], tensorwise.losses[0]);
+  EXPECT_NEAR(rowwise.losses[0], fp32.losses[0], 0.02 * fp32.losses[0]);
+  EXPECT_LT(rowwise.losses.back(), 0.5 * rowwise.losses[0]);  // it learns
+  EXPECT_NEAR(rowwise.losses.back(), fp32.losses.back(), 0.15 * fp32.losses.back());
+  EXPECT_EQ(std::vector<double>(rowwise.losses.begin(), rowwise.losses.begin() + 2), again.losses);
+  EXPECT_EQ(rowwise.first_gradients, again.first_gradients);
+  double worst = 0, largest = 0;
+  for (size_t i = 0; i < fp32.first_gradients.size(); ++i) {
+    worst = std::max(worst, double(std::fabs(rowwise.first_gradients[i] - fp32.first_gradients[i])));
+    largest = std::max(largest, double(std::fabs(fp32.first_gradients[i])));
+  }
+  EXPECT_GT(worst, 0.0);
+  EXPECT_LT(worst, 0.1 * largest);
+  for (const char* recompute : {"blocks:1", "selective"}) {
+    const Fp8Run other = train_tiny(true, Fp8Format::e5m2, recompute, 2, Fp8Recipe::rowwise);
+    EXPECT_EQ(other.losses, again.losses) << recompute;
+    EXPECT_EQ(other.first_gradients, again.first_gradients) << recompute;
   }
 }

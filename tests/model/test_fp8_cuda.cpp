@@ -379,6 +379,230 @@ TEST(Fp8Gemm, BadArgumentsAreErrors) {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// Rowwise: the row/column amax and cast kernels bit-exact against the CPU emulation, and the GEMM with scale
+// vectors (outer-vector scaling) against the fp64 product of the same FP8 operands and vectors.
+
+namespace {
+
+// The rowwise cast of x [rows, cols] on the GPU (input bf16 or fp32, at `offset` elements past an aligned
+// address) against fp8_amax_rows_cols_cpu and fp8_cast_rowwise_cpu: every amax, dequantisation scale and byte.
+void check_rowwise_cast(const std::vector<float>& x, int64_t rows, int64_t cols, Fp8Format f, bool fp32_input,
+                        int64_t offset, const std::string& what) {
+  const size_t count = size_t(rows * cols), esz = fp32_input ? 4 : 2;
+  std::vector<float> row_amax(static_cast<size_t>(rows)), col_amax(static_cast<size_t>(cols)), row_dq(static_cast<size_t>(rows)), col_dq(static_cast<size_t>(cols));
+  std::vector<uint8_t> want_q(count), want_qt(count);
+  fp8_amax_rows_cols_cpu(x.data(), rows, cols, row_amax.data(), col_amax.data());
+  fp8_cast_rowwise_cpu(x.data(), rows, cols, row_amax.data(), col_amax.data(), f, want_q.data(), want_qt.data(),
+                       row_dq.data(), col_dq.data());
+  std::vector<float> shifted(count + size_t(offset), 0.0f);
+  std::copy(x.begin(), x.end(), shifted.begin() + offset);
+  // Four vectors, each on its own 256 bytes past 16-byte aligned starts.
+  const auto vec_bytes = [](int64_t n) { return size_t((n * 4 + 255) / 256 * 256); };
+  Dev dx(shifted.size() * esz), dq(count), dqt(count), dv(2 * vec_bytes(rows) + 2 * vec_bytes(cols));
+  if (fp32_input) dx.upload(shifted); else dx.upload(to_bf16(shifted));
+  dq.poison();
+  dqt.poison();
+  dv.poison();
+  uint8_t* base = dv.as<uint8_t>();
+  const gpu::Fp8ScaleVectors v{reinterpret_cast<float*>(base), reinterpret_cast<float*>(base + vec_bytes(rows)),
+                               reinterpret_cast<float*>(base + vec_bytes(rows) + vec_bytes(cols)),
+                               reinterpret_cast<float*>(base + 2 * vec_bytes(rows) + vec_bytes(cols))};
+  const auto quantize = [&](uint8_t* q, uint8_t* qt) {
+    if (fp32_input) {
+      gpu::fp8_quantize_rowwise(dx.as<float>() + offset, rows, cols, f, q, qt, v, nullptr);
+    } else {
+      gpu::fp8_quantize_rowwise(dx.as<bf16_t>() + offset, rows, cols, f, q, qt, v, nullptr);
+    }
+  };
+  quantize(dq.as<uint8_t>(), dqt.as<uint8_t>());
+  const auto vectors = dv.download<float>();
+  const auto at = [&](const float* p) { return size_t(p - reinterpret_cast<float*>(base)); };
+  const auto bits_equal = [&](const float* dev, const std::vector<float>& want, const char* name) {
+    int64_t bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      bad += std::bit_cast<uint32_t>(vectors[at(dev) + i]) != std::bit_cast<uint32_t>(want[i]);
+    }
+    EXPECT_EQ(bad, 0) << what << ": " << name << " differ from the CPU emulation's";
+  };
+  bits_equal(v.row_amax, row_amax, "row amaxes");
+  bits_equal(v.col_amax, col_amax, "column amaxes");
+  bits_equal(v.row_dequant, row_dq, "row dequantisation scales");
+  bits_equal(v.col_dequant, col_dq, "column dequantisation scales");
+  const auto q = dq.download<uint8_t>(), qt = dqt.download<uint8_t>();
+  EXPECT_EQ(q, want_q) << what << ": straight copy (per row)";
+  EXPECT_EQ(qt, want_qt) << what << ": transposed copy (per column)";
+  // One copy at a time: the same bytes, the other array untouched.
+  dq.poison(0x5C);
+  dqt.poison(0x5C);
+  quantize(nullptr, dqt.as<uint8_t>());
+  EXPECT_EQ(dqt.download<uint8_t>(), want_qt) << what << ": transposed copy alone";
+  for (uint8_t b : dq.download<uint8_t>()) ASSERT_EQ(b, 0x5C) << what << ": q written though null";
+  quantize(dq.as<uint8_t>(), nullptr);
+  EXPECT_EQ(dq.download<uint8_t>(), want_q) << what << ": straight copy alone";
+}
+
+}  // namespace
+
+TEST(Fp8CastRowwise, MatchesTheCpuEmulationBitExactly) {
+  SKIP_WITHOUT_GPU();
+  // Multiples of 8 take the packed cast, the others (and the misaligned inputs) the byte-wide one; 2048 rows
+  // span several tile rows per block of the reduction.
+  const std::pair<int64_t, int64_t> shapes[] = {{1, 1},     {1, 40},     {17, 33},  {64, 48},
+                                                {136, 200}, {100, 257}, {2048, 80}, {33, 2049}};
+  uint64_t seed = 300;
+  for (auto [rows, cols] : shapes) {
+    for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+      for (bool fp32_input : {false, true}) {
+        for (int64_t offset : {0, 1}) {
+          std::vector<float> x = random_bf16_values(rows * cols, seed++);
+          // Rows of very different magnitudes: what rowwise scaling is for.
+          for (int64_t r = 0; r < rows; ++r) {
+            const float m = std::ldexp(1.0f, int((r * 7) % 41) - 20);
+            for (int64_t c = 0; c < cols; ++c) x[size_t(r * cols + c)] = float(bf16_t(m * x[size_t(r * cols + c)]));
+          }
+          const std::string what = std::to_string(rows) + "x" + std::to_string(cols) + " " +
+                                   std::string(fp8_format_name(f)) + (fp32_input ? " fp32" : " bf16") +
+                                   (offset ? " misaligned" : "");
+          check_rowwise_cast(x, rows, cols, f, fp32_input, offset, what);
+        }
+      }
+    }
+  }
+}
+
+// NaN, infinite and zero rows (and so columns through them): the CPU emulation's bits, spelled out there
+// (Fp8Rowwise.RowsAndColumnsAreQuantisedEachAlone).
+TEST(Fp8CastRowwise, NaNInfAndZeroRowsMatchTheCpuEmulation) {
+  SKIP_WITHOUT_GPU();
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{48, 32}, {37, 29}}) {
+    std::vector<float> x = random_bf16_values(rows * cols, 77);
+    for (int64_t c = 0; c < cols; ++c) x[size_t(5 * cols + c)] = 0.0f;  // a zero row
+    x[size_t(7 * cols + 3)] = NAN;
+    x[size_t(11 * cols + 4)] = -INFINITY;
+    for (int64_t r = 0; r < rows; ++r) x[size_t(r * cols + cols - 1)] = 0.0f;  // a zero column
+    for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+      for (bool fp32_input : {false, true}) {
+        check_rowwise_cast(x, rows, cols, f, fp32_input, 0,
+                           std::to_string(rows) + "x" + std::to_string(cols) + " special rows " +
+                               std::string(fp8_format_name(f)) + (fp32_input ? " fp32" : " bf16"));
+      }
+    }
+  }
+}
+
+namespace {
+
+// The rowwise GEMM: operands quantised per row by the CPU emulation, their vectors uploaded 16-byte aligned,
+// against fp8_matmul_nt_rowwise_cpu; check_gemm's tolerance, s the product of the magnitudes with the same
+// vectors.
+void check_gemm_rowwise(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1: += d; 2: + residual
+  const std::string what = std::to_string(g.rows) + "x" + std::to_string(g.cols) + "x" + std::to_string(g.k) + " " +
+                           std::string(fp8_format_name(g.pf)) + "·" + std::string(fp8_format_name(g.qf)) + " -> " +
+                           std::string(dtype_name(out)) + (mode == 0 ? "" : mode == 1 ? " +=" : " + residual") +
+                           ", per-row scales";
+  const uint64_t seed = uint64_t(g.rows * 5 + g.cols * 11 + g.k * 17 + mode);
+  const auto quantise_rows = [](int64_t rows, int64_t k, Fp8Format f, uint64_t sd, std::vector<float>* dequant) {
+    std::vector<float> v = random_bf16_values(rows * k, sd);
+    for (int64_t r = 0; r < rows; ++r) {  // rows of different magnitudes
+      for (int64_t i = 0; i < k; ++i) v[size_t(r * k + i)] *= std::ldexp(1.0f, int((r * 5) % 17) - 8);
+    }
+    std::vector<float> amax(static_cast<size_t>(rows));
+    std::vector<uint8_t> q(v.size());
+    dequant->resize(size_t(rows));
+    fp8_amax_rows_cols_cpu(v.data(), rows, k, amax.data(), nullptr);
+    fp8_cast_rowwise_cpu(v.data(), rows, k, amax.data(), nullptr, f, q.data(), nullptr, dequant->data(), nullptr);
+    return q;
+  };
+  std::vector<float> dqp, dqq;
+  const std::vector<uint8_t> p = quantise_rows(g.rows, g.k, g.pf, seed, &dqp), q = quantise_rows(g.cols, g.k, g.qf, seed + 1, &dqq);
+  std::vector<double> ref(size_t(g.rows * g.cols)), s(ref.size());
+  fp8_matmul_nt_rowwise_cpu(p.data(), g.pf, dqp.data(), q.data(), g.qf, dqq.data(), g.rows, g.cols, g.k, ref.data());
+  std::vector<uint8_t> pa(p.size()), qa(q.size());
+  for (size_t i = 0; i < p.size(); ++i) pa[i] = p[i] & 0x7f;
+  for (size_t i = 0; i < q.size(); ++i) qa[i] = q[i] & 0x7f;
+  fp8_matmul_nt_rowwise_cpu(pa.data(), g.pf, dqp.data(), qa.data(), g.qf, dqq.data(), g.rows, g.cols, g.k, s.data());
+
+  const size_t esz = dtype_size(out);
+  const size_t q_vec_at = size_t((g.rows + 63) / 64 * 64);  // q's vector 256 bytes past a multiple of p's
+  std::vector<float> vectors(q_vec_at + size_t(g.cols), 0.0f);
+  std::copy(dqp.begin(), dqp.end(), vectors.begin());
+  std::copy(dqq.begin(), dqq.end(), vectors.begin() + std::ptrdiff_t(q_vec_at));
+  Dev dp(p.size()), dq(q.size()), dd(ref.size() * esz), dr(ref.size() * esz), dv(vectors.size() * 4);
+  dp.upload(p);
+  dq.upload(q);
+  dv.upload(vectors);
+  std::vector<float> c(ref.size(), 0.0f);
+  if (mode != 0) {
+    std::mt19937 rng(static_cast<unsigned>(seed));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < c.size(); ++i) c[i] = float(bf16_t(float(std::sqrt(s[i] + 1e-30)) * normal(rng)));
+  }
+  const auto upload_out = [&](Dev& d, const std::vector<float>& v) {
+    if (out == DType::f32) d.upload(v); else d.upload(to_bf16(v));
+  };
+  if (mode == 1) upload_out(dd, c); else dd.poison(0xFF);
+  if (mode == 2) upload_out(dr, c);
+  fp8_gemm_cuda({dp.ptr(), g.pf, dv.as<float>(), Fp8Scaling::per_row},
+                {dq.ptr(), g.qf, dv.as<float>() + q_vec_at, Fp8Scaling::per_row}, dd.ptr(), out, g.rows, g.cols, g.k,
+                mode == 0 ? 0.0f : 1.0f, mode == 2 ? dr.ptr() : nullptr, nullptr);
+  std::vector<float> got(ref.size());
+  if (out == DType::f32) {
+    got = dd.download<float>();
+  } else {
+    const auto b = dd.download<uint16_t>();
+    for (size_t i = 0; i < b.size(); ++i) got[i] = std::bit_cast<float>(uint32_t{b[i]} << 16);
+  }
+  const double u = out == DType::f32 ? 0.0 : 0x1p-8;
+  int64_t bad = 0;
+  double worst = 0;
+  size_t worst_at = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double want = ref[i] + double(c[i]);
+    const double tol = kFp8AccumulationBound * s[i] + u * (std::fabs(want) + std::fabs(ref[i]) + std::fabs(c[i])) + 1e-30;
+    const double ratio = std::fabs(double(got[i]) - want) / tol;
+    if (!(ratio <= 1.0)) ++bad;
+    if (!(ratio <= worst)) worst = ratio, worst_at = i;
+  }
+  EXPECT_EQ(bad, 0) << what << ": worst at " << worst_at << ": got " << got[worst_at] << ", want "
+                    << ref[worst_at] + c[worst_at] << ", error/tolerance " << worst;
+}
+
+}  // namespace
+
+// The three products of a rowwise layer (forward bf16 out, dx bf16, dw fp32), both gradient formats in p.
+TEST(Fp8Gemm, PerRowScalesMatchTheFp64Product) {
+  SKIP_WITHOUT_GPU();
+  const GemmCase cases[] = {
+      {16, 16, 16, Fp8Format::e4m3, Fp8Format::e4m3},     {48, 80, 112, Fp8Format::e4m3, Fp8Format::e4m3},
+      {2048, 64, 48, Fp8Format::e4m3, Fp8Format::e4m3},   {64, 1600, 4800, Fp8Format::e4m3, Fp8Format::e4m3},
+      {48, 80, 112, Fp8Format::e5m2, Fp8Format::e4m3},    {256, 192, 2048, Fp8Format::e5m2, Fp8Format::e4m3},
+      {48, 80, 112, Fp8Format::e4m3, Fp8Format::e5m2},
+  };
+  for (const GemmCase& g : cases) {
+    for (DType out : {DType::bf16, DType::f32}) {
+      for (int mode : {0, 1, 2}) {
+        if (mode == 2 && out == DType::f32) continue;
+        check_gemm_rowwise(g, out, mode);
+      }
+    }
+  }
+}
+
+TEST(Fp8Gemm, PerRowScaleVectorsAreChecked) {
+  // Checked before any CUDA call: no GPU needed.
+  alignas(16) static uint8_t a[256], b[256], d[1024];
+  alignas(16) static float scale[40] = {};
+  const auto gemm = [&](const Fp8Operand& pp, const Fp8Operand& qq, void* dd) {
+    fp8_gemm_cuda(pp, qq, dd, DType::bf16, 16, 16, 16, 0.0f, nullptr, nullptr);
+  };
+  const Fp8Operand p{a, Fp8Format::e4m3, scale, Fp8Scaling::per_row}, q{b, Fp8Format::e4m3, scale + 16, Fp8Scaling::per_row};
+  expect_error([&] { gemm(p, {b, Fp8Format::e4m3, scale + 17, Fp8Scaling::per_row}, d); }, "q.dequant = ");
+  expect_error([&] { gemm({a, Fp8Format::e4m3, nullptr, Fp8Scaling::per_row}, q, d); }, "p.dequant is null");
+  // d over p's 16 scales: they are read while d is written.
+  expect_error([&] { gemm(p, q, scale); }, "overlap");
+}
+
+// ---------------------------------------------------------------------------------------------------
 // CudaModel's FP8 linear layer: casts and GEMMs chained, against the emulated layer from the same bf16
 // inputs (the same quantised operands, so the same fp64 reference), forward with and without the residual,
 // dx = and +=, dw = and += (fp32), both gradient formats.
@@ -395,17 +619,19 @@ ModelConfig layer_test_config() {
 
 }  // namespace
 
-TEST(Fp8Linear, MatchesTheEmulatedLayer) {
-  SKIP_WITHOUT_GPU();
+namespace {
+
+void expect_layer_matches_the_emulated_one(Fp8Recipe recipe) {
   const ModelConfig c = layer_test_config();
   const int64_t n = 96;
   const std::pair<int64_t, int64_t> layers[] = {{64, 192}, {64, 64}, {64, 160}, {160, 64}};  // qkv, proj, w1, w2
   uint64_t seed = 40;
   for (Fp8Format g : {Fp8Format::e4m3, Fp8Format::e5m2}) {
-    Fp8Linear fp8(c, n, g);
+    Fp8Linear fp8(c, n, g, recipe);
     for (auto [in, out] : layers) {
       const std::string what = std::to_string(in) + " -> " + std::to_string(out) + ", " +
-                               std::string(fp8_format_name(g)) + " gradients";
+                               std::string(fp8_format_name(g)) + " gradients, " +
+                               std::string(fp8_recipe_name(recipe));
       const std::vector<float> x = random_bf16_values(n * in, seed++), w = random_bf16_values(out * in, seed++),
                                dy = random_bf16_values(n * out, seed++), r = random_bf16_values(n * out, seed++),
                                dx0 = random_bf16_values(n * in, seed++), dw0 = random_bf16_values(out * in, seed++);
@@ -416,8 +642,8 @@ TEST(Fp8Linear, MatchesTheEmulatedLayer) {
       ddy.upload(to_bf16(dy));
       dr.upload(to_bf16(r));
       std::vector<double> y(size_t(n * out)), gx(size_t(n * in)), gw(size_t(out * in));
-      fp8_linear_forward_cpu(x.data(), w.data(), y.data(), n, in, out);
-      fp8_linear_backward_cpu(dy.data(), x.data(), w.data(), gx.data(), gw.data(), n, in, out, g);
+      fp8_linear_forward_cpu(x.data(), w.data(), y.data(), n, in, out, recipe);
+      fp8_linear_backward_cpu(dy.data(), x.data(), w.data(), gx.data(), gw.data(), n, in, out, g, recipe);
       // Magnitude sums for the tolerance: the exact products of |x|, |w|, |dy| bound the FP8 ones' within 13%.
       const auto absmat = [](const std::vector<float>& a, const std::vector<float>& b, int64_t rows, int64_t cols,
                              int64_t k, bool a_t, bool b_t) {
@@ -489,13 +715,28 @@ TEST(Fp8Linear, MatchesTheEmulatedLayer) {
   }
 }
 
+}  // namespace
+
+TEST(Fp8Linear, MatchesTheEmulatedLayer) {
+  SKIP_WITHOUT_GPU();
+  expect_layer_matches_the_emulated_one(Fp8Recipe::tensorwise);
+}
+
+// Rowwise: the same chain with the row and column casts and the vector-scaled GEMMs, against the emulated
+// rowwise layer (each operand scaled per row of the dimension its product does not sum over).
+TEST(Fp8Linear, RowwiseMatchesTheEmulatedLayer) {
+  SKIP_WITHOUT_GPU();
+  expect_layer_matches_the_emulated_one(Fp8Recipe::rowwise);
+}
+
 // A named weight's FP8 copies are cast at its first product of a pass and reused by the pass's later ones (the
 // backward's dx): the same bits as casting each time; a new pass casts the weight as it is then.
-TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
-  SKIP_WITHOUT_GPU();
+namespace {
+
+void expect_named_weights_cast_once_per_pass(Fp8Recipe recipe) {
   const ModelConfig c = layer_test_config();
   const int64_t n = 96, in = 64, out = 160;
-  Fp8Linear cached(c, n, Fp8Format::e5m2), fresh(c, n, Fp8Format::e5m2);
+  Fp8Linear cached(c, n, Fp8Format::e5m2, recipe), fresh(c, n, Fp8Format::e5m2, recipe);
   const std::vector<float> x = random_bf16_values(n * in, 71), w1 = random_bf16_values(out * in, 72),
                            w2 = random_bf16_values(out * in, 73), dy = random_bf16_values(n * out, 74);
   Dev dx(x.size() * 2), dw(w1.size() * 2), ddy(dy.size() * 2), y_a(dy.size() * 2), y_b(dy.size() * 2),
@@ -533,13 +774,27 @@ TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
   }, "does not fit the FP8 weight cache");
 }
 
+}  // namespace
+
+TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
+  SKIP_WITHOUT_GPU();
+  expect_named_weights_cast_once_per_pass(Fp8Recipe::tensorwise);
+}
+
+// Rowwise: the cached copies with their scale vectors give the bits of casting each time.
+TEST(Fp8Linear, RowwiseNamedWeightsAreCastOncePerPass) {
+  SKIP_WITHOUT_GPU();
+  expect_named_weights_cast_once_per_pass(Fp8Recipe::rowwise);
+}
+
 // w1 and w3 of the feed-forward read one input: the second product reuses the first's cast of x (forward)
 // and of xᵀ (backward), with the bits of casting it afresh; a stale or different input is refused.
-TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
-  SKIP_WITHOUT_GPU();
+namespace {
+
+void expect_products_of_one_input_share_its_cast(Fp8Recipe recipe) {
   const ModelConfig c = layer_test_config();
   const int64_t n = 96, in = 64, out = 160;
-  Fp8Linear shared(c, n, Fp8Format::e4m3), fresh(c, n, Fp8Format::e4m3);
+  Fp8Linear shared(c, n, Fp8Format::e4m3, recipe), fresh(c, n, Fp8Format::e4m3, recipe);
   const std::vector<float> x = random_bf16_values(n * in, 81), x2 = random_bf16_values(n * in, 82),
                            wa = random_bf16_values(out * in, 83), wb = random_bf16_values(out * in, 84),
                            dya = random_bf16_values(n * out, 85), dyb = random_bf16_values(n * out, 86);
@@ -585,6 +840,33 @@ TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
   shared.begin_pass();
   expect_error([&] { shared.forward(dx.as<bf16_t>(), dwb.as<bf16_t>(), nullptr, yb.as<bf16_t>(), in, out, nullptr,
                                     "layers.0.ffn.w3", true); }, "holds no cast of this x");
+}
+
+}  // namespace
+
+TEST(Fp8Linear, ProductsOfOneInputShareItsCast) {
+  SKIP_WITHOUT_GPU();
+  expect_products_of_one_input_share_its_cast(Fp8Recipe::tensorwise);
+}
+
+// Rowwise: the shared casts carry their scale vectors (x's row scales forward, xᵀ's column scales backward).
+TEST(Fp8Linear, RowwiseProductsOfOneInputShareItsCast) {
+  SKIP_WITHOUT_GPU();
+  expect_products_of_one_input_share_its_cast(Fp8Recipe::rowwise);
+}
+
+// Rowwise reduces per row and column itself: no producer amaxes, and one handed in is an error.
+TEST(Fp8Linear, RowwiseTakesNoProducerAmax) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = layer_test_config();
+  const int64_t n = 96, in = 64, out = 160;
+  Fp8Linear rowwise(c, n, Fp8Format::e5m2, Fp8Recipe::rowwise);
+  EXPECT_EQ(rowwise.produced_amax(0, Fp8Produced::h1), nullptr);
+  Dev dx{size_t(n * in) * 2}, dw{size_t(out * in) * 2}, dy{size_t(n * out) * 2}, amax{16}, gx{size_t(n * in) * 2};
+  expect_error([&] { rowwise.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, dy.as<bf16_t>(), in, out, nullptr, {},
+                                     false, amax.as<float>()); }, "x_amax given");
+  expect_error([&] { rowwise.backward(dy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx.as<bf16_t>(), nullptr, in,
+                                      out, false, false, nullptr, {}, false, amax.as<float>()); }, "dy_amax given");
 }
 
 // An amax handed in by the tensor's producer (x_amax, dy_amax) stands for the reduction the layer would do:

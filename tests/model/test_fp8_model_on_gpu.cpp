@@ -48,10 +48,11 @@ Batch make_batch(int64_t n, int64_t vocab, int seed) {
   return b;
 }
 
-ModelOptions fp8_options(Fp8Format g) {
+ModelOptions fp8_options(Fp8Format g, Fp8Recipe recipe = Fp8Recipe::tensorwise) {
   ModelOptions o;
   o.fp8 = true;
   o.fp8_gradients = g;
+  o.fp8_recipe = recipe;
   return o;
 }
 
@@ -209,48 +210,59 @@ TEST(CudaModelFp8, OverBf16PureTracksBf16PureAndIsReproducible) {
 // recomputed inside the graph each replay: a new batch each step must change them), and recomputation
 // gives the bits of keeping every activation (the recomputed forward casts the same bf16 tensors); over
 // bf16 mixed precision and over bf16-pure.
+namespace {
+
+// The eager step's bits from the graphed step and from recomputation, for fp8 options `base` (bf16_pure and
+// the recipe as given).
+void expect_graphed_and_recomputed_steps_give_the_eager_bits(const ModelConfig& c, const ModelOptions& base) {
+  struct Variant {
+    const char* name;
+    bool graph;
+    RecomputePlan recompute;
+  };
+  const Variant variants[] = {{"eager", false, {}},
+                              {"graphed", true, {}},
+                              {"eager, recompute blocks", false, {RecomputePlan::Kind::blocks, 1}},
+                              {"graphed, recompute selective", true, {RecomputePlan::Kind::selective, 1}}};
+  std::vector<StepResult> results[4];
+  std::vector<float> params[4];
+  for (int v = 0; v < 4; ++v) {
+    ModelOptions o = base;
+    o.cuda_graph = variants[v].graph;
+    o.recompute = variants[v].recompute;
+    CudaModel m(c, 2, 64, DType::bf16, o);
+    m.init_parameters(17);
+    for (int step = 0; step < 6; ++step) {
+      const Batch b = make_batch(2 * 64, c.vocab, 30 + step);
+      AdamWConfig opt;
+      opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
+      results[v].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
+    }
+    if (variants[v].graph) {
+      EXPECT_EQ(m.cuda_graph_status(), "on") << variants[v].name;
+    }
+    params[v].resize(size_t(m.parameter_count()));
+    m.copy_parameters_to(params[v].data());
+  }
+  for (int v = 1; v < 4; ++v) {
+    for (size_t s = 0; s < results[0].size(); ++s) {
+      EXPECT_EQ(results[v][s].loss, results[0][s].loss) << variants[v].name << ", step " << s;
+      EXPECT_EQ(results[v][s].grad_norm, results[0][s].grad_norm) << variants[v].name << ", step " << s;
+    }
+    EXPECT_TRUE(params[v] == params[0]) << variants[v].name << ": parameters differ from the eager run's";
+  }
+}
+
+}  // namespace
+
 TEST(CudaModelFp8, GraphedAndRecomputedStepsGiveTheEagerBits) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = fp8_config();
   for (bool pure : {false, true}) {
     SCOPED_TRACE(pure ? "bf16-pure-fp8" : "fp8");
-    struct Variant {
-      const char* name;
-      bool graph;
-      RecomputePlan recompute;
-    };
-    const Variant variants[] = {{"eager", false, {}},
-                                {"graphed", true, {}},
-                                {"eager, recompute blocks", false, {RecomputePlan::Kind::blocks, 1}},
-                                {"graphed, recompute selective", true, {RecomputePlan::Kind::selective, 1}}};
-    std::vector<StepResult> results[4];
-    std::vector<float> params[4];
-    for (int v = 0; v < 4; ++v) {
-      ModelOptions o = fp8_options(Fp8Format::e5m2);
-      o.bf16_pure = pure;
-      o.cuda_graph = variants[v].graph;
-      o.recompute = variants[v].recompute;
-      CudaModel m(c, 2, 64, DType::bf16, o);
-      m.init_parameters(17);
-      for (int step = 0; step < 6; ++step) {
-        const Batch b = make_batch(2 * 64, c.vocab, 30 + step);
-        AdamWConfig opt;
-        opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
-        results[v].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
-      }
-      if (variants[v].graph) {
-        EXPECT_EQ(m.cuda_graph_status(), "on") << variants[v].name;
-      }
-      params[v].resize(size_t(m.parameter_count()));
-      m.copy_parameters_to(params[v].data());
-    }
-    for (int v = 1; v < 4; ++v) {
-      for (size_t s = 0; s < results[0].size(); ++s) {
-        EXPECT_EQ(results[v][s].loss, results[0][s].loss) << variants[v].name << ", step " << s;
-        EXPECT_EQ(results[v][s].grad_norm, results[0][s].grad_norm) << variants[v].name << ", step " << s;
-      }
-      EXPECT_TRUE(params[v] == params[0]) << variants[v].name << ": parameters differ from the eager run's";
-    }
+    ModelOptions o = fp8_options(Fp8Format::e5m2);
+    o.bf16_pure = pure;
+    expect_graphed_and_recomputed_steps_give_the_eager_bits(c, o);
   }
 }
 
@@ -313,5 +325,96 @@ TEST(CudaModelFp8, BadConfigurationsAreErrors) {
   odd.d_ff = 168;  // a multiple of 8 (bf16 is fine), not of 16
   EXPECT_NO_THROW(CudaModel(odd, 2, 64, DType::bf16));
   EXPECT_THROW(CudaModel(odd, 2, 64, DType::bf16, o), Error);
+}
+// ---------------------------------------------------------------------------------------------------
+// The rowwise recipe (ModelOptions::fp8_recipe = rowwise): the same bounds against bf16 as tensorwise, a
+// different result from tensorwise's, the graph, recomputation and resume bit-exact.
+
+TEST(CudaModelFp8Rowwise, LossAndGradientsTrackBf16) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = fp8_config();
+  const Batch b = make_batch(2 * 64, c.vocab, 1);
+  const auto step = [&](const ModelOptions& o, std::vector<float>* grads) {
+    CudaModel m(c, 2, 64, DType::bf16, o);
+    m.init_parameters(5);
+    m.zero_grad();
+    const double loss = m.forward(b.tokens.data(), b.targets.data());
+    m.backward();
+    grads->resize(size_t(m.parameter_count()));
+    m.copy_gradients_to(grads->data());
+    return loss;
+  };
+  std::vector<float> ref_grads, tensorwise_grads;
+  const double ref_loss = step(ModelOptions{}, &ref_grads);
+  const double tensorwise_loss = step(fp8_options(Fp8Format::e5m2), &tensorwise_grads);
+  for (Fp8Format g : {Fp8Format::e4m3, Fp8Format::e5m2}) {
+    std::vector<float> grads;
+    const double loss = step(fp8_options(g, Fp8Recipe::rowwise), &grads);
+    const double err = rel_error(grads, ref_grads);
+    std::printf("fp8 rowwise (%s gradients): loss %.6f (bf16 %.6f, tensorwise e5m2 %.6f), gradient error %.4f of "
+                "the largest (tensorwise e5m2 %.4f)\n",
+                std::string(fp8_format_name(g)).c_str(), loss, ref_loss, tensorwise_loss, err,
+                rel_error(tensorwise_grads, ref_grads));
+    EXPECT_NEAR(loss, ref_loss, 0.01 * ref_loss) << fp8_format_name(g);
+    EXPECT_NE(loss, ref_loss) << "rowwise gave bf16's loss bit for bit: the FP8 path did not run";
+    EXPECT_NE(loss, tensorwise_loss) << "rowwise gave tensorwise's loss bit for bit: the vectors were not used";
+    EXPECT_LT(err, g == Fp8Format::e4m3 ? 0.15 : 0.25) << fp8_format_name(g);
+  }
+}
+
+// 30 AdamW steps: within 5% of bf16's first loss at every step (TrainingTracksBf16AndIsReproducible's bound),
+// learning, and two runs give the same bits.
+TEST(CudaModelFp8Rowwise, TrainingTracksBf16AndIsReproducible) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = fp8_config();
+  const Batch b = make_batch(2 * 64, c.vocab, 2);
+  AdamWConfig opt;
+  constexpr int kSteps = 30;
+  auto run = [&](const ModelOptions& o, std::vector<float>* params) {
+    CudaModel m(c, 2, 64, DType::bf16, o);
+    m.init_parameters(3);
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      m.zero_grad();
+      losses.push_back(m.forward(b.tokens.data(), b.targets.data()));
+      m.backward();
+      m.clip_gradients(1.0);
+      m.adamw_step(opt, 3e-3);
+    }
+    params->resize(size_t(m.parameter_count()));
+    m.copy_parameters_to(params->data());
+    return losses;
+  };
+  std::vector<float> p_ref, p0, p1;
+  const std::vector<double> ref = run(ModelOptions{}, &p_ref);
+  const ModelOptions o = fp8_options(Fp8Format::e5m2, Fp8Recipe::rowwise);
+  const std::vector<double> l0 = run(o, &p0), l1 = run(o, &p1);
+  EXPECT_EQ(l0, l1);
+  EXPECT_EQ(p0, p1) << "two rowwise runs differ";
+  for (int s = 0; s < kSteps; ++s) EXPECT_NEAR(l0[size_t(s)], ref[size_t(s)], 0.05 * ref.front()) << "step " << s;
+  std::printf("fp8 rowwise: loss %.5f -> %.5f (bf16 %.5f -> %.5f)\n", l0.front(), l0.back(), ref.front(), ref.back());
+  EXPECT_LT(l0.back(), 0.8 * l0.front());
+}
+
+TEST(CudaModelFp8Rowwise, GraphedAndRecomputedStepsGiveTheEagerBits) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = fp8_config();
+  for (bool pure : {false, true}) {
+    SCOPED_TRACE(pure ? "bf16-pure-fp8 rowwise" : "fp8 rowwise");
+    ModelOptions o = fp8_options(Fp8Format::e5m2, Fp8Recipe::rowwise);
+    o.bf16_pure = pure;
+    expect_graphed_and_recomputed_steps_give_the_eager_bits(c, o);
+  }
+}
+
+TEST(CudaModelFp8Rowwise, CheckpointResumeIsBitExact) {
+  SKIP_WITHOUT_GPU();
+  TrainConfig t;
+  t.model = fp8_config();
+  t.device = Device::cuda;
+  t.precision = DType::bf16;
+  t.options.fp8 = true;
+  t.options.fp8_recipe = Fp8Recipe::rowwise;
+  flashlm::testing::expect_resume_is_bit_exact(t, "fp8-rowwise");
 }
 #endif

@@ -1,7 +1,7 @@
 // FP8 training's casts on CUDA (--precision fp8; the arithmetic in model/fp8.h): the tensorwise amax of a
-// tensor and its FP8 copies, straight and transposed, with the scale computed on the device from the amax
-// (no host synchronisation: a step with these stays one CUDA graph). The bits are those of the CPU
-// emulation (fp8_quantize_cpu). Asynchronous on `stream`; device pointers; T ∈ {float, bf16_t}.
+// tensor (or, rowwise, of its rows and columns) and its FP8 copies, straight and transposed, with the scale
+// computed on the device from the amax (no host synchronisation: a step with these stays one CUDA graph). The
+// bits are those of the CPU emulation (fp8_quantize_cpu, fp8_cast_rowwise_cpu). Asynchronous on `stream`; device pointers; T ∈ {float, bf16_t}.
 #pragma once
 #include <cstdint>
 
@@ -27,5 +27,36 @@ void fp8_cast(const T* x, int64_t rows, int64_t cols, const float* amax, Fp8Form
 template <class T>
 void fp8_quantize(const T* x, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q, uint8_t* qt, float* scales,
                   void* stream);
+
+// ---------------------------------------------------------------------------------------------------
+// Rowwise (Fp8Recipe::rowwise): a tensor's copies scaled per row (straight) and per column (transposed). The
+// producer-fused amax (Fp8Produced) is tensorwise only: these casts reduce their own amaxes.
+
+// One operand's device scale vectors: the row amaxes and dequantisation scales [rows], the column ones [cols].
+// The dequantisation vectors are what cuBLASLt's outer-vector scaling reads: 16-byte aligned
+// (kFp8ScaleAlignment, as the Fp8VectorSet regions are).
+struct Fp8ScaleVectors {
+  float* row_amax;
+  float* col_amax;
+  float* row_dequant;
+  float* col_dequant;
+};
+
+// row_amax[r] = max |x[r, ·]| and col_amax[c] = max |x[·, c]| of x [rows, cols] (NaN wins), from one read of x:
+// memsets of both, then one reduction (integer atomics on the magnitudes' bits: reproducible). rows, cols >= 1.
+template <class T>
+void fp8_amax_rows_cols(const T* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax, void* stream);
+
+// x [rows, cols] rounded to FP8 `format`, from one read of x: q [rows, cols] (when not null) scaled per row by
+// fp8_scale(row_amax[r]), row_dequant[r] = 1 / that scale; qt [cols, rows] (when not null) scaled per column by
+// fp8_scale(col_amax[c]), col_dequant[c]. The bits of fp8_cast_rowwise_cpu. rows, cols >= 1.
+template <class T>
+void fp8_cast_rowwise(const T* x, int64_t rows, int64_t cols, const float* row_amax, const float* col_amax,
+                      Fp8Format format, uint8_t* q, uint8_t* qt, float* row_dequant, float* col_dequant, void* stream);
+
+// Both: the amaxes into v's, then the cast (its dequantisation scales into v's).
+template <class T>
+void fp8_quantize_rowwise(const T* x, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q, uint8_t* qt,
+                          const Fp8ScaleVectors& v, void* stream);
 
 }  // namespace flashlm::gpu

@@ -9,8 +9,12 @@
 
 namespace flashlm {
 
-Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients)
-    : n_(tokens), layers_(c.layers), gradients_(gradients), layout_(fp8_scratch_layout(c, tokens)) {
+Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, Fp8Recipe recipe)
+    : n_(tokens),
+      layers_(c.layers),
+      gradients_(gradients),
+      recipe_(recipe),
+      layout_(fp8_scratch_layout(c, tokens, recipe)) {
   FLASHLM_CHECK(c.d_model % 16 == 0 && c.d_ff % 16 == 0,
                 "precision fp8: d_model ({}) and d_ff ({}) must be multiples of 16 (cuBLASLt's FP8 GEMMs)", c.d_model,
                 c.d_ff);
@@ -45,8 +49,13 @@ Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* 
   FLASHLM_CHECK(e.elements == in * out, "Fp8Linear: weight '{}' was {} elements, now {} x {}", name, e.elements, out,
                 in);
   if (e.pass != pass_) {
-    gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
-                      cache_dequant(e.slot) - kFp8DequantIndex, stream);
+    if (recipe_ == Fp8Recipe::rowwise) {
+      gpu::fp8_quantize_rowwise(w, out, in, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
+                                cache_vectors(e.slot), stream);
+    } else {
+      gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
+                        cache_dequant(e.slot) - kFp8DequantIndex, stream);
+    }
     e.pass = pass_;
   }
   return e;
@@ -56,6 +65,12 @@ Fp8Operand Fp8Linear::weight_operand(const bf16_t* w, std::string_view name, int
                                      void* stream) {
   if (name.empty()) {  // cast for this product alone, into the scratch's weight region
     uint8_t* q = region(layout_.weight);
+    if (recipe_ == Fp8Recipe::rowwise) {
+      const gpu::Fp8ScaleVectors v = scratch_vectors(1);
+      gpu::fp8_quantize_rowwise(w, out, in, Fp8Format::e4m3, transposed ? nullptr : q, transposed ? q : nullptr, v,
+                                stream);
+      return {q, Fp8Format::e4m3, transposed ? v.col_dequant : v.row_dequant, Fp8Scaling::per_row};
+    }
     gpu::fp8_quantize(w, out, in, Fp8Format::e4m3, transposed ? nullptr : q, transposed ? q : nullptr, scales(1),
                       stream);
     return {q, Fp8Format::e4m3, dequant(1)};
@@ -71,6 +86,7 @@ void Fp8Linear::check_widths(const char* fn, int64_t in, int64_t out) const {
 
 float* Fp8Linear::produced_amax(int64_t layer, Fp8Produced t) const {
   FLASHLM_CHECK(layer >= 0 && layer < layers_, "Fp8Linear::produced_amax: layer {} of {}", layer, layers_);
+  if (recipe_ == Fp8Recipe::rowwise) return nullptr;
   return reinterpret_cast<float*>(cache_at(layout_.cache_amax)) + layer * kFp8Produced + int64_t(t);
 }
 
@@ -82,6 +98,10 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
                 "Fp8Linear::forward: same_input, but the FP8 scratch holds no cast of this x (the previous product "
                 "had another input, or a backward came between)");
   ScopedRange range("linear.forward");
+  if (recipe_ == Fp8Recipe::rowwise) {
+    FLASHLM_CHECK(x_amax == nullptr, "Fp8Linear::forward: x_amax given, but rowwise casts reduce x per row themselves");
+    return forward_rowwise(x, w, residual, y, in, out, stream, weight, same_input);
+  }
   uint8_t* qx = region(layout_.act);
   CachedWeight* e = weight.empty() ? nullptr : &cached(weight, w, in, out, stream);
   if (!same_input) {
@@ -113,6 +133,11 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
                 "Fp8Linear::backward: same_input, but the FP8 scratch holds no cast of this xᵀ (the previous backward "
                 "had another input)");
   ScopedRange range("linear.backward");
+  if (recipe_ == Fp8Recipe::rowwise) {
+    FLASHLM_CHECK(dy_amax == nullptr,
+                  "Fp8Linear::backward: dy_amax given, but rowwise casts reduce dy per row and column themselves");
+    return backward_rowwise(dy, x, w, dx, dw, in, out, accumulate_dx, accumulate_dw, stream, weight, same_input);
+  }
   act_.x = nullptr;  // the act region is dy's now
   // dy once, both ways: dy [n, out] for dx's product (K = out), dyᵀ [out, n] for dw's (K = n).
   uint8_t *qdy = region(layout_.act), *qdy_t = region(layout_.act_t);
@@ -146,6 +171,49 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
       act_x_t_in_ = in;
     }
     fp8_gemm_cuda(grad_t, {qx_t, Fp8Format::e4m3, act_x_t_dequant_}, dw, DType::f32, out, in, n_,
+                  accumulate_dw ? 1.0f : 0.0f, nullptr, stream);
+  }
+}
+
+void Fp8Linear::forward_rowwise(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in,
+                                int64_t out, void* stream, std::string_view weight, bool same_input) {
+  uint8_t* qx = region(layout_.act);
+  const gpu::Fp8ScaleVectors xv = scratch_vectors(0);
+  if (!same_input) {
+    gpu::fp8_quantize_rowwise(x, n_, in, Fp8Format::e4m3, qx, nullptr, xv, stream);
+    act_ = {x, in, -1, nullptr};
+  }
+  const Fp8Operand qw = weight_operand(w, weight, in, out, /*transposed*/ false, stream);
+  fp8_gemm_cuda({qx, Fp8Format::e4m3, xv.row_dequant, Fp8Scaling::per_row}, qw, y, DType::bf16, n_, out, in,
+                residual ? 1.0f : 0.0f, residual, stream);
+}
+
+void Fp8Linear::backward_rowwise(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
+                                 int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream,
+                                 std::string_view weight, bool same_input) {
+  act_.x = nullptr;  // the act region (and its vectors) are dy's now
+  // dy once, both ways: dy [n, out] per token for dx's product, dyᵀ [out, n] per output channel for dw's.
+  uint8_t *qdy = region(layout_.act), *qdy_t = region(layout_.act_t);
+  const gpu::Fp8ScaleVectors dyv = scratch_vectors(0);
+  gpu::fp8_quantize_rowwise(dy, n_, out, gradients_, dx ? qdy : nullptr, dw ? qdy_t : nullptr, dyv, stream);
+  if (dx) {
+    // dx [n, in] = dy [n, out] · (wᵀ [in, out])ᵀ, wᵀ per input column.
+    const Fp8Operand qw_t = weight_operand(w, weight, in, out, /*transposed*/ true, stream);
+    fp8_gemm_cuda({qdy, gradients_, dyv.row_dequant, Fp8Scaling::per_row}, qw_t, dx, DType::bf16, n_, in, out,
+                  accumulate_dx ? 1.0f : 0.0f, nullptr, stream);
+  }
+  if (dw) {
+    // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, xᵀ per input column, into the fp32 gradient.
+    uint8_t* qx_t = region(layout_.act_x_t);
+    if (!same_input) {
+      const gpu::Fp8ScaleVectors xv = scratch_vectors(2);
+      gpu::fp8_quantize_rowwise(x, n_, in, Fp8Format::e4m3, nullptr, qx_t, xv, stream);
+      act_x_t_ = x;
+      act_x_t_in_ = in;
+      act_x_t_dequant_ = xv.col_dequant;
+    }
+    fp8_gemm_cuda({qdy_t, gradients_, dyv.col_dequant, Fp8Scaling::per_row},
+                  {qx_t, Fp8Format::e4m3, act_x_t_dequant_, Fp8Scaling::per_row}, dw, DType::f32, out, in, n_,
                   accumulate_dw ? 1.0f : 0.0f, nullptr, stream);
   }
 }

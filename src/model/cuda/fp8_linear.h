@@ -19,6 +19,16 @@
 // fresh cast would write and the results are bit-identical. The cache costs two bytes per block weight
 // element (about 4 GB for xl), allocated with the layer. Nothing FP8 outlives a pass: no state to checkpoint.
 // All work is queued on the model's stream, host-sync free.
+//
+// Rowwise (Fp8Recipe::rowwise): each operand scaled per row of the dimension its product does not sum over,
+// the GEMMs reading the scale vectors (Fp8Scaling::per_row):
+//
+//   forward   Q(x) per token, Q(w) per output channel
+//   backward  dx: Q(dy) per token, Q(wᵀ) per input column;  dw: Q(dyᵀ) per output channel, Q(xᵀ) per input column
+//
+// Every cast reduces its own row and column amaxes (fp8_quantize_rowwise): the producers' fused amaxes and the
+// forward's amax of x are tensorwise and not used. The cache and same_input work as above, the scale vectors
+// beside the copies (fp8_scratch_layout's vector sets).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -29,6 +39,7 @@
 #include "flashlm/memory.h"
 #include "flashlm/model.h"
 #include "model/activations.h"
+#include "model/cuda/fp8.h"
 #include "model/cuda/gemm.h"
 #include "model/fp8.h"
 
@@ -38,7 +49,7 @@ class Fp8Linear {
  public:
   // For a model of this config running `tokens` tokens per step. d_model, d_ff and tokens must be
   // multiples of 16 (cuBLASLt's FP8 kernels): an Error otherwise.
-  Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients);
+  Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, Fp8Recipe recipe = Fp8Recipe::tensorwise);
 
   // A new pass (a forward and the backward that follows it): the weights may have changed since the last,
   // so each named weight's FP8 copies are cast again at its first product.
@@ -51,7 +62,8 @@ class Fp8Linear {
   // are cast once per pass and reused (see the top); empty: w is cast for this product alone.
   // same_input: x is the previous forward's x, unchanged since, and its FP8 copy is reused (an Error if
   // the previous product had another input or a backward came between).
-  // x_amax: x's amax, written by the kernel that produced x (produced_amax); null: reduced here.
+  // x_amax: x's amax, written by the kernel that produced x (produced_amax); null: reduced here. Tensorwise
+  // only (rowwise reduces per row: an Error when given).
   void forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
                void* stream, std::string_view weight = {}, bool same_input = false, const float* x_amax = nullptr);
   // dx[n, in] (= or += when accumulate_dx) dy[n, out] · w[out, in] (dx may be null: skipped); dw[out, in]
@@ -64,10 +76,12 @@ class Fp8Linear {
                 bool same_input = false, const float* dy_amax = nullptr);
 
   // Where the kernel producing tensor t of block `layer` writes its amax (a device float that lives as long
-  // as this object), for forward's x_amax and backward's dy_amax.
+  // as this object), for forward's x_amax and backward's dy_amax. Tensorwise: null under rowwise, whose casts
+  // reduce per row and column themselves, so that the producers skip the reduction.
   float* produced_amax(int64_t layer, Fp8Produced t) const;
 
   Fp8Format gradients() const { return gradients_; }
+  Fp8Recipe recipe() const { return recipe_; }
 
  private:
   uint8_t* region(int64_t offset) const { return static_cast<uint8_t*>(buffer_.data()) + offset; }
@@ -93,8 +107,14 @@ class Fp8Linear {
     uint64_t pass = 0, input_pass = 0;
     InputCast input;
   };
-  // The cached copy of w (or wᵀ when transposed) as a GEMM operand.
+  // The cached copy of w (or wᵀ when transposed) as a GEMM operand: rowwise, w's row scales or (wᵀ) its
+  // column scales.
   Fp8Operand cached_operand(const CachedWeight& e, bool transposed) const {
+    if (recipe_ == Fp8Recipe::rowwise) {
+      const gpu::Fp8ScaleVectors v = cache_vectors(e.slot);
+      return {cache_at(transposed ? e.offset_t : e.offset), Fp8Format::e4m3, transposed ? v.col_dequant : v.row_dequant,
+              Fp8Scaling::per_row};
+    }
     return {cache_at(transposed ? e.offset_t : e.offset), Fp8Format::e4m3, cache_dequant(e.slot)};
   }
   // w (or wᵀ when transposed) as a GEMM operand: from the cache when named, else cast into the scratch.
@@ -111,6 +131,23 @@ class Fp8Linear {
     return reinterpret_cast<float*>(cache_at(layout_.cache_scales)) +
            kFp8ScaleSlotFloats * (layout_.cache_slots + slot);
   }
+  // Rowwise: the scale vectors of the scratch's operand `slot` (0: act's, x or dy; 1: the weight region's;
+  // 2: act_x_t's) and of cached weight `slot`.
+  gpu::Fp8ScaleVectors vectors(uint8_t* base, const Fp8VectorSet& set) const {
+    return {set.vector(base, 0), set.vector(base, 1), set.vector(base, 2), set.vector(base, 3)};
+  }
+  gpu::Fp8ScaleVectors scratch_vectors(int slot) const {
+    return vectors(region(layout_.vectors + slot * layout_.vector_set.bytes()), layout_.vector_set);
+  }
+  gpu::Fp8ScaleVectors cache_vectors(int slot) const {
+    return vectors(cache_at(layout_.cache_vectors + slot * layout_.cache_vector_set.bytes()), layout_.cache_vector_set);
+  }
+  void forward_rowwise(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
+                       void* stream, std::string_view weight, bool same_input);
+  void backward_rowwise(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
+                        int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight,
+                        bool same_input);
+
   // What the scratch's FP8 copies hold: the forward's input cast in act, the backward's xᵀ in act_x_t (and
   // its dequantisation scale); null x: none.
   InputCast act_;
@@ -121,6 +158,7 @@ class Fp8Linear {
   int64_t n_;
   int64_t layers_;
   Fp8Format gradients_;
+  Fp8Recipe recipe_;
   Fp8ScratchLayout layout_;
   Buffer buffer_;
   // The weight cache (layout_.cache_*): the block weights' FP8 copies, both ways, then their scale slots.

@@ -455,6 +455,8 @@ void fp8_gemm_cuda(const Fp8Operand& p, const Fp8Operand& q, void* d, DType out,
   Call c{"fp8_gemm_cuda", rows, k, cols, out, false, false, beta != 0.0f, residual != nullptr};
   c.fp8_p = p.format;
   c.fp8_q = q.format;
+  c.fp8_p_per_row = p.scaling == Fp8Scaling::per_row;
+  c.fp8_q_per_row = q.scaling == Fp8Scaling::per_row;
   ScopedRange range("linear.fp8");
   FLASHLM_CHECK(out == DType::bf16 || out == DType::f32, "{}: out = {}, expected bf16 or fp32", c.fn, dtype_name(out));
   FLASHLM_CHECK(!(p.format == Fp8Format::e5m2 && q.format == Fp8Format::e5m2),
@@ -466,9 +468,17 @@ void fp8_gemm_cuda(const Fp8Operand& p, const Fp8Operand& q, void* d, DType out,
   constexpr int64_t kMax = int64_t{1} << 40;
   FLASHLM_CHECK(rows <= kMax / k && cols <= kMax / k && rows <= kMax / cols, "{}: rows = {}, cols = {}, k = {}: arrays too large",
                 c.fn, rows, cols, k);
+  const bool p_rows = c.fp8_p_per_row, q_rows = c.fp8_q_per_row;
+  if (p_rows || q_rows) {
+    // Outer-vector scaling came with cuBLAS 12.9; an older library would misread the vector as a scalar.
+    FLASHLM_CHECK(cublasLtGetVersion() >= 120900,
+                  "{}: per-row FP8 scales (--fp8-recipe rowwise) need cuBLASLt >= 12.9 (outer-vector scaling); this "
+                  "process loaded cuBLASLt {}",
+                  c.fn, cublasLtGetVersion());
+  }
   const Arg ap{"p", p.data, rows * k, 1}, aq{"q", q.data, cols * k, 1}, ad{"d", d, rows * cols, dtype_size(out)},
-      ar{"residual", residual, rows * cols, dtype_size(out)}, asp{"p.dequant", p.dequant, 1, 4},
-      asq{"q.dequant", q.dequant, 1, 4};
+      ar{"residual", residual, rows * cols, dtype_size(out)}, asp{"p.dequant", p.dequant, p_rows ? rows : 1, 4},
+      asq{"q.dequant", q.dequant, q_rows ? cols : 1, 4};
   std::vector<const Arg*> used = {&ap, &aq, &ad, &asp, &asq};
   if (residual) used.push_back(&ar);
   for (const Arg* a : used) check_not_null(c, *a);
@@ -487,6 +497,8 @@ void fp8_gemm_cuda(const Fp8Operand& p, const Fp8Operand& q, void* d, DType out,
   }
   check_disjoint(c, ad, ap);
   check_disjoint(c, ad, aq);
+  check_disjoint(c, ad, asp);
+  check_disjoint(c, ad, asq);
   const int device = current_device(c);
   for (const Arg* a : used) check_on_device(c, *a, device);
 
@@ -497,6 +509,9 @@ void fp8_gemm_cuda(const Fp8Operand& p, const Fp8Operand& q, void* d, DType out,
                          /*ldd*/ cols, fp8_type(q.format), cuda_type(out), CUBLAS_COMPUTE_32F, /*A*/ q.data,
                          /*B*/ p.data, /*D*/ d, /*C*/ residual);
   key.b_type = static_cast<int32_t>(fp8_type(p.format));
+  // A = q: a vector of M = cols scales; B = p: one of N = rows.
+  if (q_rows) key.a_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+  if (p_rows) key.b_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
   run_gemm(c, Product::fp8, device, key, /*A*/ q.data, /*B*/ p.data, d, ad.bytes(), beta, stream, residual,
            /*may_decline*/ false, /*a_scale*/ q.dequant, /*b_scale*/ p.dequant);
 }

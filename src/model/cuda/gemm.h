@@ -75,16 +75,23 @@ void linear_forward_pair_cuda(const void* x, const void* w0, const void* w1, voi
 void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* x, float* dw0, float* dw1, int64_t n,
                                   int64_t in, int64_t out, DType act, bool accumulate_dw, void* stream);
 
+// How an FP8 operand's dequantisation scale applies: one fp32 for the whole operand (tensorwise), or one per
+// row of the operand ([rows] for p, [cols] for q: the rowwise recipe, cuBLASLt's outer-vector scaling
+// CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, cuBLAS >= 12.9).
+enum class Fp8Scaling : uint8_t { tensor, per_row };
+
 // One FP8 operand of fp8_gemm_cuda: row-major FP8 bytes in `format`, and the device fp32 the product is
-// multiplied by for it (its dequantisation scale, model/fp8.h; cuBLASLt's A/B scale pointer).
+// multiplied by for it (its dequantisation scale, or per_row one per row; model/fp8.h; cuBLASLt's A/B scale
+// pointer).
 struct Fp8Operand {
   const void* data;
   Fp8Format format;
   const float* dequant;
+  Fp8Scaling scaling = Fp8Scaling::tensor;
 };
 
 // FP8 training's GEMM (--precision fp8): d[rows, cols] = p[rows, k] · q[cols, k]ᵀ · (*p.dequant) ·
-// (*q.dequant) + beta · c, through cuBLASLt's FP8 tensor-core path: fp32 accumulation, d in `out` (bf16 or
+// (*q.dequant) + beta · c (per_row operands: d[r, c] times p.dequant[r] · q.dequant[c]), through cuBLASLt's FP8 tensor-core path: fp32 accumulation, d in `out` (bf16 or
 // fp32), c of d's dtype (`residual` when not null, else d itself; beta 0 reads no c). Every product of an
 // FP8 linear layer has this one shape, both operands K-major, which is what cuBLASLt's FP8 kernels take
 // ("TN"): forward y = x · wᵀ (p = x, q = w), dx = dy · w (p = dy, q = wᵀ), dw = dyᵀ · x (p = dyᵀ, q = xᵀ),

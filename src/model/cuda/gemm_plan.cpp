@@ -129,9 +129,10 @@ std::string describe(const Call& c, Product p) {
       return fmt::format("dw[{}, {}] (fp32) {} dy[{}, {}]ᵀ · x[{}, {}] ({}{})", c.out, c.in,
                          c.accumulate_dw ? "+=" : "=", c.n, c.out, c.n, c.in, t, tf32);
     case Product::fp8:
-      return fmt::format("d[{}, {}] ({}) {} p[{}, {}] ({}) · q[{}, {}]ᵀ ({}){}", c.n, c.out, t,
-                         c.accumulate_dw ? "+=" : "=", c.n, c.in, fp8_format_name(c.fp8_p), c.out, c.in,
-                         fp8_format_name(c.fp8_q), c.residual ? " + residual" : "");
+      return fmt::format("d[{}, {}] ({}) {} p[{}, {}] ({}{}) · q[{}, {}]ᵀ ({}{}){}", c.n, c.out, t,
+                         c.accumulate_dw ? "+=" : "=", c.n, c.in, fp8_format_name(c.fp8_p),
+                         c.fp8_p_per_row ? ", per-row scales" : "", c.out, c.in, fp8_format_name(c.fp8_q),
+                         c.fp8_q_per_row ? ", per-row scales" : "", c.residual ? " + residual" : "");
   }
   return "?";
 }
@@ -171,6 +172,15 @@ Plan build_plan(cublasLtHandle_t handle, const PlanKey& key, const Call& c, Prod
     check(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &key.sm_target,
                                          sizeof(key.sm_target)),
           "cublasLtMatmulDescSetAttribute(SM_COUNT_TARGET)");
+  }
+  // Outer-vector scaling (rowwise FP8) only where asked: tensorwise descriptors stay as they were.
+  const std::pair<cublasLtMatmulDescAttributes_t, int32_t> scale_modes[] = {
+      {CUBLASLT_MATMUL_DESC_A_SCALE_MODE, key.a_scale_mode}, {CUBLASLT_MATMUL_DESC_B_SCALE_MODE, key.b_scale_mode}};
+  for (const auto& [attr, mode] : scale_modes) {
+    if (mode != 0) {
+      check(cublasLtMatmulDescSetAttribute(plan.desc, attr, &mode, sizeof(mode)),
+            "cublasLtMatmulDescSetAttribute(A/B_SCALE_MODE)");
+    }
   }
   set_scales(plan.desc, timing.a_scale, timing.b_scale, c, p);
 

@@ -31,6 +31,7 @@ struct Call {
   bool accumulate_dw = true;
   bool residual = false;
   Fp8Format fp8_p = Fp8Format::e4m3, fp8_q = Fp8Format::e4m3;  // Product::fp8's operands (n = rows, in = k, out = cols)
+  bool fp8_p_per_row = false, fp8_q_per_row = false;            // and whether their scales are vectors
 };
 
 const char* status_name(cublasStatus_t s);
@@ -56,6 +57,8 @@ struct PlanKey {
   int32_t batch = 1;
   int64_t stride_a = 0, stride_b = 0, stride_d = 0;
   int32_t b_type = -1;  // B's cudaDataType where it differs from A's (FP8: e4m3 · e5m2); -1: ab_type
+  // FP8 operands' scale modes (cublasLtMatmulMatrixScale_t); 0, the scalar, is not set on the descriptor.
+  int32_t a_scale_mode = 0, b_scale_mode = 0;
   auto operator<=>(const PlanKey&) const = default;
 };
 

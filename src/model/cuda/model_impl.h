@@ -210,8 +210,8 @@ struct CudaModel::Impl {
     return false;
   }
 
-  // --precision fp8: where the kernel producing tensor t of block l writes its amax; null otherwise (the
-  // producers then reduce nothing).
+  // --precision fp8 (tensorwise): where the kernel producing tensor t of block l writes its amax; null otherwise,
+  // rowwise included (the producers then reduce nothing).
   float* fp8_produced_amax(int64_t l, Fp8Produced t) const { return fp8 ? fp8->produced_amax(l, t) : nullptr; }
 
   // Calls fn(offset, count) over [0, total) in pieces that fit the staging buffer.
