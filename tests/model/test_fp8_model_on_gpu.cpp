@@ -56,6 +56,41 @@ ModelOptions fp8_options(Fp8Format g, Fp8Recipe recipe = Fp8Recipe::tensorwise) 
   return o;
 }
 
+// One forward and backward of batch b from init_parameters(5): the loss, and the gradients into *grads.
+double one_step(const ModelConfig& c, const Batch& b, const ModelOptions& o, std::vector<float>* grads) {
+  CudaModel m(c, 2, 64, DType::bf16, o);
+  m.init_parameters(5);
+  m.zero_grad();
+  const double loss = m.forward(b.tokens.data(), b.targets.data());
+  m.backward();
+  grads->resize(size_t(m.parameter_count()));
+  m.copy_gradients_to(grads->data());
+  return loss;
+}
+
+// kTrainSteps AdamW steps on batch b from init_parameters(3): each step's loss, and the final parameters into
+// *params where given.
+constexpr int kTrainSteps = 30;
+std::vector<double> train_losses(const ModelConfig& c, const Batch& b, const ModelOptions& o,
+                                 std::vector<float>* params) {
+  CudaModel m(c, 2, 64, DType::bf16, o);
+  m.init_parameters(3);
+  AdamWConfig opt;
+  std::vector<double> losses;
+  for (int step = 0; step < kTrainSteps; ++step) {
+    m.zero_grad();
+    losses.push_back(m.forward(b.tokens.data(), b.targets.data()));
+    m.backward();
+    m.clip_gradients(1.0);
+    m.adamw_step(opt, 3e-3);
+  }
+  if (params) {
+    params->resize(size_t(m.parameter_count()));
+    m.copy_parameters_to(params->data());
+  }
+  return losses;
+}
+
 double rel_error(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -75,24 +110,10 @@ TEST(CudaModelFp8, LossAndGradientsTrackBf16) {
   const ModelConfig c = fp8_config();
   const Batch b = make_batch(2 * 64, c.vocab, 1);
   std::vector<float> ref_grads;
-  double ref_loss = 0;
-  {
-    CudaModel m(c, 2, 64, DType::bf16);
-    m.init_parameters(5);
-    m.zero_grad();
-    ref_loss = m.forward(b.tokens.data(), b.targets.data());
-    m.backward();
-    ref_grads.resize(size_t(m.parameter_count()));
-    m.copy_gradients_to(ref_grads.data());
-  }
+  const double ref_loss = one_step(c, b, ModelOptions{}, &ref_grads);
   for (Fp8Format g : {Fp8Format::e4m3, Fp8Format::e5m2}) {
-    CudaModel m(c, 2, 64, DType::bf16, fp8_options(g));
-    m.init_parameters(5);
-    m.zero_grad();
-    const double loss = m.forward(b.tokens.data(), b.targets.data());
-    m.backward();
-    std::vector<float> grads(size_t(m.parameter_count()));
-    m.copy_gradients_to(grads.data());
+    std::vector<float> grads;
+    const double loss = one_step(c, b, fp8_options(g), &grads);
     const double err = rel_error(grads, ref_grads);
     std::printf("fp8 (%s gradients): loss %.6f (bf16 %.6f), gradient error %.4f of the largest\n",
                 std::string(fp8_format_name(g)).c_str(), loss, ref_loss, err);
@@ -109,34 +130,16 @@ TEST(CudaModelFp8, TrainingTracksBf16AndIsReproducible) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = fp8_config();
   const Batch b = make_batch(2 * 64, c.vocab, 2);
-  AdamWConfig opt;
-  constexpr int kSteps = 30;
-  auto run = [&](const ModelOptions& o, std::vector<float>* params) {
-    CudaModel m(c, 2, 64, DType::bf16, o);
-    m.init_parameters(3);
-    std::vector<double> losses;
-    for (int step = 0; step < kSteps; ++step) {
-      m.zero_grad();
-      losses.push_back(m.forward(b.tokens.data(), b.targets.data()));
-      m.backward();
-      m.clip_gradients(1.0);
-      m.adamw_step(opt, 3e-3);
-    }
-    if (params) {
-      params->resize(size_t(m.parameter_count()));
-      m.copy_parameters_to(params->data());
-    }
-    return losses;
-  };
-  const std::vector<double> ref = run(ModelOptions{}, nullptr);
+  const std::vector<double> ref = train_losses(c, b, ModelOptions{}, nullptr);
   EXPECT_LT(ref.back(), 0.8 * ref.front());
   for (Fp8Format g : {Fp8Format::e4m3, Fp8Format::e5m2}) {
     std::vector<float> p0, p1;
-    const std::vector<double> l0 = run(fp8_options(g), &p0), l1 = run(fp8_options(g), &p1);
+    const std::vector<double> l0 = train_losses(c, b, fp8_options(g), &p0);
+    const std::vector<double> l1 = train_losses(c, b, fp8_options(g), &p1);
     EXPECT_EQ(p0, p1) << fp8_format_name(g) << ": two FP8 runs differ";
     EXPECT_EQ(l0, l1) << fp8_format_name(g);
     double worst = 0;
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < kTrainSteps; ++s) {
       worst = std::max(worst, std::fabs(l0[size_t(s)] - ref[size_t(s)]));
       EXPECT_NEAR(l0[size_t(s)], ref[size_t(s)], 0.05 * ref.front()) << fp8_format_name(g) << " step " << s;
     }
@@ -159,16 +162,7 @@ TEST(CudaModelFp8, OverBf16PureTracksBf16PureAndIsReproducible) {
   {
     const Batch b = make_batch(2 * 64, c.vocab, 1);
     std::vector<float> grads[2];
-    double loss[2] = {0, 0};
-    for (int i = 0; i < 2; ++i) {
-      CudaModel m(c, 2, 64, DType::bf16, i == 0 ? pure : pure_fp8);
-      m.init_parameters(5);
-      m.zero_grad();
-      loss[i] = m.forward(b.tokens.data(), b.targets.data());
-      m.backward();
-      grads[i].resize(size_t(m.parameter_count()));
-      m.copy_gradients_to(grads[i].data());
-    }
+    const double loss[2] = {one_step(c, b, pure, &grads[0]), one_step(c, b, pure_fp8, &grads[1])};
     const double err = rel_error(grads[1], grads[0]);
     std::printf("bf16-pure-fp8: loss %.6f (bf16-pure %.6f), gradient error %.4f of the largest\n", loss[1], loss[0],
                 err);
@@ -177,30 +171,13 @@ TEST(CudaModelFp8, OverBf16PureTracksBf16PureAndIsReproducible) {
     EXPECT_LT(err, 0.25);
   }
   const Batch b = make_batch(2 * 64, c.vocab, 2);
-  AdamWConfig opt;
-  constexpr int kSteps = 30;
-  auto run = [&](const ModelOptions& o, std::vector<float>* params) {
-    CudaModel m(c, 2, 64, DType::bf16, o);
-    m.init_parameters(3);
-    std::vector<double> losses;
-    for (int step = 0; step < kSteps; ++step) {
-      m.zero_grad();
-      losses.push_back(m.forward(b.tokens.data(), b.targets.data()));
-      m.backward();
-      m.clip_gradients(1.0);
-      m.adamw_step(opt, 3e-3);
-    }
-    params->resize(size_t(m.parameter_count()));
-    m.copy_parameters_to(params->data());
-    return losses;
-  };
-  std::vector<float> p_ref, p0, p1;
-  const std::vector<double> ref = run(pure, &p_ref);
-  const std::vector<double> l0 = run(pure_fp8, &p0), l1 = run(pure_fp8, &p1);
+  std::vector<float> p0, p1;
+  const std::vector<double> ref = train_losses(c, b, pure, nullptr);
+  const std::vector<double> l0 = train_losses(c, b, pure_fp8, &p0), l1 = train_losses(c, b, pure_fp8, &p1);
   EXPECT_LT(ref.back(), 0.8 * ref.front());
   EXPECT_EQ(l0, l1);
   EXPECT_EQ(p0, p1) << "two bf16-pure-fp8 runs differ";
-  for (int s = 0; s < kSteps; ++s) EXPECT_NEAR(l0[size_t(s)], ref[size_t(s)], 0.05 * ref.front()) << "step " << s;
+  for (int s = 0; s < kTrainSteps; ++s) EXPECT_NEAR(l0[size_t(s)], ref[size_t(s)], 0.05 * ref.front()) << "step " << s;
   std::printf("bf16-pure-fp8: loss %.5f -> %.5f (bf16-pure %.5f -> %.5f)\n", l0.front(), l0.back(), ref.front(),
               ref.back());
   EXPECT_LT(l0.back(), 0.8 * l0.front());
@@ -334,22 +311,12 @@ TEST(CudaModelFp8Rowwise, LossAndGradientsTrackBf16) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = fp8_config();
   const Batch b = make_batch(2 * 64, c.vocab, 1);
-  const auto step = [&](const ModelOptions& o, std::vector<float>* grads) {
-    CudaModel m(c, 2, 64, DType::bf16, o);
-    m.init_parameters(5);
-    m.zero_grad();
-    const double loss = m.forward(b.tokens.data(), b.targets.data());
-    m.backward();
-    grads->resize(size_t(m.parameter_count()));
-    m.copy_gradients_to(grads->data());
-    return loss;
-  };
   std::vector<float> ref_grads, tensorwise_grads;
-  const double ref_loss = step(ModelOptions{}, &ref_grads);
-  const double tensorwise_loss = step(fp8_options(Fp8Format::e5m2), &tensorwise_grads);
+  const double ref_loss = one_step(c, b, ModelOptions{}, &ref_grads);
+  const double tensorwise_loss = one_step(c, b, fp8_options(Fp8Format::e5m2), &tensorwise_grads);
   for (Fp8Format g : {Fp8Format::e4m3, Fp8Format::e5m2}) {
     std::vector<float> grads;
-    const double loss = step(fp8_options(g, Fp8Recipe::rowwise), &grads);
+    const double loss = one_step(c, b, fp8_options(g, Fp8Recipe::rowwise), &grads);
     const double err = rel_error(grads, ref_grads);
     std::printf("fp8 rowwise (%s gradients): loss %.6f (bf16 %.6f, tensorwise e5m2 %.6f), gradient error %.4f of "
                 "the largest (tensorwise e5m2 %.4f)\n",
@@ -368,30 +335,13 @@ TEST(CudaModelFp8Rowwise, TrainingTracksBf16AndIsReproducible) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = fp8_config();
   const Batch b = make_batch(2 * 64, c.vocab, 2);
-  AdamWConfig opt;
-  constexpr int kSteps = 30;
-  auto run = [&](const ModelOptions& o, std::vector<float>* params) {
-    CudaModel m(c, 2, 64, DType::bf16, o);
-    m.init_parameters(3);
-    std::vector<double> losses;
-    for (int step = 0; step < kSteps; ++step) {
-      m.zero_grad();
-      losses.push_back(m.forward(b.tokens.data(), b.targets.data()));
-      m.backward();
-      m.clip_gradients(1.0);
-      m.adamw_step(opt, 3e-3);
-    }
-    params->resize(size_t(m.parameter_count()));
-    m.copy_parameters_to(params->data());
-    return losses;
-  };
-  std::vector<float> p_ref, p0, p1;
-  const std::vector<double> ref = run(ModelOptions{}, &p_ref);
+  std::vector<float> p0, p1;
+  const std::vector<double> ref = train_losses(c, b, ModelOptions{}, nullptr);
   const ModelOptions o = fp8_options(Fp8Format::e5m2, Fp8Recipe::rowwise);
-  const std::vector<double> l0 = run(o, &p0), l1 = run(o, &p1);
+  const std::vector<double> l0 = train_losses(c, b, o, &p0), l1 = train_losses(c, b, o, &p1);
   EXPECT_EQ(l0, l1);
   EXPECT_EQ(p0, p1) << "two rowwise runs differ";
-  for (int s = 0; s < kSteps; ++s) EXPECT_NEAR(l0[size_t(s)], ref[size_t(s)], 0.05 * ref.front()) << "step " << s;
+  for (int s = 0; s < kTrainSteps; ++s) EXPECT_NEAR(l0[size_t(s)], ref[size_t(s)], 0.05 * ref.front()) << "step " << s;
   std::printf("fp8 rowwise: loss %.5f -> %.5f (bf16 %.5f -> %.5f)\n", l0.front(), l0.back(), ref.front(), ref.back());
   EXPECT_LT(l0.back(), 0.8 * l0.front());
 }

@@ -83,23 +83,15 @@ struct CastScales {
 // The column scales (qt's) are the same for every tile row of a block: computed once, before its first tile,
 // and their dequantisation scales written by the blocks of the first tile row; the row scales (q's) per tile,
 // their dequantisation scales written by the blocks of the first tile column. The caller synchronises before
-// reading them.
+// reading them. Thread t of the loading row takes the scale of row or column i0 + t (of n) from its amax, and
+// writes its dequantisation scale too where `write_dequant`.
 template <Fp8Format F>
-__device__ __forceinline__ void load_col_scales(const CastScales& s, int64_t c0, int64_t cols, int t, int tile,
-                                                bool first_tile_row, float* col_scale) {
-  const int64_t c = c0 + t;
-  if (t < tile && c < cols) {
-    col_scale[t] = fp8_scale(s.col_amax[c], F);
-    if (first_tile_row) s.col_dequant[c] = fp8_dequant_scale(col_scale[t]);
-  }
-}
-template <Fp8Format F>
-__device__ __forceinline__ void load_row_scales(const CastScales& s, int64_t r0, int64_t rows, int t, int tile,
-                                                bool first_tile_col, float* row_scale) {
-  const int64_t r = r0 + t;
-  if (t < tile && r < rows) {
-    row_scale[t] = fp8_scale(s.row_amax[r], F);
-    if (first_tile_col) s.row_dequant[r] = fp8_dequant_scale(row_scale[t]);
+__device__ __forceinline__ void load_tile_scales(const float* amax, float* dequant, int64_t i0, int64_t n, int t,
+                                                 int tile, bool write_dequant, float* scale) {
+  const int64_t i = i0 + t;
+  if (t < tile && i < n) {
+    scale[t] = fp8_scale(amax[i], F);
+    if (write_dequant) dequant[i] = fp8_dequant_scale(scale[t]);
   }
 }
 
@@ -115,7 +107,9 @@ __global__ void __launch_bounds__(kTile* kTileRows)
   const int64_t c0 = int64_t{blockIdx.x} * kTile;
   float scale = 0.0f;
   if constexpr (kRowwise) {
-    if (qt && threadIdx.y == 0) load_col_scales<F>(s, c0, cols, threadIdx.x, kTile, blockIdx.y == 0, col_scale);
+    if (qt && threadIdx.y == 0) {
+      load_tile_scales<F>(s.col_amax, s.col_dequant, c0, cols, threadIdx.x, kTile, blockIdx.y == 0, col_scale);
+    }
   } else {
     scale = fp8_scale(*s.amax, F);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) *s.dequant = fp8_dequant_scale(scale);
@@ -123,7 +117,9 @@ __global__ void __launch_bounds__(kTile* kTileRows)
   for (int64_t tr = blockIdx.y; tr < tile_rows; tr += gridDim.y) {
     const int64_t r0 = tr * kTile;
     if constexpr (kRowwise) {
-      if (q && threadIdx.y == 0) load_row_scales<F>(s, r0, rows, threadIdx.x, kTile, blockIdx.x == 0, row_scale);
+      if (q && threadIdx.y == 0) {
+        load_tile_scales<F>(s.row_amax, s.row_dequant, r0, rows, threadIdx.x, kTile, blockIdx.x == 0, row_scale);
+      }
       __syncthreads();
     }
     for (int i = threadIdx.y; i < kTile; i += kTileRows) {
@@ -171,7 +167,9 @@ __global__ void __launch_bounds__(kVecThreads)
   const int64_t c0 = int64_t{blockIdx.x} * kVecTile;
   float scale = 0.0f;
   if constexpr (kRowwise) {
-    if (qt) load_col_scales<F>(s, c0, cols, threadIdx.x, kVecTile, blockIdx.y == 0, col_scale);
+    if (qt) {
+      load_tile_scales<F>(s.col_amax, s.col_dequant, c0, cols, threadIdx.x, kVecTile, blockIdx.y == 0, col_scale);
+    }
   } else {
     scale = fp8_scale(*s.amax, F);
     if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *s.dequant = fp8_dequant_scale(scale);
@@ -180,7 +178,9 @@ __global__ void __launch_bounds__(kVecThreads)
   for (int64_t tr = blockIdx.y; tr < tile_rows; tr += gridDim.y) {
     const int64_t r0 = tr * kVecTile;
     if constexpr (kRowwise) {
-      if (q) load_row_scales<F>(s, r0, rows, threadIdx.x, kVecTile, blockIdx.x == 0, row_scale);
+      if (q) {
+        load_tile_scales<F>(s.row_amax, s.row_dequant, r0, rows, threadIdx.x, kVecTile, blockIdx.x == 0, row_scale);
+      }
       __syncthreads();
     }
     for (int v = threadIdx.x; v < kVecTile * kPacksPerRow; v += kVecThreads) {
