@@ -261,25 +261,19 @@ std::vector<uint8_t> random_fp8(int64_t count, Fp8Format f, uint64_t seed, float
 // Σ|terms| (k from 16 to 4800). A wrong scale, operand or tile is off by far more at these shapes.
 constexpr double kFp8AccumulationBound = 0x1p-8;
 
-void check_gemm(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1: += d; 2: + residual
-  const std::string what = std::to_string(g.rows) + "x" + std::to_string(g.cols) + "x" + std::to_string(g.k) + " " +
-                           std::string(fp8_format_name(g.pf)) + "·" + std::string(fp8_format_name(g.qf)) + " -> " +
-                           std::string(dtype_name(out)) + (mode == 0 ? "" : mode == 1 ? " +=" : " + residual");
-  float dqp = 0, dqq = 0;
-  const uint64_t seed = uint64_t(g.rows * 7 + g.cols * 13 + g.k * 3 + mode);
-  const std::vector<uint8_t> p = random_fp8(g.rows * g.k, g.pf, seed, &dqp), q = random_fp8(g.cols * g.k, g.qf, seed + 1, &dqq);
-  std::vector<double> ref(size_t(g.rows * g.cols)), s(ref.size());
-  fp8_matmul_nt_cpu(p.data(), g.pf, dqp, q.data(), g.qf, dqq, g.rows, g.cols, g.k, ref.data());
-  std::vector<uint8_t> pa(p.size()), qa(q.size());
-  for (size_t i = 0; i < p.size(); ++i) pa[i] = p[i] & 0x7f;  // |p|, |q|: the magnitude sum
-  for (size_t i = 0; i < q.size(); ++i) qa[i] = q[i] & 0x7f;
-  fp8_matmul_nt_cpu(pa.data(), g.pf, dqp, qa.data(), g.qf, dqq, g.rows, g.cols, g.k, s.data());
+std::string gemm_case_name(const GemmCase& g, DType out, int mode) {
+  return std::to_string(g.rows) + "x" + std::to_string(g.cols) + "x" + std::to_string(g.k) + " " +
+         std::string(fp8_format_name(g.pf)) + "·" + std::string(fp8_format_name(g.qf)) + " -> " +
+         std::string(dtype_name(out)) + (mode == 0 ? "" : mode == 1 ? " +=" : " + residual");
+}
 
+// Runs d = p · qᵀ (beta 0; mode 1: += d; mode 2: + residual) with the operands on the device and checks every
+// element against ref (+ C) within kFp8AccumulationBound of s (Σ|terms|) plus the output's rounding.
+void expect_gemm_matches(const std::string& what, const GemmCase& g, DType out, int mode, uint64_t seed,
+                         const std::vector<double>& ref, const std::vector<double>& s, const Fp8Operand& p,
+                         const Fp8Operand& q) {
   const size_t esz = dtype_size(out);
-  Dev dp(p.size()), dq(q.size()), dd(ref.size() * esz), dr(ref.size() * esz), dsc(kTwoSlotsBytes);
-  dp.upload(p);
-  dq.upload(q);
-  dsc.upload(two_slots(dqp, dqq));
+  Dev dd(ref.size() * esz), dr(ref.size() * esz);
   // The initial d (mode 1) or residual (mode 2): values of the product's size, exact in the output type.
   std::vector<float> c(ref.size(), 0.0f);
   if (mode != 0) {
@@ -292,8 +286,8 @@ void check_gemm(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1:
   };
   if (mode == 1) upload_out(dd, c); else dd.poison(0xFF);
   if (mode == 2) upload_out(dr, c);
-  fp8_gemm_cuda({dp.ptr(), g.pf, dsc.as<float>()}, {dq.ptr(), g.qf, dsc.as<float>() + kFp8ScaleSlotFloats}, dd.ptr(), out, g.rows, g.cols,
-                g.k, mode == 0 ? 0.0f : 1.0f, mode == 2 ? dr.ptr() : nullptr, nullptr);
+  fp8_gemm_cuda(p, q, dd.ptr(), out, g.rows, g.cols, g.k, mode == 0 ? 0.0f : 1.0f, mode == 2 ? dr.ptr() : nullptr,
+                nullptr);
   std::vector<float> got(ref.size());
   if (out == DType::f32) {
     got = dd.download<float>();
@@ -315,6 +309,26 @@ void check_gemm(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1:
   }
   EXPECT_EQ(bad, 0) << what << ": worst at " << worst_at << ": got " << got[worst_at] << ", want "
                     << ref[worst_at] + c[worst_at] << ", error/tolerance " << worst;
+}
+
+void check_gemm(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1: += d; 2: + residual
+  const std::string what = gemm_case_name(g, out, mode);
+  float dqp = 0, dqq = 0;
+  const uint64_t seed = uint64_t(g.rows * 7 + g.cols * 13 + g.k * 3 + mode);
+  const std::vector<uint8_t> p = random_fp8(g.rows * g.k, g.pf, seed, &dqp), q = random_fp8(g.cols * g.k, g.qf, seed + 1, &dqq);
+  std::vector<double> ref(size_t(g.rows * g.cols)), s(ref.size());
+  fp8_matmul_nt_cpu(p.data(), g.pf, dqp, q.data(), g.qf, dqq, g.rows, g.cols, g.k, ref.data());
+  std::vector<uint8_t> pa(p.size()), qa(q.size());
+  for (size_t i = 0; i < p.size(); ++i) pa[i] = p[i] & 0x7f;  // |p|, |q|: the magnitude sum
+  for (size_t i = 0; i < q.size(); ++i) qa[i] = q[i] & 0x7f;
+  fp8_matmul_nt_cpu(pa.data(), g.pf, dqp, qa.data(), g.qf, dqq, g.rows, g.cols, g.k, s.data());
+
+  Dev dp(p.size()), dq(q.size()), dsc(kTwoSlotsBytes);
+  dp.upload(p);
+  dq.upload(q);
+  dsc.upload(two_slots(dqp, dqq));
+  expect_gemm_matches(what, g, out, mode, seed, ref, s, {dp.ptr(), g.pf, dsc.as<float>()},
+                      {dq.ptr(), g.qf, dsc.as<float>() + kFp8ScaleSlotFloats});
 }
 
 }  // namespace
@@ -505,10 +519,7 @@ namespace {
 // against fp8_matmul_nt_rowwise_cpu; check_gemm's tolerance, s the product of the magnitudes with the same
 // vectors.
 void check_gemm_rowwise(const GemmCase& g, DType out, int mode) {  // mode 0: beta 0; 1: += d; 2: + residual
-  const std::string what = std::to_string(g.rows) + "x" + std::to_string(g.cols) + "x" + std::to_string(g.k) + " " +
-                           std::string(fp8_format_name(g.pf)) + "·" + std::string(fp8_format_name(g.qf)) + " -> " +
-                           std::string(dtype_name(out)) + (mode == 0 ? "" : mode == 1 ? " +=" : " + residual") +
-                           ", per-row scales";
+  const std::string what = gemm_case_name(g, out, mode) + ", per-row scales";
   const uint64_t seed = uint64_t(g.rows * 5 + g.cols * 11 + g.k * 17 + mode);
   const auto quantise_rows = [](int64_t rows, int64_t k, Fp8Format f, uint64_t sd, std::vector<float>* dequant) {
     std::vector<float> v = random_bf16_values(rows * k, sd);
@@ -531,49 +542,16 @@ void check_gemm_rowwise(const GemmCase& g, DType out, int mode) {  // mode 0: be
   for (size_t i = 0; i < q.size(); ++i) qa[i] = q[i] & 0x7f;
   fp8_matmul_nt_rowwise_cpu(pa.data(), g.pf, dqp.data(), qa.data(), g.qf, dqq.data(), g.rows, g.cols, g.k, s.data());
 
-  const size_t esz = dtype_size(out);
   const size_t q_vec_at = size_t((g.rows + 63) / 64 * 64);  // q's vector 256 bytes past a multiple of p's
   std::vector<float> vectors(q_vec_at + size_t(g.cols), 0.0f);
   std::copy(dqp.begin(), dqp.end(), vectors.begin());
   std::copy(dqq.begin(), dqq.end(), vectors.begin() + std::ptrdiff_t(q_vec_at));
-  Dev dp(p.size()), dq(q.size()), dd(ref.size() * esz), dr(ref.size() * esz), dv(vectors.size() * 4);
+  Dev dp(p.size()), dq(q.size()), dv(vectors.size() * 4);
   dp.upload(p);
   dq.upload(q);
   dv.upload(vectors);
-  std::vector<float> c(ref.size(), 0.0f);
-  if (mode != 0) {
-    std::mt19937 rng(static_cast<unsigned>(seed));
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (size_t i = 0; i < c.size(); ++i) c[i] = float(bf16_t(float(std::sqrt(s[i] + 1e-30)) * normal(rng)));
-  }
-  const auto upload_out = [&](Dev& d, const std::vector<float>& v) {
-    if (out == DType::f32) d.upload(v); else d.upload(to_bf16(v));
-  };
-  if (mode == 1) upload_out(dd, c); else dd.poison(0xFF);
-  if (mode == 2) upload_out(dr, c);
-  fp8_gemm_cuda({dp.ptr(), g.pf, dv.as<float>(), Fp8Scaling::per_row},
-                {dq.ptr(), g.qf, dv.as<float>() + q_vec_at, Fp8Scaling::per_row}, dd.ptr(), out, g.rows, g.cols, g.k,
-                mode == 0 ? 0.0f : 1.0f, mode == 2 ? dr.ptr() : nullptr, nullptr);
-  std::vector<float> got(ref.size());
-  if (out == DType::f32) {
-    got = dd.download<float>();
-  } else {
-    const auto b = dd.download<uint16_t>();
-    for (size_t i = 0; i < b.size(); ++i) got[i] = std::bit_cast<float>(uint32_t{b[i]} << 16);
-  }
-  const double u = out == DType::f32 ? 0.0 : 0x1p-8;
-  int64_t bad = 0;
-  double worst = 0;
-  size_t worst_at = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double want = ref[i] + double(c[i]);
-    const double tol = kFp8AccumulationBound * s[i] + u * (std::fabs(want) + std::fabs(ref[i]) + std::fabs(c[i])) + 1e-30;
-    const double ratio = std::fabs(double(got[i]) - want) / tol;
-    if (!(ratio <= 1.0)) ++bad;
-    if (!(ratio <= worst)) worst = ratio, worst_at = i;
-  }
-  EXPECT_EQ(bad, 0) << what << ": worst at " << worst_at << ": got " << got[worst_at] << ", want "
-                    << ref[worst_at] + c[worst_at] << ", error/tolerance " << worst;
+  expect_gemm_matches(what, g, out, mode, seed, ref, s, {dp.ptr(), g.pf, dv.as<float>(), Fp8Scaling::per_row},
+                      {dq.ptr(), g.qf, dv.as<float>() + q_vec_at, Fp8Scaling::per_row});
 }
 
 }  // namespace
