@@ -252,6 +252,37 @@ inline double dsink_rounding_allowance(const Case& c, const Problem& ref, const 
   return 2 * eps * rounding;
 }
 
+// The error plan_cuda_attention raises for a call of `pass` on p, empty where it plans a kernel. A backward runs
+// the forward first, so a problem without a forward kernel fails with the forward's message.
+inline std::string cuda_plan_error(const AttentionProblem& p, AttentionImpl impl, AttentionPass pass) {
+  const auto error = [&](AttentionPass pa) -> std::string {
+    try {
+      plan_cuda_attention(pa == AttentionPass::forward ? "attention_forward" : "attention_backward", p, impl, pa);
+      return "";
+    } catch (const Error& e) {
+      return e.what();
+    }
+  };
+  std::string forward = error(AttentionPass::forward);
+  if (pass == AttentionPass::forward || !forward.empty()) return forward;
+  return error(AttentionPass::backward);
+}
+
+// dsink[h] of `got` (fp32, on the host) against the oracle's (`ref`) for every head: within `tol` (tolerance or
+// cuda_flash_tolerance) of the low-precision naive attention's error (`lowp`'s dsink), plus
+// dsink_rounding_allowance. `sinks` are the host sinks.
+inline void expect_dsink_matches(const Case& c, const Problem& ref, const TensorView& got, const TensorView& lowp,
+                                 const TensorView& sinks, double (*tol)(DType, double, double),
+                                 const std::string& name) {
+  for (int64_t h = 0; h < c.Hq; ++h) {
+    const double want = ref.dsink.view().ptr<float>()[h], ours = got.ptr<const float>()[h];
+    const double low = lowp.ptr<const float>()[h];
+    const double bound = tol(c.dtype, std::fabs(low - want), std::fabs(want)) +
+                         dsink_rounding_allowance(c, ref, sinks, h);
+    EXPECT_LE(std::fabs(ours - want), bound) << "dsink[" << h << "] of " << name << " (ref " << want << ")";
+  }
+}
+
 // The flash implementation with `flash`'s options (its impl set to flash) against the fp64 naive oracle with
 // the same options on the very same (rounded) inputs: o, dq, dk, dv within tolerance() (the low-precision
 // rule measured on the naive attention in c.dtype), lse finite where the oracle's is, -inf where it is.
@@ -285,13 +316,7 @@ inline void expect_flash_matches_oracle(const Case& c, AttentionOptions flash, c
     EXPECT_LE(err, tol) << t.name << " of " << name << " (max |ref| " << max_abs(t.want) << ")";
   }
   if (given(flash.learnable_sink) && !given(flash.dlearnable_sink)) {
-    for (int64_t h = 0; h < c.Hq; ++h) {
-      const double want = ref.dsink.view().ptr<float>()[h], got = ours.dsink.view().ptr<float>()[h];
-      const double lowp = naive_lowp.dsink.view().ptr<float>()[h];
-      const double tol = tolerance(c.dtype, std::fabs(lowp - want), std::fabs(want)) +
-                         dsink_rounding_allowance(c, ref, flash.learnable_sink, h);
-      EXPECT_LE(std::fabs(got - want), tol) << "dsink[" << h << "] of " << name << " (ref " << want << ")";
-    }
+    expect_dsink_matches(c, ref, ours.dsink.view(), naive_lowp.dsink.view(), flash.learnable_sink, tolerance, name);
   }
   // logsumexp: finite where a key is visible, -inf where none is, never NaN.
   Tensor lse_ours = to_f64(ours.lse), lse_ref = to_f64(ref.lse);

@@ -116,13 +116,7 @@ void expect_pair_matches_oracle(const PairGpuCase& s, const char* choice, bool w
   }
   if (s.alibi_sink && with_backward) {
     copy_into(ours.dsink.view(), in.device_dsink.view());
-    for (int64_t h = 0; h < c.Hq; ++h) {
-      const double want = ref.dsink.view().ptr<float>()[h], got = ours.dsink.view().ptr<float>()[h];
-      const double low = lowp.dsink.view().ptr<float>()[h];
-      const double tol = cuda_flash_tolerance(c.dtype, std::fabs(low - want), std::fabs(want)) +
-                         dsink_rounding_allowance(c, ref, in.sinks.view(), h);
-      EXPECT_LE(std::fabs(got - want), tol) << "dsink[" << h << "] of " << name << " (ref " << want << ")";
-    }
+    expect_dsink_matches(c, ref, ours.dsink.view(), lowp.dsink.view(), in.sinks.view(), cuda_flash_tolerance, name);
   }
 }
 
@@ -365,17 +359,7 @@ TEST(CudaHeadDimPair, CapabilityTableAndBehaviourAgree) {
           p.head_dim = d;
           p.head_dim_v = dv;
           // The table's error, empty where it has a kernel; a backward runs the forward first.
-          auto table_error = [&](AttentionPass pa) -> std::string {
-            try {
-              plan_cuda_attention(pa == AttentionPass::forward ? "attention_forward" : "attention_backward", p, impl,
-                                  pa);
-              return "";
-            } catch (const Error& e) {
-              return e.what();
-            }
-          };
-          std::string expected = table_error(AttentionPass::forward);
-          if (!forward && expected.empty()) expected = table_error(AttentionPass::backward);
+          const std::string expected = cuda_plan_error(p, impl, pass);
           const std::string what = fmt::format("{} ({}, {}) {} {}", dtype_name(dt), d, dv, attention_impl_name(impl),
                                                forward ? "forward" : "backward");
           Problem prob(c, c.layout, dt, 17 + static_cast<uint64_t>(d + dv));

@@ -334,13 +334,7 @@ void expect_alibi_sink_matches_oracle(const AlibiSinkGpuCase& a, const char* fam
     }
   }
   if (a.sink) {
-    for (int64_t h = 0; h < c.Hq; ++h) {
-      const double want = ref.dsink.view().ptr<float>()[h], got = ours.dsink.view().ptr<float>()[h];
-      const double low = lowp.dsink.view().ptr<float>()[h];
-      const double tol = cuda_flash_tolerance(c.dtype, std::fabs(low - want), std::fabs(want)) +
-                         dsink_rounding_allowance(c, ref, in.sinks.view(), h);
-      EXPECT_LE(std::fabs(got - want), tol) << "dsink[" << h << "] of " << name << " (ref " << want << ")";
-    }
+    expect_dsink_matches(c, ref, ours.dsink.view(), lowp.dsink.view(), in.sinks.view(), cuda_flash_tolerance, name);
   }
 }
 
