@@ -508,15 +508,10 @@ TEST_P(VarlenCudaBandVsReference, FlashMatchesPerSequenceReference) {
   flash.deterministic = c.deterministic;
   for (const char* family : {"auto", "mma"}) {
     if (c.deterministic && std::string(family) == "auto") continue;  // the deterministic backward is mma.sync's
-    const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");
-    const std::string saved = was == nullptr ? "" : was;
-    ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", family, 1), 0);
     Pack ours(c, c.dtype, 1900 + c.len_q.size(), c.padded_rows);
     Pack lowp(ours, c, c.dtype);
     Pack ref(ours, c, DType::f64);
-    ours.run_varlen_on_device(flash, c.len_q.size() % 2 == 1);
-    if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
-    else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
+    with_kernel_choice(family, [&] { ours.run_varlen_on_device(flash, c.len_q.size() % 2 == 1); });
     lowp.run_varlen(varlen_options(c, AttentionImpl::naive));
     ref.run_per_sequence_reference(c);
     const std::string what = std::string("cuda flash (") + family + ")";
@@ -588,12 +583,8 @@ TEST_P(VarlenCudaAlibiSinkVsReference, HopperMatchesPerSequenceReference) {
   Pack ref(ours, c, DType::f64);
   AttentionOptions flash = ours.options(c, AttentionImpl::flash);
   flash.deterministic = c.deterministic;
-  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // "mma" would keep the Hopper kernels out
-  const std::string saved = was == nullptr ? "" : was;
-  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
-  ours.run_varlen_on_device(flash, c.len_q.size() % 2 == 1);
-  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
-  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
+  // "auto": a process-wide "mma" would keep the Hopper kernels out.
+  with_kernel_choice("auto", [&] { ours.run_varlen_on_device(flash, c.len_q.size() % 2 == 1); });
   lowp.run_varlen(lowp.options(c, AttentionImpl::naive));
   ref.run_per_sequence_reference(c);
   expect_close(ours, ref, lowp, c, "cuda flash (hopper route)", 4);
@@ -642,12 +633,10 @@ TEST_P(VarlenCudaHeadDimPairVsReference, HopperForwardMatchesPerSequenceReferenc
   Pack ours(c, c.dtype, 3900 + c.len_q.size(), c.padded_rows);
   Pack lowp(ours, c, c.dtype);
   Pack ref(ours, c, DType::f64);
-  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // "mma" would keep the Hopper kernels out
-  const std::string saved = was == nullptr ? "" : was;
-  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
-  ours.run_varlen_on_device(ours.options(c, AttentionImpl::flash), c.len_q.size() % 2 == 1, false);
-  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
-  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
+  // "auto": a process-wide "mma" would keep the Hopper kernels out.
+  with_kernel_choice("auto", [&] {
+    ours.run_varlen_on_device(ours.options(c, AttentionImpl::flash), c.len_q.size() % 2 == 1, false);
+  });
   lowp.run_varlen(lowp.options(c, AttentionImpl::naive), false);
   ref.run_per_sequence_reference(c, false);
   expect_close(ours, ref, lowp, c, "cuda flash (hopper, head dim pair)", 4, false);
