@@ -60,6 +60,9 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens);
 // scratch from byte `vectors` three sets of vector_capacity floats a vector (the act operand's, the weight
 // region's, act_x_t's), in the cache from byte cache_vectors one set per weight (cache_slots) of
 // cache_vector_capacity floats. Tensorwise has none (the offsets are the buffers' ends).
+// keep_inputs (tensorwise, nothing recomputed): from byte cache_inputs the transposed FP8 copies of every block's
+// four forward inputs (h1, the attention output, h2, s: [tokens, d] three times and [tokens, d_ff]), written by
+// the forward's casts and read by the backward's weight-gradient products instead of a second cast.
 // The FP8 buffers' region rule: each region (and each cached weight copy) starts 256-byte aligned.
 inline int64_t fp8_region_bytes(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 // One rowwise operand's four scale vectors of `capacity` floats — row amax, column amax, row dequantisation,
@@ -78,8 +81,19 @@ struct Fp8ScratchLayout {
   int64_t cache_amax = 0;  // the producers' amax outputs (Fp8Linear::produced_amax): kFp8Produced per layer
   int64_t vectors = 0, cache_vectors = 0;  // rowwise: the scale vector sets
   Fp8VectorSet vector_set, cache_vector_set;
+  int64_t cache_inputs = 0;  // keep_inputs: the forward inputs' transposed copies, to cache_bytes
 };
-Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens, Fp8Recipe recipe = Fp8Recipe::tensorwise);
+Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens, Fp8Recipe recipe = Fp8Recipe::tensorwise,
+                                    bool keep_inputs = false);
+// Whether FP8 training keeps the forward inputs' transposed copies (keep_inputs): tensorwise, and only where
+// nothing is recomputed — the copies are a byte per element of the four inputs of every block, which
+// recomputation exists to avoid holding.
+inline bool fp8_keeps_inputs(Fp8Recipe recipe, const RecomputePlan& recompute) {
+  return recipe == Fp8Recipe::tensorwise && recompute.kind == RecomputePlan::Kind::none;
+}
+// The bytes of the forward inputs' transposed copies of one block (fp8_scratch_layout's keep_inputs), each
+// input's copy a region.
+int64_t fp8_kept_input_bytes(const ModelConfig& c, int64_t tokens);
 
 // --precision fp8 on the CPU (emulated): the fp32 elements of the rounded copies — one block's linear weights
 // (q, k, v, output projection, w1, w3, w2 in that order) and one layer's operands: an input [tokens,

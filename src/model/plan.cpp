@@ -197,7 +197,15 @@ int64_t backward_scratch_elements(const ModelConfig& c, int64_t tokens) {
   return 6 * nd + 3 * nf;
 }
 
-Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens, Fp8Recipe recipe) {
+int64_t fp8_kept_input_bytes(const ModelConfig& c, int64_t tokens) {
+  const int64_t nd = fp8_region_bytes(checked_mul(tokens, c.d_model, "FP8 kept inputs: tokens x d_model"));
+  const int64_t nf = fp8_region_bytes(checked_mul(tokens, c.d_ff, "FP8 kept inputs: tokens x d_ff"));
+  return checked_add(checked_mul(3, nd, "FP8 kept inputs"), nf, "FP8 kept inputs");
+}
+
+Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens, Fp8Recipe recipe, bool keep_inputs) {
+  FLASHLM_CHECK(!keep_inputs || recipe == Fp8Recipe::tensorwise,
+                "fp8_scratch_layout: keep_inputs is tensorwise only (rowwise scales xᵀ per column, x per row)");
   // The linear layers' widths: q, k, v together (3d), d, and d_ff (w1, w3 out; w2 in).
   const int64_t widest = std::max(3 * c.d_model, c.d_ff);
   const auto region = fp8_region_bytes;
@@ -238,6 +246,11 @@ Fp8ScratchLayout fp8_scratch_layout(const ModelConfig& c, int64_t tokens, Fp8Rec
                           "FP8 scratch");
     l.cache_bytes = checked_add(l.cache_vectors,
                                 checked_mul(l.cache_slots, l.cache_vector_set.bytes(), "FP8 weight cache: scale vectors"),
+                                "FP8 weight cache");
+  }
+  l.cache_inputs = l.cache_bytes;
+  if (keep_inputs) {
+    l.cache_bytes = checked_add(l.cache_inputs, checked_mul(c.layers, fp8_kept_input_bytes(c, tokens), "FP8 kept inputs"),
                                 "FP8 weight cache");
   }
   return l;
@@ -359,9 +372,14 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
         {"FP8 emulation: rounded weights and operands", bytes(fp8_emulation_elements(c, n, o.fp8_recipe), 4)});
   }
   if (cuda && o.fp8) {
-    const Fp8ScratchLayout fp8 = fp8_scratch_layout(c, n, o.fp8_recipe);
+    const bool keep = fp8_keeps_inputs(o.fp8_recipe, recompute);
+    const Fp8ScratchLayout fp8 = fp8_scratch_layout(c, n, o.fp8_recipe, keep);
     p.items.push_back({"FP8 copies of one linear layer's operands", fp8.bytes});
-    p.items.push_back({"FP8 copies of the block weights, both ways (one pass)", fp8.cache_bytes});
+    p.items.push_back({"FP8 copies of the block weights, both ways (one pass)", fp8.cache_inputs});
+    if (keep) {
+      p.items.push_back({"FP8 transposed copies of the blocks' linear inputs (recompute none)",
+                         fp8.cache_bytes - fp8.cache_inputs});
+    }
   }
   if (cuda) {
     const int64_t chunk = head_chunk_tokens(c, n, o.head_chunk, elem);

@@ -582,8 +582,10 @@ TEST(Fp8Rowwise, RecipeParsesAndIsPlanned) {
   EXPECT_EQ(cpu_rowwise.total_bytes() - cpu_tensorwise.total_bytes(),
             4 * (fp8_emulation_elements(c, 128, Fp8Recipe::rowwise) - fp8_emulation_elements(c, 128)));
   const Fp8ScratchLayout tw = fp8_scratch_layout(c, 128), rw = fp8_scratch_layout(c, 128, Fp8Recipe::rowwise);
+  // Tensorwise with nothing recomputed (the default) also keeps its inputs' transposed copies; rowwise does not.
+  const Fp8ScratchLayout tw_kept = fp8_scratch_layout(c, 128, Fp8Recipe::tensorwise, /*keep_inputs*/ true);
   EXPECT_EQ(cuda_rowwise.total_bytes() - cuda_tensorwise.total_bytes(),
-            (rw.bytes - tw.bytes) + (rw.cache_bytes - tw.cache_bytes));
+            (rw.bytes - tw.bytes) + (rw.cache_bytes - tw_kept.cache_bytes));
   // The scale vectors: three operand sets in the scratch, one per weight in the cache, each vector 16-byte
   // aligned and long enough for the operand's rows and columns.
   EXPECT_EQ(rw.bytes - tw.bytes, 3 * rw.vector_set.bytes());
@@ -595,6 +597,43 @@ TEST(Fp8Rowwise, RecipeParsesAndIsPlanned) {
   // Tensorwise's layout is what it was: no vectors.
   EXPECT_EQ(tw.vectors, tw.bytes);
   EXPECT_EQ(tw.cache_vectors, tw.cache_bytes);
+}
+
+// Tensorwise FP8 with nothing recomputed keeps the transposed FP8 copies of every block's four linear inputs
+// for the backward (a byte per element of h1, the attention output, h2 and s), after everything else in the
+// weight cache; the memory plan counts them, and recomputation or rowwise scaling keeps none.
+TEST(Fp8Layout, KeptInputsArePlannedAfterTheWeightCache) {
+  const ModelConfig c = ModelConfig::named("tiny", 64, 128);
+  const int64_t tokens = 128;
+  const Fp8ScratchLayout plain = fp8_scratch_layout(c, tokens), kept = fp8_scratch_layout(c, tokens, Fp8Recipe::tensorwise, true);
+  EXPECT_EQ(plain.cache_inputs, plain.cache_bytes);
+  EXPECT_EQ(kept.cache_inputs, plain.cache_bytes);
+  EXPECT_EQ(kept.bytes, plain.bytes);
+  const int64_t per_block = fp8_kept_input_bytes(c, tokens);
+  EXPECT_GE(per_block, tokens * (3 * c.d_model + c.d_ff));
+  EXPECT_EQ(kept.cache_bytes - kept.cache_inputs, c.layers * per_block);
+  EXPECT_EQ(kept.cache_inputs % 256, 0);
+  expect_error([&] { fp8_scratch_layout(c, tokens, Fp8Recipe::rowwise, true); }, "tensorwise only");
+
+  EXPECT_TRUE(fp8_keeps_inputs(Fp8Recipe::tensorwise, RecomputePlan{}));
+  EXPECT_FALSE(fp8_keeps_inputs(Fp8Recipe::rowwise, RecomputePlan{}));
+  EXPECT_FALSE(fp8_keeps_inputs(Fp8Recipe::tensorwise, RecomputePlan::parse("selective")));
+  EXPECT_FALSE(fp8_keeps_inputs(Fp8Recipe::tensorwise, RecomputePlan::parse("blocks:2")));
+
+  ModelOptions o;
+  o.fp8 = true;
+  const MemoryPlan none = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
+  o.recompute = RecomputePlan::parse("blocks");
+  const MemoryPlan blocks = plan_model_memory(c, 2, 64, Device::cuda, DType::bf16, o);
+  const auto item = [](const MemoryPlan& p, std::string_view what) -> int64_t {
+    for (const auto& i : p.items) {
+      if (i.what.find(what) != std::string::npos) return i.bytes;
+    }
+    return -1;
+  };
+  EXPECT_EQ(item(none, "transposed copies of the blocks' linear inputs"), c.layers * per_block);
+  EXPECT_EQ(item(blocks, "transposed copies of the blocks' linear inputs"), -1);
+  EXPECT_EQ(item(none, "FP8 copies of the block weights"), plain.cache_bytes);
 }
 
 // Emulated rowwise FP8 trains as tensorwise does (the same bounds against fp32), differs from it, is

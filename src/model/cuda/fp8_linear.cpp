@@ -9,12 +9,13 @@
 
 namespace flashlm {
 
-Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, Fp8Recipe recipe)
+Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, Fp8Recipe recipe, bool keep_inputs)
     : n_(tokens),
       layers_(c.layers),
       gradients_(gradients),
       recipe_(recipe),
-      layout_(fp8_scratch_layout(c, tokens, recipe)) {
+      layout_(fp8_scratch_layout(c, tokens, recipe, keep_inputs)),
+      keep_inputs_(keep_inputs) {
   FLASHLM_CHECK(c.d_model % 16 == 0 && c.d_ff % 16 == 0,
                 "precision fp8: d_model ({}) and d_ff ({}) must be multiples of 16 (cuBLASLt's FP8 GEMMs)", c.d_model,
                 c.d_ff);
@@ -61,6 +62,18 @@ Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* 
   return e;
 }
 
+uint8_t* Fp8Linear::kept_input(CachedWeight& e, int64_t in) {
+  if (e.input_t < 0) {
+    const int64_t bytes = fp8_region_bytes(n_ * in);
+    FLASHLM_CHECK(layout_.cache_inputs + inputs_used_ + bytes <= layout_.cache_bytes,
+                  "Fp8Linear: the forward inputs' transposed copies outgrow their region ({} bytes, {} used, {} more)",
+                  layout_.cache_bytes - layout_.cache_inputs, inputs_used_, bytes);
+    e.input_t = layout_.cache_inputs + inputs_used_;
+    inputs_used_ += bytes;
+  }
+  return cache_at(e.input_t);
+}
+
 Fp8Operand Fp8Linear::weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
                                      void* stream) {
   if (name.empty()) {  // cast for this product alone, into the scratch's weight region
@@ -105,15 +118,16 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
   uint8_t* qx = region(layout_.act);
   CachedWeight* e = weight.empty() ? nullptr : &cached(weight, w, in, out, stream);
   if (!same_input) {
-    // A named weight's input scales go to its input slot, for the backward's cast of xᵀ.
+    // A named weight's input scales go to its input slot, for the backward's cast of xᵀ (or, kept, its read).
     const int slot_index = e ? e->slot : -1;
     float* slot = e ? input_scales(e->slot) : scales(0);
+    uint8_t* qx_t = e && keep_inputs_ ? kept_input(*e, in) : nullptr;
     if (x_amax) {  // reduced by x's producer: the cast alone
-      gpu::fp8_cast(x, n_, in, x_amax, Fp8Format::e4m3, qx, nullptr, slot + kFp8DequantIndex, stream);
+      gpu::fp8_cast(x, n_, in, x_amax, Fp8Format::e4m3, qx, qx_t, slot + kFp8DequantIndex, stream);
     } else {
-      gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, nullptr, slot, stream);
+      gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, qx, qx_t, slot, stream);
     }
-    act_ = {x, in, slot_index, x_amax ? x_amax : slot + kFp8AmaxIndex};
+    act_ = {x, in, slot_index, x_amax ? x_amax : slot + kFp8AmaxIndex, qx_t};
   }
   if (e && act_.slot >= 0) e->input = act_, e->input_pass = pass_;
   const float* dequant_x = act_.slot >= 0 ? input_scales(act_.slot) + kFp8DequantIndex : dequant(0);
@@ -154,23 +168,27 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   }
   if (dw) {
     // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, into the fp32 gradient.
-    uint8_t* qx_t = region(layout_.act_x_t);
     if (!same_input) {
       const auto it = weight.empty() ? cached_.end() : cached_.find(std::string(weight));
       const InputCast* forward = it == cached_.end() ? nullptr : &it->second.input;
+      act_x_t_q_ = region(layout_.act_x_t);
       if (forward && it->second.input_pass == pass_ && forward->x == x && forward->in == in) {
-        // The forward of this pass reduced this x already (or x's producer did): its amax, the cast alone.
         float* slot = input_scales(forward->slot);
-        gpu::fp8_cast(x, n_, in, forward->amax, Fp8Format::e4m3, nullptr, qx_t, slot + kFp8DequantIndex, stream);
+        if (forward->x_t) {  // the forward kept xᵀ: nothing to cast
+          act_x_t_q_ = forward->x_t;
+        } else {  // the forward of this pass reduced this x already (or x's producer did): its amax, the cast alone
+          gpu::fp8_cast(x, n_, in, forward->amax, Fp8Format::e4m3, nullptr, act_x_t_q_, slot + kFp8DequantIndex,
+                        stream);
+        }
         act_x_t_dequant_ = slot + kFp8DequantIndex;
       } else {
-        gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, nullptr, qx_t, scales(2), stream);
+        gpu::fp8_quantize(x, n_, in, Fp8Format::e4m3, nullptr, act_x_t_q_, scales(2), stream);
         act_x_t_dequant_ = dequant(2);
       }
       act_x_t_ = x;
       act_x_t_in_ = in;
     }
-    fp8_gemm_cuda(grad_t, {qx_t, Fp8Format::e4m3, act_x_t_dequant_}, dw, DType::f32, out, in, n_,
+    fp8_gemm_cuda(grad_t, {act_x_t_q_, Fp8Format::e4m3, act_x_t_dequant_}, dw, DType::f32, out, in, n_,
                   accumulate_dw ? 1.0f : 0.0f, nullptr, stream);
   }
 }

@@ -18,6 +18,10 @@
 // M activation ones a product), and they do not change within a pass, so the cached copies are the bytes a
 // fresh cast would write and the results are bit-identical. The cache costs two bytes per block weight
 // element (about 4 GB for xl), allocated with the layer. Nothing FP8 outlives a pass: no state to checkpoint.
+// With keep_inputs (tensorwise, nothing recomputed: fp8_keeps_inputs) a named weight's forward casts its input
+// both ways, and the transposed copy waits in the cache for the backward's dw product, which then casts
+// nothing: x is read once a step instead of twice, and a small cast launch (latency-bound at training sizes:
+// dev/cuda/04_fp8_cast_variants.cu) goes. The same bytes as the backward's cast with the forward's amax.
 // All work is queued on the model's stream, host-sync free.
 //
 // Rowwise (Fp8Recipe::rowwise): each operand scaled per row of the dimension its product does not sum over,
@@ -49,7 +53,9 @@ class Fp8Linear {
  public:
   // For a model of this config running `tokens` tokens per step. d_model, d_ff and tokens must be
   // multiples of 16 (cuBLASLt's FP8 kernels): an Error otherwise.
-  Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, Fp8Recipe recipe = Fp8Recipe::tensorwise);
+  // keep_inputs: see the top (an Error with rowwise).
+  Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, Fp8Recipe recipe = Fp8Recipe::tensorwise,
+            bool keep_inputs = false);
 
   // A new pass (a forward and the backward that follows it): the weights may have changed since the last,
   // so each named weight's FP8 copies are cast again at its first product.
@@ -93,16 +99,19 @@ class Fp8Linear {
   // pass they were cast in.
   // A forward input's cast: which x (x [n, in]; null: none), the scale slot its dequantisation scale went to
   // (input_scales(slot), or -1 for the scratch's slot 0) and its amax (in that slot, or its producer's).
+  // With keep_inputs, x_t: x's transposed copy, kept for the backward (null: not kept).
   struct InputCast {
     const bf16_t* x = nullptr;
     int64_t in = 0;
     int slot = -1;
     const float* amax = nullptr;
+    uint8_t* x_t = nullptr;
   };
   // input: the cast of this weight's forward input in pass input_pass (its own slot, or that of the
   // product whose input it shared); the backward reuses its amax for that same x only.
+  // input_t: with keep_inputs, the offset of its forward input's transposed copy in the cache (-1: none yet).
   struct CachedWeight {
-    int64_t offset = 0, offset_t = 0, elements = 0;
+    int64_t offset = 0, offset_t = 0, elements = 0, input_t = -1;
     int slot = 0;
     uint64_t pass = 0, input_pass = 0;
     InputCast input;
@@ -120,6 +129,8 @@ class Fp8Linear {
   // w (or wᵀ when transposed) as a GEMM operand: from the cache when named, else cast into the scratch.
   Fp8Operand weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
                             void* stream);
+  // Where weight e's forward input [n_, in] keeps its transposed copy (keep_inputs), handed out at first use.
+  uint8_t* kept_input(CachedWeight& e, int64_t in);
   // The weight's entry, its copies cast now if this pass has not cast them yet.
   CachedWeight& cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out, void* stream);
   uint8_t* cache_at(int64_t offset) const { return static_cast<uint8_t*>(cache_.data()) + offset; }
@@ -152,6 +163,7 @@ class Fp8Linear {
   // its dequantisation scale); null x: none.
   InputCast act_;
   const bf16_t* act_x_t_ = nullptr;
+  uint8_t* act_x_t_q_ = nullptr;  // where that xᵀ's FP8 copy is: the scratch's act_x_t or a kept input's
   const float* act_x_t_dequant_ = nullptr;
   int64_t act_x_t_in_ = 0;
 
@@ -164,6 +176,8 @@ class Fp8Linear {
   // The weight cache (layout_.cache_*): the block weights' FP8 copies, both ways, then their scale slots.
   Buffer cache_;
   int64_t cache_used_ = 0;
+  bool keep_inputs_ = false;
+  int64_t inputs_used_ = 0;  // bytes of the kept inputs' region handed out
   std::unordered_map<std::string, CachedWeight> cached_;
   uint64_t pass_ = 1;
 };

@@ -112,7 +112,10 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   m.tokens = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "tokens");
   m.targets = Buffer::allocate(elem_bytes(m.n, sizeof(int32_t)), Device::cuda, "targets");
   m.reduce_out = Buffer::allocate(sizeof(double) + sizeof(int), Device::cuda, "reductions");
-  if (options.fp8) m.fp8 = std::make_unique<Fp8Linear>(config, m.n, options.fp8_gradients, options.fp8_recipe);
+  if (options.fp8) {
+    m.fp8 = std::make_unique<Fp8Linear>(config, m.n, options.fp8_gradients, options.fp8_recipe,
+                                        fp8_keeps_inputs(options.fp8_recipe, options.recompute));
+  }
   if (precision != DType::f16 && options.overlap_grad_norm) {
     m.norms = std::make_unique<SideStream>();
     m.partial_norms = Buffer::allocate(m.layout.size() * sizeof(double), Device::cuda, "gradient norms per parameter");
