@@ -173,8 +173,9 @@ class PagedKvDecoder {
   // One token for every sequence of the batch: step(0, 1, ..., batch - 1).
   std::span<const float> step(std::span<const int32_t> tokens);
 
-  // CUDA: how the last step ran: "on" (a graph replay), "on (...)" (an eager warm-up before a capture), or
-  // "off: <why>" (--cuda-graph off, or a capture that failed: every later step is eager); "" on the CPU.
+  // CUDA: how the last forward of one token per sequence (a step) ran: "on" (a graph replay), "on (...)" (an
+  // eager warm-up before a capture), or "off: <why>" (cuda_graph off, profiled ranges, or a capture that
+  // failed: every later step is eager); "" on the CPU.
   std::string cuda_graph_status() const;
 
   static constexpr int64_t kPrefillChunk = 16;  // query rows per prefill call (the decoding kernels' Nq 1-16)

@@ -52,6 +52,7 @@
 #include "core/cuda_runtime.h"
 #include "flashlm/attention.h"
 #include "flashlm/generate.h"
+#include "flashlm/profile.h"
 #include "flashlm/tensor.h"
 #include "model/cuda/gemm.h"
 #include "model/cuda/ops.h"
@@ -309,8 +310,16 @@ cudaGraphExec_t capture_step(PagedKvDecoder::Impl::CudaStep& cs, const std::func
 // One step of B sequences (one row each): the graph of B replayed where there is one, else `queue` eagerly
 // (the notes at the top of this file say when).
 void run_step(PagedKvDecoder::Impl::CudaStep& cs, int64_t B, const std::function<void()>& queue) {
-  if (!cs.graphs_on || !cs.failure.empty()) {
-    cs.status = cs.graphs_on ? cs.failure : "off: --cuda-graph off";
+  const char* why = nullptr;
+  if (!cs.graphs_on) {
+    why = "off: --cuda-graph off";
+  } else if (RangeProfiler::instance().enabled()) {
+    why = "off: profiled ranges time each part with events on the host's side";  // as the train step's graph
+  } else if (!cs.failure.empty()) {
+    why = cs.failure.c_str();
+  }
+  if (why) {
+    cs.status = why;
     queue();
     return;
   }
