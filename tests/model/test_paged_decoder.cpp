@@ -423,11 +423,12 @@ TEST(PagedKvDecoderCuda, ModelsTheKernelsCannotRunAreRefusedByName) {
 
 // The steps replayed as CUDA graphs (PagedDecoderOptions::cuda_graph) against the same steps launched kernel by
 // kernel: the same tokens and the same logits, bit for bit. Context 512 in pages of 16: the attention's grid
-// has several splits (it is sized by the capacity, 32 pages) and a long sequence fills them all, while the
-// lengths the graphs are replayed at cross pages and key tiles. Batch 1; then batch 3 of prompts of 5, 140 and
-// 490 tokens, the last of which slides past the context and is re-prefilled alone while the others step on
-// (the graph of 2 sequences after that of 3); each run twice on one decoder, the second replaying the graphs
-// from its first step.
+// has four splits (it is sized by the capacity, 32 pages), which a long sequence fills, and one graph serves
+// every length: the lengths it is replayed at cross pages (every 16) and, at 128 keys, the tile where a sequence
+// takes a third split of 64 keys. Batch 1 from a prompt of 120 tokens; then batch 3 of prompts of 5, 100 and 490
+// tokens, the last of which slides past the context and is re-prefilled alone while the others step on (the
+// graph of 2 sequences after that of 3); each run twice on one decoder, the second replaying the graphs from
+// its first step.
 TEST(PagedKvDecoderCuda, CudaGraphStepsGiveTheEagerStepsTokensAndLogitsBitForBit) {
   SKIP_WITHOUT_GPU();
   ModelConfig c = gpu_config();
@@ -472,8 +473,8 @@ TEST(PagedKvDecoderCuda, CudaGraphStepsGiveTheEagerStepsTokensAndLogitsBitForBit
   };
 
   const std::vector<std::vector<std::vector<int32_t>>> cases = {
-      {random_tokens(150, c.vocab, 31)},
-      {random_tokens(5, c.vocab, 32), random_tokens(140, c.vocab, 33), random_tokens(490, c.vocab, 34)}};
+      {random_tokens(120, c.vocab, 31)},
+      {random_tokens(5, c.vocab, 32), random_tokens(100, c.vocab, 33), random_tokens(490, c.vocab, 34)}};
   for (const auto& prompts : cases) {
     const std::string batch = "batch " + std::to_string(prompts.size());
     const std::vector<Run> graph = decode(prompts, true), eager = decode(prompts, false);
