@@ -91,6 +91,12 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
             return {};
           },
           "multiple of 16 in [16, 256]"));
+  cmd->add_option("--cuda-graph", a.cuda_graph,
+                  "cuda, paged KV cache: on: each decoding step is one CUDA graph per number of sequences stepped "
+                  "(captured after that number's first step, then replayed); off: every kernel launched from the "
+                  "host. The tokens and logits are bit-identical")
+      ->default_str("on")
+      ->check(CLI::IsMember({"on", "off"}));
   add_threads_option(cmd, a.threads);
   cmd->add_option("--logits-out", a.logits_out,
                   "Also write the logits each new token was drawn from: max-tokens x batch x vocab fp32, "
@@ -241,6 +247,12 @@ int run_generate(const TextCommandArgs& a) {
   // One sequence on the cpu, or of a head_dim without a CUDA decoding kernel, keeps the contiguous decoder.
   const bool paged =
       a.kv_cache == "paged" || (a.kv_cache == "auto" && (batch > 1 || (device == Device::cuda && fits)));
+  if (!a.cuda_graph.empty() && !(paged && device == Device::cuda)) {
+    throw CLI::ValidationError("--cuda-graph", fmt::format("'{}': the CUDA graph is the paged decoder's on cuda; this "
+                                                           "run decodes with the {} decoder on {}",
+                                                           a.cuda_graph, paged ? "paged" : "contiguous",
+                                                           device_name(device)));
+  }
   if (paged && !fits) {
     throw CLI::ValidationError(a.kv_cache == "paged" ? "--kv-cache" : "--batch",
                                fmt::format("the paged decoder on {}: {}", device_name(device), why));
@@ -305,6 +317,7 @@ int run_generate(const TextCommandArgs& a) {
       options.batch = batch;
       options.page_size = a.page_size;
       options.num_pages = pages;
+      options.cuda_graph = a.cuda_graph != "off";
       PagedKvDecoder decoder(config, weights.params, device, options);
       // One sequence streams its text as it comes; a batch prints each sequence once all are done.
       if (batch == 1) write_text(sequences[0]);
@@ -328,6 +341,7 @@ int run_generate(const TextCommandArgs& a) {
       }
       std::fflush(stdout);
       print_generate_summary(batch, a.max_tokens, out.prompt_tokens, out.prefill_seconds, out.decode_seconds);
+      if (device == Device::cuda) fmt::print(stderr, "generate: cuda graph {}\n", decoder.cuda_graph_status());
     }
   } catch (...) {
     if (logits_file) std::fclose(logits_file);

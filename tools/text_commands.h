@@ -21,6 +21,7 @@ struct TextCommandArgs {
   int64_t batch = 0;        // sequences decoded together; 0: one per prompt
   int64_t page_size = 256;  // positions per page of the paged KV cache
   std::string kv_cache = "auto";  // auto | paged | contiguous
+  std::string cuda_graph;         // --cuda-graph on|off (the paged decoder on cuda); "": not given, on
   int threads = 0;
   double temperature = 0.8;
   uint64_t seed = 0;

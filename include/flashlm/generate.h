@@ -132,6 +132,11 @@ struct PagedDecoderOptions {
   // Pages in the pool shared by the batch; 0: enough for every sequence to fill the context. generate_batch
   // callers size it to what their prompts and new tokens need (paged_pool_pages).
   int64_t num_pages = 0;
+  // CUDA: each forward of one new token per sequence (every step; a prefill's last chunk when it is one token)
+  // replayed as one CUDA graph, one per number of sequences, captured after that number's first (eager)
+  // forward; false: every forward launched kernel by kernel. The two give bit-identical logits. Prefill chunks
+  // of several tokens always run eagerly. Ignored on the CPU.
+  bool cuda_graph = true;
 };
 
 // The CS336 LM decoding a batch of sequences at once over one paged KV-cache pool (KvPagePool), attention
@@ -168,6 +173,11 @@ class PagedKvDecoder {
   // One token for every sequence of the batch: step(0, 1, ..., batch - 1).
   std::span<const float> step(std::span<const int32_t> tokens);
 
+  // CUDA: how the last forward of one token per sequence (a step) ran: "on" (a graph replay), "on (...)" (an
+  // eager warm-up before a capture), or "off: <why>" (cuda_graph off, profiled ranges, or a capture that
+  // failed: every later step is eager); "" on the CPU.
+  std::string cuda_graph_status() const;
+
   static constexpr int64_t kPrefillChunk = 16;  // query rows per prefill call (the decoding kernels' Nq 1-16)
 
   struct Impl;  // the device's buffers (model/paged_decoder.cpp, model/cuda/paged_decoder.cpp)
@@ -186,7 +196,7 @@ class PagedKvDecoder {
   void forward(std::span<const int64_t> seqs, int64_t nq, std::span<const int32_t> tokens, bool want_logits);
   void forward_cpu(std::span<const int64_t> seqs, int64_t nq, std::span<const int32_t> tokens, bool want_logits);
   void forward_cuda(std::span<const int64_t> seqs, int64_t nq, std::span<const int32_t> tokens, bool want_logits);
-  void upload_cuda(std::span<const float> params);  // model/cuda/paged_decoder.cpp
+  void upload_cuda(std::span<const float> params, bool cuda_graph);  // model/cuda/paged_decoder.cpp
 };
 
 // Whether PagedKvDecoder runs this model on `device` (the CPU runs any); when not, *why (if given) says why.

@@ -151,7 +151,7 @@ PagedKvDecoder::PagedKvDecoder(const ModelConfig& config, std::span<const float>
   cpu::rope_tables(rope_cos_.data(), rope_sin_.data(), config.context, config.head_dim(), config.rope_theta);
   impl_->max_rows = std::max(pool_.sequences(), kPrefillChunk);
   if (device == Device::cuda) {
-    upload_cuda(params);
+    upload_cuda(params, options.cuda_graph);
     return;
   }
   const int64_t d = config.d_model, f = config.d_ff, rows = impl_->max_rows;
@@ -167,7 +167,11 @@ PagedKvDecoder::PagedKvDecoder(const ModelConfig& config, std::span<const float>
 PagedKvDecoder::~PagedKvDecoder() = default;
 
 #ifndef FLASHLM_WITH_CUDA
-void PagedKvDecoder::upload_cuda(std::span<const float>) { fail("PagedKvDecoder: device cuda: not a CUDA build"); }
+void PagedKvDecoder::upload_cuda(std::span<const float>, bool) {
+  fail("PagedKvDecoder: device cuda: not a CUDA build");
+}
+void PagedKvDecoder::Impl::CudaStepDeleter::operator()(CudaStep*) const {}  // never holds one without CUDA
+std::string PagedKvDecoder::cuda_graph_status() const { return ""; }
 void PagedKvDecoder::forward_cuda(std::span<const int64_t>, int64_t, std::span<const int32_t>, bool) {
   fail("PagedKvDecoder: device cuda: not a CUDA build");
 }

@@ -2,6 +2,7 @@
 // its CUDA step (model/cuda/paged_decoder.cpp).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "flashlm/generate.h"
@@ -23,10 +24,16 @@ struct PagedKvDecoder::Impl {
   // The rows of one forward (CPU: fp32; CUDA: bf16 activations, fp32 statistics and logits).
   Buffer work;
   // CUDA: the per-call index arrays (tokens, cache_seqlens, block table, the gathered RoPE rows) on the
-  // device, staged on the host and copied in one transfer; the logits brought back.
+  // device, at one fixed address (the step graphs read them there), staged on the host and copied in one
+  // transfer.
   Buffer device_index;
-  std::vector<uint32_t> host_index;
-  std::vector<float> host_logits;
+  // CUDA: the decoder's stream, the pinned staging arrays of the copies in and out, and the step graphs
+  // (model/cuda/paged_decoder.cpp; this header stays free of CUDA's).
+  struct CudaStep;
+  struct CudaStepDeleter {
+    void operator()(CudaStep* s) const;
+  };
+  std::unique_ptr<CudaStep, CudaStepDeleter> cuda;
 };
 
 }  // namespace flashlm

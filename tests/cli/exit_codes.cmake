@@ -131,5 +131,6 @@ expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --page-size
 expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --page-size 24)
 expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --page-size 512)
 expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --kv-cache fancy)
+expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --cuda-graph maybe)
 expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --prompt b --batch 3)
 expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --kv-cache contiguous --batch 2)

@@ -140,6 +140,8 @@ expect_exit(2 "--batch: '0' is not a number" generate --checkpoint ${dir}/run.ck
 expect_exit(2 "temperature" generate --checkpoint ${dir}/run.ckpt --prompt a --temperature -1)
 expect_exit(2 "top-k" generate --checkpoint ${dir}/run.ckpt --prompt a --top-k -1)
 expect_exit(2 "--device: 'tpu': expected cpu or cuda" generate --checkpoint ${dir}/run.ckpt --prompt a --device tpu)
+expect_exit(2 "--cuda-graph: 'on': the CUDA graph is the paged decoder's on cuda; this run decodes with the contiguous"
+            generate --checkpoint ${dir}/run.ckpt --prompt a --cuda-graph on)
 # Without a GPU (CI), cuda is refused with the reason; with one, the same greedy sample as the CPU's.
 execute_process(COMMAND ${FLASHLM} info OUTPUT_VARIABLE info)
 if(info MATCHES "cuda: [0-9]")
@@ -171,6 +173,15 @@ if(info MATCHES "cuda: [0-9]")
          --prompt "P" --batch 4 --max-tokens 80 --page-size 16 --seed 5)
   if(NOT out STREQUAL bf16_first)
     message(FATAL_ERROR "the same seed gave two batches on cuda:\n${bf16_first}\n${out}")
+  endif()
+  # The steps replayed as CUDA graphs (the default) and launched kernel by kernel give the same text.
+  if(NOT err MATCHES "cuda graph on")
+    message(FATAL_ERROR "generate --device cuda did not replay its steps as CUDA graphs:\n${err}")
+  endif()
+  run_ok("generate --device cuda --batch --cuda-graph off" generate --checkpoint ${dir}/d64.ckpt --device cuda
+         --prompt "Paragraph 3" --prompt "P" --batch 4 --max-tokens 80 --page-size 16 --seed 5 --cuda-graph off)
+  if(NOT out STREQUAL bf16_first OR NOT err MATCHES "cuda graph off: --cuda-graph off")
+    message(FATAL_ERROR "generate --cuda-graph off gave another text or said otherwise:\n${bf16_first}\n${out}\n${err}")
   endif()
 else()
   expect_exit(2 "--device: cuda: " generate --checkpoint ${dir}/run.ckpt --prompt a --device cuda)

@@ -2,11 +2,14 @@
 // against KvCacheDecoder sequence by sequence (ragged prompts, prefill chunks, pages out of order, a partly
 // filled last page); generate_batch against generate_tokens per prompt (seed + b), past the context too; bad
 // inputs. On the GPU (skipped without one): the bf16 decoder against the fp32 CPU decoder within bf16
-// tolerances, a batch of prompts of different lengths against each prompt decoded alone.
+// tolerances, a batch of prompts of different lengths against each prompt decoded alone, the steps replayed as
+// CUDA graphs against the same steps launched eagerly (bit for bit).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <string>
 #include <vector>
@@ -415,5 +418,77 @@ TEST(PagedKvDecoderCuda, ModelsTheKernelsCannotRunAreRefusedByName) {
     FAIL() << "head_dim 32 has no CUDA decoding kernel";
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find("head_dim 32"), std::string::npos) << e.what();
+  }
+}
+
+// The steps replayed as CUDA graphs (PagedDecoderOptions::cuda_graph) against the same steps launched kernel by
+// kernel: the same tokens and the same logits, bit for bit. Context 512 in pages of 16: the attention's grid
+// has four splits (it is sized by the capacity, 32 pages), which a long sequence fills, and one graph serves
+// every length: the lengths it is replayed at cross pages (every 16) and, at 128 keys, the tile where a sequence
+// takes a third split of 64 keys. Batch 1 from a prompt of 120 tokens; then batch 3 of prompts of 5, 100 and 490
+// tokens, the last of which slides past the context and is re-prefilled alone while the others step on (the
+// graph of 2 sequences after that of 3); each run twice on one decoder, the second replaying the graphs from
+// its first step.
+TEST(PagedKvDecoderCuda, CudaGraphStepsGiveTheEagerStepsTokensAndLogitsBitForBit) {
+  SKIP_WITHOUT_GPU();
+  ModelConfig c = gpu_config();
+  c.context = 512;
+  const std::vector<float> params = decoder_test_parameters(c, 9, 3.0f);
+  SamplingOptions sampled;  // sampled, not greedy: every logit of the top 10 matters to the tokens
+  sampled.temperature = 0.8;
+  sampled.top_k = 10;
+  sampled.seed = 21;
+  const int64_t n_new = 40;
+
+  struct Run {
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<std::vector<float>> logits;  // per sequence, every new token's logits one after another
+    std::string status;                      // cuda_graph_status after the run
+  };
+  const auto decode = [&](const std::vector<std::vector<int32_t>>& prompts, bool graph) {
+    PagedDecoderOptions o;
+    o.batch = int64_t(prompts.size());
+    o.page_size = 16;
+    o.num_pages = paged_pool_pages(c, prompts, n_new, o.page_size);
+    o.cuda_graph = graph;
+    PagedKvDecoder d(c, params, Device::cuda, o);
+    std::vector<Run> runs(2);
+    for (Run& run : runs) {
+      run.logits.resize(prompts.size());
+      run.tokens = generate_batch(d, prompts, n_new, sampled, [&](int64_t b, int32_t, std::span<const float> l) {
+                     run.logits[size_t(b)].insert(run.logits[size_t(b)].end(), l.begin(), l.end());
+                   }).tokens;
+      run.status = d.cuda_graph_status();
+    }
+    return runs;
+  };
+  const auto expect_same_bits = [&c](const std::vector<float>& got, const std::vector<float>& want,
+                                   const std::string& where) {
+    ASSERT_EQ(got.size(), want.size()) << where;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+          << where << ": logit " << i % size_t(c.vocab) << " of new token " << i / size_t(c.vocab) << " is " << got[i]
+          << " with the graph, " << want[i] << " without";
+    }
+  };
+
+  const std::vector<std::vector<std::vector<int32_t>>> cases = {
+      {random_tokens(120, c.vocab, 31)},
+      {random_tokens(5, c.vocab, 32), random_tokens(100, c.vocab, 33), random_tokens(490, c.vocab, 34)}};
+  for (const auto& prompts : cases) {
+    const std::string batch = "batch " + std::to_string(prompts.size());
+    const std::vector<Run> graph = decode(prompts, true), eager = decode(prompts, false);
+    for (size_t r = 0; r < graph.size(); ++r) {
+      const std::string where = batch + ", run " + std::to_string(r);
+      // The last step of each run was a replay (not a warm-up, not a failed capture's eager step).
+      EXPECT_EQ(graph[r].status, "on") << where;
+      EXPECT_EQ(eager[r].status, "off: --cuda-graph off") << where;
+      EXPECT_EQ(graph[r].tokens, eager[r].tokens) << where;
+      for (size_t b = 0; b < prompts.size(); ++b) {
+        ASSERT_EQ(graph[r].tokens[b].size(), size_t(n_new)) << where;
+        expect_same_bits(graph[r].logits[b], eager[r].logits[b], where + ", sequence " + std::to_string(b));
+      }
+    }
+    EXPECT_EQ(graph[1].tokens, graph[0].tokens) << batch << ": the same seed twice";
   }
 }

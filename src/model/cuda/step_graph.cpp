@@ -1,6 +1,6 @@
 // CudaModel::train_step as one CUDA graph (step_graph.h): whether the step can run as a graph, its eager
 // warm-up, the capture of zero_grad, forward, backward, clipping and AdamW with the step's scalars read from
-// device memory, and the replay that leaves the host state as the eager step would.
+// device memory, and the replay that leaves the host state as the eager step would; and abandon_capture.
 #include "model/cuda/step_graph.h"
 
 #include <cuda_runtime.h>
@@ -14,6 +14,17 @@
 #include "optim/optimizer.h"
 
 namespace flashlm {
+
+void abandon_capture(cudaStream_t stream, cudaGraph_t graph) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+    cudaGraph_t partial = nullptr;
+    cudaStreamEndCapture(stream, &partial);
+    if (partial) cudaGraphDestroy(partial);
+  }
+  if (graph) cudaGraphDestroy(graph);
+  cudaGetLastError();
+}
 
 std::string CudaModel::cuda_graph_status() const { return impl_->graph_status; }
 
@@ -125,15 +136,8 @@ bool CudaModel::capture_step() {
     cudaGraphDestroy(graph);
   } catch (const std::exception& e) {
     m.capturing = false;
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(s, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
-      cudaGraph_t partial = nullptr;
-      cudaStreamEndCapture(s, &partial);
-      if (partial) cudaGraphDestroy(partial);
-    }
-    if (graph) cudaGraphDestroy(graph);
+    abandon_capture(s, graph);  // the capture's error is reported as the reason, not by the next call
     g.exec = nullptr;
-    cudaGetLastError();  // the capture's error is reported as the reason, not by the next call
     g.failure = fmt::format("off: the step could not be captured ({})", e.what());
     m.zero_pending = zero_pending;
     m.norms_current = norms_current;

@@ -1,5 +1,6 @@
 // CudaModel::train_step as one CUDA graph (ModelOptions::cuda_graph): the graph's state, and what capturing
-// and replaying it needs. The capture and the replay are step_graph.cpp's.
+// and replaying it needs. The capture and the replay are step_graph.cpp's. PinnedArray and abandon_capture
+// serve every graph the library captures (PagedKvDecoder's decoding step too).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -26,6 +27,12 @@ struct PinnedArray {
   PinnedArray(const PinnedArray&) = delete;
   PinnedArray& operator=(const PinnedArray&) = delete;
 };
+
+// After a capture on `stream` failed part-way (an exception between cudaStreamBeginCapture and a successful
+// cudaGraphInstantiate): ends the capture if it is still open, destroys its partial graph and `graph` (the
+// captured one, when instantiation failed; may be null), and clears the error the failure left, so that the
+// stream runs eagerly again and the next CUDA call reports only its own error.
+void abandon_capture(cudaStream_t stream, cudaGraph_t graph);
 
 // train_step as one CUDA graph (ModelOptions::cuda_graph). The step runs on a stream of its own, created
 // blocking so that it stays ordered with the legacy default stream the model may otherwise use (which
