@@ -194,7 +194,8 @@ void check_memory_plan(const MemoryPlan& plan, int64_t available_bytes, std::str
 
 // FSDP's FP8 weight gather is the CPU's so far: CUDA's FP8 GEMMs (Fp8Linear) cast the gathered bf16 weight
 // and do not read gathered e4m3 bytes yet. An Error naming the combination when `gathers` (fsdp_fp8_gather()
-// at more than one rank) on CUDA; DdpModel and ModelOptions::check_fp8 both ask.
+// at more than one rank) on CUDA; ModelOptions::check_fp8 (the models, the memory plan) and
+// FsdpParameters::use_sharded_storage ask.
 void check_fsdp_fp8_gather(Device device, bool gathers);
 
 // One named parameter: its place in the flat parameter buffer and its shape.

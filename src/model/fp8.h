@@ -25,9 +25,10 @@
 #include "core/host_device.h"
 #include "flashlm/dtype.h"
 #include "flashlm/fp8.h"
-#include "flashlm/model.h"
 
 namespace flashlm {
+
+struct ParameterInfo;  // flashlm/model.h (not included: the CUDA casts include this header)
 
 // The block linear weights whose products are FP8 GEMMs (the names after "layers.<l>."), in the CPU
 // emulation's order: q, k and v first, which share one scale (the CUDA model's fused [3d, d] weight, one

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "flashlm/model.h"
 #include "model/fp8.h"
 
 namespace flashlm {
