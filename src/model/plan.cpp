@@ -336,7 +336,8 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
       p.items.push_back(master_moments);
     }
     if (world > 1) {  // at one rank nothing is sharded: the shards are the whole model, read in place
-      p.items.push_back({fmt::format("FSDP gathered parts (a pool of prefetch {} + 2)", o.fsdp_prefetch),
+      p.items.push_back({fmt::format("FSDP gathered parts (a pool of prefetch {} + 2{})", o.fsdp_prefetch,
+                                     o.fsdp_fp8_gather() ? "; layers as FP8 bytes" : ""),
                          checked_mul(o.fsdp_prefetch + 2, largest_part_bytes, "memory plan: bytes")});
       p.items.push_back(o.fsdp_grad_accum > 1
                             ? MemoryPlan::Item{"FSDP whole local gradients (grad_accum > 1)", bytes(n_params, 4)}
