@@ -18,6 +18,13 @@ namespace flashlm {
 
 class Communicator;
 
+// What a rank's gathers have brought since FsdpParameters was built, bytes: the other ranks' parts in the
+// type each part was gathered in (FP8 ones included); of those, the FP8 gather's e4m3 parts; and the FP8
+// gather's amax exchanges (a float per scale group per other rank).
+struct FsdpGatherTraffic {
+  int64_t bytes = 0, fp8_bytes = 0, fp8_amax_bytes = 0;
+};
+
 // FSDP's parameter lifetime over the flat buffers of a model: which parts' weights are whole on this rank.
 // After an optimizer step (release_all) each rank holds only its parts of the sharded buckets (and every
 // replicated or frozen element). needed(offset, count) — the model's ParametersNeededHook — gathers the
@@ -26,7 +33,7 @@ class Communicator;
 // forward, or a backward, which reads no embedding; before the first, the layout's neighbours in the
 // pass's direction), and waits for those it needs; done() — the ParametersDoneHook — frees them again. A bucket is gathered in the copy the model reads: the working copy
 // (bf16/fp16 CUDA model), or the fp32 masters (fp32 models, and DdpParameters::read_as_master: the token
-// embedding). CUDA: each gather is queued on the communicator's stream behind an event of the model's stream
+// embedding); under sharded storage with FP8 scale groups, a layer as the e4m3 bytes its FP8 GEMMs read. CUDA: each gather is queued on the communicator's stream behind an event of the model's stream
 // and followed by an event of its own, which the model's stream waits for; the host waits for neither.
 // CPU: MPI non-blocking all-gathers, waited for in needed(). Collective: every rank makes the same calls.
 // Memory, two storages. Full (a model that allocates its flat buffers): the gathers land in place in them, so
@@ -55,8 +62,14 @@ class FsdpParameters {
   // pure (bf16-pure, working_dtype bf16): no fp32 masters at all; the bf16 shard is the parameters, every
   // part is gathered in bf16, and the gradients stay fp32 (the backward's accumulator, reduce-scattered in
   // fp32; ZeroOptimizer::step_bf16 rounds them once).
+  // fp8_groups (ModelOptions::fsdp_fp8_gather; fp8_scale_groups of model/fp8.h, ascending): a part holding
+  // such groups — a layer, whose sharded elements are its FP8 GEMMs' weights — is gathered as the e4m3
+  // bytes those GEMMs read (Fp8WeightGather::gather_groups: one amax per group over every rank, then one
+  // byte an element on the wire), into a pool buffer of a byte an element; its table entries point at the
+  // bytes with fp8_scales at their group's scale slot, and master null. CPU only (check_fsdp_fp8_gather).
   void use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, bool pure, int64_t grad_accum,
-                           void* stream, std::function<void(int64_t, int64_t)> await_gradients);
+                           void* stream, std::function<void(int64_t, int64_t)> await_gradients,
+                           std::span<const DdpRange> fp8_groups = {});
   bool sharded() const;
   // Sharded storage: this rank's packed elements (ZeroOptimizer's order) of the masters (nullptr for
   // bf16-pure), the working copy (nullptr for fp32 weights; bf16-pure: the parameters) and the gradients, and where the element `offset` of the flat layout is
@@ -69,7 +82,8 @@ class FsdpParameters {
   float* gradient_source(int64_t offset) const;
   void gradients_needed(int64_t offset, int64_t count);  // the model's GradientsNeededHook
   void zero_gradients();  // before a step's first backward (CPU; the CUDA model overwrites after zero_grad)
-  // Bytes of the pool and the gradient buffers (and the whole local gradients under grad_accum > 1).
+  // Bytes of the pool and the gradient buffers (and the whole local gradients under grad_accum > 1, and the
+  // FP8 gather's scale slots).
   int64_t buffer_bytes() const;
   void begin_pass(bool backward);  // the order of the prefetch: the parts ascending, or descending
   void needed(int64_t offset, int64_t count);
@@ -88,6 +102,8 @@ class FsdpParameters {
   // are gathered in: the gathered buffers a model reading its weights from a pool would need. (The whole
   // model that every rank holds after a broadcast, before the first step, is not counted.)
   int64_t peak_gathered_bytes() const;
+  FsdpGatherTraffic gather_traffic() const;
+  int64_t fp8_units() const;  // sharded storage: parts gathered in FP8 (use_sharded_storage's fp8_groups)
 
  private:
   void needed_sharded(int64_t offset, int64_t count);

@@ -137,8 +137,15 @@ struct ModelOptions {
   // work than tensorwise, for a finer quantisation. On the CPU emulated the same way.
   Fp8Recipe fp8_recipe = Fp8Recipe::tensorwise;
   // fp8 needs precision bf16 (bf16_pure or not) on CUDA, fp32 without bf16_pure on the CPU: an Error
-  // otherwise (the models and the memory plan check it).
+  // otherwise (the models and the memory plan check it). Also an Error: fsdp_fp8_gather at fsdp_world > 1 on
+  // CUDA (check_fsdp_fp8_gather).
   void check_fp8(DType precision, Device device = Device::cuda) const;
+  // Whether FSDP's sharded storage gathers the blocks' linear weights (q, k, v, output_proj, w1, w2, w3) as
+  // the e4m3 bytes and scales their FP8 GEMMs read (dist/fp8_gather.h), one byte an element on the wire,
+  // rather than in the precision the shards hold: fp8 with the tensorwise recipe under external_parameters.
+  // Rowwise scales each row and column of a weight, which a gather of tensorwise bytes cannot give: its
+  // weights are gathered as without fp8. (At one rank nothing is gathered at all.)
+  bool fsdp_fp8_gather() const { return fp8 && fp8_recipe == Fp8Recipe::tensorwise && external_parameters; }
   // optimizer_state other than fp32 needs fp32 masters: with bf16_pure it is an Error (the models and the
   // memory plan check it).
   void check_optimizer_state() const;
@@ -184,6 +191,12 @@ MemoryPlan resolve_model_memory(const ModelConfig& config, int64_t batch, int64_
 // Throws flashlm::OutOfMemory naming the plan's total, the available bytes and the shortfall when the plan
 // does not fit.
 void check_memory_plan(const MemoryPlan& plan, int64_t available_bytes, std::string_view device_label);
+
+// FSDP's FP8 weight gather is the CPU's so far: CUDA's FP8 GEMMs (Fp8Linear) cast the gathered bf16 weight
+// and do not read gathered e4m3 bytes yet. An Error naming the combination when `gathers` (fsdp_fp8_gather()
+// at more than one rank) on CUDA; ModelOptions::check_fp8 (the models, the memory plan) and
+// FsdpParameters::use_sharded_storage ask.
+void check_fsdp_fp8_gather(Device device, bool gathers);
 
 // One named parameter: its place in the flat parameter buffer and its shape.
 struct ParameterInfo {
@@ -238,11 +251,15 @@ using GradientsNeededHook = std::function<void(int64_t offset, int64_t count)>;
 // Where a model reads and writes one parameter (LanguageModel::parameter_storage()): `weight` what the GEMMs
 // read (the low-precision working copy, or the fp32 master), `master` the fp32 value (what the embedding
 // lookup and the RMSNorm gains read on CUDA, and everything on the CPU), `grad` the fp32 gradient. A model
-// fills them with its own flat buffers; under FSDP's sharded storage the hooks fill them.
+// fills them with its own flat buffers; under FSDP's sharded storage the hooks fill them. A block linear
+// weight that FSDP gathered in FP8 (ModelOptions::fsdp_fp8_gather) has `weight` pointing at its e4m3 bytes,
+// `master` null, and `fp8_scales` at the scale slot of its scale group (model/fp8.h's kFp8DequantIndex and
+// kFp8AmaxIndex; q, k and v share one); fp8_scales is null for every other parameter.
 struct ParameterStorage {
   void* weight = nullptr;
   float* master = nullptr;
   float* grad = nullptr;
+  const float* fp8_scales = nullptr;
 };
 
 // What one train_step did: the batch's mean loss, the gradient norm before clipping, and whether the
@@ -280,6 +297,9 @@ class LanguageModel {
   DType working_dtype() const { return bf16_pure_ || precision_ == DType::f32 ? DType::f32 : precision_; }
   // Built with ModelOptions::external_parameters: FSDP's sharded storage holds parameters and gradients.
   bool external_parameters() const { return external_parameters_; }
+  // Built with ModelOptions::fsdp_fp8_gather(): under FSDP at more than one rank its block linear weights
+  // arrive as e4m3 bytes (ParameterStorage::fp8_scales), which the CPU model reads; CUDA refuses it.
+  bool fsdp_fp8_gather() const { return fsdp_fp8_gather_; }
 
   // --- The step.
   virtual void init_parameters(uint64_t seed) = 0;
@@ -402,6 +422,7 @@ class LanguageModel {
   DType precision_;
   bool bf16_pure_ = false;
   bool external_parameters_ = false;
+  bool fsdp_fp8_gather_ = false;
   std::unique_ptr<AdamWState> adamw_;
   std::unique_ptr<LossScaler> loss_scaler_;
   GradientsNeededHook gradients_needed_hook_;

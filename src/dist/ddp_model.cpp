@@ -11,6 +11,7 @@
 #include "core/check.h"
 #include "dist/values.h"
 #include "flashlm/dist.h"
+#include "model/fp8.h"
 
 #ifdef FLASHLM_WITH_CUDA
 #include "core/array_ops.h"
@@ -64,9 +65,15 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
     if (model.external_parameters()) {
       // Sharded storage: this rank's shards, the pool and the gradient buffers are all that hold them.
       const bool pure = model.bf16_pure();
+      // --precision fp8, tensorwise: the layers' FP8 weights arrive as the e4m3 bytes their GEMMs read.
+      std::vector<DdpRange> fp8_groups;
+      if (model.fsdp_fp8_gather()) {
+        for (const Fp8ScaleGroup& g : fp8_scale_groups(model.layout())) fp8_groups.push_back({g.offset, g.count});
+      }
       fsdp_->use_sharded_storage(model_.parameter_storage(), pure ? DType::bf16 : model.working_dtype(), pure,
                                  options.grad_accum, model.stream(),
-                                 [this](int64_t offset, int64_t count) { ddp_->await_gradients(offset, count); });
+                                 [this](int64_t offset, int64_t count) { ddp_->await_gradients(offset, count); },
+                                 fp8_groups);
       ddp_->route_through(*fsdp_);
       zero_->use_packed_storage();
       if (pure) zero_->use_bf16_state();

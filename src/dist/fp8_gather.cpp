@@ -2,6 +2,8 @@
 // model/fp8.h) and on CUDA (NCCL, the casts of model/cuda/fp8.h, queued on the caller's stream).
 #include "dist/fp8_gather.h"
 
+#include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -112,10 +114,10 @@ Fp8GatherTraffic Fp8WeightGather::gather(const TensorView& shard, const TensorVi
   check(shard, q, scales);
   const int world = comm_.world_size(), rank = comm_.rank();
   const FsdpWeightSplit split = fsdp_weight_split(q.numel(), world);
-  auto* bytes = static_cast<uint8_t*>(q.data);
-  const Fp8GatherTraffic traffic{(world - 1) * split.part, (world - 1) * int64_t(sizeof(float))};
   if (device_ == Device::cuda) {
+    const Fp8GatherTraffic traffic{(world - 1) * split.part, (world - 1) * int64_t(sizeof(float))};
 #ifdef FLASHLM_WITH_CUDA
+    auto* bytes = static_cast<uint8_t*>(q.data);
     auto* amaxes = static_cast<float*>(amaxes_.data());
     if (shard.dtype == DType::bf16) {
       gather_cuda(comm_, shard.ptr<const bf16_t>(), split, bytes, amaxes, scales, stream);
@@ -125,27 +127,140 @@ Fp8GatherTraffic Fp8WeightGather::gather(const TensorView& shard, const TensorVi
 #endif
     return traffic;
   }
-  // The emulation reads the values widened to fp32, as the CUDA cast does in registers.
-  std::vector<float> widened;
-  if (shard.dtype == DType::bf16) {
-    const auto* b16 = shard.ptr<const bf16_t>();
-    widened.resize(size_t(split.shard()));
-    for (size_t i = 0; i < widened.size(); ++i) widened[i] = float(b16[i]);
-  }
-  const float* x = shard.dtype == DType::bf16 ? widened.data() : shard.ptr<const float>();
-  std::vector<float> amaxes(static_cast<size_t>(world));
-  amaxes[size_t(rank)] = fp8_amax_cpu(x, split.shard());
-  comm_.all_gather(flat(&amaxes[size_t(rank)], DType::f32, 1, Device::cpu),
-                   flat(amaxes.data(), DType::f32, world, Device::cpu));
-  // The ranks' amaxes are >= 0 or NaN, so their largest magnitude is their max, a NaN winning.
-  const float amax = fp8_amax_cpu(amaxes.data(), world);
-  const float scale = fp8_scale(amax, kWeightFormat);
-  fp8_encode_cpu(x, split.part, scale, kWeightFormat, bytes + rank * split.part);
-  fp8_encode_cpu(x + split.part, split.tail, scale, kWeightFormat, bytes + world * split.part);
+  // On the CPU one weight is a range of one group: this rank's part and the tail held, the parts gathered.
+  const auto* values = static_cast<const char*>(shard.data);
+  const Fp8HeldRun held[] = {{rank * split.part, split.part, values},
+                             {world * split.part, split.tail, values + split.part * int64_t(dtype_size(shard.dtype))}};
   const Communicator::Segment parts[] = {{0, split.part}};
-  comm_.all_gather_segments(flat(bytes, DType::f8e4m3, split.count, Device::cpu), parts);
-  scales[kFp8AmaxIndex] = amax;
-  scales[kFp8DequantIndex] = fp8_dequant_scale(scale);
+  const Fp8GatherGroup whole[] = {{0, split.count, scales}};
+  return gather_groups(held, shard.dtype, parts, whole, q);
+}
+
+namespace {
+
+// The elements [a, b) that [offset, offset + count) and [at, at + n) share (a >= b: none).
+std::pair<int64_t, int64_t> shared(int64_t offset, int64_t count, int64_t at, int64_t n) {
+  return {std::max(offset, at), std::min(offset + count, at + n)};
+}
+
+}  // namespace
+
+void Fp8WeightGather::check_groups(std::span<const Fp8HeldRun> held, DType dtype,
+                                   std::span<const Communicator::Segment> segments,
+                                   std::span<const Fp8GatherGroup> groups, const TensorView& q) const {
+  constexpr const char* fn = "Fp8WeightGather::gather_groups";
+  FLASHLM_CHECK_ARG(device_ == Device::cpu,
+                    "{}: CPU only (the CUDA FSDP step does not gather in FP8 yet; gather() takes one weight on CUDA)", fn);
+  FLASHLM_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16,
+                    "{}: the held values are {}, expected fp32 or bf16 (a weight's master or working copy)", fn,
+                    dtype_name(dtype));
+  FLASHLM_CHECK_ARG(q.dtype == DType::f8e4m3, "{}: q is {}, expected fp8_e4m3 (the gathered range's bytes)", fn,
+                    dtype_name(q.dtype));
+  FLASHLM_CHECK_ARG(q.device == Device::cpu && q.is_contiguous() && q.numel() >= 1 && q.data != nullptr,
+                    "{}: q ({} on {}) must be a contiguous CPU range of at least one element", fn, q.shape_string(),
+                    device_name(q.device));
+  FLASHLM_CHECK_ARG(!groups.empty(), "{}: no scale groups", fn);
+  const int64_t count = q.numel(), world = comm_.world_size();
+  std::vector<Fp8GatherGroup> sorted(groups.begin(), groups.end());
+  std::sort(sorted.begin(), sorted.end(), [](const Fp8GatherGroup& a, const Fp8GatherGroup& b) {
+    return a.offset < b.offset;
+  });
+  for (size_t g = 0; g < sorted.size(); ++g) {
+    const Fp8GatherGroup& x = sorted[g];
+    FLASHLM_CHECK_ARG(x.offset >= 0 && x.count >= 1 && x.offset + x.count <= count,
+                      "{}: a scale group [{}, {}) outside the range of {} elements (or empty)", fn, x.offset,
+                      x.offset + x.count, count);
+    FLASHLM_CHECK_ARG(x.scales != nullptr, "{}: the scale group at {} has no scale slot", fn, x.offset);
+    FLASHLM_CHECK_ARG(g == 0 || sorted[g - 1].offset + sorted[g - 1].count <= x.offset,
+                      "{}: scale groups [{}, {}) and [{}, {}) overlap", fn, sorted[g - 1].offset,
+                      sorted[g - 1].offset + sorted[g - 1].count, x.offset, x.offset + x.count);
+  }
+  // Every element gathered or held must have a scale: the groups it falls in cover [a, b) whole.
+  const auto covered = [&](int64_t a, int64_t b) {
+    int64_t n = 0;
+    for (const Fp8GatherGroup& x : sorted) {
+      const auto [from, to] = shared(x.offset, x.count, a, b - a);
+      n += std::max<int64_t>(0, to - from);
+    }
+    return n == b - a;
+  };
+  const auto* bytes = static_cast<const char*>(q.data);
+  for (const Fp8HeldRun& r : held) {
+    FLASHLM_CHECK_ARG(r.at >= 0 && r.count >= 0 && r.at + r.count <= count,
+                      "{}: a held run [{}, {}) outside the range of {} elements", fn, r.at, r.at + r.count, count);
+    if (r.count == 0) continue;
+    FLASHLM_CHECK_ARG(r.values != nullptr, "{}: the held run at {} has no values", fn, r.at);
+    FLASHLM_CHECK_ARG(covered(r.at, r.at + r.count), "{}: the held run [{}, {}) is not covered by the scale groups",
+                      fn, r.at, r.at + r.count);
+    const auto* v = static_cast<const char*>(r.values);
+    const int64_t run_bytes = checked_mul(r.count, int64_t(dtype_size(dtype)), "a held run's bytes");
+    FLASHLM_CHECK_ARG(v + run_bytes <= bytes || bytes + count <= v,
+                      "{}: q overlaps the held run at {} (the gather writes the one while it reads the other)", fn, r.at);
+  }
+  for (const Communicator::Segment& s : segments) {
+    FLASHLM_CHECK_ARG(s.offset >= 0 && s.part >= 0 && s.offset + s.part * world <= count,
+                      "{}: a segment of {} ranks' parts of {} from {} outside the range of {} elements", fn, world,
+                      s.part, s.offset, count);
+    FLASHLM_CHECK_ARG(covered(s.offset, s.offset + s.part * world),
+                      "{}: the segment [{}, {}) is not covered by the scale groups", fn, s.offset,
+                      s.offset + s.part * world);
+  }
+}
+
+Fp8GatherTraffic Fp8WeightGather::gather_groups(std::span<const Fp8HeldRun> held, DType dtype,
+                                                std::span<const Communicator::Segment> segments,
+                                                std::span<const Fp8GatherGroup> groups, const TensorView& q,
+                                                CommRequest* request) {
+  check_groups(held, dtype, segments, groups, q);
+  const int world = comm_.world_size(), rank = comm_.rank();
+  const size_t G = groups.size();
+  // The emulation reads the values widened to fp32, as the CUDA cast does in registers.
+  std::vector<std::vector<float>> widened(held.size());
+  std::vector<const float*> values(held.size());
+  for (size_t r = 0; r < held.size(); ++r) {
+    if (dtype == DType::f32) {
+      values[r] = static_cast<const float*>(held[r].values);
+      continue;
+    }
+    const auto* b16 = static_cast<const bf16_t*>(held[r].values);
+    widened[r].resize(size_t(held[r].count));
+    for (size_t i = 0; i < widened[r].size(); ++i) widened[r][i] = float(b16[i]);
+    values[r] = widened[r].data();
+  }
+  // This rank's amax of each group over what it holds of it (0 where nothing), then every rank's.
+  std::vector<float> amaxes(size_t(world) * G, 0.0f);
+  float* mine = amaxes.data() + size_t(rank) * G;
+  for (size_t r = 0; r < held.size(); ++r) {
+    for (size_t g = 0; g < G; ++g) {
+      const auto [a, b] = shared(groups[g].offset, groups[g].count, held[r].at, held[r].count);
+      if (a < b) mine[g] = fp8_amax_max(mine[g], fp8_amax_cpu(values[r] + (a - held[r].at), b - a));
+    }
+  }
+  comm_.all_gather(flat(mine, DType::f32, int64_t(G), Device::cpu),
+                   flat(amaxes.data(), DType::f32, int64_t(world) * int64_t(G), Device::cpu));
+  std::vector<float> scale(G);
+  for (size_t g = 0; g < G; ++g) {
+    // The amaxes are >= 0 or NaN, so their largest magnitude is their max, a NaN winning.
+    float amax = 0.0f;
+    for (int k = 0; k < world; ++k) amax = fp8_amax_max(amax, amaxes[size_t(k) * G + g]);
+    scale[g] = fp8_scale(amax, kWeightFormat);
+    groups[g].scales[kFp8AmaxIndex] = amax;
+    groups[g].scales[kFp8DequantIndex] = fp8_dequant_scale(scale[g]);
+  }
+  auto* bytes = static_cast<uint8_t*>(q.data);
+  for (size_t r = 0; r < held.size(); ++r) {
+    for (size_t g = 0; g < G; ++g) {
+      const auto [a, b] = shared(groups[g].offset, groups[g].count, held[r].at, held[r].count);
+      if (a < b) fp8_encode_cpu(values[r] + (a - held[r].at), b - a, scale[g], kWeightFormat, bytes + a);
+    }
+  }
+  if (request) {
+    *request = comm_.all_gather_segments_async(q, segments);
+  } else {
+    comm_.all_gather_segments(q, segments);
+  }
+  Fp8GatherTraffic traffic{0, (world - 1) * int64_t(G) * int64_t(sizeof(float))};
+  for (const Communicator::Segment& s : segments) traffic.weight_bytes += s.part * (world - 1);
   return traffic;
 }
 

@@ -11,8 +11,15 @@
 // The scale depends only on the weight's amax and the encoding is elementwise, so every rank ends with the
 // bytes and dequantisation scale fp8_quantize_cpu gives the unsharded weight, bit for bit. The CPU (MPI)
 // and CUDA (NCCL; the casts of model/cuda/fp8.h) paths are one function apart in fp8_gather.cpp.
+//
+// gather_groups is the same for a whole FSDP part (FsdpParameters under ModelOptions::fsdp_fp8_gather): a
+// layer's sharded buckets hold several weights, each with its own scale (q, k and v one), and a rank's part
+// of a bucket crosses weights. So each rank takes one amax per scale group over the elements it holds of
+// it, the ranks exchange the G amaxes in one all-gather, and each element is encoded with its group's
+// scale: every group's bytes and scale are again the unsharded weight's, bit for bit.
 #pragma once
 #include <cstdint>
+#include <span>
 
 #include "flashlm/dist.h"
 #include "flashlm/memory.h"
@@ -38,6 +45,19 @@ struct Fp8GatherTraffic {
   int64_t weight_bytes = 0, amax_bytes = 0;
 };
 
+// gather_groups' arguments. A run of elements this rank holds of the gathered range: `count` values (fp32
+// or bf16, as the call says) at `values`, whose place in the range is [at, at + count).
+struct Fp8HeldRun {
+  int64_t at = 0, count = 0;
+  const void* values = nullptr;
+};
+// Elements [offset, offset + count) of the range that share one scale, and their scale slot of
+// kFp8ScaleSlotFloats floats (model/fp8.h): the group's amax and dequantisation scale on return.
+struct Fp8GatherGroup {
+  int64_t offset = 0, count = 0;
+  float* scales = nullptr;
+};
+
 class Fp8WeightGather {
  public:
   // Gathers weights on `device` among `comm`'s ranks: Device::cpu through MPI, Device::cuda through NCCL on
@@ -54,10 +74,26 @@ class Fp8WeightGather {
   // queued on `stream` after this call).
   Fp8GatherTraffic gather(const TensorView& shard, const TensorView& q, float* scales, void* stream = nullptr);
 
+  // Collective, CPU: a range of several scale groups, as FSDP holds a model part. q: the range's place,
+  // fp8_e4m3, contiguous: on return (or after wait(*request)) every element of a segment or a held run
+  // holds its e4m3 byte (the range's other elements are left as they are). held: this rank's elements (its
+  // part of each segment, and the tails every rank keeps), of type `dtype` (fp32 or bf16). segments: the
+  // parts the ranks hold, as Communicator::all_gather_segments takes them (relative to q). groups: disjoint,
+  // together covering every held element and every segment's elements; each group's amax is taken over its
+  // elements on every rank (NaN wins) and written to its slot with its dequantisation scale, and its
+  // elements are encoded with fp8_scale of that amax. request: null, blocking; else the bytes' all-gather is
+  // left in flight there (the scales are written before return). Every rank passes the same segments and
+  // groups. An Error on CUDA: its FSDP step does not gather in FP8 yet (check_fsdp_fp8_gather).
+  Fp8GatherTraffic gather_groups(std::span<const Fp8HeldRun> held, DType dtype,
+                                 std::span<const Communicator::Segment> segments, std::span<const Fp8GatherGroup> groups,
+                                 const TensorView& q, CommRequest* request = nullptr);
+
   Device device() const { return device_; }
 
  private:
   void check(const TensorView& shard, const TensorView& q, const float* scales) const;
+  void check_groups(std::span<const Fp8HeldRun> held, DType dtype, std::span<const Communicator::Segment> segments,
+                    std::span<const Fp8GatherGroup> groups, const TensorView& q) const;
 
   Communicator& comm_;
   Device device_;

@@ -5,11 +5,14 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include "core/check.h"
+#include "dist/fp8_gather.h"
 #include "flashlm/dist.h"
 #include "flashlm/fsdp.h"
 #include "flashlm/zero.h"
+#include "model/fp8.h"
 
 #ifdef FLASHLM_WITH_CUDA
 #include <cuda_runtime.h>
@@ -74,8 +77,10 @@ struct FsdpParameters::Impl {
   // buffer and gradient buffer while it has them, and its gather's state.
   struct UnitStorage {
     std::vector<size_t> params;
-    DType dtype = DType::f32;
+    DType dtype = DType::f32;  // f8e4m3: gathered by the FP8 gather, from the shards' `from`
+    DType from = DType::f32;
     std::vector<Communicator::Segment> segments;  // its buckets' parts, relative to the unit's first element
+    std::vector<Fp8GatherGroup> fp8_groups;       // FP8: its scale groups, relative to its first element
     int slot = -1, grad_slot = -1;
     State state = State::released;
     CommRequest request;
@@ -90,6 +95,10 @@ struct FsdpParameters::Impl {
   };
   std::vector<Slot> pool, grad_pool;
   size_t next_grad_slot = 0;
+  // FSDP's FP8 gather (use_sharded_storage's fp8_groups): the gather, and a scale slot per group.
+  std::unique_ptr<Fp8WeightGather> fp8;
+  Buffer fp8_scales;
+  FsdpGatherTraffic traffic;
   std::function<void(int64_t, int64_t)> await_gradients;
 
   Impl(Communicator& c, DdpParameters p) : comm(c), params(std::move(p)) {}
@@ -128,10 +137,11 @@ struct FsdpParameters::Impl {
     cuda_copy_async(dst, src, bytes, stream);
 #endif
   }
+  // Every bit set: a NaN in fp32, bf16, fp16 and e4m3 alike.
   void fill_nan(void* p, int64_t count, DType dtype) const {
     if (count == 0) return;
     if (!cuda()) {
-      std::fill_n(static_cast<float*>(p), count, std::numeric_limits<float>::quiet_NaN());
+      std::memset(p, 0xff, size_t(count) * dtype_size(dtype));
       return;
     }
 #ifdef FLASHLM_WITH_CUDA
@@ -175,6 +185,7 @@ struct FsdpParameters::Impl {
   void gather_into(size_t u) {
     UnitStorage& us = stored[u];
     const Unit& unit = units[u];
+    if (us.dtype == DType::f8e4m3) return gather_fp8(u);
     const size_t esize = dtype_size(us.dtype);
     char* base = unit_base(u);
     for (size_t k : unit.shards) {
@@ -197,7 +208,37 @@ struct FsdpParameters::Impl {
                          "cudaEventRecord (FSDP gather)");
 #endif
     }
-    us.state = State::arriving;
+    arriving(u);
+    traffic.bytes += unit_foreign_bytes(u);
+  }
+
+  // Unit u as e4m3 bytes (Fp8WeightGather::gather_groups): this rank's parts and tails encoded from its
+  // shards straight into the pool buffer, one amax per scale group exchanged, the other ranks' parts
+  // gathered — that last all-gather left in flight, as the other parts' gathers are.
+  void gather_fp8(size_t u) {
+    UnitStorage& us = stored[u];
+    const Unit& unit = units[u];
+    const int64_t world = comm.world_size(), rank = comm.rank();
+    std::vector<Fp8HeldRun> held;
+    for (size_t k : unit.shards) {
+      const Shard& s = shards[k];
+      const int64_t own = s.segment.offset + rank * s.segment.part;
+      held.push_back({own - unit.offset, s.segment.part, packed_weight(packed(own), us.from)});
+      if (s.tail > 0) {
+        const int64_t tail = s.segment.offset + world * s.segment.part;
+        held.push_back({tail - unit.offset, s.tail, packed_weight(packed(tail), us.from)});
+      }
+    }
+    const TensorView q = TensorView::contiguous(unit_base(u), DType::f8e4m3, {unit.count}, params.device);
+    const Fp8GatherTraffic t = fp8->gather_groups(held, us.from, us.segments, us.fp8_groups, q, &us.request);
+    arriving(u);
+    traffic.bytes += t.weight_bytes;
+    traffic.fp8_bytes += t.weight_bytes;
+    traffic.fp8_amax_bytes += t.amax_bytes;
+  }
+
+  void arriving(size_t u) {
+    stored[u].state = State::arriving;
     live_bytes += unit_foreign_bytes(u);
     peak_bytes = std::max(peak_bytes, live_bytes);
   }
@@ -298,6 +339,7 @@ struct FsdpParameters::Impl {
     s.state = State::arriving;
     live_bytes += foreign_bytes(s);
     peak_bytes = std::max(peak_bytes, live_bytes);  // counted where gathers happen, not for a whole model
+    traffic.bytes += foreign_bytes(s);
   }
 
   void finish(Shard& s) {
@@ -471,7 +513,8 @@ void FsdpParameters::set_storage(float* masters, void* working, DType working_dt
 
 void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, bool pure,
                                          int64_t grad_accum, void* stream,
-                                         std::function<void(int64_t, int64_t)> await_gradients) {
+                                         std::function<void(int64_t, int64_t)> await_gradients,
+                                         std::span<const DdpRange> fp8_groups) {
   Impl& m = *impl_;
   const DdpParameters& p = m.params;
   FLASHLM_CHECK(table.size() == p.layout.size(), "FsdpParameters::use_sharded_storage: a table of {} entries for {} "
@@ -482,6 +525,7 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
   FLASHLM_CHECK(!pure || working_dtype == DType::bf16,
                 "FsdpParameters::use_sharded_storage: bf16-pure keeps bf16 parameters, not {}", dtype_name(working_dtype));
   FLASHLM_CHECK(grad_accum >= 1, "FsdpParameters::use_sharded_storage: grad_accum = {}, expected >= 1", grad_accum);
+  check_fsdp_fp8_gather(p.device, !fp8_groups.empty() && m.comm.world_size() > 1);
   for (size_t i = 0; i < p.layout.size(); ++i) {
     FLASHLM_CHECK(p.is_trainable(int64_t(i)) && p.owner(int64_t(i)) == int64_t(i),
                   "FsdpParameters::use_sharded_storage: '{}' is frozen or tied; sharded storage keeps trainable, "
@@ -522,6 +566,12 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
   m.shard_grads = zeroed(total, sizeof(float), "FSDP gradients (shard)");
   // Per part: its sharded parameters, the type it is gathered in, its segments; the largest sizes the pool.
   m.stored = std::vector<Impl::UnitStorage>(m.units.size());
+  if (!fp8_groups.empty() && !m.shards.empty()) {
+    m.fp8 = std::make_unique<Fp8WeightGather>(m.comm, device);
+    m.fp8_scales = Buffer::allocate(fp8_groups.size() * kFp8ScaleSlotFloats * sizeof(float), device,
+                                    "FSDP FP8 gather (a scale slot per weight group)");
+    std::memset(m.fp8_scales.data(), 0, m.fp8_scales.bytes());
+  }
   int64_t largest_bytes = 0, largest_count = 0;
   for (size_t u = 0; u < m.units.size(); ++u) {
     Impl::UnitStorage& us = m.stored[u];
@@ -538,6 +588,29 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
       const int64_t at = p.layout[i].offset;
       if (m.unit_at(at) == int64_t(u) && m.in_shard(at)) us.params.push_back(i);
     }
+    // FP8: a part holding scale groups (a layer) is gathered as e4m3 bytes; its sharded elements are exactly
+    // its FP8 weights, each of which reads its group's scale slot.
+    for (size_t g = 0; m.fp8 && g < fp8_groups.size(); ++g) {
+      const DdpRange& r = fp8_groups[g];
+      if (r.offset < unit.offset || r.offset >= unit.offset + unit.count) continue;
+      FLASHLM_CHECK(r.offset + r.count <= unit.offset + unit.count, "FsdpParameters: FP8 scale group [{}, {}) "
+                    "crosses the end of part {}", r.offset, r.offset + r.count, u);
+      us.fp8_groups.push_back({r.offset - unit.offset, r.count,
+                               static_cast<float*>(m.fp8_scales.data()) + g * kFp8ScaleSlotFloats});
+    }
+    if (!us.fp8_groups.empty()) {
+      us.from = us.dtype;
+      us.dtype = DType::f8e4m3;
+      for (size_t i : us.params) {
+        const ParameterInfo& info = p.layout[i];
+        const auto in = std::find_if(us.fp8_groups.begin(), us.fp8_groups.end(), [&](const Fp8GatherGroup& x) {
+          return unit.offset + x.offset <= info.offset && info.offset + info.numel() <= unit.offset + x.offset + x.count;
+        });
+        FLASHLM_CHECK(in != us.fp8_groups.end(), "FsdpParameters: '{}' is sharded in part {}, which is gathered in "
+                      "FP8, but in none of its scale groups", info.name, u);
+        table[i].fp8_scales = in->scales;
+      }
+    }
     largest_bytes = std::max(largest_bytes, unit.count * int64_t(dtype_size(us.dtype)));
     largest_count = std::max(largest_count, unit.count);
 #ifdef FLASHLM_WITH_CUDA
@@ -553,7 +626,7 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
     m.pool.resize(size_t(m.prefetch + 2));
     for (Impl::Slot& slot : m.pool) {
       slot.buffer = Buffer::allocate(size_t(largest_bytes), device, "FSDP gathered part (pool)");
-      if (m.poison) m.fill_nan(slot.buffer.data(), largest_bytes / int64_t(sizeof(float)), DType::f32);
+      if (m.poison) m.fill_nan(slot.buffer.data(), largest_bytes, DType::f8e4m3);  // every byte
     }
     if (grad_accum == 1) {
       m.grad_pool.resize(2);  // one being written by the backward, one being reduce-scattered
@@ -638,7 +711,7 @@ void FsdpParameters::zero_gradients() {
 
 int64_t FsdpParameters::buffer_bytes() const {
   const Impl& m = *impl_;
-  int64_t bytes = int64_t(m.local_grads.bytes());
+  int64_t bytes = int64_t(m.local_grads.bytes()) + int64_t(m.fp8_scales.bytes());
   for (const Impl::Slot& s : m.pool) bytes += int64_t(s.buffer.bytes());
   for (const Impl::Slot& s : m.grad_pool) bytes += int64_t(s.buffer.bytes());
   return bytes;
@@ -788,5 +861,12 @@ bool FsdpParameters::released(int64_t offset, int64_t count) const {
 }
 
 int64_t FsdpParameters::peak_gathered_bytes() const { return impl_->peak_bytes; }
+
+FsdpGatherTraffic FsdpParameters::gather_traffic() const { return impl_->traffic; }
+
+int64_t FsdpParameters::fp8_units() const {
+  return std::count_if(impl_->stored.begin(), impl_->stored.end(),
+                       [](const Impl::UnitStorage& us) { return us.dtype == DType::f8e4m3; });
+}
 
 }  // namespace flashlm

@@ -19,12 +19,33 @@
 // kernels are tested against, and runs where CI has no GPU.
 #pragma once
 #include <cstdint>
+#include <string_view>
+#include <vector>
 
 #include "core/host_device.h"
 #include "flashlm/dtype.h"
 #include "flashlm/fp8.h"
 
 namespace flashlm {
+
+struct ParameterInfo;  // flashlm/model.h (not included: the CUDA casts include this header)
+
+// The block linear weights whose products are FP8 GEMMs (the names after "layers.<l>."), in the CPU
+// emulation's order: q, k and v first, which share one scale (the CUDA model's fused [3d, d] weight, one
+// amax over the three), then output_proj, w1, w3 and w2, each scaled on its own.
+inline constexpr std::string_view kFp8BlockWeights[] = {"attn.q_proj.weight", "attn.k_proj.weight",
+                                                        "attn.v_proj.weight", "attn.output_proj.weight",
+                                                        "ffn.w1.weight",      "ffn.w3.weight",
+                                                        "ffn.w2.weight"};
+inline constexpr size_t kFp8SharedScaleWeights = 3;  // q, k, v
+
+// Elements [offset, offset + count) of the flat parameters that one tensorwise scale covers.
+struct Fp8ScaleGroup {
+  int64_t offset = 0, count = 0;
+};
+// Every layer's scale groups over a model's layout, ascending: q‖k‖v (adjacent in parameter_layout, so one
+// run), output_proj, w1, w2, w3. What FSDP's FP8 gather takes one amax of (fsdp_fp8_gather).
+std::vector<Fp8ScaleGroup> fp8_scale_groups(const std::vector<ParameterInfo>& layout);
 
 // The amax floor: an all-zero tensor gets a large finite scale (its FP8 copy is zero) instead of inf.
 constexpr float kFp8AmaxFloor = 1e-12f;
@@ -68,6 +89,10 @@ float fp8_amax_cpu(const float* x, int64_t count);
 // What the CUDA cast writes for x[count] (the values of a bf16 or fp32 tensor, widened) with this scale:
 // q[i] = encode(x[i] · scale).
 void fp8_encode_cpu(const float* x, int64_t count, float scale, Fp8Format f, uint8_t* q);
+
+// out[i] = decode(q[i]) · dequant: a tensor's FP8 bytes back in fp32, the values its GEMM multiplies. With
+// q and dequant from fp8_quantize_cpu (or its gather) these are fp8_round_trip_cpu's values bit for bit.
+void fp8_dequantize_cpu(const uint8_t* q, int64_t count, float dequant, Fp8Format f, float* out);
 
 // The same with the tensor's own scale, fp8_scale(amax of x). Returns the dequantisation scale.
 float fp8_quantize_cpu(const float* x, int64_t count, Fp8Format f, uint8_t* q);

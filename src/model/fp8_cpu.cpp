@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
+#include <string_view>
 #include <vector>
 
 #include "core/check.h"
+#include "flashlm/model.h"
 #include "model/fp8.h"
 
 namespace flashlm {
@@ -50,6 +53,10 @@ float fp8_amax_cpu(const float* x, int64_t count) {
 
 void fp8_encode_cpu(const float* x, int64_t count, float scale, Fp8Format f, uint8_t* q) {
   for (int64_t i = 0; i < count; ++i) q[i] = fp8_encode(x[i] * scale, f);
+}
+
+void fp8_dequantize_cpu(const uint8_t* q, int64_t count, float dequant, Fp8Format f, float* out) {
+  for (int64_t i = 0; i < count; ++i) out[i] = fp8_decode(q[i], f) * dequant;
 }
 
 float fp8_quantize_cpu(const float* x, int64_t count, Fp8Format f, uint8_t* q) {
@@ -121,6 +128,27 @@ void fp8_round_trip_cols_cpu(const float* x, int64_t rows, int64_t cols, const f
       out[r * cols + c] = round_trip(x[r * cols + c], scale[size_t(c)], dequant[size_t(c)], f);
     }
   }
+}
+
+std::vector<Fp8ScaleGroup> fp8_scale_groups(const std::vector<ParameterInfo>& layout) {
+  std::vector<Fp8ScaleGroup> groups;
+  for (const ParameterInfo& p : layout) {
+    constexpr std::string_view kLayers = "layers.";
+    if (!p.name.starts_with(kLayers)) continue;
+    const std::string_view name = std::string_view(p.name).substr(p.name.find('.', kLayers.size()) + 1);
+    const auto* at = std::find(std::begin(kFp8BlockWeights), std::end(kFp8BlockWeights), name);
+    if (at == std::end(kFp8BlockWeights)) continue;
+    // k and v join q's group: they follow it directly in the layout.
+    const bool joins = at != std::begin(kFp8BlockWeights) && size_t(at - std::begin(kFp8BlockWeights)) < kFp8SharedScaleWeights;
+    if (joins) {
+      FLASHLM_CHECK(!groups.empty() && groups.back().offset + groups.back().count == p.offset,
+                    "fp8_scale_groups: '{}' does not follow q_proj in the layout", p.name);
+      groups.back().count += p.numel();
+    } else {
+      groups.push_back({p.offset, p.numel()});
+    }
+  }
+  return groups;
 }
 
 float fp8_amax_max(float a, float b) {

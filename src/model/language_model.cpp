@@ -42,7 +42,8 @@ LanguageModel::LanguageModel(const ModelConfig& config, Device device, DType pre
       device_(device),
       precision_(precision),
       bf16_pure_(options.bf16_pure),
-      external_parameters_(options.external_parameters) {}
+      external_parameters_(options.external_parameters),
+      fsdp_fp8_gather_(options.fsdp_fp8_gather()) {}
 
 void LanguageModel::init_optimizer_state(OptimizerState state) {
   adamw_ = std::make_unique<AdamWState>(state, bf16_pure_, parameter_count_, device_);

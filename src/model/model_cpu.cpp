@@ -53,11 +53,6 @@ struct CpuModel::Impl {
   // as the CUDA model's FP8 GEMMs take them (q, k and v as one [3d, d] weight and one [n, 3d] output
   // gradient), tensorwise or rowwise (ModelOptions::fp8_recipe). Without fp8 each returns its argument.
   float* fp8_region(int64_t offset) const { return static_cast<float*>(fp8.data()) + offset; }
-  // The block's linear weights in the fp8 buffer's order (fp8_emulation_elements), q, k and v first.
-  static constexpr std::string_view kFp8Weights[] = {"attn.q_proj.weight", "attn.k_proj.weight",
-                                                     "attn.v_proj.weight", "attn.output_proj.weight",
-                                                     "ffn.w1.weight",      "ffn.w3.weight",
-                                                     "ffn.w2.weight"};
   int64_t fp8_weight_numel(std::string_view name) const {
     const ModelConfig& c = model.config();
     return c.d_model * (name.starts_with("attn.") ? c.d_model : c.d_ff);
@@ -70,7 +65,7 @@ struct CpuModel::Impl {
   }
   int64_t fp8_weight_offset(std::string_view name) const {
     int64_t offset = 0;
-    for (std::string_view w : kFp8Weights) {
+    for (std::string_view w : kFp8BlockWeights) {
       if (w == name) return offset;
       offset += fp8_weight_numel(w);
     }
@@ -85,8 +80,9 @@ struct CpuModel::Impl {
   // amax tensorwise, one per input column (over all 3d rows) rowwise; their rows are their own.
   void round_block_weights(const std::string& p, WeightUse use) const {
     if (!options.fp8) return;
+    if (decode_gathered_weights(p)) return;
     const auto weight = [&](std::string_view w) { return param(p + std::string(w)); };
-    const std::span<const std::string_view> qkv(kFp8Weights, 3);
+    const std::span<const std::string_view> qkv(kFp8BlockWeights, kFp8SharedScaleWeights);
     if (rowwise()) {
       const ModelConfig& c = model.config();
       std::vector<float> amax(size_t(std::max(c.d_model, c.d_ff))), qkv_cols(size_t(c.d_model), 0.0f);
@@ -96,8 +92,8 @@ struct CpuModel::Impl {
           for (int64_t j = 0; j < c.d_model; ++j) qkv_cols[size_t(j)] = fp8_amax_max(qkv_cols[size_t(j)], amax[size_t(j)]);
         }
       }
-      for (size_t i = 0; i < std::size(kFp8Weights); ++i) {
-        const std::string_view w = kFp8Weights[i];
+      for (size_t i = 0; i < std::size(kFp8BlockWeights); ++i) {
+        const std::string_view w = kFp8BlockWeights[i];
         const auto [out, in] = fp8_weight_shape(w);
         float* rounded = fp8_region(fp8_weight_offset(w));
         if (use == WeightUse::forward) {
@@ -113,12 +109,31 @@ struct CpuModel::Impl {
     }
     float qkv_amax = 0.0f;
     for (std::string_view w : qkv) qkv_amax = fp8_amax_max(qkv_amax, fp8_amax_cpu(weight(w), fp8_weight_numel(w)));
-    for (size_t i = 0; i < std::size(kFp8Weights); ++i) {
-      const std::string_view w = kFp8Weights[i];
+    for (size_t i = 0; i < std::size(kFp8BlockWeights); ++i) {
+      const std::string_view w = kFp8BlockWeights[i];
       const int64_t count = fp8_weight_numel(w);
       const float amax = i < qkv.size() ? qkv_amax : fp8_amax_cpu(weight(w), count);
       fp8_round_trip_cpu(weight(w), count, amax, Fp8Format::e4m3, fp8_region(fp8_weight_offset(w)));
     }
+  }
+  // FSDP's FP8 gather (ModelOptions::fsdp_fp8_gather) brought block p's linear weights as e4m3 bytes, each
+  // with its scale group's dequantisation scale (q, k and v one group): decoded, they are the values the
+  // rounding above gives from the whole fp32 weights, bit for bit — the same amax over the same elements,
+  // so the same scale, and an elementwise encoding (dist/fp8_gather.h). False where they came otherwise
+  // (one rank, full storage, no FSDP): then round them here.
+  bool decode_gathered_weights(const std::string& p) const {
+    const ParameterStorage& first = model.stored(p + std::string(kFp8BlockWeights[0]));
+    for (std::string_view w : kFp8BlockWeights) {
+      const ParameterStorage& t = model.stored(p + std::string(w));
+      FLASHLM_CHECK((t.fp8_scales != nullptr) == (first.fp8_scales != nullptr),
+                    "CpuModel: '{}{}' and '{}{}' arrived one in FP8 and one not: a layer's FP8 weights are gathered "
+                    "alike", p, w, p, kFp8BlockWeights[0]);
+      if (!t.fp8_scales) continue;
+      FLASHLM_CHECK(!rowwise(), "CpuModel: '{}{}' arrived as tensorwise FP8 bytes, and this model scales rowwise", p, w);
+      fp8_dequantize_cpu(static_cast<const uint8_t*>(t.weight), fp8_weight_numel(w), t.fp8_scales[kFp8DequantIndex],
+                         Fp8Format::e4m3, fp8_region(fp8_weight_offset(w)));
+    }
+    return first.fp8_scales != nullptr;
   }
   // The weight a linear layer of block p multiplies by.
   const float* linear_weight(const std::string& p, std::string_view name) const {

@@ -404,7 +404,10 @@ TrainResult train(const TrainConfig& cfg) {
                     world, cfg.batch, accum, ddp_variant_name(cfg.ddp.variant), ddp.buckets().size(),
                     dtype_name(cfg.ddp.reduce_dtype), dp->gradient_sync(),
                     cfg.ddp.variant == DdpVariant::bucketed ? fmt::format(", buckets of {} MB", cfg.ddp.bucket_mb)
-                    : dp->fsdp() ? fmt::format(", {} parts gathered, prefetch {}", dp->fsdp()->units(),
+                    : dp->fsdp() ? fmt::format(", {} parts gathered{}, prefetch {}", dp->fsdp()->units(),
+                                               dp->fsdp()->fp8_units() > 0
+                                                   ? fmt::format(" ({} as FP8 bytes)", dp->fsdp()->fp8_units())
+                                                   : "",
                                                cfg.ddp.fsdp_prefetch)
                                  : "",
                     ddp.staging_bytes() > 0 ? fmt::format(", {:.1f} MiB of staging", double(ddp.staging_bytes()) / kMiB)

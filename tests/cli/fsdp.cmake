@@ -30,6 +30,12 @@ if(NOT out MATCHES "DDP fsdp \\([0-9]+ fp32 reduce-scatter\\(s\\) per step, 4 pa
   message(FATAL_ERROR "expected the FSDP data-parallel line and rank 0's evaluation:\n${out}")
 endif()
 last_loss(loss_full "${out}")
+# --precision fp8 (emulated): the two layers are gathered as FP8 bytes (evaluation on rank 0 too), and the
+# data-parallel line says so.
+run_command_ok("fsdp fp8" ${mpi2} ${FLASHLM} train ${fsdp_args} --precision fp8 --steps 2)
+if(NOT out MATCHES "4 parts gathered \\(2 as FP8 bytes\\), prefetch 2" OR NOT out MATCHES "step +2/2 \\| val loss [0-9]")
+  message(FATAL_ERROR "expected FSDP to gather the layers as FP8 bytes:\n${out}")
+endif()
 run_command_ok("fsdp 3 steps" ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 3 --checkpoint ${half})
 file(COPY_FILE ${half} ${moved})
 run_command_ok("fsdp resume to 6" ${mpi2} ${FLASHLM} train ${fsdp_args} --steps 6 --checkpoint ${half} --resume)

@@ -3,8 +3,10 @@
 // fp8_quantize_cpu gives the unsharded weight, bit for bit: fp32 and bf16 shards of fresh random weights
 // (a seed from rank 0, printed; no zeros, magnitudes over twelve binades so that some encode as e4m3
 // subnormals) of ragged sizes (one element, fewer than the ranks, not a multiple of them), an all-zero
-// weight, a NaN or an infinity in one rank's part (every rank's copy must show it). Also: the bytes a gather
-// brings (half of what a bf16 gather of the same parts would), the refused arguments, and a communicator
+// weight, a NaN or an infinity in one rank's part (every rank's copy must show it). gather_groups, FSDP's
+// gather of a layer: two sharded segments with scale groups crossing the ranks' parts, each group against
+// its whole weight's quantisation (blocking and in flight), a NaN reaching its own group only. Also: the
+// bytes a gather brings (half of what a bf16 gather of the same parts would), the refused arguments, and a communicator
 // that gathers FP8 bytes but will not reduce them. On GPUs (skipped without one per rank) the CUDA path
 // against the same bits.
 #include <gtest/gtest.h>
@@ -211,6 +213,127 @@ void expect_refused(Fn&& fn, const std::string& text) {
   } catch (const InvalidArgument& e) {
     EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
   }
+}
+
+// gather_groups over a range laid out as FSDP holds a layer: two sharded segments (each rank's part of a
+// bucket, and its tail) with three elements between them that no rank gathers (the replicated gains), and
+// four scale groups whose bounds cross the ranks' parts. Each group's bytes and scales are fp8_quantize_cpu's
+// of that group's whole values, and the elements between the segments are left as they were.
+struct GroupedRange {
+  int64_t a = 0, b = 0, gap = 3;  // the segments' elements
+  std::vector<float> whole;
+  std::vector<Communicator::Segment> segments;
+  std::vector<std::pair<int64_t, int64_t>> groups;  // [from, to)
+  std::vector<Fp8HeldRun> held;
+  explicit GroupedRange(std::mt19937& rng) {
+    const int64_t w = comm().world_size();
+    a = 10 * w + 3;
+    b = 6 * w + 5;
+    whole = random_weight(a + gap + b, DType::f32, rng);
+    const int64_t second = a + gap;
+    groups = {{0, 4 * w + 1}, {4 * w + 1, a}, {second, second + b / 2}, {second + b / 2, second + b}};
+    for (const auto& [offset, count] : {std::pair{int64_t{0}, a}, std::pair{second, b}}) {
+      const FsdpWeightSplit split = fsdp_weight_split(count, int(w));
+      segments.push_back({offset, split.part});
+      const int64_t own = offset + comm().rank() * split.part, tail = offset + w * split.part;
+      held.push_back({own, split.part, whole.data() + own});
+      held.push_back({tail, split.tail, whole.data() + tail});
+    }
+  }
+  // Collective: the gather, blocking or through a request.
+  std::vector<Gathered> gather(bool async) const {
+    Fp8WeightGather g(comm(), Device::cpu);
+    std::vector<std::array<float, kFp8ScaleSlotFloats>> slots(groups.size());
+    std::vector<Fp8GatherGroup> gg;
+    for (size_t k = 0; k < groups.size(); ++k) {
+      gg.push_back({groups[k].first, groups[k].second - groups[k].first, slots[k].data()});
+    }
+    std::vector<uint8_t> bytes(whole.size(), 0xAA);
+    const TensorView q = TensorView::contiguous(bytes.data(), DType::f8e4m3, {int64_t(bytes.size())});
+    CommRequest request;
+    const Fp8GatherTraffic traffic = g.gather_groups(held, DType::f32, segments, gg, q, async ? &request : nullptr);
+    if (async) comm().wait(request);
+    for (int64_t i = a; i < a + gap; ++i) EXPECT_EQ(bytes[size_t(i)], 0xAA) << "element " << i << " is no segment's";
+    std::vector<Gathered> out;
+    for (size_t k = 0; k < groups.size(); ++k) {
+      Gathered x;
+      x.bytes.assign(bytes.begin() + groups[k].first, bytes.begin() + groups[k].second);
+      x.amax = slots[k][kFp8AmaxIndex];
+      x.dequant = slots[k][kFp8DequantIndex];
+      x.traffic = traffic;
+      out.push_back(std::move(x));
+    }
+    return out;
+  }
+  std::vector<float> group_values(size_t k) const {
+    return {whole.begin() + groups[k].first, whole.begin() + groups[k].second};
+  }
+};
+
+TEST(Fp8Gather, GroupsOfAFsdpPartEachMatchTheirWholeWeightBitForBit) {
+  const uint32_t seed = shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int world = comm().world_size();
+  for (bool async : {false, true}) {
+    const GroupedRange range(rng);
+    const std::vector<Gathered> got = range.gather(async);
+    for (size_t k = 0; k < got.size(); ++k) {
+      expect_whole_weights_bits(got[k], range.group_values(k), "group " + std::to_string(k) + (async ? ", async" : ""));
+    }
+    // The segments' foreign parts at a byte each, and a float per group per other rank.
+    int64_t foreign = 0;
+    for (const Communicator::Segment& s : range.segments) foreign += s.part * (world - 1);
+    EXPECT_EQ(got[0].traffic.weight_bytes, foreign);
+    EXPECT_EQ(got[0].traffic.amax_bytes, (world - 1) * 4 * int64_t(sizeof(float)));
+  }
+}
+
+// A NaN in one rank's own part of one group makes that group NaN on every rank (every r in turn), and only it.
+TEST(Fp8Gather, ANanReachesItsGroupOnEveryRankAndNoOtherGroup) {
+  std::mt19937 rng(shared_seed());
+  const int world = comm().world_size();
+  for (int owner = 0; owner < world; ++owner) {
+    GroupedRange range(rng);
+    // The middle of `owner`'s part of the second segment, and the group it falls in (2 or 3).
+    const Communicator::Segment& s = range.segments[1];
+    const int64_t at = s.offset + owner * s.part + s.part / 2;
+    const size_t bad = at < range.groups[2].second ? 2 : 3;
+    range.whole[size_t(at)] = std::numeric_limits<float>::quiet_NaN();
+    const std::vector<Gathered> got = range.gather(false);
+    for (size_t k = 0; k < got.size(); ++k) {
+      const std::string what = "NaN in rank " + std::to_string(owner) + "'s part, group " + std::to_string(k);
+      expect_whole_weights_bits(got[k], range.group_values(k), what);
+      EXPECT_EQ(std::isnan(got[k].amax), k == bad) << what << " on rank " << comm().rank();
+      for (uint8_t b : got[k].bytes) EXPECT_EQ(std::isnan(fp8_decode(b, Fp8Format::e4m3)), k == bad) << what;
+    }
+  }
+}
+
+TEST(Fp8Gather, GroupsAreCheckedClearly) {
+  std::mt19937 rng(shared_seed());
+  const GroupedRange range(rng);
+  Fp8WeightGather g(comm(), Device::cpu);
+  std::array<float, kFp8ScaleSlotFloats> slot{};
+  std::vector<uint8_t> bytes(range.whole.size());
+  const TensorView q = TensorView::contiguous(bytes.data(), DType::f8e4m3, {int64_t(bytes.size())});
+  const int64_t a = range.a, end = int64_t(range.whole.size());
+  const auto run = [&](std::vector<Fp8GatherGroup> groups, std::vector<Fp8HeldRun> held) {
+    g.gather_groups(held, DType::f32, range.segments, groups, q);
+  };
+  const std::vector<Fp8GatherGroup> whole = {{0, a, slot.data()}, {a + range.gap, range.b, slot.data()}};
+  expect_refused([&] { run({}, range.held); }, "no scale groups");
+  expect_refused([&] { run({{0, a, slot.data()}, {a - 1, end - a + 1, slot.data()}}, range.held); }, "overlap");
+  expect_refused([&] { run({{0, a, slot.data()}}, range.held); }, "is not covered by the scale groups");
+  expect_refused([&] { run({{0, a, nullptr}, whole[1]}, range.held); }, "has no scale slot");
+  expect_refused([&] { run({{0, end + 1, slot.data()}}, range.held); }, "outside the range");
+  expect_refused([&] { run(whole, {{end - 1, 2, range.whole.data()}}); }, "a held run [");
+  expect_refused([&] { run(whole, {{0, 1, bytes.data()}}); }, "q overlaps the held run at 0");
+  expect_refused(
+      [&] {
+        g.gather_groups(range.held, DType::f16, range.segments, whole, q);
+      },
+      "the held values are fp16, expected fp32 or bf16");
 }
 
 TEST(Fp8Gather, RefusesBadArgumentsClearly) {

@@ -8,14 +8,19 @@
 // accumulation, gives the single process's bits. Freed weights are poisoned with NaN, so a forward or
 // backward that read a part before gathering it would show in the loss. Also: the bucket plan follows the
 // model's parts; the gathered bytes stay within the prefetch bound; evaluation on rank 0 alone after
-// gather_parameters(); a rank that dies mid-step (FLASHLM_TEST_DIE_ON_RANK, run by dying_rank.cmake). On
+// gather_parameters(); a rank that dies mid-step (FLASHLM_TEST_DIE_ON_RANK, run by dying_rank.cmake). FSDP's
+// FP8 gather (--precision fp8): the losses of every rank on the same batch are the one-process fp8 run's bit
+// for bit, sliced batches train as full storage's local rounding does, the layers bring half a bf16
+// gather's bytes, a NaN in one rank's part reaches every rank's copy, the plan, CUDA refusing it. On
 // GPUs (skipped without one per rank) FSDP against bucketed DDP on CudaModel, fp32 and bf16.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <memory>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <random>
 #include <set>
 #include <span>
@@ -35,6 +40,7 @@
 #include "flashlm/model.h"
 #include "flashlm/train.h"
 #include "flashlm/zero.h"
+#include "model/fp8.h"
 #include "optim/optimizer.h"
 #ifdef FLASHLM_WITH_CUDA
 #include "core/cuda_runtime.h"
@@ -682,6 +688,224 @@ TEST(FsdpSharded, AReadBeforeTheGatherIsNaN) {
   const Batches b(lm.mc.vocab, 0);
   const double loss = lm.model->forward(b.x.data(), b.y.data());
   EXPECT_EQ(std::isnan(loss), comm().world_size() > 1) << loss;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// FSDP's FP8 gather (--precision fp8, tensorwise; ModelOptions::fsdp_fp8_gather): under sharded storage the
+// layers' linear weights arrive as the e4m3 bytes and scales their emulated FP8 GEMMs read.
+
+ModelOptions fp8_options(bool sharded, const char* recompute = "none") {
+  ModelOptions o = sharded_options(recompute);
+  o.external_parameters = sharded;
+  o.fp8 = true;
+  return o;
+}
+
+AdamWConfig unclipped_adamw() {
+  AdamWConfig c;
+  c.max_grad_norm = 0;  // the sharded norm adds the ranks' partial sums in another order than one process
+  return c;
+}
+
+// The tiny LM in fp8 under FSDP with sharded storage, each rank reading `rows` sequences a step.
+struct Fp8ShardedLm {
+  ModelConfig mc = lm_config();
+  int64_t rows;
+  std::unique_ptr<CpuModel> model;
+  std::unique_ptr<DdpModel> dp;
+  explicit Fp8ShardedLm(int64_t rows, ModelOptions o = fp8_options(true)) : rows(rows) {
+    model = std::make_unique<CpuModel>(mc, rows, kSeq, o);
+    dp = std::make_unique<DdpModel>(comm(), *model, rows * kSeq, fsdp_options(1), false);
+    dp->init_parameters(11);
+  }
+  // Step `step`'s batch: every rank the same first `rows` sequences (whole), or this rank's slice of it.
+  double step(int64_t step, bool whole, const AdamWConfig& c) {
+    const Batches b(mc.vocab, step);
+    const auto at = whole ? size_t(0) : size_t(comm().rank() * rows * kSeq), count = size_t(rows * kSeq);
+    const double loss = dp->forward_backward(std::span(b.x).subspan(at, count), std::span(b.y).subspan(at, count));
+    dp->optimizer_step(c, kLr);
+    return loss;
+  }
+};
+
+// Every rank on the same whole batch, so that averaging the ranks' gradients changes nothing: the losses are
+// the one-process fp8 run's (no FSDP) bit for bit, step after step — the gathered bytes decode to the values
+// the one process rounds its whole weights to. At two ranks the average of two equal gradients is exact; at
+// more, sums of three or more round, so after the first step (the gather alone) the losses are close only.
+TEST(FsdpFp8, LossesAreTheOneProcessRunsBitForBit) {
+  const ModelConfig mc = lm_config();
+  constexpr int64_t kRows = 2, kFp8Steps = 4;
+  CpuModel one(mc, kRows, kSeq, fp8_options(false));
+  one.init_parameters(11);
+  std::vector<double> want;
+  for (int64_t s = 0; s < kFp8Steps; ++s) {
+    const Batches b(mc.vocab, s);
+    one.zero_grad();
+    want.push_back(one.forward(b.x.data(), b.y.data()));
+    one.backward();
+    optimizer_step(one, unclipped_adamw(), kLr);
+  }
+  Fp8ShardedLm lm(kRows);
+  EXPECT_EQ(lm.dp->fsdp()->fp8_units(), comm().world_size() > 1 ? mc.layers : 0);
+  for (int64_t s = 0; s < kFp8Steps; ++s) {
+    const double got = lm.step(s, true, unclipped_adamw());
+    if (comm().world_size() <= 2 || s == 0) {
+      EXPECT_EQ(std::bit_cast<uint64_t>(got), std::bit_cast<uint64_t>(want[size_t(s)]))
+          << "step " << s << ": " << got << " against one process's " << want[size_t(s)];
+    } else {
+      EXPECT_NEAR(got, want[size_t(s)], 1e-6 * std::fabs(want[size_t(s)])) << "step " << s;
+    }
+  }
+}
+
+// Each rank on its slice: FP8-gathered sharded storage against full storage, which gathers the fp32 weights
+// in place and rounds them locally — the same losses and parameters bit for bit at every world size, with
+// clipping and with a recomputing backward (which gathers each block's bytes again).
+TEST(FsdpFp8, GatheredBytesTrainLikeRoundingTheGatheredWeights) {
+  const ModelConfig mc = lm_config();
+  const int64_t rows = kGlobal / comm().world_size();
+  for (const char* recompute : {"none", "blocks"}) {
+    CpuModel full(mc, rows, kSeq, fp8_options(false, recompute));
+    full.init_parameters(11);
+    DdpModel full_dp(comm(), full, rows * kSeq, fsdp_options(1), false);
+    full_dp.broadcast_parameters();
+    Fp8ShardedLm lm(rows, fp8_options(true, recompute));
+    for (int64_t s = 0; s < kSteps; ++s) {
+      const Batches b(mc.vocab, s);
+      const auto at = size_t(comm().rank() * rows * kSeq), count = size_t(rows * kSeq);
+      const double want =
+          full_dp.forward_backward(std::span(b.x).subspan(at, count), std::span(b.y).subspan(at, count));
+      full_dp.optimizer_step(clipping_adamw(), kLr);
+      const double got = lm.step(s, false, clipping_adamw());
+      EXPECT_EQ(std::bit_cast<uint64_t>(got), std::bit_cast<uint64_t>(want))
+          << recompute << ", step " << s << ": " << got << " against " << want;
+    }
+    EXPECT_EQ(gathered_sharded(*lm.dp, *lm.model).params, gathered_state(full_dp, full).params) << recompute;
+  }
+}
+
+// The layers' parts bring one byte an element: half what a bf16 gather of the same parts brings, a quarter
+// of the fp32 gather the CPU model has without FP8 (the rowwise recipe, gathered as without fp8). Counted
+// from the bucket plan: a forward and a backward gather each layer once, each rank's foreign parts of its
+// buckets, plus a float per scale group (q‖k‖v, output_proj, w1, w2, w3) per other rank.
+TEST(FsdpFp8, LayersBringHalfTheBytesOfABf16Gather) {
+  const ModelConfig mc = lm_config();
+  const int64_t world = comm().world_size(), rows = kGlobal / world;
+  Fp8ShardedLm lm(rows);
+  ModelOptions rowwise = fp8_options(true);
+  rowwise.fp8_recipe = Fp8Recipe::rowwise;
+  Fp8ShardedLm wide(rows, rowwise);
+  EXPECT_EQ(wide.dp->fsdp()->fp8_units(), 0);
+  lm.step(0, false, clipping_adamw());
+  wide.step(0, false, clipping_adamw());
+  const FsdpGatherTraffic fp8 = lm.dp->fsdp()->gather_traffic(), fp32 = wide.dp->fsdp()->gather_traffic();
+  DdpParameters params;
+  params.layout = parameter_layout(mc);
+  params.device = Device::cpu;
+  const std::vector<DdpBucket> buckets = fsdp_bucket_plan(params);
+  int64_t foreign = 0;  // elements of the layers' buckets that other ranks own
+  const ZeroBucketLayout layout = zero_bucket_layout(buckets, int(world), comm().rank());
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const std::string& name = params.layout[size_t(buckets[b].params.front())].name;
+    if (name.starts_with("layers.")) foreign += layout.buckets[b].part * (world - 1);
+  }
+  EXPECT_EQ(fp8.fp8_bytes, 2 * foreign);
+  EXPECT_EQ(2 * fp8.fp8_bytes, 2 * foreign * int64_t(dtype_size(DType::bf16)));
+  EXPECT_EQ(fp8.fp8_amax_bytes, 2 * mc.layers * 5 * (world - 1) * int64_t(sizeof(float)));
+  // The other parts (embedding, head) are gathered in fp32 by both; the layers at 4 bytes without FP8.
+  EXPECT_EQ(fp32.fp8_bytes, 0);
+  EXPECT_EQ(fp32.bytes - (fp8.bytes - fp8.fp8_bytes), 4 * fp8.fp8_bytes);
+  EXPECT_EQ(fp8.fp8_bytes > 0, world > 1);
+}
+
+// A NaN in one element of w2 that one rank owns (not a tail every rank keeps) makes every rank's gathered
+// w2 NaN — its amax NaN and every byte a NaN — while the other scale groups of the same bucket (w1, w3)
+// stay finite; the loss is NaN on every rank, as the one-process fp8 model's is.
+TEST(FsdpFp8, ANanInOneRanksPartReachesEveryRanksCopy) {
+  const int64_t world = comm().world_size();
+  if (world == 1) GTEST_SKIP() << "nothing is gathered at one rank";
+  const ModelConfig mc = lm_config();
+  Fp8ShardedLm lm(1);
+  std::vector<float> host(size_t(lm.model->parameter_count()));
+  lm.dp->save_parameters(comm(), host.data());
+  DdpParameters params;
+  params.layout = parameter_layout(mc);
+  const std::vector<DdpBucket> buckets = fsdp_bucket_plan(params);
+  const ZeroBucketLayout layout = zero_bucket_layout(buckets, int(world), comm().rank());
+  const auto index_of = [&](std::string_view name) {
+    const auto at = std::find_if(params.layout.begin(), params.layout.end(),
+                                 [&](const ParameterInfo& p) { return p.name == name; });
+    return size_t(at - params.layout.begin());
+  };
+  const ParameterInfo& w2 = params.layout[index_of("layers.1.ffn.w2.weight")];
+  // w2's middle element, and the rank whose part of w2's bucket holds it (not the tail).
+  const auto b = size_t(std::find_if(buckets.begin(), buckets.end(), [&](const DdpBucket& x) {
+                   return x.ranges.front().offset <= w2.offset && w2.offset < x.ranges.front().offset + x.elements;
+                 }) - buckets.begin());
+  const ZeroBucketShard& z = layout.buckets[b];
+  const int64_t at = w2.offset + w2.numel() / 2, owner = (at - z.offset) / z.part;
+  ASSERT_LT(owner, world) << "w2's middle element is in the tail every rank keeps";
+  SCOPED_TRACE("a NaN in rank " + std::to_string(owner) + "'s part");
+  host[size_t(at)] = std::numeric_limits<float>::quiet_NaN();
+  lm.dp->load_parameters(host.data());
+  lm.dp->gather_parameters();
+  for (const char* name : {"layers.1.ffn.w1.weight", "layers.1.ffn.w2.weight", "layers.1.ffn.w3.weight",
+                           "layers.1.attn.q_proj.weight"}) {
+    const ParameterInfo& p = params.layout[index_of(name)];
+    const ParameterStorage& t = lm.model->parameter_storage()[index_of(name)];
+    ASSERT_NE(t.fp8_scales, nullptr) << name;
+    EXPECT_EQ(t.master, nullptr) << name;
+    const bool nan = p.name == w2.name;
+    EXPECT_EQ(std::isnan(t.fp8_scales[kFp8AmaxIndex]), nan) << name << " on rank " << comm().rank();
+    const auto* bytes = static_cast<const uint8_t*>(t.weight);
+    int64_t nans = 0;
+    for (int64_t i = 0; i < p.numel(); ++i) nans += std::isnan(fp8_decode(bytes[i], Fp8Format::e4m3)) ? 1 : 0;
+    EXPECT_EQ(nans, nan ? p.numel() : 0) << name << " on rank " << comm().rank();
+  }
+  CpuModel one(mc, 1, kSeq, fp8_options(false));
+  one.load_state(host, std::vector<float>(host.size()), std::vector<float>(host.size()), 0);
+  const Batches batch(mc.vocab, 0);
+  EXPECT_TRUE(std::isnan(one.forward(batch.x.data(), batch.y.data())));
+  const double loss = lm.dp->forward_backward(std::span(batch.x).first(size_t(kSeq)), std::span(batch.y).first(size_t(kSeq)));
+  EXPECT_TRUE(std::isnan(loss)) << "rank " << comm().rank() << ": " << loss;
+}
+
+// The memory plan counts a layer's gathered part at a byte an element (the pool holds prefetch + 2 of the
+// largest part: at xl the embedding's fp32 then, not a layer's); on CUDA the combination is refused.
+TEST(FsdpFp8, ThePlanCountsLayersAtAByteAndCudaRefuses) {
+  const ModelConfig mc = ModelConfig::named("xl", 512);
+  ModelOptions o = fp8_options(true);
+  o.fsdp_world = 2;
+  o.optimizer_shards = 2;
+  const auto pool = [&](const ModelOptions& options) {
+    const MemoryPlan plan = plan_model_memory(mc, 4, 512, Device::cpu, DType::f32, options);
+    for (const MemoryPlan::Item& item : plan.items) {
+      if (item.what.starts_with("FSDP gathered parts")) return item.bytes;
+    }
+    ADD_FAILURE() << "no pool in the plan:\n" << plan.format();
+    return int64_t{0};
+  };
+  const int64_t layer = 4 * mc.d_model * mc.d_model + 3 * mc.d_model * mc.d_ff + 2 * mc.d_model;
+  const int64_t embedding = mc.vocab * mc.d_model * 4;
+  EXPECT_EQ(pool(o), 3 * std::max(layer, embedding));
+  ModelOptions rowwise = o;
+  rowwise.fp8_recipe = Fp8Recipe::rowwise;
+  EXPECT_EQ(pool(rowwise), 3 * std::max(layer * 4, embedding));
+  try {
+    plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, o);
+    ADD_FAILURE() << "FSDP's FP8 gather was accepted on CUDA";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("--ddp fsdp with FP8 GEMMs (--precision fp8 or bf16-pure-fp8, tensorwise) on "
+                                         "CUDA"),
+              std::string::npos)
+        << e.what();
+  }
+  // Rowwise gathers bf16 as before, and one rank gathers nothing: both accepted.
+  plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, rowwise);
+  ModelOptions alone = o;
+  alone.fsdp_world = 1;
+  alone.optimizer_shards = 1;
+  plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, alone);
 }
 
 // ---------------------------------------------------------------------------------------------------
