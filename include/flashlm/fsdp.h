@@ -66,7 +66,7 @@ class FsdpParameters {
   // such groups — a layer, whose sharded elements are its FP8 GEMMs' weights — is gathered as the e4m3
   // bytes those GEMMs read (Fp8WeightGather::gather_groups: one amax per group over every rank, then one
   // byte an element on the wire), into a pool buffer of a byte an element; its table entries point at the
-  // bytes with fp8_scales at their group's scale slot, and master null. CPU only (check_fsdp_fp8_gather).
+  // bytes with fp8_scales at their group's scale slot, and master null. CPU only (ModelOptions::fsdp_fp8_gather).
   void use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, bool pure, int64_t grad_accum,
                            void* stream, std::function<void(int64_t, int64_t)> await_gradients,
                            std::span<const DdpRange> fp8_groups = {});

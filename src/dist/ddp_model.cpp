@@ -67,7 +67,7 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
       const bool pure = model.bf16_pure();
       // --precision fp8, tensorwise: the layers' FP8 weights arrive as the e4m3 bytes their GEMMs read.
       std::vector<DdpRange> fp8_groups;
-      if (model.fsdp_fp8_gather()) {
+      if (model.fsdp_fp8_gather()) {  // the CPU only (ModelOptions::fsdp_fp8_gather)
         for (const Fp8ScaleGroup& g : fp8_scale_groups(model.layout())) fp8_groups.push_back({g.offset, g.count});
       }
       fsdp_->use_sharded_storage(model_.parameter_storage(), pure ? DType::bf16 : model.working_dtype(), pure,

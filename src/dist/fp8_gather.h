@@ -83,7 +83,7 @@ class Fp8WeightGather {
   // elements on every rank (NaN wins) and written to its slot with its dequantisation scale, and its
   // elements are encoded with fp8_scale of that amax. request: null, blocking; else the bytes' all-gather is
   // left in flight there (the scales are written before return). Every rank passes the same segments and
-  // groups. An Error on CUDA: its FSDP step does not gather in FP8 yet (check_fsdp_fp8_gather).
+  // groups. An Error on CUDA: its FSDP step does not gather in FP8 yet (ModelOptions::fsdp_fp8_gather).
   Fp8GatherTraffic gather_groups(std::span<const Fp8HeldRun> held, DType dtype,
                                  std::span<const Communicator::Segment> segments, std::span<const Fp8GatherGroup> groups,
                                  const TensorView& q, CommRequest* request = nullptr);

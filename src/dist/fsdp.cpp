@@ -525,7 +525,10 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
   FLASHLM_CHECK(!pure || working_dtype == DType::bf16,
                 "FsdpParameters::use_sharded_storage: bf16-pure keeps bf16 parameters, not {}", dtype_name(working_dtype));
   FLASHLM_CHECK(grad_accum >= 1, "FsdpParameters::use_sharded_storage: grad_accum = {}, expected >= 1", grad_accum);
-  check_fsdp_fp8_gather(p.device, !fp8_groups.empty() && m.comm.world_size() > 1);
+  // ModelOptions::fsdp_fp8_gather: the CUDA model's FP8 GEMMs cast a gathered bf16 weight, never gathered bytes.
+  FLASHLM_CHECK(fp8_groups.empty() || p.device == Device::cpu,
+                "FsdpParameters::use_sharded_storage: FP8 scale groups on CUDA, whose model reads no gathered FP8 "
+                "bytes (ModelOptions::fsdp_fp8_gather)");
   for (size_t i = 0; i < p.layout.size(); ++i) {
     FLASHLM_CHECK(p.is_trainable(int64_t(i)) && p.owner(int64_t(i)) == int64_t(i),
                   "FsdpParameters::use_sharded_storage: '{}' is frozen or tied; sharded storage keeps trainable, "

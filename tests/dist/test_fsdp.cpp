@@ -871,8 +871,9 @@ TEST(FsdpFp8, ANanInOneRanksPartReachesEveryRanksCopy) {
 }
 
 // The memory plan counts a layer's gathered part at a byte an element (the pool holds prefetch + 2 of the
-// largest part: at xl the embedding's fp32 then, not a layer's); on CUDA the combination is refused.
-TEST(FsdpFp8, ThePlanCountsLayersAtAByteAndCudaRefuses) {
+// largest part: at xl the embedding's fp32 then, not a layer's). On CUDA, whose FP8 GEMMs cast a bf16 weight
+// and read no gathered bytes, the layers are gathered in bf16 as without the FP8 gather.
+TEST(FsdpFp8, ThePlanCountsLayersAtAByteOnTheCpuAndInBf16OnCuda) {
   const ModelConfig mc = ModelConfig::named("xl", 512);
   ModelOptions o = fp8_options(true);
   o.fsdp_world = 2;
@@ -891,16 +892,22 @@ TEST(FsdpFp8, ThePlanCountsLayersAtAByteAndCudaRefuses) {
   ModelOptions rowwise = o;
   rowwise.fp8_recipe = Fp8Recipe::rowwise;
   EXPECT_EQ(pool(rowwise), 3 * std::max(layer * 4, embedding));
-  try {
-    plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, o);
-    ADD_FAILURE() << "FSDP's FP8 gather was accepted on CUDA";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("--ddp fsdp with FP8 GEMMs (--precision fp8 or bf16-pure-fp8, tensorwise) on "
-                                         "CUDA"),
-              std::string::npos)
-        << e.what();
-  }
-  // Rowwise gathers bf16 as before, and one rank gathers nothing: both accepted.
+  EXPECT_TRUE(o.fsdp_fp8_gather(Device::cpu));
+  EXPECT_FALSE(o.fsdp_fp8_gather(Device::cuda));
+  EXPECT_FALSE(rowwise.fsdp_fp8_gather(Device::cpu));
+  const auto cuda_pool = [&](const ModelOptions& options) {
+    const MemoryPlan plan = plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, options);
+    for (const MemoryPlan::Item& item : plan.items) {
+      if (item.what.starts_with("FSDP gathered parts")) {
+        EXPECT_EQ(item.what.find("FP8 bytes"), std::string::npos) << item.what;
+        return item.bytes;
+      }
+    }
+    ADD_FAILURE() << "no pool in the plan:\n" << plan.format();
+    return int64_t{0};
+  };
+  // CUDA gathers the layers in bf16 with or without fp8, rowwise too; one rank gathers nothing: all planned.
+  EXPECT_EQ(cuda_pool(o), cuda_pool(rowwise));
   plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, rowwise);
   ModelOptions alone = o;
   alone.fsdp_world = 1;
