@@ -11,26 +11,7 @@
 # each into OUT_DIR/NAME.log, with a summary table in OUT_DIR/summary.md; exits non-zero if any failed.
 set -uo pipefail
 usage="usage: gpu-check-hopper-variants.sh BUILD_DIR OUT_DIR"
-build=${1:?$usage} out=${2:?$usage}
-exe=$build/tests/test_attention
-[[ -x $exe ]] || { echo "error: no $exe" >&2; exit 2; }
-mkdir -p "$out"
-export LD_LIBRARY_PATH=$build/src:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-printf '| run | exit | result |\n|---|---|---|\n' > "$out/summary.md"
-failed=0
-
-run() {  # NAME LIMIT CMD...: one run into OUT_DIR/NAME.log and a row of summary.md
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  local summary
-  summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\]|ERROR SUMMARY|RACECHECK SUMMARY' "$out/$name.log" |
-    grep -v '^\[  FAILED  \] [A-Z]' | tr '\n' ' ')
-  echo "| $name | $rc$( ((rc == 124)) && echo ' (timed out)') | ${summary:-see $name.log} |" | tee -a "$out/summary.md"
-  grep -E '^\[  FAILED  \] [A-Z]' "$out/$name.log" | head -20
-  ((rc == 0)) || failed=1
-}
+source "$(dirname "$0")/gpu_check_lib.sh"  # build, out, exe, the summary header, failed, run()
 
 variants='*AlibiSink*:*AttentionCapabilities*'
 run variants 900 "$exe" --gtest_brief=1 --gtest_filter="$variants"
