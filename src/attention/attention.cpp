@@ -7,6 +7,9 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <optional>
+#include <span>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "attention/backends.h"
@@ -290,12 +293,86 @@ std::optional<CudaAttentionPlan> plan_for_device(std::string_view fn, const Atte
   return check_cuda_arguments(fn, p, impl, pass, views, lse);
 }
 
+// FP8 on the CPU runs the existing CPU paths on dequantised copies: q, k, v as value = stored · descale in the
+// path's own arithmetic (fp64 for naive, exact there; fp32 for flash, one rounding of the exact product), o and
+// dout read from bf16, the outputs written in that dtype and converted once into the caller's (o bf16; dq, dk,
+// dv bf16 or fp32). The copies cost one tensor of the working dtype each, which the CPU, a reference for the
+// GPU's FP8 kernels rather than a fast path, can spend; and the kernels stay one code for every dtype.
+DType fp8_cpu_working_dtype(AttentionImpl impl) { return impl == AttentionImpl::naive ? DType::f64 : DType::f32; }
+
+std::span<const int64_t> sizes_of(const TensorView& t) {
+  return {t.sizes.data(), static_cast<size_t>(t.ndim)};
+}
+
+// A contiguous copy of t in `dtype`, each element times `descale` (the product of an e4m3 value, 4 significant
+// bits, and an fp32 descale is exact in fp64).
+Tensor dequantised_copy(const TensorView& t, DType dtype, double descale, std::string_view tag) {
+  Tensor out = Tensor::empty(sizes_of(t), dtype, Device::cpu, tag);
+  copy_into(out, t);
+  if (descale == 1.0) return out;
+  dispatch_dtype(dtype, [&](auto zero) {
+    using T = decltype(zero);
+    if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
+      T* x = out.view().ptr<T>();
+      for (int64_t i = 0; i < out.numel(); ++i) x[i] = static_cast<T>(static_cast<double>(x[i]) * descale);
+    } else {
+      fail("attention: dequantised copy: working dtype {} is not fp32 or fp64", dtype_name(dtype));
+    }
+  });
+  return out;
+}
+
+// The problem the CPU paths see: the working dtype, no descales (they are in the copies' values).
+AttentionProblem dequantised_problem(const AttentionProblem& p, DType dtype) {
+  AttentionProblem d = p;
+  d.dtype = dtype;
+  d.q_descale = d.k_descale = d.v_descale = 1.0;
+  return d;
+}
+
+void fp8_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                     const TensorView& o, const TensorView& lse, AttentionImpl impl) {
+  const DType w = fp8_cpu_working_dtype(impl);
+  const AttentionProblem d = dequantised_problem(p, w);
+  const Tensor qd = dequantised_copy(q, w, p.q_descale, "attention fp8 cpu: dequantised q");
+  const Tensor kd = dequantised_copy(k, w, p.k_descale, "attention fp8 cpu: dequantised k");
+  const Tensor vd = dequantised_copy(v, w, p.v_descale, "attention fp8 cpu: dequantised v");
+  const Tensor od = Tensor::empty(sizes_of(o), w, Device::cpu, "attention fp8 cpu: o before bf16");
+  if (impl == AttentionImpl::naive) reference_attention_forward_cpu(d, qd, kd, vd, od, lse);
+  else flash_attention_forward_cpu(d, qd, kd, vd, od, lse);
+  copy_into(o, od);
+}
+
+void fp8_backward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
+                      const TensorView& dk, const TensorView& dv, AttentionImpl impl) {
+  const DType w = fp8_cpu_working_dtype(impl);
+  const AttentionProblem d = dequantised_problem(p, w);
+  const Tensor qd = dequantised_copy(q, w, p.q_descale, "attention fp8 cpu: dequantised q");
+  const Tensor kd = dequantised_copy(k, w, p.k_descale, "attention fp8 cpu: dequantised k");
+  const Tensor vd = dequantised_copy(v, w, p.v_descale, "attention fp8 cpu: dequantised v");
+  const Tensor dqd = Tensor::empty(sizes_of(dq), w, Device::cpu, "attention fp8 cpu: dq");
+  const Tensor dkd = Tensor::empty(sizes_of(dk), w, Device::cpu, "attention fp8 cpu: dk");
+  const Tensor dvd = Tensor::empty(sizes_of(dv), w, Device::cpu, "attention fp8 cpu: dv");
+  const Tensor dod = dequantised_copy(dout, w, 1.0, "attention fp8 cpu: dout");
+  if (impl == AttentionImpl::naive) {
+    reference_attention_backward_cpu(d, qd, kd, vd, dod, dqd, dkd, dvd);
+  } else {
+    const Tensor od = dequantised_copy(o, w, 1.0, "attention fp8 cpu: o");
+    flash_attention_backward_cpu(d, qd, kd, vd, od, lse, dod, dqd, dkd, dvd);
+  }
+  copy_into(dq, dqd);
+  copy_into(dk, dkd);
+  copy_into(dv, dvd);
+}
+
 // Runs a validated (and, on CUDA, planned) forward on the backend of its device.
 void run_forward(const AttentionProblem& p, [[maybe_unused]] const std::optional<CudaAttentionPlan>& plan,
                  const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
                  const TensorView& lse, const AttentionOptions& options) {
   if (p.device == Device::cpu) {
-    if (options.impl == AttentionImpl::naive) reference_attention_forward_cpu(p, q, k, v, o, lse);
+    if (p.dtype == DType::f8e4m3) fp8_forward_cpu(p, q, k, v, o, lse, options.impl);
+    else if (options.impl == AttentionImpl::naive) reference_attention_forward_cpu(p, q, k, v, o, lse);
     else flash_attention_forward_cpu(p, q, k, v, o, lse);
     return;
   }
@@ -323,7 +400,8 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
                   const TensorView& lse, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                   const TensorView& dv, const AttentionOptions& options) {
   if (p.device == Device::cpu) {
-    if (options.impl == AttentionImpl::naive) reference_attention_backward_cpu(p, q, k, v, dout, dq, dk, dv);
+    if (p.dtype == DType::f8e4m3) fp8_backward_cpu(p, q, k, v, o, lse, dout, dq, dk, dv, options.impl);
+    else if (options.impl == AttentionImpl::naive) reference_attention_backward_cpu(p, q, k, v, dout, dq, dk, dv);
     else flash_attention_backward_cpu(p, q, k, v, o, lse, dout, dq, dk, dv);
     return;
   }
@@ -332,7 +410,7 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
   switch (plan->family) {
     case CudaKernelFamily::naive:
       return naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
-    case CudaKernelFamily::fp8:     // refused by validate_attention_backward
+    case CudaKernelFamily::fp8:     // refused by plan_cuda_attention (no fp8 backward row)
     case CudaKernelFamily::hopper: break;  // never planned: flash_kernel_family chooses it
     case CudaKernelFamily::mma_sync:
     case CudaKernelFamily::f32:

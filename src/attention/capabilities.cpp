@@ -129,6 +129,11 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
                 fn, p.value_dim(), kCudaMaxHeadDim, kCudaRowAlignBytes, kCudaRowAlignBytes / elem,
                 dtype_name(p.dtype));
 
+  // Before the family: the message says where the fp8 backward runs, whatever impl asked for. It follows the fp8
+  // row, so a backward added there lifts it.
+  FLASHLM_CHECK(p.dtype != DType::f8e4m3 || pass == AttentionPass::forward ||
+                    !cuda_kernel_capability(CudaKernelFamily::fp8).backward_head_dims.empty(),
+                "{}: q: dtype fp8_e4m3: no FP8 backward kernel yet on cuda; the cpu computes it", fn);
   const bool own_value_dim = p.value_dim() != p.head_dim;
   CudaKernelFamily family = p.dtype == DType::f32      ? CudaKernelFamily::f32
                             : p.dtype == DType::f8e4m3 ? CudaKernelFamily::fp8

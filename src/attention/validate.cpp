@@ -234,8 +234,6 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
                     dtype_name(q.dtype), d);
     }
   }
-  FLASHLM_CHECK(q.dtype != DType::f8e4m3 || q.device == Device::cuda,
-                "{}: q: dtype fp8_e4m3 runs only on cuda (an sm_90 GPU); the cpu has no fp8 attention", fn);
   p.q_descale = options.q_descale;
   p.k_descale = options.k_descale;
   p.v_descale = options.v_descale;
@@ -275,11 +273,30 @@ AttentionProblem check_backward(std::string_view fn, const TensorView& q, const 
                                 const TensorView& o, const TensorView& lse, const TensorView& dout,
                                 const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                 const AttentionOptions& options, int64_t sequences) {
-  FLASHLM_CHECK(q.dtype != DType::f8e4m3, "{}: q: dtype fp8_e4m3 has a forward only (no backward)", fn);
   AttentionProblem p = describe(fn, q, k, v, o, lse, options, sequences);
-  for (auto [name, t] : {std::pair{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
-    check_qkv_like(fn, name, *t);
-    check_same_kind(fn, name, *t, q);
+  if (q.dtype == DType::f8e4m3) {
+    // dout is the gradient of the bf16 o; dq, dk, dv are gradients of the dequantised values, which e4m3 holds
+    // too coarsely (its 3 mantissa bits would lose most of a gradient), so they take bf16 or fp32, all one.
+    check_qkv_like(fn, "dout", dout);
+    FLASHLM_CHECK(dout.dtype == DType::bf16, "{}: dout: expected dtype bf16 (o's) for fp8_e4m3 inputs, got {}", fn,
+                  dtype_name(dout.dtype));
+    FLASHLM_CHECK(dout.device == q.device, "{}: dout: on {} but q is on {}", fn, device_name(dout.device),
+                  device_name(q.device));
+    for (auto [name, t] : {std::pair{"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
+      check_qkv_like(fn, name, *t);
+      FLASHLM_CHECK(t->dtype == DType::bf16 || t->dtype == DType::f32,
+                    "{}: {}: expected dtype bf16 or fp32 for the gradients of fp8_e4m3 inputs, got {}", fn, name,
+                    dtype_name(t->dtype));
+      FLASHLM_CHECK(t->dtype == dq.dtype, "{}: {}: dtype {} differs from dq's {} (the gradients share one dtype)",
+                    fn, name, dtype_name(t->dtype), dtype_name(dq.dtype));
+      FLASHLM_CHECK(t->device == q.device, "{}: {}: on {} but q is on {}", fn, name, device_name(t->device),
+                    device_name(q.device));
+    }
+  } else {
+    for (auto [name, t] : {std::pair{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
+      check_qkv_like(fn, name, *t);
+      check_same_kind(fn, name, *t, q);
+    }
   }
   check_same_shape(fn, "dout", dout, "o", o);
   check_same_shape(fn, "dq", dq, "q", q);

@@ -252,6 +252,53 @@ inline double dsink_rounding_allowance(const Case& c, const Problem& ref, const 
   return 2 * eps * rounding;
 }
 
+// What dq and dk of a flash backward that reads o rounded to a 16-bit dtype (the fp8 backward's o is bf16, its
+// gradients fp32 or bf16) may differ by beyond tolerance(), element by element. Delta_i = rowsum(dO_i ∘ O_i) is then
+// off by up to δ_i = eps · Σ_d |dO_id O_id| (eps two unit roundoffs of o's dtype), so dS_ij = P_ij (dP_ij - Delta_i)
+// by P_ij δ_i, dq_id by scale · δ_i · Σ_j P_ij |k_jd| and dk_jd by scale · Σ_i P_ij δ_i |q_id| (over the key head's
+// query heads). Where o or v is large, this outgrows the naive attention's rounding of the gradients, which the
+// low-precision rule measures. `ref` is the fp64 oracle's problem (BSHD, default scale, c's causal mask); the
+// allowances come as [B, N, H, D] fp64 tensors shaped like dq and dk.
+struct DeltaRoundingAllowance {
+  Tensor dq, dk;
+};
+inline DeltaRoundingAllowance delta_rounding_allowance(const Case& c, const Problem& ref, DType o_dtype) {
+  const double eps = o_dtype == DType::bf16 ? 0x1p-8 : o_dtype == DType::f16 ? 0x1p-11 : 0.0;
+  const int64_t D = c.D, Dv = value_dim(c), group = c.Hq / c.Hk;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const int64_t offset = c.mask == Mask::bottom_right ? c.Nk - c.Nq : 0;
+  const Tensor q = to_f64(ref.q.view), k = to_f64(ref.k.view), o = to_f64(ref.o.view), dout = to_f64(ref.dout.view),
+               lse = to_f64(ref.lse);
+  DeltaRoundingAllowance a{Tensor::empty({c.B, c.Nq, c.Hq, D}, DType::f64), Tensor::empty({c.B, c.Nk, c.Hk, D}, DType::f64)};
+  fill_value(a.dq, 0.0);
+  fill_value(a.dk, 0.0);
+  const double *qp = q.view().ptr<double>(), *kp = k.view().ptr<double>(), *op = o.view().ptr<double>();
+  const double *dop = dout.view().ptr<double>(), *lp = lse.view().ptr<double>();
+  double *aq = a.dq.view().ptr<double>(), *ak = a.dk.view().ptr<double>();
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t h = 0; h < c.Hq; ++h)
+      for (int64_t i = 0; i < c.Nq; ++i) {
+        const double row_lse = lp[(b * c.Hq + h) * c.Nq + i];
+        if (row_lse == -INFINITY) continue;  // a row that sees no key has zero gradients
+        const int64_t orow = ((b * c.Nq + i) * c.Hq + h) * Dv, qrow = ((b * c.Nq + i) * c.Hq + h) * D;
+        double delta = 0;
+        for (int64_t d = 0; d < Dv; ++d) delta += std::fabs(dop[orow + d] * op[orow + d]);
+        delta *= eps;
+        const int64_t visible = c.mask == Mask::none ? c.Nk : std::clamp<int64_t>(i + offset + 1, 0, c.Nk);
+        for (int64_t j = 0; j < visible; ++j) {
+          const int64_t krow = ((b * c.Nk + j) * c.Hk + h / group) * D;
+          double s = 0;
+          for (int64_t d = 0; d < D; ++d) s += qp[qrow + d] * kp[krow + d];
+          const double w = scale * std::exp(scale * s - row_lse) * delta;
+          for (int64_t d = 0; d < D; ++d) {
+            aq[qrow + d] += w * std::fabs(kp[krow + d]);
+            ak[krow + d] += w * std::fabs(qp[qrow + d]);
+          }
+        }
+      }
+  return a;
+}
+
 // The error plan_cuda_attention raises for a call of `pass` on p, empty where it plans a kernel. A backward runs
 // the forward first, so a problem without a forward kernel fails with the forward's message.
 inline std::string cuda_plan_error(const AttentionProblem& p, AttentionImpl impl, AttentionPass pass) {

@@ -1,5 +1,6 @@
-// The FP8 (e4m3) attention forward: its argument checks (CPU, always run) and the sm_90a kernel against
-// the fp64 reference computed from the same fp8 inputs (GPU tests: skip without an sm_90 GPU).
+// FP8 (e4m3) attention: its argument checks, the CPU forward and backward (both impls) against the fp64
+// reference computed on the dequantised inputs (always run), and the sm_90a forward kernel against the same
+// reference (GPU tests: skip without an sm_90 GPU).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,6 +9,8 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention/attention_testing.h"
@@ -54,7 +57,6 @@ TEST(Fp8Attention, BadArgumentsAreClearErrors) {
   Tensor q = Tensor::empty({1, 8, 2, 64}, DType::f8e4m3), o = Tensor::empty({1, 8, 2, 64}, DType::bf16);
   Tensor o8 = Tensor::empty({1, 8, 2, 64}, DType::f8e4m3), lse = Tensor::empty({1, 2, 8}, DType::f32);
   fill_normal(q, 1);
-  expect_error([&] { attention_forward(q, q, q, o, lse); }, {"attention_forward", "q", "fp8_e4m3", "only on cuda"});
   expect_error([&] { attention_forward(q, q, q, o8, lse); }, {"attention_forward", "o", "expected dtype bf16"});
   AttentionOptions bad;
   bad.k_descale = std::numeric_limits<float>::quiet_NaN();
@@ -69,9 +71,31 @@ TEST(Fp8Attention, BadArgumentsAreClearErrors) {
   expect_error([&] { attention_forward(qb, qb, qb, ob, lse, descaled); },
                {"v_descale", "fp8_e4m3 inputs only", "bf16"});
 
-  Tensor g = Tensor::empty({1, 8, 2, 64}, DType::f8e4m3), gq = Tensor::empty({1, 8, 2, 64}, DType::f8e4m3);
-  expect_error([&] { attention_backward(q, q, q, o, lse, o, gq, g, g); },
-               {"attention_backward", "fp8_e4m3 has a forward only"});
+  // The backward: dout bf16 (o's dtype), the gradients bf16 or fp32 and all one dtype, the descales as above.
+  Tensor g = Tensor::empty({1, 8, 2, 64}, DType::f32), g8 = Tensor::empty({1, 8, 2, 64}, DType::f8e4m3);
+  Tensor gb = Tensor::empty({1, 8, 2, 64}, DType::bf16), gh = Tensor::empty({1, 8, 2, 64}, DType::f16);
+  Tensor dout = Tensor::empty({1, 8, 2, 64}, DType::bf16);
+  fill_normal(dout, 3);
+  expect_error([&] { attention_backward(q, q, q, o, lse, g, g, g, g); },
+               {"attention_backward", "dout", "expected dtype bf16", "fp32"});
+  expect_error([&] { attention_backward(q, q, q, o8, lse, dout, g, g, g); },
+               {"attention_backward", "o", "expected dtype bf16"});
+  expect_error([&] { attention_backward(q, q, q, o, lse, dout, g8, g8, g8); },
+               {"attention_backward", "dq", "bf16 or fp32", "fp8_e4m3"});
+  expect_error([&] { attention_backward(q, q, q, o, lse, dout, gh, gh, gh); }, {"dq", "bf16 or fp32", "fp16"});
+  expect_error([&] { attention_backward(q, q, q, o, lse, dout, gb, g, g); }, {"dk", "differs from dq's"});
+  for (float d : {-1.0f, std::numeric_limits<float>::infinity()}) {
+    AttentionOptions neg;
+    neg.q_descale = d;
+    expect_error([&] { attention_backward(q, q, q, o, lse, dout, g, g, g, neg); },
+                 {"attention_backward", "q_descale", "finite number > 0"});
+    neg.q_descale = 1.0f;
+    neg.v_descale = d;
+    expect_error([&] { attention_forward(q, q, q, o, lse, neg); }, {"attention_forward", "v_descale", "finite number > 0"});
+  }
+  // The gradients may not overlap an input (here: dq is dout's memory).
+  Tensor gbo = Tensor::empty({1, 8, 2, 64}, DType::bf16);
+  expect_error([&] { attention_backward(q, q, q, o, lse, gbo, gbo, gb, gb); }, {"dq", "overlaps the input dout"});
 }
 
 // fp8 inputs in a layout whose rows stay 16-byte aligned (the CUDA kernels' rule; testing::make_laid_out's
@@ -85,14 +109,14 @@ TEST(Fp8Attention, BadArgumentsAreClearErrors) {
 }
 
 // The dequantised fp64 BSHD copy of an fp8 view: value · descale.
-[[maybe_unused]] Tensor dequantised(const TensorView& t, double descale) {
+Tensor dequantised(const TensorView& t, double descale) {
   Tensor x = to_f64(t);
   for (int64_t i = 0; i < x.numel(); ++i) x.view().ptr<double>()[i] *= descale;
   return x;
 }
 
 struct Fp8Case {
-  Case c;  // c.dtype unused (fp8 in, bf16 out)
+  Case c;  // fp8 in, bf16 out; c.dtype: the gradients' dtype of the CPU backward (bf16 or fp32), unused on the GPU
 };
 std::string fp8_case_name(const Fp8Case& f) {
   Case c = f.c;
@@ -297,6 +321,245 @@ TEST(Fp8Attention, GpuRefusesWhatItHasNoKernelFor) {
   expect_error([&] { attention_forward(q64, q64, q64, o64, lse, naive); }, {"naive", "fp8_e4m3"});
   if (!on_sm90()) {
     expect_error([&] { attention_forward(q64, q64, q64, o64, lse); }, {"fp8_e4m3", "sm_90"});
+  }
+  // The backward, whatever impl: the one message of plan_cuda_attention, which says where it runs instead.
+  Tensor g = Tensor::empty({1, 8, 2, 64}, DType::bf16, Device::cuda), dout = Tensor::empty({1, 8, 2, 64}, DType::bf16, Device::cuda);
+  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
+    AttentionOptions opt;
+    opt.impl = impl;
+    expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, opt); },
+                 {"attention_backward", "no FP8 backward kernel yet on cuda; the cpu computes it"});
+  }
+}
+
+// ---- The CPU: forward and backward, both impls, against the fp64 reference of the dequantised inputs. ----
+
+// q and k as FP8 recipes store them, spread over the range with a small descale (amax / 448-like), v with a
+// descale above 1; none a power of two, so that dequantising rounds in fp32.
+constexpr float kCpuQDescale = 0.037f, kCpuKDescale = 0.026f, kCpuVDescale = 2.5f;
+
+// Random e4m3 inputs (never zeros) with the range's ends mixed in: normals of stddev `stddev`, then a few
+// elements at ±448 and ±416 (the two largest magnitudes) and more at subnormals (2^-9 .. 7 · 2^-9), placed by
+// the element's index so that every tensor, layout and shape gets some.
+void fill_fp8(const TensorView& t, uint64_t seed, double stddev) {
+  fill_normal(t, seed, stddev);
+  auto* bits = static_cast<uint8_t*>(t.data);
+  for_each_offset(t, [&](int64_t offset, int64_t n) {
+    const auto sign = static_cast<uint8_t>(n % 2 == 0 ? 0x00 : 0x80);
+    if (n % 101 == 7) bits[offset] = static_cast<uint8_t>(sign | (n % 3 == 0 ? 0x7d : 0x7e));
+    else if (n % 13 == 2) bits[offset] = static_cast<uint8_t>(sign | (1 + n % 7));
+    else if ((bits[offset] & 0x7f) == 0) bits[offset] = static_cast<uint8_t>(sign | 0x38);  // 0 becomes ±1
+  });
+}
+
+// Everything one CPU fp8 call reads and writes: q, k, v e4m3 in `layout`, o and dout bf16, the gradients in
+// `grad` (bf16 or fp32), lse fp32; the outputs poisoned with NaN.
+struct Fp8Problem {
+  LaidOut q, k, v, o, dout, dq, dk, dv;
+  Tensor lse;
+  Fp8Problem(const Case& c, DType grad, uint64_t seed)
+      : q(make_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D, DType::f8e4m3)),
+        k(make_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D, DType::f8e4m3)),
+        v(make_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D, DType::f8e4m3)),
+        o(make_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D, DType::bf16)),
+        dout(make_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D, DType::bf16)),
+        dq(make_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D, grad)),
+        dk(make_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D, grad)),
+        dv(make_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D, grad)),
+        lse(Tensor::empty({c.B, c.Hq, c.Nq}, DType::f32)) {
+    // q and k of stddev 24 and 40 (dequantised ~0.9 and ~1: scores of order 1, softmaxes neither flat nor
+    // one-hot; ±448 dequantises to 16.6 and 11.6), v of stddev 4 (dequantised 10, ±448 to 1120).
+    fill_fp8(q.view, seed, 24.0);
+    fill_fp8(k.view, seed + 1, 40.0);
+    fill_fp8(v.view, seed + 2, 4.0);
+    fill_normal(dout.view, seed + 3);
+  }
+  // The same inputs (the same bits) with gradients in `grad`.
+  Fp8Problem(const Fp8Problem& src, const Case& c, DType grad) : Fp8Problem(c, grad, 0) {
+    for (auto [to, from] : {std::pair{&q, &src.q}, {&k, &src.k}, {&v, &src.v}, {&dout, &src.dout}}) {
+      copy_into(to->view, from->view);
+    }
+  }
+  void run(AttentionOptions opt) {
+    opt.q_descale = kCpuQDescale;
+    opt.k_descale = kCpuKDescale;
+    opt.v_descale = kCpuVDescale;
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    for (auto* t : {&o, &dq, &dk, &dv}) fill_value(t->view, nan);
+    fill_value(lse, nan);
+    attention_forward(q.view, k.view, v.view, o.view, lse, opt);
+    attention_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, opt);
+  }
+  // The fp64 reference problem (BSHD): the dequantised q, k, v and dout (bf16, exact in fp64), run by the naive
+  // fp64 attention with `naive`'s options.
+  Problem reference(const Case& c, const AttentionOptions& naive) const {
+    Case c64 = c;
+    c64.dtype = DType::f64;
+    Problem ref(c64, Layout::bshd, DType::f64, 0);
+    copy_into(ref.q.view, dequantised(q.view, kCpuQDescale));
+    copy_into(ref.k.view, dequantised(k.view, kCpuKDescale));
+    copy_into(ref.v.view, dequantised(v.view, kCpuVDescale));
+    copy_into(ref.dout.view, dout.view);
+    ref.run(naive);
+    return ref;
+  }
+};
+
+// Every element of `got` within the rounding of one conversion of `want` to got's dtype: |got - want| <= u · |want|
+// + the dtype's smallest subnormal (a value below the dtype's range rounds to it or to 0), u = 2^-8 for bf16 (its
+// unit roundoff 2^-9, twice for the conversion through fp32) and 2^-23 for fp32.
+void expect_rounded_once(const TensorView& got, const TensorView& want, const std::string& what) {
+  const double u = got.dtype == DType::bf16 ? 0x1p-8 : 0x1p-23;
+  const double tiny = got.dtype == DType::bf16 ? 0x1p-133 : 0x1p-149;
+  Tensor a = to_f64(got), b = to_f64(want);
+  int64_t bad = 0, first = -1;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double x = a.view().ptr<double>()[i], y = b.view().ptr<double>()[i];
+    const bool ok = x == y || std::fabs(x - y) <= u * std::fabs(y) + tiny;  // x == y: -inf lse
+    if (!ok && bad++ == 0) first = i;
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " elements beyond one rounding, the first [" << first << "] "
+                    << (first >= 0 ? a.view().ptr<double>()[first] : 0.0) << " against "
+                    << (first >= 0 ? b.view().ptr<double>()[first] : 0.0);
+}
+
+std::string fp8_cpu_case_name(const Fp8Case& f) { return fp8_case_name(f) + "_grad_" + std::string(dtype_name(f.c.dtype)); }
+
+class Fp8CpuVsReference : public ::testing::TestWithParam<Fp8Case> {};
+
+// The naive impl computes in fp64 on the dequantised values, the reference's very arithmetic: its o, lse and
+// gradients are the reference's rounded once to their dtypes. The flash impl computes in fp32 (the dequantised
+// values rounded once to fp32) and its backward reads o in bf16, as the 16-bit paths read their o: bounded by
+// SPEC §3's low-precision rule, twice the error of the naive attention in the same precision (bf16 o, bf16
+// gradients) plus 1e-3. Its fp32 gradients are held to the same bf16 bound: Delta = rowsum(dO∘O) reads o's bf16
+// values (2^-9 relative each), which enters every dS = P∘(dP - Delta) at the size of a bf16 rounding of the
+// gradients, so fp32 storage cannot make them better than that; that they are the bf16 gradients before their
+// rounding is checked exactly. lse: fp32 scores, 1e-4 relative; -inf exactly where the reference has it.
+TEST_P(Fp8CpuVsReference, MatchesFp64ReferenceOfTheDequantisedInputs) {
+  const Case c = GetParam().c;
+  const std::string name = fp8_cpu_case_name(GetParam());
+  const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
+  const AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
+
+  Fp8Problem ours_flash(c, c.dtype, 7000 + static_cast<uint64_t>(c.Nq * 7 + c.Nk + c.D));
+  ours_flash.run(flash);
+  Fp8Problem ours_naive(ours_flash, c, c.dtype);
+  ours_naive.run(naive);
+  Fp8Problem naive_bf16(ours_flash, c, DType::bf16);  // the low-precision baseline: bf16 o and gradients
+  naive_bf16.run(naive);
+  const Problem ref = ours_flash.reference(c, options_for(c.mask, AttentionImpl::naive));
+
+  expect_rounded_once(ours_naive.o.view, ref.o.view, "naive o of " + name);
+  expect_rounded_once(ours_naive.lse, ref.lse, "naive lse of " + name);
+  expect_rounded_once(ours_naive.dq.view, ref.dq.view, "naive dq of " + name);
+  expect_rounded_once(ours_naive.dk.view, ref.dk.view, "naive dk of " + name);
+  expect_rounded_once(ours_naive.dv.view, ref.dv.view, "naive dv of " + name);
+
+  // dq and dk also get delta_rounding_allowance, element by element: the error beyond it is held to the rule.
+  const DeltaRoundingAllowance allowance = delta_rounding_allowance(c, ref, DType::bf16);
+  const Tensor none = Tensor::empty({0}, DType::f64);
+  struct Item {
+    const char* what;
+    const TensorView &got, &want, &lowp, &allowed;
+  };
+  for (const Item& t : {Item{"o", ours_flash.o.view, ref.o.view, naive_bf16.o.view, none.view()},
+                        Item{"dq", ours_flash.dq.view, ref.dq.view, naive_bf16.dq.view, allowance.dq.view()},
+                        Item{"dk", ours_flash.dk.view, ref.dk.view, naive_bf16.dk.view, allowance.dk.view()},
+                        Item{"dv", ours_flash.dv.view, ref.dv.view, naive_bf16.dv.view, none.view()}}) {
+    const double low = max_abs_diff(t.lowp, t.want);
+    const Tensor got = to_f64(t.got), want = to_f64(t.want);
+    double err = 0;  // max over the elements of |got - want| less the element's allowance
+    for (int64_t i = 0; i < got.numel(); ++i) {
+      const double d = std::fabs(got.view().ptr<double>()[i] - want.view().ptr<double>()[i]) -
+                       (t.allowed.numel() > 0 ? t.allowed.ptr<const double>()[i] : 0.0);
+      err = std::isnan(d) ? INFINITY : std::max(err, d);
+    }
+    EXPECT_LE(err, tolerance(DType::bf16, low, max_abs(t.want)))
+        << "flash " << t.what << " of " << name << " (beyond the Delta allowance; naive bf16 error " << low
+        << ", max |ref| " << max_abs(t.want) << ")";
+  }
+  Tensor lse_ours = to_f64(ours_flash.lse), lse_ref = to_f64(ref.lse);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < lse_ref.numel(); ++i) {
+    const double a = lse_ours.view().ptr<double>()[i], b = lse_ref.view().ptr<double>()[i];
+    bad += std::isinf(b) ? a != b : !(std::fabs(a - b) <= 1e-4 * std::max(1.0, std::fabs(b)));
+  }
+  EXPECT_EQ(bad, 0) << "flash lse of " << name << ": elements off the reference";
+
+  if (c.dtype == DType::f32) {  // the fp32 gradients rounded to bf16 are the bf16 run's, bit for bit
+    Fp8Problem flash_bf16(ours_flash, c, DType::bf16);
+    flash_bf16.run(flash);
+    for (auto [what, f32, b16] : {std::tuple{"dq", &ours_flash.dq, &flash_bf16.dq},
+                                  {"dk", &ours_flash.dk, &flash_bf16.dk}, {"dv", &ours_flash.dv, &flash_bf16.dv}}) {
+      LaidOut rounded = make_laid_out(Layout::bshd, b16->view.size(0), b16->view.size(1), b16->view.size(2),
+                                      b16->view.size(3), DType::bf16);
+      copy_into(rounded.view, f32->view);
+      EXPECT_EQ(max_abs_diff(rounded.view, b16->view), 0.0) << "flash " << what << " of " << name;
+    }
+  }
+}
+
+std::vector<Fp8Case> fp8_cpu_grid() {
+  std::vector<Fp8Case> cases;
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::sliced};
+  const Mask masks[] = {Mask::none, Mask::top_left, Mask::bottom_right};
+  const int64_t head_dims[] = {16, 64, 40};  // the CPU takes any head dim, not only the GPU kernel's 64 and 128
+  int n = 0;
+  for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 1}, {1, 17}, {17, 130}, {130, 17}, {33, 33}}) {
+    for (Mask m : masks) {
+      const bool mqa = n % 2 == 1;  // GQA (4 query heads on 2) and MQA (3 on 1) in turn
+      const DType grad = n % 2 == 0 ? DType::bf16 : DType::f32;
+      cases.push_back({{2, nq, nk, mqa ? 3 : 4, mqa ? 1 : 2, head_dims[n % 3], layouts[(n + n / 3) % 3], m, grad}});
+      ++n;
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, Fp8CpuVsReference, ::testing::ValuesIn(fp8_cpu_grid()),
+                         [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_cpu_case_name(info.param); });
+
+// The gradients are those of the dequantised values (value = stored · descale): the fp8 backward's fp32 gradients
+// against the fp64 reference's on the dequantised inputs, which are checked here against central differences
+// of L = Σ O ∘ dO in fp64 with the dequantised values perturbed. A gradient of the stored values would be
+// off by the descale (0.037, 0.026, 2.5), far beyond the bound.
+TEST(Fp8AttentionCpu, GradientsOfTheDequantisedValuesMatchFiniteDifferences) {
+  for (Mask m : {Mask::none, Mask::bottom_right}) {
+    const Case c{1, 3, 5, 2, 1, 4, Layout::bshd, m, DType::f32};
+    for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash}) {
+      Fp8Problem ours(c, DType::f32, 51);
+      ours.run(options_for(m, impl));
+      Problem ref = ours.reference(c, options_for(m, AttentionImpl::naive));
+      // fp64 central differences of step 1e-6: about 1e-10 · |L| of rounding, held to 1e-7 of the gradients' scale.
+      const double scale = std::max({1.0, max_abs(ref.dq.view), max_abs(ref.dk.view), max_abs(ref.dv.view)});
+      expect_gradients_match_central_differences(ref, options_for(m, AttentionImpl::naive), 1e-7 * scale);
+      const std::string what = std::string(attention_impl_name(impl)) + (m == Mask::none ? "" : " causal");
+      for (auto [name, got, want] : {std::tuple{"dq", &ours.dq, &ref.dq}, {"dk", &ours.dk, &ref.dk},
+                                     {"dv", &ours.dv, &ref.dv}}) {
+        // naive: one fp32 rounding; flash: fp32 arithmetic and o's bf16 rounding in Delta (see above).
+        const double tol = impl == AttentionImpl::naive ? 0x1p-23 * std::max(1.0, max_abs(want->view))
+                                                        : 0x1p-7 * std::max(1.0, max_abs(want->view));
+        EXPECT_LE(max_abs_diff(got->view, want->view), tol) << name << " of " << what;
+      }
+    }
+  }
+}
+
+// No queries: nothing is written, the keys get zero dk and dv. No keys: o = 0, lse = -inf, dq = 0.
+TEST(Fp8AttentionCpu, EmptySequences) {
+  for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash}) {
+    for (auto [nq, nk] : {std::pair<int64_t, int64_t>{0, 9}, std::pair<int64_t, int64_t>{9, 0}}) {
+      const Case c{2, nq, nk, 4, 2, 24, Layout::bshd, Mask::none, DType::bf16};
+      Fp8Problem p(c, DType::bf16, 3);
+      p.run(options_for(Mask::none, impl));
+      const std::string what = fmt::format("{} nq {} nk {}", attention_impl_name(impl), nq, nk);
+      for (const TensorView* t : {&p.o.view, &p.dq.view, &p.dk.view, &p.dv.view}) {
+        Tensor x = to_f64(*t);  // element by element: a NaN left by the poison fails too
+        for (int64_t i = 0; i < x.numel(); ++i) EXPECT_EQ(x.view().ptr<double>()[i], 0.0) << what;
+      }
+      Tensor l = to_f64(p.lse.view());
+      for (int64_t i = 0; i < l.numel(); ++i) EXPECT_EQ(l.view().ptr<double>()[i], -INFINITY) << what;
+    }
   }
 }
 

@@ -135,12 +135,16 @@ NanRows observe(const Shape& shape, int64_t D, Where where, int64_t row, Attenti
     copy_into(d, staged);
     return d;
   };
-  Tensor dq_ = on_device(q, dtype), dk_ = on_device(k, dtype), dv_ = on_device(v, dtype), ddo = on_device(dout, dtype);
-  Tensor o = Tensor::empty({B, nq, Hq, D}, dtype, device), lse = Tensor::empty({B, Hq, nq}, DType::f32, device);
-  Tensor gq = Tensor::empty({B, nq, Hq, D}, dtype, device), gk = Tensor::empty({B, nk, Hk, D}, dtype, device);
-  Tensor gv = Tensor::empty({B, nk, Hk, D}, dtype, device);
+  // fp8_e4m3 inputs (a NaN code stays NaN) come with bf16 o, dout and gradients and descales other than 1.
+  const bool fp8 = dtype == DType::f8e4m3;
+  const DType out = fp8 ? DType::bf16 : dtype;
+  Tensor dq_ = on_device(q, dtype), dk_ = on_device(k, dtype), dv_ = on_device(v, dtype), ddo = on_device(dout, out);
+  Tensor o = Tensor::empty({B, nq, Hq, D}, out, device), lse = Tensor::empty({B, Hq, nq}, DType::f32, device);
+  Tensor gq = Tensor::empty({B, nq, Hq, D}, out, device), gk = Tensor::empty({B, nk, Hk, D}, out, device);
+  Tensor gv = Tensor::empty({B, nk, Hk, D}, out, device);
   AttentionOptions opt;
   opt.impl = impl;
+  if (fp8) opt.q_descale = 0.5f, opt.k_descale = 0.25f, opt.v_descale = 2.0f;
   opt.causal = shape.causal;
   opt.align = shape.align;
   attention_forward(dq_, dk_, dv_, o, lse, opt);
@@ -218,6 +222,11 @@ void check(Device device, AttentionImpl impl, DType dtype, bool masked_may_leak,
 TEST(AttentionNaN, PropagatesAsSdpaOnTheCpu) {
   for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash})
     for (DType dtype : {DType::f64, DType::f32, DType::bf16}) check(Device::cpu, impl, dtype, false);
+}
+
+// fp8_e4m3 on the CPU (its inputs have no inf: e4m3 saturates, so only NaN is checked).
+TEST(AttentionNaN, PropagatesAsSdpaInFp8OnTheCpu) {
+  for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash}) check(Device::cpu, impl, DType::f8e4m3, false);
 }
 
 TEST(AttentionNaN, PropagatesAsSdpaOnTheGpu) {
