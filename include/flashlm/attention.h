@@ -6,9 +6,15 @@
 //   v, dv          [batch, seq_k, heads_k, head_dim_v]   head_dim_v may differ from head_dim (DeepSeek's MLA:
 //   o, dout        [batch, seq_q, heads_q, head_dim_v]   192 / 128); the default scale is 1/sqrt(head_dim)
 //   lse            [batch, heads_q, seq_q]  fp32 (fp64 allowed for fp64 inputs), natural log
-// All of q, k, v, o, do, dq, dk, dv share one dtype and one device, except in the FP8 forward: q, k, v in
-// fp8_e4m3 (with the per-tensor descale factors of AttentionOptions), o in bf16, lse fp32; CUDA on an sm_90
-// GPU only (built with the sm_90a kernels), flash only, head dims 64 and 128, no backward, no varlen.
+// All of q, k, v, o, do, dq, dk, dv share one dtype and one device, except in FP8 attention: q, k, v in
+// fp8_e4m3 (with the per-tensor descale factors of AttentionOptions), o and dout in bf16 (e4m3's 3 mantissa
+// bits are too few for an output), lse fp32, and dq, dk, dv in bf16 or fp32 (one dtype for the three). The
+// gradients are those of the dequantised values, value = stored · descale: what a training framework holding
+// the real tensors applies (d/d(stored) would be descale times them). The forward runs on an sm_90 GPU (built
+// with the sm_90a kernels; flash only, head dims 64 and 128) and on the CPU (both impls, any head dim); the
+// backward on the CPU only, CUDA refusing it by name. The CPU dequantises into copies and runs the arithmetic
+// of its other dtypes (naive in fp64, exact there; flash in fp32), the reference for the GPU's FP8 kernels
+// rather than a fast path. No varlen and no KV cache for fp8.
 //
 // Masking: with causal, query i sees key j when j <= i (top-left, PyTorch's is_causal) or
 // j <= i + seq_k - seq_q (bottom-right, FlashAttention >= 2.1). A query that sees no key gets
@@ -69,8 +75,9 @@ struct AttentionOptions {
   // pass over query tiles instead. The CPU is always deterministic.
   bool deterministic = false;
   void* stream = nullptr;        // cudaStream_t for CUDA tensors; ignored on the CPU
-  // FP8 inputs only (else they must stay 1): q, k and v hold values / descale, so attention computes
-  // S = scale · q_descale · k_descale · Q·Kᵀ and O = v_descale · softmax(S)·V (FlashAttention-3's convention).
+  // FP8 inputs only (else they must stay 1; finite and > 0): q, k and v hold values / descale, so attention
+  // computes S = scale · q_descale · k_descale · Q·Kᵀ and O = v_descale · softmax(S)·V (FlashAttention-3's
+  // convention); the backward's gradients are of those values (the top of this file).
   float q_descale = 1.0f, k_descale = 1.0f, v_descale = 1.0f;
   int64_t window_size_left = -1, window_size_right = -1;  // -1: unbounded (see the top of this file)
   double softcap = 0.0;                                    // > 0: scores become softcap · tanh(s / softcap)

@@ -29,7 +29,7 @@ import torch
 from . import _lib as L
 
 _DTYPES = {torch.float64: L.FP64, torch.float32: L.FP32, torch.float16: L.FP16, torch.bfloat16: L.BF16}
-# e4m3 inputs of the FP8 forward (bf16 output, no backward, sm_90 GPUs): torch >= 2.1 has the dtype.
+# e4m3 inputs of the FP8 forward (bf16 output, no autograd; sm_90 GPUs and the CPU): torch >= 2.1 has the dtype.
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 if _FP8 is not None:
     _DTYPES[_FP8] = L.FP8_E4M3
@@ -622,8 +622,8 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     is_causal, "bottom_right" flash-attn's; it must be given for a causal mask with seq_q != seq_k.
     flash_attn_func and scaled_dot_product_attention take those libraries' signatures.
 
-    torch.float8_e4m3fn q, k, v run the FP8 forward (CUDA on an sm_90 GPU, head dims 64 and 128, not
-    differentiable): q_descale, k_descale, v_descale (floats, default 1) are the per-tensor factors the fp8
+    torch.float8_e4m3fn q, k, v run the FP8 forward (CUDA on an sm_90 GPU at head dims 64 and 128, the CPU at
+    any; not differentiable here: the library's CPU backward is reached through the C ABI): q_descale, k_descale, v_descale (floats, default 1) are the per-tensor factors the fp8
     values were divided by; S = scale * q_descale * k_descale * q k^T, the output (bfloat16) is v_descale *
     softmax(S) v.
 

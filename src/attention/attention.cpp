@@ -322,44 +322,45 @@ Tensor dequantised_copy(const TensorView& t, DType dtype, double descale, std::s
   return out;
 }
 
-// The problem the CPU paths see: the working dtype, no descales (they are in the copies' values).
-AttentionProblem dequantised_problem(const AttentionProblem& p, DType dtype) {
-  AttentionProblem d = p;
-  d.dtype = dtype;
-  d.q_descale = d.k_descale = d.v_descale = 1.0;
-  return d;
-}
+// q, k, v dequantised into the working dtype of `impl`, and the problem the CPU paths see on them: that dtype and
+// no descales (they are in the copies' values).
+struct DequantisedFp8 {
+  AttentionProblem p;
+  Tensor q, k, v;
+  DequantisedFp8(const AttentionProblem& fp8, const TensorView& q8, const TensorView& k8, const TensorView& v8,
+                 AttentionImpl impl)
+      : p(fp8) {
+    p.dtype = fp8_cpu_working_dtype(impl);
+    p.q_descale = p.k_descale = p.v_descale = 1.0;
+    q = dequantised_copy(q8, p.dtype, fp8.q_descale, "attention fp8 cpu: dequantised q");
+    k = dequantised_copy(k8, p.dtype, fp8.k_descale, "attention fp8 cpu: dequantised k");
+    v = dequantised_copy(v8, p.dtype, fp8.v_descale, "attention fp8 cpu: dequantised v");
+  }
+};
 
 void fp8_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                      const TensorView& o, const TensorView& lse, AttentionImpl impl) {
-  const DType w = fp8_cpu_working_dtype(impl);
-  const AttentionProblem d = dequantised_problem(p, w);
-  const Tensor qd = dequantised_copy(q, w, p.q_descale, "attention fp8 cpu: dequantised q");
-  const Tensor kd = dequantised_copy(k, w, p.k_descale, "attention fp8 cpu: dequantised k");
-  const Tensor vd = dequantised_copy(v, w, p.v_descale, "attention fp8 cpu: dequantised v");
-  const Tensor od = Tensor::empty(sizes_of(o), w, Device::cpu, "attention fp8 cpu: o before bf16");
-  if (impl == AttentionImpl::naive) reference_attention_forward_cpu(d, qd, kd, vd, od, lse);
-  else flash_attention_forward_cpu(d, qd, kd, vd, od, lse);
+  const DequantisedFp8 d(p, q, k, v, impl);
+  const Tensor od = Tensor::empty(sizes_of(o), d.p.dtype, Device::cpu, "attention fp8 cpu: o before bf16");
+  if (impl == AttentionImpl::naive) reference_attention_forward_cpu(d.p, d.q, d.k, d.v, od, lse);
+  else flash_attention_forward_cpu(d.p, d.q, d.k, d.v, od, lse);
   copy_into(o, od);
 }
 
 void fp8_backward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& o, const TensorView& lse, const TensorView& dout, const TensorView& dq,
                       const TensorView& dk, const TensorView& dv, AttentionImpl impl) {
-  const DType w = fp8_cpu_working_dtype(impl);
-  const AttentionProblem d = dequantised_problem(p, w);
-  const Tensor qd = dequantised_copy(q, w, p.q_descale, "attention fp8 cpu: dequantised q");
-  const Tensor kd = dequantised_copy(k, w, p.k_descale, "attention fp8 cpu: dequantised k");
-  const Tensor vd = dequantised_copy(v, w, p.v_descale, "attention fp8 cpu: dequantised v");
+  const DequantisedFp8 d(p, q, k, v, impl);
+  const DType w = d.p.dtype;
   const Tensor dqd = Tensor::empty(sizes_of(dq), w, Device::cpu, "attention fp8 cpu: dq");
   const Tensor dkd = Tensor::empty(sizes_of(dk), w, Device::cpu, "attention fp8 cpu: dk");
   const Tensor dvd = Tensor::empty(sizes_of(dv), w, Device::cpu, "attention fp8 cpu: dv");
   const Tensor dod = dequantised_copy(dout, w, 1.0, "attention fp8 cpu: dout");
   if (impl == AttentionImpl::naive) {
-    reference_attention_backward_cpu(d, qd, kd, vd, dod, dqd, dkd, dvd);
+    reference_attention_backward_cpu(d.p, d.q, d.k, d.v, dod, dqd, dkd, dvd);
   } else {
     const Tensor od = dequantised_copy(o, w, 1.0, "attention fp8 cpu: o");
-    flash_attention_backward_cpu(d, qd, kd, vd, od, lse, dod, dqd, dkd, dvd);
+    flash_attention_backward_cpu(d.p, d.q, d.k, d.v, od, lse, dod, dqd, dkd, dvd);
   }
   copy_into(dq, dqd);
   copy_into(dk, dkd);

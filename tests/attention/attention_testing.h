@@ -429,12 +429,12 @@ inline void expect_gradients_match_central_differences(Problem& p, const Attenti
 }
 
 
-// A host fp32 view as the C ABI's flashlm_tensor.
+// A host view as the C ABI's flashlm_tensor (flashlm_dtype and DType share their numbering).
 inline flashlm_tensor c_tensor(const TensorView& t) {
   flashlm_tensor c{};
   c.data = t.data;
   c.ndim = t.ndim;
-  c.dtype = FLASHLM_FP32;
+  c.dtype = static_cast<decltype(c.dtype)>(t.dtype);
   c.device = FLASHLM_CPU;
   for (int d = 0; d < t.ndim; ++d) {
     c.sizes[d] = t.size(d);

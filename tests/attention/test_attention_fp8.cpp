@@ -380,13 +380,17 @@ struct Fp8Problem {
       copy_into(to->view, from->view);
     }
   }
+  // NaN in every output: an element the call forgets to write fails the comparison.
+  void poison() {
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    for (auto* t : {&o, &dq, &dk, &dv}) fill_value(t->view, nan);
+    fill_value(lse, nan);
+  }
   void run(AttentionOptions opt) {
     opt.q_descale = kCpuQDescale;
     opt.k_descale = kCpuKDescale;
     opt.v_descale = kCpuVDescale;
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    for (auto* t : {&o, &dq, &dk, &dv}) fill_value(t->view, nan);
-    fill_value(lse, nan);
+    poison();
     attention_forward(q.view, k.view, v.view, o.view, lse, opt);
     attention_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, opt);
   }
@@ -543,6 +547,37 @@ TEST(Fp8AttentionCpu, GradientsOfTheDequantisedValuesMatchFiniteDifferences) {
       }
     }
   }
+}
+
+// The C ABI takes the same calls (its dtype codes and descales): the C++ API's results, bit for bit.
+TEST(Fp8AttentionCpu, CAbiRunsForwardAndBackward) {
+  const Case c{2, 17, 30, 4, 2, 24, Layout::bhsd, Mask::bottom_right, DType::f32};
+  Fp8Problem api(c, DType::f32, 77);
+  api.run(options_for(c.mask, AttentionImpl::flash));
+  Fp8Problem abi(api, c, DType::f32);
+  abi.poison();
+  flashlm_attention_options opt = flashlm_attention_options_default();
+  opt.causal = 1;
+  opt.causal_align = FLASHLM_BOTTOM_RIGHT;
+  opt.q_descale = kCpuQDescale;
+  opt.k_descale = kCpuKDescale;
+  opt.v_descale = kCpuVDescale;
+  const flashlm_tensor q = c_tensor(abi.q.view), k = c_tensor(abi.k.view), v = c_tensor(abi.v.view);
+  const flashlm_tensor o = c_tensor(abi.o.view), lse = c_tensor(abi.lse.view()), dout = c_tensor(abi.dout.view);
+  const flashlm_tensor dq = c_tensor(abi.dq.view), dk = c_tensor(abi.dk.view), dv = c_tensor(abi.dv.view);
+  EXPECT_EQ(q.dtype, FLASHLM_FP8_E4M3);
+  ASSERT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt), FLASHLM_OK) << flashlm_last_error();
+  ASSERT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_OK)
+      << flashlm_last_error();
+  for (auto [name, a, b] : {std::tuple{"o", &api.o, &abi.o}, {"dq", &api.dq, &abi.dq}, {"dk", &api.dk, &abi.dk},
+                            {"dv", &api.dv, &abi.dv}}) {
+    EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << name;
+  }
+  EXPECT_EQ(max_abs_diff(api.lse, abi.lse), 0.0) << "lse";
+  // A bad descale is FLASHLM_INVALID_ARGUMENT with the message naming it.
+  opt.k_descale = 0.0f;
+  EXPECT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashlm_last_error()).find("k_descale"), std::string::npos) << flashlm_last_error();
 }
 
 // No queries: nothing is written, the keys get zero dk and dv. No keys: o = 0, lse = -inf, dq = 0.
