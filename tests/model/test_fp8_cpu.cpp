@@ -353,6 +353,18 @@ Fp8Run train_tiny(bool fp8, Fp8Format gradients, const char* recompute, int step
   return run;
 }
 
+// The first step's gradients of an FP8 run stay near fp32's: within 10% of the largest, every parameter, and
+// not equal (the rounding ran).
+void expect_first_gradients_near(const Fp8Run& run, const Fp8Run& fp32) {
+  double worst = 0, largest = 0;
+  for (size_t i = 0; i < fp32.first_gradients.size(); ++i) {
+    worst = std::max(worst, double(std::fabs(run.first_gradients[i] - fp32.first_gradients[i])));
+    largest = std::max(largest, double(std::fabs(fp32.first_gradients[i])));
+  }
+  EXPECT_GT(worst, 0.0);
+  EXPECT_LT(worst, 0.1 * largest);
+}
+
 }  // namespace
 
 // Emulated FP8 follows fp32 closely, is not fp32 (the operands are rounded), learns as fp32 does, and is
@@ -370,14 +382,7 @@ TEST(CpuModelFp8, EmulatedTrainingTracksFp32AndIsReproducible) {
   EXPECT_EQ(e5m2.first_gradients, again.first_gradients);
   EXPECT_NE(e5m2.first_gradients, e4m3.first_gradients);
   EXPECT_EQ(e5m2.losses[0], e4m3.losses[0]);  // the forward has no gradients to round
-  // The first step's gradients stay near fp32's: within 10% of the largest, every parameter.
-  double worst = 0, largest = 0;
-  for (size_t i = 0; i < fp32.first_gradients.size(); ++i) {
-    worst = std::max(worst, double(std::fabs(e5m2.first_gradients[i] - fp32.first_gradients[i])));
-    largest = std::max(largest, double(std::fabs(fp32.first_gradients[i])));
-  }
-  EXPECT_GT(worst, 0.0);
-  EXPECT_LT(worst, 0.1 * largest);
+  expect_first_gradients_near(e5m2, fp32);
 }
 
 // Recomputation rounds the recomputed blocks' operands as the forward did: the same bits.
@@ -650,13 +655,7 @@ TEST(CpuModelFp8, RowwiseTrainingTracksFp32AndIsReproducible) {
   EXPECT_NEAR(rowwise.losses.back(), fp32.losses.back(), 0.15 * fp32.losses.back());
   EXPECT_EQ(std::vector<double>(rowwise.losses.begin(), rowwise.losses.begin() + 2), again.losses);
   EXPECT_EQ(rowwise.first_gradients, again.first_gradients);
-  double worst = 0, largest = 0;
-  for (size_t i = 0; i < fp32.first_gradients.size(); ++i) {
-    worst = std::max(worst, double(std::fabs(rowwise.first_gradients[i] - fp32.first_gradients[i])));
-    largest = std::max(largest, double(std::fabs(fp32.first_gradients[i])));
-  }
-  EXPECT_GT(worst, 0.0);
-  EXPECT_LT(worst, 0.1 * largest);
+  expect_first_gradients_near(rowwise, fp32);
   for (const char* recompute : {"blocks:1", "selective"}) {
     const Fp8Run other = train_tiny(true, Fp8Format::e5m2, recompute, 2, Fp8Recipe::rowwise);
     EXPECT_EQ(other.losses, again.losses) << recompute;
