@@ -17,7 +17,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -724,26 +726,39 @@ void expect_named_weights_cast_once_per_pass(Fp8Recipe recipe) {
   const ModelConfig c = layer_test_config();
   const int64_t n = 96, in = 64, out = 160;
   Fp8Linear cached(c, n, Fp8Format::e5m2, recipe), fresh(c, n, Fp8Format::e5m2, recipe);
+  // Tensorwise also: the weight listed to begin_pass (its amax reduced there, its cast alone) and the input's
+  // transposed copy kept from the forward for the backward (keep_inputs): the same bits.
+  const bool tensorwise = recipe == Fp8Recipe::tensorwise;
+  Fp8Linear listed(c, n, Fp8Format::e5m2, recipe, /*keep_inputs*/ tensorwise);
   const std::vector<float> x = random_bf16_values(n * in, 71), w1 = random_bf16_values(out * in, 72),
                            w2 = random_bf16_values(out * in, 73), dy = random_bf16_values(n * out, 74);
   Dev dx(x.size() * 2), dw(w1.size() * 2), ddy(dy.size() * 2), y_a(dy.size() * 2), y_b(dy.size() * 2),
-      gx_a(x.size() * 2), gx_b(x.size() * 2), gw_a(w1.size() * 4), gw_b(w1.size() * 4);
+      gx_a(x.size() * 2), gx_b(x.size() * 2), gw_a(w1.size() * 4), gw_b(w1.size() * 4), y_c(dy.size() * 2),
+      gx_c(x.size() * 2), gw_c(w1.size() * 4);
   dx.upload(to_bf16(x));
   ddy.upload(to_bf16(dy));
   for (const std::vector<float>* w : {&w1, &w2}) {
     const std::string what = w == &w1 ? "first pass" : "second pass, the weight changed";
     dw.upload(to_bf16(*w));
     cached.begin_pass();
-    for (Dev* d : {&y_a, &y_b, &gx_a, &gx_b, &gw_a, &gw_b}) d->poison(0xFF);
+    const Fp8WeightRef ref{"layers.0.ffn.w1", dw.as<bf16_t>(), in, out};
+    listed.begin_pass(tensorwise ? std::span(&ref, 1) : std::span<const Fp8WeightRef>{}, nullptr);
+    for (Dev* d : {&y_a, &y_b, &gx_a, &gx_b, &gw_a, &gw_b, &y_c, &gx_c, &gw_c}) d->poison(0xFF);
     cached.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_a.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w1");
     cached.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_a.as<bf16_t>(), gw_a.as<float>(), in, out,
                     false, false, nullptr, "layers.0.ffn.w1");
     fresh.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_b.as<bf16_t>(), in, out, nullptr);
     fresh.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_b.as<bf16_t>(), gw_b.as<float>(), in, out,
                    false, false, nullptr);
+    listed.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_c.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w1");
+    listed.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_c.as<bf16_t>(), gw_c.as<float>(), in, out,
+                    false, false, nullptr, "layers.0.ffn.w1");
     EXPECT_EQ(y_a.download<uint16_t>(), y_b.download<uint16_t>()) << what << ": y";
     EXPECT_EQ(gx_a.download<uint16_t>(), gx_b.download<uint16_t>()) << what << ": dx";
     EXPECT_EQ(gw_a.download<uint32_t>(), gw_b.download<uint32_t>()) << what << ": dw";
+    EXPECT_EQ(y_c.download<uint16_t>(), y_b.download<uint16_t>()) << what << ": y, listed weight, kept input";
+    EXPECT_EQ(gx_c.download<uint16_t>(), gx_b.download<uint16_t>()) << what << ": dx, listed weight, kept input";
+    EXPECT_EQ(gw_c.download<uint32_t>(), gw_b.download<uint32_t>()) << what << ": dw, listed weight, kept input";
   }
   // Within a pass the cached copies stand for the weight: a weight rewritten mid-pass is not seen (the model
   // never does that; begin_pass() is where a changed weight is picked up).
@@ -762,6 +777,40 @@ void expect_named_weights_cast_once_per_pass(Fp8Recipe recipe) {
 }
 
 }  // namespace
+
+// Many tensors' amaxes in one launch (the weights' at the start of a pass): each segment's amax is fp8_amax's,
+// over ragged sizes (one element, under a pack, one chunk and a bit, several chunks), a misaligned start, a
+// NaN in one segment only, an all-zero one.
+TEST(Fp8Cast, AmaxSegmentsGiveEachTensorsAmax) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int64_t> counts = {1, 7, gpu::kFp8AmaxChunk + 3, 3 * gpu::kFp8AmaxChunk, 1000, 64};
+  std::vector<int64_t> offsets;
+  int64_t total = 1;  // segment 1 starts one element in: misaligned for 16-byte loads
+  for (int64_t n : counts) offsets.push_back(total), total += n + 8;
+  std::vector<float> values = random_bf16_values(total, 91);
+  values[size_t(offsets[3] + 12345)] = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t i = 0; i < counts[4]; ++i) values[size_t(offsets[4] + i)] = 0.0f;
+  Dev x(size_t(total) * 2), amaxes(counts.size() * 16), expected(counts.size() * 16), table(counts.size() * sizeof(gpu::Fp8AmaxSegment));
+  x.upload(to_bf16(values));
+  std::vector<gpu::Fp8AmaxSegment> host;
+  int64_t chunks = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    host.push_back({x.as<bf16_t>() + offsets[i], counts[i], chunks, amaxes.as<float>() + 4 * i});
+    chunks += gpu::fp8_amax_chunks(counts[i]);
+    gpu::fp8_amax(x.as<bf16_t>() + offsets[i], counts[i], expected.as<float>() + 4 * i, nullptr);
+  }
+  table.upload(host);
+  amaxes.poison(0);
+  gpu::fp8_amax_segments(table.as<gpu::Fp8AmaxSegment>(), int(host.size()), chunks, nullptr);
+  const std::vector<uint32_t> got = amaxes.download<uint32_t>(), want = expected.download<uint32_t>();
+  for (size_t i = 0; i < counts.size(); ++i) {
+    EXPECT_EQ(got[4 * i], want[4 * i]) << "segment " << i << " of " << counts[i] << " elements";
+  }
+  EXPECT_TRUE(std::isnan(std::bit_cast<float>(got[4 * 3])));
+  EXPECT_EQ(got[4 * 4], 0u);
+  EXPECT_GT(std::bit_cast<float>(got[0]), 0.0f);
+  expect_error([&] { gpu::fp8_amax_segments(table.as<gpu::Fp8AmaxSegment>(), 0, chunks, nullptr); }, "segments");
+}
 
 TEST(Fp8Linear, NamedWeightsAreCastOncePerPass) {
   SKIP_WITHOUT_GPU();

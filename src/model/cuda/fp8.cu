@@ -27,6 +27,33 @@ __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const D* __restrict_
   block_amax_to<kThreads>(amax_bits, best);
 }
 
+// fp8_amax_segments: block b reduces chunk b − first_chunk of the segment whose chunks hold b (a binary search
+// over the segments' first chunks), with 16-byte loads where the segment is aligned, and adds its largest
+// magnitude to the segment's amax with one atomic.
+__global__ void __launch_bounds__(kThreads)
+    fp8_amax_segments_kernel(const Fp8AmaxSegment* __restrict__ segments, int n) {
+  int lo = 0, hi = n - 1;
+  const int64_t b = blockIdx.x;
+  while (lo < hi) {  // the last segment whose first chunk is <= b
+    const int mid = (lo + hi + 1) / 2;
+    if (segments[mid].first_chunk <= b) lo = mid; else hi = mid - 1;
+  }
+  const Fp8AmaxSegment s = segments[lo];
+  const int64_t begin = (b - s.first_chunk) * kFp8AmaxChunk;
+  const int64_t count = min(kFp8AmaxChunk, s.count - begin);
+  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(s.x) + begin;
+  uint32_t best = 0;
+  // begin is a multiple of kPack, so x is as aligned as the segment.
+  const int64_t packs = reinterpret_cast<uintptr_t>(x) % 16 == 0 ? count / kPack : 0;
+  for (int64_t q = threadIdx.x; q < packs; q += kThreads) {
+    const Vec<__nv_bfloat16, kPack> v = load<kPack>(x + q * kPack);
+#pragma unroll
+    for (int k = 0; k < kPack; ++k) best = max(best, magnitude_bits(f32(v[k])));
+  }
+  for (int64_t i = packs * kPack + threadIdx.x; i < count; i += kThreads) best = max(best, magnitude_bits(f32(x[i])));
+  block_amax_to<kThreads>(reinterpret_cast<uint32_t*>(s.amax), best);
+}
+
 // Rowwise: the largest |x| of every row and every column of x [rows, cols], one kAmaxTile-column strip per
 // blockIdx.x, grid-striding over its tile rows. Each warp reads 32 consecutive elements of a row and adds their
 // maximum to the row's amax (one atomic); each thread keeps its column's maximum over every row it reads, and
@@ -277,6 +304,14 @@ void fp8_amax(const T* x, int64_t count, float* amax, void* stream) {
   const unsigned blocks = std::min(packed_blocks(count, packs), kAmaxBlocks);
   fp8_amax_kernel<<<blocks, kThreads, 0, as_stream(stream)>>>(dev(x), count, packs, reinterpret_cast<uint32_t*>(amax));
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_amax_kernel");
+}
+
+void fp8_amax_segments(const Fp8AmaxSegment* segments, int n, int64_t chunks, void* stream) {
+  FLASHLM_CHECK(segments != nullptr && n >= 1, "fp8_amax_segments: {} segments{}, expected >= 1 and a table", n,
+                segments ? "" : " (null)");
+  FLASHLM_CHECK(chunks >= 1 && chunks <= INT32_MAX, "fp8_amax_segments: {} chunks, expected 1 to 2^31 - 1", chunks);
+  fp8_amax_segments_kernel<<<unsigned(chunks), kThreads, 0, as_stream(stream)>>>(segments, n);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_amax_segments_kernel");
 }
 
 template <class T>

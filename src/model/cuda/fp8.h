@@ -15,6 +15,22 @@ namespace flashlm::gpu {
 template <class T>
 void fp8_amax(const T* x, int64_t count, float* amax, void* stream);
 
+// The amaxes of many tensors in one launch (the block weights' at the start of a pass: one kernel instead of one
+// per weight). Segment i: *amax = max |x[0, count)| like fp8_amax, into a float that must be zero before the
+// launch (the caller clears them, in one memset where they are together); its blocks are
+// [first_chunk, first_chunk + fp8_amax_chunks(count)) of the grid, the segments in order, chunks contiguous.
+struct Fp8AmaxSegment {
+  const bf16_t* x;
+  int64_t count;
+  int64_t first_chunk;
+  float* amax;
+};
+// The blocks of a segment of `count` elements: one per kFp8AmaxChunk elements.
+constexpr int64_t kFp8AmaxChunk = int64_t{1} << 16;
+inline int64_t fp8_amax_chunks(int64_t count) { return (count + kFp8AmaxChunk - 1) / kFp8AmaxChunk; }
+// segments: `n` device entries (first_chunk increasing from 0); chunks: the last one's first_chunk + its chunks.
+void fp8_amax_segments(const Fp8AmaxSegment* segments, int n, int64_t chunks, void* stream);
+
 // x [rows, cols] rounded to FP8 `format` with scale = fp8_scale(*amax): q [rows, cols] (when not null) and
 // its transpose qt [cols, rows] (when not null; the K-major copy a cuBLASLt FP8 operand stored the other way
 // needs), from one read of x. *dequant = 1 / scale (the GEMM's scale for this operand). rows, cols >= 1.

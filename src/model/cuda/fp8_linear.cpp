@@ -2,7 +2,13 @@
 // (model/cuda/gemm.h) in the order each product needs them. Host code only.
 #include "model/cuda/fp8_linear.h"
 
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
 #include "core/check.h"
+#include "core/cuda_check.h"
+#include "core/cuda_runtime.h"
 #include "flashlm/profile.h"
 #include "model/cuda/fp8.h"
 #include "model/cuda/gemm.h"
@@ -30,8 +36,7 @@ Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, 
   cache_ = Buffer::allocate(size_t(layout_.cache_bytes), Device::cuda, "FP8 copies of the block weights, both ways");
 }
 
-Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out,
-                                                 void* stream) {
+Fp8Linear::CachedWeight& Fp8Linear::entry(std::string_view name, int64_t in, int64_t out) {
   auto it = cached_.find(std::string(name));
   if (it == cached_.end()) {
     CachedWeight e;
@@ -49,8 +54,60 @@ Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* 
   CachedWeight& e = it->second;
   FLASHLM_CHECK(e.elements == in * out, "Fp8Linear: weight '{}' was {} elements, now {} x {}", name, e.elements, out,
                 in);
+  return e;
+}
+
+void Fp8Linear::begin_pass(std::span<const Fp8WeightRef> weights, void* stream) {
+  ++pass_;
+  act_.x = act_x_t_ = nullptr;
+  if (weights.empty() || recipe_ != Fp8Recipe::tensorwise) return;
+  std::vector<gpu::Fp8AmaxSegment> table;
+  table.reserve(weights.size());
+  int64_t chunks = 0;
+  for (const Fp8WeightRef& r : weights) {
+    FLASHLM_CHECK(r.w != nullptr, "Fp8Linear::begin_pass: weight '{}' is null", r.name);
+    const CachedWeight& e = entry(r.name, r.in, r.out);
+    table.push_back({r.w, e.elements, chunks, cache_dequant(e.slot) - kFp8DequantIndex + kFp8AmaxIndex});
+    chunks += gpu::fp8_amax_chunks(e.elements);
+  }
+  const auto same = [](const gpu::Fp8AmaxSegment& a, const gpu::Fp8AmaxSegment& b) {
+    return a.x == b.x && a.count == b.count && a.first_chunk == b.first_chunk && a.amax == b.amax;
+  };
+  if (!std::ranges::equal(table, amax_table_, same)) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FLASHLM_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture), "cudaStreamIsCapturing");
+    if (capture != cudaStreamCaptureStatusNone) return;  // no upload inside a capture: weight by weight instead
+    FLASHLM_CHECK(int64_t(table.size()) <= layout_.cache_slots, "Fp8Linear::begin_pass: {} weights, {} cache slots",
+                  table.size(), layout_.cache_slots);
+    if (!amax_segments_.data()) {
+      amax_segments_ = Buffer::allocate(size_t(layout_.cache_slots) * sizeof(gpu::Fp8AmaxSegment), Device::cuda,
+                                        "FP8 weight amax segments");
+    }
+    cuda_stream_synchronize(stream);  // the previous table may still be read by queued work
+    cuda_copy(amax_segments_.data(), table.data(), table.size() * sizeof(gpu::Fp8AmaxSegment));
+    amax_table_ = std::move(table);
+    amax_chunks_ = chunks;
+  }
+  // Every weight's scale slot at once (their dequantisation scales too, which each weight's cast writes again
+  // before any product reads them), then one reduction over them all.
+  FLASHLM_CUDA_CHECK(cudaMemsetAsync(cache_at(layout_.cache_scales), 0,
+                                     size_t(layout_.cache_slots) * kFp8ScaleSlotFloats * sizeof(float),
+                                     static_cast<cudaStream_t>(stream)),
+                     "cudaMemsetAsync (FP8 weight amaxes)");
+  gpu::fp8_amax_segments(static_cast<const gpu::Fp8AmaxSegment*>(amax_segments_.data()), int(amax_table_.size()),
+                         amax_chunks_, stream);
+  for (const Fp8WeightRef& r : weights) cached_.find(r.name)->second.amax_pass = pass_;
+}
+
+Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out,
+                                           void* stream) {
+  CachedWeight& e = entry(name, in, out);
   if (e.pass != pass_) {
-    if (recipe_ == Fp8Recipe::rowwise) {
+    if (e.amax_pass == pass_) {  // begin_pass reduced its amax: the cast alone
+      const float* slot = cache_dequant(e.slot) - kFp8DequantIndex;
+      gpu::fp8_cast(w, out, in, slot + kFp8AmaxIndex, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
+                    cache_dequant(e.slot), stream);
+    } else if (recipe_ == Fp8Recipe::rowwise) {
       gpu::fp8_quantize_rowwise(w, out, in, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
                                 cache_vectors(e.slot), stream);
     } else {

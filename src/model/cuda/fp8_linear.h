@@ -35,7 +35,9 @@
 // beside the copies (fp8_scratch_layout's vector sets).
 #pragma once
 #include <cstdint>
+#include <span>
 #include <string>
+#include <vector>
 #include <string_view>
 #include <unordered_map>
 
@@ -49,6 +51,14 @@
 
 namespace flashlm {
 
+// A named block weight as the model holds it for a pass: its name (Fp8Linear's cache key), its bf16 values
+// [out, in] and their place, fixed while the model lives (not under FSDP's sharded storage).
+struct Fp8WeightRef {
+  std::string name;
+  const bf16_t* w;
+  int64_t in, out;
+};
+
 class Fp8Linear {
  public:
   // For a model of this config running `tokens` tokens per step. d_model, d_ff and tokens must be
@@ -58,11 +68,12 @@ class Fp8Linear {
             bool keep_inputs = false);
 
   // A new pass (a forward and the backward that follows it): the weights may have changed since the last,
-  // so each named weight's FP8 copies are cast again at its first product.
-  void begin_pass() {
-    ++pass_;
-    act_.x = act_x_t_ = nullptr;
-  }
+  // so each named weight's FP8 copies are cast again at its first product. weights (tensorwise; empty: none):
+  // the named weights the pass will read, whose amaxes are then reduced here in one kernel (one memset of
+  // their slots, one launch) instead of one reduction per weight at its cast, which only casts. Their places
+  // go up to the device once, outside any CUDA-graph capture; a list that changes inside a capture is taken
+  // weight by weight that pass instead.
+  void begin_pass(std::span<const Fp8WeightRef> weights = {}, void* stream = nullptr);
 
   // y[n, out] = x[n, in] · w[out, in]ᵀ (+ residual[n, out] when not null). weight: w's name, whose FP8 copies
   // are cast once per pass and reused (see the top); empty: w is cast for this product alone.
@@ -110,8 +121,10 @@ class Fp8Linear {
   // input: the cast of this weight's forward input in pass input_pass (its own slot, or that of the
   // product whose input it shared); the backward reuses its amax for that same x only.
   // input_t: with keep_inputs, the offset of its forward input's transposed copy in the cache (-1: none yet).
+  // amax_pass: the pass whose begin_pass reduced its amax (its cast then casts alone).
   struct CachedWeight {
     int64_t offset = 0, offset_t = 0, elements = 0, input_t = -1;
+    uint64_t amax_pass = 0;
     int slot = 0;
     uint64_t pass = 0, input_pass = 0;
     InputCast input;
@@ -131,6 +144,8 @@ class Fp8Linear {
                             void* stream);
   // Where weight e's forward input [n_, in] keeps its transposed copy (keep_inputs), handed out at first use.
   uint8_t* kept_input(CachedWeight& e, int64_t in);
+  // The weight's entry, created (with its cache places) at its first use.
+  CachedWeight& entry(std::string_view name, int64_t in, int64_t out);
   // The weight's entry, its copies cast now if this pass has not cast them yet.
   CachedWeight& cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out, void* stream);
   uint8_t* cache_at(int64_t offset) const { return static_cast<uint8_t*>(cache_.data()) + offset; }
@@ -177,6 +192,11 @@ class Fp8Linear {
   Buffer cache_;
   int64_t cache_used_ = 0;
   bool keep_inputs_ = false;
+  // begin_pass's weight amaxes: the segment table on the device (one per cache slot at most) and the host
+  // copy it was uploaded from.
+  Buffer amax_segments_;
+  std::vector<gpu::Fp8AmaxSegment> amax_table_;
+  int64_t amax_chunks_ = 0;
   int64_t inputs_used_ = 0;  // bytes of the kept inputs' region handed out
   std::unordered_map<std::string, CachedWeight> cached_;
   uint64_t pass_ = 1;

@@ -352,7 +352,8 @@ void CudaModel::queue_forward() {
   const int64_t n = m.n, d = c.d_model, V = c.vocab;
   memory_set_phase("forward");
   ScopedRange range("forward");
-  if (m.fp8) m.fp8->begin_pass();  // the weights may have changed since the last pass: cast them afresh
+  // The weights may have changed since the last pass: cast them afresh (their amaxes reduced here at once).
+  if (m.fp8) m.fp8->begin_pass(m.fp8_pass_weights(), m.stream);
   const auto* tokens = static_cast<const int32_t*>(m.tokens.data());
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
   const DType dt = m.precision;

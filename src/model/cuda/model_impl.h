@@ -3,9 +3,13 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <memory>
+#include <span>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -209,6 +213,27 @@ struct CudaModel::Impl {
     }
     return false;
   }
+
+  // --precision fp8: the blocks' named FP8 weights for Fp8Linear::begin_pass, which reduces their amaxes in one
+  // kernel; empty under FSDP's sharded storage, whose weights are resident only while their part is gathered
+  // (each is then reduced at its cast). Built at the first pass: the places do not move after it.
+  std::span<const Fp8WeightRef> fp8_pass_weights() const {
+    if (!fp8 || options.external_parameters) return {};
+    if (fp8_weight_refs.empty()) {
+      const int64_t d = c.d_model, f = c.d_ff;
+      for (int64_t l = 0; l < c.layers; ++l) {
+        const std::string p = fmt::format("layers.{}.", l);
+        for (const auto& [name, in, out] : {std::tuple{"attn.q_proj.weight", d, 3 * d},
+                                            std::tuple{"attn.output_proj.weight", d, d}, std::tuple{"ffn.w1.weight", d, f},
+                                            std::tuple{"ffn.w3.weight", d, f}, std::tuple{"ffn.w2.weight", f, d}}) {
+          const std::string w = p + name;
+          fp8_weight_refs.push_back({w, static_cast<const bf16_t*>(weight(w)), in, out});
+        }
+      }
+    }
+    return fp8_weight_refs;
+  }
+  mutable std::vector<Fp8WeightRef> fp8_weight_refs;
 
   // --precision fp8 (tensorwise): where the kernel producing tensor t of block l writes its amax; null otherwise,
   // rowwise included (the producers then reduce nothing).
