@@ -72,10 +72,12 @@ inline constexpr int64_t kFp8DequantIndex = 0, kFp8AmaxIndex = 4, kFp8ScaleSlotF
 inline constexpr uint32_t kFp8ScaleAlignment = 16;
 
 // The tensors of a block whose producing kernels also write their amax (FP8 training on CUDA): the two
-// RMSNorm outputs, the SwiGLU output, and the SwiGLU backward's du and dg (w1's and w3's output gradients).
-// The casts of those tensors then skip their own reduction.
-enum class Fp8Produced { h1, h2, s, du, dg };
-inline constexpr int64_t kFp8Produced = 5;
+// RMSNorm outputs, the SwiGLU output, the SwiGLU backward's du and dg (w1's and w3's output gradients), and
+// the residual gradient at the block's two products that read it as dy: dres_ffn, w2's (written by the
+// backward of the next block's ln1, or of the final norm), and dres_attn, the output projection's (written by
+// the backward of this block's ln2). The casts of those tensors then skip their own reduction.
+enum class Fp8Produced { h1, h2, s, du, dg, dres_ffn, dres_attn };
+inline constexpr int64_t kFp8Produced = 7;
 
 // ---------------------------------------------------------------------------------------------------
 // The CPU emulation (fp8_cpu.cpp).

@@ -422,7 +422,7 @@ TYPED_TEST(OpsCuda, SwiGluForwardAndBackwardMatchCpu) {
   }
 }
 
-// FP8 training's fused amax: RMSNorm's y and SwiGLU's s, du, dg carry the amax of the values they stored, bit
+// FP8 training's fused amax: RMSNorm's y and dx and SwiGLU's s, du, dg carry the amax of the values they stored, bit
 // for bit the largest |value| of the downloaded tensor; the amax output is cleared first (it starts poisoned).
 float host_amax(const std::vector<float>& v) {
   float best = 0.0f;
@@ -460,6 +460,14 @@ TYPED_TEST(OpsCuda, ProducersWriteTheAmaxOfWhatTheyStore) {
       amax.poison();
       gpu::rmsnorm_forward<T>(dx.data(), dgain.data(), dy.data(), drstd.data(), n, d, 1e-5f, nullptr, amax.data());
       EXPECT_EQ(amax_bits(0), std::bit_cast<uint32_t>(host_amax(download_floats(dy)))) << "y";
+      // The backward adds into a residual gradient that holds values already; its amax is of the sums stored.
+      DeviceArray<T> dgrad = device_copy<T>(random_values<T>(n * d, 3500 + n + d, 2.0f)),
+                     dres = device_copy<T>(random_values<T>(n * d, 3600 + n + d, 0.5f));
+      DeviceArray<float> dgain_grad(std::vector<float>(size_t(d), 0.0f));
+      amax.poison();
+      gpu::rmsnorm_backward<T>(dgrad.data(), dx.data(), dgain.data(), drstd.data(), dres.data(), dgain_grad.data(), n,
+                               d, nullptr, amax.data() + 1);
+      EXPECT_EQ(amax_bits(1), std::bit_cast<uint32_t>(host_amax(download_floats(dres)))) << "dx";
     }
   }
   EXPECT_THROW(gpu::swiglu_backward<T>(nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr, amax.data(), nullptr),

@@ -462,9 +462,11 @@ void CudaModel::backward() {
         linear_backward_cuda(dy, x, m.weight(w), dxo, dw, n, in, out, dt, accumulate, m.stream, false, accumulate_dw);
       });
     };
-    auto rmsnorm_backward = [&](const T* dy, const T* x, const std::string& gain, const float* rstd, T* dxo) {
+    // dxo_amax (FP8; null: none): the amax of the residual gradient it leaves, for the product that reads it next.
+    auto rmsnorm_backward = [&](const T* dy, const T* x, const std::string& gain, const float* rstd, T* dxo,
+                                float* dxo_amax) {
       add_to_gradient(gain, false, [&](float* dgain, bool) {
-        gpu::rmsnorm_backward<T>(dy, x, m.gain(gain), rstd, dxo, dgain, n, d, m.stream);
+        gpu::rmsnorm_backward<T>(dy, x, m.gain(gain), rstd, dxo, dgain, n, d, m.stream, dxo_amax);
       });
     };
 
@@ -483,7 +485,8 @@ void CudaModel::backward() {
       gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
       parameters_needed("ln_final.");
       gradients_needed("ln_final.");
-      rmsnorm_backward(dh, m.a<T>(m.A.x_out), "ln_final.weight", m.f(m.A.rstd_f), dx);
+      rmsnorm_backward(dh, m.a<T>(m.A.x_out), "ln_final.weight", m.f(m.A.rstd_f), dx,
+                       m.fp8_produced_amax(c.layers - 1, Fp8Produced::dres_ffn));
       parameters_done("ln_final.");
     }
     for (int64_t l = c.layers - 1; l >= 0; --l) {
@@ -499,7 +502,8 @@ void CudaModel::backward() {
       const std::string p = fmt::format("layers.{}.", l);
       parameters_needed(p);
       gradients_needed(p);
-      linear_backward(dx, m.a<T>(L.s), p + "ffn.w2.weight", ds, f, d, false);
+      linear_backward(dx, m.a<T>(L.s), p + "ffn.w2.weight", ds, f, d, false, false,
+                      m.fp8_produced_amax(l, Fp8Produced::dres_ffn));
       float* du_amax = m.fp8_produced_amax(l, Fp8Produced::du);
       float* dg_amax = m.fp8_produced_amax(l, Fp8Produced::dg);
       gpu::swiglu_backward<T>(ds, m.a<T>(L.u), m.a<T>(L.g), du, dg, n * f, m.stream, du_amax, dg_amax);
@@ -517,8 +521,9 @@ void CudaModel::backward() {
         report_final(w1);
         report_final(w3);
       }
-      rmsnorm_backward(dh, m.a<T>(L.x_mid), p + "ln2.weight", m.f(L.rstd2), dx);
-      linear_backward(dx, m.a<T>(L.attn), p + "attn.output_proj.weight", dattn, d, d, false);
+      float* dres_attn_amax = m.fp8_produced_amax(l, Fp8Produced::dres_attn);
+      rmsnorm_backward(dh, m.a<T>(L.x_mid), p + "ln2.weight", m.f(L.rstd2), dx, dres_attn_amax);
+      linear_backward(dx, m.a<T>(L.attn), p + "attn.output_proj.weight", dattn, d, d, false, false, dres_attn_amax);
       {
         ScopedRange attention_range("attention.backward");
         T* qkv = m.a<T>(L.q);
@@ -544,7 +549,9 @@ void CudaModel::backward() {
                          linear_backward_cuda(dqkv, m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), dh, dw, n, d,
                                               3 * d, dt, false, m.stream, false, accumulate_dw);
                        });
-      rmsnorm_backward(dh, m.a<T>(L.x_in), p + "ln1.weight", m.f(L.rstd1), dx);
+      // Layer 0's residual gradient goes to the embedding's backward, not to an FP8 product.
+      rmsnorm_backward(dh, m.a<T>(L.x_in), p + "ln1.weight", m.f(L.rstd1), dx,
+                       l > 0 ? m.fp8_produced_amax(l - 1, Fp8Produced::dres_ffn) : nullptr);
       parameters_done(p);
     }
     gradients_needed("token_embeddings.");

@@ -35,9 +35,11 @@ template <class T>
 void rmsnorm_forward(const T* x, const float* gain, T* y, float* rstd, int64_t n, int64_t d, float eps,
                      void* stream, float* y_amax = nullptr);
 // dx += ∂L/∂x (in T), dgain += ∂L/∂gain (fp32). [scratch: min(ceil(n / 64), 1024) · d floats]
+// dx_amax (a device float; null: none): the amax of dx as stored (the residual gradient that the next FP8
+// product reads as its dy), as rmsnorm_forward's y_amax.
 template <class T>
 void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* rstd, T* dx, float* dgain, int64_t n,
-                      int64_t d, void* stream);
+                      int64_t d, void* stream, float* dx_amax = nullptr);
 
 // Rotary embedding, in place, on interleaved pairs (x[2i], x[2i+1]) of [batch, seq, heads, head_dim] rows
 // at positions 0..seq-1. cos/sin: fp32 device tables [context >= seq, head_dim / 2], as cpu::rope_tables

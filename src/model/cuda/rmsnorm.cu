@@ -111,10 +111,12 @@ __global__ void __launch_bounds__(kNormThreads)
 }
 
 // dx_j += s g_j dy_j - x_j s³ (Σ_k dy_k g_k x_k) / d, one warp per row: rows [8 block, +8) of a block.
-template <bool PACKED, class D>
+// AMAX: also the amax of dx as stored (the residual gradient, the next FP8 product's dy), one atomic per warp.
+template <bool PACKED, bool AMAX, class D>
 __device__ __forceinline__ void backward_dx_rows(const D* __restrict__ dy, const D* __restrict__ x,
                                                  const float* __restrict__ gain, const float* __restrict__ rstd,
-                                                 D* __restrict__ dx, int64_t n, int d, int64_t block) {
+                                                 D* __restrict__ dx, int64_t n, int d, int64_t block,
+                                                 uint32_t* __restrict__ dx_amax) {
   const int64_t row = block * kNormRows + threadIdx.x / 32;
   if (row >= n) return;
   const int lane = threadIdx.x % 32;
@@ -141,6 +143,7 @@ __device__ __forceinline__ void backward_dx_rows(const D* __restrict__ dy, const
   const float s = rstd[row];
   const float c = dot * s * s * s / float(d);
   constexpr int W = PACKED ? kPack : 1;
+  uint32_t best = 0;
   for (int j = W * lane; j < d; j += 32 * W) {
     Vec<D, W> dxv = load<W>(dxr + j);
     const Vec<D, W> dyv = load<W>(dyr + j), xv = load<W>(xr + j);
@@ -148,6 +151,14 @@ __device__ __forceinline__ void backward_dx_rows(const D* __restrict__ dy, const
 #pragma unroll
     for (int k = 0; k < W; ++k) dxv[k] = from_f32<D>(f32(dxv[k]) + (s * gv[k] * f32(dyv[k]) - f32(xv[k]) * c));
     store(dxr + j, dxv);
+    if constexpr (AMAX) {
+#pragma unroll
+      for (int k = 0; k < W; ++k) best = max(best, magnitude_bits(f32(dxv[k])));
+    }
+  }
+  if constexpr (AMAX) {
+    best = warp_max_bits(best);
+    if (lane == 0) atomicMax(dx_amax, best);
   }
 }
 
@@ -187,15 +198,16 @@ __device__ __forceinline__ void gain_partials(const D* __restrict__ dy, const D*
 // others one (column block, chunk) of the gain partials each. Both read dy and x and write different
 // arrays, so they run side by side instead of one kernel after the other (at xl's 2048 rows each alone
 // holds about a quarter of an H200's warp slots).
-template <bool PACKED, class D>
+template <bool PACKED, bool AMAX, class D>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_backward_kernel(const D* __restrict__ dy, const D* __restrict__ x, const float* __restrict__ gain,
                             const float* __restrict__ rstd, D* __restrict__ dx, float* __restrict__ partial, int64_t n,
-                            int d, int64_t dx_blocks, int64_t column_blocks, int64_t chunk_rows) {
+                            int d, int64_t dx_blocks, int64_t column_blocks, int64_t chunk_rows,
+                            uint32_t* __restrict__ dx_amax) {
   static_assert(kGainThreads == kNormThreads, "one block size for both parts");
   const int64_t block = blockIdx.x;
   if (block < dx_blocks) {
-    backward_dx_rows<PACKED>(dy, x, gain, rstd, dx, n, d, block);
+    backward_dx_rows<PACKED, AMAX>(dy, x, gain, rstd, dx, n, d, block, dx_amax);
   } else {
     const int64_t b = block - dx_blocks;
     gain_partials(dy, x, rstd, partial, n, d, chunk_rows, b % column_blocks, b / column_blocks);
@@ -262,10 +274,11 @@ void rmsnorm_forward(const T* x, const float* gain, T* y, float* rstd, int64_t n
 
 template <class T>
 void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* rstd, T* dx, float* dgain, int64_t n,
-                      int64_t d, void* stream) {
+                      int64_t d, void* stream, float* dx_amax) {
   const int64_t blocks = checked_norm_blocks("rmsnorm_backward", n, d);
-  if (n == 0) return;
   const cudaStream_t s = as_stream(stream);
+  if (dx_amax) clear_amax(dx_amax, s);
+  if (n == 0) return;
 
   // dgain's partials beside dx (they read dy, x and rstd only): chunks of rows fixed by n alone (64 rows,
   // more when n exceeds 64 Ki rows so that there are at most 1024 chunks), then the chunks summed in a
@@ -278,13 +291,23 @@ void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* r
   const int64_t column_blocks = ceil_div(d, kGainThreads);
   const int64_t grid = blocks + column_blocks * chunks;
   FLASHLM_CHECK(grid <= INT_MAX, "rmsnorm_backward: n = {}, d = {} is too large", n, d);
+  auto* amax_bits = reinterpret_cast<uint32_t*>(dx_amax);
+  const auto launch = [&](auto packed, auto amax) {
+    rmsnorm_backward_kernel<decltype(packed)::value, decltype(amax)::value>
+        <<<unsigned(grid), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx), partial, n, int(d), blocks,
+                                                 column_blocks, chunk_rows, amax_bits);
+  };
+  const auto with_amax = [&](auto packed) {
+    if (dx_amax) {
+      launch(packed, std::true_type{});
+    } else {
+      launch(packed, std::false_type{});
+    }
+  };
   if (d % kPack == 0 && aligned16(dy) && aligned16(x) && aligned16(gain) && aligned16(dx)) {
-    rmsnorm_backward_kernel<true><<<unsigned(grid), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx), partial,
-                                                                          n, int(d), blocks, column_blocks, chunk_rows);
+    with_amax(std::true_type{});
   } else {
-    rmsnorm_backward_kernel<false><<<unsigned(grid), kNormThreads, 0, s>>>(dev(dy), dev(x), gain, rstd, dev(dx),
-                                                                           partial, n, int(d), blocks, column_blocks,
-                                                                           chunk_rows);
+    with_amax(std::false_type{});
   }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "rmsnorm_backward_kernel");
   add_column_sums_kernel<<<unsigned(ceil_div(d, 32)), kColumnThreads, 0, s>>>(partial, chunks, int(d), dgain);
@@ -294,7 +317,7 @@ void rmsnorm_backward(const T* dy, const T* x, const float* gain, const float* r
 #define FLASHLM_RMSNORM_INSTANTIATE(T) \
   template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float, void*, float*);  \
   template void rmsnorm_backward<T>(const T*, const T*, const float*, const float*, T*, float*, int64_t, int64_t, \
-                                    void*);
+                                    void*, float*);
 
 FLASHLM_RMSNORM_INSTANTIATE(float)
 FLASHLM_RMSNORM_INSTANTIATE(bf16_t)
