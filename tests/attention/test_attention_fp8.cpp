@@ -725,6 +725,40 @@ TEST(Fp8AttentionCuda, ForwardThenBackwardMatchesTheCpuBackwardOfTheSameForward)
 #endif
 }
 
+// The C ABI's backward on device tensors: the C++ API's gradients, bit for bit (deterministic: no atomics).
+TEST(Fp8AttentionCuda, CAbiRunsTheBackward) {
+  SKIP_WITHOUT_GPU();
+  const Case c{2, 37, 50, 4, 2, 64, Layout::bshd, Mask::bottom_right, DType::f32};
+  Fp8Problem host(c, DType::f32, 78);
+  host.run(options_for(c.mask, AttentionImpl::naive));  // o and lse for the backward
+  Fp8OnDevice api(host), abi(host);
+  api.backward(api.options(c.mask, true));
+  flashlm_attention_options opt = flashlm_attention_options_default();
+  opt.causal = 1;
+  opt.causal_align = FLASHLM_BOTTOM_RIGHT;
+  opt.deterministic = 1;
+  opt.q_descale = kCpuQDescale;
+  opt.k_descale = kCpuKDescale;
+  opt.v_descale = kCpuVDescale;
+  const flashlm_tensor q = c_tensor(abi.q.view), k = c_tensor(abi.k.view), v = c_tensor(abi.v.view);
+  const flashlm_tensor o = c_tensor(abi.o.view), lse = c_tensor(abi.lse.view()), dout = c_tensor(abi.dout.view);
+  const flashlm_tensor dq = c_tensor(abi.dq.view), dk = c_tensor(abi.dk.view), dv = c_tensor(abi.dv.view);
+  ASSERT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_OK)
+      << flashlm_last_error();
+  Fp8Problem from_api(host, c, DType::f32), from_abi(host, c, DType::f32);
+  api.copy_gradients_back(from_api);
+  abi.copy_gradients_back(from_abi);
+  for (auto [name, a, b] : {std::tuple{"dq", &from_api.dq, &from_abi.dq}, {"dk", &from_api.dk, &from_abi.dk},
+                            {"dv", &from_api.dv, &from_abi.dv}}) {
+    EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << name;
+    EXPECT_TRUE(all_finite_or_neg_inf(a->view)) << name << ": the poison survived";
+  }
+  // A bad descale is FLASHLM_INVALID_ARGUMENT with the message naming it, as on the CPU.
+  opt.v_descale = -1.0f;
+  EXPECT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashlm_last_error()).find("v_descale"), std::string::npos) << flashlm_last_error();
+}
+
 // No queries: the keys get zero dk and dv. No keys: dq = 0. On the GPU, the gradients poisoned first.
 TEST(Fp8AttentionCuda, BackwardOfEmptySequences) {
   SKIP_WITHOUT_GPU();
