@@ -447,6 +447,19 @@ void expect_rounded_once(const TensorView& got, const TensorView& want, const st
                     << (first >= 0 ? b.view().ptr<double>()[first] : 0.0);
 }
 
+// The max over the elements of |got - want| less the element's allowance (`allowed` like want, or empty for none);
+// infinite where an element is NaN (the poison of an element left unwritten).
+double error_beyond_allowance(const TensorView& got_view, const TensorView& want_view, const TensorView& allowed) {
+  const Tensor got = to_f64(got_view), want = to_f64(want_view);
+  double err = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double d = std::fabs(got.view().ptr<double>()[i] - want.view().ptr<double>()[i]) -
+                     (allowed.numel() > 0 ? allowed.ptr<const double>()[i] : 0.0);
+    err = std::isnan(d) ? INFINITY : std::max(err, d);
+  }
+  return err;
+}
+
 std::string fp8_cpu_case_name(const Fp8Case& f) { return fp8_case_name(f) + "_grad_" + std::string(dtype_name(f.c.dtype)); }
 
 class Fp8CpuVsReference : public ::testing::TestWithParam<Fp8Case> {};
@@ -493,13 +506,7 @@ TEST_P(Fp8CpuVsReference, MatchesFp64ReferenceOfTheDequantisedInputs) {
                         Item{"dk", ours_flash.dk.view, ref.dk.view, naive_bf16.dk.view, allowance.dk.view()},
                         Item{"dv", ours_flash.dv.view, ref.dv.view, naive_bf16.dv.view, none.view()}}) {
     const double low = max_abs_diff(t.lowp, t.want);
-    const Tensor got = to_f64(t.got), want = to_f64(t.want);
-    double err = 0;  // max over the elements of |got - want| less the element's allowance
-    for (int64_t i = 0; i < got.numel(); ++i) {
-      const double d = std::fabs(got.view().ptr<double>()[i] - want.view().ptr<double>()[i]) -
-                       (t.allowed.numel() > 0 ? t.allowed.ptr<const double>()[i] : 0.0);
-      err = std::isnan(d) ? INFINITY : std::max(err, d);
-    }
+    const double err = error_beyond_allowance(t.got, t.want, t.allowed);
     EXPECT_LE(err, tolerance(DType::bf16, low, max_abs(t.want)))
         << "flash " << t.what << " of " << name << " (beyond the Delta allowance; naive bf16 error " << low
         << ", max |ref| " << max_abs(t.want) << ")";
@@ -600,13 +607,7 @@ void expect_gradients_within_bound(const Case& c, const Fp8Problem& ours, const 
                         Item{"dk", ours.dk.view, ref.dk.view, naive_bf16.dk.view, allowance.dk.view()},
                         Item{"dv", ours.dv.view, ref.dv.view, naive_bf16.dv.view, none.view()}}) {
     const double low = max_abs_diff(t.lowp, t.want);
-    const Tensor got = to_f64(t.got), want = to_f64(t.want);
-    double err = 0;  // max over the elements of |got - want| less the element's allowance; NaN (the poison) fails
-    for (int64_t i = 0; i < got.numel(); ++i) {
-      const double d = std::fabs(got.view().ptr<double>()[i] - want.view().ptr<double>()[i]) -
-                       (t.allowed.numel() > 0 ? t.allowed.ptr<const double>()[i] : 0.0);
-      err = std::isnan(d) ? INFINITY : std::max(err, d);
-    }
+    const double err = error_beyond_allowance(t.got, t.want, t.allowed);
     EXPECT_LE(err, cuda_flash_tolerance(DType::bf16, low, max_abs(t.want)))
         << "cuda " << t.what << " of " << name << " (beyond the Delta allowance; naive bf16 error " << low
         << ", max |ref| " << max_abs(t.want) << ")";
