@@ -150,8 +150,23 @@ def test_cpu_fp8_attention_is_differentiable():
 
 
 @pytest.mark.skipif(not (torch_ops.HAS_CUSTOM_OPS and _sm90()), reason="needs an sm_90 GPU (the FP8 forward)")
-def test_cuda_fp8_attention_is_differentiable():
-    check_fp8_autograd("cuda", 64)
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_fp8_attention_is_differentiable(d):
+    # The GPU forward rounds P to e4m3 (2^-4 relative), which reaches the gradients through o and Delta, so the
+    # float64 gradients of the exact attention are no tight reference here (test_attention_fp8 bounds each pass
+    # on its own): autograd's gradients against descale times attention_fp8_bwd's on the very o and lse, within
+    # the e4m3 rounding autograd applies (and the dQ atomics' order).
+    q, k, v, dout = fp8_problem((2, 33, 4, d), (2, 50, 2, d), "cuda")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, lse = torch.ops.flashlm.attention_fp8_fwd(q, k, v, "bshd", True, True, None, *DESCALES)
+    (o.float() * dout.float()).sum().backward()
+    want = torch.ops.flashlm.attention_fp8_bwd(dout, q.detach(), k.detach(), v.detach(), o.detach(), lse, "bshd",
+                                               True, True, None, *DESCALES, False, torch.float32)
+    for name, t, g, s in zip(("q", "k", "v"), (q, k, v), want, DESCALES):
+        assert t.grad.dtype == torch.float8_e4m3fn, name
+        stored = (g * s).double()
+        err = (t.grad.double() - stored).abs()
+        assert (err <= 2.0**-3 * stored.abs() + 2.0**-5 * stored.abs().max() + 2.0**-9).all(), name
 
 
 @pytest.mark.skipif(not torch_ops.HAS_CUSTOM_OPS, reason="no torch.library.custom_op")
