@@ -66,7 +66,8 @@ typedef enum flashlm_status {
 
 /* FLASHLM_FP8_E4M3: OCP e4m3 (PyTorch's float8_e4m3fn), q/k/v of attention with o and dout in bf16, lse fp32 and
  * dq/dk/dv bf16 or fp32 (the gradients of the dequantised values, stored * descale). The forward runs on the CPU
- * and on an sm_90 GPU, the backward on the CPU only (CUDA refuses it); no varlen, no KV cache. */
+ * and on an sm_90 GPU, the backward on the CPU and on CUDA (the bf16 flash kernels on exact bf16 copies, the
+ * descales folded into their scale factors: flashlm/attention.h); no varlen, no KV cache. */
 typedef enum flashlm_dtype {
   FLASHLM_FP64 = 0,
   FLASHLM_FP32 = 1,

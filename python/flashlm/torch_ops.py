@@ -236,8 +236,9 @@ def _forward_packed(q, k, v, layout, causal, bottom_right, scale, deterministic,
 
 def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left=-1,
               window_right=-1, softcap=0.0,
-              forward_call=None):
-    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward).
+              forward_call=None, descales=_NO_DESCALE, grad_dtype=None):
+    """Runs the backward on tensors in `layout`: (dq, dk, dv), allocated like q, k, v (packed as _forward), in
+    grad_dtype where given (the FP8 backward's bfloat16 or float32: the gradients of the dequantised values).
     forward_call: the PackedCall of the _forward_packed call that made o and lse from these q, k, v with
     these options, if the caller has it (the autograd path); then dO's geometry is the rest of the key.
     (_backward_extras takes ALiBi and sinks.)"""
@@ -245,19 +246,20 @@ def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, determ
     if stream is None:
         with torch.cuda.device(q.get_device()):
             return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
-                             window_left, window_right, softcap, forward_call)
+                             window_left, window_right, softcap, forward_call, descales, grad_dtype)
     if dout.stride(-1) != 1 or dout.numel() == 0:
         # .sum().backward() hands an expanded (stride 0) gradient; an empty one keeps its zero strides
         # through .contiguous(), so it gets fresh ones.
         dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty_like(q, dtype=grad_dtype), torch.empty_like(k, dtype=grad_dtype),
+                  torch.empty_like(v, dtype=grad_dtype))
     call = None
     if forward_call is not None:
         short_key = (_thread_id(), dout.shape, dout.stride(), dout.dtype, dout.is_cuda)
         call = forward_call.backward.get(short_key)
     if call is None:
         call = _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_right, scale,
-                                deterministic, impl, window_left, window_right, softcap)
+                                deterministic, impl, window_left, window_right, softcap, descales)
         if forward_call is not None:
             if len(forward_call.backward) >= 16:
                 forward_call.backward.clear()
@@ -273,14 +275,14 @@ def _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, determ
 
 
 def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_right, scale, deterministic, impl,
-                     window_left, window_right, softcap):
+                     window_left, window_right, softcap, descales=_NO_DESCALE):
     """The backward's PackedCall for these tensors' geometry and these options (from the per-thread cache)."""
     try:
-        # dq, dk, dv are functions of q's, k's and v's key entries (empty_like).
+        # dq, dk, dv are functions of q's, k's and v's key entries (empty_like) and of their dtype.
         key = (layout, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
                lse.stride(), dout.shape, dout.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, dout.dtype,
-               q.is_cuda, k.is_cuda, v.is_cuda, o.is_cuda, lse.is_cuda, dout.is_cuda, causal, bottom_right, scale,
-               deterministic, impl, window_left, window_right, softcap)
+               dq.dtype, q.is_cuda, k.is_cuda, v.is_cuda, o.is_cuda, lse.is_cuda, dout.is_cuda, causal, bottom_right,
+               scale, deterministic, impl, window_left, window_right, softcap, descales)
         calls = L.packed_calls.backward
         call = calls.get(key)
         if call is None:
@@ -288,7 +290,7 @@ def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_r
             call = L.packed(calls, key, L.BACKWARD, (
                 *_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
                 *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
-                *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl), 0,
+                *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl, descales), 0,
                 window_left, window_right, softcap, *_NO_EXTRA_POINTERS))
     except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout")), impl,
@@ -450,13 +452,52 @@ if HAS_CUSTOM_OPS:
                           bottom_right: bool, scale: Optional[float], q_descale: float, k_descale: float,
                           v_descale: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """The FP8 forward: float8_e4m3fn q, k, v with per-tensor descale factors, (o bfloat16, lse float32).
-        No autograd formula: flashlm has no FP8 backward."""
+        Differentiable through attention_fp8_bwd (_fp8_fwd_backward says what autograd makes of it)."""
         return _forward(q, k, v, layout, causal, bottom_right, scale, False, "flash",
                         descales=(q_descale, k_descale, v_descale))
 
     @attention_fp8_fwd.register_fake
     def _attention_fp8_fwd_fake(q, k, v, layout, causal, bottom_right, scale, q_descale, k_descale, v_descale):
         return _forward_outputs(q, layout)
+
+    @torch.library.custom_op("flashlm::attention_fp8_bwd", mutates_args=())
+    def attention_fp8_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                          lse: torch.Tensor, layout: str, causal: bool, bottom_right: bool, scale: Optional[float],
+                          q_descale: float, k_descale: float, v_descale: float, deterministic: bool,
+                          grad_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The FP8 backward on attention_fp8_fwd's tensors and dO (bfloat16): (dq, dk, dv) in grad_dtype
+        (torch.bfloat16 or torch.float32), the gradients of the dequantised values (stored * descale), as the
+        C++ API gives them: what a training step that quantised its bf16 q, k, v applies to them."""
+        return _backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, "flash",
+                         descales=(q_descale, k_descale, v_descale), grad_dtype=grad_dtype)
+
+    @attention_fp8_bwd.register_fake
+    def _attention_fp8_bwd_fake(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, q_descale, k_descale,
+                                v_descale, deterministic, grad_dtype):
+        return (torch.empty_like(q, dtype=grad_dtype), torch.empty_like(k, dtype=grad_dtype),
+                torch.empty_like(v, dtype=grad_dtype))
+
+    def _fp8_fwd_setup_context(ctx, inputs, output):
+        q, k, v = inputs[:3]
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = inputs[3:]  # layout, causal, bottom_right, scale, q_descale, k_descale, v_descale
+        ctx.mark_non_differentiable(lse)
+
+    def _fp8_fwd_backward(ctx, dout, dlse):
+        """Autograd's gradients are those of the op's inputs, the stored e4m3 values: value = stored * descale,
+        so d/d(stored) = descale * d/d(value), computed in float32 from attention_fp8_bwd's. Autograd then casts
+        each to its input's dtype, float8_e4m3fn (3 mantissa bits, NaN past 448): where the gradients of the
+        dequantised values are wanted at full precision, call attention_fp8_bwd (or the C++ API)."""
+        q, k, v, o, lse = ctx.saved_tensors
+        layout, causal, bottom_right, scale, *descales = ctx.args
+        grads = _FP8_BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, *descales, False,
+                            torch.float32)
+        return (*(g * d for g, d in zip(grads, descales)), *([None] * 7))
+
+    attention_fp8_fwd.register_autograd(_fp8_fwd_backward, setup_context=_fp8_fwd_setup_context)
+    attention_fp8_bwd.register_autograd(_refuse_double_backward)
+    _FP8_BWD_OP = torch.ops.flashlm.attention_fp8_bwd.default
 
     attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
     attention_bwd.register_autograd(_refuse_double_backward)
@@ -603,10 +644,15 @@ def _seq_dim(layout):
 
 
 def _fp8_attention(q, k, v, layout, causal, bottom_right, scale, descales):
-    """The FP8 forward's o: the custom operator where the call is traced, the C call otherwise."""
+    """The FP8 forward's o: the custom operator where the call is traced or records a graph (its autograd
+    formula: attention_fp8_bwd), the C call otherwise."""
     d = tuple(1.0 if x is None else float(x) for x in descales)
-    if _traced(q):
+    differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if _traced(q) or (differentiable and HAS_CUSTOM_OPS):
         return torch.ops.flashlm.attention_fp8_fwd(q, k, v, layout, causal, bottom_right, scale, *d)[0]
+    if differentiable:
+        raise L.FlashlmValueError("q, k, v: float8_e4m3fn inputs that require grad need torch.library.custom_op "
+                                  f"(torch >= 2.4) for the FP8 backward; this is torch {torch.__version__}")
     return _forward(q, k, v, layout, causal, bottom_right, scale, False, "flash", descales=d)[0]
 
 
@@ -623,9 +669,11 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     flash_attn_func and scaled_dot_product_attention take those libraries' signatures.
 
     torch.float8_e4m3fn q, k, v run the FP8 forward (CUDA on an sm_90 GPU at head dims 64 and 128, the CPU at
-    any; not differentiable here: the library's CPU backward is reached through the C ABI): q_descale, k_descale, v_descale (floats, default 1) are the per-tensor factors the fp8
-    values were divided by; S = scale * q_descale * k_descale * q k^T, the output (bfloat16) is v_descale *
-    softmax(S) v.
+    any): q_descale, k_descale, v_descale (floats, default 1) are the per-tensor factors the fp8 values were
+    divided by; S = scale * q_descale * k_descale * q k^T, the output (bfloat16) is v_descale * softmax(S) v.
+    Differentiable (CUDA and CPU, torch >= 2.4): autograd's gradients of the e4m3 inputs are descale times those
+    of the dequantised values, cast by autograd to float8_e4m3fn; torch.ops.flashlm.attention_fp8_bwd gives the
+    gradients of the dequantised values in bfloat16 or float32.
 
     window_size = (left, right) and softcap: flash-attn's sliding window (aligned as the causal mask,
     causal_align; top-left without one) and soft-capping; alibi_slopes (aligned the same way) and learnable_sink

@@ -199,7 +199,7 @@ void launch_flash_backward(CudaKernelFamily family, const AttentionProblem& p, c
     case CudaKernelFamily::mma_sync:
       return flash_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
     case CudaKernelFamily::naive:
-    case CudaKernelFamily::fp8: break;  // run_backward launches naive; fp8 has no backward
+    case CudaKernelFamily::fp8: break;  // run_backward launches naive, and fp8 on the 16-bit kernels
   }
   fail("attention_backward: the {} kernels have no flash backward", cuda_kernel_family_name(family));
 }
@@ -282,6 +282,55 @@ void flash_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& 
     return padded_flash_backward_cuda(plan, p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
   }
   launch_flash_backward(family, p, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
+}
+
+// A contiguous [batch, seq, heads, head_dim] tensor of `dtype` from the stream-ordered pool, holding t's values
+// converted exactly (convert_head_rows_cuda) where `copy`, else for a kernel to write; none for an empty t.
+struct ConvertedCopy {
+  Buffer buffer;
+  TensorView view;
+  ConvertedCopy(const TensorView& t, DType dtype, bool copy, const char* tag, void* stream) {
+    const std::array<int64_t, 4> sizes{t.size(0), t.size(1), t.size(2), t.size(3)};
+    const int64_t bytes = checked_product({sizes[0], sizes[1], sizes[2], sizes[3], int64_t(dtype_size(dtype))}, tag);
+    if (bytes > 0) buffer = Buffer::allocate_on_stream(static_cast<size_t>(bytes), tag, stream);
+    view = TensorView::contiguous(buffer.data(), dtype, sizes, Device::cuda);
+    if (copy) convert_head_rows_cuda(t, view, stream);
+  }
+};
+
+// FP8 on CUDA, backward: the 16-bit flash backward (flash_backward_cuda: the Hopper kernels where they cover the
+// problem, else mma.sync, as for bf16) on bf16 copies of the stored e4m3 q, k and v. The copies are exact and
+// unscaled; the descales stay in the problem, and make_params (cuda/flash_common.cuh, FlashParams::dq_scale) folds
+// them into the kernels' factors: q_descale·k_descale into the softmax scale, so that the recomputed P is the
+// FP8 forward's (whose lse the caller passes), and every gradient's factor into the one fp32 multiply the kernels
+// already apply to dQ and dK, so that no gradient is rounded more than the bf16 backward rounds its own. v stays
+// stored too, its descale going into Delta and those factors: an exact route where a dequantised bf16 copy of v
+// (v·v_descale rounded to bf16) would put a rounding of 2^-9 into every dP. o and dout are bf16 already. The
+// kernels write bf16: into the caller's gradients where they are bf16, else into bf16 scratch, widened into
+// fp32 afterwards (fp32 gradients holding the bf16 values: the kernels round dS, and accumulate in fp32, as the
+// bf16 backward does). Scratch: the copies of q, k, v (2 bytes an element) and, for fp32 gradients, three more.
+void fp8_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
+                       const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                       const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                       bool deterministic, void* stream) {
+  AttentionProblem p16 = p;
+  p16.dtype = DType::bf16;
+  const ConvertedCopy qb(q, DType::bf16, true, "attention fp8 backward: q as bf16", stream);
+  const ConvertedCopy kb(k, DType::bf16, true, "attention fp8 backward: k as bf16", stream);
+  const ConvertedCopy vb(v, DType::bf16, true, "attention fp8 backward: v as bf16", stream);
+  const CudaAttentionPlan on_bf16{CudaKernelFamily::mma_sync, plan.kernel_head_dim, false};
+  if (dq.dtype == DType::bf16) {
+    return flash_backward_cuda(on_bf16, p16, qb.view, kb.view, vb.view, o, lse, dout, dq, dk, dv, deterministic,
+                               stream);
+  }
+  const ConvertedCopy dqb(dq, DType::bf16, false, "attention fp8 backward: dq in bf16", stream);
+  const ConvertedCopy dkb(dk, DType::bf16, false, "attention fp8 backward: dk in bf16", stream);
+  const ConvertedCopy dvb(dv, DType::bf16, false, "attention fp8 backward: dv in bf16", stream);
+  flash_backward_cuda(on_bf16, p16, qb.view, kb.view, vb.view, o, lse, dout, dqb.view, dkb.view, dvb.view,
+                      deterministic, stream);
+  convert_head_rows_cuda(dqb.view, dq, stream);
+  convert_head_rows_cuda(dkb.view, dk, stream);
+  convert_head_rows_cuda(dvb.view, dv, stream);
 }
 #endif
 
@@ -411,7 +460,8 @@ void run_backward(const AttentionProblem& p, [[maybe_unused]] const std::optiona
   switch (plan->family) {
     case CudaKernelFamily::naive:
       return naive_attention_backward_cuda(p, q, k, v, o, lse, dout, dq, dk, dv, options.stream);
-    case CudaKernelFamily::fp8:     // refused by plan_cuda_attention (no fp8 backward row)
+    case CudaKernelFamily::fp8:
+      return fp8_backward_cuda(*plan, p, q, k, v, o, lse, dout, dq, dk, dv, det, options.stream);
     case CudaKernelFamily::hopper: break;  // never planned: flash_kernel_family chooses it
     case CudaKernelFamily::mma_sync:
     case CudaKernelFamily::f32:

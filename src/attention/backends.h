@@ -99,6 +99,10 @@ CudaKernelFamily flash_kernel_family(const CudaAttentionPlan& plan, AttentionPas
 // views of one dtype on the current device, any 16-byte strides; cols · element size a multiple of 16
 // bytes), queued on `stream` (attention/cuda/naive.cu).
 void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t cols, void* stream);
+// Copies every element of `src` into `dst` (both [batch, seq, heads, head_dim] views on the current device, any
+// strides, head_dim a multiple of 8), converting fp8_e4m3 to bf16 or bf16 to fp32: both exact (e4m3's 4 significant
+// bits and its exponents fit bf16's), so a copy holds the very values. Queued on `stream` (attention/cuda/naive.cu).
+void convert_head_rows_cuda(const TensorView& src, const TensorView& dst, void* stream);
 
 // flash_attention_with_kvcache on CUDA (attention/cuda/decode.cu): the append kernel, the split-KV kernel
 // (flash-decoding) and the combine of the splits by logsumexp; fp16/bf16, head dims 64, 128 and 256. The

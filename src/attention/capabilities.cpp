@@ -34,7 +34,8 @@ const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, false, true, {}, {}, false, false, false, false},
     {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, false,
      kHopperForwardHeadDimPairs, {}, true, true, false, false},
-    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, {}, false, false, false, {}, {}, false, false, false, false},
+    {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, kFp8BackwardHeadDims, false, false, false, {}, {}, false, false,
+     false, false},
 }};
 // The Hopper row with ALiBi and sinks, where hopper_alibi_sink_route() holds.
 const CudaKernelCapability kHopperWithAlibiSink{CudaKernelFamily::hopper,
@@ -129,11 +130,6 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
                 fn, p.value_dim(), kCudaMaxHeadDim, kCudaRowAlignBytes, kCudaRowAlignBytes / elem,
                 dtype_name(p.dtype));
 
-  // Before the family: the message says where the fp8 backward runs, whatever impl asked for. It follows the fp8
-  // row, so a backward added there lifts it.
-  FLASHLM_CHECK(p.dtype != DType::f8e4m3 || pass == AttentionPass::forward ||
-                    !cuda_kernel_capability(CudaKernelFamily::fp8).backward_head_dims.empty(),
-                "{}: q: dtype fp8_e4m3: no FP8 backward kernel yet on cuda; the cpu computes it", fn);
   const bool own_value_dim = p.value_dim() != p.head_dim;
   CudaKernelFamily family = p.dtype == DType::f32      ? CudaKernelFamily::f32
                             : p.dtype == DType::f8e4m3 ? CudaKernelFamily::fp8

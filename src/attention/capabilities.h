@@ -22,7 +22,8 @@ enum class CudaKernelFamily {
   f32,       // fp32 FlashAttention-2 on CUDA cores (cuda/flash_f32.cu)
   naive,     // materialised S and P through cuBLAS (cuda/naive.cu)
   hopper,    // sm_90a wgmma/TMA forward and backward (cuda/hopper/): see below
-  fp8,       // sm_90a e4m3 wgmma forward, bf16 output (cuda/hopper/flash_fwd_fp8_sm90.cu); no backward
+  fp8,       // e4m3 inputs: the sm_90a wgmma forward, bf16 output (cuda/hopper/flash_fwd_fp8_sm90.cu); the
+             // backward on the 16-bit flash kernels (below, kFp8BackwardHeadDims)
 };
 
 std::string_view cuda_kernel_family_name(CudaKernelFamily family);
@@ -56,6 +57,11 @@ inline constexpr std::array<HeadDimPair, 1> kHopperForwardHeadDimPairs{{{192, 12
 // The FP8 forward's head dims (fp8_e4m3 inputs; the launcher, cuda/hopper/flash_fwd_fp8_sm90.cu, also
 // requires an sm_90 device and q and k views TMA can describe, an error otherwise: fp8 has no fallback).
 inline constexpr std::array<int, 2> kFp8ForwardHeadDims{64, 128};
+// The FP8 backward runs the 16-bit flash backward (the Hopper kernels where they cover the problem, else
+// mma.sync: the bf16 dispatch, flash_kernel_family) on exact bf16 copies of q, k and v with the descales folded
+// into its scale factors (attention.cpp, fp8_backward_cuda): the head dims of the kernels it runs on, mma.sync's
+// being the fallback for every problem. Any GPU those kernels run on, sm_90 not required.
+inline constexpr std::array<int, 5> kFp8BackwardHeadDims = kMmaSyncBackwardHeadDims;
 
 // Every CUDA kernel moves rows in 16-byte vectors: head_dim · element size must be a multiple of this.
 inline constexpr int64_t kCudaRowAlignBytes = 16;

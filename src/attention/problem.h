@@ -38,7 +38,9 @@ struct AttentionProblem {
   float* dlearnable_sink = nullptr;
   int64_t dsink_stride = 0;
   DType dtype = DType::f32;  // of q, k, v (o is bf16 where this is fp8_e4m3)
-  double q_descale = 1.0, k_descale = 1.0, v_descale = 1.0;  // fp8_e4m3 only (AttentionOptions)
+  // fp8_e4m3 only (AttentionOptions); 1 for every other dtype but the bf16 problem the CUDA FP8 backward hands its
+  // 16-bit kernels (attention.cpp, fp8_backward_cuda), whose make_params folds them into the kernels' factors.
+  double q_descale = 1.0, k_descale = 1.0, v_descale = 1.0;
   Device device = Device::cpu;
 
   int64_t group() const { return heads_q / heads_k; }  // query heads per key/value head

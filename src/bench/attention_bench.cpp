@@ -67,7 +67,8 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   opt.window_size_right = cfg.window_right;
   opt.softcap = cfg.softcap;
 
-  // fp8_e4m3 inputs write bf16 and have no backward (flashlm/attention.h): their rows time the forward only.
+  // fp8_e4m3 inputs write bf16; their rows time the forward only, the FP8 backward running the bf16 backward's
+  // kernels on bf16 copies (flashlm/attention.h), which the bf16 rows time.
   const bool fp8 = dtype == DType::f8e4m3;
   const int64_t base = memory_stats(dev).current_bytes;
   memory_reset_peak(dev);

@@ -435,7 +435,7 @@ inline flashlm_tensor c_tensor(const TensorView& t) {
   c.data = t.data;
   c.ndim = t.ndim;
   c.dtype = static_cast<decltype(c.dtype)>(t.dtype);
-  c.device = FLASHLM_CPU;
+  c.device = t.device == Device::cuda ? FLASHLM_CUDA : FLASHLM_CPU;
   for (int d = 0; d < t.ndim; ++d) {
     c.sizes[d] = t.size(d);
     c.strides[d] = t.stride(d);

@@ -153,23 +153,28 @@ TEST(AttentionCapabilities, HopperIsTheMmaSyncFamilysFirstChoice) {
   EXPECT_EQ(hopper.forward_head_dims.size(), 3u);
 }
 
-// fp8_e4m3 has its own family: a forward at head dims 64 and 128, no backward, no naive path.
-TEST(AttentionCapabilities, Fp8HasAForwardAtHeadDims64And128Only) {
+// fp8_e4m3 has its own family: a forward at head dims 64 and 128; a backward at the 16-bit backward's head dims
+// (it runs those kernels on bf16 copies), each exact, none padded; no naive path.
+TEST(AttentionCapabilities, Fp8HasAForwardAt64And128AndABackwardAtTheBf16BackwardsHeadDims) {
   for (int d : kFp8ForwardHeadDims) {
     expect_plan(DType::f8e4m3, d, AttentionPass::forward, AttentionImpl::flash, CudaKernelFamily::fp8, d);
+  }
+  for (int d : {16, 32, 64, 128, 256}) {
+    expect_plan(DType::f8e4m3, d, AttentionPass::backward, AttentionImpl::flash, CudaKernelFamily::fp8, d);
   }
   std::string message;
   EXPECT_FALSE(plan_of(DType::f8e4m3, 32, AttentionPass::forward, &message, AttentionImpl::flash));
   EXPECT_NE(message.find("head_dim 32 has no cuda forward kernel for fp8_e4m3"), std::string::npos) << message;
-  // The backward, whatever impl, is refused by one message that says where it runs.
-  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
-    EXPECT_FALSE(plan_of(DType::f8e4m3, 64, AttentionPass::backward, &message, impl));
-    EXPECT_NE(message.find("q: dtype fp8_e4m3: no FP8 backward kernel yet on cuda; the cpu computes it"),
-              std::string::npos)
-        << message;
+  // No padding: a head dim between two kernels is refused, naming the ones there are.
+  EXPECT_FALSE(plan_of(DType::f8e4m3, 48, AttentionPass::backward, &message, AttentionImpl::flash));
+  EXPECT_NE(message.find("head_dim 48 has no cuda backward kernel for fp8_e4m3 (the fp8 backward kernels are "
+                         "compiled for head dims 16, 32, 64, 128, 256)"),
+            std::string::npos)
+      << message;
+  for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+    EXPECT_FALSE(plan_of(DType::f8e4m3, 64, pass, &message, AttentionImpl::naive));
+    EXPECT_NE(message.find("the naive attention kernels do not take dtype fp8_e4m3"), std::string::npos) << message;
   }
-  EXPECT_FALSE(plan_of(DType::f8e4m3, 64, AttentionPass::forward, &message, AttentionImpl::naive));
-  EXPECT_NE(message.find("the naive attention kernels do not take dtype fp8_e4m3"), std::string::npos) << message;
 }
 
 TEST(AttentionCapabilities, WithHeadDimPairInstantiatesExactlyTheListedPairs) {
@@ -207,7 +212,6 @@ TEST(AttentionCapabilities, TheWindowAndSoftcapPlanOnMmaSyncAndOtherFamiliesRefu
                            Planned{DType::f16, AttentionImpl::naive, "naive", false},
                            Planned{DType::f8e4m3, AttentionImpl::flash, "fp8", false}}) {
     for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
-      if (f.dtype == DType::f8e4m3 && pass == AttentionPass::backward) continue;
       SCOPED_TRACE(std::string(f.family) + (pass == AttentionPass::forward ? " forward" : " backward"));
       for (auto [left, right, causal] : {std::tuple{int64_t{4}, int64_t{-1}, false}, {-1, 3, false}, {8, 0, true}}) {
         AttentionProblem p = problem(f.dtype, 64);
@@ -269,7 +273,6 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
                            Planned{DType::f16, AttentionImpl::naive, "naive", false},
                            Planned{DType::f8e4m3, AttentionImpl::flash, "fp8", false}}) {
     for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
-      if (f.dtype == DType::f8e4m3 && pass == AttentionPass::backward) continue;
       SCOPED_TRACE(std::string(f.family) + (pass == AttentionPass::forward ? " forward" : " backward"));
       auto expect_refused = [&](const AttentionProblem& p, const char* option) {
         try {
@@ -496,6 +499,9 @@ TEST(AttentionCapabilities, HeadDimPairsPadToTheKernelOfTheLargerHeadDimAndAreRe
                  {"v: head_dim_v 6 is not supported on cuda", "a multiple of 4 for fp32"});
   expect_refused(split(DType::f8e4m3, 192, 128), AttentionImpl::flash, AttentionPass::forward,
                  {"v: head_dim_v 128 differs from head_dim 192", "the fp8 forward kernels need one head dim",
+                  "runs on the cpu"});
+  expect_refused(split(DType::f8e4m3, 128, 64), AttentionImpl::flash, AttentionPass::backward,
+                 {"v: head_dim_v 64 differs from head_dim 128", "the fp8 backward kernels need one head dim",
                   "runs on the cpu"});
   AttentionProblem equal = split(DType::bf16, 192, 192);  // equal to head_dim: not a pair, the usual padded plan
   const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", equal, AttentionImpl::flash, AttentionPass::forward);

@@ -1,6 +1,7 @@
 // FP8 (e4m3) attention: its argument checks, the CPU forward and backward (both impls) against the fp64
-// reference computed on the dequantised inputs (always run), and the sm_90a forward kernel against the same
-// reference (GPU tests: skip without an sm_90 GPU).
+// reference computed on the dequantised inputs (always run), the sm_90a forward kernel and the CUDA backward (the
+// 16-bit kernels on bf16 copies) against the same reference (GPU tests: skip without a GPU, the forward's
+// without an sm_90 one).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -100,7 +101,7 @@ TEST(Fp8Attention, BadArgumentsAreClearErrors) {
 
 // fp8 inputs in a layout whose rows stay 16-byte aligned (the CUDA kernels' rule; testing::make_laid_out's
 // sliced view pads head_dim by 8 elements, 8 bytes here): the sliced view pads by 16.
-[[maybe_unused]] LaidOut fp8_laid_out(Layout layout, int64_t B, int64_t N, int64_t H, int64_t D) {
+LaidOut fp8_laid_out(Layout layout, int64_t B, int64_t N, int64_t H, int64_t D) {
   if (layout != Layout::sliced) return make_laid_out(layout, B, N, H, D, DType::f8e4m3);
   LaidOut t;
   t.storage = Tensor::empty({B, N + 3, H, D + 16}, DType::f8e4m3);
@@ -116,7 +117,10 @@ Tensor dequantised(const TensorView& t, double descale) {
 }
 
 struct Fp8Case {
-  Case c;  // fp8 in, bf16 out; c.dtype: the gradients' dtype of the CPU backward (bf16 or fp32), unused on the GPU
+  Case c;  // fp8 in, bf16 out; c.dtype: the gradients' dtype of the backward (bf16 or fp32), unused by the forward
+  // The CUDA backward only: AttentionOptions::deterministic, and FLASHLM_ATTENTION_KERNEL=mma (the mma.sync
+  // kernels on sm_90 too, where the Hopper ones would cover the problem).
+  bool deterministic = false, mma = false;
 };
 std::string fp8_case_name(const Fp8Case& f) {
   Case c = f.c;
@@ -308,7 +312,8 @@ TEST(Fp8Attention, EmptySequences) {
 #endif
 }
 
-// What an fp8 call refuses on the GPU: a head dim without a kernel, and any impl but flash.
+// What an fp8 call refuses on the GPU: a head dim without a kernel (the forward's are 64 and 128; the
+// backward's the 16-bit backward's, 16 to 256, unpadded), and any impl but flash.
 TEST(Fp8Attention, GpuRefusesWhatItHasNoKernelFor) {
   SKIP_WITHOUT_GPU();
   Tensor q = Tensor::empty({1, 8, 2, 32}, DType::f8e4m3, Device::cuda);
@@ -322,14 +327,29 @@ TEST(Fp8Attention, GpuRefusesWhatItHasNoKernelFor) {
   if (!on_sm90()) {
     expect_error([&] { attention_forward(q64, q64, q64, o64, lse); }, {"fp8_e4m3", "sm_90"});
   }
-  // The backward, whatever impl: the one message of plan_cuda_attention, which says where it runs instead.
   Tensor g = Tensor::empty({1, 8, 2, 64}, DType::bf16, Device::cuda), dout = Tensor::empty({1, 8, 2, 64}, DType::bf16, Device::cuda);
-  for (AttentionImpl impl : {AttentionImpl::flash, AttentionImpl::naive}) {
-    AttentionOptions opt;
-    opt.impl = impl;
-    expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, opt); },
-                 {"attention_backward", "no FP8 backward kernel yet on cuda; the cpu computes it"});
-  }
+  expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, naive); },
+               {"attention_backward", "the naive attention kernels do not take dtype fp8_e4m3"});
+  Tensor q48 = Tensor::empty({1, 8, 2, 48}, DType::f8e4m3, Device::cuda);
+  Tensor b48 = Tensor::empty({1, 8, 2, 48}, DType::bf16, Device::cuda);
+  Tensor g48 = Tensor::empty({1, 8, 2, 48}, DType::bf16, Device::cuda), dk48 = Tensor::empty({1, 8, 2, 48}, DType::bf16, Device::cuda);
+  Tensor dv48 = Tensor::empty({1, 8, 2, 48}, DType::bf16, Device::cuda);
+  expect_error([&] { attention_backward(q48, q48, q48, b48, lse, b48, g48, dk48, dv48); },
+               {"attention_backward", "q: head_dim 48 has no cuda backward kernel for fp8_e4m3",
+                "compiled for head dims 16, 32, 64, 128, 256"});
+  // The variants the fp8 kernels lack, in the backward as in the forward: by the option's name.
+  AttentionOptions window;
+  window.window_size_left = 4;
+  expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, window); },
+               {"attention_backward", "window_size_left/window_size_right", "the fp8 attention kernels"});
+  AttentionOptions softcap;
+  softcap.softcap = 20;
+  expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, softcap); },
+               {"attention_backward", "softcap", "the fp8 attention kernels"});
+  // Gradients in a dtype the fp8 backward does not write (the common checks, as on the CPU).
+  Tensor h = Tensor::empty({1, 8, 2, 64}, DType::f16, Device::cuda);
+  expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, h, h, h); },
+               {"attention_backward", "dq", "bf16 or fp32"});
 }
 
 // ---- The CPU: forward and backward, both impls, against the fp64 reference of the dequantised inputs. ----
@@ -352,15 +372,15 @@ void fill_fp8(const TensorView& t, uint64_t seed, double stddev) {
   });
 }
 
-// Everything one CPU fp8 call reads and writes: q, k, v e4m3 in `layout`, o and dout bf16, the gradients in
-// `grad` (bf16 or fp32), lse fp32; the outputs poisoned with NaN.
+// Everything one fp8 call reads and writes: q, k, v e4m3 in `layout` (rows 16-byte aligned, as CUDA needs), o and
+// dout bf16, the gradients in `grad` (bf16 or fp32), lse fp32; the outputs poisoned with NaN.
 struct Fp8Problem {
   LaidOut q, k, v, o, dout, dq, dk, dv;
   Tensor lse;
   Fp8Problem(const Case& c, DType grad, uint64_t seed)
-      : q(make_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D, DType::f8e4m3)),
-        k(make_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D, DType::f8e4m3)),
-        v(make_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D, DType::f8e4m3)),
+      : q(fp8_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D)),
+        k(fp8_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D)),
+        v(fp8_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D)),
         o(make_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D, DType::bf16)),
         dout(make_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D, DType::bf16)),
         dq(make_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D, grad)),
@@ -427,6 +447,19 @@ void expect_rounded_once(const TensorView& got, const TensorView& want, const st
                     << (first >= 0 ? b.view().ptr<double>()[first] : 0.0);
 }
 
+// The max over the elements of |got - want| less the element's allowance (`allowed` like want, or empty for none);
+// infinite where an element is NaN (the poison of an element left unwritten).
+double error_beyond_allowance(const TensorView& got_view, const TensorView& want_view, const TensorView& allowed) {
+  const Tensor got = to_f64(got_view), want = to_f64(want_view);
+  double err = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double d = std::fabs(got.view().ptr<double>()[i] - want.view().ptr<double>()[i]) -
+                     (allowed.numel() > 0 ? allowed.ptr<const double>()[i] : 0.0);
+    err = std::isnan(d) ? INFINITY : std::max(err, d);
+  }
+  return err;
+}
+
 std::string fp8_cpu_case_name(const Fp8Case& f) { return fp8_case_name(f) + "_grad_" + std::string(dtype_name(f.c.dtype)); }
 
 class Fp8CpuVsReference : public ::testing::TestWithParam<Fp8Case> {};
@@ -473,13 +506,7 @@ TEST_P(Fp8CpuVsReference, MatchesFp64ReferenceOfTheDequantisedInputs) {
                         Item{"dk", ours_flash.dk.view, ref.dk.view, naive_bf16.dk.view, allowance.dk.view()},
                         Item{"dv", ours_flash.dv.view, ref.dv.view, naive_bf16.dv.view, none.view()}}) {
     const double low = max_abs_diff(t.lowp, t.want);
-    const Tensor got = to_f64(t.got), want = to_f64(t.want);
-    double err = 0;  // max over the elements of |got - want| less the element's allowance
-    for (int64_t i = 0; i < got.numel(); ++i) {
-      const double d = std::fabs(got.view().ptr<double>()[i] - want.view().ptr<double>()[i]) -
-                       (t.allowed.numel() > 0 ? t.allowed.ptr<const double>()[i] : 0.0);
-      err = std::isnan(d) ? INFINITY : std::max(err, d);
-    }
+    const double err = error_beyond_allowance(t.got, t.want, t.allowed);
     EXPECT_LE(err, tolerance(DType::bf16, low, max_abs(t.want)))
         << "flash " << t.what << " of " << name << " (beyond the Delta allowance; naive bf16 error " << low
         << ", max |ref| " << max_abs(t.want) << ")";
@@ -524,6 +551,234 @@ std::vector<Fp8Case> fp8_cpu_grid() {
 
 INSTANTIATE_TEST_SUITE_P(Grid, Fp8CpuVsReference, ::testing::ValuesIn(fp8_cpu_grid()),
                          [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_cpu_case_name(info.param); });
+
+// ---- The CUDA backward: the 16-bit flash kernels on exact bf16 copies, descales in their scale factors. ----
+
+std::string fp8_cuda_case_name(const Fp8Case& f) {
+  return fp8_cpu_case_name(f) + (f.deterministic ? "_deterministic" : "") + (f.mma ? "_mma" : "");
+}
+
+// Device copies of a host Fp8Problem's inputs (o and lse as the host holds them) and of its gradients, poisoned.
+struct Fp8OnDevice {
+  LaidOut q, k, v, o, dout, dq, dk, dv;
+  Tensor lse;
+  explicit Fp8OnDevice(Fp8Problem& host)
+      : q(to_device(host.q)), k(to_device(host.k)), v(to_device(host.v)), o(to_device(host.o)),
+        dout(to_device(host.dout)), dq(poisoned(host.dq)), dk(poisoned(host.dk)), dv(poisoned(host.dv)),
+        lse(Tensor::empty({host.lse.view().size(0), host.lse.view().size(1), host.lse.view().size(2)}, DType::f32,
+                          Device::cuda)) {
+    copy_into(lse.view(), host.lse.view());
+  }
+  static LaidOut poisoned(LaidOut& host) {
+    fill_value(host.view, std::numeric_limits<double>::quiet_NaN());  // an element the call forgets fails
+    return to_device(host);
+  }
+  AttentionOptions options(Mask mask, bool deterministic) const {
+    AttentionOptions opt = options_for(mask, AttentionImpl::flash);
+    opt.q_descale = kCpuQDescale;
+    opt.k_descale = kCpuKDescale;
+    opt.v_descale = kCpuVDescale;
+    opt.deterministic = deterministic;
+    return opt;
+  }
+  void backward(const AttentionOptions& opt) {
+    attention_backward(q.view, k.view, v.view, o.view, lse, dout.view, dq.view, dk.view, dv.view, opt);
+  }
+  void copy_gradients_back(Fp8Problem& host) const {
+    copy_back(host.dq, dq);
+    copy_back(host.dk, dk);
+    copy_back(host.dv, dv);
+  }
+};
+
+// Each of dq, dk, dv within the CPU flash backward's bound (Fp8CpuVsReference above: the low-precision rule
+// against the naive attention with bf16 gradients, dq and dk beyond delta_rounding_allowance, o being bf16), in
+// cuda_flash_tolerance's form, which adds 4 bf16 unit roundoffs of the result's scale for the kernels' bf16 P
+// and dS in their GEMMs. fp32 gradients take the same bound: they hold the bf16 kernels' values.
+void expect_gradients_within_bound(const Case& c, const Fp8Problem& ours, const Fp8Problem& naive_bf16,
+                                   const Problem& ref, const std::string& name) {
+  const DeltaRoundingAllowance allowance = delta_rounding_allowance(c, ref, DType::bf16);
+  const Tensor none = Tensor::empty({0}, DType::f64);
+  struct Item {
+    const char* what;
+    const TensorView &got, &want, &lowp, &allowed;
+  };
+  for (const Item& t : {Item{"dq", ours.dq.view, ref.dq.view, naive_bf16.dq.view, allowance.dq.view()},
+                        Item{"dk", ours.dk.view, ref.dk.view, naive_bf16.dk.view, allowance.dk.view()},
+                        Item{"dv", ours.dv.view, ref.dv.view, naive_bf16.dv.view, none.view()}}) {
+    const double low = max_abs_diff(t.lowp, t.want);
+    const double err = error_beyond_allowance(t.got, t.want, t.allowed);
+    EXPECT_LE(err, cuda_flash_tolerance(DType::bf16, low, max_abs(t.want)))
+        << "cuda " << t.what << " of " << name << " (beyond the Delta allowance; naive bf16 error " << low
+        << ", max |ref| " << max_abs(t.want) << ")";
+  }
+}
+
+class Fp8CudaBackwardVsReference : public ::testing::TestWithParam<Fp8Case> {};
+
+// The CUDA backward against the fp64 reference of the dequantised inputs, fed the o and lse of the CPU's naive
+// FP8 forward (the reference's rounded once to bf16 and fp32), so that the bound is the CPU flash backward's and
+// the test reads on every GPU, at every backward head dim (the sm_90 forward, head dims 64 and 128 only, is
+// chained to it below).
+TEST_P(Fp8CudaBackwardVsReference, MatchesFp64ReferenceOfTheDequantisedInputs) {
+  SKIP_WITHOUT_GPU();
+  const Fp8Case& f = GetParam();
+  const Case c = f.c;
+  const std::string name = fp8_cuda_case_name(f);
+  const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
+  Fp8Problem ours(c, c.dtype, 8000 + static_cast<uint64_t>(c.Nq * 7 + c.Nk + c.D));
+  ours.run(naive);  // o and lse (and gradients, which the device's overwrite)
+  Fp8Problem naive_bf16(ours, c, DType::bf16);
+  naive_bf16.run(naive);
+  const Problem ref = ours.reference(c, naive);
+
+  Fp8OnDevice dev(ours);
+  with_kernel_choice(f.mma ? "mma" : "auto", [&] { dev.backward(dev.options(c.mask, f.deterministic)); });
+  dev.copy_gradients_back(ours);
+  expect_gradients_within_bound(c, ours, naive_bf16, ref, name);
+
+  if (f.deterministic) {  // no atomics: a second run gives the same bits
+    Fp8Problem again(ours, c, c.dtype);
+    copy_into(again.o.view, ours.o.view);
+    copy_into(again.lse.view(), ours.lse.view());
+    Fp8OnDevice dev2(again);
+    with_kernel_choice(f.mma ? "mma" : "auto", [&] { dev2.backward(dev2.options(c.mask, true)); });
+    dev2.copy_gradients_back(again);
+    for (auto [what, a, b] : {std::tuple{"dq", &ours.dq, &again.dq}, {"dk", &ours.dk, &again.dk},
+                              {"dv", &ours.dv, &again.dv}}) {
+      EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << "deterministic " << what << " of " << name;
+    }
+  }
+}
+
+// Ragged sizes (Nq = 1, 17, 127, Nk != Nq), the three layouts (the sliced view included), no mask and both causal
+// alignments, GQA and MQA, bf16 and fp32 gradients, every backward head dim; on sm_90 the Hopper kernels take
+// d64 and d128 (where they cover the views), and every third case forces mma.sync there; some deterministic.
+std::vector<Fp8Case> fp8_cuda_backward_grid() {
+  std::vector<Fp8Case> cases;
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::sliced};
+  const Mask masks[] = {Mask::none, Mask::top_left, Mask::bottom_right};
+  int n = 0;
+  for (int64_t d : {64, 128, 32, 256}) {
+    for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 1}, {1, 77}, {17, 130}, {127, 64}, {200, 129}}) {
+      for (Mask m : masks) {
+        if (d >= 256 && nq > 17) continue;  // the largest kernel on a few shapes: the fp64 reference is slow
+        const bool mqa = n % 2 == 1;  // GQA (4 query heads on 2) and MQA (3 on 1) in turn
+        const DType grad = (n / 2) % 2 == 0 ? DType::bf16 : DType::f32;
+        Fp8Case f{{2, nq, nk, mqa ? 3 : 4, mqa ? 1 : 2, d, layouts[(n + n / 3) % 3], m, grad}};
+        f.mma = n % 3 == 2;
+        f.deterministic = n % 5 == 4;
+        cases.push_back(f);
+        ++n;
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, Fp8CudaBackwardVsReference, ::testing::ValuesIn(fp8_cuda_backward_grid()),
+                         [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_cuda_case_name(info.param); });
+
+// The sm_90 forward and the CUDA backward chained, as training runs them: the backward's recomputed P must be the
+// forward's (its scale carries q_descale·k_descale as the forward's does, and the forward's lse normalises it).
+// Against the CPU flash backward given the very o and lse the GPU forward wrote, which computes those gradients
+// in fp32: the GPU's may differ by its bf16 gradients, P and dS, the bound of the grid above without the Delta
+// allowance (both read the same bf16 o).
+TEST(Fp8AttentionCuda, ForwardThenBackwardMatchesTheCpuBackwardOfTheSameForward) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  for (int64_t d : kFp8ForwardHeadDims) {
+    for (Mask m : {Mask::none, Mask::bottom_right}) {
+      const Case c{2, 150, 201, 4, 2, d, Layout::bhsd, m, DType::f32};
+      const std::string name = fmt::format("d {}{}", d, m == Mask::none ? "" : " causal bottom-right");
+      Fp8Problem gpu(c, DType::f32, 91 + static_cast<uint64_t>(d));
+      Fp8OnDevice dev(gpu);
+      const AttentionOptions opt = dev.options(m, false);
+      attention_forward(dev.q.view, dev.k.view, dev.v.view, dev.o.view, dev.lse, opt);
+      dev.backward(opt);
+      dev.copy_gradients_back(gpu);
+      copy_back(gpu.o, dev.o);
+      copy_into(gpu.lse.view(), dev.lse.view());
+
+      Fp8Problem cpu(gpu, c, DType::f32);  // the same inputs, and the GPU forward's o and lse
+      copy_into(cpu.o.view, gpu.o.view);
+      copy_into(cpu.lse.view(), gpu.lse.view());
+      AttentionOptions cpu_opt = opt;
+      attention_backward(cpu.q.view, cpu.k.view, cpu.v.view, cpu.o.view, cpu.lse, cpu.dout.view, cpu.dq.view,
+                         cpu.dk.view, cpu.dv.view, cpu_opt);
+      Fp8Problem naive_bf16(gpu, c, DType::bf16);  // the size of a bf16 rounding of these gradients
+      naive_bf16.run(options_for(m, AttentionImpl::naive));
+      const Problem ref = naive_bf16.reference(c, options_for(m, AttentionImpl::naive));
+      for (auto [what, got, want, lowp, exact] :
+           {std::tuple{"dq", &gpu.dq, &cpu.dq, &naive_bf16.dq, &ref.dq}, {"dk", &gpu.dk, &cpu.dk, &naive_bf16.dk, &ref.dk},
+            {"dv", &gpu.dv, &cpu.dv, &naive_bf16.dv, &ref.dv}}) {
+        const double low = max_abs_diff(lowp->view, exact->view);
+        const double err = max_abs_diff(got->view, want->view);
+        EXPECT_LE(err, cuda_flash_tolerance(DType::bf16, low, max_abs(want->view)))
+            << "cuda " << what << " of " << name << " against the cpu's of the same o and lse (naive bf16 error "
+            << low << ", max " << max_abs(want->view) << ")";
+      }
+    }
+  }
+#endif
+}
+
+// The C ABI's backward on device tensors: the C++ API's gradients, bit for bit (deterministic: no atomics).
+TEST(Fp8AttentionCuda, CAbiRunsTheBackward) {
+  SKIP_WITHOUT_GPU();
+  const Case c{2, 37, 50, 4, 2, 64, Layout::bshd, Mask::bottom_right, DType::f32};
+  Fp8Problem host(c, DType::f32, 78);
+  host.run(options_for(c.mask, AttentionImpl::naive));  // o and lse for the backward
+  Fp8OnDevice api(host), abi(host);
+  api.backward(api.options(c.mask, true));
+  flashlm_attention_options opt = flashlm_attention_options_default();
+  opt.causal = 1;
+  opt.causal_align = FLASHLM_BOTTOM_RIGHT;
+  opt.deterministic = 1;
+  opt.q_descale = kCpuQDescale;
+  opt.k_descale = kCpuKDescale;
+  opt.v_descale = kCpuVDescale;
+  const flashlm_tensor q = c_tensor(abi.q.view), k = c_tensor(abi.k.view), v = c_tensor(abi.v.view);
+  const flashlm_tensor o = c_tensor(abi.o.view), lse = c_tensor(abi.lse.view()), dout = c_tensor(abi.dout.view);
+  const flashlm_tensor dq = c_tensor(abi.dq.view), dk = c_tensor(abi.dk.view), dv = c_tensor(abi.dv.view);
+  ASSERT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_OK)
+      << flashlm_last_error();
+  Fp8Problem from_api(host, c, DType::f32), from_abi(host, c, DType::f32);
+  api.copy_gradients_back(from_api);
+  abi.copy_gradients_back(from_abi);
+  for (auto [name, a, b] : {std::tuple{"dq", &from_api.dq, &from_abi.dq}, {"dk", &from_api.dk, &from_abi.dk},
+                            {"dv", &from_api.dv, &from_abi.dv}}) {
+    EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << name;
+    EXPECT_TRUE(all_finite_or_neg_inf(a->view)) << name << ": the poison survived";
+  }
+  // A bad descale is FLASHLM_INVALID_ARGUMENT with the message naming it, as on the CPU.
+  opt.v_descale = -1.0f;
+  EXPECT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashlm_last_error()).find("v_descale"), std::string::npos) << flashlm_last_error();
+}
+
+// No queries: the keys get zero dk and dv. No keys: dq = 0. On the GPU, the gradients poisoned first.
+TEST(Fp8AttentionCuda, BackwardOfEmptySequences) {
+  SKIP_WITHOUT_GPU();
+  for (DType grad : {DType::bf16, DType::f32}) {
+    for (auto [nq, nk] : {std::pair<int64_t, int64_t>{0, 70}, std::pair<int64_t, int64_t>{70, 0}}) {
+      const Case c{2, nq, nk, 4, 2, 64, Layout::bshd, Mask::none, grad};
+      Fp8Problem host(c, grad, 3);
+      host.run(options_for(Mask::none, AttentionImpl::naive));
+      Fp8OnDevice dev(host);
+      dev.backward(dev.options(Mask::none, false));
+      dev.copy_gradients_back(host);
+      const std::string what = fmt::format("{} gradients, nq {} nk {}", dtype_name(grad), nq, nk);
+      for (const TensorView* t : {&host.dq.view, &host.dk.view, &host.dv.view}) {
+        Tensor x = to_f64(*t);
+        for (int64_t i = 0; i < x.numel(); ++i) ASSERT_EQ(x.view().ptr<double>()[i], 0.0) << what;
+      }
+    }
+  }
+}
 
 // The gradients are those of the dequantised values (value = stored · descale): the fp8 backward's fp32 gradients
 // against the fp64 reference's on the dequantised inputs, which are checked here against central differences

@@ -1,6 +1,7 @@
-"""The FP8 forward from PyTorch: torch.float8_e4m3fn q, k, v with q/k/v_descale in flashlm.attention. On the
-CPU and on an sm_90 GPU the result against float64 attention of the dequantised inputs; the fake kernel gives
-the bfloat16 output's shape."""
+"""FP8 attention from PyTorch: torch.float8_e4m3fn q, k, v with q/k/v_descale in flashlm.attention. On the
+CPU and on an sm_90 GPU the forward against float64 attention of the dequantised inputs; the backward
+(torch.ops.flashlm.attention_fp8_bwd, on the CPU and any GPU) against float64 autograd of the same; autograd
+through flashlm.attention; the fake kernels give the outputs' shapes and dtypes; opcheck."""
 import math
 
 import pytest
@@ -73,3 +74,130 @@ def test_fp8_forward_matches_float64_of_the_dequantised_inputs(d):
     ref = dequantised_reference(q, k, v, (0.5, 0.25, 2.0))
     # P in e4m3 (2^-4 relative per element) dominates; a loose bound here, the C++ test holds the derived one.
     assert (o.double().cpu() - ref).abs().max().item() <= 0.1 * max(1.0, ref.abs().max().item())
+
+
+def dequantised_gradients(q, k, v, descales, dout):
+    """float64 gradients of the dequantised q, k, v for the loss sum(o * dout) (BSHD, causal bottom-right, GQA)."""
+    qd, kd, vd = (t.double().cpu().mul(s).requires_grad_() for t, s in zip((q, k, v), descales))
+    o = dequantised_reference(qd, kd, vd, (1.0, 1.0, 1.0))
+    return torch.autograd.grad((o * dout.double().cpu()).sum(), (qd, kd, vd))
+
+
+DESCALES = (0.037, 0.026, 2.5)  # none a power of two; q and k small (amax/448-like), v above 1
+
+
+def fp8_problem(shape_q, shape_k, device):
+    """q, k, v float8_e4m3fn of stddev 24, 40 and 4 (dequantised scores of order 1), dout bfloat16."""
+    q = (torch.randn(shape_q, generator=torch.Generator().manual_seed(11)) * 24).to(torch.float8_e4m3fn)
+    k = (torch.randn(shape_k, generator=torch.Generator().manual_seed(12)) * 40).to(torch.float8_e4m3fn)
+    v = (torch.randn(shape_k, generator=torch.Generator().manual_seed(13)) * 4).to(torch.float8_e4m3fn)
+    dout = torch.randn(shape_q, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    return q.to(device), k.to(device), v.to(device), dout.to(device)
+
+
+def check_fp8_backward(device, d, grad_dtype):
+    q, k, v, dout = fp8_problem((2, 33, 4, d), (2, 50, 2, d), device)
+    # o and lse of the CPU forward (every device's backward takes them: the GPU's forward needs an sm_90 GPU)
+    o, lse = torch.ops.flashlm.attention_fp8_fwd(q.cpu(), k.cpu(), v.cpu(), "bshd", True, True, None, *DESCALES)
+    dq, dk, dv = torch.ops.flashlm.attention_fp8_bwd(dout, q, k, v, o.to(device), lse.to(device), "bshd", True,
+                                                     True, None, *DESCALES, False, grad_dtype)
+    want = dequantised_gradients(q, k, v, DESCALES, dout)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        assert got.dtype == grad_dtype and got.shape == ref.shape and got.device.type == device, name
+        # bf16 o in Delta and the bf16 or fp32 gradients: well inside 2^-5 of the gradients' scale; a descale
+        # missing or applied twice (factors 0.026 to 2.5) is far outside.
+        err = (got.double().cpu() - ref).abs().max().item()
+        assert err <= 2.0**-5 * max(1.0, ref.abs().max().item()), (name, err, ref.abs().max().item())
+
+
+@pytest.mark.skipif(not torch_ops.HAS_CUSTOM_OPS, reason="no torch.library.custom_op")
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_cpu_fp8_backward_gives_the_gradients_of_the_dequantised_inputs(grad_dtype):
+    check_fp8_backward("cpu", 40, grad_dtype)
+
+
+def _gpu():
+    return torch.cuda.is_available() and flashlm.cuda_device_count() > 0
+
+
+@pytest.mark.skipif(not (torch_ops.HAS_CUSTOM_OPS and _gpu()), reason="needs a GPU and torch.library.custom_op")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_fp8_backward_gives_the_gradients_of_the_dequantised_inputs(d, grad_dtype):
+    check_fp8_backward("cuda", d, grad_dtype)
+
+
+def check_fp8_autograd(device, d):
+    q, k, v, dout = fp8_problem((2, 33, 4, d), (2, 50, 2, d), device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = flashlm.attention(q, k, v, layout="bshd", causal=True, causal_align="bottom_right", q_descale=DESCALES[0],
+                          k_descale=DESCALES[1], v_descale=DESCALES[2])
+    assert o.grad_fn is not None
+    (o.float() * dout.float()).sum().backward()
+    want = dequantised_gradients(q.detach(), k.detach(), v.detach(), DESCALES, dout)
+    for name, t, ref, s in zip(("q", "k", "v"), (q, k, v), want, DESCALES):
+        # The gradient of the stored values (descale times the dequantised one), which autograd stores in the
+        # input's dtype: e4m3, 2^-4 relative, 2^-10 absolute below its normals.
+        assert t.grad.dtype == torch.float8_e4m3fn, name
+        stored = ref * s
+        err = (t.grad.double().cpu() - stored).abs()
+        assert (err <= 2.0**-3 * stored.abs() + 2.0**-5 * stored.abs().max() + 2.0**-9).all(), name
+
+
+@pytest.mark.skipif(not torch_ops.HAS_CUSTOM_OPS, reason="no torch.library.custom_op")
+def test_cpu_fp8_attention_is_differentiable():
+    check_fp8_autograd("cpu", 40)
+
+
+@pytest.mark.skipif(not (torch_ops.HAS_CUSTOM_OPS and _sm90()), reason="needs an sm_90 GPU (the FP8 forward)")
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_fp8_attention_is_differentiable(d):
+    # The GPU forward rounds P to e4m3 (2^-4 relative), which reaches the gradients through o and Delta, so the
+    # float64 gradients of the exact attention are no tight reference here (test_attention_fp8 bounds each pass
+    # on its own): autograd's gradients against descale times attention_fp8_bwd's on the very o and lse, within
+    # the e4m3 rounding autograd applies (and the dQ atomics' order).
+    q, k, v, dout = fp8_problem((2, 33, 4, d), (2, 50, 2, d), "cuda")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, lse = torch.ops.flashlm.attention_fp8_fwd(q, k, v, "bshd", True, True, None, *DESCALES)
+    (o.float() * dout.float()).sum().backward()
+    want = torch.ops.flashlm.attention_fp8_bwd(dout, q.detach(), k.detach(), v.detach(), o.detach(), lse, "bshd",
+                                               True, True, None, *DESCALES, False, torch.float32)
+    for name, t, g, s in zip(("q", "k", "v"), (q, k, v), want, DESCALES):
+        assert t.grad.dtype == torch.float8_e4m3fn, name
+        stored = (g * s).double()
+        err = (t.grad.double() - stored).abs()
+        assert (err <= 2.0**-3 * stored.abs() + 2.0**-5 * stored.abs().max() + 2.0**-9).all(), name
+
+
+@pytest.mark.skipif(not torch_ops.HAS_CUSTOM_OPS, reason="no torch.library.custom_op")
+def test_fp8_backward_fake_kernel_and_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 33, 64, dtype=torch.float8_e4m3fn)
+        k = torch.empty(2, 2, 40, 64, dtype=torch.float8_e4m3fn)
+        o = torch.empty(2, 4, 33, 64, dtype=torch.bfloat16)
+        lse = torch.empty(2, 4, 33, dtype=torch.float32)
+        for grad_dtype in (torch.bfloat16, torch.float32):
+            dq, dk, dv = torch.ops.flashlm.attention_fp8_bwd(o, q, k, k, o, lse, "bhsd", True, True, None, *DESCALES,
+                                                             False, grad_dtype)
+            assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+            assert dq.dtype == dk.dtype == dv.dtype == grad_dtype
+    q, k, v, dout = fp8_problem((1, 17, 2, 32), (1, 20, 1, 32), "cpu")
+    o, lse = torch.ops.flashlm.attention_fp8_fwd(q, k, v, "bshd", False, False, None, *DESCALES)
+    # Not test_schema: its harness multiplies the inputs, which torch does not implement for float8_e4m3fn.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.flashlm.attention_fp8_bwd,
+                          (dout, q, k, v, o, lse, "bshd", False, False, None, *DESCALES, False, torch.float32),
+                          test_utils=utils)
+    # With inputs that require grad, test_aot_dispatch_dynamic runs the autograd formula (compiled and eager).
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flashlm.attention_fp8_fwd, (q, k, v, "bshd", False, False, None, *DESCALES),
+                          test_utils=utils)
+
+
+def test_fp8_backward_bad_gradient_dtype_is_a_clear_error():
+    q, k, v, dout = fp8_problem((1, 17, 2, 32), (1, 20, 1, 32), "cpu")
+    o, lse = torch_ops._forward(q, k, v, "bshd", False, False, None, False, "flash", descales=DESCALES)
+    with pytest.raises(ValueError, match="dq: expected dtype bf16 or fp32 for the gradients of fp8_e4m3 inputs"):
+        torch_ops._backward(dout, q, k, v, o, lse, "bshd", False, False, None, False, "flash", descales=DESCALES,
+                            grad_dtype=torch.float16)

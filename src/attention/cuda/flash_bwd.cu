@@ -108,7 +108,7 @@ __global__ void flash_bwd_preprocess_kernel(const FlashParams p) {
       const float lse = p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s];
       lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;  // a row that saw no key: P = 0 everywhere
     }
-    p.delta[i] = dot;
+    p.delta[i] = dot * p.delta_scale;
     p.lse_log2[i] = lse2;
   }
 }
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
   cp_async_wait<0>();  // a key tile no query sees (steps = 0) still copied K and V: let them land before exit
 
-  // dK carries the softmax scale (S = scale·QKᵀ); keys past seq_k are not written.
+  // dK carries the softmax scale (S = scale·QKᵀ; dk_scale with descales); keys past seq_k are not written.
   T* dk_head = static_cast<T*>(p.dk) + b * p.dk_st.b + hk * p.dk_st.h;
   T* dv_head = static_cast<T*>(p.dv) + b * p.dv_st.b + hk * p.dv_st.h;
 #pragma unroll
@@ -425,7 +425,8 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 #pragma unroll
       for (int dt = 0; dt < Tr::kBCols / 8; ++dt) {
         const int col = b_col0 + dt * 8 + 2 * t;
-        store_pair(dk_head + key * p.dk_st.s + col, dk[mt][dt][2 * r] * p.scale, dk[mt][dt][2 * r + 1] * p.scale);
+        store_pair(dk_head + key * p.dk_st.s + col, dk[mt][dt][2 * r] * p.dk_scale,
+                   dk[mt][dt][2 * r + 1] * p.dk_scale);
         store_pair(dv_head + key * p.dv_st.s + col, dv[mt][dt][2 * r], dv[mt][dt][2 * r + 1]);
       }
     }
@@ -607,13 +608,13 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
       if (row >= p.seq_q) continue;
 #pragma unroll
       for (int dt = 0; dt < D / 8; ++dt) {
-        store_pair(dq_head + row * p.dq_st.s + dt * 8 + 2 * t, dq[mt][dt][2 * r] * p.scale,
-                   dq[mt][dt][2 * r + 1] * p.scale);
+        store_pair(dq_head + row * p.dq_st.s + dt * 8 + 2 * t, dq[mt][dt][2 * r] * p.dq_scale,
+                   dq[mt][dt][2 * r + 1] * p.dq_scale);
       }
     }
 }
 
-// dq (strided, T) = scale · dq_accum (padded fp32), 8 elements per thread.
+// dq (strided, T) = dq_scale · dq_accum (padded fp32), 8 elements per thread.
 template <class T, int D>
 __global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
   const int h = blockIdx.y, b = blockIdx.z;
@@ -628,7 +629,7 @@ __global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
                      DqAccumLayout<D>::block(row, part * 8) + (r / 8) * 64 + (r % 8) * 4;
   const float4 even = *reinterpret_cast<const float4*>(src);
   const float4 odd = *reinterpret_cast<const float4*>(src + 32);
-  const float c = p.scale;  // the accumulator holds dS·K without the softmax scale (one multiply here, not per atomic)
+  const float c = p.dq_scale;  // the accumulator holds dS·K without the scale (one multiply here, not per atomic)
   uint4 out;
   out.x = MmaOp<T>::pack(even.x * c, odd.x * c);
   out.y = MmaOp<T>::pack(even.y * c, odd.y * c);

@@ -36,7 +36,10 @@ struct FlashParams {
   RowStrides q_st, k_st, v_st, o_st;
   int64_t lse_b, lse_h, lse_s;
   int batch, seq_q, seq_k, heads_q, heads_k, group;
-  float scale, scale_log2;  // softmax scale, and scale·log2(e) for exp2
+  // The softmax scale of the scores the kernels compute from the stored q and k, and scale·log2(e) for exp2. For
+  // inputs stored with descales (AttentionProblem::q_descale.., the FP8 paths) it carries q_descale·k_descale,
+  // so that scale·(q·k) is the score of the dequantised values (make_params).
+  float scale, scale_log2;
   bool causal;
   int causal_offset;  // key j visible to query i iff j <= i + causal_offset
 
@@ -71,6 +74,15 @@ struct FlashParams {
   float* lse_log2;   // same shape: lse·log2(e), +inf for rows that see no key or lie past seq_q
   float* dq_accum;   // [batch, heads_q, seq_q_padded, head_dim] fp32, for the atomic dQ path
   int seq_q_padded;
+  // What the fp32 dQ and dK accumulators (dS·K, dSᵀ·Q of the stored values) are multiplied by as they are
+  // written, and what Delta is multiplied by as the preprocess writes it: scale, scale and 1 for 16-bit
+  // inputs. With descales (the FP8 backward runs these kernels on the stored e4m3 values, converted exactly to
+  // bf16) v's goes into Delta and both factors, and q's and k's into the factor of the other's gradient: dP of
+  // the stored v is dP/v_descale, so Delta/v_descale gives dS/v_descale, and dL/dq = scale·dS·k_deq =
+  // scale·k_descale·v_descale·(dS/v_descale)·k, and so for dk. One fp32 multiply each, where the 16-bit
+  // kernels already multiply by the scale: no extra rounding of the gradients. The sink's gradient reads
+  // Delta: no problem with descales has sinks (the fp8 row of the capability table has none).
+  float dq_scale, dk_scale, delta_scale;
 };
 
 // Whether problem `p` takes the masked kernels (FlashParams::masked): a sliding window beyond the causal

@@ -37,8 +37,12 @@ FlashParams make_params(const AttentionProblem& p, const TensorView& q, const Te
   f.heads_q = static_cast<int>(p.heads_q);
   f.heads_k = static_cast<int>(p.heads_k);
   f.group = static_cast<int>(p.group());
-  f.scale = static_cast<float>(p.scale);
-  f.scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const double scale = p.scale * p.q_descale * p.k_descale;  // the score of the dequantised values (1 and 1 but FP8)
+  f.scale = static_cast<float>(scale);
+  f.scale_log2 = static_cast<float>(scale) * kLog2e;
+  f.dq_scale = static_cast<float>(p.scale * p.k_descale * p.v_descale);
+  f.dk_scale = static_cast<float>(p.scale * p.q_descale * p.v_descale);
+  f.delta_scale = static_cast<float>(1.0 / p.v_descale);
   f.causal = p.causal;
   f.causal_offset = static_cast<int>(p.causal_offset);
   f.masked = uses_masked_kernels(p);

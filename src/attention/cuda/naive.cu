@@ -14,6 +14,7 @@
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -70,6 +71,23 @@ __global__ void copy_rows(const char* __restrict__ src, RowStrides src_st, char*
     const int64_t byte = vec * 16;
     *reinterpret_cast<uint4*>(dst + (b * dst_st.b + s * dst_st.s + h * dst_st.h) * elem_bytes + byte) =
         *reinterpret_cast<const uint4*>(src + (b * src_st.b + s * src_st.s + h * src_st.h) * elem_bytes + byte);
+  }
+}
+
+// copy_rows converting each element from Src to Dst, 8 elements per thread (an 8-byte e4m3 load, a 16-byte bf16
+// store; 16 bytes in, 32 out from bf16 to fp32): rows of any head_dim that is a multiple of 8, the index running
+// as copy_rows'. Only widening conversions, exact (convert_head_rows_cuda).
+template <class Src, class Dst>
+__global__ void convert_rows(const Src* __restrict__ src, RowStrides src_st, Dst* __restrict__ dst, RowStrides dst_st,
+                             int64_t seq, int64_t heads, int64_t octets_per_row, int64_t total) {
+  const int64_t step = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < total; idx += step) {
+    const int64_t octet = idx % octets_per_row, row = idx / octets_per_row;
+    const int64_t s = row % seq, bh = row / seq, h = bh % heads, b = bh / heads;
+    const Src* in = src + b * src_st.b + s * src_st.s + h * src_st.h + octet * 8;
+    Dst* out = dst + b * dst_st.b + s * dst_st.s + h * dst_st.h + octet * 8;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[e] = static_cast<Dst>(static_cast<float>(in[e]));
   }
 }
 
@@ -269,6 +287,32 @@ void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t c
   shape.sizes[3] = cols;
   copy_heads(src.data, row_strides(src), dst.data, row_strides(dst), shape, elem,
              static_cast<cudaStream_t>(stream), "copy_head_rows_cuda: copy_rows");
+}
+
+void convert_head_rows_cuda(const TensorView& src, const TensorView& dst, void* stream) {
+  const bool widens = (src.dtype == DType::f8e4m3 && dst.dtype == DType::bf16) ||
+                      (src.dtype == DType::bf16 && dst.dtype == DType::f32);
+  FLASHLM_CHECK(widens && src.size(0) == dst.size(0) && src.size(1) == dst.size(1) && src.size(2) == dst.size(2) &&
+                    src.size(3) == dst.size(3) && src.size(3) % 8 == 0,
+                "convert_head_rows_cuda: src {} {} and dst {} {}: expected one shape with rows of a multiple of 8 "
+                "elements, fp8_e4m3 to bf16 or bf16 to fp32",
+                dtype_name(src.dtype), src.shape_string(), dtype_name(dst.dtype), dst.shape_string());
+  const int64_t octets_per_row = src.size(3) / 8;
+  const int64_t total = checked_product({src.size(0), src.size(1), src.size(2), octets_per_row},
+                                        "convert_head_rows_cuda: element count");
+  if (total == 0) return;
+  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65536);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const auto launch = [&](auto src_zero, auto dst_zero) {
+    using Src = decltype(src_zero);
+    using Dst = decltype(dst_zero);
+    convert_rows<Src, Dst><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
+        static_cast<const Src*>(src.data), row_strides(src), static_cast<Dst*>(dst.data), row_strides(dst),
+        src.size(1), src.size(2), octets_per_row, total);
+  };
+  if (src.dtype == DType::f8e4m3) launch(__nv_fp8_e4m3{}, __nv_bfloat16{});
+  else launch(__nv_bfloat16{}, float{});
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "convert_head_rows_cuda: convert_rows");
 }
 
 namespace {

@@ -379,8 +379,8 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
   }
   if (lane == 0) sm90::bulk_wait<0>();  // every reduce complete (and its shared memory read) before exit
 
-  // dK carries the softmax scale (S = scale·QKᵀ); keys past seq_k are not written. Accumulator i: key
-  // key_row + 8·((i / 2) % 2), column 8·(i / 4) + 2t + i % 2.
+  // dK carries the softmax scale (S = scale·QKᵀ; dk_scale with descales); keys past seq_k are not written.
+  // Accumulator i: key key_row + 8·((i / 2) % 2), column 8·(i / 4) + 2t + i % 2.
   T* dk_head = static_cast<T*>(p.dk) + b * p.dk_st.b + hk * p.dk_st.h;
   T* dv_head = static_cast<T*>(p.dv) + b * p.dv_st.b + hk * p.dv_st.h;
 #pragma unroll
@@ -390,7 +390,8 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
       const int col = 8 * j + 2 * t;
-      store_pair(dk_head + key * p.dk_st.s + col, dk[4 * j + 2 * r] * p.scale, dk[4 * j + 2 * r + 1] * p.scale);
+      store_pair(dk_head + key * p.dk_st.s + col, dk[4 * j + 2 * r] * p.dk_scale,
+                 dk[4 * j + 2 * r + 1] * p.dk_scale);
       store_pair(dv_head + key * p.dv_st.s + col, dv[4 * j + 2 * r], dv[4 * j + 2 * r + 1]);
     }
   }

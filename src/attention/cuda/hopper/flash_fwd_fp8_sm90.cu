@@ -247,10 +247,7 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
   const int64_t items = flash_cuda::TileSchedule::count(p.seq_q, p.heads_q, p.batch, 128);
   FLASHLM_CHECK(items <= INT32_MAX, "{}: q: fp8_e4m3 takes at most 2^31 - 1 tile pairs (batch · heads · seq_q / 256), "
                 "got {}", fn, items);
-  auto f = flash_cuda::make_params(p, q, k, v, o, lse);
-  const double scale = p.scale * p.q_descale * p.k_descale;  // S of the dequantised inputs
-  f.scale = static_cast<float>(scale);
-  f.scale_log2 = static_cast<float>(scale) * flash_cuda::kLog2e;
+  const auto f = flash_cuda::make_params(p, q, k, v, o, lse);  // its scale carries q_descale·k_descale
   const auto s = static_cast<cudaStream_t>(stream);
   const auto v_descale = static_cast<float>(p.v_descale);
 
