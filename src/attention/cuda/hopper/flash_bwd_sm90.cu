@@ -61,6 +61,7 @@
 #include "attention/cuda/hopper/tma.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "flashlm/memory.h"
 
 namespace flashlm {
 namespace flash_cuda {
@@ -102,6 +103,7 @@ struct Sm90BwdShared {
   // kv_full: K and V of the block's current tile have landed; kv_empty: every consumer thread is done with
   // them (the persistent launch's next tile may load its own).
   sm90::Mbarrier kv_full, kv_empty, step_full[Tr::kStages], step_empty[Tr::kStages];
+  BackwardTile tile;  // persistent launch: the tile whose K and V kv_full announces (key block -1: none)
 };
 
 template <int D>
@@ -117,14 +119,14 @@ static_assert(sm90_bwd_smem_bytes<64>() <= 227 * 1024 && sm90_bwd_smem_bytes<128
 // slope taken without it, as in the mma.sync backward). A sink needs nothing here (the forward's lse holds
 // it, so P = exp(S - lse) is already its softmax; its gradient is run_flash_backward's): a problem with a sink
 // and no ALiBi takes the masked instantiation.
-// kPersistent: the persistent launch (walks `schedule`); without it a block runs the tile of its blockIdx and
-// `schedule` is unused (an instantiation of its own, so that the grid launch carries none of the loop's
-// registers: the producer thread has 24).
+// kPersistent: the persistent launch, whose blocks take positions of `schedule` from *tile_counter (zeroed
+// before the launch); without it a block runs the tile of its blockIdx and neither is used (an instantiation
+// of its own, so that the grid launch carries none of the loop's registers: the producer thread has 24).
 template <class T, int D, bool kMasked, bool kAlibi, bool kPersistent>
 __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     flash_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                          const FlashParams p, const BackwardSchedule schedule) {
+                          const FlashParams p, const BackwardSchedule schedule, int* tile_counter) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Tr = Sm90BwdTraits<D>;
   using Ring = sm90::RingSlot<Tr::kStages>;
@@ -134,18 +136,9 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
   // Each tile's steps from this instantiation's mask (not the schedule's copy): producer and consumers count
   // them alike whatever order the schedule gives. A step is (head_in_group, m_idx), in that order.
   const BackwardMask mask{p.seq_q, p.seq_k, p.causal, kMasked, p.causal_offset, p.window_left, p.window_right};
-  // This block's visit-th tile, false past its last: the grid launch's one tile (blockIdx), or the persistent
-  // launch's positions of `schedule`. Producer and consumers walk the same sequence.
-  auto tile_of = [&](int visit, BackwardTile& tile) {
-    if constexpr (!kPersistent) {
-      tile = {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
-      return visit == 0;
-    } else {
-      const int64_t position = BackwardSchedule::block_position(blockIdx.x, gridDim.x, visit);
-      if (position >= schedule.tiles) return false;
-      tile = schedule.tile(static_cast<int>(position));
-      return true;
-    }
+  // The grid launch's one tile, from blockIdx.
+  auto grid_tile = [] {
+    return BackwardTile{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
   };
   const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
 
@@ -170,16 +163,35 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
     sm90::tma_prefetch_descriptor(&tm_q);
     sm90::tma_prefetch_descriptor(&tm_do);
     int step_base = 0;  // steps of this block's earlier tiles: the ring's running count
-    BackwardTile tile;
-    for (int visit = 0; tile_of(visit, tile); ++visit) {
+    for (int visit = 0;; ++visit) {
+      // The block's next tile: the grid launch's one, or the next position of the order (taken while the
+      // consumers still run the last tile's final steps, whose loads are all issued).
+      // Each waits until the consumers are done with the last tile's K and V (and its coordinates); a fresh
+      // barrier's "previous" phase lets the first tile through.
+      BackwardTile tile;
+      if constexpr (kPersistent) {
+        int position = atomicAdd(tile_counter, 1);
+        if (position >= schedule.tiles) position = -1;
+        if (position >= 0) tile = schedule.tile(position);
+        s.kv_empty.wait((visit & 1) ^ 1);
+        // Handed over with kv_full's phase (the arrival releases it, the consumers' wait acquires it), as
+        // coordinates, so that the consumers need none of the schedule's arithmetic; a key block of -1 tells
+        // them that there is no other tile.
+        s.tile = position < 0 ? BackwardTile{-1, 0, 0} : tile;
+        if (position < 0) {
+          s.kv_full.arrive();
+          break;
+        }
+      } else {
+        if (visit > 0) break;
+        tile = grid_tile();
+        s.kv_empty.wait(1);
+      }
       const int n0 = tile.n_block * kBlockN;
       const QueryTileSpan range = backward_query_tiles(mask, n0, kBlockM, kBlockN);
       const int steps = range.count * p.group;
-      // K and V overwrite the last tile's once every consumer thread is done with them (its dQ products read
-      // K up to its last step); a fresh barrier's "previous" phase lets the first load through. A tile of no
-      // steps loads nothing but still completes one phase of each barrier, so that both sides count phases
-      // by tiles.
-      s.kv_empty.wait((visit & 1) ^ 1);
+      // K and V overwrite the last tile's (its dQ products read K up to its last step). A tile of no steps
+      // loads nothing but still completes one phase of each barrier, so that both sides count phases by tiles.
       if (steps == 0) {
         s.kv_full.arrive();
         continue;
@@ -230,28 +242,43 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
   constexpr bool kSplitColumns = D == 128;
   const int dq_query_panel = kSplitColumns ? 0 : wg, dq_col_panel = kSplitColumns ? wg : 0;
 
-  // Across the step loop only what it needs stays live (the persistent loop's state costs consumer registers,
-  // which dK and dV fill): the first query head's row of the tile, not (key head, batch), which the
-  // epilogue divides out again.
+  // The current tile's coordinates, read where they are used rather than carried across the step loop: the
+  // persistent launch's loop state costs consumer registers, which dK and dV fill (s.tile changes only once
+  // every consumer thread has arrived on kv_empty; the grid launch's come from blockIdx, as they always did).
+  auto tile_now = [&] {
+    if constexpr (kPersistent) return s.tile;
+    else return grid_tile();
+  };
   int step_base = 0;  // steps of this block's earlier tiles, as the producer counts them
-  BackwardTile tile;
-  for (int visit = 0; tile_of(visit, tile); ++visit) {
-    const int n0 = tile.n_block * kBlockN;
-    const int head_row0 = tile.b * p.heads_q + tile.hk * p.group;  // (b, first query head of the group)
-    const QueryTileSpan range = backward_query_tiles(mask, n0, kBlockM, kBlockN);
+  for (int visit = 0;; ++visit) {
+    // The tile's K and V (persistent: and its coordinates) are in shared memory. The grid launch's block has
+    // one tile: it must not wait for a second phase, which nobody completes.
+    BackwardTile tile;
+    if constexpr (kPersistent) {
+      s.kv_full.wait(visit & 1);
+      tile = s.tile;
+      if (tile.n_block < 0) break;
+    } else {
+      if (visit > 0) break;
+      s.kv_full.wait(0);
+      tile = grid_tile();
+    }
+    const QueryTileSpan range = backward_query_tiles(mask, tile.n_block * kBlockN, kBlockM, kBlockN);
     const int steps = range.count * p.group;
-    const int key_row = n0 + key0 + 16 * warp + g;  // this thread's keys: key_row and key_row + 8
 
     float dv[D / 2], dk[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dv[i] = dk[i] = 0.f;
 
-    s.kv_full.wait(visit & 1);
     int head_in_group = 0, m_idx = 0;
     for (int step = 0; step < steps; ++step) {
       const Ring slot{step_base + step};
       const int st = slot.stage();
-      const int head_row = head_row0 + head_in_group, m0 = (range.first + m_idx) * kBlockM;
+      const BackwardTile cur = tile_now();
+      const int n0 = cur.n_block * kBlockN;
+      const int key_row = n0 + key0 + 16 * warp + g;  // this thread's keys: key_row and key_row + 8
+      const int head_row = cur.b * p.heads_q + cur.hk * p.group + head_in_group;  // (b, h) of the step
+      const int m0 = (range.first + m_idx) * kBlockM;
       if (++m_idx == range.count) {
         m_idx = 0;
         ++head_in_group;
@@ -425,9 +452,11 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
         sm90::bulk_commit();
       }
     }
+    const BackwardTile done = tile_now();  // before the arrival lets the producer write the next tile's
     s.kv_empty.arrive();  // every wgmma of the tile has completed: K and V are no longer read
     step_base += steps;
-    const int b = head_row0 / p.heads_q, hk = head_row0 % p.heads_q / p.group;
+    const int b = done.b, hk = done.hk;
+    const int key_row = done.n_block * kBlockN + key0 + 16 * warp + g;
 
     // dK carries the softmax scale (S = scale·QKᵀ); keys past seq_k are not written. Accumulator i: key
     // key_row + 8·((i / 2) % 2), column 8·(i / 4) + 2t + i % 2.
@@ -454,8 +483,12 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
 template <class T, int D>
 int sm90_backward_blocks_per_sm() {
   static const int blocks = [] {
+    constexpr auto kernel = flash_bwd_sm90_kernel<T, D, false, false, true>;
+    FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(sm90_bwd_smem_bytes<D>())),
+                       "flash_bwd_sm90_kernel: shared-memory opt-in");
     int n = 0;
-    FLASHLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, flash_bwd_sm90_kernel<T, D, false, false, true>,
+    FLASHLM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel,
                                                                      Sm90BwdTraits<D>::kThreads,
                                                                      sm90_bwd_smem_bytes<D>()),
                        "flash_bwd_sm90_kernel: occupancy");
@@ -485,8 +518,8 @@ void launch(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, co
   };
   const int key_blocks = (f.seq_k + Tr::kBlockN - 1) / Tr::kBlockN;
   const int64_t tiles = int64_t{key_blocks} * f.heads_k * f.batch;
-  // Positions are ints, and a block's last position may pass the tile count by up to a grid: a launch with
-  // more tiles (2^30: a billion keys a head) keeps the grid launch.
+  // Positions are ints, and the counter passes the tile count by up to a grid: a launch with more tiles
+  // (2^30: a billion keys a head) keeps the grid launch.
   if (schedule == Sm90BackwardSchedule::persistent && tiles <= INT32_MAX / 2) {
     auto kernel = allow_smem(backward_kernel<T, D, true>(f));
     // Q, dO (two T) and the fp32 dQ accumulator of the pair's query heads, padded rows (what the schedule's
@@ -498,11 +531,14 @@ void launch(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, co
                                                           pair_bytes);
     const int64_t resident = int64_t{sm90_multiprocessors()} * sm90_backward_blocks_per_sm<T, D>();
     const int blocks = static_cast<int>(std::min(tiles, resident));
-    kernel<<<blocks, Tr::kThreads, kSmem, stream>>>(q, k, v, dout, f, order);
+    // The positions handed out so far; freed on the stream after the kernel.
+    Buffer counter = Buffer::allocate_on_stream(sizeof(int), "flash backward tile counter", stream);
+    FLASHLM_CUDA_CHECK(cudaMemsetAsync(counter.data(), 0, sizeof(int), stream), "flash backward tile counter clear");
+    kernel<<<blocks, Tr::kThreads, kSmem, stream>>>(q, k, v, dout, f, order, static_cast<int*>(counter.data()));
   } else {
     auto kernel = allow_smem(backward_kernel<T, D, false>(f));
     const dim3 grid(key_blocks, f.heads_k, f.batch);
-    kernel<<<grid, Tr::kThreads, kSmem, stream>>>(q, k, v, dout, f, BackwardSchedule{});
+    kernel<<<grid, Tr::kThreads, kSmem, stream>>>(q, k, v, dout, f, BackwardSchedule{}, nullptr);
   }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_sm90_kernel launch");
 }
