@@ -174,6 +174,11 @@ std::vector<GpuCase> gpu_grid() {
   // Head dim 64 with more work items than an H200 has SMs, so that persistent blocks walk several tile
   // pairs; 2000 rows leave the last query tile partial (with 192-row tiles its third warpgroup has none).
   cases.push_back({{2, 2000, 2048, 16, 4, 64, Layout::bshd, Mask::bottom_right, DType::bf16}, false});
+  // Many key blocks of little work each (65 query rows): more backward tiles than an H100 or H200 has SMs, so
+  // that the Hopper backward's persistent launch (FLASHLM_SM90_BWD_SCHEDULE=persistent) walks several per
+  // block, small enough for the sanitizer runs; GQA 4, key blocks at the end that no query sees.
+  cases.push_back({{2, 65, 2100, 16, 4, 64, Layout::bshd, Mask::top_left, DType::bf16}, false});
+  cases.push_back({{1, 65, 2100, 16, 8, 128, Layout::sliced, Mask::bottom_right, DType::f16}, false});
   // Long enough for the head-dim-64 forward to choose its 192-row tiles (sm90_forward_d64_tile).
   cases.push_back({{1, 4096, 4096, 2, 1, 64, Layout::bshd, Mask::none, DType::bf16}, false});
   return cases;
