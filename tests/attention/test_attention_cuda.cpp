@@ -516,8 +516,8 @@ TEST(CudaAttention, HopperBackwardCoversItsProblems) {
 #endif
 }
 
-// The Hopper backward's two launches (FLASHLM_SM90_BWD_SCHEDULE): each against the fp64 oracle on fresh
-// inputs, and dK and dV bit-identical between them (each tile's are summed by one block in one order either
+// The Hopper backward's two launches (FLASHLM_SM90_BWD_SCHEDULE): the persistent one against the fp64 oracle
+// on fresh inputs (the grid, the default, is every other test's), and dK and dV bit-identical between them (each tile's are summed by one block in one order either
 // way; only dQ's reduce-adds meet in another order), so a tile run twice, skipped or given another tile's
 // coordinates shows. The shapes have more tiles than an H100 or H200 has SMs (persistent blocks walk
 // several, in both rounds of the snake), ragged ends, GQA, both causal alignments and none, key blocks no
@@ -532,8 +532,8 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
   const char* was = std::getenv("FLASHLM_SM90_BWD_SCHEDULE");  // a test run may force one for the grid
   const std::string saved = was == nullptr ? "" : was;
   const Case cases[] = {
-      {2, 2048, 2048, 16, 8, 64, Layout::bshd, Mask::top_left, DType::f16},          // 256 tiles
-      {1, 3000, 5000, 8, 8, 128, Layout::sliced, Mask::bottom_right, DType::bf16},   // 320 tiles, Nk > Nq
+      {2, 1024, 2048, 16, 8, 64, Layout::bshd, Mask::top_left, DType::f16},          // 256 tiles
+      {1, 1500, 5000, 8, 8, 128, Layout::sliced, Mask::bottom_right, DType::bf16},   // 320 tiles, Nk > Nq
       {2, 1531, 2100, 4, 4, 64, Layout::bhsd, Mask::none, DType::bf16},              // 136 tiles
       {2, 300, 2100, 8, 4, 128, Layout::bshd, Mask::top_left, DType::f16},           // key blocks 3.. see no query
       {3, 1000, 777, 12, 4, 128, Layout::bhsd, Mask::bottom_right, DType::f16},      // Nq > Nk
@@ -546,7 +546,6 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
     const AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
     ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "grid", 1), 0);
     grid.run_on_device(opt);
-    expect_flash_matches_oracle({c, false});
     ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "persistent", 1), 0);
     persistent.run_on_device(opt);
     expect_flash_matches_oracle({c, false});

@@ -4,7 +4,8 @@
 // in place of the mma.sync one for the Hopper family.
 //
 // A block per (128-key block, key head, batch) tile (FLASHLM_SM90_BWD_SCHEDULE=grid), or a persistent grid
-// whose blocks walk the tiles in bwd_schedule_sm90.h's order, heaviest first (=persistent); three warpgroups.
+// whose blocks take tiles one after another from a counter over bwd_schedule_sm90.h's order, heaviest first
+// (=persistent); three warpgroups.
 // Warpgroup 0 is the producer: one thread loads each tile's K and V once (kv_full; in the persistent launch
 // not before every consumer thread has released the last tile's, kv_empty), then streams the steps' tiles
 // through a ring of kStages slots
@@ -26,8 +27,8 @@
 //                                       thread).
 // Every barrier is set up once per block and its phases run on from tile to tile: the ring's by the running
 // step count, the dSᵀ double buffer's alternation too (so the dQ barrier's one-step bound holds across a tile
-// boundary), K/V's by the count of loads. dK and dV go from registers to global memory, so a tile's epilogue
-// shares no shared memory with the next tile's steps.
+// boundary), K/V's (kv_full, kv_empty) one phase per tile. dK and dV go from registers to global memory, so a
+// tile's epilogue shares no shared memory with the next tile's steps.
 // What the persistent launch should move (to be measured against the grid launch; predictions from a model
 // of 132 SMs taking tiles of cost (query tiles × group) + a per-tile overhead of one step (grid) or half
 // a step (persistent: K/V's load overlaps the last tile's epilogue), which leaves out L2 and HBM):
