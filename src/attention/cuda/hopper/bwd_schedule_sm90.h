@@ -128,7 +128,8 @@ constexpr int64_t kBackwardSectionBytes = int64_t{16} << 20;
 // The schedule of a launch over heads_k key heads and `batch`, `pair_bytes` the bytes of Q, dO and the dQ
 // accumulator of one (key head, batch) pair's query heads. The split is the first block of the most work
 // where the work rises to it and falls after it (as every band does: its two edges move right with the key
-// block); anything else gets split 0, block order, which is still every tile exactly once.
+// block); anything else gets split 0, block order, which is still every tile exactly once. The caller keeps
+// key blocks × heads_k × batch within an int (flash_bwd_sm90.cu takes the grid launch above 2^30 tiles).
 inline BackwardSchedule make_backward_schedule(const BackwardMask& mask, int block_m, int block_n, int heads_k,
                                                int batch, int64_t pair_bytes) {
   BackwardSchedule s{};
