@@ -101,7 +101,7 @@ if has tests; then
   # gtest NAME LIMIT BINARY ARGS...: one run into tests/NAME.log and a row of tests.md.
   gtest() {
     local name=$1 limit=$2 exe=$3; shift 3
-    if [[ $dry == 1 ]]; then print_only "$exe: ${FLASHLM_ATTENTION_KERNEL:+FLASHLM_ATTENTION_KERNEL=$FLASHLM_ATTENTION_KERNEL }${FLASHLM_SM90_FWD_D64_TILE:+FLASHLM_SM90_FWD_D64_TILE=$FLASHLM_SM90_FWD_D64_TILE }$*"; return; fi
+    if [[ $dry == 1 ]]; then print_only "$exe: ${FLASHLM_ATTENTION_KERNEL:+FLASHLM_ATTENTION_KERNEL=$FLASHLM_ATTENTION_KERNEL }${FLASHLM_SM90_FWD_D64_TILE:+FLASHLM_SM90_FWD_D64_TILE=$FLASHLM_SM90_FWD_D64_TILE }${FLASHLM_SM90_BWD_SCHEDULE:+FLASHLM_SM90_BWD_SCHEDULE=$FLASHLM_SM90_BWD_SCHEDULE }$*"; return; fi
     timeout $((limit * scale)) "$@" > "$out/tests/$name.log" 2>&1
     local rc=$? summary
     summary=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) +\]|[0-9]+ (passed|failed)|ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY' \
@@ -116,12 +116,21 @@ if has tests; then
   gtest attention 600 test_attention "$t/test_attention" --gtest_brief=1
   FLASHLM_ATTENTION_KERNEL=mma gtest attention-mma 300 test_attention "$t/test_attention" --gtest_brief=1 \
     --gtest_filter='*Cuda*:AttentionNaN*:*Varlen*'
+  # The Hopper backward's persistent launch over the same GPU suites (the run above takes the default, grid).
+  FLASHLM_SM90_BWD_SCHEDULE=persistent gtest attention-bwd-persistent 400 test_attention "$t/test_attention" \
+    --gtest_brief=1 --gtest_filter='*Cuda*:AttentionNaN*:*Varlen*'
   gtest attention-repeat 300 test_attention "$t/test_attention" --gtest_brief=1 \
     --gtest_filter='Grid/CudaVsReference.*:CudaAttention.*' --gtest_repeat=2
-  small='Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:Grid/CudaVsReference.*q129_k97_h4x2_d256*:CudaAttention.QueryTilesThatSeeNoKey*:CudaAttention.EmptySequencesGiveZeroGradients:Packs/VarlenCudaVsReference.*d128*'
+  small='Grid/CudaVsReference.*q65_k2100_*:Grid/CudaVsReference.*q127_k64_*:Grid/CudaVsReference.*q17_k130_h4x2_d128*:Grid/CudaVsReference.*q129_k97_h4x2_d256*:CudaAttention.QueryTilesThatSeeNoKey*:CudaAttention.EmptySequencesGiveZeroGradients:Packs/VarlenCudaVsReference.*d128*'
   for tool in memcheck racecheck synccheck; do
     gtest "sanitizer-$tool" 180 "compute-sanitizer --tool $tool test_attention" compute-sanitizer --tool $tool \
       --error-exitcode 99 "$t/test_attention" --gtest_brief=1 --gtest_filter="$small"
+  done
+  # The Hopper backward's persistent launch (blocks walking several tiles: the q65_k2100 cases).
+  for tool in racecheck synccheck; do
+    FLASHLM_SM90_BWD_SCHEDULE=persistent gtest "sanitizer-$tool-bwd-persistent" 180 \
+      "compute-sanitizer --tool $tool test_attention" compute-sanitizer --tool $tool --error-exitcode 99 \
+      "$t/test_attention" --gtest_brief=1 --gtest_filter="$small"
   done
   # The d64 forward's other tiles are chosen only for long sequences: the small filter reaches them forced.
   for tile in 192x128 128x192; do

@@ -174,6 +174,11 @@ std::vector<GpuCase> gpu_grid() {
   // Head dim 64 with more work items than an H200 has SMs, so that persistent blocks walk several tile
   // pairs; 2000 rows leave the last query tile partial (with 192-row tiles its third warpgroup has none).
   cases.push_back({{2, 2000, 2048, 16, 4, 64, Layout::bshd, Mask::bottom_right, DType::bf16}, false});
+  // Many key blocks of little work each (65 query rows): more backward tiles than an H100 or H200 has SMs, so
+  // that the Hopper backward's persistent launch (FLASHLM_SM90_BWD_SCHEDULE=persistent) walks several per
+  // block, small enough for the sanitizer runs; GQA 4, key blocks at the end that no query sees.
+  cases.push_back({{2, 65, 2100, 16, 4, 64, Layout::bshd, Mask::top_left, DType::bf16}, false});
+  cases.push_back({{1, 65, 2100, 16, 8, 128, Layout::sliced, Mask::bottom_right, DType::f16}, false});
   // Long enough for the head-dim-64 forward to choose its 192-row tiles (sm90_forward_d64_tile).
   cases.push_back({{1, 4096, 4096, 2, 1, 64, Layout::bshd, Mask::none, DType::bf16}, false});
   return cases;
@@ -508,6 +513,66 @@ TEST(CudaAttention, HopperBackwardCoversItsProblems) {
       EXPECT_FALSE(flash_backward_sm90_covers(problem_of(q, no_keys, o, lse), q, no_keys, no_keys, o)) << "d" << d;
     }
   }
+#endif
+}
+
+// The Hopper backward's two launches (FLASHLM_SM90_BWD_SCHEDULE): the persistent one against the fp64 oracle
+// on fresh inputs (the grid, the default, is every other test's), and dK and dV bit-identical between them (each tile's are summed by one block in one order either
+// way; only dQ's reduce-adds meet in another order), so a tile run twice, skipped or given another tile's
+// coordinates shows. The shapes have more tiles than an H100 or H200 has SMs (persistent blocks walk
+// several, in both rounds of the snake), ragged ends, GQA, both causal alignments and none, key blocks no
+// query sees (top-left with Nk > Nq: tiles of no steps in the middle of a block's walk), both head dims and
+// dtypes and every layout. An unknown value is an error naming the variable.
+TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  const char* was = std::getenv("FLASHLM_SM90_BWD_SCHEDULE");  // a test run may force one for the grid
+  const std::string saved = was == nullptr ? "" : was;
+  const Case cases[] = {
+      {2, 1024, 2048, 16, 8, 64, Layout::bshd, Mask::top_left, DType::f16},          // 256 tiles
+      {1, 1500, 5000, 8, 8, 128, Layout::sliced, Mask::bottom_right, DType::bf16},   // 320 tiles, Nk > Nq
+      {2, 1531, 2100, 4, 4, 64, Layout::bhsd, Mask::none, DType::bf16},              // 136 tiles
+      {2, 300, 2100, 8, 4, 128, Layout::bshd, Mask::top_left, DType::f16},           // key blocks 3.. see no query
+      {3, 1000, 777, 12, 4, 128, Layout::bhsd, Mask::bottom_right, DType::f16},      // Nq > Nk
+      {2, 127, 1000, 6, 2, 64, Layout::sliced, Mask::none, DType::bf16},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(case_name(c));
+    const uint64_t seed = 9100 + static_cast<uint64_t>(c.Nq * 7 + c.Nk);
+    Problem grid(c, c.layout, c.dtype, seed), persistent(c, c.layout, c.dtype, seed);
+    const AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
+    ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "grid", 1), 0);
+    grid.run_on_device(opt);
+    ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "persistent", 1), 0);
+    persistent.run_on_device(opt);
+    expect_flash_matches_oracle({c, false});
+    EXPECT_EQ(max_abs_diff(grid.dk.view, persistent.dk.view), 0.0) << "dk";
+    EXPECT_EQ(max_abs_diff(grid.dv.view, persistent.dv.view), 0.0) << "dv";
+    EXPECT_EQ(max_abs_diff(grid.o.view, persistent.o.view), 0.0) << "o (the same forward)";
+    // dQ: fp32 sums of the same terms in another order, rounded to 16 bits.
+    Tensor ref = to_f64(grid.dq.view);
+    double scale = 0;
+    for (int64_t i = 0; i < ref.view().numel(); ++i) scale = std::max(scale, std::fabs(ref.view().ptr<double>()[i]));
+    EXPECT_GT(scale, 0.0);
+    EXPECT_LE(max_abs_diff(grid.dq.view, persistent.dq.view), 0.02 * scale) << "dq";
+  }
+  ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "auto", 1), 0);
+  EXPECT_EQ(flash_cuda::sm90_backward_schedule(), flash_cuda::Sm90BackwardSchedule::grid);
+  ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "dynamic", 1), 0);
+  const Case c{1, 200, 200, 2, 2, 64, Layout::bshd, Mask::top_left, DType::bf16};
+  Problem p(c, c.layout, c.dtype, 1);
+  try {
+    p.run_on_device(options_for(c.mask, AttentionImpl::flash));
+    ADD_FAILURE() << "expected an error for FLASHLM_SM90_BWD_SCHEDULE=dynamic";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FLASHLM_SM90_BWD_SCHEDULE: unknown value 'dynamic'"), std::string::npos)
+        << e.what();
+  }
+  if (was == nullptr) unsetenv("FLASHLM_SM90_BWD_SCHEDULE");
+  else setenv("FLASHLM_SM90_BWD_SCHEDULE", saved.c_str(), 1);
 #endif
 }
 

@@ -20,4 +20,11 @@ int sm90_multiprocessors();
 enum class Sm90D64Tile { rows128_keys128, rows192_keys128, rows128_keys192 };
 Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p);
 
+// How the backward's dK/dV kernel is launched (flash_bwd_sm90.cu, bwd_schedule_sm90.h): one block per
+// (key block, key head, batch) tile, or a persistent grid of one block per SM walking the tiles heaviest first.
+// From FLASHLM_SM90_BWD_SCHEDULE, read at each backward: "grid", "persistent", or "auto" (or unset), which is
+// grid for now; anything else is an error naming the variable.
+enum class Sm90BackwardSchedule { grid, persistent };
+Sm90BackwardSchedule sm90_backward_schedule();
+
 }  // namespace flashlm::flash_cuda
