@@ -52,7 +52,10 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   Tensor q = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "q");
   Tensor k = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "k");
   Tensor v = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim_v}, dtype, dev, "v");
-  Tensor dout = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim_v}, dtype, dev, "dout");
+  // fp8_e4m3 inputs write a bf16 o, and their backward takes a bf16 dO and writes bf16 gradients (its fast case).
+  const bool fp8 = dtype == DType::f8e4m3;
+  const DType out_dtype = fp8 ? DType::bf16 : dtype;
+  Tensor dout = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim_v}, out_dtype, dev, "dout");
   fill_normal(q, 1);
   fill_normal(k, 2);
   fill_normal(v, 3);
@@ -67,12 +70,9 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   opt.window_size_right = cfg.window_right;
   opt.softcap = cfg.softcap;
 
-  // fp8_e4m3 inputs write bf16; their rows time the forward only, the FP8 backward running the bf16 backward's
-  // kernels on bf16 copies (flashlm/attention.h), which the bf16 rows time.
-  const bool fp8 = dtype == DType::f8e4m3;
   const int64_t base = memory_stats(dev).current_bytes;
   memory_reset_peak(dev);
-  Tensor o = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim_v}, fp8 ? DType::bf16 : dtype, dev, "o");
+  Tensor o = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim_v}, out_dtype, dev, "o");
   Tensor lse = Tensor::empty({rec.batch, rec.heads, rec.seq_q}, DType::f32, dev, "lse");
   attention_forward(q, k, v, o, lse, opt);
   if (dev == Device::cuda) cuda_synchronize();
@@ -81,12 +81,12 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   const double flops = forward_flops(cfg, rec);
   rec.fwd_ms = median_call_ms(dev, cfg.warmup, cfg.reps, [&] { attention_forward(q, k, v, o, lse, opt); });
   rec.fwd_tflops = flops / *rec.fwd_ms / 1e9;
-  if (!cfg.backward || fp8) return;
+  if (!cfg.backward) return;
 
   memory_reset_peak(dev);
-  Tensor dq = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, dtype, dev, "dq");
-  Tensor dk = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, dtype, dev, "dk");
-  Tensor dv = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim_v}, dtype, dev, "dv");
+  Tensor dq = Tensor::empty({rec.batch, rec.seq_q, rec.heads, rec.head_dim}, out_dtype, dev, "dq");
+  Tensor dk = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim}, out_dtype, dev, "dk");
+  Tensor dv = Tensor::empty({rec.batch, rec.seq_k, rec.kv_heads, rec.head_dim_v}, out_dtype, dev, "dv");
   attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt);
   if (dev == Device::cuda) cuda_synchronize();
   rec.peak_bwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;

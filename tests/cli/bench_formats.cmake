@@ -36,6 +36,16 @@ string(JSON status GET "${gqa}" records 0 status)
 if(NOT rc EQUAL 0 OR NOT kv EQUAL 2 OR NOT status STREQUAL "ok")
   message(FATAL_ERROR "gqa json: exit ${rc}, kv_heads ${kv}, status ${status}:\n${gqa}")
 endif()
+# fp8_e4m3 rows time the backward too (a bf16 dO, bf16 gradients), on the CPU's FP8 path here.
+set(fp8_file ${WORKDIR}/bench_formats_fp8.json)
+execute_process(COMMAND ${FLASHLM} attention-bench --impl flash --dtype fp8 --seq 40 --d 16 --heads 2 --reps 1
+                        --warmup 0 --quiet --format json --out ${fp8_file} RESULT_VARIABLE rc)
+file(READ ${fp8_file} fp8)
+string(JSON bwd TYPE "${fp8}" records 0 bwd_ms)
+string(JSON status GET "${fp8}" records 0 status)
+if(NOT rc EQUAL 0 OR NOT bwd STREQUAL "NUMBER" OR NOT status STREQUAL "ok")
+  message(FATAL_ERROR "fp8 json: exit ${rc}, bwd_ms ${bwd}, status ${status}:\n${fp8}")
+endif()
 # --d-v: v and o with a head dim of their own (CPU flash and naive), recorded as head_dim_v.
 set(dv_file ${WORKDIR}/bench_formats_dv.json)
 execute_process(COMMAND ${FLASHLM} attention-bench --impl naive,flash --seq 40 --d 32 --d-v 16 --heads 2 --reps 1
