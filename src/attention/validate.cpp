@@ -41,11 +41,15 @@ void check_same_shape(std::string_view fn, std::string_view name, const TensorVi
                 t.shape_string());
 }
 
+void check_same_device(std::string_view fn, std::string_view name, const TensorView& t, const TensorView& q) {
+  FLASHLM_CHECK(t.device == q.device, "{}: {}: on {} but q is on {}", fn, name, device_name(t.device),
+                device_name(q.device));
+}
+
 void check_same_kind(std::string_view fn, std::string_view name, const TensorView& t, const TensorView& q) {
   FLASHLM_CHECK(t.dtype == q.dtype, "{}: {}: dtype {} differs from q's {}", fn, name, dtype_name(t.dtype),
                 dtype_name(q.dtype));
-  FLASHLM_CHECK(t.device == q.device, "{}: {}: on {} but q is on {}", fn, name, device_name(t.device),
-                device_name(q.device));
+  check_same_device(fn, name, t, q);
 }
 
 // The bytes a view may touch, [begin, end); empty for a view without elements (or an option's view left
@@ -183,7 +187,7 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
     // The FP8 forward writes bf16 (FlashAttention-3's choice: e4m3 keeps too few bits for an output).
     FLASHLM_CHECK(o.dtype == DType::bf16, "{}: o: expected dtype bf16 for fp8_e4m3 inputs, got {}", fn,
                   dtype_name(o.dtype));
-    FLASHLM_CHECK(o.device == q.device, "{}: o: on {} but q is on {}", fn, device_name(o.device), device_name(q.device));
+    check_same_device(fn, "o", o, q);
   } else {
     check_same_kind(fn, "o", o, q);
   }
@@ -280,8 +284,7 @@ AttentionProblem check_backward(std::string_view fn, const TensorView& q, const 
     check_qkv_like(fn, "dout", dout);
     FLASHLM_CHECK(dout.dtype == DType::bf16, "{}: dout: expected dtype bf16 (o's) for fp8_e4m3 inputs, got {}", fn,
                   dtype_name(dout.dtype));
-    FLASHLM_CHECK(dout.device == q.device, "{}: dout: on {} but q is on {}", fn, device_name(dout.device),
-                  device_name(q.device));
+    check_same_device(fn, "dout", dout, q);
     for (auto [name, t] : {std::pair{"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
       check_qkv_like(fn, name, *t);
       FLASHLM_CHECK(t->dtype == DType::bf16 || t->dtype == DType::f32,
@@ -289,8 +292,7 @@ AttentionProblem check_backward(std::string_view fn, const TensorView& q, const 
                     dtype_name(t->dtype));
       FLASHLM_CHECK(t->dtype == dq.dtype, "{}: {}: dtype {} differs from dq's {} (the gradients share one dtype)",
                     fn, name, dtype_name(t->dtype), dtype_name(dq.dtype));
-      FLASHLM_CHECK(t->device == q.device, "{}: {}: on {} but q is on {}", fn, name, device_name(t->device),
-                    device_name(q.device));
+      check_same_device(fn, name, *t, q);
     }
   } else {
     for (auto [name, t] : {std::pair{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
