@@ -1,4 +1,5 @@
-// The Hopper backward's work and persistent order (attention/cuda/hopper/bwd_schedule_sm90.h) on the CPU: the
+// The backward's work (attention/cuda/backward_tiles.h, the mma.sync and Hopper kernels' one count) and the Hopper
+// persistent order (attention/cuda/hopper/bwd_schedule_sm90.h) on the CPU: the
 // same functions the kernel runs, so that CI checks them where there is no GPU. The query tiles of a key block
 // against a brute force over every (query, key) pair; the order against a stable sort of the tiles by their
 // work. (The persistent kernel's blocks take positions from an atomic counter: every position below the

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include "attention/backends.h"
 #include "attention/capabilities.h"
+#include "attention/cuda/backward_tiles.h"
 #include "attention/cuda/flash_common.cuh"
 #include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
@@ -171,15 +172,10 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
 
   // Query tiles that can see this key tile: from the first query seeing key n0 to the end, for every
   // query head of the GQA group.
-  int m_first, m_blocks;
-  if constexpr (kMasked) {  // the band's query tiles only
-    const TileRange tiles = band_query_tiles(p, n0, min(n0 + kBlockN, p.seq_k) - 1, kBlockM);
-    m_first = tiles.first;
-    m_blocks = tiles.count();
-  } else {
-    m_first = p.causal ? max(0, n0 - p.causal_offset) / kBlockM : 0;
-    m_blocks = p.seq_q > m_first * kBlockM ? (p.seq_q - m_first * kBlockM + kBlockM - 1) / kBlockM : 0;
-  }
+  // (The masked kernel: the band's query tiles only.) The Hopper backward counts its steps by the same function.
+  const BackwardMask mask{p.seq_q, p.seq_k, p.causal, kMasked, p.causal_offset, p.window_left, p.window_right};
+  const QueryTileSpan tiles = backward_query_tiles(mask, n0, kBlockM, kBlockN);
+  const int m_first = tiles.first, m_blocks = tiles.count;
   const int steps = m_blocks * p.group;
 
   // Step (head_in_group, m_idx): query tile m_first + m_idx of query head hk·group + head_in_group. The

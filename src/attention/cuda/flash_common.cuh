@@ -322,15 +322,6 @@ __device__ __forceinline__ TileRange visited_key_tiles(const FlashParams& p, int
   }
 }
 
-// The query tiles of block_m rows in which some query sees a key of [key_first, key_last].
-__device__ __forceinline__ TileRange band_query_tiles(const FlashParams& p, int key_first, int key_last, int block_m) {
-  if (key_first >= p.seq_k) return {0, 0};
-  const int begin = p.window_right < 0 ? 0 : max(0, key_first - p.causal_offset - p.window_right);
-  const int end = p.window_left < 0 ? p.seq_q : max(0, min(p.seq_q, key_last - p.causal_offset + p.window_left + 1));
-  if (end <= begin) return {0, 0};
-  return {begin / block_m, (end + block_m - 1) / block_m};
-}
-
 // Soft-capping of a raw score (FlashParams::softcap_in/out), and the capped score's derivative by the raw
 // one, 1 - tanh², from the capped score x' (x' · softcap_in is the tanh; a masked -inf gives 0, never NaN).
 __device__ __forceinline__ float softcap_score(const FlashParams& p, float x) {
