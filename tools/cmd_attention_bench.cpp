@@ -105,6 +105,18 @@ int run(AttentionBenchArgs& a) {
 
   const auto records = run_attention_bench(cfg);
   emit_report([&](ReportFormat f) { return format_attention_bench(records, f, cfg); }, a.report);
+  // The tables follow the md table on stdout (json and csv keep them in their records).
+  const bool md_on_stdout = !a.report.out.empty() || report_format(a.report) == ReportFormat::md;
+  for (const auto& r : records) {
+    if (!md_on_stdout) break;
+    for (const auto& [pass, table] : {std::pair{"forward", &r.fwd_kernel_table}, {"backward", &r.bwd_kernel_table}}) {
+      if (table->empty()) continue;
+      fmt::print("\n** CUDA GPU kernel summary (cuda_gpu_kern_sum): {} {} b={} h={}/{} n={} d={}/{} causal={}, {} {} "
+                 "calls\n{}",
+                 r.impl, r.dtype, r.batch, r.heads, r.kv_heads, r.seq_q, r.head_dim, r.head_dim_v, int(r.causal),
+                 cfg.reps, pass, *table);
+    }
+  }
   return 0;
 }
 
@@ -188,6 +200,10 @@ Command add_attention_bench_command(CLI::App& app) {
       ->capture_default_str()
       ->check(in_range(1.0, 1e30));
   cmd->add_flag("--forward-only", a->forward_only, "Skip the backward pass");
+  cmd->add_flag("--profile-kernels", a->cfg.profile_kernels,
+                "After the table, each row's cuda_gpu_kern_sum table (nsys stats format, from CUPTI) of --reps more "
+                "calls of each pass, run after the timed ones (--device cuda)")
+      ->excludes(decode);
   add_report_options(cmd, a->report);
   return {cmd, [a] { return run(*a); }};
 }

@@ -51,6 +51,9 @@ struct AttentionBenchConfig {
   int warmup = 1;
   int reps = 3;
   bool backward = true;
+  // CUDA: after each pass is timed, `reps` more calls of it under CUPTI, summarised per kernel (the
+  // cuda_gpu_kern_sum table) into the record: where a pass's time goes (its kernels, copies, conversions).
+  bool profile_kernels = false;
   // On the CPU a row whose passes (warm-up and timed, forward and backward) would compute more than this
   // many FLOPs is not run but recorded as "skipped", with its count: 1e14 is hours at the CPU attention's
   // rates (docs/perf.md, CPU).
@@ -67,6 +70,7 @@ struct AttentionBenchRecord {
   std::optional<double> fwd_ms, bwd_ms, fwd_tflops, bwd_tflops, peak_fwd_mib, peak_bwd_mib;
   std::string status = "ok";  // ok | oom | error | skipped
   std::string message;        // why, when status is not ok
+  std::string fwd_kernel_table, bwd_kernel_table;  // cuda_gpu_kern_sum of `reps` calls (profile_kernels)
 };
 
 // Runs impl × dtype × shape. A row that runs out of memory or fails records its status and the sweep

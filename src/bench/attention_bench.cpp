@@ -2,12 +2,15 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "bench/report.h"
 #include "core/check.h"
 #include "core/cuda_runtime.h"
 #include "flashlm/device.h"
+#include "flashlm/profile.h"
 
 namespace flashlm {
 
@@ -45,6 +48,17 @@ double row_flops(const AttentionBenchConfig& cfg, const AttentionBenchRecord& re
   return forward_flops(cfg, rec) * (cfg.backward ? 1.0 + backward_ratio(rec) : 1.0) * (1 + cfg.warmup + cfg.reps);
 }
 
+// The cuda_gpu_kern_sum table of `calls` more calls of fn, recorded apart from the timed ones (CUPTI's
+// activity records cost the timed calls nothing then).
+std::string kernel_summary(int calls, const std::function<void()>& fn) {
+  KernelProfiler& kernels = KernelProfiler::instance();
+  kernels.reset();
+  kernels.start();
+  for (int i = 0; i < calls; ++i) fn();
+  kernels.stop();  // synchronises
+  return kernels.kern_sum_table();
+}
+
 void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, AttentionImpl impl, DType dtype) {
   const Device dev = cfg.device;
   // Inputs first; everything allocated after `base` is the pass's extra memory (outputs, gradients and
@@ -79,8 +93,10 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   rec.peak_fwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
 
   const double flops = forward_flops(cfg, rec);
-  rec.fwd_ms = median_call_ms(dev, cfg.warmup, cfg.reps, [&] { attention_forward(q, k, v, o, lse, opt); });
+  const auto forward = [&] { attention_forward(q, k, v, o, lse, opt); };
+  rec.fwd_ms = median_call_ms(dev, cfg.warmup, cfg.reps, forward);
   rec.fwd_tflops = flops / *rec.fwd_ms / 1e9;
+  if (cfg.profile_kernels) rec.fwd_kernel_table = kernel_summary(cfg.reps, forward);
   if (!cfg.backward) return;
 
   memory_reset_peak(dev);
@@ -90,8 +106,10 @@ void measure_row(const AttentionBenchConfig& cfg, AttentionBenchRecord& rec, Att
   attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt);
   if (dev == Device::cuda) cuda_synchronize();
   rec.peak_bwd_mib = double(memory_stats(dev).peak_bytes - base) / kMiB;
-  rec.bwd_ms = median_call_ms(dev, cfg.warmup, cfg.reps, [&] { attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt); });
+  const auto backward = [&] { attention_backward(q, k, v, o, lse, dout, dq, dk, dv, opt); };
+  rec.bwd_ms = median_call_ms(dev, cfg.warmup, cfg.reps, backward);
   rec.bwd_tflops = backward_ratio(rec) * flops / *rec.bwd_ms / 1e9;
+  if (cfg.profile_kernels) rec.bwd_kernel_table = kernel_summary(cfg.reps, backward);
 }
 
 std::string opt_ms(const std::optional<double>& x) { return x ? fmt::format("{:.3f}", *x) : "-"; }
@@ -101,6 +119,12 @@ std::string opt_ms(const std::optional<double>& x) { return x ? fmt::format("{:.
 std::vector<AttentionBenchRecord> run_attention_bench(const AttentionBenchConfig& cfg) {
   FLASHLM_CHECK(cfg.reps >= 1, "attention-bench: reps must be at least 1, got {}", cfg.reps);
   FLASHLM_CHECK(cfg.warmup >= 0, "attention-bench: warmup must be >= 0, got {}", cfg.warmup);
+  FLASHLM_CHECK_ARG(!cfg.profile_kernels || cfg.device == Device::cuda,
+                    "attention-bench: the kernel summary (CUPTI, --profile-kernels) needs --device cuda");
+  if (cfg.profile_kernels) {  // fail before the sweep when CUPTI cannot be used
+    KernelProfiler::instance().start();
+    KernelProfiler::instance().stop();
+  }
   std::vector<AttentionBenchRecord> records;
   const size_t total = cfg.impls.size() * cfg.dtypes.size() * cfg.shapes.size();
   for (const AttentionShape& shape : cfg.shapes)
@@ -187,6 +211,8 @@ std::string format_attention_bench(const std::vector<AttentionBenchRecord>& reco
                         {"bwd_tflops", opt(r.bwd_tflops)}, {"peak_fwd_mib", opt(r.peak_fwd_mib)},
                         {"peak_bwd_mib", opt(r.peak_bwd_mib)}, {"status", r.status}};
     if (!r.message.empty()) j["message"] = r.message;
+    if (!r.fwd_kernel_table.empty()) j["fwd_kernel_table"] = r.fwd_kernel_table;
+    if (!r.bwd_kernel_table.empty()) j["bwd_kernel_table"] = r.bwd_kernel_table;
     rows.push_back(std::move(j));
   }
   const std::vector<ReportColumn> columns = {
