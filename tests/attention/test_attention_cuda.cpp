@@ -517,7 +517,7 @@ TEST(CudaAttention, HopperBackwardCoversItsProblems) {
 }
 
 // The Hopper backward's two launches (FLASHLM_SM90_BWD_SCHEDULE): the persistent one against the fp64 oracle
-// on fresh inputs (the grid, the default, is every other test's), and dK and dV bit-identical between them (each tile's are summed by one block in one order either
+// on fresh inputs (the default, auto — persistent at d64, grid at d128 — is every other test's), and dK and dV bit-identical between them (each tile's are summed by one block in one order either
 // way; only dQ's reduce-adds meet in another order), so a tile run twice, skipped or given another tile's
 // coordinates shows. The shapes have more tiles than an H100 or H200 has SMs (persistent blocks walk
 // several, in both rounds of the snake), ragged ends, GQA, both causal alignments and none, key blocks no
@@ -560,7 +560,14 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
     EXPECT_LE(max_abs_diff(grid.dq.view, persistent.dq.view), 0.02 * scale) << "dq";
   }
   ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "auto", 1), 0);
-  EXPECT_EQ(flash_cuda::sm90_backward_schedule(), flash_cuda::Sm90BackwardSchedule::grid);
+  using flash_cuda::Sm90BackwardSchedule;
+  EXPECT_EQ(flash_cuda::sm90_backward_schedule(), Sm90BackwardSchedule::automatic);
+  // auto: persistent at head dim 64, grid otherwise; an explicit choice is kept at every head dim.
+  EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::automatic, 64), Sm90BackwardSchedule::persistent);
+  EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::automatic, 128), Sm90BackwardSchedule::grid);
+  EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::grid, 64), Sm90BackwardSchedule::grid);
+  EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::persistent, 128),
+            Sm90BackwardSchedule::persistent);
   ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "dynamic", 1), 0);
   const Case c{1, 200, 200, 2, 2, 64, Layout::bshd, Mask::top_left, DType::bf16};
   Problem p(c, c.layout, c.dtype, 1);

@@ -589,7 +589,7 @@ void launch_backward_sm90(const AttentionProblem& p, const TensorView& q, const 
   // A group's views are the covered views' slices of heads: the same strides, a 16-byte aligned start.
   const auto maps = plan_backward_sm90(p, q, k, v, dout);
   FLASHLM_CHECK(maps.has_value(), "attention_backward: the Hopper backward declined a part of a problem it covered");
-  const Sm90BackwardSchedule schedule = sm90_backward_schedule();
+  const Sm90BackwardSchedule schedule = sm90_backward_schedule_for(sm90_backward_schedule(), p.head_dim);
   auto run = [&]<class T>(T) {
     with_backward_head_dim(p.head_dim, [&](auto dim) {
       launch<T, dim.value>(f, maps->q, maps->k, maps->v, maps->dout, schedule, stream);
@@ -604,9 +604,15 @@ void launch_backward_sm90(const AttentionProblem& p, const TensorView& q, const 
 Sm90BackwardSchedule sm90_backward_schedule() {
   const char* env = std::getenv("FLASHLM_SM90_BWD_SCHEDULE");
   const std::string_view value = env == nullptr ? "" : env;
-  if (value.empty() || value == "auto" || value == "grid") return Sm90BackwardSchedule::grid;
+  if (value.empty() || value == "auto") return Sm90BackwardSchedule::automatic;
+  if (value == "grid") return Sm90BackwardSchedule::grid;
   if (value == "persistent") return Sm90BackwardSchedule::persistent;
   fail("FLASHLM_SM90_BWD_SCHEDULE: unknown value '{}': expected auto, grid or persistent", value);
+}
+
+Sm90BackwardSchedule sm90_backward_schedule_for(Sm90BackwardSchedule requested, int64_t head_dim) {
+  if (requested != Sm90BackwardSchedule::automatic) return requested;
+  return head_dim == 64 ? Sm90BackwardSchedule::persistent : Sm90BackwardSchedule::grid;
 }
 
 }  // namespace flash_cuda

@@ -22,9 +22,15 @@ Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p);
 
 // How the backward's dK/dV kernel is launched (flash_bwd_sm90.cu, bwd_schedule_sm90.h): one block per
 // (key block, key head, batch) tile, or a persistent grid of one block per SM walking the tiles heaviest first.
-// From FLASHLM_SM90_BWD_SCHEDULE, read at each backward: "grid", "persistent", or "auto" (or unset), which is
-// grid for now; anything else is an error naming the variable.
-enum class Sm90BackwardSchedule { grid, persistent };
+// From FLASHLM_SM90_BWD_SCHEDULE, read at each backward: "grid", "persistent", or "auto" (or unset: `automatic`,
+// which sm90_backward_schedule_for resolves per problem); anything else is an error naming the variable.
+enum class Sm90BackwardSchedule { automatic, grid, persistent };
 Sm90BackwardSchedule sm90_backward_schedule();
+
+// The launch `automatic` takes for a head dim: persistent at 64, grid otherwise. Measured over the fa grid
+// (one H100, 2026-12-06, docs/perf.md "A persistent backward"): at d64 the persistent launch took 0.95–1.00 of
+// the grid launch's time (12 shapes, 0.98 geomean; 1.00 non-causal from 8k), at d128 0.98–1.03, its losses
+// non-causal at 1k-2k and from 8k and causal at 16k (1.03–1.04 at 32k causal and the 64/8-head GQA shape).
+Sm90BackwardSchedule sm90_backward_schedule_for(Sm90BackwardSchedule requested, int64_t head_dim);
 
 }  // namespace flashlm::flash_cuda
