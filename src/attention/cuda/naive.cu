@@ -74,20 +74,48 @@ __global__ void copy_rows(const char* __restrict__ src, RowStrides src_st, char*
   }
 }
 
-// copy_rows converting each element from Src to Dst, 8 elements per thread (an 8-byte e4m3 load, a 16-byte bf16
-// store; 16 bytes in, 32 out from bf16 to fp32): rows of any head_dim that is a multiple of 8, the index running
-// as copy_rows'. Only widening conversions, exact (convert_head_rows_cuda).
-template <class Src, class Dst>
-__global__ void convert_rows(const Src* __restrict__ src, RowStrides src_st, Dst* __restrict__ dst, RowStrides dst_st,
-                             int64_t seq, int64_t heads, int64_t octets_per_row, int64_t total) {
-  const int64_t step = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t idx = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; idx < total; idx += step) {
-    const int64_t octet = idx % octets_per_row, row = idx / octets_per_row;
-    const int64_t s = row % seq, bh = row / seq, h = bh % heads, b = bh / heads;
-    const Src* in = src + b * src_st.b + s * src_st.s + h * src_st.h + octet * 8;
-    Dst* out = dst + b * dst_st.b + s * dst_st.s + h * dst_st.h + octet * 8;
+// Eight elements widened exactly, in vectors: an 8-byte e4m3 load and a 16-byte bf16 store (every e4m3 value
+// is a half and a bf16 value), or a 16-byte bf16 load and two 16-byte fp32 stores.
+__device__ __forceinline__ void widen8(const __nv_fp8_e4m3* in, __nv_bfloat16* out) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(in);
+  const uint32_t words[2] = {raw.x, raw.y};
+  uint32_t packed[4];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) out[e] = static_cast<Dst>(static_cast<float>(in[e]));
+  for (int i = 0; i < 4; ++i) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    const __nv_bfloat162 b = __float22bfloat162_rn(f);
+    packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+__device__ __forceinline__ void widen8(const __nv_bfloat16* in, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(in);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  float f[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+    f[2 * i] = pair.x, f[2 * i + 1] = pair.y;
+  }
+  reinterpret_cast<float4*>(out)[0] = make_float4(f[0], f[1], f[2], f[3]);
+  reinterpret_cast<float4*>(out)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+// copy_rows converting each element from Src to Dst, 8 elements per thread (widen8): rows of any head_dim that
+// is a multiple of 8, the index running as copy_rows'. Only widening conversions, exact (convert_head_rows_cuda).
+// Index is uint32_t where the launch's indices fit (a 32-bit division is a few instructions, a 64-bit one a
+// call, and this kernel does three per eight elements; with 64-bit indices it ran at a fifth of the bandwidth).
+template <class Src, class Dst, class Index>
+__global__ void convert_rows(const Src* __restrict__ src, RowStrides src_st, Dst* __restrict__ dst, RowStrides dst_st,
+                             Index seq, Index heads, Index octets_per_row, Index total) {
+  const Index step = Index{gridDim.x} * blockDim.x;
+  for (Index idx = Index{blockIdx.x} * blockDim.x + threadIdx.x; idx < total; idx += step) {
+    const Index octet = idx % octets_per_row, row = idx / octets_per_row;
+    const Index s = row % seq, bh = row / seq, h = bh % heads, b = bh / heads;
+    widen8(src + int64_t{b} * src_st.b + int64_t{s} * src_st.s + int64_t{h} * src_st.h + int64_t{octet} * 8,
+           dst + int64_t{b} * dst_st.b + int64_t{s} * dst_st.s + int64_t{h} * dst_st.h + int64_t{octet} * 8);
   }
 }
 
@@ -297,18 +325,34 @@ void convert_head_rows_cuda(const TensorView& src, const TensorView& dst, void* 
                 "convert_head_rows_cuda: src {} {} and dst {} {}: expected one shape with rows of a multiple of 8 "
                 "elements, fp8_e4m3 to bf16 or bf16 to fp32",
                 dtype_name(src.dtype), src.shape_string(), dtype_name(dst.dtype), dst.shape_string());
+  // widen8's vectors: every row starts 16-byte aligned (check_cuda_arguments' rule for the views it converts).
+  for (const TensorView* t : {&src, &dst}) {
+    const int64_t elem = static_cast<int64_t>(dtype_size(t->dtype));
+    bool aligned = reinterpret_cast<uintptr_t>(t->data) % 16 == 0;
+    for (int d = 0; d < 3; ++d) aligned = aligned && (t->size(d) == 1 || t->stride(d) * elem % 16 == 0);
+    FLASHLM_CHECK(aligned, "convert_head_rows_cuda: {} {}: rows must start 16-byte aligned",
+                  dtype_name(t->dtype), t->shape_string());
+  }
   const int64_t octets_per_row = src.size(3) / 8;
   const int64_t total = checked_product({src.size(0), src.size(1), src.size(2), octets_per_row},
                                         "convert_head_rows_cuda: element count");
   if (total == 0) return;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65536);
   const auto s = static_cast<cudaStream_t>(stream);
+  // 32-bit indices where the last one plus a grid's stride stays below 2^32.
+  const bool narrow = total + blocks * kThreads <= int64_t{UINT32_MAX};
   const auto launch = [&](auto src_zero, auto dst_zero) {
     using Src = decltype(src_zero);
     using Dst = decltype(dst_zero);
-    convert_rows<Src, Dst><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
-        static_cast<const Src*>(src.data), row_strides(src), static_cast<Dst*>(dst.data), row_strides(dst),
-        src.size(1), src.size(2), octets_per_row, total);
+    const auto run = [&](auto index_zero) {
+      using Index = decltype(index_zero);
+      convert_rows<Src, Dst, Index><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
+          static_cast<const Src*>(src.data), row_strides(src), static_cast<Dst*>(dst.data), row_strides(dst),
+          static_cast<Index>(src.size(1)), static_cast<Index>(src.size(2)), static_cast<Index>(octets_per_row),
+          static_cast<Index>(total));
+    };
+    if (narrow) run(uint32_t{});
+    else run(int64_t{});
   };
   if (src.dtype == DType::f8e4m3) launch(__nv_fp8_e4m3{}, __nv_bfloat16{});
   else launch(__nv_bfloat16{}, float{});
