@@ -134,9 +134,10 @@ std::vector<GpuCase> gpu_grid() {
       ++n;
     }
   }
-  // Head dim 256 (64-key tiles: 130 and 1000 keys end in a partial one; 32-row query tiles in the dK/dV
-  // kernel, 64 in the dQ pass), GQA 4 / 2: case i of this block runs mask i % 3, the deterministic mode
-  // where i is odd and bf16 where i / 2 is odd, so that its 18 cases hold every (mask, mode, dtype).
+  // Head dim 256 (64-key tiles: 130 and 1000 keys end in a partial one; 32-row query tiles in the mma.sync
+  // dK/dV kernel, 64 in the dQ pass and in the Hopper wide-head kernel, which runs the atomic mode on sm_90),
+  // GQA 4 / 2: case i of this block runs mask i % 3, the deterministic mode where i is odd and bf16 where
+  // i / 2 is odd, so that its 18 cases hold every (mask, mode, dtype).
   int i = 0;
   for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 77}, {17, 130}, {127, 64}, {1000, 333}, {65, 1000}, {300, 129}}) {
     for (Mask m : masks) {
@@ -487,8 +488,8 @@ TEST(CudaAttention, BackwardSharedMemoryFitsSm80AndAGpuWithLessRefusesByName) {
 #endif
 }
 
-// On an sm_90 GPU the Hopper backward covers fp16/bf16 at head dims 64 and 128 with views TMA can
-// describe; a zero stride, head dim 32 or 256 and an empty side take the mma.sync kernels.
+// On an sm_90 GPU the Hopper backward covers fp16/bf16 at head dims 64, 128 and 256 (the wide-head kernel)
+// with views TMA can describe; a zero stride, head dim 32 and an empty side take the mma.sync kernels.
 TEST(CudaAttention, HopperBackwardCoversItsProblems) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
@@ -503,7 +504,7 @@ TEST(CudaAttention, HopperBackwardCoversItsProblems) {
       Tensor q = Tensor::empty({2, 300, 4, d}, dt, Device::cuda), k = Tensor::empty({2, 200, 2, d}, dt, Device::cuda);
       Tensor o = Tensor::empty({2, 300, 4, d}, dt, Device::cuda);
       Tensor lse = Tensor::empty({2, 4, 300}, DType::f32, Device::cuda);
-      const bool has_kernel = d == 64 || d == 128;
+      const bool has_kernel = d == 64 || d == 128 || d == 256;
       EXPECT_EQ(flash_backward_sm90_covers(problem_of(q, k, o, lse), q, k, k, o), has_kernel) << "d" << d;
       TensorView broadcast = k.view();
       broadcast.strides[0] = 0;
@@ -578,8 +579,9 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
 
 // flash_kernel_family is the one choice of the flash kernels for both passes: on an sm_90 GPU with the
 // Hopper kernels built, a covered 16-bit problem takes them forward and backward (the plan says mma.sync),
-// the deterministic backward and FLASHLM_ATTENTION_KERNEL=mma keep mma.sync, a head dim the Hopper backward
-// lacks (256) keeps it for the backward only, and fp32 stays fp32.
+// the deterministic backward and FLASHLM_ATTENTION_KERNEL=mma keep mma.sync (head dim 256 included, which the
+// Hopper backward runs on its wide-head kernel), a head dim the Hopper kernels lack (32) keeps it, and fp32
+// stays fp32.
 TEST(CudaAttention, FlashKernelFamilyChoosesHopperForBothPassesInOnePlace) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
@@ -605,12 +607,14 @@ TEST(CudaAttention, FlashKernelFamilyChoosesHopperForBothPassesInOnePlace) {
     EXPECT_EQ(family(d128, bwd, false), CudaKernelFamily::hopper);
     EXPECT_EQ(family(d128, bwd, true), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d256, fwd, false), CudaKernelFamily::hopper);
-    EXPECT_EQ(family(d256, bwd, false), CudaKernelFamily::mma_sync);
+    EXPECT_EQ(family(d256, bwd, false), CudaKernelFamily::hopper);
+    EXPECT_EQ(family(d256, bwd, true), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d32, fwd, false), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d32, bwd, false), CudaKernelFamily::mma_sync);
     ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "mma", 1), 0);
     EXPECT_EQ(family(d128, fwd, false), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d128, bwd, false), CudaKernelFamily::mma_sync);
+    EXPECT_EQ(family(d256, bwd, false), CudaKernelFamily::mma_sync);
     ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
   }
   Tensor f32 = Tensor::empty({2, 300, 4, 128}, DType::f32, Device::cuda);

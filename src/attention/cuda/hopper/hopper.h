@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "attention/problem.h"
 #include "flashlm/tensor.h"
 
@@ -26,5 +28,18 @@ Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p);
 // grid for now; anything else is an error naming the variable.
 enum class Sm90BackwardSchedule { grid, persistent };
 Sm90BackwardSchedule sm90_backward_schedule();
+
+// The backward's wide heads (head dim 256, the (192, 128) pair): flash_bwd_wide_sm90.cu's dK/dV kernel, which
+// splits dK, dV and dQ's columns between its consumer warpgroups, runs them (grid launch only, whatever
+// FLASHLM_SM90_BWD_SCHEDULE says); flash_bwd_sm90.cu's kernel the others.
+constexpr bool sm90_wide_backward(int64_t head_dim, int64_t head_dim_v) { return head_dim > 128 || head_dim_v > 128; }
+// Whether the wide kernel runs these views (as flash_backward_sm90_covers for its head dims), and its launch: a
+// BackwardDkdvLauncher for run_flash_backward (flash_common.cuh).
+bool wide_backward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& dout);
+struct FlashParams;
+void launch_wide_backward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& dout, const FlashParams& f,
+                               cudaStream_t stream);
 
 }  // namespace flashlm::flash_cuda
