@@ -418,7 +418,8 @@ TEST(CudaAttention, AtomicBackwardSplitOverHeadsMatchesDeterministic) {
 // The atomic backward's accumulator bound splits only where a launch keeps at least three waves of
 // blocks: the causal GQA shape of issue 15 (b1, 64 query / 8 key heads, 16k, d128; 64 MiB of accumulator
 // per key head, 128 blocks per key head) takes two launches of 4 key heads on 132 SMs, not eight of one;
-// a long MHA sequence (547 blocks per head) still runs one head per launch; small problems one launch.
+// a long MHA sequence (547 blocks per head) still runs one head per launch; small problems one launch; head
+// dim 256 and the pair (192, 128) count 64-key blocks.
 TEST(CudaAttention, BackwardHeadGroupsBoundTheAccumulatorWithoutUnderfillingTheGpu) {
 #ifndef FLASHLM_WITH_CUDA
   GTEST_SKIP() << "built without the CUDA backends' declarations";
@@ -452,6 +453,13 @@ TEST(CudaAttention, BackwardHeadGroupsBoundTheAccumulatorWithoutUnderfillingTheG
   wide.head_dim = 256;
   EXPECT_EQ(backward_accumulator_bytes_per_kv_head(wide), size_t{128} << 20);
   EXPECT_EQ(backward_kv_heads_per_launch(wide, 132), 2);
+  // The pair (192, 128), which the Hopper backward runs unpadded: dQ's accumulator over head_dim (96 MiB per
+  // key head), the blocks of the kernel its padded problem would run (64 keys, as the wide Hopper kernel's).
+  AttentionProblem pair = p;
+  pair.head_dim = 192;
+  pair.head_dim_v = 128;
+  EXPECT_EQ(backward_accumulator_bytes_per_kv_head(pair), size_t{96} << 20);
+  EXPECT_EQ(backward_kv_heads_per_launch(pair, 132), 2);
 #endif
 }
 

@@ -25,7 +25,8 @@
 // Shared memory (227 KB at most): K and V (64 rows each), two stages of Q with its rows of lse·log2e, dO with
 // its rows of Delta (one stage at d256, two at (192, 128)), Pᵀ and dSᵀ double-buffered (a warpgroup may store
 // step i + 1's while the other still reads step i's; the barrier keeps them at most one step apart), and each
-// consumer warp's 16 x 64 fp32 dQ chunk: at d256 32 + 32 + 64 + 32 + 16 + 16 + 32 KB = 224 KB.
+// consumer warp's 16 x 64 fp32 dQ chunk: at d256 32 + 32 + 64 + 32 + 16 + 16 + 32 KB and the rows and barriers,
+// 225 KB (226 with the alignment slack); at (192, 128) 186 KB.
 // Q and dO have rings of their own, each slot guarded by a "full" mbarrier (the copy engine completes it)
 // and an "empty" one (every consumer thread arrives once the step's dV/dK products, its last reads, are done),
 // so that Q's second stage lets the next step's Sᵀ start while dO's one stage is still being refilled.
@@ -505,6 +506,7 @@ void launch_wide_backward_sm90(const AttentionProblem& p, const TensorView& q, c
                                cudaStream_t stream) {
   // A group's views are the covered views' slices of heads: the same strides, a 16-byte aligned start.
   const auto maps = plan_wide_backward_sm90(p, q, k, v, dout);
+  sm90_backward_schedule();  // FLASHLM_SM90_BWD_SCHEDULE is checked here too, though this kernel has one launch
   FLASHLM_CHECK(maps.has_value(), "attention_backward: the Hopper backward declined a part of a problem it covered");
   auto run = [&]<class T>(T) {
     with_wide_head_dims(p.head_dim, p.value_dim(), [&](auto dim, auto dim_v) {
