@@ -476,9 +476,9 @@ INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaVsReference, ::testing::ValuesIn(gpu_g
 // Sliding window and soft-capping on packed sequences, on the CUDA 16-bit flash kernels (the Hopper ones where
 // they cover the problem, and the mma.sync ones forced by FLASHLM_ATTENTION_KERNEL=mma, in both backward
 // modes): each sequence with its own band and bottom-right offset, rows the window leaves empty, sequences
-// without keys or queries, GQA, head dims 64 and 128, bf16 and fp16, against the per-sequence fp64
-// reference (the CUDA naive kernels have no band: the CPU's naive attention in the 16-bit dtype is the
-// low-precision baseline).
+// without keys or queries, GQA, head dims 64, 128 and 256 and the pair (192, 128), bf16 and fp16, against the
+// per-sequence fp64 reference (the CUDA naive kernels have no band: the CPU's naive attention in the 16-bit
+// dtype is the low-precision baseline).
 std::vector<VarlenCase> band_gpu_grid() {
   std::vector<VarlenCase> cases;
   const std::vector<int32_t> self{1, 17, 1000, 0, 64, 3, 300};
@@ -493,6 +493,12 @@ std::vector<VarlenCase> band_gpu_grid() {
       ++n;
     }
   }
+  // Head dim 256 and the pair (192, 128): the Hopper backward's wide-head kernel (the pair unpadded), with and
+  // without a band, and mma.sync on padded copies.
+  cases.push_back({cq, ck, 4, 2, 256, Mask::top_left, DType::bf16, false, false, 100, -1, 20.0});
+  cases.push_back({self, self, 4, 2, 256, Mask::bottom_right, DType::f16, true, false});
+  cases.push_back({cq, ck, 4, 1, 192, Mask::bottom_right, DType::f16, true, false, 64, -1, 0, 128});
+  cases.push_back({self, self, 4, 2, 192, Mask::none, DType::bf16, false, false, -1, -1, 0, 128});
   // Runs of equal lengths (one batched launch each) with a window across tiles.
   cases.push_back({{17, 17, 17, 130, 130, 0, 0, 300, 300}, {17, 17, 17, 129, 129, 3, 3, 0, 290}, 4, 2, 128,
                    Mask::bottom_right, DType::bf16, true, false, 64, -1});
