@@ -87,9 +87,9 @@ struct CudaKernelCapability {
   bool pads_head_dim_v;
   bool any_head_dim;
   // The (head_dim, head_dim_v) pairs with head_dim_v != head_dim compiled per pass, exact, unpadded (the
-  // Hopper forward's and backward's). plan_cuda_attention plans no family on them: it plans a pair on a family that pads
-  // it (mma.sync for fp16/bf16), and flash_kernel_family runs it on the Hopper kernels unpadded where their
-  // row lists the pair for the pass and they cover the views.
+  // Hopper forward's and backward's). plan_cuda_attention plans no family on them: it plans a pair on a family
+  // that pads it (mma.sync for fp16/bf16), and flash_kernel_family runs it on the Hopper kernels unpadded where
+  // their row lists the pair for the pass and they cover the views.
   std::span<const HeadDimPair> forward_head_dim_pairs, backward_head_dim_pairs;
   // The attention variants the family's kernels implement (AttentionOptions::window_size_*, softcap: the
   // 16-bit flash kernels' masked instantiations, cuda/flash_common.cuh; alibi_slopes, learnable_sink); a

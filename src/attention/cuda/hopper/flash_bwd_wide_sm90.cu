@@ -209,7 +209,9 @@ __device__ __forceinline__ void wide_backward_consumer(Sm90WideBwdShared<D, Dv>&
       for (int j = 0; j < 4; ++j) {
         const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sacc[4 * j + e] = fast_exp2(fmaf(sacc[4 * j + e], p.scale_log2, e % 2 ? -l2.y : -l2.x));
+        for (int e = 0; e < 4; ++e) {
+          sacc[4 * j + e] = fast_exp2(fmaf(sacc[4 * j + e], p.scale_log2, e % 2 ? -l2.y : -l2.x));
+        }
       }
     }
     // dSᵀ = Pᵀ ∘ (dPᵀ − Delta) (∘ the cap's slope), from the capped Sᵀ on the late path.
@@ -396,11 +398,13 @@ __global__ void __launch_bounds__(Sm90WideBwdTraits<D, Dv>::kThreads, 1)
     s.kv_full.arrive_expect_tx(Tr::kKVBytes);
 #pragma unroll
     for (int panel = 0; panel < D / sm90::kPanelCols; ++panel) {
-      sm90::tma_load_4d(s.k + panel * kBlockN * sm90::kPanelCols, &tm_k, s.kv_full, panel * sm90::kPanelCols, n0, hk, b);
+      sm90::tma_load_4d(s.k + panel * kBlockN * sm90::kPanelCols, &tm_k, s.kv_full, panel * sm90::kPanelCols, n0, hk,
+                        b);
     }
 #pragma unroll
     for (int panel = 0; panel < Dv / sm90::kPanelCols; ++panel) {
-      sm90::tma_load_4d(s.v + panel * kBlockN * sm90::kPanelCols, &tm_v, s.kv_full, panel * sm90::kPanelCols, n0, hk, b);
+      sm90::tma_load_4d(s.v + panel * kBlockN * sm90::kPanelCols, &tm_v, s.kv_full, panel * sm90::kPanelCols, n0, hk,
+                        b);
     }
     for (int step = 0; step < steps; ++step) {
       const int h = hk * p.group + step / range.count;
