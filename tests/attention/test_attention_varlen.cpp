@@ -603,10 +603,11 @@ INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaAlibiSinkVsReference, ::testing::Value
                            return varlen_case_name(info.param);
                          });
 
-// A head dim of v's own on packed sequences: (192, 128), the Hopper forward's own pair (unpadded), on an sm_90
-// GPU, each run of sequences one Hopper launch; ragged packs with sequences without keys (o = 0, lse =
-// -inf) or queries, every mask, GQA, bf16 and fp16, a window and soft-capping, ALiBi and sinks on the Hopper
-// route; o and lse against the per-sequence fp64 reference.
+// A head dim of v's own on packed sequences: (192, 128), the Hopper kernels' own pair (unpadded, the backward on
+// the wide-head kernel), on an sm_90 GPU, each run of sequences one Hopper launch per pass; ragged packs with
+// sequences without keys (o = 0, lse = -inf) or queries, every mask, GQA, bf16 and fp16, a window and
+// soft-capping, ALiBi and sinks on the Hopper route; o, lse, dq, dk, dv (and dsink) against the per-sequence fp64
+// reference.
 std::vector<VarlenCase> head_dim_pair_gpu_grid() {
   std::vector<VarlenCase> cases;
   const std::vector<int32_t> self{1, 17, 1000, 0, 127, 3};
@@ -628,7 +629,7 @@ std::vector<VarlenCase> head_dim_pair_gpu_grid() {
 
 class VarlenCudaHeadDimPairVsReference : public ::testing::TestWithParam<VarlenCase> {};
 
-TEST_P(VarlenCudaHeadDimPairVsReference, HopperForwardMatchesPerSequenceReference) {
+TEST_P(VarlenCudaHeadDimPairVsReference, HopperMatchesPerSequenceReferenceInBothPasses) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
   GTEST_SKIP() << "built without the Hopper kernels";
@@ -641,12 +642,12 @@ TEST_P(VarlenCudaHeadDimPairVsReference, HopperForwardMatchesPerSequenceReferenc
   Pack ref(ours, c, DType::f64);
   // "auto": a process-wide "mma" would keep the Hopper kernels out.
   with_kernel_choice("auto", [&] {
-    ours.run_varlen_on_device(ours.options(c, AttentionImpl::flash), c.len_q.size() % 2 == 1, false);
+    ours.run_varlen_on_device(ours.options(c, AttentionImpl::flash), c.len_q.size() % 2 == 1);
   });
-  lowp.run_varlen(lowp.options(c, AttentionImpl::naive), false);
-  ref.run_per_sequence_reference(c, false);
-  expect_close(ours, ref, lowp, c, "cuda flash (hopper, head dim pair)", 4, false);
-  expect_empty_sequences_zero(ours, c, "cuda flash (hopper, head dim pair)", false);
+  lowp.run_varlen(lowp.options(c, AttentionImpl::naive));
+  ref.run_per_sequence_reference(c);
+  expect_close(ours, ref, lowp, c, "cuda flash (hopper, head dim pair)", 4);
+  expect_empty_sequences_zero(ours, c, "cuda flash (hopper, head dim pair)");
 #endif
 }
 
