@@ -1,6 +1,6 @@
-# Sourced by the attention GPU checks (gpu-check-dqk-dv.sh, gpu-check-hopper-variants.sh): their common start
-# and the runner that writes one log and one summary row per run. Before sourcing, the caller sets `usage`;
-# its arguments are BUILD_DIR OUT_DIR. Sets build, out and exe (BUILD_DIR/tests/test_attention, which must
+# Sourced by the attention GPU checks (gpu-check-dqk-dv.sh, gpu-check-hopper-variants.sh,
+# gpu-check-hopper-wide.sh): their common start and the runner that writes one log and one summary row per run.
+# Before sourcing, the caller sets `usage`; its arguments are BUILD_DIR OUT_DIR. Sets build, out and exe (BUILD_DIR/tests/test_attention, which must
 # exist), the library path, OUT_DIR/gpu.txt and OUT_DIR/summary.md's header, and failed=0.
 build=${1:?$usage} out=${2:?$usage}
 exe=$build/tests/test_attention

@@ -26,14 +26,14 @@ constexpr std::array kFp8{DType::f8e4m3};
 // instantiations: the Hopper row below lacks them, and hopper_alibi_sink_route() (on unless
 // FLASHLM_HOPPER_ALIBI_SINK=0) swaps in kHopperWithAlibiSink, which has them. A head_dim_v of its own runs on the
 // flash families' padded copies (mma.sync and fp32, both passes, every variant of the row) and, unpadded, in
-// the Hopper forward at its pairs (the CPU paths have them all).
+// the Hopper forward and backward at their pairs (the CPU paths have them all).
 const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, true, false,
      {}, {}, true, true, true, true},
     {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, true, false, {}, {}, false, false, false, false},
     {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, false, true, {}, {}, false, false, false, false},
     {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, false,
-     kHopperForwardHeadDimPairs, {}, true, true, false, false},
+     kHopperForwardHeadDimPairs, kHopperBackwardHeadDimPairs, true, true, false, false},
     {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, kFp8BackwardHeadDims, false, false, false, {}, {}, false, false,
      false, false},
 }};
@@ -46,7 +46,7 @@ const CudaKernelCapability kHopperWithAlibiSink{CudaKernelFamily::hopper,
                                                 false,
                                                 false,
                                                 kHopperForwardHeadDimPairs,
-                                                {},
+                                                kHopperBackwardHeadDimPairs,
                                                 true,
                                                 true,
                                                 true,

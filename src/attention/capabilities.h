@@ -40,20 +40,24 @@ inline constexpr std::array<int, 5> kF32HeadDims{16, 32, 64, 128, 256};
 // flash_backward_sm90_covers hold. The Hopper backward has no deterministic mode:
 // AttentionOptions::deterministic takes the mma.sync backward's separate dQ pass on every GPU.
 inline constexpr std::array<int, 3> kHopperForwardHeadDims{64, 128, 256};
-inline constexpr std::array<int, 2> kHopperBackwardHeadDims{64, 128};
+// The backward's 64 and 128 run flash_bwd_sm90.cu's kernel, 256 flash_bwd_wide_sm90.cu's (dK, dV and dQ
+// split by columns between the consumer warpgroups).
+inline constexpr std::array<int, 3> kHopperBackwardHeadDims{64, 128, 256};
 
 // A head dim for q and k (qk: the S = Q·Kᵀ reduction) and a different one for v and o (v: P·V's columns),
 // as a kernel is compiled for the pair (DeepSeek's MLA attends with 192 and 128).
 struct HeadDimPair {
   int qk, v;
 };
-// The pairs the Hopper forward is compiled for (cuda/hopper/flash_fwd_sm90.cu instantiates them from this
-// list): flash_kernel_family runs such a problem there as it is, unpadded. No Hopper backward takes a pair:
-// its dK/dV kernel keeps dK and dV of a warpgroup's 64 keys in registers, and at (192, 128) those alone are
-// 160 fp32 a thread beside Sᵀ, dPᵀ and their 16-bit fragments, past the 240 a consumer thread has; it needs a
-// different split of the work, not another instantiation. Every pair, this one's backward included, runs on
-// the padding families' kernels (pads_head_dim_v below).
+// The pairs the Hopper forward and backward are compiled for (cuda/hopper/flash_fwd_sm90.cu and
+// flash_bwd_wide_sm90.cu instantiate them from these lists): flash_kernel_family runs such a problem there as
+// it is, unpadded. The backward's pair takes the wide-head dK/dV kernel: flash_bwd_sm90.cu's would hold dK
+// and dV of a warpgroup's 64 keys, 160 fp32 a thread at (192, 128), beside Sᵀ and dPᵀ, past the 240 a consumer
+// thread has; the wide kernel splits their columns between the two consumer warpgroups. Elsewhere (another
+// GPU, views TMA cannot describe, a deterministic backward) a pair runs on the padding families' kernels
+// (pads_head_dim_v below).
 inline constexpr std::array<HeadDimPair, 1> kHopperForwardHeadDimPairs{{{192, 128}}};
+inline constexpr std::array<HeadDimPair, 1> kHopperBackwardHeadDimPairs{{{192, 128}}};
 // The FP8 forward's head dims (fp8_e4m3 inputs; the launcher, cuda/hopper/flash_fwd_fp8_sm90.cu, also
 // requires an sm_90 device and q and k views TMA can describe, an error otherwise: fp8 has no fallback).
 inline constexpr std::array<int, 2> kFp8ForwardHeadDims{64, 128};
@@ -83,9 +87,9 @@ struct CudaKernelCapability {
   bool pads_head_dim_v;
   bool any_head_dim;
   // The (head_dim, head_dim_v) pairs with head_dim_v != head_dim compiled per pass, exact, unpadded (the
-  // Hopper forward's). plan_cuda_attention plans no family on them: it plans a pair on a family that pads
-  // it (mma.sync for fp16/bf16), and flash_kernel_family runs it on the Hopper kernels unpadded where their
-  // row lists the pair for the pass and they cover the views.
+  // Hopper forward's and backward's). plan_cuda_attention plans no family on them: it plans a pair on a family
+  // that pads it (mma.sync for fp16/bf16), and flash_kernel_family runs it on the Hopper kernels unpadded where
+  // their row lists the pair for the pass and they cover the views.
   std::span<const HeadDimPair> forward_head_dim_pairs, backward_head_dim_pairs;
   // The attention variants the family's kernels implement (AttentionOptions::window_size_*, softcap: the
   // 16-bit flash kernels' masked instantiations, cuda/flash_common.cuh; alibi_slopes, learnable_sink); a

@@ -138,7 +138,8 @@ TEST(AttentionCapabilities, UnalignedOrTooLargeHeadDimsAndOtherDtypesAreErrors) 
 
 // The Hopper kernels' predicates need the views, so plans name mma.sync, their fallback, in both passes, and
 // flash_kernel_family (tested on the GPU) turns that into the Hopper family; the Hopper row lists a backward
-// for head dims 64 and 128 only, each of which the mma.sync backward (its fallback) also compiles.
+// for head dims 64, 128 and 256 (256 on the wide-head kernel), each of which the mma.sync backward (its
+// fallback) also compiles.
 TEST(AttentionCapabilities, HopperIsTheMmaSyncFamilysFirstChoice) {
   for (int d : kHopperForwardHeadDims) {
     expect_plan(DType::bf16, d, AttentionPass::forward, AttentionImpl::flash, CudaKernelFamily::mma_sync, d);
@@ -149,8 +150,8 @@ TEST(AttentionCapabilities, HopperIsTheMmaSyncFamilysFirstChoice) {
               kMmaSyncBackwardHeadDims.end()) << d;
   }
   const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
-  EXPECT_EQ(hopper.backward_head_dims.size(), 2u);
-  EXPECT_EQ(hopper.forward_head_dims.size(), 3u);
+  EXPECT_TRUE(std::ranges::equal(hopper.backward_head_dims, std::array{64, 128, 256}));
+  EXPECT_TRUE(std::ranges::equal(hopper.forward_head_dims, std::array{64, 128, 256}));
 }
 
 // fp8_e4m3 has its own family: a forward at head dims 64 and 128; a backward at the 16-bit backward's head dims
@@ -183,8 +184,11 @@ TEST(AttentionCapabilities, WithHeadDimPairInstantiatesExactlyTheListedPairs) {
     const bool found = with_head_dim_pair<kHopperForwardHeadDimPairs>(
         qk, v, [&](auto dim, auto dim_v) { seen.emplace_back(dim.value, dim_v.value); });
     EXPECT_EQ(found, qk == 192 && v == 128) << qk << ", " << v;
+    const bool found_backward = with_head_dim_pair<kHopperBackwardHeadDimPairs>(
+        qk, v, [&](auto dim, auto dim_v) { seen.emplace_back(dim.value, dim_v.value); });
+    EXPECT_EQ(found_backward, qk == 192 && v == 128) << qk << ", " << v;
   }
-  EXPECT_EQ(seen, (std::vector<std::pair<int, int>>{{192, 128}}));
+  EXPECT_EQ(seen, (std::vector<std::pair<int, int>>{{192, 128}, {192, 128}}));
 }
 
 TEST(AttentionCapabilities, WithHeadDimInstantiatesExactlyTheListedDims) {
@@ -312,8 +316,8 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
 // The rows: mma.sync claims ALiBi and sinks; with the Hopper route off (hopper_alibi_sink_route,
 // FLASHLM_HOPPER_ALIBI_SINK=0), Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family keeps an ALiBi or sink problem on
 // mma.sync, never Hopper). The Hopper row claims no variant the mma.sync row lacks (plan_cuda_attention checks
-// the mma.sync row for both). Only the Hopper forward has head dim pairs of its own, (192, 128); no backward has
-// any. The flash families that pad (mma.sync and fp32) pad a head_dim_v of its own too; the others do neither.
+// the mma.sync row for both). Only the Hopper kernels have head dim pairs of their own, (192, 128), forward and
+// backward. The flash families that pad (mma.sync and fp32) pad a head_dim_v of its own too; the others do neither.
 TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
   const HopperAlibiSinkRoute route(false);
   const CudaKernelCapability& mma = cuda_kernel_capability(CudaKernelFamily::mma_sync);
@@ -330,9 +334,9 @@ TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
   for (CudaKernelFamily f : {CudaKernelFamily::mma_sync, CudaKernelFamily::hopper, CudaKernelFamily::f32,
                              CudaKernelFamily::fp8, CudaKernelFamily::naive}) {
     const CudaKernelCapability& c = cuda_kernel_capability(f);
-    EXPECT_TRUE(c.backward_head_dim_pairs.empty()) << cuda_kernel_family_name(f);
     if (f != CudaKernelFamily::hopper) {
       EXPECT_TRUE(c.forward_head_dim_pairs.empty()) << cuda_kernel_family_name(f);
+      EXPECT_TRUE(c.backward_head_dim_pairs.empty()) << cuda_kernel_family_name(f);
     }
   }
   for (CudaKernelFamily f : {CudaKernelFamily::mma_sync, CudaKernelFamily::f32}) {
@@ -346,6 +350,9 @@ TEST(AttentionCapabilities, OnlyTheMmaSyncRowClaimsAlibiAndSinks) {
   ASSERT_EQ(hopper.forward_head_dim_pairs.size(), 1u);
   EXPECT_EQ(hopper.forward_head_dim_pairs[0].qk, 192);
   EXPECT_EQ(hopper.forward_head_dim_pairs[0].v, 128);
+  ASSERT_EQ(hopper.backward_head_dim_pairs.size(), 1u);
+  EXPECT_EQ(hopper.backward_head_dim_pairs[0].qk, 192);
+  EXPECT_EQ(hopper.backward_head_dim_pairs[0].v, 128);
 }
 
 // With the Hopper route on, the Hopper row claims ALiBi and sinks and nothing else changes: its head dims,
@@ -414,9 +421,9 @@ TEST(AttentionCapabilities, AlibiAndSinksCombineWithTheOtherVariantsAndPadding) 
 
 // A head dim of v's own plans on the flash families' padded path in both passes: q and k from head_dim, v and o
 // from head_dim_v, both to the smallest compiled head dim at least as large as either (mma.sync for fp16/bf16,
-// fp32 for fp32), with every variant the family has. (192, 128) pads to 256 in the forward too: the Hopper
+// fp32 for fp32), with every variant the family has. (192, 128) pads to 256 in both passes too: the Hopper
 // kernels' own pair is flash_kernel_family's choice on the views, not the plan's (the Hopper row lists it for
-// the forward alone). The naive and fp8 kernels refuse a pair by v's name before the variants; a head_dim_v past
+// both passes). The naive and fp8 kernels refuse a pair by v's name before the variants; a head_dim_v past
 // every kernel or with rows of no whole number of 16-byte vectors is refused by its name, as head_dim is.
 TEST(AttentionCapabilities, HeadDimPairsPadToTheKernelOfTheLargerHeadDimAndAreRefusedElsewhereByName) {
   const float device_values[4] = {};  // stands for device memory
@@ -471,11 +478,13 @@ TEST(AttentionCapabilities, HeadDimPairsPadToTheKernelOfTheLargerHeadDimAndAreRe
       }
     }
   }
-  // The Hopper row lists (192, 128) for the forward alone, so only the forward may leave the padded path.
+  // The Hopper row lists (192, 128) for both passes, so both may leave the padded path; no other pair.
   const CudaKernelCapability& hopper = cuda_kernel_capability(CudaKernelFamily::hopper);
   EXPECT_TRUE(has_head_dim_pair(hopper, AttentionPass::forward, 192, 128));
-  EXPECT_FALSE(has_head_dim_pair(hopper, AttentionPass::backward, 192, 128));
+  EXPECT_TRUE(has_head_dim_pair(hopper, AttentionPass::backward, 192, 128));
   EXPECT_FALSE(has_head_dim_pair(hopper, AttentionPass::forward, 128, 192));
+  EXPECT_FALSE(has_head_dim_pair(hopper, AttentionPass::backward, 128, 192));
+  EXPECT_FALSE(has_head_dim_pair(hopper, AttentionPass::backward, 256, 128));
   EXPECT_FALSE(has_head_dim_pair(cuda_kernel_capability(CudaKernelFamily::mma_sync), AttentionPass::forward, 192, 128));
 
   for (DType dtype : {DType::bf16, DType::f16}) {

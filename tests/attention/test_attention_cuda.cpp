@@ -134,9 +134,10 @@ std::vector<GpuCase> gpu_grid() {
       ++n;
     }
   }
-  // Head dim 256 (64-key tiles: 130 and 1000 keys end in a partial one; 32-row query tiles in the dK/dV
-  // kernel, 64 in the dQ pass), GQA 4 / 2: case i of this block runs mask i % 3, the deterministic mode
-  // where i is odd and bf16 where i / 2 is odd, so that its 18 cases hold every (mask, mode, dtype).
+  // Head dim 256 (64-key tiles: 130 and 1000 keys end in a partial one; 32-row query tiles in the mma.sync
+  // dK/dV kernel, 64 in the dQ pass and in the Hopper wide-head kernel, which runs the atomic mode on sm_90),
+  // GQA 4 / 2: case i of this block runs mask i % 3, the deterministic mode where i is odd and bf16 where
+  // i / 2 is odd, so that its 18 cases hold every (mask, mode, dtype).
   int i = 0;
   for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 77}, {17, 130}, {127, 64}, {1000, 333}, {65, 1000}, {300, 129}}) {
     for (Mask m : masks) {
@@ -417,7 +418,8 @@ TEST(CudaAttention, AtomicBackwardSplitOverHeadsMatchesDeterministic) {
 // The atomic backward's accumulator bound splits only where a launch keeps at least three waves of
 // blocks: the causal GQA shape of issue 15 (b1, 64 query / 8 key heads, 16k, d128; 64 MiB of accumulator
 // per key head, 128 blocks per key head) takes two launches of 4 key heads on 132 SMs, not eight of one;
-// a long MHA sequence (547 blocks per head) still runs one head per launch; small problems one launch.
+// a long MHA sequence (547 blocks per head) still runs one head per launch; small problems one launch; head
+// dim 256 and the pair (192, 128) count 64-key blocks.
 TEST(CudaAttention, BackwardHeadGroupsBoundTheAccumulatorWithoutUnderfillingTheGpu) {
 #ifndef FLASHLM_WITH_CUDA
   GTEST_SKIP() << "built without the CUDA backends' declarations";
@@ -451,6 +453,13 @@ TEST(CudaAttention, BackwardHeadGroupsBoundTheAccumulatorWithoutUnderfillingTheG
   wide.head_dim = 256;
   EXPECT_EQ(backward_accumulator_bytes_per_kv_head(wide), size_t{128} << 20);
   EXPECT_EQ(backward_kv_heads_per_launch(wide, 132), 2);
+  // The pair (192, 128), which the Hopper backward runs unpadded: dQ's accumulator over head_dim (96 MiB per
+  // key head), the blocks of the kernel its padded problem would run (64 keys, as the wide Hopper kernel's).
+  AttentionProblem pair = p;
+  pair.head_dim = 192;
+  pair.head_dim_v = 128;
+  EXPECT_EQ(backward_accumulator_bytes_per_kv_head(pair), size_t{96} << 20);
+  EXPECT_EQ(backward_kv_heads_per_launch(pair, 132), 2);
 #endif
 }
 
@@ -487,8 +496,8 @@ TEST(CudaAttention, BackwardSharedMemoryFitsSm80AndAGpuWithLessRefusesByName) {
 #endif
 }
 
-// On an sm_90 GPU the Hopper backward covers fp16/bf16 at head dims 64 and 128 with views TMA can
-// describe; a zero stride, head dim 32 or 256 and an empty side take the mma.sync kernels.
+// On an sm_90 GPU the Hopper backward covers fp16/bf16 at head dims 64, 128 and 256 (the wide-head kernel)
+// with views TMA can describe; a zero stride, head dim 32 and an empty side take the mma.sync kernels.
 TEST(CudaAttention, HopperBackwardCoversItsProblems) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
@@ -503,7 +512,7 @@ TEST(CudaAttention, HopperBackwardCoversItsProblems) {
       Tensor q = Tensor::empty({2, 300, 4, d}, dt, Device::cuda), k = Tensor::empty({2, 200, 2, d}, dt, Device::cuda);
       Tensor o = Tensor::empty({2, 300, 4, d}, dt, Device::cuda);
       Tensor lse = Tensor::empty({2, 4, 300}, DType::f32, Device::cuda);
-      const bool has_kernel = d == 64 || d == 128;
+      const bool has_kernel = d == 64 || d == 128 || d == 256;
       EXPECT_EQ(flash_backward_sm90_covers(problem_of(q, k, o, lse), q, k, k, o), has_kernel) << "d" << d;
       TensorView broadcast = k.view();
       broadcast.strides[0] = 0;
@@ -585,8 +594,9 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
 
 // flash_kernel_family is the one choice of the flash kernels for both passes: on an sm_90 GPU with the
 // Hopper kernels built, a covered 16-bit problem takes them forward and backward (the plan says mma.sync),
-// the deterministic backward and FLASHLM_ATTENTION_KERNEL=mma keep mma.sync, a head dim the Hopper backward
-// lacks (256) keeps it for the backward only, and fp32 stays fp32.
+// the deterministic backward and FLASHLM_ATTENTION_KERNEL=mma keep mma.sync (head dim 256 included, which the
+// Hopper backward runs on its wide-head kernel), a head dim the Hopper kernels lack (32) keeps it, and fp32
+// stays fp32.
 TEST(CudaAttention, FlashKernelFamilyChoosesHopperForBothPassesInOnePlace) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
@@ -612,12 +622,14 @@ TEST(CudaAttention, FlashKernelFamilyChoosesHopperForBothPassesInOnePlace) {
     EXPECT_EQ(family(d128, bwd, false), CudaKernelFamily::hopper);
     EXPECT_EQ(family(d128, bwd, true), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d256, fwd, false), CudaKernelFamily::hopper);
-    EXPECT_EQ(family(d256, bwd, false), CudaKernelFamily::mma_sync);
+    EXPECT_EQ(family(d256, bwd, false), CudaKernelFamily::hopper);
+    EXPECT_EQ(family(d256, bwd, true), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d32, fwd, false), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d32, bwd, false), CudaKernelFamily::mma_sync);
     ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "mma", 1), 0);
     EXPECT_EQ(family(d128, fwd, false), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d128, bwd, false), CudaKernelFamily::mma_sync);
+    EXPECT_EQ(family(d256, bwd, false), CudaKernelFamily::mma_sync);
     ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
   }
   Tensor f32 = Tensor::empty({2, 300, 4, 128}, DType::f32, Device::cuda);

@@ -1,14 +1,15 @@
 // Head dims of v's own on CUDA (head_dim for q and k, head_dim_v for v and o: DeepSeek's MLA attends with 192
 // and 128). Every pair whose larger head dim fits a compiled one runs on the fp16/bf16 (mma.sync) and fp32 flash
 // kernels on zero-padded copies, forward and backward, deterministic mode included (capabilities.h,
-// pads_head_dim_v); the Hopper forward runs its own pair, (192, 128), unpadded on an sm_90 GPU
-// (kHopperForwardHeadDimPairs). Against the fp64 reference on fresh random inputs with poisoned outputs: ragged
+// pads_head_dim_v); the Hopper forward and backward run their own pair, (192, 128), unpadded on an sm_90 GPU
+// (kHopperForwardHeadDimPairs, kHopperBackwardHeadDimPairs: the backward on the wide-head kernel,
+// flash_bwd_wide_sm90.cu). Against the fp64 reference on fresh random inputs with poisoned outputs: ragged
 // lengths (1, 17, 127, 1000 queries, fewer and more keys), no mask and causal in both alignments, BSHD, BHSD and
 // sliced layouts, GQA, bf16, fp16 and fp32; a sliding window, soft-capping, ALiBi and sinks (dlearnable_sink
 // included). The padded runs go through FLASHLM_ATTENTION_KERNEL=mma and the default route (where, on sm_90, the
 // padded problem may itself take the Hopper kernels). The routing, the refusals by name (the naive kernels,
 // head dims past the kernels') and the capability table's agreement with what runs. Every test skips without a
-// GPU, the Hopper forward's without an sm_90 GPU.
+// GPU, the Hopper kernels' own without an sm_90 GPU.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -120,17 +121,19 @@ void expect_pair_matches_oracle(const PairGpuCase& s, const char* choice, bool w
   }
 }
 
-// ---- The Hopper forward's own pair, unpadded ----
+// ---- The Hopper kernels' own pair, unpadded ----
 
 class CudaHeadDimPairVsReference : public ::testing::TestWithParam<PairGpuCase> {};
 
-TEST_P(CudaHeadDimPairVsReference, HopperForwardMatchesFp64Oracle) {
+// The default route on sm_90: the forward and the (atomic) backward both take the pair unpadded (the routing
+// test below checks that they are chosen for such views); the grid holds no deterministic case.
+TEST_P(CudaHeadDimPairVsReference, HopperMatchesFp64OracleInBothPasses) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
   GTEST_SKIP() << "built without the Hopper kernels";
 #else
   if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
-  expect_pair_matches_oracle(GetParam(), "auto", /*with_backward=*/false);
+  expect_pair_matches_oracle(GetParam(), "auto", /*with_backward=*/true);
 #endif
 }
 
@@ -160,8 +163,9 @@ std::vector<PairGpuCase> hopper_pair_grid() {
   cases.push_back({{1, 300, 300, 4, 2, kQkDim, Layout::bshd, Mask::none, DType::bf16, kValueDim}, -1, -1, 0, true});
   cases.push_back({{2, 127, 400, 6, 2, kQkDim, Layout::bhsd, Mask::bottom_right, DType::f16, kValueDim}, 100, -1, 0,
                    true});
-  // Long enough for many work items of the persistent blocks.
+  // Long enough for many work items of the persistent blocks, and many key and query tiles of the backward.
   cases.push_back({{1, 2048, 2048, 8, 2, kQkDim, Layout::bhsd, Mask::top_left, DType::bf16, kValueDim}});
+  cases.push_back({{2, 1000, 1000, 4, 1, kQkDim, Layout::bshd, Mask::bottom_right, DType::f16, kValueDim}});
   return cases;
 }
 
@@ -173,9 +177,9 @@ INSTANTIATE_TEST_SUITE_P(Grid, CudaHeadDimPairVsReference, ::testing::ValuesIn(h
 class CudaPaddedHeadDimPairVsReference : public ::testing::TestWithParam<PairGpuCase> {};
 
 // FLASHLM_ATTENTION_KERNEL=mma: the mma.sync (or, in fp32, the fp32) kernels on the padded copies in both passes.
-// The default route as well (the deterministic mode runs mma.sync either way): on sm_90 the Hopper forward takes
-// (192, 128) unpadded, and the Hopper kernels may take a padded problem of their head dims ((64, 128) pads to
-// 128); the backward of (192, 128) pads to 256, which only mma.sync has.
+// The default route as well (the deterministic mode runs mma.sync either way): on sm_90 the Hopper kernels take
+// (192, 128) unpadded in both passes, and a padded problem of their head dims ((64, 128) pads to 128, (256, 128)
+// to 256).
 TEST_P(CudaPaddedHeadDimPairVsReference, FlashMatchesFp64OracleInBothPasses) {
   SKIP_WITHOUT_GPU();
   const PairGpuCase& s = GetParam();
@@ -254,10 +258,10 @@ struct PairTensors {
 };
 
 // (192, 128) in fp16 and bf16 plans on mma.sync padded to 256 in both passes. With the default route, the forward
-// runs the Hopper kernels' own pair unpadded on an sm_90 GPU (mma.sync padded elsewhere, and on sm_90 where TMA
-// cannot describe a view: a zero batch stride); the backward stays on mma.sync (no Hopper backward has the pair,
-// or head dim 256), atomic and deterministic. FLASHLM_ATTENTION_KERNEL=mma keeps both on mma.sync. Every one runs.
-TEST(CudaHeadDimPair, PlansPadOnMmaSyncAndTheHopperForwardTakesItsOwnPairUnpadded) {
+// and the atomic backward run the Hopper kernels' own pair unpadded on an sm_90 GPU (mma.sync padded elsewhere,
+// and on sm_90 where TMA cannot describe a view: a zero batch stride); the deterministic backward stays on
+// mma.sync. FLASHLM_ATTENTION_KERNEL=mma keeps both passes on mma.sync. Every one runs.
+TEST(CudaHeadDimPair, PlansPadOnMmaSyncAndTheHopperKernelsTakeTheirOwnPairUnpadded) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_CUDA
   GTEST_SKIP() << "built without the CUDA backends' declarations";
@@ -288,7 +292,7 @@ TEST(CudaHeadDimPair, PlansPadOnMmaSyncAndTheHopperForwardTakesItsOwnPairUnpadde
       const bool hopper = false;
 #endif
       EXPECT_EQ(forward_family(), hopper ? CudaKernelFamily::hopper : CudaKernelFamily::mma_sync);
-      EXPECT_EQ(backward_family(false), CudaKernelFamily::mma_sync);
+      EXPECT_EQ(backward_family(false), hopper ? CudaKernelFamily::hopper : CudaKernelFamily::mma_sync);
       EXPECT_EQ(backward_family(true), CudaKernelFamily::mma_sync);
       EXPECT_NO_THROW(t.forward());
       EXPECT_NO_THROW(t.backward());

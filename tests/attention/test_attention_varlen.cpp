@@ -476,9 +476,9 @@ INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaVsReference, ::testing::ValuesIn(gpu_g
 // Sliding window and soft-capping on packed sequences, on the CUDA 16-bit flash kernels (the Hopper ones where
 // they cover the problem, and the mma.sync ones forced by FLASHLM_ATTENTION_KERNEL=mma, in both backward
 // modes): each sequence with its own band and bottom-right offset, rows the window leaves empty, sequences
-// without keys or queries, GQA, head dims 64 and 128, bf16 and fp16, against the per-sequence fp64
-// reference (the CUDA naive kernels have no band: the CPU's naive attention in the 16-bit dtype is the
-// low-precision baseline).
+// without keys or queries, GQA, head dims 64, 128 and 256 and the pair (192, 128), bf16 and fp16, against the
+// per-sequence fp64 reference (the CUDA naive kernels have no band: the CPU's naive attention in the 16-bit
+// dtype is the low-precision baseline).
 std::vector<VarlenCase> band_gpu_grid() {
   std::vector<VarlenCase> cases;
   const std::vector<int32_t> self{1, 17, 1000, 0, 64, 3, 300};
@@ -493,6 +493,12 @@ std::vector<VarlenCase> band_gpu_grid() {
       ++n;
     }
   }
+  // Head dim 256 and the pair (192, 128): the Hopper backward's wide-head kernel (the pair unpadded), with and
+  // without a band, and mma.sync on padded copies.
+  cases.push_back({cq, ck, 4, 2, 256, Mask::top_left, DType::bf16, false, false, 100, -1, 20.0});
+  cases.push_back({self, self, 4, 2, 256, Mask::bottom_right, DType::f16, true, false});
+  cases.push_back({cq, ck, 4, 1, 192, Mask::bottom_right, DType::f16, true, false, 64, -1, 0, 128});
+  cases.push_back({self, self, 4, 2, 192, Mask::none, DType::bf16, false, false, -1, -1, 0, 128});
   // Runs of equal lengths (one batched launch each) with a window across tiles.
   cases.push_back({{17, 17, 17, 130, 130, 0, 0, 300, 300}, {17, 17, 17, 129, 129, 3, 3, 0, 290}, 4, 2, 128,
                    Mask::bottom_right, DType::bf16, true, false, 64, -1});
@@ -597,10 +603,11 @@ INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaAlibiSinkVsReference, ::testing::Value
                            return varlen_case_name(info.param);
                          });
 
-// A head dim of v's own on packed sequences: (192, 128), the Hopper forward's own pair (unpadded), on an sm_90
-// GPU, each run of sequences one Hopper launch; ragged packs with sequences without keys (o = 0, lse =
-// -inf) or queries, every mask, GQA, bf16 and fp16, a window and soft-capping, ALiBi and sinks on the Hopper
-// route; o and lse against the per-sequence fp64 reference.
+// A head dim of v's own on packed sequences: (192, 128), the Hopper kernels' own pair (unpadded, the backward on
+// the wide-head kernel), on an sm_90 GPU, each run of sequences one Hopper launch per pass; ragged packs with
+// sequences without keys (o = 0, lse = -inf) or queries, every mask, GQA, bf16 and fp16, a window and
+// soft-capping, ALiBi and sinks on the Hopper route; o, lse, dq, dk, dv (and dsink) against the per-sequence fp64
+// reference.
 std::vector<VarlenCase> head_dim_pair_gpu_grid() {
   std::vector<VarlenCase> cases;
   const std::vector<int32_t> self{1, 17, 1000, 0, 127, 3};
@@ -622,7 +629,7 @@ std::vector<VarlenCase> head_dim_pair_gpu_grid() {
 
 class VarlenCudaHeadDimPairVsReference : public ::testing::TestWithParam<VarlenCase> {};
 
-TEST_P(VarlenCudaHeadDimPairVsReference, HopperForwardMatchesPerSequenceReference) {
+TEST_P(VarlenCudaHeadDimPairVsReference, HopperMatchesPerSequenceReferenceInBothPasses) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
   GTEST_SKIP() << "built without the Hopper kernels";
@@ -635,12 +642,12 @@ TEST_P(VarlenCudaHeadDimPairVsReference, HopperForwardMatchesPerSequenceReferenc
   Pack ref(ours, c, DType::f64);
   // "auto": a process-wide "mma" would keep the Hopper kernels out.
   with_kernel_choice("auto", [&] {
-    ours.run_varlen_on_device(ours.options(c, AttentionImpl::flash), c.len_q.size() % 2 == 1, false);
+    ours.run_varlen_on_device(ours.options(c, AttentionImpl::flash), c.len_q.size() % 2 == 1);
   });
-  lowp.run_varlen(lowp.options(c, AttentionImpl::naive), false);
-  ref.run_per_sequence_reference(c, false);
-  expect_close(ours, ref, lowp, c, "cuda flash (hopper, head dim pair)", 4, false);
-  expect_empty_sequences_zero(ours, c, "cuda flash (hopper, head dim pair)", false);
+  lowp.run_varlen(lowp.options(c, AttentionImpl::naive));
+  ref.run_per_sequence_reference(c);
+  expect_close(ours, ref, lowp, c, "cuda flash (hopper, head dim pair)", 4);
+  expect_empty_sequences_zero(ours, c, "cuda flash (hopper, head dim pair)");
 #endif
 }
 

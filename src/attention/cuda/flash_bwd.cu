@@ -705,9 +705,43 @@ void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* p
   }
 }
 
+// A head dim pair (Dv for v, o, dout and dv, D for q, k, dq and dk): a dK/dV kernel of another family's
+// (the Hopper backward's pairs; mma.sync runs pairs padded), with Delta = rowsum(dO∘O) over Dv columns and
+// the dQ accumulator and its conversion over D.
+template <class T, int D, int Dv>
+void launch_backward_pair(const FlashParams& f, const DkdvPart& part, cudaStream_t stream) {
+  if (f.seq_q > 0) {
+    constexpr int rows_per_block = 256 / (Dv / 8);
+    const dim3 grid((f.seq_q_padded + rows_per_block - 1) / rows_per_block, f.heads_q, f.batch);
+    flash_bwd_preprocess_kernel<T, Dv><<<grid, 256, 0, stream>>>(f);
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
+    if (f.dsink != nullptr) {
+      flash_bwd_sink_grad_kernel<<<f.heads_q, kSinkGradThreads, 0, stream>>>(f);
+      FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_sink_grad_kernel launch");
+    }
+  }
+  part.launch(part.p, part.q, part.k, part.v, part.dout, f, stream);
+  if (f.seq_q == 0) return;
+  const dim3 grid((f.seq_q * (D / 8) + 255) / 256, f.heads_q, f.batch);
+  flash_bwd_dq_convert_kernel<T, D><<<grid, 256, 0, stream>>>(f);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_convert_kernel launch");
+}
+
 template <class T>
-void dispatch_head_dim(int64_t d, const FlashParams& f, bool deterministic, const DkdvPart* part,
+void dispatch_head_dim(int64_t d, int64_t dv, const FlashParams& f, bool deterministic, const DkdvPart* part,
                        cudaStream_t stream) {
+  if (dv != d) {
+    FLASHLM_CHECK(part != nullptr && !deterministic,
+                  "flash_attention_backward_cuda: head_dim {} with head_dim_v {} runs padded on the mma.sync kernels",
+                  d, dv);
+    const bool launched = with_head_dim_pair<kHopperBackwardHeadDimPairs>(
+        d, dv, [&](auto dim, auto dim_v) { launch_backward_pair<T, dim.value, dim_v.value>(f, *part, stream); });
+    FLASHLM_CHECK(launched,
+                  "flash_attention_backward_cuda: head_dim {} with head_dim_v {} has no kernel (the capability table "
+                  "lists it)",
+                  d, dv);
+    return;
+  }
   const bool launched = with_head_dim<kMmaSyncBackwardHeadDims>(
       d, [&](auto dim) { launch_backward<T, decltype(dim)::value>(f, deterministic, part, stream); });
   FLASHLM_CHECK(launched, "flash_attention_backward_cuda: head_dim {} has no kernel (the capability table lists it)",
@@ -741,7 +775,11 @@ namespace {
 constexpr size_t kAccumulatorChunkAbove = size_t{128} << 20;
 constexpr size_t kAccumulatorChunkBytes = size_t{64} << 20;
 constexpr int64_t kMinWavesPerLaunch = 3;
-int64_t backward_keys_per_block(int64_t head_dim) {
+// A head dim pair (the Hopper backward's, which run unpadded) counts as its padded kernel's head dim, the
+// larger of the two: the wide Hopper kernel's key block is that kernel's (flash_bwd_wide_sm90.cu asserts it).
+int64_t backward_keys_per_block(const AttentionProblem& p) {
+  const int64_t head_dim = std::max(p.head_dim, p.value_dim());
+  if (p.value_dim() != p.head_dim) return flash_cuda::mma_sync_backward_block_n(static_cast<int>(head_dim));
   int64_t keys = 0;
   const bool compiled = with_head_dim<kMmaSyncBackwardHeadDims>(
       head_dim, [&](auto dim) { keys = flash_cuda::BwdTraits<decltype(dim)::value>::kBlockN; });
@@ -777,8 +815,11 @@ void backward_heads(const AttentionProblem& p, const TensorView& q, const Tensor
   }
   const flash_cuda::DkdvPart part{dkdv, p, q, k, v, dout};
   const flash_cuda::DkdvPart* own = dkdv != nullptr ? &part : nullptr;
-  if (p.dtype == DType::bf16) flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, f, deterministic, own, s);
-  else flash_cuda::dispatch_head_dim<__half>(p.head_dim, f, deterministic, own, s);
+  if (p.dtype == DType::bf16) {
+    flash_cuda::dispatch_head_dim<__nv_bfloat16>(p.head_dim, p.value_dim(), f, deterministic, own, s);
+  } else {
+    flash_cuda::dispatch_head_dim<__half>(p.head_dim, p.value_dim(), f, deterministic, own, s);
+  }
 }
 
 }  // namespace
@@ -792,7 +833,7 @@ int64_t backward_kv_heads_per_launch(const AttentionProblem& p, int multiprocess
   const size_t per_kv_head = backward_accumulator_bytes_per_kv_head(p);
   if (p.heads_k == 0 || per_kv_head * static_cast<size_t>(p.heads_k) <= kAccumulatorChunkAbove) return p.heads_k;
   int64_t kv = std::max<int64_t>(1, static_cast<int64_t>(kAccumulatorChunkBytes / per_kv_head));
-  const int64_t keys_per_block = backward_keys_per_block(p.head_dim);
+  const int64_t keys_per_block = backward_keys_per_block(p);
   const int64_t blocks_per_kv_head = (p.seq_k + keys_per_block - 1) / keys_per_block * p.batch;
   if (blocks_per_kv_head > 0) {
     const int64_t min_blocks = kMinWavesPerLaunch * std::max(multiprocessors, 1);

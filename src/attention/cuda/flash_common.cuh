@@ -101,7 +101,8 @@ FlashParams make_params(const AttentionProblem& p, const TensorView& q, const Te
 // conversion of dQ (or, `deterministic`, the separate dQ pass). `dkdv` launches the dK/dV part of one group
 // (and adds dS·K into f.dq_accum, unscaled, in DqAccumLayout order, from f.delta and f.lse_log2), or is null
 // for the mma.sync kernel. A family that brings its own dK/dV kernel keeps the mma.sync kernel's key tile
-// (mma_sync_backward_block_n), by which the groups are sized.
+// (mma_sync_backward_block_n; for a head dim pair, the one of the larger head dim), by which the groups are
+// sized. A pair (head_dim_v != head_dim) needs such a kernel: mma.sync runs pairs on padded copies.
 using BackwardDkdvLauncher = void (*)(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                       const TensorView& v, const TensorView& dout, const FlashParams& f,
                                       cudaStream_t stream);

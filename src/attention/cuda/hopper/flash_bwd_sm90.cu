@@ -46,9 +46,10 @@
 // zeros without loading anything. A sliding window or soft-capping (and a sink) take a masked
 // instantiation, ALiBi a third one (flash_bwd_sm90_kernel's kMasked, kAlibi), so that the plain kernel
 // carries none of their work.
-// Q, K, V and O share one head dim here. The forward's (192, 128) pair would hold a warpgroup's dK (64 x 192)
-// and dV (64 x 128) in 160 fp32 registers a thread before Sᵀ, dPᵀ and their fragments, past the 240 a consumer
-// thread has: it needs another split of the work, and capabilities.h lists no backward pair.
+// Q, K, V and O share one head dim here, 64 or 128. Head dim 256 and the forward's (192, 128) pair would hold
+// a warpgroup's dK and dV (64 keys x the whole head dims) in 256 and 160 fp32 registers a thread before Sᵀ,
+// dPᵀ and their fragments, past the 240 a consumer thread has: flash_bwd_wide_sm90.cu's kernel runs them,
+// splitting those columns between the warpgroups (sm90_wide_backward, hopper.h).
 #include <algorithm>
 #include <climits>
 #include <cstdint>
@@ -555,18 +556,22 @@ struct Sm90BackwardMaps {
 // Calls fn(std::integral_constant<int, D>{}) for the problem's head dim, from the capability table's list.
 template <class Fn>
 bool with_backward_head_dim(int64_t head_dim, Fn&& fn) {
+  // The wide head dims are flash_bwd_wide_sm90.cu's.
+  if (sm90_wide_backward(head_dim, head_dim)) return false;
   return with_head_dim<kHopperBackwardHeadDims>(head_dim, [&](auto dim) {
     // The head groups of run_flash_backward are sized by the mma.sync kernel's key tile.
     constexpr int D = decltype(dim)::value;
-    static_assert(Sm90BwdTraits<D>::kBlockN == mma_sync_backward_block_n(D));
-    fn(dim);
+    if constexpr (!sm90_wide_backward(D, D)) {
+      static_assert(Sm90BwdTraits<D>::kBlockN == mma_sync_backward_block_n(D));
+      fn(dim);
+    }
   });
 }
 
 std::optional<Sm90BackwardMaps> plan_backward_sm90(const AttentionProblem& p, const TensorView& q,
                                                    const TensorView& k, const TensorView& v, const TensorView& dout) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return std::nullopt;
-  // One head dim for Q, K, V and their gradients: the capability table lists no Hopper backward pair.
+  // One head dim for Q, K, V and their gradients: the pairs are the wide kernel's.
   if (p.value_dim() != p.head_dim) return std::nullopt;
   int block_m = 0, block_n = 0;
   const bool compiled = with_backward_head_dim(p.head_dim, [&](auto dim) {
@@ -619,6 +624,9 @@ Sm90BackwardSchedule sm90_backward_schedule_for(Sm90BackwardSchedule requested, 
 
 bool flash_backward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                                 const TensorView& v, const TensorView& dout) {
+  if (flash_cuda::sm90_wide_backward(p.head_dim, p.value_dim())) {
+    return flash_cuda::wide_backward_sm90_covers(p, q, k, v, dout);
+  }
   return flash_cuda::plan_backward_sm90(p, q, k, v, dout).has_value();
 }
 
@@ -627,8 +635,10 @@ void flash_attention_backward_sm90(const AttentionProblem& p, const TensorView& 
                                    const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                    const TensorView& dv, void* stream) {
   // flash_kernel_family checked flash_backward_sm90_covers; each head group's launch checks its part.
-  flash_cuda::run_flash_backward(p, q, k, v, o, lse, dout, dq, dk, dv, false, flash_cuda::launch_backward_sm90,
-                                 stream);
+  const flash_cuda::BackwardDkdvLauncher dkdv = flash_cuda::sm90_wide_backward(p.head_dim, p.value_dim())
+                                                    ? flash_cuda::launch_wide_backward_sm90
+                                                    : flash_cuda::launch_backward_sm90;
+  flash_cuda::run_flash_backward(p, q, k, v, o, lse, dout, dq, dk, dv, false, dkdv, stream);
 }
 
 }  // namespace flashlm

@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "attention/problem.h"
 #include "flashlm/tensor.h"
 
@@ -32,5 +34,17 @@ Sm90BackwardSchedule sm90_backward_schedule();
 // the grid launch's time (12 shapes, 0.98 geomean; 1.00 non-causal from 8k), at d128 0.98–1.03, its losses
 // non-causal at 1k-2k and from 8k and causal at 16k (1.03–1.04 at 32k causal and the 64/8-head GQA shape).
 Sm90BackwardSchedule sm90_backward_schedule_for(Sm90BackwardSchedule requested, int64_t head_dim);
+// The backward's wide heads (head dim 256, the (192, 128) pair): flash_bwd_wide_sm90.cu's dK/dV kernel, which
+// splits dK, dV and dQ's columns between its consumer warpgroups, runs them (grid launch only, whatever
+// FLASHLM_SM90_BWD_SCHEDULE says); flash_bwd_sm90.cu's kernel the others.
+constexpr bool sm90_wide_backward(int64_t head_dim, int64_t head_dim_v) { return head_dim > 128 || head_dim_v > 128; }
+// Whether the wide kernel runs these views (as flash_backward_sm90_covers for its head dims), and its launch: a
+// BackwardDkdvLauncher for run_flash_backward (flash_common.cuh).
+bool wide_backward_sm90_covers(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& dout);
+struct FlashParams;
+void launch_wide_backward_sm90(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                               const TensorView& v, const TensorView& dout, const FlashParams& f,
+                               cudaStream_t stream);
 
 }  // namespace flashlm::flash_cuda

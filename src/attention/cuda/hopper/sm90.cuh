@@ -166,7 +166,8 @@ __device__ __forceinline__ uint64_t mn_major_descriptor(const void* tile, int ti
 }
 
 // ---- wgmma.mma_async: D[64 x N] (+)= A[64 x 16] · B[16 x N] for one warpgroup, fp32 accumulators, for the
-// N the kernels use (64, 128 and 256 for P·V at those head dims; 80, 128 and 176 for S's key blocks).
+// N the kernels use (64, 128 and 256 for P·V at those head dims; 80, 128 and 176 for S's key blocks; 32 for
+// the wide-head backward's share of Sᵀ and dPᵀ, ss only).
 // Accumulator d[i] of thread (warp w of the warpgroup, lane = 4g + t) is row 16w + g + 8·((i / 2) % 2),
 // column 8·(i / 4) + 2t + i % 2. A from registers uses mma.sync's m16n8k16 A fragment per warp:
 // a[0] = (row g, cols 2t..2t+1), a[1] = (g + 8, 2t..), a[2] = (g, 2t + 8..), a[3] = (g + 8, 2t + 8..).
@@ -192,6 +193,17 @@ template <class T, int N>
 struct WgmmaM64;
 // One specialisation per N, for both 16-bit types (PTX_TYPE is bf16 or f16); the operand lists are
 // spelled out because inline PTX names every accumulator register.
+#define FLASHLM_SM90_WGMMA_M64N32(T, PTX_TYPE) \
+  template <> struct WgmmaM64<T, 32> { \
+    template <int kTransB, int kTransA = 0> \
+    static __device__ __forceinline__ void ss(float (&d)[16], uint64_t a, uint64_t b, int accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n" \
+                   "wgmma.mma_async.sync.aligned.m64n32k16.f32." PTX_TYPE "." PTX_TYPE \
+                   " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %20, %19;\n}\n" \
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+                   : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA)); \
+    } \
+  };
 #define FLASHLM_SM90_WGMMA_M64N64(T, PTX_TYPE) \
   template <> struct WgmmaM64<T, 64> { \
     template <int kTransB, int kTransA = 0> \
@@ -306,6 +318,8 @@ struct WgmmaM64;
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB)); \
     } \
   };
+FLASHLM_SM90_WGMMA_M64N32(__nv_bfloat16, "bf16")
+FLASHLM_SM90_WGMMA_M64N32(__half, "f16")
 FLASHLM_SM90_WGMMA_M64N64(__nv_bfloat16, "bf16")
 FLASHLM_SM90_WGMMA_M64N64(__half, "f16")
 FLASHLM_SM90_WGMMA_M64N80(__nv_bfloat16, "bf16")
@@ -318,6 +332,7 @@ FLASHLM_SM90_WGMMA_M64N192(__nv_bfloat16, "bf16")
 FLASHLM_SM90_WGMMA_M64N192(__half, "f16")
 FLASHLM_SM90_WGMMA_M64N256(__nv_bfloat16, "bf16")
 FLASHLM_SM90_WGMMA_M64N256(__half, "f16")
+#undef FLASHLM_SM90_WGMMA_M64N32
 #undef FLASHLM_SM90_WGMMA_M64N64
 #undef FLASHLM_SM90_WGMMA_M64N80
 #undef FLASHLM_SM90_WGMMA_M64N128
