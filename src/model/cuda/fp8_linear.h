@@ -22,7 +22,8 @@
 // both ways, and the transposed copy waits in the cache for the backward's dw product, which then casts
 // nothing: x is read once a step instead of twice, and a small cast launch (latency-bound at training sizes:
 // dev/cuda/04_fp8_cast_variants.cu) goes. The same bytes as the backward's cast with the forward's amax.
-// All work is queued on the model's stream, host-sync free.
+// All work is queued on the model's stream, host-sync free. Under FSDP's FP8 gather a named weight arrives as
+// the e4m3 bytes and scale its cast would give (Fp8LinearWeight): no cast, no cache, wᵀ transposed from them.
 //
 // Rowwise (Fp8Recipe::rowwise): each operand scaled per row of the dimension its product does not sum over,
 // the GEMMs reading the scale vectors (Fp8Scaling::per_row):
