@@ -123,6 +123,11 @@ struct DdpOptions {
   // fsdp, for tests: a freed part's elements this rank does not own are overwritten with NaN, so that a read
   // of a freed weight shows in the loss.
   bool fsdp_poison_freed = false;
+  // fsdp, for tests: at a world of one, shard and gather the parts anyway (each rank's part is the whole
+  // bucket; the collectives run over the one-rank communicator), so that one process on one GPU exercises
+  // the gathers a larger world runs — FSDP's FP8 gather above all. Otherwise a world of one gathers nothing
+  // and reads its shards in place. The memory plan does not count the pool it then allocates.
+  bool fsdp_gather_alone = false;
 };
 
 // The buckets DataParallel launches for `params` under `options`, in launch order (reverse parameter order,

@@ -46,8 +46,9 @@ struct FsdpGatherTraffic {
 // through its parameter_storage() table, which needed() and gradients_needed() fill.
 class FsdpParameters {
  public:
+  // gather_alone (DdpOptions::fsdp_gather_alone, for tests): at a world of one, shard and gather anyway.
   FsdpParameters(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets, int prefetch,
-                 bool poison_freed);
+                 bool poison_freed, bool gather_alone = false);
   ~FsdpParameters();
   FsdpParameters(const FsdpParameters&) = delete;
   FsdpParameters& operator=(const FsdpParameters&) = delete;
@@ -66,7 +67,8 @@ class FsdpParameters {
   // such groups — a layer, whose sharded elements are its FP8 GEMMs' weights — is gathered as the e4m3
   // bytes those GEMMs read (Fp8WeightGather::gather_groups: one amax per group over every rank, then one
   // byte an element on the wire), into a pool buffer of a byte an element; its table entries point at the
-  // bytes with fp8_scales at their group's scale slot, and master null. CPU only (ModelOptions::fsdp_fp8_gather).
+  // bytes with fp8_scales at their group's scale slot, and master null (the CPU model decodes them; CUDA's
+  // Fp8Linear multiplies them as they stand, and transposes them for its dx product).
   void use_sharded_storage(std::span<ParameterStorage> table, DType working_dtype, bool pure, int64_t grad_accum,
                            void* stream, std::function<void(int64_t, int64_t)> await_gradients,
                            std::span<const DdpRange> fp8_groups = {});

@@ -141,14 +141,13 @@ struct ModelOptions {
   void check_fp8(DType precision, Device device = Device::cuda) const;
   // Whether FSDP's sharded storage gathers the blocks' linear weights (q, k, v, output_proj, w1, w2, w3) as
   // the e4m3 bytes and scales their FP8 GEMMs read (dist/fp8_gather.h), one byte an element on the wire,
-  // rather than in the precision the shards hold: fp8 with the tensorwise recipe under external_parameters.
+  // rather than in the precision the shards hold: fp8 with the tensorwise recipe under external_parameters,
+  // on the CPU (whose emulation decodes them) and on CUDA (whose Fp8Linear multiplies them as they stand
+  // and transposes the bytes for the backward's dx product instead of casting a gathered bf16 weight).
   // Rowwise scales each row and column of a weight, which a gather of tensorwise bytes cannot give: its
-  // weights are gathered as without fp8. (At one rank nothing is gathered at all.) The CPU's so far: CUDA's
-  // FP8 GEMMs (Fp8Linear) cast w and wᵀ from a bf16 weight and do not read gathered e4m3 bytes yet, so on
-  // CUDA the layers are gathered in bf16 and cast after the gather, as before this gather existed.
-  bool fsdp_fp8_gather(Device device) const {
-    return device == Device::cpu && fp8 && fp8_recipe == Fp8Recipe::tensorwise && external_parameters;
-  }
+  // weights are gathered as without fp8. (At one rank nothing is gathered at all, unless
+  // DdpOptions::fsdp_gather_alone.)
+  bool fsdp_fp8_gather() const { return fp8 && fp8_recipe == Fp8Recipe::tensorwise && external_parameters; }
   // optimizer_state other than fp32 needs fp32 masters: with bf16_pure it is an Error (the models and the
   // memory plan check it).
   void check_optimizer_state() const;
@@ -295,8 +294,8 @@ class LanguageModel {
   DType working_dtype() const { return bf16_pure_ || precision_ == DType::f32 ? DType::f32 : precision_; }
   // Built with ModelOptions::external_parameters: FSDP's sharded storage holds parameters and gradients.
   bool external_parameters() const { return external_parameters_; }
-  // Built with ModelOptions::fsdp_fp8_gather(device): under FSDP at more than one rank its block linear
-  // weights arrive as e4m3 bytes (ParameterStorage::fp8_scales), which the CPU model reads (never on CUDA).
+  // Built with ModelOptions::fsdp_fp8_gather: under FSDP at more than one rank its block linear weights
+  // arrive as e4m3 bytes (ParameterStorage::fp8_scales), which the model reads (CPU and CUDA).
   bool fsdp_fp8_gather() const { return fsdp_fp8_gather_; }
 
   // --- The step.

@@ -48,6 +48,9 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
   FLASHLM_CHECK(fsdp || !model.external_parameters(),
                 "DdpModel: a model built with external_parameters keeps its weights in FSDP's shards: it needs "
                 "--ddp fsdp");
+  FLASHLM_CHECK(fsdp || !options.fsdp_gather_alone,
+                "DdpModel: fsdp_gather_alone gathers FSDP's parts at a world of one; it needs --ddp fsdp, not {}",
+                ddp_variant_name(options.variant));
   FLASHLM_CHECK(!fsdp || (options.fsdp_prefetch >= 0 && options.fsdp_prefetch <= 2),
                 "DdpModel: fsdp_prefetch = {}, expected 0, 1 or 2 parts ahead", options.fsdp_prefetch);
   // ZeRO-1 on CUDA: reduce-scatter each bucket into this rank's shard rather than all-reduce it (half the
@@ -61,13 +64,13 @@ DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch
   if (fsdp) {
     zero_ = std::make_unique<ZeroOptimizer>(comm, params, ddp_->buckets(), false);
     fsdp_ = std::make_unique<FsdpParameters>(comm, params, ddp_->buckets(), options.fsdp_prefetch,
-                                             options.fsdp_poison_freed);
+                                             options.fsdp_poison_freed, options.fsdp_gather_alone);
     if (model.external_parameters()) {
       // Sharded storage: this rank's shards, the pool and the gradient buffers are all that hold them.
       const bool pure = model.bf16_pure();
       // --precision fp8, tensorwise: the layers' FP8 weights arrive as the e4m3 bytes their GEMMs read.
       std::vector<DdpRange> fp8_groups;
-      if (model.fsdp_fp8_gather()) {  // the CPU only (ModelOptions::fsdp_fp8_gather)
+      if (model.fsdp_fp8_gather()) {  // ModelOptions::fsdp_fp8_gather: CPU and CUDA
         for (const Fp8ScaleGroup& g : fp8_scale_groups(model.layout())) fp8_groups.push_back({g.offset, g.count});
       }
       fsdp_->use_sharded_storage(model_.parameter_storage(), pure ? DType::bf16 : model.working_dtype(), pure,

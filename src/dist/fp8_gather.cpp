@@ -1,5 +1,7 @@
 // FSDP's FP8 weight gather (dist/fp8_gather.h): the same four steps on the CPU (MPI, the emulation of
-// model/fp8.h) and on CUDA (NCCL, the casts of model/cuda/fp8.h, queued on the caller's stream).
+// model/fp8.h) and on CUDA (NCCL, the casts of model/cuda/fp8.h, queued on the caller's stream), for one
+// weight (gather: gather_cuda, or the CPU's one-group gather_groups) and for a FSDP part of several scale
+// groups (gather_groups: gather_groups_cuda, or the CPU's loop below it).
 #include "dist/fp8_gather.h"
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include "flashlm/zero.h"
 #include "model/fp8.h"
 #ifdef FLASHLM_WITH_CUDA
+#include "core/cuda_runtime.h"
 #include "model/cuda/fp8.h"
 #endif
 
@@ -23,6 +26,11 @@ constexpr Fp8Format kWeightFormat = Fp8Format::e4m3;
 
 TensorView flat(void* data, DType dtype, int64_t count, Device device) {
   return TensorView::contiguous(data, dtype, {count}, device);
+}
+
+// The elements [a, b) that [offset, offset + count) and [at, at + n) share (a >= b: none).
+std::pair<int64_t, int64_t> shared(int64_t offset, int64_t count, int64_t at, int64_t n) {
+  return {std::max(offset, at), std::min(offset + count, at + n)};
 }
 
 #ifdef FLASHLM_WITH_CUDA
@@ -56,6 +64,67 @@ void gather_cuda(Communicator& comm, const T* x, const FsdpWeightSplit& split, u
   const Communicator::Segment parts[] = {{0, split.part}};
   comm.all_gather_segments(flat(q, DType::f8e4m3, split.count, Device::cuda), parts, stream);
   comm.wait(stream);
+}
+
+// gather_groups on CUDA, queued on `stream` (scratch: G + world·G + pieces device floats). A piece is the
+// elements a group and a held run share: its amax reduced on its own, a group's pieces' amaxes combined (NaN
+// wins) into this rank's amax of the group; the G amaxes of every rank in one all-gather, each group's slot
+// written from its column of them; each piece encoded with its group's scale; the segments all-gathered on the
+// communicator's stream, which `stream` waits for unless the gather is left in flight.
+template <class T>
+void gather_groups_cuda(Communicator& comm, std::span<const Fp8HeldRun> held,
+                        std::span<const Communicator::Segment> segments, std::span<const Fp8GatherGroup> groups,
+                        const TensorView& q, float* scratch, bool in_flight, void* stream) {
+  const int64_t world = comm.world_size(), G = int64_t(groups.size());
+  float* mine = scratch;
+  float* amaxes = scratch + G;
+  float* partials = amaxes + world * G;
+  struct Piece {
+    const T* x;
+    int64_t at, count;
+  };
+  std::vector<std::vector<Piece>> pieces(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const Fp8HeldRun& r : held) {
+      const auto [a, b] = shared(groups[g].offset, groups[g].count, r.at, r.count);
+      if (a < b) pieces[g].push_back({static_cast<const T*>(r.values) + (a - r.at), a, b - a});
+    }
+  }
+  float* partial = partials;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::vector<Piece>& p = pieces[g];
+    if (p.size() == 1) {
+      gpu::fp8_amax(p.front().x, p.front().count, mine + g, stream);
+      continue;
+    }
+    for (size_t k = 0; k < p.size(); ++k) gpu::fp8_amax(p[k].x, p[k].count, partial + k, stream);
+    gpu::fp8_amax(static_cast<const float*>(partial), int64_t(p.size()), mine + g, stream);  // none: 0
+    partial += p.size();
+  }
+  comm.all_gather(flat(mine, DType::f32, G, Device::cuda), flat(amaxes, DType::f32, world * G, Device::cuda), stream);
+  comm.wait(stream);
+  auto* bytes = static_cast<uint8_t*>(q.data);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    float* slot = groups[g].scales;
+    gpu::fp8_scales_from_amaxes(amaxes + g, world, G, kWeightFormat, slot, stream);
+    for (const Piece& p : pieces[g]) {
+      encode_run(p.x, p.count, slot + kFp8AmaxIndex, bytes + p.at, slot + kFp8DequantIndex, stream);
+    }
+  }
+  comm.all_gather_segments(q, segments, stream);
+  if (!in_flight) comm.wait(stream);
+}
+
+// The device floats gather_groups_cuda works in.
+int64_t groups_scratch_floats(std::span<const Fp8HeldRun> held, std::span<const Fp8GatherGroup> groups, int world) {
+  int64_t pieces = 0;
+  for (const Fp8GatherGroup& g : groups) {
+    for (const Fp8HeldRun& r : held) {
+      const auto [a, b] = shared(g.offset, g.count, r.at, r.count);
+      pieces += a < b ? 1 : 0;
+    }
+  }
+  return int64_t(groups.size()) * (1 + world) + pieces;
 }
 #endif
 
@@ -136,29 +205,18 @@ Fp8GatherTraffic Fp8WeightGather::gather(const TensorView& shard, const TensorVi
   return gather_groups(held, shard.dtype, parts, whole, q);
 }
 
-namespace {
-
-// The elements [a, b) that [offset, offset + count) and [at, at + n) share (a >= b: none).
-std::pair<int64_t, int64_t> shared(int64_t offset, int64_t count, int64_t at, int64_t n) {
-  return {std::max(offset, at), std::min(offset + count, at + n)};
-}
-
-}  // namespace
-
 void Fp8WeightGather::check_groups(std::span<const Fp8HeldRun> held, DType dtype,
                                    std::span<const Communicator::Segment> segments,
                                    std::span<const Fp8GatherGroup> groups, const TensorView& q) const {
   constexpr const char* fn = "Fp8WeightGather::gather_groups";
-  FLASHLM_CHECK_ARG(device_ == Device::cpu,
-                    "{}: CPU only (the CUDA FSDP step does not gather in FP8 yet; gather() takes one weight on CUDA)", fn);
   FLASHLM_CHECK_ARG(dtype == DType::f32 || dtype == DType::bf16,
                     "{}: the held values are {}, expected fp32 or bf16 (a weight's master or working copy)", fn,
                     dtype_name(dtype));
   FLASHLM_CHECK_ARG(q.dtype == DType::f8e4m3, "{}: q is {}, expected fp8_e4m3 (the gathered range's bytes)", fn,
                     dtype_name(q.dtype));
-  FLASHLM_CHECK_ARG(q.device == Device::cpu && q.is_contiguous() && q.numel() >= 1 && q.data != nullptr,
-                    "{}: q ({} on {}) must be a contiguous CPU range of at least one element", fn, q.shape_string(),
-                    device_name(q.device));
+  FLASHLM_CHECK_ARG(q.device == device_ && q.is_contiguous() && q.numel() >= 1 && q.data != nullptr,
+                    "{}: q ({} on {}) must be a contiguous range of at least one element on {}, this gather's device",
+                    fn, q.shape_string(), device_name(q.device), device_name(device_));
   FLASHLM_CHECK_ARG(!groups.empty(), "{}: no scale groups", fn);
   const int64_t count = q.numel(), world = comm_.world_size();
   std::vector<Fp8GatherGroup> sorted(groups.begin(), groups.end());
@@ -171,6 +229,10 @@ void Fp8WeightGather::check_groups(std::span<const Fp8HeldRun> held, DType dtype
                       "{}: a scale group [{}, {}) outside the range of {} elements (or empty)", fn, x.offset,
                       x.offset + x.count, count);
     FLASHLM_CHECK_ARG(x.scales != nullptr, "{}: the scale group at {} has no scale slot", fn, x.offset);
+    const auto misalignment = reinterpret_cast<uintptr_t>(x.scales) % kFp8ScaleAlignment;
+    FLASHLM_CHECK_ARG(device_ == Device::cpu || misalignment == 0,
+                      "{}: the scale slot of the group at {} sits {} bytes past a {}-byte boundary (cuBLASLt's FP8 "
+                      "scale pointers must not)", fn, x.offset, misalignment, kFp8ScaleAlignment);
     FLASHLM_CHECK_ARG(g == 0 || sorted[g - 1].offset + sorted[g - 1].count <= x.offset,
                       "{}: scale groups [{}, {}) and [{}, {}) overlap", fn, sorted[g - 1].offset,
                       sorted[g - 1].offset + sorted[g - 1].count, x.offset, x.offset + x.count);
@@ -210,10 +272,28 @@ void Fp8WeightGather::check_groups(std::span<const Fp8HeldRun> held, DType dtype
 Fp8GatherTraffic Fp8WeightGather::gather_groups(std::span<const Fp8HeldRun> held, DType dtype,
                                                 std::span<const Communicator::Segment> segments,
                                                 std::span<const Fp8GatherGroup> groups, const TensorView& q,
-                                                CommRequest* request) {
+                                                CommRequest* request, void* stream) {
   check_groups(held, dtype, segments, groups, q);
   const int world = comm_.world_size(), rank = comm_.rank();
   const size_t G = groups.size();
+  Fp8GatherTraffic traffic{0, (world - 1) * int64_t(G) * int64_t(sizeof(float))};
+  for (const Communicator::Segment& s : segments) traffic.weight_bytes += s.part * (world - 1);
+  if (device_ == Device::cuda) {
+#ifdef FLASHLM_WITH_CUDA
+    const int64_t floats = groups_scratch_floats(held, groups, world);
+    if (int64_t(amaxes_.bytes()) < floats * int64_t(sizeof(float))) {
+      cuda_stream_synchronize(stream);  // the last gather's kernels may still read the smaller buffer
+      amaxes_ = Buffer::allocate(size_t(floats) * sizeof(float), Device::cuda, "FP8 weight gather (amaxes)");
+    }
+    auto* scratch = static_cast<float*>(amaxes_.data());
+    if (dtype == DType::bf16) {
+      gather_groups_cuda<bf16_t>(comm_, held, segments, groups, q, scratch, request != nullptr, stream);
+    } else {
+      gather_groups_cuda<float>(comm_, held, segments, groups, q, scratch, request != nullptr, stream);
+    }
+#endif
+    return traffic;
+  }
   // The emulation reads the values widened to fp32, as the CUDA cast does in registers.
   std::vector<std::vector<float>> widened(held.size());
   std::vector<const float*> values(held.size());
@@ -259,8 +339,6 @@ Fp8GatherTraffic Fp8WeightGather::gather_groups(std::span<const Fp8HeldRun> held
   } else {
     comm_.all_gather_segments(q, segments);
   }
-  Fp8GatherTraffic traffic{0, (world - 1) * int64_t(G) * int64_t(sizeof(float))};
-  for (const Communicator::Segment& s : segments) traffic.weight_bytes += s.part * (world - 1);
   return traffic;
 }
 

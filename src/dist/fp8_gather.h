@@ -12,11 +12,12 @@
 // bytes and dequantisation scale fp8_quantize_cpu gives the unsharded weight, bit for bit. The CPU (MPI)
 // and CUDA (NCCL; the casts of model/cuda/fp8.h) paths are one function apart in fp8_gather.cpp.
 //
-// gather_groups is the same for a whole FSDP part (FsdpParameters under ModelOptions::fsdp_fp8_gather): a
-// layer's sharded buckets hold several weights, each with its own scale (q, k and v one), and a rank's part
-// of a bucket crosses weights. So each rank takes one amax per scale group over the elements it holds of
-// it, the ranks exchange the G amaxes in one all-gather, and each element is encoded with its group's
-// scale: every group's bytes and scale are again the unsharded weight's, bit for bit.
+// gather_groups is the same for a whole FSDP part (FsdpParameters under ModelOptions::fsdp_fp8_gather), on
+// the CPU and on CUDA: a layer's sharded buckets hold several weights, each with its own scale (q, k and v
+// one), and a rank's part of a bucket crosses weights. So each rank takes one amax per scale group over the
+// elements it holds of it, the ranks exchange the G amaxes in one all-gather, and each element is encoded
+// with its group's scale: every group's bytes and scale are again the unsharded weight's, bit for bit — on
+// CUDA the bytes and scale the plain FP8 step's cast of the whole bf16 weight writes (Fp8Linear).
 #pragma once
 #include <cstdint>
 #include <span>
@@ -74,19 +75,26 @@ class Fp8WeightGather {
   // queued on `stream` after this call).
   Fp8GatherTraffic gather(const TensorView& shard, const TensorView& q, float* scales, void* stream = nullptr);
 
-  // Collective, CPU: a range of several scale groups, as FSDP holds a model part. q: the range's place,
-  // fp8_e4m3, contiguous: on return (or after wait(*request)) every element of a segment or a held run
-  // holds its e4m3 byte (the range's other elements are left as they are). held: this rank's elements (its
-  // part of each segment, and the tails every rank keeps), of type `dtype` (fp32 or bf16). segments: the
-  // parts the ranks hold, as Communicator::all_gather_segments takes them (relative to q). groups: disjoint,
-  // together covering every held element and every segment's elements; each group's amax is taken over its
-  // elements on every rank (NaN wins) and written to its slot with its dequantisation scale, and its
-  // elements are encoded with fp8_scale of that amax. request: null, blocking; else the bytes' all-gather is
-  // left in flight there (the scales are written before return). Every rank passes the same segments and
-  // groups. An Error on CUDA: its FSDP step does not gather in FP8 yet (ModelOptions::fsdp_fp8_gather).
+  // Collective: a range of several scale groups, as FSDP holds a model part. q: the range's place,
+  // fp8_e4m3, contiguous, on the gather's device: on return (or after wait(*request)) every element of a
+  // segment or a held run holds its e4m3 byte (the range's other elements are left as they are). held: this
+  // rank's elements (its part of each segment, and the tails every rank keeps), of type `dtype` (fp32 or
+  // bf16), on the gather's device. segments: the parts the ranks hold, as Communicator::all_gather_segments
+  // takes them (relative to q). groups: disjoint, together covering every held element and every segment's
+  // elements; each group's amax is taken over its elements on every rank (NaN wins) and written to its slot
+  // (on the gather's device; 16-byte aligned on CUDA) with its dequantisation scale, and its elements are
+  // encoded with fp8_scale of that amax. Every rank passes the same segments and groups.
+  // CPU: request null, blocking; else the bytes' all-gather is left in flight there (the scales are written
+  // before return). CUDA: everything queued on `stream` without a host synchronisation (the first call with
+  // more groups or pieces than before synchronises `stream` to grow the gather's device scratch): the
+  // groups' amaxes (one reduction per piece a group shares with a held run), one all-gather of the G amaxes
+  // (`stream` waits for it: the encoding needs the scales), the encoding, and the bytes' all-gather on the
+  // communicator's stream; request null: `stream` waits for that too; else (*request is left as it is) the
+  // all-gather is left in flight, and the caller orders the bytes' readers after the communicator's stream
+  // (an event recorded there, as FSDP does, or Communicator::wait).
   Fp8GatherTraffic gather_groups(std::span<const Fp8HeldRun> held, DType dtype,
                                  std::span<const Communicator::Segment> segments, std::span<const Fp8GatherGroup> groups,
-                                 const TensorView& q, CommRequest* request = nullptr);
+                                 const TensorView& q, CommRequest* request = nullptr, void* stream = nullptr);
 
   Device device() const { return device_; }
 
@@ -97,7 +105,7 @@ class Fp8WeightGather {
 
   Communicator& comm_;
   Device device_;
-  Buffer amaxes_;  // CUDA: the ranks' amaxes, one float each
+  Buffer amaxes_;  // CUDA: the ranks' amaxes (gather: one float each; gather_groups: its scratch)
 };
 
 }  // namespace flashlm

@@ -98,6 +98,9 @@ struct FsdpParameters::Impl {
   // FSDP's FP8 gather (use_sharded_storage's fp8_groups): the gather, and a scale slot per group.
   std::unique_ptr<Fp8WeightGather> fp8;
   Buffer fp8_scales;
+#ifdef FLASHLM_WITH_CUDA
+  cudaEvent_t fp8_ready = nullptr;  // CUDA: recorded on the model's stream before an FP8 gather (gather_fp8)
+#endif
   FsdpGatherTraffic traffic;
   std::function<void(int64_t, int64_t)> await_gradients;
 
@@ -110,6 +113,7 @@ struct FsdpParameters::Impl {
     for (UnitStorage& u : stored) {
       if (u.gathered) cudaEventDestroy(u.gathered);
     }
+    if (fp8_ready) cudaEventDestroy(fp8_ready);
 #endif
   }
 
@@ -214,7 +218,11 @@ struct FsdpParameters::Impl {
 
   // Unit u as e4m3 bytes (Fp8WeightGather::gather_groups): this rank's parts and tails encoded from its
   // shards straight into the pool buffer, one amax per scale group exchanged, the other ranks' parts
-  // gathered — that last all-gather left in flight, as the other parts' gathers are.
+  // gathered — that last all-gather left in flight, as the other parts' gathers are. CUDA: all of it queued
+  // on the communicator's stream, behind an event of the model's stream (the shards' last update and the
+  // last reads of the pool buffer before it) and followed by the unit's event, as gather_into's all-gather:
+  // the model's stream waits for nothing but that event, so the exchange of the amaxes does not hold its
+  // compute behind the gradients' reduce-scatters queued on the communicator's stream before it.
   void gather_fp8(size_t u) {
     UnitStorage& us = stored[u];
     const Unit& unit = units[u];
@@ -230,7 +238,23 @@ struct FsdpParameters::Impl {
       }
     }
     const TensorView q = TensorView::contiguous(unit_base(u), DType::f8e4m3, {unit.count}, params.device);
-    const Fp8GatherTraffic t = fp8->gather_groups(held, us.from, us.segments, us.fp8_groups, q, &us.request);
+    void* on = nullptr;
+#ifdef FLASHLM_WITH_CUDA
+    if (cuda()) {
+      on = comm.cuda_stream();
+      FLASHLM_CUDA_CHECK(cudaEventRecord(fp8_ready, static_cast<cudaStream_t>(stream)),
+                         "cudaEventRecord (FSDP FP8 gather)");
+      FLASHLM_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(on), fp8_ready, 0),
+                         "cudaStreamWaitEvent (FSDP FP8 gather)");
+    }
+#endif
+    const Fp8GatherTraffic t = fp8->gather_groups(held, us.from, us.segments, us.fp8_groups, q, &us.request, on);
+#ifdef FLASHLM_WITH_CUDA
+    if (cuda()) {
+      FLASHLM_CUDA_CHECK(cudaEventRecord(us.gathered, static_cast<cudaStream_t>(on)),
+                         "cudaEventRecord (FSDP FP8 gather)");
+    }
+#endif
     arriving(u);
     traffic.bytes += t.weight_bytes;
     traffic.fp8_bytes += t.weight_bytes;
@@ -437,7 +461,7 @@ struct FsdpParameters::Impl {
 };
 
 FsdpParameters::FsdpParameters(Communicator& comm, DdpParameters params, std::span<const DdpBucket> buckets,
-                               int prefetch, bool poison_freed)
+                               int prefetch, bool poison_freed, bool gather_alone)
     : impl_(std::make_unique<Impl>(comm, std::move(params))) {
   Impl& m = *impl_;
   m.params.validate();
@@ -451,8 +475,8 @@ FsdpParameters::FsdpParameters(Communicator& comm, DdpParameters params, std::sp
   const ZeroBucketLayout layout = zero_bucket_layout(buckets, comm.world_size(), comm.rank());
   for (size_t b = 0; b < buckets.size(); ++b) {
     const ZeroBucketShard& z = layout.buckets[b];
-    // Nothing to gather: a replicated bucket, or a world of one.
-    if (z.part == 0 || comm.world_size() == 1) continue;
+    // Nothing to gather: a replicated bucket, or a world of one (unless gather_alone: then its one part).
+    if (z.part == 0 || (comm.world_size() == 1 && !gather_alone)) continue;
     Impl::Shard s;
     s.segment = {z.offset, z.part};
     s.tail = z.tail.count;
@@ -525,10 +549,6 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
   FLASHLM_CHECK(!pure || working_dtype == DType::bf16,
                 "FsdpParameters::use_sharded_storage: bf16-pure keeps bf16 parameters, not {}", dtype_name(working_dtype));
   FLASHLM_CHECK(grad_accum >= 1, "FsdpParameters::use_sharded_storage: grad_accum = {}, expected >= 1", grad_accum);
-  // ModelOptions::fsdp_fp8_gather: the CUDA model's FP8 GEMMs cast a gathered bf16 weight, never gathered bytes.
-  FLASHLM_CHECK(fp8_groups.empty() || p.device == Device::cpu,
-                "FsdpParameters::use_sharded_storage: FP8 scale groups on CUDA, whose model reads no gathered FP8 "
-                "bytes (ModelOptions::fsdp_fp8_gather)");
   for (size_t i = 0; i < p.layout.size(); ++i) {
     FLASHLM_CHECK(p.is_trainable(int64_t(i)) && p.owner(int64_t(i)) == int64_t(i),
                   "FsdpParameters::use_sharded_storage: '{}' is frozen or tied; sharded storage keeps trainable, "
@@ -571,9 +591,14 @@ void FsdpParameters::use_sharded_storage(std::span<ParameterStorage> table, DTyp
   m.stored = std::vector<Impl::UnitStorage>(m.units.size());
   if (!fp8_groups.empty() && !m.shards.empty()) {
     m.fp8 = std::make_unique<Fp8WeightGather>(m.comm, device);
-    m.fp8_scales = Buffer::allocate(fp8_groups.size() * kFp8ScaleSlotFloats * sizeof(float), device,
-                                    "FSDP FP8 gather (a scale slot per weight group)");
-    std::memset(m.fp8_scales.data(), 0, m.fp8_scales.bytes());
+    m.fp8_scales = zeroed(int64_t(fp8_groups.size()) * kFp8ScaleSlotFloats, sizeof(float),
+                          "FSDP FP8 gather (a scale slot per weight group)");
+#ifdef FLASHLM_WITH_CUDA
+    if (m.cuda()) {
+      FLASHLM_CUDA_CHECK(cudaEventCreateWithFlags(&m.fp8_ready, cudaEventDisableTiming),
+                         "cudaEventCreateWithFlags (FSDP FP8 gather)");
+    }
+#endif
   }
   int64_t largest_bytes = 0, largest_count = 0;
   for (size_t u = 0; u < m.units.size(); ++u) {

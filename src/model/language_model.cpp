@@ -43,7 +43,7 @@ LanguageModel::LanguageModel(const ModelConfig& config, Device device, DType pre
       precision_(precision),
       bf16_pure_(options.bf16_pure),
       external_parameters_(options.external_parameters),
-      fsdp_fp8_gather_(options.fsdp_fp8_gather(device)) {}
+      fsdp_fp8_gather_(options.fsdp_fp8_gather()) {}
 
 void LanguageModel::init_optimizer_state(OptimizerState state) {
   adamw_ = std::make_unique<AdamWState>(state, bf16_pure_, parameter_count_, device_);

@@ -314,7 +314,7 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     int64_t gains = 0, matrices = 0, largest_part = 0, largest_part_bytes = 0;
     // bf16-pure gathers every part, the embedding too, in bf16; fsdp_fp8_gather a layer's matrices in e4m3.
     const int64_t low = cuda && precision != DType::f32 ? elem : 4;
-    const int64_t layer_elem = o.fsdp_fp8_gather(device) ? 1 : low;
+    const int64_t layer_elem = o.fsdp_fp8_gather() ? 1 : low;
     const int64_t layer = 4 * c.d_model * c.d_model + 3 * c.d_model * c.d_ff + 2 * c.d_model;  // with its gains
     for (const auto& [count, size] : {std::pair{c.vocab * c.d_model, o.bf16_pure ? low : 4}, std::pair{layer, layer_elem},
                                       std::pair{c.vocab * c.d_model, low}}) {
@@ -341,7 +341,7 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     }
     if (world > 1) {  // at one rank nothing is sharded: the shards are the whole model, read in place
       p.items.push_back({fmt::format("FSDP gathered parts (a pool of prefetch {} + 2{})", o.fsdp_prefetch,
-                                     o.fsdp_fp8_gather(device) ? "; layers as FP8 bytes" : ""),
+                                     o.fsdp_fp8_gather() ? "; layers as FP8 bytes" : ""),
                          checked_mul(o.fsdp_prefetch + 2, largest_part_bytes, "memory plan: bytes")});
       p.items.push_back(o.fsdp_grad_accum > 1
                             ? MemoryPlan::Item{"FSDP whole local gradients (grad_accum > 1)", bytes(n_params, 4)}

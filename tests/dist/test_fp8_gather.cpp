@@ -8,7 +8,7 @@
 // its whole weight's quantisation (blocking and in flight), a NaN reaching its own group only. Also: the
 // bytes a gather brings (half of what a bf16 gather of the same parts would), the refused arguments, and a communicator
 // that gathers FP8 bytes but will not reduce them. On GPUs (skipped without one per rank) the CUDA path
-// against the same bits.
+// against the same bits, gather and gather_groups (at a world of one too: NCCL with one rank).
 #include <gtest/gtest.h>
 
 #include <array>
@@ -438,6 +438,82 @@ TEST(Fp8GatherGpu, MatchesTheWholeWeightsQuantisationBitForBit) {
     const Gathered got = gather_gpu(gather, whole, DType::bf16);
     expect_whole_weights_bits(got, whole, "NaN in rank " + std::to_string(owner) + "'s part");
     EXPECT_TRUE(std::isnan(got.amax)) << "rank " << comm().rank();
+  }
+}
+
+// gather_groups on CUDA (FSDP's gather of a layer on the GPU): the GroupedRange above with its held runs on
+// the device, fp32 and bf16, blocking and left in flight (then waited for through the communicator's stream),
+// each group's bytes and scale slot fp8_quantize_cpu's of its whole values (the CUDA casts' bits), the
+// elements between the segments untouched, the traffic as on the CPU; a NaN in one rank's part reaching
+// its own group only.
+TEST(Fp8GatherGpu, GroupsOfAFsdpPartEachMatchTheirWholeWeightBitForBit) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  Fp8WeightGather gather(comm(), Device::cuda);
+  const uint32_t seed = shared_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int world = comm().world_size();
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (int variant = 0; variant < 3; ++variant) {  // blocking, in flight, a NaN in one rank's part
+      GroupedRange range(rng);
+      if (dtype == DType::bf16) {
+        for (float& x : range.whole) x = float(bf16_t(x));
+      }
+      size_t bad = range.groups.size();
+      if (variant == 2) {
+        const Communicator::Segment& seg = range.segments[1];
+        const int64_t at = seg.offset + (world - 1) * seg.part + seg.part / 2;
+        bad = at < range.groups[2].second ? 2 : 3;
+        range.whole[size_t(at)] = std::numeric_limits<float>::quiet_NaN();
+      }
+      const std::string what = std::string(dtype_name(dtype)) + (variant == 1 ? ", in flight" : "") +
+                               (variant == 2 ? ", a NaN in the last rank's part" : "");
+      const int64_t n = int64_t(range.whole.size());
+      const std::vector<bf16_t> whole16 = to_bf16(range.whole);
+      const void* host = dtype == DType::bf16 ? static_cast<const void*>(whole16.data()) : range.whole.data();
+      Buffer x = Buffer::allocate(size_t(n) * dtype_size(dtype), Device::cuda, "test: held values");
+      Buffer q = Buffer::allocate(size_t(n), Device::cuda, "test: gathered FP8 range");
+      Buffer slots = Buffer::allocate(range.groups.size() * kFp8ScaleSlotFloats * sizeof(float), Device::cuda,
+                                      "test: scale slots");
+      cuda_copy(x.data(), host, size_t(n) * dtype_size(dtype));
+      std::vector<uint8_t> bytes(size_t(n), 0xAA);
+      cuda_copy(q.data(), bytes.data(), bytes.size());
+      std::vector<Fp8HeldRun> held;
+      for (const Fp8HeldRun& r : range.held) {
+        held.push_back({r.at, r.count, static_cast<const char*>(x.data()) + r.at * int64_t(dtype_size(dtype))});
+      }
+      std::vector<Fp8GatherGroup> groups;
+      for (size_t k = 0; k < range.groups.size(); ++k) {
+        groups.push_back({range.groups[k].first, range.groups[k].second - range.groups[k].first,
+                          static_cast<float*>(slots.data()) + k * kFp8ScaleSlotFloats});
+      }
+      CommRequest request;
+      const TensorView qv = TensorView::contiguous(q.data(), DType::f8e4m3, {n}, Device::cuda);
+      const Fp8GatherTraffic traffic =
+          gather.gather_groups(held, dtype, range.segments, groups, qv, variant == 1 ? &request : nullptr, nullptr);
+      if (variant == 1) comm().wait(static_cast<void*>(nullptr));
+      comm().synchronize();
+      cuda_copy(bytes.data(), q.data(), bytes.size());
+      std::vector<float> host_slots(range.groups.size() * kFp8ScaleSlotFloats);
+      cuda_copy(host_slots.data(), slots.data(), host_slots.size() * sizeof(float));
+      for (int64_t i = range.a; i < range.a + range.gap; ++i) {
+        EXPECT_EQ(bytes[size_t(i)], 0xAA) << what << ": element " << i << " is no segment's";
+      }
+      for (size_t k = 0; k < range.groups.size(); ++k) {
+        Gathered got;
+        got.bytes.assign(bytes.begin() + range.groups[k].first, bytes.begin() + range.groups[k].second);
+        got.amax = host_slots[k * kFp8ScaleSlotFloats + kFp8AmaxIndex];
+        got.dequant = host_slots[k * kFp8ScaleSlotFloats + kFp8DequantIndex];
+        expect_whole_weights_bits(got, range.group_values(k), what + ", group " + std::to_string(k));
+        if (variant == 2) {
+          EXPECT_EQ(std::isnan(got.amax), k == bad) << what << ", group " << k;
+        }
+      }
+      int64_t foreign = 0;
+      for (const Communicator::Segment& seg : range.segments) foreign += seg.part * (world - 1);
+      EXPECT_EQ(traffic.weight_bytes, foreign) << what;
+      EXPECT_EQ(traffic.amax_bytes, (world - 1) * 4 * int64_t(sizeof(float))) << what;
+    }
   }
 }
 #else

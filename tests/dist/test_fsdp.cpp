@@ -11,14 +11,18 @@
 // gather_parameters(); a rank that dies mid-step (FLASHLM_TEST_DIE_ON_RANK, run by dying_rank.cmake). FSDP's
 // FP8 gather (--precision fp8): the losses of every rank on the same batch are the one-process fp8 run's bit
 // for bit, sliced batches train as full storage's local rounding does, the layers bring half a bf16
-// gather's bytes, a NaN in one rank's part reaches every rank's copy, the plan, CUDA refusing it. On
-// GPUs (skipped without one per rank) FSDP against bucketed DDP on CudaModel, fp32 and bf16.
+// gather's bytes, a NaN in one rank's part reaches every rank's copy, the plan on both devices, and
+// DdpOptions::fsdp_gather_alone (a world of one gathering too). On GPUs (skipped without one per rank) FSDP
+// against bucketed DDP on CudaModel, fp32 and bf16, and FSDP's FP8 gather on CudaModel against the plain
+// FP8 step.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <memory>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <random>
@@ -45,6 +49,7 @@
 #ifdef FLASHLM_WITH_CUDA
 #include "core/cuda_runtime.h"
 #include "flashlm/device.h"
+#include "model/cuda/fp8.h"
 #endif
 
 using namespace flashlm;
@@ -713,9 +718,10 @@ struct Fp8ShardedLm {
   int64_t rows;
   std::unique_ptr<CpuModel> model;
   std::unique_ptr<DdpModel> dp;
-  explicit Fp8ShardedLm(int64_t rows, ModelOptions o = fp8_options(true)) : rows(rows) {
+  explicit Fp8ShardedLm(int64_t rows, ModelOptions o = fp8_options(true), DdpOptions d = fsdp_options(1))
+      : rows(rows) {
     model = std::make_unique<CpuModel>(mc, rows, kSeq, o);
-    dp = std::make_unique<DdpModel>(comm(), *model, rows * kSeq, fsdp_options(1), false);
+    dp = std::make_unique<DdpModel>(comm(), *model, rows * kSeq, d, false);
     dp->init_parameters(11);
   }
   // Step `step`'s batch: every rank the same first `rows` sequences (whole), or this rank's slice of it.
@@ -732,6 +738,8 @@ struct Fp8ShardedLm {
 // the one-process fp8 run's (no FSDP) bit for bit, step after step — the gathered bytes decode to the values
 // the one process rounds its whole weights to. At two ranks the average of two equal gradients is exact; at
 // more, sums of three or more round, so after the first step (the gather alone) the losses are close only.
+// With DdpOptions::fsdp_gather_alone a world of one gathers too (its one part of each bucket, over the
+// one-rank communicator) and gives the same bits: the switch the GPU tests exercise the CUDA gather with.
 TEST(FsdpFp8, LossesAreTheOneProcessRunsBitForBit) {
   const ModelConfig mc = lm_config();
   constexpr int64_t kRows = 2, kFp8Steps = 4;
@@ -745,16 +753,24 @@ TEST(FsdpFp8, LossesAreTheOneProcessRunsBitForBit) {
     one.backward();
     optimizer_step(one, unclipped_adamw(), kLr);
   }
-  Fp8ShardedLm lm(kRows);
-  EXPECT_EQ(lm.dp->fsdp()->fp8_units(), comm().world_size() > 1 ? mc.layers : 0);
-  for (int64_t s = 0; s < kFp8Steps; ++s) {
-    const double got = lm.step(s, true, unclipped_adamw());
-    if (comm().world_size() <= 2 || s == 0) {
-      EXPECT_EQ(std::bit_cast<uint64_t>(got), std::bit_cast<uint64_t>(want[size_t(s)]))
-          << "step " << s << ": " << got << " against one process's " << want[size_t(s)];
-    } else {
-      EXPECT_NEAR(got, want[size_t(s)], 1e-6 * std::fabs(want[size_t(s)])) << "step " << s;
+  for (bool alone : {false, true}) {
+    SCOPED_TRACE(alone ? "fsdp_gather_alone" : "as FSDP runs");
+    DdpOptions d = fsdp_options(1);
+    d.fsdp_gather_alone = alone;
+    Fp8ShardedLm lm(kRows, fp8_options(true), d);
+    EXPECT_EQ(lm.dp->fsdp()->fp8_units(), comm().world_size() > 1 || alone ? mc.layers : 0);
+    for (int64_t s = 0; s < kFp8Steps; ++s) {
+      const double got = lm.step(s, true, unclipped_adamw());
+      if (comm().world_size() <= 2 || s == 0) {
+        EXPECT_EQ(std::bit_cast<uint64_t>(got), std::bit_cast<uint64_t>(want[size_t(s)]))
+            << "step " << s << ": " << got << " against one process's " << want[size_t(s)];
+      } else {
+        EXPECT_NEAR(got, want[size_t(s)], 1e-6 * std::fabs(want[size_t(s)])) << "step " << s;
+      }
     }
+    // A forward and a backward gathered each layer once a step, as bytes: none foreign at one rank.
+    const FsdpGatherTraffic t = lm.dp->fsdp()->gather_traffic();
+    EXPECT_EQ(t.fp8_amax_bytes, kFp8Steps * 2 * mc.layers * 5 * (comm().world_size() - 1) * int64_t(sizeof(float)));
   }
 }
 
@@ -871,9 +887,9 @@ TEST(FsdpFp8, ANanInOneRanksPartReachesEveryRanksCopy) {
 }
 
 // The memory plan counts a layer's gathered part at a byte an element (the pool holds prefetch + 2 of the
-// largest part: at xl the embedding's fp32 then, not a layer's). On CUDA, whose FP8 GEMMs cast a bf16 weight
-// and read no gathered bytes, the layers are gathered in bf16 as without the FP8 gather.
-TEST(FsdpFp8, ThePlanCountsLayersAtAByteOnTheCpuAndInBf16OnCuda) {
+// largest part: at xl the embedding's fp32 then, not a layer's), on the CPU and on CUDA (whose Fp8Linear
+// multiplies the gathered bytes); rowwise gathers the layers as without fp8 (fp32 on the CPU, bf16 on CUDA).
+TEST(FsdpFp8, ThePlanCountsLayersAtAByteOnEveryDevice) {
   const ModelConfig mc = ModelConfig::named("xl", 512);
   ModelOptions o = fp8_options(true);
   o.fsdp_world = 2;
@@ -892,23 +908,29 @@ TEST(FsdpFp8, ThePlanCountsLayersAtAByteOnTheCpuAndInBf16OnCuda) {
   ModelOptions rowwise = o;
   rowwise.fp8_recipe = Fp8Recipe::rowwise;
   EXPECT_EQ(pool(rowwise), 3 * std::max(layer * 4, embedding));
-  EXPECT_TRUE(o.fsdp_fp8_gather(Device::cpu));
-  EXPECT_FALSE(o.fsdp_fp8_gather(Device::cuda));
-  EXPECT_FALSE(rowwise.fsdp_fp8_gather(Device::cpu));
+  // The option: fp8, tensorwise, sharded storage — whatever the device.
+  EXPECT_TRUE(o.fsdp_fp8_gather());
+  EXPECT_FALSE(rowwise.fsdp_fp8_gather());
+  ModelOptions full = o, bf16 = o;
+  full.external_parameters = false;
+  bf16.fp8 = false;
+  EXPECT_FALSE(full.fsdp_fp8_gather());
+  EXPECT_FALSE(bf16.fsdp_fp8_gather());
   const auto cuda_pool = [&](const ModelOptions& options) {
     const MemoryPlan plan = plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, options);
     for (const MemoryPlan::Item& item : plan.items) {
       if (item.what.starts_with("FSDP gathered parts")) {
-        EXPECT_EQ(item.what.find("FP8 bytes"), std::string::npos) << item.what;
+        EXPECT_EQ(item.what.find("FP8 bytes") != std::string::npos, options.fsdp_fp8_gather()) << item.what;
         return item.bytes;
       }
     }
     ADD_FAILURE() << "no pool in the plan:\n" << plan.format();
     return int64_t{0};
   };
-  // CUDA gathers the layers in bf16 with or without fp8, rowwise too; one rank gathers nothing: all planned.
-  EXPECT_EQ(cuda_pool(o), cuda_pool(rowwise));
-  plan_model_memory(mc, 4, 512, Device::cuda, DType::bf16, rowwise);
+  // CUDA reads the embedding in fp32 (the masters), the head and (without the FP8 gather) the layers in bf16.
+  EXPECT_EQ(cuda_pool(o), 3 * std::max(layer, embedding));
+  EXPECT_EQ(cuda_pool(rowwise), 3 * std::max(layer * 2, embedding));
+  EXPECT_LT(cuda_pool(o), cuda_pool(rowwise));
   ModelOptions alone = o;
   alone.fsdp_world = 1;
   alone.optimizer_shards = 1;
@@ -1173,6 +1195,17 @@ TEST(FsdpErrors, PrefetchAndPrecisionAreChecked) {
     ADD_FAILURE() << "prefetch 3 was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("fsdp_prefetch = 3, expected 0, 1 or 2"), std::string::npos) << e.what();
+  }
+  DdpOptions bucketed;
+  bucketed.fsdp_gather_alone = true;
+  try {
+    DdpModel dp(comm(), part, kSeq, bucketed, false);
+    ADD_FAILURE() << "fsdp_gather_alone was accepted for bucketed DDP";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fsdp_gather_alone gathers FSDP's parts at a world of one; it needs --ddp "
+                                         "fsdp, not bucketed"),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(parse_ddp_variant("fsdp"), DdpVariant::fsdp);
   try {
@@ -1444,6 +1477,161 @@ TEST(FsdpGpu, Bf16PureCheckpointsResumeBitExactly) {
   one.backward();
   optimizer_step(one, clipping_adamw(), kLr);
   EXPECT_EQ(one.optimizer_steps(), 4);
+}
+
+// FSDP's FP8 gather on CudaModel (--precision fp8, tensorwise, sharded storage), at any world with one GPU per
+// rank — at a world of one through DdpOptions::fsdp_gather_alone, so that NCCL's one-rank communicator carries
+// the gathers a larger world runs. Every rank trains on the same whole batch, as the one-process plain FP8
+// model does (CudaModel without FSDP, whose Fp8Linear casts its bf16 working copy).
+//   1. After gather_parameters(), before any step (both models' bf16 weights are init_parameters(11)'s,
+//      the same bits), each layer's scale groups (q‖k‖v, output_proj, w1, w2, w3): the gathered e4m3 bytes,
+//      amax and dequantisation scale are those of gpu::fp8_quantize over the plain model's whole bf16
+//      weight, bit for bit, and the bytes transposed (gpu::fp8_transpose, the backward's wᵀ) its transposed
+//      cast; the group's weights sit one byte an element apart, with `master` null.
+//   2. kSteps steps, no clipping: the losses and the parameters (fp32 masters) against the plain FP8 step's.
+//      Each product multiplies the same FP8 operands as the plain step's (1.), but from the pool rather than
+//      Fp8Linear's 256-byte aligned cache, and the GEMMs' plans are keyed by the operands' alignment, so
+//      cuBLASLt may choose another algorithm (another fp32 summation order) — which e4m3's 3-bit mantissa then
+//      amplifies wherever a rounding flips a code. So: every loss within 1e-4 relative and the parameters
+//      within 1e-3 relative L2 (a wrong scale, a missing transpose or another group's scale is off by far
+//      more); whether they came out bit-identical is printed. (At more than two ranks the mean of equal
+//      gradients rounds too.) The FSDP step runs eagerly (its hooks keep it out of a CUDA graph), the plain one
+//      eagerly as well.
+//   3. The traffic counters: the layers' foreign parts at one byte an element (FsdpGatherTraffic::fp8_bytes,
+//      none at one rank) and a float per scale group per other rank, for the one gather_parameters() and a
+//      forward and a backward gather per step.
+//   4. Rowwise gathers the layers in bf16 (no FP8 parts) and trains.
+TEST(FsdpGpu, Fp8GatherTrainsLikeThePlainFp8Step) {
+  if (!gpus_for_every_rank()) GTEST_SKIP() << "needs NCCL and one GPU per local rank";
+  comm().setup_cuda();
+  const ModelConfig mc = gpu_config();
+  constexpr int64_t kRows = 2;
+  const int64_t world = comm().world_size();
+  ModelOptions plain_options;
+  plain_options.fp8 = true;
+  ModelOptions fsdp_fp8 = sharded_options();
+  fsdp_fp8.fp8 = true;
+  ASSERT_TRUE(fsdp_fp8.fsdp_fp8_gather());
+  DdpOptions d = fsdp_options(1);
+  d.fsdp_gather_alone = true;
+  CudaModel plain(mc, kRows, kSeq, DType::bf16, plain_options);
+  plain.init_parameters(11);
+  CudaModel sharded(mc, kRows, kSeq, DType::bf16, fsdp_fp8);
+  DdpModel dp(comm(), sharded, kRows * kSeq, d, false);
+  dp.init_parameters(11);
+  ASSERT_EQ(dp.fsdp()->fp8_units(), mc.layers);
+
+  // 1. The gathered bytes against the local cast of the whole bf16 weight.
+  dp.gather_parameters();
+  dp.await_parameters();
+  cuda_stream_synchronize(sharded.stream());
+  cuda_stream_synchronize(plain.stream());
+  const std::vector<ParameterInfo>& layout = sharded.layout();
+  const std::span<ParameterStorage> table = sharded.parameter_storage();
+  const auto index_at = [&](int64_t offset) {
+    return size_t(std::find_if(layout.begin(), layout.end(), [&](const ParameterInfo& p) { return p.offset == offset; }) -
+                  layout.begin());
+  };
+  const std::vector<Fp8ScaleGroup> groups = fp8_scale_groups(layout);
+  ASSERT_EQ(int64_t(groups.size()), 5 * mc.layers);
+  int64_t largest = 0;
+  for (const Fp8ScaleGroup& g : groups) largest = std::max(largest, g.count);
+  Buffer q = Buffer::allocate(size_t(largest), Device::cuda, "test: local cast");
+  Buffer qt = Buffer::allocate(size_t(largest), Device::cuda, "test: local transposed cast");
+  Buffer gt = Buffer::allocate(size_t(largest), Device::cuda, "test: gathered bytes transposed");
+  Buffer slot = Buffer::allocate(kFp8ScaleSlotFloats * sizeof(float), Device::cuda, "test: local scales");
+  for (const Fp8ScaleGroup& g : groups) {
+    const size_t i = index_at(g.offset);
+    ASSERT_LT(i, layout.size());
+    const std::string& name = layout[i].name;
+    const ParameterStorage& t = table[i];
+    ASSERT_NE(t.fp8_scales, nullptr) << name;
+    EXPECT_EQ(t.master, nullptr) << name;
+    for (size_t j = i; j < layout.size() && layout[j].offset < g.offset + g.count; ++j) {
+      EXPECT_EQ(static_cast<const char*>(table[j].weight) - static_cast<const char*>(t.weight),
+                layout[j].offset - g.offset)
+          << layout[j].name << ": one byte an element after " << name;
+      EXPECT_EQ(table[j].fp8_scales, t.fp8_scales) << layout[j].name << " shares " << name << "'s scale";
+    }
+    const int64_t cols = layout[i].shape.back(), rows = g.count / cols;
+    const auto* w = static_cast<const bf16_t*>(plain.working_parameters()) + g.offset;
+    gpu::fp8_quantize(w, rows, cols, Fp8Format::e4m3, static_cast<uint8_t*>(q.data()), static_cast<uint8_t*>(qt.data()),
+                      static_cast<float*>(slot.data()), nullptr);
+    gpu::fp8_transpose(static_cast<const uint8_t*>(t.weight), rows, cols, static_cast<uint8_t*>(gt.data()), nullptr);
+    cuda_stream_synchronize(nullptr);
+    std::vector<uint8_t> got(size_t(g.count)), want(got.size()), got_t(got.size()), want_t(got.size());
+    cuda_copy(got.data(), t.weight, got.size());
+    cuda_copy(want.data(), q.data(), want.size());
+    cuda_copy(got_t.data(), gt.data(), got_t.size());
+    cuda_copy(want_t.data(), qt.data(), want_t.size());
+    std::array<float, kFp8ScaleSlotFloats> got_scales{}, want_scales{};
+    cuda_copy(got_scales.data(), t.fp8_scales, sizeof(got_scales));
+    cuda_copy(want_scales.data(), slot.data(), sizeof(want_scales));
+    EXPECT_EQ(got, want) << name << ": the gathered bytes";
+    EXPECT_EQ(got_t, want_t) << name << ": the gathered bytes transposed";
+    EXPECT_EQ(std::bit_cast<uint32_t>(got_scales[kFp8AmaxIndex]), std::bit_cast<uint32_t>(want_scales[kFp8AmaxIndex]))
+        << name << ": amax " << got_scales[kFp8AmaxIndex] << ", want " << want_scales[kFp8AmaxIndex];
+    EXPECT_EQ(std::bit_cast<uint32_t>(got_scales[kFp8DequantIndex]),
+              std::bit_cast<uint32_t>(want_scales[kFp8DequantIndex]))
+        << name << ": dequantisation scale " << got_scales[kFp8DequantIndex] << ", want "
+        << want_scales[kFp8DequantIndex];
+  }
+
+  // 2. Training against the plain FP8 step.
+  AdamWConfig no_clip;
+  no_clip.max_grad_norm = 0;
+  bool identical = true;
+  const auto count = size_t(kRows * kSeq);
+  for (int64_t s = 0; s < kSteps; ++s) {
+    const Batches b(mc.vocab, s);
+    plain.zero_grad();
+    const double want = plain.forward(b.x.data(), b.y.data());
+    plain.backward();
+    optimizer_step(plain, no_clip, kLr);
+    const double got = dp.forward_backward(std::span(b.x).first(count), std::span(b.y).first(count));
+    dp.optimizer_step(no_clip, kLr);
+    ASSERT_TRUE(std::isfinite(got)) << "step " << s;
+    EXPECT_NEAR(got, want, 1e-4 * std::fabs(want)) << "step " << s;
+    identical = identical && std::bit_cast<uint64_t>(got) == std::bit_cast<uint64_t>(want);
+  }
+  std::vector<float> got(size_t(sharded.parameter_count()));
+  dp.save_parameters(comm(), got.data());
+  const std::vector<float> want = host_parameters(plain);
+  EXPECT_LE(relative_l2(got, want), 1e-3);
+  identical = identical && got == want;
+  std::printf("[   INFO   ] FSDP's FP8 step at %lld rank(s): %s the plain FP8 step after %lld steps (parameters "
+              "relative L2 %.3g)\n",
+              static_cast<long long>(world), identical ? "bit-identical to" : "within tolerance of, not identical to",
+              static_cast<long long>(kSteps), relative_l2(got, want));
+  RecordProperty("fp8_step_bit_identical", identical ? "yes" : "no");
+
+  // 3. The traffic: a byte per foreign element of the layers, a float per group per other rank.
+  DdpParameters params;
+  params.layout = parameter_layout(mc);
+  const std::vector<DdpBucket> buckets = fsdp_bucket_plan(params);
+  const ZeroBucketLayout shards = zero_bucket_layout(buckets, int(world), comm().rank());
+  int64_t foreign = 0;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    if (params.layout[size_t(buckets[k].params.front())].name.starts_with("layers.")) {
+      foreign += shards.buckets[k].part * (world - 1);
+    }
+  }
+  const int64_t gathers = 2 * kSteps + 1;  // gather_parameters(), then a forward and a backward a step
+  const FsdpGatherTraffic traffic = dp.fsdp()->gather_traffic();
+  EXPECT_EQ(traffic.fp8_bytes, gathers * foreign);
+  EXPECT_EQ(traffic.fp8_amax_bytes, gathers * 5 * mc.layers * (world - 1) * int64_t(sizeof(float)));
+
+  // 4. Rowwise: no FP8 parts, the layers gathered in bf16.
+  ModelOptions rowwise = fsdp_fp8;
+  rowwise.fp8_recipe = Fp8Recipe::rowwise;
+  CudaModel wide(mc, kRows, kSeq, DType::bf16, rowwise);
+  DdpModel wide_dp(comm(), wide, kRows * kSeq, d, false);
+  wide_dp.init_parameters(11);
+  EXPECT_EQ(wide_dp.fsdp()->fp8_units(), 0);
+  const Batches b(mc.vocab, 0);
+  EXPECT_TRUE(std::isfinite(wide_dp.forward_backward(std::span(b.x).first(count), std::span(b.y).first(count))));
+  wide_dp.optimizer_step(no_clip, kLr);
+  EXPECT_EQ(wide_dp.fsdp()->gather_traffic().fp8_bytes, 0);
 }
 #else
 TEST(FsdpGpu, SkippedWithoutCuda) { GTEST_SKIP() << "flashlm was built without CUDA"; }

@@ -1,7 +1,8 @@
 // FP8 training's CUDA pieces against the CPU emulation (model/fp8.h): the amax + cast kernel (bit-exact,
 // straight and transposed, both formats, ragged shapes, bf16 and fp32 inputs, poisoned outputs), the FP8
 // GEMM (fp8_gemm_cuda) against the fp64 product of the same FP8 operands, and CudaModel's FP8 linear layer
-// (Fp8Linear: casts and GEMMs chained, forward and both backward products) against the emulated layer.
+// (Fp8Linear: casts and GEMMs chained, forward and both backward products) against the emulated layer, and
+// the layer reading FSDP's gathered FP8 bytes (and their transpose, gpu::fp8_transpose) instead of a bf16 weight.
 // GPU tests skip without a GPU; the argument checks that throw before any CUDA call run in any CUDA build.
 //
 // GEMM tolerance, per element: |got - ref| <= 2^-10·s + u·|ref| with s = dq_p·dq_q·Σ_k |p_ik|·|q_jk| (the
@@ -949,6 +950,57 @@ TEST(Fp8Linear, ProducerAmaxGivesTheBitsOfReducingHere) {
   EXPECT_NE(gx_a.download<uint16_t>(), gx_b.download<uint16_t>()) << "dx with three times dy's amax";
   EXPECT_NO_THROW(given.produced_amax(c.layers - 1, Fp8Produced::dg));
   expect_error([&] { given.produced_amax(c.layers, Fp8Produced::h1); }, "produced_amax");
+}
+
+// FSDP's FP8 gather hands a named weight over as e4m3 bytes and a scale slot (Fp8LinearWeight): the forward
+// multiplies the bytes as they stand and the backward's dx product their transpose. Bytes from the cast of the
+// bf16 weight (what the gather writes, bit for bit: tests/dist/test_fp8_gather.cpp) give y, dx and dw bit for
+// bit as the bf16 weight cast by the layer (both operands 256-byte aligned, so the GEMMs' plans are the same);
+// rowwise refuses them, and bytes without a scale slot are refused.
+TEST(Fp8Linear, GatheredBytesGiveTheBitsOfCastingTheBf16Weight) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = layer_test_config();
+  const int64_t n = 96, in = 64, out = 160;
+  Fp8Linear gathered(c, n, Fp8Format::e5m2), cast(c, n, Fp8Format::e5m2);
+  const std::vector<float> x = random_bf16_values(n * in, 101), w = random_bf16_values(out * in, 102),
+                           dy = random_bf16_values(n * out, 103);
+  Dev dx{x.size() * 2}, dw{w.size() * 2}, ddy{dy.size() * 2}, q{w.size()}, slot{kFp8ScaleSlotFloats * sizeof(float)},
+      y_a{dy.size() * 2}, y_b{dy.size() * 2}, gx_a{x.size() * 2}, gx_b{x.size() * 2}, gw_a{w.size() * 4},
+      gw_b{w.size() * 4};
+  dx.upload(to_bf16(x));
+  dw.upload(to_bf16(w));
+  ddy.upload(to_bf16(dy));
+  gpu::fp8_quantize(dw.as<bf16_t>(), out, in, Fp8Format::e4m3, q.as<uint8_t>(), nullptr, slot.as<float>(), nullptr);
+  const Fp8LinearWeight bytes(q.as<uint8_t>(), slot.as<float>());
+  for (Dev* d : {&y_a, &y_b, &gx_a, &gx_b, &gw_a, &gw_b}) d->poison(0xFF);
+  for (int pass = 0; pass < 2; ++pass) {  // the second pass: the named weight's entry exists
+    gathered.begin_pass();
+    cast.begin_pass();
+    gathered.forward(dx.as<bf16_t>(), bytes, nullptr, y_a.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w2");
+    gathered.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), bytes, gx_a.as<bf16_t>(), gw_a.as<float>(), in, out, false,
+                      false, nullptr, "layers.0.ffn.w2");
+    cast.forward(dx.as<bf16_t>(), dw.as<bf16_t>(), nullptr, y_b.as<bf16_t>(), in, out, nullptr, "layers.0.ffn.w2");
+    cast.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), dw.as<bf16_t>(), gx_b.as<bf16_t>(), gw_b.as<float>(), in, out,
+                  false, false, nullptr, "layers.0.ffn.w2");
+    EXPECT_EQ(y_a.download<uint16_t>(), y_b.download<uint16_t>()) << "y, pass " << pass;
+    EXPECT_EQ(gx_a.download<uint16_t>(), gx_b.download<uint16_t>()) << "dx, pass " << pass;
+    EXPECT_EQ(gw_a.download<uint32_t>(), gw_b.download<uint32_t>()) << "dw, pass " << pass;
+  }
+  // The transpose of the bytes is the transposed cast.
+  Dev qt{w.size()}, qt_cast{w.size()}, slot_cast{kFp8ScaleSlotFloats * sizeof(float)};
+  gpu::fp8_transpose(q.as<uint8_t>(), out, in, qt.as<uint8_t>(), nullptr);
+  gpu::fp8_quantize(dw.as<bf16_t>(), out, in, Fp8Format::e4m3, nullptr, qt_cast.as<uint8_t>(), slot_cast.as<float>(),
+                    nullptr);
+  EXPECT_EQ(qt.download<uint8_t>(), qt_cast.download<uint8_t>()) << "wᵀ";
+  Fp8Linear rowwise(c, n, Fp8Format::e4m3, Fp8Recipe::rowwise);
+  expect_error([&] { rowwise.forward(dx.as<bf16_t>(), bytes, nullptr, y_a.as<bf16_t>(), in, out, nullptr, "w"); },
+               "arrived as tensorwise FP8 bytes (FSDP's FP8 gather), and this layer scales rowwise");
+  expect_error([&] { rowwise.backward(ddy.as<bf16_t>(), dx.as<bf16_t>(), bytes, gx_a.as<bf16_t>(), nullptr, in, out,
+                                      false, false, nullptr, "w"); },
+               "arrived as tensorwise FP8 bytes");
+  const Fp8LinearWeight no_slot(q.as<uint8_t>(), nullptr);
+  expect_error([&] { gathered.forward(dx.as<bf16_t>(), no_slot, nullptr, y_a.as<bf16_t>(), in, out, nullptr, "w"); },
+               "arrived as FP8 bytes without a scale slot");
 }
 
 TEST(Fp8Linear, RefusesShapesTheFp8GemmsCannotTake) {

@@ -290,7 +290,57 @@ void launch_cast(const char* fn, const T* x, int64_t rows, int64_t cols, const C
   FLASHLM_CUDA_CHECK(cudaGetLastError(), packed ? "fp8_cast_packed_kernel" : "fp8_cast_kernel");
 }
 
+__global__ void fp8_scales_from_amaxes_kernel(const float* __restrict__ amaxes, int64_t count, int64_t stride,
+                                              Fp8Format format, float* __restrict__ scales) {
+  uint32_t best = 0;
+  for (int64_t i = 0; i < count; ++i) best = max(best, magnitude_bits(amaxes[i * stride]));
+  const float amax = __uint_as_float(best);
+  scales[kFp8AmaxIndex] = amax;
+  scales[kFp8DequantIndex] = fp8_dequant_scale(fp8_scale(amax, format));
+}
+
+// One block per kTile × kTile tile (grid-striding over tile rows past the grid's), through shared memory so
+// that both the reads (along cols) and the writes (along rows) are coalesced.
+__global__ void __launch_bounds__(kTile* kTileRows)
+    fp8_transpose_kernel(const uint8_t* __restrict__ q, int64_t rows, int64_t cols, int64_t tile_rows,
+                         uint8_t* __restrict__ qt) {
+  __shared__ uint8_t tile[kTile][kTile + 1];
+  const int64_t c0 = int64_t{blockIdx.x} * kTile;
+  for (int64_t tr = blockIdx.y; tr < tile_rows; tr += gridDim.y) {
+    const int64_t r0 = tr * kTile;
+    for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+      const int64_t r = r0 + i, c = c0 + threadIdx.x;
+      if (r < rows && c < cols) tile[i][threadIdx.x] = q[r * cols + c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.y; i < kTile; i += kTileRows) {
+      const int64_t c = c0 + i, r = r0 + threadIdx.x;
+      if (r < rows && c < cols) qt[c * rows + r] = tile[threadIdx.x][i];
+    }
+    __syncthreads();  // the tile is rewritten by the next tile row
+  }
+}
+
 }  // namespace
+
+void fp8_scales_from_amaxes(const float* amaxes, int64_t count, int64_t stride, Fp8Format format, float* scales,
+                            void* stream) {
+  FLASHLM_CHECK(count >= 1 && stride >= 1, "fp8_scales_from_amaxes: {} amaxes {} apart, expected >= 1 each", count,
+                stride);
+  FLASHLM_CHECK(amaxes && scales, "fp8_scales_from_amaxes: amaxes and scales must not be null");
+  fp8_scales_from_amaxes_kernel<<<1, 1, 0, as_stream(stream)>>>(amaxes, count, stride, format, scales);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_scales_from_amaxes_kernel");
+}
+
+void fp8_transpose(const uint8_t* q, int64_t rows, int64_t cols, uint8_t* qt, void* stream) {
+  FLASHLM_CHECK(rows >= 1 && cols >= 1, "fp8_transpose: rows = {}, cols = {}, expected >= 1", rows, cols);
+  FLASHLM_CHECK(q && qt, "fp8_transpose: q and qt must not be null");
+  const int64_t tile_cols = ceil_div(cols, int64_t{kTile}), tile_rows = ceil_div(rows, int64_t{kTile});
+  FLASHLM_CHECK(tile_cols <= INT32_MAX, "fp8_transpose: cols = {}: too many", cols);
+  const dim3 grid(unsigned(tile_cols), unsigned(std::min<int64_t>(tile_rows, 65535)));
+  fp8_transpose_kernel<<<grid, dim3(kTile, kTileRows), 0, as_stream(stream)>>>(q, rows, cols, tile_rows, qt);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_transpose_kernel");
+}
 
 template <class T>
 void fp8_amax(const T* x, int64_t count, float* amax, void* stream) {

@@ -44,6 +44,18 @@ template <class T>
 void fp8_quantize(const T* x, int64_t rows, int64_t cols, Fp8Format format, uint8_t* q, uint8_t* qt, float* scales,
                   void* stream);
 
+// FSDP's FP8 gather (dist/fp8_gather.h): scales[kFp8AmaxIndex] = the largest of amaxes[0], amaxes[stride], …,
+// amaxes[(count − 1)·stride] (each >= 0 or NaN: every rank's amax of one scale group; NaN wins, as the
+// reductions order magnitudes by their bits), and scales[kFp8DequantIndex] = its dequantisation scale in
+// `format`: the values fp8_quantize writes for a tensor of that amax. One thread; count >= 1.
+void fp8_scales_from_amaxes(const float* amaxes, int64_t count, int64_t stride, Fp8Format format, float* scales,
+                            void* stream);
+
+// qt [cols, rows] = q [rows, cols] transposed, FP8 bytes as they are: a tensorwise copy transposed keeps its
+// scale, so this is the transposed cast of the same tensor, bit for bit (FSDP's gathered weights: the wᵀ of
+// the backward's dx product from the gathered w). rows, cols >= 1.
+void fp8_transpose(const uint8_t* q, int64_t rows, int64_t cols, uint8_t* qt, void* stream);
+
 // ---------------------------------------------------------------------------------------------------
 // Rowwise (Fp8Recipe::rowwise): a tensor's copies scaled per row (straight) and per column (transposed). The
 // producer-fused amax (Fp8Produced) is tensorwise only: these casts reduce their own amaxes.

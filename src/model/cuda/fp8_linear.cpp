@@ -131,8 +131,27 @@ uint8_t* Fp8Linear::kept_input(CachedWeight& e, int64_t in) {
   return cache_at(e.input_t);
 }
 
-Fp8Operand Fp8Linear::weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
-                                     void* stream) {
+void Fp8Linear::check_weight(const char* fn, const Fp8LinearWeight& w, std::string_view name) const {
+  if (!w.gathered()) {
+    FLASHLM_CHECK(w.w != nullptr, "Fp8Linear::{}: weight '{}' is null", fn, name);
+    return;
+  }
+  FLASHLM_CHECK(recipe_ == Fp8Recipe::tensorwise,
+                "Fp8Linear::{}: weight '{}' arrived as tensorwise FP8 bytes (FSDP's FP8 gather), and this layer scales "
+                "rowwise (per row and per column: gather its bf16 values instead)", fn, name);
+  FLASHLM_CHECK(w.scales != nullptr, "Fp8Linear::{}: weight '{}' arrived as FP8 bytes without a scale slot", fn, name);
+}
+
+Fp8Operand Fp8Linear::weight_operand(const Fp8LinearWeight& weight, std::string_view name, int64_t in, int64_t out,
+                                     bool transposed, void* stream) {
+  if (weight.gathered()) {  // the bytes as they arrived; wᵀ transposed into the scratch's weight region
+    const float* dequant_w = weight.scales + kFp8DequantIndex;
+    if (!transposed) return {weight.q, Fp8Format::e4m3, dequant_w};
+    uint8_t* qt = region(layout_.weight);
+    gpu::fp8_transpose(weight.q, out, in, qt, stream);
+    return {qt, Fp8Format::e4m3, dequant_w};
+  }
+  const bf16_t* w = weight.w;
   if (name.empty()) {  // cast for this product alone, into the scratch's weight region
     uint8_t* q = region(layout_.weight);
     if (recipe_ == Fp8Recipe::rowwise) {
@@ -160,9 +179,10 @@ float* Fp8Linear::produced_amax(int64_t layer, Fp8Produced t) const {
   return reinterpret_cast<float*>(cache_at(layout_.cache_amax)) + layer * kFp8Produced + int64_t(t);
 }
 
-void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
-                        void* stream, std::string_view weight, bool same_input, const float* x_amax) {
+void Fp8Linear::forward(const bf16_t* x, const Fp8LinearWeight& w, const bf16_t* residual, bf16_t* y, int64_t in,
+                        int64_t out, void* stream, std::string_view weight, bool same_input, const float* x_amax) {
   check_widths("forward", in, out);
+  check_weight("forward", w, weight);
   // Checked before any work is queued: a refused call writes nothing.
   FLASHLM_CHECK(!same_input || (act_.x == x && act_.in == in),
                 "Fp8Linear::forward: same_input, but the FP8 scratch holds no cast of this x (the previous product "
@@ -170,10 +190,12 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
   ScopedRange range("linear.forward");
   if (recipe_ == Fp8Recipe::rowwise) {
     FLASHLM_CHECK(x_amax == nullptr, "Fp8Linear::forward: x_amax given, but rowwise casts reduce x per row themselves");
-    return forward_rowwise(x, w, residual, y, in, out, stream, weight, same_input);
+    return forward_rowwise(x, w.w, residual, y, in, out, stream, weight, same_input);
   }
   uint8_t* qx = region(layout_.act);
-  CachedWeight* e = weight.empty() ? nullptr : &cached(weight, w, in, out, stream);
+  // A named weight's entry keeps its input's scales for the backward; gathered bytes bypass its cached copies.
+  CachedWeight* e = nullptr;
+  if (!weight.empty()) e = w.gathered() ? &entry(weight, in, out) : &cached(weight, w.w, in, out, stream);
   if (!same_input) {
     // A named weight's input scales go to its input slot, for the backward's cast of xᵀ (or, kept, its read).
     const int slot_index = e ? e->slot : -1;
@@ -188,16 +210,17 @@ void Fp8Linear::forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual
   }
   if (e && act_.slot >= 0) e->input = act_, e->input_pass = pass_;
   const float* dequant_x = act_.slot >= 0 ? input_scales(act_.slot) + kFp8DequantIndex : dequant(0);
-  const Fp8Operand qw = e ? cached_operand(*e, /*transposed*/ false)
-                          : weight_operand(w, weight, in, out, /*transposed*/ false, stream);
+  const Fp8Operand qw = e && !w.gathered() ? cached_operand(*e, /*transposed*/ false)
+                                           : weight_operand(w, weight, in, out, /*transposed*/ false, stream);
   fp8_gemm_cuda({qx, Fp8Format::e4m3, dequant_x}, qw, y, DType::bf16, n_, out, in, residual ? 1.0f : 0.0f, residual,
                 stream);
 }
 
-void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
-                         int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight,
-                         bool same_input, const float* dy_amax) {
+void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const Fp8LinearWeight& w, bf16_t* dx, float* dw,
+                         int64_t in, int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream,
+                         std::string_view weight, bool same_input, const float* dy_amax) {
   check_widths("backward", in, out);
+  if (dx) check_weight("backward", w, weight);
   FLASHLM_CHECK(dx || dw, "Fp8Linear::backward: dx and dw are both null: nothing to compute");
   FLASHLM_CHECK(!same_input || dw, "Fp8Linear::backward: same_input without dw: no cast of x to share");
   FLASHLM_CHECK(!same_input || (act_x_t_ == x && act_x_t_in_ == in),
@@ -207,7 +230,7 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf1
   if (recipe_ == Fp8Recipe::rowwise) {
     FLASHLM_CHECK(dy_amax == nullptr,
                   "Fp8Linear::backward: dy_amax given, but rowwise casts reduce dy per row and column themselves");
-    return backward_rowwise(dy, x, w, dx, dw, in, out, accumulate_dx, accumulate_dw, stream, weight, same_input);
+    return backward_rowwise(dy, x, w.w, dx, dw, in, out, accumulate_dx, accumulate_dw, stream, weight, same_input);
   }
   act_.x = nullptr;  // the act region is dy's now
   // dy once, both ways: dy [n, out] for dx's product (K = out), dyᵀ [out, n] for dw's (K = n).

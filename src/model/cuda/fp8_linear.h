@@ -22,7 +22,8 @@
 // both ways, and the transposed copy waits in the cache for the backward's dw product, which then casts
 // nothing: x is read once a step instead of twice, and a small cast launch (latency-bound at training sizes:
 // dev/cuda/04_fp8_cast_variants.cu) goes. The same bytes as the backward's cast with the forward's amax.
-// All work is queued on the model's stream, host-sync free.
+// All work is queued on the model's stream, host-sync free. Under FSDP's FP8 gather a named weight arrives as
+// the e4m3 bytes and scale its cast would give (Fp8LinearWeight): no cast, no cache, wᵀ transposed from them.
 //
 // Rowwise (Fp8Recipe::rowwise): each operand scaled per row of the dimension its product does not sum over,
 // the GEMMs reading the scale vectors (Fp8Scaling::per_row):
@@ -50,6 +51,23 @@
 #include "model/fp8.h"
 
 namespace flashlm {
+
+// A weight as a product reads it: its bf16 values [out, in], cast by the layer (implicitly, from a bf16
+// pointer), or — FSDP's FP8 gather (ModelOptions::fsdp_fp8_gather) — the e4m3 bytes [out, in] it arrived as
+// and its scale slot (ParameterStorage::fp8_scales: the dequantisation scale at kFp8DequantIndex), which the
+// layer multiplies as they stand: the forward's GEMM reads the bytes, and the backward's dx product their
+// transpose (gpu::fp8_transpose into the scratch's weight region; a transpose of tensorwise bytes keeps
+// their scale, so it is the transposed cast, bit for bit). Those bytes are what the cast of the whole bf16
+// weight writes (dist/fp8_gather.h), so such a product multiplies the plain step's operands. Tensorwise
+// only: rowwise scales w per row and wᵀ per column, which tensorwise bytes cannot give (an Error).
+struct Fp8LinearWeight {
+  Fp8LinearWeight(const bf16_t* values) : w(values) {}  // NOLINT(google-explicit-constructor): a bf16 weight
+  Fp8LinearWeight(const uint8_t* bytes, const float* scale_slot) : q(bytes), scales(scale_slot) {}
+  bool gathered() const { return q != nullptr; }
+  const bf16_t* w = nullptr;
+  const uint8_t* q = nullptr;
+  const float* scales = nullptr;
+};
 
 // A named block weight as the model holds it for a pass: its name (Fp8Linear's cache key), its bf16 values
 // [out, in] and their place, fixed while the model lives (not under FSDP's sharded storage).
@@ -81,15 +99,16 @@ class Fp8Linear {
   // the previous product had another input or a backward came between).
   // x_amax: x's amax, written by the kernel that produced x (produced_amax); null: reduced here. Tensorwise
   // only (rowwise reduces per row: an Error when given).
-  void forward(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
+  // w: bf16 values, or gathered FP8 bytes (Fp8LinearWeight), which skip the cast and the cache.
+  void forward(const bf16_t* x, const Fp8LinearWeight& w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
                void* stream, std::string_view weight = {}, bool same_input = false, const float* x_amax = nullptr);
   // dx[n, in] (= or += when accumulate_dx) dy[n, out] · w[out, in] (dx may be null: skipped); dw[out, in]
   // (+= or = when !accumulate_dw) dy[n, out]ᵀ · x[n, in] in fp32 (dw may be null: skipped). weight: as above.
   // same_input: x is the previous backward's x (both computing dw), and its transposed FP8 copy is reused.
   // For a named weight whose forward this pass saw this same x, xᵀ is cast with that forward's amax.
   // dy_amax: as x_amax, for dy.
-  void backward(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in, int64_t out,
-                bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight = {},
+  void backward(const bf16_t* dy, const bf16_t* x, const Fp8LinearWeight& w, bf16_t* dx, float* dw, int64_t in,
+                int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight = {},
                 bool same_input = false, const float* dy_amax = nullptr);
 
   // Where the kernel producing tensor t of block `layer` writes its amax (a device float that lives as long
@@ -139,9 +158,12 @@ class Fp8Linear {
     }
     return {cache_at(transposed ? e.offset_t : e.offset), Fp8Format::e4m3, cache_dequant(e.slot)};
   }
-  // w (or wᵀ when transposed) as a GEMM operand: from the cache when named, else cast into the scratch.
-  Fp8Operand weight_operand(const bf16_t* w, std::string_view name, int64_t in, int64_t out, bool transposed,
-                            void* stream);
+  // w (or wᵀ when transposed) as a GEMM operand: gathered bytes as they stand (wᵀ: transposed into the
+  // scratch's weight region), from the cache when named, else cast into the scratch.
+  Fp8Operand weight_operand(const Fp8LinearWeight& w, std::string_view name, int64_t in, int64_t out,
+                            bool transposed, void* stream);
+  // Refuses gathered bytes under rowwise, and bytes without a scale slot.
+  void check_weight(const char* fn, const Fp8LinearWeight& w, std::string_view name) const;
   // Where weight e's forward input [n_, in] keeps its transposed copy (keep_inputs), handed out at first use.
   uint8_t* kept_input(CachedWeight& e, int64_t in);
   // The weight's entry, created (with its cache places) at its first use.

@@ -185,6 +185,15 @@ struct CudaModel::Impl {
     return stored(name).weight;
   }
 
+  // --precision fp8: block weight w as its FP8 products read it: the e4m3 bytes and scale slot FSDP's FP8 gather
+  // brought (ParameterStorage::fp8_scales; ModelOptions::fsdp_fp8_gather), or its bf16 values, which Fp8Linear
+  // casts. (q, k and v arrive as one run of bytes with one scale: the [3d, d] weight the model multiplies.)
+  Fp8LinearWeight fp8_weight(const std::string& w) const {
+    const ParameterStorage& t = stored(w);
+    if (t.fp8_scales) return {static_cast<const uint8_t*>(t.weight), t.fp8_scales};
+    return static_cast<const bf16_t*>(weight(w));
+  }
+
   // --precision fp8: a block's linear layer through Fp8Linear, returning true; false where the model runs
   // its linear layers in its precision's own GEMMs (the caller then calls those, unchanged).
   // same_input: x is the previous FP8 product's input (Fp8Linear::forward, ::backward).
@@ -194,7 +203,7 @@ struct CudaModel::Impl {
                    bool same_input = false, const float* x_amax = nullptr) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (fp8) {
-        fp8->forward(x, static_cast<const bf16_t*>(weight(w)), residual, y, in, out, stream, w, same_input, x_amax);
+        fp8->forward(x, fp8_weight(w), residual, y, in, out, stream, w, same_input, x_amax);
         return true;
       }
     }
@@ -206,7 +215,7 @@ struct CudaModel::Impl {
                     const float* dy_amax = nullptr) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
       if (fp8) {
-        fp8->backward(dy, x, static_cast<const bf16_t*>(weight(w)), dx, dw, in, out, accumulate_dx, accumulate_dw,
+        fp8->backward(dy, x, fp8_weight(w), dx, dw, in, out, accumulate_dx, accumulate_dw,
                       stream, w, same_input, dy_amax);
         return true;
       }
@@ -216,7 +225,8 @@ struct CudaModel::Impl {
 
   // --precision fp8: the blocks' named FP8 weights for Fp8Linear::begin_pass, which reduces their amaxes in one
   // kernel; empty under FSDP's sharded storage, whose weights are resident only while their part is gathered
-  // (each is then reduced at its cast). Built at the first pass: the places do not move after it.
+  // (each is then reduced at its cast, or arrives as FP8 bytes with its scale). Built at the first pass: the
+  // places do not move after it.
   std::span<const Fp8WeightRef> fp8_pass_weights() const {
     if (!fp8 || options.external_parameters) return {};
     if (fp8_weight_refs.empty()) {
