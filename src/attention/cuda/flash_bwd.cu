@@ -646,6 +646,27 @@ constexpr size_t backward_smem_bytes(bool deterministic) {
   return deterministic ? std::max(BwdTraits<D>::kSmemBytes, DqTraits<D>::kSmemBytes) : BwdTraits<D>::kSmemBytes;
 }
 
+// Delta = rowsum(dO∘O) over Dv columns and lse·log2e (and the sink's gradient), before any dK/dV kernel.
+template <class T, int Dv>
+void launch_preprocess(const FlashParams& f, cudaStream_t stream) {
+  constexpr int rows_per_block = 256 / (Dv / 8);
+  const dim3 grid((f.seq_q_padded + rows_per_block - 1) / rows_per_block, f.heads_q, f.batch);
+  flash_bwd_preprocess_kernel<T, Dv><<<grid, 256, 0, stream>>>(f);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
+  if (f.dsink != nullptr) {
+    flash_bwd_sink_grad_kernel<<<f.heads_q, kSinkGradThreads, 0, stream>>>(f);
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_sink_grad_kernel launch");
+  }
+}
+
+// dq (T) from the fp32 accumulator the atomic dK/dV kernels added into, over D columns.
+template <class T, int D>
+void launch_dq_convert(const FlashParams& f, cudaStream_t stream) {
+  const dim3 grid((f.seq_q * (D / 8) + 255) / 256, f.heads_q, f.batch);
+  flash_bwd_dq_convert_kernel<T, D><<<grid, 256, 0, stream>>>(f);
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_convert_kernel launch");
+}
+
 // The views a family's own dK/dV kernel builds its launch from (run_flash_backward, flash_common.cuh).
 struct DkdvPart {
   BackwardDkdvLauncher launch;
@@ -665,16 +686,7 @@ void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* p
                 D, needed, granted);
   // An empty side launches nothing over it (a grid of 0 blocks is a launch error): with no queries the
   // dK/dV kernel alone writes zeros, with no keys the dQ pass (or the cleared accumulator) does.
-  if (f.seq_q > 0) {
-    constexpr int rows_per_block = 256 / (D / 8);
-    const dim3 grid((f.seq_q_padded + rows_per_block - 1) / rows_per_block, f.heads_q, f.batch);
-    flash_bwd_preprocess_kernel<T, D><<<grid, 256, 0, stream>>>(f);
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
-    if (f.dsink != nullptr) {
-      flash_bwd_sink_grad_kernel<<<f.heads_q, kSinkGradThreads, 0, stream>>>(f);
-      FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_sink_grad_kernel launch");
-    }
-  }
+  if (f.seq_q > 0) launch_preprocess<T, D>(f, stream);
   if (part != nullptr) {
     part->launch(part->p, part->q, part->k, part->v, part->dout, f, stream);
   } else if (f.seq_k > 0) {
@@ -699,9 +711,7 @@ void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* p
     kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_kernel launch");
   } else {
-    const dim3 grid((f.seq_q * (D / 8) + 255) / 256, f.heads_q, f.batch);
-    flash_bwd_dq_convert_kernel<T, D><<<grid, 256, 0, stream>>>(f);
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_convert_kernel launch");
+    launch_dq_convert<T, D>(f, stream);
   }
 }
 
@@ -710,21 +720,10 @@ void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* p
 // the dQ accumulator and its conversion over D.
 template <class T, int D, int Dv>
 void launch_backward_pair(const FlashParams& f, const DkdvPart& part, cudaStream_t stream) {
-  if (f.seq_q > 0) {
-    constexpr int rows_per_block = 256 / (Dv / 8);
-    const dim3 grid((f.seq_q_padded + rows_per_block - 1) / rows_per_block, f.heads_q, f.batch);
-    flash_bwd_preprocess_kernel<T, Dv><<<grid, 256, 0, stream>>>(f);
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_preprocess_kernel launch");
-    if (f.dsink != nullptr) {
-      flash_bwd_sink_grad_kernel<<<f.heads_q, kSinkGradThreads, 0, stream>>>(f);
-      FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_sink_grad_kernel launch");
-    }
-  }
+  if (f.seq_q > 0) launch_preprocess<T, Dv>(f, stream);
   part.launch(part.p, part.q, part.k, part.v, part.dout, f, stream);
   if (f.seq_q == 0) return;
-  const dim3 grid((f.seq_q * (D / 8) + 255) / 256, f.heads_q, f.batch);
-  flash_bwd_dq_convert_kernel<T, D><<<grid, 256, 0, stream>>>(f);
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_convert_kernel launch");
+  launch_dq_convert<T, D>(f, stream);
 }
 
 template <class T>
