@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
   using Ring = sm90::RingSlot<Tr::kStages>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   extern __shared__ unsigned char smem_raw[];
-  auto& s = *reinterpret_cast<Sm90BwdShared<D>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  auto& s = sm90::aligned_shared<Sm90BwdShared<D>>(smem_raw);
   // Each tile's steps from this instantiation's mask (not the schedule's copy): producer and consumers count
   // them alike whatever order the schedule gives. A step is (head_in_group, m_idx), in that order.
   const BackwardMask mask{p.seq_q, p.seq_k, p.causal, kMasked, p.causal_offset, p.window_left, p.window_right};
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
   auto grid_tile = [] {
     return BackwardTile{static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
   };
-  const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
+  const int warpgroup = sm90::warpgroup_index();
 
   // The barriers live for the whole block: their phases run on from tile to tile (RingSlot over the running
   // step count; kv_full and kv_empty one phase per tile), so they are set up once.
@@ -381,17 +381,19 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
           for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x));
         }
       }
+      // Fragment e of k-step kk is the 8 x 8 matrix of key rows key0 + 16·warp + 8·(e % 2) + [0, 8) and queries
+      // 16·kk + 8·(e / 2) + [0, 8): one stmatrix stores a k-step's four, lane l addressing row l % 8 of
+      // fragment l / 8 (a matrix row is one 16-byte chunk of the swizzled tile).
+      const int ds_row = key0 + 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           pa[kk][e] = MmaOp<T>::pack(sacc[8 * kk + 2 * e], sacc[8 * kk + 2 * e + 1]);
           dsa[kk][e] = MmaOp<T>::pack(dpacc[8 * kk + 2 * e], dpacc[8 * kk + 2 * e + 1]);
-          // Fragment e of k-step kk: key row key0 + 16·warp + g + 8·(e % 2), queries 16·kk + 8·(e / 2) + 2t, +1.
-          const int row = key0 + 16 * warp + g + 8 * (e % 2), col = 16 * kk + 8 * (e / 2) + 2 * t;
-          *reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(ds_tile) +
-                                       sm90::swizzled_offset(kBlockN, row, col)) = dsa[kk][e];
         }
+        sm90::stmatrix_x4(sm90::smem_u32(ds_tile) + sm90::swizzled_offset(kBlockN, ds_row, 16 * kk + 8 * (lane / 16)),
+                          dsa[kk]);
       }
       sm90::fence_proxy_async_shared();  // dSᵀ is read by wgmma (the async proxy) after the barrier below
 

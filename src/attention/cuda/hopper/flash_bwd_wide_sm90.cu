@@ -360,10 +360,9 @@ __global__ void __launch_bounds__(Sm90WideBwdTraits<D, Dv>::kThreads, 1)
   using Tr = Sm90WideBwdTraits<D, Dv>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   extern __shared__ unsigned char smem_raw[];
-  auto& s = *reinterpret_cast<Sm90WideBwdShared<D, Dv>*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                                          ~uintptr_t{1023});
+  auto& s = sm90::aligned_shared<Sm90WideBwdShared<D, Dv>>(smem_raw);
   const BackwardMask mask{p.seq_q, p.seq_k, p.causal, kMasked, p.causal_offset, p.window_left, p.window_right};
-  const int warpgroup = threadIdx.x / sm90::kWarpgroupThreads;
+  const int warpgroup = sm90::warpgroup_index();
 
   if (threadIdx.x == 0) {
     s.kv_full.init(1);

@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(Fp8FwdTraits<D>::kThreads, 1)
                               const __grid_constant__ CUtensorMap tm_vt, const FlashParams p, float v_descale) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  Fp8FwdKernel<D> kernel{{}, aligned_forward_shared<Fp8FwdShared<D>>(smem_raw), &tm_q, &tm_k, &tm_vt, v_descale};
+  Fp8FwdKernel<D> kernel{{}, sm90::aligned_shared<Fp8FwdShared<D>>(smem_raw), &tm_q, &tm_k, &tm_vt, v_descale};
   run_forward_pipeline(kernel, p);
 #endif
 }

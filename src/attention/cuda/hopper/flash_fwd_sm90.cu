@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                           const FlashParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  Sm90FwdKernel<T, Tr> kernel{{}, aligned_forward_shared<Sm90FwdShared<Tr>>(smem_raw), &tm_q, &tm_k, &tm_v, &tm_o};
+  Sm90FwdKernel<T, Tr> kernel{{}, sm90::aligned_shared<Sm90FwdShared<Tr>>(smem_raw), &tm_q, &tm_k, &tm_v, &tm_o};
   run_forward_pipeline(kernel, p);
 #endif
 }

@@ -44,12 +44,8 @@ struct ForwardBarriers {
   }
 };
 
-// The kernels' shared-memory struct at the dynamic shared memory's base rounded up to 1024 bytes (the
-// 128-byte swizzle's atom); forward_smem_bytes leaves room for the rounding.
-template <class Shared>
-__device__ __forceinline__ Shared& aligned_forward_shared(unsigned char* raw) {
-  return *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
-}
+// The forward kernels' shared memory: sm90::aligned_shared's struct, forward_smem_bytes its size with the room
+// for the rounding.
 template <class Shared>
 constexpr size_t forward_smem_bytes() {
   return sizeof(Shared) + 1024;

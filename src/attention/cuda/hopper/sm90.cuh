@@ -26,11 +26,37 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// A kernel's shared-memory struct at the dynamic shared memory's base rounded up to 1024 bytes (the 128-byte
+// swizzle's atom; launch with sizeof(Shared) + 1024 bytes), by pointer arithmetic on the shared array: the
+// compiler then still knows that the struct is shared memory and accesses it with 32-bit shared loads and
+// stores. Rounding the address as an integer hid that, and made every access to it a generic one with 64-bit
+// address arithmetic.
+template <class Shared>
+__device__ __forceinline__ Shared& aligned_shared(unsigned char* raw) {
+  return *reinterpret_cast<Shared*>(raw + ((1024u - (smem_u32(raw) & 1023u)) & 1023u));
+}
+
+// The calling thread's warpgroup, broadcast from lane 0 so that the compiler knows it is warp-uniform: what
+// depends on it (a consumer's rows of a tile, hence its wgmma descriptors) then lives in uniform registers
+// instead of being computed per thread and converted (R2UR) before every wgmma.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / kWarpgroupThreads, 0);
+}
+
 // Byte offset of 16-bit element (row, col) in a swizzled tile of `rows` rows (see the layout above).
 __host__ __device__ constexpr uint32_t swizzled_offset(int rows, int row, int col) {
   const int panel = col / kPanelCols, chunk = (col % kPanelCols) / 8, within = col % 8;
   return static_cast<uint32_t>(panel * rows * kPanelRowBytes + row * kPanelRowBytes + ((chunk ^ (row % 8)) * 16) +
                                within * 2);
+}
+
+// Stores four 8 x 8 16-bit matrices, register r[i] of each thread holding matrix i's row lane / 4, columns
+// 2·(lane % 4) and + 1 (mma.sync's A fragment: one 16 x 16 tile); lane l gives the shared address of row
+// l % 8 of matrix l / 8. One instruction where four 32-bit stores would each need their own address.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
 }
 
 // ---- mbarrier: a shared-memory barrier whose phase completes when its arrival count is reached and the
@@ -142,27 +168,34 @@ __device__ __forceinline__ void bulk_wait() {
 // Fields (PTX "matrix descriptor"): start address, leading- and stride-dimension byte offsets (all >> 4),
 // base offset 0 (tiles are 1024-byte aligned), swizzle mode 1 = 128 bytes in bits 62-63.
 // `swizzle_mode` 2 is the 64-byte swizzle (8-bit rows of 64 bytes: k_major_descriptor_8bit).
+// `offset_bytes` (a multiple of 16) is added to the start address after the base's fields are put together,
+// so that a kernel's descriptors of one tile share one loop-invariant base and differ by one 32-bit add: the
+// address field is 14 bits of (address >> 4) and shared memory ends below 256 KB, so the add never carries
+// into the leading-offset field. (Masking and shifting each tile address again cost ~10 instructions per
+// wgmma in the backward, most of its instructions.)
 __device__ __forceinline__ uint64_t matrix_descriptor(uint32_t smem_address, uint32_t leading_bytes,
-                                                      uint32_t stride_bytes, uint64_t swizzle_mode = 1) {
-  return static_cast<uint64_t>((smem_address & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
-         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (swizzle_mode << 62);
+                                                      uint32_t stride_bytes, uint64_t swizzle_mode = 1,
+                                                      uint32_t offset_bytes = 0) {
+  const uint32_t lo = ((smem_address >> 4) | ((leading_bytes >> 4) << 16)) + (offset_bytes >> 4);
+  const uint32_t hi = (stride_bytes >> 4) | (static_cast<uint32_t>(swizzle_mode) << 30);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
 // An operand whose reduction (K) dimension is the tile's columns (Q and K in S = Q·Kᵀ): the 16 columns
 // [16·k_step, 16·k_step + 16) of rows [row0, row0 + 8·m) — consecutive 8-row groups are one swizzle atom
 // apart; the leading offset is unused for K-major swizzled operands.
 __device__ __forceinline__ uint64_t k_major_descriptor(const void* tile, int tile_rows, int row0, int k_step) {
-  const uint32_t a = smem_u32(tile) + static_cast<uint32_t>((k_step * 16 / kPanelCols) * tile_rows * kPanelRowBytes +
-                                                            row0 * kPanelRowBytes + (k_step * 16 % kPanelCols) * 2);
-  return matrix_descriptor(a, 16, kSwizzleAtomBytes);
+  const uint32_t offset = static_cast<uint32_t>((k_step * 16 / kPanelCols) * tile_rows * kPanelRowBytes +
+                                                row0 * kPanelRowBytes + (k_step * 16 % kPanelCols) * 2);
+  return matrix_descriptor(smem_u32(tile), 16, kSwizzleAtomBytes, 1, offset);
 }
 
 // An operand whose reduction dimension is the tile's rows and whose N dimension is its columns (V in
 // O += P·V, read with wgmma's transpose flag): rows [16·k_step, 16·k_step + 16), all columns. N steps
 // from panel to panel (the leading offset), K from one 8-row group to the next (the stride offset).
 __device__ __forceinline__ uint64_t mn_major_descriptor(const void* tile, int tile_rows, int k_step) {
-  const uint32_t a = smem_u32(tile) + static_cast<uint32_t>(k_step * 16 * kPanelRowBytes);
-  return matrix_descriptor(a, static_cast<uint32_t>(tile_rows * kPanelRowBytes), kSwizzleAtomBytes);
+  return matrix_descriptor(smem_u32(tile), static_cast<uint32_t>(tile_rows * kPanelRowBytes), kSwizzleAtomBytes, 1,
+                           static_cast<uint32_t>(k_step * 16 * kPanelRowBytes));
 }
 
 // ---- wgmma.mma_async: D[64 x N] (+)= A[64 x 16] · B[16 x N] for one warpgroup, fp32 accumulators, for the
@@ -354,8 +387,8 @@ FLASHLM_SM90_WGMMA_M64N256(__half, "f16")
 template <int kRowBytes>
 __device__ __forceinline__ uint64_t k_major_descriptor_8bit(const void* tile, int row0, int k_step) {
   static_assert(kRowBytes == 64 || kRowBytes == 128);
-  const uint32_t a = smem_u32(tile) + static_cast<uint32_t>(row0 * kRowBytes + k_step * 32);
-  return matrix_descriptor(a, 16, 8 * kRowBytes, kRowBytes == 128 ? 1 : 2);
+  return matrix_descriptor(smem_u32(tile), 16, 8 * kRowBytes, kRowBytes == 128 ? 1 : 2,
+                           static_cast<uint32_t>(row0 * kRowBytes + k_step * 32));
 }
 template <int N>
 struct WgmmaM64E4m3;
