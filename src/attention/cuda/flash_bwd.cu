@@ -390,8 +390,8 @@ __global__ void __launch_bounds__(BwdTraits<D>::kThreads, 1) flash_bwd_dkdv_kern
           }
         }
       }
-      // The accumulator is kept in fragment order (DqAccumLayout): for each (ct, e) the warp's 32 lanes
-      // add to 32 consecutive floats, one 128-byte line per atomic instruction.
+      // The accumulator is kept in fragment order (DqAccumLayout, DqOrder::fragment_major): for each (ct, e)
+      // the warp's 32 lanes add to 32 consecutive floats, one 128-byte line per atomic instruction.
       float* dq_head = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D + lane;
 #pragma unroll
       for (int mt = 0; mt < kCM; ++mt) {
@@ -610,27 +610,40 @@ __global__ void __launch_bounds__(DqTraits<D>::kThreads) flash_bwd_dq_kernel(con
     }
 }
 
-// dq (strided, T) = dq_scale · dq_accum (padded fp32), 8 elements per thread.
-template <class T, int D>
+// dq (strided, T) = dq_scale · dq_accum (padded fp32, DqAccumLayout in `kOrder`), 8 elements per thread.
+template <class T, int D, DqOrder kOrder>
 __global__ void flash_bwd_dq_convert_kernel(const FlashParams p) {
   const int h = blockIdx.y, b = blockIdx.z;
   const int idx = blockIdx.x * blockDim.x + threadIdx.x;
   const int row = idx / (D / 8), part = idx % (D / 8);
   if (row >= p.seq_q) return;
-  // Row `row`, columns part·8 .. part·8 + 7 of the fragment-ordered accumulator (DqAccumLayout): with
-  // r = row % 16, the even columns 0, 2, 4, 6 are the 4 floats at e = 2·(r / 8), lanes 4·(r % 8) + 0..3,
-  // and the odd ones the 4 floats at e + 1.
+  // Row `row`, columns part·8 .. part·8 + 7 of the tile at (row - r, part·8), r = row % 16: column 2t + c is
+  // lane 4·(r % 8) + t's element e = 2·(r / 8) + c.
   const int r = row % 16;
-  const float* src = p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D +
-                     DqAccumLayout<D>::block(row, part * 8) + (r / 8) * 64 + (r % 8) * 4;
-  const float4 even = *reinterpret_cast<const float4*>(src);
-  const float4 odd = *reinterpret_cast<const float4*>(src + 32);
+  const float* tile =
+      p.dq_accum + (int64_t(b) * p.heads_q + h) * p.seq_q_padded * D + DqAccumLayout<D>::block(row, part * 8);
+  float even[4], odd[4];  // columns 0, 2, 4, 6 and 1, 3, 5, 7
+  if constexpr (kOrder == DqOrder::fragment_major) {
+    // The 4 floats at e = 2·(r / 8), lanes 4·(r % 8) + 0..3, then the 4 at e + 1.
+    const float* src = tile + (r / 8) * 64 + (r % 8) * 4;
+    const float4 e0 = *reinterpret_cast<const float4*>(src), e1 = *reinterpret_cast<const float4*>(src + 32);
+    even[0] = e0.x, even[1] = e0.y, even[2] = e0.z, even[3] = e0.w;
+    odd[0] = e1.x, odd[1] = e1.y, odd[2] = e1.z, odd[3] = e1.w;
+  } else {
+    // Lane 4·(r % 8) + t's pair at e = 2·(r / 8), + 1: 16 bytes apart from one t to the next.
+    const float* src = tile + (r % 8) * 16 + (r / 8) * 2;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const float2 v = *reinterpret_cast<const float2*>(src + 4 * t);
+      even[t] = v.x, odd[t] = v.y;
+    }
+  }
   const float c = p.dq_scale;  // the accumulator holds dS·K without the scale (one multiply here, not per atomic)
   uint4 out;
-  out.x = MmaOp<T>::pack(even.x * c, odd.x * c);
-  out.y = MmaOp<T>::pack(even.y * c, odd.y * c);
-  out.z = MmaOp<T>::pack(even.z * c, odd.z * c);
-  out.w = MmaOp<T>::pack(even.w * c, odd.w * c);
+  out.x = MmaOp<T>::pack(even[0] * c, odd[0] * c);
+  out.y = MmaOp<T>::pack(even[1] * c, odd[1] * c);
+  out.z = MmaOp<T>::pack(even[2] * c, odd[2] * c);
+  out.w = MmaOp<T>::pack(even[3] * c, odd[3] * c);
   *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + b * p.dq_st.b + row * p.dq_st.s + h * p.dq_st.h + part * 8) = out;
 }
 
@@ -661,9 +674,13 @@ void launch_preprocess(const FlashParams& f, cudaStream_t stream) {
 
 // dq (T) from the fp32 accumulator the atomic dK/dV kernels added into, over D columns.
 template <class T, int D>
-void launch_dq_convert(const FlashParams& f, cudaStream_t stream) {
+void launch_dq_convert(const FlashParams& f, DqOrder order, cudaStream_t stream) {
   const dim3 grid((f.seq_q * (D / 8) + 255) / 256, f.heads_q, f.batch);
-  flash_bwd_dq_convert_kernel<T, D><<<grid, 256, 0, stream>>>(f);
+  if (order == DqOrder::lane_major) {
+    flash_bwd_dq_convert_kernel<T, D, DqOrder::lane_major><<<grid, 256, 0, stream>>>(f);
+  } else {
+    flash_bwd_dq_convert_kernel<T, D, DqOrder::fragment_major><<<grid, 256, 0, stream>>>(f);
+  }
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_convert_kernel launch");
 }
 
@@ -711,7 +728,8 @@ void launch_backward(const FlashParams& f, bool deterministic, const DkdvPart* p
     kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(f);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_bwd_dq_kernel launch");
   } else {
-    launch_dq_convert<T, D>(f, stream);
+    // A family's own dK/dV kernel (the Hopper backward) stages dQ lane-major; mma.sync's atomics do not.
+    launch_dq_convert<T, D>(f, part != nullptr ? DqOrder::lane_major : DqOrder::fragment_major, stream);
   }
 }
 
@@ -723,7 +741,7 @@ void launch_backward_pair(const FlashParams& f, const DkdvPart& part, cudaStream
   if (f.seq_q > 0) launch_preprocess<T, Dv>(f, stream);
   part.launch(part.p, part.q, part.k, part.v, part.dout, f, stream);
   if (f.seq_q == 0) return;
-  launch_dq_convert<T, D>(f, stream);
+  launch_dq_convert<T, D>(f, DqOrder::lane_major, stream);
 }
 
 template <class T>

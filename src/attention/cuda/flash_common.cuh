@@ -120,9 +120,12 @@ constexpr int kRowPad = 128;
 // The atomic backward's fp32 dQ accumulator of one (batch, head), [seq_q_padded, D] floats, stored in the
 // order of the mma.sync C fragments (also a warp's part of a wgmma accumulator, hopper/sm90.cuh) rather
 // than row-major: the 16 x 8 tile at (row0, col0) (row0 a multiple of 16, col0 of 8) is 128 consecutive
-// floats, element (lane, e) of the fragment at e·32 + lane (lane = 4g + t holds rows g, g + 8 and columns
-// 2t, 2t + 1; e = 2·(row ≥ 8) + column parity). Row-major, each atomic instruction of a warp touched 8
-// rows; in this order it covers one 128-byte line.
+// floats holding element e of lane (lane = 4g + t holds rows g, g + 8 and columns 2t, 2t + 1; e = 2·(row ≥ 8)
+// + column parity). Within the tile, two orders (DqOrder): the mma.sync kernel's atomics keep (lane, e) at
+// e·32 + lane, so that each atomic instruction of a warp covers one 128-byte line (row-major, it touched 8
+// rows); the Hopper kernels, which stage a warp's rows in shared memory and add them with one bulk reduce,
+// keep it at lane·4 + e, one 16-byte shared store per tile and thread instead of four.
+enum class DqOrder { fragment_major, lane_major };
 template <int D>
 struct DqAccumLayout {
   static constexpr int kBlockFloats = 16 * 8;

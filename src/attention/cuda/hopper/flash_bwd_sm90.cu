@@ -100,7 +100,7 @@ struct Sm90BwdShared {
   // dSᵀ (keys x queries) of the last two steps: a warpgroup may store step i + 1's while the other still
   // reads step i's in its dQ product; the barrier before dQ keeps them at most one step apart.
   alignas(1024) uint16_t ds[2][Tr::kBlockN * Tr::kBlockM];
-  // Each consumer warp's part of a step's dQ (16 rows x 64 columns, in DqAccumLayout order) on its way to
+  // Each consumer warp's part of a step's dQ (16 rows x 64 columns, in DqAccumLayout's lane-major order) on its way to
   // the accumulator by a bulk reduce-add.
   alignas(128) float dq[Tr::kConsumerThreads / 32][Tr::kDqWarpFloats];
   alignas(16) float lse2[Tr::kStages][Tr::kBlockM];
@@ -438,17 +438,17 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
       }
       s.step_empty[st].arrive();  // Q, dO, lse2 and Delta of this slot are no longer read
 
-      // The accumulator is in fragment order (DqAccumLayout): warp `warp` holds rows 16·warp + [0, 16) of
-      // this warpgroup's half, its 8 n8 tiles consecutive blocks of 128 floats (both at d128, where the half
-      // is 64 of the 128 columns, and at d64, where it is all of them), element (lane, e) at e·32 + lane.
+      // The accumulator is in fragment order (DqAccumLayout, lane-major): warp `warp` holds rows 16·warp +
+      // [0, 16) of this warpgroup's half, its 8 n8 tiles consecutive blocks of 128 floats (both at d128, where
+      // the half is 64 of the 128 columns, and at d64, where it is all of them), element (lane, e) at lane·4 + e.
       static_assert(8 * DqAccumLayout<D>::kBlockFloats == Tr::kDqWarpFloats);
       float* dq_stage = s.dq[warpgroup * 4 - 4 + warp];
       if (lane == 0) sm90::bulk_wait_read<0>();  // the last step's reduce has read this warp's buffer
       __syncwarp();
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq_stage[j * DqAccumLayout<D>::kBlockFloats + e * 32 + lane] = dq[4 * j + e];
+      for (int j = 0; j < 8; ++j) {  // DqOrder::lane_major: element (lane, e) of n8 tile j at j·128 + lane·4 + e
+        reinterpret_cast<float4*>(dq_stage + j * DqAccumLayout<D>::kBlockFloats)[lane] =
+            make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
       }
       sm90::fence_proxy_async_shared();
       __syncwarp();

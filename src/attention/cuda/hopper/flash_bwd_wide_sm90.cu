@@ -313,9 +313,9 @@ __device__ __forceinline__ void wide_backward_consumer(Sm90WideBwdShared<D, Dv>&
       if (lane == 0) sm90::bulk_wait_read<0>();  // the last reduce has read this warp's buffer
       __syncwarp();
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq_stage[j * DqAccumLayout<D>::kBlockFloats + e * 32 + lane] = dq[c][4 * j + e];
+      for (int j = 0; j < 8; ++j) {  // DqOrder::lane_major: element (lane, e) of n8 tile j at j·128 + lane·4 + e
+        reinterpret_cast<float4*>(dq_stage + j * DqAccumLayout<D>::kBlockFloats)[lane] =
+            make_float4(dq[c][4 * j], dq[c][4 * j + 1], dq[c][4 * j + 2], dq[c][4 * j + 3]);
       }
       sm90::fence_proxy_async_shared();
       __syncwarp();
