@@ -99,8 +99,8 @@ FlashParams make_params(const AttentionProblem& p, const TensorView& q, const Te
 // The 16-bit flash backward's host code (cuda/flash_bwd.cu), which every family of it shares: the
 // preprocess (Delta, lse·log2e), the fp32 dQ accumulator and its bound by groups of key/value heads, and the
 // conversion of dQ (or, `deterministic`, the separate dQ pass). `dkdv` launches the dK/dV part of one group
-// (and adds dS·K into f.dq_accum, unscaled, in DqAccumLayout order, from f.delta and f.lse_log2), or is null
-// for the mma.sync kernel. A family that brings its own dK/dV kernel keeps the mma.sync kernel's key tile
+// (and adds dS·K into f.dq_accum, unscaled, in DqAccumLayout's lane-major order, from f.delta and
+// f.lse_log2), or is null for the mma.sync kernel. A family that brings its own dK/dV kernel keeps the mma.sync kernel's key tile
 // (mma_sync_backward_block_n; for a head dim pair, the one of the larger head dim), by which the groups are
 // sized. A pair (head_dim_v != head_dim) needs such a kernel: mma.sync runs pairs on padded copies.
 using BackwardDkdvLauncher = void (*)(const AttentionProblem& p, const TensorView& q, const TensorView& k,
