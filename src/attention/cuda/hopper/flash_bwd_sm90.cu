@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
           dsa[kk][e] = MmaOp<T>::pack(dpacc[8 * kk + 2 * e], dpacc[8 * kk + 2 * e + 1]);
         }
         sm90::stmatrix_x4(sm90::smem_u32(ds_tile) + sm90::swizzled_offset(kBlockN, ds_row, 16 * kk + 8 * (lane / 16)),
-                          dsa[kk]);
+                          dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       }
       sm90::fence_proxy_async_shared();  // dSᵀ is read by wgmma (the async proxy) after the barrier below
 

@@ -50,15 +50,6 @@ __host__ __device__ constexpr uint32_t swizzled_offset(int rows, int row, int co
                                within * 2);
 }
 
-// Stores four 8 x 8 16-bit matrices, register r[i] of each thread holding matrix i's row lane / 4, columns
-// 2·(lane % 4) and + 1 (mma.sync's A fragment: one 16 x 16 tile); lane l gives the shared address of row
-// l % 8 of matrix l / 8. One instruction where four 32-bit stores would each need their own address.
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
-               "r"(r[2]), "r"(r[3])
-               : "memory");
-}
-
 // ---- mbarrier: a shared-memory barrier whose phase completes when its arrival count is reached and the
 // transaction bytes it expects have landed. Waiters name the phase parity they wait for; a fresh barrier is
 // in phase 0, so waiting for parity 1 returns at once (the "previous" phase counts as complete), which lets
