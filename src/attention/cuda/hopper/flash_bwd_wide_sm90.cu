@@ -245,16 +245,22 @@ __device__ __forceinline__ void wide_backward_consumer(Sm90WideBwdShared<D, Dv>&
         for (int e = 0; e < 4; ++e) dpacc[4 * j + e] = sacc[4 * j + e] * (dpacc[4 * j + e] - (e % 2 ? dl.y : dl.x));
       }
     }
-    // Pᵀ and dSᵀ to shared memory, 16-bit pairs: accumulators (i, i + 1), i even, are key key_row + 8·((i / 2)
-    // % 2) and queries q_local0 + 8·(i / 4) + 2t, +1 of the tile.
-    unsigned char* pt_tile = reinterpret_cast<unsigned char*>(s.pt[step & 1]);
-    unsigned char* ds_tile = reinterpret_cast<unsigned char*>(s.dst[step & 1]);
+    // Pᵀ and dSᵀ to shared memory as 16-bit pairs: accumulators (i, i + 1), i even, are key key_row + 8·((i / 2)
+    // % 2) and queries q_local0 + 8·(i / 4) + 2t, +1 of the tile, so the pairs at i = 8·kk + 2·m are the 8 x 8
+    // matrix m of the warp's 16 keys x queries q_local0 + 16·kk + [0, 16) in stmatrix's order (m % 2: the
+    // upper 8 keys, m / 2: the upper 8 queries): one stmatrix per 16 columns, lane l addressing row l % 8 of
+    // matrix l / 8.
+    const uint32_t pt_tile = sm90::smem_u32(s.pt[step & 1]), ds_tile = sm90::smem_u32(s.dst[step & 1]);
+    const int st_row = 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
 #pragma unroll
-    for (int i = 0; i < 16; i += 2) {
-      const int row = 16 * warp + g + 8 * ((i / 2) % 2), col = q_local0 + 8 * (i / 4) + 2 * t;
-      const uint32_t offset = sm90::swizzled_offset(kBlockN, row, col);
-      *reinterpret_cast<uint32_t*>(pt_tile + offset) = MmaOp<T>::pack(sacc[i], sacc[i + 1]);
-      *reinterpret_cast<uint32_t*>(ds_tile + offset) = MmaOp<T>::pack(dpacc[i], dpacc[i + 1]);
+    for (int kk = 0; kk < 2; ++kk) {
+      const uint32_t offset = sm90::swizzled_offset(kBlockN, st_row, q_local0 + 16 * kk + 8 * (lane / 16));
+      const float* p8 = sacc + 8 * kk;
+      const float* d8 = dpacc + 8 * kk;
+      sm90::stmatrix_x4(pt_tile + offset, MmaOp<T>::pack(p8[0], p8[1]), MmaOp<T>::pack(p8[2], p8[3]),
+                        MmaOp<T>::pack(p8[4], p8[5]), MmaOp<T>::pack(p8[6], p8[7]));
+      sm90::stmatrix_x4(ds_tile + offset, MmaOp<T>::pack(d8[0], d8[1]), MmaOp<T>::pack(d8[2], d8[3]),
+                        MmaOp<T>::pack(d8[4], d8[5]), MmaOp<T>::pack(d8[6], d8[7]));
     }
     sm90::fence_proxy_async_shared();  // read by wgmma (the async proxy) after the barrier below
     sm90::named_barrier_sync(sm90::NamedBarrier::kBackwardDsReady, Tr::kConsumerThreads);
