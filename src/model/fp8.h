@@ -75,9 +75,11 @@ inline constexpr uint32_t kFp8ScaleAlignment = 16;
 // RMSNorm outputs, the SwiGLU output, the SwiGLU backward's du and dg (w1's and w3's output gradients), and
 // the residual gradient at the block's two products that read it as dy: dres_ffn, w2's (written by the
 // backward of the next block's ln1, or of the final norm), and dres_attn, the output projection's (written by
-// the backward of this block's ln2). The casts of those tensors then skip their own reduction.
-enum class Fp8Produced { h1, h2, s, du, dg, dres_ffn, dres_attn };
-inline constexpr int64_t kFp8Produced = 7;
+// the backward of this block's ln2); and dqkv, the q|k|v projection's dy, whose amax the RoPE backward writes
+// (it rotates dq and dk and reads dv, which the attention backward left beside them: one kernel covers the
+// whole tensor). The casts of those tensors then skip their own reduction.
+enum class Fp8Produced { h1, h2, s, du, dg, dres_ffn, dres_attn, dqkv };
+inline constexpr int64_t kFp8Produced = 8;
 
 // ---------------------------------------------------------------------------------------------------
 // The CPU emulation (fp8_cpu.cpp).
