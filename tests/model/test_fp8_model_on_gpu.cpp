@@ -243,6 +243,94 @@ TEST(CudaModelFp8, GraphedAndRecomputedStepsGiveTheEagerBits) {
   }
 }
 
+// The amaxes from the tensors' producers (ModelOptions::fp8_fused_amax: RMSNorm, SwiGLU, the RoPE backward's
+// dqkv, the AdamW step's block weights) give the bits of every cast reducing its own: losses, norms and
+// parameters over six steps, eager and graphed, over bf16 (fp32 and bf16 moments) and bf16-pure.
+TEST(CudaModelFp8, FusedAmaxesGiveTheBitsOfReducingEachCast) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = fp8_config();
+  struct Storage {
+    const char* name;
+    bool pure;
+    OptimizerState state;
+  };
+  for (const Storage& st : {Storage{"bf16", false, OptimizerState::fp32},
+                            Storage{"bf16, bf16 moments", false, OptimizerState::bf16},
+                            Storage{"bf16-pure", true, OptimizerState::fp32}}) {
+    for (bool graph : {false, true}) {
+      SCOPED_TRACE(std::string(st.name) + (graph ? ", graphed" : ", eager"));
+      std::vector<StepResult> results[2];
+      std::vector<float> params[2];
+      for (int fused = 0; fused < 2; ++fused) {
+        ModelOptions o = fp8_options(Fp8Format::e5m2);
+        o.bf16_pure = st.pure;
+        o.optimizer_state = st.state;
+        o.cuda_graph = graph;
+        o.fp8_fused_amax = fused == 1;
+        CudaModel m(c, 2, 64, DType::bf16, o);
+        m.init_parameters(17);
+        for (int step = 0; step < 6; ++step) {
+          const Batch b = make_batch(2 * 64, c.vocab, 40 + step);
+          AdamWConfig opt;
+          opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
+          results[fused].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
+        }
+        if (graph) {
+          EXPECT_EQ(m.cuda_graph_status(), "on");
+        }
+        params[fused].resize(size_t(m.parameter_count()));
+        m.copy_parameters_to(params[fused].data());
+      }
+      for (size_t s = 0; s < results[0].size(); ++s) {
+        EXPECT_EQ(results[1][s].loss, results[0][s].loss) << "step " << s;
+        EXPECT_EQ(results[1][s].grad_norm, results[0][s].grad_norm) << "step " << s;
+      }
+      EXPECT_TRUE(params[1] == params[0]) << "parameters differ";
+    }
+  }
+}
+
+// The AdamW step's weight amaxes are trusted only until anything else writes the weights: after a load_state
+// (here of the state three steps back, into a model whose slots hold the amaxes of its newer weights), the next
+// steps give the bits of a fresh model loading the same state, eager and graphed (the graph's captured pass takes
+// the slots; a reduction before its launch refreshes them), over bf16 and bf16-pure.
+TEST(CudaModelFp8, WeightAmaxesAreReducedAgainAfterALoad) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = fp8_config();
+  for (bool pure : {false, true}) {
+    for (bool graph : {false, true}) {
+      SCOPED_TRACE(std::string(pure ? "bf16-pure" : "bf16") + (graph ? ", graphed" : ", eager"));
+      ModelOptions o = fp8_options(Fp8Format::e4m3);
+      o.bf16_pure = pure;
+      o.cuda_graph = graph;
+      const AdamWConfig opt;
+      const auto step = [&](CudaModel& m, int i) {
+        const Batch b = make_batch(2 * 64, c.vocab, 60 + i);
+        return m.train_step(b.tokens.data(), b.targets.data(), opt, 3e-3);
+      };
+      CudaModel a(c, 2, 64, DType::bf16, o);
+      a.init_parameters(23);
+      for (int i = 0; i < 3; ++i) step(a, i);
+      const size_t count = size_t(a.parameter_count());
+      std::vector<float> p(count), mo(count), v(count);
+      a.save_state(p, mo, v);
+      for (int i = 3; i < 6; ++i) step(a, i);  // the slots now hold the amaxes of these later weights
+      a.load_state(p, mo, v, 3);
+      CudaModel b(c, 2, 64, DType::bf16, o);
+      b.load_state(p, mo, v, 3);
+      for (int i = 3; i < 6; ++i) {
+        const StepResult ra = step(a, i), rb = step(b, i);
+        EXPECT_EQ(ra.loss, rb.loss) << "step " << i;
+        EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << i;
+      }
+      std::vector<float> pa(count), pb(count);
+      a.copy_parameters_to(pa.data());
+      b.copy_parameters_to(pb.data());
+      EXPECT_TRUE(pa == pb) << "parameters differ";
+    }
+  }
+}
+
 // zero_grad() is deferred (the backward's GEMMs write over stale gradients with beta 0): with FP8 that must
 // give the bits of accumulating onto zeroed gradients, as in the other precisions.
 TEST(CudaModelFp8, DeferredZeroGradGivesTheBitsOfAccumulatingOntoZeros) {

@@ -15,6 +15,17 @@
 
 namespace flashlm {
 
+namespace {
+
+std::vector<const void*> weight_pointers(std::span<const Fp8WeightRef> weights) {
+  std::vector<const void*> p;
+  p.reserve(weights.size());
+  for (const Fp8WeightRef& r : weights) p.push_back(r.w);
+  return p;
+}
+
+}  // namespace
+
 Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, Fp8Recipe recipe, bool keep_inputs)
     : n_(tokens),
       layers_(c.layers),
@@ -60,8 +71,8 @@ Fp8Linear::CachedWeight& Fp8Linear::entry(std::string_view name, int64_t in, int
 void Fp8Linear::begin_pass(std::span<const Fp8WeightRef> weights, void* stream) {
   ++pass_;
   act_.x = act_x_t_ = nullptr;
-  const bool current = std::ranges::equal(weights, amax_current_, {}, &Fp8WeightRef::w);
-  amax_current_.clear();  // taken once: the next pass reduces unless the weights' writer says so anew
+  // Taken once: the next pass reduces unless the weights' writer says so anew.
+  const bool current = weight_amaxes_.take(weight_pointers(weights));
   if (weights.empty() || recipe_ != Fp8Recipe::tensorwise) return;
   if (!current && !reduce_weight_amaxes(weights, stream)) return;
   for (const Fp8WeightRef& r : weights) cached_.find(r.name)->second.amax_pass = pass_;
@@ -120,13 +131,12 @@ void Fp8Linear::clear_weight_amaxes(void* stream) {
 }
 
 void Fp8Linear::set_weight_amaxes_current(std::span<const Fp8WeightRef> weights) {
-  amax_current_.clear();
   for (const Fp8WeightRef& r : weights) {
     FLASHLM_CHECK(cached_.contains(r.name),
                   "Fp8Linear::set_weight_amaxes_current: weight '{}' has no amax slot (weight_amax was not asked)",
                   r.name);
-    amax_current_.push_back(r.w);
   }
+  weight_amaxes_.set_current(weight_pointers(weights));
 }
 
 Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out,

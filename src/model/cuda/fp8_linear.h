@@ -104,8 +104,8 @@ class Fp8Linear {
   float* weight_amax(const Fp8WeightRef& r);
   void clear_weight_amaxes(void* stream);
   void set_weight_amaxes_current(std::span<const Fp8WeightRef> weights);
-  void weights_changed() { amax_current_.clear(); }
-  bool weight_amaxes_current() const { return !amax_current_.empty(); }
+  void weights_changed() { weight_amaxes_.stale(); }
+  bool weight_amaxes_current() const { return weight_amaxes_.current(); }
   // begin_pass's reduction of these weights' amaxes into their slots, queued now (the stale fallback of a
   // graphed step whose captured begin_pass takes the optimizer's amaxes). False where it was not queued: inside
   // a CUDA-graph capture with a list of weights not uploaded yet (their casts then reduce them one by one).
@@ -237,8 +237,7 @@ class Fp8Linear {
   Buffer amax_segments_;
   std::vector<gpu::Fp8AmaxSegment> amax_table_;
   int64_t amax_chunks_ = 0;
-  // The weights whose slots hold their amaxes as stored (set_weight_amaxes_current); empty: none, stale.
-  std::vector<const bf16_t*> amax_current_;
+  Fp8WeightAmaxes weight_amaxes_;  // whether the slots hold the weights' amaxes (set_weight_amaxes_current)
   int64_t inputs_used_ = 0;  // bytes of the kept inputs' region handed out
   std::unordered_map<std::string, CachedWeight> cached_;
   uint64_t pass_ = 1;

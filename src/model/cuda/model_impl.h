@@ -261,13 +261,19 @@ struct CudaModel::Impl {
     if (weights.empty()) return {};  // FSDP's sharded storage
     if (!fp8_amax_ranges.data()) {
       FLASHLM_CHECK(!capturing, "CudaModel: the FP8 weight amax table is uploaded by an eager step, not a capture");
+      // One range per scale group (fp8_scale_groups: ascending, q‖k‖v as one), into the slot of its weight.
+      std::unordered_map<int64_t, const Fp8WeightRef*> at;
+      for (const Fp8WeightRef& r : weights) at.emplace(info(r.name).offset, &r);
       std::vector<AmaxRange> ranges;
-      for (const Fp8WeightRef& r : weights) ranges.push_back({info(r.name).offset, r.in * r.out, fp8->weight_amax(r)});
-      std::ranges::sort(ranges, {}, &AmaxRange::begin);
-      for (size_t i = 1; i < ranges.size(); ++i) {
-        FLASHLM_CHECK(ranges[i - 1].begin + ranges[i - 1].count <= ranges[i].begin,
-                      "CudaModel: FP8 weights overlap in the parameter layout (at element {})", ranges[i].begin);
+      for (const Fp8ScaleGroup& g : fp8_scale_groups(layout)) {
+        const auto it = at.find(g.offset);
+        FLASHLM_CHECK(it != at.end() && it->second->in * it->second->out == g.count,
+                      "CudaModel: FP8 scale group at element {} ({} elements) is no block weight the passes read",
+                      g.offset, g.count);
+        ranges.push_back({g.offset, g.count, fp8->weight_amax(*it->second)});
       }
+      FLASHLM_CHECK(ranges.size() == weights.size(), "CudaModel: {} FP8 scale groups for {} FP8 weights",
+                    ranges.size(), weights.size());
       fp8_amax_ranges = Buffer::allocate(ranges.size() * sizeof(AmaxRange), Device::cuda, "FP8 weight amax ranges");
       cuda_copy(fp8_amax_ranges.data(), ranges.data(), ranges.size() * sizeof(AmaxRange));
     }
