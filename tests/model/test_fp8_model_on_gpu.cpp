@@ -189,6 +189,39 @@ TEST(CudaModelFp8, OverBf16PureTracksBf16PureAndIsReproducible) {
 // bf16 mixed precision and over bf16-pure.
 namespace {
 
+// Six train_steps from init_parameters(17) on batches first_batch, first_batch + 1, ..., clipping every other
+// step and the learning rate rising: each step's result and the parameters after them (the CUDA graph checked
+// "on" where o asks for it).
+struct SixSteps {
+  std::vector<StepResult> steps;
+  std::vector<float> params;
+};
+SixSteps six_steps(const ModelConfig& c, const ModelOptions& o, int first_batch) {
+  SixSteps r;
+  CudaModel m(c, 2, 64, DType::bf16, o);
+  m.init_parameters(17);
+  for (int step = 0; step < 6; ++step) {
+    const Batch b = make_batch(2 * 64, c.vocab, first_batch + step);
+    AdamWConfig opt;
+    opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
+    r.steps.push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
+  }
+  if (o.cuda_graph) {
+    EXPECT_EQ(m.cuda_graph_status(), "on");
+  }
+  r.params.resize(size_t(m.parameter_count()));
+  m.copy_parameters_to(r.params.data());
+  return r;
+}
+
+void expect_same_bits(const SixSteps& got, const SixSteps& want, const std::string& what) {
+  for (size_t s = 0; s < want.steps.size(); ++s) {
+    EXPECT_EQ(got.steps[s].loss, want.steps[s].loss) << what << ", step " << s;
+    EXPECT_EQ(got.steps[s].grad_norm, want.steps[s].grad_norm) << what << ", step " << s;
+  }
+  EXPECT_TRUE(got.params == want.params) << what << ": parameters differ";
+}
+
 // The eager step's bits from the graphed step and from recomputation, for fp8 options `base` (bf16_pure and
 // the recipe as given).
 void expect_graphed_and_recomputed_steps_give_the_eager_bits(const ModelConfig& c, const ModelOptions& base) {
@@ -201,33 +234,14 @@ void expect_graphed_and_recomputed_steps_give_the_eager_bits(const ModelConfig& 
                               {"graphed", true, {}},
                               {"eager, recompute blocks", false, {RecomputePlan::Kind::blocks, 1}},
                               {"graphed, recompute selective", true, {RecomputePlan::Kind::selective, 1}}};
-  std::vector<StepResult> results[4];
-  std::vector<float> params[4];
+  SixSteps runs[4];
   for (int v = 0; v < 4; ++v) {
     ModelOptions o = base;
     o.cuda_graph = variants[v].graph;
     o.recompute = variants[v].recompute;
-    CudaModel m(c, 2, 64, DType::bf16, o);
-    m.init_parameters(17);
-    for (int step = 0; step < 6; ++step) {
-      const Batch b = make_batch(2 * 64, c.vocab, 30 + step);
-      AdamWConfig opt;
-      opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
-      results[v].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
-    }
-    if (variants[v].graph) {
-      EXPECT_EQ(m.cuda_graph_status(), "on") << variants[v].name;
-    }
-    params[v].resize(size_t(m.parameter_count()));
-    m.copy_parameters_to(params[v].data());
+    runs[v] = six_steps(c, o, 30);
   }
-  for (int v = 1; v < 4; ++v) {
-    for (size_t s = 0; s < results[0].size(); ++s) {
-      EXPECT_EQ(results[v][s].loss, results[0][s].loss) << variants[v].name << ", step " << s;
-      EXPECT_EQ(results[v][s].grad_norm, results[0][s].grad_norm) << variants[v].name << ", step " << s;
-    }
-    EXPECT_TRUE(params[v] == params[0]) << variants[v].name << ": parameters differ from the eager run's";
-  }
+  for (int v = 1; v < 4; ++v) expect_same_bits(runs[v], runs[0], variants[v].name);
 }
 
 }  // namespace
@@ -258,34 +272,17 @@ TEST(CudaModelFp8, FusedAmaxesGiveTheBitsOfReducingEachCast) {
                             Storage{"bf16, bf16 moments", false, OptimizerState::bf16},
                             Storage{"bf16-pure", true, OptimizerState::fp32}}) {
     for (bool graph : {false, true}) {
-      SCOPED_TRACE(std::string(st.name) + (graph ? ", graphed" : ", eager"));
-      std::vector<StepResult> results[2];
-      std::vector<float> params[2];
+      const std::string what = std::string(st.name) + (graph ? ", graphed" : ", eager");
+      SixSteps runs[2];
       for (int fused = 0; fused < 2; ++fused) {
         ModelOptions o = fp8_options(Fp8Format::e5m2);
         o.bf16_pure = st.pure;
         o.optimizer_state = st.state;
         o.cuda_graph = graph;
         o.fp8_fused_amax = fused == 1;
-        CudaModel m(c, 2, 64, DType::bf16, o);
-        m.init_parameters(17);
-        for (int step = 0; step < 6; ++step) {
-          const Batch b = make_batch(2 * 64, c.vocab, 40 + step);
-          AdamWConfig opt;
-          opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
-          results[fused].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
-        }
-        if (graph) {
-          EXPECT_EQ(m.cuda_graph_status(), "on");
-        }
-        params[fused].resize(size_t(m.parameter_count()));
-        m.copy_parameters_to(params[fused].data());
+        runs[fused] = six_steps(c, o, 40);
       }
-      for (size_t s = 0; s < results[0].size(); ++s) {
-        EXPECT_EQ(results[1][s].loss, results[0][s].loss) << "step " << s;
-        EXPECT_EQ(results[1][s].grad_norm, results[0][s].grad_norm) << "step " << s;
-      }
-      EXPECT_TRUE(params[1] == params[0]) << "parameters differ";
+      expect_same_bits(runs[1], runs[0], what);
     }
   }
 }

@@ -1037,8 +1037,9 @@ TEST(OpsCudaBf16, AdamWWritesTheAmaxesOfTheWeightsItStores) {
   EXPECT_THROW(gpu::adamw_step<fp16_t>(w.data(), w.data(), w.data(), w.data(), 16, lr, beta1, beta2, eps, wd, 1,
                                        half.data(), nullptr, 1.0f, stored),
                Error);
-  EXPECT_THROW(gpu::adamw_step_bf16(nullptr, nullptr, nullptr, nullptr, 16, lr, beta1, beta2, eps, wd, 1, nullptr, 1.0f,
-                                    StoredAmaxes{nullptr, 2}),
+  DeviceArray<bf16_t> b(16);
+  EXPECT_THROW(gpu::adamw_step_bf16(b.data(), b.data(), b.data(), b.data(), 16, lr, beta1, beta2, eps, wd, 1, nullptr,
+                                    1.0f, StoredAmaxes{nullptr, 2}),
                Error);
 }
 
