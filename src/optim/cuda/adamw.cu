@@ -49,10 +49,12 @@ __device__ __forceinline__ void for_each_pack_in_ranges(int64_t n, bool packed, 
     const int64_t head = packed ? min(e, (a + kPack - 1) / kPack * kPack) : e;
     const int64_t tail = max(head, packed ? e / kPack * kPack : e);
     best = 0;
+#pragma unroll 1  // under kPack elements: unrolling would only cost registers
     for (int64_t i = a + threadIdx.x; i < head; i += kThreads) body(Width<1>{}, i);
     for (int64_t i = head + int64_t{threadIdx.x} * kPack; i < tail; i += int64_t{kThreads} * kPack) {
       body(Width<kPack>{}, i);
     }
+#pragma unroll 1
     for (int64_t i = tail + threadIdx.x; i < e; i += kThreads) body(Width<1>{}, i);
     if (inside) {
       block_amax_to<kThreads>(reinterpret_cast<uint32_t*>(r->amax), best);
