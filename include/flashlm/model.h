@@ -136,6 +136,11 @@ struct ModelOptions {
   // cast twice (scaled per row and, transposed, per column) and every cast reduces its own amaxes: more cast
   // work than tensorwise, for a finer quantisation. On the CPU emulated the same way.
   Fp8Recipe fp8_recipe = Fp8Recipe::tensorwise;
+  // fp8 on CUDA, tensorwise: the amaxes of the FP8 operands come from the kernels that write the tensors (the
+  // RMSNorm, SwiGLU and RoPE kernels for activations and gradients, the AdamW step for the block weights:
+  // src/model/fp8.h's Fp8Produced, src/model/cuda/fp8_linear.h) instead of a reduction before each cast. The
+  // same bits either way; false, every cast reducing its own, is for the tests that check so.
+  bool fp8_fused_amax = true;
   // fp8 needs precision bf16 (bf16_pure or not) on CUDA, fp32 without bf16_pure on the CPU: an Error
   // otherwise (the models and the memory plan check it).
   void check_fp8(DType precision, Device device = Device::cuda) const;

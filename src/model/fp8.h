@@ -20,6 +20,7 @@
 #pragma once
 #include <cstdint>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "core/host_device.h"
@@ -75,9 +76,32 @@ inline constexpr uint32_t kFp8ScaleAlignment = 16;
 // RMSNorm outputs, the SwiGLU output, the SwiGLU backward's du and dg (w1's and w3's output gradients), and
 // the residual gradient at the block's two products that read it as dy: dres_ffn, w2's (written by the
 // backward of the next block's ln1, or of the final norm), and dres_attn, the output projection's (written by
-// the backward of this block's ln2). The casts of those tensors then skip their own reduction.
-enum class Fp8Produced { h1, h2, s, du, dg, dres_ffn, dres_attn };
-inline constexpr int64_t kFp8Produced = 7;
+// the backward of this block's ln2); and dqkv, the q|k|v projection's dy, whose amax the RoPE backward writes
+// (it rotates dq and dk and reads dv, which the attention backward left beside them: one kernel covers the
+// whole tensor). The casts of those tensors then skip their own reduction.
+enum class Fp8Produced { h1, h2, s, du, dg, dres_ffn, dres_attn, dqkv };
+inline constexpr int64_t kFp8Produced = 8;
+
+// Whether the block weights' amax slots (CUDA: Fp8Linear's) hold the amaxes of the weights as they are stored
+// now: set by the kernel that stored them and wrote their amaxes too (the AdamW step, for the weights it
+// covered, in pass order), made stale by anything else that writes a weight, and taken once by the next pass,
+// which trusts the slots only for exactly the weights set, and otherwise reduces them itself. Host-side state:
+// a stale flag costs one reduction, a trusted stale amax would cost the bits.
+class Fp8WeightAmaxes {
+ public:
+  void set_current(std::vector<const void*> weights) { current_ = std::move(weights); }
+  void stale() { current_.clear(); }
+  bool current() const { return !current_.empty(); }
+  // Whether the slots hold the amaxes of `weights`, exactly these in this order; stale afterwards either way.
+  bool take(const std::vector<const void*>& weights) {
+    const bool hold = !weights.empty() && weights == current_;
+    current_.clear();
+    return hold;
+  }
+
+ private:
+  std::vector<const void*> current_;
+};
 
 // ---------------------------------------------------------------------------------------------------
 // The CPU emulation (fp8_cpu.cpp).

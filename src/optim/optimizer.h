@@ -51,6 +51,21 @@ constexpr uint16_t bf16_bits_stochastic(uint32_t x, uint32_t random) {
   return uint16_t((x + (random & 0xffffu)) >> 16);
 }
 
+// The amaxes an AdamW step also writes (FP8 training's block weights, ModelOptions::fp8): for each range,
+// *amax = max |value| over the values the step stores in elements [begin, begin + count) of its buffers — the
+// low-precision copy (param_copy), or bf16-pure's parameters — bit for bit what gpu::fp8_amax reduces over them
+// afterwards (the magnitudes' bits, a NaN winning). Each *amax must be zero before the step (the caller clears
+// them). The next FP8 cast of those weights then skips a reduction over every block weight.
+struct AmaxRange {
+  int64_t begin = 0, count = 0;
+  float* amax = nullptr;  // device
+};
+// ranges: `count` device entries, ascending and disjoint, each count >= 1, within the step's n; none: {}.
+struct StoredAmaxes {
+  const AmaxRange* ranges = nullptr;
+  int count = 0;
+};
+
 // A train step's scalars in device memory, for a step replayed as a CUDA graph: the host writes adam (with
 // grad_scale 1) and max_norm before each replay; gpu::clip_on_device sets norm and adam.grad_scale; AdamW
 // reads adam (gpu::adamw_step_live).
@@ -100,36 +115,39 @@ namespace flashlm::gpu {
 // T = float and no copy, call adamw_step<float>(..., nullptr, stream). grad_scale multiplies each gradient
 // first (once, rounded: the result of scale_inplace(grad, n, grad_scale) followed by the step, without that
 // pass).
+// amax (every variant; none by default): the StoredAmaxes of what the step stores, which needs a bf16 param_copy
+// here (an Error otherwise). The same bits in every array with or without it.
 template <class T>
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
-                double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale = 1.0f);
+                double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale = 1.0f,
+                StoredAmaxes amax = {});
 
 // Pure bf16 (cpu::adamw_step_bf16's bits): param, grad, m and v all bf16 [n], updated in place, 16-byte
 // accesses where all four are aligned. The moments must start at zero (the first step's m' = (1 - b1) g).
 void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
                      double beta2, double eps, double weight_decay, int64_t step, void* stream,
-                     float grad_scale = 1.0f);
+                     float grad_scale = 1.0f, StoredAmaxes amax = {});
 
 // bf16 moments (above; cpu::adamw_step_bf16_moments's bits), with adamw_step's param_copy and grad_scale.
 template <class T>
 void adamw_step_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n, double lr,
                              double beta1, double beta2, double eps, double weight_decay, int64_t step,
                              MomentRounding rounding, int64_t first_index, T* param_copy, void* stream,
-                             float grad_scale = 1.0f);
+                             float grad_scale = 1.0f, StoredAmaxes amax = {});
 
 // adamw_step and adamw_step_bf16 with the step's scalars read from device memory when the kernels run, not
 // fixed when they are queued: a CUDA graph of the train step replays them with each step's lr, step count
 // and clipping factor (CudaModel::train_step).
 template <class T>
 void adamw_step_live(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWScalars* scalars,
-                     T* param_copy, void* stream);
+                     T* param_copy, void* stream, StoredAmaxes amax = {});
 void adamw_step_bf16_live(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n,
-                          const AdamWScalars* scalars, void* stream);
+                          const AdamWScalars* scalars, void* stream, StoredAmaxes amax = {});
 // bf16 moments, live: the rounding key too is read from scalars (stochastic: whether to use it).
 template <class T>
 void adamw_step_bf16_moments_live(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n,
                                   const AdamWScalars* scalars, bool stochastic, int64_t first_index, T* param_copy,
-                                  void* stream);
+                                  void* stream, StoredAmaxes amax = {});
 
 // Clipping on the device, for a graphed step: s->norm = sqrt(Σ partial[0, count)) summed in index order in
 // fp64, and s->adam.grad_scale = cpu::clip_scale(norm, s->max_norm) when max_norm > 0 and norm > max_norm,

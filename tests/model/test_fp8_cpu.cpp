@@ -662,3 +662,46 @@ TEST(CpuModelFp8, RowwiseTrainingTracksFp32AndIsReproducible) {
     EXPECT_EQ(other.first_gradients, again.first_gradients) << recompute;
   }
 }
+
+// The weights' amax slots are trusted once, and only for exactly the weights their writer covered: any other
+// list, a second pass, or a writer in between (stale) sends the pass back to its own reduction.
+TEST(Fp8WeightAmaxes, AreTakenOnceForExactlyTheWeightsSet) {
+  const int w[3] = {};
+  const std::vector<const void*> all = {&w[0], &w[1], &w[2]}, two = {&w[0], &w[1]},
+                                 swapped = {&w[1], &w[0], &w[2]};
+  Fp8WeightAmaxes a;
+  EXPECT_FALSE(a.current());
+  EXPECT_FALSE(a.take(all));  // nothing set: a fresh model reduces
+
+  a.set_current(all);
+  EXPECT_TRUE(a.current());
+  EXPECT_TRUE(a.take(all));
+  EXPECT_FALSE(a.current());
+  EXPECT_FALSE(a.take(all));  // taken once: the next pass reduces
+
+  a.set_current(all);
+  a.stale();  // a checkpoint load, an init, a pointer handed out
+  EXPECT_FALSE(a.take(all));
+
+  for (const std::vector<const void*>& other : {two, swapped, std::vector<const void*>{}}) {
+    a.set_current(all);
+    EXPECT_FALSE(a.take(other));
+    EXPECT_FALSE(a.current());  // refused, and stale after it
+  }
+  a.set_current({});
+  EXPECT_FALSE(a.current());
+  EXPECT_FALSE(a.take({}));
+}
+
+// The CUDA model's AdamW step writes one amax per scale group: fp8_scale_groups' runs, q‖k‖v as one, ascending
+// and disjoint (what StoredAmaxes needs).
+TEST(Fp8WeightAmaxes, ScaleGroupsAreAscendingAndDisjoint) {
+  const ModelConfig c = ModelConfig::named("tiny", 64, 128);
+  const std::vector<ParameterInfo> layout = parameter_layout(c);
+  const std::vector<Fp8ScaleGroup> groups = fp8_scale_groups(layout);
+  ASSERT_EQ(int64_t(groups.size()), 5 * c.layers);
+  for (size_t i = 1; i < groups.size(); ++i) {
+    EXPECT_LE(groups[i - 1].offset + groups[i - 1].count, groups[i].offset) << i;
+  }
+  EXPECT_EQ(groups[0].count, 3 * c.d_model * c.d_model);  // q, k and v: one amax
+}

@@ -33,6 +33,7 @@
 #ifdef FLASHLM_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "core/cuda_runtime.h"
 #include "model/cuda/fp8.h"
 #include "model/cuda/fp8_linear.h"
 #include "model/cuda/gemm.h"
@@ -950,6 +951,61 @@ TEST(Fp8Linear, ProducerAmaxGivesTheBitsOfReducingHere) {
   EXPECT_NE(gx_a.download<uint16_t>(), gx_b.download<uint16_t>()) << "dx with three times dy's amax";
   EXPECT_NO_THROW(given.produced_amax(c.layers - 1, Fp8Produced::dg));
   expect_error([&] { given.produced_amax(c.layers, Fp8Produced::h1); }, "produced_amax");
+}
+
+// The weights' amaxes from their writer (the AdamW step's StoredAmaxes into weight_amax's slots): a begin_pass
+// right after set_weight_amaxes_current takes the slots as they are (here planted at three times the true amax,
+// so that taking them shows in the slot), once; the next pass, or one over another list, or one after
+// weights_changed(), reduces the weights again (fp8_amax's bits). Rowwise has no such slots.
+TEST(Fp8Linear, WeightAmaxesFromTheirWriterAreTakenOnce) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = layer_test_config();
+  const int64_t n = 96, in = 64, out = 160;
+  Fp8Linear layer(c, n, Fp8Format::e5m2);
+  const std::vector<float> w1 = random_bf16_values(out * in, 94), w2 = random_bf16_values(out * in, 95);
+  Dev dw1{w1.size() * 2}, dw2{w2.size() * 2}, want{2 * sizeof(float)};
+  dw1.upload(to_bf16(w1));
+  dw2.upload(to_bf16(w2));
+  gpu::fp8_amax(dw1.as<bf16_t>(), out * in, want.as<float>(), nullptr);
+  gpu::fp8_amax(dw2.as<bf16_t>(), out * in, want.as<float>() + 1, nullptr);
+  const std::vector<float> truth = want.download<float>();
+  const std::vector<Fp8WeightRef> both = {{"layers.0.ffn.w1.weight", dw1.as<bf16_t>(), in, out},
+                                          {"layers.0.ffn.w3.weight", dw2.as<bf16_t>(), in, out}};
+  float* slots[2] = {layer.weight_amax(both[0]), layer.weight_amax(both[1])};
+  const auto slot = [&](int i) {
+    float v = 0;
+    cuda_stream_synchronize(nullptr);
+    cuda_copy(&v, slots[i], sizeof v);
+    return v;
+  };
+  const auto plant = [&] {  // what a writer would have left, distinguishable from the reduction's
+    layer.clear_weight_amaxes(nullptr);
+    for (int i = 0; i < 2; ++i) {
+      const float planted = 3.0f * truth[size_t(i)];
+      cuda_stream_synchronize(nullptr);
+      cuda_copy(slots[i], &planted, sizeof planted);
+    }
+    layer.set_weight_amaxes_current(both);
+  };
+  plant();
+  EXPECT_TRUE(layer.weight_amaxes_current());
+  layer.begin_pass(both, nullptr);
+  EXPECT_FALSE(layer.weight_amaxes_current());
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(slot(i), 3.0f * truth[size_t(i)]) << "taken as written, weight " << i;
+  layer.begin_pass(both, nullptr);  // taken once
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(std::bit_cast<uint32_t>(slot(i)), std::bit_cast<uint32_t>(truth[size_t(i)]));
+  plant();
+  layer.weights_changed();  // a load, an init, a pointer handed out
+  layer.begin_pass(both, nullptr);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(slot(i), truth[size_t(i)]) << "stale: reduced, weight " << i;
+  plant();
+  layer.begin_pass(std::span(both).first(1), nullptr);  // another list than the writer's
+  EXPECT_EQ(slot(0), truth[0]);
+
+  Fp8Linear rowwise(c, n, Fp8Format::e5m2, Fp8Recipe::rowwise);
+  expect_error([&] { rowwise.weight_amax(both[0]); }, "rowwise");
+  Fp8Linear unnamed(c, n, Fp8Format::e5m2);
+  expect_error([&] { unnamed.set_weight_amaxes_current(both); }, "no amax slot");
 }
 
 // FSDP's FP8 gather hands a named weight over as e4m3 bytes and a scale slot (Fp8LinearWeight): the forward

@@ -189,6 +189,39 @@ TEST(CudaModelFp8, OverBf16PureTracksBf16PureAndIsReproducible) {
 // bf16 mixed precision and over bf16-pure.
 namespace {
 
+// Six train_steps from init_parameters(17) on batches first_batch, first_batch + 1, ..., clipping every other
+// step and the learning rate rising: each step's result and the parameters after them (the CUDA graph checked
+// "on" where o asks for it).
+struct SixSteps {
+  std::vector<StepResult> steps;
+  std::vector<float> params;
+};
+SixSteps six_steps(const ModelConfig& c, const ModelOptions& o, int first_batch) {
+  SixSteps r;
+  CudaModel m(c, 2, 64, DType::bf16, o);
+  m.init_parameters(17);
+  for (int step = 0; step < 6; ++step) {
+    const Batch b = make_batch(2 * 64, c.vocab, first_batch + step);
+    AdamWConfig opt;
+    opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
+    r.steps.push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
+  }
+  if (o.cuda_graph) {
+    EXPECT_EQ(m.cuda_graph_status(), "on");
+  }
+  r.params.resize(size_t(m.parameter_count()));
+  m.copy_parameters_to(r.params.data());
+  return r;
+}
+
+void expect_same_bits(const SixSteps& got, const SixSteps& want, const std::string& what) {
+  for (size_t s = 0; s < want.steps.size(); ++s) {
+    EXPECT_EQ(got.steps[s].loss, want.steps[s].loss) << what << ", step " << s;
+    EXPECT_EQ(got.steps[s].grad_norm, want.steps[s].grad_norm) << what << ", step " << s;
+  }
+  EXPECT_TRUE(got.params == want.params) << what << ": parameters differ";
+}
+
 // The eager step's bits from the graphed step and from recomputation, for fp8 options `base` (bf16_pure and
 // the recipe as given).
 void expect_graphed_and_recomputed_steps_give_the_eager_bits(const ModelConfig& c, const ModelOptions& base) {
@@ -201,33 +234,14 @@ void expect_graphed_and_recomputed_steps_give_the_eager_bits(const ModelConfig& 
                               {"graphed", true, {}},
                               {"eager, recompute blocks", false, {RecomputePlan::Kind::blocks, 1}},
                               {"graphed, recompute selective", true, {RecomputePlan::Kind::selective, 1}}};
-  std::vector<StepResult> results[4];
-  std::vector<float> params[4];
+  SixSteps runs[4];
   for (int v = 0; v < 4; ++v) {
     ModelOptions o = base;
     o.cuda_graph = variants[v].graph;
     o.recompute = variants[v].recompute;
-    CudaModel m(c, 2, 64, DType::bf16, o);
-    m.init_parameters(17);
-    for (int step = 0; step < 6; ++step) {
-      const Batch b = make_batch(2 * 64, c.vocab, 30 + step);
-      AdamWConfig opt;
-      opt.max_grad_norm = step % 2 == 0 ? 1e-3 : 1e9;
-      results[v].push_back(m.train_step(b.tokens.data(), b.targets.data(), opt, 1e-3 * (1 + step)));
-    }
-    if (variants[v].graph) {
-      EXPECT_EQ(m.cuda_graph_status(), "on") << variants[v].name;
-    }
-    params[v].resize(size_t(m.parameter_count()));
-    m.copy_parameters_to(params[v].data());
+    runs[v] = six_steps(c, o, 30);
   }
-  for (int v = 1; v < 4; ++v) {
-    for (size_t s = 0; s < results[0].size(); ++s) {
-      EXPECT_EQ(results[v][s].loss, results[0][s].loss) << variants[v].name << ", step " << s;
-      EXPECT_EQ(results[v][s].grad_norm, results[0][s].grad_norm) << variants[v].name << ", step " << s;
-    }
-    EXPECT_TRUE(params[v] == params[0]) << variants[v].name << ": parameters differ from the eager run's";
-  }
+  for (int v = 1; v < 4; ++v) expect_same_bits(runs[v], runs[0], variants[v].name);
 }
 
 }  // namespace
@@ -240,6 +254,77 @@ TEST(CudaModelFp8, GraphedAndRecomputedStepsGiveTheEagerBits) {
     ModelOptions o = fp8_options(Fp8Format::e5m2);
     o.bf16_pure = pure;
     expect_graphed_and_recomputed_steps_give_the_eager_bits(c, o);
+  }
+}
+
+// The amaxes from the tensors' producers (ModelOptions::fp8_fused_amax: RMSNorm, SwiGLU, the RoPE backward's
+// dqkv, the AdamW step's block weights) give the bits of every cast reducing its own: losses, norms and
+// parameters over six steps, eager and graphed, over bf16 (fp32 and bf16 moments) and bf16-pure.
+TEST(CudaModelFp8, FusedAmaxesGiveTheBitsOfReducingEachCast) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = fp8_config();
+  struct Storage {
+    const char* name;
+    bool pure;
+    OptimizerState state;
+  };
+  for (const Storage& st : {Storage{"bf16", false, OptimizerState::fp32},
+                            Storage{"bf16, bf16 moments", false, OptimizerState::bf16},
+                            Storage{"bf16-pure", true, OptimizerState::fp32}}) {
+    for (bool graph : {false, true}) {
+      const std::string what = std::string(st.name) + (graph ? ", graphed" : ", eager");
+      SixSteps runs[2];
+      for (int fused = 0; fused < 2; ++fused) {
+        ModelOptions o = fp8_options(Fp8Format::e5m2);
+        o.bf16_pure = st.pure;
+        o.optimizer_state = st.state;
+        o.cuda_graph = graph;
+        o.fp8_fused_amax = fused == 1;
+        runs[fused] = six_steps(c, o, 40);
+      }
+      expect_same_bits(runs[1], runs[0], what);
+    }
+  }
+}
+
+// The AdamW step's weight amaxes are trusted only until anything else writes the weights: after a load_state
+// (here of the state three steps back, into a model whose slots hold the amaxes of its newer weights), the next
+// steps give the bits of a fresh model loading the same state, eager and graphed (the graph's captured pass takes
+// the slots; a reduction before its launch refreshes them), over bf16 and bf16-pure.
+TEST(CudaModelFp8, WeightAmaxesAreReducedAgainAfterALoad) {
+  SKIP_WITHOUT_GPU();
+  const ModelConfig c = fp8_config();
+  for (bool pure : {false, true}) {
+    for (bool graph : {false, true}) {
+      SCOPED_TRACE(std::string(pure ? "bf16-pure" : "bf16") + (graph ? ", graphed" : ", eager"));
+      ModelOptions o = fp8_options(Fp8Format::e4m3);
+      o.bf16_pure = pure;
+      o.cuda_graph = graph;
+      const AdamWConfig opt;
+      const auto step = [&](CudaModel& m, int i) {
+        const Batch b = make_batch(2 * 64, c.vocab, 60 + i);
+        return m.train_step(b.tokens.data(), b.targets.data(), opt, 3e-3);
+      };
+      CudaModel a(c, 2, 64, DType::bf16, o);
+      a.init_parameters(23);
+      for (int i = 0; i < 3; ++i) step(a, i);
+      const size_t count = size_t(a.parameter_count());
+      std::vector<float> p(count), mo(count), v(count);
+      a.save_state(p, mo, v);
+      for (int i = 3; i < 6; ++i) step(a, i);  // the slots now hold the amaxes of these later weights
+      a.load_state(p, mo, v, 3);
+      CudaModel b(c, 2, 64, DType::bf16, o);
+      b.load_state(p, mo, v, 3);
+      for (int i = 3; i < 6; ++i) {
+        const StepResult ra = step(a, i), rb = step(b, i);
+        EXPECT_EQ(ra.loss, rb.loss) << "step " << i;
+        EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << i;
+      }
+      std::vector<float> pa(count), pb(count);
+      a.copy_parameters_to(pa.data());
+      b.copy_parameters_to(pb.data());
+      EXPECT_TRUE(pa == pb) << "parameters differ";
+    }
   }
 }
 

@@ -30,6 +30,7 @@
 #include "flashlm/dtype.h"
 #include "flashlm/error.h"
 #include "flashlm/memory.h"
+#include "model/cuda/fp8.h"
 #include "model/cuda/gemm.h"
 #include "model/lm_head.h"
 #include "model/ops_cpu.h"
@@ -392,6 +393,67 @@ TYPED_TEST(OpsCuda, RopeWithATokenStrideRotatesQAndKInPlace) {
       }
     }
   }
+}
+
+// FP8 training's dqkv amax: the RoPE backward over q and k of a [tokens, 3 · heads · head_dim] q|k|v gradient,
+// reading v too (amax_heads = 3 · heads), gives the amax of the whole tensor as stored: the largest magnitude's
+// bits over every element (magnitude_bits_max), fp8_amax's bits where it is instantiated (fp32, bf16), and the
+// same rotated values as the call without an amax. The largest value, then a NaN, placed in v (which the kernel
+// only reads), and in q; the packed path and the pairwise one.
+uint32_t magnitude_bits_max(const std::vector<float>& v) {
+  uint32_t best = 0;
+  for (float x : v) best = std::max(best, std::bit_cast<uint32_t>(x) & 0x7fffffffu);
+  return best;
+}
+
+TYPED_TEST(OpsCuda, RopeBackwardWritesTheAmaxOfTheWholeQkvGradient) {
+  SKIP_WITHOUT_GPU();
+  using T = TypeParam;
+  struct Shape {
+    int64_t batch, seq, heads, head_dim;
+  };
+  for (const Shape& s : {Shape{2, 7, 3, 48}, Shape{1, 5, 2, 2}, Shape{2, 64, 4, 16}}) {
+    const int64_t half = s.head_dim / 2, d = s.heads * s.head_dim, tokens = s.batch * s.seq;
+    std::vector<float> cos(size_t(s.seq * half)), sin(size_t(s.seq * half));
+    cpu::rope_tables(cos.data(), sin.data(), s.seq, s.head_dim, 10000.0);
+    DeviceArray<float> dcos(cos), dsin(sin), amax(1), reduced(1);
+    const int64_t v_at = (tokens / 2) * 3 * d + 2 * d + d / 2, q_at = (tokens - 1) * 3 * d + 1;
+    for (const char* extreme : {"none", "large in v", "NaN in v", "large in q", "NaN in q"}) {
+      SCOPED_TRACE(dims({{"batch", s.batch}, {"seq", s.seq}, {"heads", s.heads}, {"head_dim", s.head_dim}}) + ", " +
+                   extreme);
+      std::vector<float> qkv = random_values<T>(tokens * 3 * d, 1400 + d);
+      const std::string what = extreme;
+      const float value = what.find("NaN") != std::string::npos ? std::numeric_limits<float>::quiet_NaN() : 1000.0f;
+      if (what != "none") qkv[size_t(what.find(" v") != std::string::npos ? v_at : q_at)] = value;
+      DeviceArray<T> with = device_copy<T>(qkv), without = device_copy<T>(qkv);
+      amax.poison();
+      gpu::rope_backward<T>(with.data(), dcos.data(), dsin.data(), s.batch, s.seq, 2 * s.heads, s.head_dim, nullptr,
+                            3 * d, amax.data(), 3 * s.heads);
+      gpu::rope_backward<T>(without.data(), dcos.data(), dsin.data(), s.batch, s.seq, 2 * s.heads, s.head_dim, nullptr,
+                            3 * d);
+      EXPECT_TRUE(bitwise_equal(with.download(), without.download())) << "the rotation changed";
+      const uint32_t got = std::bit_cast<uint32_t>(amax.download()[0]);
+      const std::vector<float> stored = download_floats(with);
+      if (what.find("NaN") != std::string::npos) {
+        EXPECT_TRUE(std::isnan(std::bit_cast<float>(got))) << "a NaN in the tensor gives a NaN amax";
+      }
+      if (!std::is_same_v<T, fp16_t> || what.find("NaN") == std::string::npos) {  // fp16 NaN payloads may widen apart
+        EXPECT_EQ(got, magnitude_bits_max(stored));
+      }
+      if constexpr (!std::is_same_v<T, fp16_t>) {
+        reduced.poison();
+        gpu::fp8_amax<T>(with.data(), tokens * 3 * d, reduced.data(), nullptr);
+        EXPECT_EQ(got, std::bit_cast<uint32_t>(reduced.download()[0])) << "fp8_amax of the same tensor";
+      }
+    }
+  }
+  DeviceArray<T> x(8);
+  DeviceArray<float> table(8), amax(1);
+  // The heads the amax covers must fit the token stride, and include the rotated ones.
+  EXPECT_THROW(gpu::rope_backward<T>(x.data(), table.data(), table.data(), 1, 1, 1, 2, nullptr, 4, amax.data(), 3),
+               Error);
+  EXPECT_THROW(gpu::rope_backward<T>(x.data(), table.data(), table.data(), 1, 1, 2, 2, nullptr, 4, amax.data(), 1),
+               Error);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -857,6 +919,128 @@ TYPED_TEST(OpsCuda, AdamWBf16MomentsMatchesCpuBitwise) {
       }
     }
   }
+}
+
+// FP8 training's weight amaxes from the AdamW step (StoredAmaxes): every variant that stores bf16 weights (fp32
+// masters with fp32 or bf16 moments and a bf16 copy, fixed and live scalars, both moment roundings; pure bf16),
+// with ranges that start and end off the packs, lie side by side, cross a chunk of the amax step and run to the
+// end, writes for each range the bits fp8_amax computes over the stored values afterwards, and leaves every array
+// with the bits of the step without amaxes. A NaN gradient inside a range makes its amax NaN; one in a gap touches
+// no amax. Aligned arrays (packed) and arrays one element off.
+TEST(OpsCudaBf16, AdamWWritesTheAmaxesOfTheWeightsItStores) {
+  SKIP_WITHOUT_GPU();
+  const double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
+  const AdamWScalars scalars = adamw_scalars(lr, beta1, beta2, eps, wd, 2, 0.5f);
+  DeviceArray<AdamWScalars> live(std::vector<AdamWScalars>{scalars});
+  enum class Variant { masters, masters_live, moments, moments_stochastic, moments_live, pure, pure_live };
+  for (Variant variant : {Variant::masters, Variant::masters_live, Variant::moments, Variant::moments_stochastic,
+                          Variant::moments_live, Variant::pure, Variant::pure_live}) {
+    for (int64_t n : {int64_t{1000}, int64_t{200003}}) {
+      for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+        SCOPED_TRACE(dims({{"variant", int64_t(variant)}, {"n", n}, {"offset", offset}}));
+        std::vector<AmaxRange> ranges =
+            n == 1000 ? std::vector<AmaxRange>{{0, 1}, {5, 8}, {13, 7}, {100, 800}}
+                      : std::vector<AmaxRange>{{3, 1000}, {1003, 68997}, {131067, 14}, {150001, 50002}};
+        const size_t nan_range = n == 1000 ? 1 : 0;  // the range holding element 7
+        DeviceArray<float> amaxes(int64_t(ranges.size())), reduced(1);
+        for (size_t i = 0; i < ranges.size(); ++i) ranges[i].amax = amaxes.data() + i;
+        DeviceArray<AmaxRange> table(ranges);
+        const StoredAmaxes stored{table.data(), int(ranges.size())};
+        std::vector<float> g = random_values(n + offset, 4100 + n, 1e-2f);
+        g[size_t(offset + 7)] = std::numeric_limits<float>::quiet_NaN();  // in range nan_range
+        g[size_t(offset + (n == 1000 ? 950 : 100000))] = std::numeric_limits<float>::quiet_NaN();  // in a gap
+        const std::vector<float> w = random_values(n + offset, 4200 + n, 0.05f),
+                                 m = random_values(n + offset, 4300 + n, 1e-3f);
+        std::vector<float> v = random_values(n + offset, 4400 + n, 1e-3f);
+        for (float& x : v) x *= x;
+        // One run: the arrays after the step, as bytes, and (with) the amaxes.
+        const auto run = [&](bool with) {
+          const StoredAmaxes amax = with ? stored : StoredAmaxes{};
+          const bool pure = variant == Variant::pure || variant == Variant::pure_live;
+          DeviceArray<float> d_w(w), d_g(g), d_m(m), d_v(v);
+          DeviceArray<bf16_t> b_w = device_copy<bf16_t>(w), b_g = device_copy<bf16_t>(g), b_m = device_copy<bf16_t>(m),
+                              b_v = device_copy<bf16_t>(v), copy(n + offset);
+          copy.poison();
+          amaxes.poison();
+          if (with) gpu::memset_async(amaxes.data(), 0, amaxes.bytes(), nullptr);  // the caller clears them
+          const int64_t o = offset;
+          switch (variant) {
+            case Variant::masters:
+              gpu::adamw_step<bf16_t>(d_w.data() + o, d_g.data() + o, d_m.data() + o, d_v.data() + o, n, lr, beta1,
+                                      beta2, eps, wd, 2, copy.data() + o, nullptr, 0.5f, amax);
+              break;
+            case Variant::masters_live:
+              gpu::adamw_step_live<bf16_t>(d_w.data() + o, d_g.data() + o, d_m.data() + o, d_v.data() + o, n,
+                                           live.data(), copy.data() + o, nullptr, amax);
+              break;
+            case Variant::moments:
+            case Variant::moments_stochastic:
+              gpu::adamw_step_bf16_moments<bf16_t>(d_w.data() + o, d_g.data() + o, b_m.data() + o, b_v.data() + o, n,
+                                                   lr, beta1, beta2, eps, wd, 2,
+                                                   {variant == Variant::moments_stochastic, 77}, 12345,
+                                                   copy.data() + o, nullptr, 0.5f, amax);
+              break;
+            case Variant::moments_live:
+              gpu::adamw_step_bf16_moments_live<bf16_t>(d_w.data() + o, d_g.data() + o, b_m.data() + o,
+                                                        b_v.data() + o, n, live.data(), false, 0, copy.data() + o,
+                                                        nullptr, amax);
+              break;
+            case Variant::pure:
+              gpu::adamw_step_bf16(b_w.data() + o, b_g.data() + o, b_m.data() + o, b_v.data() + o, n, lr, beta1, beta2,
+                                   eps, wd, 2, nullptr, 0.5f, amax);
+              break;
+            case Variant::pure_live:
+              gpu::adamw_step_bf16_live(b_w.data() + o, b_g.data() + o, b_m.data() + o, b_v.data() + o, n,
+                                        live.data(), nullptr, amax);
+              break;
+          }
+          struct Result {
+            std::vector<float> w, m, v;
+            std::vector<bf16_t> stored, bm, bv;
+            std::vector<float> amax;
+          };
+          Result r{d_w.download(), d_m.download(), d_v.download(), pure ? b_w.download() : copy.download(),
+                   b_m.download(), b_v.download(), amaxes.download()};
+          // The weights as stored, checked against fp8_amax over each range, on the device.
+          if (with) {
+            const bf16_t* values = pure ? b_w.data() + o : copy.data() + o;
+            for (size_t i = 0; i < ranges.size(); ++i) {
+              reduced.poison();
+              gpu::fp8_amax<bf16_t>(values + ranges[i].begin, ranges[i].count, reduced.data(), nullptr);
+              EXPECT_EQ(std::bit_cast<uint32_t>(r.amax[i]), std::bit_cast<uint32_t>(reduced.download()[0]))
+                  << "range " << i;
+            }
+          }
+          return r;
+        };
+        const auto with = run(true), without = run(false);
+        EXPECT_TRUE(bitwise_equal(with.w, without.w)) << "w";
+        EXPECT_TRUE(bitwise_equal(with.m, without.m)) << "m";
+        EXPECT_TRUE(bitwise_equal(with.v, without.v)) << "v";
+        EXPECT_TRUE(bitwise_equal(with.stored, without.stored)) << "the stored bf16 weights";
+        EXPECT_TRUE(bitwise_equal(with.bm, without.bm)) << "bf16 m";
+        EXPECT_TRUE(bitwise_equal(with.bv, without.bv)) << "bf16 v";
+        for (size_t i = 0; i < ranges.size(); ++i) {
+          EXPECT_EQ(std::isnan(with.amax[i]), i == nan_range) << "range " << i << " (NaN only where its gradient was)";
+        }
+      }
+    }
+  }
+  // Amaxes are of a bf16 copy as stored: none, or another type's, is an Error; so is a table without entries.
+  DeviceArray<float> w(16);
+  DeviceArray<AmaxRange> table(std::vector<AmaxRange>{{0, 16, w.data()}});
+  const StoredAmaxes stored{table.data(), 1};
+  DeviceArray<fp16_t> half(16);
+  EXPECT_THROW(gpu::adamw_step<float>(w.data(), w.data(), w.data(), w.data(), 16, lr, beta1, beta2, eps, wd, 1, nullptr,
+                                      nullptr, 1.0f, stored),
+               Error);
+  EXPECT_THROW(gpu::adamw_step<fp16_t>(w.data(), w.data(), w.data(), w.data(), 16, lr, beta1, beta2, eps, wd, 1,
+                                       half.data(), nullptr, 1.0f, stored),
+               Error);
+  DeviceArray<bf16_t> b(16);
+  EXPECT_THROW(gpu::adamw_step_bf16(b.data(), b.data(), b.data(), b.data(), 16, lr, beta1, beta2, eps, wd, 1, nullptr,
+                                    1.0f, StoredAmaxes{nullptr, 2}),
+               Error);
 }
 
 // ---------------------------------------------------------------------------------------------------

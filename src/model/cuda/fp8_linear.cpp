@@ -15,6 +15,17 @@
 
 namespace flashlm {
 
+namespace {
+
+std::vector<const void*> weight_pointers(std::span<const Fp8WeightRef> weights) {
+  std::vector<const void*> p;
+  p.reserve(weights.size());
+  for (const Fp8WeightRef& r : weights) p.push_back(r.w);
+  return p;
+}
+
+}  // namespace
+
 Fp8Linear::Fp8Linear(const ModelConfig& c, int64_t tokens, Fp8Format gradients, Fp8Recipe recipe, bool keep_inputs)
     : n_(tokens),
       layers_(c.layers),
@@ -60,7 +71,16 @@ Fp8Linear::CachedWeight& Fp8Linear::entry(std::string_view name, int64_t in, int
 void Fp8Linear::begin_pass(std::span<const Fp8WeightRef> weights, void* stream) {
   ++pass_;
   act_.x = act_x_t_ = nullptr;
+  // Taken once: the next pass reduces unless the weights' writer says so anew.
+  const bool current = weight_amaxes_.take(weight_pointers(weights));
   if (weights.empty() || recipe_ != Fp8Recipe::tensorwise) return;
+  if (!current && !reduce_weight_amaxes(weights, stream)) return;
+  for (const Fp8WeightRef& r : weights) cached_.find(r.name)->second.amax_pass = pass_;
+}
+
+bool Fp8Linear::reduce_weight_amaxes(std::span<const Fp8WeightRef> weights, void* stream) {
+  FLASHLM_CHECK(recipe_ == Fp8Recipe::tensorwise && !weights.empty(),
+                "Fp8Linear::reduce_weight_amaxes: tensorwise weights only ({} given)", weights.size());
   std::vector<gpu::Fp8AmaxSegment> table;
   table.reserve(weights.size());
   int64_t chunks = 0;
@@ -76,7 +96,7 @@ void Fp8Linear::begin_pass(std::span<const Fp8WeightRef> weights, void* stream) 
   if (!std::ranges::equal(table, amax_table_, same)) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     FLASHLM_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture), "cudaStreamIsCapturing");
-    if (capture != cudaStreamCaptureStatusNone) return;  // no upload inside a capture: weight by weight instead
+    if (capture != cudaStreamCaptureStatusNone) return false;  // no upload inside a capture: weight by weight instead
     FLASHLM_CHECK(int64_t(table.size()) <= layout_.cache_slots, "Fp8Linear::begin_pass: {} weights, {} cache slots",
                   table.size(), layout_.cache_slots);
     if (!amax_segments_.data()) {
@@ -88,15 +108,35 @@ void Fp8Linear::begin_pass(std::span<const Fp8WeightRef> weights, void* stream) 
     amax_table_ = std::move(table);
     amax_chunks_ = chunks;
   }
+  clear_weight_amaxes(stream);
+  gpu::fp8_amax_segments(static_cast<const gpu::Fp8AmaxSegment*>(amax_segments_.data()), int(amax_table_.size()),
+                         amax_chunks_, stream);
+  return true;
+}
+
+float* Fp8Linear::weight_amax(const Fp8WeightRef& r) {
+  FLASHLM_CHECK(recipe_ == Fp8Recipe::tensorwise,
+                "Fp8Linear::weight_amax: weight '{}': rowwise casts reduce their weights per row and column themselves",
+                r.name);
+  return cache_dequant(entry(r.name, r.in, r.out).slot) - kFp8DequantIndex + kFp8AmaxIndex;
+}
+
+void Fp8Linear::clear_weight_amaxes(void* stream) {
   // Every weight's scale slot at once (their dequantisation scales too, which each weight's cast writes again
-  // before any product reads them), then one reduction over them all.
+  // before any product reads them).
   FLASHLM_CUDA_CHECK(cudaMemsetAsync(cache_at(layout_.cache_scales), 0,
                                      size_t(layout_.cache_slots) * kFp8ScaleSlotFloats * sizeof(float),
                                      static_cast<cudaStream_t>(stream)),
                      "cudaMemsetAsync (FP8 weight amaxes)");
-  gpu::fp8_amax_segments(static_cast<const gpu::Fp8AmaxSegment*>(amax_segments_.data()), int(amax_table_.size()),
-                         amax_chunks_, stream);
-  for (const Fp8WeightRef& r : weights) cached_.find(r.name)->second.amax_pass = pass_;
+}
+
+void Fp8Linear::set_weight_amaxes_current(std::span<const Fp8WeightRef> weights) {
+  for (const Fp8WeightRef& r : weights) {
+    FLASHLM_CHECK(cached_.contains(r.name),
+                  "Fp8Linear::set_weight_amaxes_current: weight '{}' has no amax slot (weight_amax was not asked)",
+                  r.name);
+  }
+  weight_amaxes_.set_current(weight_pointers(weights));
 }
 
 Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out,

@@ -91,7 +91,25 @@ class Fp8Linear {
   // their slots, one launch) instead of one reduction per weight at its cast, which only casts. Their places
   // go up to the device once, outside any CUDA-graph capture; a list that changes inside a capture is taken
   // weight by weight that pass instead.
+  // When the slots hold the weights' amaxes already (weight_amaxes_current below), for exactly these weights,
+  // it takes them instead and reduces nothing: once, the next begin_pass reduces again unless told so anew.
   void begin_pass(std::span<const Fp8WeightRef> weights = {}, void* stream = nullptr);
+
+  // The named weights' amaxes from the kernel that stores the weights (the optimizer step: gpu::adamw_step's
+  // StoredAmaxes; ModelOptions::fp8_fused_amax), tensorwise only. weight_amax: where weight r's amax goes (its
+  // scale slot's, which begin_pass would reduce into; its entry made at first use). clear_weight_amaxes: zeroes
+  // every weight's slot, queued before that kernel. set_weight_amaxes_current(weights): the slots now hold the
+  // amaxes of these weights as stored, so that the next begin_pass over them reduces nothing. weights_changed:
+  // anything else that writes a weight calls it (the next begin_pass then reduces): stale, never trusted.
+  float* weight_amax(const Fp8WeightRef& r);
+  void clear_weight_amaxes(void* stream);
+  void set_weight_amaxes_current(std::span<const Fp8WeightRef> weights);
+  void weights_changed() { weight_amaxes_.stale(); }
+  bool weight_amaxes_current() const { return weight_amaxes_.current(); }
+  // begin_pass's reduction of these weights' amaxes into their slots, queued now (the stale fallback of a
+  // graphed step whose captured begin_pass takes the optimizer's amaxes). False where it was not queued: inside
+  // a CUDA-graph capture with a list of weights not uploaded yet (their casts then reduce them one by one).
+  bool reduce_weight_amaxes(std::span<const Fp8WeightRef> weights, void* stream);
 
   // y[n, out] = x[n, in] · w[out, in]ᵀ (+ residual[n, out] when not null). weight: w's name, whose FP8 copies
   // are cast once per pass and reused (see the top); empty: w is cast for this product alone.
@@ -219,6 +237,7 @@ class Fp8Linear {
   Buffer amax_segments_;
   std::vector<gpu::Fp8AmaxSegment> amax_table_;
   int64_t amax_chunks_ = 0;
+  Fp8WeightAmaxes weight_amaxes_;  // whether the slots hold the weights' amaxes (set_weight_amaxes_current)
   int64_t inputs_used_ = 0;  // bytes of the kept inputs' region handed out
   std::unordered_map<std::string, CachedWeight> cached_;
   uint64_t pass_ = 1;

@@ -134,9 +134,12 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
 
 CudaModel::~CudaModel() = default;
 
+// The pointers to the weights handed out (parameters, working_parameters) may be written through: FP8's weight
+// amaxes are stale from then on (Impl::weights_changed).
 float* CudaModel::parameters() const {
   FLASHLM_CHECK(!impl_->pure, "CudaModel: a bf16-pure model keeps no fp32 parameters (data parallelism needs "
                               "--precision bf16, fp16 or fp32)");
+  impl_->weights_changed();
   return static_cast<float*>(impl_->params.data());
 }
 float* CudaModel::gradients() const {
@@ -204,11 +207,13 @@ std::vector<int64_t> CudaModel::master_read_parameters() const {
 }
 
 void* CudaModel::working_parameters() const {
+  impl_->weights_changed();
   return working_dtype() == DType::f32 ? nullptr : impl_->params_lp.data();
 }
 
 void CudaModel::parameters_changed() {
   Impl& m = *impl_;
+  m.weights_changed();
   if (m.pure) return m.refresh_gains();
   if (!m.params.data()) return;  // FSDP's sharded storage: DdpModel refreshes the working copy of the shards
   with_precision(m.precision, [&](auto zero) {
@@ -538,12 +543,15 @@ void CudaModel::backward() {
                            qkv_view(dqkv, 2, dt, m.batch, m.seq, c.heads, hd),
                            attn);
       }
-      gpu::rope_backward<T>(dqkv, rope_cos, rope_sin, m.batch, m.seq, 2 * c.heads, hd, m.stream, 3 * d);
+      // dq and dk rotated back; with FP8 the kernel reads dv too, for the amax of the whole [n, 3d] dqkv.
+      float* dqkv_amax = m.fp8_produced_amax(l, Fp8Produced::dqkv);
+      gpu::rope_backward<T>(dqkv, rope_cos, rope_sin, m.batch, m.seq, 2 * c.heads, hd, m.stream, 3 * d, dqkv_amax,
+                            3 * c.heads);
       // dh = [dq dk dv] · [wq; wk; wv] and the three weight gradients as one [3d, d] product.
       add_to_gradients({p + "attn.q_proj.weight", p + "attn.k_proj.weight", p + "attn.v_proj.weight"}, true,
                        [&](float* dw, bool accumulate_dw) {
                          if (m.fp8_backward<T>(dqkv, m.a<T>(L.h1), p + "attn.q_proj.weight", dh, dw, d, 3 * d, false,
-                                               accumulate_dw)) {
+                                               accumulate_dw, false, dqkv_amax)) {
                            return;
                          }
                          linear_backward_cuda(dqkv, m.a<T>(L.h1), m.weight(p + "attn.q_proj.weight"), dh, dw, n, d,

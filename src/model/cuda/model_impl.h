@@ -246,8 +246,44 @@ struct CudaModel::Impl {
   mutable std::vector<Fp8WeightRef> fp8_weight_refs;
 
   // --precision fp8 (tensorwise): where the kernel producing tensor t of block l writes its amax; null otherwise,
-  // rowwise included (the producers then reduce nothing).
-  float* fp8_produced_amax(int64_t l, Fp8Produced t) const { return fp8 ? fp8->produced_amax(l, t) : nullptr; }
+  // rowwise included (the producers then reduce nothing), and without ModelOptions::fp8_fused_amax.
+  float* fp8_produced_amax(int64_t l, Fp8Produced t) const {
+    return fp8 && options.fp8_fused_amax ? fp8->produced_amax(l, t) : nullptr;
+  }
+
+  // --precision fp8 (tensorwise, the model's own storage, ModelOptions::fp8_fused_amax): the AdamW step writes
+  // the block weights' amaxes as it stores them (StoredAmaxes: each weight's run of the flat buffers, q‖k‖v as one,
+  // into its Fp8Linear slot), and the next begin_pass reduces none. {} otherwise. The table goes up to the device
+  // at the first step, which is eager (train_step's graph captures its second).
+  StoredAmaxes fp8_stored_amaxes() {
+    if (!fp8 || !options.fp8_fused_amax || fp8->recipe() != Fp8Recipe::tensorwise) return {};
+    const std::span<const Fp8WeightRef> weights = fp8_pass_weights();
+    if (weights.empty()) return {};  // FSDP's sharded storage
+    if (!fp8_amax_ranges.data()) {
+      FLASHLM_CHECK(!capturing, "CudaModel: the FP8 weight amax table is uploaded by an eager step, not a capture");
+      // One range per scale group (fp8_scale_groups: ascending, q‖k‖v as one), into the slot of its weight.
+      std::unordered_map<int64_t, const Fp8WeightRef*> at;
+      for (const Fp8WeightRef& r : weights) at.emplace(info(r.name).offset, &r);
+      std::vector<AmaxRange> ranges;
+      for (const Fp8ScaleGroup& g : fp8_scale_groups(layout)) {
+        const auto it = at.find(g.offset);
+        FLASHLM_CHECK(it != at.end() && it->second->in * it->second->out == g.count,
+                      "CudaModel: FP8 scale group at element {} ({} elements) is no block weight the passes read",
+                      g.offset, g.count);
+        ranges.push_back({g.offset, g.count, fp8->weight_amax(*it->second)});
+      }
+      FLASHLM_CHECK(ranges.size() == weights.size(), "CudaModel: {} FP8 scale groups for {} FP8 weights",
+                    ranges.size(), weights.size());
+      fp8_amax_ranges = Buffer::allocate(ranges.size() * sizeof(AmaxRange), Device::cuda, "FP8 weight amax ranges");
+      cuda_copy(fp8_amax_ranges.data(), ranges.data(), ranges.size() * sizeof(AmaxRange));
+    }
+    return {static_cast<const AmaxRange*>(fp8_amax_ranges.data()), int(weights.size())};
+  }
+  Buffer fp8_amax_ranges;
+  // Anything but the fused AdamW step wrote the weights: the next pass reduces their amaxes (Fp8Linear).
+  void weights_changed() const {
+    if (fp8) fp8->weights_changed();
+  }
 
   // Calls fn(offset, count) over [0, total) in pieces that fit the staging buffer.
   template <class Fn>
@@ -330,16 +366,24 @@ struct CudaModel::Impl {
   }
   // AdamW over every parameter at step adam->steps(): with `fixed` scalars, or (live not null) with those the
   // kernels read from the device when they run (the graphed step).
+  // With FP8's fused amaxes (fp8_stored_amaxes) the step also writes the block weights' amaxes.
   void queue_adamw(const AdamWConfig& cfg, double lr, const AdamWScalars* live) {
+    const StoredAmaxes amax = fp8_stored_amaxes();
+    weights_changed();
+    if (amax.count > 0) fp8->clear_weight_amaxes(stream);
+    queue_adamw_kernels(cfg, lr, live, amax);
+    if (amax.count > 0) fp8->set_weight_amaxes_current(fp8_pass_weights());
+  }
+  void queue_adamw_kernels(const AdamWConfig& cfg, double lr, const AdamWScalars* live, const StoredAmaxes& amax) {
     if (pure) {
       auto* w = static_cast<bf16_t*>(params.data());
       const auto* g = static_cast<const bf16_t*>(grads.data());
       auto *mo = adam->m_as<bf16_t>(), *vo = adam->v_as<bf16_t>();
       if (live) {
-        gpu::adamw_step_bf16_live(w, g, mo, vo, n_params, live, stream);
+        gpu::adamw_step_bf16_live(w, g, mo, vo, n_params, live, stream, amax);
       } else {
         gpu::adamw_step_bf16(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                             adam->steps(), stream, pending_clip);
+                             adam->steps(), stream, pending_clip, amax);
       }
       refresh_gains();
       return;
@@ -354,19 +398,20 @@ struct CudaModel::Impl {
         auto *mo = adam->m_as<bf16_t>(), *vo = adam->v_as<bf16_t>();
         const MomentRounding rounding = adam->rounding(options.moment_rounding_seed);
         if (live) {
-          gpu::adamw_step_bf16_moments_live<T>(w, g, mo, vo, n_params, live, rounding.stochastic, 0, copy, stream);
+          gpu::adamw_step_bf16_moments_live<T>(w, g, mo, vo, n_params, live, rounding.stochastic, 0, copy, stream,
+                                               amax);
         } else {
           gpu::adamw_step_bf16_moments<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                                          adam->steps(), rounding, 0, copy, stream, pending_clip);
+                                          adam->steps(), rounding, 0, copy, stream, pending_clip, amax);
         }
         return;
       }
       auto *mo = adam->m_as<float>(), *vo = adam->v_as<float>();
       if (live) {
-        gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream);
+        gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream, amax);
       } else {
         gpu::adamw_step<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                           adam->steps(), copy, stream, pending_clip);
+                           adam->steps(), copy, stream, pending_clip, amax);
       }
     });
   }

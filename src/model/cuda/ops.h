@@ -50,9 +50,14 @@ template <class T>
 void rope_forward(T* x, const float* cos, const float* sin, int64_t batch, int64_t seq, int64_t heads,
                   int64_t head_dim, void* stream, int64_t token_stride = 0);
 // The inverse rotation, applied to the gradient in place.
+// amax (a device float; null: none): the amax of the gradient as stored (swiglu_forward's s_amax), over heads
+// [0, amax_heads) of each token (0: heads, the rotated ones): those past `heads` are read, not rotated. The CUDA
+// model's dqkv (the q|k|v projection's dy) passes 3·heads, so that dv, which the attention backward wrote beside
+// dq and dk, is covered too: the whole [tokens, 3·d] tensor's amax from one kernel, no reduction of its own.
 template <class T>
 void rope_backward(T* dx, const float* cos, const float* sin, int64_t batch, int64_t seq, int64_t heads,
-                   int64_t head_dim, void* stream, int64_t token_stride = 0);
+                   int64_t head_dim, void* stream, int64_t token_stride = 0, float* amax = nullptr,
+                   int64_t amax_heads = 0);
 
 // s = silu(u) ⊙ g over n values; backward writes (does not accumulate) du and dg. The *_amax outputs (device
 // floats; null: none, du_amax and dg_amax together) receive the amax of s, du, dg as stored, bit for bit what

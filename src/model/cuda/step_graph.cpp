@@ -66,6 +66,14 @@ StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, 
   *g.in->data = DeviceStepScalars{adamw_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, m.adam->steps() + 1),
                                   cfg.max_grad_norm, 0.0};
   g.in->data->adam.rounding_key = moment_rounding_key(m.options.moment_rounding_seed, m.adam->steps() + 1);
+  // With FP8's fused weight amaxes the graph's begin_pass takes those its AdamW step wrote at the previous replay
+  // (captured so: the flag is set by the eager warm-up's step). Where anything else wrote the weights since
+  // (a checkpoint load, an eager step without them), their amaxes are reduced here first, outside the graph.
+  const bool fused_amax = m.fp8_stored_amaxes().count > 0;
+  if (fused_amax && !m.fp8->weight_amaxes_current()) {
+    const std::span<const Fp8WeightRef> weights = m.fp8_pass_weights();
+    if (m.fp8->reduce_weight_amaxes(weights, m.stream)) m.fp8->set_weight_amaxes_current(weights);
+  }
   if (!g.exec && !capture_step()) {
     m.graph_status = g.failure;
     return LanguageModel::train_step(tokens, targets, cfg, lr);
@@ -80,6 +88,7 @@ StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, 
   m.norms_current = g.norms_current;
   m.materialized_segment = g.materialized_segment;
   m.pending_clip = g.out->data->adam.grad_scale;
+  if (fused_amax) m.fp8->set_weight_amaxes_current(m.fp8_pass_weights());  // the graph's AdamW step wrote them
   m.graph_status = "on";
   return StepResult{m.mean_loss(g.rows->data), g.out->data->norm, true};
 }
@@ -144,6 +153,7 @@ bool CudaModel::capture_step() {
     m.have_forward = have_forward;
     m.pending_clip = pending_clip;
     m.materialized_segment = segment;
+    m.weights_changed();  // the captured host code moved FP8's amax flag, for work that never ran
     return false;
   }
   g.norms_current = m.norms_current;

@@ -1,9 +1,11 @@
 // AdamW on CUDA (optim/optimizer.h): the header's operations in its order, each rounded once (no fused
 // multiply-adds, hence the __f*_rn intrinsics). fp32 masters: one element per thread, or four with 16-byte
 // accesses where every array is aligned; pure bf16 and bf16 moments: a pack of eight per thread (16-byte
-// accesses of each array) where every array is aligned, else one by one.
+// accesses of each array) where every array is aligned, else one by one. With StoredAmaxes (FP8 training's
+// weight amaxes) every variant runs in contiguous chunks instead (for_each_pack_in_ranges).
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
+#include "model/cuda/amax.cuh"
 #include "optim/optimizer.h"
 
 namespace flashlm::gpu {
@@ -21,6 +23,57 @@ __device__ __forceinline__ void adamw_element(float& w, float grad, float& m, fl
   m = mi;
   v = vi;
   w = wi;
+}
+
+// With StoredAmaxes: block b steps the kAmaxChunk contiguous elements of chunk b, in pieces split where the
+// ranges begin and end, and adds each range piece's largest stored magnitude to the range's amax (one atomic per
+// block and piece, model/cuda/amax.cuh). A grid-stride loop would give every thread elements of many ranges.
+constexpr int64_t kAmaxChunk = int64_t{1} << 16;
+
+// Elements [0, n) as above: body(Width<kPack>{}, i) over a piece's whole packs where `packed` (every array
+// 16-byte aligned, so a pack starting at a multiple of kPack is too), body(Width<1>{}, i) over the rest. body
+// adds the magnitudes of what it stores to `best`, which is reset before each piece and reduced after it.
+template <class Body>
+__device__ __forceinline__ void for_each_pack_in_ranges(int64_t n, bool packed, const StoredAmaxes& amax,
+                                                        uint32_t& best, Body body) {
+  const int64_t c0 = int64_t{blockIdx.x} * kAmaxChunk, c1 = min(n, c0 + kAmaxChunk);
+  int lo = 0, hi = amax.count;  // the first range that ends past c0
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (amax.ranges[mid].begin + amax.ranges[mid].count <= c0) lo = mid + 1; else hi = mid;
+  }
+  for (int64_t a = c0; a < c1;) {  // block-uniform: every thread takes every piece
+    const AmaxRange* r = lo < amax.count ? amax.ranges + lo : nullptr;
+    const bool inside = r && r->begin <= a;
+    const int64_t e = min(c1, inside ? r->begin + r->count : r ? r->begin : c1);
+    const int64_t head = packed ? min(e, (a + kPack - 1) / kPack * kPack) : e;
+    const int64_t tail = max(head, packed ? e / kPack * kPack : e);
+    best = 0;
+#pragma unroll 1  // under kPack elements: unrolling would only cost registers
+    for (int64_t i = a + threadIdx.x; i < head; i += kThreads) body(Width<1>{}, i);
+    for (int64_t i = head + int64_t{threadIdx.x} * kPack; i < tail; i += int64_t{kThreads} * kPack) {
+      body(Width<kPack>{}, i);
+    }
+#pragma unroll 1
+    for (int64_t i = tail + threadIdx.x; i < e; i += kThreads) body(Width<1>{}, i);
+    if (inside) {
+      block_amax_to<kThreads>(reinterpret_cast<uint32_t*>(r->amax), best);
+      __syncthreads();  // block_amax_to's shared array is reused by the next piece
+      if (e == r->begin + r->count) ++lo;
+    }
+    a = e;
+  }
+}
+
+// The plain step's loop, or (AMAX) the chunked one.
+template <bool AMAX, class Body>
+__device__ __forceinline__ void for_each_step_pack(int64_t n, int64_t packs, const StoredAmaxes& amax, uint32_t& best,
+                                                   Body body) {
+  if constexpr (AMAX) {
+    for_each_pack_in_ranges(n, packs > 0, amax, best, body);
+  } else {
+    for_each_pack(n, packs, body);
+  }
 }
 
 // Elements [first, n), one per thread.
@@ -79,12 +132,15 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Pure bf16: every value widened to fp32, stepped by adamw_element, rounded back to bf16 (nearest even).
+// AMAX: also the StoredAmaxes of w as stored.
+template <bool AMAX>
 __global__ void __launch_bounds__(kThreads)
     adamw_bf16_kernel(__nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ grad,
                       __nv_bfloat16* __restrict__ m, __nv_bfloat16* __restrict__ v, int64_t n, int64_t packs,
-                      AdamWScalars fixed, const AdamWScalars* __restrict__ live) {
+                      AdamWScalars fixed, const AdamWScalars* __restrict__ live, StoredAmaxes amax) {
   const AdamWScalars a = live ? *live : fixed;
-  for_each_pack(n, packs, [&](auto width, int64_t i) {
+  [[maybe_unused]] uint32_t best = 0;
+  for_each_step_pack<AMAX>(n, packs, amax, best, [&](auto width, int64_t i) {
     constexpr int W = decltype(width)::value;
     Vec<__nv_bfloat16, W> wv = load<W>(w + i), mv = load<W>(m + i), vv = load<W>(v + i);
     const Vec<__nv_bfloat16, W> gv = load<W>(grad + i);
@@ -95,6 +151,7 @@ __global__ void __launch_bounds__(kThreads)
       wv[k] = from_f32<__nv_bfloat16>(wk);
       mv[k] = from_f32<__nv_bfloat16>(mk);
       vv[k] = from_f32<__nv_bfloat16>(vk);
+      if constexpr (AMAX) best = max(best, magnitude_bits(f32(wv[k])));
     }
     store(w + i, wv);
     store(m + i, mv);
@@ -102,26 +159,32 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-// bf16 moments with fp32 masters: m and v widened, stepped by adamw_element with the fp32 w and g, rounded
+// fp32 masters with moments M: bf16 moments widened, stepped by adamw_element with the fp32 w and g, rounded
 // back to nearest even, or (Stochastic) by bf16_bits_stochastic with the 16-bit halves of
-// counter_draw(rounding_key, first_index + i) — the CPU's draw, so the same bits.
-template <class D, bool Stochastic>
+// counter_draw(rounding_key, first_index + i) — the CPU's draw, so the same bits; fp32 moments (M = float, the
+// AMAX step of adamw_step: the plain one is adamw_kernel_x4's) stored as they are. AMAX: also the StoredAmaxes
+// of the copy as stored (which AMAX needs).
+template <class D, class M, bool Stochastic, bool AMAX>
 __global__ void __launch_bounds__(kThreads)
-    adamw_bf16_moments_kernel(float* __restrict__ w, const float* __restrict__ grad, __nv_bfloat16* __restrict__ m,
-                              __nv_bfloat16* __restrict__ v, int64_t n, int64_t packs, int64_t first_index,
-                              AdamWScalars fixed, const AdamWScalars* __restrict__ live, D* __restrict__ copy) {
+    adamw_masters_kernel(float* __restrict__ w, const float* __restrict__ grad, M* __restrict__ m, M* __restrict__ v,
+                         int64_t n, int64_t packs, int64_t first_index, AdamWScalars fixed,
+                         const AdamWScalars* __restrict__ live, D* __restrict__ copy, StoredAmaxes amax) {
   const AdamWScalars a = live ? *live : fixed;
-  for_each_pack(n, packs, [&](auto width, int64_t i) {
+  [[maybe_unused]] uint32_t best = 0;
+  for_each_step_pack<AMAX>(n, packs, amax, best, [&](auto width, int64_t i) {
     constexpr int W = decltype(width)::value;
     Vec<float, W> wv = load<W>(w + i);
     const Vec<float, W> gv = load<W>(grad + i);
-    Vec<__nv_bfloat16, W> mv = load<W>(m + i), vv = load<W>(v + i);
+    Vec<M, W> mv = load<W>(m + i), vv = load<W>(v + i);
     Vec<D, W> cv;
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       float mk = f32(mv[k]), vk = f32(vv[k]);
       adamw_element(wv[k], gv[k], mk, vk, a);
-      if constexpr (Stochastic) {
+      if constexpr (std::is_same_v<M, float>) {
+        mv[k] = mk;
+        vv[k] = vk;
+      } else if constexpr (Stochastic) {
         const uint64_t r = counter_draw(a.rounding_key, uint64_t(first_index + i + k));
         mv[k] = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(mk), uint32_t(r)));
         vv[k] = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(vk), uint32_t(r >> 16)));
@@ -130,6 +193,7 @@ __global__ void __launch_bounds__(kThreads)
         vv[k] = from_f32<__nv_bfloat16>(vk);
       }
       cv[k] = from_f32<D>(wv[k]);
+      if constexpr (AMAX) best = max(best, magnitude_bits(f32(cv[k])));
     }
     store(w + i, wv);
     store(m + i, mv);
@@ -138,25 +202,63 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-template <class T>
-void launch_adamw_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n,
-                               const AdamWScalars& fixed, const AdamWScalars* live, bool stochastic,
-                               int64_t first_index, T* param_copy, cudaStream_t s) {
-  FLASHLM_CHECK(param && grad && m && v, "adamw_step_bf16_moments: param, grad, m and v must not be null");
-  FLASHLM_CHECK(first_index >= 0, "adamw_step_bf16_moments: first_index = {}, expected >= 0", first_index);
+// The grid of a step: the plain one's, or one block per kAmaxChunk elements with StoredAmaxes (checked here: a
+// table, and what the amaxes are of).
+unsigned step_blocks(const char* fn, int64_t n, int64_t packs, const StoredAmaxes& amax, bool stores_bf16) {
+  if (amax.count == 0) return packed_blocks(n, packs);
+  FLASHLM_CHECK(amax.count > 0 && amax.ranges != nullptr, "{}: {} amax ranges{}, expected a table of >= 1", fn,
+                amax.count, amax.ranges ? "" : " (null)");
+  // FP8 training's working copy is bf16: only that variant is compiled with amaxes.
+  FLASHLM_CHECK(stores_bf16, "{}: amax ranges given without a bf16 param_copy (the amaxes are of the bf16 copy as stored)",
+                fn);
+  const int64_t chunks = (n + kAmaxChunk - 1) / kAmaxChunk;
+  FLASHLM_CHECK(chunks <= INT32_MAX, "{}: n = {}: too many elements for the amax step", fn, n);
+  return unsigned(chunks);
+}
+
+// fp32 masters with moments M and copy T (none: T = float and null), the launch of every variant but the plain
+// fp32-moment step's (adamw_kernel_x4).
+template <class M, class T>
+void launch_adamw_masters(const char* fn, float* param, const float* grad, M* m, M* v, int64_t n,
+                          const AdamWScalars& fixed, const AdamWScalars* live, bool stochastic, int64_t first_index,
+                          T* param_copy, const StoredAmaxes& amax, cudaStream_t s) {
+  FLASHLM_CHECK(param && grad && m && v, "{}: param, grad, m and v must not be null", fn);
+  FLASHLM_CHECK(first_index >= 0, "{}: first_index = {}, expected >= 0", fn, first_index);
   const int64_t packs = pack_count(n, param, grad, m, v, param_copy);
+  const unsigned blocks = step_blocks(fn, n, packs, amax, std::is_same_v<T, bf16_t> && param_copy != nullptr);
   using D = std::remove_pointer_t<decltype(dev(param_copy))>;
-  const auto kernel = stochastic ? adamw_bf16_moments_kernel<D, true> : adamw_bf16_moments_kernel<D, false>;
-  kernel<<<packed_blocks(n, packs), kThreads, 0, s>>>(param, grad, dev(m), dev(v), n, packs, first_index, fixed, live,
-                                                     dev(param_copy));
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_bf16_moments_kernel");
+  using DM = std::remove_pointer_t<decltype(dev(m))>;
+  const auto launch = [&](auto stochastic_constant, auto amax_constant) {
+    adamw_masters_kernel<D, DM, decltype(stochastic_constant)::value, decltype(amax_constant)::value>
+        <<<blocks, kThreads, 0, s>>>(param, grad, dev(m), dev(v), n, packs, first_index, fixed, live, dev(param_copy),
+                                     amax);
+  };
+  const auto with_amax = [&](auto stochastic_constant) {
+    if (amax.count > 0) {
+      if constexpr (std::is_same_v<T, bf16_t>) launch(stochastic_constant, std::true_type{});
+    } else if constexpr (!std::is_same_v<M, float>) {  // fp32 moments without amaxes: adamw_kernel_x4's step
+      launch(stochastic_constant, std::false_type{});
+    }
+  };
+  if constexpr (std::is_same_v<M, float>) {
+    with_amax(std::false_type{});  // nothing to round stochastically
+  } else if (stochastic) {
+    with_amax(std::true_type{});
+  } else {
+    with_amax(std::false_type{});
+  }
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_masters_kernel");
 }
 
 // The launches of adamw_step and adamw_step_live: the scalars `fixed`, or those at `live` (device memory,
 // read when the kernel runs) when it is not null.
 template <class T>
-void launch_adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWScalars& fixed,
-                  const AdamWScalars* live, T* param_copy, cudaStream_t s) {
+void launch_adamw(const char* fn, float* param, const float* grad, float* m, float* v, int64_t n,
+                  const AdamWScalars& fixed, const AdamWScalars* live, T* param_copy, const StoredAmaxes& amax,
+                  cudaStream_t s) {
+  if (amax.count != 0) {
+    return launch_adamw_masters(fn, param, grad, m, v, n, fixed, live, false, 0, param_copy, amax, s);
+  }
   const bool copy_aligned = reinterpret_cast<uintptr_t>(param_copy) % (4 * sizeof(T)) == 0;  // four elements
   const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && copy_aligned;
   const int64_t n4 = vector ? n / 4 : 0;
@@ -173,12 +275,13 @@ void launch_adamw(float* param, const float* grad, float* m, float* v, int64_t n
   }
 }
 
-void launch_adamw_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n, const AdamWScalars& fixed,
-                       const AdamWScalars* live, cudaStream_t s) {
-  FLASHLM_CHECK(param && grad && m && v, "adamw_step_bf16: param, grad, m and v must not be null");
+void launch_adamw_bf16(const char* fn, bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n,
+                       const AdamWScalars& fixed, const AdamWScalars* live, const StoredAmaxes& amax, cudaStream_t s) {
+  FLASHLM_CHECK(param && grad && m && v, "{}: param, grad, m and v must not be null", fn);
   const int64_t packs = pack_count(n, param, grad, m, v);
-  adamw_bf16_kernel<<<packed_blocks(n, packs), kThreads, 0, s>>>(dev(param), dev(grad), dev(m), dev(v), n, packs, fixed,
-                                                                 live);
+  const auto kernel = amax.count > 0 ? adamw_bf16_kernel<true> : adamw_bf16_kernel<false>;
+  kernel<<<step_blocks(fn, n, packs, amax, true), kThreads, 0, s>>>(dev(param), dev(grad), dev(m), dev(v), n, packs,
+                                                                    fixed, live, amax);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_bf16_kernel");
 }
 
@@ -186,73 +289,77 @@ void launch_adamw_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, 
 
 template <class T>
 void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
-                double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale) {
+                double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale,
+                StoredAmaxes amax) {
   check_count("adamw_step", "n", n);
   FLASHLM_CHECK(step >= 1, "adamw_step: step = {}, expected >= 1 (1-based)", step);
   if (n == 0) return;
   const AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
-  launch_adamw(param, grad, m, v, n, a, nullptr, param_copy, as_stream(stream));
+  launch_adamw("adamw_step", param, grad, m, v, n, a, nullptr, param_copy, amax, as_stream(stream));
 }
 
 template <class T>
 void adamw_step_live(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWScalars* scalars,
-                     T* param_copy, void* stream) {
+                     T* param_copy, void* stream, StoredAmaxes amax) {
   check_count("adamw_step_live", "n", n);
   FLASHLM_CHECK(scalars != nullptr, "adamw_step_live: scalars is null");
   if (n == 0) return;
-  launch_adamw(param, grad, m, v, n, AdamWScalars{}, scalars, param_copy, as_stream(stream));
+  launch_adamw("adamw_step_live", param, grad, m, v, n, AdamWScalars{}, scalars, param_copy, amax, as_stream(stream));
 }
 
 void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n, double lr, double beta1,
-                     double beta2, double eps, double weight_decay, int64_t step, void* stream, float grad_scale) {
+                     double beta2, double eps, double weight_decay, int64_t step, void* stream, float grad_scale,
+                     StoredAmaxes amax) {
   check_count("adamw_step_bf16", "n", n);
   FLASHLM_CHECK(step >= 1, "adamw_step_bf16: step = {}, expected >= 1 (1-based)", step);
   if (n == 0) return;
   const AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
-  launch_adamw_bf16(param, grad, m, v, n, a, nullptr, as_stream(stream));
+  launch_adamw_bf16("adamw_step_bf16", param, grad, m, v, n, a, nullptr, amax, as_stream(stream));
 }
 
 void adamw_step_bf16_live(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n,
-                          const AdamWScalars* scalars, void* stream) {
+                          const AdamWScalars* scalars, void* stream, StoredAmaxes amax) {
   check_count("adamw_step_bf16_live", "n", n);
   FLASHLM_CHECK(scalars != nullptr, "adamw_step_bf16_live: scalars is null");
   if (n == 0) return;
-  launch_adamw_bf16(param, grad, m, v, n, AdamWScalars{}, scalars, as_stream(stream));
+  launch_adamw_bf16("adamw_step_bf16_live", param, grad, m, v, n, AdamWScalars{}, scalars, amax, as_stream(stream));
 }
 
 template <class T>
 void adamw_step_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n, double lr,
                              double beta1, double beta2, double eps, double weight_decay, int64_t step,
                              MomentRounding rounding, int64_t first_index, T* param_copy, void* stream,
-                             float grad_scale) {
+                             float grad_scale, StoredAmaxes amax) {
   check_count("adamw_step_bf16_moments", "n", n);
   FLASHLM_CHECK(step >= 1, "adamw_step_bf16_moments: step = {}, expected >= 1 (1-based)", step);
   if (n == 0) return;
   AdamWScalars a = adamw_scalars(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
   a.rounding_key = moment_rounding_key(rounding.seed, step);
-  launch_adamw_bf16_moments(param, grad, m, v, n, a, nullptr, rounding.stochastic, first_index, param_copy,
-                            as_stream(stream));
+  launch_adamw_masters("adamw_step_bf16_moments", param, grad, m, v, n, a, nullptr, rounding.stochastic, first_index,
+                       param_copy, amax, as_stream(stream));
 }
 
 template <class T>
 void adamw_step_bf16_moments_live(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n,
                                   const AdamWScalars* scalars, bool stochastic, int64_t first_index, T* param_copy,
-                                  void* stream) {
+                                  void* stream, StoredAmaxes amax) {
   check_count("adamw_step_bf16_moments_live", "n", n);
   FLASHLM_CHECK(scalars != nullptr, "adamw_step_bf16_moments_live: scalars is null");
   if (n == 0) return;
-  launch_adamw_bf16_moments(param, grad, m, v, n, AdamWScalars{}, scalars, stochastic, first_index, param_copy,
-                            as_stream(stream));
+  launch_adamw_masters("adamw_step_bf16_moments_live", param, grad, m, v, n, AdamWScalars{}, scalars, stochastic,
+                       first_index, param_copy, amax, as_stream(stream));
 }
 
 #define FLASHLM_ADAMW_INSTANTIATE(T)                                                                             \
   template void adamw_step<T>(float*, const float*, float*, float*, int64_t, double, double, double, double, double, \
-                              int64_t, T*, void*, float);                                                           \
-  template void adamw_step_live<T>(float*, const float*, float*, float*, int64_t, const AdamWScalars*, T*, void*); \
+                              int64_t, T*, void*, float, StoredAmaxes);                                             \
+  template void adamw_step_live<T>(float*, const float*, float*, float*, int64_t, const AdamWScalars*, T*, void*,  \
+                                   StoredAmaxes);                                                                   \
   template void adamw_step_bf16_moments<T>(float*, const float*, bf16_t*, bf16_t*, int64_t, double, double, double, \
-                                           double, double, int64_t, MomentRounding, int64_t, T*, void*, float);     \
+                                           double, double, int64_t, MomentRounding, int64_t, T*, void*, float,      \
+                                           StoredAmaxes);                                                           \
   template void adamw_step_bf16_moments_live<T>(float*, const float*, bf16_t*, bf16_t*, int64_t,                   \
-                                                const AdamWScalars*, bool, int64_t, T*, void*);
+                                                const AdamWScalars*, bool, int64_t, T*, void*, StoredAmaxes);
 
 FLASHLM_ADAMW_INSTANTIATE(float)
 FLASHLM_ADAMW_INSTANTIATE(bf16_t)
