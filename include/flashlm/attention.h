@@ -7,7 +7,7 @@
 //   o, dout        [batch, seq_q, heads_q, head_dim_v]   192 / 128); the default scale is 1/sqrt(head_dim)
 //   lse            [batch, heads_q, seq_q]  fp32 (fp64 allowed for fp64 inputs), natural log
 // All of q, k, v, o, do, dq, dk, dv share one dtype and one device, except in FP8 attention: q, k, v in
-// fp8_e4m3 (with the per-tensor descale factors of AttentionOptions), o and dout in bf16 (e4m3's 3 mantissa
+// fp8_e4m3 (with the per-tensor or per-head descale factors of AttentionOptions), o and dout in bf16 (e4m3's 3 mantissa
 // bits are too few for an output), lse fp32, and dq, dk, dv in bf16 or fp32 (one dtype for the three). The
 // gradients are those of the dequantised values, value = stored · descale: what a training framework holding
 // the real tensors applies (d/d(stored) would be descale times them). The forward runs on an sm_90 GPU (built
@@ -82,6 +82,13 @@ struct AttentionOptions {
   // computes S = scale · q_descale · k_descale · Q·Kᵀ and O = v_descale · softmax(S)·V (FlashAttention-3's
   // convention); the backward's gradients are of those values (the top of this file).
   float q_descale = 1.0f, k_descale = 1.0f, v_descale = 1.0f;
+  // FP8 inputs only: per-head descales in place of the per-tensor ones above (FlashAttention-3's and PyTorch's
+  // FP8 SDPA granularity): fp32 [batch, heads_k] each, element (b, hk) the descale of batch b's key/value head
+  // hk, and q's applying to every query head of that head's GQA group. Each one given replaces its scalar, which
+  // must then stay 1; values finite and > 0 (checked where they can be read here: on the CPU). Empty views (the
+  // default) leave the scalars in charge. The CPU runs them (both impls, forward and backward); the CUDA kernels
+  // do not yet, an Error naming the option (the capability table, src/attention/capabilities.h).
+  TensorView q_descale_heads, k_descale_heads, v_descale_heads;
   int64_t window_size_left = -1, window_size_right = -1;  // -1: unbounded (see the top of this file)
   double softcap = 0.0;                                    // > 0: scores become softcap · tanh(s / softcap)
   // Empty views (ndim 0, the default) leave each off; see the top of this file.

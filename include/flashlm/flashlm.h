@@ -53,8 +53,10 @@ extern "C" {
  *    against an older header passes a shorter struct: check flashlm_abi_version() first).
  * 5: appends alibi_slopes, learnable_sink and dlearnable_sink (tensor pointers, NULL: none) to
  *    flashlm_attention_options; v may have a head dim of its own. Version 4's calls are unchanged;
- *    adds flashlm_attention_with_kvcache and flashlm_kvcache_index (decoding over a paged KV cache). */
-#define FLASHLM_ABI_VERSION 5
+ *    adds flashlm_attention_with_kvcache and flashlm_kvcache_index (decoding over a paged KV cache).
+ * 6: appends q_descale_heads, k_descale_heads and v_descale_heads (tensor pointers, NULL: the scalar descale) to
+ *    flashlm_attention_options. Version 5's calls are unchanged. */
+#define FLASHLM_ABI_VERSION 6
 #define FLASHLM_MAX_DIMS 6
 
 typedef enum flashlm_status {
@@ -106,10 +108,15 @@ typedef struct flashlm_attention_options {
   const struct flashlm_tensor* alibi_slopes;   /* NULL: none; fp32 [heads_q] or [batch, heads_q] (ABI 5) */
   const struct flashlm_tensor* learnable_sink; /* NULL: none; fp32 [heads_q] (ABI 5) */
   const struct flashlm_tensor* dlearnable_sink; /* backward output, NULL: not computed; fp32 [heads_q] (ABI 5) */
+  /* fp8_e4m3 inputs only: per-head descales in place of the scalar of the same name (which must then be 1), fp32
+   * [batch, heads_k], q's applying to every query head of the key head's group; CPU only so far (ABI 6). */
+  const struct flashlm_tensor* q_descale_heads;
+  const struct flashlm_tensor* k_descale_heads;
+  const struct flashlm_tensor* v_descale_heads;
 } flashlm_attention_options;
 
 /* Defaults: flash, not causal, top-left, atomic dQ, scale 1/sqrt(head_dim), descales 1, default stream, no
- * window (-1, -1), no softcap, no ALiBi, no sinks. */
+ * window (-1, -1), no softcap, no ALiBi, no sinks, no per-head descales. */
 flashlm_attention_options flashlm_attention_options_default(void);
 
 flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,

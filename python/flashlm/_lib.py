@@ -11,7 +11,7 @@ import struct
 import threading
 from pathlib import Path
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 MAX_DIMS = 6
 
 OK, INVALID_ARGUMENT, OUT_OF_MEMORY, RUNTIME_ERROR = 0, 1, 2, 3
@@ -25,15 +25,16 @@ FLASH, NAIVE = 0, 1
 TENSOR4 = "Qiii4x4q16x4q16x"
 TENSOR3 = "Qiii4x3q24x3q24x"
 TENSOR2 = "Qiii4x2q32x2q32x"
-# The options' alibi_slopes, learnable_sink and dlearnable_sink ([heads_q] or [batch, heads_q]): any ndim <= 6,
-# sizes and strides padded to 6.
+# The options' tensors (alibi_slopes, learnable_sink, dlearnable_sink: [heads_q] or [batch, heads_q]; the per-head
+# descales: [batch, heads_k]): any ndim <= 6, sizes and strides padded to 6.
 TENSOR_ANY = "Qiii4x6q6q"
 TENSOR_BYTES = 120
 # flashlm_attention_options: int32 impl, causal, causal_align, deterministic, has_scale; double scale;
 # float q_descale, k_descale, v_descale; void* stream; int64 window_size_left, window_size_right; double softcap;
-# const flashlm_tensor* alibi_slopes, learnable_sink, dlearnable_sink (0: none).
-OPTIONS = "iiiii4xdfff4xQqqdQQQ"
-OPTIONS_BYTES = 104
+# const flashlm_tensor* alibi_slopes, learnable_sink, dlearnable_sink, q_descale_heads, k_descale_heads,
+# v_descale_heads (0: none; the last three since ABI 6).
+OPTIONS = "iiiii4xdfff4xQqqdQQQQQQ"
+OPTIONS_BYTES = 128
 # flashlm_varlen: const int32* cu_seqlens_q, cu_seqlens_k; int64 batch; int32 device; int64 max_seqlen_q,
 # max_seqlen_k.
 VARLEN = "QQqi4xqq"
@@ -46,8 +47,9 @@ VARLEN_FORWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + VARLEN + OPTIONS)
 VARLEN_BACKWARD = struct.Struct("=" + TENSOR3 * 4 + TENSOR2 + TENSOR3 * 4 + VARLEN + OPTIONS)
 assert FORWARD.size == 5 * TENSOR_BYTES + OPTIONS_BYTES and BACKWARD.size == 9 * TENSOR_BYTES + OPTIONS_BYTES
 assert VARLEN_FORWARD.size == FORWARD.size + VARLEN_BYTES and VARLEN_BACKWARD.size == BACKWARD.size + VARLEN_BYTES
-# The three tensors the options may point at, packed after a call's arguments (call_with_extras).
-EXTRAS = struct.Struct("=" + TENSOR_ANY * 3)
+# The six tensors the options may point at, packed after a call's arguments (call_with_extras).
+EXTRA_TENSORS = 6
+EXTRAS = struct.Struct("=" + TENSOR_ANY * EXTRA_TENSORS)
 assert struct.calcsize("=" + TENSOR_ANY) == TENSOR_BYTES
 NO_TENSOR = (0, 0, 0, 0) + (0,) * 12
 # The byte offsets of each C argument in a packed call: the tensors, then (varlen) the flashlm_varlen, the options.
@@ -196,8 +198,10 @@ _TORCH_DTYPES = {}  # torch dtype -> flashlm_dtype, filled by torch_ops (this mo
 
 
 def call_with_extras(c_function, layout, arg_offsets, fields, extras):
-    """c_function on `layout`'s fields, whose options end before their three tensor pointers: those point at the
-    `extras` (alibi_slopes, learnable_sink, dlearnable_sink; tensors or None), described after the arguments."""
+    """c_function on `layout`'s fields, whose options end before their six tensor pointers: those point at the
+    `extras` (alibi_slopes, learnable_sink, dlearnable_sink, q_descale_heads, k_descale_heads, v_descale_heads;
+    tensors or None, missing ones None), described after the arguments."""
+    extras = tuple(extras) + (None,) * (EXTRA_TENSORS - len(extras))
     call = _calls
     extra_base = call.base + layout.size
     pointers = tuple(0 if t is None else extra_base + i * TENSOR_BYTES for i, t in enumerate(extras))

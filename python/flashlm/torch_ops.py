@@ -38,8 +38,9 @@ _NO_DESCALE = (1.0, 1.0, 1.0)
 # flashlm_attention_options' fields after the stream are the variant: window_size_left, window_size_right, softcap
 # (flash-attn's window_size and softcap; checked by the library).
 _NO_VARIANT = (-1, -1, 0.0)
-# ... then the pointers to alibi_slopes, learnable_sink, dlearnable_sink (0: none; _lib.call_with_extras sets them).
-_NO_EXTRA_POINTERS = (0, 0, 0)
+# ... then the pointers to alibi_slopes, learnable_sink, dlearnable_sink and the per-head descales (0: none;
+# _lib.call_with_extras sets them).
+_NO_EXTRA_POINTERS = (0,) * L.EXTRA_TENSORS
 _ALIGN = {"top_left": False, "top-left": False, "bottom_right": True, "bottom-right": True}
 _IMPL = {"flash": L.FLASH, "naive": L.NAIVE}
 # _forward and _backward write the data pointers and the stream at these words of a PackedCall.

@@ -119,7 +119,7 @@ struct PaddedCopy {
 // Whether a family's kernels implement every attention variant the problem asks for.
 bool implements_variants(const CudaKernelCapability& caps, const AttentionProblem& p) {
   return (!p.windowed() || caps.sliding_window) && (p.softcap == 0 || caps.softcap) && (!p.alibi || caps.alibi) &&
-         (!p.sink || caps.learnable_sink);
+         (!p.sink || caps.learnable_sink) && (!p.per_head_descales() || caps.per_head_descales);
 }
 
 // Whether the Hopper kernels run the pass on these views (never in a build without them).
@@ -353,17 +353,33 @@ std::span<const int64_t> sizes_of(const TensorView& t) {
   return {t.sizes.data(), static_cast<size_t>(t.ndim)};
 }
 
-// A contiguous copy of t in `dtype`, each element times `descale` (the product of an e4m3 value, 4 significant
-// bits, and an fp32 descale is exact in fp64).
-Tensor dequantised_copy(const TensorView& t, DType dtype, double descale, std::string_view tag) {
+// A contiguous copy of t ([batch, seq, heads, dim]) in `dtype`, each element times its descale: `descale`, or
+// where `heads` is given, heads.at(b, h / group) for head h of batch b (group: t's heads per descale head, the
+// GQA group for q, 1 for k and v). The product of an e4m3 value, 4 significant bits, and an fp32 descale is
+// exact in fp64.
+Tensor dequantised_copy(const TensorView& t, DType dtype, double descale, std::string_view tag,
+                        const AttentionProblem::HeadDescales& heads = {}, int64_t group = 1) {
   Tensor out = Tensor::empty(sizes_of(t), dtype, Device::cpu, tag);
   copy_into(out, t);
-  if (descale == 1.0) return out;
+  if (descale == 1.0 && heads.data == nullptr) return out;
   dispatch_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     if constexpr (std::is_same_v<T, double> || std::is_same_v<T, float>) {
       T* x = out.view().ptr<T>();
-      for (int64_t i = 0; i < out.numel(); ++i) x[i] = static_cast<T>(static_cast<double>(x[i]) * descale);
+      if (heads.data == nullptr) {
+        for (int64_t i = 0; i < out.numel(); ++i) x[i] = static_cast<T>(static_cast<double>(x[i]) * descale);
+        return;
+      }
+      const int64_t batch = t.size(0), seq = t.size(1), nh = t.size(2), dim = t.size(3);
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t s = 0; s < seq; ++s) {
+          for (int64_t h = 0; h < nh; ++h) {
+            const double d = heads.at(b, h / group);
+            T* row = x + ((b * seq + s) * nh + h) * dim;
+            for (int64_t e = 0; e < dim; ++e) row[e] = static_cast<T>(static_cast<double>(row[e]) * d);
+          }
+        }
+      }
     } else {
       fail("attention: dequantised copy: working dtype {} is not fp32 or fp64", dtype_name(dtype));
     }
@@ -381,9 +397,11 @@ struct DequantisedFp8 {
       : p(fp8) {
     p.dtype = fp8_cpu_working_dtype(impl);
     p.q_descale = p.k_descale = p.v_descale = 1.0;
-    q = dequantised_copy(q8, p.dtype, fp8.q_descale, "attention fp8 cpu: dequantised q");
-    k = dequantised_copy(k8, p.dtype, fp8.k_descale, "attention fp8 cpu: dequantised k");
-    v = dequantised_copy(v8, p.dtype, fp8.v_descale, "attention fp8 cpu: dequantised v");
+    p.q_descale_heads = p.k_descale_heads = p.v_descale_heads = {};
+    q = dequantised_copy(q8, p.dtype, fp8.q_descale, "attention fp8 cpu: dequantised q", fp8.q_descale_heads,
+                         fp8.group());
+    k = dequantised_copy(k8, p.dtype, fp8.k_descale, "attention fp8 cpu: dequantised k", fp8.k_descale_heads);
+    v = dequantised_copy(v8, p.dtype, fp8.v_descale, "attention fp8 cpu: dequantised v", fp8.v_descale_heads);
   }
 };
 

@@ -20,7 +20,8 @@ constexpr std::array kCudaDTypes{DType::f16, DType::bf16, DType::f32};
 constexpr std::array kFp8{DType::f8e4m3};
 
 // One row per family: family, dtypes, forward and backward head dims, pads_head_dim, pads_head_dim_v,
-// any_head_dim, forward and backward head dim pairs, sliding_window, softcap, alibi, learnable_sink. The window
+// any_head_dim, forward and backward head dim pairs, sliding_window, softcap, alibi, learnable_sink,
+// per_head_descales. The window
 // and soft-capping run in the 16-bit flash kernels (mma.sync and Hopper, their masked instantiations); ALiBi and
 // sinks in mma.sync's masked kernels (cuda/flash_fwd.cu, flash_bwd.cu) and in the Hopper kernels' ALiBi / sink
 // instantiations: the Hopper row below lacks them, and hopper_alibi_sink_route() (on unless
@@ -29,13 +30,14 @@ constexpr std::array kFp8{DType::f8e4m3};
 // the Hopper forward and backward at their pairs (the CPU paths have them all).
 const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, true, false,
-     {}, {}, true, true, true, true},
-    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, true, false, {}, {}, false, false, false, false},
-    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, false, true, {}, {}, false, false, false, false},
+     {}, {}, true, true, true, true, false},
+    {CudaKernelFamily::f32, kF32, kF32HeadDims, kF32HeadDims, true, true, false, {}, {}, false, false, false, false,
+     false},
+    {CudaKernelFamily::naive, kCudaDTypes, {}, {}, false, false, true, {}, {}, false, false, false, false, false},
     {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, false,
-     kHopperForwardHeadDimPairs, kHopperBackwardHeadDimPairs, true, true, false, false},
+     kHopperForwardHeadDimPairs, kHopperBackwardHeadDimPairs, true, true, false, false, false},
     {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, kFp8BackwardHeadDims, false, false, false, {}, {}, false, false,
-     false, false},
+     false, false, false},
 }};
 // The Hopper row with ALiBi and sinks, where hopper_alibi_sink_route() holds.
 const CudaKernelCapability kHopperWithAlibiSink{CudaKernelFamily::hopper,
@@ -50,7 +52,8 @@ const CudaKernelCapability kHopperWithAlibiSink{CudaKernelFamily::hopper,
                                                 true,
                                                 true,
                                                 true,
-                                                true};
+                                                true,
+                                                false};
 
 // hopper_alibi_sink_route's state: -1 not read yet, else 0 or 1.
 std::atomic<int> hopper_alibi_sink_state{-1};
@@ -157,6 +160,10 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
   FLASHLM_CHECK(!p.sink || caps.learnable_sink,
                 "{}: learnable_sink: the {} attention kernels have no attention sinks; they run on the cpu", fn,
                 cuda_kernel_family_name(family));
+  FLASHLM_CHECK(!p.per_head_descales() || caps.per_head_descales,
+                "{}: q_descale_heads/k_descale_heads/v_descale_heads: the {} attention kernels take per-tensor "
+                "descales only (q_descale, k_descale, v_descale); per-head descales run on the cpu",
+                fn, cuda_kernel_family_name(family));
   if (caps.any_head_dim) return {family, p.head_dim, false};
 
   // One kernel head dim for q, k, v and o: p's own, or the next larger where the family pads (both sides of

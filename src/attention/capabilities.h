@@ -101,6 +101,9 @@ struct CudaKernelCapability {
   bool softcap;
   bool alibi;           // AttentionOptions::alibi_slopes
   bool learnable_sink;  // AttentionOptions::learnable_sink and the backward's dlearnable_sink
+  // AttentionOptions::q_descale_heads, k_descale_heads, v_descale_heads (fp8 inputs): no row has them yet, the
+  // FP8 forward kernel and the FP8 backward's scale factors being per tensor; the CPU runs them.
+  bool per_head_descales;
 };
 
 // The row of `family` in the table. The Hopper row claims ALiBi and sinks where hopper_alibi_sink_route()

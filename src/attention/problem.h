@@ -41,7 +41,19 @@ struct AttentionProblem {
   // fp8_e4m3 only (AttentionOptions); 1 for every other dtype but the bf16 problem the CUDA FP8 backward hands its
   // 16-bit kernels (attention.cpp, fp8_backward_cuda), whose make_params folds them into the kernels' factors.
   double q_descale = 1.0, k_descale = 1.0, v_descale = 1.0;
+  // fp8_e4m3 only: per-head descales (AttentionOptions::*_descale_heads), which replace the scalar of their
+  // tensor where given; element (b, hk) at data[b · batch_stride + hk · head_stride]. Null: the scalar.
+  struct HeadDescales {
+    const float* data = nullptr;
+    int64_t batch_stride = 0, head_stride = 0;
+    double at(int64_t b, int64_t hk) const { return double(data[b * batch_stride + hk * head_stride]); }
+  };
+  HeadDescales q_descale_heads, k_descale_heads, v_descale_heads;
   Device device = Device::cpu;
+
+  bool per_head_descales() const {
+    return q_descale_heads.data != nullptr || k_descale_heads.data != nullptr || v_descale_heads.data != nullptr;
+  }
 
   int64_t group() const { return heads_q / heads_k; }  // query heads per key/value head
   int64_t value_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }

@@ -174,6 +174,42 @@ void describe_sink(std::string_view fn, const TensorView& sink, AttentionProblem
   }
 }
 
+// Per-head descales of fp8 inputs (AttentionOptions::*_descale_heads): fp32 [batch, heads_k] on q's device, in
+// place of the tensor's scalar descale (which must stay 1), each finite and > 0 where it can be read here (cpu;
+// a CUDA problem's are device memory, never read on the host).
+void describe_head_descales(std::string_view fn, const TensorView& q, const AttentionOptions& options,
+                            AttentionProblem& p) {
+  struct Named {
+    const char* name;
+    const TensorView& t;
+    float scalar;
+    AttentionProblem::HeadDescales& out;
+  };
+  for (const Named& d : {Named{"q_descale_heads", options.q_descale_heads, options.q_descale, p.q_descale_heads},
+                         Named{"k_descale_heads", options.k_descale_heads, options.k_descale, p.k_descale_heads},
+                         Named{"v_descale_heads", options.v_descale_heads, options.v_descale, p.v_descale_heads}}) {
+    if (!given(d.t)) continue;
+    FLASHLM_CHECK(q.dtype == DType::f8e4m3, "{}: {}: descale factors apply to fp8_e4m3 inputs only (q is {})", fn,
+                  d.name, dtype_name(q.dtype));
+    check_view(fn, d.name, d.t, 2, "[batch, heads_k]");
+    FLASHLM_CHECK(d.t.size(0) == p.batch && d.t.size(1) == p.heads_k,
+                  "{}: {}: expected shape [{}, {}] (batch, heads_k), got {}", fn, d.name, p.batch, p.heads_k,
+                  d.t.shape_string());
+    check_fp32_on(fn, d.name, d.t, p);
+    FLASHLM_CHECK(d.scalar == 1.0f, "{}: {}: given with the per-tensor descale {} (expected 1): one or the other", fn,
+                  d.name, d.scalar);
+    d.out = {d.t.ptr<const float>(), d.t.stride(0), d.t.stride(1)};
+    if (p.device != Device::cpu) continue;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t h = 0; h < p.heads_k; ++h) {
+        const double x = d.out.at(b, h);
+        FLASHLM_CHECK(std::isfinite(x) && x > 0, "{}: {}: the descale of batch {} head {} is {}; expected a finite "
+                      "number > 0", fn, d.name, b, h, x);
+      }
+    }
+  }
+}
+
 AttentionProblem describe(std::string_view fn, const TensorView& q, const TensorView& k, const TensorView& v,
                           const TensorView& o, const TensorView& lse, const AttentionOptions& options,
                           int64_t sequences) {
@@ -254,6 +290,7 @@ AttentionProblem describe(std::string_view fn, const TensorView& q, const Tensor
   p.softcap = options.softcap;
   describe_alibi(fn, options.alibi_slopes, sequences, p);
   describe_sink(fn, options.learnable_sink, p);
+  describe_head_descales(fn, q, options, p);
   return p;
 }
 
@@ -268,7 +305,10 @@ AttentionProblem check_forward(std::string_view fn, const TensorView& q, const T
                        {"k", &k},
                        {"v", &v},
                        {"alibi_slopes", &options.alibi_slopes},
-                       {"learnable_sink", &options.learnable_sink}});
+                       {"learnable_sink", &options.learnable_sink},
+                       {"q_descale_heads", &options.q_descale_heads},
+                       {"k_descale_heads", &options.k_descale_heads},
+                       {"v_descale_heads", &options.v_descale_heads}});
   check_outputs_apart(fn, {{"lse", &lse}}, {{"o", &o}});
   return p;
 }
@@ -324,7 +364,10 @@ AttentionProblem check_backward(std::string_view fn, const TensorView& q, const 
                        {"lse", &lse},
                        {"dout", &dout},
                        {"alibi_slopes", &options.alibi_slopes},
-                       {"learnable_sink", &options.learnable_sink}});
+                       {"learnable_sink", &options.learnable_sink},
+                       {"q_descale_heads", &options.q_descale_heads},
+                       {"k_descale_heads", &options.k_descale_heads},
+                       {"v_descale_heads", &options.v_descale_heads}});
   if (given(dsink)) check_outputs_apart(fn, {{"dlearnable_sink", &dsink}}, {{"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
   return p;
 }

@@ -60,6 +60,9 @@ flashlm::AttentionOptions to_options(const flashlm_attention_options* o) {
   if (c.alibi_slopes) opt.alibi_slopes = to_view(c.alibi_slopes, "alibi_slopes");
   if (c.learnable_sink) opt.learnable_sink = to_view(c.learnable_sink, "learnable_sink");
   if (c.dlearnable_sink) opt.dlearnable_sink = to_view(c.dlearnable_sink, "dlearnable_sink");
+  if (c.q_descale_heads) opt.q_descale_heads = to_view(c.q_descale_heads, "q_descale_heads");
+  if (c.k_descale_heads) opt.k_descale_heads = to_view(c.k_descale_heads, "k_descale_heads");
+  if (c.v_descale_heads) opt.v_descale_heads = to_view(c.v_descale_heads, "v_descale_heads");
   return opt;
 }
 
@@ -107,7 +110,7 @@ extern "C" {
 
 flashlm_attention_options flashlm_attention_options_default(void) {
   return flashlm_attention_options{FLASHLM_FLASH, 0, FLASHLM_TOP_LEFT, 0, 0, 0.0, 1.0f, 1.0f, 1.0f, nullptr, -1, -1, 0.0,
-                                   nullptr, nullptr, nullptr};
+                                   nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 }
 
 flashlm_status flashlm_attention_forward(const flashlm_tensor* q, const flashlm_tensor* k, const flashlm_tensor* v,

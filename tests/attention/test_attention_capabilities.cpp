@@ -313,6 +313,33 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
   }
 }
 
+// Per-head FP8 descales (AttentionOptions::*_descale_heads): no CUDA row has them yet, so an fp8 problem with
+// any of the three is refused by the options' names in both passes, before a kernel is chosen (the values live
+// in device memory and are never read here).
+TEST(AttentionCapabilities, PerHeadDescalesAreRefusedByNameOnCuda) {
+  for (CudaKernelFamily f : {CudaKernelFamily::mma_sync, CudaKernelFamily::hopper, CudaKernelFamily::f32,
+                             CudaKernelFamily::fp8, CudaKernelFamily::naive}) {
+    EXPECT_FALSE(cuda_kernel_capability(f).per_head_descales) << cuda_kernel_family_name(f);
+  }
+  const float device_values[4] = {};
+  for (int which = 0; which < 3; ++which) {
+    for (AttentionPass pass : {AttentionPass::forward, AttentionPass::backward}) {
+      AttentionProblem p = problem(DType::f8e4m3, 64);
+      AttentionProblem::HeadDescales* d[] = {&p.q_descale_heads, &p.k_descale_heads, &p.v_descale_heads};
+      *d[which] = {device_values, 2, 1};
+      try {
+        plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass);
+        ADD_FAILURE() << "per-head descale " << which << " was planned";
+      } catch (const Error& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("q_descale_heads/k_descale_heads/v_descale_heads"), std::string::npos) << m;
+        EXPECT_NE(m.find("the fp8 attention kernels take per-tensor descales only"), std::string::npos) << m;
+        EXPECT_NE(m.find("run on the cpu"), std::string::npos) << m;
+      }
+    }
+  }
+}
+
 // The rows: mma.sync claims ALiBi and sinks; with the Hopper route off (hopper_alibi_sink_route,
 // FLASHLM_HOPPER_ALIBI_SINK=0), Hopper, fp32, fp8 and naive claim neither (so flash_kernel_family keeps an ALiBi or sink problem on
 // mma.sync, never Hopper). The Hopper row claims no variant the mma.sync row lacks (plan_cuda_attention checks

@@ -346,6 +346,14 @@ TEST(Fp8Attention, GpuRefusesWhatItHasNoKernelFor) {
   softcap.softcap = 20;
   expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, softcap); },
                {"attention_backward", "softcap", "the fp8 attention kernels"});
+  // Per-head descales: the CPU's only, for now (the capability table), by the options' names in both passes.
+  Tensor heads = Tensor::empty({1, 2}, DType::f32, Device::cuda);
+  AttentionOptions per_head;
+  per_head.k_descale_heads = heads.view();
+  expect_error([&] { attention_forward(q64, q64, q64, o64, lse, per_head); },
+               {"attention_forward", "k_descale_heads", "per-tensor descales only", "run on the cpu"});
+  expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, per_head); },
+               {"attention_backward", "k_descale_heads", "per-tensor descales only"});
   // Gradients in a dtype the fp8 backward does not write (the common checks, as on the CPU).
   Tensor h = Tensor::empty({1, 8, 2, 64}, DType::f16, Device::cuda);
   expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, h, h, h); },
@@ -551,6 +559,198 @@ std::vector<Fp8Case> fp8_cpu_grid() {
 
 INSTANTIATE_TEST_SUITE_P(Grid, Fp8CpuVsReference, ::testing::ValuesIn(fp8_cpu_grid()),
                          [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_cpu_case_name(info.param); });
+
+// ---- Per-head descales (AttentionOptions::*_descale_heads) on the CPU. ----
+
+// fp32 [batch, heads_k] descales, element (b, hk) = base · (1 + 0.37 b + 0.23 hk): distinct per head, none a
+// power of two.
+Tensor head_descales(int64_t batch, int64_t heads_k, double base) {
+  Tensor t = Tensor::empty({batch, heads_k}, DType::f32);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads_k; ++h) {
+      t.view().ptr<float>()[b * heads_k + h] = static_cast<float>(base * (1.0 + 0.37 * double(b) + 0.23 * double(h)));
+    }
+  }
+  return t;
+}
+
+// The fp64 BSHD copy of an fp8 [batch, seq, heads, dim] view, head h of batch b times descales(b, h / group).
+Tensor dequantised_per_head(const TensorView& t, const Tensor& descales, int64_t group) {
+  Tensor x = to_f64(t);
+  const int64_t B = t.size(0), N = t.size(1), H = t.size(2), D = t.size(3), hk = descales.view().size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t h = 0; h < H; ++h) {
+        const double d = double(descales.view().ptr<const float>()[b * hk + h / group]);
+        for (int64_t e = 0; e < D; ++e) x.view().ptr<double>()[((b * N + n) * H + h) * D + e] *= d;
+      }
+    }
+  }
+  return x;
+}
+
+struct PerHeadDescales {
+  Tensor q, k, v;
+  PerHeadDescales(int64_t batch, int64_t heads_k)
+      : q(head_descales(batch, heads_k, kCpuQDescale)),
+        k(head_descales(batch, heads_k, kCpuKDescale)),
+        v(head_descales(batch, heads_k, kCpuVDescale)) {}
+  AttentionOptions on(AttentionOptions opt) const {
+    opt.q_descale_heads = q.view();
+    opt.k_descale_heads = k.view();
+    opt.v_descale_heads = v.view();
+    return opt;
+  }
+};
+
+// The naive impl on per-head descales against the fp64 reference of the inputs dequantised head by head: o,
+// lse and the gradients rounded once (the naive impl's arithmetic is the reference's, in fp64, on the
+// dequantised copies), over GQA and MQA groups, both causal alignments and three layouts.
+TEST(Fp8AttentionCpu, PerHeadDescalesMatchTheReferenceOfHeadByHeadDequantisedInputs) {
+  for (const Fp8Case& f : fp8_cpu_grid()) {
+    const Case& c = f.c;
+    const std::string name = fp8_cpu_case_name(f);
+    const PerHeadDescales d(c.B, c.Hk);
+    Fp8Problem ours(c, c.dtype, 9100 + static_cast<uint64_t>(c.Nq * 5 + c.Nk + c.D));
+    ours.poison();
+    const AttentionOptions opt = d.on(options_for(c.mask, AttentionImpl::naive));
+    attention_forward(ours.q.view, ours.k.view, ours.v.view, ours.o.view, ours.lse, opt);
+    attention_backward(ours.q.view, ours.k.view, ours.v.view, ours.o.view, ours.lse, ours.dout.view, ours.dq.view,
+                       ours.dk.view, ours.dv.view, opt);
+    Case c64 = c;
+    c64.dtype = DType::f64;
+    Problem ref(c64, Layout::bshd, DType::f64, 0);
+    copy_into(ref.q.view, dequantised_per_head(ours.q.view, d.q, c.Hq / c.Hk));
+    copy_into(ref.k.view, dequantised_per_head(ours.k.view, d.k, 1));
+    copy_into(ref.v.view, dequantised_per_head(ours.v.view, d.v, 1));
+    copy_into(ref.dout.view, ours.dout.view);
+    ref.run(options_for(c.mask, AttentionImpl::naive));
+    expect_rounded_once(ours.o.view, ref.o.view, "o of " + name);
+    expect_rounded_once(ours.lse, ref.lse, "lse of " + name);
+    expect_rounded_once(ours.dq.view, ref.dq.view, "dq of " + name);
+    expect_rounded_once(ours.dk.view, ref.dk.view, "dk of " + name);
+    expect_rounded_once(ours.dv.view, ref.dv.view, "dv of " + name);
+  }
+}
+
+// Per-head descales that are all one value give the per-tensor descale's bits, both impls, both passes.
+TEST(Fp8AttentionCpu, UniformPerHeadDescalesAreThePerTensorOnes) {
+  const Case c{2, 17, 130, 4, 2, 64, Layout::bhsd, Mask::bottom_right, DType::bf16};
+  for (AttentionImpl impl : {AttentionImpl::naive, AttentionImpl::flash}) {
+    Fp8Problem scalar(c, DType::bf16, 77);
+    scalar.run(options_for(c.mask, impl));
+    Fp8Problem heads(scalar, c, DType::bf16);
+    heads.poison();
+    Tensor q = Tensor::empty({c.B, c.Hk}, DType::f32), k = Tensor::empty({c.B, c.Hk}, DType::f32),
+           v = Tensor::empty({c.B, c.Hk}, DType::f32);
+    fill_value(q, kCpuQDescale);
+    fill_value(k, kCpuKDescale);
+    fill_value(v, kCpuVDescale);
+    AttentionOptions opt = options_for(c.mask, impl);
+    opt.q_descale_heads = q.view();
+    opt.k_descale_heads = k.view();
+    opt.v_descale_heads = v.view();
+    attention_forward(heads.q.view, heads.k.view, heads.v.view, heads.o.view, heads.lse, opt);
+    attention_backward(heads.q.view, heads.k.view, heads.v.view, heads.o.view, heads.lse, heads.dout.view,
+                       heads.dq.view, heads.dk.view, heads.dv.view, opt);
+    const std::string what(attention_impl_name(impl));
+    EXPECT_EQ(max_abs_diff(heads.o.view, scalar.o.view), 0.0) << what;
+    EXPECT_EQ(max_abs_diff(heads.lse, scalar.lse), 0.0) << what;
+    EXPECT_EQ(max_abs_diff(heads.dq.view, scalar.dq.view), 0.0) << what;
+    EXPECT_EQ(max_abs_diff(heads.dk.view, scalar.dk.view), 0.0) << what;
+    EXPECT_EQ(max_abs_diff(heads.dv.view, scalar.dv.view), 0.0) << what;
+  }
+}
+
+// The C ABI (version 6) passes the per-head descales: the same bits as the C++ call, a bad one named.
+TEST(Fp8AttentionCpu, PerHeadDescalesThroughTheCAbi) {
+  const Case c{2, 17, 33, 4, 2, 32, Layout::bshd, Mask::top_left, DType::f32};
+  const PerHeadDescales d(c.B, c.Hk);
+  Fp8Problem api(c, DType::f32, 31), abi(api, c, DType::f32);
+  const AttentionOptions flash = options_for(c.mask, AttentionImpl::flash);
+  api.poison();
+  attention_forward(api.q.view, api.k.view, api.v.view, api.o.view, api.lse, d.on(flash));
+  attention_backward(api.q.view, api.k.view, api.v.view, api.o.view, api.lse, api.dout.view, api.dq.view,
+                     api.dk.view, api.dv.view, d.on(flash));
+
+  EXPECT_EQ(flashlm_abi_version(), 6);
+  flashlm_attention_options opt = flashlm_attention_options_default();
+  EXPECT_EQ(opt.q_descale_heads, nullptr);
+  EXPECT_EQ(opt.k_descale_heads, nullptr);
+  EXPECT_EQ(opt.v_descale_heads, nullptr);
+  opt.causal = 1;
+  const flashlm_tensor qd = c_tensor(d.q.view()), kd = c_tensor(d.k.view()), vd = c_tensor(d.v.view());
+  opt.q_descale_heads = &qd;
+  opt.k_descale_heads = &kd;
+  opt.v_descale_heads = &vd;
+  abi.poison();
+  const flashlm_tensor q = c_tensor(abi.q.view), k = c_tensor(abi.k.view), v = c_tensor(abi.v.view);
+  const flashlm_tensor o = c_tensor(abi.o.view), lse = c_tensor(abi.lse.view()), dout = c_tensor(abi.dout.view);
+  const flashlm_tensor dq = c_tensor(abi.dq.view), dk = c_tensor(abi.dk.view), dv = c_tensor(abi.dv.view);
+  ASSERT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt), FLASHLM_OK) << flashlm_last_error();
+  ASSERT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_OK)
+      << flashlm_last_error();
+  for (auto [name, a, b] : {std::tuple{"o", &api.o, &abi.o}, {"dq", &api.dq, &abi.dq}, {"dk", &api.dk, &abi.dk},
+                            {"dv", &api.dv, &abi.dv}}) {
+    EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << name;
+  }
+  EXPECT_EQ(max_abs_diff(api.lse, abi.lse), 0.0) << "lse";
+  opt.v_descale = 2.0f;  // beside v's per-head descales: one or the other
+  EXPECT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(flashlm_last_error()).find("v_descale_heads"), std::string::npos) << flashlm_last_error();
+}
+
+TEST(Fp8Attention, PerHeadDescalesBadArgumentsAreClearErrors) {
+  Tensor q = Tensor::empty({2, 8, 4, 64}, DType::f8e4m3), k = Tensor::empty({2, 8, 2, 64}, DType::f8e4m3);
+  Tensor o = Tensor::empty({2, 8, 4, 64}, DType::bf16), lse = Tensor::empty({2, 4, 8}, DType::f32);
+  fill_normal(q, 1);
+  fill_normal(k, 2);
+  Tensor good = Tensor::empty({2, 2}, DType::f32);
+  fill_value(good, 0.5);
+  AttentionOptions opt;
+  opt.k_descale_heads = good.view();
+  attention_forward(q, k, k, o, lse, opt);  // the good one runs
+
+  Tensor per_q_head = Tensor::empty({2, 4}, DType::f32), flat = Tensor::empty({4}, DType::f32);
+  Tensor f64 = Tensor::empty({2, 2}, DType::f64);
+  fill_value(per_q_head, 0.5);
+  fill_value(flat, 0.5);
+  fill_value(f64, 0.5);
+  AttentionOptions bad;
+  bad.q_descale_heads = per_q_head.view();
+  expect_error([&] { attention_forward(q, k, k, o, lse, bad); },
+               {"attention_forward", "q_descale_heads", "expected shape [2, 2] (batch, heads_k)", "[2, 4]"});
+  bad.q_descale_heads = flat.view();
+  expect_error([&] { attention_forward(q, k, k, o, lse, bad); }, {"q_descale_heads", "[batch, heads_k]"});
+  bad.q_descale_heads = f64.view();
+  expect_error([&] { attention_forward(q, k, k, o, lse, bad); }, {"q_descale_heads", "expected dtype fp32"});
+  bad = {};
+  bad.v_descale_heads = good.view();
+  bad.v_descale = 2.0f;
+  expect_error([&] { attention_forward(q, k, k, o, lse, bad); }, {"v_descale_heads", "per-tensor descale 2"});
+  for (float x : {0.0f, -1.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    Tensor one_bad = Tensor::empty({2, 2}, DType::f32);
+    fill_value(one_bad, 0.5);
+    one_bad.view().ptr<float>()[3] = x;
+    AttentionOptions o1;
+    o1.k_descale_heads = one_bad.view();
+    expect_error([&] { attention_forward(q, k, k, o, lse, o1); },
+                 {"k_descale_heads", "batch 1 head 1", "finite number > 0"});
+  }
+  // Not fp8: refused by name whatever the shape.
+  Tensor qb = Tensor::empty({2, 8, 4, 64}, DType::bf16), kb = Tensor::empty({2, 8, 2, 64}, DType::bf16);
+  fill_normal(qb, 3);
+  fill_normal(kb, 4);
+  AttentionOptions on16;
+  on16.q_descale_heads = good.view();
+  expect_error([&] { attention_forward(qb, kb, kb, o, lse, on16); },
+               {"q_descale_heads", "fp8_e4m3 inputs only", "bf16"});
+  // An output may not overlap them (here: lse's first elements are the descales).
+  fill_value(lse, 0.5);
+  AttentionOptions overlap;
+  overlap.q_descale_heads = TensorView::contiguous(lse.data(), DType::f32, {2, 2}, Device::cpu);
+  expect_error([&] { attention_forward(q, k, k, o, lse, overlap); }, {"lse", "overlaps the input q_descale_heads"});
+}
 
 // ---- The CUDA backward: the 16-bit flash kernels on exact bf16 copies, descales in their scale factors. ----
 

@@ -693,7 +693,7 @@ TEST(AttentionExtras, CAbiCarriesAlibiAndSinks) {
   Problem api(c, c.layout, c.dtype, 12), abi(c, c.layout, c.dtype, 12);
   api.run(in.options);
 
-  EXPECT_EQ(flashlm_abi_version(), 5);
+  EXPECT_EQ(flashlm_abi_version(), 6);
   flashlm_attention_options opt = flashlm_attention_options_default();
   EXPECT_EQ(opt.alibi_slopes, nullptr);
   EXPECT_EQ(opt.learnable_sink, nullptr);
