@@ -299,6 +299,49 @@ def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_r
     return call
 
 
+def _fp8_heads_forward(q, k, v, layout, causal, bottom_right, scale, q_descale, k_descale, v_descale):
+    """The FP8 forward with per-head descales (float32 [batch, heads_k] tensors, the options' q/k/v_descale_heads;
+    the C library checks them): (o bfloat16, lse float32), packed afresh per call."""
+    o, lse = _forward_outputs(q, layout, v)
+    bhsd = _is_bhsd(layout)
+    named = ((q, "q"), (k, "k"), (v, "v"))
+    try:
+        fields = (*_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
+                  *_describe_lse(lse), *_options(causal, bottom_right, scale, False, "flash"))
+        _call(_extras_forward, q, fields, _NO_VARIANT, (None, None, None, q_descale, k_descale, v_descale))
+    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
+        raise _why_not_packable(named, "flash", scale=scale) from None
+    return o, lse
+
+
+def _fp8_heads_backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, q_descale, k_descale,
+                        v_descale, deterministic, grad_dtype):
+    """The FP8 backward with per-head descales: (dq, dk, dv) in grad_dtype, the gradients of the dequantised
+    values."""
+    if dout.stride(-1) != 1 or dout.numel() == 0:
+        dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
+    dq, dk, dv = (torch.empty_like(q, dtype=grad_dtype), torch.empty_like(k, dtype=grad_dtype),
+                  torch.empty_like(v, dtype=grad_dtype))
+    bhsd = _is_bhsd(layout)
+    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"))
+    try:
+        fields = (*_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
+                  *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
+                  *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, "flash"))
+        _call(_extras_backward, q, fields, _NO_VARIANT, (None, None, None, q_descale, k_descale, v_descale))
+    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
+        raise _why_not_packable(named, "flash", scale=scale) from None
+    return dq, dk, dv
+
+
+def _per_head(descale, q, layout, heads_k):
+    """A per-head descale as the [batch, 1, heads_q, 1] (bshd) or [batch, heads_q, 1, 1] (bhsd) factor of a
+    gradient laid out like q (heads_k: the tensor's own head count, q's or k's)."""
+    heads = q.shape[1] if _is_bhsd(layout) else q.shape[2]
+    d = descale.repeat_interleave(heads // heads_k, dim=1)
+    return d[:, :, None, None] if _is_bhsd(layout) else d[:, None, :, None]
+
+
 def _backward_extras(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, window_left,
                      window_right, softcap, alibi_slopes, learnable_sink):
     """The backward with ALiBi or sinks: (dq, dk, dv, dsink), dsink the sink's gradient (float32 [heads_q]) or an
@@ -500,6 +543,55 @@ if HAS_CUSTOM_OPS:
     attention_fp8_bwd.register_autograd(_refuse_double_backward)
     _FP8_BWD_OP = torch.ops.flashlm.attention_fp8_bwd.default
 
+    @torch.library.custom_op("flashlm::attention_fp8_heads_fwd", mutates_args=())
+    def attention_fp8_heads_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, causal: bool,
+                                bottom_right: bool, scale: Optional[float], q_descale: torch.Tensor,
+                                k_descale: torch.Tensor, v_descale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """attention_fp8_fwd with per-head descales: float32 [batch, heads_k] each (FlashAttention-3's), q's
+        applying to every query head of the key head's group. The CPU runs it; CUDA refuses it for now."""
+        return _fp8_heads_forward(q, k, v, layout, causal, bottom_right, scale, q_descale, k_descale, v_descale)
+
+    @attention_fp8_heads_fwd.register_fake
+    def _attention_fp8_heads_fwd_fake(q, k, v, layout, causal, bottom_right, scale, q_descale, k_descale, v_descale):
+        return _forward_outputs(q, layout)
+
+    @torch.library.custom_op("flashlm::attention_fp8_heads_bwd", mutates_args=())
+    def attention_fp8_heads_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                o: torch.Tensor, lse: torch.Tensor, layout: str, causal: bool, bottom_right: bool,
+                                scale: Optional[float], q_descale: torch.Tensor, k_descale: torch.Tensor,
+                                v_descale: torch.Tensor, deterministic: bool,
+                                grad_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """attention_fp8_bwd with per-head descales: the gradients of the dequantised values in grad_dtype."""
+        return _fp8_heads_backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, q_descale, k_descale,
+                                   v_descale, deterministic, grad_dtype)
+
+    @attention_fp8_heads_bwd.register_fake
+    def _attention_fp8_heads_bwd_fake(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, q_descale,
+                                      k_descale, v_descale, deterministic, grad_dtype):
+        return (torch.empty_like(q, dtype=grad_dtype), torch.empty_like(k, dtype=grad_dtype),
+                torch.empty_like(v, dtype=grad_dtype))
+
+    def _fp8_heads_fwd_setup_context(ctx, inputs, output):
+        q, k, v, layout, causal, bottom_right, scale, qd, kd, vd = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, qd, kd, vd)
+        ctx.args = (layout, causal, bottom_right, scale)
+        ctx.mark_non_differentiable(lse)
+
+    def _fp8_heads_fwd_backward(ctx, dout, dlse):
+        """As _fp8_fwd_backward, each head's gradient times its own descale (the descales get none)."""
+        q, k, v, o, lse, qd, kd, vd = ctx.saved_tensors
+        layout, causal, bottom_right, scale = ctx.args
+        dq, dk, dv = _FP8_HEADS_BWD_OP(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, qd, kd, vd, False,
+                                       torch.float32)
+        hk = kd.shape[1]
+        return (dq * _per_head(qd, q, layout, hk), dk * _per_head(kd, k, layout, hk),
+                dv * _per_head(vd, v, layout, hk), *([None] * 7))
+
+    attention_fp8_heads_fwd.register_autograd(_fp8_heads_fwd_backward, setup_context=_fp8_heads_fwd_setup_context)
+    attention_fp8_heads_bwd.register_autograd(_refuse_double_backward)
+    _FP8_HEADS_BWD_OP = torch.ops.flashlm.attention_fp8_heads_bwd.default
+
     attention_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
     attention_bwd.register_autograd(_refuse_double_backward)
     _FWD_OP = torch.ops.flashlm.attention_fwd.default
@@ -646,9 +738,19 @@ def _seq_dim(layout):
 
 def _fp8_attention(q, k, v, layout, causal, bottom_right, scale, descales):
     """The FP8 forward's o: the custom operator where the call is traced or records a graph (its autograd
-    formula: attention_fp8_bwd), the C call otherwise."""
-    d = tuple(1.0 if x is None else float(x) for x in descales)
+    formula: attention_fp8_bwd), the C call otherwise. A descale given as a tensor makes all three per-head
+    (attention_fp8_heads_fwd; a float or None beside it becomes a tensor of that value)."""
     differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if any(isinstance(x, torch.Tensor) for x in descales):
+        if not HAS_CUSTOM_OPS:
+            raise L.FlashlmValueError(f"q_descale, k_descale, v_descale: per-head descales need torch.library."
+                                      f"custom_op (torch >= 2.4); this is torch {torch.__version__}")
+        heads_k = k.shape[1] if _is_bhsd(layout) else k.shape[2]
+        d = tuple(x if isinstance(x, torch.Tensor) else
+                  torch.full((q.shape[0], heads_k), 1.0 if x is None else float(x), dtype=torch.float32,
+                             device=q.device) for x in descales)
+        return torch.ops.flashlm.attention_fp8_heads_fwd(q, k, v, layout, causal, bottom_right, scale, *d)[0]
+    d = tuple(1.0 if x is None else float(x) for x in descales)
     if _traced(q) or (differentiable and HAS_CUSTOM_OPS):
         return torch.ops.flashlm.attention_fp8_fwd(q, k, v, layout, causal, bottom_right, scale, *d)[0]
     if differentiable:
@@ -672,6 +774,8 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     torch.float8_e4m3fn q, k, v run the FP8 forward (CUDA on an sm_90 GPU at head dims 64 and 128, the CPU at
     any): q_descale, k_descale, v_descale (floats, default 1) are the per-tensor factors the fp8 values were
     divided by; S = scale * q_descale * k_descale * q k^T, the output (bfloat16) is v_descale * softmax(S) v.
+    Per-head descales (FlashAttention-3's): float32 [batch, heads_k] tensors, q's applying to every query head of
+    the key head's group (torch.ops.flashlm.attention_fp8_heads_fwd/_bwd; the CPU for now, CUDA refuses them).
     Differentiable (CUDA and CPU, torch >= 2.4): autograd's gradients of the e4m3 inputs are descale times those
     of the dequantised values, cast by autograd to float8_e4m3fn; torch.ops.flashlm.attention_fp8_bwd gives the
     gradients of the dequantised values in bfloat16 or float32.

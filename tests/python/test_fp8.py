@@ -201,3 +201,78 @@ def test_fp8_backward_bad_gradient_dtype_is_a_clear_error():
     with pytest.raises(ValueError, match="dq: expected dtype bf16 or fp32 for the gradients of fp8_e4m3 inputs"):
         torch_ops._backward(dout, q, k, v, o, lse, "bshd", False, False, None, False, "flash", descales=DESCALES,
                             grad_dtype=torch.float16)
+
+
+# ---- Per-head descales (FlashAttention-3's granularity): float32 [batch, heads_k] tensors. ----
+
+def per_head_descales(batch, heads_k):
+    """DESCALES times 1 + 0.37 b + 0.23 hk: distinct per (batch, key head), none a power of two."""
+    f = 1 + 0.37 * torch.arange(batch)[:, None] + 0.23 * torch.arange(heads_k)[None, :]
+    return tuple((s * f).float() for s in DESCALES)
+
+
+def broadcast(d, heads):
+    """A [batch, heads_k] descale as the [batch, 1, heads, 1] factor of a BSHD tensor with `heads` heads."""
+    return d.double().repeat_interleave(heads // d.shape[1], dim=1)[:, None, :, None]
+
+
+@pytest.mark.skipif(not torch_ops.HAS_CUSTOM_OPS, reason="no torch.library.custom_op")
+def test_cpu_per_head_descales_forward_backward_and_autograd():
+    q, k, v, dout = fp8_problem((2, 33, 4, 40), (2, 50, 2, 40), "cpu")
+    qd, kd, vd = per_head_descales(2, 2)
+    factors = (broadcast(qd, 4), broadcast(kd, 2), broadcast(vd, 2))
+    o = flashlm.attention(q, k, v, layout="bshd", causal=True, causal_align="bottom_right", q_descale=qd,
+                          k_descale=kd, v_descale=vd)
+    ref = dequantised_reference(q, k, v, factors)
+    assert ((o.double() - ref).abs() <= 2.0**-8 * ref.abs() + 1e-4 * max(1.0, ref.abs().max().item())).all()
+
+    o, lse = torch.ops.flashlm.attention_fp8_heads_fwd(q, k, v, "bshd", True, True, None, qd, kd, vd)
+    grads = torch.ops.flashlm.attention_fp8_heads_bwd(dout, q, k, v, o, lse, "bshd", True, True, None, qd, kd, vd,
+                                                      False, torch.float32)
+    want = dequantised_gradients(q, k, v, factors, dout)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        err = (got.double() - ref).abs().max().item()
+        assert err <= 2.0**-5 * max(1.0, ref.abs().max().item()), (name, err)
+
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    o = flashlm.attention(q, k, v, layout="bshd", causal=True, causal_align="bottom_right", q_descale=qd,
+                          k_descale=kd, v_descale=vd)
+    (o.float() * dout.float()).sum().backward()
+    for name, t, ref, f in zip(("q", "k", "v"), (q, k, v), want, factors):
+        assert t.grad.dtype == torch.float8_e4m3fn, name
+        stored = ref * f  # each head's gradient times its own descale
+        err = (t.grad.double() - stored).abs()
+        assert (err <= 2.0**-3 * stored.abs() + 2.0**-5 * stored.abs().max() + 2.0**-9).all(), name
+
+
+@pytest.mark.skipif(not torch_ops.HAS_CUSTOM_OPS, reason="no torch.library.custom_op")
+def test_uniform_per_head_descales_are_the_per_tensor_ones_and_mix_with_floats():
+    q, k, v, dout = fp8_problem((1, 17, 2, 32), (1, 20, 1, 32), "cpu")
+    full = tuple(torch.full((1, 1), s, dtype=torch.float32) for s in DESCALES)
+    o, lse = torch.ops.flashlm.attention_fp8_fwd(q, k, v, "bshd", False, False, None, *DESCALES)
+    oh, lseh = torch.ops.flashlm.attention_fp8_heads_fwd(q, k, v, "bshd", False, False, None, *full)
+    assert torch.equal(o, oh) and torch.equal(lse, lseh)
+    g = torch.ops.flashlm.attention_fp8_bwd(dout, q, k, v, o, lse, "bshd", False, False, None, *DESCALES, False,
+                                            torch.float32)
+    gh = torch.ops.flashlm.attention_fp8_heads_bwd(dout, q, k, v, o, lse, "bshd", False, False, None, *full, False,
+                                                   torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(g, gh))
+    # A tensor beside floats: the floats become uniform per-head descales.
+    mixed = flashlm.attention(q, k, v, layout="bshd", q_descale=full[0], k_descale=DESCALES[1], v_descale=DESCALES[2])
+    assert torch.equal(mixed, o)
+
+
+@pytest.mark.skipif(not torch_ops.HAS_CUSTOM_OPS, reason="no torch.library.custom_op")
+def test_per_head_descales_opcheck_and_bad_shape():
+    q, k, v, dout = fp8_problem((1, 17, 2, 32), (1, 20, 1, 32), "cpu")
+    qd, kd, vd = per_head_descales(1, 1)
+    o, lse = torch.ops.flashlm.attention_fp8_heads_fwd(q, k, v, "bshd", False, False, None, qd, kd, vd)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.flashlm.attention_fp8_heads_bwd,
+                          (dout, q, k, v, o, lse, "bshd", False, False, None, qd, kd, vd, False, torch.float32),
+                          test_utils=utils)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.flashlm.attention_fp8_heads_fwd, (qg, kg, vg, "bshd", False, False, None, qd, kd, vd),
+                          test_utils=utils)
+    with pytest.raises(ValueError, match="k_descale_heads.*expected shape \\[1, 1\\]"):
+        flashlm.attention(q, k, v, layout="bshd", k_descale=torch.ones(1, 2))
