@@ -437,6 +437,30 @@ struct Fp8Problem {
   }
 };
 
+// An Fp8Problem's tensors as the C ABI's, and its forward and backward through it.
+struct CCall {
+  flashlm_tensor q, k, v, o, lse, dout, dq, dk, dv;
+  explicit CCall(const Fp8Problem& p)
+      : q(c_tensor(p.q.view)), k(c_tensor(p.k.view)), v(c_tensor(p.v.view)), o(c_tensor(p.o.view)),
+        lse(c_tensor(p.lse.view())), dout(c_tensor(p.dout.view)), dq(c_tensor(p.dq.view)), dk(c_tensor(p.dk.view)),
+        dv(c_tensor(p.dv.view)) {}
+  flashlm_status forward(const flashlm_attention_options& opt) const {
+    return flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt);
+  }
+  flashlm_status backward(const flashlm_attention_options& opt) const {
+    return flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt);
+  }
+};
+
+// o, lse and the gradients of two runs of the same inputs, bit for bit.
+void expect_same_outputs(const Fp8Problem& a, const Fp8Problem& b) {
+  for (auto [name, x, y] : {std::tuple{"o", &a.o, &b.o}, {"dq", &a.dq, &b.dq}, {"dk", &a.dk, &b.dk},
+                            {"dv", &a.dv, &b.dv}}) {
+    EXPECT_EQ(max_abs_diff(x->view, y->view), 0.0) << name;
+  }
+  EXPECT_EQ(max_abs_diff(a.lse, b.lse), 0.0) << "lse";
+}
+
 // Every element of `got` within the rounding of one conversion of `want` to got's dtype: |got - want| <= u · |want|
 // + the dtype's smallest subnormal (a value below the dtype's range rounds to it or to 0), u = 2^-8 for bf16 (its
 // unit roundoff 2^-9, twice for the conversion through fp32) and 2^-23 for fp32.
@@ -653,12 +677,8 @@ TEST(Fp8AttentionCpu, UniformPerHeadDescalesAreThePerTensorOnes) {
     attention_forward(heads.q.view, heads.k.view, heads.v.view, heads.o.view, heads.lse, opt);
     attention_backward(heads.q.view, heads.k.view, heads.v.view, heads.o.view, heads.lse, heads.dout.view,
                        heads.dq.view, heads.dk.view, heads.dv.view, opt);
-    const std::string what(attention_impl_name(impl));
-    EXPECT_EQ(max_abs_diff(heads.o.view, scalar.o.view), 0.0) << what;
-    EXPECT_EQ(max_abs_diff(heads.lse, scalar.lse), 0.0) << what;
-    EXPECT_EQ(max_abs_diff(heads.dq.view, scalar.dq.view), 0.0) << what;
-    EXPECT_EQ(max_abs_diff(heads.dk.view, scalar.dk.view), 0.0) << what;
-    EXPECT_EQ(max_abs_diff(heads.dv.view, scalar.dv.view), 0.0) << what;
+    SCOPED_TRACE(std::string(attention_impl_name(impl)));
+    expect_same_outputs(heads, scalar);
   }
 }
 
@@ -684,19 +704,12 @@ TEST(Fp8AttentionCpu, PerHeadDescalesThroughTheCAbi) {
   opt.k_descale_heads = &kd;
   opt.v_descale_heads = &vd;
   abi.poison();
-  const flashlm_tensor q = c_tensor(abi.q.view), k = c_tensor(abi.k.view), v = c_tensor(abi.v.view);
-  const flashlm_tensor o = c_tensor(abi.o.view), lse = c_tensor(abi.lse.view()), dout = c_tensor(abi.dout.view);
-  const flashlm_tensor dq = c_tensor(abi.dq.view), dk = c_tensor(abi.dk.view), dv = c_tensor(abi.dv.view);
-  ASSERT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt), FLASHLM_OK) << flashlm_last_error();
-  ASSERT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_OK)
-      << flashlm_last_error();
-  for (auto [name, a, b] : {std::tuple{"o", &api.o, &abi.o}, {"dq", &api.dq, &abi.dq}, {"dk", &api.dk, &abi.dk},
-                            {"dv", &api.dv, &abi.dv}}) {
-    EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << name;
-  }
-  EXPECT_EQ(max_abs_diff(api.lse, abi.lse), 0.0) << "lse";
+  const CCall call(abi);
+  ASSERT_EQ(call.forward(opt), FLASHLM_OK) << flashlm_last_error();
+  ASSERT_EQ(call.backward(opt), FLASHLM_OK) << flashlm_last_error();
+  expect_same_outputs(api, abi);
   opt.v_descale = 2.0f;  // beside v's per-head descales: one or the other
-  EXPECT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_EQ(call.forward(opt), FLASHLM_INVALID_ARGUMENT);
   EXPECT_NE(std::string(flashlm_last_error()).find("v_descale_heads"), std::string::npos) << flashlm_last_error();
 }
 
@@ -1019,21 +1032,14 @@ TEST(Fp8AttentionCpu, CAbiRunsForwardAndBackward) {
   opt.q_descale = kCpuQDescale;
   opt.k_descale = kCpuKDescale;
   opt.v_descale = kCpuVDescale;
-  const flashlm_tensor q = c_tensor(abi.q.view), k = c_tensor(abi.k.view), v = c_tensor(abi.v.view);
-  const flashlm_tensor o = c_tensor(abi.o.view), lse = c_tensor(abi.lse.view()), dout = c_tensor(abi.dout.view);
-  const flashlm_tensor dq = c_tensor(abi.dq.view), dk = c_tensor(abi.dk.view), dv = c_tensor(abi.dv.view);
-  EXPECT_EQ(q.dtype, FLASHLM_FP8_E4M3);
-  ASSERT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt), FLASHLM_OK) << flashlm_last_error();
-  ASSERT_EQ(flashlm_attention_backward(&q, &k, &v, &o, &lse, &dout, &dq, &dk, &dv, &opt), FLASHLM_OK)
-      << flashlm_last_error();
-  for (auto [name, a, b] : {std::tuple{"o", &api.o, &abi.o}, {"dq", &api.dq, &abi.dq}, {"dk", &api.dk, &abi.dk},
-                            {"dv", &api.dv, &abi.dv}}) {
-    EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << name;
-  }
-  EXPECT_EQ(max_abs_diff(api.lse, abi.lse), 0.0) << "lse";
+  const CCall call(abi);
+  EXPECT_EQ(call.q.dtype, FLASHLM_FP8_E4M3);
+  ASSERT_EQ(call.forward(opt), FLASHLM_OK) << flashlm_last_error();
+  ASSERT_EQ(call.backward(opt), FLASHLM_OK) << flashlm_last_error();
+  expect_same_outputs(api, abi);
   // A bad descale is FLASHLM_INVALID_ARGUMENT with the message naming it.
   opt.k_descale = 0.0f;
-  EXPECT_EQ(flashlm_attention_forward(&q, &k, &v, &o, &lse, &opt), FLASHLM_INVALID_ARGUMENT);
+  EXPECT_EQ(call.forward(opt), FLASHLM_INVALID_ARGUMENT);
   EXPECT_NE(std::string(flashlm_last_error()).find("k_descale"), std::string::npos) << flashlm_last_error();
 }
 
