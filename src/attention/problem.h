@@ -57,17 +57,17 @@ struct AttentionProblem {
 
   int64_t group() const { return heads_q / heads_k; }  // query heads per key/value head
   int64_t value_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
-  double alibi_slope(int64_t b, int64_t h) const {
-    return alibi ? double(alibi_slopes[b * alibi_batch_stride + h * alibi_head_stride]) : 0.0;
-  }
+  // The ALiBi slope of (b, h), 0 without ALiBi. Out of line (problem.cpp), as sink_logit: the per-ISA CPU kernel
+  // objects (flash_cpu.cpp, compiled for AVX-512 too) call both once per head, and an inline copy they emitted
+  // as a weak symbol, in AVX code, could be the one the linker keeps for the baseline callers
+  // (tests/attention/check_cpu_kernel_objects.py found sink_logit's in the sanitizer build).
+  double alibi_slope(int64_t b, int64_t h) const;
   // The bias of (query i, key j) for a slope (0 without ALiBi).
   double alibi_bias(double slope, int64_t i, int64_t j) const {
     return -slope * double(std::llabs(i + causal_offset - j));
   }
   // The sink logit of query head h, -inf (no sink) without one.
-  double sink_logit(int64_t h) const {
-    return sink ? double(learnable_sink[h * sink_stride]) : -std::numeric_limits<double>::infinity();
-  }
+  double sink_logit(int64_t h) const;
   // Whether query i sees any key.
   bool sees_keys(int64_t i) const { return first_visible_key(i) < visible_keys(i); }
   // Whether a window narrows the mask beyond the causal one (the CUDA 16-bit kernels' masked instantiations).
