@@ -174,18 +174,22 @@ def _check_extras(alibi_slopes, learnable_sink):
 
 def _forward_extras(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, window_left, window_right,
                     softcap, alibi_slopes, learnable_sink):
-    """The forward with ALiBi or sinks: packed afresh per call (_lib.call_with_extras)."""
+    """The forward with ALiBi or sinks."""
     _check_extras(alibi_slopes, learnable_sink)
+    return _forward_with_extras(q, k, v, layout, causal, bottom_right, scale, deterministic, impl,
+                                (window_left, window_right, softcap), (alibi_slopes, learnable_sink))
+
+
+def _forward_with_extras(q, k, v, layout, causal, bottom_right, scale, deterministic, impl, variant, extras):
+    """The forward with tensors in its options (`extras`, _lib.call_with_extras's order): (o, lse), packed afresh
+    per call."""
     o, lse = _forward_outputs(q, layout, v)
     bhsd = _is_bhsd(layout)
     try:
         fields = (*_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
                   *_describe_lse(lse), *_options(causal, bottom_right, scale, deterministic, impl))
-    except (KeyError, IndexError, TypeError, AttributeError):
-        raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
-    try:
-        _call(_extras_forward, q, fields, (window_left, window_right, softcap), (alibi_slopes, learnable_sink, None))
-    except struct.error:
+        _call(_extras_forward, q, fields, variant, extras)
+    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(((q, "q"), (k, "k"), (v, "v")), impl, scale=scale) from None
     return o, lse
 
@@ -301,37 +305,17 @@ def _packed_backward(dout, q, k, v, o, lse, dq, dk, dv, layout, causal, bottom_r
 
 def _fp8_heads_forward(q, k, v, layout, causal, bottom_right, scale, q_descale, k_descale, v_descale):
     """The FP8 forward with per-head descales (float32 [batch, heads_k] tensors, the options' q/k/v_descale_heads;
-    the C library checks them): (o bfloat16, lse float32), packed afresh per call."""
-    o, lse = _forward_outputs(q, layout, v)
-    bhsd = _is_bhsd(layout)
-    named = ((q, "q"), (k, "k"), (v, "v"))
-    try:
-        fields = (*_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
-                  *_describe_lse(lse), *_options(causal, bottom_right, scale, False, "flash"))
-        _call(_extras_forward, q, fields, _NO_VARIANT, (None, None, None, q_descale, k_descale, v_descale))
-    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
-        raise _why_not_packable(named, "flash", scale=scale) from None
-    return o, lse
+    the C library checks them): (o bfloat16, lse float32)."""
+    return _forward_with_extras(q, k, v, layout, causal, bottom_right, scale, False, "flash", _NO_VARIANT,
+                                (None, None, None, q_descale, k_descale, v_descale))
 
 
 def _fp8_heads_backward(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, q_descale, k_descale,
                         v_descale, deterministic, grad_dtype):
     """The FP8 backward with per-head descales: (dq, dk, dv) in grad_dtype, the gradients of the dequantised
     values."""
-    if dout.stride(-1) != 1 or dout.numel() == 0:
-        dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
-    dq, dk, dv = (torch.empty_like(q, dtype=grad_dtype), torch.empty_like(k, dtype=grad_dtype),
-                  torch.empty_like(v, dtype=grad_dtype))
-    bhsd = _is_bhsd(layout)
-    named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"))
-    try:
-        fields = (*_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
-                  *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
-                  *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, "flash"))
-        _call(_extras_backward, q, fields, _NO_VARIANT, (None, None, None, q_descale, k_descale, v_descale))
-    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
-        raise _why_not_packable(named, "flash", scale=scale) from None
-    return dq, dk, dv
+    return _backward_with_extras(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, "flash",
+                                 _NO_VARIANT, (None, None, None, q_descale, k_descale, v_descale), grad_dtype)
 
 
 def _per_head(descale, q, layout, heads_k):
@@ -347,24 +331,31 @@ def _backward_extras(dout, q, k, v, o, lse, layout, causal, bottom_right, scale,
     """The backward with ALiBi or sinks: (dq, dk, dv, dsink), dsink the sink's gradient (float32 [heads_q]) or an
     empty tensor without a sink; packed afresh per call."""
     _check_extras(alibi_slopes, learnable_sink)
+    dsink = _sink_grad_like(learnable_sink, q)
+    dq, dk, dv = _backward_with_extras(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl,
+                                       (window_left, window_right, softcap),
+                                       (alibi_slopes, learnable_sink, dsink if learnable_sink is not None else None))
+    return dq, dk, dv, dsink
+
+
+def _backward_with_extras(dout, q, k, v, o, lse, layout, causal, bottom_right, scale, deterministic, impl, variant,
+                          extras, grad_dtype=None):
+    """The backward with tensors in its options (`extras`, _lib.call_with_extras's order): (dq, dk, dv), allocated
+    like q, k, v (in grad_dtype where given), packed afresh per call."""
     if dout.stride(-1) != 1 or dout.numel() == 0:
         dout = torch.empty(dout.shape, dtype=dout.dtype, device=dout.device).copy_(dout)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dsink = _sink_grad_like(learnable_sink, q)
+    dq, dk, dv = (torch.empty_like(q, dtype=grad_dtype), torch.empty_like(k, dtype=grad_dtype),
+                  torch.empty_like(v, dtype=grad_dtype))
     named = ((q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"), (dout, "dout"))
     bhsd = _is_bhsd(layout)
     try:
         fields = (*_describe(q, bhsd), *_describe(k, bhsd), *_describe(v, bhsd), *_describe(o, bhsd),
                   *_describe_lse(lse), *_describe(dout, bhsd), *_describe(dq, bhsd), *_describe(dk, bhsd),
                   *_describe(dv, bhsd), *_options(causal, bottom_right, scale, deterministic, impl))
-    except (KeyError, IndexError, TypeError, AttributeError):
+        _call(_extras_backward, q, fields, variant, extras)
+    except (KeyError, IndexError, TypeError, AttributeError, struct.error):
         raise _why_not_packable(named, impl, scale=scale) from None
-    try:
-        _call(_extras_backward, q, fields, (window_left, window_right, softcap),
-              (alibi_slopes, learnable_sink, dsink if learnable_sink is not None else None))
-    except struct.error:
-        raise _why_not_packable(named, impl, scale=scale) from None
-    return dq, dk, dv, dsink
+    return dq, dk, dv
 
 
 def _sink_grad_like(learnable_sink, q):
