@@ -346,6 +346,7 @@ __global__ void __launch_bounds__(Sm90BwdTraits<D>::kThreads, 1)
             sacc[4 * j + e] = fast_exp2(fmaf(sacc[4 * j + e], p.scale_log2, e % 2 ? -l2.y : -l2.x));
           }
         }
+        sm90::keep_above_wgmma_wait(sacc[kBlockM / 2 - 1], -p.scale_log2);  // Pᵀ (>= 0) under dPᵀ
       }
       // dSᵀ = Pᵀ ∘ (dPᵀ − Delta), as 16-bit A fragments beside Pᵀ's, and stored to shared memory for dQ.
       sm90::wgmma_wait<0>();

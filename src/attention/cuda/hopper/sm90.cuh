@@ -205,6 +205,19 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
+// Ends the basic block after exponentials that run under an in-flight wgmma (the backward's Pᵀ under dPᵀ), so that
+// the wgmma wait after them stays after them. ptxas hoists a wgmma.wait_group to the top of its basic block: with
+// the exponentials and the wait in one block, the d128 backward's SASS waited for dPᵀ first and ran all 32 of
+// Pᵀ's exponentials after it. A branch on one of the last values computed splits the block (19 of the 32 then
+// run under dPᵀ at d128, 36 of 64 at d64; the rest, not feeding the branch, ptxas still sinks). It compares
+// `last_value` with `other`, a value it never equals in practice that ptxas cannot prove different (ptxas
+// folds `p == -1` away where p is an ex2 result, which it knows to be non-negative); were they ever equal, the
+// branch would only sleep a nanosecond. One compare and one branch a step: the backward 1.019x over the fa grid
+// on an H200 (docs/perf.md). The forward's softmax under its own P·V, the same way, was slower at d64 and not
+// faster at d128 (docs/perf.md, "What did not work").
+__device__ __forceinline__ void keep_above_wgmma_wait(float last_value, float other) {
+  if (last_value == other) asm volatile("nanosleep.u32 1;");
+}
 // Keeps the compiler from moving reads or writes of accumulator registers across an asynchronous wgmma
 // (issue ... wait): the registers are "used and redefined" here, in program order.
 template <int kN>
