@@ -14,8 +14,8 @@
 // with the sm_90a kernels; flash only, head dims 64 and 128) and on the CPU (both impls, any head dim); the
 // backward on CUDA (flash only, head dims 16, 32, 64, 128 and 256, any GPU the 16-bit kernels run on) and on the
 // CPU. The CUDA backward runs the bf16 flash backward (Hopper or mma.sync, deterministic too) on exact bf16 copies
-// of the stored q, k, v with the descales folded into its fp32 scale factors: its gradients are rounded as the
-// bf16 backward's (fp32 gradients hold those bf16 values). The CPU dequantises into copies and runs the
+// of the stored q, k, v with per-tensor descales folded into its fp32 scale factors: its gradients are rounded as
+// the bf16 backward's (fp32 gradients hold those bf16 values); per-head descales are below. The CPU dequantises into copies and runs the
 // arithmetic of its other dtypes (naive in fp64, exact there; flash in fp32), the reference for the GPU's FP8
 // kernels rather than a fast path. No varlen and no KV cache for fp8.
 //
@@ -85,9 +85,12 @@ struct AttentionOptions {
   // FP8 inputs only: per-head descales in place of the per-tensor ones above (FlashAttention-3's and PyTorch's
   // FP8 SDPA granularity): fp32 [batch, heads_k] each, element (b, hk) the descale of batch b's key/value head
   // hk, and q's applying to every query head of that head's GQA group. Each one given replaces its scalar, which
-  // must then stay 1; values finite and > 0 (checked where they can be read here: on the CPU). Empty views (the
-  // default) leave the scalars in charge. The CPU runs them (both impls, forward and backward); the CUDA kernels
-  // do not yet, an Error naming the option (the capability table, src/attention/capabilities.h).
+  // must then stay 1; values finite and > 0 (checked where they can be read here: on the CPU; CUDA descales are
+  // device memory, never read on the host, and a NaN among them comes out as NaN in its heads' outputs). Empty
+  // views (the default) leave the scalars in charge. The CPU runs them (both impls, forward and backward), and so
+  // does CUDA: the forward kernel reads each tile's descales; the backward runs on bf16 copies of the values
+  // dequantised head by head (2^-9 relative) after a bf16 forward recomputing o and lse on them, the caller's o
+  // and lse unread (docs/usage.md).
   TensorView q_descale_heads, k_descale_heads, v_descale_heads;
   int64_t window_size_left = -1, window_size_right = -1;  // -1: unbounded (see the top of this file)
   double softcap = 0.0;                                    // > 0: scores become softcap · tanh(s / softcap)

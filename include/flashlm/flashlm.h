@@ -109,7 +109,7 @@ typedef struct flashlm_attention_options {
   const struct flashlm_tensor* learnable_sink; /* NULL: none; fp32 [heads_q] (ABI 5) */
   const struct flashlm_tensor* dlearnable_sink; /* backward output, NULL: not computed; fp32 [heads_q] (ABI 5) */
   /* fp8_e4m3 inputs only: per-head descales in place of the scalar of the same name (which must then be 1), fp32
-   * [batch, heads_k], q's applying to every query head of the key head's group; CPU only so far (ABI 6). */
+   * [batch, heads_k], q's applying to every query head of the key head's group, on q's device (ABI 6). */
   const struct flashlm_tensor* q_descale_heads;
   const struct flashlm_tensor* k_descale_heads;
   const struct flashlm_tensor* v_descale_heads;

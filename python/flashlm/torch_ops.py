@@ -539,7 +539,7 @@ if HAS_CUSTOM_OPS:
                                 bottom_right: bool, scale: Optional[float], q_descale: torch.Tensor,
                                 k_descale: torch.Tensor, v_descale: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """attention_fp8_fwd with per-head descales: float32 [batch, heads_k] each (FlashAttention-3's), q's
-        applying to every query head of the key head's group. The CPU runs it; CUDA refuses it for now."""
+        applying to every query head of the key head's group. The CPU and CUDA (sm_90, head dims 64/128) run it."""
         return _fp8_heads_forward(q, k, v, layout, causal, bottom_right, scale, q_descale, k_descale, v_descale)
 
     @attention_fp8_heads_fwd.register_fake
@@ -766,7 +766,7 @@ def attention(q, k, v, *, layout, causal=False, scale=None, causal_align=None, d
     any): q_descale, k_descale, v_descale (floats, default 1) are the per-tensor factors the fp8 values were
     divided by; S = scale * q_descale * k_descale * q k^T, the output (bfloat16) is v_descale * softmax(S) v.
     Per-head descales (FlashAttention-3's): float32 [batch, heads_k] tensors, q's applying to every query head of
-    the key head's group (torch.ops.flashlm.attention_fp8_heads_fwd/_bwd; the CPU for now, CUDA refuses them).
+    the key head's group (torch.ops.flashlm.attention_fp8_heads_fwd/_bwd; CPU and CUDA).
     Differentiable (CUDA and CPU, torch >= 2.4): autograd's gradients of the e4m3 inputs are descale times those
     of the dequantised values, cast by autograd to float8_e4m3fn; torch.ops.flashlm.attention_fp8_bwd gives the
     gradients of the dequantised values in bfloat16 or float32.

@@ -298,39 +298,79 @@ struct ConvertedCopy {
   }
 };
 
-// FP8 on CUDA, backward: the 16-bit flash backward (flash_backward_cuda: the Hopper kernels where they cover the
-// problem, else mma.sync, as for bf16) on bf16 copies of the stored e4m3 q, k and v. The copies are exact and
-// unscaled; the descales stay in the problem, and make_params (cuda/flash_common.cuh, FlashParams::dq_scale) folds
-// them into the kernels' factors: q_descale·k_descale into the softmax scale, so that the recomputed P is the
-// FP8 forward's (whose lse the caller passes), and every gradient's factor into the one fp32 multiply the kernels
-// already apply to dQ and dK, so that no gradient is rounded more than the bf16 backward rounds its own. v stays
-// stored too, its descale going into Delta and those factors: an exact route where a dequantised bf16 copy of v
-// (v·v_descale rounded to bf16) would put a rounding of 2^-9 into every dP. o and dout are bf16 already. The
-// kernels write bf16: into the caller's gradients where they are bf16, else into bf16 scratch, widened into
-// fp32 afterwards (fp32 gradients holding the bf16 values: the kernels round dS, and accumulate in fp32, as the
-// bf16 backward does). Scratch: the copies of q, k, v (2 bytes an element) and, for fp32 gradients, three more.
+// The 16-bit flash backward of p16 (a bf16 problem; flash_backward_cuda: the Hopper kernels where they cover it,
+// else mma.sync) on bf16 q, k, v into the caller's gradients of an fp8 call: the kernels write bf16, into those
+// gradients where they are bf16, else into bf16 scratch widened into fp32 afterwards (fp32 gradients holding the
+// bf16 values: the kernels round dS, and accumulate in fp32, as the bf16 backward does).
+void fp8_backward_on_bf16(const CudaAttentionPlan& plan, const AttentionProblem& p16, const TensorView& q,
+                          const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
+                          const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                          bool deterministic, void* stream) {
+  // The fp8 row's backward head dims are mma.sync's, unpadded: every fp8 backward plan is one of theirs.
+  static_assert(kFp8BackwardHeadDims == kMmaSyncBackwardHeadDims);
+  const CudaAttentionPlan on_bf16{CudaKernelFamily::mma_sync, plan.kernel_head_dim, false};
+  if (dq.dtype == DType::bf16) {
+    return flash_backward_cuda(on_bf16, p16, q, k, v, o, lse, dout, dq, dk, dv, deterministic, stream);
+  }
+  const ConvertedCopy dqb(dq, DType::bf16, false, "attention fp8 backward: dq in bf16", stream);
+  const ConvertedCopy dkb(dk, DType::bf16, false, "attention fp8 backward: dk in bf16", stream);
+  const ConvertedCopy dvb(dv, DType::bf16, false, "attention fp8 backward: dv in bf16", stream);
+  flash_backward_cuda(on_bf16, p16, q, k, v, o, lse, dout, dqb.view, dkb.view, dvb.view, deterministic, stream);
+  convert_head_rows_cuda(dqb.view, dq, stream);
+  convert_head_rows_cuda(dkb.view, dk, stream);
+  convert_head_rows_cuda(dvb.view, dv, stream);
+}
+
+// FP8 on CUDA, backward with per-tensor descales: the 16-bit flash backward (fp8_backward_on_bf16) on bf16 copies of
+// the stored e4m3 q, k and v. The copies are exact and unscaled; the descales stay in the problem, and make_params
+// (cuda/flash_common.cuh, FlashParams::dq_scale) folds them into the kernels' factors: q_descale·k_descale into the
+// softmax scale, so that the recomputed P is the FP8 forward's (whose lse the caller passes), and every gradient's
+// factor into the one fp32 multiply the kernels already apply to dQ and dK, so that no gradient is rounded more
+// than the bf16 backward rounds its own. v stays stored too, its descale going into Delta and those factors: an
+// exact route where a dequantised bf16 copy of v (v·v_descale rounded to bf16) would put a rounding of 2^-9 into
+// every dP. o and dout are bf16 already. Scratch: the copies of q, k, v (2 bytes an element) and, for fp32
+// gradients, three more.
+//
+// Per-head descales have no such factors: the kernels take one softmax scale and one factor per gradient for the
+// whole problem, and making them per (batch, key head) would mean new instantiations of every backward kernel
+// (preprocess, both dK/dV kernels, the dQ pass and conversion) for the fp8 route alone. Instead the copies hold the
+// dequantised values, stored · the row's head's descale rounded once to bf16 (2^-9 relative,
+// dequantise_head_rows_cuda), and a bf16 forward on them recomputes o and lse, so that the backward's recomputed P
+// is the softmax of its own inputs (the FP8 forward's lse, of the exact values, would be off from them by up to
+// |S|·2^-8 in every exponent); then the backward runs as for bf16 inputs, the caller's o and lse unread. Its
+// gradients are those of bf16 inputs within 2^-9 of the dequantised values. The extra cost: that forward (0.4 of
+// the backward's FLOPs) and o (bf16) and lse (fp32) as scratch.
 void fp8_backward_cuda(const CudaAttentionPlan& plan, const AttentionProblem& p, const TensorView& q,
                        const TensorView& k, const TensorView& v, const TensorView& o, const TensorView& lse,
                        const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                        bool deterministic, void* stream) {
   AttentionProblem p16 = p;
   p16.dtype = DType::bf16;
-  const ConvertedCopy qb(q, DType::bf16, true, "attention fp8 backward: q as bf16", stream);
-  const ConvertedCopy kb(k, DType::bf16, true, "attention fp8 backward: k as bf16", stream);
-  const ConvertedCopy vb(v, DType::bf16, true, "attention fp8 backward: v as bf16", stream);
-  const CudaAttentionPlan on_bf16{CudaKernelFamily::mma_sync, plan.kernel_head_dim, false};
-  if (dq.dtype == DType::bf16) {
-    return flash_backward_cuda(on_bf16, p16, qb.view, kb.view, vb.view, o, lse, dout, dq, dk, dv, deterministic,
-                               stream);
+  if (!p.per_head_descales()) {
+    const ConvertedCopy qb(q, DType::bf16, true, "attention fp8 backward: q as bf16", stream);
+    const ConvertedCopy kb(k, DType::bf16, true, "attention fp8 backward: k as bf16", stream);
+    const ConvertedCopy vb(v, DType::bf16, true, "attention fp8 backward: v as bf16", stream);
+    return fp8_backward_on_bf16(plan, p16, qb.view, kb.view, vb.view, o, lse, dout, dq, dk, dv, deterministic, stream);
   }
-  const ConvertedCopy dqb(dq, DType::bf16, false, "attention fp8 backward: dq in bf16", stream);
-  const ConvertedCopy dkb(dk, DType::bf16, false, "attention fp8 backward: dk in bf16", stream);
-  const ConvertedCopy dvb(dv, DType::bf16, false, "attention fp8 backward: dv in bf16", stream);
-  flash_backward_cuda(on_bf16, p16, qb.view, kb.view, vb.view, o, lse, dout, dqb.view, dkb.view, dvb.view,
-                      deterministic, stream);
-  convert_head_rows_cuda(dqb.view, dq, stream);
-  convert_head_rows_cuda(dkb.view, dk, stream);
-  convert_head_rows_cuda(dvb.view, dv, stream);
+  p16.q_descale = p16.k_descale = p16.v_descale = 1.0;
+  p16.q_descale_heads = p16.k_descale_heads = p16.v_descale_heads = {};
+  const ConvertedCopy qb(q, DType::bf16, false, "attention fp8 backward: dequantised q", stream);
+  const ConvertedCopy kb(k, DType::bf16, false, "attention fp8 backward: dequantised k", stream);
+  const ConvertedCopy vb(v, DType::bf16, false, "attention fp8 backward: dequantised v", stream);
+  dequantise_head_rows_cuda(q, qb.view, p.q_descale, p.q_descale_heads, p.group(), stream);
+  dequantise_head_rows_cuda(k, kb.view, p.k_descale, p.k_descale_heads, 1, stream);
+  dequantise_head_rows_cuda(v, vb.view, p.v_descale, p.v_descale_heads, 1, stream);
+  const ConvertedCopy ob(o, DType::bf16, false, "attention fp8 backward: o of the dequantised copies", stream);
+  const std::array<int64_t, 3> lse_sizes{p.batch, p.heads_q, p.seq_q};
+  const Buffer lse_buffer = Buffer::allocate_on_stream(
+      static_cast<size_t>(checked_product({p.batch, p.heads_q, p.seq_q, int64_t{4}}, "attention fp8 backward: lse")),
+      "attention fp8 backward: lse of the dequantised copies", stream);
+  const TensorView lseb = TensorView::contiguous(lse_buffer.data(), DType::f32, lse_sizes, Device::cuda);
+  // The forward's plan: mma.sync's forward head dims are its backward's (the Hopper kernels where they cover it).
+  static_assert(kMmaSyncForwardHeadDims == kMmaSyncBackwardHeadDims);
+  const CudaAttentionPlan forward{CudaKernelFamily::mma_sync, plan.kernel_head_dim, false};
+  flash_forward_cuda(forward, p16, qb.view, kb.view, vb.view, ob.view, lseb, stream);
+  fp8_backward_on_bf16(plan, p16, qb.view, kb.view, vb.view, ob.view, lseb, dout, dq, dk, dv, deterministic, stream);
 }
 #endif
 

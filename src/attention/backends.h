@@ -103,6 +103,11 @@ void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t c
 // strides, head_dim a multiple of 8), converting fp8_e4m3 to bf16 or bf16 to fp32: both exact (e4m3's 4 significant
 // bits and its exponents fit bf16's), so a copy holds the very values. Queued on `stream` (attention/cuda/naive.cu).
 void convert_head_rows_cuda(const TensorView& src, const TensorView& dst, void* stream);
+// Copies every element of the fp8_e4m3 `src` into the bf16 `dst` (views as convert_head_rows_cuda's) times its
+// descale, rounded once to bf16 (2^-9 relative): heads.at(b, h / group) for head h of batch b, or `descale` where
+// heads.data is null (group: the heads per descale head, the GQA group for q, 1 for k and v). Queued on `stream`.
+void dequantise_head_rows_cuda(const TensorView& src, const TensorView& dst, double descale,
+                               const AttentionProblem::HeadDescales& heads, int64_t group, void* stream);
 
 // flash_attention_with_kvcache on CUDA (attention/cuda/decode.cu): the append kernel, the split-KV kernel
 // (flash-decoding) and the combine of the splits by logsumexp; fp16/bf16, head dims 64, 128 and 256. The

@@ -27,7 +27,9 @@ constexpr std::array kFp8{DType::f8e4m3};
 // instantiations: the Hopper row below lacks them, and hopper_alibi_sink_route() (on unless
 // FLASHLM_HOPPER_ALIBI_SINK=0) swaps in kHopperWithAlibiSink, which has them. A head_dim_v of its own runs on the
 // flash families' padded copies (mma.sync and fp32, both passes, every variant of the row) and, unpadded, in
-// the Hopper forward and backward at their pairs (the CPU paths have them all).
+// the Hopper forward and backward at their pairs (the CPU paths have them all). Per-head descales run in the fp8
+// family (its forward reads them per tile, its backward dequantises per head: capabilities.h); the 16-bit families
+// take no descales at all.
 const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::mma_sync, kSixteenBit, kMmaSyncForwardHeadDims, kMmaSyncBackwardHeadDims, true, true, false,
      {}, {}, true, true, true, true, false},
@@ -37,7 +39,7 @@ const std::array<CudaKernelCapability, 5> kTable{{
     {CudaKernelFamily::hopper, kSixteenBit, kHopperForwardHeadDims, kHopperBackwardHeadDims, false, false, false,
      kHopperForwardHeadDimPairs, kHopperBackwardHeadDimPairs, true, true, false, false, false},
     {CudaKernelFamily::fp8, kFp8, kFp8ForwardHeadDims, kFp8BackwardHeadDims, false, false, false, {}, {}, false, false,
-     false, false, false},
+     false, false, true},
 }};
 // The Hopper row with ALiBi and sinks, where hopper_alibi_sink_route() holds.
 const CudaKernelCapability kHopperWithAlibiSink{CudaKernelFamily::hopper,
@@ -162,7 +164,8 @@ CudaAttentionPlan plan_cuda_attention(std::string_view fn, const AttentionProble
                 cuda_kernel_family_name(family));
   FLASHLM_CHECK(!p.per_head_descales() || caps.per_head_descales,
                 "{}: q_descale_heads/k_descale_heads/v_descale_heads: the {} attention kernels take per-tensor "
-                "descales only (q_descale, k_descale, v_descale); per-head descales run on the cpu",
+                "descales only (q_descale, k_descale, v_descale); per-head descales run on the cpu and in the fp8 "
+                "kernels",
                 fn, cuda_kernel_family_name(family));
   if (caps.any_head_dim) return {family, p.head_dim, false};
 

@@ -23,7 +23,7 @@ enum class CudaKernelFamily {
   naive,     // materialised S and P through cuBLAS (cuda/naive.cu)
   hopper,    // sm_90a wgmma/TMA forward and backward (cuda/hopper/): see below
   fp8,       // e4m3 inputs: the sm_90a wgmma forward, bf16 output (cuda/hopper/flash_fwd_fp8_sm90.cu); the
-             // backward on the 16-bit flash kernels (below, kFp8BackwardHeadDims)
+             // backward on the 16-bit flash kernels (below, kFp8BackwardHeadDims); per-tensor or per-head descales
 };
 
 std::string_view cuda_kernel_family_name(CudaKernelFamily family);
@@ -62,9 +62,10 @@ inline constexpr std::array<HeadDimPair, 1> kHopperBackwardHeadDimPairs{{{192, 1
 // requires an sm_90 device and q and k views TMA can describe, an error otherwise: fp8 has no fallback).
 inline constexpr std::array<int, 2> kFp8ForwardHeadDims{64, 128};
 // The FP8 backward runs the 16-bit flash backward (the Hopper kernels where they cover the problem, else
-// mma.sync: the bf16 dispatch, flash_kernel_family) on exact bf16 copies of q, k and v with the descales folded
-// into its scale factors (attention.cpp, fp8_backward_cuda): the head dims of the kernels it runs on, mma.sync's
-// being the fallback for every problem. Any GPU those kernels run on, sm_90 not required.
+// mma.sync: the bf16 dispatch, flash_kernel_family) on exact bf16 copies of q, k and v with per-tensor descales
+// folded into its scale factors, or, with per-head descales, on bf16 copies of the dequantised values after a bf16
+// forward on them (attention.cpp, fp8_backward_cuda): the head dims of the kernels it runs on, mma.sync's being the
+// fallback for every problem. Any GPU those kernels run on, sm_90 not required.
 inline constexpr std::array<int, 5> kFp8BackwardHeadDims = kMmaSyncBackwardHeadDims;
 
 // Every CUDA kernel moves rows in 16-byte vectors: head_dim · element size must be a multiple of this.
@@ -101,8 +102,9 @@ struct CudaKernelCapability {
   bool softcap;
   bool alibi;           // AttentionOptions::alibi_slopes
   bool learnable_sink;  // AttentionOptions::learnable_sink and the backward's dlearnable_sink
-  // AttentionOptions::q_descale_heads, k_descale_heads, v_descale_heads (fp8 inputs): no row has them yet, the
-  // FP8 forward kernel and the FP8 backward's scale factors being per tensor; the CPU runs them.
+  // AttentionOptions::q_descale_heads, k_descale_heads, v_descale_heads (fp8 inputs, [batch, heads_k]): the fp8
+  // row's, whose forward kernel reads each tile's descales at its start and whose backward runs on bf16 copies of
+  // the values dequantised head by head (rounded once to bf16) after a bf16 forward on them; the CPU runs them too.
   bool per_head_descales;
 };
 

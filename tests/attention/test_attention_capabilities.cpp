@@ -313,13 +313,15 @@ TEST(AttentionCapabilities, AlibiAndSinksPlanOnMmaSyncAndEveryFamilyRefusesWhatI
   }
 }
 
-// Per-head FP8 descales (AttentionOptions::*_descale_heads): no CUDA row has them yet, so an fp8 problem with
-// any of the three is refused by the options' names in both passes, before a kernel is chosen (the values live
-// in device memory and are never read here).
-TEST(AttentionCapabilities, PerHeadDescalesAreRefusedByNameOnCuda) {
+// Per-head FP8 descales (AttentionOptions::*_descale_heads): the fp8 row has them (its forward reads them per tile,
+// its backward dequantises per head), so an fp8 problem with any of the three is planned on it in both passes (the
+// values live in device memory and are never read here). The other rows take no descales: a problem that asked one
+// of them for per-head descales (validation lets none through: they need fp8 inputs) is refused by the options'
+// names.
+TEST(AttentionCapabilities, PerHeadDescalesArePlannedOnTheFp8RowAlone) {
   for (CudaKernelFamily f : {CudaKernelFamily::mma_sync, CudaKernelFamily::hopper, CudaKernelFamily::f32,
                              CudaKernelFamily::fp8, CudaKernelFamily::naive}) {
-    EXPECT_FALSE(cuda_kernel_capability(f).per_head_descales) << cuda_kernel_family_name(f);
+    EXPECT_EQ(cuda_kernel_capability(f).per_head_descales, f == CudaKernelFamily::fp8) << cuda_kernel_family_name(f);
   }
   const float device_values[4] = {};
   for (int which = 0; which < 3; ++which) {
@@ -328,13 +330,24 @@ TEST(AttentionCapabilities, PerHeadDescalesAreRefusedByNameOnCuda) {
       AttentionProblem::HeadDescales* d[] = {&p.q_descale_heads, &p.k_descale_heads, &p.v_descale_heads};
       *d[which] = {device_values, 2, 1};
       try {
-        plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass);
-        ADD_FAILURE() << "per-head descale " << which << " was planned";
+        const CudaAttentionPlan plan = plan_cuda_attention("attention_forward", p, AttentionImpl::flash, pass);
+        EXPECT_EQ(plan.family, CudaKernelFamily::fp8) << which;
+        EXPECT_EQ(plan.kernel_head_dim, 64) << which;
+        EXPECT_FALSE(plan.padded) << which;
+      } catch (const Error& e) {
+        ADD_FAILURE() << "per-head descale " << which << " was refused: " << e.what();
+      }
+      AttentionProblem wrong = problem(DType::bf16, 64);
+      AttentionProblem::HeadDescales* w[] = {&wrong.q_descale_heads, &wrong.k_descale_heads, &wrong.v_descale_heads};
+      *w[which] = {device_values, 2, 1};
+      try {
+        plan_cuda_attention("attention_forward", wrong, AttentionImpl::flash, pass);
+        ADD_FAILURE() << "per-head descale " << which << " was planned on mma.sync";
       } catch (const Error& e) {
         const std::string m = e.what();
         EXPECT_NE(m.find("q_descale_heads/k_descale_heads/v_descale_heads"), std::string::npos) << m;
-        EXPECT_NE(m.find("the fp8 attention kernels take per-tensor descales only"), std::string::npos) << m;
-        EXPECT_NE(m.find("run on the cpu"), std::string::npos) << m;
+        EXPECT_NE(m.find("the mma.sync attention kernels take per-tensor descales only"), std::string::npos) << m;
+        EXPECT_NE(m.find("in the fp8 kernels"), std::string::npos) << m;
       }
     }
   }

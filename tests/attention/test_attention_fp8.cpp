@@ -1,7 +1,7 @@
 // FP8 (e4m3) attention: its argument checks, the CPU forward and backward (both impls) against the fp64
 // reference computed on the dequantised inputs (always run), the sm_90a forward kernel and the CUDA backward (the
-// 16-bit kernels on bf16 copies) against the same reference (GPU tests: skip without a GPU, the forward's
-// without an sm_90 one).
+// 16-bit kernels on bf16 copies) against the same reference, with per-tensor and with per-head descales (GPU tests:
+// skip without a GPU, the forward's without an sm_90 one).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -171,17 +171,59 @@ void PrintTo(const Fp8Case& f, std::ostream* os) { *os << fp8_case_name(f); }
   return o;
 }
 
+// o and lse of an FP8 forward (`o` [B, Nq, Hq, D] and `lse` [B, Hq, Nq], fp64, BSHD) against the fp64 reference of
+// the dequantised inputs `qd`, `kd`, `vd` (fp64 BSHD). Bound, derived the way SPEC §3 derives the low-precision rule.
+// The reference runs on the dequantised fp8 inputs, so input rounding is no error here; what the FP8 path adds is
+// (a) P rounded to e4m3 for P·V: 3 mantissa bits, relative error at most 2^-4 per element for P >= 2^-6 (absolute
+// at most 2^-10 below, e4m3's subnormal spacing being 2^-9), so |ΔO_i| <= 2^-4 · Σ_j P_ij |v_j| / l_i + 2^-10 ·
+// Σ_j |v_j| / l_i in the worst case and far less on average (the roundings of different keys are independent); (b)
+// O rounded to bf16 (2^-8 relative); (c) fp32 (tensor-core) accumulation of S and O, orders of magnitude below
+// (a). The naive attention computed with exactly the roundings (a) and (b) has an error of the same nature against
+// the reference, so — FlashAttention's rule, as for fp16/bf16 — ours may be at most twice that naive error plus
+// 1e-3 absolute. lse involves no e4m3 rounding of P (only (c) on S): 1e-3 · max(1, |lse|). Rows that see no key:
+// lse exactly -inf and o exactly 0.
+[[maybe_unused]] void expect_fp8_forward_matches_reference(const Case& c, const Tensor& o, const Tensor& lse, const Tensor& qd,
+                                          const Tensor& kd, const Tensor& vd, const std::string& name) {
+  Tensor ref_o = Tensor::empty({c.B, c.Nq, c.Hq, c.D}, DType::f64), ref_lse = Tensor::empty({c.B, c.Hq, c.Nq}, DType::f64);
+  attention_forward(qd, kd, vd, ref_o, ref_lse, options_for(c.mask, AttentionImpl::naive));
+  const Tensor lowp = naive_with_fp8_roundings(c, qd, kd, vd);
+
+  const double naive_err = max_abs_diff(lowp.view(), ref_o.view());
+  const double err = max_abs_diff(o.view(), ref_o.view());
+  EXPECT_LE(err, 2 * naive_err + 1e-3) << name << " (naive-with-fp8-roundings error " << naive_err << ", max |ref| "
+                                       << max_abs(ref_o.view()) << ")";
+  double lse_err = 0;
+  int64_t bad_masked = 0;
+  const double* got = lse.view().ptr<const double>();
+  const double* want = ref_lse.view().ptr<double>();
+  for (int64_t i = 0; i < ref_lse.numel(); ++i) {
+    if (std::isinf(want[i])) {  // a row that sees no key: exactly -inf
+      bad_masked += got[i] != want[i];
+      continue;
+    }
+    const double d = std::fabs(got[i] - want[i]) / std::max(1.0, std::fabs(want[i]));
+    lse_err = std::isnan(d) ? INFINITY : std::max(lse_err, d);
+  }
+  EXPECT_LE(lse_err, 1e-3) << "lse of " << name;
+  EXPECT_EQ(bad_masked, 0) << "rows that see no key must have lse = -inf";
+  // Rows that see no key are exactly zero (the reference's are).
+  const int64_t offset = c.mask == Mask::bottom_right ? c.Nk - c.Nq : 0;
+  int64_t nonzero = 0;
+  const double* od = o.view().ptr<const double>();
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t i = 0; i < c.Nq; ++i) {
+      const int64_t visible = c.mask == Mask::none ? c.Nk : std::clamp<int64_t>(i + offset + 1, 0, c.Nk);
+      if (visible > 0) continue;
+      for (int64_t h = 0; h < c.Hq; ++h)
+        for (int64_t d = 0; d < c.D; ++d) nonzero += od[((b * c.Nq + i) * c.Hq + h) * c.D + d] != 0.0;
+    }
+  EXPECT_EQ(nonzero, 0) << "elements of rows that see no key are not 0";
+}
+
 class Fp8VsReference : public ::testing::TestWithParam<Fp8Case> {};
 
-// Bound, derived the way SPEC §3 derives the low-precision rule. The fp64 reference runs on the dequantised
-// fp8 inputs, so input rounding is no error here; what the FP8 path adds is (a) P rounded to e4m3 for P·V:
-// 3 mantissa bits, relative error at most 2^-4 per element for P >= 2^-6 (absolute at most 2^-10 below,
-// e4m3's subnormal spacing being 2^-9), so |ΔO_i| <= 2^-4 · Σ_j P_ij |v_j| / l_i + 2^-10 · Σ_j |v_j| / l_i
-// in the worst case and far less on average (the roundings of different keys are independent); (b) O
-// rounded to bf16 (2^-8 relative); (c) fp32 (tensor-core) accumulation of S and O, orders of magnitude
-// below (a). The naive attention computed with exactly the roundings (a) and (b) has an error of the same
-// nature against the reference, so — FlashAttention's rule, as for fp16/bf16 — ours may be at most twice
-// that naive error plus 1e-3 absolute. lse involves no e4m3 rounding of P (only (c) on S): 1e-3 · max(1, |lse|).
+// The sm_90 forward with per-tensor descales (expect_fp8_forward_matches_reference's bound), twice: the kernel has no
+// atomics, so the runs must agree bitwise.
 TEST_P(Fp8VsReference, MatchesFp64ReferenceOfTheSameInputs) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
@@ -205,7 +247,7 @@ TEST_P(Fp8VsReference, MatchesFp64ReferenceOfTheSameInputs) {
   opt.v_descale = kVDescale;
   const LaidOut dq = to_device(q), dk = to_device(k), dv = to_device(v);
   std::vector<Tensor> o_runs, lse_runs;
-  for (int run = 0; run < 2; ++run) {  // twice: the kernel has no atomics, so the runs must agree bitwise
+  for (int run = 0; run < 2; ++run) {
     fill_value(o.view, std::numeric_limits<double>::quiet_NaN());  // poison: an unwritten element fails
     fill_value(lse, std::numeric_limits<double>::quiet_NaN());
     LaidOut d_o = to_device(o);
@@ -217,45 +259,13 @@ TEST_P(Fp8VsReference, MatchesFp64ReferenceOfTheSameInputs) {
     o_runs.push_back(to_f64(o.view));
     lse_runs.push_back(to_f64(lse.view()));
   }
-
-  const Tensor qd = dequantised(q.view, kQDescale), kd = dequantised(k.view, kKDescale), vd = dequantised(v.view, kVDescale);
-  Tensor ref_o = Tensor::empty({c.B, c.Nq, c.Hq, c.D}, DType::f64), ref_lse = Tensor::empty({c.B, c.Hq, c.Nq}, DType::f64);
-  attention_forward(qd, kd, vd, ref_o, ref_lse, options_for(c.mask, AttentionImpl::naive));
-  const Tensor lowp = naive_with_fp8_roundings(c, qd, kd, vd);
-
-  const double naive_err = max_abs_diff(lowp.view(), ref_o.view());
-  const double err = max_abs_diff(o_runs[0].view(), ref_o.view());
-  EXPECT_LE(err, 2 * naive_err + 1e-3) << fp8_case_name(GetParam()) << " (naive-with-fp8-roundings error "
-                                       << naive_err << ", max |ref| " << max_abs(ref_o.view()) << ")";
-  double lse_err = 0;
-  int64_t bad_masked = 0;
-  const double* got = lse_runs[0].view().ptr<double>();
-  const double* want = ref_lse.view().ptr<double>();
-  for (int64_t i = 0; i < ref_lse.numel(); ++i) {
-    if (std::isinf(want[i])) {  // a row that sees no key: exactly -inf
-      bad_masked += got[i] != want[i];
-      continue;
-    }
-    const double d = std::fabs(got[i] - want[i]) / std::max(1.0, std::fabs(want[i]));
-    lse_err = std::isnan(d) ? INFINITY : std::max(lse_err, d);
-  }
-  EXPECT_LE(lse_err, 1e-3) << "lse of " << fp8_case_name(GetParam());
-  EXPECT_EQ(bad_masked, 0) << "rows that see no key must have lse = -inf";
-  // Rows that see no key are exactly zero (the reference's are).
-  const int64_t offset = c.mask == Mask::bottom_right ? c.Nk - c.Nq : 0;
-  int64_t nonzero = 0;
-  const double* od = o_runs[0].view().ptr<double>();
-  for (int64_t b = 0; b < c.B; ++b)
-    for (int64_t i = 0; i < c.Nq; ++i) {
-      const int64_t visible = c.mask == Mask::none ? c.Nk : std::clamp<int64_t>(i + offset + 1, 0, c.Nk);
-      if (visible > 0) continue;
-      for (int64_t h = 0; h < c.Hq; ++h)
-        for (int64_t d = 0; d < c.D; ++d) nonzero += od[((b * c.Nq + i) * c.Hq + h) * c.D + d] != 0.0;
-    }
-  EXPECT_EQ(nonzero, 0) << "elements of rows that see no key are not 0";
+  expect_fp8_forward_matches_reference(c, o_runs[0], lse_runs[0], dequantised(q.view, kQDescale),
+                                       dequantised(k.view, kKDescale), dequantised(v.view, kVDescale),
+                                       fp8_case_name(GetParam()));
   // Bitwise agreement of the two runs (NaN-free by now, or the bounds above failed).
   EXPECT_EQ(max_abs_diff(o_runs[0].view(), o_runs[1].view()), 0.0) << "o differs between runs: a race";
-  EXPECT_EQ(std::memcmp(lse_runs[0].view().data, lse_runs[1].view().data, static_cast<size_t>(ref_lse.numel()) * 8), 0)
+  EXPECT_EQ(std::memcmp(lse_runs[0].view().data, lse_runs[1].view().data, static_cast<size_t>(c.B * c.Hq * c.Nq) * 8),
+            0)
       << "lse differs between runs: a race";
 #endif
 }
@@ -346,14 +356,6 @@ TEST(Fp8Attention, GpuRefusesWhatItHasNoKernelFor) {
   softcap.softcap = 20;
   expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, softcap); },
                {"attention_backward", "softcap", "the fp8 attention kernels"});
-  // Per-head descales: the CPU's only, for now (the capability table), by the options' names in both passes.
-  Tensor heads = Tensor::empty({1, 2}, DType::f32, Device::cuda);
-  AttentionOptions per_head;
-  per_head.k_descale_heads = heads.view();
-  expect_error([&] { attention_forward(q64, q64, q64, o64, lse, per_head); },
-               {"attention_forward", "k_descale_heads", "per-tensor descales only", "run on the cpu"});
-  expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, g, g, g, per_head); },
-               {"attention_backward", "k_descale_heads", "per-tensor descales only"});
   // Gradients in a dtype the fp8 backward does not write (the common checks, as on the CPU).
   Tensor h = Tensor::empty({1, 8, 2, 64}, DType::f16, Device::cuda);
   expect_error([&] { attention_backward(q64, q64, q64, o64, lse, dout, h, h, h); },
@@ -437,10 +439,11 @@ struct Fp8Problem {
   }
 };
 
-// An Fp8Problem's tensors as the C ABI's, and its forward and backward through it.
+// An Fp8Problem's tensors (host or device) as the C ABI's, and its forward and backward through it.
 struct CCall {
   flashlm_tensor q, k, v, o, lse, dout, dq, dk, dv;
-  explicit CCall(const Fp8Problem& p)
+  template <class Fp8Tensors>  // an Fp8Problem, or its device copies (Fp8OnDevice)
+  explicit CCall(const Fp8Tensors& p)
       : q(c_tensor(p.q.view)), k(c_tensor(p.k.view)), v(c_tensor(p.v.view)), o(c_tensor(p.o.view)),
         lse(c_tensor(p.lse.view())), dout(c_tensor(p.dout.view)), dq(c_tensor(p.dq.view)), dk(c_tensor(p.dk.view)),
         dv(c_tensor(p.dv.view)) {}
@@ -613,12 +616,22 @@ Tensor dequantised_per_head(const TensorView& t, const Tensor& descales, int64_t
   return x;
 }
 
+// A copy of t (fp32 [batch, heads_k]) on `device`.
+Tensor copied_to(const Tensor& t, Device device) {
+  Tensor out = Tensor::empty({t.view().size(0), t.view().size(1)}, DType::f32, device);
+  copy_into(out.view(), t.view());
+  return out;
+}
+
 struct PerHeadDescales {
   Tensor q, k, v;
   PerHeadDescales(int64_t batch, int64_t heads_k)
       : q(head_descales(batch, heads_k, kCpuQDescale)),
         k(head_descales(batch, heads_k, kCpuKDescale)),
         v(head_descales(batch, heads_k, kCpuVDescale)) {}
+  // The same descales in `device`'s memory.
+  PerHeadDescales(const PerHeadDescales& host, Device device)
+      : q(copied_to(host.q, device)), k(copied_to(host.k, device)), v(copied_to(host.v, device)) {}
   AttentionOptions on(AttentionOptions opt) const {
     opt.q_descale_heads = q.view();
     opt.k_descale_heads = k.view();
@@ -626,6 +639,20 @@ struct PerHeadDescales {
     return opt;
   }
 };
+
+// The fp64 reference problem (BSHD) of `p`'s inputs with per-head descales `d` (host memory): q, k and v
+// dequantised head by head, dout as it is, run by the naive fp64 attention with c's mask.
+Problem per_head_reference(const Case& c, const Fp8Problem& p, const PerHeadDescales& d) {
+  Case c64 = c;
+  c64.dtype = DType::f64;
+  Problem ref(c64, Layout::bshd, DType::f64, 0);
+  copy_into(ref.q.view, dequantised_per_head(p.q.view, d.q, c.Hq / c.Hk));
+  copy_into(ref.k.view, dequantised_per_head(p.k.view, d.k, 1));
+  copy_into(ref.v.view, dequantised_per_head(p.v.view, d.v, 1));
+  copy_into(ref.dout.view, p.dout.view);
+  ref.run(options_for(c.mask, AttentionImpl::naive));
+  return ref;
+}
 
 // The naive impl on per-head descales against the fp64 reference of the inputs dequantised head by head: o,
 // lse and the gradients rounded once (the naive impl's arithmetic is the reference's, in fp64, on the
@@ -641,14 +668,7 @@ TEST(Fp8AttentionCpu, PerHeadDescalesMatchTheReferenceOfHeadByHeadDequantisedInp
     attention_forward(ours.q.view, ours.k.view, ours.v.view, ours.o.view, ours.lse, opt);
     attention_backward(ours.q.view, ours.k.view, ours.v.view, ours.o.view, ours.lse, ours.dout.view, ours.dq.view,
                        ours.dk.view, ours.dv.view, opt);
-    Case c64 = c;
-    c64.dtype = DType::f64;
-    Problem ref(c64, Layout::bshd, DType::f64, 0);
-    copy_into(ref.q.view, dequantised_per_head(ours.q.view, d.q, c.Hq / c.Hk));
-    copy_into(ref.k.view, dequantised_per_head(ours.k.view, d.k, 1));
-    copy_into(ref.v.view, dequantised_per_head(ours.v.view, d.v, 1));
-    copy_into(ref.dout.view, ours.dout.view);
-    ref.run(options_for(c.mask, AttentionImpl::naive));
+    const Problem ref = per_head_reference(c, ours, d);
     expect_rounded_once(ours.o.view, ref.o.view, "o of " + name);
     expect_rounded_once(ours.lse, ref.lse, "lse of " + name);
     expect_rounded_once(ours.dq.view, ref.dq.view, "dq of " + name);
@@ -786,7 +806,7 @@ struct Fp8OnDevice {
     fill_value(host.view, std::numeric_limits<double>::quiet_NaN());  // an element the call forgets fails
     return to_device(host);
   }
-  AttentionOptions options(Mask mask, bool deterministic) const {
+  static AttentionOptions options(Mask mask, bool deterministic) {
     AttentionOptions opt = options_for(mask, AttentionImpl::flash);
     opt.q_descale = kCpuQDescale;
     opt.k_descale = kCpuKDescale;
@@ -807,8 +827,10 @@ struct Fp8OnDevice {
 // Each of dq, dk, dv within the CPU flash backward's bound (Fp8CpuVsReference above: the low-precision rule
 // against the naive attention with bf16 gradients, dq and dk beyond delta_rounding_allowance, o being bf16), in
 // cuda_flash_tolerance's form, which adds 4 bf16 unit roundoffs of the result's scale for the kernels' bf16 P
-// and dS in their GEMMs. fp32 gradients take the same bound: they hold the bf16 kernels' values.
-void expect_gradients_within_bound(const Case& c, const Fp8Problem& ours, const Fp8Problem& naive_bf16,
+// and dS in their GEMMs. fp32 gradients take the same bound: they hold the bf16 kernels' values. `naive_bf16` (an
+// Fp8Problem or a Problem) holds the low-precision baseline's gradients.
+template <class Baseline>
+void expect_gradients_within_bound(const Case& c, const Fp8Problem& ours, const Baseline& naive_bf16,
                                    const Problem& ref, const std::string& name) {
   const DeltaRoundingAllowance allowance = delta_rounding_allowance(c, ref, DType::bf16);
   const Tensor none = Tensor::empty({0}, DType::f64);
@@ -824,6 +846,25 @@ void expect_gradients_within_bound(const Case& c, const Fp8Problem& ours, const 
     EXPECT_LE(err, cuda_flash_tolerance(DType::bf16, low, max_abs(t.want)))
         << "cuda " << t.what << " of " << name << " (beyond the Delta allowance; naive bf16 error " << low
         << ", max |ref| " << max_abs(t.want) << ")";
+  }
+}
+
+// The CUDA backward of `host` (its inputs, o and lse) with `opt` (flash, f's deterministic mode and kernel choice),
+// its gradients copied into host's; where deterministic, run again on fresh copies: no atomics, the same bits.
+void backward_on_device(const Fp8Case& f, Fp8Problem& host, const AttentionOptions& opt, const std::string& name) {
+  Fp8OnDevice dev(host);
+  with_kernel_choice(f.mma ? "mma" : "auto", [&] { dev.backward(opt); });
+  dev.copy_gradients_back(host);
+  if (!f.deterministic) return;
+  Fp8Problem again(host, f.c, f.c.dtype);
+  copy_into(again.o.view, host.o.view);
+  copy_into(again.lse.view(), host.lse.view());
+  Fp8OnDevice dev2(again);
+  with_kernel_choice(f.mma ? "mma" : "auto", [&] { dev2.backward(opt); });
+  dev2.copy_gradients_back(again);
+  for (auto [what, a, b] : {std::tuple{"dq", &host.dq, &again.dq}, {"dk", &host.dk, &again.dk},
+                            {"dv", &host.dv, &again.dv}}) {
+    EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << "deterministic " << what << " of " << name;
   }
 }
 
@@ -845,23 +886,8 @@ TEST_P(Fp8CudaBackwardVsReference, MatchesFp64ReferenceOfTheDequantisedInputs) {
   naive_bf16.run(naive);
   const Problem ref = ours.reference(c, naive);
 
-  Fp8OnDevice dev(ours);
-  with_kernel_choice(f.mma ? "mma" : "auto", [&] { dev.backward(dev.options(c.mask, f.deterministic)); });
-  dev.copy_gradients_back(ours);
+  backward_on_device(f, ours, Fp8OnDevice::options(c.mask, f.deterministic), name);
   expect_gradients_within_bound(c, ours, naive_bf16, ref, name);
-
-  if (f.deterministic) {  // no atomics: a second run gives the same bits
-    Fp8Problem again(ours, c, c.dtype);
-    copy_into(again.o.view, ours.o.view);
-    copy_into(again.lse.view(), ours.lse.view());
-    Fp8OnDevice dev2(again);
-    with_kernel_choice(f.mma ? "mma" : "auto", [&] { dev2.backward(dev2.options(c.mask, true)); });
-    dev2.copy_gradients_back(again);
-    for (auto [what, a, b] : {std::tuple{"dq", &ours.dq, &again.dq}, {"dk", &ours.dk, &again.dk},
-                              {"dv", &ours.dv, &again.dv}}) {
-      EXPECT_EQ(max_abs_diff(a->view, b->view), 0.0) << "deterministic " << what << " of " << name;
-    }
-  }
 }
 
 // Ragged sizes (Nq = 1, 17, 127, Nk != Nq), the three layouts (the sliced view included), no mask and both causal
@@ -1059,6 +1085,273 @@ TEST(Fp8AttentionCpu, EmptySequences) {
       for (int64_t i = 0; i < l.numel(); ++i) EXPECT_EQ(l.view().ptr<double>()[i], -INFINITY) << what;
     }
   }
+}
+
+// ---- Per-head descales on CUDA: the FP8 forward reads each tile's descales at its start; the backward runs the
+// 16-bit kernels on bf16 copies of the values dequantised head by head, after a bf16 forward on them
+// (attention.cpp, fp8_backward_cuda). ----
+
+// Ragged sizes, no mask and both causal alignments, the three layouts, GQA (4 query heads on 2) and MQA (6 on 1) in
+// turn at the forward's head dims, and more work items than an H200 has multiprocessors (132), so that persistent
+// blocks take tiles of several batches and key heads, each tile with its own descales.
+std::vector<Fp8Case> fp8_per_head_forward_grid() {
+  std::vector<Fp8Case> cases;
+  const Layout layouts[] = {Layout::bshd, Layout::bhsd, Layout::sliced};
+  const Mask masks[] = {Mask::none, Mask::top_left, Mask::bottom_right};
+  int n = 0;
+  for (int64_t d : kFp8ForwardHeadDims) {
+    for (auto [nq, nk] : {std::pair<int64_t, int64_t>{1, 77}, {17, 130}, {127, 64}, {300, 129}, {65, 1000}}) {
+      for (Mask m : masks) {
+        const bool mqa = n % 2 == 1;
+        cases.push_back({{2, nq, nk, mqa ? 6 : 4, mqa ? 1 : 2, d, layouts[(n + n / 3) % 3], m, DType::bf16}});
+        ++n;
+      }
+    }
+  }
+  cases.push_back({{4, 256, 300, 40, 8, 128, Layout::bshd, Mask::bottom_right, DType::bf16}});
+  cases.push_back({{3, 200, 520, 12, 12, 64, Layout::bhsd, Mask::none, DType::bf16}});
+  return cases;
+}
+
+class Fp8PerHeadCudaForward : public ::testing::TestWithParam<Fp8Case> {};
+
+// The sm_90 forward with per-head descales against the fp64 reference of the inputs dequantised head by head, within
+// expect_fp8_forward_matches_reference's bound: a tile that took another batch's or key head's descales (factors
+// 1 + 0.37 b + 0.23 hk apart) is far outside it. Outputs poisoned first.
+TEST_P(Fp8PerHeadCudaForward, MatchesFp64ReferenceOfHeadByHeadDequantisedInputs) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  const Case c = GetParam().c;
+  const PerHeadDescales host(c.B, c.Hk), device(host, Device::cuda);
+  Fp8Problem p(c, DType::bf16, 9300 + static_cast<uint64_t>(c.Nq * 7 + c.Nk + c.D));
+  p.poison();
+  Fp8OnDevice dev(p);
+  attention_forward(dev.q.view, dev.k.view, dev.v.view, dev.o.view, dev.lse,
+                    device.on(options_for(c.mask, AttentionImpl::flash)));
+  copy_back(p.o, dev.o);
+  copy_into(p.lse.view(), dev.lse.view());
+  expect_fp8_forward_matches_reference(c, to_f64(p.o.view), to_f64(p.lse.view()),
+                                       dequantised_per_head(p.q.view, host.q, c.Hq / c.Hk),
+                                       dequantised_per_head(p.k.view, host.k, 1),
+                                       dequantised_per_head(p.v.view, host.v, 1), fp8_case_name(GetParam()));
+#endif
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, Fp8PerHeadCudaForward, ::testing::ValuesIn(fp8_per_head_forward_grid()),
+                         [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_case_name(info.param); });
+
+// Per-head descales equal in every head give the per-tensor forward's bits on the GPU (the kernel forms a tile's
+// factors as make_params forms the per-tensor ones), given for all three tensors or for one beside the others'
+// scalars.
+TEST(Fp8PerHeadCuda, UniformDescalesGiveThePerTensorForwardBits) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  for (int64_t d : kFp8ForwardHeadDims) {
+    const Case c{2, 130, 257, 4, 2, d, Layout::bhsd, Mask::bottom_right, DType::bf16};  // every row sees a key
+    Fp8Problem scalar(c, DType::bf16, 57 + static_cast<uint64_t>(d));
+    scalar.poison();
+    const AttentionOptions per_tensor = Fp8OnDevice::options(c.mask, false);
+    {
+      Fp8OnDevice dev(scalar);
+      attention_forward(dev.q.view, dev.k.view, dev.v.view, dev.o.view, dev.lse, per_tensor);
+      copy_back(scalar.o, dev.o);
+      copy_into(scalar.lse.view(), dev.lse.view());
+    }
+    const auto uniform = [&](float value) {
+      Tensor t = Tensor::empty({c.B, c.Hk}, DType::f32);
+      fill_value(t, value);
+      return copied_to(t, Device::cuda);
+    };
+    const Tensor q = uniform(kCpuQDescale), k = uniform(kCpuKDescale), v = uniform(kCpuVDescale);
+    for (int which = 0; which < 4; ++which) {  // q's, k's or v's per head, the others per tensor; then all three
+      AttentionOptions opt = per_tensor;
+      if (which == 0 || which == 3) {
+        opt.q_descale = 1.0f;
+        opt.q_descale_heads = q.view();
+      }
+      if (which == 1 || which == 3) {
+        opt.k_descale = 1.0f;
+        opt.k_descale_heads = k.view();
+      }
+      if (which == 2 || which == 3) {
+        opt.v_descale = 1.0f;
+        opt.v_descale_heads = v.view();
+      }
+      Fp8Problem heads(scalar, c, DType::bf16);
+      heads.poison();
+      Fp8OnDevice dev(heads);
+      attention_forward(dev.q.view, dev.k.view, dev.v.view, dev.o.view, dev.lse, opt);
+      copy_back(heads.o, dev.o);
+      copy_into(heads.lse.view(), dev.lse.view());
+      EXPECT_EQ(max_abs_diff(heads.o.view, scalar.o.view), 0.0) << "o, d " << d << ", case " << which;
+      EXPECT_EQ(max_abs_diff(heads.lse, scalar.lse), 0.0) << "lse, d " << d << ", case " << which;
+    }
+  }
+#endif
+}
+
+class Fp8PerHeadCudaBackward : public ::testing::TestWithParam<Fp8Case> {};
+
+// The CUDA backward with per-head descales against the fp64 reference of the inputs dequantised head by head. It
+// runs the 16-bit kernels on the dequantised values rounded once to bf16 (2^-9 relative), after a bf16 forward on
+// them: SPEC §3's low-precision baseline is then the naive attention on those bf16 inputs with bf16 gradients (its
+// error against the reference holds the inputs' rounding), and the bound expect_gradients_within_bound's beyond it
+// (the kernels' bf16 P and dS, o's rounding in Delta). The CPU forward's o and lse are passed, as the per-tensor
+// grid passes them; this route recomputes its own. The per-tensor grid's cases: every backward head dim, bf16 and
+// fp32 gradients, mma.sync forced on some, deterministic runs repeated bit for bit.
+TEST_P(Fp8PerHeadCudaBackward, MatchesFp64ReferenceOfHeadByHeadDequantisedInputs) {
+  SKIP_WITHOUT_GPU();
+  const Fp8Case& f = GetParam();
+  const Case c = f.c;
+  const std::string name = fp8_cuda_case_name(f);
+  const PerHeadDescales host(c.B, c.Hk), device(host, Device::cuda);
+  Fp8Problem ours(c, c.dtype, 8300 + static_cast<uint64_t>(c.Nq * 7 + c.Nk + c.D));
+  const AttentionOptions naive = options_for(c.mask, AttentionImpl::naive);
+  ours.poison();
+  attention_forward(ours.q.view, ours.k.view, ours.v.view, ours.o.view, ours.lse, host.on(naive));
+  const Problem ref = per_head_reference(c, ours, host);
+  Case cb = c;
+  cb.dtype = DType::bf16;
+  Problem bf16_inputs(cb, Layout::bshd, DType::bf16, 0);
+  for (auto [to, from] : {std::pair{&bf16_inputs.q, &ref.q}, {&bf16_inputs.k, &ref.k}, {&bf16_inputs.v, &ref.v},
+                          {&bf16_inputs.dout, &ref.dout}}) {
+    copy_into(to->view, from->view);
+  }
+  bf16_inputs.run(naive);
+
+  AttentionOptions opt = device.on(options_for(c.mask, AttentionImpl::flash));
+  opt.deterministic = f.deterministic;
+  backward_on_device(f, ours, opt, name);
+  expect_gradients_within_bound(c, ours, bf16_inputs, ref, name);
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, Fp8PerHeadCudaBackward, ::testing::ValuesIn(fp8_cuda_backward_grid()),
+                         [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_cuda_case_name(info.param); });
+
+// The C ABI on device tensors and device descales: the C++ API's o and lse (an sm_90 GPU) and gradients (any GPU;
+// deterministic, no atomics), bit for bit.
+TEST(Fp8PerHeadCuda, CAbiGivesTheCppApisBits) {
+  SKIP_WITHOUT_GPU();
+  const Case c{2, 37, 50, 4, 2, 64, Layout::bshd, Mask::bottom_right, DType::f32};
+  const PerHeadDescales host(c.B, c.Hk), device(host, Device::cuda);
+  Fp8Problem p(c, DType::f32, 79);
+  p.poison();
+  attention_forward(p.q.view, p.k.view, p.v.view, p.o.view, p.lse, host.on(options_for(c.mask, AttentionImpl::naive)));
+  Fp8OnDevice api(p), abi(p);
+  AttentionOptions opt = device.on(options_for(c.mask, AttentionImpl::flash));
+  opt.deterministic = true;
+  flashlm_attention_options copt = flashlm_attention_options_default();
+  copt.causal = 1;
+  copt.causal_align = FLASHLM_BOTTOM_RIGHT;
+  copt.deterministic = 1;
+  const flashlm_tensor qd = c_tensor(device.q.view()), kd = c_tensor(device.k.view()), vd = c_tensor(device.v.view());
+  copt.q_descale_heads = &qd;
+  copt.k_descale_heads = &kd;
+  copt.v_descale_heads = &vd;
+  const CCall call(abi);
+#ifdef FLASHLM_WITH_SM90
+  const bool forward = on_sm90();
+#else
+  const bool forward = false;
+#endif
+  if (forward) {
+    attention_forward(api.q.view, api.k.view, api.v.view, api.o.view, api.lse, opt);
+    ASSERT_EQ(call.forward(copt), FLASHLM_OK) << flashlm_last_error();
+  }
+  api.backward(opt);
+  ASSERT_EQ(call.backward(copt), FLASHLM_OK) << flashlm_last_error();
+  Fp8Problem from_api(p, c, DType::f32), from_abi(p, c, DType::f32);
+  for (auto [host_side, dev] : {std::pair{&from_api, &api}, {&from_abi, &abi}}) {
+    copy_back(host_side->o, dev->o);
+    copy_into(host_side->lse.view(), dev->lse.view());
+    dev->copy_gradients_back(*host_side);
+  }
+  expect_same_outputs(from_api, from_abi);
+  for (const TensorView* t : {&from_api.dq.view, &from_api.dk.view, &from_api.dv.view}) {
+    EXPECT_TRUE(all_finite_or_neg_inf(*t)) << "the poison survived";
+  }
+}
+
+// Per-head descales on the GPU are checked as on the CPU where the check needs no values (shape, dtype, device, a
+// scalar beside them); their values are device memory, which is never read on the host (as ALiBi slopes and sinks
+// are not), so a NaN among them is no error: it reaches, as NaN (SPEC §2), the outputs of its batch's key head and
+// of that head's query heads, and no others.
+TEST(Fp8PerHeadCuda, BadDescalesAreRefusedAndANanReachesItsHeadsOnly) {
+  SKIP_WITHOUT_GPU();
+  const Case c{2, 33, 40, 4, 2, 64, Layout::bshd, Mask::none, DType::bf16};
+  Fp8Problem p(c, DType::bf16, 81);
+  p.poison();
+  attention_forward(p.q.view, p.k.view, p.v.view, p.o.view, p.lse, options_for(c.mask, AttentionImpl::naive));
+  Fp8OnDevice dev(p);
+  const auto forward = [&](const AttentionOptions& opt) {
+    attention_forward(dev.q.view, dev.k.view, dev.v.view, dev.o.view, dev.lse, opt);
+  };
+  const auto backward = [&](const AttentionOptions& opt) { dev.backward(opt); };
+  Tensor per_q_head = Tensor::empty({2, 4}, DType::f32, Device::cuda), on_host = Tensor::empty({2, 2}, DType::f32);
+  Tensor f64 = Tensor::empty({2, 2}, DType::f64, Device::cuda), good = Tensor::empty({2, 2}, DType::f32, Device::cuda);
+  for (const Tensor* t : {&per_q_head, &on_host, &f64, &good}) fill_value(*t, 0.5);
+  for (const auto& [fn, call] : {std::pair<std::string, std::function<void(const AttentionOptions&)>>{
+                                     "attention_forward", forward},
+                                 {"attention_backward", backward}}) {
+    AttentionOptions bad;
+    bad.q_descale_heads = per_q_head.view();
+    expect_error([&] { call(bad); }, {fn, "q_descale_heads", "expected shape [2, 2] (batch, heads_k)", "[2, 4]"});
+    bad.q_descale_heads = on_host.view();
+    expect_error([&] { call(bad); }, {fn, "q_descale_heads", "on cpu but q is on cuda"});
+    bad.q_descale_heads = f64.view();
+    expect_error([&] { call(bad); }, {fn, "q_descale_heads", "expected dtype fp32"});
+    bad = {};
+    bad.v_descale_heads = good.view();
+    bad.v_descale = 2.0f;
+    expect_error([&] { call(bad); }, {fn, "v_descale_heads", "per-tensor descale 2"});
+  }
+
+  // A NaN at (batch 1, key head 1): the query heads 2 and 3 of batch 1 and key head 1 of batch 1 are NaN.
+  Tensor with_nan = Tensor::empty({2, 2}, DType::f32);
+  fill_value(with_nan, 0.5);
+  with_nan.view().ptr<float>()[1 * 2 + 1] = std::numeric_limits<float>::quiet_NaN();
+  const Tensor nan_on_device = copied_to(with_nan, Device::cuda);
+  AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
+  opt.k_descale_heads = nan_on_device.view();
+  // Elements of a [B, N, H, D] view that are NaN, counted apart for the heads that should be and the others.
+  const auto nan_counts = [&](const TensorView& t, int64_t heads_per_bad_head) {
+    const Tensor x = to_f64(t);
+    const int64_t N = t.size(1), H = t.size(2), D = t.size(3);
+    std::pair<int64_t, int64_t> bad_heads_nan{0, 0}, others_nan{0, 0};  // (NaN, all) of each
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < H; ++h) {
+          auto& counts = b == 1 && h / heads_per_bad_head == 1 ? bad_heads_nan : others_nan;
+          for (int64_t e = 0; e < D; ++e) {
+            counts.first += std::isnan(x.view().ptr<double>()[((b * N + n) * H + h) * D + e]);
+            ++counts.second;
+          }
+        }
+    return std::pair{bad_heads_nan, others_nan};
+  };
+  const auto expect_nan_in_bad_heads_only = [&](const TensorView& t, int64_t heads_per_bad_head, const char* what) {
+    const auto [bad_heads, others] = nan_counts(t, heads_per_bad_head);
+    EXPECT_EQ(bad_heads.first, bad_heads.second) << what << ": elements of the NaN descale's heads not NaN";
+    EXPECT_EQ(others.first, 0) << what << ": NaN beyond the NaN descale's heads";
+  };
+#ifdef FLASHLM_WITH_SM90
+  if (on_sm90()) {
+    forward(opt);
+    copy_back(p.o, dev.o);
+    expect_nan_in_bad_heads_only(p.o.view, c.Hq / c.Hk, "o");
+  }
+#endif
+  backward(opt);
+  dev.copy_gradients_back(p);
+  expect_nan_in_bad_heads_only(p.dq.view, c.Hq / c.Hk, "dq");
+  expect_nan_in_bad_heads_only(p.dk.view, 1, "dk");
+  expect_nan_in_bad_heads_only(p.dv.view, 1, "dv");
 }
 
 }  // namespace

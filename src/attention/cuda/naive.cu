@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <type_traits>
 
 #include "attention/backends.h"
@@ -74,20 +75,28 @@ __global__ void copy_rows(const char* __restrict__ src, RowStrides src_st, char*
   }
 }
 
-// Eight elements widened exactly, in vectors: an 8-byte e4m3 load and a 16-byte bf16 store (every e4m3 value
-// is a half and a bf16 value), or a 16-byte bf16 load and two 16-byte fp32 stores.
-__device__ __forceinline__ void widen8(const __nv_fp8_e4m3* in, __nv_bfloat16* out) {
+// Eight e4m3 values to bf16, in vectors (an 8-byte load, a 16-byte store): each pair of values, exact as floats
+// (every e4m3 value is a half), becomes the two bf16 halves of a word through to_bf16x2(float2).
+template <class ToBf16x2>
+__device__ __forceinline__ void e4m3x8_to_bf16(const __nv_fp8_e4m3* in, __nv_bfloat16* out, ToBf16x2 to_bf16x2) {
   const uint2 raw = *reinterpret_cast<const uint2*>(in);
   const uint32_t words[2] = {raw.x, raw.y};
   uint32_t packed[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i / 2] >> (16 * (i % 2)));
-    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-    const __nv_bfloat162 b = __float22bfloat162_rn(f);
-    packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+    packed[i] = to_bf16x2(__half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3))));
   }
   *reinterpret_cast<uint4*>(out) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+}
+
+// Eight elements widened exactly, in vectors: e4m3 to bf16 (every e4m3 value is a bf16 value), or a 16-byte bf16
+// load and two 16-byte fp32 stores.
+__device__ __forceinline__ void widen8(const __nv_fp8_e4m3* in, __nv_bfloat16* out) {
+  e4m3x8_to_bf16(in, out, [](float2 f) {
+    const __nv_bfloat162 b = __float22bfloat162_rn(f);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  });
 }
 
 __device__ __forceinline__ void widen8(const __nv_bfloat16* in, float* out) {
@@ -103,19 +112,45 @@ __device__ __forceinline__ void widen8(const __nv_bfloat16* in, float* out) {
   reinterpret_cast<float4*>(out)[1] = make_float4(f[4], f[5], f[6], f[7]);
 }
 
-// copy_rows converting each element from Src to Dst, 8 elements per thread (widen8): rows of any head_dim that
-// is a multiple of 8, the index running as copy_rows'. Only widening conversions, exact (convert_head_rows_cuda).
-// Index is uint32_t where the launch's indices fit (a 32-bit division is a few instructions, a 64-bit one a
-// call, and this kernel does three per eight elements; with 64-bit indices it ran at a fifth of the bandwidth).
-template <class Src, class Dst, class Index>
+// Eight e4m3 values times `descale`, each rounded once to bf16: the product of e4m3's 4 significant bits and an
+// fp32 descale's 24 is exact in fp64, which __double2bfloat16 rounds to nearest even (dequantise_head_rows_cuda).
+__device__ __forceinline__ void dequantise8(const __nv_fp8_e4m3* in, double descale, __nv_bfloat16* out) {
+  e4m3x8_to_bf16(in, out, [descale](float2 f) {
+    const __nv_bfloat16 lo = __double2bfloat16(double(f.x) * descale), hi = __double2bfloat16(double(f.y) * descale);
+    return uint32_t{__bfloat16_as_ushort(lo)} | uint32_t{__bfloat16_as_ushort(hi)} << 16;
+  });
+}
+
+// What convert_rows multiplies the rows by: nothing (Exact, the widenings of convert_head_rows_cuda), or the
+// descale of the row's batch b and head h (dequantise_head_rows_cuda): data[b · batch_stride + (h / group) ·
+// head_stride] (AttentionProblem::HeadDescales; `group` heads share one), or `scalar` where data is null.
+struct Exact {};
+struct RowDescales {
+  const float* data;
+  int64_t batch_stride, head_stride, group;
+  double scalar;
+  template <class Index>
+  __device__ __forceinline__ double at(Index b, Index h) const {
+    if (data == nullptr) return scalar;
+    return double(__ldg(data + int64_t{b} * batch_stride + int64_t{h / static_cast<Index>(group)} * head_stride));
+  }
+};
+
+// copy_rows converting each element from Src to Dst, 8 elements per thread (widen8, or dequantise8 with a
+// Descale): rows of any head_dim that is a multiple of 8, the index running as copy_rows'. Index is uint32_t
+// where the launch's indices fit (a 32-bit division is a few instructions, a 64-bit one a call, and this kernel
+// does three per eight elements; with 64-bit indices it ran at a fifth of the bandwidth).
+template <class Src, class Dst, class Index, class Descale>
 __global__ void convert_rows(const Src* __restrict__ src, RowStrides src_st, Dst* __restrict__ dst, RowStrides dst_st,
-                             Index seq, Index heads, Index octets_per_row, Index total) {
+                             Index seq, Index heads, Index octets_per_row, Index total, Descale descale) {
   const Index step = Index{gridDim.x} * blockDim.x;
   for (Index idx = Index{blockIdx.x} * blockDim.x + threadIdx.x; idx < total; idx += step) {
     const Index octet = idx % octets_per_row, row = idx / octets_per_row;
     const Index s = row % seq, bh = row / seq, h = bh % heads, b = bh / heads;
-    widen8(src + int64_t{b} * src_st.b + int64_t{s} * src_st.s + int64_t{h} * src_st.h + int64_t{octet} * 8,
-           dst + int64_t{b} * dst_st.b + int64_t{s} * dst_st.s + int64_t{h} * dst_st.h + int64_t{octet} * 8);
+    const Src* in = src + int64_t{b} * src_st.b + int64_t{s} * src_st.s + int64_t{h} * src_st.h + int64_t{octet} * 8;
+    Dst* out = dst + int64_t{b} * dst_st.b + int64_t{s} * dst_st.s + int64_t{h} * dst_st.h + int64_t{octet} * 8;
+    if constexpr (std::is_same_v<Descale, Exact>) widen8(in, out);
+    else dequantise8(in, descale.at(b, h), out);
   }
 }
 
@@ -317,25 +352,27 @@ void copy_head_rows_cuda(const TensorView& src, const TensorView& dst, int64_t c
              static_cast<cudaStream_t>(stream), "copy_head_rows_cuda: copy_rows");
 }
 
-void convert_head_rows_cuda(const TensorView& src, const TensorView& dst, void* stream) {
-  const bool widens = (src.dtype == DType::f8e4m3 && dst.dtype == DType::bf16) ||
-                      (src.dtype == DType::bf16 && dst.dtype == DType::f32);
-  FLASHLM_CHECK(widens && src.size(0) == dst.size(0) && src.size(1) == dst.size(1) && src.size(2) == dst.size(2) &&
+namespace {
+
+// convert_rows over every element of src into dst (`fn` names the caller in the errors): one shape, rows of a
+// multiple of 8 elements, each starting 16-byte aligned (widen8's and dequantise8's vectors; check_cuda_arguments'
+// rule for the views they convert).
+template <class Descale>
+void convert_every_row(std::string_view fn, const TensorView& src, const TensorView& dst, const Descale& descale,
+                       void* stream) {
+  FLASHLM_CHECK(src.size(0) == dst.size(0) && src.size(1) == dst.size(1) && src.size(2) == dst.size(2) &&
                     src.size(3) == dst.size(3) && src.size(3) % 8 == 0,
-                "convert_head_rows_cuda: src {} {} and dst {} {}: expected one shape with rows of a multiple of 8 "
-                "elements, fp8_e4m3 to bf16 or bf16 to fp32",
+                "{}: src {} {} and dst {} {}: expected one shape with rows of a multiple of 8 elements", fn,
                 dtype_name(src.dtype), src.shape_string(), dtype_name(dst.dtype), dst.shape_string());
-  // widen8's vectors: every row starts 16-byte aligned (check_cuda_arguments' rule for the views it converts).
   for (const TensorView* t : {&src, &dst}) {
     const int64_t elem = static_cast<int64_t>(dtype_size(t->dtype));
     bool aligned = reinterpret_cast<uintptr_t>(t->data) % 16 == 0;
     for (int d = 0; d < 3; ++d) aligned = aligned && (t->size(d) == 1 || t->stride(d) * elem % 16 == 0);
-    FLASHLM_CHECK(aligned, "convert_head_rows_cuda: {} {}: rows must start 16-byte aligned",
-                  dtype_name(t->dtype), t->shape_string());
+    FLASHLM_CHECK(aligned, "{}: {} {}: rows must start 16-byte aligned", fn, dtype_name(t->dtype), t->shape_string());
   }
   const int64_t octets_per_row = src.size(3) / 8;
-  const int64_t total = checked_product({src.size(0), src.size(1), src.size(2), octets_per_row},
-                                        "convert_head_rows_cuda: element count");
+  const int64_t total =
+      checked_product({src.size(0), src.size(1), src.size(2), octets_per_row}, "convert_rows: element count");
   if (total == 0) return;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65536);
   const auto s = static_cast<cudaStream_t>(stream);
@@ -346,17 +383,36 @@ void convert_head_rows_cuda(const TensorView& src, const TensorView& dst, void* 
     using Dst = decltype(dst_zero);
     const auto run = [&](auto index_zero) {
       using Index = decltype(index_zero);
-      convert_rows<Src, Dst, Index><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
+      convert_rows<Src, Dst, Index, Descale><<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(
           static_cast<const Src*>(src.data), row_strides(src), static_cast<Dst*>(dst.data), row_strides(dst),
           static_cast<Index>(src.size(1)), static_cast<Index>(src.size(2)), static_cast<Index>(octets_per_row),
-          static_cast<Index>(total));
+          static_cast<Index>(total), descale);
     };
     if (narrow) run(uint32_t{});
     else run(int64_t{});
   };
   if (src.dtype == DType::f8e4m3) launch(__nv_fp8_e4m3{}, __nv_bfloat16{});
-  else launch(__nv_bfloat16{}, float{});
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), "convert_head_rows_cuda: convert_rows");
+  else if constexpr (std::is_same_v<Descale, Exact>) launch(__nv_bfloat16{}, float{});
+  FLASHLM_CUDA_CHECK(cudaGetLastError(), "convert_rows launch");
+}
+
+}  // namespace
+
+void convert_head_rows_cuda(const TensorView& src, const TensorView& dst, void* stream) {
+  const bool widens = (src.dtype == DType::f8e4m3 && dst.dtype == DType::bf16) ||
+                      (src.dtype == DType::bf16 && dst.dtype == DType::f32);
+  FLASHLM_CHECK(widens, "convert_head_rows_cuda: src {} and dst {}: expected fp8_e4m3 to bf16 or bf16 to fp32",
+                dtype_name(src.dtype), dtype_name(dst.dtype));
+  convert_every_row("convert_head_rows_cuda", src, dst, Exact{}, stream);
+}
+
+void dequantise_head_rows_cuda(const TensorView& src, const TensorView& dst, double descale,
+                               const AttentionProblem::HeadDescales& heads, int64_t group, void* stream) {
+  FLASHLM_CHECK(src.dtype == DType::f8e4m3 && dst.dtype == DType::bf16 && group >= 1,
+                "dequantise_head_rows_cuda: src {} and dst {} (group {}): expected fp8_e4m3 to bf16",
+                dtype_name(src.dtype), dtype_name(dst.dtype), group);
+  convert_every_row("dequantise_head_rows_cuda", src, dst,
+                    RowDescales{heads.data, heads.batch_stride, heads.head_stride, group, descale}, stream);
 }
 
 namespace {

@@ -1,5 +1,5 @@
-// FP8 (e4m3) FlashAttention forward for Hopper (sm_90a): e4m3 Q, K and V with per-tensor descale factors,
-// fp32 logsumexp, bf16 output, head dims 64 and 128, on e4m3 wgmma.
+// FP8 (e4m3) FlashAttention forward for Hopper (sm_90a): e4m3 Q, K and V with per-tensor or per-(batch, key head)
+// descale factors, fp32 logsumexp, bf16 output, head dims 64 and 128, on e4m3 wgmma.
 //
 // The pipeline of the 16-bit kernel (pipeline_sm90.cuh, described in flash_fwd_sm90.cu's file comment):
 // one block per SM walking TileSchedule's query-tile pairs, a producer warpgroup whose one thread streams Q and the K/V
@@ -7,6 +7,9 @@
 // GEMMs, each issuing S of key block n with P·V of block n - 1, setmaxnreg between the roles. The online
 // softmax (softmax_sm90.cuh) folds softmax_scale·q_descale·k_descale into the exp2; P is rounded to e4m3 in
 // registers (it lies in [0, 1], no range scaling needed) and O is multiplied by v_descale / rowsum at the end.
+// Per-head descales (FlashAttention-3's q_descale_ptr..: fp32 [batch, heads_k]) are read at each tile's start
+// (Fp8Descales), the tile's factors computed as make_params computes the per-tensor ones, so that descales equal
+// in every head give the per-tensor bits.
 //
 // Two things 8-bit wgmma changes against the 16-bit kernel:
 //  - both operands must be K-major, so P·V needs Vᵀ (channels x keys, keys contiguous). A pre-pass
@@ -118,15 +121,34 @@ __global__ void __launch_bounds__(kTransposeThreads)
   }
 }
 
-// ---- The attention kernel: what it puts into the shared pipeline (pipeline_sm90.cuh). p.scale and
-// p.scale_log2 already carry q_descale·k_descale; v_descale multiplies O at the end. Q and K come in one
+// The descales the kernel applies: per tensor, folded into FlashParams' scale and scale_log2 by make_params (q's and
+// k's) and v_scalar; or per (batch, key head), where a tensor's pointer is given (AttentionProblem::HeadDescales:
+// element (b, hk) at [b · batch_stride + hk · head_stride], device memory), its scalar otherwise (1 for a tensor
+// with per-head descales: validation's rule).
+struct Fp8Descales {
+  struct Heads {
+    const float* data;
+    int64_t batch_stride, head_stride;
+    float scalar;
+    __device__ __forceinline__ float at(int b, int hk) const {
+      return data == nullptr ? scalar : __ldg(data + b * batch_stride + hk * head_stride);
+    }
+  };
+  Heads q, k, v;
+  double softmax_scale;  // AttentionProblem::scale, without the descales
+  bool per_head;         // any of the three per head: the tile's factors are read and computed at its start
+};
+
+// ---- The attention kernel: what it puts into the shared pipeline (pipeline_sm90.cuh). The softmax's score scale
+// is the tile's (start_tile): FlashParams' scale and scale_log2, which carry per-tensor q_descale·k_descale, or
+// the tile's key head's per-head factors; its v descale multiplies O at the end. Q and K come in one
 // box per tile (a row is one swizzled row), Vᵀ in one 128-byte-wide box of D rows per key block; both GEMMs
 // read K-major operands, P·V with P from registers as e4m3. tm_vt maps the pre-pass's Vᵀ as a
 // [batch, D, heads_k, keys_padded] view.
 template <int D>
 struct Fp8FwdKernel : Fp8FwdTraits<D> {
   using Tr = Fp8FwdTraits<D>;
-  using Softmax = WgmmaRowSoftmax<Tr::kBlockN>;
+  using Softmax = WgmmaRowSoftmax<Tr::kBlockN, 0, 1, false, false, true>;
   using PFragments = uint32_t[Tr::kBlockN / 32][4];
   using GemmS = sm90::WgmmaM64E4m3<Tr::kBlockN>;
   using GemmO = sm90::WgmmaM64E4m3<D>;
@@ -134,7 +156,8 @@ struct Fp8FwdKernel : Fp8FwdTraits<D> {
 
   Fp8FwdShared<D>& s;
   const CUtensorMap *tm_q, *tm_k, *tm_vt;
-  float v_descale;
+  Fp8Descales descales;
+  float v_scale;  // the current tile's v descale
 
   __device__ __forceinline__ ForwardBarriers<Tr::kStages>& barriers() { return s.bar; }
 
@@ -183,7 +206,22 @@ struct Fp8FwdKernel : Fp8FwdTraits<D> {
     }
   }
 
-  __device__ __forceinline__ float o_scale() const { return v_descale; }
+  // The tile's factors, as make_params forms the per-tensor ones (scale·q_descale·k_descale in fp64, rounded once
+  // to fp32, times log2(e) in fp32): descales equal in every head give the per-tensor bits.
+  __device__ __forceinline__ void start_tile(Softmax& softmax, const FlashParams& p, int b, int h) {
+    if (!descales.per_head) {
+      softmax.scale = p.scale;
+      softmax.scale_log2 = p.scale_log2;
+      v_scale = descales.v.scalar;
+      return;
+    }
+    const int hk = h / p.group;
+    softmax.scale = static_cast<float>(descales.softmax_scale * double(descales.q.at(b, hk)) *
+                                       double(descales.k.at(b, hk)));
+    softmax.scale_log2 = softmax.scale * kLog2e;
+    v_scale = descales.v.at(b, hk);
+  }
+  __device__ __forceinline__ float o_scale() const { return v_scale; }
   // bf16 O straight from the accumulators.
   __device__ __forceinline__ static void store_o(const float (&o)[kOValues], const float (&inv)[2],
                                                  const FlashParams& p, const ForwardTileRows& tile) {
@@ -195,24 +233,25 @@ struct Fp8FwdKernel : Fp8FwdTraits<D> {
 template <int D>
 __global__ void __launch_bounds__(Fp8FwdTraits<D>::kThreads, 1)
     flash_fwd_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                              const __grid_constant__ CUtensorMap tm_vt, const FlashParams p, float v_descale) {
+                              const __grid_constant__ CUtensorMap tm_vt, const FlashParams p,
+                              const Fp8Descales descales) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  Fp8FwdKernel<D> kernel{{}, sm90::aligned_shared<Fp8FwdShared<D>>(smem_raw), &tm_q, &tm_k, &tm_vt, v_descale};
+  Fp8FwdKernel<D> kernel{{}, sm90::aligned_shared<Fp8FwdShared<D>>(smem_raw), &tm_q, &tm_k, &tm_vt, descales, 0.f};
   run_forward_pipeline(kernel, p);
 #endif
 }
 
 template <int D>
 void launch_forward_fp8_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
-                             float v_descale, int64_t items, int sm_count, cudaStream_t stream) {
+                             const Fp8Descales& descales, int64_t items, int sm_count, cudaStream_t stream) {
   using Tr = Fp8FwdTraits<D>;
   auto kernel = flash_fwd_fp8_sm90_kernel<D>;
   constexpr int kSmem = static_cast<int>(forward_smem_bytes<Fp8FwdShared<D>>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_fp8_sm90_kernel: shared-memory opt-in");
   kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, vt, f,
-                                                                                                     v_descale);
+                                                                                                     descales);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_fp8_sm90_kernel launch");
 }
 
@@ -247,9 +286,14 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
   const int64_t items = flash_cuda::TileSchedule::count(p.seq_q, p.heads_q, p.batch, 128);
   FLASHLM_CHECK(items <= INT32_MAX, "{}: q: fp8_e4m3 takes at most 2^31 - 1 tile pairs (batch · heads · seq_q / 256), "
                 "got {}", fn, items);
-  const auto f = flash_cuda::make_params(p, q, k, v, o, lse);  // its scale carries q_descale·k_descale
+  const auto f = flash_cuda::make_params(p, q, k, v, o, lse);  // its scale carries per-tensor q_descale·k_descale
   const auto s = static_cast<cudaStream_t>(stream);
-  const auto v_descale = static_cast<float>(p.v_descale);
+  const auto heads = [](const AttentionProblem::HeadDescales& d, double scalar) {
+    return flash_cuda::Fp8Descales::Heads{d.data, d.batch_stride, d.head_stride, static_cast<float>(scalar)};
+  };
+  const flash_cuda::Fp8Descales descales{heads(p.q_descale_heads, p.q_descale),
+                                         heads(p.k_descale_heads, p.k_descale),
+                                         heads(p.v_descale_heads, p.v_descale), p.scale, p.per_head_descales()};
 
   // The tensor maps. TMA describes every view attention.cpp lets through (16-byte aligned base and row
   // strides) except strides of 2^40 bytes or more, zero strides of a dimension longer than 1 and sizes past
@@ -281,7 +325,7 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
         p.head_dim, [&](auto dim) { flash_cuda::launch_transpose_v_fp8<dim.value>(v, vt, keys_padded, sm_count, s); });
   }
   with_head_dim<kFp8ForwardHeadDims>(p.head_dim, [&](auto dim) {
-    flash_cuda::launch_forward_fp8_sm90<dim.value>(f, *tq, tk, tvt, v_descale, items, sm_count, s);
+    flash_cuda::launch_forward_fp8_sm90<dim.value>(f, *tq, tk, tvt, descales, items, sm_count, s);
   });
 }
 

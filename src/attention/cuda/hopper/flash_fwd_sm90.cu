@@ -182,6 +182,9 @@ struct Sm90FwdKernel : Tr {
     }
   }
 
+  // Nothing kept per tile: the scale is the problem's (p.scale), O's factor 1.
+  template <class Softmax>
+  __device__ __forceinline__ static void start_tile(Softmax&, const FlashParams&, int, int) {}
   __device__ __forceinline__ static float o_scale() { return 1.f; }
   __device__ __forceinline__ void store_o(const float (&o)[kOValues], const float (&inv)[2], const FlashParams& p,
                                           const ForwardTileRows& tile) {

@@ -11,9 +11,11 @@
 //   barriers() the ForwardBarriers<kStages> in its shared memory;
 //   producer   prefetch_descriptors(), load_q(m0, h, b), load_k(stage, n0, hk, b), load_v(stage, n0, hk, b):
 //              the TMA copies of one tile or slot, completing on the barrier the pipeline armed;
-//   consumer   gemm_s(sacc, stage, wg), gemm_pv(o, pa, stage): the wgmma instructions of one GEMM (the
-//              pipeline fences and commits around them); pack_p(pa, sacc); o_scale() (what O is multiplied
-//              by besides 1 / rowsum); store_o(o, inv, p, tile) (the normalised rows out); consumer_exit(ctid).
+//   consumer   start_tile(softmax, p, b, h) (after the softmax's reset, before the tile's first key block: what
+//              the kernel keeps per tile, the FP8 kernel's descales); gemm_s(sacc, stage, wg), gemm_pv(o, pa,
+//              stage): the wgmma instructions of one GEMM (the pipeline fences and commits around them);
+//              pack_p(pa, sacc); o_scale() (what O is multiplied by besides 1 / rowsum); store_o(o, inv, p, tile)
+//              (the normalised rows out); consumer_exit(ctid).
 #pragma once
 #include <cstdint>
 
@@ -151,6 +153,7 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
 #pragma unroll
       for (int i = 0; i < Kernel::kOValues; ++i) o[i] = 0.f;
       softmax.reset(p, b, h, t);
+      kernel.start_tile(softmax, p, b, h);
 
       int turns_left = n_blocks + 1;  // issue points: S of block 0, (S of nb, P·V of nb - 1), the last P·V
       auto wait_turn = [&] { sm90::named_barrier_sync(my_turn, kTurnThreads); };
@@ -224,9 +227,11 @@ __device__ __forceinline__ void forward_consumer(Kernel& kernel, const FlashPara
         const float l = quad_sum(softmax.row_sum[r]);
         inv[r] = l != 0.f ? kernel.o_scale() / l : 0.f;  // NaN l: a NaN reached the row (SPEC §2)
         const int row = row0 + 8 * r;
+        // One fused multiply-add, written out: left to the compiler, whether the product and the sum fuse depends
+        // on where the product is scheduled (a tile scale in a register moved it, and the lse's last bit).
         if (t == 0 && row < p.seq_q) {
           p.lse[b * p.lse_b + h * p.lse_h + row * p.lse_s] =
-              l != 0.f ? softmax.row_max[r] * p.scale + logf(l) : -INFINITY;
+              l != 0.f ? fmaf(softmax.row_max[r], softmax.score_scale(p), logf(l)) : -INFINITY;
         }
       }
       kernel.store_o(o, inv, p, ForwardTileRows{b, h, wg, wg_row0, row0, ctid, warp, g, t});

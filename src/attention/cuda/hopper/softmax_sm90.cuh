@@ -19,19 +19,37 @@ struct AlibiSlope {
 template <>
 struct AlibiSlope<false> {};
 
-// The running max and sum of a thread's two rows. The scale is folded into exp2 (p.scale_log2, which for
-// FP8 also carries the descale factors), so row_max stays in S's units. With kPolyEvery > 0, every
-// kPolyEvery-th group of 8 key columns takes its exponentials on the FMA pipe (exp2_on_fma_pipe) instead
-// of the SFU: for a kernel whose SFU is the bottleneck (the 16-bit forward at head dim 64). kChains
-// independent partial maxima and sums per row (combined at the end) instead of one dependent chain of
-// kBlockN / 8 max and add instructions each: the chain's latency, not its instruction count, is what a
+// WgmmaRowSoftmax's score scale, the factor of a raw score q·k in S (scale) and in exp2 (scale_log2): the
+// problem's, p.scale and p.scale_log2 read from the kernel parameters (kTileScale false: an empty base, the 16-bit
+// kernels'), or the tile's own, which the kernel sets before each tile's first key block (kTileScale: the FP8
+// kernel's, whose per-head descales make scale·q_descale·k_descale a factor of the tile's batch and key head).
+template <bool kTileScale>
+struct ScoreScale {
+  float scale, scale_log2;
+  __device__ __forceinline__ float score_scale(const FlashParams&) const { return scale; }
+  __device__ __forceinline__ float score_scale_log2(const FlashParams&) const { return scale_log2; }
+};
+template <>
+struct ScoreScale<false> {
+  __device__ __forceinline__ static float score_scale(const FlashParams& p) { return p.scale; }
+  __device__ __forceinline__ static float score_scale_log2(const FlashParams& p) { return p.scale_log2; }
+};
+
+// The running max and sum of a thread's two rows. The scale is folded into exp2 (score_scale_log2: p.scale_log2,
+// which for FP8's per-tensor descales also carries them, or the tile's, kTileScale), so row_max stays in S's
+// units. With kPolyEvery > 0, every kPolyEvery-th group of 8 key columns takes its exponentials on the FMA pipe
+// (exp2_on_fma_pipe) instead of the SFU: for a kernel whose SFU is the bottleneck (the 16-bit forward at head
+// dim 64). kChains independent partial maxima and sums per row (combined at the end) instead of one dependent
+// chain of kBlockN / 8 max and add instructions each: the chain's latency, not its instruction count, is what a
 // warpgroup waits for (ncu's "wait" stall, docs/perf.md). The sum's rounding order changes with it.
 // kMasked: the sliding-window / soft-capping kernels' softmax (FlashParams::masked): scores soft-capped where
 // p.softcap > 0, then masked by the band (key_in_band) where the block crosses its edge. kAlibiSink (masked
 // only): the ALiBi / attention-sink kernels' softmax, the masked one plus, as in the mma.sync forward
 // (flash_fwd.cu), the ALiBi bias added to the capped scores before the mask, and the sink starting each row.
-template <int kBlockN, int kPolyEvery = 0, int kChains = 1, bool kMaskedBand = false, bool kAlibiSinkRows = false>
-struct WgmmaRowSoftmax : AlibiSlope<kAlibiSinkRows> {
+// kTileScale: the score scale is the tile's (ScoreScale), not the problem's (the sink, 16-bit only, reads p's).
+template <int kBlockN, int kPolyEvery = 0, int kChains = 1, bool kMaskedBand = false, bool kAlibiSinkRows = false,
+          bool kTileScale = false>
+struct WgmmaRowSoftmax : AlibiSlope<kAlibiSinkRows>, ScoreScale<kTileScale> {
   static_assert((kBlockN / 8) % kChains == 0, "the key block's 8-column groups split evenly over the chains");
   static_assert(kMaskedBand || !kAlibiSinkRows, "ALiBi and sinks take the masked kernels");
   static constexpr bool kMasked = kMaskedBand;
@@ -112,16 +130,17 @@ struct WgmmaRowSoftmax : AlibiSlope<kAlibiSinkRows> {
 #pragma unroll
       for (int c = 1; c < kChains; ++c) mx = max_propagating_nan(mx, mxs[c]);
       mx = quad_max(mx);
-      const float m_scaled = mx == -INFINITY ? 0.f : mx * p.scale_log2;  // all masked so far: P = 0, no NaN
-      alpha[r] = fast_exp2(row_max[r] * p.scale_log2 - m_scaled);
+      // All masked so far: P = 0, no NaN.
+      const float m_scaled = mx == -INFINITY ? 0.f : mx * this->score_scale_log2(p);
+      alpha[r] = fast_exp2(row_max[r] * this->score_scale_log2(p) - m_scaled);
       row_max[r] = mx;
       float sums[kChains];
 #pragma unroll
       for (int c = 0; c < kChains; ++c) sums[c] = 0.f;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
-        const float x0 = fmaf(s[4 * j + 2 * r], p.scale_log2, -m_scaled);
-        const float x1 = fmaf(s[4 * j + 2 * r + 1], p.scale_log2, -m_scaled);
+        const float x0 = fmaf(s[4 * j + 2 * r], this->score_scale_log2(p), -m_scaled);
+        const float x1 = fmaf(s[4 * j + 2 * r + 1], this->score_scale_log2(p), -m_scaled);
         if (kPolyEvery > 0 && j % (kPolyEvery > 0 ? kPolyEvery : 1) == kPolyEvery - 1) {
           s[4 * j + 2 * r] = exp2_on_fma_pipe(x0);
           s[4 * j + 2 * r + 1] = exp2_on_fma_pipe(x1);
