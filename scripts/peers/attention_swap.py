@@ -1,19 +1,21 @@
 #!/usr/bin/env python3
 """The CS336 LM trained as a PyTorch user trains it -- torch.compile(fullgraph=True), bf16 autocast, fused
 AdamW -- with its attention one of SDPA flash, SDPA cuDNN or flashlm.scaled_dot_product_attention swapped in:
-the train step's median ms for each, and with --profile the step's CUDA time by kernel (torch.profiler), to
-see where one backend's step spends what another's does not (the copies and casts around the operator, its
-forward and backward kernels).
+the train step's median ms for each, and with --profile the step's CUDA time by kernel and the host's
+time by event (torch.profiler), to see where one backend's step spends what another's does not (the copies and
+casts around the operator, its forward and backward kernels, the host's calls when the GPU waits on them).
 
   FLASHLM_LIBRARY=build/src/libflashlm_attention.so PYTHONPATH=python python3 scripts/peers/attention_swap.py \\
       --model small --shapes 1024x8,4096x4 --profile --out swap.json
 
 Records: bench's fields (model, context, batch, pass = step, median ms) with impl = torch-compile and
-attention = sdpa-flash, sdpa-cudnn or flashlm; with --profile, `kernels`: the top kernels' CUDA ms per step.
+attention = sdpa-flash, sdpa-cudnn or flashlm; with --profile, `kernels`: the top kernels' CUDA ms per step,
+`profiled_wall_ms` and `host`: the top host events' self CPU ms per step.
 """
 import argparse
 import contextlib
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -48,17 +50,28 @@ def step_fn(model, opt, tokens, targets):
 
 
 def kernel_table(run, steps, rows):
-    """(name, CUDA ms per step, calls per step) of the `rows` kernels with the most CUDA time over `steps` steps."""
+    """(CUDA ms per step, the `rows` kernels with the most CUDA time over `steps` steps as (name, CUDA ms per
+    step, calls per step), the host side: wall ms per step under the profiler and the `rows` host events with the
+    most self CPU time -- torch ops, the CUDA runtime calls -- as (name, self CPU ms per step, calls per step)).
+    A step whose CUDA time is well below its wall time is bound by the host, and the host rows say by what."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(steps):
             run()
         torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    averages = prof.key_averages()
+    events = [e for e in averages if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events) / 1e3 / steps
     top = [dict(name=e.key[:120], ms=e.device_time_total / 1e3 / steps, calls=e.count / steps) for e in events[:rows]]
-    return total, top
+    host = [e for e in averages if e.device_type.name == "CPU" and e.self_cpu_time_total > 0]
+    host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    host_top = [dict(name=e.key[:120], ms=e.self_cpu_time_total / 1e3 / steps, calls=e.count / steps)
+                for e in host[:rows]]
+    return total, top, wall, host_top
 
 
 def main():
@@ -68,7 +81,7 @@ def main():
     ap.add_argument("--attention", default="sdpa-flash,sdpa-cudnn,flashlm")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--profile", action="store_true", help="also the CUDA time by kernel over 3 steps")
+    ap.add_argument("--profile", action="store_true", help="also the CUDA time by kernel and the host time by event over 3 steps")
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--out", default="-")
     a = ap.parse_args()
@@ -101,7 +114,8 @@ def main():
                 run = step_fn(model, opt, tokens, targets)
                 rec.update(moments(time_ms(run, device, a.warmup, a.steps)))
                 if a.profile:
-                    rec["kernels_total_ms"], rec["kernels"] = kernel_table(run, 3, a.rows)
+                    rec["kernels_total_ms"], rec["kernels"], rec["profiled_wall_ms"], rec["host"] = \
+                        kernel_table(run, 3, a.rows)
             records.append(rec)
             print(f"{a.model} ctx {context} x {batch} {name:10s} step median {rec['median_ms']:.2f} ms", file=sys.stderr)
             if a.profile:
@@ -113,6 +127,10 @@ def main():
                     print(f"  warning: no '{want}' kernel among the top {a.rows}: {name} may not have run", file=sys.stderr)
                 print(f"  CUDA time by kernel, per step (total {rec['kernels_total_ms']:.2f} ms):", file=sys.stderr)
                 for k in rec["kernels"]:
+                    print(f"  {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['name']}", file=sys.stderr)
+                print(f"  host: wall {rec['profiled_wall_ms']:.2f} ms a step under the profiler; self CPU time by event,"
+                      " per step:", file=sys.stderr)
+                for k in rec["host"]:
                     print(f"  {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['name']}", file=sys.stderr)
             cs336_lm.F = F
     write_report(a.out, "attention_swap", device, records)
