@@ -395,15 +395,17 @@ def _autocast_dtype(device_type):
 
 
 def _autocast_args(args, device_type):
-    """args with each floating tensor but float64 cast to autocast's dtype (SDPA's lower_precision_fp
-    policy); args itself outside autocast."""
+    """args with q, k, v (the first three) cast to autocast's dtype where they are floating and not float64
+    (SDPA's lower_precision_fp policy for its inputs); args itself outside autocast. The rest is left as it
+    is: ALiBi slopes and sinks are float32 by contract (as in flash-attn) and a cast would have them refused."""
     if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
         return args
     dtype = _autocast_dtype(device_type)
     if dtype is None:
         return args
-    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype != torch.float64
-                 else a for a in args)
+    qkv = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.dtype != dtype and a.is_floating_point()
+                and a.dtype != torch.float64 else a for a in args[:3])
+    return qkv + tuple(args[3:])
 
 
 def _autocast_qkv(q, k, v):

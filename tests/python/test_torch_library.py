@@ -218,6 +218,38 @@ def test_grad_of_grad_under_torch_func_is_refused_clearly():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_autocast_casts_q_k_v_and_leaves_alibi_slopes_and_sinks_in_float32(device):
+    """Autocast casts the attention's inputs, not its float32 parameters: ALiBi slopes and learnable sinks keep
+    their dtype (the operators refuse them in any other), for direct torch.ops callers and in compiled code, and
+    the sink's gradient comes back float32. (Casting every floating argument had the op refuse them.)"""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 17, 4, 32, generator=g).to(device) for _ in range(3))
+    slopes = torch.rand(4, generator=g).to(device)
+    sink = torch.randn(4, generator=g).to(device)
+    dtype = torch.bfloat16
+    with torch.autocast(device, dtype=dtype):
+        o, lse = torch.ops.flashlm.attention_fwd(q, k, v, "bshd", True, False, None, False, "flash", -1, -1, 0.0,
+                                                 slopes, sink)
+    want, want_lse = torch.ops.flashlm.attention_fwd(*(t.to(dtype) for t in (q, k, v)), "bshd", True, False, None,
+                                                     False, "flash", -1, -1, 0.0, slopes, sink)
+    assert o.dtype == dtype and torch.equal(o, want) and torch.equal(lse, want_lse)
+
+    torch._dynamo.reset()
+    sink_g = sink.clone().requires_grad_(True)
+
+    def loss(q, k, v, sink):
+        with torch.autocast(device, dtype=dtype):
+            return flashlm.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes,
+                                           learnable_sink=sink).float().square().sum()
+
+    got = torch.compile(loss, fullgraph=True, backend="aot_eager")(q, k, v, sink_g)
+    dsink = torch.autograd.grad(got, sink_g)[0]
+    assert dsink.dtype == torch.float32 and bool(torch.isfinite(dsink).all())
+    eager = loss(q, k, v, sink_g)
+    assert abs(got.item() - eager.item()) <= 1e-3 * abs(eager.item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_follows_the_regions_dtype_in_ops_and_compiled_code(device, dtype):
     """The operators' Autocast kernels cast floating inputs to the region's dtype (bfloat16 or float16, as SDPA's
