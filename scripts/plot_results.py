@@ -18,8 +18,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from plotlib import pyplot  # noqa: E402
 
-FA_OURS = "2026-12-02-round5/c4-ours-fa.json"
-FA_PEERS = "2026-12-02-round5/c4-peers-fa.json"
+FA_OURS = "2026-12-07-h200/s51/c2-ours-fa.json"
+FA_PEERS = "2026-12-07-h200/s51/c2-peers-fa.json"
 LOSSES = "2026-12-01-adamw-bf16-moments/losses.csv"
 LM_OURS = ["2026-12-02-round5/c1-step-fp32.json", "2026-12-02-round5/c1-step-bf16.json"]
 LM_PEERS = "2026-12-02-round5/c1-peers-lm.json"
@@ -32,7 +32,8 @@ def load(path):
 
 def plot_attention(plt, measurements, out):
     ours = [dict(r, impl="flashlm") for r in load(os.path.join(measurements, FA_OURS))["records"]]
-    names = {"flash": "SDPA flash (FA2)", "cudnn": "SDPA cuDNN"}
+    names = {"flash": "SDPA flash (FA2)", "cudnn": "SDPA cuDNN", "sdpa-flash": "SDPA flash (FA2)",
+             "sdpa-cudnn": "SDPA cuDNN"}  # the peers script's names before and after 2026-12-03
     peers = [dict(r, impl=names.get(r["impl"], r["impl"])) for r in load(os.path.join(measurements, FA_PEERS))["records"]]
     records = [r for r in ours + peers if r.get("status", "ok") == "ok"]
     impls = ["flashlm", "SDPA cuDNN", "SDPA flash (FA2)"]
@@ -55,7 +56,7 @@ def plot_attention(plt, measurements, out):
             if row == 1:
                 ax.set_xlabel("sequence length (batch × seq = 16k tokens)")
     axes[0][1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    fig.suptitle("attention, bf16, fa grid, one H200 (2026-12-02, 53195f9; peers torch 2.11 in the same call)",
+    fig.suptitle("attention, bf16, fa grid, one H200 (2026-12-07, 28a89bf; peers torch 2.11 in the same call)",
                  fontsize=10)
     fig.tight_layout()
     path = os.path.join(out, "attention-fa-h200.png")
