@@ -51,7 +51,8 @@ def bare_forward(q, k, v, causal):
     o, lse = torch_ops._forward_outputs(q, "bhsd")
     stream = torch_ops._stream(q)
     fields = [f for t in (q, k, v, o) for f in torch_ops._describe(t, True)]
-    fields += [*torch_ops._describe_lse(lse), *torch_ops._options(causal, False, None, False, "flash"), stream]
+    fields += [*torch_ops._describe_lse(lse), *torch_ops._options(causal, False, None, False, "flash"), stream,
+               *torch_ops._NO_VARIANT, *torch_ops._NO_EXTRA_POINTERS]
     call = L.PackedCall(L.FORWARD, fields)  # its own, outside the package's per-thread ones
     args = call.args
     fn = L.lib.flashlm_attention_forward
@@ -66,7 +67,8 @@ def bare_backward(q, k, v, causal):
     stream = torch_ops._stream(q)
     fields = [f for t in (q, k, v, o) for f in torch_ops._describe(t, True)] + list(torch_ops._describe_lse(lse))
     fields += [f for t in (dout, *grads) for f in torch_ops._describe(t, True)]
-    fields += [*torch_ops._options(causal, False, None, False, "flash"), stream]
+    fields += [*torch_ops._options(causal, False, None, False, "flash"), stream, *torch_ops._NO_VARIANT,
+               *torch_ops._NO_EXTRA_POINTERS]
     call = L.PackedCall(L.BACKWARD, fields)
     args = call.args
     fn = L.lib.flashlm_attention_backward
@@ -131,10 +133,14 @@ def main():
             ("autograd floor: do-nothing autograd.Function, forward", floor_fwd, 0.0, floor_fwd),
             ("autograd floor: do-nothing autograd.Function, fwd + autograd.grad", floor_fb, 0.0, floor_fb)]
     with torch.no_grad():
+        bwd_tensors = torch.ops.flashlm.attention_fwd(qd, kd, vd, "bhsd", causal, False, None, False, "flash")
         rows += [
             ("torch.ops.flashlm.attention_fwd, no grad",
              time_it(lambda: torch.ops.flashlm.attention_fwd(qd, kd, vd, "bhsd", causal, False, None, False, "flash")),
              c_fwd, 0.0),
+            ("torch.ops.flashlm.attention_bwd, no grad (what a compiled backward calls)",
+             time_it(lambda: torch.ops.flashlm.attention_bwd(dout, qd, kd, vd, *bwd_tensors, "bhsd", causal, False,
+                                                             None, False, "flash")), c_bwd, 0.0),
             ("flashlm.scaled_dot_product_attention, no grad",
              time_it(lambda: flashlm.scaled_dot_product_attention(q, k, v, is_causal=causal)), c_fwd, 0.0),
             ("F.scaled_dot_product_attention, no grad",

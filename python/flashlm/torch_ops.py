@@ -430,6 +430,21 @@ def _register_autocast(op, name):
 
 
 HAS_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake")
+_DIRECT_LIBRARY = None
+
+
+def _register_direct_kernels(kernels):
+    """The operators' CPU and CUDA kernels registered as the plain Python functions they wrap. custom_op's own
+    kernel reaches them through several Python layers (its backend wrapper, a dynamo-disable wrapper, an aliasing
+    check): about 10 µs a call, which a compiled model pays at every attention call of every step, where the
+    host is often what bounds a short step. The functions return fresh tensors (the aliasing check's point), and
+    the fake kernels, autograd formulas and autocast rules stay the custom ops'."""
+    global _DIRECT_LIBRARY
+    if _DIRECT_LIBRARY is None:
+        _DIRECT_LIBRARY = torch.library.Library("flashlm", "IMPL")
+    for name, fn in kernels.items():
+        for key in ("CPU", "CUDA"):
+            _DIRECT_LIBRARY.impl(name, fn, key)
 
 if HAS_CUSTOM_OPS:
     @torch.library.custom_op("flashlm::attention_fwd", mutates_args=())
@@ -591,6 +606,7 @@ if HAS_CUSTOM_OPS:
     _AUTOCAST_LIBRARY = torch.library.Library("flashlm", "FRAGMENT")
     _register_autocast(_FWD_OP, "attention_fwd")
     _BWD_OP = torch.ops.flashlm.attention_bwd.default
+    _register_direct_kernels({"attention_fwd": _forward, "attention_bwd": _backward_any})
 
     class _AttentionOps(torch.autograd.Function):
         """The operators' autograd formula as an autograd.Function with setup_context, which torch.func
