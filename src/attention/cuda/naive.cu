@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "attention/backends.h"
+#include "attention/cuda/head_descales.cuh"
 #include "attention/cuda/flash_common.cuh"
 #include "core/check.h"
 #include "core/cuda_check.h"
@@ -122,17 +123,15 @@ __device__ __forceinline__ void dequantise8(const __nv_fp8_e4m3* in, double desc
 }
 
 // What convert_rows multiplies the rows by: nothing (Exact, the widenings of convert_head_rows_cuda), or the
-// descale of the row's batch b and head h (dequantise_head_rows_cuda): data[b · batch_stride + (h / group) ·
-// head_stride] (AttentionProblem::HeadDescales; `group` heads share one), or `scalar` where data is null.
+// descale of the row's batch b and head h (dequantise_head_rows_cuda): the view's (b, h / group), `group` heads
+// sharing one.
 struct Exact {};
 struct RowDescales {
-  const float* data;
-  int64_t batch_stride, head_stride, group;
-  double scalar;
+  flash_cuda::HeadDescalesView heads;
+  int64_t group;
   template <class Index>
   __device__ __forceinline__ double at(Index b, Index h) const {
-    if (data == nullptr) return scalar;
-    return double(__ldg(data + int64_t{b} * batch_stride + int64_t{h / static_cast<Index>(group)} * head_stride));
+    return heads.at(int64_t{b}, int64_t{h / static_cast<Index>(group)});
   }
 };
 
@@ -412,7 +411,7 @@ void dequantise_head_rows_cuda(const TensorView& src, const TensorView& dst, dou
                 "dequantise_head_rows_cuda: src {} and dst {} (group {}): expected fp8_e4m3 to bf16",
                 dtype_name(src.dtype), dtype_name(dst.dtype), group);
   convert_every_row("dequantise_head_rows_cuda", src, dst,
-                    RowDescales{heads.data, heads.batch_stride, heads.head_stride, group, descale}, stream);
+                    RowDescales{flash_cuda::HeadDescalesView::of(heads, descale), group}, stream);
 }
 
 namespace {

@@ -32,6 +32,7 @@
 #include "attention/backends.h"
 #include "attention/capabilities.h"
 #include "attention/cuda/flash_common.cuh"
+#include "attention/cuda/head_descales.cuh"
 #include "attention/cuda/hopper/hopper.h"
 #include "attention/cuda/hopper/pipeline_sm90.cuh"
 #include "attention/cuda/hopper/schedule_sm90.cuh"
@@ -126,15 +127,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
 // element (b, hk) at [b · batch_stride + hk · head_stride], device memory), its scalar otherwise (1 for a tensor
 // with per-head descales: validation's rule).
 struct Fp8Descales {
-  struct Heads {
-    const float* data;
-    int64_t batch_stride, head_stride;
-    float scalar;
-    __device__ __forceinline__ float at(int b, int hk) const {
-      return data == nullptr ? scalar : __ldg(data + b * batch_stride + hk * head_stride);
-    }
-  };
-  Heads q, k, v;
+  HeadDescalesView q, k, v;
   double softmax_scale;  // AttentionProblem::scale, without the descales
   bool per_head;         // any of the three per head: the tile's factors are read and computed at its start
 };
@@ -212,14 +205,13 @@ struct Fp8FwdKernel : Fp8FwdTraits<D> {
     if (!descales.per_head) {
       softmax.scale = p.scale;
       softmax.scale_log2 = p.scale_log2;
-      v_scale = descales.v.scalar;
+      v_scale = static_cast<float>(descales.v.scalar);
       return;
     }
     const int hk = h / p.group;
-    softmax.scale = static_cast<float>(descales.softmax_scale * double(descales.q.at(b, hk)) *
-                                       double(descales.k.at(b, hk)));
+    softmax.scale = static_cast<float>(descales.softmax_scale * descales.q.at(b, hk) * descales.k.at(b, hk));
     softmax.scale_log2 = softmax.scale * kLog2e;
-    v_scale = descales.v.at(b, hk);
+    v_scale = static_cast<float>(descales.v.at(b, hk));
   }
   __device__ __forceinline__ float o_scale() const { return v_scale; }
   // bf16 O straight from the accumulators.
@@ -288,12 +280,11 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
                 "got {}", fn, items);
   const auto f = flash_cuda::make_params(p, q, k, v, o, lse);  // its scale carries per-tensor q_descale·k_descale
   const auto s = static_cast<cudaStream_t>(stream);
-  const auto heads = [](const AttentionProblem::HeadDescales& d, double scalar) {
-    return flash_cuda::Fp8Descales::Heads{d.data, d.batch_stride, d.head_stride, static_cast<float>(scalar)};
-  };
-  const flash_cuda::Fp8Descales descales{heads(p.q_descale_heads, p.q_descale),
-                                         heads(p.k_descale_heads, p.k_descale),
-                                         heads(p.v_descale_heads, p.v_descale), p.scale, p.per_head_descales()};
+  using flash_cuda::HeadDescalesView;
+  const flash_cuda::Fp8Descales descales{HeadDescalesView::of(p.q_descale_heads, p.q_descale),
+                                         HeadDescalesView::of(p.k_descale_heads, p.k_descale),
+                                         HeadDescalesView::of(p.v_descale_heads, p.v_descale), p.scale,
+                                         p.per_head_descales()};
 
   // The tensor maps. TMA describes every view attention.cpp lets through (16-byte aligned base and row
   // strides) except strides of 2^40 bytes or more, zero strides of a dimension longer than 1 and sizes past
