@@ -28,8 +28,8 @@
 #include <type_traits>
 
 #include "attention/backends.h"
-#include "attention/cuda/head_descales.cuh"
 #include "attention/cuda/flash_common.cuh"
+#include "attention/cuda/head_descales.cuh"
 #include "core/check.h"
 #include "core/cuda_check.h"
 #include "core/softmax_stats.cuh"
