@@ -15,8 +15,8 @@
 // backward on CUDA (flash only, head dims 16, 32, 64, 128 and 256, any GPU the 16-bit kernels run on) and on the
 // CPU. The CUDA backward runs the bf16 flash backward (Hopper or mma.sync, deterministic too) on exact bf16 copies
 // of the stored q, k, v with per-tensor descales folded into its fp32 scale factors: its gradients are rounded as
-// the bf16 backward's (fp32 gradients hold those bf16 values); per-head descales are below. The CPU dequantises into copies and runs the
-// arithmetic of its other dtypes (naive in fp64, exact there; flash in fp32), the reference for the GPU's FP8
+// the bf16 backward's (fp32 gradients hold those bf16 values); per-head descales are below. The CPU dequantises
+// into copies and runs the arithmetic of its other dtypes (naive in fp64, exact there; flash in fp32), the reference for the GPU's FP8
 // kernels rather than a fast path. No varlen and no KV cache for fp8.
 //
 // Masking: with causal, query i sees key j when j <= i (top-left, PyTorch's is_causal) or

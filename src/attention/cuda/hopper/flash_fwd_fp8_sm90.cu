@@ -122,10 +122,8 @@ __global__ void __launch_bounds__(kTransposeThreads)
   }
 }
 
-// The descales the kernel applies: per tensor, folded into FlashParams' scale and scale_log2 by make_params (q's and
-// k's) and v_scalar; or per (batch, key head), where a tensor's pointer is given (AttentionProblem::HeadDescales:
-// element (b, hk) at [b · batch_stride + hk · head_stride], device memory), its scalar otherwise (1 for a tensor
-// with per-head descales: validation's rule).
+// The descales the kernel applies: per tensor (q's and k's folded into FlashParams' scale and scale_log2 by
+// make_params, v's the view's scalar), or per (batch, key head) where any of the three views has data.
 struct Fp8Descales {
   HeadDescalesView q, k, v;
   double softmax_scale;  // AttentionProblem::scale, without the descales
