@@ -16,8 +16,8 @@
 // CPU. The CUDA backward runs the bf16 flash backward (Hopper or mma.sync, deterministic too) on exact bf16 copies
 // of the stored q, k, v with per-tensor descales folded into its fp32 scale factors: its gradients are rounded as
 // the bf16 backward's (fp32 gradients hold those bf16 values); per-head descales are below. The CPU dequantises
-// into copies and runs the arithmetic of its other dtypes (naive in fp64, exact there; flash in fp32), the reference for the GPU's FP8
-// kernels rather than a fast path. No varlen and no KV cache for fp8.
+// into copies and runs the arithmetic of its other dtypes (naive in fp64, exact there; flash in fp32), the
+// reference for the GPU's FP8 kernels rather than a fast path. No varlen and no KV cache for fp8.
 //
 // Masking: with causal, query i sees key j when j <= i (top-left, PyTorch's is_causal) or
 // j <= i + seq_k - seq_q (bottom-right, FlashAttention >= 2.1). A query that sees no key gets
