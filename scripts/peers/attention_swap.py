@@ -81,7 +81,8 @@ def main():
     ap.add_argument("--attention", default="sdpa-flash,sdpa-cudnn,flashlm")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--profile", action="store_true", help="also the CUDA time by kernel and the host time by event over 3 steps")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the CUDA time by kernel and the host time by event over 3 steps")
     ap.add_argument("--rows", type=int, default=14)
     ap.add_argument("--out", default="-")
     a = ap.parse_args()
@@ -128,8 +129,8 @@ def main():
                 print(f"  CUDA time by kernel, per step (total {rec['kernels_total_ms']:.2f} ms):", file=sys.stderr)
                 for k in rec["kernels"]:
                     print(f"  {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['name']}", file=sys.stderr)
-                print(f"  host: wall {rec['profiled_wall_ms']:.2f} ms a step under the profiler; self CPU time by event,"
-                      " per step:", file=sys.stderr)
+                print(f"  host: wall {rec['profiled_wall_ms']:.2f} ms a step under the profiler; self CPU time by "
+                      "event, per step:", file=sys.stderr)
                 for k in rec["host"]:
                     print(f"  {k['ms']:8.3f} ms {k['calls']:6.1f}x  {k['name']}", file=sys.stderr)
             cs336_lm.F = F

@@ -187,9 +187,11 @@ void PrintTo(const Fp8Case& f, std::ostream* os) { *os << fp8_case_name(f); }
 // 256), and lse moves by at most the largest error of a score. It matters where the descales make the scores
 // large (per-head descales of 3.7: |S| near 40, an lse error near 0.05 measured on an H200); a descale of the
 // wrong head moves the scores by 10% and fails by far. Rows that see no key: lse exactly -inf and o exactly 0.
-[[maybe_unused]] void expect_fp8_forward_matches_reference(const Case& c, const Tensor& o, const Tensor& lse, const Tensor& qd,
-                                          const Tensor& kd, const Tensor& vd, const std::string& name) {
-  Tensor ref_o = Tensor::empty({c.B, c.Nq, c.Hq, c.D}, DType::f64), ref_lse = Tensor::empty({c.B, c.Hq, c.Nq}, DType::f64);
+[[maybe_unused]] void expect_fp8_forward_matches_reference(const Case& c, const Tensor& o, const Tensor& lse,
+                                                           const Tensor& qd, const Tensor& kd, const Tensor& vd,
+                                                           const std::string& name) {
+  Tensor ref_o = Tensor::empty({c.B, c.Nq, c.Hq, c.D}, DType::f64);
+  Tensor ref_lse = Tensor::empty({c.B, c.Hq, c.Nq}, DType::f64);
   attention_forward(qd, kd, vd, ref_o, ref_lse, options_for(c.mask, AttentionImpl::naive));
   const Tensor lowp = naive_with_fp8_roundings(c, qd, kd, vd);
 
