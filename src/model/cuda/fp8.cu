@@ -3,6 +3,7 @@
 #include <cuda_fp8.h>
 
 #include "core/cuda/kernels.cuh"
+#include "core/cuda/programmatic_launch.cuh"
 #include "core/cuda_check.h"
 #include "model/cuda/amax.cuh"
 #include "model/cuda/fp8.h"
@@ -17,6 +18,7 @@ namespace {
 template <class D>
 __global__ void __launch_bounds__(kThreads) fp8_amax_kernel(const D* __restrict__ x, int64_t count, int64_t packs,
                                                             uint32_t* __restrict__ amax_bits) {
+  allow_dependent_launch();  // the cast that reads this amax is launched programmatically
   uint32_t best = 0;
   for_each_pack(count, packs, [&](auto width, int64_t i) {
     constexpr int N = decltype(width)::value;
@@ -131,6 +133,8 @@ __global__ void __launch_bounds__(kTile* kTileRows)
                     uint8_t* __restrict__ q, uint8_t* __restrict__ qt) {
   __shared__ uint8_t tile[kTile][kTile + 1];
   __shared__ float row_scale[kRowwise ? kTile : 1], col_scale[kRowwise ? kTile : 1];
+  wait_for_prerequisite_grids();  // launched programmatically, as the packed kernel below
+  allow_dependent_launch();
   const int64_t c0 = int64_t{blockIdx.x} * kTile;
   float scale = 0.0f;
   if constexpr (kRowwise) {
@@ -191,6 +195,8 @@ __global__ void __launch_bounds__(kVecThreads)
                            uint8_t* __restrict__ q, uint8_t* __restrict__ qt) {
   __shared__ __align__(16) uint8_t tile[kVecTile * kVecTileStride];
   __shared__ float row_scale[kRowwise ? kVecTile : 1], col_scale[kRowwise ? kVecTile : 1];
+  wait_for_prerequisite_grids();  // launched programmatically: x and its amax come from the kernel before
+  allow_dependent_launch();
   const int64_t c0 = int64_t{blockIdx.x} * kVecTile;
   float scale = 0.0f;
   if constexpr (kRowwise) {
@@ -274,12 +280,14 @@ void launch_cast(const char* fn, const T* x, int64_t rows, int64_t cols, const C
   const dim3 grid(unsigned(tile_cols), unsigned(std::min<int64_t>(tile_rows, 65535)));
   const auto launch = [&](auto format_constant) {
     constexpr Fp8Format F = decltype(format_constant)::value;
+    // Programmatic: a cast follows its producer (a norm, the SwiGLU, an amax reduction, another cast), which lets
+    // it be placed early; at training sizes a cast is a few microseconds of bytes, so its launch gap counts.
     if (packed) {
-      fp8_cast_packed_kernel<D, F, kRowwise>
-          <<<grid, kVecThreads, 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, scales, q, qt);
+      launch_programmatic("fp8_cast_packed_kernel", fp8_cast_packed_kernel<D, F, kRowwise>, grid, dim3(kVecThreads),
+                          0, as_stream(stream), dev(x), rows, cols, tile_rows, scales, q, qt);
     } else {
-      fp8_cast_kernel<D, F, kRowwise>
-          <<<grid, dim3(kTile, kTileRows), 0, as_stream(stream)>>>(dev(x), rows, cols, tile_rows, scales, q, qt);
+      launch_programmatic("fp8_cast_kernel", fp8_cast_kernel<D, F, kRowwise>, grid, dim3(kTile, kTileRows), 0,
+                          as_stream(stream), dev(x), rows, cols, tile_rows, scales, q, qt);
     }
   };
   if (format == Fp8Format::e4m3) {
@@ -287,7 +295,6 @@ void launch_cast(const char* fn, const T* x, int64_t rows, int64_t cols, const C
   } else {
     launch(std::integral_constant<Fp8Format, Fp8Format::e5m2>{});
   }
-  FLASHLM_CUDA_CHECK(cudaGetLastError(), packed ? "fp8_cast_packed_kernel" : "fp8_cast_kernel");
 }
 
 __global__ void fp8_scales_from_amaxes_kernel(const float* __restrict__ amaxes, int64_t count, int64_t stride,

@@ -5,6 +5,7 @@
 // most 1024 chunks; one thread per column, rows in order) into a scratch [chunks, d], in the same launch
 // as dx, then 8 interleaved chunk sums per column added in a fixed order.
 #include "core/cuda/kernels.cuh"
+#include "core/cuda/programmatic_launch.cuh"
 #include "core/cuda_check.h"
 #include "model/cuda/amax.cuh"
 #include "flashlm/memory.h"
@@ -64,6 +65,7 @@ template <bool PACKED, bool AMAX, class D>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_forward_kernel(const D* __restrict__ x, const float* __restrict__ gain, D* __restrict__ y,
                            float* __restrict__ rstd, int64_t n, int d, float eps, uint32_t* __restrict__ y_amax) {
+  allow_dependent_launch();  // FP8 training casts the result next (programmatically)
   const int64_t row = int64_t{blockIdx.x} * kNormRows + threadIdx.x / 32;
   if (row >= n) return;  // the whole warp leaves together
   const int lane = threadIdx.x % 32;
@@ -205,6 +207,7 @@ __global__ void __launch_bounds__(kNormThreads)
                             int d, int64_t dx_blocks, int64_t column_blocks, int64_t chunk_rows,
                             uint32_t* __restrict__ dx_amax) {
   static_assert(kGainThreads == kNormThreads, "one block size for both parts");
+  allow_dependent_launch();  // FP8 training casts the result next (programmatically)
   const int64_t block = blockIdx.x;
   if (block < dx_blocks) {
     backward_dx_rows<PACKED, AMAX>(dy, x, gain, rstd, dx, n, d, block, dx_amax);

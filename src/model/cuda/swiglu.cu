@@ -1,6 +1,7 @@
 // SwiGLU on CUDA (model/cuda/ops.h), forward and backward: elementwise, grid-stride loops over the whole
 // packs, then over the elements past them. AMAX: also the outputs' amax for FP8 training (model/cuda/amax.cuh).
 #include "core/cuda/kernels.cuh"
+#include "core/cuda/programmatic_launch.cuh"
 #include "core/cuda_check.h"
 #include "model/cuda/amax.cuh"
 #include "model/cuda/ops.h"
@@ -15,6 +16,7 @@ template <bool AMAX, class D>
 __global__ void __launch_bounds__(kThreads)
     swiglu_forward_kernel(const D* __restrict__ u, const D* __restrict__ g, D* __restrict__ s, int64_t n,
                           int64_t packs, uint32_t* __restrict__ s_amax) {
+  allow_dependent_launch();  // FP8 training casts the result next (programmatically)
   uint32_t best = 0;
   for_each_pack(n, packs, [&](auto width, int64_t i) {
     constexpr int W = decltype(width)::value;
@@ -36,6 +38,7 @@ __global__ void __launch_bounds__(kThreads)
     swiglu_backward_kernel(const D* __restrict__ ds, const D* __restrict__ u, const D* __restrict__ g,
                            D* __restrict__ du, D* __restrict__ dg, int64_t n, int64_t packs,
                            uint32_t* __restrict__ du_amax, uint32_t* __restrict__ dg_amax) {
+  allow_dependent_launch();  // FP8 training casts the result next (programmatically)
   uint32_t best_du = 0, best_dg = 0;
   for_each_pack(n, packs, [&](auto width, int64_t i) {
     constexpr int W = decltype(width)::value;
