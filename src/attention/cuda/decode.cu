@@ -397,10 +397,15 @@ __global__ void __launch_bounds__(kThreads, SplitTraits<D>::kMinBlocks) split_ke
 }
 
 // One block of D threads per query row (b, h, qi): the splits' partials merged by logsumexp. A NaN sum marks a
-// split that met a bad index or a NaN: the row is NaN.
+// split that met a bad index or a NaN: the row is NaN. The kernel is latency-bound (a few hundred KB of partials at
+// batch 1, read right after the split kernel wrote them), so every load is issued before any is used: each
+// thread's accumulators of the first kChunk splits go out beside the maxima and sums, as they do not depend on
+// the weights; every further kChunk splits cost one more round trip (the loop used to make one per 8 splits).
+// The sums run in the same order as before, so the bits are the same.
 template <class T, int D>
 __global__ void __launch_bounds__(D) combine_kernel(const DecodeParams p) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr int kChunk = 32;
   __shared__ float sm_w[kDecodeMaxSplits], sm_l[kDecodeMaxSplits];
   const int64_t row = blockIdx.x;
   const int e = threadIdx.x, splits = p.num_splits;
@@ -413,6 +418,9 @@ __global__ void __launch_bounds__(D) combine_kernel(const DecodeParams p) {
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.nq) * p.heads_q));
   const float* ml = p.part_ml + row * splits * 2;
   const float* acc = p.part_acc + row * splits * D;
+  float part[kChunk];
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) part[i] = i < splits ? acc[i * D + e] : 0.0f;
   for (int s = e; s < splits; s += D) sm_w[s] = ml[2 * s], sm_l[s] = ml[2 * s + 1];
   __syncthreads();
   float mx = kNegInf;
@@ -426,10 +434,16 @@ __global__ void __launch_bounds__(D) combine_kernel(const DecodeParams p) {
   __syncthreads();
   float sum = 0.0f, a = 0.0f;
   if (mx != kNegInf) {
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      sum = fmaf(sm_l[s], sm_w[s], sum);
-      a = fmaf(acc[s * D + e], sm_w[s], a);
+    for (int s = 0; s < splits; ++s) sum = fmaf(sm_l[s], sm_w[s], sum);
+    for (int c = 0; c < splits; c += kChunk) {
+      if (c > 0) {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) part[i] = c + i < splits ? acc[(c + i) * D + e] : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        if (c + i < splits) a = fmaf(part[i], sm_w[c + i], a);
+      }
     }
   }
   const float nan = std::numeric_limits<float>::quiet_NaN();
