@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -121,7 +122,54 @@ struct Fp8Case {
   // The CUDA backward only: AttentionOptions::deterministic, and FLASHLM_ATTENTION_KERNEL=mma (the mma.sync
   // kernels on sm_90 too, where the Hopper ones would cover the problem).
   bool deterministic = false, mma = false;
+  // The sm_90 forward only: FLASHLM_FP8_KEY_BLOCK for the run (ScopedFp8KeyBlock); 0 leaves the environment's.
+  int key_block = 0;
 };
+
+// FLASHLM_FP8_KEY_BLOCK set to `key_block` for the scope (0: left alone), then restored: the FP8 forward reads it at
+// each call. The KeyBlock192 instantiations below run the forward grids on blocks of 192 keys this way, whatever the
+// environment says; the Grid ones take the environment's (a GPU run may set it to cover 192 with them too).
+class ScopedFp8KeyBlock {
+ public:
+  explicit ScopedFp8KeyBlock(int key_block) : active_(key_block != 0) {
+    if (!active_) return;
+    const char* was = std::getenv(kName);
+    had_ = was != nullptr;
+    if (had_) saved_ = was;
+    setenv(kName, std::to_string(key_block).c_str(), 1);
+  }
+  ~ScopedFp8KeyBlock() {
+    if (!active_) return;
+    if (had_) setenv(kName, saved_.c_str(), 1);
+    else unsetenv(kName);
+  }
+  ScopedFp8KeyBlock(const ScopedFp8KeyBlock&) = delete;
+  ScopedFp8KeyBlock& operator=(const ScopedFp8KeyBlock&) = delete;
+
+ private:
+  static constexpr const char* kName = "FLASHLM_FP8_KEY_BLOCK";
+  bool active_, had_ = false;
+  std::string saved_;
+};
+
+// A forward grid on blocks of 192 keys: the grid's cases, and lengths at and around multiples of 192 (blocks
+// exactly full, a last block of one key or of 191, a last query tile of one row), causal and not.
+std::vector<Fp8Case> with_key_block_192(std::vector<Fp8Case> cases) {
+  int n = 0;
+  for (int64_t d : {64, 128}) {
+    for (auto [nq, nk] : {std::pair<int64_t, int64_t>{192, 192}, {200, 193}, {385, 383}, {64, 577}}) {
+      for (Mask m : {Mask::none, Mask::top_left, Mask::bottom_right}) {
+        const bool mqa = n % 2 == 1;
+        cases.push_back({{2, nq, nk, mqa ? 6 : 4, mqa ? 1 : 2, d, n % 3 == 2 ? Layout::sliced : Layout::bshd, m,
+                          DType::bf16}});
+        ++n;
+      }
+    }
+  }
+  for (Fp8Case& f : cases) f.key_block = 192;
+  return cases;
+}
+
 std::string fp8_case_name(const Fp8Case& f) {
   Case c = f.c;
   c.dtype = DType::f8e4m3;
@@ -260,6 +308,7 @@ TEST_P(Fp8VsReference, MatchesFp64ReferenceOfTheSameInputs) {
 #else
   if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
   const Case c = GetParam().c;
+  const ScopedFp8KeyBlock key_block(GetParam().key_block);
   const uint64_t seed = 9100 + static_cast<uint64_t>(c.Nq * 7 + c.Nk + c.D);
   LaidOut q = fp8_laid_out(c.layout, c.B, c.Nq, c.Hq, c.D), k = fp8_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D),
           v = fp8_laid_out(c.layout, c.B, c.Nk, c.Hk, c.D);
@@ -324,6 +373,8 @@ std::vector<Fp8Case> fp8_grid() {
 
 INSTANTIATE_TEST_SUITE_P(Grid, Fp8VsReference, ::testing::ValuesIn(fp8_grid()),
                          [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(KeyBlock192, Fp8VsReference, ::testing::ValuesIn(with_key_block_192(fp8_grid())),
+                         [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_case_name(info.param); });
 
 // No queries: nothing is written. No keys: O is zero and logsumexp -inf (outputs start poisoned).
 TEST(Fp8Attention, EmptySequences) {
@@ -348,6 +399,25 @@ TEST(Fp8Attention, EmptySequences) {
       for (int64_t i = 0; i < l.view().numel(); ++i) ASSERT_EQ(l.view().ptr<double>()[i], -INFINITY) << what;
     }
   }
+#endif
+}
+
+// FLASHLM_FP8_KEY_BLOCK other than auto, 128 or 192 is an error naming the variable (read at each forward, before
+// anything is launched).
+TEST(Fp8Attention, UnknownKeyBlockIsAnError) {
+  SKIP_WITHOUT_GPU();
+#ifndef FLASHLM_WITH_SM90
+  GTEST_SKIP() << "built without the sm_90a kernels";
+#else
+  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  const ScopedFp8KeyBlock scoped(256);
+  Tensor q = Tensor::empty({1, 64, 2, 128}, DType::f8e4m3, Device::cuda);
+  Tensor k = Tensor::empty({1, 64, 2, 128}, DType::f8e4m3, Device::cuda);
+  Tensor o = Tensor::empty({1, 64, 2, 128}, DType::bf16, Device::cuda);
+  Tensor lse = Tensor::empty({1, 2, 64}, DType::f32, Device::cuda);
+  fill_normal(q, 5);
+  fill_normal(k, 6);
+  expect_error([&] { attention_forward(q, k, k, o, lse); }, {"FLASHLM_FP8_KEY_BLOCK: unknown value '256'"});
 #endif
 }
 
@@ -1154,6 +1224,7 @@ TEST_P(Fp8PerHeadCudaForward, MatchesFp64ReferenceOfHeadByHeadDequantisedInputs)
 #else
   if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
   const Case c = GetParam().c;
+  const ScopedFp8KeyBlock key_block(GetParam().key_block);
   const PerHeadDescales host(c.B, c.Hk), device(host, Device::cuda);
   Fp8Problem p(c, DType::bf16, 9300 + static_cast<uint64_t>(c.Nq * 7 + c.Nk + c.D));
   p.poison();
@@ -1171,17 +1242,22 @@ TEST_P(Fp8PerHeadCudaForward, MatchesFp64ReferenceOfHeadByHeadDequantisedInputs)
 
 INSTANTIATE_TEST_SUITE_P(Grid, Fp8PerHeadCudaForward, ::testing::ValuesIn(fp8_per_head_forward_grid()),
                          [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(KeyBlock192, Fp8PerHeadCudaForward,
+                         ::testing::ValuesIn(with_key_block_192(fp8_per_head_forward_grid())),
+                         [](const ::testing::TestParamInfo<Fp8Case>& info) { return fp8_case_name(info.param); });
 
 // Per-head descales equal in every head give the per-tensor forward's bits on the GPU (the kernel forms a tile's
 // factors as make_params forms the per-tensor ones), given for all three tensors or for one beside the others'
-// scalars.
+// scalars; at both key blocks.
 TEST(Fp8PerHeadCuda, UniformDescalesGiveThePerTensorForwardBits) {
   SKIP_WITHOUT_GPU();
 #ifndef FLASHLM_WITH_SM90
   GTEST_SKIP() << "built without the sm_90a kernels";
 #else
   if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
-  for (int64_t d : kFp8ForwardHeadDims) {
+  for (const auto& [key_block, d] : {std::pair<int, int64_t>{128, 64}, {128, 128}, {192, 64}, {192, 128}}) {
+    SCOPED_TRACE(fmt::format("FLASHLM_FP8_KEY_BLOCK={}", key_block));
+    const ScopedFp8KeyBlock scoped(key_block);
     const Case c{2, 130, 257, 4, 2, d, Layout::bhsd, Mask::bottom_right, DType::bf16};  // every row sees a key
     Fp8Problem scalar(c, DType::bf16, 57 + static_cast<uint64_t>(d));
     scalar.poison();

@@ -14,8 +14,8 @@
 // Two things 8-bit wgmma changes against the 16-bit kernel:
 //  - both operands must be K-major, so P·V needs Vᵀ (channels x keys, keys contiguous). A pre-pass
 //    (fp8_transpose_v_kernel) writes Vᵀ of every key head into a workspace, [batch, heads_k, D, keys padded
-//    to 128] with zeros past seq_k, and the producer loads its 128-key blocks with TMA like K. It reads and
-//    writes N·D bytes per key head once, where the attention reads V once per query tile (docs/perf.md);
+//    to the key block] with zeros past seq_k, and the producer loads its key blocks with TMA like K. It reads
+//    and writes N·D bytes per key head once, where the attention reads V once per query tile (docs/perf.md);
 //  - the A fragment of a k32 step wants bytes of columns 4t..4t+3 in one register, while S's accumulators
 //    give a thread columns 2t, 2t+1 of each 8-column group. Instead of moving bytes between threads, the
 //    keys are relabelled: the sum over keys does not care about their order, so the thread packs the four
@@ -23,11 +23,15 @@
 //    column for logical key L holds the physical key physical_key(L) — the pre-pass applies the same
 //    permutation.
 // Q and K rows are one swizzled row each: 128 bytes (128-byte swizzle) at head dim 128, 64 bytes (64-byte
-// swizzle) at 64; Vᵀ rows are 128 keys, 128 bytes.
+// swizzle) at 64. Vᵀ rows are a key block: 128 keys, one 128-byte swizzled row, or, at key blocks of 192
+// (FLASHLM_FP8_KEY_BLOCK, fp8_forward_key_block below), three panels of 64 keys with the 64-byte swizzle (a row
+// of 192 bytes is no swizzle's width), each a box of its own, P·V's k-steps of 32 keys walking them two by two.
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "attention/backends.h"
 #include "attention/capabilities.h"
@@ -47,10 +51,16 @@ namespace flashlm {
 namespace flash_cuda {
 namespace {
 
-template <int D>
+// N: keys per key block, 128 (the default) or 192 (FLASHLM_FP8_KEY_BLOCK): longer blocks spread each row's fixed
+// work per block (the max and sum reductions, O's rescale, the barrier waits) over more keys, for 32 more S
+// registers a thread. Vᵀ's rows are N bytes: one 128-byte swizzle panel at 128; at 192, three 64-byte ones.
+template <int D, int N>
 struct Fp8FwdTraits {
+  static_assert(N == 128 || N == 192, "key blocks of 128 or 192");
   static constexpr int kBlockM = 128;  // two consumer warpgroups of 64 rows
-  static constexpr int kBlockN = 128;  // keys per block: one 128-byte row of Vᵀ
+  static constexpr int kBlockN = N;
+  static constexpr int kVPanelKeys = N == 128 ? 128 : 64;  // keys per Vᵀ panel: its rows' bytes and swizzle
+  static constexpr int kVPanels = N / kVPanelKeys;
   static constexpr int kStages = 2;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * sm90::kWarpgroupThreads;
@@ -59,14 +69,16 @@ struct Fp8FwdTraits {
   static constexpr uint32_t kQBytes = kBlockM * D, kKBytes = kBlockN * D, kVBytes = D * kBlockN;
 };
 
-template <int D>
+template <int D, int N>
 struct Fp8FwdShared {
-  using Tr = Fp8FwdTraits<D>;
+  using Tr = Fp8FwdTraits<D, N>;
   alignas(1024) uint8_t q[Tr::kBlockM * D];
   alignas(1024) uint8_t k[Tr::kStages][Tr::kBlockN * D];
-  alignas(1024) uint8_t vt[Tr::kStages][D * Tr::kBlockN];
+  alignas(1024) uint8_t vt[Tr::kStages][D * Tr::kBlockN];  // kVPanels panels of D rows x kVPanelKeys bytes
   ForwardBarriers<Tr::kStages> bar;
 };
+// At head dim 128 and 192 keys: Q 16 KB, K and Vᵀ 2 x 24 KB each, 112 KB and the barriers of the 227 KB.
+static_assert(sizeof(Fp8FwdShared<128, 192>) + 1024 <= 227 * 1024);
 
 // The physical key (within a block) that logical reduction column L of the P·V GEMM stands for. Within each
 // 16 keys: L = 4t + 2a + b (t the thread in its quad) holds key 8a + 2t + b, the a-th 8-column group's
@@ -82,15 +94,17 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
   return lo | (hi << 16);
 }
 
-// ---- The Vᵀ pre-pass: one block per (128 keys, key head, batch), grid-strided. The block reads the keys'
-// rows of V (16-byte loads, any row strides) into shared memory, zeros past seq_k, and writes the 16-byte
-// chunks of Vᵀ: row d, logical columns L = 16c .. 16c + 15 of the block hold V[physical_key(L)][d].
-constexpr int kTransposeKeys = 128, kTransposeThreads = 256;
+// ---- The Vᵀ pre-pass: one block per (key block of kTransposeKeys, the attention's, key head, batch),
+// grid-strided. The block reads the keys' rows of V (16-byte loads, any row strides) into shared memory, zeros
+// past seq_k, and writes the 16-byte chunks of Vᵀ: row d, logical columns L = 16c .. 16c + 15 of the block hold
+// V[physical_key(L)][d] (the permutation works within 16 keys, so any multiple of 16 keys per block keeps it).
+constexpr int kTransposeThreads = 256;
 
-template <int D>
+template <int D, int kTransposeKeys>
 __global__ void __launch_bounds__(kTransposeThreads)
     fp8_transpose_v_kernel(const uint8_t* v, RowStrides st, uint8_t* vt, int seq_k, int64_t keys_padded, int heads_k,
                            int64_t blocks) {
+  static_assert(kTransposeKeys % 16 == 0 && kTransposeKeys * D <= 48 * 1024);
   __shared__ alignas(16) uint8_t tile[kTransposeKeys * D];
   const int64_t key_blocks = keys_padded / kTransposeKeys;
   for (int64_t blk = blockIdx.x; blk < blocks; blk += gridDim.x) {
@@ -133,19 +147,20 @@ struct Fp8Descales {
 // ---- The attention kernel: what it puts into the shared pipeline (pipeline_sm90.cuh). The softmax's score scale
 // is the tile's (start_tile): FlashParams' scale and scale_log2, which carry per-tensor q_descale·k_descale, or
 // the tile's key head's per-head factors; its v descale multiplies O at the end. Q and K come in one
-// box per tile (a row is one swizzled row), Vᵀ in one 128-byte-wide box of D rows per key block; both GEMMs
-// read K-major operands, P·V with P from registers as e4m3. tm_vt maps the pre-pass's Vᵀ as a
-// [batch, D, heads_k, keys_padded] view.
-template <int D>
-struct Fp8FwdKernel : Fp8FwdTraits<D> {
-  using Tr = Fp8FwdTraits<D>;
+// box per tile (a row is one swizzled row), Vᵀ in one box of D rows per panel (kVPanels per key block: one
+// 128-byte-wide at 128 keys, three 64-byte-wide at 192); both GEMMs read K-major operands, P·V with P from
+// registers as e4m3. tm_vt maps the pre-pass's Vᵀ as a [batch, D, heads_k, keys_padded] view, in boxes of a
+// panel's keys.
+template <int D, int N>
+struct Fp8FwdKernel : Fp8FwdTraits<D, N> {
+  using Tr = Fp8FwdTraits<D, N>;
   using Softmax = WgmmaRowSoftmax<Tr::kBlockN, 0, 1, false, false, true>;
   using PFragments = uint32_t[Tr::kBlockN / 32][4];
   using GemmS = sm90::WgmmaM64E4m3<Tr::kBlockN>;
   using GemmO = sm90::WgmmaM64E4m3<D>;
   static constexpr int kOValues = D / 2;
 
-  Fp8FwdShared<D>& s;
+  Fp8FwdShared<D, N>& s;
   const CUtensorMap *tm_q, *tm_k, *tm_vt;
   Fp8Descales descales;
   float v_scale;  // the current tile's v descale
@@ -163,8 +178,13 @@ struct Fp8FwdKernel : Fp8FwdTraits<D> {
   __device__ __forceinline__ void load_k(int st, int n0, int hk, int b) {
     sm90::tma_load_4d(s.k[st], tm_k, s.bar.k_full[st], 0, n0, hk, b);
   }
+  // The panels complete on the one barrier, armed for the whole block's kVBytes.
   __device__ __forceinline__ void load_v(int st, int n0, int hk, int b) {
-    sm90::tma_load_4d(s.vt[st], tm_vt, s.bar.v_full[st], n0, 0, hk, b);
+#pragma unroll
+    for (int panel = 0; panel < Tr::kVPanels; ++panel) {
+      sm90::tma_load_4d(s.vt[st] + panel * D * Tr::kVPanelKeys, tm_vt, s.bar.v_full[st], n0 + panel * Tr::kVPanelKeys,
+                        0, hk, b);
+    }
   }
 
   __device__ __forceinline__ void gemm_s(float (&sacc)[Tr::kBlockN / 2], int st, int wg) {
@@ -174,10 +194,16 @@ struct Fp8FwdKernel : Fp8FwdTraits<D> {
                 sm90::k_major_descriptor_8bit<D>(s.k[st], 0, kk), kk > 0);
     }
   }
+  // k-step kk takes logical keys [32kk, 32kk + 32): bytes 32kk of the one 128-byte panel, or, in 64-byte
+  // panels, bytes 32·(kk % 2) of panel kk / 2.
   __device__ __forceinline__ void gemm_pv(float (&o)[kOValues], PFragments& pa, int st) {
+    constexpr int kStepsPerPanel = Tr::kVPanelKeys / 32;
 #pragma unroll
     for (int kk = 0; kk < Tr::kBlockN / 32; ++kk) {
-      GemmO::rs(o, pa[kk], sm90::k_major_descriptor_8bit<Tr::kBlockN>(s.vt[st], 0, kk), 1);
+      GemmO::rs(o, pa[kk],
+                sm90::k_major_descriptor_8bit<Tr::kVPanelKeys>(s.vt[st] + kk / kStepsPerPanel * D * Tr::kVPanelKeys, 0,
+                                                               kk % kStepsPerPanel),
+                1);
     }
   }
   // P as e4m3 A fragments, logical columns 32·kk + [0, 32): registers 0/1 (rows g, g + 8) from S's
@@ -220,24 +246,25 @@ struct Fp8FwdKernel : Fp8FwdTraits<D> {
   __device__ __forceinline__ static void consumer_exit(int) {}
 };
 
-template <int D>
-__global__ void __launch_bounds__(Fp8FwdTraits<D>::kThreads, 1)
+template <int D, int N>
+__global__ void __launch_bounds__(Fp8FwdTraits<D, N>::kThreads, 1)
     flash_fwd_fp8_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                               const __grid_constant__ CUtensorMap tm_vt, const FlashParams p,
                               const Fp8Descales descales) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
-  Fp8FwdKernel<D> kernel{{}, sm90::aligned_shared<Fp8FwdShared<D>>(smem_raw), &tm_q, &tm_k, &tm_vt, descales, 0.f};
+  Fp8FwdKernel<D, N> kernel{
+      {}, sm90::aligned_shared<Fp8FwdShared<D, N>>(smem_raw), &tm_q, &tm_k, &tm_vt, descales, 0.f};
   run_forward_pipeline(kernel, p);
 #endif
 }
 
-template <int D>
+template <int D, int N>
 void launch_forward_fp8_sm90(const FlashParams& f, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
                              const Fp8Descales& descales, int64_t items, int sm_count, cudaStream_t stream) {
-  using Tr = Fp8FwdTraits<D>;
-  auto kernel = flash_fwd_fp8_sm90_kernel<D>;
-  constexpr int kSmem = static_cast<int>(forward_smem_bytes<Fp8FwdShared<D>>());
+  using Tr = Fp8FwdTraits<D, N>;
+  auto kernel = flash_fwd_fp8_sm90_kernel<D, N>;
+  constexpr int kSmem = static_cast<int>(forward_smem_bytes<Fp8FwdShared<D, N>>());
   FLASHLM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
                      "flash_fwd_fp8_sm90_kernel: shared-memory opt-in");
   kernel<<<static_cast<unsigned>(std::min<int64_t>(items, sm_count)), Tr::kThreads, kSmem, stream>>>(q, k, vt, f,
@@ -245,14 +272,25 @@ void launch_forward_fp8_sm90(const FlashParams& f, const CUtensorMap& q, const C
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_fwd_fp8_sm90_kernel launch");
 }
 
-template <int D>
+template <int D, int N>
 void launch_transpose_v_fp8(const TensorView& v, uint8_t* vt, int64_t keys_padded, int sm_count, cudaStream_t stream) {
-  const int64_t blocks = keys_padded / kTransposeKeys * v.size(2) * v.size(0);
-  fp8_transpose_v_kernel<D><<<static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{8} * sm_count)),
+  const int64_t blocks = keys_padded / N * v.size(2) * v.size(0);
+  fp8_transpose_v_kernel<D, N><<<static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{8} * sm_count)),
                               kTransposeThreads, 0, stream>>>(static_cast<const uint8_t*>(v.data), row_strides(v), vt,
                                                               static_cast<int>(v.size(1)), keys_padded,
                                                               static_cast<int>(v.size(2)), blocks);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_transpose_v_kernel launch");
+}
+
+// Keys per key block, from FLASHLM_FP8_KEY_BLOCK, read at each forward (as FLASHLM_SM90_FWD_D64_TILE, so that a
+// test can run both and one build be timed both ways): "192", or "128", "auto" or unset for 128 (the block every
+// measured figure used until 192 is timed against it); anything else is an error naming the variable.
+int fp8_forward_key_block() {
+  const char* env = std::getenv("FLASHLM_FP8_KEY_BLOCK");
+  const std::string_view value = env == nullptr ? "" : env;
+  if (value.empty() || value == "auto" || value == "128") return 128;
+  if (value == "192") return 192;
+  fail("FLASHLM_FP8_KEY_BLOCK: unknown value '{}': expected auto, 128 or 192", value);
 }
 
 }  // namespace
@@ -268,10 +306,11 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
                 fn);
   FLASHLM_CHECK(p.head_dim == 64 || p.head_dim == 128, "{}: q: head_dim {} has no fp8_e4m3 kernel", fn,
                 p.head_dim);  // the plan checked it
-  // The kernels index rows, heads and work items in int.
-  FLASHLM_CHECK(p.seq_q < INT32_MAX - 128 && p.seq_k < INT32_MAX - 128,
-                "{}: q: fp8_e4m3 sequences must be shorter than 2^31 - 128, got seq_q {} and seq_k {}", fn, p.seq_q,
+  // The kernels index rows, heads and work items in int (a block's first key plus its 192 keys included).
+  FLASHLM_CHECK(p.seq_q < INT32_MAX - 256 && p.seq_k < INT32_MAX - 256,
+                "{}: q: fp8_e4m3 sequences must be shorter than 2^31 - 256, got seq_q {} and seq_k {}", fn, p.seq_q,
                 p.seq_k);
+  const int key_block = flash_cuda::fp8_forward_key_block();  // before the early return: a bad value always fails
   if (p.batch == 0 || p.heads_q == 0 || p.seq_q == 0) return;  // nothing to write
   const int64_t items = flash_cuda::TileSchedule::count(p.seq_q, p.heads_q, p.batch, 128);
   FLASHLM_CHECK(items <= INT32_MAX, "{}: q: fp8_e4m3 takes at most 2^31 - 1 tile pairs (batch · heads · seq_q / 256), "
@@ -287,34 +326,39 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
   // The tensor maps. TMA describes every view attention.cpp lets through (16-byte aligned base and row
   // strides) except strides of 2^40 bytes or more, zero strides of a dimension longer than 1 and sizes past
   // 2^31: those are refused, naming the view (fp8 has no other kernel). With no keys nothing reads K or Vᵀ,
-  // and Q's map stands in for theirs.
+  // and Q's map stands in for theirs. K comes in boxes of a key block's rows, Vᵀ in boxes of a panel's keys
+  // (Fp8FwdTraits: 128 at blocks of 128, 64 at 192) by D rows.
   const auto tq = sm90::rows_tensor_map(q, 128);
   FLASHLM_CHECK(tq.has_value(), "{}: q: the fp8_e4m3 kernel loads it with TMA, which cannot describe this view {}",
                 fn, q.shape_string());
   CUtensorMap tk = *tq, tvt = *tq;
   Buffer vt_buffer;
   if (p.seq_k > 0) {
-    const auto k_map = sm90::rows_tensor_map(k, 128);
+    const auto k_map = sm90::rows_tensor_map(k, key_block);
     FLASHLM_CHECK(k_map.has_value(),
                   "{}: k: the fp8_e4m3 kernel loads it with TMA, which cannot describe this view {}", fn,
                   k.shape_string());
     tk = *k_map;
-    const int64_t keys_padded = (p.seq_k + 127) / 128 * 128;
+    const int64_t keys_padded = (p.seq_k + key_block - 1) / key_block * key_block;  // whole blocks: the pre-pass's
     const int64_t bytes = checked_product({p.batch, p.heads_k, p.head_dim, keys_padded}, "attention_forward: fp8 Vᵀ");
     vt_buffer = Buffer::allocate_on_stream(static_cast<size_t>(bytes), "fp8 attention Vᵀ", stream);
     auto* vt = static_cast<uint8_t*>(vt_buffer.data());
     const TensorView vt_view =
         TensorView::contiguous(vt, DType::f8e4m3, {p.batch, p.heads_k, p.head_dim, keys_padded}, Device::cuda)
             .permute({0, 2, 1, 3});  // [batch, D, heads_k, keys]: rows are channels
-    const auto vt_map = sm90::rows_tensor_map(vt_view, static_cast<int>(p.head_dim));
+    const auto vt_map = sm90::rows_tensor_map(vt_view, static_cast<int>(p.head_dim), key_block == 192);
     FLASHLM_CHECK(vt_map.has_value(), "{}: v: the fp8_e4m3 kernel's Vᵀ workspace {} has no TMA description", fn,
                   vt_view.shape_string());
     tvt = *vt_map;
-    with_head_dim<kFp8ForwardHeadDims>(
-        p.head_dim, [&](auto dim) { flash_cuda::launch_transpose_v_fp8<dim.value>(v, vt, keys_padded, sm_count, s); });
+    with_head_dim<kFp8ForwardHeadDims>(p.head_dim, [&](auto dim) {
+      if (key_block == 192) flash_cuda::launch_transpose_v_fp8<dim.value, 192>(v, vt, keys_padded, sm_count, s);
+      else flash_cuda::launch_transpose_v_fp8<dim.value, 128>(v, vt, keys_padded, sm_count, s);
+    });
   }
   with_head_dim<kFp8ForwardHeadDims>(p.head_dim, [&](auto dim) {
-    flash_cuda::launch_forward_fp8_sm90<dim.value>(f, *tq, tk, tvt, descales, items, sm_count, s);
+    using flash_cuda::launch_forward_fp8_sm90;
+    if (key_block == 192) launch_forward_fp8_sm90<dim.value, 192>(f, *tq, tk, tvt, descales, items, sm_count, s);
+    else launch_forward_fp8_sm90<dim.value, 128>(f, *tq, tk, tvt, descales, items, sm_count, s);
   });
 }
 

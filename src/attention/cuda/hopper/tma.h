@@ -33,14 +33,15 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // The tensor map of `t` (4-D, 16- or 8-bit, last dimension contiguous, on the GPU) for boxes of one
 // 128-byte swizzle panel (64 16-bit or 128 8-bit columns) x box_rows, or, for 8-bit rows of 64 bytes, of the
-// whole row with the 64-byte swizzle (the FP8 forward at head dim 64); or nothing when TMA cannot describe
-// the view: a stride that is zero, negative, not a multiple of 16 bytes or at least 2^40 bytes; a base not
-// 16-byte aligned; a last dimension not a multiple of the box's columns; sizes past 2^31. Such views take
-// the mma.sync kernels.
-inline std::optional<CUtensorMap> rows_tensor_map(const TensorView& t, int box_rows) {
+// whole row with the 64-byte swizzle (the FP8 forward at head dim 64), or, 8-bit with `panels_of_64_bytes`, of 64
+// columns with the 64-byte swizzle however long the rows (the FP8 forward's Vᵀ at 192-key blocks, 1.5 panels of
+// 128 bytes: three of 64); or nothing when TMA cannot describe the view: a stride that is zero, negative, not a
+// multiple of 16 bytes or at least 2^40 bytes; a base not 16-byte aligned; a last dimension not a multiple of the
+// box's columns; sizes past 2^31. Such views take the mma.sync kernels.
+inline std::optional<CUtensorMap> rows_tensor_map(const TensorView& t, int box_rows, bool panels_of_64_bytes = false) {
   const int64_t elem = static_cast<int64_t>(dtype_size(t.dtype));
   if (t.ndim != 4 || t.stride(3) != 1 || (elem != 2 && elem != 1)) return std::nullopt;
-  const int64_t box_cols = elem == 1 && t.size(3) == 64 ? 64 : 128 / elem;
+  const int64_t box_cols = elem == 1 && (t.size(3) == 64 || panels_of_64_bytes) ? 64 : 128 / elem;
   if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0 || t.size(3) % box_cols != 0) return std::nullopt;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return std::nullopt;
