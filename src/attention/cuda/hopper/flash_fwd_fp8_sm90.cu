@@ -282,15 +282,22 @@ void launch_transpose_v_fp8(const TensorView& v, uint8_t* vt, int64_t keys_padde
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_transpose_v_kernel launch");
 }
 
-// Keys per key block, from FLASHLM_FP8_KEY_BLOCK, read at each forward (as FLASHLM_SM90_FWD_D64_TILE, so that a
-// test can run both and one build be timed both ways): "192", or "128", "auto" or unset for 128 (the block every
-// measured figure used until 192 is timed against it); anything else is an error naming the variable.
-int fp8_forward_key_block() {
+// Keys per key block. FLASHLM_FP8_KEY_BLOCK, read at each forward (as FLASHLM_SM90_FWD_D64_TILE, so that a test
+// can run both and one build be timed both ways), forces "128" or "192"; "auto" or unset chooses: 192 at head dim
+// 128 where neither sequence is shorter than 8192, 128 elsewhere. Measured against each other (one H100, two
+// interleaved rounds, b4 h16, docs/perf.md's FP8 forward): d128 16k +7% non-causal, +6% causal; d128 4k +2% / 0;
+// d64 16k +2%, d64 4k -7% non-causal: the longer block spreads each row's fixed per-block work over more keys,
+// and loses where the last, partly masked block and the causal diagonal are a larger share. Anything else is an
+// error naming the variable.
+int fp8_forward_key_block(const AttentionProblem& p) {
   const char* env = std::getenv("FLASHLM_FP8_KEY_BLOCK");
   const std::string_view value = env == nullptr ? "" : env;
-  if (value.empty() || value == "auto" || value == "128") return 128;
+  if (value == "128") return 128;
   if (value == "192") return 192;
-  fail("FLASHLM_FP8_KEY_BLOCK: unknown value '{}': expected auto, 128 or 192", value);
+  if (!value.empty() && value != "auto") {
+    fail("FLASHLM_FP8_KEY_BLOCK: unknown value '{}': expected auto, 128 or 192", value);
+  }
+  return p.head_dim == 128 && std::min(p.seq_q, p.seq_k) >= 8192 ? 192 : 128;
 }
 
 }  // namespace
@@ -310,7 +317,7 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
   FLASHLM_CHECK(p.seq_q < INT32_MAX - 256 && p.seq_k < INT32_MAX - 256,
                 "{}: q: fp8_e4m3 sequences must be shorter than 2^31 - 256, got seq_q {} and seq_k {}", fn, p.seq_q,
                 p.seq_k);
-  const int key_block = flash_cuda::fp8_forward_key_block();  // before the early return: a bad value always fails
+  const int key_block = flash_cuda::fp8_forward_key_block(p);  // before the early return: a bad value always fails
   if (p.batch == 0 || p.heads_q == 0 || p.seq_q == 0) return;  // nothing to write
   const int64_t items = flash_cuda::TileSchedule::count(p.seq_q, p.heads_q, p.batch, 128);
   FLASHLM_CHECK(items <= INT32_MAX, "{}: q: fp8_e4m3 takes at most 2^31 - 1 tile pairs (batch · heads · seq_q / 256), "
