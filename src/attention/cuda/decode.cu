@@ -28,6 +28,7 @@
 
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
+#include "core/cuda/programmatic_launch.cuh"
 #include "attention/decode_split.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
@@ -154,11 +155,9 @@ __global__ void __launch_bounds__(kThreads, SplitTraits<D>::kMinBlocks) split_ke
   T* sK = sQ + kRows * D;
   T* sV = sK + kStages * kN * D;
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The combine, launched as this grid's programmatic dependent, may place its blocks once every block here
-  // has started; they wait for this grid to finish (griddepcontrol.wait), so only their launch is earlier.
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
+  // has started; they wait for this grid to finish, so only their launch is earlier.
+  gpu::allow_dependent_launch();
   const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.row_chunks));
   const int split = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.row_chunks));
   const int hk = blockIdx.y, b = blockIdx.z;
@@ -409,11 +408,9 @@ __global__ void __launch_bounds__(D) combine_kernel(const DecodeParams p) {
   __shared__ float sm_w[kDecodeMaxSplits], sm_l[kDecodeMaxSplits];
   const int64_t row = blockIdx.x;
   const int e = threadIdx.x, splits = p.num_splits;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the split kernel (launch_attention): this block may be resident
   // before the split grid has finished; wait here until it has and its partials are visible.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+  gpu::wait_for_prerequisite_grids();
   const int qi = static_cast<int>(row % p.nq), h = static_cast<int>(row / p.nq % p.heads_q);
   const int b = static_cast<int>(row / (static_cast<int64_t>(p.nq) * p.heads_q));
   const float* ml = p.part_ml + row * splits * 2;
@@ -484,22 +481,6 @@ int split_kernel_slots(int device) {
   return slots;
 }
 
-// Whether the device launches programmatic dependents (compute capability 9.0 and later): then the combine is
-// launched while the split kernel runs and waits for it in the kernel (griddepcontrol.wait), which takes its
-// launch latency off the end of a short decoding call. Asked once per device.
-bool programmatic_launch(int device) {
-  static std::atomic<int> cache[kCachedDevices] = {};  // 0 unknown, 1 no, 2 yes
-  if (device >= 0 && device < kCachedDevices) {
-    const int known = cache[device].load(std::memory_order_relaxed);
-    if (known > 0) return known == 2;
-  }
-  int major = 0;
-  FLASHLM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-                     "flash_attention_with_kvcache: compute capability");
-  if (device >= 0 && device < kCachedDevices) cache[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
-  return major >= 9;
-}
-
 // Splits from the blocks the device holds at once, then the workspace, the split kernel and the combine.
 template <class T, int D>
 void launch_attention(DecodeParams p, const AttentionProblem& a, int device, cudaStream_t stream) {
@@ -525,15 +506,11 @@ void launch_attention(DecodeParams p, const AttentionProblem& a, int device, cud
   split_kernel<T, D><<<grid, kThreads, Tr::kSmemBytes, stream>>>(p);
   FLASHLM_CUDA_CHECK(cudaGetLastError(), "flash_attention_with_kvcache: split kernel launch");
   if (p.num_splits > 1) {
+    // Programmatic (sm_90): the combine's launch overlaps the split kernel's last blocks, off the end of a short
+    // decoding call.
     const auto rows = static_cast<unsigned>(static_cast<int64_t>(p.batch) * p.heads_q * p.nq);
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(rows), config.blockDim = dim3(D), config.dynamicSmemBytes = 0, config.stream = stream;
-    cudaLaunchAttribute dependent{};
-    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    dependent.val.programmaticStreamSerializationAllowed = 1;
-    if (programmatic_launch(device)) config.attrs = &dependent, config.numAttrs = 1;
-    FLASHLM_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T, D>, p),
-                       "flash_attention_with_kvcache: combine kernel launch");
+    gpu::launch_programmatic("flash_attention_with_kvcache: combine kernel launch", combine_kernel<T, D>, dim3(rows),
+                             dim3(D), 0, stream, p);
   }
 }
 
