@@ -149,6 +149,8 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
                     "bench: the kernel summary (CUPTI, --profile-kernels) needs --device cuda");
   FLASHLM_CHECK_ARG(cfg.gemm_autotune == 0 || cfg.device == Device::cuda,
                     "bench: gemm_autotune (--gemm-autotune) needs --device cuda");
+  FLASHLM_CHECK_ARG(!cfg.options.overlap_grad_norm || cfg.device == Device::cuda,
+                    "bench: the gradient norm beside the backward (--overlap-grad-norm) needs --device cuda");
   if (cfg.profile_kernels) {  // fail before any model is built when CUPTI cannot be used
     KernelProfiler::instance().start();
     KernelProfiler::instance().stop();

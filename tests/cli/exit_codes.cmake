@@ -38,6 +38,7 @@ expect_exit(0 bench --device cpu --model tiny --context 16 --batch 1 --pass step
 expect_exit(2 bench --precision fp4)
 expect_exit(2 bench --device cpu --model tiny --profile-kernels)
 expect_exit(2 bench --device cpu --model tiny --gemm-autotune 4)
+expect_exit(2 bench --device cpu --model tiny --overlap-grad-norm)
 expect_exit(0 bench --model tiny --context 16 --batch 2 --vocab 64 --warmup 0 --steps 1 --precision fp32,bf16 --quiet)
 expect_exit(2 bench --recompute sometimes)
 expect_exit(2 bench --recompute blocks:0)
