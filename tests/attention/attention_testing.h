@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -201,6 +202,31 @@ inline double tolerance(DType dtype, double naive_lowp_error, double ref_scale) 
   }
 }
 
+
+// The environment variable `name` set to `value` for the object's lifetime, then restored (unset, or its old
+// value); no value leaves the environment alone. The kernels read their FLASHLM_* choices at each call.
+class ScopedEnvironment {
+ public:
+  ScopedEnvironment(const char* name, std::optional<std::string> value) : name_(name), active_(value.has_value()) {
+    if (!active_) return;
+    const char* was = std::getenv(name);
+    had_ = was != nullptr;
+    if (had_) saved_ = was;
+    setenv(name, value->c_str(), 1);
+  }
+  ~ScopedEnvironment() {
+    if (!active_) return;
+    if (had_) setenv(name_, saved_.c_str(), 1);
+    else unsetenv(name_);
+  }
+  ScopedEnvironment(const ScopedEnvironment&) = delete;
+  ScopedEnvironment& operator=(const ScopedEnvironment&) = delete;
+
+ private:
+  const char* name_;
+  bool active_, had_ = false;
+  std::string saved_;
+};
 
 // Runs `body` with FLASHLM_ATTENTION_KERNEL set to `value` (restoring what was there): the GPU runs of this
 // binary may set it to "mma" for the whole process.

@@ -129,27 +129,10 @@ struct Fp8Case {
 // FLASHLM_FP8_KEY_BLOCK set to `key_block` for the scope (0: left alone), then restored: the FP8 forward reads it at
 // each call. The KeyBlock192 instantiations below run the forward grids on blocks of 192 keys this way, whatever the
 // environment says; the Grid ones take the environment's (a GPU run may set it to cover 192 with them too).
-class ScopedFp8KeyBlock {
- public:
-  explicit ScopedFp8KeyBlock(int key_block) : active_(key_block != 0) {
-    if (!active_) return;
-    const char* was = std::getenv(kName);
-    had_ = was != nullptr;
-    if (had_) saved_ = was;
-    setenv(kName, std::to_string(key_block).c_str(), 1);
-  }
-  ~ScopedFp8KeyBlock() {
-    if (!active_) return;
-    if (had_) setenv(kName, saved_.c_str(), 1);
-    else unsetenv(kName);
-  }
-  ScopedFp8KeyBlock(const ScopedFp8KeyBlock&) = delete;
-  ScopedFp8KeyBlock& operator=(const ScopedFp8KeyBlock&) = delete;
-
- private:
-  static constexpr const char* kName = "FLASHLM_FP8_KEY_BLOCK";
-  bool active_, had_ = false;
-  std::string saved_;
+struct ScopedFp8KeyBlock : ScopedEnvironment {
+  explicit ScopedFp8KeyBlock(int key_block)
+      : ScopedEnvironment("FLASHLM_FP8_KEY_BLOCK", key_block == 0 ? std::optional<std::string>{}
+                                                                    : std::to_string(key_block)) {}
 };
 
 // A forward grid on blocks of 192 keys: the grid's cases, and lengths at and around multiples of 192 (blocks

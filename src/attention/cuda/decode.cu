@@ -28,9 +28,9 @@
 
 #include "attention/backends.h"
 #include "attention/cuda/flash_common.cuh"
-#include "core/cuda/programmatic_launch.cuh"
 #include "attention/decode_split.h"
 #include "core/check.h"
+#include "core/cuda/programmatic_launch.cuh"
 #include "core/cuda_check.h"
 #include "flashlm/memory.h"
 

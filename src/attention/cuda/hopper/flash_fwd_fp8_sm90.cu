@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
+#include <type_traits>
 
 #include "attention/backends.h"
 #include "attention/capabilities.h"
@@ -318,6 +319,13 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
                 "{}: q: fp8_e4m3 sequences must be shorter than 2^31 - 256, got seq_q {} and seq_k {}", fn, p.seq_q,
                 p.seq_k);
   const int key_block = flash_cuda::fp8_forward_key_block(p);  // before the early return: a bad value always fails
+  // body(head dim, key block) with both as compile-time constants: the kernels' instantiation for this problem.
+  const auto with_shape = [&](auto&& body) {
+    with_head_dim<kFp8ForwardHeadDims>(p.head_dim, [&](auto dim) {
+      if (key_block == 192) body(dim, std::integral_constant<int, 192>{});
+      else body(dim, std::integral_constant<int, 128>{});
+    });
+  };
   if (p.batch == 0 || p.heads_q == 0 || p.seq_q == 0) return;  // nothing to write
   const int64_t items = flash_cuda::TileSchedule::count(p.seq_q, p.heads_q, p.batch, 128);
   FLASHLM_CHECK(items <= INT32_MAX, "{}: q: fp8_e4m3 takes at most 2^31 - 1 tile pairs (batch · heads · seq_q / 256), "
@@ -357,15 +365,12 @@ void flash_attention_forward_fp8_sm90(const AttentionProblem& p, const TensorVie
     FLASHLM_CHECK(vt_map.has_value(), "{}: v: the fp8_e4m3 kernel's Vᵀ workspace {} has no TMA description", fn,
                   vt_view.shape_string());
     tvt = *vt_map;
-    with_head_dim<kFp8ForwardHeadDims>(p.head_dim, [&](auto dim) {
-      if (key_block == 192) flash_cuda::launch_transpose_v_fp8<dim.value, 192>(v, vt, keys_padded, sm_count, s);
-      else flash_cuda::launch_transpose_v_fp8<dim.value, 128>(v, vt, keys_padded, sm_count, s);
+    with_shape([&](auto dim, auto keys) {
+      flash_cuda::launch_transpose_v_fp8<dim.value, keys.value>(v, vt, keys_padded, sm_count, s);
     });
   }
-  with_head_dim<kFp8ForwardHeadDims>(p.head_dim, [&](auto dim) {
-    using flash_cuda::launch_forward_fp8_sm90;
-    if (key_block == 192) launch_forward_fp8_sm90<dim.value, 192>(f, *tq, tk, tvt, descales, items, sm_count, s);
-    else launch_forward_fp8_sm90<dim.value, 128>(f, *tq, tk, tvt, descales, items, sm_count, s);
+  with_shape([&](auto dim, auto keys) {
+    flash_cuda::launch_forward_fp8_sm90<dim.value, keys.value>(f, *tq, tk, tvt, descales, items, sm_count, s);
   });
 }
 
