@@ -20,3 +20,23 @@ namespace flashlm::testing {
 inline bool on_sm90() { return ::flashlm::cuda_device_description().find("(sm_90,") != std::string::npos; }
 
 }  // namespace flashlm::testing
+
+// Skips, saying which of the three is missing, unless the Hopper (sm_90a) kernels can run: a CUDA device, a
+// test binary built with them (FLASHLM_WITH_SM90, which tests/CMakeLists.txt defines for test_attention
+// only) and an sm_90 GPU. Code after it that names the kernels' own declarations still needs
+// #ifdef FLASHLM_WITH_SM90 to compile without them.
+#ifdef FLASHLM_WITH_SM90
+#define SKIP_WITHOUT_HOPPER()                                                                              \
+  do {                                                                                                     \
+    SKIP_WITHOUT_GPU();                                                                                    \
+    if (!::flashlm::testing::on_sm90())                                                                    \
+      GTEST_SKIP() << "the Hopper (sm_90a) kernels run on an sm_90 GPU only; this one is "                 \
+                   << ::flashlm::cuda_device_description();                                                \
+  } while (0)
+#else
+#define SKIP_WITHOUT_HOPPER()                                                                              \
+  do {                                                                                                     \
+    SKIP_WITHOUT_GPU();                                                                                    \
+    GTEST_SKIP() << "built without the Hopper (sm_90a) kernels (FLASHLM_WITH_SM90 undefined)";             \
+  } while (0)
+#endif

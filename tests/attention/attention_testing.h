@@ -5,17 +5,16 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <functional>
 #include <fmt/format.h>
 
 #include <limits>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
 
 #include "attention/capabilities.h"
+#include "env_testing.h"
 #include "flashlm/attention.h"
 #include "flashlm/flashlm.h"
 
@@ -202,42 +201,12 @@ inline double tolerance(DType dtype, double naive_lowp_error, double ref_scale) 
   }
 }
 
-
-// The environment variable `name` set to `value` for the object's lifetime, then restored (unset, or its old
-// value); no value leaves the environment alone. The kernels read their FLASHLM_* choices at each call.
-class ScopedEnvironment {
- public:
-  ScopedEnvironment(const char* name, std::optional<std::string> value) : name_(name), active_(value.has_value()) {
-    if (!active_) return;
-    const char* was = std::getenv(name);
-    had_ = was != nullptr;
-    if (had_) saved_ = was;
-    setenv(name, value->c_str(), 1);
-  }
-  ~ScopedEnvironment() {
-    if (!active_) return;
-    if (had_) setenv(name_, saved_.c_str(), 1);
-    else unsetenv(name_);
-  }
-  ScopedEnvironment(const ScopedEnvironment&) = delete;
-  ScopedEnvironment& operator=(const ScopedEnvironment&) = delete;
-
- private:
-  const char* name_;
-  bool active_, had_ = false;
-  std::string saved_;
-};
-
 // Runs `body` with FLASHLM_ATTENTION_KERNEL set to `value` (restoring what was there): the GPU runs of this
 // binary may set it to "mma" for the whole process.
 template <class Body>
 void with_kernel_choice(const char* value, Body&& body) {
-  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");
-  const std::string saved = was == nullptr ? "" : was;
-  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", value, 1), 0);
+  const ScopedEnvironment choice("FLASHLM_ATTENTION_KERNEL", value);
   body();
-  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
-  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
 }
 
 // The allowed max-abs error of a CUDA flash result against the fp64 oracle where the low-precision baseline is

@@ -6,7 +6,6 @@
 #include "gpu_testing.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include "attention/attention_testing.h"
@@ -238,11 +237,8 @@ TEST(CudaAttention, QueryTilesThatSeeNoKeyAreZeroEveryRun) {
 // cannot describe (a zero stride), a head dim they lack and FLASHLM_ATTENTION_KERNEL=mma take the mma.sync
 // kernels; any other value of the variable is an error.
 TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
+#ifdef FLASHLM_WITH_SM90
   auto problem_of = [](const TensorView& q, const TensorView& k, const TensorView& o, const TensorView& lse) {
     return validate_attention_forward(q, k, k, o, lse, AttentionOptions{});
   };
@@ -260,13 +256,15 @@ TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
   Tensor lse32 = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda);
   EXPECT_FALSE(flash_forward_sm90_covers(problem_of(q32, q32, o32, lse32), q32, q32, q32));
 
-  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // the fallback run of this binary sets it
-  const std::string saved = was == nullptr ? "" : was;
-  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
-  EXPECT_EQ(flash_kernel_choice(), FlashKernelChoice::automatic);
-  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "mma", 1), 0);
-  EXPECT_EQ(flash_kernel_choice(), FlashKernelChoice::mma);
-  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "wgmma", 1), 0);
+  {  // the fallback run of this binary sets FLASHLM_ATTENTION_KERNEL
+    const ScopedEnvironment choice("FLASHLM_ATTENTION_KERNEL", "auto");
+    EXPECT_EQ(flash_kernel_choice(), FlashKernelChoice::automatic);
+  }
+  {
+    const ScopedEnvironment choice("FLASHLM_ATTENTION_KERNEL", "mma");
+    EXPECT_EQ(flash_kernel_choice(), FlashKernelChoice::mma);
+  }
+  const ScopedEnvironment unknown("FLASHLM_ATTENTION_KERNEL", "wgmma");
   Tensor lse = Tensor::empty({1, 2, 300}, DType::f32, Device::cuda);
   Tensor q = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
   Tensor o = Tensor::empty({1, 300, 2, 64}, DType::bf16, Device::cuda);
@@ -277,8 +275,6 @@ TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("FLASHLM_ATTENTION_KERNEL: unknown value 'wgmma'"), std::string::npos) << e.what();
   }
-  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
-  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
 #endif
 }
 
@@ -288,38 +284,35 @@ TEST(CudaAttention, HopperForwardCoversItsProblemsAndMmaForcesTheFallback) {
 // through FLASHLM_SM90_FWD_D64_TILE against the fp64 oracle (ragged rows and keys, both causal alignments,
 // GQA, fp16 and bf16), and an unknown value an error naming the variable.
 TEST(CudaAttention, HopperD64TileShapesMatchTheReference) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
-  const char* was = std::getenv("FLASHLM_SM90_FWD_D64_TILE");  // a test run may force one for the grid
-  const std::string saved = was == nullptr ? "" : was;
-  ASSERT_EQ(setenv("FLASHLM_SM90_FWD_D64_TILE", "auto", 1), 0);
+  SKIP_WITHOUT_HOPPER();
+#ifdef FLASHLM_WITH_SM90
   auto tile_of = [](int64_t seq_q, int64_t seq_k, bool causal) {
     AttentionProblem p;
     p.seq_q = seq_q, p.seq_k = seq_k, p.causal = causal, p.head_dim = 64;
     return flash_cuda::sm90_forward_d64_tile(p);
   };
-  using flash_cuda::Sm90D64Tile;
-  EXPECT_EQ(tile_of(4096, 4096, false), Sm90D64Tile::rows192_keys128);
-  EXPECT_EQ(tile_of(4096, 2048, false), Sm90D64Tile::rows128_keys128);
-  EXPECT_EQ(tile_of(8192, 8192, true), Sm90D64Tile::rows128_keys192);
-  EXPECT_EQ(tile_of(4096, 4096, true), Sm90D64Tile::rows128_keys128);
-  EXPECT_EQ(tile_of(1024, 1024, false), Sm90D64Tile::rows128_keys128);
+  {  // a test run may force a tile for the grid
+    const ScopedEnvironment tile("FLASHLM_SM90_FWD_D64_TILE", "auto");
+    using flash_cuda::Sm90D64Tile;
+    EXPECT_EQ(tile_of(4096, 4096, false), Sm90D64Tile::rows192_keys128);
+    EXPECT_EQ(tile_of(4096, 2048, false), Sm90D64Tile::rows128_keys128);
+    EXPECT_EQ(tile_of(8192, 8192, true), Sm90D64Tile::rows128_keys192);
+    EXPECT_EQ(tile_of(4096, 4096, true), Sm90D64Tile::rows128_keys128);
+    EXPECT_EQ(tile_of(1024, 1024, false), Sm90D64Tile::rows128_keys128);
+  }
   const GpuCase cases[] = {
       {{2, 1000, 1000, 4, 2, 64, Layout::bshd, Mask::none, DType::bf16}, false},
       {{1, 700, 1300, 2, 2, 64, Layout::sliced, Mask::bottom_right, DType::f16}, false},
       {{2, 300, 200, 4, 4, 64, Layout::bhsd, Mask::top_left, DType::bf16}, false},
   };
   for (const char* tile : {"128x128", "192x128", "128x192"}) {
-    ASSERT_EQ(setenv("FLASHLM_SM90_FWD_D64_TILE", tile, 1), 0);
+    const ScopedEnvironment forced("FLASHLM_SM90_FWD_D64_TILE", tile);
     for (const GpuCase& g : cases) {
       SCOPED_TRACE(std::string("FLASHLM_SM90_FWD_D64_TILE=") + tile);
       expect_flash_matches_oracle(g);
     }
   }
-  ASSERT_EQ(setenv("FLASHLM_SM90_FWD_D64_TILE", "256x128", 1), 0);
+  const ScopedEnvironment unknown("FLASHLM_SM90_FWD_D64_TILE", "256x128");
   try {
     tile_of(64, 64, false);
     ADD_FAILURE() << "expected an error for FLASHLM_SM90_FWD_D64_TILE=256x128";
@@ -327,8 +320,6 @@ TEST(CudaAttention, HopperD64TileShapesMatchTheReference) {
     EXPECT_NE(std::string(e.what()).find("FLASHLM_SM90_FWD_D64_TILE: unknown value '256x128'"), std::string::npos)
         << e.what();
   }
-  if (was == nullptr) unsetenv("FLASHLM_SM90_FWD_D64_TILE");
-  else setenv("FLASHLM_SM90_FWD_D64_TILE", saved.c_str(), 1);
 #endif
 }
 
@@ -499,11 +490,8 @@ TEST(CudaAttention, BackwardSharedMemoryFitsSm80AndAGpuWithLessRefusesByName) {
 // On an sm_90 GPU the Hopper backward covers fp16/bf16 at head dims 64, 128 and 256 (the wide-head kernel)
 // with views TMA can describe; a zero stride, head dim 32 and an empty side take the mma.sync kernels.
 TEST(CudaAttention, HopperBackwardCoversItsProblems) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
+#ifdef FLASHLM_WITH_SM90
   auto problem_of = [](const TensorView& q, const TensorView& k, const TensorView& o, const TensorView& lse) {
     return validate_attention_forward(q, k, k, o, lse, AttentionOptions{});
   };
@@ -533,13 +521,8 @@ TEST(CudaAttention, HopperBackwardCoversItsProblems) {
 // query sees (top-left with Nk > Nq: tiles of no steps in the middle of a block's walk), both head dims and
 // dtypes and every layout. An unknown value is an error naming the variable.
 TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
-  const char* was = std::getenv("FLASHLM_SM90_BWD_SCHEDULE");  // a test run may force one for the grid
-  const std::string saved = was == nullptr ? "" : was;
+  SKIP_WITHOUT_HOPPER();
+#ifdef FLASHLM_WITH_SM90
   const Case cases[] = {
       {2, 1024, 2048, 16, 8, 64, Layout::bshd, Mask::top_left, DType::f16},          // 256 tiles
       {1, 1500, 5000, 8, 8, 128, Layout::sliced, Mask::bottom_right, DType::bf16},   // 320 tiles, Nk > Nq
@@ -553,9 +536,11 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
     const uint64_t seed = 9100 + static_cast<uint64_t>(c.Nq * 7 + c.Nk);
     Problem grid(c, c.layout, c.dtype, seed), persistent(c, c.layout, c.dtype, seed);
     const AttentionOptions opt = options_for(c.mask, AttentionImpl::flash);
-    ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "grid", 1), 0);
-    grid.run_on_device(opt);
-    ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "persistent", 1), 0);
+    {  // a test run may force a schedule for the grid
+      const ScopedEnvironment schedule("FLASHLM_SM90_BWD_SCHEDULE", "grid");
+      grid.run_on_device(opt);
+    }
+    const ScopedEnvironment schedule("FLASHLM_SM90_BWD_SCHEDULE", "persistent");
     persistent.run_on_device(opt);
     expect_flash_matches_oracle({c, false});
     EXPECT_EQ(max_abs_diff(grid.dk.view, persistent.dk.view), 0.0) << "dk";
@@ -568,16 +553,18 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
     EXPECT_GT(scale, 0.0);
     EXPECT_LE(max_abs_diff(grid.dq.view, persistent.dq.view), 0.02 * scale) << "dq";
   }
-  ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "auto", 1), 0);
-  using flash_cuda::Sm90BackwardSchedule;
-  EXPECT_EQ(flash_cuda::sm90_backward_schedule(), Sm90BackwardSchedule::automatic);
-  // auto: persistent at head dim 64, grid otherwise; an explicit choice is kept at every head dim.
-  EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::automatic, 64), Sm90BackwardSchedule::persistent);
-  EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::automatic, 128), Sm90BackwardSchedule::grid);
-  EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::grid, 64), Sm90BackwardSchedule::grid);
-  EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::persistent, 128),
-            Sm90BackwardSchedule::persistent);
-  ASSERT_EQ(setenv("FLASHLM_SM90_BWD_SCHEDULE", "dynamic", 1), 0);
+  {
+    const ScopedEnvironment schedule("FLASHLM_SM90_BWD_SCHEDULE", "auto");
+    using flash_cuda::Sm90BackwardSchedule;
+    EXPECT_EQ(flash_cuda::sm90_backward_schedule(), Sm90BackwardSchedule::automatic);
+    // auto: persistent at head dim 64, grid otherwise; an explicit choice is kept at every head dim.
+    EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::automatic, 64), Sm90BackwardSchedule::persistent);
+    EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::automatic, 128), Sm90BackwardSchedule::grid);
+    EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::grid, 64), Sm90BackwardSchedule::grid);
+    EXPECT_EQ(flash_cuda::sm90_backward_schedule_for(Sm90BackwardSchedule::persistent, 128),
+              Sm90BackwardSchedule::persistent);
+  }
+  const ScopedEnvironment unknown("FLASHLM_SM90_BWD_SCHEDULE", "dynamic");
   const Case c{1, 200, 200, 2, 2, 64, Layout::bshd, Mask::top_left, DType::bf16};
   Problem p(c, c.layout, c.dtype, 1);
   try {
@@ -587,8 +574,6 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
     EXPECT_NE(std::string(e.what()).find("FLASHLM_SM90_BWD_SCHEDULE: unknown value 'dynamic'"), std::string::npos)
         << e.what();
   }
-  if (was == nullptr) unsetenv("FLASHLM_SM90_BWD_SCHEDULE");
-  else setenv("FLASHLM_SM90_BWD_SCHEDULE", saved.c_str(), 1);
 #endif
 }
 
@@ -598,14 +583,9 @@ TEST(CudaAttention, HopperBackwardSchedulesMatchTheReferenceAndEachOther) {
 // Hopper backward runs on its wide-head kernel), a head dim the Hopper kernels lack (32) keeps it, and fp32
 // stays fp32.
 TEST(CudaAttention, FlashKernelFamilyChoosesHopperForBothPassesInOnePlace) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
-  const char* was = std::getenv("FLASHLM_ATTENTION_KERNEL");  // the fallback run of this binary sets it
-  const std::string saved = was == nullptr ? "" : was;
-  ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
+  SKIP_WITHOUT_HOPPER();
+#ifdef FLASHLM_WITH_SM90
+  const ScopedEnvironment automatic("FLASHLM_ATTENTION_KERNEL", "auto");  // the fallback run of this binary sets it
   constexpr auto fwd = AttentionPass::forward, bwd = AttentionPass::backward;
   auto family = [](const TensorView& q, AttentionPass pass, bool deterministic) {
     Tensor o = Tensor::empty(std::span<const int64_t>(q.sizes.data(), 4), q.dtype, Device::cuda);
@@ -626,17 +606,14 @@ TEST(CudaAttention, FlashKernelFamilyChoosesHopperForBothPassesInOnePlace) {
     EXPECT_EQ(family(d256, bwd, true), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d32, fwd, false), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d32, bwd, false), CudaKernelFamily::mma_sync);
-    ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "mma", 1), 0);
+    const ScopedEnvironment mma("FLASHLM_ATTENTION_KERNEL", "mma");
     EXPECT_EQ(family(d128, fwd, false), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d128, bwd, false), CudaKernelFamily::mma_sync);
     EXPECT_EQ(family(d256, bwd, false), CudaKernelFamily::mma_sync);
-    ASSERT_EQ(setenv("FLASHLM_ATTENTION_KERNEL", "auto", 1), 0);
   }
   Tensor f32 = Tensor::empty({2, 300, 4, 128}, DType::f32, Device::cuda);
   EXPECT_EQ(family(f32, fwd, false), CudaKernelFamily::f32);
   EXPECT_EQ(family(f32, bwd, false), CudaKernelFamily::f32);
-  if (was == nullptr) unsetenv("FLASHLM_ATTENTION_KERNEL");
-  else setenv("FLASHLM_ATTENTION_KERNEL", saved.c_str(), 1);
 #endif
 }
 

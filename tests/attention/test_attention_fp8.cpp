@@ -285,11 +285,7 @@ class Fp8VsReference : public ::testing::TestWithParam<Fp8Case> {};
 // The sm_90 forward with per-tensor descales (expect_fp8_forward_matches_reference's bound), twice: the kernel has no
 // atomics, so the runs must agree bitwise.
 TEST_P(Fp8VsReference, MatchesFp64ReferenceOfTheSameInputs) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
   const Case c = GetParam().c;
   const ScopedFp8KeyBlock key_block(GetParam().key_block);
   const uint64_t seed = 9100 + static_cast<uint64_t>(c.Nq * 7 + c.Nk + c.D);
@@ -328,7 +324,6 @@ TEST_P(Fp8VsReference, MatchesFp64ReferenceOfTheSameInputs) {
   EXPECT_EQ(std::memcmp(lse_runs[0].view().data, lse_runs[1].view().data, static_cast<size_t>(c.B * c.Hq * c.Nq) * 8),
             0)
       << "lse differs between runs: a race";
-#endif
 }
 
 std::vector<Fp8Case> fp8_grid() {
@@ -361,11 +356,7 @@ INSTANTIATE_TEST_SUITE_P(KeyBlock192, Fp8VsReference, ::testing::ValuesIn(with_k
 
 // No queries: nothing is written. No keys: O is zero and logsumexp -inf (outputs start poisoned).
 TEST(Fp8Attention, EmptySequences) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
   for (int64_t d : {64, 128}) {
     for (auto [nq, nk] : {std::pair<int64_t, int64_t>{0, 70}, std::pair<int64_t, int64_t>{70, 0}}) {
       Tensor q = Tensor::empty({2, nq, 4, d}, DType::f8e4m3, Device::cuda);
@@ -382,17 +373,12 @@ TEST(Fp8Attention, EmptySequences) {
       for (int64_t i = 0; i < l.view().numel(); ++i) ASSERT_EQ(l.view().ptr<double>()[i], -INFINITY) << what;
     }
   }
-#endif
 }
 
 // FLASHLM_FP8_KEY_BLOCK other than auto, 128 or 192 is an error naming the variable (read at each forward, before
 // anything is launched).
 TEST(Fp8Attention, UnknownKeyBlockIsAnError) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
   const ScopedFp8KeyBlock scoped(256);
   Tensor q = Tensor::empty({1, 64, 2, 128}, DType::f8e4m3, Device::cuda);
   Tensor k = Tensor::empty({1, 64, 2, 128}, DType::f8e4m3, Device::cuda);
@@ -401,7 +387,6 @@ TEST(Fp8Attention, UnknownKeyBlockIsAnError) {
   fill_normal(q, 5);
   fill_normal(k, 6);
   expect_error([&] { attention_forward(q, k, k, o, lse); }, {"FLASHLM_FP8_KEY_BLOCK: unknown value '256'"});
-#endif
 }
 
 // What an fp8 call refuses on the GPU: a head dim without a kernel (the forward's are 64 and 128; the
@@ -1006,11 +991,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, Fp8CudaBackwardVsReference, ::testing::ValuesIn(f
 // in fp32: the GPU's may differ by its bf16 gradients, P and dS, the bound of the grid above without the Delta
 // allowance (both read the same bf16 o).
 TEST(Fp8AttentionCuda, ForwardThenBackwardMatchesTheCpuBackwardOfTheSameForward) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
   for (int64_t d : kFp8ForwardHeadDims) {
     for (Mask m : {Mask::none, Mask::bottom_right}) {
       const Case c{2, 150, 201, 4, 2, d, Layout::bhsd, m, DType::f32};
@@ -1044,7 +1025,6 @@ TEST(Fp8AttentionCuda, ForwardThenBackwardMatchesTheCpuBackwardOfTheSameForward)
       }
     }
   }
-#endif
 }
 
 // The C ABI's backward on device tensors: the C++ API's gradients, bit for bit (deterministic: no atomics).
@@ -1201,11 +1181,7 @@ class Fp8PerHeadCudaForward : public ::testing::TestWithParam<Fp8Case> {};
 // expect_fp8_forward_matches_reference's bound: a tile that took another batch's or key head's descales (factors
 // 1 + 0.37 b + 0.23 hk apart) is far outside it. Outputs poisoned first.
 TEST_P(Fp8PerHeadCudaForward, MatchesFp64ReferenceOfHeadByHeadDequantisedInputs) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
   const Case c = GetParam().c;
   const ScopedFp8KeyBlock key_block(GetParam().key_block);
   const PerHeadDescales host(c.B, c.Hk), device(host, Device::cuda);
@@ -1220,7 +1196,6 @@ TEST_P(Fp8PerHeadCudaForward, MatchesFp64ReferenceOfHeadByHeadDequantisedInputs)
                                        dequantised_per_head(p.q.view, host.q, c.Hq / c.Hk),
                                        dequantised_per_head(p.k.view, host.k, 1),
                                        dequantised_per_head(p.v.view, host.v, 1), fp8_case_name(GetParam()));
-#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, Fp8PerHeadCudaForward, ::testing::ValuesIn(fp8_per_head_forward_grid()),
@@ -1233,11 +1208,7 @@ INSTANTIATE_TEST_SUITE_P(KeyBlock192, Fp8PerHeadCudaForward,
 // factors as make_params forms the per-tensor ones), given for all three tensors or for one beside the others'
 // scalars; at both key blocks.
 TEST(Fp8PerHeadCuda, UniformDescalesGiveThePerTensorForwardBits) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
   for (const auto& [key_block, d] : {std::pair<int, int64_t>{128, 64}, {128, 128}, {192, 64}, {192, 128}}) {
     SCOPED_TRACE(fmt::format("FLASHLM_FP8_KEY_BLOCK={}", key_block));
     const ScopedFp8KeyBlock scoped(key_block);
@@ -1281,7 +1252,6 @@ TEST(Fp8PerHeadCuda, UniformDescalesGiveThePerTensorForwardBits) {
       EXPECT_EQ(max_abs_diff(heads.lse, scalar.lse), 0.0) << "lse, d " << d << ", case " << which;
     }
   }
-#endif
 }
 
 class Fp8PerHeadCudaBackward : public ::testing::TestWithParam<Fp8Case> {};

@@ -128,13 +128,8 @@ class CudaHeadDimPairVsReference : public ::testing::TestWithParam<PairGpuCase> 
 // The default route on sm_90: the forward and the (atomic) backward both take the pair unpadded (the routing
 // test below checks that they are chosen for such views); the grid holds no deterministic case.
 TEST_P(CudaHeadDimPairVsReference, HopperMatchesFp64OracleInBothPasses) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the Hopper kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  SKIP_WITHOUT_HOPPER();
   expect_pair_matches_oracle(GetParam(), "auto", /*with_backward=*/true);
-#endif
 }
 
 std::vector<PairGpuCase> hopper_pair_grid() {

@@ -239,13 +239,8 @@ TEST(AttentionNaN, PropagatesAsSdpaOnTheGpu) {
 // fp8_e4m3 on the GPU: the sm_90 forward (head dim 64) and the backward on the 16-bit kernels (the Hopper ones
 // there), NaN only as on the CPU.
 TEST(AttentionNaN, PropagatesAsSdpaInFp8OnTheGpu) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the sm_90a kernels (the FP8 forward's)";
-#else
-  if (!::flashlm::testing::on_sm90()) GTEST_SKIP() << "the FP8 forward needs an sm_90 GPU";
+  SKIP_WITHOUT_HOPPER();
   check(Device::cuda, AttentionImpl::flash, DType::f8e4m3, true, kNaN, 64);
-#endif
 }
 
 constexpr double kInf = std::numeric_limits<double>::infinity();

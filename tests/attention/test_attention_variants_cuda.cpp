@@ -353,14 +353,9 @@ TEST_P(CudaAlibiSinkVsReference, MmaSyncMatchesFp64Oracle) {
 // deterministic mode: the Hopper forward, the mma.sync backward), the others mma.sync
 // (CudaAlibiSink.HopperRouteFollowsTheSwitch checks the choice).
 TEST_P(CudaAlibiSinkVsReference, HopperMatchesFp64Oracle) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the Hopper kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  SKIP_WITHOUT_HOPPER();
   const HopperAlibiSinkRoute route(true);
   expect_alibi_sink_matches_oracle(GetParam(), "auto", "hopper");
-#endif
 }
 
 std::vector<AlibiSinkGpuCase> alibi_sink_grid() {
@@ -492,11 +487,8 @@ TEST(CudaAlibiSink, PlannedOnMmaSyncNeverHopperWithOrWithoutAHeadDimVOfItsOwn) {
 // deterministic backward), and FLASHLM_ATTENTION_KERNEL=mma still forces mma.sync; off, it stays on
 // mma.sync. Every choice runs.
 TEST(CudaAlibiSink, HopperRouteFollowsTheSwitch) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the Hopper kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  SKIP_WITHOUT_HOPPER();
+#ifdef FLASHLM_WITH_SM90
   for (int64_t d : {32, 64, 128, 256}) {
     auto make = [&](int64_t rows, int64_t dim) { return Tensor::empty({1, rows, 2, dim}, DType::bf16, Device::cuda); };
     Tensor q = make(300, d), o = make(300, d), dq = make(300, d), dk = make(300, d), dv = make(300, d);
@@ -550,11 +542,7 @@ TEST(CudaAlibiSink, HopperRouteFollowsTheSwitch) {
 // No mask: every pair is visible, so where a NaN goes is the math's alone, not the kernels' tiles (under a
 // causal mask 0 · NaN in a product may reach masked pairs of a visited tile: test_attention_nan.cpp).
 TEST(CudaAlibiSink, HopperAndMmaSyncPropagateNanAndInfAlike) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the Hopper kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  SKIP_WITHOUT_HOPPER();
   constexpr int64_t B = 2, Nq = 150, Nk = 200, Hq = 4, Hk = 2;
   constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
   for (int64_t d : {64, 128, 256}) {
@@ -623,7 +611,6 @@ TEST(CudaAlibiSink, HopperAndMmaSyncPropagateNanAndInfAlike) {
       }
     }
   }
-#endif
 }
 
 }  // namespace

@@ -577,11 +577,7 @@ TEST_P(VarlenCudaAlibiSinkVsReference, MmaSyncMatchesPerSequenceReference) {
 // kernels' ALiBi / sink instantiations at head dims 64 and 128 (the deterministic backward stays on mma.sync),
 // dlearnable_sink summed over the runs by the shared backward host code.
 TEST_P(VarlenCudaAlibiSinkVsReference, HopperMatchesPerSequenceReference) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the Hopper kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  SKIP_WITHOUT_HOPPER();
   const VarlenCase c = GetParam();
   const HopperAlibiSinkRoute route(true);
   Pack ours(c, c.dtype, 2900 + c.len_q.size(), c.padded_rows);
@@ -595,7 +591,6 @@ TEST_P(VarlenCudaAlibiSinkVsReference, HopperMatchesPerSequenceReference) {
   ref.run_per_sequence_reference(c);
   expect_close(ours, ref, lowp, c, "cuda flash (hopper route)", 4);
   expect_empty_sequences_zero(ours, c, "cuda flash (hopper route)");
-#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaAlibiSinkVsReference, ::testing::ValuesIn(alibi_sink_gpu_grid()),
@@ -630,11 +625,7 @@ std::vector<VarlenCase> head_dim_pair_gpu_grid() {
 class VarlenCudaHeadDimPairVsReference : public ::testing::TestWithParam<VarlenCase> {};
 
 TEST_P(VarlenCudaHeadDimPairVsReference, HopperMatchesPerSequenceReferenceInBothPasses) {
-  SKIP_WITHOUT_GPU();
-#ifndef FLASHLM_WITH_SM90
-  GTEST_SKIP() << "built without the Hopper kernels";
-#else
-  if (!on_sm90()) GTEST_SKIP() << "not an sm_90 GPU: the Hopper kernels do not run";
+  SKIP_WITHOUT_HOPPER();
   const VarlenCase c = GetParam();
   const HopperAlibiSinkRoute route(true);
   Pack ours(c, c.dtype, 3900 + c.len_q.size(), c.padded_rows);
@@ -648,7 +639,6 @@ TEST_P(VarlenCudaHeadDimPairVsReference, HopperMatchesPerSequenceReferenceInBoth
   ref.run_per_sequence_reference(c);
   expect_close(ours, ref, lowp, c, "cuda flash (hopper, head dim pair)", 4);
   expect_empty_sequences_zero(ours, c, "cuda flash (hopper, head dim pair)");
-#endif
 }
 
 INSTANTIATE_TEST_SUITE_P(Packs, VarlenCudaHeadDimPairVsReference, ::testing::ValuesIn(head_dim_pair_gpu_grid()),

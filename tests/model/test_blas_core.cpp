@@ -2,16 +2,17 @@
 #include <cblas.h>
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <random>
 #include <vector>
 
+#include "env_testing.h"
 #include "flashlm/blas.h"
 #include "flashlm/device.h"
 #include "model/blas_cpu.h"
 #include "model/ops_cpu.h"
 
 using namespace flashlm;
+using flashlm::testing::ScopedEnvironment;
 
 TEST(BlasCore, PreAvx2CoreOnAnAvx2CpuIsCorrected) {
   EXPECT_EQ(blas_core_for("Prescott", true, true), "SkylakeX");
@@ -27,13 +28,9 @@ TEST(BlasCore, AFittingChoiceOrAnOldCpuIsLeftAlone) {
 }
 
 TEST(BlasCore, TheUsersOpenblasCoretypeWins) {
-  const char* before = std::getenv("OPENBLAS_CORETYPE");
-  const std::string saved = before ? before : "";
-  setenv("OPENBLAS_CORETYPE", "Prescott", 1);
+  const ScopedEnvironment coretype("OPENBLAS_CORETYPE", "Prescott");
   EXPECT_EQ(blas_core_to_request(), "");
   EXPECT_NE(blas_description().find("OPENBLAS_CORETYPE=Prescott"), std::string::npos) << blas_description();
-  if (before) setenv("OPENBLAS_CORETYPE", saved.c_str(), 1);
-  else unsetenv("OPENBLAS_CORETYPE");
 }
 
 // The CPU threading policy (flashlm/blas.h): after a matrix product, OpenBLAS's own pool is down to one
