@@ -1,11 +1,15 @@
 #include "cli_common.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
+#include <cstring>
 #include <sstream>
 #include <type_traits>
+#include <utility>
 
 #include "flashlm/device.h"
 #include "flashlm/ddp.h"
@@ -60,15 +64,45 @@ bool parse_bool(const std::string& s) {
   throw std::invalid_argument(fmt::format("'{}' is not 0 or 1", s));
 }
 
+OutputFile::OutputFile(std::string path)
+    : path_(std::move(path)), temporary_(fmt::format("{}.tmp.{}", path_, getpid())) {
+  file_ = std::fopen(temporary_.c_str(), "wbx");  // x: never through a file or link someone left at that name
+  if (file_ == nullptr) {
+    throw flashlm::Error(fmt::format("cannot open '{}' for writing: {}", temporary_, std::strerror(errno)));
+  }
+}
+
+OutputFile::~OutputFile() {
+  if (file_ == nullptr) return;
+  std::fclose(file_);
+  std::remove(temporary_.c_str());
+}
+
+void OutputFile::write(const void* data, size_t bytes) {
+  if (std::fwrite(data, 1, bytes, file_) != bytes) {
+    throw flashlm::Error(fmt::format("failed writing '{}': {}", temporary_, std::strerror(errno)));
+  }
+}
+
+void OutputFile::commit() {
+  std::FILE* f = std::exchange(file_, nullptr);
+  const bool written = std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
+  const int err = errno;
+  if (std::fclose(f) != 0 || !written || std::rename(temporary_.c_str(), path_.c_str()) != 0) {
+    const int why = written ? errno : err;
+    std::remove(temporary_.c_str());
+    throw flashlm::Error(fmt::format("failed writing '{}': {}", path_, std::strerror(why)));
+  }
+}
+
 void write_output(const std::string& text, const std::string& path) {
   if (path.empty() || path == "-") {
     std::fwrite(text.data(), 1, text.size(), stdout);
     return;
   }
-  std::ofstream f(path);
-  if (!f) throw flashlm::Error(fmt::format("cannot open '{}' for writing", path));
-  f << text;
-  if (!f) throw flashlm::Error(fmt::format("failed writing '{}'", path));
+  OutputFile f(path);
+  f.write(text.data(), text.size());
+  f.commit();
 }
 
 void add_report_options(CLI::App* cmd, ReportOptions& r) {
@@ -82,8 +116,10 @@ flashlm::ReportFormat report_format(const ReportOptions& r) { return flashlm::pa
 void emit_report(const std::function<std::string(flashlm::ReportFormat)>& render, const ReportOptions& r) {
   const flashlm::ReportFormat format = report_format(r);
   if (!r.out.empty()) {
-    write_output(render(format), r.out);
+    // The table first: a file that cannot be written then loses nothing the run measured.
     write_output(render(flashlm::ReportFormat::md), "");
+    std::fflush(stdout);
+    write_output(render(format), r.out);
   } else {
     write_output(render(format), "");
   }
@@ -122,8 +158,9 @@ void resolve_device_and_precision(const std::string& device, const std::string& 
   }
 }
 
-void add_model_options(CLI::App* cmd, flashlm::ModelOptions& o, ModelOptionFlags flags) {
+ConditionalModelOptions add_model_options(CLI::App* cmd, flashlm::ModelOptions& o, ModelOptionFlags flags) {
   using namespace flashlm;
+  ConditionalModelOptions given;
   if (flags.attention) {
     cmd->add_option_function<std::string>(
            "--attention", [&o](const std::string& s) { o.attention = parse_attention_impl(s); }, "flash or naive")
@@ -151,13 +188,13 @@ void add_model_options(CLI::App* cmd, flashlm::ModelOptions& o, ModelOptionFlags
       ->default_str(std::string(optimizer_state_name(o.optimizer_state)))
       ->check(CLI::IsMember({"fp32", "bf16", "bf16-sr"}));
   if (flags.fp8) {
-    cmd->add_option_function<std::string>(
+    given.fp8_gradients = cmd->add_option_function<std::string>(
          "--fp8-gradients", [&o](const std::string& s) { o.fp8_gradients = parse_fp8_format(s); },
          "--precision fp8: the FP8 format of the output gradients in the backward GEMMs: e5m2 (more range) or e4m3 "
          "(more precision); weights and activations are always e4m3")
       ->default_str(std::string(fp8_format_name(o.fp8_gradients)))
       ->check(CLI::IsMember({"e4m3", "e5m2"}));
-    cmd->add_option_function<std::string>(
+    given.fp8_recipe = cmd->add_option_function<std::string>(
            "--fp8-recipe", [&o](const std::string& s) { o.fp8_recipe = parse_fp8_recipe(s); },
            "--precision fp8: how the FP8 GEMMs' operands are scaled: tensorwise (one scale per tensor) or rowwise "
            "(one per token, output channel or input column, whichever the product does not sum over; finer, but "
@@ -165,7 +202,7 @@ void add_model_options(CLI::App* cmd, flashlm::ModelOptions& o, ModelOptionFlags
       ->default_str(std::string(fp8_recipe_name(o.fp8_recipe)));
   }
   if (flags.cuda_graph) {
-    cmd->add_option_function<std::string>(
+    given.cuda_graph = cmd->add_option_function<std::string>(
            "--cuda-graph", [&o](const std::string& s) { o.cuda_graph = s == "on"; },
            "cuda: on: each train step is one CUDA graph, captured after a warm-up step and replayed (eager where it "
            "cannot be: fp16, data parallelism, --profile-ranges); off: every step eager")
@@ -176,6 +213,21 @@ void add_model_options(CLI::App* cmd, flashlm::ModelOptions& o, ModelOptionFlags
     cmd->add_flag("--overlap-grad-norm", o.overlap_grad_norm,
                   "Each gradient's share of the gradient norm on a stream beside the backward as it is finalised, "
                   "instead of one pass over every gradient after the backward (--device cuda)");
+  }
+  return given;
+}
+
+void refuse_unused_model_options(const ConditionalModelOptions& given, const flashlm::ModelOptions& options,
+                                 flashlm::Device device, bool fp8) {
+  for (const CLI::Option* o : {given.fp8_gradients, given.fp8_recipe}) {
+    if (o != nullptr && o->count() > 0 && !fp8) {
+      throw InvalidArgument(fmt::format("{}: applies to --precision fp8 or bf16-pure-fp8 only; this run has neither",
+                                        o->get_name()));
+    }
+  }
+  if (given.cuda_graph != nullptr && given.cuda_graph->count() > 0 && options.cuda_graph &&
+      device == flashlm::Device::cpu) {
+    throw InvalidArgument("--cuda-graph on: needs --device cuda (the CPU runs every step eagerly)");
   }
 }
 

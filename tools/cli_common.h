@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <string>
@@ -67,6 +68,24 @@ std::function<int64_t(const std::string&)> positive_up_to(int64_t max);
 double parse_positive_number(const std::string& s, double max);
 bool parse_bool(const std::string& s);
 
+// A file the command writes at `path`, under a temporary name beside it (path.tmp.<pid>) until commit() renames
+// it over `path`: a run that fails first, or a write that fails, leaves what `path` held as it was and removes
+// the temporary. Nothing is left half-written under `path`.
+class OutputFile {
+ public:
+  explicit OutputFile(std::string path);
+  ~OutputFile();
+  OutputFile(const OutputFile&) = delete;
+  OutputFile& operator=(const OutputFile&) = delete;
+  void write(const void* data, size_t bytes);
+  void commit();
+
+ private:
+  std::string path_, temporary_;
+  std::FILE* file_ = nullptr;
+};
+
+// `text` to stdout (path empty or "-") or to the file `path` (an OutputFile).
 void write_output(const std::string& text, const std::string& path);
 
 // --format, --out and --quiet, the same for every benchmark command.
@@ -97,9 +116,18 @@ struct ModelOptionFlags {
   bool overlap_grad_norm = false;  // --overlap-grad-norm
   bool fp8 = false;                // --fp8-gradients e4m3|e5m2 (the commands that take --precision fp8)
 };
+// The model options that only some runs use, as declared (null where the command has none), for
+// refuse_unused_model_options.
+struct ConditionalModelOptions {
+  const CLI::Option *fp8_gradients = nullptr, *fp8_recipe = nullptr, *cuda_graph = nullptr;
+};
 // The model options (flashlm::ModelOptions) on the command line, bound to `options`; declared once here for
 // train, bench and ddp-bench.
-void add_model_options(CLI::App* cmd, flashlm::ModelOptions& options, ModelOptionFlags flags);
+ConditionalModelOptions add_model_options(CLI::App* cmd, flashlm::ModelOptions& options, ModelOptionFlags flags);
+// A usage error for a model option given where the run would ignore it: --fp8-gradients or --fp8-recipe without
+// an fp8 precision (`fp8`: the run, or one of a bench's precisions, is fp8), --cuda-graph on with --device cpu.
+void refuse_unused_model_options(const ConditionalModelOptions& given, const flashlm::ModelOptions& options,
+                                 flashlm::Device device, bool fp8);
 
 // --reduce-dtype, --nccl-max-ctas and --gemm-sm-reserve, the same for train and ddp-bench (a comma list there).
 void add_gradient_sync_options(CLI::App* cmd, std::string& reduce_dtype, int& nccl_max_ctas, int& gemm_sm_reserve,

@@ -1,4 +1,6 @@
 // flashlm attention-bench: attention forward and backward timed over a grid of shapes (run_attention_bench).
+#include <charconv>
+
 #include "cli_common.h"
 #include "flashlm/attention.h"
 #include "flashlm/device.h"
@@ -41,9 +43,6 @@ int run_decode(AttentionBenchArgs& a) {
   if (given(a.causal_option)) cfg.causal = single("--causal", parse_list<int64_t>("--causal", a.causal, [](const std::string& s) {
                                                     return int64_t{parse_bool(s)};
                                                   })) != 0;
-  if (cfg.heads % cfg.kv_heads != 0) {
-    throw InvalidArgument(fmt::format("--kv-heads: {} does not divide the head count {}", cfg.kv_heads, cfg.heads));
-  }
   cfg.cache_lens = parse_list<int64_t>("--cache", a.cache, positive_up_to(kMaxSeq));
   cfg.page_size = a.page_size;
   cfg.nq = a.nq;
@@ -85,9 +84,9 @@ int run(AttentionBenchArgs& a) {
   if (!a.window.empty()) {
     // L,R: flash-attn's window_size, -1 leaving a side unbounded.
     const auto sides = parse_list<int64_t>("--window", a.window, [](const std::string& x) {
-      size_t used = 0;
-      const int64_t w = std::stoll(x, &used);
-      if (used != x.size() || w < -1 || w > kMaxSeq) {
+      int64_t w = 0;
+      const auto [end, ec] = std::from_chars(x.data(), x.data() + x.size(), w);
+      if (ec != std::errc() || end != x.data() + x.size() || w < -1 || w > kMaxSeq) {
         throw InvalidArgument(fmt::format("'{}' is not -1 or a number of keys from 0 to {}", x, kMaxSeq));
       }
       return w;
@@ -125,7 +124,7 @@ int run(AttentionBenchArgs& a) {
 Command add_attention_bench_command(CLI::App& app) {
   auto a = std::make_shared<AttentionBenchArgs>();
   CLI::App* cmd = app.add_subcommand("attention-bench", "Time attention forward and backward over a grid of shapes");
-  cmd->add_option("--impl", a->impl, "Implementations, comma list of naive,flash")->capture_default_str();
+  auto* impl = cmd->add_option("--impl", a->impl, "Implementations, comma list of naive,flash")->capture_default_str();
   a->dtype_option = cmd->add_option("--dtype", a->dtype,
                   "Element types, comma list of fp32,fp64,fp16,bf16,fp8 (fp8: e4m3 inputs, bf16 output, forward only, "
                   "sm_90 GPUs)")
@@ -171,22 +170,24 @@ Command add_attention_bench_command(CLI::App& app) {
       ->check(in_range(1.0, 1e7))
       ->needs(decode);
   decode->excludes(a->grid_option);
-  cmd->add_flag("--deterministic", a->cfg.deterministic,
-                "Backward without atomics, bit-reproducible (CUDA: a separate dQ pass instead of fp32 atomics in "
-                "the dK/dV kernel)");
-  cmd->add_option("--causal-align", a->align, "top-left (PyTorch is_causal) or bottom-right")->capture_default_str();
-  cmd->add_option("--window", a->window,
-                  "Sliding window L,R (flash-attn's window_size: query i sees keys i-L..i+R, -1 unbounded; causal makes "
-                  "R 0); TFLOP/s then count the visible pairs");
+  auto* deterministic = cmd->add_flag("--deterministic", a->cfg.deterministic,
+                                      "Backward without atomics, bit-reproducible (CUDA: a separate dQ pass instead "
+                                      "of fp32 atomics in the dK/dV kernel)");
+  auto* align = cmd->add_option("--causal-align", a->align, "top-left (PyTorch is_causal) or bottom-right")
+                    ->capture_default_str();
+  auto* window = cmd->add_option("--window", a->window,
+                                 "Sliding window L,R (flash-attn's window_size: query i sees keys i-L..i+R, -1 "
+                                 "unbounded; causal makes R 0); TFLOP/s then count the visible pairs");
   cmd->add_option("--d-v", a->cfg.head_dim_v,
                   "v's and o's head dim for every row (head_dim_v: e.g. --d 192 --d-v 128, DeepSeek's MLA shape); 0: "
                   "each row's --d")
       ->capture_default_str()
       ->check(in_range<int64_t>(0, kMaxHeadDim))
       ->excludes(decode);
-  cmd->add_option("--softcap", a->cfg.softcap, "Soft-capping of the scores, softcap * tanh(s / softcap) (0: off)")
-      ->capture_default_str()
-      ->check(CLI::Range(0.0, 1e30));
+  auto* softcap = cmd->add_option("--softcap", a->cfg.softcap,
+                                   "Soft-capping of the scores, softcap * tanh(s / softcap) (0: off)")
+                       ->capture_default_str()
+                       ->check(in_range(0.0, 1e30));
   cmd->add_option("--device", a->device, "cpu or cuda (default: cuda if a GPU is visible)");
   cmd->add_option("--warmup", a->cfg.warmup, "Untimed runs before timing")
       ->capture_default_str()
@@ -195,15 +196,20 @@ Command add_attention_bench_command(CLI::App& app) {
       ->capture_default_str()
       ->check(in_range(1, kMaxReps));
   add_threads_option(cmd, a->threads);
-  cmd->add_option("--cpu-max-flops", a->cfg.cpu_max_flops,
-                  "On the CPU, skip (status 'skipped') a row whose runs would compute more FLOPs than this")
-      ->capture_default_str()
-      ->check(in_range(1.0, 1e30));
-  cmd->add_flag("--forward-only", a->forward_only, "Skip the backward pass");
+  auto* cpu_max_flops =
+      cmd->add_option("--cpu-max-flops", a->cfg.cpu_max_flops,
+                      "On the CPU, skip (status 'skipped') a row whose runs would compute more FLOPs than this")
+          ->capture_default_str()
+          ->check(in_range(1.0, 1e30));
+  auto* forward_only = cmd->add_flag("--forward-only", a->forward_only, "Skip the backward pass");
   cmd->add_flag("--profile-kernels", a->cfg.profile_kernels,
                 "After the table, each row's cuda_gpu_kern_sum table (nsys stats format, from CUPTI) of --reps more "
                 "calls of each pass, run after the timed ones (--device cuda)")
       ->excludes(decode);
+  // What --decode does not use is refused beside it rather than ignored (its cache lengths are --cache).
+  for (CLI::Option* o : {impl, seq, deterministic, align, window, softcap, cpu_max_flops, forward_only}) {
+    decode->excludes(o);
+  }
   add_report_options(cmd, a->report);
   return {cmd, [a] { return run(*a); }};
 }

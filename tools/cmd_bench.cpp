@@ -18,6 +18,7 @@ struct BenchArgs {
   int threads = 0;
   ReportOptions report;
   CLI::Option *context_option = nullptr, *vocab_option = nullptr;
+  ConditionalModelOptions model_options;
 };
 
 // The allocation timeline as JSON: {"events": [{"t_ms", "delta_bytes", "current_bytes", "tag", "phase",
@@ -49,15 +50,18 @@ int run(BenchArgs& a) {
     if (cfg.vocab > 0) cfg.vocab = model_config_value("vocab", keys, file.vocab, a.vocab_option, cfg.vocab);
   }
   cfg.precisions = split_list(a.precision);
+  bool any_fp8 = false;
   for (const auto& p : cfg.precisions) {
     DType dtype;
     bool pure, fp8;
     parse_precision(p, dtype, pure, fp8);
+    any_fp8 = any_fp8 || fp8;
   }
   cfg.attention = parse_list<AttentionImpl>("--attention", a.attention,
                                             [](const std::string& s) { return parse_attention_impl(s); });
   cfg.passes = split_list(a.pass);
   cfg.device = device_or_default(a.device);
+  refuse_unused_model_options(a.model_options, cfg.options, cfg.device, any_fp8);
   report_format(a.report);  // a bad --format is refused before the runs
   require_usable_device(cfg.device);
   if (a.threads > 0) set_cpu_threads(a.threads);
@@ -117,7 +121,8 @@ Command add_bench_command(CLI::App& app) {
                   "in bf16), fp8 (bf16 with the blocks' linear layers as FP8 GEMMs, tensorwise scaled), bf16-pure-fp8 (the "
                   "same GEMMs over bf16-pure)")
       ->capture_default_str();
-  add_model_options(cmd, cfg.options, {.cuda_graph = true, .overlap_grad_norm = true, .fp8 = true});
+  a->model_options =
+      add_model_options(cmd, cfg.options, {.cuda_graph = true, .overlap_grad_norm = true, .fp8 = true});
   cmd->add_option("--attention", a->attention, "Comma list of flash,naive")->capture_default_str();
   cmd->add_option("--pass", a->pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
   cmd->add_option("--warmup", cfg.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));

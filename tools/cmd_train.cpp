@@ -17,6 +17,7 @@ struct TrainArgs {
   int threads = 0, zero = 0, nccl_max_ctas = 0;
   double collective_timeout_s = -1;
   CLI::Option *vocab_option = nullptr, *context_option = nullptr;
+  ConditionalModelOptions model_options;
 };
 
 // The model: --model's size or --model-config's description (its vocab and context unless --vocab or
@@ -45,6 +46,7 @@ int run(TrainArgs& a) {
   TrainConfig& cfg = a.cfg;
   resolve_device_and_precision(a.device, a.precision, cfg.device, cfg.precision, &cfg.options.bf16_pure,
                                &cfg.options.fp8);
+  refuse_unused_model_options(a.model_options, cfg.options, cfg.device, cfg.options.fp8);
   cfg.options.check_optimizer_state();
   cfg.model = model_config(a);
   cfg.seq = cfg.model.context;
@@ -164,7 +166,7 @@ Command add_train_command(CLI::App& app) {
                   "bf16-pure-fp8 (the same GEMMs over bf16-pure; cuda) "
                   "(default: bf16 on "
                   "cuda, fp32 on cpu)");
-  add_model_options(cmd, cfg.options, {.attention = true, .cuda_graph = true, .fp8 = true});
+  a->model_options = add_model_options(cmd, cfg.options, {.attention = true, .cuda_graph = true, .fp8 = true});
   add_threads_option(cmd, a->threads);
   cmd->add_option("--ddp", a->ddp,
                   "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async, "

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "flashlm/blas.h"
+#include "flashlm/device.h"
 #include "cli_common.h"
 #include "text_commands.h"
 
@@ -25,6 +26,7 @@ int main(int argc, char** argv) {
   try {
     refuse_torchrun();
     app.parse(argc, argv);
+    flashlm::check_environment();  // a bad FLASHLM_* setting is a usage error before any work
     for (const Command& c : commands) {
       if (c.app->parsed()) return c.run();
     }

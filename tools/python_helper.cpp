@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <fmt/format.h>
 
 #include "flashlm/error.h"
@@ -45,11 +47,16 @@ constexpr size_t kMaxOutputBytes = size_t{64} << 20;
 }  // namespace
 
 std::string run_prepare_data_script(const std::vector<std::string>& args, double timeout_s) {
+  // Bounded: the deadline below is steady_clock's integer nanoseconds, which a huge value overflows.
   if (const char* t = std::getenv("FLASHLM_PREPARE_DATA_TIMEOUT"); t && *t) {
-    char* end = nullptr;
-    const double v = std::strtod(t, &end);
-    if (*end != '\0' || !std::isfinite(v) || v <= 0)
-      throw flashlm::Error(fmt::format("FLASHLM_PREPARE_DATA_TIMEOUT is '{}', expected a number of seconds > 0", t));
+    constexpr double kWeek = 7 * 86400.0;
+    const std::string_view text = t;
+    double v = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(v) || v <= 0 || v > kWeek) {
+      throw flashlm::InvalidArgument(
+          fmt::format("FLASHLM_PREPARE_DATA_TIMEOUT: '{}' is not a number of seconds in (0, {}]", t, kWeek));
+    }
     timeout_s = v;
   }
   const char* python_env = std::getenv("FLASHLM_PYTHON");

@@ -9,11 +9,12 @@
 #include <cmath>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <utility>
 #include <vector>
 
-#include "cli_options.h"
+#include "cli_common.h"
 #include "python_helper.h"
 #include "flashlm/device.h"
 #include "flashlm/error.h"
@@ -79,8 +80,10 @@ void add_generate(CLI::App& app, TextCommandArgs& a) {
                   "one-sequence fp32 decoder; auto: paged for a batch or on cuda where the model fits it, else contiguous")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "paged", "contiguous"}));
-  cmd->add_option("--page-size", a.page_size, "Positions per page of the paged KV cache: a multiple of 16 in [16, 256]")
-      ->capture_default_str()
+  cmd->add_option("--page-size", a.page_size,
+                  "Positions per page of the paged KV cache: a multiple of 16 in [16, 256] (not with the contiguous "
+                  "decoder)")
+      ->default_str("256")
       ->check(CLI::Validator(
           [](std::string& v) -> std::string {
             int64_t n = 0;
@@ -185,12 +188,6 @@ std::vector<int32_t> encode_prompt(const flashlm::Tokenizer& tokenizer, const st
   return ids;
 }
 
-void write_floats(std::FILE* f, const std::string& path, std::span<const float> values) {
-  if (std::fwrite(values.data(), sizeof(float), values.size(), f) != values.size()) {
-    throw flashlm::Error(fmt::format("generate: failed writing '{}'", path));
-  }
-}
-
 // The summary line of a run: tokens per second over the batch.
 void print_generate_summary(int64_t sequences, int64_t new_tokens, int64_t prompt_tokens, double prefill_s,
                             double decode_s) {
@@ -253,6 +250,12 @@ int run_generate(const TextCommandArgs& a) {
                                                            a.cuda_graph, paged ? "paged" : "contiguous",
                                                            device_name(device)));
   }
+  if (a.page_size != 0 && !paged) {
+    throw CLI::ValidationError("--page-size", fmt::format("{}: pages are the paged decoder's; this run decodes one "
+                                                          "sequence with the contiguous decoder",
+                                                          a.page_size));
+  }
+  const int64_t page_size = a.page_size == 0 ? 256 : a.page_size;
   if (paged && !fits) {
     throw CLI::ValidationError(a.kv_cache == "paged" ? "--kv-cache" : "--batch",
                                fmt::format("the paged decoder on {}: {}", device_name(device), why));
@@ -268,15 +271,13 @@ int run_generate(const TextCommandArgs& a) {
   std::vector<std::vector<int32_t>> sequences;
   for (int64_t b = 0; b < batch; ++b) sequences.push_back(prompt_tokens[size_t(b / (batch / n_prompts))]);
 
-  std::FILE* logits_file = nullptr;
-  if (!a.logits_out.empty()) {
-    logits_file = std::fopen(a.logits_out.c_str(), "wb");
-    if (!logits_file) throw Error(fmt::format("generate: cannot open '{}' for writing", a.logits_out));
-  }
-  const int64_t pages = paged ? paged_pool_pages(config, sequences, a.max_tokens, a.page_size) : 0;
+  // Under a temporary name until the run ends: a run that fails leaves an older file of that name as it was.
+  std::optional<OutputFile> logits_file;
+  if (!a.logits_out.empty()) logits_file.emplace(a.logits_out);
+  const int64_t pages = paged ? paged_pool_pages(config, sequences, a.max_tokens, page_size) : 0;
   const std::string cache =
       paged ? fmt::format("paged KV cache ({}, batch {}, {} pages of {})", device == Device::cuda ? "bf16" : "fp32",
-                          batch, pages, a.page_size)
+                          batch, pages, page_size)
             : std::string("contiguous KV cache (fp32)");
   fmt::print(stderr, "generate: {} parameters ({} layers, d_model {}, context {}) from {} on {}, {}; temperature {}, "
              "top-k {}, seed {}\n",
@@ -290,66 +291,61 @@ int run_generate(const TextCommandArgs& a) {
     const std::string text = tokenizer.decode(tokens);
     std::fwrite(text.data(), 1, text.size(), stdout);
   };
-  try {
-    if (!paged) {
-      KvCacheDecoder decoder(config, weights.params, device);
-      // The prompt as its tokens decode: for a BPE, proof that the encoding round-trips (byte-level BPEs are
-      // lossless), for the byte-level tokenizer the prompt itself.
-      write_text(prompt_tokens[0]);
-      using clock = std::chrono::steady_clock;
-      const auto t0 = clock::now();
-      auto t1 = t0;
-      bool first = true;
-      generate_tokens(decoder, prompt_tokens[0], a.max_tokens, sampling, [&](int32_t token, std::span<const float> logits) {
-        if (std::exchange(first, false)) t1 = clock::now();
-        write_text(std::span(&token, 1));
+  if (!paged) {
+    KvCacheDecoder decoder(config, weights.params, device);
+    // The prompt as its tokens decode: for a BPE, proof that the encoding round-trips (byte-level BPEs are
+    // lossless), for the byte-level tokenizer the prompt itself.
+    write_text(prompt_tokens[0]);
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
+    auto t1 = t0;
+    bool first = true;
+    generate_tokens(decoder, prompt_tokens[0], a.max_tokens, sampling,
+                    [&](int32_t token, std::span<const float> logits) {
+      if (std::exchange(first, false)) t1 = clock::now();
+      write_text(std::span(&token, 1));
+      std::fflush(stdout);
+      if (logits_file) logits_file->write(logits.data(), logits.size_bytes());
+    });
+    const auto t2 = clock::now();
+    std::fputc('\n', stdout);
+    std::fflush(stdout);
+    const int64_t window = std::min<int64_t>(int64_t(prompt_tokens[0].size()), config.context);
+    print_generate_summary(1, a.max_tokens, window, std::chrono::duration<double>(t1 - t0).count(),
+                           std::chrono::duration<double>(t2 - t1).count());
+  } else {
+    PagedDecoderOptions options;
+    options.batch = batch;
+    options.page_size = page_size;
+    options.num_pages = pages;
+    options.cuda_graph = a.cuda_graph != "off";
+    PagedKvDecoder decoder(config, weights.params, device, options);
+    // One sequence streams its text as it comes; a batch prints each sequence once all are done.
+    if (batch == 1) write_text(sequences[0]);
+    const BatchGeneration out =
+        generate_batch(decoder, sequences, a.max_tokens, sampling,
+                       [&](int64_t, int32_t token, std::span<const float> logits) {
+          if (batch == 1) {
+            write_text(std::span(&token, 1));
+            std::fflush(stdout);
+          }
+          if (logits_file) logits_file->write(logits.data(), logits.size_bytes());
+        });
+    for (int64_t b = 0; b < batch; ++b) {
+      if (batch > 1) {
+        fmt::print("--- sequence {} (prompt {}, seed {}) ---\n", b, b / (batch / n_prompts), a.seed + uint64_t(b));
         std::fflush(stdout);
-        if (logits_file) write_floats(logits_file, a.logits_out, logits);
-      });
-      const auto t2 = clock::now();
-      std::fputc('\n', stdout);
-      std::fflush(stdout);
-      const int64_t window = std::min<int64_t>(int64_t(prompt_tokens[0].size()), config.context);
-      print_generate_summary(1, a.max_tokens, window, std::chrono::duration<double>(t1 - t0).count(),
-                             std::chrono::duration<double>(t2 - t1).count());
-    } else {
-      PagedDecoderOptions options;
-      options.batch = batch;
-      options.page_size = a.page_size;
-      options.num_pages = pages;
-      options.cuda_graph = a.cuda_graph != "off";
-      PagedKvDecoder decoder(config, weights.params, device, options);
-      // One sequence streams its text as it comes; a batch prints each sequence once all are done.
-      if (batch == 1) write_text(sequences[0]);
-      const BatchGeneration out =
-          generate_batch(decoder, sequences, a.max_tokens, sampling, [&](int64_t, int32_t token, std::span<const float> logits) {
-            if (batch == 1) {
-              write_text(std::span(&token, 1));
-              std::fflush(stdout);
-            }
-            if (logits_file) write_floats(logits_file, a.logits_out, logits);
-          });
-      for (int64_t b = 0; b < batch; ++b) {
-        if (batch > 1) {
-          fmt::print("--- sequence {} (prompt {}, seed {}) ---\n", b, b / (batch / n_prompts), a.seed + uint64_t(b));
-          std::fflush(stdout);
-          write_text(sequences[size_t(b)]);
-          write_text(out.tokens[size_t(b)]);
-        }
-        std::fputc('\n', stdout);
-        if (batch == 1) break;
+        write_text(sequences[size_t(b)]);
+        write_text(out.tokens[size_t(b)]);
       }
-      std::fflush(stdout);
-      print_generate_summary(batch, a.max_tokens, out.prompt_tokens, out.prefill_seconds, out.decode_seconds);
-      if (device == Device::cuda) fmt::print(stderr, "generate: cuda graph {}\n", decoder.cuda_graph_status());
+      std::fputc('\n', stdout);
+      if (batch == 1) break;
     }
-  } catch (...) {
-    if (logits_file) std::fclose(logits_file);
-    throw;
+    std::fflush(stdout);
+    print_generate_summary(batch, a.max_tokens, out.prompt_tokens, out.prefill_seconds, out.decode_seconds);
+    if (device == Device::cuda) fmt::print(stderr, "generate: cuda graph {}\n", decoder.cuda_graph_status());
   }
-  if (logits_file && std::fclose(logits_file) != 0) {
-    throw Error(fmt::format("generate: failed writing '{}'", a.logits_out));
-  }
+  if (logits_file) logits_file->commit();
   return 0;
 }
 

@@ -19,7 +19,7 @@ struct TextCommandArgs {
   std::vector<std::string> prompts;  // --prompt, repeatable
   int64_t max_tokens = 200, top_k = 0;
   int64_t batch = 0;        // sequences decoded together; 0: one per prompt
-  int64_t page_size = 256;  // positions per page of the paged KV cache
+  int64_t page_size = 0;    // positions per page of the paged KV cache; 0: not given, 256
   std::string kv_cache = "auto";  // auto | paged | contiguous
   std::string cuda_graph;         // --cuda-graph on|off (the paged decoder on cuda); "": not given, on
   int threads = 0;

@@ -111,6 +111,8 @@ struct DecodeBenchRecord {
   std::string message;
 };
 
+// A configuration that every row would fail (an fp8 dtype, a page size the paged cache cannot have, a cache length
+// that is not a multiple of it, kv heads that do not divide the heads) is an InvalidArgument before any row runs.
 std::vector<DecodeBenchRecord> run_decode_bench(const DecodeBenchConfig& config);
 std::string format_decode_bench(const std::vector<DecodeBenchRecord>& records, ReportFormat format,
                                 const DecodeBenchConfig& config);

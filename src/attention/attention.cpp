@@ -4,7 +4,6 @@
 
 #include <array>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <optional>
 #include <span>
@@ -16,6 +15,7 @@
 #include "attention/capabilities.h"
 #include "core/check.h"
 #include "core/cuda_runtime.h"
+#include "core/env.h"
 #include "flashlm/device.h"
 #include "flashlm/memory.h"
 
@@ -79,11 +79,7 @@ CudaAttentionPlan check_cuda_arguments(std::string_view fn, const AttentionProbl
 }  // namespace
 
 FlashKernelChoice flash_kernel_choice() {
-  const char* env = std::getenv("FLASHLM_ATTENTION_KERNEL");
-  const std::string_view value = env == nullptr ? "auto" : env;
-  if (value == "auto" || value.empty()) return FlashKernelChoice::automatic;
-  if (value == "mma") return FlashKernelChoice::mma;
-  fail("FLASHLM_ATTENTION_KERNEL: unknown value '{}': expected auto or mma", value);
+  return env_choice(kAttentionKernel) == "mma" ? FlashKernelChoice::mma : FlashKernelChoice::automatic;
 }
 
 namespace {

@@ -2,13 +2,13 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <string>
 #include <string_view>
 
 #include <fmt/format.h>
 
 #include "core/check.h"
+#include "core/env.h"
 
 namespace flashlm {
 
@@ -92,12 +92,8 @@ std::string_view cuda_kernel_family_name(CudaKernelFamily family) {
 bool hopper_alibi_sink_route() {
   int state = hopper_alibi_sink_state.load(std::memory_order_relaxed);
   if (state < 0) {
-    const char* env = std::getenv("FLASHLM_HOPPER_ALIBI_SINK");
-    const std::string_view value = env == nullptr ? "" : env;
-    FLASHLM_CHECK(value.empty() || value == "0" || value == "1",
-                  "FLASHLM_HOPPER_ALIBI_SINK: unknown value '{}': expected 0 or 1", value);
     int unread = -1;
-    hopper_alibi_sink_state.compare_exchange_strong(unread, value == "0" ? 0 : 1);
+    hopper_alibi_sink_state.compare_exchange_strong(unread, env_choice(kHopperAlibiSink) == "0" ? 0 : 1);
     state = hopper_alibi_sink_state.load(std::memory_order_relaxed);
   }
   return state == 1;

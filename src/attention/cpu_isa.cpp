@@ -6,6 +6,7 @@
 
 #include "attention/backends.h"
 #include "core/check.h"
+#include "core/env.h"
 #include "flashlm/device.h"
 
 namespace flashlm {
@@ -69,7 +70,7 @@ int find_runnable(std::string_view isa) {
   }
   std::string names;
   for (const std::string& n : runnable_cpu_kernel_isas()) names += (names.empty() ? "" : ", ") + n;
-  fail("CPU kernel instruction set '{}' (FLASHLM_CPU_ISA or use_cpu_kernel_isa): expected one this build has "
+  fail_argument("CPU kernel instruction set '{}' (FLASHLM_CPU_ISA or use_cpu_kernel_isa): expected one this build has "
        "and this CPU runs: {}", isa, names);
 }
 
@@ -110,6 +111,13 @@ std::string cpu_attention_kernels() {
   std::string runnable;
   for (const std::string& n : runnable_cpu_kernel_isas()) runnable += (runnable.empty() ? "" : ", ") + n;
   return fmt::format("{} (runnable here: {}; FLASHLM_CPU_ISA picks another)", cpu_kernel_isa(), runnable);
+}
+
+// Here rather than in core/env.cpp: FLASHLM_CPU_ISA's values are this file's variants.
+void check_environment() {
+  for (const EnvChoice& c : kEnvChoices) env_choice(c);
+  for (const EnvNumber& n : kEnvNumbers) env_number(n);
+  cpu_kernel_isa();
 }
 
 void flash_attention_forward_cpu(const AttentionProblem& p, const TensorView& q, const TensorView& k,

@@ -14,11 +14,12 @@ namespace flashlm {
 std::vector<std::string> runnable_cpu_kernel_isas();
 
 // The variant the CPU flash attention runs: the environment's FLASHLM_CPU_ISA when set (one of
-// runnable_cpu_kernel_isas(); anything else is a flashlm::Error at the first call), else the fastest runnable.
+// runnable_cpu_kernel_isas(); anything else is a flashlm::InvalidArgument at the first call), else the fastest
+// runnable.
 std::string cpu_kernel_isa();
 
 // Makes the CPU flash attention run `isa` from now on (tests force each variant this way);
-// flashlm::Error naming the runnable ones if it is not one of them.
+// flashlm::InvalidArgument naming the runnable ones if it is not one of them.
 void use_cpu_kernel_isa(std::string_view isa);
 
 }  // namespace flashlm

@@ -50,8 +50,6 @@ void fill_pages(const Tensor& cache, uint64_t seed) {
 
 void measure_row(const DecodeBenchConfig& cfg, DecodeBenchRecord& rec) {
   const Device dev = cfg.device;
-  FLASHLM_CHECK(rec.cache_len % rec.page_size == 0, "attention-bench --decode: cache length {} is not a multiple of "
-                "the page size {}", rec.cache_len, rec.page_size);
   const int64_t pages_per_seq = rec.cache_len / rec.page_size;
   const int64_t num_pages = checked_mul(rec.batch, pages_per_seq, "attention-bench --decode: pages");
   Tensor q = Tensor::empty({rec.batch, rec.nq, rec.heads, rec.head_dim}, cfg.dtype, dev, "q");
@@ -91,6 +89,19 @@ std::vector<DecodeBenchRecord> run_decode_bench(const DecodeBenchConfig& cfg) {
   FLASHLM_CHECK(cfg.reps >= 1, "attention-bench --decode: reps must be at least 1, got {}", cfg.reps);
   FLASHLM_CHECK(cfg.warmup >= 0, "attention-bench --decode: warmup must be >= 0, got {}", cfg.warmup);
   FLASHLM_CHECK(cfg.peak_gbps > 0, "attention-bench --decode: peak bandwidth must be > 0, got {}", cfg.peak_gbps);
+  // What would fail every row is refused before the sweep, as a usage error, rather than recorded row by row.
+  constexpr const char* kFn = "attention-bench --decode";
+  FLASHLM_CHECK_ARG(cfg.dtype != DType::f8e4m3, "{}: dtype fp8_e4m3 has no KV-cache decoding (--dtype)", kFn);
+  FLASHLM_CHECK_ARG(cfg.page_size >= 16 && cfg.page_size <= 256 && cfg.page_size % 16 == 0,
+                    "{}: page size {} (--page-size): expected a multiple of 16 in [16, 256]", kFn, cfg.page_size);
+  FLASHLM_CHECK_ARG(cfg.heads >= 1 && cfg.kv_heads >= 1 && cfg.heads % cfg.kv_heads == 0,
+                    "{}: {} kv heads (--kv-heads) do not divide {} heads", kFn, cfg.kv_heads, cfg.heads);
+  FLASHLM_CHECK_ARG(cfg.nq >= 1, "{}: nq (--nq) must be at least 1, got {}", kFn, cfg.nq);
+  for (int64_t cache : cfg.cache_lens) {
+    FLASHLM_CHECK_ARG(cache >= 1 && cache % cfg.page_size == 0,
+                      "{}: cache length {} (--cache) is not a positive multiple of the page size {}", kFn, cache,
+                      cfg.page_size);
+  }
   std::vector<DecodeBenchRecord> records;
   const size_t total = cfg.batches.size() * cfg.cache_lens.size();
   for (int64_t batch : cfg.batches)

@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "core/check.h"
+#include "core/env.h"
 #include "flashlm/dist.h"
 #ifdef FLASHLM_WITH_NCCL
 #include "dist/nccl.h"
@@ -26,18 +27,12 @@ int64_t steady_ns() {
 }  // namespace
 
 void check_timeout(double seconds, const char* where) {
-  FLASHLM_CHECK(std::isfinite(seconds) && seconds >= 0, "{}: collective timeout {} s, expected a finite number >= 0 "
-                "(0: no timeout)", where, seconds);
+  FLASHLM_CHECK_ARG(std::isfinite(seconds) && seconds >= 0,
+                    "{}: collective timeout {} s, expected a finite number >= 0 (0: no timeout)", where, seconds);
 }
 
 double default_timeout_s() {
-  const char* v = std::getenv("FLASHLM_DIST_TIMEOUT_S");
-  if (!v || !*v) return kDefaultTimeoutS;
-  char* end = nullptr;
-  const double s = std::strtod(v, &end);
-  FLASHLM_CHECK(end != v && *end == '\0', "FLASHLM_DIST_TIMEOUT_S='{}': expected a number of seconds", v);
-  check_timeout(s, "FLASHLM_DIST_TIMEOUT_S");
-  return s;
+  return env_number(kDistTimeout).value_or(kDefaultTimeoutS);
 }
 
 Watchdog::Watchdog(int rank, double timeout_s) : rank_(rank), timeout_s_(timeout_s), thread_([this] { run(); }) {}

@@ -14,9 +14,9 @@ namespace flashlm::dist {
 class NcclComm;
 #endif
 
-// A timeout in seconds: finite and >= 0 (0: none), else an Error naming `where`.
+// A timeout in seconds: finite and >= 0 (0: none), else an InvalidArgument naming `where`.
 void check_timeout(double seconds, const char* where);
-// $FLASHLM_DIST_TIMEOUT_S (seconds, 0: off) when set, else the default.
+// $FLASHLM_DIST_TIMEOUT_S (seconds in [0, a week], 0: off; core/env.h) when set, else the default.
 double default_timeout_s();
 
 // A thread of its own that polls (every kPoll) whether the blocking MPI call in progress, if any, has run

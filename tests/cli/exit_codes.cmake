@@ -137,3 +137,89 @@ expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --kv-cache 
 expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --cuda-graph maybe)
 expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --prompt b --batch 3)
 expect_exit(2 generate --checkpoint /nonexistent/run.ckpt --prompt a --kv-cache contiguous --batch 2)
+
+# The audit of 2026-12-07: settings that were ignored, fell back silently or took any number. Each bad value is an
+# error naming the setting; each combination a run would ignore is refused. `env` is NAME=VALUE or "" for none.
+function(expect_error code pattern env)
+  set(launcher ${CMAKE_COMMAND} -E env)
+  if(env STREQUAL "")
+    set(launcher)
+  endif()
+  execute_process(COMMAND ${launcher} ${env} ${FLASHLM} ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err)
+  if(NOT rc EQUAL code OR NOT err MATCHES "${pattern}")
+    message(FATAL_ERROR "${env} flashlm ${ARGN}: exit ${rc}, expected ${code} and '${pattern}'\nstdout: ${out}\n"
+                        "stderr: ${err}")
+  endif()
+endfunction()
+
+# The FLASHLM_* choices: checked for every command before it runs, exactly (case, trailing characters).
+expect_error(2 "^error: FLASHLM_FP8_KEY_BLOCK: unknown value '128x': expected auto, 128 or 192"
+             FLASHLM_FP8_KEY_BLOCK=128x info)
+expect_error(2 "^error: FLASHLM_FP8_KEY_BLOCK: unknown value '256'" FLASHLM_FP8_KEY_BLOCK=256
+             attention-bench --device cpu --seq 16 --d 8 --reps 1 --warmup 0 --quiet)
+expect_error(2 "^error: FLASHLM_ATTENTION_KERNEL: unknown value 'MMA': expected auto or mma"
+             FLASHLM_ATTENTION_KERNEL=MMA info)
+expect_error(2 "^error: FLASHLM_SM90_BWD_SCHEDULE: unknown value 'Grid': expected auto, grid or persistent"
+             FLASHLM_SM90_BWD_SCHEDULE=Grid info)
+expect_error(2 "^error: FLASHLM_SM90_FWD_D64_TILE: unknown value '128'" FLASHLM_SM90_FWD_D64_TILE=128 info)
+expect_error(2 "^error: FLASHLM_HOPPER_ALIBI_SINK: unknown value 'yes': expected 0 or 1"
+             FLASHLM_HOPPER_ALIBI_SINK=yes info)
+expect_error(2 "^error: FLASHLM_PROGRAMMATIC_LAUNCH: unknown value '2': expected 0 or 1"
+             FLASHLM_PROGRAMMATIC_LAUNCH=2 info)
+expect_error(0 "" FLASHLM_PROGRAMMATIC_LAUNCH= info)  # empty is the default, as for every other choice
+expect_error(0 "" FLASHLM_FP8_KEY_BLOCK=192 info)
+expect_error(2 "^error: FLASHLM_DIST_TIMEOUT_S: '1e300' is not a number of seconds in \\[0, 604800\\]"
+             FLASHLM_DIST_TIMEOUT_S=1e300 info)
+expect_error(2 "^error: FLASHLM_DIST_TIMEOUT_S: '10s'" FLASHLM_DIST_TIMEOUT_S=10s info)
+expect_error(2 "^error: FLASHLM_DIST_TIMEOUT_S: 'nan'" FLASHLM_DIST_TIMEOUT_S=nan info)
+expect_error(0 "" FLASHLM_DIST_TIMEOUT_S=60 info)
+expect_error(2 "^error: CPU kernel instruction set 'avx9000' \\(FLASHLM_CPU_ISA" FLASHLM_CPU_ISA=avx9000 info)
+
+# FP8-only options without an FP8 precision, a CUDA graph on the CPU: refused, not ignored.
+expect_error(2 "^error: --fp8-recipe: applies to --precision fp8" ""
+             bench --device cpu --model tiny --context 16 --batch 1 --pass fwd --warmup 0 --steps 1
+             --fp8-recipe rowwise)
+expect_error(2 "^error: --fp8-gradients: applies to --precision fp8" ""
+             bench --device cpu --model tiny --precision fp32 --fp8-gradients e4m3)
+expect_error(2 "^error: --fp8-recipe: applies to --precision fp8" "" train --device cpu --fp8-recipe tensorwise)
+expect_error(2 "^error: --fp8-gradients: applies to --precision fp8" "" train --device cpu --fp8-gradients e5m2)
+expect_error(2 "^error: --cuda-graph on: needs --device cuda" "" bench --device cpu --model tiny --cuda-graph on)
+expect_error(2 "^error: --cuda-graph on: needs --device cuda" "" train --device cpu --cuda-graph on)
+expect_exit(0 bench --device cpu --model tiny --context 16 --batch 1 --vocab 64 --pass fwd --warmup 0 --steps 1
+            --precision fp32,fp8 --fp8-recipe rowwise --quiet)
+
+# attention-bench: a NaN soft-cap, a window that is not numbers, and the options --decode does not use.
+expect_error(2 "^error: --softcap: 'nan' is not a number" "" attention-bench --softcap nan)
+expect_error(2 "^error: --softcap: '-1' is not a number" "" attention-bench --softcap -1)
+expect_error(2 "^error: --window: 'a' is not -1 or a number of keys" "" attention-bench --window a,b)
+foreach(unused "--window;4,4" "--softcap;3" "--seq;64" "--impl;flash" "--forward-only" "--deterministic"
+               "--causal-align;bottom-right" "--cpu-max-flops;1e9")
+  expect_error(2 "^error: .*--decode" "" attention-bench --decode --device cpu ${unused})
+endforeach()
+# --decode's configuration every row would fail: refused before the sweep instead of recorded row by row.
+expect_error(2 "^error: attention-bench --decode: page size 24 \\(--page-size\\): expected a multiple of 16" ""
+             attention-bench --decode --device cpu --page-size 24)
+expect_error(2 "^error: attention-bench --decode: cache length 100 \\(--cache\\) is not a positive multiple" ""
+             attention-bench --decode --device cpu --cache 100)
+expect_error(2 "^error: attention-bench --decode: dtype fp8_e4m3 has no KV-cache decoding" ""
+             attention-bench --decode --device cpu --dtype fp8)
+
+# --out: the table reaches stdout before the file is written, and a file that cannot be written (exit 1) or is
+# written leaves no temporary; an existing file is replaced whole.
+set(out_dir ${CMAKE_CURRENT_BINARY_DIR}/exit_codes_out)
+file(REMOVE_RECURSE ${out_dir})
+file(MAKE_DIRECTORY ${out_dir})
+set(small attention-bench --device cpu --impl flash --seq 16 --d 8 --reps 1 --warmup 0 --quiet)
+execute_process(COMMAND ${FLASHLM} ${small} --format json --out ${out_dir}/missing/report.json RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 1 OR NOT out MATCHES "\\| flash \\|" OR NOT err MATCHES "^error: cannot open")
+  message(FATAL_ERROR "--out into a missing directory: exit ${rc}\nstdout: ${out}\nstderr: ${err}")
+endif()
+file(WRITE ${out_dir}/report.json "an older report\n")
+expect_exit(0 ${small} --format json --out ${out_dir}/report.json)
+file(READ ${out_dir}/report.json report)
+file(GLOB left_over ${out_dir}/report.json.tmp.*)
+if(NOT report MATCHES "^\\{" OR left_over)
+  message(FATAL_ERROR "--out over an existing file: '${report}', temporaries ${left_over}")
+endif()

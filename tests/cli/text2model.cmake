@@ -82,6 +82,15 @@ execute_process(COMMAND ${CMAKE_COMMAND} -E env FLASHLM_PYTHON=/bin/sh FLASHLM_P
 if(NOT rc EQUAL 1 OR NOT err MATCHES "^error: /bin/sh .*hang.sh did not finish within 1 s and was stopped")
   message(FATAL_ERROR "a helper that hangs: exit ${rc}\nstderr: ${err}")
 endif()
+# A timeout past a week (the deadline's nanoseconds would overflow) or with trailing junk is a usage error.
+foreach(bad 1e300 5s)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env FLASHLM_PREPARE_DATA_TIMEOUT=${bad} ${FLASHLM} prepare ${dir}/text.txt
+                          --out ${dir}/unused --tokenizer bpe --vocab-size 300
+                  RESULT_VARIABLE rc ERROR_VARIABLE err TIMEOUT 120)
+  if(NOT rc EQUAL 2 OR NOT err MATCHES "^error: FLASHLM_PREPARE_DATA_TIMEOUT: '${bad}' is not a number of seconds")
+    message(FATAL_ERROR "FLASHLM_PREPARE_DATA_TIMEOUT=${bad}: exit ${rc}\nstderr: ${err}")
+  endif()
+endforeach()
 expect_exit(2 "--prompt" generate --checkpoint ${dir}/run.ckpt --prompt=)  # cmake cannot pass an empty argument
 # The default of 200 new tokens on a model of context 32: the window slides (one logits row per new token), and
 # the same seed still gives the same text; a prompt longer than the context keeps its last 32 tokens.
@@ -91,6 +100,10 @@ set(first "${out}")
 file(SIZE ${dir}/long.f32 long_bytes)
 if(NOT long_bytes EQUAL 204800)  # 200 x 256 x 4
   message(FATAL_ERROR "generate's default past the context wrote ${long_bytes} bytes of logits, expected 204800")
+endif()
+file(GLOB left_over ${dir}/long.f32.tmp.*)
+if(left_over)
+  message(FATAL_ERROR "generate --logits-out left its temporary behind: ${left_over}")
 endif()
 run_ok("generate beyond the context again" generate ${long})
 if(NOT out STREQUAL first)
@@ -140,6 +153,11 @@ expect_exit(2 "--batch: '0' is not a number" generate --checkpoint ${dir}/run.ck
 expect_exit(2 "temperature" generate --checkpoint ${dir}/run.ckpt --prompt a --temperature -1)
 expect_exit(2 "top-k" generate --checkpoint ${dir}/run.ckpt --prompt a --top-k -1)
 expect_exit(2 "--device: 'tpu': expected cpu or cuda" generate --checkpoint ${dir}/run.ckpt --prompt a --device tpu)
+# One sequence on the CPU decodes with the contiguous decoder, which has no pages: --page-size was ignored there.
+expect_exit(2 "--page-size: 32: pages are the paged decoder's" generate --checkpoint ${dir}/run.ckpt --prompt a
+            --page-size 32)
+expect_exit(2 "--page-size: 32: pages are the paged decoder's" generate --checkpoint ${dir}/run.ckpt --prompt a
+            --kv-cache contiguous --page-size 32)
 expect_exit(2 "--cuda-graph: 'on': the CUDA graph is the paged decoder's on cuda; this run decodes with the contiguous"
             generate --checkpoint ${dir}/run.ckpt --prompt a --cuda-graph on)
 # Without a GPU (CI), cuda is refused with the reason; with one, the same greedy sample as the CPU's.

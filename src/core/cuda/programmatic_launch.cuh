@@ -10,12 +10,11 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <string_view>
 #include <utility>
 
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "core/env.h"
 
 namespace flashlm::gpu {
 
@@ -37,12 +36,7 @@ __device__ __forceinline__ void allow_dependent_launch() {
 // Whether launches on the current device are programmatic: compute capability 9.0 or later, and
 // FLASHLM_PROGRAMMATIC_LAUNCH not 0 (read once; for measuring the plain launch beside it). Asked once per device.
 inline bool programmatic_launch_enabled() {
-  static const bool allowed = [] {
-    const char* env = std::getenv("FLASHLM_PROGRAMMATIC_LAUNCH");
-    const std::string_view v = env == nullptr ? "1" : env;
-    FLASHLM_CHECK(v == "0" || v == "1", "FLASHLM_PROGRAMMATIC_LAUNCH: expected 0 or 1, got '{}'", v);
-    return v == "1";
-  }();
+  static const bool allowed = env_choice(kProgrammaticLaunch) == "1";
   if (!allowed) return false;
   constexpr int kCachedDevices = 64;
   static std::atomic<int> cache[kCachedDevices] = {};  // 0 unknown, 1 no, 2 yes

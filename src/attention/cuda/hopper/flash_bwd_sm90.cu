@@ -53,7 +53,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 #include <string_view>
 
@@ -66,6 +65,7 @@
 #include "attention/cuda/hopper/tma.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "core/env.h"
 #include "flashlm/memory.h"
 
 namespace flashlm {
@@ -610,12 +610,10 @@ void launch_backward_sm90(const AttentionProblem& p, const TensorView& q, const 
 }  // namespace
 
 Sm90BackwardSchedule sm90_backward_schedule() {
-  const char* env = std::getenv("FLASHLM_SM90_BWD_SCHEDULE");
-  const std::string_view value = env == nullptr ? "" : env;
-  if (value.empty() || value == "auto") return Sm90BackwardSchedule::automatic;
+  const std::string_view value = env_choice(kSm90BackwardSchedule);
   if (value == "grid") return Sm90BackwardSchedule::grid;
   if (value == "persistent") return Sm90BackwardSchedule::persistent;
-  fail("FLASHLM_SM90_BWD_SCHEDULE: unknown value '{}': expected auto, grid or persistent", value);
+  return Sm90BackwardSchedule::automatic;
 }
 
 Sm90BackwardSchedule sm90_backward_schedule_for(Sm90BackwardSchedule requested, int64_t head_dim) {

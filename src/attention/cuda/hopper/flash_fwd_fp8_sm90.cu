@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string_view>
 #include <type_traits>
 
@@ -46,6 +45,7 @@
 #include "attention/cuda/hopper/tma.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "core/env.h"
 #include "flashlm/memory.h"
 
 namespace flashlm {
@@ -291,13 +291,9 @@ void launch_transpose_v_fp8(const TensorView& v, uint8_t* vt, int64_t keys_padde
 // and loses where the last, partly masked block and the causal diagonal are a larger share. Anything else is an
 // error naming the variable.
 int fp8_forward_key_block(const AttentionProblem& p) {
-  const char* env = std::getenv("FLASHLM_FP8_KEY_BLOCK");
-  const std::string_view value = env == nullptr ? "" : env;
+  const std::string_view value = env_choice(kFp8KeyBlock);
   if (value == "128") return 128;
   if (value == "192") return 192;
-  if (!value.empty() && value != "auto") {
-    fail("FLASHLM_FP8_KEY_BLOCK: unknown value '{}': expected auto, 128 or 192", value);
-  }
   return p.head_dim == 128 && std::min(p.seq_q, p.seq_k) >= 8192 ? 192 : 128;
 }
 

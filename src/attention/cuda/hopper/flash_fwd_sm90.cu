@@ -27,7 +27,6 @@
 // V's tiles, P·V's columns, the O accumulators and O's store over DV; the softmax sees neither.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 #include <string_view>
 
@@ -42,6 +41,7 @@
 #include "attention/cuda/hopper/tma.h"
 #include "core/check.h"
 #include "core/cuda_check.h"
+#include "core/env.h"
 
 namespace flashlm {
 namespace flash_cuda {
@@ -341,14 +341,10 @@ std::optional<Sm90ForwardPlan> plan_forward_sm90(const AttentionProblem& p, cons
 // 192-row tile or key block and, causal, the wider diagonal. The thresholds are where the fa grid's
 // timings cross over (docs/perf.md, the Hopper forward's tile shapes).
 Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p) {
-  const char* env = std::getenv("FLASHLM_SM90_FWD_D64_TILE");
-  const std::string_view forced = env == nullptr ? "" : env;
+  const std::string_view forced = env_choice(kSm90ForwardD64Tile);
   if (forced == "128x128") return Sm90D64Tile::rows128_keys128;
   if (forced == "192x128") return Sm90D64Tile::rows192_keys128;
   if (forced == "128x192") return Sm90D64Tile::rows128_keys192;
-  if (!forced.empty() && forced != "auto") {
-    fail("FLASHLM_SM90_FWD_D64_TILE: unknown value '{}': expected auto, 128x128, 192x128 or 128x192", forced);
-  }
   const int64_t shorter = std::min(p.seq_q, p.seq_k);
   if (!p.causal && shorter >= 4096) return Sm90D64Tile::rows192_keys128;
   if (p.causal && shorter >= 8192) return Sm90D64Tile::rows128_keys192;
