@@ -269,11 +269,10 @@ std::vector<flashlm::DType> parse_reduce_dtypes(const std::string& list, flashlm
 }
 
 void add_collective_timeout_option(CLI::App* cmd, double& seconds) {
-  constexpr double kWeek = 7 * 86400.0;
   cmd->add_option("--collective-timeout-s", seconds,
                   "End the job with an error when a collective waits longer than this for the other ranks (a rank "
                   "stalled or died); 0: never; default $FLASHLM_DIST_TIMEOUT_S, else 600")
-      ->check(in_range(0.0, kWeek));
+      ->check(in_range(0.0, flashlm::kMaxTimeoutSeconds));
 }
 
 int run_on_every_rank(double timeout_s, const std::function<void(flashlm::Communicator&)>& fn) {

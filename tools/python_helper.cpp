@@ -19,6 +19,7 @@
 #include <string_view>
 #include <fmt/format.h>
 
+#include "flashlm/device.h"
 #include "flashlm/error.h"
 
 extern char** environ;
@@ -49,13 +50,14 @@ constexpr size_t kMaxOutputBytes = size_t{64} << 20;
 std::string run_prepare_data_script(const std::vector<std::string>& args, double timeout_s) {
   // Bounded: the deadline below is steady_clock's integer nanoseconds, which a huge value overflows.
   if (const char* t = std::getenv("FLASHLM_PREPARE_DATA_TIMEOUT"); t && *t) {
-    constexpr double kWeek = 7 * 86400.0;
     const std::string_view text = t;
     double v = 0;
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-    if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(v) || v <= 0 || v > kWeek) {
+    if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(v) || v <= 0 ||
+        v > flashlm::kMaxTimeoutSeconds) {
       throw flashlm::InvalidArgument(
-          fmt::format("FLASHLM_PREPARE_DATA_TIMEOUT: '{}' is not a number of seconds in (0, {}]", t, kWeek));
+          fmt::format("FLASHLM_PREPARE_DATA_TIMEOUT: '{}' is not a number of seconds in (0, {}]", t,
+                      flashlm::kMaxTimeoutSeconds));
     }
     timeout_s = v;
   }

@@ -18,5 +18,8 @@ std::string cpu_attention_kernels();
 void check_environment();
 // More threads than this only thrash (and libgomp fails to create them, or overflows its stack, near 10^5).
 inline constexpr int kMaxCpuThreads = 1024;
+// The longest timeout any setting takes (collectives, the tokenizer script), in seconds: a week, past any job
+// and far from the overflow of steady_clock's integer nanoseconds.
+inline constexpr double kMaxTimeoutSeconds = 7 * 86400.0;
 
 }  // namespace flashlm

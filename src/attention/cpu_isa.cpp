@@ -70,8 +70,9 @@ int find_runnable(std::string_view isa) {
   }
   std::string names;
   for (const std::string& n : runnable_cpu_kernel_isas()) names += (names.empty() ? "" : ", ") + n;
-  fail_argument("CPU kernel instruction set '{}' (FLASHLM_CPU_ISA or use_cpu_kernel_isa): expected one this build has "
-       "and this CPU runs: {}", isa, names);
+  fail_argument("CPU kernel instruction set '{}' (FLASHLM_CPU_ISA or use_cpu_kernel_isa): expected one this build "
+                "has and this CPU runs: {}",
+                isa, names);
 }
 
 int fastest_runnable() {

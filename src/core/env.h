@@ -8,6 +8,8 @@
 #include <span>
 #include <string_view>
 
+#include "flashlm/device.h"  // kMaxTimeoutSeconds
+
 namespace flashlm {
 
 // A setting that picks one of a few words.
@@ -48,7 +50,6 @@ struct EnvNumber {
   std::string_view unit;
 };
 
-inline constexpr double kMaxTimeoutSeconds = 7 * 86400.0;  // a week: past any job, far from chrono's overflow
 // The collective timeout of every communicator (0: none), unless the program sets one.
 inline constexpr EnvNumber kDistTimeout{"FLASHLM_DIST_TIMEOUT_S", 0.0, kMaxTimeoutSeconds, "seconds"};
 
