@@ -25,6 +25,7 @@ inline constexpr std::string_view kSm90BwdSchedules[] = {"auto", "grid", "persis
 inline constexpr std::string_view kSm90FwdD64Tiles[] = {"auto", "128x128", "192x128", "128x192"};
 inline constexpr std::string_view kFp8KeyBlocks[] = {"auto", "128", "192"};
 inline constexpr std::string_view kSwitch[] = {"0", "1"};
+inline constexpr std::string_view kFp8WeightCasts[] = {"optimizer", "pass"};
 }  // namespace env
 
 // Which CUDA flash kernels run: auto (the Hopper ones where they cover the problem) or mma (mma.sync always).
@@ -40,8 +41,12 @@ inline constexpr EnvChoice kHopperAlibiSink{"FLASHLM_HOPPER_ALIBI_SINK", "1", en
 // Programmatic dependent launches on sm_90 (1) or plain launches (0).
 inline constexpr EnvChoice kProgrammaticLaunch{"FLASHLM_PROGRAMMATIC_LAUNCH", "1", env::kSwitch};
 
-inline constexpr EnvChoice kEnvChoices[] = {kAttentionKernel,     kSm90BackwardSchedule, kSm90ForwardD64Tile,
-                                            kFp8KeyBlock,         kHopperAlibiSink,      kProgrammaticLaunch};
+// Who casts FP8 training's block weights: the AdamW step as it stores them (optimizer, where
+// ModelOptions::fp8_optimizer_weight_cast allows) or each pass (pass).
+inline constexpr EnvChoice kFp8WeightCast{"FLASHLM_FP8_WEIGHT_CAST", "optimizer", env::kFp8WeightCasts};
+inline constexpr EnvChoice kEnvChoices[] = {kAttentionKernel,    kSm90BackwardSchedule, kSm90ForwardD64Tile,
+                                            kFp8KeyBlock,        kHopperAlibiSink,      kProgrammaticLaunch,
+                                            kFp8WeightCast};
 
 // A setting that is a number in [lo, hi] (`unit` names it in the error).
 struct EnvNumber {

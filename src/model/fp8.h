@@ -69,7 +69,9 @@ FLASHLM_HOST_DEVICE inline float fp8_dequant_scale(float scale) { return 1.0f / 
 // dequantisation scale is the pointer cuBLASLt's FP8 GEMM reads as the operand's A/B scale, and cuBLASLt
 // wants it 16-byte aligned: with it 4 bytes past an aligned address cublasLtMatmul answered NOT_SUPPORTED
 // (cuBLASLt 13.1 on an H100, dev/cuda/02_fp8_gemm_probe.cu) though its heuristic had offered an algorithm.
-inline constexpr int64_t kFp8DequantIndex = 0, kFp8AmaxIndex = 4, kFp8ScaleSlotFloats = 8;
+// A block weight whose copies the AdamW step wrote (Fp8WeightCopies, optim/optimizer.h) also keeps there the
+// bound its copies were scaled by (kFp8BoundIndex), beside its dequantisation scale.
+inline constexpr int64_t kFp8DequantIndex = 0, kFp8BoundIndex = 1, kFp8AmaxIndex = 4, kFp8ScaleSlotFloats = 8;
 inline constexpr uint32_t kFp8ScaleAlignment = 16;
 
 // The tensors of a block whose producing kernels also write their amax (FP8 training on CUDA): the two

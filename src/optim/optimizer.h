@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/host_device.h"
 #include "core/random.h"
 #include "flashlm/dtype.h"
 
@@ -33,6 +34,9 @@ namespace flashlm {
 struct AdamWScalars {
   float alpha, b1, one_minus_b1, b2, one_minus_b2, eps, decay, grad_scale;
   uint64_t rounding_key = 0;  // bf16-sr moments: moment_rounding_key(seed, step)
+  // An upper bound on |alpha · m' / (sqrt(v') + eps)|, the update before the decay, whatever the gradients
+  // were (adamw_update_bound); infinity where none holds. Read by FP8 training's weight copies (Fp8WeightCopies).
+  float update_bound = 0;
 };
 
 // How the bf16 moments are rounded after each step: to nearest even, or stochastically from `seed` (the run's).
@@ -60,10 +64,47 @@ struct AmaxRange {
   int64_t begin = 0, count = 0;
   float* amax = nullptr;  // device
 };
+// FP8 training's block weights copied by the step itself (ModelOptions::fp8_optimizer_weight_cast), so that no
+// pass casts them: besides its bf16 copy (param_copy) and that copy's amax, weight r — elements
+// [begin, begin + rows · cols) of the step's buffers, row-major — gets its e4m3 copies q [rows, cols] and
+// qt [cols, rows], each element encode(w'' · fp8_scale(bound)) from the fp32 master, with bound =
+// fp8_weight_bound(amax, scalars) of the amax its slot held before the step (that of its bf16 copy as
+// stored). A scale from a bound rather than from the amax of w'' is what lets the step write the copies as
+// it computes w'': the bound is at least that amax, larger by about update_bound (lr · 1.17 at CS336's betas),
+// so nothing saturates and the bytes keep e4m3's relative precision. The slot (model/fp8.h) afterwards holds
+// the bound at kFp8BoundIndex, the dequantisation scale the GEMMs read, and the new amax of the bf16 copy.
+// Every element of the buffers outside the weights is stepped by the chunks of `rest`.
+struct Fp8WeightCopy {
+  int64_t begin = 0, rows = 0, cols = 0;
+  uint8_t* q = nullptr;   // device [rows, cols]
+  uint8_t* qt = nullptr;  // device [cols, rows]
+  float* slot = nullptr;  // device: its scale slot
+  int64_t first_block = 0;  // the sum of fp8_copy_blocks over the weights before it
+};
+struct ElementChunk {
+  int64_t begin = 0, count = 0;
+};
+struct Fp8WeightCopies {
+  const Fp8WeightCopy* weights = nullptr;  // device, `count` entries, disjoint, first_block ascending
+  int count = 0;
+  int64_t weight_blocks = 0;           // the step kernel's blocks over the weights (fp8_copy_blocks)
+  const ElementChunk* rest = nullptr;  // device: the other elements in chunks of <= 65 536, 8-aligned starts
+  int rest_count = 0;
+};
+// The step kernel's blocks for a weight of rows × cols: one per strip of kFp8CopyStripRows rows and
+// kFp8CopyTile columns, stepped as tiles of kFp8CopyTile × kFp8CopyTile (whose transposes go to qt).
+inline constexpr int64_t kFp8CopyTile = 64, kFp8CopyStripRows = 256;
+inline int64_t fp8_copy_blocks(int64_t rows, int64_t cols) {
+  return ((cols + kFp8CopyTile - 1) / kFp8CopyTile) * ((rows + kFp8CopyStripRows - 1) / kFp8CopyStripRows);
+}
+
 // ranges: `count` device entries, ascending and disjoint, each count >= 1, within the step's n; none: {}.
+// copies: with count > 0 the step writes the copies above instead (and the ranges are not read): fp32 masters
+// with a bf16 copy only, rows and cols multiples of 8, begin 8-aligned, every array 16-byte aligned.
 struct StoredAmaxes {
   const AmaxRange* ranges = nullptr;
   int count = 0;
+  Fp8WeightCopies copies = {};
 };
 
 // A train step's scalars in device memory, for a step replayed as a CUDA graph: the host writes adam (with
@@ -75,12 +116,49 @@ struct DeviceStepScalars {
   double norm;
 };
 
+// Σ_{k<t} r^k for r >= 0, t >= 1, without cancellation where r is close to 1.
+inline double geometric_sum(double r, double t) {
+  if (r == 1.0) return t;
+  return -std::expm1(t * std::log(r)) / (1.0 - r);
+}
+
+// A bound on |alpha · m'| / sqrt(v') at step t over every gradient sequence, m and v starting at zero: with
+// a_i = (1 - b1) b1^(t-i) and c_i = (1 - b2) b2^(t-i), m' = Σ a_i g_i and v' = Σ c_i g_i², so by Cauchy-Schwarz
+// |m'| <= sqrt(Σ a_i² / c_i) · sqrt(v') = (1 - b1) / sqrt(1 - b2) · sqrt(Σ_{k<t} (b1² / b2)^k) · sqrt(v'), and
+// alpha = lr · sqrt(1 - b2^t) / (1 - b1^t). eps only lowers the update. Step 1 gives lr exactly (Adam's first
+// step is lr · sign(g)). Finite only where b1² < b2 (Adam's usual condition; the CS336 and GPT defaults have
+// it): otherwise infinity, and nothing may be inferred from it. Times 1.25: the bf16 moments' rounding moves
+// m' and v' off the exact recurrences by a few of their own ulps per step, and fp32 evaluation by less.
+inline double adamw_update_bound(double lr, double beta1, double beta2, int64_t step) {
+  const double rho = beta1 * beta1 / beta2;
+  if (!(rho < 1.0) || !(beta1 >= 0.0 && beta1 < 1.0) || !(beta2 > 0.0 && beta2 <= 1.0) || step < 1) {
+    return INFINITY;
+  }
+  const double t = double(step);
+  // alpha · (1 - b1) / sqrt(1 - b2) with the bias corrections as sums, finite at b2 = 1 too.
+  const double ratio = lr / geometric_sum(beta1, t) * std::sqrt(geometric_sum(beta2, t));
+  return 1.25 * std::abs(ratio) * std::sqrt(geometric_sum(rho, t));
+}
+
 inline AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
                                   int64_t step, float grad_scale = 1.0f) {
   const double t = double(step);
   const float alpha = float(lr * std::sqrt(1.0 - std::pow(beta2, t)) / (1.0 - std::pow(beta1, t)));
   const float b1 = float(beta1), b2 = float(beta2);
-  return {alpha, b1, 1 - b1, b2, 1 - b2, float(eps), float(lr * weight_decay), grad_scale};
+  AdamWScalars a{alpha, b1, 1 - b1, b2, 1 - b2, float(eps), float(lr * weight_decay), grad_scale};
+  a.update_bound = float(adamw_update_bound(lr, beta1, beta2, step));
+  return a;
+}
+
+// The largest |w''| an AdamW step with scalars `a` can store, given that the bf16 copy of w before it had this
+// amax (FP8 training's weights copied by the step, Fp8WeightCopies): the fp32 master lies within half a bf16
+// step of its copy (|w| <= amax · (1 + 2^-8)), the update adds at most a.update_bound, the decay scales by
+// |1 - decay|, and 2^-10 covers the fp32 roundings of the three. NaN stays NaN; infinity where the update
+// bound is infinite.
+FLASHLM_HOST_DEVICE inline float fp8_weight_bound(float amax_before, const AdamWScalars& a) {
+  const float w = amax_before * (1.0f + 0x1p-8f) + a.update_bound;
+  const float decay = 1.0f - a.decay < 0.0f ? a.decay - 1.0f : 1.0f - a.decay;
+  return w * (decay > 1.0f ? decay : 1.0f) * (1.0f + 0x1p-10f);
 }
 
 }  // namespace flashlm

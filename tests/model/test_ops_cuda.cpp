@@ -35,6 +35,7 @@
 #include "model/lm_head.h"
 #include "model/ops_cpu.h"
 #include "model/cuda/ops.h"
+#include "model/fp8.h"
 #include "optim/optimizer.h"
 
 using namespace flashlm;
@@ -1040,6 +1041,142 @@ TEST(OpsCudaBf16, AdamWWritesTheAmaxesOfTheWeightsItStores) {
   DeviceArray<bf16_t> b(16);
   EXPECT_THROW(gpu::adamw_step_bf16(b.data(), b.data(), b.data(), b.data(), 16, lr, beta1, beta2, eps, wd, 1, nullptr,
                                     1.0f, StoredAmaxes{nullptr, 2}),
+               Error);
+}
+
+// FP8 training's weight copies written by the AdamW step (Fp8WeightCopies): for fp32 masters with fp32 or bf16
+// moments (both roundings), fixed and live scalars, weights that span several strips and partial tiles, lie side
+// by side or apart, with the other elements in chunks around them: every array gets the bits of the plain step;
+// each weight's slot the bound of the amax it held (fp8_weight_bound), that bound's dequantisation scale and the
+// amax of the stored bf16 copy; q the encoded new masters at the bound's scale, qt its transpose; and no stored
+// weight exceeds its bound.
+TEST(OpsCudaBf16, AdamWWritesTheFp8CopiesOfTheWeightsItStores) {
+  SKIP_WITHOUT_GPU();
+  const double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
+  const int64_t step = 3;
+  const AdamWScalars scalars = adamw_scalars(lr, beta1, beta2, eps, wd, step, 0.5f);
+  DeviceArray<AdamWScalars> live(std::vector<AdamWScalars>{scalars});
+  struct Weight {
+    int64_t begin, rows, cols;
+  };
+  const std::vector<Weight> weights = {{40, 520, 200}, {40 + 520 * 200, 192, 64}, {40 + 520 * 200 + 192 * 64 + 16, 8, 8}};
+  const int64_t n = weights.back().begin + 64 + 1003;
+  std::vector<ElementChunk> rest;
+  int64_t at = 0;
+  for (const Weight& x : weights) {
+    for (int64_t a = at; a < x.begin; a += 7000) rest.push_back({a, std::min<int64_t>(7000, x.begin - a)});
+    at = x.begin + x.rows * x.cols;
+  }
+  for (int64_t a = at; a < n; a += 7000) rest.push_back({a, std::min<int64_t>(7000, n - a)});
+  DeviceArray<ElementChunk> d_rest(rest);
+  enum class Variant { masters, masters_live, moments, moments_stochastic, moments_live };
+  for (Variant variant : {Variant::masters, Variant::masters_live, Variant::moments, Variant::moments_stochastic,
+                          Variant::moments_live}) {
+    SCOPED_TRACE(dims({{"variant", int64_t(variant)}}));
+    const std::vector<float> w = random_values(n, 5100, 0.05f), g = random_values(n, 5200, 1e-2f),
+                             m = random_values(n, 5300, 1e-3f);
+    std::vector<float> v = random_values(n, 5400, 1e-3f);
+    for (float& x : v) x *= x;
+    // Each slot's amax before the step: its weight's bf16 copy's.
+    std::vector<float> slots(weights.size() * kFp8ScaleSlotFloats, 0.0f);
+    for (size_t r = 0; r < weights.size(); ++r) {
+      float amax = 0.0f;
+      for (int64_t i = 0; i < weights[r].rows * weights[r].cols; ++i) {
+        amax = std::max(amax, std::fabs(float(bf16_t(w[size_t(weights[r].begin + i)]))));
+      }
+      slots[r * kFp8ScaleSlotFloats + kFp8AmaxIndex] = amax;
+    }
+    DeviceArray<float> d_slots(slots);
+    std::vector<DeviceArray<uint8_t>> q, qt;
+    std::vector<Fp8WeightCopy> table;
+    int64_t blocks = 0;
+    for (size_t r = 0; r < weights.size(); ++r) {
+      q.emplace_back(weights[r].rows * weights[r].cols);
+      qt.emplace_back(weights[r].rows * weights[r].cols);
+      q.back().poison();
+      qt.back().poison();
+      table.push_back({weights[r].begin, weights[r].rows, weights[r].cols, q.back().data(), qt.back().data(),
+                       d_slots.data() + r * kFp8ScaleSlotFloats, blocks});
+      blocks += fp8_copy_blocks(weights[r].rows, weights[r].cols);
+    }
+    DeviceArray<Fp8WeightCopy> d_table(table);
+    StoredAmaxes copies;
+    copies.copies = {d_table.data(), int(table.size()), blocks, d_rest.data(), int(rest.size())};
+    const auto run = [&](const StoredAmaxes& amax) {
+      DeviceArray<float> d_w(w), d_g(g), d_m(m), d_v(v);
+      DeviceArray<bf16_t> b_m = device_copy<bf16_t>(m), b_v = device_copy<bf16_t>(v), copy(n);
+      copy.poison();
+      switch (variant) {
+        case Variant::masters:
+          gpu::adamw_step<bf16_t>(d_w.data(), d_g.data(), d_m.data(), d_v.data(), n, lr, beta1, beta2, eps, wd, step,
+                                  copy.data(), nullptr, 0.5f, amax);
+          break;
+        case Variant::masters_live:
+          gpu::adamw_step_live<bf16_t>(d_w.data(), d_g.data(), d_m.data(), d_v.data(), n, live.data(), copy.data(),
+                                       nullptr, amax);
+          break;
+        case Variant::moments:
+        case Variant::moments_stochastic:
+          gpu::adamw_step_bf16_moments<bf16_t>(d_w.data(), d_g.data(), b_m.data(), b_v.data(), n, lr, beta1, beta2,
+                                               eps, wd, step, {variant == Variant::moments_stochastic, 77}, 0,
+                                               copy.data(), nullptr, 0.5f, amax);
+          break;
+        case Variant::moments_live:
+          gpu::adamw_step_bf16_moments_live<bf16_t>(d_w.data(), d_g.data(), b_m.data(), b_v.data(), n, live.data(),
+                                                    false, 0, copy.data(), nullptr, amax);
+          break;
+      }
+      struct Result {
+        std::vector<float> w, m, v;
+        std::vector<bf16_t> copy, bm, bv;
+      };
+      return Result{d_w.download(), d_m.download(), d_v.download(), copy.download(), b_m.download(), b_v.download()};
+    };
+    const auto with = run(copies), without = run(StoredAmaxes{});
+    EXPECT_TRUE(bitwise_equal(with.w, without.w)) << "w";
+    EXPECT_TRUE(bitwise_equal(with.m, without.m)) << "m";
+    EXPECT_TRUE(bitwise_equal(with.v, without.v)) << "v";
+    EXPECT_TRUE(bitwise_equal(with.copy, without.copy)) << "the stored bf16 weights";
+    EXPECT_TRUE(bitwise_equal(with.bm, without.bm)) << "bf16 m";
+    EXPECT_TRUE(bitwise_equal(with.bv, without.bv)) << "bf16 v";
+    const std::vector<float> got_slots = d_slots.download();
+    for (size_t r = 0; r < weights.size(); ++r) {
+      SCOPED_TRACE(dims({{"weight", int64_t(r)}}));
+      const Weight& x = weights[r];
+      const float* slot = got_slots.data() + r * kFp8ScaleSlotFloats;
+      const float bound = fp8_weight_bound(slots[r * kFp8ScaleSlotFloats + kFp8AmaxIndex], scalars);
+      EXPECT_EQ(std::bit_cast<uint32_t>(slot[kFp8BoundIndex]), std::bit_cast<uint32_t>(bound));
+      const float scale = fp8_scale(bound, Fp8Format::e4m3);
+      EXPECT_EQ(std::bit_cast<uint32_t>(slot[kFp8DequantIndex]), std::bit_cast<uint32_t>(fp8_dequant_scale(scale)));
+      float amax = 0.0f, largest = 0.0f;
+      const std::vector<uint8_t> got_q = q[r].download(), got_qt = qt[r].download();
+      int64_t bad_q = 0, bad_qt = 0;
+      for (int64_t i = 0; i < x.rows; ++i) {
+        for (int64_t j = 0; j < x.cols; ++j) {
+          const auto e = size_t(x.begin + i * x.cols + j);
+          amax = std::max(amax, std::fabs(float(with.copy[e])));
+          largest = std::max(largest, std::fabs(with.w[e]));
+          const uint8_t want = fp8_encode(with.w[e] * scale, Fp8Format::e4m3);
+          bad_q += got_q[size_t(i * x.cols + j)] != want;
+          bad_qt += got_qt[size_t(j * x.rows + i)] != want;
+        }
+      }
+      EXPECT_EQ(bad_q, 0) << "q bytes not encode(w · scale)";
+      EXPECT_EQ(bad_qt, 0) << "qt bytes not q's transpose";
+      EXPECT_EQ(std::bit_cast<uint32_t>(slot[kFp8AmaxIndex]), std::bit_cast<uint32_t>(amax)) << "the bf16 copy's amax";
+      EXPECT_LE(largest, bound);
+    }
+  }
+  // Copies are of fp32 masters with a bf16 copy: pure bf16, or no copy, is an Error.
+  DeviceArray<bf16_t> b(16);
+  StoredAmaxes bad;
+  bad.copies.count = 1;
+  EXPECT_THROW(gpu::adamw_step_bf16(b.data(), b.data(), b.data(), b.data(), 16, lr, beta1, beta2, eps, wd, 1, nullptr,
+                                    1.0f, bad),
+               Error);
+  DeviceArray<float> f(16);
+  EXPECT_THROW(gpu::adamw_step<float>(f.data(), f.data(), f.data(), f.data(), 16, lr, beta1, beta2, eps, wd, 1, nullptr,
+                                      nullptr, 1.0f, bad),
                Error);
 }
 

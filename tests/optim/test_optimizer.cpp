@@ -306,6 +306,84 @@ TEST(AdamWBf16MomentsCpu, StaysWithinTheDerivedBoundOfFp32Moments) {
   }
 }
 
+// FP8 training's weight copies written by the AdamW step (Fp8WeightCopies) are scaled from fp8_weight_bound of
+// the bf16 copy's amax before the step: it must hold every stored weight after it, whatever the gradients,
+// and exceed their amax by little more than update_bound. Gradient sequences that press on the Cauchy-Schwarz
+// bound (growing as (b2 / b1)^t, its equality case), spikes, sign flips, zeros and plain noise, for several
+// betas, with fp32 moments and bf16 moments rounded either way; decay and clipping factors included.
+TEST(AdamWUpdateBound, HoldsTheStoredWeightsWhateverTheGradients) {
+  const int64_t n = 512, steps = 300;
+  struct Betas {
+    double b1, b2;
+  };
+  for (const Betas betas : {Betas{0.9, 0.95}, Betas{0.9, 0.999}, Betas{0.8, 0.99}, Betas{0.0, 0.5}, Betas{0.95, 0.95}}) {
+    for (const int moments : {0, 1, 2}) {  // fp32, bf16 nearest, bf16 stochastic
+      SCOPED_TRACE("b1 " + std::to_string(betas.b1) + " b2 " + std::to_string(betas.b2) + " moments " +
+                   std::to_string(moments));
+      std::vector<float> w = random_f32(n, 500 + moments, 0.02f), mf(n, 0.0f), vf(n, 0.0f);
+      w[7] = 0.0f;
+      std::vector<bf16_t> mb(n, bf16_t(0.0f)), vb(n, bf16_t(0.0f));
+      std::mt19937_64 rng(900 + moments);
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      double worst_slack = 0.0;
+      for (int64_t step = 1; step <= steps; ++step) {
+        const double lr = step % 50 == 0 ? 0.0 : 1e-3 * (1.0 + double(step % 3));
+        const float clip = step % 11 == 0 ? 0.25f : 1.0f;
+        float amax = 0.0f;  // the bf16 copy's, as the step's slot holds it
+        for (float x : w) amax = std::max(amax, std::fabs(float(bf16_t(x))));
+        const AdamWScalars a = adamw_scalars(lr, betas.b1, betas.b2, kEps, kDecay, step, clip);
+        const float bound = fp8_weight_bound(amax, a);
+        std::vector<float> g(n);
+        for (int64_t i = 0; i < n; ++i) {
+          const auto k = size_t(i);
+          switch (i % 6) {
+            case 0: g[k] = normal(rng); break;
+            case 1: g[k] = float(std::pow(betas.b2 / std::max(betas.b1, 0.01), double(step))) * 1e-3f; break;
+            case 2: g[k] = step % 37 == 0 ? 1e4f : 1e-4f * normal(rng); break;
+            case 3: g[k] = step % 2 ? 1.0f : -1.0f; break;
+            case 4: g[k] = step < 100 ? 0.0f : 1.0f; break;
+            default: g[k] = float(i) * 1e-3f; break;
+          }
+          g[k] *= clip;  // the CPU steps take clipped gradients
+        }
+        if (moments == 0) {
+          cpu::adamw_step(w.data(), g.data(), mf.data(), vf.data(), n, lr, betas.b1, betas.b2, kEps, kDecay, step);
+        } else {
+          cpu::adamw_step_bf16_moments(w.data(), g.data(), mb.data(), vb.data(), n, lr, betas.b1, betas.b2, kEps,
+                                       kDecay, step, MomentRounding{moments == 2, 5});
+        }
+        float after = 0.0f;
+        for (float x : w) after = std::max(after, std::fabs(x));
+        ASSERT_LE(after, bound) << "step " << step;
+        ASSERT_LE(std::fabs(float(bf16_t(after))), bound * (1.0f + 0x1p-8f)) << "step " << step;
+        if (std::isinf(bound)) {  // b1² >= b2: no bound, and the model casts in the pass instead
+          ASSERT_GE(betas.b1 * betas.b1, betas.b2);
+          continue;
+        }
+        // Looser than the amax after by a few of the updates it allows for (the largest weight may move inward by
+        // one) and of the amax's own 2^-8 (+ 2^-10; the master within half a bf16 step of its copy).
+        worst_slack = std::max(worst_slack, (double(bound) - after) / (double(a.update_bound) + 0x1p-7 * amax));
+      }
+      EXPECT_LT(worst_slack, 4.0) << "bound - amax after, in update bounds + 2^-7 amax";
+    }
+  }
+}
+
+TEST(AdamWUpdateBound, IsLrAtTheFirstStepAndInfiniteWithoutAdamsCondition) {
+  EXPECT_NEAR(adamw_update_bound(1e-3, 0.9, 0.95, 1), 1.25e-3, 1e-15);
+  EXPECT_NEAR(adamw_update_bound(1e-3, 0.9, 1.0, 10), 1.25e-3 * (0.1 / (1 - std::pow(0.9, 10))) *
+                                                          std::sqrt(10.0 * (1 - std::pow(0.81, 10)) / 0.19),
+              1e-12);
+  // The large-step limit at CS336's betas: 1.25 · 0.1 / sqrt(0.05) / sqrt(1 - 0.81 / 0.95) · lr.
+  EXPECT_NEAR(adamw_update_bound(1.0, 0.9, 0.95, 100000), 1.25 * 0.1 / std::sqrt(0.05) / std::sqrt(1 - 0.81 / 0.95),
+              1e-9);
+  EXPECT_TRUE(std::isinf(adamw_update_bound(1e-3, 0.99, 0.95, 5)));  // b1² >= b2: none holds
+  EXPECT_TRUE(std::isinf(adamw_update_bound(1e-3, 0.9, 0.81, 5)));
+  EXPECT_TRUE(std::isinf(adamw_update_bound(1e-3, 0.9, 0.95, 0)));
+  EXPECT_TRUE(std::isnan(fp8_weight_bound(NAN, adamw_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 3))));
+  EXPECT_EQ(adamw_scalars(1e-3, 0.99, 0.95, 1e-8, 0.1, 3).update_bound, INFINITY);
+}
+
 TEST(SumSquaresCpu, Bf16IsTheFp32SumOfTheWidenedValues) {
   const std::vector<bf16_t> x = random_bf16(4099, 71, 3.0f);
   const std::vector<float> xf = widen(x);

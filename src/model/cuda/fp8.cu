@@ -7,6 +7,7 @@
 #include "core/cuda_check.h"
 #include "model/cuda/amax.cuh"
 #include "model/cuda/fp8.h"
+#include "model/cuda/fp8_device.cuh"
 #include "model/fp8.h"
 
 namespace flashlm::gpu {
@@ -86,12 +87,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <Fp8Format F>
-__device__ __forceinline__ uint8_t encode(float v) {
-  // Round to nearest even, saturating to the largest finite value (infinities too); NaN stays NaN.
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::e4m3 ? __NV_E4M3 : __NV_E5M2));
-}
-
 constexpr unsigned kAmaxBlocks = 1024;
 constexpr int kTile = 32;      // the cast's tile: kTile × kTile elements
 constexpr int kTileRows = 8;   // threads per tile column: the block is kTile × kTileRows
@@ -158,10 +153,10 @@ __global__ void __launch_bounds__(kTile* kTileRows)
       if (r < rows && c < cols) {
         if constexpr (kRowwise) {
           const float v = f32(x[r * cols + c]);
-          if (q) q[r * cols + c] = encode<F>(v * row_scale[i]);
-          if (qt) tile[i][threadIdx.x] = encode<F>(v * col_scale[threadIdx.x]);
+          if (q) q[r * cols + c] = fp8_encode<F>(v * row_scale[i]);
+          if (qt) tile[i][threadIdx.x] = fp8_encode<F>(v * col_scale[threadIdx.x]);
         } else {
-          const uint8_t v = encode<F>(f32(x[r * cols + c]) * scale);
+          const uint8_t v = fp8_encode<F>(f32(x[r * cols + c]) * scale);
           if (q) q[r * cols + c] = v;
           tile[i][threadIdx.x] = v;
         }
@@ -185,9 +180,7 @@ __global__ void __launch_bounds__(kTile* kTileRows)
 // thread a pack of 8 elements of a row, and for the transposed copy 8 bytes of a column gathered from the
 // tile in shared memory. The byte-wide kernel above moves a quarter of that per instruction; its stores
 // and transposed writes dominated the FP8 step's casts.
-constexpr int kVecTile = 64;
-constexpr int kVecThreads = 256;
-constexpr int kVecTileStride = kVecTile + 4;  // bytes per tile row: 4-byte aligned, fewer bank conflicts
+// (kVecTile, kVecThreads and kVecTileStride: model/cuda/fp8_device.cuh, the tile AdamW's weight copies share.)
 
 template <class D, Fp8Format F, bool kRowwise>
 __global__ void __launch_bounds__(kVecThreads)
@@ -229,18 +222,16 @@ __global__ void __launch_bounds__(kVecThreads)
 #pragma unroll
           for (int k = 0; k < kPack; ++k) {
             const float e = f32(in[k]);
-            if (q) word[k / 4] |= uint32_t{encode<F>(e * rs)} << (8 * (k % 4));
-            if (qt) word_t[k / 4] |= uint32_t{encode<F>(e * col_scale[j + k])} << (8 * (k % 4));
+            if (q) word[k / 4] |= uint32_t{fp8_encode<F>(e * rs)} << (8 * (k % 4));
+            if (qt) word_t[k / 4] |= uint32_t{fp8_encode<F>(e * col_scale[j + k])} << (8 * (k % 4));
           }
           if (q) *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(word[0], word[1]);
-          *reinterpret_cast<uint32_t*>(tile + i * kVecTileStride + j) = word_t[0];
-          *reinterpret_cast<uint32_t*>(tile + i * kVecTileStride + j + 4) = word_t[1];
+          put_tile_pack(tile, i, j, word_t);
         } else {
 #pragma unroll
-          for (int k = 0; k < kPack; ++k) word[k / 4] |= uint32_t{encode<F>(f32(in[k]) * scale)} << (8 * (k % 4));
+          for (int k = 0; k < kPack; ++k) word[k / 4] |= uint32_t{fp8_encode<F>(f32(in[k]) * scale)} << (8 * (k % 4));
           if (q) *reinterpret_cast<uint2*>(q + r * cols + c) = make_uint2(word[0], word[1]);
-          *reinterpret_cast<uint32_t*>(tile + i * kVecTileStride + j) = word[0];
-          *reinterpret_cast<uint32_t*>(tile + i * kVecTileStride + j + 4) = word[1];
+          put_tile_pack(tile, i, j, word);
         }
       }
     }
@@ -249,16 +240,7 @@ __global__ void __launch_bounds__(kVecThreads)
       continue;
     }
     __syncthreads();
-    for (int v = threadIdx.x; v < kVecTile * kPacksPerRow; v += kVecThreads) {
-      const int j = v / kPacksPerRow, i = (v % kPacksPerRow) * kPack;  // qt's row c0 + j, columns r0 + i...
-      const int64_t c = c0 + j, r = r0 + i;
-      if (r < rows && c < cols) {
-        uint32_t word[2] = {0, 0};
-#pragma unroll
-        for (int k = 0; k < kPack; ++k) word[k / 4] |= uint32_t{tile[(i + k) * kVecTileStride + j]} << (8 * (k % 4));
-        *reinterpret_cast<uint2*>(qt + c * rows + r) = make_uint2(word[0], word[1]);
-      }
-    }
+    write_transposed_tile(tile, r0, c0, rows, cols, qt);
     __syncthreads();  // the tile is rewritten by the next tile row
   }
 }

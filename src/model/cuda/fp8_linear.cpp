@@ -71,11 +71,45 @@ Fp8Linear::CachedWeight& Fp8Linear::entry(std::string_view name, int64_t in, int
 void Fp8Linear::begin_pass(std::span<const Fp8WeightRef> weights, void* stream) {
   ++pass_;
   act_.x = act_x_t_ = nullptr;
-  // Taken once: the next pass reduces unless the weights' writer says so anew.
-  const bool current = weight_amaxes_.take(weight_pointers(weights));
+  // Taken once: the next pass reduces (and casts) unless the weights' writer says so anew.
+  const std::vector<const void*> places = weight_pointers(weights);
+  const bool copies = weight_copies_.take(places);
+  const bool current = weight_amaxes_.take(places) || copies;
   if (weights.empty() || recipe_ != Fp8Recipe::tensorwise) return;
   if (!current && !reduce_weight_amaxes(weights, stream)) return;
-  for (const Fp8WeightRef& r : weights) cached_.find(r.name)->second.amax_pass = pass_;
+  for (const Fp8WeightRef& r : weights) {
+    CachedWeight& e = cached_.find(r.name)->second;
+    e.amax_pass = pass_;
+    if (copies) e.pass = pass_;  // the optimizer's copies stand for this pass's casts
+  }
+}
+
+Fp8Linear::WeightCopy Fp8Linear::weight_copy(const Fp8WeightRef& r) {
+  FLASHLM_CHECK(recipe_ == Fp8Recipe::tensorwise,
+                "Fp8Linear::weight_copy: weight '{}': only tensorwise copies can be written by the optimizer", r.name);
+  const CachedWeight& e = entry(r.name, r.in, r.out);
+  return {cache_at(e.offset), cache_at(e.offset_t), cache_dequant(e.slot) - kFp8DequantIndex};
+}
+
+void Fp8Linear::set_weight_copies_current(std::span<const Fp8WeightRef> weights) {
+  for (const Fp8WeightRef& r : weights) {
+    FLASHLM_CHECK(cached_.contains(r.name),
+                  "Fp8Linear::set_weight_copies_current: weight '{}' has no cache entry (weight_copy was not asked)",
+                  r.name);
+  }
+  weight_copies_.set_current(weight_pointers(weights));
+}
+
+bool Fp8Linear::cast_weights(std::span<const Fp8WeightRef> weights, void* stream) {
+  if (!reduce_weight_amaxes(weights, stream)) return false;
+  for (const Fp8WeightRef& r : weights) cast_with_amax(entry(r.name, r.in, r.out), r.w, r.in, r.out, stream);
+  return true;
+}
+
+void Fp8Linear::cast_with_amax(const CachedWeight& e, const bf16_t* w, int64_t in, int64_t out, void* stream) {
+  const float* slot = cache_dequant(e.slot) - kFp8DequantIndex;
+  gpu::fp8_cast(w, out, in, slot + kFp8AmaxIndex, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
+                cache_dequant(e.slot), stream);
 }
 
 bool Fp8Linear::reduce_weight_amaxes(std::span<const Fp8WeightRef> weights, void* stream) {
@@ -144,9 +178,7 @@ Fp8Linear::CachedWeight& Fp8Linear::cached(std::string_view name, const bf16_t* 
   CachedWeight& e = entry(name, in, out);
   if (e.pass != pass_) {
     if (e.amax_pass == pass_) {  // begin_pass reduced its amax: the cast alone
-      const float* slot = cache_dequant(e.slot) - kFp8DequantIndex;
-      gpu::fp8_cast(w, out, in, slot + kFp8AmaxIndex, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
-                    cache_dequant(e.slot), stream);
+      cast_with_amax(e, w, in, out, stream);
     } else if (recipe_ == Fp8Recipe::rowwise) {
       gpu::fp8_quantize_rowwise(w, out, in, Fp8Format::e4m3, cache_at(e.offset), cache_at(e.offset_t),
                                 cache_vectors(e.slot), stream);

@@ -104,8 +104,28 @@ class Fp8Linear {
   float* weight_amax(const Fp8WeightRef& r);
   void clear_weight_amaxes(void* stream);
   void set_weight_amaxes_current(std::span<const Fp8WeightRef> weights);
-  void weights_changed() { weight_amaxes_.stale(); }
+  void weights_changed() {
+    weight_amaxes_.stale();
+    weight_copies_.stale();
+  }
   bool weight_amaxes_current() const { return weight_amaxes_.current(); }
+  // The named weights' FP8 copies from the optimizer step itself (gpu::adamw_step's Fp8WeightCopies;
+  // ModelOptions::fp8_optimizer_weight_cast), tensorwise only. weight_copy: where weight r's copies and scale slot
+  // are (its cache entry, made at first use). set_weight_copies_current(weights): the cache holds these weights'
+  // copies as stored, with their dequantisation scales and amaxes in their slots, so that the next begin_pass
+  // over exactly these weights casts none of them (once, as the amaxes; weights_changed makes them stale).
+  // cast_weights: the copies of these weights cast now from their bf16 values, their amaxes reduced first (a
+  // graphed step whose captured pass takes the optimizer's copies, when they are stale); false where it could
+  // not be queued (inside a capture).
+  struct WeightCopy {
+    uint8_t* q;
+    uint8_t* qt;
+    float* slot;
+  };
+  WeightCopy weight_copy(const Fp8WeightRef& r);
+  void set_weight_copies_current(std::span<const Fp8WeightRef> weights);
+  bool weight_copies_current() const { return weight_copies_.current(); }
+  bool cast_weights(std::span<const Fp8WeightRef> weights, void* stream);
   // begin_pass's reduction of these weights' amaxes into their slots, queued now (the stale fallback of a
   // graphed step whose captured begin_pass takes the optimizer's amaxes). False where it was not queued: inside
   // a CUDA-graph capture with a list of weights not uploaded yet (their casts then reduce them one by one).
@@ -186,6 +206,8 @@ class Fp8Linear {
   uint8_t* kept_input(CachedWeight& e, int64_t in);
   // The weight's entry, created (with its cache places) at its first use.
   CachedWeight& entry(std::string_view name, int64_t in, int64_t out);
+  // Its copies cast from w with the amax its slot holds.
+  void cast_with_amax(const CachedWeight& e, const bf16_t* w, int64_t in, int64_t out, void* stream);
   // The weight's entry, its copies cast now if this pass has not cast them yet.
   CachedWeight& cached(std::string_view name, const bf16_t* w, int64_t in, int64_t out, void* stream);
   uint8_t* cache_at(int64_t offset) const { return static_cast<uint8_t*>(cache_.data()) + offset; }
@@ -238,6 +260,7 @@ class Fp8Linear {
   std::vector<gpu::Fp8AmaxSegment> amax_table_;
   int64_t amax_chunks_ = 0;
   Fp8WeightAmaxes weight_amaxes_;  // whether the slots hold the weights' amaxes (set_weight_amaxes_current)
+  Fp8WeightAmaxes weight_copies_;  // whether the cache holds the optimizer's copies (set_weight_copies_current)
   int64_t inputs_used_ = 0;  // bytes of the kept inputs' region handed out
   std::unordered_map<std::string, CachedWeight> cached_;
   uint64_t pass_ = 1;

@@ -639,6 +639,10 @@ void CudaModel::save_state(std::span<float> params, std::span<float> m, std::spa
   check_state_arrays("CudaModel::save_state", params.size(), m.size(), v.size(), 0);
   const Impl& s = *impl_;
   copy_parameters_to(params.data());
+  // The optimizer's FP8 weight copies are scaled from the amax before the last step, which a checkpoint does not
+  // hold: a run resumed from it casts its weights in its first pass. So does this run after writing it, so that
+  // the two continue with the same bits (ModelOptions::fp8_optimizer_weight_cast).
+  if (s.fp8 && s.fp8->weight_copies_current()) s.weights_changed();
   if (s.pure && s.adam->allocated()) {  // widened to fp32: the checkpoint format is the same for every precision
     s.widen_to_host(s.adam->m_as<bf16_t>(), m.data(), s.n_params);
     s.widen_to_host(s.adam->v_as<bf16_t>(), v.data(), s.n_params);

@@ -6,6 +6,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <memory>
 #include <span>
 #include <string>
@@ -17,6 +19,7 @@
 #include "core/check.h"
 #include "core/cuda_check.h"
 #include "core/cuda_runtime.h"
+#include "core/env.h"
 #include "flashlm/model.h"
 #include "model/activations.h"
 #include "model/cuda/fp8_linear.h"
@@ -255,7 +258,8 @@ struct CudaModel::Impl {
   // the block weights' amaxes as it stores them (StoredAmaxes: each weight's run of the flat buffers, q‖k‖v as one,
   // into its Fp8Linear slot), and the next begin_pass reduces none. {} otherwise. The table goes up to the device
   // at the first step, which is eager (train_step's graph captures its second).
-  StoredAmaxes fp8_stored_amaxes() {
+  // copies (fp8_copies_wanted): the step writes the weights' FP8 copies too (StoredAmaxes::copies).
+  StoredAmaxes fp8_stored_amaxes(bool copies = false) {
     if (!fp8 || !options.fp8_fused_amax || fp8->recipe() != Fp8Recipe::tensorwise) return {};
     const std::span<const Fp8WeightRef> weights = fp8_pass_weights();
     if (weights.empty()) return {};  // FSDP's sharded storage
@@ -277,9 +281,62 @@ struct CudaModel::Impl {
       fp8_amax_ranges = Buffer::allocate(ranges.size() * sizeof(AmaxRange), Device::cuda, "FP8 weight amax ranges");
       cuda_copy(fp8_amax_ranges.data(), ranges.data(), ranges.size() * sizeof(AmaxRange));
     }
-    return {static_cast<const AmaxRange*>(fp8_amax_ranges.data()), int(weights.size())};
+    StoredAmaxes stored{static_cast<const AmaxRange*>(fp8_amax_ranges.data()), int(weights.size())};
+    if (copies) stored.copies = fp8_weight_copies(weights);
+    return stored;
   }
   Buffer fp8_amax_ranges;
+
+  // ModelOptions::fp8_optimizer_weight_cast where it applies: fp32 masters with a bf16 copy, the fused amaxes
+  // (fp8_stored_amaxes), FLASHLM_FP8_WEIGHT_CAST not `pass`, and betas whose update has a bound (beta1² < beta2:
+  // fp8_betas_bounded, set by each eager step from its betas; a captured step keeps the warm-up's).
+  bool fp8_copies_wanted() const {
+    if (!fp8 || pure || precision != DType::bf16 || !options.fp8_optimizer_weight_cast || !fp8_betas_bounded) return false;
+    if (fp8_cast_env < 0) fp8_cast_env = env_choice(kFp8WeightCast) == "optimizer";
+    return fp8_cast_env == 1;
+  }
+  bool fp8_betas_bounded = false;
+  mutable int fp8_cast_env = -1;  // FLASHLM_FP8_WEIGHT_CAST allows it (1) or not (0); -1: not read yet
+  // The tables of StoredAmaxes::copies: each FP8 weight's place in the flat buffers and cache (ascending), and
+  // the chunks of every other element. Uploaded once, by an eager step.
+  Fp8WeightCopies fp8_weight_copies(std::span<const Fp8WeightRef> weights) {
+    if (!fp8_copy_table.data()) {
+      FLASHLM_CHECK(!capturing, "CudaModel: the FP8 weight copy table is uploaded by an eager step, not a capture");
+      std::vector<const Fp8WeightRef*> order;
+      for (const Fp8WeightRef& r : weights) order.push_back(&r);
+      std::ranges::sort(order, {}, [&](const Fp8WeightRef* r) { return info(r->name).offset; });
+      std::vector<Fp8WeightCopy> table;
+      std::vector<ElementChunk> rest;
+      constexpr int64_t kChunk = int64_t{1} << 16;
+      const auto add_rest = [&](int64_t a, int64_t e) {
+        for (; a < e; a += kChunk) rest.push_back({a, std::min(kChunk, e - a)});
+      };
+      int64_t at = 0, blocks = 0;
+      for (const Fp8WeightRef* r : order) {
+        const int64_t begin = info(r->name).offset;
+        FLASHLM_CHECK(begin >= at && begin % 8 == 0 && r->in % 8 == 0 && r->out % 8 == 0,
+                      "CudaModel: FP8 weight '{}' at element {} ({} x {}) cannot be copied by the optimizer (8-aligned "
+                      "places and sizes, disjoint)", r->name, begin, r->out, r->in);
+        add_rest(at, begin);
+        const Fp8Linear::WeightCopy places = fp8->weight_copy(*r);
+        table.push_back({begin, r->out, r->in, places.q, places.qt, places.slot, blocks});
+        blocks += fp8_copy_blocks(r->out, r->in);
+        at = begin + r->in * r->out;
+      }
+      add_rest(at, n_params);
+      FLASHLM_CHECK(int64_t(rest.size()) <= INT32_MAX, "CudaModel: {} chunks outside the FP8 weights", rest.size());
+      fp8_copy_table = Buffer::allocate(table.size() * sizeof(Fp8WeightCopy), Device::cuda, "FP8 weight copy table");
+      cuda_copy(fp8_copy_table.data(), table.data(), table.size() * sizeof(Fp8WeightCopy));
+      fp8_copy_rest = Buffer::allocate(std::max<size_t>(1, rest.size()) * sizeof(ElementChunk), Device::cuda,
+                                       "FP8 weight copy step's other elements");
+      if (!rest.empty()) cuda_copy(fp8_copy_rest.data(), rest.data(), rest.size() * sizeof(ElementChunk));
+      fp8_copy_counts = {int64_t(table.size()), blocks, int64_t(rest.size())};
+    }
+    return {static_cast<const Fp8WeightCopy*>(fp8_copy_table.data()), int(fp8_copy_counts[0]), fp8_copy_counts[1],
+            static_cast<const ElementChunk*>(fp8_copy_rest.data()), int(fp8_copy_counts[2])};
+  }
+  Buffer fp8_copy_table, fp8_copy_rest;
+  std::array<int64_t, 3> fp8_copy_counts{};  // weights, their blocks, rest chunks
   // Anything but the fused AdamW step wrote the weights: the next pass reduces their amaxes (Fp8Linear).
   void weights_changed() const {
     if (fp8) fp8->weights_changed();
@@ -367,12 +424,17 @@ struct CudaModel::Impl {
   // AdamW over every parameter at step adam->steps(): with `fixed` scalars, or (live not null) with those the
   // kernels read from the device when they run (the graphed step).
   // With FP8's fused amaxes (fp8_stored_amaxes) the step also writes the block weights' amaxes.
+  // With the optimizer's FP8 weight copies (fp8_copies_wanted) it writes those too, and its first kernel takes
+  // the amaxes the slots hold (their bounds come from them), so nothing clears them before.
   void queue_adamw(const AdamWConfig& cfg, double lr, const AdamWScalars* live) {
-    const StoredAmaxes amax = fp8_stored_amaxes();
+    if (!live) fp8_betas_bounded = std::isfinite(adamw_update_bound(1.0, cfg.beta1, cfg.beta2, 1));
+    const bool copies = fp8_copies_wanted();
+    const StoredAmaxes amax = fp8_stored_amaxes(copies);
     weights_changed();
-    if (amax.count > 0) fp8->clear_weight_amaxes(stream);
+    if (amax.count > 0 && amax.copies.count == 0) fp8->clear_weight_amaxes(stream);
     queue_adamw_kernels(cfg, lr, live, amax);
     if (amax.count > 0) fp8->set_weight_amaxes_current(fp8_pass_weights());
+    if (amax.copies.count > 0) fp8->set_weight_copies_current(fp8_pass_weights());
   }
   void queue_adamw_kernels(const AdamWConfig& cfg, double lr, const AdamWScalars* live, const StoredAmaxes& amax) {
     if (pure) {

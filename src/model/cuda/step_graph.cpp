@@ -69,11 +69,29 @@ StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, 
   // With FP8's fused weight amaxes the graph's begin_pass takes those its AdamW step wrote at the previous replay
   // (captured so: the flag is set by the eager warm-up's step). Where anything else wrote the weights since
   // (a checkpoint load, an eager step without them), their amaxes are reduced here first, outside the graph.
+  // With the optimizer's FP8 weight copies the graph's begin_pass takes the copies instead (and casts nothing):
+  // where they are stale, the weights are cast here, outside the graph. A graph captured with them runs only
+  // while the betas still bound the update (fp8_copies_wanted); otherwise this step is eager.
   const bool fused_amax = m.fp8_stored_amaxes().count > 0;
-  if (fused_amax && !m.fp8->weight_amaxes_current()) {
+  const bool betas_bounded = m.fp8_betas_bounded;
+  m.fp8_betas_bounded = std::isfinite(adamw_update_bound(1.0, cfg.beta1, cfg.beta2, 1));
+  const bool copies = m.fp8_copies_wanted();
+  if (g.exec && copies != g.fp8_copies) {
+    m.fp8_betas_bounded = betas_bounded;
+    m.graph_status = "off for this step: the betas changed whether AdamW writes the FP8 weight copies";
+    return LanguageModel::train_step(tokens, targets, cfg, lr);
+  }
+  if (copies && !m.fp8->weight_copies_current()) {
+    const std::span<const Fp8WeightRef> weights = m.fp8_pass_weights();
+    if (m.fp8->cast_weights(weights, m.stream)) {
+      m.fp8->set_weight_amaxes_current(weights);
+      m.fp8->set_weight_copies_current(weights);
+    }
+  } else if (fused_amax && !m.fp8->weight_amaxes_current()) {
     const std::span<const Fp8WeightRef> weights = m.fp8_pass_weights();
     if (m.fp8->reduce_weight_amaxes(weights, m.stream)) m.fp8->set_weight_amaxes_current(weights);
   }
+  if (!g.exec) g.fp8_copies = copies;
   if (!g.exec && !capture_step()) {
     m.graph_status = g.failure;
     return LanguageModel::train_step(tokens, targets, cfg, lr);
@@ -89,6 +107,7 @@ StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, 
   m.materialized_segment = g.materialized_segment;
   m.pending_clip = g.out->data->adam.grad_scale;
   if (fused_amax) m.fp8->set_weight_amaxes_current(m.fp8_pass_weights());  // the graph's AdamW step wrote them
+  if (copies) m.fp8->set_weight_copies_current(m.fp8_pass_weights());
   m.graph_status = "on";
   return StepResult{m.mean_loss(g.rows->data), g.out->data->norm, true};
 }

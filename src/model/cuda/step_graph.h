@@ -52,6 +52,7 @@ struct StepGraph {
   bool norms_current = false;
   int64_t materialized_segment = -1;
   int64_t replays = 0;
+  bool fp8_copies = false;  // captured with the optimizer's FP8 weight copies (CudaModel's fp8_copies_wanted)
   StepGraph() { FLASHLM_CUDA_CHECK(cudaStreamCreate(&stream), "cudaStreamCreate (train-step graph)"); }
   ~StepGraph() {
     cudaStreamSynchronize(stream);

@@ -6,6 +6,8 @@
 #include "core/cuda/kernels.cuh"
 #include "core/cuda_check.h"
 #include "model/cuda/amax.cuh"
+#include "model/cuda/fp8_device.cuh"
+#include "model/fp8.h"
 #include "optim/optimizer.h"
 
 namespace flashlm::gpu {
@@ -30,9 +32,23 @@ __device__ __forceinline__ void adamw_element(float& w, float grad, float& m, fl
 // block and piece, model/cuda/amax.cuh). A grid-stride loop would give every thread elements of many ranges.
 constexpr int64_t kAmaxChunk = int64_t{1} << 16;
 
-// Elements [0, n) as above: body(Width<kPack>{}, i) over a piece's whole packs where `packed` (every array
-// 16-byte aligned, so a pack starting at a multiple of kPack is too), body(Width<1>{}, i) over the rest. body
-// adds the magnitudes of what it stores to `best`, which is reset before each piece and reduced after it.
+// Elements [a, e) by one block: body(Width<kPack>{}, i) over the whole packs (starting at multiples of kPack)
+// where `packed` (every array 16-byte aligned, so such a pack is too), body(Width<1>{}, i) over the rest.
+template <class Body>
+__device__ __forceinline__ void for_each_pack_in(int64_t a, int64_t e, bool packed, Body body) {
+  const int64_t head = packed ? min(e, (a + kPack - 1) / kPack * kPack) : e;
+  const int64_t tail = max(head, packed ? e / kPack * kPack : e);
+#pragma unroll 1  // under kPack elements: unrolling would only cost registers
+  for (int64_t i = a + threadIdx.x; i < head; i += kThreads) body(Width<1>{}, i);
+  for (int64_t i = head + int64_t{threadIdx.x} * kPack; i < tail; i += int64_t{kThreads} * kPack) {
+    body(Width<kPack>{}, i);
+  }
+#pragma unroll 1
+  for (int64_t i = tail + threadIdx.x; i < e; i += kThreads) body(Width<1>{}, i);
+}
+
+// Elements [0, n) as above, in pieces that for_each_pack_in steps. body adds the magnitudes of what it stores
+// to `best`, which is reset before each piece and reduced after it.
 template <class Body>
 __device__ __forceinline__ void for_each_pack_in_ranges(int64_t n, bool packed, const StoredAmaxes& amax,
                                                         uint32_t& best, Body body) {
@@ -46,16 +62,8 @@ __device__ __forceinline__ void for_each_pack_in_ranges(int64_t n, bool packed, 
     const AmaxRange* r = lo < amax.count ? amax.ranges + lo : nullptr;
     const bool inside = r && r->begin <= a;
     const int64_t e = min(c1, inside ? r->begin + r->count : r ? r->begin : c1);
-    const int64_t head = packed ? min(e, (a + kPack - 1) / kPack * kPack) : e;
-    const int64_t tail = max(head, packed ? e / kPack * kPack : e);
     best = 0;
-#pragma unroll 1  // under kPack elements: unrolling would only cost registers
-    for (int64_t i = a + threadIdx.x; i < head; i += kThreads) body(Width<1>{}, i);
-    for (int64_t i = head + int64_t{threadIdx.x} * kPack; i < tail; i += int64_t{kThreads} * kPack) {
-      body(Width<kPack>{}, i);
-    }
-#pragma unroll 1
-    for (int64_t i = tail + threadIdx.x; i < e; i += kThreads) body(Width<1>{}, i);
+    for_each_pack_in(a, e, packed, body);
     if (inside) {
       block_amax_to<kThreads>(reinterpret_cast<uint32_t*>(r->amax), best);
       __syncthreads();  // block_amax_to's shared array is reused by the next piece
@@ -164,6 +172,40 @@ __global__ void __launch_bounds__(kThreads)
 // counter_draw(rounding_key, first_index + i) — the CPU's draw, so the same bits; fp32 moments (M = float, the
 // AMAX step of adamw_step: the plain one is adamw_kernel_x4's) stored as they are. AMAX: also the StoredAmaxes
 // of the copy as stored (which AMAX needs).
+template <int W, class D, class M, bool Stochastic, bool AMAX>
+__device__ __forceinline__ Vec<float, W> step_masters(float* __restrict__ w, const float* __restrict__ grad,
+                                                      M* __restrict__ m, M* __restrict__ v, D* __restrict__ copy,
+                                                      int64_t i, int64_t first_index, const AdamWScalars& a,
+                                                      uint32_t& best) {
+  Vec<float, W> wv = load<W>(w + i);
+  const Vec<float, W> gv = load<W>(grad + i);
+  Vec<M, W> mv = load<W>(m + i), vv = load<W>(v + i);
+  Vec<D, W> cv;
+#pragma unroll
+  for (int k = 0; k < W; ++k) {
+    float mk = f32(mv[k]), vk = f32(vv[k]);
+    adamw_element(wv[k], gv[k], mk, vk, a);
+    if constexpr (std::is_same_v<M, float>) {
+      mv[k] = mk;
+      vv[k] = vk;
+    } else if constexpr (Stochastic) {
+      const uint64_t r = counter_draw(a.rounding_key, uint64_t(first_index + i + k));
+      mv[k] = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(mk), uint32_t(r)));
+      vv[k] = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(vk), uint32_t(r >> 16)));
+    } else {
+      mv[k] = from_f32<__nv_bfloat16>(mk);
+      vv[k] = from_f32<__nv_bfloat16>(vk);
+    }
+    cv[k] = from_f32<D>(wv[k]);
+    if constexpr (AMAX) best = max(best, magnitude_bits(f32(cv[k])));
+  }
+  store(w + i, wv);
+  store(m + i, mv);
+  store(v + i, vv);
+  if (copy) store(copy + i, cv);
+  return wv;
+}
+
 template <class D, class M, bool Stochastic, bool AMAX>
 __global__ void __launch_bounds__(kThreads)
     adamw_masters_kernel(float* __restrict__ w, const float* __restrict__ grad, M* __restrict__ m, M* __restrict__ v,
@@ -172,34 +214,76 @@ __global__ void __launch_bounds__(kThreads)
   const AdamWScalars a = live ? *live : fixed;
   [[maybe_unused]] uint32_t best = 0;
   for_each_step_pack<AMAX>(n, packs, amax, best, [&](auto width, int64_t i) {
-    constexpr int W = decltype(width)::value;
-    Vec<float, W> wv = load<W>(w + i);
-    const Vec<float, W> gv = load<W>(grad + i);
-    Vec<M, W> mv = load<W>(m + i), vv = load<W>(v + i);
-    Vec<D, W> cv;
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      float mk = f32(mv[k]), vk = f32(vv[k]);
-      adamw_element(wv[k], gv[k], mk, vk, a);
-      if constexpr (std::is_same_v<M, float>) {
-        mv[k] = mk;
-        vv[k] = vk;
-      } else if constexpr (Stochastic) {
-        const uint64_t r = counter_draw(a.rounding_key, uint64_t(first_index + i + k));
-        mv[k] = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(mk), uint32_t(r)));
-        vv[k] = __ushort_as_bfloat16(bf16_bits_stochastic(__float_as_uint(vk), uint32_t(r >> 16)));
-      } else {
-        mv[k] = from_f32<__nv_bfloat16>(mk);
-        vv[k] = from_f32<__nv_bfloat16>(vk);
-      }
-      cv[k] = from_f32<D>(wv[k]);
-      if constexpr (AMAX) best = max(best, magnitude_bits(f32(cv[k])));
-    }
-    store(w + i, wv);
-    store(m + i, mv);
-    store(v + i, vv);
-    if (copy) store(copy + i, cv);
+    step_masters<decltype(width)::value, D, M, Stochastic, AMAX>(w, grad, m, v, copy, i, first_index, a, best);
   });
+}
+
+// FP8 weight copies (Fp8WeightCopies), first: each weight's bound from the amax its slot holds (its bf16 copy's
+// before the step), the dequantisation scale its new copies will have, and the slot's amax cleared for the
+// step's atomics. One thread a weight.
+__global__ void fp8_copy_bounds_kernel(Fp8WeightCopies copies, AdamWScalars fixed, const AdamWScalars* __restrict__ live) {
+  const AdamWScalars a = live ? *live : fixed;
+  for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < copies.count; r += gridDim.x * blockDim.x) {
+    float* slot = copies.weights[r].slot;
+    const float bound = fp8_weight_bound(slot[kFp8AmaxIndex], a);
+    slot[kFp8BoundIndex] = bound;
+    slot[kFp8DequantIndex] = fp8_dequant_scale(fp8_scale(bound, Fp8Format::e4m3));
+    slot[kFp8AmaxIndex] = 0.0f;
+  }
+}
+
+// Then the step: block b < weight_blocks steps a strip of kFp8CopyStripRows × kFp8CopyTile elements of one weight,
+// tile by tile, each pack of eight as adamw_masters_kernel steps it (the same bits in w, m, v and the bf16
+// copy), encoding the new fp32 masters into q straight and, through the tile in shared memory, into qt; the
+// strip's largest stored bf16 magnitude goes to the weight's amax with one atomic. The blocks past them step
+// the chunks of `rest` as the plain step does.
+static_assert(kFp8CopyTile == kVecTile && kFp8CopyStripRows % kVecTile == 0 && kVecThreads == kThreads);
+template <class M, bool Stochastic>
+__global__ void __launch_bounds__(kVecThreads)
+    adamw_fp8_copies_kernel(float* __restrict__ w, const float* __restrict__ grad, M* __restrict__ m,
+                            M* __restrict__ v, __nv_bfloat16* __restrict__ copy, int64_t first_index,
+                            AdamWScalars fixed, const AdamWScalars* __restrict__ live, Fp8WeightCopies copies) {
+  const AdamWScalars a = live ? *live : fixed;
+  uint32_t best = 0;
+  const int64_t b = blockIdx.x;
+  if (b >= copies.weight_blocks) {
+    const ElementChunk chunk = copies.rest[b - copies.weight_blocks];
+    for_each_pack_in(chunk.begin, chunk.begin + chunk.count, true, [&](auto width, int64_t i) {
+      step_masters<decltype(width)::value, __nv_bfloat16, M, Stochastic, false>(w, grad, m, v, copy, i, first_index,
+                                                                                 a, best);
+    });
+    return;
+  }
+  int lo = 0, hi = copies.count - 1;  // the last weight whose blocks start at or before b
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (copies.weights[mid].first_block <= b) lo = mid; else hi = mid - 1;
+  }
+  const Fp8WeightCopy& c = copies.weights[lo];
+  const int64_t local = b - c.first_block, tile_cols = (c.cols + kVecTile - 1) / kVecTile;
+  const int64_t c0 = (local % tile_cols) * kVecTile, strip = (local / tile_cols) * kFp8CopyStripRows;
+  const float scale = fp8_scale(c.slot[kFp8BoundIndex], Fp8Format::e4m3);
+  __shared__ __align__(16) uint8_t tile[kVecTile * kVecTileStride];
+  constexpr int kPacksPerRow = kVecTile / kPack;
+  for (int64_t r0 = strip; r0 < min(c.rows, strip + kFp8CopyStripRows); r0 += kVecTile) {
+    for (int p = threadIdx.x; p < kVecTile * kPacksPerRow; p += kVecThreads) {
+      const int i = p / kPacksPerRow, j = (p % kPacksPerRow) * kPack;
+      const int64_t r = r0 + i, col = c0 + j;
+      if (r < c.rows && col < c.cols) {
+        const Vec<float, kPack> wv = step_masters<kPack, __nv_bfloat16, M, Stochastic, true>(
+            w, grad, m, v, copy, c.begin + r * c.cols + col, first_index, a, best);
+        uint32_t word[2] = {0, 0};
+#pragma unroll
+        for (int k = 0; k < kPack; ++k) word[k / 4] |= uint32_t{fp8_encode<Fp8Format::e4m3>(wv[k] * scale)} << (8 * (k % 4));
+        *reinterpret_cast<uint2*>(c.q + r * c.cols + col) = make_uint2(word[0], word[1]);
+        put_tile_pack(tile, i, j, word);
+      }
+    }
+    __syncthreads();
+    write_transposed_tile(tile, r0, c0, c.rows, c.cols, c.qt);
+    __syncthreads();  // the tile is rewritten by the next tile
+  }
+  block_amax_to<kVecThreads>(reinterpret_cast<uint32_t*>(c.slot + kFp8AmaxIndex), best);
 }
 
 // The grid of a step: the plain one's, or one block per kAmaxChunk elements with StoredAmaxes (checked here: a
@@ -218,12 +302,42 @@ unsigned step_blocks(const char* fn, int64_t n, int64_t packs, const StoredAmaxe
 
 // fp32 masters with moments M and copy T (none: T = float and null), the launch of every variant but the plain
 // fp32-moment step's (adamw_kernel_x4).
+// The FP8 weight copies' two launches (above), for launch_adamw_masters.
+template <class M, class T>
+void launch_adamw_copies(const char* fn, float* param, const float* grad, M* m, M* v, const AdamWScalars& fixed,
+                         const AdamWScalars* live, bool stochastic, int64_t first_index, T* param_copy,
+                         const Fp8WeightCopies& copies, cudaStream_t s) {
+  FLASHLM_CHECK((std::is_same_v<T, bf16_t> && param_copy != nullptr),
+                "{}: FP8 weight copies given without a bf16 param_copy (the amaxes are of the bf16 copy as stored)", fn);
+  FLASHLM_CHECK(copies.weights != nullptr && copies.weight_blocks >= copies.count &&
+                    (copies.rest_count == 0 || copies.rest != nullptr) && copies.rest_count >= 0,
+                "{}: FP8 weight copies: {} weights in {} blocks, {} rest chunks{}: not a table", fn, copies.count,
+                copies.weight_blocks, copies.rest_count, copies.rest ? "" : " (null)");
+  FLASHLM_CHECK(aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && aligned16(param_copy),
+                "{}: FP8 weight copies need every array 16-byte aligned", fn);
+  const int64_t blocks = copies.weight_blocks + copies.rest_count;
+  FLASHLM_CHECK(blocks <= INT32_MAX, "{}: {} blocks: too many for the FP8 weight copies' step", fn, blocks);
+  if constexpr (std::is_same_v<T, bf16_t>) {
+    using DM = std::remove_pointer_t<decltype(dev(m))>;
+    fp8_copy_bounds_kernel<<<unsigned(ceil_div(copies.count, kThreads)), kThreads, 0, s>>>(copies, fixed, live);
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_copy_bounds_kernel");
+    const auto kernel = std::is_same_v<M, float> || !stochastic ? adamw_fp8_copies_kernel<DM, false>
+                                                                : adamw_fp8_copies_kernel<DM, true>;
+    kernel<<<unsigned(blocks), kVecThreads, 0, s>>>(param, grad, dev(m), dev(v), dev(param_copy), first_index, fixed,
+                                                    live, copies);
+    FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_fp8_copies_kernel");
+  }
+}
+
 template <class M, class T>
 void launch_adamw_masters(const char* fn, float* param, const float* grad, M* m, M* v, int64_t n,
                           const AdamWScalars& fixed, const AdamWScalars* live, bool stochastic, int64_t first_index,
                           T* param_copy, const StoredAmaxes& amax, cudaStream_t s) {
   FLASHLM_CHECK(param && grad && m && v, "{}: param, grad, m and v must not be null", fn);
   FLASHLM_CHECK(first_index >= 0, "{}: first_index = {}, expected >= 0", fn, first_index);
+  if (amax.copies.count > 0) {
+    return launch_adamw_copies(fn, param, grad, m, v, fixed, live, stochastic, first_index, param_copy, amax.copies, s);
+  }
   const int64_t packs = pack_count(n, param, grad, m, v, param_copy);
   const unsigned blocks = step_blocks(fn, n, packs, amax, std::is_same_v<T, bf16_t> && param_copy != nullptr);
   using D = std::remove_pointer_t<decltype(dev(param_copy))>;
@@ -256,7 +370,7 @@ template <class T>
 void launch_adamw(const char* fn, float* param, const float* grad, float* m, float* v, int64_t n,
                   const AdamWScalars& fixed, const AdamWScalars* live, T* param_copy, const StoredAmaxes& amax,
                   cudaStream_t s) {
-  if (amax.count != 0) {
+  if (amax.count != 0 || amax.copies.count != 0) {
     return launch_adamw_masters(fn, param, grad, m, v, n, fixed, live, false, 0, param_copy, amax, s);
   }
   const bool copy_aligned = reinterpret_cast<uintptr_t>(param_copy) % (4 * sizeof(T)) == 0;  // four elements
@@ -278,6 +392,7 @@ void launch_adamw(const char* fn, float* param, const float* grad, float* m, flo
 void launch_adamw_bf16(const char* fn, bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n,
                        const AdamWScalars& fixed, const AdamWScalars* live, const StoredAmaxes& amax, cudaStream_t s) {
   FLASHLM_CHECK(param && grad && m && v, "{}: param, grad, m and v must not be null", fn);
+  FLASHLM_CHECK(amax.copies.count == 0, "{}: FP8 weight copies are written by the fp32-master steps only", fn);
   const int64_t packs = pack_count(n, param, grad, m, v);
   const auto kernel = amax.count > 0 ? adamw_bf16_kernel<true> : adamw_bf16_kernel<false>;
   kernel<<<step_blocks(fn, n, packs, amax, true), kThreads, 0, s>>>(dev(param), dev(grad), dev(m), dev(v), n, packs,
