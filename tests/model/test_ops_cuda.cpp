@@ -1049,7 +1049,7 @@ TEST(OpsCudaBf16, AdamWWritesTheAmaxesOfTheWeightsItStores) {
 // by side or apart, with the other elements in chunks around them: every array gets the bits of the plain step;
 // each weight's slot the bound of the amax it held (fp8_weight_bound), that bound's dequantisation scale and the
 // amax of the stored bf16 copy; q the encoded new masters at the bound's scale, qt its transpose; and no stored
-// weight exceeds its bound.
+// weight exceeds its bound (the moments come from a history of steps, as the bound needs).
 TEST(OpsCudaBf16, AdamWWritesTheFp8CopiesOfTheWeightsItStores) {
   SKIP_WITHOUT_GPU();
   const double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
@@ -1073,10 +1073,14 @@ TEST(OpsCudaBf16, AdamWWritesTheFp8CopiesOfTheWeightsItStores) {
   for (Variant variant : {Variant::masters, Variant::masters_live, Variant::moments, Variant::moments_stochastic,
                           Variant::moments_live}) {
     SCOPED_TRACE(dims({{"variant", int64_t(variant)}}));
-    const std::vector<float> w = random_values(n, 5100, 0.05f), g = random_values(n, 5200, 1e-2f),
-                             m = random_values(n, 5300, 1e-3f);
-    std::vector<float> v = random_values(n, 5400, 1e-3f);
-    for (float& x : v) x *= x;
+    // The state after step - 1 steps from zero moments (the bound holds for moments with a history, which
+    // random ones need not be), on the CPU.
+    std::vector<float> w = random_values(n, 5100, 0.05f), m(size_t(n), 0.0f), v(size_t(n), 0.0f);
+    for (int64_t s = 1; s < step; ++s) {
+      const std::vector<float> gs = random_values(n, 5300 + s, 1e-2f);
+      cpu::adamw_step(w.data(), gs.data(), m.data(), v.data(), n, lr, beta1, beta2, eps, wd, s);
+    }
+    const std::vector<float> g = random_values(n, 5200, 1e-2f);
     // Each slot's amax before the step: its weight's bf16 copy's.
     std::vector<float> slots(weights.size() * kFp8ScaleSlotFloats, 0.0f);
     for (size_t r = 0; r < weights.size(); ++r) {
