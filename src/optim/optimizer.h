@@ -195,8 +195,10 @@ namespace flashlm::gpu {
 // pass).
 // amax (every variant; none by default): the StoredAmaxes of what the step stores, which needs a bf16 param_copy
 // here (an Error otherwise). The same bits in every array with or without it.
-template <class T>
-void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
+// The gradients G: fp32, or bf16 with T = bf16_t (ModelOptions::grad_dtype; this and the three below): each
+// widened to fp32 (exact), so the step is the fp32 step on the widened gradients, bit for bit.
+template <class T, class G = float>
+void adamw_step(float* param, const G* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale = 1.0f,
                 StoredAmaxes amax = {});
 
@@ -207,8 +209,8 @@ void adamw_step_bf16(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, in
                      float grad_scale = 1.0f, StoredAmaxes amax = {});
 
 // bf16 moments (above; cpu::adamw_step_bf16_moments's bits), with adamw_step's param_copy and grad_scale.
-template <class T>
-void adamw_step_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n, double lr,
+template <class T, class G = float>
+void adamw_step_bf16_moments(float* param, const G* grad, bf16_t* m, bf16_t* v, int64_t n, double lr,
                              double beta1, double beta2, double eps, double weight_decay, int64_t step,
                              MomentRounding rounding, int64_t first_index, T* param_copy, void* stream,
                              float grad_scale = 1.0f, StoredAmaxes amax = {});
@@ -216,14 +218,14 @@ void adamw_step_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t*
 // adamw_step and adamw_step_bf16 with the step's scalars read from device memory when the kernels run, not
 // fixed when they are queued: a CUDA graph of the train step replays them with each step's lr, step count
 // and clipping factor (CudaModel::train_step).
-template <class T>
-void adamw_step_live(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWScalars* scalars,
+template <class T, class G = float>
+void adamw_step_live(float* param, const G* grad, float* m, float* v, int64_t n, const AdamWScalars* scalars,
                      T* param_copy, void* stream, StoredAmaxes amax = {});
 void adamw_step_bf16_live(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* v, int64_t n,
                           const AdamWScalars* scalars, void* stream, StoredAmaxes amax = {});
 // bf16 moments, live: the rounding key too is read from scalars (stochastic: whether to use it).
-template <class T>
-void adamw_step_bf16_moments_live(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n,
+template <class T, class G = float>
+void adamw_step_bf16_moments_live(float* param, const G* grad, bf16_t* m, bf16_t* v, int64_t n,
                                   const AdamWScalars* scalars, bool stochastic, int64_t first_index, T* param_copy,
                                   void* stream, StoredAmaxes amax = {});
 

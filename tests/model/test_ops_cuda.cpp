@@ -1182,6 +1182,83 @@ TEST(OpsCudaBf16, AdamWWritesTheFp8CopiesOfTheWeightsItStores) {
   EXPECT_THROW(gpu::adamw_step<float>(f.data(), f.data(), f.data(), f.data(), 16, lr, beta1, beta2, eps, wd, 1, nullptr,
                                       nullptr, 1.0f, bad),
                Error);
+
+// bf16 gradients beside fp32 masters (ModelOptions::grad_dtype, the experiment): every fp32-master variant (fp32
+// and bf16 moments, both roundings, fixed and live scalars, a clipping factor, with and without the FP8 amaxes)
+// reading bf16 gradients gives the bits of the same step on those gradients widened to fp32 — the widening is
+// exact, so the step is the fp32 step, and one kernel serves both. Packed (aligned) and element by element (one
+// off), with a tail.
+TEST(OpsCudaBf16, AdamWWithBf16GradientsIsTheStepOnTheWidenedGradients) {
+  SKIP_WITHOUT_GPU();
+  const double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
+  AdamWScalars scalars = adamw_scalars(lr, beta1, beta2, eps, wd, 2, 0.5f);
+  scalars.rounding_key = moment_rounding_key(77, 2);
+  DeviceArray<AdamWScalars> live(std::vector<AdamWScalars>{scalars});
+  enum class Variant { masters, masters_live, moments, moments_stochastic, moments_live };
+  for (Variant variant :
+       {Variant::masters, Variant::masters_live, Variant::moments, Variant::moments_stochastic, Variant::moments_live}) {
+    for (int64_t offset : {int64_t{0}, int64_t{1}}) {
+      for (bool with_amax : {false, true}) {
+        const int64_t n = 1003;
+        SCOPED_TRACE(dims({{"variant", int64_t(variant)}, {"offset", offset}, {"amax", int64_t(with_amax)}}));
+        DeviceArray<float> amaxes(1);
+        const std::vector<AmaxRange> ranges{{5, 900, amaxes.data()}};
+        DeviceArray<AmaxRange> table(ranges);
+        const StoredAmaxes amax = with_amax ? StoredAmaxes{table.data(), 1} : StoredAmaxes{};
+        // bf16 values (random_values<bf16_t>), so that the widened copy holds exactly what the bf16 array does.
+        const std::vector<float> g = random_values<bf16_t>(n + offset, 5100, 1e-2f),
+                                 w = random_values(n + offset, 5200, 0.05f), m = random_values(n + offset, 5300, 1e-3f);
+        std::vector<float> v = random_values(n + offset, 5400, 1e-3f);
+        for (float& x : v) x *= x;
+        struct Result {
+          std::vector<float> w, m, v;
+          std::vector<bf16_t> copy, bm, bv;
+          std::vector<float> amax;
+        };
+        const auto run = [&](auto gradient_type) {
+          using G = decltype(gradient_type);
+          DeviceArray<float> d_w(w), d_m(m), d_v(v);
+          DeviceArray<G> d_g = device_copy<G>(g);
+          DeviceArray<bf16_t> b_m = device_copy<bf16_t>(m), b_v = device_copy<bf16_t>(v), copy(n + offset);
+          copy.poison();
+          gpu::memset_async(amaxes.data(), 0, amaxes.bytes(), nullptr);
+          const int64_t o = offset;
+          const G* gp = d_g.data() + o;
+          switch (variant) {
+            case Variant::masters:
+              gpu::adamw_step<bf16_t>(d_w.data() + o, gp, d_m.data() + o, d_v.data() + o, n, lr, beta1, beta2, eps, wd,
+                                      2, copy.data() + o, nullptr, 0.5f, amax);
+              break;
+            case Variant::masters_live:
+              gpu::adamw_step_live<bf16_t>(d_w.data() + o, gp, d_m.data() + o, d_v.data() + o, n, live.data(),
+                                           copy.data() + o, nullptr, amax);
+              break;
+            case Variant::moments:
+            case Variant::moments_stochastic:
+              gpu::adamw_step_bf16_moments<bf16_t>(d_w.data() + o, gp, b_m.data() + o, b_v.data() + o, n, lr, beta1,
+                                                   beta2, eps, wd, 2, {variant == Variant::moments_stochastic, 77},
+                                                   12345, copy.data() + o, nullptr, 0.5f, amax);
+              break;
+            case Variant::moments_live:
+              gpu::adamw_step_bf16_moments_live<bf16_t>(d_w.data() + o, gp, b_m.data() + o, b_v.data() + o, n,
+                                                        live.data(), true, 12345, copy.data() + o, nullptr, amax);
+              break;
+          }
+          return Result{d_w.download(), d_m.download(), d_v.download(), copy.download(),
+                        b_m.download(), b_v.download(), amaxes.download()};
+        };
+        const Result b = run(bf16_t{}), f = run(float{});
+        EXPECT_TRUE(bitwise_equal(b.w, f.w)) << "w";
+        EXPECT_TRUE(bitwise_equal(b.m, f.m)) << "m";
+        EXPECT_TRUE(bitwise_equal(b.v, f.v)) << "v";
+        EXPECT_TRUE(bitwise_equal(b.copy, f.copy)) << "the bf16 copy";
+        EXPECT_TRUE(bitwise_equal(b.bm, f.bm)) << "bf16 m";
+        EXPECT_TRUE(bitwise_equal(b.bv, f.bv)) << "bf16 v";
+        if (with_amax) EXPECT_EQ(std::bit_cast<uint32_t>(b.amax[0]), std::bit_cast<uint32_t>(f.amax[0])) << "amax";
+        EXPECT_FALSE(bitwise_equal(f.w, w)) << "the step changed no weight";
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1307,11 +1384,11 @@ TEST(OpsCudaErrors, BadSizesAreErrors) {
   EXPECT_THROW(gpu::squared_norm(b, -1, nullptr, nullptr), Error);
   EXPECT_THROW(gpu::adamw_step_bf16(b, b, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0, nullptr), Error);
   EXPECT_THROW(gpu::adamw_step_bf16(b, b, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, nullptr), Error);  // null arrays
-  EXPECT_THROW(gpu::adamw_step_bf16_moments<float>(nullptr, nullptr, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 1, {}, 0,
-                                                   nullptr, nullptr),
+  EXPECT_THROW(gpu::adamw_step_bf16_moments<float>(nullptr, static_cast<const float*>(nullptr), b, b, 10, 1e-3, 0.9,
+                                                   0.95, 1e-8, 0.1, 1, {}, 0, nullptr, nullptr),
                Error);  // null arrays
-  EXPECT_THROW(gpu::adamw_step_bf16_moments<float>(nullptr, nullptr, b, b, 10, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0, {}, 0,
-                                                   nullptr, nullptr),
+  EXPECT_THROW(gpu::adamw_step_bf16_moments<float>(nullptr, static_cast<const float*>(nullptr), b, b, 10, 1e-3, 0.9,
+                                                   0.95, 1e-8, 0.1, 0, {}, 0, nullptr, nullptr),
                Error);  // step 0
   EXPECT_THROW(gpu::lm_head_loss_forward_backward<bf16_t>(b, b, i, 4, 8, 16, 0, 1.0f, f, b, f, b, nullptr), Error);
   EXPECT_THROW(gpu::lm_head_loss_forward_backward<bf16_t>(b, b, i, 4, 8, 16, 2, 1.0f, nullptr, nullptr, nullptr, b,

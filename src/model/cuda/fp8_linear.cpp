@@ -288,7 +288,7 @@ void Fp8Linear::forward(const bf16_t* x, const Fp8LinearWeight& w, const bf16_t*
                 stream);
 }
 
-void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const Fp8LinearWeight& w, bf16_t* dx, float* dw,
+void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const Fp8LinearWeight& w, bf16_t* dx, WeightGrad dw,
                          int64_t in, int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream,
                          std::string_view weight, bool same_input, const float* dy_amax) {
   check_widths("backward", in, out);
@@ -319,7 +319,7 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const Fp8LinearWeigh
     fp8_gemm_cuda(grad, qw_t, dx, DType::bf16, n_, in, out, accumulate_dx ? 1.0f : 0.0f, nullptr, stream);
   }
   if (dw) {
-    // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, into the fp32 gradient.
+    // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, into the fp32 (or bf16) gradient.
     if (!same_input) {
       const auto it = weight.empty() ? cached_.end() : cached_.find(std::string(weight));
       const InputCast* forward = it == cached_.end() ? nullptr : &it->second.input;
@@ -340,7 +340,7 @@ void Fp8Linear::backward(const bf16_t* dy, const bf16_t* x, const Fp8LinearWeigh
       act_x_t_ = x;
       act_x_t_in_ = in;
     }
-    fp8_gemm_cuda(grad_t, {act_x_t_q_, Fp8Format::e4m3, act_x_t_dequant_}, dw, DType::f32, out, in, n_,
+    fp8_gemm_cuda(grad_t, {act_x_t_q_, Fp8Format::e4m3, act_x_t_dequant_}, dw.data, dw.dtype, out, in, n_,
                   accumulate_dw ? 1.0f : 0.0f, nullptr, stream);
   }
 }
@@ -358,7 +358,7 @@ void Fp8Linear::forward_rowwise(const bf16_t* x, const bf16_t* w, const bf16_t* 
                 residual ? 1.0f : 0.0f, residual, stream);
 }
 
-void Fp8Linear::backward_rowwise(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
+void Fp8Linear::backward_rowwise(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, WeightGrad dw, int64_t in,
                                  int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream,
                                  std::string_view weight, bool same_input) {
   act_.x = nullptr;  // the act region (and its vectors) are dy's now
@@ -373,7 +373,7 @@ void Fp8Linear::backward_rowwise(const bf16_t* dy, const bf16_t* x, const bf16_t
                   accumulate_dx ? 1.0f : 0.0f, nullptr, stream);
   }
   if (dw) {
-    // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, xᵀ per input column, into the fp32 gradient.
+    // dw [out, in] = dyᵀ [out, n] · (xᵀ [in, n])ᵀ, xᵀ per input column, into the fp32 (or bf16) gradient.
     uint8_t* qx_t = region(layout_.act_x_t);
     if (!same_input) {
       const gpu::Fp8ScaleVectors xv = scratch_vectors(2);
@@ -383,7 +383,7 @@ void Fp8Linear::backward_rowwise(const bf16_t* dy, const bf16_t* x, const bf16_t
       act_x_t_dequant_ = xv.col_dequant;
     }
     fp8_gemm_cuda({qdy_t, gradients_, dyv.col_dequant, Fp8Scaling::per_row},
-                  {qx_t, Fp8Format::e4m3, act_x_t_dequant_, Fp8Scaling::per_row}, dw, DType::f32, out, in, n_,
+                  {qx_t, Fp8Format::e4m3, act_x_t_dequant_, Fp8Scaling::per_row}, dw.data, dw.dtype, out, in, n_,
                   accumulate_dw ? 1.0f : 0.0f, nullptr, stream);
   }
 }

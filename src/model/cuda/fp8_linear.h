@@ -5,6 +5,7 @@
 //   forward   y  = x · wᵀ (+ residual)   Q(x), Q(w) e4m3                 → bf16 (residual in the epilogue)
 //   backward  dx = dy · w  (=, +=)        Q(dy) grad format, Q(wᵀ) e4m3   → bf16
 //             dw = dyᵀ · x (=, +=)        Q(dyᵀ), Q(xᵀ)                    → fp32, into the master gradient
+//                                                                            (or bf16: ModelOptions::grad_dtype)
 //
 // The activations' FP8 copies are derived from the step's own tensors when the product needs them (the
 // backward casts x again rather than keeping the forward's copy), in one buffer of the size of one layer's
@@ -141,11 +142,12 @@ class Fp8Linear {
   void forward(const bf16_t* x, const Fp8LinearWeight& w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
                void* stream, std::string_view weight = {}, bool same_input = false, const float* x_amax = nullptr);
   // dx[n, in] (= or += when accumulate_dx) dy[n, out] · w[out, in] (dx may be null: skipped); dw[out, in]
-  // (+= or = when !accumulate_dw) dy[n, out]ᵀ · x[n, in] in fp32 (dw may be null: skipped). weight: as above.
+  // (+= or = when !accumulate_dw) dy[n, out]ᵀ · x[n, in] in fp32, or in bf16 (a bf16 WeightGrad: the GEMM's fp32
+  // sum rounded once; dw may be null: skipped). weight: as above.
   // same_input: x is the previous backward's x (both computing dw), and its transposed FP8 copy is reused.
   // For a named weight whose forward this pass saw this same x, xᵀ is cast with that forward's amax.
   // dy_amax: as x_amax, for dy.
-  void backward(const bf16_t* dy, const bf16_t* x, const Fp8LinearWeight& w, bf16_t* dx, float* dw, int64_t in,
+  void backward(const bf16_t* dy, const bf16_t* x, const Fp8LinearWeight& w, bf16_t* dx, WeightGrad dw, int64_t in,
                 int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight = {},
                 bool same_input = false, const float* dy_amax = nullptr);
 
@@ -232,7 +234,7 @@ class Fp8Linear {
   }
   void forward_rowwise(const bf16_t* x, const bf16_t* w, const bf16_t* residual, bf16_t* y, int64_t in, int64_t out,
                        void* stream, std::string_view weight, bool same_input);
-  void backward_rowwise(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, float* dw, int64_t in,
+  void backward_rowwise(const bf16_t* dy, const bf16_t* x, const bf16_t* w, bf16_t* dx, WeightGrad dw, int64_t in,
                         int64_t out, bool accumulate_dx, bool accumulate_dw, void* stream, std::string_view weight,
                         bool same_input);
 

@@ -80,6 +80,14 @@ struct Arg {
   size_t bytes() const { return static_cast<size_t>(elems) * elem_size; }
 };
 
+// A weight gradient in fp32 whatever act is, or in bf16 from bf16 operands (a GEMM of fp32 or fp16 operands
+// into bf16 is no path the model takes).
+void check_weight_grad(const Call& c) {
+  FLASHLM_CHECK(c.dw == DType::f32 || (c.dw == DType::bf16 && c.act == DType::bf16),
+                "{}: dw is {} with act {}; expected fp32 dw, or bf16 dw with bf16 act", c.fn, dtype_name(c.dw),
+                dtype_name(c.act));
+}
+
 void check_not_null(const Call& c, const Arg& a) {
   FLASHLM_CHECK(a.ptr != nullptr, "{}: {} is null", c.fn, a.name);
 }
@@ -290,16 +298,18 @@ void linear_forward_residual_cuda(const void* x, const void* w, const void* resi
   forward_gemm(c, x, w, residual, y, stream);
 }
 
-void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, float* dw, int64_t n, int64_t in,
+void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, WeightGrad dw, int64_t n, int64_t in,
                           int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32,
                           bool accumulate_dw) {
-  const Call c{"linear_backward_cuda", n, in, out, act, allow_tf32, accumulate_dx, accumulate_dw};
+  Call c{"linear_backward_cuda", n, in, out, act, allow_tf32, accumulate_dx, accumulate_dw};
+  c.dw = dw.dtype;
   ScopedRange range("linear.backward");
   check_shapes(c);
+  check_weight_grad(c);
   const size_t e = dtype_size(act);
   const Arg ady{"dy", dy, n * out, e}, ax{"x", x, n * in, e}, aw{"w", w, out * in, e}, adx{"dx", dx, n * in, e},
-      adw{"dw", dw, out * in, sizeof(float)};
-  FLASHLM_CHECK(dx != nullptr || dw != nullptr, "{}: dx and dw are both null: nothing to compute", c.fn);
+      adw{"dw", dw.data, out * in, dtype_size(dw.dtype)};
+  FLASHLM_CHECK(dx != nullptr || dw.data != nullptr, "{}: dx and dw are both null: nothing to compute", c.fn);
   check_not_null(c, ady);
   if (dx) check_not_null(c, aw);
   if (dw) check_not_null(c, ax);
@@ -336,7 +346,7 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
   const int device = current_device(c);
   for (int i = 0; i < count; ++i) check_on_device(c, *used[i], device);
   if (n == 0) {
-    FLASHLM_CUDA_CHECK(cudaMemsetAsync(dw, 0, adw.bytes(), static_cast<cudaStream_t>(stream)),
+    FLASHLM_CUDA_CHECK(cudaMemsetAsync(dw.data, 0, adw.bytes(), static_cast<cudaStream_t>(stream)),
                        fmt::format("{}: cudaMemsetAsync(dw)", c.fn));
     return;
   }
@@ -350,11 +360,12 @@ void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx
              stream);
   }
   if (dw) {
-    // dwᵀ [in, out] += X · DYᵀ with X = xᵀ [in, n], DY = dyᵀ [out, n]: 16-bit A/B, fp32 C/D; beta = 0
-    // overwrites (cuBLASLt reads no C then).
+    // dwᵀ [in, out] += X · DYᵀ with X = xᵀ [in, n], DY = dyᵀ [out, n]: 16-bit A/B, fp32 (or bf16) C/D;
+    // beta = 0 overwrites (cuBLASLt reads no C then).
     const PlanKey key = make_key(CUBLAS_OP_N, CUBLAS_OP_T, /*m*/ in, /*n*/ out, /*k*/ n, /*lda*/ in, /*ldb*/ out,
-                                 /*ldd*/ in, cuda_type(act), CUDA_R_32F, compute_type(c), /*A*/ x, /*B*/ dy, /*D*/ dw);
-    run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy, /*D*/ dw, adw.bytes(),
+                                 /*ldd*/ in, cuda_type(act), cuda_type(dw.dtype), compute_type(c), /*A*/ x, /*B*/ dy,
+                                 /*D*/ dw.data);
+    run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy, /*D*/ dw.data, adw.bytes(),
              accumulate_dw ? 1.0f : 0.0f, stream);
   }
 }
@@ -418,30 +429,35 @@ void linear_forward_pair_cuda(const void* x, const void* w0, const void* w1, voi
   linear_forward_cuda(x, w1, y1, n, in, out, act, stream);
 }
 
-void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* x, float* dw0, float* dw1, int64_t n,
-                                  int64_t in, int64_t out, DType act, bool accumulate_dw, void* stream) {
-  const Call c{"linear_weight_grad_pair_cuda", n, in, out, act, false, false, accumulate_dw};
+void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* x, WeightGrad dw0, WeightGrad dw1,
+                                  int64_t n, int64_t in, int64_t out, DType act, bool accumulate_dw, void* stream) {
+  Call c{"linear_weight_grad_pair_cuda", n, in, out, act, false, false, accumulate_dw};
+  c.dw = dw0.dtype;
   check_shapes(c);
-  const size_t e = dtype_size(act);
+  check_weight_grad(c);
+  FLASHLM_CHECK(dw1.dtype == dw0.dtype, "{}: dw0 is {} but dw1 is {}: a pair's gradients share a dtype", c.fn,
+                dtype_name(dw0.dtype), dtype_name(dw1.dtype));
+  const size_t e = dtype_size(act), ew = dtype_size(dw0.dtype);
   const Arg ady0{"dy0", dy0, n * out, e}, ady1{"dy1", dy1, n * out, e}, ax{"x", x, n * in, e},
-      adw0{"dw0", dw0, out * in, sizeof(float)}, adw1{"dw1", dw1, out * in, sizeof(float)};
+      adw0{"dw0", dw0.data, out * in, ew}, adw1{"dw1", dw1.data, out * in, ew};
   check_pair_args(c, {&ady0, &ady1, &ax}, {&adw0, &adw1});
-  const int64_t sdy = pair_stride(dy0, dy1, e, n * out), sdw = pair_stride(dw0, dw1, sizeof(float), out * in);
+  const int64_t sdy = pair_stride(dy0, dy1, e, n * out), sdw = pair_stride(dw0.data, dw1.data, ew, out * in);
   if (n > 0 && sdy >= 0 && sdw >= 0) {
     ScopedRange range("linear.backward");
     const int device = current_device(c);
     check_pair_on_device(c, {&ady0, &ady1, &ax, &adw0, &adw1}, device);
     // The weight gradient's product (the table at the top) twice: the same X, DY_b at dy0 + b·sdy, D at
-    // dw0 + b·sdw (fp32); beta = 0 overwrites.
+    // dw0 + b·sdw (fp32, or bf16); beta = 0 overwrites.
     PlanKey key = make_key(CUBLAS_OP_N, CUBLAS_OP_T, /*m*/ in, /*n*/ out, /*k*/ n, /*lda*/ in, /*ldb*/ out,
-                           /*ldd*/ in, cuda_type(act), CUDA_R_32F, compute_type(c), /*A*/ x, /*B*/ dy0, /*D*/ dw0);
+                           /*ldd*/ in, cuda_type(act), cuda_type(dw0.dtype), compute_type(c), /*A*/ x, /*B*/ dy0,
+                           /*D*/ dw0.data);
     key.batch = 2;
     key.stride_b = sdy;
     key.stride_d = sdw;
     key.align_b = std::min(key.align_b, alignment_of(dy1));
-    key.align_c = key.align_d = std::min(key.align_d, alignment_of(dw1));
-    if (run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy0, /*D*/ dw0,
-                 size_t(sdw + out * in) * sizeof(float), accumulate_dw ? 1.0f : 0.0f, stream, nullptr,
+    key.align_c = key.align_d = std::min(key.align_d, alignment_of(dw1.data));
+    if (run_gemm(c, Product::grad_weight, device, key, /*A*/ x, /*B*/ dy0, /*D*/ dw0.data,
+                 size_t(sdw + out * in) * ew, accumulate_dw ? 1.0f : 0.0f, stream, nullptr,
                  /*may_decline*/ true)) {
       return;
     }

@@ -3,7 +3,8 @@
 //
 //   forward   y [n, out]  = x [n, in] · w [out, in]ᵀ (+ r)         (act dtype in, act dtype out)
 //   backward  dx [n, in]  = dy [n, out] · w [out, in]   (or +=)     (act dtype)
-//             dw [out, in] += dy [n, out]ᵀ · x [n, in]   (or =)     (act dtype in, fp32 out: the master gradient)
+//             dw [out, in] += dy [n, out]ᵀ · x [n, in]   (or =)     (act dtype in, fp32 out: the master gradient;
+//                                                                   or bf16 out, WeightGrad)
 //
 // act ∈ {fp32, bf16, fp16}. Products accumulate in fp32 (CUBLAS_COMPUTE_32F); fp32 data gets true fp32
 // products unless allow_tf32 asks for TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32). 16-bit data
@@ -28,6 +29,7 @@
 // and the shapes. Only in builds with
 // CUDA (FLASHLM_WITH_CUDA); this header itself needs no CUDA headers.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -50,13 +52,27 @@ void linear_forward_cuda(const void* x, const void* w, void* y, int64_t n, int64
 void linear_forward_residual_cuda(const void* x, const void* w, const void* residual, void* y, int64_t n, int64_t in,
                                   int64_t out, DType act, void* stream, bool allow_tf32 = false);
 
+// A weight gradient a GEMM writes: fp32 (the master gradient), or bf16 (ModelOptions::grad_dtype: the
+// product accumulated in fp32 and rounded once, with += the stored bf16 value added in fp32 before that
+// rounding). Null: no weight gradient.
+struct WeightGrad {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  WeightGrad() = default;
+  WeightGrad(std::nullptr_t) {}
+  WeightGrad(float* p) : data(p) {}
+  WeightGrad(bf16_t* p) : data(p), dtype(DType::bf16) {}
+  explicit operator bool() const { return data != nullptr; }
+};
+
 // dx[n, in] = dy[n, out] · w[out, in], or dx += when accumulate_dx (dtype act; when not accumulating,
-// dx is never read); dw[out, in] += dy[n, out]ᵀ · x[n, in] with dw in fp32 whatever act is, or dw = when
-// not accumulate_dw (dw is then never read: a gradient's first write needs no zeroing before). dx may be
-// null to skip the input gradient (w is then unused and may be null), dw may be null to skip the
-// weight gradient (x is then unused and may be null). n = 0 leaves dw unchanged (zeroes it when not
-// accumulate_dw: the empty product) and, unless accumulate_dx, does nothing to dx either (it has no rows).
-void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, float* dw, int64_t n, int64_t in,
+// dx is never read); dw[out, in] += dy[n, out]ᵀ · x[n, in] with dw in fp32 whatever act is (or in bf16
+// where act is bf16), or dw = when not accumulate_dw (dw is then never read: a gradient's first write needs
+// no zeroing before). dx may be null to skip the input gradient (w is then unused and may be null), dw may
+// be null to skip the weight gradient (x is then unused and may be null). n = 0 leaves dw unchanged (zeroes
+// it when not accumulate_dw: the empty product) and, unless accumulate_dx, does nothing to dx either (it has
+// no rows).
+void linear_backward_cuda(const void* dy, const void* x, const void* w, void* dx, WeightGrad dw, int64_t n, int64_t in,
                           int64_t out, DType act, bool accumulate_dx, void* stream, bool allow_tf32 = false,
                           bool accumulate_dw = true);
 
@@ -70,10 +86,10 @@ void linear_forward_pair_cuda(const void* x, const void* w0, const void* w1, voi
                               int64_t in, int64_t out, DType act, void* stream);
 
 // The weight gradients of such a pair: dw0 += dy0ᵀ · x and dw1 += dy1ᵀ · x (or = when not accumulate_dw:
-// never read), fp32 dw as linear_backward_cuda writes it, as one strided-batched GEMM on the same
-// conditions (dy1 - dy0 and dw1 - dw0), else two linear_backward_cuda calls.
-void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* x, float* dw0, float* dw1, int64_t n,
-                                  int64_t in, int64_t out, DType act, bool accumulate_dw, void* stream);
+// never read), dw as linear_backward_cuda writes it (both of one dtype), as one strided-batched GEMM on the
+// same conditions (dy1 - dy0 and dw1 - dw0), else two linear_backward_cuda calls.
+void linear_weight_grad_pair_cuda(const void* dy0, const void* dy1, const void* x, WeightGrad dw0, WeightGrad dw1,
+                                  int64_t n, int64_t in, int64_t out, DType act, bool accumulate_dw, void* stream);
 
 // How an FP8 operand's dequantisation scale applies: one fp32 for the whole operand (tensorwise), or one per
 // row of the operand ([rows] for p, [cols] for q: the rowwise recipe, cuBLASLt's outer-vector scaling

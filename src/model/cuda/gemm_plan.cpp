@@ -126,7 +126,7 @@ std::string describe(const Call& c, Product p) {
       return fmt::format("dx[{}, {}] {} dy[{}, {}] · w[{}, {}] ({}{})", c.n, c.in, c.accumulate_dx ? "+=" : "=", c.n,
                          c.out, c.out, c.in, t, tf32);
     case Product::grad_weight:
-      return fmt::format("dw[{}, {}] (fp32) {} dy[{}, {}]ᵀ · x[{}, {}] ({}{})", c.out, c.in,
+      return fmt::format("dw[{}, {}] ({}) {} dy[{}, {}]ᵀ · x[{}, {}] ({}{})", c.out, c.in, dtype_name(c.dw),
                          c.accumulate_dw ? "+=" : "=", c.n, c.out, c.n, c.in, t, tf32);
     case Product::fp8:
       return fmt::format("d[{}, {}] ({}) {} p[{}, {}] ({}{}) · q[{}, {}]ᵀ ({}{}){}", c.n, c.out, t,

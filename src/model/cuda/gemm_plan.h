@@ -30,6 +30,7 @@ struct Call {
   bool accumulate_dx;
   bool accumulate_dw = true;
   bool residual = false;
+  DType dw = DType::f32;  // Product::grad_weight's output: the fp32 master gradient, or a bf16 gradient
   Fp8Format fp8_p = Fp8Format::e4m3, fp8_q = Fp8Format::e4m3;  // Product::fp8's operands (n = rows, in = k, out = cols)
   bool fp8_p_per_row = false, fp8_q_per_row = false;            // and whether their scales are vectors
 };

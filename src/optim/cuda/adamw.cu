@@ -167,24 +167,24 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-// fp32 masters with moments M: bf16 moments widened, stepped by adamw_element with the fp32 w and g, rounded
-// back to nearest even, or (Stochastic) by bf16_bits_stochastic with the 16-bit halves of
-// counter_draw(rounding_key, first_index + i) — the CPU's draw, so the same bits; fp32 moments (M = float, the
-// AMAX step of adamw_step: the plain one is adamw_kernel_x4's) stored as they are. AMAX: also the StoredAmaxes
-// of the copy as stored (which AMAX needs).
-template <int W, class D, class M, bool Stochastic, bool AMAX>
-__device__ __forceinline__ Vec<float, W> step_masters(float* __restrict__ w, const float* __restrict__ grad,
+// fp32 masters with moments M and gradients G: bf16 moments widened, stepped by adamw_element with the fp32 w
+// and the (widened: exact) g, rounded back to nearest even, or (Stochastic) by bf16_bits_stochastic with the
+// 16-bit halves of counter_draw(rounding_key, first_index + i) — the CPU's draw, so the same bits; fp32 moments
+// (M = float: the AMAX step of adamw_step, or bf16 gradients; the plain one is adamw_kernel_x4's) stored as they
+// are. AMAX: also the StoredAmaxes of the copy as stored (which AMAX needs).
+template <int W, class D, class M, class G, bool Stochastic, bool AMAX>
+__device__ __forceinline__ Vec<float, W> step_masters(float* __restrict__ w, const G* __restrict__ grad,
                                                       M* __restrict__ m, M* __restrict__ v, D* __restrict__ copy,
                                                       int64_t i, int64_t first_index, const AdamWScalars& a,
                                                       uint32_t& best) {
   Vec<float, W> wv = load<W>(w + i);
-  const Vec<float, W> gv = load<W>(grad + i);
+  const Vec<G, W> gv = load<W>(grad + i);
   Vec<M, W> mv = load<W>(m + i), vv = load<W>(v + i);
   Vec<D, W> cv;
 #pragma unroll
   for (int k = 0; k < W; ++k) {
     float mk = f32(mv[k]), vk = f32(vv[k]);
-    adamw_element(wv[k], gv[k], mk, vk, a);
+    adamw_element(wv[k], f32(gv[k]), mk, vk, a);
     if constexpr (std::is_same_v<M, float>) {
       mv[k] = mk;
       vv[k] = vk;
@@ -206,15 +206,15 @@ __device__ __forceinline__ Vec<float, W> step_masters(float* __restrict__ w, con
   return wv;
 }
 
-template <class D, class M, bool Stochastic, bool AMAX>
+template <class D, class M, class G, bool Stochastic, bool AMAX>
 __global__ void __launch_bounds__(kThreads)
-    adamw_masters_kernel(float* __restrict__ w, const float* __restrict__ grad, M* __restrict__ m, M* __restrict__ v,
+    adamw_masters_kernel(float* __restrict__ w, const G* __restrict__ grad, M* __restrict__ m, M* __restrict__ v,
                          int64_t n, int64_t packs, int64_t first_index, AdamWScalars fixed,
                          const AdamWScalars* __restrict__ live, D* __restrict__ copy, StoredAmaxes amax) {
   const AdamWScalars a = live ? *live : fixed;
   [[maybe_unused]] uint32_t best = 0;
   for_each_step_pack<AMAX>(n, packs, amax, best, [&](auto width, int64_t i) {
-    step_masters<decltype(width)::value, D, M, Stochastic, AMAX>(w, grad, m, v, copy, i, first_index, a, best);
+    step_masters<decltype(width)::value, D, M, G, Stochastic, AMAX>(w, grad, m, v, copy, i, first_index, a, best);
   });
 }
 
@@ -238,9 +238,9 @@ __global__ void fp8_copy_bounds_kernel(Fp8WeightCopies copies, AdamWScalars fixe
 // strip's largest stored bf16 magnitude goes to the weight's amax with one atomic. The blocks past them step
 // the chunks of `rest` as the plain step does.
 static_assert(kFp8CopyTile == kVecTile && kFp8CopyStripRows % kVecTile == 0 && kVecThreads == kThreads);
-template <class M, bool Stochastic>
+template <class M, class G, bool Stochastic>
 __global__ void __launch_bounds__(kVecThreads)
-    adamw_fp8_copies_kernel(float* __restrict__ w, const float* __restrict__ grad, M* __restrict__ m,
+    adamw_fp8_copies_kernel(float* __restrict__ w, const G* __restrict__ grad, M* __restrict__ m,
                             M* __restrict__ v, __nv_bfloat16* __restrict__ copy, int64_t first_index,
                             AdamWScalars fixed, const AdamWScalars* __restrict__ live, Fp8WeightCopies copies) {
   const AdamWScalars a = live ? *live : fixed;
@@ -249,8 +249,8 @@ __global__ void __launch_bounds__(kVecThreads)
   if (b >= copies.weight_blocks) {
     const ElementChunk chunk = copies.rest[b - copies.weight_blocks];
     for_each_pack_in(chunk.begin, chunk.begin + chunk.count, true, [&](auto width, int64_t i) {
-      step_masters<decltype(width)::value, __nv_bfloat16, M, Stochastic, false>(w, grad, m, v, copy, i, first_index,
-                                                                                 a, best);
+      step_masters<decltype(width)::value, __nv_bfloat16, M, G, Stochastic, false>(w, grad, m, v, copy, i,
+                                                                                    first_index, a, best);
     });
     return;
   }
@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kVecThreads)
       const int i = p / kPacksPerRow, j = (p % kPacksPerRow) * kPack;
       const int64_t r = r0 + i, col = c0 + j;
       if (r < c.rows && col < c.cols) {
-        const Vec<float, kPack> wv = step_masters<kPack, __nv_bfloat16, M, Stochastic, true>(
+        const Vec<float, kPack> wv = step_masters<kPack, __nv_bfloat16, M, G, Stochastic, true>(
             w, grad, m, v, copy, c.begin + r * c.cols + col, first_index, a, best);
         uint32_t word[2] = {0, 0};
 #pragma unroll
@@ -300,11 +300,9 @@ unsigned step_blocks(const char* fn, int64_t n, int64_t packs, const StoredAmaxe
   return unsigned(chunks);
 }
 
-// fp32 masters with moments M and copy T (none: T = float and null), the launch of every variant but the plain
-// fp32-moment step's (adamw_kernel_x4).
 // The FP8 weight copies' two launches (above), for launch_adamw_masters.
-template <class M, class T>
-void launch_adamw_copies(const char* fn, float* param, const float* grad, M* m, M* v, const AdamWScalars& fixed,
+template <class M, class G, class T>
+void launch_adamw_copies(const char* fn, float* param, const G* grad, M* m, M* v, const AdamWScalars& fixed,
                          const AdamWScalars* live, bool stochastic, int64_t first_index, T* param_copy,
                          const Fp8WeightCopies& copies, cudaStream_t s) {
   FLASHLM_CHECK((std::is_same_v<T, bf16_t> && param_copy != nullptr),
@@ -319,18 +317,21 @@ void launch_adamw_copies(const char* fn, float* param, const float* grad, M* m, 
   FLASHLM_CHECK(blocks <= INT32_MAX, "{}: {} blocks: too many for the FP8 weight copies' step", fn, blocks);
   if constexpr (std::is_same_v<T, bf16_t>) {
     using DM = std::remove_pointer_t<decltype(dev(m))>;
+    using DG = std::remove_cv_t<std::remove_pointer_t<decltype(dev(grad))>>;
     fp8_copy_bounds_kernel<<<unsigned(ceil_div(copies.count, kThreads)), kThreads, 0, s>>>(copies, fixed, live);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "fp8_copy_bounds_kernel");
-    const auto kernel = std::is_same_v<M, float> || !stochastic ? adamw_fp8_copies_kernel<DM, false>
-                                                                : adamw_fp8_copies_kernel<DM, true>;
-    kernel<<<unsigned(blocks), kVecThreads, 0, s>>>(param, grad, dev(m), dev(v), dev(param_copy), first_index, fixed,
+    const auto kernel = std::is_same_v<M, float> || !stochastic ? adamw_fp8_copies_kernel<DM, DG, false>
+                                                                : adamw_fp8_copies_kernel<DM, DG, true>;
+    kernel<<<unsigned(blocks), kVecThreads, 0, s>>>(param, dev(grad), dev(m), dev(v), dev(param_copy), first_index, fixed,
                                                     live, copies);
     FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_fp8_copies_kernel");
   }
 }
 
-template <class M, class T>
-void launch_adamw_masters(const char* fn, float* param, const float* grad, M* m, M* v, int64_t n,
+// fp32 masters with moments M, gradients G and copy T (none: T = float and null), the launch of every variant but
+// the plain fp32-moment, fp32-gradient step's (adamw_kernel_x4).
+template <class M, class G, class T>
+void launch_adamw_masters(const char* fn, float* param, const G* grad, M* m, M* v, int64_t n,
                           const AdamWScalars& fixed, const AdamWScalars* live, bool stochastic, int64_t first_index,
                           T* param_copy, const StoredAmaxes& amax, cudaStream_t s) {
   FLASHLM_CHECK(param && grad && m && v, "{}: param, grad, m and v must not be null", fn);
@@ -342,16 +343,17 @@ void launch_adamw_masters(const char* fn, float* param, const float* grad, M* m,
   const unsigned blocks = step_blocks(fn, n, packs, amax, std::is_same_v<T, bf16_t> && param_copy != nullptr);
   using D = std::remove_pointer_t<decltype(dev(param_copy))>;
   using DM = std::remove_pointer_t<decltype(dev(m))>;
+  using DG = std::remove_cv_t<std::remove_pointer_t<decltype(dev(grad))>>;
   const auto launch = [&](auto stochastic_constant, auto amax_constant) {
-    adamw_masters_kernel<D, DM, decltype(stochastic_constant)::value, decltype(amax_constant)::value>
-        <<<blocks, kThreads, 0, s>>>(param, grad, dev(m), dev(v), n, packs, first_index, fixed, live, dev(param_copy),
-                                     amax);
+    adamw_masters_kernel<D, DM, DG, decltype(stochastic_constant)::value, decltype(amax_constant)::value>
+        <<<blocks, kThreads, 0, s>>>(param, dev(grad), dev(m), dev(v), n, packs, first_index, fixed, live,
+                                     dev(param_copy), amax);
   };
   const auto with_amax = [&](auto stochastic_constant) {
     if (amax.count > 0) {
       if constexpr (std::is_same_v<T, bf16_t>) launch(stochastic_constant, std::true_type{});
-    } else if constexpr (!std::is_same_v<M, float>) {  // fp32 moments without amaxes: adamw_kernel_x4's step
-      launch(stochastic_constant, std::false_type{});
+    } else if constexpr (!std::is_same_v<M, float> || !std::is_same_v<G, float>) {
+      launch(stochastic_constant, std::false_type{});  // (fp32 moments and gradients: adamw_kernel_x4's step)
     }
   };
   if constexpr (std::is_same_v<M, float>) {
@@ -365,27 +367,30 @@ void launch_adamw_masters(const char* fn, float* param, const float* grad, M* m,
 }
 
 // The launches of adamw_step and adamw_step_live: the scalars `fixed`, or those at `live` (device memory,
-// read when the kernel runs) when it is not null.
-template <class T>
-void launch_adamw(const char* fn, float* param, const float* grad, float* m, float* v, int64_t n,
+// read when the kernel runs) when it is not null. bf16 gradients (G = bf16_t) and amaxes take the packed
+// kernel of the other variants.
+template <class G, class T>
+void launch_adamw(const char* fn, float* param, const G* grad, float* m, float* v, int64_t n,
                   const AdamWScalars& fixed, const AdamWScalars* live, T* param_copy, const StoredAmaxes& amax,
                   cudaStream_t s) {
-  if (amax.count != 0 || amax.copies.count != 0) {
+  if (!std::is_same_v<G, float> || amax.count != 0 || amax.copies.count != 0) {
     return launch_adamw_masters(fn, param, grad, m, v, n, fixed, live, false, 0, param_copy, amax, s);
   }
-  const bool copy_aligned = reinterpret_cast<uintptr_t>(param_copy) % (4 * sizeof(T)) == 0;  // four elements
-  const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && copy_aligned;
-  const int64_t n4 = vector ? n / 4 : 0;
-  if (n4 > 0) {
-    adamw_kernel_x4<<<elementwise_blocks(n4), kThreads, 0, s>>>(
-        reinterpret_cast<float4*>(param), reinterpret_cast<const float4*>(grad), reinterpret_cast<float4*>(m),
-        reinterpret_cast<float4*>(v), n4, fixed, live, dev(param_copy));
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel_x4");
-  }
-  if (4 * n4 < n) {
-    adamw_kernel<<<elementwise_blocks(n - 4 * n4), kThreads, 0, s>>>(param, grad, m, v, 4 * n4, n, fixed, live,
-                                                                     dev(param_copy));
-    FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel");
+  if constexpr (std::is_same_v<G, float>) {  // the plain step: four fp32 values a thread
+    const bool copy_aligned = reinterpret_cast<uintptr_t>(param_copy) % (4 * sizeof(T)) == 0;  // four elements
+    const bool vector = aligned16(param) && aligned16(grad) && aligned16(m) && aligned16(v) && copy_aligned;
+    const int64_t n4 = vector ? n / 4 : 0;
+    if (n4 > 0) {
+      adamw_kernel_x4<<<elementwise_blocks(n4), kThreads, 0, s>>>(
+          reinterpret_cast<float4*>(param), reinterpret_cast<const float4*>(grad), reinterpret_cast<float4*>(m),
+          reinterpret_cast<float4*>(v), n4, fixed, live, dev(param_copy));
+      FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel_x4");
+    }
+    if (4 * n4 < n) {
+      adamw_kernel<<<elementwise_blocks(n - 4 * n4), kThreads, 0, s>>>(param, grad, m, v, 4 * n4, n, fixed, live,
+                                                                       dev(param_copy));
+      FLASHLM_CUDA_CHECK(cudaGetLastError(), "adamw_kernel");
+    }
   }
 }
 
@@ -402,8 +407,8 @@ void launch_adamw_bf16(const char* fn, bf16_t* param, const bf16_t* grad, bf16_t
 
 }  // namespace
 
-template <class T>
-void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
+template <class T, class G>
+void adamw_step(float* param, const G* grad, float* m, float* v, int64_t n, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t step, T* param_copy, void* stream, float grad_scale,
                 StoredAmaxes amax) {
   check_count("adamw_step", "n", n);
@@ -413,8 +418,8 @@ void adamw_step(float* param, const float* grad, float* m, float* v, int64_t n, 
   launch_adamw("adamw_step", param, grad, m, v, n, a, nullptr, param_copy, amax, as_stream(stream));
 }
 
-template <class T>
-void adamw_step_live(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWScalars* scalars,
+template <class T, class G>
+void adamw_step_live(float* param, const G* grad, float* m, float* v, int64_t n, const AdamWScalars* scalars,
                      T* param_copy, void* stream, StoredAmaxes amax) {
   check_count("adamw_step_live", "n", n);
   FLASHLM_CHECK(scalars != nullptr, "adamw_step_live: scalars is null");
@@ -440,8 +445,8 @@ void adamw_step_bf16_live(bf16_t* param, const bf16_t* grad, bf16_t* m, bf16_t* 
   launch_adamw_bf16("adamw_step_bf16_live", param, grad, m, v, n, AdamWScalars{}, scalars, amax, as_stream(stream));
 }
 
-template <class T>
-void adamw_step_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n, double lr,
+template <class T, class G>
+void adamw_step_bf16_moments(float* param, const G* grad, bf16_t* m, bf16_t* v, int64_t n, double lr,
                              double beta1, double beta2, double eps, double weight_decay, int64_t step,
                              MomentRounding rounding, int64_t first_index, T* param_copy, void* stream,
                              float grad_scale, StoredAmaxes amax) {
@@ -454,8 +459,8 @@ void adamw_step_bf16_moments(float* param, const float* grad, bf16_t* m, bf16_t*
                        param_copy, amax, as_stream(stream));
 }
 
-template <class T>
-void adamw_step_bf16_moments_live(float* param, const float* grad, bf16_t* m, bf16_t* v, int64_t n,
+template <class T, class G>
+void adamw_step_bf16_moments_live(float* param, const G* grad, bf16_t* m, bf16_t* v, int64_t n,
                                   const AdamWScalars* scalars, bool stochastic, int64_t first_index, T* param_copy,
                                   void* stream, StoredAmaxes amax) {
   check_count("adamw_step_bf16_moments_live", "n", n);
@@ -465,20 +470,22 @@ void adamw_step_bf16_moments_live(float* param, const float* grad, bf16_t* m, bf
                        first_index, param_copy, amax, as_stream(stream));
 }
 
-#define FLASHLM_ADAMW_INSTANTIATE(T)                                                                             \
-  template void adamw_step<T>(float*, const float*, float*, float*, int64_t, double, double, double, double, double, \
-                              int64_t, T*, void*, float, StoredAmaxes);                                             \
-  template void adamw_step_live<T>(float*, const float*, float*, float*, int64_t, const AdamWScalars*, T*, void*,  \
-                                   StoredAmaxes);                                                                   \
-  template void adamw_step_bf16_moments<T>(float*, const float*, bf16_t*, bf16_t*, int64_t, double, double, double, \
-                                           double, double, int64_t, MomentRounding, int64_t, T*, void*, float,      \
-                                           StoredAmaxes);                                                           \
-  template void adamw_step_bf16_moments_live<T>(float*, const float*, bf16_t*, bf16_t*, int64_t,                   \
-                                                const AdamWScalars*, bool, int64_t, T*, void*, StoredAmaxes);
+#define FLASHLM_ADAMW_INSTANTIATE(T, G)                                                                          \
+  template void adamw_step<T, G>(float*, const G*, float*, float*, int64_t, double, double, double, double, double, \
+                                 int64_t, T*, void*, float, StoredAmaxes);                                          \
+  template void adamw_step_live<T, G>(float*, const G*, float*, float*, int64_t, const AdamWScalars*, T*, void*,   \
+                                      StoredAmaxes);                                                                \
+  template void adamw_step_bf16_moments<T, G>(float*, const G*, bf16_t*, bf16_t*, int64_t, double, double, double, \
+                                              double, double, int64_t, MomentRounding, int64_t, T*, void*, float,   \
+                                              StoredAmaxes);                                                        \
+  template void adamw_step_bf16_moments_live<T, G>(float*, const G*, bf16_t*, bf16_t*, int64_t,                    \
+                                                   const AdamWScalars*, bool, int64_t, T*, void*, StoredAmaxes);
 
-FLASHLM_ADAMW_INSTANTIATE(float)
-FLASHLM_ADAMW_INSTANTIATE(bf16_t)
-FLASHLM_ADAMW_INSTANTIATE(fp16_t)
+FLASHLM_ADAMW_INSTANTIATE(float, float)
+FLASHLM_ADAMW_INSTANTIATE(bf16_t, float)
+FLASHLM_ADAMW_INSTANTIATE(fp16_t, float)
+// bf16 gradients (ModelOptions::grad_dtype) beside fp32 masters: bf16 and FP8 training, whose copy is bf16.
+FLASHLM_ADAMW_INSTANTIATE(bf16_t, bf16_t)
 
 #undef FLASHLM_ADAMW_INSTANTIATE
 
