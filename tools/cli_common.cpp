@@ -187,6 +187,15 @@ ConditionalModelOptions add_model_options(CLI::App* cmd, flashlm::ModelOptions& 
          "stochastically, seeded by the run). Not with bf16-pure, ZeRO-1 or FSDP")
       ->default_str(std::string(optimizer_state_name(o.optimizer_state)))
       ->check(CLI::IsMember({"fp32", "bf16", "bf16-sr"}));
+  if (flags.grad_dtype) {
+    cmd->add_option_function<std::string>(
+           "--grad-dtype", [&o](const std::string& s) { o.grad_dtype = parse_grad_dtype(s); },
+           "An experiment: the gradients beside fp32 master weights in fp32, or bf16 (the weight-gradient GEMMs "
+           "write bf16, AdamW and the gradient norm read it: 6 bytes per parameter less per step). bf16 needs "
+           "--device cuda and --precision bf16 or fp8, one process")
+        ->default_str(std::string(dtype_name(o.grad_dtype)))
+        ->check(CLI::IsMember({"fp32", "bf16"}));
+  }
   if (flags.fp8) {
     given.fp8_gradients = cmd->add_option_function<std::string>(
          "--fp8-gradients", [&o](const std::string& s) { o.fp8_gradients = parse_fp8_format(s); },

@@ -62,6 +62,12 @@ int run(BenchArgs& a) {
   cfg.passes = split_list(a.pass);
   cfg.device = device_or_default(a.device);
   refuse_unused_model_options(a.model_options, cfg.options, cfg.device, any_fp8);
+  for (const auto& p : cfg.precisions) {  // --grad-dtype bf16 applies to every precision of the sweep, or is refused
+    ModelOptions o = cfg.options;
+    DType dtype;
+    parse_precision(p, dtype, o.bf16_pure, o.fp8);
+    o.check_grad_dtype(dtype, cfg.device);
+  }
   report_format(a.report);  // a bad --format is refused before the runs
   require_usable_device(cfg.device);
   if (a.threads > 0) set_cpu_threads(a.threads);
@@ -122,7 +128,8 @@ Command add_bench_command(CLI::App& app) {
                   "same GEMMs over bf16-pure)")
       ->capture_default_str();
   a->model_options =
-      add_model_options(cmd, cfg.options, {.cuda_graph = true, .overlap_grad_norm = true, .fp8 = true});
+      add_model_options(cmd, cfg.options,
+                        {.cuda_graph = true, .overlap_grad_norm = true, .fp8 = true, .grad_dtype = true});
   cmd->add_option("--attention", a->attention, "Comma list of flash,naive")->capture_default_str();
   cmd->add_option("--pass", a->pass, "Comma list of fwd,fwd-bwd,step")->capture_default_str();
   cmd->add_option("--warmup", cfg.warmup, "Untimed steps first")->capture_default_str()->check(in_range(0, kMaxReps));

@@ -4,6 +4,7 @@
 
 #include "cli_common.h"
 #include "flashlm/ddp.h"
+#include "flashlm/ddp_model.h"
 #include "flashlm/device.h"
 #include "flashlm/dist.h"
 #include "flashlm/train.h"
@@ -48,6 +49,7 @@ int run(TrainArgs& a) {
                                &cfg.options.fp8);
   refuse_unused_model_options(a.model_options, cfg.options, cfg.device, cfg.options.fp8);
   cfg.options.check_optimizer_state();
+  cfg.options.check_grad_dtype(cfg.precision, cfg.device);
   cfg.model = model_config(a);
   cfg.seq = cfg.model.context;
   if (!a.ddp.empty()) cfg.ddp.variant = parse_ddp_variant(a.ddp);
@@ -59,6 +61,7 @@ int run(TrainArgs& a) {
   const bool data_parallel = !a.ddp.empty() || cfg.zero1 || cfg.ddp.grad_accum > 1 ||
                              cfg.ddp.reduce_dtype != DType::f32 || a.nccl_max_ctas > 0 ||
                              cfg.ddp.gemm_sm_reserve >= 0 || launched_with_peers();
+  if (data_parallel) check_data_parallel_grad_dtype(cfg.options.grad_dtype);
   cfg.optimizer.cosine_steps = a.cosine_steps > 0 ? a.cosine_steps : cfg.steps;
   if (a.threads > 0) set_cpu_threads(a.threads);
   cfg.progress = [](const std::string& line) { fmt::print("{}\n", line), std::fflush(stdout); };
@@ -166,7 +169,8 @@ Command add_train_command(CLI::App& app) {
                   "bf16-pure-fp8 (the same GEMMs over bf16-pure; cuda) "
                   "(default: bf16 on "
                   "cuda, fp32 on cpu)");
-  a->model_options = add_model_options(cmd, cfg.options, {.attention = true, .cuda_graph = true, .fp8 = true});
+  a->model_options =
+      add_model_options(cmd, cfg.options, {.attention = true, .cuda_graph = true, .fp8 = true, .grad_dtype = true});
   add_threads_option(cmd, a->threads);
   cmd->add_option("--ddp", a->ddp,
                   "Data parallelism under mpirun (each rank its --batch sequences): per-param, flat, async, "

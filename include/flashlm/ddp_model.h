@@ -30,6 +30,8 @@ struct DdpMemory {
 // beside the masters are the model's own AdamW's. flashlm::InvalidArgument for moments stored otherwise under
 // either: DdpModel checks it, and train before it builds anything.
 void check_sharded_optimizer_state(OptimizerState state, bool zero1, bool fsdp);
+// ModelOptions::grad_dtype bf16 under data parallelism (any variant): an InvalidArgument saying to use fp32.
+void check_data_parallel_grad_dtype(DType grad_dtype);
 
 // DataParallel, and ZeroOptimizer when zero1, wired to a LanguageModel: its buffers, stream and gradient-ready
 // hook. The train step of `flashlm train` under mpirun and of `flashlm ddp-bench`. With zero1 on CUDA, when

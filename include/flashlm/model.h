@@ -76,6 +76,8 @@ struct RecomputePlan {
 enum class OptimizerState { fp32, bf16, bf16_sr };
 OptimizerState parse_optimizer_state(std::string_view text);  // "fp32", "bf16" or "bf16-sr"
 std::string_view optimizer_state_name(OptimizerState s);
+// ModelOptions::grad_dtype: "fp32" or "bf16" (an InvalidArgument otherwise).
+DType parse_grad_dtype(std::string_view text);
 
 // How a model is built beyond its size: the attention implementation, the recomputation plan and (CUDA,
 // bf16 only) pure bf16 — parameters, gradients and AdamW moments stored in bf16 with fp32 arithmetic in
@@ -85,6 +87,16 @@ struct ModelOptions {
   RecomputePlan recompute;
   bool bf16_pure = false;
   OptimizerState optimizer_state = OptimizerState::fp32;
+  // An experiment (`--grad-dtype`, issue 32): how the gradients beside fp32 master weights are stored. fp32 (the
+  // default), or bf16 on CUDA with precision bf16 (fp8 included): the weight-gradient GEMMs write bf16
+  // directly (the product accumulated in fp32, rounded once), AdamW widens them, and the norm and clipping read
+  // them — 6 bytes a parameter less per step. Where a gradient sums several contributions (the embedding's
+  // rows, the LM head's chunks, the RMSNorm gains' tokens) it is accumulated in fp32 and rounded once, as
+  // bf16-pure does; a backward onto gradients that were not zeroed adds to the stored bf16 values in fp32
+  // and rounds the sum once (the running sum of micro-batches is then stored in bf16). Not on the CPU, not
+  // with fp32, fp16 or bf16-pure (whose gradients are bf16 already), nor under data parallelism
+  // (check_grad_dtype; DdpModel refuses it).
+  DType grad_dtype = DType::f32;
   uint64_t moment_rounding_seed = 0;  // bf16-sr: the seed of its rounding (the run's seed)
   // Tokens per chunk of the LM head + cross-entropy (the [chunk, vocab] logits are all that exists of
   // them at once). 0: automatic (about 1 GiB of logits, or every token when that is fewer).
@@ -162,6 +174,9 @@ struct ModelOptions {
   // optimizer_state other than fp32 needs fp32 masters: with bf16_pure it is an Error (the models and the
   // memory plan check it).
   void check_optimizer_state() const;
+  // grad_dtype bf16 needs CUDA, precision bf16 (mixed, or fp8 over it) and the model's own storage: an
+  // InvalidArgument naming what to change otherwise (the models and the memory plan check it).
+  void check_grad_dtype(DType precision, Device device) const;
   static ModelOptions with_attention(AttentionImpl attention) {
     ModelOptions o;
     o.attention = attention;
@@ -332,6 +347,9 @@ class LanguageModel {
   // --- The optimizer's state.
   // How the AdamW moments are stored beside the fp32 masters (ModelOptions::optimizer_state).
   OptimizerState optimizer_state() const;
+  // How the gradients are stored beside fp32 masters (ModelOptions::grad_dtype; bf16-pure's are bf16 whatever
+  // this says).
+  DType grad_dtype() const { return grad_dtype_; }
   int64_t optimizer_steps() const;  // AdamW steps taken (or loaded)
   // Frees the AdamW moments and restarts the step count at 0 (the next own step starts from zero moments,
   // as a new optimizer would): for data parallelism whose sharded optimizer keeps the state instead (ZeRO-1,
@@ -429,6 +447,7 @@ class LanguageModel {
   Device device_;
   DType precision_;
   bool bf16_pure_ = false;
+  DType grad_dtype_ = DType::f32;
   bool external_parameters_ = false;
   bool fsdp_fp8_gather_ = false;
   std::unique_ptr<AdamWState> adamw_;
@@ -507,7 +526,8 @@ class CpuModel final : public LanguageModel {
 // The LM on one GPU. Activations and their gradients in `precision` (fp32, bf16 or fp16); master weights,
 // gradients and AdamW moments in fp32, with a low-precision copy of the weights for the GEMMs — or, with
 // ModelOptions::bf16_pure, all of them in bf16 (each backward accumulates a weight's gradient in fp32 and
-// rounds it once into the bf16 gradient; parameters() and gradients() then throw). The LM head and the loss
+// rounds it once into the bf16 gradient; parameters() and gradients() then throw), or with
+// ModelOptions::grad_dtype bf16 the gradients alone (gradients() then throws). The LM head and the loss
 // run in token chunks (ModelOptions::head_chunk): the logits of every token never exist at once. fp16 uses
 // dynamic loss scaling: the loss gradient is multiplied by loss_scale(); unscale_gradients() divides it
 // out, or reports an overflow (inf/nan), halves the scale and the caller skips the step (LossScaler). Every

@@ -27,12 +27,20 @@ void check_sharded_optimizer_state(OptimizerState state, bool zero1, bool fsdp) 
                     optimizer_state_name(state), fsdp ? "--ddp fsdp" : "--zero 1");
 }
 
+void check_data_parallel_grad_dtype(DType grad_dtype) {
+  FLASHLM_CHECK_ARG(grad_dtype == DType::f32,
+                    "data parallelism: --grad-dtype {} is an experiment of one GPU's step; DDP, ZeRO-1 and FSDP reduce "
+                    "fp32 gradients: use --grad-dtype fp32",
+                    dtype_name(grad_dtype));
+}
+
 DdpModel::DdpModel(Communicator& comm, LanguageModel& model, int64_t micro_batch_tokens, const DdpOptions& options,
                    bool zero1)
     : model_(model),
       micro_tokens_(micro_batch_tokens),
       gemm_sm_reserve_(resolve_gemm_sm_reserve(options.gemm_sm_reserve, comm)) {
   FLASHLM_CHECK(micro_batch_tokens >= 1, "DdpModel: micro_batch_tokens = {}, expected >= 1", micro_batch_tokens);
+  check_data_parallel_grad_dtype(model.grad_dtype());
   const DdpParameters params = DdpParameters::of(model);
   const bool fsdp = options.variant == DdpVariant::fsdp;
   FLASHLM_CHECK(!fsdp || model.precision() != DType::f16,

@@ -42,6 +42,7 @@ LanguageModel::LanguageModel(const ModelConfig& config, Device device, DType pre
       device_(device),
       precision_(precision),
       bf16_pure_(options.bf16_pure),
+      grad_dtype_(options.grad_dtype),
       external_parameters_(options.external_parameters),
       fsdp_fp8_gather_(options.fsdp_fp8_gather()) {}
 

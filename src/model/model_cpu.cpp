@@ -220,6 +220,7 @@ CpuModel::CpuModel(const ModelConfig& config, int64_t batch, int64_t seq, const 
   FLASHLM_CHECK(!options.bf16_pure, "CpuModel: the CPU engine runs fp32, not bf16-pure");
   options.check_fp8(DType::f32, Device::cpu);  // fp8: emulated over fp32
   options.check_optimizer_state();
+  options.check_grad_dtype(DType::f32, Device::cpu);
   init_optimizer_state(options.optimizer_state);
   const size_t pbytes = size_t(parameter_count()) * sizeof(float);
   // FSDP's sharded storage holds them instead (ModelOptions::external_parameters).

@@ -85,6 +85,30 @@ void ModelOptions::check_optimizer_state() const {
                     optimizer_state_name(optimizer_state));
 }
 
+DType parse_grad_dtype(std::string_view text) {
+  if (text == "fp32") return DType::f32;
+  if (text == "bf16") return DType::bf16;
+  fail_argument("gradient dtype: '{}': expected fp32 or bf16", text);
+}
+
+void ModelOptions::check_grad_dtype(DType precision, Device device) const {
+  FLASHLM_CHECK_ARG(grad_dtype == DType::f32 || grad_dtype == DType::bf16,
+                    "gradient dtype: {}: expected fp32 or bf16", dtype_name(grad_dtype));
+  if (grad_dtype == DType::f32) return;
+  FLASHLM_CHECK_ARG(device == Device::cuda, "--grad-dtype bf16 needs --device cuda (the CPU keeps fp32 gradients)");
+  FLASHLM_CHECK_ARG(!bf16_pure,
+                    "--grad-dtype bf16 is for fp32 master weights; {} keeps bf16 gradients already: leave "
+                    "--grad-dtype at fp32",
+                    precision_name(precision, bf16_pure, fp8));
+  FLASHLM_CHECK_ARG(precision == DType::bf16,
+                    "--grad-dtype bf16 needs --precision bf16 or fp8 (bf16 operands for the weight-gradient GEMMs); "
+                    "not {}",
+                    precision_name(precision, bf16_pure, fp8));
+  FLASHLM_CHECK_ARG(!external_parameters,
+                    "--grad-dtype bf16 is not for FSDP's sharded storage (it reduce-scatters fp32 gradients): use "
+                    "--grad-dtype fp32 with --ddp fsdp");
+}
+
 std::string precision_name(DType dtype, bool bf16_pure, bool fp8) {
   if (bf16_pure) return fp8 ? "bf16-pure-fp8" : "bf16-pure";
   return fp8 ? "fp8" : std::string(dtype_name(dtype));
@@ -356,7 +380,8 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     if (cuda && precision != DType::f32) {
       p.items.push_back({fmt::format("parameters ({} copy for the GEMMs)", dtype_name(precision)), bytes(n_params, elem)});
     }
-    p.items.push_back({"gradients (fp32)", bytes(n_params, 4)});
+    p.items.push_back(o.grad_dtype == DType::bf16 ? MemoryPlan::Item{"gradients (bf16)", bytes(n_params, 2)}
+                                                  : MemoryPlan::Item{"gradients (fp32)", bytes(n_params, 4)});
     p.items.push_back(master_moments);
   }
   const ActivationLayout a = layout_activations(c, batch, seq, recompute);
@@ -385,8 +410,9 @@ MemoryPlan plan_for(const ModelConfig& c, int64_t batch, int64_t seq, Device dev
     const int64_t chunk = head_chunk_tokens(c, n, o.head_chunk, elem);
     p.items.push_back({fmt::format("LM head + loss: logits of {} tokens at a time, per-token losses", chunk),
                        bytes(aligned_elements(checked_mul(chunk, c.vocab, "head chunk")), elem) + bytes(n, 4)});
-    if (o.bf16_pure && !o.external_parameters) {  // FSDP's gradients are fp32 already
-      p.items.push_back({"fp32 gradient accumulator (the largest gradient a GEMM writes)",
+    if ((o.bf16_pure || o.grad_dtype == DType::bf16) && !o.external_parameters) {  // FSDP's are fp32 already
+      p.items.push_back({o.bf16_pure ? "fp32 gradient accumulator (the largest gradient a GEMM writes)"
+                                     : "fp32 gradient accumulator (embedding, LM head, RMSNorm gains)",
                          bytes(gradient_staging_elements(c), 4)});
     }
     // cuBLASLt's 32 MiB, the embedding backward's sort (~32 bytes a token), the RMSNorm gain partial sums
@@ -415,6 +441,7 @@ MemoryPlan plan_model_memory(const ModelConfig& c, int64_t batch, int64_t seq, D
                 "precision: bf16-pure is a CUDA precision (bf16 parameters, gradients and moments)");
   o.check_fp8(precision, device);
   o.check_optimizer_state();
+  o.check_grad_dtype(precision, device);
   FLASHLM_CHECK(o.optimizer_shards >= 1 && o.optimizer_shards <= (int64_t{1} << 20),
                 "memory plan: optimizer_shards = {}, expected a rank count in [1, 2^20]", o.optimizer_shards);
   FLASHLM_CHECK(!o.external_parameters || (o.fsdp_world >= 1 && o.fsdp_world <= (int64_t{1} << 20) &&

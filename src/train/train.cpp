@@ -261,6 +261,7 @@ TrainResult train(const TrainConfig& cfg) {
                     "train: loss_scale_init (--loss-scale-init) needs fp16, not {}", dtype_name(cfg.precision));
   check_sharded_optimizer_state(cfg.options.optimizer_state, cfg.zero1,
                                 cfg.comm && cfg.ddp.variant == DdpVariant::fsdp);
+  if (cfg.comm) check_data_parallel_grad_dtype(cfg.options.grad_dtype);
   const bool root = !cfg.comm || cfg.comm->is_root();
   const int world = cfg.comm ? cfg.comm->world_size() : 1;
   const int64_t accum = cfg.ddp.grad_accum;

@@ -223,3 +223,21 @@ file(GLOB left_over ${out_dir}/report.json.tmp.*)
 if(NOT report MATCHES "^\\{" OR left_over)
   message(FATAL_ERROR "--out over an existing file: '${report}', temporaries ${left_over}")
 endif()
+
+# --grad-dtype (the bf16-gradient experiment): a bad value, and every run it cannot apply to, refused before any
+# work (bench's precisions and --device cuda are checked before it looks for a GPU, so these hold on the CPU too).
+expect_exit(2 bench --grad-dtype fp16)
+expect_exit(2 train --grad-dtype bf8)
+expect_exit(2 ddp-bench --grad-dtype bf16)
+expect_error(2 "^error: --grad-dtype bf16 needs --device cuda" "" bench --device cpu --model tiny --grad-dtype bf16)
+expect_error(2 "^error: --grad-dtype bf16 needs --device cuda" "" train --device cpu --grad-dtype bf16)
+expect_error(2 "^error: --grad-dtype bf16 needs --device cuda" "" train --device cpu --precision fp8 --grad-dtype bf16)
+expect_error(2 "^error: --grad-dtype bf16 needs --precision bf16 or fp8.*not fp16" ""
+             bench --device cuda --precision fp16 --grad-dtype bf16)
+expect_error(2 "^error: --grad-dtype bf16 needs --precision bf16 or fp8.*not fp32" ""
+             bench --device cuda --precision fp8,fp32 --grad-dtype bf16)
+expect_error(2 "^error: --grad-dtype bf16 is for fp32 master weights; bf16-pure keeps bf16 gradients" ""
+             bench --device cuda --precision bf16,bf16-pure --grad-dtype bf16)
+expect_error(2 "^error: --grad-dtype bf16 is for fp32 master weights; bf16-pure-fp8 keeps bf16 gradients" ""
+             bench --device cuda --precision bf16-pure-fp8 --grad-dtype bf16)
+expect_exit(0 train --device cpu --steps 1 --batch 2 --context 16 --eval-batches 1 --grad-dtype fp32)

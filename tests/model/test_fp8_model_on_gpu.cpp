@@ -10,6 +10,7 @@
 
 #include "env_testing.h"
 #include "gpu_testing.h"
+#include "model/random_tokens.h"
 #include "model/resume_testing.h"
 
 #include <cmath>
@@ -34,19 +35,6 @@ ModelConfig fp8_config() {
   c.d_model = 64;  // head_dim 16; d_model, d_ff multiples of 16 (the FP8 GEMMs)
   c.d_ff = 160;
   return c;
-}
-
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
-
-Batch make_batch(int64_t n, int64_t vocab, int seed) {
-  Batch b;
-  for (int64_t i = 0; i < n; ++i) {
-    b.tokens.push_back(int32_t((i * 37 + seed * 11) % vocab));
-    b.targets.push_back(int32_t((i * 53 + seed * 7 + 1) % vocab));
-  }
-  return b;
 }
 
 ModelOptions fp8_options(Fp8Format g, Fp8Recipe recipe = Fp8Recipe::tensorwise) {

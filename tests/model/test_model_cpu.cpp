@@ -8,8 +8,10 @@
 #include <utility>
 #include <vector>
 
+#include "flashlm/ddp_model.h"
 #include "flashlm/error.h"
 #include "flashlm/model.h"
+#include "model/activations.h"
 #include "optim/optimizer.h"
 #include "model/random_tokens.h"
 
@@ -289,4 +291,64 @@ TEST(CpuModel, Bf16MomentsAreTheKernelsAndLoadOnlyBf16Values) {
   }
   EXPECT_EQ(parse_optimizer_state("bf16-sr"), OptimizerState::bf16_sr);
   EXPECT_THROW(parse_optimizer_state("bf8"), Error);
+}
+
+// --grad-dtype (the bf16-gradient experiment): where bf16 applies (CUDA, bf16 or fp8 over fp32 masters, the model's
+// own storage) and the error that says why everywhere else; the memory plan counts 2 bytes a gradient and the
+// fp32 accumulator; the CPU model and data parallelism refuse it.
+TEST(ModelOptions, Bf16GradientsApplyToCudaBf16AndFp8Only) {
+  const auto message = [](const ModelOptions& o, DType precision, Device device) -> std::string {
+    try {
+      o.check_grad_dtype(precision, device);
+      return "";
+    } catch (const InvalidArgument& e) {
+      return e.what();
+    }
+  };
+  ModelOptions o;
+  o.grad_dtype = DType::bf16;
+  EXPECT_EQ(message(o, DType::bf16, Device::cuda), "");
+  ModelOptions fp8 = o;
+  fp8.fp8 = true;
+  EXPECT_EQ(message(fp8, DType::bf16, Device::cuda), "");
+  EXPECT_NE(message(o, DType::f32, Device::cpu).find("--grad-dtype bf16 needs --device cuda"), std::string::npos);
+  EXPECT_NE(message(o, DType::f16, Device::cuda).find("needs --precision bf16 or fp8 (bf16 operands for the "
+                                                      "weight-gradient GEMMs); not fp16"),
+            std::string::npos);
+  EXPECT_NE(message(o, DType::f32, Device::cuda).find("not fp32"), std::string::npos);
+  ModelOptions pure = o;
+  pure.bf16_pure = true;
+  EXPECT_NE(message(pure, DType::bf16, Device::cuda).find("bf16-pure keeps bf16 gradients already"),
+            std::string::npos);
+  ModelOptions sharded = o;
+  sharded.external_parameters = true;
+  EXPECT_NE(message(sharded, DType::bf16, Device::cuda).find("not for FSDP's sharded storage"), std::string::npos);
+  ModelOptions bad;
+  bad.grad_dtype = DType::f16;
+  EXPECT_NE(message(bad, DType::bf16, Device::cuda).find("gradient dtype: fp16: expected fp32 or bf16"),
+            std::string::npos);
+  EXPECT_EQ(message(ModelOptions{}, DType::f16, Device::cpu), "");  // fp32 gradients: every run
+
+  EXPECT_EQ(parse_grad_dtype("bf16"), DType::bf16);
+  EXPECT_EQ(parse_grad_dtype("fp32"), DType::f32);
+  EXPECT_THROW(parse_grad_dtype("fp16"), InvalidArgument);
+
+  const ModelConfig c = ModelConfig::named("small", 512);
+  const auto item_bytes = [](const MemoryPlan& p, const std::string& what) -> int64_t {
+    for (const MemoryPlan::Item& i : p.items) {
+      if (i.what == what) return i.bytes;
+    }
+    return -1;
+  };
+  const MemoryPlan p32 = plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, ModelOptions{});
+  const MemoryPlan p16 = plan_model_memory(c, 4, 512, Device::cuda, DType::bf16, o);
+  EXPECT_EQ(item_bytes(p32, "gradients (fp32)"), 4 * c.parameter_count());
+  EXPECT_EQ(item_bytes(p16, "gradients (bf16)"), 2 * c.parameter_count());
+  EXPECT_EQ(item_bytes(p16, "fp32 gradient accumulator (embedding, LM head, RMSNorm gains)"),
+            4 * gradient_staging_elements(c));
+  EXPECT_THROW(plan_model_memory(c, 4, 512, Device::cpu, DType::f32, o), InvalidArgument);
+
+  EXPECT_THROW(CpuModel(ModelConfig::named("tiny", 16), 1, 16, o), InvalidArgument);
+  EXPECT_THROW(check_data_parallel_grad_dtype(DType::bf16), InvalidArgument);
+  EXPECT_NO_THROW(check_data_parallel_grad_dtype(DType::f32));
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "gpu_testing.h"
+#include "model/random_tokens.h"
 #include "model/resume_testing.h"
 
 #include <cmath>
@@ -29,19 +30,6 @@ ModelConfig small_config() {
   c.d_model = 64;  // head_dim 16: the smallest the tensor-core attention takes
   c.d_ff = 128;
   return c;
-}
-
-struct Batch {
-  std::vector<int32_t> tokens, targets;
-};
-
-Batch make_batch(int64_t n, int64_t vocab, int seed) {
-  Batch b;
-  for (int64_t i = 0; i < n; ++i) {
-    b.tokens.push_back(int32_t((i * 37 + seed * 11) % vocab));
-    b.targets.push_back(int32_t((i * 53 + seed * 7 + 1) % vocab));
-  }
-  return b;
 }
 
 // max |a - b| / max |b|.

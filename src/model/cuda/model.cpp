@@ -46,6 +46,7 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
                 dtype_name(precision));
   options.check_optimizer_state();
   options.check_fp8(precision, Device::cuda);
+  options.check_grad_dtype(precision, Device::cuda);
   FLASHLM_CHECK(config.d_model % 8 == 0 && config.d_ff % 8 == 0 && config.vocab % 8 == 0,
                 "CudaModel: d_model ({}), d_ff ({}) and vocab ({}) must be multiples of 8 (16-byte rows for the "
                 "tensor cores)",
@@ -72,24 +73,25 @@ CudaModel::CudaModel(const ModelConfig& config, int64_t batch, int64_t seq, DTyp
   const size_t pbytes = size_t(m.n_params) * m.state_elem();
   if (!options.external_parameters) {  // otherwise FSDP's shards hold them
     m.params = Buffer::allocate(pbytes, Device::cuda, m.pure ? "parameters (bf16)" : "parameters (fp32 master)");
-    m.grads = Buffer::allocate(pbytes, Device::cuda, m.pure ? "gradients (bf16)" : "gradients (fp32)");
+    m.grads = Buffer::allocate(size_t(m.n_params) * m.grad_elem(), Device::cuda,
+                               m.grad_elem() == sizeof(bf16_t) ? "gradients (bf16)" : "gradients (fp32)");
+  }
+  if (m.bf16_gradients()) {
+    // The fp32 accumulator of the bf16 gradients (FSDP's sharded storage gives fp32 gradients instead).
+    m.largest_gradient = gradient_staging_elements(config);
+    m.staging = Buffer::allocate(size_t(m.largest_gradient) * sizeof(float), Device::cuda,
+                                 "fp32 gradient accumulator");
   }
   if (m.pure) {
-    // The fp32 accumulator of the bf16 gradients (FSDP's sharded storage gives fp32 gradients instead).
-    if (!options.external_parameters) {
-      m.largest_gradient = gradient_staging_elements(config);
-      m.staging = Buffer::allocate(size_t(m.largest_gradient) * sizeof(float), Device::cuda,
-                                   "fp32 gradient accumulator");
-    }
     m.gains_f32 = Buffer::allocate(m.gain_row.size() * size_t(config.d_model) * sizeof(float), Device::cuda,
                                    "RMSNorm gains (fp32)");
   } else if (precision != DType::f32 && !options.external_parameters) {
     m.params_lp = Buffer::allocate(size_t(m.n_params) * m.elem(), Device::cuda, "parameters (low precision)");
   }
-  // bf16-pure: no masters, `weight` the bf16 parameters, no fp32 gradients (the model's are bf16).
+  // bf16-pure: no masters, `weight` the bf16 parameters; no fp32 gradients with bf16 ones (ModelOptions::grad_dtype).
   point_storage_at(m.pure ? nullptr : static_cast<float*>(m.params.data()),
                    m.pure ? m.params.data() : m.params_lp.data(), precision,
-                   m.pure ? nullptr : static_cast<float*>(m.grads.data()));
+                   m.bf16_gradients() ? nullptr : static_cast<float*>(m.grads.data()));
   m.table = storage_.data();
 
   // Every size is checked: batch, seq and the widths come from the user.
@@ -145,6 +147,8 @@ float* CudaModel::parameters() const {
 float* CudaModel::gradients() const {
   FLASHLM_CHECK(!impl_->pure, "CudaModel: a bf16-pure model keeps no fp32 gradients (data parallelism needs "
                               "--precision bf16, fp16 or fp32)");
+  FLASHLM_CHECK(!impl_->mixed_bf16_gradients(), "CudaModel: a model with --grad-dtype bf16 keeps no fp32 gradients "
+                                                "(data parallelism needs --grad-dtype fp32)");
   impl_->settle_gradients();  // the caller may read them or add to them
   impl_->norms_current = false;
   return static_cast<float*>(impl_->grads.data());
@@ -256,7 +260,7 @@ void CudaModel::copy_gradients_to(float* host) const {
   const Impl& m = *impl_;
   m.settle_gradients();
   gpu::stream_synchronize(m.stream);
-  if (m.pure) return m.widen_to_host(static_cast<const bf16_t*>(m.grads.data()), host, m.n_params);
+  if (m.bf16_gradients()) return m.widen_to_host(static_cast<const bf16_t*>(m.grads.data()), host, m.n_params);
   cuda_copy(host, m.grads.data(), size_t(m.n_params) * sizeof(float));
 }
 
@@ -421,11 +425,14 @@ void CudaModel::backward() {
   memory_set_phase("backward");
   ScopedRange range("backward");
 
-  // Adds to the gradient of `name` what produce(fp32 gradient, accumulate) computes, then reports it final:
-  // in place into the fp32 gradient, or (bf16-pure) into the staging buffer holding the bf16 gradient
-  // widened, rounded back once. A producer that can write over its array (`can_overwrite`: the GEMMs'
-  // beta = 0) is told accumulate = false when the gradient is still to be zeroed (zero_grad deferred);
-  // the others get an array zeroed first and always accumulate.
+  // Adds to the gradient of `name` what produce(gradient, accumulate) computes, then reports it final. A
+  // producer that can write over its array (`can_overwrite`: the GEMMs, beta = 0, or beta = 1 to add) is told
+  // accumulate = false when the gradient is still to be zeroed (zero_grad deferred); the others get an array
+  // zeroed first and always accumulate. The array: the fp32 gradient itself; with bf16 gradients beside fp32
+  // masters (ModelOptions::grad_dtype) the bf16 gradient itself for a GEMM (its fp32 sum rounded once, the
+  // stored value added before that rounding when it accumulates); otherwise, and for every producer of
+  // bf16-pure, the fp32 staging buffer holding the bf16 gradient widened, rounded back once. So whatever sums
+  // several contributions (the embedding's rows, the head's chunks, the gains' tokens) sums them in fp32.
   // add_to_gradients: the same for parameters that lie one after the other in the layout (q, k, v), whose
   // gradients one producer computes as one array; each is then reported final in layout order.
   auto report_final = [&](const std::string& name) {
@@ -440,14 +447,26 @@ void CudaModel::backward() {
                     "backward: '{}' does not follow '{}' in the parameter layout", name, first);
       count += m.info(name).numel();
     }
-    const bool bf16 = m.bf16_gradients();
-    FLASHLM_CHECK(!bf16 || count <= m.largest_gradient, "backward: {} gradients outgrow the staging buffer", count);
-    float* dw = bf16 ? static_cast<float*>(m.staging.data()) : m.grad(first);
-    if (bf16 && !overwrite) gpu::cast_to_f32<bf16_t>(m.pure_grad(first), dw, count, m.stream);
-    if (overwrite && !can_overwrite) gpu::memset_async(dw, 0, size_t(count) * sizeof(float), m.stream);
-    produce(dw, !(overwrite && can_overwrite));
-    if (bf16) gpu::cast_from_f32<bf16_t>(dw, m.pure_grad(first), count, m.stream);
+    const bool staged = m.bf16_gradients() && !(can_overwrite && m.mixed_bf16_gradients());
+    if (!staged) {
+      const WeightGrad dw = m.stored_grad(first);
+      if (overwrite && !can_overwrite) gpu::memset_async(dw.data, 0, size_t(count) * sizeof(float), m.stream);
+      produce(dw, !(overwrite && can_overwrite));
+    } else {
+      FLASHLM_CHECK(count <= m.largest_gradient, "backward: {} gradients outgrow the staging buffer", count);
+      auto* dw = static_cast<float*>(m.staging.data());
+      if (!overwrite) gpu::cast_to_f32<bf16_t>(m.bf16_grad(first), dw, count, m.stream);
+      if (overwrite && !can_overwrite) gpu::memset_async(dw, 0, size_t(count) * sizeof(float), m.stream);
+      produce(WeightGrad(dw), !(overwrite && can_overwrite));
+      gpu::cast_from_f32<bf16_t>(dw, m.bf16_grad(first), count, m.stream);
+    }
     for (const std::string& name : names) report_final(name);
+  };
+  // A producer that accumulates in fp32 (can_overwrite false: never handed a bf16 array).
+  auto fp32_gradient = [](const WeightGrad& dw) {
+    FLASHLM_CHECK(dw.dtype == DType::f32, "backward: an accumulating kernel was handed a {} gradient",
+                  dtype_name(dw.dtype));
+    return static_cast<float*>(dw.data);
   };
   auto add_to_gradient = [&](const std::string& name, bool can_overwrite, auto&& produce) {
     add_to_gradients({name}, can_overwrite, produce);
@@ -462,7 +481,7 @@ void CudaModel::backward() {
     T *du = s0 + 6 * nd, *dg = du + nf, *ds = dg + nf;
     auto linear_backward = [&](const T* dy, const T* x, const std::string& w, T* dxo, int64_t in, int64_t out,
                                bool accumulate, bool same_input = false, const float* dy_amax = nullptr) {
-      add_to_gradient(w, true, [&](float* dw, bool accumulate_dw) {
+      add_to_gradient(w, true, [&](WeightGrad dw, bool accumulate_dw) {
         if (m.fp8_backward<T>(dy, x, w, dxo, dw, in, out, accumulate, accumulate_dw, same_input, dy_amax)) return;
         linear_backward_cuda(dy, x, m.weight(w), dxo, dw, n, in, out, dt, accumulate, m.stream, false, accumulate_dw);
       });
@@ -470,8 +489,8 @@ void CudaModel::backward() {
     // dxo_amax (FP8; null: none): the amax of the residual gradient it leaves, for the product that reads it next.
     auto rmsnorm_backward = [&](const T* dy, const T* x, const std::string& gain, const float* rstd, T* dxo,
                                 float* dxo_amax) {
-      add_to_gradient(gain, false, [&](float* dgain, bool) {
-        gpu::rmsnorm_backward<T>(dy, x, m.gain(gain), rstd, dxo, dgain, n, d, m.stream, dxo_amax);
+      add_to_gradient(gain, false, [&](WeightGrad dgain, bool) {
+        gpu::rmsnorm_backward<T>(dy, x, m.gain(gain), rstd, dxo, fp32_gradient(dgain), n, d, m.stream, dxo_amax);
       });
     };
 
@@ -481,10 +500,11 @@ void CudaModel::backward() {
       // gradient times the loss scale, the chunk's rows of dh and its share of the head's weight gradient.
       parameters_needed("lm_head.");
       gradients_needed("lm_head.");
-      add_to_gradient("lm_head.weight", false, [&](float* dw, bool) {
+      add_to_gradient("lm_head.weight", false, [&](WeightGrad dw, bool) {
         gpu::lm_head_loss_forward_backward<T>(m.a<T>(m.A.h_f), static_cast<const T*>(m.weight("lm_head.weight")),
                                               targets, n, d, V, m.head_chunk, float(m.scaler->scale() / double(n)),
-                                              nullptr, dh, dw, static_cast<T*>(m.logits.data()), m.stream);
+                                              nullptr, dh, fp32_gradient(dw), static_cast<T*>(m.logits.data()),
+                                              m.stream);
       });
       parameters_done("lm_head.");
       gpu::memset_async(dx, 0, size_t(n * d) * sizeof(T), m.stream);
@@ -522,7 +542,8 @@ void CudaModel::backward() {
         // zero_grad() as the GEMMs above do.
         linear_backward_cuda(du, nullptr, m.weight(w1), dh, nullptr, n, d, f, dt, false, m.stream);
         linear_backward_cuda(dg, nullptr, m.weight(w3), dh, nullptr, n, d, f, dt, true, m.stream);
-        linear_weight_grad_pair_cuda(du, dg, m.a<T>(L.h2), m.grad(w1), m.grad(w3), n, d, f, dt, !overwrite, m.stream);
+        linear_weight_grad_pair_cuda(du, dg, m.a<T>(L.h2), m.stored_grad(w1), m.stored_grad(w3), n, d, f, dt,
+                                     !overwrite, m.stream);
         report_final(w1);
         report_final(w3);
       }
@@ -549,7 +570,7 @@ void CudaModel::backward() {
                             3 * c.heads);
       // dh = [dq dk dv] · [wq; wk; wv] and the three weight gradients as one [3d, d] product.
       add_to_gradients({p + "attn.q_proj.weight", p + "attn.k_proj.weight", p + "attn.v_proj.weight"}, true,
-                       [&](float* dw, bool accumulate_dw) {
+                       [&](WeightGrad dw, bool accumulate_dw) {
                          if (m.fp8_backward<T>(dqkv, m.a<T>(L.h1), p + "attn.q_proj.weight", dh, dw, d, 3 * d, false,
                                                accumulate_dw, false, dqkv_amax)) {
                            return;
@@ -563,8 +584,8 @@ void CudaModel::backward() {
       parameters_done(p);
     }
     gradients_needed("token_embeddings.");
-    add_to_gradient("token_embeddings.weight", false, [&](float* dtable, bool) {
-      gpu::embedding_backward<T>(dx, tokens, dtable, n, d, V, m.stream);
+    add_to_gradient("token_embeddings.weight", false, [&](WeightGrad dtable, bool) {
+      gpu::embedding_backward<T>(dx, tokens, fp32_gradient(dtable), n, d, V, m.stream);
     });
   });
   m.have_forward = false;  // the logits buffer now holds a gradient; forward() again before backward()
@@ -605,7 +626,7 @@ double CudaModel::gradient_norm() const {
     return std::sqrt(ss);
   }
   auto* out = static_cast<double*>(m.reduce_out.data());
-  if (m.pure) {
+  if (m.bf16_gradients()) {
     gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);
   } else {
     gpu::squared_norm<float>(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);

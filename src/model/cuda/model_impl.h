@@ -84,15 +84,16 @@ struct CudaModel::Impl {
   void* stream;
   std::unordered_map<std::string, size_t> index;  // parameter name -> position in layout
   std::unordered_map<std::string, int64_t> gain_row;  // bf16-pure: RMSNorm gain name -> row of gains_f32
-  // params_lp: the weights in `precision` (mixed bf16/fp16 only). staging (bf16-pure): an fp32 array as large
-  // as the largest parameter, where a backward accumulates one parameter's gradient (and where widened
-  // copies pass through); gains_f32 (bf16-pure): the RMSNorm gains widened, [2 layers + 1, d_model].
+  // params_lp: the weights in `precision` (mixed bf16/fp16 only). staging (bf16 gradients: bf16-pure, or
+  // ModelOptions::grad_dtype): an fp32 array as large as the largest parameter, where a backward accumulates
+  // one parameter's gradient (and where widened copies pass through); gains_f32 (bf16-pure): the RMSNorm gains
+  // widened, [2 layers + 1, d_model].
   Buffer params, grads, params_lp, staging, gains_f32;
   Buffer acts, acts_f32, logits, row_loss, scratch, tokens, targets, rope, reduce_out;
   ActivationLayout A;
   int64_t head_chunk = 0;
   int64_t largest_parameter = 0;
-  int64_t largest_gradient = 0;  // bf16-pure: the staging buffer's elements (gradient_staging_elements)
+  int64_t largest_gradient = 0;  // bf16 gradients: the staging buffer's elements (gradient_staging_elements)
   int64_t materialized_segment = -1;  // the segment whose blocks the recomputation working set holds
   // The model's optimizer state and loss scale (LanguageModel's).
   AdamWState* adam = nullptr;
@@ -131,7 +132,8 @@ struct CudaModel::Impl {
         pure(model.bf16_pure()) {}
 
   size_t elem() const { return dtype_size(precision); }
-  size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params, grads
+  size_t state_elem() const { return pure ? sizeof(bf16_t) : sizeof(float); }  // params
+  size_t grad_elem() const { return pure || mixed_bf16_gradients() ? sizeof(bf16_t) : sizeof(float); }
   // The optimizer state beside fp32 masters in bf16 (ModelOptions::optimizer_state; bf16-pure's are too).
   bool bf16_moments() const { return options.optimizer_state != OptimizerState::fp32; }
   template <class T>
@@ -148,10 +150,12 @@ struct CudaModel::Impl {
   // gathered parts (bf16-pure: `weight` is the bf16 parameter itself).
   const ParameterStorage* table = nullptr;
   bf16_t* pure_param(const std::string& name) const { return static_cast<bf16_t*>(stored(name).weight); }
-  // bf16-pure with its own storage: the bf16 gradient the backward rounds its fp32 accumulator into. Under
-  // FSDP's sharded storage the gradients are fp32 (the table's), reduce-scattered before any rounding.
-  bool bf16_gradients() const { return pure && !options.external_parameters; }
-  bf16_t* pure_grad(const std::string& name) const { return static_cast<bf16_t*>(grads.data()) + info(name).offset; }
+  // bf16-pure with its own storage, or bf16 gradients beside fp32 masters (ModelOptions::grad_dtype): the bf16
+  // gradients the backward writes. Under FSDP's sharded storage bf16-pure's gradients are fp32 (the table's),
+  // reduce-scattered before any rounding.
+  bool bf16_gradients() const { return (pure && !options.external_parameters) || mixed_bf16_gradients(); }
+  bool mixed_bf16_gradients() const { return !pure && options.grad_dtype == DType::bf16; }
+  bf16_t* bf16_grad(const std::string& name) const { return static_cast<bf16_t*>(grads.data()) + info(name).offset; }
   const ParameterStorage& stored(const std::string& name) const {
     const auto it = index.find(name);
     FLASHLM_CHECK(it != index.end(), "CudaModel: no parameter named '{}'", name);
@@ -159,6 +163,10 @@ struct CudaModel::Impl {
   }
   float* master(const std::string& name) const { return stored(name).master; }
   float* grad(const std::string& name) const { return stored(name).grad; }
+  // The gradient of `name` as stored, for a GEMM to write (bf16 under bf16_gradients()).
+  WeightGrad stored_grad(const std::string& name) const {
+    return bf16_gradients() ? WeightGrad(bf16_grad(name)) : WeightGrad(grad(name));
+  }
   // The fp32 RMSNorm gain the norm kernels read: the master, or (bf16-pure) its widened copy. Under FSDP's
   // sharded storage a gain's bf16 value is resident only while its part is gathered, which is when the
   // forward or backward asks for it, so it is widened here, on the stream, instead of in refresh_gains.
@@ -213,7 +221,7 @@ struct CudaModel::Impl {
     return false;
   }
   template <class T>
-  bool fp8_backward(const T* dy, const T* x, const std::string& w, T* dx, float* dw, int64_t in, int64_t out,
+  bool fp8_backward(const T* dy, const T* x, const std::string& w, T* dx, WeightGrad dw, int64_t in, int64_t out,
                     bool accumulate_dx, bool accumulate_dw, bool same_input = false,
                     const float* dy_amax = nullptr) const {
     if constexpr (std::is_same_v<T, bf16_t>) {
@@ -351,7 +359,7 @@ struct CudaModel::Impl {
   void settle_gradients() const {
     if (!grads.data()) return;  // FSDP's sharded storage: the gradient buffers are FsdpParameters'
     if (zero_pending) {
-      gpu::memset_async(grads.data(), 0, size_t(n_params) * state_elem(), stream);
+      gpu::memset_async(grads.data(), 0, size_t(n_params) * grad_elem(), stream);
       zero_pending = false;
       norms_current = false;
       pending_clip = 1.0f;
@@ -361,7 +369,7 @@ struct CudaModel::Impl {
   void apply_pending_clip() const {
     if (pending_clip == 1.0f) return;
     norms_current = false;
-    if (!pure) {
+    if (!bf16_gradients()) {
       gpu::scale_inplace(static_cast<float*>(grads.data()), n_params, pending_clip, stream);
     } else {
       auto* g = static_cast<bf16_t*>(grads.data());
@@ -379,13 +387,13 @@ struct CudaModel::Impl {
     norms->follow(stream);
     const ParameterInfo& p = layout[i];
     double* out = static_cast<double*>(partial_norms.data()) + i;
-    if (pure) {
+    if (bf16_gradients()) {
       gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
     } else {
       gpu::squared_norm<float>(static_cast<const float*>(grads.data()) + p.offset, p.numel(), out, norms->stream);
     }
   }
-  // bf16-pure: the bf16 device array `src` of `count` values into host fp32, and back.
+  // bf16-pure (and bf16 gradients): the bf16 device array `src` of `count` values into host fp32, and back.
   void widen_to_host(const bf16_t* src, float* host, int64_t count) const {
     auto* s = static_cast<float*>(staging.data());
     in_staging_pieces(count, [&](int64_t at, int64_t piece) {
@@ -452,30 +460,39 @@ struct CudaModel::Impl {
     }
     with_precision(precision, [&](auto zero) {
       using T = decltype(zero);
-      T* copy = nullptr;
-      if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(params_lp.data());
-      auto* w = static_cast<float*>(params.data());
-      const auto* g = static_cast<const float*>(grads.data());
-      if (bf16_moments()) {
-        auto *mo = adam->m_as<bf16_t>(), *vo = adam->v_as<bf16_t>();
-        const MomentRounding rounding = adam->rounding(options.moment_rounding_seed);
-        if (live) {
-          gpu::adamw_step_bf16_moments_live<T>(w, g, mo, vo, n_params, live, rounding.stochastic, 0, copy, stream,
-                                               amax);
-        } else {
-          gpu::adamw_step_bf16_moments<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                                          adam->steps(), rounding, 0, copy, stream, pending_clip, amax);
+      if constexpr (std::is_same_v<T, bf16_t>) {
+        if (mixed_bf16_gradients()) {
+          return queue_adamw_masters<T>(static_cast<const bf16_t*>(grads.data()), cfg, lr, live, amax);
         }
-        return;
       }
-      auto *mo = adam->m_as<float>(), *vo = adam->v_as<float>();
-      if (live) {
-        gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream, amax);
-      } else {
-        gpu::adamw_step<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                           adam->steps(), copy, stream, pending_clip, amax);
-      }
+      queue_adamw_masters<T>(static_cast<const float*>(grads.data()), cfg, lr, live, amax);
     });
+  }
+  // AdamW over fp32 masters with gradients G (fp32, or bf16: ModelOptions::grad_dtype) and the copy in T.
+  template <class T, class G>
+  void queue_adamw_masters(const G* g, const AdamWConfig& cfg, double lr, const AdamWScalars* live,
+                           const StoredAmaxes& amax) {
+    T* copy = nullptr;
+    if constexpr (!std::is_same_v<T, float>) copy = static_cast<T*>(params_lp.data());
+    auto* w = static_cast<float*>(params.data());
+    if (bf16_moments()) {
+      auto *mo = adam->m_as<bf16_t>(), *vo = adam->v_as<bf16_t>();
+      const MomentRounding rounding = adam->rounding(options.moment_rounding_seed);
+      if (live) {
+        gpu::adamw_step_bf16_moments_live<T>(w, g, mo, vo, n_params, live, rounding.stochastic, 0, copy, stream, amax);
+      } else {
+        gpu::adamw_step_bf16_moments<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
+                                        adam->steps(), rounding, 0, copy, stream, pending_clip, amax);
+      }
+      return;
+    }
+    auto *mo = adam->m_as<float>(), *vo = adam->v_as<float>();
+    if (live) {
+      gpu::adamw_step_live<T>(w, g, mo, vo, n_params, live, copy, stream, amax);
+    } else {
+      gpu::adamw_step<T>(w, g, mo, vo, n_params, lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, adam->steps(),
+                         copy, stream, pending_clip, amax);
+    }
   }
   // bf16-pure: the widened RMSNorm gains the norm kernels read, after the parameters changed.
   void refresh_gains() const {

@@ -143,7 +143,7 @@ bool CudaModel::capture_step() {
       } else {
         m.settle_gradients();
         auto* out = static_cast<double*>(m.reduce_out.data());
-        if (m.pure) {
+        if (m.bf16_gradients()) {
           gpu::squared_norm<bf16_t>(static_cast<const bf16_t*>(m.grads.data()), m.n_params, out, m.stream);
         } else {
           gpu::squared_norm<float>(static_cast<const float*>(m.grads.data()), m.n_params, out, m.stream);
