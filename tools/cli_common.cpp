@@ -190,7 +190,7 @@ ConditionalModelOptions add_model_options(CLI::App* cmd, flashlm::ModelOptions& 
   if (flags.grad_dtype) {
     cmd->add_option_function<std::string>(
            "--grad-dtype", [&o](const std::string& s) { o.grad_dtype = parse_grad_dtype(s); },
-           "An experiment: the gradients beside fp32 master weights in fp32, or bf16 (the weight-gradient GEMMs "
+           "The gradients beside fp32 master weights in fp32, or bf16 (the weight-gradient GEMMs "
            "write bf16, AdamW and the gradient norm read it: 6 bytes per parameter less per step). bf16 needs "
            "--device cuda and --precision bf16 or fp8, one process")
         ->default_str(std::string(dtype_name(o.grad_dtype)))

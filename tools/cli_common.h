@@ -115,7 +115,7 @@ struct ModelOptionFlags {
   bool cuda_graph = false;         // --cuda-graph on|off
   bool overlap_grad_norm = false;  // --overlap-grad-norm
   bool fp8 = false;                // --fp8-gradients e4m3|e5m2 (the commands that take --precision fp8)
-  bool grad_dtype = false;         // --grad-dtype fp32|bf16 (an experiment: train and bench)
+  bool grad_dtype = false;         // --grad-dtype fp32|bf16 (train and bench)
 };
 // The model options that only some runs use, as declared (null where the command has none), for
 // refuse_unused_model_options.

@@ -87,7 +87,7 @@ struct ModelOptions {
   RecomputePlan recompute;
   bool bf16_pure = false;
   OptimizerState optimizer_state = OptimizerState::fp32;
-  // An experiment (`--grad-dtype`, issue 32): how the gradients beside fp32 master weights are stored. fp32 (the
+  // `--grad-dtype`: how the gradients beside fp32 master weights are stored. fp32 (the
   // default), or bf16 on CUDA with precision bf16 (fp8 included): the weight-gradient GEMMs write bf16
   // directly (the product accumulated in fp32, rounded once), AdamW widens them, and the norm and clipping read
   // them — 6 bytes a parameter less per step. Where a gradient sums several contributions (the embedding's

@@ -220,7 +220,7 @@ std::vector<LmBenchRecord> run_lm_bench(const LmBenchConfig& cfg) {
             if (!bf16_pure && cfg.options.optimizer_state != OptimizerState::fp32) {
               r.precision += fmt::format(", {} moments", optimizer_state_name(cfg.options.optimizer_state));
             }
-            if (cfg.options.grad_dtype != DType::f32) {  // the --grad-dtype experiment: "fp8, ..., bf16 gradients"
+            if (cfg.options.grad_dtype != DType::f32) {  // --grad-dtype bf16: "fp8, ..., bf16 weight gradients"
               r.precision += fmt::format(", {} weight gradients", dtype_name(cfg.options.grad_dtype));
             }
             r.attention = std::string(attention_impl_name(impl));

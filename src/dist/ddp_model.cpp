@@ -29,7 +29,7 @@ void check_sharded_optimizer_state(OptimizerState state, bool zero1, bool fsdp) 
 
 void check_data_parallel_grad_dtype(DType grad_dtype) {
   FLASHLM_CHECK_ARG(grad_dtype == DType::f32,
-                    "data parallelism: --grad-dtype {} is an experiment of one GPU's step; DDP, ZeRO-1 and FSDP reduce "
+                    "data parallelism: --grad-dtype {} is for one GPU's step; DDP, ZeRO-1 and FSDP reduce "
                     "fp32 gradients: use --grad-dtype fp32",
                     dtype_name(grad_dtype));
 }

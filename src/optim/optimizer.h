@@ -70,8 +70,8 @@ struct AmaxRange {
 // qt [cols, rows], each element encode(w'' · fp8_scale(bound)) from the fp32 master, with bound =
 // fp8_weight_bound(amax, scalars) of the amax its slot held before the step (that of its bf16 copy as
 // stored). A scale from a bound rather than from the amax of w'' is what lets the step write the copies as
-// it computes w'': the bound is at least that amax, larger by about update_bound (lr · 1.17 at CS336's betas),
-// so nothing saturates and the bytes keep e4m3's relative precision. The slot (model/fp8.h) afterwards holds
+// it computes w'': the bound is at least that amax, larger by at most about update_bound (1.46 · lr at CS336's
+// betas), so nothing saturates and the bytes keep e4m3's relative precision. The slot (model/fp8.h) afterwards holds
 // the bound at kFp8BoundIndex, the dequantisation scale the GEMMs read, and the new amax of the bf16 copy.
 // Every element of the buffers outside the weights is stepped by the chunks of `rest`.
 struct Fp8WeightCopy {

@@ -1182,6 +1182,7 @@ TEST(OpsCudaBf16, AdamWWritesTheFp8CopiesOfTheWeightsItStores) {
   EXPECT_THROW(gpu::adamw_step<float>(f.data(), f.data(), f.data(), f.data(), 16, lr, beta1, beta2, eps, wd, 1, nullptr,
                                       nullptr, 1.0f, bad),
                Error);
+}
 
 // bf16 gradients beside fp32 masters (ModelOptions::grad_dtype, the experiment): every fp32-master variant (fp32
 // and bf16 moments, both roundings, fixed and live scalars, a clipping factor, with and without the FP8 amaxes)
