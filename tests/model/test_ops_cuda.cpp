@@ -1255,7 +1255,9 @@ TEST(OpsCudaBf16, AdamWWithBf16GradientsIsTheStepOnTheWidenedGradients) {
         EXPECT_TRUE(bitwise_equal(b.copy, f.copy)) << "the bf16 copy";
         EXPECT_TRUE(bitwise_equal(b.bm, f.bm)) << "bf16 m";
         EXPECT_TRUE(bitwise_equal(b.bv, f.bv)) << "bf16 v";
-        if (with_amax) EXPECT_EQ(std::bit_cast<uint32_t>(b.amax[0]), std::bit_cast<uint32_t>(f.amax[0])) << "amax";
+        if (with_amax) {
+          EXPECT_EQ(std::bit_cast<uint32_t>(b.amax[0]), std::bit_cast<uint32_t>(f.amax[0])) << "amax";
+        }
         EXPECT_FALSE(bitwise_equal(f.w, w)) << "the step changed no weight";
       }
     }
