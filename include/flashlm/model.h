@@ -155,9 +155,9 @@ struct ModelOptions {
   bool fp8_fused_amax = true;
   // fp8 on CUDA, tensorwise, fp32 masters (not bf16_pure), the model's own storage: the AdamW step writes the
   // block weights' FP8 copies (w and its transpose) as it stores the weights, scaled from a bound on their new
-  // amax (src/optim/optimizer.h's Fp8WeightCopies), so that no pass casts them. Needs fp8_fused_amax and
-  // beta1² < beta2; otherwise, or with FLASHLM_FP8_WEIGHT_CAST=pass, the first product of each pass casts its
-  // weight as with false.
+  // amax (src/optim/optimizer.h's Fp8WeightCopies), so that no pass casts them. Needs fp8_fused_amax,
+  // beta1² < beta2 and fp32 gradients (grad_dtype; bf16 ones not yet); otherwise, or with
+  // FLASHLM_FP8_WEIGHT_CAST=pass, the first product of each pass casts its weight as with false.
   bool fp8_optimizer_weight_cast = true;
   // fp8 needs precision bf16 (bf16_pure or not) on CUDA, fp32 without bf16_pure on the CPU: an Error
   // otherwise (the models and the memory plan check it).

@@ -1045,11 +1045,11 @@ TEST(OpsCudaBf16, AdamWWritesTheAmaxesOfTheWeightsItStores) {
 }
 
 // FP8 training's weight copies written by the AdamW step (Fp8WeightCopies): for fp32 masters with fp32 or bf16
-// moments (both roundings), fixed and live scalars, weights that span several strips and partial tiles, lie side
-// by side or apart, with the other elements in chunks around them: every array gets the bits of the plain step;
-// each weight's slot the bound of the amax it held (fp8_weight_bound), that bound's dequantisation scale and the
-// amax of the stored bf16 copy; q the encoded new masters at the bound's scale, qt its transpose; and no stored
-// weight exceeds its bound (the moments come from a history of steps, as the bound needs).
+// moments (both roundings), fixed and live scalars, fp32 and bf16 gradients, weights that span several strips and
+// partial tiles, lie side by side or apart, with the other elements in chunks around them: every array gets the
+// bits of the plain step; each weight's slot the bound of the amax it held (fp8_weight_bound), that bound's
+// dequantisation scale and the amax of the stored bf16 copy; q the encoded new masters at the bound's scale, qt its
+// transpose; and no stored weight exceeds its bound (the moments come from a history of steps, as the bound needs).
 TEST(OpsCudaBf16, AdamWWritesTheFp8CopiesOfTheWeightsItStores) {
   SKIP_WITHOUT_GPU();
   const double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, wd = 0.1;
@@ -1070,9 +1070,10 @@ TEST(OpsCudaBf16, AdamWWritesTheFp8CopiesOfTheWeightsItStores) {
   for (int64_t a = at; a < n; a += 7000) rest.push_back({a, std::min<int64_t>(7000, n - a)});
   DeviceArray<ElementChunk> d_rest(rest);
   enum class Variant { masters, masters_live, moments, moments_stochastic, moments_live };
-  for (Variant variant : {Variant::masters, Variant::masters_live, Variant::moments, Variant::moments_stochastic,
-                          Variant::moments_live}) {
-    SCOPED_TRACE(dims({{"variant", int64_t(variant)}}));
+  for (int variant_grads = 0; variant_grads < 10; ++variant_grads) {
+    const auto variant = Variant(variant_grads % 5);
+    const bool bf16_grads = variant_grads >= 5;  // ModelOptions::grad_dtype bf16: the same step on bf16 gradients
+    SCOPED_TRACE(dims({{"variant", int64_t(variant)}, {"bf16 gradients", int64_t(bf16_grads)}}));
     // The state after step - 1 steps from zero moments (the bound holds for moments with a history, which
     // random ones need not be), on the CPU.
     std::vector<float> w = random_values(n, 5100, 0.05f), m(size_t(n), 0.0f), v(size_t(n), 0.0f);
@@ -1108,27 +1109,36 @@ TEST(OpsCudaBf16, AdamWWritesTheFp8CopiesOfTheWeightsItStores) {
     copies.copies = {d_table.data(), int(table.size()), blocks, d_rest.data(), int(rest.size())};
     const auto run = [&](const StoredAmaxes& amax) {
       DeviceArray<float> d_w(w), d_g(g), d_m(m), d_v(v);
-      DeviceArray<bf16_t> b_m = device_copy<bf16_t>(m), b_v = device_copy<bf16_t>(v), copy(n);
+      DeviceArray<bf16_t> b_m = device_copy<bf16_t>(m), b_v = device_copy<bf16_t>(v), b_g = device_copy<bf16_t>(g),
+                          copy(n);
       copy.poison();
-      switch (variant) {
-        case Variant::masters:
-          gpu::adamw_step<bf16_t>(d_w.data(), d_g.data(), d_m.data(), d_v.data(), n, lr, beta1, beta2, eps, wd, step,
-                                  copy.data(), nullptr, 0.5f, amax);
-          break;
-        case Variant::masters_live:
-          gpu::adamw_step_live<bf16_t>(d_w.data(), d_g.data(), d_m.data(), d_v.data(), n, live.data(), copy.data(),
-                                       nullptr, amax);
-          break;
-        case Variant::moments:
-        case Variant::moments_stochastic:
-          gpu::adamw_step_bf16_moments<bf16_t>(d_w.data(), d_g.data(), b_m.data(), b_v.data(), n, lr, beta1, beta2,
-                                               eps, wd, step, {variant == Variant::moments_stochastic, 77}, 0,
-                                               copy.data(), nullptr, 0.5f, amax);
-          break;
-        case Variant::moments_live:
-          gpu::adamw_step_bf16_moments_live<bf16_t>(d_w.data(), d_g.data(), b_m.data(), b_v.data(), n, live.data(),
-                                                    false, 0, copy.data(), nullptr, amax);
-          break;
+      const auto step_with = [&](const auto* grad) {
+        using G = std::remove_cv_t<std::remove_pointer_t<decltype(grad)>>;
+        switch (variant) {
+          case Variant::masters:
+            gpu::adamw_step<bf16_t, G>(d_w.data(), grad, d_m.data(), d_v.data(), n, lr, beta1, beta2, eps, wd, step,
+                                       copy.data(), nullptr, 0.5f, amax);
+            break;
+          case Variant::masters_live:
+            gpu::adamw_step_live<bf16_t, G>(d_w.data(), grad, d_m.data(), d_v.data(), n, live.data(), copy.data(),
+                                            nullptr, amax);
+            break;
+          case Variant::moments:
+          case Variant::moments_stochastic:
+            gpu::adamw_step_bf16_moments<bf16_t, G>(d_w.data(), grad, b_m.data(), b_v.data(), n, lr, beta1, beta2,
+                                                    eps, wd, step, {variant == Variant::moments_stochastic, 77}, 0,
+                                                    copy.data(), nullptr, 0.5f, amax);
+            break;
+          case Variant::moments_live:
+            gpu::adamw_step_bf16_moments_live<bf16_t, G>(d_w.data(), grad, b_m.data(), b_v.data(), n, live.data(),
+                                                         false, 0, copy.data(), nullptr, amax);
+            break;
+        }
+      };
+      if (bf16_grads) {
+        step_with(static_cast<const bf16_t*>(b_g.data()));
+      } else {
+        step_with(static_cast<const float*>(d_g.data()));
       }
       struct Result {
         std::vector<float> w, m, v;
