@@ -224,7 +224,7 @@ if(NOT report MATCHES "^\\{" OR left_over)
   message(FATAL_ERROR "--out over an existing file: '${report}', temporaries ${left_over}")
 endif()
 
-# --grad-dtype (the bf16-gradient experiment): a bad value, and every run it cannot apply to, refused before any
+# --grad-dtype (bf16 weight gradients): a bad value, and every run it cannot apply to, refused before any
 # work (bench's precisions and --device cuda are checked before it looks for a GPU, so these hold on the CPU too).
 expect_exit(2 bench --grad-dtype fp16)
 expect_exit(2 train --grad-dtype bf8)
