@@ -140,6 +140,11 @@ inline double adamw_update_bound(double lr, double beta1, double beta2, int64_t 
   return 1.25 * std::abs(ratio) * std::sqrt(geometric_sum(rho, t));
 }
 
+// Whether AdamW's update has that bound at these betas (b1² < b2), whatever the learning rate and step.
+inline bool adamw_update_bounded(double beta1, double beta2) {
+  return std::isfinite(adamw_update_bound(1.0, beta1, beta2, 1));
+}
+
 inline AdamWScalars adamw_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
                                   int64_t step, float grad_scale = 1.0f) {
   const double t = double(step);

@@ -301,15 +301,10 @@ struct CudaModel::Impl {
   // bf16 gradients: the kernel takes them (OpsCudaBf16.AdamWWritesTheFp8CopiesOfTheWeightsItStores), but that
   // pairing has not run on a GPU, so such a run casts in the pass, as measured.
   bool fp8_copies_wanted() const {
-    if (!fp8 || pure || precision != DType::bf16 || !options.fp8_optimizer_weight_cast || !fp8_betas_bounded ||
-        mixed_bf16_gradients()) {
-      return false;
-    }
-    if (fp8_cast_env < 0) fp8_cast_env = env_choice(kFp8WeightCast) == "optimizer";
-    return fp8_cast_env == 1;
+    return fp8 && !pure && precision == DType::bf16 && options.fp8_optimizer_weight_cast && fp8_betas_bounded &&
+           !mixed_bf16_gradients() && env_choice(kFp8WeightCast) == "optimizer";
   }
   bool fp8_betas_bounded = false;
-  mutable int fp8_cast_env = -1;  // FLASHLM_FP8_WEIGHT_CAST allows it (1) or not (0); -1: not read yet
   // The tables of StoredAmaxes::copies: each FP8 weight's place in the flat buffers and cache (ascending), and
   // the chunks of every other element. Uploaded once, by an eager step.
   Fp8WeightCopies fp8_weight_copies(std::span<const Fp8WeightRef> weights) {
@@ -440,7 +435,7 @@ struct CudaModel::Impl {
   // With the optimizer's FP8 weight copies (fp8_copies_wanted) it writes those too, and its first kernel takes
   // the amaxes the slots hold (their bounds come from them), so nothing clears them before.
   void queue_adamw(const AdamWConfig& cfg, double lr, const AdamWScalars* live) {
-    if (!live) fp8_betas_bounded = std::isfinite(adamw_update_bound(1.0, cfg.beta1, cfg.beta2, 1));
+    if (!live) fp8_betas_bounded = adamw_update_bounded(cfg.beta1, cfg.beta2);
     const bool copies = fp8_copies_wanted();
     const StoredAmaxes amax = fp8_stored_amaxes(copies);
     weights_changed();

@@ -73,11 +73,9 @@ StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, 
   // where they are stale, the weights are cast here, outside the graph. A graph captured with them runs only
   // while the betas still bound the update (fp8_copies_wanted); otherwise this step is eager.
   const bool fused_amax = m.fp8_stored_amaxes().count > 0;
-  const bool betas_bounded = m.fp8_betas_bounded;
-  m.fp8_betas_bounded = std::isfinite(adamw_update_bound(1.0, cfg.beta1, cfg.beta2, 1));
+  m.fp8_betas_bounded = adamw_update_bounded(cfg.beta1, cfg.beta2);
   const bool copies = m.fp8_copies_wanted();
   if (g.exec && copies != g.fp8_copies) {
-    m.fp8_betas_bounded = betas_bounded;
     m.graph_status = "off for this step: the betas changed whether AdamW writes the FP8 weight copies";
     return LanguageModel::train_step(tokens, targets, cfg, lr);
   }
