@@ -349,7 +349,9 @@ TEST(CudaModelFp8, SkippedBf16WeightCopyGivesTheBitsOfWritingIt) {
         r.params.resize(count);
         m.copy_parameters_to(r.params.data());
         r.working.resize(count);
-        cuda_copy(r.working.data(), m.working_parameters(), count * sizeof(uint16_t));
+        const void* working = m.working_parameters();  // restored on the model's stream where it was stale
+        m.synchronize();
+        cuda_copy(r.working.data(), working, count * sizeof(uint16_t));
         return r;
       };
       const Run skipped = run("optimizer"), written = run("optimizer-bf16");

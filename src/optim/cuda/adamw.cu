@@ -234,9 +234,9 @@ __global__ void fp8_copy_bounds_kernel(Fp8WeightCopies copies, AdamWScalars fixe
 
 // Then the step: block b < weight_blocks steps a strip of kFp8CopyStripRows × kFp8CopyTile elements of one weight,
 // tile by tile, each pack of eight as adamw_masters_kernel steps it (the same bits in w, m, v and, unless
-// copies.weights_bf16 is off, the bf16 copy), encoding the new fp32 masters into q straight and, through the tile in shared memory, into qt; the
-// strip's largest stored bf16 magnitude goes to the weight's amax with one atomic. The blocks past them step
-// the chunks of `rest` as the plain step does.
+// copies.weights_bf16 is off, the bf16 copy), encoding the new fp32 masters into q straight and, through the
+// tile in shared memory, into qt; the strip's largest bf16 magnitude (stored or not) goes to the weight's amax
+// with one atomic. The blocks past them step the chunks of `rest` as the plain step does.
 static_assert(kFp8CopyTile == kVecTile && kFp8CopyStripRows % kVecTile == 0 && kVecThreads == kThreads);
 template <class M, class G, bool Stochastic>
 __global__ void __launch_bounds__(kVecThreads)
