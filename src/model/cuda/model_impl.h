@@ -295,13 +295,13 @@ struct CudaModel::Impl {
   }
   Buffer fp8_amax_ranges;
 
-  // ModelOptions::fp8_optimizer_weight_cast where it applies: fp32 masters with a bf16 copy, the fused amaxes
-  // (fp8_stored_amaxes), FLASHLM_FP8_WEIGHT_CAST not `pass`, and betas whose update has a bound (beta1² < beta2:
-  // fp8_betas_bounded, set by each eager step from its betas; a captured step keeps the warm-up's). With fp32 or
-  // bf16 weight gradients alike (the kernel reads either).
+  // ModelOptions::fp8_optimizer_weight_cast where it applies: fp32 masters with a bf16 copy, the fused amaxes of
+  // the tensorwise recipe (fp8_stored_amaxes; rowwise scales are taken by each pass), FLASHLM_FP8_WEIGHT_CAST not
+  // `pass`, and betas whose update has a bound (beta1² < beta2: fp8_betas_bounded, set by each eager step from its
+  // betas; a captured step keeps the warm-up's). With fp32 or bf16 weight gradients alike (the kernel reads either).
   bool fp8_copies_wanted() const {
-    return fp8 && !pure && precision == DType::bf16 && options.fp8_optimizer_weight_cast && fp8_betas_bounded &&
-           env_choice(kFp8WeightCast) != "pass";
+    return fp8 && !pure && precision == DType::bf16 && options.fp8_optimizer_weight_cast && options.fp8_fused_amax &&
+           fp8->recipe() == Fp8Recipe::tensorwise && fp8_betas_bounded && env_choice(kFp8WeightCast) != "pass";
   }
   bool fp8_betas_bounded = false;
   // The tables of StoredAmaxes::copies: each FP8 weight's place in the flat buffers and cache (ascending), and
