@@ -25,7 +25,7 @@ inline constexpr std::string_view kSm90BwdSchedules[] = {"auto", "grid", "persis
 inline constexpr std::string_view kSm90FwdD64Tiles[] = {"auto", "128x128", "192x128", "128x192"};
 inline constexpr std::string_view kFp8KeyBlocks[] = {"auto", "128", "192"};
 inline constexpr std::string_view kSwitch[] = {"0", "1"};
-inline constexpr std::string_view kFp8WeightCasts[] = {"optimizer", "pass"};
+inline constexpr std::string_view kFp8WeightCasts[] = {"optimizer", "optimizer-bf16", "pass"};
 }  // namespace env
 
 // Which CUDA flash kernels run: auto (the Hopper ones where they cover the problem) or mma (mma.sync always).
@@ -42,7 +42,8 @@ inline constexpr EnvChoice kHopperAlibiSink{"FLASHLM_HOPPER_ALIBI_SINK", "1", en
 inline constexpr EnvChoice kProgrammaticLaunch{"FLASHLM_PROGRAMMATIC_LAUNCH", "1", env::kSwitch};
 
 // Who casts FP8 training's block weights: the AdamW step as it stores them (optimizer, where
-// ModelOptions::fp8_optimizer_weight_cast allows) or each pass (pass).
+// ModelOptions::fp8_optimizer_weight_cast allows; optimizer-bf16: writing their bf16 copy too, as before the copy
+// was restored only where read) or each pass (pass).
 inline constexpr EnvChoice kFp8WeightCast{"FLASHLM_FP8_WEIGHT_CAST", "optimizer", env::kFp8WeightCasts};
 inline constexpr EnvChoice kEnvChoices[] = {kAttentionKernel,    kSm90BackwardSchedule, kSm90ForwardD64Tile,
                                             kFp8KeyBlock,        kHopperAlibiSink,      kProgrammaticLaunch,

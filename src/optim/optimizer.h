@@ -90,6 +90,10 @@ struct Fp8WeightCopies {
   int64_t weight_blocks = 0;           // the step kernel's blocks over the weights (fp8_copy_blocks)
   const ElementChunk* rest = nullptr;  // device: the other elements in chunks of <= 65 536, 8-aligned starts
   int rest_count = 0;
+  // Whether the weights' bf16 copies are written too. false: their part of the bf16 copy keeps what it held
+  // (its owner restores it from the masters before anything reads it: the same bits), and the slots' amaxes
+  // are still those of the bf16 values it would hold. The rest's bf16 copy is written either way.
+  bool weights_bf16 = true;
 };
 // The step kernel's blocks for a weight of rows × cols: one per strip of kFp8CopyStripRows rows and
 // kFp8CopyTile columns, stepped as tiles of kFp8CopyTile × kFp8CopyTile (whose transposes go to qt).

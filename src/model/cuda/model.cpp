@@ -362,7 +362,10 @@ void CudaModel::queue_forward() {
   memory_set_phase("forward");
   ScopedRange range("forward");
   // The weights may have changed since the last pass: cast them afresh (their amaxes reduced here at once).
-  if (m.fp8) m.fp8->begin_pass(m.fp8_pass_weights(), m.stream);
+  if (m.fp8) {
+    if (!m.fp8->weight_copies_current()) m.restore_fp8_weights_bf16();  // their casts read the bf16 copy
+    m.fp8->begin_pass(m.fp8_pass_weights(), m.stream);
+  }
   const auto* tokens = static_cast<const int32_t*>(m.tokens.data());
   const auto* targets = static_cast<const int32_t*>(m.targets.data());
   const DType dt = m.precision;

@@ -295,14 +295,13 @@ struct CudaModel::Impl {
   }
   Buffer fp8_amax_ranges;
 
-  // ModelOptions::fp8_optimizer_weight_cast where it applies: fp32 masters with a bf16 copy, the fused amaxes
-  // (fp8_stored_amaxes), FLASHLM_FP8_WEIGHT_CAST not `pass`, and betas whose update has a bound (beta1² < beta2:
-  // fp8_betas_bounded, set by each eager step from its betas; a captured step keeps the warm-up's). Not yet beside
-  // bf16 gradients: the kernel takes them (OpsCudaBf16.AdamWWritesTheFp8CopiesOfTheWeightsItStores), but that
-  // pairing has not run on a GPU, so such a run casts in the pass, as measured.
+  // ModelOptions::fp8_optimizer_weight_cast where it applies: fp32 masters with a bf16 copy, the fused amaxes of
+  // the tensorwise recipe (fp8_stored_amaxes; rowwise scales are taken by each pass), FLASHLM_FP8_WEIGHT_CAST not
+  // `pass`, and betas whose update has a bound (beta1² < beta2: fp8_betas_bounded, set by each eager step from its
+  // betas; a captured step keeps the warm-up's). With fp32 or bf16 weight gradients alike (the kernel reads either).
   bool fp8_copies_wanted() const {
-    return fp8 && !pure && precision == DType::bf16 && options.fp8_optimizer_weight_cast && fp8_betas_bounded &&
-           !mixed_bf16_gradients() && env_choice(kFp8WeightCast) == "optimizer";
+    return fp8 && !pure && precision == DType::bf16 && options.fp8_optimizer_weight_cast && options.fp8_fused_amax &&
+           fp8->recipe() == Fp8Recipe::tensorwise && fp8_betas_bounded && env_choice(kFp8WeightCast) != "pass";
   }
   bool fp8_betas_bounded = false;
   // The tables of StoredAmaxes::copies: each FP8 weight's place in the flat buffers and cache (ascending), and
@@ -345,9 +344,24 @@ struct CudaModel::Impl {
   }
   Buffer fp8_copy_table, fp8_copy_rest;
   std::array<int64_t, 3> fp8_copy_counts{};  // weights, their blocks, rest chunks
-  // Anything but the fused AdamW step wrote the weights: the next pass reduces their amaxes (Fp8Linear).
+  // Anything but the fused AdamW step wrote the weights, or may read or write them through a pointer handed out:
+  // the next pass reduces their amaxes (Fp8Linear), and the block weights' bf16 copy is made whole first.
   void weights_changed() const {
+    restore_fp8_weights_bf16();
     if (fp8) fp8->weights_changed();
+  }
+  // The optimizer's FP8 weight copies without the block weights' bf16 copies (FLASHLM_FP8_WEIGHT_CAST=optimizer;
+  // Fp8WeightCopies::weights_bf16 off): after such a step params_lp's part for those weights is stale, which
+  // nothing in a pass reads while the copies are current (the FP8 GEMMs take them; the LM head, the embedding and
+  // the gains are written as before). Whatever could read it first restores the copy from the masters here: the
+  // rounding the step would have stored (from_f32, nearest even), so every bit is as if it had been written.
+  mutable bool fp8_weights_bf16_stale = false;
+  void restore_fp8_weights_bf16() const {
+    if (!fp8_weights_bf16_stale) return;
+    FLASHLM_CHECK(!capturing, "CudaModel: the block weights' bf16 copy is restored by eager code, not a capture");
+    gpu::cast_from_f32<bf16_t>(static_cast<const float*>(params.data()), static_cast<bf16_t*>(params_lp.data()),
+                               n_params, stream);
+    fp8_weights_bf16_stale = false;
   }
 
   // Calls fn(offset, count) over [0, total) in pieces that fit the staging buffer.
@@ -437,12 +451,15 @@ struct CudaModel::Impl {
   void queue_adamw(const AdamWConfig& cfg, double lr, const AdamWScalars* live) {
     if (!live) fp8_betas_bounded = adamw_update_bounded(cfg.beta1, cfg.beta2);
     const bool copies = fp8_copies_wanted();
-    const StoredAmaxes amax = fp8_stored_amaxes(copies);
-    weights_changed();
+    StoredAmaxes amax = fp8_stored_amaxes(copies);
+    // FLASHLM_FP8_WEIGHT_CAST=optimizer-bf16: the step writes the block weights' bf16 copy too (the A/B).
+    amax.copies.weights_bf16 = env_choice(kFp8WeightCast) == "optimizer-bf16";
+    if (fp8) fp8->weights_changed();  // not Impl's: the step writes whatever part of the bf16 copy is stale
     if (amax.count > 0 && amax.copies.count == 0) fp8->clear_weight_amaxes(stream);
     queue_adamw_kernels(cfg, lr, live, amax);
     if (amax.count > 0) fp8->set_weight_amaxes_current(fp8_pass_weights());
     if (amax.copies.count > 0) fp8->set_weight_copies_current(fp8_pass_weights());
+    fp8_weights_bf16_stale = amax.copies.count > 0 && !amax.copies.weights_bf16;
   }
   void queue_adamw_kernels(const AdamWConfig& cfg, double lr, const AdamWScalars* live, const StoredAmaxes& amax) {
     if (pure) {

@@ -80,6 +80,7 @@ StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, 
     return LanguageModel::train_step(tokens, targets, cfg, lr);
   }
   if (copies && !m.fp8->weight_copies_current()) {
+    m.restore_fp8_weights_bf16();  // the cast reads the bf16 copy
     const std::span<const Fp8WeightRef> weights = m.fp8_pass_weights();
     if (m.fp8->cast_weights(weights, m.stream)) {
       m.fp8->set_weight_amaxes_current(weights);
@@ -106,6 +107,7 @@ StepResult CudaModel::train_step(const int32_t* tokens, const int32_t* targets, 
   m.pending_clip = g.out->data->adam.grad_scale;
   if (fused_amax) m.fp8->set_weight_amaxes_current(m.fp8_pass_weights());  // the graph's AdamW step wrote them
   if (copies) m.fp8->set_weight_copies_current(m.fp8_pass_weights());
+  m.fp8_weights_bf16_stale = g.fp8_weights_bf16_stale;  // as the captured AdamW step leaves it
   m.graph_status = "on";
   return StepResult{m.mean_loss(g.rows->data), g.out->data->norm, true};
 }
@@ -119,6 +121,7 @@ bool CudaModel::capture_step() {
   const bool zero_pending = m.zero_pending, norms_current = m.norms_current, have_forward = m.have_forward;
   const float pending_clip = m.pending_clip;
   const int64_t segment = m.materialized_segment;
+  const bool bf16_stale = m.fp8_weights_bf16_stale;
   cudaGraph_t graph = nullptr;
   try {
     FLASHLM_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
@@ -170,11 +173,14 @@ bool CudaModel::capture_step() {
     m.have_forward = have_forward;
     m.pending_clip = pending_clip;
     m.materialized_segment = segment;
+    m.fp8_weights_bf16_stale = bf16_stale;
     m.weights_changed();  // the captured host code moved FP8's amax flag, for work that never ran
     return false;
   }
   g.norms_current = m.norms_current;
   g.materialized_segment = m.materialized_segment;
+  g.fp8_weights_bf16_stale = m.fp8_weights_bf16_stale;
+  m.fp8_weights_bf16_stale = bf16_stale;  // until the graph runs
   return true;
 }
 

@@ -53,6 +53,7 @@ struct StepGraph {
   int64_t materialized_segment = -1;
   int64_t replays = 0;
   bool fp8_copies = false;  // captured with the optimizer's FP8 weight copies (CudaModel's fp8_copies_wanted)
+  bool fp8_weights_bf16_stale = false;  // whose step leaves the block weights' bf16 copy stale (Impl's flag)
   StepGraph() { FLASHLM_CUDA_CHECK(cudaStreamCreate(&stream), "cudaStreamCreate (train-step graph)"); }
   ~StepGraph() {
     cudaStreamSynchronize(stream);

@@ -233,10 +233,10 @@ __global__ void fp8_copy_bounds_kernel(Fp8WeightCopies copies, AdamWScalars fixe
 }
 
 // Then the step: block b < weight_blocks steps a strip of kFp8CopyStripRows × kFp8CopyTile elements of one weight,
-// tile by tile, each pack of eight as adamw_masters_kernel steps it (the same bits in w, m, v and the bf16
-// copy), encoding the new fp32 masters into q straight and, through the tile in shared memory, into qt; the
-// strip's largest stored bf16 magnitude goes to the weight's amax with one atomic. The blocks past them step
-// the chunks of `rest` as the plain step does.
+// tile by tile, each pack of eight as adamw_masters_kernel steps it (the same bits in w, m, v and, unless
+// copies.weights_bf16 is off, the bf16 copy), encoding the new fp32 masters into q straight and, through the
+// tile in shared memory, into qt; the strip's largest bf16 magnitude (stored or not) goes to the weight's amax
+// with one atomic. The blocks past them step the chunks of `rest` as the plain step does.
 static_assert(kFp8CopyTile == kVecTile && kFp8CopyStripRows % kVecTile == 0 && kVecThreads == kThreads);
 template <class M, class G, bool Stochastic>
 __global__ void __launch_bounds__(kVecThreads)
@@ -263,6 +263,7 @@ __global__ void __launch_bounds__(kVecThreads)
   const int64_t local = b - c.first_block, tile_cols = (c.cols + kVecTile - 1) / kVecTile;
   const int64_t c0 = (local % tile_cols) * kVecTile, strip = (local / tile_cols) * kFp8CopyStripRows;
   const float scale = fp8_scale(c.slot[kFp8BoundIndex], Fp8Format::e4m3);
+  __nv_bfloat16* const weight_copy = copies.weights_bf16 ? copy : nullptr;  // the amax is of its values either way
   __shared__ __align__(16) uint8_t tile[kVecTile * kVecTileStride];
   constexpr int kPacksPerRow = kVecTile / kPack;
   for (int64_t r0 = strip; r0 < min(c.rows, strip + kFp8CopyStripRows); r0 += kVecTile) {
@@ -271,7 +272,7 @@ __global__ void __launch_bounds__(kVecThreads)
       const int64_t r = r0 + i, col = c0 + j;
       if (r < c.rows && col < c.cols) {
         const Vec<float, kPack> wv = step_masters<kPack, __nv_bfloat16, M, G, Stochastic, true>(
-            w, grad, m, v, copy, c.begin + r * c.cols + col, first_index, a, best);
+            w, grad, m, v, weight_copy, c.begin + r * c.cols + col, first_index, a, best);
         uint32_t word[2] = {0, 0};
 #pragma unroll
         for (int k = 0; k < kPack; ++k) word[k / 4] |= uint32_t{fp8_encode<Fp8Format::e4m3>(wv[k] * scale)} << (8 * (k % 4));
