@@ -311,9 +311,10 @@ TEST(CudaModelFp8, OptimizerWeightCastTracksThePassCast) {
 
 // The optimizer's copies without the block weights' bf16 copy (FLASHLM_FP8_WEIGHT_CAST=optimizer, the default)
 // give the bits of writing it too (optimizer-bf16): the copy is restored from the masters wherever it is read.
-// Six steps, eager and graphed, fp32 and bf16 weight gradients, a checkpoint written after the third (the next
-// pass then casts from the bf16 copy: a stale one would change the losses); the losses, norms, parameters and the
-// working copy handed out afterwards are the same bits.
+// Six steps, eager and graphed, fp32 and bf16 weight gradients, a checkpoint written after the third and an
+// evaluation pass after each of the last three (the next pass then casts from the bf16 copy: a stale one would
+// change the losses); the losses, evaluations, norms, parameters and the working copy handed out afterwards are
+// the same bits.
 TEST(CudaModelFp8, SkippedBf16WeightCopyGivesTheBitsOfWritingIt) {
   SKIP_WITHOUT_GPU();
   const ModelConfig c = fp8_config();
@@ -327,6 +328,7 @@ TEST(CudaModelFp8, SkippedBf16WeightCopyGivesTheBitsOfWritingIt) {
       o.cuda_graph = graph;
       struct Run {
         std::vector<StepResult> steps;
+        std::vector<double> evals;
         std::vector<float> params;
         std::vector<uint16_t> working;
       };
@@ -345,6 +347,10 @@ TEST(CudaModelFp8, SkippedBf16WeightCopyGivesTheBitsOfWritingIt) {
             std::vector<float> p(count), mo(count), v(count);
             m.save_state(p, mo, v);
           }
+          if (step >= 3) {  // an evaluation pass takes the copies; the next step's pass casts from the bf16 copy
+            const Batch e = make_batch(2 * 64, c.vocab, 70 + step);
+            r.evals.push_back(m.forward(e.tokens.data(), e.targets.data()));
+          }
         }
         r.params.resize(count);
         m.copy_parameters_to(r.params.data());
@@ -359,6 +365,7 @@ TEST(CudaModelFp8, SkippedBf16WeightCopyGivesTheBitsOfWritingIt) {
         EXPECT_EQ(skipped.steps[s].loss, written.steps[s].loss) << "step " << s;
         EXPECT_EQ(skipped.steps[s].grad_norm, written.steps[s].grad_norm) << "step " << s;
       }
+      for (size_t e = 0; e < written.evals.size(); ++e) EXPECT_EQ(skipped.evals[e], written.evals[e]) << "eval " << e;
       EXPECT_TRUE(skipped.params == written.params) << "parameters differ";
       EXPECT_TRUE(skipped.working == written.working) << "the bf16 working copy handed out differs";
     }
