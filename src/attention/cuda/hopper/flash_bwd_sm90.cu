@@ -29,18 +29,11 @@
 // step count, the dSᵀ double buffer's alternation too (so the dQ barrier's one-step bound holds across a tile
 // boundary), K/V's (kv_full, kv_empty) one phase per tile. dK and dV go from registers to global memory, so a
 // tile's epilogue shares no shared memory with the next tile's steps.
-// What the persistent launch should move (to be measured against the grid launch; predictions from a model
-// of 132 SMs taking tiles of cost (query tiles × group) + a per-tile overhead of one step (grid) or half
-// a step (persistent: K/V's load overlaps the last tile's epilogue), which leaves out L2 and HBM):
-//   4×16×4096×128 causal: the grid launch is 2 048 blocks, 15.5 waves, tiles of 64 down to 2 steps in an
-//   order the hardware takes as it comes, so the last wave can hold a key block 0; longest first, the
-//   tail is a few light tiles: 0.92-0.93 of the grid launch's time (the grid at 1.07-1.10 of the ideal).
-//   Non-causal, tiles are equal: 0.99-1.00 (only the per-tile prologue and the dQ rows that a head's key
-//   blocks meet on can move). 32k causal and the 64/8-head 16k GQA shape (one head or key head per
-//   section, 512-1 024 tiles a launch): 1.00, the grid launch is already within 1-2% of the ideal there.
-//   The fa grid's short causal shapes (seq 512-2048, 2 048-4 096 tiles): 0.84-0.95.
-// cuDNN's persistent bprop is 13% faster at 4×16×4096×128 causal; this is the scheduling part of that gap,
-// not the 25% more instructions.
+// Why a persistent launch: with causal masking the grid launch's blocks differ in cost (a key block's query
+// tiles), and the hardware takes them in its own order, so the last wave can hold a heavy one; longest first,
+// the tail is a few light tiles, and K/V's load overlaps the previous tile's epilogue. Non-causal tiles are
+// equal, so only the per-tile prologue can move. The model's predictions and the measurements beside them:
+// docs/perf.md, "A persistent backward".
 // Rows past the ends of Q and K are zero-filled by TMA, query rows past seq_q have lse2 = +inf (P = 0), and
 // keys at or past seq_k or above the causal diagonal are masked in Sᵀ; a key block no query sees writes
 // zeros without loading anything. A sliding window or soft-capping (and a sink) take a masked

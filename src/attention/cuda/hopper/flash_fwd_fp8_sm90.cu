@@ -285,11 +285,10 @@ void launch_transpose_v_fp8(const TensorView& v, uint8_t* vt, int64_t keys_padde
 
 // Keys per key block. FLASHLM_FP8_KEY_BLOCK, read at each forward (as FLASHLM_SM90_FWD_D64_TILE, so that a test
 // can run both and one build be timed both ways), forces "128" or "192"; "auto" or unset chooses: 192 at head dim
-// 128 where neither sequence is shorter than 8192, 128 elsewhere. Measured against each other (one H100, two
-// interleaved rounds, b4 h16, docs/perf.md's FP8 forward): d128 16k +7% non-causal, +6% causal; d128 4k +2% / 0;
-// d64 16k +2%, d64 4k -7% non-causal: the longer block spreads each row's fixed per-block work over more keys,
-// and loses where the last, partly masked block and the causal diagonal are a larger share. Anything else is an
-// error naming the variable.
+// 128 where neither sequence is shorter than 8192, 128 elsewhere: the longer block spreads each row's fixed
+// per-block work over more keys, and loses where the last, partly masked block and the causal diagonal are a
+// larger share (the two timed against each other: docs/perf.md, "Key blocks of 192"). Anything else is an error
+// naming the variable.
 int fp8_forward_key_block(const AttentionProblem& p) {
   const std::string_view value = env_choice(kFp8KeyBlock);
   if (value == "128") return 128;

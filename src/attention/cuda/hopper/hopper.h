@@ -29,12 +29,9 @@ Sm90D64Tile sm90_forward_d64_tile(const AttentionProblem& p);
 enum class Sm90BackwardSchedule { automatic, grid, persistent };
 Sm90BackwardSchedule sm90_backward_schedule();
 
-// The launch `automatic` takes for a head dim: persistent at 64, grid otherwise. Measured over the fa grid
-// (one H100, 2026-12-06, docs/perf.md "A persistent backward"): at d64 the persistent launch took 0.95–1.00 of
-// the grid launch's time (12 shapes, 0.98 geomean; 1.00 non-causal from 8k), at d128 0.98–1.03, its losses
-// non-causal at 1k-2k and from 8k and causal at 16k (1.03–1.04 at 32k causal and the 64/8-head GQA shape).
-// Interleaved with the grid launch in one call (d8231f3), grid / auto was 1.019 at d64 against 1.008 at d128,
-// where both are the grid launch: about a 1% gain, no shape losing more than 0.5%.
+// The launch `automatic` takes for a head dim: persistent at 64, grid otherwise, as the fa grid's timings of
+// the two chose (docs/perf.md, "A persistent backward": the persistent launch wins at d64 and loses at d128 on
+// non-causal and the longest causal shapes).
 Sm90BackwardSchedule sm90_backward_schedule_for(Sm90BackwardSchedule requested, int64_t head_dim);
 // The backward's wide heads (head dim 256, the (192, 128) pair): flash_bwd_wide_sm90.cu's dK/dV kernel, which
 // splits dK, dV and dQ's columns between its consumer warpgroups, runs them (grid launch only, whatever
