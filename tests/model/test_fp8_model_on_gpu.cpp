@@ -4,15 +4,17 @@
 // path is. Skips without a GPU.
 //
 // The FP8 state is only derived per step: every scale and FP8 copy is recomputed from the step's own bf16
-// tensors right before its GEMM (model/cuda/fp8_linear.h), so a checkpoint holds what a bf16 run's holds
-// and resume is bit-exact for the same reason the bf16 run's is.
+// tensors right before its GEMM (model/cuda/fp8_linear.h), or, for the block weights, written by the AdamW step
+// that stored them (the optimizer's copies), which a resumed run and the run that wrote the checkpoint both
+// replace by casts in their next pass. So a checkpoint holds what a bf16 run's holds and resume is bit-exact for
+// the same reason the bf16 run's is.
 #include <gtest/gtest.h>
 
+#include "core/cuda_runtime.h"
 #include "env_testing.h"
 #include "gpu_testing.h"
 #include "model/random_tokens.h"
 #include "model/resume_testing.h"
-#include "core/cuda_runtime.h"
 
 #include <cmath>
 #include <cstdio>
