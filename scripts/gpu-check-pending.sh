@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The GPU runs that dev/experiments/README.md's patches and docs/perf.md's open rows wait for, on one GPU host:
+#   scripts/gpu-check-pending.sh MAIN_BUILD OUT_DIR SECTION[=EXPERIMENT_BUILD] ...
+# MAIN_BUILD is main's CUDA build (tools/flashlm, src/lib*.so, tests/test_model_cuda), EXPERIMENT_BUILD the build of
+# main with the section's patch applied (git am dev/experiments/NAME.patch); each section's records go to OUT_DIR.
+#   xl            issue 32's rows: the xl step (context 512 x 4, bf16 moments) in bf16 and FP8 (the default copies with
+#                 bf16 gradients; the pass's casts), two interleaved rounds, then torch.compile bf16 and torchao's
+#                 float8 (where torchao imports: PYTHONPATH) in the same run (scripts/peers/lm_peers.py)
+#   window        the sliding window 4096 at 32k (b1 h32 d128 causal): the backward's grid launch against the
+#                 persistent one (FLASHLM_SM90_BWD_SCHEDULE), two interleaved rounds
+#   decode-tma=B  decode-tma-loads.patch: test_attention's decoding suites with FLASHLM_DECODE_LOADS=tma and the
+#                 default, memcheck on the TMA test, then attention-bench --decode: main, B with cp.async, B with
+#                 tma, two interleaved rounds
+# Environment: PYTHON (default python3, with torch), PEAK_GBPS (default: 4800 on an H200, else 3350).
+set -uo pipefail
+usage="usage: gpu-check-pending.sh MAIN_BUILD OUT_DIR SECTION[=EXPERIMENT_BUILD] ..."
+main=${1:?$usage} out=${2:?$usage}
+shift 2
+(($# > 0)) || { echo "error: name at least one section ($usage)" >&2; exit 2; }
+for section in "$@"; do
+  case ${section%%=*} in xl|window|decode-tma) ;; *) echo "error: unknown section '${section%%=*}' ($usage)" >&2; exit 2 ;; esac
+done
+root=$(cd "$(dirname "$0")/.." && pwd)
+python=${PYTHON:-python3}
+mkdir -p "$out"
+libs=/usr/local/cuda/lib64
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+peak=${PEAK_GBPS:-$(grep -q H200 "$out/gpu.txt" && echo 4800 || echo 3350)}
+failed=()
+# run NAME LIMIT CMD...: one command into OUT_DIR/NAME.log, its exit status printed with the gtest or sanitizer summary.
+run() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc $(grep -hE '^\[  (PASSED|FAILED) +\]|ERROR SUMMARY|\] xl ctx' "$out/$name.log" | head -3 | tr '\n' ' ')"
+  ((rc == 0)) || failed+=("$name")
+}
+with() { local b=$1; shift; env LD_LIBRARY_PATH="$b/src:$libs" "$@"; }
+
+for section in "$@"; do
+  name=${section%%=*} exp=${section#*=}
+  [[ $section == *=* ]] || exp=""
+  case $name in
+    xl)
+      lm=(bench --device cuda --model xl --context 512 --batch 4 --pass step --optimizer-state bf16 --warmup 5 --steps 20
+          --format json --atomic-attention-backward)
+      for round in 1 2; do
+        run xl-bf16-$round 90 with "$main" "$main/tools/flashlm" "${lm[@]}" --precision bf16 --out "$out/xl-bf16-$round.json"
+        run xl-fp8-$round 90 with "$main" "$main/tools/flashlm" "${lm[@]}" --precision fp8 --grad-dtype bf16 \
+          --out "$out/xl-fp8-$round.json"
+        run xl-fp8-pass-$round 90 with "$main" env FLASHLM_FP8_WEIGHT_CAST=pass "$main/tools/flashlm" "${lm[@]}" \
+          --precision fp8 --grad-dtype bf16 --out "$out/xl-fp8-pass-$round.json"
+      done
+      modes=bf16-compile
+      "$python" -c "import torchao" 2>/dev/null && modes+=,fp8-torchao-compile
+      run xl-peers 900 env PYTHONPATH="$root/scripts/peers:${PYTHONPATH:-}" "$python" "$root/scripts/peers/lm_peers.py" \
+        --models xl --modes "$modes" --passes step --warmup 5 --steps 20 --out "$out/xl-peers.json"
+      grep -h "step:" "$out/xl-peers.log" ;;
+    window)
+      for round in 1 2; do for launch in grid persistent; do
+        run window-$launch-$round 90 with "$main" env FLASHLM_SM90_BWD_SCHEDULE=$launch "$main/tools/flashlm" \
+          attention-bench --device cuda --quiet --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768 --d 128 \
+          --causal=1 --window 4096,0 --warmup 3 --reps 10 --format csv --out "$out/window-$launch-$round.csv"
+      done; done ;;
+    decode-tma)
+      [[ -x $exp/tests/test_attention ]] || { echo "error: decode-tma=BUILD needs BUILD/tests/test_attention" >&2; exit 2; }
+      filter='AttentionDecode*:*KvCache*:*Kvcache*'
+      run decode-tests-tma 300 with "$exp" env FLASHLM_DECODE_LOADS=tma "$exp/tests/test_attention" --gtest_brief=1 \
+        --gtest_filter="$filter"
+      run decode-tests-default 300 with "$exp" "$exp/tests/test_attention" --gtest_brief=1 --gtest_filter="$filter"
+      run decode-memcheck 300 with "$exp" compute-sanitizer --tool memcheck --error-exitcode 99 \
+        "$exp/tests/test_attention" --gtest_brief=1 --gtest_filter='AttentionDecodeCuda.TmaLoads*'
+      for round in 1 2; do for v in main cp.async tma; do
+        b=$exp; [[ $v == main ]] && b=$main
+        run decode-$v-$round 120 with "$b" env FLASHLM_DECODE_LOADS=${v/main/auto} "$b/tools/flashlm" attention-bench \
+          --device cuda --decode --peak-gbps "$peak" --format json --out "$out/decode-$v-$round.json"
+      done; done ;;
+  esac
+done
+if ((${#failed[@]})); then echo "finish: ${#failed[@]} run(s) failed: ${failed[*]}"; exit 1; fi
+echo "finish: all runs passed"
