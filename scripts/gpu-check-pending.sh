@@ -7,7 +7,10 @@
 #                 bf16 gradients; the pass's casts), two interleaved rounds, then torch.compile bf16 and torchao's
 #                 float8 (where torchao imports: PYTHONPATH) in the same run (scripts/peers/lm_peers.py)
 #   window        the sliding window 4096 at 32k (b1 h32 d128 causal): the backward's grid launch against the
-#                 persistent one (FLASHLM_SM90_BWD_SCHEDULE), two interleaved rounds
+#                 persistent one (FLASHLM_SM90_BWD_SCHEDULE), two interleaved rounds; then windows of 2048 and
+#                 8192 (the same tiles, other step counts: the cost per tile and per step), and the full causal
+#                 problem plain and with a window that never bites (32768, 0: the masked kernels' cost per step over
+#                 the same work) (docs/perf.md, "Where the band's backward loses")
 #   decode-tma=B  decode-tma-loads.patch: test_attention's decoding suites with FLASHLM_DECODE_LOADS=tma and the
 #                 default, memcheck on the TMA test, then attention-bench --decode: main, B with cp.async, B with
 #                 tma, two interleaved rounds
@@ -61,6 +64,12 @@ for section in "$@"; do
         run window-$launch-$round 90 with "$main" env FLASHLM_SM90_BWD_SCHEDULE=$launch "$main/tools/flashlm" \
           attention-bench --device cuda --quiet --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768 --d 128 \
           --causal=1 --window 4096,0 --warmup 3 --reps 10 --format csv --out "$out/window-$launch-$round.csv"
+      done; done
+      for round in 1 2; do for window in 2048,0 8192,0 none 32768,0; do
+        run causal-window-${window%%,*}-$round 120 with "$main" "$main/tools/flashlm" attention-bench --device cuda \
+          --quiet --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768 --d 128 --causal=1 \
+          $([[ $window == none ]] || echo --window $window) --warmup 2 --reps 5 --format csv \
+          --out "$out/causal-window-${window%%,*}-$round.csv"
       done; done ;;
     decode-tma)
       [[ -x $exp/tests/test_attention ]] || { echo "error: decode-tma=BUILD needs BUILD/tests/test_attention" >&2; exit 2; }
