@@ -66,9 +66,10 @@ for section in "$@"; do
           --causal=1 --window 4096,0 --warmup 3 --reps 10 --format csv --out "$out/window-$launch-$round.csv"
       done; done
       for round in 1 2; do for window in 2048,0 8192,0 none 32768,0; do
+        band=(); [[ $window == none ]] || band=(--window "$window")
         run causal-window-${window%%,*}-$round 120 with "$main" "$main/tools/flashlm" attention-bench --device cuda \
           --quiet --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768 --d 128 --causal=1 \
-          $([[ $window == none ]] || echo --window $window) --warmup 2 --reps 5 --format csv \
+          "${band[@]}" --warmup 2 --reps 5 --format csv \
           --out "$out/causal-window-${window%%,*}-$round.csv"
       done; done ;;
     decode-tma)
