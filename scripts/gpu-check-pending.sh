@@ -21,7 +21,10 @@ main=${1:?$usage} out=${2:?$usage}
 shift 2
 (($# > 0)) || { echo "error: name at least one section ($usage)" >&2; exit 2; }
 for section in "$@"; do
-  case ${section%%=*} in xl|window|decode-tma) ;; *) echo "error: unknown section '${section%%=*}' ($usage)" >&2; exit 2 ;; esac
+  case ${section%%=*} in
+    xl | window | decode-tma) ;;
+    *) echo "error: unknown section '${section%%=*}' ($usage)" >&2; exit 2 ;;
+  esac
 done
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
@@ -30,60 +33,70 @@ libs=/usr/local/cuda/lib64
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 peak=${PEAK_GBPS:-$(grep -q H200 "$out/gpu.txt" && echo 4800 || echo 3350)}
 failed=()
-# run NAME LIMIT CMD...: one command into OUT_DIR/NAME.log, its exit status printed with the gtest or sanitizer summary.
+# run NAME LIMIT CMD...: one command into OUT_DIR/NAME.log; prints its exit status and the gtest, sanitizer or
+# bench summary lines.
 run() {
   local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  echo "$name: exit $rc $(grep -hE '^\[  (PASSED|FAILED) +\]|ERROR SUMMARY|\] xl ctx' "$out/$name.log" | head -3 | tr '\n' ' ')"
+  local summary
+  summary=$(grep -hE '^\[  (PASSED|FAILED) +\]|ERROR SUMMARY|\] xl ctx' "$out/$name.log" | head -3 | tr '\n' ' ')
+  echo "$name: exit $rc $summary"
   ((rc == 0)) || failed+=("$name")
 }
-with() { local b=$1; shift; env LD_LIBRARY_PATH="$b/src:$libs" "$@"; }
+# An env prefix per build (timeout runs programs, not shell functions): its libraries first on the path.
+on_main=(env "LD_LIBRARY_PATH=$main/src:$libs")
+flashlm=$main/tools/flashlm
 
 for section in "$@"; do
   name=${section%%=*} exp=${section#*=}
   [[ $section == *=* ]] || exp=""
   case $name in
     xl)
-      lm=(bench --device cuda --model xl --context 512 --batch 4 --pass step --optimizer-state bf16 --warmup 5 --steps 20
-          --format json --atomic-attention-backward)
+      lm=(bench --device cuda --model xl --context 512 --batch 4 --pass step --optimizer-state bf16 --warmup 5
+          --steps 20 --format json --atomic-attention-backward)
       for round in 1 2; do
-        run xl-bf16-$round 90 with "$main" "$main/tools/flashlm" "${lm[@]}" --precision bf16 --out "$out/xl-bf16-$round.json"
-        run xl-fp8-$round 90 with "$main" "$main/tools/flashlm" "${lm[@]}" --precision fp8 --grad-dtype bf16 \
+        run xl-bf16-$round 90 "${on_main[@]}" "$flashlm" "${lm[@]}" --precision bf16 --out "$out/xl-bf16-$round.json"
+        run xl-fp8-$round 90 "${on_main[@]}" "$flashlm" "${lm[@]}" --precision fp8 --grad-dtype bf16 \
           --out "$out/xl-fp8-$round.json"
-        run xl-fp8-pass-$round 90 with "$main" env FLASHLM_FP8_WEIGHT_CAST=pass "$main/tools/flashlm" "${lm[@]}" \
-          --precision fp8 --grad-dtype bf16 --out "$out/xl-fp8-pass-$round.json"
+        run xl-fp8-pass-$round 90 "${on_main[@]}" FLASHLM_FP8_WEIGHT_CAST=pass "$flashlm" "${lm[@]}" --precision fp8 \
+          --grad-dtype bf16 --out "$out/xl-fp8-pass-$round.json"
       done
       modes=bf16-compile
       "$python" -c "import torchao" 2>/dev/null && modes+=,fp8-torchao-compile
-      run xl-peers 900 env PYTHONPATH="$root/scripts/peers:${PYTHONPATH:-}" "$python" "$root/scripts/peers/lm_peers.py" \
+      peers=$root/scripts/peers
+      run xl-peers 900 env PYTHONPATH="$peers:${PYTHONPATH:-}" "$python" "$peers/lm_peers.py" \
         --models xl --modes "$modes" --passes step --warmup 5 --steps 20 --out "$out/xl-peers.json"
       grep -h "step:" "$out/xl-peers.log" ;;
     window)
+      shape=(attention-bench --device cuda --quiet --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768 --d 128
+             --causal=1 --format csv)
       for round in 1 2; do for launch in grid persistent; do
-        run window-$launch-$round 90 with "$main" env FLASHLM_SM90_BWD_SCHEDULE=$launch "$main/tools/flashlm" \
-          attention-bench --device cuda --quiet --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768 --d 128 \
-          --causal=1 --window 4096,0 --warmup 3 --reps 10 --format csv --out "$out/window-$launch-$round.csv"
+        run window-$launch-$round 90 "${on_main[@]}" "FLASHLM_SM90_BWD_SCHEDULE=$launch" "$flashlm" \
+          "${shape[@]}" --window 4096,0 --warmup 3 --reps 10 --out "$out/window-$launch-$round.csv"
       done; done
       for round in 1 2; do for window in 2048,0 8192,0 none 32768,0; do
         band=(); [[ $window == none ]] || band=(--window "$window")
-        run causal-window-${window%%,*}-$round 120 with "$main" "$main/tools/flashlm" attention-bench --device cuda \
-          --quiet --impl flash --dtype bf16 --batch 1 --heads 32 --seq 32768 --d 128 --causal=1 \
-          "${band[@]}" --warmup 2 --reps 5 --format csv \
-          --out "$out/causal-window-${window%%,*}-$round.csv"
+        run causal-window-${window%%,*}-$round 120 "${on_main[@]}" "$flashlm" "${shape[@]}" "${band[@]}" --warmup 2 \
+          --reps 5 --out "$out/causal-window-${window%%,*}-$round.csv"
       done; done ;;
     decode-tma)
-      [[ -x $exp/tests/test_attention ]] || { echo "error: decode-tma=BUILD needs BUILD/tests/test_attention" >&2; exit 2; }
+      [[ -x $exp/tests/test_attention ]] || {
+        echo "error: decode-tma=BUILD needs BUILD/tests/test_attention" >&2
+        exit 2
+      }
+      on_exp=(env "LD_LIBRARY_PATH=$exp/src:$libs")
+      tests=("$exp/tests/test_attention" --gtest_brief=1)
       filter='AttentionDecode*:*KvCache*:*Kvcache*'
-      run decode-tests-tma 300 with "$exp" env FLASHLM_DECODE_LOADS=tma "$exp/tests/test_attention" --gtest_brief=1 \
-        --gtest_filter="$filter"
-      run decode-tests-default 300 with "$exp" "$exp/tests/test_attention" --gtest_brief=1 --gtest_filter="$filter"
-      run decode-memcheck 300 with "$exp" compute-sanitizer --tool memcheck --error-exitcode 99 \
-        "$exp/tests/test_attention" --gtest_brief=1 --gtest_filter='AttentionDecodeCuda.TmaLoads*'
+      run decode-tests-tma 300 "${on_exp[@]}" FLASHLM_DECODE_LOADS=tma "${tests[@]}" --gtest_filter="$filter"
+      run decode-tests-default 300 "${on_exp[@]}" "${tests[@]}" --gtest_filter="$filter"
+      run decode-memcheck 300 "${on_exp[@]}" compute-sanitizer --tool memcheck --error-exitcode 99 "${tests[@]}" \
+        --gtest_filter='AttentionDecodeCuda.TmaLoads*'
       for round in 1 2; do for v in main cp.async tma; do
-        b=$exp; [[ $v == main ]] && b=$main
-        run decode-$v-$round 120 with "$b" env FLASHLM_DECODE_LOADS=${v/main/auto} "$b/tools/flashlm" attention-bench \
-          --device cuda --decode --peak-gbps "$peak" --format json --out "$out/decode-$v-$round.json"
+        bench=("${on_exp[@]}" "FLASHLM_DECODE_LOADS=$v" "$exp/tools/flashlm")
+        [[ $v == main ]] && bench=("${on_main[@]}" "$flashlm")
+        run decode-$v-$round 120 "${bench[@]}" attention-bench --device cuda --decode --peak-gbps "$peak" \
+          --format json --out "$out/decode-$v-$round.json"
       done; done ;;
   esac
 done
