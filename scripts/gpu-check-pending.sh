@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs that dev/experiments/README.md's patches and docs/perf.md's open rows wait for, on one GPU host:
 #   scripts/gpu-check-pending.sh MAIN_BUILD OUT_DIR SECTION[=EXPERIMENT_BUILD] ...
-# MAIN_BUILD is main's CUDA build (tools/flashlm, src/lib*.so, tests/test_model_cuda), EXPERIMENT_BUILD the build of
+# MAIN_BUILD is main's CUDA build (tools/flashlm, src/lib*.so, tests/test_attention), EXPERIMENT_BUILD the build of
 # main with the section's patch applied (git am dev/experiments/NAME.patch); each section's records go to OUT_DIR.
 #   xl            issue 32's rows: the xl step (context 512 x 4, bf16 moments) in bf16 and FP8 (the default copies with
 #                 bf16 gradients; the pass's casts), two interleaved rounds, then torch.compile bf16 and torchao's
@@ -14,36 +14,25 @@
 #   decode-tma=B  decode-tma-loads.patch: test_attention's decoding suites with FLASHLM_DECODE_LOADS=tma and the
 #                 default, memcheck on the TMA test, then attention-bench --decode: main, B with cp.async, B with
 #                 tma, two interleaved rounds
+# Each run into OUT_DIR/NAME.log with a row of OUT_DIR/summary.md (gpu_check_lib.sh); exits non-zero if any failed.
 # Environment: PYTHON (default python3, with torch), PEAK_GBPS (default: 4800 on an H200, else 3350).
 set -uo pipefail
 usage="usage: gpu-check-pending.sh MAIN_BUILD OUT_DIR SECTION[=EXPERIMENT_BUILD] ..."
-main=${1:?$usage} out=${2:?$usage}
-shift 2
-(($# > 0)) || { echo "error: name at least one section ($usage)" >&2; exit 2; }
-for section in "$@"; do
+(($# > 2)) || { echo "error: name at least one section ($usage)" >&2; exit 2; }
+for section in "${@:3}"; do
   case ${section%%=*} in
     xl | window | decode-tma) ;;
     *) echo "error: unknown section '${section%%=*}' ($usage)" >&2; exit 2 ;;
   esac
 done
+# build (MAIN_BUILD), out, OUT_DIR/gpu.txt and summary.md's header, main's libraries on the path, failed, run()
+source "$(dirname "$0")/gpu_check_lib.sh"
+main=$build
+shift 2
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
-mkdir -p "$out"
 libs=/usr/local/cuda/lib64
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 peak=${PEAK_GBPS:-$(grep -q H200 "$out/gpu.txt" && echo 4800 || echo 3350)}
-failed=()
-# run NAME LIMIT CMD...: one command into OUT_DIR/NAME.log; prints its exit status and the gtest, sanitizer or
-# bench summary lines.
-run() {
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  local summary
-  summary=$(grep -hE '^\[  (PASSED|FAILED) +\]|ERROR SUMMARY|\] xl ctx' "$out/$name.log" | head -3 | tr '\n' ' ')
-  echo "$name: exit $rc $summary"
-  ((rc == 0)) || failed+=("$name")
-}
 # An env prefix per build (timeout runs programs, not shell functions): its libraries first on the path.
 on_main=(env "LD_LIBRARY_PATH=$main/src:$libs")
 flashlm=$main/tools/flashlm
@@ -100,5 +89,5 @@ for section in "$@"; do
       done; done ;;
   esac
 done
-if ((${#failed[@]})); then echo "finish: ${#failed[@]} run(s) failed: ${failed[*]}"; exit 1; fi
-echo "finish: all runs passed"
+echo "summary: $out/summary.md"
+exit "$failed"
